@@ -1,0 +1,139 @@
+"""`infer` group and built-in subcommands: generate, plugins, make-tiny-model (plugins add more)."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import click
+
+from ..core.errors import InferError
+from ..core.plugins import PluginManager
+from .options import EngineArgs, engine_options
+
+
+class InferGroup(click.Group):
+    """Adds the subcommands registered by plugins (register_commands) and prints InferErrors without tracebacks."""
+
+    def _plugin_commands(self, ctx: click.Context) -> dict[str, click.Command]:
+        plugins = _plugins(ctx)
+        return {entry.name: entry.factory() for entry in plugins.registry("command")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self._plugin_commands(ctx)))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return super().get_command(ctx, name) or self._plugin_commands(ctx).get(name)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except InferError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+
+def _plugins(ctx: click.Context) -> PluginManager:
+    root = ctx.find_root()
+    root.meta.setdefault("infer.plugins", None)
+    if root.meta["infer.plugins"] is None:
+        try:
+            root.meta["infer.plugins"] = PluginManager.from_entry_points().collect()
+        except InferError as exc:
+            raise click.ClickException(str(exc)) from exc
+    return root.meta["infer.plugins"]
+
+
+@click.group(cls=InferGroup)
+@engine_options
+@click.option("-v", "--verbose", is_flag=True, help="Log engine details to stderr.")
+@click.version_option(package_name="infer-engine")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool, **kwargs: Any) -> None:
+    """infer: a plugin-first LLM inference engine."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="infer: %(message)s")
+    ctx.obj = EngineArgs.from_kwargs(kwargs)
+
+
+def build_engine(ctx: click.Context) -> Any:
+    from ..core.engine import Engine
+
+    plugins = _plugins(ctx)
+    return Engine(ctx.find_object(EngineArgs).build(plugins), plugins)
+
+
+@main.command()
+@click.argument("prompts", nargs=-1)
+@click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--n", type=int, default=1, show_default=True, help="Completions per prompt.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
+@click.option("--stream", is_flag=True, help="Print text as it is generated (one prompt at a time).")
+@click.option("--stats", is_flag=True, help="Print engine metrics (KV usage, prefix hit rate, ...) as JSON at the end.")
+@click.pass_context
+def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temperature: float, top_p: float,
+             top_k: int, min_p: float, n: int, stop: tuple[str, ...], ignore_eos: bool, stream: bool,
+             stats: bool) -> None:
+    """Generate text for PROMPTS (or for each line of stdin when none are given)."""
+    from ..core.request import SamplingParams
+
+    texts = list(prompts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise click.UsageError("give at least one PROMPT argument or lines on stdin")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos)
+    params.validate()
+    engine = build_engine(ctx)
+    if stream:
+        for prompt in texts:
+            click.echo(prompt, nl=False)
+            for delta in engine.stream(prompt, params):
+                for out in delta.outputs:
+                    click.echo(out.text, nl=False)
+            click.echo()
+    else:
+        for prompt, result in zip(texts, engine.generate(texts, params)):
+            for out in result.outputs:
+                click.echo(prompt + out.text)
+    if stats:
+        summary = engine.stats.summary()
+        click.echo(json.dumps(summary, indent=2), err=True)
+
+
+@main.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def plugins_command(ctx: click.Context, as_json: bool) -> None:
+    """List every registered component: kind, name and providing package."""
+    rows = _plugins(ctx).components()
+    if as_json:
+        click.echo(json.dumps([r.__dict__ for r in rows], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("kind", "name", "aliases", "package")
+    for r in rows:
+        table.add_row(r.kind, r.name, ", ".join(r.aliases), r.source)
+    Console(width=120).print(table)
+
+
+@main.command("make-tiny-model")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--arch", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), default="llama", show_default=True)
+@click.option("--hidden-size", type=int, default=64, show_default=True)
+@click.option("--num-layers", type=int, default=2, show_default=True)
+@click.option("--tie-word-embeddings", is_flag=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_tiny_model_command(directory: str, arch: str, hidden_size: int, num_layers: int,
+                            tie_word_embeddings: bool, seed: int) -> None:
+    """Write a random-weight model with a locally trained byte-level BPE tokenizer to DIRECTORY."""
+    from ..models.tiny import make_tiny_model
+
+    path = make_tiny_model(directory, arch, hidden_size=hidden_size, num_layers=num_layers,
+                           intermediate_size=2 * hidden_size, tie_word_embeddings=tie_word_embeddings, seed=seed)
+    click.echo(f"wrote a random-weight {arch} model to {path}")

@@ -1,0 +1,87 @@
+"""EngineConfig: every engine option, validated once with messages that say what to do."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")
+PREEMPTION_MODES = ("recompute", "swap")
+# component kind -> the EngineConfig field that selects it
+COMPONENT_FIELDS = {
+    "scheduler": "scheduler",
+    "kv_cache": "kv_cache",
+    "attention_backend": "attention",
+    "quant_method": "quant",
+    "eviction_policy": "eviction_policy",
+    "proposer": "proposer",
+}
+
+
+@dataclass
+class EngineConfig:
+    """Options shared by the CLI group, ``LLM(...)`` and ``infer serve``. Components are plugin names."""
+
+    model: str | None = None  # a local HF folder; None means the embedded default model
+    scheduler: str = "continuous"
+    kv_cache: str = "paged"
+    attention: str | None = None  # None: "triton" when CUDA is present, else "torch"
+    quant: str | None = None
+    eviction_policy: str = "lru"
+    proposer: str | None = None  # speculative decoding off when None
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit size of the KV pool; else from kv_cache_memory_gb
+    kv_cache_memory_gb: float | None = None  # else: 90% of free GPU memory, or 2 GiB on CPU
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_gb: float = 4.0
+    num_speculative_tokens: int = 0
+    draft_model: str | None = None
+    cuda_graphs: bool = True
+    seed: int = 0
+    plugin_options: dict[str, Any] = field(default_factory=dict)  # free-form options for third-party plugins
+
+    def validate(self) -> EngineConfig:
+        """Check ranges and combinations; return self for chaining."""
+
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            positive(name)
+        if self.block_size & (self.block_size - 1) or self.block_size > 256:
+            raise ConfigError(f"block-size must be a power of two <= 256, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            positive("num_kv_blocks")
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ConfigError(f"kv-cache-memory-gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:
+            raise ConfigError(f"num-speculative-tokens must be in [0, 16], got {self.num_speculative_tokens}")
+        if self.proposer is not None and self.num_speculative_tokens == 0:
+            raise ConfigError(f"proposer {self.proposer!r} needs --num-speculative-tokens K with K >= 1")
+        return self
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+

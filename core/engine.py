@@ -1,0 +1,292 @@
+"""Engine: add_request / step / abort / generate / stream. LLM: the offline convenience wrapper."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .errors import InvalidRequestError, NotFoundError
+from .loader import LoadedModel, load_model, resolve_device
+from .metrics import EngineStats, StepStats
+from .plugins import PluginManager
+from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
+from .runner import ModelRunner
+
+log = logging.getLogger("infer")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    sent: list[int] = field(default_factory=list)  # output tokens already emitted, per sequence
+    finished_emitted: bool = False
+
+
+class Engine:
+    """The serving API. Not thread-safe: one thread drives ``step()`` (the gRPC server hands off to it)."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
+        self.config = config.validate()
+        self.plugins = (plugins or PluginManager.from_entry_points()).collect()
+        if config.model is None:
+            from ..models.tiny import ensure_default_model
+
+            config.model = str(ensure_default_model())
+        from pathlib import Path
+
+        self.loaded: LoadedModel = load_model(config, self.plugins, Path(config.model))
+        self.tokenizer = self.loaded.tokenizer
+        spec = self.loaded.model.spec
+        self.max_model_len = spec.max_model_len
+        self.eos_token_ids = frozenset(spec.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        attention_name = config.attention or self._default_attention()
+        self.attention = self.plugins.registry("attention_backend").get(attention_name)(config)
+        self.num_blocks = self._num_kv_blocks()
+        eviction = self.plugins.registry("eviction_policy").get(config.eviction_policy)(config)
+        self.kv = self.plugins.registry("kv_cache").get(config.kv_cache)(config, self.num_blocks, eviction)
+        self.scheduler = self.plugins.registry("scheduler").get(config.scheduler)(config, self.kv)
+        self.runner = ModelRunner(self.loaded.model, self.attention, self.num_blocks, config.block_size,
+                                  self.loaded.dtype, self.loaded.device, config.seed)
+        self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": attention_name,
+                       "eviction_policy": config.eviction_policy, "quant": config.quant or "none"}
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+
+    # ------------------------------------------------------------ setup
+    def _default_attention(self) -> str:
+        if self.loaded.device.type == "cuda":
+            if "triton" in self.plugins.registry("attention_backend"):
+                return "triton"
+            log.warning("CUDA device but no 'triton' attention backend is registered; using 'torch'")
+        return "torch"
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        per_block = ModelRunner.bytes_per_block(self.loaded.model, c.block_size, self.loaded.dtype)
+        if c.kv_cache_memory_gb is not None:
+            budget = int(c.kv_cache_memory_gb * 2**30)
+        elif self.loaded.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.loaded.device)
+            budget = int(free * 0.9) - 2**30  # leave room for activations and CUDA graphs
+        else:
+            needed = c.max_num_seqs * self.max_model_len // c.block_size + 1
+            budget = min(2 * 2**30, needed * per_block)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise InvalidRequestError(f"the KV budget holds no block of {per_block} bytes; raise --kv-cache-memory-gb")
+        return blocks
+
+    # ------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty; give at least one character or token")
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty; give at least one character or token")
+        vocab = self.loaded.model.spec.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError."""
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context length "
+                f"{self.max_model_len}; shorten the prompt or lower max_tokens")
+        now = time.perf_counter()
+        seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
+                         max_model_len=self.max_model_len) for i in range(params.n)]
+        added: list[Sequence] = []
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+                added.append(seq)
+        except Exception:
+            for seq in added:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+            raise
+        self.requests[request_id] = _Request(request_id, ids, params, now, seqs,
+                                             [IncrementalDetokenizer(self.tokenizer, ids) for _ in seqs], [0] * len(seqs))
+        self.stats.prompt_tokens += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Finish a request now and free its blocks; returns its final (aborted) output."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise NotFoundError(f"unknown request id {request_id!r} (it may have finished already)")
+        for seq in req.seqs:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        return self._emit(req, {seq.seq_id for seq in req.seqs})
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        batch, logits = self.runner.execute(out, self.kv)
+        result = self.runner.sample(batch, logits, out) if batch.sample_seq_ids else None
+        sampled = {sid: [tok] for sid, tok in zip(batch.sample_seq_ids, result.token_ids)} if result else {}
+        now = time.perf_counter()
+        self.scheduler.update(out, sampled, now)
+        if result:
+            by_id = {item.seq.seq_id: item.seq for item in out.scheduled}
+            for sid, entry in zip(batch.sample_seq_ids, result.logprobs):
+                if entry is not None:
+                    by_id[sid].logprobs.append(entry)
+        touched = {item.seq.request_id: set() for item in out.scheduled}
+        for item in out.scheduled:
+            touched[item.seq.request_id].add(item.seq.seq_id)
+        outputs = [self._emit(self.requests[rid], seq_ids) for rid, seq_ids in touched.items() if rid in self.requests]
+        self._record_step(out, time.perf_counter() - start, len(sampled))
+        return [o for o in outputs if o.outputs or o.finished]
+
+    def _emit(self, req: _Request, seq_ids: set[int]) -> RequestOutput:
+        """Build the delta output of a request: new tokens and text, stop strings, finish."""
+        deltas = []
+        for i, seq in enumerate(req.seqs):
+            new = seq.output_token_ids[req.sent[i]:]
+            if seq.seq_id not in seq_ids or (not new and not seq.is_finished):
+                continue
+            req.sent[i] += len(new)
+            detok = req.detoks[i]
+            before = len(detok.text)
+            detok.add(new)
+            if seq.is_finished:
+                detok.flush()
+            text = detok.text[before:]
+            if req.params.stop and not seq.finish_reason == FinishReason.ABORT:
+                text = self._apply_stop_strings(seq, detok, before, text)
+            logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if req.params.logprobs is not None else None
+            deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
+        finished = all(seq.is_finished for seq in req.seqs)
+        output = RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
+        if finished:
+            self._finish_request(req, output)
+        return output
+
+    def _apply_stop_strings(self, seq: Sequence, detok: IncrementalDetokenizer, before: int, text: str) -> str:
+        window_start = max(0, before - max(len(s) for s in seq.params.stop) + 1)
+        hits = [i for s in seq.params.stop if (i := detok.text.find(s, window_start)) != -1]
+        if not hits:
+            return text
+        cut = min(hits)
+        detok.text = detok.text[:cut]
+        if not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.STOP)
+        return detok.text[before:]
+
+    def _finish_request(self, req: _Request, output: RequestOutput) -> None:
+        del self.requests[req.request_id]
+        for seq in req.seqs:
+            self.runner.sampler.release(seq.seq_id)
+            self.stats.output_tokens += seq.num_output_tokens
+            self.stats.record_finished(seq, req.arrival)
+        output.num_cached_tokens = max(seq.num_cached_tokens for seq in req.seqs)
+        self.plugins.hook.on_request_finished(output=output)
+
+    def _record_step(self, out: Any, duration: float, num_sampled: int) -> None:
+        kv = self.kv.stats()
+        s = self.stats
+        s.steps += 1
+        s.kv = kv
+        s.preemptions = self.scheduler.num_preemptions
+        s.num_waiting, s.num_running = self.scheduler.num_waiting(), self.scheduler.num_running()
+        s.kv_peak_used_blocks = max(s.kv_peak_used_blocks, kv.used_blocks)
+        decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
+        self.plugins.hook.on_step(stats=StepStats(
+            s.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
+            s.num_waiting, s.num_running, len(out.preempted), kv))
+
+    def kv_waste_slots(self) -> int:
+        """Allocated slots that hold no token, over the running sequences (shared blocks counted once each)."""
+        seqs = [s for r in self.requests.values() for s in r.seqs if s.status is SequenceStatus.RUNNING]
+        return sum(len(self.kv.block_table(s)) * self.kv.block_size - s.num_tokens for s in seqs)
+
+    # ------------------------------------------------------------ convenience
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[RequestOutput]:
+        """Add one request and yield its deltas; other queued requests advance too."""
+        rid = self.add_request(prompt, params, request_id)
+        while rid in self.requests:
+            for output in self.step():
+                if output.request_id == rid:
+                    yield output
+
+    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; return one full RequestOutput per prompt, in order."""
+        params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results = {rid: RequestOutput(rid, self.requests[rid].prompt_token_ids,
+                                      [CompletionOutput(i, [], "") for i in range(sp.n)], False)
+                   for rid, sp in zip(ids, params_list)}
+        pending = set(ids)
+        while pending:
+            for delta in self.step():
+                if delta.request_id not in results:
+                    continue
+                full = results[delta.request_id]
+                for d in delta.outputs:
+                    c = full.outputs[d.index]
+                    c.token_ids += d.token_ids
+                    c.text += d.text
+                    c.finish_reason = d.finish_reason
+                    if d.logprobs is not None:
+                        c.logprobs = (c.logprobs or []) + d.logprobs
+                if delta.finished:
+                    full.finished, full.num_cached_tokens = True, delta.num_cached_tokens
+                    pending.discard(delta.request_id)
+        return [results[rid] for rid in ids]
+
+
+class LLM:
+    """Offline API: ``LLM(model=DIR, **options).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str | None = None, plugins: PluginManager | None = None, **options: Any) -> None:
+        self.engine = Engine(EngineConfig(model=model, **options), plugins)
+
+    def generate(self, prompts: str | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self.engine.generate(prompts, params)  # type: ignore[arg-type]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer

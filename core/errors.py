@@ -1,0 +1,32 @@
+"""The one exception hierarchy of infer. Every message tells the user what to do next."""
+
+
+class InferError(Exception):
+    """Base class: the CLI prints these without a traceback, gRPC maps them to status codes."""
+
+
+class InvalidRequestError(InferError, ValueError):
+    """The request (prompt, sampling parameters, options) is malformed. gRPC: INVALID_ARGUMENT."""
+
+
+class ConfigError(InvalidRequestError):
+    """An engine option is invalid or inconsistent. gRPC: INVALID_ARGUMENT."""
+
+
+class CapacityError(InferError):
+    """The request can never fit, or the server is full right now. gRPC: RESOURCE_EXHAUSTED."""
+
+
+class PluginError(InferError):
+    """A plugin is unknown, duplicated, or broke its contract. gRPC: FAILED_PRECONDITION."""
+
+
+class CheckpointError(InferError):
+    """A model folder is missing, unsupported or unsafe to load. gRPC: FAILED_PRECONDITION."""
+
+
+class NotFoundError(InferError, KeyError):
+    """An id (request, component) does not exist. gRPC: NOT_FOUND."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

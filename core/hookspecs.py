@@ -1,0 +1,114 @@
+"""Every hook of infer. Registration hooks receive a ``register(name, factory, aliases=())`` callback.
+
+Factories are called lazily, after the config is validated, and should import heavy modules inside.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import click
+    import torch
+
+    from .config import EngineConfig
+    from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Model, Proposer, QuantMethod, Scheduler
+    from .metrics import StepStats
+    from .registry import Register
+    from .request import RequestOutput
+
+hookspec = pluggy.HookspecMarker("infer")
+hookimpl = pluggy.HookimplMarker("infer")
+
+SchedulerFactory = Callable[["EngineConfig", "KVCache"], "Scheduler"]
+KVCacheFactory = Callable[["EngineConfig", int, "EvictionPolicy"], "KVCache"]
+EvictionPolicyFactory = Callable[["EngineConfig"], "EvictionPolicy"]
+AttentionBackendFactory = Callable[["EngineConfig"], "AttentionBackend"]
+QuantMethodFactory = Callable[["EngineConfig", "dict[str, Any] | None"], "QuantMethod"]
+ProposerFactory = Callable[["EngineConfig", Any], "Proposer"]
+ModelFactory = Callable[["dict[str, Any]", "QuantMethod | None", "torch.dtype", "EngineConfig"], "Model"]
+CommandFactory = Callable[[], "click.Command"]
+
+
+@hookspec
+def register_schedulers(register: Register[SchedulerFactory]) -> None:
+    """Register scheduling policies.
+
+    Call ``register(name, factory, aliases=())`` once per scheduler. ``factory(config, kv_cache)`` returns a
+    :class:`~infer.core.interfaces.Scheduler` that allocates from ``kv_cache``. Selected by ``--scheduler NAME``.
+    """
+
+
+@hookspec
+def register_kv_caches(register: Register[KVCacheFactory]) -> None:
+    """Register KV block managers.
+
+    ``factory(config, num_blocks, eviction_policy)`` returns a :class:`~infer.core.interfaces.KVCache` over
+    ``num_blocks`` blocks of ``config.block_size`` tokens, evicting cached blocks through ``eviction_policy``.
+    Selected by ``--kv-cache NAME``.
+    """
+
+
+@hookspec
+def register_eviction_policies(register: Register[EvictionPolicyFactory]) -> None:
+    """Register eviction policies for cached KV blocks.
+
+    ``factory(config)`` returns a fresh :class:`~infer.core.interfaces.EvictionPolicy`; each cache gets its own.
+    Selected by ``--eviction-policy NAME``.
+    """
+
+
+@hookspec
+def register_attention_backends(register: Register[AttentionBackendFactory]) -> None:
+    """Register attention implementations.
+
+    ``factory(config)`` returns an :class:`~infer.core.interfaces.AttentionBackend`. It must raise PluginError
+    when the device or dtype is unsupported. Selected by ``--attention NAME``.
+    """
+
+
+@hookspec
+def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
+    """Register weight quantization methods.
+
+    ``factory(config, quantization_config)`` returns a :class:`~infer.core.interfaces.QuantMethod`;
+    ``quantization_config`` is the checkpoint's ``quantization_config`` dict, or None for an unquantized
+    checkpoint (quantize on load, or raise CheckpointError). Selected by ``--quant NAME``, or by the checkpoint's
+    ``quant_method``.
+    """
+
+
+@hookspec
+def register_proposers(register: Register[ProposerFactory]) -> None:
+    """Register speculative-decoding proposers.
+
+    ``factory(config, target)`` returns a :class:`~infer.core.interfaces.Proposer`; ``target`` is the target's
+    loaded model bundle (model, tokenizer, device). Selected by ``--proposer NAME``.
+    """
+
+
+@hookspec
+def register_models(register: Register[ModelFactory]) -> None:
+    """Register model architectures by their HF ``architectures`` name (e.g. ``LlamaForCausalLM``).
+
+    ``factory(hf_config, quant_method, dtype, config)`` returns an uninitialised :class:`~infer.core.interfaces.Model`
+    with parameters in ``dtype``, created under a ``torch.device`` context; weights arrive through
+    ``Model.load_weights``. ``hf_config`` is the parsed config.json; raise CheckpointError for unsupported fields.
+    """
+
+
+@hookspec
+def register_commands(register: Register[CommandFactory]) -> None:
+    """Register CLI subcommands: ``factory()`` returns a ``click.Command`` added to the ``infer`` group."""
+
+
+@hookspec
+def on_request_finished(output: RequestOutput) -> None:
+    """Observe a finished (or aborted) request's final output. Must not change results."""
+
+
+@hookspec
+def on_step(stats: StepStats) -> None:
+    """Observe the statistics of one engine step. Must not change results."""

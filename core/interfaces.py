@@ -1,0 +1,328 @@
+"""The small ABCs that plugins implement. Each method's docstring is its contract."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .request import Sequence
+
+
+# ---------------------------------------------------------------- KV cache (the block allocator)
+@dataclass
+class KVStats:
+    """A snapshot of a KV cache. ``free + used + cached == total`` always holds."""
+
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int  # referenced by at least one live sequence
+    cached_blocks: int  # unreferenced, kept for prefix reuse, evictable
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which served from cache
+    evictions: int = 0
+
+
+@dataclass
+class BlockOps:
+    """Data movement the runner must perform before the next forward pass, in this order."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block), copy-on-write
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copies)
+
+
+class KVCache(ABC):
+    """Logical KV blocks: which physical block holds which sequence's tokens. Owns no tensors.
+
+    Blocks hold ``block_size`` consecutive token positions of one sequence. A block is free XOR referenced by
+    live sequences XOR cached (unreferenced but kept for prefix reuse).
+    """
+
+    block_size: int
+    num_blocks: int
+
+    @abstractmethod
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks holding a prefix of ``seq.token_ids``; return how many tokens they cover.
+
+        Called once at admission, before :meth:`allocate`, on a sequence holding no blocks. The result is a
+        multiple of ``block_size`` and leaves at least one token to compute. Caches without prefix reuse return 0.
+        """
+
+    @abstractmethod
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room for ``num_tokens`` more positions after ``seq.num_computed_tokens``.
+
+        Returns False, changing nothing, when there are not enough blocks (after evicting cached ones). Writing
+        into a block shared with another sequence copies it first (recorded for :meth:`take_block_ops`).
+        """
+
+    @abstractmethod
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references. Full blocks with known tokens may stay cached for reuse."""
+
+    @abstractmethod
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` the parent's blocks by reference (no copy). ``child`` must hold no blocks."""
+
+    @abstractmethod
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget positions ``>= num_tokens`` (speculative rollback); frees blocks that become unused."""
+
+    @abstractmethod
+    def commit(self, seq: Sequence) -> None:
+        """The KV of ``seq.token_ids[:seq.num_computed_tokens]`` is now computed; full blocks become shareable."""
+
+    @abstractmethod
+    def block_table(self, seq: Sequence) -> list[int]:
+        """Physical block ids of the sequence, in position order."""
+
+    @abstractmethod
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks one sequence of ``num_tokens`` tokens needs, ignoring sharing (for admission checks)."""
+
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation could get now, counting evictable cached ones."""
+
+    @abstractmethod
+    def take_block_ops(self) -> BlockOps:
+        """Return and clear the pending copies/swaps; the runner executes them before the next forward."""
+
+    @abstractmethod
+    def stats(self) -> KVStats:
+        """A snapshot of usage and prefix-cache counters."""
+
+
+class EvictionPolicy(ABC):
+    """Chooses which unreferenced cached item (block or radix node) to evict first."""
+
+    @abstractmethod
+    def insert(self, key: Hashable, priority: int = 0) -> None:
+        """``key`` became evictable. ``priority`` comes from the request's SamplingParams."""
+
+    @abstractmethod
+    def touch(self, key: Hashable) -> None:
+        """``key`` was reused (a prefix hit); it may stay evictable or be removed right after."""
+
+    @abstractmethod
+    def remove(self, key: Hashable) -> None:
+        """``key`` is no longer evictable (referenced again, or gone). Unknown keys are an error."""
+
+    @abstractmethod
+    def pop(self) -> Hashable:
+        """Remove and return the next victim. Raises IndexError when empty."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of evictable keys."""
+
+
+# ---------------------------------------------------------------- scheduler
+@dataclass
+class ScheduledSequence:
+    """Compute ``num_new_tokens`` positions of ``seq`` starting at ``seq.num_computed_tokens``."""
+
+    seq: Sequence
+    num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to verify, appended after
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    preempted: list[Sequence] = field(default_factory=list)
+    block_ops: BlockOps = field(default_factory=BlockOps)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler(ABC):
+    """Decides, each step, which sequences run and how many tokens each computes."""
+
+    @abstractmethod
+    def add(self, seq: Sequence) -> None:
+        """Queue a validated WAITING sequence. Raises CapacityError if it could never fit in the KV cache."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work within the token and sequence budgets, allocating KV (preempting if short)."""
+
+    @abstractmethod
+    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]], now: float) -> list[Sequence]:
+        """Apply a step: advance computed tokens, append ``sampled[seq_id]``, stop checks; return finished ones.
+
+        Finished sequences have released their KV blocks.
+        """
+
+    @abstractmethod
+    def finish(self, seq: Sequence, reason: Any) -> None:
+        """Finish (or abort) a sequence now, wherever it is, and release its blocks. Idempotent."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+
+    @abstractmethod
+    def num_waiting(self) -> int:
+        """Sequences queued (including preempted ones)."""
+
+    @abstractmethod
+    def num_running(self) -> int:
+        """Sequences holding KV blocks."""
+
+    @property
+    @abstractmethod
+    def num_preemptions(self) -> int:
+        """Preemptions since start."""
+
+
+# ---------------------------------------------------------------- attention
+@dataclass
+class AttentionMetadata:
+    """Per-step description of a flat batch of ``T`` tokens from ``B`` sequences (prefill and decode mixed).
+
+    Sequence ``i`` contributes tokens ``query_start[i]:query_start[i+1]`` at positions
+    ``context_lens[i] - query_lens[i] ... context_lens[i] - 1``; each attends causally to its whole context.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset where each token's K/V is stored
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    query_start: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+    block_size: int
+    max_query_len: int
+    max_context_len: int
+    backend_data: Any = None  # whatever AttentionBackend.prepare returned
+
+
+class AttentionBackend(ABC):
+    """Stores new K/V into the paged cache and computes attention for a mixed batch."""
+
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Once per step, before any layer: precompute what every layer shares (indices, masks, splits)."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D]; write k/v at ``meta.slot_mapping`` into the cache
+        ([num_blocks, block_size, Hkv, D] each), then return causal attention output [T, Hq, D] (GQA: Hq % Hkv == 0).
+        """
+
+
+# ---------------------------------------------------------------- quantization
+class QuantMethod(ABC):
+    """How a linear layer stores and applies its weights. One instance serves all the model's linears."""
+
+    name: str = "none"
+
+    def applies_to(self, prefix: str) -> bool:
+        """Whether the linear at module path ``prefix`` (e.g. 'model.layers.0.mlp.up_proj') is quantized."""
+        return True
+
+    @abstractmethod
+    def create_weights(
+        self, layer: torch.nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
+    ) -> None:
+        """Register the parameters/buffers the checkpoint will fill (e.g. ``weight`` or ``qweight``) on ``layer``."""
+
+    def load_weight(self, layer: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint tensor ``name`` (the attribute name) into ``layer``; raise CheckpointError on mismatch."""
+        target = getattr(layer, name, None)
+        if not isinstance(target, torch.Tensor):
+            raise CheckpointError(f"unexpected tensor {name!r} for a {self.name} linear layer")
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                                  f"model {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    def process_after_loading(self, layer: torch.nn.Module) -> None:
+        """Repack or quantize after all tensors are loaded (on-load quantization lives here)."""
+
+    @abstractmethod
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Return ``x @ W.T (+ bias)`` for x [..., in_features]."""
+
+
+# ---------------------------------------------------------------- speculative decoding
+@dataclass
+class Proposal:
+    """Draft tokens per sequence id, and the draft's probabilities for each ([k, vocab]; None when greedy)."""
+
+    token_ids: dict[int, list[int]]
+    probs: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+
+class Proposer(ABC):
+    """Proposes up to ``k`` draft tokens per running sequence for the target to verify."""
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal:
+        """Draft tokens continuing each sequence's ``token_ids``. May propose fewer than k (or none)."""
+
+    def on_verified(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: roll back any draft state past the accepted tokens."""
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished or was preempted: drop its state."""
+
+
+# ---------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine must know about a model to size the KV cache and validate requests."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+class Model(torch.nn.Module, ABC):
+    """A causal LM over a flat token batch. The attention layers call the backend given in ``forward``.
+
+    Subclasses set ``self.spec`` in their constructor.
+    """
+
+    spec: ModelSpec
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden] (after the last norm)."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume (HF name, tensor) pairs; raise CheckpointError on unknown names or missing tensors."""

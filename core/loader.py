@@ -1,0 +1,127 @@
+"""HF checkpoint folder -> (model, tokenizer): config.json, *.safetensors by mmap, tokenizer via transformers."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .errors import CheckpointError, ConfigError
+from .interfaces import Model, QuantMethod
+from .plugins import PluginManager
+
+log = logging.getLogger("infer")
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass
+class LoadedModel:
+    model: Model
+    arch: Any  # the architecture's parsed config (ArchConfig for the Llama family)
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    path: Path
+    quant: QuantMethod | None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was requested but CUDA is not available; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPE_NAMES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and less exact
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise CheckpointError(f"model folder {str(path)!r} does not exist; pass --model DIR with a local HF folder")
+    if not path.is_dir():
+        raise CheckpointError(f"--model must be a folder holding config.json and *.safetensors, got file {str(path)!r}")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{str(path)!r} has no config.json; is it an HF model folder?")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files, from the index json when present. Pickle formats are refused (arbitrary code)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index.name} names files that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{str(path)!r} holds only pickle weights ({', '.join(pickles[:3])}); infer refuses pickle files because "
+            "loading them can run arbitrary code. Convert them to safetensors first, e.g. "
+            "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)`."
+        )
+    raise CheckpointError(f"{str(path)!r} has no *.safetensors weight files")
+
+
+def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:  # memory-mapped; tensors materialise one at a time
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"could not load the tokenizer from {str(path)!r}: {exc}") from exc
+
+
+def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> LoadedModel:
+    raw = read_config(path)
+    archs = raw.get("architectures") or []
+    models = plugins.registry("model")
+    if not archs or archs[0] not in models:
+        raise CheckpointError(
+            f"unsupported architecture {archs[0] if archs else '(none in config.json)'!r}; "
+            f"supported: {', '.join(models.names())}"
+        )
+    files = safetensors_files(path)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, raw.get("torch_dtype") or raw.get("dtype"), device)
+    quant_config = raw.get("quantization_config")
+    quant_name = config.quant or (quant_config or {}).get("quant_method")
+    quant = plugins.registry("quant_method").get(quant_name)(config, quant_config) if quant_name else None
+    factory = models.get(archs[0])
+    with torch.device(device):
+        model = factory(raw, quant, dtype, config)
+    model.load_weights(iter_weights(files))
+    model.eval()
+    return LoadedModel(model, getattr(model, "cfg", raw), load_tokenizer(path), device, dtype, path, quant)

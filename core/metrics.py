@@ -1,0 +1,78 @@
+"""Engine metrics: per-step stats for observers, and running totals (TTFT, TPOT, ITL, KV, prefix hits)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .interfaces import KVStats
+from .request import Sequence
+
+
+@dataclass
+class StepStats:
+    """One engine step, passed to the ``on_step`` hook."""
+
+    step: int
+    duration_s: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_waiting: int
+    num_running: int
+    num_preempted: int
+    kv: KVStats
+
+
+@dataclass
+class EngineStats:
+    """Totals since the engine started, as shown by ``infer generate --stats`` and GetStats."""
+
+    steps: int = 0
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    kv: KVStats | None = None
+    kv_peak_used_blocks: int = 0
+    kv_waste_slots: int = 0  # allocated slots holding no token, at the last step
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens looked up."""
+        return self.kv.prefix_hits / self.kv.prefix_queries if self.kv and self.kv.prefix_queries else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    def record_finished(self, seq: Sequence, arrival: float) -> None:
+        self.requests_finished += 1
+        if seq.first_token_time is not None:
+            self.ttft_s.append(seq.first_token_time - arrival)
+        if len(seq.token_times) > 1:
+            self.tpot_s.append((seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1))
+
+    def summary(self) -> dict[str, float | int]:
+        kv = self.kv
+        return {
+            "requests_finished": self.requests_finished,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+            "kv_blocks_total": kv.total_blocks if kv else 0,
+            "kv_blocks_used": kv.used_blocks if kv else 0,
+            "kv_blocks_free": kv.free_blocks if kv else 0,
+            "kv_blocks_cached": kv.cached_blocks if kv else 0,
+            "kv_peak_used_blocks": self.kv_peak_used_blocks,
+            "kv_waste_slots": self.kv_waste_slots,
+            "prefix_hit_rate": round(self.prefix_hit_rate, 4),
+            "spec_acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_ttft_ms": round(1000 * sum(self.ttft_s) / len(self.ttft_s), 3) if self.ttft_s else 0.0,
+            "mean_tpot_ms": round(1000 * sum(self.tpot_s) / len(self.tpot_s), 3) if self.tpot_s else 0.0,
+        }

@@ -1,0 +1,168 @@
+"""Plain data of a request's life: SamplingParams, Sequence (the state machine) and RequestOutput."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. ``temperature == 0`` is greedy. Validated by :meth:`validate`."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # reproducible per request when set
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # also return the top-n logprobs of each sampled position
+    n: int = 1
+    priority: int = 0  # higher is more important; read by the `priority` eviction policy
+
+    def __post_init__(self) -> None:
+        # accept lists from callers, keep the dataclass hashable
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError with a message that names the bad field and the allowed range."""
+
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameters: {msg}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+        if math.isinf(self.temperature):
+            raise bad("temperature must be finite")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or math.isnan(self.min_p) or not 0.0 <= self.min_p < 1.0:
+            raise bad(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+            raise bad(f"n must be an integer in [1, 64], got {self.n!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad(f"stop strings must be non-empty strings, got {self.stop!r}")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation. ``num_computed_tokens`` counts the tokens whose KV is in the cache.
+
+    Invariant: ``0 <= num_computed_tokens <= num_tokens``; a sequence samples a token when a step brings
+    ``num_computed_tokens`` up to ``num_tokens``.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    index: int = 0  # which of the request's n sequences
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 30
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache at (last) admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+    def check_stop_token(self) -> FinishReason | None:
+        """Token-level stop checks after an append (stop strings are checked on text by the engine)."""
+        last = self.token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.STOP
+        if last in self.params.stop_token_ids:
+            return FinishReason.STOP
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+
+@dataclass
+class CompletionOutput:
+    """The state of one of a request's ``n`` sequences. In streams, token_ids/text hold only the delta."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine yields for a request: deltas while streaming, the whole result at the end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

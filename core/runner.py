@@ -1,0 +1,109 @@
+"""ModelRunner: owns the KV tensors; turns a SchedulerOutput into flat batch tensors, runs the model, samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, Model, SchedulerOutput
+from .sampling import Sampler, SampleResult
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] indices into T of the last token of each sampling sequence
+    sample_seq_ids: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: Model, attention: AttentionBackend, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, seed: int) -> None:
+        self.model, self.attention = model, attention
+        self.block_size, self.device = block_size, device
+        spec = model.spec
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+        self.sampler = Sampler(device, seed)
+        self._pin = device.type == "cuda"
+
+    @staticmethod
+    def bytes_per_block(model: Model, block_size: int, dtype: torch.dtype) -> int:
+        spec = model.spec
+        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+    def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(self, out: SchedulerOutput, kv: KVCache) -> Batch:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seq_ids: list[int] = []
+        size = self.block_size
+        for item in out.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            table = kv.block_table(seq)
+            tokens.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // size] * size + p % size for p in range(start, start + n))
+            query_start.append(query_start[-1] + n)
+            context_lens.append(start + n)
+            tables.append(table)
+            if start + n == seq.num_tokens:
+                sample_rows.append(query_start[-1] - 1)
+                sample_seq_ids.append(seq.seq_id)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(padded, torch.int32) if padded else torch.zeros(0, 0, dtype=torch.int32),
+            query_start=self._tensor(query_start, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            query_lens_cpu=query_lens,
+            context_lens_cpu=context_lens,
+            block_size=size,
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+        )
+        meta.backend_data = self.attention.prepare(meta)
+        return Batch(self._tensor(tokens, torch.int64), self._tensor(positions, torch.int64), meta,
+                     self._tensor(sample_rows, torch.int64), sample_seq_ids)
+
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        if ops.copies:
+            src = torch.tensor([s for s, _ in ops.copies], device=self.device)
+            dst = torch.tensor([d for _, d in ops.copies], device=self.device)
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCache) -> tuple[Batch, torch.Tensor]:
+        """Run the forward pass; return the batch and the float32 logits of its sampling rows."""
+        self.apply_block_ops(out.block_ops)
+        batch = self.prepare(out, kv)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
+        return batch, self.model.compute_logits(hidden[batch.sample_rows])
+
+    def sample(self, batch: Batch, logits: torch.Tensor, out: SchedulerOutput) -> SampleResult:
+        by_id = {item.seq.seq_id: item.seq for item in out.scheduled}
+        seqs = [by_id[i] for i in batch.sample_seq_ids]
+        params = [s.params for s in seqs]
+        generators = [
+            None if s.params.seed is None else self.sampler.generator_for(s.seq_id, s.params.seed, s.index)
+            for s in seqs
+        ]
+        return self.sampler(logits, params, generators)

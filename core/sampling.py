@@ -1,0 +1,97 @@
+"""Sampling: greedy, temperature, top-k, top-p, min-p, per-sequence seeded generators, and top-n logprobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: sampled token and top-n, when asked
+
+
+class Sampler:
+    """Samples one token per row of logits. Rows with a seed use their own generator, so a seeded request
+    gives the same tokens whatever else is in the batch."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.seeded: dict[int, torch.Generator] = {}  # seq_id -> generator
+
+    def generator_for(self, seq_id: int, seed: int, index: int) -> torch.Generator:
+        gen = self.seeded.get(seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + index)
+            self.seeded[seq_id] = gen
+        return gen
+
+    def release(self, seq_id: int) -> None:
+        self.seeded.pop(seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> SampleResult:
+        """logits [N, V] float32; ``generators[i]`` is None for unseeded rows."""
+        greedy = logits.argmax(dim=-1)
+        tokens = greedy
+        if not all(p.greedy for p in params):
+            probs = self.filtered_probs(logits, params)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one noise row per generator.
+            noise = torch.empty_like(probs)
+            unseeded = [i for i, g in enumerate(generators) if g is None]
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                    generator=self.generator)
+            for i, gen in enumerate(generators):
+                if gen is not None:
+                    noise[i].exponential_(generator=gen)
+            sampled = (probs / noise).argmax(dim=-1)
+            is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            tokens = torch.where(is_greedy, greedy, sampled)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, self.logprobs(logits, params, token_list))
+
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                             device=logits.device).unsqueeze(1)
+        logits = logits / temps
+        top_k = [p.top_k for p in params]
+        if any(k > 0 for k in top_k):
+            k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=logits.device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=logits.shape[1] - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device).unsqueeze(1)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p  # keeps at least the top token
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+                 ) -> list[dict[int, float] | None]:
+        """Log-probabilities of the model's raw distribution (before temperature and filters)."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        result: list[dict[int, float] | None] = [None] * len(params)
+        if not rows:
+            return result
+        logp = logits[rows].log_softmax(dim=-1)
+        width = max(params[i].logprobs or 0 for i in rows)
+        top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
+        chosen = logp.gather(1, torch.tensor([tokens[i] for i in rows], device=logp.device)[:, None])
+        for j, i in enumerate(rows):
+            n = params[i].logprobs or 0
+            entry = dict(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist()))
+            entry[tokens[i]] = chosen[j, 0].item()
+            result[i] = entry
+        return result

@@ -1,0 +1,303 @@
+"""Paged-KV attention kernels (store, split-K decode, ragged prefill/extend), each beside its torch reference.
+
+Layouts: q [T, Hq, D], k/v [T, Hkv, D] (last dim contiguous, other strides free), caches [num_blocks, block_size,
+Hkv, D], block_tables [B, max_blocks] int32 (padded with 0), context_lens [B] int32, query_start [B + 1] int32.
+Every kernel upcasts to fp32 right after loading; softmax runs in base 2 with ``scale * log2(e)`` folded into q.k.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs dot exactly; fp16/bf16 upcasts are exact in tf32, so tf32 loses nothing on q.k."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_last_dim(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"attention kernels need a contiguous last dimension, got strides {t.stride()}")
+
+
+# ---------------------------------------------------------------- store_kv
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    # slot -1 (padding) masks every head; a scalar bound, since the interpreter mishandles scalar-bool & tensor
+    mask = (h < tl.where(slot >= 0, NUM_HEADS, 0)) & (d < HEAD_DIM)
+    page = slot // PAGE
+    off = slot % PAGE
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + page * stride_kcb + off * stride_kcs + h * stride_kch + d, k, mask=mask)
+    tl.store(v_cache_ptr + page * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, Hkv, D] into the caches at flat ``slot_mapping`` [T] (block * block_size + offset; -1 skips)."""
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim(k, v, k_cache, v_cache)
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Torch reference of :func:`store_kv`."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    page, off = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[page, off] = k[keep].to(k_cache.dtype)
+    v_cache[page, off] = v[keep].to(v_cache.dtype)
+
+
+# ---------------------------------------------------------------- decode (flash-decoding)
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                         mid_o_ptr, mid_lse_ptr, qk_scale,
+                         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                         stride_bt, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    # per-sequence split length, a multiple of BLOCK_N: split s covers [lo, hi) (maybe empty)
+    split_len = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + (page * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + (page * stride_vb + (pos % PAGE) * stride_vs + kvh * stride_vh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # scale after: q stays exact in tf32
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m = m_new
+
+    # empty split: lse = -inf and o = 0, which the reduce weighs by exp2(-inf) = 0
+    l_safe = tl.where(l > 0, l, 1.0)
+    lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
+    o = acc / l_safe[:, None]
+    mo = mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + d[None, :]
+    tl.store(mo, o, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, num_splits,
+                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # context length 0: every weight is 0, output 0
+    w = tl.exp2(lse - top)
+    o = tl.load(mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
+                mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    den = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, num_splits: int, *, block_n: int = 64,
+                     out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D] -> out [B, Hq, D], the KV length split ``num_splits`` ways.
+
+    ``num_splits`` fixes the grid (CUDA-graph friendly); each sequence's split length is derived on device.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_q_heads} are not a multiple of KV heads {num_kv_heads}")
+    _check_last_dim(q, k_cache, v_cache)
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    if batch == 0:
+        return out
+    mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_dot_precision(q.dtype), num_warps=num_warps)
+    _decode_reduce_kernel[(batch, num_q_heads)](
+        mid_o, mid_lse, out, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+    return out
+
+
+# ---------------------------------------------------------------- prefill / extend (ragged, mixed batches)
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
+                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_ot, stride_oh, stride_bt,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tok0 = tl.program_id(2) * TOKENS
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    ctx = tl.load(context_lens_ptr + b)
+
+    # row r = (token tok0 + r // GROUP, q head kvh * GROUP + r % GROUP): the whole GQA group shares each K/V tile
+    r = tl.arange(0, BLOCK_M)
+    tok = tok0 + r // GROUP
+    heads = kvh * GROUP + r % GROUP
+    row_mask = (r < TOKENS * GROUP) & (tok < q_len)
+    q_pos = ctx - q_len + tok  # rows past q_len still see key 0, so no row is all -inf
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_off = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + (q_off * stride_qt + heads * stride_qh)[:, None] + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    # keys needed by this tile: positions < position of its last real token + 1 (none for an idle program)
+    hi = tl.where(tok0 < q_len, ctx - q_len + tl.minimum(tok0 + TOKENS, q_len), 0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + (page * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + (page * stride_vb + (pos % PAGE) * stride_vs + kvh * stride_vh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # scale after: q stays exact in tf32
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m = m_new
+
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(o_ptr + (q_off * stride_ot + heads * stride_oh)[:, None] + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, scale: float, *,
+                      block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
+                      num_warps: int | None = None) -> torch.Tensor:
+    """Ragged causal attention over the paged cache: q [T, Hq, D] -> out [T, Hq, D].
+
+    Sequence i's queries are rows ``query_start[i]:query_start[i+1]`` at positions ending at ``context_lens[i] - 1``;
+    their own K/V must already be in the cache. Any mix of query lengths (decode = 1) is fine.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_q_heads} are not a multiple of KV heads {num_kv_heads}")
+    _check_last_dim(q, k_cache, v_cache)
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    batch = context_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    block_m = max(block_m, triton.next_power_of_2(group))
+    tokens = block_m // group
+    num_warps = num_warps or (4 if head_dim <= 64 else 8)  # fp32 q/acc tiles: keep registers per thread bounded
+    _prefill_kernel[(batch, num_kv_heads, triton.cdiv(max_query_len, tokens))](
+        q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(q.dtype), num_warps=num_warps)
+    return out
+
+
+# ---------------------------------------------------------------- torch references
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        query_start: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch reference of :func:`prefill_attention` (fp32 math, one sequence at a time)."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    page = k_cache.shape[1]
+    for i in range(context_lens.shape[0]):
+        start, end, ctx = int(query_start[i]), int(query_start[i + 1]), int(context_lens[i])
+        if end == start:
+            continue
+        pos = torch.arange(ctx, device=q.device)
+        blocks = block_tables[i, pos // page].long()
+        k = k_cache[blocks, pos % page].float().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        v = v_cache[blocks, pos % page].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)
+        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch reference of :func:`decode_attention`: one query per sequence, at the last context position."""
+    query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int,
+                       min_split_tokens: int = 128, max_splits: int = 128) -> int:
+    """Enough splits to give ~4 programs per SM, none shorter than ``min_split_tokens`` keys."""
+    by_length = max(1, math.ceil(max_context_len / min_split_tokens))
+    by_occupancy = max(1, math.ceil(4 * num_sms / max(1, batch * num_kv_heads)))
+    return min(by_length, by_occupancy, max_splits)

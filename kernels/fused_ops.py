@@ -1,0 +1,159 @@
+"""Small fused ops (RMSNorm + residual, neox rotary, SiLU-and-mul), each beside its torch reference.
+
+The kernels round intermediates to the activation dtype exactly where ``models/layers.py`` does, so half-precision
+results match the references to the last bit up to fp32 rounding order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """View x as [rows, cols] with a contiguous last dim (copying only if needed)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+# ---------------------------------------------------------------- RMSNorm (+ residual)
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
+                     n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(res_out_ptr.dtype.element_ty)  # torch adds in the activation dtype
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    h = x * tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the normed value before the weight multiply
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Like ``RMSNorm.forward``: norm(x), or with ``residual`` (norm(x + residual), x + residual)."""
+    shape, n_cols = x.shape, x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    r2 = _rows(residual) if residual is not None else x2
+    res_out = torch.empty_like(x2) if residual is not None else out
+    if x2.shape[0]:
+        block = triton.next_power_of_2(n_cols)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n_cols, eps,
+            HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block))
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`rms_norm` (the arithmetic of models/layers.py RMSNorm)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+# ---------------------------------------------------------------- rotary embedding (neox: rotate halves)
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, stride_h, stride_oh, num_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (i < HALF)
+    x1 = tl.load(x_ptr + h * stride_h + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + h * stride_h + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]
+    tl.store(o_ptr + h * stride_oh + i, (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + h * stride_oh + HALF + i, (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+                   stride_cos, stride_sin, num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + pos * stride_cos + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + i, mask=i < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads, cos, sin,
+                  HALF, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, stride_kh, stride_koh, num_k_heads, cos, sin,
+                  HALF, BLOCK_H, BLOCK_HALF)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D], cos/sin [max_pos, D/2] -> rotated (q, k); new tensors unless ``inplace``."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rotary_embedding needs q and k with a contiguous last dimension")
+    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    num_tokens, half = q.shape[0], q.shape[-1] // 2
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            positions, q, k, q_out, k_out, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0), sin.stride(0),
+            q.shape[1], k.shape[1], HALF=half, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+            BLOCK_HALF=triton.next_power_of_2(half))
+    return q_out, k_out
+
+
+def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`rotary_embedding` (models/layers.py RotaryEmbedding.forward)."""
+    c, s = cos[positions].float().unsqueeze(1), sin[positions].float().unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+# ---------------------------------------------------------------- SiLU-and-mul
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds, then the mul
+    tl.store(o_ptr + row * stride_o + cols, (act * up).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """x [..., 2I] (gate first, then up) -> silu(gate) * up [..., I]."""
+    inter = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
+    if x2.shape[0] and inter:
+        block = min(block, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=_warps(block))
+    return out.view(*x.shape[:-1], inter)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`silu_and_mul`."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,117 @@
+"""Building blocks shared by the Llama family: quantizable Linear, RMSNorm, rotary embedding, SiLU-and-mul."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.errors import CheckpointError
+from ..core.interfaces import QuantMethod
+
+
+class UnquantizedMethod(QuantMethod):
+    """Plain ``weight`` [out, in] (and ``bias``); the default for every linear layer."""
+
+    name = "none"
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
+                       dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Module):
+    """A linear layer whose storage and matmul belong to a QuantMethod.
+
+    ``bias`` is stored in the activation dtype by every method (checkpoint name ``bias``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, prefix: str,
+                 quant: QuantMethod | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.prefix = in_features, out_features, prefix
+        self.method: QuantMethod = quant if quant is not None and quant.applies_to(prefix) else UnquantizedMethod()
+        self.method.create_weights(self, in_features, out_features, bias, dtype)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        self.method.load_weight(self, name, tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, quant={self.method.name}"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), as HF computes it."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies for the HF rope types 'default', 'linear' and 'llama3' (computed in float32)."""
+    theta = float(rope.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(rope["factor"])
+    if kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
+        factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old_len = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, out)
+    raise CheckpointError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), with a precomputed cos/sin table up to ``max_positions``."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any]) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, rope)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim / 2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D] -> rotated copies, computed in float32 like HF."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,103 @@
+"""Tiny checkpoints with a locally trained byte-level BPE tokenizer: the demo model and the test fixtures."""
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False},
+}
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
+DEFAULT_MODEL_NAME = "demo-llama-v1"
+
+
+def stdlib_corpus(max_files: int = 400) -> list[Path]:
+    """A local corpus every machine has: the Python standard library's sources, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py"))[:max_files]
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int = 1024, files: list[Path] | None = None) -> Any:
+    """Train a byte-level BPE on local text and save it as an HF fast tokenizer in ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = (p.read_text(encoding="utf-8", errors="replace") for p in (files or stdlib_corpus()))
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
+                                   eos_token="<|eos|>")
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: int = 64, num_layers: int = 2,
+                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                    max_position_embeddings: int = 1024, tie_word_embeddings: bool = False, seed: int = 0,
+                    init_std: float = 0.1, vocab_size: int = 1024, tokenizer_files: list[Path] | None = None,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Write config.json, model.safetensors and tokenizer files for a random-weight model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in ARCH_CONFIGS:
+        from ..core.errors import ConfigError
+
+        raise ConfigError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCH_CONFIGS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(out, vocab_size, tokenizer_files)
+    raw = dict(ARCH_CONFIGS[arch])
+    raw.update(
+        hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=len(tokenizer),
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std, rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+        head_dim=hidden_size // num_heads, **(extra or {}),
+    )
+    model_type = raw.pop("model_type")
+    raw.pop("architectures")
+    config = AutoConfig.for_model(model_type, **raw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF initialises norms to 1; random norms exercise the weight loading better
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(str(out))
+    return out
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("INFER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "infer")
+    return Path(base)
+
+
+def ensure_default_model() -> Path:
+    """The embedded default: a deterministic random-weight demo model, built on first use in the cache folder."""
+    import sys
+
+    path = cache_dir() / DEFAULT_MODEL_NAME
+    if not (path / "config.json").exists():
+        print(f"building the random-weight demo model in {path} (once) ...", file=sys.stderr)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny_model(tmp, "llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                        intermediate_size=256, max_position_embeddings=2048, tie_word_embeddings=True)
+        (tmp / "infer_demo.json").write_text(json.dumps({"note": "random weights; output is meaningless"}))
+        os.replace(tmp, path) if not path.exists() else None
+    print(f"infer: using the random-weight demo model ({path}); pass --model DIR for a real model", file=sys.stderr)
+    return path

@@ -1,0 +1,34 @@
+"""The `awq` quant method: AutoAWQ GEMM checkpoints, or round-to-nearest int4 quantization on load."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..core.config import EngineConfig
+from ..core.hookspecs import QuantMethodFactory, hookimpl
+from ..core.interfaces import QuantMethod
+from ..core.registry import Register
+
+log = logging.getLogger("infer")
+
+ON_LOAD_GROUP_SIZE = 128
+
+
+def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
+    """An AWQ method for the checkpoint's ``quantization_config``, or RTN on load when there is none."""
+    from ..quant.awq import parse_config
+    from ..quant.awq_method import AwqLinearMethod
+
+    options = config.plugin_options.get("awq", {}) if isinstance(config.plugin_options, dict) else {}
+    fused_max_rows = int(options.get("fused_max_rows", 64))
+    if quantization_config is None:
+        log.warning("awq: quantizing on load with round-to-nearest (int4, group %d); calibrated AWQ is more "
+                    "accurate: run `infer quantize --method awq MODEL OUT` once and load OUT",
+                    ON_LOAD_GROUP_SIZE)
+        return AwqLinearMethod(ON_LOAD_GROUP_SIZE, quantize_on_load=True, fused_max_rows=fused_max_rows)
+    return AwqLinearMethod.from_config(parse_config(quantization_config), fused_max_rows=fused_max_rows)
+
+
+@hookimpl
+def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
+    register("awq", build_awq)

@@ -1,0 +1,37 @@
+"""The `fp8` quant method: compressed-tensors FP8 checkpoints, or dynamic FP8 quantization on load."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..core.config import EngineConfig
+from ..core.hookspecs import QuantMethodFactory, hookimpl
+from ..core.interfaces import QuantMethod
+from ..core.registry import Register
+
+log = logging.getLogger("infer")
+
+
+def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
+    """FP8 for a compressed-tensors checkpoint, or per-channel/per-token dynamic FP8 on load when there is none.
+
+    ``config.plugin_options["fp8"]["backend"]`` may force ``scaled_mm``, ``triton`` or ``emulate``.
+    """
+    from ..quant.fp8 import parse_compressed_tensors
+    from ..quant.fp8_method import Fp8LinearMethod
+
+    options = config.plugin_options.get("fp8", {}) if isinstance(config.plugin_options, dict) else {}
+    backend = str(options.get("backend", "auto"))
+    if quantization_config is None:
+        log.info("fp8: quantizing weights on load (e4m3, per-channel scales; activations per token, dynamic)")
+        return Fp8LinearMethod(None, backend)
+    parsed = parse_compressed_tensors(quantization_config)
+    if quantization_config.get("kv_cache_scheme"):
+        log.warning("fp8: the checkpoint's kv_cache_scheme is ignored; use --kv-cache-dtype to choose the KV format")
+    return Fp8LinearMethod(parsed, backend)
+
+
+@hookimpl
+def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
+    # checkpoints name their method in quantization_config.quant_method: compressed-tensors ones resolve here
+    register("fp8", build_fp8, aliases=("compressed-tensors",))

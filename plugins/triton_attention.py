@@ -1,0 +1,78 @@
+"""The ``triton`` attention backend: paged KV, split-K decode fast path, ragged prefill/extend for mixed batches."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from ..core.config import EngineConfig
+from ..core.errors import PluginError
+from ..core.hookspecs import AttentionBackendFactory, hookimpl
+from ..core.interfaces import AttentionBackend, AttentionMetadata
+from ..core.registry import Register
+
+DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is visible (interpreter)
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """What every layer of one step shares (``AttentionMetadata.backend_data``)."""
+
+    all_decode: bool  # every sequence has query_len 1: the split-K decode kernel runs
+    batch: int
+    max_context_len: int
+    max_query_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """store_kv, then split-K decode when all query lengths are 1, else the ragged prefill/extend kernel."""
+
+    def __init__(self, kernels: ModuleType, num_sms: int) -> None:
+        self.kernels = kernels
+        self.num_sms = num_sms
+
+    def prepare(self, meta: AttentionMetadata) -> TritonPlan:
+        batch = len(meta.query_lens_cpu)
+        return TritonPlan(all_decode=meta.max_query_len == 1 and sum(meta.query_lens_cpu) == batch,
+                          batch=batch, max_context_len=meta.max_context_len, max_query_len=meta.max_query_len)
+
+    def num_splits(self, plan: TritonPlan, num_kv_heads: int) -> int:
+        return self.kernels.default_num_splits(plan.batch, num_kv_heads, plan.max_context_len, self.num_sms)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        plan = meta.backend_data if isinstance(meta.backend_data, TritonPlan) else self.prepare(meta)
+        k_cache, v_cache = kv_cache
+        self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if plan.all_decode:
+            return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                                 self.num_splits(plan, k_cache.shape[2]))
+        return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
+                                              meta.context_lens, plan.max_query_len, scale)
+
+
+def create_backend(config: EngineConfig) -> TritonAttentionBackend:
+    """Factory: needs CUDA (or TRITON_INTERPRET=1, for tests on CPU tensors)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    on_cuda = torch.cuda.is_available() and config.device != "cpu"
+    if not (on_cuda or interpret):
+        raise PluginError("the triton attention backend needs a CUDA GPU (device "
+                          f"{config.device!r}, CUDA available: {torch.cuda.is_available()}); use --attention torch")
+    try:
+        from ..kernels import attention as kernels
+    except ImportError as exc:
+        raise PluginError(f"the triton attention backend cannot import triton ({exc}); use --attention torch") from exc
+    num_sms = DEFAULT_NUM_SMS
+    if on_cuda:
+        index = torch.device(config.device).index if config.device.startswith("cuda:") else None
+        device = torch.cuda.current_device() if index is None else index
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return TritonAttentionBackend(kernels, num_sms)
+
+
+@hookimpl
+def register_attention_backends(register: Register[AttentionBackendFactory]) -> None:
+    register("triton", create_backend)
+

@@ -1,0 +1,158 @@
+"""The AutoAWQ GEMM checkpoint format: int4 packing, round-to-nearest quantization, dequantization, config checks.
+
+Layout of one linear layer with ``in`` inputs, ``out`` outputs and groups of ``g`` input rows:
+
+- ``qweight`` int32 [in, out / 8]: eight 4-bit weights per int32.
+- ``qzeros``  int32 [in / g, out / 8]: the zero points, packed the same way.
+- ``scales``  fp16  [in / g, out].
+
+Nibble ``i`` (bits 4i..4i+3) of packed column ``c`` holds output column ``c * 8 + AWQ_ORDER[i]``, and the weight
+of input row ``k``, output column ``n`` is ``(q[k, n] - z[k // g, n]) * s[k // g, n]``. Everything here works on
+the [in, out] orientation of the checkpoint; ``torch.nn.Linear`` weights are its transpose.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.errors import CheckpointError
+
+BITS = 4
+PACK = 32 // BITS  # int4 values per int32
+MAX_Q = 2**BITS - 1
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its group of 8
+AWQ_INVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_INVERSE[j]
+GROUP_SIZES = (-1, 32, 64, 128)
+SUPPORTED_VERSION = "gemm"
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """Pack int4 values [rows, cols] (each 0..15, any integer dtype) into int32 [rows, cols / 8] in AWQ order."""
+    if values.dim() != 2 or values.shape[1] % PACK:
+        raise ValueError(f"pack_int4 needs a 2-D tensor whose last dim is a multiple of {PACK}, got {tuple(values.shape)}")
+    v = values.to(torch.int64)
+    if v.numel() and (int(v.min()) < 0 or int(v.max()) > MAX_Q):
+        raise ValueError("pack_int4 values must lie in [0, 15]")
+    v = v.reshape(v.shape[0], -1, PACK)[:, :, list(AWQ_ORDER)]  # [rows, cols / 8, nibble]
+    shifts = torch.arange(0, 32, BITS, device=v.device, dtype=torch.int64)
+    packed = (v << shifts).sum(dim=-1)  # < 2**32, exact in int64
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # reinterpret as two's-complement int32
+    return packed.to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: int32 [rows, cols / 8] -> int32 [rows, cols] with values 0..15."""
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"unpack_int4 needs a 2-D int32 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    shifts = torch.arange(0, 32, BITS, device=packed.device, dtype=torch.int32)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & MAX_Q  # [rows, cols / 8, nibble]; & drops the sign extension
+    return nibbles[:, :, list(AWQ_INVERSE)].reshape(packed.shape[0], -1)
+
+
+def _round_up_to_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Positive fp32 -> the nearest fp16 that is >= x, so a scale never shrinks the representable range."""
+    h = x.to(torch.float16)
+    below = h.to(torch.float32) < x
+    # for positive finite halves, the next representable value up is the next bit pattern
+    h = torch.where(below, (h.view(torch.int16) + 1).view(torch.float16), h)
+    if bool(torch.isinf(h).any()):
+        raise CheckpointError("a weight group's range overflows the fp16 AWQ scales (|w| > ~1e6); "
+                              "this checkpoint cannot be stored in the AWQ format, use --quant fp8 instead")
+    return h
+
+
+def quantize_rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric int4 quantization of ``weight`` [out, in] -> (qweight, qzeros, scales).
+
+    Per group of ``group_size`` input columns (-1: one group over all of them) of one output row, as AutoAWQ
+    does: ``s = (max - min) / 15``, ``z = -round(min / s)``, ``q = clamp(round(w / s) + z, 0, 15)``. Two
+    deliberate differences keep every weight within ``s / 2`` of its dequantized value: the range is widened to
+    include 0 (as GPTQ and compressed-tensors do), and ``s`` is rounded *up* to fp16 before ``q`` and ``z`` are
+    computed from it. The arithmetic is in fp32 whatever the weight's dtype.
+    """
+    out_features, in_features = weight.shape
+    group = check_shapes(in_features, out_features, group_size)
+    w = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
+    w_max = w.amax(dim=-1).clamp(min=0)
+    w_min = w.amin(dim=-1).clamp(max=0)
+    scales = _round_up_to_fp16((w_max - w_min).clamp(min=1e-5) / MAX_Q)  # [out, in / g]
+    s = scales.to(torch.float32)
+    zeros = (-torch.round(w_min / s)).clamp(0, MAX_Q)
+    q = (torch.round(w / s.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, MAX_Q)
+    q = q.reshape(out_features, in_features).t().to(torch.int32)  # [in, out]
+    return pack_int4(q), pack_int4(zeros.t().to(torch.int32)), scales.t().contiguous()
+
+
+def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Unpack an AWQ GEMM layer to its weight, oriented [in, out] (the checkpoint's; ``nn.Linear`` uses [out, in]).
+
+    Computed in fp32, where ``(q - z) * s`` is exact, then rounded once to ``dtype`` (default: the scales' dtype).
+    In fp16 the result equals AutoAWQ's ``dequantize_gemm`` bit for bit.
+    """
+    in_features = qweight.shape[0]
+    out_features = qweight.shape[1] * PACK
+    group = in_features if group_size == -1 else group_size
+    groups = in_features // group
+    if in_features % group or qzeros.shape != (groups, qweight.shape[1]) or scales.shape != (groups, out_features):
+        raise CheckpointError(
+            f"inconsistent AWQ tensors for group_size {group_size}: qweight {tuple(qweight.shape)}, qzeros "
+            f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}; expected qzeros ({groups}, {qweight.shape[1]}) "
+            f"and scales ({groups}, {out_features})")
+    q = unpack_int4(qweight).reshape(groups, group, out_features)
+    z = unpack_int4(qzeros).unsqueeze(1)
+    w = (q - z).to(torch.float32) * scales.to(torch.float32).unsqueeze(1)
+    return w.reshape(in_features, out_features).to(dtype or scales.dtype)
+
+
+def check_shapes(in_features: int, out_features: int, group_size: int, prefix: str = "") -> int:
+    """Check a layer fits the AWQ GEMM layout; return the effective group size (``in_features`` for -1)."""
+    where = f" for layer {prefix!r}" if prefix else ""
+    group = in_features if group_size == -1 else group_size
+    if group <= 0 or in_features % group:
+        raise CheckpointError(
+            f"AWQ group_size {group_size} does not divide in_features {in_features}{where}; use a group size "
+            f"that divides every layer's input size (one of {', '.join(map(str, GROUP_SIZES))}), or -1")
+    if out_features % PACK:
+        raise CheckpointError(f"AWQ needs out_features divisible by {PACK}, got {out_features}{where}")
+    return group
+
+
+@dataclass(frozen=True)
+class AwqConfig:
+    """A validated AutoAWQ ``quantization_config``."""
+
+    group_size: int = 128
+    modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
+
+
+def parse_config(qc: dict[str, Any]) -> AwqConfig:
+    """Validate a checkpoint's ``quantization_config`` (config.json spelling, or AutoAWQ's quant_config.json one)."""
+    method = str(qc.get("quant_method", "awq")).lower()
+    if method != "awq":
+        raise CheckpointError(
+            f"--quant awq was given, but the checkpoint is quantized with {method!r}; drop --quant to use the "
+            "checkpoint's own method, or start from an unquantized checkpoint")
+    version = str(qc.get("version", SUPPORTED_VERSION)).lower()
+    if version == "gemv":
+        raise CheckpointError(
+            "this AWQ checkpoint uses the 'gemv' layout, which infer does not support; re-export it in the GEMM "
+            "format (AutoAWQ: quant_config={'version': 'GEMM', ...}) or quantize with `infer quantize --method awq`")
+    if version != SUPPORTED_VERSION:
+        raise CheckpointError(
+            f"unsupported AWQ version {version!r}; infer loads only 'gemm' checkpoints: re-export in the GEMM format")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != BITS:
+        raise CheckpointError(f"AWQ bits must be {BITS}, got {bits!r}; only 4-bit AWQ checkpoints are supported")
+    group_size = qc.get("group_size", qc.get("q_group_size"))
+    if group_size not in GROUP_SIZES or isinstance(group_size, bool):
+        raise CheckpointError(
+            f"AWQ group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    if qc.get("zero_point", True) is not True:
+        raise CheckpointError("AWQ zero_point must be true: symmetric (zero_point false) AWQ is not supported")
+    skip = qc.get("modules_to_not_convert") or ()
+    if isinstance(skip, str) or not all(isinstance(m, str) for m in skip):
+        raise CheckpointError(f"AWQ modules_to_not_convert must be a list of module names, got {skip!r}")
+    return AwqConfig(group_size=group_size, modules_to_not_convert=tuple(skip))

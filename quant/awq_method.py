@@ -1,0 +1,106 @@
+"""The ``awq`` QuantMethod: W4A16 linears in the AutoAWQ GEMM layout, loaded or quantized on load (RTN)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..core.errors import CheckpointError
+from ..core.interfaces import QuantMethod
+from . import awq
+from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded
+
+PACKED = ("qweight", "qzeros", "scales")
+
+
+class AwqLinearMethod(QuantMethod):
+    """int4 weights with per-group fp16 scales and zero points; activations stay in the model dtype.
+
+    ``quantize_on_load=False`` loads ``qweight``/``qzeros``/``scales`` from an AutoAWQ GEMM checkpoint.
+    ``quantize_on_load=True`` loads a plain ``weight`` and replaces it with RTN-quantized packed buffers in
+    :meth:`process_after_loading`. On CUDA, batches of at most ``fused_max_rows`` rows run the fused Triton W4A16
+    GEMM; larger ones (and every CPU call) dequantize the weight for that call and use a dense matmul. The
+    dequantized weight is never cached: that would undo the memory saving.
+    """
+
+    name = "awq"
+
+    def __init__(self, group_size: int = 128, modules_to_not_convert: Sequence[str] = (),
+                 quantize_on_load: bool = False, fused_max_rows: int = 64) -> None:
+        if group_size not in awq.GROUP_SIZES:
+            raise CheckpointError(f"AWQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
+                                  f"got {group_size!r}")
+        self.group_size = group_size
+        self.modules_to_not_convert = tuple(modules_to_not_convert)
+        self.quantize_on_load = quantize_on_load
+        self.fused_max_rows = fused_max_rows
+
+    @classmethod
+    def from_config(cls, config: awq.AwqConfig, fused_max_rows: int = 64) -> AwqLinearMethod:
+        return cls(config.group_size, config.modules_to_not_convert, False, fused_max_rows)
+
+    def applies_to(self, prefix: str) -> bool:
+        # AutoAWQ's rule: a module is skipped when any listed name is a substring of its path
+        return not is_lm_head(prefix) and not any(m in prefix for m in self.modules_to_not_convert)
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
+                       dtype: torch.dtype) -> None:
+        group = awq.check_shapes(in_features, out_features, self.group_size, layer_name(layer))
+        layer.awq_group_size = group
+        if self.quantize_on_load:
+            layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        else:
+            packed_out = out_features // awq.PACK
+            layer.register_buffer("qweight", torch.empty(in_features, packed_out, dtype=torch.int32))
+            layer.register_buffer("qzeros", torch.empty(in_features // group, packed_out, dtype=torch.int32))
+            layer.register_buffer("scales", torch.empty(in_features // group, out_features, dtype=torch.float16))
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        if self.quantize_on_load and name in PACKED:
+            raise CheckpointError(
+                f"layer {layer_name(layer)!r} holds a packed AWQ tensor {name!r}, but the checkpoint declares no "
+                "AWQ quantization_config; add it to config.json or load an unquantized checkpoint")
+        if not self.quantize_on_load and name == "weight":
+            raise CheckpointError(
+                f"layer {layer_name(layer)!r} has an unquantized 'weight' in an AWQ checkpoint; list the module in "
+                "quantization_config.modules_to_not_convert, or re-export the checkpoint")
+        if name in ("qweight", "qzeros"):
+            if tensor.dtype != torch.int32:
+                raise CheckpointError(f"AWQ {name} must be int32, got {tensor.dtype} for layer {layer_name(layer)!r}")
+            check_tensor_shape(layer, name, tensor, tuple(getattr(layer, name).shape))
+            getattr(layer, name).copy_(tensor)
+        elif name == "scales":
+            if not tensor.is_floating_point():
+                raise CheckpointError(f"AWQ scales must be floating point, got {tensor.dtype} "
+                                      f"for layer {layer_name(layer)!r}")
+            check_tensor_shape(layer, name, tensor, tuple(layer.scales.shape))
+            # keep the checkpoint's float dtype (fp16 normally): converting would round the scales
+            layer.scales = tensor.to(layer.scales.device, copy=True)
+        else:
+            super().load_weight(layer, name, tensor)
+        mark_loaded(layer, name)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        needed = ("weight",) if self.quantize_on_load else PACKED
+        require_loaded(layer, needed + (("bias",) if layer.bias is not None else ()), self.name)
+        if self.quantize_on_load:
+            qweight, qzeros, scales = awq.quantize_rtn(layer.weight.data, layer.awq_group_size)
+            del layer.weight
+            layer.register_buffer("qweight", qweight)
+            layer.register_buffer("qzeros", qzeros)
+            layer.register_buffer("scales", scales)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.is_cuda and x2.shape[0] <= self.fused_max_rows:
+            from ..kernels.awq_gemm import awq_gemm
+
+            out = awq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size)
+        else:
+            w = awq.dequantize(layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size, dtype=x2.dtype)
+            out = x2 @ w
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,52 @@
+"""Helpers shared by the quantized linear methods: load bookkeeping and module-name matching."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from ..core.errors import CheckpointError
+
+LOADED_ATTR = "_quant_loaded"  # per-layer set of the tensor names load_weight has filled
+
+
+def layer_name(layer: torch.nn.Module) -> str:
+    """The module path of ``layer`` (``Linear`` stores it as ``prefix``), for error messages."""
+    return str(getattr(layer, "prefix", "") or type(layer).__name__)
+
+
+def mark_loaded(layer: torch.nn.Module, name: str) -> None:
+    """Record that tensor ``name`` of ``layer`` came from the checkpoint."""
+    loaded: set[str] = layer.__dict__.setdefault(LOADED_ATTR, set())
+    loaded.add(name)
+
+
+def require_loaded(layer: torch.nn.Module, names: Iterable[str], method: str) -> None:
+    """Raise CheckpointError naming the tensors of ``layer`` that the checkpoint never provided."""
+    loaded: set[str] = layer.__dict__.get(LOADED_ATTR, set())
+    missing = [n for n in names if n not in loaded]
+    if missing:
+        raise CheckpointError(
+            f"the {method} checkpoint is missing {', '.join(missing)} for layer {layer_name(layer)!r}; "
+            "the files are incomplete or were written for a different model or quantization format")
+
+
+def is_lm_head(prefix: str) -> bool:
+    """Whether a module path names the output projection (never quantized by AWQ or by on-load FP8)."""
+    return prefix.rsplit(".", 1)[-1] == "lm_head"
+
+
+def matches_target(prefix: str, target: str) -> bool:
+    """compressed-tensors matching: ``re:PATTERN`` is ``re.match`` on the module path, ``Linear`` matches every
+    linear layer (the class name), anything else must equal the module path."""
+    if target.startswith("re:"):
+        return re.match(target[3:], prefix) is not None
+    return target in ("Linear", prefix)
+
+
+def check_tensor_shape(layer: torch.nn.Module, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Raise CheckpointError when a checkpoint tensor's shape differs from the one the layer expects."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(f"shape mismatch for {layer_name(layer)}.{name}: checkpoint {tuple(tensor.shape)}, "
+                              f"model {tuple(shape)}")

@@ -1,0 +1,158 @@
+"""Triton kernels against their torch references.
+
+On CPU they run under the Triton interpreter (set below, before any kernel is defined); ``pytest -m gpu`` runs the
+same bodies natively on CUDA tensors. fp32 and fp16 only: the interpreter gets bf16 arithmetic wrong.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from infer.kernels import attention as attn  # noqa: E402
+from infer.kernels import fused_ops as ops  # noqa: E402
+from infer.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+# attention on GPU dots fp16-upcast operands in tf32: p (not q.k) loses bits, about one fp16 ulp more
+ATTN_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+
+
+@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CUDA is present, so the Triton interpreter is off; run the kernels with -m gpu")
+    return torch.device(request.param)
+
+
+def paged_cache(num_blocks: int, page: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, page, kv_heads, head_dim)
+    return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
+
+
+def block_tables_for(context_lens: list[int], page: int, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """Distinct shuffled blocks per sequence, padded with 0 (the AttentionMetadata convention)."""
+    need = [-(-c // page) for c in context_lens]
+    perm = torch.randperm(num_blocks)[: sum(need)].tolist()
+    table = torch.zeros(len(need), max(max(need), 1), dtype=torch.int32)
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    return table.to(device)
+
+
+# ---------------------------------------------------------------- store_kv
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv(device: torch.device, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    tokens, kv_heads, head_dim, page = 7, 2, 24, 4
+    qkv = torch.randn(tokens, 4 + 2 * kv_heads, head_dim, dtype=dtype, device=device)
+    k, v = qkv[:, 4:4 + kv_heads], qkv[:, 4 + kv_heads:]  # strided views, as a fused qkv projection gives
+    slots = torch.tensor([3, 0, -1, 17, 9, -1, 22], dtype=torch.int64, device=device)
+    caches = paged_cache(6, page, kv_heads, head_dim, dtype, device)
+    expect = tuple(c.clone() for c in caches)
+    attn.store_kv(k, v, *caches, slots)
+    attn.store_kv_ref(k, v, *expect, slots)
+    assert torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
+
+
+# ---------------------------------------------------------------- decode
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("num_splits,page", [(1, 16), (4, 16), (3, 8)])
+def test_decode_attention(device: torch.device, dtype: torch.dtype, group: int, num_splits: int, page: int) -> None:
+    torch.manual_seed(group * 10 + num_splits)
+    kv_heads, head_dim = 2, 32
+    context = [1, 16, 17, 150]  # block boundaries, and 150 keys > one 16-key split tile
+    k_cache, v_cache = paged_cache(48, page, kv_heads, head_dim, dtype, device)
+    tables = block_tables_for(context, page, 48, device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(len(context), kv_heads * group, head_dim, dtype=dtype, device=device)
+    out = attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.3, num_splits, block_n=16)
+    ref = attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
+
+
+def test_decode_zero_context_gives_zeros(device: torch.device) -> None:
+    k_cache, v_cache = paged_cache(4, 16, 1, 16, torch.float32, device)
+    q = torch.randn(2, 2, 16, device=device)
+    lens = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    tables = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
+    out = attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 4)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out[1:], attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)[1:])
+
+
+# ---------------------------------------------------------------- prefill / extend
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_prefill_attention(device: torch.device, dtype: torch.dtype, group: int, block_m: int) -> None:
+    torch.manual_seed(group + block_m)
+    kv_heads, head_dim, page = 2, 32, 16
+    query = [1, 7, 20, 3, 1]
+    context = [9, 7, 45, 3, 33]  # decode rows, fresh prompts, and extends over cached prefixes
+    k_cache, v_cache = paged_cache(24, page, kv_heads, head_dim, dtype, device)
+    tables = block_tables_for(context, page, 24, device)
+    starts = torch.tensor([0] + query, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(sum(query), kv_heads * group, head_dim, dtype=dtype, device=device)
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, max(query), 0.2, block_m=block_m,
+                                 block_n=32)
+    ref = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
+
+
+# ---------------------------------------------------------------- fused small ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(device: torch.device, dtype: torch.dtype, with_residual: bool) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 96, dtype=dtype, device=device)
+    residual = torch.randn_like(x) if with_residual else None
+    layer = RMSNorm(96, 1e-6, dtype).to(device)
+    layer.weight.data.normal_(1.0, 0.2)
+    got = ops.rms_norm(x, layer.weight, 1e-6, residual)
+    ref = ops.rms_norm_ref(x, layer.weight, 1e-6, residual)
+    model = layer(x, residual)
+    for g, r, m in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref, model)), strict=True):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        torch.testing.assert_close(g, r, **TOL[dtype])
+        torch.testing.assert_close(r, m, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rotary_embedding(device: torch.device, dtype: torch.dtype, inplace: bool) -> None:
+    torch.manual_seed(2)
+    rope = RotaryEmbedding(32, 64, {"rope_theta": 10000.0}).to(device)
+    qkv = torch.randn(6, 4 + 2 + 2, 32, dtype=dtype, device=device)
+    q, k = qkv[:, :4], qkv[:, 4:6]  # strided views of a fused projection
+    positions = torch.tensor([0, 5, 63, 1, 7, 30], device=device)
+    ref_q, ref_k = ops.rotary_embedding_ref(positions, q, k, rope.cos, rope.sin)
+    model_q, model_k = rope(positions, q, k)
+    assert torch.equal(ref_q, model_q) and torch.equal(ref_k, model_k)
+    got_q, got_k = ops.rotary_embedding(positions, q, k, rope.cos, rope.sin, inplace=inplace)
+    torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
+    if inplace:
+        assert got_q.data_ptr() == q.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(device: torch.device, dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(3, 5, 2 * 40, dtype=dtype, device=device) * 3
+    got = ops.silu_and_mul(x, block=16)  # 3 column blocks, the last one partial
+    ref = ops.silu_and_mul_ref(x)
+    assert got.shape == (3, 5, 40)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
