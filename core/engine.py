@@ -32,6 +32,8 @@ class _Request:
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
     sent: list[int] = field(default_factory=list)  # output tokens already emitted, per sequence
+    emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
+    pending_children: list[Sequence] = field(default_factory=list)  # n > 1: forked after the first prefill
     finished_emitted: bool = False
 
 
@@ -124,17 +126,10 @@ class Engine:
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
-        added: list[Sequence] = []
-        try:
-            for seq in seqs:
-                self.scheduler.add(seq)
-                added.append(seq)
-        except Exception:
-            for seq in added:
-                self.scheduler.finish(seq, FinishReason.ABORT)
-            raise
+        self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = _Request(request_id, ids, params, now, seqs,
-                                             [IncrementalDetokenizer(self.tokenizer, ids) for _ in seqs], [0] * len(seqs))
+                                             [IncrementalDetokenizer(self.tokenizer, ids) for _ in seqs],
+                                             [0] * len(seqs), [0] * len(seqs), seqs[1:])
         self.stats.prompt_tokens += len(ids)
         return request_id
 
@@ -158,21 +153,44 @@ class Engine:
         if not out.scheduled:
             return []
         batch, logits = self.runner.execute(out, self.kv)
-        result = self.runner.sample(batch, logits, out) if batch.sample_seq_ids else None
-        sampled = {sid: [tok] for sid, tok in zip(batch.sample_seq_ids, result.token_ids)} if result else {}
+        items = {item.seq.seq_id: item for item in out.scheduled}
+        seqs = [items[sid].seq for sid in batch.sample_seq_ids]
+        rows = list(range(len(seqs)))
+        forks = self._forks_due(seqs, rows)
+        result = self.runner.sample(logits[rows], seqs) if seqs else None
         now = time.perf_counter()
+        sampled: dict[int, list[int]] = {}
+        for seq, token, entry in zip(seqs, result.token_ids, result.logprobs) if result else ():
+            sampled[seq.seq_id] = [token]
+            if entry is not None:
+                seq.logprobs.append(entry)
+        for parent, child in forks:  # before update, which may finish (and free) the parent
+            self.scheduler.fork(parent, child)
+            child.num_computed_tokens += items[parent.seq_id].num_new_tokens
+            child.append_token(sampled.pop(child.seq_id)[0], now)
+            if (reason := child.check_stop_token()) is not None:
+                self.scheduler.finish(child, reason)
         self.scheduler.update(out, sampled, now)
-        if result:
-            by_id = {item.seq.seq_id: item.seq for item in out.scheduled}
-            for sid, entry in zip(batch.sample_seq_ids, result.logprobs):
-                if entry is not None:
-                    by_id[sid].logprobs.append(entry)
-        touched = {item.seq.request_id: set() for item in out.scheduled}
-        for item in out.scheduled:
-            touched[item.seq.request_id].add(item.seq.seq_id)
+        touched: dict[str, set[int]] = {}
+        for seq in [item.seq for item in out.scheduled] + [child for _, child in forks]:
+            touched.setdefault(seq.request_id, set()).add(seq.seq_id)
         outputs = [self._emit(self.requests[rid], seq_ids) for rid, seq_ids in touched.items() if rid in self.requests]
         self._record_step(out, time.perf_counter() - start, len(sampled))
         return [o for o in outputs if o.outputs or o.finished]
+
+    def _forks_due(self, seqs: list[Sequence], rows: list[int]) -> list[tuple[Sequence, Sequence]]:
+        """n > 1: when the first sequence samples its first token, fork the others from it (sharing the prompt's
+        KV blocks) and give each its own sample of the same logits row. Extends ``seqs``/``rows`` in place."""
+        forks = []
+        for row, parent in enumerate(list(seqs)):
+            req = self.requests[parent.request_id]
+            if req.pending_children and parent.num_output_tokens == 0:
+                for child in req.pending_children:
+                    forks.append((parent, child))
+                    seqs.append(child)
+                    rows.append(row)
+                req.pending_children = []
+        return forks
 
     def _emit(self, req: _Request, seq_ids: set[int]) -> RequestOutput:
         """Build the delta output of a request: new tokens and text, stop strings, finish."""
@@ -183,13 +201,10 @@ class Engine:
                 continue
             req.sent[i] += len(new)
             detok = req.detoks[i]
-            before = len(detok.text)
             detok.add(new)
             if seq.is_finished:
                 detok.flush()
-            text = detok.text[before:]
-            if req.params.stop and not seq.finish_reason == FinishReason.ABORT:
-                text = self._apply_stop_strings(seq, detok, before, text)
+            text = self._text_delta(req, i, seq, detok)
             logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if req.params.logprobs is not None else None
             deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
         finished = all(seq.is_finished for seq in req.seqs)
@@ -198,16 +213,19 @@ class Engine:
             self._finish_request(req, output)
         return output
 
-    def _apply_stop_strings(self, seq: Sequence, detok: IncrementalDetokenizer, before: int, text: str) -> str:
-        window_start = max(0, before - max(len(s) for s in seq.params.stop) + 1)
-        hits = [i for s in seq.params.stop if (i := detok.text.find(s, window_start)) != -1]
-        if not hits:
-            return text
-        cut = min(hits)
-        detok.text = detok.text[:cut]
-        if not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP)
-        return detok.text[before:]
+    def _text_delta(self, req: _Request, i: int, seq: Sequence, detok: IncrementalDetokenizer) -> str:
+        """New text of sequence i. With stop strings, the last (longest stop - 1) characters are held back until
+        they cannot start a stop string, so that streamed text never has to be taken back."""
+        stops = req.params.stop
+        hold = max(map(len, stops)) - 1 if stops else 0
+        if stops and seq.finish_reason is not FinishReason.ABORT:
+            hits = [j for s in stops if (j := detok.text.find(s, max(0, req.emitted[i] - hold))) != -1]
+            if hits:
+                detok.text = detok.text[: min(hits)]
+                self.scheduler.finish(seq, FinishReason.STOP)
+        end = len(detok.text) if seq.is_finished else max(req.emitted[i], len(detok.text) - hold)
+        text, req.emitted[i] = detok.text[req.emitted[i] : end], end
+        return text
 
     def _finish_request(self, req: _Request, output: RequestOutput) -> None:
         del self.requests[req.request_id]

@@ -165,6 +165,11 @@ class Scheduler(ABC):
         """
 
     @abstractmethod
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Make ``child`` a RUNNING copy of ``parent`` (token_ids, num_computed_tokens) sharing its KV blocks by
+        reference through ``KVCache.fork``; the first write into a shared partial block copies it."""
+
+    @abstractmethod
     def finish(self, seq: Sequence, reason: Any) -> None:
         """Finish (or abort) a sequence now, wherever it is, and release its blocks. Idempotent."""
 

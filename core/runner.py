@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, Model, SchedulerOutput
+from .request import Sequence
 from .sampling import Sampler, SampleResult
 
 
@@ -98,12 +99,10 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
         return batch, self.model.compute_logits(hidden[batch.sample_rows])
 
-    def sample(self, batch: Batch, logits: torch.Tensor, out: SchedulerOutput) -> SampleResult:
-        by_id = {item.seq.seq_id: item.seq for item in out.scheduled}
-        seqs = [by_id[i] for i in batch.sample_seq_ids]
-        params = [s.params for s in seqs]
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences)."""
         generators = [
             None if s.params.seed is None else self.sampler.generator_for(s.seq_id, s.params.seed, s.index)
             for s in seqs
         ]
-        return self.sampler(logits, params, generators)
+        return self.sampler(logits, [s.params for s in seqs], generators)

@@ -107,6 +107,13 @@ class ContinuousScheduler(Scheduler):
                     break
         return finished
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.kv.fork(parent, child)
+        self.running.append(child)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.is_finished:
             return

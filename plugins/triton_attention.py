@@ -39,6 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
                           batch=batch, max_context_len=meta.max_context_len, max_query_len=meta.max_query_len)
 
     def num_splits(self, plan: TritonPlan, num_kv_heads: int) -> int:
+        """Decode grid's split count: a pure function of the plan and the layer's KV heads (constant per model)."""
         return self.kernels.default_num_splits(plan.batch, num_kv_heads, plan.max_context_len, self.num_sms)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -46,7 +47,7 @@ class TritonAttentionBackend(AttentionBackend):
         plan = meta.backend_data if isinstance(meta.backend_data, TritonPlan) else self.prepare(meta)
         k_cache, v_cache = kv_cache
         self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if plan.all_decode:
+        if plan.all_decode and q.shape[0] == plan.batch:  # padded token rows would index past context_lens
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                                  self.num_splits(plan, k_cache.shape[2]))
         return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,

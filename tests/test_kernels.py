@@ -18,7 +18,7 @@ from infer.kernels import attention as attn  # noqa: E402
 from infer.kernels import fused_ops as ops  # noqa: E402
 from infer.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 
-DTYPES = [torch.float32, torch.float16]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 # attention on GPU dots fp16-upcast operands in tf32: p (not q.k) loses bits, about one fp16 ulp more
 ATTN_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
@@ -110,6 +110,21 @@ def test_prefill_attention(device: torch.device, dtype: torch.dtype, group: int,
                                  block_n=32)
     ref = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2)
     torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
+
+
+def test_attention_head_dim_not_a_power_of_two(device: torch.device) -> None:
+    torch.manual_seed(4)
+    context, page = [3, 21], 8
+    k_cache, v_cache = paged_cache(8, page, 1, 40, torch.float32, device)
+    tables = block_tables_for(context, page, 8, device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(2, 2, 40, device=device)
+    out = attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.2, 2, block_n=16)
+    torch.testing.assert_close(out, attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.2))
+    starts = torch.tensor([0, 2, 7], dtype=torch.int32, device=device)
+    q = torch.randn(7, 2, 40, device=device)
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 5, 0.2)
+    torch.testing.assert_close(out, attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2))
 
 
 # ---------------------------------------------------------------- fused small ops

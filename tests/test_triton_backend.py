@@ -61,7 +61,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_forward_matches_dense_attention(device: torch.device, dtype: torch.dtype, group: int, case: str) -> None:

@@ -1,0 +1,156 @@
+"""Engine behaviour against references: HF greedy, torch sampling semantics, and KV bookkeeping."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.request import FinishReason, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=256))
+
+
+def rand_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def drained(engine: Engine) -> bool:
+    s = engine.kv.stats()
+    return s.used_blocks == 0 and s.free_blocks + s.cached_blocks == s.total_blocks
+
+
+def test_fork_n_greedy_equals_hf_and_shares_prompt_blocks(tiny_model, hf_greedy):
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=256))
+    prompt = rand_prompt(200, 1)  # 12.5 blocks: the last block is partial and gets copied on first write
+    ref = hf_greedy(tiny_model, prompt, 24)
+    peaks = {}
+    for n in (1, 4):
+        engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=n),
+                           request_id=f"n{n}")
+        peak, outputs = 0, {}
+        while engine.has_unfinished():
+            for delta in engine.step():
+                for c in delta.outputs:
+                    outputs.setdefault(c.index, []).extend(c.token_ids)
+            peak = max(peak, engine.kv.stats().used_blocks)
+        peaks[n] = peak
+        assert [outputs[i] for i in range(n)] == [ref] * n
+    assert peaks[4] < 1.5 * peaks[1], peaks
+    assert drained(engine)
+
+
+def test_chunked_prefill_equals_unchunked(tiny_model, hf_greedy):
+    prompts = [rand_prompt(n, n) for n in (150, 7, 90, 260)]
+    chunked = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="chunked-prefill",
+                                  max_num_batched_tokens=64, num_kv_blocks=256))
+    results = chunked.generate(prompts, GREEDY)
+    for prompt, result in zip(prompts, results):
+        assert result.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 24)
+    assert drained(chunked)
+
+
+def test_prefix_cache_hits_and_keeps_outputs(tiny_model, hf_greedy):
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=256))
+    system = rand_prompt(64, 3)
+    prompts = [system + rand_prompt(10, 10 + i) for i in range(3)]
+    engine.generate(prompts[:1], GREEDY)
+    results = engine.generate(prompts[1:], GREEDY)
+    assert engine.stats.prefix_hit_rate > 0.5
+    assert all(r.num_cached_tokens == 64 for r in results)
+    for prompt, result in zip(prompts[1:], results):
+        assert result.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 24)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234)
+    alone = engine.generate([rand_prompt(20, 5)], params)[0].outputs[0].token_ids
+    crowd = engine.generate([rand_prompt(30, 6), rand_prompt(20, 5), rand_prompt(9, 7)],
+                            [SamplingParams(max_tokens=12, temperature=1.0), params, params])
+    assert crowd[1].outputs[0].token_ids == alone
+    assert crowd[2].outputs[0].token_ids != alone  # a different prompt with the same seed diverges
+
+
+def test_sampling_filters_follow_their_definitions():
+    from infer.core.sampling import Sampler
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = Sampler.filtered_probs(logits, [SamplingParams(top_p=0.7)])
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    probs = Sampler.filtered_probs(logits, [SamplingParams(top_k=3)])
+    assert torch.allclose(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    probs = Sampler.filtered_probs(logits, [SamplingParams(min_p=0.5)])  # keep p >= 0.25
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    probs = Sampler.filtered_probs(logits, [SamplingParams(temperature=0.5)])
+    assert torch.allclose(probs, torch.softmax(logits / 0.5, -1))
+
+
+def test_sampled_frequencies_match_the_distribution():
+    from infer.core.sampling import Sampler
+
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    target = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(target).expand(20000, 4).contiguous()
+    tokens = sampler(logits, [SamplingParams(temperature=1.0)] * 20000, [None] * 20000).token_ids
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 20000
+    assert torch.allclose(freq, target, atol=0.015)
+
+
+def test_logprobs_equal_log_softmax_of_hf_logits(engine, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    prompt = rand_prompt(12, 8)
+    out = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=3))[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    top = ref.topk(3)
+    entry = out.logprobs[0]
+    assert set(entry) == set(top.indices.tolist())  # greedy token is the top-1
+    for token, value in zip(top.indices.tolist(), top.values.tolist()):
+        assert entry[token] == pytest.approx(value, abs=1e-4)
+
+
+def test_stream_deltas_concatenate_to_the_final_text(engine):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = "def add(a, b):"
+    full = engine.generate([prompt], params)[0].outputs[0]
+    deltas = list(engine.stream(prompt, params))
+    assert "".join(c.text for d in deltas for c in d.outputs) == full.text
+    assert [t for d in deltas for c in d.outputs for t in c.token_ids] == full.token_ids
+    assert deltas[-1].finished and full.text == engine.tokenizer.decode(full.token_ids)
+
+
+def test_stop_strings_and_stop_tokens(engine):
+    prompt = rand_prompt(10, 9)
+    free = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    stop_token = free.token_ids[5]
+    first = free.token_ids.index(stop_token)
+    out = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                   stop_token_ids=[stop_token]))[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason is FinishReason.STOP
+    stop_text = free.text[6:9]
+    out = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                   stop=[stop_text]))[0].outputs[0]
+    assert out.text == free.text[: free.text.index(stop_text)] and out.finish_reason is FinishReason.STOP
+    streamed = engine.stream(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop_text]))
+    assert "".join(c.text for d in streamed for c in d.outputs) == out.text  # nothing streamed is taken back
+
+
+def test_abort_frees_blocks_and_other_requests_continue(engine):
+    a = engine.add_request(rand_prompt(40, 11), SamplingParams(max_tokens=50, ignore_eos=True))
+    b = engine.add_request(rand_prompt(40, 12), GREEDY)
+    engine.step()
+    final = engine.abort(a)
+    assert final.finished and final.outputs[0].finish_reason is FinishReason.ABORT
+    while engine.has_unfinished():
+        engine.step()
+    assert b not in engine.requests and drained(engine)
