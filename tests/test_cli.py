@@ -1,0 +1,116 @@
+"""The CLI and bad input: clear one-line errors, no traceback, non-zero exit; the engine keeps serving."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from infer.cli import main
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.errors import InvalidRequestError
+from infer.core.request import SamplingParams
+
+
+def run(*args: str, input: str | None = None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def test_generate_prints_text(tiny_model):
+    result = run("--model", str(tiny_model), "generate", "hello", "--max-tokens", "8", "--ignore-eos")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("hello") and len(result.output.strip()) > len("hello")
+
+
+def test_generate_reads_stdin_streams_and_prints_stats(tiny_model):
+    result = run("--model", str(tiny_model), "generate", "--max-tokens", "4", "--stream", "--stats",
+                 input="first prompt\nsecond prompt\n")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("first prompt") and lines[1].startswith("second prompt")
+    stats = json.loads(result.output[result.output.index("{"):])
+    assert stats["requests_finished"] == 2 and "prefix_hit_rate" in stats
+
+
+def test_plugins_lists_the_shipped_components():
+    result = run("plugins", "--json")
+    rows = {(r["kind"], r["name"]) for r in json.loads(result.output)}
+    assert {("scheduler", "continuous"), ("kv_cache", "paged"), ("attention_backend", "torch")} <= rows
+
+
+def _bad_folders(tmp_path, tiny_model):
+    unsupported = tmp_path / "unsupported"
+    shutil.copytree(tiny_model, unsupported)
+    config = json.loads((unsupported / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (unsupported / "config.json").write_text(json.dumps(config))
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(tiny_model / "config.json", no_weights)
+    pickle_only = tmp_path / "pickle-only"
+    shutil.copytree(no_weights, pickle_only)
+    (pickle_only / "pytorch_model.bin").write_bytes(b"not loaded")
+    return unsupported, no_weights, pickle_only
+
+
+BAD_REQUESTS = [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "hi", "--max-tokens", "2000"], "exceeds the model's context length 1024"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens must be a positive integer"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be a number >= 0"),
+    (["generate", "hi", "--temperature", "nan"], "temperature must be a number >= 0"),
+    (["generate", "hi", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
+    (["generate", "hi", "--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_REQUESTS)
+def test_bad_requests_fail_cleanly(tiny_model, args, message):
+    result = run("--model", str(tiny_model), *args)
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    assert __import__("re").search(message, result.output), result.output
+
+
+def test_bad_models_and_plugins_fail_cleanly(tmp_path, tiny_model):
+    unsupported, no_weights, pickle_only = _bad_folders(tmp_path, tiny_model)
+    cases = [
+        (["--plugin", "nope"], "unknown plugin 'nope'; registered components:"),
+        (["--model", str(tmp_path / "missing")], "does not exist"),
+        (["--model", str(unsupported)], "unsupported architecture 'GPT2LMHeadModel'; supported: .*LlamaForCausalLM"),
+        (["--model", str(no_weights)], "has no \\*.safetensors weight files"),
+        (["--model", str(pickle_only)], "refuses pickle files"),
+    ]
+    for options, message in cases:
+        result = run(*options, "generate", "hi")
+        assert result.exit_code != 0 and "Traceback" not in result.output
+        assert __import__("re").search(message, result.output), result.output
+
+
+def test_engine_keeps_serving_after_bad_requests(tiny_model):
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    bad = [("", SamplingParams()), ([], SamplingParams()), ("hi", SamplingParams(max_tokens=5000)),
+           ("hi", SamplingParams(max_tokens=0)), ("hi", SamplingParams(temperature=-0.5)),
+           ("hi", SamplingParams(temperature=math.nan)), ("hi", SamplingParams(top_p=0.0)),
+           ([5, 10**9], SamplingParams())]
+    good = engine.add_request("hello", SamplingParams(max_tokens=6, ignore_eos=True))
+    for prompt, params in bad:
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.requests_finished == 1 and good not in engine.requests
+
+
+def test_fresh_install_generates_with_the_embedded_default(tmp_path):
+    env = dict(os.environ, INFER_CACHE_DIR=str(tmp_path / "cache"))
+    infer = shutil.which("infer") or pytest.fail("the `infer` console script is not installed")
+    proc = subprocess.run([infer, "generate", "hello", "--max-tokens", "8"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("hello") and "demo model" in proc.stderr

@@ -1,0 +1,112 @@
+"""The plugin core: entry points, run-time registration, duplicate and unknown names, --plugin resolution."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from infer import hookimpl
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.errors import PluginError
+from infer.core.plugins import PluginManager
+from infer.core.request import SamplingParams
+from infer.plugins.continuous_scheduler import ContinuousScheduler
+
+
+def plugin_module(name: str, **hooks) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for hook_name, function in hooks.items():
+        setattr(module, hook_name, hookimpl(function))
+    return module
+
+
+def test_shipped_components_register_through_entry_points(infer_plugins):
+    kinds = {(c.kind, c.name): c.source for c in infer_plugins.components()}
+    for key in [("scheduler", "continuous"), ("kv_cache", "paged"), ("attention_backend", "torch"),
+                ("eviction_policy", "lru"), ("model", "LlamaForCausalLM")]:
+        assert kinds[key] == "infer-engine"
+
+
+def test_a_runtime_plugin_becomes_selectable_by_name(tiny_model, infer_plugins):
+    built = []
+
+    class LastInFirstOut(ContinuousScheduler):
+        def add(self, seq):
+            super().add(seq)
+            self.waiting.rotate(1)
+
+    def register_schedulers(register):
+        register("lifo", lambda config, kv: built.append(1) or LastInFirstOut(config, kv))
+
+    infer_plugins.register(plugin_module("third_party", register_schedulers=register_schedulers), source="acme")
+    config = infer_plugins.resolve_plugin_names(EngineConfig(model=str(tiny_model), device="cpu"), ["lifo"])
+    assert config.scheduler == "lifo"
+    assert ("scheduler", "lifo", "acme") in {(c.kind, c.name, c.source) for c in infer_plugins.components()}
+    engine = Engine(config, infer_plugins)
+    out = engine.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert built == [1] and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_duplicate_names_name_both_packages(infer_plugins):
+    def register_kv_caches(register):
+        register("paged", lambda config, n, eviction: None)
+
+    infer_plugins.register(plugin_module("dup", register_kv_caches=register_kv_caches), source="acme-kv")
+    with pytest.raises(PluginError, match="'paged'.*'infer-engine'.*'acme-kv'"):
+        infer_plugins.collect()
+
+
+def test_duplicate_alias_is_an_error_too(infer_plugins):
+    def register_schedulers(register):
+        register("my-chunked", lambda config, kv: None, aliases=("chunked",))
+
+    infer_plugins.register(plugin_module("alias", register_schedulers=register_schedulers), source="acme")
+    with pytest.raises(PluginError, match="duplicate scheduler name 'chunked'"):
+        infer_plugins.collect()
+
+
+def test_unknown_names_list_the_choices(infer_plugins):
+    with pytest.raises(PluginError, match="unknown kv cache 'nope'; registered kv caches: .*paged"):
+        infer_plugins.registry("kv_cache").get("nope")
+    with pytest.raises(PluginError, match="unknown plugin 'nope'; registered components: .*continuous.*paged"):
+        infer_plugins.resolve_plugin_names(EngineConfig(), ["nope"])
+
+
+def test_a_name_under_two_kinds_asks_for_the_explicit_option(infer_plugins):
+    def register_kv_caches(register):
+        register("turbo", lambda config, n, eviction: None)
+
+    def register_schedulers(register):
+        register("turbo", lambda config, kv: None)
+
+    infer_plugins.register(plugin_module("turbo", register_kv_caches=register_kv_caches,
+                                         register_schedulers=register_schedulers), source="acme")
+    with pytest.raises(PluginError, match="--scheduler turbo or --kv-cache turbo"):
+        infer_plugins.resolve_plugin_names(EngineConfig(), ["turbo"])
+
+
+def test_allow_list_loads_only_named_entry_points(monkeypatch):
+    only = PluginManager.from_entry_points(allow="continuous,paged")
+    assert {c.kind for c in only.components()} == {"scheduler", "kv_cache"}
+    monkeypatch.setenv("INFER_PLUGINS", "paged")
+    assert {c.name for c in PluginManager.from_entry_points().components()} == {"paged"}
+    with pytest.raises(PluginError, match="not installed: missing-one"):
+        PluginManager.from_entry_points(allow="paged,missing-one")
+
+
+def test_event_hooks_observe_steps_and_finished_requests(tiny_model, infer_plugins):
+    seen = {"steps": 0, "finished": []}
+
+    def on_step(stats):
+        seen["steps"] += 1
+
+    def on_request_finished(output):
+        seen["finished"].append(output.request_id)
+
+    infer_plugins.register(plugin_module("observer", on_step=on_step, on_request_finished=on_request_finished))
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), infer_plugins)
+    engine.add_request("hi", SamplingParams(max_tokens=3, ignore_eos=True), request_id="r1")
+    while engine.has_unfinished():
+        engine.step()
+    assert seen == {"steps": 3, "finished": ["r1"]}
