@@ -30,6 +30,9 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--kv-cache-memory-gb", type=float, default=None,
                  help="KV pool as a memory budget [default: 90%% of free GPU memory, or up to 2 GiB on CPU]."),
     click.option("--no-prefix-caching", is_flag=True, default=False, help="Disable prefix caching."),
+    click.option("--preemption", "preemption_mode", type=click.Choice(["recompute", "swap"]), default=None,
+                 help="What a preempted sequence does with its KV [default: recompute]."),
+    click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
     click.option("--seed", type=int, default=None, help="Seed of unseeded sampling [default: 0]."),
 ]
 
@@ -38,7 +41,7 @@ FIELD_OF_OPTION = {
     "eviction_policy": "eviction_policy", "dtype": "dtype", "device": "device", "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
     "block_size": "block_size", "num_kv_blocks": "num_kv_blocks", "kv_cache_memory_gb": "kv_cache_memory_gb",
-    "seed": "seed",
+    "seed": "seed", "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
 }
 
 

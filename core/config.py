@@ -43,7 +43,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
-    swap_space_gb: float = 4.0
+    swap_space_gb: float = 4.0  # host memory for --preemption swap
+    num_swap_blocks: int | None = None  # explicit host swap pool in blocks; else derived from swap_space_gb
     num_speculative_tokens: int = 0
     draft_model: str | None = None
     cuda_graphs: bool = True
@@ -64,6 +65,10 @@ class EngineConfig:
             raise ConfigError(f"block-size must be a power of two <= 256, got {self.block_size}")
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
+        if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
+            raise ConfigError(f"num-swap-blocks must be >= 0, got {self.num_swap_blocks}")
+        if self.swap_space_gb < 0:
+            raise ConfigError(f"swap-space-gb must be >= 0, got {self.swap_space_gb}")
         if self.max_model_len is not None:
             positive("max_model_len")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:

@@ -58,11 +58,15 @@ class Engine:
         attention_name = config.attention or self._default_attention()
         self.attention = self.plugins.registry("attention_backend").get(attention_name)(config)
         self.num_blocks = self._num_kv_blocks()
+        if config.preemption_mode == "swap" and config.num_swap_blocks is None:
+            per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.loaded.dtype)
+            config.num_swap_blocks = int(config.swap_space_gb * 2**30) // per_block
         eviction = self.plugins.registry("eviction_policy").get(config.eviction_policy)(config)
         self.kv = self.plugins.registry("kv_cache").get(config.kv_cache)(config, self.num_blocks, eviction)
         self.scheduler = self.plugins.registry("scheduler").get(config.scheduler)(config, self.kv)
         self.runner = ModelRunner(self.loaded.model, self.attention, self.num_blocks, config.block_size,
-                                  self.loaded.dtype, self.loaded.device, config.seed)
+                                  self.loaded.dtype, self.loaded.device, config.seed,
+                                  config.num_swap_blocks if config.preemption_mode == "swap" else 0)
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": attention_name,
                        "eviction_policy": config.eviction_policy, "quant": config.quant or "none"}
         self.requests: dict[str, _Request] = {}

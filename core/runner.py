@@ -21,7 +21,7 @@ class Batch:
 
 class ModelRunner:
     def __init__(self, model: Model, attention: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int) -> None:
+                 dtype: torch.dtype, device: torch.device, seed: int, num_swap_blocks: int = 0) -> None:
         self.model, self.attention = model, attention
         self.block_size, self.device = block_size, device
         spec = model.spec
@@ -30,8 +30,14 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(spec.num_layers)
         ]
-        self.sampler = Sampler(device, seed)
         self._pin = device.type == "cuda"
+        host_shape = (num_swap_blocks, *shape[1:])
+        self.host_caches = [
+            (torch.zeros(host_shape, dtype=dtype, pin_memory=self._pin),
+             torch.zeros(host_shape, dtype=dtype, pin_memory=self._pin))
+            for _ in range(spec.num_layers if num_swap_blocks else 0)
+        ]
+        self.sampler = Sampler(device, seed)
 
     @staticmethod
     def bytes_per_block(model: Model, block_size: int, dtype: torch.dtype) -> int:
@@ -84,6 +90,18 @@ class ModelRunner:
                      self._tensor(sample_rows, torch.int64), sample_seq_ids)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
+        """Swap-outs, then swap-ins, then copy-on-write copies, as BlockOps orders them."""
+        for pairs, outward in ((ops.swap_out, True), (ops.swap_in, False)):
+            if not pairs:
+                continue
+            src = torch.tensor([a for a, _ in pairs])
+            dst = torch.tensor([b for _, b in pairs])
+            for device_kv, host_kv in zip(self.kv_caches, self.host_caches):
+                for dev, host in zip(device_kv, host_kv):
+                    if outward:
+                        host[dst] = dev[src.to(dev.device)].to("cpu", non_blocking=False)
+                    else:
+                        dev[dst.to(dev.device)] = host[src].to(dev.device, non_blocking=True)
         if ops.copies:
             src = torch.tensor([s for s, _ in ops.copies], device=self.device)
             dst = torch.tensor([d for _, d in ops.copies], device=self.device)

@@ -6,9 +6,40 @@ from collections import deque
 from ..core.config import EngineConfig
 from ..core.errors import CapacityError
 from ..core.hookspecs import SchedulerFactory, hookimpl
-from ..core.interfaces import KVCache, ScheduledSequence, Scheduler, SchedulerOutput
+from ..core.interfaces import BlockOps, KVCache, ScheduledSequence, Scheduler, SchedulerOutput
 from ..core.registry import Register
 from ..core.request import FinishReason, Sequence, SequenceStatus
+
+
+class SwapSpace:
+    """Host block ids for preemption by swapping. Freed ids return to the pool one step late, so that a
+    swap-out in the same step cannot overwrite a block before its swap-in has read it."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free: list[int] = list(range(num_blocks))
+        self.released: list[int] = []
+        self.held: dict[int, tuple[list[int], int]] = {}  # seq_id -> (host blocks, computed tokens)
+
+    def begin_step(self) -> None:
+        self.free += self.released
+        self.released = []
+
+    def swap_out(self, seq: Sequence, device_blocks: list[int], ops: BlockOps) -> bool:
+        if len(device_blocks) > len(self.free) or not device_blocks:
+            return False
+        host = [self.free.pop() for _ in device_blocks]
+        ops.swap_out += list(zip(device_blocks, host))
+        self.held[seq.seq_id] = (host, seq.num_computed_tokens)
+        return True
+
+    def swap_in(self, seq: Sequence, device_blocks: list[int], ops: BlockOps) -> None:
+        host, _ = self.held.pop(seq.seq_id)
+        ops.swap_in += list(zip(host, device_blocks))
+        self.released += host
+
+    def drop(self, seq: Sequence) -> None:
+        if seq.seq_id in self.held:
+            self.released += self.held.pop(seq.seq_id)[0]
 
 
 class ContinuousScheduler(Scheduler):
@@ -22,9 +53,13 @@ class ContinuousScheduler(Scheduler):
     def __init__(self, config: EngineConfig, kv: KVCache, chunked: bool = False) -> None:
         self.kv, self.chunked = kv, chunked
         self.max_num_seqs, self.token_budget = config.max_num_seqs, config.max_num_batched_tokens
+        swap_blocks = (config.num_swap_blocks or 0) if config.preemption_mode == "swap" else 0
+        self.swap = SwapSpace(swap_blocks) if swap_blocks else None
+        self.ops = BlockOps()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._preemptions = 0
+        self.num_swapped_out = 0
 
     # ------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
@@ -43,6 +78,8 @@ class ContinuousScheduler(Scheduler):
     # ------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[])
+        if self.swap:
+            self.swap.begin_step()
         budget = self.token_budget
         kept: list[Sequence] = []
         queue = list(self.running)
@@ -62,11 +99,25 @@ class ContinuousScheduler(Scheduler):
         if not out.preempted:
             self._admit(out, budget)
         out.block_ops = self.kv.take_block_ops()
+        out.block_ops.swap_out, out.block_ops.swap_in = self.ops.swap_out, self.ops.swap_in
+        self.ops = BlockOps()
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            swapped = self.swap is not None and seq.seq_id in self.swap.held
+            if swapped:
+                held_tokens = self.swap.held[seq.seq_id][1]
+                remaining = seq.num_tokens - held_tokens
+                if not (remaining <= budget or not out.scheduled) or not self.kv.allocate(seq, seq.num_tokens):
+                    self.kv.free(seq)
+                    return
+                self.swap.swap_in(seq, self.kv.block_table(seq)[: -(-held_tokens // self.kv.block_size)], self.ops)
+                seq.num_computed_tokens = held_tokens
+                self._start(seq, remaining, out)
+                budget -= remaining
+                continue
             seq.num_computed_tokens = seq.num_cached_tokens = self.kv.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget) if self.chunked else remaining
@@ -75,13 +126,20 @@ class ContinuousScheduler(Scheduler):
                 self.kv.free(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 return
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, n))
+            self._start(seq, n, out)
             budget -= n
 
+    def _start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSequence(seq, n))
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if self.swap is not None:
+            computed_blocks = self.kv.block_table(seq)[: -(-seq.num_computed_tokens // self.kv.block_size)]
+            if self.swap.swap_out(seq, computed_blocks, self.ops):
+                self.num_swapped_out += 1
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
@@ -122,6 +180,8 @@ class ContinuousScheduler(Scheduler):
             self.kv.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if self.swap is not None:
+                self.swap.drop(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

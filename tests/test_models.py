@@ -55,3 +55,19 @@ def test_preemption_under_a_small_cache_keeps_outputs_exact(checkpoint, hf_greed
         assert result.outputs[0].token_ids == hf_greedy(path, prompt, 64)
     stats = engine.kv.stats()
     assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
+
+
+def test_preemption_by_swap_keeps_outputs_exact(checkpoint, hf_greedy):
+    path = checkpoint("llama")
+    rng = random.Random(3)
+    lengths = [rng.randint(20, 200) for _ in range(10)]
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=40, preemption_mode="swap",
+                                 num_swap_blocks=200))
+    batch_prompts = prompts(engine.loaded.model.spec.vocab_size, lengths, seed=4)
+    results = engine.generate(batch_prompts, GREEDY)
+    assert engine.scheduler.num_swapped_out > 0
+    for prompt, result in zip(batch_prompts, results):
+        assert result.outputs[0].token_ids == hf_greedy(path, prompt, 64)
+    stats = engine.kv.stats()
+    assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
+    assert not engine.scheduler.swap.held
