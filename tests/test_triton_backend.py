@@ -112,3 +112,18 @@ def test_forward_matches_dense_attention(device: torch.device, dtype: torch.dtyp
     flat = meta.slot_mapping
     assert torch.equal(k_cache.view(-1, kv_heads, HEAD_DIM)[flat], k)
     assert torch.equal(v_cache.view(-1, kv_heads, HEAD_DIM)[flat], v)
+
+
+@pytest.mark.parametrize("name", ["qwen3"])
+def test_engine_greedy_with_triton_equals_torch_backend(name: str, checkpoint, device: torch.device) -> None:
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+
+    path = str(checkpoint(name))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 11, 40, 2, 7, 300, 12] * 3, [17, 18], list(range(50, 90))]
+    outputs = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(EngineConfig(model=path, device=device.type, attention=backend, num_kv_blocks=64))
+        outputs[backend] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
+    assert outputs["triton"] == outputs["torch"]
