@@ -248,15 +248,18 @@ class Engine:
         s.preemptions = self.scheduler.num_preemptions
         s.num_waiting, s.num_running = self.scheduler.num_waiting(), self.scheduler.num_running()
         s.kv_peak_used_blocks = max(s.kv_peak_used_blocks, kv.used_blocks)
+        s.kv_waste_slots = self.kv_waste_slots()
+        if s.num_running:
+            s.kv_max_waste_per_seq = max(s.kv_max_waste_per_seq, s.kv_waste_slots / s.num_running)
         decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
         self.plugins.hook.on_step(stats=StepStats(
             s.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
             s.num_waiting, s.num_running, len(out.preempted), kv))
 
     def kv_waste_slots(self) -> int:
-        """Allocated slots that hold no token, over the running sequences (shared blocks counted once each)."""
+        """Allocated slots holding no token, summed over running sequences (each sequence's own tail)."""
         seqs = [s for r in self.requests.values() for s in r.seqs if s.status is SequenceStatus.RUNNING]
-        return sum(len(self.kv.block_table(s)) * self.kv.block_size - s.num_tokens for s in seqs)
+        return sum(len(self.kv.block_table(s)) * self.kv.block_size - s.num_computed_tokens for s in seqs)
 
     # ------------------------------------------------------------ convenience
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,

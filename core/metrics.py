@@ -36,6 +36,7 @@ class EngineStats:
     kv: KVStats | None = None
     kv_peak_used_blocks: int = 0
     kv_waste_slots: int = 0  # allocated slots holding no token, at the last step
+    kv_max_waste_per_seq: float = 0.0  # the largest waste per running sequence seen at any step, in slots
     spec_proposed: int = 0
     spec_accepted: int = 0
     ttft_s: list[float] = field(default_factory=list)
@@ -71,6 +72,7 @@ class EngineStats:
             "kv_blocks_cached": kv.cached_blocks if kv else 0,
             "kv_peak_used_blocks": self.kv_peak_used_blocks,
             "kv_waste_slots": self.kv_waste_slots,
+            "kv_max_waste_per_seq": round(self.kv_max_waste_per_seq, 3),
             "prefix_hit_rate": round(self.prefix_hit_rate, 4),
             "spec_acceptance_rate": round(self.acceptance_rate, 4),
             "mean_ttft_ms": round(1000 * sum(self.ttft_s) / len(self.ttft_s), 3) if self.ttft_s else 0.0,

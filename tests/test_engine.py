@@ -154,3 +154,9 @@ def test_abort_frees_blocks_and_other_requests_continue(engine):
     while engine.has_unfinished():
         engine.step()
     assert b not in engine.requests and drained(engine)
+
+
+def test_kv_waste_stays_below_one_block_per_sequence(engine):
+    prompts = [rand_prompt(n, 20 + n) for n in (3, 17, 40, 64, 100)]
+    engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    assert 0 < engine.stats.kv_max_waste_per_seq < engine.kv.block_size
