@@ -34,6 +34,7 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="What a preempted sequence does with its KV [default: recompute]."),
     click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
     click.option("--seed", type=int, default=None, help="Seed of unseeded sampling [default: 0]."),
+    click.option("--no-cuda-graphs", is_flag=True, default=False, help="Run decode steps eagerly on CUDA."),
 ]
 
 FIELD_OF_OPTION = {
@@ -58,16 +59,20 @@ class EngineArgs:
     values: dict[str, Any] = field(default_factory=dict)
     plugin_names: list[str] = field(default_factory=list)
     no_prefix_caching: bool = False
+    no_cuda_graphs: bool = False
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineArgs:
         values = {FIELD_OF_OPTION[k]: v for k, v in kwargs.items() if k in FIELD_OF_OPTION and v is not None}
-        return cls(values, list(kwargs.get("plugins") or ()), bool(kwargs.get("no_prefix_caching")))
+        return cls(values, list(kwargs.get("plugins") or ()), bool(kwargs.get("no_prefix_caching")),
+                   bool(kwargs.get("no_cuda_graphs")))
 
     def build(self, plugins: PluginManager) -> EngineConfig:
         config = EngineConfig(**self.values)
         if self.no_prefix_caching:
             config.enable_prefix_caching = False
+        if self.no_cuda_graphs:
+            config.cuda_graphs = False
         explicit = {k: v for k, v in self.values.items() if k in ("scheduler", "kv_cache", "attention", "quant")}
         config = plugins.resolve_plugin_names(config, self.plugin_names)
         config = config.replace(**explicit)  # an explicit option wins over --plugin

@@ -67,6 +67,11 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.attention, self.num_blocks, config.block_size,
                                   self.loaded.dtype, self.loaded.device, config.seed,
                                   config.num_swap_blocks if config.preemption_mode == "swap" else 0)
+        if config.cuda_graphs and self.loaded.device.type == "cuda":
+            if self.attention.supports_cuda_graphs:
+                self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256))
+            else:
+                log.info("CUDA graphs are off: attention backend %r does not support them", attention_name)
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": attention_name,
                        "eviction_policy": config.eviction_policy, "quant": config.quant or "none"}
         self.requests: dict[str, _Request] = {}

@@ -215,6 +215,10 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Stores new K/V into the paged cache and computes attention for a mixed batch."""
 
+    # True when a decode-only forward does no host sync and its shapes do not depend on context lengths, so
+    # that the runner may capture it in a CUDA graph (with metadata planned for the longest context).
+    supports_cuda_graphs: bool = False
+
     def prepare(self, meta: AttentionMetadata) -> Any:
         """Once per step, before any layer: precompute what every layer shares (indices, masks, splits)."""
         return None

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, Model, SchedulerOutput
 from .request import Sequence
 from .sampling import Sampler, SampleResult
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -38,6 +42,7 @@ class ModelRunner:
             for _ in range(spec.num_layers if num_swap_blocks else 0)
         ]
         self.sampler = Sampler(device, seed)
+        self.graphs: DecodeGraphs | None = None
 
     @staticmethod
     def bytes_per_block(model: Model, block_size: int, dtype: torch.dtype) -> int:
@@ -114,8 +119,18 @@ class ModelRunner:
         """Run the forward pass; return the batch and the float32 logits of its sampling rows."""
         self.apply_block_ops(out.block_ops)
         batch = self.prepare(out, kv)
+        if self.graphs is not None and self.graphs.fits(batch.meta, batch.input_ids.shape[0]):
+            return batch, self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # all rows sample
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
         return batch, self.model.compute_logits(hidden[batch.sample_rows])
+
+    def enable_cuda_graphs(self, max_batch: int) -> None:
+        """Capture decode graphs for batch sizes up to ``max_batch`` (CUDA and a capable backend only)."""
+        from .cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, self.block_size, max_batch,
+                                   self.device)
+        self.graphs.capture()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences)."""

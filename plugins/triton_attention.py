@@ -29,6 +29,8 @@ class TritonPlan:
 class TritonAttentionBackend(AttentionBackend):
     """store_kv, then split-K decode when all query lengths are 1, else the ragged prefill/extend kernel."""
 
+    supports_cuda_graphs = True
+
     def __init__(self, kernels: ModuleType, num_sms: int) -> None:
         self.kernels = kernels
         self.num_sms = num_sms
