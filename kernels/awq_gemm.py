@@ -21,7 +21,7 @@ def _awq_gemm_kernel(
     M, N, K, group_size, k_per_split,
     stride_xm, stride_xk, stride_qk, stride_zg, stride_sg, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -63,18 +63,27 @@ def _awq_gemm_kernel(
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask_out = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
-    else:
+    if ATOMIC:  # one of several K slices: sum into the fp32 buffer
         tl.atomic_add(out_ptrs, acc, mask=mask_out)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+
+
+def _auto_split_k(x: torch.Tensor, tiles: int, k: int, block_k: int) -> int:
+    """On CUDA, split K until there are about two programs per SM (decode has few output tiles); else 1."""
+    if not x.is_cuda:
+        return 1
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return max(1, min(triton.cdiv(2 * sms, tiles), k // (4 * block_k), 16))
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-             *, block_m: int | None = None, block_n: int = 64, block_k: int = 64, split_k: int = 1) -> torch.Tensor:
+             *, block_m: int | None = None, block_n: int = 64, block_k: int = 64, split_k: int | None = None
+             ) -> torch.Tensor:
     """``x [M, K] @ dequant(qweight, qzeros, scales) -> [M, N]`` in x's dtype (fp32, fp16 or bf16).
 
     ``group_size`` -1 means one group over all of K. ``block_n`` must be a multiple of 8 and at least 16;
-    ``split_k > 1`` splits K across programs and sums into an fp32 buffer.
+    ``split_k > 1`` splits K across programs and sums into an fp32 buffer (None: chosen from the SM count).
     """
     if x.dim() != 2:
         raise ValueError(f"awq_gemm expects x of shape [M, K], got {tuple(x.shape)}")
@@ -86,6 +95,8 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
     if block_m is None:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if split_k is None:
+        split_k = _auto_split_k(x, triton.cdiv(m, block_m) * triton.cdiv(n, block_n), k, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else \
@@ -95,7 +106,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
         x, qweight, qzeros, scales, out,
         m, n, k, group, k_per_split,
         x.stride(0), x.stride(1), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, DOT_FP32=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1, DOT_FP32=x.dtype == torch.float32,
     )
     return out.to(x.dtype) if split_k > 1 else out
 

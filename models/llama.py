@@ -164,6 +164,7 @@ class LlamaFamilyModel(Model):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
+        expected = set(self.state_dict())  # every tensor the checkpoint must provide (quant layouts included)
         seen: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
@@ -182,15 +183,9 @@ class LlamaFamilyModel(Model):
             else:
                 raise CheckpointError(f"unexpected tensor {name!r} in checkpoint for {self.cfg.architecture}")
             seen.add(name)
-        for module_name, module in modules.items():
-            if isinstance(module, Linear):
-                module.method.process_after_loading(module)
-        missing = [n for n in params if n not in seen and not self._loaded_via_linear(n, seen)]
+        missing = sorted(expected - seen)
         if missing:
             raise CheckpointError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-    @staticmethod
-    def _loaded_via_linear(param_name: str, seen: set[str]) -> bool:
-        # quant methods may replace `weight` with other tensors in process_after_loading
-        owner = param_name.rpartition(".")[0]
-        return any(name.rpartition(".")[0] == owner for name in seen)
+        for module in modules.values():
+            if isinstance(module, Linear):
+                module.method.process_after_loading(module)

@@ -15,17 +15,21 @@ ON_LOAD_GROUP_SIZE = 128
 
 
 def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
-    """An AWQ method for the checkpoint's ``quantization_config``, or RTN on load when there is none."""
+    """An AWQ method for the checkpoint's ``quantization_config``, or RTN on load when there is none.
+
+    ``config.plugin_options["awq"]`` may set ``group_size`` (on-load quantization only; default 128) and
+    ``fused_max_rows`` (the largest batch that runs the fused Triton kernel on CUDA; default 64).
+    """
     from ..quant.awq import parse_config
     from ..quant.awq_method import AwqLinearMethod
 
     options = config.plugin_options.get("awq", {}) if isinstance(config.plugin_options, dict) else {}
     fused_max_rows = int(options.get("fused_max_rows", 64))
     if quantization_config is None:
-        log.warning("awq: quantizing on load with round-to-nearest (int4, group %d); calibrated AWQ is more "
-                    "accurate: run `infer quantize --method awq MODEL OUT` once and load OUT",
-                    ON_LOAD_GROUP_SIZE)
-        return AwqLinearMethod(ON_LOAD_GROUP_SIZE, quantize_on_load=True, fused_max_rows=fused_max_rows)
+        group_size = options.get("group_size", ON_LOAD_GROUP_SIZE)
+        log.warning("awq: quantizing on load with round-to-nearest (int4, group %s); calibrated AWQ is more "
+                    "accurate: run `infer quantize --method awq MODEL OUT` once and load OUT", group_size)
+        return AwqLinearMethod(group_size, quantize_on_load=True, fused_max_rows=fused_max_rows)
     return AwqLinearMethod.from_config(parse_config(quantization_config), fused_max_rows=fused_max_rows)
 
 

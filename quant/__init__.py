@@ -1,1 +1,7 @@
+"""Quantization: checkpoint formats and the linear methods behind the ``awq`` and ``fp8`` plugins.
 
+- :mod:`.awq`: the AutoAWQ GEMM format (int4 packing, RTN quantization, dequantization, config checks).
+- :mod:`.awq_method`: :class:`~.awq_method.AwqLinearMethod`, the W4A16 QuantMethod.
+- :mod:`.fp8`: e4m3 scaling helpers and the compressed-tensors FP8 config.
+- :mod:`.fp8_method`: :class:`~.fp8_method.Fp8LinearMethod`, the W8A8 QuantMethod.
+"""

@@ -31,7 +31,8 @@ SUPPORTED_VERSION = "gemm"
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
     """Pack int4 values [rows, cols] (each 0..15, any integer dtype) into int32 [rows, cols / 8] in AWQ order."""
     if values.dim() != 2 or values.shape[1] % PACK:
-        raise ValueError(f"pack_int4 needs a 2-D tensor whose last dim is a multiple of {PACK}, got {tuple(values.shape)}")
+        raise ValueError(f"pack_int4 needs a 2-D tensor whose last dim is a multiple of {PACK}, "
+                         f"got {tuple(values.shape)}")
     v = values.to(torch.int64)
     if v.numel() and (int(v.min()) < 0 or int(v.max()) > MAX_Q):
         raise ValueError("pack_int4 values must lie in [0, 15]")

@@ -1,0 +1,528 @@
+"""AWQ and FP8: formats, packing, RTN error bounds, the Triton kernels (interpreted on CPU), the quant methods on
+``infer.models.layers.Linear``, config validation, and the plugin registrations."""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of a module defining @triton.jit kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from infer.core.config import EngineConfig  # noqa: E402
+from infer.core.errors import CheckpointError, ConfigError  # noqa: E402
+from infer.core.registry import Registry  # noqa: E402
+from infer.kernels.awq_gemm import awq_gemm, awq_gemm_reference  # noqa: E402
+from infer.kernels.fp8 import per_token_quant, w8a8_gemm, w8a8_gemm_reference  # noqa: E402
+from infer.models.layers import Linear, UnquantizedMethod  # noqa: E402
+from infer.plugins import awq as awq_plugin  # noqa: E402
+from infer.plugins import fp8 as fp8_plugin  # noqa: E402
+from infer.quant import awq, fp8  # noqa: E402
+from infer.quant.awq_method import AwqLinearMethod  # noqa: E402
+from infer.quant.fp8_method import Fp8LinearMethod  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    """Every test draws the same random tensors."""
+    torch.manual_seed(0)
+
+
+# ---------------------------------------------------------------- references written from the format's definition
+def naive_pack(q: torch.Tensor) -> torch.Tensor:
+    """Nibble i of packed column c holds column c * 8 + ORDER[i], written as a loop."""
+    values = q.numpy().astype(np.uint32)
+    packed = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.uint32)
+    for c in range(packed.shape[1]):
+        for i in range(8):
+            packed[:, c] |= values[:, c * 8 + ORDER[i]] << np.uint32(4 * i)
+    return torch.from_numpy(packed.view(np.int32).copy())
+
+
+def naive_dequant_fp16(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """AutoAWQ's dequantization arithmetic: integer difference times fp16 scales, in fp16, [in, out]."""
+    zz = z.repeat_interleave(group, dim=0)
+    ss = s.repeat_interleave(group, dim=0)
+    return (q.to(torch.int8) - zz.to(torch.int8)) * ss
+
+
+def awq_state(out_features: int, in_features: int, group: int, seed: int = 0
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A random weight [out, in] and its packed AutoAWQ-layout tensors."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g)
+    qweight, qzeros, scales = awq.quantize_rtn(weight, group)
+    return weight, {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+
+
+# ---------------------------------------------------------------- AWQ packing
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), packs=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_pack_unpack_round_trip(rows: int, packs: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, packs * 8), generator=g, dtype=torch.int32)
+    packed = awq.pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (rows, packs)
+    assert torch.equal(packed, naive_pack(q))
+    assert torch.equal(awq.unpack_int4(packed), q)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=12))
+def test_every_int32_unpacks_and_repacks(words: list[int]) -> None:
+    packed = torch.tensor(words, dtype=torch.int32).reshape(1, -1)
+    assert torch.equal(awq.pack_int4(awq.unpack_int4(packed)), packed)
+
+
+def test_nibble_layout_matches_the_format() -> None:
+    for i, column in enumerate(ORDER):
+        q = torch.zeros(1, 16, dtype=torch.int32)
+        q[0, 8 + column] = 0xF
+        packed = awq.pack_int4(q)
+        assert packed[0, 0] == 0
+        assert (int(packed[0, 1]) & 0xFFFFFFFF) == 0xF << (4 * i)
+
+
+def test_pack_rejects_out_of_range() -> None:
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        awq.pack_int4(torch.full((1, 8), 16))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        awq.pack_int4(torch.zeros(1, 7, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- AWQ RTN and dequantization
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rtn_error_is_at_most_half_a_step(group: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 256, generator=g)
+    w[0, :64] = w[0, :64].abs() + 3.0  # a group that is all positive
+    w[1, :128] = -w[1, :128].abs() - 1.0  # all negative
+    w[2, :] = 0.0  # all zero
+    w[3, 5] = 40.0  # an outlier
+    w = w.to(dtype)
+    qweight, qzeros, scales = awq.quantize_rtn(w, group)
+    eff = 256 if group == -1 else group
+    assert qweight.shape == (256, 3) and qzeros.shape == (256 // eff, 3) and scales.shape == (256 // eff, 24)
+    assert qweight.dtype == qzeros.dtype == torch.int32 and scales.dtype == torch.float16
+    deq = awq.dequantize(qweight, qzeros, scales, group, dtype=torch.float32).t()  # [out, in]
+    step = scales.to(torch.float32).t().repeat_interleave(eff, dim=1)
+    err = (deq - w.to(torch.float32)).abs()
+    assert bool((err <= step / 2 * (1 + 1e-5) + 1e-12).all()), float((err / step).max())
+
+
+def test_dequantize_equals_autoawq_arithmetic_bit_for_bit() -> None:
+    _, state = awq_state(32, 128, 32, seed=3)
+    q, z = awq.unpack_int4(state["qweight"]), awq.unpack_int4(state["qzeros"])
+    expected = naive_dequant_fp16(q, z, state["scales"], 32)
+    got = awq.dequantize(state["qweight"], state["qzeros"], state["scales"], 32)
+    assert got.dtype == torch.float16 and got.shape == (128, 32)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+def test_rtn_rejects_bad_shapes() -> None:
+    with pytest.raises(CheckpointError, match="group_size 128 does not divide in_features 96"):
+        awq.quantize_rtn(torch.randn(8, 96), 128)
+    with pytest.raises(CheckpointError, match="out_features divisible by 8"):
+        awq.quantize_rtn(torch.randn(12, 64), 32)
+
+
+# ---------------------------------------------------------------- AWQ config validation
+GOOD_AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": None}
+
+
+def test_parse_awq_config_accepts_both_spellings() -> None:
+    assert awq.parse_config(GOOD_AWQ) == awq.AwqConfig(128, ())
+    autoawq_style = {"w_bit": 4, "q_group_size": 64, "zero_point": True, "version": "GEMM",
+                     "modules_to_not_convert": ["visual"]}
+    assert awq.parse_config(autoawq_style) == awq.AwqConfig(64, ("visual",))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"version": "gemv"}, "'gemv' layout.*not support.*re-export it in the GEMM"),
+    ({"version": "marlin"}, "unsupported AWQ version 'marlin'"),
+    ({"bits": 8}, "bits must be 4, got 8"),
+    ({"group_size": 100}, "group_size must be one of -1, 32, 64, 128, got 100"),
+    ({"zero_point": False}, "zero_point must be true"),
+    ({"quant_method": "gptq"}, "quantized with 'gptq'"),
+    ({"modules_to_not_convert": "lm_head"}, "must be a list"),
+])
+def test_parse_awq_config_errors(change: dict[str, object], message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        awq.parse_config({**GOOD_AWQ, **change})
+
+
+# ---------------------------------------------------------------- the AWQ Triton kernel
+@pytest.mark.parametrize("dtype, m, k, n, group, split_k", [
+    (torch.float32, 3, 128, 64, 64, 1),
+    (torch.float16, 5, 256, 96, 32, 2),  # a partial N block, split-K through fp32 atomics
+    (torch.float32, 1, 96, 48, -1, 1),  # one group over all of K, a partial K block
+    (torch.float16, 17, 128, 64, 128, 1),  # two M blocks
+])
+def test_awq_gemm_matches_reference(dtype: torch.dtype, m: int, k: int, n: int, group: int, split_k: int) -> None:
+    _, state = awq_state(n, k, group, seed=m)
+    state = {name: t.to(DEVICE) for name, t in state.items()}
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+    out = awq_gemm(x, state["qweight"], state["qzeros"], state["scales"], group, split_k=split_k)
+    ref = awq_gemm_reference(x, state["qweight"], state["qzeros"], state["scales"], group)
+    assert out.dtype == dtype and out.shape == (m, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+
+
+# ---------------------------------------------------------------- the AWQ QuantMethod on Linear
+def make_linear(method: object, in_features: int, out_features: int, bias: bool = False,
+                prefix: str = "model.layers.0.mlp.up_proj", dtype: torch.dtype = torch.float32) -> Linear:
+    return Linear(in_features, out_features, bias, prefix, method, dtype)  # type: ignore[arg-type]
+
+
+def test_awq_linear_loads_packed_checkpoint_and_applies() -> None:
+    method = AwqLinearMethod(group_size=64)
+    layer = make_linear(method, 128, 32, bias=True)
+    assert layer.qweight.shape == (128, 4) and layer.qweight.dtype == torch.int32
+    assert layer.qzeros.shape == (2, 4) and layer.scales.shape == (2, 32) and layer.scales.dtype == torch.float16
+    assert layer.bias.dtype == torch.float32 and not hasattr(layer, "weight")
+    _, state = awq_state(32, 128, 64, seed=4)
+    bias = torch.randn(32, dtype=torch.float16)
+    for name, tensor in {**state, "bias": bias}.items():
+        layer.load(name, tensor)
+    method.process_after_loading(layer)
+    x = torch.randn(2, 3, 128)
+    w = awq.dequantize(state["qweight"], state["qzeros"], state["scales"], 64, dtype=torch.float32)
+    torch.testing.assert_close(layer(x), x @ w + bias.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_awq_linear_quantizes_on_load() -> None:
+    method = AwqLinearMethod(group_size=32, quantize_on_load=True)
+    layer = make_linear(method, 64, 16, dtype=torch.bfloat16)
+    weight = torch.randn(16, 64)
+    layer.load("weight", weight.to(torch.bfloat16))
+    method.process_after_loading(layer)
+    assert "weight" not in dict(layer.named_parameters()) and layer.qweight.shape == (64, 2)
+    qweight, qzeros, scales = awq.quantize_rtn(weight.to(torch.bfloat16), 32)
+    assert torch.equal(layer.qweight, qweight) and torch.equal(layer.scales, scales)
+    x = torch.randn(4, 64)
+    out = layer(x.to(torch.bfloat16)).float()
+    expected = x.to(torch.bfloat16).float() @ awq.dequantize(qweight, qzeros, scales, 32, torch.bfloat16).float()
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    exact = x @ weight.t()
+    assert (out - exact).norm() < 0.15 * exact.norm()  # int4 RTN: about 8% relative error on Gaussian weights
+
+
+def test_awq_linear_errors() -> None:
+    method = AwqLinearMethod(group_size=128)
+    with pytest.raises(CheckpointError, match="group_size 128 does not divide in_features 96.*'blk.proj'"):
+        make_linear(method, 96, 16, prefix="blk.proj")
+    layer = make_linear(method, 128, 16)
+    with pytest.raises(CheckpointError, match=r"shape mismatch.*qweight.*\(128, 4\).*\(128, 2\)"):
+        layer.load("qweight", torch.zeros(128, 4, dtype=torch.int32))
+    with pytest.raises(CheckpointError, match="qzeros must be int32"):
+        layer.load("qzeros", torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(CheckpointError, match="unquantized 'weight'.*modules_to_not_convert"):
+        layer.load("weight", torch.zeros(16, 128))
+    layer.load("qweight", torch.zeros(128, 2, dtype=torch.int32))
+    with pytest.raises(CheckpointError, match="missing qzeros, scales for layer"):
+        method.process_after_loading(layer)
+    on_load = AwqLinearMethod(quantize_on_load=True)
+    with pytest.raises(CheckpointError, match="declares no AWQ quantization_config"):
+        make_linear(on_load, 128, 16).load("qweight", torch.zeros(128, 2, dtype=torch.int32))
+
+
+def test_awq_skips_lm_head_and_modules_to_not_convert() -> None:
+    method = AwqLinearMethod(64, modules_to_not_convert=["mlp.gate"])
+    assert isinstance(make_linear(method, 64, 16, prefix="lm_head").method, UnquantizedMethod)
+    assert isinstance(make_linear(method, 64, 16, prefix="model.layers.1.mlp.gate_proj").method, UnquantizedMethod)
+    assert make_linear(method, 64, 16, prefix="model.layers.1.mlp.up_proj").method is method
+
+
+def test_awq_plugin_factory(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        on_load = awq_plugin.build_awq(EngineConfig(), None)
+    assert isinstance(on_load, AwqLinearMethod) and on_load.quantize_on_load and on_load.group_size == 128
+    assert [r.message for r in caplog.records if "calibrated AWQ" in r.message and "infer quantize" in r.message]
+    loaded = awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"fused_max_rows": 8}}),
+                                  {**GOOD_AWQ, "group_size": 64, "modules_to_not_convert": ["visual"]})
+    assert isinstance(loaded, AwqLinearMethod) and not loaded.quantize_on_load
+    assert (loaded.group_size, loaded.modules_to_not_convert, loaded.fused_max_rows) == (64, ("visual",), 8)
+    with pytest.raises(CheckpointError, match="gemv"):
+        awq_plugin.build_awq(EngineConfig(), {**GOOD_AWQ, "version": "gemv"})
+    small = awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"group_size": 32}}), None)
+    assert isinstance(small, AwqLinearMethod) and small.group_size == 32
+    with pytest.raises(CheckpointError, match="group_size must be one of -1, 32, 64, 128, got 48"):
+        awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"group_size": 48}}), None)
+
+
+def test_plugins_register_their_names() -> None:
+    registry: Registry[object] = Registry("quant method")
+    awq_plugin.register_quant_methods(register=registry.callback("awq"))
+    fp8_plugin.register_quant_methods(register=registry.callback("fp8"))
+    assert registry.names() == ["awq", "fp8"]
+    assert registry.get("compressed-tensors") is fp8_plugin.build_fp8
+
+
+# ---------------------------------------------------------------- FP8 formats and kernels
+def fp8_error_bound(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 keeps 3 mantissa bits: normals round within 2^-4 relative, subnormals within 2^-10 * scale."""
+    return t.abs() * 2.0**-4 + scale * 2.0**-10 + 1e-12
+
+
+def test_fp8_weight_per_channel_error_bound() -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 64, generator=g) * torch.logspace(-3, 3, 16).unsqueeze(1)
+    w[3] = 0.0
+    w_fp8, scale = fp8.quantize_weight_per_channel(w)
+    assert w_fp8.dtype == torch.float8_e4m3fn and scale.shape == (16,) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, w.abs().amax(1).clamp(min=fp8.MIN_AMAX) / 448)
+    assert torch.equal(w_fp8.float().abs().amax(1)[w.abs().amax(1) > 0], torch.full((15,), 448.0))
+    err = (fp8.dequantize(w_fp8, scale) - w).abs()
+    assert bool((err <= fp8_error_bound(w, scale.unsqueeze(1))).all())
+
+
+def test_fp8_per_token_kernel_matches_torch_exactly() -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 100, generator=g) * torch.tensor([1.0, 10.0, 0.01, 0.0, 1000.0]).unsqueeze(1)
+    for dtype in (torch.float32, torch.float16):
+        xd = x.to(DEVICE, dtype)
+        scaled, scale = per_token_quant(xd, out_dtype=torch.float32, block_k=32)  # two passes over K blocks
+        ref_q, ref_scale = fp8.quantize_per_token(xd)
+        assert torch.equal(scale, ref_scale)
+        # the cast happens in torch: the interpreter rounds fp32 -> fp8 wrongly
+        assert torch.equal(scaled.to(fp8.FP8_DTYPE).view(torch.uint8), ref_q.view(torch.uint8))
+        err = (fp8.dequantize(ref_q, ref_scale) - xd.float()).abs()
+        assert bool((err <= fp8_error_bound(xd.float(), ref_scale.unsqueeze(1))).all())
+
+
+@pytest.mark.parametrize("m, n, k", [(3, 48, 100), (20, 64, 64)])
+def test_w8a8_gemm_matches_reference(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    xq, xs = fp8.quantize_per_token(torch.randn(m, k, generator=g))
+    wq, ws = fp8.quantize_weight_per_channel(torch.randn(n, k, generator=g))
+    xq, xs, wq, ws = xq.to(DEVICE), xs.to(DEVICE), wq.to(DEVICE), ws.to(DEVICE)
+    for out_dtype in (torch.float32, torch.float16):
+        out = w8a8_gemm(xq, xs, wq, ws, out_dtype)
+        ref = w8a8_gemm_reference(xq, xs, wq, ws, out_dtype)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    per_tensor = w8a8_gemm(xq, xs[:1], wq, ws[:1], torch.float32)  # [1] scales broadcast
+    torch.testing.assert_close(per_tensor, w8a8_gemm_reference(xq, xs[:1], wq, ws[:1], torch.float32),
+                               rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- FP8 compressed-tensors config
+def ct_config(weights: dict[str, object], acts: dict[str, object] | None, ignore: list[str] | None = None,
+              **extra: object) -> dict[str, object]:
+    """A compressed-tensors quantization_config as the library writes it (0.20 layout)."""
+    group = {"format": "float-quantized", "targets": ["Linear"], "output_activations": None,
+             "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
+                         **weights},
+             "input_activations": None if acts is None else {"num_bits": 8, "type": "float", "symmetric": True,
+                                                             "group_size": None, **acts}}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"] if ignore is None else ignore,
+            "kv_cache_scheme": None, "sparsity_config": {}, **extra}
+
+
+FP8_DYNAMIC_CFG = ct_config({"strategy": "channel"}, {"strategy": "token", "dynamic": True})
+FP8_STATIC_CFG = ct_config({"strategy": "tensor"}, {"strategy": "tensor", "dynamic": False,
+                                                    "observer": "static_minmax"})
+
+
+def test_parse_compressed_tensors_presets() -> None:
+    dyn = fp8.parse_compressed_tensors(FP8_DYNAMIC_CFG)
+    assert dyn.scheme_for("model.layers.0.self_attn.q_proj") == fp8.DYNAMIC
+    assert dyn.scheme_for("lm_head") is None
+    static = fp8.parse_compressed_tensors(FP8_STATIC_CFG)
+    assert static.scheme_for("model.layers.0.mlp.down_proj") == fp8.STATIC
+    regex = fp8.parse_compressed_tensors(ct_config({"strategy": "channel"}, None, ignore=["re:.*mlp.gate_proj$"]))
+    assert regex.scheme_for("model.layers.3.mlp.gate_proj") is None
+    assert regex.scheme_for("model.layers.3.mlp.up_proj") == fp8.Fp8Scheme("channel", None)
+
+
+@pytest.mark.parametrize("config, message", [
+    (ct_config({"strategy": "group", "group_size": 128}, None), "strategy 'group'"),
+    (ct_config({"strategy": "channel", "type": "int"}, None), "'int' with 8 bits, not 8-bit float"),
+    (ct_config({"strategy": "channel"}, {"strategy": "token", "dynamic": False}), "dynamic 'token'"),
+    (ct_config({"strategy": "channel"}, None, sparsity_config={"format": "sparse-24"}), "sparse"),
+    (ct_config({"strategy": "channel"}, None, quantization_status="frozen"), "save the model compressed"),
+    ({**ct_config({"strategy": "channel"}, None), "config_groups": {}}, "config_groups is missing"),
+    ({"quant_method": "awq", "bits": 4}, "quantized with 'awq'"),
+])
+def test_parse_compressed_tensors_errors(config: dict[str, object], message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        fp8.parse_compressed_tensors(config)
+
+
+# ---------------------------------------------------------------- the FP8 QuantMethod on Linear
+def emulated_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                       x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize x (per token, or with a static scale) to fp8 and back; dequantize W; matmul in fp32."""
+    if x_scale is None:
+        xq, x_scale = fp8.quantize_per_token(x)
+    else:
+        xq = fp8.to_fp8(x, x_scale)
+    return fp8.dequantize(xq, x_scale) @ fp8.dequantize(w_fp8, w_scale).t()
+
+
+def test_fp8_on_load_quantization(caplog: pytest.LogCaptureFixture) -> None:
+    method = Fp8LinearMethod()
+    assert isinstance(make_linear(method, 64, 32, prefix="lm_head").method, UnquantizedMethod)
+    layer = make_linear(method, 64, 32, bias=True)
+    weight, bias = torch.randn(32, 64), torch.randn(32)
+    layer.load("weight", weight)
+    layer.load("bias", bias)
+    method.process_after_loading(layer)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (32,)
+    x = torch.randn(2, 3, 64)
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        out = layer(x)
+        layer(x)
+    expected = emulated_reference(x.reshape(6, 64), layer.weight, layer.weight_scale).reshape(2, 3, 32) + bias
+    torch.testing.assert_close(out, expected)
+    assert len([r for r in caplog.records if "fp8" in r.message and "emulate" in r.message]) == 1
+    exact = x @ weight.t()
+    assert (out - bias - exact).norm() < 0.08 * exact.norm()  # e4m3 keeps 3 mantissa bits: about 3%
+
+
+@pytest.mark.parametrize("config", [FP8_DYNAMIC_CFG, FP8_STATIC_CFG], ids=["FP8_DYNAMIC", "FP8"])
+def test_fp8_loads_compressed_tensors_state(config: dict[str, object]) -> None:
+    method = fp8_plugin.build_fp8(EngineConfig(), config)
+    assert isinstance(method, Fp8LinearMethod)
+    assert isinstance(make_linear(method, 64, 32, prefix="lm_head").method, UnquantizedMethod)
+    layer = make_linear(method, 64, 32)
+    weight = torch.randn(32, 64)
+    static = config is FP8_STATIC_CFG
+    if static:
+        w_scale = (weight.abs().amax() / 448).reshape(1)
+        state = {"weight": fp8.to_fp8(weight, w_scale), "weight_scale": w_scale,
+                 "input_scale": torch.tensor([0.02])}
+    else:
+        w_fp8, w_scale = fp8.quantize_weight_per_channel(weight)
+        state = {"weight": w_fp8, "weight_scale": w_scale.unsqueeze(1)}  # the library stores [out, 1]
+    for name, tensor in state.items():
+        layer.load(name, tensor)
+    method.process_after_loading(layer)
+    assert torch.equal(layer.weight.view(torch.uint8), state["weight"].view(torch.uint8))
+    x = torch.randn(5, 64)
+    expected = emulated_reference(x, state["weight"], w_scale, state.get("input_scale"))
+    torch.testing.assert_close(layer(x), expected)
+
+
+@pytest.mark.parametrize("config", [FP8_DYNAMIC_CFG, FP8_STATIC_CFG], ids=["FP8_DYNAMIC", "FP8"])
+def test_fp8_scaled_mm_backend_matches_emulation(config: dict[str, object]) -> None:
+    """torch._scaled_mm has a CPU implementation too, which checks the call (row-wise and per-tensor scales)."""
+    probe = torch.zeros(16, 16, dtype=fp8.FP8_DTYPE, device=DEVICE)
+    one = torch.ones((), device=DEVICE)
+    try:
+        torch._scaled_mm(probe, probe.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"torch._scaled_mm cannot run on {DEVICE}: {exc}")
+    weight = torch.randn(48, 64)
+    static = config is FP8_STATIC_CFG
+    w_scale = (weight.abs().amax() / 448).reshape(1) if static else fp8.quantize_weight_per_channel(weight)[1]
+    state = {"weight": fp8.to_fp8(weight, w_scale.reshape(-1, 1)), "weight_scale": w_scale}
+    if static:
+        state["input_scale"] = torch.tensor([0.01])
+    x = torch.randn(5, 64, device=DEVICE)
+    outs = []
+    for backend in ("scaled_mm", "emulate"):
+        method = Fp8LinearMethod(fp8.parse_compressed_tensors(config), backend=backend)
+        layer = make_linear(method, 64, 48).to(DEVICE)
+        for name, tensor in state.items():
+            layer.load(name, tensor)
+        method.process_after_loading(layer)
+        outs.append(layer(x))
+    tol = 1e-5 if static else 1e-2  # row-wise scaling returns bf16
+    torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol * outs[1].abs().max().item())
+
+
+def test_fp8_triton_backend_matches_emulation() -> None:
+    outs = []
+    for backend in ("triton", "emulate"):
+        method = Fp8LinearMethod(fp8.parse_compressed_tensors(FP8_DYNAMIC_CFG), backend=backend)
+        layer = make_linear(method, 64, 32).to(DEVICE)
+        weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+        w_fp8, w_scale = fp8.quantize_weight_per_channel(weight)
+        layer.load("weight", w_fp8)
+        layer.load("weight_scale", w_scale)
+        method.process_after_loading(layer)
+        outs.append(layer(torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_linear_errors() -> None:
+    method = Fp8LinearMethod(fp8.parse_compressed_tensors(FP8_DYNAMIC_CFG))
+    layer = make_linear(method, 64, 32)
+    with pytest.raises(CheckpointError, match="expected a float8_e4m3fn weight, got torch.float32"):
+        layer.load("weight", torch.randn(32, 64))
+    with pytest.raises(CheckpointError, match=r"weight_scale has shape \(1,\).*channel scheme needs 32"):
+        layer.load("weight_scale", torch.ones(1))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'input_scale'"):
+        layer.load("input_scale", torch.ones(1))
+    with pytest.raises(CheckpointError, match="asymmetric FP8"):
+        layer.load("weight_zero_point", torch.ones(32, 1))
+    layer.load("weight", torch.zeros(32, 64, dtype=torch.float8_e4m3fn))
+    with pytest.raises(CheckpointError, match="missing weight_scale"):
+        method.process_after_loading(layer)
+    with pytest.raises(CheckpointError, match="declares no quantization_config"):
+        make_linear(Fp8LinearMethod(), 64, 32).load("weight_scale", torch.ones(32))
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        Fp8LinearMethod(backend="cutlass")
+
+
+# ---------------------------------------------------------------- native GPU variants (pytest -m gpu)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_awq_linear_fused_and_dequant_paths_agree_on_gpu(dtype: torch.dtype) -> None:
+    method = AwqLinearMethod(group_size=128, fused_max_rows=64)
+    layer = make_linear(method, 512, 256, dtype=dtype).cuda()
+    _, state = awq_state(256, 512, 128, seed=11)
+    for name, tensor in state.items():
+        layer.load(name, tensor)
+    method.process_after_loading(layer)
+    w = awq.dequantize(layer.qweight, layer.qzeros, layer.scales, 128, dtype=torch.float32)
+    for rows in (1, 7, 64, 65, 300):  # fused Triton kernel up to 64 rows, dequantize + matmul above
+        x = torch.randn(rows, 512, device="cuda", dtype=dtype)
+        ref = x.float() @ w
+        torch.testing.assert_close(layer(x).float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [FP8_DYNAMIC_CFG, FP8_STATIC_CFG], ids=["FP8_DYNAMIC", "FP8"])
+def test_fp8_scaled_mm_matches_emulation_on_gpu(config: dict[str, object]) -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torch._scaled_mm needs sm89+")
+    weight = torch.randn(256, 512)
+    static = config is FP8_STATIC_CFG
+    w_scale = (weight.abs().amax() / 448).reshape(1) if static else fp8.quantize_weight_per_channel(weight)[1]
+    state = {"weight": fp8.to_fp8(weight, w_scale.reshape(-1, 1)), "weight_scale": w_scale}
+    if static:
+        state["input_scale"] = torch.tensor([0.01])
+    x = torch.randn(96, 512, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for backend in ("scaled_mm", "emulate", "triton"):
+        method = Fp8LinearMethod(fp8.parse_compressed_tensors(config), backend=backend)
+        layer = make_linear(method, 512, 256, dtype=torch.bfloat16).cuda()
+        for name, tensor in state.items():
+            layer.load(name, tensor)
+        method.process_after_loading(layer)
+        outs.append(layer(x).float())
+    for other in outs[1:]:
+        torch.testing.assert_close(outs[0], other, rtol=2e-2, atol=2e-2 * other.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_fp8_per_token_kernel_emits_fp8_on_gpu() -> None:
+    x = torch.randn(33, 1000, device="cuda", dtype=torch.bfloat16)
+    q, scale = per_token_quant(x)
+    ref_q, ref_scale = fp8.quantize_per_token(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))

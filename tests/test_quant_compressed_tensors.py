@@ -1,0 +1,94 @@
+"""A checkpoint compressed by the ``compressed-tensors`` library (FP8 and FP8_DYNAMIC presets) loads in infer with
+the same weights as the library's own decompression."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from infer.core.config import EngineConfig  # noqa: E402
+from infer.models.layers import Linear, UnquantizedMethod  # noqa: E402
+from infer.plugins.fp8 import build_fp8  # noqa: E402
+from infer.quant import fp8  # noqa: E402
+from infer.quant.fp8_method import Fp8LinearMethod  # noqa: E402
+
+pytestmark = pytest.mark.compressed_tensors
+
+
+def compress_tiny_llama(folder: Path, preset: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Quantize a tiny random Llama with ``preset`` and save it compressed; return the library's decompressed
+    weights by module path."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).to(dtype)
+    qconfig = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+                                 ignore=["lm_head"], format="float-quantized")
+    apply_quantization_config(model, qconfig)
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        w = module.weight.data  # min/max calibration, what the library's memoryless observer computes
+        if scheme.weights.strategy == "channel":
+            lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        else:
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        scale, _ = calculate_qparams(lo, hi, scheme.weights)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "input_scale"):
+            module.input_scale.data.fill_(0.03)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    compressor.compress_model(model)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    model.config.save_pretrained(str(folder))
+    compressor.update_config(str(folder))
+    compressor.decompress_model(model)
+    return {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("preset", ["FP8", "FP8_DYNAMIC"])
+def test_compressed_tensors_checkpoint_loads_with_the_same_weights(tmp_path: Path, preset: str,
+                                                                   dtype: torch.dtype) -> None:
+    decompressed = compress_tiny_llama(tmp_path, preset, dtype)
+    qc: dict[str, Any] = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    method = build_fp8(EngineConfig(), qc)
+    assert isinstance(method, Fp8LinearMethod)
+    expected_scheme = fp8.STATIC if preset == "FP8" else fp8.DYNAMIC
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        owner, _, attr = name.rpartition(".")
+        if owner in decompressed:
+            by_module.setdefault(owner, {})[attr] = tensor
+    assert len(by_module) == 8  # q k v o gate up down, and lm_head
+    for prefix, state in by_module.items():
+        out_features, in_features = decompressed[prefix].shape
+        layer = Linear(in_features, out_features, False, prefix, method, dtype)
+        for attr, tensor in state.items():
+            layer.load(attr, tensor)
+        layer.method.process_after_loading(layer)
+        if prefix == "lm_head":
+            assert isinstance(layer.method, UnquantizedMethod)
+            assert torch.equal(layer.weight, decompressed[prefix])
+            continue
+        assert layer.fp8_scheme == expected_scheme
+        # one rounding of an exact fp32 product: equal to the library's product in the checkpoint dtype
+        ours = fp8.dequantize(layer.weight, layer.weight_scale).to(dtype)
+        assert torch.equal(ours, decompressed[prefix]), prefix
+        if preset == "FP8":
+            assert torch.equal(layer.input_scale, state["input_scale"].float().reshape(1))
