@@ -41,7 +41,8 @@ class Engine:
     """The serving API. Not thread-safe: one thread drives ``step()`` (the gRPC server hands off to it)."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
-        self.config = config.validate()
+        config = config.replace().validate()  # a private copy: the engine resolves defaults into it
+        self.config = config
         self.plugins = (plugins or PluginManager.from_entry_points()).collect()
         if config.model is None:
             from ..models.tiny import ensure_default_model
@@ -282,7 +283,14 @@ class Engine:
         params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                ids.append(self.add_request(prompt, sp))
+        except Exception:
+            for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
+                self.abort(rid)
+            raise
         results = {rid: RequestOutput(rid, self.requests[rid].prompt_token_ids,
                                       [CompletionOutput(i, [], "") for i in range(sp.n)], False)
                    for rid, sp in zip(ids, params_list)}
