@@ -1,10 +1,14 @@
 """Engine metrics: per-step stats for observers, and running totals (TTFT, TPOT, ITL, KV, prefix hits)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from .interfaces import KVStats
 from .request import Sequence
+
+
+LATENCY_SAMPLES = 10_000  # bounded, so that a long-running server does not grow
 
 
 @dataclass
@@ -20,6 +24,9 @@ class StepStats:
     num_running: int
     num_preempted: int
     kv: KVStats
+    spec_state: str = "off"  # speculative decoding this step: off (no proposer), on, or off-* (graceful degradation)
+    num_draft_tokens: int = 0  # draft tokens verified this step
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass
@@ -39,8 +46,12 @@ class EngineStats:
     kv_max_waste_per_seq: float = 0.0  # the largest waste per running sequence seen at any step, in slots
     spec_proposed: int = 0
     spec_accepted: int = 0
-    ttft_s: list[float] = field(default_factory=list)
-    tpot_s: list[float] = field(default_factory=list)
+    spec_rounds: int = 0  # verifications: one per sequence and step that verified drafts
+    spec_emitted: int = 0  # tokens those verifications produced (accepted drafts + 1 each)
+    spec_state: str = "off"  # the last step's: off (no proposer), on, off-large-batch, off-low-acceptance
+    spec_steps: dict[str, int] = field(default_factory=dict)  # steps per speculation state
+    ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))  # the latest requests
+    tpot_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -75,6 +86,13 @@ class EngineStats:
             "kv_max_waste_per_seq": round(self.kv_max_waste_per_seq, 3),
             "prefix_hit_rate": round(self.prefix_hit_rate, 4),
             "spec_acceptance_rate": round(self.acceptance_rate, 4),
+            "spec_proposed": self.spec_proposed,
+            "spec_accepted": self.spec_accepted,
+            "spec_tokens_per_round": round(self.spec_emitted / self.spec_rounds, 4) if self.spec_rounds else 0.0,
+            "spec_enabled": int(self.spec_state == "on"),
+            "spec_steps_on": self.spec_steps.get("on", 0),
+            "spec_steps_off_large_batch": self.spec_steps.get("off-large-batch", 0),
+            "spec_steps_off_low_acceptance": self.spec_steps.get("off-low-acceptance", 0),
             "mean_ttft_ms": round(1000 * sum(self.ttft_s) / len(self.ttft_s), 3) if self.ttft_s else 0.0,
             "mean_tpot_ms": round(1000 * sum(self.tpot_s) / len(self.tpot_s), 3) if self.tpot_s else 0.0,
         }

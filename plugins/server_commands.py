@@ -1,0 +1,105 @@
+"""The `serve` and `client` commands: gRPC serving of the engine, and a command-line client for it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..core.hookspecs import CommandFactory, hookimpl
+from ..core.registry import Register
+
+TOKEN_ENV = "INFER_SERVER_TOKEN"
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
+@click.option("--port", type=int, default=50051, show_default=True, help="gRPC port (0 picks a free one).")
+@click.option("--max-queue", type=int, default=1024, show_default=True,
+              help="Most requests in flight (running or waiting); past it calls get RESOURCE_EXHAUSTED.")
+@click.option("--max-message-bytes", type=int, default=4 * 1024 * 1024, show_default=True,
+              help="Largest gRPC message received or sent.")
+@click.option("--grace-period", type=float, default=30.0, show_default=True,
+              help="Seconds that in-flight requests get to finish after SIGTERM.")
+@click.option("--token", envvar=TOKEN_ENV, default=None,
+              help=f"Require 'authorization: Bearer TOKEN' metadata (or set {TOKEN_ENV}).")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="PEM certificate chain: serve over TLS (needs --tls-key).")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="PEM private key of --tls-cert.")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (same host).")
+@click.pass_context
+def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_bytes: int, grace_period: float,
+          token: str | None, tls_cert: Path | None, tls_key: Path | None, metrics_port: int | None) -> None:
+    """Serve the model over gRPC (infer.v1.Inference, health, reflection) until SIGTERM, then drain."""
+    from ..cli.main import build_engine
+    from ..server.app import ServeOptions, serve as run_server
+
+    options = ServeOptions(host, port, max_queue, max_message_bytes, grace_period, token, tls_cert, tls_key,
+                           metrics_port).validate()
+    engine = build_engine(ctx)
+
+    def ready(bound: int) -> None:
+        scheme = "TLS" if tls_cert else "plaintext"
+        click.echo(f"infer: serving {engine.loaded.path} on {host}:{bound} (gRPC, {scheme}"
+                   f"{', token required' if token else ''})", err=True)
+
+    run_server(engine, options, ready)
+    click.echo("infer: server stopped", err=True)
+
+
+@click.command("client")
+@click.argument("prompt")
+@click.option("--target", default="127.0.0.1:50051", show_default=True, help="host:port of `infer serve`.")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--n", type=int, default=1, show_default=True, help="Completions (more than 1 disables streaming).")
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True)
+@click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Bearer token (or set {TOKEN_ENV}).")
+@click.option("--tls", is_flag=True, help="Connect over TLS with the system's root certificates.")
+@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="PEM root certificate(s) to trust (implies --tls).")
+@click.option("--timeout", type=float, default=None, help="Deadline of the call in seconds.")
+@click.option("--stats", is_flag=True, help="Print the server's GetStats as JSON to stderr afterwards.")
+def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
+           n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, token: str | None, tls: bool,
+           tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
+    """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from ..server.client import Client
+
+    sampling: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    min_p=min_p, n=n, stop=list(stop), ignore_eos=ignore_eos)
+    if seed is not None:
+        sampling["seed"] = seed
+    with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
+        try:
+            if n == 1:
+                click.echo(prompt, nl=False)
+                for response in conn.generate(prompt, **sampling):
+                    for out in response.outputs:
+                        click.echo(out.text, nl=False)
+                click.echo()
+            else:
+                for out in conn.complete(prompt, **sampling).outputs:
+                    click.echo(prompt + out.text)
+            if stats:
+                click.echo(json.dumps(MessageToDict(conn.stats(), always_print_fields_with_no_presence=True,
+                                                    preserving_proto_field_name=True),
+                                      indent=2), err=True)
+        except grpc.RpcError as exc:
+            raise click.ClickException(f"{exc.code().name}: {exc.details()}") from exc
+
+
+@hookimpl
+def register_commands(register: Register[CommandFactory]) -> None:
+    register("serve", lambda: serve)
+    register("client", lambda: client)

@@ -1,0 +1,187 @@
+"""InferenceServer: grpc.aio with the Inference service, health, reflection, auth, TLS, metrics and draining."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from . import infer_pb2 as pb
+from . import infer_pb2_grpc as pb_grpc
+from .auth import BearerTokenInterceptor
+from .servicer import InferenceServicer
+from .worker import EngineWorker
+
+log = logging.getLogger("infer.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+@dataclass
+class ServeOptions:
+    """The options of ``infer serve`` (besides the engine's)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_queue: int = 1024
+    max_message_bytes: int = 4 * 1024 * 1024
+    grace_period_s: float = 30.0
+    token: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    metrics_port: int | None = None
+
+    def validate(self) -> ServeOptions:
+        from ..core.errors import ConfigError
+
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue < 1:
+            raise ConfigError(f"max-queue must be a positive integer, got {self.max_queue}")
+        if self.max_message_bytes < 1024:
+            raise ConfigError(f"max-message-bytes must be at least 1024, got {self.max_message_bytes}")
+        if self.grace_period_s < 0:
+            raise ConfigError(f"grace-period must be >= 0 seconds, got {self.grace_period_s}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.token is not None and not self.token:
+            raise ConfigError("the token must not be empty")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics-port must be in [0, 65535], got {self.metrics_port}")
+        return self
+
+
+def describe_engine(engine: Any) -> pb.ModelInfo:
+    """GetModelInfo's answer, read once before the worker thread starts."""
+    from .. import __version__
+
+    loaded = engine.loaded
+    config_file = Path(loaded.path) / "config.json"
+    archs = json.loads(config_file.read_text()).get("architectures") if config_file.exists() else None
+    return pb.ModelInfo(
+        model=str(loaded.path), architecture=archs[0] if archs else type(loaded.model).__name__,
+        max_model_len=engine.max_model_len, vocab_size=loaded.model.spec.vocab_size,
+        dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device), quant=engine.active["quant"],
+        components=engine.active, block_size=engine.config.block_size, num_kv_blocks=engine.num_blocks,
+        version=__version__)
+
+
+def list_plugins(engine: Any) -> pb.ListPluginsResponse:
+    return pb.ListPluginsResponse(plugins=[pb.Plugin(kind=c.kind, name=c.name, source=c.source, aliases=c.aliases)
+                                           for c in engine.plugins.components()])
+
+
+class InferenceServer:
+    """One grpc.aio server in front of one engine. Use :meth:`start`, then :meth:`drain` (or :meth:`run`)."""
+
+    def __init__(self, engine: Any, options: ServeOptions) -> None:
+        self.options = options.validate()
+        self.worker = EngineWorker(engine)
+        self.servicer = InferenceServicer(self.worker, describe_engine(engine), list_plugins(engine),
+                                          options.max_queue)
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._stop_metrics: Callable[[], None] | None = None
+        self.metrics_port: int | None = None
+
+    async def start(self) -> int:
+        """Start the engine thread and the server; health turns SERVING. Returns the bound port."""
+        o = self.options
+        interceptors = [BearerTokenInterceptor(o.token)] if o.token else []
+        size = o.max_message_bytes
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+            ("grpc.so_reuseport", 0)])
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server)
+        address = f"{o.host}:{o.port}" if ":" not in o.host else f"[{o.host}]:{o.port}"
+        try:
+            if o.tls_cert is not None and o.tls_key is not None:
+                creds = grpc.ssl_server_credentials([(Path(o.tls_key).read_bytes(), Path(o.tls_cert).read_bytes())])
+                self.port = server.add_secure_port(address, creds)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            from ..core.errors import ConfigError
+
+            raise ConfigError(f"could not listen on {address}: {exc} (is the port in use?)") from exc
+        if o.metrics_port is not None:
+            self._start_metrics(asyncio.get_running_loop())
+        self._server = server
+        self.worker.start()
+        await server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    def _start_metrics(self, loop: asyncio.AbstractEventLoop) -> None:
+        from .metrics import StatsCollector, start_metrics_server
+
+        def fetch() -> pb.Stats:  # runs on the HTTP thread; the stats are read on the loop and engine threads
+            return asyncio.run_coroutine_threadsafe(self.servicer.stats(), loop).result(timeout=10)
+
+        collector = StatsCollector(fetch, lambda: self.servicer.rejected)
+        self.metrics_port, self._stop_metrics = start_metrics_server(self.options.host, self.options.metrics_port or 0,
+                                                                     collector)
+
+    async def drain(self, force: asyncio.Event | None = None) -> None:
+        """Graceful shutdown: NOT_SERVING, refuse new requests, let in-flight ones finish within the grace period,
+        then cancel the rest (their KV is freed) and stop the engine thread. ``force`` cuts the wait short."""
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        waits = [asyncio.ensure_future(self.servicer.idle.wait())]
+        if force is not None:
+            waits.append(asyncio.ensure_future(force.wait()))
+        done, pending = await asyncio.wait(waits, timeout=self.options.grace_period_s,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if not self.servicer.idle.is_set():
+            log.warning("grace period over: cancelling %d requests in flight", self.servicer.in_flight)
+        await self.close(grace=1.0)
+
+    async def close(self, grace: float | None = None) -> None:
+        """Stop the server (cancelling calls after ``grace`` seconds), the metrics endpoint and the engine thread."""
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._stop_metrics is not None:
+            await asyncio.to_thread(self._stop_metrics)
+        await asyncio.to_thread(self.worker.stop)
+
+    async def run(self, on_ready: Callable[[int], None] | None = None) -> None:
+        """Start, serve until SIGTERM or SIGINT, then drain. A second signal skips the rest of the grace period."""
+        loop = asyncio.get_running_loop()
+        stop, force = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:
+            (force if stop.is_set() else stop).set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            port = await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        if on_ready is not None:
+            on_ready(port)
+        await stop.wait()
+        log.warning("shutting down: draining requests in flight (grace period %.0f s)", self.options.grace_period_s)
+        await self.drain(force)
+
+
+def serve(engine: Any, options: ServeOptions, on_ready: Callable[[int], None] | None = None) -> None:
+    """Serve ``engine`` until SIGTERM/SIGINT, then drain and return."""
+    asyncio.run(InferenceServer(engine, options).run(on_ready))

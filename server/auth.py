@@ -1,0 +1,55 @@
+"""Bearer-token authentication: a grpc.aio interceptor that checks ``authorization: Bearer <token>`` metadata."""
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+UNAUTHENTICATED_DETAILS = "missing or invalid bearer token: send the metadata 'authorization: Bearer <token>'"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes (e.g. Kubernetes) cannot send metadata
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without the right token with UNAUTHENTICATED; health checks are exempt."""
+
+    def __init__(self, token: str, exempt: tuple[str, ...] = (HEALTH_PREFIX,)) -> None:
+        if not token:
+            raise ValueError("the bearer token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+        self._exempt = exempt
+
+    def authorized(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key.lower() == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(given, self._expected):
+                    return True
+        return False
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self._exempt):
+            return handler
+        if self.authorized(handler_call_details.invocation_metadata):
+            return handler
+        return _refusing(handler)
+
+
+async def _refuse(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
+    kinds = [(handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+             (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+             (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+             (handler.stream_stream, grpc.stream_stream_rpc_method_handler)]
+    make = next(make for behaviour, make in kinds if behaviour is not None)
+    return make(_refuse, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)

@@ -1,0 +1,169 @@
+"""Python clients of ``infer serve``: :class:`Client` (blocking) and :class:`AsyncClient` (asyncio).
+
+Both return the generated protobuf messages (``infer.server.infer_pb2``). ``generate`` returns the gRPC call
+itself: iterate it for the GenerateResponse deltas, ``cancel()`` it to abort the request on the server. Errors are
+``grpc.RpcError`` (``grpc.aio.AioRpcError``) with the server's status code and message.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ..core.request import SamplingParams
+from . import infer_pb2 as pb
+from . import infer_pb2_grpc as pb_grpc
+from .convert import sampling_params_to_proto
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def build_request(prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
+                  priority: int = 0, **sampling: Any) -> pb.GenerateRequest:
+    """A GenerateRequest. ``sampling`` keywords (max_tokens=, temperature=, ...) are sent as given, unvalidated;
+    fields left out take the server's SamplingParams defaults."""
+    request = pb.GenerateRequest(request_id=request_id, priority=priority,
+                                 params=sampling_params_to_proto(params, **sampling))
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+def _channel_config(tls: bool, root_certificates: bytes | str | Path | None,
+                    max_message_bytes: int) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes)]
+    if not tls and root_certificates is None:
+        return None, options
+    roots = Path(root_certificates).read_bytes() if isinstance(root_certificates, (str, Path)) else root_certificates
+    return grpc.ssl_channel_credentials(root_certificates=roots), options
+
+
+class _Base:
+    def __init__(self, token: str | None, timeout: float | None) -> None:
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.timeout = timeout
+
+    def _kw(self, timeout: float | None) -> dict[str, Any]:
+        return {"metadata": self.metadata, "timeout": self.timeout if timeout is None else timeout}
+
+
+class Client(_Base):
+    """Blocking client. ``Client("127.0.0.1:50051", token=..., tls=True, root_certificates=PATH)``."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, tls: bool = False,
+                 root_certificates: bytes | str | Path | None = None, timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        super().__init__(token, timeout)
+        creds, options = _channel_config(tls, root_certificates, max_message_bytes)
+        self.channel = (grpc.secure_channel(target, creds, options) if creds
+                        else grpc.insecure_channel(target, options))
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
+                 priority: int = 0, timeout: float | None = None, **sampling: Any) -> Any:
+        """Stream a request: an iterator of GenerateResponse that also has ``cancel()``."""
+        request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
+        return self.stub.Generate(request, **self._kw(timeout))
+
+    def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
+                 priority: int = 0, timeout: float | None = None, **sampling: Any) -> pb.CompleteResponse:
+        request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
+        return self.stub.Complete(request, **self._kw(timeout))
+
+    def abort(self, request_id: str, timeout: float | None = None) -> None:
+        self.stub.Abort(pb.AbortRequest(request_id=request_id), **self._kw(timeout))
+
+    def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), **self._kw(timeout))
+
+    def plugins(self, timeout: float | None = None) -> list[pb.Plugin]:
+        return list(self.stub.ListPlugins(pb.ListPluginsRequest(), **self._kw(timeout)).plugins)
+
+    def stats(self, timeout: float | None = None) -> pb.Stats:
+        return self.stub.GetStats(pb.GetStatsRequest(), **self._kw(timeout))
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """The health status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN."""
+        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), **self._kw(timeout))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def wait_until_serving(self, timeout: float = 60.0) -> None:
+        """Poll health until SERVING; raise TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health(timeout=1.0) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server was not SERVING within {timeout} s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client; the same methods as :class:`Client`, as coroutines (``generate`` is an async iterator)."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, tls: bool = False,
+                 root_certificates: bytes | str | Path | None = None, timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        super().__init__(token, timeout)
+        creds, options = _channel_config(tls, root_certificates, max_message_bytes)
+        self.channel = (grpc.aio.secure_channel(target, creds, options) if creds
+                        else grpc.aio.insecure_channel(target, options))
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
+                 priority: int = 0, timeout: float | None = None, **sampling: Any) -> Any:
+        """Stream a request: a grpc.aio call, async-iterable over GenerateResponse, with ``cancel()``."""
+        request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
+        return self.stub.Generate(request, **self._kw(timeout))
+
+    async def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                       request_id: str = "", priority: int = 0, timeout: float | None = None,
+                       **sampling: Any) -> pb.CompleteResponse:
+        request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
+        return await self.stub.Complete(request, **self._kw(timeout))
+
+    async def abort(self, request_id: str, timeout: float | None = None) -> None:
+        await self.stub.Abort(pb.AbortRequest(request_id=request_id), **self._kw(timeout))
+
+    async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), **self._kw(timeout))
+
+    async def plugins(self, timeout: float | None = None) -> list[pb.Plugin]:
+        return list((await self.stub.ListPlugins(pb.ListPluginsRequest(), **self._kw(timeout))).plugins)
+
+    async def stats(self, timeout: float | None = None) -> pb.Stats:
+        return await self.stub.GetStats(pb.GetStatsRequest(), **self._kw(timeout))
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), **self._kw(timeout))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

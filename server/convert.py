@@ -1,0 +1,74 @@
+"""Conversions between the gRPC messages and the core types, and the mapping of errors to status codes."""
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
+from ..core.request import CompletionOutput, FinishReason, SamplingParams
+from . import infer_pb2 as pb
+from .worker import ServerUnavailable
+
+# proto field -> SamplingParams field, for the optional scalars (unset means the SamplingParams default)
+_OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "n")
+
+FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+def prompt_of(request: pb.GenerateRequest) -> str | list[int]:
+    """The prompt as text or token ids; a request with neither is an empty prompt (the engine rejects it)."""
+    if request.WhichOneof("prompt") == "token_ids":
+        return list(request.token_ids.ids)
+    return request.text
+
+
+def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:
+    """Build and validate the SamplingParams of a request. Raises InvalidRequestError with the CLI's messages."""
+    p = request.params
+    kwargs: dict[str, Any] = {name: getattr(p, name) for name in _OPTIONAL_SCALARS if p.HasField(name)}
+    params = SamplingParams(stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop), ignore_eos=p.ignore_eos,
+                            priority=request.priority, **kwargs)
+    params.validate()
+    return params
+
+
+def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any) -> pb.SamplingParams:
+    """The proto form of ``params`` (every field set) or of the given keyword fields only (no validation)."""
+    if params is not None:
+        fields = {name: getattr(params, name) for name in (*_OPTIONAL_SCALARS, "stop_token_ids", "stop",
+                                                           "ignore_eos")} | fields
+        if fields.get("seed") is None:
+            fields.pop("seed")
+        if fields.get("logprobs") is None:
+            fields.pop("logprobs")
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    return pb.SamplingParams(**fields)
+
+
+def completion_to_proto(out: CompletionOutput) -> pb.Completion:
+    logprobs = [pb.PositionLogprobs(tokens=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in pos.items()])
+                for pos in out.logprobs or ()]
+    return pb.Completion(index=out.index, token_ids=out.token_ids, text=out.text, logprobs=logprobs,
+                         finish_reason=FINISH_REASONS[out.finish_reason])
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status of an error. The details are the message the CLI prints (without its ``Error: ``)."""
+    if isinstance(exc, InvalidRequestError):  # ConfigError too
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, NotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, (PluginError, CheckpointError)):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, ServerUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, str(exc) or f"internal error: {type(exc).__name__}"

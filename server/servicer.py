@@ -1,0 +1,160 @@
+"""InferenceServicer: the infer.v1.Inference service on grpc.aio, in front of an :class:`EngineWorker`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+
+from ..core.request import RequestOutput, SamplingParams
+from . import infer_pb2 as pb
+from . import infer_pb2_grpc as pb_grpc
+from .convert import completion_to_proto, prompt_of, sampling_params_of, status_of
+from .worker import EngineWorker, RequestStream
+
+log = logging.getLogger("infer.server")
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    """Admission (draining, the bounded queue), streaming, cancellation and error mapping.
+
+    All state here lives on the event loop; the engine is reached only through ``worker``.
+    """
+
+    def __init__(self, worker: EngineWorker, model_info: pb.ModelInfo, plugins: pb.ListPluginsResponse,
+                 max_queue: int) -> None:
+        self.worker = worker
+        self.model_info = model_info
+        self.plugins = plugins
+        self.max_queue = max_queue
+        self.in_flight = 0
+        self.rejected = 0  # refused for backpressure
+        self.draining = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------ generation
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        stream = await self._open(request, context)
+        completion_tokens = 0
+        try:
+            async for out in stream:
+                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                response = pb.GenerateResponse(request_id=out.request_id,
+                                               outputs=[completion_to_proto(c) for c in out.outputs],
+                                               finished=out.finished)
+                if out.finished:
+                    response.usage.CopyFrom(_usage(out, completion_tokens))
+                yield response
+        except Exception as exc:
+            await _abort_with(context, exc)
+        finally:
+            self._close(stream)
+
+    async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        stream = await self._open(request, context)
+        completions: dict[int, pb.Completion] = {}
+        completion_tokens = 0
+        try:
+            async for out in stream:
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    part = completion_to_proto(c)
+                    if c.index in completions:
+                        full = completions[c.index]
+                        full.token_ids.extend(part.token_ids)
+                        full.text += part.text
+                        full.logprobs.extend(part.logprobs)
+                        full.finish_reason = part.finish_reason
+                    else:
+                        completions[c.index] = part
+                if out.finished:
+                    return pb.CompleteResponse(request_id=out.request_id,
+                                               outputs=[completions[i] for i in sorted(completions)],
+                                               usage=_usage(out, completion_tokens))
+            raise RuntimeError("the request's stream ended without a finished output")
+        except Exception as exc:
+            await _abort_with(context, exc)
+        finally:
+            self._close(stream)
+
+    async def _open(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestStream:
+        """Validate and admit a request, or abort the call (INVALID_ARGUMENT, UNAVAILABLE, RESOURCE_EXHAUSTED)."""
+        try:
+            params: SamplingParams = sampling_params_of(request)
+        except Exception as exc:
+            await _abort_with(context, exc)
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the server is shutting down and accepts no new requests; retry on another replica")
+        if self.in_flight >= self.max_queue:
+            self.rejected += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the server is full: {self.in_flight} requests in flight (--max-queue "
+                                f"{self.max_queue}); retry later")
+        stream = RequestStream(request.request_id or uuid.uuid4().hex)
+        self.in_flight += 1
+        self.idle.clear()
+        self.worker.submit(prompt_of(request), params, stream)
+        return stream
+
+    def _close(self, stream: RequestStream) -> None:
+        """The call ended: if the request still runs (cancel, deadline, error), abort it and free its KV."""
+        if not stream.finished:
+            self.worker.cancel(stream)
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    # ------------------------------------------------------------ control and introspection
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        try:
+            await asyncio.wrap_future(self.worker.abort(request.request_id))
+        except Exception as exc:
+            await _abort_with(context, exc)
+        return pb.AbortResponse(request_id=request.request_id)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return self.model_info
+
+    async def ListPlugins(self, request: pb.ListPluginsRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ListPluginsResponse:
+        return self.plugins
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.Stats:
+        try:
+            return await self.stats()
+        except Exception as exc:
+            await _abort_with(context, exc)
+
+    async def stats(self) -> pb.Stats:
+        """Engine load (read on the engine thread) plus this server's admission state."""
+        snap = await asyncio.wrap_future(self.worker.snapshot())
+        fields = dict(vars(snap))
+        total = snap.kv_total_blocks
+        return pb.Stats(**fields, in_flight=self.in_flight, max_queue=self.max_queue,
+                        kv_usage=snap.kv_used_blocks / total if total else 0.0,
+                        uptime_s=time.monotonic() - self.started, draining=self.draining)
+
+
+def _usage(out: RequestOutput, completion_tokens: int) -> pb.Usage:
+    return pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion_tokens,
+                    cached_tokens=out.num_cached_tokens)
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the call with the status of ``exc``; an abort already in progress passes through unchanged."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    code, details = status_of(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("internal error: %s", details, exc_info=exc)
+    await context.abort(code, details)
+    raise AssertionError("unreachable: context.abort raises")

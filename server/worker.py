@@ -1,0 +1,379 @@
+"""EngineWorker: the one thread that drives the Engine. The asyncio side talks to it only through queues.
+
+Commands go in through a thread-safe inbox (add, cancel, abort, call); the outputs of each engine iteration go back
+to the event loop in one ``call_soon_threadsafe`` batch, into the per-request :class:`RequestStream` queues. Every
+call into the engine (add_request, step, abort, kv, scheduler, stats) happens on the worker thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..core.errors import InferError, NotFoundError
+from ..core.request import CompletionOutput, RequestOutput, SamplingParams
+
+log = logging.getLogger("infer.server")
+
+THROUGHPUT_WINDOW_S = 10.0
+
+
+class EngineFault(Exception):
+    """An unexpected exception inside the engine; the server answers INTERNAL and keeps serving."""
+
+
+class ServerUnavailable(Exception):
+    """The server is shutting down or not ready; gRPC: UNAVAILABLE."""
+
+
+class EngineLike(Protocol):
+    """What the worker needs from :class:`~infer.core.engine.Engine`."""
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> RequestOutput: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+class RequestStream:
+    """The event-loop end of one request: an async iterator over its RequestOutput deltas.
+
+    Raises the request's error (InferError, EngineFault, ServerUnavailable) in place of an output. Create it on
+    the event loop that will read it.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.loop = asyncio.get_running_loop()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the event loop (the worker hands items over with ``call_soon_threadsafe``)."""
+        self._items.append(item)
+        self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        """The next delta; deltas that queued up meanwhile (a slow reader) are merged into one."""
+        if self.finished:
+            raise StopAsyncIteration
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        while not item.finished and self._items and not isinstance(self._items[0], BaseException):
+            item = merge_deltas(item, self._items.popleft())  # type: ignore[arg-type]
+        self.finished = item.finished
+        return item
+
+
+def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
+    """One delta equal to ``first`` followed by ``second`` (of the same request)."""
+    by_index = {c.index: CompletionOutput(c.index, list(c.token_ids), c.text, c.finish_reason,
+                                          None if c.logprobs is None else list(c.logprobs)) for c in first.outputs}
+    for c in second.outputs:
+        into = by_index.get(c.index)
+        if into is None:
+            by_index[c.index] = c
+            continue
+        into.token_ids += c.token_ids
+        into.text += c.text
+        into.finish_reason = c.finish_reason
+        if c.logprobs is not None:
+            into.logprobs = (into.logprobs or []) + c.logprobs
+    return RequestOutput(second.request_id, second.prompt_token_ids, [by_index[i] for i in sorted(by_index)],
+                         second.finished, second.num_cached_tokens, second.metrics)
+
+
+@dataclass
+class _Add:
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: RequestStream
+
+
+@dataclass
+class _Cancel:
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    reply: Future[RequestOutput]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    reply: Future[Any]
+
+
+_STOP = object()
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine load, read on the worker thread (so it is consistent with the engine's own state)."""
+
+    queue_depth: int
+    num_running: int
+    kv_total_blocks: int
+    kv_free_blocks: int
+    kv_used_blocks: int
+    kv_cached_blocks: int
+    prefix_hit_rate: float
+    spec_acceptance_rate: float
+    requests_finished: int
+    prompt_tokens: int
+    output_tokens: int
+    steps: int
+    preemptions: int
+    mean_ttft_ms: float
+    mean_tpot_ms: float
+    output_tokens_per_s: float
+
+
+@dataclass
+class _Throughput:
+    """Output tokens per second over a sliding window."""
+
+    window_s: float = THROUGHPUT_WINDOW_S
+    started: float = field(default_factory=time.monotonic)
+    samples: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def add(self, now: float, tokens: int) -> None:
+        if tokens:
+            self.samples.append((now, tokens))
+
+    def rate(self, now: float) -> float:
+        while self.samples and self.samples[0][0] < now - self.window_s:
+            self.samples.popleft()
+        span = min(self.window_s, now - self.started)
+        return sum(t for _, t in self.samples) / span if span > 0 else 0.0
+
+
+class EngineWorker:
+    """Owns an engine and drives it from one background thread. Methods are safe to call from any thread."""
+
+    def __init__(self, engine: EngineLike) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+        self._lock = threading.Lock()  # orders puts against the shutdown
+        self._stopped = False
+        # owned by the worker thread
+        self._streams: dict[str, RequestStream] = {}
+        self._outbox: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        self._throughput = _Throughput()
+
+    # ------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is left (its streams get UNAVAILABLE), then end the thread."""
+        if self._thread.is_alive():
+            self._put(_STOP)
+            self._thread.join(timeout)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, stream: RequestStream) -> None:
+        """Queue a request; its outputs (or its error) arrive on ``stream``."""
+        self._put(_Add(prompt, params, stream))
+
+    def cancel(self, stream: RequestStream) -> None:
+        """The reader went away (client cancel, deadline): abort the request if it still runs."""
+        self._put(_Cancel(stream))
+
+    def abort(self, request_id: str) -> Future[RequestOutput]:
+        """Abort by id; the stream gets the final ABORT output. The future raises NotFoundError for unknown ids."""
+        reply: Future[RequestOutput] = Future()
+        self._put(_Abort(request_id, reply))
+        return reply
+
+    def call(self, fn: Callable[[Any], Any]) -> Future[Any]:
+        """Run ``fn(engine)`` on the worker thread, between two steps."""
+        reply: Future[Any] = Future()
+        self._put(_Call(fn, reply))
+        return reply
+
+    def snapshot(self) -> Future[EngineSnapshot]:
+        return self.call(self._snapshot)
+
+    def _put(self, cmd: object) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._inbox.put(cmd)
+                return
+        _refuse(cmd)
+
+    # ------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        while True:
+            try:
+                cmd: object | None = self._inbox.get(block=not self.engine.has_unfinished())
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd is _STOP:
+                    self._shutdown()
+                    return
+                self._handle(cmd)
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.engine.has_unfinished():
+                self._step()
+            self._flush()
+
+    def _handle(self, cmd: object) -> None:
+        if isinstance(cmd, _Add):
+            self._add(cmd)
+        elif isinstance(cmd, _Cancel):
+            rid = cmd.stream.request_id
+            if self._streams.get(rid) is cmd.stream:
+                del self._streams[rid]
+                self._abort_quietly(rid)
+        elif isinstance(cmd, _Abort):
+            try:
+                output = self.engine.abort(cmd.request_id)
+            except BaseException as exc:  # NotFoundError for unknown ids
+                cmd.reply.set_exception(exc)
+                return
+            self._deliver(output)
+            cmd.reply.set_result(output)
+        elif isinstance(cmd, _Call):
+            try:
+                cmd.reply.set_result(cmd.fn(self.engine))
+            except BaseException as exc:
+                cmd.reply.set_exception(exc)
+
+    def _add(self, cmd: _Add) -> None:
+        rid = cmd.stream.request_id
+        try:
+            self.engine.add_request(cmd.prompt, cmd.params, rid)
+        except InferError as exc:
+            self._outbox.append((cmd.stream, exc))
+        except Exception as exc:
+            log.exception("add_request failed for request %s", rid)
+            self._outbox.append((cmd.stream, EngineFault(f"internal error while adding the request: {exc!r}")))
+        else:
+            self._streams[rid] = cmd.stream
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the requests in flight")
+            self._fail_all(EngineFault(f"internal error in the engine step: {exc!r}"))
+            return
+        now = time.monotonic()
+        for output in outputs:
+            self._throughput.add(now, sum(len(c.token_ids) for c in output.outputs))
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        self._outbox.append((stream, output))
+        if output.finished:
+            del self._streams[output.request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Abort every request this worker serves (freeing their KV) and hand each the error."""
+        for rid, stream in list(self._streams.items()):
+            self._abort_quietly(rid)
+            self._outbox.append((stream, error))
+        self._streams.clear()
+
+    def _abort_quietly(self, rid: str) -> None:
+        try:
+            self.engine.abort(rid)
+        except NotFoundError:
+            pass
+        except Exception:
+            log.exception("abort of request %s failed", rid)
+
+    def _flush(self) -> None:
+        """Hand this iteration's outputs to the event loop(s) in one thread-safe call per loop."""
+        if not self._outbox:
+            return
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for stream, item in self._outbox:
+            batches.setdefault(stream.loop, []).append((stream, item))
+        self._outbox = []
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop is closed: nobody reads these streams any more
+                pass
+
+    def _shutdown(self) -> None:
+        self._fail_all(ServerUnavailable("the server is shutting down; the request was aborted"))
+        self._flush()
+        with self._lock:
+            self._stopped = True
+        while True:  # commands that came after the stop: nobody will run them
+            try:
+                _refuse(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _snapshot(self, engine: Any) -> EngineSnapshot:
+        kv = engine.kv.stats()
+        summary = engine.stats.summary()
+        return EngineSnapshot(
+            queue_depth=engine.scheduler.num_waiting(),
+            num_running=engine.scheduler.num_running(),
+            kv_total_blocks=kv.total_blocks,
+            kv_free_blocks=kv.free_blocks,
+            kv_used_blocks=kv.used_blocks,
+            kv_cached_blocks=kv.cached_blocks,
+            prefix_hit_rate=kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
+            spec_acceptance_rate=float(summary["spec_acceptance_rate"]),
+            requests_finished=int(summary["requests_finished"]),
+            prompt_tokens=int(summary["prompt_tokens"]),
+            output_tokens=int(summary["output_tokens"]),
+            steps=int(summary["steps"]),
+            preemptions=engine.scheduler.num_preemptions,
+            mean_ttft_ms=float(summary["mean_ttft_ms"]),
+            mean_tpot_ms=float(summary["mean_tpot_ms"]),
+            output_tokens_per_s=self._throughput.rate(time.monotonic()),
+        )
+
+
+def _refuse(cmd: object) -> None:
+    """Answer a command that arrived after the worker stopped."""
+    error = ServerUnavailable("the server is shutting down")
+    if isinstance(cmd, (_Abort, _Call)):
+        cmd.reply.set_exception(error)
+    elif isinstance(cmd, _Add):
+        try:
+            cmd.stream.loop.call_soon_threadsafe(cmd.stream.put, error)
+        except RuntimeError:  # the loop is closed
+            pass
+
+
+def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in batch:
+        stream.put(item)

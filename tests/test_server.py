@@ -1,0 +1,449 @@
+"""`infer serve` as real processes on 127.0.0.1, driven by real clients (ours, grpc-requests, curl-like HTTP).
+
+Two servers start once for the module, in parallel: ``server`` (plaintext, a small step budget, --max-queue 80,
+a 64 KiB message limit, metrics) and ``secure_server`` (TLS when openssl is present, a bearer token; its last test
+SIGTERMs it). Runs in about a minute on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from infer.core.errors import InferError
+from infer.core.request import SamplingParams
+from infer.server import infer_pb2 as pb
+from infer.server.client import AsyncClient, Client
+
+STEP_BUDGET = 512  # --max-num-batched-tokens of `server`: a longer prompt is a CapacityError
+MAX_QUEUE = 80
+MAX_MESSAGE = 64 * 1024
+TOKEN = "s3cret-token"
+STARTUP_TIMEOUT_S = 120.0
+
+
+# ---------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def infer_command() -> list[str]:
+    exe = shutil.which("infer")
+    return [exe] if exe else [sys.executable, "-c", "from infer.cli import main; main()"]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    client_kwargs: dict[str, Any]
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def client(self, **overrides: Any) -> Client:
+        return Client(self.target, **(self.client_kwargs | overrides))
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def wait_serving(self) -> ServerProcess:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with self.client() as c:
+            while True:
+                if self.proc.poll() is not None:
+                    pytest.fail(f"infer serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if c.health(timeout=1.0) == "SERVING":
+                        return self
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail(f"infer serve not SERVING after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def launch(model: Path, log: Path, group: list[str], serve: list[str], client_kwargs: dict[str, Any]) -> ServerProcess:
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*infer_command(), "--model", str(model), *group, "serve", "--port", str(port),
+                                 *serve], stdout=out, stderr=subprocess.STDOUT)
+    return ServerProcess(proc, port, log, client_kwargs)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path] | None:
+    """A self-signed certificate for 127.0.0.1, or None without openssl."""
+    if shutil.which("openssl") is None:
+        return None
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def processes(tiny_model: Path, certs: tuple[Path, Path] | None,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    """Both servers, launched together so that their start-up overlaps; always killed at the end."""
+    logs = tmp_path_factory.mktemp("serve-logs")
+    started: dict[str, ServerProcess] = {}
+    try:
+        started["plain"] = launch(
+            tiny_model, logs / "plain.log", ["--max-num-batched-tokens", str(STEP_BUDGET)],
+            ["--max-queue", str(MAX_QUEUE), "--max-message-bytes", str(MAX_MESSAGE),
+             "--metrics-port", str(free_port())], {})
+        tls = ["--tls-cert", str(certs[0]), "--tls-key", str(certs[1])] if certs else []
+        started["secure"] = launch(tiny_model, logs / "secure.log", [],
+                                   [*tls, "--token", TOKEN, "--grace-period", "30"],
+                                   {"token": TOKEN, "root_certificates": certs[0] if certs else None})
+        yield started
+    finally:
+        for p in started.values():
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def server(processes: dict[str, ServerProcess], llm: Any) -> ServerProcess:
+    return processes["plain"].wait_serving()  # the reference `llm` loads while the servers start
+
+
+@pytest.fixture(scope="module")
+def secure_server(processes: dict[str, ServerProcess]) -> ServerProcess:
+    return processes["secure"].wait_serving()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Path) -> Any:
+    """The offline reference, configured like `server`."""
+    from infer import LLM
+
+    return LLM(model=str(tiny_model), max_num_batched_tokens=STEP_BUDGET)
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[Client]:
+    with server.client() as c:
+        yield c
+
+
+def wait_drained(c: Client, timeout: float = 15.0) -> pb.Stats:
+    """Poll GetStats until nothing runs, waits or is in flight (aborts reach the engine asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = c.stats()
+        if stats.num_running == 0 and stats.queue_depth == 0 and stats.in_flight == 0:
+            return stats
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server did not drain: {stats}")
+        time.sleep(0.05)
+
+
+def assert_no_leak(stats: pb.Stats) -> None:
+    assert stats.kv_used_blocks == 0
+    assert stats.kv_free_blocks + stats.kv_cached_blocks == stats.kv_total_blocks
+
+
+def tokens_of(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t for r in responses for o in r.outputs for t in o.token_ids]
+
+
+def rpc_error(call: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if isinstance(result, grpc.Call) and hasattr(result, "__next__"):  # a stream: errors come when read
+            list(result)
+    return info.value
+
+
+def assert_serves(c: Client) -> None:
+    out = c.complete("still serving?", max_tokens=2, temperature=0.0)
+    assert len(out.outputs[0].token_ids) == 2
+
+
+# ---------------------------------------------------------------- generated code
+def test_generated_code_matches_the_proto(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    from infer.server import codegen, infer_pb2_grpc
+
+    if version("grpcio-tools") != infer_pb2_grpc.GRPC_GENERATED_VERSION:
+        pytest.skip(f"the committed code was generated by grpcio-tools {infer_pb2_grpc.GRPC_GENERATED_VERSION}")
+    for fresh in codegen.generate(tmp_path):
+        committed = codegen.PROTO.parent / fresh.name
+        stale = f"{committed.name} is stale: run python -m infer.server.codegen"
+        assert fresh.read_bytes() == committed.read_bytes(), stale
+
+
+# ---------------------------------------------------------------- generation
+CASES = [
+    ("def main():", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)),
+    ([5, 17, 42, 99, 3, 250], SamplingParams(max_tokens=16, temperature=0.0)),
+    ("import os\nimport sys", SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=7, ignore_eos=True)),
+]
+
+
+@pytest.mark.parametrize("prompt,params", CASES, ids=["greedy-logprobs", "token-ids", "seeded"])
+def test_stream_equals_offline_generate(client: Client, llm: Any, prompt: Any, params: SamplingParams) -> None:
+    expected = llm.generate([prompt], params)[0]
+    want = expected.outputs[0]
+    responses = list(client.generate(prompt, params))
+    assert tokens_of(responses) == want.token_ids
+    assert "".join(o.text for r in responses for o in r.outputs) == want.text
+    assert [r.finished for r in responses] == [False] * (len(responses) - 1) + [True]
+    last = responses[-1]
+    assert last.outputs[-1].finish_reason == pb.FinishReason.Value(f"FINISH_REASON_{want.finish_reason.name}")
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(expected.prompt_token_ids),
+                                                                        len(want.token_ids))
+    if params.logprobs is not None:
+        got = [{e.token_id: e.logprob for e in pos.tokens} for r in responses for o in r.outputs for pos in o.logprobs]
+        assert [set(d) for d in got] == [set(d) for d in want.logprobs]
+        assert all(math.isclose(g[t], w[t], abs_tol=1e-4) for g, w in zip(got, want.logprobs) for t in w)
+    full = client.complete(prompt, params)
+    assert (list(full.outputs[0].token_ids), full.outputs[0].text) == (want.token_ids, want.text)
+
+
+def test_64_streams_with_30_percent_cancelled(client: Client, server: ServerProcess) -> None:
+    before = client.stats().requests_finished
+    rng = random.Random(0)
+    cancel_after = {i: rng.randint(1, 10) for i in rng.sample(range(64), 19)}  # 30% of 64, at a random token
+
+    async def one(c: AsyncClient, i: int) -> str:
+        call = c.generate(f"stream {i}: " + "word " * rng.randint(1, 30), max_tokens=24, temperature=0.7, seed=i,
+                          ignore_eos=True)
+        got, last = 0, None
+        async for response in call:
+            got += sum(len(o.token_ids) for o in response.outputs)
+            last = response
+            if i in cancel_after and got >= cancel_after[i]:
+                call.cancel()
+                return "cancelled"
+        assert last is not None and last.finished and got == 24
+        return "finished"
+
+    async def run() -> list[str]:
+        async with AsyncClient(server.target) as c:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(64))), 90)
+
+    outcomes = asyncio.run(run())
+    assert outcomes.count("cancelled") == 19 and outcomes.count("finished") == 45
+    stats = wait_drained(client)
+    assert_no_leak(stats)
+    assert stats.requests_finished - before == 64  # the aborted ones too
+
+
+def test_deadline_shorter_than_the_generation_aborts_it(client: Client) -> None:
+    before = client.stats()
+    err = rpc_error(lambda: client.generate("a long one", max_tokens=1000, temperature=0.0, ignore_eos=True,
+                                            timeout=0.3))
+    assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = wait_drained(client)
+    assert_no_leak(stats)
+    assert stats.requests_finished == before.requests_finished + 1
+    assert stats.output_tokens - before.output_tokens < 1000  # it stopped early
+    assert_serves(client)
+
+
+def test_abort_by_id_ends_the_stream_and_unknown_ids_are_not_found(client: Client) -> None:
+    call = client.generate("abort me", request_id="req-abort", max_tokens=900, temperature=0.0, ignore_eos=True)
+    next(call)
+    err = rpc_error(lambda: client.complete("again", request_id="req-abort", max_tokens=2))
+    assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "request id 'req-abort' is already in use")
+    client.abort("req-abort")
+    rest = list(call)
+    assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == pb.FINISH_REASON_ABORT
+    err = rpc_error(lambda: client.abort("req-abort"))
+    assert err.code() is grpc.StatusCode.NOT_FOUND and "unknown request id 'req-abort'" in err.details()
+    assert_no_leak(wait_drained(client))
+
+
+def test_a_full_queue_answers_resource_exhausted(client: Client, server: ServerProcess) -> None:
+    async def run() -> tuple[grpc.StatusCode, str, int]:
+        async with AsyncClient(server.target) as c:
+            calls = [c.generate(f"fill {i}", max_tokens=900, temperature=0.0, ignore_eos=True)
+                     for i in range(MAX_QUEUE)]
+            await asyncio.gather(*(call.read() for call in calls))  # every one is admitted and streaming
+            in_flight = (await c.stats()).in_flight
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await c.complete("one too many", max_tokens=2)
+            for call in calls:
+                call.cancel()
+            return info.value.code(), info.value.details(), in_flight
+
+    code, details, in_flight = asyncio.run(run())
+    assert in_flight == MAX_QUEUE
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and f"--max-queue {MAX_QUEUE}" in details
+    assert_no_leak(wait_drained(client))
+    assert_serves(client)
+
+
+# ---------------------------------------------------------------- bad input
+def _validation_message(**fields: Any) -> str:
+    try:
+        SamplingParams(**fields).validate()
+    except InferError as exc:
+        return str(exc)
+    raise AssertionError(f"{fields} is valid")
+
+
+BAD_PARAMS = [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5), dict(temperature=math.nan),
+              dict(temperature=math.inf), dict(top_p=0.0), dict(top_p=1.5), dict(top_p=-0.1), dict(top_p=math.nan),
+              dict(top_k=-1), dict(min_p=1.0), dict(n=0), dict(logprobs=21), dict(seed=-1), dict(stop=[""])]
+
+
+@pytest.mark.parametrize("fields", BAD_PARAMS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_bad_sampling_params_are_invalid_argument(client: Client, fields: dict[str, Any]) -> None:
+    for call in (client.generate, client.complete):
+        err = rpc_error(lambda: call("hello", **fields))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == _validation_message(**fields)
+    assert_serves(client)
+
+
+def _engine_message(llm: Any, prompt: Any, params: SamplingParams) -> str:
+    try:
+        llm.engine.add_request(prompt, params)
+    except InferError as exc:
+        return str(exc)
+    raise AssertionError(f"{prompt!r} was accepted")
+
+
+BAD_PROMPTS = {
+    "empty-text": ("", dict(max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT),
+    "empty-ids": ([], dict(max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT),
+    "id-out-of-vocab": ([1, 10**6], dict(max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT),
+    "negative-id": ([-1], dict(max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT),
+    "over-the-context": ("hello there", dict(max_tokens=1020), grpc.StatusCode.INVALID_ARGUMENT),
+    "over-the-step-budget": ([7] * (STEP_BUDGET + 20), dict(max_tokens=4), grpc.StatusCode.RESOURCE_EXHAUSTED),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_PROMPTS))
+def test_bad_prompts_get_the_engines_message(client: Client, llm: Any, name: str) -> None:
+    prompt, fields, code = BAD_PROMPTS[name]
+    expected = _engine_message(llm, prompt, SamplingParams(**fields))
+    for call in (client.generate, client.complete):
+        err = rpc_error(lambda: call(prompt, **fields))
+        assert (err.code(), err.details()) == (code, expected)
+    assert_serves(client)
+
+
+def test_no_prompt_and_oversized_messages(client: Client) -> None:
+    from infer.server import infer_pb2_grpc
+
+    stub = infer_pb2_grpc.InferenceStub(client.channel)
+    err = rpc_error(lambda: stub.Complete(pb.GenerateRequest()))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt is empty")
+    err = rpc_error(lambda: client.complete("x" * (MAX_MESSAGE + 1000), max_tokens=2))
+    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert_serves(client)
+
+
+def test_messages_are_the_clis(client: Client) -> None:
+    cli = subprocess.run([*infer_command(), "generate", "--top-p", "1.5", "hello"], capture_output=True, text=True)
+    assert cli.returncode != 0
+    err = rpc_error(lambda: client.complete("hello", top_p=1.5))
+    assert cli.stderr.strip() == f"Error: {err.details()}"
+
+
+# ---------------------------------------------------------------- introspection
+def test_model_info_plugins_and_stats(client: Client, llm: Any, tiny_model: Path) -> None:
+    info = client.model_info()
+    assert (info.model, info.max_model_len, info.vocab_size) == (str(tiny_model), llm.engine.max_model_len,
+                                                                 llm.engine.loaded.model.spec.vocab_size)
+    assert info.architecture == "LlamaForCausalLM" and info.quant == "none"
+    assert dict(info.components) == llm.engine.active
+    names = {(p.kind, p.name) for p in client.plugins()}
+    assert {("command", "serve"), ("command", "client"), ("scheduler", "continuous"), ("kv_cache", "paged")} <= names
+    stats = client.stats()
+    assert stats.max_queue == MAX_QUEUE and stats.kv_total_blocks == info.num_kv_blocks and not stats.draining
+
+
+def test_metrics_endpoint(client: Client, server: ServerProcess) -> None:
+    args = server.proc.args
+    port = args[args.index("--metrics-port") + 1]
+    client.complete("count me", max_tokens=3)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'infer_kv_blocks{state="free"}' in text
+    assert "infer_output_tokens_total" in text and "infer_server_max_queue 80.0" in text
+
+
+def test_a_reflection_client_nobody_here_wrote(server: ServerProcess) -> None:
+    from grpc_requests import Client as ReflectionClient
+
+    rc = ReflectionClient.get_by_endpoint(server.target)
+    assert {"infer.v1.Inference", "grpc.health.v1.Health"} <= set(rc.service_names)
+    responses = list(rc.request("infer.v1.Inference", "Generate",
+                                {"text": "hello", "params": {"max_tokens": 4, "temperature": 0.0}}))
+    assert responses[-1]["finished"] is True
+    assert sum(len(r.get("outputs", [{}])[0].get("token_ids", [])) for r in responses) <= 4
+    assert rc.request("grpc.health.v1.Health", "Check", {"service": ""}) == {"status": "SERVING"}
+    assert rc.request("grpc.health.v1.Health", "Check", {"service": "infer.v1.Inference"}) == {"status": "SERVING"}
+
+
+# ---------------------------------------------------------------- token, TLS, client command, SIGTERM
+def test_a_token_is_required(secure_server: ServerProcess) -> None:
+    for kwargs in ({"token": None}, {"token": "wrong"}):
+        with secure_server.client(**kwargs) as c:
+            for call in (lambda: c.complete("hi", max_tokens=2), c.stats, lambda: c.generate("hi", max_tokens=2)):
+                err = rpc_error(call)
+                assert err.code() is grpc.StatusCode.UNAUTHENTICATED and "Bearer" in err.details()
+            assert c.health() == "SERVING"  # probes need no token
+    with secure_server.client() as c:
+        assert len(c.complete("hi", max_tokens=2, temperature=0.0).outputs[0].token_ids) == 2
+
+
+def test_client_command(secure_server: ServerProcess, llm: Any) -> None:
+    roots = secure_server.client_kwargs["root_certificates"]
+    tls = ["--tls-ca", str(roots)] if roots else []
+    env = os.environ | {"INFER_SERVER_TOKEN": TOKEN}
+    out = subprocess.run([*infer_command(), "client", "def main():", "--target", secure_server.target,
+                          "--max-tokens", "8", "--ignore-eos", *tls], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    want = llm.generate(["def main():"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert out.stdout == "def main():" + want.outputs[0].text + "\n"
+
+
+def test_sigterm_drains_in_flight_streams_and_exits_0(secure_server: ServerProcess) -> None:
+    with secure_server.client() as c:
+        calls = [c.generate(f"drain {i}", max_tokens=500, temperature=0.0, ignore_eos=True) for i in range(3)]
+        firsts = [next(call) for call in calls]
+        secure_server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while c.health() != "NOT_SERVING":
+            assert time.monotonic() < deadline, "health never turned NOT_SERVING"
+            time.sleep(0.02)
+        err = rpc_error(lambda: c.complete("too late", max_tokens=2))
+        assert err.code() is grpc.StatusCode.UNAVAILABLE
+        for first, call in zip(firsts, calls):
+            rest = list(call)
+            assert len(tokens_of([first, *rest])) == 500
+            assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert secure_server.proc.wait(timeout=60) == 0, secure_server.log_tail()
+    assert "server stopped" in secure_server.log_tail()

@@ -1,0 +1,159 @@
+"""The server's engine thread and servicer in-process, over a scripted engine: internal faults map to INTERNAL and
+the server keeps serving; a cancelled call aborts its request; proto <-> SamplingParams defaults. No model needed."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from infer.core.errors import InvalidRequestError, NotFoundError
+from infer.core.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from infer.server import infer_pb2 as pb
+from infer.server import infer_pb2_grpc as pb_grpc
+from infer.server.client import AsyncClient, build_request
+from infer.server.convert import sampling_params_of
+from infer.server.servicer import InferenceServicer
+from infer.server.worker import EngineWorker
+
+
+class ScriptedEngine:
+    """Emits token 7 once per step per request. Prompts "crash-in-add" / "crash-in-step" raise RuntimeError."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        if prompt == "crash-in-add":
+            raise RuntimeError("boom while adding")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty; give at least one character or token")
+        assert request_id is not None
+        self.requests[request_id] = ([], params)
+        if prompt == "crash-in-step":
+            self.requests[request_id][0].append(-1)
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        if any(-1 in tokens for tokens, _ in self.requests.values()):
+            raise RuntimeError("boom in the step")
+        outputs = []
+        for rid, (tokens, params) in list(self.requests.items()):
+            tokens.append(7)
+            done = len(tokens) >= params.max_tokens
+            outputs.append(RequestOutput(rid, [1], [CompletionOutput(0, [7], "t", FinishReason.LENGTH if done
+                                                                     else None)], done))
+            if done:
+                del self.requests[rid]
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput:
+        if request_id not in self.requests:
+            raise NotFoundError(f"unknown request id {request_id!r} (it may have finished already)")
+        del self.requests[request_id]
+        self.aborted.append(request_id)
+        return RequestOutput(request_id, [1], [CompletionOutput(0, [], "", FinishReason.ABORT)], True)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+
+def serve_scripted(test: Callable[[AsyncClient, ScriptedEngine], Awaitable[None]]) -> ScriptedEngine:
+    """Run ``test`` against an in-process server over a ScriptedEngine."""
+    engine = ScriptedEngine()
+
+    async def main() -> None:
+        worker = EngineWorker(engine)
+        server = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(
+            InferenceServicer(worker, pb.ModelInfo(), pb.ListPluginsResponse(), max_queue=8), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        worker.start()
+        await server.start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}") as client:
+                await asyncio.wait_for(test(client, engine), 30)
+        finally:
+            await server.stop(None)
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(main())
+    return engine
+
+
+async def rpc_code(call: Awaitable[Any]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value.code(), info.value.details()
+
+
+def test_internal_faults_are_internal_and_the_server_keeps_serving() -> None:
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        code, details = await rpc_code(client.complete("crash-in-step", max_tokens=3))
+        assert code is grpc.StatusCode.INTERNAL and "boom in the step" in details
+        code, details = await rpc_code(client.complete("crash-in-add", max_tokens=3))
+        assert code is grpc.StatusCode.INTERNAL and "boom while adding" in details
+        code, details = await rpc_code(client.complete("", max_tokens=3))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith("prompt is empty")
+        out = await client.complete("fine", max_tokens=3)
+        assert list(out.outputs[0].token_ids) == [7, 7, 7] and out.usage.completion_tokens == 3
+        assert out.outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
+        assert not engine.requests
+
+    engine = serve_scripted(test)
+    assert len(engine.aborted) == 1  # the step fault aborted the request that was in flight
+
+
+def test_a_cancelled_stream_aborts_its_request() -> None:
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        call = client.generate("long", request_id="gone", max_tokens=10**6)
+        await call.read()
+        call.cancel()
+        for _ in range(200):
+            if "gone" in engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.aborted == ["gone"] and not engine.requests
+        code, _ = await rpc_code(client.abort("gone"))
+        assert code is grpc.StatusCode.NOT_FOUND
+
+    serve_scripted(test)
+
+
+def test_unset_fields_take_the_sampling_params_defaults() -> None:
+    params = sampling_params_of(build_request("hi", priority=3, temperature=0.0))
+    assert params == SamplingParams(temperature=0.0, priority=3)
+    explicit = SamplingParams(max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, seed=4, stop=("x",),
+                              stop_token_ids=(2,), ignore_eos=True, logprobs=1, n=2)
+    assert sampling_params_of(build_request("hi", explicit)) == explicit
+    with pytest.raises(InvalidRequestError, match="max_tokens must be a positive integer"):
+        sampling_params_of(build_request("hi", max_tokens=0))
+
+
+def test_queued_deltas_merge_into_one() -> None:
+    from infer.server.worker import merge_deltas
+
+    a = RequestOutput("r", [1], [CompletionOutput(0, [5], "a", None, [{5: -0.1}]), CompletionOutput(1, [6], "b")],
+                      False)
+    b = RequestOutput("r", [1], [CompletionOutput(0, [7], "c", FinishReason.STOP, [{7: -0.2}])], True, 3)
+    merged = merge_deltas(a, b)
+    assert merged.finished and merged.num_cached_tokens == 3
+    assert [(c.index, c.token_ids, c.text, c.finish_reason, c.logprobs) for c in merged.outputs] == [
+        (0, [5, 7], "ac", FinishReason.STOP, [{5: -0.1}, {7: -0.2}]), (1, [6], "b", None, None)]
+    assert a.outputs[0].token_ids == [5]  # the inputs are left alone
+
+
+def test_a_stopped_worker_refuses_at_once() -> None:
+    from infer.server.worker import ServerUnavailable
+
+    worker = EngineWorker(ScriptedEngine())
+    worker.start()
+    worker.stop()
+    with pytest.raises(ServerUnavailable):
+        worker.call(lambda engine: None).result(timeout=5)
