@@ -1,0 +1,112 @@
+"""``--ab`` arms: each string is a full set of ``infer`` group options, or ``hf`` / ``hf:static`` / ``hf:cb``.
+
+An engine arm's options are parsed with the group's own click options (shlex splitting, click conversion and
+errors) and laid over the group options given before ``bench``: ``infer --model M bench --ab "--kv-cache paged"
+"--no-prefix-caching"`` compares two engines on model M.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import string
+from dataclasses import dataclass
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from ..cli.options import EngineArgs, engine_options
+
+HF_MODES = {"hf": "static", "hf:static": "static", "hf:cb": "cb"}
+
+
+class ArmError(ValueError):
+    """An arm string does not parse; the message names the arm."""
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One side of the comparison. ``hf_mode`` is set for the HF baseline, ``args`` for an infer engine."""
+
+    key: str  # A, B, C, ...
+    text: str  # the arm string as given
+    args: EngineArgs | None = None
+    hf_mode: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.key}: {self.text or '(group options)'}"
+
+    @property
+    def is_hf(self) -> bool:
+        return self.hf_mode is not None
+
+
+def _arm_key(index: int) -> str:
+    letters = string.ascii_uppercase
+    return letters[index] if index < len(letters) else f"{letters[index // len(letters) - 1]}{letters[index % 26]}"
+
+
+def _option_parser() -> click.Command:
+    """A throw-away command that carries exactly the group's engine options."""
+
+    @click.command("arm", add_help_option=False)
+    @engine_options
+    def arm(**kwargs: Any) -> None:
+        """Never invoked: only its parser is used."""
+
+    return arm
+
+
+def parse_engine_options(text: str) -> EngineArgs:
+    """Parse one arm string into EngineArgs holding only the options the string names. Raises ArmError."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise ArmError(f"cannot split the options: {exc}") from None
+    command = _option_parser()
+    try:
+        ctx = command.make_context("arm", argv)
+    except click.ClickException as exc:
+        raise ArmError(exc.format_message()) from None
+    given = {name: value for name, value in ctx.params.items()
+             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE}
+    return EngineArgs.from_kwargs(given)
+
+
+def merge(base: EngineArgs, arm: EngineArgs) -> EngineArgs:
+    """The arm's options over the group's: values replaced, --plugin names added, flags (--no-...) or-ed."""
+    merged: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineArgs):
+        ours, theirs = getattr(base, f.name), getattr(arm, f.name)
+        if isinstance(ours, dict):
+            merged[f.name] = {**ours, **theirs}
+        elif isinstance(ours, list):
+            merged[f.name] = [*ours, *theirs]
+        elif isinstance(ours, bool):
+            merged[f.name] = ours or theirs
+        else:
+            merged[f.name] = ours if theirs is None else theirs
+    return EngineArgs(**merged)
+
+
+def parse_arms(texts: tuple[str, ...] | list[str], base: EngineArgs) -> list[ArmSpec]:
+    """Every arm, in the order given; with none, one arm made of the group options. Raises ArmError."""
+    if not texts:
+        return [ArmSpec("A", "", base)]
+    arms = []
+    for index, text in enumerate(texts):
+        key = _arm_key(index)
+        stripped = text.strip()
+        if stripped.startswith("hf"):
+            if stripped not in HF_MODES:
+                raise ArmError(f"arm {key} ({text!r}): the HF baseline is written 'hf', 'hf:static' or 'hf:cb' "
+                               "and takes no options (it runs the model of the group options or of the first "
+                               "engine arm)")
+            arms.append(ArmSpec(key, stripped, hf_mode=HF_MODES[stripped]))
+            continue
+        try:
+            arms.append(ArmSpec(key, stripped, merge(base, parse_engine_options(text))))
+        except ArmError as exc:
+            raise ArmError(f"arm {key} ({text!r}): {exc}") from None
+    return arms

@@ -1,0 +1,156 @@
+"""The ``infer bench`` click command: parse arms and workload, build each arm once, run rounds A B A B, report."""
+from __future__ import annotations
+
+import datetime
+import math
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..cli.options import EngineArgs
+from .arms import ArmError, parse_arms
+from .workloads import WORKLOADS, WorkloadError, WorkloadSpec, validate_spec
+
+AB_HINT = 'quote each arm as one argument: --ab "--kv-cache paged" "--kv-cache paged --no-prefix-caching"'
+
+
+class BenchCommand(click.Command):
+    """Accepts ``--ab A B C`` (every following argument up to the next bench option) as ``--ab A --ab B --ab C``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        names = {name for param in self.get_params(ctx) for name in getattr(param, "opts", [])}
+        return super().parse_args(ctx, expand_ab(args, names))
+
+
+def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] != "--ab":
+            out.append(args[i])
+            i += 1
+            continue
+        i += 1
+        arms = []
+        while i < len(args) and args[i] != "--ab" and args[i].split("=", 1)[0] not in option_names:
+            arms.append(args[i])
+            i += 1
+        if not arms:
+            out.append("--ab")  # click reports the missing value
+        for arm in arms:
+            out += ["--ab", arm]
+    return out
+
+
+@click.command("bench", cls=BenchCommand)
+@click.option("--workload", type=click.Choice(WORKLOADS), default="random", show_default=True,
+              help="Which requests to send (see docs/cli.md).")
+@click.option("--ab", "arms", multiple=True, metavar="ARM...",
+              help="Arms to compare: each a quoted string of group options (e.g. \"--kv-cache paged\"), or hf, "
+                   "hf:static, hf:cb for the HF transformers baseline. Default: one arm of the group options.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Rounds; each round runs every arm once, in order (A B A B ...).")
+@click.option("--num-requests", type=int, default=32, show_default=True,
+              help="Requests (multi-turn: conversations; long-prompt-arrival: steady decodes).")
+@click.option("--input-len", type=int, default=128, show_default=True,
+              help="Mean prompt length (multi-turn: new tokens per user turn).")
+@click.option("--output-len", type=int, default=32, show_default=True, help="Mean output length.")
+@click.option("--len-sigma", type=float, default=0.5, show_default=True,
+              help="Lognormal sigma of the random lengths; 0 makes every length its mean.")
+@click.option("--prefix-len", type=int, default=1000, show_default=True,
+              help="shared-prefix: tokens of the system prompt every request shares.")
+@click.option("--question-len", type=int, default=100, show_default=True,
+              help="shared-prefix: mean tokens of each request's own question.")
+@click.option("--turns", type=int, default=4, show_default=True, help="multi-turn: turns per conversation.")
+@click.option("--long-len", type=int, default=1000, show_default=True,
+              help="long-prompt-arrival: tokens of the long prompt.")
+@click.option("--long-delay", type=float, default=0.25, show_default=True,
+              help="long-prompt-arrival: seconds after the start when the long prompt arrives.")
+@click.option("--rate", type=float, default=math.inf, show_default=True,
+              help="Poisson arrival rate in requests (conversations) per second; inf sends all at once.")
+@click.option("--file", "workload_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help='file workload: JSONL, one {"prompt": "text" or [token ids], "max_tokens": N} per line.')
+@click.option("--skip-bad-lines", is_flag=True, help="file workload: run the good lines, warn about the bad ones.")
+@click.option("--workload-seed", type=int, default=0, show_default=True,
+              help="Seed of the workload's lengths, arrivals and tokens.")
+@click.option("--warmup-rounds", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Unmeasured rounds per arm before the first measured one (fresh prompts of the same shape).")
+@click.option("--hf-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="hf:static: most requests per padded batch.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write results.json, table.txt, latency_cdf.png and throughput.png here.")
+@click.pass_context
+def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int, num_requests: int, input_len: int,
+          output_len: int, len_sigma: float, prefix_len: int, question_len: int, turns: int, long_len: int,
+          long_delay: float, rate: float, workload_file: Path | None, skip_bad_lines: bool, workload_seed: int,
+          warmup_rounds: int, hf_batch_size: int, out_dir: Path | None) -> None:
+    """Benchmark arms side by side on one seeded workload, interleaved over rounds so that drift cancels.
+
+    Example: infer --model DIR bench --workload multi-turn --ab "--kv-cache paged" "--no-prefix-caching" hf
+    --repeats 3 --out results/
+    """
+    from rich.console import Console
+
+    base = ctx.find_object(EngineArgs) or EngineArgs()
+    try:
+        specs = parse_arms(arms, base)
+    except ArmError as exc:
+        raise click.BadParameter(f"{exc}\n({AB_HINT})", param_hint="'--ab'") from None
+    spec = WorkloadSpec(workload, num_requests, input_len, output_len, len_sigma, prefix_len, question_len, turns,
+                        long_len, long_delay, rate, workload_seed, workload_file, skip_bad_lines)
+    err = Console(stderr=True)
+    try:
+        entries = validate_spec(spec)
+    except WorkloadError as exc:
+        raise click.UsageError(str(exc)) from None
+    if spec.name == "file" and skip_bad_lines:
+        _warn_bad_lines(spec, err)
+
+    from .report import BenchResult
+    from .session import arm_info, build_arms, make_workloads, run_info, run_rounds
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        built = build_arms(specs, base, hf_batch_size, err)
+    except ArmError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--ab'") from None
+    try:
+        workloads = make_workloads(spec, range(repeats), built, entries)
+        warmups = make_workloads(spec, range(-1, -1 - warmup_rounds, -1), built, entries)
+    except WorkloadError as exc:
+        raise click.UsageError(str(exc)) from None
+    for arm in built:
+        err.print(f"warming up arm {arm.spec.key} ...", highlight=False)
+        arm.warm_up(warmups)
+    runs = run_rounds(built, workloads, err)
+    meta = run_info(spec, repeats, warmup_rounds, specs, started)
+    _report(BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built}), out_dir)
+
+
+def _warn_bad_lines(spec: WorkloadSpec, err: Any) -> None:
+    from .workloads import parse_workload_file
+
+    assert spec.file is not None
+    _, errors = parse_workload_file(spec.file)
+    for line in errors:
+        err.print(f"[yellow]skipped {spec.file} {line}[/yellow]", highlight=False)
+
+
+def _report(result: Any, out_dir: Path | None) -> None:
+    from rich.console import Console
+
+    from .report import render_table, write_json, write_plots
+
+    text = render_table(result, Console())
+    if out_dir is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "table.txt").write_text(text, encoding="utf-8")
+    write_json(result, out_dir / "results.json")
+    written = ["results.json", "table.txt"]
+    try:
+        written += [p.name for p in write_plots(result, out_dir)]
+    except ImportError:
+        click.echo("matplotlib is not installed: no plots (pip install 'infer-engine[bench]')", err=True)
+    click.echo(f"wrote {', '.join(written)} to {out_dir}", err=True)

@@ -1,0 +1,184 @@
+"""The HF transformers baseline: static ``generate`` on padded batches, or transformers' continuous batching.
+
+``static`` takes every request that has arrived (up to ``batch_size``), left-pads them into one batch and runs
+``generate`` for the longest output; a token's time is the time of the decoding step that produced it, and every
+request of a batch finishes when the batch does. ``cb`` runs transformers' continuous batching manager with an
+explicit cache size (on CPU its default sizing reads the machine's whole memory) and per-token timestamps.
+Neither reports KV usage, prefix hits, acceptance or preemptions: those metrics are "n/a" for this arm.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .arms import ArmSpec
+from .runner import Replay
+from .stats import RequestRecord, RunResult
+from .workloads import Session, Turn, Vocab, Workload
+
+CB_PAGE_SIZE = 32
+
+
+class _StepTimes:
+    """A transformers streamer that records when each decoding step's tokens arrive (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        """Called once generation stops; nothing to flush."""
+
+
+class HFArm:
+    """HF transformers on the model of the engine arms, float32 on CPU and bfloat16 on CUDA."""
+
+    def __init__(self, spec: ArmSpec, model_path: Path, batch_size: int, device: str = "auto") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.spec = spec
+        self.mode = spec.hf_mode or "static"
+        self.batch_size = batch_size
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                   ("cpu" if device == "auto" else device))
+        self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        config = self.model.config
+        self.max_model_len = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.vocab = Vocab(int(config.vocab_size), frozenset(self.tokenizer.all_special_ids))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.model_path = model_path
+
+    def describe(self) -> dict[str, object]:
+        import transformers
+
+        return {"transformers": transformers.__version__, "mode": self.mode, "model": str(self.model_path),
+                "device": str(self.device), "dtype": str(self.dtype),
+                "batch_size": self.batch_size if self.mode == "static" else None}
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def _generation_config(self, max_new_tokens: int, cb: bool) -> Any:
+        """Greedy, exactly ``max_new_tokens`` tokens per request, as the engine arms generate (ignore_eos)."""
+        from transformers import GenerationConfig
+
+        if cb:  # continuous batching takes eos -1 as "never stop early"
+            return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
+                                    pad_token_id=self.pad_id)
+        return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_id)
+
+    def warm_up(self, workloads: list[Workload]) -> None:
+        """A short request, then each warm-up workload, unmeasured: first-call costs are not timed."""
+        short = Workload("warm-up", -1, (Session(0.0, (Turn(self.vocab.allowed[:8], 4),)),))
+        for workload in [short, *workloads]:
+            self.run(workload, lambda: None)
+
+    def run(self, workload: Workload, on_request_done: Callable[[], None]) -> RunResult:
+        if self.mode == "static":
+            return self._run_static(workload, on_request_done)
+        return self._run_cb(workload, on_request_done)
+
+    # ------------------------------------------------------------ static generate
+    def _generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[float], list[list[int]]]:
+        """Step times and the generated tokens of each row."""
+        import torch
+
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        streamer = _StepTimes()
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self._generation_config(
+                max_new_tokens, cb=False), streamer=streamer)
+        return streamer.times, out[:, width:].tolist()
+
+    def _run_static(self, workload: Workload, on_request_done: Callable[[], None]) -> RunResult:
+        replay = Replay(workload)
+        waiting: list[tuple[float, int, int, list[int], int]] = []
+        records: list[RequestRecord] = []
+        start = time.perf_counter()
+        while replay.pending() or waiting:
+            now = time.perf_counter() - start
+            waiting += replay.pop_due(now)
+            if not waiting:
+                time.sleep(max(0.0, (replay.next_arrival() or now) - now))
+                continue
+            batch, waiting = waiting[: self.batch_size], waiting[self.batch_size:]
+            step_times, outputs = self._generate_batch([b[3] for b in batch], max(b[4] for b in batch))
+            steps = [t - start for t in step_times]
+            done = time.perf_counter() - start
+            for (arrival, session, turn, prompt, max_tokens), generated in zip(batch, outputs):
+                times = steps[:max_tokens]
+                output = generated[:max_tokens]
+                records.append(RequestRecord(session, turn, arrival, len(prompt), len(times), times, done))
+                replay.finished(session, turn, prompt, output, done)
+                on_request_done()
+        duration = time.perf_counter() - start
+        records.sort(key=lambda r: (r.session, r.turn))
+        return RunResult(self.spec.key, workload.round, duration, records, None, {"batch_size": self.batch_size})
+
+    # ------------------------------------------------------------ continuous batching
+    def _cb_config(self, longest: int, concurrent: int) -> Any:
+        from transformers import ContinuousBatchingConfig
+
+        blocks_per_request = math.ceil(longest / CB_PAGE_SIZE) + 1
+        num_blocks = max(16, min(blocks_per_request * max(concurrent, 1), 8192))
+        max_batch_tokens = 512 if self.device.type == "cpu" else 8192
+        return ContinuousBatchingConfig(num_blocks=num_blocks, page_size=CB_PAGE_SIZE,
+                                        max_batch_tokens=max_batch_tokens)
+
+    def _run_cb(self, workload: Workload, on_request_done: Callable[[], None]) -> RunResult:
+        longest = workload.longest_request()
+        manager = self.model.init_continuous_batching(
+            generation_config=self._generation_config(max(1, longest), cb=True),
+            continuous_batching_config=self._cb_config(longest, len(workload.sessions)))
+        manager.start()
+        try:
+            return self._drive_cb(manager, workload, on_request_done)
+        finally:
+            manager.stop(block=True)
+            self.model.destroy_cached_continuous_batching_manager()
+
+    def _drive_cb(self, manager: Any, workload: Workload, on_request_done: Callable[[], None]) -> RunResult:
+        replay = Replay(workload)
+        live: dict[str, tuple[float, int, int, list[int]]] = {}
+        records: list[RequestRecord] = []
+        start = time.perf_counter()
+        while replay.pending() or live:
+            now = time.perf_counter() - start
+            for arrival, session, turn, prompt, max_tokens in replay.pop_due(now):
+                rid = f"bench-{workload.round}-{session}-{turn}"
+                manager.add_request(prompt, request_id=rid, max_new_tokens=max_tokens, record_timestamps=True,
+                                    eos_token_id=-1)
+                live[rid] = (arrival, session, turn, prompt)
+            next_at = replay.next_arrival()
+            wait = 1.0 if next_at is None else max(0.0, min(1.0, next_at - now))
+            result = manager.get_result(timeout=wait) if live else None
+            if result is None:
+                if not live and next_at is not None:
+                    time.sleep(max(0.0, next_at - now))
+                continue
+            if result.error:
+                raise RuntimeError(f"transformers continuous batching failed on {result.request_id}: {result.error}")
+            arrival, session, turn, prompt = live.pop(result.request_id)
+            times = [t - start for t in result.timestamps or []]
+            finish = (result.lifespan[1] - start) if result.lifespan[1] > 0 else time.perf_counter() - start
+            output = list(result.generated_tokens)
+            records.append(RequestRecord(session, turn, arrival, len(prompt), len(output), times, finish))
+            replay.finished(session, turn, prompt, output, time.perf_counter() - start)
+            on_request_done()
+        duration = time.perf_counter() - start
+        records.sort(key=lambda r: (r.session, r.turn))
+        return RunResult(self.spec.key, workload.round, duration, records, None, {"mode": "cb"})

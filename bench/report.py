@@ -1,0 +1,144 @@
+"""Reports of an A/B run: the side-by-side rich table, the JSON file, and the PNG plots (matplotlib, Agg)."""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .arms import ArmSpec
+from .stats import METRICS, Aggregate, Metric, RunResult, summarize
+
+
+@dataclass
+class BenchResult:
+    """Everything one ``infer bench`` invocation measured."""
+
+    arms: list[ArmSpec]
+    runs: dict[str, list[RunResult]]  # arm key -> runs in round order
+    meta: dict[str, Any]
+    arm_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # arm key -> config, warm-up counters, ...
+
+    def summary(self) -> dict[str, dict[str, Aggregate]]:
+        return summarize({arm.key: self.runs[arm.key] for arm in self.arms})
+
+
+def _number(value: float, unit: str) -> str:
+    if unit == "%":
+        percent = 100 * value
+        return f"{percent:.2f}%" if 0 < abs(percent) < 1 else f"{percent:.1f}%"
+    if unit == "count" and float(value).is_integer():
+        return str(int(value))
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def format_cell(metric: Metric, agg: Aggregate, first: bool, repeats: int) -> str:
+    """``median ±spread ×ratio``; "n/a" when the arm does not measure the metric."""
+    if agg.median is None:
+        return "n/a"
+    text = _number(agg.median, metric.unit)
+    if repeats > 1 and agg.spread is not None:
+        text += f" ±{_number(agg.spread, metric.unit)}"
+    if not first:
+        text += f" ×{agg.ratio:.2f}" if agg.ratio is not None else " ×—"
+    return text
+
+
+def build_table(result: BenchResult) -> Table:
+    summary = result.summary()
+    repeats = max((len(r) for r in result.runs.values()), default=0)
+    workload = result.meta.get("workload", {}).get("name", "?")
+    first = result.arms[0].key
+    table = Table(title=f"infer bench: {workload} workload, {repeats} round(s), arms interleaved",
+                  caption=f"median ±half the range over rounds, ×ratio to arm {first}'s median; n/a: the arm does "
+                          "not measure it\n" + "\n".join(arm.label for arm in result.arms),
+                  caption_justify="left")
+    table.add_column("metric", no_wrap=True)
+    for arm in result.arms:
+        table.add_column(arm.key, justify="right", no_wrap=True)
+    for metric in METRICS:
+        title = f"{metric.title} ({metric.unit})" if metric.unit == "ms" else metric.title
+        cells = [format_cell(metric, summary[arm.key][metric.key], i == 0, repeats)
+                 for i, arm in enumerate(result.arms)]
+        table.add_row(title, *cells)
+    return table
+
+
+def render_table(result: BenchResult, console: Console) -> str:
+    """Print the table and return it as plain text."""
+    table = build_table(result)
+    width = 22 + 22 * len(result.arms)
+    Console(width=max(console.width, width), file=console.file).print(table)
+    recorder = Console(record=True, width=width, file=io.StringIO())
+    recorder.print(table)
+    return recorder.export_text()
+
+
+def to_json(result: BenchResult) -> dict[str, Any]:
+    summary = result.summary()
+    arms = []
+    for arm in result.arms:
+        arms.append({
+            "key": arm.key, "text": arm.text, "label": arm.label, "kind": "hf" if arm.is_hf else "engine",
+            **result.arm_info.get(arm.key, {}),
+            "summary": {key: {"median": agg.median, "spread": agg.spread, "ratio": agg.ratio, "values": agg.values}
+                        for key, agg in summary[arm.key].items()},
+            "runs": [run.to_json() for run in result.runs[arm.key]],
+        })
+    return {**result.meta, "metrics": [m.__dict__ for m in METRICS], "arms": arms}
+
+
+def write_json(result: BenchResult, path: Path) -> None:
+    path.write_text(json.dumps(to_json(result), indent=1) + "\n", encoding="utf-8")
+
+
+def write_plots(result: BenchResult, out: Path) -> list[Path]:
+    """latency_cdf.png (TTFT, TPOT, ITL, end-to-end per arm, pooled over rounds) and throughput.png."""
+    from matplotlib.figure import Figure
+
+    latency = Figure(figsize=(11, 8), layout="constrained")
+    axes = latency.subplots(2, 2)
+    samples = {
+        "TTFT": lambda r: [r.ttft_s] if r.ttft_s is not None else [],
+        "TPOT": lambda r: [r.tpot_s] if r.tpot_s is not None else [],
+        "ITL": lambda r: r.itl_s,
+        "end-to-end": lambda r: [r.e2e_s],
+    }
+    for ax, (name, pick) in zip(axes.flat, samples.items()):
+        for arm in result.arms:
+            values = sorted(1000 * v for run in result.runs[arm.key] for req in run.requests for v in pick(req))
+            if values:
+                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=arm.label)
+        ax.set_title(f"{name} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize="small")
+    latency.savefig(out / "latency_cdf.png", dpi=110)
+
+    summary = result.summary()
+    bars = Figure(figsize=(4 + 1.5 * len(result.arms), 4.5), layout="constrained")
+    keys = [arm.key for arm in result.arms]
+    for ax, (metric, title) in zip(bars.subplots(1, 2), (("requests_per_s", "requests/s"),
+                                                           ("output_tokens_per_s", "output tokens/s"))):
+        aggs = [summary[k][metric] for k in keys]
+        heights = [a.median or 0.0 for a in aggs]
+        errors = [[(a.median or 0) - min(a.values, default=0) for a in aggs],
+                  [max(a.values, default=0) - (a.median or 0) for a in aggs]]
+        ax.bar(keys, heights, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(keys))])
+        for i, agg in enumerate(aggs):
+            if i and agg.ratio is not None:
+                ax.annotate(f"×{agg.ratio:.2f}", (i, max(agg.values)), ha="center", va="bottom", fontsize="small",
+                            xytext=(0, 3), textcoords="offset points")
+        ax.set_title(f"{title} (median, min-max)")
+        ax.margins(y=0.12)  # room for the ratio labels
+    bars.legend([bar for bar in bars.axes[0].patches], [arm.label for arm in result.arms], loc="outside lower center",
+                fontsize="small")
+    bars.savefig(out / "throughput.png", dpi=110)
+    return [out / "latency_cdf.png", out / "throughput.png"]

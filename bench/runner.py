@@ -1,0 +1,176 @@
+"""Replay a workload against an infer engine, recording what a client sees and what the engine counts.
+
+Each engine arm gets its own PluginManager with a :class:`StepRecorder` registered next to the installed plugins:
+an ``on_step`` observer that tracks the peak of used KV blocks during a run. The engine is built once per arm
+and reused by every round; counters that the engine keeps cumulatively are read as differences over a run.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..core.engine import Engine
+from ..core.hookspecs import hookimpl
+from ..core.metrics import StepStats
+from ..core.plugins import PluginManager
+from ..core.request import SamplingParams
+from .arms import ArmSpec
+from .stats import EngineCounters, RequestRecord, RunResult
+from .workloads import Session, Vocab, Workload
+
+WARMUP_PROMPT_TOKENS = 8  # a first short request, shorter than a default KV block
+
+
+class StepRecorder:
+    """An observer plugin (``on_step``): the peak of used KV blocks since :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.peak_used_blocks = 0
+        self.steps = 0
+
+    def reset(self) -> None:
+        self.peak_used_blocks = 0
+        self.steps = 0
+
+    @hookimpl
+    def on_step(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.peak_used_blocks = max(self.peak_used_blocks, stats.kv.used_blocks)
+
+
+@dataclass
+class _Live:
+    """A request in flight."""
+
+    session: int
+    turn: int
+    arrival_s: float
+    prompt: list[int]
+    output: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+
+class Replay:
+    """Arrival bookkeeping shared by every arm: which turn of which session is due when, and its prompt.
+
+    A multi-turn session's next turn is due when its previous turn finishes; its prompt is the history (every
+    earlier prompt and output) followed by the new user tokens.
+    """
+
+    def __init__(self, workload: Workload) -> None:
+        self.sessions: list[Session] = list(workload.sessions)
+        self.due: list[tuple[float, int, int]] = [(s.arrival_s, i, 0) for i, s in enumerate(self.sessions)]
+        heapq.heapify(self.due)
+        self.history: dict[int, list[int]] = {}
+
+    def next_arrival(self) -> float | None:
+        return self.due[0][0] if self.due else None
+
+    def pop_due(self, now: float) -> list[tuple[float, int, int, list[int], int]]:
+        """(arrival, session, turn, prompt, max_tokens) of every turn due by ``now``."""
+        ready = []
+        while self.due and self.due[0][0] <= now:
+            arrival, s, t = heapq.heappop(self.due)
+            turn = self.sessions[s].turns[t]
+            ready.append((arrival, s, t, self.history.get(s, []) + list(turn.tokens), turn.max_tokens))
+        return ready
+
+    def finished(self, session: int, turn: int, prompt: list[int], output: list[int], now: float) -> None:
+        self.history[session] = prompt + output
+        if turn + 1 < len(self.sessions[session].turns):
+            heapq.heappush(self.due, (now, session, turn + 1))
+
+    def pending(self) -> bool:
+        return bool(self.due)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Benchmarks generate exactly ``max_tokens`` tokens, greedily, whatever the model samples."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class EngineArm:
+    """An infer engine built from an arm's options, with its step recorder."""
+
+    def __init__(self, spec: ArmSpec, plugins: PluginManager) -> None:
+        assert spec.args is not None
+        self.spec = spec
+        self.recorder = StepRecorder()
+        plugins.register(self.recorder, name="infer-bench-recorder", source="infer bench")
+        self.engine = Engine(spec.args.build(plugins), plugins)
+        tokenizer = self.engine.tokenizer
+        special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.vocab = Vocab(self.engine.loaded.model.spec.vocab_size, special)
+        self.max_model_len = self.engine.max_model_len
+        self.warmup_counters: dict[str, int] = {}
+
+    def describe(self) -> dict[str, object]:
+        config = self.engine.config
+        return {"components": dict(self.engine.active), "num_kv_blocks": self.engine.num_blocks,
+                "block_size": config.block_size, "prefix_caching": config.enable_prefix_caching,
+                "model": config.model, "device": str(self.engine.loaded.device), "dtype": str(self.engine.loaded.dtype)}
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenize(text)
+
+    def warm_up(self, workloads: list[Workload]) -> None:
+        """A short request, then each warm-up workload, unmeasured: first-call costs (kernels, allocator growth)
+        are not timed. The prefix-cache counters they move are kept in ``warmup_counters``."""
+        before = self.engine.kv.stats()
+        self.engine.generate([list(self.vocab.allowed[:WARMUP_PROMPT_TOKENS])], greedy(4))
+        for workload in workloads:
+            self.run(workload, lambda: None)
+        after = self.engine.kv.stats()
+        self.warmup_counters = {"prefix_queries": after.prefix_queries - before.prefix_queries,
+                                "prefix_hits": after.prefix_hits - before.prefix_hits}
+
+    def run(self, workload: Workload, on_request_done: Callable[[], None]) -> RunResult:
+        engine = self.engine
+        kv_before = engine.kv.stats()
+        preempt_before = engine.scheduler.num_preemptions
+        spec_before = (engine.stats.spec_proposed, engine.stats.spec_accepted)
+        self.recorder.reset()
+        replay = Replay(workload)
+        live: dict[str, _Live] = {}
+        records: list[RequestRecord] = []
+        start = time.perf_counter()
+        while replay.pending() or live:
+            now = time.perf_counter() - start
+            for arrival, s, t, prompt, max_tokens in replay.pop_due(now):
+                rid = engine.add_request(prompt, greedy(max_tokens), request_id=f"bench-{workload.round}-{s}-{t}")
+                live[rid] = _Live(s, t, arrival, prompt)
+            if not live:
+                next_at = replay.next_arrival()
+                if next_at is not None:
+                    time.sleep(max(0.0, next_at - now))
+                continue
+            outputs = engine.step()
+            now = time.perf_counter() - start
+            for out in outputs:
+                item = live[out.request_id]
+                for completion in out.outputs:
+                    item.output += completion.token_ids
+                    item.times += [now] * len(completion.token_ids)
+                if out.finished:
+                    del live[out.request_id]
+                    records.append(RequestRecord(item.session, item.turn, item.arrival_s, len(item.prompt),
+                                                 len(item.output), item.times, now, out.num_cached_tokens))
+                    replay.finished(item.session, item.turn, item.prompt, item.output, now)
+                    on_request_done()
+        duration = time.perf_counter() - start
+        kv_after = engine.kv.stats()
+        counters = EngineCounters(
+            kv_total_blocks=kv_after.total_blocks,
+            kv_peak_used_blocks=self.recorder.peak_used_blocks,
+            prefix_queries=kv_after.prefix_queries - kv_before.prefix_queries,
+            prefix_hits=kv_after.prefix_hits - kv_before.prefix_hits,
+            preemptions=engine.scheduler.num_preemptions - preempt_before,
+            spec_proposed=engine.stats.spec_proposed - spec_before[0],
+            spec_accepted=engine.stats.spec_accepted - spec_before[1],
+            speculative=engine.config.proposer is not None,
+        )
+        records.sort(key=lambda r: (r.session, r.turn))
+        return RunResult(self.spec.key, workload.round, duration, records, counters,
+                         {"engine_summary": engine.stats.summary(), "steps": self.recorder.steps})

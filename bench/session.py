@@ -1,0 +1,178 @@
+"""Running an A/B comparison: build each arm once, make every round's workload, run the rounds interleaved."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from dataclasses import asdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..cli.options import EngineArgs
+from ..core.errors import InferError
+from .arms import ArmError, ArmSpec
+from .stats import RunResult
+from .workloads import FileEntry, Vocab, Workload, WorkloadError, WorkloadSpec, build_workload
+
+
+class Arm(Protocol):
+    """What the runner needs from an engine arm or the HF baseline."""
+
+    spec: ArmSpec
+    vocab: Vocab
+    max_model_len: int
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def warm_up(self, workloads: list[Workload]) -> None: ...
+
+    def run(self, workload: Workload, on_request_done: Callable[[], None]) -> RunResult: ...
+
+    def describe(self) -> dict[str, object]: ...
+
+
+def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: Any) -> list[Arm]:
+    """Build every arm once (engines first: the HF baseline runs the first engine arm's model). Raises ArmError."""
+    from ..core.plugins import PluginManager
+    from .runner import EngineArm
+
+    engine_specs = [s for s in specs if not s.is_hf]
+    share_gpu_memory(engine_specs, len(specs) - len(engine_specs))
+    built: dict[str, Arm] = {}
+    for spec in engine_specs:
+        err.print(f"building arm {spec.label} ...", highlight=False)
+        try:
+            built[spec.key] = EngineArm(spec, PluginManager.from_entry_points())
+        except InferError as exc:
+            raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}") from None
+    for spec in specs:
+        if spec.is_hf:
+            from .hf import HFArm
+
+            err.print(f"building arm {spec.label} (HF transformers) ...", highlight=False)
+            built[spec.key] = HFArm(spec, hf_model_path(base, built), hf_batch_size, base.values.get("device", "auto"))
+    return [built[s.key] for s in specs]
+
+
+def hf_model_path(base: EngineArgs, built: dict[str, Arm]) -> Path:
+    from .runner import EngineArm
+
+    if base.values.get("model"):
+        return Path(base.values["model"])
+    for arm in built.values():
+        if isinstance(arm, EngineArm) and arm.engine.config.model:
+            return Path(arm.engine.config.model)
+    from ..models.tiny import ensure_default_model
+
+    return ensure_default_model()
+
+
+def share_gpu_memory(engine_specs: list[ArmSpec], hf_arms: int) -> None:
+    """On CUDA, engines size their KV pool from free memory: give each arm that sets no size an equal share."""
+    try:
+        import torch
+    except ImportError:
+        return
+    unsized = [s for s in engine_specs if s.args is not None and s.args.values.get("device", "auto") != "cpu"
+               and "num_kv_blocks" not in s.args.values and "kv_cache_memory_gb" not in s.args.values]
+    if not unsized or len(engine_specs) + hf_arms < 2 or not torch.cuda.is_available():
+        return
+    free, _ = torch.cuda.mem_get_info()
+    weights = sum(weights_bytes(s.args.values.get("model")) for s in engine_specs if s.args is not None)
+    share = (0.8 * free - weights) / (len(engine_specs) + hf_arms)
+    for s in unsized:
+        assert s.args is not None
+        s.args.values["kv_cache_memory_gb"] = max(0.25, share / 2**30)
+
+
+def weights_bytes(model: str | None) -> int:
+    if not model:
+        return 0
+    return sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+
+
+def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: list[FileEntry] | None
+                    ) -> list[Workload]:
+    """One workload per round, valid for every arm: tokens every vocabulary has, lengths every context fits.
+    Warm-up rounds have negative indices: the same shapes with other tokens."""
+    if not rounds:
+        return []
+    vocab = Vocab(min(a.vocab.size for a in arms), frozenset().union(*(a.vocab.special for a in arms)))
+    workloads = [build_workload(spec, r, vocab, arms[0].tokenize, entries) for r in rounds]
+    limit = min(a.max_model_len for a in arms)
+    longest = workloads[0].longest_request()
+    if longest > limit:
+        raise WorkloadError(
+            f"the {spec.name} workload has a request of {longest} tokens (prompt, history and output) but the "
+            f"context length is {limit}; lower --input-len/--output-len/--turns/--prefix-len/--long-len or use a "
+            "model with a longer context")
+    return workloads
+
+
+def run_rounds(arms: list[Arm], workloads: list[Workload], err: Any) -> dict[str, list[RunResult]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    runs: dict[str, list[RunResult]] = {arm.spec.key: [] for arm in arms}
+    total = sum(w.num_requests for w in workloads) * len(arms)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err) as progress:
+        task = progress.add_task("bench", total=total)
+        for workload in workloads:
+            for arm in arms:
+                progress.update(task, description=f"round {workload.round + 1}/{len(workloads)} arm {arm.spec.key}")
+                runs[arm.spec.key].append(arm.run(workload, lambda: progress.advance(task)))
+    return runs
+
+
+def arm_info(arm: Arm) -> dict[str, Any]:
+    """What the JSON keeps about an arm besides its runs: its config, and for an engine its own counters."""
+    return {"config": arm.describe(), "warmup": getattr(arm, "warmup_counters", None),
+            "engine_totals": engine_totals(arm)}
+
+
+def engine_totals(arm: Arm) -> dict[str, Any] | None:
+    """The engine's own cumulative metrics at the end (warm-up and every round included)."""
+    from .runner import EngineArm
+
+    if not isinstance(arm, EngineArm):
+        return None
+    kv = arm.engine.kv.stats()
+    return {"prefix_queries": kv.prefix_queries, "prefix_hits": kv.prefix_hits,
+            "summary": arm.engine.stats.summary()}
+
+
+def run_info(spec: WorkloadSpec, repeats: int, warmup_rounds: int, specs: list[ArmSpec],
+          started: datetime.datetime) -> dict[str, Any]:
+    import torch
+
+    from .. import __version__
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()
+    workload = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(spec).items()}
+    return {
+        "date": started.isoformat(timespec="seconds"),
+        "infer_version": __version__,
+        "argv": sys.argv,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+                    "device": device, "cpus": _cpu_count()},
+        "workload": workload,
+        "repeats": repeats,
+        "warmup_rounds": warmup_rounds,
+        "order": [s.key for s in specs],
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,172 @@
+"""What one run records, the metrics derived from it, and their aggregation over repeats.
+
+Times are seconds from the start of the run. A metric that does not apply to an arm (the HF baseline has no
+prefix cache; an engine without a proposer has no acceptance rate) is None, shown as "n/a".
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it: arrival, the time of every output token, and the finish."""
+
+    session: int
+    turn: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    token_times_s: list[float]
+    finish_s: float
+    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (None: unknown)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        times = self.token_times_s
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+    @property
+    def itl_s(self) -> list[float]:
+        times = self.token_times_s
+        return [b - a for a, b in zip(times, times[1:])]
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+
+@dataclass
+class EngineCounters:
+    """Engine-side metrics of one run, read from the engine's own stats (differences over the run)."""
+
+    kv_total_blocks: int
+    kv_peak_used_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    spec_proposed: int
+    spec_accepted: int
+    speculative: bool  # a proposer is configured, so the acceptance rate applies
+
+
+@dataclass
+class RunResult:
+    arm: str  # the arm key: A, B, ...
+    round: int
+    duration_s: float
+    requests: list[RequestRecord]
+    engine: EngineCounters | None = None  # None for the HF baseline
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["metrics"] = run_metrics(self)
+        return data
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    title: str
+    unit: str  # "" (a rate), "ms", "%" (a fraction, shown in percent) or "count"
+    higher_is_better: bool
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("requests_per_s", "requests/s", "", True),
+    Metric("output_tokens_per_s", "output tok/s", "", True),
+    Metric("ttft_p50_ms", "TTFT p50", "ms", False),
+    Metric("ttft_p99_ms", "TTFT p99", "ms", False),
+    Metric("tpot_p50_ms", "TPOT p50", "ms", False),
+    Metric("tpot_p99_ms", "TPOT p99", "ms", False),
+    Metric("itl_p50_ms", "ITL p50", "ms", False),
+    Metric("itl_p99_ms", "ITL p99", "ms", False),
+    Metric("e2e_p50_ms", "end-to-end p50", "ms", False),
+    Metric("e2e_p99_ms", "end-to-end p99", "ms", False),
+    Metric("kv_peak_blocks", "peak KV blocks", "count", False),
+    Metric("kv_peak_usage", "peak KV usage", "%", False),
+    Metric("prefix_hit_rate", "prefix hit rate", "%", True),
+    Metric("acceptance_rate", "acceptance rate", "%", True),
+    Metric("preemptions", "preemptions", "count", False),
+)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between the closest ranks; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else 1000 * value
+
+
+def run_metrics(run: RunResult) -> dict[str, float | None]:
+    """Every metric of :data:`METRICS` for one run."""
+    reqs = run.requests
+    ttft = [r.ttft_s for r in reqs if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in reqs if r.tpot_s is not None]
+    itl = [gap for r in reqs for gap in r.itl_s]
+    e2e = [r.e2e_s for r in reqs]
+    out: dict[str, float | None] = {
+        "requests_per_s": len(reqs) / run.duration_s if run.duration_s > 0 else None,
+        "output_tokens_per_s": sum(r.output_tokens for r in reqs) / run.duration_s if run.duration_s > 0 else None,
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+        out[f"{name}_p50_ms"] = _ms(percentile(values, 50))
+        out[f"{name}_p99_ms"] = _ms(percentile(values, 99))
+    eng = run.engine
+    if eng is None:
+        out.update(dict.fromkeys(("kv_peak_blocks", "kv_peak_usage", "prefix_hit_rate", "acceptance_rate",
+                                  "preemptions")))
+    else:
+        out["kv_peak_blocks"] = float(eng.kv_peak_used_blocks)
+        out["kv_peak_usage"] = eng.kv_peak_used_blocks / eng.kv_total_blocks if eng.kv_total_blocks else None
+        out["prefix_hit_rate"] = eng.prefix_hits / eng.prefix_queries if eng.prefix_queries else 0.0
+        out["acceptance_rate"] = (eng.spec_accepted / eng.spec_proposed if eng.spec_proposed else 0.0) \
+            if eng.speculative else None
+        out["preemptions"] = float(eng.preemptions)
+    return out
+
+
+@dataclass
+class Aggregate:
+    """One metric of one arm over its repeats: the median, the spread (half the min-max range) and the ratio to
+    the first arm's median."""
+
+    values: list[float]
+    median: float | None
+    spread: float | None
+    ratio: float | None = None
+
+
+def aggregate(values: list[float | None]) -> Aggregate:
+    present = [v for v in values if v is not None]
+    if not present:
+        return Aggregate([], None, None)
+    return Aggregate(present, statistics.median(present), (max(present) - min(present)) / 2)
+
+
+def summarize(runs_by_arm: dict[str, list[RunResult]]) -> dict[str, dict[str, Aggregate]]:
+    """arm -> metric -> Aggregate, with ratios against the first arm (in the given order)."""
+    table = {arm: {m.key: aggregate([run_metrics(r)[m.key] for r in runs]) for m in METRICS}
+             for arm, runs in runs_by_arm.items()}
+    first = next(iter(table.values()), {})
+    for metrics in table.values():
+        for key, agg in metrics.items():
+            base = first[key].median if key in first else None
+            if agg.median is not None and base:
+                agg.ratio = agg.median / base
+    return table

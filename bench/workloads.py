@@ -1,0 +1,254 @@
+"""Seeded benchmark workloads. Every arm of a round replays the same :class:`Workload`, token for token.
+
+A workload is a list of sessions. A session is one request, or for ``multi-turn`` a conversation whose turn ``k``
+prompt is the whole history (every earlier user turn and model output) followed by the new user turn; a session's
+next turn starts as soon as its previous one finishes, while sessions run interleaved.
+
+Lengths and arrival times come from ``seed`` alone, so every round has the same shape; token contents come from
+``(seed, round)``, so a later round does not find an earlier round's prompts in a reused engine's prefix cache.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-prompt-arrival", "file")
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """The workload options of ``infer bench``; see docs/cli.md for each one's meaning per workload."""
+
+    name: str = "random"
+    num_requests: int = 32  # sessions: requests, or conversations for multi-turn, or decodes for long-prompt-arrival
+    input_len: int = 128  # mean prompt length (random, long-prompt-arrival decodes), or user turn (multi-turn)
+    output_len: int = 32  # mean output length
+    len_sigma: float = 0.5  # lognormal sigma of the lengths; 0 makes them fixed
+    prefix_len: int = 1000  # shared-prefix: the system prompt
+    question_len: int = 100  # shared-prefix: the mean question length
+    turns: int = 4  # multi-turn: turns per conversation
+    long_len: int = 1000  # long-prompt-arrival: the long prompt
+    long_delay_s: float = 0.25  # long-prompt-arrival: when the long prompt arrives
+    rate: float = math.inf  # Poisson arrival rate of sessions in sessions/s; inf sends them all at once
+    seed: int = 0
+    file: Path | None = None
+    skip_bad_lines: bool = False
+
+
+@dataclass(frozen=True)
+class Turn:
+    """New prompt tokens of one request (for multi-turn, appended to the history) and its output length."""
+
+    tokens: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Session:
+    arrival_s: float  # offset of the first turn from the start of the run
+    turns: tuple[Turn, ...]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    round: int
+    sessions: tuple[Session, ...]
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+    def longest_request(self) -> int:
+        """Most tokens one request holds: its prompt (the history for multi-turn) plus its output."""
+        longest = 0
+        for session in self.sessions:
+            history = 0
+            for turn in session.turns:
+                longest = max(longest, history + len(turn.tokens) + turn.max_tokens)
+                history += len(turn.tokens) + turn.max_tokens
+        return longest
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Token ids that random prompts may use: the model's vocabulary without its special tokens."""
+
+    size: int
+    special: frozenset[int] = frozenset()
+    allowed: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed", tuple(i for i in range(self.size) if i not in self.special))
+        if not self.allowed:
+            raise ValueError("the vocabulary has no non-special token")
+
+
+class WorkloadError(ValueError):
+    """A workload option or file is invalid; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    prompt: str | tuple[int, ...]
+    max_tokens: int
+    line: int = 0
+
+
+def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
+    """Read a JSONL file of ``{"prompt": str | [int, ...], "max_tokens": int}``; blank lines are skipped, other
+    fields are ignored.
+
+    Returns the good entries and one message per bad line (``line N: why``); a bad line never hides the others.
+    """
+    entries: list[FileEntry] = []
+    errors: list[str] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read workload file {path}: {exc}") from exc
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            entries.append(_parse_line(line, number))
+        except WorkloadError as exc:
+            errors.append(f"line {number}: {exc}")
+    if not entries and not errors:
+        raise WorkloadError(f"workload file {path} holds no request")
+    return entries, errors
+
+
+def _parse_line(line: str, number: int) -> FileEntry:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(item, dict):
+        raise WorkloadError(f"expected an object with 'prompt' and 'max_tokens', got {type(item).__name__}")
+    if "prompt" not in item:
+        raise WorkloadError("'prompt' is missing")
+    prompt, max_tokens = item.get("prompt"), item.get("max_tokens")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise WorkloadError("'prompt' is an empty string")
+    elif isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise WorkloadError("'prompt' as a list must hold at least one non-negative integer token id")
+        prompt = tuple(prompt)
+    else:
+        raise WorkloadError("'prompt' must be a string or a list of token ids")
+    if "max_tokens" not in item:
+        raise WorkloadError("'max_tokens' is missing")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        raise WorkloadError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+    return FileEntry(prompt, max_tokens, number)
+
+
+def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
+    """Check the options before any engine is built; for ``file``, parse the file. Raises WorkloadError."""
+    if spec.name not in WORKLOADS:
+        raise WorkloadError(f"unknown workload {spec.name!r}; choose one of {', '.join(WORKLOADS)}")
+    positive = {"num-requests": spec.num_requests, "input-len": spec.input_len, "output-len": spec.output_len,
+                "prefix-len": spec.prefix_len, "question-len": spec.question_len, "turns": spec.turns,
+                "long-len": spec.long_len}
+    for name, value in positive.items():
+        if value <= 0:
+            raise WorkloadError(f"--{name} must be a positive integer, got {value}")
+    if not spec.rate > 0:
+        raise WorkloadError(f"--rate must be > 0 requests/s (or inf for all at once), got {spec.rate}")
+    if spec.len_sigma < 0 or spec.long_delay_s < 0:
+        raise WorkloadError("--len-sigma and --long-delay must be >= 0")
+    if spec.name != "file":
+        return None
+    if spec.file is None:
+        raise WorkloadError("--workload file needs --file PATH (JSONL of {\"prompt\": ..., \"max_tokens\": ...})")
+    entries, errors = parse_workload_file(spec.file)
+    if errors and not spec.skip_bad_lines:
+        listed = "\n  ".join(errors)
+        raise WorkloadError(f"workload file {spec.file} has {len(errors)} bad line(s) of {len(entries) + len(errors)};"
+                            f" fix them, or pass --skip-bad-lines to run the {len(entries)} good line(s):"
+                            f"\n  {listed}")
+    if not entries:
+        raise WorkloadError(f"workload file {spec.file} has no good line")
+    return entries
+
+
+def _lognormal_len(rng: random.Random, mean: int, sigma: float) -> int:
+    """A length with the given mean (lognormal, so a long right tail); at least 1."""
+    if sigma == 0:
+        return mean
+    return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
+
+
+def _arrivals(spec: WorkloadSpec, count: int) -> list[float]:
+    if math.isinf(spec.rate):
+        return [0.0] * count
+    rng = random.Random(f"{spec.seed}:arrivals")
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(spec.rate)
+    return times
+
+
+def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
+                   tokenize: Callable[[str], Sequence[int]] | None = None,
+                   entries: list[FileEntry] | None = None) -> Workload:
+    """The requests of one round. ``tokenize`` turns file prompts given as text into token ids."""
+    shape = random.Random(f"{spec.seed}:shape")
+    content = random.Random(f"{spec.seed}:content:{round_index}")
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(content.choices(vocab.allowed, k=n))
+
+    def length(mean: int) -> int:
+        return _lognormal_len(shape, mean, spec.len_sigma)
+
+    turns: list[tuple[Turn, ...]]
+    if spec.name == "random":
+        turns = [(Turn(tokens(length(spec.input_len)), length(spec.output_len)),) for _ in range(spec.num_requests)]
+    elif spec.name == "shared-prefix":
+        system = tokens(spec.prefix_len)
+        turns = [(Turn(system + tokens(length(spec.question_len)), length(spec.output_len)),)
+                 for _ in range(spec.num_requests)]
+    elif spec.name == "multi-turn":
+        turns = [tuple(Turn(tokens(length(spec.input_len)), length(spec.output_len)) for _ in range(spec.turns))
+                 for _ in range(spec.num_requests)]
+    elif spec.name == "long-prompt-arrival":
+        decodes = [Session(0.0, (Turn(tokens(length(spec.input_len)), length(spec.output_len)),))
+                   for _ in range(spec.num_requests)]
+        long = Session(spec.long_delay_s, (Turn(tokens(spec.long_len), spec.output_len),))
+        return Workload(spec.name, round_index, tuple(decodes) + (long,))
+    elif spec.name == "file":
+        if entries is None:
+            raise WorkloadError("the file workload needs its parsed entries (validate_spec)")
+        prompts = _file_tokens(entries, vocab, tokenize)
+        turns = [(Turn(p, e.max_tokens),) for p, e in zip(prompts, entries)]
+    else:
+        raise WorkloadError(f"unknown workload {spec.name!r}; choose one of {', '.join(WORKLOADS)}")
+    arrivals = _arrivals(spec, len(turns))
+    return Workload(spec.name, round_index, tuple(Session(a, t) for a, t in zip(arrivals, turns)))
+
+
+def _file_tokens(entries: list[FileEntry], vocab: Vocab,
+                 tokenize: Callable[[str], Sequence[int]] | None) -> list[tuple[int, ...]]:
+    """Token ids of every file prompt; ids outside the vocabulary are reported for every line at once."""
+    out, errors = [], []
+    for entry in entries:
+        if isinstance(entry.prompt, str):
+            if tokenize is None:
+                raise WorkloadError("text prompts need a tokenizer")
+            out.append(tuple(tokenize(entry.prompt)))
+            continue
+        bad = [t for t in entry.prompt if t >= vocab.size]
+        if bad:
+            errors.append(f"line {entry.line}: token ids {bad[:5]} are outside the model's vocabulary of {vocab.size}")
+        out.append(entry.prompt)
+    if errors:
+        raise WorkloadError("workload file has bad token ids:\n  " + "\n  ".join(errors))
+    return out

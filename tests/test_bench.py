@@ -1,0 +1,229 @@
+"""`infer bench`: seeded workloads, arm parsing, the interleaved A/B run and its reports, and clear errors."""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+from click.testing import CliRunner, Result
+
+from infer.bench.command import expand_ab
+from infer.bench.runner import Replay
+from infer.bench.stats import RequestRecord, RunResult, percentile, run_metrics
+from infer.bench.workloads import Vocab, WorkloadError, WorkloadSpec, build_workload, parse_workload_file, validate_spec
+from infer.cli import main
+
+VOCAB = Vocab(1000, frozenset({0, 1, 2}))
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args))
+
+
+# ---------------------------------------------------------------- workloads (no model)
+@pytest.mark.parametrize("name", ["random", "shared-prefix", "multi-turn", "long-prompt-arrival"])
+def test_rounds_share_lengths_and_arrivals_but_not_tokens(name):
+    spec = WorkloadSpec(name, num_requests=6, input_len=20, output_len=5, prefix_len=40, question_len=10, turns=3,
+                        long_len=50, rate=10.0)
+    first, again, second = (build_workload(spec, r, VOCAB) for r in (0, 0, 1))
+    assert first == again  # every arm of a round replays exactly these requests
+    shape = [(s.arrival_s, [(len(t.tokens), t.max_tokens) for t in s.turns]) for s in first.sessions]
+    assert shape == [(s.arrival_s, [(len(t.tokens), t.max_tokens) for t in s.turns]) for s in second.sessions]
+    assert [s.turns for s in first.sessions] != [s.turns for s in second.sessions]
+    tokens = {tok for s in first.sessions for t in s.turns for tok in t.tokens}
+    assert tokens <= set(VOCAB.allowed)  # no special token in random prompts
+
+
+def test_shapes_of_each_workload():
+    spec = WorkloadSpec("shared-prefix", num_requests=5, prefix_len=40, question_len=10, output_len=4)
+    prompts = [s.turns[0].tokens for s in build_workload(spec, 0, VOCAB).sessions]
+    assert len({p[:40] for p in prompts}) == 1 and all(len(p) > 40 for p in prompts)
+
+    multi = build_workload(WorkloadSpec("multi-turn", num_requests=3, turns=4, input_len=8, output_len=2), 0, VOCAB)
+    assert multi.num_requests == 12 and all(len(s.turns) == 4 for s in multi.sessions)
+
+    spec = WorkloadSpec("long-prompt-arrival", num_requests=4, input_len=8, long_len=300, long_delay_s=0.5)
+    sessions = build_workload(spec, 0, VOCAB).sessions
+    assert [s.arrival_s for s in sessions] == [0, 0, 0, 0, 0.5] and len(sessions[-1].turns[0].tokens) == 300
+
+    lengths = [len(s.turns[0].tokens) for s in build_workload(
+        WorkloadSpec("random", num_requests=400, input_len=100, len_sigma=0.5), 0, VOCAB).sessions]
+    assert 85 < sum(lengths) / len(lengths) < 115 and max(lengths) > 200  # lognormal: the mean, and a long tail
+
+
+def test_poisson_arrivals_at_the_given_rate():
+    sessions = build_workload(WorkloadSpec("random", num_requests=400, input_len=4, rate=20.0), 0, VOCAB).sessions
+    arrivals = [s.arrival_s for s in sessions]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0
+    assert 15 < len(arrivals) / arrivals[-1] < 25
+    assert all(s.arrival_s == 0 for s in build_workload(WorkloadSpec(num_requests=5), 0, VOCAB).sessions)
+
+
+def test_a_turn_prompt_is_the_history_then_the_new_user_turn():
+    workload = build_workload(WorkloadSpec("multi-turn", num_requests=2, turns=3, input_len=4, output_len=2), 0,
+                              VOCAB)
+    replay = Replay(workload)
+    first = replay.pop_due(0.0)
+    assert [(s, t) for _, s, t, _, _ in first] == [(0, 0), (1, 0)]
+    assert replay.pop_due(10.0) == []  # a later turn waits for the previous one
+    _, s, t, prompt, _ = first[0]
+    replay.finished(s, t, prompt, [7, 8], now=1.5)
+    [(arrival, s2, t2, prompt2, _)] = replay.pop_due(2.0)
+    assert (arrival, s2, t2) == (1.5, 0, 1)
+    assert prompt2 == prompt + [7, 8] + list(workload.sessions[0].turns[1].tokens)
+
+
+def test_workload_file_names_every_bad_line_and_keeps_the_good_ones(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "hello", "max_tokens": 4}\n'
+                    'not json\n'
+                    '\n'
+                    '{"prompt": [5, 6, 7], "max_tokens": 2, "id": "kept: other fields are ignored"}\n'
+                    '{"prompt": "", "max_tokens": 3}\n'
+                    '{"prompt": "x"}\n'
+                    '{"prompt": [1, -2], "max_tokens": 1}\n'
+                    '[1, 2]\n'
+                    '{"prompt": "y", "max_tokens": 0}\n')
+    entries, errors = parse_workload_file(path)
+    assert [(e.line, e.prompt, e.max_tokens) for e in entries] == [(1, "hello", 4), (4, (5, 6, 7), 2)]
+    assert [e.split(":")[0] for e in errors] == ["line 2", "line 5", "line 6", "line 7", "line 8", "line 9"]
+    with pytest.raises(WorkloadError, match=r"6 bad line\(s\) of 8(.|\n)*line 2: not valid JSON(.|\n)*line 9"):
+        validate_spec(WorkloadSpec("file", file=path))
+    assert len(validate_spec(WorkloadSpec("file", file=path, skip_bad_lines=True)) or []) == 2
+    workload = build_workload(WorkloadSpec("file"), 0, VOCAB, tokenize=lambda text: [ord(c) for c in text],
+                              entries=entries)
+    assert [(s.turns[0].tokens, s.turns[0].max_tokens) for s in workload.sessions] == [
+        (tuple(map(ord, "hello")), 4), ((5, 6, 7), 2)]
+
+
+def test_ab_takes_every_argument_up_to_the_next_option():
+    names = {"--ab", "--repeats", "--out", "--workload"}
+    assert expand_ab(["--workload", "x", "--ab", "--kv-cache paged", "", "hf", "--repeats", "2"], names) == [
+        "--workload", "x", "--ab", "--kv-cache paged", "--ab", "", "--ab", "hf", "--repeats", "2"]
+    assert expand_ab(["--ab", "a", "--ab", "b", "--out=d"], names) == ["--ab", "a", "--ab", "b", "--out=d"]
+
+
+def test_metrics_of_one_run():
+    reqs = [RequestRecord(0, 0, 0.0, 10, 3, [0.1, 0.2, 0.4], 0.4, 5),
+            RequestRecord(1, 0, 0.1, 10, 1, [0.3], 0.3, 0)]
+    metrics = run_metrics(RunResult("A", 0, 0.5, reqs))
+    assert metrics["requests_per_s"] == 4 and metrics["output_tokens_per_s"] == 8
+    assert math.isclose(metrics["ttft_p50_ms"], 150) and math.isclose(metrics["tpot_p50_ms"], 150)
+    assert math.isclose(metrics["itl_p50_ms"], 150) and math.isclose(metrics["e2e_p99_ms"], 398)
+    assert metrics["prefix_hit_rate"] is None and metrics["preemptions"] is None  # no engine counters: n/a
+    assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
+
+
+# ---------------------------------------------------------------- bad input through the CLI
+@pytest.mark.parametrize(("args", "message"), [
+    (["--repeats", "0"], "Invalid value for '--repeats': 0 is not in the range x>=1"),
+    (["--workload", "chat"], "Invalid value for '--workload': 'chat' is not one of 'random'"),
+    (["--ab", "--kv-cache paged", "--kv-cach paged"], "arm B ('--kv-cach paged'): No such option '--kv-cach'"),
+    (["--ab", "--max-num-seqs many"], "arm A ('--max-num-seqs many'): Invalid value for '--max-num-seqs'"),
+    (["--ab", "--kv-cache", "paged"], "arm A ('--kv-cache'): Option '--kv-cache' requires an argument"),
+    (["--ab", "--plugin 'unbalanced"], "arm A (\"--plugin 'unbalanced\"): cannot split the options"),
+    (["--ab", "hf:turbo"], "the HF baseline is written 'hf', 'hf:static' or 'hf:cb'"),
+    (["--workload", "file"], "--workload file needs --file PATH"),
+    (["--num-requests", "0"], "--num-requests must be a positive integer"),
+])
+def test_bad_input_is_a_clear_error(args, message):
+    result = run("bench", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)  # a usage error, no crash
+
+
+def test_an_unknown_component_in_an_arm_names_the_arm(tiny_model):
+    result = run("--model", str(tiny_model), "bench", "--ab", "--kv-cache paged", "--kv-cache nope")
+    assert result.exit_code == 2
+    assert "arm B ('--kv-cache nope'): unknown kv cache 'nope'; registered kv caches: paged" in result.output
+
+
+def test_a_bad_workload_file_lists_its_bad_lines(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok", "max_tokens": 2}\n{"prompt": 3, "max_tokens": 2}\n{oops\n')
+    result = run("bench", "--workload", "file", "--file", str(path))
+    assert result.exit_code == 2
+    assert "line 2: 'prompt' must be a string or a list of token ids" in result.output
+    assert "line 3: not valid JSON" in result.output and "--skip-bad-lines" in result.output
+
+
+# ---------------------------------------------------------------- real runs on the tiny model
+def test_multi_turn_ab_with_the_hf_baseline(tiny_model, tmp_path):
+    """The issue's acceptance run, plus the hf arm: table, JSON and plots; hit rates are the engines' own."""
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    result = run("--model", str(tiny_model), "--device", "cpu", "bench", "--workload", "multi-turn",
+                 "--num-requests", "3", "--turns", "3", "--input-len", "20", "--output-len", "6",
+                 "--ab", "--kv-cache paged", "--kv-cache radix-cache", "hf", "--repeats", "2", "--warmup-rounds", "0",
+                 "--out", str(out))
+    elapsed = time.perf_counter() - start
+    assert result.exit_code == 0, result.output
+    assert elapsed < 180, f"the acceptance run took {elapsed:.0f} s; the budget is 3 minutes on CPU"
+    assert {p.name for p in out.iterdir()} == {"results.json", "table.txt", "latency_cdf.png", "throughput.png"}
+    assert all((out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in ("latency_cdf.png", "throughput.png"))
+
+    table = (out / "table.txt").read_text()
+    assert "prefix hit rate" in table and "C: hf" in table and "×" in table
+    data = json.loads((out / "results.json").read_text())
+    assert data["order"] == ["A", "B", "C"] and data["repeats"] == 2
+    arms = {arm["key"]: arm for arm in data["arms"]}
+    assert [len(arm["runs"]) for arm in arms.values()] == [2, 2, 2]
+    assert all(len(run["requests"]) == 9 for arm in arms.values() for run in arm["runs"])
+
+    for key in ("A", "B"):
+        arm = arms[key]
+        runs = arm["runs"]
+        for run_ in runs:
+            engine, metrics = run_["engine"], run_["metrics"]
+            assert engine["prefix_queries"] > 0 and engine["preemptions"] == 0
+            assert metrics["prefix_hit_rate"] == engine["prefix_hits"] / engine["prefix_queries"] > 0
+            # the same rate from another path: what each RequestOutput reported as served from the cache
+            reqs = run_["requests"]
+            assert metrics["prefix_hit_rate"] == pytest.approx(
+                sum(r["cached_tokens"] for r in reqs) / sum(r["prompt_tokens"] for r in reqs))
+        totals, warmup = arm["engine_totals"], arm["warmup"]
+        for counter in ("prefix_queries", "prefix_hits"):  # the runs and the warm-up add up to the engine's totals
+            assert warmup[counter] + sum(r["engine"][counter] for r in runs) == totals[counter]
+        assert totals["summary"]["prefix_hit_rate"] == round(totals["prefix_hits"] / totals["prefix_queries"], 4)
+        assert arm["summary"]["prefix_hit_rate"]["median"] > 0
+
+    hf = arms["C"]
+    assert hf["kind"] == "hf" and hf["summary"]["requests_per_s"]["ratio"] > 0
+    assert hf["summary"]["prefix_hit_rate"]["median"] is None and all(r["engine"] is None for r in hf["runs"])
+    assert arms["B"]["summary"]["output_tokens_per_s"]["ratio"] == pytest.approx(
+        arms["B"]["summary"]["output_tokens_per_s"]["median"] / arms["A"]["summary"]["output_tokens_per_s"]["median"])
+
+
+def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_model, tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "def add(a, b):", "max_tokens": 4}\n'
+                    '{"prompt": [5, 6, 7, 8, 9], "max_tokens": 3}\n'
+                    '{"prompt": "broken", "max_tokens": -1}\n'
+                    '{"prompt": "import os", "max_tokens": 5}\n')
+    out = tmp_path / "out"
+    result = run("--model", str(tiny_model), "--device", "cpu", "bench", "--workload", "file", "--file", str(path),
+                 "--skip-bad-lines", "--ab", "", "hf:cb", "--repeats", "1", "--warmup-rounds", "0",
+                 "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "skipped" in result.output and "line 3" in result.output
+    data = json.loads((out / "results.json").read_text())
+    for arm in data["arms"]:
+        [run_] = arm["runs"]
+        assert sorted(r["output_tokens"] for r in run_["requests"]) == [3, 4, 5]
+    assert data["arms"][1]["config"]["mode"] == "cb"
+    assert data["arms"][1]["summary"]["ttft_p50_ms"]["median"] > 0
+
+
+@pytest.mark.slow
+def test_the_literal_acceptance_command_within_three_minutes(tiny_model, tmp_path):
+    """The issue's command with the default workload sizes (32 conversations of 4 turns): under 3 minutes on CPU."""
+    start = time.perf_counter()
+    result = run("--model", str(tiny_model), "bench", "--workload", "multi-turn", "--ab", "--kv-cache paged",
+                 "--kv-cache radix-cache", "--repeats", "2", "--out", str(tmp_path))
+    elapsed = time.perf_counter() - start
+    assert result.exit_code == 0, result.output
+    assert elapsed < 180, f"took {elapsed:.0f} s"
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert all(run_["metrics"]["prefix_hit_rate"] > 0 for arm in data["arms"] for run_ in arm["runs"])

@@ -1,0 +1,209 @@
+"""Meta-tests, as datasette has them: every hookspec is documented with its exact signature, every hookspec is
+called in a real run, and every CLI command and option is documented.
+
+A hookspec added to core/hookspecs.py fails here until docs/plugin-hooks.md shows it and :class:`Recorder` (below)
+implements it and sees it called; ``test_an_extra_hookspec_fails_both_checks`` proves that with a simulated one.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+
+from infer import hookimpl
+from infer.core import hookspecs
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.metrics import StepStats
+from infer.core.plugins import KINDS, PluginManager
+from infer.core.registry import Register
+from infer.core.request import RequestOutput, SamplingParams
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+RECORDED_NAME = "meta-recorder"
+WidgetFactory = Callable[[], object]  # the factory type of the simulated extra hookspec
+
+
+# ---------------------------------------------------------------- the checks
+def hookspec_functions(namespace: Iterable[Any]) -> dict[str, Callable[..., Any]]:
+    """The functions marked ``@hookspec`` among ``namespace``'s values."""
+    marker = f"{hookspecs.hookspec.project_name}_spec"
+    return {fn.__name__: fn for fn in namespace if callable(fn) and hasattr(fn, marker)}
+
+
+class _Source(str):
+    """An annotation kept as its source text (``from __future__ import annotations``), shown without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def signature_line(fn: Callable[..., Any]) -> str:
+    """``def name(param: Type, ...) -> Return`` as written in the hookspec."""
+    sig = inspect.signature(fn)
+
+    def text(annotation: Any) -> Any:
+        return _Source(annotation) if isinstance(annotation, str) else annotation
+
+    params = [p.replace(annotation=text(p.annotation)) for p in sig.parameters.values()]
+    return f"def {fn.__name__}{sig.replace(parameters=params, return_annotation=text(sig.return_annotation))}"
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.replace("``", "`").split())
+
+
+def undocumented(specs: dict[str, Callable[..., Any]], doc: str) -> list[str]:
+    """Hookspecs whose exact signature, or whose contract's first line, is missing from the doc."""
+    flat = _normalized(doc)
+    missing = []
+    for name, fn in specs.items():
+        summary = (inspect.getdoc(fn) or "").splitlines()[0:1]
+        if signature_line(fn) not in doc or (summary and _normalized(summary[0]) not in flat):
+            missing.append(name)
+    return missing
+
+
+def unexercised(specs: Iterable[str], called: Counter[str]) -> list[str]:
+    return [name for name in specs if not called[name]]
+
+
+# ---------------------------------------------------------------- a plugin that implements every hook
+class Recorder:
+    """Implements every hookspec, records each call, and registers one component of every kind."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.outputs: list[RequestOutput] = []
+        self.steps: list[StepStats] = []
+
+    def _register(self, hook: str, register: Callable[..., None], factory: Callable[..., Any]) -> None:
+        self.calls[hook] += 1
+        register(RECORDED_NAME, factory)
+
+    @hookimpl
+    def register_schedulers(self, register: Any) -> None:
+        self._register("register_schedulers", register, lambda config, kv: None)
+
+    @hookimpl
+    def register_kv_caches(self, register: Any) -> None:
+        self._register("register_kv_caches", register, lambda config, num_blocks, eviction: None)
+
+    @hookimpl
+    def register_eviction_policies(self, register: Any) -> None:
+        self._register("register_eviction_policies", register, lambda config: None)
+
+    @hookimpl
+    def register_attention_backends(self, register: Any) -> None:
+        self._register("register_attention_backends", register, lambda config: None)
+
+    @hookimpl
+    def register_quant_methods(self, register: Any) -> None:
+        self._register("register_quant_methods", register, lambda config, quantization_config: None)
+
+    @hookimpl
+    def register_proposers(self, register: Any) -> None:
+        self._register("register_proposers", register, lambda config, target: None)
+
+    @hookimpl
+    def register_models(self, register: Any) -> None:
+        self._register("register_models", register, lambda hf_config, quant, dtype, config: None)
+
+    @hookimpl
+    def register_commands(self, register: Any) -> None:
+        self._register("register_commands", register, lambda: click.Command(RECORDED_NAME))
+
+    @hookimpl
+    def on_request_finished(self, output: RequestOutput) -> None:
+        self.calls["on_request_finished"] += 1
+        self.outputs.append(output)
+
+    @hookimpl
+    def on_step(self, stats: StepStats) -> None:
+        self.calls["on_step"] += 1
+        self.steps.append(stats)
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_model: Path) -> tuple[Recorder, PluginManager, list[RequestOutput]]:
+    """A tiny real run with the recorder registered next to the installed plugins."""
+    recorder = Recorder()
+    plugins = PluginManager.from_entry_points()
+    plugins.register(recorder, name="meta-recorder", source="tests")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64), plugins)
+    outputs = engine.generate(["def add(a, b):", [5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                          ignore_eos=True))
+    return recorder, plugins, outputs
+
+
+# ---------------------------------------------------------------- the meta-tests
+def test_every_hookspec_is_documented_with_its_exact_signature():
+    specs = hookspec_functions(vars(hookspecs).values())
+    assert len(specs) >= 10
+    missing = undocumented(specs, (DOCS / "plugin-hooks.md").read_text(encoding="utf-8"))
+    assert not missing, ("document these hooks in docs/plugin-hooks.md with their exact signature and contract: "
+                         + "; ".join(signature_line(specs[name]) for name in missing))
+
+
+def test_every_hookspec_is_called_in_a_real_run(recorded):
+    recorder, _, _ = recorded
+    specs = hookspec_functions(vars(hookspecs).values())
+    missing = unexercised(specs, recorder.calls)
+    assert not missing, f"add these hooks to Recorder in tests/test_meta.py and make a real run call them: {missing}"
+
+
+def test_the_recorded_calls_carry_real_objects(recorded):
+    recorder, plugins, outputs = recorded
+    for kind in KINDS:  # each register callback fed the registry of its own kind
+        assert plugins.registry(kind).entry(RECORDED_NAME).source == "tests"
+    assert all(recorder.calls[hook] == 1 for hook in KINDS.values())  # registration hooks: once per collection
+    assert sorted(o.request_id for o in recorder.outputs) == sorted(o.request_id for o in outputs)
+    assert all(o.finished for o in recorder.outputs)
+    assert len(recorder.steps) == recorder.steps[-1].step and recorder.steps[-1].kv.total_blocks == 64
+    assert sum(s.num_decode_tokens + s.num_prefill_tokens for s in recorder.steps) >= 2 * 3
+
+
+def test_an_extra_hookspec_fails_both_checks(recorded):
+    """Simulate a hookspec added without docs and without a test: both meta-checks name it."""
+    recorder, _, _ = recorded
+
+    @hookspecs.hookspec
+    def register_widgets(register: Register[WidgetFactory]) -> None:
+        """Register widgets."""
+
+    specs = {**hookspec_functions(vars(hookspecs).values()), **hookspec_functions([register_widgets])}
+    doc = (DOCS / "plugin-hooks.md").read_text(encoding="utf-8")
+    assert undocumented(specs, doc) == ["register_widgets"]
+    assert unexercised(specs, recorder.calls) == ["register_widgets"]
+    documented = doc + "\n```python\ndef register_widgets(register: Register[WidgetFactory]) -> None\n```\n" \
+                       "Register widgets.\n"
+    assert undocumented(specs, documented) == []
+    # a changed signature or contract is caught too
+    assert undocumented(specs, documented.replace("Register[WidgetFactory]", "Register[Any]")) == ["register_widgets"]
+    assert undocumented(specs, documented.replace("Register widgets.", "")) == ["register_widgets"]
+
+
+def test_every_cli_command_and_option_is_documented():
+    from infer.cli import main
+
+    doc = (DOCS / "cli.md").read_text(encoding="utf-8")
+    sections = dict(re.findall(r"^## `infer ([\w-]+)`\n(.*?)(?=^## |\Z)", doc, flags=re.M | re.S))
+    sections[""] = doc.split("## `infer ", 1)[0]  # the group options come first
+    ctx = click.Context(main)
+    commands = {"": main} | {name: main.get_command(ctx, name) for name in main.list_commands(ctx)}
+    missing = []
+    for name, command in commands.items():
+        if name not in sections:
+            missing.append(f"infer {name}")
+            continue
+        for param in command.params:
+            for opt in getattr(param, "opts", []):
+                if opt.startswith("--") and f"`{opt}" not in sections[name]:
+                    missing.append(f"infer {name} {opt}".replace("  ", " "))
+    assert not missing, f"document in docs/cli.md: {', '.join(missing)}"
