@@ -10,9 +10,16 @@ from ..core.registry import Register
 from ..core.request import Sequence
 
 
-def chain_hash(previous: int | None, tokens: list[int]) -> int:
-    """Hash of a full block given the hash of the block before it: equal hashes mean equal prefixes."""
-    return hash((previous, tuple(tokens)))
+BlockKey = tuple[int | None, tuple[int, ...]]
+
+
+def block_key(previous: BlockKey | None, tokens: list[int]) -> BlockKey:
+    """The cache key of a full block: the hash of the key before it, and the block's own tokens.
+
+    Dict lookups compare the tokens exactly, so a hash collision cannot hand out a block with other tokens; the
+    prefix before it is identified by a 64-bit chained hash.
+    """
+    return (None if previous is None else hash(previous), tuple(tokens))
 
 
 class PagedKVCache(KVCache):
@@ -22,11 +29,11 @@ class PagedKVCache(KVCache):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.eviction, self.prefix_caching = eviction, prefix_caching
         self.ref = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.block_hash: list[BlockKey | None] = [None] * num_blocks
+        self.hash_to_block: dict[BlockKey, int] = {}
         self.free_list: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
-        self.hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its committed full blocks
+        self.hashes: dict[int, list[BlockKey]] = {}  # seq_id -> keys of its committed full blocks
         self.pending_match: dict[int, int] = {}  # seq_id -> matched tokens, counted when admission succeeds
         self.ops = BlockOps()
         self.counters = KVStats(num_blocks, num_blocks, 0, 0)
@@ -82,12 +89,12 @@ class PagedKVCache(KVCache):
     def match_prefix(self, seq: Sequence) -> int:
         assert seq.seq_id not in self.tables, "match_prefix on a sequence that holds blocks"
         table: list[int] = []
-        hashes: list[int] = []
+        hashes: list[BlockKey] = []
         if self.prefix_caching:
             tokens, size = seq.token_ids, self.block_size
-            previous: int | None = None
+            previous: BlockKey | None = None
             for i in range((len(tokens) - 1) // size):  # leave at least one token to compute
-                h = chain_hash(previous, tokens[i * size : (i + 1) * size])
+                h = block_key(previous, tokens[i * size : (i + 1) * size])
                 block = self.hash_to_block.get(h)
                 if block is None:
                     break
@@ -101,20 +108,21 @@ class PagedKVCache(KVCache):
         return len(table) * self.block_size
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        table = self.tables.setdefault(seq.seq_id, [])
-        self.hashes.setdefault(seq.seq_id, [])
-        start = seq.num_computed_tokens
-        new_blocks = self.num_blocks_needed(start + num_tokens) - len(table)
-        write_block = start // self.block_size
-        cow = write_block < len(table) and (self.ref[table[write_block]] > 1
-                                            or self.block_hash[table[write_block]] is not None)
-        if max(new_blocks, 0) + cow > self.num_free_blocks():
+        table = self.tables.get(seq.seq_id, [])
+        start, size = seq.num_computed_tokens, self.block_size
+        needed = self.num_blocks_needed(start + num_tokens)
+        new_blocks = max(needed - len(table), 0)
+        # every existing block the write touches must be private and unhashed: copy-on-write the others
+        shared = [i for i in range(start // size, min(needed, len(table)))
+                  if self.ref[table[i]] > 1 or self.block_hash[table[i]] is not None]
+        if new_blocks + len(shared) > self.num_free_blocks():
             return False
-        if cow:
-            old = table[write_block]
-            table[write_block] = self._take_block()
-            if start % self.block_size:
-                self.ops.copies.append((old, table[write_block]))
+        self.tables[seq.seq_id] = table
+        self.hashes.setdefault(seq.seq_id, [])
+        for i in shared:
+            old, table[i] = table[i], self._take_block()
+            if i * size < start:  # the block keeps positions before `start`: their KV must come along
+                self.ops.copies.append((old, table[i]))
             self._release(old, seq.params.priority)
         for _ in range(new_blocks):
             table.append(self._take_block())
@@ -130,7 +138,7 @@ class PagedKVCache(KVCache):
         full = min(seq.num_computed_tokens // size, len(table))
         previous = hashes[-1] if hashes else None
         for i in range(len(hashes), full):
-            h = chain_hash(previous, seq.token_ids[i * size : (i + 1) * size])
+            h = block_key(previous, seq.token_ids[i * size : (i + 1) * size])
             hashes.append(h)
             previous = h
             block = table[i]

@@ -1,0 +1,334 @@
+"""The `radix-cache` KV cache: a radix tree over token ids at block granularity, in the manner of RadixAttention.
+
+Each tree node holds a whole number of full blocks: their tokens and their physical block ids. The tree holds one
+reference to each of its blocks. A live sequence's block table is the blocks of one root path (its *locked path*,
+ending at ``_SeqState.node``) followed by private blocks that only it and its forks hold. Every node counts the
+sequences whose locked path passes through it (``lock``). Unlocked nodes are held by the tree alone: they are the
+``cached`` blocks, and the unlocked leaves are what the eviction policy chooses from. Evicting a leaf may make its
+parent an evictable leaf, so every cached block can be reclaimed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..core.config import EngineConfig
+from ..core.hookspecs import KVCacheFactory, hookimpl
+from ..core.interfaces import BlockOps, EvictionPolicy, KVCache, KVStats
+from ..core.registry import Register
+from ..core.request import Sequence
+
+
+@dataclass(eq=False)
+class RadixNode:
+    """An edge of the tree: ``len(tokens) == block_size * len(blocks)``. Hashed by identity (an eviction key)."""
+
+    tokens: tuple[int, ...]
+    blocks: list[int]
+    parent: RadixNode | None
+    depth: int  # blocks from the root to the end of this node
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # keyed by the child's first block
+    lock: int = 0  # live sequences whose locked path passes through this node
+    priority: int = 0  # of the last sequence that released it (read by the `priority` policy)
+    evictable: bool = False  # in the eviction policy; true exactly when unlocked, childless and not the root
+
+
+@dataclass(eq=False)
+class _SeqState:
+    table: list[int]
+    node: RadixNode  # invariant: table[:node.depth] are the blocks of the path root..node
+
+
+class RadixKVCache(KVCache):
+    """Invariant: a block is free XOR held by a live sequence (ref > tree's share) XOR held by the tree alone."""
+
+    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy) -> None:
+        self.num_blocks, self.block_size, self.eviction = num_blocks, block_size, eviction
+        self.root = RadixNode((), [], None, 0)
+        self.ref = [0] * num_blocks  # holders: sequence tables, plus one when the tree holds the block
+        self.free_list: deque[int] = deque(range(num_blocks))
+        self.seqs: dict[int, _SeqState] = {}
+        self.pending_match: dict[int, int] = {}  # seq_id -> matched tokens, counted when admission succeeds
+        self.cached = 0  # blocks of unlocked nodes
+        self.ops = BlockOps()
+        self.counters = KVStats(num_blocks, num_blocks, 0, 0)
+
+    # ------------------------------------------------------------ queries
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_free_blocks(self) -> int:
+        return len(self.free_list) + self.cached
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        state = self.seqs.get(seq.seq_id)
+        return state.table if state else []
+
+    def stats(self) -> KVStats:
+        free, c = len(self.free_list), self.counters
+        return KVStats(self.num_blocks, free, self.num_blocks - free - self.cached, self.cached,
+                       c.prefix_queries, c.prefix_hits, c.evictions)
+
+    def take_block_ops(self) -> BlockOps:
+        ops, self.ops = self.ops, BlockOps()
+        return ops
+
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def num_tree_tokens(self) -> int:
+        return sum(len(node.tokens) for node in self.nodes())
+
+    # ------------------------------------------------------------ tree
+    def _key(self, tokens: list[int] | tuple[int, ...], block: int) -> tuple[int, ...]:
+        return tuple(tokens[block * self.block_size : (block + 1) * self.block_size])
+
+    def _split(self, node: RadixNode, m: int) -> RadixNode:
+        """Cut ``node`` after its first ``m`` blocks; return the new head. ``node`` keeps its identity as the tail."""
+        size, parent = self.block_size, node.parent
+        assert parent is not None and 0 < m < len(node.blocks)
+        head = RadixNode(node.tokens[: m * size], node.blocks[:m], parent, parent.depth + m,
+                         lock=node.lock, priority=node.priority)
+        parent.children[node.tokens[:size]] = head
+        node.tokens, node.blocks, node.parent = node.tokens[m * size :], node.blocks[m:], head
+        head.children[node.tokens[:size]] = node
+        return head
+
+    def _walk(self, node: RadixNode, tokens: list[int], end: int) -> RadixNode:
+        """Descend from ``node`` over ``tokens`` blocks ``node.depth .. end``; split a node matched partly."""
+        i = node.depth
+        while i < end:
+            child = node.children.get(self._key(tokens, i))
+            if child is None:
+                break
+            m = 1
+            while m < len(child.blocks) and i + m < end and self._key(child.tokens, m) == self._key(tokens, i + m):
+                m += 1
+            node = self._split(child, m) if m < len(child.blocks) else child
+            i += m
+        return node
+
+    def _ancestor_at(self, node: RadixNode, depth: int) -> RadixNode:
+        """The node of ``node``'s path that ends at ``depth`` blocks, splitting one if the cut falls inside it."""
+        while node.parent is not None and node.parent.depth >= depth:
+            node = node.parent
+        return self._split(node, depth - node.parent.depth) if node.depth > depth else node  # type: ignore[union-attr]
+
+    def _path(self, node: RadixNode) -> list[RadixNode]:
+        path = []
+        while node is not self.root:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        return path[::-1]
+
+    def _set_evictable(self, node: RadixNode) -> None:
+        if node is not self.root and node.lock == 0 and not node.children and not node.evictable:
+            node.evictable = True
+            self.eviction.insert(node, node.priority)
+
+    def _lock(self, lower: RadixNode, upper: RadixNode) -> None:
+        """One more sequence uses the nodes from ``lower`` up to, not including, its ancestor ``upper``."""
+        node = lower
+        while node is not upper:
+            if node.lock == 0:
+                if node.evictable:
+                    node.evictable = False
+                    self.eviction.remove(node)
+                self.cached -= len(node.blocks)
+            node.lock += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def _unlock(self, lower: RadixNode, upper: RadixNode, priority: int) -> None:
+        node = lower
+        while node is not upper:
+            node.lock -= 1
+            node.priority = priority
+            if node.lock == 0:
+                self.cached += len(node.blocks)
+                self._set_evictable(node)
+            node = node.parent  # type: ignore[assignment]
+
+    def _move_lock(self, state: _SeqState, node: RadixNode, priority: int) -> None:
+        """Move the end of a sequence's locked path to ``node``, a descendant or an ancestor of the current end."""
+        if node.depth >= state.node.depth:
+            self._lock(node, state.node)
+        else:
+            self._unlock(state.node, node, priority)
+        state.node = node
+
+    def _evict_one(self) -> None:
+        node = self.eviction.pop()
+        assert isinstance(node, RadixNode) and node.evictable and node.lock == 0 and not node.children
+        node.evictable = False
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.tokens[: self.block_size]]
+        self.cached -= len(node.blocks)
+        self.counters.evictions += len(node.blocks)
+        for block in reversed(node.blocks):
+            self._release(block)
+        self._set_evictable(parent)
+
+    # ------------------------------------------------------------ block pool
+    def _take_block(self) -> int:
+        while not self.free_list:
+            self._evict_one()  # raises IndexError only if callers skipped the capacity check
+        block = self.free_list.popleft()
+        self.ref[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self.free_list.append(block)
+
+    def _insert(self, state: _SeqState, seq: Sequence) -> None:
+        """Put the sequence's committed full blocks in the tree and lock them; adopt blocks the tree already has."""
+        full = min(seq.num_computed_tokens // self.block_size, len(state.table))
+        if full <= state.node.depth:
+            return
+        node = self._walk(state.node, seq.token_ids, full)
+        self._adopt(state, node)
+        if full > node.depth:
+            node = self._add_child(state, node, seq.token_ids, full)
+        self._move_lock(state, node, seq.params.priority)
+
+    def _adopt(self, state: _SeqState, node: RadixNode) -> None:
+        """Swap the sequence's blocks between its locked end and ``node``, a descendant holding the same tokens
+        (hence the same KV), for the tree's blocks. The caller then moves the lock."""
+        i = node.depth
+        while node is not state.node:
+            for block in reversed(node.blocks):
+                i -= 1
+                if state.table[i] != block:
+                    self.ref[block] += 1
+                    self._release(state.table[i])
+                    state.table[i] = block
+            node = node.parent  # type: ignore[assignment]
+
+    def _add_child(self, state: _SeqState, node: RadixNode, tokens: list[int], full: int) -> RadixNode:
+        """Insert the sequence's private blocks ``node.depth .. full`` as a child of ``node``; return it.
+
+        Forks may hold some of these blocks (a fork shares the partial and uncommitted blocks of its parent). A
+        fork holding a run of them from the first has the same tokens up to there, so it adopts the tree's path
+        and locks the part it holds. A block held by anyone else stays private, with all blocks after it.
+        """
+        size, first = self.block_size, node.depth
+        blocks = state.table[first:full]
+        sharers: list[tuple[_SeqState, int]] = []  # (fork, how many of ``blocks`` it holds from the first)
+        if self.ref[blocks[0]] > 1:
+            for other in self.seqs.values():
+                n = 0
+                while (other is not state and other.node.depth <= first and n < len(blocks)
+                       and other.table[first + n : first + n + 1] == [blocks[n]]):
+                    n += 1
+                if n:
+                    sharers.append((other, n))
+        cut = 0
+        while cut < len(blocks) and self.ref[blocks[cut]] == 1 + sum(n > cut for _, n in sharers):
+            cut += 1
+        if cut == 0:
+            return node
+        child = RadixNode(tuple(tokens[first * size : (first + cut) * size]), blocks[:cut], node, first + cut)
+        node.children[child.tokens[:size]] = child
+        for block in child.blocks:
+            self.ref[block] += 1
+        self.cached += cut  # unlocked until locked below and by the caller
+        for other, n in sorted(sharers, key=lambda item: -item[1]):
+            self._adopt(other, node)
+            self._move_lock(other, self._ancestor_at(child, first + min(n, cut)), 0)
+        return child
+
+    # ------------------------------------------------------------ KVCache
+    def match_prefix(self, seq: Sequence) -> int:
+        assert seq.seq_id not in self.seqs, "match_prefix on a sequence that holds blocks"
+        usable = max((seq.num_tokens - 1) // self.block_size, 0)  # leave at least one token to compute
+        node = self._walk(self.root, seq.token_ids, usable)
+        path = self._path(node)
+        for n in path:
+            self.eviction.touch(n)  # a prefix hit counts as a use (LFU) even while locked
+        state = _SeqState([block for n in path for block in n.blocks], self.root)
+        for block in state.table:
+            self.ref[block] += 1
+        self._move_lock(state, node, seq.params.priority)
+        self.seqs[seq.seq_id] = state
+        matched = node.depth * self.block_size
+        self.pending_match[seq.seq_id] = matched
+        return matched
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        state = self.seqs.get(seq.seq_id) or _SeqState([], self.root)
+        table, size = state.table, self.block_size
+        start = seq.num_computed_tokens
+        end = start + max(num_tokens, 0)
+        first = start // size
+        stop = min(len(table), self.num_blocks_needed(end)) if end > start else first
+        depth = state.node.depth
+        # every block written to must be private (not in the tree, not shared with a fork), and the locked path
+        # must end before the first written block: tree blocks from there on are replaced by private copies
+        cow = [i for i in range(first, max(stop, depth)) if i < depth or self.ref[table[i]] > 1]
+        new_blocks = max(self.num_blocks_needed(end) - len(table), 0)
+        if new_blocks + len(cow) > self.num_free_blocks():
+            return False
+        fresh = [self._take_block() for _ in range(len(cow) + new_blocks)]  # evicts while our path is locked
+        for i, block in zip(cow, fresh):
+            old, table[i] = table[i], block
+            if not start <= i * size < (i + 1) * size <= end:  # the copy keeps what the write leaves in place
+                self.ops.copies.append((old, block))
+            self._release(old)
+        if first < depth:
+            self._move_lock(state, self._ancestor_at(state.node, cow[0]), seq.params.priority)
+        table.extend(fresh[len(cow) :])
+        self.seqs[seq.seq_id] = state
+        if seq.seq_id in self.pending_match:
+            self.counters.prefix_queries += seq.num_tokens
+            self.counters.prefix_hits += self.pending_match.pop(seq.seq_id)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        state = self.seqs.get(seq.seq_id)
+        if state is not None:
+            self._insert(state, seq)
+
+    def free(self, seq: Sequence) -> None:
+        self.pending_match.pop(seq.seq_id, None)
+        state = self.seqs.pop(seq.seq_id, None)
+        if state is None:
+            return
+        self._insert(state, seq)  # a finished (or preempted) sequence leaves its prefix in the tree
+        self._unlock(state.node, self.root, seq.params.priority)
+        for block in reversed(state.table):
+            self._release(block)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        assert child.seq_id not in self.seqs, "fork into a sequence that holds blocks"
+        state = self.seqs[parent.seq_id]
+        self._insert(state, parent)  # shared full blocks become tree blocks, so only the partial one is private
+        twin = _SeqState(list(state.table), self.root)
+        for block in twin.table:
+            self.ref[block] += 1
+        self._move_lock(twin, state.node, child.params.priority)
+        self.seqs[child.seq_id] = twin
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        state = self.seqs[seq.seq_id]
+        keep = self.num_blocks_needed(num_tokens)
+        for block in reversed(state.table[keep:]):
+            self._release(block)
+        del state.table[keep:]
+        if state.node.depth > keep:
+            self._move_lock(state, self._ancestor_at(state.node, keep), seq.params.priority)
+
+
+@hookimpl
+def register_kv_caches(register: Register[KVCacheFactory]) -> None:
+    def factory(config: EngineConfig, num_blocks: int, eviction: EvictionPolicy) -> KVCache:
+        return RadixKVCache(num_blocks, config.block_size, eviction)
+
+    register("radix-cache", factory)

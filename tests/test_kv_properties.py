@@ -1,0 +1,460 @@
+"""Stateful property tests of every KV cache (paged with and without prefix caching, radix) under each eviction policy.
+
+A hypothesis state machine plays scheduler and model runner: it admits prompts drawn from a tiny alphabet (so
+prefixes repeat), computes prefill chunks, decodes, speculates and rolls back, forks (between steps, and mid-step as
+the engine does for n > 1), preempts, finishes and aborts. It keeps its own model of what each physical block
+holds: ``content[block]`` is the token context whose KV the block stores (every token from position 0 to the
+block's last written position). After every step it checks the invariants against that model.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from infer.core.config import EngineConfig
+from infer.core.interfaces import KVCache
+from infer.core.request import SamplingParams, Sequence
+from infer.plugins.eviction import LRUPolicy
+from infer.plugins.paged_cache import PagedKVCache, block_key
+from infer.plugins.radix_cache import RadixKVCache
+
+BLOCK = 4
+NUM_BLOCKS = 20
+MAX_LIVE = 5
+BASES = ((0, 1, 2, 0, 1, 2, 0, 1), (0, 1, 2, 0, 2, 2), (1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0))  # shared prefixes
+CACHES = {"paged": ("paged", True), "paged-no-prefix": ("paged", False), "radix": ("radix-cache", True)}
+POLICIES = ("lru", "lfu", "priority")
+
+tokens = st.integers(0, 2)
+bases = st.sampled_from(((),) + BASES)
+prompts = st.builds(lambda base, tail: list(base) + tail, bases, st.lists(tokens, min_size=1, max_size=10))
+priorities = st.integers(0, 2)
+
+
+@dataclass(eq=False)
+class Live:
+    """A sequence the machine runs, with the positions allocated but not yet computed (``pending``)."""
+
+    seq: Sequence
+    pending: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending
+
+    @property
+    def decoding(self) -> bool:
+        """Everything but the last token is computed: the next step computes one position."""
+        return self.seq.num_computed_tokens == self.seq.num_tokens - 1
+
+
+@dataclass
+class Snapshot:
+    tables: dict[int, list[int]]
+    ref: list[int]
+    stats: tuple[int, ...]
+    num_free: int
+    num_evictable: int
+
+
+class KVMachine(RuleBasedStateMachine):
+    def __init__(self, make: Callable[[], KVCache]) -> None:
+        super().__init__()
+        self.kv = make()
+        self.live: dict[int, Live] = {}
+        self.content: dict[int, tuple[int, ...]] = {}
+        self.ids = itertools.count()
+
+    # ------------------------------------------------------------ helpers
+    def any_live(self, test: Callable[[Live], bool]) -> bool:
+        return any(test(live) for live in self.live.values())
+
+    def pick(self, data: st.DataObject, test: Callable[[Live], bool]) -> Live:
+        return data.draw(st.sampled_from([live for live in self.live.values() if test(live)]))
+
+    def new_seq(self, prompt: list[int], priority: int) -> Sequence:
+        return Sequence(next(self.ids), "r", prompt, SamplingParams(priority=priority), 0.0)
+
+    def tree_blocks(self) -> Counter[int]:
+        """Blocks the cache's own structure holds (the radix tree) -> references it holds on each."""
+        if isinstance(self.kv, RadixKVCache):
+            return Counter(b for node in self.kv.nodes() for b in node.blocks)
+        return Counter()
+
+    def shareable(self) -> set[int]:
+        """Blocks a later prompt may match."""
+        if isinstance(self.kv, RadixKVCache):
+            return set(self.tree_blocks())
+        return set(self.kv.hash_to_block.values())
+
+    def holders(self) -> Counter[int]:
+        """Block -> number of live sequences whose table holds it."""
+        count: Counter[int] = Counter()
+        for live in self.live.values():
+            table = self.kv.block_table(live.seq)
+            assert len(set(table)) == len(table), "a block appears twice in one table"
+            count.update(table)
+        return count
+
+    def snapshot(self, seqs: list[Sequence]) -> Snapshot:
+        s = self.kv.stats()
+        return Snapshot({seq.seq_id: list(self.kv.block_table(seq)) for seq in seqs}, list(self.kv.ref),
+                        (s.free_blocks, s.used_blocks, s.cached_blocks, s.prefix_queries, s.prefix_hits, s.evictions),
+                        self.kv.num_free_blocks(), len(self.kv.eviction))
+
+    def allocate(self, seq: Sequence, n: int) -> bool:
+        """``kv.allocate``; a refusal must change nothing; on success the runner's block copies are applied."""
+        seqs = [live.seq for live in self.live.values()] + [seq]
+        before = self.snapshot(seqs)
+        if not self.kv.allocate(seq, n):
+            assert self.snapshot(seqs) == before, "allocate returned False but changed the cache"
+            assert not self.kv.take_block_ops()
+            return False
+        ops = self.kv.take_block_ops()
+        assert not ops.swap_in and not ops.swap_out
+        values = [self.content.get(src) for src, _ in ops.copies]  # all reads before any write, as the runner does
+        for (_, dst), value in zip(ops.copies, values):
+            if value is None:
+                self.content.pop(dst, None)
+            else:
+                self.content[dst] = value
+        return True
+
+    def check_matched(self, seq: Sequence, matched: int) -> None:
+        """The matched blocks hold the prompt's prefix, and no shareable block holds the next one."""
+        assert matched % BLOCK == 0 and 0 <= matched <= seq.num_tokens - 1
+        table = self.kv.block_table(seq)
+        assert len(table) == matched // BLOCK
+        for i, block in enumerate(table):
+            assert self.content.get(block) == tuple(seq.token_ids[: (i + 1) * BLOCK]), "matched a wrong block"
+        if matched // BLOCK < (seq.num_tokens - 1) // BLOCK:
+            following = tuple(seq.token_ids[: matched + BLOCK])
+            assert all(self.content.get(b) != following for b in self.shareable()), "match is not the longest"
+
+    def admit(self, seq: Sequence, chunk: int) -> bool:
+        """What the scheduler does: match_prefix, allocate the first chunk, free on refusal."""
+        before = self.kv.stats()
+        matched = self.kv.match_prefix(seq)
+        self.check_matched(seq, matched)
+        seq.num_computed_tokens = seq.num_cached_tokens = matched
+        if not self.allocate(seq, min(chunk, seq.num_tokens - matched)):
+            self.kv.free(seq)
+            after = self.kv.stats()
+            assert (after.prefix_queries, after.prefix_hits) == (before.prefix_queries, before.prefix_hits)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            return False
+        after = self.kv.stats()  # counted when admission succeeds
+        assert (after.prefix_queries, after.prefix_hits) == (before.prefix_queries + seq.num_tokens,
+                                                             before.prefix_hits + matched)
+        self.live[seq.seq_id] = Live(seq, min(chunk, seq.num_tokens - matched))
+        return True
+
+    def write(self, seq: Sequence, start: int, context: list[int]) -> None:
+        """The forward pass stores the KV of positions ``start .. len(context)`` (position p: ``context[:p + 1]``)."""
+        table, end, holders, tree = self.kv.block_table(seq), len(context), self.holders(), self.tree_blocks()
+        for i in range(start // BLOCK, (end - 1) // BLOCK + 1):
+            block = table[i]
+            assert holders[block] == 1 and not tree[block], f"writing into shared block {block}"
+            if isinstance(self.kv, PagedKVCache):
+                assert self.kv.block_hash[block] is None, f"writing into hashed block {block}"
+            if i * BLOCK < start:  # the positions before the write must be there already (copy-on-write)
+                held = self.content.get(block, ())
+                assert len(held) >= start and held[:start] == tuple(context[:start]), "copy-on-write lost data"
+            self.content[block] = tuple(context[: min(end, (i + 1) * BLOCK)])
+
+    def run(self, live: Live, sampled: int, fork_token: int | None = None) -> None:
+        """One step of one sequence: write its pending positions, commit them, sample when the prompt is done.
+
+        With ``fork_token``, a sequence that samples forks a sibling between the forward pass and the commit, as
+        the engine does for ``n > 1``; the sibling samples ``fork_token``.
+        """
+        seq = live.seq
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + live.pending
+        self.write(seq, start, seq.token_ids[:end])
+        if fork_token is not None and end == seq.num_tokens and len(self.live) < MAX_LIVE:
+            child = Sequence(next(self.ids), "r", seq.prompt_token_ids, seq.params, 0.0,
+                             token_ids=list(seq.token_ids), num_computed_tokens=start)
+            self.kv.fork(seq, child)
+            child.num_computed_tokens = end
+            child.append_token(fork_token, 0.0)
+            self.live[child.seq_id] = Live(child)
+        seq.num_computed_tokens = end
+        live.pending = 0
+        self.kv.commit(seq)
+        if end == seq.num_tokens:
+            seq.append_token(sampled, 0.0)
+
+    def remove(self, live: Live) -> None:
+        self.kv.free(live.seq)
+        del self.live[live.seq.seq_id]
+
+    # ------------------------------------------------------------ operations
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
+    @rule(prompt=prompts, chunk=st.integers(1, 30), priority=priorities)
+    def add(self, prompt: list[int], chunk: int, priority: int) -> None:
+        self.admit(self.new_seq(prompt, priority), chunk)
+
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
+    @rule(data=st.data(), base=bases, priority=priorities)
+    def evict(self, data: st.DataObject, base: tuple[int, ...], priority: int) -> None:
+        """Run a prompt as large as the free plus cached space (or a block more) to the end: evicts or is refused.
+        Its blocks then stay cached, for later prompts to match or evict."""
+        room = self.kv.num_free_blocks()
+        size = data.draw(st.integers(max(room - 1, 1), room + 1)) * BLOCK
+        prompt = (list(base) + data.draw(st.lists(tokens, min_size=size, max_size=size)))[:size]
+        free, evictions = self.kv.stats().free_blocks, self.kv.stats().evictions
+        seq = self.new_seq(prompt, priority)
+        if self.admit(seq, size):
+            if len(self.kv.block_table(seq)) - seq.num_cached_tokens // BLOCK > free:
+                assert self.kv.stats().evictions > evictions, "took more than the free blocks without evicting"
+            self.run(self.live[seq.seq_id], 0)
+            self.remove(self.live[seq.seq_id])
+
+    @precondition(lambda self: self.any_live(lambda live: live.idle))
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def schedule(self, data: st.DataObject, chunk: int) -> None:
+        """Allocate the next prefill chunk or decode position of an idle sequence."""
+        live = self.pick(data, lambda live: live.idle)
+        n = min(chunk, live.seq.num_tokens - live.seq.num_computed_tokens)
+        if self.allocate(live.seq, n):
+            live.pending = n
+
+    @precondition(lambda self: self.any_live(lambda live: live.pending))
+    @rule(data=st.data(), sampled=tokens, fork=st.none() | tokens)
+    def compute(self, data: st.DataObject, sampled: int, fork: int | None) -> None:
+        """The forward pass for one sequence; one that samples may fork (n > 1)."""
+        self.run(self.pick(data, lambda live: live.pending), sampled, fork)
+
+    @precondition(lambda self: self.any_live(lambda live: live.pending))
+    @rule(sampled=st.lists(tokens, min_size=MAX_LIVE, max_size=MAX_LIVE),
+          forks=st.lists(st.none() | tokens, min_size=MAX_LIVE, max_size=MAX_LIVE))
+    def step(self, sampled: list[int], forks: list[int | None]) -> None:
+        """The forward pass of a whole step: every sequence with allocated positions computes them."""
+        for live, token, fork in zip([v for v in self.live.values() if v.pending], sampled, forks):
+            self.run(live, token, fork)
+
+    @precondition(lambda self: self.any_live(lambda live: live.idle and live.decoding))
+    @rule(data=st.data(), sampled=tokens)
+    def append(self, data: st.DataObject, sampled: int) -> None:
+        """One decode of one sequence: allocate one more position after the committed ones, compute it."""
+        live = self.pick(data, lambda live: live.idle and live.decoding)
+        if self.allocate(live.seq, 1):
+            live.pending = 1
+            self.run(live, sampled)
+
+    @precondition(lambda self: self.any_live(lambda live: live.pending == 1 and live.decoding))
+    @rule(data=st.data(), drafts=st.lists(tokens, min_size=1, max_size=6), bonus=tokens)
+    def speculate(self, data: st.DataObject, drafts: list[int], bonus: int) -> None:
+        """Speculative decoding as the engine drives it: after the decode's slot, slots for k drafts; drafts not
+        proposed give theirs back; the forward writes all; the rejected ones are rolled back."""
+        live = self.pick(data, lambda live: live.pending == 1 and live.decoding)
+        seq, computed = live.seq, live.seq.num_computed_tokens
+        if not self.allocate(seq, 1 + len(drafts)):
+            return
+        proposed = data.draw(st.integers(0, len(drafts)))
+        if proposed < len(drafts):
+            self.kv.truncate(seq, computed + 1 + proposed)
+        self.write(seq, computed, seq.token_ids + drafts[:proposed])
+        accepted = data.draw(st.integers(0, proposed))
+        self.kv.truncate(seq, computed + 1 + accepted)
+        seq.token_ids += drafts[:accepted] + [bonus]
+        seq.num_computed_tokens = computed + 1 + accepted
+        live.pending = 0
+        self.kv.commit(seq)
+
+    @precondition(lambda self: len(self.live) < MAX_LIVE and self.any_live(lambda live: live.idle))
+    @rule(data=st.data(), sampled=tokens)
+    def fork(self, data: st.DataObject, sampled: int) -> None:
+        """Fork between steps (beam search): the child shares every block; a decoding child resamples."""
+        parent = self.pick(data, lambda live: live.idle)
+        child = Sequence(next(self.ids), "r", parent.seq.prompt_token_ids, parent.seq.params, 0.0,
+                         token_ids=list(parent.seq.token_ids), num_computed_tokens=parent.seq.num_computed_tokens)
+        self.kv.fork(parent.seq, child)
+        assert self.kv.block_table(child) == self.kv.block_table(parent.seq)
+        self.live[child.seq_id] = Live(child)
+        if self.live[child.seq_id].decoding and child.num_output_tokens:
+            child.token_ids[-1] = sampled
+
+    @precondition(lambda self: self.any_live(lambda live: live.idle and live.seq.num_computed_tokens))
+    @rule(data=st.data(), following=tokens)
+    def truncate(self, data: st.DataObject, following: int) -> None:
+        """Roll back to the first ``keep`` computed positions, then a different next token."""
+        seq = self.pick(data, lambda live: live.idle and live.seq.num_computed_tokens).seq
+        keep = data.draw(st.integers(1, seq.num_computed_tokens))
+        self.kv.truncate(seq, keep)
+        assert len(self.kv.block_table(seq)) == -(-keep // BLOCK)
+        seq.token_ids[keep:] = [following]
+        seq.num_computed_tokens = keep
+
+    @precondition(lambda self: self.any_live(lambda live: live.idle))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        self.remove(self.pick(data, lambda live: live.idle))
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        """Free at any point, also between allocate and compute (an abort mid-step or mid-prefill)."""
+        self.remove(self.pick(data, lambda live: True))
+
+    @precondition(lambda self: self.any_live(lambda live: live.idle))
+    @rule(data=st.data(), chunk=st.integers(1, 30))
+    def preempt(self, data: st.DataObject, chunk: int) -> None:
+        """Preemption by recompute: free, then admit the same tokens again (matching what was just left)."""
+        live = self.pick(data, lambda live: live.idle)
+        self.remove(live)
+        live.seq.num_computed_tokens = 0
+        self.admit(live.seq, chunk)
+
+    @precondition(lambda self: self.kv.stats().cached_blocks or self.live)
+    @rule(prompt=prompts)
+    def match(self, prompt: list[int]) -> None:
+        """A lookup whose admission fails: the match is right, and freeing it restores the counts."""
+        seq = self.new_seq(prompt, 0)
+        before = self.kv.stats()
+        self.check_matched(seq, self.kv.match_prefix(seq))
+        self.kv.free(seq)
+        assert self.kv.stats() == before
+
+    @precondition(lambda self: len(self.live) > 1)
+    @rule(now=st.booleans())
+    def drain(self, now: bool = True) -> None:
+        """Free every sequence: only cached blocks may stay behind."""
+        if not now:
+            return
+        for live in list(self.live.values()):
+            self.remove(live)
+        s = self.kv.stats()
+        assert s.used_blocks == 0 and s.free_blocks + s.cached_blocks == s.total_blocks == NUM_BLOCKS
+        if isinstance(self.kv, RadixKVCache):
+            assert all(node.lock == 0 for node in self.kv.nodes())
+
+    def teardown(self) -> None:
+        self.drain()
+
+    # ------------------------------------------------------------ invariants
+    @invariant()
+    def blocks_are_accounted_for(self) -> None:
+        """ref == holders; free XOR referenced XOR cached; the stats agree."""
+        held, tree = self.holders(), self.tree_blocks()
+        assert all(n == 1 for n in tree.values()), "a block sits in two tree nodes"
+        free = list(self.kv.free_list)
+        assert len(set(free)) == len(free), "a block is twice in the free list"
+        cached = 0
+        for block in range(NUM_BLOCKS):
+            assert self.kv.ref[block] == held[block] + tree[block], f"block {block}: ref != holders"
+            if isinstance(self.kv, RadixKVCache):
+                is_cached = tree[block] > 0 and not held[block]
+            else:
+                is_cached = self.kv.ref[block] == 0 and self.kv.block_hash[block] is not None
+            states = (block in free, held[block] > 0, is_cached)
+            assert sum(states) == 1, f"block {block} is not exactly one of free/referenced/cached: {states}"
+            cached += is_cached
+        s = self.kv.stats()
+        assert (s.free_blocks, s.used_blocks, s.cached_blocks) == (len(free), len(+held), cached)
+        assert s.free_blocks + s.used_blocks + s.cached_blocks == s.total_blocks
+        assert self.kv.num_free_blocks() == s.free_blocks + s.cached_blocks
+
+    @invariant()
+    def sequences_hold_their_tokens(self) -> None:
+        for live in self.live.values():
+            seq = live.seq
+            for i, block in enumerate(self.kv.block_table(seq)):
+                valid = tuple(seq.token_ids[: min(seq.num_computed_tokens, (i + 1) * BLOCK)])
+                if len(valid) > i * BLOCK:
+                    held = self.content.get(block, ())
+                    assert held[: len(valid)] == valid and len(held) <= (i + 1) * BLOCK, f"seq {seq.seq_id} block {i}"
+
+    @invariant()
+    def shared_blocks_hold_their_prefix(self) -> None:
+        if isinstance(self.kv, RadixKVCache):
+            self.check_tree()
+            return
+        for block, h in enumerate(self.kv.block_hash):
+            if h is not None:
+                held = self.content[block]
+                assert len(held) % BLOCK == 0 and self.kv.hash_to_block[h] == block
+                previous = None
+                for i in range(len(held) // BLOCK):
+                    previous = block_key(previous, list(held[i * BLOCK : (i + 1) * BLOCK]))
+                assert previous == h, f"hashed block {block} does not hold what its hash says"
+        assert len(self.kv.eviction) == sum(h is not None and not r for h, r in zip(self.kv.block_hash, self.kv.ref))
+
+    def check_tree(self) -> None:
+        """Locks count the sequences using each node; the tree's tokens are what its blocks store."""
+        kv = self.kv
+        assert isinstance(kv, RadixKVCache)
+        locks: Counter[int] = Counter()
+        for live in self.live.values():
+            state = kv.seqs[live.seq.seq_id]
+            path = kv._path(state.node)
+            assert state.table[: state.node.depth] == [b for n in path for b in n.blocks], "table != locked path"
+            locks.update(id(n) for n in path)
+        stored = evictable = 0
+        stack: list[tuple[object, tuple[int, ...]]] = [(kv.root, ())]
+        while stack:
+            parent, context = stack.pop()
+            for key, node in parent.children.items():  # type: ignore[attr-defined]
+                assert node.parent is parent and key == node.tokens[:BLOCK] and node.blocks
+                assert len(node.tokens) == BLOCK * len(node.blocks) and node.depth == parent.depth + len(node.blocks)
+                path = context + node.tokens
+                for j, block in enumerate(node.blocks):
+                    held = self.content.get(block, ())
+                    assert held == path[: (parent.depth + j + 1) * BLOCK], f"tree block {block} holds other tokens"
+                    stored += len(held) - (parent.depth + j) * BLOCK
+                assert node.lock == locks[id(node)], "lock count != sequences using the node"
+                assert node.evictable == (node.lock == 0 and not node.children)
+                evictable += node.evictable
+                stack.append((node, path))
+        assert kv.num_tree_tokens() == stored, "tree token count != tokens stored in its blocks"
+        assert len(kv.eviction) == evictable
+
+
+@pytest.mark.parametrize("cache,policy", [(c, p) for c in CACHES for p in POLICIES
+                                          if CACHES[c][1] or p == "lru"])  # without prefix caching nothing is cached
+def test_kv_cache_invariants(cache: str, policy: str, infer_plugins) -> None:
+    plugins = infer_plugins.collect()
+    name, prefix_caching = CACHES[cache]
+    config = EngineConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching, eviction_policy=policy)
+
+    def make() -> KVCache:
+        return plugins.registry("kv_cache").get(name)(
+            config, NUM_BLOCKS, plugins.registry("eviction_policy").get(policy)(config))
+
+    run_state_machine_as_test(lambda: KVMachine(make), settings=settings(
+        max_examples=30, stateful_step_count=40, deadline=None, database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.large_base_example]))
+
+
+def test_paged_copy_on_write_covers_every_shared_block_written() -> None:
+    """A fork while the parent holds slots beyond its computed tokens: each shared block written gets copied."""
+    kv = PagedKVCache(8, 4, LRUPolicy(), True)
+    parent = Sequence(0, "r", [1, 2, 3, 4, 5], SamplingParams(), 0.0)
+    kv.match_prefix(parent)
+    assert kv.allocate(parent, 5)
+    parent.num_computed_tokens = 5
+    kv.commit(parent)
+    parent.append_token(6, 0.0)
+    assert kv.allocate(parent, 4)  # a decode slot and three draft slots: blocks 1 and 2 hold uncomputed slots
+    child = Sequence(1, "r", parent.prompt_token_ids, parent.params, 0.0, token_ids=list(parent.token_ids),
+                     num_computed_tokens=5)
+    kv.fork(parent, child)
+    assert kv.allocate(child, 4)
+    parent_table, child_table = kv.block_table(parent), kv.block_table(child)
+    assert parent_table[0] == child_table[0]  # the committed full block stays shared
+    assert not set(parent_table[1:]) & set(child_table[1:])
+    assert kv.take_block_ops().copies == [(parent_table[1], child_table[1])]  # only the partly kept block moves
+
+
+def test_paged_refused_allocate_changes_nothing() -> None:
+    kv = PagedKVCache(2, 4, LRUPolicy(), True)
+    seq = Sequence(0, "r", list(range(12)), SamplingParams(), 0.0)
+    assert not kv.allocate(seq, 12)
+    assert kv.tables == {} and kv.match_prefix(seq) == 0

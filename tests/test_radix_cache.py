@@ -1,0 +1,102 @@
+"""The `radix-cache` KV cache in the engine: greedy outputs identical to HF transformers and to the `paged` path,
+prefix hits on shared prefixes and multi-turn chats, exact outputs under eviction, preemption, chunking and n > 1."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from infer.cli import main
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.request import SamplingParams
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(path: Path, kv_cache: str, **options) -> Engine:
+    options.setdefault("num_kv_blocks", 256)
+    return Engine(EngineConfig(model=str(path), device="cpu", kv_cache=kv_cache, **options))
+
+
+def random_tokens(rng: random.Random, n: int, vocab: int = 1000) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [result.outputs[0].token_ids for result in engine.generate(prompts, params)]
+
+
+def test_shared_prefix_waves_match_hf_and_paged_and_hit_the_cache(tiny_model, hf_greedy):
+    rng = random.Random(0)
+    system = random_tokens(rng, 70)  # four full blocks and a partial one
+    waves = [[system + random_tokens(rng, rng.randint(1, 20)) for _ in range(3)] for _ in range(2)]
+    radix, paged = make_engine(tiny_model, "radix-cache"), make_engine(tiny_model, "paged")
+    hits = []
+    for wave in waves:
+        before = radix.kv.stats()
+        outputs = generate(radix, wave)
+        after = radix.kv.stats()
+        hits.append(after.prefix_hits - before.prefix_hits)
+        assert outputs == generate(paged, wave)
+        assert outputs == [hf_greedy(tiny_model, prompt, MAX_TOKENS) for prompt in wave]
+    assert hits[0] == 0  # the first wave is admitted in one step, before anything is cached
+    assert hits[1] >= 3 * 64, "the second wave must reuse the system prompt's full blocks"
+    assert radix.stats.prefix_hit_rate > 0
+    stats = radix.kv.stats()
+    assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.total_blocks
+    assert radix.kv.num_tree_tokens() == 16 * stats.cached_blocks
+
+
+def test_multi_turn_chat_hits_at_least_as_often_as_paged(tiny_model):
+    rng = random.Random(1)
+    turns = [random_tokens(rng, rng.randint(5, 30)) for _ in range(4)]
+    rates = {}
+    for kv_cache in ("radix-cache", "paged"):
+        engine, history, replies = make_engine(tiny_model, kv_cache), [], []
+        for user in turns:
+            history += user
+            reply = generate(engine, [history])[0]
+            history += reply
+            replies.append(reply)
+        stats = engine.kv.stats()
+        rates[kv_cache] = (stats.prefix_hits / stats.prefix_queries, replies)
+    assert rates["radix-cache"][1] == rates["paged"][1]
+    assert rates["radix-cache"][0] >= rates["paged"][0] and rates["radix-cache"][0] > 0.5
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "chunked-prefill"])
+def test_small_cache_evicts_and_preempts_with_exact_outputs(scheduler, tiny_model, hf_greedy):
+    rng = random.Random(2)
+    bases = [random_tokens(rng, 40), random_tokens(rng, 70)]
+    prompts = [rng.choice(bases) + random_tokens(rng, rng.randint(1, 40)) for _ in range(10)]
+    engine = make_engine(tiny_model, "radix-cache", scheduler=scheduler, num_kv_blocks=20,
+                         max_num_batched_tokens=64 if scheduler == "chunked-prefill" else 8192)
+    outputs = generate(engine, prompts)
+    stats = engine.kv.stats()
+    assert stats.evictions > 0 and stats.prefix_hits > 0
+    assert engine.scheduler.num_preemptions > 0 or scheduler == "chunked-prefill"
+    assert outputs == [hf_greedy(tiny_model, prompt, MAX_TOKENS) for prompt in prompts]
+    assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.total_blocks
+
+
+def test_n_greedy_forks_share_the_prompt_and_match_hf(tiny_model, hf_greedy):
+    rng = random.Random(3)
+    prompt = random_tokens(rng, 45)
+    engine = make_engine(tiny_model, "radix-cache")
+    result = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=3))
+    expected = hf_greedy(tiny_model, prompt, MAX_TOKENS)
+    assert [out.token_ids for out in result[0].outputs] == [expected] * 3
+    again = generate(engine, [prompt + expected])  # the forks left the prompt and their decodes in the tree
+    assert engine.kv.stats().prefix_hits >= 48 and again == [hf_greedy(tiny_model, prompt + expected, MAX_TOKENS)]
+
+
+def test_cli_selects_radix_cache_with_plugin(tiny_model):
+    result = CliRunner().invoke(main, ["--model", str(tiny_model), "--plugin", "radix-cache", "generate", "hello",
+                                       "hello there", "--max-tokens", "4", "--ignore-eos", "--stats"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output[result.output.index("{"):])["requests_finished"] == 2
