@@ -29,7 +29,7 @@ for line in open('$OUT/kernel_bench.jsonl'):
     if 'copy' in json.dumps(row): print(row.get('gbps', 4120)); break" 2>/dev/null || echo 4120)
 note "kernel bench: $(wc -l < "$OUT/kernel_bench.jsonl") rows (copy ${copy_gbps} GB/s)"
 
-timeout 330 $PY benchmarks/anchor.py --out "$OUT/anchor" --copy-gbps "${copy_gbps:-4120}" > "$OUT/anchor.log" 2>&1
+timeout 330 $PY benchmarks/throughput.py --preset anchor --out "$OUT/anchor" --copy-gbps "${copy_gbps:-4120}" > "$OUT/anchor.log" 2>&1
 note "anchor: exit $?"
 
 for extra in benchmarks/quant_bench.py benchmarks/spec_bench.py; do
