@@ -29,12 +29,28 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--num-kv-blocks", type=int, default=None, help="Size of the KV pool in blocks."),
     click.option("--kv-cache-memory-gb", type=float, default=None,
                  help="KV pool as a memory budget [default: 90%% of free GPU memory, or up to 2 GiB on CPU]."),
+    click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None,
+                 help="KV element type: auto (the model dtype) or fp8 (e4m3 with per-head scales calibrated at "
+                      "start: half the memory of bf16, so twice the blocks) [default: auto]."),
     click.option("--no-prefix-caching", is_flag=True, default=False, help="Disable prefix caching."),
     click.option("--preemption", "preemption_mode", type=click.Choice(["recompute", "swap"]), default=None,
                  help="What a preempted sequence does with its KV [default: recompute]."),
     click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
     click.option("--seed", type=int, default=None, help="Seed of unseeded sampling [default: 0]."),
+    click.option("--cpu-threads", type=int, default=None,
+                 help="torch intra-op threads on CPU [default: torch's]; 1 is fastest for tiny models on a busy host."),
     click.option("--no-cuda-graphs", is_flag=True, default=False, help="Run decode steps eagerly on CUDA."),
+    click.option("--proposer", default=None, help="Speculative-decoding proposer, e.g. draft-model or ngram."),
+    click.option("--draft-model", default=None, metavar="DIR",
+                 help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
+                      "[default: the shipped draft, with the embedded default model]."),
+    click.option("--num-speculative-tokens", type=int, default=None, metavar="K",
+                 help="Draft tokens verified per step and sequence when a proposer is selected."),
+    click.option("--spec-min-acceptance", type=float, default=None, metavar="A",
+                 help="Turn speculation off while the recent acceptance rate is below A (probing now and then) "
+                      "[default: 0, never]."),
+    click.option("--spec-max-batch-size", type=int, default=None, metavar="B",
+                 help="Turn speculation off in steps that run more than B sequences [default: 0, no limit]."),
 ]
 
 FIELD_OF_OPTION = {
@@ -42,7 +58,12 @@ FIELD_OF_OPTION = {
     "eviction_policy": "eviction_policy", "dtype": "dtype", "device": "device", "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
     "block_size": "block_size", "num_kv_blocks": "num_kv_blocks", "kv_cache_memory_gb": "kv_cache_memory_gb",
-    "seed": "seed", "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
+    "kv_cache_dtype": "kv_cache_dtype",
+    "seed": "seed", "cpu_threads": "cpu_threads", "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
+    "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
+    # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]
+    "spec_min_acceptance": "plugin_options.spec_decode.min_acceptance",
+    "spec_max_batch_size": "plugin_options.spec_decode.max_batch_size",
 }
 
 
@@ -68,12 +89,17 @@ class EngineArgs:
                    bool(kwargs.get("no_cuda_graphs")))
 
     def build(self, plugins: PluginManager) -> EngineConfig:
-        config = EngineConfig(**self.values)
+        config = EngineConfig(**{k: v for k, v in self.values.items() if not k.startswith("plugin_options.")})
+        for key, value in self.values.items():
+            if key.startswith("plugin_options."):
+                _, namespace, name = key.split(".")
+                config.plugin_options.setdefault(namespace, {})[name] = value
         if self.no_prefix_caching:
             config.enable_prefix_caching = False
         if self.no_cuda_graphs:
             config.cuda_graphs = False
-        explicit = {k: v for k, v in self.values.items() if k in ("scheduler", "kv_cache", "attention", "quant")}
+        explicit = {k: v for k, v in self.values.items()
+                    if k in ("scheduler", "kv_cache", "attention", "quant", "proposer")}
         config = plugins.resolve_plugin_names(config, self.plugin_names)
         config = config.replace(**explicit)  # an explicit option wins over --plugin
         for kind, name in (("scheduler", config.scheduler), ("kv_cache", config.kv_cache),
@@ -83,4 +109,6 @@ class EngineArgs:
             plugins.registry("attention_backend").entry(config.attention)
         if config.quant:
             plugins.registry("quant_method").entry(config.quant)
+        if config.proposer:
+            plugins.registry("proposer").entry(config.proposer)
         return config.validate()

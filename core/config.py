@@ -49,6 +49,7 @@ class EngineConfig:
     draft_model: str | None = None
     cuda_graphs: bool = True
     seed: int = 0
+    cpu_threads: int | None = None  # torch intra-op threads when running on the CPU; None leaves torch's default
     plugin_options: dict[str, Any] = field(default_factory=dict)  # free-form options for third-party plugins
 
     def validate(self) -> EngineConfig:
@@ -65,6 +66,8 @@ class EngineConfig:
             raise ConfigError(f"block-size must be a power of two <= 256, got {self.block_size}")
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
+        if self.cpu_threads is not None:
+            positive("cpu_threads")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ConfigError(f"num-swap-blocks must be >= 0, got {self.num_swap_blocks}")
         if self.swap_space_gb < 0:

@@ -7,18 +7,22 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import InvalidRequestError, NotFoundError
+from .errors import ConfigError, InvalidRequestError, NotFoundError
+from .interfaces import Proposer
 from .loader import LoadedModel, load_model, resolve_device
 from .metrics import EngineStats, StepStats
 from .plugins import PluginManager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .runner import ModelRunner
+
+if TYPE_CHECKING:
+    from ..spec_decode.decoder import SpecDecoder
 
 log = logging.getLogger("infer")
 
@@ -51,6 +55,8 @@ class Engine:
         from pathlib import Path
 
         self.loaded: LoadedModel = load_model(config, self.plugins, Path(config.model))
+        if config.cpu_threads is not None and self.loaded.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)  # process-wide: torch has one intra-op pool
         self.tokenizer = self.loaded.tokenizer
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
@@ -58,25 +64,34 @@ class Engine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         attention_name = config.attention or self._default_attention()
         self.attention = self.plugins.registry("attention_backend").get(attention_name)(config)
+        self.kv_dtype, kv_scales = self._kv_cache_format()
+        proposer = self._make_proposer()  # before the KV pool is sized: a draft model takes memory too
         self.num_blocks = self._num_kv_blocks()
         if config.preemption_mode == "swap" and config.num_swap_blocks is None:
-            per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.loaded.dtype)
+            per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.kv_dtype)
             config.num_swap_blocks = int(config.swap_space_gb * 2**30) // per_block
         eviction = self.plugins.registry("eviction_policy").get(config.eviction_policy)(config)
         self.kv = self.plugins.registry("kv_cache").get(config.kv_cache)(config, self.num_blocks, eviction)
         self.scheduler = self.plugins.registry("scheduler").get(config.scheduler)(config, self.kv)
         self.runner = ModelRunner(self.loaded.model, self.attention, self.num_blocks, config.block_size,
                                   self.loaded.dtype, self.loaded.device, config.seed,
-                                  config.num_swap_blocks if config.preemption_mode == "swap" else 0)
+                                  config.num_swap_blocks if config.preemption_mode == "swap" else 0,
+                                  kv_dtype=self.kv_dtype, kv_scales=kv_scales)
         if config.cuda_graphs and self.loaded.device.type == "cuda":
             if self.attention.supports_cuda_graphs:
                 self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256))
             else:
                 log.info("CUDA graphs are off: attention backend %r does not support them", attention_name)
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": attention_name,
-                       "eviction_policy": config.eviction_policy, "quant": config.quant or "none"}
+                       "eviction_policy": config.eviction_policy, "quant": config.quant or "none",
+                       "proposer": config.proposer or "none"}
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
+        self.spec: SpecDecoder | None = None
+        if proposer is not None:
+            from ..spec_decode.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(config, proposer, self.kv, self.runner.sampler, self.stats)
         self._seq_ids = itertools.count()
 
     # ------------------------------------------------------------ setup
@@ -87,11 +102,29 @@ class Engine:
             log.warning("CUDA device but no 'triton' attention backend is registered; using 'torch'")
         return "torch"
 
+    def _make_proposer(self) -> Proposer | None:
+        c = self.config
+        if c.proposer is None:
+            if c.draft_model is not None or c.num_speculative_tokens:
+                raise ConfigError("--draft-model and --num-speculative-tokens need a proposer: add "
+                                  "--plugin draft-model or --plugin ngram")
+            return None
+        return self.plugins.registry("proposer").get(c.proposer)(c, self.loaded)
+
+    def _kv_cache_format(self) -> tuple[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """The KV element dtype and, for ``--kv-cache-dtype fp8``, the per-layer scales (quant/kv_cache.py)."""
+        if self.config.kv_cache_dtype != "fp8":
+            return self.loaded.dtype, None
+        from ..quant.kv_cache import FP8_KV_DTYPE, calibrate_kv_scales, calibration_ids
+
+        ids = calibration_ids(self.tokenizer, min(512, self.max_model_len))
+        return FP8_KV_DTYPE, calibrate_kv_scales(self.loaded.model, ids, self.loaded.device)
+
     def _num_kv_blocks(self) -> int:
         c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        per_block = ModelRunner.bytes_per_block(self.loaded.model, c.block_size, self.loaded.dtype)
+        per_block = ModelRunner.bytes_per_block(self.loaded.model, c.block_size, self.kv_dtype)
         if c.kv_cache_memory_gb is not None:
             budget = int(c.kv_cache_memory_gb * 2**30)
         elif self.loaded.device.type == "cuda":
@@ -162,14 +195,18 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        if self.spec is not None:
+            self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
         batch, logits = self.runner.execute(out, self.kv)
         items = {item.seq.seq_id: item for item in out.scheduled}
         seqs = [items[sid].seq for sid in batch.sample_seq_ids]
         rows = list(range(len(seqs)))
         forks = self._forks_due(seqs, rows)
+        sampled = self.spec.verify(batch, logits) if self.spec is not None else {}  # accepted drafts + 1 token
+        plain = [i for i, seq in enumerate(seqs) if seq.seq_id not in sampled]
+        seqs, rows = [seqs[i] for i in plain], [rows[i] for i in plain]
         result = self.runner.sample(logits[rows], seqs) if seqs else None
         now = time.perf_counter()
-        sampled: dict[int, list[int]] = {}
         for seq, token, entry in zip(seqs, result.token_ids, result.logprobs) if result else ():
             sampled[seq.seq_id] = [token]
             if entry is not None:
@@ -244,6 +281,8 @@ class Engine:
             self.stats.output_tokens += seq.num_output_tokens
             self.stats.record_finished(seq, req.arrival)
         output.num_cached_tokens = max(seq.num_cached_tokens for seq in req.seqs)
+        if self.spec is not None:
+            self.spec.finish(req.seqs, output)
         self.plugins.hook.on_request_finished(output=output)
 
     def _record_step(self, out: Any, duration: float, num_sampled: int) -> None:
@@ -258,9 +297,11 @@ class Engine:
         if s.num_running:
             s.kv_max_waste_per_seq = max(s.kv_max_waste_per_seq, s.kv_waste_slots / s.num_running)
         decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
-        self.plugins.hook.on_step(stats=StepStats(
-            s.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
-            s.num_waiting, s.num_running, len(out.preempted), kv))
+        step = StepStats(s.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
+                         s.num_waiting, s.num_running, len(out.preempted), kv)
+        if self.spec is not None:
+            self.spec.annotate(step)
+        self.plugins.hook.on_step(stats=step)
 
     def kv_waste_slots(self) -> int:
         """Allocated slots holding no token, summed over running sequences (each sequence's own tail)."""
@@ -309,6 +350,7 @@ class Engine:
                         c.logprobs = (c.logprobs or []) + d.logprobs
                 if delta.finished:
                     full.finished, full.num_cached_tokens = True, delta.num_cached_tokens
+                    full.metrics = delta.metrics  # e.g. speculative acceptance
                     pending.discard(delta.request_id)
         return [results[rid] for rid in ids]
 

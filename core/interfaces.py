@@ -212,6 +212,26 @@ class AttentionMetadata:
     backend_data: Any = None  # whatever AttentionBackend.prepare returned
 
 
+class LayerKVCache(tuple):
+    """One layer's paged cache. It unpacks as ``(k_cache, v_cache)``, like the plain tuple it extends.
+
+    A quantized (fp8) cache also carries fp32 dequantization scales ``k_scale``/``v_scale`` of shape
+    [num_kv_heads]: an element of KV head ``h`` stores ``x / scale[h]`` and reads back as ``stored * scale[h]``.
+    They are None for a cache in the model dtype. Read them with :func:`kv_cache_scales`.
+    """
+
+    def __new__(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> LayerKVCache:
+        self = super().__new__(cls, (k_cache, v_cache))
+        self.k_scale, self.v_scale = k_scale, v_scale
+        return self
+
+
+def kv_cache_scales(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(k_scale, v_scale)`` of a layer's cache; ``(None, None)`` for a plain tuple or an unscaled cache."""
+    return getattr(kv_cache, "k_scale", None), getattr(kv_cache, "v_scale", None)
+
+
 class AttentionBackend(ABC):
     """Stores new K/V into the paged cache and computes attention for a mixed batch."""
 
@@ -235,6 +255,8 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D]; write k/v at ``meta.slot_mapping`` into the cache
         ([num_blocks, block_size, Hkv, D] each), then return causal attention output [T, Hq, D] (GQA: Hq % Hkv == 0).
+        When the cache is fp8 (``--kv-cache-dtype fp8``), quantize on write and dequantize on read with the scales
+        of :func:`kv_cache_scales`; a backend that cannot must raise PluginError in its factory.
         """
 
 

@@ -24,6 +24,7 @@ class SamplingParams:
     logprobs: int | None = None  # also return the top-n logprobs of each sampled position
     n: int = 1
     priority: int = 0  # higher is more important; read by the `priority` eviction policy
+    speculative: bool = True  # False opts this request out of speculative decoding (when the engine has a proposer)
 
     def __post_init__(self) -> None:
         # accept lists from callers, keep the dataclass hashable
@@ -62,6 +63,8 @@ class SamplingParams:
             raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.speculative, bool):
+            raise bad(f"speculative must be True or False, got {self.speculative!r}")
 
 
 class SequenceStatus(enum.Enum):
@@ -102,6 +105,8 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    spec_proposed: int = 0  # draft tokens verified for this sequence
+    spec_accepted: int = 0  # of which accepted
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -135,12 +140,16 @@ class Sequence:
 
     def check_stop_token(self) -> FinishReason | None:
         """Token-level stop checks after an append (stop strings are checked on text by the engine)."""
-        last = self.token_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
+        return self.stop_reason(self.token_ids[-1], self.num_tokens)
+
+    def stop_reason(self, token: int, num_tokens: int) -> FinishReason | None:
+        """Whether ``token``, as token number ``num_tokens`` of the sequence, stops it (speculative decoding asks
+        ahead, for tokens not yet appended)."""
+        if not self.params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
-        if last in self.params.stop_token_ids:
+        if token in self.params.stop_token_ids:
             return FinishReason.STOP
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+        if num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

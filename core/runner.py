@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, Model, SchedulerOutput
+from .interfaces import (AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, Model,
+                         SchedulerOutput)
 from .request import Sequence
 from .sampling import Sampler, SampleResult
 
@@ -19,20 +20,31 @@ class Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] indices into T of the last token of each sampling sequence
+    sample_rows: torch.Tensor  # [S + D] indices into T: the last real token of each sampling sequence, then drafts
     sample_seq_ids: list[int]
+    draft_counts: list[int]  # [S] draft tokens verified after each sampling sequence's last real token (D in all)
 
 
 class ModelRunner:
     def __init__(self, model: Model, attention: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int, num_swap_blocks: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, seed: int, num_swap_blocks: int = 0,
+                 kv_dtype: torch.dtype | None = None, kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> None:
+        """``kv_dtype`` is the cache element dtype (default: ``dtype``); an fp8 cache needs ``kv_scales``, one
+        (k_scale, v_scale) pair of fp32 [num_kv_heads] per layer, kept next to the cache tensors."""
         self.model, self.attention = model, attention
         self.block_size, self.device = block_size, device
         spec = model.spec
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        dtype = kv_dtype or dtype
+        if dtype.itemsize == 1 and (kv_scales is None or len(kv_scales) != spec.num_layers):
+            raise ValueError(f"a {dtype} KV cache needs (k_scale, v_scale) for each of the {spec.num_layers} layers")
+        scales = [(k.to(device, torch.float32), v.to(device, torch.float32)) for k, v in kv_scales or ()] \
+            if dtype.itemsize == 1 else [(None, None)] * spec.num_layers
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(spec.num_layers)
+            LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                         k_scale, v_scale)
+            for k_scale, v_scale in scales
         ]
         self._pin = device.type == "cuda"
         host_shape = (num_swap_blocks, *shape[1:])
@@ -62,20 +74,26 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_seq_ids: list[int] = []
+        draft_rows: list[int] = []
+        draft_counts: list[int] = []
         size = self.block_size
         for item in out.scheduled:
-            seq, n = item.seq, item.num_new_tokens
+            seq, n, drafts = item.seq, item.num_new_tokens, item.draft_token_ids
             start = seq.num_computed_tokens
+            end = start + n + len(drafts)  # speculative verification: the drafts follow the real tokens
             table = kv.block_table(seq)
             tokens.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // size] * size + p % size for p in range(start, start + n))
-            query_start.append(query_start[-1] + n)
-            context_lens.append(start + n)
+            tokens.extend(drafts)
+            positions.extend(range(start, end))
+            slots.extend(table[p // size] * size + p % size for p in range(start, end))
+            query_start.append(query_start[-1] + end - start)
+            context_lens.append(end)
             tables.append(table)
             if start + n == seq.num_tokens:
-                sample_rows.append(query_start[-1] - 1)
+                sample_rows.append(query_start[-1] - 1 - len(drafts))
                 sample_seq_ids.append(seq.seq_id)
+                draft_rows.extend(range(query_start[-1] - len(drafts), query_start[-1]))
+                draft_counts.append(len(drafts))
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
@@ -92,7 +110,7 @@ class ModelRunner:
         )
         meta.backend_data = self.attention.prepare(meta)
         return Batch(self._tensor(tokens, torch.int64), self._tensor(positions, torch.int64), meta,
-                     self._tensor(sample_rows, torch.int64), sample_seq_ids)
+                     self._tensor(sample_rows + draft_rows, torch.int64), sample_seq_ids, draft_counts)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap-outs, then swap-ins, then copy-on-write copies, as BlockOps orders them."""

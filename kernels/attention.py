@@ -3,6 +3,8 @@
 Layouts: q [T, Hq, D], k/v [T, Hkv, D] (last dim contiguous, other strides free), caches [num_blocks, block_size,
 Hkv, D], block_tables [B, max_blocks] int32 (padded with 0), context_lens [B] int32, query_start [B + 1] int32.
 Every kernel upcasts to fp32 right after loading; softmax runs in base 2 with ``scale * log2(e)`` folded into q.k.
+fp8 caches (``--kv-cache-dtype fp8``) carry fp32 scales [Hkv]: K's is folded into the q.k scale and V's into the
+output, so the loaded e4m3 values are only upcast (exact). :func:`store_kv_fp8` quantizes in torch, then copies bytes.
 """
 from __future__ import annotations
 
@@ -72,18 +74,34 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache[page, off] = v[keep].to(v_cache.dtype)
 
 
+def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """:func:`store_kv` into fp8 caches: ``fp8(clamp(x / scale[h]))`` rounded by torch (the interpreter rounds
+    fp32 -> fp8 wrongly), then stored by the kernel as raw bytes."""
+    from ..quant.kv_cache import quantize_kv
+
+    kq, vq = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
+    store_kv(kq.view(torch.uint8), vq.view(torch.uint8), k_cache.view(torch.uint8), v_cache.view(torch.uint8),
+             slot_mapping)
+
+
 # ---------------------------------------------------------------- decode (flash-decoding)
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                         mid_o_ptr, mid_lse_ptr, qk_scale,
+                         mid_o_ptr, mid_lse_ptr, qk_scale, k_scale_ptr, v_scale_ptr,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_bt, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, KV_SCALED: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_SCALED:  # fp8 cache: dequantization scales of this KV head
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
+        v_scale = tl.load(v_scale_ptr + kvh)
+    else:
+        v_scale = 1.0
     ctx = tl.load(context_lens_ptr + b)
     # per-sequence split length, a multiple of BLOCK_N: split s covers [lo, hi) (maybe empty)
     split_len = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N
@@ -122,7 +140,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     # empty split: lse = -inf and o = 0, which the reduce weighs by exp2(-inf) = 0
     l_safe = tl.where(l > 0, l, 1.0)
     lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
-    o = acc / l_safe[:, None]
+    o = acc * (v_scale / l_safe)[:, None]
     mo = mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + d[None, :]
     tl.store(mo, o, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
@@ -150,10 +168,12 @@ def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, num_splits,
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, num_splits: int, *, block_n: int = 64,
-                     out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                     out: torch.Tensor | None = None, num_warps: int = 4, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] -> out [B, Hq, D], the KV length split ``num_splits`` ways.
 
     ``num_splits`` fixes the grid (CUDA-graph friendly); each sequence's split length is derived on device.
+    ``k_scale``/``v_scale`` (fp32 [Hkv]) dequantize an fp8 cache.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -168,12 +188,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, scale * LOG2E, *_scales(k_scale, v_scale, q),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_dot_precision(q.dtype), num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None,
+        num_warps=num_warps)
     _decode_reduce_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, out, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
@@ -184,13 +205,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ---------------------------------------------------------------- prefill / extend (ragged, mixed batches)
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    qk_scale, k_scale_ptr, v_scale_ptr,
+                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                    KV_SCALED: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     tok0 = tl.program_id(2) * TOKENS
+    if KV_SCALED:  # fp8 cache: dequantization scales of this KV head
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
+        v_scale = tl.load(v_scale_ptr + kvh)
+    else:
+        v_scale = 1.0
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     ctx = tl.load(context_lens_ptr + b)
@@ -230,7 +258,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, qu
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
 
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o = acc * (v_scale / tl.where(l > 0, l, 1.0))[:, None]
     tl.store(o_ptr + (q_off * stride_ot + heads * stride_oh)[:, None] + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -238,11 +266,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, qu
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, scale: float, *,
                       block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged causal attention over the paged cache: q [T, Hq, D] -> out [T, Hq, D].
 
     Sequence i's queries are rows ``query_start[i]:query_start[i+1]`` at positions ending at ``context_lens[i] - 1``;
     their own K/V must already be in the cache. Any mix of query lengths (decode = 1) is fine.
+    ``k_scale``/``v_scale`` (fp32 [Hkv]) dequantize an fp8 cache.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -258,18 +288,22 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     tokens = block_m // group
     num_warps = num_warps or (4 if head_dim <= 64 else 8)  # fp32 q/acc tiles: keep registers per thread bounded
     _prefill_kernel[(batch, num_kv_heads, triton.cdiv(max_query_len, tokens))](
-        q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * LOG2E,
+        q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * LOG2E, *_scales(k_scale, v_scale, q),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(q.dtype), num_warps=num_warps)
+        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None,
+        num_warps=num_warps)
     return out
 
 
 # ---------------------------------------------------------------- torch references
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        query_start: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        query_start: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of :func:`prefill_attention` (fp32 math, one sequence at a time)."""
+    ks = 1.0 if k_scale is None else k_scale.float()[:, None]  # per KV head; broadcasts over [ctx, Hkv, D]
+    vs = 1.0 if v_scale is None else v_scale.float()[:, None]
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     page = k_cache.shape[1]
@@ -279,8 +313,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         pos = torch.arange(ctx, device=q.device)
         blocks = block_tables[i, pos // page].long()
-        k = k_cache[blocks, pos % page].float().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        v = v_cache[blocks, pos % page].float().repeat_interleave(group, dim=1)
+        k = (k_cache[blocks, pos % page].float() * ks).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        v = (v_cache[blocks, pos % page].float() * vs).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)
         scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
@@ -289,10 +323,22 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of :func:`decode_attention`: one query per sequence, at the last context position."""
     query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, k_scale, v_scale)
+
+
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, q: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' scale pointers: fp32 [Hkv] each, or ``q`` as a placeholder that an unscaled launch never reads
+    (no allocation, so the common path launches nothing extra)."""
+    if k_scale is None or v_scale is None:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("give both k_scale and v_scale, or neither")
+        return q, q
+    return k_scale.to(torch.float32).contiguous(), v_scale.to(torch.float32).contiguous()
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int,

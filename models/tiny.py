@@ -17,6 +17,7 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 }
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 DEFAULT_MODEL_NAME = "demo-llama-v1"
+PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"  # the shipped pair: target/ and draft/
 
 
 def stdlib_corpus(max_files: int = 400) -> list[Path]:
@@ -88,9 +89,15 @@ def cache_dir() -> Path:
 
 
 def ensure_default_model() -> Path:
-    """The embedded default: a deterministic random-weight demo model, built on first use in the cache folder."""
+    """The embedded default: the shipped target trained on the standard library (spec_decode/train_pair.py), or,
+    when a checkout lacks its weights, a deterministic random-weight demo model built once in the cache folder."""
     import sys
 
+    shipped = PRETRAINED_DIR / "target"
+    if (shipped / "config.json").exists():
+        print(f"infer: using the embedded demo model, a tiny Llama trained on the Python standard library "
+              f"({shipped}); pass --model DIR for a real model", file=sys.stderr)
+        return shipped
     path = cache_dir() / DEFAULT_MODEL_NAME
     if not (path / "config.json").exists():
         print(f"building the random-weight demo model in {path} (once) ...", file=sys.stderr)

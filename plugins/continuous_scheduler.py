@@ -155,14 +155,17 @@ class ContinuousScheduler(Scheduler):
             if seq.is_finished:  # aborted between schedule and update
                 continue
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv.commit(seq)  # before any finish, so the finished prefix stays cached
-            for token in sampled.get(seq.seq_id, ()):
+            reason = None
+            for i, token in enumerate(sampled.get(seq.seq_id, ())):
+                if i:  # speculative decoding: the tokens before the last are accepted drafts, computed this step
+                    seq.num_computed_tokens += 1
                 seq.append_token(token, now)
-                reason = seq.check_stop_token()
-                if reason is not None:
-                    self.finish(seq, reason)
-                    finished.append(seq)
+                if (reason := seq.check_stop_token()) is not None:
                     break
+            self.kv.commit(seq)  # before any finish, so the finished prefix stays cached
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
         return finished
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

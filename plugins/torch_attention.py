@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..core.config import EngineConfig
 from ..core.hookspecs import AttentionBackendFactory, hookimpl
-from ..core.interfaces import AttentionBackend, AttentionMetadata
+from ..core.interfaces import AttentionBackend, AttentionMetadata, kv_cache_scales
 from ..core.registry import Register
 
 
@@ -66,25 +66,54 @@ class TorchAttention(AttentionBackend):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
         plan: TorchAttentionPlan = meta.backend_data
         k_cache, v_cache = kv_cache
+        k_scale, v_scale = kv_cache_scales(kv_cache)
         heads, dim = k_cache.shape[2], k_cache.shape[3]
         k_flat, v_flat = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
-        k_flat[meta.slot_mapping] = k.to(k_flat.dtype)
-        v_flat[meta.slot_mapping] = v.to(v_flat.dtype)
+        cache_dtype = k_flat.dtype
+        k_flat, v_flat = _raw(k_flat), _raw(v_flat)
+        k_flat[meta.slot_mapping] = _raw(_to_cache(k, cache_dtype, k_scale))
+        v_flat[meta.slot_mapping] = _raw(_to_cache(v, cache_dtype, v_scale))
         out = torch.empty_like(q)
         if plan.decode_rows.numel():
             qd = q[plan.decode_rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = k_flat[plan.decode_slots].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
-            vd = v_flat[plan.decode_slots].transpose(1, 2).to(q.dtype)
+            kd = _from_cache(k_flat[plan.decode_slots], cache_dtype, q.dtype, k_scale).transpose(1, 2)  # [Bd,Hkv,L,D]
+            vd = _from_cache(v_flat[plan.decode_slots], cache_dtype, q.dtype, v_scale).transpose(1, 2)
             res = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
             out[plan.decode_rows] = res.squeeze(2)
         for item in plan.prefills:
             qp = q[item.tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            kp = k_flat[item.slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            vp = v_flat[item.slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            kp = _from_cache(k_flat[item.slots], cache_dtype, q.dtype, k_scale).transpose(0, 1).unsqueeze(0)
+            vp = _from_cache(v_flat[item.slots], cache_dtype, q.dtype, v_scale).transpose(0, 1).unsqueeze(0)
             res = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=item.mask, is_causal=item.mask is None,
                                                  scale=scale, enable_gqa=True)
             out[item.tokens] = res[0].transpose(0, 1)
         return out
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """One-byte (fp8) caches are indexed as raw bytes: fp8 gather/scatter kernels are missing on older torch."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """K/V [T, Hkv, D] as stored: cast, or for an fp8 cache ``fp8(clamp(x / scale[h]))``."""
+    if scale is None:
+        return x.to(dtype)
+    from ..quant.kv_cache import quantize_kv
+
+    return quantize_kv(x, scale)
+
+
+def _from_cache(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype, scale: torch.Tensor | None
+                ) -> torch.Tensor:
+    """Gathered cache rows [..., Hkv, D] (raw bytes for fp8) in ``dtype``, dequantized (``x * scale[h]``) for an
+    fp8 cache."""
+    x = x.view(cache_dtype)
+    if scale is None:
+        return x.to(dtype)
+    from ..quant.kv_cache import dequantize_kv
+
+    return dequantize_kv(x, scale, dtype)
 
 
 @hookimpl

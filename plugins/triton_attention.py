@@ -10,7 +10,7 @@ import torch
 from ..core.config import EngineConfig
 from ..core.errors import PluginError
 from ..core.hookspecs import AttentionBackendFactory, hookimpl
-from ..core.interfaces import AttentionBackend, AttentionMetadata
+from ..core.interfaces import AttentionBackend, AttentionMetadata, kv_cache_scales
 from ..core.registry import Register
 
 DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is visible (interpreter)
@@ -48,12 +48,18 @@ class TritonAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         plan = meta.backend_data if isinstance(meta.backend_data, TritonPlan) else self.prepare(meta)
         k_cache, v_cache = kv_cache
-        self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = kv_cache_scales(kv_cache)
+        if k_scale is None or v_scale is None:
+            self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self.kernels.store_kv_fp8(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if plan.all_decode and q.shape[0] == plan.batch:  # padded token rows would index past context_lens
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                                 self.num_splits(plan, k_cache.shape[2]))
+                                                 self.num_splits(plan, k_cache.shape[2]), k_scale=k_scale,
+                                                 v_scale=v_scale)
         return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
-                                              meta.context_lens, plan.max_query_len, scale)
+                                              meta.context_lens, plan.max_query_len, scale, k_scale=k_scale,
+                                              v_scale=v_scale)
 
 
 def create_backend(config: EngineConfig) -> TritonAttentionBackend:
@@ -72,6 +78,9 @@ def create_backend(config: EngineConfig) -> TritonAttentionBackend:
         index = torch.device(config.device).index if config.device.startswith("cuda:") else None
         device = torch.cuda.current_device() if index is None else index
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if config.kv_cache_dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise PluginError("--kv-cache-dtype fp8 with the triton backend needs a GPU with fp8 support (sm89+, "
+                              "e.g. L4/H100); use --attention torch (dequantizes in torch) or --kv-cache-dtype auto")
     return TritonAttentionBackend(kernels, num_sms)
 
 

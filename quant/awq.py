@@ -74,6 +74,21 @@ def quantize_rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
     computed from it. The arithmetic is in fp32 whatever the weight's dtype.
     """
     out_features, in_features = weight.shape
+    q, zeros, scales = _rtn(weight, group_size)
+    q = q.reshape(out_features, in_features).t().to(torch.int32)  # [in, out]
+    return pack_int4(q), pack_int4(zeros.t().to(torch.int32)), scales.t().contiguous()
+
+
+def fake_quantize_rtn(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``weight`` [out, in] -> fp32 ``(q - z) * s`` [out, in]: what :func:`quantize_rtn` then :func:`dequantize`
+    give (transposed), without packing. The AWQ scale search calls it once per grid point."""
+    q, zeros, scales = _rtn(weight, group_size)
+    return ((q - zeros.unsqueeze(-1)) * scales.to(torch.float32).unsqueeze(-1)).reshape(weight.shape)
+
+
+def _rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The arithmetic of :func:`quantize_rtn`: fp32 q [out, in / g, g], zeros [out, in / g], fp16 scales."""
+    out_features, in_features = weight.shape
     group = check_shapes(in_features, out_features, group_size)
     w = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
     w_max = w.amax(dim=-1).clamp(min=0)
@@ -82,8 +97,7 @@ def quantize_rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
     s = scales.to(torch.float32)
     zeros = (-torch.round(w_min / s)).clamp(0, MAX_Q)
     q = (torch.round(w / s.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, MAX_Q)
-    q = q.reshape(out_features, in_features).t().to(torch.int32)  # [in, out]
-    return pack_int4(q), pack_int4(zeros.t().to(torch.int32)), scales.t().contiguous()
+    return q, zeros, scales
 
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -476,6 +477,161 @@ def test_fp8_linear_errors() -> None:
         make_linear(Fp8LinearMethod(), 64, 32).load("weight_scale", torch.ones(32))
     with pytest.raises(ConfigError, match="backend must be one of"):
         Fp8LinearMethod(backend="cutlass")
+
+
+# ---------------------------------------------------------------- AWQ calibration pieces
+def test_fake_quantize_rtn_equals_pack_then_dequantize() -> None:
+    weight = torch.randn(48, 128)
+    for group in (32, -1):
+        packed = awq.quantize_rtn(weight, group)
+        expected = awq.dequantize(*packed, group, dtype=torch.float32).t()
+        assert torch.equal(awq.fake_quantize_rtn(weight, group), expected)
+
+
+def test_scale_search_finds_activation_outliers() -> None:
+    from infer.quant.calibrate import search_scale
+
+    x = torch.randn(256, 128)
+    x[:, [5, 40, 99]] *= 20  # outlier input channels
+    weight = [torch.randn(64, 128), torch.randn(32, 128)]
+    found = search_scale(x, x.abs().mean(dim=0), weight, 32, grid=10)
+    assert found.alpha > 0 and found.error < 0.7 * found.rtn_error
+    assert found.scales[[5, 40, 99]].min() > found.scales.median() * 3  # outlier columns are scaled up
+    flat = search_scale(torch.randn(256, 128), torch.ones(128), weight, 32, grid=10)
+    assert torch.allclose(flat.scales, torch.ones(128)) and flat.error == flat.rtn_error  # nothing to gain
+    shared = search_scale(x, x.abs().mean(dim=0), weight, 32, grid=10, share=(2, 2, 32))  # o_proj under GQA
+    per_kv = shared.scales.view(2, 2, 32)
+    assert torch.equal(per_kv[:, 0], per_kv[:, 1])
+
+
+def test_calibration_texts_and_samples(tmp_path: Path) -> None:
+    from infer.quant.calib_data import read_texts, token_samples
+
+    lines = tmp_path / "calib.txt"
+    lines.write_text("first text\n\n  second text\n")
+    assert read_texts(lines) == ["first text", "  second text"]
+    jsonl = tmp_path / "calib.jsonl"
+    jsonl.write_text('{"text": "a b"}\n"c d"\n')
+    assert read_texts(jsonl) == ["a b", "c d"]
+    jsonl.write_text('{"text": 3}\n')
+    with pytest.raises(ConfigError, match="line 1 must be a JSON string or an object"):
+        read_texts(jsonl)
+    jsonl.write_text("{oops\n")
+    with pytest.raises(ConfigError, match="line 1 is not valid JSON"):
+        read_texts(jsonl)
+
+    class Chars:  # one token per character
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [ord(c) for c in text]
+
+    samples = token_samples(Chars(), ["abcdefgh", "ijklmnop"], num_samples=3, seq_len=5)
+    assert samples == [[ord(c) for c in "abcde"], [ord(c) for c in "fgh\n\n"], [ord(c) for c in "ijklm"]]
+    assert token_samples(Chars(), ["ab"], 4, 64) == [[97, 98, 10, 10]]  # short text: one shorter sample
+    with pytest.raises(ConfigError, match="holds 0 token"):
+        token_samples(Chars(), [], 4, 64)
+
+
+# ---------------------------------------------------------------- fp8 KV cache
+def test_kv_quantization_error_bound() -> None:
+    from infer.quant import kv_cache
+
+    x = torch.randn(40, 2, 32) * torch.tensor([0.5, 30.0])[:, None]  # two heads of very different ranges
+    scale = kv_cache.scales_from_amax(x.abs().amax(dim=(0, 2)))
+    stored = kv_cache.quantize_kv(x, scale)
+    assert stored.dtype == torch.float8_e4m3fn and float(stored.float().abs().max()) == 448 / kv_cache.HEADROOM
+    back = kv_cache.dequantize_kv(stored, scale, torch.float32)
+    assert bool(((back - x).abs() <= fp8_error_bound(x, scale[:, None])).all())
+    clamped = kv_cache.quantize_kv(x * 4, scale)  # beyond the headroom: saturates, never inf or nan
+    assert float(clamped.float().abs().max()) == 448
+
+
+def test_runner_keeps_fp8_scales_next_to_the_cache() -> None:
+    from infer.core.interfaces import LayerKVCache, kv_cache_scales
+    from infer.core.runner import ModelRunner
+    from infer.models.llama import ArchConfig, LlamaFamilyModel
+    from infer.plugins.torch_attention import TorchAttention
+
+    cfg = ArchConfig("LlamaForCausalLM", 32, 2, 4, 2, 8, 64, 100, 1e-6, 64, False, False, False)
+    model = LlamaFamilyModel(cfg, None, torch.float32, 64)
+    scales = [(torch.full((2,), 0.1), torch.full((2,), 0.2)) for _ in range(2)]
+    runner = ModelRunner(model, TorchAttention(), 4, 16, torch.float32, torch.device("cpu"), 0,
+                         kv_dtype=torch.float8_e4m3fn, kv_scales=scales)
+    cache = runner.kv_caches[1]
+    k_cache, v_cache = cache  # still unpacks like the plain (k, v) tuple
+    assert isinstance(cache, LayerKVCache) and k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
+    assert torch.equal(kv_cache_scales(cache)[1], torch.full((2,), 0.2))
+    assert kv_cache_scales((k_cache, v_cache)) == (None, None)
+    assert ModelRunner.bytes_per_block(model, 16, torch.float8_e4m3fn) * 2 == \
+        ModelRunner.bytes_per_block(model, 16, torch.bfloat16)
+    plain = ModelRunner(model, TorchAttention(), 4, 16, torch.float32, torch.device("cpu"), 0)
+    assert plain.kv_caches[0][0].dtype == torch.float32 and plain.kv_caches[0].k_scale is None
+    with pytest.raises(ValueError, match="needs \\(k_scale, v_scale\\) for each of the 2 layers"):
+        ModelRunner(model, TorchAttention(), 4, 16, torch.float32, torch.device("cpu"), 0,
+                    kv_dtype=torch.float8_e4m3fn)
+
+
+def test_kv_cache_dtype_option_reaches_the_config() -> None:
+    from infer.cli.options import EngineArgs
+
+    args = EngineArgs.from_kwargs({"kv_cache_dtype": "fp8"})
+    assert args.values["kv_cache_dtype"] == "fp8"
+    with pytest.raises(ConfigError, match="kv-cache-dtype must be one of auto, fp8"):
+        EngineConfig(kv_cache_dtype="int8").validate()
+
+
+def fp8_paged_case(group: int) -> dict[str, torch.Tensor]:
+    """fp8 caches with per-head scales, shuffled block tables, and q for a mixed batch (extend + decode)."""
+    page, blocks, kv_heads, head_dim = 16, 12, 2, 32
+    context, query = [37, 9, 20], [5, 1, 1]
+    full = torch.randn(blocks, page, kv_heads, head_dim) * torch.tensor([1.0, 6.0])[:, None]
+    scale = (full.abs().amax(dim=(0, 1, 3)) * 2 / 448, full.abs().amax(dim=(0, 1, 3)) * 2 / 448 * 1.5)
+    from infer.quant.kv_cache import quantize_kv
+
+    tables = torch.randperm(blocks)[:9].reshape(3, 3).to(torch.int32)
+    return {
+        "q": torch.randn(sum(query), kv_heads * group, head_dim),
+        "k_cache": quantize_kv(full, scale[0]), "v_cache": quantize_kv(full.flip(0), scale[1]),
+        "k_scale": scale[0], "v_scale": scale[1], "tables": tables,
+        "query_start": torch.tensor([0, 5, 6, 7], dtype=torch.int32),
+        "context_lens": torch.tensor(context, dtype=torch.int32),
+    }
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_attention_kernels_read_fp8_caches(group: int) -> None:
+    from infer.kernels import attention as kernels
+
+    c = {k: v.to(DEVICE) for k, v in fp8_paged_case(group).items()}
+    scales = {"k_scale": c["k_scale"], "v_scale": c["v_scale"]}
+    ref = kernels.paged_attention_ref(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["query_start"],
+                                      c["context_lens"], 0.2, **scales)
+    out = kernels.prefill_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["query_start"],
+                                    c["context_lens"], 5, 0.2, **scales)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    q_dec = c["q"][[4, 5, 6]]  # the last query token of each sequence
+    dec = kernels.decode_attention(q_dec, c["k_cache"], c["v_cache"], c["tables"], c["context_lens"], 0.2, 2,
+                                   **scales)
+    torch.testing.assert_close(dec, ref[[4, 5, 6]], atol=2e-5, rtol=2e-5)
+    dense_k = (c["k_cache"].float() * c["k_scale"][:, None]).contiguous()  # dequantized by hand: same result
+    dense_v = (c["v_cache"].float() * c["v_scale"][:, None]).contiguous()
+    plain = kernels.prefill_attention(c["q"], dense_k, dense_v, c["tables"], c["query_start"], c["context_lens"],
+                                      5, 0.2)
+    torch.testing.assert_close(out, plain, atol=2e-5, rtol=2e-5)
+
+
+def test_store_kv_fp8_writes_the_torch_rounding() -> None:
+    from infer.kernels import attention as kernels
+    from infer.quant.kv_cache import quantize_kv
+
+    k, v = torch.randn(2, 7, 2, 16).to(DEVICE).unbind(0)
+    scale = torch.tensor([0.01, 0.02], device=DEVICE)
+    slots = torch.tensor([3, 0, -1, 17, 9, -1, 22], device=DEVICE)
+    caches = [torch.zeros(3, 8, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
+    kernels.store_kv_fp8(k, v, *caches, slots, scale, scale * 2)
+    keep = slots >= 0
+    flat_k, flat_v = (c.view(-1, 2, 16)[slots[keep]] for c in caches)
+    assert torch.equal(flat_k.view(torch.uint8), quantize_kv(k[keep], scale).view(torch.uint8))
+    assert torch.equal(flat_v.view(torch.uint8), quantize_kv(v[keep], scale * 2).view(torch.uint8))
 
 
 # ---------------------------------------------------------------- native GPU variants (pytest -m gpu)

@@ -25,15 +25,23 @@ pytestmark = pytest.mark.compressed_tensors
 def compress_tiny_llama(folder: Path, preset: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Quantize a tiny random Llama with ``preset`` and save it compressed; return the library's decompressed
     weights by module path."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
     model = LlamaForCausalLM(config).to(dtype)
+    compress_and_save(model, folder, preset)
+    return {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def compress_and_save(model: torch.nn.Module, folder: Path, preset: str) -> None:
+    """Quantize an HF model with ``preset`` (lm_head ignored) and save it compressed to ``folder``. ``model`` is left
+    decompressed, running the library's own fake-quantized forward (the emulation reference)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
     qconfig = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
                                  ignore=["lm_head"], format="float-quantized")
     apply_quantization_config(model, qconfig)
@@ -57,7 +65,6 @@ def compress_tiny_llama(folder: Path, preset: str, dtype: torch.dtype) -> dict[s
     model.config.save_pretrained(str(folder))
     compressor.update_config(str(folder))
     compressor.decompress_model(model)
-    return {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,258 @@
+"""Quantization on one CUDA GPU: AWQ and FP8 against bf16 on a Llama-3.2-1B-shaped model with random weights.
+
+Figures, one JSON line each, then a table:
+
+- ``awq_decode``: single-stream decode, AWQ (int4 RTN on load, group 128: the fused W4A16 kernel and the same
+  layout a calibrated checkpoint has) vs bf16. ``step_ms`` is one CUDA-graph decode step replayed alone (GPU time);
+  ``tpot_ms`` is the engine's time per output token, host work included.
+- ``fp8_throughput``: decode at batch ``--batch`` (>= 64), FP8 W8A8 (``torch._scaled_mm``) vs bf16, same two views.
+- ``awq_gemm`` / ``awq_crossover``: the 1B's MLP GEMMs for M in 1..256, fused W4A16 kernel and dequantize+matmul
+  vs a bf16 matmul, each timed from a CUDA graph over weight replicas larger than L2; the crossover is the smallest
+  M from which bf16 is at least as fast as the faster AWQ path.
+- ``fp8_kv_capacity``: KV blocks and concurrent sequences at a fixed ``--kv-gb``, fp8 vs bf16 KV: the capacity the
+  block count gives, and the peak of running sequences seen on a burst of requests.
+
+Run from the repository root: ``python benchmarks/quant_bench.py`` (about 3 minutes on an H200).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernel_bench import graph_ms_per_call, time_ms  # the sibling script's CUDA-event and CUDA-graph timers
+
+GEMM_SHAPES = {"gate_up": (2048, 8192), "down": (8192, 2048)}  # (K, N) of the 1B's MLP
+GEMM_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+L2_BYTES = 256 << 20  # weight replicas per timed round: far above the 50 MB L2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Llama-3.2-1B."""
+
+    hidden_size: int = 2048
+    num_layers: int = 16
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    intermediate_size: int = 8192
+    vocab_size: int = 128256
+
+
+def write_model(folder: Path, shape: ModelShape, seed: int = 0) -> Path:
+    """config.json, bf16 random weights (std 0.02, tied embeddings) and a small local tokenizer in ``folder``."""
+    from safetensors.torch import save_file
+
+    from infer.models.tiny import stdlib_corpus, train_tokenizer
+
+    tokenizer = train_tokenizer(folder, 1024, stdlib_corpus(max_files=20))
+    head_dim = shape.hidden_size // shape.num_heads
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads, "head_dim": head_dim, "intermediate_size": shape.intermediate_size,
+        "vocab_size": shape.vocab_size, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(seed)
+    h, kv, inter = shape.hidden_size, shape.num_kv_heads * head_dim, shape.intermediate_size
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.randn(size, generator=g, device=g.device) * 0.02).to(torch.bfloat16).cpu()
+
+    state = {"model.embed_tokens.weight": rand(shape.vocab_size, h), "model.norm.weight": torch.ones(h).bfloat16()}
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}"
+        state.update({
+            f"{p}.self_attn.q_proj.weight": rand(h, h), f"{p}.self_attn.k_proj.weight": rand(kv, h),
+            f"{p}.self_attn.v_proj.weight": rand(kv, h), f"{p}.self_attn.o_proj.weight": rand(h, h),
+            f"{p}.mlp.gate_proj.weight": rand(inter, h), f"{p}.mlp.up_proj.weight": rand(inter, h),
+            f"{p}.mlp.down_proj.weight": rand(h, inter), f"{p}.input_layernorm.weight": torch.ones(h).bfloat16(),
+            f"{p}.post_attention_layernorm.weight": torch.ones(h).bfloat16()})
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def emit(row: dict[str, Any]) -> dict[str, Any]:
+    print(json.dumps(row), flush=True)
+    return row
+
+
+# ---------------------------------------------------------------- engine-level decode
+def decode_figures(model: Path, batch: int, prompt_len: int, new_tokens: int, **options: Any) -> dict[str, float]:
+    """Decode of ``batch`` sequences: engine time per output token, and one decode step's CUDA-graph replay."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(model), max_num_seqs=batch, max_model_len=prompt_len + new_tokens + 8,
+                                 max_num_batched_tokens=max(8192, batch * prompt_len), kv_cache_memory_gb=8.0,
+                                 **options))
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(10, 1000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+
+    def seconds(tokens: int) -> float:
+        start = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - start
+
+    seconds(4)  # warm-up: Triton compiles, caches fill
+    prefill_only = seconds(1)
+    full = seconds(new_tokens + 1)
+    tpot_ms = (full - prefill_only) / new_tokens * 1e3
+    graphs = engine.runner.graphs
+    size = next((s for s in sorted(graphs.graphs) if s >= batch), None) if graphs is not None else None
+    step_ms = time_ms(lambda _: graphs.graphs[size][0].replay(), 50) if size is not None else float("nan")
+    result = {"tpot_ms": round(tpot_ms, 3), "tok_per_s": round(batch * 1e3 / tpot_ms, 1),
+              "step_ms": round(step_ms, 4)}
+    del engine
+    release()
+    return result
+
+
+def release() -> None:
+    """Free a dropped engine's weights, KV pool and graphs (reference cycles included) before the next one."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def compare(figure: str, base: dict[str, float], quant: dict[str, float], extra: dict[str, Any]) -> dict[str, Any]:
+    return emit({"figure": figure, **extra, "bf16": base, "quant": quant,
+                 "speedup_tokens": round(base["tpot_ms"] / quant["tpot_ms"], 3),
+                 "speedup_step": round(base["step_ms"] / quant["step_ms"], 3)})
+
+
+# ---------------------------------------------------------------- GEMM micro-benchmark
+def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[str, Any]]:
+    """Per M: bf16 matmul, fused W4A16 kernel and dequantize+matmul, microseconds per call."""
+    from infer.kernels.awq_gemm import awq_gemm
+    from infer.quant import awq
+
+    dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    qweight, qzeros, scales = awq.quantize_rtn(dense, 128)
+    copies = max(2, min(16, math.ceil(L2_BYTES / dense.numel() / 2)))
+    w_bf16 = [dense.t().contiguous().clone() for _ in range(copies)]  # [K, N]
+    w_awq = [(qweight.clone(), qzeros.clone(), scales.clone()) for _ in range(copies)]
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        timers: dict[str, Callable[[int], object]] = {
+            "bf16": lambda i: x @ w_bf16[i % copies],
+            "awq_fused": lambda i: awq_gemm(x, *w_awq[i % copies], 128),
+            "awq_dequant": lambda i: x @ awq.dequantize(*w_awq[i % copies], 128, dtype=torch.bfloat16),
+        }
+        row = {name: round(graph_ms_per_call(fn, copies, replays) * 1e3, 2) for name, fn in timers.items()}
+        out.append({"M": m, **row})
+    return out
+
+
+def crossover(rows: list[dict[str, Any]]) -> int | None:
+    """Smallest M from which bf16 is at least as fast as the faster AWQ path at every larger measured M."""
+    worse = [r["M"] for r in rows if min(r["awq_fused"], r["awq_dequant"]) >= r["bf16"]]
+    for r in rows:
+        if all(o["M"] in worse for o in rows if o["M"] >= r["M"]):
+            return int(r["M"])
+    return None
+
+
+# ---------------------------------------------------------------- fp8 KV capacity
+def kv_capacity(model: Path, kv_gb: float, seq_tokens: int, kv_dtype: str) -> dict[str, Any]:
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(model), kv_cache_memory_gb=kv_gb, kv_cache_dtype=kv_dtype,
+                                 max_num_seqs=1024, max_model_len=seq_tokens + 16, cuda_graphs=False,
+                                 enable_prefix_caching=False, max_num_batched_tokens=32768))
+    per_seq = math.ceil(seq_tokens / engine.config.block_size)
+    capacity = engine.num_blocks // per_seq
+    new = 8
+    for i in range(int(capacity * 1.5) + 8):  # more than fit: the scheduler admits what the blocks allow
+        engine.add_request([10 + (i + j) % 900 for j in range(seq_tokens - new)],
+                           SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.scheduler.num_running())
+    result = {"kv_dtype": kv_dtype, "blocks": engine.num_blocks, "capacity": capacity, "peak_running": peak}
+    del engine
+    release()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=128, help="batch of the FP8 throughput figure (>= 64)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--kv-gb", type=float, default=2.0, help="KV budget of the capacity figure (GiB)")
+    parser.add_argument("--kv-seq-tokens", type=int, default=1024, help="tokens per sequence in the capacity figure")
+    parser.add_argument("--replays", type=int, default=20, help="CUDA-graph replays per GEMM timing")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "fp8", "gemm", "kv"])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("quant_bench needs a CUDA GPU (the AWQ/FP8 kernels and torch._scaled_mm run there); none is visible. "
+              "On CPU the quant methods dequantize, so there is nothing to time.", file=sys.stderr)
+        return 2
+    if args.batch < 64:
+        parser.error("--batch must be >= 64 (the FP8 throughput figure is defined at large batch)")
+    props = torch.cuda.get_device_properties(0)
+    emit({"figure": "setup", "device": props.name, "torch": torch.__version__, "model": asdict(ModelShape()),
+          **{k: v for k, v in vars(args).items() if k != "skip"}})
+    summary: list[tuple[str, str, str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="quant-bench-") as tmp:
+        model = write_model(Path(tmp), ModelShape())
+        if "decode" not in args.skip:
+            base = decode_figures(model, 1, args.prompt_len, args.new_tokens)
+            awq = decode_figures(model, 1, args.prompt_len, args.new_tokens, quant="awq")
+            row = compare("awq_decode", base, awq, {"batch": 1})
+            summary.append(("AWQ decode, batch 1 (tok/s)", str(base["tok_per_s"]), str(awq["tok_per_s"]),
+                            f"{row['speedup_tokens']}x (step {row['speedup_step']}x; target 2.5x)"))
+        if "fp8" not in args.skip:
+            base = decode_figures(model, args.batch, args.prompt_len, args.new_tokens)
+            fp8 = decode_figures(model, args.batch, args.prompt_len, args.new_tokens, quant="fp8")
+            row = compare("fp8_throughput", base, fp8, {"batch": args.batch})
+            summary.append((f"FP8 decode, batch {args.batch} (tok/s)", str(base["tok_per_s"]), str(fp8["tok_per_s"]),
+                            f"{row['speedup_tokens']}x (step {row['speedup_step']}x; target 1.5x)"))
+        if "gemm" not in args.skip:
+            for name, (k, n) in GEMM_SHAPES.items():
+                rows = gemm_rows(k, n, GEMM_ROWS, args.replays)
+                for r in rows:
+                    emit({"figure": "awq_gemm", "shape": name, "K": k, "N": n, **r, "unit": "us"})
+                m = crossover(rows)
+                fused_best = [r["M"] for r in rows if r["awq_fused"] <= r["awq_dequant"]]
+                emit({"figure": "awq_crossover", "shape": name, "crossover_M": m,
+                      "fused_beats_dequant_up_to_M": max(fused_best) if fused_best else None})
+                summary.append((f"AWQ vs bf16 GEMM crossover ({name})", "", "", f"M = {m}"))
+        if "kv" not in args.skip:
+            base = kv_capacity(model, args.kv_gb, args.kv_seq_tokens, "auto")
+            fp8kv = kv_capacity(model, args.kv_gb, args.kv_seq_tokens, "fp8")
+            emit({"figure": "fp8_kv_capacity", "kv_gb": args.kv_gb, "seq_tokens": args.kv_seq_tokens,
+                  "bf16": base, "fp8": fp8kv, "ratio": round(fp8kv["peak_running"] / max(base["peak_running"], 1), 3)})
+            summary.append((f"max concurrent seqs, {args.kv_gb} GiB KV", str(base["peak_running"]),
+                            str(fp8kv["peak_running"]), f"{fp8kv['peak_running'] / max(base['peak_running'], 1):.2f}x"))
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("figure", "bf16", "quantized", "ratio", title=f"quant_bench on {props.name}")
+    for cells in summary:
+        table.add_row(*cells)
+    Console(width=140).print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

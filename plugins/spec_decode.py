@@ -1,0 +1,28 @@
+"""Speculative-decoding proposers: `draft-model` (a small checkpoint with its own paged KV) and `ngram` (prompt
+lookup). Selected by ``--plugin NAME`` or ``--proposer NAME``, with ``--num-speculative-tokens K``."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.config import EngineConfig
+from ..core.hookspecs import ProposerFactory, hookimpl
+from ..core.interfaces import Proposer
+from ..core.registry import Register
+
+
+def build_draft_model(config: EngineConfig, target: Any) -> Proposer:
+    from ..spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer.load(config, target)
+
+
+def build_ngram(config: EngineConfig, target: Any) -> Proposer:
+    from ..spec_decode.ngram import NgramProposer
+
+    return NgramProposer.from_options(config.plugin_options)
+
+
+@hookimpl
+def register_proposers(register: Register[ProposerFactory]) -> None:
+    register("draft-model", build_draft_model, aliases=("draft",))
+    register("ngram", build_ngram, aliases=("prompt-lookup",))

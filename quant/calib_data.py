@@ -1,0 +1,63 @@
+"""Calibration text: a fixed local default (the Python standard library's sources, which every machine has), or a
+file of text lines or JSONL; tokenized, concatenated and cut into equal-length samples."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import ConfigError
+
+
+def default_texts() -> Iterator[str]:
+    """The standard library's *.py files in a fixed order (the corpus of the tiny models' tokenizer)."""
+    from ..models.tiny import stdlib_corpus
+
+    for path in stdlib_corpus(max_files=10_000):
+        yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def _jsonl_text(line: str, where: str) -> str:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} is not valid JSON ({exc}); a JSONL calibration file holds one JSON string or "
+                          "object with a 'text' field per line") from exc
+    if isinstance(value, dict) and isinstance(value.get("text"), str):
+        return value["text"]
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{where} must be a JSON string or an object with a string 'text' field")
+
+
+def read_texts(path: Path) -> list[str]:
+    """Calibration texts from ``path``: JSONL when the suffix is .jsonl/.json or the first line starts with ``{``,
+    else one text per non-empty line."""
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read calibration file {str(path)!r}: {exc}") from exc
+    if not lines:
+        raise ConfigError(f"calibration file {str(path)!r} holds no text")
+    if path.suffix in (".jsonl", ".json") or lines[0].lstrip().startswith("{"):
+        return [_jsonl_text(line, f"{path.name} line {i + 1}") for i, line in enumerate(lines)]
+    return lines
+
+
+def token_samples(tokenizer: Any, texts: Iterable[str], num_samples: int, seq_len: int) -> list[list[int]]:
+    """Up to ``num_samples`` samples of ``seq_len`` tokens cut from the concatenated texts (fewer when the texts
+    are short; one shorter sample when they hold under ``seq_len`` tokens)."""
+    if num_samples < 1 or seq_len < 2:
+        raise ConfigError(f"need num_samples >= 1 and seq_len >= 2, got {num_samples} and {seq_len}")
+    ids: list[int] = []
+    needed = num_samples * seq_len
+    for text in texts:
+        ids.extend(tokenizer.encode(text + "\n\n", add_special_tokens=False))
+        if len(ids) >= needed:
+            break
+    if len(ids) < 2:
+        raise ConfigError(f"the calibration text holds {len(ids)} token(s); give at least a few sentences")
+    if len(ids) < seq_len:
+        return [ids]
+    return [ids[i: i + seq_len] for i in range(0, min(len(ids), needed) - seq_len + 1, seq_len)]

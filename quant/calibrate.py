@@ -1,0 +1,345 @@
+"""Built-in AWQ calibration: activation-aware per-input-channel scales, then an AutoAWQ GEMM checkpoint.
+
+For every decoder layer, each group of linears that shares an input gets one scale vector ``s`` [in]:
+
+=========  ==============================  =================================================================
+group      input                           where ``1 / s`` is folded (exact, so the unquantized model is unchanged)
+=========  ==============================  =================================================================
+qkv        input_layernorm output          input_layernorm.weight
+gate_up    post_attention_layernorm output post_attention_layernorm.weight
+o          attention output                v_proj's output rows (and bias); with GQA ``s`` is shared by the
+                                           q heads of one KV head, since each v channel feeds all of them
+down       silu(gate) * up                 up_proj's output rows
+=========  ==============================  =================================================================
+
+The search: ``stat`` is the mean |x| per input channel over all calibration tokens; for alpha on the grid
+0, 1/grid, ..., 1, ``s = stat^alpha`` normalised by ``sqrt(max(s) * min(s))``, and the error is the mean squared
+difference between ``x @ W.T`` and ``x @ (RTN(W * s) / s).T`` on a subset of the calibration activations. alpha 0
+is plain RTN, so the chosen scales never do worse than RTN on that subset. Every group is searched on the original
+weights and activations (as AutoAWQ does), then the scales are folded and the layer is RTN-quantized (int4, the
+layout of :mod:`.awq`). No clipping search is done. Scales are never stored explicitly: every group above has a
+previous op to fold into.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import CheckpointError, ConfigError
+from . import awq
+from .calib_data import default_texts, token_samples
+from .forward import dense_forward
+
+ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
+SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
+SKIPPED_NAMES = ("config.json", "model.safetensors.index.json", "quant_config.json")
+FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+@dataclass(frozen=True)
+class AwqCalibrationConfig:
+    """Options of ``infer quantize --method awq``."""
+
+    group_size: int = 128
+    bits: int = 4
+    num_samples: int = 64
+    seq_len: int = 512
+    grid: int = 20  # alpha in {0, 1/grid, ..., 1}
+    max_rows: int = 1024  # calibration rows kept per linear group for the error measurement
+    batch_samples: int = 8  # samples per calibration forward pass
+    device: str = "auto"
+
+    def validate(self) -> AwqCalibrationConfig:
+        if self.bits != awq.BITS:
+            raise ConfigError(f"AWQ supports {awq.BITS}-bit weights only (the AutoAWQ GEMM format), got --bits "
+                              f"{self.bits}")
+        if self.group_size not in awq.GROUP_SIZES:
+            raise ConfigError(f"--group-size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
+                              f"got {self.group_size}")
+        for name in ("num_samples", "seq_len", "grid", "max_rows", "batch_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        return self
+
+
+@dataclass(frozen=True)
+class LinearGroup:
+    """Linears (paths inside a decoder layer) that share one input, and the op whose weight absorbs ``1 / s``."""
+
+    name: str
+    linears: tuple[str, ...]
+    prev: str
+
+
+GROUPS = (
+    LinearGroup("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+    LinearGroup("o", ("self_attn.o_proj",), "self_attn.v_proj"),
+    LinearGroup("gate_up", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+    LinearGroup("down", ("mlp.down_proj",), "mlp.up_proj"),
+)
+
+
+@dataclass
+class GroupStats:
+    """What the calibration forward saw at one group's input."""
+
+    abs_sum: torch.Tensor | None = None  # [in] fp32: sum of |x| over all tokens
+    count: int = 0
+    rows: list[torch.Tensor] = field(default_factory=list)  # fp32 subsets of x, for the error measurement
+
+    def add(self, x: torch.Tensor, stride: int) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        total = x.abs().sum(dim=0)
+        self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
+        self.count += x.shape[0]
+        self.rows.append(x[::stride].clone())
+
+
+@dataclass(frozen=True)
+class GroupReport:
+    layer: int
+    group: str
+    alpha: float
+    error: float  # output MSE with the chosen scales
+    rtn_error: float  # output MSE of plain RTN (alpha 0)
+
+
+@dataclass(frozen=True)
+class ScaleSearch:
+    scales: torch.Tensor  # [in] fp32
+    alpha: float
+    error: float
+    rtn_error: float
+
+
+# ---------------------------------------------------------------- checks (before any heavy work)
+def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig) -> dict[str, Any]:
+    """Validate the options, MODEL and OUT; return MODEL's config.json. Raises ConfigError/CheckpointError."""
+    from ..core.loader import read_config, safetensors_files
+    from ..models.llama import ARCHITECTURES, ArchConfig
+
+    config.validate()
+    if not model_dir.is_dir():
+        raise CheckpointError(f"MODEL {str(model_dir)!r} does not exist or is not a folder; give the local HF "
+                              "checkpoint folder to quantize")
+    raw = read_config(model_dir)
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"{str(model_dir)!r} is already quantized ({method}); `infer quantize` needs the "
+                              "unquantized checkpoint it came from")
+    arch = (raw.get("architectures") or ["(none)"])[0]
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"infer quantize supports {', '.join(ARCHITECTURES)}; {str(model_dir)!r} is {arch!r}")
+    safetensors_files(model_dir)
+    cfg = ArchConfig.from_hf(raw)
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"q_proj": (cfg.hidden_size, q_size), "k_proj": (cfg.hidden_size, kv_size),
+              "v_proj": (cfg.hidden_size, kv_size), "o_proj": (q_size, cfg.hidden_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    for name, (in_features, out_features) in shapes.items():
+        awq.check_shapes(in_features, out_features, config.group_size, name)
+    out = out_dir.resolve()
+    if out == model_dir.resolve():
+        raise ConfigError("OUT must differ from MODEL: the quantized checkpoint is written to a new folder")
+    if not out.parent.is_dir():
+        raise ConfigError(f"the parent folder of OUT, {str(out.parent)!r}, does not exist; create it first")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"OUT {str(out_dir)!r} already exists and is not an empty folder; choose a new path")
+    return raw
+
+
+# ---------------------------------------------------------------- the scale search
+def search_scale(x: torch.Tensor, stat: torch.Tensor, weights: list[torch.Tensor], group_size: int, grid: int,
+                 share: tuple[int, int, int] | None = None) -> ScaleSearch:
+    """Best ``s = stat^alpha`` (normalised) for linears ``weights`` ([out_j, in], fp32) sharing input ``x`` [n, in].
+
+    ``share = (kv_heads, group, head_dim)``: the input is [kv_heads * group * head_dim] (o_proj under GQA) and one
+    scale per (kv head, channel) is shared by the group's q heads, so that it folds into v_proj's output rows.
+    """
+    w = torch.cat(weights).to(torch.float32)
+    ref = x @ w.t()
+    base = stat.to(torch.float32)
+    if share is not None:
+        kv_heads, group, head_dim = share
+        base = base.view(kv_heads, group, head_dim).mean(dim=1)
+    best: ScaleSearch | None = None
+    rtn_error = float("nan")
+    for i in range(grid + 1):
+        alpha = i / grid
+        s = base.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        if share is not None:
+            s = s.unsqueeze(1).expand(kv_heads, group, head_dim).reshape(-1)
+        wq = awq.fake_quantize_rtn(w * s, group_size) / s
+        error = float((x @ wq.t() - ref).pow(2).mean())
+        if i == 0:
+            rtn_error = error
+        if best is None or error < best.error:
+            best = ScaleSearch(s, alpha, error, rtn_error)
+    assert best is not None
+    return ScaleSearch(best.scales, best.alpha, best.error, rtn_error)
+
+
+def _fold(layer: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
+    """Multiply the group's weight columns by ``s`` and divide the previous op's output by ``s`` (exact)."""
+    prev = layer.get_submodule(group.prev)
+    with torch.no_grad():
+        for path in group.linears:
+            linear = layer.get_submodule(path)
+            linear.weight.mul_(s.to(linear.weight.dtype)[None, :])
+        if prev.weight.dim() == 1:  # RMSNorm
+            prev.weight.div_(s.to(prev.weight.dtype))
+            return
+        rows = s
+        if rows.numel() != prev.weight.shape[0]:  # o_proj under GQA: s repeats per q head; v has one row per KV head
+            attn = layer.self_attn
+            rows = s.view(attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim)[:, 0].reshape(-1)
+        prev.weight.div_(rows.to(prev.weight.dtype)[:, None])
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.div_(rows.to(prev.bias.dtype))
+
+
+# ---------------------------------------------------------------- the whole run
+def _collect(model: Any, samples: list[list[int]], device: torch.device, config: AwqCalibrationConfig,
+             progress: ProgressFn) -> list[dict[str, GroupStats]]:
+    """Run the calibration samples through the model, recording each group's input statistics and row subset."""
+    layers = model.model.layers
+    stats: list[dict[str, GroupStats]] = [{g.name: GroupStats() for g in GROUPS} for _ in layers]
+    total_tokens = sum(len(s) for s in samples)
+    stride = max(1, -(-total_tokens // config.max_rows))
+    handles = []
+    for i, layer in enumerate(layers):
+        for g in GROUPS:
+            def hook(module: nn.Module, args: tuple[torch.Tensor, ...], record: GroupStats = stats[i][g.name]) -> None:
+                record.add(args[0], stride)
+
+            handles.append(layer.get_submodule(g.linears[0]).register_forward_pre_hook(hook))
+    try:
+        batches = [samples[i: i + config.batch_samples] for i in range(0, len(samples), config.batch_samples)]
+        for done, batch in enumerate(batches):
+            progress("calibration forward", done, len(batches))
+            dense_forward(model, batch, device)
+        progress("calibration forward", len(batches), len(batches))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats
+
+
+def _quantized_layer_tensors(layer: nn.Module, prefix: str, group_size: int) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for g in GROUPS:
+        for path in g.linears:
+            linear = layer.get_submodule(path)
+            qweight, qzeros, scales = awq.quantize_rtn(linear.weight.data, group_size)
+            name = f"{prefix}.{path}"
+            tensors.update({f"{name}.qweight": qweight.cpu(), f"{name}.qzeros": qzeros.cpu(),
+                            f"{name}.scales": scales.cpu()})
+            if linear.bias is not None:
+                tensors[f"{name}.bias"] = linear.bias.data
+    return tensors
+
+
+def _to_fp16(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_floating_point() and tensor.dtype != torch.float16:
+        if bool((tensor.abs() > FP16_MAX).any()):
+            raise CheckpointError(f"{name} holds values beyond the fp16 range, which AWQ checkpoints use; "
+                                  "this model cannot be stored as AWQ, use --quant fp8 instead")
+        tensor = tensor.to(torch.float16)
+    return tensor.detach().cpu().contiguous()
+
+
+def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig = AwqCalibrationConfig(),
+                  texts: Iterable[str] | None = None, progress: ProgressFn | None = None,
+                  plugins: Any = None) -> list[GroupReport]:
+    """Calibrate, quantize and write ``out_dir`` (an AutoAWQ GEMM checkpoint infer loads); return the search report.
+
+    ``texts`` default to the standard library's sources (:func:`.calib_data.default_texts`).
+    """
+    from safetensors.torch import save_file
+
+    from ..core.config import EngineConfig
+    from ..core.loader import load_model, resolve_device
+    from ..core.plugins import PluginManager
+
+    raw = check_request(model_dir, out_dir, config)
+    report_progress: ProgressFn = progress or (lambda phase, done, total: None)
+    device = resolve_device(config.device)
+    plugins = plugins or PluginManager.from_entry_points().collect()
+    engine_config = EngineConfig(model=str(model_dir), device=str(device),
+                                 dtype="float32" if device.type == "cpu" else "auto").validate()
+    loaded = load_model(engine_config, plugins, model_dir)
+    model = loaded.model
+    seq_len = min(config.seq_len, model.spec.max_model_len)
+    samples = token_samples(loaded.tokenizer, default_texts() if texts is None else texts, config.num_samples, seq_len)
+    stats = _collect(model, samples, loaded.device, config, report_progress)
+
+    tensors: dict[str, torch.Tensor] = {}
+    reports: list[GroupReport] = []
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        report_progress("scale search", i, len(layers))
+        attn = layer.self_attn
+        searches = {}
+        for g in GROUPS:
+            record = stats[i][g.name]
+            x = torch.cat(record.rows).to(loaded.device)
+            stat = record.abs_sum / record.count
+            weights = [layer.get_submodule(p).weight.data.to(torch.float32) for p in g.linears]
+            share = (attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim) if g.name == "o" else None
+            searches[g.name] = search_scale(x, stat, weights, config.group_size, config.grid, share)
+            found = searches[g.name]
+            reports.append(GroupReport(i, g.name, found.alpha, found.error, found.rtn_error))
+        for g in GROUPS:
+            _fold(layer, g, searches[g.name].scales)
+        tensors.update(_quantized_layer_tensors(layer, f"model.layers.{i}", config.group_size))
+        stats[i] = {}  # free the rows
+    report_progress("scale search", len(layers), len(layers))
+
+    quantized_owners = {name.rpartition(".")[0] for name in tensors}
+    for name, tensor in model.state_dict().items():
+        if name.rpartition(".")[0] not in quantized_owners:
+            tensors[name] = tensor
+    tensors = {name: _to_fp16(name, t) for name, t in tensors.items()}
+    _write_checkpoint(model_dir, out_dir, raw, config, tensors, reports, save_file)
+    return reports
+
+
+def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], config: AwqCalibrationConfig,
+                      tensors: dict[str, torch.Tensor], reports: list[GroupReport], save_file: Any) -> None:
+    """Write to a temporary sibling folder, then move it into place, so OUT is complete or absent."""
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        quantized = dict(raw)
+        quantized["quantization_config"] = {
+            "quant_method": "awq", "bits": config.bits, "group_size": config.group_size, "zero_point": True,
+            "version": awq.SUPPORTED_VERSION, "modules_to_not_convert": None}
+        quantized["torch_dtype"] = "float16"
+        if "dtype" in quantized:
+            quantized["dtype"] = "float16"
+        (tmp / "config.json").write_text(json.dumps(quantized, indent=2) + "\n")
+        (tmp / "awq_calibration.json").write_text(json.dumps(
+            {"method": "infer quantize --method awq", "options": asdict(config),
+             "groups": [asdict(r) for r in reports]}, indent=1) + "\n")
+        for item in model_dir.iterdir():  # tokenizer, generation config, chat template, ...
+            if item.is_file() and item.suffix not in SKIPPED_SUFFIXES and item.name not in SKIPPED_NAMES:
+                shutil.copy2(item, tmp / item.name)
+        if out_dir.exists():
+            out_dir.rmdir()  # checked empty by check_request
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

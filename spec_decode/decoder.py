@@ -1,0 +1,191 @@
+"""SpecDecoder: speculative decoding inside continuous batching, driven by ``Engine.step``.
+
+One step: ``propose`` gives each decoding sequence up to K draft tokens and reserves target KV slots for them; the
+engine's forward pass then verifies them in the same flat batch as the prefills and plain decodes (a verified
+sequence contributes its last real token plus its drafts, K + 1 query positions, and K + 1 logits rows); ``verify``
+runs the vectorized rejection sampler over those rows, rolls the rejected positions back in the target's KV (the
+proposer rolls back its own), and returns each sequence's accepted drafts plus one token for the scheduler to append.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.config import EngineConfig
+from ..core.interfaces import KVCache, Proposer, SchedulerOutput, ScheduledSequence
+from ..core.metrics import EngineStats, StepStats
+from ..core.request import RequestOutput, Sequence
+from ..core.runner import Batch
+from ..core.sampling import Sampler
+from .policy import ON, SpecPolicy
+from .rejection import Verified, greedy_verify, rejection_sample
+
+
+@dataclass
+class _Draft:
+    seq: Sequence
+    tokens: list[int]
+    probs: torch.Tensor | None  # [len(tokens), V] the draft's distributions; None: a point mass on each token
+
+
+class SpecDecoder:
+    """Owns the proposer, the degradation policy and this step's drafts; counts into ``EngineStats``."""
+
+    def __init__(self, config: EngineConfig, proposer: Proposer, kv: KVCache, sampler: Sampler,
+                 stats: EngineStats) -> None:
+        self.k = config.num_speculative_tokens
+        self.token_budget = config.max_num_batched_tokens
+        self.proposer, self.kv, self.sampler, self.stats = proposer, kv, sampler, stats
+        self.policy = SpecPolicy.from_options(config.plugin_options)
+        self.drafts: dict[int, _Draft] = {}  # this step's, by seq_id
+        self.step_counts = (0, 0)  # this step's (proposed, accepted)
+
+    # ------------------------------------------------------------ before the forward pass
+    def propose(self, out: SchedulerOutput) -> None:
+        """Attach draft tokens to the decoding items of ``out`` and reserve their KV slots."""
+        self.drafts.clear()
+        self.step_counts = (0, 0)
+        for seq in out.preempted:
+            self.proposer.release(seq)
+        state = self.policy.decide(len(out.scheduled))
+        self.stats.spec_state = state
+        self.stats.spec_steps[state] = self.stats.spec_steps.get(state, 0) + 1
+        if state != ON:
+            return
+        budget = self.token_budget - out.num_tokens
+        room: dict[int, int] = {}
+        for item in out.scheduled:
+            k = min(self._room(item), budget)
+            if k > 0 and self.kv.allocate(item.seq, 1 + k):  # slots for the drafts after the last real token
+                room[item.seq.seq_id] = k
+                budget -= k
+        if not room:
+            return
+        items = [item for item in out.scheduled if item.seq.seq_id in room]
+        proposal = self.proposer.propose([item.seq for item in items], max(room.values()))
+        for item in items:
+            seq = item.seq
+            tokens = proposal.token_ids.get(seq.seq_id, [])[: room[seq.seq_id]]
+            if len(tokens) < room[seq.seq_id]:  # give back the slots of drafts not proposed
+                self.kv.truncate(seq, seq.num_computed_tokens + 1 + len(tokens))
+            if tokens:
+                probs = proposal.probs.get(seq.seq_id)
+                item.draft_token_ids = tokens
+                self.drafts[seq.seq_id] = _Draft(seq, tokens, None if probs is None else probs[: len(tokens)])
+        out.block_ops.copies.extend(self.kv.take_block_ops().copies)
+
+    def _room(self, item: ScheduledSequence) -> int:
+        """Drafts worth verifying for a plain decode: the emitted tokens (accepted + 1) must fit max_tokens and
+        the context."""
+        seq = item.seq
+        decoding = item.num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+        if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative:
+            return 0
+        left = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens)
+        return min(self.k, left - 1)
+
+    # ------------------------------------------------------------ after the forward pass
+    def verify(self, batch: Batch, logits: torch.Tensor) -> dict[int, list[int]]:
+        """Tokens to append per verified seq_id: its accepted drafts, then a recovered or bonus token.
+
+        ``logits`` rows follow ``batch.sample_rows``: one per sampling sequence, then every draft position.
+        """
+        if not self.drafts:
+            return {}
+        num_sampling = len(batch.sample_seq_ids)
+        starts, offset = {}, num_sampling
+        for sid, count in zip(batch.sample_seq_ids, batch.draft_counts):
+            starts[sid], offset = offset, offset + count
+        order = [(i, self.drafts[sid]) for i, sid in enumerate(batch.sample_seq_ids) if sid in self.drafts]
+        k = max(len(d.tokens) for _, d in order)
+        # rows of each sequence: its last real token, then its drafts; short rows repeat their last row
+        index = [[i] + [starts[d.seq.seq_id] + min(j, len(d.tokens) - 1) for j in range(k)] for i, d in order]
+        target = logits[torch.tensor(index, device=logits.device)]  # [B, K+1, V]
+        drafts = [d for _, d in order]
+        draft = torch.tensor([d.tokens + [0] * (k - len(d.tokens)) for d in drafts], device=logits.device)
+        counts = torch.tensor([len(d.tokens) for d in drafts], device=logits.device)
+        result = greedy_verify(target.argmax(dim=-1), draft, counts)
+        sampled_rows = [b for b, d in enumerate(drafts) if not d.seq.params.greedy]
+        if sampled_rows:
+            exact = self._rejection_sample(target, draft, counts, [drafts[b] for b in sampled_rows], sampled_rows)
+            result.num_accepted[sampled_rows] = exact.num_accepted
+            result.next_token[sampled_rows] = exact.next_token
+        return self._finish_round(drafts, target, result)
+
+    def _rejection_sample(self, target: torch.Tensor, draft: torch.Tensor, counts: torch.Tensor,
+                          drafts: list[_Draft], rows: list[int]) -> Verified:
+        b, k, vocab = len(rows), draft.shape[1], target.shape[-1]
+        params = [d.seq.params for d in drafts for _ in range(k + 1)]
+        p = Sampler.filtered_probs(target[rows].flatten(0, 1), params).view(b, k + 1, vocab)
+        q = torch.zeros(b, k, vocab, device=target.device)
+        for i, d in enumerate(drafts):
+            n = len(d.tokens)
+            if d.probs is None:
+                q[i, torch.arange(n, device=q.device), torch.tensor(d.tokens, device=q.device)] = 1.0
+            else:
+                q[i, :n] = d.probs.to(q.device, q.dtype)
+        uniform, noise = self._randoms([d.seq for d in drafts], k, vocab, target.device)
+        return rejection_sample(p, q, draft[rows], counts[rows], uniform, noise)
+
+    def _randoms(self, seqs: list[Sequence], k: int, vocab: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """U(0, 1) [B, K] and Exp(1) [B, V] from the target's sampler streams (seeded requests use their own),
+        independent of the draws that produced the drafts."""
+        uniform = torch.empty(len(seqs), k, device=device)
+        noise = torch.empty(len(seqs), vocab, device=device)
+        unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
+        if unseeded:
+            gen = self.sampler.generator
+            uniform[unseeded] = torch.rand(len(unseeded), k, device=device, generator=gen)
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=gen)
+        for i, s in enumerate(seqs):
+            if s.params.seed is not None:
+                gen = self.sampler.generator_for(s.seq_id, s.params.seed, s.index)
+                uniform[i] = torch.rand(k, device=device, generator=gen)
+                noise[i].exponential_(generator=gen)
+        return uniform, noise
+
+    def _finish_round(self, drafts: list[_Draft], target: torch.Tensor, result: Verified) -> dict[int, list[int]]:
+        """Roll back rejected KV, cut at a stop token, record logprobs and acceptance statistics."""
+        sampled: dict[int, list[int]] = {}
+        accepted_total = proposed_total = 0
+        for b, (d, m, token) in enumerate(zip(drafts, result.num_accepted.tolist(), result.next_token.tolist())):
+            seq = d.seq
+            tokens = d.tokens[:m] + [token]
+            for j, t in enumerate(tokens):  # the scheduler would stop there: drop what follows
+                if seq.stop_reason(t, seq.num_tokens + j + 1) is not None:
+                    tokens = tokens[: j + 1]
+                    break
+            # KV holds the last real token and the m accepted drafts; positions after them are forgotten
+            self.kv.truncate(seq, seq.num_computed_tokens + 1 + m)
+            self.proposer.on_verified(seq, m)
+            if seq.params.logprobs is not None:
+                seq.logprobs.extend(Sampler.logprobs(target[b, : len(tokens)], [seq.params] * len(tokens), tokens))
+            seq.spec_proposed += len(d.tokens)
+            seq.spec_accepted += m
+            proposed_total += len(d.tokens)
+            accepted_total += m
+            sampled[seq.seq_id] = tokens
+        s = self.stats
+        s.spec_proposed += proposed_total
+        s.spec_accepted += accepted_total
+        s.spec_rounds += len(drafts)
+        s.spec_emitted += accepted_total + len(drafts)
+        self.policy.observe(proposed_total, accepted_total, len(drafts))
+        self.step_counts = (proposed_total, accepted_total)
+        return sampled
+
+    # ------------------------------------------------------------ bookkeeping
+    def annotate(self, step: StepStats) -> None:
+        step.spec_state = self.stats.spec_state
+        step.num_draft_tokens, step.num_accepted_tokens = self.step_counts
+
+    def finish(self, seqs: list[Sequence], output: RequestOutput) -> None:
+        """A request finished: drop the proposer's state; report its acceptance in ``output.metrics``."""
+        for seq in seqs:
+            self.proposer.release(seq)
+        proposed = sum(s.spec_proposed for s in seqs)
+        accepted = sum(s.spec_accepted for s in seqs)
+        output.metrics.update(spec_proposed=proposed, spec_accepted=accepted,
+                              spec_acceptance_rate=accepted / proposed if proposed else 0.0)

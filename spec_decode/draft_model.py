@@ -1,0 +1,190 @@
+"""The `draft-model` proposer: a small checkpoint, run by infer's own loader, ModelRunner and paged KV cache.
+
+Each target sequence has a shadow :class:`Sequence` in the draft's cache. ``propose`` first rolls the shadow back
+to the longest prefix it shares with the target's tokens (rejected drafts, and a preemption's recompute, leave
+nothing stale), catches its KV up with one batched forward over the new tokens, then decodes k - 1 more tokens
+one batched forward at a time. The draft samples with the request's own temperature and filters, so that its
+distribution q is close to the target's p; greedy requests draft greedily (a point mass).
+
+The proposer factory receives the config and the target only, so the draft's architecture, attention backend,
+eviction policy and the `paged` KV cache come from a plugin manager over the installed entry points.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+import torch
+
+from ..core.config import EngineConfig
+from ..core.errors import CheckpointError, ConfigError
+from ..core.interfaces import KVCache, Proposal, Proposer, ScheduledSequence, SchedulerOutput
+from ..core.loader import LoadedModel, load_model
+from ..core.plugins import PluginManager
+from ..core.request import Sequence
+from ..core.runner import ModelRunner
+from ..core.sampling import Sampler
+
+DRAFT_SEED_SALT = 0x5EED_D4AF  # draft draws must not replay the target sampler's streams
+
+
+@dataclass
+class _Shadow:
+    seq: Sequence  # the draft's copy: target tokens, then this step's drafts
+    synced: int  # how many leading tokens are known to equal the target's
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, draft: LoadedModel, runner: ModelRunner, kv: KVCache, seed: int) -> None:
+        self.draft, self.runner, self.kv = draft, runner, kv
+        self.max_len = draft.model.spec.max_model_len
+        self.shadows: dict[int, _Shadow] = {}
+        device = draft.device
+        self.generator = torch.Generator(device=device).manual_seed(seed ^ DRAFT_SEED_SALT)
+        self.seeded: dict[int, torch.Generator] = {}
+
+    @classmethod
+    def load(cls, config: EngineConfig, target: LoadedModel, plugins: PluginManager | None = None
+             ) -> DraftModelProposer:
+        """Load ``config.draft_model`` (the shipped draft when the target is the shipped default) next to ``target``."""
+        path = config.draft_model or default_draft_for(target.path)
+        if path is None:
+            raise ConfigError("the draft-model proposer needs --draft-model DIR: a small checkpoint that shares the "
+                              "target's tokenizer")
+        plugins = (plugins or PluginManager.from_entry_points()).collect()
+        draft_config = config.replace(model=str(path), quant=None, max_model_len=None, num_kv_blocks=None)
+        draft = load_model(draft_config, plugins, Path(path))
+        check_same_vocab(target, draft)
+        attention_name = config.attention or (
+            "triton" if draft.device.type == "cuda" and "triton" in plugins.registry("attention_backend") else "torch")
+        attention = plugins.registry("attention_backend").get(attention_name)(config)
+        blocks = draft_kv_blocks(config, draft)
+        eviction = plugins.registry("eviction_policy").get(config.eviction_policy)(config)
+        kv = plugins.registry("kv_cache").get("paged")(config.replace(enable_prefix_caching=False), blocks, eviction)
+        runner = ModelRunner(draft.model, attention, blocks, config.block_size, draft.dtype, draft.device, config.seed)
+        return cls(draft, runner, kv, config.seed)
+
+    # ------------------------------------------------------------ Proposer
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal:
+        active = [shadow for seq in seqs if (shadow := self._sync(seq, k)) is not None]
+        tokens: dict[int, list[int]] = {s.seq.seq_id: [] for s in active}
+        probs: dict[int, list[torch.Tensor]] = {s.seq.seq_id: [] for s in active}
+        for _ in range(k):
+            items = []
+            for shadow in active:
+                seq = shadow.seq
+                n = seq.num_tokens - seq.num_computed_tokens  # the whole new tail in the first round, then 1
+                if self.kv.allocate(seq, n):
+                    items.append(ScheduledSequence(seq, n))
+                else:  # out of draft KV: this sequence gets no (more) drafts
+                    self.release(seq)
+            if not items:
+                break
+            _, logits = self.runner.execute(SchedulerOutput(items, block_ops=self.kv.take_block_ops()), self.kv)
+            next_tokens, dists = self._sample(logits, [item.seq for item in items])
+            active = []
+            for item, token, dist in zip(items, next_tokens, dists):
+                seq = item.seq
+                seq.num_computed_tokens += item.num_new_tokens
+                seq.token_ids.append(token)
+                tokens[seq.seq_id].append(token)
+                if dist is not None:
+                    probs[seq.seq_id].append(dist)
+                active.append(self.shadows[seq.seq_id])
+        return Proposal({sid: t for sid, t in tokens.items() if t},
+                        {sid: torch.stack(p) if p else None for sid, p in probs.items() if tokens[sid]})
+
+    def on_verified(self, seq: Sequence, num_accepted: int) -> None:
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is not None:  # the draft's KV stays valid for the real tokens and the accepted drafts
+            self._truncate(shadow, shadow.synced + num_accepted)
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self.shadows.pop(seq.seq_id, None)
+        if shadow is not None:
+            self.kv.free(shadow.seq)
+        self.seeded.pop(seq.seq_id, None)
+
+    # ------------------------------------------------------------ internals
+    def _sync(self, seq: Sequence, k: int) -> _Shadow | None:
+        """The shadow of ``seq``, rolled back to the prefix it shares with the target's tokens."""
+        if seq.num_tokens + k > self.max_len:
+            self.release(seq)
+            return None
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is None:
+            copy = Sequence(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params, seq.arrival_time,
+                            seq.index, max_model_len=self.max_len, token_ids=list(seq.token_ids))
+            shadow = self.shadows[seq.seq_id] = _Shadow(copy, 0)
+        common, mine, theirs = shadow.synced, shadow.seq.token_ids, seq.token_ids
+        while common < min(len(mine), len(theirs)) and mine[common] == theirs[common]:
+            common += 1
+        self._truncate(shadow, common)
+        shadow.seq.token_ids = list(seq.token_ids)
+        shadow.synced = seq.num_tokens
+        return shadow
+
+    def _truncate(self, shadow: _Shadow, num_tokens: int) -> None:
+        seq = shadow.seq
+        if num_tokens < seq.num_computed_tokens:
+            seq.num_computed_tokens = num_tokens
+            self.kv.truncate(seq, num_tokens)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One draft token per row: argmax for greedy requests, else a draw from the filtered distribution q."""
+        tokens = logits.argmax(dim=-1)
+        dists: list[torch.Tensor | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if rows:
+            q = Sampler.filtered_probs(logits[rows], [seqs[i].params for i in rows])
+            noise = torch.empty_like(q)
+            for j, i in enumerate(rows):
+                noise[j].exponential_(generator=self._generator(seqs[i]))
+            tokens[rows] = (q / noise).argmax(dim=-1)  # exponential race: a draw from q
+            for j, i in enumerate(rows):
+                dists[i] = q[j]
+        return tokens.tolist(), dists
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.params.seed is None:
+            return self.generator
+        gen = self.seeded.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.draft.device).manual_seed(
+                (seq.params.seed * 1_000_003 + seq.index) ^ DRAFT_SEED_SALT)
+            self.seeded[seq.seq_id] = gen
+        return gen
+
+
+def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose tokenizer or vocabulary differs: p and q must be over the same token ids."""
+    t_size, d_size = target.model.spec.vocab_size, draft.model.spec.vocab_size
+    if t_size != d_size:
+        raise CheckpointError(f"draft model {str(draft.path)!r} has a vocabulary of {d_size} ids but the target "
+                              f"{str(target.path)!r} has {t_size}; speculative decoding needs a draft with the "
+                              "target's tokenizer")
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        diff = sorted(set(t_vocab.items()) ^ set(d_vocab.items()))[:3]
+        raise CheckpointError(f"draft model {str(draft.path)!r} does not share the target's tokenizer "
+                              f"({len(t_vocab)} vs {len(d_vocab)} tokens; differing entries include {diff}); "
+                              "speculative decoding needs a draft trained with the target's tokenizer")
+
+
+def draft_kv_blocks(config: EngineConfig, draft: LoadedModel) -> int:
+    """Enough blocks for max_num_seqs sequences of the draft's context, within a small memory budget."""
+    per_block = ModelRunner.bytes_per_block(draft.model, config.block_size, draft.dtype)
+    needed = config.max_num_seqs * -(-draft.model.spec.max_model_len // config.block_size) + 1
+    budget = 2**30 if draft.device.type == "cuda" else 2**28
+    if config.kv_cache_memory_gb is not None:
+        budget = min(budget, int(config.kv_cache_memory_gb * 2**30))
+    return max(1, min(needed, budget // per_block))
+
+
+def default_draft_for(target_path: Path) -> Path | None:
+    """The shipped draft when ``target_path`` is the shipped target (models/pretrained/target)."""
+    from ..models.tiny import PRETRAINED_DIR
+
+    shipped = PRETRAINED_DIR / "target"
+    if shipped.exists() and Path(target_path).resolve() == shipped.resolve():
+        return PRETRAINED_DIR / "draft"
+    return None

@@ -1,0 +1,59 @@
+"""Vectorized verification of draft tokens: exact rejection sampling and its greedy special case.
+
+Leviathan, Kalman and Matias 2023, "Fast Inference from Transformers via Speculative Decoding" (arXiv 2211.17192),
+Algorithm 1. Row ``b`` verifies ``num_drafts[b] <= K`` draft tokens ``x_1..x_k`` with the target's distributions
+``p_0..p_k`` (``p_j`` is the target's next-token distribution after ``x_j``; ``p_0`` after the last real token)
+and the draft's ``q_0..q_{k-1}`` from which the drafts were sampled. The emitted tokens are distributed exactly as
+``k + 1`` (at most) successive samples from the target.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Verified:
+    num_accepted: torch.Tensor  # [B] int64: leading drafts accepted
+    next_token: torch.Tensor  # [B] int64: the recovered token at the first rejection, or the bonus token
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor,
+                     uniform: torch.Tensor, noise: torch.Tensor) -> Verified:
+    """p [B, K+1, V] and q [B, K, V] probabilities, draft [B, K] (padding ignored), num_drafts [B],
+    uniform [B, K] ~ U(0, 1), noise [B, V] ~ Exp(1), all independent of the drafts' own sampling."""
+    batch, k = draft.shape
+    valid = torch.arange(k, device=draft.device)[None, :] < num_drafts[:, None]
+    p_x = p[:, :k].gather(2, draft[..., None]).squeeze(2)
+    q_x = q.gather(2, draft[..., None]).squeeze(2)
+    # accept x_j when u_j < p(x_j) / q(x_j), i.e. with probability min(1, p/q)  (Algorithm 1)
+    accepted = (uniform * q_x < p_x) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    rows = torch.arange(batch, device=draft.device)
+    p_r = p[rows, num_accepted]
+    # at the first rejection sample from norm(max(0, p - q)) (sec. 2.3); after the last draft (all
+    # accepted) q is taken as 0, which makes this the bonus sample from p
+    rejected = num_accepted < num_drafts
+    q_r = q[rows, num_accepted.clamp(max=k - 1)] * rejected[:, None] if k else torch.zeros_like(p_r)
+    residual = (p_r - q_r).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_r)  # p == q up to rounding
+    return Verified(num_accepted, (residual / noise).argmax(dim=-1))  # exponential race: draws from residual
+
+
+def greedy_verify(target_argmax: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor) -> Verified:
+    """The temperature-0 limit: accept while the draft equals the target's argmax; then emit the argmax.
+
+    target_argmax [B, K+1], draft [B, K], num_drafts [B]."""
+    k = draft.shape[1]
+    valid = torch.arange(k, device=draft.device)[None, :] < num_drafts[:, None]
+    accepted = (draft == target_argmax[:, :k]) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    return Verified(num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))
+
+
+def expected_tokens_per_round(acceptance: float, k: int) -> float:
+    """E[tokens emitted per verification] = (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance a (sec. 3.1, eq. 1)."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)

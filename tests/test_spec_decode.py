@@ -1,0 +1,132 @@
+"""Speculative decoding with the shipped target/draft pair: greedy output is token-for-token the output without
+speculation, in batches that mix speculative and plain requests; degradation, metrics, CLI and vocabulary checks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.errors import CheckpointError, ConfigError
+from infer.core.request import SamplingParams
+from infer.models.tiny import PRETRAINED_DIR
+
+TARGET, DRAFT = PRETRAINED_DIR / "target", PRETRAINED_DIR / "draft"
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
+    "    for i in range(",
+    "return",
+]
+GREEDY = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
+PLAIN = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, speculative=False)
+FORKED = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, n=2)
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, seed=7)
+MIXED = [GREEDY, PLAIN, FORKED, GREEDY, SAMPLED]  # per prompt; the sampled one only has to finish
+
+pytestmark = pytest.mark.skipif(not (TARGET / "config.json").exists(), reason="the shipped weights are missing")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core box: a second intra-op thread only spins (15-30x slower here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def engine(**options) -> Engine:
+    return Engine(EngineConfig(model=str(TARGET), device="cpu", num_kv_blocks=128, **options))
+
+
+def drained(e: Engine) -> bool:
+    s = e.kv.stats()
+    return s.used_blocks == 0 and s.free_blocks + s.cached_blocks == s.total_blocks
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[list[int]]]:
+    outs = engine().generate(PROMPTS + PROMPTS[:1], MIXED)
+    return [[c.token_ids for c in o.outputs] for o in outs[:4]]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("proposer", ["draft-model", "ngram"])
+def test_greedy_with_speculation_equals_greedy_without(reference, proposer, k):
+    e = engine(proposer=proposer, num_speculative_tokens=k)
+    outs = e.generate(PROMPTS + PROMPTS[:1], MIXED)
+    assert [[c.token_ids for c in o.outputs] for o in outs[:4]] == reference
+    assert len(outs[4].outputs[0].token_ids) == 12
+    stats = e.stats
+    assert stats.spec_proposed > 0 and stats.spec_rounds > 0
+    assert outs[1].metrics["spec_proposed"] == 0  # the opted-out request verified nothing
+    assert outs[0].metrics["spec_proposed"] > 0
+    assert stats.spec_emitted == stats.spec_accepted + stats.spec_rounds
+    assert drained(e)
+    if proposer == "draft-model":
+        draft_kv = e.spec.proposer.kv.stats()
+        assert draft_kv.used_blocks == 0 and not e.spec.proposer.shadows
+
+
+def test_graceful_degradation_is_visible_and_keeps_outputs(reference):
+    big = engine(proposer="ngram", num_speculative_tokens=3, plugin_options={"spec_decode": {"max_batch_size": 2}})
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 6, 20)]
+    outs = big.generate(PROMPTS[:3], params)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[0][0][:6], reference[1][0][:6], reference[2][0]]
+    summary = big.stats.summary()
+    assert summary["spec_steps_off_large_batch"] > 0 and summary["spec_steps_on"] > 0  # on once the batch shrank
+
+    low = engine(proposer="draft-model", num_speculative_tokens=3,
+                 plugin_options={"spec_decode": {"min_acceptance": 1.0, "probe_every": 4}})
+    out = low.generate([PROMPTS[0]], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))[0]
+    summary = low.stats.summary()
+    assert summary["spec_steps_off_low_acceptance"] > 0 and summary["spec_steps_on"] > 0  # probes keep measuring
+    assert out.outputs[0].token_ids == engine().generate([PROMPTS[0]], SamplingParams(
+        max_tokens=60, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_logprobs_and_stop_tokens_under_speculation():
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = engine().generate([PROMPTS[1]], params)[0].outputs[0]
+    spec = engine(proposer="draft-model", num_speculative_tokens=4).generate([PROMPTS[1]], params)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids and len(spec.logprobs) == len(plain.logprobs) == 24
+    for a, b in zip(spec.logprobs, plain.logprobs):
+        assert a.keys() == b.keys() and all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
+    stop = plain.token_ids[9]
+    first = plain.token_ids.index(stop)
+    stopped = engine(proposer="ngram", num_speculative_tokens=5).generate(
+        [PROMPTS[1]], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))
+    assert stopped[0].outputs[0].token_ids == plain.token_ids[: first + 1]
+
+
+def test_configuration_errors_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="need a proposer"):
+        engine(num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="num-speculative-tokens"):
+        engine(proposer="ngram")
+    other = tmp_path / "other-draft"
+    other.mkdir()
+    for f in DRAFT.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[-2:]  # same tokens, two ids swapped: a different tokenizer
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(CheckpointError, match="does not share the target's tokenizer"):
+        engine(proposer="draft-model", num_speculative_tokens=2, draft_model=str(other))
+
+
+def test_cli_speculative_generate_on_the_embedded_default():
+    from infer.cli import main
+
+    result = CliRunner().invoke(main, ["--device", "cpu", "--plugin", "draft-model", "--num-speculative-tokens", "3",
+                                       "--spec-max-batch-size", "8", "generate", "def fibonacci(n):",
+                                       "--max-tokens", "24", "--stats"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("def fibonacci(n):")
+    assert '"spec_proposed"' in result.output and '"spec_steps_on"' in result.output

@@ -1,0 +1,225 @@
+"""Speculative decoding is exact: the rejection sampler and the engine draw from the target's distribution, and
+random aborts during speculation leak no KV block, in the target's cache or the draft's."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.request import SamplingParams, SequenceStatus
+from infer.spec_decode.rejection import expected_tokens_per_round, greedy_verify, rejection_sample
+
+SYMBOLS = ["<|pad|>", "<|bos|>", "<|eos|>", "a", "b", "c", "d", "e"]  # a small vocabulary: 8 ids
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's test of counts against probs; cells expected below ``min_expected`` are pooled into one."""
+    expected = probs.double() * counts.sum()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))  # P(chi2_df > stat)
+
+
+def make_small_vocab_model(out: Path, hidden: int, layers: int, seed: int) -> Path:
+    """A random Llama over SYMBOLS with a word-level tokenizer; large init so that distributions are far from flat."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(SYMBOLS)}, unk_token="<|pad|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
+                            eos_token="<|eos|>").save_pretrained(str(out))
+    config = LlamaConfig(vocab_size=len(SYMBOLS), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=2 * hidden, max_position_embeddings=256,
+                         initializer_range=0.4, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core box: a second intra-op thread only spins (15-30x slower here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("small-vocab")
+    return (make_small_vocab_model(root / "target", 32, 2, seed=0),
+            make_small_vocab_model(root / "draft", 16, 1, seed=1))
+
+
+# ---------------------------------------------------------------- the rejection sampler alone
+@pytest.mark.parametrize("point_mass", [False, True], ids=["draft-probs", "point-mass"])
+def test_rejection_sampler_emits_target_samples(point_mass):
+    gen = torch.Generator().manual_seed(0)
+    rows, k, vocab = 50_000, 3, 6
+    p_row = torch.softmax(1.5 * torch.randn(vocab, generator=gen), -1)
+    q_row = torch.softmax(1.5 * torch.randn(vocab, generator=gen), -1)
+    draft = torch.multinomial(q_row, rows * k, replacement=True, generator=gen).view(rows, k)
+    q = torch.nn.functional.one_hot(draft, vocab).float() if point_mass else q_row.expand(rows, k, vocab)
+    out = rejection_sample(p_row.expand(rows, k + 1, vocab), q, draft, torch.full((rows,), k),
+                           torch.rand(rows, k, generator=gen), torch.empty(rows, vocab).exponential_(generator=gen))
+    m, nxt = out.num_accepted, out.next_token
+    first = torch.where(m > 0, draft[:, 0], nxt)
+    assert chi_square_p(torch.bincount(first, minlength=vocab), p_row) > 0.01
+    second = torch.where(m > 1, draft[:, 1], nxt)[m >= 1]  # the token after an accepted first draft
+    assert chi_square_p(torch.bincount(second, minlength=vocab), p_row) > 0.01
+    if not point_mass:  # i.i.d. acceptance a = sum min(p, q): E[tokens per round] = (1 - a^(k+1)) / (1 - a)
+        a = torch.minimum(p_row, q_row).sum().item()
+        assert (m + 1).double().mean().item() == pytest.approx(expected_tokens_per_round(a, k), abs=0.02)
+
+
+def test_rejection_sampler_respects_draft_counts_and_greedy_rule():
+    target = torch.tensor([[4, 5, 6, 7], [4, 9, 6, 7], [1, 2, 3, 0]])
+    draft = torch.tensor([[4, 5, 6], [4, 5, 6], [1, 2, 3]])
+    out = greedy_verify(target, draft, torch.tensor([3, 3, 1]))
+    assert out.num_accepted.tolist() == [3, 1, 1]
+    assert out.next_token.tolist() == [7, 9, 2]  # bonus, correction, bonus after a short row
+    # a draft the target gives no mass is always rejected and never re-emitted
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
+    q = torch.tensor([[[1.0, 0.0, 0.0]]])
+    out = rejection_sample(p, q, torch.tensor([[0]]), torch.tensor([1]), torch.tensor([[0.0]]), torch.ones(1, 3))
+    assert out.num_accepted.tolist() == [0] and out.next_token.tolist() == [1]
+
+
+def test_ngram_lookup_and_degradation_policy():
+    from infer.spec_decode.ngram import NgramProposer
+    from infer.spec_decode.policy import OFF_ACCEPTANCE, OFF_BATCH, ON, SpecPolicy
+
+    ngram = NgramProposer(min_n=1, max_n=3)
+    assert ngram.lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest match of the longest suffix
+    assert ngram.lookup([5, 5, 5], 4) == [5]  # no match has 4 followers: the longest continuation
+    assert ngram.lookup([1, 2, 3], 2) == []
+    policy = SpecPolicy(min_acceptance=0.5, max_batch_size=4, probe_every=3, warmup_rounds=2)
+    assert policy.decide(5) == OFF_BATCH and policy.decide(4) == ON
+    policy.observe(proposed=10, accepted=1, rounds=2)
+    assert [policy.decide(1) for _ in range(6)] == [OFF_ACCEPTANCE, OFF_ACCEPTANCE, ON] * 2  # probes keep measuring
+    for _ in range(10):
+        policy.observe(proposed=10, accepted=9, rounds=2)
+    assert policy.decide(1) == ON
+
+
+# ---------------------------------------------------------------- through the engine
+def test_engine_sampling_with_speculation_draws_the_target_distribution(small_pair):
+    """Joint law of the first two sampled tokens and the law of the third (the first and second come from a
+    verification round with K=2), against the target's exact distributions computed by HF transformers."""
+    from transformers import AutoModelForCausalLM
+
+    target, draft = small_pair
+    prompt, vocab, n = [3, 4, 5, 6], len(SYMBOLS), 20_000
+    engine = Engine(EngineConfig(model=str(target), device="cpu", proposer="draft-model", draft_model=str(draft),
+                                 num_speculative_tokens=2, max_num_seqs=40, num_kv_blocks=2100, seed=1,
+                                 enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=4, temperature=0.9, ignore_eos=True, n=50)
+    outs = engine.generate([prompt] * (n // 50), params)
+    tokens = torch.tensor([c.token_ids[:3] for o in outs for c in o.outputs])
+    assert engine.stats.spec_rounds > 0 and 0.05 < engine.stats.acceptance_rate < 0.95
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / 0.9, -1)
+        ctx = torch.tensor([prompt + [a] for a in range(vocab)])
+        p2 = torch.softmax(hf(ctx).logits[:, -1] / 0.9, -1)  # [t1, t2]
+        ctx = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        p3 = torch.softmax(hf(ctx).logits[:, -1] / 0.9, -1).view(vocab, vocab, vocab)
+    joint12 = p1[:, None] * p2
+    counts12 = torch.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
+    assert chi_square_p(counts12, joint12.flatten()) > 0.01
+    law3 = (joint12[..., None] * p3).sum((0, 1))
+    assert chi_square_p(torch.bincount(tokens[:, 2], minlength=vocab), law3) > 0.01
+
+
+# ---------------------------------------------------------------- KV bookkeeping under aborts
+@pytest.fixture(scope="module")
+def abort_engine(small_pair) -> Engine:
+    target, draft = small_pair
+    return Engine(EngineConfig(model=str(target), device="cpu", proposer="draft-model", draft_model=str(draft),
+                               num_speculative_tokens=3, block_size=4, num_kv_blocks=28, max_num_seqs=6))
+
+
+def check_tables(engine: Engine) -> None:
+    """Every running sequence holds exactly the blocks of its computed tokens: rejected drafts were rolled back."""
+    kv, draft = engine.kv, engine.spec.proposer
+    for req in engine.requests.values():
+        for seq in req.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                assert len(kv.block_table(seq)) == kv.num_blocks_needed(seq.num_computed_tokens)
+    for shadow in draft.shadows.values():
+        assert len(draft.kv.block_table(shadow.seq)) == draft.kv.num_blocks_needed(shadow.seq.num_computed_tokens)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 12), st.integers(2, 24), st.booleans(), st.booleans()),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 7)),
+), min_size=3, max_size=25)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops, seed=st.integers(0, 1000))
+def test_random_aborts_during_speculation_leak_no_blocks(abort_engine, ops, seed):
+    engine = abort_engine
+    added: list[str] = []
+    for op in ops:
+        if op[0] == "add":
+            _, length, max_tokens, greedy, speculative = op
+            prompt = [3 + (seed + i) % 5 for i in range(length)]
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 1.0, ignore_eos=True,
+                                    speculative=speculative, seed=seed)
+            added.append(engine.add_request(prompt, params))
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                engine.step()
+                check_tables(engine)
+        elif added:  # abort one, typically right after a verification step
+            rid = added[op[1] % len(added)]
+            if rid in engine.requests:
+                engine.abort(rid)
+                check_tables(engine)
+    while engine.has_unfinished():
+        engine.step()
+        check_tables(engine)
+    assert_drained(engine)
+
+
+def assert_drained(engine: Engine) -> None:
+    stats, draft_kv = engine.kv.stats(), engine.spec.proposer.kv.stats()
+    assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.total_blocks
+    assert draft_kv.used_blocks == 0 and draft_kv.free_blocks == draft_kv.total_blocks
+    assert not engine.spec.proposer.shadows
+    assert math.isfinite(engine.stats.acceptance_rate)
+
+
+def test_aborts_right_after_verification_and_preemptions_release_both_caches(abort_engine):
+    engine = abort_engine
+    preemptions = engine.scheduler.num_preemptions
+    ids = [engine.add_request([3 + i % 5] * 10, SamplingParams(max_tokens=24, temperature=float(i % 2),
+                                                              ignore_eos=True)) for i in range(8)]
+    for _ in range(3):
+        engine.step()
+        check_tables(engine)
+    speculating = [rid for rid in ids if sum(s.spec_proposed for s in engine.requests[rid].seqs)]
+    assert len(speculating) >= 2
+    for rid in speculating[:2]:
+        engine.abort(rid)
+        check_tables(engine)
+    while engine.has_unfinished():
+        engine.step()
+        check_tables(engine)
+    assert engine.scheduler.num_preemptions > preemptions  # 6 x 9 blocks do not fit in 28
+    assert_drained(engine)
