@@ -14,12 +14,12 @@ import torch
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import ConfigError, InvalidRequestError, NotFoundError
-from .interfaces import Proposer
-from .loader import LoadedModel, load_model, resolve_device
+from .interfaces import Proposer, SchedulerOutput
+from .loader import LoadedModel, load_model
 from .metrics import EngineStats, StepStats
 from .plugins import PluginManager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
-from .runner import ModelRunner
+from .runner import Batch, ModelRunner
 
 if TYPE_CHECKING:
     from ..spec_decode.decoder import SpecDecoder
@@ -198,31 +198,47 @@ class Engine:
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
         batch, logits = self.runner.execute(out, self.kv)
-        items = {item.seq.seq_id: item for item in out.scheduled}
-        seqs = [items[sid].seq for sid in batch.sample_seq_ids]
+        sampled, forks = self._sample(out, batch, logits)
+        now = time.perf_counter()
+        self._start_forks(out, forks, sampled, now)  # before update, which may finish (and free) a parent
+        self.scheduler.update(out, sampled, now)
+        outputs = self._emit_progress([item.seq for item in out.scheduled] + [child for _, child in forks])
+        self._record_step(out, time.perf_counter() - start, len(sampled))
+        return outputs
+
+    def _sample(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor
+                ) -> tuple[dict[int, list[int]], list[tuple[Sequence, Sequence]]]:
+        """New tokens per sequence id: verified drafts plus one (speculative), or one sample per logits row."""
+        items = {item.seq.seq_id: item.seq for item in out.scheduled}
+        seqs = [items[sid] for sid in batch.sample_seq_ids]
         rows = list(range(len(seqs)))
         forks = self._forks_due(seqs, rows)
-        sampled = self.spec.verify(batch, logits) if self.spec is not None else {}  # accepted drafts + 1 token
+        sampled = self.spec.verify(batch, logits) if self.spec is not None else {}
         plain = [i for i, seq in enumerate(seqs) if seq.seq_id not in sampled]
         seqs, rows = [seqs[i] for i in plain], [rows[i] for i in plain]
-        result = self.runner.sample(logits[rows], seqs) if seqs else None
-        now = time.perf_counter()
-        for seq, token, entry in zip(seqs, result.token_ids, result.logprobs) if result else ():
-            sampled[seq.seq_id] = [token]
-            if entry is not None:
-                seq.logprobs.append(entry)
-        for parent, child in forks:  # before update, which may finish (and free) the parent
+        if seqs:
+            result = self.runner.sample(logits[rows], seqs)
+            for seq, token, entry in zip(seqs, result.token_ids, result.logprobs):
+                sampled[seq.seq_id] = [token]
+                if entry is not None:
+                    seq.logprobs.append(entry)
+        return sampled, forks
+
+    def _start_forks(self, out: SchedulerOutput, forks: list[tuple[Sequence, Sequence]],
+                     sampled: dict[int, list[int]], now: float) -> None:
+        computed = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
+        for parent, child in forks:
             self.scheduler.fork(parent, child)
-            child.num_computed_tokens += items[parent.seq_id].num_new_tokens
+            child.num_computed_tokens += computed[parent.seq_id]
             child.append_token(sampled.pop(child.seq_id)[0], now)
             if (reason := child.check_stop_token()) is not None:
                 self.scheduler.finish(child, reason)
-        self.scheduler.update(out, sampled, now)
+
+    def _emit_progress(self, seqs: list[Sequence]) -> list[RequestOutput]:
         touched: dict[str, set[int]] = {}
-        for seq in [item.seq for item in out.scheduled] + [child for _, child in forks]:
+        for seq in seqs:
             touched.setdefault(seq.request_id, set()).add(seq.seq_id)
-        outputs = [self._emit(self.requests[rid], seq_ids) for rid, seq_ids in touched.items() if rid in self.requests]
-        self._record_step(out, time.perf_counter() - start, len(sampled))
+        outputs = [self._emit(self.requests[rid], ids) for rid, ids in touched.items() if rid in self.requests]
         return [o for o in outputs if o.outputs or o.finished]
 
     def _forks_due(self, seqs: list[Sequence], rows: list[int]) -> list[tuple[Sequence, Sequence]]:

@@ -1,8 +1,7 @@
-"""Tiny checkpoints with a locally trained byte-level BPE tokenizer: the demo model and the test fixtures."""
+"""Tiny checkpoints with a locally trained byte-level BPE tokenizer (test fixtures, make-tiny-model), and the
+embedded default model."""
 from __future__ import annotations
 
-import json
-import os
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False},
 }
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
-DEFAULT_MODEL_NAME = "demo-llama-v1"
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"  # the shipped pair: target/ and draft/
 
 
@@ -82,29 +80,16 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: in
     return out
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("INFER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "infer")
-    return Path(base)
-
-
 def ensure_default_model() -> Path:
-    """The embedded default: the shipped target trained on the standard library (spec_decode/train_pair.py), or,
-    when a checkout lacks its weights, a deterministic random-weight demo model built once in the cache folder."""
+    """The embedded default: the shipped target trained on the standard library (spec_decode/train_pair.py)."""
     import sys
 
+    from ..core.errors import CheckpointError
+
     shipped = PRETRAINED_DIR / "target"
-    if (shipped / "config.json").exists():
-        print(f"infer: using the embedded demo model, a tiny Llama trained on the Python standard library "
-              f"({shipped}); pass --model DIR for a real model", file=sys.stderr)
-        return shipped
-    path = cache_dir() / DEFAULT_MODEL_NAME
-    if not (path / "config.json").exists():
-        print(f"building the random-weight demo model in {path} (once) ...", file=sys.stderr)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_tiny_model(tmp, "llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                        intermediate_size=256, max_position_embeddings=2048, tie_word_embeddings=True)
-        (tmp / "infer_demo.json").write_text(json.dumps({"note": "random weights; output is meaningless"}))
-        os.replace(tmp, path) if not path.exists() else None
-    print(f"infer: using the random-weight demo model ({path}); pass --model DIR for a real model", file=sys.stderr)
-    return path
+    if not (shipped / "config.json").exists():
+        raise CheckpointError(f"the embedded default model is missing from this installation ({shipped}); "
+                              "reinstall infer-engine, or pass --model DIR")
+    print(f"infer: using the embedded demo model, a tiny Llama trained on the Python standard library "
+          f"({shipped}); pass --model DIR for a real model", file=sys.stderr)
+    return shipped

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 
@@ -107,10 +106,9 @@ def test_engine_keeps_serving_after_bad_requests(tiny_model):
     assert engine.stats.requests_finished == 1 and good not in engine.requests
 
 
-def test_fresh_install_generates_with_the_embedded_default(tmp_path):
-    env = dict(os.environ, INFER_CACHE_DIR=str(tmp_path / "cache"))
+def test_fresh_install_generates_with_the_embedded_default():
     infer = shutil.which("infer") or pytest.fail("the `infer` console script is not installed")
-    proc = subprocess.run([infer, "generate", "hello", "--max-tokens", "8"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([infer, "generate", "hello", "--max-tokens", "8"], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("hello") and "demo model" in proc.stderr
