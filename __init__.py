@@ -3,19 +3,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .core.hookspecs import hookimpl
-from .core.request import SamplingParams
+# Absolute imports: pytest also imports the repository root's __init__.py under the checkout folder's name.
+from infer.core.hookspecs import hookimpl
+from infer.core.request import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "hookimpl", "__version__"]
 
 if TYPE_CHECKING:
-    from .core.engine import LLM
+    from infer.core.engine import LLM
 
 
 def __getattr__(name: str) -> Any:  # keep `import infer` light: the engine pulls in torch models lazily
     if name == "LLM":
-        from .core.engine import LLM
+        from infer.core.engine import LLM
 
         return LLM
     raise AttributeError(f"module 'infer' has no attribute {name!r}")
