@@ -15,16 +15,25 @@ from ..core.registry import Register
 @dataclass
 class PrefillItem:
     tokens: slice  # rows of the flat batch
-    slots: torch.Tensor  # [L] flat cache slots of the whole context
+    blocks: torch.Tensor  # [ceil(L / block_size)] the sequence's blocks
+    length: int  # L, the context length
     mask: torch.Tensor | None  # [n, L] bool, None when the query is the whole context (plain causal)
 
 
 @dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [G] flat rows of single-token queries
+    blocks: torch.Tensor  # [G, ceil(Lmax / block_size)] blocks (padding points at block 0)
+    mask: torch.Tensor  # [G, 1, 1, Lmax] True where the key is in the context
+
+
+@dataclass
 class TorchAttentionPlan:
-    decode_rows: torch.Tensor  # [Bd] flat rows of single-token queries
-    decode_slots: torch.Tensor  # [Bd, Lmax] flat cache slots (padding points at slot 0)
-    decode_mask: torch.Tensor  # [Bd, 1, 1, Lmax] True where the key is in the context
+    decodes: list[DecodeGroup]  # decodes of similar context lengths, so that little is padded
     prefills: list[PrefillItem]
+
+
+DECODE_GROUP = 16  # decodes per batched call: sorted by context length, each group pads to its own longest
 
 
 class TorchAttention(AttentionBackend):
@@ -43,24 +52,25 @@ class TorchAttention(AttentionBackend):
         for i, (n, length) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
             if n == 1:
                 continue
-            pos = torch.arange(length, device=device)
-            slots = tables[i, pos // size].long() * size + pos % size
             mask = None
             if n != length:
-                query_pos = torch.arange(length - n, length, device=device)
-                mask = pos[None, :] <= query_pos[:, None]
-            prefills.append(PrefillItem(slice(starts[i], starts[i] + n), slots, mask))
-        if decode_idx:
-            lens = meta.context_lens[decode_idx].long()
-            width = int(max(meta.context_lens_cpu[i] for i in decode_idx))
-            pos = torch.arange(width, device=device)
-            valid = pos[None, :] < lens[:, None]
-            blocks = tables[decode_idx][:, pos // size].long()
-            slots = torch.where(valid, blocks * size + pos % size, 0)
-            rows = torch.tensor([starts[i] for i in decode_idx], device=device)
-            return TorchAttentionPlan(rows, slots, valid[:, None, None, :], prefills)
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        return TorchAttentionPlan(empty, empty.view(0, 0), empty.view(0, 1, 1, 0).bool(), prefills)
+                pos = torch.arange(length, device=device)
+                mask = pos[None, :] <= torch.arange(length - n, length, device=device)[:, None]
+            blocks = tables[i, : -(-length // size)].long()
+            prefills.append(PrefillItem(slice(starts[i], starts[i] + n), blocks, length, mask))
+        decode_idx.sort(key=lambda i: meta.context_lens_cpu[i])
+        groups = [decode_idx[g : g + DECODE_GROUP] for g in range(0, len(decode_idx), DECODE_GROUP)]
+        return TorchAttentionPlan([self._decode_group(meta, group, starts) for group in groups], prefills)
+
+    @staticmethod
+    def _decode_group(meta: AttentionMetadata, group: list[int], starts: list[int]) -> DecodeGroup:
+        device, size = meta.slot_mapping.device, meta.block_size
+        lens = meta.context_lens[group].long()
+        width = -(-max(meta.context_lens_cpu[i] for i in group) // size)
+        valid = torch.arange(width * size, device=device)[None, :] < lens[:, None]
+        blocks = meta.block_tables[group][:, :width].long()  # whole blocks gather far faster than single slots
+        rows = torch.tensor([starts[i] for i in group], device=device)
+        return DecodeGroup(rows, blocks, valid[:, None, None, :])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -68,24 +78,25 @@ class TorchAttention(AttentionBackend):
         k_cache, v_cache = kv_cache
         k_scale, v_scale = kv_cache_scales(kv_cache)
         heads, dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat, v_flat = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
-        cache_dtype = k_flat.dtype
-        k_flat, v_flat = _raw(k_flat), _raw(v_flat)
-        k_flat[meta.slot_mapping] = _raw(_to_cache(k, cache_dtype, k_scale))
-        v_flat[meta.slot_mapping] = _raw(_to_cache(v, cache_dtype, v_scale))
+        cache_dtype = k_cache.dtype
+        k_raw, v_raw = _raw(k_cache), _raw(v_cache)
+        k_raw.view(-1, heads, dim)[meta.slot_mapping] = _raw(_to_cache(k, cache_dtype, k_scale))
+        v_raw.view(-1, heads, dim)[meta.slot_mapping] = _raw(_to_cache(v, cache_dtype, v_scale))
         out = torch.empty_like(q)
-        if plan.decode_rows.numel():
-            qd = q[plan.decode_rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = _from_cache(k_flat[plan.decode_slots], cache_dtype, q.dtype, k_scale).transpose(1, 2)  # [Bd,Hkv,L,D]
-            vd = _from_cache(v_flat[plan.decode_slots], cache_dtype, q.dtype, v_scale).transpose(1, 2)
-            res = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
-            out[plan.decode_rows] = res.squeeze(2)
+        for group in plan.decodes:
+            qd = q[group.rows].unsqueeze(2)  # [G, Hq, 1, D]
+            kd = _from_cache(k_raw[group.blocks].flatten(1, 2), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
+            vd = _from_cache(v_raw[group.blocks].flatten(1, 2), cache_dtype, q.dtype, v_scale)
+            res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.mask,
+                                                 scale=scale, enable_gqa=True)
+            out[group.rows] = res.squeeze(2)
         for item in plan.prefills:
             qp = q[item.tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            kp = _from_cache(k_flat[item.slots], cache_dtype, q.dtype, k_scale).transpose(0, 1).unsqueeze(0)
-            vp = _from_cache(v_flat[item.slots], cache_dtype, q.dtype, v_scale).transpose(0, 1).unsqueeze(0)
-            res = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=item.mask, is_causal=item.mask is None,
-                                                 scale=scale, enable_gqa=True)
+            kp = _from_cache(k_raw[item.blocks].flatten(0, 1)[: item.length], cache_dtype, q.dtype, k_scale)
+            vp = _from_cache(v_raw[item.blocks].flatten(0, 1)[: item.length], cache_dtype, q.dtype, v_scale)
+            res = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                                                 attn_mask=item.mask, is_causal=item.mask is None, scale=scale,
+                                                 enable_gqa=True)
             out[item.tokens] = res[0].transpose(0, 1)
         return out
 
