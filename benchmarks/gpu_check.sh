@@ -32,6 +32,12 @@ note "kernel bench: $(wc -l < "$OUT/kernel_bench.jsonl") rows (copy ${copy_gbps}
 timeout 300 $PY benchmarks/throughput.py --preset anchor --out "$OUT/anchor" --copy-gbps "${copy_gbps:-4120}" > "$OUT/anchor.log" 2>&1
 note "anchor: exit $?"
 
+# issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x), on the anchor's model
+timeout 120 $PY -m infer.cli --model "${TMPDIR:-/tmp}/infer-throughput-anchor" bench --workload shared-prefix \
+  --num-requests 32 --prefix-len 1000 --question-len 100 --output-len 16 --rate 16 --ab "" "--no-prefix-caching" \
+  --repeats 2 --out "$OUT/shared_prefix" > "$OUT/shared_prefix.log" 2>&1
+note "shared-prefix: exit $?"
+
 timeout 120 $PY benchmarks/quant_bench.py > "$OUT/quant_bench.log" 2>&1
 note "quant_bench: exit $?"
 timeout 60 $PY benchmarks/spec_bench.py --device cuda > "$OUT/spec_bench.log" 2>&1
@@ -41,6 +47,7 @@ echo; echo "== kernel micro-benchmarks (decode attention GB/s vs copy) =="
 cat "$OUT/kernel_bench.jsonl"
 echo; echo "== anchor and single stream =="
 tail -8 "$OUT/anchor.log"
+echo; echo "== shared prefix (TTFT, hit rate) =="; grep -E "TTFT|hit rate|^A:|^B:" "$OUT/shared_prefix/table.txt"
 echo; echo "== quantization =="; tail -12 "$OUT/quant_bench.log"
 echo; echo "== speculative decoding =="; tail -8 "$OUT/spec_bench.log"
 echo; echo "== summary =="; cat "$summary"
