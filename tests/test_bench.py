@@ -216,7 +216,6 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
     assert data["arms"][1]["summary"]["ttft_p50_ms"]["median"] > 0
 
 
-@pytest.mark.slow
 def test_the_literal_acceptance_command_within_three_minutes(tiny_model, tmp_path):
     """The issue's command with the default workload sizes (32 conversations of 4 turns): under 3 minutes on CPU."""
     start = time.perf_counter()
