@@ -11,13 +11,11 @@ from ..core.registry import Register
 
 log = logging.getLogger("infer")
 
-ON_LOAD_GROUP_SIZE = 128
-
-
 def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
     """An AWQ method for the checkpoint's ``quantization_config``, or RTN on load when there is none.
 
-    ``config.plugin_options["awq"]`` may set ``group_size`` (on-load quantization only; default 128) and
+    ``config.plugin_options["awq"]`` may set ``group_size`` (on-load quantization only; default: per layer, the
+    largest of 128, 64, 32 that divides its input size) and
     ``fused_max_rows`` (the largest batch that runs the fused Triton kernel on CUDA; default 64).
     """
     from ..quant.awq import parse_config
@@ -26,9 +24,10 @@ def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     options = config.plugin_options.get("awq", {}) if isinstance(config.plugin_options, dict) else {}
     fused_max_rows = int(options.get("fused_max_rows", 64))
     if quantization_config is None:
-        group_size = options.get("group_size", ON_LOAD_GROUP_SIZE)
+        group_size = options.get("group_size")
         log.warning("awq: quantizing on load with round-to-nearest (int4, group %s); calibrated AWQ is more "
-                    "accurate: run `infer quantize --method awq MODEL OUT` once and load OUT", group_size)
+                    "accurate: run `infer quantize --method awq MODEL OUT` once and load OUT",
+                    group_size or "128, or 64/32 where 128 does not divide a layer's input")
         return AwqLinearMethod(group_size, quantize_on_load=True, fused_max_rows=fused_max_rows)
     return AwqLinearMethod.from_config(parse_config(quantization_config), fused_max_rows=fused_max_rows)
 

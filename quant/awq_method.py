@@ -26,9 +26,11 @@ class AwqLinearMethod(QuantMethod):
 
     name = "awq"
 
-    def __init__(self, group_size: int = 128, modules_to_not_convert: Sequence[str] = (),
+    def __init__(self, group_size: int | None = 128, modules_to_not_convert: Sequence[str] = (),
                  quantize_on_load: bool = False, fused_max_rows: int = 64) -> None:
-        if group_size not in awq.GROUP_SIZES:
+        if group_size is None and not quantize_on_load:
+            raise CheckpointError("an AWQ checkpoint must state its group_size")
+        if group_size is not None and group_size not in awq.GROUP_SIZES:
             raise CheckpointError(f"AWQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
                                   f"got {group_size!r}")
         self.group_size = group_size
@@ -46,7 +48,8 @@ class AwqLinearMethod(QuantMethod):
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
-        group = awq.check_shapes(in_features, out_features, self.group_size, layer_name(layer))
+        size = self.group_size if self.group_size is not None else auto_group_size(in_features)
+        group = awq.check_shapes(in_features, out_features, size, layer_name(layer))
         layer.awq_group_size = group
         if self.quantize_on_load:
             layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
@@ -104,3 +107,8 @@ class AwqLinearMethod(QuantMethod):
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def auto_group_size(in_features: int) -> int:
+    """On-load quantization without a set group size: the largest of 128, 64, 32 that divides the input size."""
+    return next((g for g in (128, 64, 32) if in_features % g == 0), -1)

@@ -112,3 +112,10 @@ def test_fresh_install_generates_with_the_embedded_default():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("hello") and "demo model" in proc.stderr
+
+
+def test_the_design_card_example_runs_on_the_embedded_default():
+    """`infer --plugin radix-cache --quant awq generate ...`: RTN int4 on load, picking a group size that divides."""
+    result = run("--plugin", "radix-cache", "--quant", "awq", "generate", "def f():", "--max-tokens", "8", "--stats")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("def f():")

@@ -25,7 +25,7 @@ from infer.models.layers import Linear, UnquantizedMethod  # noqa: E402
 from infer.plugins import awq as awq_plugin  # noqa: E402
 from infer.plugins import fp8 as fp8_plugin  # noqa: E402
 from infer.quant import awq, fp8  # noqa: E402
-from infer.quant.awq_method import AwqLinearMethod  # noqa: E402
+from infer.quant.awq_method import AwqLinearMethod, auto_group_size  # noqa: E402
 from infer.quant.fp8_method import Fp8LinearMethod  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -249,7 +249,8 @@ def test_awq_skips_lm_head_and_modules_to_not_convert() -> None:
 def test_awq_plugin_factory(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="infer"):
         on_load = awq_plugin.build_awq(EngineConfig(), None)
-    assert isinstance(on_load, AwqLinearMethod) and on_load.quantize_on_load and on_load.group_size == 128
+    assert isinstance(on_load, AwqLinearMethod) and on_load.quantize_on_load and on_load.group_size is None
+    assert [auto_group_size(n) for n in (2048, 192, 96, 100)] == [128, 64, 32, -1]  # largest dividing group
     assert [r.message for r in caplog.records if "calibrated AWQ" in r.message and "infer quantize" in r.message]
     loaded = awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"fused_max_rows": 8}}),
                                   {**GOOD_AWQ, "group_size": 64, "modules_to_not_convert": ["visual"]})
