@@ -11,6 +11,8 @@ summary="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$summary"; }
 
 # The device has no registry access: install without dependencies or build isolation (the image has them).
+# Test modules that need packages the image lacks (grpcio-health-checking, ...) fail to collect; the gpu tests
+# still run (--continue-on-collection-errors).
 $PY -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 $PY - <<'PY' | tee "$OUT/versions.txt"
 import torch, triton, transformers
@@ -19,7 +21,7 @@ print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {tr
 PY
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 
-timeout 180 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 90 > "$OUT/pytest_gpu.log" 2>&1
+timeout 180 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 90 --continue-on-collection-errors > "$OUT/pytest_gpu.log" 2>&1
 note "pytest -m gpu: $(tail -1 "$OUT/pytest_gpu.log")"
 
 timeout 60 $PY benchmarks/kernel_bench.py > "$OUT/kernel_bench.jsonl" 2> "$OUT/kernel_bench.err"
