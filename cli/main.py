@@ -81,6 +81,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     """Generate text for PROMPTS (or for each line of stdin when none are given)."""
     from ..core.request import SamplingParams
 
+    if stream and n > 1:
+        raise click.UsageError("--stream prints one completion at a time; use it with --n 1")
     texts = list(prompts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")

@@ -329,10 +329,14 @@ class Engine:
                request_id: str | None = None) -> Iterator[RequestOutput]:
         """Add one request and yield its deltas; other queued requests advance too."""
         rid = self.add_request(prompt, params, request_id)
-        while rid in self.requests:
-            for output in self.step():
-                if output.request_id == rid:
-                    yield output
+        try:
+            while rid in self.requests:
+                for output in self.step():
+                    if output.request_id == rid:
+                        yield output
+        finally:  # the caller stopped reading: free the request rather than decode it for nobody
+            if rid in self.requests:
+                self.abort(rid)
 
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

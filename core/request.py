@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequestError
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. ``temperature == 0`` is greedy. Validated by :meth:`validate`."""
@@ -33,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW  # dividing logits by a tinier temperature overflows to inf
 
     def validate(self) -> None:
         """Raise InvalidRequestError with a message that names the bad field and the allowed range."""

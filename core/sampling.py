@@ -57,7 +57,7 @@ class Sampler:
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                              device=logits.device).unsqueeze(1)
         logits = logits / temps
         top_k = [p.top_k for p in params]
@@ -69,7 +69,8 @@ class Sampler:
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=logits.device).unsqueeze(1)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
-            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p  # keeps at least the top token
+            # the smallest set whose mass reaches top_p; the top token always stays (its preceding mass is 0)
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         if any(p.min_p > 0 for p in params):

@@ -69,6 +69,9 @@ class ContinuousScheduler(Scheduler):
             raise CapacityError(
                 f"request {seq.request_id} needs up to {need} KV blocks ({longest} tokens) but the cache has only "
                 f"{self.kv.num_blocks}; lower max_tokens or give the KV cache more memory (--num-kv-blocks)")
+        if seq.params.n > self.max_num_seqs:
+            raise CapacityError(f"request {seq.request_id} asks for n={seq.params.n} sequences but max-num-seqs is "
+                                f"{self.max_num_seqs}; lower n or raise --max-num-seqs")
         if not self.chunked and seq.num_prompt_tokens > self.token_budget:
             raise CapacityError(
                 f"prompt of {seq.num_prompt_tokens} tokens exceeds max-num-batched-tokens {self.token_budget}; "
@@ -104,8 +107,11 @@ class ContinuousScheduler(Scheduler):
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        occupied = sum(self._seats(s) for s in self.running)
+        while self.waiting and occupied < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if occupied + self._seats(seq) > self.max_num_seqs:
+                return
             swapped = self.swap is not None and seq.seq_id in self.swap.held
             if swapped:
                 held_tokens = self.swap.held[seq.seq_id][1]
@@ -117,6 +123,7 @@ class ContinuousScheduler(Scheduler):
                 seq.num_computed_tokens = held_tokens
                 self._start(seq, remaining, out)
                 budget -= remaining
+                occupied += 1
                 continue
             seq.num_computed_tokens = seq.num_cached_tokens = self.kv.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -128,6 +135,12 @@ class ContinuousScheduler(Scheduler):
                 return
             self._start(seq, n, out)
             budget -= n
+            occupied += self._seats(seq)
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots a sequence takes on admission: n for a parent whose siblings fork from its first token."""
+        return seq.params.n if seq.index == 0 and seq.num_output_tokens == 0 else 1
 
     def _start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         self.waiting.popleft()

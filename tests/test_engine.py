@@ -160,3 +160,29 @@ def test_kv_waste_stays_below_one_block_per_sequence(engine):
     prompts = [rand_prompt(n, 20 + n) for n in (3, 17, 40, 64, 100)]
     engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     assert 0 < engine.stats.kv_max_waste_per_seq < engine.kv.block_size
+
+
+def test_review_regressions(engine, tiny_model):
+    """A tiny temperature is greedy; an abandoned stream frees its request; n > 1 respects max-num-seqs."""
+    from infer.core.sampling import Sampler
+
+    prompt = rand_prompt(12, 31)
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    tiny = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True))
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    probs = Sampler.filtered_probs(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), [SamplingParams(top_p=0.5)])
+    assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0]]))  # the smallest set reaching top_p
+
+    stream = engine.stream(prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert not engine.requests and drained(engine)
+
+    narrow = Engine(EngineConfig(model=str(tiny_model), device="cpu", max_num_seqs=4, num_kv_blocks=128))
+    for i in range(2):
+        narrow.add_request(rand_prompt(20, 40 + i), SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=i))
+    peak = 0
+    while narrow.has_unfinished():
+        narrow.step()
+        peak = max(peak, narrow.scheduler.num_running())
+    assert peak <= 4

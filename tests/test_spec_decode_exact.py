@@ -123,7 +123,7 @@ def test_engine_sampling_with_speculation_draws_the_target_distribution(small_pa
     target, draft = small_pair
     prompt, vocab, n = [3, 4, 5, 6], len(SYMBOLS), 20_000
     engine = Engine(EngineConfig(model=str(target), device="cpu", proposer="draft-model", draft_model=str(draft),
-                                 num_speculative_tokens=2, max_num_seqs=40, num_kv_blocks=2100, seed=1,
+                                 num_speculative_tokens=2, max_num_seqs=50, num_kv_blocks=2100, seed=1,
                                  enable_prefix_caching=False))
     params = SamplingParams(max_tokens=4, temperature=0.9, ignore_eos=True, n=50)
     outs = engine.generate([prompt] * (n // 50), params)
