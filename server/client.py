@@ -46,9 +46,16 @@ def _channel_config(tls: bool, root_certificates: bytes | str | Path | None,
 
 
 class _Base:
-    def __init__(self, token: str | None, timeout: float | None) -> None:
+    def __init__(self, channels: Any, target: str, token: str | None, tls: bool,
+                 root_certificates: bytes | str | Path | None, timeout: float | None, max_message_bytes: int) -> None:
+        """``channels`` is ``grpc`` or ``grpc.aio``: both have ``secure_channel`` and ``insecure_channel``."""
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.timeout = timeout
+        creds, options = _channel_config(tls, root_certificates, max_message_bytes)
+        self.channel = (channels.secure_channel(target, creds, options) if creds
+                        else channels.insecure_channel(target, options))
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def _kw(self, timeout: float | None) -> dict[str, Any]:
         return {"metadata": self.metadata, "timeout": self.timeout if timeout is None else timeout}
@@ -60,12 +67,7 @@ class Client(_Base):
     def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | str | Path | None = None, timeout: float | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        super().__init__(token, timeout)
-        creds, options = _channel_config(tls, root_certificates, max_message_bytes)
-        self.channel = (grpc.secure_channel(target, creds, options) if creds
-                        else grpc.insecure_channel(target, options))
-        self.stub = pb_grpc.InferenceStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        super().__init__(grpc, target, token, tls, root_certificates, timeout, max_message_bytes)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
                  priority: int = 0, timeout: float | None = None, **sampling: Any) -> Any:
@@ -124,12 +126,7 @@ class AsyncClient(_Base):
     def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | str | Path | None = None, timeout: float | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        super().__init__(token, timeout)
-        creds, options = _channel_config(tls, root_certificates, max_message_bytes)
-        self.channel = (grpc.aio.secure_channel(target, creds, options) if creds
-                        else grpc.aio.insecure_channel(target, options))
-        self.stub = pb_grpc.InferenceStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        super().__init__(grpc.aio, target, token, tls, root_certificates, timeout, max_message_bytes)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
                  priority: int = 0, timeout: float | None = None, **sampling: Any) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from infer.core.config import EngineConfig
@@ -27,16 +26,6 @@ FORKED = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, n=2)
 SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, seed=7)
 MIXED = [GREEDY, PLAIN, FORKED, GREEDY, SAMPLED]  # per prompt; the sampled one only has to finish
 
-pytestmark = pytest.mark.skipif(not (TARGET / "config.json").exists(), reason="the shipped weights are missing")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core box: a second intra-op thread only spins (15-30x slower here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def engine(**options) -> Engine:

@@ -47,14 +47,6 @@ def make_small_vocab_model(out: Path, hidden: int, layers: int, seed: int) -> Pa
     return out
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core box: a second intra-op thread only spins (15-30x slower here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def small_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
