@@ -80,25 +80,33 @@ class TorchAttention(AttentionBackend):
         heads, dim = k_cache.shape[2], k_cache.shape[3]
         cache_dtype = k_cache.dtype
         k_raw, v_raw = _raw(k_cache), _raw(v_cache)
-        k_raw.view(-1, heads, dim)[meta.slot_mapping] = _raw(_to_cache(k, cache_dtype, k_scale))
-        v_raw.view(-1, heads, dim)[meta.slot_mapping] = _raw(_to_cache(v, cache_dtype, v_scale))
+        k_raw.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, _raw(_to_cache(k, cache_dtype, k_scale)))
+        v_raw.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, _raw(_to_cache(v, cache_dtype, v_scale)))
         out = torch.empty_like(q)
         for group in plan.decodes:
-            qd = q[group.rows].unsqueeze(2)  # [G, Hq, 1, D]
-            kd = _from_cache(k_raw[group.blocks].flatten(1, 2), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
-            vd = _from_cache(v_raw[group.blocks].flatten(1, 2), cache_dtype, q.dtype, v_scale)
+            qd = q.index_select(0, group.rows).unsqueeze(2)  # [G, Hq, 1, D]
+            kd = _from_cache(_gather(k_raw, group.blocks), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
+            vd = _from_cache(_gather(v_raw, group.blocks), cache_dtype, q.dtype, v_scale)
             res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.mask,
                                                  scale=scale, enable_gqa=True)
-            out[group.rows] = res.squeeze(2)
+            out.index_copy_(0, group.rows, res.squeeze(2))
         for item in plan.prefills:
             qp = q[item.tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            kp = _from_cache(k_raw[item.blocks].flatten(0, 1)[: item.length], cache_dtype, q.dtype, k_scale)
-            vp = _from_cache(v_raw[item.blocks].flatten(0, 1)[: item.length], cache_dtype, q.dtype, v_scale)
+            kp = _from_cache(_gather(k_raw, item.blocks)[: item.length], cache_dtype, q.dtype, k_scale)
+            vp = _from_cache(_gather(v_raw, item.blocks)[: item.length], cache_dtype, q.dtype, v_scale)
             res = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                                                  attn_mask=item.mask, is_causal=item.mask is None, scale=scale,
                                                  enable_gqa=True)
             out[item.tokens] = res[0].transpose(0, 1)
         return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks [*blocks.shape, block_size, Hkv, D] -> [*blocks.shape[:-1], n * block_size, Hkv, D].
+
+    index_select copies whole rows; advanced indexing (``cache[blocks]``) is 4-7x slower on the CPU."""
+    rows = cache.index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
