@@ -61,8 +61,7 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # HF: x * rsqrt(mean(x^2) + eps) in float32
         out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
 

@@ -90,10 +90,14 @@ class TorchAttention(AttentionBackend):
             res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.mask,
                                                  scale=scale, enable_gqa=True)
             out.index_copy_(0, group.rows, res.squeeze(2))
+        fresh = k_scale is None and cache_dtype == k.dtype  # a whole-context query can read k/v as computed
         for item in plan.prefills:
             qp = q[item.tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            kp = _from_cache(_gather(k_raw, item.blocks)[: item.length], cache_dtype, q.dtype, k_scale)
-            vp = _from_cache(_gather(v_raw, item.blocks)[: item.length], cache_dtype, q.dtype, v_scale)
+            if fresh and item.mask is None:
+                kp, vp = k[item.tokens], v[item.tokens]
+            else:
+                kp = _from_cache(_gather(k_raw, item.blocks)[: item.length], cache_dtype, q.dtype, k_scale)
+                vp = _from_cache(_gather(v_raw, item.blocks)[: item.length], cache_dtype, q.dtype, v_scale)
             res = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                                                  attn_mask=item.mask, is_causal=item.mask is None, scale=scale,
                                                  enable_gqa=True)
