@@ -39,8 +39,22 @@ DECODE_GROUP = 16  # decodes per batched call: sorted by context length, each gr
 class TorchAttention(AttentionBackend):
     """Gathers each sequence's context from the paged cache and calls scaled_dot_product_attention.
 
-    Single-token queries (decodes) share one padded batched call; longer queries run one call each.
+    Single-token queries (decodes) share one padded batched call; longer queries run one call each. Gathers
+    land in two reused workspaces: a fresh multi-megabyte tensor per call costs page faults on the CPU.
     """
+
+    def __init__(self) -> None:
+        self._workspaces: dict[str, torch.Tensor] = {}
+
+    def _workspace(self, name: str, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """At least ``rows`` rows shaped like ``like``'s (one cache block each); grown by half when too small."""
+        ws = self._workspaces.get(name)
+        if ws is None or ws.shape[0] < rows or ws.shape[1:] != like.shape[1:] or ws.dtype != like.dtype \
+                or ws.device != like.device:
+            size = rows if ws is None else max(rows, ws.shape[0] * 3 // 2)
+            ws = torch.empty((size, *like.shape[1:]), dtype=like.dtype, device=like.device)
+            self._workspaces[name] = ws
+        return ws
 
     def prepare(self, meta: AttentionMetadata) -> TorchAttentionPlan:
         device = meta.slot_mapping.device
@@ -85,8 +99,8 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         for group in plan.decodes:
             qd = q.index_select(0, group.rows).unsqueeze(2)  # [G, Hq, 1, D]
-            kd = _from_cache(_gather(k_raw, group.blocks), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
-            vd = _from_cache(_gather(v_raw, group.blocks), cache_dtype, q.dtype, v_scale)
+            kd = _from_cache(self._gather("k", k_raw, group.blocks), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
+            vd = _from_cache(self._gather("v", v_raw, group.blocks), cache_dtype, q.dtype, v_scale)
             res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.mask,
                                                  scale=scale, enable_gqa=True)
             out.index_copy_(0, group.rows, res.squeeze(2))
@@ -96,8 +110,8 @@ class TorchAttention(AttentionBackend):
             if fresh and item.mask is None:
                 kp, vp = k[item.tokens], v[item.tokens]
             else:
-                kp = _from_cache(_gather(k_raw, item.blocks)[: item.length], cache_dtype, q.dtype, k_scale)
-                vp = _from_cache(_gather(v_raw, item.blocks)[: item.length], cache_dtype, q.dtype, v_scale)
+                kp = _from_cache(self._gather("k", k_raw, item.blocks)[: item.length], cache_dtype, q.dtype, k_scale)
+                vp = _from_cache(self._gather("v", v_raw, item.blocks)[: item.length], cache_dtype, q.dtype, v_scale)
             res = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                                                  attn_mask=item.mask, is_causal=item.mask is None, scale=scale,
                                                  enable_gqa=True)
@@ -105,12 +119,15 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Whole blocks [*blocks.shape, block_size, Hkv, D] -> [*blocks.shape[:-1], n * block_size, Hkv, D].
+    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole blocks [*blocks.shape, block_size, Hkv, D] -> [*blocks.shape[:-1], n * block_size, Hkv, D], in
+        workspace ``name`` (valid until its next gather).
 
-    index_select copies whole rows; advanced indexing (``cache[blocks]``) is 4-7x slower on the CPU."""
-    rows = cache.index_select(0, blocks.reshape(-1))
-    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
+        index_select copies whole rows; advanced indexing (``cache[blocks]``) is 4-7x slower on the CPU."""
+        index = blocks.reshape(-1)
+        rows = self._workspace(name, cache, index.numel())[: index.numel()]
+        torch.index_select(cache, 0, index, out=rows)
+        return rows.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
