@@ -48,6 +48,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     draft_model: str | None = None
     cuda_graphs: bool = True
+    fused_ops: bool | None = None  # Triton norms/rotary/SiLU-and-mul in the model; None: on when it runs on CUDA
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads when running on the CPU; None leaves torch's default
     plugin_options: dict[str, Any] = field(default_factory=dict)  # free-form options for third-party plugins

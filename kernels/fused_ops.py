@@ -1,12 +1,12 @@
-"""Small fused ops (RMSNorm + residual, neox rotary, SiLU-and-mul), each beside its torch reference.
+"""Small fused ops (RMSNorm + residual, neox rotary, SiLU-and-mul) with the signatures of their torch references,
+``rms_norm``, ``apply_rotary`` and ``silu_and_mul`` in models/layers.py (``triton_ops()`` there bundles these).
 
-The kernels round intermediates to the activation dtype exactly where ``models/layers.py`` does, so half-precision
-results match the references to the last bit up to fp32 rounding order.
+The kernels round intermediates to the activation dtype exactly where the references do, so half-precision results
+match them to the last bit up to fp32 rounding order.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -42,7 +42,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Like ``RMSNorm.forward``: norm(x), or with ``residual`` (norm(x + residual), x + residual)."""
+    """Like models/layers.py ``rms_norm``: norm(x), or with ``residual`` (norm(x + residual), x + residual)."""
     shape, n_cols = x.shape, x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -56,18 +56,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`rms_norm` (the arithmetic of models/layers.py RMSNorm)."""
-    if residual is not None:
-        x = x + residual
-        residual = x
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
-    return out if residual is None else (out, residual)
 
 
 # ---------------------------------------------------------------- rotary embedding (neox: rotate halves)
@@ -117,43 +105,27 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return q_out, k_out
 
 
-def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`rotary_embedding` (models/layers.py RotaryEmbedding.forward)."""
-    c, s = cos[positions].float().unsqueeze(1), sin[positions].float().unsqueeze(1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
-
-
 # ---------------------------------------------------------------- SiLU-and-mul
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_ptr, up_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds, then the mul
+    gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(gate_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds, then the mul
     tl.store(o_ptr + row * stride_o + cols, (act * up).to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """x [..., 2I] (gate first, then up) -> silu(gate) * up [..., I]."""
-    inter = x.shape[-1] // 2
-    x2 = _rows(x)
-    out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
-    if x2.shape[0] and inter:
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """gate, up [..., I] -> silu(gate) * up [..., I] in one pass."""
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_and_mul needs gate and up of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    inter = gate.shape[-1]
+    g2, u2 = _rows(gate), _rows(up)
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    if g2.shape[0] and inter:
         block = min(block, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=_warps(block))
-    return out.view(*x.shape[:-1], inter)
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """Torch reference of :func:`silu_and_mul`."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(inter, block))](
+            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=_warps(block))
+    return out.view(gate.shape)

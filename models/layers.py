@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,26 +52,69 @@ class Linear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, quant={self.method.name}"
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), as HF computes it."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = F.rms_norm(x.float(), x.shape[-1:], eps=eps)  # HF: x * rsqrt(mean(x^2) + eps) in float32
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary: q [T, Hq, D], k [T, Hk, D], cos/sin tables [max_pos, D/2] -> rotated copies, in float32 like HF."""
+    c, s = cos[positions].float().unsqueeze(1), sin[positions].float().unsqueeze(1)
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class PointwiseOps:
+    """The elementwise ops of a decoder layer, with the signatures of the torch functions above (the reference).
+
+    ``TORCH_OPS`` runs anywhere; :func:`triton_ops` gives the fused Triton kernels of kernels/fused_ops.py.
+    """
+
+    name: str
+    rms_norm: Callable[..., Any]
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+TORCH_OPS = PointwiseOps("torch", rms_norm, apply_rotary, silu_and_mul)
+
+
+def triton_ops() -> PointwiseOps:
+    """The fused Triton kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1). q/k are rotated in place: the
+    model's projections made them and nothing else reads them."""
+    from ..kernels import fused_ops
+
+    return PointwiseOps("triton", fused_ops.rms_norm, partial(fused_ops.rotary_embedding, inplace=True),
+                        fused_ops.silu_and_mul)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: PointwiseOps = TORCH_OPS) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), as HF computes it."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # HF: x * rsqrt(mean(x^2) + eps) in float32
-        out = self.weight * h.to(x.dtype)
-        return out if residual is None else (out, residual)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
@@ -96,8 +142,10 @@ def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves), with a precomputed cos/sin table up to ``max_positions``."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any]) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any], ops: PointwiseOps = TORCH_OPS
+                 ) -> None:
         super().__init__()
+        self.ops = ops
         inv_freq = rope_inv_freq(head_dim, rope)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim / 2]
@@ -105,12 +153,5 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> rotated copies, computed in float32 like HF."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        """q [T, Hq, D], k [T, Hk, D] -> rotated (q, k), computed in float32 like HF."""
+        return self.ops.rotary(positions, q, k, self.cos, self.sin)

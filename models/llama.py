@@ -6,12 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import CheckpointError
 from ..core.interfaces import AttentionBackend, AttentionMetadata, Model, ModelSpec, QuantMethod
-from .layers import Linear, RMSNorm, RotaryEmbedding
+from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -74,7 +73,8 @@ class ArchConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
+                 ops: PointwiseOps) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -84,8 +84,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.k_proj", quant, dtype)
         self.v_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.v_proj", quant, dtype)
         self.o_proj = Linear(q_size, cfg.hidden_size, False, f"{prefix}.o_proj", quant, dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
@@ -102,30 +102,36 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
+                 ops: PointwiseOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, f"{prefix}.gate_proj", quant, dtype)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, f"{prefix}.up_proj", quant, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, f"{prefix}.down_proj", quant, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
+                 ops: PointwiseOps) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", quant, dtype)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", quant, dtype, ops)
+        self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
 
 class LlamaFamilyModel(Model):
-    """Parameter names follow the HF checkpoints exactly, so loading is a name lookup."""
+    """Parameter names follow the HF checkpoints exactly, so loading is a name lookup. ``ops`` are the elementwise
+    ops (norms, rotary, SiLU-and-mul): the torch reference, or fused Triton kernels on a GPU."""
 
-    def __init__(self, cfg: ArchConfig, quant: QuantMethod | None, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, cfg: ArchConfig, quant: QuantMethod | None, dtype: torch.dtype, max_positions: int,
+                 ops: PointwiseOps = TORCH_OPS) -> None:
         super().__init__()
+        self.ops = ops
         self.cfg = cfg
         self.spec = ModelSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, max_positions,
                               cfg.eos_token_ids)
@@ -133,10 +139,10 @@ class LlamaFamilyModel(Model):
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.model.embed_tokens.weight.requires_grad_(False)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, f"model.layers.{i}", quant, dtype) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, f"model.layers.{i}", quant, dtype, ops) for i in range(cfg.num_layers)
         )
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, False, "lm_head", quant, dtype)
 

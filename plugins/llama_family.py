@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -10,6 +11,9 @@ from ..core.config import EngineConfig
 from ..core.hookspecs import ModelFactory, hookimpl
 from ..core.interfaces import Model, QuantMethod
 from ..core.registry import Register
+
+if TYPE_CHECKING:
+    from ..models.layers import PointwiseOps
 
 log = logging.getLogger("infer")
 
@@ -29,7 +33,26 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         log.warning("limiting max_model_len to the sliding window (%d): sliding-window attention is not implemented",
                     arch.sliding_window)
         max_len = arch.sliding_window
-    return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len)
+    return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=pointwise_ops(config))
+
+
+def pointwise_ops(config: EngineConfig) -> PointwiseOps:
+    """Torch ops, or the fused Triton kernels: on CUDA unless ``fused_ops`` is False, elsewhere only on request
+    (CPU tensors under TRITON_INTERPRET=1, for tests)."""
+    from ..core.errors import ConfigError
+    from ..core.loader import resolve_device
+    from ..models.layers import TORCH_OPS, triton_ops
+
+    on_cuda = resolve_device(config.device).type == "cuda"
+    if not (on_cuda if config.fused_ops is None else config.fused_ops):
+        return TORCH_OPS
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("--fused-ops runs Triton kernels, which need a CUDA device (this model runs on the CPU); "
+                          "drop --fused-ops")
+    try:
+        return triton_ops()
+    except ImportError as exc:
+        raise ConfigError(f"the fused Triton ops cannot import triton ({exc}); use --no-fused-ops") from exc
 
 
 @hookimpl

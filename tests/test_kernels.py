@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 from infer.kernels import attention as attn  # noqa: E402
 from infer.kernels import fused_ops as ops  # noqa: E402
-from infer.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from infer.models import layers  # noqa: E402
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -127,35 +127,30 @@ def test_attention_head_dim_not_a_power_of_two(device: torch.device) -> None:
     torch.testing.assert_close(out, attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2))
 
 
-# ---------------------------------------------------------------- fused small ops
+# ---------------------------------------------------------------- fused small ops (references: models/layers.py)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(device: torch.device, dtype: torch.dtype, with_residual: bool) -> None:
     torch.manual_seed(1)
     x = torch.randn(2, 3, 96, dtype=dtype, device=device)
     residual = torch.randn_like(x) if with_residual else None
-    layer = RMSNorm(96, 1e-6, dtype).to(device)
-    layer.weight.data.normal_(1.0, 0.2)
-    got = ops.rms_norm(x, layer.weight, 1e-6, residual)
-    ref = ops.rms_norm_ref(x, layer.weight, 1e-6, residual)
-    model = layer(x, residual)
-    for g, r, m in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref, model)), strict=True):
+    weight = torch.randn(96, dtype=dtype, device=device) * 0.2 + 1.0
+    got = ops.rms_norm(x, weight, 1e-6, residual)
+    ref = layers.rms_norm(x, weight, 1e-6, residual)
+    for g, r in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref)), strict=True):
         assert g.dtype == r.dtype and g.shape == r.shape
         torch.testing.assert_close(g, r, **TOL[dtype])
-        torch.testing.assert_close(r, m, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inplace", [False, True])
 def test_rotary_embedding(device: torch.device, dtype: torch.dtype, inplace: bool) -> None:
     torch.manual_seed(2)
-    rope = RotaryEmbedding(32, 64, {"rope_theta": 10000.0}).to(device)
+    rope = layers.RotaryEmbedding(32, 64, {"rope_theta": 10000.0}).to(device)
     qkv = torch.randn(6, 4 + 2 + 2, 32, dtype=dtype, device=device)
     q, k = qkv[:, :4], qkv[:, 4:6]  # strided views of a fused projection
     positions = torch.tensor([0, 5, 63, 1, 7, 30], device=device)
-    ref_q, ref_k = ops.rotary_embedding_ref(positions, q, k, rope.cos, rope.sin)
-    model_q, model_k = rope(positions, q, k)
-    assert torch.equal(ref_q, model_q) and torch.equal(ref_k, model_k)
+    ref_q, ref_k = layers.apply_rotary(positions, q, k, rope.cos, rope.sin)
     got_q, got_k = ops.rotary_embedding(positions, q, k, rope.cos, rope.sin, inplace=inplace)
     torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
     torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
@@ -166,8 +161,42 @@ def test_rotary_embedding(device: torch.device, dtype: torch.dtype, inplace: boo
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(device: torch.device, dtype: torch.dtype) -> None:
     torch.manual_seed(3)
-    x = torch.randn(3, 5, 2 * 40, dtype=dtype, device=device) * 3
-    got = ops.silu_and_mul(x, block=16)  # 3 column blocks, the last one partial
-    ref = ops.silu_and_mul_ref(x)
+    gate_up = torch.randn(3, 5, 2 * 40, dtype=dtype, device=device) * 3
+    gate, up = gate_up[..., :40], gate_up[..., 40:]  # strided halves, as one gate/up projection would give
+    got = ops.silu_and_mul(gate, up, block=16)  # 3 column blocks, the last one partial
     assert got.shape == (3, 5, 40)
-    torch.testing.assert_close(got, ref, **TOL[dtype])
+    torch.testing.assert_close(got, layers.silu_and_mul(gate, up), **TOL[dtype])
+    with pytest.raises(ValueError, match="one shape"):
+        ops.silu_and_mul(gate, up[..., :39])
+
+
+# ---------------------------------------------------------------- the fused ops inside a model
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norms run through the fused RMSNorm too
+def test_model_with_fused_ops_equals_torch_ops(device: torch.device, arch: str, tiny_model_factory) -> None:
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+
+    model = str(tiny_model_factory(arch))
+    base = dict(model=model, device=device.type, dtype="float32", attention="torch", num_kv_blocks=64,
+                cuda_graphs=False)
+    fused, plain = Engine(EngineConfig(**base, fused_ops=True)), Engine(EngineConfig(**base, fused_ops=False))
+    assert fused.loaded.model.ops.name == "triton" and plain.loaded.model.ops.name == "torch"
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[5, 17, 99, 3, 250, 8, 41], [7, 7, 300]]
+    for got, want in zip(fused.generate(prompts, params), plain.generate(prompts, params), strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for got_top, want_top in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+            assert got_top.keys() == want_top.keys()
+            assert list(got_top.values()) == pytest.approx(list(want_top.values()), abs=1e-4)
+
+
+def test_fused_ops_are_refused_on_the_cpu_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infer.core.config import EngineConfig
+    from infer.core.errors import ConfigError
+    from infer.plugins.llama_family import pointwise_ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="drop --fused-ops"):
+        pointwise_ops(EngineConfig(device="cpu", fused_ops=True))
+    assert pointwise_ops(EngineConfig(device="cpu")).name == "torch"  # the default on a CPU
