@@ -1,4 +1,4 @@
-"""The `paged` KV cache: a block pool with reference counts, copy-on-write fork, and chained-hash prefix caching."""
+"""The `paged` KV cache: a block pool with reference counts, copy-on-write fork, and exact block-chain prefix caching."""
 from __future__ import annotations
 
 from collections import deque
@@ -10,30 +10,31 @@ from ..core.registry import Register
 from ..core.request import Sequence
 
 
-BlockKey = tuple[int | None, tuple[int, ...]]
-
-
-def block_key(previous: BlockKey | None, tokens: list[int]) -> BlockKey:
-    """The cache key of a full block: the hash of the key before it, and the block's own tokens.
-
-    Dict lookups compare the tokens exactly, so a hash collision cannot hand out a block with other tokens; the
-    prefix before it is identified by a 64-bit chained hash.
-    """
-    return (None if previous is None else hash(previous), tuple(tokens))
+BlockKey = tuple[int, tuple[int, ...]]  # (id of the prefix before the block, the block's own tokens)
+ROOT = 0  # the prefix id of the empty prefix
+UNREACHABLE = -1  # a prefix whose cached block was evicted: what follows it can never be looked up
 
 
 class PagedKVCache(KVCache):
-    """Invariant: every block is free XOR referenced (ref > 0) XOR cached (ref == 0, hashed, in the policy)."""
+    """Invariant: every block is free XOR referenced (ref > 0) XOR cached (ref == 0, registered, in the policy).
+
+    A registered full block has a key (the id of the prefix before it, its own tokens) and a prefix id of its own,
+    never reused. Dict lookups compare keys exactly and ids name one prefix each, so a match is exact by
+    induction from the root: no hash of the prefix is trusted (a crafted prompt cannot collide into another's KV).
+    """
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy, prefix_caching: bool) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.eviction, self.prefix_caching = eviction, prefix_caching
         self.ref = [0] * num_blocks
-        self.block_hash: list[BlockKey | None] = [None] * num_blocks
-        self.hash_to_block: dict[BlockKey, int] = {}
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
+        self.block_prefix_id = [ROOT] * num_blocks  # of registered blocks
+        self.key_to_block: dict[BlockKey, int] = {}
+        self.prefix_id_to_block: dict[int, int] = {}  # the live prefix ids
+        self.next_prefix_id = ROOT + 1
         self.free_list: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
-        self.hashes: dict[int, list[BlockKey]] = {}  # seq_id -> keys of its committed full blocks
+        self.chains: dict[int, list[int]] = {}  # seq_id -> the prefix id after each of its committed full blocks
         self.pending_match: dict[int, int] = {}  # seq_id -> matched tokens, counted when admission succeeds
         self.ops = BlockOps()
         self.counters = KVStats(num_blocks, num_blocks, 0, 0)
@@ -65,16 +66,26 @@ class PagedKVCache(KVCache):
             block = self.free_list.popleft()
         else:
             block = self.eviction.pop()  # raises IndexError only if callers skipped the capacity check
-            del self.hash_to_block[self.block_hash[block]]  # type: ignore[index]
-            self.block_hash[block] = None
+            self._unregister(block)
             self.counters.evictions += 1
         self.ref[block] = 1
         return block
 
+    def _register(self, block: int, key: BlockKey) -> int:
+        prefix_id, self.next_prefix_id = self.next_prefix_id, self.next_prefix_id + 1
+        self.block_key[block], self.block_prefix_id[block] = key, prefix_id
+        self.key_to_block[key], self.prefix_id_to_block[prefix_id] = block, block
+        return prefix_id
+
+    def _unregister(self, block: int) -> None:
+        del self.key_to_block[self.block_key[block]]  # type: ignore[index]
+        del self.prefix_id_to_block[self.block_prefix_id[block]]
+        self.block_key[block], self.block_prefix_id[block] = None, ROOT
+
     def _release(self, block: int, priority: int) -> None:
         self.ref[block] -= 1
         if self.ref[block] == 0:
-            if self.block_hash[block] is not None:
+            if self.block_key[block] is not None:
                 self.eviction.insert(block, priority)
             else:
                 self.free_list.append(block)
@@ -89,21 +100,19 @@ class PagedKVCache(KVCache):
     def match_prefix(self, seq: Sequence) -> int:
         assert seq.seq_id not in self.tables, "match_prefix on a sequence that holds blocks"
         table: list[int] = []
-        hashes: list[BlockKey] = []
+        chain: list[int] = []
         if self.prefix_caching:
-            tokens, size = seq.token_ids, self.block_size
-            previous: BlockKey | None = None
+            tokens, size, prefix = seq.token_ids, self.block_size, ROOT
             for i in range((len(tokens) - 1) // size):  # leave at least one token to compute
-                h = block_key(previous, tokens[i * size : (i + 1) * size])
-                block = self.hash_to_block.get(h)
+                block = self.key_to_block.get((prefix, tuple(tokens[i * size : (i + 1) * size])))
                 if block is None:
                     break
                 self._acquire_cached(block)
                 table.append(block)
-                hashes.append(h)
-                previous = h
+                prefix = self.block_prefix_id[block]
+                chain.append(prefix)
         self.tables[seq.seq_id] = table
-        self.hashes[seq.seq_id] = hashes
+        self.chains[seq.seq_id] = chain
         self.pending_match[seq.seq_id] = len(table) * self.block_size
         return len(table) * self.block_size
 
@@ -112,13 +121,13 @@ class PagedKVCache(KVCache):
         start, size = seq.num_computed_tokens, self.block_size
         needed = self.num_blocks_needed(start + num_tokens)
         new_blocks = max(needed - len(table), 0)
-        # every existing block the write touches must be private and unhashed: copy-on-write the others
+        # every existing block the write touches must be private and unregistered: copy-on-write the others
         shared = [i for i in range(start // size, min(needed, len(table)))
-                  if self.ref[table[i]] > 1 or self.block_hash[table[i]] is not None]
+                  if self.ref[table[i]] > 1 or self.block_key[table[i]] is not None]
         if new_blocks + len(shared) > self.num_free_blocks():
             return False
         self.tables[seq.seq_id] = table
-        self.hashes.setdefault(seq.seq_id, [])
+        self.chains.setdefault(seq.seq_id, [])
         for i in shared:
             old, table[i] = table[i], self._take_block()
             if i * size < start:  # the block keeps positions before `start`: their KV must come along
@@ -134,21 +143,27 @@ class PagedKVCache(KVCache):
     def commit(self, seq: Sequence) -> None:
         if not self.prefix_caching:
             return
-        table, hashes, size = self.tables[seq.seq_id], self.hashes[seq.seq_id], self.block_size
+        table, chain, size = self.tables[seq.seq_id], self.chains[seq.seq_id], self.block_size
         full = min(seq.num_computed_tokens // size, len(table))
-        previous = hashes[-1] if hashes else None
-        for i in range(len(hashes), full):
-            h = block_key(previous, seq.token_ids[i * size : (i + 1) * size])
-            hashes.append(h)
-            previous = h
-            block = table[i]
-            if self.block_hash[block] is None and h not in self.hash_to_block:
-                self.block_hash[block] = h
-                self.hash_to_block[h] = block
+        prefix = chain[-1] if chain else ROOT
+        for i in range(len(chain), full):
+            if prefix != ROOT and prefix not in self.prefix_id_to_block:
+                prefix = UNREACHABLE  # the prefix's cached block was evicted, and its id is never reused
+            if prefix != UNREACHABLE:
+                key, block = (prefix, tuple(seq.token_ids[i * size : (i + 1) * size])), table[i]
+                if self.block_key[block] == key:  # matched at admission
+                    prefix = self.block_prefix_id[block]
+                elif (other := self.key_to_block.get(key)) is not None:  # the same prefix, cached by another
+                    prefix = self.block_prefix_id[other]
+                elif self.block_key[block] is None:
+                    prefix = self._register(block, key)
+                else:  # not reached: allocate copies registered blocks before any write into them
+                    prefix = UNREACHABLE
+            chain.append(prefix)
 
     def free(self, seq: Sequence) -> None:
         self.pending_match.pop(seq.seq_id, None)
-        self.hashes.pop(seq.seq_id, None)
+        self.chains.pop(seq.seq_id, None)
         for block in reversed(self.tables.pop(seq.seq_id, [])):  # tail first: evicted before its prefix
             self._release(block, seq.params.priority)
 
@@ -158,7 +173,7 @@ class PagedKVCache(KVCache):
         for block in table:
             self.ref[block] += 1
         self.tables[child.seq_id] = list(table)
-        self.hashes[child.seq_id] = list(self.hashes[parent.seq_id])
+        self.chains[child.seq_id] = list(self.chains[parent.seq_id])
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         table = self.tables[seq.seq_id]
@@ -166,7 +181,7 @@ class PagedKVCache(KVCache):
         for block in reversed(table[keep:]):
             self._release(block, seq.params.priority)
         del table[keep:]
-        del self.hashes[seq.seq_id][num_tokens // self.block_size :]
+        del self.chains[seq.seq_id][num_tokens // self.block_size :]
 
 
 @hookimpl
@@ -175,3 +190,19 @@ def register_kv_caches(register: Register[KVCacheFactory]) -> None:
         return PagedKVCache(num_blocks, config.block_size, eviction, config.enable_prefix_caching)
 
     register("paged", factory)
+
+
+def cached_prefix(kv: PagedKVCache, block: int) -> tuple[int, ...] | None:
+    """The whole token prefix a registered block stands for, or None when it is unreachable (an ancestor was
+    evicted). For tests and debugging."""
+    tokens: list[int] = []
+    while True:
+        key = kv.block_key[block]
+        assert key is not None, f"block {block} is not registered"
+        prefix, own = key
+        tokens[:0] = own
+        if prefix == ROOT:
+            return tuple(tokens)
+        if prefix not in kv.prefix_id_to_block:
+            return None
+        block = kv.prefix_id_to_block[prefix]

@@ -22,7 +22,7 @@ from infer.core.config import EngineConfig
 from infer.core.interfaces import KVCache
 from infer.core.request import SamplingParams, Sequence
 from infer.plugins.eviction import LRUPolicy
-from infer.plugins.paged_cache import PagedKVCache, block_key
+from infer.plugins.paged_cache import PagedKVCache, cached_prefix
 from infer.plugins.radix_cache import RadixKVCache
 
 BLOCK = 4
@@ -92,7 +92,7 @@ class KVMachine(RuleBasedStateMachine):
         """Blocks a later prompt may match."""
         if isinstance(self.kv, RadixKVCache):
             return set(self.tree_blocks())
-        return set(self.kv.hash_to_block.values())
+        return set(self.kv.key_to_block.values())
 
     def holders(self) -> Counter[int]:
         """Block -> number of live sequences whose table holds it."""
@@ -163,7 +163,7 @@ class KVMachine(RuleBasedStateMachine):
             block = table[i]
             assert holders[block] == 1 and not tree[block], f"writing into shared block {block}"
             if isinstance(self.kv, PagedKVCache):
-                assert self.kv.block_hash[block] is None, f"writing into hashed block {block}"
+                assert self.kv.block_key[block] is None, f"writing into registered block {block}"
             if i * BLOCK < start:  # the positions before the write must be there already (copy-on-write)
                 held = self.content.get(block, ())
                 assert len(held) >= start and held[:start] == tuple(context[:start]), "copy-on-write lost data"
@@ -353,7 +353,7 @@ class KVMachine(RuleBasedStateMachine):
             if isinstance(self.kv, RadixKVCache):
                 is_cached = tree[block] > 0 and not held[block]
             else:
-                is_cached = self.kv.ref[block] == 0 and self.kv.block_hash[block] is not None
+                is_cached = self.kv.ref[block] == 0 and self.kv.block_key[block] is not None
             states = (block in free, held[block] > 0, is_cached)
             assert sum(states) == 1, f"block {block} is not exactly one of free/referenced/cached: {states}"
             cached += is_cached
@@ -377,15 +377,16 @@ class KVMachine(RuleBasedStateMachine):
         if isinstance(self.kv, RadixKVCache):
             self.check_tree()
             return
-        for block, h in enumerate(self.kv.block_hash):
-            if h is not None:
+        kv = self.kv
+        for block, key in enumerate(kv.block_key):
+            if key is not None:
                 held = self.content[block]
-                assert len(held) % BLOCK == 0 and self.kv.hash_to_block[h] == block
-                previous = None
-                for i in range(len(held) // BLOCK):
-                    previous = block_key(previous, list(held[i * BLOCK : (i + 1) * BLOCK]))
-                assert previous == h, f"hashed block {block} does not hold what its hash says"
-        assert len(self.kv.eviction) == sum(h is not None and not r for h, r in zip(self.kv.block_hash, self.kv.ref))
+                assert len(held) % BLOCK == 0 and kv.key_to_block[key] == block
+                assert kv.prefix_id_to_block[kv.block_prefix_id[block]] == block
+                prefix = cached_prefix(kv, block)  # None: unreachable from the root, so never matched
+                assert prefix is None or prefix == held, f"registered block {block} does not hold its prefix"
+        assert len(kv.key_to_block) == len(kv.prefix_id_to_block) == sum(k is not None for k in kv.block_key)
+        assert len(kv.eviction) == sum(k is not None and not r for k, r in zip(kv.block_key, kv.ref))
 
     def check_tree(self) -> None:
         """Locks count the sequences using each node; the tree's tokens are what its blocks store."""
