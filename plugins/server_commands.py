@@ -61,6 +61,7 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True)
+@click.option("--no-speculative", is_flag=True, help="Opt this request out of the server's speculative decoding.")
 @click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Bearer token (or set {TOKEN_ENV}).")
 @click.option("--tls", is_flag=True, help="Connect over TLS with the system's root certificates.")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -68,7 +69,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--timeout", type=float, default=None, help="Deadline of the call in seconds.")
 @click.option("--stats", is_flag=True, help="Print the server's GetStats as JSON to stderr afterwards.")
 def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
-           n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, token: str | None, tls: bool,
+           n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool, token: str | None,
+           tls: bool,
            tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams."""
     import grpc
@@ -78,6 +80,8 @@ def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p:
 
     sampling: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                     min_p=min_p, n=n, stop=list(stop), ignore_eos=ignore_eos)
+    if no_speculative:
+        sampling["speculative"] = False
     if seed is not None:
         sampling["seed"] = seed
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:

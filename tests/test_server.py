@@ -201,6 +201,17 @@ def test_generated_code_matches_the_proto(tmp_path: Path) -> None:
         assert fresh.read_bytes() == committed.read_bytes(), stale
 
 
+def test_sampling_params_round_trip_through_the_proto() -> None:
+    from infer.server import infer_pb2 as pb
+    from infer.server.convert import sampling_params_of, sampling_params_to_proto
+
+    params = SamplingParams(max_tokens=9, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, seed=4, stop=("x",),
+                            stop_token_ids=(7,), ignore_eos=True, logprobs=2, n=2, speculative=False, priority=3)
+    back = sampling_params_of(pb.GenerateRequest(params=sampling_params_to_proto(params), priority=3))
+    assert back == params
+    assert sampling_params_of(pb.GenerateRequest()).speculative is True  # unset: the engine's default
+
+
 # ---------------------------------------------------------------- generation
 CASES = [
     ("def main():", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)),
