@@ -202,7 +202,10 @@ class Engine:
         now = time.perf_counter()
         self._start_forks(out, forks, sampled, now)  # before update, which may finish (and free) a parent
         self.scheduler.update(out, sampled, now)
-        outputs = self._emit_progress([item.seq for item in out.scheduled] + [child for _, child in forks])
+        advanced = [item.seq for item in out.scheduled] + [child for _, child in forks]
+        outputs = self._emit_progress(advanced)  # may finish sequences too (stop strings)
+        if self.spec is not None:
+            self.spec.release_finished(advanced)
         self._record_step(out, time.perf_counter() - start, len(sampled))
         return outputs
 

@@ -181,6 +181,13 @@ class SpecDecoder:
         step.spec_state = self.stats.spec_state
         step.num_draft_tokens, step.num_accepted_tokens = self.step_counts
 
+    def release_finished(self, seqs: list[Sequence]) -> None:
+        """Drop the proposer's state (a draft's KV) of sequences that finished this step, before their request does
+        (n > 1: the others may run on)."""
+        for seq in seqs:
+            if seq.is_finished:
+                self.proposer.release(seq)
+
     def finish(self, seqs: list[Sequence], output: RequestOutput) -> None:
         """A request finished: drop the proposer's state; report its acceptance in ``output.metrics``."""
         for seq in seqs:

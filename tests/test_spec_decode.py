@@ -119,3 +119,18 @@ def test_cli_speculative_generate_on_the_embedded_default():
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("def fibonacci(n):")
     assert '"spec_proposed"' in result.output and '"spec_steps_on"' in result.output
+
+
+def test_a_finished_fork_frees_its_draft_kv_before_its_request_ends():
+    e = engine(proposer="draft-model", num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=4, stop=["\n"])
+    e.add_request("def fibonacci(n):\n", params)
+    early = 0
+    while e.has_unfinished():
+        e.step()
+        for req in e.requests.values():
+            done = [seq for seq in req.seqs if seq.is_finished]
+            early += bool(done)
+            assert all(seq.seq_id not in e.spec.proposer.shadows for seq in done)
+    assert early, "no completion finished before its siblings: the check above never ran"
+    assert drained(e) and e.spec.proposer.kv.stats().used_blocks == 0
