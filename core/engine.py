@@ -13,8 +13,8 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import ConfigError, InvalidRequestError, NotFoundError
-from .interfaces import Proposer, SchedulerOutput
+from .errors import ConfigError, InvalidRequestError, NotFoundError, PluginError
+from .interfaces import AttentionBackend, Proposer, SchedulerOutput
 from .loader import LoadedModel, load_model
 from .metrics import EngineStats, StepStats
 from .plugins import PluginManager
@@ -62,8 +62,7 @@ class Engine:
         self.max_model_len = spec.max_model_len
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
-        attention_name = config.attention or self._default_attention()
-        self.attention = self.plugins.registry("attention_backend").get(attention_name)(config)
+        attention_name, self.attention = self._make_attention()
         self.kv_dtype, kv_scales = self._kv_cache_format()
         proposer = self._make_proposer()  # before the KV pool is sized: a draft model takes memory too
         self.num_blocks = self._num_kv_blocks()
@@ -95,12 +94,22 @@ class Engine:
         self._seq_ids = itertools.count()
 
     # ------------------------------------------------------------ setup
-    def _default_attention(self) -> str:
+    def _make_attention(self) -> tuple[str, AttentionBackend]:
+        """The named backend; by default `triton` on CUDA, `cpu` on the CPU (it compiles a C kernel: without a
+        working C compiler, `torch`, with a warning that says why)."""
+        registry, config = self.plugins.registry("attention_backend"), self.config
+        if config.attention:
+            return config.attention, registry.get(config.attention)(config)
         if self.loaded.device.type == "cuda":
-            if "triton" in self.plugins.registry("attention_backend"):
-                return "triton"
+            if "triton" in registry:
+                return "triton", registry.get("triton")(config)
             log.warning("CUDA device but no 'triton' attention backend is registered; using 'torch'")
-        return "torch"
+        elif "cpu" in registry:
+            try:
+                return "cpu", registry.get("cpu")(config)
+            except PluginError as exc:
+                log.warning("attention backend 'cpu' is unavailable, using 'torch': %s", exc)
+        return "torch", registry.get("torch")(config)
 
     def _make_proposer(self) -> Proposer | None:
         c = self.config

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ class DecodeGroup:
 
 @dataclass
 class TorchAttentionPlan:
-    decodes: list[DecodeGroup]  # decodes of similar context lengths, so that little is padded
+    decodes: Any  # what _plan_decodes made: here, groups of decodes of similar context lengths (little padding)
     prefills: list[PrefillItem]
 
 
@@ -72,9 +73,13 @@ class TorchAttention(AttentionBackend):
                 mask = pos[None, :] <= torch.arange(length - n, length, device=device)[:, None]
             blocks = tables[i, : -(-length // size)].long()
             prefills.append(PrefillItem(slice(starts[i], starts[i] + n), blocks, length, mask))
-        decode_idx.sort(key=lambda i: meta.context_lens_cpu[i])
+        return TorchAttentionPlan(self._plan_decodes(meta, decode_idx, starts), prefills)
+
+    def _plan_decodes(self, meta: AttentionMetadata, decode_idx: list[int], starts: list[int]) -> Any:
+        """The decodes' part of the plan: sequences ``decode_idx`` have one query token each, at row starts[i]."""
+        decode_idx = sorted(decode_idx, key=lambda i: meta.context_lens_cpu[i])
         groups = [decode_idx[g : g + DECODE_GROUP] for g in range(0, len(decode_idx), DECODE_GROUP)]
-        return TorchAttentionPlan([self._decode_group(meta, group, starts) for group in groups], prefills)
+        return [self._decode_group(meta, group, starts) for group in groups]
 
     @staticmethod
     def _decode_group(meta: AttentionMetadata, group: list[int], starts: list[int]) -> DecodeGroup:
@@ -97,13 +102,7 @@ class TorchAttention(AttentionBackend):
         k_raw.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, _raw(_to_cache(k, cache_dtype, k_scale)))
         v_raw.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, _raw(_to_cache(v, cache_dtype, v_scale)))
         out = torch.empty_like(q)
-        for group in plan.decodes:
-            qd = q.index_select(0, group.rows).unsqueeze(2)  # [G, Hq, 1, D]
-            kd = _from_cache(self._gather("k", k_raw, group.blocks), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
-            vd = _from_cache(self._gather("v", v_raw, group.blocks), cache_dtype, q.dtype, v_scale)
-            res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.mask,
-                                                 scale=scale, enable_gqa=True)
-            out.index_copy_(0, group.rows, res.squeeze(2))
+        self._attend_decodes(plan.decodes, q, kv_cache, scale, out)
         fresh = k_scale is None and cache_dtype == k.dtype  # a whole-context query can read k/v as computed
         for item in plan.prefills:
             qp = q[item.tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -117,6 +116,20 @@ class TorchAttention(AttentionBackend):
                                                  enable_gqa=True)
             out[item.tokens] = res[0].transpose(0, 1)
         return out
+
+    def _attend_decodes(self, decodes: Any, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                        scale: float, out: torch.Tensor) -> None:
+        """Write the decodes' attention rows into ``out``; the cache already holds this step's K/V."""
+        k_scale, v_scale = kv_cache_scales(kv_cache)
+        cache_dtype = kv_cache[0].dtype
+        k_raw, v_raw = _raw(kv_cache[0]), _raw(kv_cache[1])
+        for group in decodes:
+            qd = q.index_select(0, group.rows).unsqueeze(2)  # [G, Hq, 1, D]
+            kd = _from_cache(self._gather("k", k_raw, group.blocks), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
+            vd = _from_cache(self._gather("v", v_raw, group.blocks), cache_dtype, q.dtype, v_scale)
+            res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.mask,
+                                                 scale=scale, enable_gqa=True)
+            out.index_copy_(0, group.rows, res.squeeze(2))
 
 
     def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

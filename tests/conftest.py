@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+
+from infer.core.interfaces import AttentionMetadata
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,3 +60,63 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
         return out
 
     return run
+
+
+@dataclass
+class PagedBatch:
+    """A mixed attention batch over a paged cache (see :func:`paged_batch`)."""
+
+    q: torch.Tensor  # [T, Hkv * group, D], a strided view, as a fused qkv projection gives
+    k: torch.Tensor  # [T, Hkv, D] this step's new keys (not yet in the cache)
+    v: torch.Tensor
+    k_cache: torch.Tensor  # [num_blocks, page, Hkv, D] holding every sequence's cached prefix
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    query_lens: list[int]
+    full_k: list[torch.Tensor]  # per sequence, every key of its context [C, Hkv, D]: the dense reference's input
+    full_v: list[torch.Tensor]
+
+
+def paged_batch(seqs: list[tuple[int, int]], kv_heads: int, group: int, head_dim: int, page: int, num_blocks: int,
+                dtype: torch.dtype, device: torch.device) -> PagedBatch:
+    """Sequences given as (cached tokens, new tokens), their blocks in random order across the pool."""
+    context = [c + n for c, n in seqs]
+    full_k = [torch.randn(c, kv_heads, head_dim, dtype=dtype, device=device) for c in context]
+    full_v = [torch.randn(c, kv_heads, head_dim, dtype=dtype, device=device) for c in context]
+    blocks = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(len(seqs), max(-(-c // page) for c in context), dtype=torch.int32)
+    k_cache = torch.zeros(num_blocks, page, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slots, new_k, new_v = [], [], []
+    for i, ((cached, _), ctx) in enumerate(zip(seqs, context, strict=True)):
+        need = -(-ctx // page)
+        tables[i, :need] = torch.tensor(blocks[:need])
+        blocks = blocks[need:]
+        pos = torch.arange(ctx)
+        seq_slots = (tables[i, pos // page] * page + pos % page).long().to(device)
+        block, offset = seq_slots[:cached] // page, seq_slots[:cached] % page
+        k_cache[block, offset], v_cache[block, offset] = full_k[i][:cached], full_v[i][:cached]  # the cached prefix
+        slots.append(seq_slots[cached:])
+        new_k.append(full_k[i][cached:])
+        new_v.append(full_v[i][cached:])
+    query_lens = [n for _, n in seqs]
+    qkv = torch.randn(sum(query_lens), kv_heads * (group + 2), head_dim, dtype=dtype, device=device)
+    q = qkv[:, : kv_heads * group]
+    k, v = qkv[:, kv_heads * group : kv_heads * (group + 1)], qkv[:, kv_heads * (group + 1) :]
+    k.copy_(torch.cat(new_k))
+    v.copy_(torch.cat(new_v))
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots), block_tables=tables.to(device),
+        query_start=torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device),
+        context_lens=torch.tensor(context, dtype=torch.int32, device=device), query_lens_cpu=query_lens,
+        context_lens_cpu=context, block_size=page, max_query_len=max(query_lens), max_context_len=max(context))
+    return PagedBatch(q, k, v, k_cache, v_cache, meta, query_lens, full_k, full_v)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [L, Hq, D] are the last L of the C positions of k/v [C, Hkv, D]; causal SDPA in fp32."""
+    group, (length, context) = q.shape[1] // k.shape[1], (q.shape[0], k.shape[0])
+    mask = torch.arange(context)[None, :] <= torch.arange(context - length, context)[:, None]
+    k, v = (t.float().repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask.to(q.device), scale=scale)
+    return out.transpose(0, 1)
