@@ -21,6 +21,7 @@ class PagedKVCache(KVCache):
     A registered full block has a key (the id of the prefix before it, its own tokens) and a prefix id of its own,
     never reused. Dict lookups compare keys exactly and ids name one prefix each, so a match is exact by
     induction from the root: no hash of the prefix is trusted (a crafted prompt cannot collide into another's KV).
+    Evicting a block unregisters its descendants too, so every registered block is reachable from the root.
     """
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy, prefix_caching: bool) -> None:
@@ -31,6 +32,7 @@ class PagedKVCache(KVCache):
         self.block_prefix_id = [ROOT] * num_blocks  # of registered blocks
         self.key_to_block: dict[BlockKey, int] = {}
         self.prefix_id_to_block: dict[int, int] = {}  # the live prefix ids
+        self.children: dict[int, set[int]] = {}  # prefix id -> registered blocks whose key starts with it
         self.next_prefix_id = ROOT + 1
         self.free_list: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
@@ -75,12 +77,28 @@ class PagedKVCache(KVCache):
         prefix_id, self.next_prefix_id = self.next_prefix_id, self.next_prefix_id + 1
         self.block_key[block], self.block_prefix_id[block] = key, prefix_id
         self.key_to_block[key], self.prefix_id_to_block[prefix_id] = block, block
+        self.children.setdefault(key[0], set()).add(block)
         return prefix_id
 
     def _unregister(self, block: int) -> None:
-        del self.key_to_block[self.block_key[block]]  # type: ignore[index]
-        del self.prefix_id_to_block[self.block_prefix_id[block]]
-        self.block_key[block], self.block_prefix_id[block] = None, ROOT
+        """Forget a block's key, and its registered descendants' keys: no lookup can reach them any more (their
+        prefix id dies with it). Descendants that only the cache held go back to the free list."""
+        parent = self.block_key[block][0]  # type: ignore[index]
+        siblings = self.children[parent]
+        siblings.discard(block)
+        if not siblings:
+            del self.children[parent]
+        stack = [block]
+        while stack:
+            b = stack.pop()
+            del self.key_to_block[self.block_key[b]]  # type: ignore[index]
+            del self.prefix_id_to_block[self.block_prefix_id[b]]
+            stack.extend(self.children.pop(self.block_prefix_id[b], ()))
+            self.block_key[b], self.block_prefix_id[b] = None, ROOT
+            if b != block and self.ref[b] == 0:
+                self.eviction.remove(b)
+                self.free_list.append(b)
+                self.counters.evictions += 1
 
     def _release(self, block: int, priority: int) -> None:
         self.ref[block] -= 1
@@ -192,9 +210,8 @@ def register_kv_caches(register: Register[KVCacheFactory]) -> None:
     register("paged", factory)
 
 
-def cached_prefix(kv: PagedKVCache, block: int) -> tuple[int, ...] | None:
-    """The whole token prefix a registered block stands for, or None when it is unreachable (an ancestor was
-    evicted). For tests and debugging."""
+def cached_prefix(kv: PagedKVCache, block: int) -> tuple[int, ...]:
+    """The whole token prefix a registered block stands for, read back through its ancestors' keys (tests)."""
     tokens: list[int] = []
     while True:
         key = kv.block_key[block]
@@ -203,6 +220,4 @@ def cached_prefix(kv: PagedKVCache, block: int) -> tuple[int, ...] | None:
         tokens[:0] = own
         if prefix == ROOT:
             return tuple(tokens)
-        if prefix not in kv.prefix_id_to_block:
-            return None
-        block = kv.prefix_id_to_block[prefix]
+        block = kv.prefix_id_to_block[prefix]  # KeyError: an unreachable registered block

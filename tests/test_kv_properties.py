@@ -383,9 +383,10 @@ class KVMachine(RuleBasedStateMachine):
                 held = self.content[block]
                 assert len(held) % BLOCK == 0 and kv.key_to_block[key] == block
                 assert kv.prefix_id_to_block[kv.block_prefix_id[block]] == block
-                prefix = cached_prefix(kv, block)  # None: unreachable from the root, so never matched
-                assert prefix is None or prefix == held, f"registered block {block} does not hold its prefix"
+                assert cached_prefix(kv, block) == held, f"registered block {block} does not hold its prefix"
+                assert block in kv.children[key[0]]
         assert len(kv.key_to_block) == len(kv.prefix_id_to_block) == sum(k is not None for k in kv.block_key)
+        assert sum(map(len, kv.children.values())) == len(kv.key_to_block)
         assert len(kv.eviction) == sum(k is not None and not r for k, r in zip(kv.block_key, kv.ref))
 
     def check_tree(self) -> None:
@@ -459,3 +460,29 @@ def test_paged_refused_allocate_changes_nothing() -> None:
     seq = Sequence(0, "r", list(range(12)), SamplingParams(), 0.0)
     assert not kv.allocate(seq, 12)
     assert kv.tables == {} and kv.match_prefix(seq) == 0
+
+
+def test_evicting_a_prefix_block_unregisters_what_follows_it() -> None:
+    """Found by the state machine: with `priority` eviction a prefix block can go before the block after it; that
+    block must leave the cache with it, or a later prompt with the same prefix misses what the cache holds."""
+    from infer.plugins.eviction import PriorityPolicy
+
+    kv = PagedKVCache(6, BLOCK, PriorityPolicy(), True)
+    seqs = itertools.count()
+
+    def run(prompt: list[int], priority: int) -> Sequence:
+        seq = Sequence(next(seqs), "r", prompt, SamplingParams(priority=priority), 0.0)
+        seq.num_computed_tokens = kv.match_prefix(seq)
+        assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        kv.commit(seq)
+        return seq
+
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    kv.free(run(a + b + [9], priority=9))  # caches A, then A+B after it
+    kv.free(run(a + [10] * 5, priority=0))  # a hit on A, which goes back to the cache with a lower priority
+    kv.free(run([0] * 5 * BLOCK, priority=5))  # evicts the priority-0 blocks, A first
+    kv.free(run(a + [11], priority=0))  # caches A again, as a new prefix
+    probe = Sequence(next(seqs), "r", a + b + [12], SamplingParams(), 0.0)
+    assert kv.match_prefix(probe) == BLOCK  # A; the block of A+B left the cache when A did
+    assert all(cached_prefix(kv, block) for block in kv.key_to_block.values())
