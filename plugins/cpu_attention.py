@@ -57,7 +57,11 @@ class CpuAttention(TorchAttention):
         if not decode_idx:
             return None
         lens = [meta.context_lens_cpu[i] for i in decode_idx]
-        tables = meta.block_tables[decode_idx, : -(-max(lens) // meta.block_size)].to(torch.int32).contiguous()
+        width = -(-max(lens) // meta.block_size)
+        tables = meta.block_tables[decode_idx, :width].to(torch.int32).contiguous()
+        if tables.shape[1] < width or int(tables.min()) < 0:  # the kernel reads table[len // block_size] blindly
+            raise PluginError(f"block tables of width {tables.shape[1]} (min entry {int(tables.min())}) cannot hold "
+                              f"contexts of {max(lens)} tokens in blocks of {meta.block_size}")
         return CpuDecodes(torch.tensor([starts[i] for i in decode_idx], dtype=torch.int64), tables,
                           torch.tensor(lens, dtype=torch.int32), max(lens), int(tables.max()))
 
@@ -74,7 +78,8 @@ class CpuAttention(TorchAttention):
                 raise PluginError(f"the cpu attention kernel needs float32 CPU tensors, got {name} {t.dtype} on "
                                   f"{t.device}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous() and q.stride(2) == 1
-                and q.stride(1) == head_dim and q.shape[1] % kv_heads == 0 and decodes.max_block < num_blocks):
+                and q.stride(1) == head_dim and q.shape[1] % kv_heads == 0 and decodes.max_block < num_blocks
+                and int(decodes.rows.max()) < q.shape[0] == out.shape[0]):
             raise PluginError("the cpu attention kernel got tensors of an unexpected layout")
         seqs = decodes.rows.numel()
         failed = self.kernel(
@@ -105,27 +110,36 @@ def _cpu_identity() -> str:
 
 
 def build_kernel(cache_dir: Path | None = None) -> Any:
-    """Compile the kernel (once per source, flags, compiler and CPU), load it and return its C function."""
+    """Compile the kernel (once per source, flags, compiler and CPU), load it and return its C function. Every
+    failure, the file system's and the loader's included, is a PluginError."""
     cc = find_compiler()
     native = "-march=native" if platform.machine().lower() in ("x86_64", "amd64") else "-mcpu=native"
-    flags = ["-O3", native, "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
-                                     _cpu_identity().encode()])).hexdigest()[:16]
-    cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infer"
-    library = cache_dir / f"cpu_attention-{key}.so"
-    if not library.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        log.info("compiling the cpu attention kernel into %s (once)", library)
-        with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-            built = Path(tmp) / library.name
-            result = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
-                                    text=True)
-            if result.returncode != 0:
-                raise PluginError(f"compiling {SOURCE.name} with {cc} failed; fix the compiler (OpenMP is needed) "
-                                  f"{HINT}:\n{result.stderr[-2000:]}")
-            os.replace(built, library)  # atomic: a concurrent engine never loads a half-written file
-    function = ctypes.CDLL(str(library)).paged_decode_attention_f32
+    # -ffast-math only compiles: linked with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero
+    # for the whole process when the library loads (torch would then lose every subnormal float).
+    compile_flags = ["-O3", native, "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c"]
+    link_flags = ["-shared", "-fopenmp"]
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+        key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(compile_flags + link_flags).encode(),
+                                         version.encode(), _cpu_identity().encode()])).hexdigest()[:16]
+        cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infer"
+        library = cache_dir / f"cpu_attention-{key}.so"
+        if not library.exists():
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            log.info("compiling the cpu attention kernel into %s (once)", library)
+            with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+                built, obj = Path(tmp) / library.name, Path(tmp) / "cpu_attention.o"
+                for command in ([cc, *compile_flags, str(SOURCE), "-o", str(obj)],
+                                [cc, *link_flags, str(obj), "-o", str(built), "-lm"]):
+                    result = subprocess.run(command, capture_output=True, text=True)
+                    if result.returncode != 0:
+                        raise PluginError(f"building {SOURCE.name} with {cc} failed; fix the compiler (OpenMP is "
+                                          f"needed) {HINT}:\n{result.stderr[-2000:]}")
+                os.replace(built, library)  # atomic: a concurrent engine never loads a half-written file
+        function = ctypes.CDLL(str(library)).paged_decode_attention_f32
+    except OSError as exc:
+        raise PluginError(f"the cpu attention kernel could not be built or loaded ({exc}); set XDG_CACHE_HOME to a "
+                          f"writable folder {HINT}") from exc
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     function.argtypes = [pointer, i64, pointer, pointer, pointer, i64, pointer, pointer, i32, i32, i32, i32, i32, i32,
                          ctypes.c_float, pointer, i64, i32]

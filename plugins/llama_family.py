@@ -52,7 +52,10 @@ def pointwise_ops(config: EngineConfig) -> PointwiseOps:
     try:
         return triton_ops()
     except ImportError as exc:
-        raise ConfigError(f"the fused Triton ops cannot import triton ({exc}); use --no-fused-ops") from exc
+        if config.fused_ops is None:  # the default on CUDA: say why, run the torch ops
+            log.warning("fused ops are off: triton cannot be imported (%s)", exc)
+            return TORCH_OPS
+        raise ConfigError(f"--fused-ops needs triton, which cannot be imported ({exc}); use --no-fused-ops") from exc
 
 
 @hookimpl

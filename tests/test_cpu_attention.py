@@ -98,3 +98,28 @@ def test_the_library_is_built_once_and_reused(tmp_path: Path) -> None:
 def test_refused_on_cuda() -> None:
     with pytest.raises(PluginError, match="runs on the CPU"):
         cpu_attention.create_backend(EngineConfig(device="cuda"))
+
+
+def test_loading_the_kernel_keeps_subnormal_floats(tmp_path: Path) -> None:
+    """Linked with -ffast-math, the library's constructor would turn on flush-to-zero for the whole process."""
+    cpu_attention.build_kernel(tmp_path)  # a fresh cache: compiled and loaded now
+    assert torch.tensor([1e-38]).div(100).item() == pytest.approx(1e-40, rel=1e-3, abs=0)  # not flushed to 0
+
+
+def test_an_unwritable_cache_is_a_plugin_error_and_the_default_falls_back(monkeypatch, tmp_path: Path, checkpoint,
+                                                                          caplog) -> None:
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_folder))
+    with pytest.raises(PluginError, match="could not be built or loaded.*XDG_CACHE_HOME"):
+        cpu_attention.create_backend(EngineConfig(device="cpu"))
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        engine = Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", num_kv_blocks=32))
+    assert engine.active["attention"] == "torch" and "XDG_CACHE_HOME" in caplog.text
+
+
+def test_a_block_table_too_short_for_its_context_is_refused(backend) -> None:
+    batch = paged_batch([(40, 1), (3, 1)], 2, 2, 32, 16, 16, torch.float32, torch.device("cpu"))
+    batch.meta.block_tables = batch.meta.block_tables[:, :2]  # 41 tokens need 3 blocks of 16
+    with pytest.raises(PluginError, match="cannot hold contexts of 41 tokens"):
+        backend.prepare(batch.meta)

@@ -200,3 +200,24 @@ def test_fused_ops_are_refused_on_the_cpu_without_the_interpreter(monkeypatch: p
     with pytest.raises(ConfigError, match="drop --fused-ops"):
         pointwise_ops(EngineConfig(device="cpu", fused_ops=True))
     assert pointwise_ops(EngineConfig(device="cpu")).name == "torch"  # the default on a CPU
+
+
+def test_fused_ops_default_on_cuda_without_triton_warns_and_runs_torch_ops(monkeypatch: pytest.MonkeyPatch,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from infer.core import loader
+    from infer.core.config import EngineConfig
+    from infer.core.errors import ConfigError
+    from infer.plugins.llama_family import pointwise_ops
+
+    def no_triton() -> None:
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(loader, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(layers, "triton_ops", no_triton)
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        assert pointwise_ops(EngineConfig(device="cuda")).name == "torch"
+    assert "fused ops are off" in caplog.text
+    with pytest.raises(ConfigError, match="--no-fused-ops"):
+        pointwise_ops(EngineConfig(device="cuda", fused_ops=True))
