@@ -8,6 +8,7 @@ Neither reports KV usage, prefix hits, acceptance or preemptions: those metrics 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -136,8 +137,11 @@ class HFArm:
         blocks_per_request = math.ceil(longest / CB_PAGE_SIZE) + 1
         num_blocks = max(16, min(blocks_per_request * max(concurrent, 1), 8192))
         max_batch_tokens = 512 if self.device.type == "cpu" else 8192
-        return ContinuousBatchingConfig(num_blocks=num_blocks, page_size=CB_PAGE_SIZE,
-                                        max_batch_tokens=max_batch_tokens)
+        # the page size is `page_size` in newer transformers and `block_size` in 5.17 (the GPU image)
+        page = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
+            else "block_size"
+        return ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                                        **{page: CB_PAGE_SIZE})
 
     def _run_cb(self, workload: Workload, on_request_done: Callable[[], None]) -> RunResult:
         longest = workload.longest_request()

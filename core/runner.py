@@ -138,7 +138,7 @@ class ModelRunner:
         self.apply_block_ops(out.block_ops)
         batch = self.prepare(out, kv)
         if self.graphs is not None and self.graphs.fits(batch.meta, batch.input_ids.shape[0]):
-            return batch, self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # all rows sample
+            return batch, self.graphs.replay(batch.input_ids, batch.positions, batch.meta)[batch.sample_rows]
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
         return batch, self.model.compute_logits(hidden[batch.sample_rows])
 

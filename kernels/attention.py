@@ -186,7 +186,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 (Triton 3.6 enforces it)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, scale * LOG2E, *_scales(k_scale, v_scale, q),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -292,7 +292,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None,
         num_warps=num_warps)
     return out
 

@@ -47,9 +47,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: int32 [rows, cols / 8] -> int32 [rows, cols] with values 0..15."""
     if packed.dtype != torch.int32 or packed.dim() != 2:
         raise ValueError(f"unpack_int4 needs a 2-D int32 tensor, got {packed.dtype} {tuple(packed.shape)}")
-    shifts = torch.arange(0, 32, BITS, device=packed.device, dtype=torch.int32)
-    nibbles = (packed.unsqueeze(-1) >> shifts) & MAX_Q  # [rows, cols / 8, nibble]; & drops the sign extension
-    return nibbles[:, :, list(AWQ_INVERSE)].reshape(packed.shape[0], -1)
+    # column j of a group of 8 sits in nibble AWQ_INVERSE[j] = (j >> 1) + 4 * (j & 1); computed on the device, with
+    # no index list from the host, so that it can run inside CUDA graph capture
+    j = torch.arange(PACK, device=packed.device, dtype=torch.int32)
+    shifts = BITS * ((j >> 1) + 4 * (j & 1))
+    columns = (packed.unsqueeze(-1) >> shifts) & MAX_Q  # [rows, cols / 8, column]; & drops the sign extension
+    return columns.reshape(packed.shape[0], -1)
 
 
 def _round_up_to_fp16(x: torch.Tensor) -> torch.Tensor:

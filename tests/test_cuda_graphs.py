@@ -20,7 +20,7 @@ def test_graph_decode_equals_eager(name, checkpoint):
     outputs = {}
     for graphs in (False, True):
         engine = Engine(EngineConfig(model=str(checkpoint(name)), device="cuda", dtype="float32",
-                                     attention="triton", cuda_graphs=graphs, max_num_seqs=16))
+                                     attention="triton", cuda_graphs=graphs, max_num_seqs=16, num_kv_blocks=256))
         assert (engine.runner.graphs is not None) == graphs
         outputs[graphs] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
     assert outputs[True] == outputs[False]

@@ -359,7 +359,7 @@ def test_fp8_kv_triton_backend_equals_torch_backend(device: str, tiny_model: Pat
     prompts = [seeded_prompts(1, 20, seed=7)[0], [17, 18, 19]]
     outputs = {}
     for backend in ("torch", "triton"):
-        engine = Engine(EngineConfig(model=str(tiny_model), device=device, attention=backend, num_kv_blocks=16,
-                                     kv_cache_dtype="fp8"), plugins)
+        engine = Engine(EngineConfig(model=str(tiny_model), device=device, dtype="float32", attention=backend,
+                                     num_kv_blocks=16, kv_cache_dtype="fp8"), plugins)
         outputs[backend] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
     assert outputs["triton"] == outputs["torch"]
