@@ -271,7 +271,7 @@ class Engine:
         """Build the delta output of a request: new tokens and text, stop strings, finish."""
         deltas = []
         for i, seq in enumerate(req.seqs):
-            new = seq.output_token_ids[req.sent[i]:]
+            new = seq.token_ids[seq.num_prompt_tokens + req.sent[i] :]  # not output_token_ids: that copies it all
             if seq.seq_id not in seq_ids or (not new and not seq.is_finished):
                 continue
             req.sent[i] += len(new)
