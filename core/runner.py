@@ -1,6 +1,7 @@
 """ModelRunner: owns the KV tensors; turns a SchedulerOutput into flat batch tensors, runs the model, samples."""
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,8 +62,15 @@ class ModelRunner:
         spec = model.spec
         return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
 
-    def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
+    def _tensor(self, data: list[int] | array.array, dtype: torch.dtype) -> torch.Tensor:
+        """A host list of ints on the device. Through array.array and frombuffer: torch.tensor(list) converts
+        element by element, 3-4x slower (4x for a nested block-table list)."""
+        codes = {torch.int64: "q", torch.int32: "i"}
+        if not isinstance(data, array.array):
+            data = array.array(codes[dtype], data)
+        t = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
+        if self._pin:
+            t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
     def prepare(self, out: SchedulerOutput, kv: KVCache) -> Batch:
@@ -95,11 +103,13 @@ class ModelRunner:
                 draft_rows.extend(range(query_start[-1] - len(drafts), query_start[-1]))
                 draft_counts.append(len(drafts))
         width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        padded = array.array("i", bytes(4 * width * len(tables)))  # [B, width], zero padding
+        for i, table in enumerate(tables):
+            padded[i * width : i * width + len(table)] = array.array("i", table)
         query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(padded, torch.int32) if padded else torch.zeros(0, 0, dtype=torch.int32),
+            block_tables=self._tensor(padded, torch.int32).view(len(tables), width),
             query_start=self._tensor(query_start, torch.int32),
             context_lens=self._tensor(context_lens, torch.int32),
             query_lens_cpu=query_lens,
