@@ -85,9 +85,9 @@ class ContinuousScheduler(Scheduler):
             self.swap.begin_step()
         budget = self.token_budget
         kept: list[Sequence] = []
-        queue = list(self.running)
+        queue = deque(self.running)
         while queue and budget > 0:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             n = min(seq.num_tokens - seq.num_computed_tokens, budget if self.chunked else 1 << 30)
             while not self.kv.allocate(seq, n):
                 victim = queue.pop() if queue else seq
@@ -98,7 +98,7 @@ class ContinuousScheduler(Scheduler):
                 kept.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
-        self.running = kept + queue  # sequences left in `queue` got no budget this step but keep their blocks
+        self.running = kept + list(queue)  # sequences left in `queue` got no budget this step but keep their blocks
         if not out.preempted:
             self._admit(out, budget)
         out.block_ops = self.kv.take_block_ops()
