@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
 
 
+ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}  # array.array type codes of the host index tensors
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [T]
@@ -65,9 +68,8 @@ class ModelRunner:
     def _tensor(self, data: list[int] | array.array, dtype: torch.dtype) -> torch.Tensor:
         """A host list of ints on the device. Through array.array and frombuffer: torch.tensor(list) converts
         element by element, 3-4x slower (4x for a nested block-table list)."""
-        codes = {torch.int64: "q", torch.int32: "i"}
         if not isinstance(data, array.array):
-            data = array.array(codes[dtype], data)
+            data = array.array(ARRAY_CODES[dtype], data)
         t = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
         if self._pin:
             t = t.pin_memory()

@@ -41,7 +41,8 @@ class CpuDecodes:
     tables: torch.Tensor  # [S, W] int32 block tables
     lens: torch.Tensor  # [S] int32 context lengths
     max_len: int
-    max_block: int  # the largest block id in ``tables``, checked against the cache before any pointer is passed
+    max_block: int  # the largest block id in ``tables`` and the largest row: checked against the tensors of each
+    max_row: int  # layer before any pointer reaches C
 
 
 class CpuAttention(TorchAttention):
@@ -62,8 +63,9 @@ class CpuAttention(TorchAttention):
         if tables.shape[1] < width or int(tables.min()) < 0:  # the kernel reads table[len // block_size] blindly
             raise PluginError(f"block tables of width {tables.shape[1]} (min entry {int(tables.min())}) cannot hold "
                               f"contexts of {max(lens)} tokens in blocks of {meta.block_size}")
-        return CpuDecodes(torch.tensor([starts[i] for i in decode_idx], dtype=torch.int64), tables,
-                          torch.tensor(lens, dtype=torch.int32), max(lens), int(tables.max()))
+        rows = [starts[i] for i in decode_idx]
+        return CpuDecodes(torch.tensor(rows, dtype=torch.int64), tables, torch.tensor(lens, dtype=torch.int32),
+                          max(lens), int(tables.max()), max(rows))
 
     def _attend_decodes(self, decodes: Any, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                         scale: float, out: torch.Tensor) -> None:
@@ -79,7 +81,7 @@ class CpuAttention(TorchAttention):
                                   f"{t.device}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous() and q.stride(2) == 1
                 and q.stride(1) == head_dim and q.shape[1] % kv_heads == 0 and decodes.max_block < num_blocks
-                and int(decodes.rows.max()) < q.shape[0] == out.shape[0]):
+                and decodes.max_row < q.shape[0] == out.shape[0]):
             raise PluginError("the cpu attention kernel got tensors of an unexpected layout")
         seqs = decodes.rows.numel()
         failed = self.kernel(
