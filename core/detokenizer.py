@@ -1,15 +1,33 @@
-"""Incremental detokenization: emit only text that can no longer change as more tokens arrive."""
+"""Incremental detokenization: emit only text that can no longer change as more tokens arrive.
+
+Two implementations with one contract (``add``, ``flush``, ``text``); :func:`detokenizer_factory` picks one per
+tokenizer. Both produce ``tokenizer.decode(ids, skip_special_tokens=True)`` of the output, decoded after a few
+prompt tokens of context.
+"""
 from __future__ import annotations
 
+import codecs
+import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so that leading spaces come out right
 
 
+class Detokenizer(Protocol):
+    text: str  # everything emitted so far (the engine may cut it at a stop string)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly final text (possibly empty while a UTF-8 character is incomplete)."""
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character decodes as U+FFFD)."""
+
+
 class IncrementalDetokenizer:
+    """Any tokenizer: decode a window before and after the new tokens, emit the difference."""
+
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
-        self.tokenizer = tokenizer
         self.decode = text_decoder(tokenizer)
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -17,7 +35,6 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def add(self, token_ids: list[int]) -> str:
-        """Append tokens; return the newly final text (possibly empty while a UTF-8 character is incomplete)."""
         self.ids.extend(token_ids)
         decode = self.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
@@ -30,13 +47,44 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """At the end: whatever is still held back (an incomplete character decodes as U+FFFD)."""
         decode = self.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
         tail = decode(self.ids[self.prefix_offset :])[len(prefix) :]
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += tail
         return tail
+
+
+class ByteLevelDetokenizer:
+    """Byte-level BPE (GPT-2, Llama 3, Qwen): each token is a fixed byte string, so decoding is a table lookup and
+    an incremental UTF-8 decoder, one per sequence; no window is decoded twice."""
+
+    def __init__(self, token_bytes: list[bytes], prompt_token_ids: list[int]) -> None:
+        self.token_bytes = token_bytes
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        # the context's text is not output, but a character it leaves open is completed by the output
+        self.utf8.decode(b"".join(token_bytes[t] for t in prompt_token_ids[-CONTEXT_TOKENS:]))
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        table = self.token_bytes
+        delta = self.utf8.decode(table[token_ids[0]] if len(token_ids) == 1 else b"".join(table[t] for t in token_ids))
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        tail = self.utf8.decode(b"", final=True)
+        self.text += tail
+        return tail
+
+
+def detokenizer_factory(tokenizer: Any) -> Callable[[list[int]], Detokenizer]:
+    """``factory(prompt_token_ids)`` -> a new detokenizer: the byte-level one when the tokenizer qualifies (see
+    :func:`byte_level_table`), else the window-decoding one."""
+    table = byte_level_table(tokenizer)
+    if table is not None:
+        return lambda prompt: ByteLevelDetokenizer(table, prompt)
+    return lambda prompt: IncrementalDetokenizer(tokenizer, prompt)
 
 
 def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
@@ -46,3 +94,42 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the other 68 bytes are moved to
+    U+0100 onwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+def byte_level_table(tokenizer: Any) -> list[bytes] | None:
+    """The bytes of every token id (special tokens: none, as skip_special_tokens drops them), or None unless the
+    tokenizer is a fast one whose decoder is exactly ByteLevel, without space clean-up. A token holding a character
+    outside the byte alphabet decodes to its own UTF-8, as the Rust decoder does. Checked against the tokenizer's
+    own decode for every id, and for every added token between two others; any difference gives None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        return None
+    byte_of = _byte_of_char()
+    added = backend.get_added_tokens_decoder()
+    size = backend.get_vocab_size(with_added_tokens=True)
+    table = []
+    for token_id in range(size):
+        token = backend.id_to_token(token_id)
+        if token is None or (token_id in added and added[token_id].special):
+            table.append(b"")
+        elif all(c in byte_of for c in token):
+            table.append(bytes(byte_of[c] for c in token))
+        else:
+            table.append(token.encode("utf-8"))
+    decode = backend.decode  # one call per id: faster here than decode_batch's thread pool (0.07 s for 128k ids)
+    plain = next((i for i in range(size) if i not in added and table[i]), 0)
+    checks = [[i] for i in range(size)] + [[plain, i, plain] for i in added]
+    ok = all(b"".join(table[i] for i in ids).decode("utf-8", "replace") == decode(ids, skip_special_tokens=True)
+             for ids in checks)
+    return table if ok else None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import Detokenizer, detokenizer_factory
 from .errors import ConfigError, InvalidRequestError, NotFoundError, PluginError
 from .interfaces import AttentionBackend, Proposer, SchedulerOutput
 from .loader import LoadedModel, load_model
@@ -34,7 +34,7 @@ class _Request:
     params: SamplingParams
     arrival: float
     seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer]
+    detoks: list[Detokenizer]
     sent: list[int] = field(default_factory=list)  # output tokens already emitted, per sequence
     emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
     pending_children: list[Sequence] = field(default_factory=list)  # n > 1: forked after the first prefill
@@ -58,6 +58,7 @@ class Engine:
         if config.cpu_threads is not None and self.loaded.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)  # process-wide: torch has one intra-op pool
         self.tokenizer = self.loaded.tokenizer
+        self.new_detokenizer = detokenizer_factory(self.tokenizer)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
@@ -85,6 +86,7 @@ class Engine:
                        "eviction_policy": config.eviction_policy, "quant": config.quant or "none",
                        "proposer": config.proposer or "none"}
         self.requests: dict[str, _Request] = {}
+        self.awaiting_fork: set[str] = set()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.spec: SpecDecoder | None = None
         if proposer is not None:
@@ -180,9 +182,11 @@ class Engine:
                          max_model_len=self.max_model_len) for i in range(params.n)]
         self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = _Request(request_id, ids, params, now, seqs,
-                                             [IncrementalDetokenizer(self.tokenizer, ids) for _ in seqs],
+                                             [self.new_detokenizer(ids) for _ in seqs],
                                              [0] * len(seqs), [0] * len(seqs), seqs[1:])
         self.stats.prompt_tokens += len(ids)
+        if params.n > 1:
+            self.awaiting_fork.add(request_id)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -206,7 +210,9 @@ class Engine:
             return []
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
+        scheduled = time.perf_counter()
         batch, logits = self.runner.execute(out, self.kv)
+        executed = time.perf_counter()
         sampled, forks = self._sample(out, batch, logits)
         now = time.perf_counter()
         self._start_forks(out, forks, sampled, now)  # before update, which may finish (and free) a parent
@@ -215,7 +221,7 @@ class Engine:
         outputs = self._emit_progress(advanced)  # may finish sequences too (stop strings)
         if self.spec is not None:
             self.spec.release_finished(advanced)
-        self._record_step(out, time.perf_counter() - start, len(sampled))
+        self._record_step(out, (start, scheduled, executed, now))
         return outputs
 
     def _sample(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor
@@ -229,7 +235,7 @@ class Engine:
         plain = [i for i, seq in enumerate(seqs) if seq.seq_id not in sampled]
         seqs, rows = [seqs[i] for i in plain], [rows[i] for i in plain]
         if seqs:
-            result = self.runner.sample(logits[rows], seqs)
+            result = self.runner.sample(logits if len(rows) == logits.shape[0] and not forks else logits[rows], seqs)
             for seq, token, entry in zip(seqs, result.token_ids, result.logprobs):
                 sampled[seq.seq_id] = [token]
                 if entry is not None:
@@ -256,7 +262,9 @@ class Engine:
     def _forks_due(self, seqs: list[Sequence], rows: list[int]) -> list[tuple[Sequence, Sequence]]:
         """n > 1: when the first sequence samples its first token, fork the others from it (sharing the prompt's
         KV blocks) and give each its own sample of the same logits row. Extends ``seqs``/``rows`` in place."""
-        forks = []
+        forks: list[tuple[Sequence, Sequence]] = []
+        if not self.awaiting_fork:
+            return forks
         for row, parent in enumerate(list(seqs)):
             req = self.requests[parent.request_id]
             if req.pending_children and parent.num_output_tokens == 0:
@@ -265,6 +273,7 @@ class Engine:
                     seqs.append(child)
                     rows.append(row)
                 req.pending_children = []
+                self.awaiting_fork.discard(req.request_id)
         return forks
 
     def _emit(self, req: _Request, seq_ids: set[int]) -> RequestOutput:
@@ -282,13 +291,13 @@ class Engine:
             text = self._text_delta(req, i, seq, detok)
             logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if req.params.logprobs is not None else None
             deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
-        finished = all(seq.is_finished for seq in req.seqs)
+        finished = req.seqs[0].is_finished if len(req.seqs) == 1 else all(seq.is_finished for seq in req.seqs)
         output = RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
         if finished:
             self._finish_request(req, output)
         return output
 
-    def _text_delta(self, req: _Request, i: int, seq: Sequence, detok: IncrementalDetokenizer) -> str:
+    def _text_delta(self, req: _Request, i: int, seq: Sequence, detok: Detokenizer) -> str:
         """New text of sequence i. With stop strings, the last (longest stop - 1) characters are held back until
         they cannot start a stop string, so that streamed text never has to be taken back."""
         stops = req.params.stop
@@ -304,6 +313,7 @@ class Engine:
 
     def _finish_request(self, req: _Request, output: RequestOutput) -> None:
         del self.requests[req.request_id]
+        self.awaiting_fork.discard(req.request_id)
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
             self.stats.output_tokens += seq.num_output_tokens
@@ -313,7 +323,8 @@ class Engine:
             self.spec.finish(req.seqs, output)
         self.plugins.hook.on_request_finished(output=output)
 
-    def _record_step(self, out: Any, duration: float, num_sampled: int) -> None:
+    def _record_step(self, out: Any, times: tuple[float, float, float, float]) -> None:
+        """Totals and the on_step hook; ``times`` are when the step started, scheduled, executed and sampled."""
         kv = self.kv.stats()
         s = self.stats
         s.steps += 1
@@ -325,8 +336,13 @@ class Engine:
         if s.num_running:
             s.kv_max_waste_per_seq = max(s.kv_max_waste_per_seq, s.kv_waste_slots / s.num_running)
         decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
-        step = StepStats(s.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
-                         s.num_waiting, s.num_running, len(out.preempted), kv)
+        start, scheduled, executed, sampled = times
+        end = time.perf_counter()
+        step = StepStats(s.steps, end - start, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
+                         s.num_waiting, s.num_running, len(out.preempted), kv, schedule_s=scheduled - start,
+                         execute_s=executed - scheduled, sample_s=sampled - executed, postprocess_s=end - sampled)
+        for phase in ("schedule", "execute", "sample", "postprocess"):
+            s.phase_s[phase] = s.phase_s.get(phase, 0.0) + getattr(step, f"{phase}_s")
         if self.spec is not None:
             self.spec.annotate(step)
         self.plugins.hook.on_step(stats=step)

@@ -27,6 +27,12 @@ class StepStats:
     spec_state: str = "off"  # speculative decoding this step: off (no proposer), on, or off-* (graceful degradation)
     num_draft_tokens: int = 0  # draft tokens verified this step
     num_accepted_tokens: int = 0  # of which accepted
+    # Host wall time of the step's phases. On a GPU, work is queued asynchronously: `execute_s` is preparing the
+    # batch and launching the forward pass, and the wait for the device falls in `sample_s`, which reads the tokens.
+    schedule_s: float = 0.0  # the scheduler (and the proposer's drafts, when speculating)
+    execute_s: float = 0.0  # building the batch tensors and running (or launching) the model
+    sample_s: float = 0.0  # sampling and, with speculation, verification
+    postprocess_s: float = 0.0  # appending tokens, stop checks, detokenization, outputs, stats
 
 
 @dataclass
@@ -50,6 +56,7 @@ class EngineStats:
     spec_emitted: int = 0  # tokens those verifications produced (accepted drafts + 1 each)
     spec_state: str = "off"  # the last step's: off (no proposer), on, off-large-batch, off-low-acceptance
     spec_steps: dict[str, int] = field(default_factory=dict)  # steps per speculation state
+    phase_s: dict[str, float] = field(default_factory=dict)  # summed StepStats phase times: schedule, execute, ...
     ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))  # the latest requests
     tpot_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
 
@@ -95,4 +102,5 @@ class EngineStats:
             "spec_steps_off_low_acceptance": self.spec_steps.get("off-low-acceptance", 0),
             "mean_ttft_ms": round(1000 * sum(self.ttft_s) / len(self.ttft_s), 3) if self.ttft_s else 0.0,
             "mean_tpot_ms": round(1000 * sum(self.tpot_s) / len(self.tpot_s), 3) if self.tpot_s else 0.0,
+            **{f"time_{phase}_s": round(seconds, 4) for phase, seconds in self.phase_s.items()},
         }

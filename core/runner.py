@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import array
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,24 +91,36 @@ class ModelRunner:
         for item in out.scheduled:
             seq, n, drafts = item.seq, item.num_new_tokens, item.draft_token_ids
             start = seq.num_computed_tokens
-            end = start + n + len(drafts)  # speculative verification: the drafts follow the real tokens
             table = kv.block_table(seq)
+            tables.append(table)
+            if n == 1 and not drafts and start + 1 == seq.num_tokens:  # a plain decode: the loop below, unrolled
+                tokens.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // size] * size + start % size)
+                sample_rows.append(query_start[-1])
+                query_start.append(query_start[-1] + 1)
+                context_lens.append(start + 1)
+                sample_seq_ids.append(seq.seq_id)
+                draft_counts.append(0)
+                continue
+            end = start + n + len(drafts)  # speculative verification: the drafts follow the real tokens
             tokens.extend(seq.token_ids[start : start + n])
             tokens.extend(drafts)
             positions.extend(range(start, end))
             slots.extend(table[p // size] * size + p % size for p in range(start, end))
             query_start.append(query_start[-1] + end - start)
             context_lens.append(end)
-            tables.append(table)
             if start + n == seq.num_tokens:
                 sample_rows.append(query_start[-1] - 1 - len(drafts))
                 sample_seq_ids.append(seq.seq_id)
                 draft_rows.extend(range(query_start[-1] - len(drafts), query_start[-1]))
                 draft_counts.append(len(drafts))
-        width = max(len(t) for t in tables)
-        padded = array.array("i", bytes(4 * width * len(tables)))  # [B, width], zero padding
-        for i, table in enumerate(tables):
-            padded[i * width : i * width + len(table)] = array.array("i", table)
+        width = max(map(len, tables))
+        flat: list[int] = []  # the block tables, zero-padded to [B, width]
+        for table in tables:
+            flat.extend(table)
+            flat.extend(itertools.repeat(0, width - len(table)))
+        padded = array.array("i", flat)
         query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
@@ -164,6 +177,8 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences)."""
+        if all(s.params.greedy and s.params.logprobs is None for s in seqs):
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
         generators = [
             None if s.params.seed is None else self.sampler.generator_for(s.seq_id, s.params.seed, s.index)
             for s in seqs

@@ -107,6 +107,8 @@ class ContinuousScheduler(Scheduler):
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
         occupied = sum(self._seats(s) for s in self.running)
         while self.waiting and occupied < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]

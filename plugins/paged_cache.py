@@ -136,6 +136,17 @@ class PagedKVCache(KVCache):
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         table = self.tables.get(seq.seq_id, [])
+        if num_tokens == 1 and table and seq.seq_id not in self.pending_match:  # a decode: the general case, shortened
+            index = seq.num_computed_tokens // self.block_size
+            if index < len(table):
+                block = table[index]
+                if self.ref[block] == 1 and self.block_key[block] is None:
+                    return True  # a private block with room
+            elif index == len(table):
+                if not self.free_list and not self.eviction:
+                    return False
+                table.append(self._take_block())
+                return True
         start, size = seq.num_computed_tokens, self.block_size
         needed = self.num_blocks_needed(start + num_tokens)
         new_blocks = max(needed - len(table), 0)

@@ -186,30 +186,3 @@ def test_review_regressions(engine, tiny_model):
         narrow.step()
         peak = max(peak, narrow.scheduler.num_running())
     assert peak <= 4
-
-
-@pytest.mark.parametrize("clean_up", [False, True], ids=["rust-decode", "python-decode"])
-def test_incremental_detokenizer_equals_one_decode(engine, clean_up):
-    from infer.core.detokenizer import IncrementalDetokenizer
-
-    tokenizer = engine.tokenizer
-    tokenizer.clean_up_tokenization_spaces = clean_up
-    try:
-        rng = random.Random(4)
-        special = sorted(tokenizer.all_special_ids)
-        for trial in range(20):  # random ids split multi-byte characters and mix in special tokens
-            prompt, output = rand_prompt(7, trial), [rng.randrange(len(tokenizer)) for _ in range(40)]
-            output[::9] = [special[trial % len(special)]] * len(output[::9])
-            detok = IncrementalDetokenizer(tokenizer, prompt)
-            chunks, start = [], 0
-            while start < len(output):
-                step = rng.randint(1, 3)
-                chunks.append(detok.add(output[start : start + step]))
-                start += step
-            chunks.append(detok.flush())
-            context = tokenizer.decode(prompt[-5:], skip_special_tokens=True)
-            full = tokenizer.decode(prompt[-5:] + output, skip_special_tokens=True)
-            assert full.startswith(context)
-            assert "".join(chunks) == detok.text == full[len(context) :]
-    finally:
-        tokenizer.clean_up_tokenization_spaces = False

@@ -97,9 +97,14 @@ def test_allow_list_loads_only_named_entry_points(monkeypatch):
 
 def test_event_hooks_observe_steps_and_finished_requests(tiny_model, infer_plugins):
     seen = {"steps": 0, "finished": []}
+    phases = ("schedule", "execute", "sample", "postprocess")
+    durations = []
 
     def on_step(stats):
         seen["steps"] += 1
+        times = [getattr(stats, f"{phase}_s") for phase in phases]
+        assert min(times) >= 0 and sum(times) == pytest.approx(stats.duration_s, rel=1e-9, abs=0)
+        durations.append(stats.duration_s)
 
     def on_request_finished(output):
         seen["finished"].append(output.request_id)
@@ -110,3 +115,6 @@ def test_event_hooks_observe_steps_and_finished_requests(tiny_model, infer_plugi
     while engine.has_unfinished():
         engine.step()
     assert seen == {"steps": 3, "finished": ["r1"]}
+    summary = engine.stats.summary()  # the phases' totals, as `infer generate --stats` prints them
+    total = sum(summary[f"time_{phase}_s"] for phase in phases)
+    assert total == pytest.approx(sum(durations), abs=4e-4)  # each total is rounded to 0.1 ms

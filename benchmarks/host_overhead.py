@@ -1,0 +1,76 @@
+"""Host overhead per output token: the anchor workload's requests on a minuscule model, split by engine phase.
+
+The model (hidden 64, one layer, vocabulary 1024) makes the forward pass nearly free, so what is left is the
+Python around it: scheduling, building the batch tensors, sampling, appending tokens, detokenizing, outputs.
+On a GPU the anchor model's decode step is a few milliseconds for up to 128 tokens; these microseconds per token
+are added to it (the engine does not yet overlap host work with the device).
+
+The phases come from the engine's own per-step timings (``StepStats``, summed in ``EngineStats.phase_s``). Prints
+a table last; ``--json FILE`` keeps the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import Preset, build_model, workload_requests  # noqa: E402
+
+HOST = Preset(dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+                   intermediate_size=64, vocab_size=1024, max_position_embeddings=2048),
+              "float32", 128, (32, 512), (4.5, 0.9), (8, 512), 32, 256)
+PHASES = ("schedule", "execute", "sample", "postprocess")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--requests", type=int, default=HOST.requests, help="requests sent at once")
+    parser.add_argument("--repeats", type=int, default=3, help="measured runs after one warm-up run")
+    parser.add_argument("--attention", default=None, help="attention backend (default: the engine's)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args()
+    import torch
+
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(1)
+    model = build_model(Path(tempfile.gettempdir()) / "infer-host-overhead", HOST.shape, HOST.dtype, "cpu")
+    requests = workload_requests(Preset(**{**HOST.__dict__, "requests": args.requests}))
+    engine = Engine(EngineConfig(model=str(model), device=device, attention=args.attention,
+                                 max_num_seqs=max(args.requests, 1), enable_prefix_caching=False,
+                                 num_kv_blocks=args.requests * 1024 // 16 + 1))
+    prompts = [p for p, _ in requests]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+    runs = []
+    for repeat in range(args.repeats + 1):
+        before = dict(engine.stats.phase_s)
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r.outputs[0].token_ids) for r in results)
+        phases = {p: (engine.stats.phase_s[p] - before.get(p, 0.0)) / tokens * 1e6 for p in PHASES}
+        if repeat:  # the first run warms up allocators and kernels
+            runs.append({"tok_per_s": tokens / seconds, "us_per_token": seconds / tokens * 1e6, **phases})
+        print(f"run {repeat}: {tokens} tokens, {tokens / seconds:,.0f} tok/s", file=sys.stderr)
+    median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    if args.json:
+        args.json.write_text(json.dumps({"device": device, "requests": args.requests, "runs": runs,
+                                         "median": median}, indent=2))
+    print(f"\nhost overhead, {args.requests} requests on a minuscule model ({device}), median of {args.repeats}:")
+    print(f"{'phase':<14}{'us/token':>10}")
+    for phase in PHASES:
+        print(f"{phase:<14}{median[phase]:>10.2f}")
+    print(f"{'all':<14}{median['us_per_token']:>10.2f}   ({median['tok_per_s']:,.0f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
