@@ -27,6 +27,18 @@ HOST = Preset(dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, n
 PHASES = ("schedule", "execute", "sample", "postprocess")
 
 
+def import_checkout(root: Path) -> None:
+    """Make ``import infer`` load the package at ``root`` (a repository root is the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("infer", root / "__init__.py", submodule_search_locations=[str(root)])
+    if spec is None or spec.loader is None:
+        sys.exit(f"--source {root}: no __init__.py there")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["infer"] = module
+    spec.loader.exec_module(module)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -34,7 +46,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured runs after one warm-up run")
     parser.add_argument("--attention", default=None, help="attention backend (default: the engine's)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--source", type=Path, default=None,
+                        help="import infer from this checkout instead (e.g. a git worktree of an older commit, for "
+                             "an A/B; commits before the phase timings report totals only)")
     args = parser.parse_args()
+    if args.source is not None:
+        import_checkout(args.source)
     import torch
 
     from infer.core.config import EngineConfig
@@ -52,12 +69,13 @@ def main() -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
     runs = []
     for repeat in range(args.repeats + 1):
-        before = dict(engine.stats.phase_s)
+        before = dict(getattr(engine.stats, "phase_s", {}))
         start = time.perf_counter()
         results = engine.generate(prompts, params)
         seconds = time.perf_counter() - start
         tokens = sum(len(r.outputs[0].token_ids) for r in results)
-        phases = {p: (engine.stats.phase_s[p] - before.get(p, 0.0)) / tokens * 1e6 for p in PHASES}
+        after = getattr(engine.stats, "phase_s", {})
+        phases = {p: (after[p] - before.get(p, 0.0)) / tokens * 1e6 if p in after else float("nan") for p in PHASES}
         if repeat:  # the first run warms up allocators and kernels
             runs.append({"tok_per_s": tokens / seconds, "us_per_token": seconds / tokens * 1e6, **phases})
         print(f"run {repeat}: {tokens} tokens, {tokens / seconds:,.0f} tok/s", file=sys.stderr)

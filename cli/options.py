@@ -42,6 +42,9 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--no-cuda-graphs", is_flag=True, default=False, help="Run decode steps eagerly on CUDA."),
     click.option("--fused-ops/--no-fused-ops", default=None,
                  help="Fused Triton kernels for the model's norms, rotary and SiLU-and-mul [default: on with CUDA]."),
+    click.option("--async-output/--no-async-output", default=None,
+                 help="Build a step's outputs (detokenization, stop strings) during the next step's forward pass, "
+                      "one step later [default: on with CUDA]."),
     click.option("--proposer", default=None, help="Speculative-decoding proposer, e.g. draft-model or ngram."),
     click.option("--draft-model", default=None, metavar="DIR",
                  help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
@@ -61,7 +64,8 @@ FIELD_OF_OPTION = {
     "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
     "block_size": "block_size", "num_kv_blocks": "num_kv_blocks", "kv_cache_memory_gb": "kv_cache_memory_gb",
     "kv_cache_dtype": "kv_cache_dtype",
-    "seed": "seed", "cpu_threads": "cpu_threads", "fused_ops": "fused_ops", "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
+    "seed": "seed", "cpu_threads": "cpu_threads", "fused_ops": "fused_ops", "async_output": "async_output",
+    "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]
     "spec_min_acceptance": "plugin_options.spec_decode.min_acceptance",

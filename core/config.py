@@ -49,6 +49,9 @@ class EngineConfig:
     draft_model: str | None = None
     cuda_graphs: bool = True
     fused_ops: bool | None = None  # Triton norms/rotary/SiLU-and-mul in the model; None: on when it runs on CUDA
+    # Outputs of step N are built (detokenized, stop strings) in step N + 1 while the device runs its forward pass;
+    # None: on when the model runs on CUDA (on a CPU nothing runs meanwhile, so it would only delay outputs)
+    async_output: bool | None = None
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads when running on the CPU; None leaves torch's default
     plugin_options: dict[str, Any] = field(default_factory=dict)  # free-form options for third-party plugins

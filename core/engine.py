@@ -86,6 +86,9 @@ class Engine:
                        "eviction_policy": config.eviction_policy, "quant": config.quant or "none",
                        "proposer": config.proposer or "none"}
         self.requests: dict[str, _Request] = {}
+        self.async_output = config.async_output if config.async_output is not None else \
+            self.loaded.device.type == "cuda"
+        self.unemitted: list[Sequence] = []  # async output: advanced in the last step, outputs not built yet
         self.awaiting_fork: set[str] = set()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.spec: SpecDecoder | None = None
@@ -203,25 +206,38 @@ class Engine:
 
     # ------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced."""
+        """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced (with
+        async output: that advanced in the previous step, their outputs built while this step's forward ran)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            return self._emit_unemitted()
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
         scheduled = time.perf_counter()
         batch, logits = self.runner.execute(out, self.kv)
         executed = time.perf_counter()
-        sampled, forks = self._sample(out, batch, logits)
+        outputs = self._emit_unemitted()  # async output: on a GPU, this overlaps the forward pass
+        emitted = time.perf_counter()
+        sampled, forks = self._sample(out, batch, logits)  # sequences finished just above are sampled, not updated
         now = time.perf_counter()
         self._start_forks(out, forks, sampled, now)  # before update, which may finish (and free) a parent
         self.scheduler.update(out, sampled, now)
         advanced = [item.seq for item in out.scheduled] + [child for _, child in forks]
-        outputs = self._emit_progress(advanced)  # may finish sequences too (stop strings)
+        if self.async_output:
+            self.unemitted = advanced
+        else:
+            outputs = self._emit_progress(advanced)  # may finish sequences too (stop strings)
         if self.spec is not None:
             self.spec.release_finished(advanced)
-        self._record_step(out, (start, scheduled, executed, now))
+        self._record_step(out, (start, scheduled, executed, emitted, now))
+        return outputs
+
+    def _emit_unemitted(self) -> list[RequestOutput]:
+        seqs, self.unemitted = self.unemitted, []
+        outputs = self._emit_progress(seqs)
+        if self.spec is not None:
+            self.spec.release_finished(seqs)  # some may have just finished by a stop string
         return outputs
 
     def _sample(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor
@@ -323,8 +339,9 @@ class Engine:
             self.spec.finish(req.seqs, output)
         self.plugins.hook.on_request_finished(output=output)
 
-    def _record_step(self, out: Any, times: tuple[float, float, float, float]) -> None:
-        """Totals and the on_step hook; ``times`` are when the step started, scheduled, executed and sampled."""
+    def _record_step(self, out: Any, times: tuple[float, float, float, float, float]) -> None:
+        """Totals and the on_step hook; ``times``: when the step started, scheduled, executed, emitted (the previous
+        step's outputs, with async output) and sampled."""
         kv = self.kv.stats()
         s = self.stats
         s.steps += 1
@@ -336,11 +353,12 @@ class Engine:
         if s.num_running:
             s.kv_max_waste_per_seq = max(s.kv_max_waste_per_seq, s.kv_waste_slots / s.num_running)
         decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
-        start, scheduled, executed, sampled = times
+        start, scheduled, executed, emitted, sampled = times
         end = time.perf_counter()
         step = StepStats(s.steps, end - start, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
                          s.num_waiting, s.num_running, len(out.preempted), kv, schedule_s=scheduled - start,
-                         execute_s=executed - scheduled, sample_s=sampled - executed, postprocess_s=end - sampled)
+                         execute_s=executed - scheduled, sample_s=sampled - emitted,
+                         postprocess_s=end - sampled + emitted - executed)
         for phase in ("schedule", "execute", "sample", "postprocess"):
             s.phase_s[phase] = s.phase_s.get(phase, 0.0) + getattr(step, f"{phase}_s")
         if self.spec is not None:

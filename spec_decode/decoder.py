@@ -152,6 +152,8 @@ class SpecDecoder:
         accepted_total = proposed_total = 0
         for b, (d, m, token) in enumerate(zip(drafts, result.num_accepted.tolist(), result.next_token.tolist())):
             seq = d.seq
+            if seq.is_finished:  # by a stop string while this step ran (async output): its KV is gone
+                continue
             tokens = d.tokens[:m] + [token]
             for j, t in enumerate(tokens):  # the scheduler would stop there: drop what follows
                 if seq.stop_reason(t, seq.num_tokens + j + 1) is not None:

@@ -1,0 +1,92 @@
+"""Async output (outputs built during the next step's forward pass) gives exactly the synchronous outputs: tokens,
+text, stop strings, finish reasons, logprobs, n > 1, streaming, aborts, speculative decoding; and frees every block."""
+from __future__ import annotations
+
+import pytest
+
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.request import FinishReason, SamplingParams
+from infer.models.tiny import PRETRAINED_DIR
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "    for i in range(", "class Config:\n", "return"]
+
+
+def params(stop: list[str]) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=40, temperature=0.0, stop=stop),
+            SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2),
+            SamplingParams(max_tokens=25, temperature=0.9, seed=3, n=3, stop=stop),
+            SamplingParams(max_tokens=35, temperature=0.7, seed=5, top_p=0.9, stop=stop),
+            SamplingParams(max_tokens=1, temperature=0.0)]
+
+
+def engine(**options) -> Engine:
+    return Engine(EngineConfig(model=str(PRETRAINED_DIR / "target"), device="cpu", num_kv_blocks=160, **options))
+
+
+def drained(e: Engine) -> bool:
+    s = e.kv.stats()
+    return s.used_blocks == 0 and s.free_blocks + s.cached_blocks == s.total_blocks and not e.unemitted
+
+
+def completions(outputs) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outputs]
+
+
+def logprobs(outputs) -> list:
+    return [(token, value) for o in outputs for c in o.outputs for entry in c.logprobs or [] for token, value in
+            sorted(entry.items())]
+
+
+@pytest.fixture(scope="module")
+def stops() -> list[str]:
+    """Strings the greedy output of the first prompt reaches, so that stop strings really cut outputs."""
+    text = engine().generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].text
+    return [text[6:9], "\n\n"]
+
+
+@pytest.mark.parametrize("options", [{}, {"proposer": "ngram", "num_speculative_tokens": 3},
+                                     {"proposer": "draft-model", "num_speculative_tokens": 2},
+                                     {"scheduler": "chunked-prefill", "max_num_batched_tokens": 16}],
+                         ids=["plain", "ngram", "draft-model", "chunked"])
+def test_async_outputs_equal_sync_outputs(stops, options):
+    sync, asynchronous = engine(async_output=False, **options), engine(async_output=True, **options)
+    expected, actual = sync.generate(PROMPTS, params(stops)), asynchronous.generate(PROMPTS, params(stops))
+    assert completions(actual) == completions(expected)
+    # a sequence cut by a stop string runs one more (discarded) step with async output: other rows' float sums
+    # see another batch shape, so logprobs agree to rounding, not bit for bit
+    assert [t for t, _ in logprobs(actual)] == [t for t, _ in logprobs(expected)]
+    assert [v for _, v in logprobs(actual)] == pytest.approx([v for _, v in logprobs(expected)], abs=1e-5)
+    expected = completions(expected)
+    assert any(c[2] is FinishReason.STOP and c[1] for request in expected for c in request)  # a stop string cut
+    assert drained(sync) and drained(asynchronous)
+
+
+def test_async_stream_deltas_arrive_one_step_later_and_add_up(stops):
+    e = engine(async_output=True)
+    e.add_request(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), request_id="bg")
+    steps, text, tokens = 0, "", []
+    for delta in e.stream(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, stop=stops)):
+        steps += 1
+        text += delta.outputs[0].text if delta.outputs else ""
+        tokens += delta.outputs[0].token_ids if delta.outputs else []
+    reference = engine(async_output=False).generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0,
+                                                                                  stop=stops))[0].outputs[0]
+    assert (tokens, text) == (reference.token_ids, reference.text)
+    while e.has_unfinished():
+        assert e.step() or e.unemitted == []  # the last deltas come out of a step that schedules nothing
+    assert drained(e)
+
+
+def test_async_abort_while_outputs_are_pending_frees_everything():
+    e = engine(async_output=True)
+    ids = [e.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+    for _ in range(4):
+        e.step()
+    assert e.unemitted  # the last step's outputs are still to be built
+    final = e.abort(ids[0])
+    assert final.finished and final.outputs[0].finish_reason is FinishReason.ABORT
+    while e.has_unfinished():
+        for output in e.step():
+            assert output.request_id != ids[0]
+    assert drained(e)
