@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU run: install infer into the device image's Python, then the named stages (default: all but
 # quant). Full logs go under $OUT; a short table is printed last. One device call is capped at 600 s, so:
-#   bash benchmarks/gpu_check.sh          tests kernels anchor prefix spec  (timeouts sum to 500 s; ~7 min expected)
-#   bash benchmarks/gpu_check.sh quant    quant_bench.py, a second call     (timeout 300 s, ~3 min)
+#   bash benchmarks/gpu_check.sh             tests kernels anchor prefix spec  (timeouts sum to 510 s; ~7 min expected)
+#   bash benchmarks/gpu_check.sh quant host  quant_bench.py and host_overhead.py, a second call (340 s; ~4 min)
 # The device tool sets $OUT; elsewhere a temp folder is used.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --fo
 
 if want tests; then
   # modules that need packages the image lacks fail to collect; the gpu tests still run
-  timeout 120 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 60 --continue-on-collection-errors \
+  timeout 110 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 60 --continue-on-collection-errors \
     > "$OUT/pytest_gpu.log" 2>&1
   note "pytest -m gpu: $(tail -1 "$OUT/pytest_gpu.log")"
 fi
@@ -45,9 +45,9 @@ for line in open('$OUT/kernel_bench.jsonl'):
   note "kernel bench: $(wc -l < "$OUT/kernel_bench.jsonl") rows (copy ${copy_gbps:-4120} GB/s)"
 fi
 
-if want anchor; then  # infer, HF static and HF continuous batching, then single streams
-  timeout 250 $PY benchmarks/throughput.py --preset anchor --out "$OUT/anchor" --copy-gbps "${copy_gbps:-4120}" \
-    > "$OUT/anchor.log" 2>&1
+if want anchor; then  # infer (and without async output), HF static and HF continuous batching, then single streams
+  timeout 270 $PY benchmarks/throughput.py --preset anchor --out "$OUT/anchor" --copy-gbps "${copy_gbps:-4120}" \
+    --extra-arm=--no-async-output > "$OUT/anchor.log" 2>&1
   note "anchor: exit $?"
 fi
 
@@ -64,14 +64,20 @@ if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the
 fi
 
 if want quant; then  # issue 5
-  timeout 300 $PY benchmarks/quant_bench.py > "$OUT/quant_bench.log" 2>&1
+  timeout 280 $PY benchmarks/quant_bench.py > "$OUT/quant_bench.log" 2>&1
   note "quant_bench: exit $?"
 fi
 
+if want host; then  # host time per output token by engine phase, on a minuscule model
+  timeout 60 $PY benchmarks/host_overhead.py --device cuda --json "$OUT/host_overhead.json" > "$OUT/host_overhead.log" 2>&1
+  note "host_overhead: exit $?"
+fi
+
 want kernels && { echo; echo "== kernel micro-benchmarks (decode attention GB/s vs copy) =="; cat "$OUT/kernel_bench.jsonl"; }
-want anchor && { echo; echo "== anchor and single stream =="; tail -8 "$OUT/anchor.log"; }
+want anchor && { echo; echo "== anchor and single stream =="; tail -9 "$OUT/anchor.log"; }
 want prefix && { echo; echo "== shared prefix (TTFT, hit rate) =="
                  grep -E "TTFT|hit rate|^A:|^B:" "$OUT/shared_prefix/table.txt"; }
 want spec && { echo; echo "== speculative decoding =="; tail -8 "$OUT/spec_bench.log"; }
 want quant && { echo; echo "== quantization =="; tail -12 "$OUT/quant_bench.log"; }
+want host && { echo; echo "== host overhead per output token =="; tail -8 "$OUT/host_overhead.log"; }
 echo; echo "== summary =="; cat "$summary"

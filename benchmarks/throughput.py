@@ -100,6 +100,9 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None, help="where the random model is built (reused)")
     parser.add_argument("--skip-hf", action="store_true", help="only infer (HF takes ~2 minutes on an H200)")
     parser.add_argument("--infer-options", default="", help="extra group options for the infer arm")
+    parser.add_argument("--extra-arm", action="append", default=[], metavar="OPTIONS",
+                        help="another infer arm on the anchor workload: the infer arm's options plus these "
+                             "(repeatable; arms take turns in one `infer bench --ab` run); write --extra-arm=--no-async-output")
     parser.add_argument("--copy-gbps", type=float, default=4120.0, help="measured copy bandwidth, read+write")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +126,9 @@ def main() -> None:
                    str(preset.single_output), "--len-sigma", "0"]
     # random prompts; the warm-up round must not serve the measured one from the prefix cache
     infer_arm = f"--no-prefix-caching --dtype {preset.dtype} {args.infer_options}".strip()
-    results = {"anchor_infer": run_bench(model, args.out / "anchor_infer", [infer_arm], file_args, warmup=1),
+    extra_arms = [f"{infer_arm} {extra}" for extra in args.extra_arm]
+    results = {"anchor_infer": run_bench(model, args.out / "anchor_infer", [infer_arm, *extra_arms], file_args,
+                                         warmup=1),
                "single_infer": run_bench(model, args.out / "single_infer", [infer_arm], single_args, warmup=1)}
     if not args.skip_hf:
         results["anchor_hf"] = run_bench(model, args.out / "anchor_hf", ["hf:static", "hf:cb"],
@@ -135,7 +140,8 @@ def main() -> None:
     summary = {"prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(n for _, n in requests),
                "anchor_infer_tps": output_tps(results["anchor_infer"])[infer_arm],
                "single_infer_tps": output_tps(results["single_infer"])[infer_arm],
-               "single_floor_tps": floor_tps}
+               "single_floor_tps": floor_tps,
+               "extra_arms_tps": {arm: output_tps(results["anchor_infer"])[arm] for arm in extra_arms}}
     if "anchor_hf" in results:
         hf = output_tps(results["anchor_hf"])
         summary.update(anchor_hf_static_tps=hf["hf:static"], anchor_hf_cb_tps=hf["hf:cb"],
@@ -144,6 +150,7 @@ def main() -> None:
     print(f"\n{args.preset}: {summary['prompt_tokens']} prompt / {summary['output_tokens']} output tokens")
     print(f"{'system':<34}{'output tok/s':>14}{'ratio':>10}")
     rows = [("infer", summary["anchor_infer_tps"])]
+    rows += [(f"infer {extra}", summary["extra_arms_tps"][arm]) for extra, arm in zip(args.extra_arm, extra_arms)]
     if "anchor_hf_cb_tps" in summary:
         rows += [(f"HF generate static, batch {preset.hf_batch}", summary["anchor_hf_static_tps"]),
                  ("HF continuous batching", summary["anchor_hf_cb_tps"])]
