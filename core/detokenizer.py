@@ -57,32 +57,53 @@ class IncrementalDetokenizer:
 
 class ByteLevelDetokenizer:
     """Byte-level BPE (GPT-2, Llama 3, Qwen): each token is a fixed byte string, so decoding is a table lookup and
-    an incremental UTF-8 decoder, one per sequence; no window is decoded twice."""
+    an incremental UTF-8 decoder, one per sequence; no window is decoded twice.
+
+    A prompt whose last bytes leave a character open: if the output's first bytes complete it, the character is
+    output; if they cannot, the prompt's bytes are dropped (they are the prompt's text, not a U+FFFD of the output).
+    """
 
     def __init__(self, token_bytes: list[bytes], prompt_token_ids: list[int]) -> None:
         self.token_bytes = token_bytes
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        # the context's text is not output, but a character it leaves open is completed by the output
-        self.utf8.decode(b"".join(token_bytes[t] for t in prompt_token_ids[-CONTEXT_TOKENS:]))
+        context = codecs.getincrementaldecoder("utf-8")("replace")
+        context.decode(b"".join(token_bytes[t] for t in prompt_token_ids[-CONTEXT_TOKENS:]))
+        self.open = self.pending = context.getstate()[0]  # the open character's bytes; then with output bytes
         self.text = ""
 
     def add(self, token_ids: list[int]) -> str:
         table = self.token_bytes
-        delta = self.utf8.decode(table[token_ids[0]] if len(token_ids) == 1 else b"".join(table[t] for t in token_ids))
+        data = table[token_ids[0]] if len(token_ids) == 1 else b"".join(table[t] for t in token_ids)
+        if self.open:
+            data = self._resolve_open(data, final=False)
+        delta = self.utf8.decode(data)
         self.text += delta
         return delta
 
     def flush(self) -> str:
-        tail = self.utf8.decode(b"", final=True)
+        tail = self.utf8.decode(self._resolve_open(b"", final=True) if self.open else b"", final=True)
         self.text += tail
         return tail
 
+    def _resolve_open(self, data: bytes, final: bool) -> bytes:
+        """The bytes to decode now: none while the prompt's open character may still complete; then all of them
+        if it did, or only the output's if it cannot."""
+        self.pending += data
+        probe = codecs.getincrementaldecoder("utf-8")("replace")
+        text = probe.decode(self.pending, final=final)
+        if not text and not final:
+            return b""  # still a prefix of a valid character
+        pending, open_bytes, self.open, self.pending = self.pending, self.open, b"", b""
+        return pending[len(open_bytes) :] if text.startswith("\ufffd") else pending
 
-def detokenizer_factory(tokenizer: Any) -> Callable[[list[int]], Detokenizer]:
+
+def detokenizer_factory(tokenizer: Any, vocab_size: int = 0) -> Callable[[list[int]], Detokenizer]:
     """``factory(prompt_token_ids)`` -> a new detokenizer: the byte-level one when the tokenizer qualifies (see
-    :func:`byte_level_table`), else the window-decoding one."""
+    :func:`byte_level_table`), else the window-decoding one. ``vocab_size``: the model's, which may exceed the
+    tokenizer's (padding rows): ids the tokenizer does not know decode to nothing, as in its own decode."""
     table = byte_level_table(tokenizer)
     if table is not None:
+        table += [b""] * (vocab_size - len(table))
         return lambda prompt: ByteLevelDetokenizer(table, prompt)
     return lambda prompt: IncrementalDetokenizer(tokenizer, prompt)
 

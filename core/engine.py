@@ -58,7 +58,7 @@ class Engine:
         if config.cpu_threads is not None and self.loaded.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)  # process-wide: torch has one intra-op pool
         self.tokenizer = self.loaded.tokenizer
-        self.new_detokenizer = detokenizer_factory(self.tokenizer)
+        self.new_detokenizer = detokenizer_factory(self.tokenizer, self.loaded.model.spec.vocab_size)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
@@ -183,10 +183,10 @@ class Engine:
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
+        request = _Request(request_id, ids, params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
+                           [0] * len(seqs), [0] * len(seqs), seqs[1:])
         self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
-        self.requests[request_id] = _Request(request_id, ids, params, now, seqs,
-                                             [self.new_detokenizer(ids) for _ in seqs],
-                                             [0] * len(seqs), [0] * len(seqs), seqs[1:])
+        self.requests[request_id] = request
         self.stats.prompt_tokens += len(ids)
         if params.n > 1:
             self.awaiting_fork.add(request_id)

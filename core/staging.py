@@ -52,6 +52,6 @@ class Uploader:
         host.copy_(torch.frombuffer(packed, dtype=torch.uint8))
         buffer = host.to(self.device, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the copy's stream, on cuda:N too
         self.copied[turn] = event
         return buffer

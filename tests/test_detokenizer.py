@@ -1,6 +1,7 @@
 """Incremental detokenizers against the tokenizer's own one-shot decode."""
 from __future__ import annotations
 
+import codecs
 import random
 from collections.abc import Callable
 
@@ -83,15 +84,56 @@ def test_byte_table_text_equals_the_rust_decode_for_any_output(tokenizer, data):
     assert text == detok.text == tokenizer.decode(prompt[-5:] + output, skip_special_tokens=True)[len(context) :]
 
 
-def test_byte_table_completes_a_character_the_prompt_left_open(tokenizer):
+def test_a_character_the_prompt_left_open_is_completed_by_the_output_or_dropped(tokenizer):
     table = byte_level_table(tokenizer)
-    e_acute = "é".encode()  # C3 A9: one byte-level token per byte
-    first, second = (table.index(bytes([b])) for b in e_acute)
-    detok = ByteLevelDetokenizer(table, [*ascii_ids(tokenizer)[:3], first])
-    assert detok.add([second]) == "é"
-    detok = ByteLevelDetokenizer(table, [first])  # a lone lead byte then ASCII: replaced, as the Rust decode does
+    lead, continuation = (table.index(bytes([b])) for b in "é".encode())  # C3 A9: one byte-level token per byte
     ascii_token = ascii_ids(tokenizer)[0]
-    assert detok.add([ascii_token]) + detok.flush() == "\ufffd" + table[ascii_token].decode()
+    prompt = [*ascii_ids(tokenizer)[:3], lead]  # e.g. continuing an earlier output cut inside a character
+    cases = {(continuation, ascii_token): "é", (ascii_token,): "", (continuation,): "é", (): ""}
+    for output, head in cases.items():
+        for split in range(len(output) + 1):  # the completing byte may come in a later add
+            detok = ByteLevelDetokenizer(table, prompt)
+            text = detok.add(list(output[:split])) if split else ""
+            text += detok.add(list(output[split:])) if output[split:] else ""
+            text += detok.flush()
+            tail = table[ascii_token].decode() if ascii_token in output else ""
+            assert text == detok.text == head + tail, (output, split)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_after_an_open_prompt_character_the_text_is_the_completed_character_or_the_output_alone(tokenizer, data):
+    """Any context and output: the prompt's open bytes are output only as part of a character the output completes;
+    otherwise the text is the output's own decode (the Rust decode of the output ids)."""
+    table = byte_level_table(tokenizer)
+    prompt = data.draw(st.lists(st.integers(0, len(table) - 1), min_size=1, max_size=6))
+    output = data.draw(st.lists(st.integers(0, len(table) - 1), max_size=12))
+    detok = ByteLevelDetokenizer(table, prompt)
+    text = "".join(run(detok, output, data.draw(st.randoms(use_true_random=False))))
+    own = tokenizer.decode(output, skip_special_tokens=True)
+    open_bytes = detok_open_bytes(table, prompt)
+    joined = (open_bytes + b"".join(table[t] for t in output)).decode("utf-8", "replace")
+    assert text == (joined if open_bytes and not joined.startswith("\ufffd") else own)
+
+
+def detok_open_bytes(table: list[bytes], prompt: list[int]) -> bytes:
+    """The context's trailing bytes that Python's UTF-8 decoder holds back: a character begun, not finished."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(b"".join(table[t] for t in prompt[-5:]))
+    return decoder.getstate()[0]
+
+
+def test_ids_beyond_the_tokenizer_decode_to_nothing(tokenizer, tiny_model):
+    """Models often have more embedding rows than tokenizer ids (Qwen2.5: 151,936 against 151,665)."""
+    size = len(byte_level_table(tokenizer))
+    make = detokenizer_factory(tokenizer, vocab_size=size + 8)
+    detok = make([size + 3, 40])  # an unknown id in the prompt's context, too
+    ascii_token = ascii_ids(tokenizer)[0]
+    assert detok.add([size + 1, ascii_token, size + 7]) + detok.flush() == table_text(tokenizer, ascii_token)
+
+
+def table_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=True)
 
 
 def test_factory_picks_the_table_only_for_a_plain_byte_level_decoder(tokenizer, tiny_model):
