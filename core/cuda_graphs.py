@@ -1,11 +1,16 @@
-"""CUDA graphs for decode steps: one graph per batch size of a ladder, replayed with padded static inputs.
+"""CUDA graphs for decode and verification steps: one graph per (batch size of a ladder, query length), replayed
+with padded static inputs.
 
-A step qualifies when every scheduled sequence decodes one token and the batch fits the largest graph. Padded
-rows store nothing (slot -1) and attend to nothing (context length 0). Only the attention backends that declare
-``supports_cuda_graphs`` (their decode forward does no host sync and has shapes independent of context length)
-are captured.
+A step qualifies when every scheduled sequence runs the same number of query tokens ``q`` (1 for a decode; K + 1
+when speculative decoding verifies K drafts after each sequence's last token), ``q`` was captured, and the batch
+fits the largest graph for it. Padded rows store nothing (slot -1); their context is empty for decodes and ``q``
+tokens of block 0 for verification (the prefill kernel needs a context at least as long as the query; the rows'
+results are never read). Only the attention backends that declare ``supports_cuda_graphs`` (their forward does no
+host sync and has shapes independent of context length) are captured.
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -15,64 +20,85 @@ BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
 class DecodeGraphs:
+    """``eager=True`` runs the same padded static-buffer forward pass without capturing it: the padding logic is
+    then testable on any device."""
+
     def __init__(self, model: Model, attention: AttentionBackend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, max_batch: int, device: torch.device) -> None:
+                 block_size: int, max_batch: int, device: torch.device, query_lens: dict[int, int] | None = None,
+                 eager: bool = False) -> None:
+        """``query_lens``: query length -> largest batch captured for it (default: decodes, up to ``max_batch``)."""
         self.model, self.attention, self.kv_caches = model, attention, kv_caches
-        self.block_size = block_size
+        self.block_size, self.eager = block_size, eager
         self.max_model_len = model.spec.max_model_len
-        self.sizes = [b for b in BATCH_LADDER if b <= max_batch] or [1]
-        n, width = self.sizes[-1], -(-self.max_model_len // block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+        limits = query_lens or {1: max_batch}
+        self.sizes = {q: [b for b in BATCH_LADDER if b <= limit] or [1] for q, limit in limits.items()}
+        n = max(sizes[-1] for sizes in self.sizes.values())
+        tokens = max(q * sizes[-1] for q, sizes in self.sizes.items())
+        width = -(-self.max_model_len // block_size)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.query_starts = {q: torch.arange(0, q * (sizes[-1] + 1), q, dtype=torch.int32, device=device)
+                             for q, sizes in self.sizes.items()}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self.metas: dict[tuple[int, int], AttentionMetadata] = {}
+        self.replays: Counter[int] = Counter()  # replays per query length
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, size: int, q: int) -> AttentionMetadata:
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:size], block_tables=self.block_tables[:size],
-            query_start=self.query_start[: size + 1], context_lens=self.context_lens[:size],
-            query_lens_cpu=[1] * size, context_lens_cpu=[self.max_model_len] * size, block_size=self.block_size,
-            max_query_len=1, max_context_len=self.max_model_len)
+            slot_mapping=self.slots[: size * q], block_tables=self.block_tables[:size],
+            query_start=self.query_starts[q][: size + 1], context_lens=self.context_lens[:size],
+            query_lens_cpu=[q] * size, context_lens_cpu=[self.max_model_len] * size, block_size=self.block_size,
+            max_query_len=q, max_context_len=self.max_model_len)
         meta.backend_data = self.attention.prepare(meta)  # planned for the longest context: valid for all
         return meta
 
-    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self.attention, meta)
+    def _forward(self, size: int, q: int, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = size * q
+        hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], self.kv_caches, self.attention, meta)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
-        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            meta = self._meta(size)
-            self._forward(size, meta)  # warm up: compiles the Triton kernels outside the capture
+        for q, sizes in sorted(self.sizes.items()):
+            for size in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
+                meta = self.metas[size, q] = self._meta(size, q)
+                if self.eager:
+                    continue
+                self.context_lens[:size].fill_(q)  # the warm-up and capture runs read block 0 (slots are -1)
+                self._forward(size, q, meta)  # warm up: compiles the Triton kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(size, q, meta)
+                pool = graph.pool()
+                self.graphs[size, q] = (graph, logits)
+        if not self.eager:
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size, meta)
-            pool = graph.pool()
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
 
     def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        batch = len(meta.query_lens_cpu)
-        return meta.max_query_len == 1 and num_tokens == batch and batch <= self.sizes[-1]
+        batch, q = len(meta.query_lens_cpu), meta.max_query_len
+        return q in self.sizes and num_tokens == batch * q and batch <= self.sizes[q][-1]
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only batch of B sequences."""
-        batch = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= batch)
+        """Logits [B * q, vocab] of a batch of B sequences with q query tokens each."""
+        q = meta.max_query_len
+        batch, tokens = len(meta.query_lens_cpu), input_ids.shape[0]
+        size = next(s for s in self.sizes[q] if s >= batch)
+        self.replays[q] += 1
         width = meta.block_tables.shape[1]
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slots[:batch].copy_(meta.slot_mapping, non_blocking=True)
-        self.slots[batch:size].fill_(-1)
+        self.input_ids[:tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:tokens].copy_(positions, non_blocking=True)
+        self.slots[:tokens].copy_(meta.slot_mapping, non_blocking=True)
+        self.slots[tokens : size * q].fill_(-1)
         self.context_lens[:batch].copy_(meta.context_lens, non_blocking=True)
-        self.context_lens[batch:size].zero_()
+        self.context_lens[batch:size].fill_(0 if q == 1 else q)
         self.block_tables[:batch, :width].copy_(meta.block_tables, non_blocking=True)
-        graph, logits = self.graphs[size]
+        if self.eager:
+            return self._forward(size, q, self.metas[size, q])[:tokens]
+        graph, logits = self.graphs[size, q]
         graph.replay()
-        return logits[:batch]
+        return logits[:tokens]

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..spec_decode.decoder import SpecDecoder
 
 log = logging.getLogger("infer")
+VERIFY_GRAPH_MAX_BATCH = 32
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Engine:
                                   kv_dtype=self.kv_dtype, kv_scales=kv_scales)
         if config.cuda_graphs and self.loaded.device.type == "cuda":
             if self.attention.supports_cuda_graphs:
-                self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256))
+                self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256), self._verify_graph_sizes())
             else:
                 log.info("CUDA graphs are off: attention backend %r does not support them", attention_name)
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": attention_name,
@@ -133,6 +134,14 @@ class Engine:
 
         ids = calibration_ids(self.tokenizer, min(512, self.max_model_len))
         return FP8_KV_DTYPE, calibrate_kv_scales(self.loaded.model, ids, self.loaded.device)
+
+    def _verify_graph_sizes(self) -> dict[int, int]:
+        """Speculative decoding: verification steps of K + 1 query tokens per sequence get graphs too, for batches
+        up to VERIFY_GRAPH_MAX_BATCH (speculation pays at small batches; its policy may turn it off above)."""
+        k = self.config.num_speculative_tokens
+        if self.config.proposer is None or k < 1:
+            return {}
+        return {k + 1: min(self.config.max_num_seqs, VERIFY_GRAPH_MAX_BATCH)}
 
     def _num_kv_blocks(self) -> int:
         c = self.config

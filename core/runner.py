@@ -161,12 +161,15 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
         return batch, self.model.compute_logits(hidden[batch.sample_rows])
 
-    def enable_cuda_graphs(self, max_batch: int) -> None:
-        """Capture decode graphs for batch sizes up to ``max_batch`` (CUDA and a capable backend only)."""
+    def enable_cuda_graphs(self, max_batch: int, query_lens: dict[int, int] | None = None,
+                           eager: bool = False) -> None:
+        """Capture graphs for decode steps of up to ``max_batch`` sequences and, in ``query_lens`` (query length ->
+        largest batch), for steps whose sequences all run that many query tokens (speculative verification).
+        ``eager`` runs the padded forward pass without capturing (tests on any device)."""
         from .cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, self.block_size, max_batch,
-                                   self.device)
+                                   self.device, {1: max_batch, **(query_lens or {})}, eager=eager)
         self.graphs.capture()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:

@@ -61,6 +61,8 @@ class DraftModelProposer(Proposer):
         eviction = plugins.registry("eviction_policy").get(config.eviction_policy)(config)
         kv = plugins.registry("kv_cache").get("paged")(config.replace(enable_prefix_caching=False), blocks, eviction)
         runner = ModelRunner(draft.model, attention, blocks, config.block_size, draft.dtype, draft.device, config.seed)
+        if config.cuda_graphs and draft.device.type == "cuda" and attention.supports_cuda_graphs:
+            runner.enable_cuda_graphs(min(config.max_num_seqs, 256))  # the k - 1 one-token draft steps
         return cls(draft, runner, kv, config.seed)
 
     # ------------------------------------------------------------ Proposer

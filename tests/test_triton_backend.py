@@ -91,3 +91,26 @@ def test_engine_greedy_with_triton_equals_torch_backend(name: str, checkpoint, d
                                      num_kv_blocks=64))  # float32: bf16 (the CUDA default) can flip near ties
         outputs[backend] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
     assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["decode", "verify"])
+def test_padded_graph_batches_give_the_plain_tokens(checkpoint, device: torch.device, speculative: bool) -> None:
+    """Decode graphs (q = 1) and verification graphs (q = K + 1) over padded static inputs: 3 sequences run in
+    graphs of 4. On the CPU the padded forward runs uncaptured (``eager``), which checks the padding itself."""
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+    from infer.models.tiny import PRETRAINED_DIR
+
+    options = dict(model=str(checkpoint("llama")), device=device.type, dtype="float32", attention="triton",
+                   max_num_seqs=8, num_kv_blocks=96, cuda_graphs=False)
+    if speculative:  # the shipped pair: the draft proposes all K tokens, so every sequence verifies K + 1
+        options.update(model=str(PRETRAINED_DIR / "target"), proposer="draft-model", num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + i, 9, 11 * i % 900 + 3] * (i + 3) for i in range(3)]
+    plain = Engine(EngineConfig(**options))
+    graphed = Engine(EngineConfig(**options))
+    graphed.runner.enable_cuda_graphs(4, {4: 4} if speculative else None, eager=device.type == "cpu")
+    expected = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
+    assert [r.outputs[0].token_ids for r in graphed.generate(prompts, params)] == expected
+    replays = graphed.runner.graphs.replays
+    assert replays[4] > 0 if speculative else replays[1] > 0 and set(replays) == {1}
