@@ -98,11 +98,13 @@ class SpecDecoder:
         for sid, count in zip(batch.sample_seq_ids, batch.draft_counts):
             starts[sid], offset = offset, offset + count
         order = [(i, self.drafts[sid]) for i, sid in enumerate(batch.sample_seq_ids) if sid in self.drafts]
+        drafts = [d for _, d in order]
+        if all(d.seq.params.greedy and d.seq.params.logprobs is None for d in drafts):
+            return self._verify_greedy_on_host(logits, order, starts)
         k = max(len(d.tokens) for _, d in order)
         # rows of each sequence: its last real token, then its drafts; short rows repeat their last row
         index = [[i] + [starts[d.seq.seq_id] + min(j, len(d.tokens) - 1) for j in range(k)] for i, d in order]
         target = logits[torch.tensor(index, device=logits.device)]  # [B, K+1, V]
-        drafts = [d for _, d in order]
         draft = torch.tensor([d.tokens + [0] * (k - len(d.tokens)) for d in drafts], device=logits.device)
         counts = torch.tensor([len(d.tokens) for d in drafts], device=logits.device)
         result = greedy_verify(target.argmax(dim=-1), draft, counts)
@@ -111,7 +113,22 @@ class SpecDecoder:
             exact = self._rejection_sample(target, draft, counts, [drafts[b] for b in sampled_rows], sampled_rows)
             result.num_accepted[sampled_rows] = exact.num_accepted
             result.next_token[sampled_rows] = exact.next_token
-        return self._finish_round(drafts, target, result)
+        return self._finish_round(drafts, target, result.num_accepted.tolist(), result.next_token.tolist())
+
+    def _verify_greedy_on_host(self, logits: torch.Tensor, order: list[tuple[int, _Draft]], starts: dict[int, int]
+                               ) -> dict[int, list[int]]:
+        """Greedy_verify's rule on host lists: one argmax over all rows and one read, rather than index tensors
+        built on the host, gathers and two reads (each a device round trip on a GPU)."""
+        argmax = logits.argmax(dim=-1).tolist()
+        accepted, next_tokens = [], []
+        for i, d in order:
+            rows = [i, *range(starts[d.seq.seq_id], starts[d.seq.seq_id] + len(d.tokens))]
+            m = 0
+            while m < len(d.tokens) and d.tokens[m] == argmax[rows[m]]:
+                m += 1
+            accepted.append(m)
+            next_tokens.append(argmax[rows[m]])
+        return self._finish_round([d for _, d in order], None, accepted, next_tokens)
 
     def _rejection_sample(self, target: torch.Tensor, draft: torch.Tensor, counts: torch.Tensor,
                           drafts: list[_Draft], rows: list[int]) -> Verified:
@@ -146,11 +163,13 @@ class SpecDecoder:
                 noise[i].exponential_(generator=gen)
         return uniform, noise
 
-    def _finish_round(self, drafts: list[_Draft], target: torch.Tensor, result: Verified) -> dict[int, list[int]]:
-        """Roll back rejected KV, cut at a stop token, record logprobs and acceptance statistics."""
+    def _finish_round(self, drafts: list[_Draft], target: torch.Tensor | None, num_accepted: list[int],
+                      next_tokens: list[int]) -> dict[int, list[int]]:
+        """Roll back rejected KV, cut at a stop token, record logprobs (``target``: [B, K+1, V], needed only when a
+        request asks for them) and acceptance statistics."""
         sampled: dict[int, list[int]] = {}
         accepted_total = proposed_total = 0
-        for b, (d, m, token) in enumerate(zip(drafts, result.num_accepted.tolist(), result.next_token.tolist())):
+        for b, (d, m, token) in enumerate(zip(drafts, num_accepted, next_tokens)):
             seq = d.seq
             if seq.is_finished:  # by a stop string while this step ran (async output): its KV is gone
                 continue
@@ -162,7 +181,7 @@ class SpecDecoder:
             # KV holds the last real token and the m accepted drafts; positions after them are forgotten
             self.kv.truncate(seq, seq.num_computed_tokens + 1 + m)
             self.proposer.on_verified(seq, m)
-            if seq.params.logprobs is not None:
+            if seq.params.logprobs is not None and target is not None:
                 seq.logprobs.extend(Sampler.logprobs(target[b, : len(tokens)], [seq.params] * len(tokens), tokens))
             seq.spec_proposed += len(d.tokens)
             seq.spec_accepted += m
