@@ -39,7 +39,6 @@ class _Request:
     sent: list[int] = field(default_factory=list)  # output tokens already emitted, per sequence
     emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
     pending_children: list[Sequence] = field(default_factory=list)  # n > 1: forked after the first prefill
-    finished_emitted: bool = False
 
 
 class Engine:
@@ -206,9 +205,25 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             raise NotFoundError(f"unknown request id {request_id!r} (it may have finished already)")
+        pending = {seq.seq_id for seq in self.unemitted if seq.request_id == request_id}
+        self.unemitted = [seq for seq in self.unemitted if seq.request_id != request_id]
+        early = self._emit(req, pending) if pending else None  # async output: stop strings come first
+        if early is not None and early.finished:
+            return early
         for seq in req.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
-        return self._emit(req, {seq.seq_id for seq in req.seqs})
+        final = self._emit(req, {seq.seq_id for seq in req.seqs})
+        if early is not None:  # one output: the pending deltas, then the abort's
+            for delta in early.outputs:
+                last = next((o for o in final.outputs if o.index == delta.index), None)
+                if last is None:
+                    final.outputs.append(delta)
+                else:
+                    last.token_ids, last.text = delta.token_ids + last.token_ids, delta.text + last.text
+                    if delta.logprobs is not None:
+                        last.logprobs = delta.logprobs + (last.logprobs or [])
+            final.outputs.sort(key=lambda o: o.index)
+        return final
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -228,11 +243,13 @@ class Engine:
         executed = time.perf_counter()
         outputs = self._emit_unemitted()  # async output: on a GPU, this overlaps the forward pass
         emitted = time.perf_counter()
-        sampled, forks = self._sample(out, batch, logits)  # sequences finished just above are sampled, not updated
+        # async output: sequences just finished by a stop string are in this batch, but neither sampled nor emitted
+        gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
+        sampled, forks = self._sample(out, batch, logits, gone)
         now = time.perf_counter()
         self._start_forks(out, forks, sampled, now)  # before update, which may finish (and free) a parent
         self.scheduler.update(out, sampled, now)
-        advanced = [item.seq for item in out.scheduled] + [child for _, child in forks]
+        advanced = [item.seq for item in out.scheduled if item.seq.seq_id not in gone] + [c for _, c in forks]
         if self.async_output:
             self.unemitted = advanced
         else:
@@ -249,13 +266,16 @@ class Engine:
             self.spec.release_finished(seqs)  # some may have just finished by a stop string
         return outputs
 
-    def _sample(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor
+    def _sample(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor, gone: set[int]
                 ) -> tuple[dict[int, list[int]], list[tuple[Sequence, Sequence]]]:
-        """New tokens per sequence id: verified drafts plus one (speculative), or one sample per logits row."""
+        """New tokens per sequence id: verified drafts plus one (speculative), or one sample per logits row. The
+        ``gone`` sequences draw nothing (an unseeded draw would shift every other row's)."""
         items = {item.seq.seq_id: item.seq for item in out.scheduled}
-        seqs = [items[sid] for sid in batch.sample_seq_ids]
-        rows = list(range(len(seqs)))
+        rows = [i for i, sid in enumerate(batch.sample_seq_ids) if sid not in gone]
+        seqs = [items[batch.sample_seq_ids[i]] for i in rows]
         forks = self._forks_due(seqs, rows)
+        if self.spec is not None:
+            self.spec.forget(gone)
         sampled = self.spec.verify(batch, logits) if self.spec is not None else {}
         plain = [i for i, seq in enumerate(seqs) if seq.seq_id not in sampled]
         seqs, rows = [seqs[i] for i in plain], [rows[i] for i in plain]
@@ -290,7 +310,7 @@ class Engine:
         forks: list[tuple[Sequence, Sequence]] = []
         if not self.awaiting_fork:
             return forks
-        for row, parent in enumerate(list(seqs)):
+        for parent, row in zip(list(seqs), list(rows)):
             req = self.requests[parent.request_id]
             if req.pending_children and parent.num_output_tokens == 0:
                 for child in req.pending_children:

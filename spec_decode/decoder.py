@@ -86,6 +86,11 @@ class SpecDecoder:
         return min(self.k, left - 1)
 
     # ------------------------------------------------------------ after the forward pass
+    def forget(self, seq_ids: set[int]) -> None:
+        """Drop this step's drafts of sequences that finished after proposing (async output's stop strings)."""
+        for seq_id in seq_ids:
+            self.drafts.pop(seq_id, None)
+
     def verify(self, batch: Batch, logits: torch.Tensor) -> dict[int, list[int]]:
         """Tokens to append per verified seq_id: its accepted drafts, then a recovered or bonus token.
 
@@ -171,8 +176,6 @@ class SpecDecoder:
         accepted_total = proposed_total = 0
         for b, (d, m, token) in enumerate(zip(drafts, num_accepted, next_tokens)):
             seq = d.seq
-            if seq.is_finished:  # by a stop string while this step ran (async output): its KV is gone
-                continue
             tokens = d.tokens[:m] + [token]
             for j, t in enumerate(tokens):  # the scheduler would stop there: drop what follows
                 if seq.stop_reason(t, seq.num_tokens + j + 1) is not None:

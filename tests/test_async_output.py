@@ -81,12 +81,62 @@ def test_async_stream_deltas_arrive_one_step_later_and_add_up(stops):
 def test_async_abort_while_outputs_are_pending_frees_everything():
     e = engine(async_output=True)
     ids = [e.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+    tokens, text, seq = [], "", e.requests[ids[0]].seqs[0]
     for _ in range(4):
-        e.step()
+        for out in e.step():
+            if out.request_id == ids[0]:
+                tokens, text = tokens + out.outputs[0].token_ids, text + out.outputs[0].text
     assert e.unemitted  # the last step's outputs are still to be built
-    final = e.abort(ids[0])
+    final = e.abort(ids[0])  # they come in the abort's output, with its own
     assert final.finished and final.outputs[0].finish_reason is FinishReason.ABORT
+    tokens, text = tokens + final.outputs[0].token_ids, text + final.outputs[0].text
+    assert tokens == seq.output_token_ids and len(tokens) == 4
+    assert text == e.tokenizer.decode(tokens, skip_special_tokens=True)
     while e.has_unfinished():
         for output in e.step():
             assert output.request_id != ids[0]
     assert drained(e)
+
+
+# Regressions from a review: a sequence cut by a stop string in the deferred emit is still in that step's batch.
+def test_a_stop_string_finish_while_an_n2_request_waits_to_fork():
+    prompts, ps = PROMPTS[:2], [SamplingParams(max_tokens=40, temperature=0.0, stop=["\n"]),
+                                SamplingParams(max_tokens=5, temperature=0.8, seed=1, n=2)]
+    runs = [engine(async_output=mode, max_num_seqs=2).generate(prompts, ps) for mode in (False, True)]
+    assert completions(runs[1]) == completions(runs[0])
+
+
+def test_each_sequence_finishes_once_in_the_stream():
+    e = engine(async_output=True)
+    e.add_request(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.9, seed=3, n=3, stop=["\n"]))
+    finishes = []
+    while e.has_unfinished():
+        finishes += [c.index for out in e.step() for c in out.outputs if c.finish_reason is not None]
+    assert sorted(finishes) == [0, 1, 2]
+
+
+def test_unseeded_draws_and_speculation_counters_match_the_sync_path():
+    ps = [SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"]), SamplingParams(max_tokens=20, temperature=1.0),
+          SamplingParams(max_tokens=20, temperature=1.0)]  # the first is cut early; the others draw from the engine
+    runs = [engine(async_output=mode).generate(PROMPTS[:3], ps) for mode in (False, True)]
+    assert completions(runs[1]) == completions(runs[0])
+    stats = []
+    for mode in (False, True):
+        e = engine(async_output=mode, proposer="draft-model", num_speculative_tokens=2)
+        e.generate(PROMPTS[:4], SamplingParams(max_tokens=40, temperature=0.0, stop=["\n", " ("]))
+        stats.append((e.stats.spec_rounds, e.stats.spec_proposed, e.stats.spec_accepted, e.stats.spec_emitted))
+    assert stats[1] == stats[0]
+
+
+def test_abort_after_a_stop_string_was_sampled_returns_the_stop():
+    e = engine(async_output=True)
+    rid = e.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, stop=["\n"]))
+    seq, text = e.requests[rid].seqs[0], ""
+    while "\n" not in e.tokenizer.decode(seq.output_token_ids):  # the step that samples the stop string
+        text += "".join(c.text for out in e.step() for c in out.outputs)
+    final = e.abort(rid)  # its outputs are still pending: the stop string is found first
+    assert final.finished and final.outputs[0].finish_reason is FinishReason.STOP
+    text += final.outputs[0].text
+    expected = engine(async_output=False).generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0,
+                                                                               stop=["\n"]))[0].outputs[0].text
+    assert text == expected and "\n" not in text and drained(e)
