@@ -328,9 +328,12 @@ class Engine:
             new = seq.token_ids[seq.num_prompt_tokens + req.sent[i] :]  # not output_token_ids: that copies it all
             if seq.seq_id not in seq_ids or (not new and not seq.is_finished):
                 continue
-            req.sent[i] += len(new)
             detok = req.detoks[i]
-            detok.add(new)
+            if len(new) > 1 and req.params.stop and seq.finish_reason is not FinishReason.ABORT:
+                new = self._add_until_stop(req, i, seq, detok, new)
+            else:
+                detok.add(new)
+            req.sent[i] += len(new)
             if seq.is_finished:
                 detok.flush()
             text = self._text_delta(req, i, seq, detok)
@@ -341,6 +344,23 @@ class Engine:
         if finished:
             self._finish_request(req, output)
         return output
+
+    def _add_until_stop(self, req: _Request, i: int, seq: Sequence, detok: Detokenizer, new: list[int]
+                        ) -> list[int]:
+        """Several new tokens (speculative decoding): detokenize them one at a time and drop those after the one
+        that completes a stop string, as a one-token-per-step run would have stopped there."""
+        hold = max(map(len, req.params.stop)) - 1
+        for count, token in enumerate(new, 1):
+            detok.add([token])
+            start = max(0, req.emitted[i] - hold)
+            if count < len(new) and any(stop in detok.text[start:] for stop in req.params.stop):
+                drop = len(new) - count
+                del seq.token_ids[-drop:], seq.token_times[-drop:]
+                if req.params.logprobs is not None:
+                    del seq.logprobs[-drop:]
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                return new[:count]
+        return new
 
     def _text_delta(self, req: _Request, i: int, seq: Sequence, detok: Detokenizer) -> str:
         """New text of sequence i. With stop strings, the last (longest stop - 1) characters are held back until

@@ -134,3 +134,19 @@ def test_a_finished_fork_frees_its_draft_kv_before_its_request_ends():
             assert all(seq.seq_id not in e.spec.proposer.shadows for seq in done)
     assert early, "no completion finished before its siblings: the check above never ran"
     assert drained(e) and e.spec.proposer.kv.stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+@pytest.mark.parametrize("proposer", ["draft-model", "ngram"])
+def test_stop_strings_cut_the_same_tokens_with_speculation(proposer, kv_cache):
+    """Several tokens arrive per step with speculation: those after the one completing a stop string are dropped,
+    so that tokens, text and logprobs are the plain run's (a review found the accepted drafts kept)."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, stop=["\n", " ("], logprobs=1)
+    results = []
+    for spec in ({}, {"proposer": proposer, "num_speculative_tokens": 5}):
+        e = engine(kv_cache=kv_cache, **spec)
+        outs = e.generate(PROMPTS, params)
+        results.append([(c.token_ids, c.text, [sorted(x) for x in c.logprobs]) for o in outs for c in o.outputs])
+        assert drained(e)
+    assert results[1] == results[0]
+    assert any(len(tokens) < 40 for tokens, _, _ in results[0])  # the stop strings did cut
