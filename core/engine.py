@@ -6,17 +6,17 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .config import EngineConfig
-from .detokenizer import Detokenizer, detokenizer_factory
+from .detokenizer import detokenizer_factory
 from .errors import ConfigError, InvalidRequestError, NotFoundError, PluginError
 from .interfaces import AttentionBackend, Proposer, SchedulerOutput
 from .loader import LoadedModel, load_model
 from .metrics import EngineStats, StepStats
+from .outputs import RequestState, build_output, merge_outputs
 from .plugins import PluginManager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .runner import Batch, ModelRunner
@@ -26,19 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer")
 VERIFY_GRAPH_MAX_BATCH = 32
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival: float
-    seqs: list[Sequence]
-    detoks: list[Detokenizer]
-    sent: list[int] = field(default_factory=list)  # output tokens already emitted, per sequence
-    emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
-    pending_children: list[Sequence] = field(default_factory=list)  # n > 1: forked after the first prefill
 
 
 class Engine:
@@ -85,7 +72,7 @@ class Engine:
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": attention_name,
                        "eviction_policy": config.eviction_policy, "quant": config.quant or "none",
                        "proposer": config.proposer or "none"}
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.async_output = config.async_output if config.async_output is not None else \
             self.loaded.device.type == "cuda"
         self.unemitted: list[Sequence] = []  # async output: advanced in the last step, outputs not built yet
@@ -191,7 +178,7 @@ class Engine:
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
-        request = _Request(request_id, ids, params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
+        request = RequestState(request_id, ids, params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
                            [0] * len(seqs), [0] * len(seqs), seqs[1:])
         self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
@@ -213,17 +200,7 @@ class Engine:
         for seq in req.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
         final = self._emit(req, {seq.seq_id for seq in req.seqs})
-        if early is not None:  # one output: the pending deltas, then the abort's
-            for delta in early.outputs:
-                last = next((o for o in final.outputs if o.index == delta.index), None)
-                if last is None:
-                    final.outputs.append(delta)
-                else:
-                    last.token_ids, last.text = delta.token_ids + last.token_ids, delta.text + last.text
-                    if delta.logprobs is not None:
-                        last.logprobs = delta.logprobs + (last.logprobs or [])
-            final.outputs.sort(key=lambda o: o.index)
-        return final
+        return final if early is None else merge_outputs(early, final)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -321,62 +298,13 @@ class Engine:
                 self.awaiting_fork.discard(req.request_id)
         return forks
 
-    def _emit(self, req: _Request, seq_ids: set[int]) -> RequestOutput:
-        """Build the delta output of a request: new tokens and text, stop strings, finish."""
-        deltas = []
-        for i, seq in enumerate(req.seqs):
-            new = seq.token_ids[seq.num_prompt_tokens + req.sent[i] :]  # not output_token_ids: that copies it all
-            if seq.seq_id not in seq_ids or (not new and not seq.is_finished):
-                continue
-            detok = req.detoks[i]
-            if len(new) > 1 and req.params.stop and seq.finish_reason is not FinishReason.ABORT:
-                new = self._add_until_stop(req, i, seq, detok, new)
-            else:
-                detok.add(new)
-            req.sent[i] += len(new)
-            if seq.is_finished:
-                detok.flush()
-            text = self._text_delta(req, i, seq, detok)
-            logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if req.params.logprobs is not None else None
-            deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
-        finished = req.seqs[0].is_finished if len(req.seqs) == 1 else all(seq.is_finished for seq in req.seqs)
-        output = RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
-        if finished:
+    def _emit(self, req: RequestState, seq_ids: set[int]) -> RequestOutput:
+        output = build_output(req, seq_ids, self.scheduler.finish)
+        if output.finished:
             self._finish_request(req, output)
         return output
 
-    def _add_until_stop(self, req: _Request, i: int, seq: Sequence, detok: Detokenizer, new: list[int]
-                        ) -> list[int]:
-        """Several new tokens (speculative decoding): detokenize them one at a time and drop those after the one
-        that completes a stop string, as a one-token-per-step run would have stopped there."""
-        hold = max(map(len, req.params.stop)) - 1
-        for count, token in enumerate(new, 1):
-            detok.add([token])
-            start = max(0, req.emitted[i] - hold)
-            if count < len(new) and any(stop in detok.text[start:] for stop in req.params.stop):
-                drop = len(new) - count
-                del seq.token_ids[-drop:], seq.token_times[-drop:]
-                if req.params.logprobs is not None:
-                    del seq.logprobs[-drop:]
-                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-                return new[:count]
-        return new
-
-    def _text_delta(self, req: _Request, i: int, seq: Sequence, detok: Detokenizer) -> str:
-        """New text of sequence i. With stop strings, the last (longest stop - 1) characters are held back until
-        they cannot start a stop string, so that streamed text never has to be taken back."""
-        stops = req.params.stop
-        hold = max(map(len, stops)) - 1 if stops else 0
-        if stops and seq.finish_reason is not FinishReason.ABORT:
-            hits = [j for s in stops if (j := detok.text.find(s, max(0, req.emitted[i] - hold))) != -1]
-            if hits:
-                detok.text = detok.text[: min(hits)]
-                self.scheduler.finish(seq, FinishReason.STOP)
-        end = len(detok.text) if seq.is_finished else max(req.emitted[i], len(detok.text) - hold)
-        text, req.emitted[i] = detok.text[req.emitted[i] : end], end
-        return text
-
-    def _finish_request(self, req: _Request, output: RequestOutput) -> None:
+    def _finish_request(self, req: RequestState, output: RequestOutput) -> None:
         del self.requests[req.request_id]
         self.awaiting_fork.discard(req.request_id)
         for seq in req.seqs:

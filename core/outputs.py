@@ -1,0 +1,93 @@
+"""Request outputs: each sequence's new tokens and text since the last output, cut at stop strings (the engine's
+postprocess), and two outputs of one request merged into one."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .detokenizer import Detokenizer
+from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    seqs: list[Sequence]
+    detoks: list[Detokenizer]
+    sent: list[int] = field(default_factory=list)  # output tokens already emitted, per sequence
+    emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
+    pending_children: list[Sequence] = field(default_factory=list)  # n > 1: forked after the first prefill
+
+
+def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequence, FinishReason], None]
+                 ) -> RequestOutput:
+    """The delta output of a request for the sequences ``seq_ids``: new tokens and text. A stop string found in the
+    text finishes its sequence through ``finish`` (the scheduler's)."""
+    deltas = []
+    for i, seq in enumerate(req.seqs):
+        new = seq.token_ids[seq.num_prompt_tokens + req.sent[i] :]  # not output_token_ids: that copies it all
+        if seq.seq_id not in seq_ids or (not new and not seq.is_finished):
+            continue
+        detok = req.detoks[i]
+        if len(new) > 1 and req.params.stop and seq.finish_reason is not FinishReason.ABORT:
+            new = _add_until_stop(req, i, seq, detok, new)
+        else:
+            detok.add(new)
+        req.sent[i] += len(new)
+        if seq.is_finished:
+            detok.flush()
+        text = _text_delta(req, i, seq, detok, finish)
+        logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if req.params.logprobs is not None else None
+        deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
+    finished = req.seqs[0].is_finished if len(req.seqs) == 1 else all(seq.is_finished for seq in req.seqs)
+    return RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
+
+
+def merge_outputs(early: RequestOutput, late: RequestOutput) -> RequestOutput:
+    """``late`` with ``early``'s deltas in front: one output for a client that reads one."""
+    for delta in early.outputs:
+        last = next((o for o in late.outputs if o.index == delta.index), None)
+        if last is None:
+            late.outputs.append(delta)
+            continue
+        last.token_ids, last.text = delta.token_ids + last.token_ids, delta.text + last.text
+        if delta.logprobs is not None:
+            last.logprobs = delta.logprobs + (last.logprobs or [])
+    late.outputs.sort(key=lambda o: o.index)
+    return late
+
+
+def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer, new: list[int]) -> list[int]:
+    """Several new tokens (speculative decoding): detokenize them one at a time and drop those after the one that
+    completes a stop string, as a one-token-per-step run would have stopped there."""
+    hold = max(map(len, req.params.stop)) - 1
+    for count, token in enumerate(new, 1):
+        detok.add([token])
+        start = max(0, req.emitted[i] - hold)
+        if count < len(new) and any(stop in detok.text[start:] for stop in req.params.stop):
+            drop = len(new) - count
+            del seq.token_ids[-drop:], seq.token_times[-drop:]
+            if req.params.logprobs is not None:
+                del seq.logprobs[-drop:]
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            return new[:count]
+    return new
+
+
+def _text_delta(req: RequestState, i: int, seq: Sequence, detok: Detokenizer,
+                finish: Callable[[Sequence, FinishReason], None]) -> str:
+    """New text of sequence i. With stop strings, the last (longest stop - 1) characters are held back until they
+    cannot start a stop string, so that streamed text never has to be taken back."""
+    stops = req.params.stop
+    hold = max(map(len, stops)) - 1 if stops else 0
+    if stops and seq.finish_reason is not FinishReason.ABORT:
+        hits = [j for s in stops if (j := detok.text.find(s, max(0, req.emitted[i] - hold))) != -1]
+        if hits:
+            detok.text = detok.text[: min(hits)]
+            finish(seq, FinishReason.STOP)
+    end = len(detok.text) if seq.is_finished else max(req.emitted[i], len(detok.text) - hold)
+    text, req.emitted[i] = detok.text[req.emitted[i] : end], end
+    return text
