@@ -51,6 +51,7 @@ class Engine:
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         attention_name, self.attention = self._make_attention()
+        config.attention = attention_name  # resolved: a draft model runs on the target's backend
         self.kv_dtype, kv_scales = self._kv_cache_format()
         proposer = self._make_proposer()  # before the KV pool is sized: a draft model takes memory too
         self.num_blocks = self._num_kv_blocks()

@@ -54,7 +54,7 @@ class DraftModelProposer(Proposer):
         draft_config = config.replace(model=str(path), quant=None, max_model_len=None, num_kv_blocks=None)
         draft = load_model(draft_config, plugins, Path(path))
         check_same_vocab(target, draft)
-        attention_name = config.attention or (
+        attention_name = config.attention or (  # the engine passes its own, resolved
             "triton" if draft.device.type == "cuda" and "triton" in plugins.registry("attention_backend") else "torch")
         attention = plugins.registry("attention_backend").get(attention_name)(config)
         blocks = draft_kv_blocks(config, draft)
