@@ -28,7 +28,7 @@ class EngineConfig:
     model: str | None = None  # a local HF folder; None means the embedded default model
     scheduler: str = "continuous"
     kv_cache: str = "paged"
-    attention: str | None = None  # None: "triton" when CUDA is present, else "torch"
+    attention: str | None = None  # None: "triton" with CUDA, else "cpu" ("torch" without a C compiler)
     quant: str | None = None
     eviction_policy: str = "lru"
     proposer: str | None = None  # speculative decoding off when None

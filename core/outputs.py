@@ -73,6 +73,8 @@ def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer
             if req.params.logprobs is not None:
                 del seq.logprobs[-drop:]
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            if seq.is_finished:  # by a length or stop token that was just dropped: the stop string ends it
+                seq.finish_reason = FinishReason.STOP
             return new[:count]
     return new
 

@@ -109,7 +109,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     spec_proposed: int = 0  # draft tokens verified for this sequence
-    spec_accepted: int = 0  # of which accepted
+    spec_accepted: int = 0  # of which accepted (a stop string may still cut accepted drafts from the output)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

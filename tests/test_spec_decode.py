@@ -141,12 +141,14 @@ def test_a_finished_fork_frees_its_draft_kv_before_its_request_ends():
 def test_stop_strings_cut_the_same_tokens_with_speculation(proposer, kv_cache):
     """Several tokens arrive per step with speculation: those after the one completing a stop string are dropped,
     so that tokens, text and logprobs are the plain run's (a review found the accepted drafts kept)."""
-    params = SamplingParams(max_tokens=40, temperature=0.0, stop=["\n", " ("], logprobs=1)
+    # max_tokens just past a stop: the step that accepts the draft completing it may also reach max_tokens
+    params = [SamplingParams(max_tokens=n, temperature=0.0, stop=["\n", " ("], logprobs=1) for n in (9, 12, 40)]
     results = []
     for spec in ({}, {"proposer": proposer, "num_speculative_tokens": 5}):
         e = engine(kv_cache=kv_cache, **spec)
-        outs = e.generate(PROMPTS, params)
-        results.append([(c.token_ids, c.text, [sorted(x) for x in c.logprobs]) for o in outs for c in o.outputs])
+        outs = e.generate([p for p in PROMPTS for _ in params], params * len(PROMPTS))
+        results.append([(c.token_ids, c.text, c.finish_reason, [sorted(x) for x in c.logprobs])
+                        for o in outs for c in o.outputs])
         assert drained(e)
     assert results[1] == results[0]
-    assert any(len(tokens) < 40 for tokens, _, _ in results[0])  # the stop strings did cut
+    assert any(len(tokens) < 9 for tokens, *_ in results[0])  # the stop strings did cut
