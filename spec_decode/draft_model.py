@@ -56,7 +56,8 @@ class DraftModelProposer(Proposer):
         check_same_vocab(target, draft)
         attention_name = config.attention or (  # the engine passes its own, resolved
             "triton" if draft.device.type == "cuda" and "triton" in plugins.registry("attention_backend") else "torch")
-        attention = plugins.registry("attention_backend").get(attention_name)(config)
+        # the draft's KV is never fp8 (its runner stores the draft's dtype): a backend sized for fp8 would be slower
+        attention = plugins.registry("attention_backend").get(attention_name)(config.replace(kv_cache_dtype="auto"))
         blocks = draft_kv_blocks(config, draft)
         eviction = plugins.registry("eviction_policy").get(config.eviction_policy)(config)
         kv = plugins.registry("kv_cache").get("paged")(config.replace(enable_prefix_caching=False), blocks, eviction)
