@@ -19,7 +19,7 @@ from ..core.request import RequestOutput, Sequence
 from ..core.runner import Batch
 from ..core.sampling import Sampler
 from .policy import ON, SpecPolicy
-from .rejection import Verified, greedy_verify, rejection_sample
+from .rejection import Verified, greedy_accept, rejection_sample
 
 
 @dataclass
@@ -104,36 +104,27 @@ class SpecDecoder:
             starts[sid], offset = offset, offset + count
         order = [(i, self.drafts[sid]) for i, sid in enumerate(batch.sample_seq_ids) if sid in self.drafts]
         drafts = [d for _, d in order]
-        if all(d.seq.params.greedy and d.seq.params.logprobs is None for d in drafts):
-            return self._verify_greedy_on_host(logits, order, starts)
-        k = max(len(d.tokens) for _, d in order)
-        # rows of each sequence: its last real token, then its drafts; short rows repeat their last row
-        index = [[i] + [starts[d.seq.seq_id] + min(j, len(d.tokens) - 1) for j in range(k)] for i, d in order]
-        target = logits[torch.tensor(index, device=logits.device)]  # [B, K+1, V]
-        draft = torch.tensor([d.tokens + [0] * (k - len(d.tokens)) for d in drafts], device=logits.device)
-        counts = torch.tensor([len(d.tokens) for d in drafts], device=logits.device)
-        result = greedy_verify(target.argmax(dim=-1), draft, counts)
-        sampled_rows = [b for b, d in enumerate(drafts) if not d.seq.params.greedy]
-        if sampled_rows:
-            exact = self._rejection_sample(target, draft, counts, [drafts[b] for b in sampled_rows], sampled_rows)
-            result.num_accepted[sampled_rows] = exact.num_accepted
-            result.next_token[sampled_rows] = exact.next_token
-        return self._finish_round(drafts, target, result.num_accepted.tolist(), result.next_token.tolist())
-
-    def _verify_greedy_on_host(self, logits: torch.Tensor, order: list[tuple[int, _Draft]], starts: dict[int, int]
-                               ) -> dict[int, list[int]]:
-        """Greedy_verify's rule on host lists: one argmax over all rows and one read, rather than index tensors
-        built on the host, gathers and two reads (each a device round trip on a GPU)."""
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = logits.argmax(dim=-1).tolist()  # the greedy rule reads one argmax per row, all in one transfer
         accepted, next_tokens = [], []
         for i, d in order:
-            rows = [i, *range(starts[d.seq.seq_id], starts[d.seq.seq_id] + len(d.tokens))]
-            m = 0
-            while m < len(d.tokens) and d.tokens[m] == argmax[rows[m]]:
-                m += 1
+            first = starts[d.seq.seq_id]
+            m, token = greedy_accept(d.tokens, [argmax[i], *argmax[first : first + len(d.tokens)]])
             accepted.append(m)
-            next_tokens.append(argmax[rows[m]])
-        return self._finish_round([d for _, d in order], None, accepted, next_tokens)
+            next_tokens.append(token)
+        if all(d.seq.params.greedy and d.seq.params.logprobs is None for d in drafts):
+            return self._finish_round(drafts, None, accepted, next_tokens)
+        k = max(len(d.tokens) for d in drafts)
+        # rows of each sequence: its last real token, then its drafts; short rows repeat their last row
+        index = [[i] + [starts[d.seq.seq_id] + min(j, len(d.tokens) - 1) for j in range(k)] for i, d in order]
+        target = logits[torch.tensor(index, device=logits.device)]  # [B, K+1, V]: logprobs, rejection sampling
+        sampled_rows = [b for b, d in enumerate(drafts) if not d.seq.params.greedy]
+        if sampled_rows:
+            draft = torch.tensor([d.tokens + [0] * (k - len(d.tokens)) for d in drafts], device=logits.device)
+            counts = torch.tensor([len(d.tokens) for d in drafts], device=logits.device)
+            exact = self._rejection_sample(target, draft, counts, [drafts[b] for b in sampled_rows], sampled_rows)
+            for b, m, token in zip(sampled_rows, exact.num_accepted.tolist(), exact.next_token.tolist()):
+                accepted[b], next_tokens[b] = m, token
+        return self._finish_round(drafts, target, accepted, next_tokens)
 
     def _rejection_sample(self, target: torch.Tensor, draft: torch.Tensor, counts: torch.Tensor,
                           drafts: list[_Draft], rows: list[int]) -> Verified:

@@ -41,15 +41,14 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, num_
     return Verified(num_accepted, (residual / noise).argmax(dim=-1))  # exponential race: draws from residual
 
 
-def greedy_verify(target_argmax: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor) -> Verified:
-    """The temperature-0 limit: accept while the draft equals the target's argmax; then emit the argmax.
-
-    target_argmax [B, K+1], draft [B, K], num_drafts [B]."""
-    k = draft.shape[1]
-    valid = torch.arange(k, device=draft.device)[None, :] < num_drafts[:, None]
-    accepted = (draft == target_argmax[:, :k]) & valid
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
-    return Verified(num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))
+def greedy_accept(draft: list[int], target_argmax: list[int]) -> tuple[int, int]:
+    """The temperature-0 limit: accept drafts while each equals the target's argmax before it, then emit the argmax
+    at the first mismatch (or the bonus token after the last draft). ``target_argmax`` has ``len(draft) + 1``
+    entries; returns (drafts accepted, next token)."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == target_argmax[accepted]:
+        accepted += 1
+    return accepted, target_argmax[accepted]
 
 
 def expected_tokens_per_round(acceptance: float, k: int) -> float:

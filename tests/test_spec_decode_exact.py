@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.request import SamplingParams, SequenceStatus
-from infer.spec_decode.rejection import expected_tokens_per_round, greedy_verify, rejection_sample
+from infer.spec_decode.rejection import expected_tokens_per_round, greedy_accept, rejection_sample
 
 SYMBOLS = ["<|pad|>", "<|bos|>", "<|eos|>", "a", "b", "c", "d", "e"]  # a small vocabulary: 8 ids
 
@@ -77,11 +77,10 @@ def test_rejection_sampler_emits_target_samples(point_mass):
 
 
 def test_rejection_sampler_respects_draft_counts_and_greedy_rule():
-    target = torch.tensor([[4, 5, 6, 7], [4, 9, 6, 7], [1, 2, 3, 0]])
-    draft = torch.tensor([[4, 5, 6], [4, 5, 6], [1, 2, 3]])
-    out = greedy_verify(target, draft, torch.tensor([3, 3, 1]))
-    assert out.num_accepted.tolist() == [3, 1, 1]
-    assert out.next_token.tolist() == [7, 9, 2]  # bonus, correction, bonus after a short row
+    target = [[4, 5, 6, 7], [4, 9, 6, 7], [1, 2]]  # the target's argmax before each draft, then after the last
+    drafts = [[4, 5, 6], [4, 5, 6], [1]]
+    out = [greedy_accept(d, t) for d, t in zip(drafts, target)]
+    assert out == [(3, 7), (1, 9), (1, 2)]  # bonus, correction, bonus after a short row
     # a draft the target gives no mass is always rejected and never re-emitted
     p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
     q = torch.tensor([[[1.0, 0.0, 0.0]]])
