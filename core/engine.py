@@ -258,7 +258,7 @@ class Engine:
         plain = [i for i, seq in enumerate(seqs) if seq.seq_id not in sampled]
         seqs, rows = [seqs[i] for i in plain], [rows[i] for i in plain]
         if seqs:
-            result = self.runner.sample(logits if len(rows) == logits.shape[0] and not forks else logits[rows], seqs)
+            result = self.runner.sample(logits if rows == list(range(len(logits))) else logits[rows], seqs)
             for seq, token, entry in zip(seqs, result.token_ids, result.logprobs):
                 sampled[seq.seq_id] = [token]
                 if entry is not None:

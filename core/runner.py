@@ -174,10 +174,9 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences)."""
-        if all(s.params.greedy and s.params.logprobs is None for s in seqs):
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
-        generators = [
+        params = [s.params for s in seqs]
+        generators = [None] * len(seqs) if all(p.greedy for p in params) else [  # greedy rows draw nothing
             None if s.params.seed is None else self.sampler.generator_for(s.seq_id, s.params.seed, s.index)
             for s in seqs
         ]
-        return self.sampler(logits, [s.params for s in seqs], generators)
+        return self.sampler(logits, params, generators)
