@@ -5,8 +5,9 @@ A step qualifies when every scheduled sequence runs the same number of query tok
 when speculative decoding verifies K drafts after each sequence's last token), ``q`` was captured, and the batch
 fits the largest graph for it. Padded rows store nothing (slot -1); their context is empty for decodes and ``q``
 tokens for verification (the prefill kernel needs a context at least as long as the query), read through whatever
-valid block ids their rows of the static block table hold from earlier steps; their results are never read. Only the attention backends that declare ``supports_cuda_graphs`` (their forward does no
-host sync and has shapes independent of context length) are captured.
+valid block ids their rows of the static block table hold from earlier steps; their results are never read. Only
+the attention backends that declare ``supports_cuda_graphs`` (their forward does no host sync and has shapes
+independent of context length) are captured.
 """
 from __future__ import annotations
 

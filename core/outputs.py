@@ -63,11 +63,9 @@ def merge_outputs(early: RequestOutput, late: RequestOutput) -> RequestOutput:
 def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer, new: list[int]) -> list[int]:
     """Several new tokens (speculative decoding): detokenize them one at a time and drop those after the one that
     completes a stop string, as a one-token-per-step run would have stopped there."""
-    hold = max(map(len, req.params.stop)) - 1
     for count, token in enumerate(new, 1):
         detok.add([token])
-        start = max(0, req.emitted[i] - hold)
-        if count < len(new) and any(stop in detok.text[start:] for stop in req.params.stop):
+        if count < len(new) and _first_stop(req, i, detok) is not None:
             drop = len(new) - count
             del seq.token_ids[-drop:], seq.token_times[-drop:]
             if req.params.logprobs is not None:
@@ -85,11 +83,17 @@ def _text_delta(req: RequestState, i: int, seq: Sequence, detok: Detokenizer,
     cannot start a stop string, so that streamed text never has to be taken back."""
     stops = req.params.stop
     hold = max(map(len, stops)) - 1 if stops else 0
-    if stops and seq.finish_reason is not FinishReason.ABORT:
-        hits = [j for s in stops if (j := detok.text.find(s, max(0, req.emitted[i] - hold))) != -1]
-        if hits:
-            detok.text = detok.text[: min(hits)]
-            finish(seq, FinishReason.STOP)
+    if stops and seq.finish_reason is not FinishReason.ABORT and (cut := _first_stop(req, i, detok)) is not None:
+        detok.text = detok.text[:cut]
+        finish(seq, FinishReason.STOP)
     end = len(detok.text) if seq.is_finished else max(req.emitted[i], len(detok.text) - hold)
     text, req.emitted[i] = detok.text[req.emitted[i] : end], end
     return text
+
+
+def _first_stop(req: RequestState, i: int, detok: Detokenizer) -> int | None:
+    """Where the first stop string starts in sequence i's text, searching from the held-back tail of what was
+    emitted (a stop string may begin there), or None."""
+    start = max(0, req.emitted[i] - (max(map(len, req.params.stop)) - 1))
+    hits = [j for stop in req.params.stop if (j := detok.text.find(stop, start)) != -1]
+    return min(hits) if hits else None
