@@ -152,10 +152,15 @@ class ModelRunner:
                 v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCache) -> tuple[Batch, torch.Tensor]:
-        """Run the forward pass; return the batch and the float32 logits of its sampling rows."""
+    def execute(self, out: SchedulerOutput, kv: KVCache, input_ids: torch.Tensor | None = None
+                ) -> tuple[Batch, torch.Tensor]:
+        """Run the forward pass; return the batch and the float32 logits of its sampling rows. ``input_ids``, a
+        device tensor with one id per batch token, replaces the ids in the sequences' ``token_ids`` (a draft step
+        feeds the previous step's tokens without reading them back)."""
         self.apply_block_ops(out.block_ops)
         batch = self.prepare(out, kv)
+        if input_ids is not None:
+            batch.input_ids = input_ids
         if self.graphs is not None and self.graphs.fits(batch.meta, batch.input_ids.shape[0]):
             return batch, self.graphs.replay(batch.input_ids, batch.positions, batch.meta)[batch.sample_rows]
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)

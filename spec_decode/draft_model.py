@@ -2,8 +2,10 @@
 
 Each target sequence has a shadow :class:`Sequence` in the draft's cache. ``propose`` first rolls the shadow back
 to the longest prefix it shares with the target's tokens (rejected drafts, and a preemption's recompute, leave
-nothing stale), catches its KV up with one batched forward over the new tokens, then decodes k - 1 more tokens
-one batched forward at a time. The draft samples with the request's own temperature and filters, so that its
+nothing stale), reserves draft KV for the whole round, catches its KV up with one batched forward over the new
+tokens, then decodes k - 1 more tokens one batched forward at a time. Each step's tokens stay on the device and
+feed the next step, and the round reads them back once at the end, so on a GPU the host queues the k steps
+without waiting for any of them. The draft samples with the request's own temperature and filters, so that its
 distribution q is close to the target's p; greedy requests draft greedily (a point mass).
 
 The proposer factory receives the config and the target only, so the draft's architecture, attention backend,
@@ -25,6 +27,7 @@ from ..core.runner import ModelRunner
 from ..core.sampling import Sampler
 
 DRAFT_SEED_SALT = 0x5EED_D4AF  # draft draws must not replay the target sampler's streams
+UNREAD_TOKEN = -1  # stands in a shadow's token list for a draft still on the device, until the round's one read
 
 
 @dataclass
@@ -68,33 +71,34 @@ class DraftModelProposer(Proposer):
 
     # ------------------------------------------------------------ Proposer
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
-        active = [shadow for seq in seqs if (shadow := self._sync(seq, k)) is not None]
-        tokens: dict[int, list[int]] = {s.seq.seq_id: [] for s in active}
-        probs: dict[int, list[torch.Tensor]] = {s.seq.seq_id: [] for s in active}
+        active = [shadow.seq for seq in seqs if (shadow := self._sync(seq, k)) is not None and self._reserve(shadow, k)]
+        if not active:
+            return Proposal({})
+        rows = [i for i, seq in enumerate(active) if not seq.params.greedy]  # temperature > 0: a draw from q
+        sampled_rows = torch.tensor(rows).to(self.draft.device, non_blocking=True) if rows else None
+        items = [ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens) for seq in active]
+        input_ids: torch.Tensor | None = None  # this step's tokens, still on the device
+        steps: list[torch.Tensor] = []
+        step_dists: list[torch.Tensor | None] = []
         for _ in range(k):
-            items = []
-            for shadow in active:
-                seq = shadow.seq
-                n = seq.num_tokens - seq.num_computed_tokens  # the whole new tail in the first round, then 1
-                if self.kv.allocate(seq, n):
-                    items.append(ScheduledSequence(seq, n))
-                else:  # out of draft KV: this sequence gets no (more) drafts
-                    self.release(seq)
-            if not items:
-                break
-            _, logits = self.runner.execute(SchedulerOutput(items, block_ops=self.kv.take_block_ops()), self.kv)
-            next_tokens, dists = self._sample(logits, [item.seq for item in items])
-            active = []
-            for item, token, dist in zip(items, next_tokens, dists):
-                seq = item.seq
-                seq.num_computed_tokens += item.num_new_tokens
-                seq.token_ids.append(token)
-                tokens[seq.seq_id].append(token)
-                if dist is not None:
-                    probs[seq.seq_id].append(dist)
-                active.append(self.shadows[seq.seq_id])
-        return Proposal({sid: t for sid, t in tokens.items() if t},
-                        {sid: torch.stack(p) if p else None for sid, p in probs.items() if tokens[sid]})
+            _, logits = self.runner.execute(SchedulerOutput(items, block_ops=self.kv.take_block_ops()), self.kv,
+                                            input_ids=input_ids)
+            input_ids, dists = self._sample(logits, active, sampled_rows)
+            steps.append(input_ids)
+            step_dists.append(dists)
+            for item in items:
+                item.seq.num_computed_tokens += item.num_new_tokens
+                item.seq.token_ids.append(UNREAD_TOKEN)  # the runner takes `input_ids` in its place
+            items = [ScheduledSequence(seq, 1) for seq in active]
+        drafts = torch.stack(steps, dim=1).tolist()  # the round's one read from the device: [B, k]
+        probs: dict[int, torch.Tensor | None] = dict.fromkeys((seq.seq_id for seq in active), None)
+        if rows:
+            q = torch.stack([d for d in step_dists if d is not None], dim=1)  # [sampled, k, vocab]
+            for j, i in enumerate(rows):
+                probs[active[i].seq_id] = q[j]
+        for seq, tokens in zip(active, drafts):
+            seq.token_ids[-k:] = tokens
+        return Proposal({seq.seq_id: tokens for seq, tokens in zip(active, drafts)}, probs)
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         shadow = self.shadows.get(seq.seq_id)
@@ -132,20 +136,28 @@ class DraftModelProposer(Proposer):
             seq.num_computed_tokens = num_tokens
             self.kv.truncate(seq, num_tokens)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """One draft token per row: argmax for greedy requests, else a draw from the filtered distribution q."""
+    def _reserve(self, shadow: _Shadow, k: int) -> bool:
+        """Draft KV for the whole round (the new tail, then k - 1 drafts), so no step waits on an allocation."""
+        seq = shadow.seq
+        if self.kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens + k - 1):
+            return True
+        self.release(seq)  # out of draft KV: this sequence gets no drafts
+        return False
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled_rows: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft token per row, on the device: argmax for greedy requests, else a draw from the filtered
+        distribution q, returned for those rows (in ``sampled_rows`` order). Nothing here waits on the device."""
         tokens = logits.argmax(dim=-1)
-        dists: list[torch.Tensor | None] = [None] * len(seqs)
-        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if rows:
-            q = Sampler.filtered_probs(logits[rows], [seqs[i].params for i in rows])
-            noise = torch.empty_like(q)
-            for j, i in enumerate(rows):
-                noise[j].exponential_(generator=self._generator(seqs[i]))
-            tokens[rows] = (q / noise).argmax(dim=-1)  # exponential race: a draw from q
-            for j, i in enumerate(rows):
-                dists[i] = q[j]
-        return tokens.tolist(), dists
+        if sampled_rows is None:
+            return tokens, None
+        sampled = [seq for seq in seqs if not seq.params.greedy]
+        q = Sampler.filtered_probs(logits.index_select(0, sampled_rows), [seq.params for seq in sampled])
+        noise = torch.empty_like(q)
+        for j, seq in enumerate(sampled):
+            noise[j].exponential_(generator=self._generator(seq))
+        tokens.index_copy_(0, sampled_rows, (q / noise).argmax(dim=-1))  # exponential race: a draw from q
+        return tokens, q
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.params.seed is None:

@@ -152,3 +152,32 @@ def test_stop_strings_cut_the_same_tokens_with_speculation(proposer, kv_cache):
         assert drained(e)
     assert results[1] == results[0]
     assert any(len(tokens) < 9 for tokens, *_ in results[0])  # the stop strings did cut
+
+
+def test_draft_proposals_are_the_draft_models_own_continuation():
+    """Each round's drafts equal the draft checkpoint's greedy continuation of the target's tokens, also after a
+    rejection rolled the draft back and the target moved on (the round feeds each step's tokens to the next on the
+    device: a stale feed would only lower acceptance, which the exactness tests cannot see)."""
+    from infer.core.request import Sequence
+
+    k = 4
+    target = engine(proposer="draft-model", num_speculative_tokens=k)
+    proposer = target.spec.proposer
+    draft = Engine(EngineConfig(model=str(DRAFT), device="cpu", num_kv_blocks=128))
+    prompts = [target.tokenizer.encode(p) for p in PROMPTS]
+    seqs = [Sequence(i, f"r{i}", ids, GREEDY, 0.0) for i, ids in enumerate(prompts)]
+
+    def draft_greedy(seq: Sequence) -> list[int]:
+        params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
+        return draft.generate([list(seq.token_ids)], params)[0].outputs[0].token_ids
+
+    for accepted in (2, 0, 4):  # the target keeps some drafts, then appends a token of its own
+        proposal = proposer.propose(seqs, k)
+        for seq in seqs:
+            assert proposal.token_ids[seq.seq_id] == draft_greedy(seq)
+            drafts = proposal.token_ids[seq.seq_id]
+            proposer.on_verified(seq, accepted)
+            seq.token_ids += drafts[:accepted] + [(drafts[accepted] + 1) % 1000 if accepted < k else 7]
+    for seq in seqs:
+        proposer.release(seq)
+    assert proposer.kv.stats().used_blocks == 0
