@@ -66,7 +66,8 @@ class DraftModelProposer(Proposer):
         kv = plugins.registry("kv_cache").get("paged")(config.replace(enable_prefix_caching=False), blocks, eviction)
         runner = ModelRunner(draft.model, attention, blocks, config.block_size, draft.dtype, draft.device, config.seed)
         if config.cuda_graphs and draft.device.type == "cuda" and attention.supports_cuda_graphs:
-            runner.enable_cuda_graphs(min(config.max_num_seqs, 256))  # the k - 1 one-token draft steps
+            # the k - 1 one-token draft steps, and the two-token first step of each round after the first
+            runner.enable_cuda_graphs(min(config.max_num_seqs, 256), {2: min(config.max_num_seqs, 64)})
         return cls(draft, runner, kv, config.seed)
 
     # ------------------------------------------------------------ Proposer
@@ -139,6 +140,10 @@ class DraftModelProposer(Proposer):
     def _reserve(self, shadow: _Shadow, k: int) -> bool:
         """Draft KV for the whole round (the new tail, then k - 1 drafts), so no step waits on an allocation."""
         seq = shadow.seq
+        if seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_computed_tokens > 0:
+            # After a verification the new tail is one token (a rejection) or two (all k accepted): recompute one
+            # more so that every steady-state round starts with two query tokens, a shape with a CUDA graph.
+            seq.num_computed_tokens -= 1
         if self.kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens + k - 1):
             return True
         self.release(seq)  # out of draft KV: this sequence gets no drafts

@@ -110,7 +110,15 @@ def test_padded_graph_batches_give_the_plain_tokens(checkpoint, device: torch.de
     plain = Engine(EngineConfig(**options))
     graphed = Engine(EngineConfig(**options))
     graphed.runner.enable_cuda_graphs(4, {4: 4} if speculative else None, eager=device.type == "cpu")
+    draft_fits: list[bool] = []
+    if speculative:  # the draft's one-token steps and its two-token first step of each later round
+        draft_runner = graphed.spec.proposer.runner
+        draft_runner.enable_cuda_graphs(4, {2: 4}, eager=device.type == "cpu")
+        fits = draft_runner.graphs.fits
+        draft_runner.graphs.fits = lambda meta, n: draft_fits.append(fits(meta, n)) or draft_fits[-1]
     expected = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
     assert [r.outputs[0].token_ids for r in graphed.generate(prompts, params)] == expected
     replays = graphed.runner.graphs.replays
     assert replays[4] > 0 if speculative else replays[1] > 0 and set(replays) == {1}
+    if speculative:  # only the first round (whole prompts) runs uncaptured
+        assert draft_fits.count(False) == 1 and draft_runner.graphs.replays[2] > 0
