@@ -1,83 +1,108 @@
 #!/usr/bin/env bash
-# The prepared GPU run: install infer into the device image's Python, then the named stages (default: all but
-# quant). Full logs go under $OUT; a short table is printed last. One device call is capped at 600 s, so:
-#   bash benchmarks/gpu_check.sh             tests kernels anchor prefix spec  (timeouts sum to 510 s; ~7 min expected)
-#   bash benchmarks/gpu_check.sh quant host  quant_bench.py and host_overhead.py, a second call (340 s; ~4 min)
+# The prepared GPU run: install infer into the device image's Python, then the named stages. A short table is
+# printed last; every log goes into $OUT/logs.tgz (the device tool returns at most 8 files from $OUT), rebuilt after
+# each stage so that a run cut short still returns what finished. A failed stage prints its log's tail at once.
+# One device call is capped at 600 s and a session has 15 device minutes in all, start-up included, so:
+#   bash benchmarks/gpu_check.sh             tests kernels anchor prefix spec  (limits sum to 430 s; ~5 min expected)
+#   bash benchmarks/gpu_check.sh hf quant host  HF baselines beside infer, AWQ/FP8, host time (540 s; ~6 min)
+# Run the second call right after the first (a machine idle for 30 s goes back, Triton's cache with it).
 # The device tool sets $OUT; elsewhere a temp folder is used.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 STAGES=${*:-tests kernels anchor prefix spec}
+WORK=$(mktemp -d)  # logs, outside $OUT: only summary.txt and logs.tgz go there
+MODEL=${TMPDIR:-/tmp}/infer-throughput-anchor
 summary="$OUT/summary.txt"
 : > "$summary"
+export PYTHONUNBUFFERED=1  # a stage cut off by its time limit still leaves its log
 note() { echo "$*" | tee -a "$summary"; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+pack() { tar czf "$OUT/logs.tgz.tmp" -C "$WORK" . && mv "$OUT/logs.tgz.tmp" "$OUT/logs.tgz"; }
+# stage NAME LOG TIMEOUT CMD...: run, note the exit status, show the log's tail on failure, repack the logs
+stage() {
+  local name=$1 log=$WORK/$2 limit=$3; shift 3
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  note "$name: exit $rc$([[ $rc == 124 ]] && echo " (time limit ${limit}s)") in $((SECONDS - start)) s"
+  [[ $rc != 0 ]] && { echo "---- tail of $2 ----"; tail -25 "$log"; echo "----"; }
+  pack
+  return $rc
+}
 
 # The device has no registry access: install without dependencies or build isolation (the image has them); where
 # the image's site-packages is not writable, into a folder on PYTHONPATH instead.
-if ! $PY -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; then
-  $PY -m pip install --no-deps --no-build-isolation --target /tmp/infer-site . >> "$OUT/install.log" 2>&1 \
-    || { tail -20 "$OUT/install.log"; exit 1; }
+if ! $PY -m pip install --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1; then
+  $PY -m pip install --no-deps --no-build-isolation --target /tmp/infer-site . >> "$WORK/install.log" 2>&1 \
+    || { tail -20 "$WORK/install.log"; pack; exit 1; }
   export PYTHONPATH=/tmp/infer-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-$PY - <<'PY' | tee "$OUT/versions.txt"
+$PY - <<'PY' | tee "$WORK/versions.txt" | tee -a "$summary"
 import torch, triton, transformers
 print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
       f"{torch.cuda.get_device_name(0)}")
 PY
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv > "$WORK/nvidia-smi.csv" 2>&1
 
 if want tests; then
   # modules that need packages the image lacks fail to collect; the gpu tests still run
-  timeout 110 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 60 --continue-on-collection-errors \
-    > "$OUT/pytest_gpu.log" 2>&1
-  note "pytest -m gpu: $(tail -1 "$OUT/pytest_gpu.log")"
+  stage "pytest -m gpu" pytest_gpu.log 150 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 60 \
+    --continue-on-collection-errors
+  note "pytest -m gpu: $(tail -1 "$WORK/pytest_gpu.log")"
 fi
 
 copy_gbps=4120
 if want kernels; then
-  timeout 35 $PY benchmarks/kernel_bench.py > "$OUT/kernel_bench.jsonl" 2> "$OUT/kernel_bench.err"
+  stage "kernel bench" kernel_bench.jsonl 35 $PY benchmarks/kernel_bench.py
   copy_gbps=$($PY -c "import json
-for line in open('$OUT/kernel_bench.jsonl'):
+for line in open('$WORK/kernel_bench.jsonl'):
     row = json.loads(line)
     if 'copy' in json.dumps(row): print(row.get('gbps', 4120)); break" 2>/dev/null || echo 4120)
-  note "kernel bench: $(wc -l < "$OUT/kernel_bench.jsonl") rows (copy ${copy_gbps:-4120} GB/s)"
+  note "copy bandwidth: ${copy_gbps:-4120} GB/s"
 fi
 
-if want anchor; then  # infer (and without async output), HF static and HF continuous batching, then single streams
-  timeout 270 $PY benchmarks/throughput.py --preset anchor --out "$OUT/anchor" --copy-gbps "${copy_gbps:-4120}" \
-    --extra-arm=--no-async-output > "$OUT/anchor.log" 2>&1
-  note "anchor: exit $?"
+if want anchor; then  # infer on the anchor workload (and without async output), then single stream; no HF
+  stage "anchor (infer)" anchor.log 120 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
+    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--no-async-output --skip-hf
 fi
 
 if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x)
-  timeout 50 $PY -m infer.cli --model "${TMPDIR:-/tmp}/infer-throughput-anchor" bench --workload shared-prefix \
+  stage "anchor model" build.log 60 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" --out "$WORK/build" \
+    --build-only
+  stage "shared-prefix" shared_prefix.log 50 $PY -m infer.cli --model "$MODEL" bench --workload shared-prefix \
     --num-requests 32 --prefix-len 1000 --question-len 100 --output-len 16 --rate 16 --ab "" "--no-prefix-caching" \
-    --repeats 2 --out "$OUT/shared_prefix" > "$OUT/shared_prefix.log" 2>&1
-  note "shared-prefix: exit $?"
+    --repeats 2 --out "$WORK/shared_prefix"
 fi
 
 if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the shipped pair
-  timeout 45 $PY benchmarks/spec_bench.py --device cuda --repeats 2 > "$OUT/spec_bench.log" 2>&1
-  note "spec_bench: exit $?"
+  stage "spec_bench" spec_bench.log 75 $PY benchmarks/spec_bench.py --device cuda --repeats 3
+fi
+
+if want hf; then  # issue 4's ratio: infer and HF generate / HF continuous batching in one run (HF takes ~2.5 min)
+  stage "anchor (infer and HF)" anchor_hf.log 200 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
+    --out "$WORK/anchor_hf" --copy-gbps "${copy_gbps:-4120}"
 fi
 
 if want quant; then  # issue 5
-  timeout 280 $PY benchmarks/quant_bench.py > "$OUT/quant_bench.log" 2>&1
-  note "quant_bench: exit $?"
+  stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py
 fi
 
 if want host; then  # host time per output token by engine phase, on a minuscule model
-  timeout 60 $PY benchmarks/host_overhead.py --device cuda --json "$OUT/host_overhead.json" > "$OUT/host_overhead.log" 2>&1
-  note "host_overhead: exit $?"
+  stage "host_overhead" host_overhead.log 60 $PY benchmarks/host_overhead.py --device cuda \
+    --json "$WORK/host_overhead.json"
 fi
 
-want kernels && { echo; echo "== kernel micro-benchmarks (decode attention GB/s vs copy) =="; cat "$OUT/kernel_bench.jsonl"; }
-want anchor && { echo; echo "== anchor and single stream =="; tail -9 "$OUT/anchor.log"; }
-want prefix && { echo; echo "== shared prefix (TTFT, hit rate) =="
-                 grep -E "TTFT|hit rate|^A:|^B:" "$OUT/shared_prefix/table.txt"; }
-want spec && { echo; echo "== speculative decoding =="; tail -8 "$OUT/spec_bench.log"; }
-want quant && { echo; echo "== quantization =="; tail -12 "$OUT/quant_bench.log"; }
-want host && { echo; echo "== host overhead per output token =="; tail -8 "$OUT/host_overhead.log"; }
+show() { [[ -s $WORK/$2 ]] && { echo; echo "== $1 =="; tail -"$3" "$WORK/$2"; }; }
+want kernels && show "kernel micro-benchmarks (decode attention GB/s vs copy)" kernel_bench.jsonl 20
+want anchor && show "anchor and single stream (infer)" anchor.log 5
+want prefix && [[ -s $WORK/shared_prefix/table.txt ]] && { echo; echo "== shared prefix (TTFT, hit rate) =="
+                 grep -E "TTFT|hit rate|^A:|^B:" "$WORK/shared_prefix/table.txt"; }
+want spec && show "speculative decoding" spec_bench.log 8
+want hf && show "anchor and single stream, infer against HF" anchor_hf.log 8
+want quant && show "quantization" quant_bench.log 12
+want host && show "host overhead per output token" host_overhead.log 8
 echo; echo "== summary =="; cat "$summary"
+pack

@@ -114,8 +114,9 @@ def decode_figures(model: Path, batch: int, prompt_len: int, new_tokens: int, **
     full = seconds(new_tokens + 1)
     tpot_ms = (full - prefill_only) / new_tokens * 1e3
     graphs = engine.runner.graphs
-    size = next((s for s in sorted(graphs.graphs) if s >= batch), None) if graphs is not None else None
-    step_ms = time_ms(lambda _: graphs.graphs[size][0].replay(), 50) if size is not None else float("nan")
+    # graphs are keyed by (batch size, query length); a decode step is query length 1
+    size = next((s for s, q in sorted(graphs.graphs) if q == 1 and s >= batch), None) if graphs is not None else None
+    step_ms = time_ms(lambda _: graphs.graphs[size, 1][0].replay(), 50) if size is not None else float("nan")
     result = {"tpot_ms": round(tpot_ms, 3), "tok_per_s": round(batch * 1e3 / tpot_ms, 1),
               "step_ms": round(step_ms, 4)}
     del engine

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,16 +69,20 @@ def build_model(folder: Path, shape: dict[str, int], dtype: str, device: str) ->
 
     from infer.models.tiny import train_tokenizer
 
-    if (folder / "config.json").exists():
+    if list(folder.glob("*.safetensors")) and (folder / "tokenizer.json").exists():
         return folder
+    partial = folder.with_name(folder.name + ".partial")  # renamed when complete: a killed build is never reused
+    shutil.rmtree(partial, ignore_errors=True)
     config = LlamaConfig(**shape, tie_word_embeddings=True, rms_norm_eps=1e-5, torch_dtype=dtype,
                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, bos_token_id=1,
                          eos_token_id=2)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(str(folder))
-    train_tokenizer(folder, vocab_size=1024)  # prompts are token ids; the tokenizer only detokenizes
+    model.save_pretrained(str(partial))
+    train_tokenizer(partial, vocab_size=1024)  # prompts are token ids; the tokenizer only detokenizes
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
     return folder
 
 
@@ -104,6 +109,7 @@ def main() -> None:
                         help="another infer arm on the anchor workload: the infer arm's options plus these "
                              "(repeatable; arms take turns in one `infer bench --ab` run); write --extra-arm=--no-async-output")
     parser.add_argument("--copy-gbps", type=float, default=4120.0, help="measured copy bandwidth, read+write")
+    parser.add_argument("--build-only", action="store_true", help="build (or find) the model folder, print it, stop")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[args.preset]
@@ -116,6 +122,9 @@ def main() -> None:
         sys.exit("the anchor preset needs a CUDA GPU; use --preset cpu or --preset smoke on a CPU")
     folder = args.model_dir or Path(tempfile.gettempdir()) / f"infer-throughput-{args.preset}"
     model = build_model(folder, preset.shape, preset.dtype, device)
+    if args.build_only:
+        print(model)
+        return
     requests = workload_requests(preset)
     if args.preset == "anchor":  # the issue's own figures: the draw order is reproduced exactly
         assert (sum(len(p) for p, _ in requests), sum(n for _, n in requests)) == (36840, 18530)
@@ -130,38 +139,47 @@ def main() -> None:
     results = {"anchor_infer": run_bench(model, args.out / "anchor_infer", [infer_arm, *extra_arms], file_args,
                                          warmup=1),
                "single_infer": run_bench(model, args.out / "single_infer", [infer_arm], single_args, warmup=1)}
-    if not args.skip_hf:
-        results["anchor_hf"] = run_bench(model, args.out / "anchor_hf", ["hf:static", "hf:cb"],
-                                         file_args + ["--hf-batch-size", str(preset.hf_batch)], warmup=0)
-        results["single_hf"] = run_bench(model, args.out / "single_hf", ["hf:static"],
-                                         single_args + ["--hf-batch-size", "1"], warmup=0)
     weights_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     floor_tps = args.copy_gbps * 1e9 / weights_bytes  # one read of every weight per decode step
     summary = {"prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(n for _, n in requests),
                "anchor_infer_tps": output_tps(results["anchor_infer"])[infer_arm],
                "single_infer_tps": output_tps(results["single_infer"])[infer_arm],
                "single_floor_tps": floor_tps,
-               "extra_arms_tps": {arm: output_tps(results["anchor_infer"])[arm] for arm in extra_arms}}
-    if "anchor_hf" in results:
-        hf = output_tps(results["anchor_hf"])
-        summary.update(anchor_hf_static_tps=hf["hf:static"], anchor_hf_cb_tps=hf["hf:cb"],
-                       single_hf_tps=output_tps(results["single_hf"])["hf:static"])
-    (args.out / "anchor_summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"\n{args.preset}: {summary['prompt_tokens']} prompt / {summary['output_tokens']} output tokens")
-    print(f"{'system':<34}{'output tok/s':>14}{'ratio':>10}")
-    rows = [("infer", summary["anchor_infer_tps"])]
-    rows += [(f"infer {extra}", summary["extra_arms_tps"][arm]) for extra, arm in zip(args.extra_arm, extra_arms)]
-    if "anchor_hf_cb_tps" in summary:
-        rows += [(f"HF generate static, batch {preset.hf_batch}", summary["anchor_hf_static_tps"]),
+               "extra_arms_tps": {extra: output_tps(results["anchor_infer"])[arm]  # keyed by the added options
+                                  for extra, arm in zip(args.extra_arm, extra_arms)}}
+    summary_file = args.out / "anchor_summary.json"
+    summary_file.write_text(json.dumps(summary, indent=2))
+    print_table(args.preset, summary, preset.hf_batch, device == "cuda")  # out before HF's long runs start
+    if args.skip_hf:
+        return
+    hf = output_tps(run_bench(model, args.out / "anchor_hf", ["hf:static", "hf:cb"],
+                              file_args + ["--hf-batch-size", str(preset.hf_batch)], warmup=0))
+    summary.update(anchor_hf_static_tps=hf["hf:static"], anchor_hf_cb_tps=hf["hf:cb"])
+    summary_file.write_text(json.dumps(summary, indent=2))
+    summary["single_hf_tps"] = output_tps(run_bench(model, args.out / "single_hf", ["hf:static"],
+                                                    single_args + ["--hf-batch-size", "1"], warmup=0))["hf:static"]
+    summary_file.write_text(json.dumps(summary, indent=2))
+    print_table(args.preset, summary, preset.hf_batch, device == "cuda")
+
+
+def print_table(preset: str, summary: dict, hf_batch: int, on_gpu: bool) -> None:
+    """Throughput of each system and infer's ratio to it; the rows measured so far."""
+    infer_tps = summary["anchor_infer_tps"]
+    rows = [("infer", infer_tps)] + [(f"infer {extra}", tps) for extra, tps in summary["extra_arms_tps"].items()]
+    if "anchor_hf_static_tps" in summary:
+        rows += [(f"HF generate static, batch {hf_batch}", summary["anchor_hf_static_tps"]),
                  ("HF continuous batching", summary["anchor_hf_cb_tps"])]
+    print(f"\n{preset}: {summary['prompt_tokens']} prompt / {summary['output_tokens']} output tokens")
+    print(f"{'system':<34}{'output tok/s':>14}{'ratio':>10}")
     for name, value in rows:
-        ratio = summary["anchor_infer_tps"] / value if value else float("nan")
-        print(f"{name:<34}{value:>14.1f}{ratio:>10.2f}")
-    floor_note = (f"{summary['single_infer_tps'] / floor_tps:>10.2f}  (fraction of the {floor_tps:.0f} tok/s "
-                  "bandwidth floor)" if device == "cuda" else "")
+        print(f"{name:<34}{value:>14.1f}{infer_tps / value if value else float('nan'):>10.2f}")
+    floor = summary["single_floor_tps"]
+    floor_note = (f"{summary['single_infer_tps'] / floor:>10.2f}  (fraction of the {floor:.0f} tok/s bandwidth "
+                  "floor)" if on_gpu else "")
     print(f"{'infer single stream':<34}{summary['single_infer_tps']:>14.1f}{floor_note}")
     if "single_hf_tps" in summary:
         print(f"{'HF single stream':<34}{summary['single_hf_tps']:>14.1f}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
