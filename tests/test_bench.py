@@ -226,3 +226,34 @@ def test_the_literal_acceptance_command_within_three_minutes(tiny_model, tmp_pat
     assert elapsed < 180, f"took {elapsed:.0f} s"
     data = json.loads((tmp_path / "results.json").read_text())
     assert all(run_["metrics"]["prefix_hit_rate"] > 0 for arm in data["arms"] for run_ in arm["runs"])
+
+
+# ---------------------------------------------------------------- the benchmark scripts gpu_check.sh runs
+def bench_script(*args: str, timeout: float = 240) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / args[0]
+    done = subprocess.run([sys.executable, str(script), *args[1:]], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_throughput_script_reports_infer_before_and_without_hf(tmp_path):
+    """The smoke preset end to end without HF: the table and the summary file hold infer's figures."""
+    out = bench_script("throughput.py", "--preset", "smoke", "--skip-hf", "--out", str(tmp_path / "out"),
+                       "--model-dir", str(tmp_path / "model"), "--extra-arm=--no-async-output")
+    summary = json.loads((tmp_path / "out" / "anchor_summary.json").read_text())
+    assert (summary["prompt_tokens"], summary["output_tokens"]) == (2130, 925)
+    assert summary["anchor_infer_tps"] > 0 and summary["single_infer_tps"] > 0
+    assert list(summary["extra_arms_tps"]) == ["--no-async-output"]
+    table = out[out.rindex("smoke: 2130 prompt"):].splitlines()
+    assert [line.split("  ")[0] for line in table[2:]] == ["infer", "infer --no-async-output", "infer single stream"]
+    assert not (tmp_path / "model.partial").exists() and list((tmp_path / "model").glob("*.safetensors"))
+
+
+def test_spec_bench_script_runs_and_keeps_the_tokens():
+    out = bench_script("spec_bench.py", "--ks", "2", "--repeats", "1", "--max-tokens", "12")
+    rows = [line for line in out.splitlines() if line.startswith("| draft-model K=2")]
+    assert len(rows) == 1 and rows[0].rstrip(" |").endswith("true")  # the speculative arm's tokens equal the peer's
