@@ -37,7 +37,8 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
             arms.append(args[i])
             i += 1
         if not arms:
-            out.append("--ab")  # click reports the missing value
+            raise click.UsageError("--ab needs at least one arm after it: a quoted string of group options (\"\" "
+                                   "for the defaults) or hf, hf:static, hf:cb, e.g. --ab \"\" \"--no-prefix-caching\"")
         for arm in arms:
             out += ["--ab", arm]
     return out
@@ -107,6 +108,11 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     if spec.name == "file" and skip_bad_lines:
         _warn_bad_lines(spec, err)
 
+    if out_dir is not None:  # before the run, not after it
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise click.BadParameter(f"cannot create the output folder: {exc}", param_hint="'--out'") from None
     from .report import BenchResult
     from .session import arm_info, build_arms, make_workloads, run_info, run_rounds
 
@@ -121,8 +127,9 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     except WorkloadError as exc:
         raise click.UsageError(str(exc)) from None
     for arm in built:
-        err.print(f"warming up arm {arm.spec.key} ...", highlight=False)
-        arm.warm_up(warmups)
+        if warmup_rounds:
+            err.print(f"warming up arm {arm.spec.key} ...", highlight=False)
+        arm.warm_up(warmups)  # also with no rounds: records the counters the runs are measured from
     runs = run_rounds(built, workloads, err)
     meta = run_info(spec, repeats, warmup_rounds, specs, started)
     _report(BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built}), out_dir)

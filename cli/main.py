@@ -38,9 +38,14 @@ def _plugins(ctx: click.Context) -> PluginManager:
     root.meta.setdefault("infer.plugins", None)
     if root.meta["infer.plugins"] is None:
         try:
-            root.meta["infer.plugins"] = PluginManager.from_entry_points().collect()
+            plugins = PluginManager.from_entry_points().collect()
         except InferError as exc:
             raise click.ClickException(str(exc)) from exc
+        for entry in plugins.registry("command"):
+            if entry.name in main.commands:
+                raise click.ClickException(f"{entry.source} registers a command {entry.name!r}, the name of a "
+                                           "built-in infer command; the plugin must rename it")
+        root.meta["infer.plugins"] = plugins
     return root.meta["infer.plugins"]
 
 

@@ -28,7 +28,7 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--block-size", type=int, default=None, help="Tokens per KV block [default: 16]."),
     click.option("--num-kv-blocks", type=int, default=None, help="Size of the KV pool in blocks."),
     click.option("--kv-cache-memory-gb", type=float, default=None,
-                 help="KV pool as a memory budget [default: 90%% of free GPU memory, or up to 2 GiB on CPU]."),
+                 help="KV pool as a memory budget [default: 90% of free GPU memory, or up to 2 GiB on CPU]."),
     click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None,
                  help="KV element type: auto (the model dtype) or fp8 (e4m3 with per-head scales calibrated at "
                       "start: half the memory of bf16, so twice the blocks) [default: auto]."),

@@ -87,12 +87,16 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(str(file), framework="pt") as f:  # memory-mapped; tensors materialise one at a time
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:  # memory-mapped; tensors materialise one at a time
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); a partial download or copy "
+                                  "leaves such a file: fetch it again") from exc
 
 
 def load_tokenizer(path: Path) -> Any:

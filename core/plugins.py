@@ -59,20 +59,26 @@ class PluginManager:
 
     def load_entry_points(self, allow: str | None) -> None:
         wanted = {name.strip() for name in allow.split(",") if name.strip()} if allow else None
-        found = set()
-        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            found.add(ep.name)
-            if wanted is not None and ep.name not in wanted:
+        found: dict[str, metadata.EntryPoint] = {}
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            other = found.setdefault(ep.name, ep)
+            if _dist_name(other) != _dist_name(ep):
+                first, second = sorted((_dist_name(other), _dist_name(ep)))
+                raise PluginError(
+                    f"two installed packages name their infer entry point {ep.name!r}: {first!r} and "
+                    f"{second!r}; rename it under [project.entry-points.infer] in one package's "
+                    "pyproject.toml and reinstall that package, or uninstall one of them")
+        for name, ep in sorted(found.items()):
+            if wanted is not None and name not in wanted:
                 continue
             try:
                 module = ep.load()
             except Exception as exc:  # a broken third-party package must say who it is
-                dist = ep.dist.name if ep.dist else "?"
-                raise PluginError(f"plugin {ep.name!r} from package {dist!r} failed to import: {exc}") from exc
-            self.register(module, name=ep.name, source=ep.dist.name if ep.dist else ep.name)
-        if wanted is not None and wanted - found:
+                raise PluginError(f"plugin {name!r} from package {_dist_name(ep)!r} failed to import: {exc}") from exc
+            self.register(module, name=name, source=_dist_name(ep))
+        if wanted is not None and wanted - found.keys():
             raise PluginError(
-                f"{ALLOW_LIST_ENV} names plugins that are not installed: {', '.join(sorted(wanted - found))}; "
+                f"{ALLOW_LIST_ENV} names plugins that are not installed: {', '.join(sorted(wanted - found.keys()))}; "
                 f"installed: {', '.join(sorted(found)) or '(none)'}"
             )
 
@@ -80,7 +86,10 @@ class PluginManager:
         """Register a plugin object (module or instance) at run time; it takes part in the next collection."""
         if self._collected:
             raise PluginError("plugins must be registered before components are collected; create a new manager")
-        registered = self.pm.register(plugin, name=name)
+        try:
+            registered = self.pm.register(plugin, name=name)
+        except ValueError as exc:  # pluggy: the name or the object is taken
+            raise PluginError(f"plugin {name!r} is already registered ({exc})") from exc
         if registered is None:
             raise PluginError(f"plugin {name!r} is already registered")
         self._sources[registered] = source or registered
@@ -119,10 +128,18 @@ class PluginManager:
             if len(kinds) > 1:
                 options = " or ".join(f"--{COMPONENT_FIELDS[k].replace('_', '-')} {name}" for k in kinds)
                 raise PluginError(f"plugin name {name!r} is registered as {' and '.join(kinds)}; use {options}")
-            changes[COMPONENT_FIELDS[kinds[0]]] = self.registries[kinds[0]].entry(name).name
+            field, chosen = COMPONENT_FIELDS[kinds[0]], self.registries[kinds[0]].entry(name).name
+            if changes.get(field, chosen) != chosen:
+                raise PluginError(f"--plugin {changes[field]} and --plugin {name} both choose the "
+                                  f"{kinds[0].replace('_', ' ')}; keep one")
+            changes[field] = chosen
         return config.replace(**changes)
 
     @property
     def hook(self) -> Any:
         """The pluggy hook relay, for event hooks (``on_step``, ``on_request_finished``)."""
         return self.pm.hook
+
+
+def _dist_name(ep: metadata.EntryPoint) -> str:
+    return ep.dist.name if ep.dist else ep.value

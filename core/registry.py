@@ -43,7 +43,8 @@ class Registry(Generic[F]):
                 other = self._entries[self._aliases.get(key, key)].source
                 raise PluginError(
                     f"duplicate {self.kind} name {key!r}: registered by both {other!r} and {source!r}; "
-                    f"uninstall one of them or restrict loading with INFER_PLUGINS"
+                    "uninstall one of them, or leave one out with INFER_PLUGINS (an allow-list of entry point names: "
+                    "list every plugin to keep, the shipped ones too, as `infer plugins` shows them)"
                 )
         self._entries[name] = Entry(name, factory, source, tuple(aliases))
         for alias in aliases:

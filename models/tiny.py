@@ -51,10 +51,19 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: in
     """Write config.json, model.safetensors and tokenizer files for a random-weight model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if arch not in ARCH_CONFIGS:
-        from ..core.errors import ConfigError
+    from ..core.errors import ConfigError
 
+    if arch not in ARCH_CONFIGS:
         raise ConfigError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCH_CONFIGS)}")
+    sizes = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 intermediate_size=intermediate_size)
+    for name, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {value}")
+    if hidden_size % (2 * num_heads) or num_heads % num_kv_heads:
+        raise ConfigError(f"hidden-size {hidden_size} must split into {num_heads} heads of an even size (rotary "
+                          f"embeddings rotate pairs), and the {num_heads} heads into {num_kv_heads} KV heads: use a "
+                          f"multiple of {2 * num_heads}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(out, vocab_size, tokenizer_files)

@@ -25,6 +25,10 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 
     arch = ArchConfig.from_hf(hf_config)
     max_len = config.max_model_len or arch.max_position_embeddings
+    if max_len > arch.max_position_embeddings:
+        raise ConfigError(f"max-model-len {max_len} exceeds the model's max_position_embeddings "
+                          f"{arch.max_position_embeddings}: positions past it were never trained; use "
+                          f"--max-model-len <= {arch.max_position_embeddings}")
     if arch.sliding_window is not None and max_len > arch.sliding_window:
         if config.max_model_len is not None:
             raise ConfigError(

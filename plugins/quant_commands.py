@@ -19,12 +19,14 @@ from ..core.registry import Register
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Calibration text: one text per line, or JSONL ({\"text\": ...} per line) [default: the Python "
                    "standard library's sources].")
-@click.option("--group-size", type=int, default=128, show_default=True, help="Input rows per scale: 32, 64, 128 or -1.")
+@click.option("--group-size", type=int, default=None,
+              help="Input rows per scale: 32, 64, 128 or -1 (one group per column) [default: the largest of 128, 64, "
+                   "32 that divides every layer's input size].")
 @click.option("--bits", type=int, default=4, show_default=True, help="Weight bits (AWQ GEMM supports 4).")
 @click.option("--num-samples", type=int, default=64, show_default=True, help="Calibration samples.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration sample.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-def quantize(model: Path, out: Path, method: str, calib: Path | None, group_size: int, bits: int,
+def quantize(model: Path, out: Path, method: str, calib: Path | None, group_size: int | None, bits: int,
              num_samples: int, seq_len: int, device: str) -> None:
     """Quantize the unquantized checkpoint MODEL with calibrated AWQ and write it to OUT (a new folder).
 
@@ -37,14 +39,14 @@ def quantize(model: Path, out: Path, method: str, calib: Path | None, group_size
     config = AwqCalibrationConfig(group_size=group_size, bits=bits, num_samples=num_samples, seq_len=seq_len,
                                   device=device)
     try:
-        check_request(model, out, config)  # every bad-input check before the model loads
+        _, config = check_request(model, out, config)  # every bad-input check before the model loads
         texts = read_texts(calib) if calib is not None else None
         with _ProgressBar() as progress:
             reports = calibrate_awq(model, out, config, texts, progress)
     except InferError as exc:
         raise click.ClickException(str(exc)) from exc
     _print_summary(reports)
-    click.echo(f"wrote the AWQ checkpoint {out} (int4, group {group_size}); run it with `infer --model {out} "
+    click.echo(f"wrote the AWQ checkpoint {out} (int4, group {config.group_size}); run it with `infer --model {out} "
                "generate ...`")
 
 

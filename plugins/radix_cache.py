@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..core.config import EngineConfig
+from ..core.errors import ConfigError
 from ..core.hookspecs import KVCacheFactory, hookimpl
 from ..core.interfaces import BlockOps, EvictionPolicy, KVCache, KVStats
 from ..core.registry import Register
@@ -329,6 +330,9 @@ class RadixKVCache(KVCache):
 @hookimpl
 def register_kv_caches(register: Register[KVCacheFactory]) -> None:
     def factory(config: EngineConfig, num_blocks: int, eviction: EvictionPolicy) -> KVCache:
+        if not config.enable_prefix_caching:
+            raise ConfigError("the radix-cache KV cache is a prefix cache, so --no-prefix-caching contradicts it; "
+                              "for a run without prefix reuse use --kv-cache paged --no-prefix-caching")
         return RadixKVCache(num_blocks, config.block_size, eviction)
 
     register("radix-cache", factory)

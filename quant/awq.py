@@ -132,7 +132,8 @@ def check_shapes(in_features: int, out_features: int, group_size: int, prefix: s
     if group <= 0 or in_features % group:
         raise CheckpointError(
             f"AWQ group_size {group_size} does not divide in_features {in_features}{where}; use a group size "
-            f"that divides every layer's input size (one of {', '.join(map(str, GROUP_SIZES))}), or -1")
+            f"that divides every layer's input size ({', '.join(str(g) for g in GROUP_SIZES if g > 0)}), or -1 for one "
+            "group over the whole input")
     if out_features % PACK:
         raise CheckpointError(f"AWQ needs out_features divisible by {PACK}, got {out_features}{where}")
     return group

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 class AwqCalibrationConfig:
     """Options of ``infer quantize --method awq``."""
 
-    group_size: int = 128
+    group_size: int | None = None  # None: the largest of 128, 64, 32 that divides every layer's input size
     bits: int = 4
     num_samples: int = 64
     seq_len: int = 512
@@ -61,7 +61,7 @@ class AwqCalibrationConfig:
         if self.bits != awq.BITS:
             raise ConfigError(f"AWQ supports {awq.BITS}-bit weights only (the AutoAWQ GEMM format), got --bits "
                               f"{self.bits}")
-        if self.group_size not in awq.GROUP_SIZES:
+        if self.group_size is not None and self.group_size not in awq.GROUP_SIZES:
             raise ConfigError(f"--group-size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
                               f"got {self.group_size}")
         for name in ("num_samples", "seq_len", "grid", "max_rows", "batch_samples"):
@@ -121,8 +121,10 @@ class ScaleSearch:
 
 
 # ---------------------------------------------------------------- checks (before any heavy work)
-def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig) -> dict[str, Any]:
-    """Validate the options, MODEL and OUT; return MODEL's config.json. Raises ConfigError/CheckpointError."""
+def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
+                  ) -> tuple[dict[str, Any], AwqCalibrationConfig]:
+    """Validate the options, MODEL and OUT; return MODEL's config.json and the options with the group size chosen.
+    Raises ConfigError/CheckpointError."""
     from ..core.loader import read_config, safetensors_files
     from ..models.llama import ARCHITECTURES, ArchConfig
 
@@ -146,6 +148,13 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig) 
               "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
               "up_proj": (cfg.hidden_size, cfg.intermediate_size),
               "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    if config.group_size is None:
+        group = next((g for g in (128, 64, 32) if all(i % g == 0 for i, _ in shapes.values())), None)
+        if group is None:
+            raise ConfigError(f"no group size of 128, 64 or 32 divides every layer's input size "
+                              f"({sorted({i for i, _ in shapes.values()})}); pass --group-size -1 (one group per "
+                              "output column)")
+        config = replace(config, group_size=group)
     for name, (in_features, out_features) in shapes.items():
         awq.check_shapes(in_features, out_features, config.group_size, name)
     out = out_dir.resolve()
@@ -155,7 +164,7 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig) 
         raise ConfigError(f"the parent folder of OUT, {str(out.parent)!r}, does not exist; create it first")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"OUT {str(out_dir)!r} already exists and is not an empty folder; choose a new path")
-    return raw
+    return raw, config
 
 
 # ---------------------------------------------------------------- the scale search
@@ -272,7 +281,7 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
     from ..core.loader import load_model, resolve_device
     from ..core.plugins import PluginManager
 
-    raw = check_request(model_dir, out_dir, config)
+    raw, config = check_request(model_dir, out_dir, config)
     report_progress: ProgressFn = progress or (lambda phase, done, total: None)
     device = resolve_device(config.device)
     plugins = plugins or PluginManager.from_entry_points().collect()

@@ -53,6 +53,9 @@ class DraftModelProposer(Proposer):
         if path is None:
             raise ConfigError("the draft-model proposer needs --draft-model DIR: a small checkpoint that shares the "
                               "target's tokenizer")
+        if not Path(path).is_dir():
+            raise CheckpointError(f"draft model folder {str(path)!r} does not exist; pass --draft-model DIR with a "
+                                  "local HF folder of a small model that shares the target's tokenizer")
         plugins = (plugins or PluginManager.from_entry_points()).collect()
         draft_config = config.replace(model=str(path), quant=None, max_model_len=None, num_kv_blocks=None)
         draft = load_model(draft_config, plugins, Path(path))

@@ -126,6 +126,8 @@ def test_metrics_of_one_run():
     (["--ab", "hf:turbo"], "the HF baseline is written 'hf', 'hf:static' or 'hf:cb'"),
     (["--workload", "file"], "--workload file needs --file PATH"),
     (["--num-requests", "0"], "--num-requests must be a positive integer"),
+    (["--ab", "--repeats", "1"], "--ab needs at least one arm after it"),
+    (["--out", __file__ + "/sub"], "Invalid value for '--out': cannot create the output folder"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     result = run("bench", *args)

@@ -54,7 +54,11 @@ def _bad_folders(tmp_path, tiny_model):
     pickle_only = tmp_path / "pickle-only"
     shutil.copytree(no_weights, pickle_only)
     (pickle_only / "pytorch_model.bin").write_bytes(b"not loaded")
-    return unsupported, no_weights, pickle_only
+    truncated = tmp_path / "truncated"  # an interrupted download
+    shutil.copytree(tiny_model, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return unsupported, no_weights, pickle_only, truncated
 
 
 BAD_REQUESTS = [
@@ -77,8 +81,12 @@ def test_bad_requests_fail_cleanly(tiny_model, args, message):
 
 
 def test_bad_models_and_plugins_fail_cleanly(tmp_path, tiny_model):
-    unsupported, no_weights, pickle_only = _bad_folders(tmp_path, tiny_model)
+    unsupported, no_weights, pickle_only, truncated = _bad_folders(tmp_path, tiny_model)
     cases = [
+        (["--model", str(truncated)], "is not a readable safetensors file .* fetch it again"),
+        (["--model", str(tiny_model), "--max-model-len", "100000"], "exceeds the model's max_position_embeddings 1024"),
+        (["--model", str(tiny_model), "--proposer", "draft-model", "--num-speculative-tokens", "2", "--draft-model",
+          str(tmp_path / "nope")], "draft model folder .* does not exist; pass --draft-model DIR"),
         (["--plugin", "nope"], "unknown plugin 'nope'; registered components:"),
         (["--model", str(tmp_path / "missing")], "does not exist"),
         (["--model", str(unsupported)], "unsupported architecture 'GPT2LMHeadModel'; supported: .*LlamaForCausalLM"),
@@ -119,3 +127,32 @@ def test_the_design_card_example_runs_on_the_embedded_default():
     result = run("--plugin", "radix-cache", "--quant", "awq", "generate", "def f():", "--max-tokens", "8", "--stats")
     assert result.exit_code == 0, result.output
     assert result.output.startswith("def f():")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--hidden-size", "0"], "hidden-size must be >= 1, got 0"),
+    (["--num-layers", "0"], "num-layers must be >= 1, got 0"),
+    (["--hidden-size", "30"], "hidden-size 30 must split into 4 heads of an even size"),
+])
+def test_make_tiny_model_checks_sizes_before_writing(tmp_path, args, message):
+    result = run("make-tiny-model", str(tmp_path / "m"), *args)
+    assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_conflicting_plugin_choices_are_refused(tiny_model):
+    result = run("--model", str(tiny_model), "--plugin", "lru", "--plugin", "lfu", "generate", "hi")
+    assert result.exit_code != 0 and "--plugin lru and --plugin lfu both choose the eviction policy" in result.output
+
+
+def test_a_plugin_command_may_not_shadow_a_builtin(tmp_path, monkeypatch):
+    (tmp_path / "shadowing_plugin.py").write_text(
+        "import click\nfrom infer import hookimpl\n\n\n@hookimpl\ndef register_commands(register):\n"
+        "    register('generate', lambda: click.Command('generate'))\n")
+    info = tmp_path / "shadowing_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: shadowing-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[infer]\nshadowing = shadowing_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = run("plugins")
+    assert result.exit_code != 0 and "registers a command 'generate', the name of a built-in" in result.output

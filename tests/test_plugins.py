@@ -4,8 +4,10 @@ from __future__ import annotations
 import types
 
 import pytest
+from click.testing import CliRunner
 
 from infer import hookimpl
+from infer.cli import main
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.errors import PluginError
@@ -118,3 +120,18 @@ def test_event_hooks_observe_steps_and_finished_requests(tiny_model, infer_plugi
     summary = engine.stats.summary()  # the phases' totals, as `infer generate --stats` prints them
     total = sum(summary[f"time_{phase}_s"] for phase in phases)
     assert total == pytest.approx(sum(durations), abs=4e-4)  # each total is rounded to 0.1 ms
+
+
+def test_two_packages_with_one_entry_point_name_are_named(tmp_path, monkeypatch):
+    """Two plugin packages made from the template without renaming the entry point: a clear PluginError naming
+    both packages (not pluggy's ValueError), also from the CLI."""
+    for dist in ("infer-plugin-one", "infer-plugin-two"):
+        info = tmp_path / f"{dist.replace('-', '_')}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[infer]\nexample = {dist.replace('-', '_')}.plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match="'infer-plugin-one' and 'infer-plugin-two'.*rename it"):
+        PluginManager.from_entry_points(allow="")
+    result = CliRunner().invoke(main, ["plugins"])
+    assert result.exit_code != 0 and "infer-plugin-one" in result.output and "Traceback" not in result.output

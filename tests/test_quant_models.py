@@ -363,3 +363,13 @@ def test_fp8_kv_triton_backend_equals_torch_backend(device: str, tiny_model: Pat
                                      num_kv_blocks=16, kv_cache_dtype="fp8"), plugins)
         outputs[backend] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
     assert outputs["triton"] == outputs["torch"]
+
+
+def test_quantize_default_group_size_divides_every_layer(tiny_model: Path, tmp_path: Path) -> None:
+    """Without --group-size the largest of 128, 64, 32 that divides every input size is used (64 for hidden 64):
+    the defaults work on small models such as the shipped one (hidden 192)."""
+    out = tmp_path / "awq"
+    result = CliRunner().invoke(main, ["quantize", str(tiny_model), str(out), "--num-samples", "2", "--seq-len", "32"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 64
+    assert "(int4, group 64)" in result.output

@@ -100,3 +100,15 @@ def test_cli_selects_radix_cache_with_plugin(tiny_model):
                                        "hello there", "--max-tokens", "4", "--ignore-eos", "--stats"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output[result.output.index("{"):])["requests_finished"] == 2
+
+
+def test_radix_cache_refuses_no_prefix_caching():
+    """The radix tree is a prefix cache: asking it for no prefix reuse is a contradiction, not a silent no-op."""
+    from infer.core.config import EngineConfig
+    from infer.core.errors import ConfigError
+    from infer.core.plugins import PluginManager
+
+    factory = PluginManager.from_entry_points().collect().registry("kv_cache").get("radix-cache")
+    config = EngineConfig(enable_prefix_caching=False)
+    with pytest.raises(ConfigError, match="--kv-cache paged --no-prefix-caching"):
+        factory(config, 16, None)
