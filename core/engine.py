@@ -168,6 +168,10 @@ class Engine:
         """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError."""
         params = params or SamplingParams()
         params.validate()
+        vocab = self.loaded.model.spec.vocab_size
+        if bad := [t for t in params.stop_token_ids if t >= vocab]:
+            raise InvalidRequestError(f"invalid sampling parameters: stop_token_ids must be below the model's "
+                                      f"vocabulary size {vocab}; got {bad[:5]}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..core.hookspecs import CommandFactory, hookimpl
 from ..core.registry import Register
+
+if TYPE_CHECKING:
+    import grpc
 
 TOKEN_ENV = "INFER_SERVER_TOKEN"
 
@@ -38,6 +41,7 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 
     options = ServeOptions(host, port, max_queue, max_message_bytes, grace_period, token, tls_cert, tls_key,
                            metrics_port).validate()
+    options.check_ports()  # before the model load, which can take minutes
     engine = build_engine(ctx)
 
     def ready(bound: int) -> None:
@@ -85,13 +89,17 @@ def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p:
     if seed is not None:
         sampling["seed"] = seed
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
+        mid_line = False  # the prompt goes out with the first response, so that an early error stands alone
         try:
             if n == 1:
-                click.echo(prompt, nl=False)
                 for response in conn.generate(prompt, **sampling):
+                    if not mid_line:
+                        click.echo(prompt, nl=False)
+                        mid_line = True
                     for out in response.outputs:
                         click.echo(out.text, nl=False)
                 click.echo()
+                mid_line = False
             else:
                 for out in conn.complete(prompt, **sampling).outputs:
                     click.echo(prompt + out.text)
@@ -100,7 +108,22 @@ def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p:
                                                     preserving_proto_field_name=True),
                                       indent=2), err=True)
         except grpc.RpcError as exc:
-            raise click.ClickException(f"{exc.code().name}: {exc.details()}") from exc
+            if mid_line:
+                click.echo()  # end the partial completion's line
+            raise click.ClickException(rpc_error_message(exc, target, tls or tls_ca is not None)) from exc
+
+
+def rpc_error_message(exc: grpc.RpcError, target: str, tls: bool) -> str:
+    """``CODE: details``; a TLS/plaintext mismatch or an untrusted certificate gets a hint instead of the SSL error."""
+    details = exc.details() or ""
+    if "WRONG_VERSION_NUMBER" in details:
+        return f"UNAVAILABLE: {target} does not speak TLS (a plaintext server?); drop --tls and --tls-ca"
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return (f"UNAVAILABLE: the TLS certificate of {target} is not trusted; pass its certificate or CA with "
+                "--tls-ca (and check that it names the host of --target)")
+    if not tls and exc.code().name == "UNAVAILABLE" and "Socket closed" in details:
+        return f"UNAVAILABLE: {target} closed the connection; if it serves TLS (--tls-cert), add --tls-ca or --tls"
+    return f"{exc.code().name}: {details}"
 
 
 @hookimpl

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import signal
+import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,11 +55,75 @@ class ServeOptions:
             raise ConfigError(f"grace-period must be >= 0 seconds, got {self.grace_period_s}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_cert is not None and self.tls_key is not None:
+            check_tls_files(Path(self.tls_cert), Path(self.tls_key))
         if self.token is not None and not self.token:
             raise ConfigError("the token must not be empty")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ConfigError(f"--metrics-port must differ from --port (both are {self.port})")
         return self
+
+    def check_ports(self) -> None:
+        """Fail fast, before the model loads, when --port or --metrics-port is taken (the server binds later)."""
+        check_port_free(self.host, self.port, "--port")
+        if self.metrics_port is not None:
+            check_port_free(self.host, self.metrics_port, "--metrics-port")
+
+
+def check_tls_files(cert: Path, key: Path) -> None:
+    """Raise ConfigError naming the file unless ``cert`` is a PEM certificate chain and ``key`` its unencrypted
+    PEM private key (gRPC itself only logs and fails to bind)."""
+    from ..core.errors import ConfigError
+
+    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {option} {path}: {exc.strerror}") from exc
+    try:
+        # the password callback: an encrypted key fails here instead of prompting (gRPC cannot decrypt it either)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(f"--tls-key {key} is not the private key of --tls-cert {cert}; pass the key that "
+                              "the certificate was issued for") from exc
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert)
+        except ssl.SSLError:
+            raise ConfigError(f"--tls-cert {cert} is not a PEM certificate; pass the server's certificate chain "
+                              "(-----BEGIN CERTIFICATE-----)") from exc
+        raise ConfigError(f"--tls-key {key} is not an unencrypted PEM private key; pass the key of --tls-cert "
+                          "(-----BEGIN PRIVATE KEY-----, e.g. from `openssl req -nodes`)") from exc
+
+
+def check_port_free(host: str, port: int, option: str) -> None:
+    """Raise ConfigError when host:port is in use (or needs privileges); port 0 is always free."""
+    from ..core.errors import ConfigError
+
+    if port == 0:
+        return
+    try:
+        addresses = {info[4]: info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                     flags=socket.AI_PASSIVE)}
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot resolve --host {host}: {exc.strerror}") from exc
+    for address, family in addresses.items():
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and the metrics server bind
+            try:
+                probe.bind(address)
+                probe.listen()
+            except OSError as exc:
+                hint = {errno.EADDRINUSE: "is the port in use?", errno.EACCES: "ports below 1024 need privileges;"}
+                if exc.errno in hint:  # other errors: let the real bind report them
+                    raise ConfigError(f"could not listen on {host_port(host, port)}: {exc.strerror} "
+                                      f"({hint[exc.errno]} pick another {option}, or 0 for a free one)") from exc
+
+
+def host_port(host: str, port: int) -> str:
+    return f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
 
 
 def describe_engine(engine: Any) -> pb.ModelInfo:
@@ -106,7 +173,7 @@ class InferenceServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server)
-        address = f"{o.host}:{o.port}" if ":" not in o.host else f"[{o.host}]:{o.port}"
+        address = host_port(o.host, o.port)
         try:
             if o.tls_cert is not None and o.tls_key is not None:
                 creds = grpc.ssl_server_credentials([(Path(o.tls_key).read_bytes(), Path(o.tls_cert).read_bytes())])

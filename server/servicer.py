@@ -10,6 +10,7 @@ from typing import NoReturn
 
 import grpc
 
+from ..core.errors import InvalidRequestError
 from ..core.request import RequestOutput, SamplingParams
 from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
@@ -114,6 +115,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     # ------------------------------------------------------------ control and introspection
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.request_id:
+            await _abort_with(context, InvalidRequestError(
+                "request_id is required: pass the id of the request to abort (the one in its responses)"))
         try:
             await asyncio.wrap_future(self.worker.abort(request.request_id))
         except Exception as exc:

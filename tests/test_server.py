@@ -365,6 +365,18 @@ def test_bad_prompts_get_the_engines_message(client: Client, llm: Any, name: str
     assert_serves(client)
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_rejected_as_offline(client: Client, llm: Any) -> None:
+    vocab = client.model_info().vocab_size
+    params = SamplingParams(max_tokens=4, stop_token_ids=(5, vocab, 10**6))
+    with pytest.raises(InferError) as offline:
+        llm.generate(["hello"], params)
+    for call in (client.generate, client.complete):
+        err = rpc_error(lambda: call("hello", params))
+        assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, str(offline.value))
+    assert f"vocabulary size {vocab}; got [{vocab}, 1000000]" in str(offline.value)
+    assert_serves(client)
+
+
 def test_no_prompt_and_oversized_messages(client: Client) -> None:
     from infer.server import infer_pb2_grpc
 
@@ -439,6 +451,66 @@ def test_client_command(secure_server: ServerProcess, llm: Any) -> None:
     assert out.returncode == 0, out.stderr
     want = llm.generate(["def main():"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert out.stdout == "def main():" + want.outputs[0].text + "\n"
+
+
+def run_cli(*args: str) -> Any:
+    """`infer ARGS` in this process (no model load, no start-up cost); returns click's Result."""
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def test_client_errors_stand_alone(server: ServerProcess) -> None:
+    out = run_cli("client", "hello", "--target", server.target, "--top-p", "1.5")
+    assert (out.exit_code, out.stdout) == (1, "")  # no prompt echo glued to the error
+    assert out.stderr == f"Error: INVALID_ARGUMENT: {_validation_message(top_p=1.5)}\n"
+    out = run_cli("client", "hello", "--target", server.target, "--max-tokens", "1000", "--ignore-eos",
+                  "--timeout", "0.5")
+    assert out.stderr.startswith("Error: DEADLINE_EXCEEDED")
+    assert out.stdout == "" or (out.stdout.startswith("hello") and out.stdout.endswith("\n"))
+    out = run_cli("client", "hello", "--target", server.target, "--tls")
+    assert out.stderr == f"Error: UNAVAILABLE: {server.target} does not speak TLS (a plaintext server?); drop --tls " \
+                         "and --tls-ca\n"
+
+
+def test_plaintext_client_of_a_tls_server(secure_server: ServerProcess) -> None:
+    if secure_server.client_kwargs["root_certificates"] is None:
+        pytest.skip("no openssl: the secure server is plaintext")
+    out = run_cli("client", "hello", "--target", secure_server.target, "--token", TOKEN)
+    assert out.exit_code == 1 and "if it serves TLS (--tls-cert), add --tls-ca or --tls" in out.stderr
+
+
+def test_bad_tls_files_are_named_before_the_model_loads(tmp_path: Path, certs: tuple[Path, Path] | None) -> None:
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a pem file\n")
+    serve = ["--model", str(tmp_path / "no-model"), "serve", "--port", "0"]
+    out = run_cli(*serve, "--tls-cert", str(bad), "--tls-key", str(bad))
+    assert out.stderr.startswith(f"Error: --tls-cert {bad} is not a PEM certificate;"), out.stderr
+    if certs is None:
+        return
+    cert, key = certs
+    out = run_cli(*serve, "--tls-cert", str(cert), "--tls-key", str(bad))
+    assert out.stderr.startswith(f"Error: --tls-key {bad} is not an unencrypted PEM private key;"), out.stderr
+    other = tmp_path / "other-key.pem"
+    subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-out", str(other)], check=True, capture_output=True)
+    out = run_cli(*serve, "--tls-cert", str(cert), "--tls-key", str(other))
+    assert out.stderr.startswith(f"Error: --tls-key {other} is not the private key of --tls-cert {cert};")
+
+
+def test_taken_ports_fail_before_the_model_loads(tmp_path: Path) -> None:
+    serve = ["--model", str(tmp_path / "no-model"), "serve"]  # the model error would come second
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for args, option in ((["--port", port], "--port"), (["--port", "0", "--metrics-port", port], "--metrics-port")):
+            out = run_cli(*serve, *args)
+            assert out.stderr.startswith(f"Error: could not listen on 127.0.0.1:{port}: "), out.stderr
+            assert f"(is the port in use? pick another {option}, or 0 for a free one)" in out.stderr
+    out = run_cli(*serve, "--port", port, "--metrics-port", port)
+    assert out.stderr == f"Error: --metrics-port must differ from --port (both are {port})\n"
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_0(secure_server: ServerProcess) -> None:

@@ -126,6 +126,14 @@ def test_a_cancelled_stream_aborts_its_request() -> None:
     serve_scripted(test)
 
 
+def test_abort_without_a_request_id_is_invalid_argument() -> None:
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        code, details = await rpc_code(client.abort(""))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_id is required")
+
+    serve_scripted(test)
+
+
 def test_unset_fields_take_the_sampling_params_defaults() -> None:
     params = sampling_params_of(build_request("hi", priority=3, temperature=0.0))
     assert params == SamplingParams(temperature=0.0, priority=3)
