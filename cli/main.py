@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -103,12 +104,35 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
                     click.echo(out.text, nl=False)
             click.echo()
     else:
-        for prompt, result in zip(texts, engine.generate(texts, params)):
-            for out in result.outputs:
-                click.echo(prompt + out.text)
+        _print_in_order(texts, engine.generate_as_completed(texts, params))
     if stats:
         summary = engine.stats.summary()
         click.echo(json.dumps(summary, indent=2), err=True)
+
+
+def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]]) -> None:
+    """Print each prompt's completions once it and every earlier prompt finished (so Ctrl-C keeps what is done);
+    a progress bar on stderr when it is a terminal and there are several prompts."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    ready: dict[int, Any] = {}
+    printed = 0
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True, disable=len(texts) < 2 or not console.is_terminal) as progress:
+        task = progress.add_task("generating", total=len(texts))
+        try:
+            for index, result in completed:
+                ready[index] = result
+                progress.advance(task)
+                while printed in ready:
+                    for out in ready.pop(printed).outputs:
+                        click.echo(texts[printed] + out.text)
+                    printed += 1
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            click.echo(f"interrupted: printed {printed} of {len(texts)} prompts' completions", err=True)
+            raise SystemExit(130) from None
 
 
 @main.command("plugins")

@@ -12,7 +12,7 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
-from .errors import ConfigError, InvalidRequestError, NotFoundError, PluginError
+from .errors import ConfigError, InferError, InvalidRequestError, NotFoundError, PluginError
 from .interfaces import AttentionBackend, Proposer, SchedulerOutput
 from .loader import LoadedModel, load_model
 from .metrics import EngineStats, StepStats
@@ -369,6 +369,14 @@ class Engine:
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run prompts to completion; return one full RequestOutput per prompt, in order."""
+        results = dict(self.generate_as_completed(prompts, params))
+        return [results[i] for i in range(len(prompts))]
+
+    def generate_as_completed(self, prompts: Seq[str | list[int]],
+                              params: SamplingParams | Seq[SamplingParams] | None = None
+                              ) -> Iterator[tuple[int, RequestOutput]]:
+        """Submit every prompt (all or none: a bad one raises before any work, naming its position), then yield
+        (prompt index, full RequestOutput) as each request finishes. Closing the iterator aborts the rest."""
         params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
@@ -376,31 +384,37 @@ class Engine:
         try:
             for prompt, sp in zip(prompts, params_list):
                 ids.append(self.add_request(prompt, sp))
-        except Exception:
+        except Exception as exc:
             for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 self.abort(rid)
+            if isinstance(exc, InferError) and len(prompts) > 1:
+                raise type(exc)(f"prompt {len(ids) + 1} of {len(prompts)}: {exc}") from exc
             raise
+        index = {rid: i for i, rid in enumerate(ids)}
         results = {rid: RequestOutput(rid, self.requests[rid].prompt_token_ids,
                                       [CompletionOutput(i, [], "") for i in range(sp.n)], False)
                    for rid, sp in zip(ids, params_list)}
-        pending = set(ids)
-        while pending:
-            for delta in self.step():
-                if delta.request_id not in results:
-                    continue
-                full = results[delta.request_id]
-                for d in delta.outputs:
-                    c = full.outputs[d.index]
-                    c.token_ids += d.token_ids
-                    c.text += d.text
-                    c.finish_reason = d.finish_reason
-                    if d.logprobs is not None:
-                        c.logprobs = (c.logprobs or []) + d.logprobs
-                if delta.finished:
-                    full.finished, full.num_cached_tokens = True, delta.num_cached_tokens
-                    full.metrics = delta.metrics  # e.g. speculative acceptance
-                    pending.discard(delta.request_id)
-        return [results[rid] for rid in ids]
+        try:
+            while results:
+                for delta in self.step():
+                    full = results.get(delta.request_id)
+                    if full is None:
+                        continue
+                    for d in delta.outputs:
+                        c = full.outputs[d.index]
+                        c.token_ids += d.token_ids
+                        c.text += d.text
+                        c.finish_reason = d.finish_reason
+                        if d.logprobs is not None:
+                            c.logprobs = (c.logprobs or []) + d.logprobs
+                    if delta.finished:
+                        full.finished, full.num_cached_tokens = True, delta.num_cached_tokens
+                        full.metrics = delta.metrics  # e.g. speculative acceptance
+                        yield index[delta.request_id], results.pop(delta.request_id)
+        finally:  # the caller stopped early (or an error): free what is left
+            for rid in results:
+                if rid in self.requests:
+                    self.abort(rid)
 
 
 class LLM:

@@ -156,3 +156,8 @@ def test_a_plugin_command_may_not_shadow_a_builtin(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     result = run("plugins")
     assert result.exit_code != 0 and "registers a command 'generate', the name of a built-in" in result.output
+
+
+def test_generate_names_the_bad_prompt_and_prints_nothing(tiny_model):
+    result = run("--model", str(tiny_model), "generate", "def a():", "x=1\n" * 600, "--max-tokens", "4")
+    assert result.exit_code != 0 and "prompt 2 of 2:" in result.output and "def a():" not in result.output

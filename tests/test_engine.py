@@ -186,3 +186,22 @@ def test_review_regressions(engine, tiny_model):
         narrow.step()
         peak = max(peak, narrow.scheduler.num_running())
     assert peak <= 4
+
+
+def test_generate_as_completed_yields_in_finishing_order_and_frees_the_rest(engine):
+    long, short = SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)
+    completed = engine.generate_as_completed(["a long one", "a short one", "long again"], [long, short, long])
+    first_index, first = next(completed)
+    assert first_index == 1 and first.finished and len(first.outputs[0].token_ids) == 3
+    completed.close()  # the caller stops reading: the other two are aborted, their KV freed
+    assert not engine.has_unfinished() and drained(engine)
+    in_order = engine.generate(["a long one", "a short one"], [long, short])
+    assert [len(r.outputs[0].token_ids) for r in in_order] == [12, 3]
+
+
+def test_a_bad_prompt_among_many_is_named_and_nothing_runs(engine):
+    from infer.core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="prompt 2 of 3: .*context length"):
+        engine.generate(["fine", "x " * 5000, "fine too"], SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished() and drained(engine)
