@@ -15,7 +15,8 @@ from collections import Counter
 
 import torch
 
-from .interfaces import AttentionBackend, AttentionMetadata, Model
+from .interfaces import AttentionBackend, AttentionMetadata
+from .model import Model
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError
 from .request import Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from .model import Model
 
 
 # ---------------------------------------------------------------- KV cache (the block allocator)
@@ -278,6 +281,8 @@ class QuantMethod(ABC):
 
     def load_weight(self, layer: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
         """Copy checkpoint tensor ``name`` (the attribute name) into ``layer``; raise CheckpointError on mismatch."""
+        import torch
+
         target = getattr(layer, name, None)
         if not isinstance(target, torch.Tensor):
             raise CheckpointError(f"unexpected tensor {name!r} for a {self.name} linear layer")
@@ -331,29 +336,11 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
 
 
-class Model(torch.nn.Module, ABC):
-    """A causal LM over a flat token batch. The attention layers call the backend given in ``forward``.
+def __getattr__(name: str) -> Any:
+    """``Model`` subclasses ``torch.nn.Module``, so it lives in :mod:`infer.core.model`; importing it from here
+    stays possible without making every importer of these interfaces (plugin loading, the CLI) import torch."""
+    if name == "Model":
+        from .model import Model
 
-    Subclasses set ``self.spec`` in their constructor.
-    """
-
-    spec: ModelSpec
-
-    @abstractmethod
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn: AttentionBackend,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden] (after the last norm)."""
-
-    @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32."""
-
-    @abstractmethod
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Consume (HF name, tensor) pairs; raise CheckpointError on unknown names or missing tensors."""
+        return Model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

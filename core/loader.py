@@ -12,7 +12,8 @@ import torch
 
 from .config import EngineConfig
 from .errors import CheckpointError, ConfigError
-from .interfaces import Model, QuantMethod
+from .interfaces import QuantMethod
+from .model import Model
 from .plugins import PluginManager
 
 log = logging.getLogger("infer")

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .interfaces import (AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, Model,
-                         SchedulerOutput)
+from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, SchedulerOutput
+from .model import Model
 from .request import Sequence
 from .sampling import Sampler, SampleResult
 from .staging import Uploader

@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from ..core.errors import CheckpointError
-from ..core.interfaces import AttentionBackend, AttentionMetadata, Model, ModelSpec, QuantMethod
+from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod
+from ..core.model import Model
 from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)

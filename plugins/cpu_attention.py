@@ -25,9 +25,7 @@ import torch
 
 from ..core.config import EngineConfig
 from ..core.errors import PluginError
-from ..core.hookspecs import AttentionBackendFactory, hookimpl
 from ..core.interfaces import AttentionMetadata
-from ..core.registry import Register
 from .torch_attention import TorchAttention
 
 log = logging.getLogger("infer")
@@ -156,8 +154,3 @@ def create_backend(config: EngineConfig) -> CpuAttention:
                           f"{torch.cuda.is_available()}); use --device cpu or --attention triton")
     use_kernel = config.dtype in ("auto", "float32") and config.kv_cache_dtype == "auto"
     return CpuAttention(build_kernel(), use_kernel)
-
-
-@hookimpl
-def register_attention_backends(register: Register[AttentionBackendFactory]) -> None:
-    register("cpu", create_backend)

@@ -5,17 +5,18 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ..core.config import EngineConfig
 from ..core.hookspecs import ModelFactory, hookimpl
-from ..core.interfaces import Model, QuantMethod
 from ..core.registry import Register
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads with the model, not with the plugins (`infer --help` stays fast)
+    import torch
+
+    from ..core.interfaces import Model, QuantMethod
     from ..models.layers import PointwiseOps
 
 log = logging.getLogger("infer")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
@@ -64,7 +65,5 @@ def pointwise_ops(config: EngineConfig) -> PointwiseOps:
 
 @hookimpl
 def register_models(register: Register[ModelFactory]) -> None:
-    from ..models.llama import ARCHITECTURES
-
     for name in ARCHITECTURES:
         register(name, build_llama_family)

@@ -8,9 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.config import EngineConfig
-from ..core.hookspecs import AttentionBackendFactory, hookimpl
 from ..core.interfaces import AttentionBackend, AttentionMetadata, kv_cache_scales
-from ..core.registry import Register
 
 
 @dataclass
@@ -167,11 +165,3 @@ def _from_cache(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype, s
     from ..quant.kv_cache import dequantize_kv
 
     return dequantize_kv(x, scale, dtype)
-
-
-@hookimpl
-def register_attention_backends(register: Register[AttentionBackendFactory]) -> None:
-    def factory(config: EngineConfig) -> AttentionBackend:
-        return TorchAttention()
-
-    register("torch", factory)

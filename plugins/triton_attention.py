@@ -9,9 +9,7 @@ import torch
 
 from ..core.config import EngineConfig
 from ..core.errors import PluginError
-from ..core.hookspecs import AttentionBackendFactory, hookimpl
 from ..core.interfaces import AttentionBackend, AttentionMetadata, kv_cache_scales
-from ..core.registry import Register
 
 DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is visible (interpreter)
 
@@ -82,9 +80,3 @@ def create_backend(config: EngineConfig) -> TritonAttentionBackend:
             raise PluginError("--kv-cache-dtype fp8 with the triton backend needs a GPU with fp8 support (sm89+, "
                               "e.g. L4/H100); use --attention torch (dequantizes in torch) or --kv-cache-dtype auto")
     return TritonAttentionBackend(kernels, num_sms)
-
-
-@hookimpl
-def register_attention_backends(register: Register[AttentionBackendFactory]) -> None:
-    register("triton", create_backend)
-

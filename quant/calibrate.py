@@ -126,7 +126,8 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
     """Validate the options, MODEL and OUT; return MODEL's config.json and the options with the group size chosen.
     Raises ConfigError/CheckpointError."""
     from ..core.loader import read_config, safetensors_files
-    from ..models.llama import ARCHITECTURES, ArchConfig
+    from ..models.llama import ArchConfig
+    from ..plugins.llama_family import ARCHITECTURES
 
     config.validate()
     if not model_dir.is_dir():

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core.interfaces import AttentionBackend, AttentionMetadata, Model
+from ..core.interfaces import AttentionBackend, AttentionMetadata
+from ..core.model import Model
 
 KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer index, k [T, Hkv, D], v [T, Hkv, D])
 

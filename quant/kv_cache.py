@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..core.interfaces import Model
+from ..core.model import Model
 from .calib_data import default_texts, token_samples
 from .forward import dense_forward
 

@@ -135,3 +135,16 @@ def test_two_packages_with_one_entry_point_name_are_named(tmp_path, monkeypatch)
         PluginManager.from_entry_points(allow="")
     result = CliRunner().invoke(main, ["plugins"])
     assert result.exit_code != 0 and "infer-plugin-one" in result.output and "Traceback" not in result.output
+
+
+def test_loading_the_shipped_plugins_does_not_import_torch():
+    """`infer --help`, `infer plugins` and `infer client` load every plugin; torch (1.5 s) loads with a model."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from infer.core.plugins import PluginManager; "
+            "PluginManager.from_entry_points().collect(); print(sorted(m for m in ('torch', 'transformers', 'triton') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from infer.core import hookspecs  # noqa: E402
 from infer.core.config import EngineConfig  # noqa: E402
 from infer.core.errors import PluginError  # noqa: E402
-from infer.plugins import triton_attention  # noqa: E402
+from infer.plugins import attention_backends, triton_attention  # noqa: E402
 
 from conftest import dense_attention, paged_batch  # noqa: E402
 
@@ -33,10 +33,12 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 def test_registers_through_pluggy() -> None:
     pm = pluggy.PluginManager("infer")
     pm.add_hookspecs(hookspecs)
-    pm.register(triton_attention)
+    pm.register(attention_backends)
     seen: dict[str, object] = {}
     pm.hook.register_attention_backends(register=lambda name, factory, aliases=(): seen.setdefault(name, factory))
-    assert seen == {"triton": triton_attention.create_backend}
+    assert set(seen) == {"torch", "cpu", "triton"}
+    # the factory imports the backend's module only when called (CUDA here, or the interpreter on the CPU)
+    assert isinstance(seen["triton"](EngineConfig()), triton_attention.TritonAttentionBackend)
 
 
 def test_factory_refuses_without_cuda_or_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
