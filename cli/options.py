@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from ..core.config import EngineConfig
+from ..core.errors import ConfigError
 from ..core.plugins import PluginManager
 
 ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
@@ -116,5 +117,10 @@ class EngineArgs:
         if config.quant:
             plugins.registry("quant_method").entry(config.quant)
         if config.proposer:
-            plugins.registry("proposer").entry(config.proposer)
+            config = config.replace(proposer=plugins.registry("proposer").entry(config.proposer).name)
+        chose_eviction = "eviction_policy" in self.values or any(
+            name in plugins.registry("eviction_policy") for name in self.plugin_names)
+        if chose_eviction and not config.enable_prefix_caching:
+            raise ConfigError("an eviction policy picks the cached prefix blocks to drop; with --no-prefix-caching "
+                              "nothing is cached, so drop --eviction-policy or --no-prefix-caching")
         return config.validate()

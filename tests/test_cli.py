@@ -161,3 +161,15 @@ def test_a_plugin_command_may_not_shadow_a_builtin(tmp_path, monkeypatch):
 def test_generate_names_the_bad_prompt_and_prints_nothing(tiny_model):
     result = run("--model", str(tiny_model), "generate", "def a():", "x=1\n" * 600, "--max-tokens", "4")
     assert result.exit_code != 0 and "prompt 2 of 2:" in result.output and "def a():" not in result.output
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--proposer", "ngram", "--num-speculative-tokens", "2", "--draft-model", "x"],
+     "--draft-model is read by the draft-model proposer only"),
+    (["--spec-min-acceptance", "0.5"], "--spec-min-acceptance need a proposer"),
+    (["--eviction-policy", "lfu", "--no-prefix-caching"], "with --no-prefix-caching nothing is cached"),
+    (["--plugin", "lfu", "--no-prefix-caching"], "with --no-prefix-caching nothing is cached"),
+])
+def test_options_that_would_be_ignored_are_refused(tiny_model, options, message):
+    result = run("--model", str(tiny_model), *options, "generate", "hi")
+    assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
