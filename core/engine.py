@@ -34,6 +34,7 @@ class Engine:
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         config = config.replace().validate()  # a private copy: the engine resolves defaults into it
         self.config = config
+        started = time.perf_counter()
         self.plugins = (plugins or PluginManager.from_entry_points()).collect()
         if config.model is None:
             from ..models.tiny import ensure_default_model
@@ -85,6 +86,13 @@ class Engine:
 
             self.spec = SpecDecoder(config, proposer, self.kv, self.runner.sampler, self.stats)
         self._seq_ids = itertools.count()
+        per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.kv_dtype)
+        log.info("engine ready in %.1f s: %s on %s in %s (%d layers, max_model_len %d); KV pool %d blocks of %d "
+                 "tokens, %s, %.0f MiB; %s; CUDA graphs %s, async output %s", time.perf_counter() - started,
+                 config.model, self.loaded.device, str(self.loaded.dtype).removeprefix("torch."), spec.num_layers,
+                 spec.max_model_len, self.num_blocks, config.block_size, str(self.kv_dtype).removeprefix("torch."),
+                 self.num_blocks * per_block / 2**20, ", ".join(f"{k} {v}" for k, v in self.active.items()),
+                 "on" if self.runner.graphs is not None else "off", "on" if self.async_output else "off")
 
     # ------------------------------------------------------------ setup
     def _make_attention(self) -> tuple[str, AttentionBackend]:

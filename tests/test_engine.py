@@ -205,3 +205,14 @@ def test_a_bad_prompt_among_many_is_named_and_nothing_runs(engine):
     with pytest.raises(InvalidRequestError, match="prompt 2 of 3: .*context length"):
         engine.generate(["fine", "x " * 5000, "fine too"], SamplingParams(max_tokens=4))
     assert not engine.has_unfinished() and drained(engine)
+
+
+def test_the_engine_logs_what_it_built(tiny_model, caplog):
+    """`infer -v`: one line says which components run, the KV pool and the dtypes."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="infer"):
+        built = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64, kv_cache="radix-cache"))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready"))
+    assert "KV pool 64 blocks of 16 tokens" in line and "kv_cache radix-cache" in line and "on cpu" in line
+    assert f"{64 * built.runner.bytes_per_block(built.loaded.model, 16, torch.float32) / 2**20:.0f} MiB" in line
