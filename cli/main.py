@@ -163,8 +163,12 @@ def plugins_command(ctx: click.Context, as_json: bool) -> None:
 def make_tiny_model_command(directory: str, arch: str, hidden_size: int, num_layers: int,
                             tie_word_embeddings: bool, seed: int) -> None:
     """Write a random-weight model with a locally trained byte-level BPE tokenizer to DIRECTORY."""
+    from pathlib import Path
+
     from ..models.tiny import make_tiny_model
 
+    if Path(directory).is_dir() and any(Path(directory).iterdir()):
+        raise click.UsageError(f"{directory} already exists and is not empty; choose a new folder (or remove it)")
     path = make_tiny_model(directory, arch, hidden_size=hidden_size, num_layers=num_layers,
                            intermediate_size=2 * hidden_size, tie_word_embeddings=tie_word_embeddings, seed=seed)
     click.echo(f"wrote a random-weight {arch} model to {path}")

@@ -140,6 +140,13 @@ def test_make_tiny_model_checks_sizes_before_writing(tmp_path, args, message):
     assert not (tmp_path / "m").exists()
 
 
+def test_make_tiny_model_does_not_overwrite_a_folder(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = run("make-tiny-model", str(tmp_path))
+    assert result.exit_code != 0 and "already exists and is not empty" in result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
 def test_conflicting_plugin_choices_are_refused(tiny_model):
     result = run("--model", str(tiny_model), "--plugin", "lru", "--plugin", "lfu", "generate", "hi")
     assert result.exit_code != 0 and "--plugin lru and --plugin lfu both choose the eviction policy" in result.output
