@@ -1,0 +1,132 @@
+"""Every Triton kernel compiles for sm_90 (H100/H200) at the anchor model's shapes, on a machine without a GPU.
+
+The launchers run under the interpreter on small inputs with the anchor's head and block shapes, in bf16 and fp16;
+a pre-run hook (the interpreter's own ``add_pre_run_hook``) records each launch's argument types and constexprs.
+A subprocess without the interpreter then compiles every recorded launch with ``triton.compile`` for
+``GPUTarget("cuda", 90, 32)``: Triton's front end, its GPU passes and the ptxas that ships in the triton wheel, which
+catches what the interpreter forgives (types, layouts, unsupported ops, shared memory). The interpreter hides
+``num_warps`` from hooks, so each launch compiles with the launcher's rule for it, restated in WARPS below.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, `pytest -m gpu` compiles them natively")
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from infer.kernels import attention, awq_gemm, fp8, fused_ops  # noqa: E402
+
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+         torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+HEADS, KV_HEADS, HEAD_DIM, PAGE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192  # Llama-3.2-1B, block size 16
+WARPS = {"_rms_norm_kernel": 8, "_decode_split_kernel": 4, "_prefill_kernel": 4}  # the launchers' choice here
+
+COMPILE = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+failures = []
+for rec in json.load(sys.stdin):
+    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
+    try:
+        done = triton.compile(ASTSource(fn, rec["signature"], constexprs=rec["constexprs"]),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": rec["num_warps"]})
+        if done.metadata.shared > 227 * 1024:  # the H100/H200 limit per block
+            failures.append(f"{rec['name']}: {done.metadata.shared} bytes of shared memory")
+    except Exception as exc:
+        failures.append(f"{rec['name']} {rec['constexprs']}: {exc!r}"[:2000])
+print(json.dumps(failures))
+"""
+
+
+def kernels() -> dict[str, object]:
+    found = {}
+    for module in (attention, awq_gemm, fp8, fused_ops):
+        for name, value in vars(module).items():
+            if name.endswith("_kernel") and hasattr(value, "add_pre_run_hook"):
+                found[name] = value
+    return found
+
+
+def record(kernel: object, launches: list[dict]) -> None:
+    import inspect
+
+    params = list(inspect.signature(kernel.fn).parameters.values())
+
+    def hook(*args: object, **kwargs: object) -> None:
+        bound = dict(zip((p.name for p in params), args)) | kwargs
+        signature, constexprs = {}, {}
+        for p in params:
+            value = bound[p.name]
+            if "constexpr" in str(p.annotation) or value is None:
+                signature[p.name], constexprs[p.name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[p.name] = "*" + TYPES[value.dtype]
+            elif isinstance(value, float):
+                signature[p.name] = "fp32"
+            else:
+                signature[p.name] = "i32" if abs(int(value)) < 2**31 else "i64"
+        launches.append({"module": kernel.fn.__module__, "name": kernel.fn.__name__, "signature": signature,
+                         "constexprs": constexprs, "num_warps": WARPS.get(kernel.fn.__name__, 4)})
+
+    kernel.add_pre_run_hook(hook)
+
+
+def anchor_launches(dtype: torch.dtype) -> None:
+    """One call of every launcher with the anchor's shapes and few tokens."""
+    kc = torch.zeros(4, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    k8 = kc.to(torch.float8_e4m3fn)
+    scale = torch.ones(KV_HEADS)
+    tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([20, 9], dtype=torch.int32)
+    q = torch.randn(2, HEADS, HEAD_DIM, dtype=dtype)
+    for cache, scales in ((kc, {}), (k8, {"k_scale": scale, "v_scale": scale})):
+        attention.decode_attention(q, cache, cache, tables, lens, 0.125, 2, **scales)
+        attention.prefill_attention(torch.randn(6, HEADS, HEAD_DIM, dtype=dtype), cache, cache, tables,
+                                    torch.tensor([0, 3, 6], dtype=torch.int32), lens, 3, 0.125, **scales)
+    kv = torch.randn(3, KV_HEADS, HEAD_DIM, dtype=dtype)
+    attention.store_kv(kv, kv, kc, kc.clone(), torch.arange(3))
+    x = torch.randn(2, HIDDEN, dtype=dtype)
+    fused_ops.rms_norm(x, torch.ones(HIDDEN, dtype=dtype), 1e-5, residual=x.clone())
+    fused_ops.silu_and_mul(torch.randn(2, INTER, dtype=dtype), torch.randn(2, INTER, dtype=dtype))
+    cos = torch.randn(32, HEAD_DIM // 2)
+    fused_ops.rotary_embedding(torch.arange(2), q.clone(), torch.randn(2, KV_HEADS, HEAD_DIM, dtype=dtype), cos, cos)
+    fp8.per_token_quant(x)
+    for rows in (1, 64):  # fp8 GEMM blocks by row count; the native fp8 dot (UPCAST=False) is the GPU's path
+        a, b = torch.zeros(rows, 256, dtype=torch.float8_e4m3fn), torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+        fp8.w8a8_gemm(a, torch.ones(rows), b, torch.ones(128), dtype)
+    qweight, qzeros = torch.zeros(256, 16, dtype=torch.int32), torch.zeros(2, 16, dtype=torch.int32)
+    for rows, split in ((1, 4), (32, 1)):  # decode splits K across programs (atomics); larger batches do not
+        awq_gemm.awq_gemm(torch.randn(rows, 256, dtype=dtype), qweight, qzeros, torch.ones(2, 128, dtype=dtype), 128,
+                          split_k=split)
+
+
+def test_every_kernel_compiles_for_sm90_at_the_anchor_shapes() -> None:
+    launches: list[dict] = []
+    found = kernels()
+    for kernel in found.values():
+        record(kernel, launches)
+    try:
+        for dtype in (torch.bfloat16, torch.float16):
+            anchor_launches(dtype)
+    finally:
+        for kernel in found.values():
+            kernel.pre_run_hooks.clear()
+    for launch in launches:
+        if launch["name"] == "_w8a8_gemm_kernel":
+            launch["constexprs"]["UPCAST"] = False  # what sm89+ runs (the interpreter takes the upcast path)
+    assert {launch["name"] for launch in launches} == set(found), "a kernel has no anchor launch here"
+    unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(unique), capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
