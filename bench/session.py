@@ -93,6 +93,15 @@ def weights_bytes(model: str | None) -> int:
     return sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
 
 
+LENGTH_OPTIONS = {  # what sets a workload's longest request
+    "random": "lower --input-len/--output-len",
+    "shared-prefix": "lower --prefix-len/--question-len/--output-len",
+    "multi-turn": "lower --input-len/--output-len/--turns",
+    "long-prompt-arrival": "lower --long-len/--input-len/--output-len",
+    "file": "shorten the file's prompts or max_tokens",
+}
+
+
 def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: list[FileEntry] | None
                     ) -> list[Workload]:
     """One workload per round, valid for every arm: tokens every vocabulary has, lengths every context fits.
@@ -106,8 +115,7 @@ def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: 
     if longest > limit:
         raise WorkloadError(
             f"the {spec.name} workload has a request of {longest} tokens (prompt, history and output) but the "
-            f"context length is {limit}; lower --input-len/--output-len/--turns/--prefix-len/--long-len or use a "
-            "model with a longer context")
+            f"context length is {limit}; {LENGTH_OPTIONS[spec.name]} or use a model with a longer context")
     return workloads
 
 

@@ -136,6 +136,12 @@ def test_bad_input_is_a_clear_error(args, message):
     assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)  # a usage error, no crash
 
 
+def test_a_workload_longer_than_the_context_names_its_own_length_options(tiny_model):
+    result = run("--model", str(tiny_model), "bench", "--workload", "shared-prefix", "--repeats", "1")
+    assert result.exit_code == 2 and "context length is 1024; lower --prefix-len/--question-len/--output-len or" \
+        in result.output
+
+
 def test_an_unknown_component_in_an_arm_names_the_arm(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--ab", "--kv-cache paged", "--kv-cache nope")
     assert result.exit_code == 2
