@@ -153,4 +153,7 @@ def create_backend(config: EngineConfig) -> CpuAttention:
         raise PluginError(f"the cpu attention backend runs on the CPU, not on {config.device!r} (CUDA available: "
                           f"{torch.cuda.is_available()}); use --device cpu or --attention triton")
     use_kernel = config.dtype in ("auto", "float32") and config.kv_cache_dtype == "auto"
+    if not use_kernel:
+        log.info("cpu attention: the C kernel reads float32 caches only, so with --dtype %s and --kv-cache-dtype %s "
+                 "every step runs the torch path", config.dtype, config.kv_cache_dtype)
     return CpuAttention(build_kernel(), use_kernel)
