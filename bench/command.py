@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,13 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     if out_dir is not None:  # before the run, not after it
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=out_dir):
+                pass
+            for name in ("table.txt", "results.json"):
+                if (out_dir / name).is_dir():
+                    raise IsADirectoryError(f"{out_dir / name} is a folder")
         except OSError as exc:
-            raise click.BadParameter(f"cannot create the output folder: {exc}", param_hint="'--out'") from None
+            raise click.BadParameter(f"cannot create or write the output folder: {exc}", param_hint="'--out'") from None
     from .report import BenchResult
     from .session import arm_info, build_arms, make_workloads, run_info, run_rounds
 

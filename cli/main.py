@@ -43,9 +43,9 @@ def _plugins(ctx: click.Context) -> PluginManager:
         except InferError as exc:
             raise click.ClickException(str(exc)) from exc
         for entry in plugins.registry("command"):
-            if entry.name in main.commands:
-                raise click.ClickException(f"{entry.source} registers a command {entry.name!r}, the name of a "
-                                           "built-in infer command; the plugin must rename it")
+            if entry.name in main.commands:  # the built-in runs; the plugin's command is unreachable: say so
+                click.echo(f"infer: warning: {entry.source} registers a command {entry.name!r}, the name of a "
+                           "built-in infer command, so it cannot run; the plugin must rename it", err=True)
         root.meta["infer.plugins"] = plugins
     return root.meta["infer.plugins"]
 
@@ -89,7 +89,9 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
 
     if stream and n > 1:
         raise click.UsageError("--stream prints one completion at a time; use it with --n 1")
-    texts = list(prompts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    numbered = list(enumerate(prompts, 1)) if prompts else [
+        (number, line.rstrip("\n")) for number, line in enumerate(sys.stdin, 1) if line.strip()]
+    texts = [text for _, text in numbered]
     if not texts:
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -104,7 +106,13 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
                     click.echo(out.text, nl=False)
             click.echo()
     else:
-        _print_in_order(texts, engine.generate_as_completed(texts, params))
+        try:
+            completed = engine.generate_as_completed(texts, params)
+        except InferError as exc:
+            where = "" if prompts or getattr(exc, "prompt_index", None) is None else \
+                f" (stdin line {numbered[exc.prompt_index][0]})"
+            raise click.ClickException(f"{exc}{where}") from exc
+        _print_in_order(texts, completed)
     if stats:
         summary = engine.stats.summary()
         click.echo(json.dumps(summary, indent=2), err=True)

@@ -90,9 +90,6 @@ class EngineConfig:
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:
             raise ConfigError(f"num-speculative-tokens must be in [0, 16], got {self.num_speculative_tokens}")
-        if self.draft_model is not None and self.proposer != "draft-model":
-            raise ConfigError("--draft-model is read by the draft-model proposer only; add --proposer draft-model, "
-                              "or drop --draft-model")
         if self.plugin_options.get("spec_decode") and self.proposer is None:
             flags = ", ".join(f"--spec-{name.replace('_', '-')}" for name in sorted(self.plugin_options["spec_decode"]))
             raise ConfigError(f"{flags} need a proposer: add --proposer draft-model or --proposer ngram")

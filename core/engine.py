@@ -119,7 +119,11 @@ class Engine:
                 raise ConfigError("--draft-model and --num-speculative-tokens need a proposer: add "
                                   "--plugin draft-model or --plugin ngram")
             return None
-        return self.plugins.registry("proposer").get(c.proposer)(c, self.loaded)
+        entry = self.plugins.registry("proposer").entry(c.proposer)
+        if c.draft_model is not None and entry.name != "draft-model":
+            raise ConfigError(f"--draft-model is read by the draft-model proposer only, not by {entry.name!r}; "
+                              "use --proposer draft-model, or drop --draft-model")
+        return entry.factory(c, self.loaded)
 
     def _kv_cache_format(self) -> tuple[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """The KV element dtype and, for ``--kv-cache-dtype fp8``, the per-layer scales (quant/kv_cache.py)."""
@@ -383,8 +387,10 @@ class Engine:
     def generate_as_completed(self, prompts: Seq[str | list[int]],
                               params: SamplingParams | Seq[SamplingParams] | None = None
                               ) -> Iterator[tuple[int, RequestOutput]]:
-        """Submit every prompt (all or none: a bad one raises before any work, naming its position), then yield
-        (prompt index, full RequestOutput) as each request finishes. Closing the iterator aborts the rest."""
+        """Submit every prompt now (all or none: a bad one raises here, naming its position in ``prompt_index``),
+        then yield (prompt index, full RequestOutput) as each request finishes. Closing the iterator aborts the
+        rest. The engine must not be stepped by anyone else meanwhile (a nested ``generate`` would take the
+        outputs): a request that finishes unseen raises InvalidRequestError."""
         params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
@@ -392,16 +398,21 @@ class Engine:
         try:
             for prompt, sp in zip(prompts, params_list):
                 ids.append(self.add_request(prompt, sp))
-        except Exception as exc:
+        except BaseException as exc:  # Ctrl-C included
             for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 self.abort(rid)
-            if isinstance(exc, InferError) and len(prompts) > 1:
-                raise type(exc)(f"prompt {len(ids) + 1} of {len(prompts)}: {exc}") from exc
+            if isinstance(exc, InferError):
+                exc.prompt_index = len(ids)  # type: ignore[attr-defined]
+                if len(prompts) > 1:
+                    exc.args = (f"prompt {len(ids) + 1} of {len(prompts)}: {exc}",)
             raise
-        index = {rid: i for i, rid in enumerate(ids)}
         results = {rid: RequestOutput(rid, self.requests[rid].prompt_token_ids,
                                       [CompletionOutput(i, [], "") for i in range(sp.n)], False)
                    for rid, sp in zip(ids, params_list)}
+        return self._completions({rid: i for i, rid in enumerate(ids)}, results)
+
+    def _completions(self, index: dict[str, int], results: dict[str, RequestOutput]
+                     ) -> Iterator[tuple[int, RequestOutput]]:
         try:
             while results:
                 for delta in self.step():
@@ -419,11 +430,14 @@ class Engine:
                         full.finished, full.num_cached_tokens = True, delta.num_cached_tokens
                         full.metrics = delta.metrics  # e.g. speculative acceptance
                         yield index[delta.request_id], results.pop(delta.request_id)
+                if lost := [rid for rid in results if rid not in self.requests]:
+                    raise InvalidRequestError(
+                        f"{len(lost)} request(s) finished while another caller stepped this engine (a nested "
+                        "generate or stream?), which took their outputs; one caller at a time steps an engine")
         finally:  # the caller stopped early (or an error): free what is left
             for rid in results:
                 if rid in self.requests:
                     self.abort(rid)
-
 
 class LLM:
     """Offline API: ``LLM(model=DIR, **options).generate(prompts, SamplingParams(...))``."""

@@ -62,7 +62,7 @@ class PluginManager:
         found: dict[str, metadata.EntryPoint] = {}
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
             other = found.setdefault(ep.name, ep)
-            if _dist_name(other) != _dist_name(ep):
+            if _dist_name(other) != _dist_name(ep) and (wanted is None or ep.name in wanted):
                 first, second = sorted((_dist_name(other), _dist_name(ep)))
                 raise PluginError(
                     f"two installed packages name their infer entry point {ep.name!r}: {first!r} and "

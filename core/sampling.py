@@ -50,30 +50,30 @@ class Sampler:
                 if gen is not None:
                     noise[i].exponential_(generator=gen)
             sampled = (probs / noise).argmax(dim=-1)
-            is_greedy = _to_device([p.greedy for p in params], logits.device)
+            is_greedy = to_device([p.greedy for p in params], logits.device)
             tokens = torch.where(is_greedy, greedy, sampled)
         token_list = tokens.tolist()
         return SampleResult(token_list, self.logprobs(logits, params, token_list))
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = _to_device([1.0 if p.greedy else p.temperature for p in params], logits.device).unsqueeze(1)
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device).unsqueeze(1)
         logits = logits / temps
         top_k = [p.top_k for p in params]
         if any(k > 0 for k in top_k):
-            k = _to_device([k if k > 0 else logits.shape[1] for k in top_k], logits.device)
+            k = to_device([k if k > 0 else logits.shape[1] for k in top_k], logits.device)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=logits.shape[1] - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_p = _to_device([p.top_p for p in params], logits.device).unsqueeze(1)
+            top_p = to_device([p.top_p for p in params], logits.device).unsqueeze(1)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # the smallest set whose mass reaches top_p; the top token always stays (its preceding mass is 0)
             drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         if any(p.min_p > 0 for p in params):
-            min_p = _to_device([p.min_p for p in params], logits.device).unsqueeze(1)
+            min_p = to_device([p.min_p for p in params], logits.device).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
 
@@ -97,7 +97,10 @@ class Sampler:
         return result
 
 
-def _to_device(values: list, device: torch.device) -> torch.Tensor:
+def to_device(values: list, device: torch.device) -> torch.Tensor:
     """A small host list on ``device`` without waiting for the device's queued work (``torch.tensor(...,
     device=cuda)`` copies synchronously, which stalls the host until the stream drains)."""
-    return torch.tensor(values).to(device, non_blocking=True)
+    host = torch.tensor(values)
+    if device.type == "cuda":
+        host = host.pin_memory()  # an asynchronous copy needs page-locked memory (pinned buffers are cached)
+    return host.to(device, non_blocking=True)

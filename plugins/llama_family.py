@@ -26,10 +26,14 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 
     arch = ArchConfig.from_hf(hf_config)
     max_len = config.max_model_len or arch.max_position_embeddings
-    if max_len > arch.max_position_embeddings:
-        raise ConfigError(f"max-model-len {max_len} exceeds the model's max_position_embeddings "
-                          f"{arch.max_position_embeddings}: positions past it were never trained; use "
-                          f"--max-model-len <= {arch.max_position_embeddings}")
+    # linear RoPE scaling stretches the trained positions by its factor (e.g. a 4k model run at 16k); llama3-type
+    # configs already state the extended length
+    scaling = arch.rope.get("rope_type", arch.rope.get("type", "default"))
+    limit = int(arch.max_position_embeddings * (float(arch.rope["factor"]) if scaling == "linear" else 1))
+    if max_len > limit:
+        raise ConfigError(f"max-model-len {max_len} exceeds the {limit} positions the model supports "
+                          f"(max_position_embeddings {arch.max_position_embeddings}, rope {scaling}); use "
+                          f"--max-model-len <= {limit}")
     if arch.sliding_window is not None and max_len > arch.sliding_window:
         if config.max_model_len is not None:
             raise ConfigError(

@@ -24,7 +24,7 @@ from ..core.loader import LoadedModel, load_model
 from ..core.plugins import PluginManager
 from ..core.request import Sequence
 from ..core.runner import ModelRunner
-from ..core.sampling import Sampler
+from ..core.sampling import Sampler, to_device
 
 DRAFT_SEED_SALT = 0x5EED_D4AF  # draft draws must not replay the target sampler's streams
 UNREAD_TOKEN = -1  # stands in a shadow's token list for a draft still on the device, until the round's one read
@@ -79,7 +79,7 @@ class DraftModelProposer(Proposer):
         if not active:
             return Proposal({})
         rows = [i for i, seq in enumerate(active) if not seq.params.greedy]  # temperature > 0: a draw from q
-        sampled_rows = torch.tensor(rows).to(self.draft.device, non_blocking=True) if rows else None
+        sampled_rows = to_device(rows, self.draft.device) if rows else None
         items = [ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens) for seq in active]
         input_ids: torch.Tensor | None = None  # this step's tokens, still on the device
         steps: list[torch.Tensor] = []

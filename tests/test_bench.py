@@ -127,7 +127,8 @@ def test_metrics_of_one_run():
     (["--workload", "file"], "--workload file needs --file PATH"),
     (["--num-requests", "0"], "--num-requests must be a positive integer"),
     (["--ab", "--repeats", "1"], "--ab needs at least one arm after it"),
-    (["--out", __file__ + "/sub"], "Invalid value for '--out': cannot create the output folder"),
+    (["--out", __file__ + "/sub"], "Invalid value for '--out': cannot create or write the output folder"),
+    (["--out", "/proc"], "Invalid value for '--out': cannot create or write the output folder"),  # exists, not writable
 ])
 def test_bad_input_is_a_clear_error(args, message):
     result = run("bench", *args)

@@ -84,7 +84,7 @@ def test_bad_models_and_plugins_fail_cleanly(tmp_path, tiny_model):
     unsupported, no_weights, pickle_only, truncated = _bad_folders(tmp_path, tiny_model)
     cases = [
         (["--model", str(truncated)], "is not a readable safetensors file .* fetch it again"),
-        (["--model", str(tiny_model), "--max-model-len", "100000"], "exceeds the model's max_position_embeddings 1024"),
+        (["--model", str(tiny_model), "--max-model-len", "100000"], "exceeds the 1024 positions the model supports"),
         (["--model", str(tiny_model), "--proposer", "draft-model", "--num-speculative-tokens", "2", "--draft-model",
           str(tmp_path / "nope")], "draft model folder .* does not exist; pass --draft-model DIR"),
         (["--plugin", "nope"], "unknown plugin 'nope'; registered components:"),
@@ -152,7 +152,7 @@ def test_conflicting_plugin_choices_are_refused(tiny_model):
     assert result.exit_code != 0 and "--plugin lru and --plugin lfu both choose the eviction policy" in result.output
 
 
-def test_a_plugin_command_may_not_shadow_a_builtin(tmp_path, monkeypatch):
+def test_a_plugin_command_cannot_shadow_a_builtin(tmp_path, monkeypatch):
     (tmp_path / "shadowing_plugin.py").write_text(
         "import click\nfrom infer import hookimpl\n\n\n@hookimpl\ndef register_commands(register):\n"
         "    register('generate', lambda: click.Command('generate'))\n")
@@ -161,8 +161,8 @@ def test_a_plugin_command_may_not_shadow_a_builtin(tmp_path, monkeypatch):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: shadowing-plugin\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[infer]\nshadowing = shadowing_plugin\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    result = run("plugins")
-    assert result.exit_code != 0 and "registers a command 'generate', the name of a built-in" in result.output
+    result = run("plugins")  # the built-in keeps working; the warning names the plugin
+    assert result.exit_code == 0 and "registers a command 'generate', the name of a built-in" in result.output
 
 
 def test_generate_names_the_bad_prompt_and_prints_nothing(tiny_model):

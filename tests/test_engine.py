@@ -216,3 +216,16 @@ def test_the_engine_logs_what_it_built(tiny_model, caplog):
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready"))
     assert "KV pool 64 blocks of 16 tokens" in line and "kv_cache radix-cache" in line and "on cpu" in line
     assert f"{64 * built.runner.bytes_per_block(built.loaded.model, 16, torch.float32) / 2**20:.0f} MiB" in line
+
+
+def test_a_nested_generate_is_an_error_not_a_hang(engine):
+    """A caller that generates again while iterating takes the outer requests' outputs: the outer iterator says so
+    instead of stepping an empty engine forever."""
+    from infer.core.errors import InvalidRequestError
+
+    short, long = SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=9, ignore_eos=True)
+    outer = engine.generate_as_completed(["one", "two"], [short, SamplingParams(max_tokens=4, ignore_eos=True)])
+    with pytest.raises(InvalidRequestError, match="another caller stepped this engine"):
+        for _ in outer:  # "two" finishes during the inner call
+            engine.generate(["inner"], long)
+    assert not engine.has_unfinished() and drained(engine)

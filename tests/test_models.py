@@ -71,3 +71,18 @@ def test_preemption_by_swap_keeps_outputs_exact(checkpoint, hf_greedy):
     stats = engine.kv.stats()
     assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
     assert not engine.scheduler.swap.held
+
+
+def test_linear_rope_scaling_extends_the_context_limit(tmp_path):
+    """A 64-position model with linear RoPE scaling x4 runs at 256 positions, and no further."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.core.errors import ConfigError
+    from infer.models.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", max_position_embeddings=64,
+                             extra={"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})
+    engine = Engine(EngineConfig(model=str(folder), device="cpu", max_model_len=256, num_kv_blocks=32))
+    assert engine.max_model_len == 256
+    with pytest.raises(ConfigError, match="exceeds the 256 positions the model supports"):
+        Engine(EngineConfig(model=str(folder), device="cpu", max_model_len=257, num_kv_blocks=32))
