@@ -207,3 +207,14 @@ def test_every_cli_command_and_option_is_documented():
                 if opt.startswith("--") and f"`{opt}" not in sections[name]:
                     missing.append(f"infer {name} {opt}".replace("  ", " "))
     assert not missing, f"document in docs/cli.md: {', '.join(missing)}"
+
+
+def test_the_shipped_entry_points_are_listed_in_the_hook_docs():
+    """Users build INFER_PLUGINS allow-lists from this list; it must match pyproject.toml."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = list(tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]["infer"])
+    text = " ".join((root / "docs" / "plugin-hooks.md").read_text().split())
+    listed = re.search(r"The shipped entry points are (.*?): an allow-list", text).group(1)
+    assert re.findall(r"`([a-z-]+)`", listed) == shipped
