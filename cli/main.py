@@ -72,18 +72,21 @@ def build_engine(ctx: click.Context) -> Any:
 @click.argument("prompts", nargs=-1)
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling, in (0, 1].")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
-@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True,
+              help="Drop tokens below this fraction of the top probability, in [0, 1).")
 @click.option("--n", type=int, default=1, show_default=True, help="Completions per prompt.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
+@click.option("--seed", type=int, default=None, help="Seed of each prompt's sampling: the same seed gives the same "
+              "text, whatever else runs in the batch [default: the engine's random stream].")
 @click.option("--stream", is_flag=True, help="Print text as it is generated (one prompt at a time).")
 @click.option("--stats", is_flag=True, help="Print engine metrics (KV usage, prefix hit rate, ...) as JSON at the end.")
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temperature: float, top_p: float,
-             top_k: int, min_p: float, n: int, stop: tuple[str, ...], ignore_eos: bool, stream: bool,
-             stats: bool) -> None:
+             top_k: int, min_p: float, n: int, stop: tuple[str, ...], ignore_eos: bool, seed: int | None,
+             stream: bool, stats: bool) -> None:
     """Generate text for PROMPTS (or for each line of stdin when none are given)."""
     from ..core.request import SamplingParams
 
@@ -95,7 +98,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     if not texts:
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos)
+                            min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed)
     params.validate()
     engine = build_engine(ctx)
     if stream:

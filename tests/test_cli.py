@@ -180,3 +180,12 @@ def test_generate_names_the_bad_prompt_and_prints_nothing(tiny_model):
 def test_options_that_would_be_ignored_are_refused(tiny_model, options, message):
     result = run("--model", str(tiny_model), *options, "generate", "hi")
     assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
+
+
+def test_generate_seed_reproduces_a_prompt_whatever_the_batch(tiny_model):
+    alone = run("--model", str(tiny_model), "generate", "hello", "--temperature", "1.0", "--seed", "3",
+                "--max-tokens", "12", "--ignore-eos")
+    batched = run("--model", str(tiny_model), "generate", "other words first", "hello", "--temperature", "1.0",
+                  "--seed", "3", "--max-tokens", "12", "--ignore-eos")
+    assert alone.exit_code == 0 and batched.exit_code == 0, alone.output + batched.output
+    assert batched.output.splitlines()[-1] == alone.output.splitlines()[-1]
