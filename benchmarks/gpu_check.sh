@@ -3,7 +3,8 @@
 # printed last; every log goes into $OUT/logs.tgz (the device tool returns at most 8 files from $OUT), rebuilt after
 # each stage so that a run cut short still returns what finished. A failed stage prints its log's tail at once.
 # One device call is capped at 600 s and a session has 15 device minutes in all, start-up included, so:
-#   bash benchmarks/gpu_check.sh             tests kernels anchor prefix spec  (limits sum to 510 s; ~6 min expected)
+#   bash benchmarks/gpu_check.sh             tests kernels anchor prefix spec  (limits sum to 570 s, 510 s once the
+#                                            anchor stage has built the model; ~6 min expected)
 #   bash benchmarks/gpu_check.sh hf quant host  HF baselines beside infer, AWQ/FP8, host time (600 s; ~7 min)
 # Stages run in order of importance: a call cut short by its time limit keeps the stages that finished. Run the
 # second call right after the first (a machine idle for 30 s goes back, Triton's cache with it), with the device
