@@ -62,9 +62,12 @@ def main() -> None:
     torch.set_num_threads(1)
     model = build_model(Path(tempfile.gettempdir()) / "infer-host-overhead", HOST.shape, HOST.dtype, "cpu")
     requests = workload_requests(Preset(**{**HOST.__dict__, "requests": args.requests}))
+    import dataclasses
+
+    serving = {"freeze_gc": True} if "freeze_gc" in {f.name for f in dataclasses.fields(EngineConfig)} else {}
     engine = Engine(EngineConfig(model=str(model), device=device, attention=args.attention,
                                  max_num_seqs=max(args.requests, 1), enable_prefix_caching=False,
-                                 num_kv_blocks=args.requests * 1024 // 16 + 1))
+                                 num_kv_blocks=args.requests * 1024 // 16 + 1, **serving))  # as `infer serve` runs
     prompts = [p for p, _ in requests]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
     runs = []

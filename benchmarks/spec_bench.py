@@ -77,7 +77,7 @@ def make_engine(args: argparse.Namespace, k: int, log: RoundLog) -> Engine:
     plugins.register(log, name="spec-bench-rounds")
     # one request at a time: max_num_seqs 4 keeps the CUDA graph ladders (target, verification, draft) at 1, 2, 4
     return Engine(EngineConfig(model=args.target, device=args.device, num_kv_blocks=512, seed=0, max_num_seqs=4,
-                               **spec), plugins)
+                               freeze_gc=True, **spec), plugins)  # as `infer serve` runs; no engine is dropped
 
 
 def decode_time(engine: Engine, prompt: str, params: SamplingParams) -> tuple[float, list[int]]:

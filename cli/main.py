@@ -61,11 +61,16 @@ def main(ctx: click.Context, verbose: bool, **kwargs: Any) -> None:
     ctx.obj = EngineArgs.from_kwargs(kwargs)
 
 
-def build_engine(ctx: click.Context) -> Any:
+def build_engine(ctx: click.Context, freeze_gc: bool = False) -> Any:
+    """The engine of the group options; ``freeze_gc`` is the command's default for ``--freeze-gc``."""
     from ..core.engine import Engine
 
     plugins = _plugins(ctx)
-    return Engine(ctx.find_object(EngineArgs).build(plugins), plugins)
+    args = ctx.find_object(EngineArgs)
+    config = args.build(plugins)
+    if "freeze_gc" not in args.values:
+        config.freeze_gc = freeze_gc
+    return Engine(config, plugins)
 
 
 @main.command()

@@ -46,6 +46,9 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--async-output/--no-async-output", default=None,
                  help="Build a step's outputs (detokenization, stop strings) during the next step's forward pass, "
                       "one step later [default: on with CUDA]."),
+    click.option("--freeze-gc/--no-freeze-gc", default=None,
+                 help="After start-up, freeze the Python heap out of the garbage collector's scans, so that no full "
+                      "collection stalls a step [default: on for serve, off elsewhere]."),
     click.option("--proposer", default=None, help="Speculative-decoding proposer, e.g. draft-model or ngram."),
     click.option("--draft-model", default=None, metavar="DIR",
                  help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
@@ -66,6 +69,7 @@ FIELD_OF_OPTION = {
     "block_size": "block_size", "num_kv_blocks": "num_kv_blocks", "kv_cache_memory_gb": "kv_cache_memory_gb",
     "kv_cache_dtype": "kv_cache_dtype",
     "seed": "seed", "cpu_threads": "cpu_threads", "fused_ops": "fused_ops", "async_output": "async_output",
+    "freeze_gc": "freeze_gc",
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]

@@ -52,6 +52,11 @@ class EngineConfig:
     # Outputs of step N are built (detokenized, stop strings) in step N + 1 while the device runs its forward pass;
     # None: on when the model runs on CUDA (on a CPU nothing runs meanwhile, so it would only delay outputs)
     async_output: bool | None = None
+    # At the end of start-up, gc.collect() then gc.freeze(): the startup heap (modules, model, tokenizer, graphs)
+    # leaves the collector's scans, so no full collection stalls a step (process-wide; vLLM and SGLang do the same).
+    # Off by default: an engine frozen into the heap is never collected if it sits in a reference cycle, so a
+    # process that builds and drops engines (benchmarks, tests) would keep their memory. `infer serve` turns it on.
+    freeze_gc: bool = False
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads when running on the CPU; None leaves torch's default
     plugin_options: dict[str, Any] = field(default_factory=dict)  # free-form options for third-party plugins

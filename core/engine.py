@@ -1,6 +1,8 @@
 """Engine: add_request / step / abort / generate / stream. LLM: the offline convenience wrapper."""
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
 import time
@@ -86,6 +88,11 @@ class Engine:
 
             self.spec = SpecDecoder(config, proposer, self.kv, self.runner.sampler, self.stats)
         self._seq_ids = itertools.count()
+        if config.freeze_gc:
+            gc.collect()
+            gc.freeze()
+            atexit.unregister(gc.unfreeze)  # once per process: at exit the frozen heap is collected as usual (else
+            atexit.register(gc.unfreeze)  # extension modules, triton's among them, report its cycles as leaks)
         per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.kv_dtype)
         log.info("engine ready in %.1f s: %s on %s in %s (%d layers, max_model_len %d); KV pool %d blocks of %d "
                  "tokens, %s, %.0f MiB; %s; CUDA graphs %s, async output %s", time.perf_counter() - started,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .detokenizer import Detokenizer
-from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
+from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 
 
 @dataclass
@@ -27,22 +27,27 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
     """The delta output of a request for the sequences ``seq_ids``: new tokens and text. A stop string found in the
     text finishes its sequence through ``finish`` (the scheduler's)."""
     deltas = []
+    stops, want_logprobs = req.params.stop, req.params.logprobs is not None
     for i, seq in enumerate(req.seqs):
-        new = seq.token_ids[seq.num_prompt_tokens + req.sent[i] :]  # not output_token_ids: that copies it all
-        if seq.seq_id not in seq_ids or (not new and not seq.is_finished):
+        new = seq.token_ids[len(seq.prompt_token_ids) + req.sent[i] :]  # not output_token_ids: that copies it all
+        done = seq.status is SequenceStatus.FINISHED
+        if seq.seq_id not in seq_ids or (not new and not done):
             continue
         detok = req.detoks[i]
-        if len(new) > 1 and req.params.stop and seq.finish_reason is not FinishReason.ABORT:
+        if len(new) > 1 and stops and seq.finish_reason is not FinishReason.ABORT:
             new = _add_until_stop(req, i, seq, detok, new)
         else:
             detok.add(new)
         req.sent[i] += len(new)
-        if seq.is_finished:
+        if done:
             detok.flush()
-        text = _text_delta(req, i, seq, detok, finish)
-        logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if req.params.logprobs is not None else None
+        if stops:
+            text = _text_delta(req, i, seq, detok, finish)
+        else:  # nothing held back
+            text, req.emitted[i] = detok.text[req.emitted[i] :], len(detok.text)
+        logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
         deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
-    finished = req.seqs[0].is_finished if len(req.seqs) == 1 else all(seq.is_finished for seq in req.seqs)
+    finished = all(seq.status is SequenceStatus.FINISHED for seq in req.seqs)
     return RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
 
 

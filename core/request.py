@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -143,18 +144,24 @@ class Sequence:
 
     def check_stop_token(self) -> FinishReason | None:
         """Token-level stop checks after an append (stop strings are checked on text by the engine)."""
-        return self.stop_reason(self.token_ids[-1], self.num_tokens)
+        return self.stop_reason(self.token_ids[-1], len(self.token_ids))
 
     def stop_reason(self, token: int, num_tokens: int) -> FinishReason | None:
         """Whether ``token``, as token number ``num_tokens`` of the sequence, stops it (speculative decoding asks
         ahead, for tokens not yet appended)."""
-        if not self.params.ignore_eos and token in self.eos_token_ids:
+        stop_ids, length_limit = self._stop_rule
+        if token in stop_ids:
             return FinishReason.STOP
-        if token in self.params.stop_token_ids:
-            return FinishReason.STOP
-        if num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= self.max_model_len:
+        if num_tokens >= length_limit:
             return FinishReason.LENGTH
         return None
+
+    @functools.cached_property
+    def _stop_rule(self) -> tuple[frozenset[int], int]:
+        """(the token ids that stop this sequence, the token count at which its length stops it), fixed at the
+        first check: a sequence's params, prompt, EOS ids and context never change."""
+        ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else self.eos_token_ids)
+        return ids, min(len(self.prompt_token_ids) + self.params.max_tokens, self.max_model_len)
 
 
 @dataclass

@@ -42,7 +42,7 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
     options = ServeOptions(host, port, max_queue, max_message_bytes, grace_period, token, tls_cert, tls_key,
                            metrics_port).validate()
     options.check_ports()  # before the model load, which can take minutes
-    engine = build_engine(ctx)
+    engine = build_engine(ctx, freeze_gc=True)  # a long-running process: no full collection should stall a step
 
     def ready(bound: int) -> None:
         scheme = "TLS" if tls_cert else "plaintext"

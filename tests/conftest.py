@@ -1,7 +1,8 @@
 """Shared fixtures: tiny checkpoints come from infer.testing (the pytest11 plugin); HF reference helpers here."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,14 @@ CHECKPOINTS = {
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"num_heads": 8, "num_kv_heads": 2}),
 }
+
+
+@pytest.fixture(autouse=True)
+def unfrozen_heap() -> Iterator[None]:
+    """Engines built with freeze_gc (bench arms, `serve`) freeze the heap; the next test starts unfrozen, so that
+    this process's garbage stays collectable."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -229,3 +229,36 @@ def test_a_nested_generate_is_an_error_not_a_hang(engine):
         for _ in outer:  # "two" finishes during the inner call
             engine.generate(["inner"], long)
     assert not engine.has_unfinished() and drained(engine)
+
+
+def test_freeze_gc_moves_the_startup_heap_out_of_the_collector(tiny_model):
+    import atexit
+    import gc
+
+    gc.unfreeze()
+    try:
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16))
+        assert gc.get_freeze_count() == 0  # off by default: tests and benchmarks build and drop engines
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16, freeze_gc=True))
+        assert gc.get_freeze_count() > 10_000  # the modules, the model and the engine
+        assert atexit.unregister(gc.unfreeze) is None  # it was registered: unfreeze at exit (re-registered below)
+        atexit.register(gc.unfreeze)
+    finally:
+        gc.unfreeze()
+
+
+def test_serve_freezes_the_heap_by_default_and_the_option_wins(tiny_model):
+    import gc
+
+    from infer.cli.main import build_engine, main as cli
+    from infer.cli.options import EngineArgs
+
+    for options, default, expected in (([], True, True), (["--no-freeze-gc"], True, False), ([], False, False)):
+        ctx = cli.make_context("infer", ["--model", str(tiny_model), "--device", "cpu", "--num-kv-blocks", "16",
+                                         *options, "plugins"])
+        ctx.obj = EngineArgs.from_kwargs(ctx.params)  # what the group's callback does
+        try:
+            engine = build_engine(ctx, freeze_gc=default)  # `serve` passes True
+        finally:
+            gc.unfreeze()
+        assert engine.config.freeze_gc is expected
