@@ -99,10 +99,8 @@ class EngineArm:
         self.spec = spec
         self.recorder = StepRecorder()
         plugins.register(self.recorder, name="infer-bench-recorder", source="infer bench")
-        config = spec.args.build(plugins)
-        if "freeze_gc" not in spec.args.values:
-            config.freeze_gc = True  # measured as `infer serve` runs it; engines live until the bench ends
-        self.engine = Engine(config, plugins)
+        # measured as `infer serve` runs (a frozen heap); the engines live until the bench ends
+        self.engine = Engine(spec.args.build(plugins, freeze_gc=True), plugins)
         tokenizer = self.engine.tokenizer
         special = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self.vocab = Vocab(self.engine.loaded.model.spec.vocab_size, special)

@@ -61,16 +61,12 @@ def main(ctx: click.Context, verbose: bool, **kwargs: Any) -> None:
     ctx.obj = EngineArgs.from_kwargs(kwargs)
 
 
-def build_engine(ctx: click.Context, freeze_gc: bool = False) -> Any:
-    """The engine of the group options; ``freeze_gc`` is the command's default for ``--freeze-gc``."""
+def build_engine(ctx: click.Context, **defaults: Any) -> Any:
+    """The engine of the group options; ``defaults``: the command's own defaults (see EngineArgs.build)."""
     from ..core.engine import Engine
 
     plugins = _plugins(ctx)
-    args = ctx.find_object(EngineArgs)
-    config = args.build(plugins)
-    if "freeze_gc" not in args.values:
-        config.freeze_gc = freeze_gc
-    return Engine(config, plugins)
+    return Engine(ctx.find_object(EngineArgs).build(plugins, **defaults), plugins)
 
 
 @main.command()

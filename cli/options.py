@@ -99,8 +99,11 @@ class EngineArgs:
         return cls(values, list(kwargs.get("plugins") or ()), bool(kwargs.get("no_prefix_caching")),
                    bool(kwargs.get("no_cuda_graphs")))
 
-    def build(self, plugins: PluginManager) -> EngineConfig:
-        config = EngineConfig(**{k: v for k, v in self.values.items() if not k.startswith("plugin_options.")})
+    def build(self, plugins: PluginManager, **defaults: Any) -> EngineConfig:
+        """The EngineConfig of these options; ``defaults``: a command's own defaults for fields not given (`serve`
+        and the bench arms freeze the heap, say)."""
+        fields = {**defaults, **{k: v for k, v in self.values.items() if not k.startswith("plugin_options.")}}
+        config = EngineConfig(**fields)
         for key, value in self.values.items():
             if key.startswith("plugin_options."):
                 _, namespace, name = key.split(".")
@@ -121,7 +124,7 @@ class EngineArgs:
         if config.quant:
             plugins.registry("quant_method").entry(config.quant)
         if config.proposer:
-            config = config.replace(proposer=plugins.registry("proposer").entry(config.proposer).name)
+            plugins.registry("proposer").entry(config.proposer)
         chose_eviction = "eviction_policy" in self.values or any(
             name in plugins.registry("eviction_policy") for name in self.plugin_names)
         if chose_eviction and not config.enable_prefix_caching:

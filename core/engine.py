@@ -18,7 +18,7 @@ from .errors import ConfigError, InferError, InvalidRequestError, NotFoundError,
 from .interfaces import AttentionBackend, Proposer, SchedulerOutput
 from .loader import LoadedModel, load_model
 from .metrics import EngineStats, StepStats
-from .outputs import RequestState, build_output, merge_outputs
+from .outputs import RequestState, append_output, build_output
 from .plugins import PluginManager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .runner import Batch, ModelRunner
@@ -88,6 +88,7 @@ class Engine:
 
             self.spec = SpecDecoder(config, proposer, self.kv, self.runner.sampler, self.stats)
         self._seq_ids = itertools.count()
+        self.steps_taken = 0  # calls of step(); generate_as_completed notices a caller that stepped in between
         if config.freeze_gc:
             gc.collect()
             gc.freeze()
@@ -224,7 +225,7 @@ class Engine:
         for seq in req.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
         final = self._emit(req, {seq.seq_id for seq in req.seqs})
-        return final if early is None else merge_outputs(early, final)
+        return final if early is None else append_output(early, final)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -234,6 +235,7 @@ class Engine:
         """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced (with
         async output: that advanced in the previous step, their outputs built while this step's forward ran)."""
         start = time.perf_counter()
+        self.steps_taken += 1
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._emit_unemitted()
@@ -397,7 +399,7 @@ class Engine:
         """Submit every prompt now (all or none: a bad one raises here, naming its position in ``prompt_index``),
         then yield (prompt index, full RequestOutput) as each request finishes. Closing the iterator aborts the
         rest. The engine must not be stepped by anyone else meanwhile (a nested ``generate`` would take the
-        outputs): a request that finishes unseen raises InvalidRequestError."""
+        outputs): stepping it between two yields raises InvalidRequestError."""
         params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
@@ -426,21 +428,15 @@ class Engine:
                     full = results.get(delta.request_id)
                     if full is None:
                         continue
-                    for d in delta.outputs:
-                        c = full.outputs[d.index]
-                        c.token_ids += d.token_ids
-                        c.text += d.text
-                        c.finish_reason = d.finish_reason
-                        if d.logprobs is not None:
-                            c.logprobs = (c.logprobs or []) + d.logprobs
+                    append_output(full, delta)
                     if delta.finished:
-                        full.finished, full.num_cached_tokens = True, delta.num_cached_tokens
-                        full.metrics = delta.metrics  # e.g. speculative acceptance
+                        steps = self.steps_taken
                         yield index[delta.request_id], results.pop(delta.request_id)
-                if lost := [rid for rid in results if rid not in self.requests]:
-                    raise InvalidRequestError(
-                        f"{len(lost)} request(s) finished while another caller stepped this engine (a nested "
-                        "generate or stream?), which took their outputs; one caller at a time steps an engine")
+                        if self.steps_taken != steps and results:
+                            raise InvalidRequestError(
+                                "another caller stepped this engine meanwhile (a nested generate or stream?) and "
+                                "took outputs of the requests still running here; one caller at a time steps an "
+                                "engine")
         finally:  # the caller stopped early (or an error): free what is left
             for rid in results:
                 if rid in self.requests:

@@ -1,5 +1,5 @@
 """Request outputs: each sequence's new tokens and text since the last output, cut at stop strings (the engine's
-postprocess), and two outputs of one request merged into one."""
+postprocess), and the outputs of one request accumulated into one."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -51,18 +51,22 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
     return RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
 
 
-def merge_outputs(early: RequestOutput, late: RequestOutput) -> RequestOutput:
-    """``late`` with ``early``'s deltas in front: one output for a client that reads one."""
-    for delta in early.outputs:
-        last = next((o for o in late.outputs if o.index == delta.index), None)
-        if last is None:
-            late.outputs.append(delta)
+def append_output(full: RequestOutput, delta: RequestOutput) -> RequestOutput:
+    """``full`` extended in place by ``delta``, the next output of the same request: each completion's tokens, text
+    and logprobs appended, its finish reason and the request's finish state taken from ``delta``."""
+    for d in delta.outputs:
+        c = next((o for o in full.outputs if o.index == d.index), None)
+        if c is None:
+            full.outputs.append(d)
+            full.outputs.sort(key=lambda o: o.index)
             continue
-        last.token_ids, last.text = delta.token_ids + last.token_ids, delta.text + last.text
-        if delta.logprobs is not None:
-            last.logprobs = delta.logprobs + (last.logprobs or [])
-    late.outputs.sort(key=lambda o: o.index)
-    return late
+        c.token_ids += d.token_ids
+        c.text += d.text
+        c.finish_reason = d.finish_reason
+        if d.logprobs is not None:
+            c.logprobs = d.logprobs if c.logprobs is None else c.logprobs + d.logprobs
+    full.finished, full.num_cached_tokens, full.metrics = delta.finished, delta.num_cached_tokens, delta.metrics
+    return full
 
 
 def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer, new: list[int]) -> list[int]:

@@ -79,6 +79,7 @@ class DraftModelProposer(Proposer):
         if not active:
             return Proposal({})
         rows = [i for i, seq in enumerate(active) if not seq.params.greedy]  # temperature > 0: a draw from q
+        sampled = [active[i] for i in rows]
         sampled_rows = to_device(rows, self.draft.device) if rows else None
         items = [ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens) for seq in active]
         input_ids: torch.Tensor | None = None  # this step's tokens, still on the device
@@ -87,7 +88,7 @@ class DraftModelProposer(Proposer):
         for _ in range(k):
             _, logits = self.runner.execute(SchedulerOutput(items, block_ops=self.kv.take_block_ops()), self.kv,
                                             input_ids=input_ids)
-            input_ids, dists = self._sample(logits, active, sampled_rows)
+            input_ids, dists = self._sample(logits, sampled, sampled_rows)
             steps.append(input_ids)
             step_dists.append(dists)
             for item in items:
@@ -152,14 +153,14 @@ class DraftModelProposer(Proposer):
         self.release(seq)  # out of draft KV: this sequence gets no drafts
         return False
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled_rows: torch.Tensor | None
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence], sampled_rows: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft token per row, on the device: argmax for greedy requests, else a draw from the filtered
-        distribution q, returned for those rows (in ``sampled_rows`` order). Nothing here waits on the device."""
+        """One draft token per row, on the device: argmax for greedy requests, else, for the ``sampled`` sequences
+        at ``sampled_rows``, a draw from the filtered distribution q, returned for those rows. Nothing here waits on
+        the device."""
         tokens = logits.argmax(dim=-1)
         if sampled_rows is None:
             return tokens, None
-        sampled = [seq for seq in seqs if not seq.params.greedy]
         q = Sampler.filtered_probs(logits.index_select(0, sampled_rows), [seq.params for seq in sampled])
         noise = torch.empty_like(q)
         for j, seq in enumerate(sampled):
