@@ -35,6 +35,7 @@ from torch import nn
 
 from ..core.errors import CheckpointError, ConfigError
 from . import awq
+from .awq_method import auto_group_size
 from .calib_data import default_texts, token_samples
 from .forward import dense_forward
 
@@ -48,7 +49,7 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 class AwqCalibrationConfig:
     """Options of ``infer quantize --method awq``."""
 
-    group_size: int | None = None  # None: the largest of 128, 64, 32 that divides every layer's input size
+    group_size: int | None = None  # None: the largest of 128, 64, 32 that divides every layer's input size, else -1
     bits: int = 4
     num_samples: int = 64
     seq_len: int = 512
@@ -149,13 +150,8 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
               "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
               "up_proj": (cfg.hidden_size, cfg.intermediate_size),
               "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
-    if config.group_size is None:
-        group = next((g for g in (128, 64, 32) if all(i % g == 0 for i, _ in shapes.values())), None)
-        if group is None:
-            raise ConfigError(f"no group size of 128, 64 or 32 divides every layer's input size "
-                              f"({sorted({i for i, _ in shapes.values()})}); pass --group-size -1 (one group per "
-                              "output column)")
-        config = replace(config, group_size=group)
+    if config.group_size is None:  # one group size per checkpoint: the smallest of the layers' own choices
+        config = replace(config, group_size=min(auto_group_size(i) for i, _ in shapes.values()))
     for name, (in_features, out_features) in shapes.items():
         awq.check_shapes(in_features, out_features, config.group_size, name)
     out = out_dir.resolve()
