@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, MutableSequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,8 +84,9 @@ class KVCache(ABC):
         """The KV of ``seq.token_ids[:seq.num_computed_tokens]`` is now computed; full blocks become shareable."""
 
     @abstractmethod
-    def block_table(self, seq: Sequence) -> list[int]:
-        """Physical block ids of the sequence, in position order."""
+    def block_table(self, seq: Sequence) -> MutableSequence[int]:
+        """Physical block ids of the sequence, in position order; callers only read it. An ``array("i")`` goes
+        into a batch's block table as one copy (the shipped caches keep theirs so); a list is converted."""
 
     @abstractmethod
     def num_blocks_needed(self, num_tokens: int) -> int:

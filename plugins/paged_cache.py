@@ -1,6 +1,7 @@
 """The `paged` KV cache: a block pool with reference counts, copy-on-write fork, and exact block-chain prefix caching."""
 from __future__ import annotations
 
+from array import array
 from collections import deque
 
 from ..core.config import EngineConfig
@@ -13,6 +14,7 @@ from ..core.request import Sequence
 BlockKey = tuple[int, tuple[int, ...]]  # (id of the prefix before the block, the block's own tokens)
 ROOT = 0  # the prefix id of the empty prefix
 UNREACHABLE = -1  # a prefix whose cached block was evicted: what follows it can never be looked up
+NO_BLOCKS = array("i")  # the table of a sequence that holds none (read only)
 
 
 class PagedKVCache(KVCache):
@@ -35,7 +37,7 @@ class PagedKVCache(KVCache):
         self.children: dict[int, set[int]] = {}  # prefix id -> registered blocks whose key starts with it
         self.next_prefix_id = ROOT + 1
         self.free_list: deque[int] = deque(range(num_blocks))
-        self.tables: dict[int, list[int]] = {}
+        self.tables: dict[int, array[int]] = {}  # int32 arrays: the runner copies them into a batch as is
         self.chains: dict[int, list[int]] = {}  # seq_id -> the prefix id after each of its committed full blocks
         self.pending_match: dict[int, int] = {}  # seq_id -> matched tokens, counted when admission succeeds
         self.ops = BlockOps()
@@ -48,8 +50,8 @@ class PagedKVCache(KVCache):
     def num_free_blocks(self) -> int:
         return len(self.free_list) + len(self.eviction)
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        return self.tables.get(seq.seq_id, [])
+    def block_table(self, seq: Sequence) -> array[int]:
+        return self.tables.get(seq.seq_id, NO_BLOCKS)
 
     def stats(self) -> KVStats:
         cached = len(self.eviction)
@@ -117,7 +119,7 @@ class PagedKVCache(KVCache):
     # ------------------------------------------------------------ KVCache
     def match_prefix(self, seq: Sequence) -> int:
         assert seq.seq_id not in self.tables, "match_prefix on a sequence that holds blocks"
-        table: list[int] = []
+        table = array("i")
         chain: list[int] = []
         if self.prefix_caching:
             tokens, size, prefix = seq.token_ids, self.block_size, ROOT
@@ -135,7 +137,7 @@ class PagedKVCache(KVCache):
         return len(table) * self.block_size
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        table = self.tables.get(seq.seq_id, [])
+        table = self.tables.get(seq.seq_id) or array("i")
         if num_tokens == 1 and table and seq.seq_id not in self.pending_match:  # a decode: the general case, shortened
             index = seq.num_computed_tokens // self.block_size
             if index < len(table):
@@ -193,7 +195,7 @@ class PagedKVCache(KVCache):
     def free(self, seq: Sequence) -> None:
         self.pending_match.pop(seq.seq_id, None)
         self.chains.pop(seq.seq_id, None)
-        for block in reversed(self.tables.pop(seq.seq_id, [])):  # tail first: evicted before its prefix
+        for block in reversed(self.tables.pop(seq.seq_id, NO_BLOCKS)):  # tail first: evicted before its prefix
             self._release(block, seq.params.priority)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -201,7 +203,7 @@ class PagedKVCache(KVCache):
         table = self.tables[parent.seq_id]
         for block in table:
             self.ref[block] += 1
-        self.tables[child.seq_id] = list(table)
+        self.tables[child.seq_id] = array("i", table)
         self.chains[child.seq_id] = list(self.chains[parent.seq_id])
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:

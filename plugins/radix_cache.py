@@ -9,6 +9,7 @@ parent an evictable leaf, so every cached block can be reclaimed.
 """
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ class RadixNode:
 
 @dataclass(eq=False)
 class _SeqState:
-    table: list[int]
+    table: array[int]  # int32: the runner copies it into a batch as is
     node: RadixNode  # invariant: table[:node.depth] are the blocks of the path root..node
 
 
@@ -62,9 +63,9 @@ class RadixKVCache(KVCache):
     def num_free_blocks(self) -> int:
         return len(self.free_list) + self.cached
 
-    def block_table(self, seq: Sequence) -> list[int]:
+    def block_table(self, seq: Sequence) -> array[int]:
         state = self.seqs.get(seq.seq_id)
-        return state.table if state else []
+        return state.table if state else array("i")
 
     def stats(self) -> KVStats:
         free, c = len(self.free_list), self.counters
@@ -227,7 +228,7 @@ class RadixKVCache(KVCache):
             for other in self.seqs.values():
                 n = 0
                 while (other is not state and other.node.depth <= first and n < len(blocks)
-                       and other.table[first + n : first + n + 1] == [blocks[n]]):
+                       and first + n < len(other.table) and other.table[first + n] == blocks[n]):
                     n += 1
                 if n:
                     sharers.append((other, n))
@@ -236,7 +237,7 @@ class RadixKVCache(KVCache):
             cut += 1
         if cut == 0:
             return node
-        child = RadixNode(tuple(tokens[first * size : (first + cut) * size]), blocks[:cut], node, first + cut)
+        child = RadixNode(tuple(tokens[first * size : (first + cut) * size]), list(blocks[:cut]), node, first + cut)
         node.children[child.tokens[:size]] = child
         for block in child.blocks:
             self.ref[block] += 1
@@ -254,7 +255,7 @@ class RadixKVCache(KVCache):
         path = self._path(node)
         for n in path:
             self.eviction.touch(n)  # a prefix hit counts as a use (LFU) even while locked
-        state = _SeqState([block for n in path for block in n.blocks], self.root)
+        state = _SeqState(array("i", [block for n in path for block in n.blocks]), self.root)
         for block in state.table:
             self.ref[block] += 1
         self._move_lock(state, node, seq.params.priority)
@@ -264,7 +265,7 @@ class RadixKVCache(KVCache):
         return matched
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        state = self.seqs.get(seq.seq_id) or _SeqState([], self.root)
+        state = self.seqs.get(seq.seq_id) or _SeqState(array("i"), self.root)
         table, size = state.table, self.block_size
         start = seq.num_computed_tokens
         end = start + max(num_tokens, 0)
@@ -311,7 +312,7 @@ class RadixKVCache(KVCache):
         assert child.seq_id not in self.seqs, "fork into a sequence that holds blocks"
         state = self.seqs[parent.seq_id]
         self._insert(state, parent)  # shared full blocks become tree blocks, so only the partial one is private
-        twin = _SeqState(list(state.table), self.root)
+        twin = _SeqState(array("i", state.table), self.root)
         for block in twin.table:
             self.ref[block] += 1
         self._move_lock(twin, state.node, child.params.priority)

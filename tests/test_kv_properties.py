@@ -397,7 +397,7 @@ class KVMachine(RuleBasedStateMachine):
         for live in self.live.values():
             state = kv.seqs[live.seq.seq_id]
             path = kv._path(state.node)
-            assert state.table[: state.node.depth] == [b for n in path for b in n.blocks], "table != locked path"
+            assert list(state.table[: state.node.depth]) == [b for n in path for b in n.blocks], "table != locked path"
             locks.update(id(n) for n in path)
         stored = evictable = 0
         stack: list[tuple[object, tuple[int, ...]]] = [(kv.root, ())]

@@ -50,6 +50,28 @@ def test_a_runtime_plugin_becomes_selectable_by_name(tiny_model, infer_plugins):
     assert built == [1] and len(out[0].outputs[0].token_ids) == 4
 
 
+def test_a_kv_cache_whose_block_tables_are_lists_runs_like_the_shipped_one(tiny_model, infer_plugins):
+    """The interface allows any sequence of ints; the shipped caches hand out int32 arrays (copied as is)."""
+    from infer.plugins.paged_cache import PagedKVCache
+
+    class ListTables(PagedKVCache):
+        def block_table(self, seq):
+            return list(super().block_table(seq))
+
+    def register_kv_caches(register):
+        register("list-tables", lambda config, n, eviction: ListTables(n, config.block_size, eviction, True))
+
+    infer_plugins.register(plugin_module("lists", register_kv_caches=register_kv_caches), source="acme")
+    prompts = ["def fib(n):", "import os\nimport sys\n" * 3, "x"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for kv_cache in ("paged", "list-tables"):
+        engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache=kv_cache, block_size=4),
+                        infer_plugins)
+        outputs[kv_cache] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
+    assert outputs["list-tables"] == outputs["paged"] and all(len(ids) == 24 for ids in outputs["paged"])
+
+
 def test_duplicate_names_name_both_packages(infer_plugins):
     def register_kv_caches(register):
         register("paged", lambda config, n, eviction: None)
