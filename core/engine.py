@@ -352,9 +352,10 @@ class Engine:
         s.preemptions = self.scheduler.num_preemptions
         s.num_waiting, s.num_running = self.scheduler.num_waiting(), self.scheduler.num_running()
         s.kv_peak_used_blocks = max(s.kv_peak_used_blocks, kv.used_blocks)
-        s.kv_waste_slots = self.kv_waste_slots()
-        if s.num_running:
-            s.kv_max_waste_per_seq = max(s.kv_max_waste_per_seq, s.kv_waste_slots / s.num_running)
+        ran = [item.seq for item in out.scheduled if item.seq.status is SequenceStatus.RUNNING]
+        s.kv_waste_slots = self.kv_waste_slots(ran)
+        if ran:
+            s.kv_max_waste_per_seq = max(s.kv_max_waste_per_seq, s.kv_waste_slots / len(ran))
         decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
         start, scheduled, executed, emitted, sampled = times
         end = time.perf_counter()
@@ -368,9 +369,9 @@ class Engine:
             self.spec.annotate(step)
         self.plugins.hook.on_step(stats=step)
 
-    def kv_waste_slots(self) -> int:
-        """Allocated slots holding no token, summed over running sequences (each sequence's own tail)."""
-        seqs = [s for r in self.requests.values() for s in r.seqs if s.status is SequenceStatus.RUNNING]
+    def kv_waste_slots(self, seqs: list[Sequence]) -> int:
+        """Allocated slots holding no token, summed over ``seqs`` (each sequence's own tail). Each step counts the
+        sequences it ran that are still running: O(batch), where a scan of all requests would grow with the queue."""
         return sum(len(self.kv.block_table(s)) * self.kv.block_size - s.num_computed_tokens for s in seqs)
 
     # ------------------------------------------------------------ convenience

@@ -48,7 +48,7 @@ class EngineStats:
     num_running: int = 0
     kv: KVStats | None = None
     kv_peak_used_blocks: int = 0
-    kv_waste_slots: int = 0  # allocated slots holding no token, at the last step
+    kv_waste_slots: int = 0  # allocated slots holding no token, over the sequences the last step ran
     kv_max_waste_per_seq: float = 0.0  # the largest waste per running sequence seen at any step, in slots
     spec_proposed: int = 0
     spec_accepted: int = 0

@@ -157,7 +157,14 @@ def test_abort_frees_blocks_and_other_requests_continue(engine):
 
 
 def test_kv_waste_stays_below_one_block_per_sequence(engine):
-    prompts = [rand_prompt(n, 20 + n) for n in (3, 17, 40, 64, 100)]
+    lengths = (3, 17, 40, 64, 100)
+    prompts = [rand_prompt(n, 20 + n) for n in lengths]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for p in prompts]
+    engine.step()  # every prompt computed, nothing decoded yet: each holds ceil(n / size) blocks for n tokens
+    size = engine.kv.block_size
+    assert engine.stats.kv_waste_slots == sum(-(-n // size) * size - n for n in lengths)
+    for rid in ids:
+        engine.abort(rid)
     engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     assert 0 < engine.stats.kv_max_waste_per_seq < engine.kv.block_size
 
