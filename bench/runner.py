@@ -7,6 +7,7 @@ and reused by every round; counters that the engine keeps cumulatively are read 
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from .arms import ArmSpec
 from .stats import EngineCounters, RequestRecord, RunResult
 from .workloads import Session, Vocab, Workload
 
+log = logging.getLogger("infer")
 WARMUP_PROMPT_TOKENS = 8  # a first short request, shorter than a default KV block
 
 
@@ -106,6 +108,7 @@ class EngineArm:
         self.vocab = Vocab(self.engine.loaded.model.spec.vocab_size, special)
         self.max_model_len = self.engine.max_model_len
         self.warmup_counters: dict[str, int] = {}
+        self.warned_warm = False
 
     def describe(self) -> dict[str, object]:
         config = self.engine.config
@@ -129,6 +132,11 @@ class EngineArm:
 
     def run(self, workload: Workload, on_request_done: Callable[[], None]) -> RunResult:
         engine = self.engine
+        cold = engine.kv.reset_prefix_cache()  # no run finds another's prompts (a file workload repeats them)
+        if not cold and engine.config.enable_prefix_caching and not self.warned_warm:
+            self.warned_warm = True
+            log.warning("arm %s: KV cache %r cannot drop its prefix cache between runs, so a run may hit prompts of "
+                        "an earlier one (the file workload repeats its prompts)", self.spec.key, engine.config.kv_cache)
         kv_before = engine.kv.stats()
         preempt_before = engine.scheduler.num_preemptions
         spec_before = (engine.stats.spec_proposed, engine.stats.spec_accepted)
@@ -174,4 +182,4 @@ class EngineArm:
         )
         records.sort(key=lambda r: (r.session, r.turn))
         return RunResult(self.spec.key, workload.round, duration, records, counters,
-                         {"engine_summary": engine.stats.summary(), "steps": self.recorder.steps})
+                         {"steps": self.recorder.steps, "cold_prefix_cache": cold})

@@ -5,7 +5,7 @@ prompt is the whole history (every earlier user turn and model output) followed 
 next turn starts as soon as its previous one finishes, while sessions run interleaved.
 
 Lengths and arrival times come from ``seed`` alone, so every round has the same shape; token contents come from
-``(seed, round)``, so a later round does not find an earlier round's prompts in a reused engine's prefix cache.
+``(seed, round)`` (the runner also empties an engine's prefix cache before each run: the file workload repeats).
 """
 from __future__ import annotations
 

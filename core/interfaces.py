@@ -104,6 +104,11 @@ class KVCache(ABC):
     def stats(self) -> KVStats:
         """A snapshot of usage and prefix-cache counters."""
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block that no live sequence holds (they count as evictions), so that later requests
+        find no earlier prefix: a benchmark run's cold start. Optional: this default cannot and returns False."""
+        return False
+
 
 class EvictionPolicy(ABC):
     """Chooses which unreferenced cached item (block or radix node) to evict first."""

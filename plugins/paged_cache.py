@@ -117,6 +117,14 @@ class PagedKVCache(KVCache):
         self.ref[block] += 1
 
     # ------------------------------------------------------------ KVCache
+    def reset_prefix_cache(self) -> bool:
+        while len(self.eviction):
+            block = self.eviction.pop()
+            self._unregister(block)  # its cached descendants go too
+            self.free_list.append(block)
+            self.counters.evictions += 1
+        return True
+
     def match_prefix(self, seq: Sequence) -> int:
         assert seq.seq_id not in self.tables, "match_prefix on a sequence that holds blocks"
         table = array("i")

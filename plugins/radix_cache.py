@@ -248,6 +248,11 @@ class RadixKVCache(KVCache):
         return child
 
     # ------------------------------------------------------------ KVCache
+    def reset_prefix_cache(self) -> bool:
+        while len(self.eviction):
+            self._evict_one()  # a leaf; its parent may become one
+        return True
+
     def match_prefix(self, seq: Sequence) -> int:
         assert seq.seq_id not in self.seqs, "match_prefix on a sequence that holds blocks"
         usable = max((seq.num_tokens - 1) // self.block_size, 0)  # leave at least one token to compute

@@ -225,6 +225,22 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
     assert data["arms"][1]["summary"]["ttft_p50_ms"]["median"] > 0
 
 
+def test_every_run_starts_with_a_cold_prefix_cache(tiny_model, tmp_path):
+    """The file workload repeats its prompts in every round (warm-up included): no run may hit an earlier one's."""
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps({"prompt": list(range(100 * i + 10, 100 * i + 50)), "max_tokens": 2}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "out"
+    result = run("--model", str(tiny_model), "--device", "cpu", "bench", "--workload", "file", "--file", str(path),
+                 "--ab", "", "--kv-cache radix-cache", "--repeats", "2", "--warmup-rounds", "1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    for arm in json.loads((out / "results.json").read_text())["arms"]:
+        assert arm["warmup"]["prefix_hits"] == 0
+        for run_ in arm["runs"]:
+            assert run_["engine"]["prefix_queries"] == 120 and run_["engine"]["prefix_hits"] == 0
+            assert run_["notes"]["cold_prefix_cache"] is True
+
+
 def test_the_literal_acceptance_command_within_three_minutes(tiny_model, tmp_path):
     """The issue's command with the default workload sizes (32 conversations of 4 turns): under 3 minutes on CPU."""
     start = time.perf_counter()

@@ -323,6 +323,18 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.free(seq)
         assert self.kv.stats() == before
 
+    @precondition(lambda self: self.kv.stats().cached_blocks > 0)
+    @rule()
+    def reset(self) -> None:
+        """Dropping the prefix cache frees exactly the cached blocks; what live sequences hold stays theirs."""
+        before, tables = self.kv.stats(), {seq_id: list(self.kv.block_table(live.seq))
+                                           for seq_id, live in self.live.items()}
+        assert self.kv.reset_prefix_cache()
+        after = self.kv.stats()
+        assert (after.cached_blocks, after.used_blocks, after.free_blocks) == (
+            0, before.used_blocks, before.free_blocks + before.cached_blocks)
+        assert tables == {seq_id: list(self.kv.block_table(live.seq)) for seq_id, live in self.live.items()}
+
     @precondition(lambda self: len(self.live) > 1)
     @rule(now=st.booleans())
     def drain(self, now: bool = True) -> None:
