@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from ..core.config import EngineConfig
+from ..core.config import COMPONENT_FIELDS, EngineConfig
 from ..core.errors import ConfigError
 from ..core.plugins import PluginManager
 
@@ -112,8 +112,7 @@ class EngineArgs:
             config.enable_prefix_caching = False
         if self.no_cuda_graphs:
             config.cuda_graphs = False
-        explicit = {k: v for k, v in self.values.items()
-                    if k in ("scheduler", "kv_cache", "attention", "quant", "proposer")}
+        explicit = {k: v for k, v in self.values.items() if k in COMPONENT_FIELDS.values()}
         config = plugins.resolve_plugin_names(config, self.plugin_names)
         config = config.replace(**explicit)  # an explicit option wins over --plugin
         for kind, name in (("scheduler", config.scheduler), ("kv_cache", config.kv_cache),

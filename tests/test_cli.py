@@ -152,6 +152,18 @@ def test_conflicting_plugin_choices_are_refused(tiny_model):
     assert result.exit_code != 0 and "--plugin lru and --plugin lfu both choose the eviction policy" in result.output
 
 
+@pytest.mark.parametrize("option,plugin,explicit", [
+    ("eviction_policy", "lfu", "lru"), ("kv_cache", "radix-cache", "paged"),
+    ("scheduler", "chunked-prefill", "continuous"), ("attention", "cpu", "torch")])
+def test_an_explicit_component_option_wins_over_plugin(infer_plugins, option, plugin, explicit):
+    """`infer --plugin X --OPTION Y` (and a bench arm that sets --OPTION over a group --plugin) runs Y."""
+    from infer.cli.options import EngineArgs
+
+    args = EngineArgs.from_kwargs({"plugins": [plugin], option: explicit})
+    assert getattr(args.build(infer_plugins), option) == explicit
+    assert getattr(EngineArgs.from_kwargs({"plugins": [plugin]}).build(infer_plugins), option) == plugin
+
+
 def test_a_plugin_command_cannot_shadow_a_builtin(tmp_path, monkeypatch):
     (tmp_path / "shadowing_plugin.py").write_text(
         "import click\nfrom infer import hookimpl\n\n\n@hookimpl\ndef register_commands(register):\n"
