@@ -120,7 +120,7 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         except OSError as exc:
             raise click.BadParameter(f"cannot create or write the output folder: {exc}", param_hint="'--out'") from None
     from .report import BenchResult
-    from .session import arm_info, build_arms, make_workloads, run_info, run_rounds
+    from .session import RunError, arm_info, build_arms, make_workloads, run_info, run_rounds, warm_up
 
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
@@ -132,13 +132,19 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         warmups = make_workloads(spec, range(-1, -1 - warmup_rounds, -1), built, entries)
     except WorkloadError as exc:
         raise click.UsageError(str(exc)) from None
-    for arm in built:
-        if warmup_rounds:
-            err.print(f"warming up arm {arm.spec.key} ...", highlight=False)
-        arm.warm_up(warmups)  # also with no rounds: records the counters the runs are measured from
-    runs = run_rounds(built, workloads, err)
+    try:
+        warm_up(built, warmups, err)
+        runs, failure = run_rounds(built, workloads, err), None
+    except RunError as exc:
+        runs, failure = exc.runs, exc
     meta = run_info(spec, repeats, warmup_rounds, specs, started)
-    _report(BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built}), out_dir)
+    if failure is None or any(runs.values()):  # a failure still reports the rounds that every arm completed
+        meta["failure"] = None if failure is None else str(failure)
+        _report(BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built}), out_dir)
+    if failure is not None:
+        completed = len(next(iter(runs.values()), []))
+        raise click.ClickException(f"{failure}" + (f"\n(the table shows the {completed} round(s) every arm completed)"
+                                                   if completed else ""))
 
 
 def _warn_bad_lines(spec: WorkloadSpec, err: Any) -> None:

@@ -56,6 +56,7 @@ class HFArm:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         config = self.model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.kv_capacity_tokens: int | None = None  # HF caches grow as needed
         self.vocab = Vocab(int(config.vocab_size), frozenset(self.tokenizer.all_special_ids))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.model_path = model_path

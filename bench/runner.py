@@ -107,6 +107,7 @@ class EngineArm:
         special = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self.vocab = Vocab(self.engine.loaded.model.spec.vocab_size, special)
         self.max_model_len = self.engine.max_model_len
+        self.kv_capacity_tokens: int | None = self.engine.num_blocks * self.engine.config.block_size
         self.warmup_counters: dict[str, int] = {}
         self.warned_warm = False
 

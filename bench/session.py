@@ -23,6 +23,7 @@ class Arm(Protocol):
     spec: ArmSpec
     vocab: Vocab
     max_model_len: int
+    kv_capacity_tokens: int | None  # the most tokens one request may hold in the arm's KV pool (None: no limit)
 
     def tokenize(self, text: str) -> list[int]: ...
 
@@ -116,10 +117,35 @@ def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: 
         raise WorkloadError(
             f"the {spec.name} workload has a request of {longest} tokens (prompt, history and output) but the "
             f"context length is {limit}; {LENGTH_OPTIONS[spec.name]} or use a model with a longer context")
+    for arm in arms:
+        if arm.kv_capacity_tokens is not None and longest > arm.kv_capacity_tokens:
+            raise WorkloadError(
+                f"the {spec.name} workload has a request of {longest} tokens (prompt, history and output) but arm "
+                f"{arm.spec.key} ({arm.spec.text!r}) has KV blocks for {arm.kv_capacity_tokens} tokens; "
+                f"{LENGTH_OPTIONS[spec.name]} or give that arm more KV memory (--num-kv-blocks, --kv-cache-memory-gb)")
     return workloads
 
 
+class RunError(Exception):
+    """An arm failed during a run; ``runs`` holds the rounds every arm completed before it."""
+
+    def __init__(self, message: str, runs: dict[str, list[RunResult]]) -> None:
+        super().__init__(message)
+        self.runs = runs
+
+
+def warm_up(arms: list[Arm], warmups: list[Workload], err: Any) -> None:
+    for arm in arms:
+        if warmups:
+            err.print(f"warming up arm {arm.spec.key} ...", highlight=False)
+        try:
+            arm.warm_up(warmups)  # also with no rounds: records the counters the runs are measured from
+        except InferError as exc:
+            raise RunError(f"arm {arm.spec.key} ({arm.spec.text!r}) failed while warming up: {exc}", {}) from exc
+
+
 def run_rounds(arms: list[Arm], workloads: list[Workload], err: Any) -> dict[str, list[RunResult]]:
+    """Every round runs every arm in order. Raises RunError naming the arm and round that failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     runs: dict[str, list[RunResult]] = {arm.spec.key: [] for arm in arms}
@@ -127,10 +153,15 @@ def run_rounds(arms: list[Arm], workloads: list[Workload], err: Any) -> dict[str
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err) as progress:
         task = progress.add_task("bench", total=total)
-        for workload in workloads:
+        for i, workload in enumerate(workloads):
             for arm in arms:
-                progress.update(task, description=f"round {workload.round + 1}/{len(workloads)} arm {arm.spec.key}")
-                runs[arm.spec.key].append(arm.run(workload, lambda: progress.advance(task)))
+                progress.update(task, description=f"round {i + 1}/{len(workloads)} arm {arm.spec.key}")
+                try:
+                    runs[arm.spec.key].append(arm.run(workload, lambda: progress.advance(task)))
+                except InferError as exc:
+                    complete = {key: done[:i] for key, done in runs.items()}
+                    raise RunError(f"arm {arm.spec.key} ({arm.spec.text!r}) failed in round {i + 1} of "
+                                   f"{len(workloads)}: {exc}", complete) from exc
     return runs
 
 

@@ -143,6 +143,42 @@ def test_a_workload_longer_than_the_context_names_its_own_length_options(tiny_mo
         in result.output
 
 
+def test_a_workload_larger_than_an_arms_kv_pool_names_the_arm_before_running(tiny_model):
+    result = run("--model", str(tiny_model), "bench", "--num-requests", "4", "--ab", "", "--num-kv-blocks 6")
+    assert result.exit_code == 2 and "arm B ('--num-kv-blocks 6') has KV blocks for 96 tokens" in result.output
+    assert "give that arm more KV memory" in result.output and "warming up" not in result.output
+
+
+def test_an_arm_failing_mid_run_names_itself_and_keeps_the_completed_rounds():
+    from infer.bench.arms import ArmSpec
+    from infer.bench.session import RunError, run_rounds
+    from infer.core.errors import CapacityError
+
+    class FakeArm:
+        def __init__(self, key: str, fail_in_round: int | None) -> None:
+            self.spec, self.fail_in_round = ArmSpec(key, f"--fake {key}", None), fail_in_round
+
+        def run(self, workload, on_request_done):
+            if workload.round == self.fail_in_round:
+                raise CapacityError("no room")
+            return RunResult(self.spec.key, workload.round, 1.0, [])
+
+    workloads = [build_workload(WorkloadSpec(num_requests=1), r, VOCAB, None, None) for r in range(3)]
+    from rich.console import Console
+
+    with pytest.raises(RunError, match=r"arm B \('--fake B'\) failed in round 2 of 3: no room") as caught:
+        run_rounds([FakeArm("A", None), FakeArm("B", 1)], workloads, Console(quiet=True))
+    assert {key: [r.round for r in runs] for key, runs in caught.value.runs.items()} == {"A": [0], "B": [0]}
+
+
+def test_an_arm_failing_at_run_time_is_named_and_fails_the_command(tiny_model, tmp_path):
+    result = run("--model", str(tiny_model), "bench", "--num-requests", "2", "--input-len", "40", "--repeats", "1",
+                 "--warmup-rounds", "0", "--ab", "", "--max-num-batched-tokens 16", "--out", str(tmp_path))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "arm B ('--max-num-batched-tokens 16') failed in round 1 of 1: prompt of" in result.output
+    assert not (tmp_path / "results.json").exists()  # no round that every arm completed: nothing to report
+
+
 def test_an_unknown_component_in_an_arm_names_the_arm(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--ab", "--kv-cache paged", "--kv-cache nope")
     assert result.exit_code == 2
