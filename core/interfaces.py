@@ -111,7 +111,11 @@ class KVCache(ABC):
 
 
 class EvictionPolicy(ABC):
-    """Chooses which unreferenced cached item (block or radix node) to evict first."""
+    """Chooses which unreferenced cached item (block or radix node) to evict first.
+
+    The policy holds only the evictable keys: those inserted and not yet removed or popped. ``touch`` is the one
+    method the cache also calls for keys it does not hold.
+    """
 
     @abstractmethod
     def insert(self, key: Hashable, priority: int = 0) -> None:
@@ -119,7 +123,13 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def touch(self, key: Hashable) -> None:
-        """``key`` was reused (a prefix hit); it may stay evictable or be removed right after."""
+        """``key`` was reused (a prefix hit); it may stay evictable or be removed right after.
+
+        ``key`` need not be evictable: it may never have been inserted (the paged cache touches a block that another
+        sequence still holds; the radix cache touches locked and interior nodes), or it may have been removed or
+        popped already. Record the use if the policy tracks uses (a later ``insert`` of the key may count it), but
+        never fail and never make the key evictable: ``len()`` does not change.
+        """
 
     @abstractmethod
     def remove(self, key: Hashable) -> None:

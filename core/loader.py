@@ -116,7 +116,7 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
     if not archs or archs[0] not in models:
         raise CheckpointError(
             f"unsupported architecture {archs[0] if archs else '(none in config.json)'!r}; "
-            f"supported: {', '.join(models.names())}"
+            f"supported: {', '.join(models.names()) or '(none)'}{models.unknown_hint(archs[0]) if archs else ''}"
         )
     files = safetensors_files(path)
     device = resolve_device(config.device)

@@ -1,7 +1,10 @@
 """The plugin manager: load entry points (allow-list INFER_PLUGINS), fill one Registry per kind."""
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -11,7 +14,7 @@ import pluggy
 from . import hookspecs
 from .config import COMPONENT_FIELDS, EngineConfig
 from .errors import PluginError
-from .registry import Registry
+from .registry import ARCHITECTURE_NAMES, COMPONENT_NAMES, Registry
 
 ENTRY_POINT_GROUP = "infer"
 ALLOW_LIST_ENV = "INFER_PLUGINS"
@@ -43,9 +46,17 @@ class PluginManager:
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager("infer")
         self.pm.add_hookspecs(hookspecs)
-        self.registries: dict[str, Registry[Any]] = {kind: Registry(kind.replace("_", " ")) for kind in KINDS}
+        self.registries: dict[str, Registry[Any]] = {kind: self._new_registry(kind) for kind in KINDS}
         self._sources: dict[str, str] = {}  # plugin name -> distribution
+        self._entry_points: list[str] = []  # the names of the entry points loaded
+        self._allow_list: list[str] | None = None  # INFER_PLUGINS, when it limited loading
+        self._skipped_shipped: dict[str, metadata.EntryPoint] = {}  # infer's own entry points it left out
         self._collected = False
+
+    def _new_registry(self, kind: str) -> Registry[Any]:
+        return Registry(kind.replace("_", " "), names=ARCHITECTURE_NAMES if kind == "model" else COMPONENT_NAMES,
+                        unknown_hint=lambda name: self._allow_list_hint((kind,), name),
+                        duplicate_hint=self._duplicate_hint)
 
     @classmethod
     def from_entry_points(cls, allow: str | None = None) -> PluginManager:
@@ -58,7 +69,7 @@ class PluginManager:
         return manager
 
     def load_entry_points(self, allow: str | None) -> None:
-        wanted = {name.strip() for name in allow.split(",") if name.strip()} if allow else None
+        wanted = list(dict.fromkeys(name.strip() for name in allow.split(",") if name.strip())) if allow else None
         found: dict[str, metadata.EntryPoint] = {}
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
             other = found.setdefault(ep.name, ep)
@@ -68,17 +79,27 @@ class PluginManager:
                     f"two installed packages name their infer entry point {ep.name!r}: {first!r} and "
                     f"{second!r}; rename it under [project.entry-points.infer] in one package's "
                     "pyproject.toml and reinstall that package, or uninstall one of them")
-        for name, ep in sorted(found.items()):
-            if wanted is not None and name not in wanted:
-                continue
+        if wanted is not None:
+            self._allow_list = wanted
+            self._skipped_shipped = {name: ep for name, ep in found.items() if name not in wanted and _is_shipped(ep)}
+        loading = sorted(name for name in found if wanted is None or name in wanted)
+        for name in loading:
+            ep = found[name]
+            way_out = _way_out(ep, [other for other in loading if other != name])
             try:
                 module = ep.load()
             except Exception as exc:  # a broken third-party package must say who it is
-                raise PluginError(f"plugin {name!r} from package {_dist_name(ep)!r} failed to import: {exc}") from exc
-            self.register(module, name=name, source=_dist_name(ep))
-        if wanted is not None and wanted - found.keys():
+                raise PluginError(f"plugin {name!r} from package {_dist_name(ep)!r} failed to import: {exc}; "
+                                  f"{way_out}") from exc
+            try:
+                self.register(module, name=name, source=_dist_name(ep))
+            except PluginError as exc:
+                raise PluginError(f"{exc}; {way_out}") from exc
+            self._entry_points.append(name)
+        missing = sorted(set(wanted or ()) - found.keys())
+        if missing:
             raise PluginError(
-                f"{ALLOW_LIST_ENV} names plugins that are not installed: {', '.join(sorted(wanted - found.keys()))}; "
+                f"{ALLOW_LIST_ENV} names plugins that are not installed: {', '.join(missing)}; "
                 f"installed: {', '.join(sorted(found)) or '(none)'}"
             )
 
@@ -90,10 +111,39 @@ class PluginManager:
             registered = self.pm.register(plugin, name=name)
         except ValueError as exc:  # pluggy: the name or the object is taken
             raise PluginError(f"plugin {name!r} is already registered ({exc})") from exc
+        except pluggy.PluginValidationError as exc:
+            raise self._invalid_hooks(plugin, name, source, exc) from exc
         if registered is None:
             raise PluginError(f"plugin {name!r} is already registered")
+        try:
+            self.pm.check_pending()  # hooks that match no hookspec
+        except pluggy.PluginValidationError as exc:
+            raise self._invalid_hooks(plugin, name, source, exc) from exc
         self._sources[registered] = source or registered
-        self.pm.check_pending()
+
+    def _invalid_hooks(self, plugin: object, name: str | None, source: str | None, exc: Exception) -> PluginError:
+        """Unregister ``plugin`` (pluggy keeps a half-registered one) and say what is wrong with its hooks."""
+        if self.pm.is_registered(plugin):
+            self.pm.unregister(plugin)
+        who = f"plugin {name!r}" if name else f"plugin {plugin!r}"
+        if source and source != name:
+            who += f" from package {source!r}"
+        hooks = sorted(attr for attr in dir(hookspecs) if self.pm.parse_hookspec_opts(hookspecs, attr))
+        for attr in dir(plugin):
+            opts = self.pm.parse_hookimpl_opts(plugin, attr)
+            hook = (opts or {}).get("specname") or attr
+            if opts is None or (hook not in hooks and opts.get("optionalhook")):
+                continue
+            if hook not in hooks:
+                guess = "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(hook, hooks, n=1))
+                return PluginError(f"{who} implements {hook!r}, which is not an infer hook{guess}; the hooks are: "
+                                   f"{', '.join(hooks)} (docs/plugin-hooks.md)")
+            expected = list(inspect.signature(getattr(hookspecs, hook)).parameters)
+            taken = _required_arguments(getattr(plugin, attr))
+            if not set(taken) <= set(expected):
+                return PluginError(f"{who} implements {hook}({', '.join(taken)}), but infer calls "
+                                   f"{hook}({', '.join(expected)}): name its arguments as the hook does")
+        return PluginError(f"{who} has an invalid hook implementation: {exc}")
 
     def collect(self) -> PluginManager:
         """Call every registration hook once, each implementation with its own source-tagged callback."""
@@ -103,7 +153,8 @@ class PluginManager:
         for kind, hook_name in KINDS.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 source = self._sources.get(impl.plugin_name, impl.plugin_name)
-                impl.function(register=self.registries[kind].callback(source))
+                entry_point = impl.plugin_name if impl.plugin_name in self._entry_points else None
+                impl.function(register=self.registries[kind].callback(source, entry_point))
         return self
 
     def registry(self, kind: str) -> Registry[Any]:
@@ -124,7 +175,8 @@ class PluginManager:
             kinds = [k for k in COMPONENT_FIELDS if name in self.registries[k]]
             if not kinds:
                 every = sorted({c.name for c in self.components() if c.kind in COMPONENT_FIELDS})
-                raise PluginError(f"unknown plugin {name!r}; registered components: {', '.join(every)}")
+                raise PluginError(f"unknown plugin {name!r}; registered components: {', '.join(every)}"
+                                  f"{self._allow_list_hint(COMPONENT_FIELDS, name)}")
             if len(kinds) > 1:
                 options = " or ".join(f"--{COMPONENT_FIELDS[k].replace('_', '-')} {name}" for k in kinds)
                 raise PluginError(f"plugin name {name!r} is registered as {' and '.join(kinds)}; use {options}")
@@ -140,6 +192,63 @@ class PluginManager:
         """The pluggy hook relay, for event hooks (``on_step``, ``on_request_finished``)."""
         return self.pm.hook
 
+    def _allow_list_hint(self, kinds: Iterable[str], name: str) -> str:
+        """Why ``name`` may be missing when INFER_PLUGINS limited loading; ``""`` without an allow-list."""
+        if self._allow_list is None:
+            return ""
+        allow = ",".join(self._allow_list)
+        provider = self._shipped_provider(kinds, name)
+        if provider is None:
+            return (f"; {ALLOW_LIST_ENV}={allow} limited loading to those entry points: if a plugin left out "
+                    f"provides {name!r}, add its entry point, or unset {ALLOW_LIST_ENV}")
+        return (f"; {ALLOW_LIST_ENV}={allow} limited loading to those entry points, and infer's own entry point "
+                f"{provider!r} provides {name!r}: use {ALLOW_LIST_ENV}={allow},{provider}, or unset {ALLOW_LIST_ENV}")
+
+    def _shipped_provider(self, kinds: Iterable[str], name: str) -> str | None:
+        """The entry point of infer's own, left out by the allow-list, that registers ``name`` (if any)."""
+        for entry_point, ep in sorted(self._skipped_shipped.items()):
+            probe = PluginManager()
+            try:
+                probe.register(ep.load(), name=entry_point)
+                if any(name in probe.registry(kind) for kind in kinds):
+                    return entry_point
+            except Exception:  # a hint must never hide the error it explains
+                continue
+        return None
+
+    def _duplicate_hint(self, first: str | None, second: str | None) -> str:
+        """Allow-lists that leave out one of two entry points that register the same name."""
+        options = [",".join(name for name in self._entry_points if name != left_out)
+                   for left_out in (first, second) if left_out in self._entry_points]
+        options = [f"{ALLOW_LIST_ENV}={option}" for option in options if option]
+        if not options:
+            return ""
+        return (f", or leave one of them out with the allow-list {ALLOW_LIST_ENV}, which must name every plugin to "
+                f"keep, infer's shipped ones too: {' or '.join(options)}")
+
 
 def _dist_name(ep: metadata.EntryPoint) -> str:
     return ep.dist.name if ep.dist else ep.value
+
+
+def _is_shipped(ep: metadata.EntryPoint) -> bool:
+    return ep.module.partition(".")[0] == __name__.partition(".")[0]
+
+
+def _way_out(ep: metadata.EntryPoint, others: list[str]) -> str:
+    """How a user gets infer running again despite the broken plugin behind ``ep``."""
+    dist = _dist_name(ep)
+    if _is_shipped(ep):
+        advice = f"reinstall {dist!r}"
+    else:
+        advice = (f"fix the plugin, or uninstall it: `pip uninstall {dist}` (the usual cause is an editable install "
+                  "whose folder was renamed or deleted)")
+    if others:
+        advice += f"; or load only the other plugins: {ALLOW_LIST_ENV}={','.join(others)}"
+    return advice
+
+
+def _required_arguments(function: Callable[..., Any]) -> list[str]:
+    """The arguments pluggy passes by name: positional ones without a default (a method's ``self`` is bound)."""
+    return [p.name for p in inspect.signature(function).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -1,7 +1,8 @@
 """Registry[T]: component name -> factory, with the package that provided it."""
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -18,43 +19,91 @@ class Register(Protocol[F_contra]):
 
 
 @dataclass(frozen=True)
+class NameRule:
+    pattern: re.Pattern[str]
+    description: str  # completes "use ..." in the error for a name that does not match
+
+
+COMPONENT_NAMES = NameRule(re.compile(r"[a-z0-9][a-z0-9._-]*"),
+                           "lowercase letters, digits, '-', '_' and '.', starting with a letter or digit (e.g. "
+                           "'my-policy')")
+ARCHITECTURE_NAMES = NameRule(re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*"),
+                              "the checkpoint's config.json `architectures` name (e.g. 'LlamaForCausalLM'): letters, "
+                              "digits, '-', '_' and '.', starting with a letter or digit")
+
+
+@dataclass(frozen=True)
 class Entry(Generic[F]):
     name: str
     factory: F
     source: str  # the distribution (or plugin object) that registered it
     aliases: tuple[str, ...] = ()
+    entry_point: str | None = None  # the `infer` entry point that registered it, when it came from one
+
+
+def no_hint(*names: str | None) -> str:
+    return ""
+
+
+def plural(kind: str) -> str:
+    return kind[:-1] + "ies" if kind.endswith("y") else kind + "s"
 
 
 class Registry(Generic[F]):
-    """Names (and aliases) of one kind of component. Duplicates are errors, never silent renames."""
+    """Names (and aliases) of one kind of component. Duplicates are errors, never silent renames.
 
-    def __init__(self, kind: str) -> None:
+    ``unknown_hint(name)`` and ``duplicate_hint(entry_point, other_entry_point)`` add what the plugin manager knows
+    (an allow-list that skipped plugins) to the errors for an unknown and a duplicate name.
+    """
+
+    def __init__(self, kind: str, *, names: NameRule = COMPONENT_NAMES,
+                 unknown_hint: Callable[[str], str] = no_hint,
+                 duplicate_hint: Callable[[str | None, str | None], str] = no_hint) -> None:
         self.kind = kind
+        self.plural = plural(kind)
+        self._names = names
+        self._unknown_hint = unknown_hint
+        self._duplicate_hint = duplicate_hint
         self._entries: dict[str, Entry[F]] = {}
         self._aliases: dict[str, str] = {}
 
-    def register(self, name: str, factory: F, aliases: Sequence[str] = (), *, source: str) -> None:
+    def register(self, name: str, factory: F, aliases: Sequence[str] = (), *, source: str,
+                 entry_point: str | None = None) -> None:
+        who = _who(source, entry_point)
         if not isinstance(name, str) or not name:
-            raise PluginError(f"{source} registered a {self.kind} with an empty or non-string name: {name!r}")
+            raise PluginError(f"{who} registered a {self.kind} with an empty or non-string name: {name!r}")
         if not callable(factory):
-            raise PluginError(f"{source} registered {self.kind} {name!r} with a factory that is not callable")
+            raise PluginError(f"{who} registered {self.kind} {name!r} with a factory that is not callable")
+        if not isinstance(aliases, (list, tuple)) or not all(isinstance(alias, str) for alias in aliases):
+            raise PluginError(f"{who} registered {self.kind} {name!r} with aliases={aliases!r}; aliases must be a "
+                              "list or tuple of names, e.g. aliases=('other-name',)")
+        if name in aliases or len(set(aliases)) != len(aliases):
+            raise PluginError(f"{who} registered {self.kind} {name!r} with aliases={aliases!r}; list each alias "
+                              "once and leave out the name itself")
         for key in (name, *aliases):
-            if key in self._entries or key in self._aliases:
-                other = self._entries[self._aliases.get(key, key)].source
-                raise PluginError(
-                    f"duplicate {self.kind} name {key!r}: registered by both {other!r} and {source!r}; "
-                    "uninstall one of them, or leave one out with INFER_PLUGINS (an allow-list of entry point names: "
-                    "list every plugin to keep, the shipped ones too, as `infer plugins` shows them)"
-                )
-        self._entries[name] = Entry(name, factory, source, tuple(aliases))
+            if not self._names.pattern.fullmatch(key):
+                raise PluginError(f"{who} registered the {self.kind} name {key!r}, which infer cannot select by "
+                                  f"name; use {self._names.description}")
+        for key in (name, *aliases):
+            if key in self:
+                self._raise_duplicate(key, self._entries[self._aliases.get(key, key)], source, entry_point)
+        self._entries[name] = Entry(name, factory, source, tuple(aliases), entry_point)
         for alias in aliases:
             self._aliases[alias] = name
 
-    def callback(self, source: str) -> Register[F]:
-        """A ``register`` callback that records ``source`` as the provider."""
+    def _raise_duplicate(self, key: str, other: Entry[F], source: str, entry_point: str | None) -> None:
+        hint = self._duplicate_hint(other.entry_point, entry_point) or (
+            ", or load only one of the two plugins with INFER_PLUGINS, an allow-list of the entry point names to "
+            "load (name every plugin to keep, infer's shipped ones too)")
+        raise PluginError(
+            f"duplicate {self.kind} name {key!r}: registered by both {_who(other.source, other.entry_point)} and "
+            f"{_who(source, entry_point)}; uninstall one of them{hint}")
+
+    def callback(self, source: str, entry_point: str | None = None) -> Register[F]:
+        """A ``register`` callback that records ``source`` (and ``entry_point``) as the provider."""
 
         def register(name: str, factory: F, aliases: Sequence[str] = ()) -> None:
-            self.register(name, factory, aliases, source=source)
+            self.register(name, factory, aliases, source=source, entry_point=entry_point)
 
         return register
 
@@ -65,8 +114,13 @@ class Registry(Generic[F]):
         key = self._aliases.get(name, name)
         if key not in self._entries:
             choices = ", ".join(sorted(self._entries)) or "(none registered)"
-            raise PluginError(f"unknown {self.kind} {name!r}; registered {self.kind}s: {choices}")
+            raise PluginError(f"unknown {self.kind} {name!r}; registered {self.plural}: {choices}"
+                              f"{self.unknown_hint(name)}")
         return self._entries[key]
+
+    def unknown_hint(self, name: str) -> str:
+        """Why ``name`` may be missing (``"; INFER_PLUGINS=... limited loading ..."``), or ``""``."""
+        return self._unknown_hint(name)
 
     def get(self, name: str) -> F:
         return self.entry(name).factory
@@ -76,3 +130,7 @@ class Registry(Generic[F]):
 
     def __iter__(self) -> Iterator[Entry[F]]:
         return iter(sorted(self._entries.values(), key=lambda e: e.name))
+
+
+def _who(source: str, entry_point: str | None) -> str:
+    return f"{source!r} (entry point {entry_point!r})" if entry_point else repr(source)

@@ -1,0 +1,295 @@
+"""What a third-party plugin author relies on: the eviction policy's touch contract, errors that name the broken
+plugin and say how to get infer running again, name rules, and a plugin template whose rename steps work."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import types
+from collections import OrderedDict
+from collections.abc import Hashable
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from infer import hookimpl
+from infer.cli import main
+from infer.core.config import EngineConfig
+from infer.core.errors import PluginError
+from infer.core.interfaces import EvictionPolicy
+from infer.core.plugins import PluginManager
+from infer.core.registry import ARCHITECTURE_NAMES, Registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def entry_points_but(*left_out: str) -> str:
+    """The installed ``infer`` entry points (shipped, and any others here) without ``left_out``, as an allow-list."""
+    return ",".join(sorted({ep.name for ep in metadata.entry_points(group="infer")} - set(left_out)))
+
+
+def install_fake_plugin(root: Path, dist: str, entry_point: str, plugin_source: str | None) -> None:
+    """A distribution in ``root`` (on sys.path) whose ``infer`` entry point is ``<package>.plugin``; without
+    ``plugin_source`` the module is missing, as after renaming an editable install's folder."""
+    package = dist.replace("-", "_")
+    info = root / f"{package}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[infer]\n{entry_point} = {package}.plugin\n")
+    if plugin_source is not None:
+        (root / package).mkdir()
+        (root / package / "__init__.py").write_text("")
+        (root / package / "plugin.py").write_text("from infer import hookimpl\n\n\n" + plugin_source)
+
+
+def assert_no_traceback_from_the_cli(dist: str) -> None:
+    result = CliRunner().invoke(main, ["plugins"])
+    assert result.exit_code != 0 and dist in result.output and "Traceback" not in result.output
+
+
+# ---------------------------------------------------------------- 1. EvictionPolicy.touch of keys it does not hold
+def touch_contract_violations(policy: EvictionPolicy) -> list[str]:
+    """The ways ``policy`` breaks "touch may get any key, never fails, never changes len()"."""
+    steps = {
+        "touch of a key never inserted": lambda: policy.touch(1000),
+        "touch of a removed key": lambda: (policy.insert(1), policy.remove(1), policy.touch(1)),
+        "touch of a popped key": lambda: (policy.insert(2), policy.touch(policy.pop())),
+    }
+    violations = []
+    for step, run in steps.items():
+        try:
+            run()
+        except Exception as exc:
+            violations.append(f"{step} raised {type(exc).__name__}: {exc}")
+        if len(policy) != 0:
+            violations.append(f"{step} left len() == {len(policy)}")
+    policy.insert(3)  # and the policy still works afterwards
+    policy.touch(3)
+    if len(policy) != 1 or policy.pop() != 3:
+        violations.append("after those touches, insert(3) then pop() did not return 3")
+    return violations
+
+
+class StrictLRU(EvictionPolicy):
+    """An LRU as the old docstrings suggested it: touch moves the key, assuming the policy holds it."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable, priority: int = 0) -> None:
+        self._order[key] = None
+
+    def touch(self, key: Hashable) -> None:
+        self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        del self._order[key]
+
+    def pop(self) -> Hashable:
+        if not self._order:
+            raise IndexError("nothing to evict")
+        return self._order.popitem(last=False)[0]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+def test_every_eviction_policy_accepts_touch_of_keys_it_does_not_hold(infer_plugins):
+    entries = list(infer_plugins.registry("eviction_policy"))
+    assert {"lru", "lfu", "priority"} <= {entry.name for entry in entries}
+    for entry in entries:
+        assert touch_contract_violations(entry.factory(EngineConfig())) == [], f"{entry.name} from {entry.source}"
+
+
+def test_the_contract_check_catches_an_lru_that_assumes_touched_keys_are_held():
+    assert [v.split(" raised")[0] for v in touch_contract_violations(StrictLRU())] == [
+        "touch of a key never inserted", "touch of a removed key", "touch of a popped key"]
+
+
+def test_the_touch_contract_is_stated_where_plugin_authors_read():
+    docstring = flat(EvictionPolicy.touch.__doc__ or "")
+    assert "never have been inserted" in docstring and "never fail" in docstring and "len()" in docstring
+    hooks = flat((ROOT / "docs" / "plugin-hooks.md").read_text())
+    eviction = hooks[hooks.index("### register_eviction_policies"):hooks.index("### register_attention_backends")]
+    assert "`touch(key)` may be called with a key that is not evictable" in eviction and "never fail" in eviction
+    tutorial = flat((ROOT / "docs" / "writing-a-plugin.md").read_text())
+    assert "`touch` may come for a key the policy does not hold" in tutorial
+
+
+# ---------------------------------------------------------------- 2, 3. broken plugins say who they are
+def test_a_misspelled_hook_names_the_plugin_and_the_valid_hooks(tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path, "infer-plugin-typo", "typo",
+                        "@hookimpl\ndef register_eviction_policy(register):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as error:
+        PluginManager.from_entry_points(allow="")
+    message = flat(str(error.value))
+    assert "plugin 'typo' from package 'infer-plugin-typo' implements 'register_eviction_policy'" in message
+    assert "did you mean 'register_eviction_policies'?" in message and "register_schedulers" in message
+    assert "`pip uninstall infer-plugin-typo`" in message
+    assert message.endswith(f"INFER_PLUGINS={entry_points_but('typo')}")
+    assert_no_traceback_from_the_cli("infer-plugin-typo")
+
+
+def test_a_misnamed_hook_argument_names_the_expected_one(tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path, "infer-plugin-argname", "argname",
+                        "@hookimpl\ndef register_eviction_policies(reg):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as error:
+        PluginManager.from_entry_points(allow="")
+    message = flat(str(error.value))
+    assert "plugin 'argname' from package 'infer-plugin-argname' implements register_eviction_policies(reg), " \
+           "but infer calls register_eviction_policies(register)" in message
+    assert "`pip uninstall infer-plugin-argname`" in message and "INFER_PLUGINS=" in message
+    assert_no_traceback_from_the_cli("infer-plugin-argname")
+
+
+def test_a_refused_runtime_plugin_leaves_the_manager_usable(infer_plugins):
+    module = types.ModuleType("half")
+    module.register_eviction_policies = hookimpl(lambda reg: None)
+    with pytest.raises(PluginError, match="implements register_eviction_policies\\(reg\\)"):
+        infer_plugins.register(module, name="half", source="acme")
+    assert "lru" in infer_plugins.registry("eviction_policy")  # pluggy's half-registered plugin was dropped
+
+
+def test_an_import_failure_suggests_uninstalling_or_the_allow_list(tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path, "infer-plugin-renamed", "renamed", None)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as error:
+        PluginManager.from_entry_points(allow="")
+    message = flat(str(error.value))
+    assert "plugin 'renamed' from package 'infer-plugin-renamed' failed to import" in message
+    assert "`pip uninstall infer-plugin-renamed`" in message
+    assert message.endswith(f"INFER_PLUGINS={entry_points_but('renamed')}")
+    PluginManager.from_entry_points(allow=entry_points_but("renamed")).collect()  # the suggested allow-list works
+
+
+# ---------------------------------------------------------------- 4. unknown names under an allow-list
+def test_unknown_names_under_an_allow_list_name_it_and_the_shipped_provider():
+    limited = PluginManager.from_entry_points(allow="paged")
+    cases = [("scheduler", "continuous", "continuous"), ("eviction_policy", "lfu", "eviction"),
+             ("model", "LlamaForCausalLM", "llama-family")]
+    for kind, name, entry_point in cases:
+        with pytest.raises(PluginError) as error:
+            limited.registry(kind).get(name)
+        assert (f"INFER_PLUGINS=paged limited loading to those entry points, and infer's own entry point "
+                f"{entry_point!r} provides {name!r}: use INFER_PLUGINS=paged,{entry_point}") in str(error.value)
+    with pytest.raises(PluginError, match="INFER_PLUGINS=paged limited loading.*if a plugin left out provides"):
+        limited.registry("scheduler").get("no-such-scheduler")
+    with pytest.raises(PluginError, match="unknown plugin 'lfu'.*entry point 'eviction' provides 'lfu'"):
+        limited.resolve_plugin_names(EngineConfig(), ["lfu"])
+    with pytest.raises(PluginError) as error:
+        PluginManager.from_entry_points(allow="").registry("scheduler").get("no-such-scheduler")
+    assert "INFER_PLUGINS" not in str(error.value)
+
+
+def test_an_unsupported_architecture_under_an_allow_list_names_the_shipped_provider(tiny_model):
+    from infer.core.config import EngineConfig as Config
+    from infer.core.engine import Engine
+    from infer.core.errors import CheckpointError
+
+    limited = PluginManager.from_entry_points(allow="continuous,paged,eviction,attention-backends")
+    with pytest.raises(CheckpointError, match="unsupported architecture 'LlamaForCausalLM'; supported: \\(none\\); "
+                                              "INFER_PLUGINS=.*infer's own entry point 'llama-family' provides"):
+        Engine(Config(model=str(tiny_model), device="cpu"), limited)
+
+
+# ---------------------------------------------------------------- 5. duplicates: advice that works
+def test_duplicate_names_name_both_entry_points_and_allow_lists_that_work(tmp_path, monkeypatch):
+    twin = "@hookimpl\ndef register_eviction_policies(register):\n    register('twin', lambda config: None)\n"
+    install_fake_plugin(tmp_path, "infer-plugin-twin-a", "twin-a", twin)
+    install_fake_plugin(tmp_path, "infer-plugin-twin-b", "twin-b", twin)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as error:
+        PluginManager.from_entry_points(allow="").collect()
+    message = flat(str(error.value))
+    assert ("registered by both 'infer-plugin-twin-a' (entry point 'twin-a') and 'infer-plugin-twin-b' "
+            "(entry point 'twin-b')") in message
+    assert "`infer plugins`" not in message  # it fails with this same error
+    allow_lists = re.findall(r"INFER_PLUGINS=([\w.,-]+)", message)
+    assert allow_lists == [entry_points_but("twin-a"), entry_points_but("twin-b")]
+    for allow in allow_lists:
+        assert "twin" in PluginManager.from_entry_points(allow=allow).registry("eviction_policy")
+
+
+# ---------------------------------------------------------------- 6, 7. names, aliases, plurals
+@pytest.mark.parametrize(("name", "aliases", "complaint"), [
+    ("ok-name", "xyz", "aliases='xyz'; aliases must be a list or tuple of names"),
+    ("ok-name", ("fine", 3), "aliases must be a list or tuple of names"),
+    ("Bad Name!", (), "the eviction policy name 'Bad Name!', which infer cannot select by name"),
+    ("MyPolicy", (), "the eviction policy name 'MyPolicy'"),
+    ("-dash", (), "starting with a letter or digit"),
+    ("ok-name", ("ok name",), "'ok name'"),
+    ("ok-name", ("ok-name",), "leave out the name itself"),
+    ("ok-name", ("b", "b"), "list each alias once"),
+])
+def test_register_refuses_bad_names_and_aliases(infer_plugins, name, aliases, complaint):
+    module = types.ModuleType("bad_names")
+    module.register_eviction_policies = hookimpl(lambda register: register(name, lambda config: None, aliases))
+    infer_plugins.register(module, name="bad-names", source="infer-plugin-bad")
+    with pytest.raises(PluginError) as error:
+        infer_plugins.collect()
+    assert str(error.value).startswith("'infer-plugin-bad' registered") and complaint in str(error.value)
+
+
+def test_every_shipped_name_passes_and_architectures_keep_their_capitals(infer_plugins):
+    names = {(c.kind, c.name) for c in infer_plugins.components()}  # would raise on a refused shipped name
+    assert ("model", "LlamaForCausalLM") in names and ("scheduler", "chunked-prefill") in names
+    models: Registry[object] = Registry("model", names=ARCHITECTURE_NAMES)
+    models.register("Gemma3ForCausalLM", object, ["gemma3.text"], source="acme")
+    assert models.get("gemma3.text") is object
+
+
+def test_kinds_are_pluralized_in_english(infer_plugins):
+    with pytest.raises(PluginError, match="registered eviction policies: lfu, lru, "):
+        infer_plugins.registry("eviction_policy").get("nope")
+    with pytest.raises(PluginError, match="registered kv caches: paged"):
+        infer_plugins.registry("kv_cache").get("nope")
+
+
+# ---------------------------------------------------------------- 8. the template's README, followed as written
+TEMPLATE = ROOT / "plugin_template"
+
+
+def rename_block(readme: str) -> str:
+    blocks = [block for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "mv infer_plugin_" in block]
+    assert len(blocks) == 1, "plugin_template/README.md should show the rename as one bash block"
+    return blocks[0]
+
+
+def test_the_template_readme_links_survive_copying_and_uninstalls_before_renaming():
+    readme = (TEMPLATE / "README.md").read_text()
+    assert "](../" not in readme, "links out of plugin_template/ break once the folder is copied"
+    block = rename_block(readme)
+    lines = [line.strip() for line in block.splitlines()]
+    uninstall = lines.index("pip uninstall -y infer-plugin-example")
+    assert uninstall < next(i for i, line in enumerate(lines) if line.startswith("mv "))
+    assert lines.index("pip install -e .") > uninstall
+
+
+def test_the_template_rename_commands_work_on_a_copy(tmp_path):
+    copy = tmp_path / "infer-plugin-mything"
+    shutil.copytree(TEMPLATE, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".*cache"))
+    readme = (copy / "README.md").read_text()
+    stubs = "pip() { :; }\ninfer() { :; }\nset -e\n"  # no installs here: test_plugin_template.py installs
+    done = subprocess.run(["bash", "-c", stubs + rename_block(readme)], cwd=copy, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (copy / "README.md").read_text() == readme, "the rename must leave the README's instructions intact"
+    leftovers = [str(path.relative_to(copy)) for path in copy.rglob("*") if path.is_file()
+                 and path.name != "README.md" and re.search(r"infer.plugin.example", path.read_text())]
+    assert leftovers == []
+    project = tomllib.loads((copy / "pyproject.toml").read_text())
+    assert project["project"]["name"] == "infer-plugin-mything"
+    assert project["project"]["entry-points"]["infer"] == {"mything": "infer_plugin_mything.plugin"}
+    assert project["tool"]["setuptools"]["packages"] == ["infer_plugin_mything"]
+    imported = subprocess.run([sys.executable, "-c", "import infer_plugin_mything.plugin"], cwd=copy,
+                              capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0, imported.stderr
