@@ -8,14 +8,14 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import ConfigError, InferError, InvalidRequestError, NotFoundError, PluginError
-from .interfaces import AttentionBackend, Proposer, SchedulerOutput
+from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Scheduler, SchedulerOutput
 from .loader import LoadedModel, load_model
 from .metrics import EngineStats, StepStats
 from .outputs import RequestState, append_output, build_output
@@ -28,12 +28,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer")
 VERIFY_GRAPH_MAX_BATCH = 32
+T = TypeVar("T")
 
 
 class Engine:
     """The serving API. Not thread-safe: one thread drives ``step()`` (the gRPC server hands off to it)."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
+        if plugins is not None and not isinstance(plugins, PluginManager):
+            raise ConfigError(f"plugins= takes a PluginManager, not {type(plugins).__name__}; to pick components by "
+                              "name pass LLM(plugin=[...names]) or the fields (kv_cache=..., scheduler=...)")
         config = config.replace().validate()  # a private copy: the engine resolves defaults into it
         self.config = config
         started = time.perf_counter()
@@ -61,9 +65,9 @@ class Engine:
         if config.preemption_mode == "swap" and config.num_swap_blocks is None:
             per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.kv_dtype)
             config.num_swap_blocks = int(config.swap_space_gb * 2**30) // per_block
-        eviction = self.plugins.registry("eviction_policy").get(config.eviction_policy)(config)
-        self.kv = self.plugins.registry("kv_cache").get(config.kv_cache)(config, self.num_blocks, eviction)
-        self.scheduler = self.plugins.registry("scheduler").get(config.scheduler)(config, self.kv)
+        eviction = self._build("eviction_policy", config.eviction_policy, EvictionPolicy, config)
+        self.kv = self._build("kv_cache", config.kv_cache, KVCache, config, self.num_blocks, eviction)
+        self.scheduler = self._build("scheduler", config.scheduler, Scheduler, config, self.kv)
         self.runner = ModelRunner(self.loaded.model, self.attention, self.num_blocks, config.block_size,
                                   self.loaded.dtype, self.loaded.device, config.seed,
                                   config.num_swap_blocks if config.preemption_mode == "swap" else 0,
@@ -103,22 +107,32 @@ class Engine:
                  "on" if self.runner.graphs is not None else "off", "on" if self.async_output else "off")
 
     # ------------------------------------------------------------ setup
+    def _build(self, kind: str, name: str, expected: type[T], *args: Any) -> T:
+        """Call a registered factory and check that it kept its contract (an instance of the kind's ABC)."""
+        entry = self.plugins.registry(kind).entry(name)
+        built = entry.factory(*args)
+        if not isinstance(built, expected):
+            raise PluginError(f"the {kind.replace('_', ' ')} factory {name!r} from {entry.source!r} returned "
+                              f"{type(built).__name__}, not an instance of {expected.__name__}; fix the plugin (its "
+                              "factory must build and return the component)")
+        return built
+
     def _make_attention(self) -> tuple[str, AttentionBackend]:
         """The named backend; by default `triton` on CUDA, `cpu` on the CPU (it compiles a C kernel: without a
         working C compiler, `torch`, with a warning that says why)."""
         registry, config = self.plugins.registry("attention_backend"), self.config
         if config.attention:
-            return config.attention, registry.get(config.attention)(config)
+            return config.attention, self._build("attention_backend", config.attention, AttentionBackend, config)
         if self.loaded.device.type == "cuda":
             if "triton" in registry:
-                return "triton", registry.get("triton")(config)
+                return "triton", self._build("attention_backend", "triton", AttentionBackend, config)
             log.warning("CUDA device but no 'triton' attention backend is registered; using 'torch'")
         elif "cpu" in registry:
             try:
-                return "cpu", registry.get("cpu")(config)
+                return "cpu", self._build("attention_backend", "cpu", AttentionBackend, config)
             except PluginError as exc:
                 log.warning("attention backend 'cpu' is unavailable, using 'torch': %s", exc)
-        return "torch", registry.get("torch")(config)
+        return "torch", self._build("attention_backend", "torch", AttentionBackend, config)
 
     def _make_proposer(self) -> Proposer | None:
         c = self.config
@@ -131,7 +145,7 @@ class Engine:
         if c.draft_model is not None and entry.name != "draft-model":
             raise ConfigError(f"--draft-model is read by the draft-model proposer only, not by {entry.name!r}; "
                               "use --proposer draft-model, or drop --draft-model")
-        return entry.factory(c, self.loaded)
+        return self._build("proposer", entry.name, Proposer, c, self.loaded)
 
     def _kv_cache_format(self) -> tuple[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """The KV element dtype and, for ``--kv-cache-dtype fp8``, the per-layer scales (quant/kv_cache.py)."""
@@ -238,7 +252,15 @@ class Engine:
         self.steps_taken += 1
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if not self.unemitted and self.scheduler.has_unfinished():
+                raise PluginError(f"scheduler {self.config.scheduler!r} scheduled nothing while "
+                                  f"{self.scheduler.num_waiting()} sequence(s) wait and "
+                                  f"{self.scheduler.num_running()} run: the engine would never finish them (a "
+                                  "scheduler must schedule work whenever any waits or runs); fix the plugin")
             return self._emit_unemitted()
+        if len(out.scheduled) > self.config.max_num_seqs:  # what CUDA graphs and buffers are sized for
+            raise PluginError(f"scheduler {self.config.scheduler!r} scheduled {len(out.scheduled)} sequences, over "
+                              f"max_num_seqs={self.config.max_num_seqs}; fix the plugin")
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
         scheduled = time.perf_counter()
@@ -446,8 +468,24 @@ class Engine:
 class LLM:
     """Offline API: ``LLM(model=DIR, **options).generate(prompts, SamplingParams(...))``."""
 
-    def __init__(self, model: str | None = None, plugins: PluginManager | None = None, **options: Any) -> None:
-        self.engine = Engine(EngineConfig(model=model, **options), plugins)
+    def __init__(self, model: str | None = None, plugins: PluginManager | None = None, plugin: Seq[str] = (),
+                 **options: Any) -> None:
+        """``options``: EngineConfig fields. ``plugin``: component names, as ``infer --plugin NAME`` (a field
+        given in ``options`` wins, as on the command line). ``plugins``: the PluginManager (default: every
+        installed plugin)."""
+        if isinstance(plugin, str):
+            plugin = [plugin]
+        config = EngineConfig(model=model, **options)
+        if plugin:
+            from .config import COMPONENT_FIELDS
+
+            if plugins is not None and not isinstance(plugins, PluginManager):
+                raise ConfigError(f"plugins= takes a PluginManager, not {type(plugins).__name__}; component names "
+                                  "go in plugin=[...]")
+            plugins = plugins or PluginManager.from_entry_points()
+            explicit = {k: v for k, v in options.items() if k in COMPONENT_FIELDS.values()}
+            config = plugins.resolve_plugin_names(config, list(plugin)).replace(**explicit)
+        self.engine = Engine(config, plugins)
 
     def generate(self, prompts: str | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

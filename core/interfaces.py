@@ -174,7 +174,11 @@ class Scheduler(ABC):
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work within the token and sequence budgets, allocating KV (preempting if short)."""
+        """Pick this step's work within the token and sequence budgets, allocating KV (preempting if short).
+
+        The engine holds a scheduler to this (a PluginError names it otherwise): something is scheduled whenever
+        a sequence waits or runs (an empty schedule would never end), at most ``max_num_seqs`` sequences, and each
+        one's KV blocks cover the positions it computes (``KVCache.allocate`` first)."""
 
     @abstractmethod
     def update(self, output: SchedulerOutput, sampled: dict[int, list[int]], now: float) -> list[Sequence]:

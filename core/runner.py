@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .errors import PluginError
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, SchedulerOutput
 from .model import Model
 from .request import Sequence
@@ -81,6 +82,10 @@ class ModelRunner:
             start = seq.num_computed_tokens
             table = kv.block_table(seq)
             tables.append(table)
+            if len(table) * size < start + n + len(drafts):
+                raise PluginError(f"sequence {seq.seq_id} of request {seq.request_id} was scheduled to compute "
+                                  f"positions up to {start + n + len(drafts)} but holds KV blocks for "
+                                  f"{len(table) * size}: a scheduler must KVCache.allocate before it schedules")
             if n == 1 and not drafts and start + 1 == seq.num_tokens:  # a plain decode: the loop below, unrolled
                 tokens.append(seq.token_ids[start])
                 positions.append(start)

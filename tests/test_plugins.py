@@ -12,6 +12,7 @@ from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.errors import PluginError
 from infer.core.plugins import PluginManager
+from infer.core.interfaces import ScheduledSequence, SchedulerOutput
 from infer.core.request import SamplingParams
 from infer.plugins.continuous_scheduler import ContinuousScheduler
 
@@ -70,6 +71,67 @@ def test_a_kv_cache_whose_block_tables_are_lists_runs_like_the_shipped_one(tiny_
                         infer_plugins)
         outputs[kv_cache] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
     assert outputs["list-tables"] == outputs["paged"] and all(len(ids) == 24 for ids in outputs["paged"])
+
+
+class NeverSchedules(ContinuousScheduler):
+    def schedule(self):
+        return SchedulerOutput(scheduled=[])
+
+
+class OverBudget(ContinuousScheduler):
+    def schedule(self):
+        out = super().schedule()
+        out.scheduled += [ScheduledSequence(item.seq, 0) for item in out.scheduled]  # each sequence twice
+        return out
+
+
+class SkipsAllocation(ContinuousScheduler):
+    def schedule(self):
+        seq = self.waiting.popleft()
+        self.running.append(seq)
+        return SchedulerOutput(scheduled=[ScheduledSequence(seq, seq.num_tokens)])
+
+
+@pytest.mark.parametrize(("scheduler", "message"), [
+    (NeverSchedules, r"scheduled nothing while 1 sequence\(s\) wait and 0 run: the engine would never finish them"),
+    (OverBudget, "scheduled 4 sequences, over max_num_seqs=2"),
+    (SkipsAllocation, "holds KV blocks for 0: a scheduler must KVCache.allocate before it schedules")])
+def test_a_scheduler_breaking_its_contract_is_named_not_hung(tiny_model, infer_plugins, scheduler, message):
+    def register_schedulers(register):
+        register("broken", lambda config, kv: scheduler(config, kv))
+
+    infer_plugins.register(plugin_module("broken", register_schedulers=register_schedulers), source="acme")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="broken", max_num_seqs=2),
+                    infer_plugins)
+    for prompt in ("a", "b")[: 2 if scheduler is OverBudget else 1]:
+        engine.add_request(prompt, SamplingParams(max_tokens=4))
+    with pytest.raises(PluginError, match="scheduler 'broken' " * (scheduler is not SkipsAllocation) + message):
+        engine.step()
+
+
+def test_a_factory_must_return_an_instance_of_its_kind(tiny_model, infer_plugins):
+    from infer.plugins.eviction import LRUPolicy
+
+    def register_eviction_policies(register):
+        register("as-class", lambda config: LRUPolicy)  # the class, not an instance
+
+    infer_plugins.register(plugin_module("cls", register_eviction_policies=register_eviction_policies),
+                           source="acme-evict")
+    with pytest.raises(PluginError, match="eviction policy factory 'as-class' from 'acme-evict' returned ABCMeta, "
+                                          "not an instance of EvictionPolicy"):
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", eviction_policy="as-class"), infer_plugins)
+
+
+def test_llm_takes_component_names_like_the_cli(tiny_model, infer_plugins):
+    from infer import LLM
+    from infer.core.errors import ConfigError
+
+    assert LLM(str(tiny_model), infer_plugins, plugin=["radix-cache"], device="cpu").engine.config.kv_cache == \
+        "radix-cache"
+    chosen = LLM(str(tiny_model), infer_plugins, plugin=["radix-cache", "lfu"], kv_cache="paged", device="cpu")
+    assert (chosen.engine.config.kv_cache, chosen.engine.config.eviction_policy) == ("paged", "lfu")
+    with pytest.raises(ConfigError, match="plugins= takes a PluginManager, not list"):
+        LLM(str(tiny_model), plugins=["radix-cache"], device="cpu")
 
 
 def test_duplicate_names_name_both_packages(infer_plugins):
