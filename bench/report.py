@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .arms import ArmSpec
 from .stats import METRICS, Aggregate, Metric, RunResult, summarize
@@ -39,14 +40,17 @@ def _number(value: float, unit: str) -> str:
 
 
 def format_cell(metric: Metric, agg: Aggregate, first: bool, repeats: int) -> str:
-    """``median ±spread ×ratio``; "n/a" when the arm does not measure the metric."""
+    """``median [min-max] ×ratio``, the ratio starred when the rounds disagree on its direction; "n/a" when the
+    arm does not measure the metric."""
     if agg.median is None:
         return "n/a"
     text = _number(agg.median, metric.unit)
-    if repeats > 1 and agg.spread is not None:
-        text += f" ±{_number(agg.spread, metric.unit)}"
+    if repeats > 1 and agg.low is not None and agg.high is not None and agg.low != agg.high:
+        text += f" [{_number(agg.low, metric.unit)}–{_number(agg.high, metric.unit)}]"
     if not first:
         text += f" ×{agg.ratio:.2f}" if agg.ratio is not None else " ×—"
+        if agg.mixed_direction:
+            text += "*"
     return text
 
 
@@ -55,25 +59,35 @@ def build_table(result: BenchResult) -> Table:
     repeats = max((len(r) for r in result.runs.values()), default=0)
     workload = result.meta.get("workload", {}).get("name", "?")
     first = result.arms[0].key
+    requests = {len(run.requests) for runs in result.runs.values() for run in runs}
+    notes = [f"median \\[min–max] over rounds; ×: ratio to arm {first}'s median; ↑ higher is better, ↓ lower is "
+             "better; n/a: the arm does not measure it",
+             f"*: the rounds disagree on the direction (paired per-round ratios on both sides of 1): within noise; "
+             f"{'/'.join(map(str, sorted(requests)))} requests per run (a p99 of fewer than 100 is nearly their "
+             "maximum)"]
+    if repeats < 3:
+        notes.append(f"[yellow]{repeats} round(s): too few to tell a difference from noise; use --repeats 3 or "
+                     "more[/yellow]")
     table = Table(title=f"infer bench: {workload} workload, {repeats} round(s), arms interleaved",
-                  caption=f"median ±half the range over rounds, ×ratio to arm {first}'s median; n/a: the arm does "
-                          "not measure it\n" + "\n".join(arm.label for arm in result.arms),
-                  caption_justify="left")
+                  caption="\n".join(notes + [arm.label for arm in result.arms]), caption_justify="left")
     table.add_column("metric", no_wrap=True)
     for arm in result.arms:
         table.add_column(arm.key, justify="right", no_wrap=True)
     for metric in METRICS:
+        if all(summary[arm.key][metric.key].median is None for arm in result.arms):
+            continue  # the workload does not have it (a long prompt, say) or no arm measures it
         title = f"{metric.title} ({metric.unit})" if metric.unit == "ms" else metric.title
+        title += " ↑" if metric.higher_is_better else " ↓"
         cells = [format_cell(metric, summary[arm.key][metric.key], i == 0, repeats)
                  for i, arm in enumerate(result.arms)]
-        table.add_row(title, *cells)
+        table.add_row(title, *map(Text, cells))  # plain text: a "[low–high]" cell is not markup
     return table
 
 
 def render_table(result: BenchResult, console: Console) -> str:
     """Print the table and return it as plain text."""
     table = build_table(result)
-    width = 22 + 22 * len(result.arms)
+    width = 24 + 26 * len(result.arms)
     Console(width=max(console.width, width), file=console.file).print(table)
     recorder = Console(record=True, width=width, file=io.StringIO())
     recorder.print(table)
@@ -87,7 +101,8 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         arms.append({
             "key": arm.key, "text": arm.text, "label": arm.label, "kind": "hf" if arm.is_hf else "engine",
             **result.arm_info.get(arm.key, {}),
-            "summary": {key: {"median": agg.median, "spread": agg.spread, "ratio": agg.ratio, "values": agg.values}
+            "summary": {key: {"median": agg.median, "ratio": agg.ratio, "values": agg.values,
+                              "paired_ratios": agg.paired_ratios, "mixed_direction": agg.mixed_direction}
                         for key, agg in summary[arm.key].items()},
             "runs": [run.to_json() for run in result.runs[arm.key]],
         })

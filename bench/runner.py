@@ -177,6 +177,7 @@ class EngineArm:
             prefix_queries=kv_after.prefix_queries - kv_before.prefix_queries,
             prefix_hits=kv_after.prefix_hits - kv_before.prefix_hits,
             preemptions=engine.scheduler.num_preemptions - preempt_before,
+            evictions=kv_after.evictions - kv_before.evictions,
             spec_proposed=engine.stats.spec_proposed - spec_before[0],
             spec_accepted=engine.stats.spec_accepted - spec_before[1],
             speculative=engine.config.proposer is not None,

@@ -40,6 +40,14 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
     from .runner import EngineArm
 
     engine_specs = [s for s in specs if not s.is_hf]
+    if engine_specs:  # every arm's component names, before the first engine loads a model
+        plugins = PluginManager.from_entry_points()
+        for spec in engine_specs:
+            assert spec.args is not None
+            try:
+                spec.args.build(plugins)
+            except InferError as exc:
+                raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}") from None
     share_gpu_memory(engine_specs, len(specs) - len(engine_specs))
     built: dict[str, Arm] = {}
     for spec in engine_specs:
@@ -157,7 +165,9 @@ def run_rounds(arms: list[Arm], workloads: list[Workload], err: Any) -> dict[str
             for arm in arms:
                 progress.update(task, description=f"round {i + 1}/{len(workloads)} arm {arm.spec.key}")
                 try:
-                    runs[arm.spec.key].append(arm.run(workload, lambda: progress.advance(task)))
+                    result = arm.run(workload, lambda: progress.advance(task))
+                    result.long_session = workload.long_session
+                    runs[arm.spec.key].append(result)
                 except InferError as exc:
                     complete = {key: done[:i] for key, done in runs.items()}
                     raise RunError(f"arm {arm.spec.key} ({arm.spec.text!r}) failed in round {i + 1} of "

@@ -52,6 +52,7 @@ class EngineCounters:
     prefix_queries: int
     prefix_hits: int
     preemptions: int
+    evictions: int  # cached blocks the KV cache dropped to make room (prefix-cache pressure)
     spec_proposed: int
     spec_accepted: int
     speculative: bool  # a proposer is configured, so the acceptance rate applies
@@ -65,6 +66,7 @@ class RunResult:
     requests: list[RequestRecord]
     engine: EngineCounters | None = None  # None for the HF baseline
     notes: dict[str, Any] = field(default_factory=dict)
+    long_session: int | None = None  # long-prompt-arrival: the session of the long prompt (its TTFT is a metric)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -85,6 +87,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("output_tokens_per_s", "output tok/s", "", True),
     Metric("ttft_p50_ms", "TTFT p50", "ms", False),
     Metric("ttft_p99_ms", "TTFT p99", "ms", False),
+    Metric("long_ttft_ms", "long prompt TTFT", "ms", False),
     Metric("tpot_p50_ms", "TPOT p50", "ms", False),
     Metric("tpot_p99_ms", "TPOT p99", "ms", False),
     Metric("itl_p50_ms", "ITL p50", "ms", False),
@@ -96,6 +99,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("prefix_hit_rate", "prefix hit rate", "%", True),
     Metric("acceptance_rate", "acceptance rate", "%", True),
     Metric("preemptions", "preemptions", "count", False),
+    Metric("evictions", "KV evictions", "count", False),
 )
 
 
@@ -127,10 +131,12 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         out[f"{name}_p50_ms"] = _ms(percentile(values, 50))
         out[f"{name}_p99_ms"] = _ms(percentile(values, 99))
+    long = [r.ttft_s for r in reqs if r.session == run.long_session and r.ttft_s is not None]
+    out["long_ttft_ms"] = _ms(long[0]) if long else None
     eng = run.engine
     if eng is None:
         out.update(dict.fromkeys(("kv_peak_blocks", "kv_peak_usage", "prefix_hit_rate", "acceptance_rate",
-                                  "preemptions")))
+                                  "preemptions", "evictions")))
     else:
         out["kv_peak_blocks"] = float(eng.kv_peak_used_blocks)
         out["kv_peak_usage"] = eng.kv_peak_used_blocks / eng.kv_total_blocks if eng.kv_total_blocks else None
@@ -138,35 +144,54 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
         out["acceptance_rate"] = (eng.spec_accepted / eng.spec_proposed if eng.spec_proposed else 0.0) \
             if eng.speculative else None
         out["preemptions"] = float(eng.preemptions)
+        out["evictions"] = float(eng.evictions)
     return out
 
 
 @dataclass
 class Aggregate:
-    """One metric of one arm over its repeats: the median, the spread (half the min-max range) and the ratio to
-    the first arm's median."""
+    """One metric of one arm over its repeats: the values, their median, the ratio of that median to the first
+    arm's, and the paired ratios (each round's value over the first arm's in the same round: rounds interleave
+    the arms, so a pair shares the machine's state)."""
 
     values: list[float]
     median: float | None
-    spread: float | None
     ratio: float | None = None
+    paired_ratios: list[float] = field(default_factory=list)
+
+    @property
+    def low(self) -> float | None:
+        return min(self.values) if self.values else None
+
+    @property
+    def high(self) -> float | None:
+        return max(self.values) if self.values else None
+
+    @property
+    def mixed_direction(self) -> bool:
+        """The rounds disagree on which arm is ahead: some paired ratios are above 1, some below."""
+        return any(r > 1 for r in self.paired_ratios) and any(r < 1 for r in self.paired_ratios)
 
 
 def aggregate(values: list[float | None]) -> Aggregate:
     present = [v for v in values if v is not None]
     if not present:
-        return Aggregate([], None, None)
-    return Aggregate(present, statistics.median(present), (max(present) - min(present)) / 2)
+        return Aggregate([], None)
+    return Aggregate(present, statistics.median(present))
 
 
 def summarize(runs_by_arm: dict[str, list[RunResult]]) -> dict[str, dict[str, Aggregate]]:
     """arm -> metric -> Aggregate, with ratios against the first arm (in the given order)."""
-    table = {arm: {m.key: aggregate([run_metrics(r)[m.key] for r in runs]) for m in METRICS}
-             for arm, runs in runs_by_arm.items()}
-    first = next(iter(table.values()), {})
-    for metrics in table.values():
+    per_run = {arm: [run_metrics(r) for r in runs] for arm, runs in runs_by_arm.items()}
+    table = {arm: {m.key: aggregate([values[m.key] for values in runs]) for m in METRICS}
+             for arm, runs in per_run.items()}
+    first_key = next(iter(table), None)
+    for arm, metrics in table.items():
         for key, agg in metrics.items():
-            base = first[key].median if key in first else None
+            base = table[first_key][key].median if first_key is not None else None
             if agg.median is not None and base:
                 agg.ratio = agg.median / base
+            pairs = zip(per_run[arm], per_run[first_key]) if first_key is not None else ()
+            agg.paired_ratios = [own[key] / ref[key] for own, ref in pairs
+                                 if own[key] is not None and ref[key]]
     return table

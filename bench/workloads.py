@@ -58,6 +58,7 @@ class Workload:
     name: str
     round: int
     sessions: tuple[Session, ...]
+    long_session: int | None = None  # long-prompt-arrival: the index of the long prompt's session
 
     @property
     def num_requests(self) -> int:
@@ -223,7 +224,7 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
         decodes = [Session(0.0, (Turn(tokens(length(spec.input_len)), length(spec.output_len)),))
                    for _ in range(spec.num_requests)]
         long = Session(spec.long_delay_s, (Turn(tokens(spec.long_len), spec.output_len),))
-        return Workload(spec.name, round_index, tuple(decodes) + (long,))
+        return Workload(spec.name, round_index, tuple(decodes) + (long,), long_session=len(decodes))
     elif spec.name == "file":
         if entries is None:
             raise WorkloadError("the file workload needs its parsed entries (validate_spec)")

@@ -88,6 +88,7 @@ class EngineStats:
             "kv_blocks_used": kv.used_blocks if kv else 0,
             "kv_blocks_free": kv.free_blocks if kv else 0,
             "kv_blocks_cached": kv.cached_blocks if kv else 0,
+            "kv_evictions": kv.evictions if kv else 0,
             "kv_peak_used_blocks": self.kv_peak_used_blocks,
             "kv_waste_slots": self.kv_waste_slots,
             "kv_max_waste_per_seq": round(self.kv_max_waste_per_seq, 3),

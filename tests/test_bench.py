@@ -115,6 +115,26 @@ def test_metrics_of_one_run():
     assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
 
 
+def test_ratios_pair_the_rounds_and_star_a_direction_the_rounds_disagree_on():
+    from infer.bench.report import format_cell
+    from infer.bench.stats import METRICS, summarize
+
+    def runs(arm: str, durations: list[float]) -> list[RunResult]:  # one request of 10 tokens per run
+        return [RunResult(arm, i, d, [RequestRecord(0, 0, 0.0, 5, 10, [0.01 * t for t in range(10)], d)])
+                for i, d in enumerate(durations)]
+
+    summary = summarize({"A": runs("A", [1.0, 2.0, 4.0]), "B": runs("B", [0.5, 2.5, 2.0]),
+                         "C": runs("C", [0.5, 1.0, 2.0])})
+    tok_s = next(m for m in METRICS if m.key == "output_tokens_per_s")
+    b, c = summary["B"]["output_tokens_per_s"], summary["C"]["output_tokens_per_s"]
+    assert b.values == [20, 4, 5] and b.median == 5 and b.ratio == 5 / 5  # A's values: 10, 5, 2.5
+    assert b.paired_ratios == [2, 0.8, 2] and b.mixed_direction  # the rounds disagree
+    assert c.paired_ratios == [2, 2, 2] and not c.mixed_direction
+    assert format_cell(tok_s, b, False, 3) == "5.00 [4.00–20.0] ×1.00*"
+    assert format_cell(tok_s, c, False, 3) == "10.0 [5.00–20.0] ×2.00"
+    assert format_cell(tok_s, summary["A"]["output_tokens_per_s"], True, 3) == "5.00 [2.50–10.0]"
+
+
 # ---------------------------------------------------------------- bad input through the CLI
 @pytest.mark.parametrize(("args", "message"), [
     (["--repeats", "0"], "Invalid value for '--repeats': 0 is not in the range x>=1"),
@@ -181,7 +201,7 @@ def test_an_arm_failing_at_run_time_is_named_and_fails_the_command(tiny_model, t
 
 def test_an_unknown_component_in_an_arm_names_the_arm(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--ab", "--kv-cache paged", "--kv-cache nope")
-    assert result.exit_code == 2
+    assert result.exit_code == 2 and "building arm" not in result.output  # refused before any engine is built
     assert "arm B ('--kv-cache nope'): unknown kv cache 'nope'; registered kv caches: paged" in result.output
 
 
@@ -275,6 +295,23 @@ def test_every_run_starts_with_a_cold_prefix_cache(tiny_model, tmp_path):
         for run_ in arm["runs"]:
             assert run_["engine"]["prefix_queries"] == 120 and run_["engine"]["prefix_hits"] == 0
             assert run_["notes"]["cold_prefix_cache"] is True
+
+
+def test_evictions_and_the_long_prompts_ttft_are_reported(tiny_model, tmp_path):
+    """A pool too small for the run's prompts evicts cached blocks; long-prompt-arrival times its long prompt."""
+    out = tmp_path / "out"
+    result = run("--model", str(tiny_model), "--device", "cpu", "bench", "--workload", "long-prompt-arrival",
+                 "--num-requests", "6", "--input-len", "40", "--output-len", "4", "--len-sigma", "0", "--long-len",
+                 "120", "--long-delay", "0", "--ab", "--num-kv-blocks 10", "--repeats", "1", "--warmup-rounds", "0",
+                 "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "KV evictions" in result.output and "long prompt TTFT" in result.output
+    [arm] = json.loads((out / "results.json").read_text())["arms"]
+    [run_] = arm["runs"]
+    assert run_["metrics"]["evictions"] == run_["engine"]["evictions"] > 0
+    long_request = next(r for r in run_["requests"] if r["prompt_tokens"] == 120)
+    ttft_ms = 1000 * (long_request["token_times_s"][0] - long_request["arrival_s"])
+    assert run_["metrics"]["long_ttft_ms"] == pytest.approx(ttft_ms)
 
 
 def test_the_literal_acceptance_command_within_three_minutes(tiny_model, tmp_path):
