@@ -60,7 +60,31 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                       "[default: 0, never]."),
     click.option("--spec-max-batch-size", type=int, default=None, metavar="B",
                  help="Turn speculation off in steps that run more than B sequences [default: 0, no limit]."),
+    click.option("--plugin-option", "plugin_option", multiple=True, metavar="NAMESPACE.KEY=VALUE",
+                 callback=lambda ctx, param, value: parse_plugin_options(value),
+                 help="Set EngineConfig.plugin_options[NAMESPACE][KEY], an option of one plugin (repeatable); "
+                      "VALUE is read as JSON when it parses (8, true, \"x\"), else as text. E.g. "
+                      "--plugin-option awq.fused_max_rows=32."),
 ]
+
+
+def parse_plugin_options(items: tuple[str, ...]) -> dict[str, Any]:
+    """``("ns.key=value", ...)`` -> ``{"plugin_options.ns.key": value}``. Raises click.BadParameter."""
+    import json
+
+    parsed: dict[str, Any] = {}
+    for item in items:
+        target, sep, text = item.partition("=")
+        namespace, dot, key = target.partition(".")
+        if not (sep and dot and namespace and key) or "." in key:
+            raise click.BadParameter(f"{item!r} is not NAMESPACE.KEY=VALUE (e.g. awq.fused_max_rows=32)",
+                                     param_hint="'--plugin-option'")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        parsed[f"plugin_options.{namespace}.{key}"] = value
+    return parsed
 
 FIELD_OF_OPTION = {
     "model": "model", "scheduler": "scheduler", "kv_cache": "kv_cache", "attention": "attention", "quant": "quant",
@@ -96,6 +120,7 @@ class EngineArgs:
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineArgs:
         values = {FIELD_OF_OPTION[k]: v for k, v in kwargs.items() if k in FIELD_OF_OPTION and v is not None}
+        values.update(kwargs.get("plugin_option") or {})
         return cls(values, list(kwargs.get("plugins") or ()), bool(kwargs.get("no_prefix_caching")),
                    bool(kwargs.get("no_cuda_graphs")))
 

@@ -164,6 +164,21 @@ def test_an_explicit_component_option_wins_over_plugin(infer_plugins, option, pl
     assert getattr(EngineArgs.from_kwargs({"plugins": [plugin]}).build(infer_plugins), option) == plugin
 
 
+def test_plugin_options_reach_the_config_and_bench_arms_merge_them(infer_plugins):
+    from infer.bench.arms import parse_arms
+    from infer.cli.options import EngineArgs, parse_plugin_options
+
+    assert parse_plugin_options(("awq.fused_max_rows=8", "fp8.backend=emulate", "x.flag=true", 'x.s="7"')) == {
+        "plugin_options.awq.fused_max_rows": 8, "plugin_options.fp8.backend": "emulate",
+        "plugin_options.x.flag": True, "plugin_options.x.s": "7"}
+    base = EngineArgs.from_kwargs({"plugin_option": parse_plugin_options(("awq.fused_max_rows=8", "awq.k=1"))})
+    a, b = parse_arms(["", "--plugin-option awq.fused_max_rows=64"], base)
+    assert a.args.build(infer_plugins).plugin_options == {"awq": {"fused_max_rows": 8, "k": 1}}
+    assert b.args.build(infer_plugins).plugin_options == {"awq": {"fused_max_rows": 64, "k": 1}}
+    result = run("--plugin-option", "awq-fused_max_rows=8", "generate", "hi")
+    assert result.exit_code == 2 and "'awq-fused_max_rows=8' is not NAMESPACE.KEY=VALUE" in result.output
+
+
 def test_a_plugin_command_cannot_shadow_a_builtin(tmp_path, monkeypatch):
     (tmp_path / "shadowing_plugin.py").write_text(
         "import click\nfrom infer import hookimpl\n\n\n@hookimpl\ndef register_commands(register):\n"
