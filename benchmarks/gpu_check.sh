@@ -68,9 +68,9 @@ for line in open('$WORK/kernel_bench.jsonl'):
   note "copy bandwidth: ${copy_gbps:-4120} GB/s"
 fi
 
-if want anchor; then  # infer on the anchor workload (and without async output), then single stream; no HF
+if want anchor; then  # infer on the anchor workload (and with async scheduling), then single stream; no HF
   stage "anchor (infer)" anchor.log 200 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
-    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--no-async-output --skip-hf
+    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--async-scheduling --skip-hf
 fi
 
 if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x)

@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--infer-options", default="", help="extra group options for the infer arm")
     parser.add_argument("--extra-arm", action="append", default=[], metavar="OPTIONS",
                         help="another infer arm on the anchor workload: the infer arm's options plus these "
-                             "(repeatable; arms take turns in one `infer bench --ab` run); write --extra-arm=--no-async-output")
+                             "(repeatable; arms take turns in one `infer bench --ab` run); write --extra-arm=--async-scheduling")
     parser.add_argument("--copy-gbps", type=float, default=4120.0, help="measured copy bandwidth, read+write")
     parser.add_argument("--build-only", action="store_true", help="build (or find) the model folder, print it, stop")
     args = parser.parse_args()

@@ -46,6 +46,10 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--async-output/--no-async-output", default=None,
                  help="Build a step's outputs (detokenization, stop strings) during the next step's forward pass, "
                       "one step later [default: on with CUDA]."),
+    click.option("--async-scheduling/--no-async-scheduling", default=None,
+                 help="Schedule and launch each step before reading the previous step's tokens back, so the device "
+                      "never waits for the host between decode steps (implies --async-output; not with "
+                      "speculative decoding) [default: off]."),
     click.option("--freeze-gc/--no-freeze-gc", default=None,
                  help="After start-up, freeze the Python heap out of the garbage collector's scans, so that no full "
                       "collection stalls a step [default: on for serve, off elsewhere]."),
@@ -93,6 +97,7 @@ FIELD_OF_OPTION = {
     "block_size": "block_size", "num_kv_blocks": "num_kv_blocks", "kv_cache_memory_gb": "kv_cache_memory_gb",
     "kv_cache_dtype": "kv_cache_dtype",
     "seed": "seed", "cpu_threads": "cpu_threads", "fused_ops": "fused_ops", "async_output": "async_output",
+    "async_scheduling": "async_scheduling",
     "freeze_gc": "freeze_gc",
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",

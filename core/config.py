@@ -52,6 +52,10 @@ class EngineConfig:
     # Outputs of step N are built (detokenized, stop strings) in step N + 1 while the device runs its forward pass;
     # None: on when the model runs on CUDA (on a CPU nothing runs meanwhile, so it would only delay outputs)
     async_output: bool | None = None
+    # Schedule and launch step N + 1 before reading step N's sampled tokens back: the device runs step N + 1 while
+    # the host reads step N's tokens, checks stops and builds outputs (implies async output). A sequence that
+    # stopped on a token of step N has run step N + 1 for nothing. Off by default: not yet measured on a GPU.
+    async_scheduling: bool = False
     # At the end of start-up, gc.collect() then gc.freeze(): the startup heap (modules, model, tokenizer, graphs)
     # leaves the collector's scans, so no full collection stalls a step (process-wide; vLLM and SGLang do the same).
     # Off by default: an engine frozen into the heap is never collected if it sits in a reference cycle, so a
@@ -98,6 +102,9 @@ class EngineConfig:
         if self.plugin_options.get("spec_decode") and self.proposer is None:
             flags = ", ".join(f"--spec-{name.replace('_', '-')}" for name in sorted(self.plugin_options["spec_decode"]))
             raise ConfigError(f"{flags} need a proposer: add --proposer draft-model or --proposer ngram")
+        if self.async_scheduling and self.proposer is not None:
+            raise ConfigError("--async-scheduling does not combine with speculative decoding yet (a draft round reads "
+                              "the verified tokens back every step); drop one of them")
         if self.proposer is not None and self.num_speculative_tokens == 0:
             raise ConfigError(f"proposer {self.proposer!r} needs --num-speculative-tokens K with K >= 1")
         return self

@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -21,7 +22,8 @@ from .metrics import EngineStats, StepStats
 from .outputs import RequestState, append_output, build_output
 from .plugins import PluginManager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
-from .runner import Batch, ModelRunner
+from .runner import PENDING_TOKEN, Batch, ModelRunner, PendingInputs
+from .sampling import PendingSample
 
 if TYPE_CHECKING:
     from ..spec_decode.decoder import SpecDecoder
@@ -84,6 +86,7 @@ class Engine:
         self.async_output = config.async_output if config.async_output is not None else \
             self.loaded.device.type == "cuda"
         self.unemitted: list[Sequence] = []  # async output: advanced in the last step, outputs not built yet
+        self.in_flight: InFlight | None = None  # async scheduling: the last step's tokens, not read back yet
         self.awaiting_fork: set[str] = set()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.spec: SpecDecoder | None = None
@@ -231,6 +234,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             raise NotFoundError(f"unknown request id {request_id!r} (it may have finished already)")
+        self.unemitted += self._settle()  # async scheduling: its last tokens are in flight
         pending = {seq.seq_id for seq in self.unemitted if seq.request_id == request_id}
         self.unemitted = [seq for seq in self.unemitted if seq.request_id != request_id]
         early = self._emit(req, pending) if pending else None  # async output: stop strings come first
@@ -248,19 +252,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced (with
         async output: that advanced in the previous step, their outputs built while this step's forward ran)."""
-        start = time.perf_counter()
+        if self.config.async_scheduling and not self.awaiting_fork:
+            return self._step_ahead()
         self.steps_taken += 1
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            if not self.unemitted and self.scheduler.has_unfinished():
-                raise PluginError(f"scheduler {self.config.scheduler!r} scheduled nothing while "
-                                  f"{self.scheduler.num_waiting()} sequence(s) wait and "
-                                  f"{self.scheduler.num_running()} run: the engine would never finish them (a "
-                                  "scheduler must schedule work whenever any waits or runs); fix the plugin")
+        if self.in_flight is not None:  # an n > 1 request forks from a read-back token: settle the step in flight
+            self.unemitted += self._settle()
             return self._emit_unemitted()
-        if len(out.scheduled) > self.config.max_num_seqs:  # what CUDA graphs and buffers are sized for
-            raise PluginError(f"scheduler {self.config.scheduler!r} scheduled {len(out.scheduled)} sequences, over "
-                              f"max_num_seqs={self.config.max_num_seqs}; fix the plugin")
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not self._check_schedule(out):
+            return self._emit_unemitted()
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
         scheduled = time.perf_counter()
@@ -278,11 +279,71 @@ class Engine:
         if self.async_output:
             self.unemitted = advanced
         else:
-            outputs = self._emit_progress(advanced)  # may finish sequences too (stop strings)
+            outputs += self._emit_progress(advanced)  # may finish sequences too (stop strings)
         if self.spec is not None:
             self.spec.release_finished(advanced)
         self._record_step(out, (start, scheduled, executed, emitted, now))
         return outputs
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Async scheduling: schedule and launch this step, with the tokens of the step still in flight as PENDING
+        placeholders that the device fills; then read that step's tokens back (the device is busy with this one),
+        check their stops and build their outputs; then sample this step on the device and move on."""
+        start = time.perf_counter()
+        self.steps_taken += 1
+        out = self.scheduler.schedule()
+        if not self._check_schedule(out):
+            self.unemitted += self._settle()
+            return self._emit_unemitted()
+        scheduled = time.perf_counter()
+        flight = self.in_flight
+        batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None)
+        executed = time.perf_counter()
+        self.unemitted += self._settle()
+        outputs = self._emit_unemitted()  # may finish sequences (stop strings): their rows of this step are void
+        emitted = time.perf_counter()
+        items = {item.seq.seq_id: item.seq for item in out.scheduled}
+        rows = [i for i, sid in enumerate(batch.sample_seq_ids) if not items[sid].is_finished]
+        seqs = [items[batch.sample_seq_ids[i]] for i in rows]
+        if seqs:
+            sample = self.runner.sample_pending(logits if len(rows) == len(logits) else logits[rows], seqs)
+            self.in_flight = InFlight(sample, seqs, [seq.num_tokens for seq in seqs])
+        now = time.perf_counter()
+        self.scheduler.update(out, {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
+        self._record_step(out, (start, scheduled, executed, emitted, now))
+        return outputs
+
+    def _settle(self) -> list[Sequence]:
+        """Read the tokens in flight back into their sequences' PENDING places; stop the sequences whose token
+        stops them. Returns those sequences (their outputs are due)."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return []
+        result = flight.sample.result()
+        for seq, index, token, entry in zip(flight.seqs, flight.indices, result.token_ids, result.logprobs):
+            seq.token_ids[index] = token
+            if entry is not None:
+                seq.logprobs.append(entry)
+            if seq.stop_reason(token, index + 1) is FinishReason.STOP:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                elif seq.finish_reason is FinishReason.LENGTH:  # its last allowed token is a stop token
+                    seq.finish_reason = FinishReason.STOP
+        return flight.seqs
+
+    def _check_schedule(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` has work; PluginError for a scheduler that broke its contract."""
+        if not out.scheduled:
+            if self.in_flight is None and not self.unemitted and self.scheduler.has_unfinished():
+                raise PluginError(f"scheduler {self.config.scheduler!r} scheduled nothing while "
+                                  f"{self.scheduler.num_waiting()} sequence(s) wait and "
+                                  f"{self.scheduler.num_running()} run: the engine would never finish them (a "
+                                  "scheduler must schedule work whenever any waits or runs); fix the plugin")
+            return False
+        if len(out.scheduled) > self.config.max_num_seqs:  # what CUDA graphs and buffers are sized for
+            raise PluginError(f"scheduler {self.config.scheduler!r} scheduled {len(out.scheduled)} sequences, over "
+                              f"max_num_seqs={self.config.max_num_seqs}; fix the plugin")
+        return True
 
     def _emit_unemitted(self) -> list[RequestOutput]:
         seqs, self.unemitted = self.unemitted, []
@@ -464,6 +525,19 @@ class Engine:
             for rid in results:
                 if rid in self.requests:
                     self.abort(rid)
+
+@dataclass
+class InFlight:
+    """Async scheduling: a step's sampled tokens on their way back, and where each goes."""
+
+    sample: PendingSample
+    seqs: list[Sequence]  # one per sampled row
+    indices: list[int]  # each sequence's PENDING_TOKEN position in its token_ids
+
+    @property
+    def inputs(self) -> PendingInputs:
+        return PendingInputs(self.sample.device_tokens, {seq.seq_id: row for row, seq in enumerate(self.seqs)})
+
 
 class LLM:
     """Offline API: ``LLM(model=DIR, **options).generate(prompts, SamplingParams(...))``."""

@@ -184,6 +184,9 @@ class Scheduler(ABC):
     def update(self, output: SchedulerOutput, sampled: dict[int, list[int]], now: float) -> list[Sequence]:
         """Apply a step: advance computed tokens, append ``sampled[seq_id]``, stop checks; return finished ones.
 
+        With async scheduling a sampled token may be ``PENDING_TOKEN`` (-1, core/runner.py): append it like any
+        other; the engine writes the real id in place before the next update and applies its stop check itself.
+
         Finished sequences have released their KV blocks.
         """
 

@@ -10,12 +10,36 @@ import torch
 from .errors import PluginError
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, SchedulerOutput
 from .model import Model
-from .request import Sequence
-from .sampling import Sampler, SampleResult
+from .request import SamplingParams, Sequence
+from .sampling import PendingSample, Sampler, SampleResult
 from .staging import Uploader
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
+
+
+PENDING_TOKEN = -1  # async scheduling: a sampled token not read back yet, in Sequence.token_ids
+
+
+@dataclass
+class PendingInputs:
+    """The previous step's sampled tokens, on the device, for sequences whose last token is still PENDING_TOKEN."""
+
+    tokens: torch.Tensor  # [rows] device token ids
+    row_of: dict[int, int]  # seq_id -> row in ``tokens``
+
+    def locate(self, out: SchedulerOutput, query_start: list[int], tokens: list[int]) -> tuple[list[int], list[int]]:
+        """(batch positions holding PENDING_TOKEN, the rows of ``tokens`` that fill them)."""
+        at, source = [], []
+        for item, first in zip(out.scheduled, query_start):
+            seq, row = item.seq, self.row_of.get(item.seq.seq_id)
+            start, last = seq.num_computed_tokens, seq.num_tokens - 1
+            if row is not None and start <= last < start + item.num_new_tokens and seq.token_ids[last] == PENDING_TOKEN:
+                at.append(first + last - start)
+                source.append(row)
+        if at and tokens.count(PENDING_TOKEN) != len(at):  # only a sequence's last token is ever pending
+            raise AssertionError("a pending token outside the last position of its sequence")
+        return at, source
 
 
 @dataclass
@@ -65,7 +89,9 @@ class ModelRunner:
         spec = model.spec
         return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
 
-    def prepare(self, out: SchedulerOutput, kv: KVCache) -> Batch:
+    def prepare(self, out: SchedulerOutput, kv: KVCache, pending: PendingInputs | None = None) -> Batch:
+        """The batch tensors of ``out``. With ``pending``, a sequence's last token may be PENDING_TOKEN: its id is
+        taken on the device from the previous step's sampled tokens (async scheduling)."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -115,13 +141,18 @@ class ModelRunner:
             flat[start : start + len(table)] = table if type(table) is array.array and table.typecode == "i" \
                 else array.array("i", table)
         query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
+        fill_at, fill_from = pending.locate(out, query_start, tokens) if pending is not None else ([], [])
         # one transfer: array.array + one copy, where torch.tensor(list) converts element by element (3-4x slower)
-        input_ids, positions_t, slot_mapping, rows, block_tables, query_start_t, context_lens_t = \
+        input_ids, positions_t, slot_mapping, rows, block_tables, query_start_t, context_lens_t, at, source = \
             self.uploader.upload([(array.array("q", tokens), torch.int64), (array.array("q", positions), torch.int64),
                                   (array.array("q", slots), torch.int64),
                                   (array.array("q", sample_rows + draft_rows), torch.int64),
                                   (array.array("i", flat), torch.int32), (array.array("i", query_start), torch.int32),
-                                  (array.array("i", context_lens), torch.int32)])
+                                  (array.array("i", context_lens), torch.int32), (array.array("q", fill_at), torch.int64),
+                                  (array.array("q", fill_from), torch.int64)])
+        if fill_at:
+            assert pending is not None
+            input_ids[at] = pending.tokens[source]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables.view(len(tables), width),
@@ -157,13 +188,13 @@ class ModelRunner:
                 v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCache, input_ids: torch.Tensor | None = None
-                ) -> tuple[Batch, torch.Tensor]:
+    def execute(self, out: SchedulerOutput, kv: KVCache, input_ids: torch.Tensor | None = None,
+                pending: PendingInputs | None = None) -> tuple[Batch, torch.Tensor]:
         """Run the forward pass; return the batch and the float32 logits of its sampling rows. ``input_ids``, a
         device tensor with one id per batch token, replaces the ids in the sequences' ``token_ids`` (a draft step
-        feeds the previous step's tokens without reading them back)."""
+        feeds the previous step's tokens without reading them back); ``pending`` fills PENDING_TOKEN ids."""
         self.apply_block_ops(out.block_ops)
-        batch = self.prepare(out, kv)
+        batch = self.prepare(out, kv, pending)
         if input_ids is not None:
             batch.input_ids = input_ids
         if self.graphs is not None and self.graphs.fits(batch.meta, batch.input_ids.shape[0]):
@@ -184,9 +215,16 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences)."""
+        return self.sampler(logits, *self._sampling_args(seqs))
+
+    def sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """``sample`` without waiting for the device (async scheduling reads the tokens a step later)."""
+        return self.sampler.sample_pending(logits, *self._sampling_args(seqs))
+
+    def _sampling_args(self, seqs: list[Sequence]) -> tuple[list[SamplingParams], list[torch.Generator | None]]:
         params = [s.params for s in seqs]
         generators = [None] * len(seqs) if all(p.greedy for p in params) else [  # greedy rows draw nothing
             None if s.params.seed is None else self.sampler.generator_for(s.seq_id, s.params.seed, s.index)
             for s in seqs
         ]
-        return self.sampler(logits, params, generators)
+        return params, generators

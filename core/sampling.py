@@ -36,6 +36,30 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SampleResult:
         """logits [N, V] float32; ``generators[i]`` is None for unseeded rows."""
+        tokens = self.sample_tokens(logits, params, generators)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, self.logprobs(logits, params, token_list))
+
+    def sample_pending(self, logits: torch.Tensor, params: list[SamplingParams],
+                       generators: list[torch.Generator | None]) -> PendingSample:
+        """Like ``__call__``, but nothing waits for the device: the tokens (and logprobs) are computed and copied to
+        host memory in stream order, and ``PendingSample.result()`` reads them later. ``logits`` may be reused
+        (a CUDA graph's output buffer) as soon as this returns."""
+        tokens = self.sample_tokens(logits, params, generators)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        top: tuple[torch.Tensor, ...] = ()
+        if rows:
+            logp = logits[rows].log_softmax(dim=-1)
+            width = max(params[i].logprobs or 0 for i in rows)
+            top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
+            chosen = logp.gather(1, tokens[rows][:, None])[:, 0]
+            top = (top_values, top_ids, chosen)
+        return PendingSample(tokens, *_to_host((tokens, *top)), rows=rows,
+                             widths=[params[i].logprobs or 0 for i in rows], size=len(params))
+
+    def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
+                      generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token id per row, on the logits' device."""
         greedy = logits.argmax(dim=-1)
         tokens = greedy
         if not all(p.greedy for p in params):
@@ -52,8 +76,7 @@ class Sampler:
             sampled = (probs / noise).argmax(dim=-1)
             is_greedy = to_device([p.greedy for p in params], logits.device)
             tokens = torch.where(is_greedy, greedy, sampled)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, self.logprobs(logits, params, token_list))
+        return tokens
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -95,6 +118,44 @@ class Sampler:
             entry[tokens[i]] = chosen[j, 0].item()
             result[i] = entry
         return result
+
+
+@dataclass
+class PendingSample:
+    """Sampled tokens (and logprobs) on their way to host memory; ``result()`` waits for them, and for nothing
+    the device was given after them."""
+
+    device_tokens: torch.Tensor  # [rows] on the device: the next step reads its input ids from here
+    host: list[torch.Tensor]  # tokens, then (top values, top ids, chosen logprob) when rows asked for logprobs
+    copied: torch.cuda.Event | None  # recorded after the copies (None: CPU tensors, ready now)
+    rows: list[int]  # the rows that asked for logprobs, and how many top entries each
+    widths: list[int]
+    size: int
+
+    def result(self) -> SampleResult:
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_list = self.host[0].tolist()
+        logprobs: list[dict[int, float] | None] = [None] * self.size
+        if self.rows:
+            top_values, top_ids, chosen = (t.tolist() for t in self.host[1:])
+            for j, (i, n) in enumerate(zip(self.rows, self.widths)):
+                entry = dict(zip(top_ids[j][:n], top_values[j][:n]))
+                entry[token_list[i]] = chosen[j]
+                logprobs[i] = entry
+        return SampleResult(token_list, logprobs)
+
+
+def _to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Copies in pinned host memory, queued behind the work that computes them, and the event that marks them."""
+    if tensors[0].device.type != "cuda":
+        return list(tensors), None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for dst, src in zip(host, tensors):
+        dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return host, event
 
 
 def to_device(values: list, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Async output (outputs built during the next step's forward pass) gives exactly the synchronous outputs: tokens,
-text, stop strings, finish reasons, logprobs, n > 1, streaming, aborts, speculative decoding; and frees every block."""
+text, stop strings, finish reasons, logprobs, n > 1, streaming, aborts, speculative decoding; and frees every block.
+So does async scheduling (each step launched before the previous step's tokens are read back)."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,8 @@ def engine(**options) -> Engine:
 
 def drained(e: Engine) -> bool:
     s = e.kv.stats()
-    return s.used_blocks == 0 and s.free_blocks + s.cached_blocks == s.total_blocks and not e.unemitted
+    return s.used_blocks == 0 and s.free_blocks + s.cached_blocks == s.total_blocks and not e.unemitted \
+        and e.in_flight is None
 
 
 def completions(outputs) -> list:
@@ -60,6 +62,64 @@ def test_async_outputs_equal_sync_outputs(stops, options):
     expected = completions(expected)
     assert any(c[2] is FinishReason.STOP and c[1] for request in expected for c in request)  # a stop string cut
     assert drained(sync) and drained(asynchronous)
+
+
+@pytest.mark.parametrize("options", [{}, {"scheduler": "chunked-prefill", "max_num_batched_tokens": 16},
+                                     {"preemption_mode": "recompute", "num_kv_blocks": 6, "max_num_seqs": 4}],
+                         ids=["plain", "chunked", "preempting"])
+def test_async_scheduling_outputs_equal_sync_outputs(stops, options):
+    """Greedy, seeded and logprob requests, stop strings, an n = 3 request (it forks from a read-back token, so
+    the engine settles the step in flight first) and preemption (a sequence whose last token is still in flight)."""
+    options = {"num_kv_blocks": 160, **options}
+    sync = Engine(EngineConfig(model=str(PRETRAINED_DIR / "target"), device="cpu", async_output=False, **options))
+    ahead = Engine(EngineConfig(model=str(PRETRAINED_DIR / "target"), device="cpu", async_scheduling=True,
+                                **options))
+    expected, actual = sync.generate(PROMPTS, params(stops)), ahead.generate(PROMPTS, params(stops))
+    assert completions(actual) == completions(expected)
+    assert [t for t, _ in logprobs(actual)] == [t for t, _ in logprobs(expected)]
+    assert [v for _, v in logprobs(actual)] == pytest.approx([v for _, v in logprobs(expected)], abs=1e-5)
+    assert drained(sync) and drained(ahead)
+    if options.get("num_kv_blocks") == 6:
+        assert ahead.stats.preemptions > 0
+
+
+def test_async_scheduling_stops_on_a_stop_token_read_back_a_step_late():
+    """A stop token id is only known once read back: the sequence finishes then (STOP, also when it was the last
+    token max_tokens allowed, which the step before had already finished as LENGTH)."""
+    reference = engine().generate(PROMPTS[:1], SamplingParams(max_tokens=30, temperature=0.0))[0].outputs[0].token_ids
+    k = next(i for i, t in enumerate(reference) if i >= 3 and t not in reference[:i])  # first use at index k
+    cases = [SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[reference[k]]),
+             SamplingParams(max_tokens=k + 1, temperature=0.0, stop_token_ids=[reference[k]])]
+    for sp in cases:
+        [expected] = engine(async_output=False).generate(PROMPTS[:1], sp)
+        e = engine(async_scheduling=True)
+        [actual] = e.generate(PROMPTS[:1], sp)
+        assert completions([actual]) == completions([expected])
+        assert expected.outputs[0].token_ids == reference[: k + 1]
+        assert expected.outputs[0].finish_reason is FinishReason.STOP and drained(e)
+
+
+def test_async_scheduling_abort_with_a_step_in_flight():
+    e = engine(async_scheduling=True)
+    ids = [e.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS[:3]]
+    tokens = []
+    for _ in range(4):
+        tokens += [t for out in e.step() if out.request_id == ids[0] for t in out.outputs[0].token_ids]
+    assert e.in_flight is not None  # the last step's tokens are not read back yet
+    final = e.abort(ids[0])  # they come in the abort's output
+    tokens += final.outputs[0].token_ids
+    reference = engine().generate(PROMPTS[:1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    assert final.finished and tokens == reference[0].outputs[0].token_ids[: len(tokens)] and len(tokens) == 4
+    while e.has_unfinished():
+        e.step()
+    assert drained(e)
+
+
+def test_async_scheduling_refuses_speculative_decoding():
+    from infer.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--async-scheduling does not combine with speculative decoding"):
+        engine(async_scheduling=True, proposer="ngram", num_speculative_tokens=2)
 
 
 def test_async_stream_deltas_arrive_one_step_later_and_add_up(stops):

@@ -341,15 +341,15 @@ def bench_script(*args: str, timeout: float = 240) -> str:
 def test_throughput_script_reports_infer_before_and_without_hf(tmp_path):
     """The smoke preset end to end without HF: the table and the summary file hold infer's figures."""
     out = bench_script("throughput.py", "--preset", "smoke", "--skip-hf", "--out", str(tmp_path / "out"),
-                       "--model-dir", str(tmp_path / "model"), "--extra-arm=--no-async-output")
+                       "--model-dir", str(tmp_path / "model"), "--extra-arm=--async-scheduling")
     summary = json.loads((tmp_path / "out" / "anchor_summary.json").read_text())
     requests = [json.loads(line) for line in (tmp_path / "out" / "anchor.jsonl").read_text().splitlines()]
     prompt_tokens, output_tokens = sum(len(r["prompt"]) for r in requests), sum(r["max_tokens"] for r in requests)
     assert (summary["prompt_tokens"], summary["output_tokens"]) == (prompt_tokens, output_tokens)  # the file it ran
     assert summary["anchor_infer_tps"] > 0 and summary["single_infer_tps"] > 0
-    assert list(summary["extra_arms_tps"]) == ["--no-async-output"]
+    assert list(summary["extra_arms_tps"]) == ["--async-scheduling"]
     table = out[out.rindex(f"smoke: {prompt_tokens} prompt / {output_tokens} output tokens"):].splitlines()
-    assert [line.split("  ")[0] for line in table[2:]] == ["infer", "infer --no-async-output", "infer single stream"]
+    assert [line.split("  ")[0] for line in table[2:]] == ["infer", "infer --async-scheduling", "infer single stream"]
     assert not (tmp_path / "model.partial").exists() and list((tmp_path / "model").glob("*.safetensors"))
 
 

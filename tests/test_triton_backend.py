@@ -95,10 +95,13 @@ def test_engine_greedy_with_triton_equals_torch_backend(name: str, checkpoint, d
     assert outputs["triton"] == outputs["torch"]
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["decode", "verify"])
-def test_padded_graph_batches_give_the_plain_tokens(checkpoint, device: torch.device, speculative: bool) -> None:
+@pytest.mark.parametrize(("speculative", "async_scheduling"), [(False, False), (True, False), (False, True)],
+                         ids=["decode", "verify", "decode-async-scheduling"])
+def test_padded_graph_batches_give_the_plain_tokens(checkpoint, device: torch.device, speculative: bool,
+                                                    async_scheduling: bool) -> None:
     """Decode graphs (q = 1) and verification graphs (q = K + 1) over padded static inputs: 3 sequences run in
-    graphs of 4. On the CPU the padded forward runs uncaptured (``eager``), which checks the padding itself."""
+    graphs of 4. On the CPU the padded forward runs uncaptured (``eager``), which checks the padding itself. With
+    async scheduling, the graphs' input ids come from the previous step's tokens on the device."""
     from infer.core.engine import Engine
     from infer.core.request import SamplingParams
     from infer.models.tiny import PRETRAINED_DIR
@@ -110,7 +113,7 @@ def test_padded_graph_batches_give_the_plain_tokens(checkpoint, device: torch.de
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = [[5 + i, 9, 11 * i % 900 + 3] * (i + 3) for i in range(3)]
     plain = Engine(EngineConfig(**options))
-    graphed = Engine(EngineConfig(**options))
+    graphed = Engine(EngineConfig(**options, async_scheduling=async_scheduling))
     graphed.runner.enable_cuda_graphs(4, {4: 4} if speculative else None, eager=device.type == "cpu")
     draft_fits: list[bool] = []
     if speculative:  # the draft's one-token steps and its two-token first step of each later round
