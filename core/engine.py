@@ -23,7 +23,7 @@ from .outputs import RequestState, append_output, build_output
 from .plugins import PluginManager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .runner import PENDING_TOKEN, Batch, ModelRunner, PendingInputs
-from .sampling import PendingSample
+from .sampling import PendingSample, to_device
 
 if TYPE_CHECKING:
     from ..spec_decode.decoder import SpecDecoder
@@ -306,7 +306,8 @@ class Engine:
         rows = [i for i, sid in enumerate(batch.sample_seq_ids) if not items[sid].is_finished]
         seqs = [items[batch.sample_seq_ids[i]] for i in rows]
         if seqs:
-            sample = self.runner.sample_pending(logits if len(rows) == len(logits) else logits[rows], seqs)
+            kept = logits if len(rows) == len(logits) else logits[to_device(rows, logits.device)]  # no host wait
+            sample = self.runner.sample_pending(kept, seqs)
             self.in_flight = InFlight(sample, seqs, [seq.num_tokens for seq in seqs])
         now = time.perf_counter()
         self.scheduler.update(out, {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)

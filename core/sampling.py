@@ -49,10 +49,11 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         top: tuple[torch.Tensor, ...] = ()
         if rows:
-            logp = logits[rows].log_softmax(dim=-1)
+            index = to_device(rows, logits.device)  # a list index would copy synchronously, waiting for the device
+            logp = logits[index].log_softmax(dim=-1)
             width = max(params[i].logprobs or 0 for i in rows)
             top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
-            chosen = logp.gather(1, tokens[rows][:, None])[:, 0]
+            chosen = logp.gather(1, tokens[index][:, None])[:, 0]
             top = (top_values, top_ids, chosen)
         return PendingSample(tokens, *_to_host((tokens, *top)), rows=rows,
                              widths=[params[i].logprobs or 0 for i in rows], size=len(params))
@@ -68,7 +69,7 @@ class Sampler:
             noise = torch.empty_like(probs)
             unseeded = [i for i, g in enumerate(generators) if g is None]
             if unseeded:
-                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                noise[to_device(unseeded, probs.device)] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
                     generator=self.generator)
             for i, gen in enumerate(generators):
                 if gen is not None:
