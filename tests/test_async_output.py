@@ -122,20 +122,23 @@ def test_async_scheduling_refuses_speculative_decoding():
         engine(async_scheduling=True, proposer="ngram", num_speculative_tokens=2)
 
 
-def test_async_stream_deltas_arrive_one_step_later_and_add_up(stops):
-    e = engine(async_output=True)
-    e.add_request(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), request_id="bg")
-    steps, text, tokens = 0, "", []
-    for delta in e.stream(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, stop=stops)):
-        steps += 1
-        text += delta.outputs[0].text if delta.outputs else ""
-        tokens += delta.outputs[0].token_ids if delta.outputs else []
-    reference = engine(async_output=False).generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0,
-                                                                                  stop=stops))[0].outputs[0]
-    assert (tokens, text) == (reference.token_ids, reference.text)
-    while e.has_unfinished():
-        assert e.step() or e.unemitted == []  # the last deltas come out of a step that schedules nothing
-    assert drained(e)
+@pytest.mark.parametrize("mode", ["async_output", "async_scheduling"])
+def test_async_stream_deltas_arrive_one_step_later_and_add_up(stops, mode):
+    arrivals = {}  # per mode: the step at which each output token reached the stream
+    texts = {}
+    for options in ({"async_output": False}, {mode: True}):
+        e = engine(**options)
+        e.add_request(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), request_id="bg")
+        steps, text = [], ""
+        for delta in e.stream(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, stop=stops)):
+            text += delta.outputs[0].text if delta.outputs else ""
+            steps += [e.steps_taken] * len(delta.outputs[0].token_ids if delta.outputs else [])
+        while e.has_unfinished():
+            assert e.step() or e.unemitted == []  # the last deltas come out of a step that schedules nothing
+        assert drained(e)
+        arrivals[len(arrivals)], texts[len(texts)] = steps, text
+    assert texts[1] == texts[0] and len(arrivals[1]) == len(arrivals[0]) > 3
+    assert arrivals[1] == [step + 1 for step in arrivals[0]]  # every token, one step later
 
 
 def test_async_abort_while_outputs_are_pending_frees_everything():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import subprocess
@@ -122,10 +123,13 @@ def test_fresh_install_generates_with_the_embedded_default():
     assert proc.stdout.startswith("hello") and "demo model" in proc.stderr
 
 
-def test_the_design_card_example_runs_on_the_embedded_default():
+def test_the_design_card_example_runs_on_the_embedded_default(caplog):
     """`infer --plugin radix-cache --quant awq generate ...`: RTN int4 on load, picking a group size that divides."""
-    result = run("--plugin", "radix-cache", "--quant", "awq", "generate", "def f():", "--max-tokens", "8", "--stats")
+    caplog.set_level(logging.INFO, logger="infer")
+    result = run("-v", "--plugin", "radix-cache", "--quant", "awq", "generate", "def f():", "--max-tokens", "8")
     assert result.exit_code == 0, result.output
+    assert "kv_cache radix-cache" in caplog.text and "quant awq" in caplog.text  # the engine-ready line
+    assert "awq: quantizing on load with round-to-nearest (int4, group 128, or 64/32" in caplog.text
     assert result.output.startswith("def f():")
 
 

@@ -3,6 +3,7 @@ prefix hits on shared prefixes and multi-turn chats, exact outputs under evictio
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -95,10 +96,12 @@ def test_n_greedy_forks_share_the_prompt_and_match_hf(tiny_model, hf_greedy):
     assert engine.kv.stats().prefix_hits >= 48 and again == [hf_greedy(tiny_model, prompt + expected, MAX_TOKENS)]
 
 
-def test_cli_selects_radix_cache_with_plugin(tiny_model):
-    result = CliRunner().invoke(main, ["--model", str(tiny_model), "--plugin", "radix-cache", "generate", "hello",
-                                       "hello there", "--max-tokens", "4", "--ignore-eos", "--stats"])
+def test_cli_selects_radix_cache_with_plugin(tiny_model, caplog):
+    caplog.set_level(logging.INFO, logger="infer")
+    result = CliRunner().invoke(main, ["-v", "--model", str(tiny_model), "--plugin", "radix-cache", "generate",
+                                       "hello", "hello there", "--max-tokens", "4", "--ignore-eos", "--stats"])
     assert result.exit_code == 0, result.output
+    assert "kv_cache radix-cache" in caplog.text  # the engine-ready line names the cache that ran
     assert json.loads(result.output[result.output.index("{"):])["requests_finished"] == 2
 
 
