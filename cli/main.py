@@ -84,15 +84,22 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
               "text, whatever else runs in the batch [default: the engine's random stream].")
 @click.option("--stream", is_flag=True, help="Print text as it is generated (one prompt at a time).")
 @click.option("--stats", is_flag=True, help="Print engine metrics (KV usage, prefix hit rate, ...) as JSON at the end.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object per completion and line (prompt_index, prompt, index, text, token_ids, "
+                   "finish_reason, num_cached_tokens) instead of prompt + text: unambiguous for scripts, and for "
+                   "--n > 1 or multi-line completions.")
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temperature: float, top_p: float,
              top_k: int, min_p: float, n: int, stop: tuple[str, ...], ignore_eos: bool, seed: int | None,
-             stream: bool, stats: bool) -> None:
-    """Generate text for PROMPTS (or for each line of stdin when none are given)."""
+             stream: bool, stats: bool, as_json: bool) -> None:
+    """Generate text for PROMPTS (or for each line of stdin when none are given). Each completion prints as the
+    prompt followed by its text; with several prompts or --n > 1, --json keeps them apart."""
     from ..core.request import SamplingParams
 
     if stream and n > 1:
         raise click.UsageError("--stream prints one completion at a time; use it with --n 1")
+    if stream and as_json:
+        raise click.UsageError("--stream prints text as it comes; --json prints whole completions: choose one")
     numbered = list(enumerate(prompts, 1)) if prompts else [
         (number, line.rstrip("\n")) for number, line in enumerate(sys.stdin, 1) if line.strip()]
     texts = [text for _, text in numbered]
@@ -116,13 +123,13 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
             where = "" if prompts or getattr(exc, "prompt_index", None) is None else \
                 f" (stdin line {numbered[exc.prompt_index][0]})"
             raise click.ClickException(f"{exc}{where}") from exc
-        _print_in_order(texts, completed)
+        _print_in_order(texts, completed, as_json)
     if stats:
         summary = engine.stats.summary()
         click.echo(json.dumps(summary, indent=2), err=True)
 
 
-def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]]) -> None:
+def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]], as_json: bool = False) -> None:
     """Print each prompt's completions once it and every earlier prompt finished (so Ctrl-C keeps what is done);
     a progress bar on stderr when it is a terminal and there are several prompts."""
     from rich.console import Console
@@ -138,8 +145,12 @@ def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]]) -> N
                 ready[index] = result
                 progress.advance(task)
                 while printed in ready:
-                    for out in ready.pop(printed).outputs:
-                        click.echo(texts[printed] + out.text)
+                    result = ready.pop(printed)
+                    for out in result.outputs:
+                        click.echo(json.dumps({
+                            "prompt_index": printed, "prompt": texts[printed], "index": out.index, "text": out.text,
+                            "token_ids": out.token_ids, "finish_reason": out.finish_reason and out.finish_reason.value,
+                            "num_cached_tokens": result.num_cached_tokens}) if as_json else texts[printed] + out.text)
                     printed += 1
                 sys.stdout.flush()
         except KeyboardInterrupt:

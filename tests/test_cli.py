@@ -27,6 +27,23 @@ def test_generate_prints_text(tiny_model):
     assert result.output.startswith("hello") and len(result.output.strip()) > len("hello")
 
 
+def test_generate_json_lines_are_the_engines_completions(tiny_model):
+    """--json: one object per completion, in prompt order, equal to what LLM.generate returns."""
+    from infer import LLM, SamplingParams
+
+    args = ("--max-tokens", "5", "--n", "2", "--temperature", "0.8", "--seed", "4")
+    result = run("--model", str(tiny_model), "--device", "cpu", "generate", "def f():\n", "x =", *args, "--json")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.output.splitlines()]
+    expected = LLM(str(tiny_model), device="cpu").generate(["def f():\n", "x ="], SamplingParams(
+        max_tokens=5, n=2, temperature=0.8, seed=4))
+    assert [(r["prompt_index"], r["index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for row in rows:
+        out = expected[row["prompt_index"]].outputs[row["index"]]
+        assert (row["text"], row["token_ids"], row["finish_reason"]) == (out.text, out.token_ids, "length")
+    assert run("generate", "x", "--json", "--stream").exit_code == 2
+
+
 def test_generate_reads_stdin_streams_and_prints_stats(tiny_model):
     result = run("--model", str(tiny_model), "generate", "--max-tokens", "4", "--stream", "--stats",
                  input="first prompt\nsecond prompt\n")
