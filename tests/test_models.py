@@ -73,10 +73,9 @@ def test_preemption_by_swap_keeps_outputs_exact(checkpoint, hf_greedy):
     assert not engine.scheduler.swap.held
 
 
-def test_linear_rope_scaling_extends_the_context_limit(tmp_path):
-    """A 64-position model with linear RoPE scaling x4 runs at 256 positions, and no further."""
-    from infer.core.config import EngineConfig
-    from infer.core.engine import Engine
+def test_linear_rope_scaling_extends_the_context_limit(tmp_path, hf_greedy):
+    """A 64-position model with linear RoPE scaling x4 runs at 256 positions, and no further; past position 64 its
+    greedy tokens are HF's."""
     from infer.core.errors import ConfigError
     from infer.models.tiny import make_tiny_model
 
@@ -84,5 +83,8 @@ def test_linear_rope_scaling_extends_the_context_limit(tmp_path):
                              extra={"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})
     engine = Engine(EngineConfig(model=str(folder), device="cpu", max_model_len=256, num_kv_blocks=32))
     assert engine.max_model_len == 256
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [150])[0]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(folder, prompt, 16)
     with pytest.raises(ConfigError, match="exceeds the 256 positions the model supports"):
         Engine(EngineConfig(model=str(folder), device="cpu", max_model_len=257, num_kv_blocks=32))
