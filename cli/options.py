@@ -48,7 +48,7 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                       "one step later [default: on with CUDA]."),
     click.option("--async-scheduling/--no-async-scheduling", default=None,
                  help="Schedule and launch each step before reading the previous step's tokens back, so the device "
-                      "never waits for the host between decode steps (implies --async-output; not with "
+                      "need not idle while the host prepares the next step (implies --async-output; not with "
                       "speculative decoding) [default: off]."),
     click.option("--freeze-gc/--no-freeze-gc", default=None,
                  help="After start-up, freeze the Python heap out of the garbage collector's scans, so that no full "

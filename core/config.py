@@ -53,8 +53,9 @@ class EngineConfig:
     # None: on when the model runs on CUDA (on a CPU nothing runs meanwhile, so it would only delay outputs)
     async_output: bool | None = None
     # Schedule and launch step N + 1 before reading step N's sampled tokens back: the device runs step N + 1 while
-    # the host reads step N's tokens, checks stops and builds outputs (implies async output). A sequence that
-    # stopped on a token of step N has run step N + 1 for nothing. Off by default: not yet measured on a GPU.
+    # the host reads step N's tokens, checks stops and builds outputs (so outputs come a step late: async output is
+    # implied). A sequence that stopped on a token of step N has run step N + 1 for nothing. Off by default: not yet
+    # measured on a GPU.
     async_scheduling: bool = False
     # At the end of start-up, gc.collect() then gc.freeze(): the startup heap (modules, model, tokenizer, graphs)
     # leaves the collector's scans, so no full collection stalls a step (process-wide; vLLM and SGLang do the same).
@@ -102,6 +103,9 @@ class EngineConfig:
         if self.plugin_options.get("spec_decode") and self.proposer is None:
             flags = ", ".join(f"--spec-{name.replace('_', '-')}" for name in sorted(self.plugin_options["spec_decode"]))
             raise ConfigError(f"{flags} need a proposer: add --proposer draft-model or --proposer ngram")
+        if self.async_scheduling and self.async_output is False:
+            raise ConfigError("--async-scheduling reads each step's tokens back during the next step, so its outputs "
+                              "come a step later: drop --no-async-output")
         if self.async_scheduling and self.proposer is not None:
             raise ConfigError("--async-scheduling does not combine with speculative decoding yet (a draft round reads "
                               "the verified tokens back every step); drop one of them")

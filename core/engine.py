@@ -84,7 +84,7 @@ class Engine:
                        "proposer": config.proposer or "none"}
         self.requests: dict[str, RequestState] = {}
         self.async_output = config.async_output if config.async_output is not None else \
-            self.loaded.device.type == "cuda"
+            self.loaded.device.type == "cuda" or config.async_scheduling  # async scheduling emits a step late
         self.unemitted: list[Sequence] = []  # async output: advanced in the last step, outputs not built yet
         self.in_flight: InFlight | None = None  # async scheduling: the last step's tokens, not read back yet
         self.awaiting_fork: set[str] = set()  # n > 1 requests whose first sequence has not sampled yet
@@ -103,11 +103,12 @@ class Engine:
             atexit.register(gc.unfreeze)  # extension modules, triton's among them, report its cycles as leaks)
         per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.kv_dtype)
         log.info("engine ready in %.1f s: %s on %s in %s (%d layers, max_model_len %d); KV pool %d blocks of %d "
-                 "tokens, %s, %.0f MiB; %s; CUDA graphs %s, async output %s", time.perf_counter() - started,
+                 "tokens, %s, %.0f MiB; %s; CUDA graphs %s, async output %s, async scheduling %s", time.perf_counter() - started,
                  config.model, self.loaded.device, str(self.loaded.dtype).removeprefix("torch."), spec.num_layers,
                  spec.max_model_len, self.num_blocks, config.block_size, str(self.kv_dtype).removeprefix("torch."),
                  self.num_blocks * per_block / 2**20, ", ".join(f"{k} {v}" for k, v in self.active.items()),
-                 "on" if self.runner.graphs is not None else "off", "on" if self.async_output else "off")
+                 "on" if self.runner.graphs is not None else "off", "on" if self.async_output else "off",
+                 "on" if config.async_scheduling else "off")
 
     # ------------------------------------------------------------ setup
     def _build(self, kind: str, name: str, expected: type[T], *args: Any) -> T:
@@ -252,16 +253,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced (with
         async output: that advanced in the previous step, their outputs built while this step's forward ran)."""
-        if self.config.async_scheduling and not self.awaiting_fork:
+        if self.config.async_scheduling:
             return self._step_ahead()
         self.steps_taken += 1
-        if self.in_flight is not None:  # an n > 1 request forks from a read-back token: settle the step in flight
-            self.unemitted += self._settle()
-            return self._emit_unemitted()
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if not self._check_schedule(out):
             return self._emit_unemitted()
+        return self._run(out, start)
+
+    def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
+        """The synchronous rest of a step whose schedule is ``out``: forward, sample (reading the tokens back),
+        update, outputs."""
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
         scheduled = time.perf_counter()
@@ -282,7 +285,7 @@ class Engine:
             outputs += self._emit_progress(advanced)  # may finish sequences too (stop strings)
         if self.spec is not None:
             self.spec.release_finished(advanced)
-        self._record_step(out, (start, scheduled, executed, emitted, now))
+        self._record_step(out, start, scheduled - start, executed - scheduled, now - emitted)
         return outputs
 
     def _step_ahead(self) -> list[RequestOutput]:
@@ -295,11 +298,15 @@ class Engine:
         if not self._check_schedule(out):
             self.unemitted += self._settle()
             return self._emit_unemitted()
+        if self.awaiting_fork and self._forks_this_step(out):  # n > 1: children copy a token read back now
+            self.unemitted += self._settle()
+            return self._run(out, start)
         scheduled = time.perf_counter()
         flight = self.in_flight
         batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None)
         executed = time.perf_counter()
-        self.unemitted += self._settle()
+        self.unemitted += self._settle()  # waits for the previous step's tokens, not for this step
+        settled = time.perf_counter()
         outputs = self._emit_unemitted()  # may finish sequences (stop strings): their rows of this step are void
         emitted = time.perf_counter()
         items = {item.seq.seq_id: item.seq for item in out.scheduled}
@@ -311,8 +318,14 @@ class Engine:
             self.in_flight = InFlight(sample, seqs, [seq.num_tokens for seq in seqs])
         now = time.perf_counter()
         self.scheduler.update(out, {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
-        self._record_step(out, (start, scheduled, executed, emitted, now))
+        self._record_step(out, start, scheduled - start, executed - scheduled, settled - executed + now - emitted)
         return outputs
+
+    def _forks_this_step(self, out: SchedulerOutput) -> bool:
+        """Whether a sequence of a request waiting to fork samples its first token in this step."""
+        return any(item.seq.request_id in self.awaiting_fork
+                   and item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
+                   for item in out.scheduled)
 
     def _settle(self) -> list[Sequence]:
         """Read the tokens in flight back into their sequences' PENDING places; stop the sequences whose token
@@ -321,8 +334,12 @@ class Engine:
         if flight is None:
             return []
         result = flight.sample.result()
+        now = time.perf_counter()  # when the tokens exist on the host, for TTFT and TPOT
         for seq, index, token, entry in zip(flight.seqs, flight.indices, result.token_ids, result.logprobs):
             seq.token_ids[index] = token
+            seq.token_times[index - seq.num_prompt_tokens] = now
+            if index == seq.num_prompt_tokens:
+                seq.first_token_time = now
             if entry is not None:
                 seq.logprobs.append(entry)
             if seq.stop_reason(token, index + 1) is FinishReason.STOP:
@@ -426,9 +443,8 @@ class Engine:
             self.spec.finish(req.seqs, output)
         self.plugins.hook.on_request_finished(output=output)
 
-    def _record_step(self, out: Any, times: tuple[float, float, float, float, float]) -> None:
-        """Totals and the on_step hook; ``times``: when the step started, scheduled, executed, emitted (the previous
-        step's outputs, with async output) and sampled."""
+    def _record_step(self, out: Any, start: float, schedule_s: float, execute_s: float, sample_s: float) -> None:
+        """Totals and the on_step hook. The phases' host times; postprocess is the rest of the step."""
         kv = self.kv.stats()
         s = self.stats
         s.steps += 1
@@ -441,12 +457,11 @@ class Engine:
         if ran:
             s.kv_max_waste_per_seq = max(s.kv_max_waste_per_seq, s.kv_waste_slots / len(ran))
         decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
-        start, scheduled, executed, emitted, sampled = times
-        end = time.perf_counter()
-        step = StepStats(s.steps, end - start, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
-                         s.num_waiting, s.num_running, len(out.preempted), kv, schedule_s=scheduled - start,
-                         execute_s=executed - scheduled, sample_s=sampled - emitted,
-                         postprocess_s=end - sampled + emitted - executed)
+        duration = time.perf_counter() - start
+        step = StepStats(s.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
+                         s.num_waiting, s.num_running, len(out.preempted), kv, schedule_s=schedule_s,
+                         execute_s=execute_s, sample_s=sample_s,
+                         postprocess_s=duration - schedule_s - execute_s - sample_s)
         for phase in ("schedule", "execute", "sample", "postprocess"):
             s.phase_s[phase] = s.phase_s.get(phase, 0.0) + getattr(step, f"{phase}_s")
         if self.spec is not None:

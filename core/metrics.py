@@ -28,7 +28,8 @@ class StepStats:
     num_draft_tokens: int = 0  # draft tokens verified this step
     num_accepted_tokens: int = 0  # of which accepted
     # Host wall time of the step's phases. On a GPU, work is queued asynchronously: `execute_s` is preparing the
-    # batch and launching the forward pass, and the wait for the device falls in `sample_s`, which reads the tokens.
+    # batch and launching the forward pass, and the wait for the device falls in `sample_s`, which reads the tokens
+    # (with async scheduling, the previous step's tokens, read back while this step's forward pass runs).
     schedule_s: float = 0.0  # the scheduler (and the proposer's drafts, when speculating)
     execute_s: float = 0.0  # building the batch tensors and running (or launching) the model
     sample_s: float = 0.0  # sampling and, with speculation, verification

@@ -11,7 +11,7 @@ from .errors import PluginError
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, SchedulerOutput
 from .model import Model
 from .request import SamplingParams, Sequence
-from .sampling import PendingSample, Sampler, SampleResult
+from .sampling import PendingSample, Sampler, SampleResult, to_device
 from .staging import Uploader
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ class PendingInputs:
             if row is not None and start <= last < start + item.num_new_tokens and seq.token_ids[last] == PENDING_TOKEN:
                 at.append(first + last - start)
                 source.append(row)
-        if at and tokens.count(PENDING_TOKEN) != len(at):  # only a sequence's last token is ever pending
-            raise AssertionError("a pending token outside the last position of its sequence")
+        if tokens.count(PENDING_TOKEN) != len(at):  # only a sequence's last token is ever pending
+            raise AssertionError("a pending token outside the last position of a sequence in flight")
         return at, source
 
 
@@ -181,8 +181,8 @@ class ModelRunner:
                     else:
                         dev[dst.to(dev.device)] = host[src].to(dev.device, non_blocking=True)
         if ops.copies:
-            src = torch.tensor([s for s, _ in ops.copies], device=self.device)
-            dst = torch.tensor([d for _, d in ops.copies], device=self.device)
+            src = to_device([s for s, _ in ops.copies], self.device)  # no wait for the device's queued work
+            dst = to_device([d for _, d in ops.copies], self.device)
             for k_cache, v_cache in self.kv_caches:
                 k_cache[dst] = k_cache[src]
                 v_cache[dst] = v_cache[src]

@@ -115,11 +115,34 @@ def test_async_scheduling_abort_with_a_step_in_flight():
     assert drained(e)
 
 
-def test_async_scheduling_refuses_speculative_decoding():
+def test_async_scheduling_refuses_speculative_decoding_and_sync_outputs():
     from infer.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--async-scheduling does not combine with speculative decoding"):
         engine(async_scheduling=True, proposer="ngram", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="drop --no-async-output"):
+        engine(async_scheduling=True, async_output=False)
+
+
+def test_an_n2_request_costs_async_scheduling_one_step():
+    """Only the step in which the n = 2 request's first sequence samples (its children copy that token) runs
+    synchronously; every other step runs ahead, leaving its tokens in flight."""
+    e = engine(async_scheduling=True)
+    for prompt in PROMPTS[:3]:
+        e.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    rid = e.add_request(PROMPTS[3], SamplingParams(max_tokens=20, temperature=0.8, seed=1, n=2))
+    ahead, tokens = [], {0: [], 1: []}
+    while e.has_unfinished():
+        for out in e.step():
+            for c in out.outputs if out.request_id == rid else ():
+                tokens[c.index] += c.token_ids
+        ahead.append(e.in_flight is not None)
+    assert ahead[0] is False and all(ahead[1:-1]) and ahead[-1] is False  # the fork step; the last drains
+    reference = engine().generate(PROMPTS[3:4], SamplingParams(max_tokens=20, temperature=0.8, seed=1, n=2))[0]
+    assert [tokens[0], tokens[1]] == [c.token_ids for c in reference.outputs]
+    assert drained(e)
 
 
 @pytest.mark.parametrize("mode", ["async_output", "async_scheduling"])
