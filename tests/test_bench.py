@@ -353,6 +353,11 @@ def test_throughput_script_reports_infer_before_and_without_hf(tmp_path):
     assert not (tmp_path / "model.partial").exists() and list((tmp_path / "model").glob("*.safetensors"))
 
 
+def test_prepare_bench_script_runs():
+    out = bench_script("prepare_bench.py", "--context", "40", "--iterations", "3")
+    assert "prepare, 128 decodes," in out and "us per sequence (backend planning excluded)" in out
+
+
 def test_spec_bench_script_runs_and_keeps_the_tokens():
     out = bench_script("spec_bench.py", "--ks", "2", "--repeats", "1", "--max-tokens", "12")
     rows = [line for line in out.splitlines() if line.startswith("| draft-model K=2")]
