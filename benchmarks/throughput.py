@@ -106,8 +106,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="only infer (HF takes ~2 minutes on an H200)")
     parser.add_argument("--infer-options", default="", help="extra group options for the infer arm")
     parser.add_argument("--extra-arm", action="append", default=[], metavar="OPTIONS",
-                        help="another infer arm on the anchor workload: the infer arm's options plus these "
-                             "(repeatable; arms take turns in one `infer bench --ab` run); write --extra-arm=--async-scheduling")
+                        help="another infer arm on the anchor workload and the single stream: the infer arm's "
+                             "options plus these (repeatable; arms take turns in one `infer bench --ab` run); "
+                             "write --extra-arm=--async-scheduling")
     parser.add_argument("--copy-gbps", type=float, default=4120.0, help="measured copy bandwidth, read+write")
     parser.add_argument("--build-only", action="store_true", help="build (or find) the model folder, print it, stop")
     args = parser.parse_args()
@@ -138,7 +139,8 @@ def main() -> None:
     extra_arms = [f"{infer_arm} {extra}" for extra in args.extra_arm]
     results = {"anchor_infer": run_bench(model, args.out / "anchor_infer", [infer_arm, *extra_arms], file_args,
                                          warmup=1),
-               "single_infer": run_bench(model, args.out / "single_infer", [infer_arm], single_args, warmup=1)}
+               "single_infer": run_bench(model, args.out / "single_infer", [infer_arm, *extra_arms], single_args,
+                                         warmup=1)}
     weights_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     floor_tps = args.copy_gbps * 1e9 / weights_bytes  # one read of every weight per decode step
     summary = {"prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(n for _, n in requests),
@@ -146,7 +148,9 @@ def main() -> None:
                "single_infer_tps": output_tps(results["single_infer"])[infer_arm],
                "single_floor_tps": floor_tps,
                "extra_arms_tps": {extra: output_tps(results["anchor_infer"])[arm]  # keyed by the added options
-                                  for extra, arm in zip(args.extra_arm, extra_arms)}}
+                                  for extra, arm in zip(args.extra_arm, extra_arms)},
+               "single_extra_arms_tps": {extra: output_tps(results["single_infer"])[arm]
+                                         for extra, arm in zip(args.extra_arm, extra_arms)}}
     summary_file = args.out / "anchor_summary.json"
     summary_file.write_text(json.dumps(summary, indent=2))
     print_table(args.preset, summary, preset.hf_batch, device == "cuda")  # out before HF's long runs start
@@ -177,6 +181,9 @@ def print_table(preset: str, summary: dict, hf_batch: int, on_gpu: bool) -> None
     floor_note = (f"{summary['single_infer_tps'] / floor:>10.2f}  (fraction of the {floor:.0f} tok/s bandwidth "
                   "floor)" if on_gpu else "")
     print(f"{'infer single stream':<34}{summary['single_infer_tps']:>14.1f}{floor_note}")
+    for extra, tps in summary.get("single_extra_arms_tps", {}).items():
+        print(f"{'infer single stream ' + extra:<34}{tps:>14.1f}"
+              + (f"{tps / floor:>10.2f}" if on_gpu else ""))
     if "single_hf_tps" in summary:
         print(f"{'HF single stream':<34}{summary['single_hf_tps']:>14.1f}")
     sys.stdout.flush()

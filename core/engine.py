@@ -103,7 +103,8 @@ class Engine:
             atexit.register(gc.unfreeze)  # extension modules, triton's among them, report its cycles as leaks)
         per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.kv_dtype)
         log.info("engine ready in %.1f s: %s on %s in %s (%d layers, max_model_len %d); KV pool %d blocks of %d "
-                 "tokens, %s, %.0f MiB; %s; CUDA graphs %s, async output %s, async scheduling %s", time.perf_counter() - started,
+                 "tokens, %s, %.0f MiB; %s; CUDA graphs %s, async output %s, async scheduling %s",
+                 time.perf_counter() - started,
                  config.model, self.loaded.device, str(self.loaded.dtype).removeprefix("torch."), spec.num_layers,
                  spec.max_model_len, self.num_blocks, config.block_size, str(self.kv_dtype).removeprefix("torch."),
                  self.num_blocks * per_block / 2**20, ", ".join(f"{k} {v}" for k, v in self.active.items()),

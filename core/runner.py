@@ -148,7 +148,8 @@ class ModelRunner:
                                   (array.array("q", slots), torch.int64),
                                   (array.array("q", sample_rows + draft_rows), torch.int64),
                                   (array.array("i", flat), torch.int32), (array.array("i", query_start), torch.int32),
-                                  (array.array("i", context_lens), torch.int32), (array.array("q", fill_at), torch.int64),
+                                  (array.array("i", context_lens), torch.int32),
+                                  (array.array("q", fill_at), torch.int64),
                                   (array.array("q", fill_from), torch.int64)])
         if fill_at:
             assert pending is not None

@@ -69,8 +69,8 @@ class Sampler:
             noise = torch.empty_like(probs)
             unseeded = [i for i, g in enumerate(generators) if g is None]
             if unseeded:
-                noise[to_device(unseeded, probs.device)] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                    generator=self.generator)
+                draws = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+                noise[to_device(unseeded, probs.device)] = draws.exponential_(generator=self.generator)
             for i, gen in enumerate(generators):
                 if gen is not None:
                     noise[i].exponential_(generator=gen)

@@ -349,7 +349,9 @@ def test_throughput_script_reports_infer_before_and_without_hf(tmp_path):
     assert summary["anchor_infer_tps"] > 0 and summary["single_infer_tps"] > 0
     assert list(summary["extra_arms_tps"]) == ["--async-scheduling"]
     table = out[out.rindex(f"smoke: {prompt_tokens} prompt / {output_tokens} output tokens"):].splitlines()
-    assert [line.split("  ")[0] for line in table[2:]] == ["infer", "infer --async-scheduling", "infer single stream"]
+    assert [line.split("  ")[0] for line in table[2:]] == [
+        "infer", "infer --async-scheduling", "infer single stream", "infer single stream --async-scheduling"]
+    assert list(summary["single_extra_arms_tps"]) == ["--async-scheduling"]
     assert not (tmp_path / "model.partial").exists() and list((tmp_path / "model").glob("*.safetensors"))
 
 
