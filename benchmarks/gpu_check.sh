@@ -3,7 +3,7 @@
 # printed last; every log goes into $OUT/logs.tgz (the device tool returns at most 8 files from $OUT), rebuilt after
 # each stage so that a run cut short still returns what finished. A failed stage prints its log's tail at once.
 # One device call is capped at 600 s and a session has 15 device minutes in all, start-up included, so:
-#   bash benchmarks/gpu_check.sh             tests kernels anchor prefix spec  (limits sum to 570 s, 510 s once the
+#   bash benchmarks/gpu_check.sh             tests kernels anchor prefix spec  (limits sum to 585 s, 540 s once the
 #                                            anchor stage has built the model; ~6 min expected)
 #   bash benchmarks/gpu_check.sh hf quant host  HF baselines beside infer, AWQ/FP8, host time (600 s; ~7 min)
 # Stages run in order of importance: a call cut short by its time limit keeps the stages that finished. Run the
@@ -69,12 +69,12 @@ for line in open('$WORK/kernel_bench.jsonl'):
 fi
 
 if want anchor; then  # infer on the anchor workload (and with async scheduling), then single stream; no HF
-  stage "anchor (infer)" anchor.log 200 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
+  stage "anchor (infer)" anchor.log 230 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
     --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--async-scheduling --skip-hf
 fi
 
 if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x)
-  stage "anchor model" build.log 60 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" --out "$WORK/build" \
+  stage "anchor model" build.log 45 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" --out "$WORK/build" \
     --build-only
   stage "shared-prefix" shared_prefix.log 50 $PY -m infer.cli --model "$MODEL" bench --workload shared-prefix \
     --num-requests 32 --prefix-len 1000 --question-len 100 --output-len 16 --rate 16 --ab "" "--no-prefix-caching" \
@@ -101,7 +101,7 @@ fi
 
 show() { [[ -s $WORK/$2 ]] && { echo; echo "== $1 =="; tail -"$3" "$WORK/$2"; }; }
 want kernels && show "kernel micro-benchmarks (decode attention GB/s vs copy)" kernel_bench.jsonl 20
-want anchor && show "anchor and single stream (infer)" anchor.log 5
+want anchor && show "anchor and single stream (infer)" anchor.log 8
 want prefix && [[ -s $WORK/shared_prefix/table.txt ]] && { echo; echo "== shared prefix (TTFT, hit rate) =="
                  grep -E "TTFT|hit rate|^A:|^B:" "$WORK/shared_prefix/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 8
