@@ -143,8 +143,12 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         _report(BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built}), out_dir)
     if failure is not None:
         completed = len(next(iter(runs.values()), []))
-        raise click.ClickException(f"{failure}" + (f"\n(the table shows the {completed} round(s) every arm completed)"
-                                                   if completed else ""))
+        message = f"{failure}" + (f"\n(the table shows the {completed} round(s) every arm completed)"
+                                  if completed else "")
+        if failure.interrupted:
+            click.echo(message, err=True)
+            raise SystemExit(130)
+        raise click.ClickException(message)
 
 
 def _warn_bad_lines(spec: WorkloadSpec, err: Any) -> None:

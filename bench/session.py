@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import platform
 import sys
@@ -15,6 +16,8 @@ from ..core.errors import InferError
 from .arms import ArmError, ArmSpec
 from .stats import RunResult
 from .workloads import FileEntry, Vocab, Workload, WorkloadError, WorkloadSpec, build_workload
+
+log = logging.getLogger("infer")
 
 
 class Arm(Protocol):
@@ -135,11 +138,18 @@ def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: 
 
 
 class RunError(Exception):
-    """An arm failed during a run; ``runs`` holds the rounds every arm completed before it."""
+    """An arm failed (or Ctrl-C) during a run; ``runs`` holds the rounds every arm completed before it."""
 
-    def __init__(self, message: str, runs: dict[str, list[RunResult]]) -> None:
+    def __init__(self, message: str, runs: dict[str, list[RunResult]], interrupted: bool = False) -> None:
         super().__init__(message)
-        self.runs = runs
+        self.runs, self.interrupted = runs, interrupted
+
+
+def _failure(exc: BaseException) -> str:
+    """An error's message; anything but infer's own errors (CUDA out of memory, a bug) with its type."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return str(exc) if isinstance(exc, InferError) else f"{type(exc).__name__}: {exc}"
 
 
 def warm_up(arms: list[Arm], warmups: list[Workload], err: Any) -> None:
@@ -148,8 +158,10 @@ def warm_up(arms: list[Arm], warmups: list[Workload], err: Any) -> None:
             err.print(f"warming up arm {arm.spec.key} ...", highlight=False)
         try:
             arm.warm_up(warmups)  # also with no rounds: records the counters the runs are measured from
-        except InferError as exc:
-            raise RunError(f"arm {arm.spec.key} ({arm.spec.text!r}) failed while warming up: {exc}", {}) from exc
+        except (Exception, KeyboardInterrupt) as exc:
+            log.debug("arm %s failed while warming up", arm.spec.key, exc_info=True)
+            raise RunError(f"arm {arm.spec.key} ({arm.spec.text!r}) failed while warming up: {_failure(exc)}", {},
+                           isinstance(exc, KeyboardInterrupt)) from exc
 
 
 def run_rounds(arms: list[Arm], workloads: list[Workload], err: Any) -> dict[str, list[RunResult]]:
@@ -168,10 +180,12 @@ def run_rounds(arms: list[Arm], workloads: list[Workload], err: Any) -> dict[str
                     result = arm.run(workload, lambda: progress.advance(task))
                     result.long_session = workload.long_session
                     runs[arm.spec.key].append(result)
-                except InferError as exc:
+                except (Exception, KeyboardInterrupt) as exc:  # keep what completed, whatever the failure
+                    log.debug("arm %s failed in round %d", arm.spec.key, i + 1, exc_info=True)
                     complete = {key: done[:i] for key, done in runs.items()}
                     raise RunError(f"arm {arm.spec.key} ({arm.spec.text!r}) failed in round {i + 1} of "
-                                   f"{len(workloads)}: {exc}", complete) from exc
+                                   f"{len(workloads)}: {_failure(exc)}", complete,
+                                   isinstance(exc, KeyboardInterrupt)) from exc
     return runs
 
 

@@ -94,6 +94,26 @@ def run_bench(model: Path, out: Path, arms: list[str], bench_args: list[str], wa
     return json.loads((out / "results.json").read_text())
 
 
+def run_arms(model: Path, out: Path, main_arm: str, extra_arms: dict[str, str], bench_args: list[str]
+             ) -> dict[str, float | None]:
+    """Output tok/s of the main arm and the extra arms, interleaved in one bench run; if that run fails, the main
+    arm alone and then each extra arm in its own run, so a failing extra arm costs only its own figure (None)."""
+    try:
+        return output_tps(run_bench(model, out, [main_arm, *extra_arms.values()], bench_args, warmup=1))
+    except subprocess.CalledProcessError:
+        if not extra_arms:
+            raise
+        print("the interleaved run failed; running the arms one by one", file=sys.stderr)
+    tps: dict[str, float | None] = dict(output_tps(run_bench(model, out / "main", [main_arm], bench_args, warmup=1)))
+    for i, arm in enumerate(extra_arms.values()):
+        try:
+            tps.update(output_tps(run_bench(model, out / f"extra{i}", [arm], bench_args, warmup=1)))
+        except subprocess.CalledProcessError as exc:
+            print(f"arm {arm!r} failed (exit {exc.returncode}); see above", file=sys.stderr)
+            tps[arm] = None
+    return tps
+
+
 def output_tps(result: dict) -> dict[str, float]:
     return {arm["text"]: arm["summary"]["output_tokens_per_s"]["median"] for arm in result["arms"]}
 
@@ -138,28 +158,17 @@ def main() -> None:
     infer_arm = f"--no-prefix-caching --dtype {preset.dtype} {args.infer_options}".strip()
     weights_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     summary = {"prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(n for _, n in requests),
-               "anchor_infer_tps": output_tps(run_bench(model, args.out / "anchor_infer", [infer_arm], file_args,
-                                                        warmup=1))[infer_arm],
-               "single_infer_tps": output_tps(run_bench(model, args.out / "single_infer", [infer_arm], single_args,
-                                                        warmup=1))[infer_arm],
                "single_floor_tps": args.copy_gbps * 1e9 / weights_bytes,  # one read of every weight per step
                "extra_arms_tps": {}, "single_extra_arms_tps": {}}  # keyed by the added options
     summary_file = args.out / "anchor_summary.json"
-    summary_file.write_text(json.dumps(summary, indent=2))
-    print_table(args.preset, summary, preset.hf_batch, device == "cuda")  # the main rows first
-    for i, extra in enumerate(args.extra_arm):  # own processes: an extra arm that fails costs only its rows
-        arm = f"{infer_arm} {extra}"
-        for key, name, bench_args in (("extra_arms_tps", "anchor", file_args), ("single_extra_arms_tps", "single",
-                                                                                  single_args)):
-            try:
-                result = run_bench(model, args.out / f"{name}_extra{i}", [arm], bench_args, warmup=1)
-                summary[key][extra] = output_tps(result)[arm]
-            except subprocess.CalledProcessError as exc:
-                print(f"extra arm {extra!r} failed on the {name} workload (exit {exc.returncode}); see above",
-                      file=sys.stderr)
-                summary[key][extra] = None
+    arms = {extra: f"{infer_arm} {extra}" for extra in args.extra_arm}
+    for name, bench_args, extra_key in (("anchor", file_args, "extra_arms_tps"),
+                                        ("single", single_args, "single_extra_arms_tps")):
+        tps = run_arms(model, args.out / f"{name}_infer", infer_arm, arms, bench_args)
+        summary[f"{name}_infer_tps"] = tps[infer_arm]
+        summary[extra_key] = {extra: tps.get(arm) for extra, arm in arms.items()}
         summary_file.write_text(json.dumps(summary, indent=2))
-        print_table(args.preset, summary, preset.hf_batch, device == "cuda")
+    print_table(args.preset, summary, preset.hf_batch, device == "cuda")  # out before HF's long runs start
     if args.skip_hf:
         return
     hf = output_tps(run_bench(model, args.out / "anchor_hf", ["hf:static", "hf:cb"],

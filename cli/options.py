@@ -1,6 +1,7 @@
 """Group options: every engine option, parsed into an EngineConfig (also used by `infer bench --ab` arms)."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -8,8 +9,10 @@ from typing import Any
 import click
 
 from ..core.config import COMPONENT_FIELDS, EngineConfig
-from ..core.errors import ConfigError
 from ..core.plugins import PluginManager
+
+log = logging.getLogger("infer")
+SHIPPED_OPTION_NAMESPACES = frozenset({"awq", "fp8", "ngram", "spec_decode"})  # what the shipped plugins read
 
 ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--model", "-m", default=None, help="Local HF model folder (default: the embedded demo model)."),
@@ -143,8 +146,7 @@ class EngineArgs:
         if self.no_cuda_graphs:
             config.cuda_graphs = False
         explicit = {k: v for k, v in self.values.items() if k in COMPONENT_FIELDS.values()}
-        config = plugins.resolve_plugin_names(config, self.plugin_names)
-        config = config.replace(**explicit)  # an explicit option wins over --plugin
+        config = plugins.select_components(config, self.plugin_names, explicit)  # an explicit option wins
         for kind, name in (("scheduler", config.scheduler), ("kv_cache", config.kv_cache),
                            ("eviction_policy", config.eviction_policy)):
             plugins.registry(kind).entry(name)  # unknown names fail here, listing the choices
@@ -154,9 +156,13 @@ class EngineArgs:
             plugins.registry("quant_method").entry(config.quant)
         if config.proposer:
             plugins.registry("proposer").entry(config.proposer)
-        chose_eviction = "eviction_policy" in self.values or any(
-            name in plugins.registry("eviction_policy") for name in self.plugin_names)
-        if chose_eviction and not config.enable_prefix_caching:
-            raise ConfigError("an eviction policy picks the cached prefix blocks to drop; with --no-prefix-caching "
-                              "nothing is cached, so drop --eviction-policy or --no-prefix-caching")
+        self._warn_unclaimed_plugin_options(config, plugins)
         return config.validate()
+
+    @staticmethod
+    def _warn_unclaimed_plugin_options(config: EngineConfig, plugins: PluginManager) -> None:
+        """A --plugin-option namespace that no registered component is named after is most likely a typo."""
+        names = {c.name for c in plugins.components()} | SHIPPED_OPTION_NAMESPACES
+        for namespace in sorted(set(config.plugin_options) - names):
+            log.warning("--plugin-option %s.*: no registered component is named %r, so no plugin may read it "
+                        "(shipped namespaces: %s)", namespace, namespace, ", ".join(sorted(SHIPPED_OPTION_NAMESPACES)))

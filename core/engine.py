@@ -575,7 +575,7 @@ class LLM:
                                   "go in plugin=[...]")
             plugins = plugins or PluginManager.from_entry_points()
             explicit = {k: v for k, v in options.items() if k in COMPONENT_FIELDS.values()}
-            config = plugins.resolve_plugin_names(config, list(plugin)).replace(**explicit)
+            config = plugins.select_components(config, list(plugin), explicit)
         self.engine = Engine(config, plugins)
 
     def generate(self, prompts: str | Seq[str | list[int]],

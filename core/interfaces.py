@@ -105,7 +105,7 @@ class KVCache(ABC):
         """A snapshot of usage and prefix-cache counters."""
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block that no live sequence holds (they count as evictions), so that later requests
+        """Drop every cached block that no live sequence holds (not counted as evictions), so that later requests
         find no earlier prefix: a benchmark run's cold start. Optional: this default cannot and returns False."""
         return False
 

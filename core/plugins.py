@@ -13,7 +13,7 @@ import pluggy
 
 from . import hookspecs
 from .config import COMPONENT_FIELDS, EngineConfig
-from .errors import PluginError
+from .errors import ConfigError, PluginError
 from .registry import ARCHITECTURE_NAMES, COMPONENT_NAMES, Registry
 
 ENTRY_POINT_GROUP = "infer"
@@ -186,6 +186,17 @@ class PluginManager:
                                   f"{kinds[0].replace('_', ' ')}; keep one")
             changes[field] = chosen
         return config.replace(**changes)
+
+    def select_components(self, config: EngineConfig, names: list[str], explicit: dict[str, Any]) -> EngineConfig:
+        """``--plugin NAME`` selections, then the component fields given explicitly (they win), as the CLI and
+        ``LLM(plugin=...)`` both choose. Refuses an eviction policy chosen for a cache that caches nothing."""
+        chosen = self.resolve_plugin_names(config, names).replace(**explicit)
+        chose_eviction = "eviction_policy" in explicit or any(
+            name in self.registry("eviction_policy") for name in names)
+        if chose_eviction and not chosen.enable_prefix_caching:
+            raise ConfigError("an eviction policy picks the cached prefix blocks to drop; with --no-prefix-caching "
+                              "nothing is cached, so drop --eviction-policy or --no-prefix-caching")
+        return chosen
 
     @property
     def hook(self) -> Any:

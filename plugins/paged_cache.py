@@ -118,11 +118,12 @@ class PagedKVCache(KVCache):
 
     # ------------------------------------------------------------ KVCache
     def reset_prefix_cache(self) -> bool:
+        evictions = self.counters.evictions  # dropped on request: not evictions
         while len(self.eviction):
             block = self.eviction.pop()
             self._unregister(block)  # its cached descendants go too
             self.free_list.append(block)
-            self.counters.evictions += 1
+        self.counters.evictions = evictions
         return True
 
     def match_prefix(self, seq: Sequence) -> int:

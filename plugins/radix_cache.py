@@ -249,8 +249,10 @@ class RadixKVCache(KVCache):
 
     # ------------------------------------------------------------ KVCache
     def reset_prefix_cache(self) -> bool:
+        evictions = self.counters.evictions  # dropped on request: not evictions
         while len(self.eviction):
             self._evict_one()  # a leaf; its parent may become one
+        self.counters.evictions = evictions
         return True
 
     def match_prefix(self, seq: Sequence) -> int:

@@ -175,12 +175,13 @@ def test_an_arm_failing_mid_run_names_itself_and_keeps_the_completed_rounds():
     from infer.core.errors import CapacityError
 
     class FakeArm:
-        def __init__(self, key: str, fail_in_round: int | None) -> None:
+        def __init__(self, key: str, fail_in_round: int | None, error: BaseException | None = None) -> None:
             self.spec, self.fail_in_round = ArmSpec(key, f"--fake {key}", None), fail_in_round
+            self.error = error or CapacityError("no room")
 
         def run(self, workload, on_request_done):
             if workload.round == self.fail_in_round:
-                raise CapacityError("no room")
+                raise self.error
             return RunResult(self.spec.key, workload.round, 1.0, [])
 
     workloads = [build_workload(WorkloadSpec(num_requests=1), r, VOCAB, None, None) for r in range(3)]
@@ -189,6 +190,14 @@ def test_an_arm_failing_mid_run_names_itself_and_keeps_the_completed_rounds():
     with pytest.raises(RunError, match=r"arm B \('--fake B'\) failed in round 2 of 3: no room") as caught:
         run_rounds([FakeArm("A", None), FakeArm("B", 1)], workloads, Console(quiet=True))
     assert {key: [r.round for r in runs] for key, runs in caught.value.runs.items()} == {"A": [0], "B": [0]}
+    # not only infer's own errors: a CUDA out-of-memory error or Ctrl-C keeps the completed rounds too
+    oom = FakeArm("B", 2, RuntimeError("CUDA out of memory"))
+    with pytest.raises(RunError, match="failed in round 3 of 3: RuntimeError: CUDA out of memory") as caught:
+        run_rounds([FakeArm("A", None), oom], workloads, Console(quiet=True))
+    assert [len(runs) for runs in caught.value.runs.values()] == [2, 2] and not caught.value.interrupted
+    with pytest.raises(RunError, match="interrupted") as caught:
+        run_rounds([FakeArm("A", 1, KeyboardInterrupt()), FakeArm("B", None)], workloads, Console(quiet=True))
+    assert caught.value.interrupted and [len(runs) for runs in caught.value.runs.values()] == [1, 1]
 
 
 def test_an_arm_failing_at_run_time_is_named_and_fails_the_command(tiny_model, tmp_path):

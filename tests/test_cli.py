@@ -200,6 +200,15 @@ def test_plugin_options_reach_the_config_and_bench_arms_merge_them(infer_plugins
     assert result.exit_code == 2 and "'awq-fused_max_rows=8' is not NAMESPACE.KEY=VALUE" in result.output
 
 
+def test_a_plugin_option_namespace_no_component_claims_is_warned(infer_plugins, caplog):
+    from infer.cli.options import EngineArgs, parse_plugin_options
+
+    for namespace, warned in (("aqw", True), ("awq", False), ("ngram", False), ("lfu", False)):
+        caplog.clear()
+        EngineArgs.from_kwargs({"plugin_option": parse_plugin_options((f"{namespace}.k=1",))}).build(infer_plugins)
+        assert ("--plugin-option aqw.*: no registered component is named 'aqw'" in caplog.text) is warned
+
+
 def test_a_plugin_command_cannot_shadow_a_builtin(tmp_path, monkeypatch):
     (tmp_path / "shadowing_plugin.py").write_text(
         "import click\nfrom infer import hookimpl\n\n\n@hookimpl\ndef register_commands(register):\n"

@@ -331,8 +331,8 @@ class KVMachine(RuleBasedStateMachine):
                                            for seq_id, live in self.live.items()}
         assert self.kv.reset_prefix_cache()
         after = self.kv.stats()
-        assert (after.cached_blocks, after.used_blocks, after.free_blocks) == (
-            0, before.used_blocks, before.free_blocks + before.cached_blocks)
+        assert (after.cached_blocks, after.used_blocks, after.free_blocks, after.evictions) == (
+            0, before.used_blocks, before.free_blocks + before.cached_blocks, before.evictions)
         assert tables == {seq_id: list(self.kv.block_table(live.seq)) for seq_id, live in self.live.items()}
 
     @precondition(lambda self: len(self.live) > 1)
