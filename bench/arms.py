@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import click
 from click.core import ParameterSource
 
 from ..cli.options import EngineArgs, engine_options
+from ..core.config import COMPONENT_FIELDS
 
 HF_MODES = {"hf": "static", "hf:static": "static", "hf:cb": "cb"}
 
@@ -74,8 +76,14 @@ def parse_engine_options(text: str) -> EngineArgs:
     return EngineArgs.from_kwargs(given)
 
 
-def merge(base: EngineArgs, arm: EngineArgs) -> EngineArgs:
-    """The arm's options over the group's: values replaced, --plugin names added, flags (--no-...) or-ed."""
+def merge(base: EngineArgs, arm: EngineArgs, kind_of: Callable[[str], str | None] = lambda name: None
+          ) -> EngineArgs:
+    """The arm's options over the group's: values replaced, --plugin names added, flags (--no-...) or-ed. A
+    component the arm chooses (by its option or by --plugin) replaces the group's choice of that kind, however the
+    group chose it; ``kind_of(name)`` is the config field a --plugin name sets."""
+    chosen = {kind_of(name) for name in arm.plugin_names} | {k for k in arm.values if k in COMPONENT_FIELDS.values()}
+    base = dataclasses.replace(base, values={k: v for k, v in base.values.items() if k not in chosen},
+                               plugin_names=[name for name in base.plugin_names if kind_of(name) not in chosen])
     merged: dict[str, Any] = {}
     for f in dataclasses.fields(EngineArgs):
         ours, theirs = getattr(base, f.name), getattr(arm, f.name)
@@ -90,7 +98,8 @@ def merge(base: EngineArgs, arm: EngineArgs) -> EngineArgs:
     return EngineArgs(**merged)
 
 
-def parse_arms(texts: tuple[str, ...] | list[str], base: EngineArgs) -> list[ArmSpec]:
+def parse_arms(texts: tuple[str, ...] | list[str], base: EngineArgs,
+               kind_of: Callable[[str], str | None] = lambda name: None) -> list[ArmSpec]:
     """Every arm, in the order given; with none, one arm made of the group options. Raises ArmError."""
     if not texts:
         return [ArmSpec("A", "", base)]
@@ -106,7 +115,7 @@ def parse_arms(texts: tuple[str, ...] | list[str], base: EngineArgs) -> list[Arm
             arms.append(ArmSpec(key, stripped, hf_mode=HF_MODES[stripped]))
             continue
         try:
-            arms.append(ArmSpec(key, stripped, merge(base, parse_engine_options(text))))
+            arms.append(ArmSpec(key, stripped, merge(base, parse_engine_options(text), kind_of)))
         except ArmError as exc:
             raise ArmError(f"arm {key} ({text!r}): {exc}") from None
     return arms

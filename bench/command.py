@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
 
     base = ctx.find_object(EngineArgs) or EngineArgs()
     try:
-        specs = parse_arms(arms, base)
+        specs = parse_arms(arms, base, component_field_of(ctx))
     except ArmError as exc:
         raise click.BadParameter(f"{exc}\n({AB_HINT})", param_hint="'--ab'") from None
     spec = WorkloadSpec(workload, num_requests, input_len, output_len, len_sigma, prefix_len, question_len, turns,
@@ -136,11 +137,16 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         warm_up(built, warmups, err)
         runs, failure = run_rounds(built, workloads, err), None
     except RunError as exc:
-        runs, failure = exc.runs, exc
+        runs, failure = {arm.spec.key: exc.runs.get(arm.spec.key, []) for arm in built}, exc
     meta = run_info(spec, repeats, warmup_rounds, specs, started)
-    if failure is None or any(runs.values()):  # a failure still reports the rounds that every arm completed
-        meta["failure"] = None if failure is None else str(failure)
-        _report(BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built}), out_dir)
+    meta["failure"] = None if failure is None else str(failure)  # the rounds every arm completed are still reported
+    result = BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built})
+    if any(runs.values()):
+        _report(result, out_dir)
+    elif out_dir is not None:  # no round to tabulate: the failure and the arms' configs are still on record
+        from .report import write_json
+
+        write_json(result, out_dir / "results.json")
     if failure is not None:
         completed = len(next(iter(runs.values()), []))
         message = f"{failure}" + (f"\n(the table shows the {completed} round(s) every arm completed)"
@@ -149,6 +155,16 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
             click.echo(message, err=True)
             raise SystemExit(130)
         raise click.ClickException(message)
+
+
+def component_field_of(ctx: click.Context) -> Callable[[str], str | None]:
+    """The EngineConfig field a --plugin name sets (None for names of no component kind), from the plugins."""
+    from ..cli.main import _plugins
+    from ..core.config import COMPONENT_FIELDS
+
+    plugins = _plugins(ctx)
+    return lambda name: next((field for kind, field in COMPONENT_FIELDS.items() if name in plugins.registry(kind)),
+                             None)
 
 
 def _warn_bad_lines(spec: WorkloadSpec, err: Any) -> None:

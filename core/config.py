@@ -101,8 +101,11 @@ class EngineConfig:
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:
             raise ConfigError(f"num-speculative-tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if self.plugin_options.get("spec_decode") and self.proposer is None:
-            flags = ", ".join(f"--spec-{name.replace('_', '-')}" for name in sorted(self.plugin_options["spec_decode"]))
-            raise ConfigError(f"{flags} need a proposer: add --proposer draft-model or --proposer ngram")
+            flags = ", ".join(f"--spec-{name.replace('_', '-')}" if name in ("min_acceptance", "max_batch_size")
+                              else f"--plugin-option spec_decode.{name}"
+                              for name in sorted(self.plugin_options["spec_decode"]))
+            raise ConfigError(f"{flags}: speculative-decoding options need a proposer: add --proposer draft-model or "
+                              "--proposer ngram (in Python: proposer=...)")
         if self.async_scheduling and self.async_output is False:
             raise ConfigError("--async-scheduling reads each step's tokens back during the next step, so its outputs "
                               "come a step later: drop --no-async-output")

@@ -195,7 +195,8 @@ class PluginManager:
             name in self.registry("eviction_policy") for name in names)
         if chose_eviction and not chosen.enable_prefix_caching:
             raise ConfigError("an eviction policy picks the cached prefix blocks to drop; with --no-prefix-caching "
-                              "nothing is cached, so drop --eviction-policy or --no-prefix-caching")
+                              "(enable_prefix_caching=False) nothing is cached, so drop the eviction policy or "
+                              "--no-prefix-caching")
         return chosen
 
     @property

@@ -23,7 +23,12 @@ class NgramProposer(Proposer):
     def from_options(cls, plugin_options: dict[str, Any]) -> NgramProposer:
         """``min_n`` / ``max_n`` from ``EngineConfig.plugin_options["ngram"]`` (defaults 2 and 4)."""
         options = plugin_options.get("ngram", {}) if isinstance(plugin_options, dict) else {}
-        return cls(int(options.get("min_n", 2)), int(options.get("max_n", 4)))
+        values = {key: options.get(key, default) for key, default in (("min_n", 2), ("max_n", 4))}
+        bad = {k: v for k, v in values.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+        if bad or values["min_n"] > values["max_n"]:
+            raise ConfigError(f"ngram options min_n and max_n must be integers with 1 <= min_n <= max_n; got "
+                              f"{values} (set them with --plugin-option ngram.min_n=2 --plugin-option ngram.max_n=4)")
+        return cls(values["min_n"], values["max_n"])
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
         drafts = {seq.seq_id: tokens for seq in seqs if (tokens := self.lookup(seq.token_ids, k))}

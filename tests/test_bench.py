@@ -104,6 +104,26 @@ def test_ab_takes_every_argument_up_to_the_next_option():
     assert expand_ab(["--ab", "a", "--ab", "b", "--out=d"], names) == ["--ab", "a", "--ab", "b", "--out=d"]
 
 
+def test_an_arms_component_replaces_the_groups_of_that_kind(infer_plugins):
+    """Group `--kv-cache radix-cache` or `--plugin radix-cache`; an arm's `--plugin paged` or `--kv-cache paged`
+    runs paged, whichever way either side chose (the arm's label must be what runs)."""
+    from infer.bench.arms import parse_arms
+    from infer.cli.options import EngineArgs
+    from infer.core.config import COMPONENT_FIELDS
+
+    def kind_of(name: str) -> str | None:
+        return next((f for k, f in COMPONENT_FIELDS.items() if name in infer_plugins.registry(k)), None)
+
+    for group in ({"kv_cache": "radix-cache"}, {"plugins": ["radix-cache", "lfu"]}):
+        base = EngineArgs.from_kwargs(group)
+        for arm in ("--plugin paged", "--kv-cache paged"):
+            [a, b] = parse_arms(["", arm], base, kind_of)
+            assert a.args.build(infer_plugins).kv_cache == "radix-cache"
+            built = b.args.build(infer_plugins)
+            assert built.kv_cache == "paged"
+            assert built.eviction_policy == ("lfu" if "plugins" in group else "lru")  # other kinds stay
+
+
 def test_metrics_of_one_run():
     reqs = [RequestRecord(0, 0, 0.0, 10, 3, [0.1, 0.2, 0.4], 0.4, 5),
             RequestRecord(1, 0, 0.1, 10, 1, [0.3], 0.3, 0)]
@@ -205,7 +225,9 @@ def test_an_arm_failing_at_run_time_is_named_and_fails_the_command(tiny_model, t
                  "--warmup-rounds", "0", "--ab", "", "--max-num-batched-tokens 16", "--out", str(tmp_path))
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "arm B ('--max-num-batched-tokens 16') failed in round 1 of 1: prompt of" in result.output
-    assert not (tmp_path / "results.json").exists()  # no round that every arm completed: nothing to report
+    data = json.loads((tmp_path / "results.json").read_text())  # no round to tabulate, but the failure is on record
+    assert data["failure"].startswith("arm B") and [len(arm["runs"]) for arm in data["arms"]] == [0, 0]
+    assert not (tmp_path / "table.txt").exists()
 
 
 def test_an_unknown_component_in_an_arm_names_the_arm(tiny_model):

@@ -230,7 +230,7 @@ def test_generate_names_the_bad_prompt_and_prints_nothing(tiny_model):
 @pytest.mark.parametrize("options,message", [
     (["--proposer", "ngram", "--num-speculative-tokens", "2", "--draft-model", "x"],
      "--draft-model is read by the draft-model proposer only"),
-    (["--spec-min-acceptance", "0.5"], "--spec-min-acceptance need a proposer"),
+    (["--spec-min-acceptance", "0.5"], "--spec-min-acceptance: speculative-decoding options need a proposer"),
     (["--eviction-policy", "lfu", "--no-prefix-caching"], "with --no-prefix-caching nothing is cached"),
     (["--plugin", "lfu", "--no-prefix-caching"], "with --no-prefix-caching nothing is cached"),
 ])

@@ -95,6 +95,11 @@ def test_logprobs_and_stop_tokens_under_speculation():
 def test_configuration_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="need a proposer"):
         engine(num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="--plugin-option spec_decode.probe_every: speculative-decoding options need"):
+        engine(plugin_options={"spec_decode": {"probe_every": 4}})
+    for bad in ("abc", None, [3], 3.9, 0):  # a clear error, not a traceback from int()
+        with pytest.raises(ConfigError, match="ngram options min_n and max_n must be integers"):
+            engine(proposer="ngram", num_speculative_tokens=2, plugin_options={"ngram": {"max_n": bad}})
     with pytest.raises(ConfigError, match="num-speculative-tokens"):
         engine(proposer="ngram")
     other = tmp_path / "other-draft"
