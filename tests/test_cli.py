@@ -231,8 +231,8 @@ def test_generate_names_the_bad_prompt_and_prints_nothing(tiny_model):
     (["--proposer", "ngram", "--num-speculative-tokens", "2", "--draft-model", "x"],
      "--draft-model is read by the draft-model proposer only"),
     (["--spec-min-acceptance", "0.5"], "--spec-min-acceptance: speculative-decoding options need a proposer"),
-    (["--eviction-policy", "lfu", "--no-prefix-caching"], "with --no-prefix-caching nothing is cached"),
-    (["--plugin", "lfu", "--no-prefix-caching"], "with --no-prefix-caching nothing is cached"),
+    (["--eviction-policy", "lfu", "--no-prefix-caching"], "enable_prefix_caching=False) nothing is cached"),
+    (["--plugin", "lfu", "--no-prefix-caching"], "enable_prefix_caching=False) nothing is cached"),
 ])
 def test_options_that_would_be_ignored_are_refused(tiny_model, options, message):
     result = run("--model", str(tiny_model), *options, "generate", "hi")

@@ -132,7 +132,7 @@ def test_llm_takes_component_names_like_the_cli(tiny_model, infer_plugins):
     assert (chosen.engine.config.kv_cache, chosen.engine.config.eviction_policy) == ("paged", "lfu")
     with pytest.raises(ConfigError, match="plugins= takes a PluginManager, not list"):
         LLM(str(tiny_model), plugins=["radix-cache"], device="cpu")
-    with pytest.raises(ConfigError, match="with --no-prefix-caching nothing is cached"):  # as `--plugin lfu` refuses
+    with pytest.raises(ConfigError, match=r"\(enable_prefix_caching=False\) nothing is cached"):
         LLM(str(tiny_model), infer_plugins, plugin=["lfu"], enable_prefix_caching=False, device="cpu")
 
 
