@@ -65,6 +65,9 @@ def build_table(result: BenchResult) -> Table:
              f"*: the rounds disagree on the direction (paired per-round ratios on both sides of 1): within noise; "
              f"{'/'.join(map(str, sorted(requests)))} requests per run (a p99 of fewer than 100 is nearly their "
              "maximum)"]
+    if any(_long_prompt_came_late(run) for runs in result.runs.values() for run in runs):
+        notes.append("[yellow]the long prompt arrived after every steady decode had finished, so it delayed none: "
+                     "raise --output-len or lower --long-delay[/yellow]")
     if repeats < 3:
         notes.append(f"[yellow]{repeats} round(s): too few to tell a difference from noise; use --repeats 3 or "
                      "more[/yellow]")
@@ -82,6 +85,15 @@ def build_table(result: BenchResult) -> Table:
                  for i, arm in enumerate(result.arms)]
         table.add_row(title, *map(Text, cells))  # plain text: a "[low–high]" cell is not markup
     return table
+
+
+def _long_prompt_came_late(run: RunResult) -> bool:
+    """long-prompt-arrival: the long prompt arrived after the other requests had all finished."""
+    if run.long_session is None:
+        return False
+    long = [r for r in run.requests if r.session == run.long_session]
+    others = [r.finish_s for r in run.requests if r.session != run.long_session]
+    return bool(long and others) and long[0].arrival_s >= max(others)
 
 
 def render_table(result: BenchResult, console: Console) -> str:

@@ -155,6 +155,21 @@ def test_ratios_pair_the_rounds_and_star_a_direction_the_rounds_disagree_on():
     assert format_cell(tok_s, summary["A"]["output_tokens_per_s"], True, 3) == "5.00 [2.50–10.0]"
 
 
+def test_a_long_prompt_that_delayed_nothing_is_flagged():
+    from infer.bench.arms import ArmSpec
+    from infer.bench.report import BenchResult, build_table
+
+    def run_with_long_arrival(arrival: float) -> RunResult:
+        steady = RequestRecord(0, 0, 0.0, 10, 3, [0.1, 0.2, 0.3], 0.3)
+        long = RequestRecord(1, 0, arrival, 500, 3, [arrival + 0.5, arrival + 0.6, arrival + 0.7], arrival + 0.7)
+        return RunResult("A", 0, 1.0, [steady, long], long_session=1)
+
+    for arrival, flagged in ((0.25, False), (0.35, True)):
+        result = BenchResult([ArmSpec("A", "")], {"A": [run_with_long_arrival(arrival)]}, {"workload": {}})
+        assert ("the long prompt arrived after every steady decode had finished" in str(build_table(result).caption)) \
+            is flagged
+
+
 # ---------------------------------------------------------------- bad input through the CLI
 @pytest.mark.parametrize(("args", "message"), [
     (["--repeats", "0"], "Invalid value for '--repeats': 0 is not in the range x>=1"),
