@@ -50,7 +50,10 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
             try:
                 spec.args.build(plugins)
             except InferError as exc:
-                raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}") from None
+                given = base.values or base.plugin_names or base.no_prefix_caching or base.no_cuda_graphs
+                hint = (" (the options before `bench` apply to every arm; an arm overrides them with its own, e.g. "
+                        "--no-async-scheduling for a switch the group turned on)") if given else ""
+                raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}{hint}") from None
     share_gpu_memory(engine_specs, len(specs) - len(engine_specs))
     built: dict[str, Arm] = {}
     for spec in engine_specs:
