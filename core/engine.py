@@ -269,8 +269,10 @@ class Engine:
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
         scheduled = time.perf_counter()
-        batch, logits = self.runner.execute(out, self.kv)
+        flight = self.in_flight  # async scheduling's fork step: the step before left its tokens in flight
+        batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None)
         executed = time.perf_counter()
+        self.unemitted += self._settle()  # after the launch: a sequence it stops stays in this batch, unsampled
         outputs = self._emit_unemitted()  # async output: on a GPU, this overlaps the forward pass
         emitted = time.perf_counter()
         # async output: sequences just finished by a stop string are in this batch, but neither sampled nor emitted
@@ -300,7 +302,6 @@ class Engine:
             self.unemitted += self._settle()
             return self._emit_unemitted()
         if self.awaiting_fork and self._forks_this_step(out):  # n > 1: children copy a token read back now
-            self.unemitted += self._settle()
             return self._run(out, start)
         scheduled = time.perf_counter()
         flight = self.in_flight

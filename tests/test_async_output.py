@@ -99,6 +99,33 @@ def test_async_scheduling_stops_on_a_stop_token_read_back_a_step_late():
         assert expected.outputs[0].finish_reason is FinishReason.STOP and drained(e)
 
 
+def test_async_scheduling_fork_step_while_a_stop_token_is_read_back():
+    """An n = 2 request's fork step runs synchronously; a sequence of that batch whose in-flight token stops it is
+    read back after the launch (it stays in the batch, unsampled). Its arrival is swept over the steps."""
+    reference = engine().generate(PROMPTS[:1], SamplingParams(max_tokens=30, temperature=0.0))[0].outputs[0].token_ids
+    k = next(i for i, t in enumerate(reference) if i >= 3 and t not in reference[:i])
+    stop = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[reference[k]])
+    fork = SamplingParams(max_tokens=6, temperature=0.8, seed=2, n=2)
+    for delay in range(1, k + 4):
+        runs = []
+        for options in ({"async_output": False}, {"async_scheduling": True}):
+            e = engine(**options)
+            first = e.add_request(PROMPTS[0], stop)
+            tokens: dict[tuple[str, int], list[int]] = {}
+            for step in range(10_000):
+                if step == delay:
+                    e.add_request(PROMPTS[1], fork)
+                for out in e.step():
+                    for c in out.outputs:
+                        tokens.setdefault((out.request_id == first and "stop" or "fork", c.index), []).extend(
+                            c.token_ids)
+                if step >= delay and not e.has_unfinished():
+                    break
+            assert drained(e)
+            runs.append(tokens)
+        assert runs[1] == runs[0] and runs[0][("stop", 0)] == reference[: k + 1], delay
+
+
 def test_async_scheduling_abort_with_a_step_in_flight():
     e = engine(async_scheduling=True)
     ids = [e.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS[:3]]
