@@ -26,8 +26,10 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
                  ) -> RequestOutput:
     """The delta output of a request for the sequences ``seq_ids``: new tokens and text. A stop string found in the
     text finishes its sequence through ``finish`` (the scheduler's)."""
-    deltas = []
     stops, want_logprobs = req.params.stop, req.params.logprobs is not None
+    if len(req.seqs) == 1 and not stops:  # the common case, unrolled: one sequence, no text held back
+        return _single_output(req, seq_ids, want_logprobs)
+    deltas = []
     for i, seq in enumerate(req.seqs):
         new = seq.token_ids[len(seq.prompt_token_ids) + req.sent[i] :]  # not output_token_ids: that copies it all
         done = seq.status is SequenceStatus.FINISHED
@@ -49,6 +51,24 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
         deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
     finished = all(seq.status is SequenceStatus.FINISHED for seq in req.seqs)
     return RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
+
+
+def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) -> RequestOutput:
+    """build_output for one sequence without stop strings."""
+    seq = req.seqs[0]
+    done = seq.status is SequenceStatus.FINISHED
+    new = seq.token_ids[len(seq.prompt_token_ids) + req.sent[0] :]
+    if seq.seq_id not in seq_ids or (not new and not done):
+        return RequestOutput(req.request_id, req.prompt_token_ids, [], done)
+    detok = req.detoks[0]
+    detok.add(new)
+    req.sent[0] += len(new)
+    if done:
+        detok.flush()
+    text, req.emitted[0] = detok.text[req.emitted[0] :], len(detok.text)
+    logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
+    return RequestOutput(req.request_id, req.prompt_token_ids,
+                         [CompletionOutput(0, new, text, seq.finish_reason, logprobs)], done)
 
 
 def append_output(full: RequestOutput, delta: RequestOutput) -> RequestOutput:

@@ -406,6 +406,10 @@ def test_prepare_bench_script_runs():
     assert "prepare, 128 decodes," in out and "us per sequence (backend planning excluded)" in out
 
 
+def test_emit_bench_script_runs():
+    assert "us per output token (128 requests" in bench_script("emit_bench.py", "--iterations", "3")
+
+
 def test_spec_bench_script_runs_and_keeps_the_tokens():
     out = bench_script("spec_bench.py", "--ks", "2", "--repeats", "1", "--max-tokens", "12")
     rows = [line for line in out.splitlines() if line.startswith("| draft-model K=2")]
