@@ -81,7 +81,8 @@ def merge(base: EngineArgs, arm: EngineArgs, kind_of: Callable[[str], str | None
     """The arm's options over the group's: values replaced, --plugin names added, flags (--no-...) or-ed. A
     component the arm chooses (by its option or by --plugin) replaces the group's choice of that kind, however the
     group chose it; ``kind_of(name)`` is the config field a --plugin name sets."""
-    chosen = {kind_of(name) for name in arm.plugin_names} | {k for k in arm.values if k in COMPONENT_FIELDS.values()}
+    chosen = ({kind_of(name) for name in arm.plugin_names} | {k for k in arm.values if k in COMPONENT_FIELDS.values()}
+              ) - {None}
     base = dataclasses.replace(base, values={k: v for k, v in base.values.items() if k not in chosen},
                                plugin_names=[name for name in base.plugin_names if kind_of(name) not in chosen])
     merged: dict[str, Any] = {}

@@ -114,6 +114,8 @@ def test_an_arms_component_replaces_the_groups_of_that_kind(infer_plugins):
     def kind_of(name: str) -> str | None:
         return next((f for k, f in COMPONENT_FIELDS.items() if name in infer_plugins.registry(k)), None)
 
+    unknown_kinds = parse_arms(["--plugin lru"], EngineArgs.from_kwargs({"plugins": ["radix-cache"]}))[0]
+    assert unknown_kinds.args.plugin_names == ["radix-cache", "lru"]  # without kind_of, names are only added
     for group in ({"kv_cache": "radix-cache"}, {"plugins": ["radix-cache", "lfu"]}):
         base = EngineArgs.from_kwargs(group)
         for arm in ("--plugin paged", "--kv-cache paged"):
