@@ -11,12 +11,12 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "hookimpl", "__version__"]
 
 if TYPE_CHECKING:
-    from infer.core.engine import LLM
+    from infer.core.llm import LLM
 
 
 def __getattr__(name: str) -> Any:  # keep `import infer` light: the engine pulls in torch models lazily
     if name == "LLM":
-        from infer.core.engine import LLM
+        from infer.core.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'infer' has no attribute {name!r}")

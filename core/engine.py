@@ -1,4 +1,4 @@
-"""Engine: add_request / step / abort / generate / stream. LLM: the offline convenience wrapper."""
+"""Engine: add_request / step / abort / generate / stream (the offline wrapper, LLM, is in core/llm.py)."""
 from __future__ import annotations
 
 import atexit
@@ -8,7 +8,6 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -22,8 +21,8 @@ from .metrics import EngineStats, StepStats
 from .outputs import RequestState, append_output, build_output
 from .plugins import PluginManager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
-from .runner import PENDING_TOKEN, Batch, ModelRunner, PendingInputs
-from .sampling import PendingSample, to_device
+from .runner import PENDING_TOKEN, Batch, InFlight, ModelRunner
+from .sampling import to_device
 
 if TYPE_CHECKING:
     from ..spec_decode.decoder import SpecDecoder
@@ -543,48 +542,3 @@ class Engine:
             for rid in results:
                 if rid in self.requests:
                     self.abort(rid)
-
-@dataclass
-class InFlight:
-    """Async scheduling: a step's sampled tokens on their way back, and where each goes."""
-
-    sample: PendingSample
-    seqs: list[Sequence]  # one per sampled row
-    indices: list[int]  # each sequence's PENDING_TOKEN position in its token_ids
-
-    @property
-    def inputs(self) -> PendingInputs:
-        return PendingInputs(self.sample.device_tokens, {seq.seq_id: row for row, seq in enumerate(self.seqs)})
-
-
-class LLM:
-    """Offline API: ``LLM(model=DIR, **options).generate(prompts, SamplingParams(...))``."""
-
-    def __init__(self, model: str | None = None, plugins: PluginManager | None = None, plugin: Seq[str] = (),
-                 **options: Any) -> None:
-        """``options``: EngineConfig fields. ``plugin``: component names, as ``infer --plugin NAME`` (a field
-        given in ``options`` wins, as on the command line). ``plugins``: the PluginManager (default: every
-        installed plugin)."""
-        if isinstance(plugin, str):
-            plugin = [plugin]
-        config = EngineConfig(model=model, **options)
-        if plugin:
-            from .config import COMPONENT_FIELDS
-
-            if plugins is not None and not isinstance(plugins, PluginManager):
-                raise ConfigError(f"plugins= takes a PluginManager, not {type(plugins).__name__}; component names "
-                                  "go in plugin=[...]")
-            plugins = plugins or PluginManager.from_entry_points()
-            explicit = {k: v for k, v in options.items() if k in COMPONENT_FIELDS.values()}
-            config = plugins.select_components(config, list(plugin), explicit)
-        self.engine = Engine(config, plugins)
-
-    def generate(self, prompts: str | Seq[str | list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self.engine.generate(prompts, params)  # type: ignore[arg-type]
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer

@@ -43,6 +43,19 @@ class PendingInputs:
 
 
 @dataclass
+class InFlight:
+    """Async scheduling: a step's sampled tokens on their way back, and where each goes."""
+
+    sample: PendingSample
+    seqs: list[Sequence]  # one per sampled row
+    indices: list[int]  # each sequence's PENDING_TOKEN position in its token_ids
+
+    @property
+    def inputs(self) -> PendingInputs:
+        return PendingInputs(self.sample.device_tokens, {seq.seq_id: row for row, seq in enumerate(self.seqs)})
+
+
+@dataclass
 class Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]

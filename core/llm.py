@@ -1,0 +1,42 @@
+"""LLM: the offline convenience wrapper around an Engine."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from .config import COMPONENT_FIELDS, EngineConfig
+from .engine import Engine
+from .errors import ConfigError
+from .plugins import PluginManager
+from .request import RequestOutput, SamplingParams
+
+
+class LLM:
+    """Offline API: ``LLM(model=DIR, **options).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str | None = None, plugins: PluginManager | None = None, plugin: Seq[str] = (),
+                 **options: Any) -> None:
+        """``options``: EngineConfig fields. ``plugin``: component names, as ``infer --plugin NAME`` (a field
+        given in ``options`` wins, as on the command line). ``plugins``: the PluginManager (default: every
+        installed plugin)."""
+        if isinstance(plugin, str):
+            plugin = [plugin]
+        config = EngineConfig(model=model, **options)
+        if plugin:
+            if plugins is not None and not isinstance(plugins, PluginManager):
+                raise ConfigError(f"plugins= takes a PluginManager, not {type(plugins).__name__}; component names "
+                                  "go in plugin=[...]")
+            plugins = plugins or PluginManager.from_entry_points()
+            explicit = {k: v for k, v in options.items() if k in COMPONENT_FIELDS.values()}
+            config = plugins.select_components(config, list(plugin), explicit)
+        self.engine = Engine(config, plugins)
+
+    def generate(self, prompts: str | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self.engine.generate(prompts, params)  # type: ignore[arg-type]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
