@@ -36,9 +36,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SampleResult:
         """logits [N, V] float32; ``generators[i]`` is None for unseeded rows."""
-        tokens = self.sample_tokens(logits, params, generators)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, self.logprobs(logits, params, token_list))
+        return self.sample_pending(logits, params, generators).result()
 
     def sample_pending(self, logits: torch.Tensor, params: list[SamplingParams],
                        generators: list[torch.Generator | None]) -> PendingSample:
@@ -46,15 +44,7 @@ class Sampler:
         host memory in stream order, and ``PendingSample.result()`` reads them later. ``logits`` may be reused
         (a CUDA graph's output buffer) as soon as this returns."""
         tokens = self.sample_tokens(logits, params, generators)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        top: tuple[torch.Tensor, ...] = ()
-        if rows:
-            index = to_device(rows, logits.device)  # a list index would copy synchronously, waiting for the device
-            logp = logits[index].log_softmax(dim=-1)
-            width = max(params[i].logprobs or 0 for i in rows)
-            top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
-            chosen = logp.gather(1, tokens[index][:, None])[:, 0]
-            top = (top_values, top_ids, chosen)
+        rows, top = _logprob_tensors(logits, params, tokens)
         return PendingSample(tokens, *_to_host((tokens, *top)), rows=rows,
                              widths=[params[i].logprobs or 0 for i in rows], size=len(params))
 
@@ -104,21 +94,37 @@ class Sampler:
     @staticmethod
     def logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
                  ) -> list[dict[int, float] | None]:
-        """Log-probabilities of the model's raw distribution (before temperature and filters)."""
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        result: list[dict[int, float] | None] = [None] * len(params)
-        if not rows:
-            return result
-        logp = logits[rows].log_softmax(dim=-1)
-        width = max(params[i].logprobs or 0 for i in rows)
-        top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
-        chosen = logp.gather(1, torch.tensor([tokens[i] for i in rows], device=logp.device)[:, None])
-        for j, i in enumerate(rows):
-            n = params[i].logprobs or 0
-            entry = dict(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist()))
-            entry[tokens[i]] = chosen[j, 0].item()
-            result[i] = entry
-        return result
+        """Log-probabilities of the model's raw distribution (before temperature and filters) for given tokens."""
+        rows, top = _logprob_tensors(logits, params, torch.tensor(tokens, device=logits.device))
+        return _logprob_entries(rows, [params[i].logprobs or 0 for i in rows], len(params),
+                                [t.tolist() for t in top], tokens)
+
+
+def _logprob_tensors(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor
+                     ) -> tuple[list[int], tuple[torch.Tensor, ...]]:
+    """The rows that asked for logprobs and, on the logits' device, their (top values, top ids, logprob of the
+    row's token in ``tokens``)."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return rows, ()
+    index = to_device(rows, logits.device)  # a list index would copy synchronously, waiting for the device
+    logp = logits[index].log_softmax(dim=-1)
+    width = max(params[i].logprobs or 0 for i in rows)
+    top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
+    return rows, (top_values, top_ids, logp.gather(1, tokens[index][:, None])[:, 0])
+
+
+def _logprob_entries(rows: list[int], widths: list[int], size: int, top: list[list], tokens: list[int]
+                     ) -> list[dict[int, float] | None]:
+    """Per row: None, or {token id: logprob} of its ``widths`` top tokens and its own token."""
+    entries: list[dict[int, float] | None] = [None] * size
+    if rows:
+        top_values, top_ids, chosen = top
+        for j, (i, n) in enumerate(zip(rows, widths)):
+            entry = dict(zip(top_ids[j][:n], top_values[j][:n]))
+            entry[tokens[i]] = chosen[j]
+            entries[i] = entry
+    return entries
 
 
 @dataclass
@@ -137,14 +143,8 @@ class PendingSample:
         if self.copied is not None:
             self.copied.synchronize()
         token_list = self.host[0].tolist()
-        logprobs: list[dict[int, float] | None] = [None] * self.size
-        if self.rows:
-            top_values, top_ids, chosen = (t.tolist() for t in self.host[1:])
-            for j, (i, n) in enumerate(zip(self.rows, self.widths)):
-                entry = dict(zip(top_ids[j][:n], top_values[j][:n]))
-                entry[token_list[i]] = chosen[j]
-                logprobs[i] = entry
-        return SampleResult(token_list, logprobs)
+        return SampleResult(token_list, _logprob_entries(self.rows, self.widths, self.size,
+                                                         [t.tolist() for t in self.host[1:]], token_list))
 
 
 def _to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
