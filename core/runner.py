@@ -65,6 +65,18 @@ class Batch:
     draft_counts: list[int]  # [S] draft tokens verified after each sampling sequence's last real token (D in all)
 
 
+def unallocated(out: SchedulerOutput, kv: KVCache) -> PluginError:
+    """The error for a schedule whose sequence computes positions its KV blocks do not cover."""
+    for item in out.scheduled:
+        seq, end = item.seq, item.seq.num_computed_tokens + item.num_new_tokens + len(item.draft_token_ids)
+        held = len(kv.block_table(seq)) * kv.block_size
+        if held < end:
+            return PluginError(f"sequence {seq.seq_id} of request {seq.request_id} was scheduled to compute positions "
+                               f"up to {end} but holds KV blocks for {held}: a scheduler must KVCache.allocate "
+                               "before it schedules")
+    return PluginError("a block table lookup failed while building the batch (a KV cache returned a bad table)")
+
+
 class ModelRunner:
     def __init__(self, model: Model, attention: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, seed: int, num_swap_blocks: int = 0,
@@ -116,37 +128,36 @@ class ModelRunner:
         draft_rows: list[int] = []
         draft_counts: list[int] = []
         size = self.block_size
-        for item in out.scheduled:
-            seq, n, drafts = item.seq, item.num_new_tokens, item.draft_token_ids
-            start = seq.num_computed_tokens
-            table = kv.block_table(seq)
-            tables.append(table)
-            if len(table) * size < start + n + len(drafts):
-                raise PluginError(f"sequence {seq.seq_id} of request {seq.request_id} was scheduled to compute "
-                                  f"positions up to {start + n + len(drafts)} but holds KV blocks for "
-                                  f"{len(table) * size}: a scheduler must KVCache.allocate before it schedules")
-            if n == 1 and not drafts and start + 1 == seq.num_tokens:  # a plain decode: the loop below, unrolled
-                tokens.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // size] * size + start % size)
-                sample_rows.append(query_start[-1])
-                query_start.append(query_start[-1] + 1)
-                context_lens.append(start + 1)
-                sample_seq_ids.append(seq.seq_id)
-                draft_counts.append(0)
-                continue
-            end = start + n + len(drafts)  # speculative verification: the drafts follow the real tokens
-            tokens.extend(seq.token_ids[start : start + n])
-            tokens.extend(drafts)
-            positions.extend(range(start, end))
-            slots.extend(table[p // size] * size + p % size for p in range(start, end))
-            query_start.append(query_start[-1] + end - start)
-            context_lens.append(end)
-            if start + n == seq.num_tokens:
-                sample_rows.append(query_start[-1] - 1 - len(drafts))
-                sample_seq_ids.append(seq.seq_id)
-                draft_rows.extend(range(query_start[-1] - len(drafts), query_start[-1]))
-                draft_counts.append(len(drafts))
+        try:  # a block table too short for the positions scheduled fails its lookup (IndexError)
+            for item in out.scheduled:
+                seq, n, drafts = item.seq, item.num_new_tokens, item.draft_token_ids
+                start = seq.num_computed_tokens
+                table = kv.block_table(seq)
+                tables.append(table)
+                if n == 1 and not drafts and start + 1 == seq.num_tokens:  # a plain decode: the loop below, unrolled
+                    tokens.append(seq.token_ids[start])
+                    positions.append(start)
+                    slots.append(table[start // size] * size + start % size)
+                    sample_rows.append(query_start[-1])
+                    query_start.append(query_start[-1] + 1)
+                    context_lens.append(start + 1)
+                    sample_seq_ids.append(seq.seq_id)
+                    draft_counts.append(0)
+                    continue
+                end = start + n + len(drafts)  # speculative verification: the drafts follow the real tokens
+                tokens.extend(seq.token_ids[start : start + n])
+                tokens.extend(drafts)
+                positions.extend(range(start, end))
+                slots.extend(table[p // size] * size + p % size for p in range(start, end))
+                query_start.append(query_start[-1] + end - start)
+                context_lens.append(end)
+                if start + n == seq.num_tokens:
+                    sample_rows.append(query_start[-1] - 1 - len(drafts))
+                    sample_seq_ids.append(seq.seq_id)
+                    draft_rows.extend(range(query_start[-1] - len(drafts), query_start[-1]))
+                    draft_counts.append(len(drafts))
+        except IndexError:
+            raise unallocated(out, kv) from None
         width = max(map(len, tables))
         flat = array.array("i", bytes(4 * width * len(tables)))  # the block tables, zero-padded to [B, width]
         for row, table in enumerate(tables):
