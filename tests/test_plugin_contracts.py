@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tomllib
 import types
-from collections import OrderedDict
 from collections.abc import Hashable
 from importlib import metadata
 from pathlib import Path
@@ -23,6 +22,7 @@ from infer.core.errors import PluginError
 from infer.core.interfaces import EvictionPolicy
 from infer.core.plugins import PluginManager
 from infer.core.registry import ARCHITECTURE_NAMES, Registry
+from infer.plugins.eviction import LRUPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,28 +78,21 @@ def touch_contract_violations(policy: EvictionPolicy) -> list[str]:
     return violations
 
 
-class StrictLRU(EvictionPolicy):
+def load_failure(root: Path, monkeypatch: pytest.MonkeyPatch, dist: str, entry_point: str,
+                 plugin_source: str | None) -> str:
+    """The (whitespace-flattened) PluginError of loading every entry point with this fake plugin installed."""
+    install_fake_plugin(root, dist, entry_point, plugin_source)
+    monkeypatch.syspath_prepend(str(root))
+    with pytest.raises(PluginError) as error:
+        PluginManager.from_entry_points(allow="")
+    return flat(str(error.value))
+
+
+class StrictLRU(LRUPolicy):
     """An LRU as the old docstrings suggested it: touch moves the key, assuming the policy holds it."""
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
-
-    def insert(self, key: Hashable, priority: int = 0) -> None:
-        self._order[key] = None
 
     def touch(self, key: Hashable) -> None:
         self._order.move_to_end(key)
-
-    def remove(self, key: Hashable) -> None:
-        del self._order[key]
-
-    def pop(self) -> Hashable:
-        if not self._order:
-            raise IndexError("nothing to evict")
-        return self._order.popitem(last=False)[0]
-
-    def __len__(self) -> int:
-        return len(self._order)
 
 
 def test_every_eviction_policy_accepts_touch_of_keys_it_does_not_hold(infer_plugins):
@@ -126,12 +119,8 @@ def test_the_touch_contract_is_stated_where_plugin_authors_read():
 
 # ---------------------------------------------------------------- 2, 3. broken plugins say who they are
 def test_a_misspelled_hook_names_the_plugin_and_the_valid_hooks(tmp_path, monkeypatch):
-    install_fake_plugin(tmp_path, "infer-plugin-typo", "typo",
-                        "@hookimpl\ndef register_eviction_policy(register):\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(PluginError) as error:
-        PluginManager.from_entry_points(allow="")
-    message = flat(str(error.value))
+    message = load_failure(tmp_path, monkeypatch, "infer-plugin-typo", "typo",
+                           "@hookimpl\ndef register_eviction_policy(register):\n    pass\n")
     assert "plugin 'typo' from package 'infer-plugin-typo' implements 'register_eviction_policy'" in message
     assert "did you mean 'register_eviction_policies'?" in message and "register_schedulers" in message
     assert "`pip uninstall infer-plugin-typo`" in message
@@ -140,12 +129,8 @@ def test_a_misspelled_hook_names_the_plugin_and_the_valid_hooks(tmp_path, monkey
 
 
 def test_a_misnamed_hook_argument_names_the_expected_one(tmp_path, monkeypatch):
-    install_fake_plugin(tmp_path, "infer-plugin-argname", "argname",
-                        "@hookimpl\ndef register_eviction_policies(reg):\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(PluginError) as error:
-        PluginManager.from_entry_points(allow="")
-    message = flat(str(error.value))
+    message = load_failure(tmp_path, monkeypatch, "infer-plugin-argname", "argname",
+                           "@hookimpl\ndef register_eviction_policies(reg):\n    pass\n")
     assert "plugin 'argname' from package 'infer-plugin-argname' implements register_eviction_policies(reg), " \
            "but infer calls register_eviction_policies(register)" in message
     assert "`pip uninstall infer-plugin-argname`" in message and "INFER_PLUGINS=" in message
@@ -161,11 +146,7 @@ def test_a_refused_runtime_plugin_leaves_the_manager_usable(infer_plugins):
 
 
 def test_an_import_failure_suggests_uninstalling_or_the_allow_list(tmp_path, monkeypatch):
-    install_fake_plugin(tmp_path, "infer-plugin-renamed", "renamed", None)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(PluginError) as error:
-        PluginManager.from_entry_points(allow="")
-    message = flat(str(error.value))
+    message = load_failure(tmp_path, monkeypatch, "infer-plugin-renamed", "renamed", None)
     assert "plugin 'renamed' from package 'infer-plugin-renamed' failed to import" in message
     assert "`pip uninstall infer-plugin-renamed`" in message
     assert message.endswith(f"INFER_PLUGINS={entry_points_but('renamed')}")
