@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import Preset, build_model, workload_requests  # noqa: E402
@@ -37,6 +38,20 @@ def import_checkout(root: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["infer"] = module
     spec.loader.exec_module(module)
+
+
+def minuscule_engine(**options: Any) -> Any:
+    """An Engine on the minuscule model, on the CPU with one torch thread, no prefix caching, max_num_seqs for
+    HOST's requests; ``options``: other EngineConfig fields. Call after any ``import_checkout``."""
+    import torch
+
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    torch.set_num_threads(1)
+    model = build_model(Path(tempfile.gettempdir()) / "infer-host-overhead", HOST.shape, HOST.dtype, "cpu")
+    return Engine(EngineConfig(model=str(model), device="cpu", max_num_seqs=HOST.requests, enable_prefix_caching=False,
+                               **options))
 
 
 def main() -> None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import HOST, import_checkout  # noqa: E402
-from throughput import build_model, workload_requests  # noqa: E402
+from host_overhead import HOST, import_checkout, minuscule_engine  # noqa: E402
+from throughput import workload_requests  # noqa: E402
 
 
 def main() -> None:
@@ -27,17 +26,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.source is not None:
         import_checkout(args.source)
-    import torch
-
-    from infer.core.config import EngineConfig
-    from infer.core.engine import Engine
     from infer.core.request import SamplingParams
 
-    torch.set_num_threads(1)
-    model = build_model(Path(tempfile.gettempdir()) / "infer-host-overhead", HOST.shape, HOST.dtype, "cpu")
-    engine = Engine(EngineConfig(model=str(model), device="cpu", attention="torch", max_num_seqs=HOST.requests,
-                                 enable_prefix_caching=False, num_kv_blocks=HOST.requests * 2048 // 16 + 1,
-                                 max_model_len=2048))
+    engine = minuscule_engine(attention="torch", num_kv_blocks=HOST.requests * 2048 // 16 + 1, max_model_len=2048)
     for prompt, _ in workload_requests(HOST):
         engine.add_request(prompt, SamplingParams(max_tokens=2048 - len(prompt), temperature=0.0, ignore_eos=True))
     seqs = [s for r in engine.requests.values() for s in r.seqs]
