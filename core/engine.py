@@ -19,7 +19,7 @@ from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Sch
 from .loader import LoadedModel, load_model
 from .metrics import EngineStats, StepStats
 from .outputs import RequestState, append_output, build_output
-from .plugins import PluginManager
+from .plugins import PluginManager, checked_manager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .runner import PENDING_TOKEN, Batch, InFlight, ModelRunner
 from .sampling import to_device
@@ -36,9 +36,7 @@ class Engine:
     """The serving API. Not thread-safe: one thread drives ``step()`` (the gRPC server hands off to it)."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
-        if plugins is not None and not isinstance(plugins, PluginManager):
-            raise ConfigError(f"plugins= takes a PluginManager, not {type(plugins).__name__}; to pick components by "
-                              "name pass LLM(plugin=[...names]) or the fields (kv_cache=..., scheduler=...)")
+        plugins = checked_manager(plugins)
         config = config.replace().validate()  # a private copy: the engine resolves defaults into it
         self.config = config
         started = time.perf_counter()

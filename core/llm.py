@@ -6,8 +6,7 @@ from typing import Any
 
 from .config import COMPONENT_FIELDS, EngineConfig
 from .engine import Engine
-from .errors import ConfigError
-from .plugins import PluginManager
+from .plugins import PluginManager, checked_manager
 from .request import RequestOutput, SamplingParams
 
 
@@ -23,10 +22,7 @@ class LLM:
             plugin = [plugin]
         config = EngineConfig(model=model, **options)
         if plugin:
-            if plugins is not None and not isinstance(plugins, PluginManager):
-                raise ConfigError(f"plugins= takes a PluginManager, not {type(plugins).__name__}; component names "
-                                  "go in plugin=[...]")
-            plugins = plugins or PluginManager.from_entry_points()
+            plugins = checked_manager(plugins) or PluginManager.from_entry_points()
             explicit = {k: v for k, v in options.items() if k in COMPONENT_FIELDS.values()}
             config = plugins.select_components(config, list(plugin), explicit)
         self.engine = Engine(config, plugins)

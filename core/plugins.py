@@ -239,6 +239,14 @@ class PluginManager:
                 f"keep, infer's shipped ones too: {' or '.join(options)}")
 
 
+def checked_manager(plugins: Any) -> PluginManager | None:
+    """``plugins`` as given to Engine or LLM: a PluginManager or None; anything else is refused."""
+    if plugins is not None and not isinstance(plugins, PluginManager):
+        raise ConfigError(f"plugins= takes a PluginManager, not {type(plugins).__name__}; to pick components by "
+                          "name pass LLM(plugin=[...names]) or the fields (kv_cache=..., scheduler=...)")
+    return plugins
+
+
 def _dist_name(ep: metadata.EntryPoint) -> str:
     return ep.dist.name if ep.dist else ep.value
 
