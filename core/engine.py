@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -30,6 +31,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("infer")
 VERIFY_GRAPH_MAX_BATCH = 32
 T = TypeVar("T")
+
+
+@dataclass
+class StepTimes:
+    """When a step's forward pass was launched (after scheduling) and returned, the tokens in flight were read back,
+    and the due outputs were built."""
+
+    scheduled: float
+    executed: float
+    settled: float
+    emitted: float
 
 
 class Engine:
@@ -265,14 +277,8 @@ class Engine:
         update, outputs."""
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
-        scheduled = time.perf_counter()
-        flight = self.in_flight  # async scheduling's fork step: the step before left its tokens in flight
-        batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None)
-        executed = time.perf_counter()
-        self.unemitted += self._settle()  # after the launch: a sequence it stops stays in this batch, unsampled
-        outputs = self._emit_unemitted()  # async output: on a GPU, this overlaps the forward pass
-        emitted = time.perf_counter()
-        # async output: sequences just finished by a stop string are in this batch, but neither sampled nor emitted
+        batch, logits, outputs, times = self._forward(out)
+        # sequences just finished by a read-back stop token or a stop string are in this batch: not sampled
         gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
         sampled, forks = self._sample(out, batch, logits, gone)
         now = time.perf_counter()
@@ -285,7 +291,7 @@ class Engine:
             outputs += self._emit_progress(advanced)  # may finish sequences too (stop strings)
         if self.spec is not None:
             self.spec.release_finished(advanced)
-        self._record_step(out, start, scheduled - start, executed - scheduled, now - emitted)
+        self._record_step(out, start, times, now)
         return outputs
 
     def _step_ahead(self) -> list[RequestOutput]:
@@ -300,14 +306,7 @@ class Engine:
             return self._emit_unemitted()
         if self.awaiting_fork and self._forks_this_step(out):  # n > 1: children copy a token read back now
             return self._run(out, start)
-        scheduled = time.perf_counter()
-        flight = self.in_flight
-        batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None)
-        executed = time.perf_counter()
-        self.unemitted += self._settle()  # waits for the previous step's tokens, not for this step
-        settled = time.perf_counter()
-        outputs = self._emit_unemitted()  # may finish sequences (stop strings): their rows of this step are void
-        emitted = time.perf_counter()
+        batch, logits, outputs, times = self._forward(out)
         items = {item.seq.seq_id: item.seq for item in out.scheduled}
         rows = [i for i, sid in enumerate(batch.sample_seq_ids) if not items[sid].is_finished]
         seqs = [items[batch.sample_seq_ids[i]] for i in rows]
@@ -317,8 +316,21 @@ class Engine:
             self.in_flight = InFlight(sample, seqs, [seq.num_tokens for seq in seqs])
         now = time.perf_counter()
         self.scheduler.update(out, {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
-        self._record_step(out, start, scheduled - start, executed - scheduled, settled - executed + now - emitted)
+        self._record_step(out, start, times, now)
         return outputs
+
+    def _forward(self, out: SchedulerOutput) -> tuple[Batch, torch.Tensor, list[RequestOutput], StepTimes]:
+        """Launch the forward pass of ``out`` (tokens still in flight fill their places on the device); then, while
+        it runs, read the in-flight tokens back and build the outputs that are due (async output), which may finish
+        sequences of this batch (stop tokens, stop strings)."""
+        scheduled = time.perf_counter()
+        flight = self.in_flight
+        batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None)
+        executed = time.perf_counter()
+        self.unemitted += self._settle()  # waits for the previous step's tokens, not for this step
+        settled = time.perf_counter()
+        outputs = self._emit_unemitted()
+        return batch, logits, outputs, StepTimes(scheduled, executed, settled, time.perf_counter())
 
     def _forks_this_step(self, out: SchedulerOutput) -> bool:
         """Whether a sequence of a request waiting to fork samples its first token in this step."""
@@ -442,8 +454,11 @@ class Engine:
             self.spec.finish(req.seqs, output)
         self.plugins.hook.on_request_finished(output=output)
 
-    def _record_step(self, out: Any, start: float, schedule_s: float, execute_s: float, sample_s: float) -> None:
-        """Totals and the on_step hook. The phases' host times; postprocess is the rest of the step."""
+    def _record_step(self, out: Any, start: float, times: StepTimes, sampled: float) -> None:
+        """Totals and the on_step hook. Sampling time includes the wait for tokens read back; postprocess is the
+        rest of the step."""
+        schedule_s, execute_s = times.scheduled - start, times.executed - times.scheduled
+        sample_s = times.settled - times.executed + sampled - times.emitted
         kv = self.kv.stats()
         s = self.stats
         s.steps += 1
