@@ -8,40 +8,27 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
+from .assembly import assemble
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
-from .errors import ConfigError, InferError, InvalidRequestError, NotFoundError, PluginError
-from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Scheduler, SchedulerOutput
-from .loader import LoadedModel, load_model
-from .metrics import EngineStats, StepStats
+from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
+from .interfaces import SchedulerOutput
+from .metrics import EngineStats, StepTimes
 from .outputs import RequestState, append_output, build_output
 from .plugins import PluginManager, checked_manager
-from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
-from .runner import PENDING_TOKEN, Batch, InFlight, ModelRunner
+from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
+from .runner import PENDING_TOKEN, Batch, InFlight
 from .sampling import to_device
 
 if TYPE_CHECKING:
     from ..spec_decode.decoder import SpecDecoder
 
 log = logging.getLogger("infer")
-VERIFY_GRAPH_MAX_BATCH = 32
-T = TypeVar("T")
 
-
-@dataclass
-class StepTimes:
-    """When a step's forward pass was launched (after scheduling) and returned, the tokens in flight were read back,
-    and the due outputs were built."""
-
-    scheduled: float
-    executed: float
-    settled: float
-    emitted: float
 
 
 class Engine:
@@ -53,42 +40,17 @@ class Engine:
         self.config = config
         started = time.perf_counter()
         self.plugins = (plugins or PluginManager.from_entry_points()).collect()
-        if config.model is None:
-            from ..models.tiny import ensure_default_model
-
-            config.model = str(ensure_default_model())
-        from pathlib import Path
-
-        self.loaded: LoadedModel = load_model(config, self.plugins, Path(config.model))
-        if config.cpu_threads is not None and self.loaded.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads)  # process-wide: torch has one intra-op pool
+        parts = assemble(config, self.plugins)
+        self.loaded, self.attention, self.kv_dtype, self.num_blocks = \
+            parts.loaded, parts.attention, parts.kv_dtype, parts.num_blocks
+        self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.tokenizer = self.loaded.tokenizer
         self.new_detokenizer = detokenizer_factory(self.tokenizer, self.loaded.model.spec.vocab_size)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
-        attention_name, self.attention = self._make_attention()
-        config.attention = attention_name  # resolved: a draft model runs on the target's backend
-        self.kv_dtype, kv_scales = self._kv_cache_format()
-        proposer = self._make_proposer()  # before the KV pool is sized: a draft model takes memory too
-        self.num_blocks = self._num_kv_blocks()
-        if config.preemption_mode == "swap" and config.num_swap_blocks is None:
-            per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.kv_dtype)
-            config.num_swap_blocks = int(config.swap_space_gb * 2**30) // per_block
-        eviction = self._build("eviction_policy", config.eviction_policy, EvictionPolicy, config)
-        self.kv = self._build("kv_cache", config.kv_cache, KVCache, config, self.num_blocks, eviction)
-        self.scheduler = self._build("scheduler", config.scheduler, Scheduler, config, self.kv)
-        self.runner = ModelRunner(self.loaded.model, self.attention, self.num_blocks, config.block_size,
-                                  self.loaded.dtype, self.loaded.device, config.seed,
-                                  config.num_swap_blocks if config.preemption_mode == "swap" else 0,
-                                  kv_dtype=self.kv_dtype, kv_scales=kv_scales)
-        if config.cuda_graphs and self.loaded.device.type == "cuda":
-            if self.attention.supports_cuda_graphs:
-                self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256), self._verify_graph_sizes())
-            else:
-                log.info("CUDA graphs are off: attention backend %r does not support them", attention_name)
-        self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": attention_name,
+        self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
                        "eviction_policy": config.eviction_policy, "quant": config.quant or "none",
                        "proposer": config.proposer or "none"}
         self.requests: dict[str, RequestState] = {}
@@ -99,10 +61,10 @@ class Engine:
         self.awaiting_fork: set[str] = set()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.spec: SpecDecoder | None = None
-        if proposer is not None:
+        if parts.proposer is not None:
             from ..spec_decode.decoder import SpecDecoder
 
-            self.spec = SpecDecoder(config, proposer, self.kv, self.runner.sampler, self.stats)
+            self.spec = SpecDecoder(config, parts.proposer, self.kv, self.runner.sampler, self.stats)
         self._seq_ids = itertools.count()
         self.steps_taken = 0  # calls of step(); generate_as_completed notices a caller that stepped in between
         if config.freeze_gc:
@@ -110,91 +72,15 @@ class Engine:
             gc.freeze()
             atexit.unregister(gc.unfreeze)  # once per process: at exit the frozen heap is collected as usual (else
             atexit.register(gc.unfreeze)  # extension modules, triton's among them, report its cycles as leaks)
-        per_block = ModelRunner.bytes_per_block(self.loaded.model, config.block_size, self.kv_dtype)
         log.info("engine ready in %.1f s: %s on %s in %s (%d layers, max_model_len %d); KV pool %d blocks of %d "
                  "tokens, %s, %.0f MiB; %s; CUDA graphs %s, async output %s, async scheduling %s",
                  time.perf_counter() - started,
                  config.model, self.loaded.device, str(self.loaded.dtype).removeprefix("torch."), spec.num_layers,
                  spec.max_model_len, self.num_blocks, config.block_size, str(self.kv_dtype).removeprefix("torch."),
-                 self.num_blocks * per_block / 2**20, ", ".join(f"{k} {v}" for k, v in self.active.items()),
+                 self.num_blocks * parts.bytes_per_block / 2**20,
+                 ", ".join(f"{k} {v}" for k, v in self.active.items()),
                  "on" if self.runner.graphs is not None else "off", "on" if self.async_output else "off",
                  "on" if config.async_scheduling else "off")
-
-    # ------------------------------------------------------------ setup
-    def _build(self, kind: str, name: str, expected: type[T], *args: Any) -> T:
-        """Call a registered factory and check that it kept its contract (an instance of the kind's ABC)."""
-        entry = self.plugins.registry(kind).entry(name)
-        built = entry.factory(*args)
-        if not isinstance(built, expected):
-            raise PluginError(f"the {kind.replace('_', ' ')} factory {name!r} from {entry.source!r} returned "
-                              f"{type(built).__name__}, not an instance of {expected.__name__}; fix the plugin (its "
-                              "factory must build and return the component)")
-        return built
-
-    def _make_attention(self) -> tuple[str, AttentionBackend]:
-        """The named backend; by default `triton` on CUDA, `cpu` on the CPU (it compiles a C kernel: without a
-        working C compiler, `torch`, with a warning that says why)."""
-        registry, config = self.plugins.registry("attention_backend"), self.config
-        if config.attention:
-            return config.attention, self._build("attention_backend", config.attention, AttentionBackend, config)
-        if self.loaded.device.type == "cuda":
-            if "triton" in registry:
-                return "triton", self._build("attention_backend", "triton", AttentionBackend, config)
-            log.warning("CUDA device but no 'triton' attention backend is registered; using 'torch'")
-        elif "cpu" in registry:
-            try:
-                return "cpu", self._build("attention_backend", "cpu", AttentionBackend, config)
-            except PluginError as exc:
-                log.warning("attention backend 'cpu' is unavailable, using 'torch': %s", exc)
-        return "torch", self._build("attention_backend", "torch", AttentionBackend, config)
-
-    def _make_proposer(self) -> Proposer | None:
-        c = self.config
-        if c.proposer is None:
-            if c.draft_model is not None or c.num_speculative_tokens:
-                raise ConfigError("--draft-model and --num-speculative-tokens need a proposer: add "
-                                  "--plugin draft-model or --plugin ngram")
-            return None
-        entry = self.plugins.registry("proposer").entry(c.proposer)
-        if c.draft_model is not None and entry.name != "draft-model":
-            raise ConfigError(f"--draft-model is read by the draft-model proposer only, not by {entry.name!r}; "
-                              "use --proposer draft-model, or drop --draft-model")
-        return self._build("proposer", entry.name, Proposer, c, self.loaded)
-
-    def _kv_cache_format(self) -> tuple[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]] | None]:
-        """The KV element dtype and, for ``--kv-cache-dtype fp8``, the per-layer scales (quant/kv_cache.py)."""
-        if self.config.kv_cache_dtype != "fp8":
-            return self.loaded.dtype, None
-        from ..quant.kv_cache import FP8_KV_DTYPE, calibrate_kv_scales, calibration_ids
-
-        ids = calibration_ids(self.tokenizer, min(512, self.max_model_len))
-        return FP8_KV_DTYPE, calibrate_kv_scales(self.loaded.model, ids, self.loaded.device)
-
-    def _verify_graph_sizes(self) -> dict[int, int]:
-        """Speculative decoding: verification steps of K + 1 query tokens per sequence get graphs too, for batches
-        up to VERIFY_GRAPH_MAX_BATCH (speculation pays at small batches; its policy may turn it off above)."""
-        k = self.config.num_speculative_tokens
-        if self.config.proposer is None or k < 1:
-            return {}
-        return {k + 1: min(self.config.max_num_seqs, VERIFY_GRAPH_MAX_BATCH)}
-
-    def _num_kv_blocks(self) -> int:
-        c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        per_block = ModelRunner.bytes_per_block(self.loaded.model, c.block_size, self.kv_dtype)
-        if c.kv_cache_memory_gb is not None:
-            budget = int(c.kv_cache_memory_gb * 2**30)
-        elif self.loaded.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.loaded.device)
-            budget = int(free * 0.9) - 2**30  # leave room for activations and CUDA graphs
-        else:
-            needed = c.max_num_seqs * self.max_model_len // c.block_size + 1
-            budget = min(2 * 2**30, needed * per_block)
-        blocks = budget // per_block
-        if blocks < 1:
-            raise InvalidRequestError(f"the KV budget holds no block of {per_block} bytes; raise --kv-cache-memory-gb")
-        return blocks
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -454,38 +340,11 @@ class Engine:
             self.spec.finish(req.seqs, output)
         self.plugins.hook.on_request_finished(output=output)
 
-    def _record_step(self, out: Any, start: float, times: StepTimes, sampled: float) -> None:
-        """Totals and the on_step hook. Sampling time includes the wait for tokens read back; postprocess is the
-        rest of the step."""
-        schedule_s, execute_s = times.scheduled - start, times.executed - times.scheduled
-        sample_s = times.settled - times.executed + sampled - times.emitted
-        kv = self.kv.stats()
-        s = self.stats
-        s.steps += 1
-        s.kv = kv
-        s.preemptions = self.scheduler.num_preemptions
-        s.num_waiting, s.num_running = self.scheduler.num_waiting(), self.scheduler.num_running()
-        s.kv_peak_used_blocks = max(s.kv_peak_used_blocks, kv.used_blocks)
-        ran = [item.seq for item in out.scheduled if item.seq.status is SequenceStatus.RUNNING]
-        s.kv_waste_slots = self.kv_waste_slots(ran)
-        if ran:
-            s.kv_max_waste_per_seq = max(s.kv_max_waste_per_seq, s.kv_waste_slots / len(ran))
-        decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
-        duration = time.perf_counter() - start
-        step = StepStats(s.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
-                         s.num_waiting, s.num_running, len(out.preempted), kv, schedule_s=schedule_s,
-                         execute_s=execute_s, sample_s=sample_s,
-                         postprocess_s=duration - schedule_s - execute_s - sample_s)
-        for phase in ("schedule", "execute", "sample", "postprocess"):
-            s.phase_s[phase] = s.phase_s.get(phase, 0.0) + getattr(step, f"{phase}_s")
+    def _record_step(self, out: SchedulerOutput, start: float, times: StepTimes, sampled: float) -> None:
+        step = self.stats.record_step(out, self.kv, self.scheduler, start, times, sampled)
         if self.spec is not None:
             self.spec.annotate(step)
         self.plugins.hook.on_step(stats=step)
-
-    def kv_waste_slots(self, seqs: list[Sequence]) -> int:
-        """Allocated slots holding no token, summed over ``seqs`` (each sequence's own tail). Each step counts the
-        sequences it ran that are still running: O(batch), where a scan of all requests would grow with the queue."""
-        return sum(len(self.kv.block_table(s)) * self.kv.block_size - s.num_computed_tokens for s in seqs)
 
     # ------------------------------------------------------------ convenience
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,

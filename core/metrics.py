@@ -1,14 +1,26 @@
 """Engine metrics: per-step stats for observers, and running totals (TTFT, TPOT, ITL, KV, prefix hits)."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .interfaces import KVStats
-from .request import Sequence
+from .interfaces import KVCache, KVStats, Scheduler, SchedulerOutput
+from .request import Sequence, SequenceStatus
 
 
 LATENCY_SAMPLES = 10_000  # bounded, so that a long-running server does not grow
+
+
+@dataclass
+class StepTimes:
+    """When a step's forward pass was launched (after scheduling) and returned, the tokens in flight were read back,
+    and the due outputs were built."""
+
+    scheduled: float
+    executed: float
+    settled: float
+    emitted: float
 
 
 @dataclass
@@ -70,6 +82,31 @@ class EngineStats:
     def acceptance_rate(self) -> float:
         return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
 
+    def record_step(self, out: SchedulerOutput, kv: KVCache, scheduler: Scheduler, start: float, times: StepTimes,
+                    sampled: float) -> StepStats:
+        """Update the totals after a step that began at ``start`` and sampled at ``sampled``; return its StepStats.
+        Sampling time includes the wait for tokens read back; postprocess is the rest of the step."""
+        schedule_s, execute_s = times.scheduled - start, times.executed - times.scheduled
+        sample_s = times.settled - times.executed + sampled - times.emitted
+        self.steps += 1
+        self.kv = kv_stats = kv.stats()
+        self.preemptions = scheduler.num_preemptions
+        self.num_waiting, self.num_running = scheduler.num_waiting(), scheduler.num_running()
+        self.kv_peak_used_blocks = max(self.kv_peak_used_blocks, kv_stats.used_blocks)
+        ran = [item.seq for item in out.scheduled if item.seq.status is SequenceStatus.RUNNING]
+        self.kv_waste_slots = kv_waste_slots(kv, ran)
+        if ran:
+            self.kv_max_waste_per_seq = max(self.kv_max_waste_per_seq, self.kv_waste_slots / len(ran))
+        decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
+        duration = time.perf_counter() - start
+        step = StepStats(self.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
+                         self.num_waiting, self.num_running, len(out.preempted), kv_stats, schedule_s=schedule_s,
+                         execute_s=execute_s, sample_s=sample_s,
+                         postprocess_s=duration - schedule_s - execute_s - sample_s)
+        for phase in ("schedule", "execute", "sample", "postprocess"):
+            self.phase_s[phase] = self.phase_s.get(phase, 0.0) + getattr(step, f"{phase}_s")
+        return step
+
     def record_finished(self, seq: Sequence, arrival: float) -> None:
         self.requests_finished += 1
         if seq.first_token_time is not None:
@@ -106,3 +143,9 @@ class EngineStats:
             "mean_tpot_ms": round(1000 * sum(self.tpot_s) / len(self.tpot_s), 3) if self.tpot_s else 0.0,
             **{f"time_{phase}_s": round(seconds, 4) for phase, seconds in self.phase_s.items()},
         }
+
+
+def kv_waste_slots(kv: KVCache, seqs: list[Sequence]) -> int:
+    """Allocated slots holding no token, summed over ``seqs`` (each sequence's own tail). Each step counts the
+    sequences it ran that are still running: O(batch), where a scan of all requests would grow with the queue."""
+    return sum(len(kv.block_table(s)) * kv.block_size - s.num_computed_tokens for s in seqs)

@@ -1,0 +1,150 @@
+"""Engine assembly: load the model, then build the components the config names through the plugin registries."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from .config import EngineConfig
+from .errors import ConfigError, InvalidRequestError, PluginError
+from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Scheduler
+from .loader import LoadedModel, load_model
+from .plugins import PluginManager
+from .runner import ModelRunner
+
+log = logging.getLogger("infer")
+VERIFY_GRAPH_MAX_BATCH = 32
+T = TypeVar("T")
+
+
+@dataclass
+class Components:
+    """What an Engine runs on. ``config`` is resolved in place: the model path, attention backend and swap blocks."""
+
+    loaded: LoadedModel
+    attention: AttentionBackend
+    kv_dtype: torch.dtype
+    num_blocks: int
+    kv: KVCache
+    scheduler: Scheduler
+    runner: ModelRunner
+    proposer: Proposer | None
+
+    @property
+    def bytes_per_block(self) -> int:
+        return ModelRunner.bytes_per_block(self.loaded.model, self.runner.block_size, self.kv_dtype)
+
+
+def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
+    """Load ``config.model`` (the embedded default when None) and build every component, each factory checked."""
+    if config.model is None:
+        from ..models.tiny import ensure_default_model
+
+        config.model = str(ensure_default_model())
+    loaded = load_model(config, plugins, Path(config.model))
+    if config.cpu_threads is not None and loaded.device.type == "cpu":
+        torch.set_num_threads(config.cpu_threads)  # process-wide: torch has one intra-op pool
+    config.attention, attention = make_attention(config, plugins, loaded)  # resolved: a draft runs on it too
+    kv_dtype, kv_scales = kv_cache_format(config, loaded)
+    proposer = make_proposer(config, plugins, loaded)  # before the KV pool is sized: a draft model takes memory too
+    per_block = ModelRunner.bytes_per_block(loaded.model, config.block_size, kv_dtype)
+    num_blocks = num_kv_blocks(config, loaded, per_block)
+    if config.preemption_mode == "swap" and config.num_swap_blocks is None:
+        config.num_swap_blocks = int(config.swap_space_gb * 2**30) // per_block
+    eviction = build(plugins, "eviction_policy", config.eviction_policy, EvictionPolicy, config)
+    kv = build(plugins, "kv_cache", config.kv_cache, KVCache, config, num_blocks, eviction)
+    scheduler = build(plugins, "scheduler", config.scheduler, Scheduler, config, kv)
+    runner = ModelRunner(loaded.model, attention, num_blocks, config.block_size, loaded.dtype, loaded.device,
+                         config.seed, config.num_swap_blocks if config.preemption_mode == "swap" else 0,
+                         kv_dtype=kv_dtype, kv_scales=kv_scales)
+    if config.cuda_graphs and loaded.device.type == "cuda":
+        if attention.supports_cuda_graphs:
+            runner.enable_cuda_graphs(min(config.max_num_seqs, 256), verify_graph_sizes(config))
+        else:
+            log.info("CUDA graphs are off: attention backend %r does not support them", config.attention)
+    return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer)
+
+
+def build(plugins: PluginManager, kind: str, name: str, expected: type[T], *args: Any) -> T:
+    """Call a registered factory and check that it kept its contract (an instance of the kind's ABC)."""
+    entry = plugins.registry(kind).entry(name)
+    built = entry.factory(*args)
+    if not isinstance(built, expected):
+        raise PluginError(f"the {kind.replace('_', ' ')} factory {name!r} from {entry.source!r} returned "
+                          f"{type(built).__name__}, not an instance of {expected.__name__}; fix the plugin (its "
+                          "factory must build and return the component)")
+    return built
+
+
+def make_attention(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel
+                   ) -> tuple[str, AttentionBackend]:
+    """The named backend; by default `triton` on CUDA, `cpu` on the CPU (it compiles a C kernel: without a working
+    C compiler, `torch`, with a warning that says why)."""
+    registry = plugins.registry("attention_backend")
+    if config.attention:
+        return config.attention, build(plugins, "attention_backend", config.attention, AttentionBackend, config)
+    if loaded.device.type == "cuda":
+        if "triton" in registry:
+            return "triton", build(plugins, "attention_backend", "triton", AttentionBackend, config)
+        log.warning("CUDA device but no 'triton' attention backend is registered; using 'torch'")
+    elif "cpu" in registry:
+        try:
+            return "cpu", build(plugins, "attention_backend", "cpu", AttentionBackend, config)
+        except PluginError as exc:
+            log.warning("attention backend 'cpu' is unavailable, using 'torch': %s", exc)
+    return "torch", build(plugins, "attention_backend", "torch", AttentionBackend, config)
+
+
+def make_proposer(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel) -> Proposer | None:
+    if config.proposer is None:
+        if config.draft_model is not None or config.num_speculative_tokens:
+            raise ConfigError("--draft-model and --num-speculative-tokens need a proposer: add "
+                              "--plugin draft-model or --plugin ngram")
+        return None
+    entry = plugins.registry("proposer").entry(config.proposer)
+    if config.draft_model is not None and entry.name != "draft-model":
+        raise ConfigError(f"--draft-model is read by the draft-model proposer only, not by {entry.name!r}; "
+                          "use --proposer draft-model, or drop --draft-model")
+    return build(plugins, "proposer", entry.name, Proposer, config, loaded)
+
+
+def kv_cache_format(config: EngineConfig, loaded: LoadedModel
+                    ) -> tuple[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+    """The KV element dtype and, for ``--kv-cache-dtype fp8``, the per-layer scales (quant/kv_cache.py)."""
+    if config.kv_cache_dtype != "fp8":
+        return loaded.dtype, None
+    from ..quant.kv_cache import FP8_KV_DTYPE, calibrate_kv_scales, calibration_ids
+
+    ids = calibration_ids(loaded.tokenizer, min(512, loaded.model.spec.max_model_len))
+    return FP8_KV_DTYPE, calibrate_kv_scales(loaded.model, ids, loaded.device)
+
+
+def verify_graph_sizes(config: EngineConfig) -> dict[int, int]:
+    """Speculative decoding: verification steps of K + 1 query tokens per sequence get graphs too, for batches up
+    to VERIFY_GRAPH_MAX_BATCH (speculation pays at small batches; its policy may turn it off above)."""
+    k = config.num_speculative_tokens
+    if config.proposer is None or k < 1:
+        return {}
+    return {k + 1: min(config.max_num_seqs, VERIFY_GRAPH_MAX_BATCH)}
+
+
+def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, per_block: int) -> int:
+    """``--num-kv-blocks``, else what the KV memory budget holds: ``--kv-cache-memory-gb``, 90% of free GPU memory
+    less 1 GiB, or on the CPU enough for max_num_seqs full contexts (at most 2 GiB)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_gb is not None:
+        budget = int(config.kv_cache_memory_gb * 2**30)
+    elif loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        budget = int(free * 0.9) - 2**30  # leave room for activations and CUDA graphs
+    else:
+        needed = config.max_num_seqs * loaded.model.spec.max_model_len // config.block_size + 1
+        budget = min(2 * 2**30, needed * per_block)
+    blocks = budget // per_block
+    if blocks < 1:
+        raise InvalidRequestError(f"the KV budget holds no block of {per_block} bytes; raise --kv-cache-memory-gb")
+    return blocks
