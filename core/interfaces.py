@@ -139,6 +139,11 @@ class EvictionPolicy(ABC):
     def pop(self) -> Hashable:
         """Remove and return the next victim. Raises IndexError when empty."""
 
+    def forget(self, key: Hashable) -> None:
+        """``key``'s content is gone for good, dropped by the cache without ``pop`` (a paged block whose prefix was
+        evicted): a policy that remembers uses of a key beyond ``remove`` drops them, so that new content under the
+        same key starts fresh. ``key`` is not evictable here (removed first, or never inserted). Default: nothing."""
+
     @abstractmethod
     def __len__(self) -> int:
         """Number of evictable keys."""

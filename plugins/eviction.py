@@ -70,11 +70,11 @@ class _HeapPolicy(EvictionPolicy):
             _, count, key = heapq.heappop(self._heap)
             if self._live.get(key) == count:
                 del self._live[key]
-                self._forget(key)
+                self.forget(key)
                 return key
         raise IndexError("nothing to evict")
 
-    def _forget(self, key: Hashable) -> None:
+    def forget(self, key: Hashable) -> None:
         self._priority.pop(key, None)
 
     def __len__(self) -> int:
@@ -99,9 +99,9 @@ class LFUPolicy(_HeapPolicy):
         self._uses[key] = self._uses.get(key, 0) + 1
         super().touch(key)
 
-    def _forget(self, key: Hashable) -> None:
-        super()._forget(key)
-        self._uses.pop(key, None)  # evicted: the next content under this key starts fresh
+    def forget(self, key: Hashable) -> None:
+        super().forget(key)
+        self._uses.pop(key, None)  # evicted or dropped: the next content under this key starts fresh
 
 
 class PriorityPolicy(_HeapPolicy):

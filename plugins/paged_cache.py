@@ -101,6 +101,7 @@ class PagedKVCache(KVCache):
                 self.eviction.remove(b)
                 self.free_list.append(b)
                 self.counters.evictions += 1
+            self.eviction.forget(b)  # its content can never be matched again, even while a sequence holds it
 
     def _release(self, block: int, priority: int) -> None:
         self.ref[block] -= 1

@@ -498,3 +498,43 @@ def test_evicting_a_prefix_block_unregisters_what_follows_it() -> None:
     probe = Sequence(next(seqs), "r", a + b + [12], SamplingParams(), 0.0)
     assert kv.match_prefix(probe) == BLOCK  # A; the block of A+B left the cache when A did
     assert all(cached_prefix(kv, block) for block in kv.key_to_block.values())
+
+
+def test_lfu_forgets_the_uses_of_a_block_dropped_while_held() -> None:
+    """A block registered after another request's cached prefix leaves the cache when that prefix is evicted, even
+    while a sequence holds it; the uses LFU counted for its old content must not carry over to the next one."""
+    from infer.plugins.eviction import LFUPolicy
+
+    lfu = LFUPolicy()
+    kv = PagedKVCache(8, BLOCK, lfu, True)
+    seqs = itertools.count()
+
+    def admit(prompt: list[int]) -> Sequence:
+        seq = Sequence(next(seqs), "r", prompt, SamplingParams(), 0.0)
+        seq.num_computed_tokens = kv.match_prefix(seq)
+        assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+        return seq
+
+    def compute(seq: Sequence) -> None:
+        seq.num_computed_tokens = seq.num_tokens
+        kv.commit(seq)
+
+    x, y, z = [1] * BLOCK, [2] * BLOCK, [3] * BLOCK
+    first, holder = admit(x + [9]), admit(x + z + [9])  # both prefill before either caches anything
+    compute(first)  # caches x
+    compute(holder)  # x is cached already: holder's z block is registered after first's x block
+    z_block = kv.block_table(holder)[1]
+    kv.free(first)  # first's x block is evictable now; holder still holds its z block
+    for _ in range(3):  # prefix hits on x + z: three uses of the z block
+        hit = admit(x + z + [7])
+        assert kv.block_table(hit)[1] == z_block
+        compute(hit)
+        kv.free(hit)
+    kv.free(admit(list(range(10, 11 + 4 * BLOCK))))  # needs every free block and evicts x: z goes with it
+    assert kv.match_prefix(probe := Sequence(next(seqs), "r", x + z + [7], SamplingParams(), 0.0)) == 0
+    kv.free(probe)
+    kv.free(holder)  # z's block is free now, and its next content is new
+    fresh = next(b for b in range(8) if b != z_block and kv.ref[b] == 0)
+    lfu.insert(z_block)  # what caching new content in the two blocks tells the policy
+    lfu.insert(fresh)
+    assert lfu.pop() == z_block  # one use each: the older goes first, as with any new content

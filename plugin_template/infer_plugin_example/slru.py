@@ -50,5 +50,8 @@ class SegmentedLRUPolicy(EvictionPolicy):
                 return key
         raise IndexError("nothing to evict")
 
+    def forget(self, key: Hashable) -> None:
+        self._reused.discard(key)  # the cache dropped the content without evicting it: the same fresh start
+
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected)

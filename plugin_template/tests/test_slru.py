@@ -52,6 +52,17 @@ def test_eviction_forgets_reuse():
     assert policy.pop() == "a"
 
 
+def test_forget_drops_reuse():
+    policy = SegmentedLRUPolicy()
+    policy.insert("a")
+    policy.touch("a")
+    policy.remove("a")
+    policy.forget("a")  # the cache dropped a's content while a request held it
+    policy.insert("a")
+    policy.insert("c")
+    assert policy.pop() == "a"  # on probation, like any new content
+
+
 def test_remove_of_an_unknown_key_is_an_error():
     with pytest.raises(KeyError):
         SegmentedLRUPolicy().remove("nope")
