@@ -14,7 +14,9 @@ class ConfigError(InvalidRequestError):
 
 
 class CapacityError(InferError):
-    """The request can never fit, or the server is full right now. gRPC: RESOURCE_EXHAUSTED."""
+    """The request can never fit this engine's configuration (KV pool, max-num-seqs, step budget). gRPC:
+    FAILED_PRECONDITION, as retrying cannot help until the configuration changes (a server that is full right now
+    answers RESOURCE_EXHAUSTED itself)."""
 
 
 class PluginError(InferError):

@@ -10,6 +10,8 @@ from .errors import InvalidRequestError
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 1024
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ class SamplingParams:
             raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            # each is searched for after every token, on the one thread that steps every request
+            raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters each; got "
+                      f"{len(self.stop)}, the longest {max(map(len, self.stop))} characters")
         if not isinstance(self.speculative, bool):
             raise bad(f"speculative must be True or False, got {self.speculative!r}")
 

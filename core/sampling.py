@@ -14,6 +14,12 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]  # per row: sampled token and top-n, when asked
 
 
+def stream_seed(seed: int, index: int, salt: int = 0) -> int:
+    """The generator seed of sequence ``index`` of a request seeded with ``seed``: any non-negative seed, reduced to
+    the 64 bits torch.Generator takes (a larger one overflowed it and failed the whole step)."""
+    return ((seed * 1_000_003 + index) ^ salt) % 2**64
+
+
 class Sampler:
     """Samples one token per row of logits. Rows with a seed use their own generator, so a seeded request
     gives the same tokens whatever else is in the batch."""
@@ -26,7 +32,7 @@ class Sampler:
     def generator_for(self, seq_id: int, seed: int, index: int) -> torch.Generator:
         gen = self.seeded.get(seq_id)
         if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + index)
+            gen = torch.Generator(device=self.device).manual_seed(stream_seed(seed, index))
             self.seeded[seq_id] = gen
         return gen
 
@@ -84,6 +90,7 @@ class Sampler:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # the smallest set whose mass reaches top_p; the top token always stays (its preceding mass is 0)
             drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+            drop_sorted[:, 0] = False  # also when a tiny top_p underflows to 0 in float32
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         if any(p.min_p > 0 for p in params):

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
 from .auth import BearerTokenInterceptor
+from .malformed import MalformedRequestInterceptor
 from .servicer import InferenceServicer
 from .worker import EngineWorker
 
@@ -163,7 +164,8 @@ class InferenceServer:
     async def start(self) -> int:
         """Start the engine thread and the server; health turns SERVING. Returns the bound port."""
         o = self.options
-        interceptors = [BearerTokenInterceptor(o.token)] if o.token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(o.token)] if o.token else []
+        interceptors.append(MalformedRequestInterceptor())
         size = o.max_message_bytes
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
@@ -220,12 +222,13 @@ class InferenceServer:
         await self.close(grace=1.0)
 
     async def close(self, grace: float | None = None) -> None:
-        """Stop the server (cancelling calls after ``grace`` seconds), the metrics endpoint and the engine thread."""
+        """Stop the engine thread (its requests still running end with UNAVAILABLE and a message that says why),
+        then the server (calls still open are cancelled after ``grace`` seconds) and the metrics endpoint."""
+        await asyncio.to_thread(self.worker.stop)
         if self._server is not None:
             await self._server.stop(grace)
         if self._stop_metrics is not None:
             await asyncio.to_thread(self._stop_metrics)
-        await asyncio.to_thread(self.worker.stop)
 
     async def run(self, on_ready: Callable[[int], None] | None = None) -> None:
         """Start, serve until SIGTERM or SIGINT, then drain. A second signal skips the rest of the grace period."""

@@ -282,6 +282,10 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except InferError as exc:  # a plugin that broke its contract: mapped to its status, its message intact
+            log.error("engine step failed; failing the requests in flight: %s", exc)
+            self._fail_all(exc)
+            return
         except Exception as exc:
             log.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineFault(f"internal error in the engine step: {exc!r}"))
@@ -329,7 +333,8 @@ class EngineWorker:
                 pass
 
     def _shutdown(self) -> None:
-        self._fail_all(ServerUnavailable("the server is shutting down; the request was aborted"))
+        self._fail_all(ServerUnavailable("the server is shutting down and aborted the request; retry it on another "
+                                         "replica or once the server is back"))
         self._flush()
         with self._lock:
             self._stopped = True

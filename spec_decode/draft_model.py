@@ -24,7 +24,7 @@ from ..core.loader import LoadedModel, load_model
 from ..core.plugins import PluginManager
 from ..core.request import Sequence
 from ..core.runner import ModelRunner
-from ..core.sampling import Sampler, to_device
+from ..core.sampling import Sampler, stream_seed, to_device
 
 DRAFT_SEED_SALT = 0x5EED_D4AF  # draft draws must not replay the target sampler's streams
 UNREAD_TOKEN = -1  # stands in a shadow's token list for a draft still on the device, until the round's one read
@@ -174,7 +174,7 @@ class DraftModelProposer(Proposer):
         gen = self.seeded.get(seq.seq_id)
         if gen is None:
             gen = torch.Generator(device=self.draft.device).manual_seed(
-                (seq.params.seed * 1_000_003 + seq.index) ^ DRAFT_SEED_SALT)
+                stream_seed(seq.params.seed, seq.index, DRAFT_SEED_SALT))
             self.seeded[seq.seq_id] = gen
         return gen
 

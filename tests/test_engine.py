@@ -91,6 +91,10 @@ def test_sampling_filters_follow_their_definitions():
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     probs = Sampler.filtered_probs(logits, [SamplingParams(temperature=0.5)])
     assert torch.allclose(probs, torch.softmax(logits / 0.5, -1))
+    shuffled = logits[:, [2, 0, 3, 1]]
+    for tiny in (1e-30, 1e-300):  # the smallest set reaching top_p is the top token, also once float32 rounds to 0
+        probs = Sampler.filtered_probs(shuffled, [SamplingParams(top_p=tiny)])
+        assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
 def test_sampled_frequencies_match_the_distribution():

@@ -325,7 +325,8 @@ def _validation_message(**fields: Any) -> str:
 
 BAD_PARAMS = [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5), dict(temperature=math.nan),
               dict(temperature=math.inf), dict(top_p=0.0), dict(top_p=1.5), dict(top_p=-0.1), dict(top_p=math.nan),
-              dict(top_k=-1), dict(min_p=1.0), dict(n=0), dict(logprobs=21), dict(seed=-1), dict(stop=[""])]
+              dict(top_k=-1), dict(min_p=1.0), dict(n=0), dict(logprobs=21), dict(seed=-1), dict(stop=[""]),
+              dict(stop=["x"] * 65), dict(stop=["x" * 1025])]
 
 
 @pytest.mark.parametrize("fields", BAD_PARAMS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
@@ -351,7 +352,7 @@ BAD_PROMPTS = {
     "id-out-of-vocab": ([1, 10**6], dict(max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT),
     "negative-id": ([-1], dict(max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT),
     "over-the-context": ("hello there", dict(max_tokens=1020), grpc.StatusCode.INVALID_ARGUMENT),
-    "over-the-step-budget": ([7] * (STEP_BUDGET + 20), dict(max_tokens=4), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "over-the-step-budget": ([7] * (STEP_BUDGET + 20), dict(max_tokens=4), grpc.StatusCode.FAILED_PRECONDITION),
 }
 
 
@@ -385,6 +386,30 @@ def test_no_prompt_and_oversized_messages(client: Client) -> None:
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt is empty")
     err = rpc_error(lambda: client.complete("x" * (MAX_MESSAGE + 1000), max_tokens=2))
     assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert_serves(client)
+
+
+def test_undecodable_requests_are_invalid_argument(client: Client) -> None:
+    """Corrupt wire data and a prompt that is not UTF-8 name the message type, not a Python DecodeError."""
+    valid = pb.GenerateRequest(text="ab", params=pb.SamplingParams(max_tokens=2)).SerializeToString()
+    not_utf8 = valid.replace(b"ab", b"\xff\xfe")
+    for method, streams in (("Complete", False), ("Generate", True)):
+        call = (client.channel.unary_stream if streams else client.channel.unary_unary)(
+            f"/infer.v1.Inference/{method}", request_serializer=None, response_deserializer=None)
+        for payload in (b"\xff\xff\xff", not_utf8):
+            err = rpc_error(lambda: list(call(payload)) if streams else call(payload))
+            assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, (method, payload, err)
+            assert "not a valid infer.v1.GenerateRequest message" in err.details() and "UTF-8" in err.details()
+    assert_serves(client)
+
+
+def test_a_seed_beyond_64_bits_samples_and_leaves_other_streams_alone(client: Client, llm: Any) -> None:
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=2**62 + 12345)
+    other = client.generate("another stream", max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = next(other)
+    big = client.complete("hi", params)
+    assert list(big.outputs[0].token_ids) == llm.generate(["hi"], params)[0].outputs[0].token_ids
+    assert len(tokens_of([first, *other])) == 40
     assert_serves(client)
 
 
@@ -532,3 +557,21 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(secure_server: ServerProce
             assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert secure_server.proc.wait(timeout=60) == 0, secure_server.log_tail()
     assert "server stopped" in secure_server.log_tail()
+
+
+def test_streams_cut_by_the_grace_period_say_why(tiny_model: Path, tmp_path: Path) -> None:
+    proc = launch(tiny_model, tmp_path / "serve.log", [], ["--grace-period", "1"], {})
+    try:
+        proc.wait_serving()
+        with proc.client() as c:
+            call = c.generate("never done", max_tokens=1000, temperature=0.0, ignore_eos=True)
+            next(call)
+            started = time.monotonic()
+            proc.proc.send_signal(signal.SIGTERM)
+            err = rpc_error(lambda: list(call))
+            assert err.code() is grpc.StatusCode.UNAVAILABLE
+            assert "shutting down and aborted the request; retry it on another replica" in err.details()
+        assert proc.proc.wait(timeout=30) == 0, proc.log_tail()
+        assert time.monotonic() - started < 10
+    finally:
+        proc.kill()

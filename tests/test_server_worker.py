@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from infer.core.errors import InvalidRequestError, NotFoundError
+from infer.core.errors import InvalidRequestError, NotFoundError, PluginError
 from infer.core.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 from infer.server import infer_pb2 as pb
 from infer.server import infer_pb2_grpc as pb_grpc
@@ -20,7 +20,8 @@ from infer.server.worker import EngineWorker
 
 
 class ScriptedEngine:
-    """Emits token 7 once per step per request. Prompts "crash-in-add" / "crash-in-step" raise RuntimeError."""
+    """Emits token 7 once per step per request. Prompts "crash-in-add" / "crash-in-step" raise RuntimeError,
+    "plugin-error-in-step" a PluginError."""
 
     def __init__(self) -> None:
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
@@ -38,9 +39,13 @@ class ScriptedEngine:
         self.requests[request_id] = ([], params)
         if prompt == "crash-in-step":
             self.requests[request_id][0].append(-1)
+        if prompt == "plugin-error-in-step":
+            self.requests[request_id][0].append(-2)
         return request_id
 
     def step(self) -> list[RequestOutput]:
+        if any(-2 in tokens for tokens, _ in self.requests.values()):
+            raise PluginError("scheduler 'scripted' scheduled nothing; fix the plugin")
         if any(-1 in tokens for tokens, _ in self.requests.values()):
             raise RuntimeError("boom in the step")
         outputs = []
@@ -108,6 +113,17 @@ def test_internal_faults_are_internal_and_the_server_keeps_serving() -> None:
 
     engine = serve_scripted(test)
     assert len(engine.aborted) == 1  # the step fault aborted the request that was in flight
+
+
+def test_a_plugin_error_in_a_step_keeps_its_status_and_message() -> None:
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        code, details = await rpc_code(client.complete("plugin-error-in-step", max_tokens=3))
+        assert (code, details) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                   "scheduler 'scripted' scheduled nothing; fix the plugin")
+        out = await client.complete("fine", max_tokens=2)
+        assert list(out.outputs[0].token_ids) == [7, 7]
+
+    serve_scripted(test)
 
 
 def test_a_cancelled_stream_aborts_its_request() -> None:
