@@ -7,6 +7,11 @@ time runs from a request's first streamed token to its last, so the prefill is e
 verification round are compared with Leviathan et al.'s (1 - a^(K+1)) / (1 - a), both at the engine's acceptance
 rate a = accepted / proposed and at the per-draft acceptance probability alpha = accepted / (accepted + rejections),
 the i.i.d. estimate the formula assumes (a drafted token after a rejection is proposed but never judged).
+With the draft-model proposer the draft also runs alone, as a plain engine, in the same rotation: c = its decode time
+per token / the target's, and Leviathan et al.'s speedup bound (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)) (eq. 2,
+no overhead beyond the c of whole engine steps) says what the pair can give at best. Per arm, the host time per
+output token of each engine phase (the draft's K steps are in `schedule`, verification in `sample`) is the profile
+that explains a gap to the bound.
 Run: ``python benchmarks/spec_bench.py`` (the shipped pair on CPU); ``--device cuda`` on a GPU.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ from infer.core.request import SamplingParams
 from infer.models.tiny import PRETRAINED_DIR
 from infer.spec_decode.rejection import expected_tokens_per_round
 
+DRAFT_ALONE = "draft model alone"
 PROMPTS = [
     "def fibonacci(n):\n",
     "class Parser:\n    def __init__(self, text):\n",
@@ -37,17 +43,23 @@ PROMPTS = [
 ]
 
 
+PHASES = ("schedule", "execute", "sample", "postprocess")
+
+
 class RoundLog:
-    """An on_step observer: a single stream verifies at most one round per step."""
+    """An on_step observer: a single stream verifies at most one round per step. Sums the phase times too."""
 
     def __init__(self) -> None:
         self.accepted = self.judged = 0
+        self.phase_s = dict.fromkeys(PHASES, 0.0)
 
     @hookimpl
     def on_step(self, stats: StepStats) -> None:
         if stats.num_draft_tokens:
             self.accepted += stats.num_accepted_tokens
             self.judged += stats.num_accepted_tokens + (stats.num_accepted_tokens < stats.num_draft_tokens)
+        for phase in PHASES:
+            self.phase_s[phase] += getattr(stats, f"{phase}_s")
 
 
 @dataclass
@@ -59,6 +71,7 @@ class Arm:
     acceptance: float = 0.0  # accepted / proposed
     alpha: float = 0.0  # accepted / judged
     tokens_per_round: float = 0.0
+    phase_ms: dict[str, float] = field(default_factory=dict)  # host ms per output token, by engine phase
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
@@ -69,14 +82,15 @@ class Arm:
         return statistics.median(b / a for a, b in zip(self.decode_s, base.decode_s))
 
 
-def make_engine(args: argparse.Namespace, k: int, log: RoundLog) -> Engine:
-    spec = {"proposer": args.proposer, "num_speculative_tokens": k} if k else {}
-    if k and args.proposer == "draft-model":
+def make_engine(args: argparse.Namespace, arm: Arm, log: RoundLog) -> Engine:
+    spec = {"proposer": args.proposer, "num_speculative_tokens": arm.k} if arm.k else {}
+    if arm.k and args.proposer == "draft-model":
         spec["draft_model"] = args.draft
     plugins = PluginManager.from_entry_points()
     plugins.register(log, name="spec-bench-rounds")
     # one request at a time: max_num_seqs 4 keeps the CUDA graph ladders (target, verification, draft) at 1, 2, 4
-    return Engine(EngineConfig(model=args.target, device=args.device, num_kv_blocks=512, seed=0, max_num_seqs=4,
+    model = args.draft if arm.name == DRAFT_ALONE else args.target
+    return Engine(EngineConfig(model=model, device=args.device, num_kv_blocks=512, seed=0, max_num_seqs=4,
                                freeze_gc=True, **spec), plugins)  # as `infer serve` runs; no engine is dropped
 
 
@@ -97,11 +111,15 @@ def decode_time(engine: Engine, prompt: str, params: SamplingParams) -> tuple[fl
 def run(args: argparse.Namespace) -> list[Arm]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=1)
     arms = [Arm("no speculation", 0)] + [Arm(f"{args.proposer} K={k}", k) for k in args.ks]
+    if args.proposer == "draft-model":
+        arms.append(Arm(DRAFT_ALONE, 0))
     logs = [RoundLog() for _ in arms]
-    engines = [make_engine(args, arm.k, log) for arm, log in zip(arms, logs)]
+    engines = [make_engine(args, arm, log) for arm, log in zip(arms, logs)]
     for engine in engines:  # warm-up on the measured work: every kernel variant (Triton specializes on block-table
         for prompt in PROMPTS:  # widths) compiles and every graph is captured before the clock starts
             engine.generate([prompt], params)
+    for log in logs:
+        log.phase_s = dict.fromkeys(PHASES, 0.0)
     for _ in range(args.repeats):
         totals = [0.0] * len(arms)
         for arm in arms:
@@ -119,7 +137,14 @@ def run(args: argparse.Namespace) -> list[Arm]:
         arm.acceptance = s.acceptance_rate
         arm.alpha = log.accepted / log.judged if log.judged else 0.0
         arm.tokens_per_round = s.spec_emitted / s.spec_rounds if s.spec_rounds else 1.0
+        arm.phase_ms = {phase: round(1000 * seconds / (arm.tokens * args.repeats), 4)
+                        for phase, seconds in log.phase_s.items()}
     return arms
+
+
+def speedup_bound(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al. 2023, eq. 2: expected walltime improvement with K drafts at cost ratio c."""
+    return expected_tokens_per_round(alpha, k) / (k * c + 1)
 
 
 def main() -> None:
@@ -137,17 +162,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     arms = run(args)
     base = arms[0]
-    print("| arm | decode tok/s | speedup | a = accepted/proposed | alpha = accepted/judged | tokens/round | "
-          "(1-a^(K+1))/(1-a) | same at alpha | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    alone = next((arm for arm in arms if arm.name == DRAFT_ALONE), None)
+    c = 1 / alone.speedup(base) if alone is not None else None  # the draft's time per token / the target's
+    print("| arm | decode tok/s | speedup | bound at alpha, c | a = accepted/proposed | alpha = accepted/judged | "
+          "tokens/round | (1-a^(K+1))/(1-a) | same at alpha | same tokens | host ms/token: schedule, execute, "
+          "sample, postprocess |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for arm in arms:
         at_a = expected_tokens_per_round(arm.acceptance, arm.k) if arm.k else 1.0
         at_alpha = expected_tokens_per_round(arm.alpha, arm.k) if arm.k else 1.0
+        bound = f"{speedup_bound(arm.alpha, arm.k, c):.2f}x" if arm.k and c is not None else "-"
         same = "-" if not arm.k or args.temperature else str(arm.outputs == base.outputs).lower()
-        print(f"| {arm.name} | {arm.tok_per_s:.1f} | {arm.speedup(base):.2f}x | {arm.acceptance:.3f} | "
-              f"{arm.alpha:.3f} | {arm.tokens_per_round:.2f} | {at_a:.2f} | {at_alpha:.2f} | {same} |")
+        phases = ", ".join(f"{arm.phase_ms[p]:.3f}" for p in PHASES)
+        print(f"| {arm.name} | {arm.tok_per_s:.1f} | {arm.speedup(base):.2f}x | {bound} | {arm.acceptance:.3f} | "
+              f"{arm.alpha:.3f} | {arm.tokens_per_round:.2f} | {at_a:.2f} | {at_alpha:.2f} | {same} | {phases} |")
+    if c is not None:
+        print(f"c = {c:.3f} (the draft alone, per token, against the target alone, same rotation)")
     record = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "threads": args.threads,
-              "device": args.device, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "device": args.device, "max_tokens": args.max_tokens, "temperature": args.temperature, "c": c,
               "arms": [{k: v for k, v in asdict(a).items() if k != "outputs"}
                        | {"tok_per_s": a.tok_per_s, "speedup": a.speedup(base)} for a in arms]}
     print(json.dumps(record))
