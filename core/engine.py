@@ -48,7 +48,7 @@ class Engine:
         self.new_detokenizer = detokenizer_factory(self.tokenizer, self.loaded.model.spec.vocab_size)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
-        self.eos_token_ids = frozenset(spec.eos_token_ids) | (
+        self.eos_token_ids = frozenset(spec.eos_token_ids) | frozenset(self.loaded.generation_eos) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
                        "eviction_policy": config.eviction_policy, "quant": config.quant or "none",
@@ -84,14 +84,20 @@ class Engine:
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        vocab = self.loaded.model.spec.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty; give at least one character or token")
-            return list(self.tokenizer.encode(prompt))
+            ids = list(self.tokenizer.encode(prompt))
+            if ids and max(ids) >= vocab:  # a tokenizer larger than the model's vocabulary
+                bad = sorted({t for t in ids if t >= vocab})
+                raise InvalidRequestError(f"the prompt encodes to token ids {bad[:5]} that the model's vocabulary "
+                                          f"({vocab}) lacks: its tokenizer has more tokens than the model; remove the "
+                                          f"text of {self.tokenizer.convert_ids_to_tokens(bad[:5])}")
+            return ids
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty; give at least one character or token")
-        vocab = self.loaded.model.spec.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")

@@ -292,6 +292,9 @@ class AttentionBackend(ABC):
 
 
 # ---------------------------------------------------------------- quantization
+QUANTIZED_TENSOR_NAMES = ("qweight", "qzeros", "scales", "weight_scale", "input_scale", "g_idx", "weight_packed")
+
+
 class QuantMethod(ABC):
     """How a linear layer stores and applies its weights. One instance serves all the model's linears."""
 
@@ -312,10 +315,15 @@ class QuantMethod(ABC):
         import torch
 
         target = getattr(layer, name, None)
+        where = f"{getattr(layer, 'prefix', 'a linear layer')}.{name}"
         if not isinstance(target, torch.Tensor):
-            raise CheckpointError(f"unexpected tensor {name!r} for a {self.name} linear layer")
+            kind = "an unquantized" if self.name == "none" else f"a {self.name}"
+            hint = ("; the checkpoint looks quantized here, but config.json's quantization_config (with its "
+                    "modules_to_not_convert, targets or ignore list) does not make this layer quantized"
+                    if name in QUANTIZED_TENSOR_NAMES and self.name == "none" else "")
+            raise CheckpointError(f"unexpected tensor {where!r} for {kind} linear layer{hint}")
         if tuple(target.shape) != tuple(tensor.shape):
-            raise CheckpointError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+            raise CheckpointError(f"shape mismatch for {where!r}: checkpoint {tuple(tensor.shape)}, "
                                   f"model {tuple(target.shape)}")
         with torch.no_grad():
             target.copy_(tensor)

@@ -31,6 +31,7 @@ class LoadedModel:
     dtype: torch.dtype
     path: Path
     quant: QuantMethod | None
+    generation_eos: tuple[int, ...] = ()  # generation_config.json's eos_token_id (Llama 3 Instruct's <|eot_id|>)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,13 +69,23 @@ def safetensors_files(path: Path) -> list[Path]:
     """The weight files, from the index json when present. Pickle formats are refused (arbitrary code)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index (a JSON object whose weight_map maps "
+                                  f"tensor names to files): {exc!r}; fetch it again or delete it") from exc
         files = [path / n for n in names]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{index.name} names files that are missing: {', '.join(missing)}")
         return files
     files = sorted(path.glob("*.safetensors"))
+    single = path / "model.safetensors"
+    if single in files and len(files) > 1:  # what transformers loads too
+        log.warning("loading %s only: without model.safetensors.index.json the other safetensors files (%s) are "
+                    "not part of the checkpoint", single.name, ", ".join(f.name for f in files if f != single))
+        return [single]
     if files:
         return files
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -106,12 +117,31 @@ def load_tokenizer(path: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
-        raise CheckpointError(f"could not load the tokenizer from {str(path)!r}: {exc}") from exc
+        raise CheckpointError(f"could not load the tokenizer from {str(path)!r} (transformers reads config.json "
+                              f"too, so a bad field there fails here): {exc}") from exc
+
+
+def generation_eos(path: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an id or a list), which HF's generate stops at; () without one."""
+    file = path / "generation_config.json"
+    if not file.exists():
+        return ()
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{file} is not a valid JSON object: {exc}; fix or delete it") from exc
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{file} has eos_token_id = {eos!r}; it should be a token id or a list of them")
+    return tuple(ids)
 
 
 def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> LoadedModel:
     raw = read_config(path)
     archs = raw.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"config.json has architectures = {archs!r}; it should be a list of class names, "
+                              'e.g. ["LlamaForCausalLM"]')
     models = plugins.registry("model")
     if not archs or archs[0] not in models:
         raise CheckpointError(
@@ -122,11 +152,20 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, raw.get("torch_dtype") or raw.get("dtype"), device)
     quant_config = raw.get("quantization_config")
-    quant_name = config.quant or (quant_config or {}).get("quant_method")
-    quant = plugins.registry("quant_method").get(quant_name)(config, quant_config) if quant_name else None
+    declared = quant_config.get("quant_method") if isinstance(quant_config, dict) else None
+    methods = plugins.registry("quant_method")
+    if isinstance(declared, str) and declared not in methods and declared.lower() in methods:
+        declared = declared.lower()  # "AWQ" in some hub configs
+    quant_name = config.quant or declared
+    quant = methods.get(quant_name)(config, quant_config) if quant_name else None
     factory = models.get(archs[0])
     with torch.device(device):
-        model = factory(raw, quant, dtype, config)
+        model = factory(raw, quant, dtype, config)  # parses config.json, naming a bad field
+    tokenizer = load_tokenizer(path)  # before the weights: a bad tokenizer fails fast
+    eos = generation_eos(path)
+    if len(tokenizer) > model.spec.vocab_size:
+        log.warning("the tokenizer has %d tokens but the model's vocabulary %d: prompts with the extra tokens are "
+                    "refused", len(tokenizer), model.spec.vocab_size)
     model.load_weights(iter_weights(files))
     model.eval()
-    return LoadedModel(model, getattr(model, "cfg", raw), load_tokenizer(path), device, dtype, path, quant)
+    return LoadedModel(model, getattr(model, "cfg", raw), tokenizer, device, dtype, path, quant, eos)

@@ -11,7 +11,7 @@ from torch import nn
 from ..core.errors import CheckpointError
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod
 from ..core.model import Model
-from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding
+from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, check_float
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,9 @@ class ArchConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v projections
+    o_proj_bias: bool
+    mlp_bias: bool
     qk_norm: bool
     rope: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
@@ -39,36 +41,81 @@ class ArchConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ArchConfig:
-        arch = (raw.get("architectures") or ["?"])[0]
-        try:
-            heads = int(raw["num_attention_heads"])
-            hidden = int(raw["hidden_size"])
-            rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-            rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-            eos = raw.get("eos_token_id")
-            window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-            return cls(
-                architecture=arch,
-                hidden_size=hidden,
-                num_layers=int(raw["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
-                intermediate_size=int(raw["intermediate_size"]),
-                vocab_size=int(raw["vocab_size"]),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-                qk_norm=arch == "Qwen3ForCausalLM",
-                rope=rope,
-                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-                sliding_window=int(window) if window else None,
-                torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-                quantization_config=raw.get("quantization_config"),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"config.json is missing or has a bad field for {arch}: {exc}") from exc
+        arch = raw["architectures"][0]  # the loader checked it
+        field = _Fields(raw, arch)
+        heads, hidden = field.int("num_attention_heads"), field.int("hidden_size")
+        rope = dict(field.get("rope_parameters", dict) or field.get("rope_scaling", dict) or {})
+        rope.setdefault("rope_theta", field.get("rope_theta", (int, float)) or 10000.0)
+        check_rope(rope, arch)
+        eos = field.get("eos_token_id", (int, list))
+        windowed = field.get("use_sliding_window", bool)  # absent: Mistral slides, Qwen2/3 (HF's default) do not
+        window = field.get("sliding_window", int) if windowed or (windowed is None and "Mistral" in arch) else None
+        qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = qwen2 or bool(field.get("attention_bias", bool))
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            num_layers=field.int("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=field.get("num_key_value_heads", int) or heads,
+            head_dim=field.get("head_dim", int) or hidden // heads,
+            intermediate_size=field.int("intermediate_size"),
+            vocab_size=field.int("vocab_size"),
+            rms_norm_eps=float(field.get("rms_norm_eps", (int, float)) or 1e-6),
+            max_position_embeddings=field.get("max_position_embeddings", int) or 2048,
+            tie_word_embeddings=bool(field.get("tie_word_embeddings", bool)),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and not qwen2,  # Qwen2 biases q, k and v only; Llama and Qwen3 o_proj too
+            mlp_bias=bool(field.get("mlp_bias", bool)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope=rope,
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            sliding_window=window or None,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization_config=raw.get("quantization_config"),
+        )
+
+
+@dataclass
+class _Fields:
+    """Typed reads of config.json: a wrong type is an error naming the field (int("64") or bool("false") would
+    quietly accept what the checkpoint's author did not mean)."""
+
+    raw: dict[str, Any]
+    arch: str
+
+    def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
+        value = self.raw.get(key)
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise CheckpointError(f"config.json of this {self.arch} has {key} = {value!r}, which should be a JSON "
+                                  f"{names}; fix config.json")
+        return value
+
+    def int(self, key: str) -> int:
+        value = self.get(key, int)
+        if value is None:
+            raise CheckpointError(f"config.json of this {self.arch} lacks the field {key!r}; is it a complete HF "
+                                  "config?")
+        return value
+
+
+ROPE_FIELDS = {"default": (), "linear": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def check_rope(rope: dict[str, Any], arch: str) -> None:
+    """The rope fields this rope type reads are present and numbers."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_FIELDS:
+        raise CheckpointError(f"unsupported rope_type {kind!r} in config.json of this {arch}; supported: "
+                              f"{', '.join(ROPE_FIELDS)}")
+    for key in ("rope_theta", *ROPE_FIELDS[kind]):
+        value = rope.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise CheckpointError(f"rope {kind!r} in config.json of this {arch} needs {key} as a positive number, "
+                                  f"got {value!r}; fix rope_parameters (or rope_scaling) in config.json")
 
 
 class Attention(nn.Module):
@@ -82,7 +129,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(cfg.hidden_size, q_size, bias, f"{prefix}.q_proj", quant, dtype)
         self.k_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.k_proj", quant, dtype)
         self.v_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.v_proj", quant, dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, False, f"{prefix}.o_proj", quant, dtype)
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, f"{prefix}.o_proj", quant, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
 
@@ -105,9 +152,10 @@ class MLP(nn.Module):
                  ops: PointwiseOps) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, f"{prefix}.gate_proj", quant, dtype)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, f"{prefix}.up_proj", quant, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, f"{prefix}.down_proj", quant, dtype)
+        inner, bias = cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = Linear(cfg.hidden_size, inner, bias, f"{prefix}.gate_proj", quant, dtype)
+        self.up_proj = Linear(cfg.hidden_size, inner, bias, f"{prefix}.up_proj", quant, dtype)
+        self.down_proj = Linear(inner, cfg.hidden_size, bias, f"{prefix}.down_proj", quant, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
@@ -171,9 +219,16 @@ class LlamaFamilyModel(Model):
         params = dict(self.named_parameters())
         expected = set(self.state_dict())  # every tensor the checkpoint must provide (quant layouts included)
         seen: set[str] = set()
+        tied_head: torch.Tensor | None = None
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
-                continue  # derived buffers; tied head reuses embed_tokens
+            if name in seen:
+                raise CheckpointError(f"tensor {name!r} appears twice among the checkpoint's safetensors files; "
+                                      "remove the stray copy (or list the right files in model.safetensors.index.json)")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # a derived buffer
+            if name == "lm_head.weight" and self.lm_head is None:
+                tied_head = tensor  # must be the embedding: checked below
+                continue
             owner, _, attr = name.rpartition(".")
             module = modules.get(owner)
             if isinstance(module, Linear):
@@ -183,6 +238,7 @@ class LlamaFamilyModel(Model):
                 if param.shape != tensor.shape:
                     raise CheckpointError(
                         f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
+                check_float(name, tensor)
                 with torch.no_grad():
                     param.copy_(tensor)
             else:
@@ -190,7 +246,14 @@ class LlamaFamilyModel(Model):
             seen.add(name)
         missing = sorted(expected - seen)
         if missing:
-            raise CheckpointError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+            hint = "; config.json says tie_word_embeddings false: set it true if the head is the embedding" \
+                if "lm_head.weight" in missing else ""
+            raise CheckpointError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}{hint}")
+        embedding = self.model.embed_tokens.weight
+        if tied_head is not None and not torch.equal(tied_head.to(embedding.device, embedding.dtype), embedding):
+            raise CheckpointError("config.json says tie_word_embeddings true, but the checkpoint's lm_head.weight "
+                                  "differs from model.embed_tokens.weight; set tie_word_embeddings false in config.json "
+                                  "to use the separate head")
         for module in modules.values():
             if isinstance(module, Linear):
                 module.method.process_after_loading(module)

@@ -5,6 +5,7 @@ import logging
 from typing import Any
 
 from ..core.config import EngineConfig
+from ..core.errors import CheckpointError
 from ..core.hookspecs import QuantMethodFactory, hookimpl
 from ..core.interfaces import QuantMethod
 from ..core.registry import Register
@@ -25,6 +26,14 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     if quantization_config is None:
         log.info("fp8: quantizing weights on load (e4m3, per-channel scales; activations per token, dynamic)")
         return Fp8LinearMethod(None, backend)
+    method = quantization_config.get("quant_method")
+    if method != "compressed-tensors":  # e.g. HF's own block-wise "fp8" (weight_block_size)
+        given = "--quant fp8 was given, but " if config.quant else ""
+        todo = "drop --quant to use the checkpoint's own method" if config.quant and method != "fp8" else \
+            "export it as compressed-tensors FP8 (llm-compressor), or load the unquantized model with --quant fp8"
+        raise CheckpointError(f"{given}the checkpoint is quantized with quant_method {method!r}, which infer's fp8 "
+                              "method does not load (it loads compressed-tensors FP8 checkpoints and quantizes "
+                              f"unquantized ones on load); {todo}")
     parsed = parse_compressed_tensors(quantization_config)
     if quantization_config.get("kv_cache_scheme"):
         log.warning("fp8: the checkpoint's kv_cache_scheme is ignored; use --kv-cache-dtype to choose the KV format")

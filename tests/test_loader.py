@@ -1,0 +1,175 @@
+"""Imperfect HF folders: each loads as transformers reads it, or fails with a CheckpointError that names the file,
+tensor or field and says what to do. Never a traceback, never a silently different model."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infer import LLM, SamplingParams
+from infer.core.errors import CheckpointError, InvalidRequestError
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = [5, 17, 300, 42]
+
+
+def copy_of(src: Path, dst: Path, config: dict[str, Any] | None = None,
+            tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> Path:
+    """``src`` copied to ``dst``, with config.json fields replaced (None deletes) and the tensors rewritten."""
+    shutil.copytree(src, dst)
+    if config:
+        raw = json.loads((dst / "config.json").read_text())
+        for key, value in config.items():
+            if value is None:
+                raw.pop(key, None)
+            else:
+                raw[key] = value
+        (dst / "config.json").write_text(json.dumps(raw))
+    if tensors:
+        save_file(tensors(load_file(str(dst / "model.safetensors"))), str(dst / "model.safetensors"))
+    return dst
+
+
+def greedy(path: Path, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY) -> list[int]:
+    return LLM(model=str(path), device="cpu").generate([prompt], params)[0].outputs[0].token_ids
+
+
+def load_error(path: Path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        LLM(model=str(path), device="cpu")
+    return str(info.value)
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint("llama")
+
+
+def test_a_stray_safetensors_file_is_not_part_of_the_checkpoint(llama, tmp_path, hf_greedy, caplog):
+    path = copy_of(llama, tmp_path / "m")
+    save_file({"model.norm.weight": torch.zeros(64)}, str(path / "zz-extra.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens)
+    assert "zz-extra.safetensors" in caplog.text
+
+
+def test_a_tensor_in_two_files_is_an_error(llama, tmp_path):
+    path = copy_of(llama, tmp_path / "m")
+    tensors = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    save_file(tensors, str(path / "a.safetensors"))
+    save_file({"model.norm.weight": torch.zeros(64)}, str(path / "b.safetensors"))
+    assert "'model.norm.weight' appears twice" in load_error(path)
+
+
+@pytest.mark.parametrize("index, expected", [("{not json", "is not a valid safetensors index"),
+                                             ('{"metadata": {}}', "is not a valid safetensors index")])
+def test_a_broken_shard_index_names_the_file(llama, tmp_path, index, expected):
+    path = copy_of(llama, tmp_path / "m")
+    (path / "model.safetensors.index.json").write_text(index)
+    message = load_error(path)
+    assert expected in message and "model.safetensors.index.json" in message
+
+
+def test_generation_config_eos_ids_stop_generation_as_in_hf(llama, tmp_path, hf_greedy):
+    reference = hf_greedy(llama, PROMPT, 8)
+    stop_at = next(i for i, t in enumerate(reference) if t not in reference[:i] and i >= 1)  # a first occurrence
+    path = copy_of(llama, tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, reference[stop_at]]}))
+    out = LLM(model=str(path), device="cpu").generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))
+    assert out[0].outputs[0].token_ids == reference[: stop_at + 1]
+    assert out[0].outputs[0].finish_reason.value == "stop"
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_refuses_the_prompt_not_the_step(llama, tmp_path):
+    def shrink(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v[:512].contiguous() if k in ("model.embed_tokens.weight", "lm_head.weight") else v
+                for k, v in t.items()}
+
+    path = copy_of(llama, tmp_path / "m", {"vocab_size": 512}, shrink)
+    llm = LLM(model=str(path), device="cpu")
+    text = "".join(llm.tokenizer.convert_ids_to_tokens([900, 901])).replace("\u0120", " ")
+    with pytest.raises(InvalidRequestError, match=r"tokenizer has more tokens than the model"):
+        llm.generate([text], GREEDY)
+    assert len(llm.generate(["a"], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens  # still serves
+
+
+def test_tied_embeddings_with_a_different_head_are_refused(llama, tmp_path):
+    message = load_error(copy_of(llama, tmp_path / "m", {"tie_word_embeddings": True}))
+    assert "lm_head.weight differs from model.embed_tokens.weight" in message
+    assert "tie_word_embeddings false" in message
+
+
+def test_tied_embeddings_with_the_same_head_load(llama, tmp_path, hf_greedy):
+    def tie(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return t | {"lm_head.weight": t["model.embed_tokens.weight"].clone()}
+
+    path = copy_of(llama, tmp_path / "m", {"tie_word_embeddings": True}, tie)
+    assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens)
+
+
+def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
+    path = copy_of(llama, tmp_path / "m", tensors=lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
+    assert "set it true if the head is the embedding" in load_error(path)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"hidden_size": "64"}, "hidden_size = '64', which should be a JSON int"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings = 'false', which should be a JSON bool"),
+    ({"num_hidden_layers": None}, "lacks the field 'num_hidden_layers'"),
+    ({"architectures": "LlamaForCausalLM"}, "it should be a list of class names"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}, "needs factor as a positive number"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64}}, "needs low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "unsupported rope_type 'yarn'"),
+])
+def test_bad_config_fields_are_named(llama, tmp_path, fields, expected):
+    assert expected in load_error(copy_of(llama, tmp_path / "m", fields))
+
+
+@pytest.mark.parametrize("arch, extra", [("llama", {"attention_bias": True, "mlp_bias": True}),
+                                         ("qwen3", {"attention_bias": True})])
+def test_projection_biases_load_as_transformers_runs_them(arch, extra, tiny_model_factory, tmp_path, hf_greedy):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model_factory(arch, extra=extra), path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    biases = [name for name, _ in model.named_parameters() if name.endswith("bias")]
+    assert any("o_proj" in name for name in biases) and (arch != "llama" or any("mlp" in name for name in biases))
+    with torch.no_grad():  # HF initialises biases to zero, which would hide a bias never loaded
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.uniform_(-0.5, 0.5)
+    model.save_pretrained(str(path))
+    assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens)
+
+
+def test_quantized_tensors_without_a_quantization_config_name_the_layer(llama, tmp_path):
+    def add(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return t | {"model.layers.0.mlp.up_proj.qweight": torch.zeros(64, 16, dtype=torch.int32)}
+
+    message = load_error(copy_of(llama, tmp_path / "m", tensors=add))
+    assert "'model.layers.0.mlp.up_proj.qweight'" in message and "quantization_config" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_integer_or_fp8_weights_without_a_quantization_config_are_refused(llama, tmp_path, dtype):
+    def cast(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return t | {"model.layers.1.self_attn.k_proj.weight": t["model.layers.1.self_attn.k_proj.weight"].to(dtype)}
+
+    message = load_error(copy_of(llama, tmp_path / "m", tensors=cast))
+    assert "'model.layers.1.self_attn.k_proj.weight'" in message and "quantization_config" in message
+
+
+def test_hf_block_fp8_is_refused_without_blaming_an_option_not_given(llama, tmp_path):
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    message = load_error(copy_of(llama, tmp_path / "m", {"quantization_config": qc}))
+    assert "quant_method 'fp8'" in message and "--quant fp8 was given" not in message
