@@ -252,8 +252,8 @@ class LlamaFamilyModel(Model):
         embedding = self.model.embed_tokens.weight
         if tied_head is not None and not torch.equal(tied_head.to(embedding.device, embedding.dtype), embedding):
             raise CheckpointError("config.json says tie_word_embeddings true, but the checkpoint's lm_head.weight "
-                                  "differs from model.embed_tokens.weight; set tie_word_embeddings false in config.json "
-                                  "to use the separate head")
+                                  "differs from model.embed_tokens.weight; set tie_word_embeddings false in "
+                                  "config.json to use the separate head")
         for module in modules.values():
             if isinstance(module, Linear):
                 module.method.process_after_loading(module)
