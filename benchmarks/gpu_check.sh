@@ -21,6 +21,7 @@ MODEL=${TMPDIR:-/tmp}/infer-throughput-anchor
 summary="$OUT/summary.txt"
 : > "$summary"
 export PYTHONUNBUFFERED=1  # a stage cut off by its time limit still leaves its log
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there: a hub lookup would only retry and stall
 note() { echo "$*" | tee -a "$summary"; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$OUT/logs.tgz.tmp" -C "$WORK" . && mv "$OUT/logs.tgz.tmp" "$OUT/logs.tgz"; }

@@ -287,7 +287,8 @@ class Engine:
         plain = [i for i, seq in enumerate(seqs) if seq.seq_id not in sampled]
         seqs, rows = [seqs[i] for i in plain], [rows[i] for i in plain]
         if seqs:
-            result = self.runner.sample(logits if rows == list(range(len(logits))) else logits[rows], seqs)
+            kept = logits if rows == list(range(len(logits))) else logits[to_device(rows, logits.device)]
+            result = self.runner.sample(kept, seqs)  # a list index would copy synchronously
             for seq, token, entry in zip(seqs, result.token_ids, result.logprobs):
                 sampled[seq.seq_id] = [token]
                 if entry is not None:

@@ -209,8 +209,9 @@ class ModelRunner:
             src = to_device([s for s, _ in ops.copies], self.device)  # no wait for the device's queued work
             dst = to_device([d for _, d in ops.copies], self.device)
             for k_cache, v_cache in self.kv_caches:
-                k_cache[dst] = k_cache[src]
-                v_cache[dst] = v_cache[src]
+                for cache in (k_cache, v_cache):  # as bytes: fp8 index_put is missing on some torch builds
+                    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+                    raw[dst] = raw[src]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCache, input_ids: torch.Tensor | None = None,

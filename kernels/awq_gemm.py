@@ -8,6 +8,8 @@ column indices, so the kernel never reorders nibbles.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -73,8 +75,12 @@ def _auto_split_k(x: torch.Tensor, tiles: int, k: int, block_k: int) -> int:
     """On CUDA, split K until there are about two programs per SM (decode has few output tiles); else 1."""
     if not x.is_cuda:
         return 1
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return max(1, min(triton.cdiv(2 * sms, tiles), k // (4 * block_k), 16))
+    return max(1, min(triton.cdiv(2 * _sm_count(x.device.index or 0), tiles), k // (4 * block_k), 16))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count  # asked once, not per layer call
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,

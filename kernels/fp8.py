@@ -24,7 +24,8 @@ def _per_token_quant_kernel(
         offs = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # s = max(amax, MIN_AMAX) / 448, and x / s, both correctly rounded like torch's fp32 division
+    # s = max(amax, MIN_AMAX) / 448, and x / s, both correctly rounded, as torch divides on the CPU (on CUDA torch
+    # multiplies by the rounded reciprocal of a Python-float divisor, which can differ in the last bit)
     scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX_C), FP8_MAX_C)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):

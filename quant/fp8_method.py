@@ -1,6 +1,7 @@
 """The ``fp8`` QuantMethod: e4m3 weights with fp32 scales, activations quantized to fp8 per token or per tensor."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -120,7 +121,7 @@ class Fp8LinearMethod(QuantMethod):
             self._announce("emulate", "no CUDA device, so FP8 matmuls are emulated (activations rounded to fp8 "
                            "per token, weights dequantized, fp32 matmul): correct, saves weight memory, not faster")
             return "emulate"
-        if torch.cuda.get_device_capability(x.device) < (8, 9) or not hasattr(torch, "_scaled_mm"):
+        if _capability(x.device.index or 0) < (8, 9) or not hasattr(torch, "_scaled_mm"):
             self._announce("emulate", "this GPU has no FP8 tensor cores (needs sm89+, e.g. L4/H100), so FP8 "
                            "matmuls are emulated by dequantizing: correct and memory-saving but slower than bf16")
             return "emulate"
@@ -176,3 +177,8 @@ def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_
     scale_b = w_scale.reshape(1, -1).expand(1, n).contiguous()
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     return out.to(out_dtype)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)  # asked once, not on every layer call

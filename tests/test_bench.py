@@ -415,4 +415,9 @@ def test_emit_bench_script_runs():
 def test_spec_bench_script_runs_and_keeps_the_tokens():
     out = bench_script("spec_bench.py", "--ks", "2", "--repeats", "1", "--max-tokens", "12")
     rows = [line for line in out.splitlines() if line.startswith("| draft-model K=2")]
-    assert len(rows) == 1 and rows[0].rstrip(" |").endswith("true")  # the speculative arm's tokens equal the peer's
+    assert len(rows) == 1
+    cells = [cell.strip() for cell in rows[0].strip(" |").split("|")]
+    assert cells[9] == "true"  # the speculative arm's tokens equal the peer's
+    record = json.loads(out.strip().splitlines()[-1])
+    alpha, c = record["arms"][1]["alpha"], record["c"]
+    assert 0 < c < 1 and cells[3] == f"{(1 - alpha**3) / (1 - alpha) / (2 * c + 1):.2f}x"  # Leviathan's eq. 2
