@@ -38,7 +38,7 @@ class StepStats:
     kv: KVStats
     spec_state: str = "off"  # speculative decoding this step: off (no proposer), on, or off-* (graceful degradation)
     num_draft_tokens: int = 0  # draft tokens verified this step
-    num_accepted_tokens: int = 0  # of which accepted
+    num_accepted_tokens: int = 0  # of which the verification accepted (a stop may still cut some from the output)
     # Host wall time of the step's phases. On a GPU, work is queued asynchronously: `execute_s` is preparing the
     # batch and launching the forward pass, and the wait for the device falls in `sample_s`, which reads the tokens
     # (with async scheduling, the previous step's tokens, read back while this step's forward pass runs).
@@ -64,9 +64,9 @@ class EngineStats:
     kv_waste_slots: int = 0  # allocated slots holding no token, over the sequences the last step ran
     kv_max_waste_per_seq: float = 0.0  # the largest waste per running sequence seen at any step, in slots
     spec_proposed: int = 0
-    spec_accepted: int = 0
+    spec_accepted: int = 0  # accepted drafts kept in the outputs (a stop token or string cuts what follows it)
     spec_rounds: int = 0  # verifications: one per sequence and step that verified drafts
-    spec_emitted: int = 0  # tokens those verifications produced (accepted drafts + 1 each)
+    spec_emitted: int = 0  # output tokens those verifications produced (accepted drafts + 1 each, less stop cuts)
     spec_state: str = "off"  # the last step's: off (no proposer), on, off-large-batch, off-low-acceptance
     spec_steps: dict[str, int] = field(default_factory=dict)  # steps per speculation state
     phase_s: dict[str, float] = field(default_factory=dict)  # summed StepStats phase times: schedule, execute, ...

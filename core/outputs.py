@@ -96,6 +96,7 @@ def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer
         detok.add([token])
         if count < len(new) and _first_stop(req, i, detok) is not None:
             drop = len(new) - count
+            _uncount_spec_round(seq, drop)
             del seq.token_ids[-drop:], seq.token_times[-drop:]
             if req.params.logprobs is not None:
                 del seq.logprobs[-drop:]
@@ -104,6 +105,18 @@ def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer
                 seq.finish_reason = FinishReason.STOP
             return new[:count]
     return new
+
+
+def _uncount_spec_round(seq: Sequence, drop: int) -> None:
+    """The last ``drop`` tokens, appended by the last verification round, leave the output: so do their counts."""
+    accepted, appended = seq.spec_last_round
+    if not appended:
+        return
+    kept = max(appended - drop, 0)
+    lost = accepted - min(accepted, kept)
+    seq.spec_accepted -= lost
+    seq.spec_last_round = (accepted - lost, kept)
+    seq.spec_uncounted = (seq.spec_uncounted[0] + lost, seq.spec_uncounted[1] + appended - kept)
 
 
 def _text_delta(req: RequestState, i: int, seq: Sequence, detok: Detokenizer,

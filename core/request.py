@@ -116,7 +116,9 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     spec_proposed: int = 0  # draft tokens verified for this sequence
-    spec_accepted: int = 0  # of which accepted (a stop string may still cut accepted drafts from the output)
+    spec_accepted: int = 0  # of which accepted and kept in the output (a stop cuts what follows it)
+    spec_last_round: tuple[int, int] = (0, 0)  # (accepted drafts, tokens) the last verification appended
+    spec_uncounted: tuple[int, int] = (0, 0)  # (accepted, tokens) a stop string cut after the engine counted them
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -14,10 +14,11 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]  # per row: sampled token and top-n, when asked
 
 
-def stream_seed(seed: int, index: int, salt: int = 0) -> int:
-    """The generator seed of sequence ``index`` of a request seeded with ``seed``: any non-negative seed, reduced to
-    the 64 bits torch.Generator takes (a larger one overflowed it and failed the whole step)."""
-    return ((seed * 1_000_003 + index) ^ salt) % 2**64
+def stream_seed(seed: int, index: int, salt: int = 0, position: int = 0) -> int:
+    """The generator seed of sequence ``index`` of a request seeded with ``seed`` (for speculative rounds, also of
+    the ``position`` a round starts at): any non-negative seed, reduced to the 64 bits torch.Generator takes (a
+    larger one overflowed it and failed the whole step)."""
+    return ((seed * 1_000_003 + index) ^ salt ^ (position * 0x9E3779B97F4A7C15)) % 2**64
 
 
 class Sampler:

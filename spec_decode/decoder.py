@@ -17,9 +17,12 @@ from ..core.interfaces import KVCache, Proposer, SchedulerOutput, ScheduledSeque
 from ..core.metrics import EngineStats, StepStats
 from ..core.request import RequestOutput, Sequence
 from ..core.runner import Batch
-from ..core.sampling import Sampler
+from ..core.sampling import Sampler, stream_seed
 from .policy import ON, SpecPolicy
 from .rejection import Verified, greedy_accept, rejection_sample
+
+
+VERIFY_SEED_SALT = 0x7E51_F1ED  # verification draws must not replay the sampler's or the draft's streams
 
 
 @dataclass
@@ -39,6 +42,7 @@ class SpecDecoder:
         self.proposer, self.kv, self.sampler, self.stats = proposer, kv, sampler, stats
         self.policy = SpecPolicy.from_options(config.plugin_options)
         self.drafts: dict[int, _Draft] = {}  # this step's, by seq_id
+        self.round_generators: dict[int, torch.Generator] = {}  # seeded requests' verification draws, by seq_id
         self.step_counts = (0, 0)  # this step's (proposed, accepted)
 
     # ------------------------------------------------------------ before the forward pass
@@ -153,18 +157,26 @@ class SpecDecoder:
             uniform[unseeded] = torch.rand(len(unseeded), k, device=device, generator=gen)
             noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=gen)
         for i, s in enumerate(seqs):
-            if s.params.seed is not None:
-                gen = self.sampler.generator_for(s.seq_id, s.params.seed, s.index)
+            if s.params.seed is not None:  # drawn from the seed and the round's position only (see _round_generator)
+                gen = self._round_generator(s, device)
+                noise[i].exponential_(generator=gen)  # first: the uniforms' count varies with the batch's K
                 uniform[i] = torch.rand(k, device=device, generator=gen)
-                noise[i].exponential_(generator=gen)
         return uniform, noise
+
+    def _round_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        """A seeded request's verification draws depend on its seed and the round's position, so that its output
+        does not depend on what ran beside it (the batch's largest K sets how many uniforms a round draws)."""
+        gen = self.round_generators.get(seq.seq_id)
+        if gen is None:
+            gen = self.round_generators[seq.seq_id] = torch.Generator(device=device)
+        return gen.manual_seed(stream_seed(seq.params.seed or 0, seq.index, VERIFY_SEED_SALT, seq.num_tokens))
 
     def _finish_round(self, drafts: list[_Draft], target: torch.Tensor | None, num_accepted: list[int],
                       next_tokens: list[int]) -> dict[int, list[int]]:
         """Roll back rejected KV, cut at a stop token, record logprobs (``target``: [B, K+1, V], needed only when a
         request asks for them) and acceptance statistics."""
         sampled: dict[int, list[int]] = {}
-        accepted_total = proposed_total = 0
+        accepted_total = proposed_total = kept_total = emitted_total = 0
         for b, (d, m, token) in enumerate(zip(drafts, num_accepted, next_tokens)):
             seq = d.seq
             tokens = d.tokens[:m] + [token]
@@ -177,17 +189,21 @@ class SpecDecoder:
             self.proposer.on_verified(seq, m)
             if seq.params.logprobs is not None and target is not None:
                 seq.logprobs.extend(Sampler.logprobs(target[b, : len(tokens)], [seq.params] * len(tokens), tokens))
+            kept = min(m, len(tokens))  # accepted drafts that reach the output (a stop token cuts the rest)
             seq.spec_proposed += len(d.tokens)
-            seq.spec_accepted += m
+            seq.spec_accepted += kept
+            seq.spec_last_round = (kept, len(tokens))
             proposed_total += len(d.tokens)
             accepted_total += m
+            kept_total += kept
+            emitted_total += len(tokens)
             sampled[seq.seq_id] = tokens
         s = self.stats
         s.spec_proposed += proposed_total
-        s.spec_accepted += accepted_total
+        s.spec_accepted += kept_total
         s.spec_rounds += len(drafts)
-        s.spec_emitted += accepted_total + len(drafts)
-        self.policy.observe(proposed_total, accepted_total, len(drafts))
+        s.spec_emitted += emitted_total
+        self.policy.observe(proposed_total, accepted_total, len(drafts))  # the drafts' quality, stops aside
         self.step_counts = (proposed_total, accepted_total)
         return sampled
 
@@ -198,15 +214,25 @@ class SpecDecoder:
 
     def release_finished(self, seqs: list[Sequence]) -> None:
         """Drop the proposer's state (a draft's KV) of sequences that finished this step, before their request does
-        (n > 1: the others may run on)."""
+        (n > 1: the others may run on); take back from the totals what a stop string cut from their last round."""
         for seq in seqs:
+            self._take_back_cut(seq)
             if seq.is_finished:
                 self.proposer.release(seq)
+                self.round_generators.pop(seq.seq_id, None)
+
+    def _take_back_cut(self, seq: Sequence) -> None:
+        if seq.spec_uncounted != (0, 0):
+            self.stats.spec_accepted -= seq.spec_uncounted[0]
+            self.stats.spec_emitted -= seq.spec_uncounted[1]
+            seq.spec_uncounted = (0, 0)
 
     def finish(self, seqs: list[Sequence], output: RequestOutput) -> None:
         """A request finished: drop the proposer's state; report its acceptance in ``output.metrics``."""
         for seq in seqs:
+            self._take_back_cut(seq)
             self.proposer.release(seq)
+            self.round_generators.pop(seq.seq_id, None)
         proposed = sum(s.spec_proposed for s in seqs)
         accepted = sum(s.spec_accepted for s in seqs)
         output.metrics.update(spec_proposed=proposed, spec_accepted=accepted,

@@ -80,6 +80,7 @@ class DraftModelProposer(Proposer):
             return Proposal({})
         rows = [i for i, seq in enumerate(active) if not seq.params.greedy]  # temperature > 0: a draw from q
         sampled = [active[i] for i in rows]
+        self._reseed(sampled)
         sampled_rows = to_device(rows, self.draft.device) if rows else None
         items = [ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens) for seq in active]
         input_ids: torch.Tensor | None = None  # this step's tokens, still on the device
@@ -173,10 +174,16 @@ class DraftModelProposer(Proposer):
             return self.generator
         gen = self.seeded.get(seq.seq_id)
         if gen is None:
-            gen = torch.Generator(device=self.draft.device).manual_seed(
-                stream_seed(seq.params.seed, seq.index, DRAFT_SEED_SALT))
-            self.seeded[seq.seq_id] = gen
+            gen = self.seeded[seq.seq_id] = torch.Generator(device=self.draft.device)
         return gen
+
+    def _reseed(self, seqs: list[Sequence]) -> None:
+        """A seeded request's draft draws of a round depend on its seed and the round's start only: not on what ran
+        beside it (other requests' room sets how many steps a round takes) nor on earlier rounds."""
+        for seq in seqs:
+            if seq.params.seed is not None:
+                self._generator(seq).manual_seed(
+                    stream_seed(seq.params.seed, seq.index, DRAFT_SEED_SALT, position=seq.num_tokens))
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
