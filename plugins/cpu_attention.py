@@ -33,11 +33,14 @@ SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_attention.c"
 HINT = "or use --attention torch"
 
 
+SHORT_QUERY = 8  # queries up to this long (a draft round's first step, a verification) run as one decode per token
+
+
 @dataclass
 class CpuDecodes:
-    rows: torch.Tensor  # [S] int64 flat rows of the single-token queries
-    tables: torch.Tensor  # [S, W] int32 block tables
-    lens: torch.Tensor  # [S] int32 context lengths
+    rows: torch.Tensor  # [S] int64 flat rows of the query tokens, each attended as a decode
+    tables: torch.Tensor  # [S, W] int32 block tables (a sequence's, once per query token)
+    lens: torch.Tensor  # [S] int32 context lengths (a query token sees the context up to itself: causal)
     max_len: int
     max_block: int  # the largest block id in ``tables`` and the largest row: checked against the tensors of each
     max_row: int  # layer before any pointer reaches C
@@ -49,19 +52,24 @@ class CpuAttention(TorchAttention):
     def __init__(self, kernel: Any, use_kernel: bool) -> None:
         super().__init__()
         self.kernel, self.use_kernel = kernel, use_kernel
+        self.short_query = SHORT_QUERY if use_kernel else 1
 
     def _plan_decodes(self, meta: AttentionMetadata, decode_idx: list[int], starts: list[int]) -> Any:
         if not self.use_kernel:
             return super()._plan_decodes(meta, decode_idx, starts)
         if not decode_idx:
             return None
-        lens = [meta.context_lens_cpu[i] for i in decode_idx]
+        rows, lens, owners = [], [], []
+        for i in decode_idx:  # query token j of n sees the context up to its own position
+            n, length = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
+            rows.extend(range(starts[i], starts[i] + n))
+            lens.extend(range(length - n + 1, length + 1))
+            owners.extend([i] * n)
         width = -(-max(lens) // meta.block_size)
-        tables = meta.block_tables[decode_idx, :width].to(torch.int32).contiguous()
+        tables = meta.block_tables[owners, :width].to(torch.int32).contiguous()
         if tables.shape[1] < width or int(tables.min()) < 0:  # the kernel reads table[len // block_size] blindly
             raise PluginError(f"block tables of width {tables.shape[1]} (min entry {int(tables.min())}) cannot hold "
                               f"contexts of {max(lens)} tokens in blocks of {meta.block_size}")
-        rows = [starts[i] for i in decode_idx]
         return CpuDecodes(torch.tensor(rows, dtype=torch.int64), tables, torch.tensor(lens, dtype=torch.int32),
                           max(lens), int(tables.max()), max(rows))
 

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..core.config import EngineConfig
 from ..core.interfaces import AttentionBackend, AttentionMetadata, kv_cache_scales
 
 
@@ -42,6 +41,8 @@ class TorchAttention(AttentionBackend):
     land in two reused workspaces: a fresh multi-megabyte tensor per call costs page faults on the CPU.
     """
 
+    short_query = 1  # queries of at most this many tokens are planned by _plan_decodes
+
     def __init__(self) -> None:
         self._workspaces: dict[str, torch.Tensor] = {}
 
@@ -59,11 +60,11 @@ class TorchAttention(AttentionBackend):
         device = meta.slot_mapping.device
         size = meta.block_size
         tables = meta.block_tables
-        decode_idx = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        decode_idx = [i for i, n in enumerate(meta.query_lens_cpu) if n <= self.short_query]
         starts = meta.query_start.tolist()
         prefills = []
         for i, (n, length) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
-            if n == 1:
+            if n <= self.short_query:
                 continue
             mask = None
             if n != length:
@@ -74,7 +75,8 @@ class TorchAttention(AttentionBackend):
         return TorchAttentionPlan(self._plan_decodes(meta, decode_idx, starts), prefills)
 
     def _plan_decodes(self, meta: AttentionMetadata, decode_idx: list[int], starts: list[int]) -> Any:
-        """The decodes' part of the plan: sequences ``decode_idx`` have one query token each, at row starts[i]."""
+        """The short queries' part of the plan: sequence i of ``decode_idx`` has up to ``short_query`` query tokens
+        (here one), from row starts[i]."""
         decode_idx = sorted(decode_idx, key=lambda i: meta.context_lens_cpu[i])
         groups = [decode_idx[g : g + DECODE_GROUP] for g in range(0, len(decode_idx), DECODE_GROUP)]
         return [self._decode_group(meta, group, starts) for group in groups]

@@ -29,8 +29,10 @@ def backend() -> cpu_attention.CpuAttention:
 def test_forward_matches_dense_attention(backend, threads: int, group: int, head_dim: int, page: int) -> None:
     torch.manual_seed(group)
     rng = random.Random(head_dim)
-    # decodes of many lengths (a partial last block, exactly one block, a single token) mixed with prefills
+    # decodes of many lengths (a partial last block, exactly one block, a single token) mixed with prefills and
+    # short queries over a cached context (a verification, a draft round's first step), which run as decodes
     seqs = [(rng.randrange(0, 90), 1) for _ in range(9)] + [(page - 1, 1), (0, 1), (0, 12), (2 * page, 5)]
+    seqs += [(rng.randrange(1, 90), n) for n in (2, 3, 8)] + [(0, 3), (page - 2, 2), (3, 9)]
     rng.shuffle(seqs)
     batch = paged_batch(seqs, 2, group, head_dim, page, 160, torch.float32, torch.device("cpu"))
     batch.meta.backend_data = backend.prepare(batch.meta)
