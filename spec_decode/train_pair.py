@@ -4,6 +4,9 @@ Reproduce the shipped weights (models/pretrained/) with::
 
     nice -n 10 python -m infer.spec_decode.train_pair --out models/pretrained
 
+(``--roles draft`` retrains only the draft, from the target and tokenizer already in ``--out``: how the shipped
+one-layer draft was made, replacing a two-layer one whose cost ratio c capped the speedup; docs/PERF.md.)
+
 The step counts are fixed (so a rerun repeats the same schedule and data order); the time caps only stop a run on a
 much slower machine early, and ``training.json`` then records the steps actually run. The draft is distilled from
 the target (forward KL to the target's next-token distribution), which is what the acceptance rate rewards.
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 TARGET = {"hidden_size": 192, "num_layers": 8, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
-DRAFT = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 384}
+DRAFT = {"hidden_size": 128, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 384}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -167,14 +170,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--roles", default="target,draft", choices=["target,draft", "draft"],
+                        help="draft: train only the draft, distilled from the target already in --out")
     a = parser.parse_args(argv)
     from ..models.tiny import stdlib_corpus, train_tokenizer
 
     torch.set_num_threads(a.threads)
     files = stdlib_corpus()
     target_dir, draft_dir = a.out / "target", a.out / "draft"
-    target_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(target_dir, a.vocab_size, files)
+    if a.roles == "draft":
+        from transformers import AutoTokenizer
+
+        if not (target_dir / "model.safetensors").exists():
+            sys.exit(f"--roles draft needs a trained target in {target_dir}; train both first")
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    else:
+        target_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer = train_tokenizer(target_dir, a.vocab_size, files)
     train_ids, val_ids = load_corpus(tokenizer, files)
     print(f"corpus: {len(files)} stdlib files, {len(train_ids)} train / {len(val_ids)} validation tokens", flush=True)
     command = " ".join(["python -m infer.spec_decode.train_pair", *(sys.argv[1:] if argv is None else argv)])
@@ -184,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     roles = (("target", TARGET, a.target_minutes, a.target_steps, 3e-3, None),
              ("draft", DRAFT, a.draft_minutes, a.draft_steps, 4e-3, target_dir))
     for role, arch, minutes, steps, lr, teacher_dir in roles:
+        if role not in a.roles.split(","):
+            continue
         print(f"training the {role} ({minutes} min cap) ...", flush=True)
         teacher = None
         if teacher_dir is not None:

@@ -204,31 +204,35 @@ class StepLog:
 def test_acceptance_counts_only_drafts_that_reach_the_output(cut_by):
     """A stop on the first of several accepted drafts: the round's other drafts and its bonus token are not output,
     so neither the request's spec_accepted nor the engine's spec_emitted counts them."""
-    def run(params: SamplingParams) -> tuple[Engine, list[int], dict, list[tuple[int, int]]]:
+    def run(prompt: str, params: SamplingParams) -> tuple[Engine, list[int], dict, list[tuple[int, int]]]:
         log, plugins = StepLog(), PluginManager.from_entry_points()
         plugins.register(log, name="step-log")
         e = Engine(EngineConfig(model=str(TARGET), device="cpu", num_kv_blocks=128, proposer="draft-model",
                                 num_speculative_tokens=4), plugins)
-        out = e.generate([PROMPTS[1]], params)[0]
+        out = e.generate([prompt], params)[0]
         return e, out.outputs[0].token_ids, out.metrics, log.rounds
 
-    free = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    first, reference, _, rounds = run(free)
-    decode = first.tokenizer.decode
-    start = 0  # output index of each step's first token
-    for drafts, accepted in rounds:
-        first_draft = reference[start] if start < len(reference) else None
-        text = decode([first_draft]) if first_draft is not None else ""
-        before = decode(reference[:start])
-        if (drafts and accepted >= 3 and first_draft not in reference[:start] and text.strip()
-                and (before + text).find(text) == len(before)):
-            break
-        start += accepted + 1 if drafts else 1
-    else:
-        pytest.fail("no round with three accepted drafts whose first token is new to the output")
-    earlier = [(d, a) for d, a in rounds[: rounds.index((drafts, accepted))] if d]
+    def cut_round(prompt: str) -> tuple[int, int, int, str, list[tuple[int, int]]] | None:
+        """(step, output index, first draft, its text, steps) of a round whose two or more accepted drafts start
+        with a token, and a text, new to the output."""
+        first, reference, _, rounds = run(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+        start = 0  # output index of each step's first token
+        for step, (drafts, accepted) in enumerate(rounds):
+            if drafts and accepted >= 2 and start < len(reference):
+                token, before = reference[start], first.tokenizer.decode(reference[:start])
+                text = first.tokenizer.decode([token])
+                if token not in reference[:start] and text.strip() and (before + text).find(text) == len(before):
+                    return step, start, token, text, rounds
+            start += accepted + 1 if drafts else 1
+        return None
+
+    found = next(((prompt, cut) for prompt in PROMPTS if (cut := cut_round(prompt)) is not None), None)
+    assert found is not None, "no round with two accepted drafts whose first token is new to the output"
+    prompt, (step, start, first_draft, text, rounds) = found
+    reference = run(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))[1]
+    earlier = [(d, a) for d, a in rounds[:step] if d]
     stop = dict(stop_token_ids=[first_draft]) if cut_by == "stop token" else dict(stop=[text])
-    e, tokens, metrics, _ = run(SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, **stop))
+    e, tokens, metrics, _ = run(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, **stop))
     assert tokens == reference[: start + 1]
     assert metrics["spec_accepted"] == e.stats.spec_accepted == sum(a for _, a in earlier) + 1
     assert e.stats.spec_emitted == sum(a + 1 for _, a in earlier) + 1
