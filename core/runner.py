@@ -108,6 +108,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.uploader = Uploader(device)
         self.graphs: DecodeGraphs | None = None
+        self._rows: dict[int, torch.Tensor] = {}  # arange(B + 1) per batch size, for advance
 
     @staticmethod
     def bytes_per_block(model: Model, block_size: int, dtype: torch.dtype) -> int:
@@ -223,10 +224,34 @@ class ModelRunner:
         batch = self.prepare(out, kv, pending)
         if input_ids is not None:
             batch.input_ids = input_ids
+        return batch, self.run(batch)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor:
+        """The forward pass of a prepared batch: float32 logits of its sampling rows."""
         if self.graphs is not None and self.graphs.fits(batch.meta, batch.input_ids.shape[0]):
-            return batch, self.graphs.replay(batch.input_ids, batch.positions, batch.meta)[batch.sample_rows]
+            return self.graphs.replay(batch.input_ids, batch.positions, batch.meta)[batch.sample_rows]
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
-        return batch, self.model.compute_logits(hidden[batch.sample_rows])
+        return self.model.compute_logits(hidden[batch.sample_rows])
+
+    def advance(self, batch: Batch, next_ids: torch.Tensor) -> Batch:
+        """The decode step after ``batch``: each sequence's sampled token ``next_ids[i]`` at the position after its
+        last, computed on the device from ``batch`` (no per-sequence host work, no upload). The KV slots must be
+        allocated already, in blocks that ``batch``'s block tables list (a draft round reserves them all first)."""
+        meta, size = batch.meta, self.block_size
+        positions = batch.positions[batch.sample_rows] + 1
+        slots = meta.block_tables.gather(1, (positions // size).unsqueeze(1)).squeeze(1).long() * size \
+            + positions % size
+        rows = len(meta.query_lens_cpu)
+        index = self._rows.get(rows)
+        if index is None:
+            index = self._rows[rows] = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
+        lens = [n + 1 for n in meta.context_lens_cpu]
+        step = AttentionMetadata(slot_mapping=slots, block_tables=meta.block_tables, query_start=index,
+                                 context_lens=meta.context_lens + 1, query_lens_cpu=[1] * rows, context_lens_cpu=lens,
+                                 block_size=size, max_query_len=1, max_context_len=meta.max_context_len + 1)
+        step.backend_data = self.attention.prepare(step)
+        return Batch(next_ids, positions, step, index[:rows].long(), batch.sample_seq_ids, [0] * rows)
 
     def enable_cuda_graphs(self, max_batch: int, query_lens: dict[int, int] | None = None,
                            eager: bool = False) -> None:

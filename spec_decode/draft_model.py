@@ -83,19 +83,19 @@ class DraftModelProposer(Proposer):
         self._reseed(sampled)
         sampled_rows = to_device(rows, self.draft.device) if rows else None
         items = [ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens) for seq in active]
-        input_ids: torch.Tensor | None = None  # this step's tokens, still on the device
-        steps: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []  # each step's tokens, still on the device
         step_dists: list[torch.Tensor | None] = []
-        for _ in range(k):
-            _, logits = self.runner.execute(SchedulerOutput(items, block_ops=self.kv.take_block_ops()), self.kv,
-                                            input_ids=input_ids)
-            input_ids, dists = self._sample(logits, sampled, sampled_rows)
-            steps.append(input_ids)
+        batch, logits = self.runner.execute(SchedulerOutput(items, block_ops=self.kv.take_block_ops()), self.kv)
+        for step in range(k):
+            if step:  # steps after the first advance the batch on the device: one new token per sequence
+                batch = self.runner.advance(batch, steps[-1])
+                logits = self.runner.run(batch)
+            tokens, dists = self._sample(logits, sampled, sampled_rows)
+            steps.append(tokens)
             step_dists.append(dists)
             for item in items:
-                item.seq.num_computed_tokens += item.num_new_tokens
-                item.seq.token_ids.append(UNREAD_TOKEN)  # the runner takes `input_ids` in its place
-            items = [ScheduledSequence(seq, 1) for seq in active]
+                item.seq.num_computed_tokens += item.num_new_tokens if step == 0 else 1
+                item.seq.token_ids.append(UNREAD_TOKEN)  # filled in after the round's one read
         drafts = torch.stack(steps, dim=1).tolist()  # the round's one read from the device: [B, k]
         probs: dict[int, torch.Tensor | None] = dict.fromkeys((seq.seq_id for seq in active), None)
         if rows:

@@ -250,3 +250,34 @@ def test_a_seeded_request_samples_the_same_whatever_speculates_beside_it(propose
         beside = e.generate([PROMPTS[0], PROMPTS[1]], [seeded, neighbour])[0].outputs[0].token_ids
         assert beside == alone
     assert e.stats.spec_rounds > 0 and drained(e)
+
+
+def test_draft_model_proposals_are_the_drafts_greedy_continuations():
+    """The proposer's drafts for greedy requests equal the draft model's own greedy continuation of the target's
+    tokens, in a first round and in later rounds after rejections and full acceptance (KV rolled back, two-token
+    first steps): a wrong draft KV would show only as lower acceptance in the output tests."""
+    from infer.core.request import Sequence
+
+    e = engine(proposer="draft-model", num_speculative_tokens=4)
+    draft = Engine(EngineConfig(model=str(DRAFT), device="cpu", num_kv_blocks=128))
+    proposer = e.spec.proposer
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+    def continuation(tokens: list[int], k: int) -> list[int]:
+        return draft.generate([tokens], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))[0] \
+            .outputs[0].token_ids
+
+    seqs = [Sequence(i, f"r{i}", e.tokenize(p), greedy, 0.0, max_model_len=e.max_model_len)
+            for i, p in enumerate(PROMPTS[:3])]
+    for round_, keep in enumerate([None, 1, 4, 0, 2]):  # drafts kept from the last round (4: all, plus a bonus)
+        if keep is not None:
+            for seq, drafts in zip(seqs, proposal.token_ids.values()):
+                kept = drafts[:keep] + [7 + round_]  # a recovered or bonus token of the target's
+                for token in kept:
+                    seq.append_token(token, 0.0)
+                proposer.on_verified(seq, keep)
+        proposal = proposer.propose(seqs, 4)
+        assert [proposal.token_ids[s.seq_id] for s in seqs] == [continuation(s.token_ids, 4) for s in seqs], round_
+    for seq in seqs:
+        proposer.release(seq)
+    assert proposer.kv.stats().used_blocks == 0
