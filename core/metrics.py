@@ -107,12 +107,15 @@ class EngineStats:
             self.phase_s[phase] = self.phase_s.get(phase, 0.0) + getattr(step, f"{phase}_s")
         return step
 
-    def record_finished(self, seq: Sequence, arrival: float) -> None:
+    def record_finished(self, seqs: list[Sequence], arrival: float) -> None:
+        """One finished request: one TTFT (its first token), and each sequence's TPOT."""
         self.requests_finished += 1
-        if seq.first_token_time is not None:
-            self.ttft_s.append(seq.first_token_time - arrival)
-        if len(seq.token_times) > 1:
-            self.tpot_s.append((seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1))
+        firsts = [seq.first_token_time for seq in seqs if seq.first_token_time is not None]
+        if firsts:
+            self.ttft_s.append(min(firsts) - arrival)
+        for seq in seqs:
+            if len(seq.token_times) > 1:
+                self.tpot_s.append((seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1))
 
     def summary(self) -> dict[str, float | int]:
         kv = self.kv

@@ -63,7 +63,8 @@ class ContinuousScheduler(Scheduler):
 
     # ------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
-        longest = min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_model_len)
+        # positions that ever get KV: the last sampled token is never fed back (speculative drafts stay within too)
+        longest = min(seq.num_prompt_tokens + seq.params.max_tokens - 1, seq.max_model_len)
         need = self.kv.num_blocks_needed(longest)
         if need > self.kv.num_blocks:
             raise CapacityError(
@@ -118,23 +119,27 @@ class ContinuousScheduler(Scheduler):
             if swapped:
                 held_tokens = self.swap.held[seq.seq_id][1]
                 remaining = seq.num_tokens - held_tokens
-                if not (remaining <= budget or not out.scheduled) or not self.kv.allocate(seq, seq.num_tokens):
+                n = min(remaining, budget) if self.chunked else remaining  # the rest of a prefill goes in chunks
+                if (n > budget and out.scheduled) or not self.kv.allocate(seq, held_tokens + n):
                     self.kv.free(seq)
                     return
                 self.swap.swap_in(seq, self.kv.block_table(seq)[: -(-held_tokens // self.kv.block_size)], self.ops)
                 seq.num_computed_tokens = held_tokens
-                self._start(seq, remaining, out)
-                budget -= remaining
-                occupied += 1
+                seats = self._seats(seq)  # before _start: n > 1 forks from the parent's first token
+                self._start(seq, n, out)
+                budget -= n
+                occupied += seats
                 continue
-            seq.num_computed_tokens = seq.num_cached_tokens = self.kv.match_prefix(seq)
+            seq.num_computed_tokens = self.kv.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget) if self.chunked else remaining
             alone = not out.scheduled  # an over-budget recompute may run alone rather than wait forever
             if (n > budget and not alone) or not self.kv.allocate(seq, n):
                 self.kv.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                seq.num_computed_tokens = 0
                 return
+            if seq.num_preemptions == 0:  # a recompute hitting its own earlier blocks is not a prompt cache hit
+                seq.num_cached_tokens = seq.num_computed_tokens
             self._start(seq, n, out)
             budget -= n
             occupied += self._seats(seq)

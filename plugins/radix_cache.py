@@ -296,8 +296,10 @@ class RadixKVCache(KVCache):
         table.extend(fresh[len(cow) :])
         self.seqs[seq.seq_id] = state
         if seq.seq_id in self.pending_match:
-            self.counters.prefix_queries += seq.num_tokens
-            self.counters.prefix_hits += self.pending_match.pop(seq.seq_id)
+            matched = self.pending_match.pop(seq.seq_id)
+            if seq.num_preemptions == 0:  # a recompute finding its own earlier blocks is no prompt cache hit
+                self.counters.prefix_queries += seq.num_tokens
+                self.counters.prefix_hits += matched
         return True
 
     def commit(self, seq: Sequence) -> None:

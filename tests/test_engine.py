@@ -8,6 +8,10 @@ import torch
 
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
+from infer.core.errors import CapacityError
+from infer.core.hookspecs import hookimpl
+from infer.core.metrics import StepStats
+from infer.core.plugins import PluginManager
 from infer.core.request import FinishReason, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -285,3 +289,76 @@ def test_serve_freezes_the_heap_by_default_and_the_option_wins(tiny_model):
         finally:
             gc.unfreeze()
         assert engine.config.freeze_gc is expected
+
+
+class StepBudget:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []  # per step: tokens scheduled
+        self.seqs: list[int] = []
+
+    @hookimpl
+    def on_step(self, stats: StepStats) -> None:
+        self.tokens.append(stats.num_prefill_tokens + stats.num_decode_tokens)
+        self.seqs.append(stats.num_seqs)
+
+
+def observed_engine(path, **options) -> tuple[Engine, StepBudget]:
+    log, plugins = StepBudget(), PluginManager.from_entry_points()
+    plugins.register(log, name="step-budget")
+    return Engine(EngineConfig(model=str(path), device="cpu", **options), plugins), log
+
+
+def test_a_swapped_in_chunked_prefill_keeps_the_step_budget(tiny_model, hf_greedy):
+    """A prompt swapped out halfway through its prefill comes back in chunks, not all at once."""
+    e, log = observed_engine(tiny_model, scheduler="chunked-prefill", preemption_mode="swap", num_swap_blocks=64,
+                             num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=4)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    e.add_request(list(range(10, 26)), params, "A")
+    for _ in range(24):
+        e.step()
+    long = list(range(100, 240))
+    e.add_request(long, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), "B")
+    outputs = {}
+    while e.has_unfinished():
+        for out in e.step():
+            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids if out.outputs else [])
+    assert e.scheduler.num_swapped_out >= 1 and max(log.tokens) <= 16
+    assert outputs["B"] == hf_greedy(tiny_model, long, 10)
+
+
+def test_a_swapped_in_request_of_n_sequences_takes_n_seats(tiny_model):
+    e, log = observed_engine(tiny_model, scheduler="chunked-prefill", preemption_mode="swap", num_swap_blocks=64,
+                             num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=3)
+    rng = random.Random(10)
+    requests = [([rng.randrange(3, 500) for _ in range(rng.randint(4, 70))],
+                 SamplingParams(max_tokens=rng.randint(2, 30), temperature=0.0, ignore_eos=True,
+                                n=rng.choice((1, 2, 2)))) for _ in range(12)]
+    finished = 0
+    while requests or e.has_unfinished():
+        if requests and rng.random() < 0.5:
+            e.add_request(*requests.pop(0))
+        if e.has_unfinished():
+            finished += sum(out.finished for out in e.step())
+    assert finished == 12 and e.scheduler.num_swapped_out > 0 and max(log.seqs) <= 3
+
+
+def test_admission_counts_the_positions_that_get_kv(tiny_model, hf_greedy):
+    """The last sampled token is never fed back: 16 prompt tokens + 17 new ones need 32 positions, two blocks."""
+    prompt = list(range(10, 26))
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=2))
+    out = e.generate([prompt], SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 17)
+    with pytest.raises(CapacityError, match="needs up to 3 KV blocks"):
+        e.add_request(prompt, SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True))
+
+
+def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    e.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.9, seed=1, n=4, ignore_eos=True))
+    assert (e.stats.requests_finished, len(e.stats.ttft_s), len(e.stats.tpot_s)) == (1, 1, 4)
+    # two prompts sharing nothing, in a pool that preempts one: its recompute finds its own blocks, not a prompt hit
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=6, max_num_seqs=4))
+    outs = e.generate([list(range(10, 14)), list(range(50, 54))],
+                      SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    assert e.scheduler.num_preemptions > 0
+    assert [o.num_cached_tokens for o in outs] == [0, 0] and e.stats.prefix_hit_rate == 0.0

@@ -560,7 +560,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(secure_server: ServerProce
 
 
 def test_streams_cut_by_the_grace_period_say_why(tiny_model: Path, tmp_path: Path) -> None:
-    proc = launch(tiny_model, tmp_path / "serve.log", [], ["--grace-period", "1"], {})
+    proc = launch(tiny_model, tmp_path / "serve.log", [], ["--grace-period", "0"], {})  # the stream never finishes
     try:
         proc.wait_serving()
         with proc.client() as c:
