@@ -39,7 +39,9 @@ class PagedKVCache(KVCache):
         self.free_list: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, array[int]] = {}  # int32 arrays: the runner copies them into a batch as is
         self.chains: dict[int, list[int]] = {}  # seq_id -> the prefix id after each of its committed full blocks
-        self.pending_match: dict[int, int] = {}  # seq_id -> matched tokens, counted when admission succeeds
+        # seq_id -> matched tokens of a sequence matched but not yet allocated: its table lists the matched blocks,
+        # which it does not hold (no reference, no use recorded) until allocate succeeds
+        self.pending_match: dict[int, int] = {}
         self.ops = BlockOps()
         self.counters = KVStats(num_blocks, num_blocks, 0, 0)
 
@@ -137,7 +139,6 @@ class PagedKVCache(KVCache):
                 block = self.key_to_block.get((prefix, tuple(tokens[i * size : (i + 1) * size])))
                 if block is None:
                     break
-                self._acquire_cached(block)
                 table.append(block)
                 prefix = self.block_prefix_id[block]
                 chain.append(prefix)
@@ -165,8 +166,13 @@ class PagedKVCache(KVCache):
         # every existing block the write touches must be private and unregistered: copy-on-write the others
         shared = [i for i in range(start // size, min(needed, len(table)))
                   if self.ref[table[i]] > 1 or self.block_key[table[i]] is not None]
-        if new_blocks + len(shared) > self.num_free_blocks():
-            return False
+        matched = seq.seq_id in self.pending_match  # its matched blocks stop being evictable once held
+        held_from_cache = sum(self.ref[b] == 0 for b in table) if matched else 0
+        if new_blocks + len(shared) + held_from_cache > self.num_free_blocks():
+            return False  # a failed admission leaves no trace: no reference taken, no use counted
+        if matched:
+            for block in table:
+                self._acquire_cached(block)
         self.tables[seq.seq_id] = table
         self.chains.setdefault(seq.seq_id, [])
         for i in shared:
@@ -205,7 +211,10 @@ class PagedKVCache(KVCache):
             chain.append(prefix)
 
     def free(self, seq: Sequence) -> None:
-        self.pending_match.pop(seq.seq_id, None)
+        if self.pending_match.pop(seq.seq_id, None) is not None:  # matched, never allocated: holds nothing
+            self.tables.pop(seq.seq_id, None)
+            self.chains.pop(seq.seq_id, None)
+            return
         self.chains.pop(seq.seq_id, None)
         for block in reversed(self.tables.pop(seq.seq_id, NO_BLOCKS)):  # tail first: evicted before its prefix
             self._release(block, seq.params.priority)

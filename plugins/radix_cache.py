@@ -51,7 +51,9 @@ class RadixKVCache(KVCache):
         self.ref = [0] * num_blocks  # holders: sequence tables, plus one when the tree holds the block
         self.free_list: deque[int] = deque(range(num_blocks))
         self.seqs: dict[int, _SeqState] = {}
-        self.pending_match: dict[int, int] = {}  # seq_id -> matched tokens, counted when admission succeeds
+        # seq_id -> (matched tokens, the path's end) of a sequence matched but not yet allocated: its table lists the
+        # path's blocks, which it does not hold (no reference, no lock, no use recorded) until allocate succeeds
+        self.pending_match: dict[int, tuple[int, RadixNode]] = {}
         self.cached = 0  # blocks of unlocked nodes
         self.ops = BlockOps()
         self.counters = KVStats(num_blocks, num_blocks, 0, 0)
@@ -259,20 +261,29 @@ class RadixKVCache(KVCache):
         assert seq.seq_id not in self.seqs, "match_prefix on a sequence that holds blocks"
         usable = max((seq.num_tokens - 1) // self.block_size, 0)  # leave at least one token to compute
         node = self._walk(self.root, seq.token_ids, usable)
-        path = self._path(node)
-        for n in path:
+        self.seqs[seq.seq_id] = _SeqState(array("i", [block for n in self._path(node) for block in n.blocks]),
+                                          self.root)
+        matched = node.depth * self.block_size
+        self.pending_match[seq.seq_id] = (matched, node)
+        return matched
+
+    def _hold_match(self, seq: Sequence, state: _SeqState, node: RadixNode) -> None:
+        """Admission succeeds: hold and lock the matched path, and count each node's use."""
+        for n in self._path(node):
             self.eviction.touch(n)  # a prefix hit counts as a use (LFU) even while locked
-        state = _SeqState(array("i", [block for n in path for block in n.blocks]), self.root)
         for block in state.table:
             self.ref[block] += 1
         self._move_lock(state, node, seq.params.priority)
-        self.seqs[seq.seq_id] = state
-        matched = node.depth * self.block_size
-        self.pending_match[seq.seq_id] = matched
-        return matched
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         state = self.seqs.get(seq.seq_id) or _SeqState(array("i"), self.root)
+        pending = self.pending_match.get(seq.seq_id)
+        if pending is not None:  # the matched path's unlocked blocks stop being evictable once held
+            held_from_cache = sum(len(n.blocks) for n in self._path(pending[1]) if n.lock == 0)
+            needed = self.num_blocks_needed(seq.num_computed_tokens + max(num_tokens, 0)) - len(state.table)
+            if max(needed, 0) + held_from_cache > self.num_free_blocks():
+                return False  # a failed admission leaves no trace: no reference, lock or use
+            self._hold_match(seq, state, pending[1])
         table, size = state.table, self.block_size
         start = seq.num_computed_tokens
         end = start + max(num_tokens, 0)
@@ -295,8 +306,8 @@ class RadixKVCache(KVCache):
             self._move_lock(state, self._ancestor_at(state.node, cow[0]), seq.params.priority)
         table.extend(fresh[len(cow) :])
         self.seqs[seq.seq_id] = state
-        if seq.seq_id in self.pending_match:
-            matched = self.pending_match.pop(seq.seq_id)
+        if pending is not None:
+            matched = self.pending_match.pop(seq.seq_id)[0]
             if seq.num_preemptions == 0:  # a recompute finding its own earlier blocks is no prompt cache hit
                 self.counters.prefix_queries += seq.num_tokens
                 self.counters.prefix_hits += matched
@@ -308,8 +319,9 @@ class RadixKVCache(KVCache):
             self._insert(state, seq)
 
     def free(self, seq: Sequence) -> None:
-        self.pending_match.pop(seq.seq_id, None)
         state = self.seqs.pop(seq.seq_id, None)
+        if self.pending_match.pop(seq.seq_id, None) is not None:  # matched, never allocated: holds nothing
+            return
         if state is None:
             return
         self._insert(state, seq)  # a finished (or preempted) sequence leaves its prefix in the tree

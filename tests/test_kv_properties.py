@@ -538,3 +538,57 @@ def test_lfu_forgets_the_uses_of_a_block_dropped_while_held() -> None:
     lfu.insert(z_block)  # what caching new content in the two blocks tells the policy
     lfu.insert(fresh)
     assert lfu.pop() == z_block  # one use each: the older goes first, as with any new content
+
+
+class RecordingLRU(LRUPolicy):
+    """The shipped LRU, recording every call the cache makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, object]] = []
+
+    def insert(self, key, priority=0):  # type: ignore[no-untyped-def]
+        self.calls.append(("insert", priority))
+        super().insert(key, priority)
+
+    def touch(self, key):  # type: ignore[no-untyped-def]
+        self.calls.append(("touch", None))
+        super().touch(key)
+
+    def remove(self, key):  # type: ignore[no-untyped-def]
+        self.calls.append(("remove", None))
+        super().remove(key)
+
+
+@pytest.mark.parametrize("cache", ["paged", "radix"])
+def test_a_failed_admission_leaves_no_trace(cache: str) -> None:
+    """A request that matches a cached prefix but cannot get its other blocks waits at the head of the queue and is
+    matched again every step: no reference, use (LFU) or priority may change until its admission succeeds."""
+    policy = RecordingLRU()
+    kv: KVCache = PagedKVCache(6, BLOCK, policy, True) if cache == "paged" else RadixKVCache(6, BLOCK, policy)
+    ids = itertools.count()
+
+    def admit(prompt: list[int], priority: int) -> Sequence | None:
+        seq = Sequence(next(ids), "r", prompt, SamplingParams(priority=priority), 0.0)
+        seq.num_computed_tokens = kv.match_prefix(seq)
+        if not kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens):
+            kv.free(seq)
+            return None
+        return seq
+
+    shared = [1] * BLOCK + [2] * BLOCK
+    cached = admit(shared + [3], priority=5)
+    assert cached is not None
+    cached.num_computed_tokens = cached.num_tokens
+    kv.commit(cached)
+    kv.free(cached)  # the two shared blocks stay cached
+    holder = admit(list(range(100, 100 + 3 * BLOCK)), priority=0)  # holds 3 of the 4 other blocks
+    assert holder is not None
+    before = (list(kv.ref), kv.stats(), len(policy.calls))
+    for _ in range(3):  # needs the 2 cached blocks plus 2 more; one is free
+        assert admit(shared + list(range(200, 200 + 2 * BLOCK)), priority=0) is None
+    assert (list(kv.ref), kv.stats(), len(policy.calls)) == before
+    kv.free(holder)
+    waiter = admit(shared + list(range(200, 200 + 2 * BLOCK)), priority=0)  # now it fits: the use is counted once
+    assert waiter is not None and kv.num_blocks_needed(waiter.num_tokens) == len(kv.block_table(waiter))
+    assert [c for c, _ in policy.calls[before[2]:]].count("touch") >= 1
