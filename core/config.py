@@ -88,6 +88,9 @@ class EngineConfig:
             raise ConfigError(f"swap-space-gb must be >= 0, got {self.swap_space_gb}")
         if self.max_model_len is not None:
             positive("max_model_len")
+            if self.max_model_len < 2:
+                raise ConfigError(f"max-model-len must be >= 2 (a prompt token and a generated one), got "
+                                  f"{self.max_model_len}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ConfigError(f"kv-cache-memory-gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if self.dtype not in DTYPES:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ..core.config import EngineConfig
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, ConfigError
 from ..core.hookspecs import QuantMethodFactory, hookimpl
 from ..core.interfaces import QuantMethod
 from ..core.registry import Register
@@ -18,11 +19,16 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
 
     ``config.plugin_options["fp8"]["backend"]`` may force ``scaled_mm``, ``triton`` or ``emulate``.
     """
+    from ..core.loader import resolve_device
     from ..quant.fp8 import parse_compressed_tensors
     from ..quant.fp8_method import Fp8LinearMethod
 
     options = config.plugin_options.get("fp8", {}) if isinstance(config.plugin_options, dict) else {}
     backend = str(options.get("backend", "auto"))
+    on_cuda = resolve_device(config.device).type == "cuda"
+    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("--plugin-option fp8.backend=triton runs Triton kernels, which need a CUDA device (this "
+                          "model runs on the CPU); use fp8.backend=emulate or drop the option")
     if quantization_config is None:
         log.info("fp8: quantizing weights on load (e4m3, per-channel scales; activations per token, dynamic)")
         return Fp8LinearMethod(None, backend)

@@ -23,6 +23,7 @@ previous op to fold into.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -43,6 +44,8 @@ ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
 SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SKIPPED_NAMES = ("config.json", "model.safetensors.index.json", "quant_config.json")
 FP16_MAX = float(torch.finfo(torch.float16).max)
+
+log = logging.getLogger("infer")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,14 @@ class AwqCalibrationConfig:
         for name in ("num_samples", "seq_len", "grid", "max_rows", "batch_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ConfigError(f"seq-len must be >= 2 (a sample needs a next token), got {self.seq_len}")
+        from ..core.loader import resolve_device
+
+        try:
+            resolve_device(self.device)
+        except RuntimeError as exc:  # torch's message for a malformed device string
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from exc
         return self
 
 
@@ -159,6 +170,8 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
         raise ConfigError("OUT must differ from MODEL: the quantized checkpoint is written to a new folder")
     if not out.parent.is_dir():
         raise ConfigError(f"the parent folder of OUT, {str(out.parent)!r}, does not exist; create it first")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write into {str(out.parent)!r}, the parent folder of OUT; choose a writable path")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"OUT {str(out_dir)!r} already exists and is not an empty folder; choose a new path")
     return raw, config
@@ -288,6 +301,10 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
     model = loaded.model
     seq_len = min(config.seq_len, model.spec.max_model_len)
     samples = token_samples(loaded.tokenizer, default_texts() if texts is None else texts, config.num_samples, seq_len)
+    used = sum(map(len, samples))
+    if used < seq_len:  # a scale search on a handful of tokens can be worse than plain round-to-nearest
+        log.warning("the calibration text holds only %d tokens, under one sample of %d: the scales may fit it and "
+                    "nothing else; give more text with --calib", used, seq_len)
     stats = _collect(model, samples, loaded.device, config, report_progress)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -317,35 +334,54 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
         if name.rpartition(".")[0] not in quantized_owners:
             tensors[name] = tensor
     tensors = {name: _to_fp16(name, t) for name, t in tensors.items()}
-    _write_checkpoint(model_dir, out_dir, raw, config, tensors, reports, save_file)
+    _write_checkpoint(model_dir, out_dir, raw, config, tensors, reports, save_file,
+                      {"samples": len(samples), "tokens": used, "seq_len": seq_len})
     return reports
 
 
 def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], config: AwqCalibrationConfig,
-                      tensors: dict[str, torch.Tensor], reports: list[GroupReport], save_file: Any) -> None:
+                      tensors: dict[str, torch.Tensor], reports: list[GroupReport], save_file: Any,
+                      calibration: dict[str, int]) -> None:
     """Write to a temporary sibling folder, then move it into place, so OUT is complete or absent."""
+    from safetensors import SafetensorError
+
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        quantized = dict(raw)
-        quantized["quantization_config"] = {
-            "quant_method": "awq", "bits": config.bits, "group_size": config.group_size, "zero_point": True,
-            "version": awq.SUPPORTED_VERSION, "modules_to_not_convert": None}
-        quantized["torch_dtype"] = "float16"
-        if "dtype" in quantized:
-            quantized["dtype"] = "float16"
-        (tmp / "config.json").write_text(json.dumps(quantized, indent=2) + "\n")
-        (tmp / "awq_calibration.json").write_text(json.dumps(
-            {"method": "infer quantize --method awq", "options": asdict(config),
-             "groups": [asdict(r) for r in reports]}, indent=1) + "\n")
-        for item in model_dir.iterdir():  # tokenizer, generation config, chat template, ...
-            if item.is_file() and item.suffix not in SKIPPED_SUFFIXES and item.name not in SKIPPED_NAMES:
-                shutil.copy2(item, tmp / item.name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _write_files(model_dir, tmp, raw, config, tensors, reports, save_file, calibration)
         if out_dir.exists():
             out_dir.rmdir()  # checked empty by check_request
         os.replace(tmp, out_dir)
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"writing the quantized checkpoint to {str(out_dir)!r} failed ({exc}); OUT was not "
+                              "created: free disk space or choose another path, then run again") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_files(model_dir: Path, tmp: Path, raw: dict[str, Any], config: AwqCalibrationConfig,
+                 tensors: dict[str, torch.Tensor], reports: list[GroupReport], save_file: Any,
+                 calibration: dict[str, int]) -> None:
+    """The checkpoint's files, in ``tmp``: weights, config.json with the AutoAWQ GEMM quantization_config, the
+    calibration record, and MODEL's other files (tokenizer, generation config, chat template, ...)."""
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp / "model.safetensors", 0o666 & ~mask)  # safetensors writes 0600: a server may run as another user
+    quantized = dict(raw)
+    quantized["quantization_config"] = {
+        "quant_method": "awq", "bits": config.bits, "group_size": config.group_size, "zero_point": True,
+        "version": awq.SUPPORTED_VERSION, "modules_to_not_convert": None}
+    quantized["torch_dtype"] = "float16"
+    if "dtype" in quantized:
+        quantized["dtype"] = "float16"
+    (tmp / "config.json").write_text(json.dumps(quantized, indent=2) + "\n")
+    (tmp / "awq_calibration.json").write_text(json.dumps(
+        {"method": "infer quantize --method awq", "options": asdict(config), "calibration_data": calibration,
+         "groups": [asdict(r) for r in reports]}, indent=1) + "\n")
+    for item in model_dir.iterdir():
+        if item.is_file() and item.suffix not in SKIPPED_SUFFIXES and item.name not in SKIPPED_NAMES:
+            shutil.copy2(item, tmp / item.name)

@@ -17,6 +17,7 @@ match; each bound is 1.2x it, and 0.8x is the floor (measured on three model see
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -37,6 +38,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from infer.cli.main import main  # noqa: E402
 from infer.core.config import EngineConfig  # noqa: E402
 from infer.core.engine import Engine  # noqa: E402
+from infer.core.errors import CheckpointError, ConfigError  # noqa: E402
 from infer.core.interfaces import AttentionMetadata, LayerKVCache  # noqa: E402
 from infer.core.loader import load_model  # noqa: E402
 from infer.core.plugins import PluginManager  # noqa: E402
@@ -198,6 +200,8 @@ def test_scale_folding_leaves_the_model_unchanged(name: str, checkpoint: Callabl
     (["--bits", "8"], "supports 4-bit weights only"),
     (["--group-size", "128"], "group_size 128 does not divide in_features 64"),  # the tiny model: hidden 64
     (["--num-samples", "0"], "num-samples must be >= 1"),
+    (["--seq-len", "1"], "seq-len must be >= 2"),
+    (["--device", "bogus"], "--device must be auto, cpu, cuda or cuda:N, got 'bogus'"),
 ])
 def test_quantize_command_rejects_bad_options(args: list[str], message: str, tiny_model: Path,
                                               tmp_path: Path) -> None:
@@ -404,3 +408,39 @@ def test_quantize_default_group_size_divides_every_layer(tiny_model: Path, tmp_p
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 64
     assert "(int4, group 64)" in result.output
+    record = json.loads((out / "awq_calibration.json").read_text())
+    assert record["calibration_data"] == {"samples": 2, "tokens": 64, "seq_len": 32}  # what was used, not asked
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask  # readable as umask allows
+
+
+def test_quantize_warns_when_the_calibration_text_is_tiny(tiny_model: Path, tmp_path: Path, caplog) -> None:
+    (tmp_path / "one.txt").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        result = CliRunner().invoke(main, ["quantize", str(tiny_model), str(tmp_path / "q"), "--calib",
+                                           str(tmp_path / "one.txt"), "--seq-len", "32"])
+    assert result.exit_code == 0, result.output
+    assert "the calibration text holds only" in caplog.text and "under one sample of 32" in caplog.text
+
+
+def test_a_failed_checkpoint_write_is_a_checkpoint_error_and_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    from infer.quant.calibrate import AwqCalibrationConfig, _write_checkpoint
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointError, match="No space left on device.*OUT was not created"):
+        _write_checkpoint(tiny_model, tmp_path / "out", {}, AwqCalibrationConfig(group_size=64), {}, [], disk_full,
+                          {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fp8_triton_backend_on_the_cpu_and_a_one_position_context_are_config_errors(tiny_model: Path,
+                                                                                     monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="fp8.backend=triton runs Triton kernels, which need a CUDA device"):
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", quant="fp8",
+                            plugin_options={"fp8": {"backend": "triton"}}))
+    with pytest.raises(ConfigError, match="max-model-len must be >= 2"):  # fp8 KV calibration would overrun it
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache_dtype="fp8", max_model_len=1))
