@@ -341,7 +341,7 @@ class Engine:
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
             self.stats.output_tokens += seq.num_output_tokens
-        self.stats.record_finished(req.seqs, req.arrival)
+        output.metrics.update(self.stats.record_finished(req.seqs, req.arrival))
         output.num_cached_tokens = max(seq.num_cached_tokens for seq in req.seqs)
         if self.spec is not None:
             self.spec.finish(req.seqs, output)

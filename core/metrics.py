@@ -107,15 +107,23 @@ class EngineStats:
             self.phase_s[phase] = self.phase_s.get(phase, 0.0) + getattr(step, f"{phase}_s")
         return step
 
-    def record_finished(self, seqs: list[Sequence], arrival: float) -> None:
-        """One finished request: one TTFT (its first token), and each sequence's TPOT."""
+    def record_finished(self, seqs: list[Sequence], arrival: float) -> dict[str, float]:
+        """One finished request: one TTFT (its first token), and each sequence's TPOT. Returns the request's own
+        figures for RequestOutput.metrics: ttft_s and tpot_s (mean over its sequences) when it produced tokens,
+        e2e_s, num_preemptions."""
         self.requests_finished += 1
+        mine: dict[str, float] = {"e2e_s": time.perf_counter() - arrival,
+                                  "num_preemptions": sum(seq.num_preemptions for seq in seqs)}
         firsts = [seq.first_token_time for seq in seqs if seq.first_token_time is not None]
         if firsts:
-            self.ttft_s.append(min(firsts) - arrival)
-        for seq in seqs:
-            if len(seq.token_times) > 1:
-                self.tpot_s.append((seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1))
+            mine["ttft_s"] = min(firsts) - arrival
+            self.ttft_s.append(mine["ttft_s"])
+        tpots = [(seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1)
+                 for seq in seqs if len(seq.token_times) > 1]
+        self.tpot_s.extend(tpots)
+        if tpots:
+            mine["tpot_s"] = sum(tpots) / len(tpots)
+        return mine
 
     def summary(self) -> dict[str, float | int]:
         kv = self.kv

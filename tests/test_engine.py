@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -358,7 +359,14 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
     assert (e.stats.requests_finished, len(e.stats.ttft_s), len(e.stats.tpot_s)) == (1, 1, 4)
     # two prompts sharing nothing, in a pool that preempts one: its recompute finds its own blocks, not a prompt hit
     e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=6, max_num_seqs=4))
+    started = time.perf_counter()
     outs = e.generate([list(range(10, 14)), list(range(50, 54))],
                       SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    wall = time.perf_counter() - started
     assert e.scheduler.num_preemptions > 0
     assert [o.num_cached_tokens for o in outs] == [0, 0] and e.stats.prefix_hit_rate == 0.0
+    # each request's own timings: its first token before its end, 59 gaps between its 60 tokens, within the wall
+    assert sum(o.metrics["num_preemptions"] for o in outs) == e.scheduler.num_preemptions
+    for o in outs:
+        m = o.metrics
+        assert 0 < m["ttft_s"] < m["e2e_s"] <= wall and 0 < m["tpot_s"] * 59 <= m["e2e_s"] - m["ttft_s"] + 1e-9
