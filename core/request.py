@@ -109,7 +109,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache at (last) admission
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache at the first admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None

@@ -350,9 +350,15 @@ def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], confi
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         _write_files(model_dir, tmp, raw, config, tensors, reports, save_file, calibration)
-        if out_dir.exists():
+        existed = out_dir.exists()
+        if existed:
             out_dir.rmdir()  # checked empty by check_request
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if existed:
+                out_dir.mkdir(exist_ok=True)  # as it was: empty
+            raise
     except (OSError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing the quantized checkpoint to {str(out_dir)!r} failed ({exc}); OUT was not "

@@ -45,8 +45,12 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if isinstance(request, _Malformed):
                     await refuse(request, context)
-                async for response in behaviour(request, context):
-                    yield response
+                result = behaviour(request, context)
+                if hasattr(result, "__aiter__"):  # an async generator (Generate)
+                    async for response in result:
+                        yield response
+                else:  # a coroutine that sends with context.write (grpc's own Health.Watch)
+                    await result
 
             return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=tolerant,
                                                         response_serializer=handler.response_serializer)

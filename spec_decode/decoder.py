@@ -164,8 +164,9 @@ class SpecDecoder:
         return uniform, noise
 
     def _round_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
-        """A seeded request's verification draws depend on its seed and the round's position, so that its output
-        does not depend on what ran beside it (the batch's largest K sets how many uniforms a round draws)."""
+        """A seeded request's verification draws depend on its seed and the round's position, not on the other
+        requests' K (the batch's largest K sets how many uniforms a round draws). A request whose own K changes (a
+        step's token budget, the degradation policy) may still sample differently."""
         gen = self.round_generators.get(seq.seq_id)
         if gen is None:
             gen = self.round_generators[seq.seq_id] = torch.Generator(device=device)

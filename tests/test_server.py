@@ -403,6 +403,15 @@ def test_undecodable_requests_are_invalid_argument(client: Client) -> None:
     assert_serves(client)
 
 
+def test_health_watch_streams_serving(client: Client) -> None:
+    """grpc's own Health.Watch (a coroutine handler, not a generator) passes the server's interceptors."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    watch = health_pb2_grpc.HealthStub(client.channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+
+
 def test_a_seed_beyond_64_bits_samples_and_leaves_other_streams_alone(client: Client, llm: Any) -> None:
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=2**62 + 12345)
     other = client.generate("another stream", max_tokens=40, temperature=0.0, ignore_eos=True)
