@@ -53,10 +53,14 @@ class KVCache(ABC):
 
     @abstractmethod
     def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks holding a prefix of ``seq.token_ids``; return how many tokens they cover.
+        """Find cached blocks holding a prefix of ``seq.token_ids``; return how many tokens they cover.
 
-        Called once at admission, before :meth:`allocate`, on a sequence holding no blocks. The result is a
-        multiple of ``block_size`` and leaves at least one token to compute. Caches without prefix reuse return 0.
+        Called once at admission, on a sequence holding no blocks, and followed at once by :meth:`allocate` (or, when
+        that fails, :meth:`free`). The result is a multiple of ``block_size`` and leaves at least one token to
+        compute; :meth:`block_table` lists the matched blocks from here on. The shipped caches take hold of them
+        (reference, lock, a use for the eviction policy) only when ``allocate`` succeeds, so that a request that
+        waits at the head of the queue, matched and refused every step, changes nothing. Caches without prefix reuse
+        return 0.
         """
 
     @abstractmethod
