@@ -55,12 +55,12 @@ class KVCache(ABC):
     def match_prefix(self, seq: Sequence) -> int:
         """Find cached blocks holding a prefix of ``seq.token_ids``; return how many tokens they cover.
 
-        Called once at admission, on a sequence holding no blocks, and followed at once by :meth:`allocate` (or, when
-        that fails, :meth:`free`). The result is a multiple of ``block_size`` and leaves at least one token to
-        compute; :meth:`block_table` lists the matched blocks from here on. The shipped caches take hold of them
-        (reference, lock, a use for the eviction policy) only when ``allocate`` succeeds, so that a request that
-        waits at the head of the queue, matched and refused every step, changes nothing. Caches without prefix reuse
-        return 0.
+        Called at each admission attempt, on a sequence holding no blocks, and followed at once by :meth:`allocate`,
+        or by :meth:`free` when allocation is refused or not attempted (a prompt over the step budget). The result
+        is a multiple of ``block_size`` and leaves at least one token to compute; :meth:`block_table` lists the
+        matched blocks from here on. The shipped caches take hold of them (reference, lock, a use for the eviction
+        policy) only when ``allocate`` succeeds, so that a request that waits at the head of the queue, matched and
+        refused every step, changes nothing. Caches without prefix reuse return 0.
         """
 
     @abstractmethod

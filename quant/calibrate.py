@@ -22,6 +22,7 @@ previous op to fold into.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -165,6 +166,8 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
         config = replace(config, group_size=min(auto_group_size(i) for i, _ in shapes.values()))
     for name, (in_features, out_features) in shapes.items():
         awq.check_shapes(in_features, out_features, config.group_size, name)
+    if out_dir.is_symlink():
+        raise ConfigError(f"OUT {str(out_dir)!r} is a symbolic link; give the real folder it points to, or a new path")
     out = out_dir.resolve()
     if out == model_dir.resolve():
         raise ConfigError("OUT must differ from MODEL: the quantized checkpoint is written to a new folder")
@@ -355,14 +358,16 @@ def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], confi
             out_dir.rmdir()  # checked empty by check_request
         try:
             os.replace(tmp, out_dir)
-        except OSError:
+        except BaseException:  # Ctrl-C included
             if existed:
                 out_dir.mkdir(exist_ok=True)  # as it was: empty
             raise
     except (OSError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(exc)
         raise CheckpointError(f"writing the quantized checkpoint to {str(out_dir)!r} failed ({exc}); OUT was not "
-                              "created: free disk space or choose another path, then run again") from exc
+                              f"created: {'free disk space or ' if full else ''}choose another path, then run "
+                              "again") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -374,7 +379,7 @@ def _write_files(model_dir: Path, tmp: Path, raw: dict[str, Any], config: AwqCal
     """The checkpoint's files, in ``tmp``: weights, config.json with the AutoAWQ GEMM quantization_config, the
     calibration record, and MODEL's other files (tokenizer, generation config, chat template, ...)."""
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    mask = os.umask(0)
+    mask = os.umask(0o077)  # reading the umask sets it: briefly to the strictest value, never a looser one
     os.umask(mask)
     os.chmod(tmp / "model.safetensors", 0o666 & ~mask)  # safetensors writes 0600: a server may run as another user
     quantized = dict(raw)

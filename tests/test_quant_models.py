@@ -221,6 +221,9 @@ def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Pat
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     fails([str(tiny_model), str(tmp_path / "full")], "already exists and is not an empty folder")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    fails([str(tiny_model), str(tmp_path / "link")], "is a symbolic link")
     fails([str(tmp_path / "nothing"), str(tmp_path / "b")], "does not exist")
     (tmp_path / "calib.jsonl").write_text('{"text": "a"}\n{"other": 1}\n')
     fails([str(tiny_model), str(tmp_path / "c"), "--calib", str(tmp_path / "calib.jsonl")], "line 2 must be")
@@ -412,7 +415,7 @@ def test_quantize_default_group_size_divides_every_layer(tiny_model: Path, tmp_p
     assert record["calibration_data"] == {"samples": 2, "tokens": 64, "seq_len": 32}  # what was used, not asked
     mask = os.umask(0)
     os.umask(mask)
-    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask  # readable as umask allows
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask  # readable as the umask allows
 
 
 def test_quantize_warns_when_the_calibration_text_is_tiny(tiny_model: Path, tmp_path: Path, caplog) -> None:
