@@ -24,7 +24,8 @@ class ScriptedEngine:
     "plugin-error-in-step" a PluginError."""
 
     def __init__(self) -> None:
-        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.requests: dict[str, list] = {}  # request id -> [tokens emitted, params]
+        self.faults: dict[str, Exception] = {}  # request id -> what a step raises while it runs
         self.aborted: list[str] = []
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -36,22 +37,21 @@ class ScriptedEngine:
         if not prompt:
             raise InvalidRequestError("prompt is empty; give at least one character or token")
         assert request_id is not None
-        self.requests[request_id] = ([], params)
+        self.requests[request_id] = [0, params]
         if prompt == "crash-in-step":
-            self.requests[request_id][0].append(-1)
+            self.faults[request_id] = RuntimeError("boom in the step")
         if prompt == "plugin-error-in-step":
-            self.requests[request_id][0].append(-2)
+            self.faults[request_id] = PluginError("scheduler 'scripted' scheduled nothing; fix the plugin")
         return request_id
 
     def step(self) -> list[RequestOutput]:
-        if any(-2 in tokens for tokens, _ in self.requests.values()):
-            raise PluginError("scheduler 'scripted' scheduled nothing; fix the plugin")
-        if any(-1 in tokens for tokens, _ in self.requests.values()):
-            raise RuntimeError("boom in the step")
+        for rid, fault in self.faults.items():  # O(1) per step: a long request must not slow the loop down
+            if rid in self.requests:
+                raise fault
         outputs = []
-        for rid, (tokens, params) in list(self.requests.items()):
-            tokens.append(7)
-            done = len(tokens) >= params.max_tokens
+        for rid, state in list(self.requests.items()):
+            state[0] += 1
+            done = state[0] >= state[1].max_tokens
             outputs.append(RequestOutput(rid, [1], [CompletionOutput(0, [7], "t", FinishReason.LENGTH if done
                                                                      else None)], done))
             if done:
