@@ -108,7 +108,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.uploader = Uploader(device)
         self.graphs: DecodeGraphs | None = None
-        self._rows: dict[int, torch.Tensor] = {}  # arange(B + 1) per batch size, for advance
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # advance: B -> (query_start, sample_rows)
 
     @staticmethod
     def bytes_per_block(model: Model, block_size: int, dtype: torch.dtype) -> int:
@@ -243,15 +243,16 @@ class ModelRunner:
         slots = meta.block_tables.gather(1, (positions // size).unsqueeze(1)).squeeze(1).long() * size \
             + positions % size
         rows = len(meta.query_lens_cpu)
-        index = self._rows.get(rows)
-        if index is None:
-            index = self._rows[rows] = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
+        if rows not in self._rows:  # one token per sequence: query starts 0..B, sampling rows 0..B-1
+            start = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
+            self._rows[rows] = start, start[:rows].long()
+        query_start, sample_rows = self._rows[rows]
         lens = [n + 1 for n in meta.context_lens_cpu]
-        step = AttentionMetadata(slot_mapping=slots, block_tables=meta.block_tables, query_start=index,
+        step = AttentionMetadata(slot_mapping=slots, block_tables=meta.block_tables, query_start=query_start,
                                  context_lens=meta.context_lens + 1, query_lens_cpu=[1] * rows, context_lens_cpu=lens,
                                  block_size=size, max_query_len=1, max_context_len=meta.max_context_len + 1)
         step.backend_data = self.attention.prepare(step)
-        return Batch(next_ids, positions, step, index[:rows].long(), batch.sample_seq_ids, [0] * rows)
+        return Batch(next_ids, positions, step, sample_rows, batch.sample_seq_ids, [0] * rows)
 
     def enable_cuda_graphs(self, max_batch: int, query_lens: dict[int, int] | None = None,
                            eager: bool = False) -> None:

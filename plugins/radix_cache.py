@@ -51,9 +51,9 @@ class RadixKVCache(KVCache):
         self.ref = [0] * num_blocks  # holders: sequence tables, plus one when the tree holds the block
         self.free_list: deque[int] = deque(range(num_blocks))
         self.seqs: dict[int, _SeqState] = {}
-        # seq_id -> (matched tokens, the path's end) of a sequence matched but not yet allocated: its table lists the
-        # path's blocks, which it does not hold (no reference, no lock, no use recorded) until allocate succeeds
-        self.pending_match: dict[int, tuple[int, RadixNode]] = {}
+        # seq_id -> the matched path's end, for a sequence matched but not yet allocated: its table lists the path's
+        # blocks, which it does not hold (no reference, no lock, no use recorded) until allocate succeeds
+        self.pending_match: dict[int, RadixNode] = {}
         self.cached = 0  # blocks of unlocked nodes
         self.ops = BlockOps()
         self.counters = KVStats(num_blocks, num_blocks, 0, 0)
@@ -264,12 +264,12 @@ class RadixKVCache(KVCache):
         self.seqs[seq.seq_id] = _SeqState(array("i", [block for n in self._path(node) for block in n.blocks]),
                                           self.root)
         matched = node.depth * self.block_size
-        self.pending_match[seq.seq_id] = (matched, node)
+        self.pending_match[seq.seq_id] = node
         return matched
 
-    def _hold_match(self, seq: Sequence, state: _SeqState, node: RadixNode) -> None:
-        """Admission succeeds: hold and lock the matched path, and count each node's use."""
-        for n in self._path(node):
+    def _hold_match(self, seq: Sequence, state: _SeqState, node: RadixNode, path: list[RadixNode]) -> None:
+        """Admission succeeds: hold and lock the matched path (``path`` ends at ``node``), count each node's use."""
+        for n in path:
             self.eviction.touch(n)  # a prefix hit counts as a use (LFU) even while locked
         for block in state.table:
             self.ref[block] += 1
@@ -279,11 +279,12 @@ class RadixKVCache(KVCache):
         state = self.seqs.get(seq.seq_id) or _SeqState(array("i"), self.root)
         pending = self.pending_match.get(seq.seq_id)
         if pending is not None:  # the matched path's unlocked blocks stop being evictable once held
-            held_from_cache = sum(len(n.blocks) for n in self._path(pending[1]) if n.lock == 0)
+            path = self._path(pending)
+            held_from_cache = sum(len(n.blocks) for n in path if n.lock == 0)
             needed = self.num_blocks_needed(seq.num_computed_tokens + max(num_tokens, 0)) - len(state.table)
             if max(needed, 0) + held_from_cache > self.num_free_blocks():
                 return False  # a failed admission leaves no trace: no reference, lock or use
-            self._hold_match(seq, state, pending[1])
+            self._hold_match(seq, state, pending, path)
         table, size = state.table, self.block_size
         start = seq.num_computed_tokens
         end = start + max(num_tokens, 0)
@@ -307,7 +308,7 @@ class RadixKVCache(KVCache):
         table.extend(fresh[len(cow) :])
         self.seqs[seq.seq_id] = state
         if pending is not None:
-            matched = self.pending_match.pop(seq.seq_id)[0]
+            matched = self.pending_match.pop(seq.seq_id).depth * self.block_size
             if seq.num_preemptions == 0:  # a recompute finding its own earlier blocks is no prompt cache hit
                 self.counters.prefix_queries += seq.num_tokens
                 self.counters.prefix_hits += matched
