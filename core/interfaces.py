@@ -28,6 +28,13 @@ class KVStats:
     prefix_hits: int = 0  # of which served from cache
     evictions: int = 0
 
+    def count_prompt_lookup(self, seq: Sequence, matched_tokens: int) -> None:
+        """Count an admitted prompt's prefix-cache lookup. A recompute after preemption that finds its own earlier
+        blocks is not a prompt cache hit, so only a sequence's first admission counts."""
+        if seq.num_preemptions == 0:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += matched_tokens
+
 
 @dataclass
 class BlockOps:

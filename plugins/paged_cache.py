@@ -183,10 +183,7 @@ class PagedKVCache(KVCache):
         for _ in range(new_blocks):
             table.append(self._take_block())
         if seq.seq_id in self.pending_match:
-            matched = self.pending_match.pop(seq.seq_id)
-            if seq.num_preemptions == 0:  # a recompute finding its own earlier blocks is no prompt cache hit
-                self.counters.prefix_queries += seq.num_tokens
-                self.counters.prefix_hits += matched
+            self.counters.count_prompt_lookup(seq, self.pending_match.pop(seq.seq_id))
         return True
 
     def commit(self, seq: Sequence) -> None:

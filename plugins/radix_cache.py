@@ -308,10 +308,7 @@ class RadixKVCache(KVCache):
         table.extend(fresh[len(cow) :])
         self.seqs[seq.seq_id] = state
         if pending is not None:
-            matched = self.pending_match.pop(seq.seq_id).depth * self.block_size
-            if seq.num_preemptions == 0:  # a recompute finding its own earlier blocks is no prompt cache hit
-                self.counters.prefix_queries += seq.num_tokens
-                self.counters.prefix_hits += matched
+            self.counters.count_prompt_lookup(seq, self.pending_match.pop(seq.seq_id).depth * self.block_size)
         return True
 
     def commit(self, seq: Sequence) -> None:
