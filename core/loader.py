@@ -136,6 +136,20 @@ def generation_eos(path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def check_finite(model: torch.nn.Module) -> None:
+    """Refuse NaN or infinite weights: they make every output garbage without any error."""
+    tensors = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if t.is_floating_point() and t.element_size() > 1 and t.numel()]
+    if not tensors:
+        return
+    finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).tolist()  # one device sync for all
+    bad = [name for (name, _), ok in zip(tensors, finite) if not ok]
+    if bad:
+        raise CheckpointError(f"{len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:5])}"
+                              f"{', ...' if len(bad) > 5 else ''}); the checkpoint is corrupt or was saved from a "
+                              "diverged run: fetch or export it again")
+
+
 def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> LoadedModel:
     raw = read_config(path)
     archs = raw.get("architectures") or []
@@ -167,5 +181,6 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
         log.warning("the tokenizer has %d tokens but the model's vocabulary %d: prompts with the extra tokens are "
                     "refused", len(tokenizer), model.spec.vocab_size)
     model.load_weights(iter_weights(files))
+    check_finite(model)
     model.eval()
     return LoadedModel(model, getattr(model, "cfg", raw), tokenizer, device, dtype, path, quant, eos)

@@ -115,6 +115,17 @@ def test_tied_embeddings_with_the_same_head_load(llama, tmp_path, hf_greedy):
     assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens)
 
 
+def test_non_finite_weights_are_refused_by_name(llama, tmp_path):
+    def poison(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        up, norm = t["model.layers.0.mlp.up_proj.weight"].clone(), t["model.norm.weight"].clone()
+        up[3, 1], norm[0] = float("nan"), float("inf")
+        return t | {"model.layers.0.mlp.up_proj.weight": up, "model.norm.weight": norm}
+
+    message = load_error(copy_of(llama, tmp_path / "m", tensors=poison))
+    assert message.startswith("2 weight tensor(s) hold NaN or infinite values")
+    assert "layers.0.mlp.up_proj.weight" in message and "norm.weight" in message
+
+
 def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
     path = copy_of(llama, tmp_path / "m", tensors=lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
     assert "set it true if the head is the embedding" in load_error(path)
