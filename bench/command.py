@@ -1,4 +1,4 @@
-"""The ``infer bench`` click command: parse arms and workload, build each arm once, run rounds A B A B, report."""
+"""The ``infer bench`` click command: parse arms and workload, build each arm once, run rounds (A B, B A, ...), report."""
 from __future__ import annotations
 
 import datetime
@@ -53,7 +53,7 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
               help="Arms to compare: each a quoted string of group options (e.g. \"--kv-cache paged\"), or hf, "
                    "hf:static, hf:cb for the HF transformers baseline. Default: one arm of the group options.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Rounds; each round runs every arm once, in order (A B A B ...).")
+              help="Rounds; each round runs every arm once, the order rotating by one arm per round (A B, B A, ...).")
 @click.option("--num-requests", type=int, default=32, show_default=True,
               help="Requests (multi-turn: conversations; long-prompt-arrival: steady decodes).")
 @click.option("--input-len", type=int, default=128, show_default=True,
@@ -121,9 +121,10 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         except OSError as exc:
             raise click.BadParameter(f"cannot create or write the output folder: {exc}", param_hint="'--out'") from None
     from .report import BenchResult
-    from .session import RunError, arm_info, build_arms, make_workloads, run_info, run_rounds, warm_up
+    from .session import ProcessSettings, RunError, arm_info, build_arms, make_workloads, run_info, run_rounds, warm_up
 
     started = datetime.datetime.now(datetime.timezone.utc)
+    settings = ProcessSettings()  # before any arm's engine sets the thread count
     try:
         built = build_arms(specs, base, hf_batch_size, err)
     except ArmError as exc:
@@ -134,8 +135,8 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     except WorkloadError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        warm_up(built, warmups, err)
-        runs, failure = run_rounds(built, workloads, err), None
+        warm_up(built, warmups, settings, err)
+        runs, failure = run_rounds(built, workloads, settings, err), None
     except RunError as exc:
         runs, failure = {arm.spec.key: exc.runs.get(arm.spec.key, []) for arm in built}, exc
     meta = run_info(spec, repeats, warmup_rounds, specs, started)

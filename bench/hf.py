@@ -40,9 +40,14 @@ class _StepTimes:
 
 
 class HFArm:
-    """HF transformers on the model of the engine arms, float32 on CPU and bfloat16 on CUDA."""
+    """HF transformers on the model of the engine arms, in the group's --dtype (by default float32 on CPU and
+    bfloat16 on CUDA). It runs with the process's default thread count and a frozen heap, like the engine arms."""
 
-    def __init__(self, spec: ArmSpec, model_path: Path, batch_size: int, device: str = "auto") -> None:
+    cpu_threads: int | None = None
+    freeze_gc = True
+
+    def __init__(self, spec: ArmSpec, model_path: Path, batch_size: int, device: str = "auto", dtype: str = "auto"
+                 ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,7 +56,8 @@ class HFArm:
         self.batch_size = batch_size
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
-        self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        default = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.dtype = default if dtype == "auto" else getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         config = self.model.config
@@ -124,7 +130,8 @@ class HFArm:
             for (arrival, session, turn, prompt, max_tokens), generated in zip(batch, outputs):
                 times = steps[:max_tokens]
                 output = generated[:max_tokens]
-                records.append(RequestRecord(session, turn, arrival, len(prompt), len(times), times, done))
+                records.append(RequestRecord(session, turn, arrival, len(prompt), len(times), times, done,
+                                             output_ids=list(output)))
                 replay.finished(session, turn, prompt, output, done)
                 on_request_done()
         duration = time.perf_counter() - start
@@ -181,7 +188,8 @@ class HFArm:
             times = [t - start for t in result.timestamps or []]
             finish = (result.lifespan[1] - start) if result.lifespan[1] > 0 else time.perf_counter() - start
             output = list(result.generated_tokens)
-            records.append(RequestRecord(session, turn, arrival, len(prompt), len(output), times, finish))
+            records.append(RequestRecord(session, turn, arrival, len(prompt), len(output), times, finish,
+                                         output_ids=output))
             replay.finished(session, turn, prompt, output, time.perf_counter() - start)
             on_request_done()
         duration = time.perf_counter() - start

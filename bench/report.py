@@ -40,8 +40,8 @@ def _number(value: float, unit: str) -> str:
 
 
 def format_cell(metric: Metric, agg: Aggregate, first: bool, repeats: int) -> str:
-    """``median [min-max] ×ratio``, the ratio starred when the rounds disagree on its direction; "n/a" when the
-    arm does not measure the metric."""
+    """``median [min-max] ×ratio``, the ratio starred when the rounds do not show a difference (its paired
+    ratios' 95% interval holds 1); "n/a" when the arm does not measure the metric."""
     if agg.median is None:
         return "n/a"
     text = _number(agg.median, metric.unit)
@@ -49,7 +49,7 @@ def format_cell(metric: Metric, agg: Aggregate, first: bool, repeats: int) -> st
         text += f" [{_number(agg.low, metric.unit)}–{_number(agg.high, metric.unit)}]"
     if not first:
         text += f" ×{agg.ratio:.2f}" if agg.ratio is not None else " ×—"
-        if agg.mixed_direction:
+        if agg.within_noise:
             text += "*"
     return text
 
@@ -62,7 +62,7 @@ def build_table(result: BenchResult) -> Table:
     requests = {len(run.requests) for runs in result.runs.values() for run in runs}
     notes = [f"median \\[min–max] over rounds; ×: ratio to arm {first}'s median; ↑ higher is better, ↓ lower is "
              "better; n/a: the arm does not measure it",
-             f"*: the rounds disagree on the direction (paired per-round ratios on both sides of 1): within noise; "
+             f"*: within noise: the 95% interval of the paired per-round ratios (a t interval on their logs) holds 1; "
              f"{'/'.join(map(str, sorted(requests)))} requests per run (a p99 of fewer than 100 is nearly their "
              "maximum)"]
     if any(_long_prompt_came_late(run) for runs in result.runs.values() for run in runs):
@@ -114,7 +114,8 @@ def to_json(result: BenchResult) -> dict[str, Any]:
             "key": arm.key, "text": arm.text, "label": arm.label, "kind": "hf" if arm.is_hf else "engine",
             **result.arm_info.get(arm.key, {}),
             "summary": {key: {"median": agg.median, "ratio": agg.ratio, "values": agg.values,
-                              "paired_ratios": agg.paired_ratios, "mixed_direction": agg.mixed_direction}
+                              "paired_ratios": agg.paired_ratios, "ratio_ci95": agg.ci95,
+                              "within_noise": agg.within_noise}
                         for key, agg in summary[arm.key].items()},
             "runs": [run.to_json() for run in result.runs[arm.key]],
         })

@@ -6,6 +6,7 @@ and reused by every round; counters that the engine keeps cumulatively are read 
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -110,12 +111,15 @@ class EngineArm:
         self.kv_capacity_tokens: int | None = self.engine.num_blocks * self.engine.config.block_size
         self.warmup_counters: dict[str, int] = {}
         self.warned_warm = False
+        config = self.engine.config
+        self.cpu_threads = config.cpu_threads if self.engine.loaded.device.type == "cpu" else None
+        self.freeze_gc = bool(config.freeze_gc)
 
     def describe(self) -> dict[str, object]:
         config = self.engine.config
         return {"components": dict(self.engine.active), "num_kv_blocks": self.engine.num_blocks,
-                "block_size": config.block_size, "prefix_caching": config.enable_prefix_caching,
-                "model": config.model, "device": str(self.engine.loaded.device), "dtype": str(self.engine.loaded.dtype)}
+                "device": str(self.engine.loaded.device), "dtype": str(self.engine.loaded.dtype),
+                "config": dataclasses.asdict(config)}
 
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
@@ -166,7 +170,8 @@ class EngineArm:
                 if out.finished:
                     del live[out.request_id]
                     records.append(RequestRecord(item.session, item.turn, item.arrival_s, len(item.prompt),
-                                                 len(item.output), item.times, now, out.num_cached_tokens))
+                                                 len(item.output), item.times, now, out.num_cached_tokens,
+                                                 item.output))
                     replay.finished(item.session, item.turn, item.prompt, item.output, now)
                     on_request_done()
         duration = time.perf_counter() - start

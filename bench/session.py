@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import platform
@@ -9,7 +10,7 @@ import sys
 from dataclasses import asdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..cli.options import EngineArgs
 from ..core.errors import InferError
@@ -18,6 +19,7 @@ from .stats import RunResult
 from .workloads import FileEntry, Vocab, Workload, WorkloadError, WorkloadSpec, build_workload
 
 log = logging.getLogger("infer")
+T = TypeVar("T")
 
 
 class Arm(Protocol):
@@ -27,6 +29,8 @@ class Arm(Protocol):
     vocab: Vocab
     max_model_len: int
     kv_capacity_tokens: int | None  # the most tokens one request may hold in the arm's KV pool (None: no limit)
+    cpu_threads: int | None  # torch's intra-op threads while the arm runs (None: the process default)
+    freeze_gc: bool  # run with the heap frozen (gc.freeze), as `infer serve` does
 
     def tokenize(self, text: str) -> list[int]: ...
 
@@ -67,8 +71,28 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
             from .hf import HFArm
 
             err.print(f"building arm {spec.label} (HF transformers) ...", highlight=False)
-            built[spec.key] = HFArm(spec, hf_model_path(base, built), hf_batch_size, base.values.get("device", "auto"))
+            built[spec.key] = HFArm(spec, hf_model_path(base, built), hf_batch_size, base.values.get("device", "auto"),
+                                    base.values.get("dtype", "auto"))
     return [built[s.key] for s in specs]
+
+
+class ProcessSettings:
+    """Applies an arm's process-wide settings before each of its runs. Every arm is built before the first run,
+    so without this the last arm built would set torch's thread count and the frozen heap for all of them."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.default_threads = torch.get_num_threads()
+
+    def enter(self, arm: Arm) -> None:
+        import torch
+
+        torch.set_num_threads(arm.cpu_threads or self.default_threads)
+        gc.unfreeze()
+        gc.collect()  # every arm starts from a collected heap
+        if arm.freeze_gc:
+            gc.freeze()
 
 
 def hf_model_path(base: EngineArgs, built: dict[str, Arm]) -> Path:
@@ -155,11 +179,12 @@ def _failure(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, InferError) else f"{type(exc).__name__}: {exc}"
 
 
-def warm_up(arms: list[Arm], warmups: list[Workload], err: Any) -> None:
+def warm_up(arms: list[Arm], warmups: list[Workload], settings: ProcessSettings, err: Any) -> None:
     for arm in arms:
         if warmups:
             err.print(f"warming up arm {arm.spec.key} ...", highlight=False)
         try:
+            settings.enter(arm)
             arm.warm_up(warmups)  # also with no rounds: records the counters the runs are measured from
         except (Exception, KeyboardInterrupt) as exc:
             log.debug("arm %s failed while warming up", arm.spec.key, exc_info=True)
@@ -167,8 +192,15 @@ def warm_up(arms: list[Arm], warmups: list[Workload], err: Any) -> None:
                            isinstance(exc, KeyboardInterrupt)) from exc
 
 
-def run_rounds(arms: list[Arm], workloads: list[Workload], err: Any) -> dict[str, list[RunResult]]:
-    """Every round runs every arm in order. Raises RunError naming the arm and round that failed."""
+def round_order(arms: list[T], round_index: int) -> list[T]:
+    """Round i runs the arms rotated by i (A B, B A, ...), so that drift during a round favours no arm."""
+    shift = round_index % len(arms)
+    return arms[shift:] + arms[:shift]
+
+
+def run_rounds(arms: list[Arm], workloads: list[Workload], settings: ProcessSettings, err: Any
+               ) -> dict[str, list[RunResult]]:
+    """Every round runs every arm, in :func:`round_order`. Raises RunError naming the arm and round that failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     runs: dict[str, list[RunResult]] = {arm.spec.key: [] for arm in arms}
@@ -177,9 +209,10 @@ def run_rounds(arms: list[Arm], workloads: list[Workload], err: Any) -> dict[str
                   console=err) as progress:
         task = progress.add_task("bench", total=total)
         for i, workload in enumerate(workloads):
-            for arm in arms:
+            for arm in round_order(arms, i):
                 progress.update(task, description=f"round {i + 1}/{len(workloads)} arm {arm.spec.key}")
                 try:
+                    settings.enter(arm)
                     result = arm.run(workload, lambda: progress.advance(task))
                     result.long_session = workload.long_session
                     runs[arm.spec.key].append(result)
@@ -227,6 +260,7 @@ def run_info(spec: WorkloadSpec, repeats: int, warmup_rounds: int, specs: list[A
         "repeats": repeats,
         "warmup_rounds": warmup_rounds,
         "order": [s.key for s in specs],
+        "round_orders": [[s.key for s in round_order(specs, i)] for i in range(repeats)],
     }
 
 

@@ -23,6 +23,7 @@ class RequestRecord:
     token_times_s: list[float]
     finish_s: float
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (None: unknown)
+    output_ids: list[int] = field(default_factory=list)  # compared across arms: faster must not mean different
 
     @property
     def ttft_s(self) -> float | None:
@@ -100,7 +101,27 @@ METRICS: tuple[Metric, ...] = (
     Metric("acceptance_rate", "acceptance rate", "%", True),
     Metric("preemptions", "preemptions", "count", False),
     Metric("evictions", "KV evictions", "count", False),
+    Metric("outputs_match", "outputs = first arm", "%", True),
 )
+
+# Student's t: the two-sided 95% critical value for 1..30 degrees of freedom (any statistics table); beyond 30,
+# 1.96 + 2.5/df is within 0.002 of the exact value.
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t95(df: int) -> float:
+    return T95[df - 1] if df <= len(T95) else 1.96 + 2.5 / df
+
+
+def ratio_ci95(ratios: list[float]) -> tuple[float, float] | None:
+    """The 95% confidence interval of the geometric mean of paired ratios (a paired t interval on their logs);
+    None with fewer than two ratios or a ratio that is not positive and finite."""
+    if len(ratios) < 2 or not all(0 < r < math.inf for r in ratios):
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean, half = statistics.fmean(logs), t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean - half), math.exp(mean + half)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -145,19 +166,39 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
             if eng.speculative else None
         out["preemptions"] = float(eng.preemptions)
         out["evictions"] = float(eng.evictions)
+    out["outputs_match"] = None  # needs the first arm's run of the same round: filled in by summarize
     return out
+
+
+def outputs_match(run: RunResult, reference: RunResult) -> float | None:
+    """The fraction of ``run``'s requests whose output tokens equal the reference run's for the same turn."""
+    expected = {(r.session, r.turn): r.output_ids for r in reference.requests}
+    if not run.requests:
+        return None
+    return sum(expected.get((r.session, r.turn)) == r.output_ids for r in run.requests) / len(run.requests)
 
 
 @dataclass
 class Aggregate:
     """One metric of one arm over its repeats: the values, their median, the ratio of that median to the first
     arm's, and the paired ratios (each round's value over the first arm's in the same round: rounds interleave
-    the arms, so a pair shares the machine's state)."""
+    the arms, so a pair shares the machine's state) with their 95% confidence interval."""
 
     values: list[float]
     median: float | None
     ratio: float | None = None
     paired_ratios: list[float] = field(default_factory=list)
+
+    @property
+    def ci95(self) -> tuple[float, float] | None:
+        return ratio_ci95(self.paired_ratios)
+
+    @property
+    def within_noise(self) -> bool:
+        """The rounds do not show a difference from the first arm: the 95% interval of the paired ratios holds 1,
+        or, where it cannot be computed (a ratio of 0), the paired ratios fall on both sides of 1."""
+        ci = self.ci95
+        return self.mixed_direction if ci is None else ci[0] <= 1 <= ci[1]
 
     @property
     def low(self) -> float | None:
@@ -183,6 +224,10 @@ def aggregate(values: list[float | None]) -> Aggregate:
 def summarize(runs_by_arm: dict[str, list[RunResult]]) -> dict[str, dict[str, Aggregate]]:
     """arm -> metric -> Aggregate, with ratios against the first arm (in the given order)."""
     per_run = {arm: [run_metrics(r) for r in runs] for arm, runs in runs_by_arm.items()}
+    first_runs = next(iter(runs_by_arm.values()), [])
+    for arm, runs in runs_by_arm.items():
+        for metrics, run, reference in zip(per_run[arm], runs, first_runs):
+            metrics["outputs_match"] = outputs_match(run, reference)
     table = {arm: {m.key: aggregate([values[m.key] for values in runs]) for m in METRICS}
              for arm, runs in per_run.items()}
     first_key = next(iter(table), None)

@@ -162,8 +162,13 @@ def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
             raise WorkloadError(f"--{name} must be a positive integer, got {value}")
     if not spec.rate > 0:
         raise WorkloadError(f"--rate must be > 0 requests/s (or inf for all at once), got {spec.rate}")
-    if spec.len_sigma < 0 or spec.long_delay_s < 0:
-        raise WorkloadError("--len-sigma and --long-delay must be >= 0")
+    if not (math.isfinite(spec.len_sigma) and spec.len_sigma >= 0 and math.isfinite(spec.long_delay_s)
+            and spec.long_delay_s >= 0):
+        raise WorkloadError(f"--len-sigma and --long-delay must be finite and >= 0, got {spec.len_sigma} and "
+                            f"{spec.long_delay_s}")
+    if spec.name == "long-prompt-arrival" and not math.isinf(spec.rate):
+        raise WorkloadError("--rate does not apply to long-prompt-arrival: its steady decodes start together and "
+                            "--long-delay sets when the long prompt arrives")
     if spec.name != "file":
         return None
     if spec.file is None:
