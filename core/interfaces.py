@@ -6,7 +6,7 @@ from collections.abc import Hashable, Iterable, MutableSequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, PluginError
 from .request import Sequence
 
 if TYPE_CHECKING:
@@ -158,6 +158,15 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def __len__(self) -> int:
         """Number of evictable keys."""
+
+
+def not_evictable(policy: EvictionPolicy, key: object) -> PluginError:
+    """The error a cache raises when ``policy.pop()`` returns a key it may not evict: trusting it would hand a
+    block that a sequence still holds to another one (wrong tokens, no error)."""
+    kind = type(policy)
+    return PluginError(f"eviction policy {kind.__module__}.{kind.__qualname__}: pop() returned {key!r}, which is not "
+                       "evictable (only keys inserted and not removed or popped since are); fix the policy's "
+                       "bookkeeping")
 
 
 # ---------------------------------------------------------------- scheduler

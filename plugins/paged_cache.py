@@ -6,7 +6,7 @@ from collections import deque
 
 from ..core.config import EngineConfig
 from ..core.hookspecs import KVCacheFactory, hookimpl
-from ..core.interfaces import BlockOps, EvictionPolicy, KVCache, KVStats
+from ..core.interfaces import BlockOps, EvictionPolicy, KVCache, KVStats, not_evictable
 from ..core.registry import Register
 from ..core.request import Sequence
 
@@ -71,10 +71,17 @@ class PagedKVCache(KVCache):
         if self.free_list:
             block = self.free_list.popleft()
         else:
-            block = self.eviction.pop()  # raises IndexError only if callers skipped the capacity check
+            block = self._pop_evictable()  # raises IndexError only if callers skipped the capacity check
             self._unregister(block)
             self.counters.evictions += 1
         self.ref[block] = 1
+        return block
+
+    def _pop_evictable(self) -> int:
+        block = self.eviction.pop()
+        if not (isinstance(block, int) and 0 <= block < self.num_blocks and self.ref[block] == 0
+                and self.block_key[block] is not None):
+            raise not_evictable(self.eviction, block)
         return block
 
     def _register(self, block: int, key: BlockKey) -> int:
@@ -123,7 +130,7 @@ class PagedKVCache(KVCache):
     def reset_prefix_cache(self) -> bool:
         evictions = self.counters.evictions  # dropped on request: not evictions
         while len(self.eviction):
-            block = self.eviction.pop()
+            block = self._pop_evictable()
             self._unregister(block)  # its cached descendants go too
             self.free_list.append(block)
         self.counters.evictions = evictions

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..core.config import EngineConfig
 from ..core.errors import ConfigError
 from ..core.hookspecs import KVCacheFactory, hookimpl
-from ..core.interfaces import BlockOps, EvictionPolicy, KVCache, KVStats
+from ..core.interfaces import BlockOps, EvictionPolicy, KVCache, KVStats, not_evictable
 from ..core.registry import Register
 from ..core.request import Sequence
 
@@ -28,9 +28,9 @@ class RadixNode:
 
     tokens: tuple[int, ...]
     blocks: list[int]
-    parent: RadixNode | None
+    parent: RadixNode | None = field(repr=False)
     depth: int  # blocks from the root to the end of this node
-    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # keyed by the child's first block
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict, repr=False)  # by the child's first block
     lock: int = 0  # live sequences whose locked path passes through this node
     priority: int = 0  # of the last sequence that released it (read by the `priority` policy)
     evictable: bool = False  # in the eviction policy; true exactly when unlocked, childless and not the root
@@ -168,7 +168,8 @@ class RadixKVCache(KVCache):
 
     def _evict_one(self) -> None:
         node = self.eviction.pop()
-        assert isinstance(node, RadixNode) and node.evictable and node.lock == 0 and not node.children
+        if not (isinstance(node, RadixNode) and node.evictable and node.lock == 0 and not node.children):
+            raise not_evictable(self.eviction, node)
         node.evictable = False
         parent = node.parent
         assert parent is not None

@@ -107,6 +107,33 @@ def test_the_contract_check_catches_an_lru_that_assumes_touched_keys_are_held():
         "touch of a key never inserted", "touch of a removed key", "touch of a popped key"]
 
 
+class ForgetfulLRU(LRUPolicy):
+    """remove() forgets nothing: pop() later returns blocks that sequences hold again."""
+
+    def remove(self, key: Hashable) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+def test_a_policy_that_pops_a_held_key_is_refused_not_trusted(tiny_model, kv_cache):
+    """Trusting pop() would give a block that a running sequence holds to another sequence: wrong tokens, no error."""
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+
+    plugins = PluginManager.from_entry_points()
+    module = types.ModuleType("forgetful")
+    module.register_eviction_policies = hookimpl(lambda register: register("forgetful", lambda config: ForgetfulLRU()))
+    plugins.register(module, name="forgetful", source="acme")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache=kv_cache, eviction_policy="forgetful",
+                                 block_size=4, num_kv_blocks=8), plugins)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    shared = list(range(5, 13))
+    engine.generate([shared], SamplingParams(max_tokens=1))  # leaves its prompt's blocks cached
+    with pytest.raises(PluginError, match=r"eviction policy .*ForgetfulLRU: pop\(\) returned .*, which is not "
+                                          r"evictable .* fix the policy's bookkeeping"):
+        engine.generate([shared + [30] * 4, list(range(40, 56))], params)  # a hit holds them; the other evicts
+
+
 def test_the_touch_contract_is_stated_where_plugin_authors_read():
     docstring = flat(EvictionPolicy.touch.__doc__ or "")
     assert "never have been inserted" in docstring and "never fail" in docstring and "len()" in docstring
