@@ -19,7 +19,11 @@ class InferGroup(click.Group):
 
     def _plugin_commands(self, ctx: click.Context) -> dict[str, click.Command]:
         plugins = _plugins(ctx)
-        return {entry.name: entry.factory() for entry in plugins.registry("command")}
+        try:
+            return {entry.name: plugins.build("command", entry.name, click.Command)
+                    for entry in plugins.registry("command")}
+        except InferError as exc:
+            raise click.ClickException(str(exc)) from exc
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self._plugin_commands(ctx)))

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 
@@ -17,7 +16,6 @@ from .runner import ModelRunner
 
 log = logging.getLogger("infer")
 VERIFY_GRAPH_MAX_BATCH = 32
-T = TypeVar("T")
 
 
 @dataclass
@@ -54,9 +52,13 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     num_blocks = num_kv_blocks(config, loaded, per_block)
     if config.preemption_mode == "swap" and config.num_swap_blocks is None:
         config.num_swap_blocks = int(config.swap_space_gb * 2**30) // per_block
-    eviction = build(plugins, "eviction_policy", config.eviction_policy, EvictionPolicy, config)
-    kv = build(plugins, "kv_cache", config.kv_cache, KVCache, config, num_blocks, eviction)
-    scheduler = build(plugins, "scheduler", config.scheduler, Scheduler, config, kv)
+    eviction = plugins.build("eviction_policy", config.eviction_policy, EvictionPolicy, config)
+    kv = plugins.build("kv_cache", config.kv_cache, KVCache, config, num_blocks, eviction)
+    if (getattr(kv, "block_size", None), getattr(kv, "num_blocks", None)) != (config.block_size, num_blocks):
+        raise PluginError(f"KV cache {config.kv_cache!r} has block_size {getattr(kv, 'block_size', None)} and "
+                          f"num_blocks {getattr(kv, 'num_blocks', None)}, not the {config.block_size} and {num_blocks}"
+                          " its factory was given; fix the plugin (the runner and schedulers read both attributes)")
+    scheduler = plugins.build("scheduler", config.scheduler, Scheduler, config, kv)
     runner = ModelRunner(loaded.model, attention, num_blocks, config.block_size, loaded.dtype, loaded.device,
                          config.seed, config.num_swap_blocks if config.preemption_mode == "swap" else 0,
                          kv_dtype=kv_dtype, kv_scales=kv_scales)
@@ -68,34 +70,23 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer)
 
 
-def build(plugins: PluginManager, kind: str, name: str, expected: type[T], *args: Any) -> T:
-    """Call a registered factory and check that it kept its contract (an instance of the kind's ABC)."""
-    entry = plugins.registry(kind).entry(name)
-    built = entry.factory(*args)
-    if not isinstance(built, expected):
-        raise PluginError(f"the {kind.replace('_', ' ')} factory {name!r} from {entry.source!r} returned "
-                          f"{type(built).__name__}, not an instance of {expected.__name__}; fix the plugin (its "
-                          "factory must build and return the component)")
-    return built
-
-
 def make_attention(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel
                    ) -> tuple[str, AttentionBackend]:
     """The named backend; by default `triton` on CUDA, `cpu` on the CPU (it compiles a C kernel: without a working
     C compiler, `torch`, with a warning that says why)."""
     registry = plugins.registry("attention_backend")
     if config.attention:
-        return config.attention, build(plugins, "attention_backend", config.attention, AttentionBackend, config)
+        return config.attention, plugins.build("attention_backend", config.attention, AttentionBackend, config)
     if loaded.device.type == "cuda":
         if "triton" in registry:
-            return "triton", build(plugins, "attention_backend", "triton", AttentionBackend, config)
+            return "triton", plugins.build("attention_backend", "triton", AttentionBackend, config)
         log.warning("CUDA device but no 'triton' attention backend is registered; using 'torch'")
     elif "cpu" in registry:
         try:
-            return "cpu", build(plugins, "attention_backend", "cpu", AttentionBackend, config)
+            return "cpu", plugins.build("attention_backend", "cpu", AttentionBackend, config)
         except PluginError as exc:
             log.warning("attention backend 'cpu' is unavailable, using 'torch': %s", exc)
-    return "torch", build(plugins, "attention_backend", "torch", AttentionBackend, config)
+    return "torch", plugins.build("attention_backend", "torch", AttentionBackend, config)
 
 
 def make_proposer(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel) -> Proposer | None:
@@ -108,7 +99,7 @@ def make_proposer(config: EngineConfig, plugins: PluginManager, loaded: LoadedMo
     if config.draft_model is not None and entry.name != "draft-model":
         raise ConfigError(f"--draft-model is read by the draft-model proposer only, not by {entry.name!r}; "
                           "use --proposer draft-model, or drop --draft-model")
-    return build(plugins, "proposer", entry.name, Proposer, config, loaded)
+    return plugins.build("proposer", entry.name, Proposer, config, loaded)
 
 
 def kv_cache_format(config: EngineConfig, loaded: LoadedModel

@@ -253,7 +253,11 @@ class Engine:
         return flight.seqs
 
     def _check_schedule(self, out: SchedulerOutput) -> bool:
-        """Whether ``out`` has work; PluginError for a scheduler that broke its contract."""
+        """Whether ``out`` has work; PluginError for a scheduler that broke its contract (each breach checked here
+        would otherwise change tokens without an error, or fail deep inside the runner)."""
+        if not isinstance(out, SchedulerOutput):
+            raise PluginError(f"scheduler {self.config.scheduler!r}: schedule() returned {type(out).__name__}, not a "
+                              "SchedulerOutput; fix the plugin")
         if not out.scheduled:
             if self.in_flight is None and not self.unemitted and self.scheduler.has_unfinished():
                 raise PluginError(f"scheduler {self.config.scheduler!r} scheduled nothing while "
@@ -264,6 +268,14 @@ class Engine:
         if len(out.scheduled) > self.config.max_num_seqs:  # what CUDA graphs and buffers are sized for
             raise PluginError(f"scheduler {self.config.scheduler!r} scheduled {len(out.scheduled)} sequences, over "
                               f"max_num_seqs={self.config.max_num_seqs}; fix the plugin")
+        bad = [item for item in out.scheduled if not 1 <= item.num_new_tokens <= item.seq.num_tokens
+               - item.seq.num_computed_tokens]
+        if bad or len({item.seq.seq_id for item in out.scheduled}) != len(out.scheduled):
+            what = (f"sequence {bad[0].seq.seq_id} with {bad[0].num_new_tokens} new token(s) where "
+                    f"{bad[0].seq.num_tokens - bad[0].seq.num_computed_tokens} are uncomputed (it must be 1 to that)"
+                    if bad else "a sequence twice")
+            raise PluginError(f"scheduler {self.config.scheduler!r} (with KV cache {self.config.kv_cache!r}, whose "
+                              f"match_prefix sets the computed tokens) scheduled {what}; fix the plugin")
         return True
 
     def _emit_unemitted(self) -> list[RequestOutput]:

@@ -171,10 +171,9 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
     if isinstance(declared, str) and declared not in methods and declared.lower() in methods:
         declared = declared.lower()  # "AWQ" in some hub configs
     quant_name = config.quant or declared
-    quant = methods.get(quant_name)(config, quant_config) if quant_name else None
-    factory = models.get(archs[0])
-    with torch.device(device):
-        model = factory(raw, quant, dtype, config)  # parses config.json, naming a bad field
+    quant = plugins.build("quant_method", quant_name, QuantMethod, config, quant_config) if quant_name else None
+    with torch.device(device):  # the factory parses config.json, naming a bad field
+        model = plugins.build("model", archs[0], Model, raw, quant, dtype, config)
     tokenizer = load_tokenizer(path)  # before the weights: a bad tokenizer fails fast
     eos = generation_eos(path)
     if len(tokenizer) > model.spec.vocab_size:

@@ -3,18 +3,22 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 
 from . import hookspecs
 from .config import COMPONENT_FIELDS, EngineConfig
-from .errors import ConfigError, PluginError
+from .errors import ConfigError, InferError, PluginError
 from .registry import ARCHITECTURE_NAMES, COMPONENT_NAMES, Registry
+
+log = logging.getLogger("infer")
+T = TypeVar("T")
 
 ENTRY_POINT_GROUP = "infer"
 ALLOW_LIST_ENV = "INFER_PLUGINS"
@@ -49,6 +53,7 @@ class PluginManager:
         self.registries: dict[str, Registry[Any]] = {kind: self._new_registry(kind) for kind in KINDS}
         self._sources: dict[str, str] = {}  # plugin name -> distribution
         self._entry_points: list[str] = []  # the names of the entry points loaded
+        self._way_outs: dict[str, str] = {}  # entry point -> how a user gets infer running without it
         self._allow_list: list[str] | None = None  # INFER_PLUGINS, when it limited loading
         self._skipped_shipped: dict[str, metadata.EntryPoint] = {}  # infer's own entry points it left out
         self._collected = False
@@ -95,7 +100,11 @@ class PluginManager:
                 self.register(module, name=name, source=_dist_name(ep))
             except PluginError as exc:
                 raise PluginError(f"{exc}; {way_out}") from exc
+            if not self.pm.get_hookcallers(module):
+                log.warning("plugin %r from package %r implements no infer hook: mark its hook functions with "
+                            "`from infer import hookimpl` / `@hookimpl`", name, _dist_name(ep))
             self._entry_points.append(name)
+            self._way_outs[name] = way_out
         missing = sorted(set(wanted or ()) - found.keys())
         if missing:
             raise PluginError(
@@ -154,12 +163,47 @@ class PluginManager:
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 source = self._sources.get(impl.plugin_name, impl.plugin_name)
                 entry_point = impl.plugin_name if impl.plugin_name in self._entry_points else None
-                impl.function(register=self.registries[kind].callback(source, entry_point))
+                who = f"plugin {impl.plugin_name!r}" + (f" from package {source!r}" if source != impl.plugin_name else "")
+                way_out = self._way_outs.get(impl.plugin_name, "fix the plugin")
+                try:
+                    returned = impl.function(register=self.registries[kind].callback(source, entry_point))
+                except PluginError:  # the registry's own errors (a duplicate, a bad name) say what to do
+                    raise
+                except Exception as exc:  # a broken hook must not break every command without saying whose it is
+                    raise PluginError(f"{who} failed in its {hook_name} hook: {type(exc).__name__}: {exc}; "
+                                      f"{way_out}") from exc
+                if returned is not None:
+                    if inspect.iscoroutine(returned) or inspect.isgenerator(returned):
+                        returned.close()
+                    raise PluginError(f"{who}: its {hook_name} hook returned a {type(returned).__name__}, which "
+                                      "infer ignores: a registration hook is a plain function that calls "
+                                      f"register(name, factory) for each component and returns None; {way_out}")
         return self
 
     def registry(self, kind: str) -> Registry[Any]:
         self.collect()
         return self.registries[kind]
+
+    def build(self, kind: str, name: str, expected: type[T], *args: Any) -> T:
+        """Call the factory registered as ``name`` and check that it kept its contract (it returns an instance of
+        the kind's ABC). A factory that raises anything but an InferError (or running out of memory) becomes a
+        PluginError that names it; -v logs the traceback."""
+        entry = self.registry(kind).entry(name)
+        what = f"the {kind.replace('_', ' ')} factory {name!r} from {entry.source!r}"
+        try:
+            built = entry.factory(*args)
+        except (InferError, MemoryError):
+            raise
+        except Exception as exc:
+            if "OutOfMemory" in type(exc).__name__:  # torch.OutOfMemoryError: the device, not the plugin
+                raise
+            log.info("%s failed", what, exc_info=True)
+            raise PluginError(f"{what} failed: {type(exc).__name__}: {exc}; fix the plugin, or choose another "
+                              f"{kind.replace('_', ' ')} (-v logs the traceback)") from exc
+        if not isinstance(built, expected):
+            raise PluginError(f"{what} returned {type(built).__name__}, not an instance of {expected.__name__}; fix "
+                              "the plugin (its factory must build and return the component)")
+        return built
 
     def components(self) -> list[Component]:
         self.collect()

@@ -8,9 +8,11 @@ import subprocess
 import sys
 import tomllib
 import types
-from collections.abc import Hashable
+import zlib
+from collections.abc import Callable, Hashable
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -84,7 +86,7 @@ def load_failure(root: Path, monkeypatch: pytest.MonkeyPatch, dist: str, entry_p
     install_fake_plugin(root, dist, entry_point, plugin_source)
     monkeypatch.syspath_prepend(str(root))
     with pytest.raises(PluginError) as error:
-        PluginManager.from_entry_points(allow="")
+        PluginManager.from_entry_points(allow="").collect()
     return flat(str(error.value))
 
 
@@ -162,6 +164,122 @@ def test_a_misnamed_hook_argument_names_the_expected_one(tmp_path, monkeypatch):
            "but infer calls register_eviction_policies(register)" in message
     assert "`pip uninstall infer-plugin-argname`" in message and "INFER_PLUGINS=" in message
     assert_no_traceback_from_the_cli("infer-plugin-argname")
+
+
+@pytest.mark.parametrize(("hook", "complaint"), [
+    ("def register_schedulers(register):\n    raise RuntimeError('boom')\n",
+     "failed in its register_schedulers hook: RuntimeError: boom"),
+    ("def register_schedulers(register):\n    return {'mine': object}\n",
+     "its register_schedulers hook returned a dict, which infer ignores: a registration hook is a plain function"),
+    ("def register_schedulers(register):\n    yield\n", "its register_schedulers hook returned a generator"),
+    ("async def register_schedulers(register):\n    pass\n", "its register_schedulers hook returned a coroutine"),
+])
+def test_a_broken_registration_hook_names_its_package_and_the_way_out(tmp_path, monkeypatch, hook, complaint):
+    dist = f"infer-plugin-broken{zlib.crc32(hook.encode())}"  # a module name of its own: imports are cached
+    message = load_failure(tmp_path, monkeypatch, dist, "broken", "@hookimpl\n" + hook)
+    assert message.startswith(f"plugin 'broken' from package '{dist}'") and complaint in message
+    assert f"`pip uninstall {dist}`" in message
+    assert message.endswith(f"INFER_PLUGINS={entry_points_but('broken')}")
+    assert_no_traceback_from_the_cli(dist)
+
+
+def test_a_module_without_hook_implementations_is_reported(tmp_path, monkeypatch, caplog):
+    install_fake_plugin(tmp_path, "infer-plugin-bare", "bare", "def register_schedulers(register):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    PluginManager.from_entry_points(allow="bare")
+    assert "plugin 'bare' from package 'infer-plugin-bare' implements no infer hook" in caplog.text
+    assert "@hookimpl" in caplog.text
+
+
+def runtime_plugin(plugins: PluginManager, hook: str, name: str, factory: Callable[..., Any]) -> PluginManager:
+    module = types.ModuleType("acme_plugin")
+    setattr(module, hook, hookimpl(lambda register: register(name, factory)))
+    setattr(getattr(module, hook), "__name__", hook)
+    plugins.register(module, name="acme", source="infer-plugin-acme")
+    return plugins
+
+
+def test_a_factory_that_raises_is_named(infer_plugins, tiny_model):
+    from infer.core.engine import Engine
+
+    def broken(config: EngineConfig) -> EvictionPolicy:
+        raise RuntimeError("no policy today")
+
+    plugins = runtime_plugin(infer_plugins, "register_eviction_policies", "moody", broken)
+    with pytest.raises(PluginError, match="the eviction policy factory 'moody' from 'infer-plugin-acme' failed: "
+                                          "RuntimeError: no policy today; fix the plugin, or choose another"):
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", eviction_policy="moody"), plugins)
+
+
+@pytest.mark.parametrize(("hook", "field", "factory", "complaint"), [
+    ("register_quant_methods", "quant", lambda config, quant_config: None,
+     "the quant method factory 'nothing' from 'infer-plugin-acme' returned NoneType, not an instance of QuantMethod"),
+    ("register_models", None, lambda raw, quant, dtype, config: object(),
+     "the model factory 'LlamaForCausalLM' from 'infer-plugin-acme' returned object, not an instance of Model"),
+])
+def test_quant_and_model_factories_are_checked(tmp_path, tiny_model, hook, field, factory, complaint):
+    from infer.core.engine import Engine
+
+    plugins = PluginManager.from_entry_points(allow=entry_points_but("llama-family") if field is None else None)
+    runtime_plugin(plugins, hook, "nothing" if field else "LlamaForCausalLM", factory)
+    config = EngineConfig(model=str(tiny_model), device="cpu", **({field: "nothing"} if field else {}))
+    with pytest.raises(PluginError, match=re.escape(complaint)):
+        Engine(config, plugins)
+
+
+def test_a_command_factory_that_returns_no_click_command_is_named(tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path, "infer-plugin-cmd", "cmd",
+                        "@hookimpl\ndef register_commands(register):\n    register('hello', lambda: print)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "the command factory 'hello' from 'infer-plugin-cmd' returned builtin_function_or_method, not an " \
+           "instance of Command" in flat(result.output)
+
+
+@pytest.mark.parametrize(("breach", "complaint"), [
+    ("none", "schedule() returned NoneType, not a SchedulerOutput"),
+    ("twice", "scheduled a sequence twice"),
+    ("nothing new", "with 0 new token(s) where 4 are uncomputed (it must be 1 to that)"),
+    ("too many", "with 5 new token(s) where 4 are uncomputed"),
+])
+def test_a_schedule_that_breaks_the_contract_is_refused(infer_plugins, tiny_model, breach, complaint):
+    """Each breach would otherwise compute wrong tokens without an error, or fail deep in the runner."""
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+    from infer.core.interfaces import ScheduledSequence
+    from infer.plugins.continuous_scheduler import ContinuousScheduler
+
+    class Breaking(ContinuousScheduler):
+        def schedule(self):
+            out = super().schedule()
+            first = out.scheduled[0]
+            if breach == "none":
+                return None
+            if breach == "twice":
+                out.scheduled.append(ScheduledSequence(first.seq, 1))
+            else:
+                first.num_new_tokens = 0 if breach == "nothing new" else first.num_new_tokens + 1
+            return out
+
+    plugins = runtime_plugin(infer_plugins, "register_schedulers", "breaking", Breaking)
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="breaking"), plugins)
+    with pytest.raises(PluginError, match=re.escape(complaint)):
+        engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
+
+
+def test_a_kv_cache_without_its_block_geometry_is_refused(infer_plugins, tiny_model):
+    from infer.core.engine import Engine
+    from infer.plugins.paged_cache import PagedKVCache
+
+    def factory(config: EngineConfig, num_blocks: int, eviction: EvictionPolicy) -> PagedKVCache:
+        kv = PagedKVCache(num_blocks, config.block_size, eviction, True)
+        del kv.block_size  # as a cache that keeps its geometry under other names
+        return kv
+
+    plugins = runtime_plugin(infer_plugins, "register_kv_caches", "shapeless", factory)
+    with pytest.raises(PluginError, match="KV cache 'shapeless' has block_size None and num_blocks"):
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache="shapeless"), plugins)
 
 
 def test_a_refused_runtime_plugin_leaves_the_manager_usable(infer_plugins):
