@@ -131,6 +131,9 @@ def main() -> None:
                              "write --extra-arm=--async-scheduling")
     parser.add_argument("--copy-gbps", type=float, default=4120.0, help="measured copy bandwidth, read+write")
     parser.add_argument("--build-only", action="store_true", help="build (or find) the model folder, print it, stop")
+    parser.add_argument("--skip-infer-single", action="store_true",
+                        help="measure infer on the anchor workload only, not its single stream (gpu_check.sh's HF "
+                             "stage: the first call measured it)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[args.preset]
@@ -162,8 +165,8 @@ def main() -> None:
                "extra_arms_tps": {}, "single_extra_arms_tps": {}}  # keyed by the added options
     summary_file = args.out / "anchor_summary.json"
     arms = {extra: f"{infer_arm} {extra}" for extra in args.extra_arm}
-    for name, bench_args, extra_key in (("anchor", file_args, "extra_arms_tps"),
-                                        ("single", single_args, "single_extra_arms_tps")):
+    runs = [("anchor", file_args, "extra_arms_tps"), ("single", single_args, "single_extra_arms_tps")]
+    for name, bench_args, extra_key in runs[: 1 if args.skip_infer_single else 2]:
         tps = run_arms(model, args.out / f"{name}_infer", infer_arm, arms, bench_args)
         summary[f"{name}_infer_tps"] = tps[infer_arm]
         summary[extra_key] = {extra: tps.get(arm) for extra, arm in arms.items()}
@@ -171,13 +174,16 @@ def main() -> None:
     print_table(args.preset, summary, preset.hf_batch, device == "cuda")  # out before HF's long runs start
     if args.skip_hf:
         return
-    hf = output_tps(run_bench(model, args.out / "anchor_hf", ["hf:static", "hf:cb"],
-                              file_args + ["--hf-batch-size", str(preset.hf_batch)], warmup=0))
-    summary.update(anchor_hf_static_tps=hf["hf:static"], anchor_hf_cb_tps=hf["hf:cb"])
-    summary_file.write_text(json.dumps(summary, indent=2))
-    summary["single_hf_tps"] = output_tps(run_bench(model, args.out / "single_hf", ["hf:static"],
-                                                    single_args + ["--hf-batch-size", "1"], warmup=0))["hf:static"]
-    summary_file.write_text(json.dumps(summary, indent=2))
+    hf_runs = (("anchor_hf_static_tps", "hf:static", file_args + ["--hf-batch-size", str(preset.hf_batch)]),
+               ("anchor_hf_cb_tps", "hf:cb", file_args),
+               ("single_hf_tps", "hf:static", single_args + ["--hf-batch-size", "1"]))
+    for key, arm, bench_args in hf_runs:  # each in its own process: one failing costs only its own figure
+        try:
+            summary[key] = output_tps(run_bench(model, args.out / key, [arm], bench_args, warmup=0))[arm]
+        except subprocess.CalledProcessError as exc:
+            print(f"{arm} ({key}) failed (exit {exc.returncode}); see above", file=sys.stderr)
+            summary[key] = None
+        summary_file.write_text(json.dumps(summary, indent=2))
     print_table(args.preset, summary, preset.hf_batch, device == "cuda")
 
 
@@ -195,16 +201,18 @@ def print_table(preset: str, summary: dict, hf_batch: int, on_gpu: bool) -> None
             print(f"{name:<34}{'failed':>14}")
             continue
         print(f"{name:<34}{value:>14.1f}{infer_tps / value if value else float('nan'):>10.2f}")
-    floor = summary["single_floor_tps"]
-    floor_note = (f"{summary['single_infer_tps'] / floor:>10.2f}  (fraction of the {floor:.0f} tok/s bandwidth "
-                  "floor)" if on_gpu else "")
-    print(f"{'infer single stream':<34}{summary['single_infer_tps']:>14.1f}{floor_note}")
+    floor, single = summary["single_floor_tps"], summary.get("single_infer_tps")
+    if single is not None:
+        floor_note = (f"{single / floor:>10.2f}  (fraction of the {floor:.0f} tok/s bandwidth floor)" if on_gpu
+                      else "")
+        print(f"{'infer single stream':<34}{single:>14.1f}{floor_note}")
     for extra, tps in summary.get("single_extra_arms_tps", {}).items():
         name = "infer single stream " + extra
         print(f"{name:<34}{'failed':>14}" if tps is None else
               f"{name:<34}{tps:>14.1f}" + (f"{tps / floor:>10.2f}" if on_gpu else ""))
     if "single_hf_tps" in summary:
-        print(f"{'HF single stream':<34}{summary['single_hf_tps']:>14.1f}")
+        hf_single = summary["single_hf_tps"]
+        print(f"{'HF single stream':<34}" + (f"{'failed':>14}" if hf_single is None else f"{hf_single:>14.1f}"))
     sys.stdout.flush()
 
 

@@ -488,6 +488,19 @@ def test_throughput_script_reports_infer_before_and_without_hf(tmp_path):
     assert not (tmp_path / "model.partial").exists() and list((tmp_path / "model").glob("*.safetensors"))
 
 
+def test_throughput_script_measures_each_hf_baseline_beside_infers_anchor_arm(tmp_path):
+    """gpu_check.sh's HF stage: infer's anchor arm (not its single stream, which the first call measured), then HF
+    static, HF continuous batching and HF single stream, each in its own process."""
+    out = bench_script("throughput.py", "--preset", "smoke", "--skip-infer-single", "--out", str(tmp_path / "out"),
+                       "--model-dir", str(tmp_path / "model"))
+    summary = json.loads((tmp_path / "out" / "anchor_summary.json").read_text())
+    assert "single_infer_tps" not in summary and summary["anchor_infer_tps"] > 0
+    assert all(summary[key] > 0 for key in ("anchor_hf_static_tps", "anchor_hf_cb_tps", "single_hf_tps"))
+    table = out[out.rindex("smoke: "):].splitlines()
+    assert [line.split("  ")[0] for line in table[2:]] == [
+        "infer", "HF generate static, batch 32", "HF continuous batching", "HF single stream"]
+
+
 def test_prepare_bench_script_runs():
     out = bench_script("prepare_bench.py", "--context", "40", "--iterations", "3")
     assert "prepare, 128 decodes," in out and "us per sequence (backend planning excluded)" in out
