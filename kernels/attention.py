@@ -25,7 +25,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _check_last_dim(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:
-            raise ValueError(f"attention kernels need a contiguous last dimension, got strides {t.stride()}")
+            raise ValueError(f"attention kernels need a contiguous last dimension (1-D metadata contiguous), got "
+                             f"strides {t.stride()} for shape {tuple(t.shape)}")
 
 
 # ---------------------------------------------------------------- store_kv
@@ -55,7 +56,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _check_last_dim(k, v, k_cache, v_cache)
+    _check_last_dim(k, v, k_cache, v_cache, slot_mapping)
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -179,7 +180,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads {num_q_heads} are not a multiple of KV heads {num_kv_heads}")
-    _check_last_dim(q, k_cache, v_cache)
+    _check_last_dim(q, k_cache, v_cache, block_tables, context_lens)
     group = num_q_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if batch == 0:
@@ -278,7 +279,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads {num_q_heads} are not a multiple of KV heads {num_kv_heads}")
-    _check_last_dim(q, k_cache, v_cache)
+    _check_last_dim(q, k_cache, v_cache, block_tables, query_start, context_lens)
     group = num_q_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     batch = context_lens.shape[0]

@@ -17,7 +17,7 @@ def _per_token_quant_kernel(
     x_ptr, out_ptr, scale_ptr, K, stride_xm, stride_om,
     FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 at 65k tokens of 32k features
     x_row = x_ptr + row * stride_xm
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -58,7 +58,7 @@ def _w8a8_gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # row offsets may pass 2**31
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N

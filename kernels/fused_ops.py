@@ -91,8 +91,9 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hk, D], cos/sin [max_pos, D/2] -> rotated (q, k); new tensors unless ``inplace``."""
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("rotary_embedding needs q and k with a contiguous last dimension")
+    if any(t.stride(-1) != 1 for t in (q, k, cos, sin, positions)):
+        raise ValueError("rotary_embedding needs q, k, cos and sin with a contiguous last dimension, and contiguous "
+                         "positions")
     q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     num_tokens, half = q.shape[0], q.shape[-1] // 2

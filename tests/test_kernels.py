@@ -92,6 +92,22 @@ def test_decode_zero_context_gives_zeros(device: torch.device) -> None:
     torch.testing.assert_close(out[1:], attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)[1:])
 
 
+def test_strided_metadata_is_refused_not_misread(device: torch.device) -> None:
+    """The kernels index 1-D metadata as contiguous: a strided view (every other entry) would read other entries
+    (out of bounds for a block table) and write other slots."""
+    k_cache, v_cache = paged_cache(4, 16, 1, 16, torch.float32, device)
+    q, k = torch.randn(2, 2, 16, device=device), torch.randn(2, 1, 16, device=device)
+    lens = torch.tensor([3, 99, 5, 99], dtype=torch.int32, device=device)[::2]
+    tables = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="contiguous"):
+        attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        attn.store_kv(k, k, k_cache, v_cache, torch.tensor([1, 60, 2, 61], device=device)[::2])
+    cos = torch.randn(8, 16, device=device)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.rotary_embedding(torch.tensor([0, 1], device=device), q.clone(), k.clone(), cos, cos)
+
+
 # ---------------------------------------------------------------- prefill / extend
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 2, 4])
