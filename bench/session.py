@@ -119,7 +119,8 @@ def share_gpu_memory(engine_specs: list[ArmSpec], hf_arms: int) -> None:
     if not unsized or len(engine_specs) + hf_arms < 2 or not torch.cuda.is_available():
         return
     free, _ = torch.cuda.mem_get_info()
-    weights = sum(weights_bytes(s.args.values.get("model")) for s in engine_specs if s.args is not None)
+    models = [s.args.values.get("model") for s in engine_specs if s.args is not None]
+    weights = sum(map(weights_bytes, models)) + hf_arms * weights_bytes(models[0])  # HF loads its own copy
     share = (0.8 * free - weights) / (len(engine_specs) + hf_arms)
     for s in unsized:
         assert s.args is not None
