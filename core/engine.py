@@ -263,7 +263,9 @@ class Engine:
                 raise PluginError(f"scheduler {self.config.scheduler!r} scheduled nothing while "
                                   f"{self.scheduler.num_waiting()} sequence(s) wait and "
                                   f"{self.scheduler.num_running()} run: the engine would never finish them (a "
-                                  "scheduler must schedule work whenever any waits or runs); fix the plugin")
+                                  "scheduler must schedule work whenever any waits or runs; a KV cache "
+                                  f"({self.config.kv_cache!r}) or eviction policy ({self.config.eviction_policy!r}) "
+                                  "that misreports free blocks can cause it too); fix the plugin")
             return False
         if len(out.scheduled) > self.config.max_num_seqs:  # what CUDA graphs and buffers are sized for
             raise PluginError(f"scheduler {self.config.scheduler!r} scheduled {len(out.scheduled)} sequences, over "
