@@ -1,4 +1,5 @@
-"""The ``infer bench`` click command: parse arms and workload, build each arm once, run rounds (A B, B A, ...), report."""
+"""The ``infer bench`` click command: parse arms and workload, build each arm once, run the rounds (A B, B A, ...),
+report."""
 from __future__ import annotations
 
 import datetime

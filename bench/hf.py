@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..core.loader import read_config, resolve_dtype
 from .arms import ArmSpec
 from .runner import Replay
 from .stats import RequestRecord, RunResult
@@ -40,24 +41,24 @@ class _StepTimes:
 
 
 class HFArm:
-    """HF transformers on the model of the engine arms, in the group's --dtype (by default float32 on CPU and
-    bfloat16 on CUDA). It runs with the process's default thread count and a frozen heap, like the engine arms."""
+    """HF transformers on the model of the engine arms, in the group's --dtype (``auto`` resolved as the engine
+    resolves it). It runs with the group's --cpu-threads and a frozen heap, like the engine arms."""
 
-    cpu_threads: int | None = None
     freeze_gc = True
 
-    def __init__(self, spec: ArmSpec, model_path: Path, batch_size: int, device: str = "auto", dtype: str = "auto"
-                 ) -> None:
+    def __init__(self, spec: ArmSpec, model_path: Path, batch_size: int, device: str = "auto", dtype: str = "auto",
+                 cpu_threads: int | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.spec = spec
         self.mode = spec.hf_mode or "static"
+        self.cpu_threads = cpu_threads
         self.batch_size = batch_size
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
-        default = torch.float32 if self.device.type == "cpu" else torch.bfloat16
-        self.dtype = default if dtype == "auto" else getattr(torch, dtype)
+        checkpoint = read_config(model_path)
+        self.dtype = resolve_dtype(dtype, checkpoint.get("torch_dtype") or checkpoint.get("dtype"), self.device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         config = self.model.config

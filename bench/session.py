@@ -72,7 +72,7 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
 
             err.print(f"building arm {spec.label} (HF transformers) ...", highlight=False)
             built[spec.key] = HFArm(spec, hf_model_path(base, built), hf_batch_size, base.values.get("device", "auto"),
-                                    base.values.get("dtype", "auto"))
+                                    base.values.get("dtype", "auto"), base.values.get("cpu_threads"))
     return [built[s.key] for s in specs]
 
 

@@ -72,6 +72,7 @@ class RunResult:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["metrics"] = run_metrics(self)
+        del data["metrics"]["outputs_match"]  # compares arms: the summary holds it
         return data
 
 
@@ -195,8 +196,11 @@ class Aggregate:
 
     @property
     def within_noise(self) -> bool:
-        """The rounds do not show a difference from the first arm: the 95% interval of the paired ratios holds 1,
-        or, where it cannot be computed (a ratio of 0), the paired ratios fall on both sides of 1."""
+        """The rounds do not show a difference from the first arm: fewer than two paired ratios (one round shows
+        nothing), the 95% interval of the paired ratios holds 1, or, where it cannot be computed (a ratio of 0), the
+        paired ratios fall on both sides of 1."""
+        if len(self.paired_ratios) < 2:
+            return True
         ci = self.ci95
         return self.mixed_direction if ci is None else ci[0] <= 1 <= ci[1]
 

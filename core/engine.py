@@ -272,12 +272,15 @@ class Engine:
                               f"max_num_seqs={self.config.max_num_seqs}; fix the plugin")
         bad = [item for item in out.scheduled if not 1 <= item.num_new_tokens <= item.seq.num_tokens
                - item.seq.num_computed_tokens]
-        if bad or len({item.seq.seq_id for item in out.scheduled}) != len(out.scheduled):
-            what = (f"sequence {bad[0].seq.seq_id} with {bad[0].num_new_tokens} new token(s) where "
-                    f"{bad[0].seq.num_tokens - bad[0].seq.num_computed_tokens} are uncomputed (it must be 1 to that)"
-                    if bad else "a sequence twice")
+        if bad:
+            item = bad[0]
+            uncomputed = item.seq.num_tokens - item.seq.num_computed_tokens
             raise PluginError(f"scheduler {self.config.scheduler!r} (with KV cache {self.config.kv_cache!r}, whose "
-                              f"match_prefix sets the computed tokens) scheduled {what}; fix the plugin")
+                              f"match_prefix sets the computed tokens) scheduled sequence {item.seq.seq_id} with "
+                              f"{item.num_new_tokens} new token(s) where {uncomputed} are uncomputed (it must be 1 to "
+                              "that); fix the plugin")
+        if len({item.seq.seq_id for item in out.scheduled}) != len(out.scheduled):
+            raise PluginError(f"scheduler {self.config.scheduler!r} scheduled a sequence twice; fix the plugin")
         return True
 
     def _emit_unemitted(self) -> list[RequestOutput]:

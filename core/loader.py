@@ -142,7 +142,9 @@ def check_finite(model: torch.nn.Module) -> None:
                if t.is_floating_point() and t.element_size() > 1 and t.numel()]
     if not tensors:
         return
-    finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).tolist()  # one device sync for all
+    # NaN spreads to both extremes and an infinity is one: one pass per tensor, no temporaries, one device sync
+    extremes = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in tensors])
+    finite = torch.isfinite(extremes).all(dim=1).tolist()
     bad = [name for (name, _), ok in zip(tensors, finite) if not ok]
     if bad:
         raise CheckpointError(f"{len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:5])}"

@@ -163,7 +163,8 @@ class PluginManager:
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 source = self._sources.get(impl.plugin_name, impl.plugin_name)
                 entry_point = impl.plugin_name if impl.plugin_name in self._entry_points else None
-                who = f"plugin {impl.plugin_name!r}" + (f" from package {source!r}" if source != impl.plugin_name else "")
+                who = f"plugin {impl.plugin_name!r}" + (
+                    f" from package {source!r}" if source != impl.plugin_name else "")
                 way_out = self._way_outs.get(impl.plugin_name, "fix the plugin")
                 try:
                     returned = impl.function(register=self.registries[kind].callback(source, entry_point))
@@ -198,8 +199,11 @@ class PluginManager:
             if "OutOfMemory" in type(exc).__name__:  # torch.OutOfMemoryError: the device, not the plugin
                 raise
             log.info("%s failed", what, exc_info=True)
-            raise PluginError(f"{what} failed: {type(exc).__name__}: {exc}; fix the plugin, or choose another "
-                              f"{kind.replace('_', ' ')} (-v logs the traceback)") from exc
+            shipped = getattr(entry.factory, "__module__", "").partition(".")[0] == __name__.partition(".")[0]
+            todo = ("a bug in infer, or an input it should have refused with a clear message: please report it with "
+                    "the traceback that -v logs") if shipped else \
+                f"fix the plugin, or choose another {kind.replace('_', ' ')} (-v logs the traceback)"
+            raise PluginError(f"{what} failed: {type(exc).__name__}: {exc}; {todo}") from exc
         if not isinstance(built, expected):
             raise PluginError(f"{what} returned {type(built).__name__}, not an instance of {expected.__name__}; fix "
                               "the plugin (its factory must build and return the component)")

@@ -5,6 +5,7 @@ import logging
 from typing import Any
 
 from ..core.config import EngineConfig
+from ..core.errors import ConfigError
 from ..core.hookspecs import QuantMethodFactory, hookimpl
 from ..core.interfaces import QuantMethod
 from ..core.registry import Register
@@ -22,7 +23,10 @@ def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     from ..quant.awq_method import AwqLinearMethod
 
     options = config.plugin_options.get("awq", {}) if isinstance(config.plugin_options, dict) else {}
-    fused_max_rows = int(options.get("fused_max_rows", 64))
+    fused_max_rows = options.get("fused_max_rows", 64)
+    if not isinstance(fused_max_rows, int) or isinstance(fused_max_rows, bool) or fused_max_rows < 0:
+        raise ConfigError(f"awq.fused_max_rows must be an integer >= 0 (0 never runs the fused kernel), got "
+                          f"{fused_max_rows!r}; e.g. --plugin-option awq.fused_max_rows=64")
     if quantization_config is None:
         group_size = options.get("group_size")
         log.warning("awq: quantizing on load with round-to-nearest (int4, group %s); calibrated AWQ is more "

@@ -97,15 +97,32 @@ def test_strided_metadata_is_refused_not_misread(device: torch.device) -> None:
     (out of bounds for a block table) and write other slots."""
     k_cache, v_cache = paged_cache(4, 16, 1, 16, torch.float32, device)
     q, k = torch.randn(2, 2, 16, device=device), torch.randn(2, 1, 16, device=device)
-    lens = torch.tensor([3, 99, 5, 99], dtype=torch.int32, device=device)[::2]
-    tables = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
+
+    def ints(*values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    def every_other(t: torch.Tensor) -> torch.Tensor:  # the same values, as a strided view
+        return torch.stack([t, torch.full_like(t, 99)], dim=-1).flatten(-2)[..., ::2]
+
+    lens, tables, starts = ints(3, 5), ints(0, 1).view(2, 1), ints(0, 1, 2)
+    for bad in range(2):  # context lengths, block tables
+        args = [lens, tables]
+        args[bad] = every_other(args[bad])
+        with pytest.raises(ValueError, match="contiguous"):
+            attn.decode_attention(q, k_cache, v_cache, args[1], args[0], 0.25, 1)
+    for bad in range(3):  # context lengths, block tables, query starts
+        args = [lens, tables, starts]
+        args[bad] = every_other(args[bad])
+        with pytest.raises(ValueError, match="contiguous"):
+            attn.prefill_attention(q, k_cache, v_cache, args[1], args[2], args[0], 1, 0.25)
     with pytest.raises(ValueError, match="contiguous"):
-        attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 1)
-    with pytest.raises(ValueError, match="contiguous"):
-        attn.store_kv(k, k, k_cache, v_cache, torch.tensor([1, 60, 2, 61], device=device)[::2])
-    cos = torch.randn(8, 16, device=device)[:, ::2]
-    with pytest.raises(ValueError, match="contiguous"):
-        ops.rotary_embedding(torch.tensor([0, 1], device=device), q.clone(), k.clone(), cos, cos)
+        attn.store_kv(k, k, k_cache, v_cache, every_other(torch.tensor([1, 2], device=device)))
+    positions, cos = torch.tensor([0, 1], device=device), torch.randn(8, 8, device=device)
+    for args in ((every_other(positions), cos, cos), (positions, every_other(cos), cos),
+                 (positions, cos, every_other(cos))):
+        with pytest.raises(ValueError, match="contiguous"):
+            ops.rotary_embedding(args[0], q.clone(), k.clone(), args[1], args[2])
+    attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 1, 0.25)  # the contiguous originals run
 
 
 # ---------------------------------------------------------------- prefill / extend
