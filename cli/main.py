@@ -105,29 +105,44 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     if stream and as_json:
         raise click.UsageError("--stream prints text as it comes; --json prints whole completions: choose one")
     numbered = list(enumerate(prompts, 1)) if prompts else [
-        (number, line.rstrip("\n")) for number, line in enumerate(sys.stdin, 1) if line.strip()]
+        (number, line.rstrip("\r\n")) for number, line in enumerate(sys.stdin, 1) if line.strip()]
     texts = [text for _, text in numbered]
     if not texts:
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed)
     params.validate()
-    engine = build_engine(ctx)
-    if stream:
-        for prompt in texts:
-            click.echo(prompt, nl=False)
-            for delta in engine.stream(prompt, params):
-                for out in delta.outputs:
-                    click.echo(out.text, nl=False)
-            click.echo()
-    else:
-        try:
-            completed = engine.generate_as_completed(texts, params)
-        except InferError as exc:
-            where = "" if prompts or getattr(exc, "prompt_index", None) is None else \
-                f" (stdin line {numbered[exc.prompt_index][0]})"
-            raise click.ClickException(f"{exc}{where}") from exc
-        _print_in_order(texts, completed, as_json)
+
+    def refused(exc: InferError, index: int | None) -> click.ClickException:
+        where = "" if prompts or index is None else f" (stdin line {numbered[index][0]})"
+        return click.ClickException(f"{exc}{where}")
+
+    streamed = 0
+    try:
+        engine = build_engine(ctx)
+        if stream:
+            for index, prompt in enumerate(texts):  # every prompt is checked before the first is generated
+                try:
+                    engine.check_request(prompt, params)
+                except InferError as exc:
+                    label = f"prompt {index + 1} of {len(texts)}: " if len(texts) > 1 else ""
+                    raise refused(InferError(f"{label}{exc}"), index) from exc
+            for prompt in texts:
+                click.echo(prompt, nl=False)
+                for delta in engine.stream(prompt, params):
+                    for out in delta.outputs:
+                        click.echo(out.text, nl=False)
+                click.echo()
+                streamed += 1
+        else:
+            try:
+                completed = engine.generate_as_completed(texts, params)
+            except InferError as exc:
+                raise refused(exc, getattr(exc, "prompt_index", None)) from exc
+            _print_in_order(texts, completed, as_json)
+    except KeyboardInterrupt:  # while loading or streaming (_print_in_order reports its own)
+        click.echo(f"\ninterrupted: printed {streamed} of {len(texts)} prompts' completions", err=True)
+        raise SystemExit(130) from None
     if stats:
         summary = engine.stats.summary()
         click.echo(json.dumps(summary, indent=2), err=True)
@@ -182,20 +197,40 @@ def plugins_command(ctx: click.Context, as_json: bool) -> None:
 
 @main.command("make-tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--arch", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), default="llama", show_default=True)
-@click.option("--hidden-size", type=int, default=64, show_default=True)
-@click.option("--num-layers", type=int, default=2, show_default=True)
-@click.option("--tie-word-embeddings", is_flag=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--arch", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), default="llama", show_default=True,
+              help="Architecture.")
+@click.option("--hidden-size", type=int, default=64, show_default=True, help="Hidden size; the MLP is twice as wide.")
+@click.option("--num-layers", type=int, default=2, show_default=True, help="Decoder layers.")
+@click.option("--tie-word-embeddings", is_flag=True, help="Share the input embedding and the output head.")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
+              help="Seed of the random weights.")
 def make_tiny_model_command(directory: str, arch: str, hidden_size: int, num_layers: int,
                             tie_word_embeddings: bool, seed: int) -> None:
-    """Write a random-weight model with a locally trained byte-level BPE tokenizer to DIRECTORY."""
+    """Write a random-weight model with a locally trained byte-level BPE tokenizer to DIRECTORY (written to a
+    temporary folder beside it and moved into place, so a failed or interrupted run leaves nothing behind)."""
+    import shutil
+    import tempfile
     from pathlib import Path
 
     from ..models.tiny import make_tiny_model
 
-    if Path(directory).is_dir() and any(Path(directory).iterdir()):
-        raise click.UsageError(f"{directory} already exists and is not empty; choose a new folder (or remove it)")
-    path = make_tiny_model(directory, arch, hidden_size=hidden_size, num_layers=num_layers,
-                           intermediate_size=2 * hidden_size, tie_word_embeddings=tie_word_embeddings, seed=seed)
-    click.echo(f"wrote a random-weight {arch} model to {path}")
+    out = Path(directory)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise click.UsageError(f"{directory} already exists and is not an empty folder; choose a new folder (or "
+                               "remove it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {directory}: {exc.strerror or exc}") from None
+    try:
+        make_tiny_model(partial, arch, hidden_size=hidden_size, num_layers=num_layers,
+                        intermediate_size=2 * hidden_size, tie_word_embeddings=tie_word_embeddings, seed=seed)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        partial.rename(out)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {directory}: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone already after the rename
+    click.echo(f"wrote a random-weight {arch} model to {out}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,11 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     num_blocks = num_kv_blocks(config, loaded, per_block)
     if config.preemption_mode == "swap" and config.num_swap_blocks is None:
         config.num_swap_blocks = int(config.swap_space_gb * 2**30) // per_block
+    host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    swap_bytes = (config.num_swap_blocks or 0) * per_block if config.preemption_mode == "swap" else 0
+    if host_memory and swap_bytes > host_memory:
+        raise ConfigError(f"the swap space ({swap_bytes / 2**30:.1f} GiB) exceeds this machine's memory "
+                          f"({host_memory / 2**30:.1f} GiB); lower --swap-space-gb or --num-swap-blocks")
     eviction = plugins.build("eviction_policy", config.eviction_policy, EvictionPolicy, config)
     kv = plugins.build("kv_cache", config.kv_cache, KVCache, config, num_blocks, eviction)
     if (getattr(kv, "block_size", None), getattr(kv, "num_blocks", None)) != (config.block_size, num_blocks):

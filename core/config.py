@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +14,15 @@ from .errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
+TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "dict": lambda v: isinstance(v, dict),
+}
+TYPE_NAMES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string",
+              "dict": "a dict"}
 # component kind -> the EngineConfig field that selects it
 COMPONENT_FIELDS = {
     "scheduler": "scheduler",
@@ -67,7 +80,21 @@ class EngineConfig:
     plugin_options: dict[str, Any] = field(default_factory=dict)  # free-form options for third-party plugins
 
     def validate(self) -> EngineConfig:
-        """Check ranges and combinations; return self for chaining."""
+        """Check types, ranges and combinations; return self for chaining."""
+        for name in ("model", "draft_model"):  # a pathlib.Path is as good as a string
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        for f in dataclasses.fields(self):
+            kinds = [kind.strip() for kind in str(f.type).split("|")]
+            value, kind = getattr(self, f.name), kinds[0].split("[")[0]
+            if not (value is None and "None" in kinds) and not TYPE_CHECKS[kind](value):
+                raise ConfigError(f"{f.name.replace('_', '-')} ({f.name}=) must be {TYPE_NAMES[kind]}"
+                                  f"{' or None' if 'None' in kinds else ''}, got {value!r}")
+        if not all(isinstance(key, str) and isinstance(options, dict) for key, options in self.plugin_options.items()):
+            raise ConfigError(f"plugin-options maps a namespace to a dict of options, e.g. {{'awq': {{'group_size': "
+                              f"64}}}}, got {self.plugin_options!r}")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
 
         def positive(name: str) -> None:
             value = getattr(self, name)
@@ -96,10 +123,11 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(f"kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                              f"{self.kv_cache_dtype!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:
             raise ConfigError(f"num-speculative-tokens must be in [0, 16], got {self.num_speculative_tokens}")

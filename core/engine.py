@@ -88,6 +88,12 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty; give at least one character or token")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8, decoded leniently
+                raise InvalidRequestError(f"the prompt is not valid UTF-8 text (character {exc.start} is "
+                                          f"{prompt[exc.start]!r}, which stands for a byte that is not UTF-8); "
+                                          "convert the input to UTF-8 first") from None
             ids = list(self.tokenizer.encode(prompt))
             if ids and max(ids) >= vocab:  # a tokenizer larger than the model's vocabulary
                 bad = sorted({t for t in ids if t >= vocab})
@@ -95,6 +101,9 @@ class Engine:
                                           f"({vocab}) lacks: its tokenizer has more tokens than the model; remove the "
                                           f"text of {self.tokenizer.convert_ids_to_tokens(bad[:5])}")
             return ids
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+                                      f"{' (decode the bytes to text first)' if isinstance(prompt, bytes) else ''}")
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty; give at least one character or token")
@@ -107,19 +116,10 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError."""
         params = params or SamplingParams()
-        params.validate()
-        vocab = self.loaded.model.spec.vocab_size
-        if bad := [t for t in params.stop_token_ids if t >= vocab]:
-            raise InvalidRequestError(f"invalid sampling parameters: stop_token_ids must be below the model's "
-                                      f"vocabulary size {vocab}; got {bad[:5]}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context length "
-                f"{self.max_model_len}; shorten the prompt or lower max_tokens")
+        ids = self.check_request(prompt, params)
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
@@ -131,6 +131,23 @@ class Engine:
         if params.n > 1:
             self.awaiting_fork.add(request_id)
         return request_id
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """What add_request checks, without queueing: raises InvalidRequestError, else returns the prompt's ids."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling parameters must be an infer.SamplingParams, got "
+                                      f"{type(params).__name__}")
+        params.validate()
+        vocab = self.loaded.model.spec.vocab_size
+        if bad := [t for t in params.stop_token_ids if t >= vocab]:
+            raise InvalidRequestError(f"invalid sampling parameters: stop_token_ids must be below the model's "
+                                      f"vocabulary size {vocab}; got {bad[:5]}")
+        ids = self.tokenize(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context length "
+                f"{self.max_model_len}; shorten the prompt or lower max_tokens")
+        return ids
 
     def abort(self, request_id: str) -> RequestOutput:
         """Finish a request now and free its blocks; returns its final (aborted) output."""
@@ -397,6 +414,9 @@ class Engine:
         then yield (prompt index, full RequestOutput) as each request finishes. Closing the iterator aborts the
         rest. The engine must not be stepped by anyone else meanwhile (a nested ``generate`` would take the
         outputs): stepping it between two yields raises InvalidRequestError."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
+            raise InvalidRequestError(f"prompts must be a list of prompts (strings or token-id lists), got "
+                                      f"{type(prompts).__name__}")
         params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")

@@ -1,11 +1,14 @@
 """LLM: the offline convenience wrapper around an Engine."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from .config import COMPONENT_FIELDS, EngineConfig
 from .engine import Engine
+from .errors import ConfigError
 from .plugins import PluginManager, checked_manager
 from .request import RequestOutput, SamplingParams
 
@@ -20,6 +23,12 @@ class LLM:
         installed plugin)."""
         if isinstance(plugin, str):
             plugin = [plugin]
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown := sorted(set(options) - fields):
+            hints = "".join(f" (did you mean {close[0]!r}?)" for name in unknown
+                            if (close := difflib.get_close_matches(name, fields, n=1)))
+            raise ConfigError(f"LLM() got unknown option(s) {', '.join(unknown)}{hints}; the options are the fields "
+                              "of infer.core.config.EngineConfig (docs/cli.md lists them as command-line options)")
         config = EngineConfig(model=model, **options)
         if plugin:
             plugins = checked_manager(plugins) or PluginManager.from_entry_points()
@@ -29,7 +38,7 @@ class LLM:
 
     def generate(self, prompts: str | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         return self.engine.generate(prompts, params)  # type: ignore[arg-type]
 

@@ -33,9 +33,13 @@ class SamplingParams:
     speculative: bool = True  # False opts this request out of speculative decoding (when the engine has a proposer)
 
     def __post_init__(self) -> None:
-        # accept lists from callers, keep the dataclass hashable
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        # accept lists from callers, keep the dataclass hashable; anything else is left for validate() to name
+        for name in ("stop_token_ids", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif isinstance(value, (list, tuple)):
+                object.__setattr__(self, name, tuple(value))
 
     @property
     def greedy(self) -> bool:
@@ -47,34 +51,42 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling parameters: {msg}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
             raise bad(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
         if math.isinf(self.temperature):
             raise bad("temperature must be finite")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or math.isnan(self.min_p) or not 0.0 <= self.min_p < 1.0:
             raise bad(f"min_p must be in [0, 1), got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+        if not _is_int(self.n) or not 1 <= self.n <= 64:
             raise bad(f"n must be an integer in [1, 64], got {self.n!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, tuple) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
             # each is searched for after every token, on the one thread that steps every request
             raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters each; got "
                       f"{len(self.stop)}, the longest {max(map(len, self.stop))} characters")
-        if not isinstance(self.speculative, bool):
-            raise bad(f"speculative must be True or False, got {self.speculative!r}")
+        if not isinstance(self.speculative, bool) or not isinstance(self.ignore_eos, bool):
+            raise bad(f"speculative and ignore_eos must be True or False, got {self.speculative!r} and "
+                      f"{self.ignore_eos!r}")
+        if not _is_int(self.priority) or abs(self.priority) >= 2**31:
+            raise bad(f"priority must be an integer (higher is kept longer by the priority eviction policy), got "
+                      f"{self.priority!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class SequenceStatus(enum.Enum):

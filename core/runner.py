@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import PluginError
+from .errors import ConfigError, PluginError
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, SchedulerOutput
 from .model import Model
 from .request import SamplingParams, Sequence
@@ -93,18 +93,23 @@ class ModelRunner:
             raise ValueError(f"a {dtype} KV cache needs (k_scale, v_scale) for each of the {spec.num_layers} layers")
         scales = [(k.to(device, torch.float32), v.to(device, torch.float32)) for k, v in kv_scales or ()] \
             if dtype.itemsize == 1 else [(None, None)] * spec.num_layers
-        self.kv_caches = [
-            LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                         k_scale, v_scale)
-            for k_scale, v_scale in scales
-        ]
         self._pin = device.type == "cuda"
         host_shape = (num_swap_blocks, *shape[1:])
-        self.host_caches = [
-            (torch.zeros(host_shape, dtype=dtype, pin_memory=self._pin),
-             torch.zeros(host_shape, dtype=dtype, pin_memory=self._pin))
-            for _ in range(spec.num_layers if num_swap_blocks else 0)
-        ]
+        try:
+            self.kv_caches = [
+                LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
+                             torch.zeros(shape, dtype=dtype, device=device), k_scale, v_scale)
+                for k_scale, v_scale in scales
+            ]
+            self.host_caches = [
+                (torch.zeros(host_shape, dtype=dtype, pin_memory=self._pin),
+                 torch.zeros(host_shape, dtype=dtype, pin_memory=self._pin))
+                for _ in range(spec.num_layers if num_swap_blocks else 0)
+            ]
+        except (RuntimeError, MemoryError) as exc:  # out of device or host memory
+            raise ConfigError(f"could not allocate the KV cache ({num_blocks} blocks on {device}, {num_swap_blocks} "
+                              f"swap blocks on the host): {str(exc).splitlines()[0]}; lower --num-kv-blocks or "
+                              "--kv-cache-memory-gb (or --swap-space-gb)") from exc
         self.sampler = Sampler(device, seed)
         self.uploader = Uploader(device)
         self.graphs: DecodeGraphs | None = None
