@@ -53,11 +53,7 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     num_blocks = num_kv_blocks(config, loaded, per_block)
     if config.preemption_mode == "swap" and config.num_swap_blocks is None:
         config.num_swap_blocks = int(config.swap_space_gb * 2**30) // per_block
-    host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
-    swap_bytes = (config.num_swap_blocks or 0) * per_block if config.preemption_mode == "swap" else 0
-    if host_memory and swap_bytes > host_memory:
-        raise ConfigError(f"the swap space ({swap_bytes / 2**30:.1f} GiB) exceeds this machine's memory "
-                          f"({host_memory / 2**30:.1f} GiB); lower --swap-space-gb or --num-swap-blocks")
+    check_kv_memory(config, loaded.device, num_blocks, per_block)
     eviction = plugins.build("eviction_policy", config.eviction_policy, EvictionPolicy, config)
     kv = plugins.build("kv_cache", config.kv_cache, KVCache, config, num_blocks, eviction)
     if (getattr(kv, "block_size", None), getattr(kv, "num_blocks", None)) != (config.block_size, num_blocks):
@@ -126,6 +122,21 @@ def verify_graph_sizes(config: EngineConfig) -> dict[int, int]:
     if config.proposer is None or k < 1:
         return {}
     return {k + 1: min(config.max_num_seqs, VERIFY_GRAPH_MAX_BATCH)}
+
+
+def check_kv_memory(config: EngineConfig, device: torch.device, num_blocks: int, per_block: int) -> None:
+    """Refuse a KV pool or swap space larger than the memory that would hold it, before the caches' bookkeeping
+    (a list entry per block) and the tensors are built: past the machine's memory they only thrash or get killed."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
+    pool = num_blocks * per_block
+    if device_memory and pool > device_memory:
+        raise ConfigError(f"the KV pool ({num_blocks} blocks, {pool / 2**30:.1f} GiB) exceeds the {device} memory "
+                          f"({device_memory / 2**30:.1f} GiB); lower --num-kv-blocks or --kv-cache-memory-gb")
+    swap = (config.num_swap_blocks or 0) * per_block if config.preemption_mode == "swap" else 0
+    if host and swap > host:
+        raise ConfigError(f"the swap space ({swap / 2**30:.1f} GiB) exceeds this machine's memory "
+                          f"({host / 2**30:.1f} GiB); lower --swap-space-gb or --num-swap-blocks")
 
 
 def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, per_block: int) -> int:

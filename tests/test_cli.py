@@ -87,6 +87,17 @@ BAD_REQUESTS = [
     (["generate", "hi", "--temperature", "nan"], "temperature must be a number >= 0"),
     (["generate", "hi", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
     (["generate", "hi", "--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
+    (["generate", "a\udcffb"], r"the prompt is not valid UTF-8 text \(character 1 is '\\udcff'"),
+    (["--kv-cache-memory-gb", "inf", "generate", "hi"], "kv-cache-memory-gb .* must be a finite number"),
+    (["--swap-space-gb", "nan", "--preemption", "swap", "generate", "hi"], "swap-space-gb .* must be a finite"),
+    (["--swap-space-gb", "1e7", "--preemption", "swap", "generate", "hi"], r"the swap space \(.* GiB\) exceeds "
+     "this machine's memory"),
+    (["--num-kv-blocks", "1000000000", "generate", "hi"], r"the KV pool \(1000000000 blocks, .* GiB\) exceeds the "
+     "cpu memory"),
+    (["--device", "cuda:abc", "generate", "hi"], "device must be auto, cpu, cuda or cuda:N, got 'cuda:abc'"),
+    (["--seed", str(2**70), "generate", "hi"], r"seed must be in \[0, 2\*\*63\)"),
+    (["--seed", "-1", "generate", "hi"], r"seed must be in \[0, 2\*\*63\)"),
+    (["generate", "--stream", "hi", ""], "prompt 2 of 2: prompt is empty"),
 ]
 
 
@@ -158,14 +169,44 @@ def test_the_design_card_example_runs_on_the_embedded_default(caplog):
 def test_make_tiny_model_checks_sizes_before_writing(tmp_path, args, message):
     result = run("make-tiny-model", str(tmp_path / "m"), *args)
     assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
-    assert not (tmp_path / "m").exists()
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its temporary stand-in
 
 
 def test_make_tiny_model_does_not_overwrite_a_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     result = run("make-tiny-model", str(tmp_path))
-    assert result.exit_code != 0 and "already exists and is not empty" in result.output
+    assert result.exit_code != 0 and "already exists and is not an empty folder" in result.output
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_make_tiny_model_refuses_unusable_paths_and_seeds_cleanly(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = run("make-tiny-model", str(tmp_path / "a-file" / "m"))
+    assert result.exit_code == 1 and "Error: cannot write" in result.output and "Traceback" not in result.output
+    result = run("make-tiny-model", str(tmp_path / "m"), "--seed", str(2**64))
+    assert result.exit_code == 2 and "Invalid value for '--seed'" in result.output
+    result = run("make-tiny-model", str(tmp_path / "m"))
+    assert result.exit_code == 0 and {p.name for p in tmp_path.iterdir()} == {"a-file", "m"}
+
+
+def test_stdin_lines_may_end_in_crlf(tiny_model):
+    result = run("--model", str(tiny_model), "generate", "--json", "--max-tokens", "1", input="ok\r\nx\r\n")
+    assert result.exit_code == 0 and [json.loads(line)["prompt"] for line in result.output.splitlines()] == ["ok", "x"]
+
+
+def test_ctrl_c_while_streaming_exits_130_and_says_so(tiny_model):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "--model", str(tiny_model), "generate", "--stream",
+                             "--ignore-eos", "--max-tokens", "1000", "hello"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.read(5) == "hello"  # streaming has begun
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted: printed 0 of 1 prompts' completions" in err, err
+    assert "Traceback" not in err
 
 
 def test_conflicting_plugin_choices_are_refused(tiny_model):

@@ -370,3 +370,59 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
     for o in outs:
         m = o.metrics
         assert 0 < m["ttft_s"] < m["e2e_s"] <= wall and 0 < m["tpot_s"] * 59 <= m["e2e_s"] - m["ttft_s"] + 1e-9
+
+
+# ---------------------------------------------------------------- the Python API refuses bad input by name
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda e: e.generate(None), "prompts must be a list of prompts (strings or token-id lists), got NoneType"),
+    (lambda e: e.generate(b"hello"), "prompts must be a list of prompts (strings or token-id lists), got bytes"),
+    (lambda e: e.generate(["a", 5]), "prompt 2 of 2: a prompt is a string or a list of token ids, got int"),
+    (lambda e: e.generate([b"hi"]), "got bytes (decode the bytes to text first)"),
+    (lambda e: e.generate(["hi"], {"max_tokens": 3}), "sampling parameters must be an infer.SamplingParams, got dict"),
+    (lambda e: e.generate(["a\udcff"]), "the prompt is not valid UTF-8 text"),
+    (lambda e: e.generate(["hi"], SamplingParams(priority="high")), "priority must be an integer"),
+    (lambda e: e.generate(["hi"], SamplingParams(stop=None)), "stop must be a non-empty string or a list of them"),
+    (lambda e: e.generate(["hi"], SamplingParams(stop_token_ids=5)), "stop_token_ids must be a list of non-negative"),
+    (lambda e: e.generate(["hi"], SamplingParams(max_tokens=True)), "max_tokens must be a positive integer, got True"),
+])
+def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, message):
+    from infer.core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        call(engine)
+    assert message in str(info.value)
+    assert not engine.has_unfinished()  # nothing half-submitted
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"blocksize": 16}, "LLM() got unknown option(s) blocksize (did you mean 'block_size'?)"),
+    ({"device": 5}, "device (device=) must be a string, got 5"),
+    ({"num_speculative_tokens": "4"}, "num-speculative-tokens (num_speculative_tokens=) must be an integer, got '4'"),
+    ({"swap_space_gb": None}, "swap-space-gb (swap_space_gb=) must be a finite number, got None"),
+    ({"plugin_options": {"awq": 3}}, "plugin-options maps a namespace to a dict of options"),
+    ({"seed": -1}, "seed must be in [0, 2**63), got -1"),
+])
+def test_bad_llm_options_are_config_errors_naming_them(tiny_model, options, message):
+    from infer import LLM
+    from infer.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        LLM(model=str(tiny_model), device="cpu", **options) if "device" not in options else \
+            LLM(model=str(tiny_model), **options)
+    assert message in str(info.value)
+
+
+def test_a_pathlib_model_folder_is_accepted(tiny_model):
+    from pathlib import Path
+
+    from infer import LLM
+
+    assert LLM(model=Path(tiny_model), device="cpu").generate(["hi"], SamplingParams(max_tokens=2))[0].finished
+
+
+def test_a_top_k_beyond_the_vocabulary_filters_nothing(engine):
+    def sample(top_k: int) -> list[int]:
+        params = SamplingParams(max_tokens=6, temperature=1.0, top_k=top_k, seed=7)
+        return engine.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+
+    assert sample(10**20) == sample(0)
