@@ -35,11 +35,15 @@ from infer.models.tiny import PRETRAINED_DIR
 from infer.spec_decode.rejection import expected_tokens_per_round
 
 DRAFT_ALONE = "draft model alone"
-PROMPTS = [
+PROMPTS = [  # greedy acceptance comes in path-dependent runs: eight starts, so that no one path decides alpha
     "def fibonacci(n):\n",
     "class Parser:\n    def __init__(self, text):\n",
     "import os\nimport sys\n\n\ndef main(argv):\n",
     "    def __repr__(self):\n        return",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "    for i, line in enumerate(lines):\n",
+    "    @property\n    def name(self):\n",
+    "try:\n    import json\nexcept ImportError:\n",
 ]
 
 
