@@ -40,7 +40,7 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--preemption", "preemption_mode", type=click.Choice(["recompute", "swap"]), default=None,
                  help="What a preempted sequence does with its KV [default: recompute]."),
     click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
-    click.option("--seed", type=int, default=None, help="Seed of unseeded sampling [default: 0]."),
+    click.option("--seed", type=int, default=None, help="Seed of unseeded sampling, in [0, 2**63) [default: 0]."),
     click.option("--cpu-threads", type=int, default=None,
                  help="torch intra-op threads on CPU [default: torch's]; 1 is fastest for tiny models on a busy host."),
     click.option("--no-cuda-graphs", is_flag=True, default=False, help="Run decode steps eagerly on CUDA."),

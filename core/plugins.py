@@ -168,8 +168,10 @@ class PluginManager:
                 way_out = self._way_outs.get(impl.plugin_name, "fix the plugin")
                 try:
                     returned = impl.function(register=self.registries[kind].callback(source, entry_point))
-                except PluginError:  # the registry's own errors (a duplicate, a bad name) say what to do
-                    raise
+                except PluginError as exc:  # the registry's: a duplicate (its message has the way out) or a bad name
+                    if ALLOW_LIST_ENV in str(exc):
+                        raise
+                    raise PluginError(f"{exc}; {way_out}") from exc
                 except Exception as exc:  # a broken hook must not break every command without saying whose it is
                     raise PluginError(f"{who} failed in its {hook_name} hook: {type(exc).__name__}: {exc}; "
                                       f"{way_out}") from exc

@@ -350,6 +350,14 @@ def test_duplicate_names_name_both_entry_points_and_allow_lists_that_work(tmp_pa
 
 
 # ---------------------------------------------------------------- 6, 7. names, aliases, plurals
+def test_a_bad_name_from_an_installed_plugin_says_how_to_run_without_it(tmp_path, monkeypatch):
+    message = load_failure(tmp_path, monkeypatch, "infer-plugin-badname", "badname",
+                           "@hookimpl\ndef register_eviction_policies(register):\n"
+                           "    register('Bad Name!', lambda config: None)\n")
+    assert "the eviction policy name 'Bad Name!'" in message and "`pip uninstall infer-plugin-badname`" in message
+    assert message.endswith(f"INFER_PLUGINS={entry_points_but('badname')}")
+
+
 @pytest.mark.parametrize(("name", "aliases", "complaint"), [
     ("ok-name", "xyz", "aliases='xyz'; aliases must be a list or tuple of names"),
     ("ok-name", ("fine", 3), "aliases must be a list or tuple of names"),
