@@ -1,11 +1,11 @@
 """Throughput against HF transformers (static generate and continuous batching), in one run, on a fixed workload.
 
 Presets:
-- ``anchor`` (issue 4, needs CUDA): a Llama-3.2-1B-shaped model with random bf16 weights (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate
-8192, vocab 128256, tied embeddings); 128 requests sent at once, prompts uniform over 32-512 tokens, outputs
-lognormal(4.5, 0.9) clipped to 8-512, greedy, EOS ignored. ``random.Random(0)`` draws, for each request, the prompt
-length (randint) then its tokens (randint(1, vocab - 1)), and after all prompts the output lengths: 36,840 prompt
-and 18,530 output tokens. HF static runs batches of 32.
+- ``anchor`` (issue 4, needs CUDA): a Llama-3.2-1B-shaped model with random bf16 weights (hidden 2048, 16 layers,
+  32 heads, 8 KV heads, intermediate 8192, vocab 128256, tied embeddings); 128 requests sent at once, prompts
+  uniform over 32-512 tokens, outputs lognormal(4.5, 0.9) clipped to 8-512, greedy, EOS ignored.
+  ``random.Random(0)`` draws, for each request, the prompt length (randint) then its tokens (randint(1, vocab - 1)),
+  and after all prompts the output lengths: 36,840 prompt and 18,530 output tokens. HF static runs batches of 32.
 - ``cpu`` (issue 2): hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 512, float32; 64 requests, prompts
   uniform over 16-256, outputs lognormal(4.0, 0.8) clipped to 8-256, the same draw order. HF static: batches of 16.
 - ``smoke``: tiny shapes and 8 requests, to check the script on a CPU.

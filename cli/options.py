@@ -20,7 +20,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="Select a registered component by name, whatever its kind (repeatable)."),
     click.option("--scheduler", default=None, help="Scheduler plugin name [default: continuous]."),
     click.option("--kv-cache", default=None, help="KV cache plugin name [default: paged]."),
-    click.option("--attention", default=None, help="Attention backend: triton, cpu or torch [default: triton on CUDA, else cpu (torch without a C compiler)]."),
+    click.option("--attention", default=None, help="Attention backend: triton, cpu or torch [default: triton on CUDA, "
+                 "else cpu (torch without a C compiler)]."),
     click.option("--quant", default=None, help="Quantization method (e.g. awq, fp8) [default: from the checkpoint]."),
     click.option("--eviction-policy", default=None, help="Eviction policy for cached KV blocks [default: lru]."),
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, MutableSequence
+from collections.abc import Hashable, MutableSequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 

@@ -293,7 +293,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION=_dot_precision(q.dtype),
+        KV_SCALED=k_scale is not None,
         num_warps=num_warps)
     return out
 

@@ -1,4 +1,5 @@
-"""The `paged` KV cache: a block pool with reference counts, copy-on-write fork, and exact block-chain prefix caching."""
+"""The `paged` KV cache: a block pool with reference counts, copy-on-write fork, and exact block-chain prefix
+caching."""
 from __future__ import annotations
 
 from array import array

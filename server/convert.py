@@ -63,7 +63,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status of an error. The details are the message the CLI prints (without its ``Error: ``)."""
     if isinstance(exc, InvalidRequestError):  # ConfigError too
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, CapacityError):  # never fits this server: a retry fails alike (RESOURCE_EXHAUSTED would invite one)
+    # CapacityError: the request never fits this server, so a retry fails alike (RESOURCE_EXHAUSTED would invite one)
+    if isinstance(exc, CapacityError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, NotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
