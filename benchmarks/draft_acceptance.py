@@ -2,7 +2,7 @@
 
 The prompts are cut from the standard-library files that ``python -m infer.spec_decode.train_pair`` holds out (every
 40th), at up to ``--per-file`` evenly spaced ``def``/``class`` lines, ``--prompt-chars`` characters each; every
-request decodes ``--max-tokens`` greedy tokens. A wider sample than spec_bench.py's four prompts, for choosing a
+request decodes ``--max-tokens`` greedy tokens. A wider sample than spec_bench.py's eight prompts, for choosing a
 draft; it measures no time (greedy acceptance does not depend on batching, so the prompts run as one batch).
 
     python benchmarks/draft_acceptance.py models/pretrained/draft OTHER_DRAFT_DIR ...

@@ -219,7 +219,7 @@ def make_tiny_model_command(directory: str, arch: str, hidden_size: int, num_lay
         raise click.UsageError(f"{directory} already exists and is not an empty folder; choose a new folder (or "
                                "remove it)")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)  # (folders it creates above DIRECTORY stay on a failure)
         partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     except OSError as exc:
         raise click.ClickException(f"cannot write {directory}: {exc.strerror or exc}") from None
