@@ -207,7 +207,7 @@ def plugins_command(ctx: click.Context, as_json: bool) -> None:
 def make_tiny_model_command(directory: str, arch: str, hidden_size: int, num_layers: int,
                             tie_word_embeddings: bool, seed: int) -> None:
     """Write a random-weight model with a locally trained byte-level BPE tokenizer to DIRECTORY (written to a
-    temporary folder beside it and moved into place, so a failed or interrupted run leaves nothing behind)."""
+    temporary folder beside it and moved into place, so a failed or interrupted run leaves no partial model)."""
     import shutil
     import tempfile
     from pathlib import Path
