@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..core.loader import read_config, resolve_dtype
+from ..core.loader import checkpoint_dtype, read_config, resolve_dtype
 from .arms import ArmSpec
 from .runner import Replay
 from .stats import RequestRecord, RunResult
@@ -57,8 +57,7 @@ class HFArm:
         self.batch_size = batch_size
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
-        checkpoint = read_config(model_path)
-        self.dtype = resolve_dtype(dtype, checkpoint.get("torch_dtype") or checkpoint.get("dtype"), self.device)
+        self.dtype = resolve_dtype(dtype, checkpoint_dtype(read_config(model_path)), self.device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         config = self.model.config

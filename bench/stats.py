@@ -71,8 +71,7 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data["metrics"] = run_metrics(self)
-        del data["metrics"]["outputs_match"]  # compares arms: the summary holds it
+        data["metrics"] = run_metrics(self)  # outputs_match compares arms: only the summary holds it
         return data
 
 
@@ -140,7 +139,7 @@ def _ms(value: float | None) -> float | None:
 
 
 def run_metrics(run: RunResult) -> dict[str, float | None]:
-    """Every metric of :data:`METRICS` for one run."""
+    """Every metric of :data:`METRICS` for one run, but outputs_match (it compares arms: :func:`summarize`)."""
     reqs = run.requests
     ttft = [r.ttft_s for r in reqs if r.ttft_s is not None]
     tpot = [r.tpot_s for r in reqs if r.tpot_s is not None]
@@ -167,7 +166,6 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
             if eng.speculative else None
         out["preemptions"] = float(eng.preemptions)
         out["evictions"] = float(eng.evictions)
-    out["outputs_match"] = None  # needs the first arm's run of the same round: filled in by summarize
     return out
 
 
@@ -232,7 +230,7 @@ def summarize(runs_by_arm: dict[str, list[RunResult]]) -> dict[str, dict[str, Ag
     for arm, runs in runs_by_arm.items():
         for metrics, run, reference in zip(per_run[arm], runs, first_runs):
             metrics["outputs_match"] = outputs_match(run, reference)
-    table = {arm: {m.key: aggregate([values[m.key] for values in runs]) for m in METRICS}
+    table = {arm: {m.key: aggregate([values.get(m.key) for values in runs]) for m in METRICS}
              for arm, runs in per_run.items()}
     first_key = next(iter(table), None)
     for arm, metrics in table.items():
@@ -242,5 +240,5 @@ def summarize(runs_by_arm: dict[str, list[RunResult]]) -> dict[str, dict[str, Ag
                 agg.ratio = agg.median / base
             pairs = zip(per_run[arm], per_run[first_key]) if first_key is not None else ()
             agg.paired_ratios = [own[key] / ref[key] for own, ref in pairs
-                                 if own[key] is not None and ref[key]]
+                                 if own.get(key) is not None and ref.get(key)]
     return table

@@ -121,12 +121,10 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     try:
         engine = build_engine(ctx)
         if stream:
-            for index, prompt in enumerate(texts):  # every prompt is checked before the first is generated
-                try:
-                    engine.check_request(prompt, params)
-                except InferError as exc:
-                    label = f"prompt {index + 1} of {len(texts)}: " if len(texts) > 1 else ""
-                    raise refused(InferError(f"{label}{exc}"), index) from exc
+            try:  # every prompt is checked before the first is generated
+                engine.check_requests(texts, params)
+            except InferError as exc:
+                raise refused(exc, exc.prompt_index) from exc  # type: ignore[attr-defined]
             for prompt in texts:
                 click.echo(prompt, nl=False)
                 for delta in engine.stream(prompt, params):

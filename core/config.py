@@ -97,8 +97,8 @@ class EngineConfig:
             raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
 
         def positive(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            value = getattr(self, name)  # an int: the type pass above checked it
+            if value <= 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

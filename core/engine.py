@@ -149,6 +149,14 @@ class Engine:
                 f"{self.max_model_len}; shorten the prompt or lower max_tokens")
         return ids
 
+    def check_requests(self, prompts: Seq[str | list[int]], params: SamplingParams) -> None:
+        """:meth:`check_request` for each prompt; an error names the bad one's position, as generate's do."""
+        for index, prompt in enumerate(prompts):
+            try:
+                self.check_request(prompt, params)
+            except InferError as exc:
+                raise at_prompt(exc, index, len(prompts)) from None
+
     def abort(self, request_id: str) -> RequestOutput:
         """Finish a request now and free its blocks; returns its final (aborted) output."""
         req = self.requests.get(request_id)
@@ -428,9 +436,7 @@ class Engine:
             for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 self.abort(rid)
             if isinstance(exc, InferError):
-                exc.prompt_index = len(ids)  # type: ignore[attr-defined]
-                if len(prompts) > 1:
-                    exc.args = (f"prompt {len(ids) + 1} of {len(prompts)}: {exc}",)
+                at_prompt(exc, len(ids), len(prompts))
             raise
         results = {rid: RequestOutput(rid, self.requests[rid].prompt_token_ids,
                                       [CompletionOutput(i, [], "") for i in range(sp.n)], False)
@@ -458,3 +464,11 @@ class Engine:
             for rid in results:
                 if rid in self.requests:
                     self.abort(rid)
+
+
+def at_prompt(exc: InferError, index: int, total: int) -> InferError:
+    """Mark ``exc`` as caused by prompt ``index`` of ``total`` (``prompt_index``; "prompt i of n: " when several)."""
+    exc.prompt_index = index  # type: ignore[attr-defined]
+    if total > 1:
+        exc.args = (f"prompt {index + 1} of {total}: {exc}",)
+    return exc

@@ -43,12 +43,17 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+def checkpoint_dtype(raw: dict[str, Any]) -> str | None:
+    """The dtype config.json states (``torch_dtype``; newer transformers write ``dtype``)."""
+    return raw.get("torch_dtype") or raw.get("dtype")
+
+
+def resolve_dtype(name: str, stated: str | None, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPE_NAMES[name]
     if device.type == "cpu":
         return torch.float32  # CPU matmuls in half precision are slow and less exact
-    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+    return torch.float16 if stated == "float16" else torch.bfloat16
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -166,7 +171,7 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
         )
     files = safetensors_files(path)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, raw.get("torch_dtype") or raw.get("dtype"), device)
+    dtype = resolve_dtype(config.dtype, checkpoint_dtype(raw), device)
     quant_config = raw.get("quantization_config")
     declared = quant_config.get("quant_method") if isinstance(quant_config, dict) else None
     methods = plugins.registry("quant_method")

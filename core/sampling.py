@@ -83,7 +83,7 @@ class Sampler:
         top_k = [p.top_k for p in params]
         if any(k > 0 for k in top_k):
             k = to_device([min(k, logits.shape[1]) if k > 0 else logits.shape[1] for k in top_k], logits.device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=logits.shape[1] - 1)[:, None])
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])  # 1 <= k <= vocab
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
         if any(p.top_p < 1.0 for p in params):
