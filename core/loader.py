@@ -144,17 +144,28 @@ def generation_eos(path: Path) -> tuple[int, ...]:
 def check_finite(model: torch.nn.Module) -> None:
     """Refuse NaN or infinite weights: they make every output garbage without any error."""
     tensors = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()]
-               if t.is_floating_point() and t.element_size() > 1 and t.numel()]
+               if t.is_floating_point() and t.numel()]
     if not tensors:
         return
-    # NaN spreads to both extremes and an infinity is one: one pass per tensor, no temporaries, one device sync
-    extremes = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in tensors])
-    finite = torch.isfinite(extremes).all(dim=1).tolist()
+    finite = torch.stack([_all_finite(t) for _, t in tensors]).tolist()  # one device sync
     bad = [name for (name, _), ok in zip(tensors, finite) if not ok]
     if bad:
         raise CheckpointError(f"{len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:5])}"
                               f"{', ...' if len(bad) > 5 else ''}); the checkpoint is corrupt or was saved from a "
                               "diverged run: fetch or export it again")
+
+
+# bit patterns of 8-bit floats that are NaN or infinite: (mask, value) with (byte & mask) == value
+FP8_NON_FINITE = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C),
+                  torch.float8_e4m3fnuz: (0xFF, 0x80), torch.float8_e5m2fnuz: (0xFF, 0x80)}
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on t's device, without a host sync."""
+    if t.element_size() == 1:  # no aminmax for 8-bit floats: read the bits
+        mask, value = FP8_NON_FINITE.get(t.dtype, (0, 1))  # an unknown 8-bit float: never flagged
+        return ~((t.view(torch.uint8) & mask) == value).any()
+    return torch.isfinite(torch.stack(torch.aminmax(t))).all()  # NaN spreads to both extremes; inf is one
 
 
 def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> LoadedModel:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
 from infer.core.errors import CheckpointError, InvalidRequestError
+from infer.core.loader import check_finite
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 17, 300, 42]
@@ -124,6 +125,22 @@ def test_non_finite_weights_are_refused_by_name(llama, tmp_path):
     message = load_error(copy_of(llama, tmp_path / "m", tensors=poison))
     assert message.startswith("2 weight tensor(s) hold NaN or infinite values")
     assert "layers.0.mlp.up_proj.weight" in message and "norm.weight" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                                   torch.float8_e5m2fnuz])
+def test_fp8_weights_are_checked_for_every_bit_pattern(dtype):
+    """8-bit floats have no aminmax, so their bits are read: each of the 256 patterns is refused exactly when torch
+    itself upcasts it to NaN or an infinity (a compressed-tensors FP8 checkpoint's weights are stored so)."""
+    for pattern in range(256):
+        module = torch.nn.Module()
+        module.register_buffer("weight", torch.tensor([0, 1, pattern], dtype=torch.uint8).view(dtype))
+        finite = bool(torch.isfinite(module.weight.float()).all())
+        if finite:
+            check_finite(module)
+        else:
+            with pytest.raises(CheckpointError, match="1 weight tensor"):
+                check_finite(module)
 
 
 def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
