@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .admission import RequestChecker, at_prompt, check_schedule
 from .assembly import assemble
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
-from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
+from .errors import InferError, InvalidRequestError, NotFoundError
 from .interfaces import SchedulerOutput
 from .metrics import EngineStats, StepTimes
 from .outputs import RequestState, append_output, build_output
@@ -48,6 +49,7 @@ class Engine:
         self.new_detokenizer = detokenizer_factory(self.tokenizer, self.loaded.model.spec.vocab_size)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
+        self.checker = RequestChecker(self.tokenizer, spec.vocab_size, spec.max_model_len)
         self.eos_token_ids = frozenset(spec.eos_token_ids) | frozenset(self.loaded.generation_eos) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
@@ -84,33 +86,8 @@ class Engine:
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        vocab = self.loaded.model.spec.vocab_size
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty; give at least one character or token")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8, decoded leniently
-                raise InvalidRequestError(f"the prompt is not valid UTF-8 text (character {exc.start} is "
-                                          f"{prompt[exc.start]!r}, which stands for a byte that is not UTF-8); "
-                                          "convert the input to UTF-8 first") from None
-            ids = list(self.tokenizer.encode(prompt))
-            if ids and max(ids) >= vocab:  # a tokenizer larger than the model's vocabulary
-                bad = sorted({t for t in ids if t >= vocab})
-                raise InvalidRequestError(f"the prompt encodes to token ids {bad[:5]} that the model's vocabulary "
-                                          f"({vocab}) lacks: its tokenizer has more tokens than the model; remove the "
-                                          f"text of {self.tokenizer.convert_ids_to_tokens(bad[:5])}")
-            return ids
-        if not isinstance(prompt, (list, tuple)):
-            raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
-                                      f"{' (decode the bytes to text first)' if isinstance(prompt, bytes) else ''}")
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty; give at least one character or token")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        return ids
+        """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt."""
+        return self.checker.tokenize(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -134,28 +111,11 @@ class Engine:
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """What add_request checks, without queueing: raises InvalidRequestError, else returns the prompt's ids."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling parameters must be an infer.SamplingParams, got "
-                                      f"{type(params).__name__}")
-        params.validate()
-        vocab = self.loaded.model.spec.vocab_size
-        if bad := [t for t in params.stop_token_ids if t >= vocab]:
-            raise InvalidRequestError(f"invalid sampling parameters: stop_token_ids must be below the model's "
-                                      f"vocabulary size {vocab}; got {bad[:5]}")
-        ids = self.tokenize(prompt)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context length "
-                f"{self.max_model_len}; shorten the prompt or lower max_tokens")
-        return ids
+        return self.checker.check(prompt, params)
 
     def check_requests(self, prompts: Seq[str | list[int]], params: SamplingParams) -> None:
         """:meth:`check_request` for each prompt; an error names the bad one's position, as generate's do."""
-        for index, prompt in enumerate(prompts):
-            try:
-                self.check_request(prompt, params)
-            except InferError as exc:
-                raise at_prompt(exc, index, len(prompts)) from None
+        self.checker.check_all(prompts, params)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Finish a request now and free its blocks; returns its final (aborted) output."""
@@ -278,35 +238,7 @@ class Engine:
         return flight.seqs
 
     def _check_schedule(self, out: SchedulerOutput) -> bool:
-        """Whether ``out`` has work; PluginError for a scheduler that broke its contract (each breach checked here
-        would otherwise change tokens without an error, or fail deep inside the runner)."""
-        if not isinstance(out, SchedulerOutput):
-            raise PluginError(f"scheduler {self.config.scheduler!r}: schedule() returned {type(out).__name__}, not a "
-                              "SchedulerOutput; fix the plugin")
-        if not out.scheduled:
-            if self.in_flight is None and not self.unemitted and self.scheduler.has_unfinished():
-                raise PluginError(f"scheduler {self.config.scheduler!r} scheduled nothing while "
-                                  f"{self.scheduler.num_waiting()} sequence(s) wait and "
-                                  f"{self.scheduler.num_running()} run: the engine would never finish them (a "
-                                  "scheduler must schedule work whenever any waits or runs; a KV cache "
-                                  f"({self.config.kv_cache!r}) or eviction policy ({self.config.eviction_policy!r}) "
-                                  "that misreports free blocks can cause it too); fix the plugin")
-            return False
-        if len(out.scheduled) > self.config.max_num_seqs:  # what CUDA graphs and buffers are sized for
-            raise PluginError(f"scheduler {self.config.scheduler!r} scheduled {len(out.scheduled)} sequences, over "
-                              f"max_num_seqs={self.config.max_num_seqs}; fix the plugin")
-        bad = [item for item in out.scheduled if not 1 <= item.num_new_tokens <= item.seq.num_tokens
-               - item.seq.num_computed_tokens]
-        if bad:
-            item = bad[0]
-            uncomputed = item.seq.num_tokens - item.seq.num_computed_tokens
-            raise PluginError(f"scheduler {self.config.scheduler!r} (with KV cache {self.config.kv_cache!r}, whose "
-                              f"match_prefix sets the computed tokens) scheduled sequence {item.seq.seq_id} with "
-                              f"{item.num_new_tokens} new token(s) where {uncomputed} are uncomputed (it must be 1 to "
-                              "that); fix the plugin")
-        if len({item.seq.seq_id for item in out.scheduled}) != len(out.scheduled):
-            raise PluginError(f"scheduler {self.config.scheduler!r} scheduled a sequence twice; fix the plugin")
-        return True
+        return check_schedule(out, self.config, self.scheduler, self.in_flight is None and not self.unemitted)
 
     def _emit_unemitted(self) -> list[RequestOutput]:
         seqs, self.unemitted = self.unemitted, []
@@ -464,11 +396,3 @@ class Engine:
             for rid in results:
                 if rid in self.requests:
                     self.abort(rid)
-
-
-def at_prompt(exc: InferError, index: int, total: int) -> InferError:
-    """Mark ``exc`` as caused by prompt ``index`` of ``total`` (``prompt_index``; "prompt i of n: " when several)."""
-    exc.prompt_index = index  # type: ignore[attr-defined]
-    if total > 1:
-        exc.args = (f"prompt {index + 1} of {total}: {exc}",)
-    return exc

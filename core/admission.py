@@ -1,0 +1,112 @@
+"""What the engine checks at its two doors: a user's request (RequestChecker) and a scheduler plugin's schedule
+(check_schedule). Each refusal says what to change."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+from .config import EngineConfig
+from .errors import InferError, InvalidRequestError, PluginError
+from .interfaces import Scheduler, SchedulerOutput
+from .request import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestChecker:
+    """Validates prompts and sampling parameters against one model's tokenizer, vocabulary and context length."""
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt."""
+        vocab = self.vocab_size
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty; give at least one character or token")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8, decoded leniently
+                raise InvalidRequestError(f"the prompt is not valid UTF-8 text (character {exc.start} is "
+                                          f"{prompt[exc.start]!r}, which stands for a byte that is not UTF-8); "
+                                          "convert the input to UTF-8 first") from None
+            ids = list(self.tokenizer.encode(prompt))
+            if ids and max(ids) >= vocab:  # a tokenizer larger than the model's vocabulary
+                bad = sorted({t for t in ids if t >= vocab})
+                raise InvalidRequestError(f"the prompt encodes to token ids {bad[:5]} that the model's vocabulary "
+                                          f"({vocab}) lacks: its tokenizer has more tokens than the model; remove the "
+                                          f"text of {self.tokenizer.convert_ids_to_tokens(bad[:5])}")
+            return ids
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+                                      f"{' (decode the bytes to text first)' if isinstance(prompt, bytes) else ''}")
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty; give at least one character or token")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return ids
+
+    def check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Raises InvalidRequestError, else returns the prompt's ids."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling parameters must be an infer.SamplingParams, got "
+                                      f"{type(params).__name__}")
+        params.validate()
+        if bad := [t for t in params.stop_token_ids if t >= self.vocab_size]:
+            raise InvalidRequestError(f"invalid sampling parameters: stop_token_ids must be below the model's "
+                                      f"vocabulary size {self.vocab_size}; got {bad[:5]}")
+        ids = self.tokenize(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context length "
+                f"{self.max_model_len}; shorten the prompt or lower max_tokens")
+        return ids
+
+    def check_all(self, prompts: Seq[str | list[int]], params: SamplingParams) -> None:
+        """:meth:`check` for each prompt; an error names the bad one's position (see :func:`at_prompt`)."""
+        for index, prompt in enumerate(prompts):
+            try:
+                self.check(prompt, params)
+            except InferError as exc:
+                raise at_prompt(exc, index, len(prompts)) from None
+
+
+def at_prompt(exc: InferError, index: int, total: int) -> InferError:
+    """Mark ``exc`` as caused by prompt ``index`` of ``total`` (``prompt_index``; "prompt i of n: " when several)."""
+    exc.prompt_index = index  # type: ignore[attr-defined]
+    if total > 1:
+        exc.args = (f"prompt {index + 1} of {total}: {exc}",)
+    return exc
+
+
+def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Scheduler, settled: bool) -> bool:
+    """Whether ``out`` has work (``settled``: no step's tokens in flight or outputs unbuilt); PluginError for a
+    scheduler that broke its contract (each breach checked here would otherwise change tokens without an error, or
+    fail deep inside the runner)."""
+    name = config.scheduler
+    if not isinstance(out, SchedulerOutput):
+        raise PluginError(f"scheduler {name!r}: schedule() returned {type(out).__name__}, not a SchedulerOutput; "
+                          "fix the plugin")
+    if not out.scheduled:
+        if settled and scheduler.has_unfinished():
+            raise PluginError(f"scheduler {name!r} scheduled nothing while {scheduler.num_waiting()} sequence(s) "
+                              f"wait and {scheduler.num_running()} run: the engine would never finish them (a "
+                              "scheduler must schedule work whenever any waits or runs; a KV cache "
+                              f"({config.kv_cache!r}) or eviction policy ({config.eviction_policy!r}) that "
+                              "misreports free blocks can cause it too); fix the plugin")
+        return False
+    if len(out.scheduled) > config.max_num_seqs:  # what CUDA graphs and buffers are sized for
+        raise PluginError(f"scheduler {name!r} scheduled {len(out.scheduled)} sequences, over "
+                          f"max_num_seqs={config.max_num_seqs}; fix the plugin")
+    for item in out.scheduled:
+        uncomputed = item.seq.num_tokens - item.seq.num_computed_tokens
+        if not 1 <= item.num_new_tokens <= uncomputed:
+            raise PluginError(f"scheduler {name!r} (with KV cache {config.kv_cache!r}, whose match_prefix sets the "
+                              f"computed tokens) scheduled sequence {item.seq.seq_id} with {item.num_new_tokens} "
+                              f"new token(s) where {uncomputed} are uncomputed (it must be 1 to that); fix the plugin")
+    if len({item.seq.seq_id for item in out.scheduled}) != len(out.scheduled):
+        raise PluginError(f"scheduler {name!r} scheduled a sequence twice; fix the plugin")
+    return True
