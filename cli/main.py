@@ -32,6 +32,9 @@ class InferGroup(click.Group):
         return super().get_command(ctx, name) or self._plugin_commands(ctx).get(name)
 
     def invoke(self, ctx: click.Context) -> Any:
+        # before click resolves the subcommand, whose plugin factory may fail and log why (-v shows the traceback)
+        logging.basicConfig(level=logging.INFO if ctx.params.get("verbose") else logging.WARNING,
+                            format="infer: %(message)s")
         try:
             return super().invoke(ctx)
         except InferError as exc:
@@ -61,7 +64,6 @@ def _plugins(ctx: click.Context) -> PluginManager:
 @click.pass_context
 def main(ctx: click.Context, verbose: bool, **kwargs: Any) -> None:
     """infer: a plugin-first LLM inference engine."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="infer: %(message)s")
     ctx.obj = EngineArgs.from_kwargs(kwargs)
 
 

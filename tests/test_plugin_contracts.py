@@ -2,6 +2,7 @@
 plugin and say how to get infer running again, name rules, and a plugin template whose rename steps work."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -237,6 +238,23 @@ def test_a_command_factory_that_returns_no_click_command_is_named(tmp_path, monk
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "the command factory 'hello' from 'infer-plugin-cmd' returned builtin_function_or_method, not an " \
            "instance of Command" in flat(result.output)
+
+
+def test_a_crashing_command_factory_shows_its_traceback_with_v_only(tmp_path):
+    """Click resolves a subcommand before the group's own code runs, so -v must take effect before that."""
+    install_fake_plugin(tmp_path, "infer-plugin-crash", "crash",
+                        "@hookimpl\ndef register_commands(register):\n    register('hello', lambda: 1 / 0)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+    def run(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "infer.cli", *flags, "hello"], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    quiet, verbose = run(), run("-v")
+    for result in (quiet, verbose):
+        assert result.returncode != 0 and "the command factory 'hello' from 'infer-plugin-crash'" in result.stderr
+    assert "Traceback" not in quiet.stderr
+    assert "Traceback" in verbose.stderr and "ZeroDivisionError" in verbose.stderr
 
 
 @pytest.mark.parametrize(("breach", "complaint"), [
