@@ -127,16 +127,38 @@ def verify_graph_sizes(config: EngineConfig) -> dict[int, int]:
 def check_kv_memory(config: EngineConfig, device: torch.device, num_blocks: int, per_block: int) -> None:
     """Refuse a KV pool or swap space larger than the memory that would hold it, before the caches' bookkeeping
     (a list entry per block) and the tensors are built: past the machine's memory they only thrash or get killed."""
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
-    device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
     pool = num_blocks * per_block
-    if device_memory and pool > device_memory:
-        raise ConfigError(f"the KV pool ({num_blocks} blocks, {pool / 2**30:.1f} GiB) exceeds the {device} memory "
-                          f"({device_memory / 2**30:.1f} GiB); lower --num-kv-blocks or --kv-cache-memory-gb")
+    if device.type == "cuda":
+        device_memory = torch.cuda.get_device_properties(device).total_memory
+        if pool > device_memory:
+            raise ConfigError(f"the KV pool ({num_blocks} blocks, {pool / 2**30:.1f} GiB) exceeds the {device} "
+                              f"memory ({device_memory / 2**30:.1f} GiB); lower --num-kv-blocks or "
+                              "--kv-cache-memory-gb")
     swap = (config.num_swap_blocks or 0) * per_block if config.preemption_mode == "swap" else 0
-    if host and swap > host:
-        raise ConfigError(f"the swap space ({swap / 2**30:.1f} GiB) exceeds this machine's memory "
-                          f"({host / 2**30:.1f} GiB); lower --swap-space-gb or --num-swap-blocks")
+    on_host = {"KV pool": pool if device.type == "cpu" else 0, "swap space": swap}
+    available = host_memory_available()
+    if available is not None and sum(on_host.values()) > available:
+        blocks = {"KV pool": f"{num_blocks} blocks, ", "swap space": ""}
+        parts = " and the ".join(f"{name} ({blocks[name]}{size / 2**30:.1f} GiB)" for name, size in on_host.items()
+                                 if size)
+        raise ConfigError(f"the {parts} exceed{'s' if ' and ' not in parts else ''} the memory this machine has "
+                          f"available ({available / 2**30:.1f} GiB, with the model loaded); lower --num-kv-blocks "
+                          "or --kv-cache-memory-gb (the pool), --swap-space-gb or --num-swap-blocks (swap)")
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory that can be allocated without swapping (Linux's MemAvailable, else all physical
+    memory); None where neither is known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
 
 
 def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, per_block: int) -> int:
