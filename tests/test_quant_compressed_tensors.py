@@ -99,3 +99,41 @@ def test_compressed_tensors_checkpoint_loads_with_the_same_weights(tmp_path: Pat
         assert torch.equal(ours, decompressed[prefix]), prefix
         if preset == "FP8":
             assert torch.equal(layer.input_scale, state["input_scale"].float().reshape(1))
+
+
+WEIGHT_ONLY = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+
+
+@pytest.mark.parametrize("groups", [
+    [("FP8_DYNAMIC", ["Linear"]), ("FP8", ["re:.*down_proj$"])],  # a pattern beats the class name, in either order
+    [("FP8", ["re:.*down_proj$"]), ("FP8_DYNAMIC", ["Linear"])],
+    [("FP8", ["re:.*mlp.*"]), ("FP8_DYNAMIC", ["re:.*_proj$"]), (WEIGHT_ONLY, ["model.layers.0.mlp.up_proj"])],
+    [("FP8", ["Linear", "re:.*q_proj$"]), ("FP8_DYNAMIC", ["re:.*q_proj$"])],  # a target in two groups
+])
+def test_overlapping_groups_resolve_as_the_library_resolves_them(groups: list[tuple[Any, list[str]]]) -> None:
+    """When several groups target one linear, the library ranks the matches (exact path, patterns, class name);
+    the group order in config.json decides nothing. infer must pick the scheme the library applied."""
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config, preset_name_to_scheme)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def scheme(spec: Any, targets: list[str]) -> QuantizationScheme:
+        if isinstance(spec, str):
+            return preset_name_to_scheme(spec, targets)
+        return QuantizationScheme(targets=targets, weights=QuantizationArgs(**spec))
+
+    qconfig = QuantizationConfig(config_groups={f"group_{i}": scheme(s, t) for i, (s, t) in enumerate(groups)},
+                                 ignore=["lm_head"], format="float-quantized")
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    apply_quantization_config(model, qconfig)
+    ours = fp8.parse_compressed_tensors({**qconfig.model_dump(mode="json"), "quant_method": "compressed-tensors",
+                                       "quantization_status": "compressed"})
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name == "lm_head":
+            continue
+        lib, mine = module.quantization_scheme, ours.scheme_for(name)
+        acts = lib.input_activations
+        expected = fp8.Fp8Scheme(lib.weights.strategy, None if acts is None else acts.strategy,
+                                 True if acts is None else bool(acts.dynamic))
+        assert mine == expected, name
