@@ -315,6 +315,15 @@ class AttentionBackend(ABC):
 QUANTIZED_TENSOR_NAMES = ("qweight", "qzeros", "scales", "weight_scale", "input_scale", "g_idx", "weight_packed")
 
 
+def check_float(name: str, tensor: torch.Tensor) -> None:
+    """A float parameter takes only 16- or 32-bit float tensors: integer or fp8 data means a quantized layout that
+    the quantization_config does not describe."""
+    if not tensor.is_floating_point() or tensor.element_size() == 1:
+        raise CheckpointError(f"tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, where infer expects "
+                              "float weights; a quantized checkpoint needs a quantization_config in config.json that "
+                              "covers this tensor")
+
+
 class QuantMethod(ABC):
     """How a linear layer stores and applies its weights. One instance serves all the model's linears."""
 
@@ -345,6 +354,8 @@ class QuantMethod(ABC):
         if tuple(target.shape) != tuple(tensor.shape):
             raise CheckpointError(f"shape mismatch for {where!r}: checkpoint {tuple(tensor.shape)}, "
                                   f"model {tuple(target.shape)}")
+        if target.is_floating_point() and target.element_size() > 1:  # copy_ would cast quantized codes silently
+            check_float(where, tensor)
         with torch.no_grad():
             target.copy_(tensor)
 

@@ -15,24 +15,10 @@ from ..core.errors import CheckpointError
 from ..core.interfaces import QuantMethod
 
 
-def check_float(name: str, tensor: torch.Tensor) -> None:
-    """A float parameter takes only 16- or 32-bit float tensors: integer or fp8 data means a quantized layout that
-    the quantization_config does not describe."""
-    if not tensor.is_floating_point() or tensor.element_size() == 1:
-        raise CheckpointError(f"tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, where infer expects "
-                              "float weights; a quantized checkpoint needs a quantization_config in config.json that "
-                              "covers this tensor")
-
-
 class UnquantizedMethod(QuantMethod):
     """Plain ``weight`` [out, in] (and ``bias``); the default for every linear layer."""
 
     name = "none"
-
-    def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
-        if isinstance(getattr(layer, name, None), torch.Tensor):
-            check_float(f"{getattr(layer, 'prefix', '?')}.{name}", tensor)
-        super().load_weight(layer, name, tensor)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from ..core.errors import CheckpointError
-from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod
+from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
 from ..core.model import Model
-from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, check_float
+from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding
 
 
 @dataclass(frozen=True)

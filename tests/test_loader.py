@@ -42,9 +42,9 @@ def greedy(path: Path, prompt: list[int] = PROMPT, params: SamplingParams = GREE
     return LLM(model=str(path), device="cpu").generate([prompt], params)[0].outputs[0].token_ids
 
 
-def load_error(path: Path) -> str:
+def load_error(path: Path, **options: Any) -> str:
     with pytest.raises(CheckpointError) as info:
-        LLM(model=str(path), device="cpu")
+        LLM(model=str(path), device="cpu", **options)
     return str(info.value)
 
 
@@ -188,12 +188,13 @@ def test_quantized_tensors_without_a_quantization_config_name_the_layer(llama, t
     assert "'model.layers.0.mlp.up_proj.qweight'" in message and "quantization_config" in message
 
 
+@pytest.mark.parametrize("quant", [None, "fp8", "awq"])  # on-load quantization would re-quantize the raw codes
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
-def test_integer_or_fp8_weights_without_a_quantization_config_are_refused(llama, tmp_path, dtype):
+def test_integer_or_fp8_weights_without_a_quantization_config_are_refused(llama, tmp_path, dtype, quant):
     def cast(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return t | {"model.layers.1.self_attn.k_proj.weight": t["model.layers.1.self_attn.k_proj.weight"].to(dtype)}
 
-    message = load_error(copy_of(llama, tmp_path / "m", tensors=cast))
+    message = load_error(copy_of(llama, tmp_path / "m", tensors=cast), quant=quant)
     assert "'model.layers.1.self_attn.k_proj.weight'" in message and "quantization_config" in message
 
 
