@@ -14,6 +14,11 @@ from ..core.model import Model
 from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding
 
 
+# compressed-tensors' kv_cache_scheme tensors (and the older per-projection form)
+KV_SCALE_NAMES = tuple(f"{module}.{name}" for module, names in (("self_attn", ("k_scale", "v_scale", "k_zero_point",
+                       "v_zero_point")), ("k_proj", ("output_scale",)), ("v_proj", ("output_scale",))) for name in names)
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     """The fields of an HF config.json that the Llama family needs."""
@@ -220,12 +225,14 @@ class LlamaFamilyModel(Model):
         expected = set(self.state_dict())  # every tensor the checkpoint must provide (quant layouts included)
         seen: set[str] = set()
         tied_head: torch.Tensor | None = None
+        qc = self.cfg.quantization_config
+        kv_scales = KV_SCALE_NAMES if isinstance(qc, dict) and qc.get("kv_cache_scheme") else ()
         for name, tensor in weights:
             if name in seen:
                 raise CheckpointError(f"tensor {name!r} appears twice among the checkpoint's safetensors files; "
                                       "remove the stray copy (or list the right files in model.safetensors.index.json)")
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # a derived buffer
+            if name.endswith("rotary_emb.inv_freq") or name.endswith(kv_scales):
+                continue  # a derived buffer; the KV scales of a kv_cache_scheme, which --kv-cache-dtype replaces
             if name == "lm_head.weight" and self.lm_head is None:
                 tied_head = tensor  # must be the embedding: checked below
                 continue

@@ -42,7 +42,8 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
                               f"unquantized ones on load); {todo}")
     parsed = parse_compressed_tensors(quantization_config)
     if quantization_config.get("kv_cache_scheme"):
-        log.warning("fp8: the checkpoint's kv_cache_scheme is ignored; use --kv-cache-dtype to choose the KV format")
+        log.warning("fp8: the checkpoint's kv_cache_scheme and its k/v scales are ignored; use --kv-cache-dtype to "
+                    "choose the KV format (fp8 calibrates its own scales at start)")
     return Fp8LinearMethod(parsed, backend)
 
 

@@ -268,15 +268,26 @@ def test_autoawq_checkpoint_generates_like_hf_on_its_dequantized_weights(
 
 
 @pytest.mark.compressed_tensors
-@pytest.mark.parametrize("preset", ["FP8", "FP8_DYNAMIC"])
-def test_compressed_tensors_checkpoint_greedy_equals_the_library_emulation(preset: str, tiny_model: Path,
-                                                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize(("preset", "kv_cache_scheme"), [("FP8", False), ("FP8_DYNAMIC", False), ("FP8", True)])
+def test_compressed_tensors_checkpoint_greedy_equals_the_library_emulation(preset: str, kv_cache_scheme: bool,
+                                                                           tiny_model: Path, tmp_path: Path) -> None:
+    """With ``kv_cache_scheme`` the checkpoint also holds the per-layer ``self_attn.k_scale``/``v_scale`` that
+    compressed-tensors writes for an fp8 KV cache; infer ignores them (it says so) and loads the rest."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
     from test_quant_compressed_tensors import compress_and_save
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     compress_and_save(hf, tmp_path, preset)  # hf now runs the library's fake-quantized (emulated) forward
+    if kv_cache_scheme:
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                            "dynamic": False, "symmetric": True}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        tensors = load_file(str(tmp_path / "model.safetensors"))
+        for i in range(config["num_hidden_layers"]):
+            tensors |= {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor([0.05]) for kv in "kv"}
+        save_file(tensors, str(tmp_path / "model.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model / name, tmp_path / name)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=32))
