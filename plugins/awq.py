@@ -27,8 +27,16 @@ def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     if not isinstance(fused_max_rows, int) or isinstance(fused_max_rows, bool) or fused_max_rows < 0:
         raise ConfigError(f"awq.fused_max_rows must be an integer >= 0 (0 never runs the fused kernel), got "
                           f"{fused_max_rows!r}; e.g. --plugin-option awq.fused_max_rows=64")
+    group_size = options.get("group_size")
+    if group_size is not None and quantization_config is not None:
+        log.warning("awq: the checkpoint is AWQ-quantized already, so awq.group_size=%r is ignored (it sets the "
+                    "group of on-load quantization)", group_size)
     if quantization_config is None:
-        group_size = options.get("group_size")
+        from ..quant.awq import GROUP_SIZES, is_group_size
+
+        if group_size is not None and not is_group_size(group_size):
+            raise ConfigError(f"awq.group_size must be one of {', '.join(map(str, GROUP_SIZES))} (-1: one group over "
+                              f"each layer's whole input), got {group_size!r}; e.g. --plugin-option awq.group_size=64")
         log.warning("awq: quantizing on load with round-to-nearest (int4, group %s); calibrated AWQ is more "
                     "accurate: run `infer quantize --method awq MODEL OUT` once and load OUT",
                     group_size or "128, or 64/32 where 128 does not divide a layer's input")

@@ -25,6 +25,11 @@ MAX_Q = 2**BITS - 1
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its group of 8
 AWQ_INVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_INVERSE[j]
 GROUP_SIZES = (-1, 32, 64, 128)
+
+
+def is_group_size(value: object) -> bool:
+    """An int in GROUP_SIZES: 128.0 or True would pass ``in`` and fail later, inside a reshape."""
+    return type(value) is int and value in GROUP_SIZES
 SUPPORTED_VERSION = "gemm"
 
 
@@ -166,7 +171,7 @@ def parse_config(qc: dict[str, Any]) -> AwqConfig:
     if bits != BITS:
         raise CheckpointError(f"AWQ bits must be {BITS}, got {bits!r}; only 4-bit AWQ checkpoints are supported")
     group_size = qc.get("group_size", qc.get("q_group_size"))
-    if group_size not in GROUP_SIZES or isinstance(group_size, bool):
+    if not is_group_size(group_size):
         raise CheckpointError(
             f"AWQ group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
     if qc.get("zero_point", True) is not True:

@@ -30,7 +30,7 @@ class AwqLinearMethod(QuantMethod):
                  quantize_on_load: bool = False, fused_max_rows: int = 64) -> None:
         if group_size is None and not quantize_on_load:
             raise CheckpointError("an AWQ checkpoint must state its group_size")
-        if group_size is not None and group_size not in awq.GROUP_SIZES:
+        if group_size is not None and not awq.is_group_size(group_size):
             raise CheckpointError(f"AWQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
                                   f"got {group_size!r}")
         self.group_size = group_size

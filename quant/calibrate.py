@@ -66,7 +66,7 @@ class AwqCalibrationConfig:
         if self.bits != awq.BITS:
             raise ConfigError(f"AWQ supports {awq.BITS}-bit weights only (the AutoAWQ GEMM format), got --bits "
                               f"{self.bits}")
-        if self.group_size is not None and self.group_size not in awq.GROUP_SIZES:
+        if self.group_size is not None and not awq.is_group_size(self.group_size):
             raise ConfigError(f"--group-size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
                               f"got {self.group_size}")
         for name in ("num_samples", "seq_len", "grid", "max_rows", "batch_samples"):

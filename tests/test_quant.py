@@ -312,8 +312,14 @@ def test_awq_plugin_factory(caplog: pytest.LogCaptureFixture) -> None:
         awq_plugin.build_awq(EngineConfig(), {**GOOD_AWQ, "version": "gemv"})
     small = awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"group_size": 32}}), None)
     assert isinstance(small, AwqLinearMethod) and small.group_size == 32
-    with pytest.raises(CheckpointError, match="group_size must be one of -1, 32, 64, 128, got 48"):
-        awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"group_size": 48}}), None)
+    for bad in (48, 64.0, True):  # 64.0 and True pass ``in (-1, 32, 64, 128)`` and failed later, in a reshape
+        with pytest.raises(ConfigError, match=f"awq.group_size must be one of -1, 32, 64, 128 .*, got {bad}; e.g."):
+            awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"group_size": bad}}), None)
+        with pytest.raises(CheckpointError, match=f"AWQ group_size must be one of -1, 32, 64, 128, got {bad}$"):
+            awq_plugin.build_awq(EngineConfig(), {**GOOD_AWQ, "group_size": bad})
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"group_size": 32}}), GOOD_AWQ)
+    assert any("awq.group_size=32 is ignored" in r.message for r in caplog.records)
 
 
 def test_plugins_register_their_names() -> None:
