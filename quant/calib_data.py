@@ -18,6 +18,13 @@ def default_texts() -> Iterator[str]:
         yield path.read_text(encoding="utf-8", errors="replace")
 
 
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
 def _jsonl_text(line: str, where: str) -> str:
     try:
         value = json.loads(line)
@@ -32,15 +39,15 @@ def _jsonl_text(line: str, where: str) -> str:
 
 
 def read_texts(path: Path) -> list[str]:
-    """Calibration texts from ``path``: JSONL when the suffix is .jsonl/.json or the first line starts with ``{``,
-    else one text per non-empty line."""
+    """Calibration texts from ``path``: JSONL when the suffix is .jsonl/.json or the first line is a JSON object,
+    else one text per non-empty line (code that opens with a ``{`` line stays text)."""
     try:
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read calibration file {str(path)!r}: {exc}") from exc
     if not lines:
         raise ConfigError(f"calibration file {str(path)!r} holds no text")
-    if path.suffix in (".jsonl", ".json") or lines[0].lstrip().startswith("{"):
+    if path.suffix in (".jsonl", ".json") or _is_json_object(lines[0]):
         return [_jsonl_text(line, f"{path.name} line {i + 1}") for i, line in enumerate(lines)]
     return lines
 

@@ -569,6 +569,10 @@ def test_calibration_texts_and_samples(tmp_path: Path) -> None:
     lines = tmp_path / "calib.txt"
     lines.write_text("first text\n\n  second text\n")
     assert read_texts(lines) == ["first text", "  second text"]
+    lines.write_text('{\n  "key": 1,\n}\n')  # code opening with a brace line: text, not broken JSONL
+    assert read_texts(lines) == ["{", '  "key": 1,', "}"]
+    lines.write_text('{"text": "a b"}\n')  # a first line that is a JSON object: JSONL, whatever the suffix
+    assert read_texts(lines) == ["a b"]
     jsonl = tmp_path / "calib.jsonl"
     jsonl.write_text('{"text": "a b"}\n"c d"\n')
     assert read_texts(jsonl) == ["a b", "c d"]
