@@ -5,6 +5,7 @@ import asyncio
 import errno
 import json
 import logging
+import math
 import signal
 import socket
 import ssl
@@ -48,12 +49,12 @@ class ServeOptions:
 
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_queue < 1:
-            raise ConfigError(f"max-queue must be a positive integer, got {self.max_queue}")
-        if self.max_message_bytes < 1024:
-            raise ConfigError(f"max-message-bytes must be at least 1024, got {self.max_message_bytes}")
-        if self.grace_period_s < 0:
-            raise ConfigError(f"grace-period must be >= 0 seconds, got {self.grace_period_s}")
+        if not 1 <= self.max_queue < 2**32:  # Stats.max_queue is a uint32
+            raise ConfigError(f"max-queue must be in [1, 2**32), got {self.max_queue}")
+        if not 1024 <= self.max_message_bytes < 2**31:  # gRPC's channel arguments are int32
+            raise ConfigError(f"max-message-bytes must be in [1024, 2**31), got {self.max_message_bytes}")
+        if not 0 <= self.grace_period_s < math.inf:  # NaN fails this too
+            raise ConfigError(f"grace-period must be a finite number of seconds >= 0, got {self.grace_period_s}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.tls_cert is not None and self.tls_key is not None:
@@ -152,13 +153,14 @@ class InferenceServer:
 
     def __init__(self, engine: Any, options: ServeOptions) -> None:
         self.options = options.validate()
-        self.worker = EngineWorker(engine)
+        self.worker = EngineWorker(engine, on_fatal=self._on_worker_failed)
         self.servicer = InferenceServicer(self.worker, describe_engine(engine), list_plugins(engine),
                                           options.max_queue)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._stop_metrics: Callable[[], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics_port: int | None = None
 
     async def start(self) -> int:
@@ -189,11 +191,21 @@ class InferenceServer:
         if o.metrics_port is not None:
             self._start_metrics(asyncio.get_running_loop())
         self._server = server
+        self._loop = asyncio.get_running_loop()
         self.worker.start()
         await server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         return self.port
+
+    def _on_worker_failed(self, exc: BaseException) -> None:
+        """On the worker thread, after it failed: health turns NOT_SERVING, so that a balancer routes elsewhere."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        for service in ("", SERVICE_NAME):
+            asyncio.run_coroutine_threadsafe(self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING),
+                                             loop)
 
     def _start_metrics(self, loop: asyncio.AbstractEventLoop) -> None:
         from .metrics import StatsCollector, start_metrics_server

@@ -174,8 +174,9 @@ class _Throughput:
 class EngineWorker:
     """Owns an engine and drives it from one background thread. Methods are safe to call from any thread."""
 
-    def __init__(self, engine: EngineLike) -> None:
+    def __init__(self, engine: EngineLike, on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal  # called on the worker thread if it dies (the server turns NOT_SERVING)
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
         self._lock = threading.Lock()  # orders puts against the shutdown
@@ -227,6 +228,17 @@ class EngineWorker:
 
     # ------------------------------------------------------------ worker thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug here, not in the engine (whose errors _step contains)
+            log.exception("the engine thread failed; failing every request and refusing new ones")
+            self._fail_all(EngineFault(f"the server's engine thread failed ({exc!r}); the server must be restarted"))
+            self._flush()
+            self._stop_accepting()
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def _loop(self) -> None:
         while True:
             try:
                 cmd: object | None = self._inbox.get(block=not self.engine.has_unfinished())
@@ -253,19 +265,15 @@ class EngineWorker:
             if self._streams.get(rid) is cmd.stream:
                 del self._streams[rid]
                 self._abort_quietly(rid)
-        elif isinstance(cmd, _Abort):
-            try:
-                output = self.engine.abort(cmd.request_id)
-            except BaseException as exc:  # NotFoundError for unknown ids
-                cmd.reply.set_exception(exc)
-                return
-            self._deliver(output)
-            cmd.reply.set_result(output)
+        elif isinstance(cmd, _Abort):  # the abort happens even if its caller gave up waiting
+            _resolve(cmd.reply, lambda: self._abort_and_deliver(cmd.request_id), even_if_cancelled=True)
         elif isinstance(cmd, _Call):
-            try:
-                cmd.reply.set_result(cmd.fn(self.engine))
-            except BaseException as exc:
-                cmd.reply.set_exception(exc)
+            _resolve(cmd.reply, lambda: cmd.fn(self.engine))
+
+    def _abort_and_deliver(self, request_id: str) -> RequestOutput:
+        output = self.engine.abort(request_id)  # NotFoundError for unknown ids
+        self._deliver(output)
+        return output
 
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
@@ -336,6 +344,9 @@ class EngineWorker:
         self._fail_all(ServerUnavailable("the server is shutting down and aborted the request; retry it on another "
                                          "replica or once the server is back"))
         self._flush()
+        self._stop_accepting()
+
+    def _stop_accepting(self) -> None:
         with self._lock:
             self._stopped = True
         while True:  # commands that came after the stop: nobody will run them
@@ -367,10 +378,27 @@ class EngineWorker:
         )
 
 
+def _resolve(reply: Future[Any], fn: Callable[[], Any], even_if_cancelled: bool = False) -> None:
+    """Run fn and put its result or error in ``reply``. A caller that gave up (deadline, cancel) has cancelled it:
+    then fn runs only ``even_if_cancelled``, and nothing is set (setting a cancelled future raises, and used to
+    kill the engine thread). Marked running first, so it can no longer be cancelled meanwhile."""
+    wanted = reply.set_running_or_notify_cancel()
+    if not wanted and not even_if_cancelled:
+        return
+    try:
+        result = fn()
+    except BaseException as exc:
+        if wanted:
+            reply.set_exception(exc)
+        return
+    if wanted:
+        reply.set_result(result)
+
+
 def _refuse(cmd: object) -> None:
     """Answer a command that arrived after the worker stopped."""
     error = ServerUnavailable("the server is shutting down")
-    if isinstance(cmd, (_Abort, _Call)):
+    if isinstance(cmd, (_Abort, _Call)) and cmd.reply.set_running_or_notify_cancel():
         cmd.reply.set_exception(error)
     elif isinstance(cmd, _Add):
         try:

@@ -181,3 +181,91 @@ def test_a_stopped_worker_refuses_at_once() -> None:
     worker.stop()
     with pytest.raises(ServerUnavailable):
         worker.call(lambda engine: None).result(timeout=5)
+
+
+def test_calls_whose_callers_gave_up_do_not_kill_the_engine_thread() -> None:
+    """A GetStats or Abort RPC past its deadline cancels its future while the worker is busy; answering it then
+    raised InvalidStateError on the worker thread, which died and left every stream hanging."""
+    import threading
+
+    engine, release = ScriptedEngine(), threading.Event()
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        worker.call(lambda e: release.wait(10))  # the worker is busy until released
+        engine.requests["r1"] = [0, SamplingParams(max_tokens=100)]
+        stats, abort = worker.call(lambda e: len(e.requests)), worker.abort("r1")
+        assert stats.cancel() and abort.cancel()  # the callers give up while both are queued
+        release.set()
+        assert worker.call(lambda e: "alive").result(timeout=10) == "alive"
+        assert engine.aborted == ["r1"]  # the abort still happened: its caller only stopped waiting
+    finally:
+        release.set()
+        worker.stop()
+
+
+def test_a_failing_worker_thread_fails_its_streams_refuses_new_work_and_reports() -> None:
+    from infer.server.worker import RequestStream, ServerUnavailable
+
+    class BrokenEngine(ScriptedEngine):
+        def has_unfinished(self) -> bool:  # a bug outside step(), which the worker cannot contain
+            if self.requests:
+                raise RuntimeError("bug in the loop")
+            return False
+
+    async def main() -> None:
+        fatal: list[BaseException] = []
+        worker = EngineWorker(BrokenEngine(), on_fatal=fatal.append)
+        worker.start()
+        stream = RequestStream("r1")
+        worker.submit("hello", SamplingParams(max_tokens=3), stream)
+        with pytest.raises(Exception, match=r"engine thread failed \(RuntimeError\('bug in the loop'\)\); the "
+                                            "server must be restarted"):
+            await asyncio.wait_for(stream.__anext__(), 10)
+        assert [str(e) for e in fatal] == ["bug in the loop"]
+        with pytest.raises(ServerUnavailable):
+            worker.call(lambda engine: None).result(timeout=5)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("field", "value", "complaint"), [
+    ("max_queue", 2**32, r"max-queue must be in \[1, 2\*\*32\)"),  # Stats.max_queue is a uint32: every GetStats failed
+    ("max_message_bytes", 3_000_000_000, r"max-message-bytes must be in \[1024, 2\*\*31\)"),  # int32 in gRPC
+    ("grace_period_s", float("nan"), "grace-period must be a finite number"),  # asyncio.wait(nan) drains nothing
+    ("grace_period_s", float("inf"), "grace-period must be a finite number"),
+])
+def test_serve_options_out_of_range_are_config_errors(field: str, value: Any, complaint: str) -> None:
+    from infer.core.errors import ConfigError
+    from infer.server.app import ServeOptions
+
+    with pytest.raises(ConfigError, match=complaint):
+        ServeOptions(**{field: value}).validate()
+    ServeOptions(max_queue=2**32 - 1, max_message_bytes=2**31 - 1, grace_period_s=0.0).validate()
+
+
+def test_a_failed_engine_thread_turns_health_not_serving(tiny_model: Any) -> None:
+    """A balancer must stop routing to a server whose engine thread is gone (it could only refuse requests)."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.server.app import SERVICE_NAME, InferenceServer, ServeOptions
+
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16))
+
+    async def main() -> None:
+        server = InferenceServer(engine, ServeOptions(port=0, grace_period_s=0.0))
+        port = await server.start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}") as client:
+                assert await client.health() == "SERVING"
+                assert server.worker.on_fatal is not None
+                await asyncio.to_thread(server.worker.on_fatal, RuntimeError("bug in the loop"))  # its thread
+                for _ in range(100):
+                    if await client.health() == "NOT_SERVING":
+                        break
+                    await asyncio.sleep(0.05)
+                assert [await client.health(s) for s in ("", SERVICE_NAME)] == ["NOT_SERVING"] * 2
+        finally:
+            await server.close(grace=0.0)
+
+    asyncio.run(main())
