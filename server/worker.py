@@ -161,12 +161,17 @@ class _Throughput:
     samples: deque[tuple[float, int]] = field(default_factory=deque)
 
     def add(self, now: float, tokens: int) -> None:
+        """One sample per engine step; what fell out of the window goes, so a server nobody polls stays small."""
         if tokens:
             self.samples.append((now, tokens))
+        self._expire(now)
 
-    def rate(self, now: float) -> float:
+    def _expire(self, now: float) -> None:
         while self.samples and self.samples[0][0] < now - self.window_s:
             self.samples.popleft()
+
+    def rate(self, now: float) -> float:
+        self._expire(now)
         span = min(self.window_s, now - self.started)
         return sum(t for _, t in self.samples) / span if span > 0 else 0.0
 
@@ -298,9 +303,8 @@ class EngineWorker:
             log.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineFault(f"internal error in the engine step: {exc!r}"))
             return
-        now = time.monotonic()
+        self._throughput.add(time.monotonic(), sum(len(c.token_ids) for output in outputs for c in output.outputs))
         for output in outputs:
-            self._throughput.add(now, sum(len(c.token_ids) for c in output.outputs))
             self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
