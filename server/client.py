@@ -23,9 +23,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 def build_request(prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
-                  priority: int = 0, **sampling: Any) -> pb.GenerateRequest:
+                  priority: int | None = None, **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest. ``sampling`` keywords (max_tokens=, temperature=, ...) are sent as given, unvalidated;
-    fields left out take the server's SamplingParams defaults."""
+    fields left out take the server's SamplingParams defaults. ``priority`` defaults to ``params.priority``."""
+    if priority is None:
+        priority = params.priority if params is not None else 0
     request = pb.GenerateRequest(request_id=request_id, priority=priority,
                                  params=sampling_params_to_proto(params, **sampling))
     if isinstance(prompt, str):
@@ -70,13 +72,13 @@ class Client(_Base):
         super().__init__(grpc, target, token, tls, root_certificates, timeout, max_message_bytes)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
-                 priority: int = 0, timeout: float | None = None, **sampling: Any) -> Any:
+                 priority: int | None = None, timeout: float | None = None, **sampling: Any) -> Any:
         """Stream a request: an iterator of GenerateResponse that also has ``cancel()``."""
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
         return self.stub.Generate(request, **self._kw(timeout))
 
     def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
-                 priority: int = 0, timeout: float | None = None, **sampling: Any) -> pb.CompleteResponse:
+                 priority: int | None = None, timeout: float | None = None, **sampling: Any) -> pb.CompleteResponse:
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
         return self.stub.Complete(request, **self._kw(timeout))
 
@@ -129,13 +131,13 @@ class AsyncClient(_Base):
         super().__init__(grpc.aio, target, token, tls, root_certificates, timeout, max_message_bytes)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
-                 priority: int = 0, timeout: float | None = None, **sampling: Any) -> Any:
+                 priority: int | None = None, timeout: float | None = None, **sampling: Any) -> Any:
         """Stream a request: a grpc.aio call, async-iterable over GenerateResponse, with ``cancel()``."""
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
         return self.stub.Generate(request, **self._kw(timeout))
 
     async def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                       request_id: str = "", priority: int = 0, timeout: float | None = None,
+                       request_id: str = "", priority: int | None = None, timeout: float | None = None,
                        **sampling: Any) -> pb.CompleteResponse:
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
         return await self.stub.Complete(request, **self._kw(timeout))

@@ -154,8 +154,9 @@ def test_unset_fields_take_the_sampling_params_defaults() -> None:
     params = sampling_params_of(build_request("hi", priority=3, temperature=0.0))
     assert params == SamplingParams(temperature=0.0, priority=3)
     explicit = SamplingParams(max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, seed=4, stop=("x",),
-                              stop_token_ids=(2,), ignore_eos=True, logprobs=1, n=2)
-    assert sampling_params_of(build_request("hi", explicit)) == explicit
+                              stop_token_ids=(2,), ignore_eos=True, logprobs=1, n=2, priority=7)
+    assert sampling_params_of(build_request("hi", explicit)) == explicit  # priority included: it was dropped
+    assert sampling_params_of(build_request("hi", explicit, priority=2)).priority == 2  # the keyword wins
     with pytest.raises(InvalidRequestError, match="max_tokens must be a positive integer"):
         sampling_params_of(build_request("hi", max_tokens=0))
 
