@@ -18,6 +18,19 @@ class RequestChecker:
     tokenizer: Any
     vocab_size: int
     max_model_len: int
+    max_prompt_chars: int | None = None  # longer text cannot fit: refused before it is tokenized
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, vocab_size: int, max_model_len: int) -> RequestChecker:
+        """A token spells at most as many characters as its vocabulary string has (byte-level BPE: one per byte),
+        and Unicode normalization can merge a few characters into one (x4 covers it), so a text longer than
+        ``max_model_len * 4 * longest token`` characters cannot fit: refusing it costs no tokenization, which
+        would hold the engine thread for seconds on a multi-MB text."""
+        try:
+            longest = max(map(len, tokenizer.get_vocab()))
+        except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary listing: no bound
+            return cls(tokenizer, vocab_size, max_model_len)
+        return cls(tokenizer, vocab_size, max_model_len, max_model_len * 4 * max(longest, 1))
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt."""
@@ -25,6 +38,10 @@ class RequestChecker:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty; give at least one character or token")
+            if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+                raise InvalidRequestError(f"the prompt has {len(prompt)} characters, more than the model's context "
+                                          f"of {self.max_model_len} tokens can hold with this tokenizer (at most "
+                                          f"{self.max_prompt_chars}); shorten the prompt")
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8, decoded leniently

@@ -49,7 +49,7 @@ class Engine:
         self.new_detokenizer = detokenizer_factory(self.tokenizer, self.loaded.model.spec.vocab_size)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
-        self.checker = RequestChecker(self.tokenizer, spec.vocab_size, spec.max_model_len)
+        self.checker = RequestChecker.for_model(self.tokenizer, spec.vocab_size, spec.max_model_len)
         self.eos_token_ids = frozenset(spec.eos_token_ids) | frozenset(self.loaded.generation_eos) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,

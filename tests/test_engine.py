@@ -450,3 +450,30 @@ def test_a_kv_pool_beyond_the_available_host_memory_is_refused_before_allocation
     with pytest.raises(ConfigError, match=r"the KV pool \(\d+ blocks, .* GiB\) and the swap space \(.* GiB\) exceed "
                                           "the memory"):
         check_kv_memory(config, torch.device("cpu"), fits + 64, per_block)
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_without_tokenizing(engine):
+    """The bound: every token spells at most ``longest`` characters (its vocabulary string's length), so the most
+    compact text, the longest token repeated, needs at least ``max_prompt_chars / 4`` characters to fill the
+    context; anything past ``max_prompt_chars`` is refused before the tokenizer sees it."""
+    from infer.core.admission import RequestChecker
+    from infer.core.errors import InvalidRequestError
+
+    checker = engine.checker
+    vocab = engine.tokenizer.get_vocab()
+    longest = max(vocab, key=len)
+    text = engine.tokenizer.decode([vocab[longest]]) * engine.max_model_len
+    assert len(text) <= checker.max_prompt_chars // 4 and len(engine.tokenizer.encode(text)) >= engine.max_model_len
+
+    class Untouchable:  # a tokenizer that must not be called
+        def get_vocab(self) -> dict[str, int]:
+            return vocab
+
+        def encode(self, text: str) -> list[int]:
+            raise AssertionError("tokenized a prompt that cannot fit")
+
+    bounded = RequestChecker.for_model(Untouchable(), checker.vocab_size, checker.max_model_len)
+    assert bounded.max_prompt_chars == checker.max_prompt_chars
+    with pytest.raises(InvalidRequestError, match=f"the prompt has {checker.max_prompt_chars + 1} characters, more "
+                                                  "than the model's context of"):
+        bounded.tokenize("x" * (checker.max_prompt_chars + 1))
