@@ -155,7 +155,7 @@ class InferenceServer:
         self.options = options.validate()
         self.worker = EngineWorker(engine, on_fatal=self._on_worker_failed)
         self.servicer = InferenceServicer(self.worker, describe_engine(engine), list_plugins(engine),
-                                          options.max_queue)
+                                          options.max_queue, options.max_message_bytes)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None

@@ -10,7 +10,7 @@ from typing import NoReturn
 
 import grpc
 
-from ..core.errors import InvalidRequestError
+from ..core.errors import CapacityError, InvalidRequestError
 from ..core.request import RequestOutput, SamplingParams
 from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
@@ -27,8 +27,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     """
 
     def __init__(self, worker: EngineWorker, model_info: pb.ModelInfo, plugins: pb.ListPluginsResponse,
-                 max_queue: int) -> None:
+                 max_queue: int, max_message_bytes: int | None = None) -> None:
         self.worker = worker
+        self.max_message_bytes = max_message_bytes  # what one response may hold (--max-message-bytes)
         self.model_info = model_info
         self.plugins = plugins
         self.max_queue = max_queue
@@ -61,12 +62,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         stream = await self._open(request, context)
         completions: dict[int, pb.Completion] = {}
-        completion_tokens = 0
+        completion_tokens = size = 0
         try:
             async for out in stream:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     part = completion_to_proto(c)
+                    size += part.ByteSize()
+                    if self.max_message_bytes is not None and size > self.max_message_bytes:
+                        raise CapacityError(
+                            f"the response grew past --max-message-bytes {self.max_message_bytes} after "
+                            f"{completion_tokens} tokens, so Complete cannot send it; use Generate (it streams "
+                            "small messages), ask for fewer tokens, choices or logprobs, or raise the server's "
+                            "--max-message-bytes")
                     if c.index in completions:
                         full = completions[c.index]
                         full.token_ids.extend(part.token_ids)

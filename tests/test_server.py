@@ -386,6 +386,12 @@ def test_no_prompt_and_oversized_messages(client: Client) -> None:
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt is empty")
     err = rpc_error(lambda: client.complete("x" * (MAX_MESSAGE + 1000), max_tokens=2))
     assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    # a response past the limit: refused as it grows (no retry helps), saying what to change, not gRPC's own words
+    big = {"max_tokens": 600, "logprobs": 20, "ignore_eos": True, "temperature": 0.0}
+    err = rpc_error(lambda: client.complete("a", **big))
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert f"grew past --max-message-bytes {MAX_MESSAGE}" in err.details() and "use Generate" in err.details()
+    assert sum(len(r.outputs[0].token_ids) for r in client.generate("a", **big)) == 600  # it streams
     assert_serves(client)
 
 
