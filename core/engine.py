@@ -66,7 +66,7 @@ class Engine:
         if parts.proposer is not None:
             from ..spec_decode.decoder import SpecDecoder
 
-            self.spec = SpecDecoder(config, parts.proposer, self.kv, self.runner.sampler, self.stats)
+            self.spec = SpecDecoder(config, parts.proposer, self.kv, self.runner.sampler, self.stats, spec.vocab_size)
         self._seq_ids = itertools.count()
         self.steps_taken = 0  # calls of step(); generate_as_completed notices a caller that stepped in between
         if config.freeze_gc:

@@ -9,11 +9,13 @@ proposer rolls back its own), and returns each sequence's accepted drafts plus o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..core.config import EngineConfig
-from ..core.interfaces import KVCache, Proposer, SchedulerOutput, ScheduledSequence
+from ..core.errors import PluginError
+from ..core.interfaces import KVCache, Proposal, Proposer, SchedulerOutput, ScheduledSequence
 from ..core.metrics import EngineStats, StepStats
 from ..core.request import RequestOutput, Sequence
 from ..core.runner import Batch
@@ -36,8 +38,9 @@ class SpecDecoder:
     """Owns the proposer, the degradation policy and this step's drafts; counts into ``EngineStats``."""
 
     def __init__(self, config: EngineConfig, proposer: Proposer, kv: KVCache, sampler: Sampler,
-                 stats: EngineStats) -> None:
+                 stats: EngineStats, vocab_size: int) -> None:
         self.k = config.num_speculative_tokens
+        self.proposer_name, self.vocab_size = config.proposer, vocab_size
         self.token_budget = config.max_num_batched_tokens
         self.proposer, self.kv, self.sampler, self.stats = proposer, kv, sampler, stats
         self.policy = SpecPolicy.from_options(config.plugin_options)
@@ -68,6 +71,12 @@ class SpecDecoder:
             return
         items = [item for item in out.scheduled if item.seq.seq_id in room]
         proposal = self.proposer.propose([item.seq for item in items], max(room.values()))
+        try:
+            self._check_proposal(proposal, items, max(room.values()))
+        except PluginError:
+            for item in items:  # give back every reserved draft slot: the step fails
+                self.kv.truncate(item.seq, item.seq.num_computed_tokens + 1)
+            raise
         for item in items:
             seq = item.seq
             tokens = proposal.token_ids.get(seq.seq_id, [])[: room[seq.seq_id]]
@@ -78,6 +87,27 @@ class SpecDecoder:
                 item.draft_token_ids = tokens
                 self.drafts[seq.seq_id] = _Draft(seq, tokens, None if probs is None else probs[: len(tokens)])
         out.block_ops.copies.extend(self.kv.take_block_ops().copies)
+
+    def _check_proposal(self, proposal: Any, items: list[ScheduledSequence], k: int) -> None:
+        """PluginError for a proposal that breaks the Proposer contract: a bad token id would index past the
+        embedding (on CUDA a device assert that ends the process), bad probabilities would bias the sampling."""
+        where = f"proposer {self.proposer_name!r}"
+        if not isinstance(proposal, Proposal):
+            raise PluginError(f"{where}: propose() returned {type(proposal).__name__}, not a Proposal; fix the plugin")
+        for item in items:
+            seq_id = item.seq.seq_id
+            tokens = proposal.token_ids.get(seq_id, [])
+            if not isinstance(tokens, list) or len(tokens) > k or \
+                    not all(type(t) is int and 0 <= t < self.vocab_size for t in tokens):
+                raise PluginError(f"{where} proposed {tokens!r} for sequence {seq_id}: drafts are a list of at most "
+                                  f"k={k} token ids in [0, {self.vocab_size}); fix the plugin")
+            probs = proposal.probs.get(seq_id)
+            if probs is not None and tokens and (not isinstance(probs, torch.Tensor) or probs.dim() != 2
+                                                 or probs.shape[0] < len(tokens) or probs.shape[1] != self.vocab_size):
+                shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+                raise PluginError(f"{where} gave probabilities of shape {shape} for {len(tokens)} draft(s) of "
+                                  f"sequence {seq_id}; they must be [>= {len(tokens)}, {self.vocab_size}] (one "
+                                  "distribution over the vocabulary per draft); fix the plugin")
 
     def _room(self, item: ScheduledSequence) -> int:
         """Drafts worth verifying for a plain decode: the emitted tokens (accepted + 1) must fit max_tokens and

@@ -288,6 +288,37 @@ def test_a_schedule_that_breaks_the_contract_is_refused(infer_plugins, tiny_mode
         engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
 
 
+@pytest.mark.parametrize(("breach", "complaint"), [
+    ("out of vocabulary", "proposed [1024, 1024] for sequence 0: drafts are a list of at most k=2 token ids in [0, "
+                          "1024)"),
+    ("too many", "proposed [5, 5, 5] for sequence 0"),
+    ("float token", "proposed [5.0, 5.0]"),
+    ("probs shape", "gave probabilities of shape (2, 7) for 2 draft(s) of sequence 0; they must be [>= 2, 1024]"),
+])
+def test_a_proposal_that_breaks_the_contract_is_refused_and_frees_its_slots(infer_plugins, tiny_model, breach,
+                                                                           complaint):
+    """A bad draft id used to reach the embedding (IndexError here; on CUDA a device assert)."""
+    import torch
+
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+    from infer.core.interfaces import Proposal, Proposer
+
+    class Breaking(Proposer):
+        def propose(self, seqs, k):
+            token = {"out of vocabulary": 1024, "float token": 5.0}.get(breach, 5)
+            n = k + 1 if breach == "too many" else k
+            probs = torch.full((k, 7), 1 / 7) if breach == "probs shape" else None
+            return Proposal({s.seq_id: [token] * n for s in seqs}, {s.seq_id: probs for s in seqs})
+
+    plugins = runtime_plugin(infer_plugins, "register_proposers", "breaking", lambda config, target: Breaking())
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", proposer="breaking",
+                                 num_speculative_tokens=2), plugins)
+    with pytest.raises(PluginError, match=re.escape(f"proposer 'breaking' {complaint}")):
+        engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0))
+    assert engine.kv.stats().used_blocks == 0  # generate aborted the request; no draft slot was left behind
+
+
 @pytest.mark.parametrize("attribute", ["block_size", "num_blocks"])
 def test_a_kv_cache_without_its_block_geometry_is_refused(infer_plugins, tiny_model, attribute):
     from infer.core.engine import Engine
