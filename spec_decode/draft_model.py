@@ -13,6 +13,7 @@ eviction policy and the `paged` KV cache come from a plugin manager over the ins
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -27,6 +28,8 @@ from ..core.runner import ModelRunner
 from ..core.sampling import Sampler, stream_seed, to_device
 
 DRAFT_SEED_SALT = 0x5EED_D4AF  # draft draws must not replay the target sampler's streams
+log = logging.getLogger("infer")
+
 UNREAD_TOKEN = -1  # stands in a shadow's token list for a draft still on the device, until the round's one read
 
 
@@ -44,6 +47,7 @@ class DraftModelProposer(Proposer):
         device = draft.device
         self.generator = torch.Generator(device=device).manual_seed(seed ^ DRAFT_SEED_SALT)
         self.seeded: dict[int, torch.Generator] = {}
+        self.warned_kv_full = False
 
     @classmethod
     def load(cls, config: EngineConfig, target: LoadedModel, plugins: PluginManager | None = None
@@ -60,6 +64,10 @@ class DraftModelProposer(Proposer):
         draft_config = config.replace(model=str(path), quant=None, max_model_len=None, num_kv_blocks=None)
         draft = load_model(draft_config, plugins, Path(path))
         check_same_vocab(target, draft)
+        draft_len, target_len = draft.model.spec.max_model_len, target.model.spec.max_model_len
+        if draft_len < min(target_len, config.max_model_len or target_len):
+            log.warning("the draft model's context (%d tokens) is shorter than the target's (%d): sequences longer "
+                        "than it decode without drafts", draft_len, target_len)
         attention_name = config.attention or (  # the engine passes its own, resolved
             "triton" if draft.device.type == "cuda" and "triton" in plugins.registry("attention_backend") else "torch")
         # the draft's KV is never fp8 (its runner stores the draft's dtype): a backend sized for fp8 would be slower
@@ -152,6 +160,10 @@ class DraftModelProposer(Proposer):
         if self.kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens + k - 1):
             return True
         self.release(seq)  # out of draft KV: this sequence gets no drafts
+        if not self.warned_kv_full:
+            self.warned_kv_full = True
+            log.warning("the draft model's KV pool (%d blocks) is full: some sequences decode without drafts; "
+                        "lower --max-num-seqs to keep every sequence speculating", self.kv.stats().total_blocks)
         return False
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence], sampled_rows: torch.Tensor | None

@@ -281,3 +281,20 @@ def test_draft_model_proposals_are_the_drafts_greedy_continuations():
     for seq in seqs:
         proposer.release(seq)
     assert proposer.kv.stats().used_blocks == 0
+
+
+def test_a_draft_with_a_shorter_context_is_warned_about_at_load(tmp_path, caplog):
+    """Past the draft's context a sequence gets no drafts: said at load, not left to a silently lower speedup."""
+    import logging
+    import shutil
+
+    draft = tmp_path / "short_draft"
+    shutil.copytree(PRETRAINED_DIR / "draft", draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["max_position_embeddings"] = 32
+    (draft / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        Engine(EngineConfig(model=str(PRETRAINED_DIR / "target"), device="cpu", num_kv_blocks=64,
+                            proposer="draft-model", draft_model=str(draft), num_speculative_tokens=2))
+    assert any("the draft model's context (32 tokens) is shorter than the target's" in r.message
+               for r in caplog.records)
