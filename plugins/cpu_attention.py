@@ -52,7 +52,7 @@ class CpuAttention(TorchAttention):
     def __init__(self, kernel: Any, use_kernel: bool) -> None:
         super().__init__()
         self.kernel, self.use_kernel = kernel, use_kernel
-        self.short_query = SHORT_QUERY if use_kernel else 1
+        self.short_query = SHORT_QUERY if use_kernel else TorchAttention.short_query
 
     def _plan_decodes(self, meta: AttentionMetadata, decode_idx: list[int], starts: list[int]) -> Any:
         if not self.use_kernel:

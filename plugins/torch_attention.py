@@ -41,7 +41,10 @@ class TorchAttention(AttentionBackend):
     land in two reused workspaces: a fresh multi-megabyte tensor per call costs page faults on the CPU.
     """
 
-    short_query = 1  # queries of at most this many tokens are planned by _plan_decodes
+    # queries of at most this many tokens (a decode, a verification of k drafts, a draft round's first step) are
+    # planned by _plan_decodes: each token as a decode of the context up to itself, so that a verified position
+    # computes exactly what a plain decode there would (bf16 and fp16 included: a prefill-shaped call need not)
+    short_query = 16
 
     def __init__(self) -> None:
         self._workspaces: dict[str, torch.Tensor] = {}
@@ -75,20 +78,26 @@ class TorchAttention(AttentionBackend):
         return TorchAttentionPlan(self._plan_decodes(meta, decode_idx, starts), prefills)
 
     def _plan_decodes(self, meta: AttentionMetadata, decode_idx: list[int], starts: list[int]) -> Any:
-        """The short queries' part of the plan: sequence i of ``decode_idx`` has up to ``short_query`` query tokens
-        (here one), from row starts[i]."""
-        decode_idx = sorted(decode_idx, key=lambda i: meta.context_lens_cpu[i])
-        groups = [decode_idx[g : g + DECODE_GROUP] for g in range(0, len(decode_idx), DECODE_GROUP)]
-        return [self._decode_group(meta, group, starts) for group in groups]
+        """The short queries' part of the plan: sequence i of ``decode_idx`` has up to ``short_query`` query tokens,
+        from row starts[i]; query token j of n sees the context up to its own position."""
+        tokens: list[tuple[int, int, int]] = []
+        for i in decode_idx:
+            n, length = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
+            tokens += [(length - n + 1 + j, starts[i] + j, i) for j in range(n)]
+        tokens.sort()  # similar context lengths share a group: little padding
+        groups = [tokens[g : g + DECODE_GROUP] for g in range(0, len(tokens), DECODE_GROUP)]
+        return [self._decode_group(meta, group) for group in groups]
 
     @staticmethod
-    def _decode_group(meta: AttentionMetadata, group: list[int], starts: list[int]) -> DecodeGroup:
+    def _decode_group(meta: AttentionMetadata, group: list[tuple[int, int, int]]) -> DecodeGroup:
+        """``group``: (context length, flat row, sequence index) per query token, shortest context first."""
         device, size = meta.slot_mapping.device, meta.block_size
-        lens = meta.context_lens[group].long()
-        width = -(-max(meta.context_lens_cpu[i] for i in group) // size)
+        lens = torch.tensor([length for length, _, _ in group], device=device)
+        width = -(-group[-1][0] // size)
         valid = torch.arange(width * size, device=device)[None, :] < lens[:, None]
-        blocks = meta.block_tables[group][:, :width].long()  # whole blocks gather far faster than single slots
-        rows = torch.tensor([starts[i] for i in group], device=device)
+        owners = torch.tensor([i for _, _, i in group], device=meta.block_tables.device)
+        blocks = meta.block_tables[owners][:, :width].long()  # whole blocks gather far faster than single slots
+        rows = torch.tensor([row for _, row, _ in group], device=device)
         return DecodeGroup(rows, blocks, valid[:, None, None, :])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
