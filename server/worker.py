@@ -150,6 +150,10 @@ class EngineSnapshot:
     mean_ttft_ms: float
     mean_tpot_ms: float
     output_tokens_per_s: float
+    spec_enabled: bool
+    spec_steps_on: int
+    spec_steps_off_large_batch: int
+    spec_steps_off_low_acceptance: int
 
 
 @dataclass
@@ -379,6 +383,10 @@ class EngineWorker:
             mean_ttft_ms=float(summary["mean_ttft_ms"]),
             mean_tpot_ms=float(summary["mean_tpot_ms"]),
             output_tokens_per_s=self._throughput.rate(time.monotonic()),
+            spec_enabled=bool(summary["spec_enabled"]),
+            spec_steps_on=int(summary["spec_steps_on"]),
+            spec_steps_off_large_batch=int(summary["spec_steps_off_large_batch"]),
+            spec_steps_off_low_acceptance=int(summary["spec_steps_off_low_acceptance"]),
         )
 
 

@@ -282,3 +282,32 @@ def test_the_throughput_window_forgets_without_being_read() -> None:
         window.add(float(step), 3)
     assert len(window.samples) == 11  # steps 989..999: within 10 s of the last
     assert window.rate(999.0) == 33 / 10.0  # 11 steps of 3 tokens over the 10 s window
+
+
+def test_stats_and_metrics_show_speculation_and_its_degradation(tiny_model: Any) -> None:
+    """GetStats and /metrics carried only the lifetime acceptance rate: an operator could not see the policy turn
+    speculation off."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.server.metrics import StatsCollector
+
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32, proposer="ngram",
+                                 num_speculative_tokens=2, plugin_options={"spec_decode": {"max_batch_size": 1}}))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]], params)  # alone: speculates
+    engine.generate([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], params)  # two at once: over max_batch_size
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        snap = worker.snapshot().result(timeout=30)
+    finally:
+        worker.stop()
+    summary = engine.stats.summary()
+    assert snap.spec_steps_on == summary["spec_steps_on"] > 0
+    assert snap.spec_steps_off_large_batch == summary["spec_steps_off_large_batch"] > 0
+    assert snap.spec_enabled == bool(summary["spec_enabled"])
+    stats = pb.Stats(**vars(snap))
+    families = {f.name: f.samples[0].value for f in StatsCollector(lambda: stats, lambda: 0).collect()}
+    assert families["infer_spec_steps_on"] == snap.spec_steps_on  # a counter family: exposed with _total
+    assert families["infer_spec_steps_off_large_batch"] == snap.spec_steps_off_large_batch
+    assert families["infer_spec_enabled"] == float(snap.spec_enabled)
