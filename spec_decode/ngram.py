@@ -6,6 +6,7 @@ The proposal is deterministic, so its draft distribution is a point mass (``Prop
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.errors import ConfigError
@@ -13,11 +14,23 @@ from ..core.interfaces import Proposal, Proposer
 from ..core.request import Sequence
 
 
+@dataclass
+class _NgramIndex:
+    """Where each ``min_n``-gram of a sequence starts (ascending), kept up to date as tokens are appended: a lookup
+    reads the places where the last ``min_n`` tokens occurred instead of scanning the whole context (O(k) for
+    typical text, O(context) per lookup before). Memory: a list slot per position, plus a key per distinct
+    ``min_n``-gram."""
+
+    indexed: int = 0  # the min_n-grams ending at or before this position are in ``starts``
+    starts: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+
 class NgramProposer(Proposer):
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"ngram sizes need 1 <= min_n <= max_n, got {min_n} and {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.indexes: dict[int, _NgramIndex] = {}  # by seq_id
 
     @classmethod
     def from_options(cls, plugin_options: dict[str, Any]) -> NgramProposer:
@@ -31,21 +44,41 @@ class NgramProposer(Proposer):
         return cls(values["min_n"], values["max_n"])
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
-        drafts = {seq.seq_id: tokens for seq in seqs if (tokens := self.lookup(seq.token_ids, k))}
+        drafts = {seq.seq_id: tokens for seq in seqs if (tokens := self.lookup(seq.token_ids, k, seq.seq_id))}
         return Proposal(drafts)
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
+    def release(self, seq: Sequence) -> None:
+        self.indexes.pop(seq.seq_id, None)
+
+    def lookup(self, tokens: list[int], k: int, key: int | None = None) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier match of the longest suffix of ``min_n..max_n``
-        tokens (the latest match whose continuation has all ``k`` tokens, else the longest continuation)."""
-        length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix, best = tokens[length - n :], []
-            for start in range(length - n - 1, -1, -1):  # latest first; a match ends before the suffix does
-                if tokens[start] == suffix[0] and tokens[start : start + n] == suffix:
-                    follow = tokens[start + n : start + n + k]
-                    if len(follow) == k:
-                        return follow
-                    best = follow if len(follow) > len(best) else best
+        tokens (the latest match whose continuation has all ``k`` tokens, else the longest continuation). ``key``
+        keeps the index of ``tokens`` for the next call (a sequence's id; tokens are only ever appended)."""
+        index = self._index(tokens, key)
+        length, m = len(tokens), self.min_n
+        candidates = index.starts.get(tuple(tokens[length - m :]), ()) if length > m else ()
+        for n in range(min(self.max_n, length - 1), m - 1, -1):
+            head, best = tokens[length - n : length - m], []  # the n-suffix is head + the last m tokens
+            for p in reversed(candidates):  # latest first; p = where the match's last m tokens start
+                start = p - (n - m)
+                if start < 0 or tokens[start:p] != head:  # (the suffix itself matches: its continuation is empty)
+                    continue
+                follow = tokens[start + n : start + n + k]
+                if len(follow) == k:
+                    return follow
+                best = follow if len(follow) > len(best) else best
             if best:
                 return best
         return []
+
+    def _index(self, tokens: list[int], key: int | None) -> _NgramIndex:
+        index = self.indexes.get(key) if key is not None else None
+        if index is None or index.indexed > len(tokens):  # new, or the tokens were cut: build afresh
+            index = _NgramIndex()
+            if key is not None:
+                self.indexes[key] = index
+        m = self.min_n
+        for end in range(max(index.indexed, m - 1) + 1, len(tokens) + 1):
+            index.starts.setdefault(tuple(tokens[end - m : end]), []).append(end - m)
+        index.indexed = len(tokens)
+        return index

@@ -62,6 +62,8 @@ def test_greedy_with_speculation_equals_greedy_without(reference, proposer, k):
     if proposer == "draft-model":
         draft_kv = e.spec.proposer.kv.stats()
         assert draft_kv.used_blocks == 0 and not e.spec.proposer.shadows
+    else:
+        assert not e.spec.proposer.indexes  # each finished sequence's n-gram index was dropped
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
