@@ -50,8 +50,10 @@ class Engine:
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
         self.checker = RequestChecker.for_model(self.tokenizer, spec.vocab_size, spec.max_model_len)
-        self.eos_token_ids = frozenset(spec.eos_token_ids) | frozenset(self.loaded.generation_eos) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        # HF's generate stops at generation_config.json's eos ids when it names some, else at config.json's; the
+        # tokenizer's eos serves a checkpoint that names none
+        tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.eos_token_ids = frozenset(self.loaded.generation_eos or spec.eos_token_ids or tokenizer_eos)
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
                        "eviction_policy": config.eviction_policy, "quant": config.quant or "none",
                        "proposer": config.proposer or "none"}

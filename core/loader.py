@@ -71,8 +71,13 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    """The weight files, from the index json when present. Pickle formats are refused (arbitrary code)."""
-    index = path / "model.safetensors.index.json"
+    """The weight files: model.safetensors when present (as transformers picks), else the index json's, else every
+    *.safetensors. Pickle formats are refused (arbitrary code)."""
+    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+    if index.exists() and single.exists():
+        log.warning("loading %s only, as transformers does: %s and the shards it names are ignored", single.name,
+                    index.name)
+        return [single]
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -86,7 +91,6 @@ def safetensors_files(path: Path) -> list[Path]:
             raise CheckpointError(f"{index.name} names files that are missing: {', '.join(missing)}")
         return files
     files = sorted(path.glob("*.safetensors"))
-    single = path / "model.safetensors"
     if single in files and len(files) > 1:  # what transformers loads too
         log.warning("loading %s only: without model.safetensors.index.json the other safetensors files (%s) are "
                     "not part of the checkpoint", single.name, ", ".join(f.name for f in files if f != single))

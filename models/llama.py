@@ -48,30 +48,44 @@ class ArchConfig:
     def from_hf(cls, raw: dict[str, Any]) -> ArchConfig:
         arch = raw["architectures"][0]  # the loader checked it
         field = _Fields(raw, arch)
+        defaults = ARCH_DEFAULTS.get(arch, {})
         heads, hidden = field.int("num_attention_heads"), field.int("hidden_size")
-        rope = dict(field.get("rope_parameters", dict) or field.get("rope_scaling", dict) or {})
+        max_positions = field.get("max_position_embeddings", int) or defaults.get("max_position_embeddings", 2048)
+        act = field.get("hidden_act", str) or "silu"
+        if act not in ("silu", "swish"):
+            raise CheckpointError(f"config.json of this {arch} has hidden_act {act!r}; infer's MLP computes silu "
+                                  "(swish) only")
+        # HF: a rope_scaling dict wins over rope_parameters (transformers 5 writes a default rope_parameters)
+        rope = dict(field.get("rope_scaling", dict) or field.get("rope_parameters", dict) or {})
         rope.setdefault("rope_theta", field.get("rope_theta", (int, float)) or 10000.0)
+        if rope.get("rope_type", rope.get("type")) == "llama3":  # HF: a top-level value wins, else the context
+            top = field.get("original_max_position_embeddings", int)
+            rope["original_max_position_embeddings"] = top or rope.get("original_max_position_embeddings") \
+                or max_positions
         check_rope(rope, arch)
         eos = field.get("eos_token_id", (int, list))
-        windowed = field.get("use_sliding_window", bool)  # absent: Mistral slides, Qwen2/3 (HF's default) do not
-        window = field.get("sliding_window", int) if windowed or (windowed is None and "Mistral" in arch) else None
-        qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = qwen2 or bool(field.get("attention_bias", bool))
+        if arch == "MistralForCausalLM":  # HF's Mistral always slides: 4096 when absent, null for none
+            window = field.get("sliding_window", int) if "sliding_window" in raw else defaults["sliding_window"]
+        else:  # Qwen2/3 slide only with use_sliding_window (default false); Llama never
+            window = field.get("sliding_window", int) if field.get("use_sliding_window", bool) else None
+        biases = BIASES.get(arch, BIASES["LlamaForCausalLM"])
+        qkv = biases["qkv"]
+        attention_bias = qkv is True or (qkv == "flag" and bool(field.get("attention_bias", bool)))
         return cls(
             architecture=arch,
             hidden_size=hidden,
             num_layers=field.int("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=field.get("num_key_value_heads", int) or heads,
-            head_dim=field.get("head_dim", int) or hidden // heads,
+            head_dim=field.get("head_dim", int) or defaults.get("head_dim") or hidden // heads,
             intermediate_size=field.int("intermediate_size"),
             vocab_size=field.int("vocab_size"),
             rms_norm_eps=float(field.get("rms_norm_eps", (int, float)) or 1e-6),
-            max_position_embeddings=field.get("max_position_embeddings", int) or 2048,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(field.get("tie_word_embeddings", bool)),
             attention_bias=attention_bias,
-            o_proj_bias=attention_bias and not qwen2,  # Qwen2 biases q, k and v only; Llama and Qwen3 o_proj too
-            mlp_bias=bool(field.get("mlp_bias", bool)),
+            o_proj_bias=attention_bias and biases["o"],
+            mlp_bias=biases["mlp"] and bool(field.get("mlp_bias", bool)),
             qk_norm=arch == "Qwen3ForCausalLM",
             rope=rope,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
@@ -79,6 +93,23 @@ class ArchConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization_config=raw.get("quantization_config"),
         )
+
+
+# HF's defaults for fields a config.json may leave out, where they differ from Llama's
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128},
+}
+# which biases each HF architecture has: qkv True always, "flag" as attention_bias says, False never; o_proj with
+# the q/k/v bias when "o"; the MLP's as mlp_bias says when "mlp"
+BIASES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"qkv": "flag", "o": True, "mlp": True},
+    "MistralForCausalLM": {"qkv": False, "o": False, "mlp": False},
+    "Qwen2ForCausalLM": {"qkv": True, "o": False, "mlp": False},
+    "Qwen3ForCausalLM": {"qkv": "flag", "o": True, "mlp": False},
+}
 
 
 @dataclass

@@ -74,8 +74,9 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: in
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
         initializer_range=init_std, rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
-        head_dim=hidden_size // num_heads, **(extra or {}),
+        head_dim=hidden_size // num_heads,
     )
+    raw.update(extra or {})  # may replace any of the above (head_dim included)
     model_type = raw.pop("model_type")
     raw.pop("architectures")
     config = AutoConfig.for_model(model_type, **raw)

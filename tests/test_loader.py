@@ -74,9 +74,23 @@ def test_a_tensor_in_two_files_is_an_error(llama, tmp_path):
                                              ('{"metadata": {}}', "is not a valid safetensors index")])
 def test_a_broken_shard_index_names_the_file(llama, tmp_path, index, expected):
     path = copy_of(llama, tmp_path / "m")
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
     (path / "model.safetensors.index.json").write_text(index)
     message = load_error(path)
     assert expected in message and "model.safetensors.index.json" in message
+
+
+def test_model_safetensors_wins_over_a_shard_index_as_in_hf(llama, tmp_path, hf_greedy, caplog):
+    """A folder holding both (a leftover of a re-export): transformers loads model.safetensors, and so must infer,
+    or the two run different weights."""
+    path = copy_of(llama, tmp_path / "m")
+    other = {name: t * 0.5 if t.dim() == 2 else t for name, t in load_file(str(path / "model.safetensors")).items()}
+    save_file(other, str(path / "model-00001-of-00001.safetensors"))
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "model-00001-of-00001.safetensors" for name in other}}))
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens) == greedy(llama)
+    assert any("loading model.safetensors only, as transformers does" in r.message for r in caplog.records)
 
 
 def test_generation_config_eos_ids_stop_generation_as_in_hf(llama, tmp_path, hf_greedy):
@@ -87,6 +101,23 @@ def test_generation_config_eos_ids_stop_generation_as_in_hf(llama, tmp_path, hf_
     out = LLM(model=str(path), device="cpu").generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))
     assert out[0].outputs[0].token_ids == reference[: stop_at + 1]
     assert out[0].outputs[0].finish_reason.value == "stop"
+
+
+def test_generation_config_eos_ids_replace_config_json_eos_as_in_hf(llama, tmp_path):
+    """HF's generate stops only at generation_config.json's eos ids when it names some; config.json's (and the
+    tokenizer's) do not stop it. They used to be merged, which stopped earlier than HF."""
+    from transformers import AutoModelForCausalLM
+
+    reference = LLM(model=str(llama), device="cpu").generate([PROMPT], SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+    firsts = [i for i, t in enumerate(reference) if t not in reference[:i]]
+    early, late = firsts[1], firsts[-1]
+    path = copy_of(llama, tmp_path / "m", {"eos_token_id": reference[early]})
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [reference[late]]}))
+    out = LLM(model=str(path), device="cpu").generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf_out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):].tolist()
+    assert out[0].outputs[0].token_ids == hf_out == reference[: late + 1]
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_refuses_the_prompt_not_the_step(llama, tmp_path):

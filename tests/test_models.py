@@ -88,3 +88,53 @@ def test_linear_rope_scaling_extends_the_context_limit(tmp_path, hf_greedy):
     assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(folder, prompt, 16)
     with pytest.raises(ConfigError, match="exceeds the 256 positions the model supports"):
         Engine(EngineConfig(model=str(folder), device="cpu", max_model_len=257, num_kv_blocks=32))
+
+
+def edited_model(folder, arch: str, edit, **options):
+    """A tiny model whose config.json is then edited as a hand-written or older export would be."""
+    import json
+
+    from infer.models.tiny import make_tiny_model
+
+    path = make_tiny_model(folder, arch, **options)
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(("arch", "edit", "options"), [
+    # transformers 5 writes a default rope_parameters; a rope_scaling added by hand wins in HF
+    ("llama", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 4.0}), {}),
+    # llama3 RoPE: a top-level original_max_position_embeddings wins over the rope dict's; absent, the context
+    ("llama", lambda c: c.update(rope_parameters=LLAMA3_ROPE, original_max_position_embeddings=32), {}),
+    ("llama", lambda c: c.update(rope_parameters={k: v for k, v in LLAMA3_ROPE.items()
+                                                  if k != "original_max_position_embeddings"}), {}),
+    ("qwen3", lambda c: c.pop("head_dim"), {"extra": {"head_dim": 128}}),  # Qwen3's default head_dim is 128
+    # HF's Mistral has no biases whatever the flags say; its window applies whatever use_sliding_window says
+    ("mistral", lambda c: c.update(attention_bias=True, mlp_bias=True, use_sliding_window=False), {}),
+])
+def test_config_variants_run_what_hf_runs(tmp_path, hf_greedy, arch, edit, options):
+    path = edited_model(tmp_path / "m", arch, edit, max_position_embeddings=64, **options)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [40])[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, 12)
+
+
+def test_mistral_window_defaults_as_in_hf_and_other_activations_are_refused(tmp_path):
+    from infer.core.errors import CheckpointError
+
+    no_window_field = edited_model(tmp_path / "a", "mistral", lambda c: c.pop("sliding_window", None),
+                                   max_position_embeddings=8192)
+    assert Engine(EngineConfig(model=str(no_window_field), device="cpu", num_kv_blocks=4)).max_model_len == 4096
+    window_off = edited_model(tmp_path / "b", "mistral", lambda c: c.update(sliding_window=48,
+                                                                           use_sliding_window=False))
+    assert Engine(EngineConfig(model=str(window_off), device="cpu", num_kv_blocks=4)).max_model_len == 48
+    gelu = edited_model(tmp_path / "c", "llama", lambda c: c.update(hidden_act="gelu"))
+    with pytest.raises(CheckpointError, match="has hidden_act 'gelu'; infer's MLP computes silu"):
+        Engine(EngineConfig(model=str(gelu), device="cpu", num_kv_blocks=4))
