@@ -65,7 +65,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox rotary: q [T, Hq, D], k [T, Hk, D], cos/sin tables [max_pos, D/2] -> rotated copies, in float32 like HF."""
+    """Neox rotary: q [T, Hq, D], k [T, Hk, D], cos/sin tables [max_pos, D/2] -> rotated copies, computed in float32
+    (HF rotates in the model's dtype: the same in float32; in bf16/fp16 this rounds once, HF at every product)."""
     c, s = cos[positions].float().unsqueeze(1), sin[positions].float().unsqueeze(1)
     return _rotate(q, c, s), _rotate(k, c, s)
 
@@ -153,5 +154,5 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> rotated (q, k), computed in float32 like HF."""
+        """q [T, Hq, D], k [T, Hk, D] -> rotated (q, k), computed in float32 (see apply_rotary)."""
         return self.ops.rotary(positions, q, k, self.cos, self.sin)
