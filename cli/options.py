@@ -25,7 +25,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--quant", default=None, help="Quantization method (e.g. awq, fp8) [default: from the checkpoint]."),
     click.option("--eviction-policy", default=None, help="Eviction policy for cached KV blocks [default: lru]."),
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
-                 help="Weight and activation dtype [default: auto: float32 on CPU, bf16/fp16 on GPU]."),
+                 help="Weight and activation dtype [default: auto: float32 on CPU; on GPU float16 for a float16 "
+                      "checkpoint, else bfloat16]."),
     click.option("--device", default=None, help="auto, cpu, cuda or cuda:N [default: auto]."),
     click.option("--max-num-seqs", type=int, default=None, help="Most sequences in one step [default: 256]."),
     click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget of one step [default: 8192]."),
@@ -33,7 +34,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--block-size", type=int, default=None, help="Tokens per KV block [default: 16]."),
     click.option("--num-kv-blocks", type=int, default=None, help="Size of the KV pool in blocks."),
     click.option("--kv-cache-memory-gb", type=float, default=None,
-                 help="KV pool as a memory budget [default: 90% of free GPU memory, or up to 2 GiB on CPU]."),
+                 help="KV pool as a memory budget [default: 90% of free GPU memory less 1 GiB, or up to 2 GiB "
+                      "on CPU]."),
     click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None,
                  help="KV element type: auto (the model dtype) or fp8 (e4m3 with per-head scales calibrated at "
                       "start: half the memory of bf16, so twice the blocks) [default: auto]."),

@@ -52,7 +52,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit size of the KV pool; else from kv_cache_memory_gb
-    kv_cache_memory_gb: float | None = None  # else: 90% of free GPU memory, or 2 GiB on CPU
+    kv_cache_memory_gb: float | None = None  # else: 90% of free GPU memory less 1 GiB, or <= 2 GiB on CPU
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"

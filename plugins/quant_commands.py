@@ -20,8 +20,8 @@ from ..core.registry import Register
               help="Calibration text: one text per line, or JSONL ({\"text\": ...} per line) [default: the Python "
                    "standard library's sources].")
 @click.option("--group-size", type=int, default=None,
-              help="Input rows per scale: 32, 64, 128 or -1 (one group per column) [default: the largest of 128, 64, "
-                   "32 that divides every layer's input size, else -1].")
+              help="Input rows per scale: 32, 64, 128 or -1 (one group over the whole input) [default: the "
+                   "largest of 128, 64, 32 that divides every layer's input size, else -1].")
 @click.option("--bits", type=int, default=4, show_default=True, help="Weight bits (AWQ GEMM supports 4).")
 @click.option("--num-samples", type=int, default=64, show_default=True, help="Calibration samples.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration sample.")
