@@ -60,7 +60,8 @@ def load_corpus(tokenizer: Any, files: list[Path]) -> tuple[torch.Tensor, torch.
     for i, path in enumerate(files):
         ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace")) + [tokenizer.eos_token_id]
         (val if i % 40 == 0 else train).extend(ids)
-    return torch.tensor(train, dtype=torch.int16), torch.tensor(val, dtype=torch.int16)
+    dtype = torch.int16 if len(tokenizer) <= 2**15 else torch.int32  # half the memory where the ids fit
+    return torch.tensor(train, dtype=dtype), torch.tensor(val, dtype=dtype)
 
 
 def hf_model(arch: dict[str, int], tokenizer: Any, max_positions: int, seed: int) -> Any:
