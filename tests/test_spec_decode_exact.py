@@ -244,3 +244,23 @@ def test_aborts_right_after_verification_and_preemptions_release_both_caches(abo
         check_tables(engine)
     assert engine.scheduler.num_preemptions > preemptions  # 6 x 9 blocks do not fit in 28
     assert_drained(engine)
+
+
+def test_training_corpus_keeps_token_ids_above_int16(tmp_path):
+    """train_pair stored ids as int16: a --vocab-size above 32768 failed to convert."""
+    from infer.spec_decode.train_pair import load_corpus
+
+    class WideTokenizer:
+        eos_token_id = 40000
+
+        def __len__(self) -> int:
+            return 50000
+
+        def encode(self, text: str) -> list[int]:
+            return [39999, len(text)]
+
+    files = [tmp_path / f"{i}.py" for i in range(41)]  # every 40th file is held out: file 0 and file 40
+    for path in files:
+        path.write_text("abc")
+    train, val = load_corpus(WideTokenizer(), files)
+    assert val.tolist() == [39999, 3, 40000] * 2 and train.tolist() == [39999, 3, 40000] * 39
