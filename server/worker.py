@@ -241,11 +241,14 @@ class EngineWorker:
             self._loop()
         except BaseException as exc:  # a bug here, not in the engine (whose errors _step contains)
             log.exception("the engine thread failed; failing every request and refusing new ones")
+            if self.on_fatal is not None:  # first: no client hears of the failure before the health check does
+                try:
+                    self.on_fatal(exc)
+                except Exception:
+                    log.exception("reporting the engine thread's failure failed")
             self._fail_all(EngineFault(f"the server's engine thread failed ({exc!r}); the server must be restarted"))
             self._flush()
             self._stop_accepting()
-            if self.on_fatal is not None:
-                self.on_fatal(exc)
 
     def _loop(self) -> None:
         while True:
