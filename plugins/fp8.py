@@ -31,11 +31,9 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("--plugin-option fp8.backend=triton runs Triton kernels, which need a CUDA device (this "
                           "model runs on the CPU); use fp8.backend=emulate or drop the option")
-    if backend == "scaled_mm" and not (on_cuda and hasattr(torch, "_scaled_mm")
-                                       and torch.cuda.get_device_capability(resolve_device(config.device)) >= (8, 9)):
+    if backend == "scaled_mm" and on_cuda and torch.cuda.get_device_capability(resolve_device(config.device)) < (8, 9):
         raise ConfigError("--plugin-option fp8.backend=scaled_mm needs a GPU with FP8 tensor cores (sm89+, e.g. L4, "
-                          "H100) and torch._scaled_mm; drop the option (auto emulates FP8 elsewhere) or use "
-                          "fp8.backend=emulate")
+                          "H100); drop the option (auto emulates FP8 on this GPU) or use fp8.backend=emulate")
     if quantization_config is None:
         log.info("fp8: quantizing weights on load (e4m3, per-channel scales; activations per token, dynamic)")
         return Fp8LinearMethod(None, backend)

@@ -115,10 +115,10 @@ class Fp8LinearMethod(QuantMethod):
             log.warning("fp8: %s; using the %s path", reason, backend)
 
     def _pick_backend(self, x: torch.Tensor, n: int, k: int) -> str:
-        if self.backend == "scaled_mm" and (n % 16 or k % 16 or not x.is_cuda):
-            raise ConfigError(f"fp8.backend=scaled_mm needs CUDA tensors and layer shapes that are multiples of 16 "
-                              f"(torch._scaled_mm), got a [{n}, {k}] layer on {x.device}; drop the option (auto "
-                              "emulates such layers)")
+        if self.backend == "scaled_mm" and x.is_cuda and (n % 16 or k % 16):
+            raise ConfigError(f"fp8.backend=scaled_mm needs layer shapes that are multiples of 16 on CUDA "
+                              f"(torch._scaled_mm), got a [{n}, {k}] layer; drop the option (auto emulates such "
+                              "layers)")
         if self.backend != "auto":
             return self.backend
         if not x.is_cuda:

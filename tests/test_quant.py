@@ -504,16 +504,17 @@ def test_fp8_scaled_mm_backend_matches_emulation(config: dict[str, object]) -> N
     torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol * outs[1].abs().max().item())
 
 
-def test_a_forced_scaled_mm_backend_refuses_what_scaled_mm_cannot_run() -> None:
-    """torch._scaled_mm needs CUDA and dimensions that are multiples of 16: auto emulates the rest, a forced
+@pytest.mark.gpu
+def test_a_forced_scaled_mm_backend_refuses_shapes_scaled_mm_cannot_run() -> None:
+    """On CUDA torch._scaled_mm needs dimensions that are multiples of 16: auto emulates the rest, a forced
     scaled_mm used to fail inside torch at the first forward."""
     method = Fp8LinearMethod(None, backend="scaled_mm")
-    layer = make_linear(method, 64, 24)  # 24 outputs: not a multiple of 16
-    layer.load("weight", torch.randn(24, 64))
+    layer = make_linear(method, 64, 24, dtype=torch.bfloat16).cuda()  # 24 outputs: not a multiple of 16
+    layer.load("weight", torch.randn(24, 64, dtype=torch.bfloat16))
     method.process_after_loading(layer)
-    with pytest.raises(ConfigError, match=r"fp8.backend=scaled_mm needs CUDA tensors and layer shapes that are "
-                                          r"multiples of 16 \(torch._scaled_mm\), got a \[24, 64\] layer on cpu"):
-        layer(torch.randn(2, 64))
+    with pytest.raises(ConfigError, match=r"fp8.backend=scaled_mm needs layer shapes that are multiples of 16 on "
+                                          r"CUDA \(torch._scaled_mm\), got a \[24, 64\] layer"):
+        layer(torch.randn(2, 64, device="cuda", dtype=torch.bfloat16))
 
 
 def test_fp8_triton_backend_matches_emulation() -> None:
