@@ -478,13 +478,17 @@ def test_fp8_loads_compressed_tensors_state(config: dict[str, object]) -> None:
 
 @pytest.mark.parametrize("config", [FP8_DYNAMIC_CFG, FP8_STATIC_CFG], ids=["FP8_DYNAMIC", "FP8"])
 def test_fp8_scaled_mm_backend_matches_emulation(config: dict[str, object]) -> None:
-    """torch._scaled_mm has a CPU implementation too, which checks the call (row-wise and per-tensor scales)."""
+    """torch._scaled_mm has a CPU implementation too (torch >= 2.13 with row-wise scales; 2.11 per-tensor only),
+    which checks the call."""
     probe = torch.zeros(16, 16, dtype=fp8.FP8_DTYPE, device=DEVICE)
-    one = torch.ones((), device=DEVICE)
+    rows = config is FP8_DYNAMIC_CFG  # row-wise scales: [M, 1] and [1, N]
+    scale_a, scale_b = (torch.ones(16, 1, device=DEVICE), torch.ones(1, 16, device=DEVICE)) if rows else \
+        (torch.ones((), device=DEVICE), torch.ones((), device=DEVICE))
     try:
-        torch._scaled_mm(probe, probe.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        torch._scaled_mm(probe, probe.t(), scale_a=scale_a, scale_b=scale_b,
+                         out_dtype=torch.bfloat16 if rows else torch.float32)
     except (RuntimeError, NotImplementedError) as exc:
-        pytest.skip(f"torch._scaled_mm cannot run on {DEVICE}: {exc}")
+        pytest.skip(f"torch._scaled_mm cannot run these scales on {DEVICE} with torch {torch.__version__}: {exc}")
     weight = torch.randn(48, 64)
     static = config is FP8_STATIC_CFG
     w_scale = (weight.abs().amax() / 448).reshape(1) if static else fp8.quantize_weight_per_channel(weight)[1]

@@ -25,10 +25,13 @@ from typing import Any
 import grpc
 import pytest
 
-from infer.core.errors import InferError
-from infer.core.request import SamplingParams
-from infer.server import infer_pb2 as pb
-from infer.server.client import AsyncClient, Client
+pytest.importorskip("grpc_health", reason="the server needs grpcio-health-checking (a dependency of infer-engine; "
+                    "the GPU image lacks it)")
+
+from infer.core.errors import InferError  # noqa: E402
+from infer.core.request import SamplingParams  # noqa: E402
+from infer.server import infer_pb2 as pb  # noqa: E402
+from infer.server.client import AsyncClient, Client  # noqa: E402
 
 STEP_BUDGET = 512  # --max-num-batched-tokens of `server`: a longer prompt is a CapacityError
 MAX_QUEUE = 80

@@ -9,14 +9,17 @@ from typing import Any
 import grpc
 import pytest
 
-from infer.core.errors import InvalidRequestError, NotFoundError, PluginError
-from infer.core.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
-from infer.server import infer_pb2 as pb
-from infer.server import infer_pb2_grpc as pb_grpc
-from infer.server.client import AsyncClient, build_request
-from infer.server.convert import sampling_params_of
-from infer.server.servicer import InferenceServicer
-from infer.server.worker import EngineWorker
+pytest.importorskip("grpc_health", reason="the server needs grpcio-health-checking (a dependency of infer-engine; "
+                    "the GPU image lacks it)")
+
+from infer.core.errors import InvalidRequestError, NotFoundError, PluginError  # noqa: E402
+from infer.core.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams  # noqa: E402
+from infer.server import infer_pb2 as pb  # noqa: E402
+from infer.server import infer_pb2_grpc as pb_grpc  # noqa: E402
+from infer.server.client import AsyncClient, build_request  # noqa: E402
+from infer.server.convert import sampling_params_of  # noqa: E402
+from infer.server.servicer import InferenceServicer  # noqa: E402
+from infer.server.worker import EngineWorker  # noqa: E402
 
 
 class ScriptedEngine:
