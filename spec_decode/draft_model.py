@@ -40,8 +40,10 @@ class _Shadow:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, draft: LoadedModel, runner: ModelRunner, kv: KVCache, seed: int) -> None:
+    def __init__(self, draft: LoadedModel, runner: ModelRunner, kv: KVCache, seed: int,
+                 token_budget: int | None = None) -> None:
         self.draft, self.runner, self.kv = draft, runner, kv
+        self.token_budget = token_budget  # most tokens in a round's first draft forward (new shadows' prefills)
         self.max_len = draft.model.spec.max_model_len
         self.shadows: dict[int, _Shadow] = {}
         device = draft.device
@@ -79,11 +81,11 @@ class DraftModelProposer(Proposer):
         if config.cuda_graphs and draft.device.type == "cuda" and attention.supports_cuda_graphs:
             # the k - 1 one-token draft steps, and the two-token first step of each round after the first
             runner.enable_cuda_graphs(min(config.max_num_seqs, 256), {2: min(config.max_num_seqs, 64)})
-        return cls(draft, runner, kv, config.seed)
+        return cls(draft, runner, kv, config.seed, config.max_num_batched_tokens)
 
     # ------------------------------------------------------------ Proposer
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
-        active = [shadow.seq for seq in seqs if (shadow := self._sync(seq, k)) is not None and self._reserve(shadow, k)]
+        active = self._admit(seqs, k)
         if not active:
             return Proposal({})
         rows = [i for i, seq in enumerate(active) if not seq.params.greedy]  # temperature > 0: a draw from q
@@ -126,6 +128,24 @@ class DraftModelProposer(Proposer):
         self.seeded.pop(seq.seq_id, None)
 
     # ------------------------------------------------------------ internals
+    def _admit(self, seqs: list[Sequence], k: int) -> list[Sequence]:
+        """The shadows that draft this round, synced and with their KV reserved. A new shadow prefills the whole
+        context: past the token budget (a burst of new sequences) the rest draft in later rounds, so that the first
+        draft forward stays within max_num_batched_tokens (or one sequence's context, when that alone is more)."""
+        active: list[Sequence] = []
+        left = self.token_budget
+        for seq in seqs:
+            shadow = self._sync(seq, k)
+            if shadow is None:
+                continue
+            tail = max(shadow.seq.num_tokens - shadow.seq.num_computed_tokens, 2)  # see _reserve: 2 at least
+            if left is not None and active and tail > left:
+                continue
+            if self._reserve(shadow, k):
+                active.append(shadow.seq)
+                left = None if left is None else left - tail
+        return active
+
     def _sync(self, seq: Sequence, k: int) -> _Shadow | None:
         """The shadow of ``seq``, rolled back to the prefix it shares with the target's tokens."""
         if seq.num_tokens + k > self.max_len:

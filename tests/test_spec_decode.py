@@ -312,3 +312,28 @@ def test_a_draft_with_a_shorter_context_is_warned_about_at_load(tmp_path, caplog
                             proposer="draft-model", draft_model=str(draft), num_speculative_tokens=2))
     assert any("the draft model's context (32 tokens) is shorter than the target's" in r.message
                for r in caplog.records)
+
+
+def test_new_drafts_prefill_within_the_token_budget():
+    """A draft shadow prefills its sequence's whole context, even where the target served most of it from the
+    prefix cache: six requests on a cached prefix used to put all their contexts into one draft forward, whatever
+    the step's token budget. Within the budget the rest draft in later rounds; the outputs stay the target's."""
+    base = PROMPTS[1] * 3
+    prompts = [base + tail for tail in ("x = 1", "def f(", "return", "import", "class A:", "for i in")]
+    plain = engine(max_num_batched_tokens=128).generate(prompts, GREEDY)
+    e = engine(max_num_batched_tokens=128, proposer="draft-model", num_speculative_tokens=3)
+    e.generate([base], SamplingParams(max_tokens=1, temperature=0.0))  # the prefix, cached for the target
+    runner, sizes = e.spec.proposer.runner, []
+    execute = runner.execute
+
+    def recording(out, kv, **kwargs):
+        sizes.append(sum(item.num_new_tokens for item in out.scheduled))
+        return execute(out, kv, **kwargs)
+
+    runner.execute = recording  # instrumentation only: the proposer calls it once per round
+    spec = e.generate(prompts, GREEDY)
+    assert e.stats.prefix_hit_rate > 0.5
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    longest = max(len(e.tokenize(p)) for p in prompts) + 1
+    assert sizes and max(sizes) <= max(128, longest) < sum(len(e.tokenize(p)) for p in prompts), sizes
+    assert e.stats.spec_proposed > 0 and drained(e)
