@@ -207,6 +207,7 @@ class ModelRunner:
             dst = torch.tensor([b for _, b in pairs])
             for device_kv, host_kv in zip(self.kv_caches, self.host_caches):
                 for dev, host in zip(device_kv, host_kv):
+                    dev, host = _as_bytes(dev), _as_bytes(host)  # fp8 index_put is missing on some torch builds
                     if outward:
                         host[dst] = dev[src.to(dev.device)].to("cpu", non_blocking=False)
                     else:
@@ -215,8 +216,8 @@ class ModelRunner:
             src = to_device([s for s, _ in ops.copies], self.device)  # no wait for the device's queued work
             dst = to_device([d for _, d in ops.copies], self.device)
             for k_cache, v_cache in self.kv_caches:
-                for cache in (k_cache, v_cache):  # as bytes: fp8 index_put is missing on some torch builds
-                    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+                for cache in (k_cache, v_cache):
+                    raw = _as_bytes(cache)
                     raw[dst] = raw[src]
 
     @torch.inference_mode()
@@ -285,3 +286,8 @@ class ModelRunner:
             for s in seqs
         ]
         return params, generators
+
+
+def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """One-byte (fp8) caches as raw bytes, for indexing: fp8 index_put is missing on some torch builds."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 else cache
