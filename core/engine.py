@@ -18,7 +18,7 @@ from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError
 from .interfaces import SchedulerOutput
-from .metrics import EngineStats, StepTimes
+from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
 from .plugins import PluginManager, checked_manager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
@@ -154,6 +154,7 @@ class Engine:
     def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
         """The synchronous rest of a step whose schedule is ``out``: forward, sample (reading the tokens back),
         update, outputs."""
+        decodes = count_decodes(out)
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
         batch, logits, outputs, times = self._forward(out)
@@ -170,7 +171,7 @@ class Engine:
             outputs += self._emit_progress(advanced)  # may finish sequences too (stop strings)
         if self.spec is not None:
             self.spec.release_finished(advanced)
-        self._record_step(out, start, times, now)
+        self._record_step(out, start, times, now, decodes)
         return outputs
 
     def _step_ahead(self) -> list[RequestOutput]:
@@ -185,6 +186,7 @@ class Engine:
             return self._emit_unemitted()
         if self.awaiting_fork and self._forks_this_step(out):  # n > 1: children copy a token read back now
             return self._run(out, start)
+        decodes = count_decodes(out)
         batch, logits, outputs, times = self._forward(out)
         items = {item.seq.seq_id: item.seq for item in out.scheduled}
         rows = [i for i, sid in enumerate(batch.sample_seq_ids) if not items[sid].is_finished]
@@ -195,7 +197,7 @@ class Engine:
             self.in_flight = InFlight(sample, seqs, [seq.num_tokens for seq in seqs])
         now = time.perf_counter()
         self.scheduler.update(out, {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
-        self._record_step(out, start, times, now)
+        self._record_step(out, start, times, now, decodes)
         return outputs
 
     def _forward(self, out: SchedulerOutput) -> tuple[Batch, torch.Tensor, list[RequestOutput], StepTimes]:
@@ -323,8 +325,9 @@ class Engine:
             self.spec.finish(req.seqs, output)
         self.plugins.hook.on_request_finished(output=output)
 
-    def _record_step(self, out: SchedulerOutput, start: float, times: StepTimes, sampled: float) -> None:
-        step = self.stats.record_step(out, self.kv, self.scheduler, start, times, sampled)
+    def _record_step(self, out: SchedulerOutput, start: float, times: StepTimes, sampled: float,
+                     decodes: int) -> None:
+        step = self.stats.record_step(out, self.kv, self.scheduler, start, times, sampled, decodes)
         if self.spec is not None:
             self.spec.annotate(step)
         self.plugins.hook.on_step(stats=step)

@@ -83,9 +83,10 @@ class EngineStats:
         return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
 
     def record_step(self, out: SchedulerOutput, kv: KVCache, scheduler: Scheduler, start: float, times: StepTimes,
-                    sampled: float) -> StepStats:
-        """Update the totals after a step that began at ``start`` and sampled at ``sampled``; return its StepStats.
-        Sampling time includes the wait for tokens read back; postprocess is the rest of the step."""
+                    sampled: float, decode_tokens: int) -> StepStats:
+        """Update the totals after a step that began at ``start`` and sampled at ``sampled``, in which
+        ``decode_tokens`` items were decodes (:func:`count_decodes`); return its StepStats. Sampling time includes
+        the wait for tokens read back; postprocess is the rest of the step."""
         schedule_s, execute_s = times.scheduled - start, times.executed - times.scheduled
         sample_s = times.settled - times.executed + sampled - times.emitted
         self.steps += 1
@@ -97,7 +98,6 @@ class EngineStats:
         self.kv_waste_slots = kv_waste_slots(kv, ran)
         if ran:
             self.kv_max_waste_per_seq = max(self.kv_max_waste_per_seq, self.kv_waste_slots / len(ran))
-        decode_tokens = sum(1 for item in out.scheduled if item.num_new_tokens == 1)
         duration = time.perf_counter() - start
         step = StepStats(self.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
                          self.num_waiting, self.num_running, len(out.preempted), kv_stats, schedule_s=schedule_s,
@@ -160,3 +160,10 @@ def kv_waste_slots(kv: KVCache, seqs: list[Sequence]) -> int:
     """Allocated slots holding no token, summed over ``seqs`` (each sequence's own tail). Each step counts the
     sequences it ran that are still running: O(batch), where a scan of all requests would grow with the queue."""
     return sum(len(kv.block_table(s)) * kv.block_size - s.num_computed_tokens for s in seqs)
+
+
+def count_decodes(out: SchedulerOutput) -> int:
+    """Items that compute a sequence's next token after its whole prompt (a decode, or a verification); a one-token
+    prefill (a prefix hit that leaves one prompt token) is not one. Call before the step updates the sequences."""
+    return sum(1 for item in out.scheduled
+               if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens)

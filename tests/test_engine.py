@@ -297,16 +297,29 @@ class StepBudget:
         self.tokens: list[int] = []  # per step: tokens scheduled
         self.seqs: list[int] = []
 
+        self.split: list[tuple[int, int]] = []  # per step: (prefill tokens, decode tokens)
+
     @hookimpl
     def on_step(self, stats: StepStats) -> None:
         self.tokens.append(stats.num_prefill_tokens + stats.num_decode_tokens)
         self.seqs.append(stats.num_seqs)
+        self.split.append((stats.num_prefill_tokens, stats.num_decode_tokens))
 
 
 def observed_engine(path, **options) -> tuple[Engine, StepBudget]:
     log, plugins = StepBudget(), PluginManager.from_entry_points()
     plugins.register(log, name="step-budget")
     return Engine(EngineConfig(model=str(path), device="cpu", **options), plugins), log
+
+
+def test_a_one_token_prefill_is_not_counted_as_a_decode(tiny_model):
+    """A prefix hit that leaves one prompt token to compute schedules a one-token item: still a prefill."""
+    e, log = observed_engine(tiny_model, block_size=4, num_kv_blocks=32)
+    prompt, params = list(range(10, 19)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    e.generate([prompt], params)
+    log.split.clear()
+    assert e.generate([prompt], params)[0].num_cached_tokens == 8
+    assert log.split == [(1, 0), (0, 1), (0, 1)]
 
 
 def test_a_swapped_in_chunked_prefill_keeps_the_step_budget(tiny_model, hf_greedy):
