@@ -52,7 +52,9 @@ class ContinuousScheduler(Scheduler):
 
     def __init__(self, config: EngineConfig, kv: KVCache, chunked: bool = False) -> None:
         self.kv, self.chunked = kv, chunked
-        self.max_num_seqs, self.token_budget = config.max_num_seqs, config.max_num_batched_tokens
+        self.token_budget = config.max_num_batched_tokens
+        # seats: never more running sequences than the budget has tokens, so that every decode runs in every step
+        self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         swap_blocks = (config.num_swap_blocks or 0) if config.preemption_mode == "swap" else 0
         self.swap = SwapSpace(swap_blocks) if swap_blocks else None
         self.ops = BlockOps()
@@ -71,8 +73,9 @@ class ContinuousScheduler(Scheduler):
                 f"request {seq.request_id} needs up to {need} KV blocks ({longest} tokens) but the cache has only "
                 f"{self.kv.num_blocks}; lower max_tokens or give the KV cache more memory (--num-kv-blocks)")
         if seq.params.n > self.max_num_seqs:
-            raise CapacityError(f"request {seq.request_id} asks for n={seq.params.n} sequences but max-num-seqs is "
-                                f"{self.max_num_seqs}; lower n or raise --max-num-seqs")
+            raise CapacityError(f"request {seq.request_id} asks for n={seq.params.n} sequences but at most "
+                                f"{self.max_num_seqs} run at once (max-num-seqs, and no more than "
+                                "max-num-batched-tokens); lower n or raise those options")
         if not self.chunked and seq.num_prompt_tokens > self.token_budget:
             raise CapacityError(
                 f"prompt of {seq.num_prompt_tokens} tokens exceeds max-num-batched-tokens {self.token_budget}; "
@@ -86,7 +89,9 @@ class ContinuousScheduler(Scheduler):
             self.swap.begin_step()
         budget = self.token_budget
         kept: list[Sequence] = []
-        queue = deque(self.running)
+        # decodes first (a fork's children join at the end, behind prefill chunks), then prefill chunks; a
+        # preemption takes the last in this order
+        queue = deque(sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1))
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_tokens - seq.num_computed_tokens, budget if self.chunked else 1 << 30)

@@ -322,6 +322,47 @@ def test_a_one_token_prefill_is_not_counted_as_a_decode(tiny_model):
     assert log.split == [(1, 0), (0, 1), (0, 1)]
 
 
+def scheduled_log(e: Engine) -> list[list[tuple[int, int, int]]]:
+    """Per step: (seq_id, uncomputed tokens before the step, tokens scheduled) of every running sequence; the
+    scheduler's schedule() wrapped for the test's observation only."""
+    log: list[list[tuple[int, int, int]]] = []
+    schedule = e.scheduler.schedule
+
+    def observed():
+        running = {s.seq_id: s.num_tokens - s.num_computed_tokens for s in e.scheduler.running}
+        out = schedule()
+        given = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
+        log.append([(sid, left, given.get(sid, 0)) for sid, left in running.items()])
+        return out
+
+    e.scheduler.schedule = observed
+    return log
+
+
+def test_forked_decodes_go_before_prefill_chunks_and_none_starves(tiny_model, hf_greedy):
+    """A fork's children joined the running list behind a prefill admitted with their parent's last chunk, and
+    behind every older sequence when the budget held fewer tokens than running decodes: they waited steps."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="chunked-prefill", block_size=4,
+                            num_kv_blocks=64, max_num_batched_tokens=16))
+    log = scheduled_log(e)
+    forked, long = list(range(10, 20)), list(range(100, 140))
+    e.add_request(forked, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=3))
+    e.add_request(long, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    for step in log:
+        if any(left > 1 and given for _, left, given in step):  # a prefill chunk ran: every decode ran too
+            assert all(given for _, left, given in step if left == 1), step
+    tight = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="chunked-prefill", block_size=4,
+                                num_kv_blocks=64, max_num_batched_tokens=4, max_num_seqs=8))
+    log = scheduled_log(tight)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = tight.generate([[11], [12], [13], [14]], [params] * 3 + [SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, n=3)])
+    assert all(given for step in log for _, left, given in step if left == 1)  # no running decode ever waits
+    assert [c.token_ids for c in outs[3].outputs] == [hf_greedy(tiny_model, [14], 12)] * 3
+
+
 def test_a_swapped_in_chunked_prefill_keeps_the_step_budget(tiny_model, hf_greedy):
     """A prompt swapped out halfway through its prefill comes back in chunks, not all at once."""
     e, log = observed_engine(tiny_model, scheduler="chunked-prefill", preemption_mode="swap", num_swap_blocks=64,
