@@ -19,7 +19,11 @@ NO_BLOCKS = array("i")  # the table of a sequence that holds none (read only)
 
 
 class PagedKVCache(KVCache):
-    """Invariant: every block is free XOR referenced (ref > 0) XOR cached (ref == 0, registered, in the policy).
+    """Invariant: every block is free XOR referenced (ref > 0) XOR cached (ref == 0, registered). A cached block
+    is in the eviction policy when it is a leaf (no registered block follows it), else in ``held``: the policy
+    ranks only leaves, so no eviction drops blocks cached after the evicted one (a low-priority request reusing a
+    high-priority prefix used to demote it, and its eviction took the high-priority blocks along). When every
+    cached block is a prefix of blocks that sequences hold, the lowest-priority held one goes.
 
     A registered full block has a key (the id of the prefix before it, its own tokens) and a prefix id of its own,
     never reused. Dict lookups compare keys exactly and ids name one prefix each, so a match is exact by
@@ -36,6 +40,9 @@ class PagedKVCache(KVCache):
         self.key_to_block: dict[BlockKey, int] = {}
         self.prefix_id_to_block: dict[int, int] = {}  # the live prefix ids
         self.children: dict[int, set[int]] = {}  # prefix id -> registered blocks whose key starts with it
+        # cached blocks with cached descendants (block -> its release priority): only leaves are evictable, else
+        # evicting a prefix would drop every block cached after it, whatever the policy ranks them
+        self.held: dict[int, int] = {}
         self.next_prefix_id = ROOT + 1
         self.free_list: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, array[int]] = {}  # int32 arrays: the runner copies them into a batch as is
@@ -51,13 +58,13 @@ class PagedKVCache(KVCache):
         return -(-num_tokens // self.block_size)
 
     def num_free_blocks(self) -> int:
-        return len(self.free_list) + len(self.eviction)
+        return len(self.free_list) + len(self.eviction) + len(self.held)
 
     def block_table(self, seq: Sequence) -> array[int]:
         return self.tables.get(seq.seq_id, NO_BLOCKS)
 
     def stats(self) -> KVStats:
-        cached = len(self.eviction)
+        cached = len(self.eviction) + len(self.held)
         free = len(self.free_list)
         c = self.counters
         return KVStats(self.num_blocks, free, self.num_blocks - free - cached, cached,
@@ -72,7 +79,11 @@ class PagedKVCache(KVCache):
         if self.free_list:
             block = self.free_list.popleft()
         else:
-            block = self._pop_evictable()  # raises IndexError only if callers skipped the capacity check
+            if self.eviction:
+                block = self._pop_evictable()
+            else:  # every cached block is a prefix of blocks that sequences hold: the lowest priority goes
+                block = min(self.held, key=self.held.__getitem__)  # KeyError only if the capacity check was skipped
+                del self.held[block]
             self._unregister(block)
             self.counters.evictions += 1
         self.ref[block] = 1
@@ -85,11 +96,15 @@ class PagedKVCache(KVCache):
             raise not_evictable(self.eviction, block)
         return block
 
-    def _register(self, block: int, key: BlockKey) -> int:
+    def _register(self, block: int, key: BlockKey, priority: int) -> int:
         prefix_id, self.next_prefix_id = self.next_prefix_id, self.next_prefix_id + 1
         self.block_key[block], self.block_prefix_id[block] = key, prefix_id
         self.key_to_block[key], self.prefix_id_to_block[prefix_id] = block, block
         self.children.setdefault(key[0], set()).add(block)
+        parent = self.prefix_id_to_block.get(key[0])
+        if parent is not None and self.ref[parent] == 0 and parent not in self.held:  # another's cached prefix
+            self.eviction.remove(parent)  # not a leaf any more
+            self.held[parent] = priority
         return prefix_id
 
     def _unregister(self, block: int) -> None:
@@ -100,6 +115,9 @@ class PagedKVCache(KVCache):
         siblings.discard(block)
         if not siblings:
             del self.children[parent]
+            parent_block = self.prefix_id_to_block.get(parent)
+            if parent_block is not None and parent_block in self.held:  # a leaf now: evictable
+                self.eviction.insert(parent_block, self.held.pop(parent_block))
         stack = [block]
         while stack:
             b = stack.pop()
@@ -108,7 +126,8 @@ class PagedKVCache(KVCache):
             stack.extend(self.children.pop(self.block_prefix_id[b], ()))
             self.block_key[b], self.block_prefix_id[b] = None, ROOT
             if b != block and self.ref[b] == 0:
-                self.eviction.remove(b)
+                if self.held.pop(b, None) is None:
+                    self.eviction.remove(b)
                 self.free_list.append(b)
                 self.counters.evictions += 1
             self.eviction.forget(b)  # its content can never be matched again, even while a sequence holds it
@@ -116,14 +135,16 @@ class PagedKVCache(KVCache):
     def _release(self, block: int, priority: int) -> None:
         self.ref[block] -= 1
         if self.ref[block] == 0:
-            if self.block_key[block] is not None:
-                self.eviction.insert(block, priority)
-            else:
+            if self.block_key[block] is None:
                 self.free_list.append(block)
+            elif self.children.get(self.block_prefix_id[block]):
+                self.held[block] = priority
+            else:
+                self.eviction.insert(block, priority)
 
     def _acquire_cached(self, block: int) -> None:
         self.eviction.touch(block)  # a prefix hit counts as a use (LFU) even while referenced
-        if self.ref[block] == 0:
+        if self.ref[block] == 0 and self.held.pop(block, None) is None:
             self.eviction.remove(block)
         self.ref[block] += 1
 
@@ -133,6 +154,11 @@ class PagedKVCache(KVCache):
         while len(self.eviction):
             block = self._pop_evictable()
             self._unregister(block)  # its cached descendants go too
+            self.free_list.append(block)
+        while self.held:  # prefixes of blocks that sequences hold
+            block = next(iter(self.held))
+            del self.held[block]
+            self._unregister(block)
             self.free_list.append(block)
         self.counters.evictions = evictions
         return True
@@ -164,7 +190,7 @@ class PagedKVCache(KVCache):
                 if self.ref[block] == 1 and self.block_key[block] is None:
                     return True  # a private block with room
             elif index == len(table):
-                if not self.free_list and not self.eviction:
+                if not self.free_list and not self.eviction and not self.held:
                     return False
                 table.append(self._take_block())
                 return True
@@ -210,7 +236,7 @@ class PagedKVCache(KVCache):
                 elif (other := self.key_to_block.get(key)) is not None:  # the same prefix, cached by another
                     prefix = self.block_prefix_id[other]
                 elif self.block_key[block] is None:
-                    prefix = self._register(block, key)
+                    prefix = self._register(block, key, seq.params.priority)
                 else:  # not reached: allocate copies registered blocks before any write into them
                     prefix = UNREACHABLE
             chain.append(prefix)

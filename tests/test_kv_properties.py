@@ -62,6 +62,7 @@ class Snapshot:
     stats: tuple[int, ...]
     num_free: int
     num_evictable: int
+    held: dict[int, int]  # the paged cache's cached blocks that are not leaves
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -107,7 +108,7 @@ class KVMachine(RuleBasedStateMachine):
         s = self.kv.stats()
         return Snapshot({seq.seq_id: list(self.kv.block_table(seq)) for seq in seqs}, list(self.kv.ref),
                         (s.free_blocks, s.used_blocks, s.cached_blocks, s.prefix_queries, s.prefix_hits, s.evictions),
-                        self.kv.num_free_blocks(), len(self.kv.eviction))
+                        self.kv.num_free_blocks(), len(self.kv.eviction), dict(getattr(self.kv, "held", {})))
 
     def allocate(self, seq: Sequence, n: int) -> bool:
         """``kv.allocate``; a refusal must change nothing; on success the runner's block copies are applied."""
@@ -399,7 +400,10 @@ class KVMachine(RuleBasedStateMachine):
                 assert block in kv.children[key[0]]
         assert len(kv.key_to_block) == len(kv.prefix_id_to_block) == sum(k is not None for k in kv.block_key)
         assert sum(map(len, kv.children.values())) == len(kv.key_to_block)
-        assert len(kv.eviction) == sum(k is not None and not r for k, r in zip(kv.block_key, kv.ref))
+        cached = {b for b, (k, r) in enumerate(zip(kv.block_key, kv.ref)) if k is not None and not r}
+        leaves = {b for b in cached if not kv.children.get(kv.block_prefix_id[b])}
+        # only leaves are evictable: evicting a prefix would drop what was cached after it
+        assert len(kv.eviction) == len(leaves) and set(kv.held) == cached - leaves
 
     def check_tree(self) -> None:
         """Locks count the sequences using each node; the tree's tokens are what its blocks store."""

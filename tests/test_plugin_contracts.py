@@ -132,8 +132,9 @@ def test_a_policy_that_pops_a_held_key_is_refused_not_trusted(tiny_model, kv_cac
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     shared = list(range(5, 13))
     engine.generate([shared], SamplingParams(max_tokens=1))  # leaves its prompt's blocks cached
-    # the first victim the policy offers is what the hit holds: block 0, or the radix node of the shared prompt
-    held = "0" if kv_cache == "paged" else "RadixNode(tokens=(5, 6, 7, 8, 9, 10, 11, 12), blocks=[0, 1]"
+    # the first victim the policy offers is what the hit holds: the prompt's leaf block 1 (only leaves are
+    # evictable), or the radix node of the shared prompt
+    held = "1" if kv_cache == "paged" else "RadixNode(tokens=(5, 6, 7, 8, 9, 10, 11, 12), blocks=[0, 1]"
     with pytest.raises(PluginError, match=re.escape(f"ForgetfulLRU: pop() returned {held}") + r".*, which is not "
                                           r"evictable .* fix the policy's bookkeeping"):
         engine.generate([shared + [30] * 4, list(range(40, 56))], params)  # a hit holds them; the other evicts

@@ -115,3 +115,21 @@ def test_radix_cache_refuses_no_prefix_caching():
     config = EngineConfig(enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="--kv-cache paged --no-prefix-caching"):
         factory(config, 16, None)
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+def test_priority_eviction_keeps_a_high_priority_prefix_that_a_low_one_reused(tiny_model, kv_cache):
+    """H (priority 2) caches S + h; L (priority 0) reuses S; then pressure evicts two blocks. The paged cache gave S
+    L's priority and, evicting it, dropped H's h blocks cached after it; only leaves are evictable now."""
+    def params(priority: int) -> SamplingParams:
+        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, priority=priority)
+
+    e = make_engine(tiny_model, kv_cache, block_size=4, num_kv_blocks=12, eviction_policy="priority")
+    shared, high, low, medium = list(range(10, 18)), list(range(20, 28)), list(range(30, 34)), list(range(40, 48))
+    e.generate([shared + high + [99]], params(2))
+    e.generate([shared + low + [98]], params(0))
+    e.generate([medium + [97]], params(1))
+    e.generate([list(range(200, 225))], params(0))  # 7 blocks: two cached ones must go
+    before = e.kv.stats().prefix_hits
+    e.generate([shared + high + [99]], params(0))
+    assert e.kv.stats().prefix_hits - before == 16  # all four blocks of S + h still cached
