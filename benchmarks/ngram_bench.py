@@ -53,8 +53,9 @@ def main() -> None:
         times.append(time.perf_counter() - start)
         drafted += sum(len(t) for t in proposal.token_ids.values())
     us = statistics.median(times) / args.seqs * 1e6
-    print(f"ngram propose, {args.seqs} sequences of {args.context} tokens ({'repetitive' if args.repetitive else 'random'}"
-          f"), k={args.k}: {us:.1f} us per sequence and step (median of {args.steps}); {drafted} drafts")
+    text = "repetitive" if args.repetitive else "random"
+    print(f"ngram propose, {args.seqs} sequences of {args.context} tokens ({text}), k={args.k}: {us:.1f} us per "
+          f"sequence and step (median of {args.steps}); {drafted} drafts")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding
 
 
 # compressed-tensors' kv_cache_scheme tensors (and the older per-projection form)
-KV_SCALE_NAMES = tuple(f"{module}.{name}" for module, names in (("self_attn", ("k_scale", "v_scale", "k_zero_point",
-                       "v_zero_point")), ("k_proj", ("output_scale",)), ("v_proj", ("output_scale",))) for name in names)
+KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_zero_point", "self_attn.v_zero_point",
+                  "k_proj.output_scale", "v_proj.output_scale")
 
 
 @dataclass(frozen=True)
