@@ -151,14 +151,13 @@ class PagedKVCache(KVCache):
     # ------------------------------------------------------------ KVCache
     def reset_prefix_cache(self) -> bool:
         evictions = self.counters.evictions  # dropped on request: not evictions
-        while len(self.eviction):
-            block = self._pop_evictable()
+        while len(self.eviction) or self.held:  # unregistering a leaf can turn its held parent into a leaf
+            if len(self.eviction):
+                block = self._pop_evictable()
+            else:  # prefixes of blocks that sequences hold
+                block = next(iter(self.held))
+                del self.held[block]
             self._unregister(block)  # its cached descendants go too
-            self.free_list.append(block)
-        while self.held:  # prefixes of blocks that sequences hold
-            block = next(iter(self.held))
-            del self.held[block]
-            self._unregister(block)
             self.free_list.append(block)
         self.counters.evictions = evictions
         return True

@@ -596,3 +596,29 @@ def test_a_failed_admission_leaves_no_trace(cache: str) -> None:
     waiter = admit(shared + list(range(200, 200 + 2 * BLOCK)), priority=0)  # now it fits: the use is counted once
     assert waiter is not None and kv.num_blocks_needed(waiter.num_tokens) == len(kv.block_table(waiter))
     assert [c for c, _ in policy.calls[before[2]:]].count("touch") >= 1
+
+
+def test_reset_drops_every_cached_block_even_prefixes_of_held_ones() -> None:
+    """Emptying ``held`` can turn a held parent into a leaf after the eviction policy was drained: reset must keep
+    going until both are empty, or the parent stays cached and matchable (bench arms start cold on a reset)."""
+    from infer.plugins.eviction import LRUPolicy
+
+    kv = PagedKVCache(8, BLOCK, LRUPolicy(), True)
+    seqs = itertools.count()
+
+    def admit(prompt: list[int]) -> Sequence:
+        seq = Sequence(next(seqs), "r", prompt, SamplingParams(), 0.0)
+        seq.num_computed_tokens = kv.match_prefix(seq)
+        assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+        return seq
+
+    x, y, z = [1] * BLOCK, [2] * BLOCK, [3] * BLOCK
+    first, second = admit(x + y + [9]), admit(x + y + z + [9])  # both prefill before either caches anything
+    for seq in (first, second):
+        seq.num_computed_tokens = seq.num_tokens
+        kv.commit(seq)  # second's z block registers under first's y block
+    kv.free(first)  # first's x and y blocks: cached, and not leaves (held)
+    assert kv.reset_prefix_cache()
+    assert not kv.held and not len(kv.eviction) and not kv.key_to_block and kv.stats().cached_blocks == 0
+    probe = Sequence(99, "r", x + [5], SamplingParams(), 0.0)
+    assert kv.match_prefix(probe) == 0
