@@ -79,14 +79,19 @@ class PagedKVCache(KVCache):
         if self.free_list:
             block = self.free_list.popleft()
         else:
-            if self.eviction:
-                block = self._pop_evictable()
-            else:  # every cached block is a prefix of blocks that sequences hold: the lowest priority goes
-                block = min(self.held, key=self.held.__getitem__)  # KeyError only if the capacity check was skipped
-                del self.held[block]
+            block = self._pop_cached()
             self._unregister(block)
             self.counters.evictions += 1
         self.ref[block] = 1
+        return block
+
+    def _pop_cached(self) -> int:
+        """A cached block to drop: the leaf the policy picks, else (every cached block is a prefix of blocks that
+        sequences hold) the lowest-priority held one. Callers check the capacity first."""
+        if len(self.eviction):
+            return self._pop_evictable()
+        block = min(self.held, key=self.held.__getitem__)
+        del self.held[block]
         return block
 
     def _pop_evictable(self) -> int:
@@ -152,11 +157,7 @@ class PagedKVCache(KVCache):
     def reset_prefix_cache(self) -> bool:
         evictions = self.counters.evictions  # dropped on request: not evictions
         while len(self.eviction) or self.held:  # unregistering a leaf can turn its held parent into a leaf
-            if len(self.eviction):
-                block = self._pop_evictable()
-            else:  # prefixes of blocks that sequences hold
-                block = next(iter(self.held))
-                del self.held[block]
+            block = self._pop_cached()
             self._unregister(block)  # its cached descendants go too
             self.free_list.append(block)
         self.counters.evictions = evictions
@@ -189,7 +190,7 @@ class PagedKVCache(KVCache):
                 if self.ref[block] == 1 and self.block_key[block] is None:
                     return True  # a private block with room
             elif index == len(table):
-                if not self.free_list and not self.eviction and not self.held:
+                if not self.num_free_blocks():
                     return False
                 table.append(self._take_block())
                 return True
