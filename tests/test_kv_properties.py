@@ -504,6 +504,14 @@ def test_evicting_a_prefix_block_unregisters_what_follows_it() -> None:
     assert all(cached_prefix(kv, block) for block in kv.key_to_block.values())
 
 
+def admitted(kv: PagedKVCache, seq_id: int, prompt: list[int]) -> Sequence:
+    """A sequence matched against the cache and allocated for the rest of its prompt."""
+    seq = Sequence(seq_id, "r", prompt, SamplingParams(), 0.0)
+    seq.num_computed_tokens = kv.match_prefix(seq)
+    assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+    return seq
+
+
 def test_lfu_forgets_the_uses_of_a_block_dropped_while_held() -> None:
     """A block registered after another request's cached prefix leaves the cache when that prefix is evicted, even
     while a sequence holds it; the uses LFU counted for its old content must not carry over to the next one."""
@@ -514,10 +522,7 @@ def test_lfu_forgets_the_uses_of_a_block_dropped_while_held() -> None:
     seqs = itertools.count()
 
     def admit(prompt: list[int]) -> Sequence:
-        seq = Sequence(next(seqs), "r", prompt, SamplingParams(), 0.0)
-        seq.num_computed_tokens = kv.match_prefix(seq)
-        assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
-        return seq
+        return admitted(kv, next(seqs), prompt)
 
     def compute(seq: Sequence) -> None:
         seq.num_computed_tokens = seq.num_tokens
@@ -604,16 +609,8 @@ def test_reset_drops_every_cached_block_even_prefixes_of_held_ones() -> None:
     from infer.plugins.eviction import LRUPolicy
 
     kv = PagedKVCache(8, BLOCK, LRUPolicy(), True)
-    seqs = itertools.count()
-
-    def admit(prompt: list[int]) -> Sequence:
-        seq = Sequence(next(seqs), "r", prompt, SamplingParams(), 0.0)
-        seq.num_computed_tokens = kv.match_prefix(seq)
-        assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
-        return seq
-
     x, y, z = [1] * BLOCK, [2] * BLOCK, [3] * BLOCK
-    first, second = admit(x + y + [9]), admit(x + y + z + [9])  # both prefill before either caches anything
+    first, second = admitted(kv, 0, x + y + [9]), admitted(kv, 1, x + y + z + [9])  # both prefill before either caches anything
     for seq in (first, second):
         seq.num_computed_tokens = seq.num_tokens
         kv.commit(seq)  # second's z block registers under first's y block
