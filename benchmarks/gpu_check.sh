@@ -2,33 +2,47 @@
 # The prepared GPU run: install infer into the device image's Python, then the named stages. A short table is
 # printed last; every log goes into $OUT/logs.tgz (the device tool returns at most 8 files from $OUT), rebuilt after
 # each stage so that a run cut short still returns what finished. A failed stage prints its log's tail at once.
-# One device call is capped at 600 s and a session has 15 device minutes in all, start-up included, so:
-#   bash benchmarks/gpu_check.sh             tests kernels anchor prefix spec  (limits sum to 580 s, 535 s once the
-#                                            anchor stage has built the model, plus ~20 s of set-up; ~6 min expected)
-#   COPY_GBPS=N bash benchmarks/gpu_check.sh hf quant host   HF baselines beside infer's anchor arm, AWQ/FP8, host
-#                                            time (600 s; ~6 min); COPY_GBPS: the first call's measured bandwidth
-# Stages run in order of importance: a call cut short by its time limit keeps the stages that finished. Run the
-# second call right after the first (a machine idle for 30 s goes back, Triton's cache with it), with the device
-# time that is left as its limit.
+# One device call is capped at 600 s and a session has 15 device minutes in all, start-up included, so the stages
+# run in order of importance under one deadline (DEADLINE_S, default 570 s from the start): each stage's limit is
+# cut to the time left, a stage with too little left is not started, and the summary's last line names the stages
+# still to run, for a second call on the still-warm machine (a machine idle for 30 s goes back, Triton's cache and
+# the model folders with it):
+#   bash benchmarks/gpu_check.sh        tests kernels anchor prefix spec quant hfstatic host
+#   COPY_GBPS=N DEADLINE_S=T bash benchmarks/gpu_check.sh STAGE...   the stages left; COPY_GBPS: the first call's
+#                                       measured copy bandwidth
+# anchor measures infer (and infer with async scheduling) on the anchor workload and single stream, then HF
+# continuous batching; hfstatic adds HF generate (static batches) and HF single stream to the same table.
 # The device tool sets $OUT; elsewhere a temp folder is used.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STAGES=${*:-tests kernels anchor prefix spec}
-WORK=$(mktemp -d)  # logs, outside $OUT: only summary.txt and logs.tgz go there
+STAGES=${*:-tests kernels anchor prefix spec quant hfstatic host}
+DEADLINE=${DEADLINE_S:-570}
+# logs, outside $OUT (only summary.txt and logs.tgz go there), kept on the machine for a second call: its
+# hfstatic stage reads the anchor stage's figures, and its logs.tgz holds both calls' logs
+WORK=${TMPDIR:-/tmp}/infer-gpu-check
+mkdir -p "$WORK"
 MODEL=${TMPDIR:-/tmp}/infer-throughput-anchor
 summary="$OUT/summary.txt"
 : > "$summary"
 export PYTHONUNBUFFERED=1  # a stage cut off by its time limit still leaves its log
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there: a hub lookup would only retry and stall
 note() { echo "$*" | tee -a "$summary"; }
-want() { [[ " $STAGES " == *" $1 "* ]]; }
+want() { [[ " $STAGES " == *" $1 "* ]] && CURRENT=$1; }
 pack() { tar czf "$OUT/logs.tgz.tmp" -C "$WORK" . && mv "$OUT/logs.tgz.tmp" "$OUT/logs.tgz"; }
 # stage NAME LOG TIMEOUT CMD...: run, note the exit status, show the log's tail on failure, repack the logs
+# A stage is skipped when under MIN_STAGE_S would be left to it; the skipped stages are listed at the end.
+MIN_STAGE_S=25
+skipped=""
 stage() {
   local name=$1 log=$WORK/$2 limit=$3; shift 3
+  local left=$((DEADLINE - SECONDS - 5))
+  if ((left < MIN_STAGE_S)); then
+    note "$name: not run ($left s left before the deadline)"; skipped="$skipped $CURRENT"; return 125
+  fi
+  ((limit > left)) && limit=$left
   local start=$SECONDS
   timeout "$limit" "$@" > "$log" 2>&1
   local rc=$?
@@ -55,9 +69,12 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --fo
 if want tests; then
   # the server tests skip without grpc_health, which the image lacks (they hold no gpu test); any other module
   # that fails to collect is reported, and the gpu tests still run. -v: a run cut by its limit still names each
-  # result (tracebacks come at the end); cold Triton compiles of ~100 kernel variants take about a minute
-  stage "pytest -m gpu" pytest_gpu.log 160 $PY -m pytest -m gpu -v --tb=short -p no:cacheprovider --timeout 60 \
-    --continue-on-collection-errors
+  # result (tracebacks come at the end). Cold Triton compiles of ~100 kernel variants took about a minute in one
+  # process: pytest-xdist (on the image) spreads them over 8 (the gpu tests size their KV pools explicitly, so
+  # they can share the card)
+  parallel=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+  stage "pytest -m gpu" pytest_gpu.log 150 $PY -m pytest -m gpu -v --tb=short -p no:cacheprovider --timeout 90 \
+    --continue-on-collection-errors $parallel
   note "pytest -m gpu: $(tail -1 "$WORK/pytest_gpu.log")"
 fi
 
@@ -72,9 +89,9 @@ for line in open('$WORK/kernel_bench.jsonl'):
   note "copy bandwidth: ${copy_gbps:-4120} GB/s"
 fi
 
-if want anchor; then  # infer on the anchor workload (and with async scheduling), then single stream; no HF
-  stage "anchor (infer)" anchor.log 200 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
-    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--async-scheduling --skip-hf
+if want anchor; then  # infer (and with async scheduling) on the anchor workload and single stream, then HF CB
+  stage "anchor (infer, HF CB)" anchor.log 270 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
+    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--async-scheduling --hf cb
 fi
 
 if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x)
@@ -89,14 +106,13 @@ if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the
   stage "spec_bench" spec_bench.log 85 $PY benchmarks/spec_bench.py --device cuda --repeats 2  # five engines
 fi
 
-if want hf; then  # issue 4's ratio: infer's anchor arm and HF generate / HF continuous batching in one run (HF
-  # takes ~2.5 min); infer's single stream was measured by the first call
-  stage "anchor (infer and HF)" anchor_hf.log 260 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
-    --out "$WORK/anchor_hf" --copy-gbps "${copy_gbps:-4120}" --skip-infer-single
-fi
-
 if want quant; then  # issue 5
   stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py
+fi
+
+if want hfstatic; then  # HF generate (static batches of 32) and HF single stream beside the anchor stage's figures
+  stage "HF static, HF single" anchor_hf.log 200 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
+    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --reuse-infer --hf static,single
 fi
 
 if want host; then  # host time per output token by engine phase, on a minuscule model
@@ -106,12 +122,13 @@ fi
 
 show() { [[ -s $WORK/$2 ]] && { echo; echo "== $1 =="; tail -"$3" "$WORK/$2"; }; }
 want kernels && show "kernel micro-benchmarks (decode attention GB/s vs copy)" kernel_bench.jsonl 20
-want anchor && show "anchor and single stream (infer)" anchor.log 8
+want anchor && show "anchor and single stream, infer against HF CB" anchor.log 8
 want prefix && [[ -s $WORK/shared_prefix/table.txt ]] && { echo; echo "== shared prefix (TTFT, hit rate) =="
                  grep -E "TTFT|hit rate|^A:|^B:" "$WORK/shared_prefix/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 9
-want hf && show "anchor and single stream, infer against HF" anchor_hf.log 8
+want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
 want quant && show "quantization" quant_bench.log 12
 want host && show "host overhead per output token" host_overhead.log 8
+note "stages left:$(echo $skipped | tr " " "\n" | awk '!seen[$0]++' | tr "\n" " " | sed "s/^/ /;s/ $//")"
 echo; echo "== summary =="; cat "$summary"
 pack

@@ -50,6 +50,10 @@ PRESETS = {
 }
 
 
+HF_ARMS = ("static", "cb", "single")
+INFER_FALLBACKS = ("", "--no-cuda-graphs", "--no-cuda-graphs --attention torch")
+
+
 def workload_requests(preset: Preset, seed: int = 0) -> list[tuple[list[int], int]]:
     """Per request: the prompt length, then its tokens; after all prompts, the output lengths."""
     rng = random.Random(seed)
@@ -123,7 +127,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="anchor")
     parser.add_argument("--model-dir", type=Path, default=None, help="where the random model is built (reused)")
-    parser.add_argument("--skip-hf", action="store_true", help="only infer (HF takes ~2 minutes on an H200)")
+    parser.add_argument("--hf", default="static,cb,single", type=lambda s: [a for a in s.split(",") if a],
+                        help="HF arms to run, comma-separated from static, cb, single; --hf= for none (HF static "
+                             "takes ~1.5 minutes on an H200, continuous batching ~1)")
     parser.add_argument("--infer-options", default="", help="extra group options for the infer arm")
     parser.add_argument("--extra-arm", action="append", default=[], metavar="OPTIONS",
                         help="another infer arm on the anchor workload and the single stream: the infer arm's "
@@ -131,10 +137,12 @@ def main() -> None:
                              "write --extra-arm=--async-scheduling")
     parser.add_argument("--copy-gbps", type=float, default=4120.0, help="measured copy bandwidth, read+write")
     parser.add_argument("--build-only", action="store_true", help="build (or find) the model folder, print it, stop")
-    parser.add_argument("--skip-infer-single", action="store_true",
-                        help="measure infer on the anchor workload only, not its single stream (gpu_check.sh's HF "
-                             "stage: the first call measured it)")
+    parser.add_argument("--reuse-infer", action="store_true",
+                        help="take infer's figures from --out's anchor_summary.json (an earlier run of this script "
+                             "there) and run only the HF arms")
     args = parser.parse_args()
+    if unknown := set(args.hf) - set(HF_ARMS):
+        parser.error(f"--hf: unknown arm(s) {sorted(unknown)}; choose from {', '.join(HF_ARMS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[args.preset]
     import tempfile
@@ -164,20 +172,20 @@ def main() -> None:
                "single_floor_tps": args.copy_gbps * 1e9 / weights_bytes,  # one read of every weight per step
                "extra_arms_tps": {}, "single_extra_arms_tps": {}}  # keyed by the added options
     summary_file = args.out / "anchor_summary.json"
-    arms = {extra: f"{infer_arm} {extra}" for extra in args.extra_arm}
-    runs = [("anchor", file_args, "extra_arms_tps"), ("single", single_args, "single_extra_arms_tps")]
-    for name, bench_args, extra_key in runs[: 1 if args.skip_infer_single else 2]:
-        tps = run_arms(model, args.out / f"{name}_infer", infer_arm, arms, bench_args)
-        summary[f"{name}_infer_tps"] = tps[infer_arm]
-        summary[extra_key] = {extra: tps.get(arm) for extra, arm in arms.items()}
-        summary_file.write_text(json.dumps(summary, indent=2))
+    if args.reuse_infer:
+        if not summary_file.exists():
+            sys.exit(f"--reuse-infer: {summary_file} does not exist; run this script with --out {args.out} first")
+        summary = json.loads(summary_file.read_text())
+    else:
+        measure_infer(model, args.out, infer_arm, args.extra_arm, file_args, single_args, summary, summary_file)
     print_table(args.preset, summary, preset.hf_batch, device == "cuda")  # out before HF's long runs start
-    if args.skip_hf:
+    if not args.hf:
         return
-    hf_runs = (("anchor_hf_static_tps", "hf:static", file_args + ["--hf-batch-size", str(preset.hf_batch)]),
-               ("anchor_hf_cb_tps", "hf:cb", file_args),
-               ("single_hf_tps", "hf:static", single_args + ["--hf-batch-size", "1"]))
-    for key, arm, bench_args in hf_runs:  # each in its own process: one failing costs only its own figure
+    hf_runs = {"static": ("anchor_hf_static_tps", "hf:static", file_args + ["--hf-batch-size", str(preset.hf_batch)]),
+               "cb": ("anchor_hf_cb_tps", "hf:cb", file_args),
+               "single": ("single_hf_tps", "hf:static", single_args + ["--hf-batch-size", "1"])}
+    for key, arm, bench_args in (hf_runs[name] for name in HF_ARMS if name in args.hf):
+        # each in its own process: one failing costs only its own figure
         try:
             summary[key] = output_tps(run_bench(model, args.out / key, [arm], bench_args, warmup=0))[arm]
         except subprocess.CalledProcessError as exc:
@@ -187,13 +195,40 @@ def main() -> None:
     print_table(args.preset, summary, preset.hf_batch, device == "cuda")
 
 
+def measure_infer(model: Path, out: Path, infer_arm: str, extras: list[str], file_args: list[str],
+                  single_args: list[str], summary: dict, summary_file: Path) -> None:
+    """infer's arms on the anchor workload, then on the single stream. If the main arm fails on the anchor workload,
+    it is measured again without CUDA graphs, then also on the torch attention backend, and the table says so: a
+    first GPU run still returns a figure and names the part that failed."""
+    for fallback in INFER_FALLBACKS:
+        arm = f"{infer_arm} {fallback}".strip()
+        arms = {extra: f"{arm} {extra}" for extra in extras}
+        try:
+            tps = run_arms(model, out / ("anchor_infer" + fallback.replace(" ", "")), arm, arms, file_args)
+            break
+        except subprocess.CalledProcessError as exc:
+            print(f"infer arm {arm!r} failed (exit {exc.returncode}); see above", file=sys.stderr)
+    else:
+        raise SystemExit("every infer arm failed on the anchor workload")
+    summary.update(anchor_infer_tps=tps[arm], infer_fallback=fallback,
+                   extra_arms_tps={extra: tps.get(a) for extra, a in arms.items()})
+    summary_file.write_text(json.dumps(summary, indent=2))
+    try:
+        tps = run_arms(model, out / "single_infer", arm, arms, single_args)
+    except subprocess.CalledProcessError as exc:
+        print(f"infer single stream failed (exit {exc.returncode}); see above", file=sys.stderr)
+        return
+    summary.update(single_infer_tps=tps[arm], single_extra_arms_tps={extra: tps.get(a) for extra, a in arms.items()})
+    summary_file.write_text(json.dumps(summary, indent=2))
+
+
 def print_table(preset: str, summary: dict, hf_batch: int, on_gpu: bool) -> None:
     """Throughput of each system and infer's ratio to it; the rows measured so far."""
     infer_tps = summary["anchor_infer_tps"]
-    rows = [("infer", infer_tps)] + [(f"infer {extra}", tps) for extra, tps in summary["extra_arms_tps"].items()]
-    if "anchor_hf_static_tps" in summary:
-        rows += [(f"HF generate static, batch {hf_batch}", summary["anchor_hf_static_tps"]),
-                 ("HF continuous batching", summary["anchor_hf_cb_tps"])]
+    fallback = summary.get("infer_fallback")
+    rows = [(f"infer {fallback} (fallback)" if fallback else "infer", infer_tps)] + [(f"infer {extra}", tps) for extra, tps in summary["extra_arms_tps"].items()]
+    rows += [(name, summary[key]) for name, key in ((f"HF generate static, batch {hf_batch}", "anchor_hf_static_tps"),
+                                                     ("HF continuous batching", "anchor_hf_cb_tps")) if key in summary]
     print(f"\n{preset}: {summary['prompt_tokens']} prompt / {summary['output_tokens']} output tokens")
     print(f"{'system':<34}{'output tok/s':>14}{'ratio':>10}")
     for name, value in rows:

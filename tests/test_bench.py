@@ -474,7 +474,7 @@ def bench_script(*args: str, timeout: float = 240) -> str:
 
 def test_throughput_script_reports_infer_before_and_without_hf(tmp_path):
     """The smoke preset end to end without HF: the table and the summary file hold infer's figures."""
-    out = bench_script("throughput.py", "--preset", "smoke", "--skip-hf", "--out", str(tmp_path / "out"),
+    out = bench_script("throughput.py", "--preset", "smoke", "--hf=", "--out", str(tmp_path / "out"),
                        "--model-dir", str(tmp_path / "model"), "--extra-arm=--async-scheduling")
     summary = json.loads((tmp_path / "out" / "anchor_summary.json").read_text())
     requests = [json.loads(line) for line in (tmp_path / "out" / "anchor.jsonl").read_text().splitlines()]
@@ -489,17 +489,20 @@ def test_throughput_script_reports_infer_before_and_without_hf(tmp_path):
     assert not (tmp_path / "model.partial").exists() and list((tmp_path / "model").glob("*.safetensors"))
 
 
-def test_throughput_script_measures_each_hf_baseline_beside_infers_anchor_arm(tmp_path):
-    """gpu_check.sh's HF stage: infer's anchor arm (not its single stream, which the first call measured), then HF
-    static, HF continuous batching and HF single stream, each in its own process."""
-    out = bench_script("throughput.py", "--preset", "smoke", "--skip-infer-single", "--out", str(tmp_path / "out"),
-                       "--model-dir", str(tmp_path / "model"))
+def test_throughput_script_adds_hf_baselines_to_an_earlier_runs_infer_figures(tmp_path):
+    """gpu_check.sh's stages: infer and HF continuous batching first; later, with --reuse-infer, HF static and HF
+    single stream beside the same infer figures, each HF arm in its own process."""
+    args = ["--preset", "smoke", "--out", str(tmp_path / "out"), "--model-dir", str(tmp_path / "model")]
+    bench_script("throughput.py", *args, "--hf", "cb")
+    first = json.loads((tmp_path / "out" / "anchor_summary.json").read_text())
+    assert first["anchor_infer_tps"] > 0 and first["anchor_hf_cb_tps"] > 0 and "anchor_hf_static_tps" not in first
+    out = bench_script("throughput.py", *args, "--reuse-infer", "--hf", "static,single")
     summary = json.loads((tmp_path / "out" / "anchor_summary.json").read_text())
-    assert "single_infer_tps" not in summary and summary["anchor_infer_tps"] > 0
-    assert all(summary[key] > 0 for key in ("anchor_hf_static_tps", "anchor_hf_cb_tps", "single_hf_tps"))
+    assert {k: summary[k] for k in first} == first  # infer's figures were not measured again
+    assert all(summary[key] > 0 for key in ("anchor_hf_static_tps", "single_hf_tps"))
     table = out[out.rindex("smoke: "):].splitlines()
     assert [line.split("  ")[0] for line in table[2:]] == [
-        "infer", "HF generate static, batch 32", "HF continuous batching", "HF single stream"]
+        "infer", "HF generate static, batch 32", "HF continuous batching", "infer single stream", "HF single stream"]
 
 
 def test_prepare_bench_script_runs():
