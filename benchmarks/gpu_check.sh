@@ -99,7 +99,7 @@ if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against wit
     --build-only
   stage "shared-prefix" shared_prefix.log 50 $PY -m infer.cli --model "$MODEL" bench --workload shared-prefix \
     --num-requests 32 --prefix-len 1000 --question-len 100 --output-len 16 --rate 16 --ab "" "--no-prefix-caching" \
-    --repeats 2 --out "$WORK/shared_prefix"
+    --repeats 3 --out "$WORK/shared_prefix"
 fi
 
 if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the shipped pair
