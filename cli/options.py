@@ -55,7 +55,7 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--async-scheduling/--no-async-scheduling", default=None,
                  help="Schedule and launch each step before reading the previous step's tokens back, so the device "
                       "need not idle while the host prepares the next step (implies --async-output; not with "
-                      "speculative decoding) [default: off]."),
+                      "speculative decoding) [default: on with CUDA unless a proposer is set or --no-async-output]."),
     click.option("--freeze-gc/--no-freeze-gc", default=None,
                  help="After start-up, freeze the Python heap out of the garbage collector's scans, so that no full "
                       "collection stalls a step [default: on for serve and bench arms, off elsewhere]."),

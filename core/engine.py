@@ -58,8 +58,9 @@ class Engine:
                        "eviction_policy": config.eviction_policy, "quant": config.quant or "none",
                        "proposer": config.proposer or "none"}
         self.requests: dict[str, RequestState] = {}
+        self.async_scheduling = config.async_scheduling_on(self.loaded.device.type)
         self.async_output = config.async_output if config.async_output is not None else \
-            self.loaded.device.type == "cuda" or config.async_scheduling  # async scheduling emits a step late
+            self.loaded.device.type == "cuda" or self.async_scheduling  # async scheduling emits a step late
         self.unemitted: list[Sequence] = []  # async output: advanced in the last step, outputs not built yet
         self.in_flight: InFlight | None = None  # async scheduling: the last step's tokens, not read back yet
         self.awaiting_fork: set[str] = set()  # n > 1 requests whose first sequence has not sampled yet
@@ -84,7 +85,7 @@ class Engine:
                  self.num_blocks * parts.bytes_per_block / 2**20,
                  ", ".join(f"{k} {v}" for k, v in self.active.items()),
                  "on" if self.runner.graphs is not None else "off", "on" if self.async_output else "off",
-                 "on" if config.async_scheduling else "off")
+                 "on" if self.async_scheduling else "off")
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -142,7 +143,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced (with
         async output: that advanced in the previous step, their outputs built while this step's forward ran)."""
-        if self.config.async_scheduling:
+        if self.async_scheduling:
             return self._step_ahead()
         self.steps_taken += 1
         start = time.perf_counter()

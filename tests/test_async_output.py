@@ -253,3 +253,12 @@ def test_abort_after_a_stop_string_was_sampled_returns_the_stop():
     expected = engine(async_output=False).generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0,
                                                                                stop=["\n"]))[0].outputs[0].text
     assert text == expected and "\n" not in text and drained(e)
+
+
+@pytest.mark.parametrize(("device", "options", "expected"), [
+    ("cuda", {}, True), ("cpu", {}, False), ("cuda", {"proposer": "ngram", "num_speculative_tokens": 2}, False),
+    ("cuda", {"async_output": False}, False), ("cpu", {"async_scheduling": True}, True),
+    ("cuda", {"async_scheduling": False}, False)])
+def test_async_scheduling_defaults_on_with_cuda_only_where_it_can_run(device, options, expected):
+    """Measured on an H200 (docs/PERF.md), so on by default there; never chosen where it would be refused."""
+    assert EngineConfig(model="m", **options).validate().async_scheduling_on(device) is expected
