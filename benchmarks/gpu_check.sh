@@ -95,8 +95,8 @@ if want anchor; then  # infer (and with async scheduling) on the anchor workload
 fi
 
 if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x)
-  stage "anchor model" build.log 45 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" --out "$WORK/build" \
-    --build-only
+  stage "anchor model" build.log 45 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
+    --out "$WORK/build" --build-only
   stage "shared-prefix" shared_prefix.log 50 $PY -m infer.cli --model "$MODEL" bench --workload shared-prefix \
     --num-requests 32 --prefix-len 1000 --question-len 100 --output-len 16 --rate 16 --ab "" "--no-prefix-caching" \
     --repeats 3 --out "$WORK/shared_prefix"

@@ -226,7 +226,8 @@ def print_table(preset: str, summary: dict, hf_batch: int, on_gpu: bool) -> None
     """Throughput of each system and infer's ratio to it; the rows measured so far."""
     infer_tps = summary["anchor_infer_tps"]
     fallback = summary.get("infer_fallback")
-    rows = [(f"infer {fallback} (fallback)" if fallback else "infer", infer_tps)] + [(f"infer {extra}", tps) for extra, tps in summary["extra_arms_tps"].items()]
+    rows = [(f"infer {fallback} (fallback)" if fallback else "infer", infer_tps)]
+    rows += [(f"infer {extra}", tps) for extra, tps in summary["extra_arms_tps"].items()]
     rows += [(name, summary[key]) for name, key in ((f"HF generate static, batch {hf_batch}", "anchor_hf_static_tps"),
                                                      ("HF continuous batching", "anchor_hf_cb_tps")) if key in summary]
     print(f"\n{preset}: {summary['prompt_tokens']} prompt / {summary['output_tokens']} output tokens")
