@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_check.sh        tests kernels anchor prefix spec quant hfstatic host
 #   COPY_GBPS=N DEADLINE_S=T bash benchmarks/gpu_check.sh STAGE...   the stages left; COPY_GBPS: the first call's
 #                                       measured copy bandwidth
-# anchor measures infer (and infer with async scheduling) on the anchor workload and single stream, then HF
+# anchor measures infer (with and without async scheduling) on the anchor workload and single stream, then HF
 # continuous batching; hfstatic adds HF generate (static batches) and HF single stream to the same table.
 # The device tool sets $OUT; elsewhere a temp folder is used.
 set -uo pipefail
@@ -89,9 +89,10 @@ for line in open('$WORK/kernel_bench.jsonl'):
   note "copy bandwidth: ${copy_gbps:-4120} GB/s"
 fi
 
-if want anchor; then  # infer (and with async scheduling) on the anchor workload and single stream, then HF CB
+if want anchor; then  # infer (async scheduling, the CUDA default, and without) on the anchor workload and single
+  # stream, then HF CB
   stage "anchor (infer, HF CB)" anchor.log 270 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
-    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--async-scheduling --hf cb
+    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--no-async-scheduling --hf cb
 fi
 
 if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x)
