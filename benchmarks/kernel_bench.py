@@ -54,7 +54,8 @@ def copy_gbps(nbytes: int, iters: int) -> float:
     return 2 * nbytes / time_ms(lambda _: dst.copy_(src), iters) / 1e6
 
 
-def decode_case(batch: int, context: int, iters: int, num_sms: int) -> dict[str, float | int | str]:
+def decode_case(batch: int, context: int, iters: int, num_sms: int, splits: int | None = None
+                ) -> dict[str, float | int | str]:
     from infer.kernels.attention import decode_attention, default_num_splits
 
     blocks_per_seq = math.ceil(context / PAGE)
@@ -66,7 +67,7 @@ def decode_case(batch: int, context: int, iters: int, num_sms: int) -> dict[str,
     tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(replicas, batch, blocks_per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    splits = default_num_splits(batch, KV_HEADS, context, num_sms)
+    splits = splits or default_num_splits(batch, KV_HEADS, context, num_sms)
     ms = graph_ms_per_call(lambda i: decode_attention(q, k_cache, v_cache, tables[i % replicas], lens,
                                                       HEAD_DIM ** -0.5, splits), max(replicas, 16), iters)
     del k_cache, v_cache
@@ -79,6 +80,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--iters", type=int, default=20, help="timed copies / graph replays")
+    parser.add_argument("--splits", type=int, nargs="+", default=[0],
+                        help="KV splits to time per case; 0: default_num_splits' choice (the engine's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_bench needs a CUDA GPU (Triton kernels run natively there); none is visible", file=sys.stderr)
@@ -88,10 +91,12 @@ def main() -> int:
     print(json.dumps({"kernel": "copy", "device": props.name, "gbps": round(copy, 1)}))
     for context in args.context:
         for batch in args.batch:
-            row = decode_case(batch, context, args.iters, props.multi_processor_count)
-            row["fraction_of_copy"] = round(float(row["gbps"]) / copy, 3)
-            print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache()
+            for splits in args.splits:
+                row = decode_case(batch, context, args.iters, props.multi_processor_count, splits or None)
+                row["fraction_of_copy"] = round(float(row["gbps"]) / copy, 3)
+                row["splits_chosen_by"] = "engine" if not splits else "--splits"
+                print(json.dumps(row), flush=True)
+                torch.cuda.empty_cache()
     return 0
 
 
