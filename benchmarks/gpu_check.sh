@@ -7,10 +7,11 @@
 # cut to the time left, a stage with too little left is not started, and the summary's last line names the stages
 # still to run, for a second call on the still-warm machine (a machine idle for 30 s goes back, Triton's cache and
 # the model folders with it):
-#   bash benchmarks/gpu_check.sh        tests kernels anchor prefix spec quant hfstatic host
+#   bash benchmarks/gpu_check.sh        tests kernels profile anchor quant prefix spec host hfstatic
 #   COPY_GBPS=N DEADLINE_S=T bash benchmarks/gpu_check.sh STAGE...   the stages left; COPY_GBPS: the first call's
 #                                       measured copy bandwidth
-# anchor measures infer (with and without async scheduling) on the anchor workload and single stream, then HF
+# profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
+# step; Chrome traces in the logs). anchor measures infer (with and without async scheduling) on the anchor workload and single stream, then HF
 # continuous batching; hfstatic adds HF generate (static batches) and HF single stream to the same table.
 # The device tool sets $OUT; elsewhere a temp folder is used.
 set -uo pipefail
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STAGES=${*:-tests kernels anchor prefix spec quant hfstatic host}
+STAGES=${*:-tests kernels profile anchor quant prefix spec host hfstatic}
 DEADLINE=${DEADLINE_S:-570}
 # logs, outside $OUT (only summary.txt and logs.tgz go there), kept on the machine for a second call: its
 # hfstatic stage reads the anchor stage's figures, and its logs.tgz holds both calls' logs
@@ -90,31 +91,39 @@ for line in open('$WORK/kernel_bench.jsonl'):
   note "copy bandwidth: ${copy_gbps:-4120} GB/s"
 fi
 
+build_anchor() {  # the anchor model (random weights), built once per machine
+  stage "anchor model" build.log 45 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
+    --out "$WORK/build" --build-only
+}
+
+if want profile; then  # where a step's time goes: the first run's misses were explained from step timings alone
+  build_anchor
+  stage "profile" profile.log 100 $PY benchmarks/profile_steps.py --model-dir "$MODEL" --steps 8 --out "$WORK/traces"
+fi
+
 if want anchor; then  # infer (async scheduling, the CUDA default, and without) on the anchor workload and single
   # stream, then HF CB
   stage "anchor (infer, HF CB)" anchor.log 270 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
     --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--no-async-scheduling --hf cb
 fi
 
-if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x)
-  stage "anchor model" build.log 45 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
-    --out "$WORK/build" --build-only
-  stage "shared-prefix" shared_prefix.log 50 $PY -m infer.cli --model "$MODEL" bench --workload shared-prefix \
-    --num-requests 32 --prefix-len 1000 --question-len 100 --output-len 16 --rate 16 --ab "" "--no-prefix-caching" \
-    --repeats 3 --out "$WORK/shared_prefix"
-fi
-
-if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the shipped pair
-  stage "spec_bench" spec_bench.log 85 $PY benchmarks/spec_bench.py --device cuda --repeats 2  # five engines
-fi
-
 if want quant; then  # issue 5
   stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py
 fi
 
-if want hfstatic; then  # HF generate (static batches of 32) and HF single stream beside the anchor stage's figures
-  stage "HF static, HF single" anchor_hf.log 200 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
-    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --reuse-infer --hf static,single
+if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x); then the
+  # same in float32, where the outputs should match (half of them differed in bf16 in the first run)
+  build_anchor
+  shared=(bench --workload shared-prefix --num-requests 32 --prefix-len 1000 --question-len 100 --output-len 16
+          --rate 16 --ab "" "--no-prefix-caching")
+  stage "shared-prefix" shared_prefix.log 50 $PY -m infer.cli --model "$MODEL" "${shared[@]}" --repeats 3 \
+    --out "$WORK/shared_prefix"
+  stage "shared-prefix fp32" shared_prefix_fp32.log 50 $PY -m infer.cli --model "$MODEL" --dtype float32 \
+    "${shared[@]}" --repeats 1 --out "$WORK/shared_prefix_fp32"
+fi
+
+if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the shipped pair
+  stage "spec_bench" spec_bench.log 85 $PY benchmarks/spec_bench.py --device cuda --repeats 2  # five engines
 fi
 
 if want host; then  # host time per output token by engine phase, on a minuscule model
@@ -122,11 +131,19 @@ if want host; then  # host time per output token by engine phase, on a minuscule
     --json "$WORK/host_overhead.json"
 fi
 
+if want hfstatic; then  # HF generate (static batches of 32) and HF single stream beside the anchor stage's figures
+  stage "HF static, HF single" anchor_hf.log 200 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
+    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --reuse-infer --hf static,single
+fi
+
 show() { [[ -s $WORK/$2 ]] && { echo; echo "== $1 =="; tail -"$3" "$WORK/$2"; }; }
-want kernels && show "kernel micro-benchmarks (decode attention GB/s vs copy)" kernel_bench.jsonl 21
+want kernels && show "attention kernels (decode GB/s vs copy; prefill TFLOP/s vs SDPA)" kernel_bench.jsonl 24
+want profile && show "ms per engine step (profile_steps.py)" profile.log 7
 want anchor && show "anchor and single stream, infer against HF CB" anchor.log 8
 want prefix && [[ -s $WORK/shared_prefix/table.txt ]] && { echo; echo "== shared prefix (TTFT, hit rate) =="
-                 grep -E "TTFT|hit rate|^A:|^B:" "$WORK/shared_prefix/table.txt"; }
+                 grep -E "TTFT|hit rate|outputs =|^A:|^B:" "$WORK/shared_prefix/table.txt"; }
+want prefix && [[ -s $WORK/shared_prefix_fp32/table.txt ]] && { echo; echo "== shared prefix, float32 =="
+                 grep -E "TTFT p50|outputs =" "$WORK/shared_prefix_fp32/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 9
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
 want quant && show "quantization" quant_bench.log 12

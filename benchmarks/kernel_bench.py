@@ -1,9 +1,10 @@
-"""Decode-attention micro-benchmark: achieved K/V read bandwidth against a measured copy bandwidth (CUDA, bf16).
+"""Attention micro-benchmarks (CUDA, bf16): decode's K/V read bandwidth against a measured copy bandwidth, and the
+prefill/extend kernel's TFLOP/s against torch's SDPA on the same fresh prefill.
 
 Shapes are Llama-3.2-1B's attention (32 q heads, 8 kv heads, head_dim 64), block size 16, pages scattered at
-random. Each timed call reads a different replica of the KV so that the 50 MB L2 cannot serve repeats, and the
-calls are replayed from a CUDA graph so that the host's launch cost is not what gets timed.
-Run: ``python benchmarks/kernel_bench.py``; prints one JSON line per case.
+random. Each timed decode call reads a different replica of the KV so that the 50 MB L2 cannot serve repeats, and
+the calls are replayed from a CUDA graph so that the host's launch cost is not what gets timed. Prefill cases are
+compute-bound (their K/V fits in L2). Run: ``python benchmarks/kernel_bench.py``; prints one JSON line per case.
 """
 from __future__ import annotations
 
@@ -75,6 +76,42 @@ def decode_case(batch: int, context: int, iters: int, num_sms: int, splits: int 
             "num_splits": splits, "ms": round(ms, 4), "kv_bytes": kv_bytes, "gbps": round(kv_bytes / ms / 1e6, 1)}
 
 
+PREFILL_CASES = ((1, 1100, 1100), (1, 100, 1100), (16, 512, 512))  # (sequences, query tokens, context) each
+
+
+def prefill_case(batch: int, query_len: int, context: int, iters: int) -> dict[str, float | int | str]:
+    """The ragged prefill kernel on ``batch`` sequences of ``query_len`` new tokens ending a ``context``-token
+    context (extend when query_len < context); a fresh prefill is also timed with torch's causal SDPA."""
+    import torch.nn.functional as F
+
+    from infer.kernels.attention import prefill_attention
+
+    blocks_per_seq = math.ceil(context / PAGE)
+    k_cache = torch.randn(batch * blocks_per_seq, PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * blocks_per_seq, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
+    q = torch.randn(batch * query_len, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    starts = torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    ms = graph_ms_per_call(lambda _: prefill_attention(q, k_cache, v_cache, tables, starts, lens, query_len,
+                                                       HEAD_DIM ** -0.5, out=out), 16, iters)
+    keys_attended = batch * sum(context - query_len + i + 1 for i in range(query_len))  # causal
+    flop = 4 * Q_HEADS * HEAD_DIM * keys_attended  # q.k and p.v, 2 flop per multiply-add
+    row: dict[str, float | int | str] = {"kernel": "prefill_attention", "dtype": "bfloat16", "batch": batch,
+                                         "query_len": query_len, "context": context, "ms": round(ms, 4),
+                                         "tflops": round(flop / ms / 1e9, 1)}
+    if query_len == context:  # the peer: SDPA (flash) on contiguous [B, H, T, D] K/V, the same causal work
+        qs = q.view(batch, query_len, Q_HEADS, HEAD_DIM).transpose(1, 2)
+        ks = torch.randn(batch, KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        vs = torch.randn_like(ks)
+        sdpa_ms = graph_ms_per_call(lambda _: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                             enable_gqa=True), 16, iters)
+        row.update(sdpa_ms=round(sdpa_ms, 4), sdpa_tflops=round(flop / sdpa_ms / 1e9, 1),
+                   ratio_to_sdpa=round(sdpa_ms / ms, 3))
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -82,6 +119,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20, help="timed copies / graph replays")
     parser.add_argument("--splits", type=int, nargs="+", default=[0],
                         help="KV splits to time per case; 0: default_num_splits' choice (the engine's)")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the prefill/extend cases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_bench needs a CUDA GPU (Triton kernels run natively there); none is visible", file=sys.stderr)
@@ -97,6 +135,8 @@ def main() -> int:
                 row["splits_chosen_by"] = "engine" if not splits else "--splits"
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
+    for batch, query_len, context in () if args.no_prefill else PREFILL_CASES:
+        print(json.dumps(prefill_case(batch, query_len, context, args.iters)), flush=True)
     return 0
 
 

@@ -523,3 +523,21 @@ def test_spec_bench_script_runs_and_keeps_the_tokens():
     record = json.loads(out.strip().splitlines()[-1])
     alpha, c = record["arms"][1]["alpha"], record["c"]
     assert 0 < c < 1 and cells[3] == f"{(1 - alpha**3) / (1 - alpha) / (2 * c + 1):.2f}x"  # Leviathan's eq. 2
+
+
+def test_profile_steps_script_profiles_each_scenario(tmp_path):
+    """gpu_check.sh's profile stage on the CPU: the extend scenario's prompt finds its prefix cached and the fresh
+    prefill's does not; each decode window is --steps steps long; a Chrome trace per scenario."""
+    out = bench_script("profile_steps.py", "--preset", "smoke", "--model-dir", str(tmp_path / "model"),
+                       "--decode-batches", "1", "4", "--steps", "3", "--prefix-len", "48", "--question-len", "16",
+                       "--out", str(tmp_path / "traces"))
+    rows = {json.loads(line.split(": ", 1)[1])["scenario"]: json.loads(line.split(": ", 1)[1])
+            for line in out.splitlines() if line.startswith("== ")}
+    assert list(rows) == ["prefill", "extend", "decode-1", "decode-4"]
+    assert (rows["prefill"]["cached_tokens"], rows["extend"]["cached_tokens"]) == (0, 48)  # 3 full blocks of 16
+    assert rows["decode-1"]["steps"] == rows["decode-4"]["steps"] == 3
+    assert all(row["host_ms"] > 0 and row["device_ms"] is None for row in rows.values())  # no CUDA here
+    table = out[out.rindex("| scenario |"):].splitlines()
+    assert [line.split("|")[1].strip() for line in table[2:]] == list(rows)
+    for name in rows:
+        assert json.loads((tmp_path / "traces" / f"{name}.trace.json").read_text())["traceEvents"]
