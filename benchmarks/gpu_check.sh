@@ -101,10 +101,11 @@ if want profile; then  # where a step's time goes: the first run's misses were e
   stage "profile" profile.log 100 $PY benchmarks/profile_steps.py --model-dir "$MODEL" --steps 8 --out "$WORK/traces"
 fi
 
-if want anchor; then  # infer (async scheduling, the CUDA default, and without) on the anchor workload and single
-  # stream, then HF CB
-  stage "anchor (infer, HF CB)" anchor.log 270 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
-    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--no-async-scheduling --hf cb
+if want anchor; then  # infer (the CUDA defaults; without async scheduling; without merged projections) on the
+  # anchor workload and single stream, then HF CB
+  stage "anchor (infer, HF CB)" anchor.log 300 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
+    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--no-async-scheduling \
+    --extra-arm=--no-fuse-projections --hf cb
 fi
 
 if want quant; then  # issue 5
@@ -139,7 +140,7 @@ fi
 show() { [[ -s $WORK/$2 ]] && { echo; echo "== $1 =="; tail -"$3" "$WORK/$2"; }; }
 want kernels && show "attention kernels (decode GB/s vs copy; prefill TFLOP/s vs SDPA)" kernel_bench.jsonl 24
 want profile && show "ms per engine step (profile_steps.py)" profile.log 7
-want anchor && show "anchor and single stream, infer against HF CB" anchor.log 8
+want anchor && show "anchor and single stream, infer against HF CB" anchor.log 10
 want prefix && [[ -s $WORK/shared_prefix/table.txt ]] && { echo; echo "== shared prefix (TTFT, hit rate) =="
                  grep -E "TTFT|hit rate|outputs =|^A:|^B:" "$WORK/shared_prefix/table.txt"; }
 want prefix && [[ -s $WORK/shared_prefix_fp32/table.txt ]] && { echo; echo "== shared prefix, float32 =="

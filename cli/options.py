@@ -49,6 +49,9 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--no-cuda-graphs", is_flag=True, default=False, help="Run decode steps eagerly on CUDA."),
     click.option("--fused-ops/--no-fused-ops", default=None,
                  help="Fused Triton kernels for the model's norms, rotary and SiLU-and-mul [default: on with CUDA]."),
+    click.option("--fuse-projections/--no-fuse-projections", default=None,
+                 help="Merge each layer's q/k/v and gate/up projections into one GEMM each after loading, where the "
+                      "quant method can [default: on with CUDA]."),
     click.option("--async-output/--no-async-output", default=None,
                  help="Build a step's outputs (detokenization, stop strings) during the next step's forward pass, "
                       "one step later [default: on with CUDA]."),
@@ -102,7 +105,8 @@ FIELD_OF_OPTION = {
     "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
     "block_size": "block_size", "num_kv_blocks": "num_kv_blocks", "kv_cache_memory_gb": "kv_cache_memory_gb",
     "kv_cache_dtype": "kv_cache_dtype",
-    "seed": "seed", "cpu_threads": "cpu_threads", "fused_ops": "fused_ops", "async_output": "async_output",
+    "seed": "seed", "cpu_threads": "cpu_threads", "fused_ops": "fused_ops",
+    "fuse_projections": "fuse_projections", "async_output": "async_output",
     "async_scheduling": "async_scheduling",
     "freeze_gc": "freeze_gc",
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",

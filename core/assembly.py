@@ -169,6 +169,7 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, per_block: int) -> 
     if config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * 2**30)
     elif loaded.device.type == "cuda":
+        torch.cuda.empty_cache()  # loading's freed temporaries (e.g. merged projections' parts) count as free
         free, _ = torch.cuda.mem_get_info(loaded.device)
         budget = int(free * 0.9) - 2**30  # leave room for activations and CUDA graphs
     else:

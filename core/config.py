@@ -62,6 +62,9 @@ class EngineConfig:
     draft_model: str | None = None
     cuda_graphs: bool = True
     fused_ops: bool | None = None  # Triton norms/rotary/SiLU-and-mul in the model; None: on when it runs on CUDA
+    # q/k/v and gate/up projections merged into one GEMM each after loading, where the quant method can merge them
+    # (fewer, larger GEMMs: fewer kernels per step). None: on when the model runs on CUDA
+    fuse_projections: bool | None = None
     # Outputs of step N are built (detokenized, stop strings) in step N + 1 while the device runs its forward pass;
     # None: on when the model runs on CUDA (on a CPU nothing runs meanwhile, so it would only delay outputs)
     async_output: bool | None = None

@@ -362,6 +362,14 @@ class QuantMethod(ABC):
     def process_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack or quantize after all tensors are loaded (on-load quantization lives here)."""
 
+    def merge(self, parts: list[torch.nn.Module], merged: torch.nn.Module) -> bool:
+        """Give ``merged`` (a linear layer with no tensors yet; its ``out_features`` the parts' sum) tensors whose
+        ``apply`` computes the parts' outputs side by side, in order, with this method; called after every part's
+        ``process_after_loading``. Return False, leaving ``merged`` untouched, when the parts cannot be merged
+        exactly (the model then keeps them apart). The caller concatenates the biases (activation-dtype tensors
+        in every method). The default merges nothing."""
+        return False
+
     @abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Return ``x @ W.T (+ bias)`` for x [..., in_features]."""

@@ -28,6 +28,10 @@ class UnquantizedMethod(QuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
+    def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
+        merged.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        return True
+
 
 class Linear(nn.Module):
     """A linear layer whose storage and matmul belong to a QuantMethod.
@@ -36,11 +40,28 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, prefix: str,
-                 quant: QuantMethod | None, dtype: torch.dtype) -> None:
+                 quant: QuantMethod | None, dtype: torch.dtype, create: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features, self.prefix = in_features, out_features, prefix
         self.method: QuantMethod = quant if quant is not None and quant.applies_to(prefix) else UnquantizedMethod()
-        self.method.create_weights(self, in_features, out_features, bias, dtype)
+        if create:
+            self.method.create_weights(self, in_features, out_features, bias, dtype)
+
+    @classmethod
+    def merged(cls, parts: list[Linear], prefix: str) -> Linear | None:
+        """One linear computing ``parts``' outputs side by side (loaded and processed parts over the same input),
+        or None when their quant methods differ or cannot merge them."""
+        method, biases = parts[0].method, [p.bias for p in parts]
+        if any(type(p.method) is not type(method) or p.in_features != parts[0].in_features for p in parts) or \
+                len({b is None for b in biases}) > 1:
+            return None
+        merged = cls(parts[0].in_features, sum(p.out_features for p in parts), False, prefix, None,
+                     torch.get_default_dtype(), create=False)
+        merged.method = method
+        if not method.merge(list(parts), merged):
+            return None
+        merged.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
+        return merged
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         self.method.load_weight(self, name, tensor)

@@ -159,6 +159,7 @@ class Attention(nn.Module):
                  ops: PointwiseOps) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.prefix = prefix
         self.scale = cfg.head_dim**-0.5
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         bias = cfg.attention_bias
@@ -168,14 +169,28 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, f"{prefix}.o_proj", quant, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
+        self.qkv_proj: Linear | None = None  # set by merge_projections, which then drops q/k/v_proj
+        self.sizes = [q_size, kv_size, kv_size]
+
+    def merge_projections(self) -> bool:
+        merged = Linear.merged([self.q_proj, self.k_proj, self.v_proj], f"{self.prefix}.qkv_proj")
+        if merged is None:
+            return False
+        self.qkv_proj = merged
+        del self.q_proj, self.k_proj, self.v_proj
+        return True
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:  # views into one [t, q + 2 kv] output: kernels take row strides
+            q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
@@ -187,13 +202,25 @@ class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
                  ops: PointwiseOps) -> None:
         super().__init__()
-        self.ops = ops
+        self.ops, self.prefix = ops, prefix
         inner, bias = cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = Linear(cfg.hidden_size, inner, bias, f"{prefix}.gate_proj", quant, dtype)
         self.up_proj = Linear(cfg.hidden_size, inner, bias, f"{prefix}.up_proj", quant, dtype)
         self.down_proj = Linear(inner, cfg.hidden_size, bias, f"{prefix}.down_proj", quant, dtype)
+        self.gate_up_proj: Linear | None = None  # set by merge_projections, which then drops gate/up_proj
+
+    def merge_projections(self) -> bool:
+        merged = Linear.merged([self.gate_proj, self.up_proj], f"{self.prefix}.gate_up_proj")
+        if merged is None:
+            return False
+        self.gate_up_proj = merged
+        del self.gate_proj, self.up_proj
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.ops.silu_and_mul(gate, up))
         return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -212,9 +239,10 @@ class LlamaFamilyModel(Model):
     ops (norms, rotary, SiLU-and-mul): the torch reference, or fused Triton kernels on a GPU."""
 
     def __init__(self, cfg: ArchConfig, quant: QuantMethod | None, dtype: torch.dtype, max_positions: int,
-                 ops: PointwiseOps = TORCH_OPS) -> None:
+                 ops: PointwiseOps = TORCH_OPS, merge_projections: bool = False) -> None:
         super().__init__()
         self.ops = ops
+        self.merge_after_loading = merge_projections
         self.cfg = cfg
         self.spec = ModelSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, max_positions,
                               cfg.eos_token_ids)
@@ -295,3 +323,10 @@ class LlamaFamilyModel(Model):
         for module in modules.values():
             if isinstance(module, Linear):
                 module.method.process_after_loading(module)
+        if self.merge_after_loading:
+            self.merge_projections()
+
+    def merge_projections(self) -> int:
+        """Merge each layer's q/k/v and gate/up linears into one each, where their quant method can (after loading:
+        the checkpoint's names are the unmerged ones). Returns how many merges were made."""
+        return sum(part.merge_projections() for layer in self.model.layers for part in (layer.self_attn, layer.mlp))

@@ -42,7 +42,13 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         log.warning("limiting max_model_len to the sliding window (%d): sliding-window attention is not implemented",
                     arch.sliding_window)
         max_len = arch.sliding_window
-    return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=pointwise_ops(config))
+    merge = config.fuse_projections
+    if merge is None:
+        from ..core.loader import resolve_device
+
+        merge = resolve_device(config.device).type == "cuda"
+    return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=pointwise_ops(config),
+                            merge_projections=merge)
 
 
 def pointwise_ops(config: EngineConfig) -> PointwiseOps:

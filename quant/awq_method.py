@@ -95,6 +95,16 @@ class AwqLinearMethod(QuantMethod):
             layer.register_buffer("qzeros", qzeros)
             layer.register_buffer("scales", scales)
 
+    def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
+        # packed columns hold 8 output columns each, so concatenating along the output dimension is exact
+        groups = {p.awq_group_size for p in parts}
+        if len(groups) > 1 or len({p.scales.dtype for p in parts}) > 1:
+            return False
+        merged.awq_group_size = groups.pop()
+        for name in PACKED:
+            merged.register_buffer(name, torch.cat([getattr(p, name) for p in parts], dim=1))
+        return True
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.is_cuda and x2.shape[0] <= self.fused_max_rows:

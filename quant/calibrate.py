@@ -298,8 +298,8 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
     report_progress: ProgressFn = progress or (lambda phase, done, total: None)
     device = resolve_device(config.device)
     plugins = plugins or PluginManager.from_entry_points().collect()
-    engine_config = EngineConfig(model=str(model_dir), device=str(device),
-                                 dtype="float32" if device.type == "cpu" else "auto").validate()
+    engine_config = EngineConfig(model=str(model_dir), device=str(device),  # the search reads each projection
+                                 dtype="float32" if device.type == "cpu" else "auto", fuse_projections=False).validate()
     loaded = load_model(engine_config, plugins, model_dir)
     model = loaded.model
     seq_len = min(config.seq_len, model.spec.max_model_len)

@@ -108,6 +108,23 @@ class Fp8LinearMethod(QuantMethod):
             layer.register_buffer("weight", weight)
             layer.register_buffer("weight_scale", scale)
 
+    def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
+        """Per-channel weight scales concatenate; per-tensor ones (and static input scales) merge only when equal."""
+        scheme = parts[0].fp8_scheme
+        if any(p.fp8_scheme != scheme for p in parts):
+            return False
+        for name in ("weight_scale", "input_scale") if scheme.weight_strategy != "channel" else ("input_scale",):
+            if hasattr(parts[0], name) and not all(torch.equal(getattr(p, name), getattr(parts[0], name))
+                                                   for p in parts):
+                return False
+        merged.fp8_scheme = scheme
+        merged.register_buffer("weight", torch.cat([p.weight for p in parts]))
+        merged.register_buffer("weight_scale", torch.cat([p.weight_scale for p in parts])
+                               if scheme.weight_strategy == "channel" else parts[0].weight_scale.clone())
+        if hasattr(parts[0], "input_scale"):
+            merged.register_buffer("input_scale", parts[0].input_scale.clone())
+        return True
+
     # ------------------------------------------------------------------ apply
     def _announce(self, backend: str, reason: str) -> None:
         if backend not in self._announced:

@@ -20,12 +20,14 @@ def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["apart", "merged"])  # merged q/k/v, gate/up: the CUDA default
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_greedy_and_logits_match_transformers(name, checkpoint, hf_greedy):
+def test_greedy_and_logits_match_transformers(name, merge, checkpoint, hf_greedy):
     from transformers import AutoModelForCausalLM
 
     path = checkpoint(name)
-    engine = Engine(EngineConfig(model=str(path), device="cpu"))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", fuse_projections=merge))
+    assert all((layer.self_attn.qkv_proj is not None) == merge for layer in engine.loaded.model.model.layers)
     batch_prompts = prompts(engine.loaded.model.spec.vocab_size, [5, 33, 17])
     results = engine.generate(batch_prompts, GREEDY)
     for prompt, result in zip(batch_prompts, results):

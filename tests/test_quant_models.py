@@ -22,6 +22,7 @@ import math
 import os
 import random
 import shutil
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from infer.cli.main import main  # noqa: E402
 from infer.core.config import EngineConfig  # noqa: E402
 from infer.core.engine import Engine  # noqa: E402
 from infer.core.errors import CheckpointError, ConfigError  # noqa: E402
+from infer.core.hookspecs import hookimpl  # noqa: E402
 from infer.core.interfaces import AttentionMetadata, LayerKVCache  # noqa: E402
 from infer.core.loader import load_model  # noqa: E402
 from infer.core.plugins import PluginManager  # noqa: E402
@@ -134,6 +136,83 @@ def test_fp8_logits_within_bound(model128: Path, plugins: PluginManager) -> None
     ref = prompt_logits(model128, plugins)
     predicted = rel(noisy_logits(model128, plugins, FP8_EPS), ref)
     assert 0.8 * predicted < rel(prompt_logits(model128, plugins, quant="fp8"), ref) < 1.2 * predicted
+
+
+def merged_and_apart(path: Path, plugins: PluginManager, **options: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The model loaded with merged projections, and its logits and the unmerged model's on PROMPTS."""
+    merged = load_model(EngineConfig(model=str(path), device="cpu", fuse_projections=True, **options).validate(),
+                        plugins, path)
+    with torch.no_grad():
+        logits = merged.model.compute_logits(dense_forward(merged.model, PROMPTS, merged.device))
+    return merged.model, logits, prompt_logits(path, plugins, fuse_projections=False, **options)
+
+
+@pytest.mark.parametrize("model, options", [
+    ("model128", {}), ("model128", {"quant": "awq", "plugin_options": {"awq": {"group_size": 64}}}),
+    ("calibrated128", {}), ("model128", {"quant": "fp8"})], ids=["bf16-path", "awq-rtn", "awq-checkpoint", "fp8"])
+def test_merged_projections_compute_what_the_separate_ones_do(model: str, options: dict[str, Any],
+                                                              plugins: PluginManager,
+                                                              request: pytest.FixtureRequest) -> None:
+    """q/k/v and gate/up merged into one linear each (the CUDA default): same logits as the separate linears, up
+    to the float32 rounding of differently shaped matmuls, with each quant method's tensors concatenated."""
+    model_obj, logits, apart = merged_and_apart(request.getfixturevalue(model), plugins, **options)
+    for layer in model_obj.model.layers:
+        assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+        assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "up_proj")  # freed
+    assert rel(logits, apart) < 1e-5
+
+
+def test_fp8_merges_per_tensor_scales_only_when_they_are_equal(plugins: PluginManager) -> None:
+    from infer.quant import fp8
+    from infer.quant.fp8_method import Fp8LinearMethod
+
+    method = Fp8LinearMethod(fp8.Fp8CheckpointConfig(((("Linear",), fp8.STATIC),)))
+    parts = []
+    for i, scale in enumerate((0.5, 0.5, 0.25)):
+        part = Linear(16, 8, False, f"model.layers.0.self_attn.{'qkv'[i]}_proj", method, torch.float32)
+        part.weight.copy_(torch.randn(8, 16).to(fp8.FP8_DTYPE))
+        part.weight_scale.fill_(scale)
+        part.input_scale.fill_(0.1)
+        parts.append(part)
+    assert Linear.merged(parts[:2], "qk") is not None
+    assert Linear.merged(parts, "qkv") is None  # a third scale would need requantizing: kept apart
+    x = torch.randn(3, 16)
+    merged = Linear.merged(parts[:2], "qk")
+    assert torch.equal(merged(x), torch.cat([parts[0](x), parts[1](x)], dim=-1))
+
+
+def test_a_quant_method_without_merge_keeps_the_projections_apart(tiny_model: Path, infer_plugins: Any) -> None:
+    """A third-party QuantMethod written before ``merge`` existed: the default merges nothing, and the model runs
+    its projections apart, with merging on."""
+    from torch import nn
+
+    from infer.core.interfaces import QuantMethod
+
+    class PlainMethod(QuantMethod):
+        name = "plain"
+
+        def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
+                           dtype: torch.dtype) -> None:
+            layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+            layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+        def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+    def register_quant_methods(register: Any) -> None:
+        register("plain", lambda config, quantization_config: PlainMethod())
+
+    module = types.ModuleType("plain_quant")
+    module.register_quant_methods = hookimpl(register_quant_methods)  # type: ignore[attr-defined]
+    infer_plugins.register(module, source="acme")
+    plugins = infer_plugins.collect()
+    loaded = load_model(EngineConfig(model=str(tiny_model), device="cpu", quant="plain", fuse_projections=True)
+                        .validate(), plugins, tiny_model)
+    layer = loaded.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is None and isinstance(layer.self_attn.q_proj.method, PlainMethod)
+    with torch.no_grad():
+        logits = loaded.model.compute_logits(dense_forward(loaded.model, PROMPTS, loaded.device))
+    assert rel(logits, prompt_logits(tiny_model, plugins)) < 1e-6
 
 
 def test_calibrated_awq_beats_rtn_with_activation_outliers(model128: Path, plugins: PluginManager,

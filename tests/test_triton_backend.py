@@ -79,8 +79,12 @@ def test_forward_matches_dense_attention(device: torch.device, dtype: torch.dtyp
     assert torch.equal(v_cache.view(-1, kv_heads, HEAD_DIM)[flat], v)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-ops", "fused-ops-merged-projections"])
 @pytest.mark.parametrize("name", ["qwen3"])
-def test_engine_greedy_with_triton_equals_torch_backend(name: str, checkpoint, device: torch.device) -> None:
+def test_engine_greedy_with_triton_equals_torch_backend(name: str, fused: bool, checkpoint,
+                                                        device: torch.device) -> None:
+    """The triton arm with the fused Triton ops over merged q/k/v and gate/up outputs (strided views; the CUDA
+    defaults) or with the torch ops over separate projections."""
     from infer.core.engine import Engine
     from infer.core.request import SamplingParams
 
@@ -89,8 +93,9 @@ def test_engine_greedy_with_triton_equals_torch_backend(name: str, checkpoint, d
     prompts = [[5, 9, 11, 40, 2, 7, 300, 12] * 3, [17, 18], list(range(50, 90))]
     outputs = {}
     for backend in ("torch", "triton"):
+        fusion = dict(fused_ops=fused, fuse_projections=fused) if backend == "triton" else {}
         engine = Engine(EngineConfig(model=path, device=device.type, dtype="float32", attention=backend,
-                                     num_kv_blocks=64))  # float32: bf16 (the CUDA default) can flip near ties
+                                     num_kv_blocks=64, **fusion))  # float32: bf16 (the CUDA default) can flip near ties
         outputs[backend] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
     assert outputs["triton"] == outputs["torch"]
 
