@@ -108,8 +108,8 @@ if want anchor; then  # infer (the CUDA defaults; without async scheduling; with
     --extra-arm=--no-fuse-projections --hf cb
 fi
 
-if want quant; then  # issue 5
-  stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py
+if want quant; then  # issue 5; the sweep times the reworked AWQ kernel's tiles and split-K at M = 1 and 16
+  stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py --awq-sweep
 fi
 
 if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x); then the
@@ -147,7 +147,7 @@ want prefix && [[ -s $WORK/shared_prefix_fp32/table.txt ]] && { echo; echo "== s
                  grep -E "TTFT p50|outputs =" "$WORK/shared_prefix_fp32/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 9
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
-want quant && show "quantization" quant_bench.log 12
+want quant && show "quantization" quant_bench.log 16
 want host && show "host overhead per output token" host_overhead.log 8
 note "stages left:$(echo $skipped | tr " " "\n" | awk '!seen[$0]++' | tr "\n" " " | sed "s/^/ /;s/ $//")"
 echo; echo "== summary =="; cat "$summary"

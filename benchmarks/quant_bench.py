@@ -9,6 +9,10 @@ Figures, one JSON line each, then a table:
 - ``awq_gemm`` / ``awq_crossover``: the 1B's MLP GEMMs for M in 1..256, fused W4A16 kernel and dequantize+matmul
   vs a bf16 matmul, each timed from a CUDA graph over weight replicas larger than L2; the crossover is the smallest
   M from which bf16 is at least as fast as the faster AWQ path.
+- ``awq_sweep`` (with ``--awq-sweep``): the fused kernel at M = 1 and 16 on the same shapes for each block_n x
+  block_k x split_k of AWQ_SWEEP (split "auto" is the kernel's own choice; ``splits`` is what launched), then one
+  ``awq_sweep_best`` row per shape and M: the fastest configuration beside the defaults and bf16. Alone,
+  ``--awq-sweep --skip decode fp8 gemm kv``, it takes well under a minute (mostly Triton compiles).
 - ``fp8_kv_capacity``: KV blocks and concurrent sequences at a fixed ``--kv-gb``, fp8 vs bf16 KV: the capacity the
   block count gives, and the peak of running sequences seen on a burst of requests.
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import sys
@@ -35,6 +40,8 @@ from kernel_bench import graph_ms_per_call, time_ms  # the sibling script's CUDA
 GEMM_SHAPES = {"gate_up": (2048, 8192), "down": (8192, 2048)}  # (K, N) of the 1B's MLP
 GEMM_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 L2_BYTES = 256 << 20  # weight replicas per timed round: far above the 50 MB L2
+AWQ_SWEEP = {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (None, 4, 8, 16, 32)}  # None: auto
+SWEEP_ROWS = (1, 16)
 
 
 @dataclass(frozen=True)
@@ -140,16 +147,25 @@ def compare(figure: str, base: dict[str, float], quant: dict[str, float], extra:
 
 
 # ---------------------------------------------------------------- GEMM micro-benchmark
-def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[str, Any]]:
-    """Per M: bf16 matmul, fused W4A16 kernel and dequantize+matmul, microseconds per call."""
-    from infer.kernels.awq_gemm import awq_gemm
+def weight_replicas(k: int, n: int) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+    """A random bf16 weight [K, N] and its int4 RTN quantization (group 128), each copied until the copies of
+    one timed round exceed L2: (bf16 copies, (qweight, qzeros, scales) copies)."""
     from infer.quant import awq
 
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     qweight, qzeros, scales = awq.quantize_rtn(dense, 128)
     copies = max(2, min(16, math.ceil(L2_BYTES / dense.numel() / 2)))
-    w_bf16 = [dense.t().contiguous().clone() for _ in range(copies)]  # [K, N]
-    w_awq = [(qweight.clone(), qzeros.clone(), scales.clone()) for _ in range(copies)]
+    return ([dense.t().contiguous().clone() for _ in range(copies)],  # [K, N]
+            [(qweight.clone(), qzeros.clone(), scales.clone()) for _ in range(copies)])
+
+
+def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[str, Any]]:
+    """Per M: bf16 matmul, fused W4A16 kernel and dequantize+matmul, microseconds per call."""
+    from infer.kernels.awq_gemm import awq_gemm
+    from infer.quant import awq
+
+    w_bf16, w_awq = weight_replicas(k, n)
+    copies = len(w_bf16)
     out = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -160,6 +176,33 @@ def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
         }
         row = {name: round(graph_ms_per_call(fn, copies, replays) * 1e3, 2) for name, fn in timers.items()}
         out.append({"M": m, **row})
+    return out
+
+
+def awq_sweep(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[str, Any]]:
+    """Per M and configuration of AWQ_SWEEP: the fused kernel's microseconds per call (``default``: the kernel's
+    own choice of all three), with bf16 matmul's beside it."""
+    import triton
+
+    from infer.kernels.awq_gemm import auto_split_k, awq_gemm
+
+    w_bf16, w_awq = weight_replicas(k, n)
+    copies, sms = len(w_bf16), torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        bf16 = round(graph_ms_per_call(lambda i: x @ w_bf16[i % copies], copies, replays) * 1e3, 2)
+        default = round(graph_ms_per_call(lambda i: awq_gemm(x, *w_awq[i % copies], 128), copies, replays) * 1e3, 2)
+        for bn, bk, split in itertools.product(*AWQ_SWEEP.values()):
+            asked = split or auto_split_k(m, triton.cdiv(m, 16) * triton.cdiv(n, bn), k, bk, sms)  # block_m 16
+            splits = triton.cdiv(k, triton.cdiv(triton.cdiv(k, asked), bk) * bk)  # awq_gemm's whole K blocks
+
+            def fused(i: int, bn: int = bn, bk: int = bk, split: int | None = split) -> torch.Tensor:
+                return awq_gemm(x, *w_awq[i % copies], 128, block_n=bn, block_k=bk, split_k=split)
+
+            us = round(graph_ms_per_call(fused, copies, replays) * 1e3, 2)
+            out.append({"M": m, "block_n": bn, "block_k": bk, "split_k": split or "auto", "splits": splits,
+                        "awq_fused": us, "default": default, "bf16": bf16})
     return out
 
 
@@ -206,6 +249,8 @@ def main() -> int:
     parser.add_argument("--kv-seq-tokens", type=int, default=1024, help="tokens per sequence in the capacity figure")
     parser.add_argument("--replays", type=int, default=20, help="CUDA-graph replays per GEMM timing")
     parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "fp8", "gemm", "kv"])
+    parser.add_argument("--awq-sweep", action="store_true",
+                        help="also time the fused AWQ kernel over AWQ_SWEEP's tiles and split-K at M = 1 and 16")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("quant_bench needs a CUDA GPU (the AWQ/FP8 kernels and torch._scaled_mm run there); none is visible. "
@@ -218,7 +263,7 @@ def main() -> int:
           **{k: v for k, v in vars(args).items() if k != "skip"}})
     summary: list[tuple[str, str, str, str]] = []
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as tmp:
-        model = write_model(Path(tmp), ModelShape())
+        model = write_model(Path(tmp), ModelShape()) if {"decode", "fp8", "kv"} - set(args.skip) else Path(tmp)
         if "decode" not in args.skip:
             base = decode_figures(model, 1, args.prompt_len, args.new_tokens)
             awq = decode_figures(model, 1, args.prompt_len, args.new_tokens, quant="awq")
@@ -241,6 +286,18 @@ def main() -> int:
                 emit({"figure": "awq_crossover", "shape": name, "crossover_M": m,
                       "fused_beats_dequant_up_to_M": max(fused_best) if fused_best else None})
                 summary.append((f"AWQ vs bf16 GEMM crossover ({name})", "", "", f"M = {m}"))
+        if args.awq_sweep:
+            for name, (k, n) in GEMM_SHAPES.items():
+                rows = awq_sweep(k, n, SWEEP_ROWS, args.replays)
+                for r in rows:
+                    emit({"figure": "awq_sweep", "shape": name, "K": k, "N": n, **r, "unit": "us"})
+                for m in SWEEP_ROWS:
+                    best = min((r for r in rows if r["M"] == m), key=lambda r: r["awq_fused"])
+                    emit({"figure": "awq_sweep_best", "shape": name, "K": k, "N": n, **best, "unit": "us",
+                          "speedup_vs_bf16": round(best["bf16"] / best["awq_fused"], 3)})
+                    summary.append((f"AWQ sweep best, {name} M={m} (us)", str(best["bf16"]), str(best["awq_fused"]),
+                                    f"{best['bf16'] / best['awq_fused']:.2f}x (block_n {best['block_n']}, block_k "
+                                    f"{best['block_k']}, {best['splits']} splits; default {best['default']} us)"))
         if "kv" not in args.skip:
             base = kv_capacity(model, args.kv_gb, args.kv_seq_tokens, "auto")
             fp8kv = kv_capacity(model, args.kv_gb, args.kv_seq_tokens, "fp8")

@@ -1,10 +1,21 @@
 """W4A16 GEMM for AutoAWQ GEMM-layout weights, dequantization fused: ``x [M, K] @ dequant(W) [K, N] -> [M, N]``.
 
-Meant for small M (decode). Each program owns a BLOCK_M x BLOCK_N output tile and walks K (optionally one of
-SPLIT_K slices of it, reduced with atomics into an fp32 buffer). The packed qweight tile [BLOCK_K, BLOCK_N / 8] is
-unpacked by shifts into [BLOCK_K, BLOCK_N] columns in *nibble order*: tile column ``c * 8 + i`` is output column
-``c * 8 + AWQ_ORDER[i]``. Zeros unpack the same way; scales are loaded, and the output stored, at the permuted
-column indices, so the kernel never reorders nibbles.
+Meant for small M (decode), where the GEMM is bound by reading the K * N / 2 bytes of int4 weights once. Each
+program owns a BLOCK_M x BLOCK_N output tile and walks K (or one of SPLIT_K slices of it, summed with atomics into an
+fp32 buffer). What keeps the work beside the weight stream small:
+
+- Per-group path (``group % BLOCK_K == 0``, or one group over K): a K block lies in one group, so it loads one scale
+  row [BLOCK_N] and one packed zero row [BLOCK_N / 8], and scales the [BLOCK_M, BLOCK_N] partial product, not the
+  [BLOCK_K, BLOCK_N] weight tile. Other group sizes (e.g. 32 with BLOCK_K 64) gather per K row, as a fallback.
+- Each thread unpacks whole int32 words with shifts and ``tl.join`` straight into output-column order, so on the
+  per-group path the dequantized tile goes to shared memory (on its way to the MMA) in 16-byte stores (in the PTX
+  Triton 3.9 emits for sm_90). A nibble becomes a float by OR-ing it into the mantissa of b = 1024 (fp16), 128
+  (bf16) or 2**23 (fp32); b cancels in the exact ``q - z``, and no int-to-float conversion (a fraction of the FMA
+  rate) runs per weight.
+- Decode tiles are 128 x 128 (8 KB of int4 per iteration). Split-K aims at four programs per SM, about one resident
+  wave, so that every SM streams weights; it is capped by the K blocks and by keeping the fp32 partial sums
+  (M * N * 4 bytes per split) under a quarter of the weight bytes. ``benchmarks/quant_bench.py --awq-sweep`` times
+  the alternatives.
 """
 from __future__ import annotations
 
@@ -18,25 +29,38 @@ from ..quant.awq import dequantize
 
 
 @triton.jit
+def _nibbles(q, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr):
+    """Packed int32 q [ROWS, COLS / 8] -> [ROWS, COLS] in DTYPE, in output-column order: each nibble + b, exactly."""
+    # column 8c + 4w + 2v + u is picked by the inner (w), middle (v) and outer (u) join; output column j of a word
+    # sits in nibble (j >> 1) + 4 * (j & 1), so the inner joins pair nibbles 2 apart, the middle 1, the outer 4
+    a = tl.join(tl.join(q & 0xF, (q >> 8) & 0xF), tl.join((q >> 4) & 0xF, (q >> 12) & 0xF))
+    b = tl.join(tl.join((q >> 16) & 0xF, (q >> 24) & 0xF), tl.join((q >> 20) & 0xF, (q >> 28) & 0xF))
+    nib = tl.reshape(tl.join(a, b), (ROWS, COLS))
+    if DTYPE == tl.float16:
+        return (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    elif DTYPE == tl.bfloat16:
+        return (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return (nib | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _awq_gemm_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr,
     M, N, K, group_size, k_per_split,
     stride_xm, stride_xk, stride_qk, stride_zg, stride_sg, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr,
+    PER_GROUP: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     PACKED_N: tl.constexpr = BLOCK_N // 8
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_p = pid_n * PACKED_N + tl.arange(0, PACKED_N)  # packed columns
-    nibble = tl.arange(0, 8)
-    shifts = nibble * 4
-    # nibble i of a packed column holds output column 8c + order[i], order = [0, 2, 4, 6, 1, 3, 5, 7]
-    order = (nibble % 4) * 2 + nibble // 4
-    offs_n = tl.reshape(offs_p[:, None] * 8 + order[None, :], (BLOCK_N,))  # output column of each tile column
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_p = offs_p < N // 8
     mask_n = offs_n < N
@@ -49,19 +73,28 @@ def _awq_gemm_kernel(
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        mask_w = mask_k[:, None] & mask_p[None, :]
-        qw = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_p[None, :], mask=mask_w, other=0)
-        group = offs_k // group_size
-        qz = tl.load(qz_ptr + group[:, None] * stride_zg + offs_p[None, :], mask=mask_w, other=0)
-        s = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :],
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        q = tl.reshape((qw[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
-        z = tl.reshape((qz[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
-        w = (q - z).to(tl.float32) * s
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        qw = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_p[None, :], mask=mask_k[:, None] & mask_p[None, :],
+                     other=0)
+        if PER_GROUP:  # one scale and zero row for the block, applied to the partial product
+            group = k0 // group_size
+            qz = tl.load(qz_ptr + group * stride_zg + offs_p, mask=mask_p, other=0)
+            s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            w = _nibbles(qw, BLOCK_K, BLOCK_N, DTYPE) - _nibbles(qz[None, :], 1, BLOCK_N, DTYPE)  # q - z, exact
+            if DTYPE == tl.float32:
+                acc += tl.dot(x, w, input_precision="ieee") * s[None, :]
+            else:
+                acc += tl.dot(x, w) * s[None, :]
         else:
-            acc += tl.dot(x, w.to(x.dtype))
+            group = offs_k // group_size
+            qz = tl.load(qz_ptr + group[:, None] * stride_zg + offs_p[None, :],
+                         mask=mask_k[:, None] & mask_p[None, :], other=0)
+            s = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :],
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            w = (_nibbles(qw, BLOCK_K, BLOCK_N, tl.float32) - _nibbles(qz, BLOCK_K, BLOCK_N, tl.float32)) * s
+            if DTYPE == tl.float32:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(DTYPE))
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask_out = mask_m[:, None] & mask_n[None, :]
@@ -71,11 +104,10 @@ def _awq_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
-def _auto_split_k(x: torch.Tensor, tiles: int, k: int, block_k: int) -> int:
-    """On CUDA, split K until there are about two programs per SM (decode has few output tiles); else 1."""
-    if not x.is_cuda:
-        return 1
-    return max(1, min(triton.cdiv(2 * _sm_count(x.device.index or 0), tiles), k // (4 * block_k), 16))
+def auto_split_k(m: int, tiles: int, k: int, block_k: int, sms: int) -> int:
+    """K slices for ``tiles`` output tiles on ``sms`` SMs: about four programs per SM, at most one slice per K block
+    and 32 in all, and fp32 partial sums (M * N * 4 bytes per slice) under a quarter of the weights' K * N / 2."""
+    return max(1, min(triton.cdiv(4 * sms, tiles), triton.cdiv(k, block_k), k // (32 * m), 32))
 
 
 @functools.cache
@@ -84,12 +116,13 @@ def _sm_count(device_index: int) -> int:
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-             *, block_m: int | None = None, block_n: int = 64, block_k: int = 64, split_k: int | None = None
-             ) -> torch.Tensor:
+             *, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+             split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """``x [M, K] @ dequant(qweight, qzeros, scales) -> [M, N]`` in x's dtype (fp32, fp16 or bf16).
 
-    ``group_size`` -1 means one group over all of K. ``block_n`` must be a multiple of 8 and at least 16;
-    ``split_k > 1`` splits K across programs and sums into an fp32 buffer (None: chosen from the SM count).
+    ``group_size`` -1 means one group over all of K. Blocks are powers of two, ``block_n`` and ``block_k`` >= 16
+    (None: 128 x 128 for M <= 16, else 64 x 64); ``split_k > 1`` splits K across programs and sums into an fp32
+    buffer (None: :func:`auto_split_k` on CUDA, else 1).
     """
     if x.dim() != 2:
         raise ValueError(f"awq_gemm expects x of shape [M, K], got {tuple(x.shape)}")
@@ -97,13 +130,17 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     n = qweight.shape[1] * 8
     if qweight.shape[0] != k:
         raise ValueError(f"x has K={k} but qweight has {qweight.shape[0]} input rows")
+    if m == 0:
+        return x.new_empty((0, n))
     group = k if group_size == -1 else group_size
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
-    if block_m is None:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    if split_k is None:
-        split_k = _auto_split_k(x, triton.cdiv(m, block_m) * triton.cdiv(n, block_n), k, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    block_n = block_n or (128 if m <= 16 else 64)
+    block_k = block_k or (128 if m <= 16 else 64)
+    if split_k is None:  # on CUDA from the SM count, elsewhere 1
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        split_k = auto_split_k(m, tiles, k, block_k, _sm_count(x.device.index or 0)) if x.is_cuda else 1
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # whole K blocks: one group per block
     split_k = triton.cdiv(k, k_per_split)
     out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else \
         torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -112,7 +149,8 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
         x, qweight, qzeros, scales, out,
         m, n, k, group, k_per_split,
         x.stride(0), x.stride(1), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1, DOT_FP32=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PER_GROUP=group % block_k == 0 or group >= k,
+        ATOMIC=split_k > 1, num_warps=num_warps,
     )
     return out.to(x.dtype) if split_k > 1 else out
 

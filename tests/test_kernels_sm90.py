@@ -107,6 +107,8 @@ def anchor_launches(dtype: torch.dtype) -> None:
     for rows, split in ((1, 4), (32, 1)):  # decode splits K across programs (atomics); larger batches do not
         awq_gemm.awq_gemm(torch.randn(rows, 256, dtype=dtype), qweight, qzeros, torch.ones(2, 128, dtype=dtype), 128,
                           split_k=split)
+    awq_gemm.awq_gemm(torch.randn(1, 256, dtype=dtype), qweight, torch.zeros(8, 16, dtype=torch.int32),
+                      torch.ones(8, 128, dtype=dtype), 32)  # group 32 < BLOCK_K: the per-row scales and zeros
 
 
 def test_every_kernel_compiles_for_sm90_at_the_anchor_shapes() -> None:

@@ -230,6 +230,53 @@ def test_awq_gemm_matches_reference(dtype: torch.dtype, m: int, k: int, n: int, 
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
 
 
+# per-group path: group % block_k == 0, or one group over K; general path: per-row scales and zeros
+@pytest.mark.parametrize("dtype, m, k, n, group, blocks", [
+    (torch.float32, 1, 320, 128, 64, (64, 64, 3)),  # per-group; 3 K slices of 128, 128 and 64 rows
+    (torch.float16, 5, 256, 200, 128, (128, 128, 2)),  # per-group; N = 200 ends in a partial block
+    (torch.float16, 16, 320, 96, 32, (64, 64, 3)),  # general: group 32 < block_k 64
+    (torch.float32, 33, 256, 72, 64, (64, 128, 1)),  # general: two groups per K block; three M blocks
+    (torch.float16, 1, 192, 64, -1, (64, 128, 1)),  # per-group: one group, K = 192 ends in a partial block
+    (torch.float32, 16, 192, 64, -1, (32, 64, 2)),  # per-group: one group over two K slices
+])
+def test_awq_gemm_paths_match_reference(dtype: torch.dtype, m: int, k: int, n: int, group: int,
+                                        blocks: tuple[int, int, int]) -> None:
+    _, state = awq_state(n, k, group, seed=k + n)
+    state = {name: t.to(DEVICE) for name, t in state.items()}
+    # scales as a checkpoint stores them (fp16), so the reference's dequantization is exact
+    state["scales"] = state["scales"].half().to(torch.float32 if dtype == torch.float32 else dtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    block_n, block_k, split_k = blocks
+    out = awq_gemm(x, state["qweight"], state["qzeros"], state["scales"], group, block_n=block_n, block_k=block_k,
+                   split_k=split_k)
+    ref = awq_gemm_reference(x, state["qweight"], state["qzeros"], state["scales"], group)
+    assert out.dtype == dtype and out.shape == (m, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_awq_auto_split_k_fills_the_gpu_within_its_caps() -> None:
+    from infer.kernels.awq_gemm import auto_split_k
+
+    sms = 132
+    assert auto_split_k(1, 64, 2048, 128, sms) == 9  # 1B gate_up at M = 1: 64 tiles, 9 slices (8 after rounding)
+    assert auto_split_k(1, 16, 8192, 128, sms) == 32  # down: the cap of 32
+    assert auto_split_k(16, 64, 2048, 128, sms) == 4  # partial sums: 16 * 4 bytes * 4 slices <= 2048 / 8
+    assert auto_split_k(1, 16, 256, 128, sms) == 2  # no more slices than K blocks
+    assert auto_split_k(64, 128, 2048, 64, sms) == 1 and auto_split_k(1, 600, 4096, 128, sms) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behaviour of the GPU-only benchmark")
+def test_quant_bench_refuses_to_run_without_cuda() -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "quant_bench.py"
+    done = subprocess.run([sys.executable, str(script), "--awq-sweep", "--skip", "decode", "fp8", "gemm", "kv"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "quant_bench needs a CUDA GPU" in done.stderr, done.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- the AWQ QuantMethod on Linear
 def make_linear(method: object, in_features: int, out_features: int, bias: bool = False,
                 prefix: str = "model.layers.0.mlp.up_proj", dtype: torch.dtype = torch.float32) -> Linear:
