@@ -150,6 +150,11 @@ class EvictionPolicy(ABC):
     def pop(self) -> Hashable:
         """Remove and return the next victim. Raises IndexError when empty."""
 
+    def derive(self, new_key: Hashable, from_key: Hashable) -> None:
+        """``new_key`` holds content cut from ``from_key``'s and served every use of it (a radix node split in two:
+        the new head served each use of the whole): a policy that counts uses starts ``new_key`` at ``from_key``'s
+        count. ``new_key`` is not evictable. Default: nothing."""
+
     def forget(self, key: Hashable) -> None:
         """``key``'s content is gone for good, dropped by the cache without ``pop`` (a paged block whose prefix was
         evicted): a policy that remembers uses of a key beyond ``remove`` drops them, so that new content under the

@@ -99,6 +99,9 @@ class LFUPolicy(_HeapPolicy):
         self._uses[key] = self._uses.get(key, 0) + 1
         super().touch(key)
 
+    def derive(self, new_key: Hashable, from_key: Hashable) -> None:
+        self._uses[new_key] = self._uses.get(from_key, 0)
+
     def forget(self, key: Hashable) -> None:
         super().forget(key)
         self._uses.pop(key, None)  # evicted or dropped: the next content under this key starts fresh

@@ -99,6 +99,7 @@ class RadixKVCache(KVCache):
         assert parent is not None and 0 < m < len(node.blocks)
         head = RadixNode(node.tokens[: m * size], node.blocks[:m], parent, parent.depth + m,
                          lock=node.lock, priority=node.priority)
+        self.eviction.derive(head, node)  # the head served every use of the whole (LFU keeps the count)
         parent.children[node.tokens[:size]] = head
         node.tokens, node.blocks, node.parent = node.tokens[m * size :], node.blocks[m:], head
         head.children[node.tokens[:size]] = node

@@ -549,6 +549,35 @@ def test_lfu_forgets_the_uses_of_a_block_dropped_while_held() -> None:
     assert lfu.pop() == z_block  # one use each: the older goes first, as with any new content
 
 
+def test_lfu_ranks_the_head_of_a_split_radix_node_by_the_uses_of_the_whole() -> None:
+    """A prompt that diverges inside a cached radix node cuts it in two; the new head served every use of the
+    whole node, so LFU must not rank it as new content (which would evict a hot shared prefix early)."""
+    from infer.plugins.eviction import LFUPolicy
+
+    lfu = LFUPolicy()
+    kv = RadixKVCache(16, BLOCK, lfu)
+    seqs = itertools.count()
+
+    def run(prompt: list[int]) -> None:
+        seq = admitted(kv, next(seqs), prompt)
+        seq.num_computed_tokens = seq.num_tokens
+        kv.commit(seq)
+        kv.free(seq)
+
+    a, b, c = [1] * BLOCK, [2] * BLOCK, [3] * BLOCK
+    for _ in range(3):
+        run(a + b + [9])  # one node a + b: cached, then two hits (LFU counts 5: three inserts, two touches)
+    run(a + c + [9])  # cuts it: head a, with children b (the old node) and c
+    head = kv.root.children[tuple(a)]
+    assert head.tokens == tuple(a) and len(head.children) == 2
+    lfu.insert("used four times")
+    for _ in range(3):
+        lfu.touch("used four times")
+    lfu.insert(head)  # what the cache tells the policy once b and c are gone and head is an unlocked leaf
+    order = [lfu.pop() for _ in range(4)]  # c (one use), then by count
+    assert order.index("used four times") < order.index(head), order
+
+
 class RecordingLRU(LRUPolicy):
     """The shipped LRU, recording every call the cache makes."""
 

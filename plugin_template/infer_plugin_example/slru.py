@@ -50,6 +50,10 @@ class SegmentedLRUPolicy(EvictionPolicy):
                 return key
         raise IndexError("nothing to evict")
 
+    def derive(self, new_key: Hashable, from_key: Hashable) -> None:
+        if from_key in self._reused:  # a radix node split in two: its head was hit whenever the whole was
+            self._reused.add(new_key)
+
     def forget(self, key: Hashable) -> None:
         self._reused.discard(key)  # the cache dropped the content without evicting it: the same fresh start
 

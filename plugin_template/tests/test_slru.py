@@ -63,6 +63,16 @@ def test_forget_drops_reuse():
     assert policy.pop() == "a"  # on probation, like any new content
 
 
+def test_the_head_of_a_split_node_keeps_the_reuse_of_the_whole():
+    policy = SegmentedLRUPolicy()
+    policy.insert("whole")
+    policy.touch("whole")  # a prefix hit: protected
+    policy.derive("head", "whole")  # the radix cache cut it in two
+    policy.insert("fresh")
+    policy.insert("head")  # once its children are gone
+    assert policy.pop() == "fresh"  # the head is protected, like the whole it came from
+
+
 def test_remove_of_an_unknown_key_is_an_error():
     with pytest.raises(KeyError):
         SegmentedLRUPolicy().remove("nope")
