@@ -139,7 +139,13 @@ def main() -> None:
     options: dict[str, Any] = {}
     for item in args.engine_arg:
         field, _, value = item.partition("=")
-        options[field] = {"true": True, "false": False}.get(value.lower(), value)
+        options[field] = {"true": True, "false": False, "none": None}.get(value.lower(), value)
+        for number in (int, float):
+            try:
+                options[field] = number(value)
+                break
+            except ValueError:
+                pass
     engine = Engine(EngineConfig(model=str(model), max_num_seqs=max(args.decode_batches),
                                  max_model_len=args.prefix_len + args.question_len + args.steps + 64,
                                  kv_cache_memory_gb=8.0 if device == "cuda" else 0.5, **options))
