@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,6 +71,7 @@ class RoundLog:
 class Arm:
     name: str
     k: int
+    plugin_options: dict[str, Any] = field(default_factory=dict)
     decode_s: list[float] = field(default_factory=list)  # per repeat: summed decode time of all prompts
     tokens: int = 0  # decode tokens per repeat
     acceptance: float = 0.0  # accepted / proposed
@@ -87,7 +89,8 @@ class Arm:
 
 
 def make_engine(args: argparse.Namespace, arm: Arm, log: RoundLog) -> Engine:
-    spec = {"proposer": args.proposer, "num_speculative_tokens": arm.k} if arm.k else {}
+    spec: dict[str, Any] = {"proposer": args.proposer, "num_speculative_tokens": arm.k,
+                             "plugin_options": arm.plugin_options} if arm.k else {}
     if arm.k and args.proposer == "draft-model":
         spec["draft_model"] = args.draft
     plugins = PluginManager.from_entry_points()
@@ -115,6 +118,8 @@ def decode_time(engine: Engine, prompt: str, params: SamplingParams) -> tuple[fl
 def run(args: argparse.Namespace) -> list[Arm]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=1)
     arms = [Arm("no speculation", 0)] + [Arm(f"{args.proposer} K={k}", k) for k in args.ks]
+    arms += [Arm(f"{args.proposer} K={k}, step by step", k, {"spec_decode": {"round_graphs": False}})
+             for k in args.step_by_step_ks]
     if args.proposer == "draft-model":
         arms.append(Arm(DRAFT_ALONE, 0))
     logs = [RoundLog() for _ in arms]
@@ -162,6 +167,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    parser.add_argument("--step-by-step-ks", default=[], type=lambda s: [int(k) for k in s.split(",")],
+                        help="also these K with spec_decode.round_graphs off: each draft step its own forward pass "
+                             "(the round graphs' A/B; they run with CUDA graphs only)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     arms = run(args)

@@ -5,7 +5,7 @@ to the longest prefix it shares with the target's tokens (rejected drafts, and a
 nothing stale), reserves draft KV for the whole round, catches its KV up with one batched forward over the new
 tokens, then decodes k - 1 more tokens one batched forward at a time. Each step's tokens stay on the device and
 feed the next step, and the round reads them back once at the end, so on a GPU the host queues the k steps
-without waiting for any of them. The draft samples with the request's own temperature and filters, so that its
+without waiting for any of them; with CUDA graphs, a steady-state greedy round is one replay (draft_rounds.py). The draft samples with the request's own temperature and filters, so that its
 distribution q is close to the target's p; greedy requests draft greedily (a point mass).
 
 The proposer factory receives the config and the target only, so the draft's architecture, attention backend,
@@ -24,8 +24,9 @@ from ..core.interfaces import KVCache, Proposal, Proposer, ScheduledSequence, Sc
 from ..core.loader import LoadedModel, load_model
 from ..core.plugins import PluginManager
 from ..core.request import Sequence
-from ..core.runner import ModelRunner
+from ..core.runner import Batch, ModelRunner
 from ..core.sampling import Sampler, stream_seed, to_device
+from .draft_rounds import DraftRoundGraphs
 
 DRAFT_SEED_SALT = 0x5EED_D4AF  # draft draws must not replay the target sampler's streams
 log = logging.getLogger("infer")
@@ -50,6 +51,7 @@ class DraftModelProposer(Proposer):
         self.generator = torch.Generator(device=device).manual_seed(seed ^ DRAFT_SEED_SALT)
         self.seeded: dict[int, torch.Generator] = {}
         self.warned_kv_full = False
+        self.round_graphs: DraftRoundGraphs | None = None
 
     @classmethod
     def load(cls, config: EngineConfig, target: LoadedModel, plugins: PluginManager | None = None
@@ -78,10 +80,13 @@ class DraftModelProposer(Proposer):
         eviction = plugins.registry("eviction_policy").get(config.eviction_policy)(config)
         kv = plugins.registry("kv_cache").get("paged")(config.replace(enable_prefix_caching=False), blocks, eviction)
         runner = ModelRunner(draft.model, attention, blocks, config.block_size, draft.dtype, draft.device, config.seed)
+        proposer = cls(draft, runner, kv, config.seed, config.max_num_batched_tokens)
         if config.cuda_graphs and draft.device.type == "cuda" and attention.supports_cuda_graphs:
             # the k - 1 one-token draft steps, and the two-token first step of each round after the first
             runner.enable_cuda_graphs(min(config.max_num_seqs, 256), {2: min(config.max_num_seqs, 64)})
-        return cls(draft, runner, kv, config.seed, config.max_num_batched_tokens)
+            if round_graphs_option(config):  # and whole greedy rounds
+                proposer.enable_round_graphs(min(config.max_num_seqs, 64), config.num_speculative_tokens)
+        return proposer
 
     # ------------------------------------------------------------ Proposer
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
@@ -93,20 +98,18 @@ class DraftModelProposer(Proposer):
         self._reseed(sampled)
         sampled_rows = to_device(rows, self.draft.device) if rows else None
         items = [ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens) for seq in active]
-        steps: list[torch.Tensor] = []  # each step's tokens, still on the device
-        step_dists: list[torch.Tensor | None] = []
-        batch, logits = self.runner.execute(SchedulerOutput(items, block_ops=self.kv.take_block_ops()), self.kv)
-        for step in range(k):
-            if step:  # steps after the first advance the batch on the device: one new token per sequence
-                batch = self.runner.advance(batch, steps[-1])
-                logits = self.runner.run(batch)
-            tokens, dists = self._sample(logits, sampled, sampled_rows)
-            steps.append(tokens)
-            step_dists.append(dists)
-            for item in items:
-                item.seq.num_computed_tokens += item.num_new_tokens if step == 0 else 1
-                item.seq.token_ids.append(UNREAD_TOKEN)  # filled in after the round's one read
-        drafts = torch.stack(steps, dim=1).tolist()  # the round's one read from the device: [B, k]
+        out = SchedulerOutput(items, block_ops=self.kv.take_block_ops())
+        self.runner.apply_block_ops(out.block_ops)
+        batch = self.runner.prepare(out, self.kv)
+        rounds = self.round_graphs
+        if rounds is not None and not rows and k == rounds.k and rounds.fits(batch):
+            drafted, step_dists = rounds.run(batch), []  # the whole greedy round in one replay
+        else:
+            drafted, step_dists = self._step_by_step(batch, k, sampled, sampled_rows)
+        for item in items:
+            item.seq.num_computed_tokens += item.num_new_tokens + k - 1
+            item.seq.token_ids.extend([UNREAD_TOKEN] * k)  # filled in after the round's one read
+        drafts = drafted.tolist()  # the round's one read from the device: [B, k]
         probs: dict[int, torch.Tensor | None] = dict.fromkeys((seq.seq_id for seq in active), None)
         if rows:
             q = torch.stack([d for d in step_dists if d is not None], dim=1)  # [sampled, k, vocab]
@@ -115,6 +118,32 @@ class DraftModelProposer(Proposer):
         for seq, tokens in zip(active, drafts):
             seq.token_ids[-k:] = tokens
         return Proposal({seq.seq_id: tokens for seq, tokens in zip(active, drafts)}, probs)
+
+    def _step_by_step(self, batch: Batch, k: int, sampled: list[Sequence], sampled_rows: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The round one forward pass at a time: draft tokens [B, k] and, per step, the sampled rows' q."""
+        steps: list[torch.Tensor] = []  # each step's tokens, still on the device
+        step_dists: list[torch.Tensor | None] = []
+        logits = self.runner.run(batch)
+        for step in range(k):
+            if step:  # steps after the first advance the batch on the device: one new token per sequence
+                batch = self.runner.advance(batch, steps[-1])
+                logits = self.runner.run(batch)
+            tokens, dists = self._sample(logits, sampled, sampled_rows)
+            steps.append(tokens)
+            step_dists.append(dists)
+        return torch.stack(steps, dim=1), step_dists
+
+    def enable_round_graphs(self, max_batch: int, k: int, eager: bool = False) -> None:
+        """Replay steady-state greedy rounds of ``k`` drafts for up to ``max_batch`` sequences from CUDA graphs
+        (``eager``: the same static-buffer round, uncaptured, for tests on any device)."""
+        runner = self.runner
+        if not runner.attention.supports_cuda_graphs:
+            raise ConfigError(f"draft round graphs need an attention backend that supports CUDA graphs, not "
+                              f"{type(runner.attention).__name__}; use --attention triton")
+        self.round_graphs = DraftRoundGraphs(self.draft.model, runner.attention, runner.kv_caches, runner.block_size,
+                                             max_batch, k, self.draft.device, eager=eager)
+        self.round_graphs.capture()
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         shadow = self.shadows.get(seq.seq_id)
@@ -216,6 +245,14 @@ class DraftModelProposer(Proposer):
             if seq.params.seed is not None:
                 self._generator(seq).manual_seed(
                     stream_seed(seq.params.seed, seq.index, DRAFT_SEED_SALT, position=seq.num_tokens))
+
+
+def round_graphs_option(config: EngineConfig) -> bool:
+    """``plugin_options["spec_decode"]["round_graphs"]`` (default true): whole greedy draft rounds as CUDA graphs."""
+    value = config.plugin_options.get("spec_decode", {}).get("round_graphs", True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"spec_decode round_graphs must be true or false, got {value!r}")
+    return value
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:

@@ -324,13 +324,13 @@ def test_new_drafts_prefill_within_the_token_budget():
     e = engine(max_num_batched_tokens=128, proposer="draft-model", num_speculative_tokens=3)
     e.generate([base], SamplingParams(max_tokens=1, temperature=0.0))  # the prefix, cached for the target
     runner, sizes = e.spec.proposer.runner, []
-    execute = runner.execute
+    prepare = runner.prepare
 
-    def recording(out, kv, **kwargs):
+    def recording(out, kv, *args, **kwargs):
         sizes.append(sum(item.num_new_tokens for item in out.scheduled))
-        return execute(out, kv, **kwargs)
+        return prepare(out, kv, *args, **kwargs)
 
-    runner.execute = recording  # instrumentation only: the proposer calls it once per round
+    runner.prepare = recording  # instrumentation only: the proposer builds one batch per round
     spec = e.generate(prompts, GREEDY)
     assert e.stats.prefix_hit_rate > 0.5
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]

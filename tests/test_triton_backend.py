@@ -132,3 +132,27 @@ def test_padded_graph_batches_give_the_plain_tokens(checkpoint, device: torch.de
     assert replays[4] > 0 if speculative else replays[1] > 0 and set(replays) == {1}
     if speculative:  # only the first round (whole prompts) runs uncaptured
         assert draft_fits.count(False) == 1 and draft_runner.graphs.replays[2] > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_round_graphs_draft_what_the_step_by_step_rounds_draft(device: torch.device, k: int) -> None:
+    """Whole greedy draft rounds replayed from static buffers (uncaptured on the CPU, CUDA graphs on a GPU): the same
+    drafts as the step-by-step path, hence the same acceptance counts (greedy outputs alone would not show a bad
+    draft), while rounds that cannot replay (new shadows' prefills, a sampled request) go step by step."""
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+    from infer.models.tiny import PRETRAINED_DIR
+
+    options = dict(model=str(PRETRAINED_DIR / "target"), device=device.type, dtype="float32", attention="triton",
+                   max_num_seqs=8, num_kv_blocks=96, cuda_graphs=False, proposer="draft-model",
+                   num_speculative_tokens=k)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = [greedy, greedy, SamplingParams(max_tokens=4, temperature=0.8, seed=3)]
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n", "    for i in range("]
+    stepwise, replayed = Engine(EngineConfig(**options)), Engine(EngineConfig(**options))
+    replayed.spec.proposer.enable_round_graphs(4, k, eager=device.type == "cpu")
+    tokens = [[r.outputs[0].token_ids for r in e.generate(prompts, params)] for e in (stepwise, replayed)]
+    assert tokens[0][:2] == tokens[1][:2]
+    assert stepwise.spec.proposer.round_graphs is None and replayed.spec.proposer.round_graphs.replays >= 3
+    counts = [(e.stats.spec_proposed, e.stats.spec_accepted, e.stats.spec_rounds) for e in (stepwise, replayed)]
+    assert counts[0] == counts[1], counts
