@@ -52,20 +52,21 @@ def sync() -> None:
 
 def run(engine: Any, prompts: list[list[int]], max_tokens: int, skip: int, window: int | None,
         prof: profile | None) -> tuple[list[float], dict[str, float], int]:
-    """Add ``prompts`` and step; time (and profile) ``window`` steps after the first ``skip``; abort the rest.
-    Returns the timed steps' wall times, the engine's phase times per timed step, and the prompt tokens that the
-    finished requests found cached."""
+    """Add ``prompts`` and step; time (and profile) ``window`` calls of ``Engine.step`` after the first ``skip``;
+    abort the rest. Returns the wall time of the window's calls, summed per forward pass (with async output the
+    call that returns a one-token request's output runs none: its time counts for the forward pass before it), the
+    engine's phase times per forward pass, and the prompt tokens that the finished requests found cached."""
     from infer.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = {engine.add_request(p, params) for p in prompts}
     times: list[float] = []
     phases_before: dict[str, float] = {}
-    step = cached = 0
+    step = cached = forwards_before = 0
     while ids and (window is None or len(times) < window):
         if step == skip:  # the window opens
             sync()
-            phases_before = dict(engine.stats.phase_s)
+            phases_before, forwards_before = dict(engine.stats.phase_s), engine.stats.steps
             if prof is not None:
                 prof.start()
         start = time.perf_counter()
@@ -79,7 +80,9 @@ def run(engine: Any, prompts: list[list[int]], max_tokens: int, skip: int, windo
     sync()
     if prof is not None:
         prof.stop()
-    phases = {p: (engine.stats.phase_s.get(p, 0.0) - phases_before.get(p, 0.0)) / max(1, len(times)) for p in PHASES}
+    forwards = engine.stats.steps - forwards_before  # steps that ran a forward pass
+    times = [sum(times) / max(1, forwards)] * forwards
+    phases = {p: (engine.stats.phase_s.get(p, 0.0) - phases_before.get(p, 0.0)) / max(1, forwards) for p in PHASES}
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
@@ -122,7 +125,7 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=1000)
     parser.add_argument("--question-len", type=int, default=100)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 128])
-    parser.add_argument("--steps", type=int, default=16, help="profiled decode steps per decode scenario")
+    parser.add_argument("--steps", type=int, default=16, help="profiled Engine.step calls per decode scenario")
     parser.add_argument("--top", type=int, default=12, help="rows of each top list")
     parser.add_argument("--out", type=Path, default=None, help="folder for the Chrome traces (none if unset)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
@@ -146,9 +149,9 @@ def main() -> None:
                 break
             except ValueError:
                 pass
-    engine = Engine(EngineConfig(model=str(model), max_num_seqs=max(args.decode_batches),
-                                 max_model_len=args.prefix_len + args.question_len + args.steps + 64,
-                                 kv_cache_memory_gb=8.0 if device == "cuda" else 0.5, **options))
+    defaults = dict(max_num_seqs=max(args.decode_batches), kv_cache_memory_gb=8.0 if device == "cuda" else 0.5,
+                    max_model_len=args.prefix_len + args.question_len + args.steps + 64)
+    engine = Engine(EngineConfig(model=str(model), **{**defaults, **options}))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     rows = []
     timed: dict[str, tuple[list[float], dict[str, float], int]] = {}

@@ -6,7 +6,7 @@ Figures, one JSON line each, then a table:
   layout a calibrated checkpoint has) vs bf16. ``step_ms`` is one CUDA-graph decode step replayed alone (GPU time);
   ``tpot_ms`` is the engine's time per output token, host work included.
 - ``fp8_throughput``: decode at batch ``--batch`` (>= 64), FP8 W8A8 (``torch._scaled_mm``) vs bf16, same two views.
-- ``awq_gemm`` / ``awq_crossover``: the 1B's MLP GEMMs for M in 1..256, fused W4A16 kernel and dequantize+matmul
+- ``awq_gemm`` / ``awq_crossover``: the 1B's merged qkv, gate_up and down GEMMs for M in 1..256, fused W4A16 kernel and dequantize+matmul
   vs a bf16 matmul, each timed from a CUDA graph over weight replicas larger than L2; the crossover is the smallest
   M from which bf16 is at least as fast as the faster AWQ path.
 - ``awq_sweep`` (with ``--awq-sweep``): the fused kernel at M = 1 and 16 on the same shapes for each block_n x
@@ -37,7 +37,9 @@ import torch
 
 from kernel_bench import graph_ms_per_call, time_ms  # the sibling script's CUDA-event and CUDA-graph timers
 
-GEMM_SHAPES = {"gate_up": (2048, 8192), "down": (8192, 2048)}  # (K, N) of the 1B's MLP
+# (K, N) of the 1B's GEMMs as the engine runs them on CUDA (q/k/v and gate/up merged); the first GPU run (2026-11-30)
+# timed "gate_up" as one 2048 x 8192 projection
+GEMM_SHAPES = {"qkv": (2048, 3072), "gate_up": (2048, 16384), "down": (8192, 2048)}
 GEMM_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 L2_BYTES = 256 << 20  # weight replicas per timed round: far above the 50 MB L2
 AWQ_SWEEP = {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (None, 4, 8, 16, 32)}  # None: auto

@@ -121,8 +121,8 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     """``x [M, K] @ dequant(qweight, qzeros, scales) -> [M, N]`` in x's dtype (fp32, fp16 or bf16).
 
     ``group_size`` -1 means one group over all of K. Blocks are powers of two, ``block_n`` and ``block_k`` >= 16
-    (None: 128 x 128 for M <= 16, else 64 x 64); ``split_k > 1`` splits K across programs and sums into an fp32
-    buffer (None: :func:`auto_split_k` on CUDA, else 1).
+    (None: 128 x 128 for M <= 16, else 64 x 64, block_k lowered to a smaller group size); ``split_k > 1`` splits
+    K across programs and sums into an fp32 buffer (None: :func:`auto_split_k` on CUDA, else 1).
     """
     if x.dim() != 2:
         raise ValueError(f"awq_gemm expects x of shape [M, K], got {tuple(x.shape)}")
@@ -136,7 +136,9 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
     block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     block_n = block_n or (128 if m <= 16 else 64)
-    block_k = block_k or (128 if m <= 16 else 64)
+    # the largest K block a group holds whole, so that the per-group path runs (group 32 or 64 checkpoints too)
+    candidates = (128, 64, 32, 16) if m <= 16 else (64, 32, 16)
+    block_k = block_k or next(b for b in candidates if group % b == 0 or group >= k)
     if split_k is None:  # on CUDA from the SM count, elsewhere 1
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         split_k = auto_split_k(m, tiles, k, block_k, _sm_count(x.device.index or 0)) if x.is_cuda else 1

@@ -320,10 +320,12 @@ class LlamaFamilyModel(Model):
             raise CheckpointError("config.json says tie_word_embeddings true, but the checkpoint's lm_head.weight "
                                   "differs from model.embed_tokens.weight; set tie_word_embeddings false in "
                                   "config.json to use the separate head")
-        for module in modules.values():
-            if isinstance(module, Linear):
-                module.method.process_after_loading(module)
-        if self.merge_after_loading:
+        linears = [module for module in modules.values() if isinstance(module, Linear)]
+        del modules, params, tied_head, embedding  # no reference may outlive what the loops below replace
+        for module in linears:  # on-load quantization frees each float weight as it goes
+            module.method.process_after_loading(module)
+        del linears
+        if self.merge_after_loading:  # each layer's parts are freed as it merges: peak memory is one layer's more
             self.merge_projections()
 
     def merge_projections(self) -> int:

@@ -238,6 +238,10 @@ def test_awq_gemm_matches_reference(dtype: torch.dtype, m: int, k: int, n: int, 
     (torch.float32, 33, 256, 72, 64, (64, 128, 1)),  # general: two groups per K block; three M blocks
     (torch.float16, 1, 192, 64, -1, (64, 128, 1)),  # per-group: one group, K = 192 ends in a partial block
     (torch.float32, 16, 192, 64, -1, (32, 64, 2)),  # per-group: one group over two K slices
+    (torch.float16, 1, 256, 128, 32, (None, None, None)),  # defaults: block_k lowered to 32, per-group path
+    # bf16 on a GPU only (the interpreter does bf16 arithmetic on raw bits): the mantissa-OR unpacking of bf16
+    pytest.param(torch.bfloat16, 1, 2048, 256, 128, (None, None, None), marks=pytest.mark.gpu),
+    pytest.param(torch.bfloat16, 16, 320, 96, 32, (64, 64, 3), marks=pytest.mark.gpu),
 ])
 def test_awq_gemm_paths_match_reference(dtype: torch.dtype, m: int, k: int, n: int, group: int,
                                         blocks: tuple[int, int, int]) -> None:
@@ -251,7 +255,7 @@ def test_awq_gemm_paths_match_reference(dtype: torch.dtype, m: int, k: int, n: i
                    split_k=split_k)
     ref = awq_gemm_reference(x, state["qweight"], state["qzeros"], state["scales"], group)
     assert out.dtype == dtype and out.shape == (m, n)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
 
 
