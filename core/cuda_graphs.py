@@ -21,6 +21,20 @@ from .model import Model
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
+def static_meta(attention: AttentionBackend, q: int, slots: torch.Tensor, block_tables: torch.Tensor,
+                query_start: torch.Tensor, context_lens: torch.Tensor, max_model_len: int, block_size: int
+                ) -> AttentionMetadata:
+    """The metadata of a captured step over static buffers: ``q`` query tokens for each row of ``block_tables``,
+    planned by the backend for the longest context, so that the plan is valid for any context a replay has."""
+    rows = block_tables.shape[0]
+    meta = AttentionMetadata(
+        slot_mapping=slots, block_tables=block_tables, query_start=query_start, context_lens=context_lens,
+        query_lens_cpu=[q] * rows, context_lens_cpu=[max_model_len] * rows, block_size=block_size, max_query_len=q,
+        max_context_len=max_model_len)
+    meta.backend_data = attention.prepare(meta)
+    return meta
+
+
 class DecodeGraphs:
     """``eager=True`` runs the same padded static-buffer forward pass without capturing it: the padding logic is
     then testable on any device."""
@@ -49,13 +63,9 @@ class DecodeGraphs:
         self.replays: Counter[int] = Counter()  # replays per query length
 
     def _meta(self, size: int, q: int) -> AttentionMetadata:
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[: size * q], block_tables=self.block_tables[:size],
-            query_start=self.query_starts[q][: size + 1], context_lens=self.context_lens[:size],
-            query_lens_cpu=[q] * size, context_lens_cpu=[self.max_model_len] * size, block_size=self.block_size,
-            max_query_len=q, max_context_len=self.max_model_len)
-        meta.backend_data = self.attention.prepare(meta)  # planned for the longest context: valid for all
-        return meta
+        return static_meta(self.attention, q, self.slots[: size * q], self.block_tables[:size],
+                           self.query_starts[q][: size + 1], self.context_lens[:size], self.max_model_len,
+                           self.block_size)
 
     def _forward(self, size: int, q: int, meta: AttentionMetadata) -> torch.Tensor:
         tokens = size * q

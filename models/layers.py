@@ -73,6 +73,18 @@ class Linear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, quant={self.method.name}"
 
 
+def merge_linears(owner: nn.Module, names: tuple[str, ...], merged_name: str) -> bool:
+    """Replace ``owner``'s linears ``names`` by one linear ``merged_name`` computing their outputs side by side,
+    where their quant method can (see :meth:`Linear.merged`); the parts are dropped. Whether it merged."""
+    merged = Linear.merged([getattr(owner, name) for name in names], f"{owner.prefix}.{merged_name}")
+    if merged is None:
+        return False
+    setattr(owner, merged_name, merged)
+    for name in names:
+        delattr(owner, name)
+    return True
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), as HF computes it."""

@@ -11,7 +11,7 @@ from torch import nn
 from ..core.errors import CheckpointError
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
 from ..core.model import Model
-from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding
+from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, merge_linears
 
 
 # compressed-tensors' kv_cache_scheme tensors (and the older per-projection form)
@@ -173,12 +173,7 @@ class Attention(nn.Module):
         self.sizes = [q_size, kv_size, kv_size]
 
     def merge_projections(self) -> bool:
-        merged = Linear.merged([self.q_proj, self.k_proj, self.v_proj], f"{self.prefix}.qkv_proj")
-        if merged is None:
-            return False
-        self.qkv_proj = merged
-        del self.q_proj, self.k_proj, self.v_proj
-        return True
+        return merge_linears(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
@@ -210,12 +205,7 @@ class MLP(nn.Module):
         self.gate_up_proj: Linear | None = None  # set by merge_projections, which then drops gate/up_proj
 
     def merge_projections(self) -> bool:
-        merged = Linear.merged([self.gate_proj, self.up_proj], f"{self.prefix}.gate_up_proj")
-        if merged is None:
-            return False
-        self.gate_up_proj = merged
-        del self.gate_proj, self.up_proj
-        return True
+        return merge_linears(self, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:

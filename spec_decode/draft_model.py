@@ -1,12 +1,13 @@
 """The `draft-model` proposer: a small checkpoint, run by infer's own loader, ModelRunner and paged KV cache.
 
-Each target sequence has a shadow :class:`Sequence` in the draft's cache. ``propose`` first rolls the shadow back
-to the longest prefix it shares with the target's tokens (rejected drafts, and a preemption's recompute, leave
-nothing stale), reserves draft KV for the whole round, catches its KV up with one batched forward over the new
-tokens, then decodes k - 1 more tokens one batched forward at a time. Each step's tokens stay on the device and
-feed the next step, and the round reads them back once at the end, so on a GPU the host queues the k steps
-without waiting for any of them; with CUDA graphs, a steady-state greedy round is one replay (draft_rounds.py). The draft samples with the request's own temperature and filters, so that its
-distribution q is close to the target's p; greedy requests draft greedily (a point mass).
+Each target sequence has a shadow :class:`Sequence` in the draft's cache. ``propose`` first rolls the shadow back to
+the longest prefix it shares with the target's tokens (rejected drafts, and a preemption's recompute, leave nothing
+stale), reserves draft KV for the whole round, catches its KV up with one batched forward over the new tokens, then
+decodes k - 1 more tokens one batched forward at a time. Each step's tokens stay on the device and feed the next
+step, and the round reads them back once at the end, so on a GPU the host queues the k steps without waiting for any
+of them; with CUDA graphs, a steady-state greedy round is one replay (draft_rounds.py). The draft samples with the
+request's own temperature and filters, so that its distribution q is close to the target's p; greedy requests draft
+greedily (a point mass).
 
 The proposer factory receives the config and the target only, so the draft's architecture, attention backend,
 eviction policy and the `paged` KV cache come from a plugin manager over the installed entry points.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cuda_graphs import BATCH_LADDER
+from ..core.cuda_graphs import BATCH_LADDER, static_meta
 from ..core.interfaces import AttentionBackend, AttentionMetadata
 from ..core.model import Model
 from ..core.runner import Batch
@@ -44,12 +44,8 @@ class DraftRoundGraphs:
         return len(meta.query_lens_cpu) <= self.sizes[-1] and all(q == 2 for q in meta.query_lens_cpu)
 
     def _meta(self, size: int, q: int, slots: torch.Tensor, context_lens: torch.Tensor) -> AttentionMetadata:
-        meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=self.block_tables[:size], query_start=self.query_starts[q][: size + 1],
-            context_lens=context_lens, query_lens_cpu=[q] * size, context_lens_cpu=[self.max_model_len] * size,
-            block_size=self.block_size, max_query_len=q, max_context_len=self.max_model_len)
-        meta.backend_data = self.attention.prepare(meta)  # planned for the longest context: valid for all
-        return meta
+        return static_meta(self.attention, q, slots, self.block_tables[:size], self.query_starts[q][: size + 1],
+                           context_lens, self.max_model_len, self.block_size)
 
     def _round(self, size: int) -> torch.Tensor:
         """The round over the static buffers' first ``size`` rows: draft tokens [size, k]."""

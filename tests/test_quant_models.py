@@ -184,20 +184,13 @@ def test_fp8_merges_per_tensor_scales_only_when_they_are_equal(plugins: PluginMa
 def test_a_quant_method_without_merge_keeps_the_projections_apart(tiny_model: Path, infer_plugins: Any) -> None:
     """A third-party QuantMethod written before ``merge`` existed: the default merges nothing, and the model runs
     its projections apart, with merging on."""
-    from torch import nn
-
     from infer.core.interfaces import QuantMethod
+    from infer.models.layers import UnquantizedMethod
 
-    class PlainMethod(QuantMethod):
+    class PlainMethod(QuantMethod):  # plain weights; merge is QuantMethod's default
         name = "plain"
-
-        def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
-                           dtype: torch.dtype) -> None:
-            layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-            layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-
-        def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.linear(x, layer.weight, layer.bias)
+        create_weights = UnquantizedMethod.create_weights
+        apply = UnquantizedMethod.apply
 
     def register_quant_methods(register: Any) -> None:
         register("plain", lambda config, quantization_config: PlainMethod())
