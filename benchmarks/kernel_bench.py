@@ -94,8 +94,8 @@ def prefill_case(batch: int, query_len: int, context: int, iters: int) -> dict[s
     starts = torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32, device="cuda")
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    ms = graph_ms_per_call(lambda _: prefill_attention(q, k_cache, v_cache, tables, starts, lens, query_len,
-                                                       HEAD_DIM ** -0.5, out=out), 16, iters)
+    ms = graph_ms_per_call(lambda _: prefill_attention(q, k_cache, v_cache, tables, starts, lens, HEAD_DIM ** -0.5,
+                                                       out=out), 16, iters)
     keys_attended = batch * sum(context - query_len + i + 1 for i in range(query_len))  # causal
     flop = 4 * Q_HEADS * HEAD_DIM * keys_attended  # q.k and p.v, 2 flop per multiply-add
     row: dict[str, float | int | str] = {"kernel": "prefill_attention", "dtype": "bfloat16", "batch": batch,

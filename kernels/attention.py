@@ -206,15 +206,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ---------------------------------------------------------------- prefill / extend (ragged, mixed batches)
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-                    qk_scale, k_scale_ptr, v_scale_ptr,
+                    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
                     KV_SCALED: tl.constexpr):
-    b = tl.program_id(0)
+    # One program per (tile, KV head). Sequence b owns tiles [first(b), first(b + 1)) with first(b) =
+    # query_start[b] // TOKENS + b: at least cdiv(its query length, TOKENS) of them, the surplus idle, so the grid
+    # (tokens // TOKENS + num_seqs tiles) depends on shapes alone and a CUDA graph may hold it for any batch.
+    tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    tok0 = tl.program_id(2) * TOKENS
+    lo = tile * 0  # binary search for the last b with first(b) <= tile (first() strictly increases); int32
+    hi_seq = lo + num_seqs  # tensors, not literals: a loop-carried value keeps its type (num_seqs may be a constant)
+    while hi_seq - lo > 1:
+        mid = (lo + hi_seq) // 2
+        if tl.load(query_start_ptr + mid) // TOKENS + mid <= tile:
+            lo = mid
+        else:
+            hi_seq = mid
+    b = lo
+    tok0 = (tile - tl.load(query_start_ptr + b) // TOKENS - b) * TOKENS
     if KV_SCALED:  # fp8 cache: dequantization scales of this KV head
         qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
         v_scale = tl.load(v_scale_ptr + kvh)
@@ -265,14 +277,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, qu
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      query_start: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, scale: float, *,
+                      query_start: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                       block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
                       num_warps: int | None = None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged causal attention over the paged cache: q [T, Hq, D] -> out [T, Hq, D].
 
     Sequence i's queries are rows ``query_start[i]:query_start[i+1]`` at positions ending at ``context_lens[i] - 1``;
-    their own K/V must already be in the cache. Any mix of query lengths (decode = 1) is fine.
+    their own K/V must already be in the cache. Any mix of query lengths (decode = 1) is fine. The launch grid
+    depends on T and B alone, so padded inputs replay in a CUDA graph: rows after ``query_start[B]`` and sequences
+    of query length 0 compute nothing, and their output rows are left as they were.
     ``k_scale``/``v_scale`` (fp32 [Hkv]) dequantize an fp8 cache.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -288,8 +302,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m = max(block_m, triton.next_power_of_2(group))
     tokens = block_m // group
     num_warps = num_warps or (4 if head_dim <= 64 else 8)  # fp32 q/acc tiles: keep registers per thread bounded
-    _prefill_kernel[(batch, num_kv_heads, triton.cdiv(max_query_len, tokens))](
+    _prefill_kernel[(num_tokens // tokens + batch, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * LOG2E, *_scales(k_scale, v_scale, q),
+        batch,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -114,7 +114,7 @@ def test_strided_metadata_is_refused_not_misread(device: torch.device) -> None:
         args = [lens, tables, starts]
         args[bad] = every_other(args[bad])
         with pytest.raises(ValueError, match="contiguous"):
-            attn.prefill_attention(q, k_cache, v_cache, args[1], args[2], args[0], 1, 0.25)
+            attn.prefill_attention(q, k_cache, v_cache, args[1], args[2], args[0], 0.25)
     with pytest.raises(ValueError, match="contiguous"):
         attn.store_kv(k, k, k_cache, v_cache, every_other(torch.tensor([1, 2], device=device)))
     positions, cos = torch.tensor([0, 1], device=device), torch.randn(8, 8, device=device)
@@ -122,7 +122,7 @@ def test_strided_metadata_is_refused_not_misread(device: torch.device) -> None:
                  (positions, cos, every_other(cos))):
         with pytest.raises(ValueError, match="contiguous"):
             ops.rotary_embedding(args[0], q.clone(), k.clone(), args[1], args[2])
-    attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 1, 0.25)  # the contiguous originals run
+    attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.25)  # the contiguous originals run
 
 
 # ---------------------------------------------------------------- prefill / extend
@@ -139,10 +139,37 @@ def test_prefill_attention(device: torch.device, dtype: torch.dtype, group: int,
     starts = torch.tensor([0] + query, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
     lens = torch.tensor(context, dtype=torch.int32, device=device)
     q = torch.randn(sum(query), kv_heads * group, head_dim, dtype=dtype, device=device)
-    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, max(query), 0.2, block_m=block_m,
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.2, block_m=block_m,
                                  block_n=32)
     ref = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2)
     torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_prefill_attention_skips_padding(device: torch.device, block_m: int) -> None:
+    """A CUDA graph's padded step: more rows than sequences (query length 0, context 0, stale tables) and tokens
+    after the last sequence's. Real rows equal the unpadded call's; padding rows are not written."""
+    torch.manual_seed(5)
+    kv_heads, group, head_dim, page = 2, 2, 16, 8
+    query, context = [3, 1, 18], [10, 33, 18]
+    k_cache, v_cache = paged_cache(16, page, kv_heads, head_dim, torch.float32, device)
+    tables = block_tables_for(context, page, 16, device)
+    starts = torch.tensor([0, 3, 4, 22], dtype=torch.int32, device=device)  # query lengths 3, 1, 18
+    assert starts.diff().tolist() == query
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(22, kv_heads * group, head_dim, device=device)
+    want = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.3, block_m=block_m, block_n=16)
+    pad_tokens, pad_rows = 35, 6  # a graph of 57 tokens and 9 rows
+    q_pad = torch.cat([q, torch.randn(pad_tokens, *q.shape[1:], device=device)])
+    tables_pad = torch.cat([tables, torch.randint(0, 16, (pad_rows, tables.shape[1]), dtype=torch.int32,
+                                                  device=device)])
+    starts_pad = torch.cat([starts, torch.full((pad_rows,), 22, dtype=torch.int32, device=device)])
+    lens_pad = torch.cat([lens, torch.zeros(pad_rows, dtype=torch.int32, device=device)])
+    out = torch.full_like(q_pad, 7.0)
+    attn.prefill_attention(q_pad, k_cache, v_cache, tables_pad, starts_pad, lens_pad, 0.3, block_m=block_m,
+                           block_n=16, out=out)
+    torch.testing.assert_close(out[:22], want, atol=0, rtol=0)
+    assert bool((out[22:] == 7.0).all())
 
 
 def test_attention_head_dim_not_a_power_of_two(device: torch.device) -> None:
@@ -156,7 +183,7 @@ def test_attention_head_dim_not_a_power_of_two(device: torch.device) -> None:
     torch.testing.assert_close(out, attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.2))
     starts = torch.tensor([0, 2, 7], dtype=torch.int32, device=device)
     q = torch.randn(7, 2, 40, device=device)
-    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 5, 0.2)
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.2)
     torch.testing.assert_close(out, attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2))
 
 

@@ -67,8 +67,8 @@ def record(kernel: object, launches: list[dict]) -> None:
         signature, constexprs = {}, {}
         for p in params:
             value = bound[p.name]
-            if "constexpr" in str(p.annotation) or value is None:
-                signature[p.name], constexprs[p.name] = "constexpr", value
+            if "constexpr" in str(p.annotation) or value is None or (type(value) is int and value == 1):
+                signature[p.name], constexprs[p.name] = "constexpr", value  # Triton specializes an int 1 so
             elif isinstance(value, torch.Tensor):
                 signature[p.name] = "*" + TYPES[value.dtype]
             elif isinstance(value, float):
@@ -91,7 +91,9 @@ def anchor_launches(dtype: torch.dtype) -> None:
     for cache, scales in ((kc, {}), (k8, {"k_scale": scale, "v_scale": scale})):
         attention.decode_attention(q, cache, cache, tables, lens, 0.125, 2, **scales)
         attention.prefill_attention(torch.randn(6, HEADS, HEAD_DIM, dtype=dtype), cache, cache, tables,
-                                    torch.tensor([0, 3, 6], dtype=torch.int32), lens, 3, 0.125, **scales)
+                                    torch.tensor([0, 3, 6], dtype=torch.int32), lens, 0.125, **scales)
+        attention.prefill_attention(torch.randn(6, HEADS, HEAD_DIM, dtype=dtype), cache, cache, tables[:1],
+                                    torch.tensor([0, 6], dtype=torch.int32), lens[:1], 0.125, **scales)  # B = 1
     kv = torch.randn(3, KV_HEADS, HEAD_DIM, dtype=dtype)
     attention.store_kv(kv, kv, kc, kc.clone(), torch.arange(3))
     x = torch.randn(2, HIDDEN, dtype=dtype)

@@ -737,7 +737,7 @@ def test_attention_kernels_read_fp8_caches(group: int) -> None:
     ref = kernels.paged_attention_ref(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["query_start"],
                                       c["context_lens"], 0.2, **scales)
     out = kernels.prefill_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["query_start"],
-                                    c["context_lens"], 5, 0.2, **scales)
+                                    c["context_lens"], 0.2, **scales)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     q_dec = c["q"][[4, 5, 6]]  # the last query token of each sequence
     dec = kernels.decode_attention(q_dec, c["k_cache"], c["v_cache"], c["tables"], c["context_lens"], 0.2, 2,
@@ -746,7 +746,7 @@ def test_attention_kernels_read_fp8_caches(group: int) -> None:
     dense_k = (c["k_cache"].float() * c["k_scale"][:, None]).contiguous()  # dequantized by hand: same result
     dense_v = (c["v_cache"].float() * c["v_scale"][:, None]).contiguous()
     plain = kernels.prefill_attention(c["q"], dense_k, dense_v, c["tables"], c["query_start"], c["context_lens"],
-                                      5, 0.2)
+                                      0.2)
     torch.testing.assert_close(out, plain, atol=2e-5, rtol=2e-5)
 
 
