@@ -11,8 +11,9 @@
 #   COPY_GBPS=N DEADLINE_S=T bash benchmarks/gpu_check.sh STAGE...   the stages left; COPY_GBPS: the first call's
 #                                       measured copy bandwidth
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
-# step; Chrome traces in the logs). anchor measures infer (with and without async scheduling) on the anchor workload and single stream, then HF
-# continuous batching; hfstatic adds HF generate (static batches) and HF single stream to the same table.
+# step; Chrome traces in the logs). anchor measures infer (with and without async scheduling) on the anchor
+# workload and single stream, then HF continuous batching; hfstatic adds HF generate (static batches) and HF single
+# stream to the same table.
 # The device tool sets $OUT; elsewhere a temp folder is used.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -112,15 +113,20 @@ if want quant; then  # issue 5; the sweep times the reworked AWQ kernel's tiles 
   stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py --awq-sweep
 fi
 
-if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x); then the
-  # same in float32, where the outputs should match (half of them differed in bf16 in the first run)
+if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x), and with
+  # prefill steps run eagerly (C: the first run's prefill steps cost ~8 ms whatever their size); then the same in
+  # float32, where the outputs should match (half of them differed in bf16 in the first run); then a 3,500-token
+  # prompt arriving among 16 decodes, whole against chunked (target: p99 TPOT <= 1.5x the steady TPOT)
   build_anchor
   shared=(bench --workload shared-prefix --num-requests 32 --prefix-len 1000 --question-len 100 --output-len 16
-          --rate 16 --ab "" "--no-prefix-caching")
-  stage "shared-prefix" shared_prefix.log 50 $PY -m infer.cli --model "$MODEL" "${shared[@]}" --repeats 3 \
-    --out "$WORK/shared_prefix"
+          --rate 16)
+  stage "shared-prefix" shared_prefix.log 75 $PY -m infer.cli --model "$MODEL" "${shared[@]}" --repeats 3 \
+    --ab "" "--no-prefix-caching" "--cuda-graph-max-tokens 0" --out "$WORK/shared_prefix"
   stage "shared-prefix fp32" shared_prefix_fp32.log 50 $PY -m infer.cli --model "$MODEL" --dtype float32 \
-    "${shared[@]}" --repeats 1 --out "$WORK/shared_prefix_fp32"
+    "${shared[@]}" --ab "" "--no-prefix-caching" --repeats 1 --out "$WORK/shared_prefix_fp32"
+  stage "long-prompt" long_prompt.log 50 $PY -m infer.cli --model "$MODEL" bench --workload long-prompt-arrival \
+    --num-requests 16 --long-len 3500 --output-len 64 --repeats 2 --out "$WORK/long_prompt" \
+    --ab "--scheduler continuous" "--scheduler chunked-prefill --max-num-batched-tokens 256"
 fi
 
 if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the shipped pair; K = 4 again with
@@ -146,6 +152,8 @@ want prefix && [[ -s $WORK/shared_prefix/table.txt ]] && { echo; echo "== shared
                  grep -E "TTFT|hit rate|outputs =|^A:|^B:" "$WORK/shared_prefix/table.txt"; }
 want prefix && [[ -s $WORK/shared_prefix_fp32/table.txt ]] && { echo; echo "== shared prefix, float32 =="
                  grep -E "TTFT p50|outputs =" "$WORK/shared_prefix_fp32/table.txt"; }
+want prefix && [[ -s $WORK/long_prompt/table.txt ]] && { echo; echo "== long prompt among decodes =="
+                 grep -E "TPOT|ITL p99|TTFT p99|^A:|^B:" "$WORK/long_prompt/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 10
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
 want quant && show "quantization" quant_bench.log 22

@@ -7,10 +7,12 @@ host work. Each scenario runs three times: a warm-up (compiles, allocator, graph
 - decode-B for each B in --decode-batches: --steps decode steps of B sequences (CUDA graphs on a GPU).
 
 Per scenario: host ms per engine step (the wall time of ``Engine.step`` in an unprofiled run, with the engine's own
-phase split), device ms per step (the kernels' time in the profiled run), kernels per step, the profiled run's host
-time and the part of it inside torch ops and driver calls (the rest is Python), then the top kernels by device
-time and the top host ops by self CPU time. ``--out`` keeps a Chrome trace per scenario (open it in Perfetto).
-On a CPU the device columns are empty and the run only checks that the script works. Prints a table last.
+phase split), device ms per step (kernels' and copies' time in the profiled run), kernels and copies (memcpy,
+memset) per step, the profiled run's host time and the part of it inside torch ops and driver calls (the rest is
+Python), then the top kernels and copies by device time and the top host ops by self CPU time. Prefill and
+extend steps replay the mixed-step CUDA graphs by default (``--engine-arg cuda_graph_max_tokens=0``: eagerly).
+``--out`` keeps a Chrome trace per scenario (open it in Perfetto). On a CPU the device columns are empty and the
+run only checks that the script works. Prints a table last.
 """
 from __future__ import annotations
 
@@ -95,7 +97,9 @@ def summarize(name: str, times: list[float], phases: dict[str, float], cached: i
     """One scenario's row (host figures from the unprofiled run, device figures from the profiled one) and its top
     kernels and host ops, printed."""
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in device_ops if not e.key.startswith(("Memcpy", "Memset"))]
+    copies = [e for e in device_ops if e.key.startswith(("Memcpy", "Memset"))]
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     steps, profiled_steps = max(1, len(times)), max(1, len(profiled_times))
     row = {"scenario": name, "steps": len(times), "cached_tokens": cached,
@@ -103,14 +107,15 @@ def summarize(name: str, times: list[float], phases: dict[str, float], cached: i
            "host_ms_profiled": round(1e3 * sum(profiled_times) / profiled_steps, 3),
            # time inside torch ops and driver calls; the rest of a profiled step is Python
            "ops_ms_profiled": round(sum(e.self_cpu_time_total for e in host) / 1e3 / profiled_steps, 3),
-           "device_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3 / profiled_steps, 3)
-           if kernels else None,
-           "kernels_per_step": round(sum(e.count for e in kernels) / profiled_steps, 1) if kernels else None,
+           "device_ms": round(sum(e.self_device_time_total for e in device_ops) / 1e3 / profiled_steps, 3)
+           if device_ops else None,
+           "kernels_per_step": round(sum(e.count for e in kernels) / profiled_steps, 1) if device_ops else None,
+           "copies_per_step": round(sum(e.count for e in copies) / profiled_steps, 1) if device_ops else None,
            **{f"{p}_ms": round(1e3 * s, 3) for p, s in phases.items()}}
     print(f"\n== {name}: {json.dumps(row)}")
-    if kernels:
-        print("top kernels by device time (us per step, calls per step):")
-        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+    if device_ops:
+        print("top kernels and copies by device time (us per step, calls per step):")
+        for e in sorted(device_ops, key=lambda e: -e.self_device_time_total)[:top]:
             print(f"  {e.self_device_time_total / profiled_steps:9.1f}  {e.count / profiled_steps:6.1f}  {e.key[:100]}")
     print("top host ops by self CPU time (us per step, calls per step):")
     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]:
@@ -170,10 +175,10 @@ def main() -> None:
                 args.out.mkdir(parents=True, exist_ok=True)
                 prof.export_chrome_trace(str(args.out / f"{name}.trace.json"))
     print(f"\n{args.preset} model on {device}; ms per engine step (host: Engine.step wall time; device: kernel time)")
-    print(f"| scenario | steps | host | device | kernels | host, profiled | in ops | {' | '.join(PHASES)} |")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(PHASES))
+    print(f"| scenario | steps | host | device | kernels | copies | host, profiled | in ops | {' | '.join(PHASES)} |")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES))
     for r in rows:
-        cells = [r["scenario"], r["steps"], r["host_ms"], r["device_ms"], r["kernels_per_step"],
+        cells = [r["scenario"], r["steps"], r["host_ms"], r["device_ms"], r["kernels_per_step"], r["copies_per_step"],
                  r["host_ms_profiled"], r["ops_ms_profiled"],
                  *(r[f"{p}_ms"] for p in PHASES)]
         print("| " + " | ".join("n/a" if c is None else str(c) for c in cells) + " |")

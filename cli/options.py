@@ -46,7 +46,11 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--seed", type=int, default=None, help="Seed of unseeded sampling, in [0, 2**63) [default: 0]."),
     click.option("--cpu-threads", type=int, default=None,
                  help="torch intra-op threads on CPU [default: torch's]; 1 is fastest for tiny models on a busy host."),
-    click.option("--no-cuda-graphs", is_flag=True, default=False, help="Run decode steps eagerly on CUDA."),
+    click.option("--no-cuda-graphs", is_flag=True, default=False, help="Run every step eagerly on CUDA."),
+    click.option("--cuda-graph-max-tokens", type=int, default=None, metavar="N",
+                 help="Prefill and mixed steps of up to N tokens replay CUDA graphs (padded to the next of a ladder "
+                      "of token counts) where the attention backend can; 0: they run eagerly [default: 2048, or "
+                      "--max-num-batched-tokens when smaller]."),
     click.option("--fused-ops/--no-fused-ops", default=None,
                  help="Fused Triton kernels for the model's norms, rotary and SiLU-and-mul [default: on with CUDA]."),
     click.option("--fuse-projections/--no-fuse-projections", default=None,
@@ -106,6 +110,7 @@ FIELD_OF_OPTION = {
     "block_size": "block_size", "num_kv_blocks": "num_kv_blocks", "kv_cache_memory_gb": "kv_cache_memory_gb",
     "kv_cache_dtype": "kv_cache_dtype",
     "seed": "seed", "cpu_threads": "cpu_threads", "fused_ops": "fused_ops",
+    "cuda_graph_max_tokens": "cuda_graph_max_tokens",
     "fuse_projections": "fuse_projections", "async_output": "async_output",
     "async_scheduling": "async_scheduling",
     "freeze_gc": "freeze_gc",

@@ -66,7 +66,12 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
                          kv_dtype=kv_dtype, kv_scales=kv_scales)
     if config.cuda_graphs and loaded.device.type == "cuda":
         if attention.supports_cuda_graphs:
-            runner.enable_cuda_graphs(min(config.max_num_seqs, 256), verify_graph_sizes(config))
+            mixed = config.mixed_graph_tokens() if attention.supports_mixed_cuda_graphs else 0
+            if config.cuda_graph_max_tokens and not mixed:
+                log.warning("--cuda-graph-max-tokens is ignored: attention backend %r cannot capture mixed steps, "
+                            "so they run eagerly", config.attention)
+            runner.enable_cuda_graphs(min(config.max_num_seqs, 256), verify_graph_sizes(config),
+                                      mixed_tokens=mixed, mixed_rows=config.max_num_seqs)
         else:
             log.info("CUDA graphs are off: attention backend %r does not support them", config.attention)
     return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer)

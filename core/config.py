@@ -14,6 +14,7 @@ from .errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
+DEFAULT_MIXED_GRAPH_TOKENS = 2048
 TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
@@ -61,6 +62,11 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     draft_model: str | None = None
     cuda_graphs: bool = True
+    # Steps that decode graphs do not take (prefill chunks, prefills beside decodes) of up to this many tokens
+    # replay CUDA graphs too (one per token count of a ladder; padded to the next), where the attention backend
+    # supports it; 0: they run eagerly. None: 2048, or max_num_batched_tokens when smaller. Larger steps run eagerly
+    # (their GEMMs outlast the host's kernel launches).
+    cuda_graph_max_tokens: int | None = None
     fused_ops: bool | None = None  # Triton norms/rotary/SiLU-and-mul in the model; None: on when it runs on CUDA
     # q/k/v and gate/up projections merged into one GEMM each after loading, where the quant method can merge them
     # (fewer, larger GEMMs: fewer kernels per step). None: on when the model runs on CUDA
@@ -111,6 +117,9 @@ class EngineConfig:
             raise ConfigError(f"block-size must be a power of two <= 256, got {self.block_size}")
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
+        if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 0:
+            raise ConfigError(f"cuda-graph-max-tokens must be >= 0 (0: no graphs for prefill and mixed steps), got "
+                              f"{self.cuda_graph_max_tokens}")
         if self.cpu_threads is not None:
             positive("cpu_threads")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
@@ -150,6 +159,11 @@ class EngineConfig:
         if self.proposer is not None and self.num_speculative_tokens == 0:
             raise ConfigError(f"proposer {self.proposer!r} needs --num-speculative-tokens K with K >= 1")
         return self
+
+    def mixed_graph_tokens(self) -> int:
+        """The largest prefill or mixed step captured in a CUDA graph (0: none)."""
+        limit = DEFAULT_MIXED_GRAPH_TOKENS if self.cuda_graph_max_tokens is None else self.cuda_graph_max_tokens
+        return min(limit, self.max_num_batched_tokens) if self.cuda_graphs else 0
 
     def async_scheduling_on(self, device_type: str) -> bool:
         """Whether steps are scheduled ahead on a model placed on ``device_type`` ("cuda", "cpu")."""

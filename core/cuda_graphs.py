@@ -1,5 +1,6 @@
 """CUDA graphs for decode and verification steps: one graph per (batch size of a ladder, query length), replayed
-with padded static inputs.
+with padded static inputs; and for the other steps (prefill chunks, mixed batches) up to a token count, one graph
+per token count of a ladder (:class:`MixedGraphs`).
 
 A step qualifies when every scheduled sequence runs the same number of query tokens ``q`` (1 for a decode; K + 1
 when speculative decoding verifies K drafts after each sequence's last token), ``q`` was captured, and the batch
@@ -24,8 +25,9 @@ BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 def static_meta(attention: AttentionBackend, q: int, slots: torch.Tensor, block_tables: torch.Tensor,
                 query_start: torch.Tensor, context_lens: torch.Tensor, max_model_len: int, block_size: int
                 ) -> AttentionMetadata:
-    """The metadata of a captured step over static buffers: ``q`` query tokens for each row of ``block_tables``,
-    planned by the backend for the longest context, so that the plan is valid for any context a replay has."""
+    """The metadata of a captured step over static buffers: ``q`` query tokens for each row of ``block_tables``
+    (a mixed step: at most ``q``), planned by the backend for the longest context, so that the plan is valid for
+    any context a replay has."""
     rows = block_tables.shape[0]
     meta = AttentionMetadata(
         slot_mapping=slots, block_tables=block_tables, query_start=query_start, context_lens=context_lens,
@@ -73,8 +75,8 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        pool = None
+    def capture(self, pool: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        """Capture every graph (into ``pool``, a graph memory pool, when given); return the pool."""
         for q, sizes in sorted(self.sizes.items()):
             for size in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
                 meta = self.metas[size, q] = self._meta(size, q)
@@ -90,6 +92,7 @@ class DecodeGraphs:
                 self.graphs[size, q] = (graph, logits)
         if not self.eager:
             torch.cuda.synchronize()
+        return pool
 
     def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         batch, q = len(meta.query_lens_cpu), meta.max_query_len
@@ -114,3 +117,89 @@ class DecodeGraphs:
         graph, logits = self.graphs[size, q]
         graph.replay()
         return logits[:tokens]
+
+
+def mixed_token_sizes(max_tokens: int) -> list[int]:
+    """The token counts :class:`MixedGraphs` captures: 16 to 128 by doubling, then multiples of 256, then
+    ``max_tokens`` itself (a step is padded to the next, so padding stays under 256 tokens)."""
+    ladder = [16, 32, 64, 128, *range(256, max_tokens, 256)]
+    return [t for t in ladder if t < max_tokens] + [max_tokens]
+
+
+class MixedGraphs:
+    """Graphs for steps of any shape up to ``max_tokens`` tokens (prefill chunks, prefills beside decodes): one per
+    token count of :func:`mixed_token_sizes`, for up to ``min(tokens, max_rows)`` sequences. A step is padded to the
+    next token count: its sequences, then rows of query length 0 and context 0; its tokens, then tokens that store
+    nothing (slot -1) and that no sequence owns. The hidden states are returned; the runner computes the logits of
+    the sampling rows eagerly. Only for backends that declare ``supports_mixed_cuda_graphs``. ``eager=True`` runs
+    the padded forward pass uncaptured (tests on any device)."""
+
+    def __init__(self, model: Model, attention: AttentionBackend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, max_tokens: int, max_rows: int, device: torch.device, eager: bool = False) -> None:
+        self.model, self.attention, self.kv_caches = model, attention, kv_caches
+        self.block_size, self.eager, self.max_rows = block_size, eager, max_rows
+        self.max_model_len = model.spec.max_model_len
+        self.sizes = mixed_token_sizes(max_tokens)
+        rows = self.rows(max_tokens)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(rows, -(-self.max_model_len // block_size), dtype=torch.int32, device=device)
+        self.query_start = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.metas: dict[int, AttentionMetadata] = {}
+        self.replays = 0
+
+    def rows(self, tokens: int) -> int:
+        return min(tokens, self.max_rows)  # each sequence of a step has a token at least
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self.attention,
+                          self.metas[size])
+
+    @torch.inference_mode()
+    def capture(self, pool: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        """Capture every graph (into ``pool`` when given; largest first, so the smaller ones reuse its memory)."""
+        for size in reversed(self.sizes):
+            rows = self.rows(size)
+            self.metas[size] = static_meta(self.attention, size, self.slots[:size], self.block_tables[:rows],
+                                           self.query_start[: rows + 1], self.context_lens[:rows],
+                                           self.max_model_len, self.block_size)
+            if self.eager:
+                self.graphs[size] = (None, None)
+                continue
+            self._forward(size)  # warm up (every row has query length 0: attention computes nothing)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, hidden)
+        if not self.eager:
+            torch.cuda.synchronize()
+        return pool
+
+    def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        return num_tokens <= self.sizes[-1] and len(meta.query_lens_cpu) <= self.rows(num_tokens)
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's T tokens."""
+        tokens, batch = input_ids.shape[0], len(meta.query_lens_cpu)
+        size = next(s for s in self.sizes if s >= tokens)
+        rows = self.rows(size)
+        self.replays += 1
+        self.input_ids[:tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:tokens].copy_(positions, non_blocking=True)
+        self.slots[:tokens].copy_(meta.slot_mapping, non_blocking=True)
+        self.slots[tokens:size].fill_(-1)
+        self.query_start[: batch + 1].copy_(meta.query_start, non_blocking=True)
+        self.query_start[batch + 1 : rows + 1].fill_(tokens)
+        self.context_lens[:batch].copy_(meta.context_lens, non_blocking=True)
+        self.context_lens[batch:rows].fill_(0)
+        self.block_tables[:batch, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        graph, hidden = self.graphs[size]
+        if graph is None or hidden is None:
+            return self._forward(size)[:tokens]
+        graph.replay()
+        return hidden[:tokens]

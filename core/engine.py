@@ -84,7 +84,9 @@ class Engine:
                  spec.max_model_len, self.num_blocks, config.block_size, str(self.kv_dtype).removeprefix("torch."),
                  self.num_blocks * parts.bytes_per_block / 2**20,
                  ", ".join(f"{k} {v}" for k, v in self.active.items()),
-                 "on" if self.runner.graphs is not None else "off", "on" if self.async_output else "off",
+                 "off" if self.runner.graphs is None else "on" if self.runner.mixed_graphs is None else
+                 f"on (mixed steps up to {self.runner.mixed_graphs.sizes[-1]} tokens)",
+                 "on" if self.async_output else "off",
                  "on" if self.async_scheduling else "off")
 
     # ------------------------------------------------------------ requests

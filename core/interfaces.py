@@ -294,6 +294,11 @@ class AttentionBackend(ABC):
     # True when a decode-only forward does no host sync and its shapes do not depend on context lengths, so
     # that the runner may capture it in a CUDA graph (with metadata planned for the longest context).
     supports_cuda_graphs: bool = False
+    # True when, beyond that, a mixed batch's forward has shapes that depend only on the token count and the
+    # metadata tensors' lengths, and it skips padding: rows of query length 0 and context 0 after the real
+    # sequences (stale block tables), tokens after ``query_start[B]`` (slot -1; their output rows may hold
+    # anything). Then prefill and mixed steps are captured too (``--cuda-graph-max-tokens``).
+    supports_mixed_cuda_graphs: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> Any:
         """Once per step, before any layer: precompute what every layer shares (indices, masks, splits)."""

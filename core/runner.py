@@ -15,7 +15,7 @@ from .sampling import PendingSample, Sampler, SampleResult, to_device
 from .staging import Uploader
 
 if TYPE_CHECKING:
-    from .cuda_graphs import DecodeGraphs
+    from .cuda_graphs import DecodeGraphs, MixedGraphs
 
 
 PENDING_TOKEN = -1  # async scheduling: a sampled token not read back yet, in Sequence.token_ids
@@ -113,6 +113,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.uploader = Uploader(device)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # advance: B -> (query_start, sample_rows)
 
     @staticmethod
@@ -235,9 +236,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
         """The forward pass of a prepared batch: float32 logits of its sampling rows."""
-        if self.graphs is not None and self.graphs.fits(batch.meta, batch.input_ids.shape[0]):
+        num_tokens = batch.input_ids.shape[0]
+        if self.graphs is not None and self.graphs.fits(batch.meta, num_tokens):
             return self.graphs.replay(batch.input_ids, batch.positions, batch.meta)[batch.sample_rows]
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(batch.meta, num_tokens):
+            hidden = self.mixed_graphs.replay(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
         return self.model.compute_logits(hidden[batch.sample_rows])
 
     def advance(self, batch: Batch, next_ids: torch.Tensor) -> Batch:
@@ -260,16 +265,25 @@ class ModelRunner:
         step.backend_data = self.attention.prepare(step)
         return Batch(next_ids, positions, step, sample_rows, batch.sample_seq_ids, [0] * rows)
 
-    def enable_cuda_graphs(self, max_batch: int, query_lens: dict[int, int] | None = None,
-                           eager: bool = False) -> None:
+    def enable_cuda_graphs(self, max_batch: int, query_lens: dict[int, int] | None = None, eager: bool = False,
+                           mixed_tokens: int = 0, mixed_rows: int = 0) -> None:
         """Capture graphs for decode steps of up to ``max_batch`` sequences and, in ``query_lens`` (query length ->
-        largest batch), for steps whose sequences all run that many query tokens (speculative verification).
-        ``eager`` runs the padded forward pass without capturing (tests on any device)."""
-        from .cuda_graphs import DecodeGraphs
+        largest batch), for steps whose sequences all run that many query tokens (speculative verification); with
+        ``mixed_tokens``, for any other step of up to that many tokens and ``mixed_rows`` sequences (the backend
+        must support mixed graphs). ``eager`` runs the padded forward pass without capturing (tests on any device)."""
+        from .cuda_graphs import DecodeGraphs, MixedGraphs
 
+        pool = None
+        if mixed_tokens:
+            if not self.attention.supports_mixed_cuda_graphs:
+                raise PluginError(f"attention backend {type(self.attention).__name__} does not support CUDA graphs "
+                                  "of mixed steps; use --cuda-graph-max-tokens 0")
+            self.mixed_graphs = MixedGraphs(self.model, self.attention, self.kv_caches, self.block_size, mixed_tokens,
+                                            mixed_rows or max_batch, self.device, eager=eager)
+            pool = self.mixed_graphs.capture()  # first: the largest activations, which the decode graphs reuse
         self.graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, self.block_size, max_batch,
                                    self.device, {1: max_batch, **(query_lens or {})}, eager=eager)
-        self.graphs.capture()
+        self.graphs.capture(pool)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences)."""

@@ -21,13 +21,13 @@ class TritonPlan:
     all_decode: bool  # every sequence has query_len 1: the split-K decode kernel runs
     batch: int
     max_context_len: int
-    max_query_len: int
 
 
 class TritonAttentionBackend(AttentionBackend):
     """store_kv, then split-K decode when all query lengths are 1, else the ragged prefill/extend kernel."""
 
     supports_cuda_graphs = True
+    supports_mixed_cuda_graphs = True  # the prefill kernel's grid depends on T and B only
 
     def __init__(self, kernels: ModuleType, num_sms: int) -> None:
         self.kernels = kernels
@@ -36,7 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> TritonPlan:
         batch = len(meta.query_lens_cpu)
         return TritonPlan(all_decode=meta.max_query_len == 1 and sum(meta.query_lens_cpu) == batch,
-                          batch=batch, max_context_len=meta.max_context_len, max_query_len=meta.max_query_len)
+                          batch=batch, max_context_len=meta.max_context_len)
 
     def num_splits(self, plan: TritonPlan, num_kv_heads: int) -> int:
         """Decode grid's split count: a pure function of the plan and the layer's KV heads (constant per model)."""
@@ -56,8 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
                                                  self.num_splits(plan, k_cache.shape[2]), k_scale=k_scale,
                                                  v_scale=v_scale)
         return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
-                                              meta.context_lens, plan.max_query_len, scale, k_scale=k_scale,
-                                              v_scale=v_scale)
+                                              meta.context_lens, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 def create_backend(config: EngineConfig) -> TritonAttentionBackend:

@@ -455,6 +455,7 @@ def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, mess
     ({"swap_space_gb": None}, "swap-space-gb (swap_space_gb=) must be a finite number, got None"),
     ({"plugin_options": {"awq": 3}}, "plugin-options maps a namespace to a dict of options"),
     ({"seed": -1}, "seed must be in [0, 2**63), got -1"),
+    ({"cuda_graph_max_tokens": -1}, "cuda-graph-max-tokens must be >= 0 (0: no graphs for prefill and mixed steps)"),
 ])
 def test_bad_llm_options_are_config_errors_naming_them(tiny_model, options, message):
     from infer import LLM
