@@ -7,7 +7,7 @@
 # cut to the time left, a stage with too little left is not started, and the summary's last line names the stages
 # still to run, for a second call on the still-warm machine (a machine idle for 30 s goes back, Triton's cache and
 # the model folders with it):
-#   bash benchmarks/gpu_check.sh        tests kernels profile anchor quant prefix spec host hfstatic
+#   bash benchmarks/gpu_check.sh        tests kernels profile anchor prefix spec quant host hfstatic
 #   COPY_GBPS=N DEADLINE_S=T bash benchmarks/gpu_check.sh STAGE...   the stages left; COPY_GBPS: the first call's
 #                                       measured copy bandwidth
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STAGES=${*:-tests kernels profile anchor quant prefix spec host hfstatic}
+STAGES=${*:-tests kernels profile anchor prefix spec quant host hfstatic}
 DEADLINE=${DEADLINE_S:-570}
 # logs, outside $OUT (only summary.txt and logs.tgz go there), kept on the machine for a second call: its
 # hfstatic stage reads the anchor stage's figures, and its logs.tgz holds both calls' logs
@@ -82,8 +82,10 @@ fi
 
 copy_gbps=${COPY_GBPS:-4120}
 if want kernels; then
-  # the engine's split count, then a sweep (the first run's 3 splits at batch 32 reached 67% of copy at 32k)
-  stage "kernel bench" kernel_bench.jsonl 60 $PY benchmarks/kernel_bench.py --splits 0 8 16 32 64
+  # the engine's split count, then a sweep (the first run's 3 splits at batch 32 reached 67% of copy at 32k);
+  # batch 128 at 512 tokens is the anchor's early decode steps
+  stage "kernel bench" kernel_bench.jsonl 90 $PY benchmarks/kernel_bench.py --splits 0 8 16 32 64 \
+    --batch 1 32 128 --context 512 4096 32768
   copy_gbps=$($PY -c "import json
 for line in open('$WORK/kernel_bench.jsonl'):
     if not line.startswith('{'): continue  # stderr shares the log
@@ -109,10 +111,6 @@ if want anchor; then  # infer (the CUDA defaults; without async scheduling; with
     --extra-arm=--no-fuse-projections --hf cb
 fi
 
-if want quant; then  # issue 5; the sweep times the reworked AWQ kernel's tiles and split-K at M = 1 and 16
-  stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py --awq-sweep
-fi
-
 if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x), and with
   # prefill steps run eagerly (C: the first run's prefill steps cost ~8 ms whatever their size); then the same in
   # float32, where the outputs should match (half of them differed in bf16 in the first run); then a 3,500-token
@@ -134,6 +132,10 @@ if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the
   stage "spec_bench" spec_bench.log 100 $PY benchmarks/spec_bench.py --device cuda --repeats 2 --step-by-step-ks 4
 fi
 
+if want quant; then  # issue 5; the sweep times the reworked AWQ kernel's tiles and split-K at M = 1 and 16
+  stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py --awq-sweep
+fi
+
 if want host; then  # host time per output token by engine phase, on a minuscule model
   stage "host_overhead" host_overhead.log 60 $PY benchmarks/host_overhead.py --device cuda \
     --json "$WORK/host_overhead.json"
@@ -145,7 +147,28 @@ if want hfstatic; then  # HF generate (static batches of 32) and HF single strea
 fi
 
 show() { [[ -s $WORK/$2 ]] && { echo; echo "== $1 =="; tail -"$3" "$WORK/$2"; }; }
-want kernels && show "attention kernels (decode GB/s vs copy; prefill TFLOP/s vs SDPA)" kernel_bench.jsonl 24
+want kernels && [[ -s $WORK/kernel_bench.jsonl ]] && { echo; echo "== attention kernels =="
+  $PY - "$WORK/kernel_bench.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+best = {}
+for r in rows:
+    if r.get("kernel") == "decode_attention":
+        key = (r["batch"], r["context"])
+        if r.get("splits_chosen_by") == "engine":
+            best.setdefault(key, {})["engine"] = r
+        if r["fraction_of_copy"] > best.setdefault(key, {}).get("best", {"fraction_of_copy": -1})["fraction_of_copy"]:
+            best[key]["best"] = r
+for (batch, context), pair in sorted(best.items()):
+    e, b = pair.get("engine", {}), pair["best"]
+    print(f"decode b{batch} ctx{context}: engine {e.get('num_splits')} splits {e.get('gbps')} GB/s "
+          f"({e.get('fraction_of_copy')} of copy); best {b['num_splits']} splits {b['fraction_of_copy']}")
+for r in rows:
+    if r.get("kernel") == "prefill_attention":
+        print(f"prefill b{r['batch']} q{r['query_len']} ctx{r['context']}: {r['tflops']} TFLOP/s"
+              + (f", SDPA {r['sdpa_tflops']}" if "sdpa_tflops" in r else ""))
+PY
+}
 want profile && show "ms per engine step (profile_steps.py)" profile.log 7
 want anchor && show "anchor and single stream, infer against HF CB" anchor.log 10
 want prefix && [[ -s $WORK/shared_prefix/table.txt ]] && { echo; echo "== shared prefix (TTFT, hit rate) =="

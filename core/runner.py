@@ -273,7 +273,7 @@ class ModelRunner:
         must support mixed graphs). ``eager`` runs the padded forward pass without capturing (tests on any device)."""
         from .cuda_graphs import DecodeGraphs, MixedGraphs
 
-        pool = None
+        pool, self.mixed_graphs = None, None
         if mixed_tokens:
             if not self.attention.supports_mixed_cuda_graphs:
                 raise PluginError(f"attention backend {type(self.attention).__name__} does not support CUDA graphs "

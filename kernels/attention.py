@@ -206,26 +206,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ---------------------------------------------------------------- prefill / extend (ragged, mixed batches)
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-                    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs,
+                    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_tokens,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                    KV_SCALED: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+                    PRECISION: tl.constexpr, KV_SCALED: tl.constexpr):
     # One program per (tile, KV head). Sequence b owns tiles [first(b), first(b + 1)) with first(b) =
     # query_start[b] // TOKENS + b: at least cdiv(its query length, TOKENS) of them, the surplus idle, so the grid
-    # (tokens // TOKENS + num_seqs tiles) depends on shapes alone and a CUDA graph may hold it for any batch.
+    # (num_tokens // TOKENS + num_seqs tiles) depends on shapes alone and a CUDA graph may hold it for any batch.
+    # first() strictly increases, so b = (number of sequences with first(b) <= tile) - 1: one vector load.
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    lo = tile * 0  # binary search for the last b with first(b) <= tile (first() strictly increases); int32
-    hi_seq = lo + num_seqs  # tensors, not literals: a loop-carried value keeps its type (num_seqs may be a constant)
-    while hi_seq - lo > 1:
-        mid = (lo + hi_seq) // 2
-        if tl.load(query_start_ptr + mid) // TOKENS + mid <= tile:
-            lo = mid
-        else:
-            hi_seq = mid
-    b = lo
+    seqs = tl.arange(0, BLOCK_B)
+    firsts = tl.load(query_start_ptr + seqs, mask=seqs < num_seqs, other=2**30) // TOKENS + seqs
+    b = tl.sum((firsts <= tile).to(tl.int32), 0) - 1
     tok0 = (tile - tl.load(query_start_ptr + b) // TOKENS - b) * TOKENS
     if KV_SCALED:  # fp8 cache: dequantization scales of this KV head
         qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
@@ -272,8 +267,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, qu
         m = m_new
 
     o = acc * (v_scale / tl.where(l > 0, l, 1.0))[:, None]
+    # the last sequence's surplus tiles zero the tokens after query_start[B] (a padded step's), so that no
+    # uninitialized row reaches a layer that reduces over rows (a per-tensor activation scale)
+    padding_end = tl.where(b == num_seqs - 1, num_tokens, 0)
+    padding = (r < TOKENS * GROUP) & (tok >= q_len) & (q_start + tok < padding_end)
+    o = tl.where(row_mask[:, None], o, 0.0)
     tl.store(o_ptr + (q_off * stride_ot + heads * stride_oh)[:, None] + d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+             o.to(o_ptr.dtype.element_ty), mask=(row_mask | padding)[:, None] & d_mask[None, :])
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -285,8 +285,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     Sequence i's queries are rows ``query_start[i]:query_start[i+1]`` at positions ending at ``context_lens[i] - 1``;
     their own K/V must already be in the cache. Any mix of query lengths (decode = 1) is fine. The launch grid
-    depends on T and B alone, so padded inputs replay in a CUDA graph: rows after ``query_start[B]`` and sequences
-    of query length 0 compute nothing, and their output rows are left as they were.
+    depends on T and B alone, so padded inputs replay in a CUDA graph: sequences of query length 0 compute nothing,
+    and rows after ``query_start[B]`` are set to 0.
     ``k_scale``/``v_scale`` (fp32 [Hkv]) dequantize an fp8 cache.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -304,13 +304,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_warps = num_warps or (4 if head_dim <= 64 else 8)  # fp32 q/acc tiles: keep registers per thread bounded
     _prefill_kernel[(num_tokens // tokens + batch, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * LOG2E, *_scales(k_scale, v_scale, q),
-        batch,
+        batch, num_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION=_dot_precision(q.dtype),
-        KV_SCALED=k_scale is not None,
-        num_warps=num_warps)
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_B=max(16, triton.next_power_of_2(batch)),
+        PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None, num_warps=num_warps)
     return out
 
 

@@ -148,7 +148,8 @@ def test_prefill_attention(device: torch.device, dtype: torch.dtype, group: int,
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_prefill_attention_skips_padding(device: torch.device, block_m: int) -> None:
     """A CUDA graph's padded step: more rows than sequences (query length 0, context 0, stale tables) and tokens
-    after the last sequence's. Real rows equal the unpadded call's; padding rows are not written."""
+    after the last sequence's. Real rows equal the unpadded call's; the padding tokens' rows are zeroed (no
+    uninitialized memory reaches the model)."""
     torch.manual_seed(5)
     kv_heads, group, head_dim, page = 2, 2, 16, 8
     query, context = [3, 1, 18], [10, 33, 18]
@@ -165,11 +166,11 @@ def test_prefill_attention_skips_padding(device: torch.device, block_m: int) -> 
                                                   device=device)])
     starts_pad = torch.cat([starts, torch.full((pad_rows,), 22, dtype=torch.int32, device=device)])
     lens_pad = torch.cat([lens, torch.zeros(pad_rows, dtype=torch.int32, device=device)])
-    out = torch.full_like(q_pad, 7.0)
+    out = torch.full_like(q_pad, float("nan"))
     attn.prefill_attention(q_pad, k_cache, v_cache, tables_pad, starts_pad, lens_pad, 0.3, block_m=block_m,
                            block_n=16, out=out)
     torch.testing.assert_close(out[:22], want, atol=0, rtol=0)
-    assert bool((out[22:] == 7.0).all())
+    assert bool((out[22:] == 0).all())
 
 
 def test_attention_head_dim_not_a_power_of_two(device: torch.device) -> None:
