@@ -134,7 +134,8 @@ def test_padded_graph_batches_give_the_plain_tokens(checkpoint, device: torch.de
         assert draft_fits.count(False) == 1 and draft_runner.graphs.replays[2] > 0
 
 
-@pytest.mark.parametrize("variant", ["sync", "async-scheduling", "fp8-kv", "speculative"])
+@pytest.mark.parametrize("variant", ["sync", "async-scheduling", pytest.param("fp8-kv", marks=pytest.mark.slow),
+                                     pytest.param("speculative", marks=pytest.mark.slow)])
 def test_mixed_step_graphs_give_the_plain_tokens(checkpoint, device: torch.device, variant: str) -> None:
     """Prefill chunks beside decodes (chunked prefill, a 24-token budget) replay the mixed graphs of 16 and 24
     tokens (8 rows), padded; the tokens equal the plain engine's, whose steps all run eagerly. Also with an fp8 KV
