@@ -63,6 +63,7 @@ class Batch:
     sample_rows: torch.Tensor  # [S + D] indices into T: the last real token of each sampling sequence, then drafts
     sample_seq_ids: list[int]
     draft_counts: list[int]  # [S] draft tokens verified after each sampling sequence's last real token (D in all)
+    every_row_samples: bool = False  # sample_rows is 0..T-1 (every token a decode): the logits need no gather
 
 
 def unallocated(out: SchedulerOutput, kv: KVCache) -> PluginError:
@@ -197,7 +198,8 @@ class ModelRunner:
             max_context_len=max(context_lens),
         )
         meta.backend_data = self.attention.prepare(meta)
-        return Batch(input_ids, positions_t, meta, rows, sample_seq_ids, draft_counts)
+        every_row = not draft_rows and len(sample_rows) == len(tokens)  # increasing rows, as many as tokens
+        return Batch(input_ids, positions_t, meta, rows, sample_seq_ids, draft_counts, every_row)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap-outs, then swap-ins, then copy-on-write copies, as BlockOps orders them."""
@@ -235,15 +237,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
-        """The forward pass of a prepared batch: float32 logits of its sampling rows."""
-        num_tokens = batch.input_ids.shape[0]
+        """The forward pass of a prepared batch: float32 logits of its sampling rows (from a CUDA graph, maybe its
+        output buffer itself, which the next replay overwrites: sample from it before the next ``run``)."""
+        num_tokens, rows = batch.input_ids.shape[0], None if batch.every_row_samples else batch.sample_rows
         if self.graphs is not None and self.graphs.fits(batch.meta, num_tokens):
-            return self.graphs.replay(batch.input_ids, batch.positions, batch.meta)[batch.sample_rows]
+            logits = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)
+            return logits if rows is None else logits[rows]  # the graph's buffer: the sampler reads it at once
         if self.mixed_graphs is not None and self.mixed_graphs.fits(batch.meta, num_tokens):
             hidden = self.mixed_graphs.replay(batch.input_ids, batch.positions, batch.meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
-        return self.model.compute_logits(hidden[batch.sample_rows])
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def advance(self, batch: Batch, next_ids: torch.Tensor) -> Batch:
         """The decode step after ``batch``: each sequence's sampled token ``next_ids[i]`` at the position after its
@@ -263,7 +267,7 @@ class ModelRunner:
                                  context_lens=meta.context_lens + 1, query_lens_cpu=[1] * rows, context_lens_cpu=lens,
                                  block_size=size, max_query_len=1, max_context_len=meta.max_context_len + 1)
         step.backend_data = self.attention.prepare(step)
-        return Batch(next_ids, positions, step, sample_rows, batch.sample_seq_ids, [0] * rows)
+        return Batch(next_ids, positions, step, sample_rows, batch.sample_seq_ids, [0] * rows, True)
 
     def enable_cuda_graphs(self, max_batch: int, query_lens: dict[int, int] | None = None, eager: bool = False,
                            mixed_tokens: int = 0, mixed_rows: int = 0) -> None:
