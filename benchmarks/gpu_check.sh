@@ -179,7 +179,7 @@ want prefix && [[ -s $WORK/long_prompt/table.txt ]] && { echo; echo "== long pro
                  grep -E "TPOT|ITL p99|TTFT p99|^A:|^B:" "$WORK/long_prompt/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 10
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
-want quant && show "quantization" quant_bench.log 22
+want quant && show "quantization" quant_bench.log 32
 want host && show "host overhead per output token" host_overhead.log 8
 note "stages left:$(echo $skipped | tr " " "\n" | awk '!seen[$0]++' | tr "\n" " " | sed "s/^/ /;s/ $//")"
 echo; echo "== summary =="; cat "$summary"

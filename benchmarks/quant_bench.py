@@ -6,9 +6,10 @@ Figures, one JSON line each, then a table:
   layout a calibrated checkpoint has) vs bf16. ``step_ms`` is one CUDA-graph decode step replayed alone (GPU time);
   ``tpot_ms`` is the engine's time per output token, host work included.
 - ``fp8_throughput``: decode at batch ``--batch`` (>= 64), FP8 W8A8 (``torch._scaled_mm``) vs bf16, same two views.
-- ``awq_gemm`` / ``awq_crossover``: the 1B's merged qkv, gate_up and down GEMMs for M in 1..256, fused W4A16 kernel and dequantize+matmul
-  vs a bf16 matmul, each timed from a CUDA graph over weight replicas larger than L2; the crossover is the smallest
-  M from which bf16 is at least as fast as the faster AWQ path.
+- ``awq_gemm`` / ``awq_crossover``: the 1B's merged qkv, gate_up and down GEMMs for M in 1..256, fused W4A16
+  kernel and dequantize+matmul vs a bf16 matmul, each timed from a CUDA graph over weight replicas larger than L2;
+  the crossover is the smallest M from which bf16 is at least as fast as the faster AWQ path. The same rows time
+  FP8 W8A8 as the ``fp8`` method runs it and its ``_scaled_mm`` alone (the first run's FP8 step was 0.80x bf16's).
 - ``awq_sweep`` (with ``--awq-sweep``): the fused kernel at M = 1 and 16 on the same shapes for each block_n x
   block_k x split_k of AWQ_SWEEP (split "auto" is the kernel's own choice; ``splits`` is what launched), then one
   ``awq_sweep_best`` row per shape and M: the fastest configuration beside the defaults and bf16. Alone,
@@ -149,32 +150,43 @@ def compare(figure: str, base: dict[str, float], quant: dict[str, float], extra:
 
 
 # ---------------------------------------------------------------- GEMM micro-benchmark
-def weight_replicas(k: int, n: int) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
-    """A random bf16 weight [K, N] and its int4 RTN quantization (group 128), each copied until the copies of
-    one timed round exceed L2: (bf16 copies, (qweight, qzeros, scales) copies)."""
-    from infer.quant import awq
+def weight_replicas(k: int, n: int) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]],
+                                             list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A random bf16 weight [K, N], its int4 RTN quantization (group 128) and its per-channel FP8 one, each
+    copied until the copies of one timed round exceed L2: (bf16 [K, N], (qweight, qzeros, scales), (fp8 [N, K],
+    scales [N]))."""
+    from infer.quant import awq, fp8
 
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     qweight, qzeros, scales = awq.quantize_rtn(dense, 128)
+    w_fp8, w_scale = fp8.quantize_weight_per_channel(dense)
     copies = max(2, min(16, math.ceil(L2_BYTES / dense.numel() / 2)))
-    return ([dense.t().contiguous().clone() for _ in range(copies)],  # [K, N]
-            [(qweight.clone(), qzeros.clone(), scales.clone()) for _ in range(copies)])
+    return ([dense.t().contiguous().clone() for _ in range(copies)],
+            [(qweight.clone(), qzeros.clone(), scales.clone()) for _ in range(copies)],
+            [(w_fp8.clone(), w_scale.clone()) for _ in range(copies)])
 
 
 def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[str, Any]]:
-    """Per M: bf16 matmul, fused W4A16 kernel and dequantize+matmul, microseconds per call."""
+    """Per M, microseconds per call: bf16 matmul; fused W4A16 kernel and dequantize+matmul; FP8 W8A8 as the
+    ``fp8`` method runs it (per-token activation quantization, then ``torch._scaled_mm`` with row-wise scales),
+    and the ``_scaled_mm`` alone on an already quantized input (the rest is the quantization's cost)."""
     from infer.kernels.awq_gemm import awq_gemm
+    from infer.kernels.fp8 import per_token_quant
     from infer.quant import awq
+    from infer.quant.fp8_method import scaled_mm
 
-    w_bf16, w_awq = weight_replicas(k, n)
+    w_bf16, w_awq, w_fp8 = weight_replicas(k, n)
     copies = len(w_bf16)
     out = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        xq, x_scale = per_token_quant(x)
         timers: dict[str, Callable[[int], object]] = {
             "bf16": lambda i: x @ w_bf16[i % copies],
             "awq_fused": lambda i: awq_gemm(x, *w_awq[i % copies], 128),
             "awq_dequant": lambda i: x @ awq.dequantize(*w_awq[i % copies], 128, dtype=torch.bfloat16),
+            "fp8_w8a8": lambda i: scaled_mm(*per_token_quant(x), *w_fp8[i % copies], torch.bfloat16),
+            "fp8_scaled_mm": lambda i: scaled_mm(xq, x_scale, *w_fp8[i % copies], torch.bfloat16),
         }
         row = {name: round(graph_ms_per_call(fn, copies, replays) * 1e3, 2) for name, fn in timers.items()}
         out.append({"M": m, **row})
@@ -188,7 +200,7 @@ def awq_sweep(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
 
     from infer.kernels.awq_gemm import auto_split_k, awq_gemm
 
-    w_bf16, w_awq = weight_replicas(k, n)
+    w_bf16, w_awq, _ = weight_replicas(k, n)
     copies, sms = len(w_bf16), torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     for m in rows:
@@ -288,6 +300,10 @@ def main() -> int:
                 emit({"figure": "awq_crossover", "shape": name, "crossover_M": m,
                       "fused_beats_dequant_up_to_M": max(fused_best) if fused_best else None})
                 summary.append((f"AWQ vs bf16 GEMM crossover ({name})", "", "", f"M = {m}"))
+                for r in rows:
+                    if r["M"] in (128, 256):
+                        summary.append((f"FP8 W8A8 GEMM, {name} M={r['M']} (us)", str(r["bf16"]), str(r["fp8_w8a8"]),
+                                        f"{r['bf16'] / r['fp8_w8a8']:.2f}x (scaled_mm alone {r['fp8_scaled_mm']} us)"))
         if args.awq_sweep:
             for name, (k, n) in GEMM_SHAPES.items():
                 rows = awq_sweep(k, n, SWEEP_ROWS, args.replays)

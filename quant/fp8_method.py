@@ -174,7 +174,7 @@ class Fp8LinearMethod(QuantMethod):
             backend = self._pick_backend(x2, n, k)
             xq, x_scale = self._quantize_input(layer, x2)
             if backend == "scaled_mm":
-                out = _scaled_mm(xq, x_scale, layer.weight, layer.weight_scale, x2.dtype)
+                out = scaled_mm(xq, x_scale, layer.weight, layer.weight_scale, x2.dtype)
             elif backend == "triton":
                 from ..kernels.fp8 import w8a8_gemm
 
@@ -187,7 +187,7 @@ class Fp8LinearMethod(QuantMethod):
         return out.reshape(*x.shape[:-1], n)
 
 
-def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
     """``torch._scaled_mm`` with per-tensor scales, or row-wise ones ([M, 1] x [1, N], bf16 output) otherwise."""
     m, n = xq.shape[0], weight.shape[0]
