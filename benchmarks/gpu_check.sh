@@ -132,8 +132,9 @@ if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the
   stage "spec_bench" spec_bench.log 100 $PY benchmarks/spec_bench.py --device cuda --repeats 2 --step-by-step-ks 4
 fi
 
-if want quant; then  # issue 5; the sweep times the reworked AWQ kernel's tiles and split-K at M = 1 and 16
-  stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py --awq-sweep
+if want quant; then  # issue 5; the sweep times the reworked AWQ kernel's tiles and split-K at M = 1 and 16; FP8 at
+  # batch 256 too, where its GEMMs turn compute-bound
+  stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py --awq-sweep --batch 128 256
 fi
 
 if want host; then  # host time per output token by engine phase, on a minuscule model

@@ -5,7 +5,8 @@ Figures, one JSON line each, then a table:
 - ``awq_decode``: single-stream decode, AWQ (int4 RTN on load, group 128: the fused W4A16 kernel and the same
   layout a calibrated checkpoint has) vs bf16. ``step_ms`` is one CUDA-graph decode step replayed alone (GPU time);
   ``tpot_ms`` is the engine's time per output token, host work included.
-- ``fp8_throughput``: decode at batch ``--batch`` (>= 64), FP8 W8A8 (``torch._scaled_mm``) vs bf16, same two views.
+- ``fp8_throughput``: decode at each batch of ``--batch`` (>= 64; default 128), FP8 W8A8 (``torch._scaled_mm``)
+  vs bf16, same two views.
 - ``awq_gemm`` / ``awq_crossover``: the 1B's merged qkv, gate_up and down GEMMs for M in 1..256, fused W4A16
   kernel and dequantize+matmul vs a bf16 matmul, each timed from a CUDA graph over weight replicas larger than L2;
   the crossover is the smallest M from which bf16 is at least as fast as the faster AWQ path. The same rows time
@@ -256,7 +257,8 @@ def kv_capacity(model: Path, kv_gb: float, seq_tokens: int, kv_dtype: str) -> di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=128, help="batch of the FP8 throughput figure (>= 64)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[128],
+                        help="batches of the FP8 throughput figure (each >= 64)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--kv-gb", type=float, default=2.0, help="KV budget of the capacity figure (GiB)")
@@ -270,7 +272,7 @@ def main() -> int:
         print("quant_bench needs a CUDA GPU (the AWQ/FP8 kernels and torch._scaled_mm run there); none is visible. "
               "On CPU the quant methods dequantize, so there is nothing to time.", file=sys.stderr)
         return 2
-    if args.batch < 64:
+    if min(args.batch) < 64:
         parser.error("--batch must be >= 64 (the FP8 throughput figure is defined at large batch)")
     props = torch.cuda.get_device_properties(0)
     emit({"figure": "setup", "device": props.name, "torch": torch.__version__, "model": asdict(ModelShape()),
@@ -284,11 +286,11 @@ def main() -> int:
             row = compare("awq_decode", base, awq, {"batch": 1})
             summary.append(("AWQ decode, batch 1 (tok/s)", str(base["tok_per_s"]), str(awq["tok_per_s"]),
                             f"{row['speedup_tokens']}x (step {row['speedup_step']}x; target 2.5x)"))
-        if "fp8" not in args.skip:
-            base = decode_figures(model, args.batch, args.prompt_len, args.new_tokens)
-            fp8 = decode_figures(model, args.batch, args.prompt_len, args.new_tokens, quant="fp8")
-            row = compare("fp8_throughput", base, fp8, {"batch": args.batch})
-            summary.append((f"FP8 decode, batch {args.batch} (tok/s)", str(base["tok_per_s"]), str(fp8["tok_per_s"]),
+        for batch in args.batch if "fp8" not in args.skip else ():
+            base = decode_figures(model, batch, args.prompt_len, args.new_tokens)
+            fp8 = decode_figures(model, batch, args.prompt_len, args.new_tokens, quant="fp8")
+            row = compare("fp8_throughput", base, fp8, {"batch": batch})
+            summary.append((f"FP8 decode, batch {batch} (tok/s)", str(base["tok_per_s"]), str(fp8["tok_per_s"]),
                             f"{row['speedup_tokens']}x (step {row['speedup_step']}x; target 1.5x)"))
         if "gemm" not in args.skip:
             for name, (k, n) in GEMM_SHAPES.items():
