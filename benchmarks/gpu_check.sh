@@ -173,7 +173,7 @@ PY
 want profile && show "ms per engine step (profile_steps.py)" profile.log 7
 want anchor && show "anchor and single stream, infer against HF CB" anchor.log 10
 want prefix && [[ -s $WORK/shared_prefix/table.txt ]] && { echo; echo "== shared prefix (TTFT, hit rate) =="
-                 grep -E "TTFT|hit rate|outputs =|^A:|^B:" "$WORK/shared_prefix/table.txt"; }
+                 grep -E "TTFT|hit rate|outputs =|^A:|^B:|^C:" "$WORK/shared_prefix/table.txt"; }
 want prefix && [[ -s $WORK/shared_prefix_fp32/table.txt ]] && { echo; echo "== shared prefix, float32 =="
                  grep -E "TTFT p50|outputs =" "$WORK/shared_prefix_fp32/table.txt"; }
 want prefix && [[ -s $WORK/long_prompt/table.txt ]] && { echo; echo "== long prompt among decodes =="

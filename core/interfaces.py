@@ -296,8 +296,9 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     # True when, beyond that, a mixed batch's forward has shapes that depend only on the token count and the
     # metadata tensors' lengths, and it skips padding: rows of query length 0 and context 0 after the real
-    # sequences (stale block tables), tokens after ``query_start[B]`` (slot -1; their output rows may hold
-    # anything). Then prefill and mixed steps are captured too (``--cuda-graph-max-tokens``).
+    # sequences (stale block tables), tokens after ``query_start[B]`` (slot -1: store nothing; output rows finite,
+    # e.g. 0, since a layer may reduce over rows). Then prefill and mixed steps are captured too
+    # (``--cuda-graph-max-tokens``).
     supports_mixed_cuda_graphs: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> Any:
