@@ -278,16 +278,23 @@ class ModelRunner:
         from .cuda_graphs import DecodeGraphs, MixedGraphs
 
         pool, self.mixed_graphs = None, None
-        if mixed_tokens:
-            if not self.attention.supports_mixed_cuda_graphs:
-                raise PluginError(f"attention backend {type(self.attention).__name__} does not support CUDA graphs "
-                                  "of mixed steps; use --cuda-graph-max-tokens 0")
-            self.mixed_graphs = MixedGraphs(self.model, self.attention, self.kv_caches, self.block_size, mixed_tokens,
-                                            mixed_rows or max_batch, self.device, eager=eager)
-            pool = self.mixed_graphs.capture()  # first: the largest activations, which the decode graphs reuse
-        self.graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, self.block_size, max_batch,
-                                   self.device, {1: max_batch, **(query_lens or {})}, eager=eager)
-        self.graphs.capture(pool)
+        if mixed_tokens and not self.attention.supports_mixed_cuda_graphs:
+            raise PluginError(f"attention backend {type(self.attention).__name__} does not support CUDA graphs of "
+                              "mixed steps; use --cuda-graph-max-tokens 0")
+        try:
+            if mixed_tokens:
+                self.mixed_graphs = MixedGraphs(self.model, self.attention, self.kv_caches, self.block_size,
+                                                mixed_tokens, mixed_rows or max_batch, self.device, eager=eager)
+                pool = self.mixed_graphs.capture()  # first: the largest activations, which the decode graphs reuse
+            self.graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, self.block_size, max_batch,
+                                       self.device, {1: max_batch, **(query_lens or {})}, eager=eager)
+            self.graphs.capture(pool)
+        except torch.OutOfMemoryError as exc:
+            self.graphs = self.mixed_graphs = None
+            raise ConfigError(f"out of device memory while capturing CUDA graphs (decode steps of up to {max_batch} "
+                              f"sequences{f', mixed steps of up to {mixed_tokens} tokens' if mixed_tokens else ''}); "
+                              "leave more memory outside the KV pool (a lower --kv-cache-memory-gb), or capture "
+                              "less: a lower --cuda-graph-max-tokens or --max-num-seqs, or --no-cuda-graphs") from exc
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences)."""
