@@ -131,8 +131,8 @@ if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the
   stage "spec_bench" spec_bench.log 100 $PY benchmarks/spec_bench.py --device cuda --repeats 2 --step-by-step-ks 4
 fi
 
-if want quant; then  # issue 5; the sweep times the reworked AWQ kernel's tiles and split-K at M = 1 and 16; FP8 at
-  # batch 256 too, where its GEMMs turn compute-bound
+if want quant; then  # issue 5; the sweep times the reworked AWQ kernel's tiles and split-K at M = 1 and 16, and
+  # the skinny bf16 GEMM's against cuBLAS (issue 4: batch-1 GEMVs); FP8 at batch 256 too (compute-bound GEMMs)
   stage "quant_bench" quant_bench.log 280 $PY benchmarks/quant_bench.py --awq-sweep --batch 128 256
 fi
 
@@ -179,7 +179,7 @@ want prefix && [[ -s $WORK/long_prompt/table.txt ]] && { echo; echo "== long pro
                  grep -E "TPOT|ITL p99|TTFT p99|^A:|^B:" "$WORK/long_prompt/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 10
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
-want quant && show "quantization" quant_bench.log 32
+want quant && show "quantization" quant_bench.log 40
 want host && show "host overhead per output token" host_overhead.log 8
 note "stages left:$(echo $skipped | tr " " "\n" | awk '!seen[$0]++' | tr "\n" " " | sed "s/^/ /;s/ $//")"
 echo; echo "== summary =="; cat "$summary"

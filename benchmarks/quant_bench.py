@@ -10,11 +10,14 @@ Figures, one JSON line each, then a table:
 - ``awq_gemm`` / ``awq_crossover``: the 1B's merged qkv, gate_up and down GEMMs for M in 1..256, fused W4A16
   kernel and dequantize+matmul vs a bf16 matmul, each timed from a CUDA graph over weight replicas larger than L2;
   the crossover is the smallest M from which bf16 is at least as fast as the faster AWQ path. The same rows time
-  FP8 W8A8 as the ``fp8`` method runs it and its ``_scaled_mm`` alone (the first run's FP8 step was 0.80x bf16's).
+  FP8 W8A8 as the ``fp8`` method runs it and its ``_scaled_mm`` alone (the first run's FP8 step was 0.80x bf16's),
+  ``bf16_linear`` (F.linear on the [N, K] weight: the engine's call) and, for M <= 16, kernels/skinny_gemm.py.
 - ``awq_sweep`` (with ``--awq-sweep``): the fused kernel at M = 1 and 16 on the same shapes for each block_n x
   block_k x split_k of AWQ_SWEEP (split "auto" is the kernel's own choice; ``splits`` is what launched), then one
   ``awq_sweep_best`` row per shape and M: the fastest configuration beside the defaults and bf16. Alone,
-  ``--awq-sweep --skip decode fp8 gemm kv``, it takes well under a minute (mostly Triton compiles).
+  ``--awq-sweep --skip decode fp8 gemm kv``, it takes well under a minute (mostly Triton compiles). The same flag
+  sweeps the skinny bf16 GEMM's block_n x block_k x num_stages (SKINNY_SWEEP; ``skinny_sweep`` rows) against
+  cuBLAS: whether the engine should use it at small batches (cuBLAS reached ~2/3 of copy bandwidth at M = 1).
 - ``fp8_kv_capacity``: KV blocks and concurrent sequences at a fixed ``--kv-gb``, fp8 vs bf16 KV: the capacity the
   block count gives, and the peak of running sequences seen on a burst of requests.
 
@@ -45,6 +48,7 @@ GEMM_SHAPES = {"qkv": (2048, 3072), "gate_up": (2048, 16384), "down": (8192, 204
 GEMM_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 L2_BYTES = 256 << 20  # weight replicas per timed round: far above the 50 MB L2
 AWQ_SWEEP = {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (None, 4, 8, 16, 32)}  # None: auto
+SKINNY_SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "num_stages": (3, 4)}
 SWEEP_ROWS = (1, 16)
 
 
@@ -173,17 +177,22 @@ def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
     and the ``_scaled_mm`` alone on an already quantized input (the rest is the quantization's cost)."""
     from infer.kernels.awq_gemm import awq_gemm
     from infer.kernels.fp8 import per_token_quant
+    from infer.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
     from infer.quant import awq
     from infer.quant.fp8_method import scaled_mm
 
     w_bf16, w_awq, w_fp8 = weight_replicas(k, n)
     copies = len(w_bf16)
+    w_linear = [w.t().contiguous() for w in w_bf16]  # [N, K], as nn.Linear stores it
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         xq, x_scale = per_token_quant(x)
         timers: dict[str, Callable[[int], object]] = {
             "bf16": lambda i: x @ w_bf16[i % copies],
+            "bf16_linear": lambda i: torch.nn.functional.linear(x, w_linear[i % copies]),  # the engine's call
+            **({"skinny": lambda i: skinny_gemm(x, w_linear[i % copies], num_sms=sms)} if m <= MAX_ROWS else {}),
             "awq_fused": lambda i: awq_gemm(x, *w_awq[i % copies], 128),
             "awq_dequant": lambda i: x @ awq.dequantize(*w_awq[i % copies], 128, dtype=torch.bfloat16),
             "fp8_w8a8": lambda i: scaled_mm(*per_token_quant(x), *w_fp8[i % copies], torch.bfloat16),
@@ -218,6 +227,27 @@ def awq_sweep(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
             us = round(graph_ms_per_call(fused, copies, replays) * 1e3, 2)
             out.append({"M": m, "block_n": bn, "block_k": bk, "split_k": split or "auto", "splits": splits,
                         "awq_fused": us, "default": default, "bf16": bf16})
+    return out
+
+
+def skinny_sweep(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[str, Any]]:
+    """Per M and configuration of SKINNY_SWEEP: kernels/skinny_gemm.py's microseconds per call, with the engine's
+    bf16 call (F.linear on an [N, K] weight, cuBLAS) beside it."""
+    from infer.kernels.skinny_gemm import skinny_gemm
+
+    w_linear = [w.t().contiguous() for w in weight_replicas(k, n)[0]]
+    copies = len(w_linear)
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        linear = graph_ms_per_call(lambda i: torch.nn.functional.linear(x, w_linear[i % copies]), copies, replays)
+        for bn, bk, stages in itertools.product(*SKINNY_SWEEP.values()):
+            def run(i: int, bn: int = bn, bk: int = bk, stages: int = stages) -> torch.Tensor:
+                return skinny_gemm(x, w_linear[i % copies], block_n=bn, block_k=bk, num_stages=stages)
+
+            us = round(graph_ms_per_call(run, copies, replays) * 1e3, 2)
+            out.append({"M": m, "block_n": bn, "block_k": bk, "num_stages": stages, "skinny": us,
+                        "bf16_linear": round(linear * 1e3, 2)})
     return out
 
 
@@ -266,7 +296,8 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=20, help="CUDA-graph replays per GEMM timing")
     parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "fp8", "gemm", "kv"])
     parser.add_argument("--awq-sweep", action="store_true",
-                        help="also time the fused AWQ kernel over AWQ_SWEEP's tiles and split-K at M = 1 and 16")
+                        help="also time the fused AWQ kernel over AWQ_SWEEP's tiles and split-K, and the skinny "
+                             "bf16 GEMM over SKINNY_SWEEP's, at M = 1 and 16")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("quant_bench needs a CUDA GPU (the AWQ/FP8 kernels and torch._scaled_mm run there); none is visible. "
@@ -318,6 +349,15 @@ def main() -> int:
                     summary.append((f"AWQ sweep best, {name} M={m} (us)", str(best["bf16"]), str(best["awq_fused"]),
                                     f"{best['bf16'] / best['awq_fused']:.2f}x (block_n {best['block_n']}, block_k "
                                     f"{best['block_k']}, {best['splits']} splits; default {best['default']} us)"))
+                rows = skinny_sweep(k, n, SWEEP_ROWS, args.replays)
+                for r in rows:
+                    emit({"figure": "skinny_sweep", "shape": name, "K": k, "N": n, **r, "unit": "us"})
+                for m in SWEEP_ROWS:
+                    best = min((r for r in rows if r["M"] == m), key=lambda r: r["skinny"])
+                    summary.append((f"skinny GEMM best, {name} M={m} (us)", str(best["bf16_linear"]),
+                                    str(best["skinny"]), f"{best['bf16_linear'] / best['skinny']:.2f}x vs cuBLAS "
+                                    f"(block_n {best['block_n']}, block_k {best['block_k']}, {best['num_stages']} "
+                                    "stages)"))
         if "kv" not in args.skip:
             base = kv_capacity(model, args.kv_gb, args.kv_seq_tokens, "auto")
             fp8kv = kv_capacity(model, args.kv_gb, args.kv_seq_tokens, "fp8")

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 from infer.kernels import attention as attn  # noqa: E402
 from infer.kernels import fused_ops as ops  # noqa: E402
+from infer.kernels import skinny_gemm  # noqa: E402
 from infer.models import layers  # noqa: E402
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
@@ -229,6 +230,29 @@ def test_silu_and_mul(device: torch.device, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, layers.silu_and_mul(gate, up), **TOL[dtype])
     with pytest.raises(ValueError, match="one shape"):
         ops.silu_and_mul(gate, up[..., :39])
+
+
+# ---------------------------------------------------------------- skinny GEMM (reference: torch matmul in fp32)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("block_n", [None, 16, 64])
+def test_skinny_gemm(device: torch.device, dtype: torch.dtype, rows: int, block_n: int | None) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 300, dtype=dtype, device=device)  # K and N off the tile sizes: masked edges
+    weight = torch.randn(72, 300, dtype=dtype, device=device) * 0.1
+    got = skinny_gemm.skinny_gemm(x, weight, block_n=block_n, block_k=128, num_sms=4)
+    want = (x.float() @ weight.float().T).to(dtype)
+    assert got.shape == (rows, 72) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **({"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else TOL[dtype]))
+
+
+def test_skinny_gemm_refuses_what_it_cannot_do(device: torch.device) -> None:
+    w = torch.randn(32, 64, device=device)
+    with pytest.raises(ValueError, match="M <= 16"):
+        skinny_gemm.skinny_gemm(torch.randn(17, 64, device=device), w)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        skinny_gemm.skinny_gemm(torch.randn(64, 2, device=device).T, w)
+    assert skinny_gemm.default_block_n(16384, 132) == 64 and skinny_gemm.default_block_n(3072, 132) == 16
 
 
 # ---------------------------------------------------------------- the fused ops inside a model

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, `py
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from infer.kernels import attention, awq_gemm, fp8, fused_ops  # noqa: E402
+from infer.kernels import attention, awq_gemm, fp8, fused_ops, skinny_gemm  # noqa: E402
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
@@ -50,7 +50,7 @@ print(json.dumps(failures))
 
 def kernels() -> dict[str, object]:
     found = {}
-    for module in (attention, awq_gemm, fp8, fused_ops):
+    for module in (attention, awq_gemm, fp8, fused_ops, skinny_gemm):
         for name, value in vars(module).items():
             if name.endswith("_kernel") and hasattr(value, "add_pre_run_hook"):
                 found[name] = value
@@ -111,6 +111,9 @@ def anchor_launches(dtype: torch.dtype) -> None:
                           split_k=split)
     awq_gemm.awq_gemm(torch.randn(1, 256, dtype=dtype), qweight, torch.zeros(8, 16, dtype=torch.int32),
                       torch.ones(8, 128, dtype=dtype), 32)  # group 32 < BLOCK_K: the per-row scales and zeros
+    for rows, block_n in ((1, 64), (16, 16)):
+        skinny_gemm.skinny_gemm(torch.randn(rows, 512, dtype=dtype), torch.randn(128, 512, dtype=dtype),
+                                block_n=block_n)
 
 
 def test_every_kernel_compiles_for_sm90_at_the_anchor_shapes() -> None:
