@@ -11,9 +11,9 @@
 #   COPY_GBPS=N DEADLINE_S=T bash benchmarks/gpu_check.sh STAGE...   the stages left; COPY_GBPS: the first call's
 #                                       measured copy bandwidth
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
-# step; Chrome traces in the logs). anchor measures infer (with and without merged projections) on the anchor
-# workload and single stream, then HF continuous batching; hfstatic adds HF generate (static batches) and HF single
-# stream to the same table.
+# step; Chrome traces in the logs). anchor measures infer (with and without merged projections, with the skinny
+# GEMM) on the anchor workload and single stream, then HF continuous batching; hfstatic adds HF generate (static
+# batches) and HF single stream to the same table.
 # The device tool sets $OUT; elsewhere a temp folder is used.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -104,10 +104,12 @@ if want profile; then  # where a step's time goes: the first run's misses were e
   stage "profile" profile.log 100 $PY benchmarks/profile_steps.py --model-dir "$MODEL" --steps 8 --out "$WORK/traces"
 fi
 
-if want anchor; then  # infer (the CUDA defaults; without merged projections) on the anchor workload and single
-  # stream, then HF CB (the first run measured async scheduling against none: 1.39x; not repeated, for device time)
+if want anchor; then  # infer (the CUDA defaults; without merged projections; with the skinny GEMM for decode
+  # batches of up to 16) on the anchor workload and single stream, then HF CB (the first run measured async
+  # scheduling against none: 1.39x; not repeated, for device time)
   stage "anchor (infer, HF CB)" anchor.log 300 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
-    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--no-fuse-projections --hf cb
+    --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --extra-arm=--no-fuse-projections \
+    --extra-arm=--skinny-gemm-rows=16 --hf cb
 fi
 
 if want prefix; then  # issue 3 on the GPU: TTFT with prefix caching against without (target >= 8x), and with

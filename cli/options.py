@@ -53,6 +53,9 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                       "--max-num-batched-tokens when smaller]."),
     click.option("--fused-ops/--no-fused-ops", default=None,
                  help="Fused Triton kernels for the model's norms, rotary and SiLU-and-mul [default: on with CUDA]."),
+    click.option("--skinny-gemm-rows", type=int, default=None, metavar="N",
+                 help="Unquantized linears of steps with at most N rows (<= 16) run infer's skinny Triton GEMM "
+                      "instead of cuBLAS, on CUDA in fp16/bf16 [default: 0, off: not yet timed on a GPU]."),
     click.option("--fuse-projections/--no-fuse-projections", default=None,
                  help="Merge each layer's q/k/v and gate/up projections into one GEMM each after loading, where the "
                       "quant method can [default: on with CUDA]."),
@@ -110,7 +113,7 @@ FIELD_OF_OPTION = {
     "block_size": "block_size", "num_kv_blocks": "num_kv_blocks", "kv_cache_memory_gb": "kv_cache_memory_gb",
     "kv_cache_dtype": "kv_cache_dtype",
     "seed": "seed", "cpu_threads": "cpu_threads", "fused_ops": "fused_ops",
-    "cuda_graph_max_tokens": "cuda_graph_max_tokens",
+    "cuda_graph_max_tokens": "cuda_graph_max_tokens", "skinny_gemm_rows": "skinny_gemm_rows",
     "fuse_projections": "fuse_projections", "async_output": "async_output",
     "async_scheduling": "async_scheduling",
     "freeze_gc": "freeze_gc",

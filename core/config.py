@@ -68,6 +68,9 @@ class EngineConfig:
     # (their GEMMs outlast the host's kernel launches).
     cuda_graph_max_tokens: int | None = None
     fused_ops: bool | None = None  # Triton norms/rotary/SiLU-and-mul in the model; None: on when it runs on CUDA
+    # Unquantized linears (and a tied lm_head) of steps with at most this many rows run kernels/skinny_gemm.py
+    # instead of cuBLAS, on CUDA in fp16/bf16; 0: never, the default until a GPU run has timed it (at most 16)
+    skinny_gemm_rows: int = 0
     # q/k/v and gate/up projections merged into one GEMM each after loading, where the quant method can merge them
     # (fewer, larger GEMMs: fewer kernels per step). None: on when the model runs on CUDA
     fuse_projections: bool | None = None
@@ -117,6 +120,9 @@ class EngineConfig:
             raise ConfigError(f"block-size must be a power of two <= 256, got {self.block_size}")
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
+        if not 0 <= self.skinny_gemm_rows <= 16:
+            raise ConfigError(f"skinny-gemm-rows must be in [0, 16] (the kernel takes up to 16 rows), got "
+                              f"{self.skinny_gemm_rows}")
         if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 0:
             raise ConfigError(f"cuda-graph-max-tokens must be >= 0 (0: no graphs for prefill and mixed steps), got "
                               f"{self.cuda_graph_max_tokens}")

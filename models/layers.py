@@ -16,9 +16,14 @@ from ..core.interfaces import QuantMethod
 
 
 class UnquantizedMethod(QuantMethod):
-    """Plain ``weight`` [out, in] (and ``bias``); the default for every linear layer."""
+    """Plain ``weight`` [out, in] (and ``bias``); the default for every linear layer. With ``skinny_max_rows``,
+    fp16/bf16 inputs of at most that many rows (<= 16) run kernels/skinny_gemm.py instead of torch's matmul
+    (``--skinny-gemm-rows``; on CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
 
     name = "none"
+
+    def __init__(self, skinny_max_rows: int = 0) -> None:
+        self.skinny_max_rows = skinny_max_rows
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
@@ -26,7 +31,17 @@ class UnquantizedMethod(QuantMethod):
         layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return self.matmul(x, layer.weight, layer.bias)
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``: the skinny kernel for few fp16/bf16 rows when enabled, else F.linear."""
+        if self.skinny_max_rows and x.dtype in (torch.float16, torch.bfloat16) and \
+                x.numel() <= self.skinny_max_rows * x.shape[-1]:
+            from ..kernels.skinny_gemm import skinny_gemm
+
+            out = skinny_gemm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+            return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
 
     def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
         merged.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)

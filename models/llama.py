@@ -11,7 +11,7 @@ from torch import nn
 from ..core.errors import CheckpointError
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
 from ..core.model import Model
-from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, merge_linears
+from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, UnquantizedMethod, merge_linears
 
 
 # compressed-tensors' kv_cache_scheme tensors (and the older per-projection form)
@@ -246,6 +246,8 @@ class LlamaFamilyModel(Model):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, False, "lm_head", quant, dtype)
+        # a tied head multiplies by the embedding: as an unquantized linear (the skinny kernel when enabled)
+        self.tied_head = quant if isinstance(quant, UnquantizedMethod) else UnquantizedMethod()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
@@ -265,7 +267,7 @@ class LlamaFamilyModel(Model):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return (hidden @ self.model.embed_tokens.weight.T).float()
+            return self.tied_head.matmul(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -47,6 +47,14 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         from ..core.loader import resolve_device
 
         merge = resolve_device(config.device).type == "cuda"
+    if quant is None and config.skinny_gemm_rows:
+        from ..core.loader import resolve_device
+        from ..models.layers import UnquantizedMethod
+
+        if resolve_device(config.device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("--skinny-gemm-rows runs a Triton kernel, which needs a CUDA device (this model runs "
+                              "on the CPU); drop --skinny-gemm-rows")
+        quant = UnquantizedMethod(config.skinny_gemm_rows)  # every linear, and the tied head, share it
     return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=pointwise_ops(config),
                             merge_projections=merge)
 

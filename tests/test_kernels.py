@@ -276,6 +276,38 @@ def test_model_with_fused_ops_equals_torch_ops(device: torch.device, arch: str, 
             assert list(got_top.values()) == pytest.approx(list(want_top.values()), abs=1e-4)
 
 
+def test_model_with_skinny_gemm_matches_torch_matmul(device: torch.device, tiny_model_factory) -> None:
+    """--skinny-gemm-rows 16 in float16: every linear and the tied head of a 7-token prefill run the skinny kernel;
+    the first token's top logprobs match the torch-matmul engine's (fp16 rounding apart)."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+
+    base = dict(model=str(tiny_model_factory("llama")), device=device.type, dtype="float16", attention="torch",
+                num_kv_blocks=64, cuda_graphs=False)
+    skinny, plain = Engine(EngineConfig(**base, skinny_gemm_rows=16)), Engine(EngineConfig(**base))
+    model = skinny.loaded.model
+    assert model.tied_head.skinny_max_rows == 16 and model.model.layers[0].mlp.down_proj.method is model.tied_head
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5)
+    prompt = [[5, 17, 99, 3, 250, 8, 41]]
+    got = skinny.generate(prompt, params)[0].outputs[0].logprobs[0]
+    want = plain.generate(prompt, params)[0].outputs[0].logprobs[0]
+    common = got.keys() & want.keys()
+    assert len(common) >= 4
+    assert [got[t] for t in common] == pytest.approx([want[t] for t in common], abs=2e-2)
+
+
+def test_skinny_gemm_is_refused_on_the_cpu_without_the_interpreter(monkeypatch: pytest.MonkeyPatch,
+                                                                  tiny_model_factory) -> None:
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.core.errors import ConfigError
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="drop --skinny-gemm-rows"):
+        Engine(EngineConfig(model=str(tiny_model_factory("llama")), device="cpu", skinny_gemm_rows=8))
+
+
 def test_fused_ops_are_refused_on_the_cpu_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     from infer.core.config import EngineConfig
     from infer.core.errors import ConfigError
