@@ -35,8 +35,8 @@ class UnquantizedMethod(QuantMethod):
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``: the skinny kernel for few fp16/bf16 rows when enabled, else F.linear."""
-        if self.skinny_max_rows and x.dtype in (torch.float16, torch.bfloat16) and \
-                x.numel() <= self.skinny_max_rows * x.shape[-1]:
+        if self.skinny_max_rows and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1 and \
+                weight.stride(-1) == 1 and x.numel() <= self.skinny_max_rows * x.shape[-1]:
             from ..kernels.skinny_gemm import skinny_gemm
 
             out = skinny_gemm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
