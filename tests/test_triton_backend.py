@@ -161,21 +161,21 @@ def test_mixed_step_graphs_give_the_plain_tokens(checkpoint, device: torch.devic
     assert graphed.runner.mixed_graphs.replays >= 5
 
 
-def test_running_out_of_memory_while_capturing_names_the_options(checkpoint, monkeypatch: pytest.MonkeyPatch
-                                                                    ) -> None:
+def test_running_out_of_memory_while_capturing_names_the_options(checkpoint, device: torch.device,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from infer.core.cuda_graphs import MixedGraphs
     from infer.core.engine import Engine
     from infer.core.errors import ConfigError
 
-    engine = Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", dtype="float32", attention="triton",
-                                 num_kv_blocks=32))
+    engine = Engine(EngineConfig(model=str(checkpoint("llama")), device=device.type, dtype="float32",
+                                 attention="triton", num_kv_blocks=32, cuda_graphs=False))
 
     def out_of_memory(self: MixedGraphs, pool: object = None) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(MixedGraphs, "capture", out_of_memory)
     with pytest.raises(ConfigError, match="mixed steps of up to 64 tokens.*--cuda-graph-max-tokens"):
-        engine.runner.enable_cuda_graphs(4, eager=True, mixed_tokens=64, mixed_rows=8)
+        engine.runner.enable_cuda_graphs(4, eager=device.type == "cpu", mixed_tokens=64, mixed_rows=8)
     assert engine.runner.graphs is None and engine.runner.mixed_graphs is None
 
 
