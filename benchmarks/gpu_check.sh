@@ -172,7 +172,7 @@ for r in rows:
 PY
 }
 want profile && show "ms per engine step (profile_steps.py)" profile.log 7
-want anchor && show "anchor and single stream, infer against HF CB" anchor.log 10
+want anchor && show "anchor and single stream, infer against HF CB" anchor.log 12
 want prefix && [[ -s $WORK/shared_prefix/table.txt ]] && { echo; echo "== shared prefix (TTFT, hit rate) =="
                  grep -E "TTFT|hit rate|outputs =|^A:|^B:|^C:" "$WORK/shared_prefix/table.txt"; }
 want prefix && [[ -s $WORK/shared_prefix_fp32/table.txt ]] && { echo; echo "== shared prefix, float32 =="
