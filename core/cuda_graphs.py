@@ -13,6 +13,8 @@ independent of context length) are captured.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -20,6 +22,21 @@ from .interfaces import AttentionBackend, AttentionMetadata
 from .model import Model
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+T = TypeVar("T")
+
+
+Pool = tuple[int, int]  # a CUDA graph memory pool's handle
+
+
+def capture_graph(run: Callable[[], T], pool: Pool | None) -> tuple[torch.cuda.CUDAGraph, T, Pool]:
+    """Run ``run`` once uncaptured (Triton compiles, allocator growth), then capture it into ``pool`` (a new one
+    when None): (graph, the captured run's output, the pool for the next capture)."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out, graph.pool()
 
 
 def static_meta(attention: AttentionBackend, q: int, slots: torch.Tensor, block_tables: torch.Tensor,
@@ -75,7 +92,7 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self, pool: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    def capture(self, pool: Pool | None = None) -> Pool | None:
         """Capture every graph (into ``pool``, a graph memory pool, when given); return the pool."""
         for q, sizes in sorted(self.sizes.items()):
             for size in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
@@ -83,12 +100,7 @@ class DecodeGraphs:
                 if self.eager:
                     continue
                 self.context_lens[:size].fill_(q)  # the warm-up and capture runs read block 0 (slots are -1)
-                self._forward(size, q, meta)  # warm up: compiles the Triton kernels outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(size, q, meta)
-                pool = graph.pool()
+                graph, logits, pool = capture_graph(lambda: self._forward(size, q, meta), pool)
                 self.graphs[size, q] = (graph, logits)
         if not self.eager:
             torch.cuda.synchronize()
@@ -159,7 +171,7 @@ class MixedGraphs:
                           self.metas[size])
 
     @torch.inference_mode()
-    def capture(self, pool: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    def capture(self, pool: Pool | None = None) -> Pool | None:
         """Capture every graph (into ``pool`` when given; largest first, so the smaller ones reuse its memory)."""
         for size in reversed(self.sizes):
             rows = self.rows(size)
@@ -169,12 +181,8 @@ class MixedGraphs:
             if self.eager:
                 self.graphs[size] = (None, None)
                 continue
-            self._forward(size)  # warm up (every row has query length 0: attention computes nothing)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self._forward(size)
-            pool = graph.pool()
+            # warm-up and capture: every row has query length 0, so attention computes nothing
+            graph, hidden, pool = capture_graph(lambda: self._forward(size), pool)
             self.graphs[size] = (graph, hidden)
         if not self.eager:
             torch.cuda.synchronize()

@@ -63,7 +63,11 @@ class Batch:
     sample_rows: torch.Tensor  # [S + D] indices into T: the last real token of each sampling sequence, then drafts
     sample_seq_ids: list[int]
     draft_counts: list[int]  # [S] draft tokens verified after each sampling sequence's last real token (D in all)
-    every_row_samples: bool = False  # sample_rows is 0..T-1 (every token a decode): the logits need no gather
+
+    @property
+    def every_row_samples(self) -> bool:
+        """sample_rows is 0..T-1 (one increasing sampling row per token, no drafts): the logits need no gather."""
+        return len(self.sample_seq_ids) == self.input_ids.shape[0] and not any(self.draft_counts)
 
 
 def unallocated(out: SchedulerOutput, kv: KVCache) -> PluginError:
@@ -198,8 +202,7 @@ class ModelRunner:
             max_context_len=max(context_lens),
         )
         meta.backend_data = self.attention.prepare(meta)
-        every_row = not draft_rows and len(sample_rows) == len(tokens)  # increasing rows, as many as tokens
-        return Batch(input_ids, positions_t, meta, rows, sample_seq_ids, draft_counts, every_row)
+        return Batch(input_ids, positions_t, meta, rows, sample_seq_ids, draft_counts)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap-outs, then swap-ins, then copy-on-write copies, as BlockOps orders them."""
@@ -267,7 +270,7 @@ class ModelRunner:
                                  context_lens=meta.context_lens + 1, query_lens_cpu=[1] * rows, context_lens_cpu=lens,
                                  block_size=size, max_query_len=1, max_context_len=meta.max_context_len + 1)
         step.backend_data = self.attention.prepare(step)
-        return Batch(next_ids, positions, step, sample_rows, batch.sample_seq_ids, [0] * rows, True)
+        return Batch(next_ids, positions, step, sample_rows, batch.sample_seq_ids, [0] * rows)
 
     def enable_cuda_graphs(self, max_batch: int, query_lens: dict[int, int] | None = None, eager: bool = False,
                            mixed_tokens: int = 0, mixed_rows: int = 0) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cuda_graphs import BATCH_LADDER, static_meta
+from ..core.cuda_graphs import BATCH_LADDER, capture_graph, static_meta
 from ..core.interfaces import AttentionBackend, AttentionMetadata
 from ..core.model import Model
 from ..core.runner import Batch
@@ -74,12 +74,7 @@ class DraftRoundGraphs:
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             self.context_lens[:size].fill_(2)  # warm-up and capture read block 0 and store nothing (slots -1)
             self.live[:size].fill_(False)
-            self._round(size)  # compiles the Triton kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._round(size)
-            pool = graph.pool()
+            graph, out, pool = capture_graph(lambda: self._round(size), pool)
             self.graphs[size] = (graph, out)
         torch.cuda.synchronize()
 
