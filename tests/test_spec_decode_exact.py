@@ -67,10 +67,9 @@ def test_rejection_sampler_emits_target_samples(point_mass):
     out = rejection_sample(p_row.expand(rows, k + 1, vocab), q, draft, torch.full((rows,), k),
                            torch.rand(rows, k, generator=gen), torch.empty(rows, vocab).exponential_(generator=gen))
     m, nxt = out.num_accepted, out.next_token
-    first = torch.where(m > 0, draft[:, 0], nxt)
-    assert chi_square_p(torch.bincount(first, minlength=vocab), p_row) > 0.01
-    second = torch.where(m > 1, draft[:, 1], nxt)[m >= 1]  # the token after an accepted first draft
-    assert chi_square_p(torch.bincount(second, minlength=vocab), p_row) > 0.01
+    for j in range(k + 1):  # the token at position j, given j accepted drafts before it; j == k: the bonus token
+        token = torch.where(m > j, draft[:, j % k], nxt)[m >= j]
+        assert chi_square_p(torch.bincount(token, minlength=vocab), p_row) > 0.01, f"position {j}"
     if not point_mass:  # i.i.d. acceptance a = sum min(p, q): E[tokens per round] = (1 - a^(k+1)) / (1 - a)
         a = torch.minimum(p_row, q_row).sum().item()
         assert (m + 1).double().mean().item() == pytest.approx(expected_tokens_per_round(a, k), abs=0.02)
