@@ -453,6 +453,31 @@ def test_fp8_kv_greedy_equals_hf_with_fp8_rounded_kv(tiny_model: Path, plugins: 
     assert outputs == hf_fp8_kv_greedy(tiny_model, scales, prompts, GREEDY.max_tokens)
 
 
+def test_fp8_kv_scales_are_twice_hf_kv_amax_over_448(tiny_model: Path, plugins: PluginManager) -> None:
+    """The format's static scales, from HF's own K (after RoPE) and V on the calibration prefill: per layer and KV
+    head, s = 2 * max|x| / 448 (headroom 2, e4m3's largest value 448). K and V each get their own."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32, kv_cache_dtype="fp8"), plugins)
+    amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    class Observed(DynamicCache):
+        def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # k, v [batch, kv heads, tokens, head dim]
+            amax[layer_idx] = (k.abs().amax(dim=(0, 2, 3)), v.abs().amax(dim=(0, 2, 3)))
+            return super().update(k, v, layer_idx, *args, **kwargs)
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    with torch.no_grad():
+        model(torch.tensor([calibration_ids(engine.tokenizer)]), past_key_values=Observed(), use_cache=True)
+    assert sorted(amax) == list(range(len(engine.runner.kv_caches)))
+    for layer, cache in enumerate(engine.runner.kv_caches):
+        k_amax, v_amax = amax[layer]
+        assert not torch.allclose(k_amax, v_amax, rtol=0.05)  # else a K/V swap would pass
+        torch.testing.assert_close(cache.k_scale, 2 * k_amax / 448, rtol=1e-4, atol=0)
+        torch.testing.assert_close(cache.v_scale, 2 * v_amax / 448, rtol=1e-4, atol=0)
+
+
 def test_fp8_kv_doubles_the_blocks_and_the_concurrent_sequences(tiny_model: Path, plugins: PluginManager) -> None:
     # one bf16 block of the tiny model: 2 (K, V) x 2 layers x 16 slots x 2 heads x 16 dims x 2 bytes = 4 KiB
     budget_gb = 64 * 4096 / 2**30
