@@ -391,7 +391,7 @@ def test_multi_turn_ab_with_the_hf_baseline(tiny_model, tmp_path):
     assert "outputs = first arm" in table
     hf = arms["C"]
     assert hf["kind"] == "hf" and hf["summary"]["requests_per_s"]["ratio"] > 0
-    assert hf["summary"]["outputs_match"]["median"] is not None
+    assert hf["summary"]["outputs_match"]["values"] == [1.0, 1.0]  # HF static generate: infer's greedy tokens
     assert hf["summary"]["prefix_hit_rate"]["median"] is None and all(r["engine"] is None for r in hf["runs"])
     assert arms["B"]["summary"]["output_tokens_per_s"]["ratio"] == pytest.approx(
         arms["B"]["summary"]["output_tokens_per_s"]["median"] / arms["A"]["summary"]["output_tokens_per_s"]["median"])
@@ -415,6 +415,7 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
         assert sorted(r["output_tokens"] for r in run_["requests"]) == [3, 4, 5]
     assert data["arms"][1]["config"]["mode"] == "cb"
     assert data["arms"][1]["summary"]["ttft_p50_ms"]["median"] > 0
+    assert data["arms"][1]["summary"]["outputs_match"]["values"] == [1.0]  # HF CB: infer's greedy tokens
 
 
 def test_every_run_starts_with_a_cold_prefix_cache(tiny_model, tmp_path):
