@@ -50,6 +50,16 @@ def naive_pack(q: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(packed.view(np.int32).copy())
 
 
+def naive_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """naive_pack's inverse, written as a loop: column c * 8 + ORDER[i] is nibble i of packed column c."""
+    words = packed.numpy().view(np.uint32)
+    values = np.zeros((words.shape[0], words.shape[1] * 8), dtype=np.int64)
+    for c in range(words.shape[1]):
+        for i in range(8):
+            values[:, c * 8 + ORDER[i]] = (words[:, c] >> np.uint32(4 * i)) & np.uint32(0xF)
+    return torch.from_numpy(values)
+
+
 def naive_dequant_fp16(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
     """AutoAWQ's dequantization arithmetic: integer difference times fp16 scales, in fp16, [in, out]."""
     zz = z.repeat_interleave(group, dim=0)
@@ -146,7 +156,7 @@ def test_rtn_error_is_at_most_half_a_step(group: int, dtype: torch.dtype) -> Non
 
 def test_dequantize_equals_autoawq_arithmetic_bit_for_bit() -> None:
     _, state = awq_state(32, 128, 32, seed=3)
-    q, z = awq.unpack_int4(state["qweight"]), awq.unpack_int4(state["qzeros"])
+    q, z = naive_unpack(state["qweight"]), naive_unpack(state["qzeros"])  # from the format, not the code under test
     expected = naive_dequant_fp16(q, z, state["scales"], 32)
     got = awq.dequantize(state["qweight"], state["qzeros"], state["scales"], 32)
     assert got.dtype == torch.float16 and got.shape == (128, 32)
