@@ -232,7 +232,7 @@ def test_calibrated_awq_beats_rtn_with_activation_outliers(model128: Path, plugi
                if g["group"] in ("qkv", "gate_up"))
 
 
-def test_calibrated_checkpoint_is_autoawq_gemm_and_generates(calibrated128: Path, model128: Path) -> None:
+def test_calibrated_checkpoint_is_in_the_autoawq_gemm_format(calibrated128: Path, model128: Path) -> None:
     config = json.loads((calibrated128 / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
                                              "version": "gemm", "modules_to_not_convert": None}
@@ -245,9 +245,18 @@ def test_calibrated_checkpoint_is_autoawq_gemm_and_generates(calibrated128: Path
     assert state[f"{q_proj}.qzeros"].shape == (2, 16) and state[f"{q_proj}.scales"].shape == (2, 128)
     assert state[f"{q_proj}.scales"].dtype == torch.float16 and f"{q_proj}.weight" not in state
     assert state["lm_head.weight"].dtype == torch.float16  # never quantized
-    out = Engine(EngineConfig(model=str(calibrated128), device="cpu", num_kv_blocks=32)).generate(["def f(x):"],
-                                                                                                  GREEDY)
-    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.autoawq
+def test_calibrated_checkpoint_generates_like_hf_on_its_dequantized_weights(
+        calibrated128: Path, model128: Path, tmp_path: Path,
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """What ``infer quantize`` wrote, dequantized by AutoAWQ's own code, is the model HF runs; infer's greedy tokens
+    on the packed checkpoint are HF's on that model."""
+    dense = dequantized_copy(calibrated128, model128, tmp_path / "dequantized", group=64)
+    engine = Engine(EngineConfig(model=str(calibrated128), device="cpu", num_kv_blocks=32))
+    for prompt in seeded_prompts(2, 10, seed=6):
+        assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(dense, prompt, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # GQA (o_proj scales shared per KV head); v_proj bias
@@ -306,13 +315,31 @@ def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Pat
 
 
 # ---------------------------------------------------------------- real producers through the Engine
+def dequantized_copy(quantized: Path, original: Path, dense: Path, group: int) -> Path:
+    """An AutoAWQ GEMM checkpoint dequantized by AutoAWQ's own code (fp32 scales: exact), saved as a plain fp32
+    checkpoint beside ``original``'s config and tokenizer: the reference model for HF."""
+    from awq.utils.packing_utils import dequantize_gemm
+
+    state = load_file(str(next(quantized.glob("*.safetensors"))))
+    plain: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        owner, _, attr = name.rpartition(".")
+        if attr == "qweight":
+            w = dequantize_gemm(tensor, state[f"{owner}.qzeros"], state[f"{owner}.scales"].float(), 4, group)
+            plain[f"{owner}.weight"] = w.t().contiguous()
+        elif attr not in ("qzeros", "scales"):
+            plain[name] = tensor.float()
+    shutil.copytree(original, dense)
+    save_file(plain, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    return dense
+
+
 @pytest.mark.autoawq
 def test_autoawq_checkpoint_generates_like_hf_on_its_dequantized_weights(
         model128: Path, tmp_path: Path, hf_greedy: Callable[[Path, list[int], int], list[int]],
         monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("awq", reason="AutoAWQ is not installed (pip install 'infer-engine[awq]')")
     from awq import AutoAWQForCausalLM
-    from awq.utils.packing_utils import dequantize_gemm
 
     from infer import LLM
 
@@ -324,18 +351,7 @@ def test_autoawq_checkpoint_generates_like_hf_on_its_dequantized_weights(
     model.save_quantized(str(quantized))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model128 / name, quantized / name)
-    # the reference: AutoAWQ's own dequantization (fp32 scales: exact), as a plain fp32 checkpoint for HF
-    state = load_file(str(next(quantized.glob("*.safetensors"))))
-    plain: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        owner, _, attr = name.rpartition(".")
-        if attr == "qweight":
-            w = dequantize_gemm(tensor, state[f"{owner}.qzeros"], state[f"{owner}.scales"].float(), 4, 64)
-            plain[f"{owner}.weight"] = w.t().contiguous()
-        elif attr not in ("qzeros", "scales"):
-            plain[name] = tensor.float()
-    shutil.copytree(model128, dense)
-    save_file(plain, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    dequantized_copy(quantized, model128, dense, group=64)
     llm = LLM(model=str(quantized), device="cpu", num_kv_blocks=32)
     for prompt in seeded_prompts(2, 10, seed=2):
         ours = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
