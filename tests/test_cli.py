@@ -282,8 +282,10 @@ def test_options_that_would_be_ignored_are_refused(tiny_model, options, message)
 
 def test_generate_seed_reproduces_a_prompt_whatever_the_batch(tiny_model):
     alone = run("--model", str(tiny_model), "generate", "hello", "--temperature", "1.0", "--seed", "3",
-                "--max-tokens", "12", "--ignore-eos")
+                "--max-tokens", "12", "--ignore-eos", "--json")
     batched = run("--model", str(tiny_model), "generate", "other words first", "hello", "--temperature", "1.0",
-                  "--seed", "3", "--max-tokens", "12", "--ignore-eos")
+                  "--seed", "3", "--max-tokens", "12", "--ignore-eos", "--json")
     assert alone.exit_code == 0 and batched.exit_code == 0, alone.output + batched.output
-    assert batched.output.splitlines()[-1] == alone.output.splitlines()[-1]
+    [one] = [json.loads(line) for line in alone.output.splitlines()]
+    two = [json.loads(line) for line in batched.output.splitlines()]
+    assert len(one["token_ids"]) == 12 and two[1]["token_ids"] == one["token_ids"] and two[1]["text"] == one["text"]
