@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MIXED_GRAPH_TOKENS = 2048
+MAX_CPU_THREADS = 1024  # torch segfaults on a matmul after set_num_threads(100000); 1024 runs
 TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
@@ -126,8 +127,9 @@ class EngineConfig:
         if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 0:
             raise ConfigError(f"cuda-graph-max-tokens must be >= 0 (0: no graphs for prefill and mixed steps), got "
                               f"{self.cuda_graph_max_tokens}")
-        if self.cpu_threads is not None:
-            positive("cpu_threads")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= MAX_CPU_THREADS:
+            raise ConfigError(f"cpu-threads must be in [1, {MAX_CPU_THREADS}] (this host has {os.cpu_count()} "
+                              f"CPUs), got {self.cpu_threads}")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ConfigError(f"num-swap-blocks must be >= 0, got {self.num_swap_blocks}")
         if self.swap_space_gb < 0:

@@ -457,6 +457,8 @@ def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, mess
     ({"seed": -1}, "seed must be in [0, 2**63), got -1"),
     ({"cuda_graph_max_tokens": -1}, "cuda-graph-max-tokens must be >= 0 (0: no graphs for prefill and mixed steps)"),
     ({"skinny_gemm_rows": 17}, "skinny-gemm-rows must be in [0, 16] (the kernel takes up to 16 rows), got 17"),
+    ({"cpu_threads": 100_000}, "cpu-threads must be in [1, 1024]"),  # torch segfaults there; nothing must start
+    ({"cpu_threads": 0}, "cpu-threads must be in [1, 1024]"),
 ])
 def test_bad_llm_options_are_config_errors_naming_them(tiny_model, options, message):
     from infer import LLM
