@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ..core.errors import InferError
 from ..core.hookspecs import CommandFactory, hookimpl
 from ..core.registry import Register
 
@@ -71,7 +72,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--tls", is_flag=True, help="Connect over TLS with the system's root certificates.")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="PEM root certificate(s) to trust (implies --tls).")
-@click.option("--timeout", type=float, default=None, help="Deadline of the call in seconds.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Deadline of the call in seconds.")
 @click.option("--stats", is_flag=True, help="Print the server's GetStats as JSON to stderr afterwards.")
 def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
            n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool, token: str | None,
@@ -79,7 +81,6 @@ def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p:
            tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams."""
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from ..server.client import Client
 
@@ -105,13 +106,19 @@ def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p:
                 for out in conn.complete(prompt, **sampling).outputs:
                     click.echo(prompt + out.text)
             if stats:
-                click.echo(json.dumps(MessageToDict(conn.stats(), always_print_fields_with_no_presence=True,
-                                                    preserving_proto_field_name=True),
-                                      indent=2), err=True)
+                click.echo(json.dumps(stats_dict(conn.stats()), indent=2), err=True)
+        except InferError as exc:  # a value the protocol cannot carry, found before anything was sent
+            raise click.ClickException(str(exc)) from None
         except grpc.RpcError as exc:
             if mid_line:
                 click.echo()  # end the partial completion's line
             raise click.ClickException(rpc_error_message(exc, target, tls or tls_ca is not None)) from exc
+
+
+def stats_dict(stats: Any) -> dict[str, Any]:
+    """A Stats message as a flat dict, every field present, with 64-bit counters as JSON numbers (protobuf's JSON
+    mapping writes them as strings)."""
+    return {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
 
 
 def rpc_error_message(exc: grpc.RpcError, target: str, tls: bool) -> str:

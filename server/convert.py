@@ -49,7 +49,30 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
             fields.pop("logprobs")
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
-    return pb.SamplingParams(**fields)
+    try:
+        return pb.SamplingParams(**fields)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"invalid sampling parameters: {_unfit_field(fields) or exc}") from None
+
+
+_INT_RANGES = {"int32": 2**31, "int64": 2**63}
+
+
+def _unfit_field(fields: dict[str, Any]) -> str | None:
+    """Which of ``fields`` the proto refuses, and the range its wire type holds."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    names = {FieldDescriptor.TYPE_INT32: "int32", FieldDescriptor.TYPE_INT64: "int64"}
+    for name, value in fields.items():
+        try:
+            pb.SamplingParams(**{name: value})
+        except (ValueError, TypeError):
+            wire = names.get(pb.SamplingParams.DESCRIPTOR.fields_by_name[name].type)
+            if wire is None:
+                return f"{name} cannot be {value!r}"
+            return f"{name} must be below 2**{_INT_RANGES[wire].bit_length() - 1} to travel over gRPC ({wire}), " \
+                   f"got {value!r}"
+    return None
 
 
 def completion_to_proto(out: CompletionOutput) -> pb.Completion:

@@ -7,6 +7,7 @@ SIGTERMs it). Runs in about a minute on 2 CPU cores.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
@@ -518,6 +519,25 @@ def test_client_errors_stand_alone(server: ServerProcess) -> None:
     out = run_cli("client", "hello", "--target", server.target, "--tls")
     assert out.stderr == f"Error: UNAVAILABLE: {server.target} does not speak TLS (a plaintext server?); drop --tls " \
                          "and --tls-ca\n"
+    out = run_cli("client", "hello", "--target", server.target, "--max-tokens", str(2**31))
+    assert (out.exit_code, out.stdout) == (1, "") and out.stderr == (
+        f"Error: invalid sampling parameters: max_tokens must be below 2**31 to travel over gRPC (int32), got "
+        f"{2**31}\n")
+    out = run_cli("client", "hello", "--target", server.target, "--seed", str(2**63))
+    assert out.exit_code == 1 and "seed must be below 2**63 to travel over gRPC (int64)" in out.stderr
+    out = run_cli("client", "hello", "--target", server.target, "--timeout", "0")
+    assert out.exit_code == 2 and "--timeout" in out.stderr
+
+
+def test_client_stats_are_the_servers_counters_as_json_numbers(server: ServerProcess) -> None:
+    out = run_cli("client", "hello", "--target", server.target, "--max-tokens", "3", "--ignore-eos", "--stats")
+    assert out.exit_code == 0, out.stderr
+    stats = json.loads(out.stderr)
+    with server.client() as c:
+        after = c.stats()
+    assert stats["requests_finished"] >= 1 and stats["output_tokens"] >= 3  # numbers, not protobuf's JSON strings
+    assert stats["requests_finished"] <= after.requests_finished and stats["kv_total_blocks"] == after.kv_total_blocks
+    assert set(stats) == {field.name for field in after.DESCRIPTOR.fields}
 
 
 def test_plaintext_client_of_a_tls_server(secure_server: ServerProcess) -> None:
