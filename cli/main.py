@@ -212,6 +212,7 @@ def make_tiny_model_command(directory: str, arch: str, hidden_size: int, num_lay
     import tempfile
     from pathlib import Path
 
+    from ..core.files import chmod_as_umask
     from ..models.tiny import make_tiny_model
 
     out = Path(directory)
@@ -226,11 +227,17 @@ def make_tiny_model_command(directory: str, arch: str, hidden_size: int, num_lay
     try:
         make_tiny_model(partial, arch, hidden_size=hidden_size, num_layers=num_layers,
                         intermediate_size=2 * hidden_size, tie_word_embeddings=tie_word_embeddings, seed=seed)
+        for path in (partial, *partial.iterdir()):
+            chmod_as_umask(path)
         if out.exists():
             out.rmdir()  # empty, checked above
         partial.rename(out)
     except OSError as exc:
         raise click.ClickException(f"cannot write {directory}: {exc.strerror or exc}") from None
+    except (RuntimeError, MemoryError) as exc:  # torch's allocator: "can't allocate memory"
+        raise click.ClickException(f"cannot build a model of hidden size {hidden_size} x {num_layers} layers in "
+                                   f"memory ({str(exc).splitlines()[0]}); lower --hidden-size or --num-layers"
+                                   ) from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # gone already after the rename
     click.echo(f"wrote a random-weight {arch} model to {out}")

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..core.errors import CheckpointError, ConfigError
+from ..core.files import chmod_as_umask
 from . import awq
 from .awq_method import auto_group_size
 from .calib_data import default_texts, token_samples
@@ -379,9 +380,7 @@ def _write_files(model_dir: Path, tmp: Path, raw: dict[str, Any], config: AwqCal
     """The checkpoint's files, in ``tmp``: weights, config.json with the AutoAWQ GEMM quantization_config, the
     calibration record, and MODEL's other files (tokenizer, generation config, chat template, ...)."""
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    mask = os.umask(0o077)  # reading the umask sets it: briefly to the strictest value, never a looser one
-    os.umask(mask)
-    os.chmod(tmp / "model.safetensors", 0o666 & ~mask)  # safetensors writes 0600: a server may run as another user
+    chmod_as_umask(tmp / "model.safetensors")
     quantized = dict(raw)
     quantized["quantization_config"] = {
         "quant_method": "awq", "bits": config.bits, "group_size": config.group_size, "zero_point": True,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import logging
 import math
 import shutil
@@ -185,8 +186,15 @@ def test_make_tiny_model_refuses_unusable_paths_and_seeds_cleanly(tmp_path):
     assert result.exit_code == 1 and "Error: cannot write" in result.output and "Traceback" not in result.output
     result = run("make-tiny-model", str(tmp_path / "m"), "--seed", str(2**64))
     assert result.exit_code == 2 and "Invalid value for '--seed'" in result.output
+    result = run("make-tiny-model", str(tmp_path / "m"), "--hidden-size", str(2**24))  # 64 GiB of embeddings
+    assert result.exit_code == 1 and "lower --hidden-size or --num-layers" in result.output, result.output
+    assert "Traceback" not in result.output and {p.name for p in tmp_path.iterdir()} == {"a-file"}
     result = run("make-tiny-model", str(tmp_path / "m"))
     assert result.exit_code == 0 and {p.name for p in tmp_path.iterdir()} == {"a-file", "m"}
+    mask = os.umask(0o077)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m", *(tmp_path / "m").iterdir())}
+    assert modes == {name: (0o777 if name == "m" else 0o666) & ~mask for name in modes}  # as mkdir and open give
 
 
 def test_stdin_lines_may_end_in_crlf(tiny_model):
