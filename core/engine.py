@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import itertools
 import logging
@@ -30,6 +31,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer")
 
+
+
+def live_part(out: SchedulerOutput, gone: set[int]) -> SchedulerOutput:
+    """``out`` without the sequences in ``gone`` (finished since ``schedule``), for ``Scheduler.update``."""
+    if not gone:
+        return out
+    return dataclasses.replace(out, scheduled=[item for item in out.scheduled if item.seq.seq_id not in gone])
 
 
 class Engine:
@@ -149,7 +157,7 @@ class Engine:
             return self._step_ahead()
         self.steps_taken += 1
         start = time.perf_counter()
-        out = self.scheduler.schedule()
+        out = self._schedule()
         if not self._check_schedule(out):
             return self._emit_unemitted()
         return self._run(out, start)
@@ -166,7 +174,7 @@ class Engine:
         sampled, forks = self._sample(out, batch, logits, gone)
         now = time.perf_counter()
         self._start_forks(out, forks, sampled, now)  # before update, which may finish (and free) a parent
-        self.scheduler.update(out, sampled, now)
+        self.scheduler.update(live_part(out, gone), sampled, now)
         advanced = [item.seq for item in out.scheduled if item.seq.seq_id not in gone] + [c for _, c in forks]
         if self.async_output:
             self.unemitted = advanced
@@ -183,7 +191,7 @@ class Engine:
         check their stops and build their outputs; then sample this step on the device and move on."""
         start = time.perf_counter()
         self.steps_taken += 1
-        out = self.scheduler.schedule()
+        out = self._schedule()
         if not self._check_schedule(out):
             self.unemitted += self._settle()
             return self._emit_unemitted()
@@ -199,7 +207,8 @@ class Engine:
             sample = self.runner.sample_pending(kept, seqs)
             self.in_flight = InFlight(sample, seqs, [seq.num_tokens for seq in seqs])
         now = time.perf_counter()
-        self.scheduler.update(out, {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
+        gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
+        self.scheduler.update(live_part(out, gone), {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
         self._record_step(out, start, times, now, decodes)
         return outputs
 
@@ -243,6 +252,14 @@ class Engine:
                 elif seq.finish_reason is FinishReason.LENGTH:  # its last allowed token is a stop token
                     seq.finish_reason = FinishReason.STOP
         return flight.seqs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step, with the copy-on-write copies its KV cache still holds added to its block ops."""
+        out = self.scheduler.schedule()
+        if isinstance(out, SchedulerOutput):  # else _check_schedule names the scheduler
+            if left := self.kv.take_block_ops():
+                out.block_ops.extend(left)
+        return out
 
     def _check_schedule(self, out: SchedulerOutput) -> bool:
         return check_schedule(out, self.config, self.scheduler, self.in_flight is None and not self.unemitted)

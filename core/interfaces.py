@@ -47,6 +47,12 @@ class BlockOps:
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.copies)
 
+    def extend(self, other: BlockOps) -> None:
+        """Append ``other``'s operations after this one's, kind by kind."""
+        self.swap_out += other.swap_out
+        self.swap_in += other.swap_in
+        self.copies += other.copies
+
 
 class KVCache(ABC):
     """Logical KV blocks: which physical block holds which sequence's tokens. Owns no tensors.
@@ -109,7 +115,9 @@ class KVCache(ABC):
 
     @abstractmethod
     def take_block_ops(self) -> BlockOps:
-        """Return and clear the pending copies/swaps; the runner executes them before the next forward."""
+        """Return and clear the pending copies/swaps; the runner executes them before the next forward. The
+        engine takes what is left after each ``Scheduler.schedule`` (a scheduler may take them first, to put its
+        swaps beside them in ``SchedulerOutput.block_ops``)."""
 
     @abstractmethod
     def stats(self) -> KVStats:
@@ -207,17 +215,27 @@ class Scheduler(ABC):
         """Pick this step's work within the token and sequence budgets, allocating KV (preempting if short).
 
         The engine holds a scheduler to this (a PluginError names it otherwise): something is scheduled whenever
-        a sequence waits or runs (an empty schedule would never end), at most ``max_num_seqs`` sequences, and each
-        one's KV blocks cover the positions it computes (``KVCache.allocate`` first)."""
+        a sequence waits or runs (an empty schedule would never end), at most ``max_num_seqs`` sequences (forked
+        children count: each is a sequence), and each one's KV blocks cover the positions it computes
+        (``KVCache.allocate`` first). ``block_ops`` carries swaps the scheduler decided; the KV cache's own
+        copy-on-write copies reach the runner either way (the engine takes what the cache still holds)."""
 
     @abstractmethod
     def update(self, output: SchedulerOutput, sampled: dict[int, list[int]], now: float) -> list[Sequence]:
         """Apply a step: advance computed tokens, append ``sampled[seq_id]``, stop checks; return finished ones.
 
+        ``output`` is what ``schedule`` returned, less the sequences the engine finished in between (a stop found
+        in an earlier step's tokens, an abort): every sequence in it is live. For each: add ``num_new_tokens`` to
+        ``num_computed_tokens``; append the sampled tokens in order (``Sequence.append_token``), where with
+        speculative decoding all but the last are accepted drafts whose KV this step computed, so each of those
+        also adds one computed token; stop at the first stop token (``Sequence.check_stop_token``); then call
+        ``KVCache.commit(seq)`` before finishing it, else its full blocks never enter the prefix cache.
+
         With async scheduling a sampled token may be ``PENDING_TOKEN`` (-1, core/runner.py): append it like any
         other; the engine writes the real id in place before the next update and applies its stop check itself.
 
-        Finished sequences have released their KV blocks.
+        Finished sequences have released their KV blocks. The shipped ``ContinuousScheduler``
+        (plugins/continuous_scheduler.py) is a complete example.
         """
 
     @abstractmethod

@@ -289,6 +289,111 @@ def test_a_schedule_that_breaks_the_contract_is_refused(infer_plugins, tiny_mode
         engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
 
 
+class MinimalScheduler:
+    """A scheduler written from the Scheduler docstrings alone, as a third party would: whole prompts first come
+    first served, no preemption (the tests' pools never run short), and none of the shipped one's extras: it
+    leaves the KV cache's copy-on-write copies where they are and never checks for sequences finished meanwhile."""
+
+    def __init__(self, config: EngineConfig, kv: Any) -> None:
+        from collections import deque
+
+        self.kv, self.max_num_seqs, self.waiting, self.running = kv, config.max_num_seqs, deque(), []
+
+    def add(self, seq: Any) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Any:
+        from infer.core.interfaces import ScheduledSequence, SchedulerOutput
+        from infer.core.request import SequenceStatus
+
+        out = SchedulerOutput(scheduled=[])
+        for seq in self.running:
+            assert self.kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens))
+        while self.waiting and len(self.running) + self.waiting[0].params.n <= self.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.num_computed_tokens = self.kv.match_prefix(seq)
+            assert self.kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens))
+        return out
+
+    def update(self, output: Any, sampled: dict[int, list[int]], now: float) -> list[Any]:
+        finished = []
+        for item in output.scheduled:
+            seq, reason = item.seq, None
+            seq.num_computed_tokens += item.num_new_tokens
+            for i, token in enumerate(sampled.get(seq.seq_id, ())):
+                seq.num_computed_tokens += 1 if i else 0
+                seq.append_token(token, now)
+                if (reason := seq.check_stop_token()) is not None:
+                    break
+            self.kv.commit(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def fork(self, parent: Any, child: Any) -> None:
+        from infer.core.request import SequenceStatus
+
+        child.token_ids, child.num_computed_tokens = list(parent.token_ids), parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.kv.fork(parent, child)
+        self.running.append(child)
+
+    def finish(self, seq: Any, reason: Any) -> None:
+        from infer.core.request import SequenceStatus
+
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    num_preemptions = 0
+
+
+@pytest.mark.parametrize("mode", [{}, {"async_output": True}, {"async_scheduling": True}],
+                         ids=["sync", "async-output", "async-scheduling"])
+def test_a_scheduler_written_from_the_docstrings_gives_the_shipped_ones_tokens(infer_plugins, tiny_model, mode):
+    """n > 1 forks (copy-on-write copies the scheduler never hands over) and stop tokens found a step late under
+    async output and scheduling (finished sequences reach ``update`` only if the engine passes them)."""
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+    from infer.core.interfaces import Scheduler
+
+    plugins = runtime_plugin(infer_plugins, "register_schedulers", "minimal",
+                             type("Minimal", (MinimalScheduler, Scheduler), {}))
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42] * 7, [300, 301]]
+    params = SamplingParams(max_tokens=12, n=3, temperature=0.9, seed=11)
+
+    def run(scheduler: str, params: SamplingParams) -> list[list[list[int]]]:
+        engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64, scheduler=scheduler,
+                                     **mode), plugins)
+        return [[c.token_ids for c in r.outputs] for r in engine.generate(prompts, params)]
+
+    shipped = run("continuous", params)
+    stops = [shipped[0][1][3], shipped[2][0][5]]  # some completions stop early, a step late under async output
+    params = SamplingParams(max_tokens=12, n=3, temperature=0.9, seed=11, stop_token_ids=stops)
+    expected = run("continuous", params)
+    assert any(len(c) < 12 for r in expected for c in r)
+    assert run("minimal", params) == expected
+
+
 @pytest.mark.parametrize(("breach", "complaint"), [
     ("out of vocabulary", "proposed [1024, 1024] for sequence 0: drafts are a list of at most k=2 token ids in [0, "
                           "1024)"),
