@@ -31,6 +31,7 @@ class Components:
     scheduler: Scheduler
     runner: ModelRunner
     proposer: Proposer | None
+    eviction: EvictionPolicy
 
     @property
     def bytes_per_block(self) -> int:
@@ -74,7 +75,7 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
                                       mixed_tokens=mixed, mixed_rows=config.max_num_seqs)
         else:
             log.info("CUDA graphs are off: attention backend %r does not support them", config.attention)
-    return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer)
+    return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer, eviction)
 
 
 def make_attention(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel

@@ -21,7 +21,7 @@ from .errors import InferError, InvalidRequestError, NotFoundError
 from .interfaces import SchedulerOutput
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
-from .plugins import PluginManager, checked_manager
+from .plugins import Blame, PluginManager, checked_manager
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
 from .runner import PENDING_TOKEN, Batch, InFlight
 from .sampling import to_device
@@ -78,6 +78,11 @@ class Engine:
             from ..spec_decode.decoder import SpecDecoder
 
             self.spec = SpecDecoder(config, parts.proposer, self.kv, self.runner.sampler, self.stats, spec.vocab_size)
+        self.blame = Blame(self.plugins, {
+            "scheduler": (config.scheduler, self.scheduler), "kv_cache": (config.kv_cache, self.kv),
+            "eviction_policy": (config.eviction_policy, parts.eviction),
+            "attention_backend": (config.attention, self.attention),
+            "proposer": (config.proposer, parts.proposer)})
         self._seq_ids = itertools.count()
         self.steps_taken = 0  # calls of step(); generate_as_completed notices a caller that stepped in between
         if config.freeze_gc:
@@ -146,13 +151,40 @@ class Engine:
         final = self._emit(req, {seq.seq_id for seq in req.seqs})
         return final if early is None else append_output(early, final)
 
+    def _abort_after(self, request_ids: list[str], exc: BaseException) -> None:
+        """Abort what is left of ``request_ids`` as ``exc`` propagates. After an error in a step the engine may be
+        inconsistent, so a second error while aborting is logged, not raised: the first one is the one to see."""
+        for rid in request_ids:
+            if rid not in self.requests:
+                continue
+            try:
+                self.abort(rid)
+            except Exception as cleanup:
+                if isinstance(exc, GeneratorExit):  # no error before: this one is news
+                    raise
+                log.warning("could not abort request %s after an error (%s: %s)", rid, type(cleanup).__name__,
+                            cleanup)
+                return
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced (with
-        async output: that advanced in the previous step, their outputs built while this step's forward ran)."""
+        async output: that advanced in the previous step, their outputs built while this step's forward ran). An
+        error raised in a plugin's code is a PluginError naming the plugin."""
+        try:
+            return self._step()
+        except InferError:
+            raise
+        except Exception as exc:
+            if (blamed := self.blame.error(exc)) is None:
+                raise
+            log.info("%s", blamed, exc_info=exc)
+            raise blamed from exc
+
+    def _step(self) -> list[RequestOutput]:
         if self.async_scheduling:
             return self._step_ahead()
         self.steps_taken += 1
@@ -362,9 +394,9 @@ class Engine:
                 for output in self.step():
                     if output.request_id == rid:
                         yield output
-        finally:  # the caller stopped reading: free the request rather than decode it for nobody
-            if rid in self.requests:
-                self.abort(rid)
+        except BaseException as exc:  # the caller stopped reading: free the request rather than decode it for nobody
+            self._abort_after([rid], exc)
+            raise
 
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
@@ -417,7 +449,6 @@ class Engine:
                                 "another caller stepped this engine meanwhile (a nested generate or stream?) and "
                                 "took outputs of the requests still running here; one caller at a time steps an "
                                 "engine")
-        finally:  # the caller stopped early (or an error): free what is left
-            for rid in results:
-                if rid in self.requests:
-                    self.abort(rid)
+        except BaseException as exc:  # the caller stopped early (GeneratorExit), or an error: free what is left
+            self._abort_after(list(results), exc)
+            raise

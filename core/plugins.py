@@ -289,6 +289,31 @@ class PluginManager:
                 f"keep, infer's shipped ones too: {' or '.join(options)}")
 
 
+class Blame:
+    """Names the component a run-time error came from: the innermost traceback frame in a component's module."""
+
+    def __init__(self, plugins: PluginManager, components: dict[str, tuple[str | None, object]]) -> None:
+        """``components``: kind -> (registered name, instance); a None name or instance is skipped."""
+        self.modules: dict[str, str] = {}
+        for kind, (name, component) in components.items():
+            if name is None or component is None:
+                continue
+            source = plugins.registry(kind).entry(name).source
+            self.modules.setdefault(type(component).__module__,
+                                    f"the {kind.replace('_', ' ')} {name!r} from {source!r}")
+
+    def error(self, exc: BaseException) -> PluginError | None:
+        """A PluginError naming the component ``exc`` came from, or None when no component's code raised it."""
+        who, frame = None, exc.__traceback__
+        while frame is not None:
+            who = self.modules.get(frame.tb_frame.f_globals.get("__name__", ""), who)
+            frame = frame.tb_next
+        if who is None:
+            return None
+        return PluginError(f"{who} raised {type(exc).__name__}: {exc}; fix the plugin or choose another (this engine "
+                           "may be inconsistent now: start a new one; the CLI shows the traceback with -v)")
+
+
 def checked_manager(plugins: Any) -> PluginManager | None:
     """``plugins`` as given to Engine or LLM: a PluginManager or None; anything else is refused."""
     if plugins is not None and not isinstance(plugins, PluginManager):

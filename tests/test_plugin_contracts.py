@@ -140,6 +140,24 @@ def test_a_policy_that_pops_a_held_key_is_refused_not_trusted(tiny_model, kv_cac
         engine.generate([shared + [30] * 4, list(range(40, 56))], params)  # a hit holds them; the other evicts
 
 
+def test_an_error_raised_in_a_plugins_code_during_a_step_names_the_plugin(infer_plugins, tiny_model, caplog):
+    """StrictLRU's touch raises KeyError on a prefix hit of a block it never held. The caller sees that error, as a
+    PluginError naming the policy and its package (not a second error from aborting the rest)."""
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+
+    plugins = runtime_plugin(infer_plugins, "register_eviction_policies", "strict", lambda config: StrictLRU())
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", eviction_policy="strict", block_size=4,
+                                 num_kv_blocks=16), plugins)
+    shared = list(range(5, 13))
+    engine.generate([shared], SamplingParams(max_tokens=1))  # leaves its prompt's blocks cached
+    with caplog.at_level("INFO", logger="infer"), pytest.raises(PluginError) as info:
+        engine.generate([shared + [30], [40, 41], [50, 51]], SamplingParams(max_tokens=4))
+    assert str(info.value).startswith("the eviction policy 'strict' from 'infer-plugin-acme' raised KeyError: ")
+    assert isinstance(info.value.__cause__, KeyError)
+    assert any(record.exc_info for record in caplog.records)  # the traceback, for -v
+
+
 def test_the_touch_contract_is_stated_where_plugin_authors_read():
     docstring = flat(EvictionPolicy.touch.__doc__ or "")
     assert "never have been inserted" in docstring and "never fail" in docstring and "len()" in docstring
