@@ -1,7 +1,6 @@
 """Group options: every engine option, parsed into an EngineConfig (also used by `infer bench --ab` arms)."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,8 +10,6 @@ import click
 from ..core.config import COMPONENT_FIELDS, EngineConfig
 from ..core.plugins import PluginManager
 
-log = logging.getLogger("infer")
-SHIPPED_OPTION_NAMESPACES = frozenset({"awq", "fp8", "ngram", "spec_decode"})  # what the shipped plugins read
 
 ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--model", "-m", default=None, help="Local HF model folder (default: the embedded demo model)."),
@@ -171,13 +168,4 @@ class EngineArgs:
             plugins.registry("quant_method").entry(config.quant)
         if config.proposer:
             plugins.registry("proposer").entry(config.proposer)
-        self._warn_unclaimed_plugin_options(config, plugins)
         return config.validate()
-
-    @staticmethod
-    def _warn_unclaimed_plugin_options(config: EngineConfig, plugins: PluginManager) -> None:
-        """A --plugin-option namespace that no registered component is named after is most likely a typo."""
-        names = {c.name for c in plugins.components()} | SHIPPED_OPTION_NAMESPACES
-        for namespace in sorted(set(config.plugin_options) - names):
-            log.warning("--plugin-option %s.*: no registered component is named %r, so no plugin may read it "
-                        "(shipped namespaces: %s)", namespace, namespace, ", ".join(sorted(SHIPPED_OPTION_NAMESPACES)))

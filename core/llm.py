@@ -19,7 +19,7 @@ class LLM:
     def __init__(self, model: str | None = None, plugins: PluginManager | None = None, plugin: Seq[str] = (),
                  **options: Any) -> None:
         """``options``: EngineConfig fields. ``plugin``: component names, as ``infer --plugin NAME`` (a field
-        given in ``options`` wins, as on the command line). ``plugins``: the PluginManager (default: every
+        given in ``options`` wins, with a warning, as on the command line). ``plugins``: the PluginManager (default: every
         installed plugin)."""
         if isinstance(plugin, str):
             plugin = [plugin]
@@ -30,10 +30,9 @@ class LLM:
             raise ConfigError(f"LLM() got unknown option(s) {', '.join(unknown)}{hints}; the options are the fields "
                               "of infer.core.config.EngineConfig (docs/cli.md lists them as command-line options)")
         config = EngineConfig(model=model, **options)
-        if plugin:
-            plugins = checked_manager(plugins) or PluginManager.from_entry_points()
-            explicit = {k: v for k, v in options.items() if k in COMPONENT_FIELDS.values()}
-            config = plugins.select_components(config, list(plugin), explicit)
+        plugins = checked_manager(plugins) or PluginManager.from_entry_points()
+        explicit = {k: v for k, v in options.items() if k in COMPONENT_FIELDS.values()}
+        config = plugins.select_components(config, list(plugin), explicit)  # as the CLI chooses and checks
         self.engine = Engine(config, plugins)
 
     def generate(self, prompts: str | Seq[str | list[int]],

@@ -24,6 +24,7 @@ ENTRY_POINT_GROUP = "infer"
 ALLOW_LIST_ENV = "INFER_PLUGINS"
 
 # kind -> registration hook name
+SHIPPED_OPTION_NAMESPACES = frozenset({"awq", "fp8", "ngram", "spec_decode"})  # what the shipped plugins read
 KINDS: dict[str, str] = {
     "scheduler": "register_schedulers",
     "kv_cache": "register_kv_caches",
@@ -94,7 +95,9 @@ class PluginManager:
             try:
                 module = ep.load()
             except Exception as exc:  # a broken third-party package must say who it is
-                raise PluginError(f"plugin {name!r} from package {_dist_name(ep)!r} failed to import: {exc}; "
+                cause = "" if _is_shipped(ep) else \
+                    " (the usual cause is an editable install whose folder was renamed or deleted)"
+                raise PluginError(f"plugin {name!r} from package {_dist_name(ep)!r} failed to import: {exc}{cause}; "
                                   f"{way_out}") from exc
             try:
                 self.register(module, name=name, source=_dist_name(ep))
@@ -178,7 +181,8 @@ class PluginManager:
                 if returned is not None:
                     if inspect.iscoroutine(returned) or inspect.isgenerator(returned):
                         returned.close()
-                    raise PluginError(f"{who}: its {hook_name} hook returned a {type(returned).__name__}, which "
+                    raise PluginError(f"{who}: its {hook_name} hook returned a value of type "
+                                      f"{type(returned).__name__}, which "
                                       "infer ignores: a registration hook is a plain function that calls "
                                       f"register(name, factory) for each component and returns None; {way_out}")
         return self
@@ -225,11 +229,14 @@ class PluginManager:
             kinds = [k for k in COMPONENT_FIELDS if name in self.registries[k]]
             if not kinds:
                 every = sorted({c.name for c in self.components() if c.kind in COMPONENT_FIELDS})
-                raise PluginError(f"unknown plugin {name!r}; registered components: {', '.join(every)}"
+                close = difflib.get_close_matches(name, every, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise PluginError(f"unknown plugin {name!r}{hint}; registered components: {', '.join(every)}"
                                   f"{self._allow_list_hint(COMPONENT_FIELDS, name)}")
             if len(kinds) > 1:
                 options = " or ".join(f"--{COMPONENT_FIELDS[k].replace('_', '-')} {name}" for k in kinds)
-                raise PluginError(f"plugin name {name!r} is registered as {' and '.join(kinds)}; use {options}")
+                raise PluginError(f"plugin name {name!r} is registered as "
+                                  f"{' and '.join(k.replace('_', ' ') for k in kinds)}; use {options}")
             field, chosen = COMPONENT_FIELDS[kinds[0]], self.registries[kinds[0]].entry(name).name
             if changes.get(field, chosen) != chosen:
                 raise PluginError(f"--plugin {changes[field]} and --plugin {name} both choose the "
@@ -240,14 +247,27 @@ class PluginManager:
     def select_components(self, config: EngineConfig, names: list[str], explicit: dict[str, Any]) -> EngineConfig:
         """``--plugin NAME`` selections, then the component fields given explicitly (they win), as the CLI and
         ``LLM(plugin=...)`` both choose. Refuses an eviction policy chosen for a cache that caches nothing."""
-        chosen = self.resolve_plugin_names(config, names).replace(**explicit)
+        by_plugin = self.resolve_plugin_names(config, names)
+        chosen = by_plugin.replace(**explicit)
+        for field, value in explicit.items():
+            if getattr(by_plugin, field) != getattr(config, field) and value != getattr(by_plugin, field):
+                log.warning("--%s %s overrides --plugin %s", field.replace("_", "-"), value, getattr(by_plugin, field))
         chose_eviction = "eviction_policy" in explicit or any(
             name in self.registry("eviction_policy") for name in names)
         if chose_eviction and not chosen.enable_prefix_caching:
             raise ConfigError("an eviction policy picks the cached prefix blocks to drop; with --no-prefix-caching "
                               "(enable_prefix_caching=False) nothing is cached, so drop the eviction policy or "
                               "--no-prefix-caching")
+        self._warn_unclaimed_plugin_options(chosen)
         return chosen
+
+    def _warn_unclaimed_plugin_options(self, config: EngineConfig) -> None:
+        """A plugin-options namespace that no registered component is named after is most likely a typo."""
+        names = {c.name for c in self.components()} | SHIPPED_OPTION_NAMESPACES
+        for namespace in sorted(set(config.plugin_options) - names):
+            log.warning("--plugin-option %s.* (plugin_options[%r]): no registered component is named %r, so no "
+                        "plugin may read it (shipped namespaces: %s)", namespace, namespace, namespace,
+                        ", ".join(sorted(SHIPPED_OPTION_NAMESPACES)))
 
     @property
     def hook(self) -> Any:
@@ -336,8 +356,7 @@ def _way_out(ep: metadata.EntryPoint, others: list[str]) -> str:
     if _is_shipped(ep):
         advice = f"reinstall {dist!r}"
     else:
-        advice = (f"fix the plugin, or uninstall it: `pip uninstall {dist}` (the usual cause is an editable install "
-                  "whose folder was renamed or deleted)")
+        advice = f"fix the plugin, or uninstall it: `pip uninstall {dist}`"
     if others:
         advice += f"; or load only the other plugins: {ALLOW_LIST_ENV}={','.join(others)}"
     return advice

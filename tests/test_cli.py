@@ -255,7 +255,22 @@ def test_a_plugin_option_namespace_no_component_claims_is_warned(infer_plugins, 
     for namespace, warned in (("aqw", True), ("awq", False), ("ngram", False), ("lfu", False)):
         caplog.clear()
         EngineArgs.from_kwargs({"plugin_option": parse_plugin_options((f"{namespace}.k=1",))}).build(infer_plugins)
-        assert ("--plugin-option aqw.*: no registered component is named 'aqw'" in caplog.text) is warned
+        assert ("--plugin-option aqw.* (plugin_options['aqw']): no registered component is named 'aqw'"
+                in caplog.text) is warned
+
+
+def test_llm_checks_its_components_as_the_cli_does(tiny_model, caplog):
+    from infer import LLM
+    from infer.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="an eviction policy picks the cached prefix blocks to drop"):
+        LLM(model=str(tiny_model), device="cpu", eviction_policy="lfu", enable_prefix_caching=False)
+    with caplog.at_level("WARNING", logger="infer"):
+        llm = LLM(model=str(tiny_model), device="cpu", plugin=["radix-cache"], kv_cache="paged",
+                  plugin_options={"aqw": {"k": 1}})
+    assert llm.engine.config.kv_cache == "paged"  # the explicit field wins, with a warning
+    assert "--kv-cache paged overrides --plugin radix-cache" in caplog.text
+    assert "no registered component is named 'aqw'" in caplog.text
 
 
 def test_a_plugin_command_cannot_shadow_a_builtin(tmp_path, monkeypatch):

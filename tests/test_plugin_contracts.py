@@ -192,15 +192,18 @@ def test_a_misnamed_hook_argument_names_the_expected_one(tmp_path, monkeypatch):
     ("def register_schedulers(register):\n    raise RuntimeError('boom')\n",
      "failed in its register_schedulers hook: RuntimeError: boom"),
     ("def register_schedulers(register):\n    return {'mine': object}\n",
-     "its register_schedulers hook returned a dict, which infer ignores: a registration hook is a plain function"),
-    ("def register_schedulers(register):\n    yield\n", "its register_schedulers hook returned a generator"),
-    ("async def register_schedulers(register):\n    pass\n", "its register_schedulers hook returned a coroutine"),
+     "its register_schedulers hook returned a value of type dict, which infer ignores: a registration hook is a "
+     "plain function"),
+    ("def register_schedulers(register):\n    yield\n",
+     "its register_schedulers hook returned a value of type generator"),
+    ("async def register_schedulers(register):\n    pass\n",
+     "its register_schedulers hook returned a value of type coroutine"),
 ])
 def test_a_broken_registration_hook_names_its_package_and_the_way_out(tmp_path, monkeypatch, hook, complaint):
     dist = f"infer-plugin-broken{zlib.crc32(hook.encode())}"  # a module name of its own: imports are cached
     message = load_failure(tmp_path, monkeypatch, dist, "broken", "@hookimpl\n" + hook)
     assert message.startswith(f"plugin 'broken' from package '{dist}'") and complaint in message
-    assert f"`pip uninstall {dist}`" in message
+    assert f"`pip uninstall {dist}`" in message and "editable install" not in message  # it imported fine
     assert message.endswith(f"INFER_PLUGINS={entry_points_but('broken')}")
     assert_no_traceback_from_the_cli(dist)
 
@@ -469,7 +472,7 @@ def test_a_refused_runtime_plugin_leaves_the_manager_usable(infer_plugins):
 def test_an_import_failure_suggests_uninstalling_or_the_allow_list(tmp_path, monkeypatch):
     message = load_failure(tmp_path, monkeypatch, "infer-plugin-renamed", "renamed", None)
     assert "plugin 'renamed' from package 'infer-plugin-renamed' failed to import" in message
-    assert "`pip uninstall infer-plugin-renamed`" in message
+    assert "`pip uninstall infer-plugin-renamed`" in message and "editable install" in message
     assert message.endswith(f"INFER_PLUGINS={entry_points_but('renamed')}")
     PluginManager.from_entry_points(allow=entry_points_but("renamed")).collect()  # the suggested allow-list works
 

@@ -159,6 +159,8 @@ def test_unknown_names_list_the_choices(infer_plugins):
         infer_plugins.registry("kv_cache").get("nope")
     with pytest.raises(PluginError, match="unknown plugin 'nope'; registered components: .*continuous.*paged"):
         infer_plugins.resolve_plugin_names(EngineConfig(), ["nope"])
+    with pytest.raises(PluginError, match=r"unknown plugin 'radix-cahce' \(did you mean 'radix-cache'\?\)"):
+        infer_plugins.resolve_plugin_names(EngineConfig(), ["radix-cahce"])
 
 
 def test_a_name_under_two_kinds_asks_for_the_explicit_option(infer_plugins):
@@ -170,7 +172,8 @@ def test_a_name_under_two_kinds_asks_for_the_explicit_option(infer_plugins):
 
     infer_plugins.register(plugin_module("turbo", register_kv_caches=register_kv_caches,
                                          register_schedulers=register_schedulers), source="acme")
-    with pytest.raises(PluginError, match="--scheduler turbo or --kv-cache turbo"):
+    with pytest.raises(PluginError, match="registered as scheduler and kv cache; use --scheduler turbo or "
+                                          "--kv-cache turbo"):
         infer_plugins.resolve_plugin_names(EngineConfig(), ["turbo"])
 
 
