@@ -19,8 +19,8 @@ class LLM:
     def __init__(self, model: str | None = None, plugins: PluginManager | None = None, plugin: Seq[str] = (),
                  **options: Any) -> None:
         """``options``: EngineConfig fields. ``plugin``: component names, as ``infer --plugin NAME`` (a field
-        given in ``options`` wins, with a warning, as on the command line). ``plugins``: the PluginManager (default: every
-        installed plugin)."""
+        given in ``options`` wins, with a warning, as on the command line). ``plugins``: the PluginManager
+        (default: every installed plugin)."""
         if isinstance(plugin, str):
             plugin = [plugin]
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
