@@ -1,6 +1,7 @@
 """Engine metrics: per-step stats for observers, and running totals (TTFT, TPOT, ITL, KV, prefix hits)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -100,7 +101,8 @@ class EngineStats:
             self.kv_max_waste_per_seq = max(self.kv_max_waste_per_seq, self.kv_waste_slots / len(ran))
         duration = time.perf_counter() - start
         step = StepStats(self.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
-                         self.num_waiting, self.num_running, len(out.preempted), kv_stats, schedule_s=schedule_s,
+                         self.num_waiting, self.num_running, len(out.preempted), dataclasses.replace(kv_stats),
+                         schedule_s=schedule_s,
                          execute_s=execute_s, sample_s=sample_s,
                          postprocess_s=duration - schedule_s - execute_s - sample_s)
         for phase in ("schedule", "execute", "sample", "postprocess"):
