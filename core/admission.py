@@ -2,7 +2,6 @@
 (check_schedule). Each refusal says what to change."""
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,14 +80,6 @@ class RequestChecker:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context length "
                 f"{self.max_model_len}; shorten the prompt or lower max_tokens")
         return ids
-
-    def check_all(self, prompts: Seq[str | list[int]], params: SamplingParams) -> None:
-        """:meth:`check` for each prompt; an error names the bad one's position (see :func:`at_prompt`)."""
-        for index, prompt in enumerate(prompts):
-            try:
-                self.check(prompt, params)
-            except InferError as exc:
-                raise at_prompt(exc, index, len(prompts)) from None
 
 
 def at_prompt(exc: InferError, index: int, total: int) -> InferError:

@@ -149,7 +149,7 @@ def check_kv_memory(config: EngineConfig, device: torch.device, num_blocks: int,
                                  if size)
         raise ConfigError(f"the {parts} exceed{'s' if ' and ' not in parts else ''} the memory this machine has "
                           f"available ({available / 2**30:.1f} GiB, with the model loaded); lower --num-kv-blocks "
-                          "or --kv-cache-memory-gb (the pool), --swap-space-gb or --num-swap-blocks (swap)")
+                          "or --kv-cache-memory-gb (the pool), or --swap-space-gb (swap; num_swap_blocks= in Python)")
 
 
 def host_memory_available() -> int | None:

@@ -131,10 +131,6 @@ class Engine:
         """What add_request checks, without queueing: raises InvalidRequestError, else returns the prompt's ids."""
         return self.checker.check(prompt, params)
 
-    def check_requests(self, prompts: Seq[str | list[int]], params: SamplingParams) -> None:
-        """:meth:`check_request` for each prompt; an error names the bad one's position, as generate's do."""
-        self.checker.check_all(prompts, params)
-
     def abort(self, request_id: str) -> RequestOutput:
         """Finish a request now and free its blocks; returns its final (aborted) output."""
         req = self.requests.get(request_id)
@@ -411,6 +407,16 @@ class Engine:
         then yield (prompt index, full RequestOutput) as each request finishes. Closing the iterator aborts the
         rest. The engine must not be stepped by anyone else meanwhile (a nested ``generate`` would take the
         outputs): stepping it between two yields raises InvalidRequestError."""
+        ids = self.add_requests(prompts, params)
+        results = {rid: RequestOutput(rid, self.requests[rid].prompt_token_ids,
+                                      [CompletionOutput(i, [], "") for i in range(self.requests[rid].params.n)], False)
+                   for rid in ids}
+        return self._completions({rid: i for i, rid in enumerate(ids)}, results)
+
+    def add_requests(self, prompts: Seq[str | list[int]],
+                     params: SamplingParams | Seq[SamplingParams] | None = None) -> list[str]:
+        """Queue every prompt, or none: a bad one raises (its position in ``prompt_index``) and aborts the rest.
+        Returns the request ids, in order."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
             raise InvalidRequestError(f"prompts must be a list of prompts (strings or token-id lists), got "
                                       f"{type(prompts).__name__}")
@@ -427,10 +433,7 @@ class Engine:
             if isinstance(exc, InferError):
                 at_prompt(exc, len(ids), len(prompts))
             raise
-        results = {rid: RequestOutput(rid, self.requests[rid].prompt_token_ids,
-                                      [CompletionOutput(i, [], "") for i in range(sp.n)], False)
-                   for rid, sp in zip(ids, params_list)}
-        return self._completions({rid: i for i, rid in enumerate(ids)}, results)
+        return ids
 
     def _completions(self, index: dict[str, int], results: dict[str, RequestOutput]
                      ) -> Iterator[tuple[int, RequestOutput]]:

@@ -70,12 +70,13 @@ class ContinuousScheduler(Scheduler):
         need = self.kv.num_blocks_needed(longest)
         if need > self.kv.num_blocks:
             raise CapacityError(
-                f"request {seq.request_id} needs up to {need} KV blocks ({longest} tokens) but the cache has only "
-                f"{self.kv.num_blocks}; lower max_tokens or give the KV cache more memory (--num-kv-blocks)")
+                f"a prompt of {seq.num_prompt_tokens} tokens with max_tokens {seq.params.max_tokens} needs up to "
+                f"{need} KV blocks ({longest} tokens) but the cache has only {self.kv.num_blocks}; lower max_tokens "
+                "(--max-tokens) or give the KV cache more blocks (--num-kv-blocks, --kv-cache-memory-gb)")
         if seq.params.n > self.max_num_seqs:
-            raise CapacityError(f"request {seq.request_id} asks for n={seq.params.n} sequences but at most "
-                                f"{self.max_num_seqs} run at once (max-num-seqs, and no more than "
-                                "max-num-batched-tokens); lower n or raise those options")
+            raise CapacityError(f"n={seq.params.n} asks for {seq.params.n} sequences at once but at most "
+                                f"{self.max_num_seqs} run at once (the smaller of --max-num-seqs and "
+                                "--max-num-batched-tokens); lower n (--n) or raise those options")
         if not self.chunked and seq.num_prompt_tokens > self.token_budget:
             raise CapacityError(
                 f"prompt of {seq.num_prompt_tokens} tokens exceeds max-num-batched-tokens {self.token_budget}; "

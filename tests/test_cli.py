@@ -55,6 +55,29 @@ def test_generate_reads_stdin_streams_and_prints_stats(tiny_model):
     assert stats["requests_finished"] == 2 and "prefix_hit_rate" in stats
 
 
+@pytest.mark.parametrize("stream", [[], ["--stream"]], ids=["batch", "stream"])
+def test_a_prompt_that_can_never_fit_stops_generate_before_any_output(tiny_model, stream):
+    result = run("--model", str(tiny_model), "--max-num-batched-tokens", "8", "generate", "hi",
+                 "hello world this is a long prompt with many tokens in it", "--max-tokens", "3", *stream)
+    assert result.exit_code == 1 and result.stdout == "", result.output
+    assert result.stderr.startswith("Error: prompt 2 of 2: prompt of ") and "--max-num-batched-tokens" in result.stderr
+    result = run("--model", str(tiny_model), "--num-kv-blocks", "2", "generate", "hi", "--max-tokens", "40", *stream)
+    assert result.exit_code == 1 and result.stdout == ""
+    assert "tokens with max_tokens 40 needs up to 3 KV blocks" in result.stderr and "has only 2;" in result.stderr
+
+
+def test_stream_prints_each_prompts_completion_whole_and_in_order(tiny_model):
+    from infer import LLM, SamplingParams
+
+    prompts = ["def f():", "import os", "x = 1"]
+    result = run("--model", str(tiny_model), "--device", "cpu", "generate", *prompts, "--max-tokens", "6",
+                 "--ignore-eos", "--stream")
+    assert result.exit_code == 0, result.output
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = LLM(str(tiny_model), device="cpu").generate(prompts, greedy)
+    assert result.stdout == "".join(p + r.outputs[0].text + "\n" for p, r in zip(prompts, expected))
+
+
 def test_plugins_lists_the_shipped_components():
     result = run("plugins", "--json")
     rows = {(r["kind"], r["name"]) for r in json.loads(result.output)}
