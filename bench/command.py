@@ -101,6 +101,8 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         specs = parse_arms(arms, base, component_field_of(ctx))
     except ArmError as exc:
         raise click.BadParameter(f"{exc}\n({AB_HINT})", param_hint="'--ab'") from None
+    if workload_file is not None and workload != "file":
+        raise click.UsageError(f"--file is read by --workload file only; this run's workload is {workload!r}")
     spec = WorkloadSpec(workload, num_requests, input_len, output_len, len_sigma, prefix_len, question_len, turns,
                         long_len, long_delay, rate, workload_seed, workload_file, skip_bad_lines)
     err = Console(stderr=True)
@@ -126,15 +128,15 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
 
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = ProcessSettings()  # before any arm's engine sets the thread count
-    try:
+    try:  # the engine refuses an arm's configuration: status 1, as `generate` would exit
         built = build_arms(specs, base, hf_batch_size, err)
     except ArmError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--ab'") from None
+        raise click.ClickException(str(exc)) from None
     try:
         workloads = make_workloads(spec, range(repeats), built, entries)
         warmups = make_workloads(spec, range(-1, -1 - warmup_rounds, -1), built, entries)
-    except WorkloadError as exc:
-        raise click.UsageError(str(exc)) from None
+    except WorkloadError as exc:  # e.g. prompts longer than a model's context
+        raise click.ClickException(str(exc)) from None
     try:
         warm_up(built, warmups, settings, err)
         runs, failure = run_rounds(built, workloads, settings, err), None

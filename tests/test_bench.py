@@ -261,6 +261,7 @@ def test_a_long_prompt_that_delayed_nothing_is_flagged():
     (["--ab", "--plugin 'unbalanced"], "arm A (\"--plugin 'unbalanced\"): cannot split the options"),
     (["--ab", "hf:turbo"], "the HF baseline is written 'hf', 'hf:static' or 'hf:cb'"),
     (["--workload", "file"], "--workload file needs --file PATH"),
+    (["--file", __file__], "--file is read by --workload file only; this run's workload is 'random'"),
     (["--num-requests", "0"], "--num-requests must be a positive integer"),
     (["--len-sigma", "nan"], "--len-sigma and --long-delay must be finite and >= 0"),
     (["--workload", "long-prompt-arrival", "--long-delay", "inf"], "--len-sigma and --long-delay must be finite"),
@@ -278,13 +279,13 @@ def test_bad_input_is_a_clear_error(args, message):
 
 def test_a_workload_longer_than_the_context_names_its_own_length_options(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--workload", "shared-prefix", "--repeats", "1")
-    assert result.exit_code == 2 and "context length is 1024; lower --prefix-len/--question-len/--output-len or" \
+    assert result.exit_code == 1 and "context length is 1024; lower --prefix-len/--question-len/--output-len or" \
         in result.output
 
 
 def test_a_workload_larger_than_an_arms_kv_pool_names_the_arm_before_running(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--num-requests", "4", "--ab", "", "--num-kv-blocks 6")
-    assert result.exit_code == 2 and "arm B ('--num-kv-blocks 6') has KV blocks for 96 tokens" in result.output
+    assert result.exit_code == 1 and "arm B ('--num-kv-blocks 6') has KV blocks for 96 tokens" in result.output
     assert "give that arm more KV memory" in result.output and "warming up" not in result.output
 
 
@@ -336,7 +337,7 @@ def test_an_arm_failing_at_run_time_is_named_and_fails_the_command(tiny_model, t
 
 def test_an_unknown_component_in_an_arm_names_the_arm(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--ab", "--kv-cache paged", "--kv-cache nope")
-    assert result.exit_code == 2 and "building arm" not in result.output  # refused before any engine is built
+    assert result.exit_code == 1 and "building arm" not in result.output  # refused before any engine is built
     assert "arm B ('--kv-cache nope'): unknown kv cache 'nope'; registered kv caches: paged" in result.output
 
 
