@@ -1,6 +1,7 @@
 """Group options: every engine option, parsed into an EngineConfig (also used by `infer bench --ab` arms)."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,7 @@ import click
 from ..core.config import COMPONENT_FIELDS, EngineConfig
 from ..core.plugins import PluginManager
 
+log = logging.getLogger("infer")
 
 ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--model", "-m", default=None, help="Local HF model folder (default: the embedded demo model)."),
@@ -168,4 +170,7 @@ class EngineArgs:
             plugins.registry("quant_method").entry(config.quant)
         if config.proposer:
             plugins.registry("proposer").entry(config.proposer)
+        if "swap_space_gb" in self.values and config.preemption_mode != "swap":
+            log.warning("--swap-space-gb is unused: it sizes the host swap of --preemption swap, and preemption is %r",
+                        config.preemption_mode)
         return config.validate()

@@ -282,6 +282,15 @@ def test_a_plugin_option_namespace_no_component_claims_is_warned(infer_plugins, 
                 in caplog.text) is warned
 
 
+def test_swap_space_without_swap_preemption_is_warned(infer_plugins, caplog):
+    from infer.cli.options import EngineArgs
+
+    for preemption, warned in (("recompute", True), ("swap", False)):
+        caplog.clear()
+        EngineArgs.from_kwargs({"swap_space_gb": 1.0, "preemption_mode": preemption}).build(infer_plugins)
+        assert ("--swap-space-gb is unused" in caplog.text) is warned
+
+
 def test_llm_checks_its_components_as_the_cli_does(tiny_model, caplog):
     from infer import LLM
     from infer.core.errors import ConfigError
