@@ -101,11 +101,10 @@ def check_tls_files(cert: Path, key: Path) -> None:
 
 
 def check_port_free(host: str, port: int, option: str) -> None:
-    """Raise ConfigError when host:port is in use (or needs privileges); port 0 is always free."""
+    """Raise ConfigError when host:port is in use, needs privileges, or host is not this machine's (port 0, any
+    free port, is probed for the host alone)."""
     from ..core.errors import ConfigError
 
-    if port == 0:
-        return
     try:
         addresses = {info[4]: info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                                      flags=socket.AI_PASSIVE)}
@@ -118,6 +117,10 @@ def check_port_free(host: str, port: int, option: str) -> None:
                 probe.bind(address)
                 probe.listen()
             except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(f"could not listen on {host_port(host, port)}: {exc.strerror} (--host must be "
+                                      "an address of this machine: 127.0.0.1, 0.0.0.0 for every interface, or one "
+                                      "of its own)") from exc
                 hint = {errno.EADDRINUSE: "is the port in use?", errno.EACCES: "ports below 1024 need privileges;"}
                 if exc.errno in hint:  # other errors: let the real bind report them
                     raise ConfigError(f"could not listen on {host_port(host, port)}: {exc.strerror} "
@@ -187,7 +190,8 @@ class InferenceServer:
         except RuntimeError as exc:
             from ..core.errors import ConfigError
 
-            raise ConfigError(f"could not listen on {address}: {exc} (is the port in use?)") from exc
+            hint = " (is the port in use?)" if o.port else ""
+            raise ConfigError(f"could not listen on {address}: {exc}{hint}") from exc
         if o.metrics_port is not None:
             self._start_metrics(asyncio.get_running_loop())
         self._server = server

@@ -576,6 +576,10 @@ def test_taken_ports_fail_before_the_model_loads(tmp_path: Path) -> None:
             assert f"(is the port in use? pick another {option}, or 0 for a free one)" in out.stderr
     out = run_cli(*serve, "--port", port, "--metrics-port", port)
     assert out.stderr == f"Error: --metrics-port must differ from --port (both are {port})\n"
+    for port in ("0", "50999"):  # a host that is not this machine's: refused before the model loads, port 0 too
+        out = run_cli(*serve, "--host", "192.0.2.1", "--port", port)  # TEST-NET-1: never a local address
+        assert out.stderr.startswith(f"Error: could not listen on 192.0.2.1:{port}: "), out.stderr
+        assert "--host must be an address of this machine" in out.stderr
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_0(secure_server: ServerProcess) -> None:
