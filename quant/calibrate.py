@@ -304,6 +304,9 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
     loaded = load_model(engine_config, plugins, model_dir)
     model = loaded.model
     seq_len = min(config.seq_len, model.spec.max_model_len)
+    if seq_len < config.seq_len:
+        log.warning("--seq-len %d is longer than the model's context (%d tokens): the samples use %d",
+                    config.seq_len, model.spec.max_model_len, seq_len)
     samples = token_samples(loaded.tokenizer, default_texts() if texts is None else texts, config.num_samples, seq_len)
     used = sum(map(len, samples))
     if used < seq_len:  # a scale search on a handful of tokens can be worse than plain round-to-nearest

@@ -552,6 +552,12 @@ def test_quantize_warns_when_the_calibration_text_is_tiny(tiny_model: Path, tmp_
                                            str(tmp_path / "one.txt"), "--seq-len", "32"])
     assert result.exit_code == 0, result.output
     assert "the calibration text holds only" in caplog.text and "under one sample of 32" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        result = CliRunner().invoke(main, ["quantize", str(tiny_model), str(tmp_path / "q2"), "--calib",
+                                           str(tmp_path / "one.txt"), "--seq-len", "5000", "--num-samples", "1"])
+    assert result.exit_code == 0, result.output
+    assert "--seq-len 5000 is longer than the model's context (1024 tokens): the samples use 1024" in caplog.text
 
 
 def test_a_failed_checkpoint_write_is_a_checkpoint_error_and_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
