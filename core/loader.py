@@ -39,7 +39,10 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was requested but CUDA is not available; use --device cpu")
+        raise ConfigError(f"device {name!r} was requested but CUDA is not available; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r} was requested but this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
 
 

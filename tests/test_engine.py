@@ -451,6 +451,7 @@ def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, mess
 @pytest.mark.parametrize(("options", "message"), [
     ({"blocksize": 16}, "LLM() got unknown option(s) blocksize (did you mean 'block_size'?)"),
     ({"device": 5}, "device (device=) must be a string, got 5"),
+    ({"device": "cuda:5"}, "device 'cuda:5' was requested but"),  # no CUDA, or fewer than 6 devices
     ({"num_speculative_tokens": "4"}, "num-speculative-tokens (num_speculative_tokens=) must be an integer, got '4'"),
     ({"swap_space_gb": None}, "swap-space-gb (swap_space_gb=) must be a finite number, got None"),
     ({"plugin_options": {"awq": 3}}, "plugin-options maps a namespace to a dict of options"),
