@@ -126,6 +126,10 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+    if not any((path / name).exists() for name in files):
+        raise CheckpointError(f"{str(path)!r} has no tokenizer (none of {', '.join(files)}); copy the tokenizer "
+                              "files of the model it came from into the folder")
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:

@@ -100,7 +100,11 @@ def _bad_folders(tmp_path, tiny_model):
     shutil.copytree(tiny_model, truncated)
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    return unsupported, no_weights, pickle_only, truncated
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model, no_tokenizer)
+    for file in no_tokenizer.glob("tokenizer*"):
+        file.unlink()
+    return unsupported, no_weights, pickle_only, truncated, no_tokenizer
 
 
 BAD_REQUESTS = [
@@ -134,8 +138,9 @@ def test_bad_requests_fail_cleanly(tiny_model, args, message):
 
 
 def test_bad_models_and_plugins_fail_cleanly(tmp_path, tiny_model):
-    unsupported, no_weights, pickle_only, truncated = _bad_folders(tmp_path, tiny_model)
+    unsupported, no_weights, pickle_only, truncated, no_tokenizer = _bad_folders(tmp_path, tiny_model)
     cases = [
+        (["--model", str(no_tokenizer)], "has no tokenizer \\(none of tokenizer.json, .*copy the tokenizer files"),
         (["--model", str(truncated)], "is not a readable safetensors file .* fetch it again"),
         (["--model", str(tiny_model), "--max-model-len", "100000"], "exceeds the 1024 positions the model supports"),
         (["--model", str(tiny_model), "--proposer", "draft-model", "--num-speculative-tokens", "2", "--draft-model",
