@@ -88,11 +88,13 @@ class ProcessSettings:
     def enter(self, arm: Arm) -> None:
         import torch
 
+        from ..core.engine import freeze_heap
+
         torch.set_num_threads(arm.cpu_threads or self.default_threads)
         gc.unfreeze()
         gc.collect()  # every arm starts from a collected heap
         if arm.freeze_gc:
-            gc.freeze()
+            freeze_heap()
 
 
 def hf_model_path(base: EngineArgs, built: dict[str, Arm]) -> Path:

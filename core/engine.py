@@ -33,6 +33,14 @@ log = logging.getLogger("infer")
 
 
 
+def freeze_heap() -> None:
+    """``gc.freeze()``, unfrozen again at exit (once per process), so that the frozen heap is collected as usual
+    there (else extension modules, triton's and nanobind's among them, report its cycles as leaks)."""
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
+
+
 def live_part(out: SchedulerOutput, gone: set[int]) -> SchedulerOutput:
     """``out`` without the sequences in ``gone`` (finished since ``schedule``), for ``Scheduler.update``."""
     if not gone:
@@ -87,9 +95,7 @@ class Engine:
         self.steps_taken = 0  # calls of step(); generate_as_completed notices a caller that stepped in between
         if config.freeze_gc:
             gc.collect()
-            gc.freeze()
-            atexit.unregister(gc.unfreeze)  # once per process: at exit the frozen heap is collected as usual (else
-            atexit.register(gc.unfreeze)  # extension modules, triton's among them, report its cycles as leaks)
+            freeze_heap()
         log.info("engine ready in %.1f s: %s on %s in %s (%d layers, max_model_len %d); KV pool %d blocks of %d "
                  "tokens, %s, %.0f MiB; %s; CUDA graphs %s, async output %s, async scheduling %s",
                  time.perf_counter() - started,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner, Result
@@ -419,6 +421,16 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
     assert data["arms"][1]["summary"]["outputs_match"]["values"] == [1.0]  # HF CB: infer's greedy tokens
 
 
+def test_an_hf_only_bench_exits_without_leak_reports(tiny_model):
+    """The HF arm runs with the heap frozen; unfrozen at exit, no extension module reports its objects as leaked
+    (nanobind printed about 30 lines)."""
+    done = subprocess.run([sys.executable, "-m", "infer.cli", "--device", "cpu", "--model", str(tiny_model), "bench",
+                           "--ab", "hf", "--num-requests", "2", "--repeats", "1", "--warmup-rounds", "0",
+                           "--input-len", "8", "--output-len", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "leak" not in done.stderr.lower(), done.stderr[-2000:]
+
+
 def test_every_run_starts_with_a_cold_prefix_cache(tiny_model, tmp_path):
     """The file workload repeats its prompts in every round (warm-up included): no run may hit an earlier one's."""
     path = tmp_path / "w.jsonl"
@@ -464,8 +476,6 @@ def test_the_literal_acceptance_command(tiny_model, tmp_path):
 
 # ---------------------------------------------------------------- the benchmark scripts gpu_check.sh runs
 def bench_script(*args: str, timeout: float = 240) -> str:
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / args[0]
