@@ -123,20 +123,15 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     try:
         engine = build_engine(ctx)
         if stream:
-            try:  # every prompt is checked (and queued: they run together) before any text is printed
-                ids = engine.add_requests(texts, params)
+            try:  # every prompt is checked, capacity included, before the first is generated
+                engine.check_requests(texts, params)
             except InferError as exc:
                 raise refused(exc, getattr(exc, "prompt_index", None)) from exc
-            later: dict[str, list[str]] = {rid: [] for rid in ids}  # text of the prompts not printing yet
-            for prompt, rid in zip(texts, ids):
-                click.echo(prompt + "".join(later.pop(rid)), nl=False)
-                while rid in engine.requests:
-                    for delta in engine.step():
-                        text = "".join(out.text for out in delta.outputs)
-                        if delta.request_id == rid:
-                            click.echo(text, nl=False)
-                        else:
-                            later[delta.request_id].append(text)
+            for prompt in texts:
+                click.echo(prompt, nl=False)
+                for delta in engine.stream(prompt, params):
+                    for out in delta.outputs:
+                        click.echo(out.text, nl=False)
                 click.echo()
                 streamed += 1
         else:

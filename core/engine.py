@@ -120,7 +120,7 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        ids = self.check_request(prompt, params)
+        ids = self.checker.check(prompt, params)
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
@@ -134,8 +134,20 @@ class Engine:
         return request_id
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """What add_request checks, without queueing: raises InvalidRequestError, else returns the prompt's ids."""
-        return self.checker.check(prompt, params)
+        """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's
+        ``check``), else returns the prompt's ids."""
+        ids = self.checker.check(prompt, params)
+        self.scheduler.check(Sequence(-1, "", ids, params, 0.0, eos_token_ids=self.eos_token_ids,
+                                      max_model_len=self.max_model_len))
+        return ids
+
+    def check_requests(self, prompts: Seq[str | list[int]], params: SamplingParams) -> None:
+        """:meth:`check_request` for each prompt; an error names the bad one's position, as generate's do."""
+        for index, prompt in enumerate(prompts):
+            try:
+                self.check_request(prompt, params)
+            except InferError as exc:
+                raise at_prompt(exc, index, len(prompts)) from None
 
     def abort(self, request_id: str) -> RequestOutput:
         """Finish a request now and free its blocks; returns its final (aborted) output."""

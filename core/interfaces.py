@@ -210,6 +210,11 @@ class Scheduler(ABC):
     def add(self, seq: Sequence) -> None:
         """Queue a validated WAITING sequence. Raises CapacityError if it could never fit in the KV cache."""
 
+    def check(self, seq: Sequence) -> None:
+        """Raise CapacityError if ``seq`` (WAITING, not queued) could never run under this scheduler's limits, as
+        ``add`` would; queue nothing. The engine calls it to refuse a request before any work (``infer generate
+        --stream`` checks every prompt first). Default: accept."""
+
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work within the token and sequence budgets, allocating KV (preempting if short).

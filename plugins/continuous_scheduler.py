@@ -65,14 +65,20 @@ class ContinuousScheduler(Scheduler):
 
     # ------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
         # positions that ever get KV: the last sampled token is never fed back (speculative drafts stay within too)
         longest = min(seq.num_prompt_tokens + seq.params.max_tokens - 1, seq.max_model_len)
         need = self.kv.num_blocks_needed(longest)
         if need > self.kv.num_blocks:
+            shorten = "shorten the prompt" if self.kv.num_blocks_needed(seq.num_prompt_tokens) > self.kv.num_blocks \
+                else "lower max_tokens (--max-tokens)"
             raise CapacityError(
                 f"a prompt of {seq.num_prompt_tokens} tokens with max_tokens {seq.params.max_tokens} needs up to "
-                f"{need} KV blocks ({longest} tokens) but the cache has only {self.kv.num_blocks}; lower max_tokens "
-                "(--max-tokens) or give the KV cache more blocks (--num-kv-blocks, --kv-cache-memory-gb)")
+                f"{need} KV blocks ({longest} tokens) but the cache has only {self.kv.num_blocks}; {shorten} or "
+                "give the KV cache more blocks (--num-kv-blocks, --kv-cache-memory-gb)")
         if seq.params.n > self.max_num_seqs:
             raise CapacityError(f"n={seq.params.n} asks for {seq.params.n} sequences at once but at most "
                                 f"{self.max_num_seqs} run at once (the smaller of --max-num-seqs and "
@@ -81,7 +87,6 @@ class ContinuousScheduler(Scheduler):
             raise CapacityError(
                 f"prompt of {seq.num_prompt_tokens} tokens exceeds max-num-batched-tokens {self.token_budget}; "
                 "raise --max-num-batched-tokens or use --scheduler chunked-prefill")
-        self.waiting.append(seq)
 
     # ------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:

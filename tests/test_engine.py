@@ -403,8 +403,11 @@ def test_admission_counts_the_positions_that_get_kv(tiny_model, hf_greedy):
     e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=2))
     out = e.generate([prompt], SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 17)
-    with pytest.raises(CapacityError, match="needs up to 3 KV blocks"):
+    with pytest.raises(CapacityError, match="needs up to 3 KV blocks .*; lower max_tokens"):
         e.add_request(prompt, SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True))
+    with pytest.raises(CapacityError, match="needs up to 3 KV blocks .*; shorten the prompt or give"):
+        e.check_request(list(range(10, 43)), SamplingParams(max_tokens=1))  # the prompt alone needs 3 blocks
+    assert not e.has_unfinished()  # check_request queues nothing
 
 
 def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
