@@ -81,8 +81,8 @@ class SamplingParams:
             raise bad(f"speculative and ignore_eos must be True or False, got {self.speculative!r} and "
                       f"{self.ignore_eos!r}")
         if not _is_int(self.priority) or abs(self.priority) >= 2**31:
-            raise bad(f"priority must be an integer (higher is kept longer by the priority eviction policy), got "
-                      f"{self.priority!r}")
+            raise bad(f"priority must be an integer in (-2**31, 2**31) (higher is kept longer by the priority "
+                      f"eviction policy), got {self.priority!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -38,17 +38,19 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
           token: str | None, tls_cert: Path | None, tls_key: Path | None, metrics_port: int | None) -> None:
     """Serve the model over gRPC (infer.v1.Inference, health, reflection) until SIGTERM, then drain."""
     from ..cli.main import build_engine
-    from ..server.app import ServeOptions, serve as run_server
+    from ..server.app import ServeOptions, host_port, serve as run_server
 
     options = ServeOptions(host, port, max_queue, max_message_bytes, grace_period, token, tls_cert, tls_key,
                            metrics_port).validate()
     options.check_ports()  # before the model load, which can take minutes
     engine = build_engine(ctx, freeze_gc=True)  # a long-running process: no full collection should stall a step
 
-    def ready(bound: int) -> None:
+    def ready(bound: int, metrics: int | None) -> None:
         scheme = "TLS" if tls_cert else "plaintext"
-        click.echo(f"infer: serving {engine.loaded.path} on {host}:{bound} (gRPC, {scheme}"
+        click.echo(f"infer: serving {engine.loaded.path} on {host_port(host, bound)} (gRPC, {scheme}"
                    f"{', token required' if token else ''})", err=True)
+        if metrics is not None:
+            click.echo(f"infer: metrics on http://{host_port(host, metrics)}/metrics", err=True)
 
     run_server(engine, options, ready)
     click.echo("infer: server stopped", err=True)
@@ -109,6 +111,9 @@ def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p:
                 click.echo(json.dumps(stats_dict(conn.stats()), indent=2), err=True)
         except InferError as exc:  # a value the protocol cannot carry, found before anything was sent
             raise click.ClickException(str(exc)) from None
+        except UnicodeEncodeError:  # a prompt argument that is not UTF-8 (a surrogate-escaped byte)
+            raise click.ClickException("the prompt is not valid UTF-8 text; pass UTF-8, or token ids through the "
+                                       "Python client") from None
         except grpc.RpcError as exc:
             if mid_line:
                 click.echo()  # end the partial completion's line

@@ -246,7 +246,7 @@ class InferenceServer:
         if self._stop_metrics is not None:
             await asyncio.to_thread(self._stop_metrics)
 
-    async def run(self, on_ready: Callable[[int], None] | None = None) -> None:
+    async def run(self, on_ready: Callable[[int, int | None], None] | None = None) -> None:
         """Start, serve until SIGTERM or SIGINT, then drain. A second signal skips the rest of the grace period."""
         loop = asyncio.get_running_loop()
         stop, force = asyncio.Event(), asyncio.Event()
@@ -262,12 +262,12 @@ class InferenceServer:
             await self.close()
             raise
         if on_ready is not None:
-            on_ready(port)
+            on_ready(port, self.metrics_port)
         await stop.wait()
         log.warning("shutting down: draining requests in flight (grace period %.0f s)", self.options.grace_period_s)
         await self.drain(force)
 
 
-def serve(engine: Any, options: ServeOptions, on_ready: Callable[[int], None] | None = None) -> None:
+def serve(engine: Any, options: ServeOptions, on_ready: Callable[[int, int | None], None] | None = None) -> None:
     """Serve ``engine`` until SIGTERM/SIGINT, then drain and return."""
     asyncio.run(InferenceServer(engine, options).run(on_ready))

@@ -5,7 +5,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
@@ -18,6 +18,8 @@ from .convert import completion_to_proto, prompt_of, sampling_params_of, status_
 from .worker import EngineWorker, RequestStream
 
 log = logging.getLogger("infer.server")
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20  # gRPC's own default
+MAX_REQUEST_ID_CHARS = 256
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -43,7 +45,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     # ------------------------------------------------------------ generation
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        stream = await self._open(request, context)
+        limit = (self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES) // 2  # the usage and framing fit beside
+
+        def fits(out: RequestOutput) -> bool:  # a slow reader's queued deltas merge up to this size
+            return sum(completion_to_proto(c).ByteSize() for c in out.outputs) <= limit
+
+        stream = await self._open(request, context, fits)
         completion_tokens = 0
         try:
             async for out in stream:
@@ -63,18 +70,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         stream = await self._open(request, context)
         completions: dict[int, pb.Completion] = {}
         completion_tokens = size = 0
+        overhead = 64 + len(stream.request_id.encode())  # the id, the usage and their framing
+        too_large = (f"the response grew past --max-message-bytes {self.max_message_bytes}, so Complete cannot "
+                     "send it; use Generate (it streams small messages), ask for fewer tokens, choices or logprobs, "
+                     "or raise the server's --max-message-bytes")
         try:
             async for out in stream:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     part = completion_to_proto(c)
-                    size += part.ByteSize()
-                    if self.max_message_bytes is not None and size > self.max_message_bytes:
-                        raise CapacityError(
-                            f"the response grew past --max-message-bytes {self.max_message_bytes} after "
-                            f"{completion_tokens} tokens, so Complete cannot send it; use Generate (it streams "
-                            "small messages), ask for fewer tokens, choices or logprobs, or raise the server's "
-                            "--max-message-bytes")
+                    size += part.ByteSize() + 8  # the field's tag and length prefix, at most
+                    if self.max_message_bytes is not None and size > self.max_message_bytes - overhead:
+                        raise CapacityError(too_large)
                     if c.index in completions:
                         full = completions[c.index]
                         full.token_ids.extend(part.token_ids)
@@ -84,19 +91,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     else:
                         completions[c.index] = part
                 if out.finished:
-                    return pb.CompleteResponse(request_id=out.request_id,
-                                               outputs=[completions[i] for i in sorted(completions)],
-                                               usage=_usage(out, completion_tokens))
+                    response = pb.CompleteResponse(request_id=out.request_id,
+                                                   outputs=[completions[i] for i in sorted(completions)],
+                                                   usage=_usage(out, completion_tokens))
+                    if self.max_message_bytes is not None and response.ByteSize() > self.max_message_bytes:
+                        raise CapacityError(too_large)
+                    return response
             raise RuntimeError("the request's stream ended without a finished output")
         except Exception as exc:
             await _abort_with(context, exc)
         finally:
             self._close(stream)
 
-    async def _open(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestStream:
+    async def _open(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                    fits: Callable[[RequestOutput], bool] | None = None) -> RequestStream:
         """Validate and admit a request, or abort the call (INVALID_ARGUMENT, UNAVAILABLE, RESOURCE_EXHAUSTED)."""
         try:
             params: SamplingParams = sampling_params_of(request)
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # every response repeats it
+                raise InvalidRequestError(f"request_id has {len(request.request_id)} characters; at most "
+                                          f"{MAX_REQUEST_ID_CHARS} are accepted")
         except Exception as exc:
             await _abort_with(context, exc)
         if self.draining:
@@ -107,7 +121,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the server is full: {self.in_flight} requests in flight (--max-queue "
                                 f"{self.max_queue}); retry later")
-        stream = RequestStream(request.request_id or uuid.uuid4().hex)
+        stream = RequestStream(request.request_id or uuid.uuid4().hex, fits)
         self.in_flight += 1
         self.idle.clear()
         self.worker.submit(prompt_of(request), params, stream)

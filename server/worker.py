@@ -53,12 +53,14 @@ class RequestStream:
     the event loop that will read it.
     """
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, fits: Callable[[RequestOutput], bool] | None = None) -> None:
+        """``fits``: whether a merged delta is still small enough to send as one (None: always)."""
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
         self.finished = False
+        self.fits = fits
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Called on the event loop (the worker hands items over with ``call_soon_threadsafe``)."""
@@ -69,7 +71,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        """The next delta; deltas that queued up meanwhile (a slow reader) are merged into one."""
+        """The next delta; deltas that queued up meanwhile (a slow reader) are merged into one while it ``fits``."""
         if self.finished:
             raise StopAsyncIteration
         while not self._items:
@@ -80,7 +82,11 @@ class RequestStream:
             self.finished = True
             raise item
         while not item.finished and self._items and not isinstance(self._items[0], BaseException):
-            item = merge_deltas(item, self._items.popleft())  # type: ignore[arg-type]
+            merged = merge_deltas(item, self._items[0])  # type: ignore[arg-type]
+            if self.fits is not None and not self.fits(merged):
+                break
+            item = merged
+            self._items.popleft()
         self.finished = item.finished
         return item
 
@@ -192,6 +198,8 @@ class EngineWorker:
         self._stopped = False
         # owned by the worker thread
         self._streams: dict[str, RequestStream] = {}
+        self._current: object | None = None  # the command being handled
+        self._refusal: BaseException = ServerUnavailable("the server is shutting down")  # after the stop
         self._outbox: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         self._throughput = _Throughput()
 
@@ -233,7 +241,7 @@ class EngineWorker:
             if not self._stopped:
                 self._inbox.put(cmd)
                 return
-        _refuse(cmd)
+        _refuse(cmd, self._refusal)
 
     # ------------------------------------------------------------ worker thread
     def _run(self) -> None:
@@ -246,9 +254,21 @@ class EngineWorker:
                     self.on_fatal(exc)
                 except Exception:
                     log.exception("reporting the engine thread's failure failed")
-            self._fail_all(EngineFault(f"the server's engine thread failed ({exc!r}); the server must be restarted"))
+            fault = EngineFault(f"the server's engine thread failed ({exc!r}); the server must be restarted")
+            self._fail_all(fault)
+            self._fail_current(fault)
             self._flush()
+            self._refusal = ServerUnavailable("the server's engine thread failed, so this server must be restarted; "
+                                              "retry on another replica")
             self._stop_accepting()
+
+    def _fail_current(self, error: BaseException) -> None:
+        """The command being handled when the thread died is in no stream table and no queue: answer it."""
+        cmd, self._current = self._current, None
+        if isinstance(cmd, _Add):
+            self._outbox.append((cmd.stream, error))
+        elif isinstance(cmd, (_Abort, _Call)) and not cmd.reply.done():
+            cmd.reply.set_exception(error)
 
     def _loop(self) -> None:
         while True:
@@ -260,7 +280,9 @@ class EngineWorker:
                 if cmd is _STOP:
                     self._shutdown()
                     return
+                self._current = cmd  # answered by _run if the thread dies handling it
                 self._handle(cmd)
+                self._current = None
                 try:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
@@ -362,7 +384,7 @@ class EngineWorker:
             self._stopped = True
         while True:  # commands that came after the stop: nobody will run them
             try:
-                _refuse(self._inbox.get_nowait())
+                _refuse(self._inbox.get_nowait(), self._refusal)
             except queue.Empty:
                 return
 
@@ -410,9 +432,8 @@ def _resolve(reply: Future[Any], fn: Callable[[], Any], even_if_cancelled: bool 
         reply.set_result(result)
 
 
-def _refuse(cmd: object) -> None:
+def _refuse(cmd: object, error: BaseException) -> None:
     """Answer a command that arrived after the worker stopped."""
-    error = ServerUnavailable("the server is shutting down")
     if isinstance(cmd, (_Abort, _Call)) and cmd.reply.set_running_or_notify_cancel():
         cmd.reply.set_exception(error)
     elif isinstance(cmd, _Add):

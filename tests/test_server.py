@@ -459,6 +459,9 @@ def test_metrics_endpoint(client: Client, server: ServerProcess) -> None:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'infer_kv_blocks{state="free"}' in text
     assert "infer_output_tokens_total" in text and "infer_server_max_queue 80.0" in text
+    log = server.log.read_text(errors="replace")  # where an operator finds the ports (--metrics-port 0 too)
+    assert f" on 127.0.0.1:{server.port} (gRPC, plaintext)" in log
+    assert f"infer: metrics on http://127.0.0.1:{port}/metrics" in log
 
 
 def test_a_reflection_client_nobody_here_wrote(server: ServerProcess, llm: Any) -> None:
@@ -538,6 +541,11 @@ def test_client_stats_are_the_servers_counters_as_json_numbers(server: ServerPro
     assert stats["requests_finished"] >= 1 and stats["output_tokens"] >= 3  # numbers, not protobuf's JSON strings
     assert stats["requests_finished"] <= after.requests_finished and stats["kv_total_blocks"] == after.kv_total_blocks
     assert set(stats) == {field.name for field in after.DESCRIPTOR.fields}
+
+
+def test_client_refuses_a_prompt_that_is_not_utf8_before_sending() -> None:
+    out = run_cli("client", "a\udcffb", "--target", "127.0.0.1:1")  # a surrogate-escaped byte from the shell
+    assert (out.exit_code, out.stdout) == (1, "") and "the prompt is not valid UTF-8 text" in out.stderr
 
 
 def test_plaintext_client_of_a_tls_server(secure_server: ServerProcess) -> None:

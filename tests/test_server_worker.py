@@ -72,15 +72,19 @@ class ScriptedEngine:
         return bool(self.requests)
 
 
-def serve_scripted(test: Callable[[AsyncClient, ScriptedEngine], Awaitable[None]]) -> ScriptedEngine:
-    """Run ``test`` against an in-process server over a ScriptedEngine."""
+def serve_scripted(test: Callable[[AsyncClient, ScriptedEngine], Awaitable[None]],
+                   max_message_bytes: int | None = None) -> ScriptedEngine:
+    """Run ``test`` against an in-process server over a ScriptedEngine (sending at most ``max_message_bytes``
+    per message, as `infer serve --max-message-bytes` sets both)."""
     engine = ScriptedEngine()
 
     async def main() -> None:
         worker = EngineWorker(engine)
-        server = grpc.aio.server()
+        limit = [] if max_message_bytes is None else [("grpc.max_send_message_length", max_message_bytes)]
+        server = grpc.aio.server(options=limit)
         pb_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(worker, pb.ModelInfo(), pb.ListPluginsResponse(), max_queue=8), server)
+            InferenceServicer(worker, pb.ModelInfo(), pb.ListPluginsResponse(), max_queue=8, max_message_bytes=
+                              max_message_bytes), server)
         port = server.add_insecure_port("127.0.0.1:0")
         worker.start()
         await server.start()
@@ -129,6 +133,37 @@ def test_a_plugin_error_in_a_step_keeps_its_status_and_message() -> None:
     serve_scripted(test)
 
 
+def test_a_slow_reader_gets_every_token_in_messages_under_the_limit() -> None:
+    """Deltas queued while the client does not read merge into messages that still fit --max-message-bytes (one
+    merged message of every token failed with RESOURCE_EXHAUSTED and lost them all)."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        call = client.generate("slow", max_tokens=30000)  # past the HTTP/2 window: the server stops sending
+        first = await call.read()
+        while engine.requests:  # the reader sleeps until the engine has produced everything
+            await asyncio.sleep(0.05)
+        responses = [first]
+        while (response := await call.read()) is not grpc.aio.EOF:
+            responses.append(response)
+        assert sum(len(r.outputs[0].token_ids) for r in responses) == 30000 and responses[-1].finished
+        assert len(responses) < 30000 and max(r.ByteSize() for r in responses) <= 1024  # merged, and small
+
+    serve_scripted(test, max_message_bytes=1024)
+
+
+def test_complete_refuses_a_response_over_the_limit_by_its_whole_size() -> None:
+    """The size check counted the completions only; a long request_id pushed the response past the limit."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        out = await client.complete("x", max_tokens=4, request_id="r" * 256)
+        assert list(out.outputs[0].token_ids) == [7] * 4
+        # ~810 bytes of completion: under 1024 alone, over it with the 256-character id beside
+        code, details = await rpc_code(client.complete("x", max_tokens=400, request_id="r" * 256))
+        assert code is grpc.StatusCode.FAILED_PRECONDITION and "use Generate" in details, details
+        code, details = await rpc_code(client.complete("x", max_tokens=4, request_id="r" * 257))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "request_id has 257 characters; at most 256" in details
+
+    serve_scripted(test, max_message_bytes=1024)
+
+
 def test_a_cancelled_stream_aborts_its_request() -> None:
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
         call = client.generate("long", request_id="gone", max_tokens=10**6)
@@ -175,6 +210,20 @@ def test_queued_deltas_merge_into_one() -> None:
     assert [(c.index, c.token_ids, c.text, c.finish_reason, c.logprobs) for c in merged.outputs] == [
         (0, [5, 7], "ac", FinishReason.STOP, [{5: -0.1}, {7: -0.2}]), (1, [6], "b", None, None)]
     assert a.outputs[0].token_ids == [5]  # the inputs are left alone
+
+
+def test_queued_deltas_merge_only_while_they_fit() -> None:
+    """A slow reader's queued deltas merge, but never past what one message may hold (a merged Generate response
+    over --max-message-bytes lost the whole completion)."""
+    from infer.server.worker import RequestStream
+
+    async def main() -> list[list[int]]:
+        stream = RequestStream("r", fits=lambda out: len(out.outputs[0].token_ids) <= 3)
+        for i in range(8):
+            stream.put(RequestOutput("r", [1], [CompletionOutput(0, [i], "x", None)], i == 7))
+        return [out.outputs[0].token_ids async for out in stream]
+
+    assert asyncio.run(main()) == [[0, 1, 2], [3, 4, 5], [6, 7]]
 
 
 def test_a_stopped_worker_refuses_at_once() -> None:
@@ -227,8 +276,34 @@ def test_a_failing_worker_thread_fails_its_streams_refuses_new_work_and_reports(
                                             "server must be restarted"):
             await asyncio.wait_for(stream.__anext__(), 10)
         assert [str(e) for e in fatal] == ["bug in the loop"]
-        with pytest.raises(ServerUnavailable):
+        with pytest.raises(ServerUnavailable, match="engine thread failed, so this server must be restarted"):
             worker.call(lambda engine: None).result(timeout=5)
+
+    asyncio.run(main())
+
+
+def test_the_command_being_handled_when_the_engine_thread_dies_gets_the_error() -> None:
+    """The request whose add killed the thread is in no stream table and no queue: it hung until its deadline."""
+    from infer.server.worker import RequestStream
+
+    class DyingEngine(ScriptedEngine):
+        def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                        request_id: str | None = None) -> str:
+            if prompt == "killer":
+                raise SystemExit("a bug that escapes the worker's own error handling")
+            return super().add_request(prompt, params, request_id)
+
+    async def main() -> None:
+        worker = EngineWorker(DyingEngine())
+        worker.start()
+        other, killer = RequestStream("other"), RequestStream("killer")
+        worker.submit("hello", SamplingParams(max_tokens=1000), other)
+        await asyncio.wait_for(other.__anext__(), 10)  # running
+        worker.submit("killer", SamplingParams(max_tokens=3), killer)
+        for stream in (killer, other):
+            with pytest.raises(Exception, match="engine thread failed"):
+                while True:
+                    await asyncio.wait_for(stream.__anext__(), 10)
 
     asyncio.run(main())
 
