@@ -234,7 +234,8 @@ class InferenceServer:
         for task in pending:
             task.cancel()
         if not self.servicer.idle.is_set():
-            log.warning("grace period over: cancelling %d requests in flight", self.servicer.in_flight)
+            why = "a second signal" if force is not None and force.is_set() else "grace period over"
+            log.warning("%s: cancelling %d requests in flight", why, self.servicer.in_flight)
         await self.close(grace=1.0)
 
     async def close(self, grace: float | None = None) -> None:

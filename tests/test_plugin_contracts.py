@@ -216,6 +216,17 @@ def test_a_module_without_hook_implementations_is_reported(tmp_path, monkeypatch
     assert "@hookimpl" in caplog.text
 
 
+def test_infer_plugins_warns_about_a_name_that_two_kinds_share(tmp_path, monkeypatch):
+    """A third-party scheduler named `lru` makes `--plugin lru` ambiguous for every user: `infer plugins` says so."""
+    install_fake_plugin(tmp_path, "infer-plugin-clash", "clash",
+                        "@hookimpl\ndef register_schedulers(register):\n    register('lru', lambda config, kv: None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = CliRunner().invoke(main, ["plugins", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "infer: warning: 'lru' names a scheduler and an eviction policy; --plugin lru is ambiguous, so select it " \
+           "with --scheduler lru or --eviction-policy lru" in result.stderr
+
+
 def runtime_plugin(plugins: PluginManager, hook: str, name: str, factory: Callable[..., Any]) -> PluginManager:
     module = types.ModuleType("acme_plugin")
     setattr(module, hook, hookimpl(lambda register: register(name, factory)))
