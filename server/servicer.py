@@ -79,8 +79,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     part = completion_to_proto(c)
-                    size += part.ByteSize() + 8  # the field's tag and length prefix, at most
-                    if self.max_message_bytes is not None and size > self.max_message_bytes - overhead:
+                    size += merged_share(part)
+                    framing = 32 * (len(completions) + (c.index not in completions))  # each completion's own
+                    if self.max_message_bytes is not None and size + framing > self.max_message_bytes - overhead:
                         raise CapacityError(too_large)
                     if c.index in completions:
                         full = completions[c.index]
@@ -168,6 +169,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.Stats(**fields, in_flight=self.in_flight, max_queue=self.max_queue,
                         kv_usage=snap.kv_used_blocks / total if total else 0.0,
                         uptime_s=time.monotonic() - self.started, draining=self.draining)
+
+
+def merged_share(part: pb.Completion) -> int:
+    """The bytes a delta adds to its completion once merged: token-id varints, text, logprob entries with their
+    framing (the completion's own fields and framing come once, outside this)."""
+    ids = sum((token.bit_length() + 6) // 7 or 1 for token in part.token_ids)
+    return ids + len(part.text.encode()) + sum(entry.ByteSize() + 3 for entry in part.logprobs)
 
 
 def _usage(out: RequestOutput, completion_tokens: int) -> pb.Usage:

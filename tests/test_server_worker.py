@@ -164,6 +164,16 @@ def test_complete_refuses_a_response_over_the_limit_by_its_whole_size() -> None:
     serve_scripted(test, max_message_bytes=1024)
 
 
+def test_complete_sends_a_response_that_fits_however_many_deltas_built_it() -> None:
+    """Summing every delta's own message size counted framing once per token, which refused a response of 1,400
+    one-token deltas (~2.9 kB) at a 4 kB limit."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        out = await client.complete("x", max_tokens=1400)
+        assert list(out.outputs[0].token_ids) == [7] * 1400 and 2800 < out.ByteSize() <= 4096
+
+    serve_scripted(test, max_message_bytes=4096)
+
+
 def test_a_cancelled_stream_aborts_its_request() -> None:
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
         call = client.generate("long", request_id="gone", max_tokens=10**6)
