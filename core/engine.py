@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -126,7 +127,8 @@ class Engine:
                          max_model_len=self.max_model_len) for i in range(params.n)]
         request = RequestState(request_id, ids, params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
                            [0] * len(seqs), [0] * len(seqs), seqs[1:])
-        self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
+        with self._plugin_code():
+            self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
         self.stats.prompt_tokens += len(ids)
         if params.n > 1:
@@ -137,8 +139,9 @@ class Engine:
         """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's
         ``check``), else returns the prompt's ids."""
         ids = self.checker.check(prompt, params)
-        self.scheduler.check(Sequence(-1, "", ids, params, 0.0, eos_token_ids=self.eos_token_ids,
-                                      max_model_len=self.max_model_len))
+        with self._plugin_code():
+            self.scheduler.check(Sequence(-1, "", ids, params, 0.0, eos_token_ids=self.eos_token_ids,
+                                          max_model_len=self.max_model_len))
         return ids
 
     def check_requests(self, prompts: Seq[str | list[int]], params: SamplingParams) -> None:
@@ -188,8 +191,15 @@ class Engine:
         """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced (with
         async output: that advanced in the previous step, their outputs built while this step's forward ran). An
         error raised in a plugin's code is a PluginError naming the plugin."""
-        try:
+        with self._plugin_code():
             return self._step()
+
+    @contextlib.contextmanager
+    def _plugin_code(self) -> Iterator[None]:
+        """Around calls into components: an exception raised in a component's code becomes a PluginError naming
+        it (the original chained, its traceback logged for -v)."""
+        try:
+            yield
         except InferError:
             raise
         except Exception as exc:

@@ -158,6 +158,24 @@ def test_an_error_raised_in_a_plugins_code_during_a_step_names_the_plugin(infer_
     assert any(record.exc_info for record in caplog.records)  # the traceback, for -v
 
 
+def test_an_error_raised_in_a_schedulers_admission_names_the_plugin(infer_plugins, tiny_model):
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+    from infer.plugins.continuous_scheduler import ContinuousScheduler
+
+    class Fragile(ContinuousScheduler):
+        def check(self, seq):
+            return 1 / 0
+
+    plugins = runtime_plugin(infer_plugins, "register_schedulers", "fragile", Fragile)
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="fragile"), plugins)
+    for call in (engine.add_request, engine.check_request):
+        with pytest.raises(PluginError, match="^the scheduler 'fragile' from 'infer-plugin-acme' raised "
+                                              "ZeroDivisionError: division by zero"):
+            call("hi", SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished()
+
+
 def test_the_touch_contract_is_stated_where_plugin_authors_read():
     docstring = flat(EvictionPolicy.touch.__doc__ or "")
     assert "never have been inserted" in docstring and "never fail" in docstring and "len()" in docstring
