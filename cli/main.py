@@ -182,20 +182,15 @@ def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]], as_j
 @click.pass_context
 def plugins_command(ctx: click.Context, as_json: bool) -> None:
     """List every registered component: kind, name and providing package."""
-    from ..core.config import COMPONENT_FIELDS
+    from ..core.plugins import explicit_options
 
-    rows = _plugins(ctx).components()
-    kinds: dict[str, list[str]] = {}
-    for r in rows:
-        if r.kind in COMPONENT_FIELDS:
-            for name in (r.name, *r.aliases):
-                kinds.setdefault(name, []).append(r.kind)
-    for name, shared in sorted(kinds.items()):
-        if len(shared) > 1:  # `--plugin NAME` then asks for the explicit option, for every user
-            options = " or ".join(f"--{COMPONENT_FIELDS[k].replace('_', '-')} {name}" for k in shared)
-            what = " and ".join(("an " if k[0] in "aeiou" else "a ") + k.replace("_", " ") for k in shared)
+    plugins = _plugins(ctx)
+    rows = plugins.components()
+    for name in sorted({name for r in rows for name in (r.name, *r.aliases)}):
+        if len(kinds := plugins.kinds_of(name)) > 1:  # `--plugin NAME` then asks for the explicit option
+            what = " and ".join(("an " if k[0] in "aeiou" else "a ") + k.replace("_", " ") for k in kinds)
             click.echo(f"infer: warning: {name!r} names {what}; --plugin {name} is ambiguous, so select it with "
-                       f"{options}", err=True)
+                       f"{explicit_options(name, kinds)}", err=True)
     if as_json:
         click.echo(json.dumps([r.__dict__ for r in rows], indent=2))
         return

@@ -221,12 +221,17 @@ class PluginManager:
             Component(kind, e.name, e.source, e.aliases) for kind, reg in self.registries.items() for e in reg
         ]
 
+    def kinds_of(self, name: str) -> list[str]:
+        """The kinds that ``--plugin NAME`` selects from (COMPONENT_FIELDS) with ``name`` registered, or aliased."""
+        self.collect()
+        return [k for k in COMPONENT_FIELDS if name in self.registries[k]]
+
     def resolve_plugin_names(self, config: EngineConfig, names: list[str]) -> EngineConfig:
         """Apply ``--plugin NAME`` selections: each name sets the config field of the one kind that has it."""
         self.collect()
         changes: dict[str, str] = {}
         for name in names:
-            kinds = [k for k in COMPONENT_FIELDS if name in self.registries[k]]
+            kinds = self.kinds_of(name)
             if not kinds:
                 every = sorted({c.name for c in self.components() if c.kind in COMPONENT_FIELDS})
                 close = difflib.get_close_matches(name, every, n=1)
@@ -234,9 +239,9 @@ class PluginManager:
                 raise PluginError(f"unknown plugin {name!r}{hint}; registered components: {', '.join(every)}"
                                   f"{self._allow_list_hint(COMPONENT_FIELDS, name)}")
             if len(kinds) > 1:
-                options = " or ".join(f"--{COMPONENT_FIELDS[k].replace('_', '-')} {name}" for k in kinds)
                 raise PluginError(f"plugin name {name!r} is registered as "
-                                  f"{' and '.join(k.replace('_', ' ') for k in kinds)}; use {options}")
+                                  f"{' and '.join(k.replace('_', ' ') for k in kinds)}; use "
+                                  f"{explicit_options(name, kinds)}")
             field, chosen = COMPONENT_FIELDS[kinds[0]], self.registries[kinds[0]].entry(name).name
             if changes.get(field, chosen) != chosen:
                 raise PluginError(f"--plugin {changes[field]} and --plugin {name} both choose the "
@@ -307,6 +312,11 @@ class PluginManager:
             return ""
         return (f", or leave one of them out with the allow-list {ALLOW_LIST_ENV}, which must name every plugin to "
                 f"keep, infer's shipped ones too: {' or '.join(options)}")
+
+
+def explicit_options(name: str, kinds: list[str]) -> str:
+    """The options that select ``name`` of each kind: ``--scheduler NAME or --kv-cache NAME``."""
+    return " or ".join(f"--{COMPONENT_FIELDS[k].replace('_', '-')} {name}" for k in kinds)
 
 
 class Blame:

@@ -45,12 +45,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     # ------------------------------------------------------------ generation
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        limit = (self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES) // 2  # the usage and framing fit beside
+        def size_of(delta: RequestOutput) -> int:  # a slow reader's queued deltas merge up to half the limit
+            return sum(merged_share(completion_to_proto(c)) for c in delta.outputs)  # (framing and usage fit beside)
 
-        def fits(out: RequestOutput) -> bool:  # a slow reader's queued deltas merge up to this size
-            return sum(completion_to_proto(c).ByteSize() for c in out.outputs) <= limit
-
-        stream = await self._open(request, context, fits)
+        stream = await self._open(request, context, size_of,
+                                  (self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES) // 2)
         completion_tokens = 0
         try:
             async for out in stream:
@@ -105,7 +104,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._close(stream)
 
     async def _open(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                    fits: Callable[[RequestOutput], bool] | None = None) -> RequestStream:
+                    size_of: Callable[[RequestOutput], int] | None = None, max_merged: int = 0) -> RequestStream:
         """Validate and admit a request, or abort the call (INVALID_ARGUMENT, UNAVAILABLE, RESOURCE_EXHAUSTED)."""
         try:
             params: SamplingParams = sampling_params_of(request)
@@ -122,7 +121,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the server is full: {self.in_flight} requests in flight (--max-queue "
                                 f"{self.max_queue}); retry later")
-        stream = RequestStream(request.request_id or uuid.uuid4().hex, fits)
+        stream = RequestStream(request.request_id or uuid.uuid4().hex, size_of, max_merged)
         self.in_flight += 1
         self.idle.clear()
         self.worker.submit(prompt_of(request), params, stream)

@@ -53,14 +53,16 @@ class RequestStream:
     the event loop that will read it.
     """
 
-    def __init__(self, request_id: str, fits: Callable[[RequestOutput], bool] | None = None) -> None:
-        """``fits``: whether a merged delta is still small enough to send as one (None: always)."""
+    def __init__(self, request_id: str, size_of: Callable[[RequestOutput], int] | None = None,
+                 max_merged: int = 0) -> None:
+        """``size_of(delta)``: what a delta adds to a merged message; merging stops before ``max_merged`` (with
+        ``size_of`` None, queued deltas always merge)."""
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
         self.finished = False
-        self.fits = fits
+        self.size_of, self.max_merged = size_of, max_merged
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Called on the event loop (the worker hands items over with ``call_soon_threadsafe``)."""
@@ -71,7 +73,8 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        """The next delta; deltas that queued up meanwhile (a slow reader) are merged into one while it ``fits``."""
+        """The next delta; deltas that queued up meanwhile (a slow reader) are merged into one, up to
+        ``max_merged``."""
         if self.finished:
             raise StopAsyncIteration
         while not self._items:
@@ -81,32 +84,43 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        while not item.finished and self._items and not isinstance(self._items[0], BaseException):
-            merged = merge_deltas(item, self._items[0])  # type: ignore[arg-type]
-            if self.fits is not None and not self.fits(merged):
-                break
-            item = merged
-            self._items.popleft()
+        parts, size = [item], 0 if self.size_of is None else self.size_of(item)
+        while not parts[-1].finished and self._items and not isinstance(self._items[0], BaseException):
+            if self.size_of is not None:
+                size += self.size_of(self._items[0])  # type: ignore[arg-type]
+                if size > self.max_merged:
+                    break
+            parts.append(self._items.popleft())  # type: ignore[arg-type]
+        item = merge_deltas(*parts) if len(parts) > 1 else item
         self.finished = item.finished
         return item
 
 
-def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
-    """One delta equal to ``first`` followed by ``second`` (of the same request)."""
-    by_index = {c.index: CompletionOutput(c.index, list(c.token_ids), c.text, c.finish_reason,
-                                          None if c.logprobs is None else list(c.logprobs)) for c in first.outputs}
-    for c in second.outputs:
-        into = by_index.get(c.index)
-        if into is None:
-            by_index[c.index] = c
-            continue
-        into.token_ids += c.token_ids
-        into.text += c.text
-        into.finish_reason = c.finish_reason
-        if c.logprobs is not None:
-            into.logprobs = (into.logprobs or []) + c.logprobs
-    return RequestOutput(second.request_id, second.prompt_token_ids, [by_index[i] for i in sorted(by_index)],
-                         second.finished, second.num_cached_tokens, second.metrics)
+def merge_deltas(*deltas: RequestOutput) -> RequestOutput:
+    """One delta equal to ``deltas`` in order (of the same request), built in one pass; the inputs are left
+    alone."""
+    merged: dict[int, CompletionOutput] = {}
+    texts: dict[int, list[str]] = {}
+    for delta in deltas:
+        for c in delta.outputs:
+            into = merged.get(c.index)
+            if into is None:
+                merged[c.index] = CompletionOutput(c.index, list(c.token_ids), "", c.finish_reason,
+                                                   None if c.logprobs is None else list(c.logprobs))
+                texts[c.index] = [c.text]
+                continue
+            into.token_ids += c.token_ids
+            texts[c.index].append(c.text)
+            into.finish_reason = c.finish_reason
+            if c.logprobs is not None:
+                if into.logprobs is None:
+                    into.logprobs = []  # our own list, as every list in ``merged``
+                into.logprobs += c.logprobs
+    for index, completion in merged.items():
+        completion.text = "".join(texts[index])
+    last = deltas[-1]
+    return RequestOutput(last.request_id, last.prompt_token_ids, [merged[i] for i in sorted(merged)], last.finished,
+                         last.num_cached_tokens, last.metrics)
 
 
 @dataclass

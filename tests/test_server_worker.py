@@ -242,6 +242,12 @@ def test_queued_deltas_merge_into_one() -> None:
     assert [(c.index, c.token_ids, c.text, c.finish_reason, c.logprobs) for c in merged.outputs] == [
         (0, [5, 7], "ac", FinishReason.STOP, [{5: -0.1}, {7: -0.2}]), (1, [6], "b", None, None)]
     assert a.outputs[0].token_ids == [5]  # the inputs are left alone
+    x = RequestOutput("r", [1], [CompletionOutput(2, [8], "x", None, [{8: -0.3}])], False)
+    y = RequestOutput("r", [1], [CompletionOutput(2, [9], "y", None, [{9: -0.4}])], False)
+    three = merge_deltas(a, x, y)  # a slow reader's queue, merged in one pass
+    assert [(c.index, c.token_ids, c.text, c.logprobs) for c in three.outputs] == [
+        (0, [5], "a", [{5: -0.1}]), (1, [6], "b", None), (2, [8, 9], "xy", [{8: -0.3}, {9: -0.4}])]
+    assert (x.outputs[0].token_ids, x.outputs[0].logprobs) == ([8], [{8: -0.3}])  # a later one is not appended to
 
 
 def test_queued_deltas_merge_only_while_they_fit() -> None:
@@ -250,7 +256,7 @@ def test_queued_deltas_merge_only_while_they_fit() -> None:
     from infer.server.worker import RequestStream
 
     async def main() -> list[list[int]]:
-        stream = RequestStream("r", fits=lambda out: len(out.outputs[0].token_ids) <= 3)
+        stream = RequestStream("r", size_of=lambda delta: len(delta.outputs[0].token_ids), max_merged=3)
         for i in range(8):
             stream.put(RequestOutput("r", [1], [CompletionOutput(0, [i], "x", None)], i == 7))
         return [out.outputs[0].token_ids async for out in stream]
