@@ -94,7 +94,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          stride_bt, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PRECISION: tl.constexpr, KV_SCALED: tl.constexpr):
+                         PRECISION: tl.constexpr, KV_SCALED: tl.constexpr, FINAL: tl.constexpr):
+    # FINAL (one split): mid_o is the output itself and no lse is written, so no reduce kernel runs
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,8 +144,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
     o = acc * (v_scale / l_safe)[:, None]
     mo = mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + d[None, :]
-    tl.store(mo, o, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
+    tl.store(mo, o.to(mid_o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if not FINAL:
+        tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
 
 
 @triton.jit
@@ -185,8 +187,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if batch == 0:
         return out
-    mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    final = num_splits == 1  # the split kernel writes ``out`` itself: no partials, no reduce
+    if final:
+        mid_o, mid_lse = out.unsqueeze(2), out  # [B, Hq, 1, D] view; mid_lse is never read or written
+    else:
+        mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 (Triton 3.6 enforces it)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, scale * LOG2E, *_scales(k_scale, v_scale, q),
@@ -195,7 +201,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None,
-        num_warps=num_warps)
+        FINAL=final, num_warps=num_warps)
+    if final:
+        return out
     _decode_reduce_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, out, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),

@@ -83,12 +83,13 @@ def test_decode_attention(device: torch.device, dtype: torch.dtype, group: int, 
     torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
 
 
-def test_decode_zero_context_gives_zeros(device: torch.device) -> None:
+@pytest.mark.parametrize("num_splits", [1, 4])  # one split writes the output without the reduce kernel
+def test_decode_zero_context_gives_zeros(device: torch.device, num_splits: int) -> None:
     k_cache, v_cache = paged_cache(4, 16, 1, 16, torch.float32, device)
     q = torch.randn(2, 2, 16, device=device)
     lens = torch.tensor([0, 5], dtype=torch.int32, device=device)
     tables = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
-    out = attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 4)
+    out = attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, num_splits)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     torch.testing.assert_close(out[1:], attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)[1:])
 
