@@ -13,7 +13,7 @@ import click
 
 from ..cli.options import EngineArgs
 from .arms import ArmError, parse_arms
-from .workloads import WORKLOADS, WorkloadError, WorkloadSpec, validate_spec
+from .workloads import WORKLOADS, WorkloadError, WorkloadSpec, check_vocabulary, validate_spec
 
 AB_HINT = 'quote each arm as one argument: --ab "--kv-cache paged" "--kv-cache paged --no-prefix-caching"'
 
@@ -53,8 +53,10 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
 @click.option("--ab", "arms", multiple=True, metavar="ARM...",
               help="Arms to compare: each a quoted string of group options (e.g. \"--kv-cache paged\"), or hf, "
                    "hf:static, hf:cb for the HF transformers baseline. Default: one arm of the group options.")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Rounds; each round runs every arm once, the order rotating by one arm per round (A B, B A, ...).")
+@click.option("--repeats", type=click.IntRange(min=1), default=None,
+              help="Rounds; each round runs every arm once, the order rotating by one arm per round (A B, B A, ...). "
+                   "Default: 3, rounded up to a multiple of the number of arms (each arm then runs first equally "
+                   "often).")
 @click.option("--num-requests", type=int, default=32, show_default=True,
               help="Requests (multi-turn: conversations; long-prompt-arrival: steady decodes).")
 @click.option("--input-len", type=int, default=128, show_default=True,
@@ -85,10 +87,10 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write results.json, table.txt, latency_cdf.png and throughput.png here.")
 @click.pass_context
-def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int, num_requests: int, input_len: int,
-          output_len: int, len_sigma: float, prefix_len: int, question_len: int, turns: int, long_len: int,
-          long_delay: float, rate: float, workload_file: Path | None, skip_bad_lines: bool, workload_seed: int,
-          warmup_rounds: int, hf_batch_size: int, out_dir: Path | None) -> None:
+def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int | None, num_requests: int,
+          input_len: int, output_len: int, len_sigma: float, prefix_len: int, question_len: int, turns: int,
+          long_len: int, long_delay: float, rate: float, workload_file: Path | None, skip_bad_lines: bool,
+          workload_seed: int, warmup_rounds: int, hf_batch_size: int, out_dir: Path | None) -> None:
     """Benchmark arms side by side on one seeded workload, interleaved over rounds so that drift cancels.
 
     Example: infer --model DIR bench --workload multi-turn --ab "--kv-cache paged" "--no-prefix-caching" hf
@@ -101,11 +103,12 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         specs = parse_arms(arms, base, component_field_of(ctx))
     except ArmError as exc:
         raise click.BadParameter(f"{exc}\n({AB_HINT})", param_hint="'--ab'") from None
+    err = Console(stderr=True)
+    repeats = balanced_repeats(repeats, len(specs), err)
     if workload_file is not None and workload != "file":
         raise click.UsageError(f"--file is read by --workload file only; this run's workload is {workload!r}")
     spec = WorkloadSpec(workload, num_requests, input_len, output_len, len_sigma, prefix_len, question_len, turns,
                         long_len, long_delay, rate, workload_seed, workload_file, skip_bad_lines)
-    err = Console(stderr=True)
     try:
         entries = validate_spec(spec)
     except WorkloadError as exc:
@@ -133,6 +136,10 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     except ArmError as exc:
         raise click.ClickException(str(exc)) from None
     try:
+        if entries is not None:  # token ids against the vocabulary, now that the models are loaded
+            entries, skipped = check_vocabulary(spec, entries, min(arm.vocab.size for arm in built))
+            for line in skipped:
+                err.print(f"[yellow]skipped {spec.file} {line}[/yellow]", highlight=False)
         workloads = make_workloads(spec, range(repeats), built, entries)
         warmups = make_workloads(spec, range(-1, -1 - warmup_rounds, -1), built, entries)
     except WorkloadError as exc:  # e.g. prompts longer than a model's context
@@ -159,6 +166,18 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
             click.echo(message, err=True)
             raise SystemExit(130)
         raise click.ClickException(message)
+
+
+def balanced_repeats(repeats: int | None, num_arms: int, err: Any) -> int:
+    """The rounds to run: by default 3 rounded up to a multiple of the arms, so that the rotation puts each arm
+    first equally often; a count given that does not do so is warned about."""
+    if repeats is None:
+        return math.ceil(3 / num_arms) * num_arms
+    if repeats % num_arms:
+        err.print(f"[yellow]--repeats {repeats} with {num_arms} arms: arm A runs first in "
+                  f"{math.ceil(repeats / num_arms)} of {repeats} rounds, so drift during a run can favour some arms; "
+                  f"use a multiple of {num_arms}[/yellow]", highlight=False)
+    return repeats
 
 
 def component_field_of(ctx: click.Context) -> Callable[[str], str | None]:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -62,7 +64,10 @@ def build_table(result: BenchResult) -> Table:
     requests = {len(run.requests) for runs in result.runs.values() for run in runs}
     notes = [f"median \\[min–max] over rounds; ×: ratio to arm {first}'s median; ↑ higher is better, ↓ lower is "
              "better; n/a: the arm does not measure it",
-             f"*: within noise: the 95% interval of the paired per-round ratios (a t interval on their logs) holds 1; "
+             "*: within noise: the 95% interval of the paired per-round ratios (a t interval on their logs) holds 1 "
+             f"(where arm {first}'s value is 0: that of the paired differences holds 0). Each cell is tested on its "
+             "own at 5%, so a table of many cells shows some differences by chance: trust the ones that repeat "
+             "across runs",
              f"{'/'.join(map(str, sorted(requests)))} requests per run (a p99 of fewer than 100 is nearly their "
              "maximum)"]
     if any(_long_prompt_came_late(run) for runs in result.runs.values() for run in runs):
@@ -97,9 +102,9 @@ def _long_prompt_came_late(run: RunResult) -> bool:
 
 
 def render_table(result: BenchResult, console: Console) -> str:
-    """Print the table and return it as plain text."""
+    """Print the table and return it as plain text, never cut: as wide as its widest cells need."""
     table = build_table(result)
-    width = 24 + 26 * len(result.arms)
+    width = Measurement.get(console, console.options.update_width(100_000), table).maximum
     Console(width=max(console.width, width), file=console.file).print(table)
     recorder = Console(record=True, width=width, file=io.StringIO())
     recorder.print(table)
@@ -115,6 +120,7 @@ def to_json(result: BenchResult) -> dict[str, Any]:
             **result.arm_info.get(arm.key, {}),
             "summary": {key: {"median": agg.median, "ratio": agg.ratio, "values": agg.values,
                               "paired_ratios": agg.paired_ratios, "ratio_ci95": agg.ci95,
+                              "paired_differences": agg.paired_differences,
                               "within_noise": agg.within_noise}
                         for key, agg in summary[arm.key].items()},
             "runs": [run.to_json() for run in result.runs[arm.key]],
@@ -123,7 +129,18 @@ def to_json(result: BenchResult) -> dict[str, Any]:
 
 
 def write_json(result: BenchResult, path: Path) -> None:
-    path.write_text(json.dumps(to_json(result), indent=1) + "\n", encoding="utf-8")
+    """Strict JSON: a non-finite number (the default --rate, inf) is written as a string, "inf" or "nan"."""
+    path.write_text(json.dumps(_finite(to_json(result)), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def write_plots(result: BenchResult, out: Path) -> list[Path]:

@@ -54,9 +54,9 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
             try:
                 spec.args.build(plugins)
             except InferError as exc:
-                given = base.values or base.plugin_names or base.no_prefix_caching or base.no_cuda_graphs
                 hint = (" (the options before `bench` apply to every arm; an arm overrides them with its own, e.g. "
-                        "--no-async-scheduling for a switch the group turned on)") if given else ""
+                        "--no-async-scheduling for a switch the group turned on)") \
+                    if _group_options_matter(spec, plugins) else ""
                 raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}{hint}") from None
     share_gpu_memory(engine_specs, len(specs) - len(engine_specs))
     built: dict[str, Arm] = {}
@@ -74,6 +74,18 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
             built[spec.key] = HFArm(spec, hf_model_path(base, built), hf_batch_size, base.values.get("device", "auto"),
                                     base.values.get("dtype", "auto"), base.values.get("cpu_threads"))
     return [built[s.key] for s in specs]
+
+
+def _group_options_matter(spec: ArmSpec, plugins: Any) -> bool:
+    """Whether an arm that failed to build builds from its own options alone: then the options before `bench`,
+    which every arm inherits, are part of its error."""
+    from .arms import parse_engine_options
+
+    try:
+        parse_engine_options(spec.text).build(plugins)
+    except (InferError, ArmError):
+        return False
+    return True
 
 
 class ProcessSettings:

@@ -36,8 +36,10 @@ class RequestRecord:
 
     @property
     def itl_s(self) -> list[float]:
+        """Gaps between deliveries: tokens that arrive together (accepted drafts of one speculative step share
+        a timestamp) make one delivery, not gaps of 0."""
         times = self.token_times_s
-        return [b - a for a, b in zip(times, times[1:])]
+        return [b - a for a, b in zip(times, times[1:]) if b > a]
 
     @property
     def e2e_s(self) -> float:
@@ -124,6 +126,16 @@ def ratio_ci95(ratios: list[float]) -> tuple[float, float] | None:
     return math.exp(mean - half), math.exp(mean + half)
 
 
+def difference_ci95(differences: list[float]) -> tuple[float, float] | None:
+    """The 95% confidence interval of the mean of paired differences (a paired t interval); None with fewer than
+    two differences."""
+    if len(differences) < 2:
+        return None
+    mean = statistics.fmean(differences)
+    half = t95(len(differences) - 1) * statistics.stdev(differences) / math.sqrt(len(differences))
+    return mean - half, mean + half
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100) with linear interpolation between the closest ranks; None when empty."""
     if not values:
@@ -187,6 +199,7 @@ class Aggregate:
     median: float | None
     ratio: float | None = None
     paired_ratios: list[float] = field(default_factory=list)
+    paired_differences: list[float] = field(default_factory=list)  # each round's value minus the first arm's
 
     @property
     def ci95(self) -> tuple[float, float] | None:
@@ -194,13 +207,17 @@ class Aggregate:
 
     @property
     def within_noise(self) -> bool:
-        """The rounds do not show a difference from the first arm: fewer than two paired ratios (one round shows
-        nothing), the 95% interval of the paired ratios holds 1, or, where it cannot be computed (a ratio of 0), the
-        paired ratios fall on both sides of 1."""
-        if len(self.paired_ratios) < 2:
+        """The rounds do not show a difference from the first arm: the 95% interval of the paired ratios holds 1;
+        where some round has no ratio (the first arm's value is 0, as a baseline's prefix hit rate or preemptions
+        are) or one is 0, the 95% interval of the paired differences holds 0. One round shows nothing."""
+        pairs = max(len(self.paired_ratios), len(self.paired_differences))
+        if pairs < 2:
             return True
-        ci = self.ci95
-        return self.mixed_direction if ci is None else ci[0] <= 1 <= ci[1]
+        ci = self.ci95 if len(self.paired_ratios) == pairs else None
+        if ci is not None:
+            return ci[0] <= 1 <= ci[1]
+        diff = difference_ci95(self.paired_differences)
+        return self.mixed_direction if diff is None else diff[0] <= 0 <= diff[1]
 
     @property
     def low(self) -> float | None:
@@ -239,6 +256,7 @@ def summarize(runs_by_arm: dict[str, list[RunResult]]) -> dict[str, dict[str, Ag
             if agg.median is not None and base:
                 agg.ratio = agg.median / base
             pairs = zip(per_run[arm], per_run[first_key]) if first_key is not None else ()
-            agg.paired_ratios = [own[key] / ref[key] for own, ref in pairs
-                                 if own.get(key) is not None and ref.get(key)]
+            both = [(own[key], ref[key]) for own, ref in pairs if own.get(key) is not None and ref.get(key) is not None]
+            agg.paired_ratios = [a / b for a, b in both if b]
+            agg.paired_differences = [a - b for a, b in both]
     return table

@@ -241,20 +241,39 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
     return Workload(spec.name, round_index, tuple(Session(a, t) for a, t in zip(arrivals, turns)))
 
 
+def check_vocabulary(spec: WorkloadSpec, entries: list[FileEntry], vocab_size: int) -> tuple[list[FileEntry], list[str]]:
+    """The entries whose token ids all fit ``vocab_size``, and an error per line that does not; without
+    ``--skip-bad-lines`` any such line raises WorkloadError listing them all, as :func:`validate_spec` does."""
+    good, errors = [], []
+    for entry in entries:
+        bad = [] if isinstance(entry.prompt, str) else [t for t in entry.prompt if t >= vocab_size]
+        if bad:
+            errors.append(f"line {entry.line}: token ids {bad[:5]} are outside the vocabulary of {vocab_size} "
+                          "(the smallest of the arms' models)")
+        else:
+            good.append(entry)
+    if errors and not spec.skip_bad_lines:
+        listed = "\n  ".join(errors)
+        raise WorkloadError(f"workload file {spec.file} has {len(errors)} line(s) with token ids outside the "
+                            f"vocabulary; fix them, or pass --skip-bad-lines to run the {len(good)} good line(s):"
+                            f"\n  {listed}")
+    if not good:
+        raise WorkloadError(f"workload file {spec.file} has no good line")
+    return good, errors
+
+
 def _file_tokens(entries: list[FileEntry], vocab: Vocab,
                  tokenize: Callable[[str], Sequence[int]] | None) -> list[tuple[int, ...]]:
-    """Token ids of every file prompt; ids outside the vocabulary are reported for every line at once."""
-    out, errors = [], []
+    """Token ids of every file prompt (entries already checked against the vocabulary by check_vocabulary)."""
+    out = []
     for entry in entries:
         if isinstance(entry.prompt, str):
             if tokenize is None:
                 raise WorkloadError("text prompts need a tokenizer")
             out.append(tuple(tokenize(entry.prompt)))
             continue
-        bad = [t for t in entry.prompt if t >= vocab.size]
-        if bad:
-            errors.append(f"line {entry.line}: token ids {bad[:5]} are outside the model's vocabulary of {vocab.size}")
+        if any(t >= vocab.size for t in entry.prompt):
+            raise WorkloadError(f"line {entry.line}: token ids outside the vocabulary of {vocab.size}; "
+                                "check_vocabulary first")
         out.append(entry.prompt)
-    if errors:
-        raise WorkloadError("workload file has bad token ids:\n  " + "\n  ".join(errors))
     return out

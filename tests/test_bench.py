@@ -158,6 +158,65 @@ def test_ratios_pair_the_rounds_and_star_a_ratio_within_noise():
     assert format_cell(tok_s, summary["A"]["output_tokens_per_s"], True, 3) == "5.00 [2.50–10.0]"
 
 
+def test_a_first_arm_of_zero_is_compared_by_paired_differences():
+    """A baseline's prefix hit rate (or preemptions) is 0 in every round, so no ratio exists: a consistent
+    difference is still a difference, and an inconsistent one is within noise."""
+    from infer.bench.stats import EngineCounters, summarize
+
+    def runs(arm: str, hits: list[int]) -> list[RunResult]:
+        counters = [EngineCounters(10, 1, 100, h, 0, 0, 0, 0, False) for h in hits]
+        return [RunResult(arm, i, 1.0, [RequestRecord(0, 0, 0.0, 5, 2, [0.1, 0.2], 0.2)], c)
+                for i, c in enumerate(counters)]
+
+    summary = summarize({"A": runs("A", [0, 0, 0]), "B": runs("B", [66, 66, 66]), "C": runs("C", [0, 66, 0])})
+    b, c = summary["B"]["prefix_hit_rate"], summary["C"]["prefix_hit_rate"]
+    assert b.paired_ratios == [] and b.paired_differences == pytest.approx([0.66] * 3) and not b.within_noise
+    assert c.paired_differences == pytest.approx([0, 0.66, 0]) and c.within_noise  # a 4.3 t-interval holds 0
+    assert summary["B"]["preemptions"].paired_differences == [0, 0, 0] and summary["B"]["preemptions"].within_noise
+
+
+def test_itl_counts_gaps_between_deliveries():
+    """Tokens delivered together (a speculative step's accepted drafts) share a timestamp: one delivery."""
+    record = RequestRecord(0, 0, 0.0, 5, 5, [0.1, 0.2, 0.2, 0.2, 0.5], 0.5)
+    assert record.itl_s == pytest.approx([0.1, 0.3]) and record.tpot_s == pytest.approx(0.1)
+
+
+def test_the_table_never_cuts_a_cell():
+    """Four arms of five-digit throughput: every cell, ratio and star included, is in the recorded table."""
+    import io
+
+    from rich.console import Console
+
+    from infer.bench.arms import ArmSpec
+    from infer.bench.report import BenchResult, format_cell, render_table
+    from infer.bench.stats import METRICS
+
+    arms = [ArmSpec(key, text) for key, text in zip("ABCD", ["", "--kv-cache radix-cache", "--no-prefix-caching",
+                                                              "--scheduler chunked-prefill"])]
+    runs = {arm.key: [RunResult(arm.key, i, d, [RequestRecord(0, 0, 0.0, 5, 15238, [0.01, 0.02], d)])
+                      for i, d in enumerate([1.0 + 0.1 * j, 0.9, 1.13 - 0.05 * j])] for j, arm in enumerate(arms)}
+    result = BenchResult(arms, runs, {"workload": {"name": "random"}})
+    text = render_table(result, Console(file=io.StringIO(), width=80))
+    summary = result.summary()
+    tok_s = next(m for m in METRICS if m.key == "output_tokens_per_s")
+    for i, arm in enumerate(arms):
+        assert format_cell(tok_s, summary[arm.key]["output_tokens_per_s"], i == 0, 3) in text
+    assert "…" not in text
+
+
+def test_repeats_default_to_a_multiple_of_the_arms():
+    import io
+
+    from rich.console import Console
+
+    from infer.bench.command import balanced_repeats
+
+    err = Console(file=io.StringIO())
+    assert [balanced_repeats(None, arms, err) for arms in (1, 2, 3, 4, 5)] == [3, 4, 3, 4, 5]
+    assert balanced_repeats(6, 2, err) == 6 and err.file.getvalue() == ""
+    assert balanced_repeats(3, 2, err) == 3 and "arm A runs first in 2 of 3 rounds" in err.file.getvalue()
+
+
 def test_t_critical_values_give_95_percent_coverage():
     """Each T95 value against Student's t density integrated numerically (Simpson): P(|T| <= t) = 0.95."""
     from infer.bench.stats import t95
@@ -341,6 +400,14 @@ def test_an_unknown_component_in_an_arm_names_the_arm(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--ab", "--kv-cache paged", "--kv-cache nope")
     assert result.exit_code == 1 and "building arm" not in result.output  # refused before any engine is built
     assert "arm B ('--kv-cache nope'): unknown kv cache 'nope'; registered kv caches: paged" in result.output
+    assert "before `bench`" not in result.output  # the arm's own option is wrong, not the group's
+
+
+def test_an_arm_refused_for_the_group_options_says_they_apply(tiny_model):
+    result = run("--model", str(tiny_model), "--async-scheduling", "bench", "--ab",
+                 "--proposer ngram --num-speculative-tokens 2")
+    assert result.exit_code == 1 and "--async-scheduling does not combine" in result.output
+    assert "the options before `bench` apply to every arm" in result.output
 
 
 def test_a_bad_workload_file_lists_its_bad_lines(tmp_path):
@@ -366,7 +433,11 @@ def test_multi_turn_ab_with_the_hf_baseline(tiny_model, tmp_path):
 
     table = (out / "table.txt").read_text()
     assert "prefix hit rate" in table and "C: hf" in table and "×" in table
-    data = json.loads((out / "results.json").read_text())
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    data = json.loads((out / "results.json").read_text(), parse_constant=refuse)  # strict JSON
+    assert data["workload"]["rate"] == "inf"  # the default --rate
     assert data["order"] == ["A", "B", "C"] and data["repeats"] == 2
     assert data["round_orders"] == [["A", "B", "C"], ["B", "C", "A"]]
     arms = {arm["key"]: arm for arm in data["arms"]}
@@ -405,13 +476,20 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
     path.write_text('{"prompt": "def add(a, b):", "max_tokens": 4}\n'
                     '{"prompt": [5, 6, 7, 8, 9], "max_tokens": 3}\n'
                     '{"prompt": "broken", "max_tokens": -1}\n'
-                    '{"prompt": "import os", "max_tokens": 5}\n')
+                    '{"prompt": "import os", "max_tokens": 5}\n'
+                    '{"prompt": [5, 99999], "max_tokens": 2}\n')  # outside the vocabulary: found after loading
     out = tmp_path / "out"
-    result = run("--model", str(tiny_model), "--device", "cpu", "bench", "--workload", "file", "--file", str(path),
-                 "--skip-bad-lines", "--ab", "", "hf:cb", "--repeats", "1", "--warmup-rounds", "0",
-                 "--out", str(out))
+    args = ["--model", str(tiny_model), "--device", "cpu", "bench", "--workload", "file", "--file", str(path),
+            "--ab", "", "hf:cb", "--repeats", "1", "--warmup-rounds", "0"]
+    refused = run(*args)
+    assert refused.exit_code == 2 and "line 3" in refused.output  # the syntax check, before any model loads
+    path.write_text(path.read_text().replace('{"prompt": "broken", "max_tokens": -1}\n', ""))
+    refused = run(*args)
+    assert refused.exit_code == 1 and "line 4: token ids [99999] are outside the vocabulary" in refused.output
+    path.write_text('{"prompt": "broken", "max_tokens": -1}\n' + path.read_text())
+    result = run(*args, "--skip-bad-lines", "--out", str(out))
     assert result.exit_code == 0, result.output
-    assert "skipped" in result.output and "line 3" in result.output
+    assert "skipped" in result.output and "line 1" in result.output and "line 5: token ids [99999]" in result.output
     data = json.loads((out / "results.json").read_text())
     for arm in data["arms"]:
         [run_] = arm["runs"]
