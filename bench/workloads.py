@@ -241,7 +241,8 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
     return Workload(spec.name, round_index, tuple(Session(a, t) for a, t in zip(arrivals, turns)))
 
 
-def check_vocabulary(spec: WorkloadSpec, entries: list[FileEntry], vocab_size: int) -> tuple[list[FileEntry], list[str]]:
+def check_vocabulary(spec: WorkloadSpec, entries: list[FileEntry], vocab_size: int
+                     ) -> tuple[list[FileEntry], list[str]]:
     """The entries whose token ids all fit ``vocab_size``, and an error per line that does not; without
     ``--skip-bad-lines`` any such line raises WorkloadError listing them all, as :func:`validate_spec` does."""
     good, errors = [], []
