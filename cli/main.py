@@ -11,7 +11,7 @@ import click
 
 from ..core.errors import InferError
 from ..core.plugins import PluginManager
-from .options import EngineArgs, engine_options
+from .options import EngineArgs, engine_options, refuse_engine_options
 
 
 class InferGroup(click.Group):
@@ -212,7 +212,8 @@ def plugins_command(ctx: click.Context, as_json: bool) -> None:
 @click.option("--tie-word-embeddings", is_flag=True, help="Share the input embedding and the output head.")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
               help="Seed of the random weights.")
-def make_tiny_model_command(directory: str, arch: str, hidden_size: int, num_layers: int,
+@click.pass_context
+def make_tiny_model_command(ctx: click.Context, directory: str, arch: str, hidden_size: int, num_layers: int,
                             tie_word_embeddings: bool, seed: int) -> None:
     """Write a random-weight model with a locally trained byte-level BPE tokenizer to DIRECTORY (written to a
     temporary folder beside it and moved into place, so a failed or interrupted run leaves no partial model)."""
@@ -223,6 +224,7 @@ def make_tiny_model_command(directory: str, arch: str, hidden_size: int, num_lay
     from ..core.files import chmod_as_umask
     from ..models.tiny import make_tiny_model
 
+    refuse_engine_options(ctx, "make-tiny-model", " (its own options follow the command: --arch, --hidden-size, ...)")
     out = Path(directory)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise click.UsageError(f"{directory} already exists and is not an empty folder; choose a new folder (or "

@@ -124,6 +124,23 @@ FIELD_OF_OPTION = {
 }
 
 
+def refuse_engine_options(ctx: click.Context, command: str, advice: str = "") -> None:
+    """For a command that builds no engine: group options given before it would be ignored without a word, so
+    they are a usage error naming them."""
+    args = ctx.find_object(EngineArgs)
+    if args is None:
+        return
+    option_of = {name: value for value, name in FIELD_OF_OPTION.items()}
+    given = {"--plugin-option" if key.startswith("plugin_options.") else
+             "--" + option_of.get(key, key).replace("_", "-") for key in args.values}
+    given |= {"--plugin"} if args.plugin_names else set()
+    given |= {flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
+                                    ("--no-cuda-graphs", args.no_cuda_graphs)) if on}
+    if given:
+        raise click.UsageError(f"the options before `{command}` ({', '.join(sorted(given))}) configure an engine, "
+                               f"which `infer {command}` does not build; drop them{advice}")
+
+
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(ENGINE_OPTIONS):
         func = option(func)

@@ -179,12 +179,27 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(torch.stack(torch.aminmax(t))).all()  # NaN spreads to both extremes; inf is one
 
 
-def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> LoadedModel:
-    raw = read_config(path)
+def architectures(raw: dict[str, Any]) -> list[str]:
+    """config.json's ``architectures``: a list of class names (maybe empty). Raises CheckpointError."""
     archs = raw.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise CheckpointError(f"config.json has architectures = {archs!r}; it should be a list of class names, "
                               'e.g. ["LlamaForCausalLM"]')
+    return archs
+
+
+def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """config.json's ``quantization_config``: an object, or None when absent. Raises CheckpointError."""
+    qc = raw.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise CheckpointError(f"config.json has quantization_config = {qc!r}; it should be an object such as "
+                              '{"quant_method": "awq", "bits": 4, ...}, or absent for an unquantized checkpoint')
+    return qc or None
+
+
+def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> LoadedModel:
+    raw = read_config(path)
+    archs = architectures(raw)
     models = plugins.registry("model")
     if not archs or archs[0] not in models:
         raise CheckpointError(
@@ -194,11 +209,15 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
     files = safetensors_files(path)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, checkpoint_dtype(raw), device)
-    quant_config = raw.get("quantization_config")
-    declared = quant_config.get("quant_method") if isinstance(quant_config, dict) else None
+    quant_config = quantization_config(raw)
+    declared = quant_config.get("quant_method") if quant_config is not None else None
     methods = plugins.registry("quant_method")
     if isinstance(declared, str) and declared not in methods and declared.lower() in methods:
         declared = declared.lower()  # "AWQ" in some hub configs
+    if config.quant is None and declared is not None and declared not in methods:
+        raise CheckpointError(f"config.json's quantization_config has quant_method {declared!r}, which no installed "
+                              f"plugin loads (registered quant methods: {', '.join(methods.names())}); use a "
+                              "checkpoint in one of those formats, or install a plugin for it")
     quant_name = config.quant or declared
     quant = plugins.build("quant_method", quant_name, QuantMethod, config, quant_config) if quant_name else None
     with torch.device(device):  # the factory parses config.json, naming a bad field

@@ -12,11 +12,12 @@ from ..core.registry import Register
 
 log = logging.getLogger("infer")
 
+
 def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
     """An AWQ method for the checkpoint's ``quantization_config``, or RTN on load when there is none.
 
     ``config.plugin_options["awq"]`` may set ``group_size`` (on-load quantization only; default: per layer, the
-    largest of 128, 64, 32 that divides its input size) and
+    largest of 128, 64, 32 that divides its input size, else -1) and
     ``fused_max_rows`` (the largest batch that runs the fused Triton kernel on CUDA; default 64).
     """
     from ..quant.awq import parse_config
@@ -39,7 +40,8 @@ def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) 
                               f"each layer's whole input), got {group_size!r}; e.g. --plugin-option awq.group_size=64")
         log.warning("awq: quantizing on load with round-to-nearest (int4, group %s); calibrated AWQ is more "
                     "accurate: run `infer quantize --method awq MODEL OUT` once and load OUT",
-                    group_size or "128, or 64/32 where 128 does not divide a layer's input")
+                    group_size or "128, or 64/32 where 128 does not divide a layer's input, else -1 (one group "
+                    "over the whole input)")
         return AwqLinearMethod(group_size, quantize_on_load=True, fused_max_rows=fused_max_rows)
     return AwqLinearMethod.from_config(parse_config(quantization_config), fused_max_rows=fused_max_rows)
 

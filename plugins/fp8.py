@@ -39,7 +39,7 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
         return Fp8LinearMethod(None, backend)
     method = quantization_config.get("quant_method")
     if method != "compressed-tensors":  # e.g. HF's own block-wise "fp8" (weight_block_size)
-        given = "--quant fp8 was given, but " if config.quant else ""
+        given = f"--quant {config.quant} was given, but " if config.quant else ""
         todo = "drop --quant to use the checkpoint's own method" if config.quant and method != "fp8" else \
             "export it as compressed-tensors FP8 (llm-compressor), or load the unquantized model with --quant fp8"
         raise CheckpointError(f"{given}the checkpoint is quantized with quant_method {method!r}, which infer's fp8 "

@@ -26,15 +26,20 @@ from ..core.registry import Register
 @click.option("--num-samples", type=int, default=64, show_default=True, help="Calibration samples.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration sample.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-def quantize(model: Path, out: Path, method: str, calib: Path | None, group_size: int | None, bits: int,
-             num_samples: int, seq_len: int, device: str) -> None:
+@click.pass_context
+def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Path | None, group_size: int | None,
+             bits: int, num_samples: int, seq_len: int, device: str) -> None:
     """Quantize the unquantized checkpoint MODEL with calibrated AWQ and write it to OUT (a new folder).
 
     OUT is an AutoAWQ GEMM checkpoint (config.json quantization_config, tokenizer files copied) that infer and
     other AWQ loaders read: `infer --model OUT generate ...`.
     """
+    from ..cli.options import refuse_engine_options
     from ..quant.calibrate import AwqCalibrationConfig, calibrate_awq, check_request
     from ..quant.calib_data import read_texts
+
+    refuse_engine_options(ctx, "quantize", " (it takes its own --device, after the command: infer quantize MODEL "
+                          "OUT --device cuda)")
 
     config = AwqCalibrationConfig(group_size=group_size, bits=bits, num_samples=num_samples, seq_len=seq_len,
                                   device=device)

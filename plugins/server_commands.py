@@ -77,12 +77,16 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Deadline of the call in seconds.")
 @click.option("--stats", is_flag=True, help="Print the server's GetStats as JSON to stderr afterwards.")
-def client(prompt: str, target: str, max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
-           n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool, token: str | None,
-           tls: bool,
-           tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
+@click.pass_context
+def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
+           min_p: float, n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool,
+           token: str | None, tls: bool, tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams."""
     import grpc
+
+    from ..cli.options import refuse_engine_options
+
+    refuse_engine_options(ctx, "client", " (the server's engine is set where `infer serve` starts)")
 
     from ..server.client import Client
 

@@ -130,17 +130,23 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     return w.reshape(in_features, out_features).to(dtype or scales.dtype)
 
 
-def check_shapes(in_features: int, out_features: int, group_size: int, prefix: str = "") -> int:
-    """Check a layer fits the AWQ GEMM layout; return the effective group size (``in_features`` for -1)."""
+def check_shapes(in_features: int, out_features: int, group_size: int, prefix: str = "",
+                 checkpoint: bool = False) -> int:
+    """Check a layer fits the AWQ GEMM layout; return the effective group size (``in_features`` for -1).
+    ``checkpoint``: the group size comes from a quantized checkpoint's config (the advice differs)."""
     where = f" for layer {prefix!r}" if prefix else ""
     group = in_features if group_size == -1 else group_size
     if group <= 0 or in_features % group:
-        raise CheckpointError(
-            f"AWQ group_size {group_size} does not divide in_features {in_features}{where}; use a group size "
-            f"that divides every layer's input size ({', '.join(str(g) for g in GROUP_SIZES if g > 0)}), or -1 for one "
-            "group over the whole input")
+        todo = ("the checkpoint does not fit its own config.json (a wrong quantization_config.group_size, or the "
+                "config.json of another model)") if checkpoint else (
+            f"use a group size that divides every layer's input size "
+            f"({', '.join(str(g) for g in GROUP_SIZES if g > 0)}), or -1 for one group over the whole input")
+        raise CheckpointError(f"AWQ group_size {group_size} does not divide in_features {in_features}{where}; {todo}")
     if out_features % PACK:
-        raise CheckpointError(f"AWQ needs out_features divisible by {PACK}, got {out_features}{where}")
+        todo = ("list the module in quantization_config.modules_to_not_convert if the checkpoint keeps it "
+                "unquantized") if checkpoint else "quantize this model with --quant fp8 instead"
+        raise CheckpointError(f"AWQ packs {PACK} output columns per int32, so it needs out_features divisible by "
+                              f"{PACK}, got {out_features}{where}; {todo}")
     return group
 
 

@@ -49,7 +49,7 @@ class AwqLinearMethod(QuantMethod):
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
         size = self.group_size if self.group_size is not None else auto_group_size(in_features)
-        group = awq.check_shapes(in_features, out_features, size, layer_name(layer))
+        group = awq.check_shapes(in_features, out_features, size, layer_name(layer), not self.quantize_on_load)
         layer.awq_group_size = group
         if self.quantize_on_load:
             layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
@@ -69,6 +69,8 @@ class AwqLinearMethod(QuantMethod):
             raise CheckpointError(
                 f"layer {layer_name(layer)!r} has an unquantized 'weight' in an AWQ checkpoint; list the module in "
                 "quantization_config.modules_to_not_convert, or re-export the checkpoint")
+        if name in ("qzeros", "scales"):
+            _check_group_rows(layer, name, tensor, self.group_size)
         if name in ("qweight", "qzeros"):
             if tensor.dtype != torch.int32:
                 raise CheckpointError(f"AWQ {name} must be int32, got {tensor.dtype} for layer {layer_name(layer)!r}")
@@ -117,6 +119,18 @@ class AwqLinearMethod(QuantMethod):
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _check_group_rows(layer: nn.Module, name: str, tensor: torch.Tensor, declared: int | None) -> None:
+    """qzeros and scales hold one row per group: a row count that implies another group size than the config's
+    says so (the usual cause of their shape mismatch)."""
+    in_features, expected = layer.qweight.shape[0], getattr(layer, name).shape[0]
+    rows = tensor.shape[0] if tensor.dim() == 2 else 0
+    if rows and rows != expected and in_features % rows == 0:
+        raise CheckpointError(
+            f"layer {layer_name(layer)!r}: the checkpoint's {name} has {rows} group rows, i.e. group_size "
+            f"{in_features // rows} over {in_features} inputs, but quantization_config.group_size is {declared}; "
+            "correct group_size in config.json")
 
 
 def auto_group_size(in_features: int) -> int:

@@ -139,7 +139,7 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
                   ) -> tuple[dict[str, Any], AwqCalibrationConfig]:
     """Validate the options, MODEL and OUT; return MODEL's config.json and the options with the group size chosen.
     Raises ConfigError/CheckpointError."""
-    from ..core.loader import read_config, safetensors_files
+    from ..core.loader import architectures, quantization_config, read_config, safetensors_files
     from ..models.llama import ArchConfig
     from ..plugins.llama_family import ARCHITECTURES
 
@@ -148,11 +148,11 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
         raise CheckpointError(f"MODEL {str(model_dir)!r} does not exist or is not a folder; give the local HF "
                               "checkpoint folder to quantize")
     raw = read_config(model_dir)
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise CheckpointError(f"{str(model_dir)!r} is already quantized ({method}); `infer quantize` needs the "
-                              "unquantized checkpoint it came from")
-    arch = (raw.get("architectures") or ["(none)"])[0]
+    declared = quantization_config(raw)
+    if declared:
+        raise CheckpointError(f"{str(model_dir)!r} is already quantized ({declared.get('quant_method', '?')}); "
+                              "`infer quantize` needs the unquantized checkpoint it came from")
+    arch = (architectures(raw) or ["(none)"])[0]
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"infer quantize supports {', '.join(ARCHITECTURES)}; {str(model_dir)!r} is {arch!r}")
     safetensors_files(model_dir)
@@ -312,6 +312,10 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
     if used < seq_len:  # a scale search on a handful of tokens can be worse than plain round-to-nearest
         log.warning("the calibration text holds only %d tokens, under one sample of %d: the scales may fit it and "
                     "nothing else; give more text with --calib", used, seq_len)
+    elif len(samples) < config.num_samples:
+        log.warning("the calibration text holds %d samples of %d tokens, not the %d asked for (--num-samples): "
+                    "calibrating on those; give more text with --calib for more", len(samples), seq_len,
+                    config.num_samples)
     stats = _collect(model, samples, loaded.device, config, report_progress)
 
     tensors: dict[str, torch.Tensor] = {}

@@ -74,8 +74,10 @@ class Fp8LinearMethod(QuantMethod):
         where = f"layer {layer_name(layer)!r}"
         if self.checkpoint is None or name == "bias":
             if name not in ("weight", "bias"):
-                raise CheckpointError(f"{where} holds {name!r}, an FP8 checkpoint tensor, but config.json declares "
-                                      "no quantization_config; restore it, or load an unquantized checkpoint")
+                raise CheckpointError(f"{where} holds {name!r}, a quantized checkpoint's tensor, but config.json "
+                                      "declares no quantization_config (so --quant fp8 quantizes on load and expects "
+                                      "unquantized weights); restore the quantization_config, or load an unquantized "
+                                      "checkpoint")
             super().load_weight(layer, name, tensor)
         elif name == "weight":
             if tensor.dtype != fp8.FP8_DTYPE:

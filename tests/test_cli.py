@@ -201,6 +201,18 @@ def test_make_tiny_model_checks_sizes_before_writing(tmp_path, args, message):
     assert list(tmp_path.iterdir()) == []  # neither the folder nor its temporary stand-in
 
 
+@pytest.mark.parametrize("group, command", [
+    (["--model", "m", "--plugin", "radix-cache"], ["make-tiny-model", "out"]),
+    (["--seed", "3", "--no-prefix-caching", "--plugin-option", "awq.group_size=32"], ["client", "hi"]),
+])
+def test_commands_that_build_no_engine_refuse_the_group_options(tmp_path, group, command):
+    """They would be ignored without a word: `infer --seed 3 client` would not seed anything."""
+    result = run(*group, *command)
+    assert result.exit_code == 2 and f"the options before `{command[0]}`" in result.output
+    given = sorted(arg for arg in group if arg.startswith("--"))
+    assert f"({', '.join(given)}) configure an engine" in result.output and not (tmp_path / "out").exists()
+
+
 def test_make_tiny_model_does_not_overwrite_a_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     result = run("make-tiny-model", str(tmp_path))

@@ -342,6 +342,16 @@ def test_awq_linear_errors() -> None:
         layer.load("qweight", torch.zeros(128, 4, dtype=torch.int32))
     with pytest.raises(CheckpointError, match="qzeros must be int32"):
         layer.load("qzeros", torch.zeros(1, 2, dtype=torch.int64))
+    for name, dtype in (("qzeros", torch.int32), ("scales", torch.float16)):  # rows of group 32, config says 128
+        with pytest.raises(CheckpointError, match=f"{name} has 4 group rows, i.e. group_size 32 over 128 inputs, "
+                                                  "but quantization_config.group_size is 128; correct"):
+            layer.load(name, torch.zeros(4, 2 if name == "qzeros" else 16, dtype=dtype))
+    with pytest.raises(CheckpointError, match="out_features divisible by 8, got 12.*modules_to_not_convert"):
+        make_linear(method, 128, 12)
+    with pytest.raises(CheckpointError, match="out_features divisible by 8, got 12.*--quant fp8 instead"):
+        make_linear(AwqLinearMethod(quantize_on_load=True), 128, 12)
+    with pytest.raises(CheckpointError, match="does not divide in_features 96.*does not fit its own config.json"):
+        make_linear(AwqLinearMethod(group_size=64), 96, 16)
     with pytest.raises(CheckpointError, match="unquantized 'weight'.*modules_to_not_convert"):
         layer.load("weight", torch.zeros(16, 128))
     layer.load("qweight", torch.zeros(128, 2, dtype=torch.int32))

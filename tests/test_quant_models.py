@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import types
 from collections.abc import Callable
@@ -300,6 +301,17 @@ def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Pat
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
 
     fails([str(calibrated128), str(tmp_path / "a")], "is already quantized (awq)")
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_model, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "architectures": "LlamaForCausalLM"}))
+    fails([str(odd), str(tmp_path / "a")], "architectures = 'LlamaForCausalLM'; it should be a list")
+    (odd / "config.json").write_text(json.dumps({**config, "quantization_config": "awq"}))
+    fails([str(odd), str(tmp_path / "a")], "quantization_config = 'awq'; it should be an object")
+    group = CliRunner().invoke(main, ["--device", "cpu", "--quant", "fp8", "quantize", str(tiny_model),
+                                      str(tmp_path / "a")])
+    assert group.exit_code == 2 and "the options before `quantize` (--device, --quant)" in group.output
+    assert "takes its own --device" in group.output
     fails([str(tiny_model), str(tmp_path / "missing" / "out")], "does not exist; create it first")
     fails([str(tiny_model), str(tiny_model)], "OUT must differ from MODEL")
     (tmp_path / "full").mkdir()
@@ -552,6 +564,13 @@ def test_quantize_warns_when_the_calibration_text_is_tiny(tiny_model: Path, tmp_
                                            str(tmp_path / "one.txt"), "--seq-len", "32"])
     assert result.exit_code == 0, result.output
     assert "the calibration text holds only" in caplog.text and "under one sample of 32" in caplog.text
+    caplog.clear()
+    (tmp_path / "short.txt").write_text("def f(x):\n    return x + 1\n" * 12)
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        result = CliRunner().invoke(main, ["quantize", str(tiny_model), str(tmp_path / "q1"), "--calib",
+                                           str(tmp_path / "short.txt"), "--seq-len", "32", "--num-samples", "64"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"holds \d samples of 32 tokens, not the 64 asked for \(--num-samples\)", caplog.text)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="infer"):
         result = CliRunner().invoke(main, ["quantize", str(tiny_model), str(tmp_path / "q2"), "--calib",
