@@ -202,12 +202,12 @@ def test_make_tiny_model_checks_sizes_before_writing(tmp_path, args, message):
 
 
 @pytest.mark.parametrize("group, command", [
-    (["--model", "m", "--plugin", "radix-cache"], ["make-tiny-model", "out"]),
+    (["--model", "m", "--plugin", "radix-cache"], ["make-tiny-model", "{tmp}/out"]),
     (["--seed", "3", "--no-prefix-caching", "--plugin-option", "awq.group_size=32"], ["client", "hi"]),
 ])
 def test_commands_that_build_no_engine_refuse_the_group_options(tmp_path, group, command):
     """They would be ignored without a word: `infer --seed 3 client` would not seed anything."""
-    result = run(*group, *command)
+    result = run(*group, *(arg.format(tmp=tmp_path) for arg in command))
     assert result.exit_code == 2 and f"the options before `{command[0]}`" in result.output
     given = sorted(arg for arg in group if arg.startswith("--"))
     assert f"({', '.join(given)}) configure an engine" in result.output and not (tmp_path / "out").exists()
