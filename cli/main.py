@@ -87,13 +87,16 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
 @click.option("--seed", type=int, default=None, help="Seed of each prompt's sampling: the same seed gives the same "
-              "text, whatever else runs in the batch [default: the engine's random stream].")
+              "text, whatever else runs in the batch (with speculative decoding, as long as the prompt gets the same "
+              "drafts per step, which a full step budget or the degradation rules can change) [default: the "
+              "engine's random stream].")
 @click.option("--stream", is_flag=True, help="Print text as it is generated (one prompt at a time).")
-@click.option("--stats", is_flag=True, help="Print engine metrics (KV usage, prefix hit rate, ...) as JSON at the end.")
+@click.option("--stats", is_flag=True, help="Print engine metrics (KV usage, prefix hit rate, speculation, ...) as "
+              "JSON at the end (each field in docs/cli.md).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per completion and line (prompt_index, prompt, index, text, token_ids, "
-                   "finish_reason, num_cached_tokens) instead of prompt + text: unambiguous for scripts, and for "
-                   "--n > 1 or multi-line completions.")
+                   "finish_reason, num_cached_tokens, metrics) instead of prompt + text: unambiguous for scripts, "
+                   "and for --n > 1 or multi-line completions.")
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temperature: float, top_p: float,
              top_k: int, min_p: float, n: int, stop: tuple[str, ...], ignore_eos: bool, seed: int | None,
@@ -169,7 +172,8 @@ def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]], as_j
                         click.echo(json.dumps({
                             "prompt_index": printed, "prompt": texts[printed], "index": out.index, "text": out.text,
                             "token_ids": out.token_ids, "finish_reason": out.finish_reason and out.finish_reason.value,
-                            "num_cached_tokens": result.num_cached_tokens}) if as_json else texts[printed] + out.text)
+                            "num_cached_tokens": result.num_cached_tokens, "metrics": result.metrics})
+                            if as_json else texts[printed] + out.text)
                     printed += 1
                 sys.stdout.flush()
         except KeyboardInterrupt:

@@ -73,10 +73,11 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
                       "[default: the shipped draft, with the embedded default model]."),
     click.option("--num-speculative-tokens", type=int, default=None, metavar="K",
-                 help="Draft tokens verified per step and sequence when a proposer is selected."),
+                 help="Draft tokens verified per step and sequence when a proposer is selected, 0-16 [default: 0; "
+                      "a proposer needs K >= 1]."),
     click.option("--spec-min-acceptance", type=float, default=None, metavar="A",
-                 help="Turn speculation off while the recent acceptance rate is below A (probing now and then) "
-                      "[default: 0, never]."),
+                 help="Turn speculation off while the recent acceptance rate is below A (probing now and then; "
+                      "not before 8 verified sequence-rounds) [default: 0, never]."),
     click.option("--spec-max-batch-size", type=int, default=None, metavar="B",
                  help="Turn speculation off in steps that run more than B sequences [default: 0, no limit]."),
     click.option("--plugin-option", "plugin_option", multiple=True, metavar="NAMESPACE.KEY=VALUE",

@@ -68,6 +68,8 @@ class EngineStats:
     spec_accepted: int = 0  # accepted drafts kept in the outputs (a stop token or string cuts what follows it)
     spec_rounds: int = 0  # verifications: one per sequence and step that verified drafts
     spec_emitted: int = 0  # output tokens those verifications produced (accepted drafts + 1 each, less stop cuts)
+    spec_judged: int = 0  # drafts the target judged: the accepted ones and the first rejected (those after go unseen)
+    spec_judged_accepted: int = 0  # accepted drafts, stop cuts aside (the drafts' quality)
     spec_state: str = "off"  # the last step's: off (no proposer), on, off-large-batch, off-low-acceptance
     spec_steps: dict[str, int] = field(default_factory=dict)  # steps per speculation state
     phase_s: dict[str, float] = field(default_factory=dict)  # summed StepStats phase times: schedule, execute, ...
@@ -147,6 +149,9 @@ class EngineStats:
             "spec_acceptance_rate": round(self.acceptance_rate, 4),
             "spec_proposed": self.spec_proposed,
             "spec_accepted": self.spec_accepted,
+            "spec_per_draft_acceptance": round(self.spec_judged_accepted / self.spec_judged, 4)
+            if self.spec_judged else 0.0,
+            "spec_rounds": self.spec_rounds,
             "spec_tokens_per_round": round(self.spec_emitted / self.spec_rounds, 4) if self.spec_rounds else 0.0,
             "spec_enabled": int(self.spec_state == "on"),
             "spec_steps_on": self.spec_steps.get("on", 0),

@@ -26,7 +26,7 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "mean_tpot_ms": ("infer_mean_tpot_milliseconds", "Mean time per output token", "gauge"),
     "output_tokens_per_s": ("infer_output_tokens_per_second", "Output tokens per second, last 10 s", "gauge"),
     "uptime_s": ("infer_server_uptime_seconds", "Seconds since the server started", "gauge"),
-    "spec_enabled": ("infer_spec_enabled", "1 when the last step speculated, 0 when off or degraded", "gauge"),
+    "spec_enabled": ("infer_spec_enabled", "1 when the last step allowed speculation, 0 when off or degraded", "gauge"),
     "spec_steps_on": ("infer_spec_steps_on", "Steps that speculated", "counter"),
     "spec_steps_off_large_batch": ("infer_spec_steps_off_large_batch",
                                    "Steps run without speculation: the batch was too large", "counter"),

@@ -207,7 +207,7 @@ class SpecDecoder:
         """Roll back rejected KV, cut at a stop token, record logprobs (``target``: [B, K+1, V], needed only when a
         request asks for them) and acceptance statistics."""
         sampled: dict[int, list[int]] = {}
-        accepted_total = proposed_total = kept_total = emitted_total = 0
+        accepted_total = proposed_total = kept_total = emitted_total = judged_total = 0
         for b, (d, m, token) in enumerate(zip(drafts, num_accepted, next_tokens)):
             seq = d.seq
             tokens = d.tokens[:m] + [token]
@@ -226,6 +226,7 @@ class SpecDecoder:
             seq.spec_last_round = (kept, len(tokens))
             proposed_total += len(d.tokens)
             accepted_total += m
+            judged_total += m + (m < len(d.tokens))  # the first rejected draft was judged too
             kept_total += kept
             emitted_total += len(tokens)
             sampled[seq.seq_id] = tokens
@@ -234,6 +235,8 @@ class SpecDecoder:
         s.spec_accepted += kept_total
         s.spec_rounds += len(drafts)
         s.spec_emitted += emitted_total
+        s.spec_judged += judged_total
+        s.spec_judged_accepted += accepted_total
         self.policy.observe(proposed_total, accepted_total, len(drafts))  # the drafts' quality, stops aside
         self.step_counts = (proposed_total, accepted_total)
         return sampled

@@ -58,6 +58,7 @@ class DraftModelProposer(Proposer):
     def load(cls, config: EngineConfig, target: LoadedModel, plugins: PluginManager | None = None
              ) -> DraftModelProposer:
         """Load ``config.draft_model`` (the shipped draft when the target is the shipped default) next to ``target``."""
+        round_graphs = round_graphs_option(config)  # checked on any device, not only where graphs are built
         path = config.draft_model or default_draft_for(target.path)
         if path is None:
             raise ConfigError("the draft-model proposer needs --draft-model DIR: a small checkpoint that shares the "
@@ -85,7 +86,7 @@ class DraftModelProposer(Proposer):
         if config.cuda_graphs and draft.device.type == "cuda" and attention.supports_cuda_graphs:
             # the k - 1 one-token draft steps, and the two-token first step of each round after the first
             runner.enable_cuda_graphs(min(config.max_num_seqs, 256), {2: min(config.max_num_seqs, 64)})
-            if round_graphs_option(config):  # and whole greedy rounds
+            if round_graphs:  # and whole greedy rounds
                 proposer.enable_round_graphs(min(config.max_num_seqs, 64), config.num_speculative_tokens)
         return proposer
 

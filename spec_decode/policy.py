@@ -39,11 +39,11 @@ class SpecPolicy:
         min_acc = options.get("min_acceptance", 0.0)
         max_batch = options.get("max_batch_size", 0)
         probe_every = options.get("probe_every", 8)
-        if not isinstance(min_acc, (int, float)) or not 0.0 <= min_acc <= 1.0:
-            raise ConfigError(f"spec-min-acceptance must be in [0, 1] (0 disables it), got {min_acc!r}")
+        if not isinstance(min_acc, (int, float)) or isinstance(min_acc, bool) or not 0.0 <= min_acc <= 1.0:
+            raise ConfigError(f"spec-min-acceptance must be a number in [0, 1] (0 disables it), got {min_acc!r}")
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 0:
             raise ConfigError(f"spec-max-batch-size must be an integer >= 0 (0 disables it), got {max_batch!r}")
-        if not isinstance(probe_every, int) or probe_every < 1:
+        if not isinstance(probe_every, int) or isinstance(probe_every, bool) or probe_every < 1:
             raise ConfigError(f"spec_decode probe_every must be a positive integer, got {probe_every!r}")
         return cls(float(min_acc), max_batch, probe_every)
 

@@ -119,6 +119,12 @@ def test_configuration_errors_are_clear(tmp_path):
             engine(proposer="ngram", num_speculative_tokens=2, plugin_options={"ngram": {"max_n": bad}})
     with pytest.raises(ConfigError, match="num-speculative-tokens"):
         engine(proposer="ngram")
+    for options, message in (({"min_acceptance": True}, "spec-min-acceptance must be a number in"),
+                             ({"min_acceptance": "0.5"}, "spec-min-acceptance must be a number in"),
+                             ({"probe_every": True}, "probe_every must be a positive integer"),
+                             ({"round_graphs": "maybe"}, "round_graphs must be true or false")):  # on any device
+        with pytest.raises(ConfigError, match=message):  # True passed as 1.0 and 1
+            engine(proposer="draft-model", num_speculative_tokens=2, plugin_options={"spec_decode": options})
     other = tmp_path / "other-draft"
     other.mkdir()
     for f in DRAFT.iterdir():
@@ -141,6 +147,32 @@ def test_cli_speculative_generate_on_the_embedded_default():
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("def fibonacci(n):")
     assert '"spec_proposed"' in result.output and '"spec_steps_on"' in result.output
+    result = CliRunner().invoke(main, ["--device", "cpu", "--plugin", "draft-model", "--num-speculative-tokens", "3",
+                                       "generate", "def fibonacci(n):", "import os", "--max-tokens", "24", "--json"])
+    assert result.exit_code == 0, result.output
+    for line in result.stdout.splitlines():  # each request's own acceptance
+        metrics = json.loads(line)["metrics"]
+        assert metrics["spec_proposed"] > 0 and metrics["e2e_s"] > 0
+        assert metrics["spec_acceptance_rate"] == metrics["spec_accepted"] / metrics["spec_proposed"]
+
+
+def test_per_draft_acceptance_counts_the_drafts_the_target_judged():
+    """A round judges its accepted drafts and the first rejected one; the drafts after a rejection were proposed
+    but never judged, so accepted / proposed underestimates the per-draft rate that (1 - a^(K+1)) / (1 - a) needs."""
+    log, plugins = StepLog(), PluginManager.from_entry_points()
+    plugins.register(log, name="step-log")
+    e = Engine(EngineConfig(model=str(TARGET), device="cpu", num_kv_blocks=128, proposer="draft-model",
+                            num_speculative_tokens=4), plugins)
+    for prompt in PROMPTS[:3]:  # one request at a time: one round per step
+        e.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    rounds = [(d, a) for d, a in log.rounds if d]
+    judged = sum(a + (a < d) for d, a in rounds)
+    accepted = sum(a for _, a in rounds)
+    assert any(a < d - 1 for d, a in rounds)  # some round left drafts unjudged
+    summary = e.stats.summary()
+    assert (e.stats.spec_judged, e.stats.spec_judged_accepted, summary["spec_rounds"]) == (judged, accepted,
+                                                                                            len(rounds))
+    assert summary["spec_per_draft_acceptance"] == round(accepted / judged, 4) > summary["spec_acceptance_rate"]
 
 
 def test_a_finished_fork_frees_its_draft_kv_before_its_request_ends():

@@ -263,3 +263,23 @@ def test_training_corpus_keeps_token_ids_above_int16(tmp_path):
         path.write_text("abc")
     train, val = load_corpus(WideTokenizer(), files)
     assert val.tolist() == [39999, 3, 40000] * 2 and train.tolist() == [39999, 3, 40000] * 39
+
+
+def test_train_pair_writes_a_pair_that_speculates_exactly(tmp_path):
+    """A two-step run of the training script (its own smoke settings): the pair it writes loads, the draft passes
+    the vocabulary check, and greedy speculation gives the target's own tokens; --out is required."""
+    from infer import LLM
+    from infer.spec_decode.train_pair import argument_parser, main
+
+    with pytest.raises(SystemExit) as exit_info:  # parsing only: a default --out replaced the shipped pair
+        argument_parser().parse_args(["--target-steps", "1"])
+    assert exit_info.value.code == 2
+    main(["--out", str(tmp_path), "--target-steps", "2", "--draft-steps", "2", "--seq-len", "32", "--batch", "2"])
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = ["def f(x):", "import os\n"]
+    plain = LLM(str(tmp_path / "target"), device="cpu").generate(prompts, params)
+    spec = LLM(str(tmp_path / "target"), device="cpu", proposer="draft-model", draft_model=str(tmp_path / "draft"),
+               num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.stats.spec_proposed > 0
