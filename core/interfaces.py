@@ -156,17 +156,28 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def pop(self) -> Hashable:
-        """Remove and return the next victim. Raises IndexError when empty."""
+        """Remove and return the next victim. Raises IndexError when empty. Keep what the policy remembers of
+        the key's uses: the cache may evict only part of its content (a radix node's last block) and ``restore``
+        the rest; it calls ``forget`` once the content is gone."""
+
+    def restore(self, key: Hashable, priority: int = 0) -> None:
+        """``key`` is evictable again without having been used since it was last evictable or touched: the cache
+        held it back while other cached items depended on it (a prefix of cached blocks, a radix node with
+        children), and the last of them was evicted. Rank it as its last use ranks it, not as a fresh use: a prefix
+        is used whenever its descendants are, so it should go soon after them, not outlive newer items.
+        Default: ``insert`` (a policy without a memory of uses ranks it as new)."""
+        self.insert(key, priority)
 
     def derive(self, new_key: Hashable, from_key: Hashable) -> None:
         """``new_key`` holds content cut from ``from_key``'s and served every use of it (a radix node split in two:
         the new head served each use of the whole): a policy that counts uses starts ``new_key`` at ``from_key``'s
-        count. ``new_key`` is not evictable. Default: nothing."""
+        count, one that orders by recency at its last use. ``new_key`` is not evictable. Default: nothing."""
 
     def forget(self, key: Hashable) -> None:
-        """``key``'s content is gone for good, dropped by the cache without ``pop`` (a paged block whose prefix was
-        evicted): a policy that remembers uses of a key beyond ``remove`` drops them, so that new content under the
-        same key starts fresh. ``key`` is not evictable here (removed first, or never inserted). Default: nothing."""
+        """``key``'s content is gone for good: evicted after ``pop``, or dropped without it (a paged block whose
+        prefix was evicted). A policy that remembers uses of a key beyond ``remove`` drops them, so that new content
+        under the same key starts fresh. ``key`` is not evictable here (popped, removed, or never inserted).
+        Default: nothing."""
 
     @abstractmethod
     def __len__(self) -> int:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
 from collections.abc import Hashable
 
 from ..core.hookspecs import EvictionPolicyFactory, hookimpl
@@ -11,54 +10,41 @@ from ..core.interfaces import EvictionPolicy
 from ..core.registry import Register
 
 
-class LRUPolicy(EvictionPolicy):
-    """Evict the item that became evictable (or was touched) longest ago."""
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
-
-    def insert(self, key: Hashable, priority: int = 0) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def touch(self, key: Hashable) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
-    def remove(self, key: Hashable) -> None:
-        del self._order[key]
-
-    def pop(self) -> Hashable:
-        if not self._order:
-            raise IndexError("nothing to evict")
-        return self._order.popitem(last=False)[0]
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-
 class _HeapPolicy(EvictionPolicy):
-    """A min-heap over (rank..., insertion counter) with lazy deletion; subclasses define the rank."""
+    """A min-heap over (rank..., last use) with lazy deletion; subclasses define the rank. The last use is a
+    logical clock that ``insert`` and ``touch`` advance; it outlives ``remove`` and ``pop`` (``restore`` ranks a
+    key by it) and goes with ``forget``, when the key's content does."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[int, ...], int, Hashable]] = []
-        self._live: dict[Hashable, int] = {}  # key -> counter of its current heap entry
-        self._counter = itertools.count()
+        self._heap: list[tuple[tuple[int, ...], int, int, Hashable]] = []
+        self._live: dict[Hashable, int] = {}  # key -> id of its current heap entry
+        self._entries = itertools.count()
+        self._clock = itertools.count()
+        self._last: dict[Hashable, int] = {}
         self._priority: dict[Hashable, int] = {}
 
     def _rank(self, key: Hashable) -> tuple[int, ...]:
-        raise NotImplementedError
+        return ()
 
     def _push(self, key: Hashable) -> None:
-        count = next(self._counter)
-        self._live[key] = count
-        heapq.heappush(self._heap, (self._rank(key), count, key))
+        entry = self._live[key] = next(self._entries)
+        heapq.heappush(self._heap, (self._rank(key), self._last[key], entry, key))
+        if len(self._heap) > 4 * len(self._live) + 64:  # stale entries (removed, re-ranked): rebuild without them
+            self._heap = [(self._rank(k), self._last[k], e, k) for k, e in self._live.items()]
+            heapq.heapify(self._heap)
 
     def insert(self, key: Hashable, priority: int = 0) -> None:
         self._priority[key] = priority
+        self._last[key] = next(self._clock)
+        self._push(key)
+
+    def restore(self, key: Hashable, priority: int = 0) -> None:
+        self._priority[key] = priority
+        self._last.setdefault(key, next(self._clock))
         self._push(key)
 
     def touch(self, key: Hashable) -> None:
+        self._last[key] = next(self._clock)
         if key in self._live:
             self._push(key)
 
@@ -67,18 +53,26 @@ class _HeapPolicy(EvictionPolicy):
 
     def pop(self) -> Hashable:
         while self._heap:
-            _, count, key = heapq.heappop(self._heap)
-            if self._live.get(key) == count:
+            *_, entry, key = heapq.heappop(self._heap)
+            if self._live.get(key) == entry:
                 del self._live[key]
-                self.forget(key)
                 return key
         raise IndexError("nothing to evict")
 
+    def derive(self, new_key: Hashable, from_key: Hashable) -> None:
+        if from_key in self._last:
+            self._last[new_key] = self._last[from_key]
+
     def forget(self, key: Hashable) -> None:
         self._priority.pop(key, None)
+        self._last.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._live)
+
+
+class LRUPolicy(_HeapPolicy):
+    """Evict the item used (inserted on release, or touched) longest ago; a restored prefix keeps its last use."""
 
 
 class LFUPolicy(_HeapPolicy):
@@ -100,6 +94,7 @@ class LFUPolicy(_HeapPolicy):
         super().touch(key)
 
     def derive(self, new_key: Hashable, from_key: Hashable) -> None:
+        super().derive(new_key, from_key)
         self._uses[new_key] = self._uses.get(from_key, 0)
 
     def forget(self, key: Hashable) -> None:

@@ -40,9 +40,12 @@ class PagedKVCache(KVCache):
         self.key_to_block: dict[BlockKey, int] = {}
         self.prefix_id_to_block: dict[int, int] = {}  # the live prefix ids
         self.children: dict[int, set[int]] = {}  # prefix id -> registered blocks whose key starts with it
-        # cached blocks with cached descendants (block -> its release priority): only leaves are evictable, else
-        # evicting a prefix would drop every block cached after it, whatever the policy ranks them
+        # cached blocks with cached descendants (block -> its priority): only leaves are evictable, else evicting a
+        # prefix would drop every block cached after it, whatever the policy ranks them
         self.held: dict[int, int] = {}
+        # registered block -> the highest priority of the sequences that computed or released it: a prefix that a
+        # high-priority request uses keeps its rank when a low-priority one reuses it last
+        self.top_priority: dict[int, int] = {}
         self.next_prefix_id = ROOT + 1
         self.free_list: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, array[int]] = {}  # int32 arrays: the runner copies them into a batch as is
@@ -106,10 +109,11 @@ class PagedKVCache(KVCache):
         self.block_key[block], self.block_prefix_id[block] = key, prefix_id
         self.key_to_block[key], self.prefix_id_to_block[prefix_id] = block, block
         self.children.setdefault(key[0], set()).add(block)
+        self.top_priority[block] = priority
         parent = self.prefix_id_to_block.get(key[0])
         if parent is not None and self.ref[parent] == 0 and parent not in self.held:  # another's cached prefix
             self.eviction.remove(parent)  # not a leaf any more
-            self.held[parent] = priority
+            self.held[parent] = self.top_priority[parent]
         return prefix_id
 
     def _unregister(self, block: int) -> None:
@@ -121,13 +125,14 @@ class PagedKVCache(KVCache):
         if not siblings:
             del self.children[parent]
             parent_block = self.prefix_id_to_block.get(parent)
-            if parent_block is not None and parent_block in self.held:  # a leaf now: evictable
-                self.eviction.insert(parent_block, self.held.pop(parent_block))
+            if parent_block is not None and parent_block in self.held:  # a leaf now: evictable, unused since
+                self.eviction.restore(parent_block, self.held.pop(parent_block))
         stack = [block]
         while stack:
             b = stack.pop()
             del self.key_to_block[self.block_key[b]]  # type: ignore[index]
             del self.prefix_id_to_block[self.block_prefix_id[b]]
+            self.top_priority.pop(b, None)
             stack.extend(self.children.pop(self.block_prefix_id[b], ()))
             self.block_key[b], self.block_prefix_id[b] = None, ROOT
             if b != block and self.ref[b] == 0:
@@ -139,10 +144,16 @@ class PagedKVCache(KVCache):
 
     def _release(self, block: int, priority: int) -> None:
         self.ref[block] -= 1
+        if self.block_key[block] is not None:
+            priority = self.top_priority[block] = max(self.top_priority[block], priority)
         if self.ref[block] == 0:
             if self.block_key[block] is None:
                 self.free_list.append(block)
             elif self.children.get(self.block_prefix_id[block]):
+                # released like a leaf (the policy records the use, which ranks it once it is a leaf: restore) but
+                # held back from eviction while blocks cached after it depend on it
+                self.eviction.insert(block, priority)
+                self.eviction.remove(block)
                 self.held[block] = priority
             else:
                 self.eviction.insert(block, priority)

@@ -32,7 +32,7 @@ class RadixNode:
     depth: int  # blocks from the root to the end of this node
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict, repr=False)  # by the child's first block
     lock: int = 0  # live sequences whose locked path passes through this node
-    priority: int = 0  # of the last sequence that released it (read by the `priority` policy)
+    priority: int | None = None  # the highest of the sequences that released it (read by the `priority` policy)
     evictable: bool = False  # in the eviction policy; true exactly when unlocked, childless and not the root
 
 
@@ -132,10 +132,20 @@ class RadixKVCache(KVCache):
             node = node.parent  # type: ignore[assignment]
         return path[::-1]
 
-    def _set_evictable(self, node: RadixNode) -> None:
-        if node is not self.root and node.lock == 0 and not node.children and not node.evictable:
-            node.evictable = True
-            self.eviction.insert(node, node.priority)
+    def _set_evictable(self, node: RadixNode, used: bool = True) -> None:
+        """``used``: a sequence released the node now (a use); else it lost its last child or its tail blocks to an
+        eviction, and keeps the rank of its last use (``EvictionPolicy.restore``)."""
+        if node is self.root or node.lock or node.evictable:
+            return
+        if node.children:  # released like a leaf (the policy records the use, which ranks it once it is a leaf:
+            if used:  # restore) but held back while cached nodes depend on it
+                priority = 0 if node.priority is None else node.priority
+                self.eviction.insert(node, priority)
+                self.eviction.remove(node)
+            return
+        node.evictable = True
+        priority = 0 if node.priority is None else node.priority
+        (self.eviction.insert if used else self.eviction.restore)(node, priority)
 
     def _lock(self, lower: RadixNode, upper: RadixNode) -> None:
         """One more sequence uses the nodes from ``lower`` up to, not including, its ancestor ``upper``."""
@@ -153,7 +163,7 @@ class RadixKVCache(KVCache):
         node = lower
         while node is not upper:
             node.lock -= 1
-            node.priority = priority
+            node.priority = priority if node.priority is None else max(node.priority, priority)
             if node.lock == 0:
                 self.cached += len(node.blocks)
                 self._set_evictable(node)
@@ -168,18 +178,25 @@ class RadixKVCache(KVCache):
         state.node = node
 
     def _evict_one(self) -> None:
+        """Evict the last block of the leaf the policy picks: a request short of one block does not drop a whole
+        prompt's cached prefix. A longer leaf stays, one block shorter, with its rank."""
         node = self.eviction.pop()
         if not (isinstance(node, RadixNode) and node.evictable and node.lock == 0 and not node.children):
             raise not_evictable(self.eviction, node)
         node.evictable = False
+        self.cached -= 1
+        self.counters.evictions += 1
+        self._release(node.blocks.pop())
+        if node.blocks:
+            node.tokens = node.tokens[: -self.block_size]
+            node.depth -= 1
+            self._set_evictable(node, used=False)
+            return
         parent = node.parent
         assert parent is not None
         del parent.children[node.tokens[: self.block_size]]
-        self.cached -= len(node.blocks)
-        self.counters.evictions += len(node.blocks)
-        for block in reversed(node.blocks):
-            self._release(block)
-        self._set_evictable(parent)
+        self.eviction.forget(node)
+        self._set_evictable(parent, used=False)
 
     # ------------------------------------------------------------ block pool
     def _take_block(self) -> int:

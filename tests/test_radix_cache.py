@@ -133,3 +133,71 @@ def test_priority_eviction_keeps_a_high_priority_prefix_that_a_low_one_reused(ti
     before = e.kv.stats().prefix_hits
     e.generate([shared + high + [99]], params(0))
     assert e.kv.stats().prefix_hits - before == 16  # all four blocks of S + h still cached
+
+
+def cached_tokens(engine: Engine, tokens: list[int]) -> int:
+    """Tokens of ``tokens`` a new request would find in the prefix cache (a probe that holds nothing after)."""
+    from infer.core.request import Sequence
+
+    probe = Sequence(10**6, "probe", tokens, SamplingParams(max_tokens=1), 0.0, max_model_len=engine.max_model_len)
+    found = engine.kv.match_prefix(probe)
+    engine.kv.free(probe)
+    return found
+
+
+def one_token(priority: int = 0) -> SamplingParams:
+    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, priority=priority)
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+def test_a_request_short_of_one_block_evicts_one(tiny_model, kv_cache):
+    """The radix cache evicted whole leaf nodes: a request one block short dropped a 10-block prompt's prefix and
+    left 9 of the blocks unused on the free list."""
+    rng = random.Random(1)
+    old, new = random_tokens(rng, 41), random_tokens(rng, 27)  # 10 full blocks cached; then 7 blocks, 6 free
+    e = make_engine(tiny_model, kv_cache, block_size=4, num_kv_blocks=16)
+    e.generate([old], one_token())
+    e.generate([new], one_token())
+    assert e.kv.stats().evictions == 1 and cached_tokens(e, old) == 36
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+def test_the_older_prompt_is_evicted_before_the_newer(tiny_model, kv_cache, policy):
+    """A prefix block that becomes a leaf when the block after it is evicted keeps the rank of its last use: the
+    paged cache ranked it as new, so eviction took the newer prompt's tail while half the older one stayed."""
+    rng = random.Random(2)
+    older, newer, pressure = random_tokens(rng, 17), random_tokens(rng, 17), random_tokens(rng, 29)
+    e = make_engine(tiny_model, kv_cache, block_size=4, num_kv_blocks=12, eviction_policy=policy)
+    for prompt in (older, newer, pressure):  # 4, 4, then 8 blocks: four evictions
+        e.generate([prompt], one_token())
+    assert e.kv.stats().evictions == 4
+    assert (cached_tokens(e, older), cached_tokens(e, newer)) == (0, 16)
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+def test_a_shared_prefix_keeps_the_highest_priority_of_its_users(tiny_model, kv_cache):
+    """A priority-0 request reusing a priority-5 prefix made it the first to go, before a priority-1 prefix."""
+    rng = random.Random(3)
+    a, b, c, pressure = (random_tokens(rng, n) for n in (9, 9, 9, 13))
+    e = make_engine(tiny_model, kv_cache, block_size=4, num_kv_blocks=8, eviction_policy="priority")
+    for prompt, priority in ((a, 5), (b, 5), (c, 1), (a, 0), (pressure, 9)):  # the last needs two evictions
+        e.generate([prompt], one_token(priority))
+    assert [cached_tokens(e, p) for p in (a, b, c)] == [8, 8, 0]
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "priority"])
+def test_a_policy_keeps_no_more_than_a_bounded_heap_of_stale_entries(name):
+    """Every release of a held prefix block inserts and removes it: a long-running server without evictions must
+    not grow the heap without bound. The ranking survives the rebuilds."""
+    from infer.plugins.eviction import LFUPolicy, LRUPolicy, PriorityPolicy
+
+    policy = {"lru": LRUPolicy, "lfu": LFUPolicy, "priority": PriorityPolicy}[name]()
+    policy.insert("old")
+    for i in range(100_000):
+        policy.insert(i % 7)
+        policy.touch(i % 7)
+        policy.remove(i % 7)
+    assert len(policy._heap) <= 4 * len(policy) + 65 and len(policy) == 1
+    policy.insert("new", priority=1)
+    assert [policy.pop(), policy.pop()] == ["old", "new"]
