@@ -54,6 +54,9 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     num_blocks = num_kv_blocks(config, loaded, per_block)
     if config.preemption_mode == "swap" and config.num_swap_blocks is None:
         config.num_swap_blocks = int(config.swap_space_gb * 2**30) // per_block
+        if not config.num_swap_blocks:
+            log.warning("--preemption swap: --swap-space-gb %g holds no KV block (one takes %d bytes), so preempted "
+                        "sequences are recomputed; raise --swap-space-gb", config.swap_space_gb, per_block)
     check_kv_memory(config, loaded.device, num_blocks, per_block)
     eviction = plugins.build("eviction_policy", config.eviction_policy, EvictionPolicy, config)
     kv = plugins.build("kv_cache", config.kv_cache, KVCache, config, num_blocks, eviction)

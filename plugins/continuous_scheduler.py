@@ -1,6 +1,7 @@
 """The `continuous` scheduler: iteration-level batching, decodes first, whole prefills, preemption by recompute."""
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from ..core.config import EngineConfig
@@ -9,6 +10,8 @@ from ..core.hookspecs import SchedulerFactory, hookimpl
 from ..core.interfaces import BlockOps, KVCache, ScheduledSequence, Scheduler, SchedulerOutput
 from ..core.registry import Register
 from ..core.request import FinishReason, Sequence, SequenceStatus
+
+log = logging.getLogger("infer")
 
 
 class SwapSpace:
@@ -62,6 +65,7 @@ class ContinuousScheduler(Scheduler):
         self.running: list[Sequence] = []
         self._preemptions = 0
         self.num_swapped_out = 0
+        self.warned_swap_full = False
 
     # ------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
@@ -171,6 +175,10 @@ class ContinuousScheduler(Scheduler):
             computed_blocks = self.kv.block_table(seq)[: -(-seq.num_computed_tokens // self.kv.block_size)]
             if self.swap.swap_out(seq, computed_blocks, self.ops):
                 self.num_swapped_out += 1
+            elif not self.warned_swap_full:
+                self.warned_swap_full = True
+                log.warning("the swap space is full: preempted sequences that do not fit in it are recomputed "
+                            "instead (correct, slower); raise --swap-space-gb to swap them all")
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED

@@ -1,6 +1,7 @@
 """Engine behaviour against references: HF greedy, torch sampling semantics, and KV bookkeeping."""
 from __future__ import annotations
 
+import logging
 import random
 import time
 
@@ -539,3 +540,19 @@ def test_a_text_too_long_for_any_tokenization_is_refused_without_tokenizing(engi
     with pytest.raises(InvalidRequestError, match=f"the prompt has {checker.max_prompt_chars + 1} characters, more "
                                                   "than the model's context of"):
         bounded.tokenize("x" * (checker.max_prompt_chars + 1))
+
+
+def test_swap_that_cannot_hold_a_sequence_is_warned_about_and_recomputes(tiny_model, hf_greedy, caplog):
+    """A swap space of no block, and a full one, fall back to recompute: correct tokens, and said once each."""
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        none = Engine(EngineConfig(model=str(tiny_model), device="cpu", preemption_mode="swap", swap_space_gb=1e-9))
+    assert "--swap-space-gb 1e-09 holds no KV block" in caplog.text and not none.runner.host_caches
+    caplog.clear()
+    prompts = [list(range(10 + 40 * i, 30 + 40 * i)) for i in range(4)]
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", preemption_mode="swap", num_swap_blocks=2,
+                            block_size=4, num_kv_blocks=16))
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        outs = e.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert e.scheduler.num_preemptions > e.scheduler.num_swapped_out  # some preemptions found the swap full
+    assert caplog.text.count("the swap space is full") == 1
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tiny_model, p, 24) for p in prompts]
