@@ -60,7 +60,7 @@ class RequestChecker:
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty; give at least one character or token")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         return ids

@@ -93,7 +93,12 @@ class Engine:
             "attention_backend": (config.attention, self.attention),
             "proposer": (config.proposer, parts.proposer)})
         self._seq_ids = itertools.count()
-        self.steps_taken = 0  # calls of step(); generate_as_completed notices a caller that stepped in between
+        self.steps_taken = 0  # steps run
+        # requests that a stream or generate call reads: their deltas wait in ``owned_deltas`` for it, whoever's call
+        # ran the step; deltas of other requests made in such a call's steps wait in ``loose_deltas`` for step()
+        self.owned: set[str] = set()
+        self.owned_deltas: dict[str, list[RequestOutput]] = {}
+        self.loose_deltas: list[RequestOutput] = []
         if config.freeze_gc:
             gc.collect()
             freeze_heap()
@@ -118,14 +123,19 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError."""
         params = params or SamplingParams()
-        request_id = request_id or uuid.uuid4().hex
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string (or None for a generated one), got "
+                                      f"{request_id!r}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.checker.check(prompt, params)
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
-        request = RequestState(request_id, ids, params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
+        # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
+        request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
                            [0] * len(seqs), [0] * len(seqs), seqs[1:])
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
@@ -135,16 +145,17 @@ class Engine:
             self.awaiting_fork.add(request_id)
         return request_id
 
-    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
         """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's
         ``check``), else returns the prompt's ids."""
+        params = params or SamplingParams()
         ids = self.checker.check(prompt, params)
         with self._plugin_code():
             self.scheduler.check(Sequence(-1, "", ids, params, 0.0, eos_token_ids=self.eos_token_ids,
                                           max_model_len=self.max_model_len))
         return ids
 
-    def check_requests(self, prompts: Seq[str | list[int]], params: SamplingParams) -> None:
+    def check_requests(self, prompts: Seq[str | list[int]], params: SamplingParams | None = None) -> None:
         """:meth:`check_request` for each prompt; an error names the bad one's position, as generate's do."""
         for index, prompt in enumerate(prompts):
             try:
@@ -153,7 +164,16 @@ class Engine:
                 raise at_prompt(exc, index, len(prompts)) from None
 
     def abort(self, request_id: str) -> RequestOutput:
-        """Finish a request now and free its blocks; returns its final (aborted) output."""
+        """Finish a request now and free its blocks; returns its final (aborted) output, which a stream or generate
+        call reading the request gets too."""
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a string, got {request_id!r}")
+        final = self._abort(request_id)
+        if request_id in self.owned:
+            self.owned_deltas.setdefault(request_id, []).append(final)
+        return final
+
+    def _abort(self, request_id: str) -> RequestOutput:
         req = self.requests.get(request_id)
         if req is None:
             raise NotFoundError(f"unknown request id {request_id!r} (it may have finished already)")
@@ -189,10 +209,26 @@ class Engine:
     # ------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced (with
-        async output: that advanced in the previous step, their outputs built while this step's forward ran). An
-        error raised in a plugin's code is a PluginError naming the plugin."""
+        async output: that advanced in the previous step, their outputs built while this step's forward ran), but
+        those of requests a ``stream`` or ``generate`` call reads (they go to it), plus the deltas of other requests
+        that such calls' steps made since the last ``step()``. An error raised in a plugin's code is a PluginError
+        naming the plugin."""
+        self._advance()
+        outputs, self.loose_deltas = self.loose_deltas, []
+        return outputs
+
+    def _advance(self) -> None:
+        """One step; every delta goes where it is read: to the call that owns its request, else to step()."""
         with self._plugin_code():
-            return self._step()
+            outputs = self._step()
+        if not self.owned:
+            self.loose_deltas += outputs
+            return
+        for output in outputs:
+            if output.request_id in self.owned:
+                self.owned_deltas.setdefault(output.request_id, []).append(output)
+            else:
+                self.loose_deltas.append(output)
 
     @contextlib.contextmanager
     def _plugin_code(self) -> Iterator[None]:
@@ -411,16 +447,29 @@ class Engine:
     # ------------------------------------------------------------ convenience
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[RequestOutput]:
-        """Add one request and yield its deltas; other queued requests advance too."""
+        """Add one request now (a bad one raises here) and return an iterator of its deltas, the last one finished;
+        other requests advance too, and their deltas go to their own readers. Closing the iterator early aborts
+        the request."""
         rid = self.add_request(prompt, params, request_id)
+        self.owned.add(rid)
+        return self._deltas(rid)
+
+    def _deltas(self, rid: str) -> Iterator[RequestOutput]:
         try:
-            while rid in self.requests:
-                for output in self.step():
-                    if output.request_id == rid:
-                        yield output
+            while True:
+                for output in self.owned_deltas.pop(rid, ()):
+                    yield output
+                    if output.finished:
+                        return
+                if rid not in self.requests:  # ended without a final delta: nothing more will come
+                    return
+                self._advance()
         except BaseException as exc:  # the caller stopped reading: free the request rather than decode it for nobody
             self._abort_after([rid], exc)
             raise
+        finally:
+            self.owned.discard(rid)
+            self.owned_deltas.pop(rid, None)
 
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
@@ -432,10 +481,11 @@ class Engine:
                               params: SamplingParams | Seq[SamplingParams] | None = None
                               ) -> Iterator[tuple[int, RequestOutput]]:
         """Submit every prompt now (all or none: a bad one raises here, naming its position in ``prompt_index``),
-        then yield (prompt index, full RequestOutput) as each request finishes. Closing the iterator aborts the
-        rest. The engine must not be stepped by anyone else meanwhile (a nested ``generate`` would take the
-        outputs): stepping it between two yields raises InvalidRequestError."""
+        then yield (prompt index, full RequestOutput) as each request finishes (one aborted by ``abort`` with finish
+        reason abort). Closing the iterator aborts the rest. Other requests advance meanwhile; their deltas go to
+        their own readers (``step()``, a stream, another generate call)."""
         ids = self.add_requests(prompts, params)
+        self.owned.update(ids)
         results = {rid: RequestOutput(rid, self.requests[rid].prompt_token_ids,
                                       [CompletionOutput(i, [], "") for i in range(self.requests[rid].params.n)], False)
                    for rid in ids}
@@ -465,21 +515,21 @@ class Engine:
 
     def _completions(self, index: dict[str, int], results: dict[str, RequestOutput]
                      ) -> Iterator[tuple[int, RequestOutput]]:
+        owned = list(results)
         try:
             while results:
-                for delta in self.step():
-                    full = results.get(delta.request_id)
-                    if full is None:
-                        continue
-                    append_output(full, delta)
-                    if delta.finished:
-                        steps = self.steps_taken
-                        yield index[delta.request_id], results.pop(delta.request_id)
-                        if self.steps_taken != steps and results:
-                            raise InvalidRequestError(
-                                "another caller stepped this engine meanwhile (a nested generate or stream?) and "
-                                "took outputs of the requests still running here; one caller at a time steps an "
-                                "engine")
+                for rid in list(results):
+                    for delta in self.owned_deltas.pop(rid, ()):
+                        append_output(results[rid], delta)
+                        if delta.finished:
+                            yield index[rid], results.pop(rid)
+                            break
+                if results:
+                    self._advance()
         except BaseException as exc:  # the caller stopped early (GeneratorExit), or an error: free what is left
             self._abort_after(list(results), exc)
             raise
+        finally:
+            for rid in owned:
+                self.owned.discard(rid)
+                self.owned_deltas.pop(rid, None)

@@ -23,6 +23,8 @@ class LLM:
         (default: every installed plugin)."""
         if isinstance(plugin, str):
             plugin = [plugin]
+        if not isinstance(plugin, (list, tuple)) or not all(isinstance(name, str) for name in plugin):
+            raise ConfigError(f"plugin must be a component name or a list of them (as --plugin NAME), got {plugin!r}")
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown := sorted(set(options) - fields):
             hints = "".join(f" (did you mean {close[0]!r}?)" for name in unknown

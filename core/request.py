@@ -12,6 +12,7 @@ from .errors import InvalidRequestError
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 1024
+MAX_TEMPERATURE = 1e6
 
 
 @dataclass(frozen=True)
@@ -51,18 +52,23 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling parameters: {msg}")
 
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "n", "priority"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (int, float)) and hasattr(value, "__float__"):
+                raise bad(f"{name} must be a Python int or float, got {value!r} ({type(value).__name__}); convert it "
+                          "with int() or float()")
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+        if not _is_real(self.temperature) or math.isnan(self.temperature) or self.temperature < 0:
             raise bad(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
-        if math.isinf(self.temperature):
-            raise bad("temperature must be finite")
+        if not self.temperature <= MAX_TEMPERATURE:  # logits / temperature would all round to 0 in float32
+            raise bad(f"temperature must be at most {MAX_TEMPERATURE:g}, got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.min_p, (int, float)) or math.isnan(self.min_p) or not 0.0 <= self.min_p < 1.0:
-            raise bad(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if not _is_real(self.top_p) or math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or math.isnan(self.min_p) or not 0.0 <= self.min_p < 1.0:
+            raise bad(f"min_p must be a number in [0, 1), got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
@@ -86,7 +92,13 @@ class SamplingParams:
 
 
 def _is_int(value: object) -> bool:
+    """A Python int, not a bool (numpy integers are refused: convert them with int())."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """A Python int or float, not a bool (numpy scalars other than float64, a float subclass, are refused)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class SequenceStatus(enum.Enum):

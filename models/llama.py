@@ -237,7 +237,9 @@ class LlamaFamilyModel(Model):
         self.spec = ModelSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, max_positions,
                               cfg.eos_token_ids)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # an empty weight: loading fills it (a random init would draw from torch's global generator for nothing)
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                               _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.model.embed_tokens.weight.requires_grad_(False)
         self.model.layers = nn.ModuleList(
             DecoderLayer(cfg, f"model.layers.{i}", quant, dtype, ops) for i in range(cfg.num_layers)

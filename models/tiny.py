@@ -92,7 +92,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: in
 
 def ensure_default_model() -> Path:
     """The embedded default: the shipped target trained on the standard library (spec_decode/train_pair.py)."""
-    import sys
+    import logging
 
     from ..core.errors import CheckpointError
 
@@ -100,6 +100,6 @@ def ensure_default_model() -> Path:
     if not (shipped / "config.json").exists():
         raise CheckpointError(f"the embedded default model is missing from this installation ({shipped}); "
                               "reinstall infer-engine, or pass --model DIR")
-    print(f"infer: using the embedded demo model, a tiny Llama trained on the Python standard library "
-          f"({shipped}); pass --model DIR for a real model", file=sys.stderr)
+    logging.getLogger("infer").warning("using the embedded demo model, a tiny Llama trained on the Python standard "
+                                       "library (%s); pass --model DIR for a real model", shipped)
     return shipped

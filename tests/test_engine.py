@@ -236,22 +236,73 @@ def test_the_engine_logs_what_it_built(tiny_model, caplog):
     assert f"{64 * 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 4 / 2**20:.0f} MiB" in line
 
 
-def test_a_nested_generate_is_an_error_not_a_hang(engine):
-    """A caller that generates again while iterating takes the outer requests' outputs: the outer iterator says so
-    instead of stepping an empty engine forever."""
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_every_reader_gets_every_delta_of_its_own_requests(engine):
+    """A generate inside another's loop, two streams read in turn, a request added by hand while a generate runs:
+    each reader gets all of its requests' tokens (a step made by one reader dropped the others' deltas, or raised),
+    the same tokens as each request run alone."""
+    lengths = {"one": 2, "two": 9, "inner": 4, "bg": 3}
+    alone = {p: engine.generate([p], greedy(n))[0].outputs[0].token_ids for p, n in lengths.items()}
+    got = {}
+    for i, out in engine.generate_as_completed(["one", "two"], [greedy(2), greedy(9)]):
+        got[("one", "two")[i]] = out.outputs[0].token_ids
+        if i == 0:  # "two" runs on inside the nested call
+            got["inner"] = engine.generate(["inner"], greedy(4))[0].outputs[0].token_ids
+    assert got == {p: alone[p] for p in ("one", "two", "inner")}
+
+    streams = {p: engine.stream(p, greedy(lengths[p])) for p in ("one", "two")}
+    streamed = {p: [] for p in streams}
+    finished = {p: False for p in streams}
+    while not all(finished.values()):
+        for p, it in streams.items():  # one delta of each in turn
+            if not finished[p]:
+                delta = next(it)
+                streamed[p] += delta.outputs[0].token_ids
+                finished[p] = delta.finished
+    assert streamed == {p: alone[p] for p in streams}
+
+    rid = engine.add_request("bg", greedy(3))
+    engine.step()
+    assert engine.generate(["inner"], greedy(4))[0].outputs[0].token_ids == alone["inner"]  # "bg" ends meanwhile
+    late = [out for out in engine.step() if out.request_id == rid]  # what generate's steps made of it
+    assert [t for out in late for t in out.outputs[0].token_ids] == alone["bg"][1:] and late[-1].finished
+    assert not engine.has_unfinished() and drained(engine)
+
+
+def test_an_abort_ends_the_generate_call_that_reads_the_request(engine):
+    """generate_as_completed stepped an empty engine forever when another caller aborted one of its requests."""
+    calls = engine.generate_as_completed(["a", "b"], [greedy(1), greedy(50)])
+    first = next(calls)
+    [other] = engine.requests
+    aborted = engine.abort(other)
+    index, final = next(calls)
+    assert (first[0], index) == (0, 1) and final.finished and aborted.finished
+    assert final.outputs[0].finish_reason is FinishReason.ABORT
+    assert not engine.has_unfinished() and drained(engine)
+
+
+def test_an_outputs_prompt_is_the_callers_to_change(engine):
+    """Extending prompt_token_ids of a delta ("the context so far") changed the sequence's own prompt."""
+    tokens = []
+    for delta in engine.stream("def f(x):", greedy(8)):
+        delta.prompt_token_ids.extend(delta.outputs[0].token_ids)
+        tokens += delta.outputs[0].token_ids
+    assert tokens == engine.generate(["def f(x):"], greedy(8))[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("request_id", ["", 0, 5, {}, ["x"]])
+def test_a_request_id_must_be_a_non_empty_string(engine, request_id):
     from infer.core.errors import InvalidRequestError
 
-    short, long = SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=9, ignore_eos=True)
-    outer = engine.generate_as_completed(["one", "two"], [short, SamplingParams(max_tokens=4, ignore_eos=True)])
-    with pytest.raises(InvalidRequestError, match="another caller stepped this engine"):
-        for _ in outer:  # "two" finishes during the inner call
-            engine.generate(["inner"], long)
-    assert not engine.has_unfinished() and drained(engine)
-    outer = engine.generate_as_completed(["one", "two"], [short, long])
-    with pytest.raises(InvalidRequestError, match="another caller stepped this engine"):
-        for _ in outer:  # "two" keeps running, but the inner call took some of its tokens
-            engine.generate(["inner"], short)
-    assert not engine.has_unfinished() and drained(engine)
+    with pytest.raises(InvalidRequestError, match="request_id must be a non-empty string"):
+        engine.add_request("hi", greedy(1), request_id)
+    if not isinstance(request_id, str):
+        with pytest.raises(InvalidRequestError, match="request_id must be a string"):
+            engine.abort(request_id)
+    assert engine.check_request("hi")  # params default as add_request's do
 
 
 def test_freeze_gc_moves_the_startup_heap_out_of_the_collector(tiny_model):
@@ -556,3 +607,36 @@ def test_swap_that_cannot_hold_a_sequence_is_warned_about_and_recomputes(tiny_mo
     assert e.scheduler.num_preemptions > e.scheduler.num_swapped_out  # some preemptions found the swap full
     assert caplog.text.count("the swap space is full") == 1
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tiny_model, p, 24) for p in prompts]
+
+
+def test_sampling_numbers_are_python_numbers_and_bools_are_none(engine):
+    """True passed as temperature 1 and top_p 1; numpy float32 got "must be in (0, 1]"; a temperature past float32
+    made every logit 0 and turned top-k off; [True, 5] passed as token ids."""
+    import numpy as np
+
+    from infer import InvalidRequestError
+
+    for field, value, message in (("temperature", True, "temperature must be a number >= 0"),
+                                  ("top_p", True, "top_p must be a number in"), ("min_p", False, "min_p must be a"),
+                                  ("top_p", np.float32(0.5), "top_p must be a Python int or float, got"),
+                                  ("max_tokens", np.int64(4), "max_tokens must be a Python int or float, got"),
+                                  ("temperature", 1e39, r"temperature must be at most 1e\+06")):
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request("hi", SamplingParams(**{field: value}))
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be integers"):
+        engine.add_request([True, 5], greedy(1))
+    assert engine.generate(["hi"], SamplingParams(top_p=np.float64(0.5), max_tokens=1))  # a float subclass: fine
+
+
+def test_building_an_engine_leaves_torch_global_generator_alone(tiny_model):
+    """The embedding's random init drew from torch's global generator (then loading overwrote it)."""
+    from infer import LLM, ConfigError
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16))
+    assert torch.equal(torch.rand(3), expected)
+    for bad in (None, [5]):
+        with pytest.raises(ConfigError, match="plugin must be a component name or a list of them"):
+            LLM(str(tiny_model), plugin=bad)
