@@ -188,6 +188,7 @@ def plugins_command(ctx: click.Context, as_json: bool) -> None:
     """List every registered component: kind, name and providing package."""
     from ..core.plugins import explicit_options
 
+    refuse_engine_options(ctx, "plugins", " (INFER_PLUGINS=a,b limits the entry points that load)")
     plugins = _plugins(ctx)
     rows = plugins.components()
     for name in sorted({name for r in rows for name in (r.name, *r.aliases)}):

@@ -72,7 +72,7 @@ class Engine:
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.eos_token_ids = frozenset(self.loaded.generation_eos or spec.eos_token_ids or tokenizer_eos)
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
-                       "eviction_policy": config.eviction_policy, "quant": config.quant or "none",
+                       "eviction_policy": config.eviction_policy, "quant": self.loaded.quant_name or "none",
                        "proposer": config.proposer or "none"}
         self.requests: dict[str, RequestState] = {}
         self.async_scheduling = config.async_scheduling_on(self.loaded.device.type)
@@ -91,7 +91,9 @@ class Engine:
             "scheduler": (config.scheduler, self.scheduler), "kv_cache": (config.kv_cache, self.kv),
             "eviction_policy": (config.eviction_policy, parts.eviction),
             "attention_backend": (config.attention, self.attention),
-            "proposer": (config.proposer, parts.proposer)})
+            "proposer": (config.proposer, parts.proposer),
+            "quant_method": (self.loaded.quant_name, self.loaded.quant),
+            "model": (self.loaded.architecture, self.loaded.model)})
         self._seq_ids = itertools.count()
         self.steps_taken = 0  # steps run
         # requests that a stream or generate call reads: their deltas wait in ``owned_deltas`` for it, whoever's call

@@ -32,6 +32,8 @@ class LoadedModel:
     path: Path
     quant: QuantMethod | None
     generation_eos: tuple[int, ...] = ()  # generation_config.json's eos_token_id (Llama 3 Instruct's <|eot_id|>)
+    architecture: str = ""  # the registered model name (config.json's architectures[0])
+    quant_name: str | None = None  # the registered quant method: --quant, else the checkpoint's quant_method
 
 
 def resolve_device(name: str) -> torch.device:
@@ -230,4 +232,5 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
     model.load_weights(iter_weights(files))
     check_finite(model)
     model.eval()
-    return LoadedModel(model, getattr(model, "cfg", raw), tokenizer, device, dtype, path, quant, eos)
+    return LoadedModel(model, getattr(model, "cfg", raw), tokenizer, device, dtype, path, quant, eos, archs[0],
+                       quant_name if quant is not None else None)

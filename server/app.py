@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import logging
 import math
 import signal
@@ -136,10 +135,8 @@ def describe_engine(engine: Any) -> pb.ModelInfo:
     from .. import __version__
 
     loaded = engine.loaded
-    config_file = Path(loaded.path) / "config.json"
-    archs = json.loads(config_file.read_text()).get("architectures") if config_file.exists() else None
     return pb.ModelInfo(
-        model=str(loaded.path), architecture=archs[0] if archs else type(loaded.model).__name__,
+        model=str(loaded.path), architecture=loaded.architecture or type(loaded.model).__name__,
         max_model_len=engine.max_model_len, vocab_size=loaded.model.spec.vocab_size,
         dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device), quant=engine.active["quant"],
         components=engine.active, block_size=engine.config.block_size, num_kv_blocks=engine.num_blocks,

@@ -204,6 +204,7 @@ def test_make_tiny_model_checks_sizes_before_writing(tmp_path, args, message):
 @pytest.mark.parametrize("group, command", [
     (["--model", "m", "--plugin", "radix-cache"], ["make-tiny-model", "{tmp}/out"]),
     (["--seed", "3", "--no-prefix-caching", "--plugin-option", "awq.group_size=32"], ["client", "hi"]),
+    (["--kv-cache", "paged"], ["plugins"]),
 ])
 def test_commands_that_build_no_engine_refuse_the_group_options(tmp_path, group, command):
     """They would be ignored without a word: `infer --seed 3 client` would not seed anything."""

@@ -174,6 +174,25 @@ def test_an_error_raised_in_a_plugins_code_during_a_step_names_the_plugin(infer_
     assert any(record.exc_info for record in caplog.records)  # the traceback, for -v
 
 
+def test_an_error_raised_in_a_quant_methods_code_names_the_plugin(infer_plugins, tiny_model):
+    """Quant methods and models were not among the components blamed: a bare ValueError reached the caller (and
+    a gRPC client saw INTERNAL)."""
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+    from infer.models.layers import UnquantizedMethod
+
+    class Boom(UnquantizedMethod):
+        def apply(self, layer, x):
+            raise ValueError("boom in apply")
+
+    plugins = runtime_plugin(infer_plugins, "register_quant_methods", "boom", lambda config, qc: Boom())
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", quant="boom"), plugins)
+    assert engine.active["quant"] == "boom"
+    with pytest.raises(PluginError, match="^the quant method 'boom' from 'infer-plugin-acme' raised ValueError: "
+                                          "boom in apply"):
+        engine.generate(["hi"], SamplingParams(max_tokens=2))
+
+
 def test_an_error_raised_in_a_schedulers_admission_names_the_plugin(infer_plugins, tiny_model):
     from infer import SamplingParams
     from infer.core.engine import Engine
