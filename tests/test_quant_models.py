@@ -246,6 +246,8 @@ def test_calibrated_checkpoint_is_in_the_autoawq_gemm_format(calibrated128: Path
     assert state[f"{q_proj}.qzeros"].shape == (2, 16) and state[f"{q_proj}.scales"].shape == (2, 128)
     assert state[f"{q_proj}.scales"].dtype == torch.float16 and f"{q_proj}.weight" not in state
     assert state["lm_head.weight"].dtype == torch.float16  # never quantized
+    engine = Engine(EngineConfig(model=str(calibrated128), device="cpu", num_kv_blocks=16))
+    assert engine.active["quant"] == "awq"  # the checkpoint's own method (GetModelInfo said "none" without --quant)
 
 
 @pytest.mark.autoawq
