@@ -520,8 +520,9 @@ class Engine:
         owned = list(results)
         try:
             while results:
-                for rid in list(results):
-                    for delta in self.owned_deltas.pop(rid, ()):
+                # the requests with deltas waiting, not every pending one: an offline batch may hold thousands
+                for rid in [rid for rid in self.owned_deltas if rid in results]:
+                    for delta in self.owned_deltas.pop(rid):
                         append_output(results[rid], delta)
                         if delta.finished:
                             yield index[rid], results.pop(rid)
