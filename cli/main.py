@@ -129,7 +129,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
             try:  # every prompt is checked, capacity included, before the first is generated
                 engine.check_requests(texts, params)
             except InferError as exc:
-                raise refused(exc, getattr(exc, "prompt_index", None)) from exc
+                raise refused(exc, exc.prompt_index) from exc
             for prompt in texts:
                 click.echo(prompt, nl=False)
                 for delta in engine.stream(prompt, params):
@@ -141,7 +141,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
             try:
                 completed = engine.generate_as_completed(texts, params)
             except InferError as exc:
-                raise refused(exc, getattr(exc, "prompt_index", None)) from exc
+                raise refused(exc, exc.prompt_index) from exc
             _print_in_order(texts, completed, as_json)
     except KeyboardInterrupt:  # while loading or streaming (_print_in_order reports its own)
         click.echo(f"\ninterrupted: printed {streamed} of {len(texts)} prompts' completions", err=True)

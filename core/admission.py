@@ -84,7 +84,7 @@ class RequestChecker:
 
 def at_prompt(exc: InferError, index: int, total: int) -> InferError:
     """Mark ``exc`` as caused by prompt ``index`` of ``total`` (``prompt_index``; "prompt i of n: " when several)."""
-    exc.prompt_index = index  # type: ignore[attr-defined]
+    exc.prompt_index = index
     if total > 1:
         exc.args = (f"prompt {index + 1} of {total}: {exc}",)
     return exc

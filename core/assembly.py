@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig
-from .errors import ConfigError, InvalidRequestError, PluginError
+from .errors import ConfigError, PluginError
 from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Scheduler
 from .loader import LoadedModel, load_model
 from .plugins import PluginManager
@@ -186,5 +186,5 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, per_block: int) -> 
         budget = min(2 * 2**30, needed * per_block)
     blocks = budget // per_block
     if blocks < 1:
-        raise InvalidRequestError(f"the KV budget holds no block of {per_block} bytes; raise --kv-cache-memory-gb")
+        raise ConfigError(f"the KV budget holds no block of {per_block} bytes; raise --kv-cache-memory-gb")
     return blocks

@@ -95,7 +95,7 @@ class Engine:
             "quant_method": (self.loaded.quant_name, self.loaded.quant),
             "model": (self.loaded.architecture, self.loaded.model)})
         self._seq_ids = itertools.count()
-        self.steps_taken = 0  # steps run
+        self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
         # requests that a stream or generate call reads: their deltas wait in ``owned_deltas`` for it, whoever's call
         # ran the step; deltas of other requests made in such a call's steps wait in ``loose_deltas`` for step()
         self.owned: set[str] = set()
@@ -507,9 +507,8 @@ class Engine:
         try:
             for prompt, sp in zip(prompts, params_list):
                 ids.append(self.add_request(prompt, sp))
-        except BaseException as exc:  # Ctrl-C included
-            for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
-                self.abort(rid)
+        except BaseException as exc:  # Ctrl-C included; all or nothing: no half-submitted batch stays behind
+            self._abort_after(ids, exc)
             if isinstance(exc, InferError):
                 at_prompt(exc, len(ids), len(prompts))
             raise

@@ -4,6 +4,8 @@
 class InferError(Exception):
     """Base class: the CLI prints these without a traceback, gRPC maps them to status codes."""
 
+    prompt_index: int | None = None  # which prompt of a batch caused it (Engine.add_requests), when one did
+
 
 class InvalidRequestError(InferError, ValueError):
     """The request (prompt, sampling parameters, options) is malformed. gRPC: INVALID_ARGUMENT."""

@@ -23,9 +23,8 @@ T = TypeVar("T")
 ENTRY_POINT_GROUP = "infer"
 ALLOW_LIST_ENV = "INFER_PLUGINS"
 
-# kind -> registration hook name
 SHIPPED_OPTION_NAMESPACES = frozenset({"awq", "fp8", "ngram", "spec_decode"})  # what the shipped plugins read
-KINDS: dict[str, str] = {
+KINDS: dict[str, str] = {  # kind -> registration hook name
     "scheduler": "register_schedulers",
     "kv_cache": "register_kv_caches",
     "eviction_policy": "register_eviction_policies",

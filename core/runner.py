@@ -227,15 +227,12 @@ class ModelRunner:
                     raw[dst] = raw[src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCache, input_ids: torch.Tensor | None = None,
-                pending: PendingInputs | None = None) -> tuple[Batch, torch.Tensor]:
-        """Run the forward pass; return the batch and the float32 logits of its sampling rows. ``input_ids``, a
-        device tensor with one id per batch token, replaces the ids in the sequences' ``token_ids`` (a draft step
-        feeds the previous step's tokens without reading them back); ``pending`` fills PENDING_TOKEN ids."""
+    def execute(self, out: SchedulerOutput, kv: KVCache, pending: PendingInputs | None = None
+                ) -> tuple[Batch, torch.Tensor]:
+        """Run the forward pass; return the batch and the float32 logits of its sampling rows. ``pending`` fills
+        PENDING_TOKEN ids (async scheduling)."""
         self.apply_block_ops(out.block_ops)
         batch = self.prepare(out, kv, pending)
-        if input_ids is not None:
-            batch.input_ids = input_ids
         return batch, self.run(batch)
 
     @torch.inference_mode()

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, quantize_per_token
+from ..quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 
 @triton.jit
@@ -37,7 +37,8 @@ def _per_token_quant_kernel(
 
 def per_token_quant(x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE, block_k: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] -> (values [M, K] in ``out_dtype``, fp32 scales [M]); see :func:`quantize_per_token`."""
+    """``x`` [M, K] -> (values [M, K] in ``out_dtype``, fp32 scales [M]); its torch reference is
+    :func:`~infer.quant.fp8.quantize_per_token`."""
     if x.dim() != 2:
         raise ValueError(f"per_token_quant expects [M, K], got {tuple(x.shape)}")
     x = x.contiguous()
@@ -111,9 +112,3 @@ def w8a8_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     """The torch reference of :func:`w8a8_gemm`: exact fp8 products, fp32 accumulation, then the scales."""
     acc = a.to(torch.float32) @ b.to(torch.float32).t()
     return (acc * a_scale.to(torch.float32).reshape(-1, 1) * b_scale.to(torch.float32).reshape(1, -1)).to(out_dtype)
-
-
-def per_token_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`per_token_quant` (fp8 output)."""
-    return quantize_per_token(x)
-

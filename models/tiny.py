@@ -80,12 +80,13 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: in
     model_type = raw.pop("model_type")
     raw.pop("architectures")
     config = AutoConfig.for_model(model_type, **raw)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # HF initialises norms to 1; random norms exercise the weight loading better
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
+    with torch.random.fork_rng(devices=[]):  # seeded weights, and the caller's generator left as it was
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # HF initialises norms to 1; random norms exercise the weight loading better
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5)
     model.save_pretrained(str(out))
     return out
 

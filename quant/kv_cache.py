@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..core.errors import PluginError
 from ..core.model import Model
 from .calib_data import default_texts, token_samples
 from .forward import dense_forward
@@ -61,5 +62,7 @@ def calibrate_kv_scales(model: Model, token_ids: list[int], device: torch.device
 
     dense_forward(model, [token_ids], device, observe)
     if any(a is None for a in amax):
-        raise RuntimeError(f"KV calibration saw {sum(a is not None for a in amax)} of {layers} attention layers")
+        raise PluginError(f"the model {type(model).__name__} called the KV observer for "
+                          f"{sum(a is not None for a in amax)} of its {layers} attention layers during calibration; "
+                          "fix the model plugin (each attention layer reports its K and V once per forward pass)")
     return [(scales_from_amax(k), scales_from_amax(v)) for k, v in amax]  # type: ignore[misc]

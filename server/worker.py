@@ -441,6 +441,8 @@ def _resolve(reply: Future[Any], fn: Callable[[], Any], even_if_cancelled: bool 
     except BaseException as exc:
         if wanted:
             reply.set_exception(exc)
+        elif not isinstance(exc, NotFoundError):  # nobody waits for this answer: the log is all that is left of it
+            log.warning("a command whose caller gave up failed: %s: %s", type(exc).__name__, exc)
         return
     if wanted:
         reply.set_result(result)

@@ -427,3 +427,25 @@ def test_stats_and_metrics_show_speculation_and_its_degradation(tiny_model: Any)
     assert families["infer_spec_steps_on"] == snap.spec_steps_on  # a counter family: exposed with _total
     assert families["infer_spec_steps_off_large_batch"] == snap.spec_steps_off_large_batch
     assert families["infer_spec_enabled"] == float(snap.spec_enabled)
+
+
+def test_a_failed_command_whose_caller_gave_up_is_logged_not_lost(caplog):
+    """An abort that still runs for a caller past its deadline had its error dropped without a trace."""
+    import logging
+    from concurrent.futures import Future
+
+    from infer.core.errors import NotFoundError
+    from infer.server.worker import _resolve
+
+    def fails(exc: Exception):
+        def run():
+            raise exc
+        return run
+
+    for exc, logged in ((ZeroDivisionError("broken"), True), (NotFoundError("gone already"), False)):
+        reply: Future = Future()
+        reply.cancel()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="infer.server"):
+            _resolve(reply, fails(exc), even_if_cancelled=True)
+        assert ("a command whose caller gave up failed" in caplog.text) is logged
