@@ -118,9 +118,9 @@ def kv_cache_format(config: EngineConfig, loaded: LoadedModel
     """The KV element dtype and, for ``--kv-cache-dtype fp8``, the per-layer scales (quant/kv_cache.py)."""
     if config.kv_cache_dtype != "fp8":
         return loaded.dtype, None
-    from ..quant.kv_cache import FP8_KV_DTYPE, calibrate_kv_scales, calibration_ids
+    from ..quant.kv_cache import CALIBRATION_TOKENS, FP8_KV_DTYPE, calibrate_kv_scales, calibration_ids
 
-    ids = calibration_ids(loaded.tokenizer, min(512, loaded.model.spec.max_model_len))
+    ids = calibration_ids(loaded.tokenizer, min(CALIBRATION_TOKENS, loaded.model.spec.max_model_len))
     return FP8_KV_DTYPE, calibrate_kv_scales(loaded.model, ids, loaded.device)
 
 

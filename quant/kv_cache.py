@@ -21,9 +21,8 @@ from ..core.errors import PluginError
 from ..core.model import Model
 from .calib_data import default_texts, token_samples
 from .forward import dense_forward
-
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
+from .fp8 import FP8_DTYPE as FP8_KV_DTYPE
+from .fp8 import FP8_MAX
 HEADROOM = 2.0
 CALIBRATION_TOKENS = 512
 MIN_AMAX = 1e-6  # a head whose K/V are all zero still gets a positive scale
