@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError, PluginError
-from .request import Sequence
+from .request import FinishReason, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -205,6 +205,9 @@ class ScheduledSequence:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan: the sequences to compute (and how many tokens each), those preempted to make room, and the
+    KV block copies and swaps the runner applies before the forward pass."""
+
     scheduled: list[ScheduledSequence]
     preempted: list[Sequence] = field(default_factory=list)
     block_ops: BlockOps = field(default_factory=BlockOps)
@@ -260,7 +263,7 @@ class Scheduler(ABC):
         reference through ``KVCache.fork``; the first write into a shared partial block copies it."""
 
     @abstractmethod
-    def finish(self, seq: Sequence, reason: Any) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish (or abort) a sequence now, wherever it is, and release its blocks. Idempotent."""
 
     @abstractmethod
