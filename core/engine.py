@@ -185,9 +185,10 @@ class Engine:
         early = self._emit(req, pending) if pending else None  # async output: stop strings come first
         if early is not None and early.finished:
             return early
-        for seq in req.seqs:
+        running = [seq for seq in req.seqs if not seq.is_finished]  # n > 1: a finished one has said so already
+        for seq in running:
             self.scheduler.finish(seq, FinishReason.ABORT)
-        final = self._emit(req, {seq.seq_id for seq in req.seqs})
+        final = self._emit(req, {seq.seq_id for seq in running})
         return final if early is None else append_output(early, final)
 
     def _abort_after(self, request_ids: list[str], exc: BaseException) -> None:
@@ -454,7 +455,15 @@ class Engine:
         the request."""
         rid = self.add_request(prompt, params, request_id)
         self.owned.add(rid)
-        return self._deltas(rid)
+        return DeltaStream(self, rid)
+
+    def _disown(self, request_ids: list[str], abort: bool) -> None:
+        """A reader is done with its requests: with ``abort``, those still running stop too."""
+        if abort:
+            self._abort_after([rid for rid in request_ids if rid in self.owned], GeneratorExit())
+        for rid in request_ids:
+            self.owned.discard(rid)
+            self.owned_deltas.pop(rid, None)
 
     def _deltas(self, rid: str) -> Iterator[RequestOutput]:
         try:
@@ -470,8 +479,7 @@ class Engine:
             self._abort_after([rid], exc)
             raise
         finally:
-            self.owned.discard(rid)
-            self.owned_deltas.pop(rid, None)
+            self._disown([rid], abort=False)
 
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
@@ -532,6 +540,26 @@ class Engine:
             self._abort_after(list(results), exc)
             raise
         finally:
-            for rid in owned:
-                self.owned.discard(rid)
-                self.owned_deltas.pop(rid, None)
+            self._disown(owned, abort=False)
+
+
+class DeltaStream(Iterator[RequestOutput]):
+    """What :meth:`Engine.stream` returns: the request's deltas, the last one finished. ``close()`` (or leaving a
+    ``with`` block) before the end aborts the request, even before the first ``next``."""
+
+    def __init__(self, engine: Engine, request_id: str) -> None:
+        self.engine, self.request_id = engine, request_id
+        self._deltas = engine._deltas(request_id)
+
+    def __next__(self) -> RequestOutput:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()  # once started, closing it aborts the request; before, nothing runs, so:
+        self.engine._disown([self.request_id], abort=True)
+
+    def __enter__(self) -> DeltaStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

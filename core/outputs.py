@@ -128,6 +128,8 @@ def _text_delta(req: RequestState, i: int, seq: Sequence, detok: Detokenizer,
     if stops and seq.finish_reason is not FinishReason.ABORT and (cut := _first_stop(req, i, detok)) is not None:
         detok.text = detok.text[:cut]
         finish(seq, FinishReason.STOP)
+        if seq.finish_reason is FinishReason.LENGTH:  # the last allowed token completed the stop string: it stopped
+            seq.finish_reason = FinishReason.STOP
     end = len(detok.text) if seq.is_finished else max(req.emitted[i], len(detok.text) - hold)
     text, req.emitted[i] = detok.text[req.emitted[i] : end], end
     return text

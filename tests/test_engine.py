@@ -640,3 +640,44 @@ def test_building_an_engine_leaves_torch_global_generator_alone(tiny_model):
     for bad in (None, [5]):
         with pytest.raises(ConfigError, match="plugin must be a component name or a list of them"):
             LLM(str(tiny_model), plugin=bad)
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(engine):
+    """The text was cut at the stop string but the finish reason said length (a stop token there says stop)."""
+    for prompt in ("def f(x):", "import os\n", "class A:", "x = [", "return", "while True:"):
+        tokens = engine.generate([prompt], greedy(6))[0].outputs[0].token_ids
+        full = engine.tokenizer.decode(tokens)
+        last = engine.tokenizer.decode(tokens[-1:]).strip()
+        if last and full.find(last) == len(full.rstrip()) - len(last):  # the last token's text, found only there
+            break
+    else:
+        pytest.fail("no prompt whose last token's text is new to its output")
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop=[last]))
+    completion = out[0].outputs[0]
+    assert completion.token_ids == tokens and completion.finish_reason is FinishReason.STOP
+    assert completion.text == full[: full.find(last)]
+
+
+def test_an_abort_does_not_finish_a_completion_twice(engine):
+    """n = 3: a completion that stopped early was reported finished again by the abort."""
+    seeded = dict(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True, n=3)
+    free = engine.generate(["hello"], SamplingParams(**seeded))[0].outputs  # each completion draws from its seed
+    stop = next(t for t in free[2].token_ids[1:3] if t not in free[0].token_ids + free[1].token_ids
+                and t not in free[2].token_ids[:1])
+    rid = engine.add_request("hello", SamplingParams(**seeded, stop_token_ids=[stop]))
+    deltas = []
+    for _ in range(5):
+        deltas += engine.step()
+    deltas.append(engine.abort(rid))
+    finishes = [(c.index, c.finish_reason) for d in deltas for c in d.outputs if c.finish_reason is not None]
+    assert sorted(finishes) == [(0, FinishReason.ABORT), (1, FinishReason.ABORT), (2, FinishReason.STOP)]
+    assert drained(engine)
+
+
+def test_a_stream_closed_before_its_first_delta_aborts_its_request(engine):
+    stream = engine.stream("hi", greedy(20))
+    stream.close()
+    assert not engine.has_unfinished() and not engine.owned and not engine.owned_deltas and drained(engine)
+    with engine.stream("hi", greedy(20)) as deltas:
+        next(deltas)
+    assert not engine.has_unfinished() and not engine.owned and drained(engine)
