@@ -23,6 +23,7 @@ from .interfaces import SchedulerOutput
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
 from .plugins import Blame, PluginManager, checked_manager
+from .readers import Reader, Readers
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
 from .runner import PENDING_TOKEN, Batch, InFlight
 from .sampling import to_device
@@ -96,11 +97,7 @@ class Engine:
             "model": (self.loaded.architecture, self.loaded.model)})
         self._seq_ids = itertools.count()
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
-        # requests that a stream or generate call reads: their deltas wait in ``owned_deltas`` for it, whoever's call
-        # ran the step; deltas of other requests made in such a call's steps wait in ``loose_deltas`` for step()
-        self.owned: set[str] = set()
-        self.owned_deltas: dict[str, list[RequestOutput]] = {}
-        self.loose_deltas: list[RequestOutput] = []
+        self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
         if config.freeze_gc:
             gc.collect()
             freeze_heap()
@@ -171,8 +168,8 @@ class Engine:
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {request_id!r}")
         final = self._abort(request_id)
-        if request_id in self.owned:
-            self.owned_deltas.setdefault(request_id, []).append(final)
+        if request_id in self.readers.owned:  # the stream or generate call reading it gets the final delta too
+            self.readers.route([final])
         return final
 
     def _abort(self, request_id: str) -> RequestOutput:
@@ -217,21 +214,12 @@ class Engine:
         that such calls' steps made since the last ``step()``. An error raised in a plugin's code is a PluginError
         naming the plugin."""
         self._advance()
-        outputs, self.loose_deltas = self.loose_deltas, []
-        return outputs
+        return self.readers.take_loose()
 
     def _advance(self) -> None:
         """One step; every delta goes where it is read: to the call that owns its request, else to step()."""
         with self._plugin_code():
-            outputs = self._step()
-        if not self.owned:
-            self.loose_deltas += outputs
-            return
-        for output in outputs:
-            if output.request_id in self.owned:
-                self.owned_deltas.setdefault(output.request_id, []).append(output)
-            else:
-                self.loose_deltas.append(output)
+            self.readers.route(self._step())
 
     @contextlib.contextmanager
     def _plugin_code(self) -> Iterator[None]:
@@ -449,37 +437,12 @@ class Engine:
 
     # ------------------------------------------------------------ convenience
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> Iterator[RequestOutput]:
+               request_id: str | None = None) -> Reader[RequestOutput]:
         """Add one request now (a bad one raises here) and return an iterator of its deltas, the last one finished;
         other requests advance too, and their deltas go to their own readers. Closing the iterator early aborts
         the request."""
         rid = self.add_request(prompt, params, request_id)
-        self.owned.add(rid)
-        return DeltaStream(self, rid)
-
-    def _disown(self, request_ids: list[str], abort: bool) -> None:
-        """A reader is done with its requests: with ``abort``, those still running stop too."""
-        if abort:
-            self._abort_after([rid for rid in request_ids if rid in self.owned], GeneratorExit())
-        for rid in request_ids:
-            self.owned.discard(rid)
-            self.owned_deltas.pop(rid, None)
-
-    def _deltas(self, rid: str) -> Iterator[RequestOutput]:
-        try:
-            while True:
-                for output in self.owned_deltas.pop(rid, ()):
-                    yield output
-                    if output.finished:
-                        return
-                if rid not in self.requests:  # ended without a final delta: nothing more will come
-                    return
-                self._advance()
-        except BaseException as exc:  # the caller stopped reading: free the request rather than decode it for nobody
-            self._abort_after([rid], exc)
-            raise
-        finally:
-            self._disown([rid], abort=False)
+        return self.readers.own([rid], lambda: self.readers.deltas(rid))
 
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
@@ -489,17 +452,17 @@ class Engine:
 
     def generate_as_completed(self, prompts: Seq[str | list[int]],
                               params: SamplingParams | Seq[SamplingParams] | None = None
-                              ) -> Iterator[tuple[int, RequestOutput]]:
+                              ) -> Reader[tuple[int, RequestOutput]]:
         """Submit every prompt now (all or none: a bad one raises here, naming its position in ``prompt_index``),
         then yield (prompt index, full RequestOutput) as each request finishes (one aborted by ``abort`` with finish
         reason abort). Closing the iterator aborts the rest. Other requests advance meanwhile; their deltas go to
         their own readers (``step()``, a stream, another generate call)."""
         ids = self.add_requests(prompts, params)
-        self.owned.update(ids)
         results = {rid: RequestOutput(rid, self.requests[rid].prompt_token_ids,
                                       [CompletionOutput(i, [], "") for i in range(self.requests[rid].params.n)], False)
                    for rid in ids}
-        return self._completions({rid: i for i, rid in enumerate(ids)}, results)
+        index = {rid: i for i, rid in enumerate(ids)}
+        return self.readers.own(ids, lambda: self.readers.completions(index, results))
 
     def add_requests(self, prompts: Seq[str | list[int]],
                      params: SamplingParams | Seq[SamplingParams] | None = None) -> list[str]:
@@ -521,45 +484,3 @@ class Engine:
                 at_prompt(exc, len(ids), len(prompts))
             raise
         return ids
-
-    def _completions(self, index: dict[str, int], results: dict[str, RequestOutput]
-                     ) -> Iterator[tuple[int, RequestOutput]]:
-        owned = list(results)
-        try:
-            while results:
-                # the requests with deltas waiting, not every pending one: an offline batch may hold thousands
-                for rid in [rid for rid in self.owned_deltas if rid in results]:
-                    for delta in self.owned_deltas.pop(rid):
-                        append_output(results[rid], delta)
-                        if delta.finished:
-                            yield index[rid], results.pop(rid)
-                            break
-                if results:
-                    self._advance()
-        except BaseException as exc:  # the caller stopped early (GeneratorExit), or an error: free what is left
-            self._abort_after(list(results), exc)
-            raise
-        finally:
-            self._disown(owned, abort=False)
-
-
-class DeltaStream(Iterator[RequestOutput]):
-    """What :meth:`Engine.stream` returns: the request's deltas, the last one finished. ``close()`` (or leaving a
-    ``with`` block) before the end aborts the request, even before the first ``next``."""
-
-    def __init__(self, engine: Engine, request_id: str) -> None:
-        self.engine, self.request_id = engine, request_id
-        self._deltas = engine._deltas(request_id)
-
-    def __next__(self) -> RequestOutput:
-        return next(self._deltas)
-
-    def close(self) -> None:
-        self._deltas.close()  # once started, closing it aborts the request; before, nothing runs, so:
-        self.engine._disown([self.request_id], abort=True)
-
-    def __enter__(self) -> DeltaStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

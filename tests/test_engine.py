@@ -677,7 +677,13 @@ def test_an_abort_does_not_finish_a_completion_twice(engine):
 def test_a_stream_closed_before_its_first_delta_aborts_its_request(engine):
     stream = engine.stream("hi", greedy(20))
     stream.close()
-    assert not engine.has_unfinished() and not engine.owned and not engine.owned_deltas and drained(engine)
+    assert not engine.has_unfinished() and not engine.readers.owned and not engine.readers.waiting and drained(engine)
     with engine.stream("hi", greedy(20)) as deltas:
         next(deltas)
-    assert not engine.has_unfinished() and not engine.owned and drained(engine)
+    assert not engine.has_unfinished() and not engine.readers.owned and drained(engine)
+
+
+def test_a_batch_reader_closed_before_its_first_result_aborts_its_requests(engine):
+    calls = engine.generate_as_completed(["a", "b"], greedy(20))
+    calls.close()
+    assert not engine.has_unfinished() and not engine.readers.owned and drained(engine)

@@ -1,0 +1,112 @@
+"""Who reads an engine's deltas. ``Engine.stream`` (one request) and ``Engine.generate`` (a batch) read their own
+requests' deltas whoever's call steps the engine; the deltas of every other request go to ``Engine.step()``."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from .outputs import append_output
+from .request import RequestOutput
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+T = TypeVar("T")
+
+
+class Readers:
+    """Routes each step's deltas: those of a request that a stream or generate call owns wait for it, the rest
+    for the next ``step()``. Closing a reader early aborts what it still owns."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.owned: set[str] = set()
+        self.waiting: dict[str, list[RequestOutput]] = {}  # owned request -> its deltas not read yet
+        self.loose: list[RequestOutput] = []  # other requests' deltas made in readers' steps, for step()
+
+    def route(self, outputs: list[RequestOutput]) -> None:
+        if not self.owned:
+            self.loose += outputs
+            return
+        for output in outputs:
+            if output.request_id in self.owned:
+                self.waiting.setdefault(output.request_id, []).append(output)
+            else:
+                self.loose.append(output)
+
+    def take_loose(self) -> list[RequestOutput]:
+        outputs, self.loose = self.loose, []
+        return outputs
+
+    def own(self, request_ids: list[str], body: Callable[[], Iterator[T]]) -> Reader[T]:
+        self.owned.update(request_ids)
+        return Reader(self, request_ids, body())
+
+    def disown(self, request_ids: list[str], abort: bool) -> None:
+        """A reader is done with its requests: with ``abort``, those still running stop too."""
+        if abort:
+            self.engine._abort_after([rid for rid in request_ids if rid in self.owned], GeneratorExit())
+        for rid in request_ids:
+            self.owned.discard(rid)
+            self.waiting.pop(rid, None)
+
+    def deltas(self, rid: str) -> Iterator[RequestOutput]:
+        """One request's deltas, the last one finished."""
+        engine = self.engine
+        try:
+            while True:
+                for output in self.waiting.pop(rid, ()):
+                    yield output
+                    if output.finished:
+                        return
+                if rid not in engine.requests:  # ended without a final delta: nothing more will come
+                    return
+                engine._advance()
+        except BaseException as exc:  # the caller stopped reading: free the request rather than decode it for nobody
+            engine._abort_after([rid], exc)
+            raise
+        finally:
+            self.disown([rid], abort=False)
+
+    def completions(self, index: dict[str, int], results: dict[str, RequestOutput]
+                    ) -> Iterator[tuple[int, RequestOutput]]:
+        """(index, full output) of each request of ``results`` as it finishes."""
+        engine, owned = self.engine, list(results)
+        try:
+            while results:
+                # the requests with deltas waiting, not every pending one: an offline batch may hold thousands
+                for rid in [rid for rid in self.waiting if rid in results]:
+                    for delta in self.waiting.pop(rid):
+                        append_output(results[rid], delta)
+                        if delta.finished:
+                            yield index[rid], results.pop(rid)
+                            break
+                if results:
+                    engine._advance()
+        except BaseException as exc:  # the caller stopped early (GeneratorExit), or an error: free what is left
+            engine._abort_after(list(results), exc)
+            raise
+        finally:
+            self.disown(owned, abort=False)
+
+
+class Reader(Iterator[T], Generic[T]):
+    """What ``stream`` and ``generate_as_completed`` return. ``close()`` (or leaving a ``with`` block) before the
+    end aborts the requests still running, even before the first ``next``."""
+
+    def __init__(self, readers: Readers, request_ids: list[str], body: Iterator[T]) -> None:
+        self.readers, self.request_ids, self.body = readers, request_ids, body
+
+    def __next__(self) -> T:
+        return next(self.body)
+
+    def close(self) -> None:
+        if hasattr(self.body, "close"):
+            self.body.close()  # once started, closing it aborts what is left; before, nothing runs, so:
+        self.readers.disown(self.request_ids, abort=True)
+
+    def __enter__(self) -> Reader[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
