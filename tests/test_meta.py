@@ -218,3 +218,25 @@ def test_the_shipped_entry_points_are_listed_in_the_hook_docs():
     text = " ".join((root / "docs" / "plugin-hooks.md").read_text().split())
     listed = re.search(r"The shipped entry points are (.*?): an allow-list", text).group(1)
     assert re.findall(r"`([a-z0-9-]+)`", listed) == shipped
+
+
+def test_every_group_option_reaches_the_engine_config():
+    """EngineArgs.from_kwargs drops a click parameter that FIELD_OF_OPTION does not map: a new option would be
+    accepted and do nothing. Each maps to an EngineConfig field (or a plugin option), or is one of the four that
+    EngineArgs reads itself."""
+    import dataclasses
+
+    import click
+
+    from infer.cli.options import FIELD_OF_OPTION, engine_options
+    from infer.core.config import EngineConfig
+
+    @click.command()
+    @engine_options
+    def group(**kwargs: object) -> None:
+        """Never invoked."""
+
+    handled_by_engine_args = {"plugins", "plugin_option", "no_prefix_caching", "no_cuda_graphs"}
+    assert {p.name for p in group.params} - set(FIELD_OF_OPTION) == handled_by_engine_args
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert all(target in fields or target.startswith("plugin_options.") for target in FIELD_OF_OPTION.values())
