@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,11 @@ class LoadedModel:
     generation_eos: tuple[int, ...] = ()  # generation_config.json's eos_token_id (Llama 3 Instruct's <|eot_id|>)
     architecture: str = ""  # the registered model name (config.json's architectures[0])
     quant_name: str | None = None  # the registered quant method: --quant, else the checkpoint's quant_method
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels run on ``device``: a CUDA one, or any under TRITON_INTERPRET=1 (tests, CPU tensors)."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def resolve_device(name: str) -> torch.device:

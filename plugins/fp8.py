@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from ..core.config import EngineConfig
@@ -21,14 +20,14 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     """
     import torch
 
-    from ..core.loader import resolve_device
+    from ..core.loader import resolve_device, triton_runs_on
     from ..quant.fp8 import parse_compressed_tensors
     from ..quant.fp8_method import Fp8LinearMethod
 
     options = config.plugin_options.get("fp8", {}) if isinstance(config.plugin_options, dict) else {}
     backend = str(options.get("backend", "auto"))
     on_cuda = resolve_device(config.device).type == "cuda"
-    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not triton_runs_on(resolve_device(config.device)):
         raise ConfigError("--plugin-option fp8.backend=triton runs Triton kernels, which need a CUDA device (this "
                           "model runs on the CPU); use fp8.backend=emulate or drop the option")
     if backend == "scaled_mm" and on_cuda and torch.cuda.get_device_capability(resolve_device(config.device)) < (8, 9):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from ..core.config import EngineConfig
@@ -48,10 +47,10 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 
         merge = resolve_device(config.device).type == "cuda"
     if quant is None and config.skinny_gemm_rows:
-        from ..core.loader import resolve_device
+        from ..core.loader import resolve_device, triton_runs_on
         from ..models.layers import UnquantizedMethod
 
-        if resolve_device(config.device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if not triton_runs_on(resolve_device(config.device)):
             raise ConfigError("--skinny-gemm-rows runs a Triton kernel, which needs a CUDA device (this model runs "
                               "on the CPU); drop --skinny-gemm-rows")
         quant = UnquantizedMethod(config.skinny_gemm_rows)  # every linear, and the tied head, share it
@@ -63,13 +62,13 @@ def pointwise_ops(config: EngineConfig) -> PointwiseOps:
     """Torch ops, or the fused Triton kernels: on CUDA unless ``fused_ops`` is False, elsewhere only on request
     (CPU tensors under TRITON_INTERPRET=1, for tests)."""
     from ..core.errors import ConfigError
-    from ..core.loader import resolve_device
+    from ..core.loader import resolve_device, triton_runs_on
     from ..models.layers import TORCH_OPS, triton_ops
 
     on_cuda = resolve_device(config.device).type == "cuda"
     if not (on_cuda if config.fused_ops is None else config.fused_ops):
         return TORCH_OPS
-    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(resolve_device(config.device)):
         raise ConfigError("--fused-ops runs Triton kernels, which need a CUDA device (this model runs on the CPU); "
                           "drop --fused-ops")
     try:
