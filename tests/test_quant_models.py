@@ -601,3 +601,11 @@ def test_fp8_triton_backend_on_the_cpu_and_a_one_position_context_are_config_err
                             plugin_options={"fp8": {"backend": "triton"}}))
     with pytest.raises(ConfigError, match="max-model-len must be >= 2"):  # fp8 KV calibration would overrun it
         Engine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache_dtype="fp8", max_model_len=1))
+
+
+@pytest.mark.parametrize("options, message", [({"skinny_gemm_rows": 8}, "--skinny-gemm-rows runs a Triton kernel"),
+                                              ({"fused_ops": True}, "--fused-ops runs Triton kernels")])
+def test_triton_only_options_on_the_cpu_are_config_errors(tiny_model: Path, monkeypatch, options, message) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match=message):
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", **options))
