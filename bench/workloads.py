@@ -174,14 +174,18 @@ def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
     if spec.file is None:
         raise WorkloadError("--workload file needs --file PATH (JSONL of {\"prompt\": ..., \"max_tokens\": ...})")
     entries, errors = parse_workload_file(spec.file)
+    return _good_lines(spec, entries, errors, f"bad line(s) of {len(entries) + len(errors)}")
+
+
+def _good_lines(spec: WorkloadSpec, good: list[FileEntry], errors: list[str], what: str) -> list[FileEntry]:
+    """``good``, unless there are bad lines without --skip-bad-lines (every one listed) or no good line."""
     if errors and not spec.skip_bad_lines:
         listed = "\n  ".join(errors)
-        raise WorkloadError(f"workload file {spec.file} has {len(errors)} bad line(s) of {len(entries) + len(errors)};"
-                            f" fix them, or pass --skip-bad-lines to run the {len(entries)} good line(s):"
-                            f"\n  {listed}")
-    if not entries:
+        raise WorkloadError(f"workload file {spec.file} has {len(errors)} {what}; fix them, or pass --skip-bad-lines "
+                            f"to run the {len(good)} good line(s):\n  {listed}")
+    if not good:
         raise WorkloadError(f"workload file {spec.file} has no good line")
-    return entries
+    return good
 
 
 def _lognormal_len(rng: random.Random, mean: int, sigma: float) -> int:
@@ -253,14 +257,7 @@ def check_vocabulary(spec: WorkloadSpec, entries: list[FileEntry], vocab_size: i
                           "(the smallest of the arms' models)")
         else:
             good.append(entry)
-    if errors and not spec.skip_bad_lines:
-        listed = "\n  ".join(errors)
-        raise WorkloadError(f"workload file {spec.file} has {len(errors)} line(s) with token ids outside the "
-                            f"vocabulary; fix them, or pass --skip-bad-lines to run the {len(good)} good line(s):"
-                            f"\n  {listed}")
-    if not good:
-        raise WorkloadError(f"workload file {spec.file} has no good line")
-    return good, errors
+    return _good_lines(spec, good, errors, "line(s) with token ids outside the vocabulary"), errors
 
 
 def _file_tokens(entries: list[FileEntry], vocab: Vocab,
