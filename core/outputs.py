@@ -71,21 +71,33 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
                          [CompletionOutput(0, new, text, seq.finish_reason, logprobs)], done)
 
 
-def append_output(full: RequestOutput, delta: RequestOutput) -> RequestOutput:
-    """``full`` extended in place by ``delta``, the next output of the same request: each completion's tokens, text
-    and logprobs appended, its finish reason and the request's finish state taken from ``delta``."""
-    for d in delta.outputs:
-        c = next((o for o in full.outputs if o.index == d.index), None)
-        if c is None:
-            full.outputs.append(d)
-            full.outputs.sort(key=lambda o: o.index)
-            continue
-        c.token_ids += d.token_ids
-        c.text += d.text
-        c.finish_reason = d.finish_reason
-        if d.logprobs is not None:
-            c.logprobs = d.logprobs if c.logprobs is None else c.logprobs + d.logprobs
-    full.finished, full.num_cached_tokens, full.metrics = delta.finished, delta.num_cached_tokens, delta.metrics
+def append_output(full: RequestOutput, *deltas: RequestOutput) -> RequestOutput:
+    """``full`` extended in place by ``deltas``, the next outputs of the same request in order: each completion's
+    tokens, text and logprobs appended (the text joined once, so many deltas cost their length, not its square),
+    its finish reason and the request's finish state taken from the last. A completion new to ``full`` is copied
+    in, so the deltas are left as they were (``full``'s own lists are extended in place)."""
+    by_index = {c.index: c for c in full.outputs}
+    texts: dict[int, list[str]] = {}
+    for delta in deltas:
+        for d in delta.outputs:
+            c = by_index.get(d.index)
+            if c is None:
+                by_index[d.index] = CompletionOutput(d.index, list(d.token_ids), d.text, d.finish_reason,
+                                                     None if d.logprobs is None else list(d.logprobs))
+                continue
+            c.token_ids += d.token_ids
+            texts.setdefault(d.index, [c.text]).append(d.text)
+            c.finish_reason = d.finish_reason
+            if d.logprobs is not None:
+                if c.logprobs is None:
+                    c.logprobs = []
+                c.logprobs += d.logprobs
+    for index, parts in texts.items():
+        by_index[index].text = "".join(parts)
+    full.outputs = [by_index[i] for i in sorted(by_index)]
+    if deltas:
+        last = deltas[-1]
+        full.finished, full.num_cached_tokens, full.metrics = last.finished, last.num_cached_tokens, last.metrics
     return full
 
 

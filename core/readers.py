@@ -72,14 +72,15 @@ class Readers:
                     ) -> Iterator[tuple[int, RequestOutput]]:
         """(index, full output) of each request of ``results`` as it finishes."""
         engine, owned = self.engine, list(results)
+        deltas: dict[str, list[RequestOutput]] = {rid: [] for rid in results}  # joined once, when finished
         try:
             while results:
                 # the requests with deltas waiting, not every pending one: an offline batch may hold thousands
                 for rid in [rid for rid in self.waiting if rid in results]:
                     for delta in self.waiting.pop(rid):
-                        append_output(results[rid], delta)
+                        deltas[rid].append(delta)
                         if delta.finished:
-                            yield index[rid], results.pop(rid)
+                            yield index[rid], append_output(results.pop(rid), *deltas.pop(rid))
                             break
                 if results:
                     engine._advance()

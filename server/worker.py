@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..core.errors import InferError, NotFoundError
-from ..core.request import CompletionOutput, RequestOutput, SamplingParams
+from ..core.outputs import append_output
+from ..core.request import RequestOutput, SamplingParams
 
 log = logging.getLogger("infer.server")
 
@@ -97,30 +98,9 @@ class RequestStream:
 
 
 def merge_deltas(*deltas: RequestOutput) -> RequestOutput:
-    """One delta equal to ``deltas`` in order (of the same request), built in one pass; the inputs are left
-    alone."""
-    merged: dict[int, CompletionOutput] = {}
-    texts: dict[int, list[str]] = {}
-    for delta in deltas:
-        for c in delta.outputs:
-            into = merged.get(c.index)
-            if into is None:
-                merged[c.index] = CompletionOutput(c.index, list(c.token_ids), "", c.finish_reason,
-                                                   None if c.logprobs is None else list(c.logprobs))
-                texts[c.index] = [c.text]
-                continue
-            into.token_ids += c.token_ids
-            texts[c.index].append(c.text)
-            into.finish_reason = c.finish_reason
-            if c.logprobs is not None:
-                if into.logprobs is None:
-                    into.logprobs = []  # our own list, as every list in ``merged``
-                into.logprobs += c.logprobs
-    for index, completion in merged.items():
-        completion.text = "".join(texts[index])
-    last = deltas[-1]
-    return RequestOutput(last.request_id, last.prompt_token_ids, [merged[i] for i in sorted(merged)], last.finished,
-                         last.num_cached_tokens, last.metrics)
+    """One delta equal to ``deltas`` in order (of the same request); the inputs are left alone."""
+    first = deltas[0]
+    return append_output(RequestOutput(first.request_id, first.prompt_token_ids, [], False), *deltas)
 
 
 @dataclass
