@@ -5,39 +5,37 @@ import logging
 from typing import Any
 
 from ..core.config import EngineConfig
-from ..core.errors import ConfigError
 from ..core.hookspecs import QuantMethodFactory, hookimpl
 from ..core.interfaces import QuantMethod
+from ..core.plugin_options import PluginOption, read_plugin_options
 from ..core.registry import Register
+from ..quant import AWQ_GROUP_SIZES
 
 log = logging.getLogger("infer")
+
+AWQ_OPTIONS = {
+    "group_size": PluginOption(None, "the group of on-load quantization (-1: one group over each layer's whole "
+                               "input); default per layer: the largest of 128, 64, 32 that divides its input, else "
+                               "-1; ignored on an AWQ checkpoint", kind=int, choices=AWQ_GROUP_SIZES),
+    "fused_max_rows": PluginOption(64, "the largest batch that runs the fused Triton W4A16 kernel on CUDA; larger "
+                                   "ones dequantize and run a dense GEMM (0: never the fused kernel)", minimum=0),
+}
 
 
 def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
     """An AWQ method for the checkpoint's ``quantization_config``, or RTN on load when there is none.
 
-    ``config.plugin_options["awq"]`` may set ``group_size`` (on-load quantization only; default: per layer, the
-    largest of 128, 64, 32 that divides its input size, else -1) and
-    ``fused_max_rows`` (the largest batch that runs the fused Triton kernel on CUDA; default 64).
+    ``config.plugin_options["awq"]``: the options of :data:`AWQ_OPTIONS`.
     """
     from ..quant.awq import parse_config
     from ..quant.awq_method import AwqLinearMethod
 
-    options = config.plugin_options.get("awq", {}) if isinstance(config.plugin_options, dict) else {}
-    fused_max_rows = options.get("fused_max_rows", 64)
-    if not isinstance(fused_max_rows, int) or isinstance(fused_max_rows, bool) or fused_max_rows < 0:
-        raise ConfigError(f"awq.fused_max_rows must be an integer >= 0 (0 never runs the fused kernel), got "
-                          f"{fused_max_rows!r}; e.g. --plugin-option awq.fused_max_rows=64")
-    group_size = options.get("group_size")
+    options = read_plugin_options(config, "awq", AWQ_OPTIONS)
+    fused_max_rows, group_size = options["fused_max_rows"], options["group_size"]
     if group_size is not None and quantization_config is not None:
         log.warning("awq: the checkpoint is AWQ-quantized already, so awq.group_size=%r is ignored (it sets the "
                     "group of on-load quantization)", group_size)
     if quantization_config is None:
-        from ..quant.awq import GROUP_SIZES, is_group_size
-
-        if group_size is not None and not is_group_size(group_size):
-            raise ConfigError(f"awq.group_size must be one of {', '.join(map(str, GROUP_SIZES))} (-1: one group over "
-                              f"each layer's whole input), got {group_size!r}; e.g. --plugin-option awq.group_size=64")
         log.warning("awq: quantizing on load with round-to-nearest (int4, group %s); calibrated AWQ is more "
                     "accurate: run `infer quantize --method awq MODEL OUT` once and load OUT",
                     group_size or "128, or 64/32 where 128 does not divide a layer's input, else -1 (one group "

@@ -8,15 +8,23 @@ from ..core.config import EngineConfig
 from ..core.errors import CheckpointError, ConfigError
 from ..core.hookspecs import QuantMethodFactory, hookimpl
 from ..core.interfaces import QuantMethod
+from ..core.plugin_options import PluginOption, read_plugin_options
 from ..core.registry import Register
+from ..quant import FP8_BACKENDS
 
 log = logging.getLogger("infer")
+
+FP8_OPTIONS = {
+    "backend": PluginOption("auto", "the FP8 GEMM: scaled_mm (torch._scaled_mm, CUDA sm89+), triton (infer's "
+                            "kernel, CUDA), emulate (dequantize and run the model dtype's GEMM); auto picks by device",
+                            choices=FP8_BACKENDS),
+}
 
 
 def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
     """FP8 for a compressed-tensors checkpoint, or per-channel/per-token dynamic FP8 on load when there is none.
 
-    ``config.plugin_options["fp8"]["backend"]`` may force ``scaled_mm``, ``triton`` or ``emulate``.
+    ``config.plugin_options["fp8"]``: the options of :data:`FP8_OPTIONS`.
     """
     import torch
 
@@ -24,8 +32,7 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     from ..quant.fp8 import parse_compressed_tensors
     from ..quant.fp8_method import Fp8LinearMethod
 
-    options = config.plugin_options.get("fp8", {}) if isinstance(config.plugin_options, dict) else {}
-    backend = str(options.get("backend", "auto"))
+    backend = read_plugin_options(config, "fp8", FP8_OPTIONS)["backend"]
     on_cuda = resolve_device(config.device).type == "cuda"
     if backend == "triton" and not triton_runs_on(resolve_device(config.device)):
         raise ConfigError("--plugin-option fp8.backend=triton runs Triton kernels, which need a CUDA device (this "

@@ -19,7 +19,7 @@ def build_draft_model(config: EngineConfig, target: Any) -> Proposer:
 def build_ngram(config: EngineConfig, target: Any) -> Proposer:
     from ..spec_decode.ngram import NgramProposer
 
-    return NgramProposer.from_options(config.plugin_options)
+    return NgramProposer.from_config(config)
 
 
 @hookimpl

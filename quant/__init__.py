@@ -8,3 +8,6 @@
 - :mod:`.kv_cache`: ``--kv-cache-dtype fp8``: e4m3 KV with static per-(layer, KV head) scales.
 - :mod:`.forward`: cache-free forward passes over whole sequences, for calibration.
 """
+
+AWQ_GROUP_SIZES = (-1, 32, 64, 128)  # -1: one group over the whole input
+FP8_BACKENDS = ("auto", "scaled_mm", "triton", "emulate")  # here, torch-free, for the plugins' option declarations

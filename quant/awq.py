@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from ..core.errors import CheckpointError
+from . import AWQ_GROUP_SIZES
 
 BITS = 4
 PACK = 32 // BITS  # int4 values per int32
 MAX_Q = 2**BITS - 1
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its group of 8
 AWQ_INVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_INVERSE[j]
-GROUP_SIZES = (-1, 32, 64, 128)
+GROUP_SIZES = AWQ_GROUP_SIZES
 
 
 def is_group_size(value: object) -> bool:

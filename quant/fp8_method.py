@@ -9,12 +9,12 @@ from torch import nn
 
 from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import QuantMethod
-from . import fp8
+from . import FP8_BACKENDS, fp8
 from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded
 
 log = logging.getLogger("infer")
 
-BACKENDS = ("auto", "scaled_mm", "triton", "emulate")
+BACKENDS = FP8_BACKENDS
 IGNORED_ZERO_POINTS = ("weight_zero_point", "input_zero_point")  # symmetric: always zero when present
 
 

@@ -23,11 +23,13 @@ from ..core.config import EngineConfig
 from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import KVCache, Proposal, Proposer, ScheduledSequence, SchedulerOutput
 from ..core.loader import LoadedModel, load_model
+from ..core.plugin_options import read_plugin_options
 from ..core.plugins import PluginManager
 from ..core.request import Sequence
 from ..core.runner import Batch, ModelRunner
 from ..core.sampling import Sampler, stream_seed, to_device
 from .draft_rounds import DraftRoundGraphs
+from .policy import SPEC_DECODE_OPTIONS
 
 DRAFT_SEED_SALT = 0x5EED_D4AF  # draft draws must not replay the target sampler's streams
 log = logging.getLogger("infer")
@@ -250,11 +252,8 @@ class DraftModelProposer(Proposer):
 
 
 def round_graphs_option(config: EngineConfig) -> bool:
-    """``plugin_options["spec_decode"]["round_graphs"]`` (default true): whole greedy draft rounds as CUDA graphs."""
-    value = config.plugin_options.get("spec_decode", {}).get("round_graphs", True)
-    if not isinstance(value, bool):
-        raise ConfigError(f"spec_decode round_graphs must be true or false, got {value!r}")
-    return value
+    """``plugin_options["spec_decode"]["round_graphs"]``: whole greedy draft rounds as CUDA graphs."""
+    return read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)["round_graphs"]
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:

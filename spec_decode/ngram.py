@@ -7,11 +7,20 @@ The proposal is deterministic, so its draft distribution is a point mass (``Prop
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..core.errors import ConfigError
 from ..core.interfaces import Proposal, Proposer
+from ..core.plugin_options import PluginOption, read_plugin_options
 from ..core.request import Sequence
+
+if TYPE_CHECKING:
+    from ..core.config import EngineConfig
+
+NGRAM_OPTIONS = {
+    "min_n": PluginOption(2, "the shortest suffix of the sequence that is looked up", minimum=1),
+    "max_n": PluginOption(4, "the longest suffix of the sequence that is looked up (tried first)", minimum=1),
+}
 
 
 @dataclass
@@ -33,15 +42,13 @@ class NgramProposer(Proposer):
         self.indexes: dict[int, _NgramIndex] = {}  # by seq_id
 
     @classmethod
-    def from_options(cls, plugin_options: dict[str, Any]) -> NgramProposer:
-        """``min_n`` / ``max_n`` from ``EngineConfig.plugin_options["ngram"]`` (defaults 2 and 4)."""
-        options = plugin_options.get("ngram", {}) if isinstance(plugin_options, dict) else {}
-        values = {key: options.get(key, default) for key, default in (("min_n", 2), ("max_n", 4))}
-        bad = {k: v for k, v in values.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
-        if bad or values["min_n"] > values["max_n"]:
-            raise ConfigError(f"ngram options min_n and max_n must be integers with 1 <= min_n <= max_n; got "
-                              f"{values} (set them with --plugin-option ngram.min_n=2 --plugin-option ngram.max_n=4)")
-        return cls(values["min_n"], values["max_n"])
+    def from_config(cls, config: EngineConfig) -> NgramProposer:
+        """``min_n`` / ``max_n`` from ``config.plugin_options["ngram"]`` (see :data:`NGRAM_OPTIONS`)."""
+        options = read_plugin_options(config, "ngram", NGRAM_OPTIONS)
+        if options["min_n"] > options["max_n"]:
+            raise ConfigError(f"--plugin-option ngram.min_n must be at most ngram.max_n, got min_n {options['min_n']} "
+                              f"and max_n {options['max_n']}")
+        return cls(options["min_n"], options["max_n"])
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
         drafts = {seq.seq_id: tokens for seq in seqs if (tokens := self.lookup(seq.token_ids, k, seq.seq_id))}

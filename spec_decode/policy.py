@@ -11,14 +11,28 @@ Two rules, both off by default (``EngineConfig.plugin_options["spec_decode"]`` k
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ..core.errors import ConfigError
+from ..core.plugin_options import PluginOption, read_plugin_options
+
+if TYPE_CHECKING:
+    from ..core.config import EngineConfig
 
 ON = "on"
 OFF_BATCH = "off-large-batch"
 OFF_ACCEPTANCE = "off-low-acceptance"
 STATES = (ON, OFF_BATCH, OFF_ACCEPTANCE)
+
+SPEC_DECODE_OPTIONS = {  # read by the SpecDecoder whatever the proposer; round_graphs by the draft-model one
+    "min_acceptance": PluginOption(0.0, "turn speculation off while the recent acceptance rate is below this (0: "
+                                   "never)", minimum=0, maximum=1, flag="--spec-min-acceptance"),
+    "max_batch_size": PluginOption(0, "turn speculation off in steps that run more sequences than this (0: no "
+                                   "limit)", minimum=0, flag="--spec-max-batch-size"),
+    "probe_every": PluginOption(8, "while acceptance is low, speculate in one step of this many to re-measure it",
+                                minimum=1),
+    "round_graphs": PluginOption(True, "with CUDA graphs, replay a draft-model round of greedy drafts as one graph "
+                                 "instead of K forward passes"),
+}
 
 
 @dataclass
@@ -33,19 +47,10 @@ class SpecPolicy:
     _since_probe: int = 0
 
     @classmethod
-    def from_options(cls, plugin_options: dict[str, Any]) -> SpecPolicy:
-        """Read ``min_acceptance``, ``max_batch_size`` and ``probe_every`` from ``plugin_options["spec_decode"]``."""
-        options = plugin_options.get("spec_decode", {}) if isinstance(plugin_options, dict) else {}
-        min_acc = options.get("min_acceptance", 0.0)
-        max_batch = options.get("max_batch_size", 0)
-        probe_every = options.get("probe_every", 8)
-        if not isinstance(min_acc, (int, float)) or isinstance(min_acc, bool) or not 0.0 <= min_acc <= 1.0:
-            raise ConfigError(f"spec-min-acceptance must be a number in [0, 1] (0 disables it), got {min_acc!r}")
-        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 0:
-            raise ConfigError(f"spec-max-batch-size must be an integer >= 0 (0 disables it), got {max_batch!r}")
-        if not isinstance(probe_every, int) or isinstance(probe_every, bool) or probe_every < 1:
-            raise ConfigError(f"spec_decode probe_every must be a positive integer, got {probe_every!r}")
-        return cls(float(min_acc), max_batch, probe_every)
+    def from_config(cls, config: EngineConfig) -> SpecPolicy:
+        """The policy of ``config.plugin_options["spec_decode"]`` (see :data:`SPEC_DECODE_OPTIONS`)."""
+        options = read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)
+        return cls(options["min_acceptance"], options["max_batch_size"], options["probe_every"])
 
     def decide(self, num_seqs: int) -> str:
         """The state of this step: ON, OFF_BATCH or OFF_ACCEPTANCE."""

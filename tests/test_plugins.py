@@ -10,7 +10,7 @@ from infer import hookimpl
 from infer.cli import main
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.errors import PluginError
+from infer.core.errors import ConfigError, PluginError
 from infer.core.plugins import PluginManager
 from infer.core.interfaces import ScheduledSequence, SchedulerOutput
 from infer.core.request import SamplingParams
@@ -241,3 +241,30 @@ def test_loading_the_shipped_plugins_does_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_plugin_options_are_checked_against_their_declaration() -> None:
+    """read_plugin_options: defaults, kinds (an int where a float is asked; never a bool for a number), ranges,
+    choices, and a misspelt key refused with the closest declared one (it used to be ignored silently)."""
+    from infer.core.plugin_options import PluginOption, read_plugin_options
+
+    declared = {"rate": PluginOption(0.5, "a share", minimum=0, maximum=1),
+                "mode": PluginOption("a", "m", choices=("a", "b")),
+                "size": PluginOption(None, "unset by default", kind=int, minimum=1),
+                "on": PluginOption(True, "a switch")}
+
+    def read(**given: object) -> dict[str, object]:
+        return read_plugin_options(EngineConfig(plugin_options={"ns": given}), "ns", declared)
+
+    assert read() == {"rate": 0.5, "mode": "a", "size": None, "on": True}
+    assert read(rate=1, mode="b", size=3, on=False) == {"rate": 1.0, "mode": "b", "size": 3, "on": False}
+    assert type(read(rate=1)["rate"]) is float
+    for key, bad, expected in (("rate", True, r"a number in \[0, 1\]"), ("rate", 1.5, r"a number in \[0, 1\]"),
+                               ("rate", float("nan"), r"a number in \[0, 1\]"), ("mode", "c", "one of a, b"),
+                               ("size", 0, "an integer >= 1"), ("size", 2.0, "an integer >= 1"),
+                               ("on", 1, "true or false")):
+        with pytest.raises(ConfigError, match=f"--plugin-option ns.{key} must be {expected}, got "):
+            read(**{key: bad})
+    with pytest.raises(ConfigError, match=r"ns has no option 'rat'; did you mean ns.rate\? its options: rate \(a number "
+                                          r"in \[0, 1\], default 0.5\); mode \(one of a, b, default 'a'\)"):
+        read(rat=0.3)

@@ -3,6 +3,7 @@ speculation, in batches that mix speculative and plain requests; degradation, me
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -115,15 +116,22 @@ def test_configuration_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="--plugin-option spec_decode.probe_every: speculative-decoding options need"):
         engine(plugin_options={"spec_decode": {"probe_every": 4}})
     for bad in ("abc", None, [3], 3.9, 0):  # a clear error, not a traceback from int()
-        with pytest.raises(ConfigError, match="ngram options min_n and max_n must be integers"):
+        with pytest.raises(ConfigError, match=re.escape(f"ngram.max_n must be an integer >= 1, got {bad!r}: ")):
             engine(proposer="ngram", num_speculative_tokens=2, plugin_options={"ngram": {"max_n": bad}})
+    with pytest.raises(ConfigError, match="ngram.min_n must be at most ngram.max_n, got min_n 3 and max_n 2"):
+        engine(proposer="ngram", num_speculative_tokens=2, plugin_options={"ngram": {"min_n": 3, "max_n": 2}})
     with pytest.raises(ConfigError, match="num-speculative-tokens"):
         engine(proposer="ngram")
-    for options, message in (({"min_acceptance": True}, "spec-min-acceptance must be a number in"),
-                             ({"min_acceptance": "0.5"}, "spec-min-acceptance must be a number in"),
-                             ({"probe_every": True}, "probe_every must be a positive integer"),
-                             ({"round_graphs": "maybe"}, "round_graphs must be true or false")):  # on any device
-        with pytest.raises(ConfigError, match=message):  # True passed as 1.0 and 1
+    for options, message in (
+            ({"min_acceptance": True}, r"spec_decode.min_acceptance \(--spec-min-acceptance\) must be a number in "
+                                       r"\[0, 1\], got True"),
+            ({"min_acceptance": "0.5"}, r"\(--spec-min-acceptance\) must be a number in \[0, 1\], got '0.5'"),
+            ({"min_acceptance": 1.5}, r"\(--spec-min-acceptance\) must be a number in \[0, 1\], got 1.5"),
+            ({"probe_every": True}, "spec_decode.probe_every must be an integer >= 1, got True"),
+            ({"round_graphs": "maybe"}, "spec_decode.round_graphs must be true or false, got 'maybe'"),  # any device
+            ({"probe_evry": 4}, "spec_decode has no option 'probe_evry'; did you mean spec_decode.probe_every\\? "
+                                "its options: min_acceptance \\(a number in \\[0, 1\\], default 0.0\\)")):
+        with pytest.raises(ConfigError, match=message):  # True passed as 1.0 and 1; a misspelt key was ignored
             engine(proposer="draft-model", num_speculative_tokens=2, plugin_options={"spec_decode": options})
     other = tmp_path / "other-draft"
     other.mkdir()
