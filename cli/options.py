@@ -42,6 +42,10 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--preemption", "preemption_mode", type=click.Choice(["recompute", "swap"]), default=None,
                  help="What a preempted sequence does with its KV [default: recompute]."),
     click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
+    click.option("--kv-admission-reserve", type=float, default=None, metavar="R",
+                 help="Admit a waiting request only if the KV blocks left after its prompt cover R x the tokens that "
+                      "the running sequences and it may still generate (their max_tokens), so fewer are preempted "
+                      "later; 0 admits whenever the prompt fits [default: 0]."),
     click.option("--seed", type=int, default=None, help="Seed of unseeded sampling, in [0, 2**63) [default: 0]."),
     click.option("--cpu-threads", type=int, default=None,
                  help="torch intra-op threads on CPU [default: torch's]; 1 is fastest for tiny models on a busy host."),
@@ -118,6 +122,7 @@ FIELD_OF_OPTION = {
     "async_scheduling": "async_scheduling",
     "freeze_gc": "freeze_gc",
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
+    "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]
     "spec_min_acceptance": "plugin_options.spec_decode.min_acceptance",

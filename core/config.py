@@ -60,6 +60,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_gb: float = 4.0  # host memory for --preemption swap
     num_swap_blocks: int | None = None  # explicit host swap pool in blocks; else derived from swap_space_gb
+    # admit a request only while the free KV blocks cover this share of every running sequence's remaining max_tokens
+    kv_admission_reserve: float = 0.0
     num_speculative_tokens: int = 0
     draft_model: str | None = None
     cuda_graphs: bool = True
@@ -134,6 +136,9 @@ class EngineConfig:
             raise ConfigError(f"num-swap-blocks must be >= 0, got {self.num_swap_blocks}")
         if self.swap_space_gb < 0:
             raise ConfigError(f"swap-space-gb must be >= 0, got {self.swap_space_gb}")
+        if not 0 <= self.kv_admission_reserve <= 1:
+            raise ConfigError(f"kv-admission-reserve must be in [0, 1] (0: admit whenever the prompt fits; 1: keep "
+                              f"room for every running sequence's max_tokens), got {self.kv_admission_reserve}")
         if self.max_model_len is not None:
             positive("max_model_len")
             if self.max_model_len < 2:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 
 from ..core.config import EngineConfig
@@ -58,6 +59,7 @@ class ContinuousScheduler(Scheduler):
         self.token_budget = config.max_num_batched_tokens
         # seats: never more running sequences than the budget has tokens, so that every decode runs in every step
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
+        self.reserve = config.kv_admission_reserve
         swap_blocks = (config.num_swap_blocks or 0) if config.preemption_mode == "swap" else 0
         self.swap = SwapSpace(swap_blocks) if swap_blocks else None
         self.ops = BlockOps()
@@ -126,6 +128,7 @@ class ContinuousScheduler(Scheduler):
         if not self.waiting:
             return
         occupied = sum(self._seats(s) for s in self.running)
+        future = sum(self._future_blocks(s, len(self.kv.block_table(s))) for s in self.running) if self.reserve else 0
         while self.waiting and occupied < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if occupied + self._seats(seq) > self.max_num_seqs:
@@ -149,6 +152,12 @@ class ContinuousScheduler(Scheduler):
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget) if self.chunked else remaining
             alone = not out.scheduled  # an over-budget recompute may run alone rather than wait forever
+            if self.reserve:
+                future += self._future_blocks(seq, self.kv.num_blocks_needed(seq.num_tokens)) * self._seats(seq)
+                if self.running and not self._leaves_reserve(seq, future):
+                    self.kv.free(seq)  # the match_prefix contract: free or allocate follows each lookup
+                    seq.num_computed_tokens = 0
+                    return
             if (n > budget and not alone) or not self.kv.allocate(seq, n):
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
@@ -158,6 +167,18 @@ class ContinuousScheduler(Scheduler):
             self._start(seq, n, out)
             budget -= n
             occupied += self._seats(seq)
+
+    def _leaves_reserve(self, seq: Sequence, future_blocks: int) -> bool:
+        """Whether the free blocks less those ``seq``'s uncached prompt takes cover ``reserve`` x ``future_blocks``
+        (--kv-admission-reserve), the blocks the running sequences and ``seq`` take if they run to max_tokens."""
+        prompt_blocks = self.kv.num_blocks_needed(seq.num_tokens) - seq.num_computed_tokens // self.kv.block_size
+        return self.kv.num_free_blocks() - prompt_blocks >= math.ceil(self.reserve * future_blocks)
+
+    def _future_blocks(self, seq: Sequence, held: int) -> int:
+        """Blocks beyond ``held`` that ``seq`` needs for every position it may write: its prompt and max_tokens
+        (less the last token, never fed back), within the context."""
+        final = min(seq.num_prompt_tokens + seq.params.max_tokens - 1, seq.max_model_len)
+        return max(0, self.kv.num_blocks_needed(final) - held)
 
     @staticmethod
     def _seats(seq: Sequence) -> int:

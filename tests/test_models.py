@@ -59,6 +59,32 @@ def test_preemption_under_a_small_cache_keeps_outputs_exact(checkpoint, hf_greed
     assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
 
 
+def test_an_admission_reserve_avoids_preemption_and_keeps_outputs_exact(checkpoint, hf_greedy):
+    """--kv-admission-reserve 1 admits a request only while the free blocks cover what every running sequence may
+    still write (max_tokens), so the workload above runs with no preemption; sequences still run together."""
+    path = checkpoint("llama")
+    rng = random.Random(1)
+    lengths = [1, 300] + [rng.randint(1, 300) for _ in range(14)]
+    preemptions = {}
+    for reserve in (0.0, 1.0):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=48, enable_prefix_caching=False,
+                                     kv_admission_reserve=reserve))
+        batch_prompts = prompts(engine.loaded.model.spec.vocab_size, lengths, seed=2)
+        ids = engine.add_requests(batch_prompts, GREEDY)
+        results, most_running = {}, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                results.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            most_running = max(most_running, engine.scheduler.num_running())
+        preemptions[reserve] = engine.scheduler.num_preemptions
+        assert most_running > 1
+        for prompt, rid in zip(batch_prompts, ids):
+            assert results[rid] == hf_greedy(path, prompt, 64)
+        stats = engine.kv.stats()
+        assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
+    assert preemptions[0.0] > 0 and preemptions[1.0] == 0
+
+
 def test_preemption_by_swap_keeps_outputs_exact(checkpoint, hf_greedy):
     path = checkpoint("llama")
     rng = random.Random(3)
