@@ -19,6 +19,7 @@ from .assembly import assemble
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError
+from .forks import PendingForks, start_forks
 from .interfaces import SchedulerOutput
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
@@ -81,7 +82,7 @@ class Engine:
             self.loaded.device.type == "cuda" or self.async_scheduling  # async scheduling emits a step late
         self.unemitted: list[Sequence] = []  # async output: advanced in the last step, outputs not built yet
         self.in_flight: InFlight | None = None  # async scheduling: the last step's tokens, not read back yet
-        self.awaiting_fork: set[str] = set()  # n > 1 requests whose first sequence has not sampled yet
+        self.forks = PendingForks()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.spec: SpecDecoder | None = None
         if parts.proposer is not None:
@@ -135,13 +136,13 @@ class Engine:
                          max_model_len=self.max_model_len) for i in range(params.n)]
         # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
-                           [0] * len(seqs), [0] * len(seqs), seqs[1:])
+                               [0] * len(seqs), [0] * len(seqs))
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
         self.stats.prompt_tokens += len(ids)
         if params.n > 1:
-            self.awaiting_fork.add(request_id)
+            self.forks.add(request_id, seqs[1:])
         return request_id
 
     def check_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
@@ -256,7 +257,7 @@ class Engine:
         gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
         sampled, forks = self._sample(out, batch, logits, gone)
         now = time.perf_counter()
-        self._start_forks(out, forks, sampled, now)  # before update, which may finish (and free) a parent
+        start_forks(self.scheduler, out, forks, sampled, now)
         self.scheduler.update(live_part(out, gone), sampled, now)
         advanced = [item.seq for item in out.scheduled if item.seq.seq_id not in gone] + [c for _, c in forks]
         if self.async_output:
@@ -278,7 +279,7 @@ class Engine:
         if not self._check_schedule(out):
             self.unemitted += self._settle()
             return self._emit_unemitted()
-        if self.awaiting_fork and self._forks_this_step(out):  # n > 1: children copy a token read back now
+        if self.forks and self.forks.due_in(out):  # n > 1: children copy a token read back now
             return self._run(out, start)
         decodes = count_decodes(out)
         batch, logits, outputs, times = self._forward(out)
@@ -307,12 +308,6 @@ class Engine:
         settled = time.perf_counter()
         outputs = self._emit_unemitted()
         return batch, logits, outputs, StepTimes(scheduled, executed, settled, time.perf_counter())
-
-    def _forks_this_step(self, out: SchedulerOutput) -> bool:
-        """Whether a sequence of a request waiting to fork samples its first token in this step."""
-        return any(item.seq.request_id in self.awaiting_fork
-                   and item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
-                   for item in out.scheduled)
 
     def _settle(self) -> list[Sequence]:
         """Read the tokens in flight back into their sequences' PENDING places; stop the sequences whose token
@@ -361,7 +356,7 @@ class Engine:
         items = {item.seq.seq_id: item.seq for item in out.scheduled}
         rows = [i for i, sid in enumerate(batch.sample_seq_ids) if sid not in gone]
         seqs = [items[batch.sample_seq_ids[i]] for i in rows]
-        forks = self._forks_due(seqs, rows)
+        forks = self.forks.take_due(seqs, rows)
         if self.spec is not None:
             self.spec.forget(gone)
         sampled = self.spec.verify(batch, logits) if self.spec is not None else {}
@@ -376,39 +371,12 @@ class Engine:
                     seq.logprobs.append(entry)
         return sampled, forks
 
-    def _start_forks(self, out: SchedulerOutput, forks: list[tuple[Sequence, Sequence]],
-                     sampled: dict[int, list[int]], now: float) -> None:
-        computed = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
-        for parent, child in forks:
-            self.scheduler.fork(parent, child)
-            child.num_computed_tokens += computed[parent.seq_id]
-            child.append_token(sampled.pop(child.seq_id)[0], now)
-            if (reason := child.check_stop_token()) is not None:
-                self.scheduler.finish(child, reason)
-
     def _emit_progress(self, seqs: list[Sequence]) -> list[RequestOutput]:
         touched: dict[str, set[int]] = {}
         for seq in seqs:
             touched.setdefault(seq.request_id, set()).add(seq.seq_id)
         outputs = [self._emit(self.requests[rid], ids) for rid, ids in touched.items() if rid in self.requests]
         return [o for o in outputs if o.outputs or o.finished]
-
-    def _forks_due(self, seqs: list[Sequence], rows: list[int]) -> list[tuple[Sequence, Sequence]]:
-        """n > 1: when the first sequence samples its first token, fork the others from it (sharing the prompt's
-        KV blocks) and give each its own sample of the same logits row. Extends ``seqs``/``rows`` in place."""
-        forks: list[tuple[Sequence, Sequence]] = []
-        if not self.awaiting_fork:
-            return forks
-        for parent, row in zip(list(seqs), list(rows)):
-            req = self.requests[parent.request_id]
-            if req.pending_children and parent.num_output_tokens == 0:
-                for child in req.pending_children:
-                    forks.append((parent, child))
-                    seqs.append(child)
-                    rows.append(row)
-                req.pending_children = []
-                self.awaiting_fork.discard(req.request_id)
-        return forks
 
     def _emit(self, req: RequestState, seq_ids: set[int]) -> RequestOutput:
         output = build_output(req, seq_ids, self.scheduler.finish)
@@ -418,7 +386,7 @@ class Engine:
 
     def _finish_request(self, req: RequestState, output: RequestOutput) -> None:
         del self.requests[req.request_id]
-        self.awaiting_fork.discard(req.request_id)
+        self.forks.drop(req.request_id)
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
             self.stats.output_tokens += seq.num_output_tokens

@@ -19,7 +19,6 @@ class RequestState:
     detoks: list[Detokenizer]
     sent: list[int] = field(default_factory=list)  # output tokens already emitted, per sequence
     emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
-    pending_children: list[Sequence] = field(default_factory=list)  # n > 1: forked after the first prefill
 
 
 def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequence, FinishReason], None]
