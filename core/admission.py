@@ -2,6 +2,7 @@
 (check_schedule). Each refusal says what to change."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,10 +91,11 @@ def at_prompt(exc: InferError, index: int, total: int) -> InferError:
     return exc
 
 
-def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Scheduler, settled: bool) -> bool:
-    """Whether ``out`` has work (``settled``: no step's tokens in flight or outputs unbuilt); PluginError for a
-    scheduler that broke its contract (each breach checked here would otherwise change tokens without an error, or
-    fail deep inside the runner)."""
+def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Scheduler, settled: bool,
+                   count_open: Callable[[], int]) -> bool:
+    """Whether ``out`` has work (``settled``: no step's tokens in flight or outputs unbuilt; ``count_open``: the
+    engine's sequences not finished); PluginError for a scheduler that broke its contract (each breach checked here
+    would otherwise change tokens without an error, hang, or fail deep inside the runner)."""
     name = config.scheduler
     if not isinstance(out, SchedulerOutput):
         raise PluginError(f"scheduler {name!r}: schedule() returned {type(out).__name__}, not a SchedulerOutput; "
@@ -105,10 +107,17 @@ def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Schedu
                               "scheduler must schedule work whenever any waits or runs; a KV cache "
                               f"({config.kv_cache!r}) or eviction policy ({config.eviction_policy!r}) that "
                               "misreports free blocks can cause it too); fix the plugin")
+        if settled and (left := count_open()):
+            raise PluginError(f"scheduler {name!r} has no sequence waiting or running, but {left} sequence(s) of the "
+                              "engine's requests are not finished: the engine would wait for them forever (a "
+                              "scheduler ends a sequence by setting seq.status = SequenceStatus.FINISHED and "
+                              "seq.finish_reason, in update() and finish(); fix the plugin")
         return False
     if len(out.scheduled) > config.max_num_seqs:  # what CUDA graphs and buffers are sized for
         raise PluginError(f"scheduler {name!r} scheduled {len(out.scheduled)} sequences, over "
-                          f"max_num_seqs={config.max_num_seqs}; fix the plugin")
+                          f"max_num_seqs={config.max_num_seqs} (forked children count: an n > 1 request's other "
+                          "n - 1 sequences fork from its first when that samples its first token, so admit it only "
+                          "with params.n seats free); fix the plugin")
     for item in out.scheduled:
         uncomputed = item.seq.num_tokens - item.seq.num_computed_tokens
         if not 1 <= item.num_new_tokens <= uncomputed:

@@ -18,7 +18,7 @@ from .admission import RequestChecker, at_prompt, check_schedule
 from .assembly import assemble
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
-from .errors import InferError, InvalidRequestError, NotFoundError
+from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
 from .interfaces import SchedulerOutput
 from .metrics import EngineStats, StepTimes, count_decodes
@@ -185,7 +185,7 @@ class Engine:
             return early
         running = [seq for seq in req.seqs if not seq.is_finished]  # n > 1: a finished one has said so already
         for seq in running:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            self._finish(seq, FinishReason.ABORT)
         final = self._emit(req, {seq.seq_id for seq in running})
         return final if early is None else append_output(early, final)
 
@@ -257,7 +257,7 @@ class Engine:
         gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
         sampled, forks = self._sample(out, batch, logits, gone)
         now = time.perf_counter()
-        start_forks(self.scheduler, out, forks, sampled, now)
+        start_forks(self.scheduler, self._finish, out, forks, sampled, now)
         self.scheduler.update(live_part(out, gone), sampled, now)
         advanced = [item.seq for item in out.scheduled if item.seq.seq_id not in gone] + [c for _, c in forks]
         if self.async_output:
@@ -326,7 +326,7 @@ class Engine:
                 seq.logprobs.append(entry)
             if seq.stop_reason(token, index + 1) is FinishReason.STOP:
                 if not seq.is_finished:
-                    self.scheduler.finish(seq, FinishReason.STOP)
+                    self._finish(seq, FinishReason.STOP)
                 elif seq.finish_reason is FinishReason.LENGTH:  # its last allowed token is a stop token
                     seq.finish_reason = FinishReason.STOP
         return flight.seqs
@@ -340,7 +340,17 @@ class Engine:
         return out
 
     def _check_schedule(self, out: SchedulerOutput) -> bool:
-        return check_schedule(out, self.config, self.scheduler, self.in_flight is None and not self.unemitted)
+        settled = self.in_flight is None and not self.unemitted
+        return check_schedule(out, self.config, self.scheduler, settled, lambda: sum(
+            not seq.is_finished for req in self.requests.values() for seq in req.seqs))
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """``Scheduler.finish``, held to setting the sequence's status (else its request would never end)."""
+        self.scheduler.finish(seq, reason)
+        if not seq.is_finished:
+            raise PluginError(f"scheduler {self.config.scheduler!r}: finish() left sequence {seq.seq_id} "
+                              f"{seq.status.name}; it must set seq.status = SequenceStatus.FINISHED and "
+                              "seq.finish_reason (the engine ends a request by its sequences' status); fix the plugin")
 
     def _emit_unemitted(self) -> list[RequestOutput]:
         seqs, self.unemitted = self.unemitted, []
@@ -379,7 +389,7 @@ class Engine:
         return [o for o in outputs if o.outputs or o.finished]
 
     def _emit(self, req: RequestState, seq_ids: set[int]) -> RequestOutput:
-        output = build_output(req, seq_ids, self.scheduler.finish)
+        output = build_output(req, seq_ids, self._finish)
         if output.finished:
             self._finish_request(req, output)
         return output

@@ -2,8 +2,10 @@
 prompt's KV blocks by reference (copy-on-write), and each draws its own sample of the same logits row."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .interfaces import Scheduler, SchedulerOutput
-from .request import Sequence
+from .request import FinishReason, Sequence
 
 
 class PendingForks:
@@ -42,8 +44,8 @@ class PendingForks:
         return forks
 
 
-def start_forks(scheduler: Scheduler, out: SchedulerOutput, forks: list[tuple[Sequence, Sequence]],
-                sampled: dict[int, list[int]], now: float) -> None:
+def start_forks(scheduler: Scheduler, finish: Callable[[Sequence, FinishReason], None], out: SchedulerOutput,
+                forks: list[tuple[Sequence, Sequence]], sampled: dict[int, list[int]], now: float) -> None:
     """Fork each child from its parent (before ``Scheduler.update``, which may finish and free a parent) and give
     it its own sampled token, taken out of ``sampled``."""
     computed = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
@@ -52,4 +54,4 @@ def start_forks(scheduler: Scheduler, out: SchedulerOutput, forks: list[tuple[Se
         child.num_computed_tokens += computed[parent.seq_id]
         child.append_token(sampled.pop(child.seq_id)[0], now)
         if (reason := child.check_stop_token()) is not None:
-            scheduler.finish(child, reason)
+            finish(child, reason)

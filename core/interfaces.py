@@ -218,7 +218,16 @@ class SchedulerOutput:
 
 
 class Scheduler(ABC):
-    """Decides, each step, which sequences run and how many tokens each computes."""
+    """Decides, each step, which sequences run and how many tokens each computes.
+
+    A scheduler owns these fields of each :class:`~infer.core.request.Sequence` it holds; the engine and the
+    metrics read them: ``status`` (RUNNING on admission, PREEMPTED, FINISHED: a request ends when all of its
+    sequences are FINISHED), ``finish_reason``, ``num_computed_tokens`` (set from ``KVCache.match_prefix`` on
+    admission, 0 when preempted), ``num_cached_tokens`` (the prompt tokens the cache served, set at the first
+    admission only: a recompute finding its own blocks is no prompt cache hit) and ``num_preemptions`` (+1 per
+    preemption; the KV caches' prefix-hit counters tell recomputes apart by it). Subclassing the shipped
+    ``ContinuousScheduler`` keeps all of that.
+    """
 
     @abstractmethod
     def add(self, seq: Sequence) -> None:
@@ -241,7 +250,8 @@ class Scheduler(ABC):
 
     @abstractmethod
     def update(self, output: SchedulerOutput, sampled: dict[int, list[int]], now: float) -> list[Sequence]:
-        """Apply a step: advance computed tokens, append ``sampled[seq_id]``, stop checks; return finished ones.
+        """Apply a step: advance computed tokens, append ``sampled[seq_id]``, stop checks; return the sequences it
+        finished (FINISHED, with their finish_reason, as ``finish`` does; the engine reads their status).
 
         ``output`` is what ``schedule`` returned, less the sequences the engine finished in between (a stop found
         in an earlier step's tokens, an abort): every sequence in it is live. For each: add ``num_new_tokens`` to
@@ -260,11 +270,17 @@ class Scheduler(ABC):
     @abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Make ``child`` a RUNNING copy of ``parent`` (token_ids, num_computed_tokens) sharing its KV blocks by
-        reference through ``KVCache.fork``; the first write into a shared partial block copies it."""
+        reference through ``KVCache.fork``; the first write into a shared partial block copies it.
+
+        The engine calls it for an ``n > 1`` request when the first sequence (the only one ``add`` received)
+        samples its first token, after ``schedule`` and before ``update`` of that step, once per other sequence;
+        it cannot refuse, so admit such a request only with ``params.n`` of ``max_num_seqs`` seats free."""
 
     @abstractmethod
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Finish (or abort) a sequence now, wherever it is, and release its blocks. Idempotent."""
+        """Finish (or abort) a sequence now, wherever it is (waiting, running or never added: a child not forked
+        yet), and release its blocks: set ``seq.status = FINISHED`` and ``seq.finish_reason = reason`` (the engine
+        refuses a scheduler that does not). Idempotent: a finished sequence stays as it was."""
 
     @abstractmethod
     def has_unfinished(self) -> bool:

@@ -109,6 +109,34 @@ def test_a_scheduler_breaking_its_contract_is_named_not_hung(tiny_model, infer_p
         engine.step()
 
 
+class ForgetsStatus(ContinuousScheduler):
+    """finish() releases the sequence but leaves its status: the request never ended, and generate spun forever."""
+
+    def finish(self, seq, reason):
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.free(seq)
+
+
+def test_a_scheduler_that_does_not_finish_sequences_is_named_not_hung(tiny_model, infer_plugins):
+    def register_schedulers(register):
+        register("forgetful", lambda config, kv: ForgetsStatus(config, kv))
+
+    infer_plugins.register(plugin_module("forgetful", register_schedulers=register_schedulers), source="acme")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="forgetful"), infer_plugins)
+    engine.add_request("a", SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(PluginError, match=r"scheduler 'forgetful' has no sequence waiting or running, but 1 "
+                                          r"sequence\(s\) of the engine's requests are not finished"):
+        for _ in range(10):  # it finishes at its 2nd token; the step after that finds nothing to run
+            engine.step()
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="forgetful"), infer_plugins)
+    rid = engine.add_request("a", SamplingParams(max_tokens=8))
+    engine.step()
+    with pytest.raises(PluginError, match="scheduler 'forgetful': finish\\(\\) left sequence 0 RUNNING; it must set "
+                                          "seq.status = SequenceStatus.FINISHED"):
+        engine.abort(rid)
+
+
 def test_a_factory_must_return_an_instance_of_its_kind(tiny_model, infer_plugins):
     from infer.plugins.eviction import LRUPolicy
 
