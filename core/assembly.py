@@ -110,7 +110,7 @@ def make_proposer(config: EngineConfig, plugins: PluginManager, loaded: LoadedMo
     if config.draft_model is not None and entry.name != "draft-model":
         raise ConfigError(f"--draft-model is read by the draft-model proposer only, not by {entry.name!r}; "
                           "use --proposer draft-model, or drop --draft-model")
-    return plugins.build("proposer", entry.name, Proposer, config, loaded)
+    return plugins.build("proposer", entry.name, Proposer, config, loaded, plugins)
 
 
 def kv_cache_format(config: EngineConfig, loaded: LoadedModel

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
     from .config import EngineConfig
     from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Model, Proposer, QuantMethod, Scheduler
+    from .loader import LoadedModel
+    from .plugins import PluginManager
     from .metrics import StepStats
     from .registry import Register
     from .request import RequestOutput
@@ -27,7 +29,7 @@ KVCacheFactory = Callable[["EngineConfig", int, "EvictionPolicy"], "KVCache"]
 EvictionPolicyFactory = Callable[["EngineConfig"], "EvictionPolicy"]
 AttentionBackendFactory = Callable[["EngineConfig"], "AttentionBackend"]
 QuantMethodFactory = Callable[["EngineConfig", "dict[str, Any] | None"], "QuantMethod"]
-ProposerFactory = Callable[["EngineConfig", Any], "Proposer"]
+ProposerFactory = Callable[["EngineConfig", "LoadedModel", "PluginManager"], "Proposer"]
 ModelFactory = Callable[["dict[str, Any]", "QuantMethod | None", "torch.dtype", "EngineConfig"], "Model"]
 CommandFactory = Callable[[], "click.Command"]
 
@@ -84,8 +86,11 @@ def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
 def register_proposers(register: Register[ProposerFactory]) -> None:
     """Register speculative-decoding proposers.
 
-    ``factory(config, target)`` returns a :class:`~infer.core.interfaces.Proposer`; ``target`` is the target's
-    loaded model bundle (model, tokenizer, device). Selected by ``--proposer NAME``.
+    ``factory(config, target, plugins)`` returns a :class:`~infer.core.interfaces.Proposer`; ``target`` is the
+    target's :class:`~infer.core.loader.LoadedModel` (``model``, whose ``spec`` has ``vocab_size``; ``tokenizer``,
+    ``device``, ``dtype``, ``path``), and ``plugins`` the engine's PluginManager, whose registries build other
+    components (a draft model's architecture, attention backend, KV cache) as the engine would. Selected by
+    ``--proposer NAME``.
     """
 
 

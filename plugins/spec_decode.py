@@ -2,21 +2,25 @@
 lookup). Selected by ``--plugin NAME`` or ``--proposer NAME``, with ``--num-speculative-tokens K``."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..core.config import EngineConfig
 from ..core.hookspecs import ProposerFactory, hookimpl
 from ..core.interfaces import Proposer
 from ..core.registry import Register
 
+if TYPE_CHECKING:
+    from ..core.loader import LoadedModel
+    from ..core.plugins import PluginManager
 
-def build_draft_model(config: EngineConfig, target: Any) -> Proposer:
+
+def build_draft_model(config: EngineConfig, target: LoadedModel, plugins: PluginManager) -> Proposer:
     from ..spec_decode.draft_model import DraftModelProposer
 
-    return DraftModelProposer.load(config, target)
+    return DraftModelProposer.load(config, target, plugins)
 
 
-def build_ngram(config: EngineConfig, target: Any) -> Proposer:
+def build_ngram(config: EngineConfig, target: LoadedModel, plugins: PluginManager) -> Proposer:
     from ..spec_decode.ngram import NgramProposer
 
     return NgramProposer.from_config(config)

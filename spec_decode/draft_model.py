@@ -57,9 +57,9 @@ class DraftModelProposer(Proposer):
         self.round_graphs: DraftRoundGraphs | None = None
 
     @classmethod
-    def load(cls, config: EngineConfig, target: LoadedModel, plugins: PluginManager | None = None
-             ) -> DraftModelProposer:
-        """Load ``config.draft_model`` (the shipped draft when the target is the shipped default) next to ``target``."""
+    def load(cls, config: EngineConfig, target: LoadedModel, plugins: PluginManager) -> DraftModelProposer:
+        """Load ``config.draft_model`` (the shipped draft when the target is the shipped default) next to ``target``,
+        with the components of ``plugins`` (the engine's, collected)."""
         round_graphs = round_graphs_option(config)  # checked on any device, not only where graphs are built
         path = config.draft_model or default_draft_for(target.path)
         if path is None:
@@ -68,7 +68,6 @@ class DraftModelProposer(Proposer):
         if not Path(path).is_dir():
             raise CheckpointError(f"draft model folder {str(path)!r} does not exist; pass --draft-model DIR with a "
                                   "local HF folder of a small model that shares the target's tokenizer")
-        plugins = (plugins or PluginManager.from_entry_points()).collect()
         draft_config = config.replace(model=str(path), quant=None, max_model_len=None, num_kv_blocks=None)
         draft = load_model(draft_config, plugins, Path(path))
         check_same_vocab(target, draft)

@@ -109,7 +109,7 @@ class Recorder:
 
     @hookimpl
     def register_proposers(self, register: Any) -> None:
-        self._register("register_proposers", register, lambda config, target: None)
+        self._register("register_proposers", register, lambda config, target, plugins: None)
 
     @hookimpl
     def register_models(self, register: Any) -> None:

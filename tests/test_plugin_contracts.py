@@ -502,7 +502,7 @@ def test_a_proposal_that_breaks_the_contract_is_refused_and_frees_its_slots(infe
             probs = torch.full((k, 7), 1 / 7) if breach == "probs shape" else None
             return Proposal({s.seq_id: [token] * n for s in seqs}, {s.seq_id: probs for s in seqs})
 
-    plugins = runtime_plugin(infer_plugins, "register_proposers", "breaking", lambda config, target: Breaking())
+    plugins = runtime_plugin(infer_plugins, "register_proposers", "breaking", lambda config, target, plugins: Breaking())
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", proposer="breaking",
                                  num_speculative_tokens=2), plugins)
     with pytest.raises(PluginError, match=re.escape(f"proposer 'breaking' {complaint}")):

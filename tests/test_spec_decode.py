@@ -377,3 +377,30 @@ def test_new_drafts_prefill_within_the_token_budget():
     longest = max(len(e.tokenize(p)) for p in prompts) + 1
     assert sizes and max(sizes) <= max(128, longest) < sum(len(e.tokenize(p)) for p in prompts), sizes
     assert e.stats.spec_proposed > 0 and drained(e)
+
+
+def test_the_draft_model_is_built_with_the_engine_s_plugins(infer_plugins):
+    """The draft loads through the engine's PluginManager: a backend registered in this process only (not an
+    installed entry point) serves the draft too. The proposer built its own manager from the entry points, which
+    did not know it."""
+    import types
+
+    from infer.plugins.torch_attention import TorchAttention
+
+    built: list[TorchAttention] = []
+
+    def counting(config: EngineConfig) -> TorchAttention:
+        built.append(TorchAttention())
+        return built[-1]
+
+    module = types.ModuleType("acme_attention")
+    module.register_attention_backends = hookimpl(lambda register: register("counted-torch", counting))
+    module.register_attention_backends.__name__ = "register_attention_backends"
+    infer_plugins.register(module, name="acme", source="infer-plugin-acme")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    baseline = engine(proposer="draft-model", num_speculative_tokens=3, attention="torch").generate(PROMPTS[:2], params)
+    e = Engine(EngineConfig(model=str(TARGET), device="cpu", num_kv_blocks=128, proposer="draft-model",
+                            num_speculative_tokens=3, attention="counted-torch"), infer_plugins)
+    assert len(built) == 2  # the target's backend and the draft's
+    assert [r.outputs[0].token_ids for r in e.generate(PROMPTS[:2], params)] == \
+        [r.outputs[0].token_ids for r in baseline]
