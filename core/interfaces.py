@@ -80,7 +80,10 @@ class KVCache(ABC):
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for ``num_tokens`` more positions after ``seq.num_computed_tokens``.
 
-        Returns False, changing nothing, when there are not enough blocks (after evicting cached ones). Writing
+        The request is absolute, not cumulative: afterwards positions ``[num_computed_tokens, num_computed_tokens +
+        num_tokens)`` are backed, whatever earlier calls made room for; it may be called again in the same step
+        (speculative decoding widens a decode's 1 to ``1 + k`` after ``schedule``). Returns False, changing nothing,
+        when there are not enough blocks (after evicting cached ones). Writing
         into a block shared with another sequence copies it first (recorded for :meth:`take_block_ops`).
         """
 
@@ -364,7 +367,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
@@ -389,19 +392,24 @@ def check_float(name: str, tensor: torch.Tensor) -> None:
 
 
 class QuantMethod(ABC):
-    """How a linear layer stores and applies its weights. One instance serves all the model's linears."""
+    """How a linear layer stores and applies its weights. One instance serves all the model's linears: in the
+    Llama family each layer's q/k/v/o and gate/up/down projections, and an untied ``lm_head``; a tied lm_head and
+    the embedding stay in the model dtype. ``name`` appears in load errors (set it to the registered name)."""
 
     name: str = "none"
 
     def applies_to(self, prefix: str) -> bool:
-        """Whether the linear at module path ``prefix`` (e.g. 'model.layers.0.mlp.up_proj') is quantized."""
+        """Whether the linear at module path ``prefix`` (e.g. 'model.layers.0.mlp.up_proj', 'lm_head') uses this
+        method; False gives it an unquantized linear. Default: every linear, the untied lm_head included."""
         return True
 
     @abstractmethod
     def create_weights(
         self, layer: torch.nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
     ) -> None:
-        """Register the parameters/buffers the checkpoint will fill (e.g. ``weight`` or ``qweight``) on ``layer``."""
+        """Register the parameters/buffers the checkpoint will fill (e.g. ``weight`` or ``qweight``) on ``layer``,
+        and a ``bias`` of ``out_features`` when ``bias`` is True (a checkpoint tensor with nowhere to go is a
+        CheckpointError)."""
 
     def load_weight(self, layer: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
         """Copy checkpoint tensor ``name`` (the attribute name) into ``layer``; raise CheckpointError on mismatch."""
@@ -442,7 +450,9 @@ class QuantMethod(ABC):
 # ---------------------------------------------------------------- speculative decoding
 @dataclass
 class Proposal:
-    """Draft tokens per sequence id, and the draft's probabilities for each ([k, vocab]; None when greedy)."""
+    """Draft tokens per sequence id, and the draft's probabilities for each ([drafts, vocab]). A missing or None
+    entry is a deterministic draft (a point mass on each token, as the ngram proposer's): exact for sampled requests
+    too, since rejection sampling then accepts a draft token x with probability p(x)."""
 
     token_ids: dict[int, list[int]]
     probs: dict[int, torch.Tensor | None] = field(default_factory=dict)

@@ -240,3 +240,29 @@ def test_every_group_option_reaches_the_engine_config():
     assert {p.name for p in group.params} - set(FIELD_OF_OPTION) == handled_by_engine_args
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert all(target in fields or target.startswith("plugin_options.") for target in FIELD_OF_OPTION.values())
+
+
+def test_the_public_component_classes_have_their_documented_constructors():
+    """writing-a-plugin.md's table of shipped classes to build on: each imports from its documented path, takes
+    the documented constructor arguments, and is what its documented registered names build."""
+    import importlib
+
+    text = (DOCS / "writing-a-plugin.md").read_text()
+    rows = re.findall(r"^\| `(infer\.[\w.]+)`((?:, `\w+`)*) \| `\(([^)]*)\)` \| (.+) \|$", text, re.M)
+    assert len(rows) == 5, rows
+    plugins = PluginManager.from_entry_points().collect()
+    config = EngineConfig()
+    eviction = plugins.registry("eviction_policy").get("lru")(config)
+    kv = plugins.registry("kv_cache").get("paged")(config, 8, eviction)
+    arguments = {"scheduler": (config, kv), "kv_cache": (config, 8, eviction), "eviction_policy": (config,),
+                 "attention_backend": (config,)}
+    for path, more, params, registered in rows:
+        module_name, first = path.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        classes = [getattr(module, name) for name in [first] + re.findall(r"`(\w+)`", more)]
+        documented = [p.strip().split("=")[0] for p in params.split(",") if p.strip()]
+        for cls in classes:
+            assert list(inspect.signature(cls).parameters) == documented, (cls, documented)
+        built = [plugins.registry(kind).get(name)(*arguments[kind]) for name in re.findall(r"`([\w-]+)`", registered)
+                 for kind in arguments if name in plugins.registry(kind)]
+        assert {type(component) for component in built} == set(classes), (path, built)
