@@ -24,8 +24,10 @@ def stdlib_corpus(max_files: int = 400) -> list[Path]:
     return sorted(p for p in root.glob("*.py"))[:max_files]
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = 1024, files: list[Path] | None = None) -> Any:
-    """Train a byte-level BPE on local text and save it as an HF fast tokenizer in ``out_dir``."""
+def train_tokenizer(out_dir: Path, vocab_size: int = 1024, files: list[Path] | None = None,
+                    extra_special_tokens: tuple[str, ...] = ()) -> Any:
+    """Train a byte-level BPE on local text and save it as an HF fast tokenizer in ``out_dir``; its vocabulary,
+    special tokens included, has ``vocab_size`` entries."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -33,7 +35,8 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 1024, files: list[Path] | N
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     texts = (p.read_text(encoding="utf-8", errors="replace") for p in (files or stdlib_corpus()))
     tok.train_from_iterator(texts, trainer=trainer)
@@ -66,7 +69,10 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: in
                           f"multiple of {2 * num_heads}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(out, vocab_size, tokenizer_files)
+    # transformers loads a qwen checkpoint's tokenizer as Qwen2Tokenizer, which adds <|endoftext|> (its unk token)
+    # when the vocabulary lacks it: one token past the model's vocabulary
+    extra_special = ("<|endoftext|>",) if arch.startswith("qwen") else ()
+    tokenizer = train_tokenizer(out, vocab_size, tokenizer_files, extra_special)
     raw = dict(ARCH_CONFIGS[arch])
     raw.update(
         hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,

@@ -166,3 +166,15 @@ def test_mistral_window_defaults_as_in_hf_and_other_activations_are_refused(tmp_
     gelu = edited_model(tmp_path / "c", "llama", lambda c: c.update(hidden_act="gelu"))
     with pytest.raises(CheckpointError, match="has hidden_act 'gelu'; infer's MLP computes silu"):
         Engine(EngineConfig(model=str(gelu), device="cpu", num_kv_blocks=4))
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_the_tiny_checkpoints_tokenizer_fits_the_model(name, checkpoint):
+    """transformers loads a qwen checkpoint's tokenizer as Qwen2Tokenizer, which adds <|endoftext|> when it is
+    missing: the tiny qwen models had 1025 tokens for a 1024-token model (and a warning at every load)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    path = checkpoint(name)
+    assert len(AutoTokenizer.from_pretrained(str(path))) == json.loads((path / "config.json").read_text())["vocab_size"]
