@@ -10,10 +10,11 @@ from infer.core.hookspecs import hookimpl
 from infer.core.request import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "hookimpl", "__version__", "InferError", "InvalidRequestError", "ConfigError",
-           "CapacityError", "PluginError", "CheckpointError", "NotFoundError"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "hookimpl", "__version__", "InferError", "InvalidRequestError",
+           "ConfigError", "CapacityError", "PluginError", "CheckpointError", "NotFoundError"]
 
 if TYPE_CHECKING:
+    from infer.core.beam_search import BeamSearchParams
     from infer.core.llm import LLM
 
 
@@ -22,4 +23,8 @@ def __getattr__(name: str) -> Any:  # keep `import infer` light: the engine pull
         from infer.core.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":  # its module imports torch
+        from infer.core.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(f"module 'infer' has no attribute {name!r}")

@@ -90,6 +90,10 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
               "text, whatever else runs in the batch (with speculative decoding, as long as the prompt gets the same "
               "drafts per step, which a full step budget or the degradation rules can change) [default: the "
               "engine's random stream].")
+@click.option("--beam-width", type=int, default=0, help="Beam search with this many beams per prompt (their KV "
+              "shared by fork); prints the best beam, --json every beam [default: 0, off].")
+@click.option("--length-penalty", type=float, default=1.0, show_default=True,
+              help="Beam search: a hypothesis scores its log-probability / its length ** this.")
 @click.option("--stream", is_flag=True, help="Print text as it is generated (one prompt at a time).")
 @click.option("--stats", is_flag=True, help="Print engine metrics (KV usage, prefix hit rate, speculation, ...) as "
               "JSON at the end (each field in docs/cli.md).")
@@ -100,7 +104,7 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temperature: float, top_p: float,
              top_k: int, min_p: float, n: int, stop: tuple[str, ...], ignore_eos: bool, seed: int | None,
-             stream: bool, stats: bool, as_json: bool) -> None:
+             beam_width: int, length_penalty: float, stream: bool, stats: bool, as_json: bool) -> None:
     """Generate text for PROMPTS (or for each line of stdin when none are given). Each completion prints as the
     prompt followed by its text; with several prompts or --n > 1, --json keeps them apart."""
     from ..core.request import SamplingParams
@@ -117,6 +121,16 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed)
     params.validate()
+    if beam_width:
+        sampling = {"--temperature": temperature, "--top-p": top_p != 1.0, "--top-k": top_k, "--min-p": min_p,
+                    "--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream}
+        if given := [name for name, value in sampling.items() if value]:
+            raise click.UsageError(f"--beam-width searches deterministically: drop {', '.join(given)}")
+        if stats:
+            raise click.UsageError("--stats reports the engine's scheduled requests, which beam search bypasses; "
+                                   "drop --stats (--json shows each beam's log-probability and score)")
+        _beam_search(ctx, texts, beam_width, max_tokens, length_penalty, ignore_eos, as_json)
+        return
 
     def refused(exc: InferError, index: int | None) -> click.ClickException:
         where = "" if prompts or index is None else f" (stdin line {numbered[index][0]})"
@@ -149,6 +163,25 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     if stats:
         summary = engine.stats.summary()
         click.echo(json.dumps(summary, indent=2), err=True)
+
+
+def _beam_search(ctx: click.Context, texts: list[str], beam_width: int, max_tokens: int, length_penalty: float,
+                 ignore_eos: bool, as_json: bool) -> None:
+    """generate --beam-width: the best beam after each prompt, or --json one line per beam, best first."""
+    from ..core.beam_search import BeamSearchParams
+
+    params = BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos)
+    try:
+        params.validate()
+        results = build_engine(ctx).beam_search(texts, params)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    for index, (text, result) in enumerate(zip(texts, results)):
+        for rank, beam in enumerate(result.beams if as_json else result.beams[:1]):
+            click.echo(json.dumps({"prompt_index": index, "prompt": text, "index": rank, "text": beam.text,
+                                   "token_ids": beam.token_ids, "finish_reason": beam.finish_reason.value,
+                                   "cumulative_logprob": beam.cumulative_logprob, "score": beam.score})
+                       if as_json else text + beam.text)
 
 
 def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]], as_json: bool = False) -> None:

@@ -2,7 +2,7 @@
 (check_schedule). Each refusal says what to change."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,14 @@ class RequestChecker:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context length "
                 f"{self.max_model_len}; shorten the prompt or lower max_tokens")
         return ids
+
+
+def check_prompt_list(prompts: object) -> Seq[str | list[int]]:
+    """``prompts`` if it is a list (sequence) of prompts, else InvalidRequestError (a lone string is one)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
+        raise InvalidRequestError(f"prompts must be a list of prompts (strings or token-id lists), got "
+                                  f"{type(prompts).__name__}")
+    return prompts
 
 
 def at_prompt(exc: InferError, index: int, total: int) -> InferError:

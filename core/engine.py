@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .admission import RequestChecker, at_prompt, check_schedule
+from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
 from .assembly import assemble
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
@@ -31,6 +31,7 @@ from .sampling import to_device
 
 if TYPE_CHECKING:
     from ..spec_decode.decoder import SpecDecoder
+    from .beam_search import BeamSearchOutput, BeamSearchParams
 
 log = logging.getLogger("infer")
 
@@ -442,13 +443,20 @@ class Engine:
         index = {rid: i for i, rid in enumerate(ids)}
         return self.readers.own(ids, lambda: self.readers.completions(index, results))
 
+    def beam_search(self, prompts: Seq[str | list[int]], params: BeamSearchParams | None = None
+                    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (see core/beam_search.py), beams sharing KV blocks by fork; one
+        BeamSearchOutput per prompt, in order. Runs alone: the engine must have no unfinished requests."""
+        from .beam_search import BeamSearchParams, beam_search
+
+        with self._plugin_code():
+            return beam_search(self, prompts, params or BeamSearchParams(), lambda: next(self._seq_ids))
+
     def add_requests(self, prompts: Seq[str | list[int]],
                      params: SamplingParams | Seq[SamplingParams] | None = None) -> list[str]:
         """Queue every prompt, or none: a bad one raises (its position in ``prompt_index``) and aborts the rest.
         Returns the request ids, in order."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
-            raise InvalidRequestError(f"prompts must be a list of prompts (strings or token-id lists), got "
-                                      f"{type(prompts).__name__}")
+        check_prompt_list(prompts)
         params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")

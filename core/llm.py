@@ -6,6 +6,7 @@ import difflib
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from .beam_search import BeamSearchOutput, BeamSearchParams
 from .config import COMPONENT_FIELDS, EngineConfig
 from .engine import Engine
 from .errors import ConfigError
@@ -39,10 +40,20 @@ class LLM:
 
     def generate(self, prompts: str | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self.engine.generate(prompts, params)  # type: ignore[arg-type]
+        return self.engine.generate(_as_list(prompts), params)
+
+    def beam_search(self, prompts: str | Seq[str | list[int]], params: BeamSearchParams | None = None
+                    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt: ``beam_width`` beams per prompt, best first (see ``Engine.beam_search``)."""
+        return self.engine.beam_search(_as_list(prompts), params)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+
+def _as_list(prompts: str | Seq[str | list[int]]) -> Seq[str | list[int]]:
+    """One prompt (a string, or a list of token ids) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return prompts  # type: ignore[return-value]

@@ -1,0 +1,182 @@
+"""Beam search on the KV fork primitive, against HF transformers' beam search and greedy decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.core.beam_search import BeamSearchParams
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.errors import CapacityError, InvalidRequestError
+from infer.core.request import FinishReason, SamplingParams
+
+
+TEXTS = ["def f(x):", "import os\n", "class A:\n    def", "x = [", "return"]
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_model, tmp_path_factory):
+    """The tiny model with its end-of-sequence id moved to the token its greedy outputs emit most: random weights
+    rarely emit the real one, and the stop path must run."""
+    import collections
+    import json
+    import shutil
+
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    outputs = engine.generate(TEXTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    common = collections.Counter(t for o in outputs for t in o.outputs[0].token_ids).most_common(1)[0][0]
+    path = tmp_path_factory.mktemp("eos-model")
+    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((path / name).read_text())
+        config["eos_token_id"] = common
+        (path / name).write_text(json.dumps(config))
+    return path
+
+
+def hf_beam_search(path, prompt: list[int], width: int, max_new_tokens: int, length_penalty: float,
+                   ignore_eos: bool) -> tuple[list[list[int]], list[float]]:
+    """HF generate's beam search (early_stopping=False): the beams, best first, cut after their end-of-sequence
+    token (HF pads after it), and their scores."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    if ignore_eos:
+        model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
+                             max_new_tokens=max_new_tokens, length_penalty=length_penalty, early_stopping=False,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             output_scores=True, return_dict_in_generate=True)
+    beams = [row[len(prompt):].tolist() for row in out.sequences]
+    if not ignore_eos:
+        beams = [beam[: beam.index(eos) + 1] if eos in beam else beam for beam in beams]
+    return beams, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize(("width", "length_penalty", "ignore_eos", "kv_cache"), [
+    (3, 1.0, True, "paged"), (3, 1.0, True, "radix-cache"), (3, 0.0, False, "paged"), (4, 1.0, False, "paged"),
+    (4, 2.0, False, "radix-cache")])
+def test_beams_equal_hf_beam_search(eos_model, width, length_penalty, ignore_eos, kv_cache):
+    """Tokens and scores of every returned beam equal HF's, hypotheses that stop at the end-of-sequence token
+    included (the stop path ran: some beams stop, some run to max_tokens)."""
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", kv_cache=kv_cache, block_size=4))
+    params = BeamSearchParams(beam_width=width, max_tokens=20, length_penalty=length_penalty, ignore_eos=ignore_eos)
+    results = engine.beam_search(TEXTS, params)
+    reasons = set()
+    for text, result in zip(TEXTS, results):
+        beams, scores = hf_beam_search(eos_model, engine.tokenize(text), width, 20, length_penalty, ignore_eos)
+        assert [b.token_ids for b in result.beams] == beams
+        assert [b.score for b in result.beams] == pytest.approx(scores, rel=1e-6, abs=1e-5)
+        assert result.beams[0].text == engine.tokenizer.decode(result.beams[0].token_ids)
+        reasons |= {b.finish_reason for b in result.beams}
+    assert reasons == ({FinishReason.LENGTH} if ignore_eos else {FinishReason.LENGTH, FinishReason.STOP})
+    stats = engine.kv.stats()  # every beam freed: nothing leaks
+    assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
+
+
+def test_cumulative_logprob_is_the_model_s(eos_model):
+    """A beam's cumulative log-probability is the sum of its tokens' log-softmax under a fresh HF forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4))
+    model = AutoModelForCausalLM.from_pretrained(str(eos_model), dtype=torch.float32).eval()
+    prompt = engine.tokenize(TEXTS[2])
+    for beam in engine.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))[0].beams:
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([prompt + beam.token_ids])).logits[0], dim=-1)
+        total = sum(logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(beam.token_ids))
+        assert beam.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_width_one_is_greedy_decoding_end_of_sequence_included(eos_model):
+    """A beam of one keeps the best token each step: greedy decoding, which stops at the end-of-sequence token
+    (kept as the beam's last token, as generate keeps it)."""
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu"))
+    greedy = engine.generate(TEXTS, SamplingParams(max_tokens=40, temperature=0.0))
+    beams = engine.beam_search(TEXTS, BeamSearchParams(beam_width=1, max_tokens=40, length_penalty=0.0))
+    for g, b in zip(greedy, beams):
+        assert b.beams[0].token_ids == g.outputs[0].token_ids
+        assert b.beams[0].finish_reason == g.outputs[0].finish_reason
+    assert any(g.outputs[0].finish_reason is FinishReason.STOP for g in greedy)  # the stop path ran
+
+
+def test_hypotheses_end_at_eos_and_forks_share_blocks(eos_model, infer_plugins):
+    """With the end-of-sequence token allowed, a finished hypothesis ends with it and scores by its own length;
+    the beams of one prompt share the prompt's blocks (forks), so they hold far fewer than width x the prompt's."""
+    import types
+
+    from infer import hookimpl
+    from infer.plugins.paged_cache import PagedKVCache
+
+    class PeakTracking(PagedKVCache):
+        peak = 0
+
+        def allocate(self, seq, num_tokens):
+            done = super().allocate(seq, num_tokens)
+            PeakTracking.peak = max(PeakTracking.peak, self.stats().used_blocks)
+            return done
+
+    module = types.ModuleType("peak")
+    module.register_kv_caches = hookimpl(lambda register: register(
+        "peak-paged", lambda config, n, eviction: PeakTracking(n, config.block_size, eviction, True)))
+    infer_plugins.register(module, name="peak", source="tests")
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, kv_cache="peak-paged"),
+                    infer_plugins)
+    prompt = list(range(3, 203))  # 200 tokens: 50 blocks of 4
+    result = engine.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=24))
+    assert 50 < PeakTracking.peak <= 50 + 4 * (24 // 4 + 1)  # unshared, 4 x (50 + 6) blocks
+    result += engine.beam_search(TEXTS, BeamSearchParams(beam_width=4, max_tokens=24))
+    assert any(b.finish_reason is FinishReason.STOP for output in result for b in output.beams)  # EOS path ran
+    for output in result:
+        assert len(output.beams) == 4, output
+        scores = [b.score for b in output.beams]
+        assert scores == sorted(scores, reverse=True)
+        for b in output.beams:
+            assert b.score == pytest.approx(b.cumulative_logprob / len(b.token_ids))
+            stopped = b.finish_reason is FinishReason.STOP
+            assert (b.token_ids[-1] in engine.eos_token_ids) == stopped
+            assert stopped or len(b.token_ids) == 24
+
+
+def test_bad_input_is_refused_and_the_pool_stays_clean(tiny_model):
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16))
+    with pytest.raises(InvalidRequestError, match="beam_width must be an integer >= 1, got 0"):
+        engine.beam_search(["x"], BeamSearchParams(beam_width=0))
+    with pytest.raises(InvalidRequestError, match="prompts must be a list of prompts"):
+        engine.beam_search("x", BeamSearchParams())
+    with pytest.raises(InvalidRequestError, match="prompt 2 of 2: prompt is empty"):
+        engine.beam_search(["x", ""], BeamSearchParams())
+    with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
+        engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=8, max_tokens=64, ignore_eos=True))
+    stats = engine.kv.stats()
+    assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
+    engine.add_request("x", SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="beam search runs alone, and the engine has 1 unfinished"):
+        engine.beam_search(["y"], BeamSearchParams())
+
+
+def test_generate_beam_width_prints_the_beams(eos_model):
+    import json
+
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    expected = Engine(EngineConfig(model=str(eos_model), device="cpu")).beam_search(
+        TEXTS[:2], BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=0.5))
+    result = CliRunner().invoke(main, ["--model", str(eos_model), "--device", "cpu", "generate", *TEXTS[:2],
+                                       "--beam-width", "3", "--max-tokens", "12", "--length-penalty", "0.5", "--json"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(d["prompt_index"], d["index"], d["token_ids"], d["finish_reason"]) for d in lines] == [
+        (p, rank, b.token_ids, b.finish_reason.value) for p, out in enumerate(expected)
+        for rank, b in enumerate(out.beams)]
+    plain = CliRunner().invoke(main, ["--model", str(eos_model), "--device", "cpu", "generate", TEXTS[0],
+                                      "--beam-width", "3", "--max-tokens", "12", "--length-penalty", "0.5"])
+    assert plain.stdout == TEXTS[0] + expected[0].beams[0].text + "\n"
+    refused = CliRunner().invoke(main, ["--model", str(eos_model), "generate", "x", "--beam-width", "2",
+                                        "--temperature", "0.7", "--seed", "1"])
+    assert refused.exit_code == 2 and "--beam-width searches deterministically: drop --temperature, --seed" in \
+        refused.output
