@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_check.sh        tests kernels profile anchor prefix spec quant host hfstatic
 #   COPY_GBPS=N DEADLINE_S=T bash benchmarks/gpu_check.sh STAGE...   the stages left; COPY_GBPS: the first call's
 #                                       measured copy bandwidth
-#   (prefix3k, not run by default: shared-prefix with a 3,000-token prefix, when device time allows)
+#   (not run by default, when device time allows: prefix3k, shared-prefix with a 3,000-token prefix; beam, beam
+#   search against HF generate(num_beams) with the shipped demo model)
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
 # step; Chrome traces in the logs). anchor measures infer (with and without merged projections, with the skinny
 # GEMM) on the anchor workload and single stream, then HF continuous batching; hfstatic adds HF generate (static
@@ -137,6 +138,10 @@ if want prefix3k; then  # not a default stage: the shared-prefix A/B with a 3,00
     --ab "" "--no-prefix-caching" --out "$WORK/shared_prefix_3k"
 fi
 
+if want beam; then  # not a default stage: beam search (KV forks) against HF generate(num_beams) on the demo model
+  stage "beam_bench" beam_bench.log 60 $PY benchmarks/beam_bench.py --device cuda --repeats 2
+fi
+
 if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the shipped pair; K = 4 again with
   # each draft step its own forward pass (the A/B of the round graphs)
   stage "spec_bench" spec_bench.log 100 $PY benchmarks/spec_bench.py --device cuda --repeats 2 --step-by-step-ks 4
@@ -191,6 +196,7 @@ want prefix3k && [[ -s $WORK/shared_prefix_3k/table.txt ]] && { echo; echo "== s
 want prefix && [[ -s $WORK/long_prompt/table.txt ]] && { echo; echo "== long prompt among decodes =="
                  grep -E "TPOT|ITL p99|TTFT p99|^A:|^B:" "$WORK/long_prompt/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 10
+want beam && show "beam search against HF" beam_bench.log 5
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
 want quant && show "quantization" quant_bench.log 40
 want host && show "host overhead per output token" host_overhead.log 8
