@@ -1,7 +1,6 @@
 """The ``triton`` attention backend: paged KV, split-K decode fast path, ragged prefill/extend for mixed batches."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -61,9 +60,10 @@ class TritonAttentionBackend(AttentionBackend):
 
 def create_backend(config: EngineConfig) -> TritonAttentionBackend:
     """Factory: needs CUDA (or TRITON_INTERPRET=1, for tests on CPU tensors)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    on_cuda = torch.cuda.is_available() and config.device != "cpu"
-    if not (on_cuda or interpret):
+    from ..core.loader import resolve_device, triton_runs_on
+
+    device = resolve_device(config.device)
+    if not triton_runs_on(device):
         raise PluginError("the triton attention backend needs a CUDA GPU (device "
                           f"{config.device!r}, CUDA available: {torch.cuda.is_available()}); use --attention torch")
     try:
@@ -71,9 +71,7 @@ def create_backend(config: EngineConfig) -> TritonAttentionBackend:
     except ImportError as exc:
         raise PluginError(f"the triton attention backend cannot import triton ({exc}); use --attention torch") from exc
     num_sms = DEFAULT_NUM_SMS
-    if on_cuda:
-        index = torch.device(config.device).index if config.device.startswith("cuda:") else None
-        device = torch.cuda.current_device() if index is None else index
+    if device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         if config.kv_cache_dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
             raise PluginError("--kv-cache-dtype fp8 with the triton backend needs a GPU with fp8 support (sm89+, "
