@@ -405,14 +405,14 @@ class Engine:
         output.num_cached_tokens = max(seq.num_cached_tokens for seq in req.seqs)
         if self.spec is not None:
             self.spec.finish(req.seqs, output)
-        self.plugins.hook.on_request_finished(output=output)
+        self.plugins.observe("on_request_finished", output=output)
 
     def _record_step(self, out: SchedulerOutput, start: float, times: StepTimes, sampled: float,
                      decodes: int) -> None:
         step = self.stats.record_step(out, self.kv, self.scheduler, start, times, sampled, decodes)
         if self.spec is not None:
             self.spec.annotate(step)
-        self.plugins.hook.on_step(stats=step)
+        self.plugins.observe("on_step", stats=step)
 
     # ------------------------------------------------------------ convenience
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,

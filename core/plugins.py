@@ -278,6 +278,26 @@ class PluginManager:
         """The pluggy hook relay, for event hooks (``on_step``, ``on_request_finished``)."""
         return self.pm.hook
 
+    def observe(self, hook: str, **kwargs: Any) -> None:
+        """Call event hook ``hook``'s observers; one that raises is a PluginError naming its plugin and package
+        (the original chained), as a component's error is."""
+        caller = getattr(self.pm.hook, hook)
+        try:
+            caller(**kwargs)
+        except Exception as exc:
+            codes, frame = set(), exc.__traceback__
+            while frame is not None:
+                codes.add(frame.tb_frame.f_code)
+                frame = frame.tb_next
+            impl = next((i for i in caller.get_hookimpls() if i.function.__code__ in codes), None)
+            if impl is None:
+                raise
+            source = self._sources.get(impl.plugin_name, impl.plugin_name)
+            log.info("observer %r failed in %s", impl.plugin_name, hook, exc_info=exc)
+            raise PluginError(f"the observer {impl.plugin_name!r} from {source!r} raised {type(exc).__name__} in "
+                              f"{hook}: {exc}; fix the plugin or uninstall it (INFER_PLUGINS=a,b limits the entry "
+                              "points that load; the CLI shows the traceback with -v)") from exc
+
     def _allow_list_hint(self, kinds: Iterable[str], name: str) -> str:
         """Why ``name`` may be missing when INFER_PLUGINS limited loading; ``""`` without an allow-list."""
         if self._allow_list is None:

@@ -296,3 +296,29 @@ def test_plugin_options_are_checked_against_their_declaration() -> None:
     with pytest.raises(ConfigError, match=r"ns has no option 'rat'; did you mean ns.rate\? its options: rate \(a number "
                                           r"in \[0, 1\], default 0.5\); mode \(one of a, b, default 'a'\)"):
         read(rat=0.3)
+
+
+def test_an_observer_that_raises_is_named(tiny_model, infer_plugins):
+    """An observer's exception is a PluginError naming the observer and its package, as a component's is (it came
+    out raw: nothing said which installed plugin failed)."""
+
+    class Failing:
+        @hookimpl
+        def on_step(self, stats):
+            if stats.num_seqs:
+                raise RuntimeError("observer bug")
+
+        @hookimpl
+        def on_request_finished(self, output):
+            raise KeyError(output.request_id)
+
+    infer_plugins.register(Failing(), name="failing-observer", source="acme-metrics")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), infer_plugins)
+    engine.add_request("a", SamplingParams(max_tokens=4), request_id="r1")
+    with pytest.raises(PluginError, match="the observer 'failing-observer' from 'acme-metrics' raised RuntimeError in "
+                                          "on_step: observer bug; fix the plugin or uninstall it") as info:
+        engine.step()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(PluginError, match="'failing-observer' from 'acme-metrics' raised KeyError in "
+                                          "on_request_finished: 'r1'"):
+        engine.abort("r1")
