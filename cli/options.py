@@ -43,8 +43,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="What a preempted sequence does with its KV [default: recompute]."),
     click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
     click.option("--kv-admission-reserve", type=float, default=None, metavar="R",
-                 help="Admit a waiting request only if the KV blocks left after its prompt cover R x the tokens that "
-                      "the running sequences and it may still generate (their max_tokens), so fewer are preempted "
+                 help="Admit a waiting request only if the KV blocks left after its prompt cover R x the blocks that "
+                      "the running sequences and it still need to reach their max_tokens, so fewer are preempted "
                       "later; 0 admits whenever the prompt fits [default: 0]."),
     click.option("--seed", type=int, default=None, help="Seed of unseeded sampling, in [0, 2**63) [default: 0]."),
     click.option("--cpu-threads", type=int, default=None,

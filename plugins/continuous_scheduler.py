@@ -128,7 +128,8 @@ class ContinuousScheduler(Scheduler):
         if not self.waiting:
             return
         occupied = sum(self._seats(s) for s in self.running)
-        future = sum(self._future_blocks(s, len(self.kv.block_table(s))) for s in self.running) if self.reserve else 0
+        future = sum(self._future_blocks(s, len(self.kv.block_table(s))) * self._seats(s)  # an unforked parent: n
+                     for s in self.running) if self.reserve else 0
         while self.waiting and occupied < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if occupied + self._seats(seq) > self.max_num_seqs:
@@ -147,6 +148,8 @@ class ContinuousScheduler(Scheduler):
                 self._start(seq, n, out)
                 budget -= n
                 occupied += seats
+                if self.reserve:
+                    future += self._future_blocks(seq, len(self.kv.block_table(seq))) * seats
                 continue
             seq.num_computed_tokens = self.kv.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens

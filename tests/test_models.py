@@ -85,6 +85,25 @@ def test_an_admission_reserve_avoids_preemption_and_keeps_outputs_exact(checkpoi
     assert preemptions[0.0] > 0 and preemptions[1.0] == 0
 
 
+def test_an_admission_reserve_counts_the_forks_of_an_n_request(checkpoint):
+    """An n = 4 parent admitted mid chunked prefill has not forked yet: the reserve counts its future blocks n
+    times, so R = 1 still preempts nothing (it counted them once, and a later request took the children's room)."""
+    path = checkpoint("llama")
+    rng = random.Random(0)
+    batch = [[rng.randrange(3, 1000) for _ in range(200)]] + [[rng.randrange(3, 1000) for _ in range(20)]
+                                                            for _ in range(6)]
+    params = [SamplingParams(max_tokens=64, n=4, temperature=0.8, seed=1, ignore_eos=True)] + [GREEDY] * 6
+    preemptions = {}
+    for reserve in (0.0, 1.0):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=40, enable_prefix_caching=False,
+                                     scheduler="chunked-prefill", max_num_batched_tokens=32,
+                                     kv_admission_reserve=reserve))
+        results = engine.generate(batch, params)
+        assert [len(r.outputs) for r in results] == [4] + [1] * 6
+        preemptions[reserve] = engine.scheduler.num_preemptions
+    assert preemptions[0.0] > 0 and preemptions[1.0] == 0
+
+
 def test_preemption_by_swap_keeps_outputs_exact(checkpoint, hf_greedy):
     path = checkpoint("llama")
     rng = random.Random(3)
