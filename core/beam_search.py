@@ -2,8 +2,9 @@
 reference, the partial last block copied on first write), and a beam no candidate chose frees its blocks.
 
 Each step scores every live beam's continuations, cumulative log-probability plus the token's, and keeps the best
-``beam_width`` over all of a prompt's beams (HF transformers' candidate rule: the best ``2 x beam_width``, an
-end-of-sequence token among the best ``beam_width`` of them finishing a hypothesis). A hypothesis scores
+``beam_width`` over all of a prompt's beams (HF transformers' candidate rule: the best ``max(2, 1 + number of
+end-of-sequence ids) x beam_width``, an end-of-sequence token among the best ``beam_width`` of them finishing a
+hypothesis). A hypothesis scores
 ``cumulative_logprob / num_generated_tokens ** length_penalty``. A prompt is done at ``max_tokens``, or when
 ``beam_width`` hypotheses have finished and none of the live beams scores better now (HF's ``early_stopping=False``).
 """
@@ -74,6 +75,8 @@ def beam_search(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearc
     """Run beam search for every prompt, the prompts' beams batched together, on ``engine``'s model and KV pool
     (which must have no other requests). Raises InvalidRequestError, or CapacityError when the beams outgrow the
     KV pool (their blocks are freed first)."""
+    if not isinstance(params, BeamSearchParams):
+        raise InvalidRequestError(f"beam search takes a BeamSearchParams, got {type(params).__name__}")
     params.validate()
     if engine.has_unfinished():
         raise InvalidRequestError(f"beam search runs alone, and the engine has {len(engine.requests)} unfinished "
@@ -90,6 +93,12 @@ def beam_search(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearc
     for index, prompt in enumerate(check_prompt_list(prompts)):
         try:
             ids = engine.checker.check(prompt, sampling)
+            need = engine.kv.num_blocks_needed(len(ids) + params.max_tokens - 1)
+            if need > engine.kv.num_blocks:
+                raise CapacityError(f"a prompt of {len(ids)} tokens with max_tokens {params.max_tokens} needs up to "
+                                    f"{need} KV blocks for one beam, but the cache has {engine.kv.num_blocks}; "
+                                    "shorten the prompt, lower max_tokens, or give the KV cache more blocks "
+                                    "(--num-kv-blocks, --kv-cache-memory-gb)")
         except InferError as exc:
             raise at_prompt(exc, index, len(prompts)) from None
         states.append(_Prompt(ids, [(new_beam(ids, ids), 0.0)]))
@@ -110,37 +119,47 @@ def beam_search(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearc
     finally:
         for beam in created:
             engine.kv.free(beam)
+        engine.kv.take_block_ops()  # copies queued for beams that never ran (an error mid-step) must not run later
     return [_output(engine, state, params) for state in states]
 
 
 def _forward(engine: Engine, beams: list[Sequence], first: bool) -> torch.Tensor:
     """Allocate each beam's uncomputed tokens (``first``: the prompts, after a prefix-cache lookup) and run them,
-    in batches within --max-num-batched-tokens; return the next-token log-probabilities [beams, V]."""
-    budget, batches, batch, size = engine.config.max_num_batched_tokens, [], [], 0
+    as the scheduler would: batches of at most --max-num-seqs sequences and --max-num-batched-tokens tokens, a long
+    prompt in chunks. Returns the next-token log-probabilities [beams, V], in the order of ``beams``."""
+    kv, config = engine.kv, engine.config
     for beam in beams:
         if first:
-            beam.num_computed_tokens = engine.kv.match_prefix(beam)  # allocate follows at once, as its contract asks
-        n = beam.num_tokens - beam.num_computed_tokens
-        if not engine.kv.allocate(beam, n):
+            beam.num_computed_tokens = kv.match_prefix(beam)  # allocate follows at once, as its contract asks
+        if not kv.allocate(beam, beam.num_tokens - beam.num_computed_tokens):
             if first:
-                engine.kv.free(beam)
-            raise CapacityError(f"beam search ran out of KV blocks ({engine.kv.num_blocks} in the pool) with "
-                                f"{len(beams)} beams; lower beam_width, max_tokens or the number of prompts, or give "
-                                "the KV cache more blocks (--num-kv-blocks, --kv-cache-memory-gb)")
-        if batch and size + n > budget:
-            batches.append(batch)
-            batch, size = [], 0
-        batch.append(ScheduledSequence(beam, n))
-        size += n
-    logprobs = []
-    for items in batches + [batch]:
-        out = SchedulerOutput(items, block_ops=engine.kv.take_block_ops())  # copy-on-write copies of shared blocks
-        _, logits = engine.runner.execute(out, engine.kv)
-        logprobs.append(torch.log_softmax(logits.float(), dim=-1).cpu())
+                kv.free(beam)
+            raise CapacityError(f"beam search ran out of KV blocks ({kv.num_blocks} in the pool) with {len(beams)} "
+                                "beams; lower beam_width, max_tokens or the number of prompts, or give the KV cache "
+                                "more blocks (--num-kv-blocks, --kv-cache-memory-gb)")
+    rows: dict[int, torch.Tensor] = {}
+    pending = beams
+    while pending:
+        items, later, size = [], [], 0
+        for beam in pending:
+            left = beam.num_tokens - beam.num_computed_tokens
+            n = min(left, config.max_num_batched_tokens - size)
+            if n < 1 or len(items) == config.max_num_seqs:
+                later.append(beam)
+                continue
+            items.append(ScheduledSequence(beam, n))
+            size += n
+            if n < left:  # the rest of a long prompt, in a later batch
+                later.append(beam)
+        out = SchedulerOutput(items, block_ops=kv.take_block_ops())  # copy-on-write copies of shared blocks
+        batch, logits = engine.runner.execute(out, kv)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        rows.update(zip(batch.sample_seq_ids, logprobs))  # the beams whose last token ran
         for item in items:
             item.seq.num_computed_tokens += item.num_new_tokens
-            engine.kv.commit(item.seq)
-    return torch.cat(logprobs)
+            kv.commit(item.seq)
+        pending = later
+    return torch.stack([rows[beam.seq_id] for beam in beams])
 
 
 def _advance(engine: Engine, state: _Prompt, logprobs: torch.Tensor, params: BeamSearchParams, length: int,
@@ -148,7 +167,9 @@ def _advance(engine: Engine, state: _Prompt, logprobs: torch.Tensor, params: Bea
     """Choose the prompt's next beams from ``logprobs`` [beams, V] (each beam's next-token log-probabilities)."""
     width = params.beam_width
     totals = torch.tensor([logprob for _, logprob in state.live], dtype=torch.float64)[:, None] + logprobs
-    values, flat = totals.flatten().topk(min(2 * width, totals.numel()))
+    num_eos = 0 if params.ignore_eos else len(state.live[0][0].eos_token_ids)
+    # HF's count: enough candidates that width of them survive even if every eos id ranks first
+    values, flat = totals.flatten().topk(min(max(2, 1 + num_eos) * width, totals.numel()))
     vocab = logprobs.shape[1]
     chosen: list[tuple[int, int, float]] = []  # (beam index, token, cumulative log-probability)
     for rank, (total, index) in enumerate(zip(values.tolist(), flat.tolist())):

@@ -14,24 +14,33 @@ from infer.core.request import FinishReason, SamplingParams
 TEXTS = ["def f(x):", "import os\n", "class A:\n    def", "x = [", "return"]
 
 
-@pytest.fixture(scope="module")
-def eos_model(tiny_model, tmp_path_factory):
-    """The tiny model with its end-of-sequence id moved to the token its greedy outputs emit most: random weights
-    rarely emit the real one, and the stop path must run."""
+def with_eos(tiny_model, folder, count: int):
+    """A copy of the tiny model whose end-of-sequence ids are the ``count`` tokens its greedy outputs emit most:
+    random weights rarely emit the real one, and the stop path must run."""
     import collections
     import json
     import shutil
 
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
     outputs = engine.generate(TEXTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    common = collections.Counter(t for o in outputs for t in o.outputs[0].token_ids).most_common(1)[0][0]
-    path = tmp_path_factory.mktemp("eos-model")
-    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
+    common = [t for t, _ in collections.Counter(t for o in outputs for t in o.outputs[0].token_ids).most_common(count)]
+    shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
     for name in ("config.json", "generation_config.json"):
-        config = json.loads((path / name).read_text())
-        config["eos_token_id"] = common
-        (path / name).write_text(json.dumps(config))
-    return path
+        config = json.loads((folder / name).read_text())
+        config["eos_token_id"] = common[0] if count == 1 else common
+        (folder / name).write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_model, tmp_path_factory):
+    return with_eos(tiny_model, tmp_path_factory.mktemp("eos-model"), 1)
+
+
+@pytest.fixture(scope="module")
+def many_eos_model(tiny_model, tmp_path_factory):
+    """30 end-of-sequence ids: more than 2 x width of the best candidates can be eos tokens."""
+    return with_eos(tiny_model, tmp_path_factory.mktemp("many-eos-model"), 30)
 
 
 def hf_beam_search(path, prompt: list[int], width: int, max_new_tokens: int, length_penalty: float,
@@ -51,7 +60,8 @@ def hf_beam_search(path, prompt: list[int], width: int, max_new_tokens: int, len
                              output_scores=True, return_dict_in_generate=True)
     beams = [row[len(prompt):].tolist() for row in out.sequences]
     if not ignore_eos:
-        beams = [beam[: beam.index(eos) + 1] if eos in beam else beam for beam in beams]
+        eos_ids = set(eos) if isinstance(eos, list) else {eos}
+        beams = [beam[: next((i + 1 for i, t in enumerate(beam) if t in eos_ids), len(beam))] for beam in beams]
     return beams, out.sequences_scores.tolist()
 
 
@@ -74,6 +84,45 @@ def test_beams_equal_hf_beam_search(eos_model, width, length_penalty, ignore_eos
     assert reasons == ({FinishReason.LENGTH} if ignore_eos else {FinishReason.LENGTH, FinishReason.STOP})
     stats = engine.kv.stats()  # every beam freed: nothing leaks
     assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
+
+
+def test_many_eos_ids_leave_width_beams_like_hf(many_eos_model):
+    """With more end-of-sequence ids than candidates, HF takes max(2, 1 + ids) x width candidates, so width beams
+    survive a step whose best candidates are mostly eos tokens (2 x width left fewer, and other beams won)."""
+    engine = Engine(EngineConfig(model=str(many_eos_model), device="cpu", block_size=4))
+    results = engine.beam_search(TEXTS, BeamSearchParams(beam_width=2, max_tokens=12))
+    for text, result in zip(TEXTS, results):
+        beams, scores = hf_beam_search(many_eos_model, engine.tokenize(text), 2, 12, 1.0, False)
+        assert [b.token_ids for b in result.beams] == beams
+        assert [b.score for b in result.beams] == pytest.approx(scores, rel=1e-6, abs=1e-5)
+
+
+def test_batches_keep_to_the_sequence_and_token_budgets(eos_model, infer_plugins):
+    """Beam search runs batches of at most --max-num-seqs sequences and --max-num-batched-tokens tokens (a long
+    prompt in chunks), as the scheduler would, with the same beams as an unconstrained engine."""
+    import types
+
+    from infer import hookimpl
+    from infer.plugins.torch_attention import TorchAttention
+
+    steps: list[tuple[int, int]] = []
+
+    class Recording(TorchAttention):
+        def prepare(self, meta):
+            steps.append((len(meta.query_lens_cpu), sum(meta.query_lens_cpu)))
+            return super().prepare(meta)
+
+    module = types.ModuleType("recording")
+    module.register_attention_backends = hookimpl(lambda register: register("recording", lambda c: Recording()))
+    infer_plugins.register(module, name="recording", source="tests")
+    params = BeamSearchParams(beam_width=4, max_tokens=10)
+    prompt = list(range(3, 43))  # 40 tokens: 5 chunks of 8
+    expected = Engine(EngineConfig(model=str(eos_model), device="cpu")).beam_search([prompt, TEXTS[0]], params)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", attention="recording", max_num_seqs=3,
+                                 max_num_batched_tokens=8), infer_plugins)
+    results = engine.beam_search([prompt, TEXTS[0]], params)
+    assert [[b.token_ids for b in r.beams] for r in results] == [[b.token_ids for b in r.beams] for r in expected]
+    assert max(seqs for seqs, _ in steps) == 3 and max(tokens for _, tokens in steps) == 8
 
 
 def test_cumulative_logprob_is_the_model_s(eos_model):
@@ -152,6 +201,12 @@ def test_bad_input_is_refused_and_the_pool_stays_clean(tiny_model):
         engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=8, max_tokens=64, ignore_eos=True))
     stats = engine.kv.stats()
     assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
+    assert not engine.kv.take_block_ops()  # no copy queued for a beam that never ran waits for the next step
+    with pytest.raises(CapacityError, match="a prompt of 300 tokens with max_tokens 16 needs up to 20 KV blocks for "
+                                            "one beam, but the cache has 16; shorten the prompt"):
+        engine.beam_search([list(range(3, 303))], BeamSearchParams(max_tokens=16))
+    with pytest.raises(InvalidRequestError, match="beam search takes a BeamSearchParams, got SamplingParams"):
+        engine.beam_search(["x"], SamplingParams())
     engine.add_request("x", SamplingParams(max_tokens=4))
     with pytest.raises(InvalidRequestError, match="beam search runs alone, and the engine has 1 unfinished"):
         engine.beam_search(["y"], BeamSearchParams())
