@@ -24,6 +24,12 @@ class PluginOption:
     maximum: float | None = None
     flag: str | None = None
 
+    def __post_init__(self) -> None:
+        kind = self.kind or type(self.default)
+        if kind not in (bool, int, float, str):
+            raise TypeError(f"PluginOption {self.help!r}: its kind must be bool, int, float or str (from kind= or the "
+                            f"default), got {kind.__name__}; a default of None needs kind=")
+
     def check(self, namespace: str, key: str, value: Any) -> Any:
         """``value`` as the option's kind (an int is a float where a float is asked), else ConfigError."""
         kind = self.kind or type(self.default)
@@ -51,6 +57,8 @@ class PluginOption:
             return f"{words} in [{self.minimum:g}, {self.maximum:g}]"
         if self.minimum is not None:
             return f"{words} >= {self.minimum:g}"
+        if self.maximum is not None:
+            return f"{words} <= {self.maximum:g}"
         return words
 
 

@@ -285,11 +285,17 @@ class PluginManager:
         try:
             caller(**kwargs)
         except Exception as exc:
-            codes, frame = set(), exc.__traceback__
-            while frame is not None:
-                codes.add(frame.tb_frame.f_code)
-                frame = frame.tb_next
-            impl = next((i for i in caller.get_hookimpls() if i.function.__code__ in codes), None)
+            frames, tb = [], exc.__traceback__
+            while tb is not None:
+                frames.append(tb.tb_frame)
+                tb = tb.tb_next
+
+            def raised(impl: Any) -> bool:  # its code ran, on its own instance (one class may serve two plugins)
+                owner = getattr(impl.function, "__self__", None)
+                return any(f.f_code is impl.function.__code__ and (owner is None or f.f_locals.get("self") is owner)
+                           for f in frames)
+
+            impl = next((i for i in caller.get_hookimpls() if raised(i)), None)
             if impl is None:
                 raise
             source = self._sources.get(impl.plugin_name, impl.plugin_name)

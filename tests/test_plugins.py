@@ -322,3 +322,32 @@ def test_an_observer_that_raises_is_named(tiny_model, infer_plugins):
     with pytest.raises(PluginError, match="'failing-observer' from 'acme-metrics' raised KeyError in "
                                           "on_request_finished: 'r1'"):
         engine.abort("r1")
+
+
+def test_an_observer_class_registered_twice_blames_the_instance_that_raised(tiny_model, infer_plugins):
+    class Exporter:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        @hookimpl
+        def on_step(self, stats):
+            if self.fail:
+                raise ValueError("export failed")
+
+    infer_plugins.register(Exporter(False), name="exporter-good", source="pkg-good")
+    infer_plugins.register(Exporter(True), name="exporter-bad", source="pkg-bad")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), infer_plugins)
+    engine.add_request("a", SamplingParams(max_tokens=2))
+    with pytest.raises(PluginError, match="the observer 'exporter-bad' from 'pkg-bad' raised ValueError"):
+        engine.step()
+
+
+def test_a_badly_declared_plugin_option_is_the_author_s_error() -> None:
+    from infer.core.plugin_options import PluginOption, read_plugin_options
+
+    for bad in (None, []):
+        with pytest.raises(TypeError, match="its kind must be bool, int, float or str"):
+            PluginOption(bad, "an option")
+    capped = {"k": PluginOption(2, "at most four", maximum=4)}
+    with pytest.raises(ConfigError, match="ns.k must be an integer <= 4, got 5"):
+        read_plugin_options(EngineConfig(plugin_options={"ns": {"k": 5}}), "ns", capped)
