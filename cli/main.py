@@ -216,9 +216,12 @@ def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]], as_j
 
 @main.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--options", "show_options", is_flag=True,
+              help="Also list each component's declared plugin options (--plugin-option NAME.KEY=VALUE): what each "
+                   "accepts, its default and what it does.")
 @click.pass_context
-def plugins_command(ctx: click.Context, as_json: bool) -> None:
-    """List every registered component: kind, name and providing package."""
+def plugins_command(ctx: click.Context, as_json: bool, show_options: bool) -> None:
+    """List every registered component: kind, name and providing package (and its declared options)."""
     from ..core.plugins import explicit_options
 
     refuse_engine_options(ctx, "plugins", " (INFER_PLUGINS=a,b limits the entry points that load)")
@@ -229,16 +232,30 @@ def plugins_command(ctx: click.Context, as_json: bool) -> None:
             what = " and ".join(("an " if k[0] in "aeiou" else "a ") + k.replace("_", " ") for k in kinds)
             click.echo(f"infer: warning: {name!r} names {what}; --plugin {name} is ambiguous, so select it with "
                        f"{explicit_options(name, kinds)}", err=True)
+    def options(r: Any) -> dict[str, dict[str, Any]]:
+        return {key: {"accepts": o.expected(), "default": o.default, "help": o.help} for key, o in r.options.items()}
+
     if as_json:
-        click.echo(json.dumps([r.__dict__ for r in rows], indent=2))
+        click.echo(json.dumps([{"kind": r.kind, "name": r.name, "source": r.source, "aliases": list(r.aliases),
+                                "options": options(r)} for r in rows], indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("kind", "name", "aliases", "package")
+    table = Table("kind", "name", "aliases", "package", "options")
     for r in rows:
-        table.add_row(r.kind, r.name, ", ".join(r.aliases), r.source)
-    Console(width=120).print(table)
+        table.add_row(r.kind, r.name, ", ".join(r.aliases), r.source, ", ".join(r.options))
+    console = Console(width=120)
+    console.print(table)
+    if show_options:
+        listed = Table("option", "accepts", "default", "what it does")
+        from ..spec_decode.policy import SPEC_DECODE_OPTIONS
+
+        namespaces = [(r.name, r.options) for r in rows] + [("spec_decode", SPEC_DECODE_OPTIONS)]  # any proposer's
+        for namespace, declared in namespaces:
+            for key, o in declared.items():
+                listed.add_row(f"{namespace}.{key}", o.expected(), repr(o.default), o.help)
+        console.print(listed)
 
 
 @main.command("make-tiny-model")

@@ -1,4 +1,4 @@
-"""Every hook of infer. Registration hooks receive a ``register(name, factory, aliases=())`` callback.
+"""Every hook of infer. Registration hooks receive a ``register(name, factory, aliases=(), options=None)`` callback.
 
 Factories are called lazily, after the config is validated, and should import heavy modules inside.
 """

@@ -5,8 +5,8 @@ import difflib
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, TypeVar
 
@@ -15,6 +15,7 @@ import pluggy
 from . import hookspecs
 from .config import COMPONENT_FIELDS, EngineConfig
 from .errors import ConfigError, InferError, PluginError
+from .plugin_options import PluginOption, read_plugin_options
 from .registry import ARCHITECTURE_NAMES, COMPONENT_NAMES, Registry
 
 log = logging.getLogger("infer")
@@ -42,6 +43,7 @@ class Component:
     name: str
     source: str
     aliases: tuple[str, ...]
+    options: Mapping[str, PluginOption] = field(default_factory=dict)
 
 
 class PluginManager:
@@ -217,7 +219,8 @@ class PluginManager:
     def components(self) -> list[Component]:
         self.collect()
         return [
-            Component(kind, e.name, e.source, e.aliases) for kind, reg in self.registries.items() for e in reg
+            Component(kind, e.name, e.source, e.aliases, e.options) for kind, reg in self.registries.items()
+            for e in reg
         ]
 
     def kinds_of(self, name: str) -> list[str]:
@@ -253,21 +256,26 @@ class PluginManager:
         ``LLM(plugin=...)`` both choose. Refuses an eviction policy chosen for a cache that caches nothing."""
         by_plugin = self.resolve_plugin_names(config, names)
         chosen = by_plugin.replace(**explicit)
-        for field, value in explicit.items():
-            if getattr(by_plugin, field) != getattr(config, field) and value != getattr(by_plugin, field):
-                log.warning("--%s %s overrides --plugin %s", field.replace("_", "-"), value, getattr(by_plugin, field))
+        for name, value in explicit.items():
+            if getattr(by_plugin, name) != getattr(config, name) and value != getattr(by_plugin, name):
+                log.warning("--%s %s overrides --plugin %s", name.replace("_", "-"), value, getattr(by_plugin, name))
         chose_eviction = "eviction_policy" in explicit or any(
             name in self.registry("eviction_policy") for name in names)
         if chose_eviction and not chosen.enable_prefix_caching:
             raise ConfigError("an eviction policy picks the cached prefix blocks to drop; with --no-prefix-caching "
                               "(enable_prefix_caching=False) nothing is cached, so drop the eviction policy or "
                               "--no-prefix-caching")
-        self._warn_unclaimed_plugin_options(chosen)
+        self._check_plugin_options(chosen)
         return chosen
 
-    def _warn_unclaimed_plugin_options(self, config: EngineConfig) -> None:
-        """A plugin-options namespace that no registered component is named after is most likely a typo."""
-        names = {c.name for c in self.components()} | SHIPPED_OPTION_NAMESPACES
+    def _check_plugin_options(self, config: EngineConfig) -> None:
+        """The options of components that declare theirs are checked now, before anything is built; a namespace
+        that no registered component is named after is most likely a typo (a warning)."""
+        components = self.components()
+        for component in components:
+            if component.options and component.name in config.plugin_options:
+                read_plugin_options(config, component.name, component.options)
+        names = {c.name for c in components} | SHIPPED_OPTION_NAMESPACES
         for namespace in sorted(set(config.plugin_options) - names):
             log.warning("--plugin-option %s.* (plugin_options[%r]): no registered component is named %r, so no "
                         "plugin may read it (shipped namespaces: %s)", namespace, namespace, namespace,

@@ -2,20 +2,24 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from .errors import PluginError
+from .plugin_options import PluginOption
 
 F = TypeVar("F")
 F_contra = TypeVar("F_contra", contravariant=True)
 
 
 class Register(Protocol[F_contra]):
-    """The callback a registration hook receives: ``register(name, factory, aliases=())``."""
+    """The callback a registration hook receives: ``register(name, factory, aliases=(), options=None)``; ``options``
+    declares the component's plugin options (``plugin_options[name]``), which ``infer plugins`` lists and the
+    engine checks before it builds anything."""
 
-    def __call__(self, name: str, factory: F_contra, aliases: Sequence[str] = ()) -> None: ...
+    def __call__(self, name: str, factory: F_contra, aliases: Sequence[str] = (),
+                 options: Mapping[str, PluginOption] | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Entry(Generic[F]):
     source: str  # the distribution (or plugin object) that registered it
     aliases: tuple[str, ...] = ()
     entry_point: str | None = None  # the `infer` entry point that registered it, when it came from one
+    options: Mapping[str, PluginOption] = field(default_factory=dict)  # plugin_options[name], declared
 
 
 def no_hint(*names: str | None) -> str:
@@ -67,7 +72,8 @@ class Registry(Generic[F]):
         self._entries: dict[str, Entry[F]] = {}
         self._aliases: dict[str, str] = {}
 
-    def register(self, name: str, factory: F, aliases: Sequence[str] = (), *, source: str,
+    def register(self, name: str, factory: F, aliases: Sequence[str] = (),
+                 options: Mapping[str, PluginOption] | None = None, *, source: str,
                  entry_point: str | None = None) -> None:
         who = _who(source, entry_point)
         if not isinstance(name, str) or not name:
@@ -77,6 +83,10 @@ class Registry(Generic[F]):
         if not isinstance(aliases, (list, tuple)) or not all(isinstance(alias, str) for alias in aliases):
             raise PluginError(f"{who} registered {self.kind} {name!r} with aliases={aliases!r}; aliases must be a "
                               "list or tuple of names, e.g. aliases=('other-name',)")
+        if options is not None and not (isinstance(options, Mapping) and all(
+                isinstance(key, str) and isinstance(option, PluginOption) for key, option in options.items())):
+            raise PluginError(f"{who} registered {self.kind} {name!r} with options={options!r}; options maps each "
+                              "key to an infer.core.plugin_options.PluginOption")
         if name in aliases or len(set(aliases)) != len(aliases):
             raise PluginError(f"{who} registered {self.kind} {name!r} with aliases={aliases!r}; list each alias "
                               "once and leave out the name itself")
@@ -87,7 +97,7 @@ class Registry(Generic[F]):
         for key in (name, *aliases):
             if key in self:
                 self._raise_duplicate(key, self._entries[self._aliases.get(key, key)], source, entry_point)
-        self._entries[name] = Entry(name, factory, source, tuple(aliases), entry_point)
+        self._entries[name] = Entry(name, factory, source, tuple(aliases), entry_point, dict(options or {}))
         for alias in aliases:
             self._aliases[alias] = name
 
@@ -102,8 +112,9 @@ class Registry(Generic[F]):
     def callback(self, source: str, entry_point: str | None = None) -> Register[F]:
         """A ``register`` callback that records ``source`` (and ``entry_point``) as the provider."""
 
-        def register(name: str, factory: F, aliases: Sequence[str] = ()) -> None:
-            self.register(name, factory, aliases, source=source, entry_point=entry_point)
+        def register(name: str, factory: F, aliases: Sequence[str] = (),
+                     options: Mapping[str, PluginOption] | None = None) -> None:
+            self.register(name, factory, aliases, options, source=source, entry_point=entry_point)
 
         return register
 

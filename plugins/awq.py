@@ -46,4 +46,4 @@ def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) 
 
 @hookimpl
 def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
-    register("awq", build_awq)
+    register("awq", build_awq, options=AWQ_OPTIONS)

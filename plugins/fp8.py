@@ -61,4 +61,4 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
 @hookimpl
 def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
     # checkpoints name their method in quantization_config.quant_method: compressed-tensors ones resolve here
-    register("fp8", build_fp8, aliases=("compressed-tensors",))
+    register("fp8", build_fp8, aliases=("compressed-tensors",), options=FP8_OPTIONS)

@@ -8,6 +8,7 @@ from ..core.config import EngineConfig
 from ..core.hookspecs import ProposerFactory, hookimpl
 from ..core.interfaces import Proposer
 from ..core.registry import Register
+from ..spec_decode.ngram import NGRAM_OPTIONS
 
 if TYPE_CHECKING:
     from ..core.loader import LoadedModel
@@ -29,4 +30,4 @@ def build_ngram(config: EngineConfig, target: LoadedModel, plugins: PluginManage
 @hookimpl
 def register_proposers(register: Register[ProposerFactory]) -> None:
     register("draft-model", build_draft_model, aliases=("draft",))
-    register("ngram", build_ngram, aliases=("prompt-lookup",))
+    register("ngram", build_ngram, aliases=("prompt-lookup",), options=NGRAM_OPTIONS)

@@ -84,6 +84,23 @@ def test_plugins_lists_the_shipped_components():
     assert {("scheduler", "continuous"), ("kv_cache", "paged"), ("attention_backend", "torch")} <= rows
 
 
+def test_plugins_lists_the_declared_options_and_the_cli_checks_them_before_loading(tiny_model):
+    """The shipped quant methods and the ngram proposer declare their plugin options at registration: infer plugins
+    shows them, and a misspelt one stops the command before the model loads (it failed in the factory, if ever)."""
+    from infer.plugins.awq import AWQ_OPTIONS
+
+    rows = {r["name"]: r["options"] for r in json.loads(run("plugins", "--json").output)}
+    assert rows["awq"] == {key: {"accepts": o.expected(), "default": o.default, "help": o.help}
+                           for key, o in AWQ_OPTIONS.items()}
+    assert set(rows["ngram"]) == {"min_n", "max_n"} and rows["paged"] == {}
+    listed = run("plugins", "--options").output
+    for name in ("awq.fused_max_rows", "fp8.backend", "ngram.max_n", "spec_decode.probe_every"):
+        assert name in listed
+    missing = str(tiny_model) + "-does-not-exist"  # the check comes first: no model is looked for
+    result = run("--model", missing, "--plugin-option", "ngram.max_m=3", "generate", "x")
+    assert result.exit_code == 1 and "ngram has no option 'max_m'; did you mean ngram.max_n?" in result.output
+
+
 def _bad_folders(tmp_path, tiny_model):
     unsupported = tmp_path / "unsupported"
     shutil.copytree(tiny_model, unsupported)
@@ -282,10 +299,10 @@ def test_plugin_options_reach_the_config_and_bench_arms_merge_them(infer_plugins
     assert parse_plugin_options(("awq.fused_max_rows=8", "fp8.backend=emulate", "x.flag=true", 'x.s="7"')) == {
         "plugin_options.awq.fused_max_rows": 8, "plugin_options.fp8.backend": "emulate",
         "plugin_options.x.flag": True, "plugin_options.x.s": "7"}
-    base = EngineArgs.from_kwargs({"plugin_option": parse_plugin_options(("awq.fused_max_rows=8", "awq.k=1"))})
+    base = EngineArgs.from_kwargs({"plugin_option": parse_plugin_options(("awq.fused_max_rows=8", "awq.group_size=64"))})
     a, b = parse_arms(["", "--plugin-option awq.fused_max_rows=64"], base)
-    assert a.args.build(infer_plugins).plugin_options == {"awq": {"fused_max_rows": 8, "k": 1}}
-    assert b.args.build(infer_plugins).plugin_options == {"awq": {"fused_max_rows": 64, "k": 1}}
+    assert a.args.build(infer_plugins).plugin_options == {"awq": {"fused_max_rows": 8, "group_size": 64}}
+    assert b.args.build(infer_plugins).plugin_options == {"awq": {"fused_max_rows": 64, "group_size": 64}}
     result = run("--plugin-option", "awq-fused_max_rows=8", "generate", "hi")
     assert result.exit_code == 2 and "'awq-fused_max_rows=8' is not NAMESPACE.KEY=VALUE" in result.output
 
@@ -293,9 +310,10 @@ def test_plugin_options_reach_the_config_and_bench_arms_merge_them(infer_plugins
 def test_a_plugin_option_namespace_no_component_claims_is_warned(infer_plugins, caplog):
     from infer.cli.options import EngineArgs, parse_plugin_options
 
-    for namespace, warned in (("aqw", True), ("awq", False), ("ngram", False), ("lfu", False)):
+    for option, warned in (("aqw.k=1", True), ("awq.fused_max_rows=1", False), ("ngram.min_n=1", False),
+                           ("lfu.k=1", False)):
         caplog.clear()
-        EngineArgs.from_kwargs({"plugin_option": parse_plugin_options((f"{namespace}.k=1",))}).build(infer_plugins)
+        EngineArgs.from_kwargs({"plugin_option": parse_plugin_options((option,))}).build(infer_plugins)
         assert ("--plugin-option aqw.* (plugin_options['aqw']): no registered component is named 'aqw'"
                 in caplog.text) is warned
 

@@ -502,7 +502,8 @@ def test_a_proposal_that_breaks_the_contract_is_refused_and_frees_its_slots(infe
             probs = torch.full((k, 7), 1 / 7) if breach == "probs shape" else None
             return Proposal({s.seq_id: [token] * n for s in seqs}, {s.seq_id: probs for s in seqs})
 
-    plugins = runtime_plugin(infer_plugins, "register_proposers", "breaking", lambda config, target, plugins: Breaking())
+    plugins = runtime_plugin(infer_plugins, "register_proposers", "breaking",
+                             lambda config, target, plugins: Breaking())
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", proposer="breaking",
                                  num_speculative_tokens=2), plugins)
     with pytest.raises(PluginError, match=re.escape(f"proposer 'breaking' {complaint}")):
@@ -670,3 +671,17 @@ def test_the_template_rename_commands_work_on_a_copy(tmp_path):
     imported = subprocess.run([sys.executable, "-c", "import infer_plugin_mything.plugin"], cwd=copy,
                               capture_output=True, text=True, timeout=120)
     assert imported.returncode == 0, imported.stderr
+
+
+def test_registered_options_must_be_plugin_options(infer_plugins):
+    plugins = runtime_plugin(infer_plugins, "register_eviction_policies", "typed", lambda config: None)
+    module = types.ModuleType("acme_options")
+
+    def register_eviction_policies(register):
+        register("untyped", lambda config: None, options={"window": 64})
+
+    module.register_eviction_policies = hookimpl(register_eviction_policies)
+    plugins.register(module, name="acme-options", source="infer-plugin-options")
+    with pytest.raises(PluginError, match="registered eviction policy 'untyped' with options=\\{'window': 64\\}; "
+                                          "options maps each key to an infer.core.plugin_options.PluginOption"):
+        plugins.collect()
