@@ -15,7 +15,8 @@ from .errors import ConfigError
 @dataclass(frozen=True)
 class PluginOption:
     """One option. ``kind`` is bool, int, float or str (default: the default's type); ``None`` as the default means
-    "unset" and is always accepted. ``flag`` names a CLI option that sets it too (e.g. ``--spec-min-acceptance``)."""
+    "unset" and is always accepted; any other default must itself be a value the option accepts. ``flag`` names an
+    infer group option that sets it too (``--spec-min-acceptance``), for the errors (plugins cannot add those)."""
     default: Any
     help: str
     kind: type | None = None
@@ -29,22 +30,29 @@ class PluginOption:
         if kind not in (bool, int, float, str):
             raise TypeError(f"PluginOption {self.help!r}: its kind must be bool, int, float or str (from kind= or the "
                             f"default), got {kind.__name__}; a default of None needs kind=")
+        if self.default is not None and not self._fits(self.default):
+            raise TypeError(f"PluginOption {self.help!r}: its default {self.default!r} is not {self.expected()}")
+
+    def _fits(self, value: Any) -> bool:
+        kind = self.kind or type(self.default)
+        fits = (isinstance(value, bool) if kind is bool else
+                isinstance(value, int) and not isinstance(value, bool) if kind is int else
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                if kind is float else isinstance(value, kind))
+        return fits and (not self.choices or value in self.choices) and not (kind in (int, float) and (
+            (self.minimum is not None and value < self.minimum) or (self.maximum is not None and value > self.maximum)))
 
     def check(self, namespace: str, key: str, value: Any) -> Any:
         """``value`` as the option's kind (an int is a float where a float is asked), else ConfigError."""
         kind = self.kind or type(self.default)
         if value is None and self.default is None:
             return None
-        number = kind in (int, float)
-        fits = (isinstance(value, bool) if kind is bool else
-                isinstance(value, int) and not isinstance(value, bool) if kind is int else
-                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                if kind is float else isinstance(value, kind))
-        fits = fits and (not self.choices or value in self.choices) and not (number and (
-            (self.minimum is not None and value < self.minimum) or (self.maximum is not None and value > self.maximum)))
-        if not fits:
+        if not self._fits(value):
             name = f"--plugin-option {namespace}.{key}" + (f" ({self.flag})" if self.flag else "")
-            raise ConfigError(f"{name} must be {self.expected()}, got {value!r}: {self.help}")
+            quote = (f" (the command line reads VALUE as JSON when it parses: quote text that looks like a number, "
+                     f"--plugin-option '{namespace}.{key}=\"{value}\"')" if kind is str and not isinstance(value, str)
+                     else "")
+            raise ConfigError(f"{name} must be {self.expected()}, got {value!r}{quote}: {self.help}")
         return float(value) if kind is float else value
 
     def expected(self) -> str:

@@ -96,7 +96,7 @@ class PluginManager:
             try:
                 module = ep.load()
             except Exception as exc:  # a broken third-party package must say who it is
-                cause = "" if _is_shipped(ep) else \
+                cause = "" if _is_shipped(ep) or not isinstance(exc, ModuleNotFoundError) else \
                     " (the usual cause is an editable install whose folder was renamed or deleted)"
                 raise PluginError(f"plugin {name!r} from package {_dist_name(ep)!r} failed to import: {exc}{cause}; "
                                   f"{way_out}") from exc
@@ -186,6 +186,13 @@ class PluginManager:
                                       f"{type(returned).__name__}, which "
                                       "infer ignores: a registration hook is a plain function that calls "
                                       f"register(name, factory) for each component and returns None; {way_out}")
+        declared: dict[str, Component] = {}
+        for component in self.components():
+            if component.options and (other := declared.setdefault(component.name, component)) is not component:
+                raise PluginError(f"{component.name!r} declares plugin options as a {other.kind} (from "
+                                  f"{other.source!r}) and as a {component.kind} (from {component.source!r}), but a "
+                                  "name's options are one namespace, plugin_options[name]: declare them under one "
+                                  "kind only")
         return self
 
     def registry(self, kind: str) -> Registry[Any]:
@@ -271,10 +278,22 @@ class PluginManager:
     def _check_plugin_options(self, config: EngineConfig) -> None:
         """The options of components that declare theirs are checked now, before anything is built; a namespace
         that no registered component is named after is most likely a typo (a warning)."""
+        if not isinstance(config.plugin_options, dict) or not all(
+                isinstance(options, dict) for options in config.plugin_options.values()):
+            return  # EngineConfig.validate names the malformed value
         components = self.components()
         for component in components:
             if component.options and component.name in config.plugin_options:
                 read_plugin_options(config, component.name, component.options)
+            for alias in component.aliases:
+                if alias in config.plugin_options:
+                    raise ConfigError(f"--plugin-option {alias}.*: {alias!r} is an alias of the {component.kind} "
+                                      f"{component.name!r}, whose options are read under its name only: use "
+                                      f"--plugin-option {component.name}.KEY=VALUE")
+        if "spec_decode" in config.plugin_options:  # read by the engine's speculative decoder, whatever proposer
+            from ..spec_decode.policy import SPEC_DECODE_OPTIONS
+
+            read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)
         names = {c.name for c in components} | SHIPPED_OPTION_NAMESPACES
         for namespace in sorted(set(config.plugin_options) - names):
             log.warning("--plugin-option %s.* (plugin_options[%r]): no registered component is named %r, so no "
@@ -298,12 +317,14 @@ class PluginManager:
                 frames.append(tb.tb_frame)
                 tb = tb.tb_next
 
-            def raised(impl: Any) -> bool:  # its code ran, on its own instance (one class may serve two plugins)
+            def ran(impl: Any, own: bool) -> bool:  # its code ran (own: on its own instance, when it has one)
                 owner = getattr(impl.function, "__self__", None)
-                return any(f.f_code is impl.function.__code__ and (owner is None or f.f_locals.get("self") is owner)
-                           for f in frames)
+                code = getattr(impl.function, "__code__", None)
+                return any(f.f_code is code and (not own or owner is None or (
+                    f.f_code.co_argcount > 0 and f.f_locals.get(f.f_code.co_varnames[0]) is owner)) for f in frames)
 
-            impl = next((i for i in caller.get_hookimpls() if raised(i)), None)
+            impls = caller.get_hookimpls()  # one class may serve two plugins: prefer the instance that raised
+            impl = next((i for i in impls if ran(i, True)), None) or next((i for i in impls if ran(i, False)), None)
             if impl is None:
                 raise
             source = self._sources.get(impl.plugin_name, impl.plugin_name)

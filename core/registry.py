@@ -84,9 +84,11 @@ class Registry(Generic[F]):
             raise PluginError(f"{who} registered {self.kind} {name!r} with aliases={aliases!r}; aliases must be a "
                               "list or tuple of names, e.g. aliases=('other-name',)")
         if options is not None and not (isinstance(options, Mapping) and all(
-                isinstance(key, str) and isinstance(option, PluginOption) for key, option in options.items())):
+                isinstance(key, str) and key and "." not in key and isinstance(option, PluginOption)
+                for key, option in options.items())):
             raise PluginError(f"{who} registered {self.kind} {name!r} with options={options!r}; options maps each "
-                              "key to an infer.core.plugin_options.PluginOption")
+                              "key (a non-empty name without '.', as --plugin-option NAME.KEY=VALUE needs) to an "
+                              "infer.core.plugin_options.PluginOption")
         if name in aliases or len(set(aliases)) != len(aliases):
             raise PluginError(f"{who} registered {self.kind} {name!r} with aliases={aliases!r}; list each alias "
                               "once and leave out the name itself")

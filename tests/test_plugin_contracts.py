@@ -683,5 +683,6 @@ def test_registered_options_must_be_plugin_options(infer_plugins):
     module.register_eviction_policies = hookimpl(register_eviction_policies)
     plugins.register(module, name="acme-options", source="infer-plugin-options")
     with pytest.raises(PluginError, match="registered eviction policy 'untyped' with options=\\{'window': 64\\}; "
-                                          "options maps each key to an infer.core.plugin_options.PluginOption"):
+                                          "options maps each key \\(a non-empty name without '.'.*\\) to an "
+                                          "infer.core.plugin_options.PluginOption"):
         plugins.collect()

@@ -293,8 +293,9 @@ def test_plugin_options_are_checked_against_their_declaration() -> None:
                                ("on", 1, "true or false")):
         with pytest.raises(ConfigError, match=f"--plugin-option ns.{key} must be {expected}, got "):
             read(**{key: bad})
-    with pytest.raises(ConfigError, match=r"ns has no option 'rat'; did you mean ns.rate\? its options: rate \(a number "
-                                          r"in \[0, 1\], default 0.5\); mode \(one of a, b, default 'a'\)"):
+    with pytest.raises(ConfigError, match=r"ns has no option 'rat'; did you mean ns.rate\? its options: "
+                                          r"rate \(a number in \[0, 1\], default 0.5\); "
+                                          r"mode \(one of a, b, default 'a'\)"):
         read(rat=0.3)
 
 
@@ -351,3 +352,68 @@ def test_a_badly_declared_plugin_option_is_the_author_s_error() -> None:
     capped = {"k": PluginOption(2, "at most four", maximum=4)}
     with pytest.raises(ConfigError, match="ns.k must be an integer <= 4, got 5"):
         read_plugin_options(EngineConfig(plugin_options={"ns": {"k": 5}}), "ns", capped)
+
+
+def test_plugin_option_declarations_are_checked_where_they_are_declared() -> None:
+    """A default the option itself would refuse (out of range, not a choice, not finite, the wrong kind) is the
+    author's TypeError; a text option given a number says how to quote it on the command line."""
+    from infer.core.plugin_options import PluginOption, read_plugin_options
+
+    for default, extra in ((-5, {"minimum": 0}), ("z", {"choices": ("a", "b")}), (64, {"kind": str}),
+                           (float("inf"), {})):
+        with pytest.raises(TypeError, match=f"its default {default!r} is not "):
+            PluginOption(default, "an option", **extra)
+    text = {"s": PluginOption("a", "a text")}
+    with pytest.raises(ConfigError, match="ns.s must be a string, got 123 \\(the command line reads VALUE as JSON when "
+                                          "it parses: quote text that looks like a number"):
+        read_plugin_options(EngineConfig(plugin_options={"ns": {"s": 123}}), "ns", text)
+
+
+def test_options_under_an_alias_or_a_name_of_two_kinds(infer_plugins) -> None:
+    """Options under an alias were silently ignored (with a warning that no component had that name); a name that
+    declares options under two kinds could take none of them (each kind refused the other's keys)."""
+    from infer.cli.options import EngineArgs, parse_plugin_options
+    from infer.core.plugin_options import PluginOption
+
+    with pytest.raises(ConfigError, match="'prompt-lookup' is an alias of the proposer 'ngram', whose options are read "
+                                          "under its name only: use --plugin-option ngram.KEY=VALUE"):
+        EngineArgs.from_kwargs({"plugin_option": parse_plugin_options(("prompt-lookup.max_n=3",))}).build(
+            infer_plugins)
+    with pytest.raises(ConfigError, match="spec_decode has no option 'min_acceptence'; did you mean "
+                                          "spec_decode.min_acceptance"):  # checked before anything is built too
+        EngineArgs.from_kwargs({"plugin_option": parse_plugin_options(("spec_decode.min_acceptence=0.5",)),
+                                "proposer": "ngram"}).build(infer_plugins)
+
+    def register_eviction_policies(register):
+        register("dual", lambda config: None, options={"a": PluginOption(1, "a")})
+
+    def register_proposers(register):
+        register("dual", lambda config, target, plugins: None, options={"b": PluginOption(1, "b")})
+
+    fresh = PluginManager.from_entry_points()  # infer_plugins collected its components above
+    fresh.register(plugin_module("dual", register_eviction_policies=register_eviction_policies,
+                                 register_proposers=register_proposers), source="acme-dual")
+    with pytest.raises(PluginError, match="'dual' declares plugin options as a eviction_policy .* and as a proposer"):
+        fresh.collect()
+
+
+def test_a_decorated_observer_or_one_without_self_is_still_named(tiny_model, infer_plugins):
+    import functools
+
+    def logged(method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            return method(*args, **kwargs)
+        return wrapper
+
+    class Decorated:
+        @hookimpl
+        @logged
+        def on_step(this, stats):
+            raise ValueError("decorated")
+
+    infer_plugins.register(Decorated(), name="decorated", source="acme-deco")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), infer_plugins)
+    engine.add_request("a", SamplingParams(max_tokens=2))
+    with pytest.raises(PluginError, match="the observer 'decorated' from 'acme-deco' raised ValueError"):
+        engine.step()
