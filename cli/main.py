@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -121,6 +121,11 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed)
     params.validate()
+
+    def refused(exc: InferError, index: int | None) -> click.ClickException:
+        where = "" if prompts or index is None else f" (stdin line {numbered[index][0]})"
+        return click.ClickException(f"{exc}{where}")
+
     if beam_width:
         sampling = {"--temperature": temperature, "--top-p": top_p != 1.0, "--top-k": top_k, "--min-p": min_p,
                     "--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream}
@@ -129,12 +134,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
         if stats:
             raise click.UsageError("--stats reports the engine's scheduled requests, which beam search bypasses; "
                                    "drop --stats (--json shows each beam's log-probability and score)")
-        _beam_search(ctx, texts, beam_width, max_tokens, length_penalty, ignore_eos, as_json)
+        _beam_search(ctx, texts, beam_width, max_tokens, length_penalty, ignore_eos, as_json, refused)
         return
-
-    def refused(exc: InferError, index: int | None) -> click.ClickException:
-        where = "" if prompts or index is None else f" (stdin line {numbered[index][0]})"
-        return click.ClickException(f"{exc}{where}")
 
     streamed = 0
     try:
@@ -166,22 +167,43 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
 
 
 def _beam_search(ctx: click.Context, texts: list[str], beam_width: int, max_tokens: int, length_penalty: float,
-                 ignore_eos: bool, as_json: bool) -> None:
-    """generate --beam-width: the best beam after each prompt, or --json one line per beam, best first."""
-    from ..core.beam_search import BeamSearchParams
+                 ignore_eos: bool, as_json: bool, refused: Callable[[InferError, int | None], Exception]) -> None:
+    """generate --beam-width: the best beam after each prompt, or --json one line per beam, best first. Every
+    prompt is checked first; then they run in groups that fill --max-num-seqs, each printed when it is done (a
+    progress bar on a terminal's stderr), so Ctrl-C keeps what was printed."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from ..core.beam_search import BeamSearchParams, check_prompts
 
     params = BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos)
+    printed = 0
     try:
         params.validate()
-        results = build_engine(ctx).beam_search(texts, params)
+        engine = build_engine(ctx)
+        try:
+            prompts = check_prompts(engine, texts, params)
+        except InferError as exc:
+            raise refused(exc, exc.prompt_index) from exc
+        group = max(1, engine.config.max_num_seqs // beam_width)
+        console = Console(stderr=True)
+        with Progress(console=console, transient=True,
+                      disable=len(texts) <= group or not console.is_terminal) as progress:
+            task = progress.add_task("beam search", total=len(texts))
+            for start in range(0, len(texts), group):
+                for result in engine.beam_search(prompts[start : start + group], params):
+                    for rank, beam in enumerate(result.beams if as_json else result.beams[:1]):
+                        click.echo(json.dumps({
+                            "prompt_index": printed, "prompt": texts[printed], "index": rank, "text": beam.text,
+                            "token_ids": beam.token_ids, "finish_reason": beam.finish_reason.value,
+                            "cumulative_logprob": beam.cumulative_logprob, "score": beam.score})
+                            if as_json else texts[printed] + beam.text)
+                    printed += 1
+                sys.stdout.flush()
+                progress.advance(task, len(prompts[start : start + group]))
     except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: printed {printed} of {len(texts)} prompts' beams", err=True)
         raise SystemExit(130) from None
-    for index, (text, result) in enumerate(zip(texts, results)):
-        for rank, beam in enumerate(result.beams if as_json else result.beams[:1]):
-            click.echo(json.dumps({"prompt_index": index, "prompt": text, "index": rank, "text": beam.text,
-                                   "token_ids": beam.token_ids, "finish_reason": beam.finish_reason.value,
-                                   "cumulative_logprob": beam.cumulative_logprob, "score": beam.score})
-                       if as_json else text + beam.text)
 
 
 def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]], as_json: bool = False) -> None:

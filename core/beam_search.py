@@ -90,17 +90,7 @@ def beam_search(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearc
                                 token_ids=list(token_ids)))
         return created[-1]
 
-    for index, prompt in enumerate(check_prompt_list(prompts)):
-        try:
-            ids = engine.checker.check(prompt, sampling)
-            need = engine.kv.num_blocks_needed(len(ids) + params.max_tokens - 1)
-            if need > engine.kv.num_blocks:
-                raise CapacityError(f"a prompt of {len(ids)} tokens with max_tokens {params.max_tokens} needs up to "
-                                    f"{need} KV blocks for one beam, but the cache has {engine.kv.num_blocks}; "
-                                    "shorten the prompt, lower max_tokens, or give the KV cache more blocks "
-                                    "(--num-kv-blocks, --kv-cache-memory-gb)")
-        except InferError as exc:
-            raise at_prompt(exc, index, len(prompts)) from None
+    for ids in check_prompts(engine, prompts, params):
         states.append(_Prompt(ids, [(new_beam(ids, ids), 0.0)]))
     try:
         for step in range(params.max_tokens):
@@ -121,6 +111,26 @@ def beam_search(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearc
             engine.kv.free(beam)
         engine.kv.take_block_ops()  # copies queued for beams that never ran (an error mid-step) must not run later
     return [_output(engine, state, params) for state in states]
+
+
+def check_prompts(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearchParams) -> list[list[int]]:
+    """Each prompt's token ids, or the InvalidRequestError or CapacityError beam search would raise for the first
+    bad one (naming its position, ``prompt_index``), before any work."""
+    sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
+    checked = []
+    for index, prompt in enumerate(check_prompt_list(prompts)):
+        try:
+            ids = engine.checker.check(prompt, sampling)
+            need = engine.kv.num_blocks_needed(len(ids) + params.max_tokens - 1)
+            if need > engine.kv.num_blocks:
+                raise CapacityError(f"a prompt of {len(ids)} tokens with max_tokens {params.max_tokens} needs up to "
+                                    f"{need} KV blocks for one beam, but the cache has {engine.kv.num_blocks}; "
+                                    "shorten the prompt, lower max_tokens, or give the KV cache more blocks "
+                                    "(--num-kv-blocks, --kv-cache-memory-gb)")
+        except InferError as exc:
+            raise at_prompt(exc, index, len(prompts)) from None
+        checked.append(ids)
+    return checked
 
 
 def _forward(engine: Engine, beams: list[Sequence], first: bool) -> torch.Tensor:

@@ -235,3 +235,27 @@ def test_generate_beam_width_prints_the_beams(eos_model):
                                         "--temperature", "0.7", "--seed", "1"])
     assert refused.exit_code == 2 and "--beam-width searches deterministically: drop --temperature, --seed" in \
         refused.output
+
+
+def test_generate_beam_width_runs_prompts_in_groups_and_names_a_bad_stdin_line(eos_model):
+    """Prompts run in groups that fill --max-num-seqs (printed as each group is done): the same beams as one call;
+    a bad prompt stops the command before any work, naming its stdin line."""
+    import json
+
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    lines = ["def f(x):", "import os", "class A:", "x = [", "return"]
+    expected = Engine(EngineConfig(model=str(eos_model), device="cpu")).beam_search(
+        lines, BeamSearchParams(beam_width=2, max_tokens=8))
+    result = CliRunner().invoke(main, ["--model", str(eos_model), "--device", "cpu", "--max-num-seqs", "4",
+                                       "generate", "--beam-width", "2", "--max-tokens", "8", "--json"],
+                                input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    printed = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(d["prompt_index"], d["prompt"], d["index"], d["token_ids"]) for d in printed] == [
+        (p, lines[p], rank, b.token_ids) for p, out in enumerate(expected) for rank, b in enumerate(out.beams)]
+    bad = CliRunner().invoke(main, ["--model", str(eos_model), "--device", "cpu", "generate", "--beam-width", "2"],
+                             input="fine\n\n" + "x" * 10 ** 6 + "\n")
+    assert bad.exit_code == 1 and "prompt 2 of 2:" in bad.output and "(stdin line 3)" in bad.output
