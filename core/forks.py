@@ -48,6 +48,8 @@ def start_forks(scheduler: Scheduler, finish: Callable[[Sequence, FinishReason],
                 forks: list[tuple[Sequence, Sequence]], sampled: dict[int, list[int]], now: float) -> None:
     """Fork each child from its parent (before ``Scheduler.update``, which may finish and free a parent) and give
     it its own sampled token, taken out of ``sampled``."""
+    if not forks:
+        return
     computed = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
     for parent, child in forks:
         scheduler.fork(parent, child)
