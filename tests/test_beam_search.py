@@ -259,3 +259,19 @@ def test_generate_beam_width_runs_prompts_in_groups_and_names_a_bad_stdin_line(e
     bad = CliRunner().invoke(main, ["--model", str(eos_model), "--device", "cpu", "generate", "--beam-width", "2"],
                              input="fine\n\n" + "x" * 10 ** 6 + "\n")
     assert bad.exit_code == 1 and "prompt 2 of 2:" in bad.output and "(stdin line 3)" in bad.output
+
+
+@pytest.mark.gpu
+def test_beam_search_on_cuda_equals_the_cpu(eos_model):
+    """On CUDA (the triton backend, CUDA graphs for the beams' decode steps, copy-on-write block copies on the
+    device) the beams equal the CPU's, both in float32."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    params = BeamSearchParams(beam_width=4, max_tokens=20)
+    expected = Engine(EngineConfig(model=str(eos_model), device="cpu", num_kv_blocks=256)).beam_search(TEXTS, params)
+    # an explicit KV pool: gpu_check.sh runs the gpu tests in 8 processes that share the card
+    engine = Engine(EngineConfig(model=str(eos_model), device="cuda", dtype="float32", num_kv_blocks=256))
+    results = engine.beam_search(TEXTS, params)
+    assert [[b.token_ids for b in r.beams] for r in results] == [[b.token_ids for b in r.beams] for r in expected]
+    assert [b.score for r in results for b in r.beams] == pytest.approx(
+        [b.score for r in expected for b in r.beams], rel=1e-4, abs=1e-4)
