@@ -114,10 +114,11 @@ class EngineStats:
     def record_finished(self, seqs: list[Sequence], arrival: float) -> dict[str, float]:
         """One finished request: one TTFT (its first token), and each sequence's TPOT. Returns the request's own
         figures for RequestOutput.metrics: ttft_s and tpot_s (mean over its sequences) when it produced tokens,
-        e2e_s, num_preemptions."""
+        e2e_s, num_preemptions, num_output_tokens (all its sequences')."""
         self.requests_finished += 1
         mine: dict[str, float] = {"e2e_s": time.perf_counter() - arrival,
-                                  "num_preemptions": sum(seq.num_preemptions for seq in seqs)}
+                                  "num_preemptions": sum(seq.num_preemptions for seq in seqs),
+                                  "num_output_tokens": sum(seq.num_output_tokens for seq in seqs)}
         firsts = [seq.first_token_time for seq in seqs if seq.first_token_time is not None]
         if firsts:
             mine["ttft_s"] = min(firsts) - arrival

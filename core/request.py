@@ -217,5 +217,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     # on the final output: e2e_s, ttft_s and tpot_s (seconds; time per output token after the first, mean over the
-    # request's sequences), num_preemptions; with speculative decoding spec_proposed, spec_accepted and the rate
+    # request's sequences), num_preemptions, num_output_tokens (all its sequences'); with speculative decoding
+    # spec_proposed, spec_accepted and the rate
     metrics: dict[str, float] = field(default_factory=dict)

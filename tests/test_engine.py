@@ -464,8 +464,9 @@ def test_admission_counts_the_positions_that_get_kv(tiny_model, hf_greedy):
 
 def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
     e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
-    e.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.9, seed=1, n=4, ignore_eos=True))
+    out = e.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.9, seed=1, n=4, ignore_eos=True))[0]
     assert (e.stats.requests_finished, len(e.stats.ttft_s), len(e.stats.tpot_s)) == (1, 1, 4)
+    assert out.metrics["num_output_tokens"] == sum(len(c.token_ids) for c in out.outputs) == 20
     # two prompts sharing nothing, in a pool that preempts one: its recompute finds its own blocks, not a prompt hit
     e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=6, max_num_seqs=4))
     started = time.perf_counter()
