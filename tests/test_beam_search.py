@@ -270,7 +270,8 @@ def test_beam_search_on_cuda_equals_the_cpu(eos_model):
     params = BeamSearchParams(beam_width=4, max_tokens=20)
     expected = Engine(EngineConfig(model=str(eos_model), device="cpu", num_kv_blocks=256)).beam_search(TEXTS, params)
     # an explicit KV pool: gpu_check.sh runs the gpu tests in 8 processes that share the card
-    engine = Engine(EngineConfig(model=str(eos_model), device="cuda", dtype="float32", num_kv_blocks=256))
+    engine = Engine(EngineConfig(model=str(eos_model), device="cuda", dtype="float32", num_kv_blocks=256,
+                                 max_num_seqs=32))  # a short ladder of decode graphs to capture
     results = engine.beam_search(TEXTS, params)
     assert [[b.token_ids for b in r.beams] for r in results] == [[b.token_ids for b in r.beams] for r in expected]
     assert [b.score for r in results for b in r.beams] == pytest.approx(
