@@ -45,6 +45,10 @@ class BeamSearchParams:
                 or not math.isfinite(self.length_penalty):
             raise InvalidRequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
+    def sampling(self) -> SamplingParams:
+        """The greedy SamplingParams each beam's sequence carries (for the prompt checks and the KV cache)."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos)
+
 
 @dataclass
 class Beam:
@@ -81,7 +85,7 @@ def beam_search(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearc
     if engine.has_unfinished():
         raise InvalidRequestError(f"beam search runs alone, and the engine has {len(engine.requests)} unfinished "
                                   "request(s); let them finish or abort them first")
-    sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
+    sampling = params.sampling()
     states, created = [], []  # every beam made, freed at the end whatever happens (free is idempotent)
 
     def new_beam(prompt_ids: list[int], token_ids: list[int]) -> Sequence:
@@ -116,7 +120,7 @@ def beam_search(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearc
 def check_prompts(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearchParams) -> list[list[int]]:
     """Each prompt's token ids, or the InvalidRequestError or CapacityError beam search would raise for the first
     bad one (naming its position, ``prompt_index``), before any work."""
-    sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
+    sampling = params.sampling()
     checked = []
     for index, prompt in enumerate(check_prompt_list(prompts)):
         try:

@@ -342,8 +342,11 @@ class Engine:
 
     def _check_schedule(self, out: SchedulerOutput) -> bool:
         settled = self.in_flight is None and not self.unemitted
-        return check_schedule(out, self.config, self.scheduler, settled, lambda: sum(
-            not seq.is_finished for req in self.requests.values() for seq in req.seqs))
+        return check_schedule(out, self.config, self.scheduler, settled, self._open_sequences)
+
+    def _open_sequences(self) -> int:
+        """The requests' sequences not finished (read only when a schedule comes back empty)."""
+        return sum(not seq.is_finished for req in self.requests.values() for seq in req.seqs)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """``Scheduler.finish``, held to setting the sequence's status (else its request would never end)."""

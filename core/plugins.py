@@ -24,7 +24,7 @@ T = TypeVar("T")
 ENTRY_POINT_GROUP = "infer"
 ALLOW_LIST_ENV = "INFER_PLUGINS"
 
-SHIPPED_OPTION_NAMESPACES = frozenset({"awq", "fp8", "ngram", "spec_decode"})  # what the shipped plugins read
+ENGINE_OPTION_NAMESPACES = frozenset({"spec_decode"})  # read by the engine, not named after a component
 KINDS: dict[str, str] = {  # kind -> registration hook name
     "scheduler": "register_schedulers",
     "kv_cache": "register_kv_caches",
@@ -290,15 +290,16 @@ class PluginManager:
                     raise ConfigError(f"--plugin-option {alias}.*: {alias!r} is an alias of the {component.kind} "
                                       f"{component.name!r}, whose options are read under its name only: use "
                                       f"--plugin-option {component.name}.KEY=VALUE")
-        if "spec_decode" in config.plugin_options:  # read by the engine's speculative decoder, whatever proposer
+        if "spec_decode" in config.plugin_options:  # ENGINE_OPTION_NAMESPACES: the speculative decoder's
             from ..spec_decode.policy import SPEC_DECODE_OPTIONS
 
             read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)
-        names = {c.name for c in components} | SHIPPED_OPTION_NAMESPACES
+        names = {c.name for c in components} | ENGINE_OPTION_NAMESPACES
+        declared = sorted({c.name for c in components if c.options} | ENGINE_OPTION_NAMESPACES)
         for namespace in sorted(set(config.plugin_options) - names):
             log.warning("--plugin-option %s.* (plugin_options[%r]): no registered component is named %r, so no "
-                        "plugin may read it (shipped namespaces: %s)", namespace, namespace, namespace,
-                        ", ".join(sorted(SHIPPED_OPTION_NAMESPACES)))
+                        "plugin may read it (namespaces with declared options: %s)", namespace, namespace, namespace,
+                        ", ".join(declared))
 
     @property
     def hook(self) -> Any:

@@ -92,6 +92,9 @@ def test_plugins_lists_the_declared_options_and_the_cli_checks_them_before_loadi
     rows = {r["name"]: r["options"] for r in json.loads(run("plugins", "--json").output)}
     assert rows["awq"] == {key: {"accepts": o.expected(), "default": o.default, "help": o.help}
                            for key, o in AWQ_OPTIONS.items()}
+    assert {k: v for k, v in rows["awq"]["fused_max_rows"].items() if k != "help"} == {  # written out, not derived
+        "accepts": "an integer >= 0", "default": 64}
+    assert rows["fp8"]["backend"]["accepts"] == "one of auto, scaled_mm, triton, emulate"
     assert set(rows["ngram"]) == {"min_n", "max_n"} and rows["paged"] == {}
     listed = run("plugins", "--options").output
     for name in ("awq.fused_max_rows", "fp8.backend", "ngram.max_n", "spec_decode.probe_every"):
