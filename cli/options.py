@@ -13,6 +13,19 @@ from ..core.plugins import PluginManager
 
 log = logging.getLogger("infer")
 
+
+class ReserveType(click.ParamType):
+    """A share in [0, 1] or ``auto`` (--kv-admission-reserve)."""
+    name = "reserve"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | str:
+        if isinstance(value, (int, float)) or value == "auto":
+            return value
+        try:
+            return float(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number in [0, 1] nor auto", param, ctx)
+
 ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--model", "-m", default=None, help="Local HF model folder (default: the embedded demo model)."),
     click.option("--plugin", "plugins", multiple=True, metavar="NAME",
@@ -42,10 +55,11 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--preemption", "preemption_mode", type=click.Choice(["recompute", "swap"]), default=None,
                  help="What a preempted sequence does with its KV [default: recompute]."),
     click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
-    click.option("--kv-admission-reserve", type=float, default=None, metavar="R",
+    click.option("--kv-admission-reserve", type=ReserveType(), default=None, metavar="R|auto",
                  help="Admit a waiting request only if the KV blocks left after its prompt cover R x the blocks that "
                       "the running sequences and it still need to reach their max_tokens, so fewer are preempted "
-                      "later; 0 admits whenever the prompt fits [default: 0]."),
+                      "later; 0 admits whenever the prompt fits; auto: R starts at 0.7, falls to 0.1 over 600 "
+                      "steps without a preemption, back to 0.7 at each one [default: 0]."),
     click.option("--seed", type=int, default=None, help="Seed of unseeded sampling, in [0, 2**63) [default: 0]."),
     click.option("--cpu-threads", type=int, default=None,
                  help="torch intra-op threads on CPU [default: torch's]; 1 is fastest for tiny models on a busy host."),

@@ -60,8 +60,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_gb: float = 4.0  # host memory for --preemption swap
     num_swap_blocks: int | None = None  # explicit host swap pool in blocks; else derived from swap_space_gb
-    # admit a request only while the free KV blocks cover this share of every running sequence's remaining max_tokens
-    kv_admission_reserve: float = 0.0
+    # admit a request only while the free KV blocks cover this share of every running sequence's remaining max_tokens;
+    # "auto": a share that adapts to preemptions (plugins/continuous_scheduler.AdmissionReserve)
+    kv_admission_reserve: float | str = 0.0
     num_speculative_tokens: int = 0
     draft_model: str | None = None
     cuda_graphs: bool = True
@@ -101,11 +102,12 @@ class EngineConfig:
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         for f in dataclasses.fields(self):
-            kinds = [kind.strip() for kind in str(f.type).split("|")]
-            value, kind = getattr(self, f.name), kinds[0].split("[")[0]
-            if not (value is None and "None" in kinds) and not TYPE_CHECKS[kind](value):
-                raise ConfigError(f"{f.name.replace('_', '-')} ({f.name}=) must be {TYPE_NAMES[kind]}"
-                                  f"{' or None' if 'None' in kinds else ''}, got {value!r}")
+            kinds = [kind.strip().split("[")[0] for kind in str(f.type).split("|")]
+            value = getattr(self, f.name)
+            if not (value is None and "None" in kinds) and not any(TYPE_CHECKS[kind](value) for kind in kinds
+                                                                   if kind != "None"):
+                raise ConfigError(f"{f.name.replace('_', '-')} ({f.name}=) must be "
+                                  f"{' or '.join(TYPE_NAMES.get(kind, kind) for kind in kinds)}, got {value!r}")
         if not all(isinstance(key, str) and isinstance(options, dict) for key, options in self.plugin_options.items()):
             raise ConfigError(f"plugin-options maps a namespace to a dict of options, e.g. {{'awq': {{'group_size': "
                               f"64}}}}, got {self.plugin_options!r}")
@@ -136,9 +138,10 @@ class EngineConfig:
             raise ConfigError(f"num-swap-blocks must be >= 0, got {self.num_swap_blocks}")
         if self.swap_space_gb < 0:
             raise ConfigError(f"swap-space-gb must be >= 0, got {self.swap_space_gb}")
-        if not 0 <= self.kv_admission_reserve <= 1:
-            raise ConfigError(f"kv-admission-reserve must be in [0, 1] (0: admit whenever the prompt fits; 1: keep "
-                              f"room for every running sequence's max_tokens), got {self.kv_admission_reserve}")
+        reserve = self.kv_admission_reserve
+        if reserve != "auto" and (isinstance(reserve, (str, bool)) or not 0 <= reserve <= 1):
+            raise ConfigError(f"kv-admission-reserve must be a number in [0, 1] (0: admit whenever the prompt fits; "
+                              f"1: keep room for every running sequence's max_tokens) or auto, got {reserve!r}")
         if self.max_model_len is not None:
             positive("max_model_len")
             if self.max_model_len < 2:

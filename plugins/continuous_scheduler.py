@@ -46,6 +46,23 @@ class SwapSpace:
             self.released += self.held.pop(seq.seq_id)[0]
 
 
+class AdmissionReserve:
+    """The share R of the running sequences' future KV blocks that admission keeps free (--kv-admission-reserve):
+    a fixed number, or ``"auto"``, which starts at 0.7, falls linearly to 0.1 over 600 steps that run sequences
+    without a preemption, and returns to 0.7 at each preemption: admission is cautious after a preemption and bolder
+    while none happens. (SGLang adapts its new-token ratio this way; 0.7, 0.1 and 600 are its defaults, rounded.)"""
+    START, FLOOR, DECAY_STEPS = 0.7, 0.1, 600
+
+    def __init__(self, setting: float | str) -> None:
+        self.adaptive = setting == "auto"
+        self.value = self.START if self.adaptive else float(setting)
+
+    def after_step(self, preempted: bool) -> None:
+        if self.adaptive:
+            self.value = self.START if preempted else \
+                max(self.FLOOR, self.value - (self.START - self.FLOOR) / self.DECAY_STEPS)
+
+
 class ContinuousScheduler(Scheduler):
     """Running sequences decode first (oldest first); then waiting ones are admitted FIFO while budgets allow.
 
@@ -59,7 +76,7 @@ class ContinuousScheduler(Scheduler):
         self.token_budget = config.max_num_batched_tokens
         # seats: never more running sequences than the budget has tokens, so that every decode runs in every step
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-        self.reserve = config.kv_admission_reserve
+        self.reserve = AdmissionReserve(config.kv_admission_reserve)
         swap_blocks = (config.num_swap_blocks or 0) if config.preemption_mode == "swap" else 0
         self.swap = SwapSpace(swap_blocks) if swap_blocks else None
         self.ops = BlockOps()
@@ -117,6 +134,8 @@ class ContinuousScheduler(Scheduler):
                 out.scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
         self.running = kept + list(queue)  # sequences left in `queue` got no budget this step but keep their blocks
+        if kept or out.preempted:
+            self.reserve.after_step(preempted=bool(out.preempted))
         if not out.preempted:
             self._admit(out, budget)
         out.block_ops = self.kv.take_block_ops()
@@ -129,7 +148,7 @@ class ContinuousScheduler(Scheduler):
             return
         occupied = sum(self._seats(s) for s in self.running)
         future = sum(self._future_blocks(s, len(self.kv.block_table(s))) * self._seats(s)  # an unforked parent: n
-                     for s in self.running) if self.reserve else 0
+                     for s in self.running) if self.reserve.value else 0
         while self.waiting and occupied < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if occupied + self._seats(seq) > self.max_num_seqs:
@@ -148,14 +167,14 @@ class ContinuousScheduler(Scheduler):
                 self._start(seq, n, out)
                 budget -= n
                 occupied += seats
-                if self.reserve:
+                if self.reserve.value:
                     future += self._future_blocks(seq, len(self.kv.block_table(seq))) * seats
                 continue
             seq.num_computed_tokens = self.kv.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget) if self.chunked else remaining
             alone = not out.scheduled  # an over-budget recompute may run alone rather than wait forever
-            if self.reserve:
+            if self.reserve.value:
                 future += self._future_blocks(seq, self.kv.num_blocks_needed(seq.num_tokens)) * self._seats(seq)
                 if self.running and not self._leaves_reserve(seq, future):
                     self.kv.free(seq)  # the match_prefix contract: free or allocate follows each lookup
@@ -175,7 +194,7 @@ class ContinuousScheduler(Scheduler):
         """Whether the free blocks less those ``seq``'s uncached prompt takes cover ``reserve`` x ``future_blocks``
         (--kv-admission-reserve), the blocks the running sequences and ``seq`` take if they run to max_tokens."""
         prompt_blocks = self.kv.num_blocks_needed(seq.num_tokens) - seq.num_computed_tokens // self.kv.block_size
-        return self.kv.num_free_blocks() - prompt_blocks >= math.ceil(self.reserve * future_blocks)
+        return self.kv.num_free_blocks() - prompt_blocks >= math.ceil(self.reserve.value * future_blocks)
 
     def _future_blocks(self, seq: Sequence, held: int) -> int:
         """Blocks beyond ``held`` that ``seq`` needs for every position it may write: its prompt and max_tokens

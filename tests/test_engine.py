@@ -516,6 +516,9 @@ def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, mess
     ({"skinny_gemm_rows": 17}, "skinny-gemm-rows must be in [0, 16] (the kernel takes up to 16 rows), got 17"),
     ({"cpu_threads": 100_000}, "cpu-threads must be in [1, 1024]"),  # torch segfaults there; nothing must start
     ({"cpu_threads": 0}, "cpu-threads must be in [1, 1024]"),
+    ({"kv_admission_reserve": 1.5}, "kv-admission-reserve must be a number in [0, 1]"),
+    ({"kv_admission_reserve": "adaptive"}, "or auto, got 'adaptive'"),
+    ({"kv_admission_reserve": True}, "must be a finite number or a string, got True"),
 ])
 def test_bad_llm_options_are_config_errors_naming_them(tiny_model, options, message):
     from infer import LLM

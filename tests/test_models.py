@@ -9,6 +9,7 @@ import torch
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.request import SamplingParams
+from infer.plugins.continuous_scheduler import AdmissionReserve
 
 from conftest import CHECKPOINTS
 
@@ -65,17 +66,20 @@ def test_an_admission_reserve_avoids_preemption_and_keeps_outputs_exact(checkpoi
     path = checkpoint("llama")
     rng = random.Random(1)
     lengths = [1, 300] + [rng.randint(1, 300) for _ in range(14)]
-    preemptions = {}
-    for reserve in (0.0, 1.0):
+    preemptions: dict[float | str, int] = {}
+    for reserve in (0.0, 1.0, "auto"):
         engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=48, enable_prefix_caching=False,
                                      kv_admission_reserve=reserve))
         batch_prompts = prompts(engine.loaded.model.spec.vocab_size, lengths, seed=2)
         ids = engine.add_requests(batch_prompts, GREEDY)
         results, most_running = {}, 0
         while engine.has_unfinished():
+            before = engine.scheduler.num_preemptions
             for out in engine.step():
                 results.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
             most_running = max(most_running, engine.scheduler.num_running())
+            if reserve == "auto" and engine.scheduler.num_preemptions > before:
+                assert engine.scheduler.reserve.value == AdmissionReserve.START
         preemptions[reserve] = engine.scheduler.num_preemptions
         assert most_running > 1
         for prompt, rid in zip(batch_prompts, ids):
@@ -83,6 +87,22 @@ def test_an_admission_reserve_avoids_preemption_and_keeps_outputs_exact(checkpoi
         stats = engine.kv.stats()
         assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
     assert preemptions[0.0] > 0 and preemptions[1.0] == 0
+    assert preemptions["auto"] < preemptions[0.0]
+
+
+def test_the_auto_admission_reserve_falls_while_nothing_is_preempted_and_resets_at_a_preemption():
+    """--kv-admission-reserve auto: 0.7, down by 0.6 / 600 a step to 0.1, back to 0.7 at a preemption; a number
+    stays fixed."""
+    reserve = AdmissionReserve("auto")
+    for step in range(1, 701):
+        reserve.after_step(preempted=False)
+        assert reserve.value == pytest.approx(max(0.1, 0.7 - 0.001 * step))
+    reserve.after_step(preempted=True)
+    assert reserve.value == 0.7
+    fixed = AdmissionReserve(0.5)
+    for preempted in (False, True, False):
+        fixed.after_step(preempted)
+        assert fixed.value == 0.5
 
 
 def test_an_admission_reserve_counts_the_forks_of_an_n_request(checkpoint):
