@@ -246,7 +246,8 @@ class LlamaFamilyModel(Model):
         )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, ops)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+        # a quant method that takes the head gets its own copy of a tied one (quantized from the embedding on load)
+        self.lm_head = None if cfg.tie_word_embeddings and not (quant and quant.applies_to("lm_head")) else Linear(
             cfg.hidden_size, cfg.vocab_size, False, "lm_head", quant, dtype)
         # a tied head multiplies by the embedding: as an unquantized linear (the skinny kernel when enabled)
         self.tied_head = quant if isinstance(quant, UnquantizedMethod) else UnquantizedMethod()
@@ -276,6 +277,9 @@ class LlamaFamilyModel(Model):
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         expected = set(self.state_dict())  # every tensor the checkpoint must provide (quant layouts included)
+        tied = self.cfg.tie_word_embeddings
+        if tied:
+            expected -= {"lm_head.weight"}  # a quantized copy of a tied head is loaded from the embedding below
         seen: set[str] = set()
         tied_head: torch.Tensor | None = None
         qc = self.cfg.quantization_config
@@ -286,7 +290,7 @@ class LlamaFamilyModel(Model):
                                       "remove the stray copy (or list the right files in model.safetensors.index.json)")
             if name.endswith("rotary_emb.inv_freq") or name.endswith(kv_scales):
                 continue  # a derived buffer; the KV scales of a kv_cache_scheme, which --kv-cache-dtype replaces
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and tied:
                 tied_head = tensor  # must be the embedding: checked below
                 continue
             owner, _, attr = name.rpartition(".")
@@ -314,6 +318,8 @@ class LlamaFamilyModel(Model):
             raise CheckpointError("config.json says tie_word_embeddings true, but the checkpoint's lm_head.weight "
                                   "differs from model.embed_tokens.weight; set tie_word_embeddings false in "
                                   "config.json to use the separate head")
+        if tied and self.lm_head is not None:
+            self.lm_head.load("weight", embedding)
         linears = [module for module in modules.values() if isinstance(module, Linear)]
         del modules, params, tied_head, embedding  # no reference may outlive what the loops below replace
         for module in linears:  # on-load quantization frees each float weight as it goes

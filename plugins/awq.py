@@ -19,6 +19,9 @@ AWQ_OPTIONS = {
                                "-1; ignored on an AWQ checkpoint", kind=int, choices=AWQ_GROUP_SIZES),
     "fused_max_rows": PluginOption(64, "the largest batch that runs the fused Triton W4A16 kernel on CUDA; larger "
                                    "ones dequantize and run a dense GEMM (0: never the fused kernel)", minimum=0),
+    "lm_head": PluginOption(False, "also quantize the output head on load (RTN int4; from the embedding when "
+                                   "tied): fewer bytes per decode step, a larger logits error; AutoAWQ keeps the "
+                                   "head in 16 bits"),
 }
 
 
@@ -31,7 +34,7 @@ def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     from ..quant.awq_method import AwqLinearMethod
 
     options = read_plugin_options(config, "awq", AWQ_OPTIONS)
-    fused_max_rows, group_size = options["fused_max_rows"], options["group_size"]
+    fused_max_rows, group_size, lm_head = options["fused_max_rows"], options["group_size"], options["lm_head"]
     if group_size is not None and quantization_config is not None:
         log.warning("awq: the checkpoint is AWQ-quantized already, so awq.group_size=%r is ignored (it sets the "
                     "group of on-load quantization)", group_size)
@@ -40,8 +43,10 @@ def build_awq(config: EngineConfig, quantization_config: dict[str, Any] | None) 
                     "accurate: run `infer quantize --method awq MODEL OUT` once and load OUT",
                     group_size or "128, or 64/32 where 128 does not divide a layer's input, else -1 (one group "
                     "over the whole input)")
-        return AwqLinearMethod(group_size, quantize_on_load=True, fused_max_rows=fused_max_rows)
-    return AwqLinearMethod.from_config(parse_config(quantization_config), fused_max_rows=fused_max_rows)
+        return AwqLinearMethod(group_size, quantize_on_load=True, fused_max_rows=fused_max_rows,
+                               quantize_lm_head=lm_head)
+    return AwqLinearMethod.from_config(parse_config(quantization_config), fused_max_rows=fused_max_rows,
+                                       quantize_lm_head=lm_head)
 
 
 @hookimpl

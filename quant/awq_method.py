@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import QuantMethod
 from . import awq
 from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded
@@ -19,7 +19,8 @@ class AwqLinearMethod(QuantMethod):
 
     ``quantize_on_load=False`` loads ``qweight``/``qzeros``/``scales`` from an AutoAWQ GEMM checkpoint.
     ``quantize_on_load=True`` loads a plain ``weight`` and replaces it with RTN-quantized packed buffers in
-    :meth:`process_after_loading`. On CUDA, batches of at most ``fused_max_rows`` rows run the fused Triton W4A16
+    :meth:`process_after_loading`. ``quantize_lm_head`` quantizes the output head too (AutoAWQ keeps it in 16 bits),
+    always on load: from the checkpoint's ``lm_head.weight``, or from the embedding when the two are tied. On CUDA, batches of at most ``fused_max_rows`` rows run the fused Triton W4A16
     GEMM; larger ones (and every CPU call) dequantize the weight for that call and use a dense matmul. The
     dequantized weight is never cached: that would undo the memory saving.
     """
@@ -27,7 +28,7 @@ class AwqLinearMethod(QuantMethod):
     name = "awq"
 
     def __init__(self, group_size: int | None = 128, modules_to_not_convert: Sequence[str] = (),
-                 quantize_on_load: bool = False, fused_max_rows: int = 64) -> None:
+                 quantize_on_load: bool = False, fused_max_rows: int = 64, quantize_lm_head: bool = False) -> None:
         if group_size is None and not quantize_on_load:
             raise CheckpointError("an AWQ checkpoint must state its group_size")
         if group_size is not None and not awq.is_group_size(group_size):
@@ -37,21 +38,30 @@ class AwqLinearMethod(QuantMethod):
         self.modules_to_not_convert = tuple(modules_to_not_convert)
         self.quantize_on_load = quantize_on_load
         self.fused_max_rows = fused_max_rows
+        self.quantize_lm_head = quantize_lm_head
 
     @classmethod
-    def from_config(cls, config: awq.AwqConfig, fused_max_rows: int = 64) -> AwqLinearMethod:
-        return cls(config.group_size, config.modules_to_not_convert, False, fused_max_rows)
+    def from_config(cls, config: awq.AwqConfig, fused_max_rows: int = 64,
+                    quantize_lm_head: bool = False) -> AwqLinearMethod:
+        return cls(config.group_size, config.modules_to_not_convert, False, fused_max_rows, quantize_lm_head)
 
     def applies_to(self, prefix: str) -> bool:
+        if is_lm_head(prefix):
+            return self.quantize_lm_head
         # AutoAWQ's rule: a module is skipped when any listed name is a substring of its path
-        return not is_lm_head(prefix) and not any(m in prefix for m in self.modules_to_not_convert)
+        return not any(m in prefix for m in self.modules_to_not_convert)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
         size = self.group_size if self.group_size is not None else auto_group_size(in_features)
-        group = awq.check_shapes(in_features, out_features, size, layer_name(layer), not self.quantize_on_load)
+        layer.awq_on_load = self.quantize_on_load or is_lm_head(layer_name(layer))
+        if is_lm_head(layer_name(layer)) and out_features % awq.PACK:
+            raise ConfigError(f"awq.lm_head: AWQ packs {awq.PACK} output columns per int32, and this model's "
+                              f"vocabulary of {out_features} is not a multiple of {awq.PACK}; drop "
+                              "--plugin-option awq.lm_head=true")
+        group = awq.check_shapes(in_features, out_features, size, layer_name(layer), not layer.awq_on_load)
         layer.awq_group_size = group
-        if self.quantize_on_load:
+        if layer.awq_on_load:
             layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         else:
             packed_out = out_features // awq.PACK
@@ -61,11 +71,11 @@ class AwqLinearMethod(QuantMethod):
         layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
-        if self.quantize_on_load and name in PACKED:
+        if layer.awq_on_load and name in PACKED:
             raise CheckpointError(
                 f"layer {layer_name(layer)!r} holds a packed AWQ tensor {name!r}, but the checkpoint declares no "
                 "AWQ quantization_config; add it to config.json or load an unquantized checkpoint")
-        if not self.quantize_on_load and name == "weight":
+        if not layer.awq_on_load and name == "weight":
             raise CheckpointError(
                 f"layer {layer_name(layer)!r} has an unquantized 'weight' in an AWQ checkpoint; list the module in "
                 "quantization_config.modules_to_not_convert, or re-export the checkpoint")
@@ -88,9 +98,9 @@ class AwqLinearMethod(QuantMethod):
         mark_loaded(layer, name)
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        needed = ("weight",) if self.quantize_on_load else PACKED
+        needed = ("weight",) if layer.awq_on_load else PACKED
         require_loaded(layer, needed + (("bias",) if layer.bias is not None else ()), self.name)
-        if self.quantize_on_load:
+        if layer.awq_on_load:
             qweight, qzeros, scales = awq.quantize_rtn(layer.weight.data, layer.awq_group_size)
             del layer.weight
             layer.register_buffer("qweight", qweight)

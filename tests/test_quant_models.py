@@ -90,13 +90,13 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).norm() / ref.norm())
 
 
-def noisy_logits(path: Path, plugins: PluginManager, eps: float) -> torch.Tensor:
+def noisy_logits(path: Path, plugins: PluginManager, eps: float, head: bool = False) -> torch.Tensor:
     """:func:`prompt_logits` of the unquantized model with seeded Gaussian noise of relative RMS ``eps`` added to the
-    weight of every linear a quant method converts (all but lm_head)."""
+    weight of every linear a quant method converts (all but lm_head, unless ``head``)."""
     loaded = load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path)
     g = torch.Generator().manual_seed(0)
     for module in loaded.model.modules():
-        if isinstance(module, Linear) and "lm_head" not in module.prefix:
+        if isinstance(module, Linear) and (head or "lm_head" not in module.prefix):
             w = module.weight
             w += eps * w.pow(2).mean().sqrt() * torch.randn(w.shape, generator=g)
     with torch.no_grad():
@@ -131,6 +131,52 @@ def test_awq_rtn_and_calibrated_logits_within_bound(model128: Path, calibrated12
     calibrated = prompt_logits(calibrated128, plugins)
     assert 0.8 * predicted < rel(rtn, ref) < 1.2 * predicted, (rel(rtn, ref), predicted)
     assert 0 < rel(calibrated, ref) < 1.2 * predicted, (rel(calibrated, ref), predicted)
+
+
+def test_awq_lm_head_option_quantizes_the_head_within_its_bound(model128: Path, plugins: PluginManager) -> None:
+    """awq.lm_head=true: the head's int4 noise joins the layers' in the same noise model, and the error grows."""
+    ref = prompt_logits(model128, plugins)
+    predicted = rel(noisy_logits(model128, plugins, INT4_G64_EPS, head=True), ref)
+    layers_only = rel(prompt_logits(model128, plugins, quant="awq", plugin_options={"awq": {"group_size": 64}}), ref)
+    with_head = rel(prompt_logits(model128, plugins, quant="awq",
+                                  plugin_options={"awq": {"group_size": 64, "lm_head": True}}), ref)
+    assert 0.8 * predicted < with_head < 1.2 * predicted, (with_head, predicted)
+    assert with_head > layers_only
+
+
+@pytest.mark.parametrize("source", ["tied", "untied", "awq-checkpoint"])
+def test_awq_lm_head_option_packs_the_rtn_head_of_the_right_weight(source: str, model128: Path, calibrated128: Path,
+                                                                   tiny_model_factory: Callable[..., Path],
+                                                                   plugins: PluginManager) -> None:
+    """The quantized head holds quantize_rtn of the checkpoint's head (of the embedding when tied, which keeps its
+    float weight for the lookup), on load for a plain checkpoint and for an AWQ one alike."""
+    from infer.quant import awq
+
+    path = {"tied": lambda: tiny_model_factory("llama", hidden_size=128, intermediate_size=256,
+                                               tie_word_embeddings=True),
+            "untied": lambda: model128, "awq-checkpoint": lambda: calibrated128}[source]()
+    state = load_file(str(path / "model.safetensors"))
+    head = state["model.embed_tokens.weight" if source == "tied" else "lm_head.weight"].float()
+    options: dict[str, Any] = {"plugin_options": {"awq": {"lm_head": True}}}
+    if source != "awq-checkpoint":
+        options = {"quant": "awq", "plugin_options": {"awq": {"lm_head": True, "group_size": 64}}}
+    model = load_model(EngineConfig(model=str(path), device="cpu", **options).validate(), plugins, path).model
+    assert model.lm_head.method.name == "awq"
+    expected = awq.quantize_rtn(head, 64)
+    for name, tensor in zip(("qweight", "qzeros", "scales"), expected):
+        assert torch.equal(getattr(model.lm_head, name), tensor), name
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
+    hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ awq.dequantize(*expected, 64, dtype=torch.float32))
+
+
+def test_awq_lm_head_option_refuses_a_vocabulary_it_cannot_pack(tiny_model_factory: Callable[..., Path],
+                                                                plugins: PluginManager) -> None:
+    path = tiny_model_factory("llama", vocab_size=1001)
+    with pytest.raises(ConfigError, match="vocabulary of 1001 is not a multiple of 8; drop --plugin-option "
+                                          "awq.lm_head=true"):
+        load_model(EngineConfig(model=str(path), device="cpu", quant="awq",
+                                plugin_options={"awq": {"lm_head": True}}).validate(), plugins, path)
 
 
 def test_fp8_logits_within_bound(model128: Path, plugins: PluginManager) -> None:
