@@ -7,7 +7,7 @@ Figures, one JSON line each, then a table:
   ``tpot_ms`` is the engine's time per output token, host work included. ``awq_decode_lm_head``: the same with
   ``awq.lm_head=true`` (the tied 128,256 x 2,048 head in int4 too: a batch-1 step reads about 0.65 GB instead of 1.03).
 - ``fp8_throughput``: decode at each batch of ``--batch`` (>= 64; default 128), FP8 W8A8 (``torch._scaled_mm``)
-  vs bf16, same two views.
+  vs bf16, same two views; ``fp8_throughput_lm_head`` at the first batch: the same with ``fp8.lm_head=true``.
 - ``awq_gemm`` / ``awq_crossover``: the 1B's merged qkv, gate_up and down GEMMs for M in 1..256, fused W4A16
   kernel and dequantize+matmul vs a bf16 matmul, each timed from a CUDA graph over weight replicas larger than L2;
   the crossover is the smallest M from which bf16 is at least as fast as the faster AWQ path. The same rows time
@@ -329,6 +329,13 @@ def main() -> int:
             row = compare("fp8_throughput", base, fp8, {"batch": batch})
             summary.append((f"FP8 decode, batch {batch} (tok/s)", str(base["tok_per_s"]), str(fp8["tok_per_s"]),
                             f"{row['speedup_tokens']}x (step {row['speedup_step']}x; target 1.5x)"))
+            if batch == args.batch[0]:
+                head = decode_figures(model, batch, args.prompt_len, args.new_tokens, quant="fp8",
+                                      plugin_options={"fp8": {"lm_head": True}})
+                row = compare("fp8_throughput_lm_head", base, head, {"batch": batch})
+                summary.append((f"FP8 + fp8 head, batch {batch} (tok/s)", str(base["tok_per_s"]),
+                                str(head["tok_per_s"]),
+                                f"{row['speedup_tokens']}x (step {row['speedup_step']}x; target 1.5x)"))
         if "gemm" not in args.skip:
             for name, (k, n) in GEMM_SHAPES.items():
                 rows = gemm_rows(k, n, GEMM_ROWS, args.replays)

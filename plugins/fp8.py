@@ -18,6 +18,8 @@ FP8_OPTIONS = {
     "backend": PluginOption("auto", "the FP8 GEMM: scaled_mm (torch._scaled_mm, CUDA sm89+), triton (infer's "
                             "kernel, CUDA), emulate (dequantize and run the model dtype's GEMM); auto picks by device",
                             choices=FP8_BACKENDS),
+    "lm_head": PluginOption(False, "also quantize the output head when quantizing on load (per-channel e4m3; from "
+                                   "the embedding when tied): fewer bytes per decode step, a larger logits error"),
 }
 
 
@@ -32,7 +34,8 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     from ..quant.fp8 import parse_compressed_tensors
     from ..quant.fp8_method import Fp8LinearMethod
 
-    backend = read_plugin_options(config, "fp8", FP8_OPTIONS)["backend"]
+    options = read_plugin_options(config, "fp8", FP8_OPTIONS)
+    backend = options["backend"]
     on_cuda = resolve_device(config.device).type == "cuda"
     if backend == "triton" and not triton_runs_on(resolve_device(config.device)):
         raise ConfigError("--plugin-option fp8.backend=triton runs Triton kernels, which need a CUDA device (this "
@@ -42,7 +45,10 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
                           "H100); drop the option (auto emulates FP8 on this GPU) or use fp8.backend=emulate")
     if quantization_config is None:
         log.info("fp8: quantizing weights on load (e4m3, per-channel scales; activations per token, dynamic)")
-        return Fp8LinearMethod(None, backend)
+        return Fp8LinearMethod(None, backend, quantize_lm_head=options["lm_head"])
+    if options["lm_head"]:
+        raise ConfigError("--plugin-option fp8.lm_head=true quantizes the head when fp8 quantizes on load, but this "
+                          "checkpoint is quantized already and its config says which layers are FP8; drop the option")
     method = quantization_config.get("quant_method")
     if method != "compressed-tensors":  # e.g. HF's own block-wise "fp8" (weight_block_size)
         given = f"--quant {config.quant} was given, but " if config.quant else ""

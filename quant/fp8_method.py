@@ -22,7 +22,7 @@ class Fp8LinearMethod(QuantMethod):
     """W8A8 FP8 linears.
 
     ``checkpoint=None`` quantizes a plain ``weight`` on load (per-channel weight scales, dynamic per-token
-    activation scales; ``lm_head`` stays unquantized). With a :class:`~infer.quant.fp8.Fp8CheckpointConfig` it
+    activation scales; ``lm_head`` stays unquantized unless ``quantize_lm_head``). With a :class:`~infer.quant.fp8.Fp8CheckpointConfig` it
     loads compressed-tensors ``weight`` (float8_e4m3fn), ``weight_scale`` and, for static activations,
     ``input_scale``.
 
@@ -35,16 +35,18 @@ class Fp8LinearMethod(QuantMethod):
 
     name = "fp8"
 
-    def __init__(self, checkpoint: fp8.Fp8CheckpointConfig | None = None, backend: str = "auto") -> None:
+    def __init__(self, checkpoint: fp8.Fp8CheckpointConfig | None = None, backend: str = "auto",
+                 quantize_lm_head: bool = False) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"fp8 backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.checkpoint = checkpoint
         self.backend = backend
+        self.quantize_lm_head = quantize_lm_head
         self._announced: set[str] = set()
 
     def _scheme(self, prefix: str) -> fp8.Fp8Scheme | None:
         if self.checkpoint is None:
-            return None if is_lm_head(prefix) else fp8.DYNAMIC
+            return None if is_lm_head(prefix) and not self.quantize_lm_head else fp8.DYNAMIC
         return self.checkpoint.scheme_for(prefix)
 
     def applies_to(self, prefix: str) -> bool:

@@ -133,15 +133,44 @@ def test_awq_rtn_and_calibrated_logits_within_bound(model128: Path, calibrated12
     assert 0 < rel(calibrated, ref) < 1.2 * predicted, (rel(calibrated, ref), predicted)
 
 
-def test_awq_lm_head_option_quantizes_the_head_within_its_bound(model128: Path, plugins: PluginManager) -> None:
-    """awq.lm_head=true: the head's int4 noise joins the layers' in the same noise model, and the error grows."""
+@pytest.mark.parametrize("method,options,eps", [("awq", {"group_size": 64}, INT4_G64_EPS), ("fp8", {}, FP8_EPS)])
+def test_lm_head_option_quantizes_the_head_within_its_bound(method: str, options: dict[str, Any], eps: float,
+                                                            model128: Path, plugins: PluginManager) -> None:
+    """awq.lm_head / fp8.lm_head = true: the head's rounding noise joins the layers' in the same noise model, and
+    the error grows."""
     ref = prompt_logits(model128, plugins)
-    predicted = rel(noisy_logits(model128, plugins, INT4_G64_EPS, head=True), ref)
-    layers_only = rel(prompt_logits(model128, plugins, quant="awq", plugin_options={"awq": {"group_size": 64}}), ref)
-    with_head = rel(prompt_logits(model128, plugins, quant="awq",
-                                  plugin_options={"awq": {"group_size": 64, "lm_head": True}}), ref)
+    predicted = rel(noisy_logits(model128, plugins, eps, head=True), ref)
+    layers_only = rel(prompt_logits(model128, plugins, quant=method, plugin_options={method: options}), ref)
+    with_head = rel(prompt_logits(model128, plugins, quant=method,
+                                  plugin_options={method: {**options, "lm_head": True}}), ref)
     assert 0.8 * predicted < with_head < 1.2 * predicted, (with_head, predicted)
     assert with_head > layers_only
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fp8_lm_head_option_quantizes_the_head_of_the_right_weight(tied: bool, tiny_model_factory: Callable[..., Path],
+                                                                   plugins: PluginManager) -> None:
+    from infer.quant import fp8
+
+    path = tiny_model_factory("llama", hidden_size=128, intermediate_size=256, tie_word_embeddings=tied)
+    state = load_file(str(path / "model.safetensors"))
+    head = state["model.embed_tokens.weight" if tied else "lm_head.weight"].float()
+    model = load_model(EngineConfig(model=str(path), device="cpu", quant="fp8",
+                                    plugin_options={"fp8": {"lm_head": True}}).validate(), plugins, path).model
+    weight, scale = fp8.quantize_weight_per_channel(head)
+    assert model.lm_head.method.name == "fp8"
+    assert torch.equal(model.lm_head.weight.view(torch.uint8), weight.view(torch.uint8))
+    assert torch.equal(model.lm_head.weight_scale, scale)
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
+
+
+def test_fp8_lm_head_option_is_refused_on_a_quantized_checkpoint() -> None:
+    from infer.plugins.fp8 import build_fp8
+
+    config = EngineConfig(plugin_options={"fp8": {"lm_head": True}})
+    with pytest.raises(ConfigError, match="checkpoint is quantized already and its config says which layers are "
+                                          "FP8; drop the option"):
+        build_fp8(config, {"quant_method": "compressed-tensors"})
 
 
 @pytest.mark.parametrize("source", ["tied", "untied", "awq-checkpoint"])
