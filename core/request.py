@@ -69,8 +69,8 @@ class SamplingParams:
             raise bad(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_real(self.min_p) or math.isnan(self.min_p) or not 0.0 <= self.min_p < 1.0:
             raise bad(f"min_p must be a number in [0, 1), got {self.min_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad(f"seed must be an integer in [0, 2**63), got {self.seed!r}")  # a torch generator's range
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if not _is_int(self.n) or not 1 <= self.n <= 64:

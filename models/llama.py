@@ -49,8 +49,13 @@ class ArchConfig:
         arch = raw["architectures"][0]  # the loader checked it
         field = _Fields(raw, arch)
         defaults = ARCH_DEFAULTS.get(arch, {})
-        heads, hidden = field.int("num_attention_heads"), field.int("hidden_size")
-        max_positions = field.get("max_position_embeddings", int) or defaults.get("max_position_embeddings", 2048)
+        heads, hidden = field.positive("num_attention_heads"), field.positive("hidden_size")
+        max_positions = field.positive("max_position_embeddings", defaults.get("max_position_embeddings", 2048))
+        kv_heads = field.positive("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise CheckpointError(f"config.json of this {arch} has {heads} attention heads and {kv_heads} key/value "
+                                  "heads; grouped-query attention needs the first a multiple of the second; fix "
+                                  "num_attention_heads or num_key_value_heads")
         act = field.get("hidden_act", str) or "silu"
         if act not in ("silu", "swish"):
             raise CheckpointError(f"config.json of this {arch} has hidden_act {act!r}; infer's MLP computes silu "
@@ -74,12 +79,12 @@ class ArchConfig:
         return cls(
             architecture=arch,
             hidden_size=hidden,
-            num_layers=field.int("num_hidden_layers"),
+            num_layers=field.positive("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=field.get("num_key_value_heads", int) or heads,
-            head_dim=field.get("head_dim", int) or defaults.get("head_dim") or hidden // heads,
-            intermediate_size=field.int("intermediate_size"),
-            vocab_size=field.int("vocab_size"),
+            num_kv_heads=kv_heads,
+            head_dim=field.positive("head_dim", defaults.get("head_dim") or hidden // heads),
+            intermediate_size=field.positive("intermediate_size"),
+            vocab_size=field.positive("vocab_size"),
             rms_norm_eps=float(field.get("rms_norm_eps", (int, float)) or 1e-6),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(field.get("tie_word_embeddings", bool)),
@@ -129,11 +134,17 @@ class _Fields:
                                   f"{names}; fix config.json")
         return value
 
-    def int(self, key: str) -> int:
+    def positive(self, key: str, default: int | None = None) -> int:
+        """A positive integer field: required when ``default`` is None, else ``default`` when absent (or null)."""
         value = self.get(key, int)
         if value is None:
-            raise CheckpointError(f"config.json of this {self.arch} lacks the field {key!r}; is it a complete HF "
-                                  "config?")
+            if default is None:
+                raise CheckpointError(f"config.json of this {self.arch} lacks the field {key!r}; is it a complete "
+                                      "HF config?")
+            return default
+        if value < 1:
+            raise CheckpointError(f"config.json of this {self.arch} has {key} = {value}, which must be a positive "
+                                  "integer; fix config.json")
         return value
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ..core.errors import InvalidRequestError
 from ..core.request import SamplingParams
 from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
@@ -28,12 +29,20 @@ def build_request(prompt: str | list[int], params: SamplingParams | None = None,
     fields left out take the server's SamplingParams defaults. ``priority`` defaults to ``params.priority``."""
     if priority is None:
         priority = params.priority if params is not None else 0
-    request = pb.GenerateRequest(request_id=request_id, priority=priority,
-                                 params=sampling_params_to_proto(params, **sampling))
+    try:
+        request = pb.GenerateRequest(request_id=request_id, priority=priority)
+    except (ValueError, TypeError):
+        raise InvalidRequestError(f"priority must be an integer in (-2**31, 2**31) and request_id a string, got "
+                                  f"{priority!r} and {request_id!r}") from None
+    request.params.CopyFrom(sampling_params_to_proto(params, **sampling))
     if isinstance(prompt, str):
         request.text = prompt
     else:
-        request.token_ids.ids.extend(prompt)
+        try:
+            request.token_ids.ids.extend(prompt)
+        except (ValueError, TypeError):
+            raise InvalidRequestError("a prompt is a string or a list of token ids (integers below 2**63), got "
+                                      f"{type(prompt).__name__} {str(prompt)[:80]}") from None
     return request
 
 

@@ -63,7 +63,10 @@ def _unfit_field(fields: dict[str, Any]) -> str | None:
     from google.protobuf.descriptor import FieldDescriptor
 
     names = {FieldDescriptor.TYPE_INT32: "int32", FieldDescriptor.TYPE_INT64: "int64"}
+    known = pb.SamplingParams.DESCRIPTOR.fields_by_name
     for name, value in fields.items():
+        if name not in known:
+            return f"no sampling parameter is called {name!r}; they are {', '.join(sorted(known))}"
         try:
             pb.SamplingParams(**{name: value})
         except (ValueError, TypeError):

@@ -494,6 +494,8 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
     (lambda e: e.generate(["hi"], SamplingParams(stop=None)), "stop must be a non-empty string or a list of them"),
     (lambda e: e.generate(["hi"], SamplingParams(stop_token_ids=5)), "stop_token_ids must be a list of non-negative"),
     (lambda e: e.generate(["hi"], SamplingParams(max_tokens=True)), "max_tokens must be a positive integer, got True"),
+    (lambda e: e.generate(["hi"], SamplingParams(seed=2**63)), "seed must be an integer in [0, 2**63), got 922337"),
+    (lambda e: e.generate(["hi"], SamplingParams(seed=-1)), "seed must be an integer in [0, 2**63), got -1"),
 ])
 def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, message):
     from infer.core.errors import InvalidRequestError

@@ -216,6 +216,23 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
     assert sampling_params_of(pb.GenerateRequest()).speculative is True  # unset: the engine's default
 
 
+@pytest.mark.parametrize(("args", "kwargs", "message"), [
+    (("hi",), {"foo": 1}, "no sampling parameter is called 'foo'; they are ignore_eos, logprobs, max_tokens"),
+    (("hi",), {"priority": 2**40}, "priority must be an integer in (-2**31, 2**31)"),
+    (("hi",), {"max_tokens": 2**40}, "max_tokens must be below 2**31 to travel over gRPC (int32)"),
+    (([1, 2**70],), {}, "a prompt is a string or a list of token ids (integers below 2**63)"),
+])
+def test_a_request_the_client_cannot_encode_is_an_invalid_request_naming_it(args: tuple[Any, ...],
+                                                                              kwargs: dict[str, Any],
+                                                                              message: str) -> None:
+    from infer.core.errors import InvalidRequestError
+    from infer.server.client import build_request
+
+    with pytest.raises(InvalidRequestError) as info:
+        build_request(*args, **kwargs)
+    assert message in str(info.value)
+
+
 # ---------------------------------------------------------------- generation
 CASES = [
     ("def main():", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)),
