@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,12 @@ if TYPE_CHECKING:
     import grpc
 
 TOKEN_ENV = "INFER_SERVER_TOKEN"
+
+
+def quiet_grpc_core() -> None:
+    """Before gRPC's first import: its core library logs events such as a failed TLS handshake at INFO level to
+    stderr, raw, while these commands explain them in their own message. An explicit GRPC_VERBOSITY wins."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 @click.command("serve")
@@ -38,6 +45,7 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
           token: str | None, tls_cert: Path | None, tls_key: Path | None, metrics_port: int | None) -> None:
     """Serve the model over gRPC (infer.v1.Inference, health, reflection) until SIGTERM, then drain."""
     from ..cli.main import build_engine
+    quiet_grpc_core()
     from ..server.app import ServeOptions, host_port, serve as run_server
 
     options = ServeOptions(host, port, max_queue, max_message_bytes, grace_period, token, tls_cert, tls_key,
@@ -82,6 +90,7 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, temper
            min_p: float, n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool,
            token: str | None, tls: bool, tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams."""
+    quiet_grpc_core()
     import grpc
 
     from ..cli.options import refuse_engine_options

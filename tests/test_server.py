@@ -528,6 +528,17 @@ def run_cli(*args: str) -> Any:
     return CliRunner().invoke(main, list(args))
 
 
+def test_a_tls_mismatch_prints_only_the_explanation(server: ServerProcess) -> None:
+    """In a process of its own (gRPC's core logs to the real stderr, which CliRunner does not see): the raw SSL
+    handshake log line is not printed before the explanation."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    cli = subprocess.run([*infer_command(), "client", "hello", "--target", server.target, "--tls"],
+                         capture_output=True, text=True, env=env)
+    assert (cli.returncode, cli.stdout) == (1, "")
+    assert cli.stderr == f"Error: UNAVAILABLE: {server.target} does not speak TLS (a plaintext server?); drop --tls " \
+                         "and --tls-ca\n"
+
+
 def test_client_errors_stand_alone(server: ServerProcess) -> None:
     out = run_cli("client", "hello", "--target", server.target, "--top-p", "1.5")
     assert (out.exit_code, out.stdout) == (1, "")  # no prompt echo glued to the error
