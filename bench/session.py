@@ -187,11 +187,13 @@ class RunError(Exception):
         self.runs, self.interrupted = runs, interrupted
 
 
-def _failure(exc: BaseException) -> str:
-    """An error's message; anything but infer's own errors (CUDA out of memory, a bug) with its type."""
+def _failure(arm: Arm, exc: BaseException, when: str) -> RunError:
+    """The RunError of ``arm`` stopped by ``exc`` ``when`` (e.g. "in round 2 of 3"): infer's own errors by their
+    message, others (CUDA out of memory, a bug) with their type; a Ctrl-C as an interruption, not a failure."""
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    return str(exc) if isinstance(exc, InferError) else f"{type(exc).__name__}: {exc}"
+        return RunError(f"interrupted {when} (arm {arm.spec.key}, {arm.spec.text!r})", {}, True)
+    reason = str(exc) if isinstance(exc, InferError) else f"{type(exc).__name__}: {exc}"
+    return RunError(f"arm {arm.spec.key} ({arm.spec.text!r}) failed {when}: {reason}", {})
 
 
 def warm_up(arms: list[Arm], warmups: list[Workload], settings: ProcessSettings, err: Any) -> None:
@@ -203,8 +205,7 @@ def warm_up(arms: list[Arm], warmups: list[Workload], settings: ProcessSettings,
             arm.warm_up(warmups)  # also with no rounds: records the counters the runs are measured from
         except (Exception, KeyboardInterrupt) as exc:
             log.debug("arm %s failed while warming up", arm.spec.key, exc_info=True)
-            raise RunError(f"arm {arm.spec.key} ({arm.spec.text!r}) failed while warming up: {_failure(exc)}", {},
-                           isinstance(exc, KeyboardInterrupt)) from exc
+            raise _failure(arm, exc, "while warming up") from exc
 
 
 def round_order(arms: list[T], round_index: int) -> list[T]:
@@ -233,10 +234,9 @@ def run_rounds(arms: list[Arm], workloads: list[Workload], settings: ProcessSett
                     runs[arm.spec.key].append(result)
                 except (Exception, KeyboardInterrupt) as exc:  # keep what completed, whatever the failure
                     log.debug("arm %s failed in round %d", arm.spec.key, i + 1, exc_info=True)
-                    complete = {key: done[:i] for key, done in runs.items()}
-                    raise RunError(f"arm {arm.spec.key} ({arm.spec.text!r}) failed in round {i + 1} of "
-                                   f"{len(workloads)}: {_failure(exc)}", complete,
-                                   isinstance(exc, KeyboardInterrupt)) from exc
+                    failure = _failure(arm, exc, f"in round {i + 1} of {len(workloads)}")
+                    failure.runs = {key: done[:i] for key, done in runs.items()}
+                    raise failure from exc
     return runs
 
 

@@ -39,6 +39,9 @@ class InferGroup(click.Group):
             return super().invoke(ctx)
         except InferError as exc:
             raise click.ClickException(str(exc)) from exc
+        except KeyboardInterrupt:  # a command that can say what was done says so itself, with the same exit status
+            click.echo("\ninterrupted", err=True)
+            raise SystemExit(130) from None
 
 
 def _plugins(ctx: click.Context) -> PluginManager:
@@ -159,7 +162,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
                 raise refused(exc, exc.prompt_index) from exc
             _print_in_order(texts, completed, as_json)
     except KeyboardInterrupt:  # while loading or streaming (_print_in_order reports its own)
-        click.echo(f"\ninterrupted: printed {streamed} of {len(texts)} prompts' completions", err=True)
+        click.echo(f"\ninterrupted: printed {streamed} of {len(texts)} prompts' completions in full", err=True)
         raise SystemExit(130) from None
     if stats:
         summary = engine.stats.summary()

@@ -258,6 +258,23 @@ def test_make_tiny_model_refuses_unusable_paths_and_seeds_cleanly(tmp_path):
     assert modes == {name: (0o777 if name == "m" else 0o666) & ~mask for name in modes}  # as mkdir and open give
 
 
+def test_ctrl_c_in_any_command_exits_130_and_says_so(tiny_model, tmp_path):
+    """Commands without their own report (here quantize, mid-calibration) end as generate does, not with click's
+    "Aborted!" and status 1; quantize leaves no OUT folder."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "-v", "quantize", str(tiny_model), str(out),
+                             "--num-samples", "99999999", "--seq-len", "16"], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None and "calibration text holds" in proc.stderr.readline()  # calibration begins
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().endswith("interrupted") and "Aborted" not in err, err
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
 def test_stdin_lines_may_end_in_crlf(tiny_model):
     result = run("--model", str(tiny_model), "generate", "--json", "--max-tokens", "1", input="ok\r\nx\r\n")
     assert result.exit_code == 0 and [json.loads(line)["prompt"] for line in result.output.splitlines()] == ["ok", "x"]
@@ -274,7 +291,7 @@ def test_ctrl_c_while_streaming_exits_130_and_says_so(tiny_model):
     assert proc.stdout is not None and proc.stdout.read(5) == "hello"  # streaming has begun
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "interrupted: printed 0 of 1 prompts' completions" in err, err
+    assert proc.returncode == 130 and "interrupted: printed 0 of 1 prompts' completions in full" in err, err
     assert "Traceback" not in err
 
 
