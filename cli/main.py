@@ -9,9 +9,15 @@ from typing import Any
 
 import click
 
-from ..core.errors import InferError
+from ..core.errors import ConfigError, InferError, InvalidRequestError
 from ..core.plugins import PluginManager
 from .options import EngineArgs, engine_options, refuse_engine_options
+
+
+class CommandLineError(click.ClickException):
+    """An option's value, or options together, that the engine refuses: ``Error: ...`` and exit status 2, as click's
+    own usage errors (without their usage banner, so the message is the same as the Python API's and gRPC's)."""
+    exit_code = 2
 
 
 class InferGroup(click.Group):
@@ -37,6 +43,8 @@ class InferGroup(click.Group):
                             format="infer: %(message)s")
         try:
             return super().invoke(ctx)
+        except ConfigError as exc:  # an option's value or a combination of options: a usage error, as click's own
+            raise CommandLineError(str(exc)) from exc
         except InferError as exc:
             raise click.ClickException(str(exc)) from exc
         except KeyboardInterrupt:  # a command that can say what was done says so itself, with the same exit status
@@ -123,7 +131,12 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed)
-    params.validate()
+    try:
+        params.validate()
+    except InvalidRequestError as exc:  # the options' values
+        raise CommandLineError(str(exc)) from None
+    if not beam_width and ctx.get_parameter_source("length_penalty") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--length-penalty scores beam search's hypotheses; add --beam-width W", ctx)
 
     def refused(exc: InferError, index: int | None) -> click.ClickException:
         where = "" if prompts or index is None else f" (stdin line {numbered[index][0]})"
@@ -180,9 +193,12 @@ def _beam_search(ctx: click.Context, texts: list[str], beam_width: int, max_toke
     from ..core.beam_search import BeamSearchParams, check_prompts
 
     params = BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos)
-    printed = 0
     try:
         params.validate()
+    except InvalidRequestError as exc:
+        raise CommandLineError(str(exc)) from None
+    printed = 0
+    try:
         engine = build_engine(ctx)
         try:
             prompts = check_prompts(engine, texts, params)

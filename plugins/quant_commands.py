@@ -6,7 +6,6 @@ from typing import Any
 
 import click
 
-from ..core.errors import InferError
 from ..core.hookspecs import CommandFactory, hookimpl
 from ..core.registry import Register
 
@@ -43,13 +42,10 @@ def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Pat
 
     config = AwqCalibrationConfig(group_size=group_size, bits=bits, num_samples=num_samples, seq_len=seq_len,
                                   device=device)
-    try:
-        _, config = check_request(model, out, config)  # every bad-input check before the model loads
-        texts = read_texts(calib) if calib is not None else None
-        with _ProgressBar() as progress:
-            reports = calibrate_awq(model, out, config, texts, progress)
-    except InferError as exc:
-        raise click.ClickException(str(exc)) from exc
+    _, config = check_request(model, out, config)  # every bad-input check before the model loads
+    texts = read_texts(calib) if calib is not None else None
+    with _ProgressBar() as progress:  # errors: the group prints them (a ConfigError as a usage error)
+        reports = calibrate_awq(model, out, config, texts, progress)
     _print_summary(reports)
     click.echo(f"wrote the AWQ checkpoint {out} (int4, group {config.group_size}); run it with `infer --model {out} "
                "generate ...`")

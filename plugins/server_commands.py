@@ -93,6 +93,7 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, temper
     quiet_grpc_core()
     import grpc
 
+    from ..cli.main import CommandLineError
     from ..cli.options import refuse_engine_options
 
     refuse_engine_options(ctx, "client", " (the server's engine is set where `infer serve` starts)")
@@ -122,8 +123,8 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, temper
                     click.echo(prompt + out.text)
             if stats:
                 click.echo(json.dumps(stats_dict(conn.stats()), indent=2), err=True)
-        except InferError as exc:  # a value the protocol cannot carry, found before anything was sent
-            raise click.ClickException(str(exc)) from None
+        except InferError as exc:  # an option's value the protocol cannot carry, found before anything was sent
+            raise CommandLineError(str(exc)) from None
         except UnicodeEncodeError:  # a prompt argument that is not UTF-8 (a surrogate-escaped byte)
             raise click.ClickException("the prompt is not valid UTF-8 text; pass UTF-8, or token ids through the "
                                        "Python client") from None

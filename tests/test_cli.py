@@ -101,7 +101,7 @@ def test_plugins_lists_the_declared_options_and_the_cli_checks_them_before_loadi
         assert name in listed
     missing = str(tiny_model) + "-does-not-exist"  # the check comes first: no model is looked for
     result = run("--model", missing, "--plugin-option", "ngram.max_m=3", "generate", "x")
-    assert result.exit_code == 1 and "ngram has no option 'max_m'; did you mean ngram.max_n?" in result.output
+    assert result.exit_code == 2 and "ngram has no option 'max_m'; did you mean ngram.max_n?" in result.output
 
 
 def _bad_folders(tmp_path, tiny_model):
@@ -127,32 +127,40 @@ def _bad_folders(tmp_path, tiny_model):
     return unsupported, no_weights, pickle_only, truncated, no_tokenizer
 
 
+# (command line, message, exit status): 2 for an option's value or options together, 1 for a prompt it refuses
 BAD_REQUESTS = [
-    (["generate", ""], "prompt is empty"),
-    (["generate", "hi", "--max-tokens", "2000"], "exceeds the model's context length 1024"),
-    (["generate", "hi", "--max-tokens", "0"], "max_tokens must be a positive integer"),
-    (["generate", "hi", "--temperature", "-1"], "temperature must be a number >= 0"),
-    (["generate", "hi", "--temperature", "nan"], "temperature must be a number >= 0"),
-    (["generate", "hi", "--top-p", "0"], r"top_p must be a number in \(0, 1\]"),
-    (["generate", "hi", "--top-p", "1.5"], r"top_p must be a number in \(0, 1\]"),
-    (["generate", "a\udcffb"], r"the prompt is not valid UTF-8 text \(character 1 is '\\udcff'"),
-    (["--kv-cache-memory-gb", "inf", "generate", "hi"], "kv-cache-memory-gb .* must be a finite number"),
-    (["--swap-space-gb", "nan", "--preemption", "swap", "generate", "hi"], "swap-space-gb .* must be a finite"),
+    (["generate", ""], "prompt is empty", 1),
+    (["generate", "hi", "--max-tokens", "2000"], "exceeds the model's context length 1024", 1),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens must be a positive integer", 2),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be a number >= 0", 2),
+    (["generate", "hi", "--temperature", "nan"], "temperature must be a number >= 0", 2),
+    (["generate", "hi", "--top-p", "0"], r"top_p must be a number in \(0, 1\]", 2),
+    (["generate", "hi", "--top-p", "1.5"], r"top_p must be a number in \(0, 1\]", 2),
+    (["generate", "hi", "--seed", str(2**63)], r"seed must be an integer in \[0, 2\*\*63\)", 2),
+    (["generate", "hi", "--beam-width", "-1"], "beam_width must be an integer >= 1, got -1", 2),
+    (["generate", "hi", "--length-penalty", "2"], "--length-penalty scores beam search's hypotheses; add --beam-width",
+     2),
+    (["generate", "a\udcffb"], r"the prompt is not valid UTF-8 text \(character 1 is '\\udcff'", 1),
+    (["--kv-cache-memory-gb", "inf", "generate", "hi"], "kv-cache-memory-gb .* must be a finite number", 2),
+    (["--swap-space-gb", "nan", "--preemption", "swap", "generate", "hi"], "swap-space-gb .* must be a finite", 2),
     (["--swap-space-gb", "1e7", "--preemption", "swap", "generate", "hi"], r"the swap space \(.* GiB\) exceeds? "
-     "the memory this machine has available"),
+     "the memory this machine has available", 2),
     (["--num-kv-blocks", "1000000000", "generate", "hi"], r"the KV pool \(1000000000 blocks, .* GiB\) exceeds the "
-     "memory this machine has available"),
-    (["--device", "cuda:abc", "generate", "hi"], "device must be auto, cpu, cuda or cuda:N, got 'cuda:abc'"),
-    (["--seed", str(2**70), "generate", "hi"], r"seed must be in \[0, 2\*\*63\)"),
-    (["--seed", "-1", "generate", "hi"], r"seed must be in \[0, 2\*\*63\)"),
-    (["generate", "--stream", "hi", ""], "prompt 2 of 2: prompt is empty"),
+     "memory this machine has available", 2),
+    (["--device", "cuda:abc", "generate", "hi"], "device must be auto, cpu, cuda or cuda:N, got 'cuda:abc'", 2),
+    (["--seed", str(2**70), "generate", "hi"], r"seed must be in \[0, 2\*\*63\)", 2),
+    (["--seed", "-1", "generate", "hi"], r"seed must be in \[0, 2\*\*63\)", 2),
+    (["--max-num-seqs", "0", "generate", "hi"], "max-num-seqs must be a positive integer, got 0", 2),
+    (["--cpu-threads", "0", "generate", "hi"], r"cpu-threads must be in \[1, 1024\]", 2),
+    (["--kv-admission-reserve", "2", "generate", "hi"], r"kv-admission-reserve must be a number in \[0, 1\]", 2),
+    (["generate", "--stream", "hi", ""], "prompt 2 of 2: prompt is empty", 1),
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD_REQUESTS)
-def test_bad_requests_fail_cleanly(tiny_model, args, message):
+@pytest.mark.parametrize("args,message,status", BAD_REQUESTS)
+def test_bad_requests_fail_cleanly(tiny_model, args, message, status):
     result = run("--model", str(tiny_model), *args)
-    assert result.exit_code != 0
+    assert result.exit_code == status
     assert "Traceback" not in result.output
     assert __import__("re").search(message, result.output), result.output
 

@@ -551,11 +551,11 @@ def test_client_errors_stand_alone(server: ServerProcess) -> None:
     assert out.stderr == f"Error: UNAVAILABLE: {server.target} does not speak TLS (a plaintext server?); drop --tls " \
                          "and --tls-ca\n"
     out = run_cli("client", "hello", "--target", server.target, "--max-tokens", str(2**31))
-    assert (out.exit_code, out.stdout) == (1, "") and out.stderr == (
+    assert (out.exit_code, out.stdout) == (2, "") and out.stderr == (
         f"Error: invalid sampling parameters: max_tokens must be below 2**31 to travel over gRPC (int32), got "
         f"{2**31}\n")
     out = run_cli("client", "hello", "--target", server.target, "--seed", str(2**63))
-    assert out.exit_code == 1 and "seed must be below 2**63 to travel over gRPC (int64)" in out.stderr
+    assert out.exit_code == 2 and "seed must be below 2**63 to travel over gRPC (int64)" in out.stderr
     out = run_cli("client", "hello", "--target", server.target, "--timeout", "0")
     assert out.exit_code == 2 and "--timeout" in out.stderr
 
