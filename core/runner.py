@@ -106,9 +106,9 @@ class ModelRunner:
                              torch.zeros(shape, dtype=dtype, device=device), k_scale, v_scale)
                 for k_scale, v_scale in scales
             ]
-            self.host_caches = [
-                (torch.zeros(host_shape, dtype=dtype, pin_memory=self._pin),
-                 torch.zeros(host_shape, dtype=dtype, pin_memory=self._pin))
+            self.host_caches = [  # empty: a swap-in reads only what a swap-out wrote, and untouched pages cost nothing
+                (torch.empty(host_shape, dtype=dtype, pin_memory=self._pin),
+                 torch.empty(host_shape, dtype=dtype, pin_memory=self._pin))
                 for _ in range(spec.num_layers if num_swap_blocks else 0)
             ]
         except (RuntimeError, MemoryError) as exc:  # out of device or host memory

@@ -262,7 +262,7 @@ class InferenceServer:
         if on_ready is not None:
             on_ready(port, self.metrics_port)
         await stop.wait()
-        log.warning("shutting down: draining requests in flight (grace period %.0f s)", self.options.grace_period_s)
+        log.warning("shutting down: draining requests in flight (grace period %g s)", self.options.grace_period_s)
         await self.drain(force)
 
 
