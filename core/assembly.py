@@ -174,6 +174,9 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, per_block: int) -> 
     """``--num-kv-blocks``, else what the KV memory budget holds: ``--kv-cache-memory-gb``, 90% of free GPU memory
     less 1 GiB, or on the CPU enough for max_num_seqs full contexts (at most 2 GiB)."""
     if config.num_kv_blocks is not None:
+        if config.kv_cache_memory_gb is not None:
+            log.warning("--kv-cache-memory-gb %g is unused: --num-kv-blocks %d sizes the KV pool; give one of them",
+                        config.kv_cache_memory_gb, config.num_kv_blocks)
         return config.num_kv_blocks
     if config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * 2**30)

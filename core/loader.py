@@ -141,6 +141,12 @@ def load_tokenizer(path: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
+            try:
+                json.loads((path / name).read_text(encoding="utf-8")) if (path / name).exists() else None
+            except (ValueError, UnicodeDecodeError) as bad:  # JSONDecodeError is a ValueError
+                raise CheckpointError(f"could not load the tokenizer from {str(path)!r}: {name} is not valid JSON "
+                                      f"({bad}); fetch or copy it again") from exc
         raise CheckpointError(f"could not load the tokenizer from {str(path)!r} (transformers reads config.json "
                               f"too, so a bad field there fails here): {exc}") from exc
 

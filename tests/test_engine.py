@@ -532,6 +532,14 @@ def test_bad_llm_options_are_config_errors_naming_them(tiny_model, options, mess
     assert message in str(info.value)
 
 
+def test_num_kv_blocks_wins_over_a_memory_budget_with_a_warning(tiny_model, caplog):
+    from infer import LLM
+
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=40, kv_cache_memory_gb=0.5)
+    assert llm.engine.kv.num_blocks == 40
+    assert "--kv-cache-memory-gb 0.5 is unused: --num-kv-blocks 40 sizes the KV pool" in caplog.text
+
+
 def test_a_pathlib_model_folder_is_accepted(tiny_model):
     from pathlib import Path
 

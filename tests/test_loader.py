@@ -174,6 +174,14 @@ def test_fp8_weights_are_checked_for_every_bit_pattern(dtype):
                 check_finite(module)
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_truncated_tokenizer_file_is_named(llama, tmp_path, name):
+    path = copy_of(llama, tmp_path / "m")
+    text = (path / name).read_text()
+    (path / name).write_text(text[: len(text) // 2])
+    assert f"{name} is not valid JSON (" in load_error(path)
+
+
 def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
     path = copy_of(llama, tmp_path / "m", tensors=lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
     assert "set it true if the head is the embedding" in load_error(path)
