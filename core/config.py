@@ -106,7 +106,7 @@ class EngineConfig:
             value = getattr(self, f.name)
             if not (value is None and "None" in kinds) and not any(TYPE_CHECKS[kind](value) for kind in kinds
                                                                    if kind != "None"):
-                raise ConfigError(f"{f.name.replace('_', '-')} ({f.name}=) must be "
+                raise ConfigError(f"{f.name.replace('_', '-')} ({f.name} in Python) must be "
                                   f"{' or '.join(TYPE_NAMES.get(kind, kind) for kind in kinds)}, got {value!r}")
         if not all(isinstance(key, str) and isinstance(options, dict) for key, options in self.plugin_options.items()):
             raise ConfigError(f"plugin-options maps a namespace to a dict of options, e.g. {{'awq': {{'group_size': "
