@@ -11,7 +11,7 @@ import click
 
 from ..core.errors import ConfigError, InferError, InvalidRequestError
 from ..core.plugins import PluginManager
-from .options import EngineArgs, engine_options, refuse_engine_options
+from .options import EngineArgs, engine_options, logit_control_options, refuse_engine_options
 
 
 class CommandLineError(click.ClickException):
@@ -94,6 +94,7 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
 @click.option("--min-p", type=float, default=0.0, show_default=True,
               help="Drop tokens below this fraction of the top probability, in [0, 1).")
+@logit_control_options
 @click.option("--n", type=int, default=1, show_default=True, help="Completions per prompt.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
@@ -114,7 +115,8 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
                    "and for --n > 1 or multi-line completions.")
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temperature: float, top_p: float,
-             top_k: int, min_p: float, n: int, stop: tuple[str, ...], ignore_eos: bool, seed: int | None,
+             top_k: int, min_p: float, repetition_penalty: float, frequency_penalty: float, presence_penalty: float,
+             min_tokens: int, n: int, stop: tuple[str, ...], ignore_eos: bool, seed: int | None,
              beam_width: int, length_penalty: float, stream: bool, stats: bool, as_json: bool) -> None:
     """Generate text for PROMPTS (or for each line of stdin when none are given). Each completion prints as the
     prompt followed by its text; with several prompts or --n > 1, --json keeps them apart."""
@@ -129,8 +131,10 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     texts = [text for _, text in numbered]
     if not texts:
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
+    controls = dict(repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, min_tokens=min_tokens)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed)
+                            min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed, **controls)
     try:
         params.validate()
     except InvalidRequestError as exc:  # the options' values
@@ -144,7 +148,9 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
 
     if beam_width:
         sampling = {"--temperature": temperature, "--top-p": top_p != 1.0, "--top-k": top_k, "--min-p": min_p,
-                    "--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream}
+                    "--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream,
+                    "--repetition-penalty": repetition_penalty != 1.0, "--frequency-penalty": frequency_penalty,
+                    "--presence-penalty": presence_penalty, "--min-tokens": min_tokens}
         if given := [name for name, value in sampling.items() if value]:
             raise click.UsageError(f"--beam-width searches deterministically: drop {', '.join(given)}")
         if stats:

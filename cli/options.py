@@ -14,6 +14,26 @@ from ..core.plugins import PluginManager
 log = logging.getLogger("infer")
 
 
+LOGIT_CONTROL_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+                 help="Divide the positive logits (multiply the negative ones) of tokens in the prompt or output by "
+                      "this, in (0, 1000]; 1 is off, > 1 discourages repeats."),
+    click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+                 help="Subtract this x a token's count in the output from its logit, in [-2, 2]."),
+    click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+                 help="Subtract this from the logit of every token already in the output, in [-2, 2]."),
+    click.option("--min-tokens", type=int, default=0, show_default=True,
+                 help="EOS and stop token ids cannot be sampled before this many tokens (stop strings still stop)."),
+]
+
+
+def logit_control_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The sampling options of core/logit_controls.py, shared by `generate` and `client`."""
+    for option in reversed(LOGIT_CONTROL_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
 class ReserveType(click.ParamType):
     """A share in [0, 1] or ``auto`` (--kv-admission-reserve)."""
     name = "reserve"

@@ -282,6 +282,8 @@ class Engine:
             return self._emit_unemitted()
         if self.forks and self.forks.due_in(out):  # n > 1: children copy a token read back now
             return self._run(out, start)
+        if any(item.seq.params.controls_logits for item in out.scheduled):  # penalties read every token so far
+            return self._run(out, start)
         decodes = count_decodes(out)
         batch, logits, outputs, times = self._forward(out)
         items = {item.seq.seq_id: item.seq for item in out.scheduled}

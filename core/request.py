@@ -13,6 +13,7 @@ GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 1024
 MAX_TEMPERATURE = 1e6
+MAX_REPETITION_PENALTY = 1e3
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,12 @@ class SamplingParams:
     n: int = 1
     priority: int = 0  # higher is more important; read by the `priority` eviction policy
     speculative: bool = True  # False opts this request out of speculative decoding (when the engine has a proposer)
+    # logit controls (core/logit_controls.py): HF's/vLLM's repetition penalty over prompt and output tokens, OpenAI's
+    # frequency and presence penalties over output tokens, and EOS / stop_token_ids masked before min_tokens
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # accept lists from callers, keep the dataclass hashable; anything else is left for validate() to name
@@ -46,13 +53,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW  # dividing logits by a tinier temperature overflows to inf
 
+    @functools.cached_property
+    def controls_logits(self) -> bool:
+        """Whether a penalty or min_tokens changes the logits before sampling (such requests read their token
+        history every step, so they neither speculate nor run a step ahead under async scheduling)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 \
+            or self.min_tokens > 0
+
     def validate(self) -> None:
         """Raise InvalidRequestError with a message that names the bad field and the allowed range."""
 
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling parameters: {msg}")
 
-        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "n", "priority"):
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "n", "priority",
+                     "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (int, float)) and hasattr(value, "__float__"):
                 raise bad(f"{name} must be a Python int or float, got {value!r} ({type(value).__name__}); convert it "
@@ -86,6 +101,16 @@ class SamplingParams:
         if not isinstance(self.speculative, bool) or not isinstance(self.ignore_eos, bool):
             raise bad(f"speculative and ignore_eos must be True or False, got {self.speculative!r} and "
                       f"{self.ignore_eos!r}")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it; > 1 "
+                      f"discourages repeats), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise bad(f"{name} must be a number in [-2, 2] (0 disables it; > 0 discourages repeats), got "
+                          f"{value!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not _is_int(self.priority) or abs(self.priority) >= 2**31:
             raise bad(f"priority must be an integer in (-2**31, 2**31) (higher is kept longer by the priority "
                       f"eviction policy), got {self.priority!r}")

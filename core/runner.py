@@ -9,6 +9,7 @@ import torch
 
 from .errors import ConfigError, PluginError
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, SchedulerOutput
+from .logit_controls import controlled_logits
 from .model import Model
 from .request import SamplingParams, Sequence
 from .sampling import PendingSample, Sampler, SampleResult, to_device
@@ -297,11 +298,13 @@ class ModelRunner:
                               "less: a lower --cuda-graph-max-tokens or --max-num-seqs, or --no-cuda-graphs") from exc
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences)."""
-        return self.sampler(logits, *self._sampling_args(seqs))
+        """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences), whose
+        logit controls (penalties, min_tokens) apply to its row."""
+        return self.sampler(logits, *self._sampling_args(seqs), controlled_logits(logits, seqs))
 
     def sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
-        """``sample`` without waiting for the device (async scheduling reads the tokens a step later)."""
+        """``sample`` without waiting for the device (async scheduling reads the tokens a step later): for
+        sequences without logit controls, whose token history may still be in flight."""
         return self.sampler.sample_pending(logits, *self._sampling_args(seqs))
 
     def _sampling_args(self, seqs: list[Sequence]) -> tuple[list[SamplingParams], list[torch.Generator | None]]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ..cli.options import logit_control_options
 from ..core.errors import InferError
 from ..core.hookspecs import CommandFactory, hookimpl
 from ..core.registry import Register
@@ -73,6 +74,7 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
 @click.option("--min-p", type=float, default=0.0, show_default=True,
               help="Drop tokens below this fraction of the top probability, in [0, 1).")
+@logit_control_options
 @click.option("--n", type=int, default=1, show_default=True, help="Completions (more than 1 disables streaming).")
 @click.option("--seed", type=int, default=None, help="Seed of the request's sampling (reproducible).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
@@ -87,7 +89,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--stats", is_flag=True, help="Print the server's GetStats as JSON to stderr afterwards.")
 @click.pass_context
 def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
-           min_p: float, n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool,
+           min_p: float, repetition_penalty: float, frequency_penalty: float, presence_penalty: float,
+           min_tokens: int, n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool,
            token: str | None, tls: bool, tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams."""
     quiet_grpc_core()
@@ -101,7 +104,9 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, temper
     from ..server.client import Client
 
     sampling: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    min_p=min_p, n=n, stop=list(stop), ignore_eos=ignore_eos)
+                                    min_p=min_p, n=n, stop=list(stop), ignore_eos=ignore_eos,
+                                    repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                                    presence_penalty=presence_penalty, min_tokens=min_tokens)
     if no_speculative:
         sampling["speculative"] = False
     if seed is not None:

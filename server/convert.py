@@ -11,7 +11,8 @@ from . import infer_pb2 as pb
 from .worker import ServerUnavailable
 
 # proto field -> SamplingParams field, for the optional scalars (unset means the SamplingParams default)
-_OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "n", "speculative")
+_OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "n", "speculative",
+                     "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,

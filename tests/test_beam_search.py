@@ -232,9 +232,9 @@ def test_generate_beam_width_prints_the_beams(eos_model):
                                       "--beam-width", "3", "--max-tokens", "12", "--length-penalty", "0.5"])
     assert plain.stdout == TEXTS[0] + expected[0].beams[0].text + "\n"
     refused = CliRunner().invoke(main, ["--model", str(eos_model), "generate", "x", "--beam-width", "2",
-                                        "--temperature", "0.7", "--seed", "1"])
-    assert refused.exit_code == 2 and "--beam-width searches deterministically: drop --temperature, --seed" in \
-        refused.output
+                                        "--temperature", "0.7", "--seed", "1", "--min-tokens", "2"])
+    assert refused.exit_code == 2 and "--beam-width searches deterministically: drop --temperature, --seed, " \
+        "--min-tokens" in refused.output
 
 
 def test_generate_beam_width_runs_prompts_in_groups_and_names_a_bad_stdin_line(eos_model):

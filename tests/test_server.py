@@ -210,14 +210,15 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
     from infer.server.convert import sampling_params_of, sampling_params_to_proto
 
     params = SamplingParams(max_tokens=9, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, seed=4, stop=("x",),
-                            stop_token_ids=(7,), ignore_eos=True, logprobs=2, n=2, speculative=False, priority=3)
+                            stop_token_ids=(7,), ignore_eos=True, logprobs=2, n=2, speculative=False, priority=3,
+                            repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=3)
     back = sampling_params_of(pb.GenerateRequest(params=sampling_params_to_proto(params), priority=3))
     assert back == params
     assert sampling_params_of(pb.GenerateRequest()).speculative is True  # unset: the engine's default
 
 
 @pytest.mark.parametrize(("args", "kwargs", "message"), [
-    (("hi",), {"foo": 1}, "no sampling parameter is called 'foo'; they are ignore_eos, logprobs, max_tokens"),
+    (("hi",), {"foo": 1}, "no sampling parameter is called 'foo'; they are frequency_penalty, ignore_eos, logprobs"),
     (("hi",), {"priority": 2**40}, "priority must be an integer in (-2**31, 2**31)"),
     (("hi",), {"max_tokens": 2**40}, "max_tokens must be below 2**31 to travel over gRPC (int32)"),
     (([1, 2**70],), {}, "a prompt is a string or a list of token ids (integers below 2**63)"),

@@ -1,0 +1,121 @@
+"""Logit controls (repetition, frequency and presence penalties; min_tokens) against references: HF transformers'
+own processors where it has them (repetition_penalty, min_new_tokens), else OpenAI's formula applied in a greedy
+loop over the HF model. Also: under async scheduling, beside speculative decoding, and with n > 1."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.request import FinishReason, SamplingParams
+
+PROMPT = [5, 17, 42, 99, 3, 250, 5, 17, 42, 7]
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def hf(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(path: Path) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
+
+
+def tokens(engine: Engine, **params: object) -> list[int]:
+    return engine.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, **params))[0] \
+        .outputs[0].token_ids
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_repetition_penalty_equals_hf(engine: Engine, hf: torch.nn.Module, penalty: float) -> None:
+    ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False, repetition_penalty=penalty)
+    assert tokens(engine, repetition_penalty=penalty) == ids[0, len(PROMPT):].tolist()
+    assert tokens(engine, repetition_penalty=penalty) != tokens(engine)  # the penalty changed the output here
+
+
+def test_min_tokens_equals_hf_min_new_tokens(engine: Engine, hf: torch.nn.Module) -> None:
+    """A stop token id that greedy decoding reaches at its 3rd token cannot be sampled before min_tokens; after,
+    it stops the sequence, as HF's min_new_tokens treats an EOS id."""
+    stop = tokens(engine)[2]
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, stop_token_ids=[stop],
+                                                   min_tokens=10))[0].outputs[0]
+    ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=10,
+                      eos_token_id=[stop, *engine.eos_token_ids], pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert out.token_ids == ids[: len(out.token_ids)] and stop not in out.token_ids[:10]
+    assert out.finish_reason is FinishReason.STOP and out.token_ids[-1] == stop
+
+
+def openai_penalized_greedy(hf: torch.nn.Module, frequency: float, presence: float, repetition: float) -> list[int]:
+    """Greedy decoding with vLLM's order of controls: repetition (over prompt and output), then
+    ``logit -= frequency * count + presence * (count > 0)`` over the output's counts."""
+    ids = list(PROMPT)
+    for _ in range(TOKENS):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        seen = torch.tensor(sorted(set(ids)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition, logits[seen] * repetition)
+        counts = torch.bincount(torch.tensor(ids[len(PROMPT):], dtype=torch.long), minlength=logits.numel())
+        logits -= frequency * counts + presence * (counts > 0).float()
+        ids.append(int(logits.argmax()))
+    return ids[len(PROMPT):]
+
+
+@pytest.mark.parametrize("frequency,presence,repetition", [(1.5, 0.0, 1.0), (0.0, 2.0, 1.0), (-1.0, 0.5, 1.3)])
+def test_frequency_and_presence_penalties_follow_the_formula(engine: Engine, hf: torch.nn.Module, frequency: float,
+                                                             presence: float, repetition: float) -> None:
+    expected = openai_penalized_greedy(hf, frequency, presence, repetition)
+    actual = tokens(engine, frequency_penalty=frequency, presence_penalty=presence, repetition_penalty=repetition)
+    assert actual == expected
+    assert actual != tokens(engine)
+
+
+def test_controls_under_async_scheduling_and_beside_speculation() -> None:
+    """A penalized request reads every token so far: async scheduling runs its steps settled, and speculative
+    decoding leaves it alone (no drafts); plain requests beside it keep their outputs. The shipped pair, so that
+    the draft model proposes (an n-gram lookup finds little to propose once repeats are penalized)."""
+    from infer.models.tiny import PRETRAINED_DIR
+
+    path = PRETRAINED_DIR / "target"
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Config:\n"]
+    params = [SamplingParams(max_tokens=TOKENS, temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.5),
+              SamplingParams(max_tokens=TOKENS, temperature=0.0),
+              SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=3, presence_penalty=1.0, min_tokens=TOKENS)]
+    configs = {"sync": {}, "async": {"async_scheduling": True},
+               "draft": {"proposer": "draft-model", "num_speculative_tokens": 3}}
+    results = {name: Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, **options))
+               .generate(prompts, params) for name, options in configs.items()}
+    expected = [r.outputs[0].token_ids for r in results["sync"]]
+    for name in ("async", "draft"):
+        assert [r.outputs[0].token_ids for r in results[name]] == expected, name
+    speculated = [r.metrics["spec_proposed"] for r in results["draft"]]
+    assert speculated[0] == speculated[2] == 0 and speculated[1] > 0
+
+
+def test_every_sequence_of_an_n_request_applies_its_own_penalties(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, repetition_penalty=1.5, n=3)
+    outputs = engine.generate([PROMPT], params)[0].outputs
+    assert [o.token_ids for o in outputs] == [tokens(engine, repetition_penalty=1.5)] * 3
+
+
+def test_logprobs_stay_those_of_the_raw_distribution(engine: Engine) -> None:
+    """min_tokens masks the greedy token (a stop token id here), so another is sampled; the logprobs returned
+    still rank the masked one with its raw value."""
+    plain = engine.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0.0, logprobs=3))[0].outputs[0]
+    first = plain.token_ids[0]
+    masked = engine.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0.0, logprobs=3, min_tokens=2,
+                                                      stop_token_ids=[first]))[0].outputs[0]
+    assert masked.token_ids[0] != first
+    assert masked.logprobs[0] == pytest.approx(plain.logprobs[0])
