@@ -23,7 +23,12 @@ HF_MODES = {"hf": "static", "hf:static": "static", "hf:cb": "cb"}
 
 
 class ArmError(ValueError):
-    """An arm string does not parse; the message names the arm."""
+    """An arm string does not parse, or its engine refuses it; the message names the arm. ``options_refused``: the
+    engine refused the arm's options (a ConfigError), a command-line error as in `generate`."""
+
+    def __init__(self, message: str, options_refused: bool = False) -> None:
+        super().__init__(message)
+        self.options_refused = options_refused
 
 
 @dataclass(frozen=True)

@@ -131,10 +131,12 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
 
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = ProcessSettings()  # before any arm's engine sets the thread count
-    try:  # the engine refuses an arm's configuration: status 1, as `generate` would exit
+    try:  # the engine refuses an arm's options (status 2, as `generate` would exit) or its model (status 1)
         built = build_arms(specs, base, hf_batch_size, err)
     except ArmError as exc:
-        raise click.ClickException(str(exc)) from None
+        from ..cli.main import CommandLineError
+
+        raise (CommandLineError if exc.options_refused else click.ClickException)(str(exc)) from None
     try:
         if entries is not None:  # token ids against the vocabulary, now that the models are loaded
             entries, skipped = check_vocabulary(spec, entries, min(arm.vocab.size for arm in built))

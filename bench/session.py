@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from ..cli.options import EngineArgs
-from ..core.errors import InferError
+from ..core.errors import ConfigError, InferError
 from .arms import ArmError, ArmSpec
 from .stats import RunResult
 from .workloads import FileEntry, Vocab, Workload, WorkloadError, WorkloadSpec, build_workload
@@ -57,7 +57,7 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
                 hint = (" (the options before `bench` apply to every arm; an arm overrides them with its own, e.g. "
                         "--no-async-scheduling for a switch the group turned on)") \
                     if _group_options_matter(spec, plugins) else ""
-                raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}{hint}") from None
+                raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}{hint}", isinstance(exc, ConfigError)) from None
     share_gpu_memory(engine_specs, len(specs) - len(engine_specs))
     built: dict[str, Arm] = {}
     for spec in engine_specs:
@@ -65,7 +65,7 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
         try:
             built[spec.key] = EngineArm(spec, PluginManager.from_entry_points())
         except InferError as exc:
-            raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}") from None
+            raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}", isinstance(exc, ConfigError)) from None
     for spec in specs:
         if spec.is_hf:
             from .hf import HFArm

@@ -25,6 +25,12 @@ class PluginError(InferError):
     """A plugin is unknown, duplicated, or broke its contract. gRPC: FAILED_PRECONDITION."""
 
 
+class UnknownComponentError(ConfigError, PluginError):
+    """A component name (an option's value) that no installed plugin registers: a typo, or a plugin not installed.
+    Both a ConfigError (the command line names it: exit status 2) and, as before it had its own class, a
+    PluginError."""
+
+
 class CheckpointError(InferError):
     """A model folder is missing, unsupported or unsafe to load. gRPC: FAILED_PRECONDITION."""
 

@@ -394,9 +394,13 @@ def check_float(name: str, tensor: torch.Tensor) -> None:
 class QuantMethod(ABC):
     """How a linear layer stores and applies its weights. One instance serves all the model's linears: in the
     Llama family each layer's q/k/v/o and gate/up/down projections, and an untied ``lm_head``; a tied lm_head and
-    the embedding stay in the model dtype. ``name`` appears in load errors (set it to the registered name)."""
+    the embedding stay in the model dtype unless ``quantizes_tied_head``. ``name`` appears in load errors (set it
+    to the registered name)."""
 
     name: str = "none"
+    # True: a tied lm_head becomes a linear of this method of its own (when applies_to('lm_head')), loaded from the
+    # embedding's tensor as "weight"; the embedding keeps its float weight for lookups
+    quantizes_tied_head: bool = False
 
     def applies_to(self, prefix: str) -> bool:
         """Whether the linear at module path ``prefix`` (e.g. 'model.layers.0.mlp.up_proj', 'lm_head') uses this

@@ -144,6 +144,8 @@ def load_tokenizer(path: Path) -> Any:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
             try:
                 json.loads((path / name).read_text(encoding="utf-8")) if (path / name).exists() else None
+            except OSError:  # a folder or an unreadable file: transformers' own error below says more
+                continue
             except (ValueError, UnicodeDecodeError) as bad:  # JSONDecodeError is a ValueError
                 raise CheckpointError(f"could not load the tokenizer from {str(path)!r}: {name} is not valid JSON "
                                       f"({bad}); fetch or copy it again") from exc

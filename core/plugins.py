@@ -14,7 +14,7 @@ import pluggy
 
 from . import hookspecs
 from .config import COMPONENT_FIELDS, EngineConfig
-from .errors import ConfigError, InferError, PluginError
+from .errors import ConfigError, InferError, PluginError, UnknownComponentError
 from .plugin_options import PluginOption, read_plugin_options
 from .registry import ARCHITECTURE_NAMES, COMPONENT_NAMES, Registry
 
@@ -245,8 +245,8 @@ class PluginManager:
                 every = sorted({c.name for c in self.components() if c.kind in COMPONENT_FIELDS})
                 close = difflib.get_close_matches(name, every, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise PluginError(f"unknown plugin {name!r}{hint}; registered components: {', '.join(every)}"
-                                  f"{self._allow_list_hint(COMPONENT_FIELDS, name)}")
+                raise UnknownComponentError(f"unknown plugin {name!r}{hint}; registered components: "
+                                            f"{', '.join(every)}{self._allow_list_hint(COMPONENT_FIELDS, name)}")
             if len(kinds) > 1:
                 raise PluginError(f"plugin name {name!r} is registered as "
                                   f"{' and '.join(k.replace('_', ' ') for k in kinds)}; use "

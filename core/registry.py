@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from .errors import PluginError
+from .errors import PluginError, UnknownComponentError
 from .plugin_options import PluginOption
 
 F = TypeVar("F")
@@ -127,8 +127,8 @@ class Registry(Generic[F]):
         key = self._aliases.get(name, name)
         if key not in self._entries:
             choices = ", ".join(sorted(self._entries)) or "(none registered)"
-            raise PluginError(f"unknown {self.kind} {name!r}; registered {self.plural}: {choices}"
-                              f"{self.unknown_hint(name)}")
+            raise UnknownComponentError(f"unknown {self.kind} {name!r}; registered {self.plural}: {choices}"
+                                        f"{self.unknown_hint(name)}")
         return self._entries[key]
 
     def unknown_hint(self, name: str) -> str:

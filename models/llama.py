@@ -141,6 +141,9 @@ class _Fields:
             if default is None:
                 raise CheckpointError(f"config.json of this {self.arch} lacks the field {key!r}; is it a complete "
                                       "HF config?")
+            if default < 1:  # derived, e.g. head_dim = hidden_size // num_attention_heads
+                raise CheckpointError(f"config.json of this {self.arch} leaves {key} to its default, {default}, "
+                                      "which must be a positive integer; fix config.json")
             return default
         if value < 1:
             raise CheckpointError(f"config.json of this {self.arch} has {key} = {value}, which must be a positive "
@@ -258,7 +261,8 @@ class LlamaFamilyModel(Model):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, ops)
         # a quant method that takes the head gets its own copy of a tied one (quantized from the embedding on load)
-        self.lm_head = None if cfg.tie_word_embeddings and not (quant and quant.applies_to("lm_head")) else Linear(
+        own_head = quant is not None and quant.quantizes_tied_head and quant.applies_to("lm_head")
+        self.lm_head = None if cfg.tie_word_embeddings and not own_head else Linear(
             cfg.hidden_size, cfg.vocab_size, False, "lm_head", quant, dtype)
         # a tied head multiplies by the embedding: as an unquantized linear (the skinny kernel when enabled)
         self.tied_head = quant if isinstance(quant, UnquantizedMethod) else UnquantizedMethod()

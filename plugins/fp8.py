@@ -46,9 +46,6 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     if quantization_config is None:
         log.info("fp8: quantizing weights on load (e4m3, per-channel scales; activations per token, dynamic)")
         return Fp8LinearMethod(None, backend, quantize_lm_head=options["lm_head"])
-    if options["lm_head"]:
-        raise ConfigError("--plugin-option fp8.lm_head=true quantizes the head when fp8 quantizes on load, but this "
-                          "checkpoint is quantized already and its config says which layers are FP8; drop the option")
     method = quantization_config.get("quant_method")
     if method != "compressed-tensors":  # e.g. HF's own block-wise "fp8" (weight_block_size)
         given = f"--quant {config.quant} was given, but " if config.quant else ""
@@ -57,6 +54,9 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
         raise CheckpointError(f"{given}the checkpoint is quantized with quant_method {method!r}, which infer's fp8 "
                               "method does not load (it loads compressed-tensors FP8 checkpoints and quantizes "
                               f"unquantized ones on load); {todo}")
+    if options["lm_head"]:
+        raise ConfigError("--plugin-option fp8.lm_head=true quantizes the head when fp8 quantizes on load, but this "
+                          "checkpoint is quantized already and its config says which layers are FP8; drop the option")
     parsed = parse_compressed_tensors(quantization_config)
     if quantization_config.get("kv_cache_scheme"):
         log.warning("fp8: the checkpoint's kv_cache_scheme and its k/v scales are ignored; use --kv-cache-dtype to "

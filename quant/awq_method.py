@@ -39,6 +39,7 @@ class AwqLinearMethod(QuantMethod):
         self.quantize_on_load = quantize_on_load
         self.fused_max_rows = fused_max_rows
         self.quantize_lm_head = quantize_lm_head
+        self.quantizes_tied_head = quantize_lm_head
 
     @classmethod
     def from_config(cls, config: awq.AwqConfig, fused_max_rows: int = 64,
@@ -71,6 +72,9 @@ class AwqLinearMethod(QuantMethod):
         layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        if layer.awq_on_load and name in PACKED and is_lm_head(layer_name(layer)) and not self.quantize_on_load:
+            raise CheckpointError(f"the checkpoint's lm_head is AWQ-packed already ({name}), and awq.lm_head=true "
+                                  "quantizes the head from a float weight on load; drop --plugin-option awq.lm_head")
         if layer.awq_on_load and name in PACKED:
             raise CheckpointError(
                 f"layer {layer_name(layer)!r} holds a packed AWQ tensor {name!r}, but the checkpoint declares no "

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, InvalidRequestError
 
 
 def default_texts() -> Iterator[str]:
@@ -29,13 +29,13 @@ def _jsonl_text(line: str, where: str) -> str:
     try:
         value = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where} is not valid JSON ({exc}); a JSONL calibration file holds one JSON string or "
-                          "object with a 'text' field per line") from exc
+        raise InvalidRequestError(f"{where} is not valid JSON ({exc}); a JSONL calibration file holds one JSON "
+                                  "string or object with a 'text' field per line") from exc
     if isinstance(value, dict) and isinstance(value.get("text"), str):
         return value["text"]
     if isinstance(value, str):
         return value
-    raise ConfigError(f"{where} must be a JSON string or an object with a string 'text' field")
+    raise InvalidRequestError(f"{where} must be a JSON string or an object with a string 'text' field")
 
 
 def read_texts(path: Path) -> list[str]:
@@ -44,9 +44,9 @@ def read_texts(path: Path) -> list[str]:
     try:
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read calibration file {str(path)!r}: {exc}") from exc
+        raise InvalidRequestError(f"cannot read calibration file {str(path)!r}: {exc}") from exc
     if not lines:
-        raise ConfigError(f"calibration file {str(path)!r} holds no text")
+        raise InvalidRequestError(f"calibration file {str(path)!r} holds no text")
     if path.suffix in (".jsonl", ".json") or _is_json_object(lines[0]):
         return [_jsonl_text(line, f"{path.name} line {i + 1}") for i, line in enumerate(lines)]
     return lines
@@ -64,7 +64,7 @@ def token_samples(tokenizer: Any, texts: Iterable[str], num_samples: int, seq_le
         if len(ids) >= needed:
             break
     if len(ids) < 2:
-        raise ConfigError(f"the calibration text holds {len(ids)} token(s); give at least a few sentences")
+        raise InvalidRequestError(f"the calibration text holds {len(ids)} token(s); give at least a few sentences")
     if len(ids) < seq_len:
         return [ids]
     return [ids[i: i + seq_len] for i in range(0, min(len(ids), needed) - seq_len + 1, seq_len)]

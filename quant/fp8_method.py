@@ -42,6 +42,7 @@ class Fp8LinearMethod(QuantMethod):
         self.checkpoint = checkpoint
         self.backend = backend
         self.quantize_lm_head = quantize_lm_head
+        self.quantizes_tied_head = quantize_lm_head
         self._announced: set[str] = set()
 
     def _scheme(self, prefix: str) -> fp8.Fp8Scheme | None:

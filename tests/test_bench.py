@@ -386,6 +386,17 @@ def test_an_arm_failing_mid_run_names_itself_and_keeps_the_completed_rounds():
     assert caught.value.interrupted and [len(runs) for runs in caught.value.runs.values()] == [1, 1]
 
 
+def test_an_arm_whose_options_the_engine_refuses_is_a_command_line_error(tiny_model, tmp_path):
+    """Status 2, as `generate` exits for the same options; a missing model is status 1 in both."""
+    result = run("--model", str(tiny_model), "bench", "--num-requests", "2", "--repeats", "1", "--warmup-rounds", "0",
+                 "--ab", "", "--kv-admission-reserve 2")
+    assert result.exit_code == 2 and "arm B ('--kv-admission-reserve 2'): kv-admission-reserve must be" in \
+        result.output
+    result = run("--model", str(tiny_model), "bench", "--num-requests", "2", "--repeats", "1", "--warmup-rounds", "0",
+                 "--ab", "", f"--model {tmp_path / 'missing'}")
+    assert result.exit_code == 1 and "does not exist" in result.output
+
+
 def test_an_arm_failing_at_run_time_is_named_and_fails_the_command(tiny_model, tmp_path):
     result = run("--model", str(tiny_model), "bench", "--num-requests", "2", "--input-len", "40", "--repeats", "1",
                  "--warmup-rounds", "0", "--ab", "", "--max-num-batched-tokens 16", "--out", str(tmp_path))
@@ -398,7 +409,7 @@ def test_an_arm_failing_at_run_time_is_named_and_fails_the_command(tiny_model, t
 
 def test_an_unknown_component_in_an_arm_names_the_arm(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--ab", "--kv-cache paged", "--kv-cache nope")
-    assert result.exit_code == 1 and "building arm" not in result.output  # refused before any engine is built
+    assert result.exit_code == 2 and "building arm" not in result.output  # refused before any engine is built
     assert "arm B ('--kv-cache nope'): unknown kv cache 'nope'; registered kv caches: paged" in result.output
     assert "before `bench`" not in result.output  # the arm's own option is wrong, not the group's
 
@@ -406,7 +417,7 @@ def test_an_unknown_component_in_an_arm_names_the_arm(tiny_model):
 def test_an_arm_refused_for_the_group_options_says_they_apply(tiny_model):
     result = run("--model", str(tiny_model), "--async-scheduling", "bench", "--ab",
                  "--proposer ngram --num-speculative-tokens 2")
-    assert result.exit_code == 1 and "--async-scheduling does not combine" in result.output
+    assert result.exit_code == 2 and "--async-scheduling does not combine" in result.output
     assert "the options before `bench` apply to every arm" in result.output
 
 

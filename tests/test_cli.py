@@ -153,6 +153,8 @@ BAD_REQUESTS = [
     (["--max-num-seqs", "0", "generate", "hi"], "max-num-seqs must be a positive integer, got 0", 2),
     (["--cpu-threads", "0", "generate", "hi"], r"cpu-threads must be in \[1, 1024\]", 2),
     (["--kv-admission-reserve", "2", "generate", "hi"], r"kv-admission-reserve must be a number in \[0, 1\]", 2),
+    (["--kv-cache", "nope", "generate", "hi"], "unknown kv cache 'nope'; registered kv caches:", 2),
+    (["--plugin", "nope", "generate", "hi"], "unknown plugin 'nope'", 2),
     (["generate", "--stream", "hi", ""], "prompt 2 of 2: prompt is empty", 1),
 ]
 

@@ -182,6 +182,13 @@ def test_a_truncated_tokenizer_file_is_named(llama, tmp_path, name):
     assert f"{name} is not valid JSON (" in load_error(path)
 
 
+def test_a_tokenizer_file_that_is_a_folder_is_a_checkpoint_error(llama, tmp_path):
+    path = copy_of(llama, tmp_path / "m")
+    (path / "tokenizer.json").unlink()
+    (path / "tokenizer.json").mkdir()
+    assert "could not load the tokenizer from" in load_error(path)
+
+
 def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
     path = copy_of(llama, tmp_path / "m", tensors=lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
     assert "set it true if the head is the embedding" in load_error(path)
@@ -197,6 +204,7 @@ def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
     ({"num_key_value_heads": 0}, "num_key_value_heads = 0, which must be a positive integer"),
     ({"num_key_value_heads": 3}, "4 attention heads and 3 key/value heads"),
     ({"head_dim": 0}, "head_dim = 0, which must be a positive integer"),
+    ({"head_dim": None, "hidden_size": 2}, "leaves head_dim to its default, 0, which must be a positive integer"),
     ({"vocab_size": -1}, "vocab_size = -1, which must be a positive integer"),
     ({"architectures": "LlamaForCausalLM"}, "it should be a list of class names"),
     ({"quantization_config": "awq"}, "quantization_config = 'awq'; it should be an object"),

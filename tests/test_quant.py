@@ -18,7 +18,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from infer.core.config import EngineConfig  # noqa: E402
-from infer.core.errors import CheckpointError, ConfigError  # noqa: E402
+from infer.core.errors import CheckpointError, ConfigError, InvalidRequestError  # noqa: E402
 from infer.core.registry import Registry  # noqa: E402
 from infer.kernels.awq_gemm import awq_gemm, awq_gemm_reference  # noqa: E402
 from infer.kernels.fp8 import per_token_quant, w8a8_gemm, w8a8_gemm_reference  # noqa: E402
@@ -252,6 +252,8 @@ def test_awq_gemm_matches_reference(dtype: torch.dtype, m: int, k: int, n: int, 
     # bf16 on a GPU only (the interpreter does bf16 arithmetic on raw bits): the mantissa-OR unpacking of bf16
     pytest.param(torch.bfloat16, 1, 2048, 256, 128, (None, None, None), marks=pytest.mark.gpu),
     pytest.param(torch.bfloat16, 16, 320, 96, 32, (64, 64, 3), marks=pytest.mark.gpu),
+    # a quantized head (awq.lm_head): N is the 1B's vocabulary, 1,002 column blocks of 128
+    pytest.param(torch.bfloat16, 1, 512, 128256, 128, (None, None, None), marks=pytest.mark.gpu),
 ])
 def test_awq_gemm_paths_match_reference(dtype: torch.dtype, m: int, k: int, n: int, group: int,
                                         blocks: tuple[int, int, int]) -> None:
@@ -664,12 +666,14 @@ def test_calibration_texts_and_samples(tmp_path: Path) -> None:
     jsonl = tmp_path / "calib.jsonl"
     jsonl.write_text('{"text": "a b"}\n"c d"\n')
     assert read_texts(jsonl) == ["a b", "c d"]
-    jsonl.write_text('{"text": 3}\n')
-    with pytest.raises(ConfigError, match="line 1 must be a JSON string or an object"):
+    jsonl.write_text('{"text": 3}\n')  # bad data, not bad options: InvalidRequestError (exit 1), no ConfigError
+    with pytest.raises(InvalidRequestError, match="line 1 must be a JSON string or an object") as info:
         read_texts(jsonl)
+    assert not isinstance(info.value, ConfigError)
     jsonl.write_text("{oops\n")
-    with pytest.raises(ConfigError, match="line 1 is not valid JSON"):
+    with pytest.raises(InvalidRequestError, match="line 1 is not valid JSON") as info:
         read_texts(jsonl)
+    assert not isinstance(info.value, ConfigError)
 
     class Chars:  # one token per character
         def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -678,8 +682,9 @@ def test_calibration_texts_and_samples(tmp_path: Path) -> None:
     samples = token_samples(Chars(), ["abcdefgh", "ijklmnop"], num_samples=3, seq_len=5)
     assert samples == [[ord(c) for c in "abcde"], [ord(c) for c in "fgh\n\n"], [ord(c) for c in "ijklm"]]
     assert token_samples(Chars(), ["ab"], 4, 64) == [[97, 98, 10, 10]]  # short text: one shorter sample
-    with pytest.raises(ConfigError, match="holds 0 token"):
+    with pytest.raises(InvalidRequestError, match="holds 0 token") as info:
         token_samples(Chars(), [], 4, 64)
+    assert not isinstance(info.value, ConfigError)
 
 
 # ---------------------------------------------------------------- fp8 KV cache
@@ -824,6 +829,23 @@ def test_fp8_scaled_mm_matches_emulation_on_gpu(config: dict[str, object]) -> No
         outs.append(layer(x).float())
     for other in outs[1:]:
         torch.testing.assert_close(outs[0], other, rtol=2e-2, atol=2e-2 * other.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_fp8_scaled_mm_runs_a_vocabulary_sized_head_on_gpu() -> None:
+    """fp8.lm_head: the head's GEMM (N = the 1B's 128,256 vocabulary) through scaled_mm equals the emulation."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torch._scaled_mm needs sm89+")
+    weight = torch.randn(128256, 512, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for backend in ("scaled_mm", "emulate"):
+        method = Fp8LinearMethod(None, backend=backend, quantize_lm_head=True)
+        layer = make_linear(method, 512, 128256, prefix="lm_head", dtype=torch.bfloat16).cuda()
+        layer.load("weight", weight.to(torch.bfloat16))
+        method.process_after_loading(layer)
+        outs.append(layer(x).float())
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2 * outs[1].abs().max().item())
 
 
 @pytest.mark.gpu

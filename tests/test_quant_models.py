@@ -171,6 +171,9 @@ def test_fp8_lm_head_option_is_refused_on_a_quantized_checkpoint() -> None:
     with pytest.raises(ConfigError, match="checkpoint is quantized already and its config says which layers are "
                                           "FP8; drop the option"):
         build_fp8(config, {"quant_method": "compressed-tensors"})
+    with pytest.raises(CheckpointError, match="quantized with quant_method 'awq', which infer's fp8 method does not "
+                                              "load"):  # another method's checkpoint: that is what to say first
+        build_fp8(config, {"quant_method": "awq"})
 
 
 @pytest.mark.parametrize("source", ["tied", "untied", "awq-checkpoint"])
@@ -197,6 +200,38 @@ def test_awq_lm_head_option_packs_the_rtn_head_of_the_right_weight(source: str, 
     assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
     hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ awq.dequantize(*expected, 64, dtype=torch.float32))
+
+
+def test_awq_lm_head_option_refuses_a_checkpoint_whose_head_is_packed(calibrated128: Path, tmp_path: Path,
+                                                                      plugins: PluginManager) -> None:
+    from infer.quant import awq
+
+    path = tmp_path / "packed-head"
+    shutil.copytree(calibrated128, path)
+    state = load_file(str(path / "model.safetensors"))
+    packed = awq.quantize_rtn(state.pop("lm_head.weight").float(), 64)
+    state.update(zip(("lm_head.qweight", "lm_head.qzeros", "lm_head.scales"), packed))
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"the checkpoint's lm_head is AWQ-packed already \(qweight\), and "
+                                              "awq.lm_head=true quantizes the head from a float weight on load"):
+        load_model(EngineConfig(model=str(path), device="cpu", plugin_options={"awq": {"lm_head": True}}).validate(),
+                   plugins, path)
+
+
+def test_a_tied_head_stays_the_embedding_unless_the_method_takes_it(tiny_model_factory: Callable[..., Path],
+                                                                     plugins: PluginManager) -> None:
+    """Only a method with quantizes_tied_head gets a head of its own: an unquantized method with the skinny GEMM,
+    or a third-party method whose applies_to keeps the default (every linear), keep the tied head the embedding."""
+    from infer.models.layers import UnquantizedMethod
+
+    class EveryLinear(UnquantizedMethod):  # applies_to: the default, True for 'lm_head'
+        name = "every-linear"
+
+    path = tiny_model_factory("llama", hidden_size=128, intermediate_size=256, tie_word_embeddings=True)
+    for method in (UnquantizedMethod(skinny_max_rows=4), EveryLinear()):
+        loaded = load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path)
+        model = type(loaded.model)(loaded.model.cfg, method, torch.float32, loaded.model.spec.max_model_len)
+        assert model.lm_head is None, type(method).__name__
 
 
 def test_awq_lm_head_option_refuses_a_vocabulary_it_cannot_pack(tiny_model_factory: Callable[..., Path],
