@@ -119,3 +119,19 @@ def test_logprobs_stay_those_of_the_raw_distribution(engine: Engine) -> None:
                                                       stop_token_ids=[first]))[0].outputs[0]
     assert masked.token_ids[0] != first
     assert masked.logprobs[0] == pytest.approx(plain.logprobs[0])
+
+
+@pytest.mark.gpu
+def test_controls_on_cuda_equal_the_cpu(path: Path) -> None:
+    """The CUDA defaults (triton attention, CUDA graphs, async scheduling) in float32 give the CPU's tokens, for
+    penalized, min_tokens and plain requests in one batch."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    prompts = [PROMPT, PROMPT[:4], [9, 8, 7, 6, 5, 4, 3, 2]]
+    params = [SamplingParams(max_tokens=TOKENS, temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.5),
+              SamplingParams(max_tokens=TOKENS, temperature=0.0),
+              SamplingParams(max_tokens=TOKENS, temperature=0.0, presence_penalty=1.0, min_tokens=TOKENS)]
+    outputs = {device: [r.outputs[0].token_ids for r in Engine(EngineConfig(
+        model=str(path), device=device, dtype="float32", num_kv_blocks=64)).generate(prompts, params)]
+        for device in ("cpu", "cuda")}
+    assert outputs["cuda"] == outputs["cpu"]
