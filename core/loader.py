@@ -142,9 +142,11 @@ def load_tokenizer(path: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
+            if not (path / name).is_file():
+                continue
             try:
-                json.loads((path / name).read_text(encoding="utf-8")) if (path / name).exists() else None
-            except OSError:  # a folder or an unreadable file: transformers' own error below says more
+                json.loads((path / name).read_text(encoding="utf-8"))
+            except OSError:  # an unreadable file: transformers' own error below says more
                 continue
             except (ValueError, UnicodeDecodeError) as bad:  # JSONDecodeError is a ValueError
                 raise CheckpointError(f"could not load the tokenizer from {str(path)!r}: {name} is not valid JSON "

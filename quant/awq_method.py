@@ -20,9 +20,10 @@ class AwqLinearMethod(QuantMethod):
     ``quantize_on_load=False`` loads ``qweight``/``qzeros``/``scales`` from an AutoAWQ GEMM checkpoint.
     ``quantize_on_load=True`` loads a plain ``weight`` and replaces it with RTN-quantized packed buffers in
     :meth:`process_after_loading`. ``quantize_lm_head`` quantizes the output head too (AutoAWQ keeps it in 16 bits),
-    always on load: from the checkpoint's ``lm_head.weight``, or from the embedding when the two are tied. On CUDA, batches of at most ``fused_max_rows`` rows run the fused Triton W4A16
-    GEMM; larger ones (and every CPU call) dequantize the weight for that call and use a dense matmul. The
-    dequantized weight is never cached: that would undo the memory saving.
+    always on load: from the checkpoint's ``lm_head.weight``, or from the embedding when the two are tied. On CUDA,
+    batches of at most ``fused_max_rows`` rows run the fused Triton W4A16 GEMM; larger ones (and every CPU call)
+    dequantize the weight for that call and use a dense matmul. The dequantized weight is never cached: that would
+    undo the memory saving.
     """
 
     name = "awq"

@@ -22,9 +22,9 @@ class Fp8LinearMethod(QuantMethod):
     """W8A8 FP8 linears.
 
     ``checkpoint=None`` quantizes a plain ``weight`` on load (per-channel weight scales, dynamic per-token
-    activation scales; ``lm_head`` stays unquantized unless ``quantize_lm_head``). With a :class:`~infer.quant.fp8.Fp8CheckpointConfig` it
-    loads compressed-tensors ``weight`` (float8_e4m3fn), ``weight_scale`` and, for static activations,
-    ``input_scale``.
+    activation scales; ``lm_head`` stays unquantized unless ``quantize_lm_head``). With a
+    :class:`~infer.quant.fp8.Fp8CheckpointConfig` it loads compressed-tensors ``weight`` (float8_e4m3fn),
+    ``weight_scale`` and, for static activations, ``input_scale``.
 
     After :meth:`process_after_loading` a layer holds ``weight`` fp8 [out, in], ``weight_scale`` fp32 [out] or [1]
     and, when static, ``input_scale`` fp32 [1]. ``backend``: ``scaled_mm`` (``torch._scaled_mm``, CUDA sm89+),

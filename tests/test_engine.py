@@ -517,7 +517,8 @@ def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, mess
     ({"blocksize": 16}, "LLM() got unknown option(s) blocksize (did you mean 'block_size'?)"),
     ({"device": 5}, "device (device in Python) must be a string, got 5"),
     ({"device": "cuda:5"}, "device 'cuda:5' was requested but"),  # no CUDA, or fewer than 6 devices
-    ({"num_speculative_tokens": "4"}, "num-speculative-tokens (num_speculative_tokens in Python) must be an integer, got '4'"),
+    ({"num_speculative_tokens": "4"}, "num-speculative-tokens (num_speculative_tokens in Python) must be an integer, "
+                                      "got '4'"),
     ({"swap_space_gb": None}, "swap-space-gb (swap_space_gb in Python) must be a finite number, got None"),
     ({"plugin_options": {"awq": 3}}, "plugin-options maps a namespace to a dict of options"),
     ({"seed": -1}, "seed must be in [0, 2**63), got -1"),

@@ -199,7 +199,8 @@ def test_awq_lm_head_option_packs_the_rtn_head_of_the_right_weight(source: str, 
         assert torch.equal(getattr(model.lm_head, name), tensor), name
     assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
     hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(model.compute_logits(hidden), hidden @ awq.dequantize(*expected, 64, dtype=torch.float32))
+    reference = hidden @ awq.dequantize(*expected, 64, dtype=torch.float32)
+    torch.testing.assert_close(model.compute_logits(hidden), reference)
 
 
 def test_awq_lm_head_option_refuses_a_checkpoint_whose_head_is_packed(calibrated128: Path, tmp_path: Path,
