@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured runs after one warm-up run")
     parser.add_argument("--attention", default=None, help="attention backend (default: the engine's)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--sampling", action="append", default=[], metavar="FIELD=NUMBER",
+                        help="a SamplingParams field for every request, e.g. repetition_penalty=1.1 (repeatable)")
     parser.add_argument("--source", type=Path, default=None,
                         help="import infer from this checkout instead (e.g. a git worktree of an older commit, for "
                              "an A/B; commits before the phase timings report totals only)")
@@ -84,7 +86,9 @@ def main() -> None:
                                  max_num_seqs=max(args.requests, 1), enable_prefix_caching=False,
                                  num_kv_blocks=args.requests * 1024 // 16 + 1, **serving))  # as `infer serve` runs
     prompts = [p for p, _ in requests]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+    extra = {key: float(value) if "." in value else int(value)
+             for key, _, value in (item.partition("=") for item in args.sampling)}
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra) for _, n in requests]
     runs = []
     for repeat in range(args.repeats + 1):
         before = dict(getattr(engine.stats, "phase_s", {}))

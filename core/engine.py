@@ -20,6 +20,7 @@ from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
+from .logit_controls import controls_now
 from .interfaces import SchedulerOutput
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
@@ -282,7 +283,7 @@ class Engine:
             return self._emit_unemitted()
         if self.forks and self.forks.due_in(out):  # n > 1: children copy a token read back now
             return self._run(out, start)
-        if any(item.seq.params.controls_logits for item in out.scheduled):  # penalties read every token so far
+        if any(controls_now(item.seq) for item in out.scheduled):  # penalties read every token so far
             return self._run(out, start)
         decodes = count_decodes(out)
         batch, logits, outputs, times = self._forward(out)
@@ -405,6 +406,7 @@ class Engine:
         self.forks.drop(req.request_id)
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
+            self.runner.controls.release(seq.seq_id)
             self.stats.output_tokens += seq.num_output_tokens
         output.metrics.update(self.stats.record_finished(req.seqs, req.arrival))
         output.num_cached_tokens = max(seq.num_cached_tokens for seq in req.seqs)

@@ -10,34 +10,122 @@ The logprobs a request returns stay those of the model's raw distribution (the S
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .request import Sequence
 
 
-def controlled_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
-    """``logits`` [len(seqs), V] float32 with each row's controls applied (a new tensor), or None when no row has
-    any. Row i belongs to ``seqs[i]``, whose ``token_ids`` must be complete (no token in flight)."""
-    rows = [i for i, seq in enumerate(seqs) if seq.params.controls_logits]
-    if not rows:
-        return None
-    out = logits.clone()
-    vocab, device = logits.shape[1], logits.device
-    for i in rows:
-        seq, params = seqs[i], seqs[i].params
-        row = out[i]
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted({t for t in seq.token_ids if t < vocab}), dtype=torch.long, device=device)
-            picked = row[seen]
-            row[seen] = torch.where(picked > 0, picked / params.repetition_penalty,
-                                    picked * params.repetition_penalty)
-        if params.frequency_penalty or params.presence_penalty:
-            outputs = torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.long, device=device)
-            counts = torch.bincount(outputs[outputs < vocab], minlength=vocab).to(row.dtype)
-            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
-        if seq.num_output_tokens < params.min_tokens:
-            stops = seq.params.stop_token_ids + (() if params.ignore_eos else tuple(seq.eos_token_ids))
-            banned = [t for t in stops if t < vocab]
+def controls_now(seq: Sequence) -> bool:
+    """Whether ``seq``'s next token is sampled under a control: a penalty (all along), or min_tokens not reached
+    (tokens in flight count as reached)."""
+    params = seq.params
+    if not params.controls_logits:
+        return False
+    return _penalizes(seq) or seq.num_output_tokens < params.min_tokens
+
+
+def _penalizes(seq: Sequence) -> bool:
+    params = seq.params
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+@dataclass
+class _Slot:
+    index: int  # row of LogitControls' tables
+    counted: int  # output tokens already in the counts
+
+
+class LogitControls:
+    """Each controlled sequence keeps a row of two device tables while it lives: the tokens of its prompt (a
+    mask) and the counts of its output tokens, updated with the tokens that are new since its last step. A step
+    then costs a fixed number of batched tensor ops, whatever the number of controlled rows and their lengths."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.slots: dict[int, _Slot] = {}  # seq_id -> its rows
+        self.free: list[int] = []
+        self.prompt_mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(0, 0, device=device)
+
+    def release(self, seq_id: int) -> None:
+        if (slot := self.slots.pop(seq_id, None)) is not None:
+            self.free.append(slot.index)
+
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        """``logits`` [len(seqs), V] float32 with each row's controls applied (a new tensor), or None when no row
+        has any. Row i belongs to ``seqs[i]``, whose ``token_ids`` must be complete (no token in flight)."""
+        rows = [i for i, seq in enumerate(seqs) if controls_now(seq)]
+        if not rows:
+            return None
+        vocab = logits.shape[1]
+        at_rows = torch.tensor(rows, device=self.device)
+        picked = logits[at_rows]
+        params = [seqs[i].params for i in rows]
+        if any(_penalizes(seqs[i]) for i in rows):  # rows without penalties take r = 1, f = p = 0: exact no-ops
+            slots = [self._slot(seqs[i], vocab) for i in rows]
+            self._count_new_tokens([seqs[i] for i in rows], slots)
+            index = torch.tensor([s.index for s in slots], device=self.device)
+            counts = self.counts[index]
+            present = counts > 0
+            if any(p.repetition_penalty != 1.0 for p in params):
+                r = self._column([p.repetition_penalty for p in params])
+                seen = self.prompt_mask[index] | present
+                picked = torch.where(seen, torch.where(picked > 0, picked / r, picked * r), picked)
+            if any(p.frequency_penalty or p.presence_penalty for p in params):
+                frequency = self._column([p.frequency_penalty for p in params])
+                presence = self._column([p.presence_penalty for p in params])
+                picked = picked - (frequency * counts + presence * present.to(counts.dtype))
+        if any(p.min_tokens for p in params):
+            banned = [(row, token) for row, seq in enumerate(seqs[i] for i in rows)
+                      if seq.num_output_tokens < seq.params.min_tokens
+                      for token in (*seq.params.stop_token_ids, *(() if seq.params.ignore_eos else seq.eos_token_ids))
+                      if token < vocab]
             if banned:
-                row[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
-    return out
+                at = torch.tensor(banned, device=self.device)
+                picked = picked.index_put((at[:, 0], at[:, 1]), torch.tensor(float("-inf"), device=self.device))
+        if len(rows) == len(seqs):  # every row controlled: picked is the whole batch, in order
+            return picked
+        out = logits.clone()
+        out[at_rows] = picked
+        return out
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
+
+    def _slot(self, seq: Sequence, vocab: int) -> _Slot:
+        slot = self.slots.get(seq.seq_id)
+        if slot is None:
+            if not self.free:
+                self._grow(vocab)
+            slot = self.slots[seq.seq_id] = _Slot(self.free.pop(), 0)
+            self.counts[slot.index] = 0
+            self.prompt_mask[slot.index] = False
+            prompt = [t for t in seq.prompt_token_ids if t < vocab]
+            self.prompt_mask[slot.index, torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
+        return slot
+
+    def _grow(self, vocab: int) -> None:
+        """Twice the rows (at least 8), keeping the rows in use."""
+        old = self.counts.shape[0]
+        new = max(8, 2 * old)
+        counts = torch.zeros(new, vocab, device=self.device)
+        mask = torch.zeros(new, vocab, dtype=torch.bool, device=self.device)
+        if old:
+            counts[:old], mask[:old] = self.counts, self.prompt_mask
+        self.counts, self.prompt_mask = counts, mask
+        self.free.extend(range(new - 1, old - 1, -1))
+
+    def _count_new_tokens(self, seqs: list[Sequence], slots: list[_Slot]) -> None:
+        """Add the output tokens sampled since each sequence's last step (sampled tokens are in the vocabulary)."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        for seq, slot in zip(seqs, slots):
+            new = seq.token_ids[seq.num_prompt_tokens + slot.counted:]
+            rows += [slot.index] * len(new)
+            tokens += new
+            slot.counted += len(new)
+        if tokens:
+            at = torch.tensor([rows, tokens], dtype=torch.long, device=self.device)
+            self.counts.index_put_((at[0], at[1]), torch.ones(len(tokens), device=self.device), accumulate=True)

@@ -9,7 +9,7 @@ import torch
 
 from .errors import ConfigError, PluginError
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, SchedulerOutput
-from .logit_controls import controlled_logits
+from .logit_controls import LogitControls
 from .model import Model
 from .request import SamplingParams, Sequence
 from .sampling import PendingSample, Sampler, SampleResult, to_device
@@ -117,6 +117,7 @@ class ModelRunner:
                               f"swap blocks on the host): {str(exc).splitlines()[0]}; lower --num-kv-blocks or "
                               "--kv-cache-memory-gb (or --swap-space-gb)") from exc
         self.sampler = Sampler(device, seed)
+        self.controls = LogitControls(device)
         self.uploader = Uploader(device)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
@@ -300,7 +301,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences), whose
         logit controls (penalties, min_tokens) apply to its row."""
-        return self.sampler(logits, *self._sampling_args(seqs), controlled_logits(logits, seqs))
+        return self.sampler(logits, *self._sampling_args(seqs), self.controls.apply(logits, seqs))
 
     def sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """``sample`` without waiting for the device (async scheduling reads the tokens a step later): for

@@ -16,6 +16,7 @@ import torch
 from ..core.config import EngineConfig
 from ..core.errors import PluginError
 from ..core.interfaces import KVCache, Proposal, Proposer, SchedulerOutput, ScheduledSequence
+from ..core.logit_controls import controls_now
 from ..core.metrics import EngineStats, StepStats
 from ..core.request import RequestOutput, Sequence
 from ..core.runner import Batch
@@ -114,7 +115,7 @@ class SpecDecoder:
         the context."""
         seq = item.seq
         decoding = item.num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
-        if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative or seq.params.controls_logits:
+        if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative or controls_now(seq):
             return 0
         left = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens)
         return min(self.k, left - 1)

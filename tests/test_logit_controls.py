@@ -89,10 +89,11 @@ def test_controls_under_async_scheduling_and_beside_speculation() -> None:
     from infer.models.tiny import PRETRAINED_DIR
 
     path = PRETRAINED_DIR / "target"
-    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Config:\n"]
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Config:\n", "    for i in range("]
     params = [SamplingParams(max_tokens=TOKENS, temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.5),
               SamplingParams(max_tokens=TOKENS, temperature=0.0),
-              SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=3, presence_penalty=1.0, min_tokens=TOKENS)]
+              SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=3, presence_penalty=1.0, min_tokens=TOKENS),
+              SamplingParams(max_tokens=TOKENS, temperature=0.0, min_tokens=4)]  # speculates once 4 tokens are out
     configs = {"sync": {}, "async": {"async_scheduling": True},
                "draft": {"proposer": "draft-model", "num_speculative_tokens": 3}}
     results = {name: Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, **options))
@@ -101,7 +102,28 @@ def test_controls_under_async_scheduling_and_beside_speculation() -> None:
     for name in ("async", "draft"):
         assert [r.outputs[0].token_ids for r in results[name]] == expected, name
     speculated = [r.metrics["spec_proposed"] for r in results["draft"]]
-    assert speculated[0] == speculated[2] == 0 and speculated[1] > 0
+    assert speculated[0] == speculated[2] == 0 and speculated[1] > 0 and speculated[3] > 0
+
+
+def test_many_controlled_requests_at_once_equal_each_alone(engine: Engine) -> None:
+    """Eight penalized requests fill the controls' first table rows; four more arrive 4 steps later, so the table
+    grows while the first rows hold counts; later requests reuse released rows. Each output equals the request's
+    own run alone."""
+    prompts = [[(7 * i + j) % 900 + 3 for j in range(5 + i)] for i in range(12)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3, frequency_penalty=1.5,
+                            min_tokens=2)
+    ids = engine.add_requests(prompts[:8], params)
+    tokens: dict[str, list[int]] = {}
+    for step in range(4):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    ids += engine.add_requests(prompts[8:], params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    together = [tokens[i] for i in ids]
+    assert together == [engine.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert not engine.runner.controls.slots and len(engine.runner.controls.free) == 16  # every row released
 
 
 def test_every_sequence_of_an_n_request_applies_its_own_penalties(engine: Engine) -> None:
