@@ -20,7 +20,6 @@ from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
-from .logit_controls import controls_now
 from .interfaces import SchedulerOutput
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
@@ -282,8 +281,6 @@ class Engine:
             self.unemitted += self._settle()
             return self._emit_unemitted()
         if self.forks and self.forks.due_in(out):  # n > 1: children copy a token read back now
-            return self._run(out, start)
-        if any(controls_now(item.seq) for item in out.scheduled):  # penalties read every token so far
             return self._run(out, start)
         decodes = count_decodes(out)
         batch, logits, outputs, times = self._forward(out)

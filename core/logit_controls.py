@@ -10,8 +10,6 @@ The logprobs a request returns stay those of the model's raw distribution (the S
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .request import Sequence
@@ -31,31 +29,26 @@ def _penalizes(seq: Sequence) -> bool:
     return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
-@dataclass
-class _Slot:
-    index: int  # row of LogitControls' tables
-    counted: int  # output tokens already in the counts
-
-
 class LogitControls:
-    """Each controlled sequence keeps a row of two device tables while it lives: the tokens of its prompt (a
-    mask) and the counts of its output tokens, updated with the tokens that are new since its last step. A step
-    then costs a fixed number of batched tensor ops, whatever the number of controlled rows and their lengths."""
+    """Each penalized sequence keeps a row of two device tables while it lives: the tokens of its prompt (a mask)
+    and the counts of its output tokens, which :meth:`record` updates on the device from the sampled ids, so
+    nothing waits for tokens in flight (async scheduling) and a step costs a fixed number of batched tensor ops,
+    whatever the number of controlled rows and their lengths."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.slots: dict[int, _Slot] = {}  # seq_id -> its rows
+        self.slots: dict[int, int] = {}  # seq_id -> its row of the tables
         self.free: list[int] = []
         self.prompt_mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.counts = torch.zeros(0, 0, device=device)
 
     def release(self, seq_id: int) -> None:
         if (slot := self.slots.pop(seq_id, None)) is not None:
-            self.free.append(slot.index)
+            self.free.append(slot)
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """``logits`` [len(seqs), V] float32 with each row's controls applied (a new tensor), or None when no row
-        has any. Row i belongs to ``seqs[i]``, whose ``token_ids`` must be complete (no token in flight)."""
+        has any. Row i belongs to ``seqs[i]``; the tokens it sampled so far were recorded (:meth:`record`)."""
         rows = [i for i, seq in enumerate(seqs) if controls_now(seq)]
         if not rows:
             return None
@@ -64,9 +57,7 @@ class LogitControls:
         picked = logits[at_rows]
         params = [seqs[i].params for i in rows]
         if any(_penalizes(seqs[i]) for i in rows):  # rows without penalties take r = 1, f = p = 0: exact no-ops
-            slots = [self._slot(seqs[i], vocab) for i in rows]
-            self._count_new_tokens([seqs[i] for i in rows], slots)
-            index = torch.tensor([s.index for s in slots], device=self.device)
+            index = torch.tensor([self._slot(seqs[i], vocab) for i in rows], device=self.device)
             counts = self.counts[index]
             present = counts > 0
             if any(p.repetition_penalty != 1.0 for p in params):
@@ -94,16 +85,26 @@ class LogitControls:
     def _column(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
 
-    def _slot(self, seq: Sequence, vocab: int) -> _Slot:
+    def record(self, tokens: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Count the tokens just sampled (``tokens`` [len(seqs)] on the device, row i ``seqs[i]``'s) of the
+        sequences that have a row (penalized ones, from their first sample on)."""
+        rows = [(i, slot) for i, seq in enumerate(seqs) if (slot := self.slots.get(seq.seq_id)) is not None]
+        if rows:
+            at = torch.tensor(rows, device=self.device)
+            self.counts.index_put_((at[:, 1], tokens[at[:, 0]].long()), torch.ones(len(rows), device=self.device),
+                                   accumulate=True)
+
+    def _slot(self, seq: Sequence, vocab: int) -> int:
+        """The sequence's row, taken at its first sample (its output is empty then, its counts zero)."""
         slot = self.slots.get(seq.seq_id)
         if slot is None:
             if not self.free:
                 self._grow(vocab)
-            slot = self.slots[seq.seq_id] = _Slot(self.free.pop(), 0)
-            self.counts[slot.index] = 0
-            self.prompt_mask[slot.index] = False
+            slot = self.slots[seq.seq_id] = self.free.pop()
+            self.counts[slot] = 0
+            self.prompt_mask[slot] = False
             prompt = [t for t in seq.prompt_token_ids if t < vocab]
-            self.prompt_mask[slot.index, torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
+            self.prompt_mask[slot, torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
         return slot
 
     def _grow(self, vocab: int) -> None:
@@ -116,16 +117,3 @@ class LogitControls:
             counts[:old], mask[:old] = self.counts, self.prompt_mask
         self.counts, self.prompt_mask = counts, mask
         self.free.extend(range(new - 1, old - 1, -1))
-
-    def _count_new_tokens(self, seqs: list[Sequence], slots: list[_Slot]) -> None:
-        """Add the output tokens sampled since each sequence's last step (sampled tokens are in the vocabulary)."""
-        rows: list[int] = []
-        tokens: list[int] = []
-        for seq, slot in zip(seqs, slots):
-            new = seq.token_ids[seq.num_prompt_tokens + slot.counted:]
-            rows += [slot.index] * len(new)
-            tokens += new
-            slot.counted += len(new)
-        if tokens:
-            at = torch.tensor([rows, tokens], dtype=torch.long, device=self.device)
-            self.counts.index_put_((at[0], at[1]), torch.ones(len(tokens), device=self.device), accumulate=True)

@@ -55,8 +55,8 @@ class SamplingParams:
 
     @functools.cached_property
     def controls_logits(self) -> bool:
-        """Whether a penalty or min_tokens changes the logits before sampling (such requests read their token
-        history every step, so they neither speculate nor run a step ahead under async scheduling)."""
+        """Whether a penalty or min_tokens changes the logits before sampling (core/logit_controls.py; such
+        requests do not speculate while it does)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 \
             or self.min_tokens > 0
 

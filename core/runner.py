@@ -301,12 +301,13 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences), whose
         logit controls (penalties, min_tokens) apply to its row."""
-        return self.sampler(logits, *self._sampling_args(seqs), self.controls.apply(logits, seqs))
+        return self.sample_pending(logits, seqs).result()
 
     def sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
-        """``sample`` without waiting for the device (async scheduling reads the tokens a step later): for
-        sequences without logit controls, whose token history may still be in flight."""
-        return self.sampler.sample_pending(logits, *self._sampling_args(seqs))
+        """``sample`` without waiting for the device (async scheduling reads the tokens a step later)."""
+        pending = self.sampler.sample_pending(logits, *self._sampling_args(seqs), self.controls.apply(logits, seqs))
+        self.controls.record(pending.device_tokens, seqs)
+        return pending
 
     def _sampling_args(self, seqs: list[Sequence]) -> tuple[list[SamplingParams], list[torch.Generator | None]]:
         params = [s.params for s in seqs]
