@@ -49,7 +49,7 @@ class LogitControls:
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """``logits`` [len(seqs), V] float32 with each row's controls applied (a new tensor), or None when no row
         has any. Row i belongs to ``seqs[i]``; the tokens it sampled so far were recorded (:meth:`record`)."""
-        rows = [i for i, seq in enumerate(seqs) if controls_now(seq)]
+        rows = [i for i, seq in enumerate(seqs) if seq.params.controls_logits and controls_now(seq)]
         if not rows:
             return None
         vocab = logits.shape[1]
@@ -88,6 +88,8 @@ class LogitControls:
     def record(self, tokens: torch.Tensor, seqs: list[Sequence]) -> None:
         """Count the tokens just sampled (``tokens`` [len(seqs)] on the device, row i ``seqs[i]``'s) of the
         sequences that have a row (penalized ones, from their first sample on)."""
+        if not self.slots:
+            return
         rows = [(i, slot) for i, seq in enumerate(seqs) if (slot := self.slots.get(seq.seq_id)) is not None]
         if rows:
             at = torch.tensor(rows, device=self.device)
