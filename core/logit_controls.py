@@ -12,21 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from .request import Sequence
+from .request import SamplingParams, Sequence
 
 
 def controls_now(seq: Sequence) -> bool:
     """Whether ``seq``'s next token is sampled under a control: a penalty (all along), or min_tokens not reached
-    (tokens in flight count as reached)."""
-    params = seq.params
-    if not params.controls_logits:
-        return False
-    return _penalizes(seq) or seq.num_output_tokens < params.min_tokens
-
-
-def _penalizes(seq: Sequence) -> bool:
-    params = seq.params
-    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    (tokens in flight count as reached). Such a sequence does not speculate."""
+    return seq.params.penalizes or seq.num_output_tokens < seq.params.min_tokens
 
 
 class LogitControls:
@@ -49,25 +41,21 @@ class LogitControls:
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """``logits`` [len(seqs), V] float32 with each row's controls applied (a new tensor), or None when no row
         has any. Row i belongs to ``seqs[i]``; the tokens it sampled so far were recorded (:meth:`record`)."""
-        rows = [i for i, seq in enumerate(seqs) if seq.params.controls_logits and controls_now(seq)]
+        rows = [i for i, seq in enumerate(seqs) if controls_now(seq)]
         if not rows:
             return None
         vocab = logits.shape[1]
         at_rows = torch.tensor(rows, device=self.device)
         picked = logits[at_rows]
         params = [seqs[i].params for i in rows]
-        if any(_penalizes(seqs[i]) for i in rows):  # rows without penalties take r = 1, f = p = 0: exact no-ops
-            index = torch.tensor([self._slot(seqs[i], vocab) for i in rows], device=self.device)
-            counts = self.counts[index]
-            present = counts > 0
-            if any(p.repetition_penalty != 1.0 for p in params):
-                r = self._column([p.repetition_penalty for p in params])
-                seen = self.prompt_mask[index] | present
-                picked = torch.where(seen, torch.where(picked > 0, picked / r, picked * r), picked)
-            if any(p.frequency_penalty or p.presence_penalty for p in params):
-                frequency = self._column([p.frequency_penalty for p in params])
-                presence = self._column([p.presence_penalty for p in params])
-                picked = picked - (frequency * counts + presence * present.to(counts.dtype))
+        penalized = [j for j, p in enumerate(params) if p.penalizes]
+        if len(penalized) == len(rows):
+            picked = self._penalize(picked, [seqs[i] for i in rows], params, vocab)
+        elif penalized:  # min_tokens rows beside them: only the penalized ones take table rows
+            at = torch.tensor(penalized, device=self.device)
+            part = self._penalize(picked[at], [seqs[rows[j]] for j in penalized], [params[j] for j in penalized],
+                                  vocab)
+            picked = picked.index_copy(0, at, part)
         if any(p.min_tokens for p in params):
             banned = [(row, token) for row, seq in enumerate(seqs[i] for i in rows)
                       if seq.num_output_tokens < seq.params.min_tokens
@@ -81,6 +69,23 @@ class LogitControls:
         out = logits.clone()
         out[at_rows] = picked
         return out
+
+    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams], vocab: int
+                  ) -> torch.Tensor:
+        """The penalties of ``seqs`` (each penalizes) on their rows ``logits``; a factor of 1 or 0 is an exact
+        no-op, so rows with only some of the penalties share the ops."""
+        index = torch.tensor([self._slot(seq, vocab) for seq in seqs], device=self.device)
+        counts = self.counts[index]
+        present = counts > 0
+        if any(p.repetition_penalty != 1.0 for p in params):
+            r = self._column([p.repetition_penalty for p in params])
+            seen = self.prompt_mask[index] | present
+            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        if any(p.frequency_penalty or p.presence_penalty for p in params):
+            frequency = self._column([p.frequency_penalty for p in params])
+            presence = self._column([p.presence_penalty for p in params])
+            logits = logits - (frequency * counts + presence * present.to(counts.dtype))
+        return logits
 
     def _column(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]

@@ -54,11 +54,9 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW  # dividing logits by a tinier temperature overflows to inf
 
     @functools.cached_property
-    def controls_logits(self) -> bool:
-        """Whether a penalty or min_tokens changes the logits before sampling (core/logit_controls.py; such
-        requests do not speculate while it does)."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 \
-            or self.min_tokens > 0
+    def penalizes(self) -> bool:
+        """Whether a repetition, frequency or presence penalty changes the logits (core/logit_controls.py)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self) -> None:
         """Raise InvalidRequestError with a message that names the bad field and the allowed range."""

@@ -41,17 +41,17 @@ class Sampler:
         self.seeded.pop(seq_id, None)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None], controlled: torch.Tensor | None = None) -> SampleResult:
-        """logits [N, V] float32; ``generators[i]`` is None for unseeded rows; ``controlled``: the logits with the
-        requests' logit controls applied, to sample from (the logprobs stay those of ``logits``)."""
-        return self.sample_pending(logits, params, generators, controlled).result()
+                 generators: list[torch.Generator | None]) -> SampleResult:
+        """logits [N, V] float32; ``generators[i]`` is None for unseeded rows."""
+        return self.sample_pending(logits, params, generators).result()
 
     def sample_pending(self, logits: torch.Tensor, params: list[SamplingParams],
                        generators: list[torch.Generator | None], controlled: torch.Tensor | None = None
                        ) -> PendingSample:
         """Like ``__call__``, but nothing waits for the device: the tokens (and logprobs) are computed and copied to
         host memory in stream order, and ``PendingSample.result()`` reads them later. ``logits`` may be reused
-        (a CUDA graph's output buffer) as soon as this returns."""
+        (a CUDA graph's output buffer) as soon as this returns. ``controlled``: the logits with the requests' logit
+        controls applied, to sample from (the logprobs stay those of ``logits``)."""
         tokens = self.sample_tokens(logits if controlled is None else controlled, params, generators)
         rows, top = _logprob_tensors(logits, params, tokens)
         return PendingSample(tokens, *_to_host((tokens, *top)), rows=rows,

@@ -101,6 +101,9 @@ def test_controls_under_async_scheduling_and_beside_speculation() -> None:
     expected = [r.outputs[0].token_ids for r in results["sync"]]
     for name in ("async", "draft"):
         assert [r.outputs[0].token_ids for r in results[name]] == expected, name
+    alone = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
+    for i in (0, 3):  # a penalized and a min_tokens row shared their steps' controls with each other
+        assert alone.generate([prompts[i]], params[i])[0].outputs[0].token_ids == expected[i]
     speculated = [r.metrics["spec_proposed"] for r in results["draft"]]
     assert speculated[0] == speculated[2] == 0 and speculated[1] > 0 and speculated[3] > 0
 
