@@ -11,9 +11,9 @@ from typing import Any
 
 import click
 
-from ..cli.options import EngineArgs
-from .arms import ArmError, parse_arms
-from .workloads import WORKLOADS, WorkloadError, WorkloadSpec, check_vocabulary, validate_spec
+from ..cli.options import EngineArgs, sampling_options
+from .arms import ArmError, ArmSpec, parse_arms
+from .workloads import WORKLOADS, RequestSampling, WorkloadError, WorkloadSpec, check_vocabulary, validate_spec
 
 AB_HINT = 'quote each arm as one argument: --ab "--kv-cache paged" "--kv-cache paged --no-prefix-caching"'
 
@@ -82,6 +82,11 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
               help="Seed of the workload's lengths, arrivals and tokens.")
 @click.option("--warmup-rounds", type=click.IntRange(min=0), default=1, show_default=True,
               help="Unmeasured rounds per arm before the first measured one (fresh prompts of the same shape).")
+@sampling_options
+@click.option("--sampling-seed", type=int, default=None,
+              help="Seed every request's sampling with its own seed derived from this one, its round and its place in "
+                   "the workload, so that every arm samples it from the same stream [default: each engine's random "
+                   "stream: outputs are then not compared].")
 @click.option("--hf-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
               help="hf:static: most requests per padded batch.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -90,7 +95,8 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
 def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int | None, num_requests: int,
           input_len: int, output_len: int, len_sigma: float, prefix_len: int, question_len: int, turns: int,
           long_len: int, long_delay: float, rate: float, workload_file: Path | None, skip_bad_lines: bool,
-          workload_seed: int, warmup_rounds: int, hf_batch_size: int, out_dir: Path | None) -> None:
+          workload_seed: int, warmup_rounds: int, sampling: dict[str, Any], sampling_seed: int | None,
+          hf_batch_size: int, out_dir: Path | None) -> None:
     """Benchmark arms side by side on one seeded workload, interleaved over rounds so that drift cancels.
 
     Example: infer --model DIR bench --workload multi-turn --ab "--kv-cache paged" "--no-prefix-caching" hf
@@ -107,8 +113,9 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     repeats = balanced_repeats(repeats, len(specs), err)
     if workload_file is not None and workload != "file":
         raise click.UsageError(f"--file is read by --workload file only; this run's workload is {workload!r}")
+    request_sampling = check_sampling(sampling, sampling_seed, specs)
     spec = WorkloadSpec(workload, num_requests, input_len, output_len, len_sigma, prefix_len, question_len, turns,
-                        long_len, long_delay, rate, workload_seed, workload_file, skip_bad_lines)
+                        long_len, long_delay, rate, workload_seed, workload_file, skip_bad_lines, request_sampling)
     try:
         entries = validate_spec(spec)
     except WorkloadError as exc:
@@ -153,7 +160,7 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         runs, failure = {arm.spec.key: exc.runs.get(arm.spec.key, []) for arm in built}, exc
     meta = run_info(spec, repeats, warmup_rounds, specs, started)
     meta["failure"] = None if failure is None else str(failure)  # the rounds every arm completed are still reported
-    result = BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built})
+    result = BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built}, request_sampling)
     if any(runs.values()):
         _report(result, out_dir)
     elif out_dir is not None:  # no round to tabulate: the failure and the arms' configs are still on record
@@ -180,6 +187,24 @@ def balanced_repeats(repeats: int | None, num_arms: int, err: Any) -> int:
                   f"{math.ceil(repeats / num_arms)} of {repeats} rounds, so drift during a run can favour some arms; "
                   f"use a multiple of {num_arms}[/yellow]", highlight=False)
     return repeats
+
+
+def check_sampling(sampling: dict[str, Any], seed: int | None, specs: list[ArmSpec]) -> RequestSampling:
+    """The workload's sampling, refused (exit status 2) where a value is out of range or an HF arm cannot sample
+    that way."""
+    from ..cli.main import CommandLineError
+    from ..core.errors import InvalidRequestError
+
+    request_sampling = RequestSampling(sampling, seed)
+    try:
+        request_sampling.params(1, 0, 0, 0).validate()
+    except InvalidRequestError as exc:
+        raise CommandLineError(str(exc)) from None
+    unsupported = [f"--{name.replace('_', '-')}" for name in ("frequency_penalty", "presence_penalty")
+                   if sampling[name]]
+    if unsupported and any(spec.is_hf for spec in specs):
+        raise click.UsageError(f"HF transformers has no {' or '.join(unsupported)}: drop it or the hf arms")
+    return request_sampling
 
 
 def component_field_of(ctx: click.Context) -> Callable[[str], str | None]:

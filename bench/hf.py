@@ -19,7 +19,7 @@ from ..core.loader import checkpoint_dtype, read_config, resolve_dtype
 from .arms import ArmSpec
 from .runner import Replay
 from .stats import RequestRecord, RunResult
-from .workloads import Session, Turn, Vocab, Workload
+from .workloads import RequestSampling, Session, Turn, Vocab, Workload
 
 CB_PAGE_SIZE = 32
 
@@ -77,15 +77,21 @@ class HFArm:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def _generation_config(self, max_new_tokens: int, cb: bool) -> Any:
-        """Greedy, exactly ``max_new_tokens`` tokens per request, as the engine arms generate (ignore_eos)."""
+    def _generation_config(self, max_new_tokens: int, cb: bool, sampling: RequestSampling) -> Any:
+        """Exactly ``max_new_tokens`` tokens per request, as the engine arms generate (ignore_eos), sampled as the
+        workload says (min_tokens aside: EOS never stops these arms anyway)."""
         from transformers import GenerationConfig
 
+        fields = sampling.fields
+        sample: dict[str, Any] = {"do_sample": False, "repetition_penalty": fields.get("repetition_penalty", 1.0)}
+        if not sampling.greedy:
+            sample.update(do_sample=True, temperature=fields["temperature"], top_p=fields.get("top_p", 1.0),
+                          top_k=fields.get("top_k", 0), min_p=fields.get("min_p") or None)
         if cb:  # continuous batching takes eos -1 as "never stop early"
-            return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
-                                    pad_token_id=self.pad_id)
-        return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_id)
+            return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=-1, pad_token_id=self.pad_id,
+                                    **sample)
+        return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_id, **sample)
 
     def warm_up(self, workloads: list[Workload]) -> None:
         """A short request, then each warm-up workload, unmeasured: first-call costs are not timed."""
@@ -99,17 +105,20 @@ class HFArm:
         return self._run_cb(workload, on_request_done)
 
     # ------------------------------------------------------------ static generate
-    def _generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[float], list[list[int]]]:
-        """Step times and the generated tokens of each row."""
+    def _generate_batch(self, prompts: list[list[int]], max_new_tokens: int, sampling: RequestSampling,
+                        seed: int | None) -> tuple[list[float], list[list[int]]]:
+        """Step times and the generated tokens of each row; a sampled batch draws from ``seed`` when given."""
         import torch
 
+        if seed is not None:
+            torch.manual_seed(seed)
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         streamer = _StepTimes()
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self._generation_config(
-                max_new_tokens, cb=False), streamer=streamer)
+                max_new_tokens, cb=False, sampling=sampling), streamer=streamer)
         return streamer.times, out[:, width:].tolist()
 
     def _run_static(self, workload: Workload, on_request_done: Callable[[], None]) -> RunResult:
@@ -124,7 +133,9 @@ class HFArm:
                 time.sleep(max(0.0, (replay.next_arrival() or now) - now))
                 continue
             batch, waiting = waiting[: self.batch_size], waiting[self.batch_size:]
-            step_times, outputs = self._generate_batch([b[3] for b in batch], max(b[4] for b in batch))
+            first_seed = workload.sampling.request_seed(workload.round, batch[0][1], batch[0][2])
+            step_times, outputs = self._generate_batch([b[3] for b in batch], max(b[4] for b in batch),
+                                                       workload.sampling, first_seed)
             steps = [t - start for t in step_times]
             done = time.perf_counter() - start
             for (arrival, session, turn, prompt, max_tokens), generated in zip(batch, outputs):
@@ -152,9 +163,13 @@ class HFArm:
                                         **{page: CB_PAGE_SIZE})
 
     def _run_cb(self, workload: Workload, on_request_done: Callable[[], None]) -> RunResult:
+        import torch
+
         longest = workload.longest_request()
+        if (seed := workload.sampling.request_seed(workload.round, 0, 0)) is not None:
+            torch.manual_seed(seed)
         manager = self.model.init_continuous_batching(
-            generation_config=self._generation_config(max(1, longest), cb=True),
+            generation_config=self._generation_config(max(1, longest), cb=True, sampling=workload.sampling),
             continuous_batching_config=self._cb_config(longest, len(workload.sessions)))
         manager.start()
         try:

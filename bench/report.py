@@ -13,8 +13,10 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from ..cli.options import SAMPLING_DEFAULTS
 from .arms import ArmSpec
 from .stats import METRICS, Aggregate, Metric, RunResult, summarize
+from .workloads import RequestSampling
 
 
 @dataclass
@@ -25,9 +27,19 @@ class BenchResult:
     runs: dict[str, list[RunResult]]  # arm key -> runs in round order
     meta: dict[str, Any]
     arm_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # arm key -> config, warm-up counters, ...
+    sampling: RequestSampling = field(default_factory=RequestSampling)
 
     def summary(self) -> dict[str, dict[str, Aggregate]]:
-        return summarize({arm.key: self.runs[arm.key] for arm in self.arms})
+        return summarize({arm.key: self.runs[arm.key] for arm in self.arms}, self.output_comparable())
+
+    def output_comparable(self) -> set[str]:
+        """The arms whose outputs can be compared with the first arm's: all when greedy; when sampled, the engine
+        arms with the first (the same seeded streams) if requests are seeded, else none."""
+        if self.sampling.greedy:
+            return {arm.key for arm in self.arms}
+        if self.sampling.seed is None or not self.arms or self.arms[0].is_hf:
+            return set()
+        return {arm.key for arm in self.arms if not arm.is_hf}
 
 
 def _number(value: float, unit: str) -> str:
@@ -70,6 +82,8 @@ def build_table(result: BenchResult) -> Table:
              "across runs",
              f"{'/'.join(map(str, sorted(requests)))} requests per run (a p99 of fewer than 100 is nearly their "
              "maximum)"]
+    if note := sampling_note(result):
+        notes.append(note)
     if any(_long_prompt_came_late(run) for runs in result.runs.values() for run in runs):
         notes.append("[yellow]the long prompt arrived after every steady decode had finished, so it delayed none: "
                      "raise --output-len or lower --long-delay[/yellow]")
@@ -90,6 +104,22 @@ def build_table(result: BenchResult) -> Table:
                  for i, arm in enumerate(result.arms)]
         table.add_row(title, *map(Text, cells))  # plain text: a "[low–high]" cell is not markup
     return table
+
+
+def sampling_note(result: BenchResult) -> str | None:
+    """How the requests sampled, and which outputs were compared; None for plain greedy requests."""
+    sampling = result.sampling
+    given = ", ".join(f"{name}={value:g}" for name, value in sampling.fields.items()
+                      if value != SAMPLING_DEFAULTS[name])
+    if not given:
+        return None
+    if sampling.greedy:
+        return f"requests: greedy, {given}"
+    if sampling.seed is None:
+        return f"requests sampled with {given} from each engine's random stream: outputs not compared " \
+               "(--sampling-seed seeds them)"
+    compared = "" if not any(arm.is_hf for arm in result.arms) else " (HF arms draw from their own stream: n/a)"
+    return f"requests sampled with {given}, seeded from --sampling-seed {sampling.seed}{compared}"
 
 
 def _long_prompt_came_late(run: RunResult) -> bool:

@@ -89,11 +89,6 @@ class Replay:
         return bool(self.due)
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    """Benchmarks generate exactly ``max_tokens`` tokens, greedily, whatever the model samples."""
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
 class EngineArm:
     """An infer engine built from an arm's options, with its step recorder."""
 
@@ -128,7 +123,8 @@ class EngineArm:
         """A short request, then each warm-up workload, unmeasured: first-call costs (kernels, allocator growth)
         are not timed. The prefix-cache counters they move are kept in ``warmup_counters``."""
         before = self.engine.kv.stats()
-        self.engine.generate([list(self.vocab.allowed[:WARMUP_PROMPT_TOKENS])], greedy(4))
+        self.engine.generate([list(self.vocab.allowed[:WARMUP_PROMPT_TOKENS])],
+                             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         for workload in workloads:
             self.run(workload, lambda: None)
         after = self.engine.kv.stats()
@@ -153,7 +149,8 @@ class EngineArm:
         while replay.pending() or live:
             now = time.perf_counter() - start
             for arrival, s, t, prompt, max_tokens in replay.pop_due(now):
-                rid = engine.add_request(prompt, greedy(max_tokens), request_id=f"bench-{workload.round}-{s}-{t}")
+                params = workload.sampling.params(max_tokens, workload.round, s, t)
+                rid = engine.add_request(prompt, params, request_id=f"bench-{workload.round}-{s}-{t}")
                 live[rid] = _Live(s, t, arrival, prompt)
             if not live:
                 next_at = replay.next_arrival()

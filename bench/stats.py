@@ -240,11 +240,15 @@ def aggregate(values: list[float | None]) -> Aggregate:
     return Aggregate(present, statistics.median(present))
 
 
-def summarize(runs_by_arm: dict[str, list[RunResult]]) -> dict[str, dict[str, Aggregate]]:
-    """arm -> metric -> Aggregate, with ratios against the first arm (in the given order)."""
+def summarize(runs_by_arm: dict[str, list[RunResult]], output_comparable: set[str] | None = None
+              ) -> dict[str, dict[str, Aggregate]]:
+    """arm -> metric -> Aggregate, with ratios against the first arm (in the given order). Outputs are compared
+    with the first arm's for the arms in ``output_comparable`` (default: every arm)."""
     per_run = {arm: [run_metrics(r) for r in runs] for arm, runs in runs_by_arm.items()}
     first_runs = next(iter(runs_by_arm.values()), [])
     for arm, runs in runs_by_arm.items():
+        if output_comparable is not None and arm not in output_comparable:
+            continue
         for metrics, run, reference in zip(per_run[arm], runs, first_runs):
             metrics["outputs_match"] = outputs_match(run, reference)
     table = {arm: {m.key: aggregate([values.get(m.key) for values in runs]) for m in METRICS}

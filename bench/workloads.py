@@ -16,7 +16,37 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.request import SamplingParams
+
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-prompt-arrival", "file")
+
+
+@dataclass(frozen=True)
+class RequestSampling:
+    """How every request of a workload samples: SamplingParams fields over greedy (``infer bench``'s sampling
+    options), and, with ``seed``, a seed per request derived from it, its round, session and turn, so that every
+    arm samples each request from the same random stream."""
+
+    fields: dict[str, float] = field(default_factory=dict)
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return not self.fields.get("temperature", 0.0)
+
+    def request_seed(self, round_index: int, session: int, turn: int) -> int | None:
+        if self.seed is None:
+            return None
+        value = self.seed
+        for part in (round_index, session, turn):
+            value = value * 1_000_003 + part
+        return value % 2**63
+
+    def params(self, max_tokens: int, round_index: int, session: int, turn: int) -> SamplingParams:
+        """A request's parameters: exactly ``max_tokens`` tokens, whatever the model samples (EOS is ignored)."""
+        fields = {"temperature": 0.0, **self.fields}
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                              seed=self.request_seed(round_index, session, turn), **fields)
 
 
 @dataclass(frozen=True)
@@ -37,6 +67,7 @@ class WorkloadSpec:
     seed: int = 0
     file: Path | None = None
     skip_bad_lines: bool = False
+    sampling: RequestSampling = field(default_factory=RequestSampling)
 
 
 @dataclass(frozen=True)
@@ -59,6 +90,7 @@ class Workload:
     round: int
     sessions: tuple[Session, ...]
     long_session: int | None = None  # long-prompt-arrival: the index of the long prompt's session
+    sampling: RequestSampling = field(default_factory=RequestSampling)
 
     @property
     def num_requests(self) -> int:
@@ -233,7 +265,8 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
         decodes = [Session(0.0, (Turn(tokens(length(spec.input_len)), length(spec.output_len)),))
                    for _ in range(spec.num_requests)]
         long = Session(spec.long_delay_s, (Turn(tokens(spec.long_len), spec.output_len),))
-        return Workload(spec.name, round_index, tuple(decodes) + (long,), long_session=len(decodes))
+        return Workload(spec.name, round_index, tuple(decodes) + (long,), long_session=len(decodes),
+                        sampling=spec.sampling)
     elif spec.name == "file":
         if entries is None:
             raise WorkloadError("the file workload needs its parsed entries (validate_spec)")
@@ -242,7 +275,8 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
     else:
         raise WorkloadError(f"unknown workload {spec.name!r}; choose one of {', '.join(WORKLOADS)}")
     arrivals = _arrivals(spec, len(turns))
-    return Workload(spec.name, round_index, tuple(Session(a, t) for a, t in zip(arrivals, turns)))
+    return Workload(spec.name, round_index, tuple(Session(a, t) for a, t in zip(arrivals, turns)),
+                    sampling=spec.sampling)
 
 
 def check_vocabulary(spec: WorkloadSpec, entries: list[FileEntry], vocab_size: int

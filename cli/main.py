@@ -11,7 +11,7 @@ import click
 
 from ..core.errors import ConfigError, InferError, InvalidRequestError
 from ..core.plugins import PluginManager
-from .options import EngineArgs, engine_options, logit_control_options, refuse_engine_options
+from .options import EngineArgs, changed_sampling, engine_options, refuse_engine_options, sampling_options
 
 
 class CommandLineError(click.ClickException):
@@ -89,12 +89,7 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
 @main.command()
 @click.argument("prompts", nargs=-1)
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling, in (0, 1].")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
-@click.option("--min-p", type=float, default=0.0, show_default=True,
-              help="Drop tokens below this fraction of the top probability, in [0, 1).")
-@logit_control_options
+@sampling_options
 @click.option("--n", type=int, default=1, show_default=True, help="Completions per prompt.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
@@ -114,10 +109,9 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
                    "finish_reason, num_cached_tokens, metrics) instead of prompt + text: unambiguous for scripts, "
                    "and for --n > 1 or multi-line completions.")
 @click.pass_context
-def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temperature: float, top_p: float,
-             top_k: int, min_p: float, repetition_penalty: float, frequency_penalty: float, presence_penalty: float,
-             min_tokens: int, n: int, stop: tuple[str, ...], ignore_eos: bool, seed: int | None,
-             beam_width: int, length_penalty: float, stream: bool, stats: bool, as_json: bool) -> None:
+def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, sampling: dict[str, Any], n: int,
+             stop: tuple[str, ...], ignore_eos: bool, seed: int | None, beam_width: int, length_penalty: float,
+             stream: bool, stats: bool, as_json: bool) -> None:
     """Generate text for PROMPTS (or for each line of stdin when none are given). Each completion prints as the
     prompt followed by its text; with several prompts or --n > 1, --json keeps them apart."""
     from ..core.request import SamplingParams
@@ -131,10 +125,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
     texts = [text for _, text in numbered]
     if not texts:
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
-    controls = dict(repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                    presence_penalty=presence_penalty, min_tokens=min_tokens)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            min_p=min_p, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed, **controls)
+    params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed, **sampling)
     try:
         params.validate()
     except InvalidRequestError as exc:  # the options' values
@@ -147,11 +138,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, temp
         return click.ClickException(f"{exc}{where}")
 
     if beam_width:
-        sampling = {"--temperature": temperature, "--top-p": top_p != 1.0, "--top-k": top_k, "--min-p": min_p,
-                    "--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream,
-                    "--repetition-penalty": repetition_penalty != 1.0, "--frequency-penalty": frequency_penalty,
-                    "--presence-penalty": presence_penalty, "--min-tokens": min_tokens}
-        if given := [name for name, value in sampling.items() if value]:
+        others = {"--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream}
+        if given := changed_sampling(sampling) + [name for name, value in others.items() if value]:
             raise click.UsageError(f"--beam-width searches deterministically: drop {', '.join(given)}")
         if stats:
             raise click.UsageError("--stats reports the engine's scheduled requests, which beam search bypasses; "

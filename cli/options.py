@@ -1,6 +1,7 @@
 """Group options: every engine option, parsed into an EngineConfig (also used by `infer bench --ab` arms)."""
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,24 +15,40 @@ from ..core.plugins import PluginManager
 log = logging.getLogger("infer")
 
 
-LOGIT_CONTROL_OPTIONS: list[Callable[[Any], Any]] = [
-    click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
-                 help="Divide the positive logits (multiply the negative ones) of tokens in the prompt or output by "
-                      "this, in (0, 1000]; 1 is off, > 1 discourages repeats."),
-    click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
-                 help="Subtract this x a token's count in the output from its logit, in [-2, 2]."),
-    click.option("--presence-penalty", type=float, default=0.0, show_default=True,
-                 help="Subtract this from the logit of every token already in the output, in [-2, 2]."),
-    click.option("--min-tokens", type=int, default=0, show_default=True,
-                 help="EOS and stop token ids cannot be sampled before this many tokens (stop strings still stop)."),
+# the per-request sampling options: SamplingParams field, type, default (greedy, no filters, no controls), help
+_SAMPLING: list[tuple[str, type, float, str]] = [
+    ("temperature", float, 0.0, "0 is greedy."),
+    ("top_p", float, 1.0, "Nucleus sampling, in (0, 1]."),
+    ("top_k", int, 0, "0 disables."),
+    ("min_p", float, 0.0, "Drop tokens below this fraction of the top probability, in [0, 1)."),
+    ("repetition_penalty", float, 1.0, "Divide the positive logits (multiply the negative ones) of tokens in the "
+                                       "prompt or output by this, in (0, 1000]; 1 is off, > 1 discourages repeats."),
+    ("frequency_penalty", float, 0.0, "Subtract this x a token's count in the output from its logit, in [-2, 2]."),
+    ("presence_penalty", float, 0.0, "Subtract this from the logit of every token already in the output, in [-2, 2]."),
+    ("min_tokens", int, 0, "EOS and stop token ids cannot be sampled before this many tokens (stop strings still "
+                           "stop)."),
 ]
+SAMPLING_DEFAULTS: dict[str, float] = {name: default for name, _, default, _ in _SAMPLING}
+SAMPLING_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option(f"--{name.replace('_', '-')}", type=kind, default=default, show_default=True, help=text)
+    for name, kind, default, text in _SAMPLING]
 
 
-def logit_control_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The sampling options of core/logit_controls.py, shared by `generate` and `client`."""
-    for option in reversed(LOGIT_CONTROL_OPTIONS):
-        fn = option(fn)
-    return fn
+def sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The per-request sampling options shared by `generate`, `client` and `bench`. The command receives them as
+    one ``sampling`` keyword: a dict of SamplingParams fields."""
+    @functools.wraps(fn)
+    def collect(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, sampling={name: kwargs.pop(name) for name in SAMPLING_DEFAULTS}, **kwargs)
+
+    for option in reversed(SAMPLING_OPTIONS):
+        collect = option(collect)
+    return collect
+
+
+def changed_sampling(sampling: dict[str, Any]) -> list[str]:
+    """The options of ``sampling`` that differ from their defaults, by their command-line names."""
+    return [f"--{name.replace('_', '-')}" for name, value in sampling.items() if value != SAMPLING_DEFAULTS[name]]
 
 
 class ReserveType(click.ParamType):

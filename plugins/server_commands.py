@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..cli.options import logit_control_options
+from ..cli.options import sampling_options
 from ..core.errors import InferError
 from ..core.hookspecs import CommandFactory, hookimpl
 from ..core.registry import Register
@@ -69,12 +69,7 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.argument("prompt")
 @click.option("--target", default="127.0.0.1:50051", show_default=True, help="host:port of `infer serve`.")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling, in (0, 1].")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
-@click.option("--min-p", type=float, default=0.0, show_default=True,
-              help="Drop tokens below this fraction of the top probability, in [0, 1).")
-@logit_control_options
+@sampling_options
 @click.option("--n", type=int, default=1, show_default=True, help="Completions (more than 1 disables streaming).")
 @click.option("--seed", type=int, default=None, help="Seed of the request's sampling (reproducible).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
@@ -88,10 +83,9 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
               help="Deadline of the call in seconds.")
 @click.option("--stats", is_flag=True, help="Print the server's GetStats as JSON to stderr afterwards.")
 @click.pass_context
-def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
-           min_p: float, repetition_penalty: float, frequency_penalty: float, presence_penalty: float,
-           min_tokens: int, n: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool,
-           token: str | None, tls: bool, tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
+def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any], n: int,
+           seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool, token: str | None,
+           tls: bool, tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams."""
     quiet_grpc_core()
     import grpc
@@ -103,10 +97,7 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, temper
 
     from ..server.client import Client
 
-    sampling: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    min_p=min_p, n=n, stop=list(stop), ignore_eos=ignore_eos,
-                                    repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                                    presence_penalty=presence_penalty, min_tokens=min_tokens)
+    sampling = dict(sampling, max_tokens=max_tokens, n=n, stop=list(stop), ignore_eos=ignore_eos)
     if no_speculative:
         sampling["speculative"] = False
     if seed is not None:

@@ -330,6 +330,8 @@ def test_a_long_prompt_that_delayed_nothing_is_flagged():
     (["--ab", "--repeats", "1"], "--ab needs at least one arm after it"),
     (["--out", __file__ + "/sub"], "Invalid value for '--out': cannot create or write the output folder"),
     (["--out", "/proc"], "Invalid value for '--out': cannot create or write the output folder"),  # exists, not writable
+    (["--temperature", "-1"], "temperature must be a number >= 0"),
+    (["--ab", "", "hf", "--presence-penalty", "0.5"], "HF transformers has no --presence-penalty: drop it or the hf"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     result = run("bench", *args)
@@ -508,6 +510,41 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
     assert data["arms"][1]["config"]["mode"] == "cb"
     assert data["arms"][1]["summary"]["ttft_p50_ms"]["median"] > 0
     assert data["arms"][1]["summary"]["outputs_match"]["values"] == [1.0]  # HF CB: infer's greedy tokens
+
+
+def _bench_outputs(tiny_model, tmp_path, name: str, *args: str) -> dict[str, list[list[int]]]:
+    """arm key -> each request's output ids, in (session, turn) order, of a one-round bench with ``args``."""
+    out = tmp_path / name
+    result = run("--model", str(tiny_model), "--device", "cpu", "bench", "--num-requests", "3", "--input-len", "8",
+                 "--output-len", "8", "--len-sigma", "0", "--repeats", "1", "--warmup-rounds", "0", "--out", str(out),
+                 *args)
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "results.json").read_text())
+    return {arm["key"]: [r["output_ids"] for r in arm["runs"][0]["requests"]] for arm in data["arms"]} | {
+        "table": " ".join((out / "table.txt").read_text().split()), "summary": {arm["key"]: arm["summary"] for arm in data["arms"]}}
+
+
+def test_sampling_options_reach_every_arms_sampler(tiny_model, tmp_path):
+    """Top-1 sampling is greedy, in the engine and in HF; a higher temperature samples other tokens, the same
+    ones from the same --sampling-seed in every engine arm and every run, and none are compared unseeded."""
+    greedy = _bench_outputs(tiny_model, tmp_path, "greedy", "--ab", "", "hf")
+    assert greedy["A"] == greedy["B"]
+    top1 = _bench_outputs(tiny_model, tmp_path, "top1", "--temperature", "1.0", "--top-k", "1",
+                          "--sampling-seed", "5", "--ab", "", "hf")
+    assert top1["A"] == top1["B"] == greedy["A"]
+    assert "requests sampled with temperature=1, top_k=1, seeded from --sampling-seed 5" in top1["table"]
+
+    hot = ["--temperature", "2.0", "--sampling-seed", "5", "--ab", "", "--no-prefix-caching", "hf"]
+    first, again = (_bench_outputs(tiny_model, tmp_path, name, *hot) for name in ("hot1", "hot2"))
+    assert first["A"] != greedy["A"] and first["C"] != greedy["A"]  # sampled, in both samplers
+    assert first["A"] == first["B"] == again["A"] == again["B"]  # seeded per request: arms and runs agree
+    assert first["summary"]["B"]["outputs_match"]["values"] == [1.0]
+    assert first["summary"]["C"]["outputs_match"]["median"] is None  # HF samples from its own stream
+
+    unseeded = _bench_outputs(tiny_model, tmp_path, "unseeded", "--temperature", "2.0",
+                              "--ab", "", "--no-prefix-caching")
+    assert unseeded["summary"]["B"]["outputs_match"]["median"] is None
+    assert "outputs = first arm" not in unseeded["table"] and "outputs not compared" in unseeded["table"]
 
 
 def test_an_hf_only_bench_exits_without_leak_reports(tiny_model):
