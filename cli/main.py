@@ -91,6 +91,11 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
 @sampling_options
 @click.option("--n", type=int, default=1, show_default=True, help="Completions per prompt.")
+@click.option("--logprobs", type=int, default=None, help="With --json: each output token's logprob and the top N "
+              "at its position, N in [0, 20] [default: none].")
+@click.option("--prompt-logprobs", type=int, default=None, help="With --json: each prompt token's logprob given the "
+              "tokens before it, and the top N there (the prompt is computed in full: no prefix-cache hits) "
+              "[default: none].")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
 @click.option("--seed", type=int, default=None, help="Seed of each prompt's sampling: the same seed gives the same "
@@ -110,7 +115,7 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
                    "and for --n > 1 or multi-line completions.")
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, sampling: dict[str, Any], n: int,
-             stop: tuple[str, ...], ignore_eos: bool, seed: int | None, beam_width: int, length_penalty: float,
+             logprobs: int | None, prompt_logprobs: int | None, stop: tuple[str, ...], ignore_eos: bool, seed: int | None, beam_width: int, length_penalty: float,
              stream: bool, stats: bool, as_json: bool) -> None:
     """Generate text for PROMPTS (or for each line of stdin when none are given). Each completion prints as the
     prompt followed by its text; with several prompts or --n > 1, --json keeps them apart."""
@@ -125,7 +130,10 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     texts = [text for _, text in numbered]
     if not texts:
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
-    params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed, **sampling)
+    if (logprobs is not None or prompt_logprobs is not None) and not as_json:
+        raise click.UsageError("--logprobs and --prompt-logprobs print with --json; add it")
+    params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed,
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **sampling)
     try:
         params.validate()
     except InvalidRequestError as exc:  # the options' values
@@ -138,7 +146,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         return click.ClickException(f"{exc}{where}")
 
     if beam_width:
-        others = {"--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream}
+        others = {"--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream,
+                  "--logprobs": logprobs is not None, "--prompt-logprobs": prompt_logprobs is not None}
         if given := changed_sampling(sampling) + [name for name, value in others.items() if value]:
             raise click.UsageError(f"--beam-width searches deterministically: drop {', '.join(given)}")
         if stats:
@@ -237,16 +246,29 @@ def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]], as_j
                 while printed in ready:
                     result = ready.pop(printed)
                     for out in result.outputs:
-                        click.echo(json.dumps({
-                            "prompt_index": printed, "prompt": texts[printed], "index": out.index, "text": out.text,
-                            "token_ids": out.token_ids, "finish_reason": out.finish_reason and out.finish_reason.value,
-                            "num_cached_tokens": result.num_cached_tokens, "metrics": result.metrics})
-                            if as_json else texts[printed] + out.text)
+                        click.echo(json.dumps(_completion_json(printed, texts[printed], result, out))
+                                   if as_json else texts[printed] + out.text)
                     printed += 1
                 sys.stdout.flush()
         except KeyboardInterrupt:
             click.echo(f"interrupted: printed {printed} of {len(texts)} prompts' completions", err=True)
             raise SystemExit(130) from None
+
+
+def _completion_json(prompt_index: int, prompt: str, result: Any, out: Any) -> dict[str, Any]:
+    """generate --json's line for one completion; logprobs as [{"token_id", "logprob"}, ...] per position (null: the
+    first prompt token), only when asked for."""
+    def positions(entries: list[dict[int, float] | None]) -> list[list[dict[str, float]] | None]:
+        return [None if e is None else [{"token_id": t, "logprob": lp} for t, lp in e.items()] for e in entries]
+
+    line = {"prompt_index": prompt_index, "prompt": prompt, "index": out.index, "text": out.text,
+            "token_ids": out.token_ids, "finish_reason": out.finish_reason and out.finish_reason.value,
+            "num_cached_tokens": result.num_cached_tokens, "metrics": result.metrics}
+    if out.logprobs is not None:
+        line["logprobs"] = positions(out.logprobs)
+    if result.prompt_logprobs is not None:
+        line["prompt_logprobs"] = positions(result.prompt_logprobs)
+    return line
 
 
 @main.command("plugins")

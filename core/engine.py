@@ -99,6 +99,7 @@ class Engine:
             "model": (self.loaded.architecture, self.loaded.model)})
         self._seq_ids = itertools.count()
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
+        self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
         if config.freeze_gc:
             gc.collect()
@@ -142,6 +143,7 @@ class Engine:
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
         self.stats.prompt_tokens += len(ids)
+        self.prompt_logprob_requests += params.prompt_logprobs is not None
         if params.n > 1:
             self.forks.add(request_id, seqs[1:])
         return request_id
@@ -303,7 +305,9 @@ class Engine:
         sequences of this batch (stop tokens, stop strings)."""
         scheduled = time.perf_counter()
         flight = self.in_flight
-        batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None)
+        batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None,
+                                            prompt_logprobs=self.config.kv_cache if self.prompt_logprob_requests
+                                            else None)
         executed = time.perf_counter()
         self.unemitted += self._settle()  # waits for the previous step's tokens, not for this step
         settled = time.perf_counter()
@@ -394,6 +398,9 @@ class Engine:
 
     def _emit(self, req: RequestState, seq_ids: set[int]) -> RequestOutput:
         output = build_output(req, seq_ids, self._finish)
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and \
+                (output.outputs or output.finished) and not req.seqs[0].needs_prompt_logits:
+            output.prompt_logprobs, req.prompt_logprobs_sent = req.seqs[0].prompt_logprobs, True
         if output.finished:
             self._finish_request(req, output)
         return output
@@ -401,6 +408,7 @@ class Engine:
     def _finish_request(self, req: RequestState, output: RequestOutput) -> None:
         del self.requests[req.request_id]
         self.forks.drop(req.request_id)
+        self.prompt_logprob_requests -= req.params.prompt_logprobs is not None
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
             self.runner.controls.release(seq.seq_id)

@@ -73,7 +73,9 @@ class KVCache(ABC):
         is a multiple of ``block_size`` and leaves at least one token to compute; :meth:`block_table` lists the
         matched blocks from here on. The shipped caches take hold of them (reference, lock, a use for the eviction
         policy) only when ``allocate`` succeeds, so that a request that waits at the head of the queue, matched and
-        refused every step, changes nothing. Caches without prefix reuse return 0.
+        refused every step, changes nothing. Caches without prefix reuse return 0, and so must every cache for a
+        sequence whose ``needs_prompt_logits`` is true (it asks for prompt logprobs, which need every prompt
+        position's logits; the engine raises a PluginError naming the cache otherwise).
         """
 
     @abstractmethod

@@ -19,6 +19,7 @@ class RequestState:
     detoks: list[Detokenizer]
     sent: list[int] = field(default_factory=list)  # output tokens already emitted, per sequence
     emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
+    prompt_logprobs_sent: bool = False
 
 
 def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequence, FinishReason], None]
@@ -94,6 +95,8 @@ def append_output(full: RequestOutput, *deltas: RequestOutput) -> RequestOutput:
     for index, parts in texts.items():
         by_index[index].text = "".join(parts)
     full.outputs = [by_index[i] for i in sorted(by_index)]
+    if full.prompt_logprobs is None:
+        full.prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     if deltas:
         last = deltas[-1]
         full.finished, full.num_cached_tokens, full.metrics = last.finished, last.num_cached_tokens, last.metrics

@@ -30,6 +30,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # also return the top-n logprobs of each sampled position
+    prompt_logprobs: int | None = None  # also return the logprob (and top-n) of each prompt token given those before
     n: int = 1
     priority: int = 0  # higher is more important; read by the `priority` eviction policy
     speculative: bool = True  # False opts this request out of speculative decoding (when the engine has a proposer)
@@ -64,8 +65,8 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling parameters: {msg}")
 
-        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "n", "priority",
-                     "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens"):
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs",
+                     "n", "priority", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (int, float)) and hasattr(value, "__float__"):
                 raise bad(f"{name} must be a Python int or float, got {value!r} ({type(value).__name__}); convert it "
@@ -84,8 +85,9 @@ class SamplingParams:
             raise bad(f"min_p must be a number in [0, 1), got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise bad(f"seed must be an integer in [0, 2**63), got {self.seed!r}")  # a torch generator's range
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) is not None and (not _is_int(value) or not 0 <= value <= 20):
+                raise bad(f"{name} must be an integer in [0, 20], got {value!r}")
         if not _is_int(self.n) or not 1 <= self.n <= 64:
             raise bad(f"n must be an integer in [1, 64], got {self.n!r}")
         if not isinstance(self.stop_token_ids, tuple) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -162,6 +164,8 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # with params.prompt_logprobs, on the request's first sequence: entry i for prompt token i (None for token 0)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     spec_proposed: int = 0  # draft tokens verified for this sequence
     spec_accepted: int = 0  # of which accepted and kept in the output (a stop cuts what follows it)
     spec_last_round: tuple[int, int] = (0, 0)  # (accepted drafts, tokens) the last verification appended
@@ -170,6 +174,15 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.index == 0 and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]  # the first prompt token has nothing before it
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """It asks for prompt logprobs it does not have yet: its prompt positions must be computed, not served from
+        a prefix cache (KVCache.match_prefix matches nothing for it)."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and \
+            len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -239,6 +252,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # with params.prompt_logprobs: {token id: logprob} of each prompt token (None for the first) and the top-n at
+    # its position, in the first output after the prompt is computed (the model's raw distribution)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # on the final output: e2e_s, ttft_s and tpot_s (seconds; time per output token after the first, mean over the
     # request's sequences), num_preemptions, num_output_tokens (all its sequences'); with speculative decoding
     # spec_proposed, spec_accepted and the rate

@@ -11,6 +11,7 @@ from .errors import ConfigError, PluginError
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, SchedulerOutput
 from .logit_controls import LogitControls
 from .model import Model
+from .prompt_logprobs import PromptRows, collect, prompt_rows
 from .request import SamplingParams, Sequence
 from .sampling import PendingSample, Sampler, SampleResult, to_device
 from .staging import Uploader
@@ -229,26 +230,33 @@ class ModelRunner:
                     raw[dst] = raw[src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCache, pending: PendingInputs | None = None
-                ) -> tuple[Batch, torch.Tensor]:
+    def execute(self, out: SchedulerOutput, kv: KVCache, pending: PendingInputs | None = None,
+                prompt_logprobs: str | None = None) -> tuple[Batch, torch.Tensor]:
         """Run the forward pass; return the batch and the float32 logits of its sampling rows. ``pending`` fills
-        PENDING_TOKEN ids (async scheduling)."""
+        PENDING_TOKEN ids (async scheduling). With ``prompt_logprobs`` (the KV cache's name, some request may
+        ask for them), the sequences that collect prompt logprobs get this step's entries."""
         self.apply_block_ops(out.block_ops)
         batch = self.prepare(out, kv, pending)
-        return batch, self.run(batch)
+        found = prompt_rows(out, batch.meta.query_lens_cpu, prompt_logprobs) if prompt_logprobs else None
+        return batch, self.run(batch, found)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, prompt: PromptRows | None = None) -> torch.Tensor:
         """The forward pass of a prepared batch: float32 logits of its sampling rows (from a CUDA graph, maybe its
-        output buffer itself, which the next replay overwrites: sample from it before the next ``run``)."""
+        output buffer itself, which the next replay overwrites: sample from it before the next ``run``); the
+        ``prompt`` rows' logprobs go to their sequences."""
         num_tokens, rows = batch.input_ids.shape[0], None if batch.every_row_samples else batch.sample_rows
         if self.graphs is not None and self.graphs.fits(batch.meta, num_tokens):
-            logits = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)
+            logits = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # every row's
+            if prompt is not None:
+                collect(prompt, lambda part: logits[part.to(logits.device)])
             return logits if rows is None else logits[rows]  # the graph's buffer: the sampler reads it at once
         if self.mixed_graphs is not None and self.mixed_graphs.fits(batch.meta, num_tokens):
             hidden = self.mixed_graphs.replay(batch.input_ids, batch.positions, batch.meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
+        if prompt is not None:
+            collect(prompt, lambda part: self.model.compute_logits(hidden[part.to(hidden.device)]))
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def advance(self, batch: Batch, next_ids: torch.Tensor) -> Batch:

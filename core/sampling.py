@@ -106,7 +106,7 @@ class Sampler:
                  ) -> list[dict[int, float] | None]:
         """Log-probabilities of the model's raw distribution (before temperature and filters) for given tokens."""
         rows, top = _logprob_tensors(logits, params, torch.tensor(tokens, device=logits.device))
-        return _logprob_entries(rows, [params[i].logprobs or 0 for i in rows], len(params),
+        return logprob_entries(rows, [params[i].logprobs or 0 for i in rows], len(params),
                                 [t.tolist() for t in top], tokens)
 
 
@@ -124,7 +124,7 @@ def _logprob_tensors(logits: torch.Tensor, params: list[SamplingParams], tokens:
     return rows, (top_values, top_ids, logp.gather(1, tokens[index][:, None])[:, 0])
 
 
-def _logprob_entries(rows: list[int], widths: list[int], size: int, top: list[list], tokens: list[int]
+def logprob_entries(rows: list[int], widths: list[int], size: int, top: list[list], tokens: list[int]
                      ) -> list[dict[int, float] | None]:
     """Per row: None, or {token id: logprob} of its ``widths`` top tokens and its own token."""
     entries: list[dict[int, float] | None] = [None] * size
@@ -153,7 +153,7 @@ class PendingSample:
         if self.copied is not None:
             self.copied.synchronize()
         token_list = self.host[0].tolist()
-        return SampleResult(token_list, _logprob_entries(self.rows, self.widths, self.size,
+        return SampleResult(token_list, logprob_entries(self.rows, self.widths, self.size,
                                                          [t.tolist() for t in self.host[1:]], token_list))
 
 

@@ -178,7 +178,7 @@ class PagedKVCache(KVCache):
         assert seq.seq_id not in self.tables, "match_prefix on a sequence that holds blocks"
         table = array("i")
         chain: list[int] = []
-        if self.prefix_caching:
+        if self.prefix_caching and not seq.needs_prompt_logits:
             tokens, size, prefix = seq.token_ids, self.block_size, ROOT
             for i in range((len(tokens) - 1) // size):  # leave at least one token to compute
                 block = self.key_to_block.get((prefix, tuple(tokens[i * size : (i + 1) * size])))

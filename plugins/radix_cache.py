@@ -278,7 +278,7 @@ class RadixKVCache(KVCache):
 
     def match_prefix(self, seq: Sequence) -> int:
         assert seq.seq_id not in self.seqs, "match_prefix on a sequence that holds blocks"
-        usable = max((seq.num_tokens - 1) // self.block_size, 0)  # leave at least one token to compute
+        usable = 0 if seq.needs_prompt_logits else max((seq.num_tokens - 1) // self.block_size, 0)  # leave one
         node = self._walk(self.root, seq.token_ids, usable)
         self.seqs[seq.seq_id] = _SeqState(array("i", [block for n in self._path(node) for block in n.blocks]),
                                           self.root)

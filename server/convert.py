@@ -11,8 +11,8 @@ from . import infer_pb2 as pb
 from .worker import ServerUnavailable
 
 # proto field -> SamplingParams field, for the optional scalars (unset means the SamplingParams default)
-_OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "n", "speculative",
-                     "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
+_OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs",
+                     "n", "speculative", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -46,8 +46,9 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
                                                            "ignore_eos")} | fields
         if fields.get("seed") is None:
             fields.pop("seed")
-        if fields.get("logprobs") is None:
-            fields.pop("logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            if fields.get(name) is None:
+                fields.pop(name)
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
     try:
@@ -79,10 +80,15 @@ def _unfit_field(fields: dict[str, Any]) -> str | None:
     return None
 
 
+def positions_to_proto(positions: list[dict[int, float] | None]) -> list[pb.PositionLogprobs]:
+    """Logprob entries ({token id: logprob} per position; None: an empty entry) in proto form."""
+    return [pb.PositionLogprobs(tokens=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in (pos or {}).items()])
+            for pos in positions]
+
+
 def completion_to_proto(out: CompletionOutput) -> pb.Completion:
-    logprobs = [pb.PositionLogprobs(tokens=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in pos.items()])
-                for pos in out.logprobs or ()]
-    return pb.Completion(index=out.index, token_ids=out.token_ids, text=out.text, logprobs=logprobs,
+    return pb.Completion(index=out.index, token_ids=out.token_ids, text=out.text,
+                         logprobs=positions_to_proto(out.logprobs or []),
                          finish_reason=FINISH_REASONS[out.finish_reason])
 
 

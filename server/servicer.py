@@ -14,7 +14,7 @@ from ..core.errors import CapacityError, InvalidRequestError
 from ..core.request import RequestOutput, SamplingParams
 from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
-from .convert import completion_to_proto, prompt_of, sampling_params_of, status_of
+from .convert import completion_to_proto, positions_to_proto, prompt_of, sampling_params_of, status_of
 from .worker import EngineWorker, RequestStream
 
 log = logging.getLogger("infer.server")
@@ -57,6 +57,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 response = pb.GenerateResponse(request_id=out.request_id,
                                                outputs=[completion_to_proto(c) for c in out.outputs],
                                                finished=out.finished)
+                if out.prompt_logprobs is not None:
+                    response.prompt_logprobs.extend(positions_to_proto(out.prompt_logprobs))
+                    limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+                    if (size := response.ByteSize()) > limit:
+                        raise CapacityError(
+                            f"the prompt logprobs of {len(out.prompt_logprobs)} positions make a response of {size} "
+                            f"bytes, past --max-message-bytes {limit}; ask for fewer top entries (prompt_logprobs), "
+                            "send a shorter prompt, or raise the server's --max-message-bytes")
                 if out.finished:
                     response.usage.CopyFrom(_usage(out, completion_tokens))
                 yield response
@@ -73,8 +81,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         too_large = (f"the response grew past --max-message-bytes {self.max_message_bytes}, so Complete cannot "
                      "send it; use Generate (it streams small messages), ask for fewer tokens, choices or logprobs, "
                      "or raise the server's --max-message-bytes")
+        prompt_logprobs: list[pb.PositionLogprobs] = []
         try:
             async for out in stream:
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = positions_to_proto(out.prompt_logprobs)
+                    size += sum(entry.ByteSize() + 3 for entry in prompt_logprobs)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     part = completion_to_proto(c)
@@ -93,7 +105,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if out.finished:
                     response = pb.CompleteResponse(request_id=out.request_id,
                                                    outputs=[completions[i] for i in sorted(completions)],
-                                                   usage=_usage(out, completion_tokens))
+                                                   usage=_usage(out, completion_tokens),
+                                                   prompt_logprobs=prompt_logprobs)
                     if self.max_message_bytes is not None and response.ByteSize() > self.max_message_bytes:
                         raise CapacityError(too_large)
                     return response

@@ -210,7 +210,8 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
     from infer.server.convert import sampling_params_of, sampling_params_to_proto
 
     params = SamplingParams(max_tokens=9, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, seed=4, stop=("x",),
-                            stop_token_ids=(7,), ignore_eos=True, logprobs=2, n=2, speculative=False, priority=3,
+                            stop_token_ids=(7,), ignore_eos=True, logprobs=2, prompt_logprobs=3, n=2,
+                            speculative=False, priority=3,
                             repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=3)
     back = sampling_params_of(pb.GenerateRequest(params=sampling_params_to_proto(params), priority=3))
     assert back == params
@@ -236,7 +237,7 @@ def test_a_request_the_client_cannot_encode_is_an_invalid_request_naming_it(args
 
 # ---------------------------------------------------------------- generation
 CASES = [
-    ("def main():", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)),
+    ("def main():", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)),
     ([5, 17, 42, 99, 3, 250], SamplingParams(max_tokens=16, temperature=0.0)),
     ("import os\nimport sys", SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=7, ignore_eos=True)),
 ]
@@ -260,6 +261,15 @@ def test_stream_equals_offline_generate(client: Client, llm: Any, prompt: Any, p
         assert all(math.isclose(g[t], w[t], abs_tol=1e-4) for g, w in zip(got, want.logprobs) for t in w)
     full = client.complete(prompt, params)
     assert (list(full.outputs[0].token_ids), full.outputs[0].text) == (want.token_ids, want.text)
+    if params.prompt_logprobs is not None:  # once in the stream, with the first tokens; and in Complete's answer
+        [streamed] = [r.prompt_logprobs for r in responses if r.prompt_logprobs]
+        assert responses[0].prompt_logprobs and responses[0].outputs
+        for entries in (streamed, full.prompt_logprobs):
+            got = [{e.token_id: e.logprob for e in pos.tokens} for pos in entries]
+            assert got[0] == {} and expected.prompt_logprobs[0] is None
+            assert [set(d) for d in got[1:]] == [set(d) for d in expected.prompt_logprobs[1:]]
+            assert all(math.isclose(g[t], w[t], abs_tol=1e-4)
+                       for g, w in zip(got[1:], expected.prompt_logprobs[1:]) for t in w)
 
 
 def test_64_streams_with_30_percent_cancelled(client: Client, server: ServerProcess) -> None:
