@@ -115,8 +115,9 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
                    "and for --n > 1 or multi-line completions.")
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, sampling: dict[str, Any], n: int,
-             logprobs: int | None, prompt_logprobs: int | None, stop: tuple[str, ...], ignore_eos: bool, seed: int | None, beam_width: int, length_penalty: float,
-             stream: bool, stats: bool, as_json: bool) -> None:
+             logprobs: int | None, prompt_logprobs: int | None, stop: tuple[str, ...], ignore_eos: bool,
+             seed: int | None, beam_width: int, length_penalty: float, stream: bool, stats: bool,
+             as_json: bool) -> None:
     """Generate text for PROMPTS (or for each line of stdin when none are given). Each completion prints as the
     prompt followed by its text; with several prompts or --n > 1, --json keeps them apart."""
     from ..core.request import SamplingParams

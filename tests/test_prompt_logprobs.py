@@ -1,6 +1,6 @@
 """Prompt logprobs against HF transformers' full-prompt forward pass: whole prefills, chunked ones, async scheduling,
-a CUDA graph's logits (replayed eagerly on the CPU), a preempted and recomputed prompt, beside prefix caching (a prompt that
-asks for them is computed in full, and caching still serves the others), and over gRPC and the CLI."""
+CUDA graphs' outputs (replayed eagerly on the CPU), a recomputed prompt, beside prefix caching (a prompt that asks
+for them is computed in full, and caching still serves the others), n > 1, streams and the CLI (gRPC: test_server)."""
 from __future__ import annotations
 
 import json
