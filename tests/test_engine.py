@@ -503,6 +503,14 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
     (lambda e: e.generate(["hi"], SamplingParams(presence_penalty=float("nan"))), "presence_penalty must be a number"),
     (lambda e: e.generate(["hi"], SamplingParams(max_tokens=4, min_tokens=5)), "min_tokens must be an integer in "
      "[0, max_tokens=4], got 5"),
+    (lambda e: e.generate(["hi"], SamplingParams(repetition_penalty=float("nan"))), "repetition_penalty must be a "
+     "number in (0, 1000]"),
+    (lambda e: e.generate(["hi"], SamplingParams(repetition_penalty=1001.0)), "repetition_penalty must be a number "
+     "in (0, 1000]"),
+    (lambda e: e.generate(["hi"], SamplingParams(frequency_penalty=-2.5)), "frequency_penalty must be a number in "
+     "[-2, 2]"),
+    (lambda e: e.generate(["hi"], SamplingParams(min_tokens=-1)), "min_tokens must be an integer in [0, "),
+    (lambda e: e.generate(["hi"], SamplingParams(min_tokens=2.5)), "min_tokens must be an integer in [0, "),
 ])
 def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, message):
     from infer.core.errors import InvalidRequestError

@@ -196,6 +196,9 @@ def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
 
 @pytest.mark.parametrize("fields, expected", [
     ({"hidden_size": "64"}, "hidden_size = '64', which should be a JSON int"),
+    ({"num_hidden_layers": True}, "num_hidden_layers = True, which should be a JSON int"),
+    ({"intermediate_size": None}, "lacks the field 'intermediate_size'"),
+    ({"intermediate_size": 0}, "intermediate_size = 0, which must be a positive integer"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings = 'false', which should be a JSON bool"),
     ({"num_hidden_layers": None}, "lacks the field 'num_hidden_layers'"),
     ({"max_position_embeddings": 0}, "max_position_embeddings = 0, which must be a positive integer"),
@@ -211,12 +214,22 @@ def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quantization_config has quant_method 'gptq', which no installed plugin loads"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}, "needs factor as a positive number"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 0.0}},
+     "needs factor as a positive number"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 64}}, "needs low_freq_factor"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "unsupported rope_type 'yarn'"),
 ])
 def test_bad_config_fields_are_named(llama, tmp_path, fields, expected):
     assert expected in load_error(copy_of(llama, tmp_path / "m", fields))
+
+
+def test_absent_optional_fields_take_transformers_defaults(tiny_model_factory, tmp_path, hf_greedy):
+    """LlamaConfig's defaults: num_key_value_heads = num_attention_heads, max_position_embeddings 2048."""
+    source = tiny_model_factory("llama", num_kv_heads=4)  # 4 heads, 4 KV heads: the default when the field is absent
+    path = copy_of(source, tmp_path / "m", {"num_key_value_heads": None, "max_position_embeddings": None})
+    assert LLM(model=str(path), device="cpu").engine.max_model_len == 2048
+    assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("arch, extra", [("llama", {"attention_bias": True, "mlp_bias": True}),

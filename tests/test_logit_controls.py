@@ -129,6 +129,70 @@ def test_many_controlled_requests_at_once_equal_each_alone(engine: Engine) -> No
     assert not engine.runner.controls.slots and len(engine.runner.controls.free) == 16  # every row released
 
 
+def test_rows_with_different_penalties_in_one_batch_each_equal_their_run_alone(engine: Engine) -> None:
+    """One batch, each row with one kind of penalty only: every row gets its own, none is dropped for another's."""
+    kinds = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.5), dict(presence_penalty=1.5)]
+    alone = [tokens(engine, **kind) for kind in kinds]
+    assert all(own != tokens(engine) for own in alone)  # each penalty changes this output
+    batch = engine.generate([PROMPT] * 3, [SamplingParams(max_tokens=TOKENS, temperature=0.0, **kind)
+                                           for kind in kinds])
+    assert [out.outputs[0].token_ids for out in batch] == alone
+
+
+@pytest.mark.parametrize("min_tokens", [1, 2])
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+@pytest.mark.parametrize("stop_at", [-1, 0])
+def test_min_tokens_ends_exactly_where_hf_lets_a_stop_token_through(engine: Engine, hf: torch.nn.Module,
+                                                                    min_tokens: int, penalty: float,
+                                                                    stop_at: int) -> None:
+    """The stop token is the one HF's own greedy run (with the same penalty) emits at index ``min_tokens`` (or
+    the index before, the last one it is masked at): masked before ``min_tokens`` and allowed from it, alone or
+    beside a penalty, as HF's min_new_tokens does."""
+    free = hf.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False,
+                       repetition_penalty=penalty)[0, len(PROMPT):].tolist()
+    stop = free[min_tokens + stop_at]
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, stop_token_ids=[stop],
+                                                   min_tokens=min_tokens, repetition_penalty=penalty))[0].outputs[0]
+    ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=min_tokens,
+                      repetition_penalty=penalty, eos_token_id=[stop, *engine.eos_token_ids],
+                      pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert out.token_ids == ids and stop not in out.token_ids[:min_tokens]
+    assert (out.token_ids[-1] == stop) == (out.finish_reason is FinishReason.STOP)  # else it ran to max_tokens
+    if stop_at == 0 and stop not in free[:min_tokens]:  # nothing earlier stops it: it ends at index min_tokens
+        assert len(out.token_ids) == min_tokens + 1
+
+
+def test_min_tokens_masks_the_models_eos_unless_eos_is_ignored(path: Path, tmp_path: Path) -> None:
+    """A checkpoint whose EOS is the token greedy decoding emits third: min_tokens holds it back (as HF's
+    min_new_tokens does); with ignore_eos, EOS is an ordinary token and min_tokens masks nothing."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    plain = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
+    eos = plain.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))[0] \
+        .outputs[0].token_ids[2]
+    copy = tmp_path / "eos"
+    shutil.copytree(path, copy)
+    for name in ("config.json", "generation_config.json"):
+        if (copy / name).exists():
+            fields = json.loads((copy / name).read_text())
+            fields["eos_token_id"] = eos
+            (copy / name).write_text(json.dumps(fields))
+    engine = Engine(EngineConfig(model=str(copy), device="cpu", num_kv_blocks=64))
+    assert engine.eos_token_ids == {eos}
+    held = engine.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, min_tokens=10))[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
+    ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=10,
+                      eos_token_id=eos, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert held.token_ids == ids[: len(held.token_ids)] and eos not in held.token_ids[:10]
+    ignored = engine.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, min_tokens=10,
+                                                       ignore_eos=True))[0].outputs[0]
+    assert ignored.token_ids[2] == eos and ignored.token_ids == plain.generate(
+        [PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+
+
 def test_every_sequence_of_an_n_request_applies_its_own_penalties(engine: Engine) -> None:
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, repetition_penalty=1.5, n=3)
     outputs = engine.generate([PROMPT], params)[0].outputs

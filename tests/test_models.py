@@ -1,6 +1,7 @@
 """The Llama family against HF transformers: greedy tokens identical, last-token logits within 1e-4 relative."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -122,6 +123,38 @@ def test_an_admission_reserve_counts_the_forks_of_an_n_request(checkpoint):
         assert [len(r.outputs) for r in results] == [4] + [1] * 6
         preemptions[reserve] = engine.scheduler.num_preemptions
     assert preemptions[0.0] > 0 and preemptions[1.0] == 0
+
+
+@pytest.mark.parametrize("max_tokens, reserve, n", [((49, 49), 1.0, 1), ((49, 33), 0.5, 1), ((49, 49), 1.0, 2)])
+def test_the_admission_reserve_admits_exactly_at_its_formula(checkpoint, max_tokens, reserve, n):
+    """Two 16-token prompts (one block each) arrive together; A is admitted (nothing runs), then B only if the
+    free blocks less B's prompt cover ceil(R x the blocks both may still write), each up to prompt + max_tokens - 1
+    tokens, B's counted n times: admitted with that many blocks in the pool, not with one fewer."""
+    path, block = checkpoint("llama"), 16
+
+    def later_blocks(max_new: int) -> int:  # blocks beyond the prompt's one
+        return math.ceil((block + max_new - 1) / block) - 1
+
+    future = later_blocks(max_tokens[0]) + n * later_blocks(max_tokens[1])
+    smallest = 2 + math.ceil(reserve * future)  # A's prompt block, B's, and the reserve
+    prompts = [list(range(10, 10 + block)), list(range(100, 100 + block))]
+    for blocks in (smallest - 1, smallest):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=blocks, block_size=block,
+                                     enable_prefix_caching=False, kv_admission_reserve=reserve))
+        for prompt, tokens, copies in zip(prompts, max_tokens, (1, n)):
+            engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0.8, seed=1, n=copies,
+                                                      ignore_eos=True))
+        engine.step()
+        assert engine.scheduler.num_running() == (1 if blocks < smallest else 1 + n), blocks
+
+
+def test_an_n_request_alone_runs_under_a_full_reserve(checkpoint):
+    """Nothing running: the reserve does not hold back the first request, even one whose forks it cannot cover."""
+    engine = Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", num_kv_blocks=20,
+                                 enable_prefix_caching=False, kv_admission_reserve=1.0))
+    out = engine.generate([list(range(10, 170))], SamplingParams(max_tokens=64, n=4, temperature=0.8, seed=1,
+                                                                 ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [64] * 4
 
 
 def test_preemption_by_swap_keeps_outputs_exact(checkpoint, hf_greedy):
