@@ -84,6 +84,8 @@ class HFArm:
 
         fields = sampling.fields
         sample: dict[str, Any] = {"do_sample": False, "repetition_penalty": fields.get("repetition_penalty", 1.0)}
+        if bias := fields.get("logit_bias"):
+            sample["sequence_bias"] = {(token,): value for token, value in bias}
         if not sampling.greedy:
             sample.update(do_sample=True, temperature=fields["temperature"], top_p=fields.get("top_p", 1.0),
                           top_k=fields.get("top_k", 0), min_p=fields.get("min_p") or None)

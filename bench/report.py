@@ -109,8 +109,9 @@ def build_table(result: BenchResult) -> Table:
 def sampling_note(result: BenchResult) -> str | None:
     """How the requests sampled, and which outputs were compared; None for plain greedy requests."""
     sampling = result.sampling
-    given = ", ".join(f"{name}={value:g}" for name, value in sampling.fields.items()
-                      if value != SAMPLING_DEFAULTS[name])
+    given = ", ".join(f"{name}={value:g}" if not isinstance(value, tuple) else
+                      f"{name}={{{', '.join(f'{token}: {bias:g}' for token, bias in value)}}}"
+                      for name, value in sampling.fields.items() if value != SAMPLING_DEFAULTS[name])
     if not given:
         return None
     if sampling.greedy:

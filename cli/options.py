@@ -28,10 +28,30 @@ _SAMPLING: list[tuple[str, type, float, str]] = [
     ("min_tokens", int, 0, "EOS and stop token ids cannot be sampled before this many tokens (stop strings still "
                            "stop)."),
 ]
-SAMPLING_DEFAULTS: dict[str, float] = {name: default for name, _, default, _ in _SAMPLING}
+
+
+class LogitBiasType(click.ParamType):
+    """``TOKEN=BIAS`` (--logit-bias): a token id and the bias added to its logit."""
+    name = "token=bias"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, float]:
+        if isinstance(value, tuple):
+            return value
+        token, sep, bias = str(value).partition("=")
+        try:
+            return int(token), float(bias)
+        except ValueError:
+            self.fail(f"{value!r} is not TOKEN=BIAS (a token id, then a number in [-100, 100], e.g. 1234=-100)",
+                      param, ctx)
+
+
+SAMPLING_DEFAULTS: dict[str, Any] = {name: default for name, _, default, _ in _SAMPLING} | {"logit_bias": ()}
 SAMPLING_OPTIONS: list[Callable[[Any], Any]] = [
     click.option(f"--{name.replace('_', '-')}", type=kind, default=default, show_default=True, help=text)
-    for name, kind, default, text in _SAMPLING]
+    for name, kind, default, text in _SAMPLING] + [
+    click.option("--logit-bias", type=LogitBiasType(), multiple=True,
+                 help="TOKEN=BIAS: add BIAS, in [-100, 100], to the token's logit (repeatable; -100 all but bans "
+                      "it, 100 all but forces it).")]
 
 
 def sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:

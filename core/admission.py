@@ -72,9 +72,11 @@ class RequestChecker:
             raise InvalidRequestError(f"sampling parameters must be an infer.SamplingParams, got "
                                       f"{type(params).__name__}")
         params.validate()
-        if bad := [t for t in params.stop_token_ids if t >= self.vocab_size]:
-            raise InvalidRequestError(f"invalid sampling parameters: stop_token_ids must be below the model's "
-                                      f"vocabulary size {self.vocab_size}; got {bad[:5]}")
+        biased = [token for token, _ in params.logit_bias]
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias's token ids", biased)):
+            if bad := [t for t in tokens if t >= self.vocab_size]:
+                raise InvalidRequestError(f"invalid sampling parameters: {name} must be below the model's "
+                                          f"vocabulary size {self.vocab_size}; got {bad[:5]}")
         ids = self.tokenize(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(

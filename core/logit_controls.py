@@ -5,6 +5,7 @@
 - ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's rule): ``logit[t] -= f * c[t] + p * (c[t] > 0)``,
   c[t] the number of times t occurs in the output so far.
 - ``min_tokens`` m: while fewer than m tokens are out, EOS and the stop_token_ids cannot be sampled.
+- ``logit_bias`` (OpenAI's): each listed token's bias is added to its logit.
 
 The logprobs a request returns stay those of the model's raw distribution (the Sampler reads the raw logits).
 """
@@ -16,9 +17,10 @@ from .request import SamplingParams, Sequence
 
 
 def controls_now(seq: Sequence) -> bool:
-    """Whether ``seq``'s next token is sampled under a control: a penalty (all along), or min_tokens not reached
-    (tokens in flight count as reached). Such a sequence does not speculate."""
-    return seq.params.penalizes or seq.num_output_tokens < seq.params.min_tokens
+    """Whether ``seq``'s next token is sampled under a control: a penalty or a logit bias (all along), or
+    min_tokens not reached (tokens in flight count as reached). Such a sequence does not speculate."""
+    params = seq.params
+    return params.penalizes or bool(params.logit_bias) or seq.num_output_tokens < params.min_tokens
 
 
 class LogitControls:
@@ -56,6 +58,12 @@ class LogitControls:
             part = self._penalize(picked[at], [seqs[rows[j]] for j in penalized], [params[j] for j in penalized],
                                   vocab)
             picked = picked.index_copy(0, at, part)
+        if biased := [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias
+                      if token < vocab]:
+            at = torch.tensor([(row, token) for row, token, _ in biased], device=self.device)
+            picked = picked.index_put((at[:, 0], at[:, 1]),
+                                      torch.tensor([bias for _, _, bias in biased], device=self.device),
+                                      accumulate=True)
         if any(p.min_tokens for p in params):
             banned = [(row, token) for row, seq in enumerate(seqs[i] for i in rows)
                       if seq.num_output_tokens < seq.params.min_tokens

@@ -14,6 +14,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 1024
 MAX_TEMPERATURE = 1e6
 MAX_REPETITION_PENALTY = 1e3
+MAX_LOGIT_BIAS = 1024  # entries; each costs a scatter element per step
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_tokens: int = 0
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits; a dict is accepted
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # accept lists from callers, keep the dataclass hashable; anything else is left for validate() to name
@@ -49,6 +52,12 @@ class SamplingParams:
                 object.__setattr__(self, name, (value,))
             elif isinstance(value, (list, tuple)):
                 object.__setattr__(self, name, tuple(value))
+        bias = self.logit_bias
+        if isinstance(bias, (dict, list, tuple)):  # pairs in token order, so that equal biases compare equal
+            pairs = [tuple(p) if isinstance(p, list) else p for p in (bias.items() if isinstance(bias, dict) else bias)]
+            if all(isinstance(p, tuple) and p and isinstance(p[0], int) for p in pairs):
+                pairs.sort(key=lambda p: p[0])
+            object.__setattr__(self, "logit_bias", tuple(pairs))
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +120,13 @@ class SamplingParams:
                           f"{value!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+                not isinstance(pair, tuple) or len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0
+                or not _is_real(pair[1]) or not -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias):
+            raise bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to biases in "
+                      f"[-100, 100], got {self.logit_bias!r}"[:400])
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise bad("logit_bias names a token id twice")
         if not _is_int(self.priority) or abs(self.priority) >= 2**31:
             raise bad(f"priority must be an integer in (-2**31, 2**31) (higher is kept longer by the priority "
                       f"eviction policy), got {self.priority!r}")

@@ -34,7 +34,7 @@ def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:
     p = request.params
     kwargs: dict[str, Any] = {name: getattr(p, name) for name in _OPTIONAL_SCALARS if p.HasField(name)}
     params = SamplingParams(stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop), ignore_eos=p.ignore_eos,
-                            priority=request.priority, **kwargs)
+                            priority=request.priority, logit_bias=dict(p.logit_bias), **kwargs)
     params.validate()
     return params
 
@@ -43,7 +43,7 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
     """The proto form of ``params`` (every field set) or of the given keyword fields only (no validation)."""
     if params is not None:
         fields = {name: getattr(params, name) for name in (*_OPTIONAL_SCALARS, "stop_token_ids", "stop",
-                                                           "ignore_eos")} | fields
+                                                           "ignore_eos")} | {"logit_bias": params.logit_bias} | fields
         if fields.get("seed") is None:
             fields.pop("seed")
         for name in ("logprobs", "prompt_logprobs"):
@@ -51,6 +51,8 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
                 fields.pop(name)
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
+    if isinstance(fields.get("logit_bias"), (list, tuple)):  # SamplingParams keeps (token, bias) pairs
+        fields["logit_bias"] = dict(fields["logit_bias"])
     try:
         return pb.SamplingParams(**fields)
     except (ValueError, TypeError) as exc:

@@ -511,6 +511,10 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
      "[-2, 2]"),
     (lambda e: e.generate(["hi"], SamplingParams(min_tokens=-1)), "min_tokens must be an integer in [0, "),
     (lambda e: e.generate(["hi"], SamplingParams(min_tokens=2.5)), "min_tokens must be an integer in [0, "),
+    (lambda e: e.generate(["hi"], SamplingParams(logit_bias={5: 101.0})), "logit_bias must map at most 1024 token "
+     "ids (integers >= 0) to biases in [-100, 100]"),
+    (lambda e: e.generate(["hi"], SamplingParams(logit_bias={10**6: 1.0})), "logit_bias's token ids must be below "
+     "the model's vocabulary size"),
 ])
 def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, message):
     from infer.core.errors import InvalidRequestError

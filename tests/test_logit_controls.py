@@ -3,6 +3,7 @@ own processors where it has them (repetition_penalty, min_new_tokens), else Open
 loop over the HF model. Also: under async scheduling, beside speculative decoding, and with n > 1."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,12 +132,37 @@ def test_many_controlled_requests_at_once_equal_each_alone(engine: Engine) -> No
 
 def test_rows_with_different_penalties_in_one_batch_each_equal_their_run_alone(engine: Engine) -> None:
     """One batch, each row with one kind of penalty only: every row gets its own, none is dropped for another's."""
-    kinds = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.5), dict(presence_penalty=1.5)]
+    kinds = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.5), dict(presence_penalty=1.5),
+             dict(logit_bias={300: 4.0})]
     alone = [tokens(engine, **kind) for kind in kinds]
     assert all(own != tokens(engine) for own in alone)  # each penalty changes this output
-    batch = engine.generate([PROMPT] * 3, [SamplingParams(max_tokens=TOKENS, temperature=0.0, **kind)
+    batch = engine.generate([PROMPT] * len(kinds), [SamplingParams(max_tokens=TOKENS, temperature=0.0, **kind)
                                            for kind in kinds])
     assert [out.outputs[0].token_ids for out in batch] == alone
+
+
+def test_logit_bias_equals_hf_sequence_bias(engine: Engine, hf: torch.nn.Module) -> None:
+    """OpenAI's logit_bias against HF's SequenceBiasLogitsProcessor with one-token sequences: greedy's first token
+    banned, another favoured."""
+    first = tokens(engine)[0]
+    bias = {first: -100.0, 300: 3.5, 42: -2.0}
+    ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False,
+                      sequence_bias={(token,): value for token, value in bias.items()})[0, len(PROMPT):].tolist()
+    assert tokens(engine, logit_bias=bias) == ids and first not in ids
+
+
+def test_logit_bias_from_the_command_line(path: Path) -> None:
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    args = ["--model", str(path), "--device", "cpu", "generate", "hello", "--max-tokens", "4", "--json"]
+    forced = CliRunner().invoke(main, [*args, "--logit-bias", "5=100"])
+    assert forced.exit_code == 0, forced.output
+    assert json.loads(forced.stdout.splitlines()[-1])["token_ids"] == [5] * 4
+    for value, message in (("5", "is not TOKEN=BIAS"), ("5=101", "logit_bias must map at most 1024 token ids")):
+        refused = CliRunner().invoke(main, [*args, "--logit-bias", value])
+        assert refused.exit_code == 2 and message in refused.output, refused.output
 
 
 @pytest.mark.parametrize("min_tokens", [1, 2])
