@@ -83,7 +83,7 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
 @click.option("--warmup-rounds", type=click.IntRange(min=0), default=1, show_default=True,
               help="Unmeasured rounds per arm before the first measured one (fresh prompts of the same shape).")
 @sampling_options
-@click.option("--sampling-seed", type=int, default=None,
+@click.option("--sampling-seed", type=click.IntRange(0, 2**63 - 1), default=None,
               help="Seed every request's sampling with its own seed derived from this one, its round and its place in "
                    "the workload, so that every arm samples it from the same stream [default: each engine's random "
                    "stream: outputs are then not compared].")
@@ -144,9 +144,15 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         from ..cli.main import CommandLineError
 
         raise (CommandLineError if exc.options_refused else click.ClickException)(str(exc)) from None
+    vocab = min(arm.vocab.size for arm in built)
+    if outside := [token for token, _ in request_sampling.fields.get("logit_bias", ()) if token >= vocab]:
+        from ..cli.main import CommandLineError
+
+        raise CommandLineError(f"--logit-bias names token ids {outside[:5]} outside the vocabulary of "
+                               f"{vocab} tokens{' (the smallest of the arms)' if len(built) > 1 else ''}")
     try:
         if entries is not None:  # token ids against the vocabulary, now that the models are loaded
-            entries, skipped = check_vocabulary(spec, entries, min(arm.vocab.size for arm in built))
+            entries, skipped = check_vocabulary(spec, entries, vocab)
             for line in skipped:
                 err.print(f"[yellow]skipped {spec.file} {line}[/yellow]", highlight=False)
         workloads = make_workloads(spec, range(repeats), built, entries)
@@ -197,14 +203,32 @@ def check_sampling(sampling: dict[str, Any], seed: int | None, specs: list[ArmSp
 
     request_sampling = RequestSampling(sampling, seed)
     try:
-        request_sampling.params(1, 0, 0, 0).validate()
+        request_sampling.params(max(1, sampling["min_tokens"]), 0, 0, 0).validate()
     except InvalidRequestError as exc:
         raise CommandLineError(str(exc)) from None
     unsupported = [f"--{name.replace('_', '-')}" for name in ("frequency_penalty", "presence_penalty")
                    if sampling[name]]
     if unsupported and any(spec.is_hf for spec in specs):
         raise click.UsageError(f"HF transformers has no {' or '.join(unsupported)}: drop it or the hf arms")
+    if any(spec.hf_mode == "cb" for spec in specs) and (dropped := dropped_by_hf_cb(sampling)):
+        raise click.UsageError(f"transformers' continuous batching drops {', '.join(dropped)} (its processor does "
+                               "not support it), so hf:cb would not sample as the other arms: drop it or the hf:cb "
+                               "arm (hf, static batches, applies it)")
+    if seed is not None and request_sampling.greedy:
+        click.echo("warning: --sampling-seed seeds sampled requests, and these are greedy (--temperature 0)",
+                   err=True)
     return request_sampling
+
+
+def dropped_by_hf_cb(sampling: dict[str, Any]) -> list[str]:
+    """The sampling options whose transformers processor says it does not support continuous batching."""
+    from transformers.generation import logits_process as processors
+
+    used = {"repetition_penalty": (sampling["repetition_penalty"] != 1.0, "RepetitionPenaltyLogitsProcessor"),
+            "min_p": (bool(sampling["min_p"]), "MinPLogitsWarper"),
+            "logit_bias": (bool(sampling["logit_bias"]), "SequenceBiasLogitsProcessor")}
+    return [f"--{name.replace('_', '-')}" for name, (given, cls) in used.items()
+            if given and getattr(getattr(processors, cls, None), "supports_continuous_batching", None) is False]
 
 
 def component_field_of(ctx: click.Context) -> Callable[[str], str | None]:

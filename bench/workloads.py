@@ -43,8 +43,10 @@ class RequestSampling:
         return value % 2**63
 
     def params(self, max_tokens: int, round_index: int, session: int, turn: int) -> SamplingParams:
-        """A request's parameters: exactly ``max_tokens`` tokens, whatever the model samples (EOS is ignored)."""
+        """A request's parameters: exactly ``max_tokens`` tokens, whatever the model samples (EOS is ignored);
+        min_tokens holds for a shorter request up to its end."""
         fields = {"temperature": 0.0, **self.fields}
+        fields["min_tokens"] = min(int(fields.get("min_tokens", 0)), max_tokens)
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                               seed=self.request_seed(round_index, session, turn), **fields)
 

@@ -150,7 +150,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         others = {"--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream,
                   "--logprobs": logprobs is not None, "--prompt-logprobs": prompt_logprobs is not None}
         if given := changed_sampling(sampling) + [name for name, value in others.items() if value]:
-            raise click.UsageError(f"--beam-width searches deterministically: drop {', '.join(given)}")
+            raise click.UsageError(f"--beam-width ranks whole beams by the model's own log-probabilities, with no "
+                                   f"sampling, logit controls or per-token output: drop {', '.join(given)}")
         if stats:
             raise click.UsageError("--stats reports the engine's scheduled requests, which beam search bypasses; "
                                    "drop --stats (--json shows each beam's log-probability and score)")
@@ -160,6 +161,10 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     streamed = 0
     try:
         engine = build_engine(ctx)
+        try:  # the options' values against this model (token ids), before any prompt runs
+            engine.checker.check_params(params)
+        except InvalidRequestError as exc:
+            raise CommandLineError(str(exc)) from None
         if stream:
             try:  # every prompt is checked, capacity included, before the first is generated
                 engine.check_requests(texts, params)
@@ -267,7 +272,8 @@ def _completion_json(prompt_index: int, prompt: str, result: Any, out: Any) -> d
             "num_cached_tokens": result.num_cached_tokens, "metrics": result.metrics}
     if out.logprobs is not None:
         line["logprobs"] = positions(out.logprobs)
-    if result.prompt_logprobs is not None:
+    if result.prompt_logprobs is not None:  # entry i holds prompt token i (and the top N before it)
+        line["prompt_token_ids"] = result.prompt_token_ids
         line["prompt_logprobs"] = positions(result.prompt_logprobs)
     return line
 

@@ -45,11 +45,21 @@ class LogitBiasType(click.ParamType):
                       param, ctx)
 
 
+def unique_tokens(pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias values, each token once (a second value for a token is an error, not a silent override)."""
+    tokens = [token for token, _ in pairs]
+    if twice := sorted({token for token in tokens if tokens.count(token) > 1}):
+        raise click.BadParameter(f"token {twice[0]} is given twice; give each token one bias",
+                                 param_hint="'--logit-bias'")
+    return pairs
+
+
 SAMPLING_DEFAULTS: dict[str, Any] = {name: default for name, _, default, _ in _SAMPLING} | {"logit_bias": ()}
 SAMPLING_OPTIONS: list[Callable[[Any], Any]] = [
     click.option(f"--{name.replace('_', '-')}", type=kind, default=default, show_default=True, help=text)
     for name, kind, default, text in _SAMPLING] + [
     click.option("--logit-bias", type=LogitBiasType(), multiple=True,
+                 callback=lambda ctx, param, pairs: unique_tokens(pairs),
                  help="TOKEN=BIAS: add BIAS, in [-100, 100], to the token's logit (repeatable; -100 all but bans "
                       "it, 100 all but forces it).")]
 

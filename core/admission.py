@@ -66,8 +66,8 @@ class RequestChecker:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         return ids
 
-    def check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Raises InvalidRequestError, else returns the prompt's ids."""
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises InvalidRequestError for parameters this model cannot take (token ids included)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling parameters must be an infer.SamplingParams, got "
                                       f"{type(params).__name__}")
@@ -77,6 +77,10 @@ class RequestChecker:
             if bad := [t for t in tokens if t >= self.vocab_size]:
                 raise InvalidRequestError(f"invalid sampling parameters: {name} must be below the model's "
                                           f"vocabulary size {self.vocab_size}; got {bad[:5]}")
+
+    def check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Raises InvalidRequestError, else returns the prompt's ids."""
+        self.check_params(params)
         ids = self.tokenize(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(

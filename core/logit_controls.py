@@ -5,7 +5,7 @@
 - ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's rule): ``logit[t] -= f * c[t] + p * (c[t] > 0)``,
   c[t] the number of times t occurs in the output so far.
 - ``min_tokens`` m: while fewer than m tokens are out, EOS and the stop_token_ids cannot be sampled.
-- ``logit_bias`` (OpenAI's): each listed token's bias is added to its logit.
+- ``logit_bias`` (OpenAI's): each listed token's bias is added to its logit, before the penalties.
 
 The logprobs a request returns stay those of the model's raw distribution (the Sampler reads the raw logits).
 """
@@ -50,6 +50,13 @@ class LogitControls:
         at_rows = torch.tensor(rows, device=self.device)
         picked = logits[at_rows]
         params = [seqs[i].params for i in rows]
+        # the bias first, then the penalties, as HF's processor list and vLLM order them
+        if biased := [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias
+                      if token < vocab]:
+            at = torch.tensor([(row, token) for row, token, _ in biased], device=self.device)
+            picked = picked.index_put((at[:, 0], at[:, 1]),
+                                      torch.tensor([bias for _, _, bias in biased], device=self.device),
+                                      accumulate=True)
         penalized = [j for j, p in enumerate(params) if p.penalizes]
         if len(penalized) == len(rows):
             picked = self._penalize(picked, [seqs[i] for i in rows], params, vocab)
@@ -58,12 +65,6 @@ class LogitControls:
             part = self._penalize(picked[at], [seqs[rows[j]] for j in penalized], [params[j] for j in penalized],
                                   vocab)
             picked = picked.index_copy(0, at, part)
-        if biased := [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias
-                      if token < vocab]:
-            at = torch.tensor([(row, token) for row, token, _ in biased], device=self.device)
-            picked = picked.index_put((at[:, 0], at[:, 1]),
-                                      torch.tensor([bias for _, _, bias in biased], device=self.device),
-                                      accumulate=True)
         if any(p.min_tokens for p in params):
             banned = [(row, token) for row, seq in enumerate(seqs[i] for i in rows)
                       if seq.num_output_tokens < seq.params.min_tokens

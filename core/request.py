@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
@@ -120,16 +121,30 @@ class SamplingParams:
                           f"{value!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS or any(
-                not isinstance(pair, tuple) or len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0
-                or not _is_real(pair[1]) or not -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias):
-            raise bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to biases in "
-                      f"[-100, 100], got {self.logit_bias!r}"[:400])
-        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
-            raise bad("logit_bias names a token id twice")
+        self._validate_logit_bias(bad)
         if not _is_int(self.priority) or abs(self.priority) >= 2**31:
             raise bad(f"priority must be an integer in (-2**31, 2**31) (higher is kept longer by the priority "
                       f"eviction policy), got {self.priority!r}")
+
+
+    def _validate_logit_bias(self, bad: Callable[[str], InvalidRequestError]) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple):
+            raise bad(f"logit_bias must map token ids to biases (a dict), got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+        seen: set[int] = set()
+        for pair in bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise bad(f"logit_bias must map token ids to biases, got the entry {pair!r}")
+            token, value = pair
+            if not _is_int(token) or token < 0:
+                raise bad(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not _is_real(value) or not -100.0 <= value <= 100.0:
+                raise bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+            if token in seen:
+                raise bad(f"logit_bias names token {token} twice")
+            seen.add(token)
 
 
 def _is_int(value: object) -> bool:

@@ -51,8 +51,15 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
                 fields.pop(name)
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
-    if isinstance(fields.get("logit_bias"), (list, tuple)):  # SamplingParams keeps (token, bias) pairs
-        fields["logit_bias"] = dict(fields["logit_bias"])
+    if isinstance(pairs := fields.get("logit_bias"), (list, tuple)):  # SamplingParams keeps (token, bias) pairs
+        tokens = [pair[0] for pair in pairs if isinstance(pair, (list, tuple)) and pair]
+        if twice := [token for token in tokens if tokens.count(token) > 1]:
+            raise InvalidRequestError(f"invalid sampling parameters: logit_bias names token {twice[0]!r} twice")
+        try:
+            fields["logit_bias"] = dict(pairs)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"invalid sampling parameters: logit_bias must map token ids to biases, got "
+                                      f"{pairs!r}"[:300]) from None
     try:
         return pb.SamplingParams(**fields)
     except (ValueError, TypeError) as exc:
@@ -77,6 +84,8 @@ def _unfit_field(fields: dict[str, Any]) -> str | None:
             wire = names.get(pb.SamplingParams.DESCRIPTOR.fields_by_name[name].type)
             if wire is None:
                 return f"{name} cannot be {value!r}"
+            if not isinstance(value, int) or isinstance(value, bool):
+                return f"{name} must be an integer, got {value!r}"
             return f"{name} must be below 2**{_INT_RANGES[wire].bit_length() - 1} to travel over gRPC ({wire}), " \
                    f"got {value!r}"
     return None

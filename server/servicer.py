@@ -87,6 +87,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if out.prompt_logprobs is not None:
                     prompt_logprobs = positions_to_proto(out.prompt_logprobs)
                     size += sum(entry.ByteSize() + 3 for entry in prompt_logprobs)
+                    too_large = (f"the response grew past --max-message-bytes {self.max_message_bytes} with the "
+                                 f"prompt logprobs of {len(prompt_logprobs)} positions (Generate sends them in one "
+                                 "message too); ask for fewer top entries (prompt_logprobs), a shorter prompt or "
+                                 "fewer tokens, or raise the server's --max-message-bytes")
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     part = completion_to_proto(c)

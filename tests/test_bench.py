@@ -331,6 +331,9 @@ def test_a_long_prompt_that_delayed_nothing_is_flagged():
     (["--out", __file__ + "/sub"], "Invalid value for '--out': cannot create or write the output folder"),
     (["--out", "/proc"], "Invalid value for '--out': cannot create or write the output folder"),  # exists, not writable
     (["--temperature", "-1"], "temperature must be a number >= 0"),
+    (["--sampling-seed", "-1"], "Invalid value for '--sampling-seed'"),
+    (["--ab", "", "hf:cb", "--repetition-penalty", "1.2"], "transformers' continuous batching drops "
+     "--repetition-penalty"),
     (["--ab", "", "hf", "--presence-penalty", "0.5"], "HF transformers has no --presence-penalty: drop it or the hf"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
@@ -545,6 +548,20 @@ def test_sampling_options_reach_every_arms_sampler(tiny_model, tmp_path):
                               "--ab", "", "--no-prefix-caching")
     assert unseeded["summary"]["B"]["outputs_match"]["median"] is None
     assert "outputs = first arm" not in unseeded["table"] and "outputs not compared" in unseeded["table"]
+
+
+def test_min_tokens_holds_each_request_to_its_own_length_and_a_bias_to_the_vocabulary(tiny_model, tmp_path):
+    """--min-tokens above some requests' lengths holds EOS back to their end; out-of-vocabulary --logit-bias ids
+    are a command-line error once the models are loaded."""
+    from infer.bench.workloads import RequestSampling
+
+    assert RequestSampling({"min_tokens": 6}).params(4, 0, 0, 0).min_tokens == 4
+    outputs = _bench_outputs(tiny_model, tmp_path, "min", "--min-tokens", "6", "--len-sigma", "0.5")
+    assert all(len(ids) > 0 for ids in outputs["A"])
+    refused = run("--model", str(tiny_model), "--device", "cpu", "bench", "--num-requests", "2", "--repeats", "1",
+                  "--warmup-rounds", "0", "--logit-bias", "5000=1")
+    assert refused.exit_code == 2 and "--logit-bias names token ids [5000] outside the vocabulary of 1024" \
+        in refused.output
 
 
 def test_an_hf_only_bench_exits_without_leak_reports(tiny_model):

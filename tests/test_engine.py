@@ -511,8 +511,12 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
      "[-2, 2]"),
     (lambda e: e.generate(["hi"], SamplingParams(min_tokens=-1)), "min_tokens must be an integer in [0, "),
     (lambda e: e.generate(["hi"], SamplingParams(min_tokens=2.5)), "min_tokens must be an integer in [0, "),
-    (lambda e: e.generate(["hi"], SamplingParams(logit_bias={5: 101.0})), "logit_bias must map at most 1024 token "
-     "ids (integers >= 0) to biases in [-100, 100]"),
+    (lambda e: e.generate(["hi"], SamplingParams(logit_bias={5: 101.0})), "logit_bias values must be numbers in "
+     "[-100, 100], got 101.0 for token 5"),
+    (lambda e: e.generate(["hi"], SamplingParams(logit_bias={i: 1.0 for i in range(1025)})), "logit_bias may hold "
+     "at most 1024 token ids, got 1025"),
+    (lambda e: e.generate(["hi"], SamplingParams(logit_bias={"5": 1.0})), "logit_bias keys must be token ids "
+     "(integers >= 0), got '5'"),
     (lambda e: e.generate(["hi"], SamplingParams(logit_bias={10**6: 1.0})), "logit_bias's token ids must be below "
      "the model's vocabulary size"),
 ])

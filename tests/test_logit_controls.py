@@ -151,6 +151,14 @@ def test_logit_bias_equals_hf_sequence_bias(engine: Engine, hf: torch.nn.Module)
     assert tokens(engine, logit_bias=bias) == ids and first not in ids
 
 
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_hf(engine: Engine, hf: torch.nn.Module) -> None:
+    """Biased prompt tokens under a repetition penalty: (logit + bias) / r, HF's processor order (and vLLM's)."""
+    bias = {PROMPT[0]: 3.0, PROMPT[1]: -3.0, PROMPT[3]: 2.0}
+    ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False, repetition_penalty=1.3,
+                      sequence_bias={(token,): value for token, value in bias.items()})[0, len(PROMPT):].tolist()
+    assert tokens(engine, logit_bias=bias, repetition_penalty=1.3) == ids
+
+
 def test_logit_bias_from_the_command_line(path: Path) -> None:
     from click.testing import CliRunner
 
@@ -160,9 +168,11 @@ def test_logit_bias_from_the_command_line(path: Path) -> None:
     forced = CliRunner().invoke(main, [*args, "--logit-bias", "5=100"])
     assert forced.exit_code == 0, forced.output
     assert json.loads(forced.stdout.splitlines()[-1])["token_ids"] == [5] * 4
-    for value, message in (("5", "is not TOKEN=BIAS"), ("5=101", "logit_bias must map at most 1024 token ids")):
-        refused = CliRunner().invoke(main, [*args, "--logit-bias", value])
-        assert refused.exit_code == 2 and message in refused.output, refused.output
+    for values, message in ((["5"], "is not TOKEN=BIAS"), (["5=101"], "values must be numbers in [-100, 100], got "
+                             "101.0 for token 5"), (["5=1", "5=2"], "token 5 is given twice"),
+                            (["2000=1"], "logit_bias's token ids must be below the model's vocabulary size")):
+        refused = CliRunner().invoke(main, [*args, *(arg for v in values for arg in ("--logit-bias", v))])
+        assert refused.exit_code == 2 and message in " ".join(refused.output.split()), refused.output
 
 
 @pytest.mark.parametrize("min_tokens", [1, 2])

@@ -200,5 +200,6 @@ def test_generate_json_prints_both_kinds_of_logprobs(path: Path, reference) -> N
     assert done.exit_code == 0, done.output
     line = json.loads(done.stdout.splitlines()[-1])
     assert len(line["logprobs"]) == 2 and [e["token_id"] for e in line["logprobs"][0]] == line["token_ids"][:1]
-    entries = line["prompt_logprobs"]
-    assert entries[0] is None and all(1 <= len(e) <= 3 for e in entries[1:])
+    entries, prompt_ids = line["prompt_logprobs"], line["prompt_token_ids"]
+    assert entries[0] is None and len(entries) == len(prompt_ids) and all(1 <= len(e) <= 3 for e in entries[1:])
+    assert all(token in [x["token_id"] for x in entry] for token, entry in zip(prompt_ids[1:], entries[1:]))

@@ -219,10 +219,13 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
 
 
 @pytest.mark.parametrize(("args", "kwargs", "message"), [
-    (("hi",), {"foo": 1}, "no sampling parameter is called 'foo'; they are frequency_penalty, ignore_eos, logprobs"),
+    (("hi",), {"foo": 1}, "no sampling parameter is called 'foo'; they are frequency_penalty, ignore_eos, "
+                          "logit_bias, logprobs"),
     (("hi",), {"priority": 2**40}, "priority must be an integer in (-2**31, 2**31)"),
     (("hi",), {"max_tokens": 2**40}, "max_tokens must be below 2**31 to travel over gRPC (int32)"),
     (([1, 2**70],), {}, "a prompt is a string or a list of token ids (integers below 2**63)"),
+    (("hi",), {"prompt_logprobs": 2.5}, "prompt_logprobs must be an integer, got 2.5"),
+    (("hi",), {"logit_bias": ((5, 1.0), (5, -1.0))}, "logit_bias names token 5 twice"),
 ])
 def test_a_request_the_client_cannot_encode_is_an_invalid_request_naming_it(args: tuple[Any, ...],
                                                                               kwargs: dict[str, Any],
@@ -424,6 +427,13 @@ def test_no_prompt_and_oversized_messages(client: Client) -> None:
     assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert f"grew past --max-message-bytes {MAX_MESSAGE}" in err.details() and "use Generate" in err.details()
     assert sum(len(r.outputs[0].token_ids) for r in client.generate("a", **big)) == 600  # it streams
+    # prompt logprobs travel in one message either way: both calls say so, and what to change
+    long_prompt = list(range(5, 505))  # 500 positions x 21 entries: past 64 KiB
+    err = rpc_error(lambda: client.complete(long_prompt, max_tokens=2, prompt_logprobs=20))
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "prompt logprobs of 500 positions" in err.details()
+    assert "use Generate" not in err.details() and "fewer top entries (prompt_logprobs)" in err.details()
+    err = rpc_error(lambda: list(client.generate(long_prompt, max_tokens=2, prompt_logprobs=20)))
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "prompt logprobs of 500 positions" in err.details()
     assert_serves(client)
 
 
