@@ -523,8 +523,9 @@ def _bench_outputs(tiny_model, tmp_path, name: str, *args: str) -> dict[str, lis
                  *args)
     assert result.exit_code == 0, result.output
     data = json.loads((out / "results.json").read_text())
-    return {arm["key"]: [r["output_ids"] for r in arm["runs"][0]["requests"]] for arm in data["arms"]} | {
-        "table": " ".join((out / "table.txt").read_text().split()), "summary": {arm["key"]: arm["summary"] for arm in data["arms"]}}
+    outputs = {arm["key"]: [r["output_ids"] for r in arm["runs"][0]["requests"]] for arm in data["arms"]}
+    return outputs | {"table": " ".join((out / "table.txt").read_text().split()),
+                      "summary": {arm["key"]: arm["summary"] for arm in data["arms"]}}
 
 
 def test_sampling_options_reach_every_arms_sampler(tiny_model, tmp_path):
