@@ -542,6 +542,7 @@ def test_sampling_options_reach_every_arms_sampler(tiny_model, tmp_path):
     first, again = (_bench_outputs(tiny_model, tmp_path, name, *hot) for name in ("hot1", "hot2"))
     assert first["A"] != greedy["A"] and first["C"] != greedy["A"]  # sampled, in both samplers
     assert first["A"] == first["B"] == again["A"] == again["B"]  # seeded per request: arms and runs agree
+    assert first["C"] == again["C"]  # the HF arm's batches are seeded too
     assert first["summary"]["B"]["outputs_match"]["values"] == [1.0]
     assert first["summary"]["C"]["outputs_match"]["median"] is None  # HF samples from its own stream
 
@@ -549,6 +550,45 @@ def test_sampling_options_reach_every_arms_sampler(tiny_model, tmp_path):
                               "--ab", "", "--no-prefix-caching")
     assert unseeded["summary"]["B"]["outputs_match"]["median"] is None
     assert "outputs = first arm" not in unseeded["table"] and "outputs not compared" in unseeded["table"]
+    hf_first = _bench_outputs(tiny_model, tmp_path, "hf-first", "--temperature", "2.0", "--sampling-seed", "5",
+                              "--ab", "hf", "")
+    assert hf_first["summary"]["B"]["outputs_match"]["median"] is None  # not compared with HF's own stream
+
+
+def test_logit_controls_reach_both_samplers(tiny_model, tmp_path):
+    """Greedy with a logit bias and a repetition penalty: the engine and HF generate the same changed tokens; an
+    engine-only bench takes the penalties HF lacks."""
+    plain = _bench_outputs(tiny_model, tmp_path, "plain", "--ab", "")
+    controlled = _bench_outputs(tiny_model, tmp_path, "controlled", "--logit-bias", "300=2.5",
+                                "--repetition-penalty", "1.3", "--ab", "", "hf")
+    assert controlled["A"] == controlled["B"] != plain["A"]
+    assert "requests: greedy, repetition_penalty=1.3, logit_bias={300: 2.5}" in controlled["table"]
+    _bench_outputs(tiny_model, tmp_path, "presence", "--presence-penalty", "0.5", "--frequency-penalty", "0.5")
+
+
+def test_hf_generation_config_carries_every_sampling_option():
+    from types import SimpleNamespace
+
+    from infer.bench.hf import HFArm
+    from infer.bench.workloads import RequestSampling
+
+    stub = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=2), pad_id=0)
+    fields = dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, repetition_penalty=1.2, logit_bias=((7, -3.0),))
+    for cb in (False, True):
+        config = HFArm._generation_config(stub, 8, cb, RequestSampling(fields))  # type: ignore[arg-type]
+        assert (config.do_sample, config.temperature, config.top_p, config.top_k, config.min_p) == (
+            True, 0.7, 0.9, 0, 0.05)
+        assert config.repetition_penalty == 1.2 and config.sequence_bias == {(7,): -3.0}
+        assert config.max_new_tokens == 8 and config.eos_token_id == (-1 if cb else 2)
+
+
+def test_request_seeds_differ_per_round_session_and_turn():
+    from infer.bench.workloads import RequestSampling
+
+    sampling = RequestSampling({"temperature": 1.0}, seed=123456)
+    seeds = [sampling.request_seed(r, s, t) for r in range(-2, 3) for s in range(20) for t in range(4)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= seed < 2**63 for seed in seeds)
+    assert RequestSampling({"temperature": 1.0}).request_seed(0, 0, 0) is None
 
 
 def test_min_tokens_holds_each_request_to_its_own_length_and_a_bias_to_the_vocabulary(tiny_model, tmp_path):

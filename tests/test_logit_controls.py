@@ -4,6 +4,7 @@ loop over the HF model. Also: under async scheduling, beside speculative decodin
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,10 +133,10 @@ def test_many_controlled_requests_at_once_equal_each_alone(engine: Engine) -> No
 
 def test_rows_with_different_penalties_in_one_batch_each_equal_their_run_alone(engine: Engine) -> None:
     """One batch, each row with one kind of penalty only: every row gets its own, none is dropped for another's."""
-    kinds = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.5), dict(presence_penalty=1.5),
-             dict(logit_bias={300: 4.0})]
+    kinds = [dict(), dict(repetition_penalty=1.5), dict(frequency_penalty=1.5), dict(presence_penalty=1.5),
+             dict(logit_bias={300: 4.0})]  # an uncontrolled row first: the controlled rows are not batch rows 0..
     alone = [tokens(engine, **kind) for kind in kinds]
-    assert all(own != tokens(engine) for own in alone)  # each penalty changes this output
+    assert all(own != alone[0] for own in alone[1:])  # each control changes this output
     batch = engine.generate([PROMPT] * len(kinds), [SamplingParams(max_tokens=TOKENS, temperature=0.0, **kind)
                                            for kind in kinds])
     assert [out.outputs[0].token_ids for out in batch] == alone
@@ -145,10 +146,34 @@ def test_logit_bias_equals_hf_sequence_bias(engine: Engine, hf: torch.nn.Module)
     """OpenAI's logit_bias against HF's SequenceBiasLogitsProcessor with one-token sequences: greedy's first token
     banned, another favoured."""
     first = tokens(engine)[0]
-    bias = {first: -100.0, 300: 3.5, 42: -2.0}
+    bias = {first: -100.0, 300: 2.5, 42: -2.0}  # 300 favoured, not forced: the bias's size matters
     ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False,
                       sequence_bias={(token,): value for token, value in bias.items()})[0, len(PROMPT):].tolist()
-    assert tokens(engine, logit_bias=bias) == ids and first not in ids
+    assert tokens(engine, logit_bias=bias) == ids and first not in ids and 300 in ids and set(ids) != {300}
+
+
+def test_logit_bias_pairs_are_checked_and_compare_as_sets() -> None:
+    from infer.core.errors import InvalidRequestError
+
+    for bias, message in (([(5, 1.0), (5, 2.0)], "names token 5 twice"), ({-1: 1.0}, "got -1"),
+                          ([(5, 1.0, 2.0)], "got the entry (5, 1.0, 2.0)"), ({5: True}, "got True for token 5")):
+        with pytest.raises(InvalidRequestError, match=re.escape(message)):
+            SamplingParams(logit_bias=bias).validate()  # type: ignore[arg-type]
+    assert SamplingParams(logit_bias={9: 1.0, 4: -2.0}) == SamplingParams(logit_bias={4: -2.0, 9: 1.0})
+
+
+def test_a_biased_request_does_not_speculate_and_keeps_its_bias() -> None:
+    from infer.models.tiny import PRETRAINED_DIR
+
+    path, prompt = PRETRAINED_DIR / "target", "def fibonacci(n):\n"
+    plain = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
+    base = plain.generate([prompt], SamplingParams(max_tokens=TOKENS, temperature=0.0))[0].outputs[0].token_ids
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logit_bias={base[2]: -3.0, base[5]: -5.0})
+    expected = plain.generate([prompt], params)[0].outputs[0].token_ids
+    assert expected != base
+    drafted = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, proposer="draft-model",
+                                  num_speculative_tokens=3)).generate([prompt], params)[0]
+    assert drafted.outputs[0].token_ids == expected and drafted.metrics["spec_proposed"] == 0
 
 
 def test_logit_bias_comes_before_the_repetition_penalty_as_in_hf(engine: Engine, hf: torch.nn.Module) -> None:

@@ -139,6 +139,73 @@ def test_a_recomputed_prompt_reads_only_the_positions_it_has_not_collected() -> 
     assert [(s.seq_id, count) for s, count in found.owners] == [(1, 2), (0, 5)]
 
 
+def test_a_cache_hit_of_one_position_is_caught_too() -> None:
+    from infer.core.errors import PluginError
+    from infer.core.interfaces import ScheduledSequence, SchedulerOutput
+    from infer.core.prompt_logprobs import prompt_rows
+    from infer.core.request import Sequence
+
+    seq = Sequence(0, "a", list(range(100, 110)), SamplingParams(prompt_logprobs=1), 0.0)
+    seq.prompt_logprobs.append({101: -1.0})  # position 0 read; position 1 is next
+    seq.num_computed_tokens = 2  # but the cache served it
+    with pytest.raises(PluginError, match="served positions 1-1 of sequence 0"):
+        prompt_rows(SchedulerOutput([ScheduledSequence(seq, 4)]), [4], "paged")
+
+
+def test_prompt_logprobs_in_slices_of_a_few_rows(path: Path, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits are read ROWS_PER_SLICE prompt rows at a time: slices of 4 rows, each owner's top-n kept."""
+    from infer.core import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "ROWS_PER_SLICE", 4)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
+    widths = [0, 1, 3, 5]
+    outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=w) for w in widths])
+    for out, prompt, width in zip(outs, PROMPTS, widths):
+        check(out, prompt, width, reference)
+
+
+def test_prompt_logprobs_beside_a_sequence_verifying_drafts() -> None:
+    """A step that verifies a speculating sequence's drafts and computes a prompt: the prompt's rows sit after the
+    drafts in the batch."""
+    from transformers import AutoModelForCausalLM
+
+    from infer.models.tiny import PRETRAINED_DIR
+
+    target = PRETRAINED_DIR / "target"
+    engine = Engine(EngineConfig(model=str(target), device="cpu", num_kv_blocks=128, proposer="draft-model",
+                                 num_speculative_tokens=3))
+    first = engine.add_request("def fibonacci(n):\n", SamplingParams(max_tokens=40, temperature=0.0))
+    for _ in range(3):
+        engine.step()
+    prompt = engine.tokenize("import os\nimport sys\n")
+    second = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1))
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                finished[out.request_id] = out
+            if out.finished:
+                finished.setdefault(out.request_id, out)
+    assert finished[first].metrics["spec_proposed"] > 0
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    entries = finished[second].prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt)
+    for i, entry in enumerate(entries[1:], 1):
+        assert entry is not None and entry[prompt[i]] == pytest.approx(logp[i - 1, prompt[i]].item(), abs=1e-4)
+
+
+def test_an_aborted_prompt_returns_no_partial_logprobs(path: Path) -> None:
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, scheduler="chunked-prefill",
+                                 max_num_batched_tokens=4))
+    rid = engine.add_request(list(range(20, 40)), SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1))
+    engine.step()
+    engine.step()  # 8 of 20 prompt positions computed
+    final = engine.abort(rid)
+    assert final.finished and final.prompt_logprobs is None and engine.prompt_logprob_requests == 0
+
+
 def test_n_sequences_share_one_prompt_logprobs_and_a_stream_carries_it_once(path: Path, reference) -> None:
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
     out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=4, temperature=1.0, seed=3, n=3,
@@ -201,5 +268,11 @@ def test_generate_json_prints_both_kinds_of_logprobs(path: Path, reference) -> N
     line = json.loads(done.stdout.splitlines()[-1])
     assert len(line["logprobs"]) == 2 and [e["token_id"] for e in line["logprobs"][0]] == line["token_ids"][:1]
     entries, prompt_ids = line["prompt_logprobs"], line["prompt_token_ids"]
-    assert entries[0] is None and len(entries) == len(prompt_ids) and all(1 <= len(e) <= 3 for e in entries[1:])
-    assert all(token in [x["token_id"] for x in entry] for token, entry in zip(prompt_ids[1:], entries[1:]))
+    want = Engine(EngineConfig(model=str(path), device="cpu")).generate(
+        [json.dumps(prompt)], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))[0]
+    assert prompt_ids == want.prompt_token_ids and entries[0] is None and want.prompt_logprobs is not None
+    assert len(entries) == len(want.prompt_logprobs)
+    for got, expected in zip(entries[1:], want.prompt_logprobs[1:]):
+        assert expected is not None and {x["token_id"]: pytest.approx(x["logprob"], abs=1e-5) for x in got} == expected
+    beam = CliRunner().invoke(main, [*args, "--json", "--beam-width", "2", "--prompt-logprobs", "1"])
+    assert beam.exit_code == 2 and "drop --prompt-logprobs" in beam.output
