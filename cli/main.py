@@ -11,7 +11,8 @@ import click
 
 from ..core.errors import ConfigError, InferError, InvalidRequestError
 from ..core.plugins import PluginManager
-from .options import EngineArgs, changed_sampling, engine_options, refuse_engine_options, sampling_options
+from .options import (EngineArgs, changed_sampling, engine_options, refuse_beside_beam_search, refuse_engine_options,
+                      sampling_options)
 
 
 class CommandLineError(click.ClickException):
@@ -149,9 +150,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     if beam_width:
         others = {"--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream,
                   "--logprobs": logprobs is not None, "--prompt-logprobs": prompt_logprobs is not None}
-        if given := changed_sampling(sampling) + [name for name, value in others.items() if value]:
-            raise click.UsageError(f"--beam-width ranks whole beams by the model's own log-probabilities, with no "
-                                   f"sampling, logit controls or per-token output: drop {', '.join(given)}")
+        refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
         if stats:
             raise click.UsageError("--stats reports the engine's scheduled requests, which beam search bypasses; "
                                    "drop --stats (--json shows each beam's log-probability and score)")

@@ -76,6 +76,13 @@ def sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return collect
 
 
+def refuse_beside_beam_search(given: list[str]) -> None:
+    """--beam-width's usage error for the options ``given`` with it."""
+    if given:
+        raise click.UsageError(f"--beam-width ranks whole beams by the model's own log-probabilities, with no "
+                               f"sampling, logit controls or per-token output: drop {', '.join(given)}")
+
+
 def changed_sampling(sampling: dict[str, Any]) -> list[str]:
     """The options of ``sampling`` that differ from their defaults, by their command-line names."""
     return [f"--{name.replace('_', '-')}" for name, value in sampling.items() if value != SAMPLING_DEFAULTS[name]]

@@ -75,6 +75,10 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
 @click.option("--no-speculative", is_flag=True, help="Opt this request out of the server's speculative decoding.")
+@click.option("--beam-width", type=int, default=0, help="Beam search with this many beams (the BeamSearch RPC, "
+              "which runs alone on the server); prints the best beam [default: 0, off].")
+@click.option("--length-penalty", type=float, default=1.0, show_default=True,
+              help="Beam search: a hypothesis scores its log-probability / its length ** this.")
 @click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Bearer token (or set {TOKEN_ENV}).")
 @click.option("--tls", is_flag=True, help="Connect over TLS with the system's root certificates.")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -84,8 +88,9 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--stats", is_flag=True, help="Print the server's GetStats as JSON to stderr afterwards.")
 @click.pass_context
 def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any], n: int,
-           seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool, token: str | None,
-           tls: bool, tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
+           seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool, beam_width: int,
+           length_penalty: float, token: str | None, tls: bool, tls_ca: Path | None, timeout: float | None,
+           stats: bool) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams."""
     quiet_grpc_core()
     import grpc
@@ -95,8 +100,14 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
 
     refuse_engine_options(ctx, "client", " (the server's engine is set where `infer serve` starts)")
 
+    from ..cli.options import changed_sampling, refuse_beside_beam_search
     from ..server.client import Client
 
+    if beam_width:
+        others = {"--n": n != 1, "--stop": stop, "--seed": seed is not None, "--no-speculative": no_speculative}
+        refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
+    elif ctx.get_parameter_source("length_penalty") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--length-penalty scores beam search's hypotheses; add --beam-width W", ctx)
     sampling = dict(sampling, max_tokens=max_tokens, n=n, stop=list(stop), ignore_eos=ignore_eos)
     if no_speculative:
         sampling["speculative"] = False
@@ -105,7 +116,11 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
         mid_line = False  # the prompt goes out with the first response, so that an early error stands alone
         try:
-            if n == 1:
+            if beam_width:
+                best = conn.beam_search(prompt, beam_width=beam_width, max_tokens=max_tokens,
+                                        length_penalty=length_penalty, ignore_eos=ignore_eos).beams[0]
+                click.echo(prompt + best.text)
+            elif n == 1:
                 for response in conn.generate(prompt, **sampling):
                     if not mid_line:
                         click.echo(prompt, nl=False)

@@ -35,14 +35,29 @@ def build_request(prompt: str | list[int], params: SamplingParams | None = None,
         raise InvalidRequestError(f"priority must be an integer in (-2**31, 2**31) and request_id a string, got "
                                   f"{priority!r} and {request_id!r}") from None
     request.params.CopyFrom(sampling_params_to_proto(params, **sampling))
+    set_prompt(request, prompt)
+    return request
+
+
+def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: str | list[int]) -> None:
     if isinstance(prompt, str):
         request.text = prompt
-    else:
-        try:
-            request.token_ids.ids.extend(prompt)
-        except (ValueError, TypeError):
-            raise InvalidRequestError("a prompt is a string or a list of token ids (integers below 2**63), got "
-                                      f"{type(prompt).__name__} {str(prompt)[:80]}") from None
+        return
+    try:
+        request.token_ids.ids.extend(prompt)
+    except (ValueError, TypeError):
+        raise InvalidRequestError("a prompt is a string or a list of token ids (integers below 2**63), got "
+                                  f"{type(prompt).__name__} {str(prompt)[:80]}") from None
+
+
+def build_beam_request(prompt: str | list[int], **params: Any) -> pb.BeamSearchRequest:
+    """A BeamSearchRequest; ``params`` are sent as given (the server validates them)."""
+    try:
+        request = pb.BeamSearchRequest(**params)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"invalid beam search parameters {params!r}: {exc}; they are beam_width, "
+                                  "max_tokens, length_penalty and ignore_eos") from None
+    set_prompt(request, prompt)
     return request
 
 
@@ -93,6 +108,12 @@ class Client(_Base):
 
     def abort(self, request_id: str, timeout: float | None = None) -> None:
         self.stub.Abort(pb.AbortRequest(request_id=request_id), **self._kw(timeout))
+
+    def beam_search(self, prompt: str | list[int], *, timeout: float | None = None,
+                    **params: Any) -> pb.BeamSearchResponse:
+        """Beam search for one prompt; ``params``: beam_width=, max_tokens=, length_penalty=, ignore_eos= (unset:
+        the server's BeamSearchParams defaults)."""
+        return self.stub.BeamSearch(build_beam_request(prompt, **params), **self._kw(timeout))
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), **self._kw(timeout))
@@ -153,6 +174,11 @@ class AsyncClient(_Base):
 
     async def abort(self, request_id: str, timeout: float | None = None) -> None:
         await self.stub.Abort(pb.AbortRequest(request_id=request_id), **self._kw(timeout))
+
+    async def beam_search(self, prompt: str | list[int], *, timeout: float | None = None,
+                          **params: Any) -> pb.BeamSearchResponse:
+        """As :meth:`Client.beam_search`."""
+        return await self.stub.BeamSearch(build_beam_request(prompt, **params), **self._kw(timeout))
 
     async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), **self._kw(timeout))

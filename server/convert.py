@@ -1,7 +1,7 @@
 """Conversions between the gRPC messages and the core types, and the mapping of errors to status codes."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -9,6 +9,9 @@ from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, N
 from ..core.request import CompletionOutput, FinishReason, SamplingParams
 from . import infer_pb2 as pb
 from .worker import ServerUnavailable
+
+if TYPE_CHECKING:  # core.beam_search imports torch, which the clients of this module do not need
+    from ..core.beam_search import BeamSearchOutput, BeamSearchParams
 
 # proto field -> SamplingParams field, for the optional scalars (unset means the SamplingParams default)
 _OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs",
@@ -89,6 +92,23 @@ def _unfit_field(fields: dict[str, Any]) -> str | None:
             return f"{name} must be below 2**{_INT_RANGES[wire].bit_length() - 1} to travel over gRPC ({wire}), " \
                    f"got {value!r}"
     return None
+
+
+def beam_params_of(request: pb.BeamSearchRequest) -> BeamSearchParams:
+    """The validated BeamSearchParams of a request (unset fields: the defaults)."""
+    from ..core.beam_search import BeamSearchParams
+
+    fields = {name: getattr(request, name) for name in ("beam_width", "max_tokens", "length_penalty")
+              if request.HasField(name)}
+    params = BeamSearchParams(ignore_eos=request.ignore_eos, **fields)
+    params.validate()
+    return params
+
+
+def beam_search_to_proto(out: BeamSearchOutput) -> pb.BeamSearchResponse:
+    return pb.BeamSearchResponse(prompt_tokens=len(out.prompt_token_ids), beams=[
+        pb.Beam(token_ids=b.token_ids, text=b.text, cumulative_logprob=b.cumulative_logprob, score=b.score,
+                finish_reason=FINISH_REASONS[b.finish_reason]) for b in out.beams])
 
 
 def positions_to_proto(positions: list[dict[int, float] | None]) -> list[pb.PositionLogprobs]:

@@ -46,6 +46,11 @@ class InferenceStub:
                 request_serializer=infer_dot_server_dot_infer__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=infer_dot_server_dot_infer__pb2.CompleteResponse.FromString,
                 _registered_method=True)
+        self.BeamSearch = channel.unary_unary(
+                '/infer.v1.Inference/BeamSearch',
+                request_serializer=infer_dot_server_dot_infer__pb2.BeamSearchRequest.SerializeToString,
+                response_deserializer=infer_dot_server_dot_infer__pb2.BeamSearchResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/infer.v1.Inference/Abort',
                 request_serializer=infer_dot_server_dot_infer__pb2.AbortRequest.SerializeToString,
@@ -83,6 +88,14 @@ class InferenceServicer:
 
     def Complete(self, request, context):
         """Run one request to completion and return the whole result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeamSearch(self, request, context):
+        """Beam search for one prompt: the best beam_width hypotheses, best first. It runs alone on the engine: it
+        waits for the requests before it to finish, and the requests after it wait for it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +141,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=infer_dot_server_dot_infer__pb2.GenerateRequest.FromString,
                     response_serializer=infer_dot_server_dot_infer__pb2.CompleteResponse.SerializeToString,
+            ),
+            'BeamSearch': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeamSearch,
+                    request_deserializer=infer_dot_server_dot_infer__pb2.BeamSearchRequest.FromString,
+                    response_serializer=infer_dot_server_dot_infer__pb2.BeamSearchResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -206,6 +224,33 @@ class Inference:
             '/infer.v1.Inference/Complete',
             infer_dot_server_dot_infer__pb2.GenerateRequest.SerializeToString,
             infer_dot_server_dot_infer__pb2.CompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeamSearch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infer.v1.Inference/BeamSearch',
+            infer_dot_server_dot_infer__pb2.BeamSearchRequest.SerializeToString,
+            infer_dot_server_dot_infer__pb2.BeamSearchResponse.FromString,
             options,
             channel_credentials,
             insecure,

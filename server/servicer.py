@@ -14,7 +14,8 @@ from ..core.errors import CapacityError, InvalidRequestError
 from ..core.request import RequestOutput, SamplingParams
 from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
-from .convert import completion_to_proto, positions_to_proto, prompt_of, sampling_params_of, status_of
+from .convert import (beam_params_of, beam_search_to_proto, completion_to_proto, positions_to_proto, prompt_of,
+                      sampling_params_of, status_of)
 from .worker import EngineWorker, RequestStream
 
 log = logging.getLogger("infer.server")
@@ -130,6 +131,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                           f"{MAX_REQUEST_ID_CHARS} are accepted")
         except Exception as exc:
             await _abort_with(context, exc)
+        await self._admit(context)
+        stream = RequestStream(request.request_id or uuid.uuid4().hex, size_of, max_merged)
+        self.worker.submit(prompt_of(request), params, stream)
+        return stream
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        """Count a request in flight, or abort the call: UNAVAILABLE while draining, RESOURCE_EXHAUSTED when full."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the server is shutting down and accepts no new requests; retry on another replica")
@@ -138,19 +146,37 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the server is full: {self.in_flight} requests in flight (--max-queue "
                                 f"{self.max_queue}); retry later")
-        stream = RequestStream(request.request_id or uuid.uuid4().hex, size_of, max_merged)
         self.in_flight += 1
         self.idle.clear()
-        self.worker.submit(prompt_of(request), params, stream)
-        return stream
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
 
     def _close(self, stream: RequestStream) -> None:
         """The call ended: if the request still runs (cancel, deadline, error), abort it and free its KV."""
         if not stream.finished:
             self.worker.cancel(stream)
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self.idle.set()
+        self._release()
+
+    async def BeamSearch(self, request: pb.BeamSearchRequest,
+                         context: grpc.aio.ServicerContext) -> pb.BeamSearchResponse:
+        """Runs alone on the engine (core/beam_search.py): after the requests before it, before those after it."""
+        try:
+            params = beam_params_of(request)
+        except Exception as exc:
+            await _abort_with(context, exc)
+        await self._admit(context)
+        prompt = prompt_of(request)
+        try:
+            output = await asyncio.wrap_future(self.worker.call_alone(
+                lambda engine: engine.beam_search([prompt], params)[0]))
+        except Exception as exc:
+            await _abort_with(context, exc)
+        finally:
+            self._release()
+        return beam_search_to_proto(output)
 
     # ------------------------------------------------------------ control and introspection
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -127,6 +127,11 @@ class _Call:
     reply: Future[Any]
 
 
+class _Alone(_Call):
+    """A call that needs the engine to itself (beam search): it waits for the requests before it to finish, and
+    the requests after it wait for it."""
+
+
 _STOP = object()
 
 
@@ -196,6 +201,7 @@ class EngineWorker:
         self._refusal: BaseException = ServerUnavailable("the server is shutting down")  # after the stop
         self._outbox: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         self._throughput = _Throughput()
+        self._waiting: deque[_Add | _Alone] = deque()  # from the first waiting _Alone on
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -227,6 +233,13 @@ class EngineWorker:
         self._put(_Call(fn, reply))
         return reply
 
+    def call_alone(self, fn: Callable[[Any], Any]) -> Future[Any]:
+        """Run ``fn(engine)`` on the worker thread once the engine has no requests; requests submitted after it
+        wait for it (first come, first served)."""
+        reply: Future[Any] = Future()
+        self._put(_Alone(fn, reply))
+        return reply
+
     def snapshot(self) -> Future[EngineSnapshot]:
         return self.call(self._snapshot)
 
@@ -251,6 +264,7 @@ class EngineWorker:
             fault = EngineFault(f"the server's engine thread failed ({exc!r}); the server must be restarted")
             self._fail_all(fault)
             self._fail_current(fault)
+            self._refuse_waiting(fault)
             self._flush()
             self._refusal = ServerUnavailable("the server's engine thread failed, so this server must be restarted; "
                                               "retry on another replica")
@@ -266,8 +280,8 @@ class EngineWorker:
 
     def _loop(self) -> None:
         while True:
-            try:
-                cmd: object | None = self._inbox.get(block=not self.engine.has_unfinished())
+            try:  # an idle engine with an exclusive call waiting runs it now, without waiting for a command
+                cmd: object | None = self._inbox.get(block=not self.engine.has_unfinished() and not self._waiting)
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -281,18 +295,37 @@ class EngineWorker:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
+            self._run_waiting()
             if self.engine.has_unfinished():
                 self._step()
             self._flush()
 
+    def _run_waiting(self) -> None:
+        """Start the waiting commands in order, up to an exclusive call the engine is not yet free for."""
+        while self._waiting:
+            head = self._waiting[0]
+            if isinstance(head, _Alone) and self.engine.has_unfinished():
+                return
+            self._current = self._waiting.popleft()
+            if isinstance(head, _Alone):
+                _resolve(head.reply, lambda: head.fn(self.engine))
+            else:
+                self._add(head)
+            self._current = None
+
     def _handle(self, cmd: object) -> None:
-        if isinstance(cmd, _Add):
+        if isinstance(cmd, (_Add, _Alone)) and (self._waiting or isinstance(cmd, _Alone)):
+            self._waiting.append(cmd)  # behind an exclusive call, in arrival order
+        elif isinstance(cmd, _Add):
             self._add(cmd)
         elif isinstance(cmd, _Cancel):
             rid = cmd.stream.request_id
             if self._streams.get(rid) is cmd.stream:
                 del self._streams[rid]
                 self._abort_quietly(rid)
+            else:  # still waiting behind an exclusive call: it never starts
+                self._waiting = deque(c for c in self._waiting
+                                                  if not (isinstance(c, _Add) and c.stream is cmd.stream))
         elif isinstance(cmd, _Abort):  # the abort happens even if its caller gave up waiting
             _resolve(cmd.reply, lambda: self._abort_and_deliver(cmd.request_id), even_if_cancelled=True)
         elif isinstance(cmd, _Call):
@@ -368,10 +401,16 @@ class EngineWorker:
                 pass
 
     def _shutdown(self) -> None:
-        self._fail_all(ServerUnavailable("the server is shutting down and aborted the request; retry it on another "
-                                         "replica or once the server is back"))
+        error = ServerUnavailable("the server is shutting down and aborted the request; retry it on another replica "
+                                  "or once the server is back")
+        self._fail_all(error)
+        self._refuse_waiting(error)
         self._flush()
         self._stop_accepting()
+
+    def _refuse_waiting(self, error: BaseException) -> None:
+        while self._waiting:
+            _refuse(self._waiting.popleft(), error)
 
     def _stop_accepting(self) -> None:
         with self._lock:

@@ -560,6 +560,32 @@ def test_a_tls_mismatch_prints_only_the_explanation(server: ServerProcess) -> No
                          "and --tls-ca\n"
 
 
+def test_beam_search_over_grpc_equals_offline(client: Client, llm: Any, server: ServerProcess) -> None:
+    """BeamSearch returns LLM.beam_search's beams (tokens, text, scores, finish reasons), beside a running stream;
+    `infer client --beam-width` prints the best."""
+    from infer.core.beam_search import BeamSearchParams
+
+    prompt = "def main():"
+    want = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.5))[0]
+    running = client.generate("word " * 20, max_tokens=40, temperature=0.0, ignore_eos=True)
+    next(iter(running))  # a request in flight: the beam search waits for it
+    got = client.beam_search(prompt, beam_width=3, max_tokens=10, length_penalty=0.5)
+    assert sum(len(o.token_ids) for r in running for o in r.outputs) == 39  # the stream finished whole
+    assert got.prompt_tokens == len(want.prompt_token_ids)
+    assert [(list(b.token_ids), b.text) for b in got.beams] == [(b.token_ids, b.text) for b in want.beams]
+    assert all(math.isclose(g.score, w.score, abs_tol=1e-5) and math.isclose(g.cumulative_logprob,
+               w.cumulative_logprob, abs_tol=1e-5) for g, w in zip(got.beams, want.beams))
+    assert [b.finish_reason for b in got.beams] == [
+        pb.FinishReason.Value(f"FINISH_REASON_{b.finish_reason.name}") for b in want.beams]
+    out = run_cli("client", prompt, "--target", server.target, "--beam-width", "3", "--max-tokens", "10",
+                  "--length-penalty", "0.5")
+    assert (out.exit_code, out.stdout) == (0, prompt + want.beams[0].text + "\n")
+    out = run_cli("client", prompt, "--target", server.target, "--beam-width", "3", "--temperature", "0.5")
+    assert out.exit_code == 2 and "drop --temperature" in out.stderr
+    assert run_cli("client", prompt, "--target", server.target, "--length-penalty", "2").exit_code == 2
+    assert_serves(client)
+
+
 def test_client_errors_stand_alone(server: ServerProcess) -> None:
     out = run_cli("client", "hello", "--target", server.target, "--top-p", "1.5")
     assert (out.exit_code, out.stdout) == (1, "")  # no prompt echo glued to the error

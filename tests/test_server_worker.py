@@ -30,6 +30,7 @@ class ScriptedEngine:
         self.requests: dict[str, list] = {}  # request id -> [tokens emitted, params]
         self.faults: dict[str, Exception] = {}  # request id -> what a step raises while it runs
         self.aborted: list[str] = []
+        self.events: list[tuple[str, Any]] = []  # ("add", prompt) and ("beam", requests unfinished then)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -40,6 +41,7 @@ class ScriptedEngine:
         if not prompt:
             raise InvalidRequestError("prompt is empty; give at least one character or token")
         assert request_id is not None
+        self.events.append(("add", prompt))
         self.requests[request_id] = [0, params]
         if prompt == "crash-in-step":
             self.faults[request_id] = RuntimeError("boom in the step")
@@ -70,6 +72,15 @@ class ScriptedEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def beam_search(self, prompts: list[str | list[int]], params: Any) -> list[Any]:
+        """As Engine.beam_search, which refuses to run beside requests: one beam of token 7s."""
+        from infer.core.beam_search import Beam, BeamSearchOutput
+
+        self.events.append(("beam", len(self.requests)))
+        if self.requests:
+            raise RuntimeError("beam search beside running requests")
+        return [BeamSearchOutput([1], [Beam([7] * params.max_tokens, "t", -1.0, -0.5, FinishReason.LENGTH)])]
 
 
 def serve_scripted(test: Callable[[AsyncClient, ScriptedEngine], Awaitable[None]],
@@ -208,6 +219,37 @@ def test_a_cancelled_stream_aborts_its_request() -> None:
         assert engine.aborted == ["gone"] and not engine.requests
         code, _ = await rpc_code(client.abort("gone"))
         assert code is grpc.StatusCode.NOT_FOUND
+
+    serve_scripted(test)
+
+
+def test_a_beam_search_runs_alone_first_come_first_served() -> None:
+    """A beam search waits for the request running before it; requests sent after it wait for it (one cancelled
+    meanwhile never starts); then they run."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        before = client.generate("before", request_id="before", max_tokens=10**6)
+        await before.read()
+        beam = asyncio.create_task(client.beam_search("beam", beam_width=2, max_tokens=3))
+        await asyncio.sleep(0.2)  # the beam search waits behind "before"
+        after = asyncio.create_task(client.complete("after", max_tokens=2))
+        gone = client.generate("gone", max_tokens=2)
+        await asyncio.sleep(0.2)
+        gone.cancel()
+        await asyncio.sleep(0.2)
+        assert engine.events == [("add", "before")] and not beam.done() and not after.done()
+        before.cancel()
+        result, done = await beam, await after
+        assert [list(b.token_ids) for b in result.beams] == [[7, 7, 7]] and result.prompt_tokens == 1
+        assert list(done.outputs[0].token_ids) == [7, 7]
+        assert engine.events == [("add", "before"), ("beam", 0), ("add", "after")]
+        code, details = await rpc_code(client.beam_search("x", beam_width=0))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "beam_width must be an integer >= 1" in details
+        # a request that ends by itself (no command arrives after it) lets the waiting beam search run
+        engine.events.clear()
+        ending = client.generate("ending", max_tokens=20000)
+        await ending.read()
+        await asyncio.wait_for(client.beam_search("beam", max_tokens=2), 10)
+        assert engine.events == [("add", "ending"), ("beam", 0)]
 
     serve_scripted(test)
 
