@@ -16,7 +16,8 @@ from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
 from .convert import (beam_params_of, beam_search_to_proto, completion_to_proto, positions_to_proto, prompt_of,
                       sampling_params_of, status_of)
-from .worker import EngineWorker, RequestStream
+from .streams import RequestStream
+from .worker import EngineWorker
 
 log = logging.getLogger("infer.server")
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20  # gRPC's own default

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..core.errors import InferError, NotFoundError
-from ..core.outputs import append_output
 from ..core.request import RequestOutput, SamplingParams
+from .streams import RequestStream
 
 log = logging.getLogger("infer.server")
 
@@ -45,62 +45,6 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> RequestOutput: ...
 
     def has_unfinished(self) -> bool: ...
-
-
-class RequestStream:
-    """The event-loop end of one request: an async iterator over its RequestOutput deltas.
-
-    Raises the request's error (InferError, EngineFault, ServerUnavailable) in place of an output. Create it on
-    the event loop that will read it.
-    """
-
-    def __init__(self, request_id: str, size_of: Callable[[RequestOutput], int] | None = None,
-                 max_merged: int = 0) -> None:
-        """``size_of(delta)``: what a delta adds to a merged message; merging stops before ``max_merged`` (with
-        ``size_of`` None, queued deltas always merge)."""
-        self.request_id = request_id
-        self.loop = asyncio.get_running_loop()
-        self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
-        self.finished = False
-        self.size_of, self.max_merged = size_of, max_merged
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Called on the event loop (the worker hands items over with ``call_soon_threadsafe``)."""
-        self._items.append(item)
-        self._ready.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        """The next delta; deltas that queued up meanwhile (a slow reader) are merged into one, up to
-        ``max_merged``."""
-        if self.finished:
-            raise StopAsyncIteration
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._items.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        parts, size = [item], 0 if self.size_of is None else self.size_of(item)
-        while not parts[-1].finished and self._items and not isinstance(self._items[0], BaseException):
-            if self.size_of is not None:
-                size += self.size_of(self._items[0])  # type: ignore[arg-type]
-                if size > self.max_merged:
-                    break
-            parts.append(self._items.popleft())  # type: ignore[arg-type]
-        item = merge_deltas(*parts) if len(parts) > 1 else item
-        self.finished = item.finished
-        return item
-
-
-def merge_deltas(*deltas: RequestOutput) -> RequestOutput:
-    """One delta equal to ``deltas`` in order (of the same request); the inputs are left alone."""
-    first = deltas[0]
-    return append_output(RequestOutput(first.request_id, first.prompt_token_ids, [], False), *deltas)
 
 
 @dataclass

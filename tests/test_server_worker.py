@@ -274,7 +274,7 @@ def test_unset_fields_take_the_sampling_params_defaults() -> None:
 
 
 def test_queued_deltas_merge_into_one() -> None:
-    from infer.server.worker import merge_deltas
+    from infer.server.streams import merge_deltas
 
     a = RequestOutput("r", [1], [CompletionOutput(0, [5], "a", None, [{5: -0.1}]), CompletionOutput(1, [6], "b")],
                       False)
@@ -295,7 +295,7 @@ def test_queued_deltas_merge_into_one() -> None:
 def test_queued_deltas_merge_only_while_they_fit() -> None:
     """A slow reader's queued deltas merge, but never past what one message may hold (a merged Generate response
     over --max-message-bytes lost the whole completion)."""
-    from infer.server.worker import RequestStream
+    from infer.server.streams import RequestStream
 
     async def main() -> list[list[int]]:
         stream = RequestStream("r", size_of=lambda delta: len(delta.outputs[0].token_ids), max_merged=3)
@@ -338,7 +338,8 @@ def test_calls_whose_callers_gave_up_do_not_kill_the_engine_thread() -> None:
 
 
 def test_a_failing_worker_thread_fails_its_streams_refuses_new_work_and_reports() -> None:
-    from infer.server.worker import RequestStream, ServerUnavailable
+    from infer.server.streams import RequestStream
+    from infer.server.worker import ServerUnavailable
 
     class BrokenEngine(ScriptedEngine):
         def has_unfinished(self) -> bool:  # a bug outside step(), which the worker cannot contain
@@ -364,7 +365,7 @@ def test_a_failing_worker_thread_fails_its_streams_refuses_new_work_and_reports(
 
 def test_the_command_being_handled_when_the_engine_thread_dies_gets_the_error() -> None:
     """The request whose add killed the thread is in no stream table and no queue: it hung until its deadline."""
-    from infer.server.worker import RequestStream
+    from infer.server.streams import RequestStream
 
     class DyingEngine(ScriptedEngine):
         def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
