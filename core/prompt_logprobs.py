@@ -60,13 +60,13 @@ def prompt_rows(out: SchedulerOutput, query_lens: list[int], kv_cache: str) -> P
 def collect(found: PromptRows, logits_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Append each owner's entries; ``logits_of(rows)`` gives the float32 logits of batch rows (an index tensor).
     The entries are read back at once: a step with prompt logprobs waits for its device work."""
-    device_rows = torch.tensor(found.rows, dtype=torch.long)
+    row_index = torch.tensor(found.rows, dtype=torch.long)
     targets = torch.tensor(found.targets, dtype=torch.long)
     width = max(found.widths)
     entries: list[dict[int, float] | None] = []
     for first in range(0, len(found.rows), ROWS_PER_SLICE):
         part = slice(first, first + ROWS_PER_SLICE)
-        logp = logits_of(device_rows[part]).log_softmax(dim=-1)
+        logp = logits_of(row_index[part]).log_softmax(dim=-1)
         top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
         chosen = logp.gather(1, targets[part].to(logp.device)[:, None])[:, 0]
         size = chosen.shape[0]

@@ -1,8 +1,10 @@
 """EngineWorker: the one thread that drives the Engine. The asyncio side talks to it only through queues.
 
-Commands go in through a thread-safe inbox (add, cancel, abort, call); the outputs of each engine iteration go back
-to the event loop in one ``call_soon_threadsafe`` batch, into the per-request :class:`RequestStream` queues. Every
-call into the engine (add_request, step, abort, kv, scheduler, stats) happens on the worker thread.
+Commands go in through a thread-safe inbox (add, cancel, abort, call, call alone); the outputs of each engine
+iteration go back to the event loop in one ``call_soon_threadsafe`` batch, into the per-request
+:class:`~infer.server.streams.RequestStream` queues. Every call into the engine (add_request, step, abort, kv,
+scheduler, stats, beam search) happens on the worker thread. A call that needs the engine alone (beam search) waits
+for the requests before it to finish, and requests that come after it wait for it.
 """
 from __future__ import annotations
 
