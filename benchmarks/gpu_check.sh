@@ -11,7 +11,8 @@
 #   COPY_GBPS=N DEADLINE_S=T bash benchmarks/gpu_check.sh STAGE...   the stages left; COPY_GBPS: the first call's
 #                                       measured copy bandwidth
 #   (not run by default, when device time allows: prefix3k, shared-prefix with a 3,000-token prefix; beam, beam
-#   search against HF generate(num_beams) with the shipped demo model)
+#   search against HF generate(num_beams) with the shipped demo model; controls, host time per output token with
+#   every request penalized, or asking for prompt logprobs)
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
 # step; Chrome traces in the logs). anchor measures infer (with and without merged projections, with the skinny
 # GEMM) on the anchor workload and single stream, then HF continuous batching; hfstatic adds HF generate (static
@@ -157,6 +158,13 @@ if want host; then  # host time per output token by engine phase, on a minuscule
     --json "$WORK/host_overhead.json"
 fi
 
+if want controls; then  # what logit controls and prompt logprobs cost per output token on the device (untimed)
+  for field in repetition_penalty=1.1 prompt_logprobs=0; do
+    stage "host_overhead $field" "host_${field%%=*}.log" 60 $PY benchmarks/host_overhead.py --device cuda \
+      --sampling "$field"
+  done
+fi
+
 if want hfstatic; then  # HF generate (static batches of 32) and HF single stream beside the anchor stage's figures
   stage "HF static, HF single" anchor_hf.log 200 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
     --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --reuse-infer --hf static,single
@@ -200,6 +208,8 @@ want beam && show "beam search against HF" beam_bench.log 5
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
 want quant && show "quantization" quant_bench.log 40
 want host && show "host overhead per output token" host_overhead.log 8
+want controls && show "host overhead, repetition_penalty=1.1" host_repetition_penalty.log 8
+want controls && show "host overhead, prompt_logprobs=0" host_prompt_logprobs.log 8
 note "stages left:$(echo $skipped | tr " " "\n" | awk '!seen[$0]++' | tr "\n" " " | sed "s/^/ /;s/ $//")"
 echo; echo "== summary =="; cat "$summary"
 pack
