@@ -250,6 +250,9 @@ class EngineWorker:
         """Start the waiting commands in order, up to an exclusive call the engine is not yet free for."""
         while self._waiting:
             head = self._waiting[0]
+            if isinstance(head, _Alone) and head.reply.cancelled():  # its caller gave up: it holds nobody back
+                self._waiting.popleft()
+                continue
             if isinstance(head, _Alone) and self.engine.has_unfinished():
                 return
             self._current = self._waiting.popleft()
@@ -278,6 +281,10 @@ class EngineWorker:
             _resolve(cmd.reply, lambda: cmd.fn(self.engine))
 
     def _abort_and_deliver(self, request_id: str) -> RequestOutput:
+        held = next((c for c in self._waiting if isinstance(c, _Add) and c.stream.request_id == request_id), None)
+        if held is not None:  # behind an exclusive call: it starts now, to end as an aborted request does
+            self._waiting.remove(held)
+            self._add(held)
         output = self.engine.abort(request_id)  # NotFoundError for unknown ids
         self._deliver(output)
         return output
@@ -371,7 +378,7 @@ class EngineWorker:
         kv = engine.kv.stats()
         summary = engine.stats.summary()
         return EngineSnapshot(
-            queue_depth=engine.scheduler.num_waiting(),
+            queue_depth=engine.scheduler.num_waiting() + sum(isinstance(c, _Add) for c in self._waiting),
             num_running=engine.scheduler.num_running(),
             kv_total_blocks=kv.total_blocks,
             kv_free_blocks=kv.free_blocks,

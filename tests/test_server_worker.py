@@ -254,6 +254,26 @@ def test_a_beam_search_runs_alone_first_come_first_served() -> None:
     serve_scripted(test)
 
 
+def test_a_held_request_can_be_aborted_and_an_abandoned_beam_search_holds_nobody() -> None:
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        before = client.generate("before", request_id="before", max_tokens=10**6)
+        await before.read()
+        beam = asyncio.create_task(client.beam_search("beam", max_tokens=2))
+        await asyncio.sleep(0.2)
+        held = client.generate("held", request_id="held", max_tokens=5)
+        await asyncio.sleep(0.2)
+        await client.abort("held")  # held behind the beam search, not yet in the engine: still abortable
+        last = [response async for response in held][-1]
+        assert last.finished and last.outputs[0].finish_reason == pb.FINISH_REASON_ABORT
+        beam.cancel()  # the caller gives up while it waits: the requests after it run beside "before"
+        out = await asyncio.wait_for(client.complete("after", max_tokens=2), 5)
+        assert list(out.outputs[0].token_ids) == [7, 7] and "before" in engine.requests
+        assert ("beam", 0) not in engine.events
+        before.cancel()
+
+    serve_scripted(test)
+
+
 def test_abort_without_a_request_id_is_invalid_argument() -> None:
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
         code, details = await rpc_code(client.abort(""))
