@@ -37,7 +37,7 @@ class LogitBiasType(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, float]:
         if isinstance(value, tuple):
             return value
-        token, sep, bias = str(value).partition("=")
+        token, _, bias = str(value).partition("=")
         try:
             return int(token), float(bias)
         except ValueError:

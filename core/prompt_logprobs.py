@@ -15,7 +15,7 @@ import torch
 from .errors import PluginError
 from .interfaces import SchedulerOutput
 from .request import Sequence
-from .sampling import logprob_entries
+from .sampling import logprob_entries, top_logprobs
 
 ROWS_PER_SLICE = 256  # logits of at most this many prompt rows exist at once ([rows, vocabulary] float32)
 
@@ -66,12 +66,11 @@ def collect(found: PromptRows, logits_of: Callable[[torch.Tensor], torch.Tensor]
     entries: list[dict[int, float] | None] = []
     for first in range(0, len(found.rows), ROWS_PER_SLICE):
         part = slice(first, first + ROWS_PER_SLICE)
-        logp = logits_of(row_index[part]).log_softmax(dim=-1)
-        top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
-        chosen = logp.gather(1, targets[part].to(logp.device)[:, None])[:, 0]
-        size = chosen.shape[0]
-        entries += logprob_entries(list(range(size)), found.widths[part], size,
-                                   [top_values.tolist(), top_ids.tolist(), chosen.tolist()], found.targets[part])
+        logits = logits_of(row_index[part])
+        top = top_logprobs(logits, targets[part].to(logits.device), width)
+        size = logits.shape[0]
+        entries += logprob_entries(list(range(size)), found.widths[part], size, [t.tolist() for t in top],
+                                   found.targets[part])
     at = 0
     for seq, count in found.owners:
         seq.prompt_logprobs += entries[at : at + count]

@@ -118,10 +118,15 @@ def _logprob_tensors(logits: torch.Tensor, params: list[SamplingParams], tokens:
     if not rows:
         return rows, ()
     index = to_device(rows, logits.device)  # a list index would copy synchronously, waiting for the device
-    logp = logits[index].log_softmax(dim=-1)
-    width = max(params[i].logprobs or 0 for i in rows)
+    return rows, top_logprobs(logits[index], tokens[index], max(params[i].logprobs or 0 for i in rows))
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """For each row of ``logits`` [N, V]: the ``width`` top log-probabilities and their ids, and the
+    log-probability of the row's token in ``tokens`` [N] (on the logits' device)."""
+    logp = logits.log_softmax(dim=-1)
     top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
-    return rows, (top_values, top_ids, logp.gather(1, tokens[index][:, None])[:, 0])
+    return top_values, top_ids, logp.gather(1, tokens[:, None])[:, 0]
 
 
 def logprob_entries(rows: list[int], widths: list[int], size: int, top: list[list], tokens: list[int]
