@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..core.errors import InferError, NotFoundError
+from ..core.errors import InferError, InvalidRequestError, NotFoundError
 from ..core.request import RequestOutput, SamplingParams
 from .streams import RequestStream
 
@@ -47,6 +47,8 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> RequestOutput: ...
 
     def has_unfinished(self) -> bool: ...
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]: ...
 
 
 @dataclass
@@ -263,8 +265,8 @@ class EngineWorker:
             self._current = None
 
     def _handle(self, cmd: object) -> None:
-        if isinstance(cmd, (_Add, _Alone)) and (self._waiting or isinstance(cmd, _Alone)):
-            self._waiting.append(cmd)  # behind an exclusive call, in arrival order
+        if isinstance(cmd, _Alone) or (isinstance(cmd, _Add) and self._waiting):
+            self._hold(cmd)
         elif isinstance(cmd, _Add):
             self._add(cmd)
         elif isinstance(cmd, _Cancel):
@@ -279,6 +281,25 @@ class EngineWorker:
             _resolve(cmd.reply, lambda: self._abort_and_deliver(cmd.request_id), even_if_cancelled=True)
         elif isinstance(cmd, _Call):
             _resolve(cmd.reply, lambda: cmd.fn(self.engine))
+
+    def _hold(self, cmd: _Add | _Alone) -> None:
+        """Queue a command behind an exclusive call, in arrival order. A request is checked now, as the engine will
+        check it when it starts, so that a bad one (or one reusing a live id) is refused at once, not after the wait."""
+        if isinstance(cmd, _Add):
+            rid = cmd.stream.request_id
+            try:
+                if rid in self._streams or any(isinstance(c, _Add) and c.stream.request_id == rid
+                                               for c in self._waiting):
+                    raise InvalidRequestError(f"request id {rid!r} is already in use")
+                self.engine.check_request(cmd.prompt, cmd.params)
+            except InferError as exc:
+                self._outbox.append((cmd.stream, exc))
+                return
+            except Exception as exc:
+                log.exception("checking held request %s failed", rid)
+                self._outbox.append((cmd.stream, EngineFault(f"internal error while checking the request: {exc!r}")))
+                return
+        self._waiting.append(cmd)
 
     def _abort_and_deliver(self, request_id: str) -> RequestOutput:
         held = next((c for c in self._waiting if isinstance(c, _Add) and c.stream.request_id == request_id), None)

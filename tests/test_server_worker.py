@@ -35,11 +35,9 @@ class ScriptedEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
-        params.validate()
+        self.check_request(prompt, params)
         if prompt == "crash-in-add":
             raise RuntimeError("boom while adding")
-        if not prompt:
-            raise InvalidRequestError("prompt is empty; give at least one character or token")
         assert request_id is not None
         self.events.append(("add", prompt))
         self.requests[request_id] = [0, params]
@@ -48,6 +46,12 @@ class ScriptedEngine:
         if prompt == "plugin-error-in-step":
             self.faults[request_id] = PluginError("scheduler 'scripted' scheduled nothing; fix the plugin")
         return request_id
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
+        (params or SamplingParams()).validate()
+        if not prompt:
+            raise InvalidRequestError("prompt is empty; give at least one character or token")
+        return [1]
 
     def step(self) -> list[RequestOutput]:
         for rid, fault in self.faults.items():  # O(1) per step: a long request must not slow the loop down
@@ -265,6 +269,14 @@ def test_a_held_request_can_be_aborted_and_an_abandoned_beam_search_holds_nobody
         await client.abort("held")  # held behind the beam search, not yet in the engine: still abortable
         last = [response async for response in held][-1]
         assert last.finished and last.outputs[0].finish_reason == pb.FINISH_REASON_ABORT
+        # a held request that reuses a live id, or is invalid, is refused at once, not when the beam search ends
+        for rid, prompt in (("before", "dup-live"), ("dup", "dup-held"), ("dup", "dup-held-again"), ("bad", "")):
+            refused = client.generate(prompt, request_id=rid, max_tokens=5)
+            if prompt == "dup-held":  # the first "dup" is held; the second is refused
+                continue
+            code, details = await asyncio.wait_for(rpc_code(refused.read()), 5)
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, (prompt, details)
+            assert ("already in use" in details) if prompt else ("prompt is empty" in details)
         beam.cancel()  # the caller gives up while it waits: the requests after it run beside "before"
         out = await asyncio.wait_for(client.complete("after", max_tokens=2), 5)
         assert list(out.outputs[0].token_ids) == [7, 7] and "before" in engine.requests
