@@ -4,14 +4,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 # Absolute imports: pytest also imports the repository root's __init__.py under the checkout folder's name.
+from infer.core.chat import ChatMessage, ChatPrompt
 from infer.core.errors import (CapacityError, CheckpointError, ConfigError, InferError, InvalidRequestError,
                                NotFoundError, PluginError)
 from infer.core.hookspecs import hookimpl
 from infer.core.request import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "hookimpl", "__version__", "InferError", "InvalidRequestError",
-           "ConfigError", "CapacityError", "PluginError", "CheckpointError", "NotFoundError"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "ChatPrompt", "ChatMessage", "hookimpl", "__version__",
+           "InferError", "InvalidRequestError", "ConfigError", "CapacityError", "PluginError", "CheckpointError",
+           "NotFoundError"]
 
 if TYPE_CHECKING:
     from infer.core.beam_search import BeamSearchParams

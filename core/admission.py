@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
+from .chat import ChatPrompt, Prompt
 from .config import EngineConfig
 from .errors import InferError, InvalidRequestError, PluginError
 from .interfaces import Scheduler, SchedulerOutput
@@ -32,38 +33,53 @@ class RequestChecker:
             return cls(tokenizer, vocab_size, max_model_len)
         return cls(tokenizer, vocab_size, max_model_len, max_model_len * 4 * max(longest, 1))
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt."""
-        vocab = self.vocab_size
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt, or chat
+        messages the model's template cannot render."""
+        if isinstance(prompt, ChatPrompt):
+            chat = ChatPrompt.of(prompt.messages, prompt.add_generation_prompt)  # built directly: checked here
+            self._check_length(sum(len(m.content) for m in chat.messages), "the chat messages' contents have")
+            return self._in_vocabulary(chat.render(self.tokenizer), "the rendered chat")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty; give at least one character or token")
-            if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
-                raise InvalidRequestError(f"the prompt has {len(prompt)} characters, more than the model's context "
-                                          f"of {self.max_model_len} tokens can hold with this tokenizer (at most "
-                                          f"{self.max_prompt_chars}); shorten the prompt")
+            self._check_length(len(prompt), "the prompt has")
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8, decoded leniently
                 raise InvalidRequestError(f"the prompt is not valid UTF-8 text (character {exc.start} is "
                                           f"{prompt[exc.start]!r}, which stands for a byte that is not UTF-8); "
                                           "convert the input to UTF-8 first") from None
-            ids = list(self.tokenizer.encode(prompt))
-            if ids and max(ids) >= vocab:  # a tokenizer larger than the model's vocabulary
-                bad = sorted({t for t in ids if t >= vocab})
-                raise InvalidRequestError(f"the prompt encodes to token ids {bad[:5]} that the model's vocabulary "
-                                          f"({vocab}) lacks: its tokenizer has more tokens than the model; remove the "
-                                          f"text of {self.tokenizer.convert_ids_to_tokens(bad[:5])}")
-            return ids
+            return self._in_vocabulary(list(self.tokenizer.encode(prompt)), "the prompt")
         if not isinstance(prompt, (list, tuple)):
-            raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+            raise InvalidRequestError(f"a prompt is a string, a list of token ids or a ChatPrompt, got "
+                                      f"{type(prompt).__name__}"
                                       f"{' (decode the bytes to text first)' if isinstance(prompt, bytes) else ''}")
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty; give at least one character or token")
+        vocab = self.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return ids
+
+    def _check_length(self, chars: int, what: str) -> None:
+        """``what``: "the prompt has", "the chat messages' contents have"."""
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise InvalidRequestError(f"{what} {chars} characters, more than the model's context of "
+                                      f"{self.max_model_len} tokens can hold with this tokenizer (at most "
+                                      f"{self.max_prompt_chars}); shorten the prompt")
+
+    def _in_vocabulary(self, ids: list[int], what: str) -> list[int]:
+        """``ids``, unless the tokenizer produced ids the model's vocabulary lacks (a tokenizer larger than it)."""
+        if not ids:
+            raise InvalidRequestError(f"{what} encodes to no tokens; give at least one character or token")
+        if max(ids) >= self.vocab_size:
+            bad = sorted({t for t in ids if t >= self.vocab_size})
+            raise InvalidRequestError(f"{what} encodes to token ids {bad[:5]} that the model's vocabulary "
+                                      f"({self.vocab_size}) lacks: its tokenizer has more tokens than the model; "
+                                      f"remove the text of {self.tokenizer.convert_ids_to_tokens(bad[:5])}")
         return ids
 
     def check_params(self, params: SamplingParams) -> None:
@@ -78,7 +94,7 @@ class RequestChecker:
                 raise InvalidRequestError(f"invalid sampling parameters: {name} must be below the model's "
                                           f"vocabulary size {self.vocab_size}; got {bad[:5]}")
 
-    def check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def check(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Raises InvalidRequestError, else returns the prompt's ids."""
         self.check_params(params)
         ids = self.tokenize(prompt)
@@ -89,11 +105,11 @@ class RequestChecker:
         return ids
 
 
-def check_prompt_list(prompts: object) -> Seq[str | list[int]]:
+def check_prompt_list(prompts: object) -> Seq[Prompt]:
     """``prompts`` if it is a list (sequence) of prompts, else InvalidRequestError (a lone string is one)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
-        raise InvalidRequestError(f"prompts must be a list of prompts (strings or token-id lists), got "
-                                  f"{type(prompts).__name__}")
+        raise InvalidRequestError(f"prompts must be a list of prompts (strings, token-id lists or ChatPrompts), "
+                                  f"got {type(prompts).__name__}")
     return prompts
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .admission import at_prompt, check_prompt_list
+from .chat import Prompt
 from .errors import CapacityError, InferError, InvalidRequestError
 from .interfaces import ScheduledSequence, SchedulerOutput
 from .request import FinishReason, SamplingParams, Sequence
@@ -74,7 +75,7 @@ class _Prompt:
     finished: bool = False
 
 
-def beam_search(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearchParams,
+def beam_search(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams,
                 new_seq_id: Callable[[], int]) -> list[BeamSearchOutput]:
     """Run beam search for every prompt, the prompts' beams batched together, on ``engine``'s model and KV pool
     (which must have no other requests). Raises InvalidRequestError, or CapacityError when the beams outgrow the
@@ -117,7 +118,7 @@ def beam_search(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearc
     return [_output(engine, state, params) for state in states]
 
 
-def check_prompts(engine: Engine, prompts: Seq[str | list[int]], params: BeamSearchParams) -> list[list[int]]:
+def check_prompts(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams) -> list[list[int]]:
     """Each prompt's token ids, or the InvalidRequestError or CapacityError beam search would raise for the first
     bad one (naming its position, ``prompt_index``), before any work."""
     sampling = params.sampling()

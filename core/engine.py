@@ -16,6 +16,7 @@ import torch
 
 from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
 from .assembly import assemble
+from .chat import Prompt
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
@@ -117,11 +118,11 @@ class Engine:
                  "on" if self.async_scheduling else "off")
 
     # ------------------------------------------------------------ requests
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt."""
         return self.checker.tokenize(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError."""
         params = params or SamplingParams()
@@ -148,7 +149,7 @@ class Engine:
             self.forks.add(request_id, seqs[1:])
         return request_id
 
-    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
+    def check_request(self, prompt: Prompt, params: SamplingParams | None = None) -> list[int]:
         """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's
         ``check``), else returns the prompt's ids."""
         params = params or SamplingParams()
@@ -158,7 +159,7 @@ class Engine:
                                           max_model_len=self.max_model_len))
         return ids
 
-    def check_requests(self, prompts: Seq[str | list[int]], params: SamplingParams | None = None) -> None:
+    def check_requests(self, prompts: Seq[Prompt], params: SamplingParams | None = None) -> None:
         """:meth:`check_request` for each prompt; an error names the bad one's position, as generate's do."""
         for index, prompt in enumerate(prompts):
             try:
@@ -427,7 +428,7 @@ class Engine:
         self.plugins.observe("on_step", stats=step)
 
     # ------------------------------------------------------------ convenience
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                request_id: str | None = None) -> Reader[RequestOutput]:
         """Add one request now (a bad one raises here) and return an iterator of its deltas, the last one finished;
         other requests advance too, and their deltas go to their own readers. Closing the iterator early aborts
@@ -435,13 +436,13 @@ class Engine:
         rid = self.add_request(prompt, params, request_id)
         return self.readers.own([rid], lambda: self.readers.deltas(rid))
 
-    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run prompts to completion; return one full RequestOutput per prompt, in order."""
         results = dict(self.generate_as_completed(prompts, params))
         return [results[i] for i in range(len(prompts))]
 
-    def generate_as_completed(self, prompts: Seq[str | list[int]],
+    def generate_as_completed(self, prompts: Seq[Prompt],
                               params: SamplingParams | Seq[SamplingParams] | None = None
                               ) -> Reader[tuple[int, RequestOutput]]:
         """Submit every prompt now (all or none: a bad one raises here, naming its position in ``prompt_index``),
@@ -455,7 +456,7 @@ class Engine:
         index = {rid: i for i, rid in enumerate(ids)}
         return self.readers.own(ids, lambda: self.readers.completions(index, results))
 
-    def beam_search(self, prompts: Seq[str | list[int]], params: BeamSearchParams | None = None
+    def beam_search(self, prompts: Seq[Prompt], params: BeamSearchParams | None = None
                     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (see core/beam_search.py), beams sharing KV blocks by fork; one
         BeamSearchOutput per prompt, in order. Runs alone: the engine must have no unfinished requests."""
@@ -464,7 +465,7 @@ class Engine:
         with self._plugin_code():
             return beam_search(self, prompts, params or BeamSearchParams(), lambda: next(self._seq_ids))
 
-    def add_requests(self, prompts: Seq[str | list[int]],
+    def add_requests(self, prompts: Seq[Prompt],
                      params: SamplingParams | Seq[SamplingParams] | None = None) -> list[str]:
         """Queue every prompt, or none: a bad one raises (its position in ``prompt_index``) and aborts the rest.
         Returns the request ids, in order."""

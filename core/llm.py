@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Sequence as Seq
+from collections.abc import Mapping, Sequence as Seq
 from typing import Any
 
+from .admission import at_prompt, check_prompt_list
 from .beam_search import BeamSearchOutput, BeamSearchParams
+from .chat import ChatPrompt, Prompt
 from .config import COMPONENT_FIELDS, EngineConfig
 from .engine import Engine
-from .errors import ConfigError
+from .errors import ConfigError, InferError
 from .plugins import PluginManager, checked_manager
 from .request import RequestOutput, SamplingParams
 
@@ -38,11 +40,26 @@ class LLM:
         config = plugins.select_components(config, list(plugin), explicit)  # as the CLI chooses and checks
         self.engine = Engine(config, plugins)
 
-    def generate(self, prompts: str | Seq[str | list[int]],
+    def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         return self.engine.generate(_as_list(prompts), params)
 
-    def beam_search(self, prompts: str | Seq[str | list[int]], params: BeamSearchParams | None = None
+    def chat(self, messages: Seq[Mapping[str, str]] | Seq[Seq[Mapping[str, str]]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role": ..., "content": ...}`` messages) or several (a list of
+        such lists), each rendered by the model's chat template (core/chat.py); one RequestOutput per
+        conversation, in order."""
+        one = isinstance(messages, Seq) and bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if one else messages
+        prompts = []
+        for index, conversation in enumerate(check_prompt_list(conversations)):
+            try:
+                prompts.append(ChatPrompt.of(conversation))  # type: ignore[arg-type]
+            except InferError as exc:
+                raise at_prompt(exc, index, len(conversations)) from None
+        return self.engine.generate(prompts, params)
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams | None = None
                     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt: ``beam_width`` beams per prompt, best first (see ``Engine.beam_search``)."""
         return self.engine.beam_search(_as_list(prompts), params)
@@ -52,8 +69,8 @@ class LLM:
         return self.engine.tokenizer
 
 
-def _as_list(prompts: str | Seq[str | list[int]]) -> Seq[str | list[int]]:
-    """One prompt (a string, or a list of token ids) as a list of one; a list of prompts as it is."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+def _as_list(prompts: Prompt | Seq[Prompt]) -> Seq[Prompt]:
+    """One prompt (a string, a list of token ids, a ChatPrompt) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, (str, ChatPrompt)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
         return [prompts]  # type: ignore[list-item]
     return prompts  # type: ignore[return-value]

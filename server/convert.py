@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from ..core.chat import Prompt
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
 from ..core.request import CompletionOutput, FinishReason, SamplingParams
 from . import infer_pb2 as pb
@@ -25,7 +26,7 @@ FINISH_REASONS = {
 }
 
 
-def prompt_of(request: pb.GenerateRequest) -> str | list[int]:
+def prompt_of(request: pb.GenerateRequest) -> Prompt:
     """The prompt as text or token ids; a request with neither is an empty prompt (the engine rejects it)."""
     if request.WhichOneof("prompt") == "token_ids":
         return list(request.token_ids.ids)

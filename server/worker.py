@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..core.chat import Prompt
 from ..core.errors import InferError, InvalidRequestError, NotFoundError
 from ..core.request import RequestOutput, SamplingParams
 from .streams import RequestStream
@@ -39,7 +40,7 @@ class ServerUnavailable(Exception):
 class EngineLike(Protocol):
     """What the worker needs from :class:`~infer.core.engine.Engine`."""
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -48,12 +49,12 @@ class EngineLike(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
-    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]: ...
+    def check_request(self, prompt: Prompt, params: SamplingParams | None = None) -> list[int]: ...
 
 
 @dataclass
 class _Add:
-    prompt: str | list[int]
+    prompt: Prompt
     params: SamplingParams
     stream: RequestStream
 
@@ -161,7 +162,7 @@ class EngineWorker:
             self._put(_STOP)
             self._thread.join(timeout)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, stream: RequestStream) -> None:
+    def submit(self, prompt: Prompt, params: SamplingParams, stream: RequestStream) -> None:
         """Queue a request; its outputs (or its error) arrive on ``stream``."""
         self._put(_Add(prompt, params, stream))
 

@@ -1,0 +1,107 @@
+"""Chat prompts: the model's chat template renders messages into the same ids as HF transformers'
+apply_chat_template (the template's own BOS, never a second one from the tokenizer), and generation from them equals
+HF's; every malformed conversation is refused by name."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from infer import ChatMessage, ChatPrompt, InvalidRequestError, SamplingParams
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.llm import LLM
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+            "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT = [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "def add(a, b):"}]
+
+
+def with_bos_and_template(tiny: Path, out: Path) -> Path:
+    """A copy of ``tiny`` whose tokenizer adds BOS to every encoding and whose config has TEMPLATE: a renderer that
+    tokenized with special tokens would put two BOS in front."""
+    shutil.copytree(tiny, out)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    bos = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == "<|bos|>")
+    start = {"SpecialToken": {"id": "<|bos|>", "type_id": 0}}
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing", "single": [start, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [start, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [bos], "tokens": ["<|bos|>"]}}}
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return with_bos_and_template(tiny_model, tmp_path_factory.mktemp("chat") / "model")
+
+
+@pytest.fixture(scope="module")
+def llm(chat_model: Path) -> LLM:
+    return LLM(model=str(chat_model), device="cpu", num_kv_blocks=128)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_rendered_ids_equal_hf_apply_chat_template(chat_model: Path, add_generation_prompt: bool) -> None:
+    hf = AutoTokenizer.from_pretrained(str(chat_model))
+    expected = list(hf.apply_chat_template(CHAT, add_generation_prompt=add_generation_prompt)["input_ids"])
+    assert expected.count(hf.bos_token_id) == 1 and hf.encode("x")[0] == hf.bos_token_id  # the trap is armed
+    assert ChatPrompt.of(CHAT, add_generation_prompt).render(hf) == expected
+    messages = [ChatMessage(m["role"], m["content"]) for m in CHAT]
+    assert ChatPrompt.of(messages, add_generation_prompt).render(hf) == expected
+
+
+def test_chat_generates_what_hf_generates_from_the_rendered_prompt(
+        llm: LLM, chat_model: Path, hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids = list(AutoTokenizer.from_pretrained(str(chat_model)).apply_chat_template(
+        CHAT, add_generation_prompt=True)["input_ids"])
+    other = [{"role": "user", "content": "import os"}]
+    one, two = llm.chat([CHAT, other], params)
+    assert one.prompt_token_ids == ids
+    assert one.outputs[0].token_ids == hf_greedy(chat_model, ids, 8)
+    assert llm.chat(CHAT, params)[0].outputs[0].token_ids == one.outputs[0].token_ids  # one conversation
+    assert two.outputs[0].token_ids == llm.generate([ChatPrompt.of(other)], params)[0].outputs[0].token_ids
+    deltas = list(llm.engine.stream(ChatPrompt.of(CHAT), params))  # anywhere a prompt goes
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == one.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(("messages", "message"), [
+    ([], "at least one message"),
+    ("hello", "must be a list of {'role': ..., 'content': ...} entries, got str"),
+    ({"role": "user", "content": "x"}, "must be a list of"),
+    ([{"role": "user"}], "chat message 0 must have exactly the keys 'role' and 'content', got ['role']"),
+    ([{"role": "user", "content": "x", "name": "n"}], "got ['content', 'name', 'role']"),
+    ([{"role": "", "content": "x"}], "chat message 0: role must be a non-empty string"),
+    ([{"role": "user", "content": 5}], "content a string, got 'user' and int"),
+    ([{"role": "user", "content": "x"}, "oops"], "chat message 1 must have exactly the keys"),
+    ([{"role": "tool", "content": "x"}], "the model's chat template refused the messages: unknown role tool"),
+])
+def test_a_malformed_conversation_is_refused_by_name(llm: LLM, messages: object, message: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        llm.chat([CHAT, messages])  # type: ignore[list-item]
+    assert str(info.value).startswith("prompt 2 of 2: ") and message in str(info.value)
+    assert not llm.engine.has_unfinished()  # all or nothing
+
+
+def test_a_model_without_a_template_says_how_to_get_one(tiny_model: Path) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32))
+    with pytest.raises(InvalidRequestError, match="no chat template .* send a plain prompt, or add the template"):
+        engine.add_request(ChatPrompt.of(CHAT))
+
+
+def test_contents_too_long_for_the_context_are_refused_before_rendering(llm: LLM) -> None:
+    limit = llm.engine.checker.max_prompt_chars
+    assert limit is not None
+    with pytest.raises(InvalidRequestError, match=f"contents have {limit + 1} characters"):
+        llm.chat([{"role": "user", "content": "x" * (limit + 1)}])
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context length"):
+        llm.chat([{"role": "user", "content": "x" * 600}], SamplingParams(max_tokens=llm.engine.max_model_len))
