@@ -1,4 +1,4 @@
-"""`infer` group and built-in subcommands: generate, plugins, make-tiny-model (plugins add more)."""
+"""`infer` group and built-in subcommands: generate, chat, plugins, make-tiny-model (plugins add more)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import click
 
 from ..core.errors import ConfigError, InferError, InvalidRequestError
 from ..core.plugins import PluginManager
+from .chat import chat
 from .options import (EngineArgs, changed_sampling, engine_options, refuse_beside_beam_search, refuse_engine_options,
                       sampling_options)
 
@@ -369,3 +370,6 @@ def make_tiny_model_command(ctx: click.Context, directory: str, arch: str, hidde
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # gone already after the rename
     click.echo(f"wrote a random-weight {arch} model to {out}")
+
+
+main.add_command(chat)

@@ -7,6 +7,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -105,3 +106,32 @@ def test_contents_too_long_for_the_context_are_refused_before_rendering(llm: LLM
         llm.chat([{"role": "user", "content": "x" * (limit + 1)}])
     with pytest.raises(InvalidRequestError, match="exceeds the model's context length"):
         llm.chat([{"role": "user", "content": "x" * 600}], SamplingParams(max_tokens=llm.engine.max_model_len))
+
+
+def test_infer_chat_holds_the_conversation_as_llm_chat_does(llm: LLM, chat_model: Path, tiny_model: Path) -> None:
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    def run(*args: str, input: str) -> Any:
+        return CliRunner().invoke(main, ["--model", str(chat_model), "--num-kv-blocks", "128", "chat",
+                                         "--system", CHAT[0]["content"], "--max-tokens", "6", "--temperature", "0",
+                                         *args], input=input)
+
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    system, first, second = CHAT[0], CHAT[1], {"role": "user", "content": "import os"}
+    reply = llm.chat([system, first], params)[0].outputs[0].text
+    follow_up = llm.chat([system, first, {"role": "assistant", "content": reply}, second], params)[0].outputs[0].text
+    fresh = llm.chat([system, second], params)[0].outputs[0].text
+    assert follow_up != fresh  # the history changes the answer, so the test sees whether it was kept
+    result = run(input=f"{first['content']}\n\n{second['content']}\n/reset\n{second['content']}\n/exit\nnot read\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"{reply}\n{follow_up}\n{fresh}\n"
+    # a turn the context cannot hold is dropped, the chat goes on, and the status says so
+    result = run(input=f"{'x' * 2000}\n{second['content']}\n")
+    assert result.exit_code == 1 and result.stdout == f"{fresh}\n"
+    assert "turn refused: prompt (" in result.stderr and "/reset starts a new conversation" in result.stderr
+    result = CliRunner().invoke(main, ["--model", str(tiny_model), "chat"], input="hi\n")
+    assert result.exit_code == 2 and "no chat template" in result.stderr and not result.stdout
+    result = run("--temperature", "-1", input="hi\n")
+    assert result.exit_code == 2 and "temperature" in result.stderr

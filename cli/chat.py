@@ -1,0 +1,88 @@
+"""`infer chat`: a conversation on stdin and stdout, rendered by the model's chat template (core/chat.py)."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from ..core.errors import InferError, InvalidRequestError
+from .options import sampling_options
+
+@click.command("chat")
+@click.option("--system", default=None, help="A system message that opens the conversation [default: none].")
+@click.option("--max-tokens", type=int, default=256, show_default=True, help="Tokens per reply, at most.")
+@sampling_options
+@click.option("--seed", type=int, default=None, help="Seed of each reply's sampling [default: the engine's random "
+              "stream].")
+@click.pass_context
+def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict[str, Any], seed: int | None) -> None:
+    """Chat with the model: each line of stdin is your turn, and the model's reply to the whole conversation so far
+    (rendered by the model's chat template) streams to stdout. End of input (Ctrl-D) or /exit ends it, /reset
+    starts over, Ctrl-C during a reply stops that reply. A turn the engine refuses (the conversation outgrew the
+    context, say) is dropped with the reason on stderr, and the exit status is then 1."""
+    from ..core.chat import ChatPrompt
+    from ..core.request import SamplingParams
+    from .main import CommandLineError, build_engine
+
+    params = SamplingParams(max_tokens=max_tokens, seed=seed, **sampling)
+    try:
+        params.validate()
+    except InvalidRequestError as exc:
+        raise CommandLineError(str(exc)) from None
+    opening = [{"role": "system", "content": system}] if system is not None else []
+    engine = build_engine(ctx)
+    try:  # the template and the options against this model, before the first turn
+        engine.checker.check_params(params)
+        engine.tokenize(ChatPrompt.of([*opening, {"role": "user", "content": "hello"}]))
+    except InvalidRequestError as exc:
+        raise CommandLineError(str(exc)) from None
+    interactive = sys.stdin.isatty()
+    if interactive:
+        click.echo(f"infer chat with {engine.loaded.path}: Ctrl-D or /exit ends, /reset starts over", err=True)
+    history = list(opening)
+    refused = 0
+    while (line := _read_turn(interactive)) is not None:
+        if line in ("", "/exit", "/reset"):
+            if line == "/exit":
+                break
+            if line == "/reset":
+                history = list(opening)
+            continue
+        turn = [*history, {"role": "user", "content": line}]
+        try:
+            reply = _stream_reply(engine, ChatPrompt.of(turn), params)
+        except InferError as exc:
+            click.echo(f"infer: turn refused: {exc} (/reset starts a new conversation)", err=True)
+            refused += 1
+            continue
+        history = [*turn, {"role": "assistant", "content": reply}]
+    if refused:
+        raise SystemExit(1)
+
+
+def _read_turn(interactive: bool) -> str | None:
+    """The next turn, stripped; None at the end of input."""
+    if interactive:
+        try:
+            return input(">>> ").strip()
+        except EOFError:
+            click.echo(err=True)
+            return None
+    line = sys.stdin.readline()
+    return line.strip() if line else None
+
+
+def _stream_reply(engine: Any, prompt: Any, params: Any) -> str:
+    """Print the reply as it comes; Ctrl-C stops it (the request is aborted) and keeps what came."""
+    parts: list[str] = []
+    deltas = engine.stream(prompt, params)
+    try:
+        for delta in deltas:
+            parts.append(delta.outputs[0].text)
+            click.echo(parts[-1], nl=False)
+    except KeyboardInterrupt:
+        deltas.close()
+        click.echo("\n[reply stopped]", err=True)
+    click.echo()
+    return "".join(parts)
