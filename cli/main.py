@@ -25,19 +25,29 @@ class CommandLineError(click.ClickException):
 class InferGroup(click.Group):
     """Adds the subcommands registered by plugins (register_commands) and prints InferErrors without tracebacks."""
 
-    def _plugin_commands(self, ctx: click.Context) -> dict[str, click.Command]:
-        plugins = _plugins(ctx)
-        try:
-            return {entry.name: plugins.build("command", entry.name, click.Command)
-                    for entry in plugins.registry("command")}
-        except InferError as exc:
-            raise click.ClickException(str(exc)) from exc
-
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(set(super().list_commands(ctx)) | set(self._plugin_commands(ctx)))
+        return sorted(set(super().list_commands(ctx)) | {entry.name for entry in _plugins(ctx).registry("command")})
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        return super().get_command(ctx, name) or self._plugin_commands(ctx).get(name)
+        if (command := super().get_command(ctx, name)) is not None:
+            return command
+        plugins = _plugins(ctx)
+        if name not in plugins.registry("command"):
+            return None
+        try:
+            return plugins.build("command", name, click.Command)
+        except InferError as exc:
+            if ctx.meta.get("infer.listing"):  # --help lists the commands that work, and says which one does not
+                click.echo(f"infer: warning: {exc}", err=True)
+                return None
+            raise click.ClickException(str(exc)) from exc
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        ctx.meta["infer.listing"] = True
+        try:
+            super().format_commands(ctx, formatter)
+        finally:
+            del ctx.meta["infer.listing"]
 
     def invoke(self, ctx: click.Context) -> Any:
         # before click resolves the subcommand, whose plugin factory may fail and log why (-v shows the traceback)

@@ -204,8 +204,9 @@ class Engine:
             except Exception as cleanup:
                 if isinstance(exc, GeneratorExit):  # no error before: this one is news
                     raise
-                log.warning("could not abort request %s after an error (%s: %s)", rid, type(cleanup).__name__,
-                            cleanup)
+                if str(cleanup) != str(exc):  # the same failure again (an observer, say) would say nothing new
+                    log.warning("could not abort request %s after an error (%s: %s)", rid, type(cleanup).__name__,
+                                cleanup)
                 return
 
     def has_unfinished(self) -> bool:

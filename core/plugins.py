@@ -96,9 +96,9 @@ class PluginManager:
             try:
                 module = ep.load()
             except Exception as exc:  # a broken third-party package must say who it is
-                cause = "" if _is_shipped(ep) or not isinstance(exc, ModuleNotFoundError) else \
-                    " (the usual cause is an editable install whose folder was renamed or deleted)"
-                raise PluginError(f"plugin {name!r} from package {_dist_name(ep)!r} failed to import: {exc}{cause}; "
+                log.info("plugin %r failed to import", name, exc_info=exc)
+                raise PluginError(f"plugin {name!r} from package {_dist_name(ep)!r} failed to import: "
+                                  f"{type(exc).__name__}: {exc}{_import_cause(ep, exc)} (-v logs the traceback); "
                                   f"{way_out}") from exc
             try:
                 self.register(module, name=name, source=_dist_name(ep))
@@ -177,8 +177,9 @@ class PluginManager:
                         raise
                     raise PluginError(f"{exc}; {way_out}") from exc
                 except Exception as exc:  # a broken hook must not break every command without saying whose it is
-                    raise PluginError(f"{who} failed in its {hook_name} hook: {type(exc).__name__}: {exc}; "
-                                      f"{way_out}") from exc
+                    log.info("%s failed in its %s hook", who, hook_name, exc_info=exc)
+                    raise PluginError(f"{who} failed in its {hook_name} hook: {type(exc).__name__}: {exc} (-v "
+                                      f"logs the traceback); {way_out}") from exc
                 if returned is not None:
                     if inspect.iscoroutine(returned) or inspect.isgenerator(returned):
                         returned.close()
@@ -205,15 +206,19 @@ class PluginManager:
         PluginError that names it; -v logs the traceback."""
         entry = self.registry(kind).entry(name)
         what = f"the {kind.replace('_', ' ')} factory {name!r} from {entry.source!r}"
+        shipped = getattr(entry.factory, "__module__", "").partition(".")[0] == __name__.partition(".")[0]
         try:
             built = entry.factory(*args)
-        except (InferError, MemoryError):
+        except InferError as exc:  # a refusal with its own message; a third party's says whose it is
+            if not shipped:
+                exc.args = (f"the {kind.replace('_', ' ')} {name!r} from {entry.source!r}: {exc}",)
+            raise
+        except MemoryError:
             raise
         except Exception as exc:
             if "OutOfMemory" in type(exc).__name__:  # torch.OutOfMemoryError: the device, not the plugin
                 raise
             log.info("%s failed", what, exc_info=True)
-            shipped = getattr(entry.factory, "__module__", "").partition(".")[0] == __name__.partition(".")[0]
             todo = ("a bug in infer, or an input it should have refused with a clear message: please report it with "
                     "the traceback that -v logs") if shipped else \
                 f"fix the plugin, or choose another {kind.replace('_', ' ')} (-v logs the traceback)"
@@ -330,9 +335,9 @@ class PluginManager:
                 raise
             source = self._sources.get(impl.plugin_name, impl.plugin_name)
             log.info("observer %r failed in %s", impl.plugin_name, hook, exc_info=exc)
+            way_out = self._way_outs.get(impl.plugin_name, "fix the plugin")
             raise PluginError(f"the observer {impl.plugin_name!r} from {source!r} raised {type(exc).__name__} in "
-                              f"{hook}: {exc}; fix the plugin or uninstall it (INFER_PLUGINS=a,b limits the entry "
-                              "points that load; the CLI shows the traceback with -v)") from exc
+                              f"{hook}: {exc} (-v logs the traceback); {way_out}") from exc
 
     def _allow_list_hint(self, kinds: Iterable[str], name: str) -> str:
         """Why ``name`` may be missing when INFER_PLUGINS limited loading; ``""`` without an allow-list."""
@@ -413,6 +418,16 @@ def _dist_name(ep: metadata.EntryPoint) -> str:
 
 def _is_shipped(ep: metadata.EntryPoint) -> bool:
     return ep.module.partition(".")[0] == __name__.partition(".")[0]
+
+
+def _import_cause(ep: metadata.EntryPoint, exc: Exception) -> str:
+    """Why a third-party plugin's module is missing: its own package (an editable install whose folder moved), or a
+    dependency of it."""
+    if _is_shipped(ep) or not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    if exc.name.partition(".")[0] == ep.module.partition(".")[0]:
+        return " (the usual cause is an editable install whose folder was renamed or deleted: reinstall the plugin)"
+    return f" (the plugin imports {exc.name!r}, which is not installed: install the plugin's dependencies)"
 
 
 def _way_out(ep: metadata.EntryPoint, others: list[str]) -> str:

@@ -10,6 +10,7 @@ from .errors import PluginError, UnknownComponentError
 from .plugin_options import PluginOption
 
 F = TypeVar("F")
+SHIPPED_SOURCE = "infer-engine"  # the distribution of the shipped plugins
 F_contra = TypeVar("F_contra", contravariant=True)
 
 
@@ -104,6 +105,12 @@ class Registry(Generic[F]):
             self._aliases[alias] = name
 
     def _raise_duplicate(self, key: str, other: Entry[F], source: str, entry_point: str | None) -> None:
+        if (other.source == SHIPPED_SOURCE) != (source == SHIPPED_SOURCE):
+            plugin = _who(source, entry_point) if other.source == SHIPPED_SOURCE else _who(other.source,
+                                                                                          other.entry_point)
+            raise PluginError(f"duplicate {self.kind} name {key!r}: infer ships a {self.kind} (or alias) of that "
+                              f"name, and {plugin} registers another; a shipped name is never overridden, so rename "
+                              "the plugin's component in its register(...) call (and select it by its new name)")
         hint = self._duplicate_hint(other.entry_point, entry_point) or (
             ", or load only one of the two plugins with INFER_PLUGINS, an allow-list of the entry point names to "
             "load (name every plugin to keep, infer's shipped ones too)")

@@ -384,6 +384,24 @@ def test_a_plugin_command_cannot_shadow_a_builtin(tmp_path, monkeypatch):
     assert result.exit_code == 0 and "registers a command 'generate', the name of a built-in" in result.output
 
 
+def test_a_broken_plugin_command_breaks_only_itself(tmp_path, monkeypatch):
+    (tmp_path / "broken_command_plugin.py").write_text(
+        "from infer import hookimpl\n\n\n@hookimpl\ndef register_commands(register):\n"
+        "    register('shaky', lambda: 1 / 0)\n")
+    info = tmp_path / "broken_command_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-command-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[infer]\nshaky = broken_command_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    listing = run("--help")
+    assert listing.exit_code == 0 and "generate" in listing.stdout and "shaky" not in listing.stdout
+    assert "warning: the command factory 'shaky' from 'broken-command-plugin' failed: ZeroDivisionError" \
+        in listing.stderr
+    assert run("plugins").exit_code == 0  # other commands do not build it
+    failed = run("shaky")
+    assert failed.exit_code == 1 and "the command factory 'shaky' from 'broken-command-plugin' failed" in failed.stderr
+
+
 def test_generate_names_the_bad_prompt_and_prints_nothing(tiny_model):
     result = run("--model", str(tiny_model), "generate", "def a():", "x=1\n" * 600, "--max-tokens", "4")
     assert result.exit_code != 0 and "prompt 2 of 2:" in result.output and "def a():" not in result.output

@@ -300,6 +300,27 @@ def test_a_factory_that_raises_is_named(infer_plugins, tiny_model):
         Engine(EngineConfig(model=str(tiny_model), device="cpu", eviction_policy="moody"), plugins)
 
 
+def test_a_third_party_factorys_own_refusal_says_whose_it_is(infer_plugins, tiny_model):
+    from infer.core.engine import Engine
+
+    def picky(config: EngineConfig) -> EvictionPolicy:
+        raise PluginError("needs a CUDA device")
+
+    plugins = runtime_plugin(infer_plugins, "register_eviction_policies", "picky", picky)
+    with pytest.raises(PluginError) as info:
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", eviction_policy="picky"), plugins)
+    assert str(info.value) == "the eviction policy 'picky' from 'infer-plugin-acme': needs a CUDA device"
+
+
+def test_a_plugin_whose_dependency_is_missing_says_so(tmp_path, monkeypatch):
+    message = load_failure(tmp_path, monkeypatch, "infer-plugin-needy", "needy",
+                           "import infer_test_absent_dependency\n")
+    assert "failed to import: ModuleNotFoundError: No module named 'infer_test_absent_dependency' (the plugin " \
+           "imports 'infer_test_absent_dependency', which is not installed: install the plugin's dependencies) " \
+           "(-v logs the traceback)" in message and "editable install" not in message
+    assert message.endswith(f"INFER_PLUGINS={entry_points_but('needy')}")
+
+
 @pytest.mark.parametrize(("hook", "field", "factory", "complaint"), [
     ("register_quant_methods", "quant", lambda config, quant_config: None,
      "the quant method factory 'nothing' from 'infer-plugin-acme' returned NoneType, not an instance of QuantMethod"),

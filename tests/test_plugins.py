@@ -169,7 +169,8 @@ def test_duplicate_names_name_both_packages(infer_plugins):
         register("paged", lambda config, n, eviction: None)
 
     infer_plugins.register(plugin_module("dup", register_kv_caches=register_kv_caches), source="acme-kv")
-    with pytest.raises(PluginError, match="'paged'.*'infer-engine'.*'acme-kv'"):
+    with pytest.raises(PluginError, match="duplicate kv cache name 'paged': infer ships a kv cache .* and 'acme-kv' "
+                                          "registers another; a shipped name is never overridden, so rename"):
         infer_plugins.collect()
 
 
@@ -317,12 +318,27 @@ def test_an_observer_that_raises_is_named(tiny_model, infer_plugins):
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), infer_plugins)
     engine.add_request("a", SamplingParams(max_tokens=4), request_id="r1")
     with pytest.raises(PluginError, match="the observer 'failing-observer' from 'acme-metrics' raised RuntimeError in "
-                                          "on_step: observer bug; fix the plugin or uninstall it") as info:
+                                          r"on_step: observer bug \(-v logs the traceback\); fix the plugin") as info:
         engine.step()
     assert isinstance(info.value.__cause__, RuntimeError)
     with pytest.raises(PluginError, match="'failing-observer' from 'acme-metrics' raised KeyError in "
                                           "on_request_finished: 'r1'"):
         engine.abort("r1")
+
+
+def test_a_failing_observer_is_reported_once(tiny_model, infer_plugins, caplog):
+    """generate's clean-up aborts the other requests, whose observers fail the same way: that is not news."""
+
+    class Failing:
+        @hookimpl
+        def on_request_finished(self, output):
+            raise RuntimeError("observer bug")
+
+    infer_plugins.register(Failing(), name="failing-observer", source="acme-metrics")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), infer_plugins)
+    with pytest.raises(PluginError, match="raised RuntimeError in on_request_finished: observer bug"):
+        engine.generate(["a", "b", "c"], [SamplingParams(max_tokens=n) for n in (1, 5, 5)])
+    assert "could not abort" not in caplog.text
 
 
 def test_an_observer_class_registered_twice_blames_the_instance_that_raised(tiny_model, infer_plugins):
