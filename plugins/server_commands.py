@@ -79,6 +79,9 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
               "which runs alone on the server); prints the best beam [default: 0, off].")
 @click.option("--length-penalty", type=float, default=1.0, show_default=True,
               help="Beam search: a hypothesis scores its log-probability / its length ** this.")
+@click.option("--chat", is_flag=True, help="Send PROMPT as a user message, rendered by the server model's chat "
+              "template; prints the reply alone.")
+@click.option("--system", default=None, help="With --chat: a system message before PROMPT [default: none].")
 @click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Bearer token (or set {TOKEN_ENV}).")
 @click.option("--tls", is_flag=True, help="Connect over TLS with the system's root certificates.")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -89,9 +92,10 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.pass_context
 def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any], n: int,
            seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool, beam_width: int,
-           length_penalty: float, token: str | None, tls: bool, tls_ca: Path | None, timeout: float | None,
-           stats: bool) -> None:
-    """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams."""
+           length_penalty: float, chat: bool, system: str | None, token: str | None, tls: bool, tls_ca: Path | None,
+           timeout: float | None, stats: bool) -> None:
+    """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams (with --chat,
+    the reply alone)."""
     quiet_grpc_core()
     import grpc
 
@@ -113,25 +117,32 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
         sampling["speculative"] = False
     if seed is not None:
         sampling["seed"] = seed
+    if system is not None and not chat:
+        raise click.UsageError("--system opens a conversation; add --chat", ctx)
+    from ..core.chat import ChatPrompt
+
+    opening = [{"role": "system", "content": system}] if system is not None else []
+    sent = ChatPrompt.of([*opening, {"role": "user", "content": prompt}]) if chat else prompt
+    shown = "" if chat else prompt  # a reply is not a continuation of the user's text
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
         mid_line = False  # the prompt goes out with the first response, so that an early error stands alone
         try:
             if beam_width:
-                best = conn.beam_search(prompt, beam_width=beam_width, max_tokens=max_tokens,
+                best = conn.beam_search(sent, beam_width=beam_width, max_tokens=max_tokens,
                                         length_penalty=length_penalty, ignore_eos=ignore_eos).beams[0]
-                click.echo(prompt + best.text)
+                click.echo(shown + best.text)
             elif n == 1:
-                for response in conn.generate(prompt, **sampling):
+                for response in conn.generate(sent, **sampling):
                     if not mid_line:
-                        click.echo(prompt, nl=False)
+                        click.echo(shown, nl=False)
                         mid_line = True
                     for out in response.outputs:
                         click.echo(out.text, nl=False)
                 click.echo()
                 mid_line = False
             else:
-                for out in conn.complete(prompt, **sampling).outputs:
-                    click.echo(prompt + out.text)
+                for out in conn.complete(sent, **sampling).outputs:
+                    click.echo(shown + out.text)
             if stats:
                 click.echo(json.dumps(stats_dict(conn.stats()), indent=2), err=True)
         except InferError as exc:  # an option's value the protocol cannot carry, found before anything was sent

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ..core.chat import ChatPrompt, Prompt
 from ..core.errors import InvalidRequestError
 from ..core.request import SamplingParams
 from . import infer_pb2 as pb
@@ -23,7 +24,7 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
-def build_request(prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
+def build_request(prompt: Prompt, params: SamplingParams | None = None, *, request_id: str = "",
                   priority: int | None = None, **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest. ``sampling`` keywords (max_tokens=, temperature=, ...) are sent as given, unvalidated;
     fields left out take the server's SamplingParams defaults. ``priority`` defaults to ``params.priority``."""
@@ -39,18 +40,25 @@ def build_request(prompt: str | list[int], params: SamplingParams | None = None,
     return request
 
 
-def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: str | list[int]) -> None:
+def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: Prompt) -> None:
     if isinstance(prompt, str):
         request.text = prompt
+        return
+    if isinstance(prompt, ChatPrompt):  # the server renders it with its model's chat template
+        if not prompt.add_generation_prompt:
+            raise InvalidRequestError("the server renders a chat prompt with add_generation_prompt; send "
+                                      "ChatPrompt.of(messages) (or render it yourself and send the token ids)")
+        for message in ChatPrompt.of(prompt.messages).messages:
+            request.chat.messages.add(role=message.role, content=message.content)
         return
     try:
         request.token_ids.ids.extend(prompt)
     except (ValueError, TypeError):
-        raise InvalidRequestError("a prompt is a string or a list of token ids (integers below 2**63), got "
-                                  f"{type(prompt).__name__} {str(prompt)[:80]}") from None
+        raise InvalidRequestError("a prompt is a string, a list of token ids (integers below 2**63) or a "
+                                  f"ChatPrompt, got {type(prompt).__name__} {str(prompt)[:80]}") from None
 
 
-def build_beam_request(prompt: str | list[int], **params: Any) -> pb.BeamSearchRequest:
+def build_beam_request(prompt: Prompt, **params: Any) -> pb.BeamSearchRequest:
     """A BeamSearchRequest; ``params`` are sent as given (the server validates them)."""
     try:
         request = pb.BeamSearchRequest(**params)
@@ -95,13 +103,13 @@ class Client(_Base):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         super().__init__(grpc, target, token, tls, root_certificates, timeout, max_message_bytes)
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str = "",
                  priority: int | None = None, timeout: float | None = None, **sampling: Any) -> Any:
         """Stream a request: an iterator of GenerateResponse that also has ``cancel()``."""
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
         return self.stub.Generate(request, **self._kw(timeout))
 
-    def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
+    def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str = "",
                  priority: int | None = None, timeout: float | None = None, **sampling: Any) -> pb.CompleteResponse:
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
         return self.stub.Complete(request, **self._kw(timeout))
@@ -109,7 +117,7 @@ class Client(_Base):
     def abort(self, request_id: str, timeout: float | None = None) -> None:
         self.stub.Abort(pb.AbortRequest(request_id=request_id), **self._kw(timeout))
 
-    def beam_search(self, prompt: str | list[int], *, timeout: float | None = None,
+    def beam_search(self, prompt: Prompt, *, timeout: float | None = None,
                     **params: Any) -> pb.BeamSearchResponse:
         """Beam search for one prompt; ``params``: beam_width=, max_tokens=, length_penalty=, ignore_eos= (unset:
         the server's BeamSearchParams defaults)."""
@@ -160,13 +168,13 @@ class AsyncClient(_Base):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         super().__init__(grpc.aio, target, token, tls, root_certificates, timeout, max_message_bytes)
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, request_id: str = "",
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str = "",
                  priority: int | None = None, timeout: float | None = None, **sampling: Any) -> Any:
         """Stream a request: a grpc.aio call, async-iterable over GenerateResponse, with ``cancel()``."""
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
         return self.stub.Generate(request, **self._kw(timeout))
 
-    async def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str = "", priority: int | None = None, timeout: float | None = None,
                        **sampling: Any) -> pb.CompleteResponse:
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
@@ -175,7 +183,7 @@ class AsyncClient(_Base):
     async def abort(self, request_id: str, timeout: float | None = None) -> None:
         await self.stub.Abort(pb.AbortRequest(request_id=request_id), **self._kw(timeout))
 
-    async def beam_search(self, prompt: str | list[int], *, timeout: float | None = None,
+    async def beam_search(self, prompt: Prompt, *, timeout: float | None = None,
                           **params: Any) -> pb.BeamSearchResponse:
         """As :meth:`Client.beam_search`."""
         return await self.stub.BeamSearch(build_beam_request(prompt, **params), **self._kw(timeout))

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ..core.chat import Prompt
+from ..core.chat import ChatPrompt, Prompt
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
 from ..core.request import CompletionOutput, FinishReason, SamplingParams
 from . import infer_pb2 as pb
@@ -26,10 +26,14 @@ FINISH_REASONS = {
 }
 
 
-def prompt_of(request: pb.GenerateRequest) -> Prompt:
-    """The prompt as text or token ids; a request with neither is an empty prompt (the engine rejects it)."""
-    if request.WhichOneof("prompt") == "token_ids":
+def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest) -> Prompt:
+    """The prompt as text, token ids or a ChatPrompt (InvalidRequestError for a malformed conversation); a request
+    with none is an empty prompt (the engine rejects it)."""
+    which = request.WhichOneof("prompt")
+    if which == "token_ids":
         return list(request.token_ids.ids)
+    if which == "chat":
+        return ChatPrompt.of([{"role": m.role, "content": m.content} for m in request.chat.messages])
     return request.text
 
 

@@ -127,6 +127,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Validate and admit a request, or abort the call (INVALID_ARGUMENT, UNAVAILABLE, RESOURCE_EXHAUSTED)."""
         try:
             params: SamplingParams = sampling_params_of(request)
+            prompt = prompt_of(request)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # every response repeats it
                 raise InvalidRequestError(f"request_id has {len(request.request_id)} characters; at most "
                                           f"{MAX_REQUEST_ID_CHARS} are accepted")
@@ -134,7 +135,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort_with(context, exc)
         await self._admit(context)
         stream = RequestStream(request.request_id or uuid.uuid4().hex, size_of, max_merged)
-        self.worker.submit(prompt_of(request), params, stream)
+        self.worker.submit(prompt, params, stream)
         return stream
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
@@ -166,10 +167,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Runs alone on the engine (core/beam_search.py): after the requests before it, before those after it."""
         try:
             params = beam_params_of(request)
+            prompt = prompt_of(request)
         except Exception as exc:
             await _abort_with(context, exc)
         await self._admit(context)
-        prompt = prompt_of(request)
         try:
             output = await asyncio.wrap_future(self.worker.call_alone(
                 lambda engine: engine.beam_search([prompt], params)[0]))

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import gc
+import json
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,31 @@ def checkpoint(tiny_model_factory: Callable[..., Path]) -> Callable[[str], Path]
         return tiny_model_factory(arch, **kwargs)
 
     return get
+
+
+# a ChatML-like template that refuses unknown roles, as real templates do
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                 "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of ``tiny_model`` whose tokenizer adds BOS to every encoding and whose config has CHAT_TEMPLATE: a
+    chat renderer that tokenized with special tokens would put two BOS in front."""
+    out = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_model, out)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    bos = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == "<|bos|>")
+    start = {"SpecialToken": {"id": "<|bos|>", "type_id": 0}}
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing", "single": [start, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [start, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [bos], "tokens": ["<|bos|>"]}}}
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,6 @@ apply_chat_template (the template's own BOS, never a second one from the tokeniz
 HF's; every malformed conversation is refused by name."""
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,32 +15,7 @@ from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.llm import LLM
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-            "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 CHAT = [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "def add(a, b):"}]
-
-
-def with_bos_and_template(tiny: Path, out: Path) -> Path:
-    """A copy of ``tiny`` whose tokenizer adds BOS to every encoding and whose config has TEMPLATE: a renderer that
-    tokenized with special tokens would put two BOS in front."""
-    shutil.copytree(tiny, out)
-    tokenizer = json.loads((out / "tokenizer.json").read_text())
-    bos = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == "<|bos|>")
-    start = {"SpecialToken": {"id": "<|bos|>", "type_id": 0}}
-    tokenizer["post_processor"] = {
-        "type": "TemplateProcessing", "single": [start, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [start, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [bos], "tokens": ["<|bos|>"]}}}
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return out
-
-
-@pytest.fixture(scope="module")
-def chat_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return with_bos_and_template(tiny_model, tmp_path_factory.mktemp("chat") / "model")
 
 
 @pytest.fixture(scope="module")

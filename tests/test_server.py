@@ -586,6 +586,14 @@ def test_beam_search_over_grpc_equals_offline(client: Client, llm: Any, server: 
     assert_serves(client)
 
 
+def test_client_chat_on_a_model_without_a_template_is_refused_by_the_server(server: ServerProcess) -> None:
+    out = run_cli("client", "Hi", "--target", server.target, "--chat", "--system", "Be brief.")
+    assert (out.exit_code, out.stdout) == (1, "")
+    assert out.stderr.startswith("Error: INVALID_ARGUMENT: this model's tokenizer has no chat template")
+    out = run_cli("client", "Hi", "--target", server.target, "--system", "Be brief.")
+    assert out.exit_code == 2 and "--system opens a conversation; add --chat" in out.stderr
+
+
 def test_client_errors_stand_alone(server: ServerProcess) -> None:
     out = run_cli("client", "hello", "--target", server.target, "--top-p", "1.5")
     assert (out.exit_code, out.stdout) == (1, "")  # no prompt echo glued to the error

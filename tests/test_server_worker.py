@@ -87,11 +87,11 @@ class ScriptedEngine:
         return [BeamSearchOutput([1], [Beam([7] * params.max_tokens, "t", -1.0, -0.5, FinishReason.LENGTH)])]
 
 
-def serve_scripted(test: Callable[[AsyncClient, ScriptedEngine], Awaitable[None]],
-                   max_message_bytes: int | None = None) -> ScriptedEngine:
-    """Run ``test`` against an in-process server over a ScriptedEngine (sending at most ``max_message_bytes``
-    per message, as `infer serve --max-message-bytes` sets both)."""
-    engine = ScriptedEngine()
+def serve_scripted(test: Callable[[AsyncClient, Any], Awaitable[None]], max_message_bytes: int | None = None,
+                   engine: Any = None) -> Any:
+    """Run ``test`` against an in-process server over ``engine`` (default: a new ScriptedEngine), sending at most
+    ``max_message_bytes`` per message, as `infer serve --max-message-bytes` sets both."""
+    engine = engine if engine is not None else ScriptedEngine()
 
     async def main() -> None:
         worker = EngineWorker(engine)
@@ -524,3 +524,37 @@ def test_a_failed_command_whose_caller_gave_up_is_logged_not_lost(caplog):
         with caplog.at_level(logging.WARNING, logger="infer.server"):
             _resolve(reply, fails(exc), even_if_cancelled=True)
         assert ("a command whose caller gave up failed" in caplog.text) is logged
+
+
+def test_a_chat_prompt_over_grpc_is_rendered_by_the_servers_template(chat_model: Any) -> None:
+    """Generate, Complete and BeamSearch take a conversation; the server's engine renders it (LLM.chat's tokens);
+    a malformed one is INVALID_ARGUMENT, and so is a model without a template (rendered on the engine thread)."""
+    from infer import ChatPrompt
+    from infer.core.beam_search import BeamSearchParams
+    from infer.core.llm import LLM
+
+    llm = LLM(model=str(chat_model), device="cpu", num_kv_blocks=128)
+    chat = [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "def add(a, b):"}]
+    want = llm.chat(chat, SamplingParams(max_tokens=6, temperature=0.0))[0]
+    beams = llm.beam_search(ChatPrompt.of(chat), BeamSearchParams(beam_width=2, max_tokens=4))[0]
+
+    async def test(client: AsyncClient, engine: Any) -> None:
+        done = await client.complete(ChatPrompt.of(chat), max_tokens=6, temperature=0.0, prompt_logprobs=0)
+        assert done.usage.prompt_tokens == len(want.prompt_token_ids)  # each entry holds its prompt token:
+        assert [e.tokens[0].token_id for e in done.prompt_logprobs[1:]] == want.prompt_token_ids[1:]
+        assert list(done.outputs[0].token_ids) == want.outputs[0].token_ids
+        streamed = [t async for r in client.generate(ChatPrompt.of(chat), max_tokens=6, temperature=0.0)
+                    for t in r.outputs[0].token_ids]
+        assert streamed == want.outputs[0].token_ids
+        got = await client.beam_search(ChatPrompt.of(chat), beam_width=2, max_tokens=4)
+        assert [list(b.token_ids) for b in got.beams] == [b.token_ids for b in beams.beams]
+        for messages, complaint in (([], "a chat prompt needs at least one message"),
+                                    ([pb.ChatMessage(role="", content="x")], "role must be a non-empty string"),
+                                    ([pb.ChatMessage(role="tool", content="x")], "template refused the messages")):
+            request = pb.GenerateRequest(chat=pb.Chat(messages=messages))
+            code, details = await rpc_code(client.stub.Complete(request))
+            assert code is grpc.StatusCode.INVALID_ARGUMENT and complaint in details, details
+        with pytest.raises(InvalidRequestError, match="add_generation_prompt"):  # the client says so first
+            client.generate(ChatPrompt.of(chat, add_generation_prompt=False))
+
+    serve_scripted(test, engine=llm.engine)
