@@ -34,12 +34,22 @@ class BenchResult:
 
     def output_comparable(self) -> set[str]:
         """The arms whose outputs can be compared with the first arm's: all when greedy; when sampled, the engine
-        arms with the first (the same seeded streams) if requests are seeded, else none."""
+        arms that speculate as the first does (the same seeded streams, drawn the same way: rejection sampling
+        draws differently from plain sampling) if requests are seeded, else none."""
         if self.sampling.greedy:
             return {arm.key for arm in self.arms}
         if self.sampling.seed is None or not self.arms or self.arms[0].is_hf:
             return set()
-        return {arm.key for arm in self.arms if not arm.is_hf}
+        first = self.speculation(self.arms[0].key)
+        return {arm.key for arm in self.arms if not arm.is_hf and self.speculation(arm.key) == first}
+
+    def speculation(self, key: str) -> tuple[Any, ...]:
+        """How an engine arm speculates (its proposer, K, draft and policy options): what changes its draws."""
+        config = self.arm_info.get(key, {}).get("config", {}).get("config", {})
+        if not config.get("proposer"):
+            return ()
+        return (config["proposer"], config.get("num_speculative_tokens"), config.get("draft_model"),
+                repr(config.get("plugin_options", {}).get("spec_decode")))
 
 
 def _number(value: float, unit: str) -> str:
@@ -119,8 +129,13 @@ def sampling_note(result: BenchResult) -> str | None:
     if sampling.seed is None:
         return f"requests sampled with {given} from each engine's random stream: outputs not compared " \
                "(--sampling-seed seeds them)"
-    compared = "" if not any(arm.is_hf for arm in result.arms) else " (HF arms draw from their own stream: n/a)"
-    return f"requests sampled with {given}, seeded from --sampling-seed {sampling.seed}{compared}"
+    compared = result.output_comparable()
+    apart = [("HF arms draw from their own stream", any(arm.is_hf for arm in result.arms)),
+             ("arms whose speculation differs from the first arm's draw differently",
+              any(not arm.is_hf and arm.key not in compared for arm in result.arms))]
+    reasons = "; ".join(reason for reason, holds in apart if holds)
+    return f"requests sampled with {given}, seeded from --sampling-seed {sampling.seed}" + \
+        (f" ({reasons}: outputs n/a)" if reasons else "")
 
 
 def _long_prompt_came_late(run: RunResult) -> bool:

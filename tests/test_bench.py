@@ -553,6 +553,13 @@ def test_sampling_options_reach_every_arms_sampler(tiny_model, tmp_path):
     hf_first = _bench_outputs(tiny_model, tmp_path, "hf-first", "--temperature", "2.0", "--sampling-seed", "5",
                               "--ab", "hf", "")
     assert hf_first["summary"]["B"]["outputs_match"]["median"] is None  # not compared with HF's own stream
+    # rejection sampling draws otherwise than plain sampling: only arms that speculate alike are compared
+    ngram = "--proposer ngram --num-speculative-tokens 2"
+    spec = _bench_outputs(tiny_model, tmp_path, "spec", "--temperature", "2.0", "--sampling-seed", "5",
+                          "--ab", ngram, "", f"{ngram} --no-prefix-caching")
+    assert spec["summary"]["B"]["outputs_match"]["median"] is None
+    assert spec["summary"]["C"]["outputs_match"]["values"] == [1.0] and spec["A"] == spec["C"]
+    assert "arms whose speculation differs from the first arm's draw differently: outputs n/a" in spec["table"]
 
 
 def test_logit_controls_reach_both_samplers(tiny_model, tmp_path):
