@@ -67,7 +67,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 
 @click.command("client")
 @click.argument("prompt")
-@click.option("--target", default="127.0.0.1:50051", show_default=True, help="host:port of `infer serve`.")
+@click.option("--target", default="127.0.0.1:50051", show_default=True, callback=lambda ctx, param, value:
+              checked_target(value), help="host:port of `infer serve` (or a gRPC target such as unix:PATH).")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @sampling_options
 @click.option("--n", type=int, default=1, show_default=True, help="Completions (more than 1 disables streaming).")
@@ -153,7 +154,7 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
         except grpc.RpcError as exc:
             if mid_line:
                 click.echo()  # end the partial completion's line
-            raise click.ClickException(rpc_error_message(exc, target, tls or tls_ca is not None)) from exc
+            raise click.ClickException(rpc_error_message(exc, target, tls or tls_ca is not None, timeout)) from exc
 
 
 def stats_dict(stats: Any) -> dict[str, Any]:
@@ -162,17 +163,37 @@ def stats_dict(stats: Any) -> dict[str, Any]:
     return {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
 
 
-def rpc_error_message(exc: grpc.RpcError, target: str, tls: bool) -> str:
-    """``CODE: details``; a TLS/plaintext mismatch or an untrusted certificate gets a hint instead of the SSL error."""
+def checked_target(target: str) -> str:
+    """``host:port`` with a port in 1-65535 (gRPC would try another port, or none, without a word); targets with
+    a scheme (unix:PATH, dns:///host:port) go to gRPC as they are."""
+    if target.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")):
+        return target
+    host, colon, port = target.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise click.BadParameter(f"{target!r} is not HOST:PORT with a port in 1-65535 (e.g. 127.0.0.1:50051)")
+    return target
+
+
+def rpc_error_message(exc: grpc.RpcError, target: str, tls: bool, timeout: float | None = None) -> str:
+    """``CODE: details``; a TLS/plaintext mismatch or an untrusted certificate gets a hint instead of the SSL error,
+    and a refused connection, a missing token or a passed deadline say what to change."""
     details = exc.details() or ""
+    code = exc.code().name
     if "WRONG_VERSION_NUMBER" in details:
         return f"UNAVAILABLE: {target} does not speak TLS (a plaintext server?); drop --tls and --tls-ca"
     if "CERTIFICATE_VERIFY_FAILED" in details:
         return (f"UNAVAILABLE: the TLS certificate of {target} is not trusted; pass its certificate or CA with "
                 "--tls-ca (and check that it names the host of --target)")
-    if not tls and exc.code().name == "UNAVAILABLE" and "Socket closed" in details:
+    if not tls and code == "UNAVAILABLE" and "Socket closed" in details:
         return f"UNAVAILABLE: {target} closed the connection; if it serves TLS (--tls-cert), add --tls-ca or --tls"
-    return f"{exc.code().name}: {details}"
+    if code == "UNAVAILABLE" and ("Connection refused" in details or "failed to connect" in details):
+        return (f"UNAVAILABLE: nothing accepts connections at {target}; is `infer serve` running there (--target "
+                f"HOST:PORT; the server logs the address it serves on)? ({details})")
+    if code == "UNAUTHENTICATED":
+        return f"UNAUTHENTICATED: {details}; pass the server's token with --token TOKEN (or set {TOKEN_ENV})"
+    if code == "DEADLINE_EXCEEDED" and timeout is not None:
+        return f"DEADLINE_EXCEEDED: the call did not finish within --timeout {timeout:g} s; raise --timeout, or drop it"
+    return f"{code}: {details}"
 
 
 @hookimpl

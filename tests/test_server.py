@@ -529,6 +529,21 @@ def test_a_token_is_required(secure_server: ServerProcess) -> None:
         assert len(c.complete("hi", max_tokens=2, temperature=0.0).outputs[0].token_ids) == 2
 
 
+def test_client_errors_say_what_to_change(secure_server: ServerProcess) -> None:
+    roots = secure_server.client_kwargs["root_certificates"]
+    tls = ["--tls-ca", str(roots)] if roots else []
+    out = run_cli("client", "hi", "--target", secure_server.target, *tls)
+    assert out.exit_code == 1 and out.stderr.startswith("Error: UNAUTHENTICATED: ") and \
+        "pass the server's token with --token TOKEN (or set INFER_SERVER_TOKEN)" in out.stderr
+    idle = f"127.0.0.1:{free_port()}"  # nothing listens there
+    out = run_cli("client", "hi", "--target", idle)
+    assert out.exit_code == 1 and out.stderr.startswith(f"Error: UNAVAILABLE: nothing accepts connections at {idle}; "
+                                                        "is `infer serve` running there")
+    for target in ("127.0.0.1:99999", "127.0.0.1", "127.0.0.1:port", ":50051"):
+        out = run_cli("client", "hi", "--target", target)
+        assert out.exit_code == 2 and "is not HOST:PORT with a port in 1-65535" in out.stderr, target
+
+
 def test_client_command(secure_server: ServerProcess, llm: Any) -> None:
     roots = secure_server.client_kwargs["root_certificates"]
     tls = ["--tls-ca", str(roots)] if roots else []
@@ -600,7 +615,8 @@ def test_client_errors_stand_alone(server: ServerProcess) -> None:
     assert out.stderr == f"Error: INVALID_ARGUMENT: {_validation_message(top_p=1.5)}\n"
     out = run_cli("client", "hello", "--target", server.target, "--max-tokens", "1000", "--ignore-eos",
                   "--timeout", "0.5")
-    assert out.stderr.startswith("Error: DEADLINE_EXCEEDED")
+    assert out.stderr.startswith("Error: DEADLINE_EXCEEDED: the call did not finish within --timeout 0.5 s; raise "
+                                 "--timeout, or drop it")
     assert out.stdout == "" or (out.stdout.startswith("hello") and out.stdout.endswith("\n"))
     out = run_cli("client", "hello", "--target", server.target, "--tls")
     assert out.stderr == f"Error: UNAVAILABLE: {server.target} does not speak TLS (a plaintext server?); drop --tls " \
