@@ -15,6 +15,7 @@ from ..cli.options import EngineArgs, sampling_options
 from .arms import ArmError, ArmSpec, parse_arms
 from .workloads import WORKLOADS, RequestSampling, WorkloadError, WorkloadSpec, check_vocabulary, validate_spec
 
+OUTPUT_FILES = ("results.json", "table.txt", "latency_cdf.png", "throughput.png")
 AB_HINT = 'quote each arm as one argument: --ab "--kv-cache paged" "--kv-cache paged --no-prefix-caching"'
 
 
@@ -124,6 +125,9 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         _warn_bad_lines(spec, err)
 
     if out_dir is not None:  # before the run, not after it
+        if earlier := [name for name in OUTPUT_FILES if (out_dir / name).exists()]:
+            raise click.BadParameter(f"{out_dir} holds an earlier run's {', '.join(earlier)}, which this run would "
+                                     "overwrite; choose another folder, or delete them first", param_hint="'--out'")
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=out_dir):
@@ -144,10 +148,10 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         from ..cli.main import CommandLineError
 
         raise (CommandLineError if exc.options_refused else click.ClickException)(str(exc)) from None
+    from ..cli.main import CommandLineError
+
     vocab = min(arm.vocab.size for arm in built)
     if outside := [token for token, _ in request_sampling.fields.get("logit_bias", ()) if token >= vocab]:
-        from ..cli.main import CommandLineError
-
         raise CommandLineError(f"--logit-bias names token ids {outside[:5]} outside the vocabulary of "
                                f"{vocab} tokens{' (the smallest of the arms)' if len(built) > 1 else ''}")
     try:
@@ -157,8 +161,8 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
                 err.print(f"[yellow]skipped {spec.file} {line}[/yellow]", highlight=False)
         workloads = make_workloads(spec, range(repeats), built, entries)
         warmups = make_workloads(spec, range(-1, -1 - warmup_rounds, -1), built, entries)
-    except WorkloadError as exc:  # e.g. prompts longer than a model's context
-        raise click.ClickException(str(exc)) from None
+    except WorkloadError as exc:  # the workload the options or the file describe does not fit the models: status 2
+        raise CommandLineError(str(exc)) from None
     try:
         warm_up(built, warmups, settings, err)
         runs, failure = run_rounds(built, workloads, settings, err), None

@@ -138,6 +138,9 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         raise click.UsageError("--stream prints one completion at a time; use it with --n 1")
     if stream and as_json:
         raise click.UsageError("--stream prints text as it comes; --json prints whole completions: choose one")
+    if not prompts and sys.stdin.isatty():  # else it would wait without a word
+        click.echo("infer: reading prompts from the terminal, one per line; Ctrl-D ends them (or give PROMPTS as "
+                   "arguments)", err=True)
     numbered = list(enumerate(prompts, 1)) if prompts else [
         (number, line.rstrip("\r\n")) for number, line in enumerate(sys.stdin, 1) if line.strip()]
     texts = [text for _, text in numbered]

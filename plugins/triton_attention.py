@@ -7,7 +7,7 @@ from types import ModuleType
 import torch
 
 from ..core.config import EngineConfig
-from ..core.errors import PluginError
+from ..core.errors import ConfigError, PluginError
 from ..core.interfaces import AttentionBackend, AttentionMetadata, kv_cache_scales
 
 DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is visible (interpreter)
@@ -64,8 +64,9 @@ def create_backend(config: EngineConfig) -> TritonAttentionBackend:
 
     device = resolve_device(config.device)
     if not triton_runs_on(device):
-        raise PluginError("the triton attention backend needs a CUDA GPU (device "
-                          f"{config.device!r}, CUDA available: {torch.cuda.is_available()}); use --attention torch")
+        raise ConfigError("the triton attention backend needs a CUDA GPU (device "
+                          f"{config.device!r}, CUDA available: {torch.cuda.is_available()}); drop --attention for "
+                          "the device's default (cpu on a CPU), or use --attention cpu or torch")
     try:
         from ..kernels import attention as kernels
     except ImportError as exc:
@@ -74,6 +75,6 @@ def create_backend(config: EngineConfig) -> TritonAttentionBackend:
     if device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         if config.kv_cache_dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
-            raise PluginError("--kv-cache-dtype fp8 with the triton backend needs a GPU with fp8 support (sm89+, "
+            raise ConfigError("--kv-cache-dtype fp8 with the triton backend needs a GPU with fp8 support (sm89+, "
                               "e.g. L4/H100); use --attention torch (dequantizes in torch) or --kv-cache-dtype auto")
     return TritonAttentionBackend(kernels, num_sms)

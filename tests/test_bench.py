@@ -345,13 +345,13 @@ def test_bad_input_is_a_clear_error(args, message):
 
 def test_a_workload_longer_than_the_context_names_its_own_length_options(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--workload", "shared-prefix", "--repeats", "1")
-    assert result.exit_code == 1 and "context length is 1024; lower --prefix-len/--question-len/--output-len or" \
+    assert result.exit_code == 2 and "context length is 1024; lower --prefix-len/--question-len/--output-len or" \
         in result.output
 
 
 def test_a_workload_larger_than_an_arms_kv_pool_names_the_arm_before_running(tiny_model):
     result = run("--model", str(tiny_model), "bench", "--num-requests", "4", "--ab", "", "--num-kv-blocks 6")
-    assert result.exit_code == 1 and "arm B ('--num-kv-blocks 6') has KV blocks for 96 tokens" in result.output
+    assert result.exit_code == 2 and "arm B ('--num-kv-blocks 6') has KV blocks for 96 tokens" in result.output
     assert "give that arm more KV memory" in result.output and "warming up" not in result.output
 
 
@@ -501,7 +501,7 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
     assert refused.exit_code == 2 and "line 3" in refused.output  # the syntax check, before any model loads
     path.write_text(path.read_text().replace('{"prompt": "broken", "max_tokens": -1}\n', ""))
     refused = run(*args)
-    assert refused.exit_code == 1 and "line 4: token ids [99999] are outside the vocabulary" in refused.output
+    assert refused.exit_code == 2 and "line 4: token ids [99999] are outside the vocabulary" in refused.output
     path.write_text('{"prompt": "broken", "max_tokens": -1}\n' + path.read_text())
     result = run(*args, "--skip-bad-lines", "--out", str(out))
     assert result.exit_code == 0, result.output
@@ -647,6 +647,8 @@ def test_evictions_and_the_long_prompts_ttft_are_reported(tiny_model, tmp_path):
                  "--out", str(out))
     assert result.exit_code == 0, result.output
     assert "KV evictions" in result.output and "long prompt TTFT" in result.output
+    again = run("--model", str(tiny_model), "bench", "--num-requests", "1", "--out", str(out))
+    assert again.exit_code == 2 and "holds an earlier run's results.json, table.txt" in again.output  # not lost
     [arm] = json.loads((out / "results.json").read_text())["arms"]
     [run_] = arm["runs"]
     assert run_["metrics"]["evictions"] == run_["engine"]["evictions"] > 0

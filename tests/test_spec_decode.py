@@ -142,8 +142,11 @@ def test_configuration_errors_are_clear(tmp_path):
     a, b = list(vocab)[-2:]  # same tokens, two ids swapped: a different tokenizer
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
-    with pytest.raises(CheckpointError, match="does not share the target's tokenizer"):
+    with pytest.raises(CheckpointError, match="does not share the target's tokenizer") as info:
         engine(proposer="draft-model", num_speculative_tokens=2, draft_model=str(other))
+    first, second = sorted((a, b))
+    assert f"2 of them with different ids, e.g. {first!r} is {vocab[second]} in the target, {vocab[first]} in the " \
+           f"draft; {second!r} is {vocab[first]} in the target" in str(info.value)
 
 
 def test_cli_speculative_generate_on_the_embedded_default():
