@@ -223,7 +223,7 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
                           "logit_bias, logprobs"),
     (("hi",), {"priority": 2**40}, "priority must be an integer in (-2**31, 2**31)"),
     (("hi",), {"max_tokens": 2**40}, "max_tokens must be below 2**31 to travel over gRPC (int32)"),
-    (([1, 2**70],), {}, "a prompt is a string or a list of token ids (integers below 2**63)"),
+    (([1, 2**70],), {}, "a prompt is a string, a list of token ids (integers below 2**63) or a ChatPrompt"),
     (("hi",), {"prompt_logprobs": 2.5}, "prompt_logprobs must be an integer, got 2.5"),
     (("hi",), {"logit_bias": ((5, 1.0), (5, -1.0))}, "logit_bias names token 5 twice"),
 ])

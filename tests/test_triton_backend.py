@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 from infer.core import hookspecs  # noqa: E402
 from infer.core.config import EngineConfig  # noqa: E402
-from infer.core.errors import PluginError  # noqa: E402
+from infer.core.errors import ConfigError  # noqa: E402
 from infer.plugins import attention_backends, triton_attention  # noqa: E402
 
 from conftest import dense_attention, paged_batch  # noqa: E402
@@ -44,7 +44,8 @@ def test_registers_through_pluggy() -> None:
 def test_factory_refuses_without_cuda_or_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(PluginError, match="--attention torch"):
+    with pytest.raises(ConfigError, match=r"drop --attention for the device's default \(cpu on a CPU\), or use "
+                                          "--attention cpu or torch"):
         triton_attention.create_backend(EngineConfig())
 
 
