@@ -380,8 +380,9 @@ class Engine:
         if self.spec is not None:
             self.spec.forget(gone)
         sampled = self.spec.verify(batch, logits) if self.spec is not None else {}
-        plain = [i for i, seq in enumerate(seqs) if seq.seq_id not in sampled]
-        seqs, rows = [seqs[i] for i in plain], [rows[i] for i in plain]
+        if sampled:  # the verified sequences have their tokens
+            plain = [i for i, seq in enumerate(seqs) if seq.seq_id not in sampled]
+            seqs, rows = [seqs[i] for i in plain], [rows[i] for i in plain]
         if seqs:
             kept = logits if rows == list(range(len(logits))) else logits[to_device(rows, logits.device)]
             result = self.runner.sample(kept, seqs)  # a list index would copy synchronously

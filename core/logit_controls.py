@@ -43,7 +43,7 @@ class LogitControls:
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """``logits`` [len(seqs), V] float32 with each row's controls applied (a new tensor), or None when no row
         has any. Row i belongs to ``seqs[i]``; the tokens it sampled so far were recorded (:meth:`record`)."""
-        rows = [i for i, seq in enumerate(seqs) if controls_now(seq)]
+        rows = [i for i, seq in enumerate(seqs) if seq.params.controls and controls_now(seq)]
         if not rows:
             return None
         vocab = logits.shape[1]

@@ -76,6 +76,35 @@ def append_output(full: RequestOutput, *deltas: RequestOutput) -> RequestOutput:
     tokens, text and logprobs appended (the text joined once, so many deltas cost their length, not its square),
     its finish reason and the request's finish state taken from the last. A completion new to ``full`` is copied
     in, so the deltas are left as they were (``full``'s own lists are extended in place)."""
+    outputs = full.outputs
+    if len(deltas) == 1 and _in_place(outputs, deltas[0].outputs):  # the common case: one delta, nothing new
+        for d in deltas[0].outputs:
+            c = outputs[d.index]
+            _append_completion(c, d, c.text + d.text)
+    else:
+        _append_completions(full, deltas)
+    for delta in deltas:  # the first prompt logprobs given
+        if full.prompt_logprobs is None:
+            full.prompt_logprobs = delta.prompt_logprobs
+    if deltas:
+        last = deltas[-1]
+        full.finished, full.num_cached_tokens, full.metrics = last.finished, last.num_cached_tokens, last.metrics
+    return full
+
+
+def _in_place(outputs: list[CompletionOutput], new: list[CompletionOutput]) -> bool:
+    """Whether ``outputs`` holds completions 0, 1, ... in order and the ``new`` ones among them."""
+    for i, c in enumerate(outputs):
+        if c.index != i:
+            return False
+    for d in new:
+        if not 0 <= d.index < len(outputs):
+            return False
+    return True
+
+
+def _append_completions(full: RequestOutput, deltas: tuple[RequestOutput, ...]) -> None:
+    """append_output's completions, any number of deltas, any completions (new ones copied in, in index order)."""
     by_index = {c.index: c for c in full.outputs}
     texts: dict[int, list[str]] = {}
     for delta in deltas:
@@ -85,22 +114,21 @@ def append_output(full: RequestOutput, *deltas: RequestOutput) -> RequestOutput:
                 by_index[d.index] = CompletionOutput(d.index, list(d.token_ids), d.text, d.finish_reason,
                                                      None if d.logprobs is None else list(d.logprobs))
                 continue
-            c.token_ids += d.token_ids
             texts.setdefault(d.index, [c.text]).append(d.text)
-            c.finish_reason = d.finish_reason
-            if d.logprobs is not None:
-                if c.logprobs is None:
-                    c.logprobs = []
-                c.logprobs += d.logprobs
+            _append_completion(c, d, c.text)
     for index, parts in texts.items():
         by_index[index].text = "".join(parts)
     full.outputs = [by_index[i] for i in sorted(by_index)]
-    if full.prompt_logprobs is None:
-        full.prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
-    if deltas:
-        last = deltas[-1]
-        full.finished, full.num_cached_tokens, full.metrics = last.finished, last.num_cached_tokens, last.metrics
-    return full
+
+
+def _append_completion(c: CompletionOutput, d: CompletionOutput, text: str) -> None:
+    """``c`` followed by ``d``: its tokens and logprobs appended, its text set to ``text``, d's finish reason."""
+    c.token_ids += d.token_ids
+    c.text, c.finish_reason = text, d.finish_reason
+    if d.logprobs is not None:
+        if c.logprobs is None:
+            c.logprobs = []
+        c.logprobs += d.logprobs
 
 
 def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer, new: list[int]) -> list[int]:

@@ -69,6 +69,12 @@ class SamplingParams:
         """Whether a repetition, frequency or presence penalty changes the logits (core/logit_controls.py)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
+    @functools.cached_property
+    def controls(self) -> bool:
+        """Whether a logit control (core/logit_controls.py) applies to some token: a penalty, a logit bias or
+        min_tokens."""
+        return self.penalizes or bool(self.logit_bias) or self.min_tokens > 0
+
     def validate(self) -> None:
         """Raise InvalidRequestError with a message that names the bad field and the allowed range."""
 

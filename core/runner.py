@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import array
+from collections.abc import MutableSequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,14 @@ class Batch:
     def every_row_samples(self) -> bool:
         """sample_rows is 0..T-1 (one increasing sampling row per token, no drafts): the logits need no gather."""
         return len(self.sample_seq_ids) == self.input_ids.shape[0] and not any(self.draft_counts)
+
+
+def add_slots(slots: list[int], table: MutableSequence[int], start: int, end: int, size: int) -> None:
+    """Append the KV slots of positions ``start`` to ``end`` - 1 (blocks of ``size`` in ``table``): one range per
+    block, not a computation per position. IndexError where the table is too short."""
+    for b in range(start // size, -(-end // size)):
+        base = table[b] * size - b * size  # position p of block b is slot base + p
+        slots.extend(range(base + max(start, b * size), base + min(end, b * size + size)))
 
 
 def unallocated(out: SchedulerOutput, kv: KVCache) -> PluginError:
@@ -163,7 +172,7 @@ class ModelRunner:
                 tokens.extend(seq.token_ids[start : start + n])
                 tokens.extend(drafts)
                 positions.extend(range(start, end))
-                slots.extend(table[p // size] * size + p % size for p in range(start, end))
+                add_slots(slots, table, start, end, size)
                 query_start.append(query_start[-1] + end - start)
                 context_lens.append(end)
                 if start + n == seq.num_tokens:

@@ -118,12 +118,12 @@ class ContinuousScheduler(Scheduler):
             self.swap.begin_step()
         budget = self.token_budget
         kept: list[Sequence] = []
-        # decodes first (a fork's children join at the end, behind prefill chunks), then prefill chunks; a
-        # preemption takes the last in this order
-        queue = deque(sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1))
+        queue = self._decodes_first()
         while queue and budget > 0:
             seq = queue.popleft()
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget if self.chunked else 1 << 30)
+            n = seq.num_tokens - seq.num_computed_tokens
+            if self.chunked:
+                n = min(n, budget)
             while not self.kv.allocate(seq, n):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
@@ -142,6 +142,14 @@ class ContinuousScheduler(Scheduler):
         out.block_ops.swap_out, out.block_ops.swap_in = self.ops.swap_out, self.ops.swap_in
         self.ops = BlockOps()
         return out
+
+    def _decodes_first(self) -> deque[Sequence]:
+        """The running sequences, decodes first (a fork's children join at the end, behind prefill chunks), then
+        prefill chunks, each in running order; a preemption takes the last in this order."""
+        later = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        if not later:
+            return deque(self.running)
+        return deque([s for s in self.running if s.num_tokens - s.num_computed_tokens <= 1] + later)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting:
