@@ -164,6 +164,9 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--draft-model", default=None, metavar="DIR",
                  help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
                       "[default: the shipped draft, with the embedded default model]."),
+    click.option("--chat-template", default=None, metavar="FILE",
+                 help="A Jinja chat template file that renders conversations (infer chat, chat prompts) in place of "
+                      "the model's own [default: the tokenizer's chat_template, if any]."),
     click.option("--num-speculative-tokens", type=int, default=None, metavar="K",
                  help="Draft tokens verified per step and sequence when a proposer is selected, 0-16 [default: 0; "
                       "a proposer needs K >= 1]."),
@@ -212,6 +215,7 @@ FIELD_OF_OPTION = {
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
+    "chat_template": "chat_template",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]
     "spec_min_acceptance": "plugin_options.spec_decode.min_acceptance",
     "spec_max_batch_size": "plugin_options.spec_decode.max_batch_size",

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
 
 MAX_MESSAGES = 4096
 
@@ -50,14 +51,37 @@ class ChatPrompt:
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template (a chat_template entry in "
                                       "tokenizer_config.json, or a chat_template.jinja file), so it cannot render "
-                                      "chat messages; send a plain prompt, or add the template to the model folder")
+                                      "chat messages; send a plain prompt, add the template to the model folder, "
+                                      "or give one with --chat-template FILE")
         turns = [{"role": m.role, "content": m.content} for m in self.messages]
         try:
             text = tokenizer.apply_chat_template(turns, tokenize=False,
                                                  add_generation_prompt=self.add_generation_prompt)
+        except jinja2.TemplateSyntaxError as exc:
+            raise InvalidRequestError(f"the model's chat template is not valid Jinja (line {exc.lineno}: "
+                                      f"{exc.message}); fix it, or give one with --chat-template FILE") from None
         except jinja2.TemplateError as exc:  # templates refuse what they cannot render: raise_exception('...')
             raise InvalidRequestError(f"the model's chat template refused the messages: {exc}") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def read_chat_template(path: str) -> str:
+    """The Jinja template in file ``path`` (``--chat-template``); ConfigError for a file that is missing, not
+    UTF-8, empty or not valid Jinja, so that a bad one stops the engine at start, not at the first chat."""
+    import jinja2
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--chat-template {path!r} cannot be read ({exc}); give a UTF-8 Jinja template "
+                          "file") from None
+    if not text.strip():
+        raise ConfigError(f"--chat-template {path!r} is empty; give a Jinja template file")
+    try:  # transformers renders with the loop-controls extension ({% break %}, {% continue %})
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"--chat-template {path!r} is not valid Jinja (line {exc.lineno}: {exc.message})") from None
+    return text
 
 
 def _message(index: int, message: Mapping[str, str] | ChatMessage) -> ChatMessage:

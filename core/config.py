@@ -65,6 +65,7 @@ class EngineConfig:
     kv_admission_reserve: float | str = 0.0
     num_speculative_tokens: int = 0
     draft_model: str | None = None
+    chat_template: str | None = None  # a Jinja chat template file, in place of the model's own (core/chat.py)
     cuda_graphs: bool = True
     # Steps that decode graphs do not take (prefill chunks, prefills beside decodes) of up to this many tokens
     # replay CUDA graphs too (one per token count of a ladder; padded to the next), where the attention backend
@@ -98,7 +99,7 @@ class EngineConfig:
 
     def validate(self) -> EngineConfig:
         """Check types, ranges and combinations; return self for chaining."""
-        for name in ("model", "draft_model"):  # a pathlib.Path is as good as a string
+        for name in ("model", "draft_model", "chat_template"):  # a pathlib.Path is as good as a string
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         for f in dataclasses.fields(self):

@@ -16,7 +16,7 @@ import torch
 
 from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
 from .assembly import assemble
-from .chat import Prompt
+from .chat import Prompt, read_chat_template
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
@@ -67,6 +67,8 @@ class Engine:
             parts.loaded, parts.attention, parts.kv_dtype, parts.num_blocks
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.tokenizer = self.loaded.tokenizer
+        if config.chat_template is not None:  # this engine's own tokenizer object: no one else sees the change
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
         self.new_detokenizer = detokenizer_factory(self.tokenizer, self.loaded.model.spec.vocab_size)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len

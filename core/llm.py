@@ -71,6 +71,7 @@ class LLM:
 
 def _as_list(prompts: Prompt | Seq[Prompt]) -> Seq[Prompt]:
     """One prompt (a string, a list of token ids, a ChatPrompt) as a list of one; a list of prompts as it is."""
-    if isinstance(prompts, (str, ChatPrompt)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, ChatPrompt)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
         return [prompts]  # type: ignore[list-item]
     return prompts  # type: ignore[return-value]

@@ -264,9 +264,9 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
                               "target's tokenizer")
     t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     if t_vocab != d_vocab:
-        differing = sorted(token for token in t_vocab.keys() | d_vocab.keys() if t_vocab.get(token) != d_vocab.get(token))
-        examples = "; ".join(f"{token!r} is {t_vocab.get(token, 'absent')} in the target, {d_vocab.get(token, 'absent')}"
-                             " in the draft" for token in differing[:3])
+        differing = sorted(t for t in t_vocab.keys() | d_vocab.keys() if t_vocab.get(t) != d_vocab.get(t))
+        examples = "; ".join(f"{t!r} is {t_vocab.get(t, 'absent')} in the target, {d_vocab.get(t, 'absent')} in the "
+                             "draft" for t in differing[:3])
         raise CheckpointError(f"draft model {str(draft.path)!r} does not share the target's tokenizer "
                               f"({len(t_vocab)} and {len(d_vocab)} tokens, {len(differing)} of them with different "
                               f"ids, e.g. {examples}); speculative decoding needs a draft trained with the "

@@ -52,8 +52,9 @@ def checkpoint(tiny_model_factory: Callable[..., Path]) -> Callable[[str], Path]
 
 # a ChatML-like template that refuses unknown roles, as real templates do
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-                 "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+                 "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                 "<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ apply_chat_template (the template's own BOS, never a second one from the tokeniz
 HF's; every malformed conversation is refused by name."""
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,8 @@ def test_a_malformed_conversation_is_refused_by_name(llm: LLM, messages: object,
 
 def test_a_model_without_a_template_says_how_to_get_one(tiny_model: Path) -> None:
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32))
-    with pytest.raises(InvalidRequestError, match="no chat template .* send a plain prompt, or add the template"):
+    with pytest.raises(InvalidRequestError, match="no chat template .* send a plain prompt, add the template to "
+                                                  "the model folder, or give one with --chat-template FILE"):
         engine.add_request(ChatPrompt.of(CHAT))
 
 
@@ -108,3 +110,54 @@ def test_infer_chat_holds_the_conversation_as_llm_chat_does(llm: LLM, chat_model
     assert result.exit_code == 2 and "no chat template" in result.stderr and not result.stdout
     result = run("--temperature", "-1", input="hi\n")
     assert result.exit_code == 2 and "temperature" in result.stderr
+
+
+PLAIN = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}" \
+        "[assistant] {% endif %}"
+
+
+def test_a_chat_template_file_renders_in_place_of_the_models(tiny_model: Path, chat_model: Path,
+                                                             tmp_path: Path) -> None:
+    (tmp_path / "plain.jinja").write_text(PLAIN)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    for model in (tiny_model, chat_model):  # a model without a template, and one whose template it replaces
+        hf = AutoTokenizer.from_pretrained(str(model))
+        expected = list(hf.apply_chat_template(CHAT, chat_template=PLAIN, add_generation_prompt=True)["input_ids"])
+        llm = LLM(model=str(model), device="cpu", num_kv_blocks=32, chat_template=tmp_path / "plain.jinja")
+        assert llm.chat(CHAT, params)[0].prompt_token_ids == expected
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    result = CliRunner().invoke(main, ["--model", str(tiny_model), "--num-kv-blocks", "32", "--chat-template",
+                                       str(tmp_path / "plain.jinja"), "chat", "--max-tokens", "3"], input="hi\n")
+    assert result.exit_code == 0 and result.stdout.endswith("\n"), result.output
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot be read"),
+    ("  \n", "is empty; give a Jinja template file"),
+    ("{% for m in messages %}{{ m['content'] }}", "is not valid Jinja (line 1: Unexpected end of template"),
+])
+def test_a_bad_chat_template_file_stops_the_engine_at_start(tiny_model: Path, tmp_path: Path,
+                                                            content: str | None, message: str) -> None:
+    from infer import ConfigError
+
+    path = tmp_path / "template.jinja"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(f"--chat-template '{path}' {message}")):
+        LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(path))
+
+
+def test_a_models_own_broken_template_is_named(chat_model: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(chat_model, broken)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if %}"}))
+    llm = LLM(model=str(broken), device="cpu", num_kv_blocks=32)
+    with pytest.raises(InvalidRequestError, match="the model's chat template is not valid Jinja .*--chat-template"):
+        llm.chat(CHAT)

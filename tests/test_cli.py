@@ -341,7 +341,8 @@ def test_plugin_options_reach_the_config_and_bench_arms_merge_them(infer_plugins
     assert parse_plugin_options(("awq.fused_max_rows=8", "fp8.backend=emulate", "x.flag=true", 'x.s="7"')) == {
         "plugin_options.awq.fused_max_rows": 8, "plugin_options.fp8.backend": "emulate",
         "plugin_options.x.flag": True, "plugin_options.x.s": "7"}
-    base = EngineArgs.from_kwargs({"plugin_option": parse_plugin_options(("awq.fused_max_rows=8", "awq.group_size=64"))})
+    options = parse_plugin_options(("awq.fused_max_rows=8", "awq.group_size=64"))
+    base = EngineArgs.from_kwargs({"plugin_option": options})
     a, b = parse_arms(["", "--plugin-option awq.fused_max_rows=64"], base)
     assert a.args.build(infer_plugins).plugin_options == {"awq": {"fused_max_rows": 8, "group_size": 64}}
     assert b.args.build(infer_plugins).plugin_options == {"awq": {"fused_max_rows": 64, "group_size": 64}}

@@ -484,9 +484,12 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
 
 # ---------------------------------------------------------------- the Python API refuses bad input by name
 @pytest.mark.parametrize(("call", "message"), [
-    (lambda e: e.generate(None), "prompts must be a list of prompts (strings, token-id lists or ChatPrompts), got NoneType"),
-    (lambda e: e.generate(b"hello"), "prompts must be a list of prompts (strings, token-id lists or ChatPrompts), got bytes"),
-    (lambda e: e.generate(["a", 5]), "prompt 2 of 2: a prompt is a string, a list of token ids or a ChatPrompt, got int"),
+    (lambda e: e.generate(None), "prompts must be a list of prompts (strings, token-id lists or ChatPrompts), got "
+                                 "NoneType"),
+    (lambda e: e.generate(b"hello"), "prompts must be a list of prompts (strings, token-id lists or ChatPrompts), "
+                                     "got bytes"),
+    (lambda e: e.generate(["a", 5]), "prompt 2 of 2: a prompt is a string, a list of token ids or a ChatPrompt, "
+                                     "got int"),
     (lambda e: e.generate([b"hi"]), "got bytes (decode the bytes to text first)"),
     (lambda e: e.generate(["hi"], {"max_tokens": 3}), "sampling parameters must be an infer.SamplingParams, got dict"),
     (lambda e: e.generate(["a\udcff"]), "the prompt is not valid UTF-8 text"),
