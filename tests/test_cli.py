@@ -187,13 +187,8 @@ def test_bad_models_and_plugins_fail_cleanly(tmp_path, tiny_model):
         assert __import__("re").search(message, result.output), result.output
 
 
-def test_an_attention_backend_the_device_cannot_run_is_a_usage_error(tiny_model):
-    import torch
-
-    from infer.core.loader import triton_runs_on
-
-    if triton_runs_on(torch.device("cpu")):  # TRITON_INTERPRET=1 runs it on CPU tensors
-        pytest.skip("the triton backend runs here (TRITON_INTERPRET=1)")
+def test_an_attention_backend_the_device_cannot_run_is_a_usage_error(tiny_model, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the suite's interpreter would run it on CPU tensors
     result = run("--model", str(tiny_model), "--device", "cpu", "--attention", "triton", "generate", "hi")
     assert result.exit_code == 2 and "the triton attention backend needs a CUDA GPU" in result.stderr
     assert "drop --attention for the device's default (cpu on a CPU)" in result.stderr
