@@ -36,10 +36,11 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
         if seq.seq_id not in seq_ids or (not new and not done):
             continue
         detok = req.detoks[i]
+        silent = done and seq.ends_on_stop_token()  # the stop token's text is not output
         if len(new) > 1 and stops and seq.finish_reason is not FinishReason.ABORT:
-            new = _add_until_stop(req, i, seq, detok, new)
+            new = _add_until_stop(req, i, seq, detok, new, silent)
         else:
-            detok.add(new)
+            detok.add(new[:-1] if silent else new)
         req.sent[i] += len(new)
         if done:
             detok.flush()
@@ -61,7 +62,7 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
     if seq.seq_id not in seq_ids or (not new and not done):
         return RequestOutput(req.request_id, req.prompt_token_ids, [], done)
     detok = req.detoks[0]
-    detok.add(new)
+    detok.add(new[:-1] if done and seq.ends_on_stop_token() else new)  # a stop token's text is not output
     req.sent[0] += len(new)
     if done:
         detok.flush()
@@ -131,10 +132,14 @@ def _append_completion(c: CompletionOutput, d: CompletionOutput, text: str) -> N
         c.logprobs += d.logprobs
 
 
-def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer, new: list[int]) -> list[int]:
+def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer, new: list[int],
+                    silent_last: bool) -> list[int]:
     """Several new tokens (speculative decoding): detokenize them one at a time and drop those after the one that
-    completes a stop string, as a one-token-per-step run would have stopped there."""
+    completes a stop string, as a one-token-per-step run would have stopped there. ``silent_last``: the last token
+    is the stop token that ended the sequence, whose text is not output."""
     for count, token in enumerate(new, 1):
+        if silent_last and count == len(new):
+            break
         detok.add([token])
         if count < len(new) and _first_stop(req, i, detok) is not None:
             drop = len(new) - count

@@ -251,6 +251,12 @@ class Sequence:
         """Token-level stop checks after an append (stop strings are checked on text by the engine)."""
         return self.stop_reason(self.token_ids[-1], len(self.token_ids))
 
+    def ends_on_stop_token(self) -> bool:
+        """Finished by its last token, an EOS or stop token id, whose text the output leaves out (as vLLM's does;
+        token_ids keep it)."""
+        return self.finish_reason is FinishReason.STOP and self.num_output_tokens > 0 and \
+            self.token_ids[-1] in self._stop_rule[0]
+
     def stop_reason(self, token: int, num_tokens: int) -> FinishReason | None:
         """Whether ``token``, as token number ``num_tokens`` of the sequence, stops it (speculative decoding asks
         ahead, for tokens not yet appended)."""

@@ -140,7 +140,7 @@ def describe_engine(engine: Any) -> pb.ModelInfo:
         max_model_len=engine.max_model_len, vocab_size=loaded.model.spec.vocab_size,
         dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device), quant=engine.active["quant"],
         components=engine.active, block_size=engine.config.block_size, num_kv_blocks=engine.num_blocks,
-        version=__version__)
+        version=__version__, chat_template=bool(getattr(engine.tokenizer, "chat_template", None)))
 
 
 def list_plugins(engine: Any) -> pb.ListPluginsResponse:

@@ -222,7 +222,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "dtype", "device", "quant", "components", "block_size", "num_kv_blocks", "version")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "dtype", "device", "quant", "components", "block_size", "num_kv_blocks", "version", "chat_template")
     class ComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -252,7 +253,8 @@ class ModelInfo(_message.Message):
     block_size: int
     num_kv_blocks: int
     version: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quant: _Optional[str] = ..., components: _Optional[_Mapping[str, str]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    chat_template: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quant: _Optional[str] = ..., components: _Optional[_Mapping[str, str]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., version: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...
 
 class ListPluginsRequest(_message.Message):
     __slots__ = ()

@@ -147,6 +147,17 @@ def test_stop_strings_and_stop_tokens(engine):
     out = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
                                                    stop_token_ids=[stop_token]))[0].outputs[0]
     assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason is FinishReason.STOP
+    # the stop token's text is left out (token_ids keep it), on every output path: one sequence, n > 1, stop
+    # strings beside it, a stream
+    shown = engine.tokenizer.decode(free.token_ids[:first])
+    assert engine.tokenizer.decode([stop_token]).strip() and out.text == shown
+    for extra in ({"n": 2}, {"stop": ["never appears"]}):
+        both = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                        stop_token_ids=[stop_token], **extra))[0].outputs
+        assert [c.text for c in both] == [shown] * len(both)
+    streamed = engine.stream(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                    stop_token_ids=[stop_token]))
+    assert "".join(c.text for d in streamed for c in d.outputs) == shown
     stop_text = free.text[6:9]
     out = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
                                                    stop=[stop_text]))[0].outputs[0]

@@ -482,7 +482,7 @@ def test_model_info_plugins_and_stats(client: Client, llm: Any, tiny_model: Path
     info = client.model_info()
     assert (info.model, info.max_model_len, info.vocab_size) == (str(tiny_model), llm.engine.max_model_len,
                                                                  llm.engine.loaded.model.spec.vocab_size)
-    assert info.architecture == "LlamaForCausalLM" and info.quant == "none"
+    assert info.architecture == "LlamaForCausalLM" and info.quant == "none" and not info.chat_template
     assert dict(info.components) == llm.engine.active
     names = {(p.kind, p.name) for p in client.plugins()}
     assert {("command", "serve"), ("command", "client"), ("scheduler", "continuous"), ("kv_cache", "paged")} <= names

@@ -533,7 +533,10 @@ def test_a_chat_prompt_over_grpc_is_rendered_by_the_servers_template(chat_model:
     from infer.core.beam_search import BeamSearchParams
     from infer.core.llm import LLM
 
+    from infer.server.app import describe_engine
+
     llm = LLM(model=str(chat_model), device="cpu", num_kv_blocks=128)
+    assert describe_engine(llm.engine).chat_template  # GetModelInfo tells clients that chats render
     chat = [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "def add(a, b):"}]
     want = llm.chat(chat, SamplingParams(max_tokens=6, temperature=0.0))[0]
     beams = llm.beam_search(ChatPrompt.of(chat), BeamSearchParams(beam_width=2, max_tokens=4))[0]

@@ -105,9 +105,13 @@ def test_logprobs_and_stop_tokens_under_speculation():
         assert a.keys() == b.keys() and all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
     stop = plain.token_ids[9]
     first = plain.token_ids.index(stop)
-    stopped = engine(proposer="ngram", num_speculative_tokens=5).generate(
-        [PROMPTS[1]], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))
-    assert stopped[0].outputs[0].token_ids == plain.token_ids[: first + 1]
+    ngram = engine(proposer="ngram", num_speculative_tokens=5)
+    shown = ngram.tokenizer.decode(plain.token_ids[:first])  # the stop token's own text is left out
+    for strings in ((), ("never appears",)):  # one token at a time, and several per round checked for a string
+        stopped = ngram.generate([PROMPTS[1]], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                              stop_token_ids=[stop], stop=strings))
+        assert stopped[0].outputs[0].token_ids == plain.token_ids[: first + 1]
+        assert stopped[0].outputs[0].text == shown
 
 
 def test_configuration_errors_are_clear(tmp_path):
