@@ -19,7 +19,7 @@ from .options import sampling_options
 def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict[str, Any], seed: int | None) -> None:
     """Chat with the model: each line of stdin is your turn, and the model's reply to the whole conversation so far
     (rendered by the model's chat template) streams to stdout. End of input (Ctrl-D) or /exit ends it, /reset
-    starts over, Ctrl-C during a reply stops that reply. A turn the engine refuses (the conversation outgrew the
+    starts over, Ctrl-C during a reply stops that reply (and on a terminal clears the line being typed). A turn the engine refuses (the conversation outgrew the
     context, say) is dropped with the reason on stderr, and the exit status is then 1."""
     from ..core.chat import ChatPrompt
     from ..core.request import SamplingParams
@@ -43,11 +43,14 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
     history = list(opening)
     refused = 0
     while (line := _read_turn(interactive)) is not None:
-        if line in ("", "/exit", "/reset"):
-            if line == "/exit":
-                break
-            if line == "/reset":
-                history = list(opening)
+        if line == "/exit":
+            break
+        if line == "/reset":
+            history = list(opening)
+            continue
+        if not line or (line.startswith("/") and " " not in line):  # a mistyped command is not a turn
+            if line:
+                click.echo(f"infer: unknown command {line} (the commands: /reset, /exit)", err=True)
             continue
         turn = [*history, {"role": "user", "content": line}]
         try:
@@ -62,13 +65,20 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
 
 
 def _read_turn(interactive: bool) -> str | None:
-    """The next turn, stripped; None at the end of input."""
+    """The next turn, stripped; None at the end of input. On a terminal, Ctrl-C clears the line being typed."""
     if interactive:
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:  # a Python built without it: plain input
+            pass
         try:
             return input(">>> ").strip()
         except EOFError:
             click.echo(err=True)
             return None
+        except KeyboardInterrupt:
+            click.echo(err=True)
+            return ""
     line = sys.stdin.readline()
     return line.strip() if line else None
 
@@ -83,6 +93,8 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> str:
             click.echo(parts[-1], nl=False)
     except KeyboardInterrupt:
         deltas.close()
-        click.echo("\n[reply stopped]", err=True)
+        click.echo()
+        click.echo("[reply stopped]", err=True)
+        return "".join(parts)
     click.echo()
     return "".join(parts)

@@ -62,12 +62,17 @@ class ChatPrompt:
                                       f"{exc.message}); fix it, or give one with --chat-template FILE") from None
         except jinja2.TemplateError as exc:  # templates refuse what they cannot render: raise_exception('...')
             raise InvalidRequestError(f"the model's chat template refused the messages: {exc}") from None
+        except (ValueError, TypeError) as exc:  # several named templates and no default; a template's own bug
+            raise InvalidRequestError(f"the model's chat template cannot render the messages ({type(exc).__name__}: "
+                                      f"{exc}); fix it, or give one with --chat-template FILE") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def read_chat_template(path: str) -> str:
+def read_chat_template(path: str, tokenizer: Any) -> str:
     """The Jinja template in file ``path`` (``--chat-template``); ConfigError for a file that is missing, not
-    UTF-8, empty or not valid Jinja, so that a bad one stops the engine at start, not at the first chat."""
+    UTF-8, empty or not valid Jinja, so that a bad one stops the engine at start, not at the first chat. It is
+    compiled as ``tokenizer.apply_chat_template`` compiles it (transformers' extensions: ``{% generation %}``,
+    ``{% break %}``)."""
     import jinja2
 
     try:
@@ -77,24 +82,56 @@ def read_chat_template(path: str) -> str:
                           "file") from None
     if not text.strip():
         raise ConfigError(f"--chat-template {path!r} is empty; give a Jinja template file")
-    try:  # transformers renders with the loop-controls extension ({% break %}, {% continue %})
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    try:  # a probe conversation: only a syntax error is the file's fault (a template may refuse the probe)
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=text, tokenize=False)
     except jinja2.TemplateSyntaxError as exc:
         raise ConfigError(f"--chat-template {path!r} is not valid Jinja (line {exc.lineno}: {exc.message})") from None
+    except Exception:  # noqa: BLE001 - refusing the probe (raise_exception, a role rule) is the template's right
+        pass
     return text
 
 
-def _message(index: int, message: Mapping[str, str] | ChatMessage) -> ChatMessage:
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessage:
+    """One message, as HF normalizes it (keys whose value is None dropped) and as vLLM reads OpenAI's text parts
+    (a content list of ``{"type": "text", "text": ...}`` joined by newlines)."""
     if isinstance(message, ChatMessage):
         message = {"role": message.role, "content": message.content}
-    if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
-        keys = sorted(message) if isinstance(message, Mapping) else type(message).__name__
-        raise InvalidRequestError(f"chat message {index} must have exactly the keys 'role' and 'content', got {keys}")
-    role, content = message["role"], message["content"]
-    if not isinstance(role, str) or not role or not isinstance(content, str):
-        raise InvalidRequestError(f"chat message {index}: role must be a non-empty string and content a string, got "
-                                  f"{role!r} and {type(content).__name__}")
+    if not isinstance(message, Mapping):
+        raise InvalidRequestError(f"chat message {index} must be a {{'role': ..., 'content': ...}} mapping, got "
+                                  f"{type(message).__name__}")
+    message = {key: value for key, value in message.items() if value is not None}
+    if tools := [key for key in TOOL_KEYS if key in message]:
+        raise InvalidRequestError(f"chat message {index} has {', '.join(map(repr, tools))}: tool calls are not "
+                                  "supported; send the messages' role and content only")
+    if set(message) != {"role", "content"}:
+        raise InvalidRequestError(f"chat message {index} must have exactly the keys 'role' and 'content', got "
+                                  f"{sorted(message)}")
+    role, content = message["role"], _text_of(index, message["content"])
+    if not isinstance(role, str) or not role:
+        raise InvalidRequestError(f"chat message {index}: role must be a non-empty string, got {role!r}")
+    for name, text in (("role", role), ("content", content)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8, decoded leniently
+            raise InvalidRequestError(f"chat message {index}: its {name} is not valid UTF-8 text (character "
+                                      f"{exc.start} stands for a byte that is not UTF-8); convert the input to "
+                                      "UTF-8 first") from None
     return ChatMessage(role, content)
+
+
+def _text_of(index: int, content: object) -> str:
+    """A message's content: a string, or OpenAI's list of text parts (joined by newlines, as vLLM joins them)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)) and all(isinstance(part, Mapping) and part.get("type") == "text" and
+                                                  isinstance(part.get("text"), str) for part in content):
+        return "\n".join(part["text"] for part in content)
+    raise InvalidRequestError(f"chat message {index}: content must be a string or a list of {{'type': 'text', "
+                              f"'text': ...}} parts (images and other parts are not supported), got "
+                              f"{str(content)[:80]}")
 
 
 Prompt = str | list[int] | ChatPrompt  # what every prompt-taking call accepts

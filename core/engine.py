@@ -68,7 +68,7 @@ class Engine:
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.tokenizer = self.loaded.tokenizer
         if config.chat_template is not None:  # this engine's own tokenizer object: no one else sees the change
-            self.tokenizer.chat_template = read_chat_template(config.chat_template)
+            self.tokenizer.chat_template = read_chat_template(config.chat_template, self.tokenizer)
         self.new_detokenizer = detokenizer_factory(self.tokenizer, self.loaded.model.spec.vocab_size)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len

@@ -8,7 +8,7 @@ from typing import Any
 
 from .admission import at_prompt, check_prompt_list
 from .beam_search import BeamSearchOutput, BeamSearchParams
-from .chat import ChatPrompt, Prompt
+from .chat import ChatMessage, ChatPrompt, Prompt
 from .config import COMPONENT_FIELDS, EngineConfig
 from .engine import Engine
 from .errors import ConfigError, InferError
@@ -44,17 +44,19 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         return self.engine.generate(_as_list(prompts), params)
 
-    def chat(self, messages: Seq[Mapping[str, str]] | Seq[Seq[Mapping[str, str]]],
-             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Answer one conversation (a list of ``{"role": ..., "content": ...}`` messages) or several (a list of
-        such lists), each rendered by the model's chat template (core/chat.py); one RequestOutput per
-        conversation, in order."""
-        one = isinstance(messages, Seq) and bool(messages) and isinstance(messages[0], Mapping)
+    def chat(self, messages: Seq[Mapping[str, Any] | ChatMessage] | Seq[Seq[Mapping[str, Any] | ChatMessage]],
+             params: SamplingParams | Seq[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role": ..., "content": ...}`` messages or ChatMessages) or
+        several (a list of such lists), each rendered by the model's chat template (core/chat.py); one
+        RequestOutput per conversation, in order. ``add_generation_prompt=False`` renders the messages alone
+        (to continue the last one, say)."""
+        one = isinstance(messages, Seq) and bool(messages) and isinstance(messages[0], (Mapping, ChatMessage))
         conversations = [messages] if one else messages
         prompts = []
         for index, conversation in enumerate(check_prompt_list(conversations)):
             try:
-                prompts.append(ChatPrompt.of(conversation))  # type: ignore[arg-type]
+                prompts.append(ChatPrompt.of(conversation, add_generation_prompt))  # type: ignore[arg-type]
             except InferError as exc:
                 raise at_prompt(exc, index, len(conversations)) from None
         return self.engine.generate(prompts, params)

@@ -83,8 +83,8 @@ class _Base:
     def __init__(self, channels: Any, target: str, token: str | None, tls: bool,
                  root_certificates: bytes | str | Path | None, timeout: float | None, max_message_bytes: int) -> None:
         """``channels`` is ``grpc`` or ``grpc.aio``: both have ``secure_channel`` and ``insecure_channel``."""
+        self.target, self.timeout = target, timeout
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self.timeout = timeout
         creds, options = _channel_config(tls, root_certificates, max_message_bytes)
         self.channel = (channels.secure_channel(target, creds, options) if creds
                         else channels.insecure_channel(target, options))

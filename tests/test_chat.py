@@ -54,10 +54,15 @@ def test_chat_generates_what_hf_generates_from_the_rendered_prompt(
     ("hello", "must be a list of {'role': ..., 'content': ...} entries, got str"),
     ({"role": "user", "content": "x"}, "must be a list of"),
     ([{"role": "user"}], "chat message 0 must have exactly the keys 'role' and 'content', got ['role']"),
-    ([{"role": "user", "content": "x", "name": "n"}], "got ['content', 'name', 'role']"),
+    ([{"role": "user", "content": "x", "weight": 1}], "got ['content', 'role', 'weight']"),
+    ([{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}],
+     "chat message 0 has 'tool_calls': tool calls are not supported; send the messages' role and content only"),
     ([{"role": "", "content": "x"}], "chat message 0: role must be a non-empty string"),
-    ([{"role": "user", "content": 5}], "content a string, got 'user' and int"),
-    ([{"role": "user", "content": "x"}, "oops"], "chat message 1 must have exactly the keys"),
+    ([{"role": "user", "content": 5}], "content must be a string or a list of {'type': 'text', 'text': ...} parts"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "images and other parts are not"),
+    ([{"role": "user", "content": "bad \udcff byte"}], "chat message 0: its content is not valid UTF-8 text"),
+    ([{"role": "user", "content": "x"}, "oops"], "chat message 1 must be a {'role': ..., 'content': ...} mapping"),
+    ([{"role": "user", "content": "x"}] * 4097, "a chat prompt has at most 4096 messages, got 4097"),
     ([{"role": "tool", "content": "x"}], "the model's chat template refused the messages: unknown role tool"),
 ])
 def test_a_malformed_conversation_is_refused_by_name(llm: LLM, messages: object, message: str) -> None:
@@ -65,6 +70,41 @@ def test_a_malformed_conversation_is_refused_by_name(llm: LLM, messages: object,
         llm.chat([CHAT, messages])  # type: ignore[list-item]
     assert str(info.value).startswith("prompt 2 of 2: ") and message in str(info.value)
     assert not llm.engine.has_unfinished()  # all or nothing
+
+
+def test_what_openai_clients_send_is_read_as_hf_and_vllm_read_it(llm: LLM) -> None:
+    """Keys whose value is None are dropped (HF's normalization; an OpenAI SDK round trip leaves them), a content
+    list of text parts is joined by newlines (vLLM's reading), and a ChatPrompt built directly is checked too."""
+    plain = llm.engine.tokenize(ChatPrompt.of([*CHAT, {"role": "assistant", "content": "a\nb"}]))
+    sdk = [{**m, "name": None, "tool_calls": None} for m in CHAT]
+    parts = {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert llm.engine.tokenize(ChatPrompt.of([*sdk, parts])) == plain
+    direct = ChatPrompt(tuple([*CHAT, {"role": "assistant", "content": "a\nb"}]))  # dicts, not ChatMessages
+    assert llm.engine.tokenize(direct) == plain
+    messages = [ChatMessage(m["role"], m["content"]) for m in CHAT]  # a list of ChatMessages is one conversation
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    assert llm.chat(messages, params)[0].outputs[0].token_ids == llm.chat(CHAT, params)[0].outputs[0].token_ids
+    opened = llm.chat(CHAT, params, add_generation_prompt=False)[0]
+    assert opened.prompt_token_ids == llm.engine.tokenize(ChatPrompt.of(CHAT, add_generation_prompt=False))
+
+
+def test_ids_the_model_lacks_are_refused(chat_model: Path, tmp_path: Path) -> None:
+    """A template that writes a token the model's vocabulary lacks (a tokenizer larger than the model)."""
+    import json
+    import shutil
+
+    bigger = tmp_path / "bigger"
+    shutil.copytree(chat_model, bigger)
+    tokenizer = json.loads((bigger / "tokenizer.json").read_text())
+    size = json.loads((bigger / "config.json").read_text())["vocab_size"]
+    tokenizer["added_tokens"].append({"id": size, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+    (bigger / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (bigger / "extra.jinja").write_text("<|extra|>{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    llm = LLM(model=str(bigger), device="cpu", num_kv_blocks=32, chat_template=str(bigger / "extra.jinja"))
+    with pytest.raises(InvalidRequestError, match=f"the rendered chat encodes to token ids \\[{size}\\] that the "
+                                                  "model's vocabulary"):
+        llm.chat(CHAT)
 
 
 def test_a_model_without_a_template_says_how_to_get_one(tiny_model: Path) -> None:
@@ -106,6 +146,8 @@ def test_infer_chat_holds_the_conversation_as_llm_chat_does(llm: LLM, chat_model
     result = run(input=f"{'x' * 2000}\n{second['content']}\n")
     assert result.exit_code == 1 and result.stdout == f"{fresh}\n"
     assert "turn refused: prompt (" in result.stderr and "/reset starts a new conversation" in result.stderr
+    result = run(input=f"/rest\n{second['content']}\n")  # a mistyped command is not sent
+    assert result.exit_code == 0 and result.stdout == f"{fresh}\n" and "unknown command /rest" in result.stderr
     result = CliRunner().invoke(main, ["--model", str(tiny_model), "chat"], input="hi\n")
     assert result.exit_code == 2 and "no chat template" in result.stderr and not result.stdout
     result = run("--temperature", "-1", input="hi\n")
@@ -132,6 +174,15 @@ def test_a_chat_template_file_renders_in_place_of_the_models(tiny_model: Path, c
     result = CliRunner().invoke(main, ["--model", str(tiny_model), "--num-kv-blocks", "32", "--chat-template",
                                        str(tmp_path / "plain.jinja"), "chat", "--max-tokens", "3"], input="hi\n")
     assert result.exit_code == 0 and result.stdout.endswith("\n"), result.output
+
+
+def test_a_template_file_with_transformers_extensions_is_accepted(tiny_model: Path, tmp_path: Path) -> None:
+    path = tmp_path / "extensions.jinja"
+    path.write_text("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% generation %}"
+                    "{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(path))
+    three = [*CHAT, {"role": "user", "content": "dropped"}]
+    assert llm.engine.tokenize(ChatPrompt.of(three)) == llm.engine.tokenize("".join(m["content"] for m in CHAT))
 
 
 @pytest.mark.parametrize(("content", "message"), [
@@ -161,3 +212,32 @@ def test_a_models_own_broken_template_is_named(chat_model: Path, tmp_path: Path)
     llm = LLM(model=str(broken), device="cpu", num_kv_blocks=32)
     with pytest.raises(InvalidRequestError, match="the model's chat template is not valid Jinja .*--chat-template"):
         llm.chat(CHAT)
+
+
+def test_ctrl_c_during_a_reply_keeps_its_text_and_aborts_its_request(capsys: pytest.CaptureFixture[str]) -> None:
+    from infer.cli.chat import _stream_reply
+    from infer.core.request import CompletionOutput, RequestOutput
+
+    class Interrupted:
+        """A stream whose reader presses Ctrl-C after two deltas."""
+
+        def __init__(self) -> None:
+            self.sent, self.closed = 0, False
+
+        def __iter__(self) -> Interrupted:
+            return self
+
+        def __next__(self) -> RequestOutput:
+            self.sent += 1
+            if self.sent > 2:
+                raise KeyboardInterrupt
+            return RequestOutput("r", [1], [CompletionOutput(0, [5], f"part{self.sent} ")], False)
+
+        def close(self) -> None:
+            self.closed = True
+
+    stream = Interrupted()
+    engine = type("Engine", (), {"stream": lambda self, prompt, params: stream})()
+    assert _stream_reply(engine, None, None) == "part1 part2 " and stream.closed
+    printed = capsys.readouterr()
+    assert printed.out == "part1 part2 \n" and printed.err == "[reply stopped]\n"

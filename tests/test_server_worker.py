@@ -529,7 +529,10 @@ def test_a_failed_command_whose_caller_gave_up_is_logged_not_lost(caplog):
 def test_a_chat_prompt_over_grpc_is_rendered_by_the_servers_template(chat_model: Any) -> None:
     """Generate, Complete and BeamSearch take a conversation; the server's engine renders it (LLM.chat's tokens);
     a malformed one is INVALID_ARGUMENT, and so is a model without a template (rendered on the engine thread)."""
+    from click.testing import CliRunner
+
     from infer import ChatPrompt
+    from infer.cli import main
     from infer.core.beam_search import BeamSearchParams
     from infer.core.llm import LLM
 
@@ -559,5 +562,9 @@ def test_a_chat_prompt_over_grpc_is_rendered_by_the_servers_template(chat_model:
             assert code is grpc.StatusCode.INVALID_ARGUMENT and complaint in details, details
         with pytest.raises(InvalidRequestError, match="add_generation_prompt"):  # the client says so first
             client.generate(ChatPrompt.of(chat, add_generation_prompt=False))
+        cli = await asyncio.to_thread(CliRunner().invoke, main, [  # `infer client --chat` sends the same chat
+            "client", chat[1]["content"], "--target", client.target, "--chat", "--system", chat[0]["content"],
+            "--max-tokens", "6", "--temperature", "0"])
+        assert (cli.exit_code, cli.stdout) == (0, want.outputs[0].text + "\n"), cli.output
 
     serve_scripted(test, engine=llm.engine)
