@@ -241,3 +241,25 @@ def test_ctrl_c_during_a_reply_keeps_its_text_and_aborts_its_request(capsys: pyt
     assert _stream_reply(engine, None, None) == "part1 part2 " and stream.closed
     printed = capsys.readouterr()
     assert printed.out == "part1 part2 \n" and printed.err == "[reply stopped]\n"
+
+
+def test_infer_chat_warns_when_the_tokenizers_eos_does_not_stop_generation(chat_model: Path, tmp_path: Path) -> None:
+    """HF's rule: generation_config.json's eos ids stop generation; a tokenizer whose eos is an end-of-turn token
+    the config leaves out would let replies run on (older Llama 3 Instruct checkpoints): said at start."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    args = ["chat", "--max-tokens", "2", "--temperature", "0"]
+    quiet = CliRunner().invoke(main, ["--model", str(chat_model), "--num-kv-blocks", "32", *args], input="hi\n")
+    assert quiet.exit_code == 0 and "warning" not in quiet.stderr
+    other = tmp_path / "other-eos"
+    shutil.copytree(chat_model, other)
+    config = json.loads((other / "generation_config.json").read_text())
+    (other / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [3]}))
+    warned = CliRunner().invoke(main, ["--model", str(other), "--num-kv-blocks", "32", *args], input="hi\n")
+    assert warned.exit_code == 0 and "warning: the tokenizer's end-of-sequence token '<|eos|>' (id 2) does not " \
+        "stop generation, which stops at [3]" in warned.stderr
