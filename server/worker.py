@@ -16,18 +16,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..core.chat import Prompt
 from ..core.errors import InferError, InvalidRequestError, NotFoundError
 from ..core.request import RequestOutput, SamplingParams
+from .snapshot import EngineSnapshot, Throughput, read_snapshot
 from .streams import RequestStream
 
 log = logging.getLogger("infer.server")
-
-THROUGHPUT_WINDOW_S = 10.0
-
 
 class EngineFault(Exception):
     """An unexpected exception inside the engine; the server answers INTERNAL and keeps serving."""
@@ -84,56 +82,6 @@ class _Alone(_Call):
 _STOP = object()
 
 
-@dataclass
-class EngineSnapshot:
-    """Engine load, read on the worker thread (so it is consistent with the engine's own state)."""
-
-    queue_depth: int
-    num_running: int
-    kv_total_blocks: int
-    kv_free_blocks: int
-    kv_used_blocks: int
-    kv_cached_blocks: int
-    prefix_hit_rate: float
-    spec_acceptance_rate: float
-    requests_finished: int
-    prompt_tokens: int
-    output_tokens: int
-    steps: int
-    preemptions: int
-    mean_ttft_ms: float
-    mean_tpot_ms: float
-    output_tokens_per_s: float
-    spec_enabled: bool
-    spec_steps_on: int
-    spec_steps_off_large_batch: int
-    spec_steps_off_low_acceptance: int
-
-
-@dataclass
-class _Throughput:
-    """Output tokens per second over a sliding window."""
-
-    window_s: float = THROUGHPUT_WINDOW_S
-    started: float = field(default_factory=time.monotonic)
-    samples: deque[tuple[float, int]] = field(default_factory=deque)
-
-    def add(self, now: float, tokens: int) -> None:
-        """One sample per engine step; what fell out of the window goes, so a server nobody polls stays small."""
-        if tokens:
-            self.samples.append((now, tokens))
-        self._expire(now)
-
-    def _expire(self, now: float) -> None:
-        while self.samples and self.samples[0][0] < now - self.window_s:
-            self.samples.popleft()
-
-    def rate(self, now: float) -> float:
-        self._expire(now)
-        span = min(self.window_s, now - self.started)
-        return sum(t for _, t in self.samples) / span if span > 0 else 0.0
-
-
 class EngineWorker:
     """Owns an engine and drives it from one background thread. Methods are safe to call from any thread."""
 
@@ -149,7 +97,7 @@ class EngineWorker:
         self._current: object | None = None  # the command being handled
         self._refusal: BaseException = ServerUnavailable("the server is shutting down")  # after the stop
         self._outbox: list[tuple[RequestStream, RequestOutput | BaseException]] = []
-        self._throughput = _Throughput()
+        self._throughput = Throughput()
         self._waiting: deque[_Add | _Alone] = deque()  # from the first waiting _Alone on
 
     # ------------------------------------------------------------ any thread
@@ -190,7 +138,10 @@ class EngineWorker:
         return reply
 
     def snapshot(self) -> Future[EngineSnapshot]:
-        return self.call(self._snapshot)
+        """The engine's load, read on the worker thread (consistent with the engine's own state); requests held
+        behind an exclusive call count as queued."""
+        return self.call(lambda engine: read_snapshot(engine, self._throughput.rate(time.monotonic()),
+                                                      sum(isinstance(c, _Add) for c in self._waiting)))
 
     def _put(self, cmd: object) -> None:
         with self._lock:
@@ -395,32 +346,6 @@ class EngineWorker:
                 _refuse(self._inbox.get_nowait(), self._refusal)
             except queue.Empty:
                 return
-
-    def _snapshot(self, engine: Any) -> EngineSnapshot:
-        kv = engine.kv.stats()
-        summary = engine.stats.summary()
-        return EngineSnapshot(
-            queue_depth=engine.scheduler.num_waiting() + sum(isinstance(c, _Add) for c in self._waiting),
-            num_running=engine.scheduler.num_running(),
-            kv_total_blocks=kv.total_blocks,
-            kv_free_blocks=kv.free_blocks,
-            kv_used_blocks=kv.used_blocks,
-            kv_cached_blocks=kv.cached_blocks,
-            prefix_hit_rate=kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
-            spec_acceptance_rate=float(summary["spec_acceptance_rate"]),
-            requests_finished=int(summary["requests_finished"]),
-            prompt_tokens=int(summary["prompt_tokens"]),
-            output_tokens=int(summary["output_tokens"]),
-            steps=int(summary["steps"]),
-            preemptions=engine.scheduler.num_preemptions,
-            mean_ttft_ms=float(summary["mean_ttft_ms"]),
-            mean_tpot_ms=float(summary["mean_tpot_ms"]),
-            output_tokens_per_s=self._throughput.rate(time.monotonic()),
-            spec_enabled=bool(summary["spec_enabled"]),
-            spec_steps_on=int(summary["spec_steps_on"]),
-            spec_steps_off_large_batch=int(summary["spec_steps_off_large_batch"]),
-            spec_steps_off_low_acceptance=int(summary["spec_steps_off_low_acceptance"]),
-        )
 
 
 def _resolve(reply: Future[Any], fn: Callable[[], Any], even_if_cancelled: bool = False) -> None:

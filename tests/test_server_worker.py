@@ -466,9 +466,9 @@ def test_a_failed_engine_thread_turns_health_not_serving(tiny_model: Any) -> Non
 def test_the_throughput_window_forgets_without_being_read() -> None:
     """Samples older than the window used to go only when someone read the rate: a server nobody polled kept one
     sample per output token forever."""
-    from infer.server.worker import _Throughput
+    from infer.server.snapshot import Throughput
 
-    window = _Throughput(window_s=10.0, started=0.0)
+    window = Throughput(window_s=10.0, started=0.0)
     for step in range(1000):
         window.add(float(step), 3)
     assert len(window.samples) == 11  # steps 989..999: within 10 s of the last
