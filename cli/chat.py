@@ -9,6 +9,7 @@ import click
 from ..core.errors import InferError, InvalidRequestError
 from .options import sampling_options
 
+
 @click.command("chat")
 @click.option("--system", default=None, help="A system message that opens the conversation [default: none].")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Tokens per reply, at most.")
@@ -19,8 +20,9 @@ from .options import sampling_options
 def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict[str, Any], seed: int | None) -> None:
     """Chat with the model: each line of stdin is your turn, and the model's reply to the whole conversation so far
     (rendered by the model's chat template) streams to stdout. End of input (Ctrl-D) or /exit ends it, /reset
-    starts over, Ctrl-C during a reply stops that reply (and on a terminal clears the line being typed). A turn the engine refuses (the conversation outgrew the
-    context, say) is dropped with the reason on stderr, and the exit status is then 1."""
+    starts over, Ctrl-C during a reply stops that reply (on a terminal, while typing, it clears the line). A turn
+    the engine refuses (the conversation outgrew the context, say) is dropped with the reason on stderr, and the
+    exit status is then 1."""
     from ..core.chat import ChatPrompt
     from ..core.request import SamplingParams
     from .main import CommandLineError, build_engine
@@ -92,14 +94,15 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> str:
     """Print the reply as it comes; Ctrl-C stops it (the request is aborted) and keeps what came."""
     parts: list[str] = []
     deltas = engine.stream(prompt, params)
+    stopped = False
     try:
         for delta in deltas:
             parts.append(delta.outputs[0].text)
             click.echo(parts[-1], nl=False)
     except KeyboardInterrupt:
         deltas.close()
-        click.echo()
-        click.echo("[reply stopped]", err=True)
-        return "".join(parts)
+        stopped = True
     click.echo()
+    if stopped:
+        click.echo("[reply stopped]", err=True)
     return "".join(parts)
