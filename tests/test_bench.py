@@ -545,6 +545,7 @@ def test_sampling_options_reach_every_arms_sampler(tiny_model, tmp_path):
     assert first["C"] == again["C"]  # the HF arm's batches are seeded too
     assert first["summary"]["B"]["outputs_match"]["values"] == [1.0]
     assert first["summary"]["C"]["outputs_match"]["median"] is None  # HF samples from its own stream
+    assert "seeded from --sampling-seed 5 (HF arms draw from their own stream: outputs n/a)" in first["table"]
 
     unseeded = _bench_outputs(tiny_model, tmp_path, "unseeded", "--temperature", "2.0",
                               "--ab", "", "--no-prefix-caching")
@@ -556,8 +557,9 @@ def test_sampling_options_reach_every_arms_sampler(tiny_model, tmp_path):
     # rejection sampling draws otherwise than plain sampling: only arms that speculate alike are compared
     ngram = "--proposer ngram --num-speculative-tokens 2"
     spec = _bench_outputs(tiny_model, tmp_path, "spec", "--temperature", "2.0", "--sampling-seed", "5",
-                          "--ab", ngram, "", f"{ngram} --no-prefix-caching")
+                          "--ab", ngram, "", f"{ngram} --no-prefix-caching", ngram.replace("2", "3"))
     assert spec["summary"]["B"]["outputs_match"]["median"] is None
+    assert spec["summary"]["D"]["outputs_match"]["median"] is None  # another K draws otherwise too
     assert spec["summary"]["C"]["outputs_match"]["values"] == [1.0] and spec["A"] == spec["C"]
     assert "arms whose speculation differs from the first arm's draw differently: outputs n/a" in spec["table"]
 

@@ -50,13 +50,14 @@ def test_chat_generates_what_hf_generates_from_the_rendered_prompt(
 
 
 @pytest.mark.parametrize(("messages", "message"), [
-    ([], "at least one message"),
+    ([], "a chat prompt needs at least one message"),
     ("hello", "must be a list of {'role': ..., 'content': ...} entries, got str"),
     ({"role": "user", "content": "x"}, "must be a list of"),
     ([{"role": "user"}], "chat message 0 must have exactly the keys 'role' and 'content', got ['role']"),
     ([{"role": "user", "content": "x", "weight": 1}], "got ['content', 'role', 'weight']"),
     ([{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}],
      "chat message 0 has 'tool_calls': tool calls are not supported; send the messages' role and content only"),
+    ([{"role": "user", "content": "x", "name": "bob"}], "chat message 0 has 'name': tool calls are not supported"),
     ([{"role": "", "content": "x"}], "chat message 0: role must be a non-empty string"),
     ([{"role": "user", "content": 5}], "content must be a string or a list of {'type': 'text', 'text': ...} parts"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "images and other parts are not"),
@@ -148,6 +149,9 @@ def test_infer_chat_holds_the_conversation_as_llm_chat_does(llm: LLM, chat_model
     assert "turn refused: prompt (" in result.stderr and "/reset starts a new conversation" in result.stderr
     result = run(input=f"/rest\n{second['content']}\n")  # a mistyped command is not sent
     assert result.exit_code == 0 and result.stdout == f"{fresh}\n" and "unknown command /rest" in result.stderr
+    question = "/usr/bin is where?"  # but a line of words is a turn, whatever it starts with
+    answer = llm.chat([system, {"role": "user", "content": question}], params)[0].outputs[0].text
+    assert run(input=f"{question}\n").stdout == f"{answer}\n"
     result = CliRunner().invoke(main, ["--model", str(tiny_model), "chat"], input="hi\n")
     assert result.exit_code == 2 and "no chat template" in result.stderr and not result.stdout
     result = run("--temperature", "-1", input="hi\n")
@@ -263,3 +267,48 @@ def test_infer_chat_warns_when_the_tokenizers_eos_does_not_stop_generation(chat_
     warned = CliRunner().invoke(main, ["--model", str(other), "--num-kv-blocks", "32", *args], input="hi\n")
     assert warned.exit_code == 0 and "warning: the tokenizer's end-of-sequence token '<|eos|>' (id 2) does not " \
         "stop generation, which stops at [3]" in warned.stderr
+
+
+def test_the_limits_hold_at_their_boundaries(llm: LLM) -> None:
+    from infer.core.admission import RequestChecker
+
+    assert len(ChatPrompt.of([{"role": "user", "content": "x"}] * 4096).messages) == 4096
+    checker = RequestChecker(llm.engine.tokenizer, llm.engine.checker.vocab_size, 1024, max_prompt_chars=12)
+    checker.tokenize("x" * 12)
+    checker.tokenize(ChatPrompt.of([{"role": "user", "content": "x" * 6}, {"role": "user", "content": "y" * 6}]))
+    with pytest.raises(InvalidRequestError, match="the prompt has 13 characters"):
+        checker.tokenize("x" * 13)
+    with pytest.raises(InvalidRequestError, match="the chat messages' contents have 13 characters"):
+        checker.tokenize(ChatPrompt.of([{"role": "user", "content": "x" * 6}, {"role": "user", "content": "y" * 7}]))
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("{% if false %}x{% endif %}", "the rendered chat encodes to no tokens"),
+    ("{{ messages + 1 }}", "the model's chat template cannot render the messages (TypeError: "),
+])
+def test_a_template_that_renders_nothing_or_fails_is_an_invalid_request(tiny_model: Path, tmp_path: Path,
+                                                                         template: str, message: str) -> None:
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(path))
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        llm.chat(CHAT)
+
+
+def test_ctrl_c_while_typing_clears_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infer.cli.chat import _read_turn
+
+    def interrupted(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", interrupted)
+    assert _read_turn(True) == ""  # a blank turn: the chat goes on
+
+
+def test_infer_chat_checks_its_options_against_the_model_first(chat_model: Path) -> None:
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    result = CliRunner().invoke(main, ["--model", str(chat_model), "chat", "--logit-bias", "99999=1"], input="hi\n")
+    assert result.exit_code == 2 and "logit_bias's token ids must be below" in result.stderr and not result.stdout

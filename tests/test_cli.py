@@ -410,6 +410,35 @@ def test_a_broken_plugin_command_breaks_only_itself(tmp_path, monkeypatch):
     assert failed.exit_code == 1 and "the command factory 'shaky' from 'broken-command-plugin' failed" in failed.stderr
 
 
+def test_an_unknown_command_is_clicks_usage_error():
+    result = run("nosuchcmd")
+    assert result.exit_code == 2 and "No such command 'nosuchcmd'" in result.stderr
+
+
+def test_generate_on_a_terminal_says_it_reads_prompts_from_it(tiny_model):
+    """Without PROMPTS on a terminal it would wait without a word (a new user's report)."""
+    import pty
+    import select
+    import sys
+    import time
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "--model", str(tiny_model), "generate",
+                             "--max-tokens", "2"], stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    seen, deadline = b"", time.monotonic() + 60
+    try:
+        while b"Ctrl-D ends them" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([leader], [], [], 0.5)[0]:
+                seen += os.read(leader, 4096)
+        os.write(leader, b"\x04")  # end of input: no prompt, so a usage error
+        assert proc.wait(60) == 2
+    finally:
+        proc.kill()
+        os.close(leader)
+    assert b"infer: reading prompts from the terminal, one per line; Ctrl-D ends them" in seen
+
+
 def test_generate_names_the_bad_prompt_and_prints_nothing(tiny_model):
     result = run("--model", str(tiny_model), "generate", "def a():", "x=1\n" * 600, "--max-tokens", "4")
     assert result.exit_code != 0 and "prompt 2 of 2:" in result.output and "def a():" not in result.output

@@ -14,7 +14,7 @@ from infer.core.errors import CapacityError
 from infer.core.hookspecs import hookimpl
 from infer.core.metrics import StepStats
 from infer.core.plugins import PluginManager
-from infer.core.request import FinishReason, SamplingParams
+from infer.core.request import FinishReason, SamplingParams, Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -739,3 +739,38 @@ def test_a_batch_reader_closed_before_its_first_result_aborts_its_requests(engin
     calls = engine.generate_as_completed(["a", "b"], greedy(20))
     calls.close()
     assert not engine.has_unfinished() and not engine.readers.owned and drained(engine)
+
+
+def test_append_output_copies_new_and_out_of_order_completions_in():
+    """The in-place fast path serves one delta over completions 0..n-1 only; anything else is merged by index."""
+    from infer.core.outputs import append_output
+    from infer.core.request import CompletionOutput, RequestOutput
+
+    def texts(out):
+        return [(c.index, c.token_ids, c.text) for c in out.outputs]
+
+    late = append_output(RequestOutput("r", [1], [CompletionOutput(1, [5], "b")], False),
+                         RequestOutput("r", [1], [CompletionOutput(0, [4], "a", FinishReason.STOP)], True))
+    assert texts(late) == [(0, [4], "a"), (1, [5], "b")] and late.finished
+    grown = append_output(RequestOutput("r", [1], [CompletionOutput(0, [4], "a")], False),
+                          RequestOutput("r", [1], [CompletionOutput(1, [6], "c")], False))
+    assert texts(grown) == [(0, [4], "a"), (1, [6], "c")]
+    full = RequestOutput("r", [1], [CompletionOutput(0, [4], "a"), CompletionOutput(1, [6], "c")], False)
+    same = full.outputs
+    assert texts(append_output(full, RequestOutput("r", [1], [CompletionOutput(1, [7], "d")], False))) == [
+        (0, [4], "a"), (1, [6, 7], "cd")] and full.outputs is same  # in place
+
+
+def test_only_a_stop_token_that_ended_the_sequence_is_silent():
+    from infer.core.request import SequenceStatus
+
+    def ended(tokens, reason):
+        seq = Sequence(0, "r", [1, 2], SamplingParams(stop_token_ids=(9,)), 0.0, eos_token_ids=frozenset({3}))
+        seq.token_ids += tokens
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        return seq.ends_on_stop_token()
+
+    assert ended([5, 3], FinishReason.STOP) and ended([5, 9], FinishReason.STOP)
+    assert not ended([5, 6], FinishReason.STOP)  # a stop string ended it: its last token's text stays
+    assert not ended([5, 3], FinishReason.LENGTH) and not ended([5, 3], FinishReason.ABORT)
+    assert not ended([], FinishReason.STOP)  # the prompt's last token is no output

@@ -2,6 +2,7 @@
 plugin and say how to get infer running again, name rules, and a plugin template whose rename steps work."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -312,9 +313,12 @@ def test_a_third_party_factorys_own_refusal_says_whose_it_is(infer_plugins, tiny
     assert str(info.value) == "the eviction policy 'picky' from 'infer-plugin-acme': needs a CUDA device"
 
 
-def test_a_plugin_whose_dependency_is_missing_says_so(tmp_path, monkeypatch):
+def test_a_plugin_whose_dependency_is_missing_says_so(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="infer")
     message = load_failure(tmp_path, monkeypatch, "infer-plugin-needy", "needy",
                            "import infer_test_absent_dependency\n")
+    [logged] = [r for r in caplog.records if r.getMessage() == "plugin 'needy' failed to import"]
+    assert logged.levelno == logging.INFO and logged.exc_info is not None  # the traceback, for -v
     assert "failed to import: ModuleNotFoundError: No module named 'infer_test_absent_dependency' (the plugin " \
            "imports 'infer_test_absent_dependency', which is not installed: install the plugin's dependencies) " \
            "(-v logs the traceback)" in message and "editable install" not in message
@@ -709,3 +713,29 @@ def test_registered_options_must_be_plugin_options(infer_plugins):
                                           "options maps each key \\(a non-empty name without '.'.*\\) to an "
                                           "infer.core.plugin_options.PluginOption"):
         plugins.collect()
+
+
+def test_a_raising_registration_hook_logs_its_traceback_for_v(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="infer")
+    message = load_failure(tmp_path, monkeypatch, "infer-plugin-raising", "raising",
+                           "@hookimpl\ndef register_schedulers(register):\n    raise RuntimeError('no schedulers')\n")
+    assert "failed in its register_schedulers hook: RuntimeError: no schedulers (-v logs the traceback)" in message
+    [logged] = [r for r in caplog.records if "failed in its register_schedulers hook" in r.getMessage()]
+    assert logged.levelno == logging.INFO and isinstance(logged.exc_info[1], RuntimeError)
+
+
+def test_an_installed_observer_that_raises_names_its_way_out(tmp_path, monkeypatch, tiny_model):
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+
+    install_fake_plugin(tmp_path, "infer-plugin-noisy", "noisy",
+                        "@hookimpl\ndef on_step(stats):\n    raise RuntimeError('noisy observer')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32),
+                    PluginManager.from_entry_points(allow=""))
+    with pytest.raises(PluginError) as info:
+        engine.generate(["hi"], SamplingParams(max_tokens=2))
+    message = flat(str(info.value))
+    assert message.startswith("the observer 'noisy' from 'infer-plugin-noisy' raised RuntimeError in on_step")
+    assert "`pip uninstall infer-plugin-noisy`" in message and message.endswith(
+        f"INFER_PLUGINS={entry_points_but('noisy')}")

@@ -539,9 +539,11 @@ def test_client_errors_say_what_to_change(secure_server: ServerProcess) -> None:
     out = run_cli("client", "hi", "--target", idle)
     assert out.exit_code == 1 and out.stderr.startswith(f"Error: UNAVAILABLE: nothing accepts connections at {idle}; "
                                                         "is `infer serve` running there")
-    for target in ("127.0.0.1:99999", "127.0.0.1", "127.0.0.1:port", ":50051"):
+    for target in ("127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1", "127.0.0.1:port", ":50051"):
         out = run_cli("client", "hi", "--target", target)
         assert out.exit_code == 2 and "is not HOST:PORT with a port in 1-65535" in out.stderr, target
+    out = run_cli("client", "hi", "--target", f"unix:{secure_server.log.parent}/none.sock")  # gRPC's own scheme
+    assert out.exit_code == 1 and out.stderr.startswith("Error: UNAVAILABLE")
 
 
 def test_client_command(secure_server: ServerProcess, llm: Any) -> None:

@@ -549,7 +549,8 @@ def test_a_chat_prompt_over_grpc_is_rendered_by_the_servers_template(chat_model:
         assert done.usage.prompt_tokens == len(want.prompt_token_ids)  # each entry holds its prompt token:
         assert [e.tokens[0].token_id for e in done.prompt_logprobs[1:]] == want.prompt_token_ids[1:]
         assert list(done.outputs[0].token_ids) == want.outputs[0].token_ids
-        streamed = [t async for r in client.generate(ChatPrompt.of(chat), max_tokens=6, temperature=0.0)
+        direct = ChatPrompt(tuple(chat))  # built from dicts, not through ChatPrompt.of: the client checks it
+        streamed = [t async for r in client.generate(direct, max_tokens=6, temperature=0.0)
                     for t in r.outputs[0].token_ids]
         assert streamed == want.outputs[0].token_ids
         got = await client.beam_search(ChatPrompt.of(chat), beam_width=2, max_tokens=4)
