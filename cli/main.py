@@ -109,6 +109,8 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
               "tokens before it, and the top N there (the prompt is computed in full: no prefix-cache hits) "
               "[default: none].")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--include-stop-str", is_flag=True, help="Keep the stop string, or the text of the EOS or stop token, "
+              "that ended a completion in its text.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
 @click.option("--seed", type=int, default=None, help="Seed of each prompt's sampling: the same seed gives the same "
               "text, whatever else runs in the batch (with speculative decoding, as long as the prompt gets the same "
@@ -127,8 +129,8 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
                    "and for --n > 1 or multi-line completions.")
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, sampling: dict[str, Any], n: int,
-             logprobs: int | None, prompt_logprobs: int | None, stop: tuple[str, ...], ignore_eos: bool,
-             seed: int | None, beam_width: int, length_penalty: float, stream: bool, stats: bool,
+             logprobs: int | None, prompt_logprobs: int | None, stop: tuple[str, ...], include_stop_str: bool,
+             ignore_eos: bool, seed: int | None, beam_width: int, length_penalty: float, stream: bool, stats: bool,
              as_json: bool) -> None:
     """Generate text for PROMPTS (or for each line of stdin when none are given). Each completion prints as the
     prompt followed by its text; with several prompts or --n > 1, --json keeps them apart."""
@@ -149,7 +151,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     if (logprobs is not None or prompt_logprobs is not None) and not as_json:
         raise click.UsageError("--logprobs and --prompt-logprobs print with --json; add it")
     params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed,
-                            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **sampling)
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                            include_stop_str_in_output=include_stop_str, **sampling)
     try:
         params.validate()
     except InvalidRequestError as exc:  # the options' values
@@ -162,7 +165,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         return click.ClickException(f"{exc}{where}")
 
     if beam_width:
-        others = {"--n": n != 1, "--stop": stop, "--seed": seed is not None, "--stream": stream,
+        others = {"--n": n != 1, "--stop": stop, "--include-stop-str": include_stop_str, "--seed": seed is not None,
+                  "--stream": stream,
                   "--logprobs": logprobs is not None, "--prompt-logprobs": prompt_logprobs is not None}
         refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
         if stats:

@@ -36,7 +36,7 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
         if seq.seq_id not in seq_ids or (not new and not done):
             continue
         detok = req.detoks[i]
-        silent = done and seq.ends_on_stop_token()  # the stop token's text is not output
+        silent = done and not req.params.include_stop_str_in_output and seq.ends_on_stop_token()
         if len(new) > 1 and stops and seq.finish_reason is not FinishReason.ABORT:
             new = _add_until_stop(req, i, seq, detok, new, silent)
         else:
@@ -62,7 +62,8 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
     if seq.seq_id not in seq_ids or (not new and not done):
         return RequestOutput(req.request_id, req.prompt_token_ids, [], done)
     detok = req.detoks[0]
-    detok.add(new[:-1] if done and seq.ends_on_stop_token() else new)  # a stop token's text is not output
+    silent = done and not req.params.include_stop_str_in_output and seq.ends_on_stop_token()
+    detok.add(new[:-1] if silent else new)  # the text of the stop token that ended it is not output
     req.sent[0] += len(new)
     if done:
         detok.flush()
@@ -172,8 +173,8 @@ def _text_delta(req: RequestState, i: int, seq: Sequence, detok: Detokenizer,
     cannot start a stop string, so that streamed text never has to be taken back."""
     stops = req.params.stop
     hold = max(map(len, stops)) - 1 if stops else 0
-    if stops and seq.finish_reason is not FinishReason.ABORT and (cut := _first_stop(req, i, detok)) is not None:
-        detok.text = detok.text[:cut]
+    if stops and seq.finish_reason is not FinishReason.ABORT and (found := _first_stop(req, i, detok)) is not None:
+        detok.text = detok.text[:found[1] if req.params.include_stop_str_in_output else found[0]]
         finish(seq, FinishReason.STOP)
         if seq.finish_reason is FinishReason.LENGTH:  # the last allowed token completed the stop string: it stopped
             seq.finish_reason = FinishReason.STOP
@@ -182,9 +183,9 @@ def _text_delta(req: RequestState, i: int, seq: Sequence, detok: Detokenizer,
     return text
 
 
-def _first_stop(req: RequestState, i: int, detok: Detokenizer) -> int | None:
-    """Where the first stop string starts in sequence i's text, searching from the held-back tail of what was
-    emitted (a stop string may begin there), or None."""
+def _first_stop(req: RequestState, i: int, detok: Detokenizer) -> tuple[int, int] | None:
+    """Where the first stop string starts and ends in sequence i's text (of two starting there, the longer),
+    searching from the held-back tail of what was emitted (a stop string may begin there), or None."""
     start = max(0, req.emitted[i] - (max(map(len, req.params.stop)) - 1))
-    hits = [j for stop in req.params.stop if (j := detok.text.find(stop, start)) != -1]
-    return min(hits) if hits else None
+    hits = [(j, j + len(stop)) for stop in req.params.stop if (j := detok.text.find(stop, start)) != -1]
+    return min(hits, key=lambda hit: (hit[0], -hit[1])) if hits else None

@@ -44,6 +44,8 @@ class SamplingParams:
     min_tokens: int = 0
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits; a dict is accepted
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: keep the stop string, or the text of the EOS / stop token, that ended the text (token_ids always do)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # accept lists from callers, keep the dataclass hashable; anything else is left for validate() to name
@@ -114,9 +116,9 @@ class SamplingParams:
             # each is searched for after every token, on the one thread that steps every request
             raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters each; got "
                       f"{len(self.stop)}, the longest {max(map(len, self.stop))} characters")
-        if not isinstance(self.speculative, bool) or not isinstance(self.ignore_eos, bool):
-            raise bad(f"speculative and ignore_eos must be True or False, got {self.speculative!r} and "
-                      f"{self.ignore_eos!r}")
+        for name in ("speculative", "ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise bad(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it; > 1 "
                       f"discourages repeats), got {self.repetition_penalty!r}")

@@ -74,6 +74,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--n", type=int, default=1, show_default=True, help="Completions (more than 1 disables streaming).")
 @click.option("--seed", type=int, default=None, help="Seed of the request's sampling (reproducible).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--include-stop-str", is_flag=True, help="Keep the stop string, or the text of the EOS or stop token, "
+              "that ended the completion in its text.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
 @click.option("--no-speculative", is_flag=True, help="Opt this request out of the server's speculative decoding.")
 @click.option("--beam-width", type=int, default=0, help="Beam search with this many beams (the BeamSearch RPC, "
@@ -92,9 +94,9 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--stats", is_flag=True, help="Print the server's GetStats as JSON to stderr afterwards.")
 @click.pass_context
 def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any], n: int,
-           seed: int | None, stop: tuple[str, ...], ignore_eos: bool, no_speculative: bool, beam_width: int,
-           length_penalty: float, chat: bool, system: str | None, token: str | None, tls: bool, tls_ca: Path | None,
-           timeout: float | None, stats: bool) -> None:
+           seed: int | None, stop: tuple[str, ...], include_stop_str: bool, ignore_eos: bool, no_speculative: bool,
+           beam_width: int, length_penalty: float, chat: bool, system: str | None, token: str | None, tls: bool,
+           tls_ca: Path | None, timeout: float | None, stats: bool) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams (with --chat,
     the reply alone)."""
     quiet_grpc_core()
@@ -109,11 +111,13 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
     from ..server.client import Client
 
     if beam_width:
-        others = {"--n": n != 1, "--stop": stop, "--seed": seed is not None, "--no-speculative": no_speculative}
+        others = {"--n": n != 1, "--stop": stop, "--include-stop-str": include_stop_str, "--seed": seed is not None,
+                  "--no-speculative": no_speculative}
         refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
     elif ctx.get_parameter_source("length_penalty") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--length-penalty scores beam search's hypotheses; add --beam-width W", ctx)
-    sampling = dict(sampling, max_tokens=max_tokens, n=n, stop=list(stop), ignore_eos=ignore_eos)
+    sampling = dict(sampling, max_tokens=max_tokens, n=n, stop=list(stop), ignore_eos=ignore_eos,
+                    include_stop_str_in_output=include_stop_str)
     if no_speculative:
         sampling["speculative"] = False
     if seed is not None:

@@ -42,7 +42,8 @@ def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:
     p = request.params
     kwargs: dict[str, Any] = {name: getattr(p, name) for name in _OPTIONAL_SCALARS if p.HasField(name)}
     params = SamplingParams(stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop), ignore_eos=p.ignore_eos,
-                            priority=request.priority, logit_bias=dict(p.logit_bias), **kwargs)
+                            priority=request.priority, logit_bias=dict(p.logit_bias),
+                            include_stop_str_in_output=p.include_stop_str_in_output, **kwargs)
     params.validate()
     return params
 
@@ -50,8 +51,9 @@ def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:
 def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any) -> pb.SamplingParams:
     """The proto form of ``params`` (every field set) or of the given keyword fields only (no validation)."""
     if params is not None:
-        fields = {name: getattr(params, name) for name in (*_OPTIONAL_SCALARS, "stop_token_ids", "stop",
-                                                           "ignore_eos")} | {"logit_bias": params.logit_bias} | fields
+        fields = {name: getattr(params, name) for name in (*_OPTIONAL_SCALARS, "stop_token_ids", "stop", "ignore_eos",
+                                                           "include_stop_str_in_output")} | {
+            "logit_bias": params.logit_bias} | fields
         if fields.get("seed") is None:
             fields.pop("seed")
         for name in ("logprobs", "prompt_logprobs"):

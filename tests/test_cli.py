@@ -410,6 +410,18 @@ def test_a_broken_plugin_command_breaks_only_itself(tmp_path, monkeypatch):
     assert failed.exit_code == 1 and "the command factory 'shaky' from 'broken-command-plugin' failed" in failed.stderr
 
 
+def test_include_stop_str_keeps_the_stop_string(tiny_model):
+    args = ["--model", str(tiny_model), "generate", "def a():", "--max-tokens", "12", "--temperature", "0",
+            "--ignore-eos", "--json"]
+    free = json.loads(run(*args).stdout)["text"]
+    stop = free[4:6]
+    cut, kept = (json.loads(run(*args, "--stop", stop, *extra).stdout)["text"]
+                 for extra in ([], ["--include-stop-str"]))
+    assert cut == free[: free.index(stop)] and kept == free[: free.index(stop) + 2]
+    refused = run(*args[:-1], "--beam-width", "2", "--include-stop-str")
+    assert refused.exit_code == 2 and "--include-stop-str" in refused.stderr
+
+
 def test_an_unknown_command_is_clicks_usage_error():
     result = run("nosuchcmd")
     assert result.exit_code == 2 and "No such command 'nosuchcmd'" in result.stderr

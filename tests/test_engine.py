@@ -158,12 +158,19 @@ def test_stop_strings_and_stop_tokens(engine):
     streamed = engine.stream(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
                                                     stop_token_ids=[stop_token]))
     assert "".join(c.text for d in streamed for c in d.outputs) == shown
+    kept = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                    stop_token_ids=[stop_token], include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == engine.tokenizer.decode(free.token_ids[: first + 1])  # vLLM's option
     stop_text = free.text[6:9]
     out = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
                                                    stop=[stop_text]))[0].outputs[0]
     assert out.text == free.text[: free.text.index(stop_text)] and out.finish_reason is FinishReason.STOP
     streamed = engine.stream(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop_text]))
     assert "".join(c.text for d in streamed for c in d.outputs) == out.text  # nothing streamed is taken back
+    kept = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop_text],
+                          include_stop_str_in_output=True)
+    streamed = engine.stream(prompt, kept)
+    assert "".join(c.text for d in streamed for c in d.outputs) == free.text[: free.text.index(stop_text) + 3]
 
 
 def test_abort_frees_blocks_and_other_requests_continue(engine):
@@ -774,3 +781,13 @@ def test_only_a_stop_token_that_ended_the_sequence_is_silent():
     assert not ended([5, 6], FinishReason.STOP)  # a stop string ended it: its last token's text stays
     assert not ended([5, 3], FinishReason.LENGTH) and not ended([5, 3], FinishReason.ABORT)
     assert not ended([], FinishReason.STOP)  # the prompt's last token is no output
+
+
+def test_of_two_stop_strings_found_together_the_earlier_then_the_longer_ends_the_text():
+    from types import SimpleNamespace
+
+    from infer.core.outputs import RequestState, _first_stop
+
+    req = RequestState("r", [1], SamplingParams(stop=("ie", "i", "s")), 0.0, [], [], [0], [0])
+    assert _first_stop(req, 0, SimpleNamespace(text="calies")) == (3, 5)  # "ie" and "i" at 3, before "s" at 5
+    assert _first_stop(req, 0, SimpleNamespace(text="cal")) is None

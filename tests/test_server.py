@@ -212,7 +212,8 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
     params = SamplingParams(max_tokens=9, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, seed=4, stop=("x",),
                             stop_token_ids=(7,), ignore_eos=True, logprobs=2, prompt_logprobs=3, n=2,
                             speculative=False, priority=3, logit_bias={9: -1.5, 4: 2.0},
-                            repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=3)
+                            repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=3,
+                            include_stop_str_in_output=True)
     back = sampling_params_of(pb.GenerateRequest(params=sampling_params_to_proto(params), priority=3))
     assert back == params
     assert sampling_params_of(pb.GenerateRequest()).speculative is True  # unset: the engine's default
