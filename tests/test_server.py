@@ -221,7 +221,7 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
 
 @pytest.mark.parametrize(("args", "kwargs", "message"), [
     (("hi",), {"foo": 1}, "no sampling parameter is called 'foo'; they are frequency_penalty, ignore_eos, "
-                          "logit_bias, logprobs"),
+                          "include_stop_str_in_output, logit_bias, logprobs"),
     (("hi",), {"priority": 2**40}, "priority must be an integer in (-2**31, 2**31)"),
     (("hi",), {"max_tokens": 2**40}, "max_tokens must be below 2**31 to travel over gRPC (int32)"),
     (([1, 2**70],), {}, "a prompt is a string, a list of token ids (integers below 2**63) or a ChatPrompt"),
