@@ -8,7 +8,7 @@ from typing import Any
 
 from .chat import ChatPrompt, Prompt
 from .config import EngineConfig
-from .errors import InferError, InvalidRequestError, PluginError
+from .errors import InferError, InvalidRequestError, PluginError, require_utf8
 from .interfaces import Scheduler, SchedulerOutput
 from .request import SamplingParams
 
@@ -44,12 +44,7 @@ class RequestChecker:
             if not prompt:
                 raise InvalidRequestError("prompt is empty; give at least one character or token")
             self._check_length(len(prompt), "the prompt has")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8, decoded leniently
-                raise InvalidRequestError(f"the prompt is not valid UTF-8 text (character {exc.start} is "
-                                          f"{prompt[exc.start]!r}, which stands for a byte that is not UTF-8); "
-                                          "convert the input to UTF-8 first") from None
+            require_utf8(prompt, "the prompt")
             return self._in_vocabulary(list(self.tokenizer.encode(prompt)), "the prompt")
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError(f"a prompt is a string, a list of token ids or a ChatPrompt, got "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, InvalidRequestError
+from .errors import ConfigError, InvalidRequestError, require_utf8
 
 MAX_MESSAGES = 4096
 
@@ -113,12 +113,7 @@ def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessag
     if not isinstance(role, str) or not role:
         raise InvalidRequestError(f"chat message {index}: role must be a non-empty string, got {role!r}")
     for name, text in (("role", role), ("content", content)):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8, decoded leniently
-            raise InvalidRequestError(f"chat message {index}: its {name} is not valid UTF-8 text (character "
-                                      f"{exc.start} stands for a byte that is not UTF-8); convert the input to "
-                                      "UTF-8 first") from None
+        require_utf8(text, f"chat message {index}: its {name}")
     return ChatMessage(role, content)
 
 

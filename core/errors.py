@@ -40,3 +40,14 @@ class NotFoundError(InferError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+def require_utf8(text: str, what: str) -> None:
+    """InvalidRequestError when ``text`` (``what``: "the prompt", ...) holds lone surrogates: bytes that were not
+    UTF-8, decoded leniently (Python's surrogateescape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{what} is not valid UTF-8 text (character {exc.start} is {text[exc.start]!r}, "
+                                  "which stands for a byte that is not UTF-8); convert the input to UTF-8 first"
+                                  ) from None

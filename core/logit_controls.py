@@ -19,8 +19,7 @@ from .request import SamplingParams, Sequence
 def controls_now(seq: Sequence) -> bool:
     """Whether ``seq``'s next token is sampled under a control: a penalty or a logit bias (all along), or
     min_tokens not reached (tokens in flight count as reached). Such a sequence does not speculate."""
-    params = seq.params
-    return params.penalizes or bool(params.logit_bias) or seq.num_output_tokens < params.min_tokens
+    return seq.params.controls_every_token or seq.num_output_tokens < seq.params.min_tokens
 
 
 class LogitControls:
@@ -43,7 +42,7 @@ class LogitControls:
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """``logits`` [len(seqs), V] float32 with each row's controls applied (a new tensor), or None when no row
         has any. Row i belongs to ``seqs[i]``; the tokens it sampled so far were recorded (:meth:`record`)."""
-        rows = [i for i, seq in enumerate(seqs) if seq.params.controls and controls_now(seq)]
+        rows = [i for i, seq in enumerate(seqs) if controls_now(seq)]
         if not rows:
             return None
         vocab = logits.shape[1]

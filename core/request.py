@@ -72,10 +72,10 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @functools.cached_property
-    def controls(self) -> bool:
-        """Whether a logit control (core/logit_controls.py) applies to some token: a penalty, a logit bias or
-        min_tokens."""
-        return self.penalizes or bool(self.logit_bias) or self.min_tokens > 0
+    def controls_every_token(self) -> bool:
+        """Whether a penalty or a logit bias changes the logits of every token sampled (core/logit_controls.py;
+        min_tokens ends when it is reached)."""
+        return self.penalizes or bool(self.logit_bias)
 
     def validate(self) -> None:
         """Raise InvalidRequestError with a message that names the bad field and the allowed range."""
@@ -133,7 +133,6 @@ class SamplingParams:
         if not _is_int(self.priority) or abs(self.priority) >= 2**31:
             raise bad(f"priority must be an integer in (-2**31, 2**31) (higher is kept longer by the priority "
                       f"eviction policy), got {self.priority!r}")
-
 
     def _validate_logit_bias(self, bad: Callable[[str], InvalidRequestError]) -> None:
         bias = self.logit_bias

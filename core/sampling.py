@@ -106,8 +106,8 @@ class Sampler:
                  ) -> list[dict[int, float] | None]:
         """Log-probabilities of the model's raw distribution (before temperature and filters) for given tokens."""
         rows, top = _logprob_tensors(logits, params, torch.tensor(tokens, device=logits.device))
-        return logprob_entries(rows, [params[i].logprobs or 0 for i in rows], len(params),
-                                [t.tolist() for t in top], tokens)
+        return logprob_entries(rows, [params[i].logprobs or 0 for i in rows], len(params), [t.tolist() for t in top],
+                               tokens)
 
 
 def _logprob_tensors(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor

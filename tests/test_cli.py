@@ -379,28 +379,26 @@ def test_llm_checks_its_components_as_the_cli_does(tiny_model, caplog):
     assert "no registered component is named 'aqw'" in caplog.text
 
 
-def test_a_plugin_command_cannot_shadow_a_builtin(tmp_path, monkeypatch):
-    (tmp_path / "shadowing_plugin.py").write_text(
-        "import click\nfrom infer import hookimpl\n\n\n@hookimpl\ndef register_commands(register):\n"
-        "    register('generate', lambda: click.Command('generate'))\n")
-    info = tmp_path / "shadowing_plugin-1.0.dist-info"
+def install_command_plugin(root, monkeypatch, module: str, entry_point: str, registration: str) -> None:
+    """A one-module distribution on sys.path whose ``register_commands`` hook runs ``registration``."""
+    (root / f"{module}.py").write_text("import click\nfrom infer import hookimpl\n\n\n@hookimpl\n"
+                                       f"def register_commands(register):\n    {registration}\n")
+    info = root / f"{module}-1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: shadowing-plugin\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[infer]\nshadowing = shadowing_plugin\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[infer]\n{entry_point} = {module}\n")
+    monkeypatch.syspath_prepend(str(root))
+
+
+def test_a_plugin_command_cannot_shadow_a_builtin(tmp_path, monkeypatch):
+    install_command_plugin(tmp_path, monkeypatch, "shadowing_plugin", "shadowing",
+                           "register('generate', lambda: click.Command('generate'))")
     result = run("plugins")  # the built-in keeps working; the warning names the plugin
     assert result.exit_code == 0 and "registers a command 'generate', the name of a built-in" in result.output
 
 
 def test_a_broken_plugin_command_breaks_only_itself(tmp_path, monkeypatch):
-    (tmp_path / "broken_command_plugin.py").write_text(
-        "from infer import hookimpl\n\n\n@hookimpl\ndef register_commands(register):\n"
-        "    register('shaky', lambda: 1 / 0)\n")
-    info = tmp_path / "broken_command_plugin-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-command-plugin\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[infer]\nshaky = broken_command_plugin\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_command_plugin(tmp_path, monkeypatch, "broken_command_plugin", "shaky", "register('shaky', lambda: 1 / 0)")
     listing = run("--help")
     assert listing.exit_code == 0 and "generate" in listing.stdout and "shaky" not in listing.stdout
     assert "warning: the command factory 'shaky' from 'broken-command-plugin' failed: ZeroDivisionError" \
