@@ -76,6 +76,22 @@ def sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return collect
 
 
+def _parse_template_kwargs(ctx: click.Context, param: click.Parameter, text: str | None) -> dict[str, Any]:
+    from ..core.chat import parse_template_kwargs
+    from ..core.errors import InvalidRequestError
+
+    try:
+        return parse_template_kwargs(text, "--chat-template-kwargs")
+    except InvalidRequestError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+chat_template_kwargs_option = click.option(
+    "--chat-template-kwargs", default=None, metavar="JSON", callback=_parse_template_kwargs,
+    help="More variables for the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3; "
+         "each must be one the template reads [default: none].")
+
+
 def refuse_beside_beam_search(given: list[str]) -> None:
     """--beam-width's usage error for the options ``given`` with it."""
     if given:

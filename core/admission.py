@@ -37,7 +37,7 @@ class RequestChecker:
         """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt, or chat
         messages the model's template cannot render."""
         if isinstance(prompt, ChatPrompt):
-            chat = ChatPrompt.of(prompt.messages, prompt.add_generation_prompt)  # built directly: checked here
+            chat = prompt.checked()  # one built directly is checked here
             self._check_length(sum(len(m.content) for m in chat.messages), "the chat messages' contents have")
             return self._in_vocabulary(chat.render(self.tokenizer), "the rendered chat")
         if isinstance(prompt, str):

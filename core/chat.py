@@ -4,8 +4,9 @@ template from tokenizer_config.json or chat_template.jinja) renders into prompt 
 ``LLM.generate``, gRPC's ``chat`` prompt); the engine renders it when it checks the request."""
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,20 @@ class ChatMessage:
 @dataclass(frozen=True)
 class ChatPrompt:
     """A conversation to continue. ``add_generation_prompt``: end the rendering with the template's opening of an
-    assistant turn (what a chat answer needs); False renders the messages alone."""
+    assistant turn (what a chat answer needs); False renders the messages alone. ``continue_final_message``: leave
+    the last message open, so that the model continues it (a prefilled start of the answer; it needs
+    ``add_generation_prompt=False``). ``chat_template_kwargs``: more variables for the template (Qwen3's
+    ``enable_thinking``, say); each must be one the template reads."""
 
     messages: tuple[ChatMessage, ...]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, messages: Seq[Mapping[str, str] | ChatMessage], add_generation_prompt: bool = True) -> ChatPrompt:
+    def of(cls, messages: Seq[Mapping[str, str] | ChatMessage], add_generation_prompt: bool = True,
+           continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
+           ) -> ChatPrompt:
         """From OpenAI-style ``[{"role": ..., "content": ...}, ...]`` (or ChatMessages); InvalidRequestError for
         anything else."""
         if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Seq):
@@ -41,7 +49,20 @@ class ChatPrompt:
             raise InvalidRequestError("a chat prompt needs at least one message")
         if len(messages) > MAX_MESSAGES:
             raise InvalidRequestError(f"a chat prompt has at most {MAX_MESSAGES} messages, got {len(messages)}")
-        return cls(tuple(_message(i, m) for i, m in enumerate(messages)), add_generation_prompt)
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {flag!r}")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("continue_final_message continues the last message, and add_generation_prompt "
+                                      "opens a new assistant turn after it; set add_generation_prompt=False")
+        return cls(tuple(_message(i, m) for i, m in enumerate(messages)), add_generation_prompt,
+                   continue_final_message, _template_kwargs(chat_template_kwargs))
+
+    def checked(self) -> ChatPrompt:
+        """This prompt through :meth:`of`'s checks (for one built directly, from dicts, say)."""
+        return ChatPrompt.of(self.messages, self.add_generation_prompt, self.continue_final_message,
+                             self.chat_template_kwargs)
 
     def render(self, tokenizer: Any) -> list[int]:
         """The prompt's token ids: the template's text, tokenized without adding special tokens (the template
@@ -53,10 +74,13 @@ class ChatPrompt:
                                       "tokenizer_config.json, or a chat_template.jinja file), so it cannot render "
                                       "chat messages; send a plain prompt, add the template to the model folder, "
                                       "or give one with --chat-template FILE")
+        if self.chat_template_kwargs:
+            _check_template_reads(tokenizer.chat_template, self.chat_template_kwargs)
         turns = [{"role": m.role, "content": m.content} for m in self.messages]
         try:
-            text = tokenizer.apply_chat_template(turns, tokenize=False,
-                                                 add_generation_prompt=self.add_generation_prompt)
+            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=self.add_generation_prompt,
+                                                 continue_final_message=self.continue_final_message,
+                                                 **self.chat_template_kwargs)
         except jinja2.TemplateSyntaxError as exc:
             raise InvalidRequestError(f"the model's chat template is not valid Jinja (line {exc.lineno}: "
                                       f"{exc.message}); fix it, or give one with --chat-template FILE") from None
@@ -64,8 +88,73 @@ class ChatPrompt:
             raise InvalidRequestError(f"the model's chat template refused the messages: {exc}") from None
         except (ValueError, TypeError) as exc:  # several named templates and no default; a template's own bug
             raise InvalidRequestError(f"the model's chat template cannot render the messages ({type(exc).__name__}: "
-                                      f"{exc}); fix it, or give one with --chat-template FILE") from None
+                                      f"{str(exc).splitlines()[0]}); fix it, or give one with --chat-template "
+                                      "FILE") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+# apply_chat_template's own parameters, and the names the template gets from it: not template variables to set
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def parse_template_kwargs(text: str | None, what: str) -> dict[str, Any]:
+    """``chat_template_kwargs`` from a JSON object (a CLI option or a gRPC field, named ``what``); empty for None
+    or an empty string."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{what} must be a JSON object such as '{{\"enable_thinking\": false}}' ({exc})"
+                                  ) from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{what} must be a JSON object of template variables, got {text[:80]}")
+    return value
+
+
+def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A private copy of ``kwargs``; InvalidRequestError for a name that is not a plain identifier or that
+    apply_chat_template keeps for itself, and for a value that is not JSON-like (what a template can read)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError(f"chat_template_kwargs must be a mapping of template variables, got "
+                                  f"{type(kwargs).__name__}")
+    for name, value in kwargs.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidRequestError(f"chat_template_kwargs: {name!r} is not a template variable name")
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise InvalidRequestError(f"chat_template_kwargs: {name!r} is set by the engine, not a template variable "
+                                      "(add_generation_prompt and continue_final_message are options of their own)")
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"chat_template_kwargs: {name!r} must be JSON-like (a string, number, bool, "
+                                      f"None, list or mapping), got {type(value).__name__}") from None
+    return json.loads(json.dumps(dict(kwargs)))  # a deep copy: the caller's later edits change nothing
+
+
+def _check_template_reads(template: str | Mapping[str, str], kwargs: Mapping[str, Any]) -> None:
+    """InvalidRequestError for a variable no template reads: a misspelt ``enable_thinking`` would otherwise
+    change nothing, silently. A template with syntax this parser lacks (transformers' extensions) is not checked."""
+    import jinja2
+    import jinja2.meta
+
+    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    reads: set[str] = set()
+    for text in template.values() if isinstance(template, Mapping) else [template]:
+        try:
+            reads |= jinja2.meta.find_undeclared_variables(environment.parse(text))
+        except jinja2.TemplateSyntaxError:
+            return
+    if unread := sorted(set(kwargs) - reads):
+        own = sorted(reads - RESERVED_TEMPLATE_NAMES - {"raise_exception", "strftime_now", "bos_token", "eos_token"})
+        raise InvalidRequestError(f"the model's chat template does not read {', '.join(map(repr, unread))}, so "
+                                  f"setting it would change nothing; the variables it reads: "
+                                  f"{', '.join(own) if own else 'none beyond the messages'}")
 
 
 def read_chat_template(path: str, tokenizer: Any) -> str:

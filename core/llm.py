@@ -45,18 +45,21 @@ class LLM:
         return self.engine.generate(_as_list(prompts), params)
 
     def chat(self, messages: Seq[Mapping[str, Any] | ChatMessage] | Seq[Seq[Mapping[str, Any] | ChatMessage]],
-             params: SamplingParams | Seq[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             params: SamplingParams | Seq[SamplingParams] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
+             ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role": ..., "content": ...}`` messages or ChatMessages) or
         several (a list of such lists), each rendered by the model's chat template (core/chat.py); one
-        RequestOutput per conversation, in order. ``add_generation_prompt=False`` renders the messages alone
-        (to continue the last one, say)."""
+        RequestOutput per conversation, in order. ``add_generation_prompt=False`` renders the messages alone;
+        ``continue_final_message=True`` (with it) leaves the last message open for the model to continue;
+        ``chat_template_kwargs`` sets more template variables (``{"enable_thinking": False}``, say)."""
         one = isinstance(messages, Seq) and bool(messages) and isinstance(messages[0], (Mapping, ChatMessage))
         conversations = [messages] if one else messages
         prompts = []
         for index, conversation in enumerate(check_prompt_list(conversations)):
             try:
-                prompts.append(ChatPrompt.of(conversation, add_generation_prompt))  # type: ignore[arg-type]
+                prompts.append(ChatPrompt.of(conversation, add_generation_prompt,  # type: ignore[arg-type]
+                                             continue_final_message, chat_template_kwargs))
             except InferError as exc:
                 raise at_prompt(exc, index, len(conversations)) from None
         return self.engine.generate(prompts, params)

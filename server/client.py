@@ -6,6 +6,7 @@ itself: iterate it for the GenerateResponse deltas, ``cancel()`` it to abort the
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,13 @@ def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: Promp
         request.text = prompt
         return
     if isinstance(prompt, ChatPrompt):  # the server renders it with its model's chat template
-        if not prompt.add_generation_prompt:
-            raise InvalidRequestError("the server renders a chat prompt with add_generation_prompt; send "
-                                      "ChatPrompt.of(messages) (or render it yourself and send the token ids)")
-        for message in ChatPrompt.of(prompt.messages).messages:
+        prompt = prompt.checked()  # here, as the server will check it
+        for message in prompt.messages:
             request.chat.messages.add(role=message.role, content=message.content)
+        request.chat.add_generation_prompt = prompt.add_generation_prompt
+        request.chat.continue_final_message = prompt.continue_final_message
+        if prompt.chat_template_kwargs:
+            request.chat.chat_template_kwargs = json.dumps(prompt.chat_template_kwargs)
         return
     try:
         request.token_ids.ids.extend(prompt)

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ..core.chat import ChatPrompt, Prompt
+from ..core.chat import ChatPrompt, Prompt, parse_template_kwargs
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
 from ..core.request import CompletionOutput, FinishReason, SamplingParams
 from . import infer_pb2 as pb
@@ -33,7 +33,11 @@ def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest) -> Prompt:
     if which == "token_ids":
         return list(request.token_ids.ids)
     if which == "chat":
-        return ChatPrompt.of([{"role": m.role, "content": m.content} for m in request.chat.messages])
+        chat = request.chat
+        return ChatPrompt.of([{"role": m.role, "content": m.content} for m in chat.messages],
+                             chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+                             chat.continue_final_message,
+                             parse_template_kwargs(chat.chat_template_kwargs, "chat.chat_template_kwargs"))
     return request.text
 
 

@@ -312,3 +312,91 @@ def test_infer_chat_checks_its_options_against_the_model_first(chat_model: Path)
 
     result = CliRunner().invoke(main, ["--model", str(chat_model), "chat", "--logit-bias", "99999=1"], input="hi\n")
     assert result.exit_code == 2 and "logit_bias's token ids must be below" in result.stderr and not result.stdout
+
+
+THINKING = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
+            "<|assistant|>\n{% if not (enable_thinking | default(true)) %}<think></think>{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    """A model whose template reads one variable of its own, as Qwen3's reads enable_thinking."""
+    path = tmp_path_factory.mktemp("thinking") / "thinking.jinja"
+    path.write_text(THINKING)
+    return LLM(model=str(tiny_model), device="cpu", num_kv_blocks=64, chat_template=str(path))
+
+
+def test_template_variables_and_a_continued_message_render_and_generate_as_hf(
+        thinking: LLM, tiny_model: Path, hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    hf = AutoTokenizer.from_pretrained(str(tiny_model))
+
+    def hf_ids(messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
+        return list(hf.apply_chat_template(messages, chat_template=THINKING, **kwargs)["input_ids"])
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    off = hf_ids(CHAT, add_generation_prompt=True, enable_thinking=False)
+    assert off != hf_ids(CHAT, add_generation_prompt=True)  # the variable changes the rendering
+    out = thinking.chat(CHAT, params, chat_template_kwargs={"enable_thinking": False})[0]
+    assert out.prompt_token_ids == off and out.outputs[0].token_ids == hf_greedy(tiny_model, off, 6)
+    prefilled = [*CHAT, {"role": "assistant", "content": "return a"}]
+    opened = hf_ids(prefilled, continue_final_message=True)
+    assert opened != hf_ids(prefilled) and hf.decode(opened).endswith("return a")  # the last turn is left open
+    out = thinking.chat(prefilled, params, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == opened and out.outputs[0].token_ids == hf_greedy(tiny_model, opened, 6)
+    kwargs = {"enable_thinking": False}
+    prompt = ChatPrompt.of(CHAT, chat_template_kwargs=kwargs)
+    kwargs["enable_thinking"] = True  # the prompt holds its own copy
+    assert thinking.engine.tokenize(prompt) == off
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"chat_template_kwargs": {"enable_thinkng": False}}, "the model's chat template does not read 'enable_thinkng', "
+     "so setting it would change nothing; the variables it reads: enable_thinking"),
+    ({"chat_template_kwargs": {"tokenize": False}}, "'tokenize' is set by the engine, not a template variable"),
+    ({"chat_template_kwargs": {"two words": 1}}, "chat_template_kwargs: 'two words' is not a template variable name"),
+    ({"chat_template_kwargs": {"enable_thinking": object()}}, "'enable_thinking' must be JSON-like"),
+    ({"chat_template_kwargs": {"enable_thinking": float("nan")}}, "'enable_thinking' must be JSON-like"),
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs must be a mapping of template variables"),
+    ({"continue_final_message": True}, "and add_generation_prompt opens a new assistant turn after it; set "
+     "add_generation_prompt=False"),
+    ({"add_generation_prompt": False, "continue_final_message": "yes"}, "continue_final_message must be True or False"),
+    ({"add_generation_prompt": 1}, "add_generation_prompt must be True or False, got 1"),
+])
+def test_bad_chat_options_are_refused_by_name(thinking: LLM, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        thinking.chat(CHAT, **options)
+    assert not thinking.engine.has_unfinished()
+
+
+def test_continuing_a_message_the_template_cuts_is_an_invalid_request(tiny_model: Path, tmp_path: Path) -> None:
+    (tmp_path / "short.jinja").write_text("{% for m in messages %}{{ m['content'][:3] }}\n{% endfor %}")
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(tmp_path / "short.jinja"))
+    with pytest.raises(InvalidRequestError, match="cannot render the messages .ValueError: continue_final_message"):
+        llm.chat([*CHAT, {"role": "assistant", "content": "return a"}], add_generation_prompt=False,
+                 continue_final_message=True)
+
+
+def test_infer_chat_passes_template_variables(thinking: LLM, tiny_model: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    (tmp_path / "thinking.jinja").write_text(THINKING)
+
+    def run(*args: str) -> Any:
+        return CliRunner().invoke(main, ["--model", str(tiny_model), "--num-kv-blocks", "64", "--chat-template",
+                                         str(tmp_path / "thinking.jinja"), "chat", "--max-tokens", "6",
+                                         "--temperature", "0", *args], input=f"{CHAT[1]['content']}\n")
+
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    turn = [CHAT[1]]
+    off, on = (thinking.chat(turn, params, chat_template_kwargs={"enable_thinking": value})[0].outputs[0].text
+               for value in (False, True))
+    result = run("--chat-template-kwargs", '{"enable_thinking": false}')
+    assert result.exit_code == 0 and result.stdout == f"{off}\n", result.output
+    assert run().stdout == f"{on}\n"
+    for given, message in (("{enable_thinking: false}", "--chat-template-kwargs must be a JSON object such as"),
+                           ("[1]", "must be a JSON object of template variables, got [1]"),
+                           ('{"thinking": 1}', "does not read 'thinking'")):  # checked before the first turn
+        result = run("--chat-template-kwargs", given)
+        assert result.exit_code == 2 and message in result.stderr and not result.stdout, result.output

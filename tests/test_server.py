@@ -610,7 +610,11 @@ def test_client_chat_on_a_model_without_a_template_is_refused_by_the_server(serv
     assert (out.exit_code, out.stdout) == (1, "")
     assert out.stderr.startswith("Error: INVALID_ARGUMENT: this model's tokenizer has no chat template")
     out = run_cli("client", "Hi", "--target", server.target, "--system", "Be brief.")
-    assert out.exit_code == 2 and "--system opens a conversation; add --chat" in out.stderr
+    assert out.exit_code == 2 and "--system is for a conversation; add --chat" in out.stderr
+    out = run_cli("client", "Hi", "--target", server.target, "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert out.exit_code == 2 and "--chat-template-kwargs is for a conversation; add --chat" in out.stderr
+    out = run_cli("client", "Hi", "--target", server.target, "--chat", "--chat-template-kwargs", "[]")
+    assert out.exit_code == 2 and "must be a JSON object of template variables" in out.stderr
 
 
 def test_client_errors_stand_alone(server: ServerProcess) -> None:

@@ -561,8 +561,17 @@ def test_a_chat_prompt_over_grpc_is_rendered_by_the_servers_template(chat_model:
             request = pb.GenerateRequest(chat=pb.Chat(messages=messages))
             code, details = await rpc_code(client.stub.Complete(request))
             assert code is grpc.StatusCode.INVALID_ARGUMENT and complaint in details, details
-        with pytest.raises(InvalidRequestError, match="add_generation_prompt"):  # the client says so first
-            client.generate(ChatPrompt.of(chat, add_generation_prompt=False))
+        for prompt in (ChatPrompt.of(chat, add_generation_prompt=False), ChatPrompt.of(  # the options travel too
+                [*chat, {"role": "assistant", "content": "return"}], False, continue_final_message=True)):
+            done = await client.complete(prompt, max_tokens=1, prompt_logprobs=0)
+            assert [e.tokens[0].token_id for e in done.prompt_logprobs[1:]] == llm.engine.tokenize(prompt)[1:]
+        thinking = ChatPrompt.of(chat, chat_template_kwargs={"enable_thinking": False})
+        code, details = await rpc_code(client.stub.Complete(build_request(thinking)))  # the server's check
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "does not read 'enable_thinking'" in details, details
+        request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")],
+                                                  chat_template_kwargs="{oops"))
+        code, details = await rpc_code(client.stub.Complete(request))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "chat.chat_template_kwargs must be a JSON object" in details
         cli = await asyncio.to_thread(CliRunner().invoke, main, [  # `infer client --chat` sends the same chat
             "client", chat[1]["content"], "--target", client.target, "--chat", "--system", chat[0]["content"],
             "--max-tokens", "6", "--temperature", "0"])
