@@ -81,7 +81,7 @@ def _parse_template_kwargs(ctx: click.Context, param: click.Parameter, text: str
     from ..core.errors import InvalidRequestError
 
     try:
-        return parse_template_kwargs(text, "--chat-template-kwargs")
+        return parse_template_kwargs(text, param.opts[0])
     except InvalidRequestError as exc:
         raise click.BadParameter(str(exc), ctx, param) from None
 
@@ -183,6 +183,11 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--chat-template", default=None, metavar="FILE",
                  help="A Jinja chat template file that renders conversations (infer chat, chat prompts) in place of "
                       "the model's own [default: the tokenizer's chat_template, if any]."),
+    click.option("--default-chat-template-kwargs", default=None, metavar="JSON",
+                 callback=lambda ctx, param, text: None if text is None else _parse_template_kwargs(ctx, param, text),
+                 help="Template variables of every chat prompt, as a JSON object, e.g. '{\"enable_thinking\": "
+                      "false}'; each must be one the template reads, and a request's own chat_template_kwargs win "
+                      "[default: none]."),
     click.option("--num-speculative-tokens", type=int, default=None, metavar="K",
                  help="Draft tokens verified per step and sequence when a proposer is selected, 0-16 [default: 0; "
                       "a proposer needs K >= 1]."),
@@ -231,7 +236,7 @@ FIELD_OF_OPTION = {
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
-    "chat_template": "chat_template",
+    "chat_template": "chat_template", "default_chat_template_kwargs": "default_chat_template_kwargs",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]
     "spec_min_acceptance": "plugin_options.spec_decode.min_acceptance",
     "spec_max_batch_size": "plugin_options.spec_decode.max_batch_size",

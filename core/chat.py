@@ -57,16 +57,17 @@ class ChatPrompt:
             raise InvalidRequestError("continue_final_message continues the last message, and add_generation_prompt "
                                       "opens a new assistant turn after it; set add_generation_prompt=False")
         return cls(tuple(_message(i, m) for i, m in enumerate(messages)), add_generation_prompt,
-                   continue_final_message, _template_kwargs(chat_template_kwargs))
+                   continue_final_message, checked_template_kwargs(chat_template_kwargs))
 
     def checked(self) -> ChatPrompt:
         """This prompt through :meth:`of`'s checks (for one built directly, from dicts, say)."""
         return ChatPrompt.of(self.messages, self.add_generation_prompt, self.continue_final_message,
                              self.chat_template_kwargs)
 
-    def render(self, tokenizer: Any) -> list[int]:
+    def render(self, tokenizer: Any, default_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The prompt's token ids: the template's text, tokenized without adding special tokens (the template
-        writes its own, BOS included), as ``apply_chat_template(..., tokenize=True)`` does."""
+        writes its own, BOS included), as ``apply_chat_template(..., tokenize=True)`` does. ``default_kwargs``:
+        template variables this prompt's own ``chat_template_kwargs`` may override (the engine's defaults)."""
         import jinja2
 
         if not getattr(tokenizer, "chat_template", None):
@@ -74,13 +75,14 @@ class ChatPrompt:
                                       "tokenizer_config.json, or a chat_template.jinja file), so it cannot render "
                                       "chat messages; send a plain prompt, add the template to the model folder, "
                                       "or give one with --chat-template FILE")
+        template_kwargs = {**(default_kwargs or {}), **self.chat_template_kwargs}
         if self.chat_template_kwargs:
-            _check_template_reads(tokenizer.chat_template, self.chat_template_kwargs)
+            check_template_reads(tokenizer.chat_template, self.chat_template_kwargs)
         turns = [{"role": m.role, "content": m.content} for m in self.messages]
         try:
             text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=self.add_generation_prompt,
                                                  continue_final_message=self.continue_final_message,
-                                                 **self.chat_template_kwargs)
+                                                 **template_kwargs)
         except jinja2.TemplateSyntaxError as exc:
             raise InvalidRequestError(f"the model's chat template is not valid Jinja (line {exc.lineno}: "
                                       f"{exc.message}); fix it, or give one with --chat-template FILE") from None
@@ -115,7 +117,7 @@ def parse_template_kwargs(text: str | None, what: str) -> dict[str, Any]:
     return value
 
 
-def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """A private copy of ``kwargs``; InvalidRequestError for a name that is not a plain identifier or that
     apply_chat_template keeps for itself, and for a value that is not JSON-like (what a template can read)."""
     if kwargs is None:
@@ -137,7 +139,7 @@ def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return json.loads(json.dumps(dict(kwargs)))  # a deep copy: the caller's later edits change nothing
 
 
-def _check_template_reads(template: str | Mapping[str, str], kwargs: Mapping[str, Any]) -> None:
+def check_template_reads(template: str | Mapping[str, str], kwargs: Mapping[str, Any]) -> None:
     """InvalidRequestError for a variable no template reads: a misspelt ``enable_thinking`` would otherwise
     change nothing, silently. A template with syntax this parser lacks (transformers' extensions) is not checked."""
     import jinja2
@@ -178,6 +180,18 @@ def read_chat_template(path: str, tokenizer: Any) -> str:
     except Exception:  # noqa: BLE001 - refusing the probe (raise_exception, a role rule) is the template's right
         pass
     return text
+
+
+def check_default_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any]) -> None:
+    """ConfigError, at start, for default template variables (``--default-chat-template-kwargs``) that the
+    model's template does not read, or for a model without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--default-chat-template-kwargs sets variables of the chat template, but this model has "
+                          "none; drop the option, or give a template with --chat-template FILE")
+    try:
+        check_template_reads(tokenizer.chat_template, kwargs)
+    except InvalidRequestError as exc:
+        raise ConfigError(f"--default-chat-template-kwargs: {exc}") from None
 
 
 TOOL_KEYS = ("tool_calls", "tool_call_id", "name")

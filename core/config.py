@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -66,6 +66,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     draft_model: str | None = None
     chat_template: str | None = None  # a Jinja chat template file, in place of the model's own (core/chat.py)
+    # template variables of every chat prompt, each one the template reads; a prompt's own chat_template_kwargs win
+    default_chat_template_kwargs: dict[str, Any] | None = None
     cuda_graphs: bool = True
     # Steps that decode graphs do not take (prefill chunks, prefills beside decodes) of up to this many tokens
     # replay CUDA graphs too (one per token count of a ladder; padded to the next), where the attention backend
@@ -112,6 +114,13 @@ class EngineConfig:
         if not all(isinstance(key, str) and isinstance(options, dict) for key, options in self.plugin_options.items()):
             raise ConfigError(f"plugin-options maps a namespace to a dict of options, e.g. {{'awq': {{'group_size': "
                               f"64}}}}, got {self.plugin_options!r}")
+        if self.default_chat_template_kwargs is not None:
+            from .chat import checked_template_kwargs
+
+            try:
+                self.default_chat_template_kwargs = checked_template_kwargs(self.default_chat_template_kwargs)
+            except InvalidRequestError as exc:
+                raise ConfigError(f"default-chat-template-kwargs: {exc}") from None
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
 

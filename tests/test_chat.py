@@ -400,3 +400,39 @@ def test_infer_chat_passes_template_variables(thinking: LLM, tiny_model: Path, t
                            ('{"thinking": 1}', "does not read 'thinking'")):  # checked before the first turn
         result = run("--chat-template-kwargs", given)
         assert result.exit_code == 2 and message in result.stderr and not result.stdout, result.output
+
+
+def test_default_template_variables_apply_to_every_chat_and_a_request_overrides_them(
+        thinking: LLM, tiny_model: Path, tmp_path: Path) -> None:
+    from infer import ConfigError
+
+    (tmp_path / "thinking.jinja").write_text(THINKING)
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(tmp_path / "thinking.jinja"),
+              default_chat_template_kwargs={"enable_thinking": False})
+    off, on = (thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"enable_thinking": value}))
+               for value in (False, True))
+    assert llm.engine.tokenize(ChatPrompt.of(CHAT)) == off
+    assert llm.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"enable_thinking": True})) == on
+    for model, defaults, message in (
+            (str(tiny_model), {"enable_thinking": False}, "--default-chat-template-kwargs sets variables of the chat "
+             "template, but this model has none"),
+            (None, {"thinking": False}, "--default-chat-template-kwargs: the model's chat template does not read "
+             "'thinking'"),
+            (None, {"tokenize": False}, "default-chat-template-kwargs: chat_template_kwargs: 'tokenize' is set by")):
+        template = None if model else str(tmp_path / "thinking.jinja")
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=template,
+                default_chat_template_kwargs=defaults)
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    want = thinking.chat([CHAT[1]], params, chat_template_kwargs={"enable_thinking": False})[0].outputs[0].text
+    result = CliRunner().invoke(main, [
+        "--model", str(tiny_model), "--num-kv-blocks", "32", "--chat-template", str(tmp_path / "thinking.jinja"),
+        "--default-chat-template-kwargs", '{"enable_thinking": false}', "chat", "--max-tokens", "4",
+        "--temperature", "0"], input=f"{CHAT[1]['content']}\n")
+    assert result.exit_code == 0 and result.stdout == f"{want}\n", result.output
+    result = CliRunner().invoke(main, ["--model", str(tiny_model), "--default-chat-template-kwargs", "1", "chat"])
+    assert result.exit_code == 2 and "--default-chat-template-kwargs must be a JSON object" in result.stderr
