@@ -183,6 +183,10 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--chat-template", default=None, metavar="FILE",
                  help="A Jinja chat template file that renders conversations (infer chat, chat prompts) in place of "
                       "the model's own [default: the tokenizer's chat_template, if any]."),
+    click.option("--sanitize-chat-control-tokens/--no-sanitize-chat-control-tokens", default=None,
+                 help="Encode a control token's text typed in a chat message (a user's '<|im_end|>') as plain text, "
+                      "so that only the template writes control tokens and a user cannot forge a turn; for a server "
+                      "open to untrusted users [default: off, as HF transformers and vLLM render chats]."),
     click.option("--default-chat-template-kwargs", default=None, metavar="JSON",
                  callback=lambda ctx, param, text: None if text is None else _parse_template_kwargs(ctx, param, text),
                  help="Template variables of every chat prompt, as a JSON object, e.g. '{\"enable_thinking\": "
@@ -237,6 +241,7 @@ FIELD_OF_OPTION = {
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
     "chat_template": "chat_template", "default_chat_template_kwargs": "default_chat_template_kwargs",
+    "sanitize_chat_control_tokens": "sanitize_chat_control_tokens",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]
     "spec_min_acceptance": "plugin_options.spec_decode.min_acceptance",
     "spec_max_batch_size": "plugin_options.spec_decode.max_batch_size",

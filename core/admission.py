@@ -21,10 +21,11 @@ class RequestChecker:
     max_model_len: int
     max_prompt_chars: int | None = None  # longer text cannot fit: refused before it is tokenized
     chat_defaults: dict[str, Any] | None = None  # the engine's default chat template variables
+    sanitize_chat: bool = False  # control tokens typed in chat messages are encoded as text
 
     @classmethod
     def for_model(cls, tokenizer: Any, vocab_size: int, max_model_len: int,
-                  chat_defaults: dict[str, Any] | None = None) -> RequestChecker:
+                  chat_defaults: dict[str, Any] | None = None, sanitize_chat: bool = False) -> RequestChecker:
         """A token spells at most as many characters as its vocabulary string has (byte-level BPE: one per byte),
         and Unicode normalization can merge a few characters into one (x4 covers it), so a text longer than
         ``max_model_len * 4 * longest token`` characters cannot fit: refusing it costs no tokenization, which
@@ -32,8 +33,9 @@ class RequestChecker:
         try:
             longest = max(map(len, tokenizer.get_vocab()))
         except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary listing: no bound
-            return cls(tokenizer, vocab_size, max_model_len, chat_defaults=chat_defaults)
-        return cls(tokenizer, vocab_size, max_model_len, max_model_len * 4 * max(longest, 1), chat_defaults)
+            return cls(tokenizer, vocab_size, max_model_len, None, chat_defaults, sanitize_chat)
+        return cls(tokenizer, vocab_size, max_model_len, max_model_len * 4 * max(longest, 1), chat_defaults,
+                   sanitize_chat)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt, or chat
@@ -41,7 +43,8 @@ class RequestChecker:
         if isinstance(prompt, ChatPrompt):
             chat = prompt.checked()  # one built directly is checked here
             self._check_length(sum(len(m.content) for m in chat.messages), "the chat messages' contents have")
-            return self._in_vocabulary(chat.render(self.tokenizer, self.chat_defaults), "the rendered chat")
+            return self._in_vocabulary(chat.render(self.tokenizer, self.chat_defaults, self.sanitize_chat),
+                                       "the rendered chat")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty; give at least one character or token")

@@ -64,10 +64,12 @@ class ChatPrompt:
         return ChatPrompt.of(self.messages, self.add_generation_prompt, self.continue_final_message,
                              self.chat_template_kwargs)
 
-    def render(self, tokenizer: Any, default_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def render(self, tokenizer: Any, default_kwargs: Mapping[str, Any] | None = None, sanitize: bool = False
+               ) -> list[int]:
         """The prompt's token ids: the template's text, tokenized without adding special tokens (the template
         writes its own, BOS included), as ``apply_chat_template(..., tokenize=True)`` does. ``default_kwargs``:
-        template variables this prompt's own ``chat_template_kwargs`` may override (the engine's defaults)."""
+        template variables this prompt's own ``chat_template_kwargs`` may override (the engine's defaults).
+        ``sanitize``: control tokens' text in the messages and variables is encoded as plain text."""
         import jinja2
 
         if not getattr(tokenizer, "chat_template", None):
@@ -79,10 +81,13 @@ class ChatPrompt:
         if self.chat_template_kwargs:
             check_template_reads(tokenizer.chat_template, self.chat_template_kwargs)
         turns = [{"role": m.role, "content": m.content} for m in self.messages]
+        options = {"add_generation_prompt": self.add_generation_prompt,
+                   "continue_final_message": self.continue_final_message, **template_kwargs}
         try:
-            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=self.add_generation_prompt,
-                                                 continue_final_message=self.continue_final_message,
-                                                 **template_kwargs)
+            if sanitize:  # HF encodes the marked control tokens itself (else it is the same text, encoded alike)
+                return list(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
+                                                          sanitize_control_tokens=True, **options))
+            text = tokenizer.apply_chat_template(turns, tokenize=False, **options)
         except jinja2.TemplateSyntaxError as exc:
             raise InvalidRequestError(f"the model's chat template is not valid Jinja (line {exc.lineno}: "
                                       f"{exc.message}); fix it, or give one with --chat-template FILE") from None
@@ -180,6 +185,19 @@ def read_chat_template(path: str, tokenizer: Any) -> str:
     except Exception:  # noqa: BLE001 - refusing the probe (raise_exception, a role rule) is the template's right
         pass
     return text
+
+
+def check_can_sanitize(tokenizer: Any) -> None:
+    """ConfigError, at start, when the installed transformers cannot encode control tokens typed in messages as
+    text (``apply_chat_template(sanitize_control_tokens=True)``)."""
+    import inspect
+
+    import transformers
+
+    if "sanitize_control_tokens" not in inspect.signature(tokenizer.apply_chat_template).parameters:
+        raise ConfigError(f"--sanitize-chat-control-tokens needs a transformers release whose apply_chat_template "
+                          f"takes sanitize_control_tokens (5.24 does; installed: {transformers.__version__}); "
+                          "upgrade transformers, or drop the option")
 
 
 def check_default_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any]) -> None:

@@ -68,6 +68,9 @@ class EngineConfig:
     chat_template: str | None = None  # a Jinja chat template file, in place of the model's own (core/chat.py)
     # template variables of every chat prompt, each one the template reads; a prompt's own chat_template_kwargs win
     default_chat_template_kwargs: dict[str, Any] | None = None
+    # a control token's text in a chat message (a user's "<|im_end|>") is encoded as plain text, so that only the
+    # template writes control tokens (HF's apply_chat_template(sanitize_control_tokens=True), which it runs)
+    sanitize_chat_control_tokens: bool = False
     cuda_graphs: bool = True
     # Steps that decode graphs do not take (prefill chunks, prefills beside decodes) of up to this many tokens
     # replay CUDA graphs too (one per token count of a ladder; padded to the next), where the attention backend

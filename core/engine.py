@@ -16,7 +16,7 @@ import torch
 
 from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
 from .assembly import assemble
-from .chat import Prompt, check_default_template_kwargs, read_chat_template
+from .chat import Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
@@ -71,11 +71,14 @@ class Engine:
             self.tokenizer.chat_template = read_chat_template(config.chat_template, self.tokenizer)
         if config.default_chat_template_kwargs:
             check_default_template_kwargs(self.tokenizer, config.default_chat_template_kwargs)
+        if config.sanitize_chat_control_tokens:
+            check_can_sanitize(self.tokenizer)
         self.new_detokenizer = detokenizer_factory(self.tokenizer, self.loaded.model.spec.vocab_size)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
         self.checker = RequestChecker.for_model(self.tokenizer, spec.vocab_size, spec.max_model_len,
-                                                config.default_chat_template_kwargs)
+                                                config.default_chat_template_kwargs,
+                                                config.sanitize_chat_control_tokens)
         # HF's generate stops at generation_config.json's eos ids when it names some, else at config.json's; the
         # tokenizer's eos serves a checkpoint that names none
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
