@@ -7,6 +7,10 @@ end-of-sequence ids) x beam_width``, an end-of-sequence token among the best ``b
 hypothesis). A hypothesis scores
 ``cumulative_logprob / num_generated_tokens ** length_penalty``. A prompt is done at ``max_tokens``, or when
 ``beam_width`` hypotheses have finished and none of the live beams scores better now (HF's ``early_stopping=False``).
+
+A search (:class:`BeamSearch`) runs beside the engine's requests: each engine step advances every active search by
+one token (:class:`BeamSearches`, which also shares the KV pool between beams and the scheduler), then runs the
+scheduled step. The beams' forward passes are their own, so a search returns the same beams beside requests as alone.
 """
 from __future__ import annotations
 
@@ -75,47 +79,186 @@ class _Prompt:
     finished: bool = False
 
 
-def beam_search(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams,
-                new_seq_id: Callable[[], int]) -> list[BeamSearchOutput]:
-    """Run beam search for every prompt, the prompts' beams batched together, on ``engine``'s model and KV pool
-    (which must have no other requests). Raises InvalidRequestError, or CapacityError when the beams outgrow the
-    KV pool (their blocks are freed first)."""
-    if not isinstance(params, BeamSearchParams):
-        raise InvalidRequestError(f"beam search takes a BeamSearchParams, got {type(params).__name__}")
-    params.validate()
-    if engine.has_unfinished():
-        raise InvalidRequestError(f"beam search runs alone, and the engine has {len(engine.requests)} unfinished "
-                                  "request(s); let them finish or abort them first")
-    sampling = params.sampling()
-    states, created = [], []  # every beam made, freed at the end whatever happens (free is idempotent)
+class BeamSearch:
+    """One beam search: its prompts' beams batched together, on its engine's model and KV pool, beside the engine's
+    requests. Its beams are Sequences the scheduler never sees. ``Engine.start_beam_search`` starts it; each engine
+    step then runs :meth:`step` (through :class:`BeamSearches`) until ``done``; ``result()`` gives one
+    BeamSearchOutput per prompt, or raises the error that ended it. Whatever ends it (its last token, an error,
+    ``Engine.abort_beam_search``) frees every beam it made."""
 
-    def new_beam(prompt_ids: list[int], token_ids: list[int]) -> Sequence:
-        created.append(Sequence(new_seq_id(), "beam-search", prompt_ids, sampling, time.perf_counter(),
-                                eos_token_ids=engine.eos_token_ids, max_model_len=engine.max_model_len,
-                                token_ids=list(token_ids)))
-        return created[-1]
+    def __init__(self, engine: Engine, prompt_ids: list[list[int]], params: BeamSearchParams,
+                 new_seq_id: Callable[[], int]) -> None:
+        self.engine, self.prompt_ids, self.params, self.new_seq_id = engine, prompt_ids, params, new_seq_id
+        self.waits = 0  # steps it waited for KV blocks that others held
+        self.restarts = 0  # times an older search took its blocks and it began again
+        self.error: BaseException | None = None
+        self.outputs: list[BeamSearchOutput] | None = None
+        self._begin()
 
-    for ids in check_prompts(engine, prompts, params):
-        states.append(_Prompt(ids, [(new_beam(ids, ids), 0.0)]))
-    try:
-        for step in range(params.max_tokens):
-            running = [s for s in states if not s.finished]
-            if not running:
-                break
-            logprobs = _forward(engine, [beam for s in running for beam, _ in s.live], first=step == 0)
-            row = 0
-            for state in running:
-                rows = logprobs[row : row + len(state.live)]
-                row += len(state.live)
-                _advance(engine, state, rows, params, step + 1, new_beam)
-        for state in states:
-            for beam, logprob in state.live:  # reached max_tokens
-                _finish(state, beam, logprob, FinishReason.LENGTH, params)
-    finally:
-        for beam in created:
-            engine.kv.free(beam)
-        engine.kv.take_block_ops()  # copies queued for beams that never ran (an error mid-step) must not run later
-    return [_output(engine, state, params) for state in states]
+    def _begin(self) -> None:
+        self.created: list[Sequence] = []  # every beam made, freed at the end whatever happens (free is idempotent)
+        self.states = [_Prompt(ids, [(self._new_beam(ids, ids), 0.0)]) for ids in self.prompt_ids]
+        self.length = 0  # tokens each live beam has generated
+        self.ready: set[int] = set()  # beams whose blocks for this step are allocated (kept while it waits)
+        self.short = 0  # beams without their blocks, when the last step had to wait
+
+    def _new_beam(self, prompt_ids: list[int], token_ids: list[int]) -> Sequence:
+        engine = self.engine
+        self.created.append(Sequence(self.new_seq_id(), "beam-search", prompt_ids, self.params.sampling(),
+                                     time.perf_counter(), eos_token_ids=engine.eos_token_ids,
+                                     max_model_len=engine.max_model_len, token_ids=list(token_ids)))
+        return self.created[-1]
+
+    @property
+    def done(self) -> bool:
+        return self.outputs is not None or self.error is not None
+
+    def result(self) -> list[BeamSearchOutput]:
+        """One BeamSearchOutput per prompt, in order; the search's error if one ended it."""
+        if self.error is not None:
+            raise self.error
+        if self.outputs is None:
+            raise InvalidRequestError("the beam search has not finished; step the engine until its done is True")
+        return self.outputs
+
+    def step(self) -> bool:
+        """Advance every unfinished prompt by one token: True. False when the KV pool has no blocks for some beam
+        now: nothing else changes (the beams that got blocks keep them for the retry). Raises what the model
+        run raises (the caller fails the search)."""
+        running = [s for s in self.states if not s.finished]
+        beams = [beam for s in running for beam, _ in s.live]
+        self.short = self.short_of_blocks(beams)
+        if self.short:
+            return False
+        logprobs = _forward(self.engine, beams)
+        self.ready.clear()
+        self.length += 1
+        row = 0
+        for state in running:
+            rows = logprobs[row : row + len(state.live)]
+            row += len(state.live)
+            _choose(self.engine, state, rows, self.params, self.length, self._new_beam)
+        if self.length == self.params.max_tokens or all(s.finished for s in self.states):
+            for state in self.states:
+                for beam, logprob in state.live:  # reached max_tokens
+                    _finish(state, beam, logprob, FinishReason.LENGTH, self.params)
+            self.outputs = [_output(self.engine, state, self.params) for state in self.states]
+            self.close()
+        return True
+
+    def short_of_blocks(self, beams: list[Sequence]) -> int:
+        """Allocate each beam's uncomputed tokens (the first step: after a prefix-cache lookup); the number of
+        beams the pool could not serve now. The copies that the allocations made run at once when some beam is
+        short, since no forward pass of this search follows to run them."""
+        kv, short = self.engine.kv, 0
+        for beam in beams:
+            if beam.seq_id in self.ready:
+                continue
+            if self.length == 0:
+                beam.num_computed_tokens = kv.match_prefix(beam)  # allocate follows at once, as its contract asks
+            if kv.allocate(beam, beam.num_tokens - beam.num_computed_tokens):
+                self.ready.add(beam.seq_id)
+                continue
+            short += 1
+            if self.length == 0:
+                kv.free(beam)
+                beam.num_computed_tokens = 0
+        if short and (ops := kv.take_block_ops()):
+            with torch.inference_mode():
+                self.engine.runner.apply_block_ops(ops)
+        return short
+
+    def held_blocks(self) -> set[int]:
+        """The KV blocks its live beams hold."""
+        return {block for s in self.states for beam, _ in s.live for block in self.engine.kv.block_table(beam)}
+
+    def restart(self) -> None:
+        """Free every beam and begin again from the prompts (an older search needs the blocks); the same beams
+        come out in the end, a beam search being deterministic."""
+        self.close()
+        self.restarts += 1
+        self._begin()
+
+    def fail(self, error: BaseException) -> None:
+        """End with ``error`` (``result()`` raises it), freeing every beam. Copies the failed step queued for its
+        beams are dropped: they must not run later, into blocks that others get."""
+        self.error = error
+        self.close()
+        self.engine.kv.take_block_ops()
+
+    def close(self) -> None:
+        """Free every beam it made (idempotent)."""
+        for beam in self.created:
+            self.engine.kv.free(beam)
+        for state in self.states:
+            state.live = []
+
+
+class BeamSearches:
+    """The engine's active beam searches, oldest first, each advanced one token per engine step before the
+    scheduled step (so blocks freed by finished requests go to beams before the scheduler admits new work).
+
+    The beams share the KV pool with the scheduler's sequences. A search whose beams cannot get blocks in a step
+    waits (skips it, keeping the blocks it got) while others hold blocks that will come back: the scheduler's
+    sequences (they finish, or the scheduler preempts them), or an older search (it goes first, so it always
+    progresses). The oldest search, short of blocks with neither, restarts the youngest other search that holds
+    blocks and tries again; with none left, it cannot fit the pool: CapacityError. So does a search whose beams
+    need more blocks than the pool has, whoever holds them. An error fails its search only."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.active: list[BeamSearch] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.active)
+
+    def start(self, prompts: Seq[Prompt], params: BeamSearchParams, new_seq_id: Callable[[], int]) -> BeamSearch:
+        """Check ``params`` and every prompt (InvalidRequestError, CapacityError before any work), then start."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError(f"beam search takes a BeamSearchParams, got {type(params).__name__}")
+        params.validate()
+        search = BeamSearch(self.engine, check_prompts(self.engine, prompts, params), params, new_seq_id)
+        self.active.append(search)
+        return search
+
+    def abort(self, search: BeamSearch) -> None:
+        """Stop ``search`` and free its beams (idempotent); ``result()`` then raises, unless it had finished."""
+        if search in self.active:
+            self.active.remove(search)
+            search.fail(InvalidRequestError("the beam search was aborted before it finished; start it again"))
+
+    def step(self) -> None:
+        """One step of each active search, oldest first; the searches that end leave."""
+        engine = self.engine
+        engine.unemitted += engine._settle()  # async scheduling: no step in flight beside the beams' forward
+        for search in list(self.active):
+            try:
+                with engine._plugin_code():
+                    while not search.step() and not self._wait_or_make_room(search):
+                        pass
+            except Exception as exc:  # that search fails; the others and the requests go on
+                search.fail(exc)
+            if search.done:
+                self.active.remove(search)
+
+    def _wait_or_make_room(self, search: BeamSearch) -> bool:
+        """For a search short of blocks: whether it waits this step (True), or may try again now that a younger
+        search has made room (False). CapacityError when waiting cannot help."""
+        kv, held = self.engine.kv, set[int]().union(*(s.held_blocks() for s in self.active))
+        needed = len(search.held_blocks()) + search.short  # each beam short of blocks needs another one
+        scheduler = self.engine.scheduler
+        if needed <= kv.num_blocks and (self.active.index(search) > 0 or (
+                scheduler.has_unfinished() and kv.stats().used_blocks > len(held))):
+            search.waits += 1
+            return True
+        younger = [s for s in self.active[self.active.index(search) + 1 :] if s.held_blocks()]
+        if needed <= kv.num_blocks and younger:
+            younger[-1].restart()
+            return False
+        raise CapacityError(f"beam search ran out of KV blocks ({kv.num_blocks} in the pool) with "
+                            f"{sum(len(s.live) for s in search.states)} beams; lower beam_width, max_tokens or the "
+                            "number of prompts, or give the KV cache more blocks (--num-kv-blocks, "
+                            "--kv-cache-memory-gb)")
 
 
 def check_prompts(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams) -> list[list[int]]:
@@ -138,20 +281,11 @@ def check_prompts(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams
     return checked
 
 
-def _forward(engine: Engine, beams: list[Sequence], first: bool) -> torch.Tensor:
-    """Allocate each beam's uncomputed tokens (``first``: the prompts, after a prefix-cache lookup) and run them,
-    as the scheduler would: batches of at most --max-num-seqs sequences and --max-num-batched-tokens tokens, a long
-    prompt in chunks. Returns the next-token log-probabilities [beams, V], in the order of ``beams``."""
+def _forward(engine: Engine, beams: list[Sequence]) -> torch.Tensor:
+    """Run each beam's uncomputed tokens (allocated), as the scheduler would: batches of at most --max-num-seqs
+    sequences and --max-num-batched-tokens tokens, a long prompt in chunks. Returns the next-token log-probabilities
+    [beams, V], in the order of ``beams``."""
     kv, config = engine.kv, engine.config
-    for beam in beams:
-        if first:
-            beam.num_computed_tokens = kv.match_prefix(beam)  # allocate follows at once, as its contract asks
-        if not kv.allocate(beam, beam.num_tokens - beam.num_computed_tokens):
-            if first:
-                kv.free(beam)
-            raise CapacityError(f"beam search ran out of KV blocks ({kv.num_blocks} in the pool) with {len(beams)} "
-                                "beams; lower beam_width, max_tokens or the number of prompts, or give the KV cache "
-                                "more blocks (--num-kv-blocks, --kv-cache-memory-gb)")
     rows: dict[int, torch.Tensor] = {}
     pending = beams
     while pending:
@@ -177,7 +311,7 @@ def _forward(engine: Engine, beams: list[Sequence], first: bool) -> torch.Tensor
     return torch.stack([rows[beam.seq_id] for beam in beams])
 
 
-def _advance(engine: Engine, state: _Prompt, logprobs: torch.Tensor, params: BeamSearchParams, length: int,
+def _choose(engine: Engine, state: _Prompt, logprobs: torch.Tensor, params: BeamSearchParams, length: int,
              new_beam: Callable[[list[int], list[int]], Sequence]) -> None:
     """Choose the prompt's next beams from ``logprobs`` [beams, V] (each beam's next-token log-probabilities)."""
     width = params.beam_width

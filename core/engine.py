@@ -16,6 +16,7 @@ import torch
 
 from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
 from .assembly import assemble
+from .beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams
 from .chat import Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
@@ -32,7 +33,6 @@ from .sampling import to_device
 
 if TYPE_CHECKING:
     from ..spec_decode.decoder import SpecDecoder
-    from .beam_search import BeamSearchOutput, BeamSearchParams
 
 log = logging.getLogger("infer")
 
@@ -110,6 +110,7 @@ class Engine:
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
         self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
+        self.searches = BeamSearches(self)  # beam searches under way, a token per step beside the requests
         if config.freeze_gc:
             gc.collect()
             freeze_heap()
@@ -218,11 +219,12 @@ class Engine:
                 return
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Whether requests or beam searches are under way (``step()`` advances both)."""
+        return bool(self.requests) or bool(self.searches)
 
     # ------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, forward, sample, update. Returns the deltas of requests that advanced (with
+        """Run one iteration: a token of each active beam search, then schedule, forward, sample, update. Returns the deltas of requests that advanced (with
         async output: that advanced in the previous step, their outputs built while this step's forward ran), but
         those of requests a ``stream`` or ``generate`` call reads (they go to it), plus the deltas of other requests
         that such calls' steps made since the last ``step()``. An error raised in a plugin's code is a PluginError
@@ -233,6 +235,8 @@ class Engine:
     def _advance(self) -> None:
         """One step; every delta goes where it is read: to the call that owns its request, else to step()."""
         with self._plugin_code():
+            if self.searches:
+                self.searches.step()  # first: blocks freed by finished requests go to beams before admissions
             self.readers.route(self._step())
 
     @contextlib.contextmanager
@@ -356,7 +360,7 @@ class Engine:
 
     def _check_schedule(self, out: SchedulerOutput) -> bool:
         settled = self.in_flight is None and not self.unemitted
-        return check_schedule(out, self.config, self.scheduler, settled, self._open_sequences)
+        return check_schedule(out, self.config, self.scheduler, settled, self._open_sequences, bool(self.searches))
 
     def _open_sequences(self) -> int:
         """The requests' sequences not finished (read only when a schedule comes back empty)."""
@@ -469,11 +473,27 @@ class Engine:
     def beam_search(self, prompts: Seq[Prompt], params: BeamSearchParams | None = None
                     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (see core/beam_search.py), beams sharing KV blocks by fork; one
-        BeamSearchOutput per prompt, in order. Runs alone: the engine must have no unfinished requests."""
-        from .beam_search import BeamSearchParams, beam_search
+        BeamSearchOutput per prompt, in order. Steps the engine until it is done: other requests advance meanwhile,
+        their deltas going to their own readers, as in ``generate``. Raises InvalidRequestError, or CapacityError
+        when the beams cannot fit the KV pool (their blocks are freed first)."""
+        search = self.start_beam_search(prompts, params)
+        try:
+            while not search.done:
+                self._advance()
+        finally:  # an error in a step, Ctrl-C: the beams go
+            self.abort_beam_search(search)
+        return search.result()
 
+    def start_beam_search(self, prompts: Seq[Prompt], params: BeamSearchParams | None = None) -> BeamSearch:
+        """Check the prompts (InvalidRequestError, CapacityError, before any work) and start a beam search, which
+        each ``step()`` then advances by one token until its ``done``; its ``result()`` is what ``beam_search``
+        returns, or the error that failed it (that search only)."""
         with self._plugin_code():
-            return beam_search(self, prompts, params or BeamSearchParams(), lambda: next(self._seq_ids))
+            return self.searches.start(prompts, params or BeamSearchParams(), lambda: next(self._seq_ids))
+
+    def abort_beam_search(self, search: BeamSearch) -> None:
+        """Stop a search started by ``start_beam_search`` and free its beams' blocks (a finished one: nothing)."""
+        self.searches.abort(search)
 
     def add_requests(self, prompts: Seq[Prompt],
                      params: SamplingParams | Seq[SamplingParams] | None = None) -> list[str]:

@@ -207,9 +207,7 @@ def test_bad_input_is_refused_and_the_pool_stays_clean(tiny_model):
         engine.beam_search([list(range(3, 303))], BeamSearchParams(max_tokens=16))
     with pytest.raises(InvalidRequestError, match="beam search takes a BeamSearchParams, got SamplingParams"):
         engine.beam_search(["x"], SamplingParams())
-    engine.add_request("x", SamplingParams(max_tokens=4))
-    with pytest.raises(InvalidRequestError, match="beam search runs alone, and the engine has 1 unfinished"):
-        engine.beam_search(["y"], BeamSearchParams())
+    assert not engine.searches and not engine.has_unfinished()
 
 
 def test_generate_beam_width_prints_the_beams(eos_model):
