@@ -59,6 +59,8 @@ class Readers:
                     yield output
                     if output.finished:
                         return
+                if rid in self.waiting:  # deltas that others' steps made while this reader was not read
+                    continue
                 if rid not in engine.requests:  # ended without a final delta: nothing more will come
                     return
                 engine._advance()
