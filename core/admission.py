@@ -125,14 +125,17 @@ def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Schedu
                    count_open: Callable[[], int], searching: bool = False) -> bool:
     """Whether ``out`` has work (``settled``: no step's tokens in flight or outputs unbuilt; ``count_open``: the
     engine's sequences not finished; ``searching``: beam searches hold KV blocks, so an empty schedule while
-    sequences wait is no fault of the scheduler's: they free their blocks when they end); PluginError for a scheduler that broke its contract (each breach checked here
-    would otherwise change tokens without an error, hang, or fail deep inside the runner)."""
+    sequences wait is no fault of the scheduler's: the searches free their blocks when they end); PluginError for a
+    scheduler that broke its contract (each breach checked here would otherwise change tokens without an error,
+    hang, or fail deep inside the runner)."""
     name = config.scheduler
     if not isinstance(out, SchedulerOutput):
         raise PluginError(f"scheduler {name!r}: schedule() returned {type(out).__name__}, not a SchedulerOutput; "
                           "fix the plugin")
     if not out.scheduled:
-        if settled and not searching and scheduler.has_unfinished():
+        if settled and scheduler.has_unfinished():
+            if searching:
+                return False
             raise PluginError(f"scheduler {name!r} scheduled nothing while {scheduler.num_waiting()} sequence(s) "
                               f"wait and {scheduler.num_running()} run: the engine would never finish them (a "
                               "scheduler must schedule work whenever any waits or runs; a KV cache "

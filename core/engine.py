@@ -224,11 +224,12 @@ class Engine:
 
     # ------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: a token of each active beam search, then schedule, forward, sample, update. Returns the deltas of requests that advanced (with
-        async output: that advanced in the previous step, their outputs built while this step's forward ran), but
-        those of requests a ``stream`` or ``generate`` call reads (they go to it), plus the deltas of other requests
-        that such calls' steps made since the last ``step()``. An error raised in a plugin's code is a PluginError
-        naming the plugin."""
+        """Run one iteration: a token of each active beam search, then schedule, forward, sample, update. Returns
+        the deltas of requests that advanced (with async output: that advanced in the previous step, their outputs
+        built while this step's forward ran), but those of requests a ``stream`` or ``generate`` call reads (they go
+        to it), plus the deltas of other requests that such calls' steps made since the last ``step()``. An error
+        raised in a plugin's code is a PluginError naming the plugin; one in a beam search's step fails that search
+        only (its ``result()`` raises it)."""
         self._advance()
         return self.readers.take_loose()
 

@@ -275,3 +275,163 @@ def test_beam_search_on_cuda_equals_the_cpu(eos_model):
     assert [[b.token_ids for b in r.beams] for r in results] == [[b.token_ids for b in r.beams] for r in expected]
     assert [b.score for r in results for b in r.beams] == pytest.approx(
         [b.score for r in expected for b in r.beams], rel=1e-4, abs=1e-4)
+
+
+# ---------------------------------------------------------------- beside requests
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+TWO = SamplingParams(max_tokens=14, temperature=0.0, n=2)
+BESIDE = [pytest.param({"kv_cache": "paged"}, id="paged"), pytest.param({"kv_cache": "radix-cache"}, id="radix"),
+          pytest.param({"async_scheduling": True}, id="async-scheduling")]
+
+
+def beams_of(results) -> list[list[tuple[list[int], FinishReason]]]:
+    return [[(b.token_ids, b.finish_reason) for b in r.beams] for r in results]
+
+
+def tokens_of(output) -> list[list[int]]:
+    return [c.token_ids for c in output.outputs]
+
+
+def drained(engine: Engine) -> bool:
+    """Every block free or cached, none referenced, no search or request left."""
+    stats = engine.kv.stats()
+    return stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.total_blocks \
+        and not engine.searches and not engine.has_unfinished()
+
+
+def collect(outputs, into: dict) -> None:
+    """Merge step() deltas into full outputs by request id."""
+    from infer.core.outputs import append_output
+
+    for out in outputs:
+        if out.request_id in into:
+            append_output(into[out.request_id], out)
+        else:
+            into[out.request_id] = out
+
+
+def alone(model, options: dict, prompts, params) -> list:
+    """Each request run by itself on a fresh engine: its greedy tokens per completion."""
+    engine = Engine(EngineConfig(model=str(model), device="cpu", **{"block_size": 4, **options}))
+    return [tokens_of(engine.generate([p], [sp])[0]) for p, sp in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("options", BESIDE)
+def test_beside_requests_beams_and_requests_equal_their_runs_alone(eos_model, options):
+    """Requests submitted before a beam search (an n > 1 one, a stream) and during one run beside it: the search
+    returns exactly its beams alone, each request its greedy tokens alone, and the KV pool drains. The requests
+    share prompts with the beams, so prefix-cache hits cross between them."""
+    params = BeamSearchParams(beam_width=3, max_tokens=12)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    solo = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    want_first, want_second = solo.beam_search(TEXTS[:3], params), solo.beam_search(TEXTS[3:], params)
+    assert drained(solo)
+    # before the first search: a plain request, an n > 1 one and a stream (read after the search)
+    ids = [engine.add_request(TEXTS[0], GREEDY), engine.add_request(TEXTS[1], TWO)]
+    stream = engine.stream(TEXTS[2], GREEDY)
+    got_first = engine.beam_search(TEXTS[:3], params)  # drives the requests too: their deltas go to step()
+    assert beams_of(got_first) == beams_of(want_first)
+    assert [r.beams[0].score for r in got_first] == pytest.approx([r.beams[0].score for r in want_first], abs=1e-5)
+    outputs: dict = {}
+    collect(engine.step(), outputs)
+    assert all(rid in outputs for rid in ids)  # they advanced while the search ran
+    # a second search, stepped by step() and by the stream's reads, with requests added while it runs
+    search = engine.start_beam_search(TEXTS[3:], params)
+    collect(engine.step(), outputs)
+    late = [engine.add_request(TEXTS[3], GREEDY), engine.add_request(TEXTS[4], TWO)]
+    streamed = [next(stream), next(stream)]  # each read steps the engine: the search goes on
+    while not search.done:
+        collect(engine.step(), outputs)
+    assert beams_of(search.result()) == beams_of(want_second)
+    streamed += list(stream)  # its request has finished: the deltas made meanwhile are still read
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    expected = alone(eos_model, options, [TEXTS[0], TEXTS[1], TEXTS[3], TEXTS[4], TEXTS[2]],
+                     [GREEDY, TWO, GREEDY, TWO, GREEDY])
+    got = [tokens_of(outputs[rid]) for rid in ids + late] + [[[t for d in streamed for t in d.outputs[0].token_ids]]]
+    assert got == expected
+    assert drained(engine)
+
+
+def test_beams_and_requests_competing_for_a_tiny_pool_both_finish(eos_model):
+    """A pool too small for the requests and the beams at once: the search waits for blocks (the requests may be
+    preempted too), and both finish with their outputs alone; nothing leaks."""
+    params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
+    prompts = [TEXTS[0] * 4, TEXTS[1] * 4, TEXTS[3] * 6]
+    requests = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(prompts)
+    options = {"num_kv_blocks": 24}
+    want = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options)).beam_search(
+        [TEXTS[2]], params)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    ids = engine.add_requests(prompts, requests)
+    outputs: dict = {}
+    collect(engine.step(), outputs)  # the requests hold their prompts' blocks first
+    search = engine.start_beam_search([TEXTS[2]], params)
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert beams_of(search.result()) == beams_of(want)
+    assert search.waits > 0 and engine.scheduler.num_preemptions > 0  # each had to give way to the other
+    assert [tokens_of(outputs[rid]) for rid in ids] == alone(eos_model, options, prompts, requests)
+    assert drained(engine)
+
+
+def test_an_older_search_restarts_a_younger_one_that_holds_the_blocks_it_needs(eos_model):
+    """Two searches that cannot both fit: the older one takes the younger one's blocks (the younger begins again,
+    waiting behind it), and both return their beams alone."""
+    params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
+    options = {"num_kv_blocks": 10}  # either fits alone, not both
+    solo = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    want = [solo.beam_search([TEXTS[0]], params), solo.beam_search([TEXTS[4]], params)]
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    older = engine.start_beam_search([TEXTS[0]], params)
+    engine.step()
+    younger = engine.start_beam_search([TEXTS[4]], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert [beams_of(older.result()), beams_of(younger.result())] == [beams_of(w) for w in want]
+    assert younger.restarts > 0 and older.restarts == 0
+    assert drained(engine)
+
+
+def test_a_search_that_cannot_fit_fails_alone_and_the_requests_go_on(tiny_model):
+    """A search whose beams outgrow the pool fails with CapacityError (its blocks freed), at its start when one
+    beam cannot fit, else when the beams outgrow the pool; the requests beside it finish as they would alone."""
+    options = {"num_kv_blocks": 16, "block_size": 16}
+    requests = [SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)] * 2
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options))
+    ids = engine.add_requests(TEXTS[:2], requests)
+    outputs: dict = {}
+    collect(engine.step(), outputs)
+    with pytest.raises(CapacityError, match="needs up to 20 KV blocks for one beam, but the cache has 16"):
+        engine.start_beam_search([list(range(3, 303))], BeamSearchParams(max_tokens=16))
+    with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
+        engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64, ignore_eos=True))
+    assert not engine.searches and all(rid in engine.requests for rid in ids)  # they still run
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert [tokens_of(outputs[rid]) for rid in ids] == alone(tiny_model, options, TEXTS[:2], requests)
+    assert drained(engine) and not engine.kv.take_block_ops()
+
+
+def test_aborting_a_search_midway_frees_its_blocks_and_the_requests_finish(eos_model):
+    params = BeamSearchParams(beam_width=4, max_tokens=30, ignore_eos=True)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4))
+    search = engine.start_beam_search(TEXTS[:2], params)
+    for _ in range(5):
+        engine.step()
+    assert engine.kv.stats().used_blocks > 0
+    engine.abort_beam_search(search)
+    engine.abort_beam_search(search)  # idempotent
+    assert search.done and engine.kv.stats().used_blocks == 0 and not engine.has_unfinished()
+    with pytest.raises(InvalidRequestError, match="the beam search was aborted before it finished"):
+        search.result()
+    rid = engine.add_request(TEXTS[2], GREEDY)
+    search = engine.start_beam_search(TEXTS[:2], params)
+    outputs: dict = {}
+    for _ in range(5):
+        collect(engine.step(), outputs)
+    engine.abort_beam_search(search)
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert tokens_of(outputs[rid]) == alone(eos_model, {}, [TEXTS[2]], [GREEDY])[0]
+    assert drained(engine)
