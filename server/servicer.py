@@ -164,7 +164,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def BeamSearch(self, request: pb.BeamSearchRequest,
                          context: grpc.aio.ServicerContext) -> pb.BeamSearchResponse:
-        """Runs alone on the engine (core/beam_search.py): after the requests before it, before those after it."""
+        """Beam search for one prompt (core/beam_search.py), started at once beside the requests; a cancelled call
+        (client cancel, deadline) stops it and frees its KV blocks."""
         try:
             params = beam_params_of(request)
             prompt = prompt_of(request)
@@ -172,8 +173,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort_with(context, exc)
         await self._admit(context)
         try:
-            output = await asyncio.wrap_future(self.worker.call_alone(
-                lambda engine: engine.beam_search([prompt], params)[0]))
+            [output] = await asyncio.wrap_future(self.worker.beam_search([prompt], params))
         except Exception as exc:
             await _abort_with(context, exc)
         finally:

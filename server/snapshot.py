@@ -60,12 +60,12 @@ class Throughput:
         return sum(t for _, t in self.samples) / span if span > 0 else 0.0
 
 
-def read_snapshot(engine: Any, output_tokens_per_s: float, held: int) -> EngineSnapshot:
-    """``engine``'s load; ``held``: requests the server holds before the engine sees them (counted as queued)."""
+def read_snapshot(engine: Any, output_tokens_per_s: float) -> EngineSnapshot:
+    """``engine``'s load (the server holds no request back: each goes to the engine as it arrives)."""
     kv = engine.kv.stats()
     summary = engine.stats.summary()
     return EngineSnapshot(
-        queue_depth=engine.scheduler.num_waiting() + held,
+        queue_depth=engine.scheduler.num_waiting(),
         num_running=engine.scheduler.num_running(),
         kv_total_blocks=kv.total_blocks,
         kv_free_blocks=kv.free_blocks,

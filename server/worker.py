@@ -1,10 +1,10 @@
 """EngineWorker: the one thread that drives the Engine. The asyncio side talks to it only through queues.
 
-Commands go in through a thread-safe inbox (add, cancel, abort, call, call alone); the outputs of each engine
+Commands go in through a thread-safe inbox (add, cancel, abort, call, beam search); the outputs of each engine
 iteration go back to the event loop in one ``call_soon_threadsafe`` batch, into the per-request
 :class:`~infer.server.streams.RequestStream` queues. Every call into the engine (add_request, step, abort, kv,
-scheduler, stats, beam search) happens on the worker thread. A call that needs the engine alone (beam search) waits
-for the requests before it to finish, and requests that come after it wait for it.
+scheduler, stats, beam search) happens on the worker thread. A beam search starts at once and runs beside the
+requests, a token per engine step; its future gets its result when it ends, and cancelling the future stops it.
 """
 from __future__ import annotations
 
@@ -13,17 +13,19 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.chat import Prompt
-from ..core.errors import InferError, InvalidRequestError, NotFoundError
+from ..core.errors import InferError, NotFoundError
 from ..core.request import RequestOutput, SamplingParams
 from .snapshot import EngineSnapshot, Throughput, read_snapshot
 from .streams import RequestStream
+
+if TYPE_CHECKING:  # core.beam_search imports torch, which the server's clients do not need
+    from ..core.beam_search import BeamSearchOutput, BeamSearchParams
 
 log = logging.getLogger("infer.server")
 
@@ -33,6 +35,15 @@ class EngineFault(Exception):
 
 class ServerUnavailable(Exception):
     """The server is shutting down or not ready; gRPC: UNAVAILABLE."""
+
+
+class SearchLike(Protocol):
+    """What the worker needs from :class:`~infer.core.beam_search.BeamSearch`."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def result(self) -> list[BeamSearchOutput]: ...
 
 
 class EngineLike(Protocol):
@@ -45,9 +56,11 @@ class EngineLike(Protocol):
 
     def abort(self, request_id: str) -> RequestOutput: ...
 
-    def has_unfinished(self) -> bool: ...
+    def has_unfinished(self) -> bool: ...  # requests or beam searches under way
 
-    def check_request(self, prompt: Prompt, params: SamplingParams | None = None) -> list[int]: ...
+    def start_beam_search(self, prompts: Seq[Prompt], params: BeamSearchParams | None = None) -> SearchLike: ...
+
+    def abort_beam_search(self, search: SearchLike) -> None: ...
 
 
 @dataclass
@@ -74,9 +87,11 @@ class _Call:
     reply: Future[Any]
 
 
-class _Alone(_Call):
-    """A call that needs the engine to itself (beam search): it waits for the requests before it to finish, and
-    the requests after it wait for it."""
+@dataclass
+class _Search:
+    prompts: Seq[Prompt]
+    params: BeamSearchParams
+    reply: Future[list[BeamSearchOutput]]
 
 
 _STOP = object()
@@ -98,7 +113,7 @@ class EngineWorker:
         self._refusal: BaseException = ServerUnavailable("the server is shutting down")  # after the stop
         self._outbox: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         self._throughput = Throughput()
-        self._waiting: deque[_Add | _Alone] = deque()  # from the first waiting _Alone on
+        self._searches: list[tuple[Future[list[BeamSearchOutput]], SearchLike]] = []  # started, not yet answered
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -130,18 +145,16 @@ class EngineWorker:
         self._put(_Call(fn, reply))
         return reply
 
-    def call_alone(self, fn: Callable[[Any], Any]) -> Future[Any]:
-        """Run ``fn(engine)`` on the worker thread once the engine has no requests; requests submitted after it
-        wait for it (first come, first served)."""
-        reply: Future[Any] = Future()
-        self._put(_Alone(fn, reply))
+    def beam_search(self, prompts: Seq[Prompt], params: BeamSearchParams) -> Future[list[BeamSearchOutput]]:
+        """Start a beam search now, beside the requests (a bad prompt fails the future at once); the future gets
+        its outputs when it ends. Cancelling the future (the caller gave up) stops the search and frees its KV."""
+        reply: Future[list[BeamSearchOutput]] = Future()
+        self._put(_Search(prompts, params, reply))
         return reply
 
     def snapshot(self) -> Future[EngineSnapshot]:
-        """The engine's load, read on the worker thread (consistent with the engine's own state); requests held
-        behind an exclusive call count as queued."""
-        return self.call(lambda engine: read_snapshot(engine, self._throughput.rate(time.monotonic()),
-                                                      sum(isinstance(c, _Add) for c in self._waiting)))
+        """The engine's load, read on the worker thread (consistent with the engine's own state)."""
+        return self.call(lambda engine: read_snapshot(engine, self._throughput.rate(time.monotonic())))
 
     def _put(self, cmd: object) -> None:
         with self._lock:
@@ -164,7 +177,6 @@ class EngineWorker:
             fault = EngineFault(f"the server's engine thread failed ({exc!r}); the server must be restarted")
             self._fail_all(fault)
             self._fail_current(fault)
-            self._refuse_waiting(fault)
             self._flush()
             self._refusal = ServerUnavailable("the server's engine thread failed, so this server must be restarted; "
                                               "retry on another replica")
@@ -175,13 +187,13 @@ class EngineWorker:
         cmd, self._current = self._current, None
         if isinstance(cmd, _Add):
             self._outbox.append((cmd.stream, error))
-        elif isinstance(cmd, (_Abort, _Call)) and not cmd.reply.done():
+        elif isinstance(cmd, (_Abort, _Call, _Search)) and not cmd.reply.done():
             cmd.reply.set_exception(error)
 
     def _loop(self) -> None:
         while True:
-            try:  # an idle engine with an exclusive call waiting runs it now, without waiting for a command
-                cmd: object | None = self._inbox.get(block=not self.engine.has_unfinished() and not self._waiting)
+            try:
+                cmd: object | None = self._inbox.get(block=not self.engine.has_unfinished())
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -195,69 +207,56 @@ class EngineWorker:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
-            self._run_waiting()
+            self._stop_abandoned_searches()
             if self.engine.has_unfinished():
                 self._step()
+            self._answer_searches()
             self._flush()
 
-    def _run_waiting(self) -> None:
-        """Start the waiting commands in order, up to an exclusive call the engine is not yet free for."""
-        while self._waiting:
-            head = self._waiting[0]
-            if isinstance(head, _Alone) and head.reply.cancelled():  # its caller gave up: it holds nobody back
-                self._waiting.popleft()
-                continue
-            if isinstance(head, _Alone) and self.engine.has_unfinished():
-                return
-            self._current = self._waiting.popleft()
-            if isinstance(head, _Alone):
-                _resolve(head.reply, lambda: head.fn(self.engine))
-            else:
-                self._add(head)
-            self._current = None
-
     def _handle(self, cmd: object) -> None:
-        if isinstance(cmd, _Alone) or (isinstance(cmd, _Add) and self._waiting):
-            self._hold(cmd)
-        elif isinstance(cmd, _Add):
+        if isinstance(cmd, _Add):
             self._add(cmd)
         elif isinstance(cmd, _Cancel):
             rid = cmd.stream.request_id
             if self._streams.get(rid) is cmd.stream:
                 del self._streams[rid]
                 self._abort_quietly(rid)
-            else:  # still waiting behind an exclusive call: it never starts
-                self._waiting = deque(c for c in self._waiting
-                                                  if not (isinstance(c, _Add) and c.stream is cmd.stream))
         elif isinstance(cmd, _Abort):  # the abort happens even if its caller gave up waiting
             _resolve(cmd.reply, lambda: self._abort_and_deliver(cmd.request_id), even_if_cancelled=True)
         elif isinstance(cmd, _Call):
             _resolve(cmd.reply, lambda: cmd.fn(self.engine))
+        elif isinstance(cmd, _Search):
+            self._start_search(cmd)
 
-    def _hold(self, cmd: _Add | _Alone) -> None:
-        """Queue a command behind an exclusive call, in arrival order. A request is checked now, as the engine will
-        check it when it starts, so that a bad one (or one reusing a live id) is refused at once, not after the wait."""
-        if isinstance(cmd, _Add):
-            rid = cmd.stream.request_id
-            try:
-                if rid in self._streams or any(isinstance(c, _Add) and c.stream.request_id == rid
-                                               for c in self._waiting):
-                    raise InvalidRequestError(f"request id {rid!r} is already in use")
-                self.engine.check_request(cmd.prompt, cmd.params)
-            except InferError as exc:
-                self._outbox.append((cmd.stream, exc))
-                return
-            except Exception as exc:
-                log.exception("checking held request %s failed", rid)
-                self._outbox.append((cmd.stream, EngineFault(f"internal error while checking the request: {exc!r}")))
-                return
-        self._waiting.append(cmd)
+    def _start_search(self, cmd: _Search) -> None:
+        if cmd.reply.cancelled():  # its caller gave up before it started
+            return
+        try:
+            search = self.engine.start_beam_search(cmd.prompts, cmd.params)
+        except Exception as exc:  # a bad prompt or parameters: refused before any work
+            if cmd.reply.set_running_or_notify_cancel():
+                cmd.reply.set_exception(exc)
+            return
+        self._searches.append((cmd.reply, search))
+
+    def _stop_abandoned_searches(self) -> None:
+        """Abort the searches whose callers gave up (client cancel, deadline): their KV blocks go back now."""
+        for reply, search in [entry for entry in self._searches if entry[0].cancelled()]:
+            self._searches.remove((reply, search))
+            self._abort_search(search)
+
+    def _answer_searches(self) -> None:
+        for reply, search in [entry for entry in self._searches if entry[1].done]:
+            self._searches.remove((reply, search))
+            _resolve(reply, search.result)
+
+    def _abort_search(self, search: SearchLike) -> None:
+        try:
+            self.engine.abort_beam_search(search)
+        except Exception:
+            log.exception("abort of a beam search failed")
 
     def _abort_and_deliver(self, request_id: str) -> RequestOutput:
-        held = next((c for c in self._waiting if isinstance(c, _Add) and c.stream.request_id == request_id), None)
-        if held is not None:  # behind an exclusive call: it starts now, to end as an aborted request does
-            self._waiting.remove(held)
-            self._add(held)
         output = self.engine.abort(request_id)  # NotFoundError for unknown ids
         self._deliver(output)
         return output
@@ -298,11 +297,16 @@ class EngineWorker:
             del self._streams[output.request_id]
 
     def _fail_all(self, error: BaseException) -> None:
-        """Abort every request this worker serves (freeing their KV) and hand each the error."""
+        """Abort every request and beam search this worker serves (freeing their KV) and hand each the error."""
         for rid, stream in list(self._streams.items()):
             self._abort_quietly(rid)
             self._outbox.append((stream, error))
         self._streams.clear()
+        searches, self._searches = self._searches, []
+        for reply, search in searches:
+            self._abort_search(search)
+            if reply.set_running_or_notify_cancel():
+                reply.set_exception(error)
 
     def _abort_quietly(self, rid: str) -> None:
         try:
@@ -330,13 +334,8 @@ class EngineWorker:
         error = ServerUnavailable("the server is shutting down and aborted the request; retry it on another replica "
                                   "or once the server is back")
         self._fail_all(error)
-        self._refuse_waiting(error)
         self._flush()
         self._stop_accepting()
-
-    def _refuse_waiting(self, error: BaseException) -> None:
-        while self._waiting:
-            _refuse(self._waiting.popleft(), error)
 
     def _stop_accepting(self) -> None:
         with self._lock:
@@ -369,7 +368,7 @@ def _resolve(reply: Future[Any], fn: Callable[[], Any], even_if_cancelled: bool 
 
 def _refuse(cmd: object, error: BaseException) -> None:
     """Answer a command that arrived after the worker stopped."""
-    if isinstance(cmd, (_Abort, _Call)) and cmd.reply.set_running_or_notify_cancel():
+    if isinstance(cmd, (_Abort, _Call, _Search)) and cmd.reply.set_running_or_notify_cancel():
         cmd.reply.set_exception(error)
     elif isinstance(cmd, _Add):
         try:

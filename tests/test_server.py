@@ -586,8 +586,8 @@ def test_beam_search_over_grpc_equals_offline(client: Client, llm: Any, server: 
     prompt = "def main():"
     want = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.5))[0]
     running = client.generate("word " * 20, max_tokens=40, temperature=0.0, ignore_eos=True)
-    first = next(iter(running))  # a request in flight: the beam search waits for it (its first response may merge
-    got = client.beam_search(prompt, beam_width=3, max_tokens=10, length_penalty=0.5)  # several steps' tokens)
+    first = next(iter(running))  # a request in flight: the beam search runs beside it
+    got = client.beam_search(prompt, beam_width=3, max_tokens=10, length_penalty=0.5)
     streamed = [o for r in [first, *running] for o in r.outputs]
     assert sum(len(o.token_ids) for o in streamed) == 40  # the stream finished whole
     assert got.prompt_tokens == len(want.prompt_token_ids)

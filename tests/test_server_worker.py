@@ -1,5 +1,6 @@
-"""The server's engine thread and servicer in-process, over a scripted engine: internal faults map to INTERNAL and
-the server keeps serving; a cancelled call aborts its request; proto <-> SamplingParams defaults. No model needed."""
+"""The server's engine thread and servicer in-process, over a scripted engine (a few tests over a real one):
+internal faults map to INTERNAL and the server keeps serving; a cancelled call aborts its request or beam search;
+proto <-> SamplingParams defaults."""
 from __future__ import annotations
 
 import asyncio
@@ -22,15 +23,34 @@ from infer.server.servicer import InferenceServicer  # noqa: E402
 from infer.server.worker import EngineWorker  # noqa: E402
 
 
+class ScriptedSearch:
+    """A beam search that makes one beam of token 7s, a token per engine step."""
+
+    def __init__(self, params: Any) -> None:
+        self.params, self.steps, self.aborted = params, 0, False
+
+    @property
+    def done(self) -> bool:
+        return self.aborted or self.steps >= self.params.max_tokens
+
+    def result(self) -> list[Any]:
+        from infer.core.beam_search import Beam, BeamSearchOutput
+
+        assert not self.aborted
+        return [BeamSearchOutput([1], [Beam([7] * self.params.max_tokens, "t", -1.0, -0.5, FinishReason.LENGTH)])]
+
+
 class ScriptedEngine:
-    """Emits token 7 once per step per request. Prompts "crash-in-add" / "crash-in-step" raise RuntimeError,
-    "plugin-error-in-step" a PluginError."""
+    """Emits token 7 once per step per request, and a token per step to each beam search. Prompts "crash-in-add" /
+    "crash-in-step" raise RuntimeError, "plugin-error-in-step" a PluginError."""
 
     def __init__(self) -> None:
         self.requests: dict[str, list] = {}  # request id -> [tokens emitted, params]
         self.faults: dict[str, Exception] = {}  # request id -> what a step raises while it runs
         self.aborted: list[str] = []
         self.events: list[tuple[str, Any]] = []  # ("add", prompt) and ("beam", requests unfinished then)
+        self.searches: list[ScriptedSearch] = []  # under way
+        self.aborted_searches: list[ScriptedSearch] = []
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -57,6 +77,10 @@ class ScriptedEngine:
         for rid, fault in self.faults.items():  # O(1) per step: a long request must not slow the loop down
             if rid in self.requests:
                 raise fault
+        for search in list(self.searches):
+            search.steps += 1
+            if search.done:
+                self.searches.remove(search)
         outputs = []
         for rid, state in list(self.requests.items()):
             state[0] += 1
@@ -75,16 +99,22 @@ class ScriptedEngine:
         return RequestOutput(request_id, [1], [CompletionOutput(0, [], "", FinishReason.ABORT)], True)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.searches)
 
-    def beam_search(self, prompts: list[str | list[int]], params: Any) -> list[Any]:
-        """As Engine.beam_search, which refuses to run beside requests: one beam of token 7s."""
-        from infer.core.beam_search import Beam, BeamSearchOutput
-
+    def start_beam_search(self, prompts: list[str | list[int]], params: Any) -> ScriptedSearch:
+        """As Engine.start_beam_search: bad input raises at once; else it runs beside the requests."""
+        params.validate()
+        for prompt in prompts:
+            self.check_request(prompt)
         self.events.append(("beam", len(self.requests)))
-        if self.requests:
-            raise RuntimeError("beam search beside running requests")
-        return [BeamSearchOutput([1], [Beam([7] * params.max_tokens, "t", -1.0, -0.5, FinishReason.LENGTH)])]
+        self.searches.append(ScriptedSearch(params))
+        return self.searches[-1]
+
+    def abort_beam_search(self, search: ScriptedSearch) -> None:
+        if search in self.searches:
+            self.searches.remove(search)
+            search.aborted = True
+            self.aborted_searches.append(search)
 
 
 def serve_scripted(test: Callable[[AsyncClient, Any], Awaitable[None]], max_message_bytes: int | None = None,
@@ -227,63 +257,110 @@ def test_a_cancelled_stream_aborts_its_request() -> None:
     serve_scripted(test)
 
 
-def test_a_beam_search_runs_alone_first_come_first_served() -> None:
-    """A beam search waits for the request running before it; requests sent after it wait for it (one cancelled
-    meanwhile never starts); then they run."""
+async def until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_beam_search_runs_beside_requests() -> None:
+    """A beam search starts at once beside a running request and ends before it; a request sent during a long
+    search runs beside it and finishes first."""
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
         before = client.generate("before", request_id="before", max_tokens=10**6)
         await before.read()
-        beam = asyncio.create_task(client.beam_search("beam", beam_width=2, max_tokens=3))
-        await asyncio.sleep(0.2)  # the beam search waits behind "before"
-        after = asyncio.create_task(client.complete("after", max_tokens=2))
-        gone = client.generate("gone", max_tokens=2)
-        await asyncio.sleep(0.2)
-        gone.cancel()
-        await asyncio.sleep(0.2)
-        assert engine.events == [("add", "before")] and not beam.done() and not after.done()
-        before.cancel()
-        result, done = await beam, await after
+        result = await asyncio.wait_for(client.beam_search("beam", beam_width=2, max_tokens=3), 5)
         assert [list(b.token_ids) for b in result.beams] == [[7, 7, 7]] and result.prompt_tokens == 1
-        assert list(done.outputs[0].token_ids) == [7, 7]
-        assert engine.events == [("add", "before"), ("beam", 0), ("add", "after")]
+        assert "before" in engine.requests  # it did not wait for "before" to end
+        before.cancel()
+        await until(lambda: not engine.requests, "the cancelled request to go")
+        long = asyncio.create_task(client.beam_search("long", max_tokens=10**6))
+        await until(lambda: bool(engine.searches), "the long search to start")
+        done = await asyncio.wait_for(client.complete("after", max_tokens=2), 5)
+        assert list(done.outputs[0].token_ids) == [7, 7] and not long.done() and engine.searches
+        assert engine.events == [("add", "before"), ("beam", 1), ("beam", 0), ("add", "after")]
+        long.cancel()
+        await until(lambda: not engine.searches, "the cancelled search to stop")
+        assert len(engine.aborted_searches) == 1
         code, details = await rpc_code(client.beam_search("x", beam_width=0))
         assert code is grpc.StatusCode.INVALID_ARGUMENT and "beam_width must be an integer >= 1" in details
-        # a request that ends by itself (no command arrives after it) lets the waiting beam search run
-        engine.events.clear()
-        ending = client.generate("ending", max_tokens=20000)
-        await ending.read()
-        await asyncio.wait_for(client.beam_search("beam", max_tokens=2), 10)
-        assert engine.events == [("add", "ending"), ("beam", 0)]
+        code, details = await rpc_code(client.beam_search([], max_tokens=2))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in details
 
     serve_scripted(test)
 
 
-def test_a_held_request_can_be_aborted_and_an_abandoned_beam_search_holds_nobody() -> None:
+def test_a_beam_search_past_its_deadline_stops_and_a_stopped_worker_fails_the_searches() -> None:
+    import time
+    from concurrent.futures import Future
+
+    from infer.core.beam_search import BeamSearchParams
+    from infer.server.worker import ServerUnavailable
+
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
-        before = client.generate("before", request_id="before", max_tokens=10**6)
-        await before.read()
-        beam = asyncio.create_task(client.beam_search("beam", max_tokens=2))
-        await asyncio.sleep(0.2)
-        held = client.generate("held", request_id="held", max_tokens=5)
-        await asyncio.sleep(0.2)
-        await client.abort("held")  # held behind the beam search, not yet in the engine: still abortable
-        last = [response async for response in held][-1]
-        assert last.finished and last.outputs[0].finish_reason == pb.FINISH_REASON_ABORT
-        # a held request that reuses a live id, or is invalid, is refused at once, not when the beam search ends
-        for rid, prompt in (("before", "dup-live"), ("dup", "dup-held"), ("dup", "dup-held-again"), ("bad", "")):
-            refused = client.generate(prompt, request_id=rid, max_tokens=5)
-            if prompt == "dup-held":  # the first "dup" is held; the second is refused
-                continue
-            code, details = await asyncio.wait_for(rpc_code(refused.read()), 5)
-            assert code is grpc.StatusCode.INVALID_ARGUMENT, (prompt, details)
-            assert ("already in use" in details) if prompt else ("prompt is empty" in details)
-        beam.cancel()  # the caller gives up while it waits: the requests after it run beside "before"
-        out = await asyncio.wait_for(client.complete("after", max_tokens=2), 5)
-        assert list(out.outputs[0].token_ids) == [7, 7] and "before" in engine.requests
-        assert ("beam", 0) not in engine.events
-        before.cancel()
+        code, _ = await rpc_code(client.beam_search("long", max_tokens=10**6, timeout=0.3))
+        assert code is grpc.StatusCode.DEADLINE_EXCEEDED
+        await until(lambda: not engine.searches, "the search past its deadline to stop")
+        assert len(engine.aborted_searches) == 1
 
     serve_scripted(test)
+    engine = ScriptedEngine()
+    worker = EngineWorker(engine)
+    worker.start()
+    reply: Future = worker.beam_search(["x"], BeamSearchParams(max_tokens=10**6))
+    for _ in range(500):
+        if engine.searches:
+            break
+        time.sleep(0.01)
+    worker.stop()
+    assert isinstance(reply.exception(timeout=5), ServerUnavailable) and engine.aborted_searches
+
+
+def test_a_real_engine_serves_a_beam_search_beside_a_stream_and_a_cancelled_one_frees_its_blocks(
+        tiny_model: Any) -> None:
+    """Over a real engine: a BeamSearch and a Generate at the same time both complete with their outputs alone; a
+    cancelled BeamSearch stops at once and the KV pool drains."""
+    from infer.core.beam_search import BeamSearchParams
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    config = EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=512, block_size=4)
+    solo = Engine(config)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want_tokens = solo.generate(["import os"], params)[0].outputs[0].token_ids
+    want_beams = solo.beam_search(["def f(x):"], BeamSearchParams(beam_width=3, max_tokens=10))[0]
+    engine = Engine(config)
+
+    async def test(client: AsyncClient, engine: Engine) -> None:
+        async def stream() -> list[int]:
+            return [t async for r in client.generate("import os", max_tokens=30, temperature=0.0, ignore_eos=True)
+                    for t in r.outputs[0].token_ids]
+
+        tokens, beams = await asyncio.gather(stream(), client.beam_search("def f(x):", beam_width=3, max_tokens=10))
+        assert tokens == want_tokens
+        assert [list(b.token_ids) for b in beams.beams] == [b.token_ids for b in want_beams.beams]
+        long = asyncio.create_task(client.beam_search("x = [", beam_width=4, max_tokens=300, ignore_eos=True))
+        used = 0
+        for _ in range(500):
+            if (used := (await client.stats()).kv_used_blocks) > 0:
+                break
+            await asyncio.sleep(0.01)
+        assert used > 0 and not long.done()  # the search holds blocks
+        steps = engine.steps_taken
+        long.cancel()
+        stats = await client.stats()
+        for _ in range(100):
+            if stats.kv_used_blocks == 0:
+                break
+            await asyncio.sleep(0.01)
+            stats = await client.stats()
+        assert stats.kv_used_blocks == 0 and stats.kv_free_blocks + stats.kv_cached_blocks == stats.kv_total_blocks
+        assert engine.steps_taken - steps < 200  # stopped, not run to its 300 tokens
+
+    serve_scripted(test, engine=engine)
+    assert not engine.searches and not engine.has_unfinished()
 
 
 def test_abort_without_a_request_id_is_invalid_argument() -> None:
