@@ -79,7 +79,7 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
 @click.option("--no-speculative", is_flag=True, help="Opt this request out of the server's speculative decoding.")
 @click.option("--beam-width", type=int, default=0, help="Beam search with this many beams (the BeamSearch RPC, "
-              "which runs alone on the server); prints the best beam [default: 0, off].")
+              "which runs beside the server's other requests); prints the best beam [default: 0, off].")
 @click.option("--length-penalty", type=float, default=1.0, show_default=True,
               help="Beam search: a hypothesis scores its log-probability / its length ** this.")
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message, rendered by the server model's chat "

@@ -94,8 +94,8 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BeamSearch(self, request, context):
-        """Beam search for one prompt: the best beam_width hypotheses, best first. It runs alone on the engine: it
-        waits for the requests before it to finish, and the requests after it wait for it.
+        """Beam search for one prompt: the best beam_width hypotheses, best first. It starts at once and runs beside
+        the other requests; cancelling the call (or its deadline passing) stops it and frees its KV blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
