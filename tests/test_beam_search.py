@@ -353,13 +353,16 @@ def test_beside_requests_beams_and_requests_equal_their_runs_alone(eos_model, op
     assert drained(engine)
 
 
-def test_beams_and_requests_competing_for_a_tiny_pool_both_finish(eos_model):
-    """A pool too small for the requests and the beams at once: the search waits for blocks (the requests may be
-    preempted too), and both finish with their outputs alone; nothing leaks."""
+@pytest.mark.parametrize(("prompts", "blocks", "held_back"), [([TEXTS[0] * 4, TEXTS[1] * 4, TEXTS[3] * 6], 24, False),
+                                                             ([TEXTS[0] * 2], 12, True)],
+                         ids=["three-requests", "one-request"])
+def test_beams_and_requests_competing_for_a_tiny_pool_both_finish(eos_model, prompts, blocks, held_back):
+    """A pool too small for the requests and the beams at once: the search waits for blocks the requests hold, the
+    requests are preempted and wait for blocks the beams hold (the scheduler scheduling nothing meanwhile is no
+    error), and both finish with their outputs alone; nothing leaks."""
     params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
-    prompts = [TEXTS[0] * 4, TEXTS[1] * 4, TEXTS[3] * 6]
     requests = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(prompts)
-    options = {"num_kv_blocks": 24}
+    options = {"num_kv_blocks": blocks}
     want = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options)).beam_search(
         [TEXTS[2]], params)
     engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
@@ -367,10 +370,13 @@ def test_beams_and_requests_competing_for_a_tiny_pool_both_finish(eos_model):
     outputs: dict = {}
     collect(engine.step(), outputs)  # the requests hold their prompts' blocks first
     search = engine.start_beam_search([TEXTS[2]], params)
+    idle = 0  # steps in which every request waited for the beams' blocks
     while engine.has_unfinished():
         collect(engine.step(), outputs)
+        idle += not engine.scheduler.num_running() and engine.scheduler.num_waiting() > 0
     assert beams_of(search.result()) == beams_of(want)
-    assert search.waits > 0 and engine.scheduler.num_preemptions > 0  # each had to give way to the other
+    assert search.waits > 0 and engine.scheduler.num_preemptions > 0  # each gave way to the other
+    assert (idle > 0) == held_back  # one request: preempted, it waits for the beams with nothing running
     assert [tokens_of(outputs[rid]) for rid in ids] == alone(eos_model, options, prompts, requests)
     assert drained(engine)
 
@@ -404,6 +410,12 @@ def test_a_search_that_cannot_fit_fails_alone_and_the_requests_go_on(tiny_model)
     collect(engine.step(), outputs)
     with pytest.raises(CapacityError, match="needs up to 20 KV blocks for one beam, but the cache has 16"):
         engine.start_beam_search([list(range(3, 303))], BeamSearchParams(max_tokens=16))
+    search = engine.start_beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64,
+                                                                           ignore_eos=True))
+    while not search.done:
+        collect(engine.step(), outputs)  # the search's error is its own: step() does not raise it
+    with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
+        search.result()
     with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
         engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64, ignore_eos=True))
     assert not engine.searches and all(rid in engine.requests for rid in ids)  # they still run
