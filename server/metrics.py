@@ -11,6 +11,7 @@ from . import infer_pb2 as pb
 _METRICS: dict[str, tuple[str, str, str]] = {
     "queue_depth": ("infer_queue_depth", "Sequences waiting to be admitted to a batch", "gauge"),
     "num_running": ("infer_running_sequences", "Sequences in the running batch", "gauge"),
+    "beam_searches": ("infer_beam_searches", "BeamSearch calls under way", "gauge"),
     "in_flight": ("infer_server_in_flight_requests", "Requests accepted by the server and not finished", "gauge"),
     "max_queue": ("infer_server_max_queue", "In-flight requests past which calls get RESOURCE_EXHAUSTED", "gauge"),
     "kv_total_blocks": ("infer_kv_blocks_total_capacity", "KV cache blocks in the pool", "gauge"),

@@ -34,6 +34,7 @@ class EngineSnapshot:
     spec_steps_on: int
     spec_steps_off_large_batch: int
     spec_steps_off_low_acceptance: int
+    beam_searches: int
 
 
 @dataclass
@@ -60,8 +61,9 @@ class Throughput:
         return sum(t for _, t in self.samples) / span if span > 0 else 0.0
 
 
-def read_snapshot(engine: Any, output_tokens_per_s: float) -> EngineSnapshot:
-    """``engine``'s load (the server holds no request back: each goes to the engine as it arrives)."""
+def read_snapshot(engine: Any, output_tokens_per_s: float, beam_searches: int) -> EngineSnapshot:
+    """``engine``'s load (the server holds no request back: each goes to the engine as it arrives);
+    ``beam_searches``: the server's beam searches under way."""
     kv = engine.kv.stats()
     summary = engine.stats.summary()
     return EngineSnapshot(
@@ -85,4 +87,5 @@ def read_snapshot(engine: Any, output_tokens_per_s: float) -> EngineSnapshot:
         spec_steps_on=int(summary["spec_steps_on"]),
         spec_steps_off_large_batch=int(summary["spec_steps_off_large_batch"]),
         spec_steps_off_low_acceptance=int(summary["spec_steps_off_low_acceptance"]),
+        beam_searches=beam_searches,
     )

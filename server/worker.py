@@ -154,7 +154,8 @@ class EngineWorker:
 
     def snapshot(self) -> Future[EngineSnapshot]:
         """The engine's load, read on the worker thread (consistent with the engine's own state)."""
-        return self.call(lambda engine: read_snapshot(engine, self._throughput.rate(time.monotonic())))
+        return self.call(lambda engine: read_snapshot(engine, self._throughput.rate(time.monotonic()),
+                                                      len(self._searches)))
 
     def _put(self, cmd: object) -> None:
         with self._lock:

@@ -348,6 +348,7 @@ def test_a_real_engine_serves_a_beam_search_beside_a_stream_and_a_cancelled_one_
                 break
             await asyncio.sleep(0.01)
         assert used > 0 and not long.done()  # the search holds blocks
+        assert (await client.stats()).beam_searches == 1
         steps = engine.steps_taken
         long.cancel()
         stats = await client.stats()
@@ -357,6 +358,7 @@ def test_a_real_engine_serves_a_beam_search_beside_a_stream_and_a_cancelled_one_
             await asyncio.sleep(0.01)
             stats = await client.stats()
         assert stats.kv_used_blocks == 0 and stats.kv_free_blocks + stats.kv_cached_blocks == stats.kv_total_blocks
+        assert stats.beam_searches == 0
         assert engine.steps_taken - steps < 200  # stopped, not run to its 300 tokens
 
     serve_scripted(test, engine=engine)
