@@ -83,8 +83,8 @@ class BeamSearch:
     """One beam search: its prompts' beams batched together, on its engine's model and KV pool, beside the engine's
     requests. Its beams are Sequences the scheduler never sees. ``Engine.start_beam_search`` starts it; each engine
     step then runs :meth:`step` (through :class:`BeamSearches`) until ``done``; ``result()`` gives one
-    BeamSearchOutput per prompt, or raises the error that ended it. Whatever ends it (its last token, an error,
-    ``Engine.abort_beam_search``) frees every beam it made."""
+    BeamSearchOutput per prompt (an aborted search's best so far), or raises the error that ended it. Whatever
+    ends it (its last token, an error, ``Engine.abort_beam_search``) frees every beam it made."""
 
     def __init__(self, engine: Engine, prompt_ids: list[list[int]], params: BeamSearchParams,
                  new_seq_id: Callable[[], int]) -> None:
@@ -139,12 +139,19 @@ class BeamSearch:
             row += len(state.live)
             _choose(self.engine, state, rows, self.params, self.length, self._new_beam)
         if self.length == self.params.max_tokens or all(s.finished for s in self.states):
-            for state in self.states:
-                for beam, logprob in state.live:  # reached max_tokens
-                    _finish(state, beam, logprob, FinishReason.LENGTH, self.params)
-            self.outputs = [_output(self.engine, state, self.params) for state in self.states]
-            self.close()
+            self.conclude(FinishReason.LENGTH)
         return True
+
+    def conclude(self, reason: FinishReason) -> None:
+        """End now: the live beams become hypotheses with ``reason`` (LENGTH at max_tokens; ABORT when stopped
+        early), the best ``beam_width`` of each prompt are the outputs, and every beam is freed. Copies queued for
+        the beams are dropped: they must not run later, into blocks that others get."""
+        for state in self.states:
+            for beam, logprob in state.live:
+                _finish(state, beam, logprob, reason, self.params)
+        self.outputs = [_output(self.engine, state, self.params) for state in self.states]
+        self.close()
+        self.engine.kv.take_block_ops()
 
     def short_of_blocks(self, beams: list[Sequence]) -> int:
         """Allocate each beam's uncomputed tokens (the first step: after a prefix-cache lookup); the number of
@@ -222,10 +229,11 @@ class BeamSearches:
         return search
 
     def abort(self, search: BeamSearch) -> None:
-        """Stop ``search`` and free its beams (idempotent); ``result()`` then raises, unless it had finished."""
+        """Stop ``search`` now and free its beams (idempotent): ``result()`` gives each prompt's best hypotheses so
+        far, the beams still live among them with finish reason ABORT (as an aborted request keeps its tokens)."""
         if search in self.active:
             self.active.remove(search)
-            search.fail(InvalidRequestError("the beam search was aborted before it finished; start it again"))
+            search.conclude(FinishReason.ABORT)
 
     def step(self) -> None:
         """One step of each active search, oldest first; the searches that end leave."""

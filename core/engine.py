@@ -493,7 +493,8 @@ class Engine:
             return self.searches.start(prompts, params or BeamSearchParams(), lambda: next(self._seq_ids))
 
     def abort_beam_search(self, search: BeamSearch) -> None:
-        """Stop a search started by ``start_beam_search`` and free its beams' blocks (a finished one: nothing)."""
+        """Stop a search started by ``start_beam_search`` now and free its beams' blocks (a finished one: nothing);
+        its ``result()`` is then each prompt's best hypotheses so far, the live ones with finish reason abort."""
         self.searches.abort(search)
 
     def add_requests(self, prompts: Seq[Prompt],

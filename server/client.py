@@ -67,7 +67,7 @@ def build_beam_request(prompt: Prompt, **params: Any) -> pb.BeamSearchRequest:
         request = pb.BeamSearchRequest(**params)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"invalid beam search parameters {params!r}: {exc}; they are beam_width, "
-                                  "max_tokens, length_penalty and ignore_eos") from None
+                                  "max_tokens, length_penalty, ignore_eos and request_id") from None
     set_prompt(request, prompt)
     return request
 
@@ -123,7 +123,7 @@ class Client(_Base):
     def beam_search(self, prompt: Prompt, *, timeout: float | None = None,
                     **params: Any) -> pb.BeamSearchResponse:
         """Beam search for one prompt; ``params``: beam_width=, max_tokens=, length_penalty=, ignore_eos= (unset:
-        the server's BeamSearchParams defaults)."""
+        the server's BeamSearchParams defaults), and request_id= (then ``abort(request_id)`` stops it)."""
         return self.stub.BeamSearch(build_beam_request(prompt, **params), **self._kw(timeout))
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:

@@ -174,7 +174,7 @@ class CompleteResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class BeamSearchRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "beam_width", "max_tokens", "length_penalty", "ignore_eos")
+    __slots__ = ("text", "token_ids", "chat", "beam_width", "max_tokens", "length_penalty", "ignore_eos", "request_id")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class BeamSearchRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: Chat
@@ -189,7 +190,8 @@ class BeamSearchRequest(_message.Message):
     max_tokens: int
     length_penalty: float
     ignore_eos: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Beam(_message.Message):
     __slots__ = ("token_ids", "text", "cumulative_logprob", "score", "finish_reason")

@@ -102,7 +102,8 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Abort a running request by id; its stream ends with finish_reason ABORT. Unknown ids: NOT_FOUND.
+        """Abort a running request by id; its stream ends with finish_reason ABORT. A beam search given that id answers
+        with its best beams so far (finish_reason ABORT for those still live). Unknown ids: NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -128,9 +128,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             params: SamplingParams = sampling_params_of(request)
             prompt = prompt_of(request)
-            if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # every response repeats it
-                raise InvalidRequestError(f"request_id has {len(request.request_id)} characters; at most "
-                                          f"{MAX_REQUEST_ID_CHARS} are accepted")
+            check_request_id(request.request_id)
         except Exception as exc:
             await _abort_with(context, exc)
         await self._admit(context)
@@ -169,11 +167,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             params = beam_params_of(request)
             prompt = prompt_of(request)
+            check_request_id(request.request_id)
         except Exception as exc:
             await _abort_with(context, exc)
         await self._admit(context)
         try:
-            [output] = await asyncio.wrap_future(self.worker.beam_search([prompt], params))
+            [output] = await asyncio.wrap_future(self.worker.beam_search([prompt], params, request.request_id))
         except Exception as exc:
             await _abort_with(context, exc)
         finally:
@@ -213,6 +212,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.Stats(**fields, in_flight=self.in_flight, max_queue=self.max_queue,
                         kv_usage=snap.kv_used_blocks / total if total else 0.0,
                         uptime_s=time.monotonic() - self.started, draining=self.draining)
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:  # every response repeats it; logs name it
+        raise InvalidRequestError(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} "
+                                  "are accepted")
 
 
 def merged_share(part: pb.Completion) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.chat import Prompt
-from ..core.errors import InferError, NotFoundError
+from ..core.errors import InferError, InvalidRequestError, NotFoundError
 from ..core.request import RequestOutput, SamplingParams
 from .snapshot import EngineSnapshot, Throughput, read_snapshot
 from .streams import RequestStream
@@ -78,7 +78,7 @@ class _Cancel:
 @dataclass
 class _Abort:
     request_id: str
-    reply: Future[RequestOutput]
+    reply: Future[RequestOutput | None]
 
 
 @dataclass
@@ -92,6 +92,14 @@ class _Search:
     prompts: Seq[Prompt]
     params: BeamSearchParams
     reply: Future[list[BeamSearchOutput]]
+    request_id: str = ""
+
+
+@dataclass(eq=False)
+class _RunningSearch:
+    reply: Future[list[BeamSearchOutput]]
+    search: SearchLike
+    request_id: str  # "": none given, so only cancelling its call stops it
 
 
 _STOP = object()
@@ -113,7 +121,7 @@ class EngineWorker:
         self._refusal: BaseException = ServerUnavailable("the server is shutting down")  # after the stop
         self._outbox: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         self._throughput = Throughput()
-        self._searches: list[tuple[Future[list[BeamSearchOutput]], SearchLike]] = []  # started, not yet answered
+        self._searches: list[_RunningSearch] = []  # started, not yet answered
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -133,9 +141,11 @@ class EngineWorker:
         """The reader went away (client cancel, deadline): abort the request if it still runs."""
         self._put(_Cancel(stream))
 
-    def abort(self, request_id: str) -> Future[RequestOutput]:
-        """Abort by id; the stream gets the final ABORT output. The future raises NotFoundError for unknown ids."""
-        reply: Future[RequestOutput] = Future()
+    def abort(self, request_id: str) -> Future[RequestOutput | None]:
+        """Abort a request by id (its stream gets the final ABORT output, the future too) or a beam search (it
+        answers with its best beams so far; the future gets None). The future raises NotFoundError for unknown
+        ids."""
+        reply: Future[RequestOutput | None] = Future()
         self._put(_Abort(request_id, reply))
         return reply
 
@@ -145,11 +155,13 @@ class EngineWorker:
         self._put(_Call(fn, reply))
         return reply
 
-    def beam_search(self, prompts: Seq[Prompt], params: BeamSearchParams) -> Future[list[BeamSearchOutput]]:
-        """Start a beam search now, beside the requests (a bad prompt fails the future at once); the future gets
-        its outputs when it ends. Cancelling the future (the caller gave up) stops the search and frees its KV."""
+    def beam_search(self, prompts: Seq[Prompt], params: BeamSearchParams,
+                    request_id: str = "") -> Future[list[BeamSearchOutput]]:
+        """Start a beam search now, beside the requests (a bad prompt, or a ``request_id`` in use, fails the
+        future at once); the future gets its outputs when it ends. Cancelling the future (the caller gave up) stops
+        the search and frees its KV; ``abort(request_id)`` stops it too, its outputs the best beams so far."""
         reply: Future[list[BeamSearchOutput]] = Future()
-        self._put(_Search(prompts, params, reply))
+        self._put(_Search(prompts, params, reply, request_id))
         return reply
 
     def snapshot(self) -> Future[EngineSnapshot]:
@@ -233,23 +245,28 @@ class EngineWorker:
         if cmd.reply.cancelled():  # its caller gave up before it started
             return
         try:
+            if cmd.request_id and self._in_use(cmd.request_id):
+                raise InvalidRequestError(f"request id {cmd.request_id!r} is already in use")
             search = self.engine.start_beam_search(cmd.prompts, cmd.params)
         except Exception as exc:  # a bad prompt or parameters: refused before any work
             if cmd.reply.set_running_or_notify_cancel():
                 cmd.reply.set_exception(exc)
             return
-        self._searches.append((cmd.reply, search))
+        self._searches.append(_RunningSearch(cmd.reply, search, cmd.request_id))
+
+    def _in_use(self, request_id: str) -> bool:
+        return request_id in self._streams or any(s.request_id == request_id for s in self._searches)
 
     def _stop_abandoned_searches(self) -> None:
         """Abort the searches whose callers gave up (client cancel, deadline): their KV blocks go back now."""
-        for reply, search in [entry for entry in self._searches if entry[0].cancelled()]:
-            self._searches.remove((reply, search))
-            self._abort_search(search)
+        for running in [s for s in self._searches if s.reply.cancelled()]:
+            self._searches.remove(running)
+            self._abort_search(running.search)
 
     def _answer_searches(self) -> None:
-        for reply, search in [entry for entry in self._searches if entry[1].done]:
-            self._searches.remove((reply, search))
-            _resolve(reply, search.result)
+        for running in [s for s in self._searches if s.search.done]:
+            self._searches.remove(running)
+            _resolve(running.reply, running.search.result)
 
     def _abort_search(self, search: SearchLike) -> None:
         try:
@@ -257,7 +274,11 @@ class EngineWorker:
         except Exception:
             log.exception("abort of a beam search failed")
 
-    def _abort_and_deliver(self, request_id: str) -> RequestOutput:
+    def _abort_and_deliver(self, request_id: str) -> RequestOutput | None:
+        search = next((s.search for s in self._searches if request_id and s.request_id == request_id), None)
+        if search is not None:  # it is answered with its best beams so far as this loop round ends
+            self.engine.abort_beam_search(search)
+            return None
         output = self.engine.abort(request_id)  # NotFoundError for unknown ids
         self._deliver(output)
         return output
@@ -265,6 +286,8 @@ class EngineWorker:
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
         try:
+            if any(s.request_id == rid for s in self._searches):
+                raise InvalidRequestError(f"request id {rid!r} is already in use (by a beam search)")
             self.engine.add_request(cmd.prompt, cmd.params, rid)
         except InferError as exc:
             self._outbox.append((cmd.stream, exc))
@@ -304,10 +327,10 @@ class EngineWorker:
             self._outbox.append((stream, error))
         self._streams.clear()
         searches, self._searches = self._searches, []
-        for reply, search in searches:
-            self._abort_search(search)
-            if reply.set_running_or_notify_cancel():
-                reply.set_exception(error)
+        for running in searches:
+            self._abort_search(running.search)
+            if running.reply.set_running_or_notify_cancel():
+                running.reply.set_exception(error)
 
     def _abort_quietly(self, rid: str) -> None:
         try:

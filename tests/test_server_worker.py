@@ -365,6 +365,43 @@ def test_a_real_engine_serves_a_beam_search_beside_a_stream_and_a_cancelled_one_
     assert not engine.searches and not engine.has_unfinished()
 
 
+def test_abort_by_id_stops_a_beam_search_with_its_best_beams_so_far(tiny_model: Any) -> None:
+    """A BeamSearch given a request_id: Abort(request_id) answers the call with the beams it has (those of a search
+    that ends at that length, finish reason abort); the id is taken while it runs, by requests and searches alike."""
+    from infer.core.beam_search import BeamSearchParams
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=512, block_size=4))
+
+    async def test(client: AsyncClient, engine: Engine) -> None:
+        long = asyncio.create_task(client.beam_search("x = [", request_id="s1", beam_width=3, max_tokens=400,
+                                                      ignore_eos=True))
+        await until(lambda: bool(engine.searches), "the search to start")
+        for call in (client.complete("y", request_id="s1", max_tokens=2), client.beam_search("y", request_id="s1")):
+            code, details = await rpc_code(call)
+            assert code is grpc.StatusCode.INVALID_ARGUMENT and "request id 's1' is already in use" in details
+        await asyncio.sleep(0.05)  # a few tokens in
+        await client.abort("s1")
+        result = await asyncio.wait_for(long, 5)
+        length = len(result.beams[0].token_ids)
+        assert 0 < length < 400 and {b.finish_reason for b in result.beams} == {pb.FINISH_REASON_ABORT}
+        seen.extend([result, length])  # compared below, once the worker thread has let the engine go
+        code, _ = await rpc_code(client.abort("s1"))
+        assert code is grpc.StatusCode.NOT_FOUND
+        stats = await client.stats()
+        assert stats.beam_searches == 0 and stats.kv_used_blocks == 0
+        code, details = await rpc_code(client.beam_search("y", request_id="r" * 257))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "request_id has 257 characters" in details
+
+    seen: list[Any] = []
+    serve_scripted(test, engine=engine)
+    result, length = seen
+    want = engine.beam_search(["x = ["], BeamSearchParams(beam_width=3, max_tokens=length, ignore_eos=True))[0]
+    assert [list(b.token_ids) for b in result.beams] == [b.token_ids for b in want.beams]
+    assert [b.score for b in result.beams] == pytest.approx([b.score for b in want.beams], rel=1e-6)
+
+
 def test_abort_without_a_request_id_is_invalid_argument() -> None:
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
         code, details = await rpc_code(client.abort(""))
