@@ -450,3 +450,40 @@ def test_aborting_a_search_midway_frees_its_blocks_and_the_requests_finish(eos_m
         collect(engine.step(), outputs)
     assert tokens_of(outputs[rid]) == alone(eos_model, {}, [TEXTS[2]], [GREEDY])[0]
     assert drained(engine)
+
+
+def run_beside_midflight(engine: Engine) -> None:
+    """Requests mid-flight (two steps in) when a beam search starts: the beams and the requests' tokens equal
+    their runs alone on the same engine, and the pool drains."""
+    params = BeamSearchParams(beam_width=4, max_tokens=20)
+    want_beams = engine.beam_search(TEXTS[:2], params)
+    want = [tokens_of(engine.generate([text], [GREEDY])[0]) for text in TEXTS]
+    ids = [engine.add_request(text, GREEDY) for text in TEXTS]
+    outputs: dict = {}
+    for _ in range(2):
+        collect(engine.step(), outputs)
+    assert engine.in_flight is not None or not engine.async_scheduling  # a step's tokens are on the device
+    got_beams = engine.beam_search(TEXTS[:2], params)
+    collect(engine.step(), outputs)  # with the deltas that the search's steps made (the requests may be done)
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert beams_of(got_beams) == beams_of(want_beams)
+    assert [tokens_of(outputs[rid]) for rid in ids] == want
+    assert drained(engine)
+
+
+@pytest.mark.gpu
+def test_beside_requests_on_cuda_with_async_scheduling_equal_their_runs_alone(eos_model):
+    """On CUDA, async scheduling keeps a step in flight: a beam step settles it first, so that the beams' forward
+    passes never overlap it (CUDA graphs and staged inputs included)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = Engine(EngineConfig(model=str(eos_model), device="cuda", dtype="float32", num_kv_blocks=256,
+                                 max_num_seqs=32, enable_prefix_caching=False))
+    assert engine.async_scheduling and engine.runner.graphs is not None
+    run_beside_midflight(engine)
+
+
+def test_beside_requests_midflight_with_async_scheduling_on_the_cpu(eos_model):
+    run_beside_midflight(Engine(EngineConfig(model=str(eos_model), device="cpu", async_scheduling=True,
+                                             enable_prefix_caching=False, block_size=4)))
