@@ -34,7 +34,7 @@ class ChatPrompt:
     messages: tuple[ChatMessage, ...]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)  # hashable as before
 
     @classmethod
     def of(cls, messages: Seq[Mapping[str, str] | ChatMessage], add_generation_prompt: bool = True,

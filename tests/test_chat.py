@@ -347,6 +347,7 @@ def test_template_variables_and_a_continued_message_render_and_generate_as_hf(
     prompt = ChatPrompt.of(CHAT, chat_template_kwargs=kwargs)
     kwargs["enable_thinking"] = True  # the prompt holds its own copy
     assert thinking.engine.tokenize(prompt) == off
+    assert len({prompt, ChatPrompt.of(CHAT), ChatPrompt.of(CHAT)}) == 2  # hashable, as a frozen prompt should be
 
 
 @pytest.mark.parametrize(("options", "message"), [
