@@ -487,3 +487,41 @@ def test_beside_requests_on_cuda_with_async_scheduling_equal_their_runs_alone(eo
 def test_beside_requests_midflight_with_async_scheduling_on_the_cpu(eos_model):
     run_beside_midflight(Engine(EngineConfig(model=str(eos_model), device="cpu", async_scheduling=True,
                                              enable_prefix_caching=False, block_size=4)))
+
+
+def test_a_search_of_several_prompts_short_at_its_first_step_waits_and_returns_its_beams_alone(eos_model):
+    """Requests hold most of a tiny pool when a two-prompt search starts: the first prompt's beam gets its blocks,
+    the second's does not, so the search waits at its first step (keeping the first's blocks, giving back the
+    second's prefix-cache match) and then returns its beams alone; the requests finish as alone, nothing leaks."""
+    params = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    requests = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 2
+    prompts, options = [TEXTS[0] * 4, TEXTS[1] * 4], {"num_kv_blocks": 14}
+    want = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options)).beam_search(
+        [TEXTS[2], TEXTS[3] * 6], params)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    ids = engine.add_requests(prompts, requests)
+    outputs: dict = {}
+    collect(engine.step(), outputs)
+    search = engine.start_beam_search([TEXTS[2], TEXTS[3] * 6], params)
+    collect(engine.step(), outputs)
+    assert search.waits > 0 and not search.done  # its first step found blocks for one prompt only
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert beams_of(search.result()) == beams_of(want)
+    assert [tokens_of(outputs[rid]) for rid in ids] == alone(eos_model, options, prompts, requests)
+    assert drained(engine)
+
+
+def test_a_search_starts_from_the_prefix_cache(eos_model):
+    """A search's prompt whose blocks are cached is looked up as a request's is: every full block but the last
+    token's comes from the cache, and the beams are those of a cold engine."""
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    prompt = TEXTS[2] * 3
+    want = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4)).beam_search([prompt], params)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4))
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+    before, size = engine.kv.stats(), len(engine.tokenize(prompt))
+    assert beams_of(engine.beam_search([prompt], params)) == beams_of(want)
+    after = engine.kv.stats()
+    assert (after.prefix_queries - before.prefix_queries, after.prefix_hits - before.prefix_hits) == (
+        size, (size - 1) // 4 * 4)
