@@ -392,6 +392,11 @@ def test_an_older_search_restarts_a_younger_one_that_holds_the_blocks_it_needs(e
     older = engine.start_beam_search([TEXTS[0]], params)
     engine.step()
     younger = engine.start_beam_search([TEXTS[4]], params)
+    steps = 1
+    while not older.done:
+        engine.step()
+        steps += 1
+    assert steps == params.max_tokens  # it never waited for the younger: a token each step, as alone
     while engine.has_unfinished():
         engine.step()
     assert [beams_of(older.result()), beams_of(younger.result())] == [beams_of(w) for w in want]
@@ -525,3 +530,91 @@ def test_a_search_starts_from_the_prefix_cache(eos_model):
     after = engine.kv.stats()
     assert (after.prefix_queries - before.prefix_queries, after.prefix_hits - before.prefix_hits) == (
         size, (size - 1) // 4 * 4)
+
+
+@pytest.mark.parametrize(("blocks", "restarted"), [(14, [False, False, True]), (12, None)])
+def test_the_oldest_search_restarts_the_youngest_first(eos_model, blocks, restarted):
+    """Three searches that cannot all fit: the oldest takes the blocks of the youngest that holds some (in 14
+    blocks the middle one keeps its own, the youngest's being enough), and every search returns its beams alone."""
+    params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
+    options = {"num_kv_blocks": blocks}
+    prompts = [TEXTS[0], TEXTS[4], TEXTS[1]]
+    solo = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    want = [beams_of(solo.beam_search([p], params)) for p in prompts]
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    searches = []
+    for prompt in prompts:
+        searches.append(engine.start_beam_search([prompt], params))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert [beams_of(s.result()) for s in searches] == want
+    assert restarted is None or [s.restarts > 0 for s in searches] == restarted
+    assert drained(engine)
+
+
+def test_a_request_waiting_without_blocks_does_not_make_the_oldest_search_wait(eos_model):
+    """Two searches hold the whole pool and a request waits, holding no blocks: the oldest search, short of
+    blocks, restarts the younger rather than wait for the request (which could never give it any), and the
+    searches and the request all end with their outputs alone."""
+    params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
+    options = {"num_kv_blocks": 10}
+    solo = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    want = [beams_of(solo.beam_search([TEXTS[0]], params)), beams_of(solo.beam_search([TEXTS[4]], params))]
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    older = engine.start_beam_search([TEXTS[0]], params)
+    engine.step()
+    younger = engine.start_beam_search([TEXTS[4]], params)
+    for _ in range(3):
+        engine.step()
+    rid = engine.add_request(TEXTS[3], GREEDY)
+    outputs: dict = {}
+    collect(engine.step(), outputs)
+    assert engine.scheduler.num_waiting() == 1 and not engine.scheduler.num_running()  # no block for it
+    for _ in range(300):
+        if not engine.has_unfinished():
+            break
+        collect(engine.step(), outputs)
+    assert not engine.has_unfinished()  # no one waited forever
+    assert [beams_of(older.result()), beams_of(younger.result())] == want
+    assert tokens_of(outputs[rid]) == alone(eos_model, options, [TEXTS[3]], [GREEDY])[0]
+    assert drained(engine)
+
+
+def test_a_search_that_cannot_fit_fails_without_restarting_a_younger_one(tiny_model):
+    """A search whose beams outgrow the whole pool fails at once with CapacityError: restarting a younger search
+    would not give it room, so the younger one keeps its progress and returns its beams alone."""
+    options = {"num_kv_blocks": 16, "block_size": 16}
+    small = BeamSearchParams(beam_width=2, max_tokens=40, ignore_eos=True)
+    want = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options)).beam_search([TEXTS[0]], small)
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options))
+    big = engine.start_beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64,
+                                                                           ignore_eos=True))
+    younger = engine.start_beam_search([TEXTS[0]], small)  # it holds its prompt's blocks when big outgrows the pool
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
+        big.result()
+    assert beams_of(younger.result()) == beams_of(want) and younger.restarts == 0
+    assert drained(engine)
+
+
+def test_a_beam_search_call_interrupted_mid_way_leaves_no_search_behind(eos_model, monkeypatch):
+    """Ctrl-C (or any error) in one of the steps that Engine.beam_search drives stops its search and frees its
+    beams: the engine is left idle with its pool drained, and the same search run again returns its beams."""
+    params = BeamSearchParams(beam_width=3, max_tokens=12)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4))
+    want = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4)).beam_search(TEXTS[:2], params)
+    steps, step = [0], engine._step
+
+    def interrupted():
+        steps[0] += 1
+        if steps[0] == 4:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.beam_search(TEXTS[:2], params)
+    assert drained(engine)
+    assert beams_of(engine.beam_search(TEXTS[:2], params)) == beams_of(want)
