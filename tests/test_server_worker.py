@@ -694,3 +694,68 @@ def test_a_chat_prompt_over_grpc_is_rendered_by_the_servers_template(chat_model:
         assert (cli.exit_code, cli.stdout) == (0, want.outputs[0].text + "\n"), cli.output
 
     serve_scripted(test, engine=llm.engine)
+
+
+def test_a_beam_search_whose_caller_gave_up_before_it_started_never_starts() -> None:
+    """A BeamSearch cancelled while queued behind a busy worker is not started (no beams, no KV) and the
+    worker goes on; one sent after the worker stopped is refused with ServerUnavailable."""
+    import threading
+
+    from infer.core.beam_search import BeamSearchParams
+    from infer.server.worker import ServerUnavailable
+
+    engine, release = ScriptedEngine(), threading.Event()
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        worker.call(lambda e: release.wait(10))  # the worker is busy until released
+        reply = worker.beam_search(["x"], BeamSearchParams(max_tokens=10**6))
+        assert reply.cancel()
+        release.set()
+        assert worker.call(lambda e: "alive").result(timeout=10) == "alive"
+        assert engine.events == [] and not engine.searches and not engine.aborted_searches
+    finally:
+        release.set()
+        worker.stop()
+    with pytest.raises(ServerUnavailable):
+        worker.beam_search(["x"], BeamSearchParams(max_tokens=2)).result(timeout=5)
+
+
+def test_a_failing_search_abort_is_logged_and_a_dying_search_start_gets_the_error(caplog) -> None:
+    """An abort_beam_search that raises (a cancelled search) is logged and the worker keeps serving; a start
+    that kills the engine thread answers its own BeamSearch with the fault rather than leave it hanging."""
+    import logging
+    import time
+
+    from infer.core.beam_search import BeamSearchParams
+
+    class FlakyEngine(ScriptedEngine):
+        def abort_beam_search(self, search: ScriptedSearch) -> None:
+            raise RuntimeError("abort failed")
+
+        def start_beam_search(self, prompts: list[str | list[int]], params: Any) -> ScriptedSearch:
+            if prompts == ["killer"]:
+                raise SystemExit("a bug that escapes the worker's own error handling")
+            return super().start_beam_search(prompts, params)
+
+    engine = FlakyEngine()
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="infer.server"):
+            reply = worker.beam_search(["x"], BeamSearchParams(max_tokens=10**6))
+            for _ in range(500):
+                if engine.searches:
+                    break
+                time.sleep(0.01)
+            assert reply.cancel()
+            for _ in range(500):
+                if "abort of a beam search failed" in caplog.text:
+                    break
+                time.sleep(0.01)
+            assert "abort of a beam search failed" in caplog.text
+            assert worker.call(lambda e: "alive").result(timeout=10) == "alive"
+        with pytest.raises(Exception, match="engine thread failed"):
+            worker.beam_search(["killer"], BeamSearchParams(max_tokens=2)).result(timeout=10)
+    finally:
+        worker.stop()
