@@ -358,6 +358,7 @@ def test_template_variables_and_a_continued_message_render_and_generate_as_hf(
     ({"chat_template_kwargs": {"enable_thinking": object()}}, "'enable_thinking' must be JSON-like"),
     ({"chat_template_kwargs": {"enable_thinking": float("nan")}}, "'enable_thinking' must be JSON-like"),
     ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs must be a mapping of template variables"),
+    ({"chat_template_kwargs": {1: True}}, "chat_template_kwargs: 1 is not a template variable name"),
     ({"continue_final_message": True}, "and add_generation_prompt opens a new assistant turn after it; set "
      "add_generation_prompt=False"),
     ({"add_generation_prompt": False, "continue_final_message": "yes"}, "continue_final_message must be True or False"),
@@ -372,9 +373,12 @@ def test_bad_chat_options_are_refused_by_name(thinking: LLM, options: dict[str, 
 def test_continuing_a_message_the_template_cuts_is_an_invalid_request(tiny_model: Path, tmp_path: Path) -> None:
     (tmp_path / "short.jinja").write_text("{% for m in messages %}{{ m['content'][:3] }}\n{% endfor %}")
     llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(tmp_path / "short.jinja"))
-    with pytest.raises(InvalidRequestError, match="cannot render the messages .ValueError: continue_final_message"):
+    with pytest.raises(InvalidRequestError, match="cannot render the messages .ValueError: continue_final_message") \
+            as info:
         llm.chat([*CHAT, {"role": "assistant", "content": "return a"}], add_generation_prompt=False,
                  continue_final_message=True)
+    assert "\n" not in str(info.value) and "Rendered chat" not in str(info.value)  # HF's first line only: its
+    # rest echoes the whole rendered conversation (a system prompt included) into an error a client sees
 
 
 def test_infer_chat_passes_template_variables(thinking: LLM, tiny_model: Path, tmp_path: Path) -> None:
@@ -475,3 +479,84 @@ def test_control_tokens_typed_in_messages_are_plain_text_when_sanitized(llm: LLM
     with pytest.raises(ConfigError, match="--sanitize-chat-control-tokens needs a transformers release whose "
                                           "apply_chat_template takes sanitize_control_tokens"):
         check_can_sanitize(OldTokenizer())
+
+
+def test_template_variables_are_the_prompts_own_and_the_engines_defaults_its_own(
+        thinking: LLM, tiny_model: Path, tmp_path: Path) -> None:
+    """chat_template_kwargs and --default-chat-template-kwargs are copied deep when given: a caller editing its
+    dict (a nested value included) afterwards changes no rendering, which stays HF's for the values given."""
+    hf = AutoTokenizer.from_pretrained(str(tiny_model))
+
+    def hf_ids(**kwargs: Any) -> list[int]:
+        return list(hf.apply_chat_template(CHAT, chat_template=THINKING, add_generation_prompt=True,
+                                           **kwargs)["input_ids"])
+
+    kwargs: dict[str, Any] = {"enable_thinking": ["on"]}  # a non-empty list: true in Jinja
+    prompt = ChatPrompt.of(CHAT, chat_template_kwargs=kwargs)
+    kwargs["enable_thinking"].clear()  # [] would be false
+    assert thinking.engine.tokenize(prompt) == hf_ids(enable_thinking=["on"]) != hf_ids(enable_thinking=[])
+    (tmp_path / "thinking.jinja").write_text(THINKING)
+    defaults = {"enable_thinking": False}
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(tmp_path / "thinking.jinja"),
+              default_chat_template_kwargs=defaults)
+    defaults["enable_thinking"] = True
+    assert llm.engine.tokenize(ChatPrompt.of(CHAT)) == hf_ids(enable_thinking=False)
+
+
+def test_template_variables_are_checked_against_templates_with_loop_controls_and_named_templates(
+        thinking: LLM, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template using {% break %} (which HF's Jinja environment has) is still checked, so a misspelt variable is
+    refused by name; a tokenizer's named templates are checked together (a variable any of them reads is taken,
+    and the default renders as HF renders it); one that only transformers' extensions parse is not checked."""
+    hf = AutoTokenizer.from_pretrained(str(tiny_model))
+    looping = ("{% for m in messages %}{{ m['content'] }}\n{% if loop.index >= 1 %}{% break %}{% endif %}"
+               "{% endfor %}{{ flag | default('') }}")
+    monkeypatch.setattr(thinking.engine.tokenizer, "chat_template", looping)
+    with pytest.raises(InvalidRequestError, match="the model's chat template does not read 'flg'"):
+        thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"flg": "x"}))
+    assert thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"flag": "x"})) == list(
+        hf.apply_chat_template(CHAT, chat_template=looping, flag="x")["input_ids"])
+    named = {"default": THINKING, "tool_use": "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools_flag }}"}
+    monkeypatch.setattr(thinking.engine.tokenizer, "chat_template", named)
+    for kwargs in ({"enable_thinking": False}, {"tools_flag": 1}):
+        assert thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs=kwargs)) == list(
+            hf.apply_chat_template(CHAT, chat_template=THINKING, add_generation_prompt=True, **kwargs)["input_ids"])
+    with pytest.raises(InvalidRequestError, match="does not read 'thinking'"):
+        thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"thinking": False}))
+    named["tool_use"] = "{% for m in messages %}{{ m[\"content\"] + 'x' }}{% endfor %}{{ tools_flag }}"  # both quotes
+    with pytest.raises(InvalidRequestError, match="does not read 'thinking'"):
+        thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"thinking": False}))
+    named["tool_use"] = "{% generation %}{{ tools_flag }}{% endgeneration %}"  # transformers' own tag
+    assert thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"thinking": False})) == list(
+        hf.apply_chat_template(CHAT, chat_template=THINKING, add_generation_prompt=True)["input_ids"])
+
+
+def test_template_defaults_and_sanitizing_reach_a_tokenizer_without_a_vocabulary_listing(tiny_model: Path) -> None:
+    """A tokenizer that cannot list its vocabulary (no length bound then) still renders chats with the engine's
+    default template variables and sanitizing, as HF's apply_chat_template does with them."""
+    from infer.core.admission import RequestChecker
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_model))
+    hf.chat_template = THINKING
+
+    class Unlisted:  # HF's tokenizer without get_vocab
+        chat_template = THINKING
+        apply_chat_template, encode = hf.apply_chat_template, hf.encode
+
+    checker = RequestChecker.for_model(Unlisted(), len(hf), 2048, {"enable_thinking": False}, True)
+    assert checker.max_prompt_chars is None
+    assert checker.tokenize(ChatPrompt.of(CHAT)) == list(hf.apply_chat_template(
+        CHAT, add_generation_prompt=True, enable_thinking=False, sanitize_control_tokens=True)["input_ids"])
+
+
+def test_sanitizing_on_a_transformers_without_it_stops_the_engine_at_start(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    from infer import ConfigError
+
+    def apply_chat_template(self: Any, conversation: Any, tokenize: bool = True, **kwargs: Any) -> Any: ...
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "apply_chat_template", apply_chat_template)
+    with pytest.raises(ConfigError, match="--sanitize-chat-control-tokens needs a transformers release"):
+        LLM(model=str(tiny_model), device="cpu", num_kv_blocks=16, sanitize_chat_control_tokens=True)
