@@ -618,3 +618,23 @@ def test_a_beam_search_call_interrupted_mid_way_leaves_no_search_behind(eos_mode
         engine.beam_search(TEXTS[:2], params)
     assert drained(engine)
     assert beams_of(engine.beam_search(TEXTS[:2], params)) == beams_of(want)
+
+
+def test_a_search_that_needs_the_whole_pool_waits_for_the_requests_blocks(eos_model):
+    """Beams that need every block of the pool at once, while requests hold some: the search waits for them
+    (needing no more than the pool is not outgrowing it) and returns its beams alone, the requests their tokens."""
+    params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
+    requests = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 2
+    prompts, options = [TEXTS[4], TEXTS[1]], {"num_kv_blocks": 9}
+    want = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options)).beam_search(
+        [TEXTS[0]], params)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    ids = engine.add_requests(prompts, requests)
+    outputs: dict = {}
+    collect(engine.step(), outputs)
+    search = engine.start_beam_search([TEXTS[0]], params)
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert beams_of(search.result()) == beams_of(want) and search.waits > 0
+    assert [tokens_of(outputs[rid]) for rid in ids] == alone(eos_model, options, prompts, requests)
+    assert drained(engine)
