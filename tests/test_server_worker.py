@@ -692,6 +692,14 @@ def test_a_chat_prompt_over_grpc_is_rendered_by_the_servers_template(chat_model:
             "client", chat[1]["content"], "--target", client.target, "--chat", "--system", chat[0]["content"],
             "--max-tokens", "6", "--temperature", "0"])
         assert (cli.exit_code, cli.stdout) == (0, want.outputs[0].text + "\n"), cli.output
+        cli = await asyncio.to_thread(CliRunner().invoke, main, [  # its template variables go with it
+            "client", chat[1]["content"], "--target", client.target, "--chat", "--chat-template-kwargs",
+            '{"enable_thinking": false}', "--max-tokens", "6"])
+        assert cli.exit_code == 1 and "does not read 'enable_thinking'" in cli.stderr, cli.output
+        request = build_request(ChatPrompt.of(chat), max_tokens=1, prompt_logprobs=0)
+        request.chat.ClearField("add_generation_prompt")  # a client that predates the field: HF's default, True
+        done = await client.stub.Complete(request)
+        assert [e.tokens[0].token_id for e in done.prompt_logprobs[1:]] == llm.engine.tokenize(ChatPrompt.of(chat))[1:]
 
     serve_scripted(test, engine=llm.engine)
 
