@@ -638,3 +638,22 @@ def test_a_search_that_needs_the_whole_pool_waits_for_the_requests_blocks(eos_mo
     assert beams_of(search.result()) == beams_of(want) and search.waits > 0
     assert [tokens_of(outputs[rid]) for rid in ids] == alone(eos_model, options, prompts, requests)
     assert drained(engine)
+
+
+@pytest.mark.xfail(strict=True, raises=CapacityError, reason="BeamSearches._wait_or_make_room counts a new block for "
+                   "every short beam (needed = held + short), but beams that share their last partial block need one "
+                   "copy fewer (the last holder writes in place): the search is refused where restarting the younger "
+                   "one would have given it room")
+def test_a_search_that_fits_alone_is_not_refused_beside_younger_ones(eos_model):
+    params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
+    options = {"num_kv_blocks": 10}
+    want = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options)).beam_search(
+        [TEXTS[4]], params)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
+    searches = []
+    for prompt in (TEXTS[0], TEXTS[4], TEXTS[1]):  # the third alone outgrows the pool: it may fail
+        searches.append(engine.start_beam_search([prompt], params))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert beams_of(searches[1].result()) == beams_of(want)
