@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -100,7 +101,7 @@ class BeamSearch:
         self.states = [_Prompt(ids, [(self._new_beam(ids, ids), 0.0)]) for ids in self.prompt_ids]
         self.length = 0  # tokens each live beam has generated
         self.ready: set[int] = set()  # beams whose blocks for this step are allocated (kept while it waits)
-        self.short = 0  # beams without their blocks, when the last step had to wait
+        self.short: list[Sequence] = []  # beams without their blocks, when the last step had to wait
 
     def _new_beam(self, prompt_ids: list[int], token_ids: list[int]) -> Sequence:
         engine = self.engine
@@ -153,11 +154,11 @@ class BeamSearch:
         self.close()
         self.engine.kv.take_block_ops()
 
-    def short_of_blocks(self, beams: list[Sequence]) -> int:
-        """Allocate each beam's uncomputed tokens (the first step: after a prefix-cache lookup); the number of
-        beams the pool could not serve now. The copies that the allocations made run at once when some beam is
-        short, since no forward pass of this search follows to run them."""
-        kv, short = self.engine.kv, 0
+    def short_of_blocks(self, beams: list[Sequence]) -> list[Sequence]:
+        """Allocate each beam's uncomputed tokens (the first step: after a prefix-cache lookup); the beams the pool
+        could not serve now. The copies that the allocations made run at once when some beam is short, since no
+        forward pass of this search follows to run them."""
+        kv, short = self.engine.kv, []
         for beam in beams:
             if beam.seq_id in self.ready:
                 continue
@@ -166,7 +167,7 @@ class BeamSearch:
             if kv.allocate(beam, beam.num_tokens - beam.num_computed_tokens):
                 self.ready.add(beam.seq_id)
                 continue
-            short += 1
+            short.append(beam)
             if self.length == 0:
                 kv.free(beam)
                 beam.num_computed_tokens = 0
@@ -174,6 +175,20 @@ class BeamSearch:
             with torch.inference_mode():
                 self.engine.runner.apply_block_ops(ops)
         return short
+
+    def blocks_short(self) -> int:
+        """How many more blocks the short beams need, at least: a prompt (the first step) all of its blocks; a beam
+        whose next token starts a block, one; beams that share a partial last block, one copy each but the last
+        (it writes in place)."""
+        kv, size = self.engine.kv, self.engine.config.block_size
+        need, sharers = 0, Counter[int]()
+        for beam in self.short:
+            table = kv.block_table(beam)
+            if self.length == 0 or (beam.num_tokens - 1) // size >= len(table):
+                need += kv.num_blocks_needed(beam.num_tokens) - len(table)
+            else:
+                sharers[table[-1]] += 1
+        return need + sum(count - 1 for count in sharers.values())
 
     def held_blocks(self) -> set[int]:
         """The KV blocks its live beams hold."""
@@ -253,7 +268,7 @@ class BeamSearches:
         """For a search short of blocks: whether it waits this step (True), or may try again now that a younger
         search has made room (False). CapacityError when waiting cannot help."""
         kv, held = self.engine.kv, set[int]().union(*(s.held_blocks() for s in self.active))
-        needed = len(search.held_blocks()) + search.short  # each beam short of blocks needs another one
+        needed = len(search.held_blocks()) + search.blocks_short()
         scheduler = self.engine.scheduler
         if needed <= kv.num_blocks and (self.active.index(search) > 0 or (
                 scheduler.has_unfinished() and kv.stats().used_blocks > len(held))):

@@ -640,11 +640,9 @@ def test_a_search_that_needs_the_whole_pool_waits_for_the_requests_blocks(eos_mo
     assert drained(engine)
 
 
-@pytest.mark.xfail(strict=True, raises=CapacityError, reason="BeamSearches._wait_or_make_room counts a new block for "
-                   "every short beam (needed = held + short), but beams that share their last partial block need one "
-                   "copy fewer (the last holder writes in place): the search is refused where restarting the younger "
-                   "one would have given it room")
 def test_a_search_that_fits_alone_is_not_refused_beside_younger_ones(eos_model):
+    """The oldest search, short of blocks, counts what its beams need: beams that share a partial last block need
+    one copy fewer than their number (the last writes in place), so it restarts the younger search, not fails."""
     params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
     options = {"num_kv_blocks": 10}
     want = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options)).beam_search(
