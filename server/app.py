@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import math
 import signal
@@ -140,7 +141,10 @@ def describe_engine(engine: Any) -> pb.ModelInfo:
         max_model_len=engine.max_model_len, vocab_size=loaded.model.spec.vocab_size,
         dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device), quant=engine.active["quant"],
         components=engine.active, block_size=engine.config.block_size, num_kv_blocks=engine.num_blocks,
-        version=__version__, chat_template=bool(getattr(engine.tokenizer, "chat_template", None)))
+        version=__version__, chat_template=bool(getattr(engine.tokenizer, "chat_template", None)),
+        default_chat_template_kwargs=json.dumps(engine.config.default_chat_template_kwargs)
+        if engine.config.default_chat_template_kwargs else "",
+        sanitize_chat_control_tokens=engine.config.sanitize_chat_control_tokens)
 
 
 def list_plugins(engine: Any) -> pb.ListPluginsResponse:

@@ -418,6 +418,10 @@ def test_default_template_variables_apply_to_every_chat_and_a_request_overrides_
                for value in (False, True))
     assert llm.engine.tokenize(ChatPrompt.of(CHAT)) == off
     assert llm.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"enable_thinking": True})) == on
+    from infer.server.app import describe_engine  # GetModelInfo tells clients the server's defaults
+
+    assert describe_engine(llm.engine).default_chat_template_kwargs == '{"enable_thinking": false}'
+    assert describe_engine(thinking.engine).default_chat_template_kwargs == ""
     for model, defaults, message in (
             (str(tiny_model), {"enable_thinking": False}, "--default-chat-template-kwargs sets variables of the chat "
              "template, but this model has none"),
@@ -459,6 +463,10 @@ def test_control_tokens_typed_in_messages_are_plain_text_when_sanitized(llm: LLM
     assert plain.count(hf.eos_token_id) == 1 and hf.eos_token_id not in safe  # unsanitized, the text is the token
     sanitized = LLM(model=str(chat_model), device="cpu", num_kv_blocks=32, sanitize_chat_control_tokens=True)
     assert sanitized.engine.tokenize(ChatPrompt.of(forged)) == safe
+    from infer.server.app import describe_engine
+
+    assert describe_engine(sanitized.engine).sanitize_chat_control_tokens
+    assert not describe_engine(llm.engine).sanitize_chat_control_tokens
     assert llm.engine.tokenize(ChatPrompt.of(forged)) == plain  # off by default, as HF and vLLM render
     for prompt in (ChatPrompt.of(CHAT), ChatPrompt.of(CHAT, add_generation_prompt=False)):
         assert sanitized.engine.tokenize(prompt) == llm.engine.tokenize(prompt)
