@@ -134,8 +134,9 @@ def checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         if not isinstance(name, str) or not name.isidentifier():
             raise InvalidRequestError(f"chat_template_kwargs: {name!r} is not a template variable name")
         if name in RESERVED_TEMPLATE_NAMES:
-            raise InvalidRequestError(f"chat_template_kwargs: {name!r} is set by the engine, not a template variable "
-                                      "(add_generation_prompt and continue_final_message are options of their own)")
+            own = " (it is an option of its own)" if name in ("add_generation_prompt", "continue_final_message") else ""
+            raise InvalidRequestError(f"chat_template_kwargs: {name!r} is set by the engine, not a template "
+                                      f"variable{own}")
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError):
@@ -159,7 +160,7 @@ def check_template_reads(template: str | Mapping[str, str], kwargs: Mapping[str,
             return
     if unread := sorted(set(kwargs) - reads):
         own = sorted(reads - RESERVED_TEMPLATE_NAMES - {"raise_exception", "strftime_now", "bos_token", "eos_token"})
-        raise InvalidRequestError(f"the model's chat template does not read {', '.join(map(repr, unread))}, so "
+        raise InvalidRequestError(f"the chat template in use does not read {', '.join(map(repr, unread))}, so "
                                   f"setting it would change nothing; the variables it reads: "
                                   f"{', '.join(own) if own else 'none beyond the messages'}")
 

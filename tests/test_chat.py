@@ -351,7 +351,7 @@ def test_template_variables_and_a_continued_message_render_and_generate_as_hf(
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"chat_template_kwargs": {"enable_thinkng": False}}, "the model's chat template does not read 'enable_thinkng', "
+    ({"chat_template_kwargs": {"enable_thinkng": False}}, "the chat template in use does not read 'enable_thinkng', "
      "so setting it would change nothing; the variables it reads: enable_thinking"),
     ({"chat_template_kwargs": {"tokenize": False}}, "'tokenize' is set by the engine, not a template variable"),
     ({"chat_template_kwargs": {"two words": 1}}, "chat_template_kwargs: 'two words' is not a template variable name"),
@@ -425,7 +425,7 @@ def test_default_template_variables_apply_to_every_chat_and_a_request_overrides_
     for model, defaults, message in (
             (str(tiny_model), {"enable_thinking": False}, "--default-chat-template-kwargs sets variables of the chat "
              "template, but this model has none"),
-            (None, {"thinking": False}, "--default-chat-template-kwargs: the model's chat template does not read "
+            (None, {"thinking": False}, "--default-chat-template-kwargs: the chat template in use does not read "
              "'thinking'"),
             (None, {"tokenize": False}, "default-chat-template-kwargs: chat_template_kwargs: 'tokenize' is set by")):
         template = None if model else str(tmp_path / "thinking.jinja")
@@ -520,7 +520,7 @@ def test_template_variables_are_checked_against_templates_with_loop_controls_and
     looping = ("{% for m in messages %}{{ m['content'] }}\n{% if loop.index >= 1 %}{% break %}{% endif %}"
                "{% endfor %}{{ flag | default('') }}")
     monkeypatch.setattr(thinking.engine.tokenizer, "chat_template", looping)
-    with pytest.raises(InvalidRequestError, match="the model's chat template does not read 'flg'"):
+    with pytest.raises(InvalidRequestError, match="the chat template in use does not read 'flg'"):
         thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"flg": "x"}))
     assert thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"flag": "x"})) == list(
         hf.apply_chat_template(CHAT, chat_template=looping, flag="x")["input_ids"])
