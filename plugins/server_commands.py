@@ -92,7 +92,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
               help="PEM root certificate(s) to trust (implies --tls).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Deadline of the call in seconds.")
-@click.option("--stats", is_flag=True, help="Print the server's GetStats as JSON to stderr after a call that succeeded.")
+@click.option("--stats", is_flag=True,
+              help="Print the server's GetStats as JSON to stderr after a call that succeeded.")
 @click.pass_context
 def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any], n: int,
            seed: int | None, stop: tuple[str, ...], include_stop_str: bool, ignore_eos: bool, no_speculative: bool,
