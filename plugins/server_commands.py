@@ -137,9 +137,8 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
         mid_line = False  # the prompt goes out with the first response, so that an early error stands alone
         try:
             if beam_width:
-                best = conn.beam_search(sent, beam_width=beam_width, max_tokens=max_tokens,
-                                        length_penalty=length_penalty, ignore_eos=ignore_eos).beams[0]
-                click.echo(shown + best.text)
+                print_best_beam(conn, sent, shown, beam_width=beam_width, max_tokens=max_tokens,
+                                length_penalty=length_penalty, ignore_eos=ignore_eos)
             elif n == 1:
                 for response in conn.generate(sent, **sampling):
                     if not mid_line:
@@ -163,6 +162,30 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
             if mid_line:
                 click.echo()  # end the partial completion's line
             raise click.ClickException(rpc_error_message(exc, target, tls or tls_ca is not None, timeout)) from exc
+
+
+def print_best_beam(conn: Any, prompt: Any, shown: str, **params: Any) -> None:
+    """Print ``shown`` and the best beam's text. Ctrl-C aborts the search by its request id and prints the best
+    beam so far (then exits 130), as `generate` prints what it has."""
+    import uuid
+
+    import grpc
+
+    request_id = uuid.uuid4().hex
+    call = conn.start_beam_search(prompt, request_id=request_id, **params)
+    try:
+        click.echo(shown + call.result().beams[0].text)
+    except KeyboardInterrupt:
+        try:
+            conn.abort(request_id, timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it had just finished
+                call.cancel()
+                raise
+        best = call.result(timeout=10).beams[0]
+        click.echo(shown + best.text)
+        click.echo(f"interrupted: printed the best beam so far ({len(best.token_ids)} tokens)", err=True)
+        raise SystemExit(130) from None
 
 
 def stats_dict(stats: Any) -> dict[str, Any]:

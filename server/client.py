@@ -126,6 +126,11 @@ class Client(_Base):
         the server's BeamSearchParams defaults), and request_id= (then ``abort(request_id)`` stops it)."""
         return self.stub.BeamSearch(build_beam_request(prompt, **params), **self._kw(timeout))
 
+    def start_beam_search(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Any:
+        """:meth:`beam_search` without waiting: a ``grpc.Future`` whose ``result()`` is the BeamSearchResponse
+        (with a request_id, ``abort(request_id)`` meanwhile makes it the best beams so far)."""
+        return self.stub.BeamSearch.future(build_beam_request(prompt, **params), **self._kw(timeout))
+
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), **self._kw(timeout))
 

@@ -605,6 +605,35 @@ def test_beam_search_over_grpc_equals_offline(client: Client, llm: Any, server: 
     assert_serves(client)
 
 
+def test_ctrl_c_on_a_client_beam_search_prints_the_best_beam_so_far(client: Client, llm: Any,
+                                                                     server: ServerProcess) -> None:
+    """`infer client --beam-width` aborts its search by request id on Ctrl-C and prints the best beam so far: that
+    of a search cut at its length (the offline reference); the server frees the search's blocks."""
+    import re
+
+    from infer.core.beam_search import BeamSearchParams
+
+    proc = subprocess.Popen([*infer_command(), "client", "x = [", "--target", server.target, "--beam-width", "3",
+                             "--max-tokens", "1000", "--ignore-eos"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if client.stats().beam_searches:
+                break
+            time.sleep(0.05)
+        time.sleep(0.3)  # some tokens in
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    length = int(re.search(r"interrupted: printed the best beam so far \((\d+) tokens\)", err).group(1))
+    want = llm.beam_search(["x = ["], BeamSearchParams(beam_width=3, max_tokens=length, ignore_eos=True))[0]
+    assert 0 < length < 1000 and out == "x = [" + want.beams[0].text + "\n"
+    stats = wait_drained(client)
+    assert stats.beam_searches == 0 and stats.kv_used_blocks == 0
+
+
 def test_client_chat_on_a_model_without_a_template_is_refused_by_the_server(server: ServerProcess) -> None:
     out = run_cli("client", "Hi", "--target", server.target, "--chat", "--system", "Be brief.")
     assert (out.exit_code, out.stdout) == (1, "")
