@@ -145,14 +145,12 @@ class BeamSearch:
 
     def conclude(self, reason: FinishReason) -> None:
         """End now: the live beams become hypotheses with ``reason`` (LENGTH at max_tokens; ABORT when stopped
-        early), the best ``beam_width`` of each prompt are the outputs, and every beam is freed. Copies queued for
-        the beams are dropped: they must not run later, into blocks that others get."""
+        early), the best ``beam_width`` of each prompt are the outputs, and every beam is freed (``_release``)."""
         for state in self.states:
             for beam, logprob in state.live:
                 _finish(state, beam, logprob, reason, self.params)
         self.outputs = [_output(self.engine, state, self.params) for state in self.states]
-        self.close()
-        self.engine.kv.take_block_ops()
+        self._release()
 
     def short_of_blocks(self, beams: list[Sequence]) -> list[Sequence]:
         """Allocate each beam's uncomputed tokens (the first step: after a prefix-cache lookup); the beams the pool
@@ -202,9 +200,13 @@ class BeamSearch:
         self._begin()
 
     def fail(self, error: BaseException) -> None:
-        """End with ``error`` (``result()`` raises it), freeing every beam. Copies the failed step queued for its
-        beams are dropped: they must not run later, into blocks that others get."""
+        """End with ``error`` (``result()`` raises it), freeing every beam (``_release``)."""
         self.error = error
+        self._release()
+
+    def _release(self) -> None:
+        """Free every beam and drop the copies queued for them: they must not run later, into blocks that others
+        get."""
         self.close()
         self.engine.kv.take_block_ops()
 

@@ -255,7 +255,10 @@ class EngineWorker:
         self._searches.append(_RunningSearch(cmd.reply, search, cmd.request_id))
 
     def _in_use(self, request_id: str) -> bool:
-        return request_id in self._streams or any(s.request_id == request_id for s in self._searches)
+        return request_id in self._streams or self._search_named(request_id) is not None
+
+    def _search_named(self, request_id: str) -> _RunningSearch | None:
+        return next((s for s in self._searches if request_id and s.request_id == request_id), None)
 
     def _stop_abandoned_searches(self) -> None:
         """Abort the searches whose callers gave up (client cancel, deadline): their KV blocks go back now."""
@@ -275,9 +278,8 @@ class EngineWorker:
             log.exception("abort of a beam search failed")
 
     def _abort_and_deliver(self, request_id: str) -> RequestOutput | None:
-        search = next((s.search for s in self._searches if request_id and s.request_id == request_id), None)
-        if search is not None:  # it is answered with its best beams so far as this loop round ends
-            self.engine.abort_beam_search(search)
+        if (running := self._search_named(request_id)) is not None:  # answered with its best beams so far as
+            self.engine.abort_beam_search(running.search)  # this loop round ends
             return None
         output = self.engine.abort(request_id)  # NotFoundError for unknown ids
         self._deliver(output)
@@ -286,7 +288,7 @@ class EngineWorker:
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
         try:
-            if any(s.request_id == rid for s in self._searches):
+            if self._search_named(rid) is not None:
                 raise InvalidRequestError(f"request id {rid!r} is already in use (by a beam search)")
             self.engine.add_request(cmd.prompt, cmd.params, rid)
         except InferError as exc:
