@@ -5,13 +5,15 @@ from typing import TYPE_CHECKING, Any
 
 # Absolute imports: pytest also imports the repository root's __init__.py under the checkout folder's name.
 from infer.core.chat import ChatMessage, ChatPrompt
+from infer.core.chat_tools import ToolCall
 from infer.core.errors import (CapacityError, CheckpointError, ConfigError, InferError, InvalidRequestError,
                                NotFoundError, PluginError)
 from infer.core.hookspecs import hookimpl
 from infer.core.request import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "ChatPrompt", "ChatMessage", "hookimpl", "__version__",
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "ChatPrompt", "ChatMessage", "ToolCall", "hookimpl",
+           "__version__",
            "InferError", "InvalidRequestError", "ConfigError", "CapacityError", "PluginError", "CheckpointError",
            "NotFoundError"]
 

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from ..core.errors import InferError, InvalidRequestError
-from .options import chat_template_kwargs_option, sampling_options
+from .options import chat_template_kwargs_option, sampling_options, tools_option
 
 
 @click.command("chat")
@@ -17,14 +17,16 @@ from .options import chat_template_kwargs_option, sampling_options
 @click.option("--seed", type=int, default=None, help="Seed of each reply's sampling [default: the engine's random "
               "stream].")
 @chat_template_kwargs_option
+@tools_option
 @click.pass_context
 def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict[str, Any], seed: int | None,
-         chat_template_kwargs: dict[str, Any]) -> None:
+         chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> None:
     """Chat with the model: each line of stdin is your turn, and the model's reply to the whole conversation so far
     (rendered by the model's chat template) streams to stdout. End of input (Ctrl-D) or /exit ends it, /reset
     starts over, Ctrl-C during a reply stops that reply (on a terminal, while typing, it clears the line). A turn
     the engine refuses (the conversation outgrew the context, say) is dropped with the reason on stderr, and the
-    exit status is then 1."""
+    exit status is then 1. With --tools, the template shows the model the tools; a reply that calls one is
+    printed as the model wrote it (this loop runs no tools)."""
     from ..core.chat import ChatPrompt
     from ..core.request import SamplingParams
     from .main import CommandLineError, build_engine
@@ -39,7 +41,7 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
     try:  # the template and the options against this model, before the first turn
         engine.checker.check_params(params)
         engine.tokenize(ChatPrompt.of([*opening, {"role": "user", "content": "hello"}],
-                                      chat_template_kwargs=chat_template_kwargs))
+                                      chat_template_kwargs=chat_template_kwargs, tools=tools))
     except InvalidRequestError as exc:
         raise CommandLineError(str(exc)) from None
     eos = engine.tokenizer.eos_token_id
@@ -64,7 +66,8 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
             continue
         turn = [*history, {"role": "user", "content": line}]
         try:
-            reply = _stream_reply(engine, ChatPrompt.of(turn, chat_template_kwargs=chat_template_kwargs), params)
+            reply = _stream_reply(engine, ChatPrompt.of(turn, chat_template_kwargs=chat_template_kwargs, tools=tools),
+                                  params)
         except InferError as exc:
             click.echo(f"infer: turn refused: {exc} (/reset starts a new conversation)", err=True)
             refused += 1

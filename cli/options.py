@@ -5,6 +5,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import click
@@ -90,6 +91,29 @@ chat_template_kwargs_option = click.option(
     "--chat-template-kwargs", default=None, metavar="JSON", callback=_parse_template_kwargs,
     help="More variables for the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3; "
          "each must be one the template reads [default: none].")
+
+
+def _read_tools(ctx: click.Context, param: click.Parameter, path: str | None) -> tuple[dict[str, Any], ...]:
+    from ..core.chat_tools import parse_tools
+    from ..core.errors import InvalidRequestError
+
+    if path is None:
+        return ()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path!r} ({exc}); give a UTF-8 JSON file", ctx, param) from None
+    try:
+        return parse_tools(text, f"{param.opts[0]} {path!r}")
+    except InvalidRequestError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+tools_option = click.option(
+    "--tools", default=None, metavar="FILE", callback=_read_tools,
+    help="A JSON file holding a list of OpenAI tool definitions ({\"type\": \"function\", \"function\": {\"name\": "
+         "..., \"parameters\": {...}}}) that the chat template shows the model; its calls come back as text in the "
+         "model's own format [default: none].")
 
 
 def refuse_beside_beam_search(given: list[str]) -> None:

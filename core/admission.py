@@ -42,7 +42,7 @@ class RequestChecker:
         messages the model's template cannot render."""
         if isinstance(prompt, ChatPrompt):
             chat = prompt.checked()  # one built directly is checked here
-            self._check_length(sum(len(m.content) for m in chat.messages), "the chat messages' contents have")
+            self._check_length(chat.text_length(), "the chat's messages and tools have")
             return self._in_vocabulary(chat.render(self.tokenizer, self.chat_defaults, self.sanitize_chat),
                                        "the rendered chat")
         if isinstance(prompt, str):
@@ -65,7 +65,7 @@ class RequestChecker:
         return ids
 
     def _check_length(self, chars: int, what: str) -> None:
-        """``what``: "the prompt has", "the chat messages' contents have"."""
+        """``what``: "the prompt has", "the chat's messages and tools have"."""
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
             raise InvalidRequestError(f"{what} {chars} characters, more than the model's context of "
                                       f"{self.max_model_len} tokens can hold with this tokenizer (at most "

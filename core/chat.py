@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .chat_tools import ToolCall, checked_tools, json_like, tool_calls_of
 from .errors import ConfigError, InvalidRequestError, require_utf8
 
 MAX_MESSAGES = 4096
@@ -17,10 +18,27 @@ MAX_MESSAGES = 4096
 
 @dataclass(frozen=True)
 class ChatMessage:
-    """One turn: ``role`` is what the template knows (usually "system", "user" or "assistant")."""
+    """One turn: ``role`` is what the template knows (usually "system", "user", "assistant" or "tool").
+    ``tool_calls``: an assistant turn's calls (its content may then be None); ``tool_call_id``: in a "tool" turn,
+    the call it answers; ``name``: the speaker's or tool's name, for templates that read it (core/chat_tools.py)."""
 
     role: str
-    content: str
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as apply_chat_template gets it: OpenAI's keys, those without a value left out."""
+        turn: dict[str, Any] = {"role": self.role}
+        if self.content is not None:
+            turn["content"] = self.content
+        if self.tool_calls:
+            turn["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if (value := getattr(self, key)) is not None:
+                turn[key] = value
+        return turn
 
 
 @dataclass(frozen=True)
@@ -29,19 +47,21 @@ class ChatPrompt:
     assistant turn (what a chat answer needs); False renders the messages alone. ``continue_final_message``: leave
     the last message open, so that the model continues it (a prefilled start of the answer; it needs
     ``add_generation_prompt=False``). ``chat_template_kwargs``: more variables for the template (Qwen3's
-    ``enable_thinking``, say); each must be one the template reads."""
+    ``enable_thinking``, say); each must be one the template reads. ``tools``: the functions the model may call, as
+    OpenAI's ``{"type": "function", "function": {...}}`` definitions (the template must read ``tools``)."""
 
     messages: tuple[ChatMessage, ...]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)  # hashable as before
+    tools: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
 
     @classmethod
-    def of(cls, messages: Seq[Mapping[str, str] | ChatMessage], add_generation_prompt: bool = True,
-           continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
-           ) -> ChatPrompt:
-        """From OpenAI-style ``[{"role": ..., "content": ...}, ...]`` (or ChatMessages); InvalidRequestError for
-        anything else."""
+    def of(cls, messages: Seq[Mapping[str, Any] | ChatMessage], add_generation_prompt: bool = True,
+           continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
+           tools: Seq[Mapping[str, Any]] | None = None) -> ChatPrompt:
+        """From OpenAI-style ``[{"role": ..., "content": ...}, ...]`` (or ChatMessages; tool calls and tool
+        answers included); InvalidRequestError for anything else."""
         if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Seq):
             raise InvalidRequestError(f"chat messages must be a list of {{'role': ..., 'content': ...}} entries, got "
                                       f"{type(messages).__name__}")
@@ -57,12 +77,19 @@ class ChatPrompt:
             raise InvalidRequestError("continue_final_message continues the last message, and add_generation_prompt "
                                       "opens a new assistant turn after it; set add_generation_prompt=False")
         return cls(tuple(_message(i, m) for i, m in enumerate(messages)), add_generation_prompt,
-                   continue_final_message, checked_template_kwargs(chat_template_kwargs))
+                   continue_final_message, checked_template_kwargs(chat_template_kwargs), checked_tools(tools))
 
     def checked(self) -> ChatPrompt:
         """This prompt through :meth:`of`'s checks (for one built directly, from dicts, say)."""
         return ChatPrompt.of(self.messages, self.add_generation_prompt, self.continue_final_message,
-                             self.chat_template_kwargs)
+                             self.chat_template_kwargs, self.tools)
+
+    def text_length(self) -> int:
+        """Characters of the messages' text, tool calls and tools: what the rendered prompt holds besides the
+        template's own text."""
+        calls = [call.template_dict() for m in self.messages for call in m.tool_calls]
+        return sum(len(m.content or "") for m in self.messages) + (
+            len(json.dumps([calls, self.tools], ensure_ascii=False)) if calls or self.tools else 0)
 
     def render(self, tokenizer: Any, default_kwargs: Mapping[str, Any] | None = None, sanitize: bool = False
                ) -> list[int]:
@@ -80,9 +107,12 @@ class ChatPrompt:
         template_kwargs = {**(default_kwargs or {}), **self.chat_template_kwargs}
         if self.chat_template_kwargs:
             check_template_reads(tokenizer.chat_template, self.chat_template_kwargs)
-        turns = [{"role": m.role, "content": m.content} for m in self.messages]
+        self._check_template_reads_tools(tokenizer.chat_template)
+        turns = [m.template_dict() for m in self.messages]
         options = {"add_generation_prompt": self.add_generation_prompt,
                    "continue_final_message": self.continue_final_message, **template_kwargs}
+        if self.tools:
+            options["tools"] = [dict(tool) for tool in self.tools]
         try:
             if sanitize:  # HF encodes the marked control tokens itself (else it is the same text, encoded alike)
                 return list(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
@@ -98,6 +128,19 @@ class ChatPrompt:
                                       f"{str(exc).splitlines()[0]}); fix it, or give one with --chat-template "
                                       "FILE") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_template_reads_tools(self, template: str | Mapping[str, str]) -> None:
+        """InvalidRequestError for tools or tool calls that the template would drop without a word: tools when
+        it never reads ``tools``, calls when its text never names ``tool_calls``."""
+        texts = list(template.values()) if isinstance(template, Mapping) else [template]
+        if self.tools and "tools" not in template_reads(template, default={"tools"}):
+            raise InvalidRequestError("the chat template in use does not read tools, so the model would not see "
+                                      "them; send the chat without tools, or give a tool-use template with "
+                                      "--chat-template FILE")
+        if any(m.tool_calls for m in self.messages) and not any("tool_calls" in text for text in texts):
+            raise InvalidRequestError("the chat template in use does not read messages' tool_calls, so it would "
+                                      "drop them; send those turns as content, or give a tool-use template with "
+                                      "--chat-template FILE")
 
 
 # apply_chat_template's own parameters, and the names the template gets from it: not template variables to set
@@ -137,17 +180,12 @@ def checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
             own = " (it is an option of its own)" if name in ("add_generation_prompt", "continue_final_message") else ""
             raise InvalidRequestError(f"chat_template_kwargs: {name!r} is set by the engine, not a template "
                                       f"variable{own}")
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError):
-            raise InvalidRequestError(f"chat_template_kwargs: {name!r} must be JSON-like (a string, number, bool, "
-                                      f"None, list or mapping), got {type(value).__name__}") from None
-    return json.loads(json.dumps(dict(kwargs)))  # a deep copy: the caller's later edits change nothing
+    return {name: json_like(value, f"chat_template_kwargs: {name!r}") for name, value in kwargs.items()}
 
 
-def check_template_reads(template: str | Mapping[str, str], kwargs: Mapping[str, Any]) -> None:
-    """InvalidRequestError for a variable no template reads: a misspelt ``enable_thinking`` would otherwise
-    change nothing, silently. A template with syntax this parser lacks (transformers' extensions) is not checked."""
+def template_reads(template: str | Mapping[str, str], default: set[str]) -> set[str]:
+    """The variables the template (or any of its named templates) reads; ``default`` for a template with syntax
+    this parser lacks (transformers' extensions), which is not checked."""
     import jinja2
     import jinja2.meta
 
@@ -157,7 +195,14 @@ def check_template_reads(template: str | Mapping[str, str], kwargs: Mapping[str,
         try:
             reads |= jinja2.meta.find_undeclared_variables(environment.parse(text))
         except jinja2.TemplateSyntaxError:
-            return
+            return default
+    return reads
+
+
+def check_template_reads(template: str | Mapping[str, str], kwargs: Mapping[str, Any]) -> None:
+    """InvalidRequestError for a variable no template reads: a misspelt ``enable_thinking`` would otherwise
+    change nothing, silently."""
+    reads = template_reads(template, default=set(kwargs))
     if unread := sorted(set(kwargs) - reads):
         own = sorted(reads - RESERVED_TEMPLATE_NAMES - {"raise_exception", "strftime_now", "bos_token", "eos_token"})
         raise InvalidRequestError(f"the chat template in use does not read {', '.join(map(repr, unread))}, so "
@@ -213,30 +258,43 @@ def check_default_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any]) -> 
         raise ConfigError(f"--default-chat-template-kwargs: {exc}") from None
 
 
-TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
 def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessage:
     """One message, as HF normalizes it (keys whose value is None dropped) and as vLLM reads OpenAI's text parts
-    (a content list of ``{"type": "text", "text": ...}`` joined by newlines)."""
+    (a content list of ``{"type": "text", "text": ...}`` joined by newlines) and tool calls."""
     if isinstance(message, ChatMessage):
-        message = {"role": message.role, "content": message.content}
+        message = {key: getattr(message, key) for key in MESSAGE_KEYS}
     if not isinstance(message, Mapping):
         raise InvalidRequestError(f"chat message {index} must be a {{'role': ..., 'content': ...}} mapping, got "
                                   f"{type(message).__name__}")
     message = {key: value for key, value in message.items() if value is not None}
-    if tools := [key for key in TOOL_KEYS if key in message]:
-        raise InvalidRequestError(f"chat message {index} has {', '.join(map(repr, tools))}: tool calls are not "
-                                  "supported; send the messages' role and content only")
-    if set(message) != {"role", "content"}:
-        raise InvalidRequestError(f"chat message {index} must have exactly the keys 'role' and 'content', got "
-                                  f"{sorted(message)}")
-    role, content = message["role"], _text_of(index, message["content"])
+    if unknown := sorted(set(message) - set(MESSAGE_KEYS), key=str):
+        raise InvalidRequestError(f"chat message {index} has keys {unknown} that no chat template reads; a message "
+                                  f"has {', '.join(map(repr, MESSAGE_KEYS))}")
+    role = message.get("role")
     if not isinstance(role, str) or not role:
         raise InvalidRequestError(f"chat message {index}: role must be a non-empty string, got {role!r}")
-    for name, text in (("role", role), ("content", content)):
-        require_utf8(text, f"chat message {index}: its {name}")
-    return ChatMessage(role, content)
+    calls = tool_calls_of(index, message["tool_calls"]) if "tool_calls" in message else ()
+    if calls and role != "assistant":
+        raise InvalidRequestError(f"chat message {index}: tool_calls belong to an assistant message, not {role!r}")
+    if "content" not in message and not calls:
+        raise InvalidRequestError(f"chat message {index} has no content (only an assistant message with "
+                                  "tool_calls may leave it out)")
+    content = _text_of(index, message["content"]) if "content" in message else None
+    texts = {"role": role, "content": content}
+    for key in ("tool_call_id", "name"):
+        value = texts[key] = message.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InvalidRequestError(f"chat message {index}: {key} must be a non-empty string, got {value!r}")
+    if texts["tool_call_id"] is not None and role != "tool":
+        raise InvalidRequestError(f"chat message {index}: tool_call_id belongs to a 'tool' message (the answer of "
+                                  f"that call), not {role!r}")
+    for name, text in texts.items():
+        if text is not None:
+            require_utf8(text, f"chat message {index}: its {name}")
+    return ChatMessage(role, content, calls, texts["tool_call_id"], texts["name"])
 
 
 def _text_of(index: int, content: object) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from .admission import at_prompt, check_prompt_list
 from .beam_search import BeamSearchOutput, BeamSearchParams
 from .chat import ChatMessage, ChatPrompt, Prompt
+from .chat_tools import checked_tools
 from .config import COMPONENT_FIELDS, EngineConfig
 from .engine import Engine
 from .errors import ConfigError, InferError
@@ -46,20 +47,23 @@ class LLM:
 
     def chat(self, messages: Seq[Mapping[str, Any] | ChatMessage] | Seq[Seq[Mapping[str, Any] | ChatMessage]],
              params: SamplingParams | Seq[SamplingParams] | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
-             ) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
+             tools: Seq[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role": ..., "content": ...}`` messages or ChatMessages) or
         several (a list of such lists), each rendered by the model's chat template (core/chat.py); one
         RequestOutput per conversation, in order. ``add_generation_prompt=False`` renders the messages alone;
         ``continue_final_message=True`` (with it) leaves the last message open for the model to continue;
-        ``chat_template_kwargs`` sets more template variables (``{"enable_thinking": False}``, say)."""
+        ``chat_template_kwargs`` sets more template variables (``{"enable_thinking": False}``, say); ``tools`` are
+        the functions the model may call (OpenAI's definitions; its calls come back as text in the model's own
+        format, for the caller to parse)."""
         one = isinstance(messages, Seq) and bool(messages) and isinstance(messages[0], (Mapping, ChatMessage))
         conversations = [messages] if one else messages
+        tools = checked_tools(tools)  # the same for every conversation: refused as a whole
         prompts = []
         for index, conversation in enumerate(check_prompt_list(conversations)):
             try:
                 prompts.append(ChatPrompt.of(conversation, add_generation_prompt,  # type: ignore[arg-type]
-                                             continue_final_message, chat_template_kwargs))
+                                             continue_final_message, chat_template_kwargs, tools))
             except InferError as exc:
                 raise at_prompt(exc, index, len(conversations)) from None
         return self.engine.generate(prompts, params)

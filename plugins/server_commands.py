@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..cli.options import chat_template_kwargs_option, sampling_options
+from ..cli.options import chat_template_kwargs_option, sampling_options, tools_option
 from ..core.errors import InferError
 from ..core.hookspecs import CommandFactory, hookimpl
 from ..core.registry import Register
@@ -86,6 +86,7 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
               "template; prints the reply alone.")
 @click.option("--system", default=None, help="With --chat: a system message before PROMPT [default: none].")
 @chat_template_kwargs_option
+@tools_option
 @click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Bearer token (or set {TOKEN_ENV}).")
 @click.option("--tls", is_flag=True, help="Connect over TLS with the system's root certificates.")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -98,7 +99,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any], n: int,
            seed: int | None, stop: tuple[str, ...], include_stop_str: bool, ignore_eos: bool, no_speculative: bool,
            beam_width: int, length_penalty: float, chat: bool, system: str | None, token: str | None, tls: bool,
-           tls_ca: Path | None, timeout: float | None, stats: bool, chat_template_kwargs: dict[str, Any]) -> None:
+           tls_ca: Path | None, timeout: float | None, stats: bool, chat_template_kwargs: dict[str, Any],
+           tools: tuple[dict[str, Any], ...]) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams (with --chat,
     the reply alone)."""
     quiet_grpc_core()
@@ -124,14 +126,15 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
         sampling["speculative"] = False
     if seed is not None:
         sampling["seed"] = seed
-    for name, given in (("--system", system is not None), ("--chat-template-kwargs", bool(chat_template_kwargs))):
+    for name, given in (("--system", system is not None), ("--chat-template-kwargs", bool(chat_template_kwargs)),
+                        ("--tools", bool(tools))):
         if given and not chat:
             raise click.UsageError(f"{name} is for a conversation; add --chat", ctx)
     from ..core.chat import ChatPrompt
 
     opening = [{"role": "system", "content": system}] if system is not None else []
     sent = ChatPrompt.of([*opening, {"role": "user", "content": prompt}],
-                         chat_template_kwargs=chat_template_kwargs) if chat else prompt
+                         chat_template_kwargs=chat_template_kwargs, tools=tools) if chat else prompt
     shown = "" if chat else prompt  # a reply is not a continuation of the user's text
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
         mid_line = False  # the prompt goes out with the first response, so that an early error stands alone

@@ -48,11 +48,15 @@ def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: Promp
     if isinstance(prompt, ChatPrompt):  # the server renders it with its model's chat template
         prompt = prompt.checked()  # here, as the server will check it
         for message in prompt.messages:
-            request.chat.messages.add(role=message.role, content=message.content)
+            request.chat.messages.add(role=message.role, content=message.content or "", tool_calls=[
+                pb.ToolCall(id=call.id or "", name=call.name, arguments=json.dumps(call.arguments))
+                for call in message.tool_calls], tool_call_id=message.tool_call_id or "", name=message.name or "")
         request.chat.add_generation_prompt = prompt.add_generation_prompt
         request.chat.continue_final_message = prompt.continue_final_message
         if prompt.chat_template_kwargs:
             request.chat.chat_template_kwargs = json.dumps(prompt.chat_template_kwargs)
+        if prompt.tools:
+            request.chat.tools = json.dumps(prompt.tools)
         return
     try:
         request.token_ids.ids.extend(prompt)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ..core.chat import ChatPrompt, Prompt, parse_template_kwargs
+from ..core.chat_tools import parse_tools
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
 from ..core.request import CompletionOutput, FinishReason, SamplingParams
 from . import infer_pb2 as pb
@@ -34,11 +35,20 @@ def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest) -> Prompt:
         return list(request.token_ids.ids)
     if which == "chat":
         chat = request.chat
-        return ChatPrompt.of([{"role": m.role, "content": m.content} for m in chat.messages],
+        return ChatPrompt.of([_message_of(m) for m in chat.messages],
                              chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
                              chat.continue_final_message,
-                             parse_template_kwargs(chat.chat_template_kwargs, "chat.chat_template_kwargs"))
+                             parse_template_kwargs(chat.chat_template_kwargs, "chat.chat_template_kwargs"),
+                             parse_tools(chat.tools, "chat.tools"))
     return request.text
+
+
+def _message_of(message: pb.ChatMessage) -> dict[str, Any]:
+    """A ChatMessage as OpenAI's mapping; empty strings stand for unset ones (content only beside tool calls)."""
+    calls = [{"id": c.id or None, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in message.tool_calls]
+    return {"role": message.role, "content": message.content or (None if calls else ""), "tool_calls": calls or None,
+            "tool_call_id": message.tool_call_id or None, "name": message.name or None}
 
 
 def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:

@@ -1,0 +1,110 @@
+"""Tool use in chat prompts, as OpenAI's chat API and HF's chat templates have it: the tools the model may call
+(function definitions with JSON-schema parameters, given to the template as ``tools``), an assistant turn's calls
+(``tool_calls``) and a tool's answer (a "tool" message citing the ``tool_call_id`` it answers). The engine renders
+them into the prompt; reading calls out of the model's reply is the caller's work, as the format is the model's own
+(Qwen's ``<tool_call>`` JSON, Llama 3.1's ``<|python_tag|>``, ...)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidRequestError
+
+TOOL_SHAPE = "{'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {...}}}"
+CALL_SHAPE = "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': {...} or a JSON object string}}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call of an assistant turn: the function's ``name``, its ``arguments`` (a JSON object) and the ``id``
+    that the tool's answer cites (optional)."""
+
+    name: str
+    arguments: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """OpenAI's shape, the arguments as a mapping: what tool-use templates read (vLLM parses OpenAI's JSON
+        string the same way, and HF's documentation asks for a mapping)."""
+        call = {"type": "function", "function": {"name": self.name, "arguments": dict(self.arguments)}}
+        return call if self.id is None else {"id": self.id, **call}
+
+
+def json_like(value: Any, what: str) -> Any:
+    """A deep copy of ``value`` (so the caller's later edits change nothing); InvalidRequestError unless it is
+    JSON-like (strings, numbers, bools, None, lists and string-keyed mappings) and its text is UTF-8."""
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError: a lone surrogate
+        raise InvalidRequestError(f"{what} must be JSON-like (strings, numbers, bools, None, lists and mappings of "
+                                  f"UTF-8 text), got {str(value)[:80]} ({exc})") from None
+    return json.loads(text)
+
+
+def checked_tools(tools: Sequence[Mapping[str, Any]] | None) -> tuple[dict[str, Any], ...]:
+    """The tool definitions, copied; InvalidRequestError for anything but a list of OpenAI function tools."""
+    if tools is None:
+        return ()
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidRequestError(f"tools must be a list of {TOOL_SHAPE} entries, got {type(tools).__name__}")
+    copied = json_like(list(tools), "tools")
+    for index, tool in enumerate(copied):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise InvalidRequestError(f"tool {index} must be {TOOL_SHAPE}, got {str(tool)[:80]}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise InvalidRequestError(f"tool {index}: function.name must be a non-empty string")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise InvalidRequestError(f"tool {index}: function.parameters must be a JSON schema object")
+    return tuple(copied)
+
+
+def parse_tools(text: str | None, what: str) -> tuple[dict[str, Any], ...]:
+    """Tool definitions from a JSON array (a CLI file or a gRPC field, named ``what``); none for None or ""."""
+    if not text:
+        return ()
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{what} must be a JSON array of {TOOL_SHAPE} entries ({exc})") from None
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{what} must be a JSON array of tool definitions, got {text[:80]}")
+    return checked_tools(value)
+
+
+def tool_calls_of(index: int, calls: object) -> tuple[ToolCall, ...]:
+    """Chat message ``index``'s ``tool_calls``: ToolCalls, or OpenAI's mappings (keys whose value is None
+    dropped, ``arguments`` a mapping or OpenAI's JSON object string)."""
+    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+        raise InvalidRequestError(f"chat message {index}: tool_calls must be a list of {CALL_SHAPE} entries")
+    return tuple(_call(f"chat message {index}: tool call {number}", call) for number, call in enumerate(calls))
+
+
+def _call(what: str, call: object) -> ToolCall:
+    if isinstance(call, ToolCall):
+        call = {"id": call.id, "function": {"name": call.name, "arguments": call.arguments}}
+    if not isinstance(call, Mapping):
+        raise InvalidRequestError(f"{what} must be {CALL_SHAPE}, got {str(call)[:80]}")
+    call = {key: value for key, value in call.items() if value is not None}
+    function = call.get("function")
+    if set(call) - {"id", "type", "function"} or call.get("type", "function") != "function" or \
+            not isinstance(function, Mapping) or set(function) - {"name", "arguments"}:
+        raise InvalidRequestError(f"{what} must be {CALL_SHAPE}, got {str(call)[:80]}")
+    name, arguments, call_id = function.get("name"), function.get("arguments"), call.get("id")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"{what}: function.name must be a non-empty string")
+    if call_id is not None and (not isinstance(call_id, str) or not call_id):
+        raise InvalidRequestError(f"{what}: id must be a non-empty string")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{what}: arguments is not JSON ({exc}); send a JSON object") from None
+    if not isinstance(arguments, Mapping):
+        raise InvalidRequestError(f"{what}: arguments must be a JSON object (a mapping, or its JSON text), got "
+                                  f"{str(arguments)[:80]}")
+    json_like([name, call_id], what)
+    return ToolCall(name, json_like(dict(arguments), f"{what}: arguments"), call_id)
