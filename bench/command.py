@@ -77,7 +77,8 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
 @click.option("--rate", type=float, default=math.inf, show_default=True,
               help="Poisson arrival rate in requests (conversations) per second; inf sends all at once.")
 @click.option("--file", "workload_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help='file workload: JSONL, one {"prompt": "text" or [token ids], "max_tokens": N} per line.')
+              help='file workload: JSONL, one {"prompt": "text" or [token ids], "max_tokens": N} per line, or a chat: '
+                   '{"messages": [...], "tools": [...] (optional), "max_tokens": N}.')
 @click.option("--skip-bad-lines", is_flag=True, help="file workload: run the good lines, warn about the bad ones.")
 @click.option("--workload-seed", type=int, default=0, show_default=True,
               help="Seed of the workload's lengths, arrivals and tokens.")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..core.chat import ChatPrompt
 from ..core.loader import checkpoint_dtype, read_config, resolve_dtype
 from .arms import ArmSpec
 from .runner import Replay
@@ -74,8 +75,11 @@ class HFArm:
                 "device": str(self.device), "dtype": str(self.dtype),
                 "batch_size": self.batch_size if self.mode == "static" else None}
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+    def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
+        """Text as the tokenizer encodes it; a chat as HF's apply_chat_template renders it."""
+        if isinstance(prompt, ChatPrompt):
+            return prompt.render(self.tokenizer)
+        return list(self.tokenizer.encode(prompt))
 
     def _generation_config(self, max_new_tokens: int, cb: bool, sampling: RequestSampling) -> Any:
         """Exactly ``max_new_tokens`` tokens per request, as the engine arms generate (ignore_eos), sampled as the

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..core.chat import ChatPrompt
 from ..core.engine import Engine
 from ..core.hookspecs import hookimpl
 from ..core.metrics import StepStats
@@ -116,8 +117,8 @@ class EngineArm:
                 "device": str(self.engine.loaded.device), "dtype": str(self.engine.loaded.dtype),
                 "config": dataclasses.asdict(config)}
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.engine.tokenize(text)
+    def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
+        return self.engine.tokenize(prompt)
 
     def warm_up(self, workloads: list[Workload]) -> None:
         """A short request, then each warm-up workload, unmeasured: first-call costs (kernels, allocator growth)

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.chat import ChatPrompt, Prompt
+from ..core.errors import InvalidRequestError
 from ..core.request import SamplingParams
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-prompt-arrival", "file")
@@ -129,14 +131,15 @@ class WorkloadError(ValueError):
 
 @dataclass(frozen=True)
 class FileEntry:
-    prompt: str | tuple[int, ...]
+    prompt: str | tuple[int, ...] | ChatPrompt
     max_tokens: int
     line: int = 0
 
 
 def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
-    """Read a JSONL file of ``{"prompt": str | [int, ...], "max_tokens": int}``; blank lines are skipped, other
-    fields are ignored.
+    """Read a JSONL file of ``{"prompt": str | [int, ...], "max_tokens": int}`` or, for a chat, of
+    ``{"messages": [...], "tools": [...] (optional), "max_tokens": int}``; blank lines are skipped, other fields
+    are ignored.
 
     Returns the good entries and one message per bad line (``line N: why``); a bad line never hides the others.
     """
@@ -165,10 +168,17 @@ def _parse_line(line: str, number: int) -> FileEntry:
         raise WorkloadError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(item, dict):
         raise WorkloadError(f"expected an object with 'prompt' and 'max_tokens', got {type(item).__name__}")
-    if "prompt" not in item:
-        raise WorkloadError("'prompt' is missing")
+    if "prompt" in item and "messages" in item:
+        raise WorkloadError("give 'prompt' or 'messages' (a chat), not both")
+    if "prompt" not in item and "messages" not in item:
+        raise WorkloadError("'prompt' (or 'messages', a chat) is missing")
     prompt, max_tokens = item.get("prompt"), item.get("max_tokens")
-    if isinstance(prompt, str):
+    if "messages" in item:
+        try:
+            prompt = ChatPrompt.of(item["messages"], tools=item.get("tools"))
+        except InvalidRequestError as exc:
+            raise WorkloadError(str(exc)) from None
+    elif isinstance(prompt, str):
         if not prompt:
             raise WorkloadError("'prompt' is an empty string")
     elif isinstance(prompt, list):
@@ -241,9 +251,9 @@ def _arrivals(spec: WorkloadSpec, count: int) -> list[float]:
 
 
 def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
-                   tokenize: Callable[[str], Sequence[int]] | None = None,
+                   tokenize: Callable[[Prompt], Sequence[int]] | None = None,
                    entries: list[FileEntry] | None = None) -> Workload:
-    """The requests of one round. ``tokenize`` turns file prompts given as text into token ids."""
+    """The requests of one round. ``tokenize`` turns file prompts given as text or chats into token ids."""
     shape = random.Random(f"{spec.seed}:shape")
     content = random.Random(f"{spec.seed}:content:{round_index}")
 
@@ -287,7 +297,7 @@ def check_vocabulary(spec: WorkloadSpec, entries: list[FileEntry], vocab_size: i
     ``--skip-bad-lines`` any such line raises WorkloadError listing them all, as :func:`validate_spec` does."""
     good, errors = [], []
     for entry in entries:
-        bad = [] if isinstance(entry.prompt, str) else [t for t in entry.prompt if t >= vocab_size]
+        bad = [] if isinstance(entry.prompt, (str, ChatPrompt)) else [t for t in entry.prompt if t >= vocab_size]
         if bad:
             errors.append(f"line {entry.line}: token ids {bad[:5]} are outside the vocabulary of {vocab_size} "
                           "(the smallest of the arms' models)")
@@ -297,14 +307,17 @@ def check_vocabulary(spec: WorkloadSpec, entries: list[FileEntry], vocab_size: i
 
 
 def _file_tokens(entries: list[FileEntry], vocab: Vocab,
-                 tokenize: Callable[[str], Sequence[int]] | None) -> list[tuple[int, ...]]:
+                 tokenize: Callable[[Prompt], Sequence[int]] | None) -> list[tuple[int, ...]]:
     """Token ids of every file prompt (entries already checked against the vocabulary by check_vocabulary)."""
     out = []
     for entry in entries:
-        if isinstance(entry.prompt, str):
+        if isinstance(entry.prompt, (str, ChatPrompt)):
             if tokenize is None:
-                raise WorkloadError("text prompts need a tokenizer")
-            out.append(tuple(tokenize(entry.prompt)))
+                raise WorkloadError("text and chat prompts need a tokenizer")
+            try:
+                out.append(tuple(tokenize(entry.prompt)))
+            except InvalidRequestError as exc:  # a chat the first arm's template cannot render
+                raise WorkloadError(f"line {entry.line}: {exc}") from None
             continue
         if any(t >= vocab.size for t in entry.prompt):
             raise WorkloadError(f"line {entry.line}: token ids outside the vocabulary of {vocab.size}; "

@@ -515,6 +515,46 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
     assert data["arms"][1]["summary"]["outputs_match"]["values"] == [1.0]  # HF CB: infer's greedy tokens
 
 
+def test_file_workload_chats_render_with_the_first_arms_template(tiny_model, tmp_path):
+    """A line may be a chat ({"messages": [...], "tools": [...]}): the first arm's engine renders it with its chat
+    template (here --chat-template), every arm runs those ids; a bad chat is a bad line, and a model without a
+    template stops the bench."""
+    from infer import LLM, ChatPrompt
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% if tools %}<|system|>{{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+                        "<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n")
+    chats = [{"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 3},
+             {"messages": [{"role": "system", "content": "Code."}, {"role": "user", "content": "import os"}],
+              "tools": [{"type": "function", "function": {"name": "run"}}], "max_tokens": 2}]
+    path = tmp_path / "w.jsonl"
+    bad = ['{"messages": [], "max_tokens": 2}', '{"prompt": "x", "messages": [], "max_tokens": 2}',
+           '{"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}, "max_tokens": 2}']
+    path.write_text("".join(json.dumps(c) + "\n" for c in chats) + "\n".join(bad) + "\n")
+    entries, errors = parse_workload_file(path)
+    assert [e.prompt for e in entries] == [ChatPrompt.of(c["messages"], tools=c.get("tools")) for c in chats]
+    assert errors == ["line 3: a chat prompt needs at least one message",
+                      "line 4: give 'prompt' or 'messages' (a chat), not both",
+                      "line 5: tools must be a list of {'type': 'function', 'function': {'name': ..., 'description': "
+                      "..., 'parameters': {...}}} entries, got dict"]
+    out = tmp_path / "out"
+    args = ["--model", str(tiny_model), "--device", "cpu", "--chat-template", str(template), "bench", "--workload",
+            "file", "--file", str(path), "--skip-bad-lines", "--ab", "", "hf:cb", "--repeats", "1",
+            "--warmup-rounds", "0", "--out", str(out)]
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=16, chat_template=str(template))
+    want = sorted(len(llm.engine.tokenize(entry.prompt)) for entry in entries)
+    data = json.loads((out / "results.json").read_text())
+    for arm in data["arms"]:
+        assert sorted(r["prompt_tokens"] for r in arm["runs"][0]["requests"]) == want
+    assert data["arms"][1]["summary"]["outputs_match"]["values"] == [1.0]  # HF ran the same ids
+    args.remove("--chat-template")
+    args.remove(str(template))
+    refused = run(*args[:-2])
+    assert refused.exit_code == 2 and "line 1: this model's tokenizer has no chat template" in refused.output
+
+
 def _bench_outputs(tiny_model, tmp_path, name: str, *args: str) -> dict[str, list[list[int]]]:
     """arm key -> each request's output ids, in (session, turn) order, of a one-round bench with ``args``."""
     out = tmp_path / name
