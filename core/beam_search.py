@@ -251,6 +251,7 @@ class BeamSearches:
         if search in self.active:
             self.active.remove(search)
             search.conclude(FinishReason.ABORT)
+            self.engine.stats.beam_searches_aborted += 1
 
     def step(self) -> None:
         """One step of each active search, oldest first; the searches that end leave."""
@@ -265,6 +266,10 @@ class BeamSearches:
                 search.fail(exc)
             if search.done:
                 self.active.remove(search)
+                if search.error is None:
+                    engine.stats.beam_searches_finished += 1
+                else:
+                    engine.stats.beam_searches_failed += 1
 
     def _wait_or_make_room(self, search: BeamSearch) -> bool:
         """For a search short of blocks: whether it waits this step (True), or may try again now that a younger
@@ -275,10 +280,12 @@ class BeamSearches:
         if needed <= kv.num_blocks and (self.active.index(search) > 0 or (
                 scheduler.has_unfinished() and kv.stats().used_blocks > len(held))):
             search.waits += 1
+            self.engine.stats.beam_search_waits += 1
             return True
         younger = [s for s in self.active[self.active.index(search) + 1 :] if s.held_blocks()]
         if needed <= kv.num_blocks and younger:
             younger[-1].restart()
+            self.engine.stats.beam_search_restarts += 1
             return False
         raise CapacityError(f"beam search ran out of KV blocks ({kv.num_blocks} in the pool) with "
                             f"{sum(len(s.live) for s in search.states)} beams; lower beam_width, max_tokens or the "

@@ -70,6 +70,11 @@ class EngineStats:
     spec_emitted: int = 0  # output tokens those verifications produced (accepted drafts + 1 each, less stop cuts)
     spec_judged: int = 0  # drafts the target judged: the accepted ones and the first rejected (those after go unseen)
     spec_judged_accepted: int = 0  # accepted drafts, stop cuts aside (the drafts' quality)
+    beam_searches_finished: int = 0  # ended with their beams (max_tokens, or every hypothesis done)
+    beam_searches_aborted: int = 0  # stopped early (Engine.abort_beam_search): their best beams so far
+    beam_searches_failed: int = 0  # ended by an error (CapacityError, a plugin's)
+    beam_search_restarts: int = 0  # searches begun again because an older one needed their blocks: work redone
+    beam_search_waits: int = 0  # steps a search skipped, waiting for KV blocks that others held
     spec_state: str = "off"  # the last step's: off (no proposer), on, off-large-batch, off-low-acceptance
     spec_steps: dict[str, int] = field(default_factory=dict)  # steps per speculation state
     phase_s: dict[str, float] = field(default_factory=dict)  # summed StepStats phase times: schedule, execute, ...
@@ -147,6 +152,11 @@ class EngineStats:
             "kv_waste_slots": self.kv_waste_slots,
             "kv_max_waste_per_seq": round(self.kv_max_waste_per_seq, 3),
             "prefix_hit_rate": round(self.prefix_hit_rate, 4),
+            "beam_searches_finished": self.beam_searches_finished,
+            "beam_searches_aborted": self.beam_searches_aborted,
+            "beam_searches_failed": self.beam_searches_failed,
+            "beam_search_restarts": self.beam_search_restarts,
+            "beam_search_waits": self.beam_search_waits,
             "spec_acceptance_rate": round(self.acceptance_rate, 4),
             "spec_proposed": self.spec_proposed,
             "spec_accepted": self.spec_accepted,

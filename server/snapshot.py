@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 THROUGHPUT_WINDOW_S = 10.0
+BEAM_SEARCH_TOTALS = ("beam_searches_finished", "beam_searches_aborted", "beam_searches_failed", "beam_search_restarts",
+                      "beam_search_waits")
 
 
 @dataclass
@@ -35,6 +37,11 @@ class EngineSnapshot:
     spec_steps_off_large_batch: int
     spec_steps_off_low_acceptance: int
     beam_searches: int
+    beam_searches_finished: int
+    beam_searches_aborted: int
+    beam_searches_failed: int
+    beam_search_restarts: int
+    beam_search_waits: int
 
 
 @dataclass
@@ -88,4 +95,5 @@ def read_snapshot(engine: Any, output_tokens_per_s: float, beam_searches: int) -
         spec_steps_off_large_batch=int(summary["spec_steps_off_large_batch"]),
         spec_steps_off_low_acceptance=int(summary["spec_steps_off_low_acceptance"]),
         beam_searches=beam_searches,
+        **{name: int(summary[name]) for name in BEAM_SEARCH_TOTALS},
     )

@@ -376,6 +376,7 @@ def test_beams_and_requests_competing_for_a_tiny_pool_both_finish(eos_model, pro
         idle += not engine.scheduler.num_running() and engine.scheduler.num_waiting() > 0
     assert beams_of(search.result()) == beams_of(want)
     assert search.waits > 0 and engine.scheduler.num_preemptions > 0  # each gave way to the other
+    assert (engine.stats.beam_search_waits, engine.stats.beam_searches_finished) == (search.waits, 1)
     assert (idle > 0) == held_back  # one request: preempted, it waits for the beams with nothing running
     assert [tokens_of(outputs[rid]) for rid in ids] == alone(eos_model, options, prompts, requests)
     assert drained(engine)
@@ -401,6 +402,7 @@ def test_an_older_search_restarts_a_younger_one_that_holds_the_blocks_it_needs(e
         engine.step()
     assert [beams_of(older.result()), beams_of(younger.result())] == [beams_of(w) for w in want]
     assert younger.restarts > 0 and older.restarts == 0
+    assert engine.stats.beam_search_restarts == younger.restarts and engine.stats.beam_searches_finished == 2
     assert drained(engine)
 
 
@@ -424,6 +426,7 @@ def test_a_search_that_cannot_fit_fails_alone_and_the_requests_go_on(tiny_model)
     with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
         engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64, ignore_eos=True))
     assert not engine.searches and all(rid in engine.requests for rid in ids)  # they still run
+    assert (engine.stats.beam_searches_failed, engine.stats.beam_searches_finished) == (2, 0)  # refused: not counted
     while engine.has_unfinished():
         collect(engine.step(), outputs)
     assert [tokens_of(outputs[rid]) for rid in ids] == alone(tiny_model, options, TEXTS[:2], requests)
@@ -439,6 +442,7 @@ def test_aborting_a_search_midway_frees_its_blocks_and_the_requests_finish(eos_m
     assert engine.kv.stats().used_blocks > 0
     engine.abort_beam_search(search)
     engine.abort_beam_search(search)  # idempotent
+    assert engine.stats.summary()["beam_searches_aborted"] == 1
     assert search.done and engine.kv.stats().used_blocks == 0 and not engine.has_unfinished()
     assert search.length == 5  # its best hypotheses so far: those of a search that ends after 5 tokens
     cut = engine.beam_search(TEXTS[:2], BeamSearchParams(beam_width=4, max_tokens=5, ignore_eos=True))

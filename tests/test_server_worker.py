@@ -359,6 +359,7 @@ def test_a_real_engine_serves_a_beam_search_beside_a_stream_and_a_cancelled_one_
             stats = await client.stats()
         assert stats.kv_used_blocks == 0 and stats.kv_free_blocks + stats.kv_cached_blocks == stats.kv_total_blocks
         assert stats.beam_searches == 0
+        assert (stats.beam_searches_finished, stats.beam_searches_aborted) == (1, 1)  # the cancelled one: aborted
         assert engine.steps_taken - steps < 200  # stopped, not run to its 300 tokens
 
     serve_scripted(test, engine=engine)
@@ -391,6 +392,7 @@ def test_abort_by_id_stops_a_beam_search_with_its_best_beams_so_far(tiny_model: 
         assert code is grpc.StatusCode.NOT_FOUND
         stats = await client.stats()
         assert stats.beam_searches == 0 and stats.kv_used_blocks == 0
+        assert (stats.beam_searches_aborted, stats.beam_searches_finished, stats.beam_searches_failed) == (1, 0, 0)
         code, details = await rpc_code(client.beam_search("y", request_id="r" * 257))
         assert code is grpc.StatusCode.INVALID_ARGUMENT and "request_id has 257 characters" in details
 
