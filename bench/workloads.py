@@ -166,6 +166,8 @@ def _parse_line(line: str, number: int) -> FileEntry:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
         raise WorkloadError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise WorkloadError("JSON nested too deep to read") from None
     if not isinstance(item, dict):
         raise WorkloadError(f"expected an object with 'prompt' and 'max_tokens', got {type(item).__name__}")
     if "prompt" in item and "messages" in item:

@@ -20,13 +20,19 @@ MAX_MESSAGES = 4096
 class ChatMessage:
     """One turn: ``role`` is what the template knows (usually "system", "user", "assistant" or "tool").
     ``tool_calls``: an assistant turn's calls (its content may then be None); ``tool_call_id``: in a "tool" turn,
-    the call it answers; ``name``: the speaker's or tool's name, for templates that read it (core/chat_tools.py)."""
+    the call it answers; ``name``: the speaker's or tool's name, for templates that read it (core/chat_tools.py);
+    ``reasoning_content``: an assistant turn's reasoning, for templates that read it (Qwen3's, DeepSeek-R1's)."""
 
     role: str
     content: str | None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None
+
+    def __post_init__(self) -> None:  # a list from the caller, kept hashable
+        if isinstance(self.tool_calls, list):
+            object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
 
     def template_dict(self) -> dict[str, Any]:
         """The message as apply_chat_template gets it: OpenAI's keys, those without a value left out."""
@@ -35,7 +41,7 @@ class ChatMessage:
             turn["content"] = self.content
         if self.tool_calls:
             turn["tool_calls"] = [call.template_dict() for call in self.tool_calls]
-        for key in ("tool_call_id", "name"):
+        for key in OPTIONAL_TEXT_KEYS:
             if (value := getattr(self, key)) is not None:
                 turn[key] = value
         return turn
@@ -54,7 +60,12 @@ class ChatPrompt:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)  # hashable as before
-    tools: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
+    tools: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)  # an empty list is no tools
+
+    def __post_init__(self) -> None:  # lists from the caller: equal prompts compare equal
+        for name in ("messages", "tools"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @classmethod
     def of(cls, messages: Seq[Mapping[str, Any] | ChatMessage], add_generation_prompt: bool = True,
@@ -76,8 +87,13 @@ class ChatPrompt:
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("continue_final_message continues the last message, and add_generation_prompt "
                                       "opens a new assistant turn after it; set add_generation_prompt=False")
-        return cls(tuple(_message(i, m) for i, m in enumerate(messages)), add_generation_prompt,
-                   continue_final_message, checked_template_kwargs(chat_template_kwargs), checked_tools(tools))
+        checked = tuple(_message(i, m) for i, m in enumerate(messages))
+        if continue_final_message and checked[-1].content is None:
+            raise InvalidRequestError(f"continue_final_message continues the last message's content, but message "
+                                      f"{len(checked) - 1} has none (only tool calls); add content, or set "
+                                      "continue_final_message=False")
+        return cls(checked, add_generation_prompt, continue_final_message,
+                   checked_template_kwargs(chat_template_kwargs), checked_tools(tools))
 
     def checked(self) -> ChatPrompt:
         """This prompt through :meth:`of`'s checks (for one built directly, from dicts, say)."""
@@ -85,10 +101,12 @@ class ChatPrompt:
                              self.chat_template_kwargs, self.tools)
 
     def text_length(self) -> int:
-        """Characters of the messages' text, tool calls and tools: what the rendered prompt holds besides the
+        """Characters of the messages' texts, tool calls and tools: what the rendered prompt holds besides the
         template's own text."""
         calls = [call.template_dict() for m in self.messages for call in m.tool_calls]
-        return sum(len(m.content or "") for m in self.messages) + (
+        texts = [m.content or "" for m in self.messages] + [
+            getattr(m, key) or "" for m in self.messages for key in OPTIONAL_TEXT_KEYS]
+        return sum(map(len, texts)) + (
             len(json.dumps([calls, self.tools], ensure_ascii=False)) if calls or self.tools else 0)
 
     def render(self, tokenizer: Any, default_kwargs: Mapping[str, Any] | None = None, sanitize: bool = False
@@ -104,15 +122,19 @@ class ChatPrompt:
                                       "tokenizer_config.json, or a chat_template.jinja file), so it cannot render "
                                       "chat messages; send a plain prompt, add the template to the model folder, "
                                       "or give one with --chat-template FILE")
-        template_kwargs = {**(default_kwargs or {}), **self.chat_template_kwargs}
+        tools = [dict(tool) for tool in self.tools] or None
+        try:  # HF's choice among named templates: "tool_use" with tools, else "default"
+            template = tokenizer.get_chat_template(tools=tools)
+        except ValueError as exc:
+            raise InvalidRequestError(f"the model's chat template cannot render the messages ({exc}); give one with "
+                                      "--chat-template FILE") from None
         if self.chat_template_kwargs:
-            check_template_reads(tokenizer.chat_template, self.chat_template_kwargs)
-        self._check_template_reads_tools(tokenizer.chat_template)
+            check_template_reads(template, self.chat_template_kwargs)
+        self._check_template_reads_tools(template)
         turns = [m.template_dict() for m in self.messages]
-        options = {"add_generation_prompt": self.add_generation_prompt,
-                   "continue_final_message": self.continue_final_message, **template_kwargs}
-        if self.tools:
-            options["tools"] = [dict(tool) for tool in self.tools]
+        options = {"add_generation_prompt": self.add_generation_prompt, "chat_template": template,
+                   "continue_final_message": self.continue_final_message, "tools": tools,
+                   **{**(default_kwargs or {}), **self.chat_template_kwargs}}
         try:
             if sanitize:  # HF encodes the marked control tokens itself (else it is the same text, encoded alike)
                 return list(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
@@ -129,15 +151,14 @@ class ChatPrompt:
                                       "FILE") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    def _check_template_reads_tools(self, template: str | Mapping[str, str]) -> None:
-        """InvalidRequestError for tools or tool calls that the template would drop without a word: tools when
-        it never reads ``tools``, calls when its text never names ``tool_calls``."""
-        texts = list(template.values()) if isinstance(template, Mapping) else [template]
+    def _check_template_reads_tools(self, template: str) -> None:
+        """InvalidRequestError for tools or tool calls that the template in use would drop without a word: tools
+        when it never reads ``tools``, calls when its text never names ``tool_calls``."""
         if self.tools and "tools" not in template_reads(template, default={"tools"}):
             raise InvalidRequestError("the chat template in use does not read tools, so the model would not see "
                                       "them; send the chat without tools, or give a tool-use template with "
                                       "--chat-template FILE")
-        if any(m.tool_calls for m in self.messages) and not any("tool_calls" in text for text in texts):
+        if any(m.tool_calls for m in self.messages) and "tool_calls" not in template:
             raise InvalidRequestError("the chat template in use does not read messages' tool_calls, so it would "
                                       "drop them; send those turns as content, or give a tool-use template with "
                                       "--chat-template FILE")
@@ -157,7 +178,7 @@ def parse_template_kwargs(text: str | None, what: str) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
         raise InvalidRequestError(f"{what} must be a JSON object such as '{{\"enable_thinking\": false}}' ({exc})"
                                   ) from None
     if not isinstance(value, dict):
@@ -185,11 +206,11 @@ def checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def template_reads(template: str | Mapping[str, str], default: set[str]) -> set[str]:
     """The variables the template (or any of its named templates) reads; ``default`` for a template with syntax
-    this parser lacks (transformers' extensions), which is not checked."""
+    this parser lacks, which is not checked."""
     import jinja2
     import jinja2.meta
 
-    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    environment = _parsing_environment()
     reads: set[str] = set()
     for text in template.values() if isinstance(template, Mapping) else [template]:
         try:
@@ -197,6 +218,22 @@ def template_reads(template: str | Mapping[str, str], default: set[str]) -> set[
         except jinja2.TemplateSyntaxError:
             return default
     return reads
+
+
+def _parsing_environment() -> Any:
+    """A Jinja environment that parses what HF's template environment parses: loop controls and transformers'
+    ``{% generation %}`` blocks (read here for the variables inside them)."""
+    import jinja2
+    import jinja2.ext
+
+    class GenerationBlock(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return jinja2.Environment(extensions=["jinja2.ext.loopcontrols", GenerationBlock])
 
 
 def check_template_reads(template: str | Mapping[str, str], kwargs: Mapping[str, Any]) -> None:
@@ -258,7 +295,8 @@ def check_default_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any]) -> 
         raise ConfigError(f"--default-chat-template-kwargs: {exc}") from None
 
 
-MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+OPTIONAL_TEXT_KEYS = ("tool_call_id", "name", "reasoning_content")
+MESSAGE_KEYS = ("role", "content", "tool_calls", *OPTIONAL_TEXT_KEYS)
 
 
 def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessage:
@@ -271,8 +309,8 @@ def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessag
                                   f"{type(message).__name__}")
     message = {key: value for key, value in message.items() if value is not None}
     if unknown := sorted(set(message) - set(MESSAGE_KEYS), key=str):
-        raise InvalidRequestError(f"chat message {index} has keys {unknown} that no chat template reads; a message "
-                                  f"has {', '.join(map(repr, MESSAGE_KEYS))}")
+        raise InvalidRequestError(f"chat message {index} has keys {unknown} that infer does not pass to chat "
+                                  f"templates; a message has {', '.join(map(repr, MESSAGE_KEYS))}")
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise InvalidRequestError(f"chat message {index}: role must be a non-empty string, got {role!r}")
@@ -284,7 +322,7 @@ def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessag
                                   "tool_calls may leave it out)")
     content = _text_of(index, message["content"]) if "content" in message else None
     texts = {"role": role, "content": content}
-    for key in ("tool_call_id", "name"):
+    for key in OPTIONAL_TEXT_KEYS:
         value = texts[key] = message.get(key)
         if value is not None and (not isinstance(value, str) or not value):
             raise InvalidRequestError(f"chat message {index}: {key} must be a non-empty string, got {value!r}")
@@ -294,7 +332,7 @@ def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessag
     for name, text in texts.items():
         if text is not None:
             require_utf8(text, f"chat message {index}: its {name}")
-    return ChatMessage(role, content, calls, texts["tool_call_id"], texts["name"])
+    return ChatMessage(role, content, calls, texts["tool_call_id"], texts["name"], texts["reasoning_content"])
 
 
 def _text_of(index: int, content: object) -> str:

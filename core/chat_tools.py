@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import InvalidRequestError
 
+MAX_JSON_DEPTH = 64  # nesting of lists and mappings; HF's template sandbox copies values recursively
 TOOL_SHAPE = "{'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {...}}}"
 CALL_SHAPE = "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': {...} or a JSON object string}}"
 
@@ -26,15 +27,18 @@ class ToolCall:
     id: str | None = None
 
     def template_dict(self) -> dict[str, Any]:
-        """OpenAI's shape, the arguments as a mapping: what tool-use templates read (vLLM parses OpenAI's JSON
-        string the same way, and HF's documentation asks for a mapping)."""
+        """OpenAI's shape and key order, ``type`` "function" included, the arguments as a mapping: what tool-use
+        templates read (vLLM parses OpenAI's JSON string the same way, and HF's documentation asks for a
+        mapping)."""
         call = {"type": "function", "function": {"name": self.name, "arguments": dict(self.arguments)}}
         return call if self.id is None else {"id": self.id, **call}
 
 
 def json_like(value: Any, what: str) -> Any:
     """A deep copy of ``value`` (so the caller's later edits change nothing); InvalidRequestError unless it is
-    JSON-like (strings, numbers, bools, None, lists and string-keyed mappings) and its text is UTF-8."""
+    JSON-like (strings, numbers, bools, None, lists and string-keyed mappings, at most MAX_JSON_DEPTH deep) and its
+    text is UTF-8."""
+    _check_shape(value, what)
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
         text.encode("utf-8")
@@ -42,6 +46,38 @@ def json_like(value: Any, what: str) -> Any:
         raise InvalidRequestError(f"{what} must be JSON-like (strings, numbers, bools, None, lists and mappings of "
                                   f"UTF-8 text), got {str(value)[:80]} ({exc})") from None
     return json.loads(text)
+
+
+def load_json(text: str, what: str, expected: str) -> Any:
+    """``text`` parsed; InvalidRequestError naming ``what`` and the ``expected`` value for text that is not JSON
+    or nests deeper than MAX_JSON_DEPTH."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{what} is not JSON ({exc}); send {expected}") from None
+    except RecursionError:
+        raise InvalidRequestError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels; send {expected}") from None
+    _check_shape(value, what)
+    return value
+
+
+def _check_shape(value: Any, what: str) -> None:
+    """Mapping keys are strings (JSON would turn 1 and "1" into one key) and nesting stays within MAX_JSON_DEPTH
+    (a deeper value would exhaust the recursion of the copies below); walked without recursion."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, Mapping):
+            if bad := [key for key in item if not isinstance(key, str)]:
+                raise InvalidRequestError(f"{what} must be JSON-like: mapping keys are strings, got {bad[0]!r}")
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequestError(f"{what} nests lists and mappings deeper than {MAX_JSON_DEPTH} levels")
+        pending.extend((child, depth + 1) for child in children)
 
 
 def checked_tools(tools: Sequence[Mapping[str, Any]] | None) -> tuple[dict[str, Any], ...]:
@@ -66,10 +102,7 @@ def parse_tools(text: str | None, what: str) -> tuple[dict[str, Any], ...]:
     """Tool definitions from a JSON array (a CLI file or a gRPC field, named ``what``); none for None or ""."""
     if not text:
         return ()
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise InvalidRequestError(f"{what} must be a JSON array of {TOOL_SHAPE} entries ({exc})") from None
+    value = load_json(text, what, f"a JSON array of {TOOL_SHAPE} entries")
     if not isinstance(value, list):
         raise InvalidRequestError(f"{what} must be a JSON array of tool definitions, got {text[:80]}")
     return checked_tools(value)
@@ -99,10 +132,7 @@ def _call(what: str, call: object) -> ToolCall:
     if call_id is not None and (not isinstance(call_id, str) or not call_id):
         raise InvalidRequestError(f"{what}: id must be a non-empty string")
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError as exc:
-            raise InvalidRequestError(f"{what}: arguments is not JSON ({exc}); send a JSON object") from None
+        arguments = load_json(arguments, f"{what}: arguments", "a JSON object")
     if not isinstance(arguments, Mapping):
         raise InvalidRequestError(f"{what}: arguments must be a JSON object (a mapping, or its JSON text), got "
                                   f"{str(arguments)[:80]}")

@@ -48,9 +48,12 @@ def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: Promp
     if isinstance(prompt, ChatPrompt):  # the server renders it with its model's chat template
         prompt = prompt.checked()  # here, as the server will check it
         for message in prompt.messages:
-            request.chat.messages.add(role=message.role, content=message.content or "", tool_calls=[
+            sent = request.chat.messages.add(role=message.role, tool_calls=[
                 pb.ToolCall(id=call.id or "", name=call.name, arguments=json.dumps(call.arguments))
-                for call in message.tool_calls], tool_call_id=message.tool_call_id or "", name=message.name or "")
+                for call in message.tool_calls], tool_call_id=message.tool_call_id or "", name=message.name or "",
+                reasoning_content=message.reasoning_content or "")
+            if message.content is not None:
+                sent.content = message.content
         request.chat.add_generation_prompt = prompt.add_generation_prompt
         request.chat.continue_final_message = prompt.continue_final_message
         if prompt.chat_template_kwargs:

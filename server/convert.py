@@ -44,11 +44,14 @@ def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest) -> Prompt:
 
 
 def _message_of(message: pb.ChatMessage) -> dict[str, Any]:
-    """A ChatMessage as OpenAI's mapping; empty strings stand for unset ones (content only beside tool calls)."""
+    """A ChatMessage as OpenAI's mapping; empty strings stand for unset ones, and unset content for "" (none
+    beside tool calls)."""
     calls = [{"id": c.id or None, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
              for c in message.tool_calls]
-    return {"role": message.role, "content": message.content or (None if calls else ""), "tool_calls": calls or None,
-            "tool_call_id": message.tool_call_id or None, "name": message.name or None}
+    content = message.content if message.HasField("content") else None if calls else ""
+    return {"role": message.role, "content": content, "tool_calls": calls or None,
+            "tool_call_id": message.tool_call_id or None, "name": message.name or None,
+            "reasoning_content": message.reasoning_content or None}
 
 
 def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:

@@ -54,8 +54,8 @@ def test_chat_generates_what_hf_generates_from_the_rendered_prompt(
     ("hello", "must be a list of {'role': ..., 'content': ...} entries, got str"),
     ({"role": "user", "content": "x"}, "must be a list of"),
     ([{"role": "user"}], "chat message 0 has no content (only an assistant message with tool_calls may leave it"),
-    ([{"role": "user", "content": "x", "weight": 1}], "chat message 0 has keys ['weight'] that no chat template reads; "
-     "a message has 'role', 'content', 'tool_calls', 'tool_call_id', 'name'"),
+    ([{"role": "user", "content": "x", "weight": 1}], "chat message 0 has keys ['weight'] that infer does not pass "
+     "to chat templates; a message has 'role', 'content', 'tool_calls', 'tool_call_id', 'name', 'reasoning_content'"),
     ([{"role": "", "content": "x"}], "chat message 0: role must be a non-empty string"),
     ([{"role": "user", "content": 5}], "content must be a string or a list of {'type': 'text', 'text': ...} parts"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "images and other parts are not"),
@@ -511,9 +511,9 @@ def test_template_variables_are_the_prompts_own_and_the_engines_defaults_its_own
 
 def test_template_variables_are_checked_against_templates_with_loop_controls_and_named_templates(
         thinking: LLM, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A template using {% break %} (which HF's Jinja environment has) is still checked, so a misspelt variable is
-    refused by name; a tokenizer's named templates are checked together (a variable any of them reads is taken,
-    and the default renders as HF renders it); one that only transformers' extensions parse is not checked."""
+    """A template using {% break %} or transformers' {% generation %} (HF's Jinja environment has both) is still
+    checked, so a misspelt variable is refused by name; of a tokenizer's named templates, the one HF renders is
+    checked ("tool_use" with tools, else "default"): a variable only the other reads would change nothing."""
     hf = AutoTokenizer.from_pretrained(str(tiny_model))
     looping = ("{% for m in messages %}{{ m['content'] }}\n{% if loop.index >= 1 %}{% break %}{% endif %}"
                "{% endfor %}{{ flag | default('') }}")
@@ -522,19 +522,22 @@ def test_template_variables_are_checked_against_templates_with_loop_controls_and
         thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"flg": "x"}))
     assert thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"flag": "x"})) == list(
         hf.apply_chat_template(CHAT, chat_template=looping, flag="x")["input_ids"])
-    named = {"default": THINKING, "tool_use": "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools_flag }}"}
+    tool_use = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}" \
+               "{{ tools | length }}{{ tools_flag }}"
+    named = {"default": THINKING, "tool_use": tool_use}
     monkeypatch.setattr(thinking.engine.tokenizer, "chat_template", named)
-    for kwargs in ({"enable_thinking": False}, {"tools_flag": 1}):
-        assert thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs=kwargs)) == list(
-            hf.apply_chat_template(CHAT, chat_template=THINKING, add_generation_prompt=True, **kwargs)["input_ids"])
-    with pytest.raises(InvalidRequestError, match="does not read 'thinking'"):
-        thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"thinking": False}))
-    named["tool_use"] = "{% for m in messages %}{{ m[\"content\"] + 'x' }}{% endfor %}{{ tools_flag }}"  # both quotes
-    with pytest.raises(InvalidRequestError, match="does not read 'thinking'"):
-        thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"thinking": False}))
-    named["tool_use"] = "{% generation %}{{ tools_flag }}{% endgeneration %}"  # transformers' own tag
-    assert thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"thinking": False})) == list(
-        hf.apply_chat_template(CHAT, chat_template=THINKING, add_generation_prompt=True)["input_ids"])
+    assert thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"enable_thinking": False})) == list(
+        hf.apply_chat_template(CHAT, chat_template=THINKING, add_generation_prompt=True,
+                               enable_thinking=False)["input_ids"])
+    with pytest.raises(InvalidRequestError, match="does not read 'tools_flag'"):  # no tools: the default renders
+        thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"tools_flag": 1}))
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={"tools_flag": 1}, tools=tools)) == list(
+        hf.apply_chat_template(CHAT, tools=tools, add_generation_prompt=True, tools_flag=1,
+                               chat_template=tool_use)["input_ids"])
+    for flag in ("tools_flg", "enable_thinking"):  # checked through {% generation %}; the default's variable
+        with pytest.raises(InvalidRequestError, match=f"does not read '{flag}'"):
+            thinking.engine.tokenize(ChatPrompt.of(CHAT, chat_template_kwargs={flag: 1}, tools=tools))
 
 
 def test_template_defaults_and_sanitizing_reach_a_tokenizer_without_a_vocabulary_listing(tiny_model: Path) -> None:
@@ -547,7 +550,7 @@ def test_template_defaults_and_sanitizing_reach_a_tokenizer_without_a_vocabulary
 
     class Unlisted:  # HF's tokenizer without get_vocab
         chat_template = THINKING
-        apply_chat_template, encode = hf.apply_chat_template, hf.encode
+        apply_chat_template, get_chat_template, encode = hf.apply_chat_template, hf.get_chat_template, hf.encode
 
     checker = RequestChecker.for_model(Unlisted(), len(hf), 2048, {"enable_thinking": False}, True)
     assert checker.max_prompt_chars is None

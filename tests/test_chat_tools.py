@@ -22,7 +22,9 @@ from infer.core.llm import LLM
 TOOL_TEMPLATE = (
     "{%- if tools %}<|system|>\nTools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n{% endif %}"
     "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>\n{% if m.content %}{{ m.content }}\n{% endif %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.content is defined %}[{{ m.content }}]\n{% endif %}"
     "{%- for call in m.tool_calls %}<call>{{ call.id }} {{ call.function.name }} {{ call.function.arguments | tojson }}"
     "</call>\n{% endfor %}"
     "{%- elif m.role == 'tool' %}<|user|>\n<answer>{{ m.tool_call_id }} {{ m.name }}: {{ m.content }}</answer>\n"
@@ -35,7 +37,7 @@ TOOLS = [WEATHER, {"type": "function", "function": {"name": "now", "description"
 CONVERSATION = [
     {"role": "system", "content": "Use the tools."},
     {"role": "user", "content": "Weather in Oslo?"},
-    {"role": "assistant", "content": None, "tool_calls": [
+    {"role": "assistant", "content": None, "reasoning_content": "Ask the tool.", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "weather", "content": "rain, 4 C"},
 ]
@@ -69,15 +71,23 @@ def test_tools_calls_and_answers_render_and_generate_as_hf(
                                        add_generation_prompt=True)["input_ids"])
     text = hf.decode(want)
     assert '"city": "Oslo"' in text and "Today's weather" in text and "call_1 weather: rain" in text  # all rendered
+    assert "<think>Ask the tool.</think>" in text and "[" not in text.split("<think>")[1].split("<call>")[0]
     tools = json.loads(json.dumps(TOOLS))
     prompt = ChatPrompt.of(CONVERSATION, tools=tools)
     tools[0]["function"]["name"] = "edited"  # the caller's later edits change nothing
     assert llm.engine.tokenize(prompt) == want
     assert llm.engine.tokenize(ChatPrompt.of(hf_form(CONVERSATION), tools=TOOLS)) == want  # arguments as a mapping
     typed = [ChatMessage("system", "Use the tools."), ChatMessage("user", "Weather in Oslo?"),
-             ChatMessage("assistant", None, (ToolCall("weather", {"city": "Oslo"}, "call_1"),)),
+             ChatMessage("assistant", None, [ToolCall("weather", {"city": "Oslo"}, "call_1")],
+                         reasoning_content="Ask the tool."),
              ChatMessage("tool", "rain, 4 C", tool_call_id="call_1", name="weather")]
     assert llm.engine.tokenize(ChatPrompt.of(typed, tools=TOOLS)) == want
+    assert hash(typed[2]) and ChatPrompt(typed, tools=TOOLS) == ChatPrompt(tuple(typed), tools=tuple(TOOLS))
+    empty = [*hf_form(CONVERSATION[:2]), {"role": "assistant", "content": "",
+                                          "tool_calls": CONVERSATION[2]["tool_calls"]}]
+    assert llm.engine.tokenize(ChatPrompt.of(empty)) == list(hf.apply_chat_template(
+        hf_form(empty), chat_template=TOOL_TEMPLATE, add_generation_prompt=True)["input_ids"]) != \
+        llm.engine.tokenize(ChatPrompt.of(CONVERSATION[:3]))  # content "" is not None: the template tells them apart
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     done = llm.chat(CONVERSATION, params, tools=TOOLS)[0]
     assert done.prompt_token_ids == want and done.outputs[0].token_ids == hf_greedy(tiny_model, want, 8)
@@ -118,11 +128,21 @@ CALL = {"id": "c", "type": "function", "function": {"name": "weather", "argument
      "tool call 0: arguments must be JSON-like"),
     ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": "\udcff"}}}]}],
      "tool call 0: arguments must be JSON-like (strings, numbers, bools, None, lists and mappings of UTF-8 text)"),
+    ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {1: "a", "1": "b"}}}]}],
+     "tool call 0: arguments must be JSON-like: mapping keys are strings, got 1"),
+    ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": ' + "[" * 100000}}]}],
+     "tool call 0: arguments nests deeper than 64 levels; send a JSON object"),
+    ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": ' + "[" * 70 + "]" * 70
+                                                                               + "}"}}]}],
+     "tool call 0: arguments nests lists and mappings deeper than 64 levels"),
+    ([{"role": "assistant", "content": "x", "reasoning_content": 5}], "reasoning_content must be a non-empty string"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]}, "continue"],
+     "continue_final_message continues the last message's content, but message 1 has none (only tool calls)"),
 ])
-def test_malformed_tools_and_calls_are_refused_by_name(llm: LLM, messages: list[dict[str, Any]], complaint: str
-                                                        ) -> None:
+def test_malformed_tools_and_calls_are_refused_by_name(llm: LLM, messages: list[Any], complaint: str) -> None:
+    options = {"add_generation_prompt": False, "continue_final_message": True} if messages[-1] == "continue" else {}
     with pytest.raises(InvalidRequestError) as info:
-        llm.chat([CONVERSATION, messages])
+        llm.chat([CONVERSATION, [m for m in messages if m != "continue"]], **options)
     assert str(info.value).startswith("prompt 2 of 2: ") and complaint in str(info.value), str(info.value)
     assert not llm.engine.has_unfinished()
 
@@ -157,6 +177,10 @@ def test_tools_or_calls_a_template_would_drop_are_refused(chat_model: Path, tmp_
     assert llm.engine.tokenize(ChatPrompt.of(CONVERSATION))  # calls and answers render
     with pytest.raises(InvalidRequestError, match="does not read tools"):
         llm.engine.tokenize(ChatPrompt.of(CONVERSATION, tools=TOOLS))
+    plain.engine.tokenizer.chat_template = {"default": plain.engine.tokenizer.chat_template, "tool_use": TOOL_TEMPLATE}
+    assert plain.engine.tokenize(ChatPrompt.of(CONVERSATION, tools=TOOLS))  # HF renders "tool_use" with tools
+    with pytest.raises(InvalidRequestError, match="does not read messages' tool_calls"):  # and "default" without
+        plain.engine.tokenize(ChatPrompt.of(CONVERSATION[:3]))
 
 
 def test_tools_count_towards_the_prompts_length_bound(llm: LLM) -> None:
@@ -195,7 +219,7 @@ def test_infer_chat_shows_the_model_the_tools_of_a_file(llm: LLM, tiny_model: Pa
             "--max-tokens", "6", "--temperature", "0"]
     result = CliRunner().invoke(main, [*base, "--tools", str(tools)], input="Weather in Oslo?\n")
     assert result.exit_code == 0 and result.stdout == want + "\n", result.output
-    for content, complaint in (("[1, 2]", "tool 0 must be {'type': 'function'"), ("{oops", "must be a JSON array"),
+    for content, complaint in (("[1, 2]", "tool 0 must be {'type': 'function'"), ("{oops", "is not JSON"),
                                ('{"type": "function"}', "must be a JSON array of tool definitions")):
         tools.write_text(content)
         result = CliRunner().invoke(main, [*base, "--tools", str(tools)], input="hi\n")
@@ -217,8 +241,14 @@ def test_tools_and_calls_travel_over_grpc_and_infer_client(llm: LLM, tmp_path: P
     from infer.server.app import InferenceServer, ServeOptions
     from infer.server.client import AsyncClient
 
+    from infer.server.client import build_request
+    from infer.server.convert import prompt_of
+
     prompt = ChatPrompt.of(CONVERSATION, tools=TOOLS)
     want = llm.engine.tokenize(prompt)
+    empty = ChatPrompt.of([*CONVERSATION[:2], {**CONVERSATION[2], "content": ""}, {"role": "user", "content": ""}])
+    for sent in (prompt, empty):  # what the client sends comes back whole, "" and None content apart
+        assert prompt_of(build_request(sent)) == sent
     reply = llm.chat([{"role": "user", "content": "Weather?"}], SamplingParams(max_tokens=6, temperature=0.0),
                      tools=TOOLS)[0].outputs[0].text
     tools = tmp_path / "tools.json"
@@ -234,7 +264,7 @@ def test_tools_and_calls_travel_over_grpc_and_infer_client(llm: LLM, tmp_path: P
                 assert done.usage.prompt_tokens == len(want)
                 for chat, complaint in (
                         (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], tools="{oops"),
-                         "chat.tools must be a JSON array"),
+                         "chat.tools is not JSON"),
                         (pb.Chat(messages=[pb.ChatMessage(role="assistant", tool_calls=[
                             pb.ToolCall(name="weather", arguments="")])]), "arguments is not JSON")):
                     with pytest.raises(grpc.aio.AioRpcError) as info:
