@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.chat import ChatPrompt, Prompt
+from ..core.chat import ChatPrompt, Prompt, chat_of_fields
 from ..core.errors import InvalidRequestError
 from ..core.request import SamplingParams
 
@@ -138,8 +138,8 @@ class FileEntry:
 
 def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
     """Read a JSONL file of ``{"prompt": str | [int, ...], "max_tokens": int}`` or, for a chat, of
-    ``{"messages": [...], "tools": [...] (optional), "max_tokens": int}``; blank lines are skipped, other fields
-    are ignored.
+    ``{"messages": [...], "max_tokens": int}`` and optionally the other fields of gRPC's ``Chat`` (``tools``,
+    ``chat_template_kwargs``, ...); blank lines are skipped, other fields are ignored.
 
     Returns the good entries and one message per bad line (``line N: why``); a bad line never hides the others.
     """
@@ -177,7 +177,7 @@ def _parse_line(line: str, number: int) -> FileEntry:
     prompt, max_tokens = item.get("prompt"), item.get("max_tokens")
     if "messages" in item:
         try:
-            prompt = ChatPrompt.of(item["messages"], tools=item.get("tools"))
+            prompt = chat_of_fields(item)
         except InvalidRequestError as exc:
             raise WorkloadError(str(exc)) from None
     elif isinstance(prompt, str):

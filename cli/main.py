@@ -127,13 +127,17 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
               help="Print one JSON object per completion and line (prompt_index, prompt, index, text, token_ids, "
                    "finish_reason, num_cached_tokens, metrics) instead of prompt + text: unambiguous for scripts, "
                    "and for --n > 1 or multi-line completions.")
+@click.option("--chat", is_flag=True, help="Each PROMPT (or stdin line) is a conversation in JSON, rendered by the "
+              "model's chat template: a list of OpenAI messages, or an object of 'messages' and optionally 'tools', "
+              "'chat_template_kwargs', 'add_generation_prompt', 'continue_final_message'. Prints each reply alone.")
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, sampling: dict[str, Any], n: int,
              logprobs: int | None, prompt_logprobs: int | None, stop: tuple[str, ...], include_stop_str: bool,
              ignore_eos: bool, seed: int | None, beam_width: int, length_penalty: float, stream: bool, stats: bool,
-             as_json: bool) -> None:
+             as_json: bool, chat: bool) -> None:
     """Generate text for PROMPTS (or for each line of stdin when none are given). Each completion prints as the
-    prompt followed by its text; with several prompts or --n > 1, --json keeps them apart."""
+    prompt followed by its text (with --chat, the reply alone); with several prompts or --n > 1, --json keeps them
+    apart."""
     from ..core.request import SamplingParams
 
     if stream and n > 1:
@@ -148,6 +152,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     texts = [text for _, text in numbered]
     if not texts:
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
+    inputs: list[Any] = _chats(numbered, bool(prompts)) if chat else texts  # what the engine gets
+    shown = [""] * len(texts) if chat else texts  # printed before each completion: a reply is not a continuation
     if (logprobs is not None or prompt_logprobs is not None) and not as_json:
         raise click.UsageError("--logprobs and --prompt-logprobs print with --json; add it")
     params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed,
@@ -172,7 +178,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         if stats:
             raise click.UsageError("--stats reports the engine's scheduled requests, which beam search bypasses; "
                                    "drop --stats (--json shows each beam's log-probability and score)")
-        _beam_search(ctx, texts, beam_width, max_tokens, length_penalty, ignore_eos, as_json, refused)
+        _beam_search(ctx, inputs, texts, shown, beam_width, max_tokens, length_penalty, ignore_eos, as_json, refused)
         return
 
     streamed = 0
@@ -184,11 +190,11 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
             raise CommandLineError(str(exc)) from None
         if stream:
             try:  # every prompt is checked, capacity included, before the first is generated
-                engine.check_requests(texts, params)
+                engine.check_requests(inputs, params)
             except InferError as exc:
                 raise refused(exc, exc.prompt_index) from exc
-            for prompt in texts:
-                click.echo(prompt, nl=False)
+            for prompt, text in zip(inputs, shown):
+                click.echo(text, nl=False)
                 for delta in engine.stream(prompt, params):
                     for out in delta.outputs:
                         click.echo(out.text, nl=False)
@@ -196,10 +202,10 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
                 streamed += 1
         else:
             try:
-                completed = engine.generate_as_completed(texts, params)
+                completed = engine.generate_as_completed(inputs, params)
             except InferError as exc:
                 raise refused(exc, exc.prompt_index) from exc
-            _print_in_order(texts, completed, as_json)
+            _print_in_order(texts, shown, completed, as_json)
     except KeyboardInterrupt:  # while loading or streaming (_print_in_order reports its own)
         click.echo(f"\ninterrupted: printed {streamed} of {len(texts)} prompts' completions in full", err=True)
         raise SystemExit(130) from None
@@ -208,8 +214,35 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         click.echo(json.dumps(summary, indent=2), err=True)
 
 
-def _beam_search(ctx: click.Context, texts: list[str], beam_width: int, max_tokens: int, length_penalty: float,
-                 ignore_eos: bool, as_json: bool, refused: Callable[[InferError, int | None], Exception]) -> None:
+def _chats(numbered: list[tuple[int, str]], from_arguments: bool) -> list[Any]:
+    """generate --chat: each prompt's conversation; a usage error naming the first prompt or line that is not one
+    (all are read before anything runs)."""
+    from ..core.chat import CHAT_FIELDS, chat_of_fields
+    from ..core.chat_tools import load_json
+
+    chats = []
+    for number, text in numbered:
+        where = f"prompt {number}" if from_arguments else f"stdin line {number}"
+        try:
+            value = load_json(text, f"--chat: {where}", "a JSON list of messages, or {\"messages\": [...], ...}")
+            if isinstance(value, list):
+                value = {"messages": value}
+            if not isinstance(value, dict):
+                raise InvalidRequestError(f"--chat: {where} is not a list of messages or an object of "
+                                          f"{', '.join(CHAT_FIELDS)}")
+            if unknown := sorted(set(value) - set(CHAT_FIELDS)):
+                raise InvalidRequestError(f"--chat: {where} has keys {unknown}; a conversation has "
+                                          f"{', '.join(CHAT_FIELDS)}")
+            chats.append(chat_of_fields(value))
+        except InvalidRequestError as exc:
+            message = str(exc) if str(exc).startswith("--chat") else f"--chat: {where}: {exc}"
+            raise CommandLineError(message) from None
+    return chats
+
+
+def _beam_search(ctx: click.Context, inputs: list[Any], texts: list[str], shown: list[str], beam_width: int,
+                 max_tokens: int, length_penalty: float, ignore_eos: bool, as_json: bool,
+                 refused: Callable[[InferError, int | None], Exception]) -> None:
     """generate --beam-width: the best beam after each prompt, or --json one line per beam, best first. Every
     prompt is checked first; then they run in groups that fill --max-num-seqs, each printed when it is done (a
     progress bar on a terminal's stderr), so Ctrl-C keeps what was printed."""
@@ -227,7 +260,7 @@ def _beam_search(ctx: click.Context, texts: list[str], beam_width: int, max_toke
     try:
         engine = build_engine(ctx)
         try:
-            prompts = check_prompts(engine, texts, params)
+            prompts = check_prompts(engine, inputs, params)
         except InferError as exc:
             raise refused(exc, exc.prompt_index) from exc
         group = max(1, engine.config.max_num_seqs // beam_width)
@@ -242,7 +275,7 @@ def _beam_search(ctx: click.Context, texts: list[str], beam_width: int, max_toke
                             "prompt_index": printed, "prompt": texts[printed], "index": rank, "text": beam.text,
                             "token_ids": beam.token_ids, "finish_reason": beam.finish_reason.value,
                             "cumulative_logprob": beam.cumulative_logprob, "score": beam.score})
-                            if as_json else texts[printed] + beam.text)
+                            if as_json else shown[printed] + beam.text)
                     printed += 1
                 sys.stdout.flush()
                 progress.advance(task, len(prompts[start : start + group]))
@@ -251,9 +284,11 @@ def _beam_search(ctx: click.Context, texts: list[str], beam_width: int, max_toke
         raise SystemExit(130) from None
 
 
-def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]], as_json: bool = False) -> None:
-    """Print each prompt's completions once it and every earlier prompt finished (so Ctrl-C keeps what is done);
-    a progress bar on stderr when it is a terminal and there are several prompts."""
+def _print_in_order(texts: list[str], shown: list[str], completed: Iterator[tuple[int, Any]], as_json: bool = False
+                    ) -> None:
+    """Print each prompt's completions once it and every earlier prompt finished (so Ctrl-C keeps what is done):
+    ``shown`` and the text, or --json's line with the prompt's ``texts``; a progress bar on stderr when it is a
+    terminal and there are several prompts."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -270,7 +305,7 @@ def _print_in_order(texts: list[str], completed: Iterator[tuple[int, Any]], as_j
                     result = ready.pop(printed)
                     for out in result.outputs:
                         click.echo(json.dumps(_completion_json(printed, texts[printed], result, out))
-                                   if as_json else texts[printed] + out.text)
+                                   if as_json else shown[printed] + out.text)
                     printed += 1
                 sys.stdout.flush()
         except KeyboardInterrupt:

@@ -164,6 +164,17 @@ class ChatPrompt:
                                       "--chat-template FILE")
 
 
+CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
+
+
+def chat_of_fields(item: Mapping[str, Any]) -> ChatPrompt:
+    """A ChatPrompt from a mapping of CHAT_FIELDS, the fields of the gRPC ``Chat`` message (JSON input of the CLI
+    and the bench); other keys are the caller's to allow or refuse."""
+    return ChatPrompt.of(item.get("messages"), item.get("add_generation_prompt", True),  # type: ignore[arg-type]
+                         item.get("continue_final_message", False), item.get("chat_template_kwargs"),
+                         item.get("tools"))
+
+
 # apply_chat_template's own parameters, and the names the template gets from it: not template variables to set
 RESERVED_TEMPLATE_NAMES = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",

@@ -282,3 +282,38 @@ def test_tools_and_calls_travel_over_grpc_and_infer_client(llm: LLM, tmp_path: P
             await server.close(grace=0.0)
 
     asyncio.run(run())
+
+
+def test_generate_chat_runs_json_conversations_and_names_a_bad_one(llm: LLM, tiny_model: Path, template_file: Path
+                                                                   ) -> None:
+    """`infer generate --chat`: each stdin line (or PROMPT) is a conversation, a list of messages or an object of
+    the Chat fields; the replies print alone (--json keeps the line as the prompt), as LLM.chat, --stream and
+    --beam-width give them; a line that is not a conversation stops the command before any runs, named."""
+    from infer import BeamSearchParams
+
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    lines = [json.dumps(CONVERSATION[:2]), json.dumps({"messages": CONVERSATION, "tools": TOOLS}),
+             json.dumps({"messages": CONVERSATION[:2], "add_generation_prompt": False})]
+    prompts = [ChatPrompt.of(CONVERSATION[:2]), ChatPrompt.of(CONVERSATION, tools=TOOLS),
+               ChatPrompt.of(CONVERSATION[:2], add_generation_prompt=False)]
+    want = [out.outputs[0].text for out in llm.generate(prompts, params)]
+    base = ["--model", str(tiny_model), "--num-kv-blocks", "64", "--chat-template", str(template_file), "generate",
+            "--chat", "--max-tokens", "5", "--temperature", "0"]
+    result = CliRunner().invoke(main, [*base, "--json"], input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    got = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(g["prompt"], g["text"]) for g in got] == list(zip(lines, want))
+    result = CliRunner().invoke(main, base, input="\n".join(lines) + "\n")
+    assert (result.exit_code, result.stdout) == (0, "".join(w + "\n" for w in want)), result.output
+    result = CliRunner().invoke(main, [*base, "--stream", lines[1]])
+    assert (result.exit_code, result.stdout) == (0, want[1] + "\n"), result.output
+    beams = llm.beam_search(prompts[1], BeamSearchParams(beam_width=2, max_tokens=5))[0]
+    result = CliRunner().invoke(main, [*base[:-2], "--beam-width", "2", lines[1]])
+    assert (result.exit_code, result.stdout) == (0, beams.beams[0].text + "\n"), result.output
+    for bad, complaint in (("{oops", "--chat: stdin line 2 is not JSON"), ("5", "--chat: stdin line 2 is not a list "
+                           "of messages or an object of messages, add_generation_prompt"),
+                           ('{"messages": [], "tool": []}', "--chat: stdin line 2 has keys ['tool']; a conversation "
+                           "has messages, add_generation_prompt"),
+                           ("[]", "--chat: stdin line 2: a chat prompt needs at least one message")):
+        result = CliRunner().invoke(main, base, input=f"{lines[0]}\n{bad}\n")
+        assert result.exit_code == 2 and complaint in result.stderr and not result.stdout, result.output
