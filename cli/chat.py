@@ -1,6 +1,7 @@
 """`infer chat`: a conversation on stdin and stdout, rendered by the model's chat template (core/chat.py)."""
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -26,7 +27,9 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
     starts over, Ctrl-C during a reply stops that reply (on a terminal, while typing, it clears the line). A turn
     the engine refuses (the conversation outgrew the context, say) is dropped with the reason on stderr, and the
     exit status is then 1. With --tools, the template shows the model the tools; a reply that calls one is
-    printed as the model wrote it (this loop runs no tools)."""
+    printed as the model wrote it (this loop runs no tools). With the group's --tool-parser too, the calls it reads
+    are listed on stderr with their ids, kept in the conversation as calls, and `/tool ID RESULT` answers one (the
+    model then replies to the result)."""
     from ..core.chat import ChatPrompt
     from ..core.request import SamplingParams
     from .main import CommandLineError, build_engine
@@ -51,7 +54,8 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
                    "eos_token_id); if it ends the model's turns, replies run to --max-tokens: add it there", err=True)
     interactive = sys.stdin.isatty()
     if interactive:
-        click.echo(f"infer chat with {engine.loaded.path}: Ctrl-D or /exit ends, /reset starts over", err=True)
+        click.echo(f"infer chat with {engine.loaded.path}: Ctrl-D or /exit ends, /reset starts over"
+                   f"{', /tool ID RESULT answers a tool call' if tools else ''}", err=True)
     history = list(opening)
     refused = 0
     while (line := _read_turn(interactive)) is not None:
@@ -60,11 +64,17 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
         if line == "/reset":
             history = list(opening)
             continue
-        if not line or (line.startswith("/") and " " not in line):  # a mistyped command is not a turn
-            if line:
-                click.echo(f"infer: unknown command {line} (the commands: /reset, /exit)", err=True)
+        if line.startswith("/tool ") and tools:
+            call_id, _, result = line.removeprefix("/tool ").strip().partition(" ")
+            message = {"role": "tool", "tool_call_id": call_id, "content": result.strip()}
+        elif not line or (line.startswith("/") and " " not in line) or line.startswith("/tool "):
+            if line:  # a mistyped command is not a turn
+                commands = "/reset, /exit, /tool ID RESULT" if tools else "/reset, /exit"
+                click.echo(f"infer: unknown command {line.split()[0]} (the commands: {commands})", err=True)
             continue
-        turn = [*history, {"role": "user", "content": line}]
+        else:
+            message = {"role": "user", "content": line}
+        turn = [*history, message]
         try:
             reply = _stream_reply(engine, ChatPrompt.of(turn, chat_template_kwargs=chat_template_kwargs, tools=tools),
                                   params)
@@ -72,7 +82,7 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
             click.echo(f"infer: turn refused: {exc} (/reset starts a new conversation)", err=True)
             refused += 1
             continue
-        history = [*turn, {"role": "assistant", "content": reply}]
+        history = [*turn, reply]
     if refused:
         raise SystemExit(1)
 
@@ -96,19 +106,27 @@ def _read_turn(interactive: bool) -> str | None:
     return line.strip() if line else None
 
 
-def _stream_reply(engine: Any, prompt: Any, params: Any) -> str:
-    """Print the reply as it comes; Ctrl-C stops it (the request is aborted) and keeps what came."""
+def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
+    """Print the reply as it comes; Ctrl-C stops it (the request is aborted) and keeps what came. Returns it as an
+    assistant message: its text, or the content and calls that the tool parser read (listed on stderr)."""
     parts: list[str] = []
     deltas = engine.stream(prompt, params)
-    stopped = False
+    stopped, last = False, None
     try:
         for delta in deltas:
-            parts.append(delta.outputs[0].text)
-            click.echo(parts[-1], nl=False)
+            if delta.outputs:
+                last = delta.outputs[0]
+                parts.append(last.text)
+                click.echo(parts[-1], nl=False)
     except KeyboardInterrupt:
         deltas.close()
         stopped = True
     click.echo()
     if stopped:
         click.echo("[reply stopped]", err=True)
-    return "".join(parts)
+    if last is None or not last.tool_calls:
+        return {"role": "assistant", "content": "".join(parts)}
+    for call in last.tool_calls:
+        click.echo(f"infer: tool call {call.id}: {call.name}({json.dumps(call.arguments, ensure_ascii=False)}) "
+                   f"(answer with /tool {call.id} RESULT)", err=True)
+    return {"role": "assistant", "content": last.content or None, "tool_calls": last.tool_calls}

@@ -322,6 +322,10 @@ def _completion_json(prompt_index: int, prompt: str, result: Any, out: Any) -> d
     line = {"prompt_index": prompt_index, "prompt": prompt, "index": out.index, "text": out.text,
             "token_ids": out.token_ids, "finish_reason": out.finish_reason and out.finish_reason.value,
             "num_cached_tokens": result.num_cached_tokens, "metrics": result.metrics}
+    if out.tool_calls is not None:  # --tool-parser read the reply of a chat with tools (OpenAI's shape)
+        line["content"] = out.content
+        line["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+            "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}} for call in out.tool_calls]
     if out.logprobs is not None:
         line["logprobs"] = positions(out.logprobs)
     if result.prompt_logprobs is not None:  # entry i holds prompt token i (and the top N before it)

@@ -204,6 +204,10 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--draft-model", default=None, metavar="DIR",
                  help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
                       "[default: the shipped draft, with the embedded default model]."),
+    click.option("--tool-parser", default=None, metavar="NAME",
+                 help="Read the tool calls out of the replies of chats that offer tools, in the model's format: "
+                      "hermes (Qwen 2.5/3, Hermes) or llama3-json (Llama 3.1/3.2), or a plugin's [default: none: "
+                      "replies stay text]."),
     click.option("--chat-template", default=None, metavar="FILE",
                  help="A Jinja chat template file that renders conversations (infer chat, chat prompts) in place of "
                       "the model's own [default: the tokenizer's chat_template, if any]."),
@@ -264,6 +268,7 @@ FIELD_OF_OPTION = {
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
+    "tool_parser": "tool_parser",
     "chat_template": "chat_template", "default_chat_template_kwargs": "default_chat_template_kwargs",
     "sanitize_chat_control_tokens": "sanitize_chat_control_tokens",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]
@@ -335,6 +340,8 @@ class EngineArgs:
             plugins.registry("quant_method").entry(config.quant)
         if config.proposer:
             plugins.registry("proposer").entry(config.proposer)
+        if config.tool_parser:
+            plugins.registry("tool_parser").entry(config.tool_parser)
         if "swap_space_gb" in self.values and config.preemption_mode != "swap":
             log.warning("--swap-space-gb is unused: it sizes the host swap of --preemption swap, and preemption is %r",
                         config.preemption_mode)

@@ -10,7 +10,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import ConfigError, PluginError
-from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Scheduler
+from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Scheduler, ToolParser
 from .loader import LoadedModel, load_model
 from .plugins import PluginManager
 from .runner import ModelRunner
@@ -32,6 +32,7 @@ class Components:
     runner: ModelRunner
     proposer: Proposer | None
     eviction: EvictionPolicy
+    tool_parser: ToolParser | None
 
     @property
     def bytes_per_block(self) -> int:
@@ -78,7 +79,9 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
                                       mixed_tokens=mixed, mixed_rows=config.max_num_seqs)
         else:
             log.info("CUDA graphs are off: attention backend %r does not support them", config.attention)
-    return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer, eviction)
+    tool_parser = None if config.tool_parser is None else \
+        plugins.build("tool_parser", config.tool_parser, ToolParser, config, loaded.tokenizer)
+    return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer, eviction, tool_parser)
 
 
 def make_attention(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel

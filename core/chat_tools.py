@@ -34,6 +34,15 @@ class ToolCall:
         return call if self.id is None else {"id": self.id, **call}
 
 
+@dataclass(frozen=True)
+class ParsedReply:
+    """A reply read by a tool parser: its ``content`` (the text outside the calls; the whole text when it holds
+    none, or a call that does not parse) and its ``tool_calls``."""
+
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
 def json_like(value: Any, what: str) -> Any:
     """A deep copy of ``value`` (so the caller's later edits change nothing); InvalidRequestError unless it is
     JSON-like (strings, numbers, bools, None, lists and string-keyed mappings, at most MAX_JSON_DEPTH deep) and its

@@ -33,6 +33,7 @@ COMPONENT_FIELDS = {
     "quant_method": "quant",
     "eviction_policy": "eviction_policy",
     "proposer": "proposer",
+    "tool_parser": "tool_parser",
 }
 
 
@@ -47,6 +48,7 @@ class EngineConfig:
     quant: str | None = None
     eviction_policy: str = "lru"
     proposer: str | None = None  # speculative decoding off when None
+    tool_parser: str | None = None  # None: a chat's reply stays text, tool calls included
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_num_seqs: int = 256

@@ -17,7 +17,7 @@ import torch
 from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
 from .assembly import assemble
 from .beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams
-from .chat import Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
+from .chat import ChatPrompt, Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
@@ -85,7 +85,7 @@ class Engine:
         self.eos_token_ids = frozenset(self.loaded.generation_eos or spec.eos_token_ids or tokenizer_eos)
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
                        "eviction_policy": config.eviction_policy, "quant": self.loaded.quant_name or "none",
-                       "proposer": config.proposer or "none"}
+                       "proposer": config.proposer or "none", "tool_parser": config.tool_parser or "none"}
         self.requests: dict[str, RequestState] = {}
         self.async_scheduling = config.async_scheduling_on(self.loaded.device.type)
         self.async_output = config.async_output if config.async_output is not None else \
@@ -94,6 +94,7 @@ class Engine:
         self.in_flight: InFlight | None = None  # async scheduling: the last step's tokens, not read back yet
         self.forks = PendingForks()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
+        self.tool_parser = parts.tool_parser  # reads the replies of chats that offer tools (None: text only)
         self.spec: SpecDecoder | None = None
         if parts.proposer is not None:
             from ..spec_decode.decoder import SpecDecoder
@@ -103,7 +104,7 @@ class Engine:
             "scheduler": (config.scheduler, self.scheduler), "kv_cache": (config.kv_cache, self.kv),
             "eviction_policy": (config.eviction_policy, parts.eviction),
             "attention_backend": (config.attention, self.attention),
-            "proposer": (config.proposer, parts.proposer),
+            "proposer": (config.proposer, parts.proposer), "tool_parser": (config.tool_parser, parts.tool_parser),
             "quant_method": (self.loaded.quant_name, self.loaded.quant),
             "model": (self.loaded.architecture, self.loaded.model)})
         self._seq_ids = itertools.count()
@@ -148,7 +149,8 @@ class Engine:
                          max_model_len=self.max_model_len) for i in range(params.n)]
         # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
-                               [0] * len(seqs), [0] * len(seqs))
+                               [0] * len(seqs), [0] * len(seqs), tool_parser=self.tool_parser if isinstance(
+                                   prompt, ChatPrompt) and prompt.tools else None)
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     import torch
 
     from .config import EngineConfig
-    from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Model, Proposer, QuantMethod, Scheduler
+    from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Model, Proposer, QuantMethod, Scheduler,
+                             ToolParser)
     from .loader import LoadedModel
     from .plugins import PluginManager
     from .metrics import StepStats
@@ -31,6 +32,7 @@ AttentionBackendFactory = Callable[["EngineConfig"], "AttentionBackend"]
 QuantMethodFactory = Callable[["EngineConfig", "dict[str, Any] | None"], "QuantMethod"]
 ProposerFactory = Callable[["EngineConfig", "LoadedModel", "PluginManager"], "Proposer"]
 ModelFactory = Callable[["dict[str, Any]", "QuantMethod | None", "torch.dtype", "EngineConfig"], "Model"]
+ToolParserFactory = Callable[["EngineConfig", Any], "ToolParser"]
 CommandFactory = Callable[[], "click.Command"]
 
 
@@ -91,6 +93,17 @@ def register_proposers(register: Register[ProposerFactory]) -> None:
     ``device``, ``dtype``, ``path``), and ``plugins`` the engine's PluginManager, whose registries build other
     components (a draft model's architecture, attention backend, KV cache) as the engine would. Selected by
     ``--proposer NAME``.
+    """
+
+
+@hookspec
+def register_tool_parsers(register: Register[ToolParserFactory]) -> None:
+    """Register readers of the tool calls in models' replies.
+
+    ``factory(config, tokenizer)`` returns a :class:`~infer.core.interfaces.ToolParser` for replies of the model
+    whose tokenizer is given (a parser of a format marked by special tokens decodes ``token_ids`` with it). The
+    engine gives it the reply of every chat that offered tools, once the reply is finished. Selected by
+    ``--tool-parser NAME``.
     """
 
 

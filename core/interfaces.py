@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, MutableSequence
+from collections.abc import Hashable, MutableSequence, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .chat_tools import ParsedReply
 from .errors import CheckpointError, PluginError
 from .request import FinishReason, Sequence
 
@@ -476,6 +477,18 @@ class Proposer(ABC):
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: drop its state."""
+
+
+# ---------------------------------------------------------------- tool calls
+class ToolParser(ABC):
+    """Reads the tool calls out of a model's reply to a chat that offered tools; the format is the model's own
+    (Qwen's ``<tool_call>`` JSON, Llama 3.1's bare JSON object, ...)."""
+
+    @abstractmethod
+    def parse(self, text: str, token_ids: Seq[int]) -> ParsedReply:
+        """The reply's content and calls. ``text`` is the reply as the engine output it (special tokens left
+        out, cut at a stop string); ``token_ids`` its tokens, for formats marked by special tokens. A reply
+        without a call, or with one that does not parse, is all content: nothing of the text may be lost."""
 
 
 # ---------------------------------------------------------------- models

@@ -5,8 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
+from .chat_tools import ParsedReply, ToolCall
 from .detokenizer import Detokenizer
+from .errors import PluginError
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .interfaces import ToolParser
 
 
 @dataclass
@@ -20,6 +27,7 @@ class RequestState:
     sent: list[int] = field(default_factory=list)  # output tokens already emitted, per sequence
     emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
     prompt_logprobs_sent: bool = False
+    tool_parser: ToolParser | None = None  # a chat that offered tools, with --tool-parser: reads each whole reply
 
 
 def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequence, FinishReason], None]
@@ -50,6 +58,8 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
             text, req.emitted[i] = detok.text[req.emitted[i] :], len(detok.text)
         logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
         deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
+        if req.tool_parser is not None and seq.is_finished:  # a stop string may have finished it just now
+            read_tool_calls(req, i, deltas[-1])
     finished = all(seq.status is SequenceStatus.FINISHED for seq in req.seqs)
     return RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
 
@@ -69,8 +79,23 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
         detok.flush()
     text, req.emitted[0] = detok.text[req.emitted[0] :], len(detok.text)
     logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
-    return RequestOutput(req.request_id, req.prompt_token_ids,
-                         [CompletionOutput(0, new, text, seq.finish_reason, logprobs)], done)
+    completion = CompletionOutput(0, new, text, seq.finish_reason, logprobs)
+    if done and req.tool_parser is not None:
+        read_tool_calls(req, 0, completion)
+    return RequestOutput(req.request_id, req.prompt_token_ids, [completion], done)
+
+
+def read_tool_calls(req: RequestState, i: int, completion: CompletionOutput) -> None:
+    """Sequence i's whole reply through the request's tool parser, into ``completion`` (its last output): the
+    content and the calls, each with an id (the parser's, else one unique to the request and sequence)."""
+    assert req.tool_parser is not None
+    reply = req.tool_parser.parse(req.detoks[i].text, req.seqs[i].output_token_ids)
+    if not isinstance(reply, ParsedReply) or not all(isinstance(c, ToolCall) for c in reply.tool_calls):
+        raise PluginError(f"the tool parser {type(req.tool_parser).__name__} returned {type(reply).__name__}, not a "
+                          "ParsedReply of ToolCalls; fix the plugin")
+    completion.content = reply.content
+    completion.tool_calls = [call if call.id else ToolCall(call.name, call.arguments, f"call-{req.request_id}-{i}-{n}")
+                             for n, call in enumerate(reply.tool_calls)]
 
 
 def append_output(full: RequestOutput, *deltas: RequestOutput) -> RequestOutput:
@@ -114,7 +139,8 @@ def _append_completions(full: RequestOutput, deltas: tuple[RequestOutput, ...]) 
             c = by_index.get(d.index)
             if c is None:
                 by_index[d.index] = CompletionOutput(d.index, list(d.token_ids), d.text, d.finish_reason,
-                                                     None if d.logprobs is None else list(d.logprobs))
+                                                     None if d.logprobs is None else list(d.logprobs), d.content,
+                                                     d.tool_calls)
                 continue
             texts.setdefault(d.index, [c.text]).append(d.text)
             _append_completion(c, d, c.text)
@@ -127,6 +153,8 @@ def _append_completion(c: CompletionOutput, d: CompletionOutput, text: str) -> N
     """``c`` followed by ``d``: its tokens and logprobs appended, its text set to ``text``, d's finish reason."""
     c.token_ids += d.token_ids
     c.text, c.finish_reason = text, d.finish_reason
+    if d.tool_calls is not None:
+        c.content, c.tool_calls = d.content, d.tool_calls
     if d.logprobs is not None:
         if c.logprobs is None:
             c.logprobs = []

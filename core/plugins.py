@@ -32,6 +32,7 @@ KINDS: dict[str, str] = {  # kind -> registration hook name
     "attention_backend": "register_attention_backends",
     "quant_method": "register_quant_methods",
     "proposer": "register_proposers",
+    "tool_parser": "register_tool_parsers",
     "model": "register_models",
     "command": "register_commands",
 }

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .chat_tools import ToolCall
 from .errors import InvalidRequestError
 
 
@@ -285,6 +286,10 @@ class CompletionOutput:
     text: str
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
+    # with --tool-parser, in the last output of a chat's reply that offered tools: the reply's text outside its
+    # tool calls, and the calls (None otherwise; text keeps the whole reply)
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Conversions between the gRPC messages and the core types, and the mapping of errors to status codes."""
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -142,9 +143,14 @@ def positions_to_proto(positions: list[dict[int, float] | None]) -> list[pb.Posi
 
 
 def completion_to_proto(out: CompletionOutput) -> pb.Completion:
-    return pb.Completion(index=out.index, token_ids=out.token_ids, text=out.text,
-                         logprobs=positions_to_proto(out.logprobs or []),
-                         finish_reason=FINISH_REASONS[out.finish_reason])
+    completion = pb.Completion(index=out.index, token_ids=out.token_ids, text=out.text,
+                               logprobs=positions_to_proto(out.logprobs or []),
+                               finish_reason=FINISH_REASONS[out.finish_reason])
+    if out.tool_calls is not None:  # parsed: the content is set, if empty
+        completion.content = out.content or ""
+        completion.tool_calls.extend(pb.ToolCall(id=call.id or "", name=call.name, arguments=json.dumps(
+            call.arguments, ensure_ascii=False)) for call in out.tool_calls)
+    return completion
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

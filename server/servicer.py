@@ -106,6 +106,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         full.text += part.text
                         full.logprobs.extend(part.logprobs)
                         full.finish_reason = part.finish_reason
+                        if part.HasField("content"):
+                            full.content = part.content
+                            full.tool_calls.extend(part.tool_calls)
                     else:
                         completions[c.index] = part
                 if out.finished:
@@ -224,7 +227,8 @@ def merged_share(part: pb.Completion) -> int:
     """The bytes a delta adds to its completion once merged: token-id varints, text, logprob entries with their
     framing (the completion's own fields and framing come once, outside this)."""
     ids = sum((token.bit_length() + 6) // 7 or 1 for token in part.token_ids)
-    return ids + len(part.text.encode()) + sum(entry.ByteSize() + 3 for entry in part.logprobs)
+    return ids + len(part.text.encode()) + sum(entry.ByteSize() + 3 for entry in (*part.logprobs, *part.tool_calls)) \
+        + len(part.content.encode())
 
 
 def _usage(out: RequestOutput, completion_tokens: int) -> pb.Usage:

@@ -240,7 +240,7 @@ def test_ctrl_c_during_a_reply_keeps_its_text_and_aborts_its_request(capsys: pyt
 
     stream = Interrupted()
     engine = type("Engine", (), {"stream": lambda self, prompt, params: stream})()
-    assert _stream_reply(engine, None, None) == "part1 part2 " and stream.closed
+    assert _stream_reply(engine, None, None) == {"role": "assistant", "content": "part1 part2 "} and stream.closed
     printed = capsys.readouterr()
     assert printed.out == "part1 part2 \n" and printed.err == "[reply stopped]\n"
 

@@ -112,6 +112,10 @@ class Recorder:
         self._register("register_proposers", register, lambda config, target, plugins: None)
 
     @hookimpl
+    def register_tool_parsers(self, register: Any) -> None:
+        self._register("register_tool_parsers", register, lambda config, tokenizer: None)
+
+    @hookimpl
     def register_models(self, register: Any) -> None:
         self._register("register_models", register, lambda hf_config, quant, dtype, config: None)
 

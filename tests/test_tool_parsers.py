@@ -1,0 +1,211 @@
+"""Tool parsers: the shipped formats read calls out of replies as the models write them (the formats as their
+chat templates ask for them), a reply they cannot read stays whole, and the engine gives every reply of a chat that
+offered tools to the parser, into the last output of each sequence, over gRPC and the CLI too."""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from infer import ChatPrompt, PluginError, SamplingParams, ToolCall, hookimpl
+from infer.cli import main
+from infer.core.chat_tools import ParsedReply
+from infer.core.interfaces import ToolParser
+from infer.core.llm import LLM
+from infer.plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
+
+WEATHER = ToolCall("weather", {"city": "Oslo", "days": [1, 2]})
+NOW = ToolCall("now", {})
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ("Sunny.", "Sunny.", ()),
+    ('<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": [1, 2]}}\n</tool_call>', "", (WEATHER,)),
+    ('Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": [1, 2]}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "Let me look.", (WEATHER, NOW)),
+    ('<think>Oslo.</think>\n\n<tool_call>\n{"name": "now", "arguments": "{}"}\n</tool_call>', "<think>Oslo.</think>",
+     (NOW,)),  # Qwen3 thinks first; arguments as OpenAI's JSON text
+    ('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\nAnything else?', "Anything else?", (NOW,)),
+    ('<tool_call>\n{"name": "now", "arguments": {}}', "", (NOW,)),  # cut by max_tokens after whole JSON
+    ('<tool_call>\n{"name": "now", "argum', '<tool_call>\n{"name": "now", "argum', ()),  # cut inside it
+    ('<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{oops}</tool_call>',
+     '<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{oops}</tool_call>', ()),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', ()),
+    ('<tool_call>{"name": "now", "arguments": [1]}</tool_call>', '<tool_call>{"name": "now", "arguments": [1]}'
+     '</tool_call>', ()),
+])
+def test_hermes_reads_qwen_and_hermes_replies(text: str, content: str, calls: tuple[ToolCall, ...]) -> None:
+    assert HermesToolParser().parse(text, []) == ParsedReply(content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('{"name": "weather", "parameters": {"city": "Oslo", "days": [1, 2]}}', "", (WEATHER,)),
+    ('<|python_tag|>{"name": "weather", "arguments": {"city": "Oslo", "days": [1, 2]}}; {"name": "now", '
+     '"parameters": {}}', "", (WEATHER, NOW)),
+    (' {"name": "now", "parameters": {"note": "a; b"}} ', "", (ToolCall("now", {"note": "a; b"}),)),
+    ("It is sunny in Oslo.", "It is sunny in Oslo.", ()),
+    ('{"name": "now", "parameters": {}} and more', '{"name": "now", "parameters": {}} and more', ()),
+    ('{"city": "Oslo"}', '{"city": "Oslo"}', ()),
+    ('{"name": "now", "parameters": {', '{"name": "now", "parameters": {', ()),
+])
+def test_llama3_json_reads_llama_replies(text: str, content: str, calls: tuple[ToolCall, ...]) -> None:
+    assert Llama3JsonToolParser().parse(text, []) == ParsedReply(content, calls)
+
+
+class EchoParser(ToolParser):
+    """Every reply is one call of "echo" holding the reply's text and tokens: a result the tests can predict."""
+
+    def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
+        return ParsedReply(f"said {len(text)}", (ToolCall("echo", {"text": text, "tokens": list(token_ids)}),))
+
+
+class NamedCallParser(ToolParser):
+    """One call of "lookup" with an id of its own: the id a /tool answer cites."""
+
+    def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
+        return ParsedReply("", (ToolCall("lookup", {"chars": len(text)}, "c1"),))
+
+
+class BrokenParser(ToolParser):
+    def parse(self, text: str, token_ids: Sequence[int]) -> Any:
+        return text  # not a ParsedReply
+
+
+class ParserPlugin:
+    @hookimpl
+    def register_tool_parsers(self, register: Any) -> None:
+        register("echo", lambda config, tokenizer: EchoParser())
+        register("broken", lambda config, tokenizer: BrokenParser())
+        register("named", lambda config, tokenizer: NamedCallParser())
+
+
+TEMPLATE = ("{% if tools %}<|system|>\n{{ tools | tojson }}\n{% endif %}{% for m in messages %}<|{{ m.role }}|>\n"
+            "{{ m.content }}{% for c in m.tool_calls or [] %}<call>{{ c.id }} {{ c.function.name }}</call>{% endfor %}"
+            "{{ m.tool_call_id or '' }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}]
+CHAT = [{"role": "user", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("parsers") / "tools.jinja"
+    path.write_text(TEMPLATE)
+    return path
+
+
+def echo_llm(tiny_model: Path, template: Path, parser: str = "echo") -> LLM:
+    from infer.core.plugins import PluginManager
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(ParserPlugin(), name="parsers", source="tests")
+    return LLM(model=str(tiny_model), plugins=plugins, device="cpu", num_kv_blocks=64, chat_template=str(template),
+               tool_parser=parser)
+
+
+def expected(out: Any, request_id: str, index: int = 0) -> list[ToolCall]:
+    return [ToolCall("echo", {"text": out.text, "tokens": out.token_ids}, f"call-{request_id}-{index}-0")]
+
+
+def test_the_engine_gives_each_whole_reply_of_a_chat_with_tools_to_the_parser(tiny_model: Path, template: Path
+                                                                              ) -> None:
+    llm = echo_llm(tiny_model, template)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    done = llm.chat(CHAT, params, tools=TOOLS)[0]
+    out = done.outputs[0]
+    assert out.tool_calls == expected(out, done.request_id) and out.content == f"said {len(out.text)}"
+    plain = llm.chat(CHAT, params)[0].outputs[0]  # no tools offered: no parsing
+    assert (plain.tool_calls, plain.content) == (None, None)
+    assert (llm.generate(["def add(a, b):"], params)[0].outputs[0].tool_calls) is None
+    deltas = list(llm.engine.stream(ChatPrompt.of(CHAT, tools=TOOLS), params))
+    assert all(d.outputs[0].tool_calls is None for d in deltas[:-1]) and len(deltas) > 1
+    text = "".join(d.outputs[0].text for d in deltas)
+    assert deltas[-1].outputs[0].tool_calls[0].arguments["text"] == text == out.text  # the whole reply, once
+    stopped = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=0.0, stop=[out.text[2:4]]), tools=TOOLS)[0]
+    assert stopped.outputs[0].tool_calls[0].arguments["text"] == stopped.outputs[0].text == out.text[:2]
+    several = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=7), tools=TOOLS)[0]
+    for i, completion in enumerate(several.outputs):  # each sequence's own reply, with ids unique per sequence
+        assert completion.tool_calls == expected(completion, several.request_id, i)
+
+
+def test_a_parser_that_breaks_its_contract_is_named(tiny_model: Path, template: Path) -> None:
+    llm = echo_llm(tiny_model, template, "broken")
+    with pytest.raises(PluginError, match="the tool parser BrokenParser returned str, not a ParsedReply"):
+        llm.chat(CHAT, SamplingParams(max_tokens=2), tools=TOOLS)
+    with pytest.raises(Exception, match="tool parser .*'nope'|'nope'"):
+        LLM(model=str(tiny_model), device="cpu", num_kv_blocks=16, tool_parser="nope")
+
+
+def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path) -> None:
+    import asyncio
+
+    pytest.importorskip("grpc_health", reason="the server needs grpcio-health-checking")
+    from infer.server.app import InferenceServer, ServeOptions
+    from infer.server.client import AsyncClient
+
+    llm = echo_llm(tiny_model, template)
+    want = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=0.0), tools=TOOLS)[0].outputs[0]
+
+    async def run() -> None:
+        server = InferenceServer(llm.engine, ServeOptions(port=0, grace_period_s=0.0))
+        port = await server.start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}") as client:
+                prompt = ChatPrompt.of(CHAT, tools=TOOLS)
+                done = await client.complete(prompt, request_id="r1", max_tokens=6, temperature=0.0)
+                streamed = [r async for r in client.generate(prompt, request_id="r2", max_tokens=6, temperature=0.0)]
+                plain = await client.complete(ChatPrompt.of(CHAT), max_tokens=6, temperature=0.0)
+        finally:
+            await server.close(grace=0.0)
+        for completion, rid in ((done.outputs[0], "r1"), (streamed[-1].outputs[0], "r2")):
+            assert completion.HasField("content") and completion.content == want.content
+            [call] = completion.tool_calls
+            assert (call.id, call.name, json.loads(call.arguments)) == (f"call-{rid}-0-0", "echo",
+                                                                         want.tool_calls[0].arguments)
+        assert not any(r.outputs and r.outputs[0].tool_calls for r in streamed[:-1])
+        assert not plain.outputs[0].HasField("content") and not plain.outputs[0].tool_calls
+
+    asyncio.run(run())
+
+
+def test_generate_chat_json_shows_what_the_parser_read(tiny_model: Path, template: Path) -> None:
+    """The shipped hermes parser on a real reply (the tiny model writes no call: all content), through
+    `infer --tool-parser hermes generate --chat --json`; a chat without tools is not parsed."""
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(template),
+              tool_parser="hermes")
+    reply = llm.chat(CHAT, SamplingParams(max_tokens=5, temperature=0.0), tools=TOOLS)[0].outputs[0]
+    assert (reply.content, reply.tool_calls) == (reply.text, [])
+    lines = [json.dumps({"messages": CHAT, "tools": TOOLS}), json.dumps(CHAT)]
+    result = CliRunner().invoke(main, ["--model", str(tiny_model), "--num-kv-blocks", "32", "--chat-template",
+                                       str(template), "--tool-parser", "hermes", "generate", "--chat", "--json",
+                                       "--max-tokens", "5", "--temperature", "0"], input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    parsed, unparsed = (json.loads(line) for line in result.stdout.splitlines())
+    assert (parsed["content"], parsed["tool_calls"]) == (reply.text, []) and parsed["text"] == reply.text
+    assert "tool_calls" not in unparsed and "content" not in unparsed
+
+
+def test_infer_chat_keeps_parsed_calls_and_answers_one_with_slash_tool(tiny_model: Path, template: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --tool-parser, `infer chat --tools` lists the calls a reply makes, keeps them in the conversation as
+    calls, and `/tool ID RESULT` sends the tool's answer: the model's next reply is LLM.chat's to that history."""
+    llm = echo_llm(tiny_model, template, "named")
+    import sys
+
+    monkeypatch.setattr(sys.modules["infer.cli.main"], "build_engine", lambda ctx: llm.engine)
+    tools = template.parent / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = llm.chat(CHAT, params, tools=TOOLS)[0].outputs[0]
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": first.tool_calls},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    second = llm.chat(history, params, tools=TOOLS)[0].outputs[0]
+    result = CliRunner().invoke(main, ["chat", "--tools", str(tools), "--max-tokens", "4", "--temperature", "0"],
+                                input=f"{CHAT[0]['content']}\n/tool c1 42\n/tool\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"{first.text}\n{second.text}\n"
+    assert f'infer: tool call c1: lookup({{"chars": {len(first.text)}}}) (answer with /tool c1 RESULT)' in result.stderr
+    assert "unknown command /tool (the commands: /reset, /exit, /tool ID RESULT)" in result.stderr
