@@ -1,8 +1,9 @@
 """Tool use in chat prompts, as OpenAI's chat API and HF's chat templates have it: the tools the model may call
 (function definitions with JSON-schema parameters, given to the template as ``tools``), an assistant turn's calls
 (``tool_calls``) and a tool's answer (a "tool" message citing the ``tool_call_id`` it answers). The engine renders
-them into the prompt; reading calls out of the model's reply is the caller's work, as the format is the model's own
-(Qwen's ``<tool_call>`` JSON, Llama 3.1's ``<|python_tag|>``, ...)."""
+them into the prompt; reading the calls out of the model's reply is a tool parser's work (``--tool-parser``,
+core/interfaces.py's ToolParser), as the format is the model's own (Qwen's ``<tool_call>`` JSON, Llama 3.1's bare
+JSON object, ...)."""
 from __future__ import annotations
 
 import json

@@ -2,14 +2,14 @@
 postprocess), and the outputs of one request accumulated into one."""
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
-from .chat_tools import ParsedReply, ToolCall
+from .chat_tools import ParsedReply, ToolCall, json_like
 from .detokenizer import Detokenizer
-from .errors import PluginError
+from .errors import InferError, InvalidRequestError, PluginError
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -87,15 +87,34 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
 
 def read_tool_calls(req: RequestState, i: int, completion: CompletionOutput) -> None:
     """Sequence i's whole reply through the request's tool parser, into ``completion`` (its last output): the
-    content and the calls, each with an id (the parser's, else one unique to the request and sequence)."""
+    content and the calls, each with an id (the parser's, else a random one, as OpenAI's). An aborted reply is not
+    whole, and not read."""
     assert req.tool_parser is not None
-    reply = req.tool_parser.parse(req.detoks[i].text, req.seqs[i].output_token_ids)
-    if not isinstance(reply, ParsedReply) or not all(isinstance(c, ToolCall) for c in reply.tool_calls):
-        raise PluginError(f"the tool parser {type(req.tool_parser).__name__} returned {type(reply).__name__}, not a "
-                          "ParsedReply of ToolCalls; fix the plugin")
+    if req.seqs[i].finish_reason is FinishReason.ABORT:
+        return
+    name = type(req.tool_parser).__name__
+    try:
+        reply = req.tool_parser.parse(req.detoks[i].text, req.seqs[i].output_token_ids)
+    except InferError:
+        raise
+    except Exception as exc:  # here too on paths outside a step (an abort's output)
+        raise PluginError(f"the tool parser {name} raised {type(exc).__name__}: {exc}; fix the plugin, or choose "
+                          "another --tool-parser") from exc
+    if not isinstance(reply, ParsedReply) or not isinstance(reply.content, str) or not all(
+            isinstance(c, ToolCall) for c in reply.tool_calls):
+        raise PluginError(f"the tool parser {name} returned {type(reply).__name__}, not a ParsedReply of a str and "
+                          "ToolCalls; fix the plugin")
+    for call in reply.tool_calls:
+        try:
+            json_like([call.name, call.id, dict(call.arguments)], "a tool call")
+        except (InvalidRequestError, TypeError, ValueError) as exc:
+            raise PluginError(f"the tool parser {name} returned a malformed call {call!r} ({exc}); fix the "
+                              "plugin") from None
+        if not isinstance(call.name, str) or not call.name:
+            raise PluginError(f"the tool parser {name} returned a call without a name ({call!r}); fix the plugin")
     completion.content = reply.content
-    completion.tool_calls = [call if call.id else ToolCall(call.name, call.arguments, f"call-{req.request_id}-{i}-{n}")
-                             for n, call in enumerate(reply.tool_calls)]
+    completion.tool_calls = [call if call.id else ToolCall(call.name, call.arguments, f"call_{uuid.uuid4().hex[:24]}")
+                             for call in reply.tool_calls]
 
 
 def append_output(full: RequestOutput, *deltas: RequestOutput) -> RequestOutput:

@@ -15,74 +15,118 @@ from ..core.interfaces import ToolParser
 from ..core.registry import Register
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+THINK_END = "</think>"  # Qwen3 reasons first: a tag mentioned there is not a call
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker of a call; a special token, so usually not in the text
 
 
+def _refuse(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+DECODER = json.JSONDecoder(parse_constant=_refuse)  # stateless; NaN and Infinity, which json.loads takes, are refused
+
+
 class HermesToolParser(ToolParser):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; the text outside them is the content
-    (usually what comes before the first). A last block cut off by max_tokens (no closing tag) is read too, if its
-    JSON is whole."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the reasoning (a ``<think>``
+    block); the text outside them is the content (usually what comes before the first). A last block cut off by
+    max_tokens (no closing tag) is read too, if its JSON is whole. ``special_tags``: the tags' token ids, for a
+    tokenizer that marks them special (the engine's text then lacks them, and the reply is read from its tokens)."""
+
+    def __init__(self, decode: Any = None, special_tags: Mapping[int, str] | None = None) -> None:
+        self.decode, self.special_tags = decode, dict(special_tags or {})
 
     def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
-        first, *blocks = text.split(OPEN)
-        if not blocks:
+        if self.special_tags and any(t in self.special_tags for t in token_ids):
+            text = self._with_tags(token_ids)
+        reasoning, end, reply = text.rpartition(THINK_END)
+        start = reply.find(OPEN)
+        if start < 0:
             return ParsedReply(text)
-        calls, outside = [], [first]
-        for block in blocks:
-            body, _, rest = block.partition(CLOSE)
-            if (call := _call(_loads(body))) is None:
+        calls, outside = [], [reasoning + end + reply[:start]]
+        while start >= 0:  # the JSON is read whole, so a tag inside one of its strings is text
+            try:
+                value, after = DECODER.raw_decode(reply, _skip_space(reply, start + len(OPEN)))
+            except (ValueError, RecursionError):
                 return ParsedReply(text)  # a call that does not parse: the reply stays text, whole
+            after = _skip_space(reply, after)
+            if (call := _call(value, needs_arguments=False)) is None or not (
+                    after == len(reply) or reply.startswith(CLOSE, after)):
+                return ParsedReply(text)
+            after += len(CLOSE) if after < len(reply) else 0
+            start = reply.find(OPEN, after)
+            outside.append(reply[after:] if start < 0 else reply[after:start])
             calls.append(call)
-            outside.append(rest)
         return ParsedReply("".join(part.strip() and part for part in outside).strip(), tuple(calls))
+
+    def _with_tags(self, token_ids: Sequence[int]) -> str:
+        """The reply decoded with its tags written out (its other special tokens left out, as in the engine's)."""
+        parts, run = [], []
+        for token in token_ids:
+            if token in self.special_tags:
+                parts += [self.decode(run, skip_special_tokens=True), self.special_tags[token]]
+                run = []
+            else:
+                run.append(token)
+        return "".join(parts) + self.decode(run, skip_special_tokens=True)
 
 
 class Llama3JsonToolParser(ToolParser):
     """A reply that is one or more ``{"name": ..., "parameters": {...}}`` objects (``arguments`` is read too),
-    separated by ``;`` and optionally led by ``<|python_tag|>``: every call, and no content."""
+    separated by ``;`` and optionally led by ``<|python_tag|>``: every call, and no content. An object without
+    parameters or arguments is a JSON answer, not a call."""
 
     def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
         rest = text.strip().removeprefix(PYTHON_TAG).lstrip()
         if not rest.startswith("{"):
             return ParsedReply(text)
-        decoder, calls = json.JSONDecoder(), []
+        calls = []
         while rest:
             try:
-                value, end = decoder.raw_decode(rest)
+                value, end = DECODER.raw_decode(rest)
             except (ValueError, RecursionError):
                 return ParsedReply(text)
-            if (call := _call(value)) is None:
+            if (call := _call(value, needs_arguments=True)) is None:
                 return ParsedReply(text)
             calls.append(call)
             rest = rest[end:].lstrip().removeprefix(";").lstrip()
         return ParsedReply("", tuple(calls))
 
 
-def _loads(body: str) -> Any:
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):
-        return None
+def _skip_space(text: str, index: int) -> int:
+    while index < len(text) and text[index].isspace():
+        index += 1
+    return index
 
 
-def _call(value: Any) -> ToolCall | None:
-    """A call from ``{"name": str, "arguments" or "parameters": mapping or its JSON text}``; None for anything
-    else."""
+def _call(value: Any, needs_arguments: bool) -> ToolCall | None:
+    """A call from ``{"name": str, "arguments" or "parameters": mapping, its JSON text, or null}``; None for
+    anything else."""
     if not isinstance(value, Mapping) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
+    if needs_arguments and "arguments" not in value and "parameters" not in value:
+        return None
+    arguments = value.get("arguments", value.get("parameters"))
     if isinstance(arguments, str):
-        arguments = _loads(arguments)
+        try:
+            arguments = DECODER.decode(arguments)
+        except (ValueError, RecursionError):
+            return None
+    arguments = {} if arguments is None else arguments
     return ToolCall(value["name"], dict(arguments)) if isinstance(arguments, Mapping) else None
+
+
+def hermes_parser(config: EngineConfig, tokenizer: Any) -> ToolParser:
+    """The hermes parser for ``tokenizer``: it reads the tags from the tokens where the tokenizer marks them
+    special (its decode leaves them out)."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    tags = {tokenizer.convert_tokens_to_ids(tag): tag for tag in (OPEN, CLOSE) if tag in special}
+    return HermesToolParser(tokenizer.decode, tags) if tags else HermesToolParser()
 
 
 @hookimpl
 def register_tool_parsers(register: Register[Any]) -> None:
-    def hermes(config: EngineConfig, tokenizer: Any) -> ToolParser:
-        return HermesToolParser()
-
     def llama3_json(config: EngineConfig, tokenizer: Any) -> ToolParser:
         return Llama3JsonToolParser()
 
-    register("hermes", hermes, aliases=("qwen",))
+    register("hermes", hermes_parser, aliases=("qwen",))
     register("llama3-json", llama3_json)

@@ -4,6 +4,7 @@ offered tools to the parser, into the last output of each sequence, over gRPC an
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,16 @@ NOW = ToolCall("now", {})
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', ()),
     ('<tool_call>{"name": "now", "arguments": [1]}</tool_call>', '<tool_call>{"name": "now", "arguments": [1]}'
      '</tool_call>', ()),
+    ('<tool_call>{"name": "say", "arguments": {"text": "wrap it in <tool_call> and </tool_call>"}}</tool_call>', "",
+     (ToolCall("say", {"text": "wrap it in <tool_call> and </tool_call>"}),)),  # tags inside a JSON string
+    ("<think>I will emit a <tool_call> now.</think>\n\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n"
+     "</tool_call>", "<think>I will emit a <tool_call> now.</think>", (NOW,)),  # a tag named while reasoning
+    ('<tool_call>{"name": "now", "arguments": null}</tool_call>', "", (NOW,)),
+    ('<tool_call>{"name": "now"}</tool_call>', "", (NOW,)),
+    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "f", "arguments": '
+     '{"x": NaN}}</tool_call>', ()),  # not JSON, though json.loads takes it
+    ('<tool_call>{"name": "now", "arguments": {}} trailing</tool_call>', '<tool_call>{"name": "now", "arguments": '
+     '{}} trailing</tool_call>', ()),
 ])
 def test_hermes_reads_qwen_and_hermes_replies(text: str, content: str, calls: tuple[ToolCall, ...]) -> None:
     assert HermesToolParser().parse(text, []) == ParsedReply(content, calls)
@@ -51,6 +62,8 @@ def test_hermes_reads_qwen_and_hermes_replies(text: str, content: str, calls: tu
     ('{"name": "now", "parameters": {}} and more', '{"name": "now", "parameters": {}} and more', ()),
     ('{"city": "Oslo"}', '{"city": "Oslo"}', ()),
     ('{"name": "now", "parameters": {', '{"name": "now", "parameters": {', ()),
+    ('{"name": "Bob", "age": 42}', '{"name": "Bob", "age": 42}', ()),  # a JSON answer, not a call
+    ('{"name": "now", "parameters": null}', "", (NOW,)),
 ])
 def test_llama3_json_reads_llama_replies(text: str, content: str, calls: tuple[ToolCall, ...]) -> None:
     assert Llama3JsonToolParser().parse(text, []) == ParsedReply(content, calls)
@@ -75,12 +88,24 @@ class BrokenParser(ToolParser):
         return text  # not a ParsedReply
 
 
+class RaisingParser(ToolParser):
+    def parse(self, text: str, token_ids: Sequence[int]) -> Any:
+        raise ValueError("no JSON here")
+
+
+class OpaqueParser(ToolParser):
+    def parse(self, text: str, token_ids: Sequence[int]) -> Any:
+        return ParsedReply("", (ToolCall("f", {"when": object()}),))  # arguments no client can read
+
+
 class ParserPlugin:
     @hookimpl
     def register_tool_parsers(self, register: Any) -> None:
         register("echo", lambda config, tokenizer: EchoParser())
         register("broken", lambda config, tokenizer: BrokenParser())
         register("named", lambda config, tokenizer: NamedCallParser())
+        register("opaque", lambda config, tokenizer: OpaqueParser())
+        register("raising", lambda config, tokenizer: RaisingParser())
 
 
 TEMPLATE = ("{% if tools %}<|system|>\n{{ tools | tojson }}\n{% endif %}{% for m in messages %}<|{{ m.role }}|>\n"
@@ -106,8 +131,31 @@ def echo_llm(tiny_model: Path, template: Path, parser: str = "echo") -> LLM:
                tool_parser=parser)
 
 
-def expected(out: Any, request_id: str, index: int = 0) -> list[ToolCall]:
-    return [ToolCall("echo", {"text": out.text, "tokens": out.token_ids}, f"call-{request_id}-{index}-0")]
+def expected(out: Any) -> list[ToolCall]:
+    """EchoParser's call for ``out``, with the id the engine gave it (random, checked for its shape)."""
+    [call] = out.tool_calls
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call.id)
+    return [ToolCall("echo", {"text": out.text, "tokens": out.token_ids}, call.id)]
+
+
+def test_hermes_reads_tags_that_the_tokenizer_marks_special(tiny_model: Path) -> None:
+    """A checkpoint whose tokenizer marks <tool_call> special: the engine's text lacks the tags, so the parser that
+    hermes builds for it reads them from the tokens."""
+    from transformers import AutoTokenizer
+
+    from infer.core.config import EngineConfig
+    from infer.plugins.tool_parsers import hermes_parser
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    reply = 'Checking.<tool_call>{"name": "weather", "arguments": {"city": "Oslo", "days": [1, 2]}}</tool_call>'
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "<tool_call>" not in text  # the trap: what the engine's text holds
+    assert hermes_parser(EngineConfig(), tokenizer).parse(text, ids) == ParsedReply("Checking.", (WEATHER,))
+    plain = AutoTokenizer.from_pretrained(str(tiny_model))
+    assert hermes_parser(EngineConfig(), plain).parse(reply, plain.encode(reply)) == ParsedReply("Checking.",
+                                                                                                 (WEATHER,))
 
 
 def test_the_engine_gives_each_whole_reply_of_a_chat_with_tools_to_the_parser(tiny_model: Path, template: Path
@@ -116,7 +164,7 @@ def test_the_engine_gives_each_whole_reply_of_a_chat_with_tools_to_the_parser(ti
     params = SamplingParams(max_tokens=6, temperature=0.0)
     done = llm.chat(CHAT, params, tools=TOOLS)[0]
     out = done.outputs[0]
-    assert out.tool_calls == expected(out, done.request_id) and out.content == f"said {len(out.text)}"
+    assert out.tool_calls == expected(out) and out.content == f"said {len(out.text)}"
     plain = llm.chat(CHAT, params)[0].outputs[0]  # no tools offered: no parsing
     assert (plain.tool_calls, plain.content) == (None, None)
     assert (llm.generate(["def add(a, b):"], params)[0].outputs[0].tool_calls) is None
@@ -127,13 +175,25 @@ def test_the_engine_gives_each_whole_reply_of_a_chat_with_tools_to_the_parser(ti
     stopped = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=0.0, stop=[out.text[2:4]]), tools=TOOLS)[0]
     assert stopped.outputs[0].tool_calls[0].arguments["text"] == stopped.outputs[0].text == out.text[:2]
     several = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=7), tools=TOOLS)[0]
-    for i, completion in enumerate(several.outputs):  # each sequence's own reply, with ids unique per sequence
-        assert completion.tool_calls == expected(completion, several.request_id, i)
+    for completion in several.outputs:  # each sequence's own reply
+        assert completion.tool_calls == expected(completion)
+    assert len({c.tool_calls[0].id for c in several.outputs}) == 3
+    rid = llm.engine.add_request(ChatPrompt.of(CHAT, tools=TOOLS), SamplingParams(max_tokens=50, ignore_eos=True))
+    llm.engine.step()
+    aborted = llm.engine.abort(rid).outputs[0]  # not a whole reply: not read
+    assert aborted.finish_reason.value == "abort" and aborted.tool_calls is None and not llm.engine.has_unfinished()
 
 
 def test_a_parser_that_breaks_its_contract_is_named(tiny_model: Path, template: Path) -> None:
     llm = echo_llm(tiny_model, template, "broken")
     with pytest.raises(PluginError, match="the tool parser BrokenParser returned str, not a ParsedReply"):
+        llm.chat(CHAT, SamplingParams(max_tokens=2), tools=TOOLS)
+    llm = echo_llm(tiny_model, template, "raising")
+    with pytest.raises(PluginError, match="the tool parser RaisingParser raised ValueError: no JSON here"):
+        llm.chat(CHAT, SamplingParams(max_tokens=2), tools=TOOLS)
+    assert not llm.engine.has_unfinished()
+    llm = echo_llm(tiny_model, template, "opaque")
+    with pytest.raises(PluginError, match="the tool parser OpaqueParser returned a malformed call .* must be JSON-like"):
         llm.chat(CHAT, SamplingParams(max_tokens=2), tools=TOOLS)
     with pytest.raises(Exception, match="tool parser .*'nope'|'nope'"):
         LLM(model=str(tiny_model), device="cpu", num_kv_blocks=16, tool_parser="nope")
@@ -160,11 +220,11 @@ def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path) -> None
                 plain = await client.complete(ChatPrompt.of(CHAT), max_tokens=6, temperature=0.0)
         finally:
             await server.close(grace=0.0)
-        for completion, rid in ((done.outputs[0], "r1"), (streamed[-1].outputs[0], "r2")):
+        for completion in (done.outputs[0], streamed[-1].outputs[0]):
             assert completion.HasField("content") and completion.content == want.content
             [call] = completion.tool_calls
-            assert (call.id, call.name, json.loads(call.arguments)) == (f"call-{rid}-0-0", "echo",
-                                                                         want.tool_calls[0].arguments)
+            assert (call.name, json.loads(call.arguments)) == ("echo", want.tool_calls[0].arguments)
+            assert re.fullmatch(r"call_[0-9a-f]{24}", call.id)
         assert not any(r.outputs and r.outputs[0].tool_calls for r in streamed[:-1])
         assert not plain.outputs[0].HasField("content") and not plain.outputs[0].tool_calls
 
