@@ -143,17 +143,21 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
                 print_best_beam(conn, sent, shown, beam_width=beam_width, max_tokens=max_tokens,
                                 length_penalty=length_penalty, ignore_eos=ignore_eos)
             elif n == 1:
+                calls = []
                 for response in conn.generate(sent, **sampling):
                     if not mid_line:
                         click.echo(shown, nl=False)
                         mid_line = True
                     for out in response.outputs:
                         click.echo(out.text, nl=False)
+                        calls += out.tool_calls
                 click.echo()
                 mid_line = False
+                list_tool_calls(calls)
             else:
                 for out in conn.complete(sent, **sampling).outputs:
                     click.echo(shown + out.text)
+                    list_tool_calls(out.tool_calls)
             if stats:
                 click.echo(json.dumps(stats_dict(conn.stats()), indent=2), err=True)
         except InferError as exc:  # an option's value the protocol cannot carry, found before anything was sent
@@ -165,6 +169,12 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
             if mid_line:
                 click.echo()  # end the partial completion's line
             raise click.ClickException(rpc_error_message(exc, target, tls or tls_ca is not None, timeout)) from exc
+
+
+def list_tool_calls(calls: Any) -> None:
+    """The calls that the server's --tool-parser read in a reply, one per line on stderr."""
+    for call in calls:
+        click.echo(f"infer: tool call {call.id}: {call.name}({call.arguments})", err=True)
 
 
 def print_best_beam(conn: Any, prompt: Any, shown: str, **params: Any) -> None:

@@ -210,6 +210,8 @@ def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path) -> None
 
     llm = echo_llm(tiny_model, template)
     want = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=0.0), tools=TOOLS)[0].outputs[0]
+    tools = template.parent / "grpc-tools.json"
+    tools.write_text(json.dumps(TOOLS))
 
     async def run() -> None:
         server = InferenceServer(llm.engine, ServeOptions(port=0, grace_period_s=0.0))
@@ -220,6 +222,9 @@ def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path) -> None
                 done = await client.complete(prompt, request_id="r1", max_tokens=6, temperature=0.0)
                 streamed = [r async for r in client.generate(prompt, request_id="r2", max_tokens=6, temperature=0.0)]
                 plain = await client.complete(ChatPrompt.of(CHAT), max_tokens=6, temperature=0.0)
+                cli = [await asyncio.to_thread(CliRunner().invoke, main, [
+                    "client", CHAT[0]["content"], "--target", f"127.0.0.1:{port}", "--chat", "--tools", str(tools),
+                    "--max-tokens", "6", "--temperature", "0", *more]) for more in ([], ["--n", "2"])]
         finally:
             await server.close(grace=0.0)
         for completion in (done.outputs[0], streamed[-1].outputs[0]):
@@ -229,6 +234,10 @@ def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path) -> None
             assert re.fullmatch(r"call_[0-9a-f]{24}", call.id)
         assert not any(r.outputs and r.outputs[0].tool_calls for r in streamed[:-1])
         assert not plain.outputs[0].HasField("content") and not plain.outputs[0].tool_calls
+        for result, count in zip(cli, (1, 2)):  # `infer client --chat --tools` lists the calls on stderr
+            assert result.exit_code == 0 and result.stdout == (want.text + "\n") * count, result.output
+            listed = re.findall(r"infer: tool call (call_[0-9a-f]{24}): echo\((.*)\)\n", result.stderr)
+            assert [json.loads(arguments) for _, arguments in listed] == [want.tool_calls[0].arguments] * count
 
     asyncio.run(run())
 
