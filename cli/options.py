@@ -206,8 +206,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                       "[default: the shipped draft, with the embedded default model]."),
     click.option("--tool-parser", default=None, metavar="NAME",
                  help="Read the tool calls out of the replies of chats that offer tools, in the model's format: "
-                      "hermes (Qwen 2.5/3, Hermes) or llama3-json (Llama 3.1/3.2), or a plugin's [default: none: "
-                      "replies stay text]."),
+                      "hermes (Qwen 2.5/3, Hermes), llama3-json (Llama 3.1/3.2) or pythonic (Llama 3.2/4), or a "
+                      "plugin's [default: none: replies stay text]."),
     click.option("--chat-template", default=None, metavar="FILE",
                  help="A Jinja chat template file that renders conversations (infer chat, chat prompts) in place of "
                       "the model's own [default: the tokenizer's chat_template, if any]."),

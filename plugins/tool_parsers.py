@@ -1,9 +1,11 @@
 """The shipped tool parsers: ``hermes`` (Hermes 2 Pro's format, which Qwen 2.5 and Qwen 3 use: each call a JSON
-object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``, after the reply's text)
-and ``llama3-json`` (Llama 3.1 and 3.2's JSON tool calling: the reply is the call, ``{"name": ...,
-"parameters": {...}}``, several separated by ``;``)."""
+object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``, after the reply's text),
+``llama3-json`` (Llama 3.1 and 3.2's JSON tool calling: the reply is the call, ``{"name": ...,
+"parameters": {...}}``, several separated by ``;``) and ``pythonic`` (Llama 3.2's and Llama 4's: the reply is a
+Python list of calls with keyword arguments, ``[get_weather(city="Oslo"), now()]``)."""
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,6 +19,34 @@ from ..core.registry import Register
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 THINK_END = "</think>"  # Qwen3 reasons first: a tag mentioned there is not a call
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker of a call; a special token, so usually not in the text
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, likewise
+
+
+class PythonicToolParser(ToolParser):
+    """A reply that is a Python list of calls, ``[name(key=literal, ...), ...]``: every call, and no content. It is
+    read as a syntax tree, never run: each argument must be a literal that JSON can hold (strings, numbers, True,
+    False, None, lists and dicts of them); anything else (positional arguments, expressions, sets) leaves the
+    reply as text."""
+
+    def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
+        source = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+        if not (source.startswith("[") and source.endswith("]")):
+            return ParsedReply(text)
+        try:
+            tree = ast.parse(source, mode="eval").body
+            calls = tuple(_python_call(node) for node in tree.elts) if isinstance(tree, ast.List) else ()
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return ParsedReply(text)
+        return ParsedReply("", calls) if calls else ParsedReply(text)
+
+
+def _python_call(node: ast.expr) -> ToolCall:
+    """One ``name(key=literal, ...)``; ValueError for anything else."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args or any(
+            keyword.arg is None for keyword in node.keywords):
+        raise ValueError("not a call of a name with keyword arguments")
+    arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+    return ToolCall(node.func.id, json.loads(json.dumps(arguments, allow_nan=False)))  # TypeError: not JSON
 
 
 def _refuse(name: str) -> Any:
@@ -128,5 +158,9 @@ def register_tool_parsers(register: Register[Any]) -> None:
     def llama3_json(config: EngineConfig, tokenizer: Any) -> ToolParser:
         return Llama3JsonToolParser()
 
+    def pythonic(config: EngineConfig, tokenizer: Any) -> ToolParser:
+        return PythonicToolParser()
+
     register("hermes", hermes_parser, aliases=("qwen",))
     register("llama3-json", llama3_json)
+    register("pythonic", pythonic)

@@ -18,7 +18,7 @@ from infer.cli import main
 from infer.core.chat_tools import ParsedReply
 from infer.core.interfaces import ToolParser
 from infer.core.llm import LLM
-from infer.plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from infer.plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser, PythonicToolParser
 
 WEATHER = ToolCall("weather", {"city": "Oslo", "days": [1, 2]})
 NOW = ToolCall("now", {})
@@ -68,6 +68,28 @@ def test_hermes_reads_qwen_and_hermes_replies(text: str, content: str, calls: tu
 ])
 def test_llama3_json_reads_llama_replies(text: str, content: str, calls: tuple[ToolCall, ...]) -> None:
     assert Llama3JsonToolParser().parse(text, []) == ParsedReply(content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ("[get_user_info(user_id=7890, special='black')]", "", (ToolCall("get_user_info", {"user_id": 7890,
+                                                                                       "special": "black"}),)),
+    ('[weather(city="Oslo", days=[1, 2]), now()]', "", (WEATHER, NOW)),
+    ("<|python_start|>[now()]<|python_end|>", "", (NOW,)),  # Llama 4's markers, when the text keeps them
+    ('[f(a={"b": None, "c": (1, 2)}, d=True)]', "", (ToolCall("f", {"a": {"b": None, "c": [1, 2]}, "d": True}),)),
+    ("[citation needed]", "[citation needed]", ()),
+    ("The answer is [now()]", "The answer is [now()]", ()),
+    ("[1, 2]", "[1, 2]", ()),
+    ("[f(1)]", "[f(1)]", ()),  # positional: no parameter name
+    ("[f(x={1, 2})]", "[f(x={1, 2})]", ()),  # a set: not JSON
+    ("[f(x=1e999)]", "[f(x=1e999)]", ()),  # infinity: not JSON
+    ("[f(x=g())]", "[f(x=g())]", ()),  # an expression: never run
+    ("[f(**k)]", "[f(**k)]", ()),
+    ("[a.b(x=1)]", "[a.b(x=1)]", ()),
+    ("[]", "[]", ()),
+])
+def test_pythonic_reads_llama_3_2_and_4_replies_without_running_them(text: str, content: str,
+                                                                     calls: tuple[ToolCall, ...]) -> None:
+    assert PythonicToolParser().parse(text, []) == ParsedReply(content, calls)
 
 
 class EchoParser(ToolParser):
@@ -197,7 +219,7 @@ def test_a_parser_that_breaks_its_contract_is_named(tiny_model: Path, template: 
     with pytest.raises(PluginError, match="the tool parser OpaqueParser returned a malformed call .* JSON-like"):
         llm.chat(CHAT, SamplingParams(max_tokens=2), tools=TOOLS)
     with pytest.raises(UnknownComponentError, match="unknown tool parser 'nope'; registered tool parsers: hermes, "
-                                                    "llama3-json"):
+                                                    "llama3-json, pythonic"):
         LLM(model=str(tiny_model), device="cpu", num_kv_blocks=16, tool_parser="nope")
 
 
