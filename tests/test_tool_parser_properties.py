@@ -1,0 +1,77 @@
+"""Properties of the shipped tool parsers over generated replies: calls written in a format come back equal,
+with the text around them as the content; any other text comes back whole (a parser never loses text, never
+raises); and chat input of any shape is refused with InvalidRequestError, nothing else."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infer import ChatPrompt, InvalidRequestError, ToolCall
+from infer.core.chat_tools import ParsedReply
+from infer.plugins.tool_parsers import CLOSE, OPEN, HermesToolParser, Llama3JsonToolParser, PythonicToolParser
+
+NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,11}", fullmatch=True)
+SCALARS = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False,
+                                                                              width=32) | st.text(max_size=12)
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                             max_size=3), max_leaves=8)
+CALLS = st.builds(ToolCall, NAMES, st.dictionaries(NAMES, VALUES, max_size=4))
+PROSE = st.text(st.characters(blacklist_characters="<[{"), max_size=40)  # text that starts no call
+PARSERS = (HermesToolParser(), Llama3JsonToolParser(), PythonicToolParser())
+
+
+def roundtrip(call: ToolCall) -> ToolCall:
+    """The call as JSON carries it (a float as JSON writes and reads it)."""
+    return ToolCall(call.name, json.loads(json.dumps(call.arguments)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(CALLS, min_size=1, max_size=3), PROSE, st.sampled_from(["", "\n", "\n\n"]))
+def test_hermes_calls_come_back_with_the_text_before_them(calls: list[ToolCall], prose: str, gap: str) -> None:
+    text = prose + gap + "\n".join(f"{OPEN}\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n{CLOSE}"
+                                   for c in calls)
+    assert HermesToolParser().parse(text, []) == ParsedReply(prose.strip(), tuple(map(roundtrip, calls)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(CALLS, min_size=1, max_size=3), st.sampled_from(["; ", ";", "\n", " ; "]))
+def test_llama3_json_calls_come_back(calls: list[ToolCall], separator: str) -> None:
+    text = separator.join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
+    assert Llama3JsonToolParser().parse(text, []) == ParsedReply("", tuple(map(roundtrip, calls)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(CALLS, min_size=1, max_size=3))
+def test_pythonic_calls_come_back(calls: list[ToolCall]) -> None:
+    text = "[" + ", ".join(f"{c.name}({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})" for c in calls) + "]"
+    assert PythonicToolParser().parse(text, []) == ParsedReply("", tuple(calls))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=80) | st.builds(lambda a, b: a + OPEN + b, st.text(max_size=30), st.text(max_size=30)))
+def test_any_other_text_comes_back_whole(text: str) -> None:
+    for parser in PARSERS:
+        reply = parser.parse(text, [])
+        assert isinstance(reply, ParsedReply)
+        if not reply.tool_calls:
+            assert reply.content == text
+
+
+JSONISH = st.recursive(SCALARS | st.binary(max_size=3), lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.text(max_size=8) | st.integers(0, 3), inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(JSONISH | st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"])},
+                                                optional={"content": JSONISH, "tool_calls": JSONISH,
+                                                          "tool_call_id": JSONISH, "name": JSONISH}), max_size=3),
+       JSONISH)
+def test_chat_input_of_any_shape_is_taken_or_refused_with_invalid_request_error(messages: Any, tools: Any) -> None:
+    try:
+        prompt = ChatPrompt.of(messages, tools=tools)
+    except InvalidRequestError:
+        return
+    assert prompt.checked() == prompt and isinstance(prompt.text_length(), int)
