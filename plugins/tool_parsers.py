@@ -10,8 +10,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..core.chat_tools import ParsedReply, ToolCall
+from ..core.chat_tools import ParsedReply, ToolCall, json_like
 from ..core.config import EngineConfig
+from ..core.errors import InvalidRequestError
 from ..core.hookspecs import hookimpl
 from ..core.interfaces import ToolParser
 from ..core.registry import Register
@@ -46,7 +47,9 @@ def _python_call(node: ast.expr) -> ToolCall:
             keyword.arg is None for keyword in node.keywords):
         raise ValueError("not a call of a name with keyword arguments")
     arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
-    return ToolCall(node.func.id, json.loads(json.dumps(arguments, allow_nan=False)))  # TypeError: not JSON
+    if (call := _json_call(node.func.id, arguments)) is None:
+        raise ValueError("arguments JSON cannot hold")
+    return call
 
 
 def _refuse(name: str) -> Any:
@@ -142,7 +145,16 @@ def _call(value: Any, needs_arguments: bool) -> ToolCall | None:
         except (ValueError, RecursionError):
             return None
     arguments = {} if arguments is None else arguments
-    return ToolCall(value["name"], dict(arguments)) if isinstance(arguments, Mapping) else None
+    return _json_call(value["name"], arguments) if isinstance(arguments, Mapping) else None
+
+
+def _json_call(name: str, arguments: Mapping[str, Any]) -> ToolCall | None:
+    """The call if its arguments are what the engine accepts of a parser (JSON-like: string keys, no NaN, UTF-8,
+    nesting within MAX_JSON_DEPTH), as a JSON copy (tuples become lists); None otherwise."""
+    try:
+        return ToolCall(name, json_like(dict(arguments), "arguments"))
+    except InvalidRequestError:
+        return None
 
 
 def hermes_parser(config: EngineConfig, tokenizer: Any) -> ToolParser:

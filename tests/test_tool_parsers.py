@@ -49,6 +49,8 @@ NOW = ToolCall("now", {})
      '{"x": NaN}}</tool_call>', ()),  # not JSON, though json.loads takes it
     ('<tool_call>{"name": "now", "arguments": {}} trailing</tool_call>', '<tool_call>{"name": "now", "arguments": '
      '{}} trailing</tool_call>', ()),
+    (f'<tool_call>{{"name": "f", "arguments": {{"x": {"[" * 70}{"]" * 70}}}}}</tool_call>',
+     f'<tool_call>{{"name": "f", "arguments": {{"x": {"[" * 70}{"]" * 70}}}}}</tool_call>', ()),  # too deep
 ])
 def test_hermes_reads_qwen_and_hermes_replies(text: str, content: str, calls: tuple[ToolCall, ...]) -> None:
     assert HermesToolParser().parse(text, []) == ParsedReply(content, calls)
@@ -82,6 +84,8 @@ def test_llama3_json_reads_llama_replies(text: str, content: str, calls: tuple[T
     ("[f(1)]", "[f(1)]", ()),  # positional: no parameter name
     ("[f(x={1, 2})]", "[f(x={1, 2})]", ()),  # a set: not JSON
     ("[f(x=1e999)]", "[f(x=1e999)]", ()),  # infinity: not JSON
+    ("[f(x={1: 'a', '1': 'b'})]", "[f(x={1: 'a', '1': 'b'})]", ()),  # JSON keys are strings: these would merge
+    ("[f(x='\\udcff')]", "[f(x='\\udcff')]", ()),  # a lone surrogate: not UTF-8
     ("[f(x=g())]", "[f(x=g())]", ()),  # an expression: never run
     ("[f(**k)]", "[f(**k)]", ()),
     ("[a.b(x=1)]", "[a.b(x=1)]", ()),
