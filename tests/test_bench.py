@@ -788,3 +788,13 @@ def test_profile_steps_script_profiles_each_scenario(tmp_path):
     assert [line.split("|")[1].strip() for line in table[2:]] == list(rows)
     for name in rows:
         assert json.loads((tmp_path / "traces" / f"{name}.trace.json").read_text())["traceEvents"]
+
+
+def test_beam_beside_script_finds_the_same_outputs_in_every_arm():
+    """benchmarks/beam_beside.py at a small size: its own checks (requests' tokens as alone, beams as a search run
+    alone) pass in every arm, and the tight pool makes the searches wait for blocks."""
+    out = bench_script("beam_beside.py", "--requests", "3", "--output-len", "12", "--prompt-len", "16",
+                       "--beam-tokens", "6", "--tight-blocks", "10", "--start-step", "2", "--rounds", "1")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-4:-1]}
+    assert list(rows) == ["alone", "beside", "tight"] and int(rows["tight"][5]) > 0  # waits
+    assert out.splitlines()[-1].startswith("outputs: every arm's request tokens equal the alone arm's")
