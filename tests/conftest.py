@@ -157,3 +157,28 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     k, v = (t.float().repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
     out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask.to(q.device), scale=scale)
     return out.transpose(0, 1)
+
+
+@pytest.fixture(scope="session")
+def serve_engine() -> Callable[..., None]:
+    """``serve_engine(engine, test)``: run ``await test(client, port)`` against an in-process `infer serve` of
+    ``engine`` (an AsyncClient connected to it), then close the server."""
+    import asyncio
+
+    def run(engine: object, test: Callable[..., object]) -> None:
+        pytest.importorskip("grpc_health", reason="the server needs grpcio-health-checking")
+        from infer.server.app import InferenceServer, ServeOptions
+        from infer.server.client import AsyncClient
+
+        async def main() -> None:
+            server = InferenceServer(engine, ServeOptions(port=0, grace_period_s=0.0))
+            port = await server.start()
+            try:
+                async with AsyncClient(f"127.0.0.1:{port}") as client:
+                    await test(client, port)  # type: ignore[misc]
+            finally:
+                await server.close(grace=0.0)
+
+        asyncio.run(main())
+
+    return run

@@ -229,18 +229,14 @@ def test_infer_chat_shows_the_model_the_tools_of_a_file(llm: LLM, tiny_model: Pa
     assert result.exit_code == 2 and "cannot read" in result.stderr
 
 
-def test_tools_and_calls_travel_over_grpc_and_infer_client(llm: LLM, tmp_path: Path) -> None:
+def test_tools_and_calls_travel_over_grpc_and_infer_client(llm: LLM, tmp_path: Path, serve_engine: Any) -> None:
     """The Python client sends a ChatPrompt's tools and calls (proto ToolCall, JSON tools) and the server renders
     the ids LLM.chat renders; `infer client --chat --tools FILE` sends them too; bad JSON is INVALID_ARGUMENT."""
     import asyncio
 
     import grpc
 
-    pytest.importorskip("grpc_health", reason="the server needs grpcio-health-checking")
     from infer.server import infer_pb2 as pb
-    from infer.server.app import InferenceServer, ServeOptions
-    from infer.server.client import AsyncClient
-
     from infer.server.client import build_request
     from infer.server.convert import prompt_of
 
@@ -254,34 +250,27 @@ def test_tools_and_calls_travel_over_grpc_and_infer_client(llm: LLM, tmp_path: P
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
 
-    async def run() -> None:
-        server = InferenceServer(llm.engine, ServeOptions(port=0, grace_period_s=0.0))
-        port = await server.start()
-        try:
-            async with AsyncClient(f"127.0.0.1:{port}") as client:
-                done = await client.complete(prompt, max_tokens=1, prompt_logprobs=0)
-                assert [e.tokens[0].token_id for e in done.prompt_logprobs[1:]] == want[1:]
-                assert done.usage.prompt_tokens == len(want)
-                for chat, complaint in (
-                        (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], tools="{oops"),
-                         "chat.tools is not JSON"),
-                        (pb.Chat(messages=[pb.ChatMessage(role="assistant", tool_calls=[
-                            pb.ToolCall(name="weather", arguments="")])]), "arguments is not JSON")):
-                    with pytest.raises(grpc.aio.AioRpcError) as info:
-                        await client.stub.Complete(pb.GenerateRequest(chat=chat))
-                    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-                    assert complaint in info.value.details(), info.value.details()
-                cli = await asyncio.to_thread(CliRunner().invoke, main, [
-                    "client", "Weather?", "--target", f"127.0.0.1:{port}", "--chat", "--tools", str(tools),
-                    "--max-tokens", "6", "--temperature", "0"])
-                assert (cli.exit_code, cli.stdout) == (0, reply + "\n"), cli.output
-                cli = await asyncio.to_thread(CliRunner().invoke, main, [
-                    "client", "Weather?", "--target", f"127.0.0.1:{port}", "--tools", str(tools)])
-                assert cli.exit_code == 2 and "--tools is for a conversation; add --chat" in cli.stderr
-        finally:
-            await server.close(grace=0.0)
+    async def test(client: Any, port: int) -> None:
+        done = await client.complete(prompt, max_tokens=1, prompt_logprobs=0)
+        assert [e.tokens[0].token_id for e in done.prompt_logprobs[1:]] == want[1:]
+        assert done.usage.prompt_tokens == len(want)
+        for chat, complaint in (
+                (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], tools="{oops"), "chat.tools is not JSON"),
+                (pb.Chat(messages=[pb.ChatMessage(role="assistant", tool_calls=[
+                    pb.ToolCall(name="weather", arguments="")])]), "arguments is not JSON")):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.stub.Complete(pb.GenerateRequest(chat=chat))
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert complaint in info.value.details(), info.value.details()
+        cli = await asyncio.to_thread(CliRunner().invoke, main, [
+            "client", "Weather?", "--target", f"127.0.0.1:{port}", "--chat", "--tools", str(tools),
+            "--max-tokens", "6", "--temperature", "0"])
+        assert (cli.exit_code, cli.stdout) == (0, reply + "\n"), cli.output
+        cli = await asyncio.to_thread(CliRunner().invoke, main, [
+            "client", "Weather?", "--target", f"127.0.0.1:{port}", "--tools", str(tools)])
+        assert cli.exit_code == 2 and "--tools is for a conversation; add --chat" in cli.stderr
 
-    asyncio.run(run())
+    serve_engine(llm.engine, test)
 
 
 def test_generate_chat_runs_json_conversations_and_names_a_bad_one(llm: LLM, tiny_model: Path, template_file: Path

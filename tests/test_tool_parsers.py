@@ -227,32 +227,22 @@ def test_a_parser_that_breaks_its_contract_is_named(tiny_model: Path, template: 
         LLM(model=str(tiny_model), device="cpu", num_kv_blocks=16, tool_parser="nope")
 
 
-def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path) -> None:
+def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path, serve_engine: Any) -> None:
     import asyncio
-
-    pytest.importorskip("grpc_health", reason="the server needs grpcio-health-checking")
-    from infer.server.app import InferenceServer, ServeOptions
-    from infer.server.client import AsyncClient
 
     llm = echo_llm(tiny_model, template)
     want = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=0.0), tools=TOOLS)[0].outputs[0]
     tools = template.parent / "grpc-tools.json"
     tools.write_text(json.dumps(TOOLS))
 
-    async def run() -> None:
-        server = InferenceServer(llm.engine, ServeOptions(port=0, grace_period_s=0.0))
-        port = await server.start()
-        try:
-            async with AsyncClient(f"127.0.0.1:{port}") as client:
-                prompt = ChatPrompt.of(CHAT, tools=TOOLS)
-                done = await client.complete(prompt, request_id="r1", max_tokens=6, temperature=0.0)
-                streamed = [r async for r in client.generate(prompt, request_id="r2", max_tokens=6, temperature=0.0)]
-                plain = await client.complete(ChatPrompt.of(CHAT), max_tokens=6, temperature=0.0)
-                cli = [await asyncio.to_thread(CliRunner().invoke, main, [
-                    "client", CHAT[0]["content"], "--target", f"127.0.0.1:{port}", "--chat", "--tools", str(tools),
-                    "--max-tokens", "6", "--temperature", "0", *more]) for more in ([], ["--n", "2"])]
-        finally:
-            await server.close(grace=0.0)
+    async def test(client: Any, port: int) -> None:
+        prompt = ChatPrompt.of(CHAT, tools=TOOLS)
+        done = await client.complete(prompt, request_id="r1", max_tokens=6, temperature=0.0)
+        streamed = [r async for r in client.generate(prompt, request_id="r2", max_tokens=6, temperature=0.0)]
+        plain = await client.complete(ChatPrompt.of(CHAT), max_tokens=6, temperature=0.0)
+        cli = [await asyncio.to_thread(CliRunner().invoke, main, [
+            "client", CHAT[0]["content"], "--target", f"127.0.0.1:{port}", "--chat", "--tools", str(tools),
+            "--max-tokens", "6", "--temperature", "0", *more]) for more in ([], ["--n", "2"])]
         for completion in (done.outputs[0], streamed[-1].outputs[0]):
             assert completion.HasField("content") and completion.content == want.content
             [call] = completion.tool_calls
@@ -265,7 +255,7 @@ def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path) -> None
             listed = re.findall(r"infer: tool call (call_[0-9a-f]{24}): echo\((.*)\)\n", result.stderr)
             assert [json.loads(arguments) for _, arguments in listed] == [want.tool_calls[0].arguments] * count
 
-    asyncio.run(run())
+    serve_engine(llm.engine, test)
 
 
 def test_generate_chat_json_shows_what_the_parser_read(tiny_model: Path, template: Path) -> None:
