@@ -1,0 +1,308 @@
+"""schema_to_regex against hand-written JSON texts and a small independent validator, not against its own output."""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from infer.core.errors import InvalidRequestError
+from infer.plugins.json_schema_regex import schema_to_regex
+
+UUID = "123e4567-e89b-12d3-a456-426614174000"
+PERSON = {"type": "object", "title": "Person", "additionalProperties": False, "required": ["name"], "properties": {
+    "name": {"type": "string", "description": "full name"}, "age": {"type": "integer", "minimum": 0},
+    "tags": {"type": "array", "items": {"type": "string"}}}}
+REFS = {"$defs": {"a/b": {"type": "integer", "minimum": 1},
+                  "Point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                            "required": ["x", "y"], "additionalProperties": False}},
+        "definitions": {"tag": {"type": "string", "maxLength": 3}},
+        "type": "object", "additionalProperties": False, "required": ["n", "p"],
+        "properties": {"n": {"$ref": "#/$defs/a~1b"}, "p": {"$ref": "#/$defs/Point"}, "q": {"$ref": "#/$defs/Point"},
+                       "t": {"$ref": "#/definitions/tag"}}}
+NESTED = {"type": "array", "maxItems": 2, "items": {
+    "type": "object", "required": ["id", "kind"], "additionalProperties": False, "properties": {
+        "id": {"type": "string", "format": "uuid"},
+        "scores": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
+        "kind": {"enum": ["a", "b"]}}}}
+
+# name: (schema, JSON texts valid under it that the regex must match, texts invalid under it that it must not)
+CASES: dict[str, tuple[Any, list[str], list[str]]] = {
+    "string": ({"type": "string"},
+               ['""', '"hello"', r'"say \"hi\""', r'"caf\u00e9"', '"café 日本 🎉"', r'"tab\tnew\nline\/\\"', r'"\u20AC"'],
+               ["hello", '"a"b"', r'"\x"', '"line\nbreak"', "1", r'"\u12"', "'x'", '"open']),
+    "string-length": ({"type": "string", "minLength": 2, "maxLength": 4},
+                      ['"ab"', '"abcd"', r'"\u00e9\""', '"日本"', '"🎉🎉"'], ['"a"', '"abcde"', r'"\u00e9"', '""']),
+    "string-escape-is-one": ({"type": "string", "maxLength": 1}, [r'"\n"', r'"\\"', r'"\u0041"', '"🎉"', '""'],
+                             [r'"\n\n"', '"ab"']),
+    "pattern": ({"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}, ['"AB-123"'],
+                ['"AB-12"', '"ab-123"', '"AB-1234"', '"AB-١٢٣"', "1"]),
+    "pattern-classes": ({"type": "string", "pattern": "^[^0-9]+x.(ab|cd)*$"}, ['"abxzab"', '"é xycdab"'],
+                        ['"1xz"', '"ax"', '"axzabc"']),
+    "pattern-unanchored": ({"type": "string", "pattern": "a[b\\-]+?"}, ['"ab"', '"ab-b"'], ['"a"', '"b"', '""']),
+    "date": ({"type": "string", "format": "date"}, ['"2024-02-29"', '"1999-12-31"'],
+             ['"2024-13-01"', '"24-01-01"', '"2024-1-01"', "2024", '"2024-01-32"']),
+    "time": ({"type": "string", "format": "time"}, ['"23:59:60Z"', '"08:00:00.5+02:00"'],
+             ['"08:00:00"', '"24:00:00Z"', '"8:00:00Z"']),
+    "date-time": ({"type": "string", "format": "date-time"},
+                  ['"2024-01-31T08:15:00Z"', '"2024-01-31T08:15:00.123-05:30"'],
+                  ['"2024-01-31T08:15Z"', '"2024-01-31"']),
+    "uuid": ({"type": "string", "format": "uuid"}, [f'"{UUID}"', f'"{UUID.upper()}"'],
+             [f'"{UUID.replace("-", "")}"', f'"{UUID[:-1]}g"']),
+    "integer": ({"type": "integer"}, ["0", "-7", "1234567890123"], ["01", "1.5", "+1", '"1"', "-", "--1", ""]),
+    "number": ({"type": "number"}, ["0", "-1.5", "3e10", "2.5E-3", "0.0", "-0", "1e+2"],
+               [".5", "1.", "01.5", "NaN", "Infinity", "1e", '"1"']),
+    "integer-minimum-0": ({"type": "integer", "minimum": 0}, ["0", "42"], ["-1", "1.5"]),
+    "integer-minimum-1": ({"type": "integer", "minimum": 1}, ["1", "10"], ["0", "-3"]),
+    "integer-exclusive-minimum": ({"type": "integer", "exclusiveMinimum": -1}, ["0", "5"], ["-1"]),
+    "number-minimum-0": ({"type": "number", "minimum": 0}, ["0.5", "0", "1e-3"], ["-0.5", "-1"]),
+    "boolean": ({"type": "boolean"}, ["true", "false"], ["True", "1", "null"]),
+    "null": ({"type": "null"}, ["null"], ["None", '""']),
+    "enum": ({"enum": ["a", 1, None, True, {"x": [1, 2]}, 'q"uote', "a.b*", "é"]},
+             ['"a"', "1", "null", "true", '{"x":[1,2]}', r'"q\"uote"', '"a.b*"', '"é"'],
+             ['"b"', '"aXb*"', "false", "2", '"a.bb"']),
+    "const": ({"const": {"k": "v"}}, ['{"k":"v"}'], ['{"k":"w"}', "{}"]),
+    "enum-typed": ({"type": ["string", "null"], "enum": ["a", 1, None]}, ['"a"', "null"], ["1"]),
+    "object": (PERSON, ['{"name":"x"}', '{"name": "x", "age": 3}', '{"name":"x","tags":[]}',
+                        '{"name":"x", "age":3, "tags":["a", "b"]}', r'{"name":"x","age":0,"tags":["\u00e9"]}'],
+               ["{}", '{"age":3}', '{"name":"x","extra":1}', '{"name":"x",}', '{"name":1}', '{"name":"x","age":-1}',
+                '{"name":"x","age":1.5}', '{"name":"x""age":1}']),
+    "object-optional": ({"type": "object", "additionalProperties": False, "properties": {
+        "a": {"type": "integer"}, "b": {"type": "boolean"}, "c": {"type": "null"}}},
+        ["{}", '{"b":true}', '{"a":1, "c":null}', '{"a":1,"b":false,"c":null}'],
+        ["{,}", '{"a":1,}', '{,"a":1}', '{"a":1"b":true}', '{"d":1}']),
+    "object-required-middle": ({"type": "object", "required": ["b"], "additionalProperties": False, "properties": {
+        "a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "array", "items": {"type": "integer"},
+                                                                 "maxItems": 2}}},
+        ['{"b":1}', '{"a":"x","b":2}', '{"b":1,"c":[]}', '{"a":"", "b":1, "c":[1, 2]}'],
+        ['{"a":"x"}', '{"a":"x","c":[]}', "{}", '{"b":1,"c":[1,2,3]}']),
+    "object-bare": ({"type": "object", "additionalProperties": {"type": "string"}}, ["{}"], ["[]", "null"]),
+    "object-keys": ({"type": "object", "required": ['a"b', "x.y", "é/~"], "additionalProperties": False,
+                     "properties": {'a"b': {"type": "null"}, "x.y": {"type": "null"}, "é/~": {"type": "null"}}},
+                    [r'{"a\"b":null,"x.y":null,"é/~":null}'], [r'{"a\"b":null,"xzy":null,"é/~":null}']),
+    "array-bounds": ({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3},
+                     ["[1,2]", "[1, 2, 3]"], ["[]", "[1]", "[1,2,3,4]", "[1,,2]", "[1,2,]"]),
+    "array": ({"type": "array", "items": {"type": "boolean"}}, ["[]", "[true]", "[true, false, true]"],
+              ["[,]", "[true,]", "[1]", "[ true]"]),
+    "array-min-1": ({"type": "array", "items": {"type": "null"}, "minItems": 1, "uniqueItems": False},
+                    ["[null]", "[null,null]"], ["[]"]),
+    "array-max-0": ({"type": "array", "items": {"type": "null"}, "maxItems": 0}, ["[]"], ["[null]"]),
+    "array-max-1": ({"type": "array", "items": {"type": "string"}, "maxItems": 1}, ["[]", '["x"]'], ['["x","y"]']),
+    "anyOf": ({"anyOf": [{"type": "string", "maxLength": 1}, {"type": "null"}]}, ['"a"', "null", '""'],
+              ['"ab"', "1"]),
+    "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "boolean"}], "description": "x"}, ["1", "true"], ["null"]),
+    "type-list": ({"type": ["string", "integer", "null"]}, ['"x"', "3", "null"], ["true", "1.5"]),
+    "refs": (REFS, ['{"n":1,"p":{"x":1.5,"y":-2}}', '{"n": 7, "p": {"x": 0, "y": 0}, "q": {"x":1,"y":2}, "t": "abc"}'],
+             ['{"n":0,"p":{"x":1,"y":2}}', '{"n":1,"p":{"x":1}}', '{"n":1,"p":{"x":1,"y":2},"t":"abcd"}']),
+    "allOf-one": ({"allOf": [{"type": "boolean"}], "$comment": "x"}, ["true"], ['"true"']),
+    "nested": (NESTED, ["[]", f'[{{"id":"{UUID}","kind":"a"}}]',
+                        f'[{{"id": "{UUID}", "scores": [1, 2.5], "kind": "b"}}, {{"id":"{UUID}","kind":"a"}}]'],
+               [f'[{{"id":"{UUID}","scores":[],"kind":"a"}}]', f'[{{"id":"{UUID}","kind":"c"}}]',
+                f'[{{"id":"{UUID}","kind":"a"}},{{"id":"{UUID}","kind":"a"}},{{"id":"{UUID}","kind":"a"}}]']),
+}
+
+DIALECT_TOKEN = re.compile(r'\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|[.\\\[\]{}()|*+?"/\-^$])|\(\?:'
+                           r"|\{([0-9]+)(?:,([0-9]*))?\}|[^\\(]", re.S)
+
+
+def assert_dialect(regex: str) -> None:
+    """Only the automaton's constructs, counts at most 1000, ASCII digits only."""
+    i = 0
+    while i < len(regex):
+        match = DIALECT_TOKEN.match(regex, i)
+        assert match, f"not in the dialect at {i}: {regex[i:i + 30]!r}"
+        assert all(int(n) <= 1000 for n in match.groups() if n)
+        i = match.end()
+
+
+def resolve(root: Any, ref: str) -> Any:
+    for part in ref[2:].split("/"):
+        root = root[part.replace("~1", "/").replace("~0", "~")]
+    return root
+
+
+def format_ok(value: str, fmt: str) -> bool:
+    if fmt == "uuid":
+        return len(value) == 36 and str(uuid.UUID(value)) == value.lower()
+    if fmt == "date-time":
+        date, _, time = value.partition("T")
+        return format_ok(date, "date") and format_ok(time, "time")
+    if fmt == "date":
+        m = re.fullmatch(r"([0-9]{4})-([0-9]{2})-([0-9]{2})", value)
+        return bool(m) and 1 <= int(m[2]) <= 12 and 1 <= int(m[3]) <= 31
+    m = re.fullmatch(r"([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]+)?(Z|[+-]([0-9]{2}):([0-9]{2}))", value)
+    return bool(m) and int(m[1]) < 24 and int(m[2]) < 60 and int(m[3]) <= 60 and (
+        m[5] == "Z" or int(m[6]) < 24 and int(m[7]) < 60)
+
+
+def has_type(value: Any, name: str) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {"string": isinstance(value, str), "number": number, "boolean": isinstance(value, bool),
+            "integer": number and float(value).is_integer(), "null": value is None,
+            "object": isinstance(value, dict), "array": isinstance(value, list)}[name]
+
+
+def same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def valid(value: Any, schema: Any, root: Any) -> bool:
+    """A small JSON Schema validator for the keywords the table uses (oneOf with its real meaning)."""
+    if isinstance(schema, bool):
+        return schema
+    if "$ref" in schema:
+        return valid(value, resolve(root, schema["$ref"]), root)
+    types = schema.get("type", [])
+    if not all([any(has_type(value, t) for t in (types if isinstance(types, list) else [types])) or not types,
+                "const" not in schema or same(value, schema["const"]),
+                "enum" not in schema or any(same(value, v) for v in schema["enum"]),
+                "anyOf" not in schema or any(valid(value, s, root) for s in schema["anyOf"]),
+                "oneOf" not in schema or sum(valid(value, s, root) for s in schema["oneOf"]) == 1,
+                all(valid(value, s, root) for s in schema.get("allOf", []))]):
+        return False
+    if isinstance(value, str):
+        return (schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value))
+                and ("pattern" not in schema or re.search(schema["pattern"], value) is not None)
+                and ("format" not in schema or format_ok(value, schema["format"])))
+    if has_type(value, "number"):
+        return (("minimum" not in schema or value >= schema["minimum"])
+                and ("exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"]))
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        return (set(schema.get("required", [])) <= value.keys()
+                and (schema.get("additionalProperties", True) is not False or value.keys() <= properties.keys())
+                and all(valid(v, properties.get(k, True), root) for k, v in value.items()))
+    if isinstance(value, list):
+        return (schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value))
+                and all(valid(v, schema.get("items", True), root) for v in value))
+    return True
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_hand_written_texts(name: str) -> None:
+    schema, good, bad = CASES[name]
+    regex = schema_to_regex(schema)
+    assert_dialect(regex)
+    for text in good:
+        assert valid(json.loads(text), schema, schema), f"the test's own valid text is not valid: {text}"
+        assert re.fullmatch(regex, text), f"{name}: should match {text!r}"
+    for text in bad:
+        assert not re.fullmatch(regex, text), f"{name}: should not match {text!r}"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_generated_texts_are_valid(name: str) -> None:
+    schema = CASES[name][0]
+
+    @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.from_regex(schema_to_regex(schema), fullmatch=True))
+    def check(text: str) -> None:
+        assert valid(json.loads(text), schema, schema), text
+
+    check()
+
+
+def test_generation_restrictions() -> None:
+    """Valid texts the module never generates, and a shape-only format check: the documented restrictions."""
+    never = [(PERSON, '{"age":3,"name":"x"}'), (PERSON, '{ "name":"x"}'), (PERSON, '{"name" :"x"}'),
+             (PERSON, '{"name":"x"} '), ({"const": {"k": "v"}}, '{"k": "v"}'), ({"type": "object"}, '{"a":1}'),
+             ({"type": "string", "minLength": 1}, r'"\ud83d\ude00"'), ({"type": "string", "pattern": "ab"}, '"xab"'),
+             ({"type": "string", "pattern": "^[^a]$"}, r'"\""'), ({"type": "integer"}, "1.0")]
+    for schema, text in never:
+        assert valid(json.loads(text), schema, schema) and not re.fullmatch(schema_to_regex(schema), text), text
+    assert re.fullmatch(schema_to_regex({"type": "string", "format": "date"}), '"2023-02-31"')
+
+
+def test_json_text_input_and_many_optional_properties() -> None:
+    assert schema_to_regex('{"type": "null"}') == "null"
+    names = [f"p{i}" for i in range(60)]
+    schema = {"type": "object", "properties": {n: {"type": "boolean"} for n in names}}
+    regex = schema_to_regex(schema)
+    assert len(regex) < 150_000  # quadratic in the number of optional properties, not exponential
+    for step in (1, 2, 7, 59):
+        text = "{" + ", ".join(f'"{n}": true' for n in names[::step]) + "}"
+        assert re.fullmatch(regex, text)
+    assert not re.fullmatch(regex, '{"p1":true,"p0":true}')
+    required = schema_to_regex({**schema, "required": names})  # all required: linear
+    assert len(required) < 3000 and re.fullmatch(required, "{" + ",".join(f'"{n}":false' for n in names) + "}")
+
+
+def nest(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "null"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema, "maxItems": 1}
+    return schema
+
+
+REFUSALS: list[tuple[Any, str, str]] = [  # schema, keyword or phrase, path
+    ({"type": "object", "properties": {"age": {"type": "integer", "maximum": 5}}}, "'maximum'", "/properties/age"),
+    ({"type": "integer", "minimum": 5}, "'minimum'", "the root"),
+    ({"type": "integer", "minimum": -1}, "'minimum'", "the root"),
+    ({"type": "number", "exclusiveMinimum": 0}, "'exclusiveMinimum'", "the root"),
+    ({"type": "number", "exclusiveMaximum": 1}, "'exclusiveMaximum'", "the root"),
+    ({"type": "integer", "multipleOf": 2}, "'multipleOf'", "the root"),
+    ({"type": "object", "minProperties": 1}, "'minProperties'", "the root"),
+    ({"type": "object", "maxProperties": 1}, "'maxProperties'", "the root"),
+    ({"type": "object", "patternProperties": {"^x": {"type": "null"}}}, "'patternProperties'", "the root"),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, "'propertyNames'", "the root"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired'", "the root"),
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["b"]}, "'required'", "the root"),
+    ({"type": "array"}, "'items'", "the root"),
+    ({"type": "array", "items": {"type": "null"}, "prefixItems": [{"type": "null"}]}, "'prefixItems'", "the root"),
+    ({"type": "array", "items": {"type": "null"}, "contains": {"type": "null"}}, "'contains'", "the root"),
+    ({"type": "array", "items": {"type": "null"}, "uniqueItems": True}, "'uniqueItems'", "the root"),
+    ({"type": "array", "items": {"type": "null"}, "maxItems": 1001}, "'maxItems'", "the root"),
+    ({"type": "array", "items": {"type": "null"}, "minItems": 3, "maxItems": 2}, "'minItems'", "the root"),
+    ({"type": "string", "maxLength": 5000}, "'maxLength'", "the root"),
+    ({"allOf": [{"type": "null"}, {"type": "null"}]}, "'allOf'", "the root"),
+    ({"$ref": "http://example.com/s.json"}, "'$ref'", "the root"),
+    ({"$defs": {}, "anyOf": [{"type": "null"}, {"$ref": "#/$defs/nope"}]}, "'$ref'", "/anyOf/1"),
+    ({"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}}, "$ref": "#/$defs/node"},
+     "recursive", "/$defs/node/properties/next"),
+    (True, "give the value a type", "the root"),
+    ({}, "give the value a type", "the root"),
+    ({"description": "anything"}, "give the value a type", "the root"),
+    ({"type": "array", "items": True}, "give the value a type", "/items"),
+    ({"type": "array", "items": False}, "schema false", "/items"),
+    (False, "schema false", "the root"),
+    ({"type": "string", "not": {"maxLength": 2}}, "'not'", "the root"),
+    ({"type": "object", "properties": {"a": {"if": {"type": "null"}}}}, "'if'", "/properties/a"),
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "required": "a"}, "'required'", "the root"),
+    ({"type": "string", "minLength": -1}, "'minLength'", "the root"),
+    ({"type": "string", "minLength": True}, "'minLength'", "the root"),
+    ({"type": "object", "properties": []}, "'properties'", "the root"),
+    ({"type": "array", "items": [{"type": "null"}]}, "'items'", "the root"),
+    ({"type": "int"}, "'type'", "the root"),
+    ({"enum": []}, "'enum'", "the root"),
+    ({"type": "object", "properties": {"a/b": {"type": "string", "format": "email"}}}, "'format'", "/properties/a~1b"),
+    ({"type": "string", "pattern": '^a"b$'}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "[ -~]+"}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "(?=a)a"}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "\\s+"}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "a{2000}"}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "a^b"}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "a*+"}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "a???"}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "\\1"}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "(a"}, "'pattern'", "the root"),
+    ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "'pattern'", "the root"),
+    ({"type": "string", "format": "date", "minLength": 3}, "'format'", "the root"),
+    ({"enum": ["a", "bbbb"], "maxLength": 3}, "'maxLength'", "the root"),
+    ({"type": "string", "anyOf": [{"maxLength": 3}]}, "'type'", "the root"),
+    ({"type": "integer", "enum": ["a"]}, "'enum'", "the root"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "null"} for i in range(800)}}, "too large", "the root"),
+    ("{not json", "not JSON", "the root"),
+    (nest(3000), "nests too deeply", "the root"),
+]
+
+
+@pytest.mark.parametrize(("schema", "keyword", "path"), REFUSALS, ids=[r[1] for r in REFUSALS])
+def test_refusals_name_the_keyword_and_path(schema: Any, keyword: str, path: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        schema_to_regex(schema)
+    message = str(info.value)
+    assert message.startswith("invalid JSON schema: ") and keyword in message and f"at {path}:" in message, message
