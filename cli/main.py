@@ -5,7 +5,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,7 +13,10 @@ from ..core.errors import ConfigError, InferError, InvalidRequestError
 from ..core.plugins import PluginManager
 from .chat import chat
 from .options import (EngineArgs, changed_sampling, engine_options, refuse_beside_beam_search, refuse_engine_options,
-                      sampling_options)
+                      sampling_options, structured_output_options)
+
+if TYPE_CHECKING:
+    from ..core.request import StructuredOutput
 
 
 class CommandLineError(click.ClickException):
@@ -102,6 +105,7 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
 @click.argument("prompts", nargs=-1)
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
 @sampling_options
+@structured_output_options
 @click.option("--n", type=int, default=1, show_default=True, help="Completions per prompt.")
 @click.option("--logprobs", type=int, default=None, help="With --json: each output token's logprob and the top N "
               "at its position, N in [0, 20] [default: none].")
@@ -131,7 +135,8 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
               "model's chat template: a list of OpenAI messages, or an object of 'messages' and optionally 'tools', "
               "'chat_template_kwargs', 'add_generation_prompt', 'continue_final_message'. Prints each reply alone.")
 @click.pass_context
-def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, sampling: dict[str, Any], n: int,
+def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, sampling: dict[str, Any],
+             structured_output: StructuredOutput | None, n: int,
              logprobs: int | None, prompt_logprobs: int | None, stop: tuple[str, ...], include_stop_str: bool,
              ignore_eos: bool, seed: int | None, beam_width: int, length_penalty: float, stream: bool, stats: bool,
              as_json: bool, chat: bool) -> None:
@@ -158,7 +163,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         raise click.UsageError("--logprobs and --prompt-logprobs print with --json; add it")
     params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed,
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                            include_stop_str_in_output=include_stop_str, **sampling)
+                            include_stop_str_in_output=include_stop_str, structured_output=structured_output,
+                            **sampling)
     try:
         params.validate()
     except InvalidRequestError as exc:  # the options' values
@@ -171,7 +177,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         return click.ClickException(f"{exc}{where}")
 
     if beam_width:
-        others = {"--n": n != 1, "--stop": stop, "--include-stop-str": include_stop_str, "--seed": seed is not None,
+        others = {"--n": n != 1, "--stop": stop, "--regex/--choice/--json-schema": structured_output,
+                  "--include-stop-str": include_stop_str, "--seed": seed is not None,
                   "--stream": stream,
                   "--logprobs": logprobs is not None, "--prompt-logprobs": prompt_logprobs is not None}
         refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
@@ -186,6 +193,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         engine = build_engine(ctx)
         try:  # the options' values against this model (token ids), before any prompt runs
             engine.checker.check_params(params)
+            engine.check_structured_output(params)
         except InvalidRequestError as exc:
             raise CommandLineError(str(exc)) from None
         if stream:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,6 +117,50 @@ tools_option = click.option(
          "model's own format [default: none].")
 
 
+def _read_json_schema(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path!r} ({exc}); give a UTF-8 JSON file", ctx, param) from None
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"{path!r} is not JSON ({exc})", ctx, param) from None
+    return text
+
+
+STRUCTURE_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--regex", default=None, metavar="PATTERN",
+                 help="Each completion is a whole match of this regular expression (Python re syntax without "
+                      "lookarounds or backreferences) [default: free text]."),
+    click.option("--choice", multiple=True, metavar="TEXT",
+                 help="Each completion is exactly one of these strings (repeatable) [default: free text]."),
+    click.option("--json-schema", default=None, metavar="FILE", callback=_read_json_schema,
+                 help="Each completion is a JSON document valid under the JSON schema in FILE (the keywords "
+                      "supported: docs/cli.md) [default: free text]."),
+]
+
+
+def structured_output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--regex, --choice and --json-schema: the command receives one ``structured_output`` keyword, a
+    StructuredOutput or None (a usage error when more than one is given)."""
+    @functools.wraps(fn)
+    def collect(*args: Any, **kwargs: Any) -> Any:
+        from ..core.request import StructuredOutput
+
+        given = {name: value for name in ("regex", "choice", "json_schema") if (value := kwargs.pop(name))}
+        if len(given) > 1:
+            raise click.UsageError(f"give one of --regex, --choice and --json-schema, not "
+                                   f"{' and '.join('--' + name.replace('_', '-') for name in given)}")
+        return fn(*args, structured_output=StructuredOutput(**given) if given else None, **kwargs)
+
+    for option in reversed(STRUCTURE_OPTIONS):
+        collect = option(collect)
+    return collect
+
+
 def refuse_beside_beam_search(given: list[str]) -> None:
     """--beam-width's usage error for the options ``given`` with it."""
     if given:
@@ -208,6 +253,9 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="Read the tool calls out of the replies of chats that offer tools, in the model's format: "
                       "hermes (Qwen 2.5/3, Hermes), llama3-json (Llama 3.1/3.2) or pythonic (Llama 3.2/4), or a "
                       "plugin's [default: none: replies stay text]."),
+    click.option("--structured-output-backend", default=None, metavar="NAME",
+                 help="Compiles each request's structured output (--regex, --choice, --json-schema; "
+                      "SamplingParams.structured_output) into token masks: fsm, or a plugin's [default: fsm]."),
     click.option("--chat-template", default=None, metavar="FILE",
                  help="A Jinja chat template file that renders conversations (infer chat, chat prompts) in place of "
                       "the model's own [default: the tokenizer's chat_template, if any]."),
@@ -268,7 +316,7 @@ FIELD_OF_OPTION = {
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
-    "tool_parser": "tool_parser",
+    "tool_parser": "tool_parser", "structured_output_backend": "structured_output_backend",
     "chat_template": "chat_template", "default_chat_template_kwargs": "default_chat_template_kwargs",
     "sanitize_chat_control_tokens": "sanitize_chat_control_tokens",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]
@@ -342,6 +390,7 @@ class EngineArgs:
             plugins.registry("proposer").entry(config.proposer)
         if config.tool_parser:
             plugins.registry("tool_parser").entry(config.tool_parser)
+        plugins.registry("structured_output_backend").entry(config.structured_output_backend)
         if "swap_space_gb" in self.values and config.preemption_mode != "swap":
             log.warning("--swap-space-gb is unused: it sizes the host swap of --preemption swap, and preemption is %r",
                         config.preemption_mode)

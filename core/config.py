@@ -34,6 +34,7 @@ COMPONENT_FIELDS = {
     "eviction_policy": "eviction_policy",
     "proposer": "proposer",
     "tool_parser": "tool_parser",
+    "structured_output_backend": "structured_output_backend",
 }
 
 
@@ -49,6 +50,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     proposer: str | None = None  # speculative decoding off when None
     tool_parser: str | None = None  # None: a chat's reply stays text, tool calls included
+    structured_output_backend: str = "fsm"  # compiles SamplingParams.structured_output (built at the first use)
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_num_seqs: int = 256

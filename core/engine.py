@@ -22,7 +22,7 @@ from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
-from .interfaces import SchedulerOutput
+from .interfaces import SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
 from .plugins import Blame, PluginManager, checked_manager
@@ -30,6 +30,7 @@ from .readers import Reader, Readers
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
 from .runner import PENDING_TOKEN, Batch, InFlight
 from .sampling import to_device
+from .structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
     from ..spec_decode.decoder import SpecDecoder
@@ -83,6 +84,11 @@ class Engine:
         # tokenizer's eos serves a checkpoint that names none
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.eos_token_ids = frozenset(self.loaded.generation_eos or spec.eos_token_ids or tokenizer_eos)
+        self.structured = StructuredOutputs(self.plugins.build(
+            "structured_output_backend", config.structured_output_backend, StructuredOutputBackend, config,
+            Vocabulary(self.tokenizer, spec.vocab_size, self.eos_token_ids, self.loaded.device)),
+            config.structured_output_backend, spec.vocab_size)
+        self.runner.structured = self.structured
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
                        "eviction_policy": config.eviction_policy, "quant": self.loaded.quant_name or "none",
                        "proposer": config.proposer or "none", "tool_parser": config.tool_parser or "none"}
@@ -105,6 +111,7 @@ class Engine:
             "eviction_policy": (config.eviction_policy, parts.eviction),
             "attention_backend": (config.attention, self.attention),
             "proposer": (config.proposer, parts.proposer), "tool_parser": (config.tool_parser, parts.tool_parser),
+            "structured_output_backend": (config.structured_output_backend, self.structured.backend),
             "quant_method": (self.loaded.quant_name, self.loaded.quant),
             "model": (self.loaded.architecture, self.loaded.model)})
         self._seq_ids = itertools.count()
@@ -144,6 +151,7 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.checker.check(prompt, params)
+        self.check_structured_output(params)
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
@@ -165,10 +173,22 @@ class Engine:
         ``check``), else returns the prompt's ids."""
         params = params or SamplingParams()
         ids = self.checker.check(prompt, params)
+        self.check_structured_output(params)
         with self._plugin_code():
             self.scheduler.check(Sequence(-1, "", ids, params, 0.0, eos_token_ids=self.eos_token_ids,
                                           max_model_len=self.max_model_len))
         return ids
+
+    def check_structured_output(self, params: SamplingParams) -> None:
+        """Compile the structured output of ``params`` now (cached): InvalidRequestError for one the backend cannot
+        follow, or for any on a model without EOS (add_request and check_request call it)."""
+        if params.structured_output is None:
+            return
+        if not self.eos_token_ids:
+            raise InvalidRequestError("structured_output needs an EOS token to end the output with, and this model "
+                                      "has none (generation_config.json, config.json and the tokenizer name none)")
+        with self._plugin_code():
+            self.structured.grammar(params.structured_output)
 
     def check_requests(self, prompts: Seq[Prompt], params: SamplingParams | None = None) -> None:
         """:meth:`check_request` for each prompt; an error names the bad one's position, as generate's do."""
@@ -430,6 +450,7 @@ class Engine:
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
             self.runner.controls.release(seq.seq_id)
+            self.structured.release(seq.seq_id)
             self.stats.output_tokens += seq.num_output_tokens
         output.metrics.update(self.stats.record_finished(req.seqs, req.arrival))
         output.num_cached_tokens = max(seq.num_cached_tokens for seq in req.seqs)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from .config import EngineConfig
     from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Model, Proposer, QuantMethod, Scheduler,
-                             ToolParser)
+                             StructuredOutputBackend, ToolParser, Vocabulary)
     from .loader import LoadedModel
     from .plugins import PluginManager
     from .metrics import StepStats
@@ -33,6 +33,7 @@ QuantMethodFactory = Callable[["EngineConfig", "dict[str, Any] | None"], "QuantM
 ProposerFactory = Callable[["EngineConfig", "LoadedModel", "PluginManager"], "Proposer"]
 ModelFactory = Callable[["dict[str, Any]", "QuantMethod | None", "torch.dtype", "EngineConfig"], "Model"]
 ToolParserFactory = Callable[["EngineConfig", Any], "ToolParser"]
+StructuredOutputBackendFactory = Callable[["EngineConfig", "Vocabulary"], "StructuredOutputBackend"]
 CommandFactory = Callable[[], "click.Command"]
 
 
@@ -104,6 +105,17 @@ def register_tool_parsers(register: Register[ToolParserFactory]) -> None:
     whose tokenizer is given (a parser of a format marked by special tokens decodes ``token_ids`` with it). The
     engine gives it the reply of every chat that offered tools, once the reply is finished. Selected by
     ``--tool-parser NAME``.
+    """
+
+
+@hookspec
+def register_structured_output_backends(register: Register[StructuredOutputBackendFactory]) -> None:
+    """Register compilers of structured outputs (regex, choice, JSON schema) into token masks.
+
+    ``factory(config, vocabulary)`` returns a :class:`~infer.core.interfaces.StructuredOutputBackend` for the
+    model whose :class:`~infer.core.interfaces.Vocabulary` is given. The engine compiles each request's
+    ``SamplingParams.structured_output`` at admission and masks each of its sampled rows with its matcher's
+    ``allowed()``. Selected by ``--structured-output-backend NAME``.
     """
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .chat_tools import ParsedReply
 from .errors import CheckpointError, PluginError
-from .request import FinishReason, Sequence
+from .request import FinishReason, Sequence, StructuredOutput
 
 if TYPE_CHECKING:
     import torch
@@ -489,6 +489,48 @@ class ToolParser(ABC):
         """The reply's content and calls. ``text`` is the reply as the engine output it (special tokens left
         out, cut at a stop string); ``token_ids`` its tokens, for formats marked by special tokens. A reply
         without a call, or with one that does not parse, is all content: nothing of the text may be lost."""
+
+
+# ---------------------------------------------------------------- structured output
+@dataclass(frozen=True)
+class Vocabulary:
+    """The model's vocabulary as a structured-output backend sees it."""
+
+    tokenizer: Any
+    size: int  # the logits' width (it may exceed the tokenizer's: ids past it are never allowed)
+    eos_token_ids: frozenset[int]  # what ends an output: allowed once the output is complete
+    device: torch.device  # where masks go: the logits' device
+
+
+class StructuredOutputBackend(ABC):
+    """Compiles a request's :class:`~infer.core.request.StructuredOutput` into a grammar over the vocabulary."""
+
+    @abstractmethod
+    def compile(self, spec: StructuredOutput) -> Grammar:
+        """The grammar of ``spec``, shareable by every request that gives an equal spec (the engine caches it).
+        Raise InvalidRequestError, saying what to change, for a spec this backend cannot follow."""
+
+
+class Grammar(ABC):
+    """A compiled structured output."""
+
+    @abstractmethod
+    def matcher(self) -> GrammarMatcher:
+        """A new matcher at the start of an output (one per sequence)."""
+
+
+class GrammarMatcher(ABC):
+    """The state of one sequence's output within its grammar."""
+
+    @abstractmethod
+    def allowed(self) -> torch.Tensor:
+        """A bool mask [vocabulary.size] on vocabulary.device of the tokens that may come next: those that keep
+        the output a prefix of a whole one, and EOS when the output is whole. Never all False. The engine does
+        not change the tensor (a backend may hand out the same one for the same state)."""
+
+    @abstractmethod
+    def advance(self, token_id: int) -> None:
+        """Take the token the sequence sampled, one that :meth:`allowed` allowed (ValueError otherwise)."""
 
 
 # ---------------------------------------------------------------- models

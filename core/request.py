@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .chat_tools import ToolCall
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, require_utf8
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
@@ -17,6 +18,56 @@ MAX_STOP_LENGTH = 1024
 MAX_TEMPERATURE = 1e6
 MAX_REPETITION_PENALTY = 1e3
 MAX_LOGIT_BIAS = 1024  # entries; each costs a scatter element per step
+MAX_CHOICES = 1024
+MAX_STRUCTURE_CHARS = 100_000  # a regex, the choices together, or a JSON schema's text
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must be, whole: a match of ``regex`` (Python ``re`` syntax, a subset: see
+    plugins/regex_fsm.py), one of the strings in ``choice``, or a JSON document valid under ``json_schema`` (a dict
+    or its JSON text). Exactly one is given. The engine's structured-output backend (``--structured-output-backend``)
+    masks every token that cannot continue such an output; EOS is allowed once the output is complete."""
+
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_schema: str | None = None  # kept as JSON text, so that the spec is hashable (its compiled form is cached)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json_schema, (dict, bool)):  # key order kept: it is the order properties are generated in
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema, ensure_ascii=False))
+
+    @property
+    def kind(self) -> str:
+        """"regex", "choice" or "json_schema": the field that is set (validated)."""
+        return next(name for name in ("regex", "choice", "json_schema") if getattr(self, name) is not None)
+
+    def validate(self) -> None:
+        """InvalidRequestError naming what is wrong: not exactly one field, a field of the wrong type, too long."""
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameters: structured_output {msg}")
+
+        given = [name for name in ("regex", "choice", "json_schema") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise bad(f"takes exactly one of regex, choice and json_schema; got {', '.join(given) or 'none'}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise bad(f"regex must be a string, got {type(self.regex).__name__}")
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise bad(f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}")
+        if self.choice is not None:
+            if not isinstance(self.choice, tuple) or not self.choice or \
+                    any(not isinstance(c, str) or not c for c in self.choice):
+                raise bad(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            if len(self.choice) > MAX_CHOICES:
+                raise bad(f"choice may hold at most {MAX_CHOICES} strings, got {len(self.choice)}")
+        size = sum(map(len, self.choice)) if self.choice is not None else len(getattr(self, given[0]))
+        if size > MAX_STRUCTURE_CHARS:
+            raise bad(f"{given[0]} has {size} characters, over the {MAX_STRUCTURE_CHARS} allowed; simplify it")
+        for text in (self.regex, self.json_schema, *(self.choice or ())):
+            if text is not None:
+                require_utf8(text, f"structured_output's {given[0]}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +98,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's: keep the stop string, or the text of the EOS / stop token, that ended the text (token_ids always do)
     include_stop_str_in_output: bool = False
+    # the output's shape (a regex, a choice of strings, a JSON schema), enforced token by token; None: free text
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # accept lists from callers, keep the dataclass hashable; anything else is left for validate() to name
@@ -131,9 +184,24 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         self._validate_logit_bias(bad)
+        self._validate_structure(bad)
         if not _is_int(self.priority) or abs(self.priority) >= 2**31:
             raise bad(f"priority must be an integer in (-2**31, 2**31) (higher is kept longer by the priority "
                       f"eviction policy), got {self.priority!r}")
+
+    def _validate_structure(self, bad: Callable[[str], InvalidRequestError]) -> None:
+        spec = self.structured_output
+        if spec is None:
+            return
+        if not isinstance(spec, StructuredOutput):
+            raise bad(f"structured_output must be an infer.StructuredOutput, got {type(spec).__name__}")
+        spec.validate()
+        # a whole output ends at EOS: with ignore_eos nothing could follow it, and min_tokens could forbid the EOS
+        # that is the only token left
+        for name, value in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens)):
+            if value:
+                raise bad(f"{name} cannot be combined with structured_output: a structured output ends at EOS as "
+                          f"soon as it is complete; drop {name}")
 
     def _validate_logit_bias(self, bad: Callable[[str], InvalidRequestError]) -> None:
         bias = self.logit_bias

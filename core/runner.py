@@ -16,6 +16,7 @@ from .prompt_logprobs import PromptRows, collect, prompt_rows
 from .request import SamplingParams, Sequence
 from .sampling import PendingSample, Sampler, SampleResult, to_device
 from .staging import Uploader
+from .structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs, MixedGraphs
@@ -128,6 +129,7 @@ class ModelRunner:
                               "--kv-cache-memory-gb (or --swap-space-gb)") from exc
         self.sampler = Sampler(device, seed)
         self.controls = LogitControls(device)
+        self.structured: StructuredOutputs | None = None  # the engine's, when it has a structured-output backend
         self.uploader = Uploader(device)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
@@ -317,12 +319,16 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences), whose
-        logit controls (penalties, min_tokens) apply to its row."""
+        logit controls (penalties, min_tokens) and structured output apply to its row."""
         return self.sample_pending(logits, seqs).result()
 
     def sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """``sample`` without waiting for the device (async scheduling reads the tokens a step later)."""
-        pending = self.sampler.sample_pending(logits, *self._sampling_args(seqs), self.controls.apply(logits, seqs))
+        controlled = self.controls.apply(logits, seqs)
+        if self.structured is not None and (masked := self.structured.apply(
+                logits if controlled is None else controlled, seqs)) is not None:
+            controlled = masked
+        pending = self.sampler.sample_pending(logits, *self._sampling_args(seqs), controlled)
         self.controls.record(pending.device_tokens, seqs)
         return pending
 

@@ -8,13 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..cli.options import chat_template_kwargs_option, sampling_options, tools_option
+from ..cli.options import chat_template_kwargs_option, sampling_options, structured_output_options, tools_option
 from ..core.errors import InferError
 from ..core.hookspecs import CommandFactory, hookimpl
 from ..core.registry import Register
 
 if TYPE_CHECKING:
     import grpc
+
+    from ..core.request import StructuredOutput
 
 TOKEN_ENV = "INFER_SERVER_TOKEN"
 
@@ -71,6 +73,7 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
               checked_target(value), help="host:port of `infer serve` (or a gRPC target such as unix:PATH).")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @sampling_options
+@structured_output_options
 @click.option("--n", type=int, default=1, show_default=True, help="Completions (more than 1 disables streaming).")
 @click.option("--seed", type=int, default=None, help="Seed of the request's sampling (reproducible).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
@@ -96,7 +99,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--stats", is_flag=True,
               help="Print the server's GetStats as JSON to stderr after a call that succeeded.")
 @click.pass_context
-def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any], n: int,
+def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any],
+           structured_output: StructuredOutput | None, n: int,
            seed: int | None, stop: tuple[str, ...], include_stop_str: bool, ignore_eos: bool, no_speculative: bool,
            beam_width: int, length_penalty: float, chat: bool, system: str | None, token: str | None, tls: bool,
            tls_ca: Path | None, timeout: float | None, stats: bool, chat_template_kwargs: dict[str, Any],
@@ -116,12 +120,14 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
 
     if beam_width:
         others = {"--n": n != 1, "--stop": stop, "--include-stop-str": include_stop_str, "--seed": seed is not None,
-                  "--no-speculative": no_speculative}
+                  "--no-speculative": no_speculative, "--regex/--choice/--json-schema": structured_output}
         refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
     elif ctx.get_parameter_source("length_penalty") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--length-penalty scores beam search's hypotheses; add --beam-width W", ctx)
     sampling = dict(sampling, max_tokens=max_tokens, n=n, stop=list(stop), ignore_eos=ignore_eos,
                     include_stop_str_in_output=include_stop_str)
+    if structured_output is not None:
+        sampling["structured_output"] = structured_output
     if no_speculative:
         sampling["speculative"] = False
     if seed is not None:

@@ -9,7 +9,7 @@ import grpc
 from ..core.chat import ChatPrompt, Prompt, parse_template_kwargs
 from ..core.chat_tools import parse_tools
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
-from ..core.request import CompletionOutput, FinishReason, SamplingParams
+from ..core.request import CompletionOutput, FinishReason, SamplingParams, StructuredOutput
 from . import infer_pb2 as pb
 from .worker import ServerUnavailable
 
@@ -61,9 +61,25 @@ def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:
     kwargs: dict[str, Any] = {name: getattr(p, name) for name in _OPTIONAL_SCALARS if p.HasField(name)}
     params = SamplingParams(stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop), ignore_eos=p.ignore_eos,
                             priority=request.priority, logit_bias=dict(p.logit_bias),
-                            include_stop_str_in_output=p.include_stop_str_in_output, **kwargs)
+                            include_stop_str_in_output=p.include_stop_str_in_output,
+                            structured_output=_structure_of(p) if p.HasField("structured_output") else None, **kwargs)
     params.validate()
     return params
+
+
+def _structure_of(params: pb.SamplingParams) -> StructuredOutput:
+    which = params.structured_output.WhichOneof("kind")
+    if which is None:
+        raise InvalidRequestError("invalid sampling parameters: structured_output sets none of regex, choice and "
+                                  "json_schema; set one, or leave structured_output unset for free text")
+    value = getattr(params.structured_output, which)
+    return StructuredOutput(**{which: tuple(value.choices) if which == "choice" else value})
+
+
+def structure_to_proto(spec: StructuredOutput) -> pb.StructuredOutput:
+    if spec.choice is not None:
+        return pb.StructuredOutput(choice=pb.Choices(choices=spec.choice))
+    return pb.StructuredOutput(**{spec.kind: getattr(spec, spec.kind)})
 
 
 def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any) -> pb.SamplingParams:
@@ -77,6 +93,11 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
         for name in ("logprobs", "prompt_logprobs"):
             if fields.get(name) is None:
                 fields.pop(name)
+        if params.structured_output is not None:
+            fields["structured_output"] = params.structured_output
+    if isinstance(spec := fields.get("structured_output"), StructuredOutput):
+        spec.validate()
+        fields["structured_output"] = structure_to_proto(spec)
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
     if isinstance(pairs := fields.get("logit_bias"), (list, tuple)):  # SamplingParams keeps (token, bias) pairs

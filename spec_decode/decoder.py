@@ -115,7 +115,8 @@ class SpecDecoder:
         the context."""
         seq = item.seq
         decoding = item.num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
-        if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative or controls_now(seq):
+        if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative or controls_now(seq) or \
+                seq.params.structured_output is not None:  # its drafts would need the grammar's masks
             return 0
         left = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens)
         return min(self.k, left - 1)

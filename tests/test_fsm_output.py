@@ -1,0 +1,144 @@
+"""The fsm structured-output backend's token masks: each state's allowed tokens equal what the `regex` module's
+partial matching (an independent regex engine) says of each token's bytes, non-ASCII characters and tokens that
+end inside a UTF-8 character included; the UTF-8 intervals against every code point; the refusals."""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import regex
+import torch
+
+from infer.core.errors import InvalidRequestError
+from infer.core.interfaces import Vocabulary
+from infer.core.loader import load_tokenizer
+from infer.core.request import StructuredOutput
+from infer.plugins.fsm_output import FsmBackend, FsmMatcher, code_points, step
+from test_structured_output import readable
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint: Callable[[str], Path]) -> object:
+    return load_tokenizer(checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer: object) -> FsmBackend:
+    return FsmBackend(Vocabulary(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}), torch.device("cpu")))
+
+
+def readings(data: bytes, pattern: str) -> list[str]:
+    """``data`` as text; when it ends inside a character, once per character it could finish as among the least
+    one and the pattern's own characters (exact for patterns whose classes list their non-ASCII characters, or hold
+    every character such a beginning spans)."""
+    least = readable(data)
+    if least is None:
+        return []
+    whole = data.decode("utf-8", "ignore")
+    tail = data[len(whole.encode("utf-8")):]
+    return [least] + [whole + c for c in set(pattern) if tail and c.encode("utf-8").startswith(tail)]
+
+
+def oracle(backend: FsmBackend, pattern: str, data: bytes) -> set[int]:
+    """The tokens that may follow the output bytes ``data``, by regex's partial fullmatch over each token's bytes
+    (an unfinished last character stands for the characters its bytes may begin), and EOS when ``data`` is a whole
+    match."""
+    compiled = regex.compile(pattern)
+    table = backend.index.table
+    allowed = {t for t, piece in enumerate(table) if piece and any(
+        compiled.fullmatch(text, partial=True) for text in readings(data + piece, pattern))}
+    if (whole := readable(data)) is not None and data.decode("utf-8", "ignore") == whole and compiled.fullmatch(whole):
+        allowed |= backend.vocabulary.eos_token_ids
+    return allowed
+
+
+@pytest.mark.parametrize("pattern", [
+    "[éü日本語]+x?",  # 2- and 3-byte characters only: tokens that end inside one are allowed if it can finish
+    "[a-z]{2,5}( [a-z]+)*",
+    r'"([^"\\]|\\["\\n])*"',  # a quoted string: almost every token is allowed inside it
+    ".{0,3}",
+    r"-?(0|[1-9][0-9]*)(\.[0-9]+)?",
+])
+def test_masks_equal_partial_matching_along_random_walks(backend: FsmBackend, pattern: str) -> None:
+    """Walk random allowed tokens; at every state, the mask is exactly the oracle's set. The tokenizer is a byte-
+    level BPE trained on English-like text, so it has tokens ending inside a character (its byte alphabet)."""
+    grammar = backend.compile(StructuredOutput(regex=pattern))
+    rng = random.Random(0)
+    eos = backend.vocabulary.eos_token_ids
+    for walk in range(3):
+        matcher, data = grammar.matcher(), b""
+        for _ in range(8):
+            allowed = set(torch.nonzero(matcher.allowed()).flatten().tolist())
+            assert allowed == oracle(backend, pattern, data), (pattern, data)
+            choices = sorted(allowed - eos)
+            if not choices:
+                break
+            token = rng.choice(choices)
+            matcher.advance(token)
+            data += backend.index.table[token]
+
+
+def test_the_walk_over_sorted_tokens_equals_a_walk_of_each_token(backend: FsmBackend) -> None:
+    """The skip over a dead prefix leaves out exactly the tokens that cannot follow (each token stepped alone)."""
+    grammar = backend.compile(StructuredOutput(regex=r"(de|def|class|import)( [a-z_]+)+\(?"))
+    start = (grammar.automaton.start, b"")
+    alone = []
+    for token, data in enumerate(backend.index.table):
+        state = start if data else None
+        for byte in data or b"":
+            state = step(grammar.automaton, state, byte) if state is not None else None
+        if state is not None:
+            alone.append(token)
+    assert sorted(grammar.allowed_ids(start)) == alone and alone
+
+
+def test_utf8_prefix_intervals_equal_every_code_points_encoding() -> None:
+    """code_points(prefix) is the least and greatest code point whose UTF-8 starts with prefix (one and two bytes of
+    every lead; surrogates, which UTF-8 cannot hold, bound the ED interval)."""
+    spans: dict[bytes, list[int]] = {}
+    for code in range(0x80, 0x110000):
+        if 0xD800 <= code <= 0xDFFF:
+            continue
+        encoded = chr(code).encode("utf-8")
+        for cut in range(1, len(encoded)):
+            span = spans.setdefault(encoded[:cut], [code, code])
+            span[1] = code
+    for prefix, (lo, hi) in spans.items():
+        assert code_points(prefix) == (lo, hi), prefix
+    for lead in (0x80, 0xBF, 0xC0, 0xC1, 0xF5, 0xFF):  # never a lead byte
+        assert code_points(bytes((lead,))) is None
+    assert code_points(b"\xe0\x80") is None and code_points(b"\xed\xa0") is None  # overlong; a surrogate
+
+
+def test_eos_ends_a_whole_output_and_nothing_else_is_taken_after_it(backend: FsmBackend) -> None:
+    grammar = backend.compile(StructuredOutput(choice=("yes", "no")))
+    matcher = grammar.matcher()
+    eos = next(iter(backend.vocabulary.eos_token_ids))
+    assert not matcher.allowed()[eos]
+    for token in backend.vocabulary.tokenizer.encode("no"):
+        matcher.advance(token)
+    assert torch.nonzero(matcher.allowed()).flatten().tolist() == [eos]  # "no" has no continuation
+    matcher.advance(eos)
+    with pytest.raises(ValueError, match="not allowed"):
+        matcher.advance(eos)
+
+
+def test_a_token_the_mask_disallowed_is_refused(backend: FsmBackend) -> None:
+    matcher: FsmMatcher = backend.compile(StructuredOutput(regex="[0-9]+")).matcher()
+    letter = backend.vocabulary.tokenizer.encode("a")[0]
+    assert not matcher.allowed()[letter]
+    with pytest.raises(ValueError, match="not allowed"):
+        matcher.advance(letter)
+    with pytest.raises(ValueError, match="not allowed"):
+        matcher.advance(next(iter(backend.vocabulary.eos_token_ids)))  # an empty output is no match
+
+
+def test_a_tokenizer_that_is_not_byte_level_is_refused() -> None:
+    class WordTokenizer:  # no backend tokenizer: its tokens are not fixed byte strings
+        eos_token_id = 0
+
+    backend = FsmBackend(Vocabulary(WordTokenizer(), 10, frozenset({0}), torch.device("cpu")))
+    with pytest.raises(InvalidRequestError, match="byte-level BPE"):
+        backend.compile(StructuredOutput(regex="a"))

@@ -1,0 +1,291 @@
+"""Structured output (SamplingParams.structured_output) against references: a greedy loop over the HF transformers
+model whose every step keeps only the tokens that the `regex` module's partial matching (an independent regex
+engine) says can continue a match, and EOS once the text is a whole match; Python's json and a hand check for
+JSON schemas; token masks against a per-token walk. Also: sampling, n > 1, async scheduling, speculative decoding
+beside, and every refusal."""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+from pathlib import Path
+
+import pytest
+import regex
+import torch
+
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.errors import InvalidRequestError
+from infer.core.request import FinishReason, SamplingParams, StructuredOutput
+from infer.models.tiny import PRETRAINED_DIR
+
+PROMPT = [5, 17, 42, 99, 3, 250, 5, 17, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def engine(path: Path) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=128))
+
+
+@pytest.fixture(scope="module")
+def token_bytes(engine: Engine) -> list[bytes | None]:
+    """Each token's bytes by the tokenizer's own byte alphabet (transformers' GPT-2 table, not infer's), None for
+    special tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    tokenizer = engine.tokenizer
+    special = set(tokenizer.all_special_ids)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(engine.loaded.model.spec.vocab_size)))
+    return [None if token is None or t in special else bytes(byte_of[c] for c in token)
+            for t, token in enumerate(tokens)]
+
+
+def readable(data: bytes) -> str | None:
+    """``data`` as text, an unfinished last character replaced by the least one its bytes can begin (None: not
+    UTF-8): exact for classes that hold all or none of the characters such a beginning spans."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            head = data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        tail = data[cut:]
+        if not tail:
+            return head
+        size = 2 if tail[0] < 0xE0 else 3 if tail[0] < 0xF0 else 4
+        filler = {0xE0: b"\xa0", 0xF0: b"\x90"}.get(tail[0], b"\x80") if len(tail) == 1 else b"\x80"
+        try:
+            return head + (tail + filler + b"\x80" * (size - len(tail) - 1)).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def reference_greedy(path: Path, pattern: str, table: list[bytes | None], eos: frozenset[int], max_tokens: int
+                     ) -> list[int]:
+    """Greedy decoding over the HF model, each step's argmax taken over the tokens whose bytes keep the output a
+    prefix of a match (regex's partial fullmatch), and EOS when the output is a whole match."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out: list[int] = []
+    data = b""
+    compiled = regex.compile(pattern)
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + out])).logits[0, -1]
+        allowed = [t for t, piece in enumerate(table) if piece and (text := readable(data + piece)) is not None
+                   and compiled.fullmatch(text, partial=True)]
+        if (whole := readable(data)) is not None and data.decode("utf-8", "ignore") == whole and \
+                compiled.fullmatch(whole):
+            allowed += sorted(eos)
+        token = max(allowed, key=lambda t: logits[t].item())
+        out.append(token)
+        if token in eos:
+            break
+        data += table[token]
+    return out
+
+
+SPECS = [
+    StructuredOutput(regex=r"[0-9]{3}-[a-z]+"),
+    StructuredOutput(regex=r"(yes|no|maybe)!?"),
+    StructuredOutput(choice=("def", "class Foo", "import os")),
+    StructuredOutput(json_schema={"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                                   "age": {"type": "integer"}},
+                                  "required": ["name", "age"]}),
+]
+
+
+def pattern_of(spec: StructuredOutput) -> str:
+    from infer.plugins.fsm_output import escape
+    from infer.plugins.json_schema_regex import schema_to_regex
+
+    if spec.choice is not None:
+        return "|".join(escape(c) for c in spec.choice)
+    return schema_to_regex(spec.json_schema) if spec.json_schema is not None else spec.regex
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.kind)
+def test_greedy_equals_a_masked_hf_loop(engine: Engine, path: Path, token_bytes: list[bytes | None],
+                                        spec: StructuredOutput) -> None:
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, structured_output=spec))[0]
+    completion = out.outputs[0]
+    assert completion.token_ids == reference_greedy(path, pattern_of(spec), token_bytes, engine.eos_token_ids, 24)
+    if completion.finish_reason is FinishReason.STOP:
+        assert re.fullmatch(pattern_of(spec), completion.text)
+    if spec.json_schema is not None and completion.finish_reason is FinishReason.STOP:
+        value = json.loads(completion.text)
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int) and len(value["name"]) <= 6
+
+
+def test_sampled_outputs_match_the_pattern(engine: Engine) -> None:
+    """Temperature 1 with n = 3: every completion ends at EOS as a whole match, or at max_tokens as a prefix of
+    one."""
+    pattern = r"(ab|cd)+[0-9]{1,3}"
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7, structured_output=StructuredOutput(
+        regex=pattern))
+    for out in engine.generate([PROMPT, PROMPT[:4]], params):
+        for completion in out.outputs:
+            if completion.finish_reason is FinishReason.STOP:
+                assert re.fullmatch(pattern, completion.text), completion.text
+            else:
+                assert regex.fullmatch(pattern, completion.text, partial=True), completion.text
+
+
+def test_unstructured_requests_beside_are_unchanged(engine: Engine) -> None:
+    plain = SamplingParams(max_tokens=16, temperature=0)
+    alone = engine.generate([PROMPT], plain)[0].outputs[0].token_ids
+    structured = SamplingParams(max_tokens=16, temperature=0, structured_output=StructuredOutput(regex="[a-z ]+"))
+    mixed = engine.generate([PROMPT, PROMPT, PROMPT[:5]], [plain, structured, plain])
+    assert mixed[0].outputs[0].token_ids == alone
+    assert re.fullmatch("[a-z ]*", mixed[1].outputs[0].text)
+
+
+def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
+    """On the shipped pair: the same structured greedy outputs synchronously, under async scheduling (the masks
+    follow the tokens read back a step late) and with the draft model proposing for the plain requests beside."""
+    model = str(PRETRAINED_DIR / "target")
+    prompts = ["def fibonacci(n):", "import os\n", "class Point:"]
+    spec = StructuredOutput(regex=r"\n    (return|if|for) [a-z_]+( [=<>+-]+ [a-z0-9_]+)?:?\n")
+    params = [SamplingParams(max_tokens=20, temperature=0, structured_output=spec),
+              SamplingParams(max_tokens=20, temperature=0),
+              SamplingParams(max_tokens=20, temperature=0, structured_output=StructuredOutput(
+                  choice=(" # a point", " pass")))]
+    results = []
+    for options in ({}, {"async_scheduling": True}, {"proposer": "draft-model", "num_speculative_tokens": 3}):
+        engine = Engine(EngineConfig(model=model, device="cpu", num_kv_blocks=64, **options))
+        results.append([[c.token_ids for c in out.outputs] for out in engine.generate(prompts, params)])
+    assert results[0] == results[1] == results[2]
+    assert re.fullmatch(r"\n    (return|if|for) [a-z_]+( [=<>+-]+ [a-z0-9_]+)?:?\n",
+                        engine.tokenizer.decode(results[0][0][0], skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("spec, words", [
+    (StructuredOutput(regex="(a"), "regex"),
+    (StructuredOutput(regex=r"(a)\1"), "backreference"),
+    (StructuredOutput(json_schema={"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}}}),
+     "maximum"),
+    (StructuredOutput(json_schema="{not json"), "JSON"),
+])
+def test_a_spec_the_backend_cannot_follow_is_refused_at_admission(engine: Engine, spec: StructuredOutput,
+                                                                  words: str) -> None:
+    with pytest.raises(InvalidRequestError, match=words):
+        engine.add_request(PROMPT, SamplingParams(structured_output=spec))
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("params, words", [
+    (SamplingParams(structured_output=StructuredOutput()), "exactly one"),
+    (SamplingParams(structured_output=StructuredOutput(regex="a", choice=("b",))), "exactly one"),
+    (SamplingParams(structured_output=StructuredOutput(choice=())), "non-empty"),
+    (SamplingParams(structured_output=StructuredOutput(choice=("a", ""))), "non-empty"),
+    (SamplingParams(structured_output=StructuredOutput(regex=5)), "string"),  # type: ignore[arg-type]
+    (SamplingParams(structured_output="[a-z]+"), "infer.StructuredOutput"),  # type: ignore[arg-type]
+    (SamplingParams(ignore_eos=True, structured_output=StructuredOutput(regex="a")), "ignore_eos"),
+    (SamplingParams(min_tokens=2, structured_output=StructuredOutput(regex="a+")), "min_tokens"),
+    (SamplingParams(structured_output=StructuredOutput(regex="a" * 100_001)), "characters"),
+])
+def test_malformed_specs_are_refused(params: SamplingParams, words: str) -> None:
+    with pytest.raises(InvalidRequestError, match=words):
+        params.validate()
+
+
+def test_a_model_without_eos_is_refused(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "eos_token_ids", frozenset())
+    with pytest.raises(InvalidRequestError, match="EOS"):
+        engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(regex="a")))
+
+
+def test_the_spec_travels_over_grpc(engine: Engine, serve_engine: Any) -> None:
+    """Each kind of spec round-trips through the proto; a served request is structured as one run in process;
+    a spec the server's backend refuses is INVALID_ARGUMENT with its message."""
+    import grpc
+
+    from infer.server.client import build_request
+    from infer.server.convert import sampling_params_of
+
+    specs = [SPECS[0], SPECS[2], SPECS[3]]
+    for spec in specs:
+        params = SamplingParams(max_tokens=9, temperature=0, structured_output=spec)
+        assert sampling_params_of(build_request(PROMPT, params)) == params
+    want = [engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, structured_output=spec))[0]
+            .outputs[0].token_ids for spec in specs]
+
+    async def test(client: Any, port: int) -> None:
+        for spec, ids in zip(specs, want):
+            done = await client.complete(PROMPT, max_tokens=12, temperature=0.0, structured_output=spec)
+            assert list(done.outputs[0].token_ids) == ids
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.complete(PROMPT, structured_output=StructuredOutput(regex="(?=a)"))
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "lookahead" in refused.value.details()
+
+    serve_engine(engine, test)
+
+
+def test_generate_regex_choice_and_json_schema_options(path: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from infer.cli.main import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(SPECS[3].json_schema)
+    base = ["--model", str(path), "--num-kv-blocks", "32", "generate", "hello", "--json", "--max-tokens", "24"]
+    choices = [part for choice in SPECS[2].choice for part in ("--choice", choice)]
+    for more, spec in ((["--regex", SPECS[0].regex], SPECS[0]), (choices, SPECS[2]),
+                       (["--json-schema", str(schema)], SPECS[3])):
+        result = CliRunner().invoke(main, base + more)
+        assert result.exit_code == 0, result.output
+        line = json.loads(result.stdout)
+        whole = line["finish_reason"] == "stop"  # else cut by --max-tokens: a prefix of a match
+        assert regex.fullmatch(pattern_of(spec), line["text"], partial=not whole), line
+    for more, words in ((["--regex", "a", "--choice", "b"], "give one of"),
+                        (["--regex", "(a"], "invalid regex"),
+                        (["--regex", "a+", "--ignore-eos"], "ignore_eos"),
+                        (["--json-schema", str(tmp_path / "none.json")], "cannot read"),
+                        (["--regex", "a", "--beam-width", "2"], "--regex/--choice/--json-schema")):
+        result = CliRunner().invoke(main, base + more)
+        assert result.exit_code == 2 and words in result.output, result.output
+
+
+def test_a_backend_that_breaks_its_contract_is_named(path: Path) -> None:
+    from infer.core.errors import PluginError
+    from infer.core.hookspecs import hookimpl
+    from infer.core.interfaces import Grammar, GrammarMatcher, StructuredOutputBackend
+    from infer.core.plugins import PluginManager
+
+    class WrongMask(GrammarMatcher):
+        def allowed(self) -> torch.Tensor:
+            return torch.ones(3)
+
+        def advance(self, token_id: int) -> None:
+            pass
+
+    class Compiled(Grammar):
+        def matcher(self) -> GrammarMatcher:
+            return WrongMask()
+
+    class Broken(StructuredOutputBackend):
+        def compile(self, spec: StructuredOutput) -> Grammar:
+            return Compiled() if spec.regex == "grammar" else "not a grammar"  # type: ignore[return-value]
+
+    class Plugin:
+        @hookimpl
+        def register_structured_output_backends(self, register: Any) -> None:
+            register("broken", lambda config, vocabulary: Broken())
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name="broken-backend")
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16,
+                                 structured_output_backend="broken"), plugins)
+    with pytest.raises(PluginError, match="'broken'.*not a Grammar"):
+        engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(regex="x")))
+    with pytest.raises(PluginError, match="'broken'.*bool"):
+        engine.generate([PROMPT], SamplingParams(structured_output=StructuredOutput(regex="grammar")))
