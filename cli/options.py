@@ -150,7 +150,8 @@ def structured_output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     def collect(*args: Any, **kwargs: Any) -> Any:
         from ..core.request import StructuredOutput
 
-        given = {name: value for name in ("regex", "choice", "json_schema") if (value := kwargs.pop(name))}
+        given = {name: value for name in ("regex", "choice", "json_schema")
+                 if (value := kwargs.pop(name)) is not None and value != ()}
         if len(given) > 1:
             raise click.UsageError(f"give one of --regex, --choice and --json-schema, not "
                                    f"{' and '.join('--' + name.replace('_', '-') for name in given)}")
@@ -390,7 +391,8 @@ class EngineArgs:
             plugins.registry("proposer").entry(config.proposer)
         if config.tool_parser:
             plugins.registry("tool_parser").entry(config.tool_parser)
-        plugins.registry("structured_output_backend").entry(config.structured_output_backend)
+        if config.structured_output_backend != EngineConfig.structured_output_backend:  # the default: at first use
+            plugins.registry("structured_output_backend").entry(config.structured_output_backend)
         if "swap_space_gb" in self.values and config.preemption_mode != "swap":
             log.warning("--swap-space-gb is unused: it sizes the host swap of --preemption swap, and preemption is %r",
                         config.preemption_mode)

@@ -84,10 +84,8 @@ class Engine:
         # tokenizer's eos serves a checkpoint that names none
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.eos_token_ids = frozenset(self.loaded.generation_eos or spec.eos_token_ids or tokenizer_eos)
-        self.structured = StructuredOutputs(self.plugins.build(
-            "structured_output_backend", config.structured_output_backend, StructuredOutputBackend, config,
-            Vocabulary(self.tokenizer, spec.vocab_size, self.eos_token_ids, self.loaded.device)),
-            config.structured_output_backend, spec.vocab_size)
+        self.structured = StructuredOutputs(self._structured_output_backend, config.structured_output_backend,
+                                            spec.vocab_size)
         self.runner.structured = self.structured
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
                        "eviction_policy": config.eviction_policy, "quant": self.loaded.quant_name or "none",
@@ -111,7 +109,6 @@ class Engine:
             "eviction_policy": (config.eviction_policy, parts.eviction),
             "attention_backend": (config.attention, self.attention),
             "proposer": (config.proposer, parts.proposer), "tool_parser": (config.tool_parser, parts.tool_parser),
-            "structured_output_backend": (config.structured_output_backend, self.structured.backend),
             "quant_method": (self.loaded.quant_name, self.loaded.quant),
             "model": (self.loaded.architecture, self.loaded.model)})
         self._seq_ids = itertools.count()
@@ -133,6 +130,15 @@ class Engine:
                  f"on (mixed steps up to {self.runner.mixed_graphs.sizes[-1]} tokens)",
                  "on" if self.async_output else "off",
                  "on" if self.async_scheduling else "off")
+
+    def _structured_output_backend(self) -> StructuredOutputBackend:
+        """Built at the first structured request: an engine that never gets one needs no backend installed."""
+        name, spec = self.config.structured_output_backend, self.loaded.model.spec
+        vocabulary = Vocabulary(self.tokenizer, spec.vocab_size, self.eos_token_ids, self.loaded.device)
+        backend = self.plugins.build("structured_output_backend", name, StructuredOutputBackend, self.config,
+                                     vocabulary)
+        self.blame.add("structured_output_backend", name, backend)
+        return backend
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -162,6 +168,8 @@ class Engine:
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
+        if params.structured_output is not None:
+            self.structured.admit(params.structured_output)  # compiled above: kept until the request ends
         self.stats.prompt_tokens += len(ids)
         self.prompt_logprob_requests += params.prompt_logprobs is not None
         if params.n > 1:
@@ -445,6 +453,8 @@ class Engine:
 
     def _finish_request(self, req: RequestState, output: RequestOutput) -> None:
         del self.requests[req.request_id]
+        if req.params.structured_output is not None:
+            self.structured.discharge(req.params.structured_output)
         self.forks.drop(req.request_id)
         self.prompt_logprob_requests -= req.params.prompt_logprobs is not None
         for seq in req.seqs:

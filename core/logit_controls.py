@@ -54,7 +54,7 @@ class LogitControls:
                       if token < vocab]:
             at = torch.tensor([(row, token) for row, token, _ in biased], device=self.device)
             picked = picked.index_put((at[:, 0], at[:, 1]),
-                                      torch.tensor([bias for _, _, bias in biased], device=self.device),
+                                      torch.tensor([float(bias) for _, _, bias in biased], device=self.device),
                                       accumulate=True)
         penalized = [j for j, p in enumerate(params) if p.penalizes]
         if len(penalized) == len(rows):

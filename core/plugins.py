@@ -386,13 +386,17 @@ class Blame:
 
     def __init__(self, plugins: PluginManager, components: dict[str, tuple[str | None, object]]) -> None:
         """``components``: kind -> (registered name, instance); a None name or instance is skipped."""
+        self.plugins = plugins
         self.modules: dict[str, str] = {}
         for kind, (name, component) in components.items():
-            if name is None or component is None:
-                continue
-            source = plugins.registry(kind).entry(name).source
-            self.modules.setdefault(type(component).__module__,
-                                    f"the {kind.replace('_', ' ')} {name!r} from {source!r}")
+            self.add(kind, name, component)
+
+    def add(self, kind: str, name: str | None, component: object) -> None:
+        """Blame ``component`` (of ``kind``, registered as ``name``) too, from now on: one built after the others."""
+        if name is None or component is None:
+            return
+        source = self.plugins.registry(kind).entry(name).source
+        self.modules.setdefault(type(component).__module__, f"the {kind.replace('_', ' ')} {name!r} from {source!r}")
 
     def error(self, exc: BaseException) -> PluginError | None:
         """A PluginError naming the component ``exc`` came from, or None when no component's code raised it."""

@@ -22,6 +22,10 @@ MAX_CHOICES = 1024
 MAX_STRUCTURE_CHARS = 100_000  # a regex, the choices together, or a JSON schema's text
 
 
+def _schema_text(schema: object) -> str:
+    return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must be, whole: a match of ``regex`` (Python ``re`` syntax, a subset: see
@@ -37,7 +41,10 @@ class StructuredOutput:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
         if isinstance(self.json_schema, (dict, bool)):  # key order kept: it is the order properties are generated in
-            object.__setattr__(self, "json_schema", json.dumps(self.json_schema, ensure_ascii=False))
+            try:
+                object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
+            except (TypeError, ValueError, RecursionError):
+                pass  # validate() names it
 
     @property
     def kind(self) -> str:
@@ -54,6 +61,11 @@ class StructuredOutput:
             raise bad(f"takes exactly one of regex, choice and json_schema; got {', '.join(given) or 'none'}")
         if self.regex is not None and not isinstance(self.regex, str):
             raise bad(f"regex must be a string, got {type(self.regex).__name__}")
+        if isinstance(self.json_schema, (dict, bool)):
+            try:
+                _schema_text(self.json_schema)
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise bad(f"json_schema is not JSON: {str(exc) or type(exc).__name__}") from None
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             raise bad(f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}")
         if self.choice is not None:

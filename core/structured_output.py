@@ -7,12 +7,14 @@ scheduling keeps running ahead; such requests do not speculate.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
 from .errors import PluginError
 from .interfaces import Grammar, GrammarMatcher, StructuredOutputBackend
 from .request import Sequence, StructuredOutput
+from .sampling import to_device
 
 CACHED_GRAMMARS = 64
 
@@ -21,16 +23,37 @@ class StructuredOutputs:
     """The engine's structured-output state: compiled grammars (most recently used first) and one matcher per
     sequence, fed each sequence's output tokens as they come."""
 
-    def __init__(self, backend: StructuredOutputBackend, name: str, vocab_size: int) -> None:
-        self.backend, self.name, self.vocab_size = backend, name, vocab_size
+    def __init__(self, build: Callable[[], StructuredOutputBackend], name: str, vocab_size: int) -> None:
+        """``build()`` makes the backend, at the first structured request."""
+        self.build, self.name, self.vocab_size = build, name, vocab_size
+        self.backend: StructuredOutputBackend | None = None
         self.grammars: OrderedDict[StructuredOutput, Grammar] = OrderedDict()
+        self.pinned: dict[StructuredOutput, tuple[Grammar, int]] = {}  # live requests' grammars, with their count
         self.matchers: dict[int, GrammarMatcher] = {}  # seq_id -> its matcher
         self.taken: dict[int, int] = {}  # seq_id -> how many of its output tokens its matcher has taken
 
+    def admit(self, spec: StructuredOutput) -> None:
+        """Compile ``spec`` (InvalidRequestError from the backend for one it cannot follow) and keep it while a
+        request that gives it lives (:meth:`discharge` at its end)."""
+        grammar, count = self.pinned.get(spec) or (self.grammar(spec), 0)
+        self.pinned[spec] = grammar, count + 1
+
+    def discharge(self, spec: StructuredOutput) -> None:
+        grammar, count = self.pinned[spec]
+        if count > 1:
+            self.pinned[spec] = grammar, count - 1
+        else:
+            del self.pinned[spec]
+
     def grammar(self, spec: StructuredOutput) -> Grammar:
-        """The compiled ``spec`` (InvalidRequestError from the backend for one it cannot follow)."""
+        """The compiled ``spec``, from the cache when it is there (InvalidRequestError from the backend for one it
+        cannot follow)."""
+        if (pinned := self.pinned.get(spec)) is not None:
+            return pinned[0]
         grammar = self.grammars.get(spec)
         if grammar is None:
+            if self.backend is None:
+                self.backend = self.build()
             grammar = self.backend.compile(spec)
             if not isinstance(grammar, Grammar):
                 raise PluginError(f"structured-output backend {self.name!r}: compile() returned "
@@ -51,7 +74,7 @@ class StructuredOutputs:
             return None
         masks = torch.stack([self._allowed(seqs[i]) for i in rows])
         out = logits.clone()
-        at = torch.tensor(rows, device=logits.device) if len(rows) < len(seqs) else None
+        at = to_device(rows, logits.device) if len(rows) < len(seqs) else None  # no wait for the device
         picked = out if at is None else out[at]
         picked = picked.masked_fill(~masks, float("-inf"))
         if at is None:

@@ -10,6 +10,7 @@ cover one interval of code points). Each state's mask is computed once, at its f
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -28,7 +29,10 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("infer")
-CACHED_MASKS = 1024  # per grammar; a mask is one byte per vocabulary entry
+MASK_CACHE_BYTES = 256 * 2**20  # all grammars' masks together; a mask is one byte per vocabulary entry
+MAX_DFA_STATES = 20_000  # a grammar's automaton is built whole at admission, within these bounds
+MAX_DFA_WORK = 4_000_000  # NFA states visited while building it (about 1.5 s of Python at most)
+MAX_TOKEN_CHARS = 16  # longer tokens are stepped one by one (few vocabularies have many)
 State = tuple[int, bytes]  # (automaton state, the bytes of a character begun but not finished)
 UTF8_LIMITS = {2: (0x80, 0x7FF), 3: (0x800, 0xFFFF), 4: (0x10000, 0x10FFFF)}  # code points of each length
 SURROGATES = (0xD800, 0xDFFF)
@@ -75,38 +79,62 @@ def step(automaton: CharAutomaton, state: State, byte: int) -> State | None:
 
 
 class FsmGrammar(Grammar):
-    """A compiled spec: its automaton, the vocabulary in byte order and the masks of the states met so far."""
+    """A compiled spec: its automaton, built whole at compile time (bounded), with the vocabulary's characters in
+    the automaton's classes; masks come from the backend's cache."""
 
-    def __init__(self, automaton: CharAutomaton, vocabulary: Vocabulary, index: TokenIndex) -> None:
-        self.automaton, self.vocabulary, self.index = automaton, vocabulary, index
-        self.masks: OrderedDict[State, torch.Tensor] = OrderedDict()
+    def __init__(self, automaton: CharAutomaton, backend: FsmBackend) -> None:
+        import torch  # not at the top: loading plugins imports no torch
+
+        self.automaton, self.backend, self.index = automaton, backend, backend.token_index()
+        self.key = next(backend.serials)  # names this grammar's masks in the backend's cache
+        bounds, table = automaton.determinize(MAX_DFA_STATES, MAX_DFA_WORK)
+        self.dead = len(table)  # DEAD as a row of its own, which every class leads back to
+        self.next = torch.tensor([[self.dead if t == DEAD else t for t in row] for row in table] +
+                                 [[self.dead] * len(bounds)], dtype=torch.int32)
+        index = self.index
+        kind = torch.int16 if len(bounds) < 2**15 else torch.int32
+        self.classes = (torch.searchsorted(torch.tensor(bounds), index.codes, right=True) - 1).to(kind)
+        self.tail_ok: dict[tuple[int, int], bool] = {}  # (state, tail interval) -> whether some character fits
 
     def matcher(self) -> FsmMatcher:
         return FsmMatcher(self)
 
-    def mask(self, state: State) -> torch.Tensor:
-        mask = self.masks.get(state)
-        if mask is None:
-            import torch  # not at the top: loading plugins imports no torch
+    def allowed_ids(self, state: State) -> list[int]:
+        """The ids of the tokens whose bytes lead from ``state`` to a live one: vectorized over the vocabulary from
+        a character boundary, walked token by token otherwise (only tokens that go on with continuation bytes)."""
+        if state[1]:
+            return self.walk(state)
+        import torch
 
-            allowed = self.allowed_ids(state)
-            if self.automaton.accepting(state[0]) and not state[1]:
-                allowed += self.vocabulary.eos_token_ids
-            if not allowed:  # the tokenizer cannot spell any character that continues the match
-                log.warning("structured output: no token can continue the output (the tokenizer lacks the "
-                            "characters the pattern needs next); allowing EOS, which ends it unfinished")
-                allowed = list(self.vocabulary.eos_token_ids)
-            mask = torch.zeros(self.vocabulary.size, dtype=torch.bool)
-            mask[torch.tensor(sorted(allowed), dtype=torch.long)] = True
-            mask = self.masks[state] = mask.to(self.vocabulary.device)
-            if len(self.masks) > CACHED_MASKS:
-                self.masks.popitem(last=False)
-        else:
-            self.masks.move_to_end(state)
-        return mask
+        index = self.index
+        current = torch.full((len(index.rows),), state[0], dtype=torch.int32)
+        for j in range(index.codes.shape[1]):
+            moved = self.next[current.long(), self.classes[:, j].long()]
+            current = torch.where(index.lengths > j, moved, current)
+        alive = current != self.dead
+        tailed = alive & (index.tails >= 0)
+        if bool(tailed.any()):
+            states, tails = current[tailed].tolist(), index.tails[tailed].tolist()
+            alive[tailed] = torch.tensor([self._tail_fits(st, tail) for st, tail in zip(states, tails)])
+        allowed = index.rows[alive].tolist()
+        automaton = self.automaton
+        for token, chars, tail in index.long_tokens:
+            char = state[0]
+            for code in chars:
+                char = automaton.step(char, code)
+            if char != DEAD and (not tail or automaton.can_step_within(char, *code_points(tail) or (1, 0))):
+                allowed.append(token)
+        return allowed
 
-    def allowed_ids(self, start: State) -> list[int]:
-        """The ids of the tokens whose bytes lead from ``start`` to a live state."""
+    def _tail_fits(self, state: int, tail: int) -> bool:
+        fits = self.tail_ok.get((state, tail))
+        if fits is None:
+            fits = self.tail_ok[state, tail] = self.automaton.can_step_within(state, *self.index.intervals[tail])
+        return fits
+
+    def walk(self, start: State) -> list[int]:
+        """The ids of the tokens whose bytes lead from ``start`` to a live state, by a walk of the vocabulary in
+        byte order: tokens that share a prefix share its steps, and a dead prefix skips every token with it."""
         automaton, ordered, ids = self.automaton, self.index.ordered, self.index.ids
         allowed: list[int] = []
         states: list[State] = [start]  # states[d]: after the first d bytes of ``current``
@@ -132,34 +160,86 @@ class FsmGrammar(Grammar):
         return allowed
 
 
+def _after(prefix: bytes) -> bytes:
+    """A byte string greater than every string that starts with ``prefix`` and not greater than any other that
+    sorts after them (for an all-0xFF prefix, merely greater: the walk then looks at a few tokens more)."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\xff" * (len(prefix) + 1)
+    return stripped[:-1] + bytes((stripped[-1] + 1,))
+
+
+def split_utf8(data: bytes) -> tuple[list[int], bytes] | None:
+    """The code points of ``data``'s whole characters and the bytes of an unfinished last one, or None when
+    ``data`` does not start at a character or is not UTF-8."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            text = data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        tail = data[cut:]
+        if tail and (code_points(tail) is None or len(tail) >= utf8_length(tail[0])):
+            return None
+        return [ord(c) for c in text], tail
+    return None
+
+
 class TokenIndex:
-    """Every token's bytes (None for special tokens, which no structured output holds), and the tokens in byte
-    order."""
+    """A vocabulary as the fsm backend reads it: every token's bytes (None for special tokens, which no structured
+    output holds), the tokens in byte order (for walks from inside a character), and, for those that start at a
+    character, their code points as a matrix (``codes`` [rows, MAX_TOKEN_CHARS], ``lengths``) with the interval of
+    an unfinished last character (``tails``: an index into ``intervals``, -1 for none); tokens with more characters
+    are in ``long_tokens``."""
 
     def __init__(self, table: list[bytes | None]) -> None:
+        import torch
+
         self.table = table
         pairs = sorted((data, token) for token, data in enumerate(table) if data)
         self.ordered = [data for data, _ in pairs]
         self.ids = [token for _, token in pairs]
+        rows: list[int] = []
+        codes: list[list[int]] = []
+        lengths: list[int] = []
+        tails: list[int] = []
+        self.intervals: list[tuple[int, int]] = []
+        interval_ids: dict[tuple[int, int], int] = {}
+        self.long_tokens: list[tuple[int, list[int], bytes]] = []
+        for token, data in enumerate(table):
+            split = split_utf8(data) if data else None
+            if split is None:
+                continue
+            chars, tail = split
+            if len(chars) > MAX_TOKEN_CHARS:
+                self.long_tokens.append((token, chars, tail))
+                continue
+            rows.append(token)
+            codes.append(chars + [0] * (MAX_TOKEN_CHARS - len(chars)))
+            lengths.append(len(chars))
+            span = code_points(tail) if tail else None
+            tails.append(-1 if span is None else interval_ids.setdefault(span, len(interval_ids)))
+        self.intervals = sorted(interval_ids, key=interval_ids.__getitem__)
+        self.rows = torch.tensor(rows, dtype=torch.long)
+        self.codes = torch.tensor(codes, dtype=torch.int64).reshape(len(rows), MAX_TOKEN_CHARS)
+        self.lengths = torch.tensor(lengths, dtype=torch.int64)
+        self.tails = torch.tensor(tails, dtype=torch.int64)
 
     @classmethod
     def of(cls, vocabulary: Vocabulary) -> TokenIndex:
         """The index of a byte-level BPE tokenizer's vocabulary (GPT-2, Llama 3, Qwen, ...); InvalidRequestError
         for another kind, whose tokens are not fixed byte strings."""
+        if getattr(vocabulary.tokenizer, "clean_up_tokenization_spaces", False):
+            raise InvalidRequestError("structured output (the fsm backend) cannot follow this tokenizer: its "
+                                      "clean_up_tokenization_spaces is true, so its text drops the spaces before "
+                                      "punctuation that the tokens hold, and an output's text could differ from what "
+                                      "was matched; set \"clean_up_tokenization_spaces\": false in the model's "
+                                      "tokenizer_config.json (Llama 3's ships true)")
         table = byte_level_table(vocabulary.tokenizer)
         if table is None:
             raise InvalidRequestError("structured output (the fsm backend) needs a byte-level BPE tokenizer (GPT-2, "
                                       "Llama 3, Qwen and Mistral's Tekken have one), whose tokens are fixed byte "
                                       "strings; this model's tokenizer is of another kind")
         return cls([data or None for data in table[: vocabulary.size]])
-
-
-def _after(prefix: bytes) -> bytes:
-    """The least byte string greater than every string that starts with ``prefix``."""
-    stripped = prefix.rstrip(b"\xff")
-    if not stripped:
-        return b"\xff" * (len(prefix) + 1)
-    return stripped[:-1] + bytes((stripped[-1] + 1,))
 
 
 class FsmMatcher(GrammarMatcher):
@@ -169,15 +249,16 @@ class FsmMatcher(GrammarMatcher):
         self.ended = False
 
     def allowed(self) -> torch.Tensor:
-        return self.grammar.mask(self.state)
+        return self.grammar.backend.mask(self.grammar, self.state)
 
     def advance(self, token_id: int) -> None:
         grammar = self.grammar
-        if token_id in grammar.vocabulary.eos_token_ids and not self.ended and \
+        if token_id in grammar.backend.vocabulary.eos_token_ids and not self.ended and \
                 grammar.automaton.accepting(self.state[0]) and not self.state[1]:
             self.ended = True
             return
-        data = grammar.index.table[token_id] if not self.ended and 0 <= token_id < len(grammar.index.table) else None
+        table = grammar.index.table
+        data = table[token_id] if not self.ended and 0 <= token_id < len(table) else None
         state: State | None = self.state
         for byte in data or b"":
             if state is None:
@@ -189,11 +270,19 @@ class FsmMatcher(GrammarMatcher):
 
 
 class FsmBackend(StructuredOutputBackend):
-    """Compiles regex, choice and JSON-schema specs; the vocabulary is indexed at the first compile."""
+    """Compiles regex, choice and JSON-schema specs; the vocabulary is indexed at the first compile. The masks of
+    every grammar share one cache, least recently used out past MASK_CACHE_BYTES."""
 
     def __init__(self, vocabulary: Vocabulary) -> None:
         self.vocabulary = vocabulary
         self.index: TokenIndex | None = None
+        self.serials = itertools.count()
+        self.masks: OrderedDict[tuple[int, State], torch.Tensor] = OrderedDict()
+
+    def token_index(self) -> TokenIndex:
+        if self.index is None:
+            self.index = TokenIndex.of(self.vocabulary)
+        return self.index
 
     def compile(self, spec: StructuredOutput) -> FsmGrammar:
         if spec.choice is not None:
@@ -203,10 +292,41 @@ class FsmBackend(StructuredOutputBackend):
         else:
             assert spec.regex is not None
             pattern = spec.regex
-        automaton = CharAutomaton.compile(pattern)
-        if self.index is None:
-            self.index = TokenIndex.of(self.vocabulary)
-        return FsmGrammar(automaton, self.vocabulary, self.index)
+        try:
+            return FsmGrammar(CharAutomaton.compile(pattern), self)
+        except InvalidRequestError as exc:
+            if spec.regex is not None:
+                raise
+            what = "the choices" if spec.choice is not None else "the JSON schema"
+            reason = str(exc).removeprefix("invalid regex: ")
+            raise InvalidRequestError(f"{what} cannot be followed: as a regex, {reason} (lower maxLength, maxItems "
+                                      "or the number of choices)") from None
+
+    def mask(self, grammar: FsmGrammar, state: State) -> torch.Tensor:
+        """The bool mask [vocabulary.size] on the device of what may follow ``state`` of ``grammar``."""
+        key = (grammar.key, state)
+        mask = self.masks.get(key)
+        if mask is not None:
+            self.masks.move_to_end(key)
+            return mask
+        import torch
+
+        vocabulary = self.vocabulary
+        allowed = grammar.allowed_ids(state)
+        if grammar.automaton.accepting(state[0]) and not state[1]:
+            allowed += vocabulary.eos_token_ids
+        if not allowed:  # the tokenizer cannot spell any character that continues the match
+            log.warning("structured output: no token can continue the output (the tokenizer lacks the characters "
+                        "the pattern needs next); allowing EOS, which ends it unfinished")
+            allowed = list(vocabulary.eos_token_ids)
+        mask = torch.zeros(vocabulary.size, dtype=torch.bool)
+        mask[torch.tensor(allowed, dtype=torch.long)] = True
+        if vocabulary.device.type == "cuda":  # an asynchronous copy: the device may still run the forward pass
+            mask = mask.pin_memory().to(vocabulary.device, non_blocking=True)
+        self.masks[key] = mask
+        while len(self.masks) * vocabulary.size > MASK_CACHE_BYTES and len(self.masks) > 1:
+            self.masks.popitem(last=False)
+        return mask
 
 
 def escape(text: str) -> str:

@@ -280,6 +280,7 @@ class CharAutomaton:
         self._trans: list[dict[int, int]] = []
         self._accepts: list[bool] = []
         self._unions: list[Ranges] = []
+        self.work = 0  # NFA states visited while building DFA states: what determinize() bounds
         self.start: int = self._intern([start])
 
     @classmethod
@@ -333,7 +334,9 @@ class CharAutomaton:
 
     def _intern(self, targets: list[int]) -> int:
         seen, stack = set(targets), list(targets)
+        self.work += len(targets)
         while stack:
+            self.work += 1
             for t in self._eps[stack.pop()]:
                 if t not in seen:
                     seen.add(t)
@@ -362,6 +365,28 @@ class CharAutomaton:
                 nxt = self._intern(targets)
             row[char] = nxt
         return nxt
+
+    def classes(self) -> list[int]:
+        """The alphabet's partition: code points ``c`` and ``d`` with the same ``bisect_right(bounds, c)`` step
+        every state alike (no range of the pattern starts or ends between them). ``bounds[0] == 0``."""
+        points = {0} | {p for out in self._edges for ranges, _ in out for lo, hi in ranges for p in (lo, hi + 1)}
+        return sorted(p for p in points if p <= MAX_CHAR)
+
+    def determinize(self, max_states: int, max_work: int) -> tuple[list[int], list[list[int]]]:
+        """Every DFA state, built now: (the partition's bounds, ``table[state][k]``: the state after any code point
+        of class k, DEAD included). InvalidRequestError when it takes more than ``max_states`` states or
+        ``max_work`` NFA visits: such a pattern would stall the engine while it generates."""
+        bounds = self.classes()
+        table: list[list[int]] = []
+        while len(table) < len(self._sets):
+            state = len(table)
+            table.append([self.step(state, point) for point in bounds])
+            if len(self._sets) > max_states or self.work > max_work:
+                raise InvalidRequestError(
+                    f"invalid regex: its automaton grows past {max_states} states (or {max_work} steps to build); "
+                    "simplify it: nested or long bounded repetitions of wide classes (.{0,1000}, [^x]{1,500}) "
+                    "multiply states")
+        return bounds, table
 
     def accepting(self, state: int) -> bool:
         """Whether the text read so far is a whole match."""

@@ -80,8 +80,9 @@ def test_masks_equal_partial_matching_along_random_walks(backend: FsmBackend, pa
             data += backend.index.table[token]
 
 
-def test_the_walk_over_sorted_tokens_equals_a_walk_of_each_token(backend: FsmBackend) -> None:
-    """The skip over a dead prefix leaves out exactly the tokens that cannot follow (each token stepped alone)."""
+def test_both_vocabulary_walks_equal_a_walk_of_each_token(backend: FsmBackend) -> None:
+    """The character-matrix walk and the byte-order walk (whose skip over a dead prefix leaves out exactly the tokens
+    that cannot follow) give the tokens that stepping each token alone gives."""
     grammar = backend.compile(StructuredOutput(regex=r"(de|def|class|import)( [a-z_]+)+\(?"))
     start = (grammar.automaton.start, b"")
     alone = []
@@ -91,7 +92,8 @@ def test_the_walk_over_sorted_tokens_equals_a_walk_of_each_token(backend: FsmBac
             state = step(grammar.automaton, state, byte) if state is not None else None
         if state is not None:
             alone.append(token)
-    assert sorted(grammar.allowed_ids(start)) == alone and alone
+    assert sorted(grammar.allowed_ids(start)) == alone and alone  # vectorized over the character matrix
+    assert sorted(grammar.walk(start)) == alone  # the byte-order walk, which states inside a character take
 
 
 def test_utf8_prefix_intervals_equal_every_code_points_encoding() -> None:

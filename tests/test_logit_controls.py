@@ -285,3 +285,10 @@ def test_controls_on_cuda_equal_the_cpu(path: Path) -> None:
         model=str(path), device=device, dtype="float32", num_kv_blocks=64)).generate(prompts, params)]
         for device in ("cpu", "cuda")}
     assert outputs["cuda"] == outputs["cpu"]
+
+
+def test_integer_biases_equal_float_ones(engine: Engine) -> None:
+    """OpenAI's logit_bias is often written with integers ({id: 100}); they bias as the same floats do."""
+    forced = tokens(engine)[0] + 1
+    assert tokens(engine, logit_bias={forced: 100, 7: -100}) == tokens(engine, logit_bias={forced: 100.0, 7: -100.0})
+    assert tokens(engine, logit_bias={forced: 100})[0] == forced

@@ -262,3 +262,30 @@ def test_every_live_state_can_accept(pattern: str, chars: str) -> None:
             if not options:
                 break
             state = rng.choice(options)
+
+
+@pytest.mark.parametrize("pattern", [r"[a-c]x|[b-d]y", r"[^\"\\]{0,5}\"", r"(ab|é.)+[0-9]?", r"\w+@\w+\.(com|org)"])
+def test_determinize_builds_every_state_and_classes_step_alike(pattern: str) -> None:
+    """Every code point of a class steps each state as the class's table entry says; the table holds every
+    state reachable from the start (the lazily built automaton grows no further)."""
+    import bisect
+    import random
+
+    automaton = CharAutomaton.compile(pattern)
+    bounds, table = automaton.determinize(1000, 10**6)
+    assert len(table) == automaton.num_states() and bounds[0] == 0
+    rng = random.Random(0)
+    points = [rng.choice([rng.randrange(0, 0x250), rng.randrange(0, 0x110000)]) for _ in range(300)]
+    for state in range(len(table)):
+        for point in points + bounds:
+            if 0xD800 <= point <= 0xDFFF:
+                continue
+            assert table[state][bisect.bisect_right(bounds, point) - 1] == automaton.step(state, point)
+    assert automaton.num_states() == len(table)
+
+
+def test_determinize_refuses_automata_past_its_bounds() -> None:
+    with pytest.raises(InvalidRequestError, match="grows past 50 states"):
+        CharAutomaton.compile("[ab]*a[ab]{8}").determinize(50, 10**6)  # 2**9 states
+    with pytest.raises(InvalidRequestError, match="100 steps"):
+        CharAutomaton.compile("[ab]*a[ab]{8}").determinize(10**6, 100)

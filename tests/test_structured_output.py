@@ -174,6 +174,9 @@ def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
     (StructuredOutput(json_schema={"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}}}),
      "maximum"),
     (StructuredOutput(json_schema="{not json"), "JSON"),
+    (StructuredOutput(regex=".*a.{999}"), "automaton grows past"),  # 2**1000 states: refused, not built per step
+    (StructuredOutput(json_schema={"type": "array", "items": {"type": "string", "maxLength": 1000},
+                                   "maxItems": 1000}), "JSON schema cannot be followed.*too large"),
 ])
 def test_a_spec_the_backend_cannot_follow_is_refused_at_admission(engine: Engine, spec: StructuredOutput,
                                                                   words: str) -> None:
@@ -289,3 +292,64 @@ def test_a_backend_that_breaks_its_contract_is_named(path: Path) -> None:
         engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(regex="x")))
     with pytest.raises(PluginError, match="'broken'.*bool"):
         engine.generate([PROMPT], SamplingParams(structured_output=StructuredOutput(regex="grammar")))
+
+
+def test_an_allow_list_without_the_backend_still_runs_plain_requests(path: Path) -> None:
+    """The backend is built at the first structured request: an INFER_PLUGINS list written before it existed
+    keeps working, and a structured request is refused naming the entry point to add."""
+    from infer.core.plugins import PluginManager
+
+    plugins = PluginManager.from_entry_points("continuous,paged,eviction,attention-backends,llama-family")
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16), plugins)
+    assert engine.generate([PROMPT], SamplingParams(max_tokens=3))[0].finished
+    with pytest.raises(InvalidRequestError, match="fsm-output"):
+        engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(regex="a")))
+
+
+def test_a_live_request_keeps_its_grammar_past_the_cache(path: Path) -> None:
+    """More distinct specs queued than the grammar cache holds: each is compiled once, at admission."""
+    from infer.core.hookspecs import hookimpl
+    from infer.core.plugins import PluginManager
+    from infer.core.structured_output import CACHED_GRAMMARS
+    from infer.plugins.fsm_output import FsmBackend
+
+    compiled: list[StructuredOutput] = []
+
+    class Counting(FsmBackend):
+        def compile(self, spec: StructuredOutput):  # type: ignore[no-untyped-def]
+            compiled.append(spec)
+            return super().compile(spec)
+
+    class Plugin:
+        @hookimpl
+        def register_structured_output_backends(self, register: Any) -> None:
+            register("counting", lambda config, vocabulary: Counting(vocabulary))
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name="counting-backend")
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, max_num_seqs=4,
+                                 structured_output_backend="counting"), plugins)
+    specs = [StructuredOutput(regex=f"x{i}y") for i in range(CACHED_GRAMMARS + 16)]
+    outs = engine.generate([PROMPT] * len(specs), [SamplingParams(max_tokens=8, structured_output=s) for s in specs])
+    assert len(compiled) == len(specs) and not engine.structured.pinned
+    assert all(out.outputs[0].text in (f"x{i}y", f"x{i}y"[:len(out.outputs[0].text)]) for i, out in enumerate(outs))
+
+
+def test_a_tokenizer_that_cleans_up_spaces_is_refused_naming_the_flag(path: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    engine = Engine(EngineConfig(model=str(copy), device="cpu", num_kv_blocks=16))
+    with pytest.raises(InvalidRequestError, match="clean_up_tokenization_spaces"):
+        engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(regex="a")))
+
+
+def test_an_empty_regex_allows_only_eos_and_a_schema_that_is_not_json_is_refused(engine: Engine) -> None:
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=4, structured_output=StructuredOutput(regex="")))[0]
+    assert (out.outputs[0].text, out.outputs[0].finish_reason) == ("", FinishReason.STOP)
+    assert out.outputs[0].token_ids[-1] in engine.eos_token_ids
+    with pytest.raises(InvalidRequestError, match="not JSON"):
+        engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(json_schema={"enum": {1}})))
