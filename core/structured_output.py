@@ -69,6 +69,8 @@ class StructuredOutputs:
         """``logits`` [len(seqs), V] with the rows of structured sequences masked (a new tensor: -inf where their
         matcher disallows), or None when no row is structured. Row i belongs to ``seqs[i]``, whose tokens so far
         are all known."""
+        if not self.pinned:  # no live request is structured: nothing to look at
+            return None
         rows = [i for i, seq in enumerate(seqs) if seq.params.structured_output is not None]
         if not rows:
             return None
