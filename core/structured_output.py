@@ -75,13 +75,11 @@ class StructuredOutputs:
         if not rows:
             return None
         masks = torch.stack([self._allowed(seqs[i]) for i in rows])
+        if len(rows) == len(seqs):
+            return logits.masked_fill(~masks, float("-inf"))
+        at = to_device(rows, logits.device)  # a list index would wait for the device
         out = logits.clone()
-        at = to_device(rows, logits.device) if len(rows) < len(seqs) else None  # no wait for the device
-        picked = out if at is None else out[at]
-        picked = picked.masked_fill(~masks, float("-inf"))
-        if at is None:
-            return picked
-        out[at] = picked
+        out[at] = logits[at].masked_fill(~masks, float("-inf"))
         return out
 
     def _allowed(self, seq: Sequence) -> torch.Tensor:

@@ -1,11 +1,14 @@
 """The shipped structured-output backend, ``fsm``: each spec becomes a regular expression (a choice is an
-alternation of literals; a JSON schema goes through plugins/json_schema_regex.py), compiled into a lazily built DFA
-over characters (plugins/regex_fsm.py). A token may come next when its bytes keep the output a prefix of a match.
+alternation of literals; a JSON schema goes through plugins/json_schema_regex.py), compiled into a DFA over
+characters (plugins/regex_fsm.py), built whole at admission within MAX_DFA_STATES. A token may come next when its
+bytes keep the output a prefix of a match.
 
-The allowed tokens of a state are found by walking the vocabulary in byte order: tokens that share a prefix share
-its automaton steps, and a dead prefix skips every token that starts with it. A token may end inside a UTF-8
-character when some character with those first bytes can continue the match (the bytes of a character prefix
-cover one interval of code points). Each state's mask is computed once, at its first use, and kept on the device.
+The allowed tokens of a state at a character boundary come from one pass over a matrix of the vocabulary's code
+points, each column a gather through the DFA's table by the code points' classes; a token that ends inside a
+UTF-8 character is allowed when some character with those first bytes can continue the match (the bytes of a
+character prefix cover one interval of code points). From inside a character, the vocabulary is walked in byte
+order: tokens that share a prefix share its steps, and a dead prefix skips every token that starts with it. Each
+state's mask is computed once, at its first use, and kept on the device (MASK_CACHE_BYTES for all grammars).
 """
 from __future__ import annotations
 
