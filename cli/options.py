@@ -148,9 +148,9 @@ def structured_output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     StructuredOutput or None (a usage error when more than one is given)."""
     @functools.wraps(fn)
     def collect(*args: Any, **kwargs: Any) -> Any:
-        from ..core.request import StructuredOutput
+        from ..core.request import STRUCTURE_FIELDS, StructuredOutput
 
-        given = {name: value for name in ("regex", "choice", "json_schema")
+        given = {name: value for name in STRUCTURE_FIELDS
                  if (value := kwargs.pop(name)) is not None and value != ()}
         if len(given) > 1:
             raise click.UsageError(f"give one of --regex, --choice and --json-schema, not "

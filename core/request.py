@@ -20,6 +20,7 @@ MAX_REPETITION_PENALTY = 1e3
 MAX_LOGIT_BIAS = 1024  # entries; each costs a scatter element per step
 MAX_CHOICES = 1024
 MAX_STRUCTURE_CHARS = 100_000  # a regex, the choices together, or a JSON schema's text
+STRUCTURE_FIELDS = ("regex", "choice", "json_schema")  # StructuredOutput's, of which exactly one is set
 
 
 def _schema_text(schema: object) -> str:
@@ -49,14 +50,14 @@ class StructuredOutput:
     @property
     def kind(self) -> str:
         """"regex", "choice" or "json_schema": the field that is set (validated)."""
-        return next(name for name in ("regex", "choice", "json_schema") if getattr(self, name) is not None)
+        return next(name for name in STRUCTURE_FIELDS if getattr(self, name) is not None)
 
     def validate(self) -> None:
         """InvalidRequestError naming what is wrong: not exactly one field, a field of the wrong type, too long."""
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling parameters: structured_output {msg}")
 
-        given = [name for name in ("regex", "choice", "json_schema") if getattr(self, name) is not None]
+        given = [name for name in STRUCTURE_FIELDS if getattr(self, name) is not None]
         if len(given) != 1:
             raise bad(f"takes exactly one of regex, choice and json_schema; got {', '.join(given) or 'none'}")
         if self.regex is not None and not isinstance(self.regex, str):

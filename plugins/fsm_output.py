@@ -121,11 +121,11 @@ class FsmGrammar(Grammar):
             alive[tailed] = torch.tensor([self._tail_fits(st, tail) for st, tail in zip(states, tails)])
         allowed = index.rows[alive].tolist()
         automaton = self.automaton
-        for token, chars, tail in index.long_tokens:
+        for token, chars, span in index.long_tokens:
             char = state[0]
             for code in chars:
                 char = automaton.step(char, code)
-            if char != DEAD and (not tail or automaton.can_step_within(char, *code_points(tail) or (1, 0))):
+            if char != DEAD and (span is None or automaton.can_step_within(char, *span)):
                 allowed.append(token)
         return allowed
 
@@ -207,19 +207,19 @@ class TokenIndex:
         tails: list[int] = []
         self.intervals: list[tuple[int, int]] = []
         interval_ids: dict[tuple[int, int], int] = {}
-        self.long_tokens: list[tuple[int, list[int], bytes]] = []
+        self.long_tokens: list[tuple[int, list[int], tuple[int, int] | None]] = []  # with an unfinished one's span
         for token, data in enumerate(table):
             split = split_utf8(data) if data else None
             if split is None:
                 continue
             chars, tail = split
+            span = code_points(tail) if tail else None
             if len(chars) > MAX_TOKEN_CHARS:
-                self.long_tokens.append((token, chars, tail))
+                self.long_tokens.append((token, chars, span))
                 continue
             rows.append(token)
             codes.append(chars + [0] * (MAX_TOKEN_CHARS - len(chars)))
             lengths.append(len(chars))
-            span = code_points(tail) if tail else None
             tails.append(-1 if span is None else interval_ids.setdefault(span, len(interval_ids)))
         self.intervals = sorted(interval_ids, key=interval_ids.__getitem__)
         self.rows = torch.tensor(rows, dtype=torch.long)

@@ -80,10 +80,12 @@ def test_masks_equal_partial_matching_along_random_walks(backend: FsmBackend, pa
             data += backend.index.table[token]
 
 
-def test_both_vocabulary_walks_equal_a_walk_of_each_token(backend: FsmBackend) -> None:
+@pytest.mark.parametrize("pattern", [r"(de|def|class|import)( [a-z_]+)+\(?",
+                                     r"(\n +)+[a-z]*"])  # whitespace runs: tokens past MAX_TOKEN_CHARS too
+def test_both_vocabulary_walks_equal_a_walk_of_each_token(backend: FsmBackend, pattern: str) -> None:
     """The character-matrix walk and the byte-order walk (whose skip over a dead prefix leaves out exactly the tokens
     that cannot follow) give the tokens that stepping each token alone gives."""
-    grammar = backend.compile(StructuredOutput(regex=r"(de|def|class|import)( [a-z_]+)+\(?"))
+    grammar = backend.compile(StructuredOutput(regex=pattern))
     start = (grammar.automaton.start, b"")
     alone = []
     for token, data in enumerate(backend.index.table):

@@ -332,7 +332,7 @@ def test_a_live_request_keeps_its_grammar_past_the_cache(path: Path) -> None:
     specs = [StructuredOutput(regex=f"x{i}y") for i in range(CACHED_GRAMMARS + 16)]
     outs = engine.generate([PROMPT] * len(specs), [SamplingParams(max_tokens=8, structured_output=s) for s in specs])
     assert len(compiled) == len(specs) and not engine.structured.pinned
-    assert all(out.outputs[0].text in (f"x{i}y", f"x{i}y"[:len(out.outputs[0].text)]) for i, out in enumerate(outs))
+    assert all(f"x{i}y".startswith(out.outputs[0].text) for i, out in enumerate(outs))
 
 
 def test_a_tokenizer_that_cleans_up_spaces_is_refused_naming_the_flag(path: Path, tmp_path: Path) -> None:
