@@ -16,6 +16,7 @@ from .options import (EngineArgs, changed_sampling, engine_options, refuse_besid
                       sampling_options, structured_output_options)
 
 if TYPE_CHECKING:
+    from ..core.beam_search import BeamSearchParams
     from ..core.request import StructuredOutput
 
 
@@ -120,6 +121,8 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
               "text, whatever else runs in the batch (with speculative decoding, as long as the prompt gets the same "
               "drafts per step, which a full step budget or the degradation rules can change) [default: the "
               "engine's random stream].")
+@click.option("--lora-adapter", default=None, metavar="NAME", help="Apply the LoRA adapter loaded as NAME (the "
+              "group's --lora NAME=DIR) to every prompt [default: none, the base model].")
 @click.option("--beam-width", type=int, default=0, help="Beam search with this many beams per prompt (their KV "
               "shared by fork); prints the best beam, --json every beam [default: 0, off].")
 @click.option("--length-penalty", type=float, default=1.0, show_default=True,
@@ -138,11 +141,12 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, sampling: dict[str, Any],
              structured_output: StructuredOutput | None, n: int,
              logprobs: int | None, prompt_logprobs: int | None, stop: tuple[str, ...], include_stop_str: bool,
-             ignore_eos: bool, seed: int | None, beam_width: int, length_penalty: float, stream: bool, stats: bool,
-             as_json: bool, chat: bool) -> None:
+             ignore_eos: bool, seed: int | None, lora_adapter: str | None, beam_width: int, length_penalty: float,
+             stream: bool, stats: bool, as_json: bool, chat: bool) -> None:
     """Generate text for PROMPTS (or for each line of stdin when none are given). Each completion prints as the
     prompt followed by its text (with --chat, the reply alone); with several prompts or --n > 1, --json keeps them
     apart."""
+    from ..core.beam_search import BeamSearchParams
     from ..core.request import SamplingParams
 
     if stream and n > 1:
@@ -164,7 +168,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed,
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                             include_stop_str_in_output=include_stop_str, structured_output=structured_output,
-                            **sampling)
+                            lora_adapter=lora_adapter, **sampling)
     try:
         params.validate()
     except InvalidRequestError as exc:  # the options' values
@@ -185,7 +189,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         if stats:
             raise click.UsageError("--stats reports the engine's scheduled requests, which beam search bypasses; "
                                    "drop --stats (--json shows each beam's log-probability and score)")
-        _beam_search(ctx, inputs, texts, shown, beam_width, max_tokens, length_penalty, ignore_eos, as_json, refused)
+        _beam_search(ctx, inputs, texts, shown, BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos,
+                                                                 lora_adapter), as_json, refused)
         return
 
     streamed = 0
@@ -248,18 +253,16 @@ def _chats(numbered: list[tuple[int, str]], from_arguments: bool) -> list[Any]:
     return chats
 
 
-def _beam_search(ctx: click.Context, inputs: list[Any], texts: list[str], shown: list[str], beam_width: int,
-                 max_tokens: int, length_penalty: float, ignore_eos: bool, as_json: bool,
-                 refused: Callable[[InferError, int | None], Exception]) -> None:
+def _beam_search(ctx: click.Context, inputs: list[Any], texts: list[str], shown: list[str], params: BeamSearchParams,
+                 as_json: bool, refused: Callable[[InferError, int | None], Exception]) -> None:
     """generate --beam-width: the best beam after each prompt, or --json one line per beam, best first. Every
     prompt is checked first; then they run in groups that fill --max-num-seqs, each printed when it is done (a
     progress bar on a terminal's stderr), so Ctrl-C keeps what was printed."""
     from rich.console import Console
     from rich.progress import Progress
 
-    from ..core.beam_search import BeamSearchParams, check_prompts
+    from ..core.beam_search import check_prompts
 
-    params = BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos)
     try:
         params.validate()
     except InvalidRequestError as exc:
@@ -271,7 +274,7 @@ def _beam_search(ctx: click.Context, inputs: list[Any], texts: list[str], shown:
             prompts = check_prompts(engine, inputs, params)
         except InferError as exc:
             raise refused(exc, exc.prompt_index) from exc
-        group = max(1, engine.config.max_num_seqs // beam_width)
+        group = max(1, engine.config.max_num_seqs // params.beam_width)
         console = Console(stderr=True)
         with Progress(console=console, transient=True,
                       disable=len(texts) <= group or not console.is_terminal) as progress:

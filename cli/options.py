@@ -250,6 +250,11 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--draft-model", default=None, metavar="DIR",
                  help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
                       "[default: the shipped draft, with the embedded default model]."),
+    click.option("--lora", "lora", multiple=True, metavar="NAME=DIR",
+                 callback=lambda ctx, param, value: parse_lora_adapters(value),
+                 help="Serve the LoRA adapter that PEFT's save_pretrained wrote to DIR under NAME (repeatable, at "
+                      "most 16); a request picks it with --lora-adapter NAME (SamplingParams.lora_adapter) "
+                      "[default: none]."),
     click.option("--tool-parser", default=None, metavar="NAME",
                  help="Read the tool calls out of the replies of chats that offer tools, in the model's format: "
                       "hermes (Qwen 2.5/3, Hermes), llama3-json (Llama 3.1/3.2) or pythonic (Llama 3.2/4), or a "
@@ -285,6 +290,19 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
 ]
 
 
+def parse_lora_adapters(items: tuple[str, ...]) -> dict[str, str] | None:
+    """``("name=dir", ...)`` -> ``{"name": "dir"}`` (None when none). Raises click.BadParameter."""
+    adapters: dict[str, str] = {}
+    for item in items:
+        name, sep, folder = item.partition("=")
+        if not (sep and name and folder):
+            raise click.BadParameter(f"{item!r} is not NAME=DIR (e.g. sql=adapters/sql)", param_hint="'--lora'")
+        if name in adapters:
+            raise click.BadParameter(f"adapter name {name!r} is given twice", param_hint="'--lora'")
+        adapters[name] = folder
+    return adapters or None
+
+
 def parse_plugin_options(items: tuple[str, ...]) -> dict[str, Any]:
     """``("ns.key=value", ...)`` -> ``{"plugin_options.ns.key": value}``. Raises click.BadParameter."""
     import json
@@ -317,7 +335,7 @@ FIELD_OF_OPTION = {
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
-    "tool_parser": "tool_parser", "structured_output_backend": "structured_output_backend",
+    "lora": "lora_adapters", "tool_parser": "tool_parser", "structured_output_backend": "structured_output_backend",
     "chat_template": "chat_template", "default_chat_template_kwargs": "default_chat_template_kwargs",
     "sanitize_chat_control_tokens": "sanitize_chat_control_tokens",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]

@@ -22,10 +22,12 @@ class RequestChecker:
     max_prompt_chars: int | None = None  # longer text cannot fit: refused before it is tokenized
     chat_defaults: dict[str, Any] | None = None  # the engine's default chat template variables
     sanitize_chat: bool = False  # control tokens typed in chat messages are encoded as text
+    lora_adapters: frozenset[str] = frozenset()  # the names SamplingParams.lora_adapter may give
 
     @classmethod
     def for_model(cls, tokenizer: Any, vocab_size: int, max_model_len: int,
-                  chat_defaults: dict[str, Any] | None = None, sanitize_chat: bool = False) -> RequestChecker:
+                  chat_defaults: dict[str, Any] | None = None, sanitize_chat: bool = False,
+                  lora_adapters: frozenset[str] = frozenset()) -> RequestChecker:
         """A token spells at most as many characters as its vocabulary string has (byte-level BPE: one per byte),
         and Unicode normalization can merge a few characters into one (x4 covers it), so a text longer than
         ``max_model_len * 4 * longest token`` characters cannot fit: refusing it costs no tokenization, which
@@ -33,9 +35,9 @@ class RequestChecker:
         try:
             longest = max(map(len, tokenizer.get_vocab()))
         except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary listing: no bound
-            return cls(tokenizer, vocab_size, max_model_len, None, chat_defaults, sanitize_chat)
+            return cls(tokenizer, vocab_size, max_model_len, None, chat_defaults, sanitize_chat, lora_adapters)
         return cls(tokenizer, vocab_size, max_model_len, max_model_len * 4 * max(longest, 1), chat_defaults,
-                   sanitize_chat)
+                   sanitize_chat, lora_adapters)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt, or chat
@@ -88,6 +90,10 @@ class RequestChecker:
             raise InvalidRequestError(f"sampling parameters must be an infer.SamplingParams, got "
                                       f"{type(params).__name__}")
         params.validate()
+        if params.lora_adapter is not None and params.lora_adapter not in self.lora_adapters:
+            loaded = ", ".join(sorted(self.lora_adapters)) or "none (start the engine with --lora NAME=DIR)"
+            raise InvalidRequestError(f"invalid sampling parameters: lora_adapter {params.lora_adapter!r} is not "
+                                      f"loaded; the loaded adapters: {loaded}")
         biased = [token for token, _ in params.logit_bias]
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias's token ids", biased)):
             if bad := [t for t in tokens if t >= self.vocab_size]:

@@ -5,6 +5,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Sch
 from .loader import LoadedModel, load_model
 from .plugins import PluginManager
 from .runner import ModelRunner
+
+if TYPE_CHECKING:
+    from ..models.lora import LoraTokens
 
 log = logging.getLogger("infer")
 VERIFY_GRAPH_MAX_BATCH = 32
@@ -69,6 +73,7 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     runner = ModelRunner(loaded.model, attention, num_blocks, config.block_size, loaded.dtype, loaded.device,
                          config.seed, config.num_swap_blocks if config.preemption_mode == "swap" else 0,
                          kv_dtype=kv_dtype, kv_scales=kv_scales)
+    runner.lora = load_lora_adapters(config, loaded, kv)  # before graphs are captured: they include the adapters
     if config.cuda_graphs and loaded.device.type == "cuda":
         if attention.supports_cuda_graphs:
             mixed = config.mixed_graph_tokens() if attention.supports_mixed_cuda_graphs else 0
@@ -82,6 +87,22 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     tool_parser = None if config.tool_parser is None else \
         plugins.build("tool_parser", config.tool_parser, ToolParser, config, loaded.tokenizer)
     return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer, eviction, tool_parser)
+
+
+def load_lora_adapters(config: EngineConfig, loaded: LoadedModel, kv: KVCache) -> LoraTokens | None:
+    """``--lora`` adapters, attached to the model's linears (models/lora.py); None without any."""
+    if not config.lora_adapters:
+        return None
+    if not kv.isolates_namespaces:
+        raise ConfigError(f"KV cache {config.kv_cache!r} does not declare isolates_namespaces, so its prefix reuse "
+                          "could serve one LoRA adapter's KV to another's request; use --kv-cache paged or radix-cache "
+                          "with --lora")
+    from ..models.lora import attach_adapters, read_adapter
+
+    adapters = [read_adapter(name, Path(folder)) for name, folder in config.lora_adapters.items()]
+    tokens = attach_adapters(loaded.model, adapters, loaded.dtype, loaded.device)
+    log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {len(a.weights)} modules)" for a in adapters))
+    return tokens
 
 
 def make_attention(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel

@@ -36,11 +36,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BeamSearchParams:
     """``beam_width`` beams of up to ``max_tokens`` tokens each; ``length_penalty`` > 0 favours longer hypotheses
-    (0: the plain cumulative log-probability); ``ignore_eos`` runs every beam to ``max_tokens``."""
+    (0: the plain cumulative log-probability); ``ignore_eos`` runs every beam to ``max_tokens``; ``lora_adapter``
+    as in SamplingParams."""
     beam_width: int = 4
     max_tokens: int = 16
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    lora_adapter: str | None = None
 
     def validate(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -53,7 +55,8 @@ class BeamSearchParams:
 
     def sampling(self) -> SamplingParams:
         """The greedy SamplingParams each beam's sequence carries (for the prompt checks and the KV cache)."""
-        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos)
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos,
+                              lora_adapter=self.lora_adapter)
 
 
 @dataclass

@@ -15,6 +15,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MIXED_GRAPH_TOKENS = 2048
+MAX_LORA_ADAPTERS = 16
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_CPU_THREADS = 1024  # torch segfaults on a matmul after set_num_threads(100000); 1024 runs
 TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -69,6 +71,10 @@ class EngineConfig:
     kv_admission_reserve: float | str = 0.0
     num_speculative_tokens: int = 0
     draft_model: str | None = None
+    # LoRA adapters served beside the model: a name (what SamplingParams.lora_adapter gives) -> the folder that PEFT's
+    # save_pretrained wrote. Every adapter's low-rank product runs for every token of a step that holds any adapter's
+    # request (masked to each token's own), so the cost grows with their number: at most MAX_LORA_ADAPTERS
+    lora_adapters: dict[str, str] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja chat template file, in place of the model's own (core/chat.py)
     # template variables of every chat prompt, each one the template reads; a prompt's own chat_template_kwargs win
     default_chat_template_kwargs: dict[str, Any] | None = None
@@ -121,6 +127,7 @@ class EngineConfig:
         if not all(isinstance(key, str) and isinstance(options, dict) for key, options in self.plugin_options.items()):
             raise ConfigError(f"plugin-options maps a namespace to a dict of options, e.g. {{'awq': {{'group_size': "
                               f"64}}}}, got {self.plugin_options!r}")
+        self._validate_lora_adapters()
         if self.default_chat_template_kwargs is not None:
             from .chat import checked_template_kwargs
 
@@ -192,6 +199,21 @@ class EngineConfig:
         if self.proposer is not None and self.num_speculative_tokens == 0:
             raise ConfigError(f"proposer {self.proposer!r} needs --num-speculative-tokens K with K >= 1")
         return self
+
+    def _validate_lora_adapters(self) -> None:
+        adapters = self.lora_adapters
+        if len(adapters) > MAX_LORA_ADAPTERS:
+            raise ConfigError(f"at most {MAX_LORA_ADAPTERS} LoRA adapters can be served at once (each runs beside "
+                              f"every adapted token), got {len(adapters)}")
+        for name, folder in list(adapters.items()):
+            if not isinstance(name, str) or not LORA_NAME.fullmatch(name):
+                raise ConfigError(f"LoRA adapter name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "
+                                  "starting with a letter or digit (--lora NAME=DIR)")
+            if isinstance(folder, os.PathLike):
+                adapters[name] = folder = os.fspath(folder)
+            if not isinstance(folder, str) or not os.path.isdir(folder):
+                raise ConfigError(f"LoRA adapter {name!r}: {folder!r} is not a folder; give the folder that PEFT's "
+                                  "save_pretrained wrote (--lora NAME=DIR)")
 
     def mixed_graph_tokens(self) -> int:
         """The largest prefill or mixed step captured in a CUDA graph (0: none)."""

@@ -79,7 +79,7 @@ class Engine:
         self.max_model_len = spec.max_model_len
         self.checker = RequestChecker.for_model(self.tokenizer, spec.vocab_size, spec.max_model_len,
                                                 config.default_chat_template_kwargs,
-                                                config.sanitize_chat_control_tokens)
+                                                config.sanitize_chat_control_tokens, frozenset(config.lora_adapters))
         # HF's generate stops at generation_config.json's eos ids when it names some, else at config.json's; the
         # tokenizer's eos serves a checkpoint that names none
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []

@@ -64,6 +64,10 @@ class KVCache(ABC):
 
     block_size: int
     num_blocks: int
+    # True when match_prefix matches only blocks computed for sequences of the same ``seq.cache_namespace`` (KV
+    # computed under one LoRA adapter is wrong under another); the engine refuses --lora with a cache that does not
+    # say so. A cache without prefix reuse isolates trivially.
+    isolates_namespaces: bool = False
 
     @abstractmethod
     def match_prefix(self, seq: Sequence) -> int:

@@ -113,6 +113,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # the output's shape (a regex, a choice of strings, a JSON schema), enforced token by token; None: free text
     structured_output: StructuredOutput | None = None
+    # the LoRA adapter (a name given to --lora NAME=DIR at start) applied to this request; None: the base model
+    lora_adapter: str | None = None
 
     def __post_init__(self) -> None:
         # accept lists from callers, keep the dataclass hashable; anything else is left for validate() to name
@@ -198,6 +200,9 @@ class SamplingParams:
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         self._validate_logit_bias(bad)
         self._validate_structure(bad)
+        if self.lora_adapter is not None and (not isinstance(self.lora_adapter, str) or not self.lora_adapter):
+            raise bad(f"lora_adapter must be the name of a loaded LoRA adapter (a non-empty string) or None, got "
+                      f"{self.lora_adapter!r}")
         if not _is_int(self.priority) or abs(self.priority) >= 2**31:
             raise bad(f"priority must be an integer in (-2**31, 2**31) (higher is kept longer by the priority "
                       f"eviction policy), got {self.priority!r}")
@@ -303,6 +308,12 @@ class Sequence:
         a prefix cache (KVCache.match_prefix matches nothing for it)."""
         return self.params.prompt_logprobs is not None and self.index == 0 and \
             len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def cache_namespace(self) -> str | None:
+        """KV computed for this sequence is valid only for sequences of the same namespace, its LoRA adapter: a
+        prefix cache matches within it (KVCache.isolates_namespaces)."""
+        return self.params.lora_adapter
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,7 @@ from .staging import Uploader
 from .structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
+    from ..models.lora import LoraTokens
     from .cuda_graphs import DecodeGraphs, MixedGraphs
 
 
@@ -67,6 +68,8 @@ class Batch:
     sample_rows: torch.Tensor  # [S + D] indices into T: the last real token of each sampling sequence, then drafts
     sample_seq_ids: list[int]
     draft_counts: list[int]  # [S] draft tokens verified after each sampling sequence's last real token (D in all)
+    lora_slots: torch.Tensor | None = None  # [T] each token's LoRA adapter slot (-1: none), when adapters are loaded
+    any_lora: bool = False  # some token has an adapter
 
     @property
     def every_row_samples(self) -> bool:
@@ -133,6 +136,7 @@ class ModelRunner:
         self.uploader = Uploader(device)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.lora: LoraTokens | None = None  # with --lora adapters (models/lora.py)
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # advance: B -> (query_start, sample_rows)
 
     @staticmethod
@@ -191,16 +195,17 @@ class ModelRunner:
             flat[start : start + len(table)] = table if type(table) is array.array and table.typecode == "i" \
                 else array.array("i", table)
         query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
+        lora_slots = self._lora_slots(out, query_lens) if self.lora is not None else None
         fill_at, fill_from = pending.locate(out, query_start, tokens) if pending is not None else ([], [])
         # one transfer: array.array + one copy, where torch.tensor(list) converts element by element (3-4x slower)
+        uploaded = self.uploader.upload([
+            (array.array("q", tokens), torch.int64), (array.array("q", positions), torch.int64),
+            (array.array("q", slots), torch.int64), (array.array("q", sample_rows + draft_rows), torch.int64),
+            (array.array("i", flat), torch.int32), (array.array("i", query_start), torch.int32),
+            (array.array("i", context_lens), torch.int32), (array.array("q", fill_at), torch.int64),
+            (array.array("q", fill_from), torch.int64), *([] if lora_slots is None else [(lora_slots, torch.int64)])])
         input_ids, positions_t, slot_mapping, rows, block_tables, query_start_t, context_lens_t, at, source = \
-            self.uploader.upload([(array.array("q", tokens), torch.int64), (array.array("q", positions), torch.int64),
-                                  (array.array("q", slots), torch.int64),
-                                  (array.array("q", sample_rows + draft_rows), torch.int64),
-                                  (array.array("i", flat), torch.int32), (array.array("i", query_start), torch.int32),
-                                  (array.array("i", context_lens), torch.int32),
-                                  (array.array("q", fill_at), torch.int64),
-                                  (array.array("q", fill_from), torch.int64)])
+            uploaded[:9]
         if fill_at:
             assert pending is not None
             input_ids[at] = pending.tokens[source]
@@ -216,7 +221,17 @@ class ModelRunner:
             max_context_len=max(context_lens),
         )
         meta.backend_data = self.attention.prepare(meta)
-        return Batch(input_ids, positions_t, meta, rows, sample_seq_ids, draft_counts)
+        return Batch(input_ids, positions_t, meta, rows, sample_seq_ids, draft_counts,
+                     uploaded[9] if lora_slots is not None else None, lora_slots is not None and max(lora_slots) >= 0)
+
+    def _lora_slots(self, out: SchedulerOutput, query_lens: list[int]) -> array.array[int]:
+        """Each token's LoRA adapter slot (-1: the base model), sequence by sequence as the batch lists them."""
+        assert self.lora is not None
+        slots = array.array("q")
+        for item, count in zip(out.scheduled, query_lens):
+            name = item.seq.params.lora_adapter
+            slots.extend([-1 if name is None else self.lora.slot_of[name]] * count)
+        return slots
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap-outs, then swap-ins, then copy-on-write copies, as BlockOps orders them."""
@@ -257,6 +272,9 @@ class ModelRunner:
         output buffer itself, which the next replay overwrites: sample from it before the next ``run``); the
         ``prompt`` rows' logprobs go to their sequences."""
         num_tokens, rows = batch.input_ids.shape[0], None if batch.every_row_samples else batch.sample_rows
+        if self.lora is not None:
+            assert batch.lora_slots is not None, "a batch built without LoRA slots, on a runner with adapters"
+            self.lora.set(batch.lora_slots, batch.any_lora)
         if self.graphs is not None and self.graphs.fits(batch.meta, num_tokens):
             logits = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # every row's
             if prompt is not None:
@@ -288,7 +306,9 @@ class ModelRunner:
                                  context_lens=meta.context_lens + 1, query_lens_cpu=[1] * rows, context_lens_cpu=lens,
                                  block_size=size, max_query_len=1, max_context_len=meta.max_context_len + 1)
         step.backend_data = self.attention.prepare(step)
-        return Batch(next_ids, positions, step, sample_rows, batch.sample_seq_ids, [0] * rows)
+        lora_slots = None if batch.lora_slots is None else batch.lora_slots[batch.sample_rows]
+        return Batch(next_ids, positions, step, sample_rows, batch.sample_seq_ids, [0] * rows, lora_slots,
+                     batch.any_lora)
 
     def enable_cuda_graphs(self, max_batch: int, query_lens: dict[int, int] | None = None, eager: bool = False,
                            mixed_tokens: int = 0, mixed_rows: int = 0) -> None:
@@ -299,6 +319,9 @@ class ModelRunner:
         from .cuda_graphs import DecodeGraphs, MixedGraphs
 
         pool, self.mixed_graphs = None, None
+        if self.lora is not None:  # the graphs read the adapters' one-hot buffer, which must hold their largest step
+            self.lora.reserve(max(max_batch * max({1, *(query_lens or {})}), mixed_tokens))
+            self.lora.always_active = True
         if mixed_tokens and not self.attention.supports_mixed_cuda_graphs:
             raise PluginError(f"attention backend {type(self.attention).__name__} does not support CUDA graphs of "
                               "mixed steps; use --cuda-graph-max-tokens 0")

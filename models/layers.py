@@ -58,6 +58,8 @@ class Linear(nn.Module):
                  quant: QuantMethod | None, dtype: torch.dtype, create: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features, self.prefix = in_features, out_features, prefix
+        self.parts = [(prefix, out_features)]  # (HF module name, output size) of what it computes, side by side
+        self.lora: nn.Module | None = None  # models/lora.py's LoraDelta, with --lora adapters that target it
         self.method: QuantMethod = quant if quant is not None and quant.applies_to(prefix) else UnquantizedMethod()
         if create:
             self.method.create_weights(self, in_features, out_features, bias, dtype)
@@ -73,6 +75,7 @@ class Linear(nn.Module):
         merged = cls(parts[0].in_features, sum(p.out_features for p in parts), False, prefix, None,
                      torch.get_default_dtype(), create=False)
         merged.method = method
+        merged.parts = [part for p in parts for part in p.parts]
         if not method.merge(list(parts), merged):
             return None
         merged.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
@@ -82,7 +85,8 @@ class Linear(nn.Module):
         self.method.load_weight(self, name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        out = self.method.apply(self, x)
+        return out if self.lora is None else self.lora(x, out)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, quant={self.method.name}"

@@ -28,8 +28,11 @@ class PagedKVCache(KVCache):
     A registered full block has a key (the id of the prefix before it, its own tokens) and a prefix id of its own,
     never reused. Dict lookups compare keys exactly and ids name one prefix each, so a match is exact by
     induction from the root: no hash of the prefix is trusted (a crafted prompt cannot collide into another's KV).
-    Evicting a block unregisters its descendants too, so every registered block is reachable from the root.
+    Evicting a block unregisters its descendants too, so every registered block is reachable from the root. Each
+    cache namespace (a LoRA adapter) has a root of its own, a prefix id that no block takes.
     """
+
+    isolates_namespaces = True
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy, prefix_caching: bool) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -47,6 +50,7 @@ class PagedKVCache(KVCache):
         # high-priority request uses keeps its rank when a low-priority one reuses it last
         self.top_priority: dict[int, int] = {}
         self.next_prefix_id = ROOT + 1
+        self.roots: dict[str | None, int] = {None: ROOT}  # cache namespace -> its root's prefix id
         self.free_list: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, array[int]] = {}  # int32 arrays: the runner copies them into a batch as is
         self.chains: dict[int, list[int]] = {}  # seq_id -> the prefix id after each of its committed full blocks
@@ -174,12 +178,19 @@ class PagedKVCache(KVCache):
         self.counters.evictions = evictions
         return True
 
+    def _root(self, seq: Sequence) -> int:
+        namespace = seq.cache_namespace
+        if namespace not in self.roots:
+            self.roots[namespace] = self.next_prefix_id
+            self.next_prefix_id += 1
+        return self.roots[namespace]
+
     def match_prefix(self, seq: Sequence) -> int:
         assert seq.seq_id not in self.tables, "match_prefix on a sequence that holds blocks"
         table = array("i")
         chain: list[int] = []
         if self.prefix_caching and not seq.needs_prompt_logits:
-            tokens, size, prefix = seq.token_ids, self.block_size, ROOT
+            tokens, size, prefix = seq.token_ids, self.block_size, self._root(seq)
             for i in range((len(tokens) - 1) // size):  # leave at least one token to compute
                 block = self.key_to_block.get((prefix, tuple(tokens[i * size : (i + 1) * size])))
                 if block is None:
@@ -236,9 +247,10 @@ class PagedKVCache(KVCache):
             return
         table, chain, size = self.tables[seq.seq_id], self.chains[seq.seq_id], self.block_size
         full = min(seq.num_computed_tokens // size, len(table))
-        prefix = chain[-1] if chain else ROOT
+        root = self._root(seq)
+        prefix = chain[-1] if chain else root
         for i in range(len(chain), full):
-            if prefix != ROOT and prefix not in self.prefix_id_to_block:
+            if prefix != root and prefix not in self.prefix_id_to_block:
                 prefix = UNREACHABLE  # the prefix's cached block was evicted, and its id is never reused
             if prefix != UNREACHABLE:
                 key, block = (prefix, tuple(seq.token_ids[i * size : (i + 1) * size])), table[i]
@@ -294,6 +306,6 @@ def cached_prefix(kv: PagedKVCache, block: int) -> tuple[int, ...]:
         assert key is not None, f"block {block} is not registered"
         prefix, own = key
         tokens[:0] = own
-        if prefix == ROOT:
+        if prefix in kv.roots.values():
             return tuple(tokens)
         block = kv.prefix_id_to_block[prefix]  # KeyError: an unreachable registered block

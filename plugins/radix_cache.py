@@ -43,11 +43,15 @@ class _SeqState:
 
 
 class RadixKVCache(KVCache):
-    """Invariant: a block is free XOR held by a live sequence (ref > tree's share) XOR held by the tree alone."""
+    """Invariant: a block is free XOR held by a live sequence (ref > tree's share) XOR held by the tree alone.
+    Each cache namespace (a LoRA adapter) has a tree of its own; ``root`` is the base model's."""
+
+    isolates_namespaces = True
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy) -> None:
         self.num_blocks, self.block_size, self.eviction = num_blocks, block_size, eviction
         self.root = RadixNode((), [], None, 0)
+        self.roots: dict[str | None, RadixNode] = {None: self.root}  # cache namespace -> its tree's root
         self.ref = [0] * num_blocks  # holders: sequence tables, plus one when the tree holds the block
         self.free_list: deque[int] = deque(range(num_blocks))
         self.seqs: dict[int, _SeqState] = {}
@@ -79,8 +83,8 @@ class RadixKVCache(KVCache):
         return ops
 
     def nodes(self) -> Iterator[RadixNode]:
-        """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
+        """Every node but the roots, parents before children."""
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -127,7 +131,7 @@ class RadixKVCache(KVCache):
 
     def _path(self, node: RadixNode) -> list[RadixNode]:
         path = []
-        while node is not self.root:
+        while node.parent is not None:
             path.append(node)
             node = node.parent  # type: ignore[assignment]
         return path[::-1]
@@ -135,7 +139,7 @@ class RadixKVCache(KVCache):
     def _set_evictable(self, node: RadixNode, used: bool = True) -> None:
         """``used``: a sequence released the node now (a use); else it lost its last child or its tail blocks to an
         eviction, and keeps the rank of its last use (``EvictionPolicy.restore``)."""
-        if node is self.root or node.lock or node.evictable:
+        if node.parent is None or node.lock or node.evictable:
             return
         if node.children:  # released like a leaf (the policy records the use, which ranks it once it is a leaf:
             if used:  # restore) but held back while cached nodes depend on it
@@ -276,12 +280,18 @@ class RadixKVCache(KVCache):
         self.counters.evictions = evictions
         return True
 
+    def _root(self, seq: Sequence) -> RadixNode:
+        namespace = seq.cache_namespace
+        if namespace not in self.roots:
+            self.roots[namespace] = RadixNode((), [], None, 0)
+        return self.roots[namespace]
+
     def match_prefix(self, seq: Sequence) -> int:
         assert seq.seq_id not in self.seqs, "match_prefix on a sequence that holds blocks"
         usable = 0 if seq.needs_prompt_logits else max((seq.num_tokens - 1) // self.block_size, 0)  # leave one
-        node = self._walk(self.root, seq.token_ids, usable)
+        node = self._walk(self._root(seq), seq.token_ids, usable)
         self.seqs[seq.seq_id] = _SeqState(array("i", [block for n in self._path(node) for block in n.blocks]),
-                                          self.root)
+                                          self._root(seq))
         matched = node.depth * self.block_size
         self.pending_match[seq.seq_id] = node
         return matched
@@ -295,7 +305,7 @@ class RadixKVCache(KVCache):
         self._move_lock(state, node, seq.params.priority)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        state = self.seqs.get(seq.seq_id) or _SeqState(array("i"), self.root)
+        state = self.seqs.get(seq.seq_id) or _SeqState(array("i"), self._root(seq))
         pending = self.pending_match.get(seq.seq_id)
         if pending is not None:  # the matched path's unlocked blocks stop being evictable once held
             path = self._path(pending)
@@ -342,7 +352,7 @@ class RadixKVCache(KVCache):
         if state is None:
             return
         self._insert(state, seq)  # a finished (or preempted) sequence leaves its prefix in the tree
-        self._unlock(state.node, self.root, seq.params.priority)
+        self._unlock(state.node, self._root(seq), seq.params.priority)
         for block in reversed(state.table):
             self._release(block)
 
@@ -350,7 +360,7 @@ class RadixKVCache(KVCache):
         assert child.seq_id not in self.seqs, "fork into a sequence that holds blocks"
         state = self.seqs[parent.seq_id]
         self._insert(state, parent)  # shared full blocks become tree blocks, so only the partial one is private
-        twin = _SeqState(array("i", state.table), self.root)
+        twin = _SeqState(array("i", state.table), self._root(child))
         for block in twin.table:
             self.ref[block] += 1
         self._move_lock(twin, state.node, child.params.priority)

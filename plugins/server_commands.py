@@ -81,6 +81,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
               "that ended the completion in its text.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
 @click.option("--no-speculative", is_flag=True, help="Opt this request out of the server's speculative decoding.")
+@click.option("--lora-adapter", default=None, metavar="NAME", help="Apply the LoRA adapter the server loaded as NAME "
+              "(`infer --lora NAME=DIR serve`) [default: none, the base model].")
 @click.option("--beam-width", type=int, default=0, help="Beam search with this many beams (the BeamSearch RPC, "
               "which runs beside the server's other requests); prints the best beam [default: 0, off].")
 @click.option("--length-penalty", type=float, default=1.0, show_default=True,
@@ -102,9 +104,9 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any],
            structured_output: StructuredOutput | None, n: int,
            seed: int | None, stop: tuple[str, ...], include_stop_str: bool, ignore_eos: bool, no_speculative: bool,
-           beam_width: int, length_penalty: float, chat: bool, system: str | None, token: str | None, tls: bool,
-           tls_ca: Path | None, timeout: float | None, stats: bool, chat_template_kwargs: dict[str, Any],
-           tools: tuple[dict[str, Any], ...]) -> None:
+           lora_adapter: str | None, beam_width: int, length_penalty: float, chat: bool, system: str | None,
+           token: str | None, tls: bool, tls_ca: Path | None, timeout: float | None, stats: bool,
+           chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams (with --chat,
     the reply alone)."""
     quiet_grpc_core()
@@ -132,6 +134,8 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
         sampling["speculative"] = False
     if seed is not None:
         sampling["seed"] = seed
+    if lora_adapter is not None:
+        sampling["lora_adapter"] = lora_adapter
     for name, given in (("--system", system is not None), ("--chat-template-kwargs", bool(chat_template_kwargs)),
                         ("--tools", bool(tools))):
         if given and not chat:
@@ -147,7 +151,8 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
         try:
             if beam_width:
                 print_best_beam(conn, sent, shown, beam_width=beam_width, max_tokens=max_tokens,
-                                length_penalty=length_penalty, ignore_eos=ignore_eos)
+                                length_penalty=length_penalty, ignore_eos=ignore_eos,
+                                **({} if lora_adapter is None else {"lora_adapter": lora_adapter}))
             elif n == 1:
                 calls = []
                 for response in conn.generate(sent, **sampling):

@@ -144,7 +144,8 @@ def describe_engine(engine: Any) -> pb.ModelInfo:
         version=__version__, chat_template=bool(getattr(engine.tokenizer, "chat_template", None)),
         default_chat_template_kwargs=json.dumps(engine.config.default_chat_template_kwargs)
         if engine.config.default_chat_template_kwargs else "",
-        sanitize_chat_control_tokens=engine.config.sanitize_chat_control_tokens)
+        sanitize_chat_control_tokens=engine.config.sanitize_chat_control_tokens,
+        lora_adapters=sorted(engine.config.lora_adapters))
 
 
 def list_plugins(engine: Any) -> pb.ListPluginsResponse:

@@ -74,7 +74,7 @@ def build_beam_request(prompt: Prompt, **params: Any) -> pb.BeamSearchRequest:
         request = pb.BeamSearchRequest(**params)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"invalid beam search parameters {params!r}: {exc}; they are beam_width, "
-                                  "max_tokens, length_penalty, ignore_eos and request_id") from None
+                                  "max_tokens, length_penalty, ignore_eos, lora_adapter and request_id") from None
     set_prompt(request, prompt)
     return request
 
@@ -129,8 +129,9 @@ class Client(_Base):
 
     def beam_search(self, prompt: Prompt, *, timeout: float | None = None,
                     **params: Any) -> pb.BeamSearchResponse:
-        """Beam search for one prompt; ``params``: beam_width=, max_tokens=, length_penalty=, ignore_eos= (unset:
-        the server's BeamSearchParams defaults), and request_id= (then ``abort(request_id)`` stops it)."""
+        """Beam search for one prompt; ``params``: beam_width=, max_tokens=, length_penalty=, ignore_eos=,
+        lora_adapter= (unset: the server's BeamSearchParams defaults), and request_id= (then ``abort(request_id)``
+        stops it)."""
         return self.stub.BeamSearch(build_beam_request(prompt, **params), **self._kw(timeout))
 
     def start_beam_search(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Any:

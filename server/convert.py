@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # core.beam_search imports torch, which the clients of this m
 
 # proto field -> SamplingParams field, for the optional scalars (unset means the SamplingParams default)
 _OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs",
-                     "n", "speculative", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
+                     "n", "speculative", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens",
+                     "lora_adapter")
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -90,7 +91,7 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
             "logit_bias": params.logit_bias} | fields
         if fields.get("seed") is None:
             fields.pop("seed")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs", "lora_adapter"):
             if fields.get(name) is None:
                 fields.pop(name)
         if params.structured_output is not None:
@@ -144,7 +145,7 @@ def beam_params_of(request: pb.BeamSearchRequest) -> BeamSearchParams:
     """The validated BeamSearchParams of a request (unset fields: the defaults)."""
     from ..core.beam_search import BeamSearchParams
 
-    fields = {name: getattr(request, name) for name in ("beam_width", "max_tokens", "length_penalty")
+    fields = {name: getattr(request, name) for name in ("beam_width", "max_tokens", "length_penalty", "lora_adapter")
               if request.HasField(name)}
     params = BeamSearchParams(ignore_eos=request.ignore_eos, **fields)
     params.validate()

@@ -1,0 +1,209 @@
+"""LoRA adapters in PEFT's format, served beside the base model: every adapter's A/B matrices stacked per linear
+layer, each token getting its own request's adapter (S-LoRA, arXiv 2311.03285: one base pass for the whole batch,
+the low-rank deltas batched beside it). An adapter is loaded once, at engine start (``--lora NAME=DIR``)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import CheckpointError
+from .layers import Linear
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PEFT's tensor names: this, the HF module name, then .lora_A/.lora_B.weight
+MAX_RANK = 512
+# adapter_config.json keys whose non-empty values change what the adapter computes, and why each is refused
+UNSUPPORTED = {
+    "use_dora": "DoRA (weight-decomposed LoRA) adapters",
+    "modules_to_save": "adapters that replace whole modules (modules_to_save)",
+    "fan_in_fan_out": "fan_in_fan_out adapters (GPT-2's Conv1D layout)",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "lora_bias": "adapters with a bias on lora_B (lora_bias)",
+    "layer_replication": "layer replication",
+    "use_qalora": "QA-LoRA adapters",
+    "trainable_token_indices": "adapters that train token embeddings (trainable_token_indices)",
+    "target_parameters": "adapters on parameters (target_parameters)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+}
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter as read from its folder: ``weights`` maps an HF module name (``model.layers.0.self_attn.q_proj``)
+    to its (A [rank, in], B [out, rank]); the delta of that module's output is ``scaling * x @ A.T @ B.T``."""
+
+    name: str
+    rank: int
+    scaling: float  # lora_alpha / rank, or lora_alpha / sqrt(rank) with use_rslora
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(name: str, folder: Path) -> LoraAdapter:
+    """The adapter saved in ``folder`` by PEFT's ``save_pretrained``. CheckpointError says what is wrong."""
+    where = f"LoRA adapter {name!r} ({folder})"
+    config = _read_config(folder, where)
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
+    if type(rank) is not int or not 0 < rank <= MAX_RANK:
+        raise CheckpointError(f"{where}: adapter_config.json has r = {rank!r}; it must be an integer in "
+                              f"[1, {MAX_RANK}]")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise CheckpointError(f"{where}: adapter_config.json has lora_alpha = {alpha!r}; it must be a number")
+    if config.get("bias", "none") != "none":
+        raise CheckpointError(f"{where}: bias = {config['bias']!r}; infer serves adapters without biases "
+                              "(bias 'none') only")
+    for key, what in UNSUPPORTED.items():
+        if config.get(key):
+            raise CheckpointError(f"{where}: infer does not serve {what}; adapter_config.json sets {key}")
+    scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
+    return LoraAdapter(name, rank, scaling, _read_weights(folder, where, rank))
+
+
+def _read_config(folder: Path, where: str) -> dict[str, Any]:
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{where}: no {ADAPTER_CONFIG}; give the folder that PEFT's save_pretrained wrote")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{where}: {ADAPTER_CONFIG} is not readable JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where}: {ADAPTER_CONFIG} must hold a JSON object")
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise CheckpointError(f"{where}: peft_type is {kind!r}; infer serves LORA adapters only")
+    return config
+
+
+def _read_weights(folder: Path, where: str, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / ADAPTER_WEIGHTS
+    if not path.is_file():
+        hint = " (adapter_model.bin is a pickle, which infer does not load: save it again with " \
+            "safe_serialization=True)" if (folder / "adapter_model.bin").exists() else ""
+        raise CheckpointError(f"{where}: no {ADAPTER_WEIGHTS}{hint}")
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{where}: {ADAPTER_WEIGHTS} is not a readable safetensors file: {exc}") from exc
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in tensors.items():
+        module, dot, half = tensor_name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if not tensor_name.startswith(PEFT_PREFIX) or not dot or half not in ("A.weight", "B.weight"):
+            raise CheckpointError(f"{where}: unexpected tensor {tensor_name!r}; infer serves LoRA on linear layers, "
+                                  f"named {PEFT_PREFIX}MODULE.lora_A.weight and .lora_B.weight")
+        if not tensor.is_floating_point() or tensor.dim() != 2:
+            raise CheckpointError(f"{where}: {tensor_name} must be a 2-d float tensor, got {tensor.dtype} "
+                                  f"{tuple(tensor.shape)}")
+        halves.setdefault(module, {})[half[0]] = tensor
+    weights = {}
+    for module, pair in sorted(halves.items()):
+        if len(pair) != 2:
+            raise CheckpointError(f"{where}: {module} has lora_{next(iter(pair))} but not its other half")
+        a, b = pair["A"], pair["B"]
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise CheckpointError(f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; with "
+                                  f"r = {rank} they must be [{rank}, in] and [out, {rank}]")
+        weights[module] = (a, b)
+    if not weights:
+        raise CheckpointError(f"{where}: {ADAPTER_WEIGHTS} holds no LoRA weights")
+    return weights
+
+
+class LoraTokens:
+    """Which adapter each token of the step runs, as one-hot weights [tokens, adapters] that every LoRA linear
+    reads. Steps of up to ``len(static)`` tokens write a fixed buffer, which CUDA graphs capture; larger ones, which
+    run eagerly, get their own tensor."""
+
+    def __init__(self, names: Sequence[str], dtype: torch.dtype, device: torch.device, capacity: int = 256) -> None:
+        self.slot_of = {name: slot for slot, name in enumerate(names)}
+        self.static = torch.zeros(capacity, len(names), dtype=dtype, device=device)
+        self.current = self.static
+        self.active = False  # whether a linear adds its delta (some token has an adapter, or graphs are captured)
+        self.always_active = False  # CUDA graphs: the delta is part of every captured step
+
+    def reserve(self, num_tokens: int) -> None:
+        """Grow the fixed buffer to ``num_tokens`` rows: before CUDA graphs that read it are captured."""
+        if num_tokens > len(self.static):
+            self.static = self.current = self.static.new_zeros(num_tokens, self.static.shape[1])
+
+    def set(self, slots: torch.Tensor, any_adapter: bool) -> None:
+        """``slots`` [tokens] (int64, on the device): each token's adapter slot, -1 for none."""
+        self.active = any_adapter or self.always_active
+        if not self.active:
+            return
+        n = slots.shape[0]
+        weights = self.static[:n] if n <= len(self.static) else self.static.new_empty(n, self.static.shape[1])
+        weights.zero_()
+        weights.scatter_(1, slots.clamp(min=0).unsqueeze(1), (slots >= 0).unsqueeze(1).to(weights.dtype))
+        self.current = self.static if n <= len(self.static) else weights
+
+
+class LoraDelta(nn.Module):
+    """The stacked adapters of one linear layer. Columns of ``a`` (rows of ``a`` as stored) come in one group of
+    ``width`` per adapter slot (each part's rank, padded to the largest, for merged q/k/v or gate/up linears);
+    ``b`` holds every part's B at its output rows, scaled, and zeros elsewhere."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, tokens: LoraTokens) -> None:
+        super().__init__()
+        self.register_buffer("a", a, persistent=False)  # [slots * width, in]
+        self.register_buffer("b", b, persistent=False)  # [out, slots * width]
+        self.tokens = tokens
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if not self.tokens.active:
+            return out
+        rows = x.reshape(-1, x.shape[-1])
+        weights = self.tokens.current[: rows.shape[0]]  # [T, slots]
+        h = (rows @ self.a.t()).view(rows.shape[0], weights.shape[1], -1) * weights.unsqueeze(-1)
+        return torch.addmm(out.reshape(-1, out.shape[-1]), h.flatten(1), self.b.t()).view(out.shape)
+
+
+def attach_adapters(model: nn.Module, adapters: Sequence[LoraAdapter], dtype: torch.dtype,
+                    device: torch.device) -> LoraTokens:
+    """Give every linear of ``model`` that some adapter targets a :class:`LoraDelta` (``Linear.lora``); adapter i
+    takes slot i. CheckpointError for a module the model lacks or a shape that does not fit it."""
+    # the head's rows are the sampled positions, not the step's tokens: adapters on it are refused (not a layer)
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.prefix != "lm_head"]
+    owner = {part: (linear, index) for linear in linears for index, (part, _) in enumerate(linear.parts)}
+    targeted: dict[int, Linear] = {}
+    for adapter in adapters:
+        for module, (a, b) in adapter.weights.items():
+            if module not in owner:
+                examples = ", ".join(sorted(owner)[:3])
+                raise CheckpointError(f"LoRA adapter {adapter.name!r} has weights for {module!r}, which is not a "
+                                      f"linear layer of this model (those are named like {examples}); infer serves "
+                                      "LoRA on the decoder layers' linears")
+            linear, index = owner[module]
+            size = linear.parts[index][1]
+            if a.shape[1] != linear.in_features or b.shape[0] != size:
+                raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module} has lora_A {tuple(a.shape)} and "
+                                      f"lora_B {tuple(b.shape)}, but the layer maps {linear.in_features} to {size} "
+                                      "features; was the adapter trained on this base model?")
+            targeted[id(linear)] = linear
+    tokens = LoraTokens([adapter.name for adapter in adapters], dtype, device)
+    rank = max(adapter.rank for adapter in adapters)
+    for linear in targeted.values():
+        width = rank * len(linear.parts)
+        a = torch.zeros(len(adapters) * width, linear.in_features, dtype=dtype)
+        b = torch.zeros(linear.out_features, len(adapters) * width, dtype=dtype)
+        for slot, adapter in enumerate(adapters):
+            row = 0
+            for index, (part, size) in enumerate(linear.parts):
+                if part in adapter.weights:
+                    part_a, part_b = adapter.weights[part]
+                    col = slot * width + index * rank
+                    a[col : col + adapter.rank] = part_a.to(dtype)
+                    b[row : row + size, col : col + adapter.rank] = (part_b.float() * adapter.scaling).to(dtype)
+                row += size
+        linear.lora = LoraDelta(a.to(device), b.to(device), tokens)
+    return tokens

@@ -1,0 +1,317 @@
+"""LoRA adapters (models/lora.py): PEFT's own adapters, saved by PEFT, served beside the base model; the reference
+is PEFT's model on HF transformers (unmerged, its own forward pass)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import peft  # the reference (in the dev extra): PEFT's own model on HF transformers
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from infer import SamplingParams
+from infer.cli import main
+from infer.core.beam_search import BeamSearchParams
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.errors import CheckpointError, ConfigError, InvalidRequestError
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [[5, 9, 12, 40, 7, 3], [100, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [700, 33]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+class Adapter:
+    """A PEFT adapter with random A and B (large enough to change the greedy tokens), saved to ``folder``."""
+
+    def __init__(self, base: Path, folder: Path, targets: tuple[str, ...] = ALL_TARGETS, rank: int = 4,
+                 alpha: float = 16, seed: int = 0, rslora: bool = False) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                                 use_rslora=rslora)
+        self.model = peft.get_peft_model(hf, config).eval()
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.2)
+        self.model.save_pretrained(str(folder))
+        self.folder = folder
+
+    def greedy(self, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+        """PEFT's greedy continuation, and the log-softmax at the first generated position."""
+        ids, out, first = torch.tensor([prompt]), [], None
+        with torch.no_grad():
+            for _ in range(steps):
+                logits = self.model(ids).logits[0, -1].float()
+                first = torch.log_softmax(logits, -1) if first is None else first
+                out.append(int(logits.argmax()))
+                ids = torch.cat([ids, torch.tensor([[out[-1]]])], 1)
+        assert first is not None
+        return out, first
+
+
+def tokens(outputs: list) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Adapter]:
+    """On the llama checkpoint: "all" (every projection, rank 4), "qv" (q and v only, rank 8, rsLoRA)."""
+    base, root = checkpoint("llama"), tmp_path_factory.mktemp("lora")
+    return {"all": Adapter(base, root / "all"), "qv": Adapter(base, root / "qv", ("q_proj", "v_proj"), rank=8,
+                                                                 alpha=4, seed=1, rslora=True)}
+
+
+def engine_for(base: Path, adapters: dict[str, Adapter], **options) -> Engine:
+    return Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", num_kv_blocks=128,
+                               lora_adapters={name: str(a.folder) for name, a in adapters.items()}, **options))
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2", "qwen3", "mistral"])
+def test_an_adapter_on_each_architecture_equals_peft(checkpoint, tmp_path, name: str) -> None:
+    adapter = Adapter(checkpoint(name), tmp_path / "adapter", seed=3)
+    engine = engine_for(checkpoint(name), {"a": adapter})
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3,
+                                                  lora_adapter="a"))
+    for prompt, result in zip(PROMPTS, out):
+        expected, first = adapter.greedy(prompt, 10)
+        assert result.outputs[0].token_ids == expected
+        for token, logprob in result.outputs[0].logprobs[0].items():
+            assert logprob == pytest.approx(float(first[token]), abs=1e-4)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
+def test_a_batch_mixing_adapters_and_the_base_model_equals_each_alone(checkpoint, adapters, hf_greedy, fuse) -> None:
+    """Each token gets its own request's adapter (or none) in one batch; q/k/v and gate/up merged or not."""
+    base = checkpoint("llama")
+    engine = engine_for(base, adapters, fuse_projections=fuse)
+    names = [None, "all", "qv", "all", None, "qv"]
+    prompts = [PROMPTS[i % 3] for i in range(len(names))]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, lora_adapter=n) for n in names]
+    for prompt, name, got in zip(prompts, names, tokens(engine.generate(prompts, params))):
+        assert got == (hf_greedy(base, prompt, 10) if name is None else adapters[name].greedy(prompt, 10)[0])
+
+
+def test_requests_without_an_adapter_are_unchanged_bit_for_bit(checkpoint, adapters) -> None:
+    """A base-model token adds an exact zero delta: its logprobs equal those of an engine without adapters that runs
+    batches of the same shapes."""
+    base = checkpoint("llama")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+    plain = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", num_kv_blocks=128)).generate(
+        PROMPTS * 2, params)
+    mixed = engine_for(base, adapters).generate(
+        PROMPTS * 2, [params] * 3 + [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                    lora_adapter="all")] * 3)
+    for want, got in zip(plain, mixed[:3]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("variant", ["chunked-prefill", "graphs", "async-scheduling", "fork", "ngram", "beam-search"])
+def test_adapters_through_the_engine_paths(checkpoint, adapters, hf_greedy, variant: str) -> None:
+    """Chunked prefills beside decodes; padded CUDA-graph steps (eager, triton backend under the interpreter);
+    steps scheduled before the previous step's tokens are read back; n > 1 forks; speculative verification (the
+    proposer knows nothing of adapters: the target verifies with them); beam search of width 1 (greedy). A
+    base-model request runs beside the adapter's."""
+    base, adapter = checkpoint("llama"), adapters["all"]
+    options: dict = {}
+    if variant == "chunked-prefill":
+        options = dict(scheduler="chunked-prefill", max_num_batched_tokens=5)
+    if variant == "graphs":
+        options = dict(attention="triton", scheduler="chunked-prefill", max_num_batched_tokens=3)
+    if variant == "ngram":
+        options = dict(proposer="ngram", num_speculative_tokens=3, plugin_options={"ngram": {"min_n": 1}})
+    if variant == "async-scheduling":
+        options = dict(async_scheduling=True)
+    engine = engine_for(base, adapters, **options)
+    if variant == "graphs":
+        engine.runner.enable_cuda_graphs(4, {3: 4}, eager=True, mixed_tokens=24, mixed_rows=8)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], PROMPTS[1], PROMPTS[1]]  # the first repeats: the n-gram proposer drafts
+    names = ["all", "all", None]
+    expected = [adapter.greedy(p, 10)[0] if n else hf_greedy(base, p, 10) for p, n in zip(prompts, names)]
+    if variant == "beam-search":
+        for prompt, name, want in zip(prompts, names, expected):
+            out = engine.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=10, ignore_eos=True,
+                                                                lora_adapter=name))
+            assert out[0].beams[0].token_ids == want
+        return
+    n = 3 if variant == "fork" else 1
+    out = engine.generate(prompts, [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=n,
+                                                   lora_adapter=name) for name in names])
+    assert [[c.token_ids for c in result.outputs] for result in out] == [[want] * n for want in expected]
+    if variant == "graphs":
+        assert engine.runner.graphs is not None and sum(engine.runner.graphs.replays.values()) > 0
+        assert engine.runner.mixed_graphs is not None and engine.runner.mixed_graphs.replays > 0
+    if variant == "ngram":
+        assert engine.stats.spec_proposed > 0
+
+
+@pytest.mark.gpu
+def test_adapters_on_cuda_with_graphs_equal_peft(checkpoint, adapters, hf_greedy) -> None:
+    """The CUDA defaults (triton attention, CUDA graphs captured with the adapters' delta), in float32."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    base = checkpoint("llama")
+    engine = Engine(EngineConfig(model=str(base), device="cuda", dtype="float32", num_kv_blocks=128,
+                                 lora_adapters={name: str(a.folder) for name, a in adapters.items()}))
+    assert engine.runner.graphs is not None
+    names = [None, "all", "qv", "all"]
+    prompts = [PROMPTS[i % 3] for i in range(len(names))]
+    out = engine.generate(prompts, [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, lora_adapter=n)
+                                    for n in names])
+    for prompt, name, got in zip(prompts, names, tokens(out)):
+        assert got == (hf_greedy(base, prompt, 10) if name is None else adapters[name].greedy(prompt, 10)[0])
+    assert sum(engine.runner.graphs.replays.values()) > 0
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+def test_the_prefix_cache_never_serves_one_adapters_kv_to_another(checkpoint, adapters, hf_greedy, kv_cache) -> None:
+    base = checkpoint("llama")
+    engine = engine_for(base, adapters, kv_cache=kv_cache)
+    prompt = list(range(200, 240))  # two full blocks of 16, then 8 tokens
+    runs = []
+    for name in ["all", None, "all", "qv", None]:
+        out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                       lora_adapter=name))[0]
+        runs.append((out.num_cached_tokens, out.outputs[0].token_ids))
+        want = hf_greedy(base, prompt, 6) if name is None else adapters[name].greedy(prompt, 6)[0]
+        assert out.outputs[0].token_ids == want, name
+    assert [cached for cached, _ in runs] == [0, 0, 32, 0, 32]
+
+
+def test_a_request_for_an_adapter_that_is_not_loaded_is_refused(checkpoint, adapters) -> None:
+    engine = engine_for(checkpoint("llama"), {"all": adapters["all"]})
+    with pytest.raises(InvalidRequestError, match="lora_adapter 'sql' is not loaded; the loaded adapters: all"):
+        engine.add_request("x", SamplingParams(lora_adapter="sql"))
+    plain = Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", num_kv_blocks=16))
+    with pytest.raises(InvalidRequestError, match="start the engine with --lora NAME=DIR"):
+        plain.add_request("x", SamplingParams(lora_adapter="all"))
+    with pytest.raises(InvalidRequestError, match="lora_adapter must be the name"):
+        engine.add_request("x", SamplingParams(lora_adapter=""))
+
+
+def test_bad_adapter_options_are_config_errors(checkpoint, tmp_path) -> None:
+    base = str(checkpoint("llama"))
+    with pytest.raises(ConfigError, match="is not a folder"):
+        EngineConfig(model=base, lora_adapters={"a": str(tmp_path / "missing")}).validate()
+    with pytest.raises(ConfigError, match="must be 1-64 letters"):
+        EngineConfig(model=base, lora_adapters={"a b": str(tmp_path)}).validate()
+    with pytest.raises(ConfigError, match="at most 16 LoRA adapters"):
+        EngineConfig(model=base, lora_adapters={f"a{i}": str(tmp_path) for i in range(17)}).validate()
+
+
+def rewrite(adapter: Adapter, folder: Path, config: dict | None = None,
+            tensors: Callable[[dict], dict] | None = None) -> Path:
+    """A copy of ``adapter``'s files with config keys replaced and tensors transformed."""
+    folder.mkdir()
+    raw = json.loads((adapter.folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**raw, **(config or {})}))
+    weights = load_file(adapter.folder / "adapter_model.safetensors")
+    save_file(tensors(weights) if tensors else weights, folder / "adapter_model.safetensors")
+    return folder
+
+
+def renamed(old: str, new: str) -> Callable[[dict], dict]:
+    return lambda weights: {name.replace(old, new): t for name, t in weights.items()}
+
+
+BAD_ADAPTERS = {
+    "dora": ({"use_dora": True}, None, "does not serve DoRA"),
+    "bias": ({"bias": "all"}, None, "without biases"),
+    "rank": ({"r": 5}, None, "with r = 5 they must be"),
+    "rank-pattern": ({"rank_pattern": {"q_proj": 2}}, None, "per-module ranks"),
+    "not-lora": ({"peft_type": "IA3"}, None, "LORA adapters only"),
+    "lm-head": ({}, renamed("model.layers.0.self_attn.q_proj", "lm_head"), "'lm_head', which is not a linear layer"),
+    "no-such-layer": ({}, renamed("layers.0.", "layers.9."), "'model.layers.9.mlp.down_proj', which is not"),
+    "embedding": ({}, renamed("lora_A.weight", "lora_embedding_A"), "unexpected tensor"),
+    "half": ({}, lambda w: {n: t for n, t in w.items() if "layers.0.self_attn.q_proj.lora_B" not in n},
+             "q_proj has lora_A but not its other half"),
+    "shape": ({}, lambda w: {n: t[:, :-1].contiguous() if "q_proj.lora_A" in n else t for n, t in w.items()},
+              "was the adapter trained on this base model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ADAPTERS))
+def test_adapters_infer_cannot_serve_are_refused_with_the_reason(checkpoint, adapters, tmp_path, case: str) -> None:
+    config, tensors, message = BAD_ADAPTERS[case]
+    folder = rewrite(adapters["all"], tmp_path / case, config, tensors)
+    with pytest.raises(CheckpointError, match=message):
+        Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", num_kv_blocks=16,
+                            lora_adapters={"bad": str(folder)}))
+
+
+def test_a_pickled_adapter_is_refused_with_the_fix(checkpoint, adapters, tmp_path) -> None:
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text((adapters["all"].folder / "adapter_config.json").read_text())
+    (folder / "adapter_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="safe_serialization=True"):
+        Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", num_kv_blocks=16,
+                            lora_adapters={"old": str(folder)}))
+
+
+def test_a_kv_cache_that_does_not_isolate_adapters_is_refused(checkpoint, adapters, infer_plugins) -> None:
+    import types
+
+    from infer import hookimpl
+    from infer.plugins.paged_cache import PagedKVCache
+
+    class SharesAcrossAdapters(PagedKVCache):
+        isolates_namespaces = False
+
+    @hookimpl
+    def register_kv_caches(register):
+        register("shared", lambda config, n, eviction: SharesAcrossAdapters(n, config.block_size, eviction, True))
+
+    module = types.ModuleType("shared_kv")
+    module.register_kv_caches = register_kv_caches  # type: ignore[attr-defined]
+    infer_plugins.register(module, source="acme")
+    with pytest.raises(ConfigError, match="'shared' does not declare isolates_namespaces"):
+        Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", num_kv_blocks=16, kv_cache="shared",
+                            lora_adapters={"all": str(adapters["all"].folder)}), infer_plugins)
+
+
+def test_the_cli_serves_adapters_by_name(checkpoint, adapters) -> None:
+    base, adapter = checkpoint("llama"), adapters["qv"]
+    runner = CliRunner()
+    result = runner.invoke(main, ["--model", str(base), "--device", "cpu", "--dtype", "float32", "--lora",
+                                  f"qv={adapter.folder}", "generate", "--lora-adapter", "qv", "--max-tokens", "10",
+                                  "--temperature", "0", "--ignore-eos", "--json", "x"])
+    assert result.exit_code == 0, result.output
+    prompt = json.loads(result.output)
+    ids = Engine(EngineConfig(model=str(base), device="cpu", num_kv_blocks=16)).tokenize("x")
+    assert prompt["token_ids"] == adapter.greedy(ids, 10)[0]
+    for args, message in ((["--lora", "qv"], "is not NAME=DIR"),
+                          (["--lora", f"a={adapter.folder}", "--lora", f"a={adapter.folder}"], "given twice")):
+        result = runner.invoke(main, ["--model", str(base), *args, "generate", "x"])
+        assert result.exit_code == 2 and message in result.output
+    result = runner.invoke(main, ["--model", str(base), "--device", "cpu", "generate", "--lora-adapter", "qv", "x"])
+    assert result.exit_code != 0 and "lora_adapter 'qv' is not loaded" in result.output
+
+
+def test_grpc_requests_pick_adapters_and_model_info_lists_them(checkpoint, adapters, serve_engine) -> None:
+    import grpc
+
+    engine = engine_for(checkpoint("llama"), adapters)
+    expected = adapters["all"].greedy(PROMPTS[0], 10)[0]
+
+    async def check(client, port) -> None:
+        info = await client.model_info()
+        assert list(info.lora_adapters) == ["all", "qv"]
+        out = await client.complete(PROMPTS[0], max_tokens=10, temperature=0.0, ignore_eos=True, lora_adapter="all")
+        assert list(out.outputs[0].token_ids) == expected
+        beams = await client.beam_search(PROMPTS[0], beam_width=1, max_tokens=10, ignore_eos=True,
+                                         lora_adapter="all")
+        assert list(beams.beams[0].token_ids) == expected
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.complete(PROMPTS[0], max_tokens=2, lora_adapter="sql")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lora_adapter 'sql' is not loaded" in refused.value.details()
+
+    serve_engine(engine, check)
