@@ -12,7 +12,7 @@
 #                                       measured copy bandwidth
 #   (not run by default, when device time allows: prefix3k, shared-prefix with a 3,000-token prefix; beam, beam
 #   search against HF generate(num_beams) with the shipped demo model; controls, host time per output token with
-#   every request penalized, or asking for prompt logprobs)
+#   every request penalized, or asking for prompt logprobs; lora, LoRA adapters' cost on the anchor model)
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
 # step; Chrome traces in the logs). anchor measures infer (with and without merged projections, with the skinny
 # GEMM) on the anchor workload and single stream, then HF continuous batching; hfstatic adds HF generate (static
@@ -143,6 +143,12 @@ if want beam; then  # not a default stage: beam search (KV forks) against HF gen
   stage "beam_bench" beam_bench.log 60 $PY benchmarks/beam_bench.py --device cuda --repeats 2
 fi
 
+if want lora; then  # not a default stage: LoRA adapters on the anchor model (loaded unused, 1 and 4 adapters)
+  [[ -d $MODEL ]] || build_anchor
+  stage "lora_bench" lora_bench.log 120 $PY benchmarks/lora_bench.py --model "$MODEL" --device cuda --requests 64 \
+    --prompt-len 128 --max-tokens 128 --rounds 2
+fi
+
 if want spec; then  # issue 6: single-stream speedup for K in {2, 4, 6} with the shipped pair; K = 4 again with
   # each draft step its own forward pass (the A/B of the round graphs)
   stage "spec_bench" spec_bench.log 100 $PY benchmarks/spec_bench.py --device cuda --repeats 2 --step-by-step-ks 4
@@ -205,6 +211,7 @@ want prefix && [[ -s $WORK/long_prompt/table.txt ]] && { echo; echo "== long pro
                  grep -E "TPOT|ITL p99|TTFT p99|^A:|^B:" "$WORK/long_prompt/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 10
 want beam && show "beam search against HF" beam_bench.log 5
+want lora && show "LoRA adapters" lora_bench.log 8
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
 want quant && show "quantization" quant_bench.log 40
 want host && show "host overhead per output token" host_overhead.log 8

@@ -55,6 +55,7 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     config.attention, attention = make_attention(config, plugins, loaded)  # resolved: a draft runs on it too
     kv_dtype, kv_scales = kv_cache_format(config, loaded)
     proposer = make_proposer(config, plugins, loaded)  # before the KV pool is sized: a draft model takes memory too
+    lora = load_lora_adapters(config, loaded)  # likewise
     per_block = ModelRunner.bytes_per_block(loaded.model, config.block_size, kv_dtype)
     num_blocks = num_kv_blocks(config, loaded, per_block)
     if config.preemption_mode == "swap" and config.num_swap_blocks is None:
@@ -73,7 +74,11 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     runner = ModelRunner(loaded.model, attention, num_blocks, config.block_size, loaded.dtype, loaded.device,
                          config.seed, config.num_swap_blocks if config.preemption_mode == "swap" else 0,
                          kv_dtype=kv_dtype, kv_scales=kv_scales)
-    runner.lora = load_lora_adapters(config, loaded, kv)  # before graphs are captured: they include the adapters
+    if lora is not None and not kv.isolates_namespaces:
+        raise ConfigError(f"KV cache {config.kv_cache!r} does not declare isolates_namespaces, so its prefix reuse "
+                          "could serve one LoRA adapter's KV to another's request; use --kv-cache paged or radix-cache "
+                          "with --lora")
+    runner.lora = lora  # before graphs are captured: they include the adapters
     if config.cuda_graphs and loaded.device.type == "cuda":
         if attention.supports_cuda_graphs:
             mixed = config.mixed_graph_tokens() if attention.supports_mixed_cuda_graphs else 0
@@ -89,14 +94,10 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer, eviction, tool_parser)
 
 
-def load_lora_adapters(config: EngineConfig, loaded: LoadedModel, kv: KVCache) -> LoraTokens | None:
+def load_lora_adapters(config: EngineConfig, loaded: LoadedModel) -> LoraTokens | None:
     """``--lora`` adapters, attached to the model's linears (models/lora.py); None without any."""
     if not config.lora_adapters:
         return None
-    if not kv.isolates_namespaces:
-        raise ConfigError(f"KV cache {config.kv_cache!r} does not declare isolates_namespaces, so its prefix reuse "
-                          "could serve one LoRA adapter's KV to another's request; use --kv-cache paged or radix-cache "
-                          "with --lora")
     from ..models.lora import attach_adapters, read_adapter
 
     adapters = [read_adapter(name, Path(folder)) for name, folder in config.lora_adapters.items()]

@@ -319,9 +319,11 @@ class ModelRunner:
         from .cuda_graphs import DecodeGraphs, MixedGraphs
 
         pool, self.mixed_graphs = None, None
-        if self.lora is not None:  # the graphs read the adapters' one-hot buffer, which must hold their largest step
+        if self.lora is not None:  # the graphs read the adapters' one-hot buffer, which must hold their largest step,
+            # and capture the deltas' kernels: a branch not taken at capture is never replayed
             self.lora.reserve(max(max_batch * max({1, *(query_lens or {})}), mixed_tokens))
-            self.lora.always_active = True
+            self.lora.always_active = self.lora.active = True
+            self.lora.current = self.lora.static
         if mixed_tokens and not self.attention.supports_mixed_cuda_graphs:
             raise PluginError(f"attention backend {type(self.attention).__name__} does not support CUDA graphs of "
                               "mixed steps; use --cuda-graph-max-tokens 0")

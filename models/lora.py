@@ -33,6 +33,9 @@ UNSUPPORTED = {
     "target_parameters": "adapters on parameters (target_parameters)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
 }
+# init_lora_weights values whose adapters only work on the base weights PEFT changed at initialization, unless they
+# were saved converted (save_pretrained's path_initial_model_for_weight_conversion), which leaves a plain LoRA
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 @dataclass
@@ -62,6 +65,12 @@ def read_adapter(name: str, folder: Path) -> LoraAdapter:
     for key, what in UNSUPPORTED.items():
         if config.get(key):
             raise CheckpointError(f"{where}: infer does not serve {what}; adapter_config.json sets {key}")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise CheckpointError(f"{where}: init_lora_weights {init!r} adapters apply to the base weights PEFT changed "
+                              "at initialization, not to this checkpoint's; save the adapter again with PEFT's "
+                              "save_pretrained(..., path_initial_model_for_weight_conversion=...) to convert it into "
+                              "a plain LoRA")
     scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
     return LoraAdapter(name, rank, scaling, _read_weights(folder, where, rank))
 

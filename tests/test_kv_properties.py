@@ -36,6 +36,7 @@ tokens = st.integers(0, 2)
 bases = st.sampled_from(((),) + BASES)
 prompts = st.builds(lambda base, tail: list(base) + tail, bases, st.lists(tokens, min_size=1, max_size=10))
 priorities = st.integers(0, 2)
+namespaces = st.sampled_from([None, None, "a"])  # a LoRA adapter's: its KV is never matched by another's
 
 
 @dataclass(eq=False)
@@ -71,6 +72,7 @@ class KVMachine(RuleBasedStateMachine):
         self.kv = make()
         self.live: dict[int, Live] = {}
         self.content: dict[int, tuple[int, ...]] = {}
+        self.namespace: dict[int, str | None] = {}  # block -> the cache namespace of the sequence that wrote it
         self.ids = itertools.count()
 
     # ------------------------------------------------------------ helpers
@@ -80,8 +82,8 @@ class KVMachine(RuleBasedStateMachine):
     def pick(self, data: st.DataObject, test: Callable[[Live], bool]) -> Live:
         return data.draw(st.sampled_from([live for live in self.live.values() if test(live)]))
 
-    def new_seq(self, prompt: list[int], priority: int) -> Sequence:
-        return Sequence(next(self.ids), "r", prompt, SamplingParams(priority=priority), 0.0)
+    def new_seq(self, prompt: list[int], priority: int, namespace: str | None = None) -> Sequence:
+        return Sequence(next(self.ids), "r", prompt, SamplingParams(priority=priority, lora_adapter=namespace), 0.0)
 
     def tree_blocks(self) -> Counter[int]:
         """Blocks the cache's own structure holds (the radix tree) -> references it holds on each."""
@@ -126,6 +128,7 @@ class KVMachine(RuleBasedStateMachine):
                 self.content.pop(dst, None)
             else:
                 self.content[dst] = value
+                self.namespace[dst] = seq.cache_namespace
         return True
 
     def check_matched(self, seq: Sequence, matched: int) -> None:
@@ -135,9 +138,11 @@ class KVMachine(RuleBasedStateMachine):
         assert len(table) == matched // BLOCK
         for i, block in enumerate(table):
             assert self.content.get(block) == tuple(seq.token_ids[: (i + 1) * BLOCK]), "matched a wrong block"
+            assert self.namespace[block] == seq.cache_namespace, "matched another namespace's block"
         if matched // BLOCK < (seq.num_tokens - 1) // BLOCK:
             following = tuple(seq.token_ids[: matched + BLOCK])
-            assert all(self.content.get(b) != following for b in self.shareable()), "match is not the longest"
+            assert all(self.content.get(b) != following or self.namespace[b] != seq.cache_namespace
+                       for b in self.shareable()), "match is not the longest"
 
     def admit(self, seq: Sequence, chunk: int) -> bool:
         """What the scheduler does: match_prefix, allocate the first chunk, free on refusal."""
@@ -169,6 +174,7 @@ class KVMachine(RuleBasedStateMachine):
                 held = self.content.get(block, ())
                 assert len(held) >= start and held[:start] == tuple(context[:start]), "copy-on-write lost data"
             self.content[block] = tuple(context[: min(end, (i + 1) * BLOCK)])
+            self.namespace[block] = seq.cache_namespace
 
     def run(self, live: Live, sampled: int, fork_token: int | None = None) -> None:
         """One step of one sequence: write its pending positions, commit them, sample when the prompt is done.
@@ -198,9 +204,9 @@ class KVMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ operations
     @precondition(lambda self: len(self.live) < MAX_LIVE)
-    @rule(prompt=prompts, chunk=st.integers(1, 30), priority=priorities)
-    def add(self, prompt: list[int], chunk: int, priority: int) -> None:
-        self.admit(self.new_seq(prompt, priority), chunk)
+    @rule(prompt=prompts, chunk=st.integers(1, 30), priority=priorities, namespace=namespaces)
+    def add(self, prompt: list[int], chunk: int, priority: int, namespace: str | None) -> None:
+        self.admit(self.new_seq(prompt, priority, namespace), chunk)
 
     @precondition(lambda self: len(self.live) < MAX_LIVE)
     @rule(data=st.data(), base=bases, priority=priorities)
@@ -315,10 +321,10 @@ class KVMachine(RuleBasedStateMachine):
         self.admit(live.seq, chunk)
 
     @precondition(lambda self: self.kv.stats().cached_blocks or self.live)
-    @rule(prompt=prompts)
-    def match(self, prompt: list[int]) -> None:
+    @rule(prompt=prompts, namespace=namespaces)
+    def match(self, prompt: list[int], namespace: str | None) -> None:
         """A lookup whose admission fails: the match is right, and freeing it restores the counts."""
-        seq = self.new_seq(prompt, 0)
+        seq = self.new_seq(prompt, 0, namespace)
         before = self.kv.stats()
         self.check_matched(seq, self.kv.match_prefix(seq))
         self.kv.free(seq)
@@ -416,7 +422,7 @@ class KVMachine(RuleBasedStateMachine):
             assert list(state.table[: state.node.depth]) == [b for n in path for b in n.blocks], "table != locked path"
             locks.update(id(n) for n in path)
         stored = evictable = 0
-        stack: list[tuple[object, tuple[int, ...]]] = [(kv.root, ())]
+        stack: list[tuple[object, tuple[int, ...]]] = [(root, ()) for root in kv.roots.values()]
         while stack:
             parent, context = stack.pop()
             for key, node in parent.children.items():  # type: ignore[attr-defined]

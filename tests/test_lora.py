@@ -56,6 +56,13 @@ class Adapter:
         return out, first
 
 
+    def prompt_logprobs(self, prompt: list[int]) -> list[float]:
+        """PEFT's logprob of each prompt token after the first, given those before it."""
+        with torch.no_grad():
+            logprobs = torch.log_softmax(self.model(torch.tensor([prompt])).logits[0].float(), -1)
+        return [float(logprobs[i - 1, token]) for i, token in enumerate(prompt) if i]
+
+
 def tokens(outputs: list) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
@@ -69,8 +76,8 @@ def adapters(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPat
 
 
 def engine_for(base: Path, adapters: dict[str, Adapter], **options) -> Engine:
-    return Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", num_kv_blocks=128,
-                               lora_adapters={name: str(a.folder) for name, a in adapters.items()}, **options))
+    return Engine(EngineConfig(**{"model": str(base), "device": "cpu", "dtype": "float32", "num_kv_blocks": 128,
+                                  "lora_adapters": {name: str(a.folder) for name, a in adapters.items()}, **options}))
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "qwen2", "qwen3", "mistral"])
@@ -78,12 +85,14 @@ def test_an_adapter_on_each_architecture_equals_peft(checkpoint, tmp_path, name:
     adapter = Adapter(checkpoint(name), tmp_path / "adapter", seed=3)
     engine = engine_for(checkpoint(name), {"a": adapter})
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3,
-                                                  lora_adapter="a"))
+                                                  prompt_logprobs=0, lora_adapter="a"))
     for prompt, result in zip(PROMPTS, out):
         expected, first = adapter.greedy(prompt, 10)
         assert result.outputs[0].token_ids == expected
         for token, logprob in result.outputs[0].logprobs[0].items():
             assert logprob == pytest.approx(float(first[token]), abs=1e-4)
+        got = [entry[token] for entry, token in zip(result.prompt_logprobs[1:], prompt[1:])]
+        assert got == pytest.approx(adapter.prompt_logprobs(prompt), abs=1e-4)
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
@@ -113,12 +122,13 @@ def test_requests_without_an_adapter_are_unchanged_bit_for_bit(checkpoint, adapt
         assert got.outputs[0].logprobs == want.outputs[0].logprobs
 
 
-@pytest.mark.parametrize("variant", ["chunked-prefill", "graphs", "async-scheduling", "fork", "ngram", "beam-search"])
+@pytest.mark.parametrize("variant", ["chunked-prefill", "graphs", "async-scheduling", "fork", "ngram", "draft-model",
+                                     "recompute", "swap", "beam-search"])
 def test_adapters_through_the_engine_paths(checkpoint, adapters, hf_greedy, variant: str) -> None:
     """Chunked prefills beside decodes; padded CUDA-graph steps (eager, triton backend under the interpreter);
     steps scheduled before the previous step's tokens are read back; n > 1 forks; speculative verification (the
-    proposer knows nothing of adapters: the target verifies with them); beam search of width 1 (greedy). A
-    base-model request runs beside the adapter's."""
+    proposers know nothing of adapters: the target verifies with them, the draft model runs without); preemption by
+    recompute and by swap; beam search of width 1 (greedy). A base-model request runs beside the adapter's."""
     base, adapter = checkpoint("llama"), adapters["all"]
     options: dict = {}
     if variant == "chunked-prefill":
@@ -129,6 +139,10 @@ def test_adapters_through_the_engine_paths(checkpoint, adapters, hf_greedy, vari
         options = dict(proposer="ngram", num_speculative_tokens=3, plugin_options={"ngram": {"min_n": 1}})
     if variant == "async-scheduling":
         options = dict(async_scheduling=True)
+    if variant == "draft-model":
+        options = dict(proposer="draft-model", draft_model=str(base), num_speculative_tokens=3)
+    if variant in ("recompute", "swap"):
+        options = dict(preemption_mode=variant, num_swap_blocks=64, num_kv_blocks=9, block_size=4)
     engine = engine_for(base, adapters, **options)
     if variant == "graphs":
         engine.runner.enable_cuda_graphs(4, {3: 4}, eager=True, mixed_tokens=24, mixed_rows=8)
@@ -148,8 +162,52 @@ def test_adapters_through_the_engine_paths(checkpoint, adapters, hf_greedy, vari
     if variant == "graphs":
         assert engine.runner.graphs is not None and sum(engine.runner.graphs.replays.values()) > 0
         assert engine.runner.mixed_graphs is not None and engine.runner.mixed_graphs.replays > 0
-    if variant == "ngram":
+    if variant in ("ngram", "draft-model"):
         assert engine.stats.spec_proposed > 0
+    if variant in ("recompute", "swap"):
+        assert engine.stats.preemptions > 0
+
+
+class FrozenBranchGraph:
+    """What CUDA-graph capture does to Python control flow, on the CPU: the adapters' branch taken at capture
+    (``LoraTokens.active``) is kept; a replay reruns the captured function on the same static buffers."""
+
+    def __init__(self, run: Callable[[], torch.Tensor], out: torch.Tensor, lora) -> None:
+        self.run, self.out, self.lora, self.active = run, out, lora, lora.active
+
+    def replay(self) -> None:
+        live, self.lora.active = self.lora.active, self.active
+        try:
+            self.out.copy_(self.run())
+        finally:
+            self.lora.active = live
+
+
+def test_captured_graphs_hold_the_adapters_delta(checkpoint, adapters, hf_greedy, monkeypatch) -> None:
+    """Graphs are captured before any step: the adapters' kernels must be in them even so (a capture that skipped
+    them replayed the base model for every adapted decode)."""
+    import types
+
+    from infer.core import cuda_graphs
+
+    base = checkpoint("llama")
+    engine = engine_for(base, adapters, attention="triton")
+
+    def capture(run, pool):  # the loop variables the closure reads are frozen at capture, as a graph's are
+        run = types.FunctionType(run.__code__, run.__globals__, None, None,
+                                 tuple(types.CellType(c.cell_contents) for c in run.__closure__ or ()))
+        out = run()
+        return FrozenBranchGraph(run, out, engine.runner.lora), out, pool
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    engine.runner.enable_cuda_graphs(4)
+    names = [None, "all", "qv"]
+    out = engine.generate(PROMPTS, [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_adapter=n)
+                                    for n in names])
+    assert sum(engine.runner.graphs.replays.values()) > 0
+    for prompt, name, got in zip(PROMPTS, names, tokens(out)):
+        assert got == (hf_greedy(base, prompt, 6) if name is None else adapters[name].greedy(prompt, 6)[0])
 
 
 @pytest.mark.gpu
@@ -227,6 +285,7 @@ BAD_ADAPTERS = {
     "rank": ({"r": 5}, None, "with r = 5 they must be"),
     "rank-pattern": ({"rank_pattern": {"q_proj": 2}}, None, "per-module ranks"),
     "not-lora": ({"peft_type": "IA3"}, None, "LORA adapters only"),
+    "pissa": ({"init_lora_weights": "pissa_niter_4"}, None, "path_initial_model_for_weight_conversion"),
     "lm-head": ({}, renamed("model.layers.0.self_attn.q_proj", "lm_head"), "'lm_head', which is not a linear layer"),
     "no-such-layer": ({}, renamed("layers.0.", "layers.9."), "'model.layers.9.mlp.down_proj', which is not"),
     "embedding": ({}, renamed("lora_A.weight", "lora_embedding_A"), "unexpected tensor"),
