@@ -8,6 +8,7 @@ its own engine, one warm-up round, then ``--rounds`` rounds taking turns (median
 - ``base``: no adapter loaded;
 - ``loaded, unused``: every adapter loaded, the requests on the base model;
 - ``1 adapter``: one loaded, every request on it;
+- ``N loaded, 1 in use``: every adapter loaded, every request on the first;
 - ``N adapters``: N loaded, the requests spread over them in turn.
 The peer, in the same process when PEFT is installed: HF ``generate`` (one batch, no padding: the prompts have one
 length) on the base model and on PEFT's model with the first adapter (unmerged, as PEFT serves one). Prints a
@@ -71,6 +72,7 @@ def infer_arms(base: Path, folders: list[Path], prompts: list[list[int]], max_to
     arms = {"base": ({}, [params(None)] * len(prompts)),
             "loaded, unused": (every, [params(None)] * len(prompts)),
             "1 adapter": ({"a0": every["a0"]}, [params("a0")] * len(prompts)),
+            f"{len(folders)} loaded, 1 in use": (every, [params("a0")] * len(prompts)),
             f"{len(folders)} adapters": (every, [params(f"a{i % len(folders)}") for i in range(len(prompts))])}
     memory = None if device == "cpu" else 4.0  # GiB of KV each: the engines are resident at once
     engines = {name: Engine(EngineConfig(model=str(base), device=device, dtype=dtype, max_num_seqs=len(prompts),

@@ -72,8 +72,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     draft_model: str | None = None
     # LoRA adapters served beside the model: a name (what SamplingParams.lora_adapter gives) -> the folder that PEFT's
-    # save_pretrained wrote. Every adapter's low-rank product runs for every token of a step that holds any adapter's
-    # request (masked to each token's own), so the cost grows with their number: at most MAX_LORA_ADAPTERS
+    # save_pretrained wrote. A step whose tokens use several adapters runs every loaded adapter's low-rank product for
+    # every token (masked to each token's own), so the cost grows with their number: at most MAX_LORA_ADAPTERS
     lora_adapters: dict[str, str] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja chat template file, in place of the model's own (core/chat.py)
     # template variables of every chat prompt, each one the template reads; a prompt's own chat_template_kwargs win

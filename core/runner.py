@@ -69,7 +69,7 @@ class Batch:
     sample_seq_ids: list[int]
     draft_counts: list[int]  # [S] draft tokens verified after each sampling sequence's last real token (D in all)
     lora_slots: torch.Tensor | None = None  # [T] each token's LoRA adapter slot (-1: none), when adapters are loaded
-    any_lora: bool = False  # some token has an adapter
+    lora_in_use: frozenset[int] = frozenset()  # the adapter slots its tokens use
 
     @property
     def every_row_samples(self) -> bool:
@@ -222,7 +222,8 @@ class ModelRunner:
         )
         meta.backend_data = self.attention.prepare(meta)
         return Batch(input_ids, positions_t, meta, rows, sample_seq_ids, draft_counts,
-                     uploaded[9] if lora_slots is not None else None, lora_slots is not None and max(lora_slots) >= 0)
+                     uploaded[9] if lora_slots is not None else None,
+                     frozenset(lora_slots) - {-1} if lora_slots is not None else frozenset())
 
     def _lora_slots(self, out: SchedulerOutput, query_lens: list[int]) -> array.array[int]:
         """Each token's LoRA adapter slot (-1: the base model), sequence by sequence as the batch lists them."""
@@ -274,7 +275,7 @@ class ModelRunner:
         num_tokens, rows = batch.input_ids.shape[0], None if batch.every_row_samples else batch.sample_rows
         if self.lora is not None:
             assert batch.lora_slots is not None, "a batch built without LoRA slots, on a runner with adapters"
-            self.lora.set(batch.lora_slots, batch.any_lora)
+            self.lora.set(batch.lora_slots, batch.lora_in_use)
         if self.graphs is not None and self.graphs.fits(batch.meta, num_tokens):
             logits = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # every row's
             if prompt is not None:
@@ -308,7 +309,7 @@ class ModelRunner:
         step.backend_data = self.attention.prepare(step)
         lora_slots = None if batch.lora_slots is None else batch.lora_slots[batch.sample_rows]
         return Batch(next_ids, positions, step, sample_rows, batch.sample_seq_ids, [0] * rows, lora_slots,
-                     batch.any_lora)
+                     batch.lora_in_use)
 
     def enable_cuda_graphs(self, max_batch: int, query_lens: dict[int, int] | None = None, eager: bool = False,
                            mixed_tokens: int = 0, mixed_rows: int = 0) -> None:

@@ -139,15 +139,18 @@ class LoraTokens:
         self.current = self.static
         self.active = False  # whether a linear adds its delta (some token has an adapter, or graphs are captured)
         self.always_active = False  # CUDA graphs: the delta is part of every captured step
+        self.only: int | None = None  # an eager step whose adapted tokens all use this slot: its columns alone run
 
     def reserve(self, num_tokens: int) -> None:
         """Grow the fixed buffer to ``num_tokens`` rows: before CUDA graphs that read it are captured."""
         if num_tokens > len(self.static):
             self.static = self.current = self.static.new_zeros(num_tokens, self.static.shape[1])
 
-    def set(self, slots: torch.Tensor, any_adapter: bool) -> None:
-        """``slots`` [tokens] (int64, on the device): each token's adapter slot, -1 for none."""
-        self.active = any_adapter or self.always_active
+    def set(self, slots: torch.Tensor, in_use: frozenset[int]) -> None:
+        """``slots`` [tokens] (int64, on the device): each token's adapter slot, -1 for none; ``in_use``: the slots
+        that occur (known on the host)."""
+        self.active = bool(in_use) or self.always_active
+        self.only = next(iter(in_use)) if len(in_use) == 1 and not self.always_active else None
         if not self.active:
             return
         n = slots.shape[0]
@@ -173,6 +176,11 @@ class LoraDelta(nn.Module):
             return out
         rows = x.reshape(-1, x.shape[-1])
         weights = self.tokens.current[: rows.shape[0]]  # [T, slots]
+        if (slot := self.tokens.only) is not None:  # one adapter's columns (views), not every loaded one's
+            width = self.a.shape[0] // weights.shape[1]
+            a, b = self.a[slot * width : (slot + 1) * width], self.b[:, slot * width : (slot + 1) * width]
+            h = (rows @ a.t()) * weights[:, slot : slot + 1]
+            return torch.addmm(out.reshape(-1, out.shape[-1]), h, b.t()).view(out.shape)
         h = (rows @ self.a.t()).view(rows.shape[0], weights.shape[1], -1) * weights.unsqueeze(-1)
         return torch.addmm(out.reshape(-1, out.shape[-1]), h.flatten(1), self.b.t()).view(out.shape)
 
