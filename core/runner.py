@@ -324,7 +324,7 @@ class ModelRunner:
             # and capture the deltas' kernels: a branch not taken at capture is never replayed
             self.lora.reserve(max(max_batch * max({1, *(query_lens or {})}), mixed_tokens))
             self.lora.always_active = self.lora.active = True
-            self.lora.current = self.lora.static
+            self.lora.current, self.lora.only = self.lora.static, None
         if mixed_tokens and not self.attention.supports_mixed_cuda_graphs:
             raise PluginError(f"attention backend {type(self.attention).__name__} does not support CUDA graphs of "
                               "mixed steps; use --cuda-graph-max-tokens 0")

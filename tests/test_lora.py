@@ -169,23 +169,23 @@ def test_adapters_through_the_engine_paths(checkpoint, adapters, hf_greedy, vari
 
 
 class FrozenBranchGraph:
-    """What CUDA-graph capture does to Python control flow, on the CPU: the adapters' branch taken at capture
-    (``LoraTokens.active``) is kept; a replay reruns the captured function on the same static buffers."""
+    """What CUDA-graph capture does to Python control flow, on the CPU: the adapters' branches taken at capture
+    (``LoraTokens.active`` and ``only``) are kept; a replay reruns the captured function on the same buffers."""
 
     def __init__(self, run: Callable[[], torch.Tensor], out: torch.Tensor, lora) -> None:
-        self.run, self.out, self.lora, self.active = run, out, lora, lora.active
+        self.run, self.out, self.lora, self.branch = run, out, lora, (lora.active, lora.only)
 
     def replay(self) -> None:
-        live, self.lora.active = self.lora.active, self.active
+        live, (self.lora.active, self.lora.only) = (self.lora.active, self.lora.only), self.branch
         try:
             self.out.copy_(self.run())
         finally:
-            self.lora.active = live
+            self.lora.active, self.lora.only = live
 
 
 def test_captured_graphs_hold_the_adapters_delta(checkpoint, adapters, hf_greedy, monkeypatch) -> None:
-    """Graphs are captured before any step: the adapters' kernels must be in them even so (a capture that skipped
-    them replayed the base model for every adapted decode)."""
+    """The adapters' kernels, for every adapter, must be in the graphs whatever the step before capture ran (a
+    capture that skipped them replayed the base model for every adapted decode)."""
     import types
 
     from infer.core import cuda_graphs
@@ -201,6 +201,7 @@ def test_captured_graphs_hold_the_adapters_delta(checkpoint, adapters, hf_greedy
 
     monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2, lora_adapter="all"))  # an eager step's state first
     engine.runner.enable_cuda_graphs(4)
     names = [None, "all", "qv"]
     out = engine.generate(PROMPTS, [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_adapter=n)
