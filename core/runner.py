@@ -195,7 +195,7 @@ class ModelRunner:
             flat[start : start + len(table)] = table if type(table) is array.array and table.typecode == "i" \
                 else array.array("i", table)
         query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
-        lora_slots = self._lora_slots(out, query_lens) if self.lora is not None else None
+        lora_slots, lora_in_use = self._lora_slots(out, query_lens) if self.lora is not None else (None, frozenset())
         fill_at, fill_from = pending.locate(out, query_start, tokens) if pending is not None else ([], [])
         # one transfer: array.array + one copy, where torch.tensor(list) converts element by element (3-4x slower)
         uploaded = self.uploader.upload([
@@ -222,17 +222,19 @@ class ModelRunner:
         )
         meta.backend_data = self.attention.prepare(meta)
         return Batch(input_ids, positions_t, meta, rows, sample_seq_ids, draft_counts,
-                     uploaded[9] if lora_slots is not None else None,
-                     frozenset(lora_slots) - {-1} if lora_slots is not None else frozenset())
+                     uploaded[9] if lora_slots is not None else None, lora_in_use)
 
-    def _lora_slots(self, out: SchedulerOutput, query_lens: list[int]) -> array.array[int]:
-        """Each token's LoRA adapter slot (-1: the base model), sequence by sequence as the batch lists them."""
+    def _lora_slots(self, out: SchedulerOutput, query_lens: list[int]) -> tuple[array.array[int], frozenset[int]]:
+        """Each token's LoRA adapter slot (-1: the base model), sequence by sequence as the batch lists them, and
+        the slots in use."""
         assert self.lora is not None
-        slots = array.array("q")
+        slots, in_use = array.array("q"), set()
         for item, count in zip(out.scheduled, query_lens):
             name = item.seq.params.lora_adapter
-            slots.extend([-1 if name is None else self.lora.slot_of[name]] * count)
-        return slots
+            slot = -1 if name is None else self.lora.slot_of[name]
+            slots.extend([slot] * count)
+            in_use.add(slot)
+        return slots, frozenset(in_use - {-1})
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap-outs, then swap-ins, then copy-on-write copies, as BlockOps orders them."""
@@ -320,11 +322,8 @@ class ModelRunner:
         from .cuda_graphs import DecodeGraphs, MixedGraphs
 
         pool, self.mixed_graphs = None, None
-        if self.lora is not None:  # the graphs read the adapters' one-hot buffer, which must hold their largest step,
-            # and capture the deltas' kernels: a branch not taken at capture is never replayed
-            self.lora.reserve(max(max_batch * max({1, *(query_lens or {})}), mixed_tokens))
-            self.lora.always_active = self.lora.active = True
-            self.lora.current, self.lora.only = self.lora.static, None
+        if self.lora is not None:
+            self.lora.prepare_capture(max(max_batch * max({1, *(query_lens or {})}), mixed_tokens))
         if mixed_tokens and not self.attention.supports_mixed_cuda_graphs:
             raise PluginError(f"attention backend {type(self.attention).__name__} does not support CUDA graphs of "
                               "mixed steps; use --cuda-graph-max-tokens 0")

@@ -141,10 +141,13 @@ class LoraTokens:
         self.always_active = False  # CUDA graphs: the delta is part of every captured step
         self.only: int | None = None  # an eager step whose adapted tokens all use this slot: its columns alone run
 
-    def reserve(self, num_tokens: int) -> None:
-        """Grow the fixed buffer to ``num_tokens`` rows: before CUDA graphs that read it are captured."""
+    def prepare_capture(self, num_tokens: int) -> None:
+        """Before CUDA graphs of up to ``num_tokens`` tokens are captured: the fixed buffer holds their largest
+        step, and every adapter's delta runs from now on (a branch not taken at capture is never replayed)."""
         if num_tokens > len(self.static):
-            self.static = self.current = self.static.new_zeros(num_tokens, self.static.shape[1])
+            self.static = self.static.new_zeros(num_tokens, self.static.shape[1])
+        self.current, self.only = self.static, None
+        self.always_active = self.active = True
 
     def set(self, slots: torch.Tensor, in_use: frozenset[int]) -> None:
         """``slots`` [tokens] (int64, on the device): each token's adapter slot, -1 for none; ``in_use``: the slots
@@ -175,14 +178,13 @@ class LoraDelta(nn.Module):
         if not self.tokens.active:
             return out
         rows = x.reshape(-1, x.shape[-1])
-        weights = self.tokens.current[: rows.shape[0]]  # [T, slots]
+        weights, a, b = self.tokens.current[: rows.shape[0]], self.a, self.b  # weights [T, slots]
         if (slot := self.tokens.only) is not None:  # one adapter's columns (views), not every loaded one's
-            width = self.a.shape[0] // weights.shape[1]
-            a, b = self.a[slot * width : (slot + 1) * width], self.b[:, slot * width : (slot + 1) * width]
-            h = (rows @ a.t()) * weights[:, slot : slot + 1]
-            return torch.addmm(out.reshape(-1, out.shape[-1]), h, b.t()).view(out.shape)
-        h = (rows @ self.a.t()).view(rows.shape[0], weights.shape[1], -1) * weights.unsqueeze(-1)
-        return torch.addmm(out.reshape(-1, out.shape[-1]), h.flatten(1), self.b.t()).view(out.shape)
+            width = a.shape[0] // weights.shape[1]
+            weights, a, b = weights[:, slot : slot + 1], a[slot * width : (slot + 1) * width], \
+                b[:, slot * width : (slot + 1) * width]
+        h = (rows @ a.t()).view(rows.shape[0], weights.shape[1], -1) * weights.unsqueeze(-1)
+        return torch.addmm(out.reshape(-1, out.shape[-1]), h.flatten(1), b.t()).view(out.shape)
 
 
 def attach_adapters(model: nn.Module, adapters: Sequence[LoraAdapter], dtype: torch.dtype,
