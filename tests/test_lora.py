@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from infer import SamplingParams
 from infer.cli import main
@@ -18,10 +19,24 @@ from infer.core.beam_search import BeamSearchParams
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.errors import CheckpointError, ConfigError, InvalidRequestError
+from infer.models.layers import Linear
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[5, 9, 12, 40, 7, 3], [100, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [700, 33]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def peft_greedy(model: peft.PeftModel, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """PEFT's greedy continuation, and the log-softmax at the first generated position."""
+    ids, out, first = torch.tensor([prompt]), [], None
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(ids).logits[0, -1].float()
+            first = torch.log_softmax(logits, -1) if first is None else first
+            out.append(int(logits.argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]])], 1)
+    assert first is not None
+    return out, first
 
 
 class Adapter:
@@ -29,8 +44,6 @@ class Adapter:
 
     def __init__(self, base: Path, folder: Path, targets: tuple[str, ...] = ALL_TARGETS, rank: int = 4,
                  alpha: float = 16, seed: int = 0, rslora: bool = False) -> None:
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
         config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
@@ -44,17 +57,7 @@ class Adapter:
         self.folder = folder
 
     def greedy(self, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-        """PEFT's greedy continuation, and the log-softmax at the first generated position."""
-        ids, out, first = torch.tensor([prompt]), [], None
-        with torch.no_grad():
-            for _ in range(steps):
-                logits = self.model(ids).logits[0, -1].float()
-                first = torch.log_softmax(logits, -1) if first is None else first
-                out.append(int(logits.argmax()))
-                ids = torch.cat([ids, torch.tensor([[out[-1]]])], 1)
-        assert first is not None
-        return out, first
-
+        return peft_greedy(self.model, prompt, steps)
 
     def prompt_logprobs(self, prompt: list[int]) -> list[float]:
         """PEFT's logprob of each prompt token after the first, given those before it."""
@@ -375,3 +378,39 @@ def test_grpc_requests_pick_adapters_and_model_info_lists_them(checkpoint, adapt
         assert "lora_adapter 'sql' is not loaded" in refused.value.details()
 
     serve_engine(engine, check)
+
+
+def dequantized_checkpoint(engine: Engine, base: Path, folder: Path) -> Path:
+    """``base`` with every linear's weight replaced by what the engine's quantized linear computes (its method
+    applied to the identity: exact for weight-only methods), the dense model PEFT is the reference on."""
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    dense = dict(hf.named_modules())
+    for module in engine.runner.model.modules():
+        if isinstance(module, Linear) and module.prefix != "lm_head":
+            with torch.no_grad():
+                weight = module.method.apply(module, torch.eye(module.in_features)).t()
+            for part, size in module.parts:
+                dense[part].weight.data.copy_(weight[:size])
+                weight = weight[size:]
+    hf.save_pretrained(str(folder))
+    return folder
+
+
+def test_an_adapter_on_an_awq_quantized_base_equals_peft_on_its_dequantized_weights(checkpoint, adapters,
+                                                                                    tmp_path) -> None:
+    """The QLoRA-style use: an adapter trained on the dense model served over the int4 base. The adapter's delta
+    adds to the quantized linears' output as it does to the dense ones' in PEFT."""
+    base = checkpoint("llama")
+    engine = engine_for(base, adapters, quant="awq", plugin_options={"awq": {"group_size": 32}})
+    assert any(isinstance(m, Linear) and m.method.name == "awq" for m in engine.runner.model.modules())
+    dense = dequantized_checkpoint(engine, base, tmp_path / "dequantized")
+    for name, adapter in adapters.items():
+        reference = peft.PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32), str(adapter.folder)).eval()
+        out = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3,
+                                                      lora_adapter=name))
+        for prompt, result in zip(PROMPTS, out):
+            expected, first = peft_greedy(reference, prompt, 10)
+            assert result.outputs[0].token_ids == expected, name
+            for token, logprob in result.outputs[0].logprobs[0].items():
+                assert logprob == pytest.approx(float(first[token]), abs=1e-4)
