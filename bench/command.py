@@ -13,7 +13,8 @@ import click
 
 from ..cli.options import EngineArgs, sampling_options
 from .arms import ArmError, ArmSpec, parse_arms
-from .workloads import WORKLOADS, RequestSampling, WorkloadError, WorkloadSpec, check_vocabulary, validate_spec
+from .workloads import (WORKLOADS, RequestSampling, WorkloadError, WorkloadSpec, check_vocabulary, lora_adapters_used,
+                        validate_spec)
 
 OUTPUT_FILES = ("results.json", "table.txt", "latency_cdf.png", "throughput.png")
 AB_HINT = 'quote each arm as one argument: --ab "--kv-cache paged" "--kv-cache paged --no-prefix-caching"'
@@ -80,6 +81,10 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
               help='file workload: JSONL, one {"prompt": "text" or [token ids], "max_tokens": N} per line, or a chat: '
                    '{"messages": [...], "tools": [...] (optional), "max_tokens": N}.')
 @click.option("--skip-bad-lines", is_flag=True, help="file workload: run the good lines, warn about the bad ones.")
+@click.option("--lora-adapter", "lora_adapters", multiple=True, metavar="NAME",
+              help="Run the requests on LoRA adapters: session i (a request, or a whole conversation) on the "
+                   "(i mod count)-th NAME given (repeatable; repeat a name to weight it). Every arm loads them with "
+                   "--lora NAME=DIR. Default: the base model. A --workload file names each line's own instead.")
 @click.option("--workload-seed", type=int, default=0, show_default=True,
               help="Seed of the workload's lengths, arrivals and tokens.")
 @click.option("--warmup-rounds", type=click.IntRange(min=0), default=1, show_default=True,
@@ -97,8 +102,8 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
 def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int | None, num_requests: int,
           input_len: int, output_len: int, len_sigma: float, prefix_len: int, question_len: int, turns: int,
           long_len: int, long_delay: float, rate: float, workload_file: Path | None, skip_bad_lines: bool,
-          workload_seed: int, warmup_rounds: int, sampling: dict[str, Any], sampling_seed: int | None,
-          hf_batch_size: int, out_dir: Path | None) -> None:
+          lora_adapters: tuple[str, ...], workload_seed: int, warmup_rounds: int, sampling: dict[str, Any],
+          sampling_seed: int | None, hf_batch_size: int, out_dir: Path | None) -> None:
     """Benchmark arms side by side on one seeded workload, interleaved over rounds so that drift cancels.
 
     Example: infer --model DIR bench --workload multi-turn --ab "--kv-cache paged" "--no-prefix-caching" hf
@@ -117,11 +122,13 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         raise click.UsageError(f"--file is read by --workload file only; this run's workload is {workload!r}")
     request_sampling = check_sampling(sampling, sampling_seed, specs)
     spec = WorkloadSpec(workload, num_requests, input_len, output_len, len_sigma, prefix_len, question_len, turns,
-                        long_len, long_delay, rate, workload_seed, workload_file, skip_bad_lines, request_sampling)
+                        long_len, long_delay, rate, workload_seed, workload_file, skip_bad_lines, request_sampling,
+                        lora_adapters)
     try:
         entries = validate_spec(spec)
     except WorkloadError as exc:
         raise click.UsageError(str(exc)) from None
+    check_lora_adapters(lora_adapters_used(spec, entries), specs)
     if spec.name == "file" and skip_bad_lines:
         _warn_bad_lines(spec, err)
 
@@ -223,6 +230,23 @@ def check_sampling(sampling: dict[str, Any], seed: int | None, specs: list[ArmSp
         click.echo("warning: --sampling-seed seeds sampled requests, and these are greedy (--temperature 0)",
                    err=True)
     return request_sampling
+
+
+def check_lora_adapters(used: list[str], specs: list[ArmSpec]) -> None:
+    """Refuse (exit status 2, before any model loads) an arm that cannot serve every adapter the requests name."""
+    if not used:
+        return
+    if hf := [spec.text for spec in specs if spec.is_hf]:
+        raise click.UsageError(f"the HF baseline ({', '.join(hf)}) serves no LoRA adapters, and this workload's "
+                               f"requests run on {', '.join(used)}: drop the hf arms or the adapters")
+    for spec in specs:
+        assert spec.args is not None
+        loaded = spec.args.values.get("lora_adapters") or {}
+        if missing := [name for name in used if name not in loaded]:
+            have = f"it loads {', '.join(loaded)}" if loaded else "it loads none"
+            raise click.UsageError(f"arm {spec.label} cannot serve LoRA adapter(s) {', '.join(missing)}, which the "
+                                   f"workload's requests run on ({have}); give every arm --lora NAME=DIR, before "
+                                   "`bench` or in the arm")
 
 
 def dropped_by_hf_cb(sampling: dict[str, Any]) -> list[str]:

@@ -150,7 +150,8 @@ class EngineArm:
         while replay.pending() or live:
             now = time.perf_counter() - start
             for arrival, s, t, prompt, max_tokens in replay.pop_due(now):
-                params = workload.sampling.params(max_tokens, workload.round, s, t)
+                adapter = workload.sessions[s].lora_adapter
+                params = workload.sampling.params(max_tokens, workload.round, s, t, adapter)
                 rid = engine.add_request(prompt, params, request_id=f"bench-{workload.round}-{s}-{t}")
                 live[rid] = _Live(s, t, arrival, prompt)
             if not live:

@@ -9,6 +9,7 @@ Lengths and arrival times come from ``seed`` alone, so every round has the same 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -44,13 +45,14 @@ class RequestSampling:
             value = value * 1_000_003 + part
         return value % 2**63
 
-    def params(self, max_tokens: int, round_index: int, session: int, turn: int) -> SamplingParams:
+    def params(self, max_tokens: int, round_index: int, session: int, turn: int,
+               lora_adapter: str | None = None) -> SamplingParams:
         """A request's parameters: exactly ``max_tokens`` tokens, whatever the model samples (EOS is ignored);
         min_tokens holds for a shorter request up to its end."""
         fields = {"temperature": 0.0, **self.fields}
         fields["min_tokens"] = min(int(fields.get("min_tokens", 0)), max_tokens)
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                              seed=self.request_seed(round_index, session, turn), **fields)
+                              seed=self.request_seed(round_index, session, turn), lora_adapter=lora_adapter, **fields)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class WorkloadSpec:
     file: Path | None = None
     skip_bad_lines: bool = False
     sampling: RequestSampling = field(default_factory=RequestSampling)
+    lora_adapters: tuple[str, ...] = ()  # session i runs on the (i mod count)-th; none: the base model
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Turn:
 class Session:
     arrival_s: float  # offset of the first turn from the start of the run
     turns: tuple[Turn, ...]
+    lora_adapter: str | None = None  # every turn's (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -134,12 +138,14 @@ class FileEntry:
     prompt: str | tuple[int, ...] | ChatPrompt
     max_tokens: int
     line: int = 0
+    lora_adapter: str | None = None
 
 
 def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
     """Read a JSONL file of ``{"prompt": str | [int, ...], "max_tokens": int}`` or, for a chat, of
     ``{"messages": [...], "max_tokens": int}`` and optionally the other fields of gRPC's ``Chat`` (``tools``,
-    ``chat_template_kwargs``, ...); blank lines are skipped, other fields are ignored.
+    ``chat_template_kwargs``, ...); any line may name a LoRA adapter (``"lora_adapter": "NAME"``). Blank lines
+    are skipped, other fields are ignored.
 
     Returns the good entries and one message per bad line (``line N: why``); a bad line never hides the others.
     """
@@ -193,7 +199,10 @@ def _parse_line(line: str, number: int) -> FileEntry:
         raise WorkloadError("'max_tokens' is missing")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
         raise WorkloadError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-    return FileEntry(prompt, max_tokens, number)
+    adapter = item.get("lora_adapter")
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise WorkloadError(f"'lora_adapter' must be the name of a LoRA adapter (a non-empty string), got {adapter!r}")
+    return FileEntry(prompt, max_tokens, number, adapter)
 
 
 def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
@@ -217,6 +226,9 @@ def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
                             "--long-delay sets when the long prompt arrives")
     if spec.name != "file":
         return None
+    if spec.lora_adapters:
+        raise WorkloadError("--lora-adapter spreads a generated workload over adapters; a --workload file names "
+                            "each line's own (\"lora_adapter\": \"NAME\")")
     if spec.file is None:
         raise WorkloadError("--workload file needs --file PATH (JSONL of {\"prompt\": ..., \"max_tokens\": ...})")
     entries, errors = parse_workload_file(spec.file)
@@ -279,18 +291,33 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
         decodes = [Session(0.0, (Turn(tokens(length(spec.input_len)), length(spec.output_len)),))
                    for _ in range(spec.num_requests)]
         long = Session(spec.long_delay_s, (Turn(tokens(spec.long_len), spec.output_len),))
-        return Workload(spec.name, round_index, tuple(decodes) + (long,), long_session=len(decodes),
-                        sampling=spec.sampling)
+        return Workload(spec.name, round_index, _on_adapters(spec, tuple(decodes) + (long,)),
+                        long_session=len(decodes), sampling=spec.sampling)
     elif spec.name == "file":
         if entries is None:
             raise WorkloadError("the file workload needs its parsed entries (validate_spec)")
         prompts = _file_tokens(entries, vocab, tokenize)
         turns = [(Turn(p, e.max_tokens),) for p, e in zip(prompts, entries)]
+        sessions = [Session(a, t, e.lora_adapter) for a, t, e in zip(_arrivals(spec, len(turns)), turns, entries)]
+        return Workload(spec.name, round_index, tuple(sessions), sampling=spec.sampling)
     else:
         raise WorkloadError(f"unknown workload {spec.name!r}; choose one of {', '.join(WORKLOADS)}")
     arrivals = _arrivals(spec, len(turns))
-    return Workload(spec.name, round_index, tuple(Session(a, t) for a, t in zip(arrivals, turns)),
-                    sampling=spec.sampling)
+    sessions = tuple(Session(a, t) for a, t in zip(arrivals, turns))
+    return Workload(spec.name, round_index, _on_adapters(spec, sessions), sampling=spec.sampling)
+
+
+def _on_adapters(spec: WorkloadSpec, sessions: tuple[Session, ...]) -> tuple[Session, ...]:
+    names = spec.lora_adapters
+    if not names:
+        return sessions
+    return tuple(dataclasses.replace(s, lora_adapter=names[i % len(names)]) for i, s in enumerate(sessions))
+
+
+def lora_adapters_used(spec: WorkloadSpec, entries: list[FileEntry] | None) -> list[str]:
+    """The LoRA adapters the workload's requests name, in first-use order."""
+    names = list(spec.lora_adapters) + [e.lora_adapter for e in entries or () if e.lora_adapter is not None]
+    return list(dict.fromkeys(names))
 
 
 def check_vocabulary(spec: WorkloadSpec, entries: list[FileEntry], vocab_size: int

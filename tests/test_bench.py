@@ -61,6 +61,17 @@ def test_poisson_arrivals_at_the_given_rate():
     assert all(s.arrival_s == 0 for s in build_workload(WorkloadSpec(num_requests=5), 0, VOCAB).sessions)
 
 
+@pytest.mark.parametrize("name", ["random", "multi-turn", "long-prompt-arrival"])
+def test_lora_adapters_spread_over_sessions_in_turn(name):
+    spec = WorkloadSpec(name, num_requests=5, input_len=4, output_len=2, turns=2, long_len=8,
+                        lora_adapters=("a", "a", "b"))
+    sessions = build_workload(spec, 0, VOCAB).sessions
+    assert [s.lora_adapter for s in sessions] == ["a", "a", "b", "a", "a", "b"][:len(sessions)]
+    plain = build_workload(WorkloadSpec(name, num_requests=5, input_len=4, output_len=2, turns=2, long_len=8), 0,
+                           VOCAB).sessions
+    assert [s.turns for s in sessions] == [s.turns for s in plain] and {s.lora_adapter for s in plain} == {None}
+
+
 def test_a_turn_prompt_is_the_history_then_the_new_user_turn():
     workload = build_workload(WorkloadSpec("multi-turn", num_requests=2, turns=3, input_len=4, output_len=2), 0,
                               VOCAB)
@@ -85,17 +96,24 @@ def test_workload_file_names_every_bad_line_and_keeps_the_good_ones(tmp_path):
                     '{"prompt": "x"}\n'
                     '{"prompt": [1, -2], "max_tokens": 1}\n'
                     '[1, 2]\n'
-                    '{"prompt": "y", "max_tokens": 0}\n')
+                    '{"prompt": "y", "max_tokens": 0}\n'
+                    '{"prompt": [8], "max_tokens": 1, "lora_adapter": "sql"}\n'
+                    '{"prompt": [8], "max_tokens": 1, "lora_adapter": ""}\n')
     entries, errors = parse_workload_file(path)
-    assert [(e.line, e.prompt, e.max_tokens) for e in entries] == [(1, "hello", 4), (4, (5, 6, 7), 2)]
-    assert [e.split(":")[0] for e in errors] == ["line 2", "line 5", "line 6", "line 7", "line 8", "line 9"]
-    with pytest.raises(WorkloadError, match=r"6 bad line\(s\) of 8(.|\n)*line 2: not valid JSON(.|\n)*line 9"):
+    assert [(e.line, e.prompt, e.max_tokens, e.lora_adapter) for e in entries] == [
+        (1, "hello", 4, None), (4, (5, 6, 7), 2, None), (10, (8,), 1, "sql")]
+    assert [e.split(":")[0] for e in errors] == ["line 2", "line 5", "line 6", "line 7", "line 8", "line 9",
+                                                 "line 11"]
+    assert "'lora_adapter' must be the name of a LoRA adapter" in errors[-1]
+    with pytest.raises(WorkloadError, match=r"7 bad line\(s\) of 10(.|\n)*line 2: not valid JSON(.|\n)*line 9"):
         validate_spec(WorkloadSpec("file", file=path))
-    assert len(validate_spec(WorkloadSpec("file", file=path, skip_bad_lines=True)) or []) == 2
+    assert len(validate_spec(WorkloadSpec("file", file=path, skip_bad_lines=True)) or []) == 3
+    with pytest.raises(WorkloadError, match="a --workload file names each line's own"):
+        validate_spec(WorkloadSpec("file", file=path, lora_adapters=("sql",)))
     workload = build_workload(WorkloadSpec("file"), 0, VOCAB, tokenize=lambda text: [ord(c) for c in text],
                               entries=entries)
-    assert [(s.turns[0].tokens, s.turns[0].max_tokens) for s in workload.sessions] == [
-        (tuple(map(ord, "hello")), 4), ((5, 6, 7), 2)]
+    assert [(s.turns[0].tokens, s.turns[0].max_tokens, s.lora_adapter) for s in workload.sessions] == [
+        (tuple(map(ord, "hello")), 4, None), ((5, 6, 7), 2, None), ((8,), 1, "sql")]
 
 
 def test_ab_takes_every_argument_up_to_the_next_option():
@@ -798,3 +816,52 @@ def test_beam_beside_script_finds_the_same_outputs_in_every_arm():
     rows = {line.split()[0]: line.split() for line in out.splitlines()[-4:-1]}
     assert list(rows) == ["alone", "beside", "tight"] and int(rows["tight"][5]) > 0  # waits
     assert out.splitlines()[-1].startswith("outputs: every arm's request tokens equal the alone arm's")
+
+
+def test_requests_run_on_the_lora_adapters_their_lines_name(tiny_model, tmp_path, hf_greedy):
+    """A file line's ``lora_adapter`` reaches the engine: that request's tokens are PEFT's greedy ones on the
+    adapter, the others' the base model's, in every arm and round; an arm that lacks the adapter, an HF arm, and
+    --lora-adapter beside a file are refused before any model loads."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=16, init_lora_weights=False,
+                                                      target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(str(tmp_path / "sql"))
+
+    def peft_greedy(prompt: list[int], steps: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(steps):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        return ids[0, len(prompt):].tolist()
+
+    lines = [([5, 6, 7, 8, 9], "sql"), ([40, 41, 42], None), ([40, 41, 42], "sql")]
+    expected = [peft_greedy(p, 6) if name else hf_greedy(tiny_model, p, 6) for p, name in lines]
+    assert expected[1] != expected[2]  # the adapter changes the tokens
+    path, out = tmp_path / "w.jsonl", tmp_path / "out"
+    path.write_text("".join(json.dumps({"prompt": p, "max_tokens": 6, **({"lora_adapter": name} if name else {})})
+                            + "\n" for p, name in lines))
+    group = ["--model", str(tiny_model), "--device", "cpu"]
+    bench = ["bench", "--workload", "file", "--file", str(path), "--repeats", "2", "--warmup-rounds", "0"]
+    result = run(*group, "--lora", f"sql={tmp_path / 'sql'}", *bench, "--ab", "", "--no-prefix-caching",
+                 "--out", str(out))
+    assert result.exit_code == 0, result.output
+    for arm in json.loads((out / "results.json").read_text())["arms"]:
+        for run_ in arm["runs"]:
+            assert [r["output_ids"] for r in sorted(run_["requests"], key=lambda r: r["session"])] == expected
+
+    refused = run(*group, *bench)
+    assert refused.exit_code == 2 and "arm A: (group options) cannot serve LoRA adapter(s) sql" in refused.output
+    assert "it loads none" in refused.output and "building arm" not in refused.output
+    refused = run(*group, "--lora", f"sql={tmp_path / 'sql'}", *bench, "--ab", "", "hf")
+    assert refused.exit_code == 2 and "the HF baseline (hf) serves no LoRA adapters" in refused.output
+    refused = run(*group, "--lora", f"sql={tmp_path / 'sql'}", *bench, "--lora-adapter", "sql")
+    assert refused.exit_code == 2 and "a --workload file names each line's own" in refused.output
