@@ -255,6 +255,13 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="Serve the LoRA adapter that PEFT's save_pretrained wrote to DIR under NAME (repeatable, at "
                       "most 16); a request picks it with --lora-adapter NAME (SamplingParams.lora_adapter) "
                       "[default: none]."),
+    click.option("--max-lora-adapters", type=int, default=None, metavar="N",
+                 help="LoRA adapter slots (at most 16), so that adapters can be loaded and unloaded while the engine "
+                      "runs (Engine.load_lora_adapter, the LoadLoraAdapter RPC) beside the --lora ones; every "
+                      "decoder linear then gets room [default: as many as --lora adapters]."),
+    click.option("--max-lora-rank", type=int, default=None, metavar="R",
+                 help="The largest rank an adapter slot holds (1-512) [default: the largest --lora adapter's, and "
+                      "at least 16 with --max-lora-adapters above their count]."),
     click.option("--tool-parser", default=None, metavar="NAME",
                  help="Read the tool calls out of the replies of chats that offer tools, in the model's format: "
                       "hermes (Qwen 2.5/3, Hermes), llama3-json (Llama 3.1/3.2) or pythonic (Llama 3.2/4), or a "
@@ -335,7 +342,8 @@ FIELD_OF_OPTION = {
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
-    "lora": "lora_adapters", "tool_parser": "tool_parser", "structured_output_backend": "structured_output_backend",
+    "lora": "lora_adapters", "max_lora_adapters": "max_lora_adapters", "max_lora_rank": "max_lora_rank",
+    "tool_parser": "tool_parser", "structured_output_backend": "structured_output_backend",
     "chat_template": "chat_template", "default_chat_template_kwargs": "default_chat_template_kwargs",
     "sanitize_chat_control_tokens": "sanitize_chat_control_tokens",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]

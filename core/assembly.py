@@ -5,7 +5,6 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,11 +12,9 @@ from .config import EngineConfig
 from .errors import ConfigError, PluginError
 from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Scheduler, ToolParser
 from .loader import LoadedModel, load_model
+from .lora import start_lora_adapters
 from .plugins import PluginManager
 from .runner import ModelRunner
-
-if TYPE_CHECKING:
-    from ..models.lora import LoraTokens
 
 log = logging.getLogger("infer")
 VERIFY_GRAPH_MAX_BATCH = 32
@@ -55,7 +52,7 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     config.attention, attention = make_attention(config, plugins, loaded)  # resolved: a draft runs on it too
     kv_dtype, kv_scales = kv_cache_format(config, loaded)
     proposer = make_proposer(config, plugins, loaded)  # before the KV pool is sized: a draft model takes memory too
-    lora = load_lora_adapters(config, loaded)  # likewise
+    lora = start_lora_adapters(config, loaded)  # likewise
     per_block = ModelRunner.bytes_per_block(loaded.model, config.block_size, kv_dtype)
     num_blocks = num_kv_blocks(config, loaded, per_block)
     if config.preemption_mode == "swap" and config.num_swap_blocks is None:
@@ -92,18 +89,6 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     tool_parser = None if config.tool_parser is None else \
         plugins.build("tool_parser", config.tool_parser, ToolParser, config, loaded.tokenizer)
     return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer, eviction, tool_parser)
-
-
-def load_lora_adapters(config: EngineConfig, loaded: LoadedModel) -> LoraTokens | None:
-    """``--lora`` adapters, attached to the model's linears (models/lora.py); None without any."""
-    if not config.lora_adapters:
-        return None
-    from ..models.lora import attach_adapters, read_adapter
-
-    adapters = [read_adapter(name, Path(folder)) for name, folder in config.lora_adapters.items()]
-    tokens = attach_adapters(loaded.model, adapters, loaded.dtype, loaded.device)
-    log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {len(a.weights)} modules)" for a in adapters))
-    return tokens
 
 
 def make_attention(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel

@@ -16,6 +16,8 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MIXED_GRAPH_TOKENS = 2048
 MAX_LORA_ADAPTERS = 16
+DEFAULT_MAX_LORA_RANK = 16
+MAX_LORA_RANK = 512
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_CPU_THREADS = 1024  # torch segfaults on a matmul after set_num_threads(100000); 1024 runs
 TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
@@ -75,6 +77,11 @@ class EngineConfig:
     # save_pretrained wrote. A step whose tokens use several adapters runs every loaded adapter's low-rank product for
     # every token (masked to each token's own), so the cost grows with their number: at most MAX_LORA_ADAPTERS
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    # adapter slots, for adapters loaded while the engine runs (Engine.load_lora_adapter) beside those of lora_adapters;
+    # None: as many as lora_adapters. With more, every decoder linear gets room, for an adapter of rank up to
+    # max_lora_rank (None: the largest of lora_adapters' ranks, and DEFAULT_MAX_LORA_RANK with spare slots)
+    max_lora_adapters: int | None = None
+    max_lora_rank: int | None = None
     chat_template: str | None = None  # a Jinja chat template file, in place of the model's own (core/chat.py)
     # template variables of every chat prompt, each one the template reads; a prompt's own chat_template_kwargs win
     default_chat_template_kwargs: dict[str, Any] | None = None
@@ -205,6 +212,14 @@ class EngineConfig:
         if len(adapters) > MAX_LORA_ADAPTERS:
             raise ConfigError(f"at most {MAX_LORA_ADAPTERS} LoRA adapters can be served at once (each runs beside "
                               f"every adapted token), got {len(adapters)}")
+        slots, rank = self.max_lora_adapters, self.max_lora_rank
+        if slots is not None and not max(1, len(adapters)) <= slots <= MAX_LORA_ADAPTERS:
+            raise ConfigError(f"max-lora-adapters must be in [{max(1, len(adapters))}, {MAX_LORA_ADAPTERS}] (at least "
+                              f"the {len(adapters)} --lora adapters), got {slots}")
+        if rank is not None and not 1 <= rank <= MAX_LORA_RANK:
+            raise ConfigError(f"max-lora-rank must be in [1, {MAX_LORA_RANK}], got {rank}")
+        if rank is not None and not (adapters or slots):
+            raise ConfigError("max-lora-rank sizes LoRA adapter slots; give --lora NAME=DIR or --max-lora-adapters N")
         for name, folder in list(adapters.items()):
             if not isinstance(name, str) or not LORA_NAME.fullmatch(name):
                 raise ConfigError(f"LoRA adapter name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "

@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence as Seq
@@ -23,6 +24,7 @@ from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
 from .interfaces import SchedulerOutput, StructuredOutputBackend, Vocabulary
+from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
 from .plugins import Blame, PluginManager, checked_manager
@@ -33,6 +35,7 @@ from .sampling import to_device
 from .structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
+    from ..models.lora import LoraAdapter
     from ..spec_decode.decoder import SpecDecoder
 
 log = logging.getLogger("infer")
@@ -548,3 +551,22 @@ class Engine:
                 at_prompt(exc, len(ids), len(prompts))
             raise
         return ids
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The names of the LoRA adapters served now (those of --lora and those loaded since), sorted."""
+        return sorted(self.runner.lora.tokens.slot_of) if self.runner.lora is not None else []
+
+    def load_lora_adapter(self, name: str, folder: str | os.PathLike[str] | LoraAdapter) -> None:
+        """Serve the adapter PEFT's ``save_pretrained`` wrote to ``folder`` (or one ``models.lora.read_adapter``
+        read already, off this thread) under ``name`` from the next step on, in a free slot
+        (``--max-lora-adapters``). InvalidRequestError: a bad or taken name, or an engine started without adapter
+        slots; CheckpointError: an adapter it cannot serve (the reason named); CapacityError: no free slot. Call it
+        between steps, from the thread that drives the engine."""
+        load_lora_adapter(self, name, folder)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name`` and free its slot. Refused (InvalidRequestError) while a request or beam search
+        uses it; empties the prefix cache (every adapter's and the base model's unused cached blocks), so that no
+        KV computed under it serves a later adapter of that name."""
+        unload_lora_adapter(self, name)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Mapping, Sequence as Seq
 from typing import Any
 
@@ -76,6 +77,15 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def load_lora_adapter(self, name: str, folder: str | os.PathLike[str]) -> None:
+        """Serve a PEFT adapter under ``name`` from now on, in a free slot of ``max_lora_adapters``
+        (``Engine.load_lora_adapter``)."""
+        self.engine.load_lora_adapter(name, folder)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name`` and free its slot (``Engine.unload_lora_adapter``)."""
+        self.engine.unload_lora_adapter(name)
 
 
 def _as_list(prompts: Prompt | Seq[Prompt]) -> Seq[Prompt]:

@@ -19,7 +19,7 @@ from .staging import Uploader
 from .structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
-    from ..models.lora import LoraTokens
+    from ..models.lora import LoraStack
     from .cuda_graphs import DecodeGraphs, MixedGraphs
 
 
@@ -136,7 +136,7 @@ class ModelRunner:
         self.uploader = Uploader(device)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self.lora: LoraTokens | None = None  # with --lora adapters (models/lora.py)
+        self.lora: LoraStack | None = None  # with LoRA adapters (models/lora.py, core/lora.py)
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # advance: B -> (query_start, sample_rows)
 
     @staticmethod
@@ -231,7 +231,7 @@ class ModelRunner:
         slots, in_use = array.array("q"), set()
         for item, count in zip(out.scheduled, query_lens):
             name = item.seq.params.lora_adapter
-            slot = -1 if name is None else self.lora.slot_of[name]
+            slot = -1 if name is None else self.lora.tokens.slot_of[name]
             slots.extend([slot] * count)
             in_use.add(slot)
         return slots, frozenset(in_use - {-1})
@@ -277,7 +277,7 @@ class ModelRunner:
         num_tokens, rows = batch.input_ids.shape[0], None if batch.every_row_samples else batch.sample_rows
         if self.lora is not None:
             assert batch.lora_slots is not None, "a batch built without LoRA slots, on a runner with adapters"
-            self.lora.set(batch.lora_slots, batch.lora_in_use)
+            self.lora.tokens.set(batch.lora_slots, batch.lora_in_use)
         if self.graphs is not None and self.graphs.fits(batch.meta, num_tokens):
             logits = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # every row's
             if prompt is not None:
@@ -323,7 +323,7 @@ class ModelRunner:
 
         pool, self.mixed_graphs = None, None
         if self.lora is not None:
-            self.lora.prepare_capture(max(max_batch * max({1, *(query_lens or {})}), mixed_tokens))
+            self.lora.tokens.prepare_capture(max(max_batch * max({1, *(query_lens or {})}), mixed_tokens))
         if mixed_tokens and not self.attention.supports_mixed_cuda_graphs:
             raise PluginError(f"attention backend {type(self.attention).__name__} does not support CUDA graphs of "
                               "mixed steps; use --cuda-graph-max-tokens 0")

@@ -1,10 +1,10 @@
 """LoRA adapters in PEFT's format, served beside the base model: every adapter's A/B matrices stacked per linear
 layer, each token getting its own request's adapter (S-LoRA, arXiv 2311.03285: one base pass for the whole batch,
-the low-rank deltas batched beside it). An adapter is loaded once, at engine start (``--lora NAME=DIR``)."""
+the low-rank deltas batched beside it). Adapters are loaded at engine start (``--lora NAME=DIR``) and, into free
+slots, while it runs (``Engine.load_lora_adapter``)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import CheckpointError
+from ..core.config import MAX_LORA_RANK as MAX_RANK
+from ..core.errors import CapacityError, CheckpointError
 from .layers import Linear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PEFT's tensor names: this, the HF module name, then .lora_A/.lora_B.weight
-MAX_RANK = 512
 # adapter_config.json keys whose non-empty values change what the adapter computes, and why each is refused
 UNSUPPORTED = {
     "use_dora": "DoRA (weight-decomposed LoRA) adapters",
@@ -133,9 +133,10 @@ class LoraTokens:
     reads. Steps of up to ``len(static)`` tokens write a fixed buffer, which CUDA graphs capture; larger ones, which
     run eagerly, get their own tensor."""
 
-    def __init__(self, names: Sequence[str], dtype: torch.dtype, device: torch.device, capacity: int = 256) -> None:
-        self.slot_of = {name: slot for slot, name in enumerate(names)}
-        self.static = torch.zeros(capacity, len(names), dtype=dtype, device=device)
+    def __init__(self, num_slots: int, dtype: torch.dtype, device: torch.device, capacity: int = 256) -> None:
+        self.num_slots = num_slots
+        self.slot_of: dict[str, int] = {}  # the loaded adapters' slots (LoraStack writes it)
+        self.static = torch.zeros(capacity, num_slots, dtype=dtype, device=device)
         self.current = self.static
         self.active = False  # whether a linear adds its delta (some token has an adapter, or graphs are captured)
         self.always_active = False  # CUDA graphs: the delta is part of every captured step
@@ -187,42 +188,79 @@ class LoraDelta(nn.Module):
         return torch.addmm(out.reshape(-1, out.shape[-1]), h.flatten(1), b.t()).view(out.shape)
 
 
-def attach_adapters(model: nn.Module, adapters: Sequence[LoraAdapter], dtype: torch.dtype,
-                    device: torch.device) -> LoraTokens:
-    """Give every linear of ``model`` that some adapter targets a :class:`LoraDelta` (``Linear.lora``); adapter i
-    takes slot i. CheckpointError for a module the model lacks or a shape that does not fit it."""
-    # the head's rows are the sampled positions, not the step's tokens: adapters on it are refused (not a layer)
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.prefix != "lm_head"]
-    owner = {part: (linear, index) for linear in linears for index, (part, _) in enumerate(linear.parts)}
-    targeted: dict[int, Linear] = {}
-    for adapter in adapters:
+class LoraStack:
+    """The adapters served, stacked per linear layer in ``slots`` slots of ``rank`` columns per part. Built once (the
+    buffers CUDA graphs read never move); adapters are written into free slots and cleared out of them, between
+    steps, while the engine runs. ``targets``: the HF module names that get room (None: every decoder linear)."""
+
+    def __init__(self, model: nn.Module, slots: int, rank: int, targets: set[str] | None, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        # the head's rows are the sampled positions, not the step's tokens: adapters on it are refused (not a layer)
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m.prefix != "lm_head"]
+        self.owner = {part: (linear, index) for linear in linears for index, (part, _) in enumerate(linear.parts)}
+        self.tokens = LoraTokens(slots, dtype, device)
+        self.rank, self.dtype = rank, dtype
+        self.linears = [linear for linear in linears
+                        if targets is None or any(part in targets for part, _ in linear.parts)]
+        for linear in self.linears:
+            width = rank * len(linear.parts)
+            a = torch.zeros(slots * width, linear.in_features, dtype=dtype, device=device)
+            b = torch.zeros(linear.out_features, slots * width, dtype=dtype, device=device)
+            linear.lora = LoraDelta(a, b, tokens=self.tokens)
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """CheckpointError for an adapter that does not fit: a module the model lacks or that has no room, a shape
+        other than the layer's, a rank above the stack's."""
+        if adapter.rank > self.rank:
+            raise CheckpointError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, above the {self.rank} this "
+                                  "engine reserved (--max-lora-rank)")
         for module, (a, b) in adapter.weights.items():
-            if module not in owner:
-                examples = ", ".join(sorted(owner)[:3])
+            if module not in self.owner:
+                examples = ", ".join(sorted(self.owner)[:3])
                 raise CheckpointError(f"LoRA adapter {adapter.name!r} has weights for {module!r}, which is not a "
                                       f"linear layer of this model (those are named like {examples}); infer serves "
                                       "LoRA on the decoder layers' linears")
-            linear, index = owner[module]
+            linear, index = self.owner[module]
             size = linear.parts[index][1]
             if a.shape[1] != linear.in_features or b.shape[0] != size:
                 raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module} has lora_A {tuple(a.shape)} and "
                                       f"lora_B {tuple(b.shape)}, but the layer maps {linear.in_features} to {size} "
                                       "features; was the adapter trained on this base model?")
-            targeted[id(linear)] = linear
-    tokens = LoraTokens([adapter.name for adapter in adapters], dtype, device)
-    rank = max(adapter.rank for adapter in adapters)
-    for linear in targeted.values():
-        width = rank * len(linear.parts)
-        a = torch.zeros(len(adapters) * width, linear.in_features, dtype=dtype)
-        b = torch.zeros(linear.out_features, len(adapters) * width, dtype=dtype)
-        for slot, adapter in enumerate(adapters):
+            if linear.lora is None:
+                raise CheckpointError(f"LoRA adapter {adapter.name!r} adapts {module}, which no adapter loaded at "
+                                      "start adapts, so the engine reserved no room for it; start the engine with "
+                                      "--max-lora-adapters N (then every linear layer has room)")
+
+    def add(self, adapter: LoraAdapter) -> int:
+        """Write ``adapter`` (checked) into the lowest free slot and return it; CapacityError when none is free."""
+        self.check(adapter)
+        used = set(self.tokens.slot_of.values())
+        slot = next((s for s in range(self.tokens.num_slots) if s not in used), None)
+        if slot is None:
+            raise CapacityError(f"cannot load LoRA adapter {adapter.name!r}: all {self.tokens.num_slots} adapter "
+                                "slots are taken; unload one, or start the engine with a larger --max-lora-adapters")
+        self._write(slot, adapter)
+        self.tokens.slot_of[adapter.name] = slot
+        return slot
+
+    def remove(self, name: str) -> None:
+        """Clear ``name``'s slot (no step may run a token of it afterwards) and free it."""
+        self._write(self.tokens.slot_of.pop(name), None)
+
+    def _write(self, slot: int, adapter: LoraAdapter | None) -> None:
+        rank = self.rank
+        for linear in self.linears:
+            delta = linear.lora
+            assert isinstance(delta, LoraDelta)
+            width = rank * len(linear.parts)
+            delta.a[slot * width : (slot + 1) * width] = 0
+            delta.b[:, slot * width : (slot + 1) * width] = 0
             row = 0
             for index, (part, size) in enumerate(linear.parts):
-                if part in adapter.weights:
+                if adapter is not None and part in adapter.weights:
                     part_a, part_b = adapter.weights[part]
                     col = slot * width + index * rank
-                    a[col : col + adapter.rank] = part_a.to(dtype)
-                    b[row : row + size, col : col + adapter.rank] = (part_b.float() * adapter.scaling).to(dtype)
+                    delta.a[col : col + adapter.rank] = part_a.to(self.dtype)
+                    delta.b[row : row + size, col : col + adapter.rank] = (part_b.float() * adapter.scaling).to(
+                        self.dtype)
                 row += size
-        linear.lora = LoraDelta(a.to(device), b.to(device), tokens)
-    return tokens

@@ -2,6 +2,7 @@
 is PEFT's model on HF transformers (unmerged, its own forward pass)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,12 +14,12 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from infer import SamplingParams
+from infer import LLM, SamplingParams
 from infer.cli import main
 from infer.core.beam_search import BeamSearchParams
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.errors import CheckpointError, ConfigError, InvalidRequestError
+from infer.core.errors import CapacityError, CheckpointError, ConfigError, InvalidRequestError
 from infer.models.layers import Linear
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -186,26 +187,33 @@ class FrozenBranchGraph:
             self.lora.active, self.lora.only = live
 
 
-def test_captured_graphs_hold_the_adapters_delta(checkpoint, adapters, hf_greedy, monkeypatch) -> None:
+@pytest.mark.parametrize("qv_loaded", ["at-start", "after-capture"])
+def test_captured_graphs_hold_the_adapters_delta(checkpoint, adapters, hf_greedy, monkeypatch, qv_loaded) -> None:
     """The adapters' kernels, for every adapter, must be in the graphs whatever the step before capture ran (a
-    capture that skipped them replayed the base model for every adapted decode)."""
+    capture that skipped them replayed the base model for every adapted decode); an adapter loaded into a free slot
+    after capture is in them too (its weights are written into the buffers the graphs read)."""
     import types
 
     from infer.core import cuda_graphs
 
     base = checkpoint("llama")
-    engine = engine_for(base, adapters, attention="triton")
+    if qv_loaded == "at-start":
+        engine = engine_for(base, adapters, attention="triton")
+    else:
+        engine = engine_for(base, {"all": adapters["all"]}, attention="triton", max_lora_adapters=2)
 
     def capture(run, pool):  # the loop variables the closure reads are frozen at capture, as a graph's are
         run = types.FunctionType(run.__code__, run.__globals__, None, None,
                                  tuple(types.CellType(c.cell_contents) for c in run.__closure__ or ()))
         out = run()
-        return FrozenBranchGraph(run, out, engine.runner.lora), out, pool
+        return FrozenBranchGraph(run, out, engine.runner.lora.tokens), out, pool
 
     monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2, lora_adapter="all"))  # an eager step's state first
     engine.runner.enable_cuda_graphs(4)
+    if qv_loaded == "after-capture":
+        engine.load_lora_adapter("qv", adapters["qv"].folder)
     names = [None, "all", "qv"]
     out = engine.generate(PROMPTS, [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_adapter=n)
                                     for n in names])
@@ -216,13 +224,15 @@ def test_captured_graphs_hold_the_adapters_delta(checkpoint, adapters, hf_greedy
 
 @pytest.mark.gpu
 def test_adapters_on_cuda_with_graphs_equal_peft(checkpoint, adapters, hf_greedy) -> None:
-    """The CUDA defaults (triton attention, CUDA graphs captured with the adapters' delta), in float32."""
+    """The CUDA defaults (triton attention, CUDA graphs captured with the adapters' delta), in float32; one adapter
+    loaded after the capture."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     base = checkpoint("llama")
     engine = Engine(EngineConfig(model=str(base), device="cuda", dtype="float32", num_kv_blocks=128,
-                                 lora_adapters={name: str(a.folder) for name, a in adapters.items()}))
+                                 lora_adapters={"all": str(adapters["all"].folder)}, max_lora_adapters=2))
     assert engine.runner.graphs is not None
+    engine.load_lora_adapter("qv", adapters["qv"].folder)  # after capture: written into the buffers graphs read
     names = [None, "all", "qv", "all"]
     prompts = [PROMPTS[i % 3] for i in range(len(names))]
     out = engine.generate(prompts, [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, lora_adapter=n)
@@ -414,3 +424,81 @@ def test_an_adapter_on_an_awq_quantized_base_equals_peft_on_its_dequantized_weig
             assert result.outputs[0].token_ids == expected, name
             for token, logprob in result.outputs[0].logprobs[0].items():
                 assert logprob == pytest.approx(float(first[token]), abs=1e-4)
+
+
+def test_adapters_load_and_unload_while_the_engine_runs(checkpoint, adapters, hf_greedy, tmp_path) -> None:
+    """Into free slots, between steps, beside running requests; an adapter in use stays; unloading empties the
+    prefix cache, so an adapter loaded later under the same name never gets the old one's KV."""
+    base = checkpoint("llama")
+    engine = engine_for(base, {"all": adapters["all"]}, max_lora_adapters=2)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    running = engine.add_request(PROMPTS[0], dataclasses.replace(greedy, lora_adapter="all"))
+    first = engine.step()
+    engine.load_lora_adapter("qv", adapters["qv"].folder)  # mid-request
+    assert engine.lora_adapters == ["all", "qv"]
+    names = ["qv", None]
+    ids = [engine.add_request(PROMPTS[i + 1], dataclasses.replace(greedy, lora_adapter=n)) for i, n in enumerate(names)]
+    with pytest.raises(InvalidRequestError, match=r"'qv' is in use by 1 request\(s\) \(" + ids[0]):
+        engine.unload_lora_adapter("qv")
+    with pytest.raises(CapacityError, match="all 2 adapter slots are taken; unload one"):
+        engine.load_lora_adapter("third", adapters["qv"].folder)
+    with pytest.raises(InvalidRequestError, match="'all' is loaded already; unload it first"):
+        engine.load_lora_adapter("all", adapters["qv"].folder)
+    done: dict[str, list[int]] = {}
+    for out in first + drain(engine):  # step() gives each request's new tokens
+        done.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    assert done[running] == adapters["all"].greedy(PROMPTS[0], 8)[0]
+    assert done[ids[0]] == adapters["qv"].greedy(PROMPTS[1], 8)[0]
+    assert done[ids[1]] == hf_greedy(base, PROMPTS[2], 8)
+
+    prompt = list(range(200, 240))  # two full blocks of 16 get cached
+    once = [engine.generate([prompt], dataclasses.replace(greedy, lora_adapter="all"))[0] for _ in range(2)]
+    assert once[1].num_cached_tokens == 32
+    engine.unload_lora_adapter("all")
+    with pytest.raises(InvalidRequestError, match="lora_adapter 'all' is not loaded; the loaded adapters: qv"):
+        engine.add_request(prompt, dataclasses.replace(greedy, lora_adapter="all"))
+    other = Adapter(base, tmp_path / "other", seed=7)
+    engine.load_lora_adapter("all", other.folder)
+    again = engine.generate([prompt], dataclasses.replace(greedy, lora_adapter="all"))[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == other.greedy(prompt, 8)[0]
+    assert again.outputs[0].token_ids != once[0].outputs[0].token_ids
+
+
+def drain(engine: Engine) -> list:
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    return outputs
+
+
+def test_runtime_loads_that_cannot_be_served_are_refused(checkpoint, adapters) -> None:
+    base = checkpoint("llama")
+    with pytest.raises(InvalidRequestError, match="serves no LoRA adapters; start it with --max-lora-adapters N"):
+        Engine(EngineConfig(model=str(base), device="cpu", num_kv_blocks=16)).load_lora_adapter(
+            "qv", adapters["qv"].folder)
+    llm = LLM(model=str(base), device="cpu", dtype="float32", num_kv_blocks=64, max_lora_adapters=2, max_lora_rank=4)
+    engine = llm.engine
+    assert engine.lora_adapters == []
+    with pytest.raises(CheckpointError, match="has rank 8, above the 4 this engine reserved"):
+        engine.load_lora_adapter("qv", adapters["qv"].folder)
+    with pytest.raises(InvalidRequestError, match="must be 1-64 letters"):
+        engine.load_lora_adapter("../x", adapters["all"].folder)
+    with pytest.raises(CheckpointError, match="no adapter_config.json"):
+        engine.load_lora_adapter("x", base)
+    with pytest.raises(InvalidRequestError, match="'x' is not loaded; the loaded adapters: none"):
+        engine.unload_lora_adapter("x")
+    assert engine.lora_adapters == []  # a refused load takes no slot
+    llm.load_lora_adapter("all", adapters["all"].folder)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_adapter="all"))
+    assert out[0].outputs[0].token_ids == adapters["all"].greedy(PROMPTS[0], 6)[0]
+    llm.unload_lora_adapter("all")
+    assert engine.lora_adapters == []
+    exact = engine_for(base, {"qv": adapters["qv"]})  # no spare slot: room on q_proj and v_proj only
+    exact.unload_lora_adapter("qv")
+    with pytest.raises(CheckpointError, match="which no adapter loaded at start adapts, so the engine reserved no room"):
+        exact.load_lora_adapter("all", adapters["all"].folder)
+    with pytest.raises(ConfigError, match=r"max-lora-adapters must be in \[2, 16\]"):
+        EngineConfig(model=str(base), lora_adapters={n: str(a.folder) for n, a in adapters.items()},
+                     max_lora_adapters=1).validate()
+    with pytest.raises(ConfigError, match="max-lora-rank sizes LoRA adapter slots"):
+        EngineConfig(model=str(base), max_lora_rank=8).validate()
