@@ -47,9 +47,7 @@ def load_lora_adapter(engine: Engine, name: str, folder: str | os.PathLike[str] 
     if stack is None:
         raise InvalidRequestError("this engine serves no LoRA adapters; start it with --max-lora-adapters N (or "
                                   "--lora NAME=DIR) to load some while it runs")
-    if not isinstance(name, str) or not LORA_NAME.fullmatch(name):
-        raise InvalidRequestError(f"LoRA adapter name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "
-                                  "starting with a letter or digit")
+    check_lora_name(name)
     if name in stack.tokens.slot_of:
         raise InvalidRequestError(f"LoRA adapter {name!r} is loaded already; unload it first to replace it")
     from ..models.lora import LoraAdapter, read_adapter
@@ -64,6 +62,13 @@ def load_lora_adapter(engine: Engine, name: str, folder: str | os.PathLike[str] 
     engine.checker = dataclasses.replace(engine.checker, lora_adapters=frozenset(stack.tokens.slot_of))
     log.info("loaded LoRA adapter %s (rank %d, %d modules) from %s into slot %d", name, adapter.rank,
              len(adapter.weights), folder, slot)
+
+
+def check_lora_name(name: object) -> None:
+    """InvalidRequestError unless ``name`` can name an adapter."""
+    if not isinstance(name, str) or not LORA_NAME.fullmatch(name):
+        raise InvalidRequestError(f"LoRA adapter name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "
+                                  "starting with a letter or digit")
 
 
 def unload_lora_adapter(engine: Engine, name: str) -> None:

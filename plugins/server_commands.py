@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -43,16 +44,21 @@ def quiet_grpc_core() -> None:
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="PEM private key of --tls-cert.")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (same host).")
+@click.option("--allow-lora-loading", is_flag=True,
+              help="Let clients load LoRA adapters from this machine's disk and unload them (the LoadLoraAdapter "
+                   "and UnloadLoraAdapter RPCs, `infer lora load/unload`) into the group's --max-lora-adapters "
+                   "slots [default: off: PERMISSION_DENIED].")
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_bytes: int, grace_period: float,
-          token: str | None, tls_cert: Path | None, tls_key: Path | None, metrics_port: int | None) -> None:
+          token: str | None, tls_cert: Path | None, tls_key: Path | None, metrics_port: int | None,
+          allow_lora_loading: bool) -> None:
     """Serve the model over gRPC (infer.v1.Inference, health, reflection) until SIGTERM, then drain."""
     from ..cli.main import build_engine
     quiet_grpc_core()
     from ..server.app import ServeOptions, host_port, serve as run_server
 
     options = ServeOptions(host, port, max_queue, max_message_bytes, grace_period, token, tls_cert, tls_key,
-                           metrics_port).validate()
+                           metrics_port, allow_lora_loading).validate()
     options.check_ports()  # before the model load, which can take minutes
     engine = build_engine(ctx, freeze_gc=True)  # a long-running process: no full collection should stall a step
 
@@ -67,10 +73,25 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
     click.echo("infer: server stopped", err=True)
 
 
+def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--target, --token, --tls, --tls-ca and --timeout: how a command reaches `infer serve`."""
+    options = [
+        click.option("--target", default="127.0.0.1:50051", show_default=True, callback=lambda ctx, param, value:
+                     checked_target(value), help="host:port of `infer serve` (or a gRPC target such as unix:PATH)."),
+        click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Bearer token (or set {TOKEN_ENV})."),
+        click.option("--tls", is_flag=True, help="Connect over TLS with the system's root certificates."),
+        click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+                     help="PEM root certificate(s) to trust (implies --tls)."),
+        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Deadline of the call in seconds.")]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.command("client")
 @click.argument("prompt")
-@click.option("--target", default="127.0.0.1:50051", show_default=True, callback=lambda ctx, param, value:
-              checked_target(value), help="host:port of `infer serve` (or a gRPC target such as unix:PATH).")
+@connection_options
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @sampling_options
 @structured_output_options
@@ -92,21 +113,15 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
 @click.option("--system", default=None, help="With --chat: a system message before PROMPT [default: none].")
 @chat_template_kwargs_option
 @tools_option
-@click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Bearer token (or set {TOKEN_ENV}).")
-@click.option("--tls", is_flag=True, help="Connect over TLS with the system's root certificates.")
-@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="PEM root certificate(s) to trust (implies --tls).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Deadline of the call in seconds.")
 @click.option("--stats", is_flag=True,
               help="Print the server's GetStats as JSON to stderr after a call that succeeded.")
 @click.pass_context
-def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampling: dict[str, Any],
+def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls: bool, tls_ca: Path | None,
+           timeout: float | None, max_tokens: int, sampling: dict[str, Any],
            structured_output: StructuredOutput | None, n: int,
            seed: int | None, stop: tuple[str, ...], include_stop_str: bool, ignore_eos: bool, no_speculative: bool,
            lora_adapter: str | None, beam_width: int, length_penalty: float, chat: bool, system: str | None,
-           token: str | None, tls: bool, tls_ca: Path | None, timeout: float | None, stats: bool,
-           chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> None:
+           stats: bool, chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams (with --chat,
     the reply alone)."""
     quiet_grpc_core()
@@ -182,6 +197,34 @@ def client(ctx: click.Context, prompt: str, target: str, max_tokens: int, sampli
             raise click.ClickException(rpc_error_message(exc, target, tls or tls_ca is not None, timeout)) from exc
 
 
+@click.command("lora")
+@click.argument("action", type=click.Choice(["load", "unload"]))
+@click.argument("name")
+@click.argument("path", required=False)
+@connection_options
+@click.pass_context
+def lora(ctx: click.Context, action: str, name: str, path: str | None, target: str, token: str | None, tls: bool,
+         tls_ca: Path | None, timeout: float | None) -> None:
+    """`load NAME PATH`: have a running `infer serve --allow-lora-loading` serve the LoRA adapter in PATH (a folder
+    on the server's machine) as NAME; `unload NAME`: stop serving it. Prints the adapters served then."""
+    quiet_grpc_core()
+    import grpc
+
+    from ..cli.options import refuse_engine_options
+    from ..server.client import Client
+
+    refuse_engine_options(ctx, "lora", " (the server's adapter slots are set where `infer serve` starts)")
+    if (action == "load") != (path is not None):
+        raise click.UsageError("load takes NAME and PATH (the adapter's folder on the server); unload takes NAME "
+                               "alone", ctx)
+    with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
+        try:
+            names = conn.load_lora_adapter(name, path) if path is not None else conn.unload_lora_adapter(name)
+        except grpc.RpcError as exc:
+            raise click.ClickException(rpc_error_message(exc, target, tls or tls_ca is not None, timeout)) from exc
+    click.echo(f"{'loaded' if path is not None else 'unloaded'} {name}; serving: {', '.join(names) or 'no adapters'}")
+
+
 def list_tool_calls(calls: Any) -> None:
     """The calls that the server's --tool-parser read in a reply, one per line on stderr."""
     for call in calls:
@@ -255,3 +298,4 @@ def rpc_error_message(exc: grpc.RpcError, target: str, tls: bool, timeout: float
 def register_commands(register: Register[CommandFactory]) -> None:
     register("serve", lambda: serve)
     register("client", lambda: client)
+    register("lora", lambda: lora)

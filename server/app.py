@@ -43,6 +43,7 @@ class ServeOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     metrics_port: int | None = None
+    allow_lora_loading: bool = False  # the LoadLoraAdapter and UnloadLoraAdapter RPCs
 
     def validate(self) -> ServeOptions:
         from ..core.errors import ConfigError
@@ -145,7 +146,7 @@ def describe_engine(engine: Any) -> pb.ModelInfo:
         default_chat_template_kwargs=json.dumps(engine.config.default_chat_template_kwargs)
         if engine.config.default_chat_template_kwargs else "",
         sanitize_chat_control_tokens=engine.config.sanitize_chat_control_tokens,
-        lora_adapters=sorted(engine.config.lora_adapters))
+        lora_adapters=engine.lora_adapters)
 
 
 def list_plugins(engine: Any) -> pb.ListPluginsResponse:
@@ -160,7 +161,7 @@ class InferenceServer:
         self.options = options.validate()
         self.worker = EngineWorker(engine, on_fatal=self._on_worker_failed)
         self.servicer = InferenceServicer(self.worker, describe_engine(engine), list_plugins(engine),
-                                          options.max_queue, options.max_message_bytes)
+                                          options.max_queue, options.max_message_bytes, options.allow_lora_loading)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None

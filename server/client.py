@@ -148,6 +148,17 @@ class Client(_Base):
     def stats(self, timeout: float | None = None) -> pb.Stats:
         return self.stub.GetStats(pb.GetStatsRequest(), **self._kw(timeout))
 
+    def load_lora_adapter(self, name: str, path: str | Path, timeout: float | None = None) -> list[str]:
+        """Have a server started with ``--allow-lora-loading`` serve the adapter in ``path`` (a folder on the
+        server) as ``name``; returns the adapters it serves then."""
+        request = pb.LoadLoraAdapterRequest(name=name, path=str(path))
+        return list(self.stub.LoadLoraAdapter(request, **self._kw(timeout)).names)
+
+    def unload_lora_adapter(self, name: str, timeout: float | None = None) -> list[str]:
+        """Stop serving ``name``; returns the adapters the server serves then."""
+        request = pb.UnloadLoraAdapterRequest(name=name)
+        return list(self.stub.UnloadLoraAdapter(request, **self._kw(timeout)).names)
+
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """The health status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN."""
         response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), **self._kw(timeout))
@@ -212,6 +223,14 @@ class AsyncClient(_Base):
 
     async def stats(self, timeout: float | None = None) -> pb.Stats:
         return await self.stub.GetStats(pb.GetStatsRequest(), **self._kw(timeout))
+
+    async def load_lora_adapter(self, name: str, path: str | Path, timeout: float | None = None) -> list[str]:
+        request = pb.LoadLoraAdapterRequest(name=name, path=str(path))
+        return list((await self.stub.LoadLoraAdapter(request, **self._kw(timeout))).names)
+
+    async def unload_lora_adapter(self, name: str, timeout: float | None = None) -> list[str]:
+        request = pb.UnloadLoraAdapterRequest(name=name)
+        return list((await self.stub.UnloadLoraAdapter(request, **self._kw(timeout))).names)
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), **self._kw(timeout))

@@ -409,3 +409,23 @@ class Stats(_message.Message):
     beam_search_restarts: int
     beam_search_waits: int
     def __init__(self, queue_depth: _Optional[int] = ..., num_running: _Optional[int] = ..., in_flight: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., spec_acceptance_rate: _Optional[float] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., mean_tpot_ms: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., spec_enabled: _Optional[bool] = ..., spec_steps_on: _Optional[int] = ..., spec_steps_off_large_batch: _Optional[int] = ..., spec_steps_off_low_acceptance: _Optional[int] = ..., beam_searches: _Optional[int] = ..., beam_searches_finished: _Optional[int] = ..., beam_searches_aborted: _Optional[int] = ..., beam_searches_failed: _Optional[int] = ..., beam_search_restarts: _Optional[int] = ..., beam_search_waits: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapters(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...

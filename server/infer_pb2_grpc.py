@@ -71,6 +71,16 @@ class InferenceStub:
                 request_serializer=infer_dot_server_dot_infer__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=infer_dot_server_dot_infer__pb2.Stats.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/infer.v1.Inference/LoadLoraAdapter',
+                request_serializer=infer_dot_server_dot_infer__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=infer_dot_server_dot_infer__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/infer.v1.Inference/UnloadLoraAdapter',
+                request_serializer=infer_dot_server_dot_infer__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=infer_dot_server_dot_infer__pb2.LoraAdapters.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -130,6 +140,24 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serve the LoRA adapter that PEFT saved in a folder on the server under a name, from the next step on, in a
+        free slot of the server's --max-lora-adapters. Only with `serve --allow-lora-loading` (else PERMISSION_DENIED).
+        A name loaded already or that is not valid, a folder infer cannot read as an adapter: INVALID_ARGUMENT or
+        FAILED_PRECONDITION with the reason; every slot taken: FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stop serving an adapter and free its slot (empties the prefix cache). Only with --allow-lora-loading. Refused
+        (INVALID_ARGUMENT) while requests use it, and for a name not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +195,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=infer_dot_server_dot_infer__pb2.GetStatsRequest.FromString,
                     response_serializer=infer_dot_server_dot_infer__pb2.Stats.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=infer_dot_server_dot_infer__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=infer_dot_server_dot_infer__pb2.LoraAdapters.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=infer_dot_server_dot_infer__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=infer_dot_server_dot_infer__pb2.LoraAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +398,60 @@ class Inference:
             '/infer.v1.Inference/GetStats',
             infer_dot_server_dot_infer__pb2.GetStatsRequest.SerializeToString,
             infer_dot_server_dot_infer__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infer.v1.Inference/LoadLoraAdapter',
+            infer_dot_server_dot_infer__pb2.LoadLoraAdapterRequest.SerializeToString,
+            infer_dot_server_dot_infer__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infer.v1.Inference/UnloadLoraAdapter',
+            infer_dot_server_dot_infer__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            infer_dot_server_dot_infer__pb2.LoraAdapters.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,11 +6,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import NoReturn
 
 import grpc
 
 from ..core.errors import CapacityError, InvalidRequestError
+from ..core.lora import check_lora_name
 from ..core.request import RequestOutput, SamplingParams
 from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
@@ -31,8 +33,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     """
 
     def __init__(self, worker: EngineWorker, model_info: pb.ModelInfo, plugins: pb.ListPluginsResponse,
-                 max_queue: int, max_message_bytes: int | None = None) -> None:
+                 max_queue: int, max_message_bytes: int | None = None, allow_lora_loading: bool = False) -> None:
         self.worker = worker
+        self.allow_lora_loading = allow_lora_loading  # LoadLoraAdapter/UnloadLoraAdapter (serve --allow-lora-loading)
         self.max_message_bytes = max_message_bytes  # what one response may hold (--max-message-bytes)
         self.model_info = model_info
         self.plugins = plugins
@@ -206,6 +209,45 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return await self.stats()
         except Exception as exc:
             await _abort_with(context, exc)
+
+    # ------------------------------------------------------------ LoRA adapters
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> pb.LoraAdapters:
+        await self._check_lora_loading(context)
+        name = request.name
+        try:
+            check_lora_name(name)
+            if not request.path:
+                raise InvalidRequestError("path is required: the adapter's folder on the server")
+            from ..models.lora import read_adapter
+
+            adapter = await asyncio.to_thread(read_adapter, name, Path(request.path))  # not on the engine thread
+            names = await asyncio.wrap_future(self.worker.call(
+                lambda engine: (engine.load_lora_adapter(name, adapter), engine.lora_adapters)[1]))
+        except Exception as exc:
+            await _abort_with(context, exc)
+        return self._served_adapters(names)
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> pb.LoraAdapters:
+        await self._check_lora_loading(context)
+        try:
+            names = await asyncio.wrap_future(self.worker.call(
+                lambda engine: (engine.unload_lora_adapter(request.name), engine.lora_adapters)[1]))
+        except Exception as exc:
+            await _abort_with(context, exc)
+        return self._served_adapters(names)
+
+    async def _check_lora_loading(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.allow_lora_loading:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this server loads no LoRA adapters at run time "
+                                "(they are read from its own disk): start it with `infer ... serve "
+                                "--allow-lora-loading` (and --max-lora-adapters N for free slots)")
+
+    def _served_adapters(self, names: list[str]) -> pb.LoraAdapters:
+        del self.model_info.lora_adapters[:]  # GetModelInfo lists what is served now
+        self.model_info.lora_adapters.extend(names)
+        return pb.LoraAdapters(names=names)
 
     async def stats(self) -> pb.Stats:
         """Engine load (read on the engine thread) plus this server's admission state."""

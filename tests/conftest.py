@@ -161,17 +161,18 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 @pytest.fixture(scope="session")
 def serve_engine() -> Callable[..., None]:
-    """``serve_engine(engine, test)``: run ``await test(client, port)`` against an in-process `infer serve` of
-    ``engine`` (an AsyncClient connected to it), then close the server."""
+    """``serve_engine(engine, test, **options)``: run ``await test(client, port)`` against an in-process `infer
+    serve` of ``engine`` with those ServeOptions (an AsyncClient connected to it), then close the server."""
     import asyncio
 
-    def run(engine: object, test: Callable[..., object]) -> None:
+    def run(engine: object, test: Callable[..., object], **options: object) -> None:
         pytest.importorskip("grpc_health", reason="the server needs grpcio-health-checking")
         from infer.server.app import InferenceServer, ServeOptions
         from infer.server.client import AsyncClient
 
         async def main() -> None:
-            server = InferenceServer(engine, ServeOptions(port=0, grace_period_s=0.0))
+            serve_options = ServeOptions(port=0, grace_period_s=0.0, **options)  # type: ignore[arg-type]
+            server = InferenceServer(engine, serve_options)
             port = await server.start()
             try:
                 async with AsyncClient(f"127.0.0.1:{port}") as client:

@@ -2,6 +2,7 @@
 is PEFT's model on HF transformers (unmerged, its own forward pass)."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import Callable
@@ -390,6 +391,58 @@ def test_grpc_requests_pick_adapters_and_model_info_lists_them(checkpoint, adapt
     serve_engine(engine, check)
 
 
+def test_grpc_loads_and_unloads_adapters_only_where_the_server_allows_it(checkpoint, adapters, serve_engine) -> None:
+    import grpc
+
+    engine = engine_for(checkpoint("llama"), {"all": adapters["all"]}, max_lora_adapters=2, max_lora_rank=8)
+    expected = adapters["qv"].greedy(PROMPTS[1], 6)[0]
+
+    async def refused(call, code, message) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call
+        assert error.value.code() == code and message in error.value.details(), error.value.details()
+
+    async def allowed(client, port) -> None:
+        assert await client.load_lora_adapter("qv", adapters["qv"].folder) == ["all", "qv"]
+        assert list((await client.model_info()).lora_adapters) == ["all", "qv"]
+        out = await client.complete(PROMPTS[1], max_tokens=6, temperature=0.0, ignore_eos=True, lora_adapter="qv")
+        assert list(out.outputs[0].token_ids) == expected
+        await refused(client.load_lora_adapter("x", adapters["qv"].folder), grpc.StatusCode.FAILED_PRECONDITION,
+                      "all 2 adapter slots are taken")
+        await refused(client.load_lora_adapter("bad name", adapters["qv"].folder), grpc.StatusCode.INVALID_ARGUMENT,
+                      "must be 1-64 letters")
+        await refused(client.load_lora_adapter("y", ""), grpc.StatusCode.INVALID_ARGUMENT, "path is required")
+        assert await client.unload_lora_adapter("all") == ["qv"]
+        await refused(client.load_lora_adapter("y", adapters["qv"].folder.parent),
+                      grpc.StatusCode.FAILED_PRECONDITION, "no adapter_config.json")
+        await refused(client.unload_lora_adapter("all"), grpc.StatusCode.INVALID_ARGUMENT, "'all' is not loaded")
+        assert list((await client.model_info()).lora_adapters) == ["qv"]
+        target = ["--target", f"127.0.0.1:{port}"]
+        result = await asyncio.to_thread(invoke, "lora", "load", "all", str(adapters["all"].folder), *target)
+        assert result.exit_code == 0 and result.output == "loaded all; serving: all, qv\n", result.output
+        result = await asyncio.to_thread(invoke, "lora", "unload", "qv", *target)
+        assert result.exit_code == 0 and result.output == "unloaded qv; serving: all\n", result.output
+        result = await asyncio.to_thread(invoke, "lora", "unload", "qv", *target)
+        assert result.exit_code == 1 and "INVALID_ARGUMENT: LoRA adapter 'qv' is not loaded" in result.output
+        result = await asyncio.to_thread(invoke, "lora", "load", "qv", *target)
+        assert result.exit_code == 2 and "load takes NAME and PATH" in result.output
+
+    serve_engine(engine, allowed, allow_lora_loading=True)
+
+    async def denied(client, port) -> None:
+        for call in (client.load_lora_adapter("all", adapters["all"].folder), client.unload_lora_adapter("qv")):
+            await refused(call, grpc.StatusCode.PERMISSION_DENIED, "serve --allow-lora-loading")
+        assert list((await client.model_info()).lora_adapters) == ["all"]
+        result = await asyncio.to_thread(invoke, "lora", "unload", "all", "--target", f"127.0.0.1:{port}")
+        assert result.exit_code == 1 and "PERMISSION_DENIED: this server loads no LoRA adapters" in result.output
+
+    serve_engine(engine, denied)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
 def dequantized_checkpoint(engine: Engine, base: Path, folder: Path) -> Path:
     """``base`` with every linear's weight replaced by what the engine's quantized linear computes (its method
     applied to the identity: exact for weight-only methods), the dense model PEFT is the reference on."""
@@ -495,7 +548,7 @@ def test_runtime_loads_that_cannot_be_served_are_refused(checkpoint, adapters) -
     assert engine.lora_adapters == []
     exact = engine_for(base, {"qv": adapters["qv"]})  # no spare slot: room on q_proj and v_proj only
     exact.unload_lora_adapter("qv")
-    with pytest.raises(CheckpointError, match="which no adapter loaded at start adapts, so the engine reserved no room"):
+    with pytest.raises(CheckpointError, match="no adapter loaded at start adapts, so the engine reserved no room"):
         exact.load_lora_adapter("all", adapters["all"].folder)
     with pytest.raises(ConfigError, match=r"max-lora-adapters must be in \[2, 16\]"):
         EngineConfig(model=str(base), lora_adapters={n: str(a.folder) for n, a in adapters.items()},
