@@ -9,7 +9,9 @@ its own engine, one warm-up round, then ``--rounds`` rounds taking turns (median
 - ``loaded, unused``: every adapter loaded, the requests on the base model;
 - ``1 adapter``: one loaded, every request on it;
 - ``N loaded, 1 in use``: every adapter loaded, every request on the first;
-- ``N adapters``: N loaded, the requests spread over them in turn.
+- ``N adapters``: N loaded, the requests spread over them in turn;
+- ``1 of N slots, loaded at run time``: ``--max-lora-adapters N``, none at start, the first loaded into a slot
+  while the engine runs (every linear then has room for N), every request on it.
 The peer, in the same process when PEFT is installed: HF ``generate`` (one batch, no padding: the prompts have one
 length) on the base model and on PEFT's model with the first adapter (unmerged, as PEFT serves one). Prints a
 table last.
@@ -73,11 +75,14 @@ def infer_arms(base: Path, folders: list[Path], prompts: list[list[int]], max_to
             "loaded, unused": (every, [params(None)] * len(prompts)),
             "1 adapter": ({"a0": every["a0"]}, [params("a0")] * len(prompts)),
             f"{len(folders)} loaded, 1 in use": (every, [params("a0")] * len(prompts)),
-            f"{len(folders)} adapters": (every, [params(f"a{i % len(folders)}") for i in range(len(prompts))])}
+            f"{len(folders)} adapters": (every, [params(f"a{i % len(folders)}") for i in range(len(prompts))]),
+            f"1 of {len(folders)} slots, loaded at run time": ({}, [params("a0")] * len(prompts))}
     memory = None if device == "cpu" else 4.0  # GiB of KV each: the engines are resident at once
     engines = {name: Engine(EngineConfig(model=str(base), device=device, dtype=dtype, max_num_seqs=len(prompts),
-                                         kv_cache_memory_gb=memory, lora_adapters=adapters))
+                                         kv_cache_memory_gb=memory, lora_adapters=adapters,
+                                         max_lora_adapters=len(folders) if "slots" in name else None))
                for name, (adapters, _) in arms.items()}
+    engines[f"1 of {len(folders)} slots, loaded at run time"].load_lora_adapter("a0", every["a0"])
     rates: dict[str, list[float]] = {name: [] for name in arms}
     for index in range(rounds + 1):  # round 0 warms up
         for name in (arms if index % 2 else reversed(arms)):

@@ -790,6 +790,14 @@ def test_spec_bench_script_runs_and_keeps_the_tokens():
     assert 0 < c < 1 and cells[3] == f"{(1 - alpha**3) / (1 - alpha) / (2 * c + 1):.2f}x"  # Leviathan's eq. 2
 
 
+def test_lora_bench_script_measures_every_arm():
+    out = bench_script("lora_bench.py", "--adapters", "2", "--rank", "2", "--requests", "2", "--prompt-len", "8",
+                       "--max-tokens", "3", "--rounds", "1")
+    arms = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert arms[1:] == ["base", "loaded, unused", "1 adapter", "2 loaded, 1 in use", "2 adapters",
+                        "1 of 2 slots, loaded at run time", "HF generate, base", "HF generate, PEFT adapter"]
+
+
 def test_profile_steps_script_profiles_each_scenario(tmp_path):
     """gpu_check.sh's profile stage on the CPU: the extend scenario's prompt finds its prefix cached and the fresh
     prefill's does not; each decode window is --steps steps long; a Chrome trace per scenario."""
