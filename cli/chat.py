@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ..core.errors import InferError, InvalidRequestError
-from .options import chat_template_kwargs_option, sampling_options, tools_option
+from .options import chat_template_kwargs_option, lora_adapter_option, sampling_options, tools_option
 
 
 @click.command("chat")
@@ -17,11 +17,12 @@ from .options import chat_template_kwargs_option, sampling_options, tools_option
 @sampling_options
 @click.option("--seed", type=int, default=None, help="Seed of each reply's sampling [default: the engine's random "
               "stream].")
+@lora_adapter_option("to every reply")
 @chat_template_kwargs_option
 @tools_option
 @click.pass_context
 def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict[str, Any], seed: int | None,
-         chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> None:
+         lora_adapter: str | None, chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> None:
     """Chat with the model: each line of stdin is your turn, and the model's reply to the whole conversation so far
     (rendered by the model's chat template) streams to stdout. End of input (Ctrl-D) or /exit ends it, /reset
     starts over, Ctrl-C during a reply stops that reply (on a terminal, while typing, it clears the line). A turn
@@ -34,7 +35,7 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
     from ..core.request import SamplingParams
     from .main import CommandLineError, build_engine
 
-    params = SamplingParams(max_tokens=max_tokens, seed=seed, **sampling)
+    params = SamplingParams(max_tokens=max_tokens, seed=seed, lora_adapter=lora_adapter, **sampling)
     try:
         params.validate()
     except InvalidRequestError as exc:

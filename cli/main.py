@@ -12,8 +12,8 @@ import click
 from ..core.errors import ConfigError, InferError, InvalidRequestError
 from ..core.plugins import PluginManager
 from .chat import chat
-from .options import (EngineArgs, changed_sampling, engine_options, refuse_beside_beam_search, refuse_engine_options,
-                      sampling_options, structured_output_options)
+from .options import (EngineArgs, changed_sampling, engine_options, lora_adapter_option, refuse_beside_beam_search,
+                      refuse_engine_options, sampling_options, structured_output_options)
 
 if TYPE_CHECKING:
     from ..core.beam_search import BeamSearchParams
@@ -121,8 +121,7 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
               "text, whatever else runs in the batch (with speculative decoding, as long as the prompt gets the same "
               "drafts per step, which a full step budget or the degradation rules can change) [default: the "
               "engine's random stream].")
-@click.option("--lora-adapter", default=None, metavar="NAME", help="Apply the LoRA adapter loaded as NAME (the "
-              "group's --lora NAME=DIR) to every prompt [default: none, the base model].")
+@lora_adapter_option("to every prompt")
 @click.option("--beam-width", type=int, default=0, help="Beam search with this many beams per prompt (their KV "
               "shared by fork); prints the best beam, --json every beam [default: 0, off].")
 @click.option("--length-penalty", type=float, default=1.0, show_default=True,

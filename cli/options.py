@@ -297,6 +297,12 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
 ]
 
 
+def lora_adapter_option(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--lora-adapter NAME of a command that builds an engine: the adapter applied ``where``."""
+    return click.option("--lora-adapter", default=None, metavar="NAME", help=f"Apply the LoRA adapter loaded as "
+                        f"NAME (the group's --lora NAME=DIR) {where} [default: none, the base model].")
+
+
 def parse_lora_adapters(items: tuple[str, ...]) -> dict[str, str] | None:
     """``("name=dir", ...)`` -> ``{"name": "dir"}`` (None when none). Raises click.BadParameter."""
     adapters: dict[str, str] = {}

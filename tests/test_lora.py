@@ -369,6 +369,24 @@ def test_the_cli_serves_adapters_by_name(checkpoint, adapters) -> None:
     assert result.exit_code != 0 and "lora_adapter 'qv' is not loaded" in result.output
 
 
+def test_infer_chat_replies_with_the_adapter(chat_model, tmp_path) -> None:
+    """The chat command's --lora-adapter reaches every turn: its replies are LLM.chat's with that adapter (whose
+    outputs the tests above hold to PEFT's), not the base model's."""
+    adapter = Adapter(chat_model, tmp_path / "a", seed=4)
+    llm = LLM(model=str(chat_model), device="cpu", dtype="float32", num_kv_blocks=64,
+              lora_adapters={"a": adapter.folder})
+    turn = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    adapted = llm.chat(turn, dataclasses.replace(params, lora_adapter="a"))[0].outputs[0].text
+    assert adapted != llm.chat(turn, params)[0].outputs[0].text
+    result = CliRunner().invoke(main, ["--model", str(chat_model), "--dtype", "float32", "--lora",
+                                       f"a={adapter.folder}", "chat", "--lora-adapter", "a", "--max-tokens", "6",
+                                       "--temperature", "0"], input="hi\n")
+    assert result.exit_code == 0 and result.stdout == f"{adapted}\n", result.output
+    result = CliRunner().invoke(main, ["--model", str(chat_model), "chat", "--lora-adapter", "a"], input="hi\n")
+    assert result.exit_code == 2 and "lora_adapter 'a' is not loaded" in result.output
+
+
 def test_grpc_requests_pick_adapters_and_model_info_lists_them(checkpoint, adapters, serve_engine) -> None:
     import grpc
 
