@@ -113,6 +113,10 @@ def _read_weights(folder: Path, where: str, rank: int) -> dict[str, tuple[torch.
         if not tensor.is_floating_point() or tensor.dim() != 2:
             raise CheckpointError(f"{where}: {tensor_name} must be a 2-d float tensor, got {tensor.dtype} "
                                   f"{tuple(tensor.shape)}")
+        # a step that runs every slot multiplies each one by a 0/1 mask: 0 * inf or NaN would reach every token
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{where}: {tensor_name} holds NaN or infinite values; the adapter is corrupt "
+                                  "(or overflowed when it was saved)")
         halves.setdefault(module, {})[half[0]] = tensor
     weights = {}
     for module, pair in sorted(halves.items()):

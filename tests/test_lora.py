@@ -308,6 +308,8 @@ BAD_ADAPTERS = {
              "q_proj has lora_A but not its other half"),
     "shape": ({}, lambda w: {n: t[:, :-1].contiguous() if "q_proj.lora_A" in n else t for n, t in w.items()},
               "was the adapter trained on this base model"),
+    "nan": ({}, lambda w: {n: t.index_fill(0, torch.tensor([0]), float("nan")) if "v_proj.lora_B" in n else t
+                           for n, t in w.items()}, "v_proj.lora_B.weight holds NaN or infinite values"),
 }
 
 
