@@ -230,6 +230,11 @@ class LoraStack:
                 raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module} has lora_A {tuple(a.shape)} and "
                                       f"lora_B {tuple(b.shape)}, but the layer maps {linear.in_features} to {size} "
                                       "features; was the adapter trained on this base model?")
+            largest = max(float(a.abs().max()), float(b.abs().max()) * adapter.scaling)
+            if largest > torch.finfo(self.dtype).max:
+                raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module} holds values up to {largest:.3g} "
+                                      f"(lora_B scaled by {adapter.scaling:g}), beyond {self.dtype}'s range; serve "
+                                      "the model in a wider dtype (--dtype bfloat16 or float32)")
             if linear.lora is None:
                 raise CheckpointError(f"LoRA adapter {adapter.name!r} adapts {module}, which no adapter loaded at "
                                       "start adapts, so the engine reserved no room for it; start the engine with "

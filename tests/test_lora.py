@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -193,8 +194,6 @@ def test_captured_graphs_hold_the_adapters_delta(checkpoint, adapters, hf_greedy
     """The adapters' kernels, for every adapter, must be in the graphs whatever the step before capture ran (a
     capture that skipped them replayed the base model for every adapted decode); an adapter loaded into a free slot
     after capture is in them too (its weights are written into the buffers the graphs read)."""
-    import types
-
     from infer.core import cuda_graphs
 
     base = checkpoint("llama")
@@ -322,6 +321,15 @@ def test_adapters_infer_cannot_serve_are_refused_with_the_reason(checkpoint, ada
                             lora_adapters={"bad": str(folder)}))
 
 
+def test_an_adapter_beyond_the_dtypes_range_is_refused(checkpoint, adapters, tmp_path) -> None:
+    folder = rewrite(adapters["all"], tmp_path / "huge", None,
+                     lambda w: {n: t * 1e5 if "o_proj.lora_B" in n else t for n, t in w.items()})
+    with pytest.raises(CheckpointError, match="o_proj holds values up to .* beyond torch.float16's range"):
+        Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", dtype="float16", num_kv_blocks=16,
+                            lora_adapters={"huge": str(folder)}))
+    engine_for(checkpoint("llama"), {"huge": types.SimpleNamespace(folder=folder)})  # float32 holds it
+
+
 def test_a_pickled_adapter_is_refused_with_the_fix(checkpoint, adapters, tmp_path) -> None:
     folder = tmp_path / "pickled"
     folder.mkdir()
@@ -333,8 +341,6 @@ def test_a_pickled_adapter_is_refused_with_the_fix(checkpoint, adapters, tmp_pat
 
 
 def test_a_kv_cache_that_does_not_isolate_adapters_is_refused(checkpoint, adapters, infer_plugins) -> None:
-    import types
-
     from infer import hookimpl
     from infer.plugins.paged_cache import PagedKVCache
 
