@@ -258,7 +258,8 @@ def print_best_beam(conn: Any, prompt: Any, shown: str, **params: Any) -> None:
 def stats_dict(stats: Any) -> dict[str, Any]:
     """A Stats message as a flat dict, every field present, with 64-bit counters as JSON numbers (protobuf's JSON
     mapping writes them as strings)."""
-    return {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+    return {field.name: dict(value) if field.message_type is not None and field.message_type.GetOptions().map_entry
+            else value for field in stats.DESCRIPTOR.fields if (value := getattr(stats, field.name)) is not None}
 
 
 def checked_target(target: str) -> str:

@@ -60,6 +60,12 @@ class StatsCollector:
         for state in ("free", "used", "cached"):
             blocks.add_metric([state], getattr(stats, f"kv_{state}_blocks"))
         yield blocks
+        if stats.lora_requests:  # a server of LoRA adapters
+            adapters = GaugeMetricFamily("infer_lora_requests", "Requests and beam searches under way per LoRA "
+                                         "adapter (every adapter served)", labels=["adapter"])
+            for adapter, count in sorted(stats.lora_requests.items()):
+                adapters.add_metric([adapter], count)
+            yield adapters
         yield CounterMetricFamily("infer_server_rejected_requests", "Requests refused with RESOURCE_EXHAUSTED",
                                   value=self.rejected())
         yield GaugeMetricFamily("infer_server_draining", "1 while shutting down", value=int(stats.draining))

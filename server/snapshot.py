@@ -42,6 +42,7 @@ class EngineSnapshot:
     beam_searches_failed: int
     beam_search_restarts: int
     beam_search_waits: int
+    lora_requests: dict[str, int]  # every adapter served: its requests and beam searches under way
 
 
 @dataclass
@@ -96,4 +97,14 @@ def read_snapshot(engine: Any, output_tokens_per_s: float, beam_searches: int) -
         spec_steps_off_low_acceptance=int(summary["spec_steps_off_low_acceptance"]),
         beam_searches=beam_searches,
         **{name: int(summary[name]) for name in BEAM_SEARCH_TOTALS},
+        lora_requests=lora_requests(engine),
     )
+
+
+def lora_requests(engine: Any) -> dict[str, int]:
+    counts = dict.fromkeys(engine.lora_adapters, 0)
+    users = [req.params for req in engine.requests.values()] + [search.params for search in engine.searches.active]
+    for params in users:
+        if params.lora_adapter in counts:
+            counts[params.lora_adapter] += 1
+    return counts

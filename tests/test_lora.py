@@ -418,7 +418,11 @@ def test_grpc_requests_pick_adapters_and_model_info_lists_them(checkpoint, adapt
 
 
 def test_grpc_loads_and_unloads_adapters_only_where_the_server_allows_it(checkpoint, adapters, serve_engine) -> None:
+    """Also: GetStats, /metrics and `client --stats` count the requests under way per adapter."""
     import grpc
+
+    from infer.plugins.server_commands import stats_dict
+    from infer.server.metrics import StatsCollector
 
     engine = engine_for(checkpoint("llama"), {"all": adapters["all"]}, max_lora_adapters=2, max_lora_rank=8)
     expected = adapters["qv"].greedy(PROMPTS[1], 6)[0]
@@ -433,6 +437,14 @@ def test_grpc_loads_and_unloads_adapters_only_where_the_server_allows_it(checkpo
         assert list((await client.model_info()).lora_adapters) == ["all", "qv"]
         out = await client.complete(PROMPTS[1], max_tokens=6, temperature=0.0, ignore_eos=True, lora_adapter="qv")
         assert list(out.outputs[0].token_ids) == expected
+        stream = client.generate(PROMPTS[1], max_tokens=500, ignore_eos=True, lora_adapter="qv")
+        await stream.read()  # under way
+        stats = await client.stats()
+        assert dict(stats.lora_requests) == {"all": 0, "qv": 1}
+        assert json.loads(json.dumps(stats_dict(stats)))["lora_requests"] == {"all": 0, "qv": 1}  # client --stats
+        [family] = [f for f in StatsCollector(lambda: stats, lambda: 0).collect() if f.name == "infer_lora_requests"]
+        assert [(sample.labels["adapter"], sample.value) for sample in family.samples] == [("all", 0), ("qv", 1)]
+        stream.cancel()
         await refused(client.load_lora_adapter("x", adapters["qv"].folder), grpc.StatusCode.FAILED_PRECONDITION,
                       "all 2 adapter slots are taken")
         await refused(client.load_lora_adapter("bad name", adapters["qv"].folder), grpc.StatusCode.INVALID_ARGUMENT,
