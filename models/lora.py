@@ -169,27 +169,36 @@ class LoraTokens:
 
 
 class LoraDelta(nn.Module):
-    """The stacked adapters of one linear layer. Columns of ``a`` (rows of ``a`` as stored) come in one group of
-    ``width`` per adapter slot (each part's rank, padded to the largest, for merged q/k/v or gate/up linears);
-    ``b`` holds every part's B at its output rows, scaled, and zeros elsewhere."""
+    """The stacked adapters of one linear layer, whose output is ``parts`` (one, or q/k/v or gate/up merged) side by
+    side. Rows of ``a`` come slot by slot, each slot's part by part, ``rank`` rows each (an adapter's smaller rank
+    padded with zeros); ``bs[p]`` holds part p's B, scaled, one group of ``rank`` columns per slot."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, tokens: LoraTokens) -> None:
+    def __init__(self, a: torch.Tensor, bs: list[torch.Tensor], rank: int, tokens: LoraTokens) -> None:
         super().__init__()
-        self.register_buffer("a", a, persistent=False)  # [slots * width, in]
-        self.register_buffer("b", b, persistent=False)  # [out, slots * width]
-        self.tokens = tokens
+        self.register_buffer("a", a, persistent=False)  # [slots * parts * rank, in]
+        self.bs = bs  # [part's out, slots * rank] each
+        for index, b in enumerate(bs):
+            self.register_buffer(f"b{index}", b, persistent=False)
+        self.rank, self.tokens = rank, tokens
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if not self.tokens.active:
             return out
         rows = x.reshape(-1, x.shape[-1])
-        weights, a, b = self.tokens.current[: rows.shape[0]], self.a, self.b  # weights [T, slots]
-        if (slot := self.tokens.only) is not None:  # one adapter's columns (views), not every loaded one's
-            width = a.shape[0] // weights.shape[1]
-            weights, a, b = weights[:, slot : slot + 1], a[slot * width : (slot + 1) * width], \
-                b[:, slot * width : (slot + 1) * width]
-        h = (rows @ a.t()).view(rows.shape[0], weights.shape[1], -1) * weights.unsqueeze(-1)
-        return torch.addmm(out.reshape(-1, out.shape[-1]), h.flatten(1), b.t()).view(out.shape)
+        weights, a, bs = self.tokens.current[: rows.shape[0]], self.a, self.bs  # weights [T, slots]
+        if (slot := self.tokens.only) is not None:  # one adapter's rows and columns (views), not every loaded one's
+            width, rank = a.shape[0] // weights.shape[1], self.rank
+            weights, a = weights[:, slot : slot + 1], a[slot * width : (slot + 1) * width]
+            bs = [b[:, slot * rank : (slot + 1) * rank] for b in bs]
+        h = (rows @ a.t()).view(rows.shape[0], weights.shape[1], len(bs), self.rank) * weights[:, :, None, None]
+        flat = out.reshape(-1, out.shape[-1])
+        if len(bs) == 1:
+            return torch.addmm(flat, h.flatten(1), bs[0].t()).view(out.shape)
+        bounds = [0]
+        for b in bs:
+            bounds.append(bounds[-1] + b.shape[0])
+        return torch.cat([torch.addmm(flat[:, bounds[p] : bounds[p + 1]], h[:, :, p].flatten(1), b.t())
+                          for p, b in enumerate(bs)], dim=1).view(out.shape)
 
 
 class LoraStack:
@@ -207,10 +216,9 @@ class LoraStack:
         self.linears = [linear for linear in linears
                         if targets is None or any(part in targets for part, _ in linear.parts)]
         for linear in self.linears:
-            width = rank * len(linear.parts)
-            a = torch.zeros(slots * width, linear.in_features, dtype=dtype, device=device)
-            b = torch.zeros(linear.out_features, slots * width, dtype=dtype, device=device)
-            linear.lora = LoraDelta(a, b, tokens=self.tokens)
+            a = torch.zeros(slots * len(linear.parts) * rank, linear.in_features, dtype=dtype, device=device)
+            bs = [torch.zeros(size, slots * rank, dtype=dtype, device=device) for _, size in linear.parts]
+            linear.lora = LoraDelta(a, bs, rank, self.tokens)
 
     def check(self, adapter: LoraAdapter) -> None:
         """CheckpointError for an adapter that does not fit: a module the model lacks or that has no room, a shape
@@ -263,13 +271,10 @@ class LoraStack:
             assert isinstance(delta, LoraDelta)
             width = rank * len(linear.parts)
             delta.a[slot * width : (slot + 1) * width] = 0
-            delta.b[:, slot * width : (slot + 1) * width] = 0
-            row = 0
-            for index, (part, size) in enumerate(linear.parts):
+            for index, ((part, _), b) in enumerate(zip(linear.parts, delta.bs)):
+                b[:, slot * rank : (slot + 1) * rank] = 0
                 if adapter is not None and part in adapter.weights:
                     part_a, part_b = adapter.weights[part]
-                    col = slot * width + index * rank
-                    delta.a[col : col + adapter.rank] = part_a.to(self.dtype)
-                    delta.b[row : row + size, col : col + adapter.rank] = (part_b.float() * adapter.scaling).to(
-                        self.dtype)
-                row += size
+                    row = slot * width + index * rank
+                    delta.a[row : row + adapter.rank] = part_a.to(self.dtype)
+                    b[:, slot * rank : slot * rank + adapter.rank] = (part_b.float() * adapter.scaling).to(self.dtype)

@@ -103,14 +103,15 @@ def test_an_adapter_on_each_architecture_equals_peft(checkpoint, tmp_path, name:
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
 def test_a_batch_mixing_adapters_and_the_base_model_equals_each_alone(checkpoint, adapters, hf_greedy, fuse) -> None:
-    """Each token gets its own request's adapter (or none) in one batch; q/k/v and gate/up merged or not."""
+    """Each token gets its own request's adapter (or none) in one batch; q/k/v and gate/up merged or not. Then each
+    adapter alone beside the base model (the steps that run one adapter's slot only)."""
     base = checkpoint("llama")
     engine = engine_for(base, adapters, fuse_projections=fuse)
-    names = [None, "all", "qv", "all", None, "qv"]
-    prompts = [PROMPTS[i % 3] for i in range(len(names))]
-    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, lora_adapter=n) for n in names]
-    for prompt, name, got in zip(prompts, names, tokens(engine.generate(prompts, params))):
-        assert got == (hf_greedy(base, prompt, 10) if name is None else adapters[name].greedy(prompt, 10)[0])
+    for names in ([None, "all", "qv", "all", None, "qv"], [None, "qv"], ["all", None]):
+        prompts = [PROMPTS[i % 3] for i in range(len(names))]
+        params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, lora_adapter=n) for n in names]
+        for prompt, name, got in zip(prompts, names, tokens(engine.generate(prompts, params))):
+            assert got == (hf_greedy(base, prompt, 10) if name is None else adapters[name].greedy(prompt, 10)[0])
 
 
 def test_requests_without_an_adapter_are_unchanged_bit_for_bit(checkpoint, adapters) -> None:
