@@ -264,8 +264,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                       "at least 16 with --max-lora-adapters above their count]."),
     click.option("--tool-parser", default=None, metavar="NAME",
                  help="Read the tool calls out of the replies of chats that offer tools, in the model's format: "
-                      "hermes (Qwen 2.5/3, Hermes), llama3-json (Llama 3.1/3.2) or pythonic (Llama 3.2/4), or a "
-                      "plugin's [default: none: replies stay text]."),
+                      "hermes (Qwen 2.5/3, Hermes), llama3-json (Llama 3.1/3.2), pythonic (Llama 3.2/4) or mistral "
+                      "(Mistral's [TOOL_CALLS]), or a plugin's [default: none: replies stay text]."),
     click.option("--structured-output-backend", default=None, metavar="NAME",
                  help="Compiles each request's structured output (--regex, --choice, --json-schema; "
                       "SamplingParams.structured_output) into token masks: fsm, or a plugin's [default: fsm]."),

@@ -1,12 +1,15 @@
 """The shipped tool parsers: ``hermes`` (Hermes 2 Pro's format, which Qwen 2.5 and Qwen 3 use: each call a JSON
 object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``, after the reply's text),
 ``llama3-json`` (Llama 3.1 and 3.2's JSON tool calling: the reply is the call, ``{"name": ...,
-"parameters": {...}}``, several separated by ``;``) and ``pythonic`` (Llama 3.2's and Llama 4's: the reply is a
-Python list of calls with keyword arguments, ``[get_weather(city="Oslo"), now()]``)."""
+"parameters": {...}}``, several separated by ``;``), ``pythonic`` (Llama 3.2's and Llama 4's: the reply is a
+Python list of calls with keyword arguments, ``[get_weather(city="Oslo"), now()]``) and ``mistral`` (Mistral's
+``[TOOL_CALLS]``, in both of mistral-common's encodings: a JSON list of calls, and since tokenizer v11 one
+``[TOOL_CALLS]name[ARGS]{...}`` per call)."""
 from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +24,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 THINK_END = "</think>"  # Qwen3 reasons first: a tag mentioned there is not a call
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker of a call; a special token, so usually not in the text
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, likewise
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class PythonicToolParser(ToolParser):
@@ -69,8 +74,7 @@ class HermesToolParser(ToolParser):
         self.decode, self.special_tags = decode, dict(special_tags or {})
 
     def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
-        if self.special_tags and any(t in self.special_tags for t in token_ids):
-            text = self._with_tags(token_ids)
+        text = with_tags(text, token_ids, self.special_tags, self.decode)
         reasoning, end, reply = text.rpartition(THINK_END)
         start = reply.find(OPEN)
         if start < 0:
@@ -91,16 +95,70 @@ class HermesToolParser(ToolParser):
             calls.append(call)
         return ParsedReply("".join(part.strip() and part for part in outside).strip(), tuple(calls))
 
-    def _with_tags(self, token_ids: Sequence[int]) -> str:
-        """The reply decoded with its tags written out (its other special tokens left out, as in the engine's)."""
-        parts, run = [], []
-        for token in token_ids:
-            if token in self.special_tags:
-                parts += [self.decode(run, skip_special_tokens=True), self.special_tags[token]]
-                run = []
-            else:
-                run.append(token)
-        return "".join(parts) + self.decode(run, skip_special_tokens=True)
+
+def with_tags(text: str, token_ids: Sequence[int], special_tags: Mapping[int, str], decode: Any) -> str:
+    """``text``, or where ``token_ids`` hold some of ``special_tags`` (tag tokens the tokenizer marks special, which
+    the engine's text leaves out) the reply decoded with those tags written out, its other special tokens left
+    out as in the engine's."""
+    if not special_tags or not any(t in special_tags for t in token_ids):
+        return text
+    parts, run = [], []
+    for token in token_ids:
+        if token in special_tags:
+            parts += [decode(run, skip_special_tokens=True), special_tags[token]]
+            run = []
+        else:
+            run.append(token)
+    return "".join(parts) + decode(run, skip_special_tokens=True)
+
+
+class MistralToolParser(ToolParser):
+    """The content, then ``[TOOL_CALLS]`` and the calls: a JSON list of ``{"name": ..., "arguments": {...}}``
+    (mistral-common's tokenizers up to v7; an ``id`` is ignored), or ``[TOOL_CALLS]name[ARGS]{...}`` per call
+    (v11 on; a ``[CALL_ID]id`` before ``[ARGS]`` is ignored). Anything after the calls, or a call that does not
+    parse, leaves the whole reply as text. ``special_tags`` as for hermes: Mistral's tokenizers mark the three tags
+    special."""
+
+    def __init__(self, decode: Any = None, special_tags: Mapping[int, str] | None = None) -> None:
+        self.decode, self.special_tags = decode, dict(special_tags or {})
+
+    def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
+        text = with_tags(text, token_ids, self.special_tags, self.decode)
+        content, tag, rest = text.partition(TOOL_CALLS)
+        if not tag:
+            return ParsedReply(text)
+        calls = _mistral_list(rest) if rest.lstrip().startswith("[") else _mistral_tagged(rest)
+        return ParsedReply(content.strip(), calls) if calls else ParsedReply(text)
+
+
+def _mistral_list(rest: str) -> tuple[ToolCall, ...]:
+    """The calls of ``[{...}, ...]`` followed by nothing but space; () for anything else."""
+    try:
+        value, end = DECODER.raw_decode(rest, _skip_space(rest, 0))
+    except (ValueError, RecursionError):
+        return ()
+    if not isinstance(value, list) or not value or rest[end:].strip():
+        return ()
+    calls = tuple(_call(item, needs_arguments=False) for item in value)
+    return () if any(call is None for call in calls) else calls  # type: ignore[return-value]
+
+
+def _mistral_tagged(rest: str) -> tuple[ToolCall, ...]:
+    """The calls of ``name[ARGS]{...}`` segments, each after a ``[TOOL_CALLS]``; () for anything else."""
+    calls = []
+    for segment in rest.split(TOOL_CALLS):
+        head, tag, arguments = segment.partition(ARGS)
+        name = head.partition(CALL_ID)[0].strip()
+        if not tag or not FUNCTION_NAME.fullmatch(name):
+            return ()
+        try:
+            value, end = DECODER.raw_decode(arguments, _skip_space(arguments, 0))
+        except (ValueError, RecursionError):
+            return ()
+        if not isinstance(value, Mapping) or arguments[end:].strip() or (call := _json_call(name, value)) is None:
+            return ()
+        calls.append(call)
+    return tuple(calls)
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -157,12 +215,22 @@ def _json_call(name: str, arguments: Mapping[str, Any]) -> ToolCall | None:
         return None
 
 
+def special_tags(tokenizer: Any, tags: Sequence[str]) -> dict[int, str]:
+    """The ids of those of ``tags`` that ``tokenizer`` marks special (its decode leaves them out of the text)."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    return {tokenizer.convert_tokens_to_ids(tag): tag for tag in tags if tag in special}
+
+
 def hermes_parser(config: EngineConfig, tokenizer: Any) -> ToolParser:
     """The hermes parser for ``tokenizer``: it reads the tags from the tokens where the tokenizer marks them
-    special (its decode leaves them out)."""
-    special = set(getattr(tokenizer, "all_special_tokens", ()))
-    tags = {tokenizer.convert_tokens_to_ids(tag): tag for tag in (OPEN, CLOSE) if tag in special}
+    special."""
+    tags = special_tags(tokenizer, (OPEN, CLOSE))
     return HermesToolParser(tokenizer.decode, tags) if tags else HermesToolParser()
+
+
+def mistral_parser(config: EngineConfig, tokenizer: Any) -> ToolParser:
+    tags = special_tags(tokenizer, (TOOL_CALLS, ARGS, CALL_ID))
+    return MistralToolParser(tokenizer.decode, tags) if tags else MistralToolParser()
 
 
 @hookimpl
@@ -176,3 +244,4 @@ def register_tool_parsers(register: Register[Any]) -> None:
     register("hermes", hermes_parser, aliases=("qwen",))
     register("llama3-json", llama3_json)
     register("pythonic", pythonic)
+    register("mistral", mistral_parser)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from infer import ChatPrompt, InvalidRequestError, ToolCall
 from infer.core.chat_tools import ParsedReply
-from infer.plugins.tool_parsers import CLOSE, OPEN, HermesToolParser, Llama3JsonToolParser, PythonicToolParser
+from infer.plugins.tool_parsers import (ARGS, CLOSE, OPEN, TOOL_CALLS, HermesToolParser, Llama3JsonToolParser,
+                                        MistralToolParser, PythonicToolParser)
 
 NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,11}", fullmatch=True)
 SCALARS = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False,
@@ -23,7 +24,7 @@ CALLS = st.builds(ToolCall, NAMES, st.dictionaries(NAMES, VALUES, max_size=4))
 IDENTIFIERS = NAMES.filter(lambda name: not keyword.iskeyword(name))  # `in(...)`, `f(if=1)` are not Python
 PYTHON_CALLS = st.builds(ToolCall, IDENTIFIERS, st.dictionaries(IDENTIFIERS, VALUES, max_size=4))
 PROSE = st.text(st.characters(blacklist_characters="<[{"), max_size=40)  # text that starts no call
-PARSERS = (HermesToolParser(), Llama3JsonToolParser(), PythonicToolParser())
+PARSERS = (HermesToolParser(), Llama3JsonToolParser(), PythonicToolParser(), MistralToolParser())
 
 
 def roundtrip(call: ToolCall) -> ToolCall:
@@ -53,8 +54,19 @@ def test_pythonic_calls_come_back(calls: list[ToolCall]) -> None:
     assert PythonicToolParser().parse(text, []) == ParsedReply("", tuple(calls))
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(CALLS, min_size=1, max_size=3), PROSE, st.booleans())
+def test_mistral_calls_come_back_after_the_content(calls: list[ToolCall], prose: str, tagged: bool) -> None:
+    if tagged:  # mistral-common's tokenizer v11 on
+        text = prose + "".join(f"{TOOL_CALLS}{c.name}{ARGS}{json.dumps(c.arguments)}" for c in calls)
+    else:
+        text = prose + TOOL_CALLS + json.dumps([{"name": c.name, "arguments": c.arguments} for c in calls])
+    assert MistralToolParser().parse(text, []) == ParsedReply(prose.strip(), tuple(map(roundtrip, calls)))
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.text(max_size=80) | st.builds(lambda a, b: a + OPEN + b, st.text(max_size=30), st.text(max_size=30)))
+@given(st.text(max_size=80) | st.builds(lambda a, tag, b: a + tag + b, st.text(max_size=30),
+                                        st.sampled_from([OPEN, TOOL_CALLS, ARGS]), st.text(max_size=30)))
 def test_any_other_text_comes_back_whole(text: str) -> None:
     for parser in PARSERS:
         reply = parser.parse(text, [])

@@ -18,7 +18,7 @@ from infer.cli import main
 from infer.core.chat_tools import ParsedReply
 from infer.core.interfaces import ToolParser
 from infer.core.llm import LLM
-from infer.plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser, PythonicToolParser
+from infer.plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser
 
 WEATHER = ToolCall("weather", {"city": "Oslo", "days": [1, 2]})
 NOW = ToolCall("now", {})
@@ -94,6 +94,48 @@ def test_llama3_json_reads_llama_replies(text: str, content: str, calls: tuple[T
 def test_pythonic_reads_llama_3_2_and_4_replies_without_running_them(text: str, content: str,
                                                                      calls: tuple[ToolCall, ...]) -> None:
     assert PythonicToolParser().parse(text, []) == ParsedReply(content, calls)
+
+
+# the replies as mistral-common encodes an assistant message's calls: a JSON list after [TOOL_CALLS] (its tokenizers
+# v3 and v7; v7 and later put the content first), one [TOOL_CALLS]name[CALL_ID]id[ARGS]{...} per call (v11),
+# [TOOL_CALLS]name[ARGS]{...} (v13)
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Oslo", "days": [1, 2]}}]', "", (WEATHER,)),
+    ('[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Oslo", "days": [1, 2]}, "id": "a1b2c3d4e"}, '
+     '{"name": "now", "arguments": {}, "id": "f5g6h7i8j"}]', "", (WEATHER, NOW)),
+    ('Let me check.[TOOL_CALLS][{"name": "now", "arguments": {}}]', "Let me check.", (NOW,)),
+    ('[TOOL_CALLS]weather[ARGS]{"city": "Oslo", "days": [1, 2]}[TOOL_CALLS]now[ARGS]{}', "", (WEATHER, NOW)),
+    ('Checking.[TOOL_CALLS]weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo", "days": [1, 2]}', "Checking.",
+     (WEATHER,)),
+    ("It is sunny.", "It is sunny.", ()),
+    ('[TOOL_CALLS]now[ARGS]{"a": 1} and more', '[TOOL_CALLS]now[ARGS]{"a": 1} and more', ()),
+    ('[TOOL_CALLS]now[ARGS]{"a": ', '[TOOL_CALLS]now[ARGS]{"a": ', ()),  # cut by max_tokens
+    ('[TOOL_CALLS]now{"a": 1}', '[TOOL_CALLS]now{"a": 1}', ()),  # no [ARGS]
+    ('[TOOL_CALLS]get weather[ARGS]{}', '[TOOL_CALLS]get weather[ARGS]{}', ()),  # not a function name
+    ('[TOOL_CALLS]now[ARGS][1]', '[TOOL_CALLS]now[ARGS][1]', ()),
+    ('[TOOL_CALLS][{"name": "now", "arguments": {}}] done', '[TOOL_CALLS][{"name": "now", "arguments": {}}] done', ()),
+    ('[TOOL_CALLS][{"arguments": {}}]', '[TOOL_CALLS][{"arguments": {}}]', ()),
+    ('[TOOL_CALLS][]', "[TOOL_CALLS][]", ()),
+    ('[TOOL_CALLS][{"name": "now", "arguments": "{}"}]', "", (NOW,)),  # arguments as their JSON text
+])
+def test_mistral_reads_both_of_mistral_commons_encodings(text: str, content: str, calls: tuple[ToolCall, ...]
+                                                         ) -> None:
+    assert MistralToolParser().parse(text, []) == ParsedReply(content, calls)
+
+
+def test_mistral_reads_the_tags_from_the_tokens_where_the_tokenizer_marks_them_special(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from infer.core.config import EngineConfig
+    from infer.plugins.tool_parsers import mistral_parser
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]})
+    reply = 'Checking.[TOOL_CALLS]weather[ARGS]{"city": "Oslo", "days": [1, 2]}[TOOL_CALLS]now[ARGS]{}'
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "[TOOL_CALLS]" not in text and "[ARGS]" not in text  # what the engine's text holds
+    assert mistral_parser(EngineConfig(), tokenizer).parse(text, ids) == ParsedReply("Checking.", (WEATHER, NOW))
 
 
 class EchoParser(ToolParser):
@@ -223,7 +265,7 @@ def test_a_parser_that_breaks_its_contract_is_named(tiny_model: Path, template: 
     with pytest.raises(PluginError, match="the tool parser OpaqueParser returned a malformed call .* JSON-like"):
         llm.chat(CHAT, SamplingParams(max_tokens=2), tools=TOOLS)
     with pytest.raises(UnknownComponentError, match="unknown tool parser 'nope'; registered tool parsers: hermes, "
-                                                    "llama3-json, pythonic"):
+                                                    "llama3-json, mistral, pythonic"):
         LLM(model=str(tiny_model), device="cpu", num_kv_blocks=16, tool_parser="nope")
 
 
