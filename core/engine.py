@@ -567,6 +567,6 @@ class Engine:
 
     def unload_lora_adapter(self, name: str) -> None:
         """Stop serving ``name`` and free its slot. Refused (InvalidRequestError) while a request or beam search
-        uses it; empties the prefix cache (every adapter's and the base model's unused cached blocks), so that no
-        KV computed under it serves a later adapter of that name."""
+        uses it; drops its cached prefixes (``KVCache.drop_namespace``; a cache that cannot has its whole prefix
+        cache emptied), so that no KV computed under it serves a later adapter of that name."""
         unload_lora_adapter(self, name)

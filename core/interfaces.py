@@ -138,6 +138,13 @@ class KVCache(ABC):
         find no earlier prefix: a benchmark run's cold start. Optional: this default cannot and returns False."""
         return False
 
+    def drop_namespace(self, namespace: str) -> bool:
+        """Drop every cached block of ``seq.cache_namespace == namespace`` (not counted as evictions), so that no
+        later sequence of that namespace matches them: its LoRA adapter was unloaded, and a new one may take its
+        name. No live sequence has that namespace. Other namespaces' blocks stay. Optional: this default cannot and
+        returns False (the engine then calls ``reset_prefix_cache``, which drops every namespace's)."""
+        return False
+
 
 class EvictionPolicy(ABC):
     """Chooses which unreferenced cached item (block or radix node) to evict first.

@@ -85,10 +85,13 @@ def unload_lora_adapter(engine: Engine, name: str) -> None:
                                   f"({', '.join(users[:3])}{', ...' if len(users) > 3 else ''}); unload it once they "
                                   "finish, or abort them first")
     # KV computed under this adapter must never serve a later adapter of the same name
-    if not engine.kv.reset_prefix_cache():
-        raise InvalidRequestError(f"KV cache {engine.config.kv_cache!r} cannot drop its cached prefixes "
-                                  f"(KVCache.reset_prefix_cache), so KV computed under {name!r} could serve a later "
-                                  "adapter of that name; unloading needs a KV cache that can (paged, radix-cache)")
+    dropped = engine.kv.drop_namespace(name)
+    if not dropped and not engine.kv.reset_prefix_cache():
+        raise InvalidRequestError(f"KV cache {engine.config.kv_cache!r} can drop neither the adapter's cached "
+                                  "blocks (KVCache.drop_namespace) nor its whole prefix cache (reset_prefix_cache), so "
+                                  f"KV computed under {name!r} could serve a later adapter of that name; unloading "
+                                  "needs a KV cache that can (paged, radix-cache)")
     stack.remove(name)
     engine.checker = dataclasses.replace(engine.checker, lora_adapters=frozenset(stack.tokens.slot_of))
-    log.info("unloaded LoRA adapter %s (the prefix cache was emptied)", name)
+    log.info("unloaded LoRA adapter %s (%s)", name, "its cached prefixes dropped" if dropped else
+             "the prefix cache emptied: the KV cache cannot drop one adapter's")

@@ -178,6 +178,18 @@ class PagedKVCache(KVCache):
         self.counters.evictions = evictions
         return True
 
+    def drop_namespace(self, namespace: str) -> bool:
+        evictions = self.counters.evictions  # dropped on request: not evictions
+        root = self.roots.pop(namespace, None)
+        for block in list(self.children.get(root, ())) if root is not None else ():
+            assert self.ref[block] == 0, f"drop_namespace({namespace!r}) while a live sequence holds its blocks"
+            if self.held.pop(block, None) is None:
+                self.eviction.remove(block)
+            self._unregister(block)  # its cached descendants go too
+            self.free_list.append(block)
+        self.counters.evictions = evictions
+        return True
+
     def _root(self, seq: Sequence) -> int:
         namespace = seq.cache_namespace
         if namespace not in self.roots:

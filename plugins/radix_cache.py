@@ -280,6 +280,21 @@ class RadixKVCache(KVCache):
         self.counters.evictions = evictions
         return True
 
+    def drop_namespace(self, namespace: str) -> bool:
+        root = self.roots.pop(namespace, None)
+        stack = list(root.children.values()) if root is not None else []
+        while stack:
+            node = stack.pop()
+            assert node.lock == 0, f"drop_namespace({namespace!r}) while a live sequence uses its tree"
+            stack.extend(node.children.values())
+            if node.evictable:
+                self.eviction.remove(node)
+            self.eviction.forget(node)
+            self.cached -= len(node.blocks)
+            for block in node.blocks:
+                self._release(block)  # the tree's share: the block goes back to the free list
+        return True
+
     def _root(self, seq: Sequence) -> RadixNode:
         namespace = seq.cache_namespace
         if namespace not in self.roots:

@@ -151,7 +151,7 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnloadLoraAdapter(self, request, context):
-        """Stop serving an adapter and free its slot (empties the prefix cache). Only with --allow-lora-loading. Refused
+        """Stop serving an adapter and free its slot (drops its cached prefixes). Only with --allow-lora-loading. Refused
         (INVALID_ARGUMENT) while requests use it, and for a name not loaded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

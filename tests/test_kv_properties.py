@@ -342,6 +342,27 @@ class KVMachine(RuleBasedStateMachine):
             0, before.used_blocks, before.free_blocks + before.cached_blocks, before.evictions)
         assert tables == {seq_id: list(self.kv.block_table(live.seq)) for seq_id, live in self.live.items()}
 
+    @precondition(lambda self: all(live.seq.cache_namespace != "a" for live in self.live.values()))
+    @rule()
+    def drop_namespace(self) -> None:
+        """Unloading adapter "a" frees exactly its cached blocks; no later "a" sequence matches what it wrote, and
+        the other namespaces' cached blocks and every live sequence's stay."""
+        held, tree = self.holders(), self.tree_blocks()
+        cached = {b for b in range(NUM_BLOCKS) if (tree[b] > 0 and not held[b] if isinstance(self.kv, RadixKVCache)
+                                                   else self.kv.ref[b] == 0 and self.kv.block_key[b] is not None)}
+        dropped = {b for b in cached if self.namespace.get(b) == "a"}
+        before, tables = self.kv.stats(), {seq_id: list(self.kv.block_table(live.seq))
+                                           for seq_id, live in self.live.items()}
+        assert self.kv.drop_namespace("a")
+        after = self.kv.stats()
+        assert (after.cached_blocks, after.used_blocks, after.free_blocks, after.evictions) == (
+            before.cached_blocks - len(dropped), before.used_blocks, before.free_blocks + len(dropped),
+            before.evictions)
+        assert tables == {seq_id: list(self.kv.block_table(live.seq)) for seq_id, live in self.live.items()}
+        for block, namespace in self.namespace.items():
+            if namespace == "a":  # what the unloaded adapter computed: check_matched refuses a match of it
+                self.namespace[block] = "a, unloaded"
+
     @precondition(lambda self: len(self.live) > 1)
     @rule(now=st.booleans())
     def drain(self, now: bool = True) -> None:

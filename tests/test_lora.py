@@ -360,6 +360,42 @@ def test_a_kv_cache_that_does_not_isolate_adapters_is_refused(checkpoint, adapte
                             lora_adapters={"all": str(adapters["all"].folder)}), infer_plugins)
 
 
+@pytest.mark.parametrize("can", ["reset", "neither"])
+def test_unloading_with_a_kv_cache_that_cannot_drop_one_namespace(checkpoint, adapters, infer_plugins, can) -> None:
+    """A third-party cache without drop_namespace: the engine empties its whole prefix cache instead, or, if it
+    cannot do that either, refuses to unload."""
+    from infer import hookimpl
+    from infer.plugins.paged_cache import PagedKVCache
+
+    class Coarse(PagedKVCache):
+        def drop_namespace(self, namespace: str) -> bool:
+            return False
+
+        def reset_prefix_cache(self) -> bool:
+            return can == "reset" and super().reset_prefix_cache()
+
+    @hookimpl
+    def register_kv_caches(register):
+        register("coarse", lambda config, n, eviction: Coarse(n, config.block_size, eviction, True))
+
+    module = types.ModuleType("coarse_kv")
+    module.register_kv_caches = register_kv_caches  # type: ignore[attr-defined]
+    infer_plugins.register(module, source="acme")
+    engine = Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", dtype="float32", num_kv_blocks=64,
+                                 kv_cache="coarse", lora_adapters={"all": str(adapters["all"].folder)}), infer_plugins)
+    prompt, greedy = list(range(200, 240)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.generate([prompt], dataclasses.replace(greedy, lora_adapter="all"))
+    engine.generate([prompt], greedy)
+    if can == "neither":
+        with pytest.raises(InvalidRequestError, match="can drop neither the adapter's cached blocks"):
+            engine.unload_lora_adapter("all")
+        assert engine.lora_adapters == ["all"]
+        return
+    engine.unload_lora_adapter("all")
+    assert engine.lora_adapters == [] and engine.kv.stats().cached_blocks == 0
+    assert engine.generate([prompt], greedy)[0].num_cached_tokens == 0
+
+
 def test_the_cli_serves_adapters_by_name(checkpoint, adapters) -> None:
     base, adapter = checkpoint("llama"), adapters["qv"]
     runner = CliRunner()
@@ -519,8 +555,8 @@ def test_an_adapter_on_an_awq_quantized_base_equals_peft_on_its_dequantized_weig
 
 
 def test_adapters_load_and_unload_while_the_engine_runs(checkpoint, adapters, hf_greedy, tmp_path) -> None:
-    """Into free slots, between steps, beside running requests; an adapter in use stays; unloading empties the
-    prefix cache, so an adapter loaded later under the same name never gets the old one's KV."""
+    """Into free slots, between steps, beside running requests; an adapter in use stays; unloading drops its cached
+    prefixes, so an adapter loaded later under the same name never gets the old one's KV (the base model's stay)."""
     base = checkpoint("llama")
     engine = engine_for(base, {"all": adapters["all"]}, max_lora_adapters=2)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -546,7 +582,9 @@ def test_adapters_load_and_unload_while_the_engine_runs(checkpoint, adapters, hf
     prompt = list(range(200, 240))  # two full blocks of 16 get cached
     once = [engine.generate([prompt], dataclasses.replace(greedy, lora_adapter="all"))[0] for _ in range(2)]
     assert once[1].num_cached_tokens == 32
+    engine.generate([prompt], greedy)  # the base model's blocks of the same prompt
     engine.unload_lora_adapter("all")
+    assert engine.generate([prompt], greedy)[0].num_cached_tokens == 32
     with pytest.raises(InvalidRequestError, match="lora_adapter 'all' is not loaded; the loaded adapters: qv"):
         engine.add_request(prompt, dataclasses.replace(greedy, lora_adapter="all"))
     other = Adapter(base, tmp_path / "other", seed=7)
