@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -257,9 +257,12 @@ def print_best_beam(conn: Any, prompt: Any, shown: str, **params: Any) -> None:
 
 def stats_dict(stats: Any) -> dict[str, Any]:
     """A Stats message as a flat dict, every field present, with 64-bit counters as JSON numbers (protobuf's JSON
-    mapping writes them as strings)."""
-    return {field.name: dict(value) if field.message_type is not None and field.message_type.GetOptions().map_entry
-            else value for field in stats.DESCRIPTOR.fields if (value := getattr(stats, field.name)) is not None}
+    mapping writes them as strings) and maps (``lora_requests``) as dicts."""
+    def is_map(field: Any) -> bool:
+        return field.message_type is not None and field.message_type.GetOptions().map_entry
+
+    return {field.name: dict(getattr(stats, field.name)) if is_map(field) else getattr(stats, field.name)
+            for field in stats.DESCRIPTOR.fields}
 
 
 def checked_target(target: str) -> str:
