@@ -7,8 +7,12 @@ The texts are a subset of the valid ones, in one shape:
 
 - compact: exactly one optional space may follow each ``,`` and each ``:``; no other whitespace anywhere;
 - object properties come in ``properties`` order, each key as its JSON string literal; optional ones may be left
-  out; additional properties are never generated (whatever ``additionalProperties`` says); an object without
-  ``properties`` is ``{}``;
+  out; next to ``properties`` no other member is generated (whatever ``additionalProperties`` says); an object
+  without ``properties`` holds any members whose values satisfy ``additionalProperties`` (any JSON value when it
+  is absent or true, none when false);
+- a value the schema leaves open (``true``, ``{}`` or annotations alone, the members of an object without
+  ``properties``, the items of an array without ``items``) is any JSON value whose objects and arrays nest at most
+  ``ANY_DEPTH`` (4) deep, counting an open object or array itself: "json object mode" is ``{"type": "object"}``;
 - ``enum`` and ``const`` values are their compact JSON, without even the optional spaces, non-ASCII left raw;
 - a string is raw characters and the escapes ``\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX``, never a surrogate pair
   (characters past U+FFFF come raw), so each unit is one character for ``minLength`` and ``maxLength``;
@@ -19,10 +23,10 @@ The texts are a subset of the valid ones, in one shape:
   calendar (2023-02-31 passes);
 - integers are ``-?(0|[1-9][0-9]*)``, numbers add an optional fraction and exponent; ``oneOf`` is read as ``anyOf``.
 
-Refused (InvalidRequestError naming the keyword and the JSON path): schemas with no type (``true``, ``{}``) and
-``false``; numeric bounds (but integer ``minimum`` 0 or 1, ``exclusiveMinimum`` -1 or 0, number ``minimum`` 0) and
+Refused (InvalidRequestError naming the keyword and the JSON path): ``false``, and keywords without a ``type``;
+numeric bounds (but integer ``minimum`` 0 or 1, ``exclusiveMinimum`` -1 or 0, number ``minimum`` 0) and
 ``multipleOf``; ``minProperties``, ``maxProperties``, ``patternProperties``, ``propertyNames``,
-``dependentRequired``; arrays without ``items``, ``prefixItems``, ``contains``, ``uniqueItems: true``; ``allOf``
+``dependentRequired``; ``prefixItems``, ``contains``, ``uniqueItems: true``; ``allOf``
 of several branches; keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``, and beside ``enum``/``const`` except
 ``type``; ``pattern`` or ``format`` with another string keyword; refs other than ``#/$defs/...`` and
 ``#/definitions/...``, and recursive ones; unknown keywords and formats; keyword values of the wrong JSON type;
@@ -30,6 +34,7 @@ counts over 1000; regexes over 200,000 characters. Annotations (``title``, ``des
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -40,6 +45,7 @@ from ..core.errors import InvalidRequestError
 
 MAX_REGEX = 200_000
 MAX_COUNT = 1000
+ANY_DEPTH = 4  # objects and arrays nest at most this deep in an open value (its regex grows 4x a level)
 _ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
                           "readOnly", "writeOnly", "$defs", "definitions"})
 _TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
@@ -197,6 +203,31 @@ def _pattern(pattern: str, path: str) -> str:
     return f"(?:{regex})" if regex else ""
 
 
+@functools.cache
+def _any_value(depth: int) -> str:
+    """Any JSON value (in the shape above) whose objects and arrays nest at most ``depth`` deep."""
+    scalar = f'(?:"{_UNIT}*"|-?{_INT}{_FRACTION_EXPONENT}|true|false|null)'
+    if depth == 0:
+        return scalar
+    inner = _any_value(depth - 1)
+    return f"(?:{scalar}|{_open_object(inner)}|{_open_array(inner)})"
+
+
+def _is_open(schema: Any) -> bool:
+    """Whether ``schema`` allows any value (its open object or array counts as the first level of ANY_DEPTH)."""
+    return schema is True or isinstance(schema, dict) and all(key in _ANNOTATIONS for key in schema)
+
+
+def _open_object(value: str) -> str:
+    """An object of any members whose values match ``value``."""
+    member = f'"{_UNIT}*": ?{value}'
+    return rf"\{{(?:{member}(?:, ?{member})*)?\}}"
+
+
+def _open_array(item: str) -> str:
+    return rf"\[(?:{item}(?:, ?{item})*)?\]"
+
+
 class _Compiler:
     def __init__(self, root: Any) -> None:
         self.root = root
@@ -207,7 +238,7 @@ class _Compiler:
         if schema is False:
             _fail(path, "schema false matches nothing; remove the value or give it a type")
         if schema is True:
-            _fail(path, "schema true allows any JSON value, which no regular expression bounds; give the value a type")
+            return _any_value(ANY_DEPTH)
         if not isinstance(schema, dict):
             _fail(path, f"a schema must be an object or a boolean, not {_dumps(schema, path)[:60]}")
         keys = {key: value for key, value in schema.items() if key not in _ANNOTATIONS}
@@ -243,7 +274,9 @@ class _Compiler:
         if "enum" in schema or "const" in schema:
             return self._values(schema, path)
         if "type" not in schema:
-            _fail(path, "no 'type': give the value a type (an unconstrained JSON value is not a regular language)")
+            if not schema:  # annotations alone: any value
+                return _any_value(ANY_DEPTH)
+            _fail(path, f"{next(iter(schema))!r} without a 'type': give the value a type")
         types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         builders: dict[str, Callable[[dict[str, Any], str], str]] = {
             "string": self._string, "integer": lambda s, p: self._number(s, p, True), "number": self._number,
@@ -316,7 +349,11 @@ class _Compiler:
         parts = [(_escape(_dumps(name, path)) + ": ?" + self.build(value, f"{path}/properties/" + name.replace(
             "~", "~0").replace("/", "~1")), name not in required) for name, value in properties.items()]
         if not parts:
-            return r"\{\}"
+            additional = schema.get("additionalProperties", True)
+            if additional is False:
+                return r"\{\}"
+            return _open_object(_any_value(ANY_DEPTH - 1) if _is_open(additional) else
+                                self.build(additional, f"{path}/additionalProperties"))
         # one alternative per property that can come first (those before it are all optional), then the rest in order
         last_first = next((i for i, (_, optional) in enumerate(parts) if not optional), len(parts) - 1)
         alternatives: list[str] = []
@@ -334,9 +371,8 @@ class _Compiler:
     def _array(self, schema: dict[str, Any], path: str) -> str:
         if schema.get("uniqueItems"):
             _fail(path, "'uniqueItems' true is not supported: the automaton cannot compare elements; drop it")
-        if "items" not in schema:
-            _fail(path, "an array needs 'items': give 'items' the schema of its elements")
-        item = self.build(schema["items"], f"{path}/items")
+        items = schema.get("items", True)
+        item = _any_value(ANY_DEPTH - 1) if _is_open(items) else self.build(items, f"{path}/items")
         low, high = _bounds(schema, path, "minItems", "maxItems")
         if high == 0:
             return r"\[\]"

@@ -80,7 +80,21 @@ CASES: dict[str, tuple[Any, list[str], list[str]]] = {
                                                                  "maxItems": 2}}},
         ['{"b":1}', '{"a":"x","b":2}', '{"b":1,"c":[]}', '{"a":"", "b":1, "c":[1, 2]}'],
         ['{"a":"x"}', '{"a":"x","c":[]}', "{}", '{"b":1,"c":[1,2,3]}']),
-    "object-bare": ({"type": "object", "additionalProperties": {"type": "string"}}, ["{}"], ["[]", "null"]),
+    "object-closed": ({"type": "object", "additionalProperties": False}, ["{}"], ['{"a":1}', "[]", "null"]),
+    "object-map": ({"type": "object", "additionalProperties": {"type": "string"}},
+                   ["{}", '{"a":"x"}', '{"a": "x", "a b": ""}', r'{"\u00e9":"\n"}'],
+                   ['{"a":1}', '{"a":"x",}', '{a:"x"}', "[]", "null"]),
+    "object-open": ({"type": "object", "description": "json object mode"},
+                    ["{}", '{"a":1}', '{"a": {"b": [1, {"c": null}]}, "d": "e"}', '{"x":[[[true]]]}', '{"":-0.5e3}'],
+                    ['{"x":[[[[true]]]]}', "[]", '"x"', '{"a":1,}', '{"a" :1}', '{"a":1} ', "{'a':1}",
+                     '{"a":1 "b":2}', '{"a":[1 2]}', '{"a"}', '{1:2}']),
+    "any": ({}, ["null", "-1.5", '"x"', "[]", '[1, "a", {"b": false}]', '{"a":{"b":{"c":[1]}}}', "[[[[0]]]]"],
+            ["", "[1,]", '{"a"}', "[[[[[0]]]]]", '{"a":{"b":{"c":{"d":{}}}}}', "True", "nan"]),
+    "true": (True, ["true", '{"k": [null]}'], ["undefined"]),
+    "annotations-only": ({"title": "anything"}, ["1", '["x"]'], ["x"]),
+    "array-open": ({"type": "array", "maxItems": 2}, ["[]", '[1, {"a": []}]', '[[[["deep"]]]]'],
+                   ['[1, 2, 3]', '[[[[["deeper"]]]]]', "{}"]),
+    "array-items-open": ({"type": "array", "items": {}}, ['[null, "x"]'], ["[null,]"]),
     "object-keys": ({"type": "object", "required": ['a"b', "x.y", "é/~"], "additionalProperties": False,
                      "properties": {'a"b': {"type": "null"}, "x.y": {"type": "null"}, "é/~": {"type": "null"}}},
                     [r'{"a\"b":null,"x.y":null,"é/~":null}'], [r'{"a\"b":null,"xzy":null,"é/~":null}']),
@@ -173,9 +187,9 @@ def valid(value: Any, schema: Any, root: Any) -> bool:
                 and ("exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"]))
     if isinstance(value, dict):
         properties = schema.get("properties", {})
+        additional = schema.get("additionalProperties", True)
         return (set(schema.get("required", [])) <= value.keys()
-                and (schema.get("additionalProperties", True) is not False or value.keys() <= properties.keys())
-                and all(valid(v, properties.get(k, True), root) for k, v in value.items()))
+                and all(valid(v, properties[k] if k in properties else additional, root) for k, v in value.items()))
     if isinstance(value, list):
         return (schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value))
                 and all(valid(v, schema.get("items", True), root) for v in value))
@@ -209,7 +223,8 @@ def test_generated_texts_are_valid(name: str) -> None:
 def test_generation_restrictions() -> None:
     """Valid texts the module never generates, and a shape-only format check: the documented restrictions."""
     never = [(PERSON, '{"age":3,"name":"x"}'), (PERSON, '{ "name":"x"}'), (PERSON, '{"name" :"x"}'),
-             (PERSON, '{"name":"x"} '), ({"const": {"k": "v"}}, '{"k": "v"}'), ({"type": "object"}, '{"a":1}'),
+             (PERSON, '{"name":"x"} '), ({"const": {"k": "v"}}, '{"k": "v"}'),
+             ({"type": "object"}, '{"a":[[[[1]]]]}'), ({}, "[[[[[1]]]]]"),  # open values nest at most 4 deep
              ({"type": "string", "minLength": 1}, r'"\ud83d\ude00"'), ({"type": "string", "pattern": "ab"}, '"xab"'),
              ({"type": "string", "pattern": "^[^a]$"}, r'"\""'), ({"type": "integer"}, "1.0")]
     for schema, text in never:
@@ -251,7 +266,6 @@ REFUSALS: list[tuple[Any, str, str]] = [  # schema, keyword or phrase, path
     ({"type": "object", "propertyNames": {"maxLength": 3}}, "'propertyNames'", "the root"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired'", "the root"),
     ({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["b"]}, "'required'", "the root"),
-    ({"type": "array"}, "'items'", "the root"),
     ({"type": "array", "items": {"type": "null"}, "prefixItems": [{"type": "null"}]}, "'prefixItems'", "the root"),
     ({"type": "array", "items": {"type": "null"}, "contains": {"type": "null"}}, "'contains'", "the root"),
     ({"type": "array", "items": {"type": "null"}, "uniqueItems": True}, "'uniqueItems'", "the root"),
@@ -263,10 +277,9 @@ REFUSALS: list[tuple[Any, str, str]] = [  # schema, keyword or phrase, path
     ({"$defs": {}, "anyOf": [{"type": "null"}, {"$ref": "#/$defs/nope"}]}, "'$ref'", "/anyOf/1"),
     ({"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}}, "$ref": "#/$defs/node"},
      "recursive", "/$defs/node/properties/next"),
-    (True, "give the value a type", "the root"),
-    ({}, "give the value a type", "the root"),
-    ({"description": "anything"}, "give the value a type", "the root"),
-    ({"type": "array", "items": True}, "give the value a type", "/items"),
+    ({"minLength": 3}, "'minLength' without a 'type': give the value a type", "the root"),
+    ({"type": "array", "items": {"properties": {}}}, "give the value a type", "/items"),
+    ({"type": "object", "additionalProperties": {"maxItems": 1}}, "give the value a type", "/additionalProperties"),
     ({"type": "array", "items": False}, "schema false", "/items"),
     (False, "schema false", "the root"),
     ({"type": "string", "not": {"maxLength": 2}}, "'not'", "the root"),
