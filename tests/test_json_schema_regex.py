@@ -308,6 +308,7 @@ REFUSALS: list[tuple[Any, str, str]] = [  # schema, keyword or phrase, path
     ({"type": "string", "anyOf": [{"maxLength": 3}]}, "'type'", "the root"),
     ({"type": "integer", "enum": ["a"]}, "'enum'", "the root"),
     ({"type": "object", "properties": {f"p{i}": {"type": "null"} for i in range(800)}}, "too large", "the root"),
+    ({"type": "object", "properties": {"a": {}, "b": {}, "c": {"type": "object"}}}, "or open values", "the root"),
     ("{not json", "not JSON", "the root"),
     (nest(3000), "nests too deeply", "the root"),
 ]
