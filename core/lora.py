@@ -71,6 +71,18 @@ def check_lora_name(name: object) -> None:
                                   "starting with a letter or digit")
 
 
+def lora_users(engine: Engine) -> dict[str, list[str]]:
+    """The live users of each adapter in use: its requests' ids, and "a beam search" per search."""
+    users: dict[str, list[str]] = {}
+    for request_id, request in engine.requests.items():
+        if request.params.lora_adapter is not None:
+            users.setdefault(request.params.lora_adapter, []).append(request_id)
+    for search in engine.searches.active:
+        if search.params.lora_adapter is not None:
+            users.setdefault(search.params.lora_adapter, []).append("a beam search")
+    return users
+
+
 def unload_lora_adapter(engine: Engine, name: str) -> None:
     """See :meth:`Engine.unload_lora_adapter`."""
     stack = engine.runner.lora
@@ -78,8 +90,7 @@ def unload_lora_adapter(engine: Engine, name: str) -> None:
     if stack is None or name not in stack.tokens.slot_of:
         raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded; the loaded adapters: "
                                   f"{', '.join(loaded) or 'none'}")
-    users = [rid for rid, req in engine.requests.items() if req.params.lora_adapter == name]
-    users += ["a beam search"] * sum(search.params.lora_adapter == name for search in engine.searches.active)
+    users = lora_users(engine).get(name, [])
     if users:
         raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} request(s) "
                                   f"({', '.join(users[:3])}{', ...' if len(users) > 3 else ''}); unload it once they "

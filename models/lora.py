@@ -138,7 +138,6 @@ class LoraTokens:
     run eagerly, get their own tensor."""
 
     def __init__(self, num_slots: int, dtype: torch.dtype, device: torch.device, capacity: int = 256) -> None:
-        self.num_slots = num_slots
         self.slot_of: dict[str, int] = {}  # the loaded adapters' slots (LoraStack writes it)
         self.static = torch.zeros(capacity, num_slots, dtype=dtype, device=device)
         self.current = self.static
@@ -146,11 +145,15 @@ class LoraTokens:
         self.always_active = False  # CUDA graphs: the delta is part of every captured step
         self.only: int | None = None  # an eager step whose adapted tokens all use this slot: its columns alone run
 
+    @property
+    def num_slots(self) -> int:
+        return self.static.shape[1]
+
     def prepare_capture(self, num_tokens: int) -> None:
         """Before CUDA graphs of up to ``num_tokens`` tokens are captured: the fixed buffer holds their largest
         step, and every adapter's delta runs from now on (a branch not taken at capture is never replayed)."""
         if num_tokens > len(self.static):
-            self.static = self.static.new_zeros(num_tokens, self.static.shape[1])
+            self.static = self.static.new_zeros(num_tokens, self.num_slots)
         self.current, self.only = self.static, None
         self.always_active = self.active = True
 
@@ -162,7 +165,7 @@ class LoraTokens:
         if not self.active:
             return
         n = slots.shape[0]
-        weights = self.static[:n] if n <= len(self.static) else self.static.new_empty(n, self.static.shape[1])
+        weights = self.static[:n] if n <= len(self.static) else self.static.new_empty(n, self.num_slots)
         weights.zero_()
         weights.scatter_(1, slots.clamp(min=0).unsqueeze(1), (slots >= 0).unsqueeze(1).to(weights.dtype))
         self.current = self.static if n <= len(self.static) else weights

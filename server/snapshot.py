@@ -102,9 +102,7 @@ def read_snapshot(engine: Any, output_tokens_per_s: float, beam_searches: int) -
 
 
 def lora_requests(engine: Any) -> dict[str, int]:
-    counts = dict.fromkeys(engine.lora_adapters, 0)
-    users = [req.params for req in engine.requests.values()] + [search.params for search in engine.searches.active]
-    for params in users:
-        if params.lora_adapter in counts:
-            counts[params.lora_adapter] += 1
-    return counts
+    from ..core.lora import lora_users
+
+    users = lora_users(engine)
+    return {name: len(users.get(name, ())) for name in engine.lora_adapters}

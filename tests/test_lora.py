@@ -341,20 +341,26 @@ def test_a_pickled_adapter_is_refused_with_the_fix(checkpoint, adapters, tmp_pat
                             lora_adapters={"old": str(folder)}))
 
 
-def test_a_kv_cache_that_does_not_isolate_adapters_is_refused(checkpoint, adapters, infer_plugins) -> None:
+def register_paged_variant(plugins, name: str, cls: type) -> None:
+    """Register ``cls`` (a PagedKVCache subclass, prefix caching on) as the third-party KV cache ``name``."""
     from infer import hookimpl
+
+    @hookimpl
+    def register_kv_caches(register):
+        register(name, lambda config, n, eviction: cls(n, config.block_size, eviction, True))
+
+    module = types.ModuleType(f"{name}_kv")
+    module.register_kv_caches = register_kv_caches  # type: ignore[attr-defined]
+    plugins.register(module, source="acme")
+
+
+def test_a_kv_cache_that_does_not_isolate_adapters_is_refused(checkpoint, adapters, infer_plugins) -> None:
     from infer.plugins.paged_cache import PagedKVCache
 
     class SharesAcrossAdapters(PagedKVCache):
         isolates_namespaces = False
 
-    @hookimpl
-    def register_kv_caches(register):
-        register("shared", lambda config, n, eviction: SharesAcrossAdapters(n, config.block_size, eviction, True))
-
-    module = types.ModuleType("shared_kv")
-    module.register_kv_caches = register_kv_caches  # type: ignore[attr-defined]
-    infer_plugins.register(module, source="acme")
+    register_paged_variant(infer_plugins, "shared", SharesAcrossAdapters)
     with pytest.raises(ConfigError, match="'shared' does not declare isolates_namespaces"):
         Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", num_kv_blocks=16, kv_cache="shared",
                             lora_adapters={"all": str(adapters["all"].folder)}), infer_plugins)
@@ -364,7 +370,6 @@ def test_a_kv_cache_that_does_not_isolate_adapters_is_refused(checkpoint, adapte
 def test_unloading_with_a_kv_cache_that_cannot_drop_one_namespace(checkpoint, adapters, infer_plugins, can) -> None:
     """A third-party cache without drop_namespace: the engine empties its whole prefix cache instead, or, if it
     cannot do that either, refuses to unload."""
-    from infer import hookimpl
     from infer.plugins.paged_cache import PagedKVCache
 
     class Coarse(PagedKVCache):
@@ -374,13 +379,7 @@ def test_unloading_with_a_kv_cache_that_cannot_drop_one_namespace(checkpoint, ad
         def reset_prefix_cache(self) -> bool:
             return can == "reset" and super().reset_prefix_cache()
 
-    @hookimpl
-    def register_kv_caches(register):
-        register("coarse", lambda config, n, eviction: Coarse(n, config.block_size, eviction, True))
-
-    module = types.ModuleType("coarse_kv")
-    module.register_kv_caches = register_kv_caches  # type: ignore[attr-defined]
-    infer_plugins.register(module, source="acme")
+    register_paged_variant(infer_plugins, "coarse", Coarse)
     engine = Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", dtype="float32", num_kv_blocks=64,
                                  kv_cache="coarse", lora_adapters={"all": str(adapters["all"].folder)}), infer_plugins)
     prompt, greedy = list(range(200, 240)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
