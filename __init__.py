@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Any
 
 # Absolute imports: pytest also imports the repository root's __init__.py under the checkout folder's name.
 from infer.core.chat import ChatMessage, ChatPrompt
-from infer.core.chat_tools import ToolCall
+from infer.core.chat_tools import FunctionChoice, ToolCall
 from infer.core.errors import (CapacityError, CheckpointError, ConfigError, InferError, InvalidRequestError,
                                NotFoundError, PluginError)
 from infer.core.hookspecs import hookimpl
@@ -13,6 +13,7 @@ from infer.core.request import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutput", "BeamSearchParams", "ChatPrompt", "ChatMessage", "ToolCall",
+           "FunctionChoice",
            "hookimpl", "__version__",
            "InferError", "InvalidRequestError", "ConfigError", "CapacityError", "PluginError", "CheckpointError",
            "NotFoundError"]

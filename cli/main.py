@@ -135,7 +135,8 @@ def build_engine(ctx: click.Context, **defaults: Any) -> Any:
                    "and for --n > 1 or multi-line completions.")
 @click.option("--chat", is_flag=True, help="Each PROMPT (or stdin line) is a conversation in JSON, rendered by the "
               "model's chat template: a list of OpenAI messages, or an object of 'messages' and optionally 'tools', "
-              "'chat_template_kwargs', 'add_generation_prompt', 'continue_final_message'. Prints each reply alone.")
+              "'tool_choice', 'chat_template_kwargs', 'add_generation_prompt', 'continue_final_message'. Prints each "
+              "reply alone.")
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, sampling: dict[str, Any],
              structured_output: StructuredOutput | None, n: int,

@@ -117,6 +117,21 @@ tools_option = click.option(
          "model's own format [default: none].")
 
 
+tool_choice_option = click.option(
+    "--tool-choice", default="auto", show_default=True, metavar="CHOICE",
+    help="With --tools: auto (the server's --tool-parser, if any, reads the reply), none (the reply is not read for "
+         "calls), required (the reply is forced to be one call or more of the tools, JSON under their parameter "
+         "schemas) or a function's NAME (the reply is forced to be one call of it).")
+
+
+def tool_choice_of(text: str) -> object:
+    """A --tool-choice as ChatPrompt.of takes it: a word of TOOL_CHOICES, else OpenAI's object naming the
+    function."""
+    from ..core.chat_tools import TOOL_CHOICES
+
+    return text if text in TOOL_CHOICES else {"type": "function", "function": {"name": text}}
+
+
 def _read_json_schema(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
     if path is None:
         return None

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .admission import at_prompt, check_prompt_list
-from .chat import Prompt
+from .chat import ChatPrompt, Prompt
 from .errors import CapacityError, InferError, InvalidRequestError
 from .interfaces import ScheduledSequence, SchedulerOutput
 from .request import FinishReason, SamplingParams, Sequence
@@ -304,6 +304,10 @@ def check_prompts(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams
     for index, prompt in enumerate(check_prompt_list(prompts)):
         try:
             ids = engine.checker.check(prompt, sampling)
+            if isinstance(prompt, ChatPrompt) and prompt.tools and prompt.tool_choice not in ("auto", "none"):
+                raise InvalidRequestError("beam search cannot force tool calls (tool_choice 'required' or a named "
+                                          "function makes the reply structured output, which beams do not follow); "
+                                          "send the chat to generate, or set tool_choice 'auto'")
             need = engine.kv.num_blocks_needed(len(ids) + params.max_tokens - 1)
             if need > engine.kv.num_blocks:
                 raise CapacityError(f"a prompt of {len(ids)} tokens with max_tokens {params.max_tokens} needs up to "

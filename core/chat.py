@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .chat_tools import ToolCall, checked_tools, json_like, tool_calls_of
+from .chat_tools import ToolCall, ToolChoice, checked_tool_choice, checked_tools, json_like, tool_calls_of
 from .errors import ConfigError, InvalidRequestError, require_utf8
 
 MAX_MESSAGES = 4096
@@ -54,13 +54,16 @@ class ChatPrompt:
     the last message open, so that the model continues it (a prefilled start of the answer; it needs
     ``add_generation_prompt=False``). ``chat_template_kwargs``: more variables for the template (Qwen3's
     ``enable_thinking``, say); each must be one the template reads. ``tools``: the functions the model may call, as
-    OpenAI's ``{"type": "function", "function": {...}}`` definitions (the template must read ``tools``)."""
+    OpenAI's ``{"type": "function", "function": {...}}`` definitions (the template must read ``tools``).
+    ``tool_choice``: OpenAI's; "auto" (the engine's tool parser, if any, reads the reply), "none" (the reply is
+    content), "required" or a FunctionChoice (the reply is forced to be calls: core/tool_choice.py)."""
 
     messages: tuple[ChatMessage, ...]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)  # hashable as before
     tools: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)  # an empty list is no tools
+    tool_choice: ToolChoice = "auto"
 
     def __post_init__(self) -> None:  # lists from the caller: equal prompts compare equal
         for name in ("messages", "tools"):
@@ -70,7 +73,7 @@ class ChatPrompt:
     @classmethod
     def of(cls, messages: Seq[Mapping[str, Any] | ChatMessage], add_generation_prompt: bool = True,
            continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
-           tools: Seq[Mapping[str, Any]] | None = None) -> ChatPrompt:
+           tools: Seq[Mapping[str, Any]] | None = None, tool_choice: object = None) -> ChatPrompt:
         """From OpenAI-style ``[{"role": ..., "content": ...}, ...]`` (or ChatMessages; tool calls and tool
         answers included); InvalidRequestError for anything else."""
         if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Seq):
@@ -92,13 +95,14 @@ class ChatPrompt:
             raise InvalidRequestError(f"continue_final_message continues the last message's content, but message "
                                       f"{len(checked) - 1} has none (only tool calls); add content, or set "
                                       "continue_final_message=False")
+        tools = checked_tools(tools)
         return cls(checked, add_generation_prompt, continue_final_message,
-                   checked_template_kwargs(chat_template_kwargs), checked_tools(tools))
+                   checked_template_kwargs(chat_template_kwargs), tools, checked_tool_choice(tool_choice, tools))
 
     def checked(self) -> ChatPrompt:
         """This prompt through :meth:`of`'s checks (for one built directly, from dicts, say)."""
         return ChatPrompt.of(self.messages, self.add_generation_prompt, self.continue_final_message,
-                             self.chat_template_kwargs, self.tools)
+                             self.chat_template_kwargs, self.tools, self.tool_choice)
 
     def text_length(self) -> int:
         """Characters of the messages' texts, tool calls and tools: what the rendered prompt holds besides the
@@ -164,7 +168,8 @@ class ChatPrompt:
                                       "--chat-template FILE")
 
 
-CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
+CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools",
+               "tool_choice")
 
 
 def chat_of_fields(item: Mapping[str, Any]) -> ChatPrompt:
@@ -172,7 +177,7 @@ def chat_of_fields(item: Mapping[str, Any]) -> ChatPrompt:
     and the bench); other keys are the caller's to allow or refuse."""
     return ChatPrompt.of(item.get("messages"), item.get("add_generation_prompt", True),  # type: ignore[arg-type]
                          item.get("continue_final_message", False), item.get("chat_template_kwargs"),
-                         item.get("tools"))
+                         item.get("tools"), item.get("tool_choice"))
 
 
 # apply_chat_template's own parameters, and the names the template gets from it: not template variables to set

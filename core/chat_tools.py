@@ -16,6 +16,9 @@ from .errors import InvalidRequestError
 MAX_JSON_DEPTH = 64  # nesting of lists and mappings; HF's template sandbox copies values recursively
 TOOL_SHAPE = "{'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {...}}}"
 CALL_SHAPE = "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': {...} or a JSON object string}}"
+TOOL_CHOICES = ("auto", "none", "required")
+NAMED_CHOICE_SHAPE = "{'type': 'function', 'function': {'name': ...}}"
+CHOICE_SHAPE = f"'auto', 'none', 'required' or {NAMED_CHOICE_SHAPE}"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,17 @@ class ParsedReply:
 
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class FunctionChoice:
+    """A ``tool_choice`` that names the one function the reply calls (OpenAI's ``{"type": "function", "function":
+    {"name": ...}}``)."""
+
+    name: str
+
+
+ToolChoice = str | FunctionChoice  # one of TOOL_CHOICES, or a FunctionChoice
 
 
 def json_like(value: Any, what: str) -> Any:
@@ -106,6 +120,39 @@ def checked_tools(tools: Sequence[Mapping[str, Any]] | None) -> tuple[dict[str, 
         if not isinstance(function.get("parameters", {}), dict):
             raise InvalidRequestError(f"tool {index}: function.parameters must be a JSON schema object")
     return tuple(copied)
+
+
+def checked_tool_choice(choice: object, tools: Sequence[Mapping[str, Any]]) -> ToolChoice:
+    """``choice`` as a ToolChoice ("auto" for None); InvalidRequestError for anything but CHOICE_SHAPE, for
+    "required" without tools, and for a function that is not among ``tools``."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, Mapping):
+        function = choice.get("function")
+        if set(choice) != {"type", "function"} or choice["type"] != "function" or not isinstance(function, Mapping) \
+                or set(function) != {"name"} or not isinstance(function["name"], str):
+            raise InvalidRequestError(f"tool_choice must be {CHOICE_SHAPE}, got {str(choice)[:80]}")
+        choice = FunctionChoice(function["name"])
+    if isinstance(choice, FunctionChoice):
+        names = [tool["function"]["name"] for tool in tools]
+        if choice.name not in names:
+            raise InvalidRequestError(f"tool_choice names the function {choice.name!r}, which is not among the chat's "
+                                      f"tools ({', '.join(map(repr, names)) or 'none'}); name one of them")
+        return choice
+    if choice not in TOOL_CHOICES:
+        raise InvalidRequestError(f"tool_choice must be {CHOICE_SHAPE}, got {str(choice)[:80]!r}")
+    if choice == "required" and not tools:
+        raise InvalidRequestError("tool_choice 'required' needs tools to call; give the chat tools, or set tool_choice "
+                                  "'auto'")
+    return choice  # type: ignore[return-value]
+
+
+def parse_tool_choice(text: str | None, what: str, tools: Sequence[Mapping[str, Any]]) -> ToolChoice:
+    """A ToolChoice from text (a CLI option or a gRPC field, named ``what``): "" is "auto", a word is itself, and
+    text that starts with ``{`` is OpenAI's JSON object of a named function."""
+    if text and text.lstrip().startswith("{"):
+        return checked_tool_choice(load_json(text, what, f"a JSON object {NAMED_CHOICE_SHAPE}"), tools)
+    return checked_tool_choice(text or None, tools)
 
 
 def parse_tools(text: str | None, what: str) -> tuple[dict[str, Any], ...]:

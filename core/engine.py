@@ -18,7 +18,7 @@ import torch
 from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
 from .assembly import assemble
 from .beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams
-from .chat import ChatPrompt, Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
+from .chat import Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
@@ -33,6 +33,7 @@ from .request import CompletionOutput, FinishReason, RequestOutput, SamplingPara
 from .runner import PENDING_TOKEN, Batch, InFlight
 from .sampling import to_device
 from .structured_output import StructuredOutputs
+from .tool_choice import reply_reading
 
 if TYPE_CHECKING:
     from ..models.lora import LoraAdapter
@@ -160,14 +161,14 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.checker.check(prompt, params)
+        params, reader = reply_reading(prompt, params, self.tool_parser)
         self.check_structured_output(params)
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
         # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
-                               [0] * len(seqs), [0] * len(seqs), tool_parser=self.tool_parser if isinstance(
-                                   prompt, ChatPrompt) and prompt.tools else None)
+                               [0] * len(seqs), [0] * len(seqs), tool_parser=reader)
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
@@ -184,7 +185,7 @@ class Engine:
         ``check``), else returns the prompt's ids."""
         params = params or SamplingParams()
         ids = self.checker.check(prompt, params)
-        self.check_structured_output(params)
+        self.check_structured_output(reply_reading(prompt, params, self.tool_parser)[0])
         with self._plugin_code():
             self.scheduler.check(Sequence(-1, "", ids, params, 0.0, eos_token_ids=self.eos_token_ids,
                                           max_model_len=self.max_model_len))

@@ -49,14 +49,17 @@ class LLM:
     def chat(self, messages: Seq[Mapping[str, Any] | ChatMessage] | Seq[Seq[Mapping[str, Any] | ChatMessage]],
              params: SamplingParams | Seq[SamplingParams] | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
-             tools: Seq[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: Seq[Mapping[str, Any]] | None = None, tool_choice: object = None) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role": ..., "content": ...}`` messages or ChatMessages) or
         several (a list of such lists), each rendered by the model's chat template (core/chat.py); one
         RequestOutput per conversation, in order. ``add_generation_prompt=False`` renders the messages alone;
         ``continue_final_message=True`` (with it) leaves the last message open for the model to continue;
         ``chat_template_kwargs`` sets more template variables (``{"enable_thinking": False}``, say); ``tools`` are
         the functions the model may call (OpenAI's definitions; its calls come back as text in the model's own
-        format, for the caller to parse)."""
+        format, read into each reply's ``tool_calls`` by the engine's ``tool_parser`` if it has one);
+        ``tool_choice`` is OpenAI's: "auto" (the default), "none" (the reply is not read for calls), "required" or
+        ``{"type": "function", "function": {"name": ...}}`` (the reply is forced to be such calls, read into
+        ``tool_calls`` without a tool parser: core/tool_choice.py)."""
         one = isinstance(messages, Seq) and bool(messages) and isinstance(messages[0], (Mapping, ChatMessage))
         conversations = [messages] if one else messages
         tools = checked_tools(tools)  # the same for every conversation: refused as a whole
@@ -64,7 +67,7 @@ class LLM:
         for index, conversation in enumerate(check_prompt_list(conversations)):
             try:
                 prompts.append(ChatPrompt.of(conversation, add_generation_prompt,  # type: ignore[arg-type]
-                                             continue_final_message, chat_template_kwargs, tools))
+                                             continue_final_message, chat_template_kwargs, tools, tool_choice))
             except InferError as exc:
                 raise at_prompt(exc, index, len(conversations)) from None
         return self.engine.generate(prompts, params)

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..cli.options import chat_template_kwargs_option, sampling_options, structured_output_options, tools_option
+from ..cli.options import (chat_template_kwargs_option, sampling_options, structured_output_options, tool_choice_option,
+                           tool_choice_of, tools_option)
 from ..core.errors import InferError
 from ..core.hookspecs import CommandFactory, hookimpl
 from ..core.registry import Register
@@ -113,6 +114,7 @@ def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--system", default=None, help="With --chat: a system message before PROMPT [default: none].")
 @chat_template_kwargs_option
 @tools_option
+@tool_choice_option
 @click.option("--stats", is_flag=True,
               help="Print the server's GetStats as JSON to stderr after a call that succeeded.")
 @click.pass_context
@@ -121,7 +123,8 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
            structured_output: StructuredOutput | None, n: int,
            seed: int | None, stop: tuple[str, ...], include_stop_str: bool, ignore_eos: bool, no_speculative: bool,
            lora_adapter: str | None, beam_width: int, length_penalty: float, chat: bool, system: str | None,
-           stats: bool, chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> None:
+           stats: bool, chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...], tool_choice: str
+           ) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams (with --chat,
     the reply alone)."""
     quiet_grpc_core()
@@ -152,14 +155,15 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
     if lora_adapter is not None:
         sampling["lora_adapter"] = lora_adapter
     for name, given in (("--system", system is not None), ("--chat-template-kwargs", bool(chat_template_kwargs)),
-                        ("--tools", bool(tools))):
+                        ("--tools", bool(tools)), ("--tool-choice", tool_choice != "auto")):
         if given and not chat:
             raise click.UsageError(f"{name} is for a conversation; add --chat", ctx)
     from ..core.chat import ChatPrompt
 
     opening = [{"role": "system", "content": system}] if system is not None else []
     sent = ChatPrompt.of([*opening, {"role": "user", "content": prompt}],
-                         chat_template_kwargs=chat_template_kwargs, tools=tools) if chat else prompt
+                         chat_template_kwargs=chat_template_kwargs, tools=tools,
+                         tool_choice=tool_choice_of(tool_choice)) if chat else prompt
     shown = "" if chat else prompt  # a reply is not a continuation of the user's text
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
         mid_line = False  # the prompt goes out with the first response, so that an early error stands alone
@@ -226,7 +230,8 @@ def lora(ctx: click.Context, action: str, name: str, path: str | None, target: s
 
 
 def list_tool_calls(calls: Any) -> None:
-    """The calls that the server's --tool-parser read in a reply, one per line on stderr."""
+    """The calls that the server's --tool-parser (or a forced --tool-choice) read in a reply, one per line on
+    stderr."""
     for call in calls:
         click.echo(f"infer: tool call {call.id}: {call.name}({call.arguments})", err=True)
 

@@ -60,6 +60,10 @@ def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: Promp
             request.chat.chat_template_kwargs = json.dumps(prompt.chat_template_kwargs)
         if prompt.tools:
             request.chat.tools = json.dumps(prompt.tools)
+        choice = prompt.tool_choice
+        if choice != "auto":
+            request.chat.tool_choice = choice if isinstance(choice, str) else json.dumps(
+                {"type": "function", "function": {"name": choice.name}})
         return
     try:
         request.token_ids.ids.extend(prompt)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ..core.chat import ChatPrompt, Prompt, parse_template_kwargs
-from ..core.chat_tools import parse_tools
+from ..core.chat_tools import parse_tool_choice, parse_tools
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
 from ..core.request import CompletionOutput, FinishReason, SamplingParams, StructuredOutput
 from . import infer_pb2 as pb
@@ -37,11 +37,12 @@ def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest) -> Prompt:
         return list(request.token_ids.ids)
     if which == "chat":
         chat = request.chat
+        tools = parse_tools(chat.tools, "chat.tools")
         return ChatPrompt.of([_message_of(m) for m in chat.messages],
                              chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
                              chat.continue_final_message,
-                             parse_template_kwargs(chat.chat_template_kwargs, "chat.chat_template_kwargs"),
-                             parse_tools(chat.tools, "chat.tools"))
+                             parse_template_kwargs(chat.chat_template_kwargs, "chat.chat_template_kwargs"), tools,
+                             parse_tool_choice(chat.tool_choice, "chat.tool_choice", tools))
     return request.text
 
 

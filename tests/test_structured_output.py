@@ -36,6 +36,10 @@ def engine(path: Path) -> Engine:
 
 @pytest.fixture(scope="module")
 def token_bytes(engine: Engine) -> list[bytes | None]:
+    return token_table(engine)
+
+
+def token_table(engine: Engine) -> list[bytes | None]:
     """Each token's bytes by the tokenizer's own byte alphabet (transformers' GPT-2 table, not infer's), None for
     special tokens."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -68,10 +72,10 @@ def readable(data: bytes) -> str | None:
     return None
 
 
-def reference_greedy(path: Path, pattern: str, table: list[bytes | None], eos: frozenset[int], max_tokens: int
-                     ) -> list[int]:
-    """Greedy decoding over the HF model, each step's argmax taken over the tokens whose bytes keep the output a
-    prefix of a match (regex's partial fullmatch), and EOS when the output is a whole match."""
+def reference_greedy(path: Path, pattern: str, table: list[bytes | None], eos: frozenset[int], max_tokens: int,
+                     prompt: list[int] = PROMPT) -> list[int]:
+    """Greedy decoding of ``prompt`` over the HF model, each step's argmax taken over the tokens whose bytes keep
+    the output a prefix of a match (regex's partial fullmatch), and EOS when the output is a whole match."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -80,7 +84,7 @@ def reference_greedy(path: Path, pattern: str, table: list[bytes | None], eos: f
     compiled = regex.compile(pattern)
     for _ in range(max_tokens):
         with torch.no_grad():
-            logits = hf(torch.tensor([PROMPT + out])).logits[0, -1]
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
         allowed = [t for t, piece in enumerate(table) if piece and (text := readable(data + piece)) is not None
                    and compiled.fullmatch(text, partial=True)]
         if (whole := readable(data)) is not None and data.decode("utf-8", "ignore") == whole and \
