@@ -107,7 +107,8 @@ class Engine:
         if parts.proposer is not None:
             from ..spec_decode.decoder import SpecDecoder
 
-            self.spec = SpecDecoder(config, parts.proposer, self.kv, self.runner.sampler, self.stats, spec.vocab_size)
+            self.spec = SpecDecoder(config, parts.proposer, self.kv, self.runner.sampler, self.stats, spec.vocab_size,
+                                    self.structured)
         self.blame = Blame(self.plugins, {
             "scheduler": (config.scheduler, self.scheduler), "kv_cache": (config.kv_cache, self.kv),
             "eviction_policy": (config.eviction_policy, parts.eviction),

@@ -543,6 +543,12 @@ class GrammarMatcher(ABC):
     def advance(self, token_id: int) -> None:
         """Take the token the sequence sampled, one that :meth:`allowed` allowed (ValueError otherwise)."""
 
+    def copy(self) -> GrammarMatcher | None:
+        """A matcher in this one's state that advances apart from it (speculative decoding walks it along a
+        sequence's draft tokens to mask each position they are verified at), or None, the default: the backend
+        cannot copy one, and its requests do not speculate."""
+        return None
+
 
 # ---------------------------------------------------------------- models
 @dataclass(frozen=True)

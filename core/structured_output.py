@@ -2,7 +2,9 @@
 sequences followed by a matcher, and the rows they sample masked to what the matcher allows.
 
 The masks are computed after the tokens in flight are read back (the engine samples after its settle), so async
-scheduling keeps running ahead; such requests do not speculate.
+scheduling keeps running ahead. With speculative decoding, a copy of the matcher walks each sequence's drafts: those
+after the first one the grammar refuses are dropped before verification, and every position the rest are verified
+at is masked as a plain step would mask it (:meth:`walk_drafts`).
 """
 from __future__ import annotations
 
@@ -82,7 +84,32 @@ class StructuredOutputs:
         out[at] = logits[at].masked_fill(~masks, float("-inf"))
         return out
 
-    def _allowed(self, seq: Sequence) -> torch.Tensor:
+    def can_walk_drafts(self, seq: Sequence) -> bool:
+        """Whether the backend can copy ``seq``'s matcher (GrammarMatcher.copy), so that its drafts can be
+        verified under the grammar."""
+        return self._matcher(seq).copy() is not None
+
+    def walk_drafts(self, seq: Sequence, drafts: list[int]) -> tuple[int, torch.Tensor]:
+        """How many leading ``drafts`` are worth verifying, and bool [that + 1, V] masks: row j masks the position
+        after j of them (row 0, the one after the sequence's last token), walked on a copy of its matcher. The
+        first draft the grammar refuses is the last verified: its rejection must still be drawn, as its
+        residual, not the plain distribution, is what keeps sampling exact; a stop token is the last too. Rows
+        past either repeat the one before (nothing is verified there)."""
+        walker = self._matcher(seq).copy()
+        assert walker is not None, "can_walk_drafts said it copies"
+        masks = [self._checked(walker.allowed())]
+        for j, token in enumerate(drafts):
+            try:
+                walker.advance(token)  # ValueError: a token the mask disallows
+            except ValueError:
+                return j + 1, torch.stack(masks + masks[-1:])
+            if seq.stop_reason(token, seq.num_tokens + j + 1) is not None:
+                return j + 1, torch.stack(masks + masks[-1:])
+            masks.append(self._checked(walker.allowed()))
+        return len(drafts), torch.stack(masks)
+
+    def _matcher(self, seq: Sequence) -> GrammarMatcher:
+        """``seq``'s matcher, fed its output tokens so far."""
         matcher = self.matchers.get(seq.seq_id)
         if matcher is None:
             spec = seq.params.structured_output
@@ -92,7 +119,12 @@ class StructuredOutputs:
         for token in seq.token_ids[seq.num_prompt_tokens + taken:]:
             matcher.advance(token)
         self.taken[seq.seq_id] = seq.num_output_tokens
-        mask = matcher.allowed()
+        return matcher
+
+    def _allowed(self, seq: Sequence) -> torch.Tensor:
+        return self._checked(self._matcher(seq).allowed())
+
+    def _checked(self, mask: torch.Tensor) -> torch.Tensor:
         if mask.dtype != torch.bool or mask.shape != (self.vocab_size,):
             raise PluginError(f"structured-output backend {self.name!r}: allowed() returned a {mask.dtype} tensor of "
                               f"shape {tuple(mask.shape)}, not bool [{self.vocab_size}]; fix the plugin")

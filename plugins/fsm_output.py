@@ -13,6 +13,7 @@ state's mask is computed once, at its first use, and kept on the device (MASK_CA
 from __future__ import annotations
 
 import bisect
+import copy
 import itertools
 import logging
 from collections import OrderedDict
@@ -253,6 +254,9 @@ class FsmMatcher(GrammarMatcher):
 
     def allowed(self) -> torch.Tensor:
         return self.grammar.backend.mask(self.grammar, self.state)
+
+    def copy(self) -> FsmMatcher:
+        return copy.copy(self)  # its state is an immutable tuple
 
     def advance(self, token_id: int) -> None:
         grammar = self.grammar

@@ -20,7 +20,8 @@ from ..core.logit_controls import controls_now
 from ..core.metrics import EngineStats, StepStats
 from ..core.request import RequestOutput, Sequence
 from ..core.runner import Batch
-from ..core.sampling import Sampler, stream_seed
+from ..core.sampling import Sampler, stream_seed, to_device
+from ..core.structured_output import StructuredOutputs
 from .policy import ON, SpecPolicy
 from .rejection import Verified, greedy_accept, rejection_sample
 
@@ -33,14 +34,16 @@ class _Draft:
     seq: Sequence
     tokens: list[int]
     probs: torch.Tensor | None  # [len(tokens), V] the draft's distributions; None: a point mass on each token
+    masks: torch.Tensor | None = None  # structured output: bool [len(tokens) + 1, V], what each verified row allows
 
 
 class SpecDecoder:
     """Owns the proposer, the degradation policy and this step's drafts; counts into ``EngineStats``."""
 
     def __init__(self, config: EngineConfig, proposer: Proposer, kv: KVCache, sampler: Sampler,
-                 stats: EngineStats, vocab_size: int) -> None:
+                 stats: EngineStats, vocab_size: int, structured: StructuredOutputs) -> None:
         self.k = config.num_speculative_tokens
+        self.structured = structured  # the engine's: masks each position a structured sequence's drafts reach
         self.proposer_name, self.vocab_size = config.proposer, vocab_size
         self.token_budget = config.max_num_batched_tokens
         self.proposer, self.kv, self.sampler, self.stats = proposer, kv, sampler, stats
@@ -81,12 +84,16 @@ class SpecDecoder:
         for item in items:
             seq = item.seq
             tokens = proposal.token_ids.get(seq.seq_id, [])[: room[seq.seq_id]]
+            masks = None
+            if tokens and seq.params.structured_output is not None:  # none after a draft the grammar refuses
+                verified, masks = self.structured.walk_drafts(seq, tokens)
+                tokens = tokens[:verified]
             if len(tokens) < room[seq.seq_id]:  # give back the slots of drafts not proposed
                 self.kv.truncate(seq, seq.num_computed_tokens + 1 + len(tokens))
             if tokens:
                 probs = proposal.probs.get(seq.seq_id)
                 item.draft_token_ids = tokens
-                self.drafts[seq.seq_id] = _Draft(seq, tokens, None if probs is None else probs[: len(tokens)])
+                self.drafts[seq.seq_id] = _Draft(seq, tokens, None if probs is None else probs[: len(tokens)], masks)
         out.block_ops.copies.extend(self.kv.take_block_ops().copies)
 
     def _check_proposal(self, proposal: Any, items: list[ScheduledSequence], k: int) -> None:
@@ -116,7 +123,7 @@ class SpecDecoder:
         seq = item.seq
         decoding = item.num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
         if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative or controls_now(seq) or \
-                seq.params.structured_output is not None:  # its drafts would need the grammar's masks
+                seq.params.structured_output is not None and not self.structured.can_walk_drafts(seq):
             return 0
         left = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens)
         return min(self.k, left - 1)
@@ -140,6 +147,8 @@ class SpecDecoder:
             starts[sid], offset = offset, offset + count
         order = [(i, self.drafts[sid]) for i, sid in enumerate(batch.sample_seq_ids) if sid in self.drafts]
         drafts = [d for _, d in order]
+        raw = logits  # logprobs are the model's own, as a plain step's
+        logits = self._masked(logits, order, starts)
         argmax = logits.argmax(dim=-1).tolist()  # the greedy rule reads one argmax per row, all in one transfer
         accepted, next_tokens = [], []
         for i, d in order:
@@ -151,8 +160,9 @@ class SpecDecoder:
             return self._finish_round(drafts, None, accepted, next_tokens)
         k = max(len(d.tokens) for d in drafts)
         # rows of each sequence: its last real token, then its drafts; short rows repeat their last row
-        index = [[i] + [starts[d.seq.seq_id] + min(j, len(d.tokens) - 1) for j in range(k)] for i, d in order]
-        target = logits[torch.tensor(index, device=logits.device)]  # [B, K+1, V]: logprobs, rejection sampling
+        index = torch.tensor([[i] + [starts[d.seq.seq_id] + min(j, len(d.tokens) - 1) for j in range(k)]
+                              for i, d in order], device=logits.device)
+        target = logits[index]  # [B, K+1, V]: rejection sampling
         sampled_rows = [b for b, d in enumerate(drafts) if not d.seq.params.greedy]
         if sampled_rows:
             draft = torch.tensor([d.tokens + [0] * (k - len(d.tokens)) for d in drafts], device=logits.device)
@@ -160,7 +170,23 @@ class SpecDecoder:
             exact = self._rejection_sample(target, draft, counts, [drafts[b] for b in sampled_rows], sampled_rows)
             for b, m, token in zip(sampled_rows, exact.num_accepted.tolist(), exact.next_token.tolist()):
                 accepted[b], next_tokens[b] = m, token
-        return self._finish_round(drafts, target, accepted, next_tokens)
+        return self._finish_round(drafts, target if raw is logits else raw[index], accepted, next_tokens)
+
+    def _masked(self, logits: torch.Tensor, order: list[tuple[int, _Draft]], starts: dict[int, int]) -> torch.Tensor:
+        """``logits`` with the rows of structured sequences' drafts masked by their grammar (a new tensor), as a
+        plain step masks the row it samples: a draft the grammar disallows is then never accepted."""
+        rows, masks = [], []
+        for i, d in order:
+            if d.masks is not None:
+                first = starts[d.seq.seq_id]
+                rows += [i, *range(first, first + len(d.tokens))]
+                masks.append(d.masks)
+        if not rows:
+            return logits
+        at = to_device(rows, logits.device)  # a list index would wait for the device
+        out = logits.clone()
+        out[at] = logits[at].masked_fill(~torch.cat(masks).to(logits.device), float("-inf"))
+        return out
 
     def _rejection_sample(self, target: torch.Tensor, draft: torch.Tensor, counts: torch.Tensor,
                           drafts: list[_Draft], rows: list[int]) -> Verified:

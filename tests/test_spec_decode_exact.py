@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
+from infer.core.hookspecs import hookimpl
 from infer.core.request import SamplingParams, SequenceStatus
 from infer.spec_decode.rejection import expected_tokens_per_round, greedy_accept, rejection_sample
 
@@ -162,6 +164,106 @@ def test_engine_sampling_with_speculation_draws_the_target_distribution(small_pa
     assert chi_square_p(counts12, joint12.flatten()) > 0.01
     law3 = (joint12[..., None] * p3).sum((0, 1))
     assert chi_square_p(torch.bincount(tokens[:, 2], minlength=vocab), law3) > 0.01
+
+
+class NoRepeat:
+    """A structured-output backend for SYMBOLS: never the token just sampled (nor pad or bos); EOS always. Its
+    matchers copy, so its requests speculate."""
+
+    def __init__(self) -> None:
+        from infer.core.interfaces import Grammar, GrammarMatcher, StructuredOutputBackend
+
+        class Matcher(GrammarMatcher):
+            def __init__(self, last: int | None = None) -> None:
+                self.last = last
+
+            def allowed(self) -> torch.Tensor:
+                return no_repeat_mask(self.last)
+
+            def advance(self, token_id: int) -> None:
+                if not no_repeat_mask(self.last)[token_id]:
+                    raise ValueError(f"token {token_id} is not allowed after {self.last}")
+                self.last = token_id
+
+            def copy(self) -> GrammarMatcher:
+                return Matcher(self.last)
+
+        class Compiled(Grammar):
+            def matcher(self) -> GrammarMatcher:
+                return Matcher()
+
+        class Backend(StructuredOutputBackend):
+            def compile(self, spec: Any) -> Grammar:
+                return Compiled()
+
+        self.backend = Backend()
+
+    @hookimpl
+    def register_structured_output_backends(self, register: Any) -> None:
+        register("no-repeat", lambda config, vocabulary: self.backend)
+
+
+def no_repeat_mask(last: int | None) -> torch.Tensor:
+    mask = torch.ones(len(SYMBOLS), dtype=torch.bool)
+    mask[[0, 1]] = False
+    if last is not None:
+        mask[last] = False
+    return mask
+
+
+def test_structured_sampling_with_speculation_draws_the_masked_target_distribution(small_pair):
+    """A structured request speculates: its drafts (the draft model knows nothing of the grammar) are verified at
+    positions masked by copies of its matcher, so the first three tokens follow the target's distribution
+    renormalized over what the grammar allows at each, computed by HF transformers; drafts the grammar refuses
+    are rejected, and greedy equals the plain step's."""
+    from transformers import AutoModelForCausalLM
+
+    from infer.core.plugins import PluginManager
+    from infer.core.request import StructuredOutput
+
+    target, draft = small_pair
+    plugins = PluginManager.from_entry_points()
+    plugins.register(NoRepeat(), name="no-repeat")
+    prompt, vocab, n = [3, 4, 5, 6], len(SYMBOLS), 10_000
+    spec = StructuredOutput(regex="any")
+    engine = Engine(EngineConfig(model=str(target), device="cpu", proposer="draft-model", draft_model=str(draft),
+                                 num_speculative_tokens=2, max_num_seqs=50, num_kv_blocks=1100, seed=1,
+                                 enable_prefix_caching=False, structured_output_backend="no-repeat"), plugins)
+    params = SamplingParams(max_tokens=3, temperature=0.9, n=50, structured_output=spec)
+    outs = engine.generate([prompt] * (n // 50), params)
+    rows = [c.token_ids for o in outs for c in o.outputs if len(c.token_ids) == 3 and 2 not in c.token_ids[:2]]
+    assert engine.stats.spec_rounds > 0 and 0.05 < engine.stats.acceptance_rate < 0.95
+    assert all(a != b for row in rows for a, b in zip(row, row[1:]))
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+
+    def law(contexts: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + c for c in contexts])).logits[:, -1] / 0.9
+        masks = torch.stack([no_repeat_mask(c[-1] if c else None) for c in contexts])
+        return torch.softmax(logits.masked_fill(~masks, float("-inf")), -1)
+
+    p1 = law([[]])[0]
+    p2 = law([[a] for a in range(vocab)]) * p1[:, None]  # [t1, t2]; rows of disallowed t1 are 0 through p1
+    p2 = torch.nan_to_num(p2)
+    total = [c.token_ids for o in outs for c in o.outputs]
+    counts12 = torch.bincount(torch.tensor([t[0] * vocab + (t[1] if len(t) > 1 else 2) for t in total]),
+                              minlength=vocab * vocab)
+    joint12 = p2.clone()
+    joint12[2] = 0
+    joint12[2, 2] = p1[2]  # EOS first: the output ends there (counted as EOS twice)
+    assert chi_square_p(counts12, joint12.flatten()) > 0.01
+    p3 = torch.nan_to_num(law([[a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab))
+    live = p2.clone()
+    live[2], live[:, 2] = 0, 0
+    third = torch.bincount(torch.tensor([t[2] for t in total if len(t) == 3 and 2 not in t[:2]]), minlength=vocab)
+    assert chi_square_p(third, (live[..., None] * p3).sum((0, 1)) / live.sum()) > 0.01
+    assert len(rows) == int(third.sum())
+    greedy = SamplingParams(max_tokens=12, temperature=0, structured_output=spec)
+    plain = Engine(EngineConfig(model=str(target), device="cpu", num_kv_blocks=64,
+                                structured_output_backend="no-repeat"), plugins)
+    assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == \
+        plain.generate([prompt], greedy)[0].outputs[0].token_ids
 
 
 # ---------------------------------------------------------------- KV bookkeeping under aborts

@@ -175,7 +175,8 @@ def test_unstructured_requests_beside_are_unchanged(engine: Engine) -> None:
 
 def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
     """On the shipped pair: the same structured greedy outputs synchronously, under async scheduling (the masks
-    follow the tokens read back a step late) and with the draft model proposing for the plain requests beside."""
+    follow the tokens read back a step late) and with the draft model proposing, for the structured requests too
+    (their drafts verified under masks walked along them) and the plain one beside."""
     model = str(PRETRAINED_DIR / "target")
     prompts = ["def fibonacci(n):", "import os\n", "class Point:"]
     spec = StructuredOutput(regex=r"\n    (return|if|for) [a-z_]+( [=<>+-]+ [a-z0-9_]+)?:?\n")
@@ -186,8 +187,10 @@ def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
     results = []
     for options in ({}, {"async_scheduling": True}, {"proposer": "draft-model", "num_speculative_tokens": 3}):
         engine = Engine(EngineConfig(model=model, device="cpu", num_kv_blocks=64, **options))
-        results.append([[c.token_ids for c in out.outputs] for out in engine.generate(prompts, params)])
+        outs = engine.generate(prompts, params)
+        results.append([[c.token_ids for c in out.outputs] for out in outs])
     assert results[0] == results[1] == results[2]
+    assert outs[0].metrics["spec_proposed"] > 0 and outs[2].metrics["spec_proposed"] > 0  # structured: drafted
     assert re.fullmatch(r"\n    (return|if|for) [a-z_]+( [=<>+-]+ [a-z0-9_]+)?:?\n",
                         engine.tokenizer.decode(results[0][0][0], skip_special_tokens=True))
 
