@@ -5,7 +5,10 @@ regex and under a JSON schema; each arm in its own engine, first ``cold`` (the g
 mask built on first use), then ``--rounds`` times ``warm`` (masks cached), the arms taking turns. Per arm: output
 tokens, how many outputs ended whole (at EOS), and wall time per output token, cold and the warm median, and its
 ratio to the free arm's. The arms end at different lengths (a structured output ends at EOS once whole), so
-compare per-token times.
+compare per-token times. The ``+ PROPOSER`` arms add speculative decoding (``--proposer``, default the shipped draft
+model; K ``--num-speculative-tokens``; ``--spec-option KEY=JSON`` sets a ``spec_decode`` plugin option): a
+structured request's drafts are verified under its grammar's masks, up to the first one the grammar refuses; their
+column "drafts accepted" counts the drafts verified and accepted.
 
 Part 2, the backend alone: the time to index a vocabulary and to build the first mask of a permissive state (inside
 a JSON string: nearly every token allowed) and of a narrow one (digits), for byte-level BPE vocabularies trained on
@@ -16,9 +19,11 @@ Prints a table last.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Point:", "for i in range(", "x = {", "# a list of names\n",
            "def parse(text):", "with open(path) as f:"]
@@ -30,7 +35,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 REGEX = r"[a-z_]{1,16}\([a-z_, ]{0,24}\)( # [a-z ]{1,24})?"
 
 
-def engine_rows(requests: int, max_tokens: int, rounds: int) -> list[tuple[str, ...]]:
+def engine_rows(requests: int, max_tokens: int, rounds: int, k: int, proposer: str,
+                options: dict[str, Any]) -> list[tuple[str, ...]]:
     import statistics
 
     from infer.core.config import EngineConfig
@@ -38,23 +44,29 @@ def engine_rows(requests: int, max_tokens: int, rounds: int) -> list[tuple[str, 
     from infer.core.request import SamplingParams, StructuredOutput
     from infer.models.tiny import PRETRAINED_DIR
 
-    arms = {"free": None, "regex": StructuredOutput(regex=REGEX),
-            "json": StructuredOutput(json_schema=SCHEMA)}
+    specs = {"free": None, "regex": StructuredOutput(regex=REGEX), "json": StructuredOutput(json_schema=SCHEMA)}
+    arms = {**{name: (spec, False) for name, spec in specs.items()},
+            **{f"{name} + {proposer}": (spec, True) for name, spec in specs.items()}}
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
-    engines = {name: Engine(EngineConfig(model=str(PRETRAINED_DIR / "target"), device="cpu", max_num_seqs=requests))
-               for name in arms}
+    draft = {"proposer": proposer, "num_speculative_tokens": k, "plugin_options": {"spec_decode": options}}
+    engines = {name: Engine(EngineConfig(model=str(PRETRAINED_DIR / "target"), device="cpu", max_num_seqs=requests,
+                                         **(draft if speculative else {})))
+               for name, (_, speculative) in arms.items()}
     times: dict[str, list[float]] = {name: [] for name in arms}
-    counts: dict[str, tuple[int, int]] = {}
+    counts: dict[str, tuple[int, int, int, int]] = {}
     for index in range(rounds + 1):  # round 0 is cold: grammars compiled, masks built; arms take turns
         for name in (arms if index % 2 else reversed(arms)):
-            params = SamplingParams(max_tokens=max_tokens, temperature=0, structured_output=arms[name])
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, structured_output=arms[name][0])
             start = time.perf_counter()
             outs = engines[name].generate(prompts, params)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             times[name].append((time.perf_counter() - start) / tokens)
-            counts[name] = tokens, sum(o.outputs[0].finish_reason.value == "stop" for o in outs)
+            counts[name] = (tokens, sum(o.outputs[0].finish_reason.value == "stop" for o in outs),
+                            sum(o.metrics.get("spec_accepted", 0) for o in outs),
+                            sum(o.metrics.get("spec_proposed", 0) for o in outs))
     free = statistics.median(times["free"][1:])
-    return [(name, str(counts[name][0]), f"{counts[name][1]}/{requests}", f"{times[name][0] * 1e3:.2f}",
+    return [(name, str(counts[name][0]), f"{counts[name][1]}/{requests}",
+             f"{counts[name][2]}/{counts[name][3]}" if arms[name][1] else "-", f"{times[name][0] * 1e3:.2f}",
              f"{statistics.median(times[name][1:]) * 1e3:.2f}", f"{statistics.median(times[name][1:]) / free:.2f}")
             for name in arms]
 
@@ -105,12 +117,19 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5, help="warm rounds, after the cold one")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="K of the + proposer arms")
+    parser.add_argument("--proposer", default="draft-model", help="the proposer of the + proposer arms")
+    parser.add_argument("--spec-option", action="append", default=[], metavar="KEY=JSON",
+                        help="a spec_decode plugin option of the + proposer arms (repeatable)")
     parser.add_argument("--vocab", type=int, nargs="*", default=[8192, 32768, 131072],
                         help="trained vocabulary sizes to time masks on (the corpus caps them at about 39k)")
     args = parser.parse_args()
-    engine = engine_rows(args.requests, args.max_tokens, args.rounds)
+    options = {key: json.loads(value) for key, _, value in (o.partition("=") for o in args.spec_option)}
+    engine = engine_rows(args.requests, args.max_tokens, args.rounds, args.num_speculative_tokens, args.proposer,
+                         options)
     masks = mask_rows(args.vocab)
-    print(table(("arm", "output tokens", "ended whole", "cold ms / token", "warm ms / token (median)",
+    print(table(("arm", "output tokens", "ended whole", "drafts accepted", "cold ms / token",
+                 "warm ms / token (median)",
                  "warm / free"), engine))
     print()
     print(table(("vocabulary", "index ms", "first mask, inside a string ms", "first mask, at the start ms"), masks))

@@ -2,9 +2,10 @@
 sequences followed by a matcher, and the rows they sample masked to what the matcher allows.
 
 The masks are computed after the tokens in flight are read back (the engine samples after its settle), so async
-scheduling keeps running ahead. With speculative decoding, a copy of the matcher walks each sequence's drafts: those
-after the first one the grammar refuses are dropped before verification, and every position the rest are verified
-at is masked as a plain step would mask it (:meth:`walk_drafts`).
+scheduling keeps running ahead. With speculative decoding and the plugin option ``spec_decode.structured``, a copy
+of the matcher walks each sequence's drafts: those after the first one the grammar refuses are dropped before
+verification, and every position the rest are verified at is masked as a plain step would mask it
+(:meth:`walk_drafts`).
 """
 from __future__ import annotations
 

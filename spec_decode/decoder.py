@@ -18,11 +18,12 @@ from ..core.errors import PluginError
 from ..core.interfaces import KVCache, Proposal, Proposer, SchedulerOutput, ScheduledSequence
 from ..core.logit_controls import controls_now
 from ..core.metrics import EngineStats, StepStats
+from ..core.plugin_options import read_plugin_options
 from ..core.request import RequestOutput, Sequence
 from ..core.runner import Batch
 from ..core.sampling import Sampler, stream_seed, to_device
 from ..core.structured_output import StructuredOutputs
-from .policy import ON, SpecPolicy
+from .policy import ON, SPEC_DECODE_OPTIONS, SpecPolicy
 from .rejection import Verified, greedy_accept, rejection_sample
 
 
@@ -44,6 +45,7 @@ class SpecDecoder:
                  stats: EngineStats, vocab_size: int, structured: StructuredOutputs) -> None:
         self.k = config.num_speculative_tokens
         self.structured = structured  # the engine's: masks each position a structured sequence's drafts reach
+        self.structured_drafts = read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)["structured"]
         self.proposer_name, self.vocab_size = config.proposer, vocab_size
         self.token_budget = config.max_num_batched_tokens
         self.proposer, self.kv, self.sampler, self.stats = proposer, kv, sampler, stats
@@ -123,7 +125,8 @@ class SpecDecoder:
         seq = item.seq
         decoding = item.num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
         if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative or controls_now(seq) or \
-                seq.params.structured_output is not None and not self.structured.can_walk_drafts(seq):
+                seq.params.structured_output is not None and not (
+                    self.structured_drafts and self.structured.can_walk_drafts(seq)):
             return 0
         left = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens)
         return min(self.k, left - 1)

@@ -30,6 +30,9 @@ SPEC_DECODE_OPTIONS = {  # read by the SpecDecoder whatever the proposer; round_
                                    "limit)", minimum=0, flag="--spec-max-batch-size"),
     "probe_every": PluginOption(8, "while acceptance is low, speculate in one step of this many to re-measure it",
                                 minimum=1),
+    "structured": PluginOption(False, "speculate for structured-output requests too, their drafts verified under the "
+                               "grammar's masks (off: drafts that know nothing of the grammar cost more than they "
+                               "saved on the CPU, docs/PERF.md)"),
     "round_graphs": PluginOption(True, "with CUDA graphs, replay a draft-model round of greedy drafts as one graph "
                                  "instead of K forward passes"),
 }

@@ -228,7 +228,8 @@ def test_structured_sampling_with_speculation_draws_the_masked_target_distributi
     spec = StructuredOutput(regex="any")
     engine = Engine(EngineConfig(model=str(target), device="cpu", proposer="draft-model", draft_model=str(draft),
                                  num_speculative_tokens=2, max_num_seqs=50, num_kv_blocks=1100, seed=1,
-                                 enable_prefix_caching=False, structured_output_backend="no-repeat"), plugins)
+                                 enable_prefix_caching=False, structured_output_backend="no-repeat",
+                                 plugin_options={"spec_decode": {"structured": True}}), plugins)
     params = SamplingParams(max_tokens=3, temperature=0.9, n=50, structured_output=spec)
     outs = engine.generate([prompt] * (n // 50), params)
     rows = [c.token_ids for o in outs for c in o.outputs if len(c.token_ids) == 3 and 2 not in c.token_ids[:2]]

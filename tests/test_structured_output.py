@@ -175,8 +175,9 @@ def test_unstructured_requests_beside_are_unchanged(engine: Engine) -> None:
 
 def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
     """On the shipped pair: the same structured greedy outputs synchronously, under async scheduling (the masks
-    follow the tokens read back a step late) and with the draft model proposing, for the structured requests too
-    (their drafts verified under masks walked along them) and the plain one beside."""
+    follow the tokens read back a step late) and with the draft model proposing for the plain request beside, and
+    with spec_decode.structured for the structured requests too (their drafts verified under masks walked along
+    them), which speculate only then."""
     model = str(PRETRAINED_DIR / "target")
     prompts = ["def fibonacci(n):", "import os\n", "class Point:"]
     spec = StructuredOutput(regex=r"\n    (return|if|for) [a-z_]+( [=<>+-]+ [a-z0-9_]+)?:?\n")
@@ -185,12 +186,16 @@ def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
               SamplingParams(max_tokens=20, temperature=0, structured_output=StructuredOutput(
                   choice=(" # a point", " pass")))]
     results = []
-    for options in ({}, {"async_scheduling": True}, {"proposer": "draft-model", "num_speculative_tokens": 3}):
+    draft = {"proposer": "draft-model", "num_speculative_tokens": 3}
+    drafted = []
+    for options in ({}, {"async_scheduling": True}, draft,
+                    {**draft, "plugin_options": {"spec_decode": {"structured": True}}}):
         engine = Engine(EngineConfig(model=model, device="cpu", num_kv_blocks=64, **options))
         outs = engine.generate(prompts, params)
         results.append([[c.token_ids for c in out.outputs] for out in outs])
-    assert results[0] == results[1] == results[2]
-    assert outs[0].metrics["spec_proposed"] > 0 and outs[2].metrics["spec_proposed"] > 0  # structured: drafted
+        drafted.append([out.metrics.get("spec_proposed", 0) > 0 for out in outs])
+    assert results[0] == results[1] == results[2] == results[3]
+    assert drafted[2:] == [[False, True, False], [True, True, True]]
     assert re.fullmatch(r"\n    (return|if|for) [a-z_]+( [=<>+-]+ [a-z0-9_]+)?:?\n",
                         engine.tokenizer.decode(results[0][0][0], skip_special_tokens=True))
 
