@@ -186,6 +186,9 @@ def _parse_line(line: str, number: int) -> FileEntry:
             prompt = chat_of_fields(item)
         except InvalidRequestError as exc:
             raise WorkloadError(str(exc)) from None
+        if prompt.tool_choice not in ("auto", "none"):
+            raise WorkloadError("a forced 'tool_choice' ends the reply at EOS once its calls are whole, and the bench "
+                                "runs every request to max_tokens (EOS ignored); use 'auto' or 'none'")
     elif isinstance(prompt, str):
         if not prompt:
             raise WorkloadError("'prompt' is an empty string")

@@ -547,14 +547,18 @@ def test_file_workload_chats_render_with_the_first_arms_template(tiny_model, tmp
               "tools": [{"type": "function", "function": {"name": "run"}}], "max_tokens": 2}]
     path = tmp_path / "w.jsonl"
     bad = ['{"messages": [], "max_tokens": 2}', '{"prompt": "x", "messages": [], "max_tokens": 2}',
-           '{"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}, "max_tokens": 2}']
+           '{"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}, "max_tokens": 2}',
+           '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": '
+           '"run"}}], "tool_choice": "required", "max_tokens": 2}']
     path.write_text("".join(json.dumps(c) + "\n" for c in chats) + "\n".join(bad) + "\n")
     entries, errors = parse_workload_file(path)
     assert [e.prompt for e in entries] == [ChatPrompt.of(c["messages"], tools=c.get("tools")) for c in chats]
     assert errors == ["line 3: a chat prompt needs at least one message",
                       "line 4: give 'prompt' or 'messages' (a chat), not both",
                       "line 5: tools must be a list of {'type': 'function', 'function': {'name': ..., 'description': "
-                      "..., 'parameters': {...}}} entries, got dict"]
+                      "..., 'parameters': {...}}} entries, got dict",
+                      "line 6: a forced 'tool_choice' ends the reply at EOS once its calls are whole, and the bench "
+                      "runs every request to max_tokens (EOS ignored); use 'auto' or 'none'"]
     out = tmp_path / "out"
     args = ["--model", str(tiny_model), "--device", "cpu", "--chat-template", str(template), "bench", "--workload",
             "file", "--file", str(path), "--skip-bad-lines", "--ab", "", "hf:cb", "--repeats", "1",
