@@ -34,6 +34,7 @@ class StructuredOutputs:
         self.pinned: dict[StructuredOutput, tuple[Grammar, int]] = {}  # live requests' grammars, with their count
         self.matchers: dict[int, GrammarMatcher] = {}  # seq_id -> its matcher
         self.taken: dict[int, int] = {}  # seq_id -> how many of its output tokens its matcher has taken
+        self.walkable: dict[int, bool] = {}  # seq_id -> whether its matcher copies (speculative decoding asks)
 
     def admit(self, spec: StructuredOutput) -> None:
         """Compile ``spec`` (InvalidRequestError from the backend for one it cannot follow) and keep it while a
@@ -87,27 +88,35 @@ class StructuredOutputs:
 
     def can_walk_drafts(self, seq: Sequence) -> bool:
         """Whether the backend can copy ``seq``'s matcher (GrammarMatcher.copy), so that its drafts can be
-        verified under the grammar."""
-        return self._matcher(seq).copy() is not None
+        verified under the grammar (asked once per sequence)."""
+        walkable = self.walkable.get(seq.seq_id)
+        if walkable is None:
+            walkable = self.walkable[seq.seq_id] = self._matcher(seq).copy() is not None
+        return walkable
 
-    def walk_drafts(self, seq: Sequence, drafts: list[int]) -> tuple[int, torch.Tensor]:
-        """How many leading ``drafts`` are worth verifying, and bool [that + 1, V] masks: row j masks the position
-        after j of them (row 0, the one after the sequence's last token), walked on a copy of its matcher. The
+    def walk_drafts(self, seq: Sequence, drafts: list[int]) -> tuple[int, list[GrammarMatcher]]:
+        """How many leading ``drafts`` are worth verifying, and that many + 1 matchers: the j-th in the state
+        after j of them (the 0-th, after the sequence's last token), copies walked apart from its own. The
         first draft the grammar refuses is the last verified: its rejection must still be drawn, as its
-        residual, not the plain distribution, is what keeps sampling exact; a stop token is the last too. Rows
-        past either repeat the one before (nothing is verified there)."""
+        residual, not the plain distribution, is what keeps sampling exact; a stop token is the last too (the
+        mask judges it). The matcher after either repeats the one before (nothing is verified there)."""
         walker = self._matcher(seq).copy()
         assert walker is not None, "can_walk_drafts said it copies"
-        masks = [self._checked(walker.allowed())]
+        states = [walker]
         for j, token in enumerate(drafts):
+            if seq.stop_reason(token, seq.num_tokens + j + 1) is not None:
+                return j + 1, states + states[-1:]
+            walker = walker.copy()
             try:
                 walker.advance(token)  # ValueError: a token the mask disallows
             except ValueError:
-                return j + 1, torch.stack(masks + masks[-1:])
-            if seq.stop_reason(token, seq.num_tokens + j + 1) is not None:
-                return j + 1, torch.stack(masks + masks[-1:])
-            masks.append(self._checked(walker.allowed()))
-        return len(drafts), torch.stack(masks)
+                return j + 1, states + states[-1:]
+            states.append(walker)
+        return len(drafts), states
+
+    def masks(self, states: list[GrammarMatcher]) -> torch.Tensor:
+        """bool [len(states), V]: what each matcher of :meth:`walk_drafts` allows."""
+        return torch.stack([self._checked(state.allowed()) for state in states])
 
     def _matcher(self, seq: Sequence) -> GrammarMatcher:
         """``seq``'s matcher, fed its output tokens so far."""
@@ -134,3 +143,4 @@ class StructuredOutputs:
     def release(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
         self.taken.pop(seq_id, None)
+        self.walkable.pop(seq_id, None)

@@ -15,7 +15,7 @@ import torch
 
 from ..core.config import EngineConfig
 from ..core.errors import PluginError
-from ..core.interfaces import KVCache, Proposal, Proposer, SchedulerOutput, ScheduledSequence
+from ..core.interfaces import GrammarMatcher, KVCache, Proposal, Proposer, SchedulerOutput, ScheduledSequence
 from ..core.logit_controls import controls_now
 from ..core.metrics import EngineStats, StepStats
 from ..core.plugin_options import read_plugin_options
@@ -35,7 +35,7 @@ class _Draft:
     seq: Sequence
     tokens: list[int]
     probs: torch.Tensor | None  # [len(tokens), V] the draft's distributions; None: a point mass on each token
-    masks: torch.Tensor | None = None  # structured output: bool [len(tokens) + 1, V], what each verified row allows
+    states: list[GrammarMatcher] | None = None  # structured output: the matcher at each verified position
 
 
 class SpecDecoder:
@@ -86,16 +86,16 @@ class SpecDecoder:
         for item in items:
             seq = item.seq
             tokens = proposal.token_ids.get(seq.seq_id, [])[: room[seq.seq_id]]
-            masks = None
+            states = None
             if tokens and seq.params.structured_output is not None:  # none after a draft the grammar refuses
-                verified, masks = self.structured.walk_drafts(seq, tokens)
+                verified, states = self.structured.walk_drafts(seq, tokens)
                 tokens = tokens[:verified]
             if len(tokens) < room[seq.seq_id]:  # give back the slots of drafts not proposed
                 self.kv.truncate(seq, seq.num_computed_tokens + 1 + len(tokens))
             if tokens:
                 probs = proposal.probs.get(seq.seq_id)
                 item.draft_token_ids = tokens
-                self.drafts[seq.seq_id] = _Draft(seq, tokens, None if probs is None else probs[: len(tokens)], masks)
+                self.drafts[seq.seq_id] = _Draft(seq, tokens, None if probs is None else probs[: len(tokens)], states)
         out.block_ops.copies.extend(self.kv.take_block_ops().copies)
 
     def _check_proposal(self, proposal: Any, items: list[ScheduledSequence], k: int) -> None:
@@ -150,9 +150,12 @@ class SpecDecoder:
             starts[sid], offset = offset, offset + count
         order = [(i, self.drafts[sid]) for i, sid in enumerate(batch.sample_seq_ids) if sid in self.drafts]
         drafts = [d for _, d in order]
-        raw = logits  # logprobs are the model's own, as a plain step's
-        logits = self._masked(logits, order, starts)
-        argmax = logits.argmax(dim=-1).tolist()  # the greedy rule reads one argmax per row, all in one transfer
+        # structured drafts: masks built now, while the forward pass runs on the device
+        masks = {b: self.structured.masks(d.states) for b, d in enumerate(drafts) if d.states is not None}
+        argmax_rows = logits.argmax(dim=-1)
+        if masks:
+            self._masked_argmax(logits, argmax_rows, order, starts, masks)
+        argmax = argmax_rows.tolist()  # the greedy rule reads one argmax per row, all in one transfer
         accepted, next_tokens = [], []
         for i, d in order:
             first = starts[d.seq.seq_id]
@@ -165,7 +168,10 @@ class SpecDecoder:
         # rows of each sequence: its last real token, then its drafts; short rows repeat their last row
         index = torch.tensor([[i] + [starts[d.seq.seq_id] + min(j, len(d.tokens) - 1) for j in range(k)]
                               for i, d in order], device=logits.device)
-        target = logits[index]  # [B, K+1, V]: rejection sampling
+        target = logits[index]  # [B, K+1, V]: rejection sampling (a copy, masked in place)
+        raw = target.clone() if any(drafts[b].seq.params.logprobs is not None for b in masks) else target
+        for b, mask in masks.items():  # as a plain step masks the row it samples: refused drafts are rejected
+            target[b, : len(mask)].masked_fill_(~mask, float("-inf"))
         sampled_rows = [b for b, d in enumerate(drafts) if not d.seq.params.greedy]
         if sampled_rows:
             draft = torch.tensor([d.tokens + [0] * (k - len(d.tokens)) for d in drafts], device=logits.device)
@@ -173,23 +179,20 @@ class SpecDecoder:
             exact = self._rejection_sample(target, draft, counts, [drafts[b] for b in sampled_rows], sampled_rows)
             for b, m, token in zip(sampled_rows, exact.num_accepted.tolist(), exact.next_token.tolist()):
                 accepted[b], next_tokens[b] = m, token
-        return self._finish_round(drafts, target if raw is logits else raw[index], accepted, next_tokens)
+        return self._finish_round(drafts, raw, accepted, next_tokens)  # logprobs: the model's own, as a plain step's
 
-    def _masked(self, logits: torch.Tensor, order: list[tuple[int, _Draft]], starts: dict[int, int]) -> torch.Tensor:
-        """``logits`` with the rows of structured sequences' drafts masked by their grammar (a new tensor), as a
-        plain step masks the row it samples: a draft the grammar disallows is then never accepted."""
-        rows, masks = [], []
-        for i, d in order:
-            if d.masks is not None:
+    @staticmethod
+    def _masked_argmax(logits: torch.Tensor, argmax: torch.Tensor, order: list[tuple[int, _Draft]],
+                       starts: dict[int, int], masks: dict[int, torch.Tensor]) -> None:
+        """``argmax`` of the structured drafts' rows taken under their masks, in place (only those rows copied)."""
+        rows = []
+        for b, (i, d) in enumerate(order):
+            if b in masks:
                 first = starts[d.seq.seq_id]
                 rows += [i, *range(first, first + len(d.tokens))]
-                masks.append(d.masks)
-        if not rows:
-            return logits
         at = to_device(rows, logits.device)  # a list index would wait for the device
-        out = logits.clone()
-        out[at] = logits[at].masked_fill(~torch.cat(masks).to(logits.device), float("-inf"))
-        return out
+        allowed = torch.cat([masks[b] for b in sorted(masks)]).to(logits.device)
+        argmax[at] = logits[at].masked_fill(~allowed, float("-inf")).argmax(dim=-1)
 
     def _rejection_sample(self, target: torch.Tensor, draft: torch.Tensor, counts: torch.Tensor,
                           drafts: list[_Draft], rows: list[int]) -> Verified:
