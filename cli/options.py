@@ -121,14 +121,17 @@ tool_choice_option = click.option(
     "--tool-choice", default="auto", show_default=True, metavar="CHOICE",
     help="With --tools: auto (the server's --tool-parser, if any, reads the reply), none (the reply is not read for "
          "calls), required (the reply is forced to be one call or more of the tools, JSON under their parameter "
-         "schemas) or a function's NAME (the reply is forced to be one call of it).")
+         "schemas) or a function's NAME (the reply is forced to be one call of it; a function called auto, none or "
+         "required: OpenAI's JSON object {\"type\": \"function\", \"function\": {\"name\": ...}}).")
 
 
 def tool_choice_of(text: str) -> object:
-    """A --tool-choice as ChatPrompt.of takes it: a word of TOOL_CHOICES, else OpenAI's object naming the
-    function."""
-    from ..core.chat_tools import TOOL_CHOICES
+    """A --tool-choice as ChatPrompt.of takes it: a word of TOOL_CHOICES, OpenAI's JSON object (text that starts
+    with ``{``), else the object naming that function."""
+    from ..core.chat_tools import TOOL_CHOICES, load_json
 
+    if text.lstrip().startswith("{"):
+        return load_json(text, "--tool-choice", "a JSON object {'type': 'function', 'function': {'name': ...}}")
     return text if text in TOOL_CHOICES else {"type": "function", "function": {"name": text}}
 
 

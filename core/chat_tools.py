@@ -119,6 +119,10 @@ def checked_tools(tools: Sequence[Mapping[str, Any]] | None) -> tuple[dict[str, 
             raise InvalidRequestError(f"tool {index}: function.name must be a non-empty string")
         if not isinstance(function.get("parameters", {}), dict):
             raise InvalidRequestError(f"tool {index}: function.parameters must be a JSON schema object")
+    names = [tool["function"]["name"] for tool in copied]
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        raise InvalidRequestError(f"tools must have distinct names (a call names its function), and "
+                                  f"{', '.join(map(repr, repeated))} is given more than once; rename or drop one")
     return tuple(copied)
 
 

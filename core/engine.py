@@ -33,7 +33,7 @@ from .request import CompletionOutput, FinishReason, RequestOutput, SamplingPara
 from .runner import PENDING_TOKEN, Batch, InFlight
 from .sampling import to_device
 from .structured_output import StructuredOutputs
-from .tool_choice import reply_reading
+from .tool_choice import reply_reading, schema_errors
 
 if TYPE_CHECKING:
     from ..models.lora import LoraAdapter
@@ -163,7 +163,8 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.checker.check(prompt, params)
         params, reader = reply_reading(prompt, params, self.tool_parser)
-        self.check_structured_output(params)
+        with schema_errors(reader):
+            self.check_structured_output(params)
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
@@ -186,7 +187,9 @@ class Engine:
         ``check``), else returns the prompt's ids."""
         params = params or SamplingParams()
         ids = self.checker.check(prompt, params)
-        self.check_structured_output(reply_reading(prompt, params, self.tool_parser)[0])
+        params, reader = reply_reading(prompt, params, self.tool_parser)
+        with schema_errors(reader):
+            self.check_structured_output(params)
         with self._plugin_code():
             self.scheduler.check(Sequence(-1, "", ids, params, 0.0, eos_token_ids=self.eos_token_ids,
                                           max_model_len=self.max_model_len))

@@ -7,13 +7,14 @@ The reply's shapes are vLLM's: a named function's reply is its arguments object;
 "auto" (the default): the engine's --tool-parser, if any, reads it."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Iterator, Mapping, Sequence as Seq
 from typing import Any
 
 from .chat import ChatPrompt, Prompt
-from .chat_tools import FunctionChoice, ParsedReply, ToolCall, ToolChoice
+from .chat_tools import FunctionChoice, ParsedReply, ToolCall, ToolChoice, checked_tool_choice
 from .errors import InvalidRequestError
 from .interfaces import ToolParser
 from .request import SamplingParams, StructuredOutput
@@ -27,12 +28,12 @@ def reply_reading(prompt: Prompt, params: SamplingParams, tool_parser: ToolParse
     """The parameters a request runs with and what reads its replies' calls (None: nothing), by the prompt's
     tool_choice. A forced choice adds the structured output of :func:`reply_schema`; InvalidRequestError where
     the parameters cannot take it."""
-    if not isinstance(prompt, ChatPrompt) or not prompt.tools or prompt.tool_choice == "none":
+    if not isinstance(prompt, ChatPrompt) or not prompt.tools:
         return params, None
-    choice = prompt.tool_choice
-    if choice == "auto":
-        return params, tool_parser
-    what = f"tool_choice {choice.name!r}" if isinstance(choice, FunctionChoice) else f"tool_choice {choice!r}"
+    choice = checked_tool_choice(prompt.tool_choice, prompt.tools)  # a prompt built directly is unchecked
+    if choice in ("auto", "none"):
+        return params, tool_parser if choice == "auto" else None
+    what = forced_what(choice)
     if params.structured_output is not None:
         raise InvalidRequestError(f"{what} makes the reply structured output of its own, so it cannot take the "
                                   "request's structured_output; drop one of them")
@@ -45,9 +46,34 @@ def reply_reading(prompt: Prompt, params: SamplingParams, tool_parser: ToolParse
     return forced, ForcedToolCalls(choice)
 
 
+def forced_what(choice: ToolChoice) -> str:
+    return f"tool_choice {choice.name!r}" if isinstance(choice, FunctionChoice) else f"tool_choice {choice!r}"
+
+
+@contextlib.contextmanager
+def schema_errors(reader: ToolParser | None) -> Iterator[None]:
+    """A forced reply's schema refused by the structured-output backend: the error says it is the tools'."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if not isinstance(reader, ForcedToolCalls):
+            raise
+        where = "" if isinstance(reader.choice, FunctionChoice) else (
+            " (under 'required', tool N's parameters are at /items/anyOf/N/properties/parameters)")
+        raise InvalidRequestError(f"{forced_what(reader.choice)} forces the reply under the tools' parameter "
+                                  f"schemas, which cannot be followed{where}: {exc}; change the tool's parameters, "
+                                  "or set tool_choice 'auto'") from None
+
+
 def reply_schema(tools: Seq[Mapping[str, Any]], choice: ToolChoice) -> dict[str, Any]:
-    """The JSON schema of a reply forced by ``choice`` ("required" or a FunctionChoice) among ``tools``."""
+    """The JSON schema of a reply forced by ``choice`` ("required" or a FunctionChoice) among ``tools``;
+    InvalidRequestError for a tool whose parameters are not an object schema (OpenAI's rule)."""
     parameters = {tool["function"]["name"]: tool["function"].get("parameters") or NO_PARAMETERS for tool in tools}
+    for name, schema in parameters.items():
+        if schema.get("type", "object") != "object":
+            raise InvalidRequestError(f"{forced_what(choice)} forces calls, and the parameters of tool {name!r} are "
+                                      f"not an object schema (type {schema.get('type')!r}); give it "
+                                      "{\"type\": \"object\", \"properties\": {...}}")
     if isinstance(choice, FunctionChoice):
         return parameters[choice.name]
     assert choice == "required", choice
@@ -57,7 +83,7 @@ def reply_schema(tools: Seq[Mapping[str, Any]], choice: ToolChoice) -> dict[str,
         own = {key: value for key, value in schema.items() if key not in DEFINITIONS}
         for key in DEFINITIONS:  # one root for every tool: each tool's definitions under names of its own
             for defined, definition in (schema.get(key) or {}).items():
-                hoisted[f"tool{index}.{defined}"] = _relinked(definition, index)
+                hoisted[f"tool{index}.{key}.{defined}"] = _relinked(definition, index)
         calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": _relinked(own, index)},
                       "required": ["name", "parameters"]})
     items = calls[0] if len(calls) == 1 else {"anyOf": calls}
@@ -75,7 +101,7 @@ def _relinked(schema: Any, index: int) -> Any:
     ref = schema.get("$ref")
     for key in DEFINITIONS:
         if isinstance(ref, str) and ref.startswith(f"#/{key}/"):
-            out["$ref"] = f"#/$defs/tool{index}.{ref.removeprefix(f'#/{key}/')}"
+            out["$ref"] = f"#/$defs/tool{index}.{key}.{ref.removeprefix(f'#/{key}/')}"
     return out
 
 

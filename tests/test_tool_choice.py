@@ -150,6 +150,41 @@ def test_required_hoists_each_tools_definitions_under_names_of_its_own() -> None
     assert FORECAST["function"]["parameters"]["properties"]["day"] == {"$ref": "#/$defs/day"}  # the tool unchanged
 
 
+def test_same_names_under_defs_and_definitions_stay_apart() -> None:
+    """A tool may define "x" under both $defs and definitions: "required" keeps both, as a named choice does."""
+    tool = {"type": "function", "function": {"name": "pair", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/x"}, "b": {"$ref": "#/definitions/x"}},
+        "required": ["a", "b"], "$defs": {"x": {"const": "x"}}, "definitions": {"x": {"const": "y"}}}}}
+    for choice, reply in ((FunctionChoice("pair"), {"a": "x", "b": "y"}),
+                          ("required", [{"name": "pair", "parameters": {"a": "x", "b": "y"}}])):
+        pattern = schema_to_regex(reply_schema([tool], choice))
+        assert re.fullmatch(pattern, json.dumps(reply)), choice
+        assert not re.fullmatch(pattern, json.dumps(reply).replace('"y"', '"x"')), choice
+
+
+def test_a_prompt_built_directly_and_refused_tools_name_what_to_change(llm: LLM) -> None:
+    """A ChatPrompt built without ChatPrompt.of may carry OpenAI's mapping; duplicate names, parameters that are
+    not an object schema and schemas the backend cannot follow are refused naming the tool choice."""
+    built = ChatPrompt(tuple(ChatPrompt.of(ASK).messages), tools=tuple(TOOLS),
+                       tool_choice={"type": "function", "function": {"name": "clock"}})  # type: ignore[arg-type]
+    reply = llm.generate([built], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
+    assert (reply.text, reply.tool_calls[0].name) == ("{}", "clock")
+    text = {"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}
+    bounded = {"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}}}
+    for tools, choice, complaint in (
+            ([CLOCK, CLOCK], "required", "tools must have distinct names"),
+            ([text], "required", "the parameters of tool 'say' are not an object schema"),
+            ([CLOCK, bounded], "required", "tool_choice 'required' forces the reply under the tools' parameter "
+                                           "schemas, which cannot be followed (under 'required', tool N's"),
+            ([bounded], FunctionChoice("count"), "tool_choice 'count' forces the reply under the tools' parameter")):
+        with pytest.raises(InvalidRequestError, match=re.escape(complaint)):
+            llm.chat(ASK, SamplingParams(max_tokens=2), tools=tools, tool_choice=choice)
+        if "distinct" not in complaint:
+            with pytest.raises(InvalidRequestError, match=re.escape(complaint)):
+                llm.engine.check_request(ChatPrompt.of(ASK, tools=tools, tool_choice=choice))
+
+
 def test_the_forced_reader_keeps_anything_but_whole_calls_as_content() -> None:
     named, required = ForcedToolCalls(FunctionChoice("clock")), ForcedToolCalls("required")
     assert named.parse('{"a": 1}', []).tool_calls == (ToolCall("clock", {"a": 1}),)
@@ -200,7 +235,10 @@ def test_tool_choice_travels_over_grpc_infer_client_and_generate_chat(llm: LLM, 
 
     serve_engine(llm.engine, test)
     for args, code, complaint in ((["--tool-choice", "required"], 2, "--tool-choice is for a conversation; add --chat"),
-                                  (["--chat", "--tool-choice", "required"], 1, "tool_choice 'required' needs tools")):
+                                  (["--chat", "--tool-choice", "required"], 1, "tool_choice 'required' needs tools"),
+                                  (["--chat", "--tools", str(tools), "--tool-choice",
+                                    '{"type": "function", "function": {"name": "none"}}'], 1,
+                                   "names the function 'none', which is not among")):
         result = CliRunner().invoke(main, ["client", "x", "--target", "127.0.0.1:1", *args])
         assert result.exit_code == code and complaint in result.stderr, result.output
     line = json.dumps({"messages": ASK, "tools": TOOLS, "tool_choice": named})
