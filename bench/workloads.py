@@ -20,6 +20,7 @@ from pathlib import Path
 from ..core.chat import ChatPrompt, Prompt, chat_of_fields
 from ..core.errors import InvalidRequestError
 from ..core.request import SamplingParams
+from ..core.tool_choice import forces_calls
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-prompt-arrival", "file")
 
@@ -186,7 +187,7 @@ def _parse_line(line: str, number: int) -> FileEntry:
             prompt = chat_of_fields(item)
         except InvalidRequestError as exc:
             raise WorkloadError(str(exc)) from None
-        if prompt.tool_choice not in ("auto", "none"):
+        if forces_calls(prompt):
             raise WorkloadError("a forced 'tool_choice' ends the reply at EOS once its calls are whole, and the bench "
                                 "runs every request to max_tokens (EOS ignored); use 'auto' or 'none'")
     elif isinstance(prompt, str):

@@ -125,14 +125,14 @@ tool_choice_option = click.option(
          "required: OpenAI's JSON object {\"type\": \"function\", \"function\": {\"name\": ...}}).")
 
 
-def tool_choice_of(text: str) -> object:
-    """A --tool-choice as ChatPrompt.of takes it: a word of TOOL_CHOICES, OpenAI's JSON object (text that starts
-    with ``{``), else the object naming that function."""
-    from ..core.chat_tools import TOOL_CHOICES, load_json
+def tool_choice_of(text: str, tools: tuple[dict[str, Any], ...]) -> object:
+    """A --tool-choice as ChatPrompt.of takes it: what the gRPC field takes (a word of TOOL_CHOICES, OpenAI's JSON
+    object), else the function that ``text`` names."""
+    from ..core.chat_tools import TOOL_CHOICES, FunctionChoice, parse_tool_choice
 
-    if text.lstrip().startswith("{"):
-        return load_json(text, "--tool-choice", "a JSON object {'type': 'function', 'function': {'name': ...}}")
-    return text if text in TOOL_CHOICES else {"type": "function", "function": {"name": text}}
+    if text in TOOL_CHOICES or text.lstrip().startswith("{"):
+        return parse_tool_choice(text, "--tool-choice", tools)
+    return FunctionChoice(text)
 
 
 def _read_json_schema(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from .admission import at_prompt, check_prompt_list
-from .chat import ChatPrompt, Prompt
+from .chat import Prompt
 from .errors import CapacityError, InferError, InvalidRequestError
 from .interfaces import ScheduledSequence, SchedulerOutput
 from .request import FinishReason, SamplingParams, Sequence
+from .tool_choice import forces_calls
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -304,7 +305,7 @@ def check_prompts(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams
     for index, prompt in enumerate(check_prompt_list(prompts)):
         try:
             ids = engine.checker.check(prompt, sampling)
-            if isinstance(prompt, ChatPrompt) and prompt.tools and prompt.tool_choice not in ("auto", "none"):
+            if forces_calls(prompt):
                 raise InvalidRequestError("beam search cannot force tool calls (tool_choice 'required' or a named "
                                           "function makes the reply structured output, which beams do not follow); "
                                           "send the chat to generate, or set tool_choice 'auto'")

@@ -46,6 +46,11 @@ def reply_reading(prompt: Prompt, params: SamplingParams, tool_parser: ToolParse
     return forced, ForcedToolCalls(choice)
 
 
+def forces_calls(prompt: Prompt) -> bool:
+    """Whether ``prompt``'s tool_choice forces its reply to be calls ("required" or a named function)."""
+    return isinstance(prompt, ChatPrompt) and bool(prompt.tools) and prompt.tool_choice not in ("auto", "none")
+
+
 def forced_what(choice: ToolChoice) -> str:
     return f"tool_choice {choice.name!r}" if isinstance(choice, FunctionChoice) else f"tool_choice {choice!r}"
 

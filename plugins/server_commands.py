@@ -163,7 +163,7 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
     opening = [{"role": "system", "content": system}] if system is not None else []
     sent = ChatPrompt.of([*opening, {"role": "user", "content": prompt}],
                          chat_template_kwargs=chat_template_kwargs, tools=tools,
-                         tool_choice=tool_choice_of(tool_choice)) if chat else prompt
+                         tool_choice=tool_choice_of(tool_choice, tools)) if chat else prompt
     shown = "" if chat else prompt  # a reply is not a continuation of the user's text
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
         mid_line = False  # the prompt goes out with the first response, so that an early error stands alone

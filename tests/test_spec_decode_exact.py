@@ -262,7 +262,7 @@ def test_structured_sampling_with_speculation_draws_the_masked_target_distributi
     live[2], live[:, 2] = 0, 0
     third = torch.bincount(torch.tensor([t[2] for t in total if len(t) >= 3 and 2 not in t[:2]]), minlength=vocab)
     assert chi_square_p(third, (live[..., None] * p3).sum((0, 1)) / live.sum()) > 0.01
-    assert len(rows) == int(third.sum())
+    assert int(third.sum()) > n // 4  # enough outputs reach a third token for the test above to mean something
     greedy = SamplingParams(max_tokens=12, temperature=0, structured_output=spec)
     plain = Engine(EngineConfig(model=str(target), device="cpu", num_kv_blocks=64,
                                 structured_output_backend="no-repeat"), plugins)
