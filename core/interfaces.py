@@ -483,6 +483,14 @@ class Proposer(ABC):
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
         """Draft tokens continuing each sequence's ``token_ids``. May propose fewer than k (or none)."""
 
+    def propose_guided(self, seqs: list[Sequence], k: int, guides: dict[int, GrammarMatcher]) -> Proposal | None:
+        """``propose``, with the drafts of each sequence in ``guides`` (by seq_id: those under structured output)
+        drawn under its grammar: before each draft, the guide's ``allowed()`` masks the proposer's logits (its
+        ``probs`` are then the masked, renormalized distribution the draft was drawn from); after it,
+        ``advance(token)``. Returns None, the default, when the proposer cannot: the engine then calls ``propose``
+        and cuts the drafts after the first one the grammar refuses."""
+        return None
+
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         """After verification: roll back any draft state past the accepted tokens."""
 

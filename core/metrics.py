@@ -70,6 +70,7 @@ class EngineStats:
     spec_emitted: int = 0  # output tokens those verifications produced (accepted drafts + 1 each, less stop cuts)
     spec_judged: int = 0  # drafts the target judged: the accepted ones and the first rejected (those after go unseen)
     spec_judged_accepted: int = 0  # accepted drafts, stop cuts aside (the drafts' quality)
+    spec_grammar_refused: int = 0  # structured output: rounds whose drafts the grammar refused one of (cut there)
     beam_searches_finished: int = 0  # ended with their beams (max_tokens, or every hypothesis done)
     beam_searches_aborted: int = 0  # stopped early (Engine.abort_beam_search): their best beams so far
     beam_searches_failed: int = 0  # ended by an error (CapacityError, a plugin's)
@@ -163,6 +164,7 @@ class EngineStats:
             "spec_per_draft_acceptance": round(self.spec_judged_accepted / self.spec_judged, 4)
             if self.spec_judged else 0.0,
             "spec_rounds": self.spec_rounds,
+            "spec_grammar_refused": self.spec_grammar_refused,
             "spec_tokens_per_round": round(self.spec_emitted / self.spec_rounds, 4) if self.spec_rounds else 0.0,
             "spec_enabled": int(self.spec_state == "on"),
             "spec_steps_on": self.spec_steps.get("on", 0),

@@ -5,12 +5,14 @@ The masks are computed after the tokens in flight are read back (the engine samp
 scheduling keeps running ahead. With speculative decoding and the plugin option ``spec_decode.structured``, a copy
 of the matcher walks each sequence's drafts: those after the first one the grammar refuses are dropped before
 verification, and every position the rest are verified at is masked as a plain step would mask it
-(:meth:`walk_drafts`).
+(:meth:`walk_drafts`). A proposer that can (``Proposer.propose_guided``, the draft model's) drafts under a copy of
+its own (:meth:`draft_guide`), so that its drafts are ones the grammar allows.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +22,15 @@ from .request import Sequence, StructuredOutput
 from .sampling import to_device
 
 CACHED_GRAMMARS = 64
+
+
+@dataclass
+class DraftWalk:
+    """:meth:`StructuredOutputs.walk_drafts`'s answer."""
+
+    verified: int  # leading drafts worth verifying
+    states: list[GrammarMatcher]  # verified + 1 matchers, one per verified position
+    refused: bool  # whether the last verified draft is one the grammar refuses (its rejection is sure)
 
 
 class StructuredOutputs:
@@ -94,7 +105,7 @@ class StructuredOutputs:
             walkable = self.walkable[seq.seq_id] = self._matcher(seq).copy() is not None
         return walkable
 
-    def walk_drafts(self, seq: Sequence, drafts: list[int]) -> tuple[int, list[GrammarMatcher]]:
+    def walk_drafts(self, seq: Sequence, drafts: list[int]) -> DraftWalk:
         """How many leading ``drafts`` are worth verifying, and that many + 1 matchers: the j-th in the state
         after j of them (the 0-th, after the sequence's last token), copies walked apart from its own. The
         first draft the grammar refuses is the last verified: its rejection must still be drawn, as its
@@ -105,14 +116,20 @@ class StructuredOutputs:
         states = [walker]
         for j, token in enumerate(drafts):
             if seq.stop_reason(token, seq.num_tokens + j + 1) is not None:
-                return j + 1, states + states[-1:]
+                return DraftWalk(j + 1, states + states[-1:], refused=False)
             walker = walker.copy()
             try:
                 walker.advance(token)  # ValueError: a token the mask disallows
             except ValueError:
-                return j + 1, states + states[-1:]
+                return DraftWalk(j + 1, states + states[-1:], refused=True)
             states.append(walker)
-        return len(drafts), states
+        return DraftWalk(len(drafts), states, refused=False)
+
+    def draft_guide(self, seq: Sequence) -> GrammarMatcher:
+        """A copy of ``seq``'s matcher for a proposer to draft under (``Proposer.propose_guided``)."""
+        walker = self._matcher(seq).copy()
+        assert walker is not None, "can_walk_drafts said it copies"
+        return DraftGuide(walker, seq, self._checked)
 
     def masks(self, states: list[GrammarMatcher]) -> torch.Tensor:
         """bool [len(states), V]: what each matcher of :meth:`walk_drafts` allows."""
@@ -144,3 +161,24 @@ class StructuredOutputs:
         self.matchers.pop(seq_id, None)
         self.taken.pop(seq_id, None)
         self.walkable.pop(seq_id, None)
+
+
+class DraftGuide(GrammarMatcher):
+    """A sequence's matcher copy, walked along its drafts as a proposer draws them. Past a stop token it stays
+    put: the drafts after one are never verified (``walk_drafts`` cuts them), so any mask serves there."""
+
+    def __init__(self, matcher: GrammarMatcher, seq: Sequence, checked: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> None:
+        self.matcher, self.seq, self.checked = matcher, seq, checked
+        self.length = seq.num_tokens  # the sequence's length with the drafts taken so far
+        self.stopped = False
+
+    def allowed(self) -> torch.Tensor:
+        return self.checked(self.matcher.allowed())
+
+    def advance(self, token_id: int) -> None:
+        self.length += 1
+        if self.stopped or self.seq.stop_reason(token_id, self.length) is not None:
+            self.stopped = True
+            return
+        self.matcher.advance(token_id)

@@ -45,7 +45,8 @@ class SpecDecoder:
                  stats: EngineStats, vocab_size: int, structured: StructuredOutputs) -> None:
         self.k = config.num_speculative_tokens
         self.structured = structured  # the engine's: masks each position a structured sequence's drafts reach
-        self.structured_drafts = read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)["structured"]
+        options = read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)
+        self.structured_drafts, self.guided = options["structured"], options["guided"]
         self.proposer_name, self.vocab_size = config.proposer, vocab_size
         self.token_budget = config.max_num_batched_tokens
         self.proposer, self.kv, self.sampler, self.stats = proposer, kv, sampler, stats
@@ -76,7 +77,7 @@ class SpecDecoder:
         if not room:
             return
         items = [item for item in out.scheduled if item.seq.seq_id in room]
-        proposal = self.proposer.propose([item.seq for item in items], max(room.values()))
+        proposal = self._proposal([item.seq for item in items], max(room.values()))
         try:
             self._check_proposal(proposal, items, max(room.values()))
         except PluginError:
@@ -88,8 +89,9 @@ class SpecDecoder:
             tokens = proposal.token_ids.get(seq.seq_id, [])[: room[seq.seq_id]]
             states = None
             if tokens and seq.params.structured_output is not None:  # none after a draft the grammar refuses
-                verified, states = self.structured.walk_drafts(seq, tokens)
-                tokens = tokens[:verified]
+                walk = self.structured.walk_drafts(seq, tokens)
+                tokens, states = tokens[: walk.verified], walk.states
+                self.stats.spec_grammar_refused += walk.refused
             if len(tokens) < room[seq.seq_id]:  # give back the slots of drafts not proposed
                 self.kv.truncate(seq, seq.num_computed_tokens + 1 + len(tokens))
             if tokens:
@@ -97,6 +99,13 @@ class SpecDecoder:
                 item.draft_token_ids = tokens
                 self.drafts[seq.seq_id] = _Draft(seq, tokens, None if probs is None else probs[: len(tokens)], states)
         out.block_ops.copies.extend(self.kv.take_block_ops().copies)
+
+    def _proposal(self, seqs: list[Sequence], k: int) -> Proposal:
+        """The proposer's drafts: under the grammar (``propose_guided``) for structured sequences where it can."""
+        guides = {seq.seq_id: self.structured.draft_guide(seq) for seq in seqs
+                  if seq.params.structured_output is not None} if self.guided else {}
+        proposal = self.proposer.propose_guided(seqs, k, guides) if guides else None
+        return self.proposer.propose(seqs, k) if proposal is None else proposal
 
     def _check_proposal(self, proposal: Any, items: list[ScheduledSequence], k: int) -> None:
         """PluginError for a proposal that breaks the Proposer contract: a bad token id would index past the

@@ -7,7 +7,8 @@ decodes k - 1 more tokens one batched forward at a time. Each step's tokens stay
 step, and the round reads them back once at the end, so on a GPU the host queues the k steps without waiting for any
 of them; with CUDA graphs, a steady-state greedy round is one replay (draft_rounds.py). The draft samples with the
 request's own temperature and filters, so that its distribution q is close to the target's p; greedy requests draft
-greedily (a point mass).
+greedily (a point mass). A structured-output sequence drafts under its grammar (``propose_guided``): its logits are
+masked before each draft, q is the masked distribution, and its tokens are read back every step to walk its guide.
 
 The proposer factory receives the config and the target only, so the draft's architecture, attention backend,
 eviction policy and the `paged` KV cache come from a plugin manager over the installed entry points.
@@ -21,7 +22,7 @@ import torch
 
 from ..core.config import EngineConfig
 from ..core.errors import CheckpointError, ConfigError
-from ..core.interfaces import KVCache, Proposal, Proposer, ScheduledSequence, SchedulerOutput
+from ..core.interfaces import GrammarMatcher, KVCache, Proposal, Proposer, ScheduledSequence, SchedulerOutput
 from ..core.loader import LoadedModel, load_model
 from ..core.plugin_options import read_plugin_options
 from ..core.plugins import PluginManager
@@ -93,6 +94,12 @@ class DraftModelProposer(Proposer):
 
     # ------------------------------------------------------------ Proposer
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
+        return self._propose(seqs, k, {})
+
+    def propose_guided(self, seqs: list[Sequence], k: int, guides: dict[int, GrammarMatcher]) -> Proposal:
+        return self._propose(seqs, k, guides)
+
+    def _propose(self, seqs: list[Sequence], k: int, guides: dict[int, GrammarMatcher]) -> Proposal:
         active = self._admit(seqs, k)
         if not active:
             return Proposal({})
@@ -100,15 +107,16 @@ class DraftModelProposer(Proposer):
         sampled = [active[i] for i in rows]
         self._reseed(sampled)
         sampled_rows = to_device(rows, self.draft.device) if rows else None
+        guided = _Guided.of(active, guides, self.draft.device)
         items = [ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens) for seq in active]
         out = SchedulerOutput(items, block_ops=self.kv.take_block_ops())
         self.runner.apply_block_ops(out.block_ops)
         batch = self.runner.prepare(out, self.kv)
         rounds = self.round_graphs
-        if rounds is not None and not rows and k == rounds.k and rounds.fits(batch):
+        if rounds is not None and not rows and guided is None and k == rounds.k and rounds.fits(batch):
             drafted, step_dists = rounds.run(batch), []  # the whole greedy round in one replay
         else:
-            drafted, step_dists = self._step_by_step(batch, k, sampled, sampled_rows)
+            drafted, step_dists = self._step_by_step(batch, k, sampled, sampled_rows, guided)
         for item in items:
             item.seq.num_computed_tokens += item.num_new_tokens + k - 1
             item.seq.token_ids.extend([UNREAD_TOKEN] * k)  # filled in after the round's one read
@@ -122,9 +130,10 @@ class DraftModelProposer(Proposer):
             seq.token_ids[-k:] = tokens
         return Proposal({seq.seq_id: tokens for seq, tokens in zip(active, drafts)}, probs)
 
-    def _step_by_step(self, batch: Batch, k: int, sampled: list[Sequence], sampled_rows: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """The round one forward pass at a time: draft tokens [B, k] and, per step, the sampled rows' q."""
+    def _step_by_step(self, batch: Batch, k: int, sampled: list[Sequence], sampled_rows: torch.Tensor | None,
+                      guided: _Guided | None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The round one forward pass at a time: draft tokens [B, k] and, per step, the sampled rows' q (under
+        the grammar for the ``guided`` rows, whose tokens are read back each step to walk their guides)."""
         steps: list[torch.Tensor] = []  # each step's tokens, still on the device
         step_dists: list[torch.Tensor | None] = []
         logits = self.runner.run(batch)
@@ -132,7 +141,11 @@ class DraftModelProposer(Proposer):
             if step:  # steps after the first advance the batch on the device: one new token per sequence
                 batch = self.runner.advance(batch, steps[-1])
                 logits = self.runner.run(batch)
+            if guided is not None:
+                logits = guided.mask(logits)
             tokens, dists = self._sample(logits, sampled, sampled_rows)
+            if guided is not None:
+                guided.advance(tokens)
             steps.append(tokens)
             step_dists.append(dists)
         return torch.stack(steps, dim=1), step_dists
@@ -248,6 +261,32 @@ class DraftModelProposer(Proposer):
             if seq.params.seed is not None:
                 self._generator(seq).manual_seed(
                     stream_seed(seq.params.seed, seq.index, DRAFT_SEED_SALT, position=seq.num_tokens))
+
+
+@dataclass
+class _Guided:
+    """The rows of a round that draft under their grammar (``Proposer.propose_guided``), with their guides."""
+
+    guides: list[GrammarMatcher]
+    rows: torch.Tensor  # on the draft's device
+
+    @classmethod
+    def of(cls, active: list[Sequence], guides: dict[int, GrammarMatcher], device: torch.device) -> _Guided | None:
+        rows = [i for i, seq in enumerate(active) if seq.seq_id in guides]
+        if not rows:
+            return None
+        return cls([guides[active[i].seq_id] for i in rows], to_device(rows, device))
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the guided rows' disallowed tokens at -inf (a copy: the runner's stays as it was)."""
+        allowed = torch.stack([guide.allowed() for guide in self.guides]).to(logits.device)
+        masked = logits.index_select(0, self.rows).masked_fill(~allowed, float("-inf"))
+        return logits.index_put((self.rows,), masked)
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Walk each guide along its row's draft: a read from the device, once per draft step."""
+        for guide, token in zip(self.guides, tokens.index_select(0, self.rows).tolist()):
+            guide.advance(token)
 
 
 def round_graphs_option(config: EngineConfig) -> bool:

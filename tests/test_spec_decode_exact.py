@@ -211,12 +211,14 @@ def no_repeat_mask(last: int | None) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("proposer", ["draft-model", "ngram"])
-def test_structured_sampling_with_speculation_draws_the_masked_target_distribution(small_pair, proposer):
-    """A structured request speculates: its drafts (the draft model knows nothing of the grammar) are verified at
-    positions masked by copies of its matcher, so the first three tokens follow the target's distribution
-    renormalized over what the grammar allows at each, computed by HF transformers; drafts the grammar refuses
-    are rejected, and greedy equals the plain step's."""
+@pytest.mark.parametrize("proposer, guided", [("draft-model", True), ("draft-model", False), ("ngram", True)],
+                         ids=["draft-model-guided", "draft-model-unguided", "ngram"])
+def test_structured_sampling_with_speculation_draws_the_masked_target_distribution(small_pair, proposer, guided):
+    """A structured request speculates: its drafts are verified at positions masked by copies of its matcher, so
+    the first three tokens follow the target's distribution renormalized over what the grammar allows at each,
+    computed by HF transformers, and greedy equals the plain step's. Guided, the draft model draws its drafts
+    under the grammar too (q masked and renormalized); unguided (and ngram, which cannot be guided), drafts the
+    grammar refuses are cut and rejected."""
     from transformers import AutoModelForCausalLM
 
     from infer.core.plugins import PluginManager
@@ -231,9 +233,10 @@ def test_structured_sampling_with_speculation_draws_the_masked_target_distributi
                                  draft_model=str(draft) if proposer == "draft-model" else None,
                                  num_speculative_tokens=3, max_num_seqs=50, num_kv_blocks=1100, seed=1,
                                  enable_prefix_caching=False, structured_output_backend="no-repeat",
-                                 plugin_options={"spec_decode": {"structured": True}}), plugins)
+                                 plugin_options={"spec_decode": {"structured": True, "guided": guided}}), plugins)
     params = SamplingParams(max_tokens=5, temperature=0.9, n=50, structured_output=spec)
     outs = engine.generate([prompt] * (n // 50), params)  # tokens 2-4: one round of 3 drafts (and the bonus)
+    assert (engine.stats.spec_grammar_refused == 0) == (proposer == "draft-model" and guided)
     rows = [c.token_ids for o in outs for c in o.outputs if len(c.token_ids) >= 3 and 2 not in c.token_ids[:2]]
     assert engine.stats.spec_rounds > 0 and 0.05 < engine.stats.acceptance_rate < 0.95
     assert engine.stats.spec_judged > engine.stats.spec_rounds  # rounds verified more than one draft
