@@ -12,7 +12,8 @@
 #                                       measured copy bandwidth
 #   (not run by default, when device time allows: prefix3k, shared-prefix with a 3,000-token prefix; beam, beam
 #   search against HF generate(num_beams) with the shipped demo model; controls, host time per output token with
-#   every request penalized, or asking for prompt logprobs; lora, LoRA adapters' cost on the anchor model)
+#   every request penalized, or asking for prompt logprobs; lora, LoRA adapters' cost on the anchor model;
+#   structured, structured output with speculation, grammar-guided drafts and unguided, with the shipped pair)
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
 # step; Chrome traces in the logs). anchor measures infer (with and without merged projections, with the skinny
 # GEMM) on the anchor workload and single stream, then HF continuous batching; hfstatic adds HF generate (static
@@ -171,6 +172,13 @@ if want controls; then  # what logit controls and prompt logprobs cost per outpu
   done
 fi
 
+if want structured; then  # structured output with the draft model: guided drafts, unguided, none (untimed on a GPU)
+  for guided in true false; do
+    stage "structured_bench guided=$guided" "structured_$guided.log" 90 $PY benchmarks/structured_bench.py \
+      --device cuda --vocab --spec-option structured=true --spec-option guided=$guided
+  done
+fi
+
 if want hfstatic; then  # HF generate (static batches of 32) and HF single stream beside the anchor stage's figures
   stage "HF static, HF single" anchor_hf.log 200 $PY benchmarks/throughput.py --preset anchor --model-dir "$MODEL" \
     --out "$WORK/anchor" --copy-gbps "${copy_gbps:-4120}" --reuse-infer --hf static,single
@@ -213,6 +221,8 @@ want spec && show "speculative decoding" spec_bench.log 10
 want beam && show "beam search against HF" beam_bench.log 5
 want lora && show "LoRA adapters" lora_bench.log 8
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
+want structured && show "structured output, guided drafts" structured_true.log 9
+want structured && show "structured output, unguided drafts" structured_false.log 9
 want quant && show "quantization" quant_bench.log 40
 want host && show "host overhead per output token" host_overhead.log 8
 want controls && show "host overhead, repetition_penalty=1.1" host_repetition_penalty.log 8

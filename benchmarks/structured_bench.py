@@ -36,7 +36,7 @@ REGEX = r"[a-z_]{1,16}\([a-z_, ]{0,24}\)( # [a-z ]{1,24})?"
 
 
 def engine_rows(requests: int, max_tokens: int, rounds: int, k: int, proposer: str,
-                options: dict[str, Any]) -> list[tuple[str, ...]]:
+                options: dict[str, Any], device: str) -> list[tuple[str, ...]]:
     import statistics
 
     from infer.core.config import EngineConfig
@@ -49,7 +49,7 @@ def engine_rows(requests: int, max_tokens: int, rounds: int, k: int, proposer: s
             **{f"{name} + {proposer}": (spec, True) for name, spec in specs.items()}}
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
     draft = {"proposer": proposer, "num_speculative_tokens": k, "plugin_options": {"spec_decode": options}}
-    engines = {name: Engine(EngineConfig(model=str(PRETRAINED_DIR / "target"), device="cpu", max_num_seqs=requests,
+    engines = {name: Engine(EngineConfig(model=str(PRETRAINED_DIR / "target"), device=device, max_num_seqs=requests,
                                          **(draft if speculative else {})))
                for name, (_, speculative) in arms.items()}
     times: dict[str, list[float]] = {name: [] for name in arms}
@@ -121,12 +121,13 @@ def main() -> None:
     parser.add_argument("--proposer", default="draft-model", help="the proposer of the + proposer arms")
     parser.add_argument("--spec-option", action="append", default=[], metavar="KEY=JSON",
                         help="a spec_decode plugin option of the + proposer arms (repeatable)")
+    parser.add_argument("--device", default="cpu", help="the engines' device (cpu, cuda)")
     parser.add_argument("--vocab", type=int, nargs="*", default=[8192, 32768, 131072],
                         help="trained vocabulary sizes to time masks on (the corpus caps them at about 39k)")
     args = parser.parse_args()
     options = {key: json.loads(value) for key, _, value in (o.partition("=") for o in args.spec_option)}
     engine = engine_rows(args.requests, args.max_tokens, args.rounds, args.num_speculative_tokens, args.proposer,
-                         options)
+                         options, args.device)
     masks = mask_rows(args.vocab)
     print(table(("arm", "output tokens", "ended whole", "drafts accepted", "cold ms / token",
                  "warm ms / token (median)",
