@@ -8,7 +8,8 @@ from typing import Any
 import click
 
 from ..core.errors import InferError, InvalidRequestError
-from .options import chat_template_kwargs_option, lora_adapter_option, sampling_options, tools_option
+from .options import (chat_template_kwargs_option, lora_adapter_option, sampling_options, tool_choice_of,
+                      tool_choice_option, tools_option)
 
 
 @click.command("chat")
@@ -20,9 +21,11 @@ from .options import chat_template_kwargs_option, lora_adapter_option, sampling_
 @lora_adapter_option("to every reply")
 @chat_template_kwargs_option
 @tools_option
+@tool_choice_option
 @click.pass_context
 def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict[str, Any], seed: int | None,
-         lora_adapter: str | None, chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> None:
+         lora_adapter: str | None, chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...],
+         tool_choice: str) -> None:
     """Chat with the model: each line of stdin is your turn, and the model's reply to the whole conversation so far
     (rendered by the model's chat template) streams to stdout. End of input (Ctrl-D) or /exit ends it, /reset
     starts over, Ctrl-C during a reply stops that reply (on a terminal, while typing, it clears the line). A turn
@@ -30,9 +33,11 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
     exit status is then 1. With --tools, the template shows the model the tools; a reply that calls one is
     printed as the model wrote it (this loop runs no tools). With the group's --tool-parser too, the calls it reads
     are listed on stderr with their ids, kept in the conversation as calls, and `/tool ID RESULT` answers one (the
-    model then replies to the result)."""
+    model then replies to the result). --tool-choice required or NAME forces each reply to a turn of yours to be
+    calls (read without a parser); the reply to a /tool answer is read as with auto."""
     from ..core.chat import ChatPrompt
     from ..core.request import SamplingParams
+    from ..core.tool_choice import forces_calls
     from .main import CommandLineError, build_engine
 
     params = SamplingParams(max_tokens=max_tokens, seed=seed, lora_adapter=lora_adapter, **sampling)
@@ -41,13 +46,18 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
     except InvalidRequestError as exc:
         raise CommandLineError(str(exc)) from None
     opening = [{"role": "system", "content": system}] if system is not None else []
-    engine = build_engine(ctx)
-    try:  # the template and the options against this model, before the first turn
-        engine.checker.check_params(params)
-        engine.tokenize(ChatPrompt.of([*opening, {"role": "user", "content": "hello"}],
-                                      chat_template_kwargs=chat_template_kwargs, tools=tools))
+    try:
+        choice = tool_choice_of(tool_choice, tools)
+        first = ChatPrompt.of([*opening, {"role": "user", "content": "hello"}],
+                              chat_template_kwargs=chat_template_kwargs, tools=tools, tool_choice=choice)
     except InvalidRequestError as exc:
         raise CommandLineError(str(exc)) from None
+    engine = build_engine(ctx)
+    try:  # the template, the tool choice and the options against this model, before the first turn
+        engine.check_request(first, params)
+    except InferError as exc:
+        raise CommandLineError(str(exc)) from None
+    after_results = "auto" if forces_calls(first) else choice  # the reply to a /tool answer
     eos = engine.tokenizer.eos_token_id
     if eos is not None and eos not in engine.eos_token_ids:  # HF's rule: generation_config.json's ids win
         click.echo(f"infer: warning: the tokenizer's end-of-sequence token {engine.tokenizer.eos_token!r} (id {eos}) "
@@ -77,8 +87,9 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
             message = {"role": "user", "content": line}
         turn = [*history, message]
         try:
-            reply = _stream_reply(engine, ChatPrompt.of(turn, chat_template_kwargs=chat_template_kwargs, tools=tools),
-                                  params)
+            turn_choice = choice if message["role"] == "user" else after_results
+            reply = _stream_reply(engine, ChatPrompt.of(turn, chat_template_kwargs=chat_template_kwargs, tools=tools,
+                                                        tool_choice=turn_choice), params)
         except InferError as exc:
             click.echo(f"infer: turn refused: {exc} (/reset starts a new conversation)", err=True)
             refused += 1

@@ -119,7 +119,7 @@ tools_option = click.option(
 
 tool_choice_option = click.option(
     "--tool-choice", default="auto", show_default=True, metavar="CHOICE",
-    help="With --tools: auto (the server's --tool-parser, if any, reads the reply), none (the reply is not read for "
+    help="With --tools: auto (the --tool-parser, the server's for infer client, if any, reads the reply), none (the reply is not read for "
          "calls), required (the reply is forced to be one call or more of the tools, JSON under their parameter "
          "schemas) or a function's NAME (the reply is forced to be one call of it; a function called auto, none or "
          "required: OpenAI's JSON object {\"type\": \"function\", \"function\": {\"name\": ...}}).")

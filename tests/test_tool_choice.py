@@ -24,7 +24,9 @@ from infer.core.tool_choice import ForcedToolCalls, reply_schema
 from infer.plugins.json_schema_regex import schema_to_regex
 
 TEMPLATE = ("{%- if tools %}<|system|>\n{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}{% endif %}"
-            "{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{%- endfor %}<|assistant|>\n")
+            "{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}"
+            "{%- for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}{%- endfor %}"
+            "\n{%- endfor %}<|assistant|>\n")
 FORECAST = {"type": "function", "function": {"name": "forecast", "description": "The forecast.", "parameters": {
     "type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "hourly": {"type": "boolean"},
                                      "day": {"$ref": "#/$defs/day"}},
@@ -248,3 +250,30 @@ def test_tool_choice_travels_over_grpc_infer_client_and_generate_chat(llm: LLM, 
     assert result.exit_code == 0, result.output
     [got] = [json.loads(row) for row in result.stdout.splitlines()]
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["tool_calls"]] == want_calls
+
+
+def test_infer_chat_forces_the_replies_to_your_turns_only(llm: LLM, tiny_model: Path, tmp_path: Path) -> None:
+    """`infer chat --tool-choice NAME`: the reply to a turn is the call LLM.chat forces; the reply to the `/tool`
+    answer is the one LLM.chat gives under "auto" to the same conversation; a choice that cannot apply is exit 2
+    before the first turn."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    forced = llm.chat(ASK, params, tools=TOOLS, tool_choice=FunctionChoice("forecast"))[0].outputs[0]
+    assert forced.tool_calls
+    answered = [*ASK, {"role": "assistant", "content": None, "tool_calls": forced.tool_calls},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21C"}]
+    after = llm.chat(answered, params, tools=TOOLS)[0].outputs[0].text
+    assert after != llm.chat(answered, params, tools=TOOLS, tool_choice=FunctionChoice("forecast"))[0].outputs[0].text
+    base = ["--model", str(tiny_model), "--num-kv-blocks", "128", "--chat-template",
+            str(llm.engine.config.chat_template), "chat", "--max-tokens", "40", "--temperature", "0"]
+    result = CliRunner().invoke(main, [*base, "--tools", str(tools), "--tool-choice", "forecast"],
+                                input=f"{ASK[0]['content']}\n/tool call_1 21C\n")
+    assert result.exit_code == 0 and result.stdout == f"{forced.text}\n{after}\n", result.output
+    [call] = forced.tool_calls
+    assert "tool call call_" in result.stderr and f"{call.name}({json.dumps(call.arguments)})" in result.stderr
+    for args, complaint in ((["--tool-choice", "required"], "tool_choice 'required' needs tools"),
+                            (["--tools", str(tools), "--tool-choice", "radar"], "'radar'"),
+                            (["--tools", str(tools), "--tool-choice", "forecast", "--min-tokens", "2"], "min_tokens")):
+        result = CliRunner().invoke(main, [*base, *args], input="hi\n")
+        assert result.exit_code == 2 and complaint in result.stderr and not result.stdout, result.output
