@@ -6,9 +6,11 @@ mask built on first use), then ``--rounds`` times ``warm`` (masks cached), the a
 tokens, how many outputs ended whole (at EOS), and wall time per output token, cold and the warm median, and its
 ratio to the free arm's. The arms end at different lengths (a structured output ends at EOS once whole), so
 compare per-token times. The ``+ PROPOSER`` arms add speculative decoding (``--proposer``, default the shipped draft
-model; K ``--num-speculative-tokens``; ``--spec-option KEY=JSON`` sets a ``spec_decode`` plugin option): a
-structured request's drafts are verified under its grammar's masks, up to the first one the grammar refuses; their
-column "drafts accepted" counts the drafts verified and accepted.
+model; K ``--num-speculative-tokens``; ``--spec-option KEY=JSON`` sets a ``spec_decode`` plugin option, e.g.
+``structured=true``, without which structured requests do not speculate, and ``guided=false``): the draft model
+drafts under the grammar (unless ``guided=false``), and a structured request's drafts are verified under its
+grammar's masks, up to the first one the grammar refuses; their column "drafts accepted" counts the drafts verified
+and accepted. ``--device cuda`` runs the engines on the GPU.
 
 Part 2, the backend alone: the time to index a vocabulary and to build the first mask of a permissive state (inside
 a JSON string: nearly every token allowed) and of a narrow one (digits), for byte-level BPE vocabularies trained on
