@@ -120,7 +120,8 @@ def _read_turn(interactive: bool) -> str | None:
 
 def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
     """Print the reply as it comes; Ctrl-C stops it (the request is aborted) and keeps what came. Returns it as an
-    assistant message: its text, or the content and calls that the tool parser read (listed on stderr)."""
+    assistant message: its text, or the reasoning, content and calls that the parsers read (calls listed on
+    stderr)."""
     parts: list[str] = []
     deltas = engine.stream(prompt, params)
     stopped, last = False, None
@@ -136,9 +137,12 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
     click.echo()
     if stopped:
         click.echo("[reply stopped]", err=True)
-    if last is None or not last.tool_calls:
+    if last is None or last.content is None:  # not read (no parser, or stopped)
         return {"role": "assistant", "content": "".join(parts)}
+    reasoning = {"reasoning_content": last.reasoning_content} if last.reasoning_content is not None else {}
+    if not last.tool_calls:
+        return {"role": "assistant", "content": last.content, **reasoning}
     for call in last.tool_calls:
         click.echo(f"infer: tool call {call.id}: {call.name}({json.dumps(call.arguments, ensure_ascii=False)}) "
                    f"(answer with /tool {call.id} RESULT)", err=True)
-    return {"role": "assistant", "content": last.content or None, "tool_calls": last.tool_calls}
+    return {"role": "assistant", "content": last.content or None, "tool_calls": last.tool_calls, **reasoning}

@@ -333,8 +333,11 @@ def _completion_json(prompt_index: int, prompt: str, result: Any, out: Any) -> d
     line = {"prompt_index": prompt_index, "prompt": prompt, "index": out.index, "text": out.text,
             "token_ids": out.token_ids, "finish_reason": out.finish_reason and out.finish_reason.value,
             "num_cached_tokens": result.num_cached_tokens, "metrics": result.metrics}
-    if out.tool_calls is not None:  # --tool-parser read the reply of a chat with tools (OpenAI's shape)
+    if out.content is not None:  # --reasoning-parser or --tool-parser read the reply of a chat
         line["content"] = out.content
+    if out.reasoning_content is not None:
+        line["reasoning_content"] = out.reasoning_content
+    if out.tool_calls is not None:  # OpenAI's shape
         line["tool_calls"] = [{"id": call.id, "type": "function", "function": {
             "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}} for call in out.tool_calls]
     if out.logprobs is not None:

@@ -119,10 +119,11 @@ tools_option = click.option(
 
 tool_choice_option = click.option(
     "--tool-choice", default="auto", show_default=True, metavar="CHOICE",
-    help="With --tools: auto (the --tool-parser, the server's for infer client, if any, reads the reply), none (the reply is not read for "
-         "calls), required (the reply is forced to be one call or more of the tools, JSON under their parameter "
-         "schemas) or a function's NAME (the reply is forced to be one call of it; a function called auto, none or "
-         "required: OpenAI's JSON object {\"type\": \"function\", \"function\": {\"name\": ...}}).")
+    help="With --tools: auto (the --tool-parser, the server's for infer client, if any, reads the reply), none "
+         "(the reply is not read for calls), required (the reply is forced to be one call or more of the tools, "
+         "JSON under their parameter schemas) or a function's NAME (the reply is forced to be one call of it; a "
+         "function called auto, none or required: OpenAI's JSON object {\"type\": \"function\", \"function\": "
+         "{\"name\": ...}}).")
 
 
 def tool_choice_of(text: str, tools: tuple[dict[str, Any], ...]) -> object:
@@ -284,6 +285,10 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="Read the tool calls out of the replies of chats that offer tools, in the model's format: "
                       "hermes (Qwen 2.5/3, Hermes), llama3-json (Llama 3.1/3.2), pythonic (Llama 3.2/4) or mistral "
                       "(Mistral's [TOOL_CALLS]), or a plugin's [default: none: replies stay text]."),
+    click.option("--reasoning-parser", default=None, metavar="NAME",
+                 help="Split the replies of chats into reasoning and content: qwen3 (a <think> block the reply "
+                      "opens), deepseek-r1 (a block the template opens in the prompt), or a plugin's [default: none: "
+                      "replies stay text]."),
     click.option("--structured-output-backend", default=None, metavar="NAME",
                  help="Compiles each request's structured output (--regex, --choice, --json-schema; "
                       "SamplingParams.structured_output) into token masks: fsm, or a plugin's [default: fsm]."),
@@ -367,7 +372,8 @@ FIELD_OF_OPTION = {
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
     "lora": "lora_adapters", "max_lora_adapters": "max_lora_adapters", "max_lora_rank": "max_lora_rank",
-    "tool_parser": "tool_parser", "structured_output_backend": "structured_output_backend",
+    "tool_parser": "tool_parser", "reasoning_parser": "reasoning_parser",
+    "structured_output_backend": "structured_output_backend",
     "chat_template": "chat_template", "default_chat_template_kwargs": "default_chat_template_kwargs",
     "sanitize_chat_control_tokens": "sanitize_chat_control_tokens",
     # "plugin_options.NAMESPACE.KEY": one plugin's option, set in EngineConfig.plugin_options[NAMESPACE][KEY]
@@ -441,6 +447,8 @@ class EngineArgs:
             plugins.registry("proposer").entry(config.proposer)
         if config.tool_parser:
             plugins.registry("tool_parser").entry(config.tool_parser)
+        if config.reasoning_parser:
+            plugins.registry("reasoning_parser").entry(config.reasoning_parser)
         if config.structured_output_backend != EngineConfig.structured_output_backend:  # the default: at first use
             plugins.registry("structured_output_backend").entry(config.structured_output_backend)
         if "swap_space_gb" in self.values and config.preemption_mode != "swap":

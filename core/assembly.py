@@ -10,7 +10,8 @@ import torch
 
 from .config import EngineConfig
 from .errors import ConfigError, PluginError
-from .interfaces import AttentionBackend, EvictionPolicy, KVCache, Proposer, Scheduler, ToolParser
+from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Proposer, ReasoningParser, Scheduler,
+                         ToolParser)
 from .loader import LoadedModel, load_model
 from .lora import start_lora_adapters
 from .plugins import PluginManager
@@ -34,6 +35,7 @@ class Components:
     proposer: Proposer | None
     eviction: EvictionPolicy
     tool_parser: ToolParser | None
+    reasoning_parser: ReasoningParser | None
 
     @property
     def bytes_per_block(self) -> int:
@@ -88,7 +90,10 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
             log.info("CUDA graphs are off: attention backend %r does not support them", config.attention)
     tool_parser = None if config.tool_parser is None else \
         plugins.build("tool_parser", config.tool_parser, ToolParser, config, loaded.tokenizer)
-    return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer, eviction, tool_parser)
+    reasoning_parser = None if config.reasoning_parser is None else \
+        plugins.build("reasoning_parser", config.reasoning_parser, ReasoningParser, config, loaded.tokenizer)
+    return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer, eviction, tool_parser,
+                      reasoning_parser)
 
 
 def make_attention(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel

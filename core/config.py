@@ -38,6 +38,7 @@ COMPONENT_FIELDS = {
     "eviction_policy": "eviction_policy",
     "proposer": "proposer",
     "tool_parser": "tool_parser",
+    "reasoning_parser": "reasoning_parser",
     "structured_output_backend": "structured_output_backend",
 }
 
@@ -54,6 +55,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     proposer: str | None = None  # speculative decoding off when None
     tool_parser: str | None = None  # None: a chat's reply stays text, tool calls included
+    reasoning_parser: str | None = None  # None: a chat's reply stays text, its reasoning included
     structured_output_backend: str = "fsm"  # compiles SamplingParams.structured_output (built at the first use)
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N

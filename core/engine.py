@@ -18,12 +18,12 @@ import torch
 from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
 from .assembly import assemble
 from .beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams
-from .chat import Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
+from .chat import ChatPrompt, Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
-from .interfaces import SchedulerOutput, StructuredOutputBackend, Vocabulary
+from .interfaces import ReasoningParser, SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
@@ -33,7 +33,7 @@ from .request import CompletionOutput, FinishReason, RequestOutput, SamplingPara
 from .runner import PENDING_TOKEN, Batch, InFlight
 from .sampling import to_device
 from .structured_output import StructuredOutputs
-from .tool_choice import reply_reading, schema_errors
+from .tool_choice import forces_calls, reply_reading, schema_errors
 
 if TYPE_CHECKING:
     from ..models.lora import LoraAdapter
@@ -93,7 +93,8 @@ class Engine:
         self.runner.structured = self.structured
         self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
                        "eviction_policy": config.eviction_policy, "quant": self.loaded.quant_name or "none",
-                       "proposer": config.proposer or "none", "tool_parser": config.tool_parser or "none"}
+                       "proposer": config.proposer or "none", "tool_parser": config.tool_parser or "none",
+                       "reasoning_parser": config.reasoning_parser or "none"}
         self.requests: dict[str, RequestState] = {}
         self.async_scheduling = config.async_scheduling_on(self.loaded.device.type)
         self.async_output = config.async_output if config.async_output is not None else \
@@ -103,6 +104,7 @@ class Engine:
         self.forks = PendingForks()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.tool_parser = parts.tool_parser  # reads the replies of chats that offer tools (None: text only)
+        self.reasoning_parser = parts.reasoning_parser  # splits the replies of chats first (None: text only)
         self.spec: SpecDecoder | None = None
         if parts.proposer is not None:
             from ..spec_decode.decoder import SpecDecoder
@@ -114,6 +116,7 @@ class Engine:
             "eviction_policy": (config.eviction_policy, parts.eviction),
             "attention_backend": (config.attention, self.attention),
             "proposer": (config.proposer, parts.proposer), "tool_parser": (config.tool_parser, parts.tool_parser),
+            "reasoning_parser": (config.reasoning_parser, parts.reasoning_parser),
             "quant_method": (self.loaded.quant_name, self.loaded.quant),
             "model": (self.loaded.architecture, self.loaded.model)})
         self._seq_ids = itertools.count()
@@ -170,7 +173,8 @@ class Engine:
                          max_model_len=self.max_model_len) for i in range(params.n)]
         # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
-                               [0] * len(seqs), [0] * len(seqs), tool_parser=reader)
+                               [0] * len(seqs), [0] * len(seqs), tool_parser=reader,
+                               reasoning_parser=self._reasoning_parser_of(prompt))
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
@@ -181,6 +185,13 @@ class Engine:
         if params.n > 1:
             self.forks.add(request_id, seqs[1:])
         return request_id
+
+    def _reasoning_parser_of(self, prompt: Prompt) -> ReasoningParser | None:
+        """What splits ``prompt``'s replies into reasoning and content: the engine's parser for a chat whose reply
+        is not forced to be tool calls (that one is JSON under a schema), else None."""
+        if not isinstance(prompt, ChatPrompt) or forces_calls(prompt):
+            return None
+        return self.reasoning_parser
 
     def check_request(self, prompt: Prompt, params: SamplingParams | None = None) -> list[int]:
         """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     import torch
 
     from .config import EngineConfig
-    from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Model, Proposer, QuantMethod, Scheduler,
-                             StructuredOutputBackend, ToolParser, Vocabulary)
+    from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Model, Proposer, QuantMethod,
+                             ReasoningParser, Scheduler, StructuredOutputBackend, ToolParser, Vocabulary)
     from .loader import LoadedModel
     from .plugins import PluginManager
     from .metrics import StepStats
@@ -33,6 +33,7 @@ QuantMethodFactory = Callable[["EngineConfig", "dict[str, Any] | None"], "QuantM
 ProposerFactory = Callable[["EngineConfig", "LoadedModel", "PluginManager"], "Proposer"]
 ModelFactory = Callable[["dict[str, Any]", "QuantMethod | None", "torch.dtype", "EngineConfig"], "Model"]
 ToolParserFactory = Callable[["EngineConfig", Any], "ToolParser"]
+ReasoningParserFactory = Callable[["EngineConfig", Any], "ReasoningParser"]
 StructuredOutputBackendFactory = Callable[["EngineConfig", "Vocabulary"], "StructuredOutputBackend"]
 CommandFactory = Callable[[], "click.Command"]
 
@@ -105,6 +106,17 @@ def register_tool_parsers(register: Register[ToolParserFactory]) -> None:
     whose tokenizer is given (a parser of a format marked by special tokens decodes ``token_ids`` with it). The
     engine gives it the reply of every chat that offered tools, once the reply is finished. Selected by
     ``--tool-parser NAME``.
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: Register[ReasoningParserFactory]) -> None:
+    """Register splitters of reasoning models' replies into reasoning and content.
+
+    ``factory(config, tokenizer)`` returns a :class:`~infer.core.interfaces.ReasoningParser` for replies of the
+    model whose tokenizer is given. The engine gives it the reply of every chat, once the reply is finished (not
+    one that a forced ``tool_choice`` makes calls); a tool parser then reads the content. Selected by
+    ``--reasoning-parser NAME``.
     """
 
 

@@ -510,6 +510,18 @@ class ToolParser(ABC):
         without a call, or with one that does not parse, is all content: nothing of the text may be lost."""
 
 
+# ---------------------------------------------------------------- reasoning
+class ReasoningParser(ABC):
+    """Splits a reasoning model's reply into its reasoning (the ``<think>`` block of DeepSeek-R1, Qwen3 and their
+    kin) and its content."""
+
+    @abstractmethod
+    def split(self, text: str) -> tuple[str | None, str]:
+        """``(reasoning, content)`` of a finished reply, ``text`` as the engine output it (special tokens left
+        out); reasoning None when the reply has none. Only the markers may be dropped: reasoning and content
+        together hold the rest of the text."""
+
+
 # ---------------------------------------------------------------- structured output
 @dataclass(frozen=True)
 class Vocabulary:

@@ -56,7 +56,8 @@ class LLM:
         ``continue_final_message=True`` (with it) leaves the last message open for the model to continue;
         ``chat_template_kwargs`` sets more template variables (``{"enable_thinking": False}``, say); ``tools`` are
         the functions the model may call (OpenAI's definitions; its calls come back as text in the model's own
-        format, read into each reply's ``tool_calls`` by the engine's ``tool_parser`` if it has one);
+        format, read into each reply's ``tool_calls`` by the engine's ``tool_parser`` if it has one; its
+        ``reasoning_parser`` splits off the reasoning first, into ``reasoning_content``);
         ``tool_choice`` is OpenAI's: "auto" (the default), "none" (the reply is not read for calls), "required" or
         ``{"type": "function", "function": {"name": ...}}`` (the reply is forced to be such calls, read into
         ``tool_calls`` without a tool parser: core/tool_choice.py)."""

@@ -13,7 +13,7 @@ from .errors import InferError, InvalidRequestError, PluginError
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from .interfaces import ToolParser
+    from .interfaces import ReasoningParser, ToolParser
 
 
 @dataclass
@@ -28,6 +28,11 @@ class RequestState:
     emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
     prompt_logprobs_sent: bool = False
     tool_parser: ToolParser | None = None  # a chat that offered tools, with --tool-parser: reads each whole reply
+    reasoning_parser: ReasoningParser | None = None  # a chat, with --reasoning-parser: splits each whole reply first
+
+    @property
+    def reads_replies(self) -> bool:
+        return self.tool_parser is not None or self.reasoning_parser is not None
 
 
 def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequence, FinishReason], None]
@@ -58,8 +63,8 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
             text, req.emitted[i] = detok.text[req.emitted[i] :], len(detok.text)
         logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
         deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
-        if req.tool_parser is not None and seq.is_finished:  # a stop string may have finished it just now
-            read_tool_calls(req, i, deltas[-1])
+        if req.reads_replies and seq.is_finished:  # a stop string may have finished it just now
+            read_reply(req, i, deltas[-1])
     finished = all(seq.status is SequenceStatus.FINISHED for seq in req.seqs)
     return RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
 
@@ -80,21 +85,45 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
     text, req.emitted[0] = detok.text[req.emitted[0] :], len(detok.text)
     logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
     completion = CompletionOutput(0, new, text, seq.finish_reason, logprobs)
-    if done and req.tool_parser is not None:
-        read_tool_calls(req, 0, completion)
+    if done and req.reads_replies:
+        read_reply(req, 0, completion)
     return RequestOutput(req.request_id, req.prompt_token_ids, [completion], done)
 
 
-def read_tool_calls(req: RequestState, i: int, completion: CompletionOutput) -> None:
-    """Sequence i's whole reply through the request's tool parser, into ``completion`` (its last output): the
-    content and the calls, each with an id (the parser's, else a random one, as OpenAI's). An aborted reply is not
-    whole, and not read."""
-    assert req.tool_parser is not None
+def read_reply(req: RequestState, i: int, completion: CompletionOutput) -> None:
+    """Sequence i's whole reply through the request's reasoning parser, then its tool parser, into ``completion``
+    (its last output): the reasoning, the content and the calls, each with an id (the parser's, else a random one,
+    as OpenAI's). An aborted reply is not whole, and not read."""
     if req.seqs[i].finish_reason is FinishReason.ABORT:
         return
-    name = type(req.tool_parser).__name__
+    text = req.detoks[i].text
+    if req.reasoning_parser is not None:
+        completion.reasoning_content, text = _split_reasoning(req.reasoning_parser, text)
+        completion.content = text
+    if req.tool_parser is not None:
+        _read_tool_calls(req.tool_parser, text, req.seqs[i].output_token_ids, completion)
+
+
+def _split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str]:
+    name = type(parser).__name__
     try:
-        reply = req.tool_parser.parse(req.detoks[i].text, req.seqs[i].output_token_ids)
+        split = parser.split(text)
+    except InferError:
+        raise
+    except Exception as exc:  # here too on paths outside a step (an abort's output)
+        raise PluginError(f"the reasoning parser {name} raised {type(exc).__name__}: {exc}; fix the plugin, or "
+                          "choose another --reasoning-parser") from exc
+    if not (isinstance(split, tuple) and len(split) == 2 and isinstance(split[1], str)
+            and (split[0] is None or isinstance(split[0], str))):
+        raise PluginError(f"the reasoning parser {name} returned {split!r:.80}, not (reasoning or None, content); "
+                          "fix the plugin")
+    return split
+
+
+def _read_tool_calls(parser: ToolParser, text: str, token_ids: list[int], completion: CompletionOutput) -> None:
+    name = type(parser).__name__
+    try:
+        reply = parser.parse(text, token_ids)
     except InferError:
         raise
     except Exception as exc:  # here too on paths outside a step (an abort's output)
@@ -159,7 +188,7 @@ def _append_completions(full: RequestOutput, deltas: tuple[RequestOutput, ...]) 
             if c is None:
                 by_index[d.index] = CompletionOutput(d.index, list(d.token_ids), d.text, d.finish_reason,
                                                      None if d.logprobs is None else list(d.logprobs), d.content,
-                                                     d.tool_calls)
+                                                     d.tool_calls, d.reasoning_content)
                 continue
             texts.setdefault(d.index, [c.text]).append(d.text)
             _append_completion(c, d, c.text)
@@ -172,8 +201,8 @@ def _append_completion(c: CompletionOutput, d: CompletionOutput, text: str) -> N
     """``c`` followed by ``d``: its tokens and logprobs appended, its text set to ``text``, d's finish reason."""
     c.token_ids += d.token_ids
     c.text, c.finish_reason = text, d.finish_reason
-    if d.tool_calls is not None:
-        c.content, c.tool_calls = d.content, d.tool_calls
+    if d.content is not None:  # the reply read (its last output)
+        c.content, c.tool_calls, c.reasoning_content = d.content, d.tool_calls, d.reasoning_content
     if d.logprobs is not None:
         if c.logprobs is None:
             c.logprobs = []

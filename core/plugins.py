@@ -33,6 +33,7 @@ KINDS: dict[str, str] = {  # kind -> registration hook name
     "quant_method": "register_quant_methods",
     "proposer": "register_proposers",
     "tool_parser": "register_tool_parsers",
+    "reasoning_parser": "register_reasoning_parsers",
     "structured_output_backend": "register_structured_output_backends",
     "model": "register_models",
     "command": "register_commands",

@@ -382,6 +382,9 @@ class CompletionOutput:
     # tool calls, and the calls (None otherwise; text keeps the whole reply)
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # with --reasoning-parser, in the last output of a chat's reply: its reasoning (None: it has none), and content
+    # is then the text after it (outside the tool calls, with --tool-parser too)
+    reasoning_content: str | None = None
 
 
 @dataclass

@@ -169,8 +169,11 @@ def completion_to_proto(out: CompletionOutput) -> pb.Completion:
     completion = pb.Completion(index=out.index, token_ids=out.token_ids, text=out.text,
                                logprobs=positions_to_proto(out.logprobs or []),
                                finish_reason=FINISH_REASONS[out.finish_reason])
-    if out.tool_calls is not None:  # parsed: the content is set, if empty
-        completion.content = out.content or ""
+    if out.content is not None:  # parsed: the content is set, if empty
+        completion.content = out.content
+    if out.reasoning_content is not None:
+        completion.reasoning_content = out.reasoning_content
+    if out.tool_calls is not None:
         completion.tool_calls.extend(pb.ToolCall(id=call.id or "", name=call.name, arguments=json.dumps(
             call.arguments, ensure_ascii=False)) for call in out.tool_calls)
     return completion

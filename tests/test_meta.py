@@ -116,6 +116,10 @@ class Recorder:
         self._register("register_tool_parsers", register, lambda config, tokenizer: None)
 
     @hookimpl
+    def register_reasoning_parsers(self, register: Any) -> None:
+        self._register("register_reasoning_parsers", register, lambda config, tokenizer: None)
+
+    @hookimpl
     def register_structured_output_backends(self, register: Any) -> None:
         self._register("register_structured_output_backends", register, lambda config, vocabulary: None)
 
