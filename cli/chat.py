@@ -56,7 +56,7 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
     try:  # the template, the tool choice and the options against this model, before the first turn
         engine.check_request(first, params)
     except InferError as exc:
-        raise CommandLineError(str(exc)) from None
+        raise CommandLineError(f"{exc} (checked on the opening with a one-word turn)") from None
     after_results = "auto" if forces_calls(first) else choice  # the reply to a /tool answer
     eos = engine.tokenizer.eos_token_id
     if eos is not None and eos not in engine.eos_token_ids:  # HF's rule: generation_config.json's ids win

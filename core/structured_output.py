@@ -164,8 +164,9 @@ class StructuredOutputs:
 
 
 class DraftGuide(GrammarMatcher):
-    """A sequence's matcher copy, walked along its drafts as a proposer draws them. Past a stop token it stays
-    put: the drafts after one are never verified (``walk_drafts`` cuts them), so any mask serves there."""
+    """A sequence's matcher copy, walked along its drafts as a proposer draws them. Past a stop token, or a draft
+    the grammar refuses (a proposer that drew outside the mask), it stays put: ``walk_drafts`` cuts the drafts
+    there, so any mask serves after it."""
 
     def __init__(self, matcher: GrammarMatcher, seq: Sequence, checked: Callable[[torch.Tensor], torch.Tensor]
                  ) -> None:
@@ -181,4 +182,7 @@ class DraftGuide(GrammarMatcher):
         if self.stopped or self.seq.stop_reason(token_id, self.length) is not None:
             self.stopped = True
             return
-        self.matcher.advance(token_id)
+        try:
+            self.matcher.advance(token_id)
+        except ValueError:  # refused: verified and rejected (walk_drafts counts it)
+            self.stopped = True

@@ -102,8 +102,9 @@ class SpecDecoder:
 
     def _proposal(self, seqs: list[Sequence], k: int) -> Proposal:
         """The proposer's drafts: under the grammar (``propose_guided``) for structured sequences where it can."""
+        guided = self.guided and type(self.proposer).propose_guided is not Proposer.propose_guided
         guides = {seq.seq_id: self.structured.draft_guide(seq) for seq in seqs
-                  if seq.params.structured_output is not None} if self.guided else {}
+                  if seq.params.structured_output is not None} if guided else {}
         proposal = self.proposer.propose_guided(seqs, k, guides) if guides else None
         return self.proposer.propose(seqs, k) if proposal is None else proposal
 

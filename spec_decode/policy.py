@@ -31,11 +31,12 @@ SPEC_DECODE_OPTIONS = {  # read by the SpecDecoder whatever the proposer; round_
     "probe_every": PluginOption(8, "while acceptance is low, speculate in one step of this many to re-measure it",
                                 minimum=1),
     "structured": PluginOption(False, "speculate for structured-output requests too, their drafts verified under the "
-                               "grammar's masks (off: drafts that know nothing of the grammar cost more than they "
-                               "saved on the CPU, docs/PERF.md)"),
+                               "grammar's masks (off: on the CPU it paid for a JSON schema, not for a regex, "
+                               "docs/PERF.md)"),
     "guided": PluginOption(True, "with spec_decode.structured, a proposer that can (the draft model) drafts under "
-                           "the grammar's masks, reading each draft step's tokens back (off: one read per round, "
-                           "drafts the grammar refuses cut at verification)"),
+                           "the grammar's masks, reading each draft step's tokens back; a round with such a "
+                           "sequence is not replayed as a graph (off: one read per round, drafts the grammar "
+                           "refuses cut at verification)"),
     "round_graphs": PluginOption(True, "with CUDA graphs, replay a draft-model round of greedy drafts as one graph "
                                  "instead of K forward passes"),
 }

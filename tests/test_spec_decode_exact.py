@@ -211,9 +211,11 @@ def no_repeat_mask(last: int | None) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("proposer, guided", [("draft-model", True), ("draft-model", False), ("ngram", True)],
-                         ids=["draft-model-guided", "draft-model-unguided", "ngram"])
-def test_structured_sampling_with_speculation_draws_the_masked_target_distribution(small_pair, proposer, guided):
+@pytest.mark.parametrize("proposer, guided, top_k", [("draft-model", True, 0), ("draft-model", True, 4),
+                                                     ("draft-model", False, 0), ("ngram", True, 0)],
+                         ids=["draft-model-guided", "draft-model-guided-top-k", "draft-model-unguided", "ngram"])
+def test_structured_sampling_with_speculation_draws_the_masked_target_distribution(small_pair, proposer, guided,
+                                                                                   top_k):
     """A structured request speculates: its drafts are verified at positions masked by copies of its matcher, so
     the first three tokens follow the target's distribution renormalized over what the grammar allows at each,
     computed by HF transformers, and greedy equals the plain step's. Guided, the draft model draws its drafts
@@ -234,7 +236,7 @@ def test_structured_sampling_with_speculation_draws_the_masked_target_distributi
                                  num_speculative_tokens=3, max_num_seqs=50, num_kv_blocks=1100, seed=1,
                                  enable_prefix_caching=False, structured_output_backend="no-repeat",
                                  plugin_options={"spec_decode": {"structured": True, "guided": guided}}), plugins)
-    params = SamplingParams(max_tokens=5, temperature=0.9, n=50, structured_output=spec)
+    params = SamplingParams(max_tokens=5, temperature=0.9, top_k=top_k, n=50, structured_output=spec)
     outs = engine.generate([prompt] * (n // 50), params)  # tokens 2-4: one round of 3 drafts (and the bonus)
     assert (engine.stats.spec_grammar_refused == 0) == (proposer == "draft-model" and guided)
     rows = [c.token_ids for o in outs for c in o.outputs if len(c.token_ids) >= 3 and 2 not in c.token_ids[:2]]
@@ -248,7 +250,10 @@ def test_structured_sampling_with_speculation_draws_the_masked_target_distributi
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + c for c in contexts])).logits[:, -1] / 0.9
         masks = torch.stack([no_repeat_mask(c[-1] if c else None) for c in contexts])
-        return torch.softmax(logits.masked_fill(~masks, float("-inf")), -1)
+        logits = logits.masked_fill(~masks, float("-inf"))  # the grammar first, then top-k among what it allows
+        if top_k:
+            logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+        return torch.softmax(logits, -1)
 
     p1 = law([[]])[0]
     p2 = law([[a] for a in range(vocab)]) * p1[:, None]  # [t1, t2]; rows of disallowed t1 are 0 through p1
@@ -271,6 +276,25 @@ def test_structured_sampling_with_speculation_draws_the_masked_target_distributi
                                 structured_output_backend="no-repeat"), plugins)
     assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == \
         plain.generate([prompt], greedy)[0].outputs[0].token_ids
+
+
+def test_a_draft_guide_stays_put_past_a_stop_token_or_a_refused_draft():
+    """What walk_drafts cuts, the guide does not walk into: after EOS, or after a draft its grammar refuses (a
+    proposer that drew outside the mask), its mask stays the last state's and nothing raises."""
+    from infer.core.request import Sequence
+    from infer.core.structured_output import DraftGuide
+
+    seq = Sequence(0, "r", [3, 4], SamplingParams(max_tokens=10), 0.0, eos_token_ids=frozenset({2}))
+    refused = DraftGuide(NoRepeat().backend.compile(None).matcher(), seq, lambda mask: mask)
+    refused.advance(5)
+    refused.advance(5)  # a repeat: refused
+    refused.advance(6)
+    assert refused.stopped and torch.equal(refused.allowed(), no_repeat_mask(5))
+    stopped = DraftGuide(NoRepeat().backend.compile(None).matcher(), seq, lambda mask: mask)
+    stopped.advance(7)
+    stopped.advance(2)  # EOS
+    stopped.advance(3)
+    assert stopped.stopped and torch.equal(stopped.allowed(), no_repeat_mask(7))
 
 
 # ---------------------------------------------------------------- KV bookkeeping under aborts

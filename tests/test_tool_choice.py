@@ -254,8 +254,8 @@ def test_tool_choice_travels_over_grpc_infer_client_and_generate_chat(llm: LLM, 
 
 def test_infer_chat_forces_the_replies_to_your_turns_only(llm: LLM, tiny_model: Path, tmp_path: Path) -> None:
     """`infer chat --tool-choice NAME`: the reply to a turn is the call LLM.chat forces; the reply to the `/tool`
-    answer is the one LLM.chat gives under "auto" to the same conversation; a choice that cannot apply is exit 2
-    before the first turn."""
+    answer is the one LLM.chat gives under "auto" to the same conversation, and the next turn's reply is forced
+    again; a choice that cannot apply is exit 2 before the first turn."""
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
     params = SamplingParams(max_tokens=40, temperature=0.0)
@@ -265,11 +265,14 @@ def test_infer_chat_forces_the_replies_to_your_turns_only(llm: LLM, tiny_model: 
                 {"role": "tool", "tool_call_id": "call_1", "content": "21C"}]
     after = llm.chat(answered, params, tools=TOOLS)[0].outputs[0].text
     assert after != llm.chat(answered, params, tools=TOOLS, tool_choice=FunctionChoice("forecast"))[0].outputs[0].text
+    again = [*answered, {"role": "assistant", "content": after}, {"role": "user", "content": "And in Bergen?"}]
+    next_call = llm.chat(again, params, tools=TOOLS, tool_choice=FunctionChoice("forecast"))[0].outputs[0]
+    assert next_call.tool_calls and next_call.text != llm.chat(again, params, tools=TOOLS)[0].outputs[0].text
     base = ["--model", str(tiny_model), "--num-kv-blocks", "128", "--chat-template",
             str(llm.engine.config.chat_template), "chat", "--max-tokens", "40", "--temperature", "0"]
     result = CliRunner().invoke(main, [*base, "--tools", str(tools), "--tool-choice", "forecast"],
-                                input=f"{ASK[0]['content']}\n/tool call_1 21C\n")
-    assert result.exit_code == 0 and result.stdout == f"{forced.text}\n{after}\n", result.output
+                                input=f"{ASK[0]['content']}\n/tool call_1 21C\nAnd in Bergen?\n")
+    assert result.exit_code == 0 and result.stdout == f"{forced.text}\n{after}\n{next_call.text}\n", result.output
     [call] = forced.tool_calls
     assert "tool call call_" in result.stderr and f"{call.name}({json.dumps(call.arguments)})" in result.stderr
     for args, complaint in ((["--tool-choice", "required"], "tool_choice 'required' needs tools"),

@@ -210,3 +210,23 @@ def test_draft_round_graphs_draft_what_the_step_by_step_rounds_draft(device: tor
     assert stepwise.spec.proposer.round_graphs is None and replayed.spec.proposer.round_graphs.replays >= 3
     counts = [(e.stats.spec_proposed, e.stats.spec_accepted, e.stats.spec_rounds) for e in (stepwise, replayed)]
     assert counts[0] == counts[1], counts
+
+
+def test_a_round_with_a_guided_sequence_is_not_replayed(device: torch.device) -> None:
+    """Round graphs know nothing of grammars: a round holding a structured sequence goes step by step, so its
+    drafts are drawn under the grammar (none refused) and its greedy output is the plain engine's."""
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams, StructuredOutput
+    from infer.models.tiny import PRETRAINED_DIR
+
+    options = dict(model=str(PRETRAINED_DIR / "target"), device=device.type, dtype="float32", attention="triton",
+                   max_num_seqs=8, num_kv_blocks=96, cuda_graphs=False)
+    structured = SamplingParams(max_tokens=10, temperature=0.0, structured_output=StructuredOutput(regex=r"[A-Z]{9}"))
+    engine = Engine(EngineConfig(**options, proposer="draft-model", num_speculative_tokens=3,
+                                 plugin_options={"spec_decode": {"structured": True}}))
+    engine.spec.proposer.enable_round_graphs(4, 3, eager=device.type == "cpu")
+    [out] = engine.generate(["x = "], structured)
+    assert engine.stats.spec_rounds > 0 and engine.stats.spec_grammar_refused == 0
+    assert engine.spec.proposer.round_graphs.replays == 0
+    plain = Engine(EngineConfig(**options)).generate(["x = "], structured)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
