@@ -137,12 +137,20 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
     click.echo()
     if stopped:
         click.echo("[reply stopped]", err=True)
-    if last is None or last.content is None:  # not read (no parser, or stopped)
-        return {"role": "assistant", "content": "".join(parts)}
-    reasoning = {"reasoning_content": last.reasoning_content} if last.reasoning_content is not None else {}
-    if not last.tool_calls:
-        return {"role": "assistant", "content": last.content, **reasoning}
-    for call in last.tool_calls:
+    for call in (last.tool_calls or []) if last is not None else []:
         click.echo(f"infer: tool call {call.id}: {call.name}({json.dumps(call.arguments, ensure_ascii=False)}) "
                    f"(answer with /tool {call.id} RESULT)", err=True)
-    return {"role": "assistant", "content": last.content or None, "tool_calls": last.tool_calls, **reasoning}
+    return reply_message("".join(parts), last)
+
+
+def reply_message(text: str, last: Any) -> dict[str, Any]:
+    """The assistant message of a reply whose text is ``text`` and whose last output is ``last`` (None: nothing
+    came): the text, or what the parsers read of it. An empty reasoning is none (a message may not carry one)."""
+    if last is None or last.content is None:  # not read (no parser, or stopped)
+        return {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": "assistant", "content": last.content}
+    if last.reasoning_content:
+        message["reasoning_content"] = last.reasoning_content
+    if last.tool_calls:
+        message.update(content=last.content or None, tool_calls=last.tool_calls)
+    return message

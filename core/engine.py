@@ -33,7 +33,7 @@ from .request import CompletionOutput, FinishReason, RequestOutput, SamplingPara
 from .runner import PENDING_TOKEN, Batch, InFlight
 from .sampling import to_device
 from .structured_output import StructuredOutputs
-from .tool_choice import forces_calls, reply_reading, schema_errors
+from .tool_choice import reply_reading, schema_errors
 
 if TYPE_CHECKING:
     from ..models.lora import LoraAdapter
@@ -174,7 +174,7 @@ class Engine:
         # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
                                [0] * len(seqs), [0] * len(seqs), tool_parser=reader,
-                               reasoning_parser=self._reasoning_parser_of(prompt))
+                               reasoning_parser=self._reasoning_parser_of(prompt, params))
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
@@ -186,10 +186,11 @@ class Engine:
             self.forks.add(request_id, seqs[1:])
         return request_id
 
-    def _reasoning_parser_of(self, prompt: Prompt) -> ReasoningParser | None:
-        """What splits ``prompt``'s replies into reasoning and content: the engine's parser for a chat whose reply
-        is not forced to be tool calls (that one is JSON under a schema), else None."""
-        if not isinstance(prompt, ChatPrompt) or forces_calls(prompt):
+    def _reasoning_parser_of(self, prompt: Prompt, params: SamplingParams) -> ReasoningParser | None:
+        """What splits ``prompt``'s replies into reasoning and content: the engine's parser for a chat, but not
+        for structured output (a forced tool_choice's too), whose grammar holds from the first token: such a reply
+        has no reasoning."""
+        if not isinstance(prompt, ChatPrompt) or params.structured_output is not None:
             return None
         return self.reasoning_parser
 

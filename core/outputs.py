@@ -91,17 +91,26 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
 
 
 def read_reply(req: RequestState, i: int, completion: CompletionOutput) -> None:
-    """Sequence i's whole reply through the request's reasoning parser, then its tool parser, into ``completion``
-    (its last output): the reasoning, the content and the calls, each with an id (the parser's, else a random one,
-    as OpenAI's). An aborted reply is not whole, and not read."""
+    """Sequence i's whole reply through the request's parsers into ``completion`` (its last output). An aborted
+    reply is not whole, and not read."""
     if req.seqs[i].finish_reason is FinishReason.ABORT:
         return
-    text = req.detoks[i].text
-    if req.reasoning_parser is not None:
-        completion.reasoning_content, text = _split_reasoning(req.reasoning_parser, text)
-        completion.content = text
-    if req.tool_parser is not None:
-        _read_tool_calls(req.tool_parser, text, req.seqs[i].output_token_ids, completion)
+    completion.reasoning_content, completion.content, completion.tool_calls = reply_parts(
+        req.detoks[i].text, req.seqs[i].output_token_ids, req.tool_parser, req.reasoning_parser)
+
+
+def reply_parts(text: str, token_ids: list[int], tool_parser: ToolParser | None,
+                reasoning_parser: ReasoningParser | None) -> tuple[str | None, str, list[ToolCall] | None]:
+    """(reasoning, content, calls) of a whole reply. The tool parser reads the reply as it came (text and tokens
+    agree) and gives each call an id (its own, else a random one, as OpenAI's); the reasoning parser then splits
+    what it left as content (the whole text without one), so the reasoning never holds a call."""
+    calls = None
+    if tool_parser is not None:
+        text, calls = _read_tool_calls(tool_parser, text, token_ids)
+    reasoning = None
+    if reasoning_parser is not None:
+        reasoning, text = _split_reasoning(reasoning_parser, text)
+    return reasoning, text, calls
 
 
 def _split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str]:
@@ -120,7 +129,7 @@ def _split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, st
     return split
 
 
-def _read_tool_calls(parser: ToolParser, text: str, token_ids: list[int], completion: CompletionOutput) -> None:
+def _read_tool_calls(parser: ToolParser, text: str, token_ids: list[int]) -> tuple[str, list[ToolCall]]:
     name = type(parser).__name__
     try:
         reply = parser.parse(text, token_ids)
@@ -141,9 +150,8 @@ def _read_tool_calls(parser: ToolParser, text: str, token_ids: list[int], comple
                               "plugin") from None
         if not isinstance(call.name, str) or not call.name:
             raise PluginError(f"the tool parser {name} returned a call without a name ({call!r}); fix the plugin")
-    completion.content = reply.content
-    completion.tool_calls = [call if call.id else ToolCall(call.name, call.arguments, f"call_{uuid.uuid4().hex[:24]}")
-                             for call in reply.tool_calls]
+    return reply.content, [call if call.id else ToolCall(call.name, call.arguments, f"call_{uuid.uuid4().hex[:24]}")
+                           for call in reply.tool_calls]
 
 
 def append_output(full: RequestOutput, *deltas: RequestOutput) -> RequestOutput:

@@ -378,12 +378,11 @@ class CompletionOutput:
     text: str
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
-    # with --tool-parser, in the last output of a chat's reply that offered tools: the reply's text outside its
-    # tool calls, and the calls (None otherwise; text keeps the whole reply)
+    # in the last output of a chat's reply that a parser read (--tool-parser with tools, --reasoning-parser): the
+    # reply's text outside its tool calls and its reasoning (None when not read; text keeps the whole reply), the
+    # calls (None without a tool parser) and the reasoning (None: it has none, or no reasoning parser)
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
-    # with --reasoning-parser, in the last output of a chat's reply: its reasoning (None: it has none), and content
-    # is then the text after it (outside the tool calls, with --tool-parser too)
     reasoning_content: str | None = None
 
 

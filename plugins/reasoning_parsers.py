@@ -5,8 +5,10 @@ closes an empty block in the prompt when ``enable_thinking`` is false); a reply 
 (``</think>``: templates that open the block in the prompt, as Qwen3's thinking-only models' do) reasons up to it.
 ``deepseek-r1``: DeepSeek-R1's template opens the block in the prompt, so a reply reasons from its start (past a
 ``<think>`` of its own) up to ``</think>``. Either way an unclosed block is all reasoning (the reply was cut while
-thinking: content ""), and only the markers are dropped: the text between and around them is kept as it is
-(vLLM's readings of both families).
+thinking: content ""), and only the markers are dropped (with any space before a leading ``<think>``): the text
+between and around them is kept as it is. Where vLLM differs: its content is None where this one's is "", it
+opens a block at a ``<think>`` anywhere (dropping the text before it), and its current Qwen3 parser reads a reply
+without markers as reasoning while thinking is on.
 """
 from __future__ import annotations
 
@@ -28,10 +30,9 @@ class ThinkReasoningParser(ReasoningParser):
         self.opened_in_prompt = opened_in_prompt
 
     def split(self, text: str) -> tuple[str | None, str]:
-        body = text.lstrip()
-        opened = body.startswith(THINK_START)
-        if opened:
-            text = text[: len(text) - len(body)] + body[len(THINK_START):]
+        opened = text.lstrip().startswith(THINK_START)
+        if opened:  # the space before the marker goes with it
+            text = text.lstrip()[len(THINK_START):]
         reasoning, closed, content = text.partition(THINK_END)
         if closed:
             return reasoning, content

@@ -1,7 +1,6 @@
 """Reasoning parsers: a chat's reply split into its <think> block and its content. The references: the rules of
-plugins/reasoning_parsers.py's docstring (vLLM's readings of Qwen3 and DeepSeek-R1) written out by hand, the
-"only the markers are dropped" property, and replies forced by a regex (structured output) so that a tiny random
-model writes a known shape."""
+plugins/reasoning_parsers.py's docstring written out by hand, the "only the markers are dropped" property, and
+hand-built token streams for the tool parsers' special tags."""
 from __future__ import annotations
 
 import json
@@ -19,13 +18,12 @@ from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import ReasoningParser
 from infer.core.llm import LLM
 from infer.core.plugins import PluginManager
-from infer.plugins.reasoning_parsers import ThinkReasoningParser
+from infer.plugins.reasoning_parsers import THINK_END, THINK_START, ThinkReasoningParser
 
 TEMPLATE = ("{%- if tools %}<|system|>\n{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}{% endif %}"
             "{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{%- endfor %}<|assistant|>\n")
 CLOCK = {"type": "function", "function": {"name": "clock", "description": "The time."}}
 ASK = [{"role": "user", "content": "What time is it?"}]
-THINK_THEN_ANSWER = r"<think>[a-z]{1,8}</think>[a-z ]{1,8}"
 
 
 @pytest.mark.parametrize("text, qwen3, deepseek_r1", [
@@ -33,7 +31,7 @@ THINK_THEN_ANSWER = r"<think>[a-z]{1,8}</think>[a-z ]{1,8}"
     ("Answer only", (None, "Answer only"), ("Answer only", "")),
     ("<think>cut while thinking", ("cut while thinking", ""), ("cut while thinking", "")),
     ("plan</think>answer", ("plan", "answer"), ("plan", "answer")),
-    ("\n<think>x</think>y", ("\nx", "y"), ("\nx", "y")),
+    ("\n<think>x</think>y", ("x", "y"), ("x", "y")),  # the space before a leading <think> goes with it
     ("a <think>b</think> c", ("a <think>b", " c"), ("a <think>b", " c")),  # only a leading <think> opens one
     ("<think></think>", ("", ""), ("", "")),
 ])
@@ -43,16 +41,20 @@ def test_the_shipped_parsers_follow_their_documented_rules(text: str, qwen3: Any
 
 
 def test_only_the_markers_are_dropped() -> None:
-    """Whatever the reply, reasoning + content is the reply less a leading <think> and the first </think>."""
+    """Whatever the reply: it is (leading space,) an optional <think>, the reasoning, an optional </think> and the
+    content, in that order; the reasoning holds no </think> (the first one closes it)."""
     rng = random.Random(0)
     pieces = ["<think>", "</think>", "a", " ", "\n", "<", "think", ">", "/"]
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randrange(12)))
-        stripped = text.lstrip()
-        body = text[: len(text) - len(stripped)] + stripped.removeprefix("<think>")
+        lead = text[: len(text) - len(text.lstrip())]
         for parser in (ThinkReasoningParser(False), ThinkReasoningParser(True)):
             reasoning, content = parser.split(text)
-            assert (reasoning or "") + content == body.replace("</think>", "", 1), text
+            assert THINK_END not in (reasoning or "")
+            assert any(text == (lead + opened if opened else "") + (reasoning or "") + closed + content
+                       for opened in ("", THINK_START) for closed in ("", THINK_END)), (text, reasoning, content)
+            if reasoning is None:
+                assert content == text
 
 
 @pytest.fixture(scope="module")
@@ -60,41 +62,81 @@ def llm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
     template = tmp_path_factory.mktemp("reasoning") / "chat.jinja"
     template.write_text(TEMPLATE)
     return LLM(model=str(tiny_model), device="cpu", num_kv_blocks=128, chat_template=str(template),
-               reasoning_parser="qwen3", tool_parser="hermes")
+               reasoning_parser="deepseek-r1", tool_parser="hermes")
 
 
-def forced(pattern: str, max_tokens: int = 48) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_output=StructuredOutput(regex=pattern))
-
-
-def test_a_chats_reply_is_split_into_reasoning_and_content(llm: LLM) -> None:
-    """The reply (forced to think, then answer) ends whole; its reasoning is the text between the tags and its
-    content the text after, the whole text kept; a streamed reply's last delta carries the same split."""
-    [out] = llm.chat(ASK, forced(THINK_THEN_ANSWER))[0].outputs
-    assert out.finish_reason.value == "stop" and out.text.startswith("<think>"), out.text
-    between, _, after = out.text.removeprefix("<think>").partition("</think>")
-    assert (out.reasoning_content, out.content, out.tool_calls) == (between, after, None)
-    deltas = list(llm.engine.stream(ChatPrompt.of(ASK), forced(THINK_THEN_ANSWER)))
+def test_a_chats_reply_is_split_and_the_split_travels_with_it(llm: LLM) -> None:
+    """deepseek-r1: the template opened the block, so a reply that never closes it (a random model's) is all
+    reasoning, content "" (the rules' table above); the whole text stays in ``text``, and a stream's last delta
+    carries the same split (the earlier ones none)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    [out] = llm.chat(ASK, params)[0].outputs
+    assert THINK_END not in out.text and out.text
+    assert (out.reasoning_content, out.content, out.tool_calls) == (out.text, "", None)
+    deltas = list(llm.engine.stream(ChatPrompt.of(ASK), params))
     assert "".join(c.text for d in deltas for c in d.outputs) == out.text
-    assert (deltas[-1].outputs[0].reasoning_content, deltas[-1].outputs[0].content) == (between, after)
-    assert all(c.reasoning_content is None for d in deltas[:-1] for c in d.outputs)
+    assert (deltas[-1].outputs[0].reasoning_content, deltas[-1].outputs[0].content) == (out.text, "")
+    assert all(c.reasoning_content is None and c.content is None for d in deltas[:-1] for c in d.outputs)
+    two = llm.chat(ASK, SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=3, stop=["e"]))[0].outputs
+    assert all((c.reasoning_content, c.content) == (c.text, "") for c in two)
 
 
-def test_the_tool_parser_reads_the_content_after_the_reasoning(llm: LLM) -> None:
-    call = r'<tool_call>\{"name": "clock", "arguments": \{\}\}</tool_call>'
-    [out] = llm.chat(ASK, forced(rf"<think>[a-z]{{1,6}}</think>{call}", 64), tools=[CLOCK])[0].outputs
-    assert out.finish_reason.value == "stop", out.text
-    between = out.text.removeprefix("<think>").partition("</think>")[0]
-    assert out.reasoning_content == between and out.content == ""
-    assert [(c.name, dict(c.arguments)) for c in out.tool_calls] == [("clock", {})]
-
-
-def test_prompts_that_are_not_chats_and_forced_calls_are_not_split(llm: LLM) -> None:
-    [plain] = llm.generate([llm.engine.tokenize(ChatPrompt.of(ASK))], forced(THINK_THEN_ANSWER))[0].outputs
-    assert plain.text.startswith("<think>") and (plain.content, plain.reasoning_content) == (None, None)
+def test_structured_output_plain_prompts_and_forced_calls_are_not_split(llm: LLM) -> None:
+    """A grammar holds from the first token (a forced tool_choice's too), so such a reply has no reasoning; a
+    prompt that is not a chat is not read at all."""
+    regex = SamplingParams(max_tokens=12, temperature=0.0, structured_output=StructuredOutput(regex="[a-z]{1,8}"))
+    [structured] = llm.chat(ASK, regex)[0].outputs
+    assert structured.text and (structured.reasoning_content, structured.content) == (None, None)
+    [plain] = llm.generate([llm.engine.tokenize(ChatPrompt.of(ASK))], SamplingParams(max_tokens=4))[0].outputs
+    assert (plain.content, plain.reasoning_content) == (None, None)
     [out] = llm.chat(ASK, SamplingParams(max_tokens=24, temperature=0.0), tools=[CLOCK],
                      tool_choice=FunctionChoice("clock"))[0].outputs
     assert out.reasoning_content is None and [c.name for c in out.tool_calls] == ["clock"]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral"])
+def test_tool_tags_that_are_special_tokens_leave_no_reasoning_in_the_content(parser: str) -> None:
+    """The tool parser reads the reply as it came (its tags written back from the tokens), then the reasoning is
+    split off what it left: the content holds neither the calls nor the reasoning."""
+    from infer.core.outputs import reply_parts
+    from infer.plugins.tool_parsers import HermesToolParser, MistralToolParser
+
+    vocab = {1: "<think>", 2: "plan", 3: "</think>", 4: "\n", 5: '{"name": "clock", "arguments": {}}',
+             6: '[{"name": "clock", "arguments": {}}]', 10: "<tool_call>", 11: "</tool_call>", 12: "[TOOL_CALLS]"}
+
+    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(vocab[t] for t in ids if not (skip_special_tokens and t >= 10))
+
+    if parser == "hermes":
+        tool_parser: Any = HermesToolParser(decode, {10: "<tool_call>", 11: "</tool_call>"})
+        ids = [1, 2, 3, 4, 10, 5, 11]
+    else:
+        tool_parser = MistralToolParser(decode, {12: "[TOOL_CALLS]"})
+        ids = [1, 2, 3, 12, 6]
+    reasoning, content, calls = reply_parts(decode(ids), ids, tool_parser, ThinkReasoningParser(False))
+    assert (reasoning, content) == ("plan", "")
+    assert [(c.name, dict(c.arguments)) for c in calls] == [("clock", {})] and calls[0].id.startswith("call_")
+
+
+def test_infer_chat_keeps_what_the_parsers_read_and_no_empty_reasoning() -> None:
+    """The assistant message `infer chat` keeps: an empty reasoning is none (a message may not carry one, and
+    every later turn would be refused); a reply not read (or stopped) is its text."""
+    from infer.cli.chat import reply_message
+    from infer.core.chat_tools import ToolCall
+    from infer.core.request import CompletionOutput
+
+    empty = CompletionOutput(0, [], "", content="Hi", reasoning_content="")
+    assert reply_message("<think></think>Hi", empty) == {"role": "assistant", "content": "Hi"}
+    thought = CompletionOutput(0, [], "", content="Hi", reasoning_content="plan")
+    assert reply_message("<think>plan</think>Hi", thought) == {
+        "role": "assistant", "content": "Hi", "reasoning_content": "plan"}
+    call = ToolCall("clock", {}, "call_1")
+    called = CompletionOutput(0, [], "", content="", tool_calls=[call], reasoning_content="plan")
+    assert reply_message("x", called) == {"role": "assistant", "content": None, "tool_calls": [call],
+                                          "reasoning_content": "plan"}
+    assert reply_message("raw", CompletionOutput(0, [], "raw")) == {"role": "assistant", "content": "raw"}
+    assert reply_message("", None) == {"role": "assistant", "content": ""}
+    ChatPrompt.of([*ASK, reply_message("<think></think>Hi", empty), {"role": "user", "content": "And?"}])
 
 
 def test_a_misbehaving_parser_is_a_plugin_error_naming_it(tiny_model: Path, tmp_path: Path) -> None:
@@ -121,25 +163,30 @@ def test_a_misbehaving_parser_is_a_plugin_error_naming_it(tiny_model: Path, tmp_
 
 
 def test_the_split_travels_over_grpc_and_generate_json(llm: LLM, tiny_model: Path, serve_engine: Any) -> None:
-    want = llm.chat(ASK, forced(THINK_THEN_ANSWER))[0].outputs[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    want = llm.chat(ASK, params)[0].outputs[0]
 
     async def test(client: Any, port: int) -> None:
-        done = await client.complete(ChatPrompt.of(ASK), forced(THINK_THEN_ANSWER))
+        done = await client.complete(ChatPrompt.of(ASK), params)
         completion = done.outputs[0]
-        assert (completion.text, completion.reasoning_content, completion.content) == (
-            want.text, want.reasoning_content, want.content)
-        plain = await client.complete(ChatPrompt.of(ASK), SamplingParams(max_tokens=4, temperature=0.0))
-        assert not plain.outputs[0].HasField("reasoning_content")  # no <think>: qwen3 reads no reasoning
-        assert plain.outputs[0].content == plain.outputs[0].text
+        assert (completion.text, completion.reasoning_content, completion.content) == (want.text, want.text, "")
+        messages = [m async for m in client.generate(ChatPrompt.of(ASK), params)]
+        last = messages[-1].outputs[0]
+        assert (last.reasoning_content, last.HasField("content")) == (want.text, True)
+        assert not any(c.HasField("reasoning_content") or c.HasField("content")
+                       for m in messages[:-1] for c in m.outputs)
+        structured = await client.complete(ChatPrompt.of(ASK), SamplingParams(
+            max_tokens=8, structured_output=StructuredOutput(regex="[a-z]{1,6}")))
+        assert not structured.outputs[0].HasField("reasoning_content")
 
     serve_engine(llm.engine, test)
     line = json.dumps({"messages": ASK})
     base = ["--model", str(tiny_model), "--num-kv-blocks", "64", "--chat-template",
             str(llm.engine.config.chat_template)]
-    result = CliRunner().invoke(main, [*base, "--reasoning-parser", "qwen3", "generate", "--chat", "--json",
-                                       "--max-tokens", "48", "--temperature", "0", "--regex", THINK_THEN_ANSWER, line])
+    result = CliRunner().invoke(main, [*base, "--reasoning-parser", "deepseek-r1", "generate", "--chat", "--json",
+                                       "--max-tokens", "8", "--temperature", "0", line])
     assert result.exit_code == 0, result.output
     [got] = [json.loads(row) for row in result.stdout.splitlines()]
-    assert (got["reasoning_content"], got["content"]) == (want.reasoning_content, want.content)
+    assert (got["reasoning_content"], got["content"]) == (want.text, "")
     result = CliRunner().invoke(main, [*base, "--reasoning-parser", "qwen", "generate", "--chat", line])
     assert result.exit_code == 2 and "deepseek-r1" in result.stderr and "qwen3" in result.stderr, result.output
