@@ -104,7 +104,7 @@ class Engine:
         self.forks = PendingForks()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.tool_parser = parts.tool_parser  # reads the replies of chats that offer tools (None: text only)
-        self.reasoning_parser = parts.reasoning_parser  # splits the replies of chats first (None: text only)
+        self.reasoning_parser = parts.reasoning_parser  # splits chats' replies into reasoning and content (or None)
         self.spec: SpecDecoder | None = None
         if parts.proposer is not None:
             from ..spec_decode.decoder import SpecDecoder

@@ -114,9 +114,9 @@ def register_reasoning_parsers(register: Register[ReasoningParserFactory]) -> No
     """Register splitters of reasoning models' replies into reasoning and content.
 
     ``factory(config, tokenizer)`` returns a :class:`~infer.core.interfaces.ReasoningParser` for replies of the
-    model whose tokenizer is given. The engine gives it the reply of every chat, once the reply is finished (not
-    one that a forced ``tool_choice`` makes calls); a tool parser then reads the content. Selected by
-    ``--reasoning-parser NAME``.
+    model whose tokenizer is given. The engine gives it the reply of every chat that is not structured output (a
+    forced ``tool_choice``'s included), once the reply is finished and a tool parser, if any, has read its calls
+    out. Selected by ``--reasoning-parser NAME``.
     """
 
 

@@ -28,7 +28,7 @@ class RequestState:
     emitted: list[int] = field(default_factory=list)  # characters of text already emitted, per sequence
     prompt_logprobs_sent: bool = False
     tool_parser: ToolParser | None = None  # a chat that offered tools, with --tool-parser: reads each whole reply
-    reasoning_parser: ReasoningParser | None = None  # a chat, with --reasoning-parser: splits each whole reply first
+    reasoning_parser: ReasoningParser | None = None  # a chat, with --reasoning-parser: splits what the above left
 
     @property
     def reads_replies(self) -> bool:
