@@ -518,8 +518,8 @@ class ReasoningParser(ABC):
     @abstractmethod
     def split(self, text: str) -> tuple[str | None, str]:
         """``(reasoning, content)`` of a finished reply, ``text`` as the engine output it (special tokens left
-        out); reasoning None when the reply has none. Only the markers may be dropped: reasoning and content
-        together hold the rest of the text."""
+        out); reasoning None when the reply has none. Only the markers (and the space before an opening one) may
+        be dropped: reasoning and content together hold the rest of the text."""
 
 
 # ---------------------------------------------------------------- structured output

@@ -111,21 +111,17 @@ class StructuredOutputs:
         first draft the grammar refuses is the last verified: its rejection must still be drawn, as its
         residual, not the plain distribution, is what keeps sampling exact; a stop token is the last too (the
         mask judges it). The matcher after either repeats the one before (nothing is verified there)."""
-        walker = self._matcher(seq).copy()
-        assert walker is not None, "can_walk_drafts said it copies"
-        states = [walker]
-        for j, token in enumerate(drafts):
-            if seq.stop_reason(token, seq.num_tokens + j + 1) is not None:
-                return DraftWalk(j + 1, states + states[-1:], refused=False)
-            walker = walker.copy()
-            try:
-                walker.advance(token)  # ValueError: a token the mask disallows
-            except ValueError:
-                return DraftWalk(j + 1, states + states[-1:], refused=True)
-            states.append(walker)
+        guide = self.draft_guide(seq)
+        states = [guide.matcher]
+        for token in drafts:
+            guide.matcher = guide.matcher.copy()  # each verified position keeps its own state
+            guide.advance(token)
+            if guide.stopped:
+                return DraftWalk(len(states), states + states[-1:], guide.refused)
+            states.append(guide.matcher)
         return DraftWalk(len(drafts), states, refused=False)
 
-    def draft_guide(self, seq: Sequence) -> GrammarMatcher:
+    def draft_guide(self, seq: Sequence) -> DraftGuide:
         """A copy of ``seq``'s matcher for a proposer to draft under (``Proposer.propose_guided``)."""
         walker = self._matcher(seq).copy()
         assert walker is not None, "can_walk_drafts said it copies"
@@ -173,6 +169,7 @@ class DraftGuide(GrammarMatcher):
         self.matcher, self.seq, self.checked = matcher, seq, checked
         self.length = seq.num_tokens  # the sequence's length with the drafts taken so far
         self.stopped = False
+        self.refused = False  # stopped at a draft the grammar refuses (not at a stop token)
 
     def allowed(self) -> torch.Tensor:
         return self.checked(self.matcher.allowed())
@@ -185,4 +182,4 @@ class DraftGuide(GrammarMatcher):
         try:
             self.matcher.advance(token_id)
         except ValueError:  # refused: verified and rejected (walk_drafts counts it)
-            self.stopped = True
+            self.stopped = self.refused = True

@@ -46,7 +46,9 @@ class SpecDecoder:
         self.k = config.num_speculative_tokens
         self.structured = structured  # the engine's: masks each position a structured sequence's drafts reach
         options = read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)
-        self.structured_drafts, self.guided = options["structured"], options["guided"]
+        # guided drafts: only from a proposer that takes guides (else copying matchers for it is wasted)
+        self.structured_drafts = options["structured"]
+        self.guided = options["guided"] and type(proposer).propose_guided is not Proposer.propose_guided
         self.proposer_name, self.vocab_size = config.proposer, vocab_size
         self.token_budget = config.max_num_batched_tokens
         self.proposer, self.kv, self.sampler, self.stats = proposer, kv, sampler, stats
@@ -102,9 +104,8 @@ class SpecDecoder:
 
     def _proposal(self, seqs: list[Sequence], k: int) -> Proposal:
         """The proposer's drafts: under the grammar (``propose_guided``) for structured sequences where it can."""
-        guided = self.guided and type(self.proposer).propose_guided is not Proposer.propose_guided
         guides = {seq.seq_id: self.structured.draft_guide(seq) for seq in seqs
-                  if seq.params.structured_output is not None} if guided else {}
+                  if seq.params.structured_output is not None} if self.guided else {}
         proposal = self.proposer.propose_guided(seqs, k, guides) if guides else None
         return self.proposer.propose(seqs, k) if proposal is None else proposal
 
