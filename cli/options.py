@@ -265,7 +265,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--freeze-gc/--no-freeze-gc", default=None,
                  help="After start-up, freeze the Python heap out of the garbage collector's scans, so that no full "
                       "collection stalls a step [default: on for serve and bench arms, off elsewhere]."),
-    click.option("--proposer", default=None, help="Speculative-decoding proposer, e.g. draft-model or ngram."),
+    click.option("--proposer", default=None,
+                 help="Speculative-decoding proposer: draft-model, ngram, or jump-forward (structured output only)."),
     click.option("--draft-model", default=None, metavar="DIR",
                  help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
                       "[default: the shipped draft, with the embedded default model]."),

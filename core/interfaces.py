@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, MutableSequence, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .chat_tools import ParsedReply
 from .errors import CheckpointError, PluginError
@@ -477,7 +477,13 @@ class Proposal:
 
 
 class Proposer(ABC):
-    """Proposes up to ``k`` draft tokens per running sequence for the target to verify."""
+    """Proposes up to ``k`` draft tokens per running sequence for the target to verify.
+
+    ``structured_only`` (a class attribute, default False): True for a proposer that drafts for structured-output
+    sequences only, under their grammar (``jump-forward``): only those get draft slots, and they speculate whatever
+    ``spec_decode.structured`` and ``spec_decode.guided`` say."""
+
+    structured_only: ClassVar[bool] = False
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
@@ -568,6 +574,12 @@ class GrammarMatcher(ABC):
         sequence's draft tokens to mask each position they are verified at), or None, the default: the backend
         cannot copy one, and its requests do not speculate."""
         return None
+
+    def forced_text(self) -> str:
+        """The text every whole output continues with from this state: its characters up to the first place where
+        the grammar allows a choice or the output may end; "" when the next character is not certain, and the
+        default (the backend does not say). The ``jump-forward`` proposer drafts its tokens."""
+        return ""
 
 
 # ---------------------------------------------------------------- models

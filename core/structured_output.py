@@ -174,6 +174,9 @@ class DraftGuide(GrammarMatcher):
     def allowed(self) -> torch.Tensor:
         return self.checked(self.matcher.allowed())
 
+    def forced_text(self) -> str:
+        return "" if self.stopped else self.matcher.forced_text()
+
     def advance(self, token_id: int) -> None:
         self.length += 1
         if self.stopped or self.seq.stop_reason(token_id, self.length) is not None:

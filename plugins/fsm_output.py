@@ -36,6 +36,7 @@ log = logging.getLogger("infer")
 MASK_CACHE_BYTES = 256 * 2**20  # all grammars' masks together; a mask is one byte per vocabulary entry
 MAX_DFA_STATES = 20_000  # a grammar's automaton is built whole at admission, within these bounds
 MAX_DFA_WORK = 4_000_000  # NFA states visited while building it (about 1.5 s of Python at most)
+MAX_FORCED_CHARS = 64  # forced_text looks this far ahead (a proposer drafts at most 16 tokens a round)
 MAX_TOKEN_CHARS = 16  # longer tokens are stepped one by one (few vocabularies have many)
 State = tuple[int, bytes]  # (automaton state, the bytes of a character begun but not finished)
 UTF8_LIMITS = {2: (0x80, 0x7FF), 3: (0x800, 0xFFFF), 4: (0x10000, 0x10FFFF)}  # code points of each length
@@ -99,6 +100,8 @@ class FsmGrammar(Grammar):
         kind = torch.int16 if len(bounds) < 2**15 else torch.int32
         self.classes = (torch.searchsorted(torch.tensor(bounds), index.codes, right=True) - 1).to(kind)
         self.tail_ok: dict[tuple[int, int], bool] = {}  # (state, tail interval) -> whether some character fits
+        self.bounds = bounds
+        self.forced: dict[int, str] = {}  # automaton state -> its forced_text
 
     def matcher(self) -> FsmMatcher:
         return FsmMatcher(self)
@@ -129,6 +132,25 @@ class FsmGrammar(Grammar):
             if char != DEAD and (span is None or automaton.can_step_within(char, *span)):
                 allowed.append(token)
         return allowed
+
+    def forced_text(self, state: int) -> str:
+        """The characters every match continues with from ``state``: while it is not a whole match and one class
+        of a single code point leads on (cached; at most MAX_FORCED_CHARS)."""
+        text = self.forced.get(state)
+        if text is None:
+            chars, char, bounds = [], state, self.bounds
+            while len(chars) < MAX_FORCED_CHARS and not self.automaton.accepting(char):
+                live = [k for k, target in enumerate(self.next[char].tolist()) if target != self.dead]
+                if len(live) != 1:
+                    break
+                k = live[0]
+                if k + 1 == len(bounds) or bounds[k + 1] - bounds[k] != 1 or \
+                        SURROGATES[0] <= bounds[k] <= SURROGATES[1]:
+                    break
+                chars.append(chr(bounds[k]))
+                char = int(self.next[char, k])
+            text = self.forced[state] = "".join(chars)
+        return text
 
     def _tail_fits(self, state: int, tail: int) -> bool:
         fits = self.tail_ok.get((state, tail))
@@ -257,6 +279,10 @@ class FsmMatcher(GrammarMatcher):
 
     def copy(self) -> FsmMatcher:
         return copy.copy(self)  # its state is an immutable tuple
+
+    def forced_text(self) -> str:
+        char, pending = self.state
+        return "" if self.ended or pending else self.grammar.forced_text(char)
 
     def advance(self, token_id: int) -> None:
         grammar = self.grammar

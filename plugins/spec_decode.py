@@ -1,5 +1,6 @@
-"""Speculative-decoding proposers: `draft-model` (a small checkpoint with its own paged KV) and `ngram` (prompt
-lookup). Selected by ``--plugin NAME`` or ``--proposer NAME``, with ``--num-speculative-tokens K``."""
+"""Speculative-decoding proposers: `draft-model` (a small checkpoint with its own paged KV), `ngram` (prompt
+lookup) and `jump-forward` (the text a structured output's grammar forces next). Selected by ``--plugin NAME`` or
+``--proposer NAME``, with ``--num-speculative-tokens K``."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -27,7 +28,14 @@ def build_ngram(config: EngineConfig, target: LoadedModel, plugins: PluginManage
     return NgramProposer.from_config(config)
 
 
+def build_jump_forward(config: EngineConfig, target: LoadedModel, plugins: PluginManager) -> Proposer:
+    from ..spec_decode.jump_forward import JumpForwardProposer
+
+    return JumpForwardProposer(target.tokenizer)
+
+
 @hookimpl
 def register_proposers(register: Register[ProposerFactory]) -> None:
     register("draft-model", build_draft_model, aliases=("draft",))
     register("ngram", build_ngram, aliases=("prompt-lookup",), options=NGRAM_OPTIONS)
+    register("jump-forward", build_jump_forward)

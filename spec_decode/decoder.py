@@ -47,8 +47,9 @@ class SpecDecoder:
         self.structured = structured  # the engine's: masks each position a structured sequence's drafts reach
         options = read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)
         # guided drafts: only from a proposer that takes guides (else copying matchers for it is wasted)
-        self.structured_drafts = options["structured"]
-        self.guided = options["guided"] and type(proposer).propose_guided is not Proposer.propose_guided
+        self.structured_drafts = options["structured"] or proposer.structured_only
+        self.guided = (options["guided"] or proposer.structured_only) and \
+            type(proposer).propose_guided is not Proposer.propose_guided
         self.proposer_name, self.vocab_size = config.proposer, vocab_size
         self.token_budget = config.max_num_batched_tokens
         self.proposer, self.kv, self.sampler, self.stats = proposer, kv, sampler, stats
@@ -136,6 +137,7 @@ class SpecDecoder:
         seq = item.seq
         decoding = item.num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
         if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative or controls_now(seq) or \
+                self.proposer.structured_only and seq.params.structured_output is None or \
                 seq.params.structured_output is not None and not (
                     self.structured_drafts and self.structured.can_walk_drafts(seq)):
             return 0

@@ -3,6 +3,8 @@ partial matching (an independent regex engine) says of each token's bytes, non-A
 end inside a UTF-8 character included; the UTF-8 intervals against every code point; the refusals."""
 from __future__ import annotations
 
+import itertools
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -10,12 +12,14 @@ from pathlib import Path
 import pytest
 import regex
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from infer.core.errors import InvalidRequestError
 from infer.core.interfaces import Vocabulary
 from infer.core.loader import load_tokenizer
 from infer.core.request import StructuredOutput
-from infer.plugins.fsm_output import FsmBackend, FsmMatcher, code_points, step
+from infer.plugins.fsm_output import MAX_FORCED_CHARS, FsmBackend, FsmMatcher, code_points, step
 from test_structured_output import readable
 
 
@@ -146,3 +150,56 @@ def test_a_tokenizer_that_is_not_byte_level_is_refused() -> None:
     backend = FsmBackend(Vocabulary(WordTokenizer(), 10, frozenset({0}), torch.device("cpu")))
     with pytest.raises(InvalidRequestError, match="byte-level BPE"):
         backend.compile(StructuredOutput(regex="a"))
+
+
+def finite_patterns(depth: int = 3) -> st.SearchStrategy[tuple[str, frozenset[str]]]:
+    """(a regex, the set of strings it matches) for patterns built of literals, alternations, concatenations and
+    optional parts; the set is worked out from the tree, apart from the automaton."""
+    literal = st.text(alphabet="abé ", min_size=1, max_size=3).map(lambda s: (s, frozenset({s})))
+
+    def grow(inner: st.SearchStrategy[tuple[str, frozenset[str]]]) -> st.SearchStrategy[tuple[str, frozenset[str]]]:
+        parts = st.lists(inner, min_size=2, max_size=3)
+        alternation = parts.map(lambda ps: ("(?:" + "|".join(p for p, _ in ps) + ")",
+                                            frozenset().union(*(words for _, words in ps))))
+        concatenation = parts.map(lambda ps: ("".join(f"(?:{p})" for p, _ in ps),
+                                              frozenset(map("".join, itertools.product(*(w for _, w in ps))))))
+        optional = inner.map(lambda p: (f"(?:{p[0]})?", p[1] | {""}))
+        return st.one_of(alternation, concatenation, optional)
+
+    return st.recursive(literal, grow, max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pattern=finite_patterns())
+def test_forced_text_is_what_every_match_continues_with(backend: FsmBackend, pattern: tuple[str, frozenset[str]]
+                                                        ) -> None:
+    """After every prefix of a match, forced_text is the longest common prefix of the rest of every match that
+    starts with it: "" where two matches part, or where one ends (the output may end there)."""
+    regex_text, words = pattern
+    grammar = backend.compile(StructuredOutput(regex=regex_text))
+    for prefix in {word[:i] for word in words for i in range(len(word) + 1)}:
+        state = grammar.automaton.start
+        for char in prefix:
+            state = grammar.automaton.step(state, ord(char))
+        rests = [word[len(prefix):] for word in words if word.startswith(prefix)]
+        assert grammar.forced_text(state) == os.path.commonprefix(rests), prefix
+
+
+def test_forced_text_stops_inside_a_character_at_a_class_and_after_the_end(backend: FsmBackend) -> None:
+    tokenizer = backend.vocabulary.tokenizer
+    matcher = backend.compile(StructuredOutput(regex='é"(x|y)[0-9]"')).matcher()
+    assert matcher.forced_text() == 'é"'
+    lead = backend.index.table.index(b"\xc3")  # the first byte of é, a token of its own in a byte-level vocabulary
+    matcher.advance(lead)
+    assert matcher.forced_text() == ""  # inside a character: nothing said
+    matcher.advance(backend.index.table.index(b"\xa9"))
+    assert matcher.forced_text() == '"'
+    for token in tokenizer.encode('"x', add_special_tokens=False):
+        matcher.advance(token)
+    assert matcher.forced_text() == ""  # a digit comes next: a class, not one character
+    for token in tokenizer.encode('1"', add_special_tokens=False):
+        matcher.advance(token)
+    matcher.advance(next(iter(backend.vocabulary.eos_token_ids)))
+    assert matcher.forced_text() == ""
+    long = backend.compile(StructuredOutput(regex="a" * 100)).matcher()
+    assert long.forced_text() == "a" * MAX_FORCED_CHARS

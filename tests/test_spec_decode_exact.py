@@ -3,6 +3,8 @@ random aborts during speculation leak no KV block, in the target's cache or the 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +34,73 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float 
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))  # P(chi2_df > stat)
 
 
-def make_small_vocab_model(out: Path, hidden: int, layers: int, seed: int) -> Path:
-    """A random Llama over SYMBOLS with a word-level tokenizer; large init so that distributions are far from flat."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def make_small_vocab_model(out: Path, hidden: int, layers: int, seed: int, symbols: list[str] = SYMBOLS,
+                           merges: list[tuple[str, str]] | None = None) -> Path:
+    """A random Llama over ``symbols`` with a word-level tokenizer, or with ``merges`` a byte-level BPE one (its
+    symbols after the three special ones printable ASCII, the merges' results among them); large init so that
+    distributions are far from flat."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(SYMBOLS)}, unk_token="<|pad|>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
-                            eos_token="<|eos|>").save_pretrained(str(out))
-    config = LlamaConfig(vocab_size=len(SYMBOLS), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+    ids = {s: i for i, s in enumerate(symbols)}
+    if merges is None:
+        tok = Tokenizer(models.WordLevel(ids, unk_token="<|pad|>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    else:
+        tok = Tokenizer(models.BPE(ids, merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(symbols[:3])
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>",
+                            clean_up_tokenization_spaces=False).save_pretrained(str(out))
+    config = LlamaConfig(vocab_size=len(symbols), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
                          num_key_value_heads=1, intermediate_size=2 * hidden, max_position_embeddings=256,
                          initializer_range=0.4, eos_token_id=2, bos_token_id=1, pad_token_id=0)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(out))
     return out
 
+
+
+def masked_law(model: Path, prompt: list[int], mask_of: Callable[[list[int]], torch.Tensor], top_k: int = 0
+               ) -> Callable[[list[list[int]]], torch.Tensor]:
+    """The law of the next token after each context (the output so far) by HF transformers at temperature 0.9,
+    masked by ``mask_of(context)`` (then top-k among what it allows), as [contexts, V]."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+
+    def law(contexts: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + c for c in contexts])).logits[:, -1] / 0.9
+        masks = torch.stack([mask_of(c) for c in contexts])
+        logits = logits.masked_fill(~masks, float("-inf"))
+        if top_k:
+            logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+        return torch.softmax(logits, -1)
+
+    return law
+
+
+def assert_first_three_follow(outputs: list[list[int]], law: Callable[[list[list[int]]], torch.Tensor], vocab: int,
+                              n: int) -> None:
+    """Chi-square tests: the first two tokens of ``outputs`` jointly, and the third (of those not ended by EOS, id
+    2, before it), follow ``law``; more than n / 4 outputs reach a third token."""
+    p1 = law([[]])[0]
+    p2 = law([[a] for a in range(vocab)]) * p1[:, None]  # [t1, t2]; rows of disallowed t1 are 0 through p1
+    p2 = torch.nan_to_num(p2)
+    counts12 = torch.bincount(torch.tensor([t[0] * vocab + (t[1] if len(t) > 1 else 2) for t in outputs]),
+                              minlength=vocab * vocab)
+    joint12 = p2.clone()
+    joint12[2] = 0
+    joint12[2, 2] = p1[2]  # EOS first: the output ends there (counted as EOS twice)
+    assert chi_square_p(counts12, joint12.flatten()) > 0.01
+    p3 = torch.nan_to_num(law([[a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab))
+    live = p2.clone()
+    live[2], live[:, 2] = 0, 0
+    third = torch.bincount(torch.tensor([t[2] for t in outputs if len(t) >= 3 and 2 not in t[:2]]), minlength=vocab)
+    assert chi_square_p(third, (live[..., None] * p3).sum((0, 1)) / live.sum()) > 0.01
+    assert int(third.sum()) > n // 4  # enough outputs reach a third token for the test above to mean something
 
 
 @pytest.fixture(scope="module")
@@ -217,12 +270,11 @@ def no_repeat_mask(last: int | None) -> torch.Tensor:
 def test_structured_sampling_with_speculation_draws_the_masked_target_distribution(small_pair, proposer, guided,
                                                                                    top_k):
     """A structured request speculates: its drafts are verified at positions masked by copies of its matcher, so
-    the first three tokens follow the target's distribution renormalized over what the grammar allows at each,
-    computed by HF transformers, and greedy equals the plain step's. Guided, the draft model draws its drafts
+    the first three tokens follow the target's distribution renormalized over what the grammar allows at each
+    (the grammar first, then top-k among what it allows), computed by HF transformers, and greedy equals the
+    plain step's. Guided, the draft model draws its drafts
     under the grammar too (q masked and renormalized); unguided (and ngram, which cannot be guided), drafts the
     grammar refuses are cut and rejected."""
-    from transformers import AutoModelForCausalLM
-
     from infer.core.plugins import PluginManager
     from infer.core.request import StructuredOutput
 
@@ -244,38 +296,41 @@ def test_structured_sampling_with_speculation_draws_the_masked_target_distributi
     assert engine.stats.spec_judged > engine.stats.spec_rounds  # rounds verified more than one draft
     assert all(a != b for row in rows for a, b in zip(row, row[1:]))
 
-    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-
-    def law(contexts: list[list[int]]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + c for c in contexts])).logits[:, -1] / 0.9
-        masks = torch.stack([no_repeat_mask(c[-1] if c else None) for c in contexts])
-        logits = logits.masked_fill(~masks, float("-inf"))  # the grammar first, then top-k among what it allows
-        if top_k:
-            logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
-        return torch.softmax(logits, -1)
-
-    p1 = law([[]])[0]
-    p2 = law([[a] for a in range(vocab)]) * p1[:, None]  # [t1, t2]; rows of disallowed t1 are 0 through p1
-    p2 = torch.nan_to_num(p2)
-    total = [c.token_ids for o in outs for c in o.outputs]
-    counts12 = torch.bincount(torch.tensor([t[0] * vocab + (t[1] if len(t) > 1 else 2) for t in total]),
-                              minlength=vocab * vocab)
-    joint12 = p2.clone()
-    joint12[2] = 0
-    joint12[2, 2] = p1[2]  # EOS first: the output ends there (counted as EOS twice)
-    assert chi_square_p(counts12, joint12.flatten()) > 0.01
-    p3 = torch.nan_to_num(law([[a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab))
-    live = p2.clone()
-    live[2], live[:, 2] = 0, 0
-    third = torch.bincount(torch.tensor([t[2] for t in total if len(t) >= 3 and 2 not in t[:2]]), minlength=vocab)
-    assert chi_square_p(third, (live[..., None] * p3).sum((0, 1)) / live.sum()) > 0.01
-    assert int(third.sum()) > n // 4  # enough outputs reach a third token for the test above to mean something
+    outputs = [c.token_ids for o in outs for c in o.outputs]
+    assert_first_three_follow(outputs, masked_law(target, prompt, lambda c: no_repeat_mask(c[-1] if c else None),
+                                                  top_k), vocab, n)
     greedy = SamplingParams(max_tokens=12, temperature=0, structured_output=spec)
     plain = Engine(EngineConfig(model=str(target), device="cpu", num_kv_blocks=64,
                                 structured_output_backend="no-repeat"), plugins)
     assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == \
         plain.generate([prompt], greedy)[0].outputs[0].token_ids
+
+
+def test_jump_forward_drafts_keep_sampling_exact(tmp_path: Path) -> None:
+    """The jump-forward proposer drafts the tokens of the text the grammar forces: under ``(dab|ce)+`` the token
+    ``ab`` after ``d`` (which the target may refuse for ``a``, then ``b``) and ``e`` after ``c``. The first three
+    tokens still follow the target's law under the grammar's masks (worked out here from the pattern, apart from
+    the fsm backend), computed by HF transformers."""
+    from infer.core.request import StructuredOutput
+
+    symbols = ["<|pad|>", "<|bos|>", "<|eos|>", "a", "b", "ab", "c", "d", "e"]
+    target = make_small_vocab_model(tmp_path, 32, 2, seed=0, symbols=symbols, merges=[("a", "b")])
+    prompt, vocab, n = [7, 8, 6], len(symbols), 10_000  # "dec": the target likes d first, then a more than ab
+    engine = Engine(EngineConfig(model=str(target), device="cpu", proposer="jump-forward", num_speculative_tokens=3,
+                                 max_num_seqs=50, num_kv_blocks=1100, seed=1, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=5, temperature=0.9, n=50, structured_output=StructuredOutput(regex="(dab|ce)+"))
+    outputs = [c.token_ids for o in engine.generate([prompt] * (n // 50), params) for c in o.outputs]
+    assert 0.3 < engine.stats.acceptance_rate < 0.9  # ab drafted and refused, e drafted and taken
+    assert sum(t[:2] == [7, 3] for t in outputs) > n // 10  # "d" then "a": the residual drawn after a rejection
+
+    def mask_of(context: list[int]) -> torch.Tensor:
+        text = "".join(symbols[t] for t in context)
+        mask = torch.tensor([i > 2 and re.fullmatch("(dab|ce)*(d|da|c)?", text + symbols[i]) is not None
+                             for i in range(vocab)])
+        mask[2] = re.fullmatch("(dab|ce)+", text) is not None
+        return mask
+
+    assert_first_three_follow(outputs, masked_law(target, prompt, mask_of), vocab, n)
 
 
 def test_a_draft_guide_stays_put_past_a_stop_token_or_a_refused_draft():

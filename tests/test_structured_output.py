@@ -177,7 +177,9 @@ def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
     """On the shipped pair: the same structured greedy outputs synchronously, under async scheduling (the masks
     follow the tokens read back a step late) and with the draft model proposing for the plain request beside, and
     with spec_decode.structured for the structured requests too (their drafts verified under masks walked along
-    them), which speculate only then."""
+    them), which speculate only then; and with the jump-forward proposer, which drafts the text the grammar forces
+    (the regex's four spaces, the rest of a choice once its first token picked it) for the structured requests
+    only."""
     model = str(PRETRAINED_DIR / "target")
     prompts = ["def fibonacci(n):", "import os\n", "class Point:"]
     spec = StructuredOutput(regex=r"\n    (return|if|for) [a-z_]+( [=<>+-]+ [a-z0-9_]+)?:?\n")
@@ -189,13 +191,15 @@ def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
     draft = {"proposer": "draft-model", "num_speculative_tokens": 3}
     drafted = []
     for options in ({}, {"async_scheduling": True}, draft,
-                    {**draft, "plugin_options": {"spec_decode": {"structured": True}}}):
+                    {**draft, "plugin_options": {"spec_decode": {"structured": True}}},
+                    {"proposer": "jump-forward", "num_speculative_tokens": 4}):
         engine = Engine(EngineConfig(model=model, device="cpu", num_kv_blocks=64, **options))
         outs = engine.generate(prompts, params)
         results.append([[c.token_ids for c in out.outputs] for out in outs])
         drafted.append([out.metrics.get("spec_proposed", 0) > 0 for out in outs])
-    assert results[0] == results[1] == results[2] == results[3]
-    assert drafted[2:] == [[False, True, False], [True, True, True]]
+    assert results[0] == results[1] == results[2] == results[3] == results[4]
+    assert drafted[2:] == [[False, True, False], [True, True, True], [True, False, True]]
+    assert engine.stats.spec_accepted > 0  # forced tokens taken several a step
     assert re.fullmatch(r"\n    (return|if|for) [a-z_]+( [=<>+-]+ [a-z0-9_]+)?:?\n",
                         engine.tokenizer.decode(results[0][0][0], skip_special_tokens=True))
 
