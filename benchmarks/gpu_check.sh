@@ -13,7 +13,8 @@
 #   (not run by default, when device time allows: prefix3k, shared-prefix with a 3,000-token prefix; beam, beam
 #   search against HF generate(num_beams) with the shipped demo model; controls, host time per output token with
 #   every request penalized, or asking for prompt logprobs; lora, LoRA adapters' cost on the anchor model;
-#   structured, structured output with speculation, grammar-guided drafts and unguided, with the shipped pair)
+#   structured, structured output with speculation, grammar-guided drafts, unguided and jump-forward, with the
+#   shipped pair)
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
 # step; Chrome traces in the logs). anchor measures infer (with and without merged projections, with the skinny
 # GEMM) on the anchor workload and single stream, then HF continuous batching; hfstatic adds HF generate (static
@@ -177,6 +178,8 @@ if want structured; then  # structured output with the draft model: guided draft
     stage "structured_bench guided=$guided" "structured_$guided.log" 90 $PY benchmarks/structured_bench.py \
       --device cuda --vocab --spec-option structured=true --spec-option guided=$guided
   done
+  stage "structured_bench jump-forward" "structured_jump.log" 60 $PY benchmarks/structured_bench.py --device cuda \
+    --vocab --proposer jump-forward --num-speculative-tokens 6
 fi
 
 if want hfstatic; then  # HF generate (static batches of 32) and HF single stream beside the anchor stage's figures
@@ -223,6 +226,7 @@ want lora && show "LoRA adapters" lora_bench.log 8
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
 want structured && show "structured output, guided drafts" structured_true.log 9
 want structured && show "structured output, unguided drafts" structured_false.log 9
+want structured && show "structured output, jump-forward drafts" structured_jump.log 9
 want quant && show "quantization" quant_bench.log 40
 want host && show "host overhead per output token" host_overhead.log 8
 want controls && show "host overhead, repetition_penalty=1.1" host_repetition_penalty.log 8

@@ -3,11 +3,13 @@
 Part 1, the engine (the shipped pair's target, greedy, all requests at once): the same prompts free, under a
 regex and under a JSON schema; each arm in its own engine, first ``cold`` (the grammar compiled and every state's
 mask built on first use), then ``--rounds`` times ``warm`` (masks cached), the arms taking turns. Per arm: output
-tokens, how many outputs ended whole (at EOS), and wall time per output token, cold and the warm median, and its
-ratio to the free arm's. The arms end at different lengths (a structured output ends at EOS once whole), so
+tokens, how many outputs ended whole (at EOS), the engine steps of the last round (what speculation saves on a
+device where a step's cost hardly depends on its tokens), and wall time per output token, cold and the warm
+median, and its ratio to the free arm's. The arms end at different lengths (a structured output ends at EOS once whole), so
 compare per-token times. The ``+ PROPOSER`` arms add speculative decoding (``--proposer``, default the shipped draft
 model; K ``--num-speculative-tokens``; ``--spec-option KEY=JSON`` sets a ``spec_decode`` plugin option, e.g.
-``structured=true``, without which structured requests do not speculate, and ``guided=false``): the draft model
+``structured=true``, without which structured requests do not speculate, and ``guided=false``; ``jump-forward``
+drafts the text the grammar forces, for structured requests only, whatever the options): the draft model
 drafts under the grammar (unless ``guided=false``), and a structured request's drafts are verified under its
 grammar's masks, up to the first one the grammar refuses; their column "drafts accepted" counts the drafts verified
 and accepted. ``--device cuda`` runs the engines on the GPU.
@@ -59,15 +61,15 @@ def engine_rows(requests: int, max_tokens: int, rounds: int, k: int, proposer: s
     for index in range(rounds + 1):  # round 0 is cold: grammars compiled, masks built; arms take turns
         for name in (arms if index % 2 else reversed(arms)):
             params = SamplingParams(max_tokens=max_tokens, temperature=0, structured_output=arms[name][0])
-            start = time.perf_counter()
+            start, steps = time.perf_counter(), engines[name].steps_taken
             outs = engines[name].generate(prompts, params)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             times[name].append((time.perf_counter() - start) / tokens)
             counts[name] = (tokens, sum(o.outputs[0].finish_reason.value == "stop" for o in outs),
                             sum(o.metrics.get("spec_accepted", 0) for o in outs),
-                            sum(o.metrics.get("spec_proposed", 0) for o in outs))
+                            sum(o.metrics.get("spec_proposed", 0) for o in outs), engines[name].steps_taken - steps)
     free = statistics.median(times["free"][1:])
-    return [(name, str(counts[name][0]), f"{counts[name][1]}/{requests}",
+    return [(name, str(counts[name][0]), f"{counts[name][1]}/{requests}", str(counts[name][4]),
              f"{counts[name][2]}/{counts[name][3]}" if arms[name][1] else "-", f"{times[name][0] * 1e3:.2f}",
              f"{statistics.median(times[name][1:]) * 1e3:.2f}", f"{statistics.median(times[name][1:]) / free:.2f}")
             for name in arms]
@@ -131,7 +133,7 @@ def main() -> None:
     engine = engine_rows(args.requests, args.max_tokens, args.rounds, args.num_speculative_tokens, args.proposer,
                          options, args.device)
     masks = mask_rows(args.vocab)
-    print(table(("arm", "output tokens", "ended whole", "drafts accepted", "cold ms / token",
+    print(table(("arm", "output tokens", "ended whole", "steps", "drafts accepted", "cold ms / token",
                  "warm ms / token (median)",
                  "warm / free"), engine))
     print()
