@@ -197,8 +197,8 @@ class EngineConfig:
             flags = ", ".join(f"--spec-{name.replace('_', '-')}" if name in ("min_acceptance", "max_batch_size")
                               else f"--plugin-option spec_decode.{name}"
                               for name in sorted(self.plugin_options["spec_decode"]))
-            raise ConfigError(f"{flags}: speculative-decoding options need a proposer: add --proposer draft-model or "
-                              "--proposer ngram (in Python: proposer=...)")
+            raise ConfigError(f"{flags}: speculative-decoding options need a proposer: add --proposer draft-model, "
+                              "ngram or jump-forward (in Python: proposer=...)")
         if self.async_scheduling and self.async_output is False:
             raise ConfigError("--async-scheduling reads each step's tokens back during the next step, so its outputs "
                               "come a step later: drop --no-async-output")

@@ -479,11 +479,12 @@ class Proposal:
 class Proposer(ABC):
     """Proposes up to ``k`` draft tokens per running sequence for the target to verify.
 
-    ``structured_only`` (a class attribute, default False): True for a proposer that drafts for structured-output
-    sequences only, under their grammar (``jump-forward``): only those get draft slots, and they speculate whatever
-    ``spec_decode.structured`` and ``spec_decode.guided`` say."""
+    ``drafts_forced_text`` (a class attribute, default False): True for a proposer that drafts only the text a
+    structured-output sequence's grammar forces (``GrammarMatcher.forced_text()``, through ``propose_guided``'s
+    guides), as ``jump-forward`` does: only sequences whose grammar forces some text get draft slots, and they
+    speculate whatever ``spec_decode.structured`` and ``spec_decode.guided`` say."""
 
-    structured_only: ClassVar[bool] = False
+    drafts_forced_text: ClassVar[bool] = False
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
@@ -578,7 +579,8 @@ class GrammarMatcher(ABC):
     def forced_text(self) -> str:
         """The text every whole output continues with from this state: its characters up to the first place where
         the grammar allows a choice or the output may end; "" when the next character is not certain, and the
-        default (the backend does not say). The ``jump-forward`` proposer drafts its tokens."""
+        default (the backend does not say). A backend may say less than is forced (fewer drafts), never more. The
+        ``jump-forward`` proposer drafts its tokens."""
         return ""
 
 

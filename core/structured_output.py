@@ -2,8 +2,9 @@
 sequences followed by a matcher, and the rows they sample masked to what the matcher allows.
 
 The masks are computed after the tokens in flight are read back (the engine samples after its settle), so async
-scheduling keeps running ahead. With speculative decoding and the plugin option ``spec_decode.structured``, a copy
-of the matcher walks each sequence's drafts: those after the first one the grammar refuses are dropped before
+scheduling keeps running ahead. With speculative decoding and the plugin option ``spec_decode.structured`` (or a
+proposer of forced text, ``jump-forward``, which drafts what :meth:`forced_text` says), a copy of the matcher walks
+each sequence's drafts: those after the first one the grammar refuses are dropped before
 verification, and every position the rest are verified at is masked as a plain step would mask it
 (:meth:`walk_drafts`). A proposer that can (``Proposer.propose_guided``, the draft model's) drafts under a copy of
 its own (:meth:`draft_guide`), so that its drafts are ones the grammar allows.
@@ -120,6 +121,10 @@ class StructuredOutputs:
                 return DraftWalk(len(states), states + states[-1:], guide.refused)
             states.append(guide.matcher)
         return DraftWalk(len(drafts), states, refused=False)
+
+    def forced_text(self, seq: Sequence) -> str:
+        """What ``seq``'s grammar forces next (``GrammarMatcher.forced_text``)."""
+        return self._matcher(seq).forced_text()
 
     def draft_guide(self, seq: Sequence) -> DraftGuide:
         """A copy of ``seq``'s matcher for a proposer to draft under (``Proposer.propose_guided``)."""

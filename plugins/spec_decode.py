@@ -31,7 +31,7 @@ def build_ngram(config: EngineConfig, target: LoadedModel, plugins: PluginManage
 def build_jump_forward(config: EngineConfig, target: LoadedModel, plugins: PluginManager) -> Proposer:
     from ..spec_decode.jump_forward import JumpForwardProposer
 
-    return JumpForwardProposer(target.tokenizer)
+    return JumpForwardProposer(target.tokenizer, target.model.spec.vocab_size)
 
 
 @hookimpl

@@ -47,8 +47,9 @@ class SpecDecoder:
         self.structured = structured  # the engine's: masks each position a structured sequence's drafts reach
         options = read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)
         # guided drafts: only from a proposer that takes guides (else copying matchers for it is wasted)
-        self.structured_drafts = options["structured"] or proposer.structured_only
-        self.guided = (options["guided"] or proposer.structured_only) and \
+        self.forced_only = proposer.drafts_forced_text
+        self.structured_drafts = options["structured"] or self.forced_only
+        self.guided = (options["guided"] or self.forced_only) and \
             type(proposer).propose_guided is not Proposer.propose_guided
         self.proposer_name, self.vocab_size = config.proposer, vocab_size
         self.token_budget = config.max_num_batched_tokens
@@ -133,13 +134,15 @@ class SpecDecoder:
 
     def _room(self, item: ScheduledSequence) -> int:
         """Drafts worth verifying for a plain decode: the emitted tokens (accepted + 1) must fit max_tokens and
-        the context."""
+        the context; for a proposer of forced text, only where the grammar forces some."""
         seq = item.seq
         decoding = item.num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
         if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative or controls_now(seq) or \
-                self.proposer.structured_only and seq.params.structured_output is None or \
+                self.forced_only and seq.params.structured_output is None or \
                 seq.params.structured_output is not None and not (
                     self.structured_drafts and self.structured.can_walk_drafts(seq)):
+            return 0
+        if self.forced_only and not self.structured.forced_text(seq):  # no slot for a draft that will not come
             return 0
         left = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens)
         return min(self.k, left - 1)

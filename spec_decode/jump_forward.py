@@ -16,14 +16,14 @@ from typing import Any
 from ..core.interfaces import GrammarMatcher, Proposal, Proposer
 from ..core.request import Sequence
 
-CACHED_TEXTS = 4096  # forced texts whose tokens are kept (a grammar has a few per state that forces any)
+CACHED_TEXTS = 4096  # forced texts whose tokens are kept (one per grammar state that forces any)
 
 
 class JumpForwardProposer(Proposer):
-    structured_only = True
+    drafts_forced_text = True
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.spelled: OrderedDict[str, list[int]] = OrderedDict()  # forced text -> its tokens, least recent first
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
@@ -37,10 +37,13 @@ class JumpForwardProposer(Proposer):
         return Proposal(drafts)
 
     def spell(self, text: str) -> list[int]:
-        """The tokenizer's tokens of ``text`` (no special tokens added)."""
+        """The tokenizer's tokens of ``text``: none added, a special token's text spelled as text (a pattern's
+        ``<|eos|>`` is not EOS), cut before any id past the model's vocabulary (a tokenizer may hold more)."""
         tokens = self.spelled.get(text)
         if tokens is None:
-            tokens = self.spelled[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+            inside = [token < self.vocab_size for token in ids]
+            tokens = self.spelled[text] = ids[: inside.index(False)] if False in inside else ids
             if len(self.spelled) > CACHED_TEXTS:
                 self.spelled.popitem(last=False)
         else:

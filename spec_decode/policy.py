@@ -32,7 +32,7 @@ SPEC_DECODE_OPTIONS = {  # read by the SpecDecoder whatever the proposer; round_
                                 minimum=1),
     "structured": PluginOption(False, "speculate for structured-output requests too, their drafts verified under the "
                                "grammar's masks (off: on the CPU it paid for a JSON schema, not for a regex, "
-                               "docs/PERF.md)"),
+                               "docs/PERF.md; the jump-forward proposer's requests speculate whatever it says)"),
     "guided": PluginOption(True, "with spec_decode.structured, a proposer that can (the draft model) drafts under "
                            "the grammar's masks, reading each draft step's tokens back; a round with such a "
                            "sequence is not replayed as a graph (off: one read per round, drafts the grammar "

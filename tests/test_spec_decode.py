@@ -411,3 +411,18 @@ def test_the_draft_model_is_built_with_the_engine_s_plugins(infer_plugins):
     assert len(built) == 2  # the target's backend and the draft's
     assert [r.outputs[0].token_ids for r in e.generate(PROMPTS[:2], params)] == \
         [r.outputs[0].token_ids for r in baseline]
+
+
+def test_jump_forward_spells_special_token_text_as_text_within_the_vocabulary() -> None:
+    """A pattern's literal ``<|eos|>`` is text, not EOS: its drafts spell it back; an id past the model's vocabulary
+    (a tokenizer may hold more) cuts the drafts before it."""
+    from infer.core.loader import load_tokenizer
+    from infer.spec_decode.jump_forward import JumpForwardProposer
+
+    tokenizer = load_tokenizer(TARGET)
+    text = 'a<|eos|>b": '
+    tokens = JumpForwardProposer(tokenizer, len(tokenizer)).spell(text)
+    assert tokenizer.eos_token_id not in tokens and tokenizer.decode(tokens) == text
+    limit = sorted(tokens)[len(tokens) // 2]  # a vocabulary that stops inside the text's ids
+    cut = JumpForwardProposer(tokenizer, limit).spell(text)
+    assert cut == tokens[: next(i for i, t in enumerate(tokens) if t >= limit)]
