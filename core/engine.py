@@ -23,7 +23,7 @@ from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
-from .interfaces import ReasoningParser, SchedulerOutput, StructuredOutputBackend, Vocabulary
+from .interfaces import ReasoningEnd, ReasoningParser, SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output
@@ -165,6 +165,7 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.checker.check(prompt, params)
+        reasoning_end = self._reasoning_end(prompt, params, ids)
         params, reader = reply_reading(prompt, params, self.tool_parser)
         with schema_errors(reader):
             self.check_structured_output(params)
@@ -174,25 +175,42 @@ class Engine:
         # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
                                [0] * len(seqs), [0] * len(seqs), tool_parser=reader,
-                               reasoning_parser=self._reasoning_parser_of(prompt, params))
+                               reasoning_parser=self._reasoning_parser_of(prompt, params, reasoning_end))
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
         if params.structured_output is not None:
             self.structured.admit(params.structured_output)  # compiled above: kept until the request ends
+            if reasoning_end is not None:
+                self.structured.follow_reasoning(seqs, reasoning_end)
         self.stats.prompt_tokens += len(ids)
         self.prompt_logprob_requests += params.prompt_logprobs is not None
         if params.n > 1:
             self.forks.add(request_id, seqs[1:])
         return request_id
 
-    def _reasoning_parser_of(self, prompt: Prompt, params: SamplingParams) -> ReasoningParser | None:
+    def _reasoning_parser_of(self, prompt: Prompt, params: SamplingParams, reasoning_end: ReasoningEnd | None
+                             ) -> ReasoningParser | None:
         """What splits ``prompt``'s replies into reasoning and content: the engine's parser for a chat, but not
-        for structured output (a forced tool_choice's too), whose grammar holds from the first token: such a reply
-        has no reasoning."""
-        if not isinstance(prompt, ChatPrompt) or params.structured_output is not None:
+        for structured output whose grammar holds from the first token (a forced tool_choice's, or where the
+        parser cannot say where the reasoning ends): such a reply has no reasoning."""
+        if not isinstance(prompt, ChatPrompt) or params.structured_output is not None and reasoning_end is None:
             return None
         return self.reasoning_parser
+
+    def _reasoning_end(self, prompt: Prompt, params: SamplingParams, ids: list[int]) -> ReasoningEnd | None:
+        """Where the grammar of a chat's own structured output starts, its reasoning first (None: from the
+        first token)."""
+        if self.reasoning_parser is None or params.structured_output is None or not isinstance(prompt, ChatPrompt):
+            return None
+        with self._plugin_code():
+            end = self.reasoning_parser.reasoning_end(ids)
+        if end is not None and not (isinstance(end, ReasoningEnd) and all(
+                isinstance(t, int) and 0 <= t < self.loaded.model.spec.vocab_size
+                for t in (end.close_token, end.open_token if end.open_token is not None else 0))):
+            raise PluginError(f"reasoning parser {self.config.reasoning_parser!r}: reasoning_end() returned {end!r}, "
+                              "not None or a ReasoningEnd of token ids in the vocabulary; fix the plugin")
+        return end
 
     def check_request(self, prompt: Prompt, params: SamplingParams | None = None) -> list[int]:
         """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's

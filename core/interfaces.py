@@ -528,6 +528,25 @@ class ReasoningParser(ABC):
         out); reasoning None when the reply has none. Only the markers (and the space before an opening one) may
         be dropped: reasoning and content together hold the rest of the text."""
 
+    def reasoning_end(self, prompt_token_ids: Seq[int]) -> ReasoningEnd | None:
+        """How a structured output's grammar follows the reasoning of a reply to this prompt (a chat's, its
+        template applied): the tokens that open and close the reasoning, and whether the prompt closed it already.
+        None, the default (or a tokenizer without such tokens): a structured reply has no reasoning, its grammar
+        holding from the first token, and is not split."""
+        return None
+
+
+@dataclass(frozen=True)
+class ReasoningEnd:
+    """:meth:`ReasoningParser.reasoning_end`'s answer. The grammar starts after the first ``close_token`` of the
+    reply; from the first token when ``closed_in_prompt`` (the template closed the block: thinking off); and
+    where ``open_token`` is set (the model opens the block itself, as Qwen3 does), the first token is either it
+    (the reply reasons first) or one of the grammar's (the reply has no reasoning)."""
+
+    close_token: int
+    closed_in_prompt: bool = False
+    open_token: int | None = None
+
 
 # ---------------------------------------------------------------- structured output
 @dataclass(frozen=True)

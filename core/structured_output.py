@@ -8,6 +8,10 @@ each sequence's drafts: those after the first one the grammar refuses are droppe
 verification, and every position the rest are verified at is masked as a plain step would mask it
 (:meth:`walk_drafts`). A proposer that can (``Proposer.propose_guided``, the draft model's) drafts under a copy of
 its own (:meth:`draft_guide`), so that its drafts are ones the grammar allows.
+
+A chat's structured output may follow the reply's reasoning (:meth:`follow_reasoning`, by the reasoning parser's
+``ReasoningEnd``): until the token that closes it, rows are not masked (a sequence does not speculate then), and
+the matcher takes the tokens after it.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import PluginError
-from .interfaces import Grammar, GrammarMatcher, StructuredOutputBackend
+from .interfaces import Grammar, GrammarMatcher, ReasoningEnd, StructuredOutputBackend
 from .request import Sequence, StructuredOutput
 from .sampling import to_device
 
@@ -34,6 +38,33 @@ class DraftWalk:
     refused: bool  # whether the last verified draft is one the grammar refuses (its rejection is sure)
 
 
+@dataclass
+class ReasoningGate:
+    """Where a sequence's grammar starts, its reasoning first (see ``ReasoningEnd``)."""
+
+    end: ReasoningEnd
+    start: int | None = None  # the output index the grammar holds from; None while reasoning (or undecided)
+    scanned: int = 0  # output tokens looked at for the closing token
+
+    def content_start(self, seq: Sequence) -> int | None:
+        if self.start is None:
+            tokens, first = seq.token_ids, seq.num_prompt_tokens
+            if self.scanned == 0 and seq.num_output_tokens and self.end.open_token is not None and \
+                    tokens[first] != self.end.open_token:
+                self.start = 0  # the first token did not open the block: the reply has no reasoning
+            else:
+                for index in range(first + self.scanned, len(tokens)):
+                    if tokens[index] == self.end.close_token:
+                        self.start = index - first + 1
+                        break
+                self.scanned = seq.num_output_tokens
+        return self.start
+
+    def may_open(self, seq: Sequence) -> bool:
+        """Whether the next token may open the reasoning instead of starting the grammar's output."""
+        return self.start is None and seq.num_output_tokens == 0 and self.end.open_token is not None
+
+
 class StructuredOutputs:
     """The engine's structured-output state: compiled grammars (most recently used first) and one matcher per
     sequence, fed each sequence's output tokens as they come."""
@@ -47,6 +78,7 @@ class StructuredOutputs:
         self.matchers: dict[int, GrammarMatcher] = {}  # seq_id -> its matcher
         self.taken: dict[int, int] = {}  # seq_id -> how many of its output tokens its matcher has taken
         self.walkable: dict[int, bool] = {}  # seq_id -> whether its matcher copies (speculative decoding asks)
+        self.gates: dict[int, ReasoningGate] = {}  # seq_id -> where its grammar starts (a chat that reasons first)
 
     def admit(self, spec: StructuredOutput) -> None:
         """Compile ``spec`` (InvalidRequestError from the backend for one it cannot follow) and keep it while a
@@ -81,13 +113,25 @@ class StructuredOutputs:
             self.grammars.move_to_end(spec)
         return grammar
 
+    def follow_reasoning(self, seqs: list[Sequence], end: ReasoningEnd) -> None:
+        """The grammar of ``seqs`` (a request's) holds after their reasoning, which ``end`` delimits."""
+        for seq in seqs:
+            self.gates[seq.seq_id] = ReasoningGate(end, 0 if end.closed_in_prompt else None)
+
+    def in_content(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s grammar holds now (past its reasoning, if it reasons first)."""
+        gate = self.gates.get(seq.seq_id)
+        return gate is None or gate.content_start(seq) is not None
+
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """``logits`` [len(seqs), V] with the rows of structured sequences masked (a new tensor: -inf where their
-        matcher disallows), or None when no row is structured. Row i belongs to ``seqs[i]``, whose tokens so far
-        are all known."""
+        matcher disallows), or None when no row is masked. Row i belongs to ``seqs[i]``, whose tokens so far are
+        all known. A sequence still reasoning is not masked, but at its first token, which may open the
+        reasoning."""
         if not self.pinned:  # no live request is structured: nothing to look at
             return None
-        rows = [i for i, seq in enumerate(seqs) if seq.params.structured_output is not None]
+        rows = [i for i, seq in enumerate(seqs) if seq.params.structured_output is not None and (
+            self.in_content(seq) or self.gates[seq.seq_id].may_open(seq))]
         if not rows:
             return None
         masks = torch.stack([self._allowed(seqs[i]) for i in rows])
@@ -137,19 +181,30 @@ class StructuredOutputs:
         return torch.stack([self._checked(state.allowed()) for state in states])
 
     def _matcher(self, seq: Sequence) -> GrammarMatcher:
-        """``seq``'s matcher, fed its output tokens so far."""
+        """``seq``'s matcher, fed its output tokens so far (those after its reasoning)."""
         matcher = self.matchers.get(seq.seq_id)
         if matcher is None:
             spec = seq.params.structured_output
             assert spec is not None
             matcher = self.matchers[seq.seq_id] = self.grammar(spec).matcher()
-        taken = self.taken.get(seq.seq_id, 0)
+        taken = self.taken.get(seq.seq_id)
+        if taken is None:
+            gate = self.gates.get(seq.seq_id)
+            taken = 0 if gate is None else gate.content_start(seq)
+            assert taken is not None, "a sequence still reasoning has no matcher"
         for token in seq.token_ids[seq.num_prompt_tokens + taken:]:
             matcher.advance(token)
         self.taken[seq.seq_id] = seq.num_output_tokens
         return matcher
 
     def _allowed(self, seq: Sequence) -> torch.Tensor:
+        gate = self.gates.get(seq.seq_id)
+        if gate is not None and gate.may_open(seq):  # the grammar's first tokens, or the one opening the reasoning
+            spec = seq.params.structured_output
+            assert spec is not None
+            mask = self._checked(self.grammar(spec).matcher().allowed()).clone()
+            mask[gate.end.open_token] = True
+            return mask
         return self._checked(self._matcher(seq).allowed())
 
     def _checked(self, mask: torch.Tensor) -> torch.Tensor:
@@ -162,6 +217,7 @@ class StructuredOutputs:
         self.matchers.pop(seq_id, None)
         self.taken.pop(seq_id, None)
         self.walkable.pop(seq_id, None)
+        self.gates.pop(seq_id, None)
 
 
 class DraftGuide(GrammarMatcher):

@@ -190,3 +190,144 @@ def test_the_split_travels_over_grpc_and_generate_json(llm: LLM, tiny_model: Pat
     assert (got["reasoning_content"], got["content"]) == (want.text, "")
     result = CliRunner().invoke(main, [*base, "--reasoning-parser", "qwen", "generate", "--chat", line])
     assert result.exit_code == 2 and "deepseek-r1" in result.stderr and "qwen3" in result.stderr, result.output
+
+
+# ---------------------------------------------------------------- structured output after the reasoning
+PATTERN = "is [a-z]{2,5}"
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with <think> and </think> as tokens of their own (as Qwen3's and DeepSeek-R1's tokenizers
+    have them), their embeddings added by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("thinking")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.add_tokens([THINK_START, THINK_END])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    torch.manual_seed(0)  # the new rows are drawn at random
+    model.resize_token_embeddings(len(tokenizer))
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def thinking_hf(thinking_model: Path) -> tuple[Any, list[str]]:
+    """The HF model, and each token's text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(thinking_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(thinking_model)
+    return hf, [tokenizer.decode([t], skip_special_tokens=True) for t in range(hf.config.vocab_size)]
+
+
+def reference_after_reasoning(hf: Any, texts: list[str], prompt: list[int], bias: dict[int, float],
+                              opens: int | None, closes: int, closed_in_prompt: bool, eos: int, max_tokens: int
+                              ) -> list[int]:
+    """Greedy decoding over HF transformers with ``bias`` added to the logits: no mask while reasoning (from the
+    first token, unless the prompt closed the block; with ``opens``, only when the first token is it, the first
+    token otherwise masked as the grammar's), then each token's argmax among those whose text keeps the content
+    a prefix of a PATTERN match (the regex module's partial matching over the decoded text), EOS once it is
+    whole."""
+    import regex
+    import torch
+
+    out: list[int] = []
+    content = "" if closed_in_prompt or opens is not None else None  # None: reasoning
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+        for token, value in bias.items():
+            logits[token] += value
+        if content is None:
+            allowed = list(range(len(texts)))
+        else:
+            allowed = [t for t, text in enumerate(texts) if text and t not in (opens, closes)
+                       and regex.fullmatch(PATTERN, content + text, partial=True)]
+            allowed += [eos] if regex.fullmatch(PATTERN, content) else []
+            allowed += [opens] if opens is not None and not out else []
+        token = max(allowed, key=lambda t: logits[t].item())
+        out.append(token)
+        if token == eos:
+            break
+        if content is None:
+            content = "" if token == closes else None
+        elif token == opens and len(out) == 1:
+            content = None
+        else:
+            content += texts[token]
+    return out
+
+
+@pytest.mark.parametrize("parser, generation, bias_open, closed_in_prompt", [
+    ("deepseek-r1", "<think>\n", None, False),  # the template opens the block
+    ("qwen3", "", 30.0, False),  # the reply opens it
+    ("qwen3", "", -30.0, False),  # the reply does not: the grammar holds from its first token
+    ("qwen3", "<think>\n\n</think>\n\n", None, True),  # thinking off: the template closed an empty block
+])
+def test_structured_output_follows_the_reasoning(thinking_model: Path, thinking_hf: tuple[Any, list[str]],
+                                                 tmp_path: Path, parser: str, generation: str,
+                                                 bias_open: float | None, closed_in_prompt: bool) -> None:
+    """With a reasoning parser, a chat's structured output holds after the reply's reasoning: the greedy tokens
+    equal a reference loop over HF transformers that masks only past the first </think> (or from the first token,
+    where the prompt closed the block or the reply did not open one), and the reply is split there."""
+    import re
+
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{%- endfor %}<|assistant|>\n"
+                        + generation)
+    engine = Engine(EngineConfig(model=str(thinking_model), device="cpu", num_kv_blocks=64,
+                                 chat_template=str(template), reasoning_parser=parser))
+    opens, closes = (engine.tokenizer.convert_tokens_to_ids(m) for m in (THINK_START, THINK_END))
+    prompt = engine.tokenize(ChatPrompt.of(ASK))
+    [eos] = engine.eos_token_ids
+    reasons = bias_open != -30.0 and not closed_in_prompt
+    # biases with which the reference reasons, then closes the block: after two free tokens where the template
+    # opened it (with qwen3, the reply's first token opens it; then this model closes it at once or never)
+    earliest = 2 if parser == "deepseek-r1" else 1
+    opening = [bias_open] if bias_open is None or bias_open < 0 else [2.0 * i for i in range(1, 10)]
+    candidates = [(o, 0.5 * c) for o in opening for c in range(40)] if reasons else [(bias_open, 0.0)]
+    for open_bias, close_bias in candidates:
+        bias = {closes: close_bias} | ({opens: open_bias} if open_bias is not None else {})
+        want = reference_after_reasoning(*thinking_hf, prompt, bias, opens if parser == "qwen3" else None, closes,
+                                         closed_in_prompt, eos, 16)
+        if not reasons or closes in want[earliest:12] and closes not in want[:earliest] and (
+                opens in want[:1]) == (parser == "qwen3"):
+            break
+    else:
+        pytest.fail("no biases make the reference reason, then close the block")
+    params = SamplingParams(max_tokens=16, temperature=0.0, logit_bias=list(bias.items()),
+                            structured_output=StructuredOutput(regex=PATTERN))
+    [out] = engine.generate([ChatPrompt.of(ASK)], params)[0].outputs
+    assert out.token_ids == want
+    assert (out.reasoning_content is not None) == reasons == (closes in want)
+    if out.finish_reason.value == "stop":
+        assert re.fullmatch(PATTERN, out.content)
+
+
+def test_where_the_prompt_leaves_the_reasoning(thinking_model: Path, tiny_model: Path) -> None:
+    """The prompt's last marker decides: a block it opens is the reply's to close; one it closes, with nothing but
+    space after it, is thinking off; an earlier turn's, with more text after it, is neither. A tokenizer without
+    the markers as tokens of their own cannot say."""
+    from infer.core.interfaces import ReasoningEnd
+    from infer.core.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(thinking_model)
+    opens, closes = tokenizer.convert_tokens_to_ids([THINK_START, THINK_END])
+    qwen3, r1 = ThinkReasoningParser(False, tokenizer), ThinkReasoningParser(True, tokenizer)
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    assert r1.reasoning_end(ids("<|assistant|>\n<think>\n")) == ReasoningEnd(closes, False, None)
+    assert qwen3.reasoning_end(ids("<|assistant|>\n<think>\n\n</think>\n\n")) == ReasoningEnd(closes, True, opens)
+    assert qwen3.reasoning_end(ids("<think>a</think>b\n<|user|>\nmore\n<|assistant|>\n")) == \
+        ReasoningEnd(closes, False, opens)
+    assert ThinkReasoningParser(False, load_tokenizer(tiny_model)).reasoning_end(ids("<think>\n")) is None
