@@ -175,7 +175,8 @@ class Engine:
         # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
                                [0] * len(seqs), [0] * len(seqs), tool_parser=reader,
-                               reasoning_parser=self._reasoning_parser_of(prompt, params, reasoning_end))
+                               reasoning_parser=self._reasoning_parser_of(prompt, params, reasoning_end),
+                               reasoned=self.structured.reasoned if reasoning_end is not None else None)
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
@@ -205,9 +206,10 @@ class Engine:
             return None
         with self._plugin_code():
             end = self.reasoning_parser.reasoning_end(ids)
-        if end is not None and not (isinstance(end, ReasoningEnd) and all(
-                isinstance(t, int) and 0 <= t < self.loaded.model.spec.vocab_size
-                for t in (end.close_token, end.open_token if end.open_token is not None else 0))):
+        if end is not None and not (isinstance(end, ReasoningEnd) and isinstance(end.closed_in_prompt, bool) and all(
+                type(t) is int and 0 <= t < self.loaded.model.spec.vocab_size
+                for t in (end.close_token, end.open_token if end.open_token is not None else 0))
+                and end.open_token != end.close_token):
             raise PluginError(f"reasoning parser {self.config.reasoning_parser!r}: reasoning_end() returned {end!r}, "
                               "not None or a ReasoningEnd of token ids in the vocabulary; fix the plugin")
         return end

@@ -29,6 +29,7 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     tool_parser: ToolParser | None = None  # a chat that offered tools, with --tool-parser: reads each whole reply
     reasoning_parser: ReasoningParser | None = None  # a chat, with --reasoning-parser: splits what the above left
+    reasoned: Callable[[Sequence], bool] | None = None  # structured output after the reasoning: whether a reply had it
 
     @property
     def reads_replies(self) -> bool:
@@ -93,10 +94,12 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
 def read_reply(req: RequestState, i: int, completion: CompletionOutput) -> None:
     """Sequence i's whole reply through the request's parsers into ``completion`` (its last output). An aborted
     reply is not whole, and not read."""
-    if req.seqs[i].finish_reason is FinishReason.ABORT:
+    seq = req.seqs[i]
+    if seq.finish_reason is FinishReason.ABORT:
         return
+    splits = req.reasoned is None or req.reasoned(seq)  # a grammar held from the first token: all content
     completion.reasoning_content, completion.content, completion.tool_calls = reply_parts(
-        req.detoks[i].text, req.seqs[i].output_token_ids, req.tool_parser, req.reasoning_parser)
+        req.detoks[i].text, seq.output_token_ids, req.tool_parser, req.reasoning_parser if splits else None)
 
 
 def reply_parts(text: str, token_ids: list[int], tool_parser: ToolParser | None,

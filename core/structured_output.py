@@ -118,6 +118,11 @@ class StructuredOutputs:
         for seq in seqs:
             self.gates[seq.seq_id] = ReasoningGate(end, 0 if end.closed_in_prompt else None)
 
+    def reasoned(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s reply reasoned first: its grammar held from past a closing token, or never."""
+        gate = self.gates.get(seq.seq_id)
+        return gate is None or gate.content_start(seq) != 0
+
     def in_content(self, seq: Sequence) -> bool:
         """Whether ``seq``'s grammar holds now (past its reasoning, if it reasons first)."""
         gate = self.gates.get(seq.seq_id)

@@ -13,7 +13,8 @@ without markers as reasoning while thinking is on.
 Structured output follows the reasoning where the tokenizer spells each marker as one token of its own (Qwen3's
 and DeepSeek-R1's do): the grammar holds from the token after the reply's first ``</think>``, or from the first
 token where the prompt ends in a closed block (``enable_thinking`` false); ``qwen3``'s reply may open the block
-with its first token, else the grammar holds from there.
+with its first token (unless the prompt opened it), else the grammar holds from there. A structured reply whose
+grammar held from its first token is not split.
 """
 from __future__ import annotations
 
@@ -40,13 +41,14 @@ class ThinkReasoningParser(ReasoningParser):
     def reasoning_end(self, prompt_token_ids: Sequence[int]) -> ReasoningEnd | None:
         if self.close_token is None or self.open_token is None:
             return None
-        closed = False
+        closed, opened = False, self.opened_in_prompt
         for index in range(len(prompt_token_ids) - 1, -1, -1):  # the prompt's last marker
             if prompt_token_ids[index] in (self.open_token, self.close_token):
                 closed = prompt_token_ids[index] == self.close_token and \
                     not self.tokenizer.decode(prompt_token_ids[index + 1:]).strip()  # a block of an earlier turn: no
+                opened = opened or prompt_token_ids[index] == self.open_token  # a template that opens it
                 break
-        return ReasoningEnd(self.close_token, closed, None if self.opened_in_prompt else self.open_token)
+        return ReasoningEnd(self.close_token, closed, None if opened else self.open_token)
 
     def split(self, text: str) -> tuple[str | None, str]:
         opened = text.lstrip().startswith(THINK_START)
@@ -61,9 +63,10 @@ class ThinkReasoningParser(ReasoningParser):
 
 
 def marker_token(tokenizer: Any, marker: str) -> int | None:
-    """The id of the one token that is ``marker``, if the tokenizer has one."""
+    """The id of the one token that is ``marker`` and stays in the text (not a special token), if there is one."""
     token_id = tokenizer.get_vocab().get(marker)
-    return token_id if token_id is not None and tokenizer.decode([token_id]) == marker else None
+    return token_id if token_id is not None and tokenizer.decode([token_id], skip_special_tokens=True) == marker \
+        else None
 
 
 @hookimpl

@@ -268,6 +268,7 @@ def reference_after_reasoning(hf: Any, texts: list[str], prompt: list[int], bias
     ("qwen3", "", 30.0, False),  # the reply opens it
     ("qwen3", "", -30.0, False),  # the reply does not: the grammar holds from its first token
     ("qwen3", "<think>\n\n</think>\n\n", None, True),  # thinking off: the template closed an empty block
+    ("deepseek-r1", "<think>\n\n</think>\n\n", None, True),  # and so for a parser whose replies open in the prompt
 ])
 def test_structured_output_follows_the_reasoning(thinking_model: Path, thinking_hf: tuple[Any, list[str]],
                                                  tmp_path: Path, parser: str, generation: str,
@@ -308,6 +309,8 @@ def test_structured_output_follows_the_reasoning(thinking_model: Path, thinking_
     [out] = engine.generate([ChatPrompt.of(ASK)], params)[0].outputs
     assert out.token_ids == want
     assert (out.reasoning_content is not None) == reasons == (closes in want)
+    if not reasons:  # the grammar held from the first token: all content, whatever the text holds
+        assert out.content == out.text
     if out.finish_reason.value == "stop":
         assert re.fullmatch(PATTERN, out.content)
 
@@ -327,6 +330,7 @@ def test_where_the_prompt_leaves_the_reasoning(thinking_model: Path, tiny_model:
         return tokenizer.encode(text, add_special_tokens=False)
 
     assert r1.reasoning_end(ids("<|assistant|>\n<think>\n")) == ReasoningEnd(closes, False, None)
+    assert qwen3.reasoning_end(ids("<|assistant|>\n<think>\n")) == ReasoningEnd(closes, False, None)  # opened
     assert qwen3.reasoning_end(ids("<|assistant|>\n<think>\n\n</think>\n\n")) == ReasoningEnd(closes, True, opens)
     assert qwen3.reasoning_end(ids("<think>a</think>b\n<|user|>\nmore\n<|assistant|>\n")) == \
         ReasoningEnd(closes, False, opens)
