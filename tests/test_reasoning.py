@@ -3,6 +3,7 @@ plugins/reasoning_parsers.py's docstring written out by hand, the "only the mark
 hand-built token streams for the tool parsers' special tags."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -308,6 +309,10 @@ def test_structured_output_follows_the_reasoning(thinking_model: Path, thinking_
                             structured_output=StructuredOutput(regex=PATTERN))
     [out] = engine.generate([ChatPrompt.of(ASK)], params)[0].outputs
     assert out.token_ids == want
+    ahead = Engine(EngineConfig(model=str(thinking_model), device="cpu", num_kv_blocks=64, async_scheduling=True,
+                                chat_template=str(template), reasoning_parser=parser))
+    pair = ahead.generate([ChatPrompt.of(ASK)], dataclasses.replace(params, n=2))[0].outputs
+    assert [c.token_ids for c in pair] == [want, want]  # masks a step late (async scheduling), forked sequences
     assert (out.reasoning_content is not None) == reasons == (closes in want)
     if not reasons:  # the grammar held from the first token: all content, whatever the text holds
         assert out.content == out.text
