@@ -21,11 +21,13 @@ The texts are a subset of the valid ones, in one shape:
   reads ``\\d`` and ``\\w`` as ASCII;
 - ``format`` date, time, date-time (RFC 3339: ``T``, ``Z``, offset required) and uuid check the shape, not the
   calendar (2023-02-31 passes);
-- integers are ``-?(0|[1-9][0-9]*)``, numbers add an optional fraction and exponent; ``oneOf`` is read as ``anyOf``.
+- integers are ``-?(0|[1-9][0-9]*)``, numbers add an optional fraction and exponent; ``oneOf`` is read as ``anyOf``;
+- an integer's ``minimum``, ``maximum``, ``exclusiveMinimum`` and ``exclusiveMaximum`` are enforced digit by digit
+  (no ``-0`` then); a number's ``minimum`` and ``maximum`` when their values are integers, the number then written
+  without an exponent (but a lone ``minimum`` 0, which keeps it).
 
 Refused (InvalidRequestError naming the keyword and the JSON path): ``false``, and keywords without a ``type``;
-numeric bounds (but integer ``minimum`` 0 or 1, ``exclusiveMinimum`` -1 or 0, number ``minimum`` 0) and
-``multipleOf``; ``minProperties``, ``maxProperties``, ``patternProperties``, ``propertyNames``,
+a number's exclusive bounds and bounds that are not integers, and ``multipleOf``; ``minProperties``, ``maxProperties``, ``patternProperties``, ``propertyNames``,
 ``dependentRequired``; ``prefixItems``, ``contains``, ``uniqueItems: true``; ``allOf``
 of several branches; keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``, and beside ``enum``/``const`` except
 ``type``; ``pattern`` or ``format`` with another string keyword; refs other than ``#/$defs/...`` and
@@ -70,7 +72,7 @@ _PUNCTUATION = frozenset(".\\[]{}()|*+?\"/-^$")
 _BOUNDS = "the automaton cannot bound numbers; give the value an 'enum' or drop the bound"
 _TOO_LARGE = f"the schema is too large (its regex passes {MAX_REGEX} characters); use fewer optional properties, " \
              "enum values, levels or open values (each {} or object or array left open takes 40,000-80,000)"
-_REFUSED = {**dict.fromkeys(("maximum", "exclusiveMaximum", "multipleOf"), _BOUNDS),
+_REFUSED = {"multipleOf": _BOUNDS,
             **dict.fromkeys(("minProperties", "maxProperties"), "list the properties and mark them 'required'"),
             **dict.fromkeys(("patternProperties", "propertyNames"), "only 'properties' are generated; list them there"),
             "dependentRequired": "make those properties 'required' or leave them optional",
@@ -122,6 +124,76 @@ def _dumps(value: Any, path: str) -> str:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError):
         _fail(path, f"{value!r} is not a JSON value; use only JSON values")
+
+
+def integer_range(low: float, high: float) -> str:
+    """A regex of the JSON integers in [low, high] (bounds integers or infinite), written as JSON writes them (no
+    ``-0``, no leading zeros)."""
+    parts = []
+    if high >= 0:
+        parts.append(_magnitudes(max(low, 0), high))
+    if low < 0:  # -n for n in [max(1, -high), -low]
+        parts.append("-" + _magnitudes(max(1, -high), -low))
+    return _alternatives(parts)
+
+
+def bounded_number(low: float, high: float) -> str:
+    """A regex of the JSON numbers in [low, high] (bounds integers or infinite) without an exponent: an integer
+    part below the upper bound takes any fraction, one at it only zeros."""
+    parts = []
+    if high >= 0:
+        parts.append(_with_fraction(max(low, 0), high))
+    if low < 0:  # -x for x in [max(0, -high), -low]
+        parts.append("-" + _with_fraction(max(0, -high), -low))
+    return _alternatives(parts)
+
+
+def _with_fraction(low: float, high: float) -> str:
+    """Non-negative numbers in [low, high] (integer bounds, low >= 0)."""
+    fraction = r"(?:\.[0-9]+)?"
+    if high == math.inf:
+        return _magnitudes(low, high) + fraction
+    top = f"{int(high)}(?:\\.0+)?"
+    return top if low > high - 1 else _alternatives([_magnitudes(low, high - 1) + fraction, top])
+
+
+def _magnitudes(low: float, high: float) -> str:
+    """Non-negative integers in [low, high] without leading zeros (low finite, high possibly infinite)."""
+    low = int(low)
+    if high == math.inf:  # every length from low's up: low's own length from low, longer ones whole
+        longer = f"[1-9][0-9]{{{len(str(low))},}}"
+        return _alternatives([_magnitudes(low, 10 ** len(str(low)) - 1), longer])
+    high = int(high)
+    parts = []
+    for length in range(len(str(low)), len(str(high)) + 1):
+        first, last = max(low, 10 ** (length - 1) if length > 1 else 0), min(high, 10 ** length - 1)
+        if first <= last:
+            parts.append(_same_length(str(first), str(last)))
+    return _alternatives(parts)
+
+
+def _same_length(low: str, high: str) -> str:
+    """Digit strings of one length from ``low`` to ``high``, by their first digit."""
+    if not low:
+        return ""
+    rest = len(low) - 1
+    if low[0] == high[0]:
+        return low[0] + _same_length(low[1:], high[1:])
+    if low[1:] == "0" * rest and high[1:] == "9" * rest:
+        return _digit_class(low[0], high[0]) + _any_digits(rest)
+    parts = [low[0] + _same_length(low[1:], "9" * rest)]
+    if int(high[0]) - int(low[0]) > 1:
+        parts.append(_digit_class(str(int(low[0]) + 1), str(int(high[0]) - 1)) + _any_digits(rest))
+    parts.append(high[0] + _same_length("0" * rest, high[1:]))
+    return _alternatives(parts)
+
+
+def _digit_class(low: str, high: str) -> str:
+    return low if low == high else f"[{low}-{high}]"
+
+
+def _any_digits(count: int) -> str:
+    return "" if count == 0 else "[0-9]" if count == 1 else f"[0-9]{{{count}}}"
 
 
 def _alternatives(parts: Iterable[str]) -> str:
@@ -315,18 +387,27 @@ class _Compiler:
         return _alternatives(_escape(text) for text in texts)
 
     def _number(self, schema: dict[str, Any], path: str, integer: bool = False) -> str:
-        keys = [key for key in ("minimum", "exclusiveMinimum") if key in schema]
+        keys = [key for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if key in schema]
         if not keys:
             return "-?" + _INT + ("" if integer else _FRACTION_EXPONENT)
-        low = math.ceil(schema["minimum"]) if integer and "minimum" in schema else schema.get("minimum", -math.inf)
-        if "exclusiveMinimum" in schema:
-            low = max(low, math.floor(schema["exclusiveMinimum"]) + 1 if integer else math.inf)
-        if integer and low in (0, 1):
-            return _INT if low == 0 else "[1-9][0-9]*"
-        if not integer and low == 0:
+        if not integer and keys == ["minimum"] and schema["minimum"] == 0:
             return _INT + _FRACTION_EXPONENT
-        _fail(path, f"{' and '.join(map(repr, keys))} cannot be enforced beyond an integer minimum of 0 or 1 or a "
-                    f"number minimum of 0: {_BOUNDS}")
+        if not integer and not all(k in ("minimum", "maximum") and float(schema[k]).is_integer() for k in keys):
+            _fail(path, f"{' and '.join(map(repr, keys))}: a number's bounds can be enforced when they are "
+                        f"'minimum' and 'maximum' of integer value; {_BOUNDS}")
+        low, high = -math.inf, math.inf
+        if "minimum" in schema:
+            low = math.ceil(schema["minimum"])
+        if "exclusiveMinimum" in schema:
+            low = max(low, math.floor(schema["exclusiveMinimum"]) + 1)
+        if "maximum" in schema:
+            high = math.floor(schema["maximum"])
+        if "exclusiveMaximum" in schema:
+            high = min(high, math.ceil(schema["exclusiveMaximum"]) - 1)
+        if low > high:
+            _fail(path, f"no {'integer' if integer else 'number'} satisfies {' and '.join(map(repr, keys))}; "
+                        "widen the bounds")
+        return integer_range(low, high) if integer else bounded_number(low, high)
 
     def _string(self, schema: dict[str, Any], path: str) -> str:
         keys = [key for key in ("pattern", "format", "minLength", "maxLength") if key in schema]

@@ -60,6 +60,13 @@ CASES: dict[str, tuple[Any, list[str], list[str]]] = {
     "integer-minimum-1": ({"type": "integer", "minimum": 1}, ["1", "10"], ["0", "-3"]),
     "integer-exclusive-minimum": ({"type": "integer", "exclusiveMinimum": -1}, ["0", "5"], ["-1"]),
     "number-minimum-0": ({"type": "number", "minimum": 0}, ["0.5", "0", "1e-3"], ["-0.5", "-1"]),
+    "integer-range": ({"type": "integer", "minimum": -12, "maximum": 305}, ["-12", "-1", "0", "99", "305"],
+                      ["-13", "-0", "306", "1000", "007"]),
+    "integer-exclusive-range": ({"type": "integer", "exclusiveMinimum": 2.5, "exclusiveMaximum": 10},
+                                ["3", "9"], ["2", "10"]),
+    "integer-maximum": ({"type": "integer", "maximum": -20}, ["-20", "-100000"], ["-19", "0", "5"]),
+    "number-range": ({"type": "number", "minimum": -1, "maximum": 1}, ["0.25", "-1", "1.000", "-0.5", "0"],
+                     ["1.01", "-1.5", "2", "1e-3"]),
     "boolean": ({"type": "boolean"}, ["true", "false"], ["True", "1", "null"]),
     "null": ({"type": "null"}, ["null"], ["None", '""']),
     "enum": ({"enum": ["a", 1, None, True, {"x": [1, 2]}, 'q"uote', "a.b*", "é"]},
@@ -184,7 +191,9 @@ def valid(value: Any, schema: Any, root: Any) -> bool:
                 and ("format" not in schema or format_ok(value, schema["format"])))
     if has_type(value, "number"):
         return (("minimum" not in schema or value >= schema["minimum"])
-                and ("exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"]))
+                and ("exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"])
+                and ("maximum" not in schema or value <= schema["maximum"])
+                and ("exclusiveMaximum" not in schema or value < schema["exclusiveMaximum"]))
     if isinstance(value, dict):
         properties = schema.get("properties", {})
         additional = schema.get("additionalProperties", True)
@@ -220,13 +229,35 @@ def test_generated_texts_are_valid(name: str) -> None:
     check()
 
 
+@settings(max_examples=300, deadline=None)
+@given(low=st.one_of(st.none(), st.integers(-3000, 3000)), span=st.one_of(st.none(), st.integers(0, 3000)),
+       values=st.lists(st.integers(-10_000, 10_000), min_size=5, max_size=5),
+       fractions=st.lists(st.text("0123456789", max_size=3), min_size=5, max_size=5))
+def test_numeric_bounds_match_exactly_the_values_within(low: int | None, span: int | None, values: list[int],
+                                                        fractions: list[str]) -> None:
+    """An integer, and a number written without an exponent, matches the bounded schema's regex exactly when its
+    value (compared as a Decimal) lies within the bounds; the values tried cluster near the bounds."""
+    from decimal import Decimal
+
+    high = None if span is None else (low if low is not None else 0) + span
+    bounds = {k: v for k, v in (("minimum", low), ("maximum", high)) if v is not None}
+    near = [b + d for b in bounds.values() for d in (-1, 0, 1)]
+    for kind in ("integer", "number"):
+        regex = re.compile(schema_to_regex({"type": kind, **bounds}))
+        for value, fraction in zip(values + near, fractions * 3):
+            for text in [str(value)] + ([f"{value}.{fraction}"] if kind == "number" and fraction else []):
+                within = (low is None or Decimal(text) >= low) and (high is None or Decimal(text) <= high)
+                assert bool(regex.fullmatch(text)) == within, (kind, bounds, text)
+
+
 def test_generation_restrictions() -> None:
     """Valid texts the module never generates, and a shape-only format check: the documented restrictions."""
     never = [(PERSON, '{"age":3,"name":"x"}'), (PERSON, '{ "name":"x"}'), (PERSON, '{"name" :"x"}'),
              (PERSON, '{"name":"x"} '), ({"const": {"k": "v"}}, '{"k": "v"}'),
              ({"type": "object"}, '{"a":[[[[1]]]]}'), ({}, "[[[[[1]]]]]"),  # open values nest at most 4 deep
              ({"type": "string", "minLength": 1}, r'"\ud83d\ude00"'), ({"type": "string", "pattern": "ab"}, '"xab"'),
-             ({"type": "string", "pattern": "^[^a]$"}, r'"\""'), ({"type": "integer"}, "1.0")]
+             ({"type": "string", "pattern": "^[^a]$"}, r'"\""'), ({"type": "integer"}, "1.0"),
+             ({"type": "integer", "minimum": 0, "maximum": 3}, "-0"), ({"type": "number", "maximum": 5}, "1e0")]
     for schema, text in never:
         assert valid(json.loads(text), schema, schema) and not re.fullmatch(schema_to_regex(schema), text), text
     assert re.fullmatch(schema_to_regex({"type": "string", "format": "date"}), '"2023-02-31"')
@@ -254,9 +285,9 @@ def nest(depth: int) -> dict[str, Any]:
 
 
 REFUSALS: list[tuple[Any, str, str]] = [  # schema, keyword or phrase, path
-    ({"type": "object", "properties": {"age": {"type": "integer", "maximum": 5}}}, "'maximum'", "/properties/age"),
-    ({"type": "integer", "minimum": 5}, "'minimum'", "the root"),
-    ({"type": "integer", "minimum": -1}, "'minimum'", "the root"),
+    ({"type": "object", "properties": {"x": {"type": "number", "maximum": 0.5}}}, "'maximum'", "/properties/x"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer satisfies 'minimum' and 'maximum'", "the root"),
+    ({"type": "number", "minimum": 0, "exclusiveMaximum": 1}, "'exclusiveMaximum'", "the root"),
     ({"type": "number", "exclusiveMinimum": 0}, "'exclusiveMinimum'", "the root"),
     ({"type": "number", "exclusiveMaximum": 1}, "'exclusiveMaximum'", "the root"),
     ({"type": "integer", "multipleOf": 2}, "'multipleOf'", "the root"),

@@ -103,7 +103,8 @@ SPECS = [
     StructuredOutput(regex=r"(yes|no|maybe)!?"),
     StructuredOutput(choice=("def", "class Foo", "import os")),
     StructuredOutput(json_schema={"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                                                   "age": {"type": "integer"}},
+                                                                   "age": {"type": "integer", "minimum": -3,
+                                                                           "maximum": 120}},
                                   "required": ["name", "age"]}),
     StructuredOutput(json_schema={"type": "object"}),  # "JSON object mode": any object, nesting at most 4 deep
 ]
@@ -130,6 +131,7 @@ def test_greedy_equals_a_masked_hf_loop(engine: Engine, path: Path, token_bytes:
         value = json.loads(completion.text)
         if "properties" in json.loads(spec.json_schema):
             assert set(value) == {"name", "age"} and isinstance(value["age"], int) and len(value["name"]) <= 6
+            assert -3 <= value["age"] <= 120
         assert isinstance(value, dict)
 
 
