@@ -26,13 +26,14 @@ The texts are a subset of the valid ones, in one shape:
   (no ``-0`` then); a number's ``minimum`` and ``maximum`` when their values are integers, the number then written
   without an exponent (but a lone ``minimum`` 0, which keeps it).
 
-Refused (InvalidRequestError naming the keyword and the JSON path): ``false``, and keywords without a ``type``;
-a number's exclusive bounds and bounds that are not integers, and ``multipleOf``; ``minProperties``,
+Refused (InvalidRequestError naming the keyword and the JSON path): ``false``, and keywords without a ``type``; a
+number's exclusive bounds and bounds that are not integers, and ``multipleOf``; ``minProperties``,
 ``maxProperties``, ``patternProperties``, ``propertyNames``, ``dependentRequired``; ``prefixItems``, ``contains``,
-``uniqueItems: true``; ``allOf`` of several branches; keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``, and beside ``enum``/``const`` except
-``type``; ``pattern`` or ``format`` with another string keyword; refs other than ``#/$defs/...`` and
-``#/definitions/...``, and recursive ones; unknown keywords and formats; keyword values of the wrong JSON type;
-counts over 1000; regexes over 200,000 characters. Annotations (``title``, ``description``, ...) are ignored.
+``uniqueItems: true``; ``allOf`` of several branches; keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``, and
+beside ``enum``/``const`` except ``type``; ``pattern`` or ``format`` with another string keyword; refs other than
+``#/$defs/...`` and ``#/definitions/...``, and recursive ones; unknown keywords and formats; keyword values of the
+wrong JSON type; counts over 1000; regexes over 200,000 characters. Annotations (``title``, ``description``, ...)
+are ignored.
 """
 from __future__ import annotations
 
