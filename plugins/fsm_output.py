@@ -332,8 +332,8 @@ class FsmBackend(StructuredOutputBackend):
                 raise
             what = "the choices" if spec.choice is not None else "the JSON schema"
             reason = str(exc).removeprefix("invalid regex: ")
-            raise InvalidRequestError(f"{what} cannot be followed: as a regex, {reason} (lower maxLength, maxItems "
-                                      "or the number of choices)") from None
+            raise InvalidRequestError(f"{what} cannot be followed: as a regex, {reason} (lower maxLength, maxItems, "
+                                      "numeric bounds or the number of choices)") from None
 
     def mask(self, grammar: FsmGrammar, state: State) -> torch.Tensor:
         """The bool mask [vocabulary.size] on the device of what may follow ``state`` of ``grammar``."""

@@ -32,7 +32,8 @@ number's exclusive bounds and bounds that are not integers, and ``multipleOf``; 
 ``uniqueItems: true``; ``allOf`` of several branches; keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``, and
 beside ``enum``/``const`` except ``type``; ``pattern`` or ``format`` with another string keyword; refs other than
 ``#/$defs/...`` and ``#/definitions/...``, and recursive ones; unknown keywords and formats; keyword values of the
-wrong JSON type; counts over 1000; regexes over 200,000 characters. Annotations (``title``, ``description``, ...)
+wrong JSON type; numeric bounds no value satisfies, or of more than 20 digits; counts over 1000; regexes over
+200,000 characters. Annotations (``title``, ``description``, ...)
 are ignored.
 """
 from __future__ import annotations
@@ -70,10 +71,10 @@ _TOKEN = re.compile(r"\[\^?(?:\\.|[^\]\\])*\]|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{
                     re.S)
 _SHORTHANDS = {"d": "0-9", "w": "0-9A-Za-z_"}
 _PUNCTUATION = frozenset(".\\[]{}()|*+?\"/-^$")
-_BOUNDS = "the automaton cannot bound numbers; give the value an 'enum' or drop the bound"
+MAX_BOUND_DIGITS = 20  # a bound's digits (int64 has 19): the automaton grows with their square
 _TOO_LARGE = f"the schema is too large (its regex passes {MAX_REGEX} characters); use fewer optional properties, " \
              "enum values, levels or open values (each {} or object or array left open takes 40,000-80,000)"
-_REFUSED = {"multipleOf": _BOUNDS,
+_REFUSED = {"multipleOf": "it cannot be enforced; list the values in an 'enum' or drop it",
             **dict.fromkeys(("minProperties", "maxProperties"), "list the properties and mark them 'required'"),
             **dict.fromkeys(("patternProperties", "propertyNames"), "only 'properties' are generated; list them there"),
             "dependentRequired": "make those properties 'required' or leave them optional",
@@ -85,7 +86,7 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {key: (check, what) for k
     ("minLength maxLength minItems maxItems minProperties maxProperties", lambda v: type(v) is int and v >= 0,
      "a non-negative integer"),
     ("minimum maximum exclusiveMinimum exclusiveMaximum multipleOf",
-     lambda v: type(v) in (int, float) and math.isfinite(v), "a number"),
+     lambda v: type(v) is int or type(v) is float and math.isfinite(v), "a number"),
     ("additionalProperties items propertyNames contains", lambda v: isinstance(v, (dict, bool)),
      "a schema (an object or a boolean)"),
     ("anyOf oneOf allOf enum prefixItems", lambda v: isinstance(v, list) and bool(v), "a non-empty array"),
@@ -394,8 +395,12 @@ class _Compiler:
         if not integer and keys == ["minimum"] and schema["minimum"] == 0:
             return _INT + _FRACTION_EXPONENT
         if not integer and not all(k in ("minimum", "maximum") and float(schema[k]).is_integer() for k in keys):
-            _fail(path, f"{' and '.join(map(repr, keys))}: a number's bounds can be enforced when they are "
-                        f"'minimum' and 'maximum' of integer value; {_BOUNDS}")
+            _fail(path, f"{' and '.join(map(repr, keys))}: a number's bounds are enforced only as 'minimum' and "
+                        "'maximum' of integer value; round them inward to integers ('minimum' 1 for 0.5), make the "
+                        "value an 'integer', or drop them")
+        if big := [key for key in keys if abs(schema[key]) >= 10 ** MAX_BOUND_DIGITS]:
+            _fail(path, f"{big[0]!r} {schema[big[0]]} has too many digits to enforce (at most "
+                        f"{MAX_BOUND_DIGITS}); use a smaller bound or drop it")
         low, high = -math.inf, math.inf
         if "minimum" in schema:
             low = math.ceil(schema["minimum"])
@@ -406,8 +411,8 @@ class _Compiler:
         if "exclusiveMaximum" in schema:
             high = min(high, math.ceil(schema["exclusiveMaximum"]) - 1)
         if low > high:
-            _fail(path, f"no {'integer' if integer else 'number'} satisfies {' and '.join(map(repr, keys))}; "
-                        "widen the bounds")
+            _fail(path, f"no {'integer' if integer else 'number'} satisfies {' and '.join(map(repr, keys))} "
+                        f"({', '.join(f'{k} {schema[k]}' for k in keys)}); widen the bounds")
         return integer_range(low, high) if integer else bounded_number(low, high)
 
     def _string(self, schema: dict[str, Any], path: str) -> str:

@@ -209,8 +209,8 @@ def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
 @pytest.mark.parametrize("spec, words", [
     (StructuredOutput(regex="(a"), "regex"),
     (StructuredOutput(regex=r"(a)\1"), "backreference"),
-    (StructuredOutput(json_schema={"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}}}),
-     "maximum"),
+    (StructuredOutput(json_schema={"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 3}}}),
+     "multipleOf"),
     (StructuredOutput(json_schema="{not json"), "JSON"),
     (StructuredOutput(regex=".*a.{999}"), "automaton grows past"),  # 2**1000 states: refused, not built per step
     (StructuredOutput(json_schema={"type": "array", "items": {"type": "string", "maxLength": 1000},
