@@ -173,7 +173,7 @@ def test_a_prompt_built_directly_and_refused_tools_name_what_to_change(llm: LLM)
     assert (reply.text, reply.tool_calls[0].name) == ("{}", "clock")
     text = {"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}
     bounded = {"type": "function", "function": {"name": "count", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}}}
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 9}}}}}
     for tools, choice, complaint in (
             ([CLOCK, CLOCK], "required", "tools must have distinct names"),
             ([text], "required", "the parameters of tool 'say' are not an object schema"),
