@@ -145,6 +145,9 @@ def test_a_misbehaving_parser_is_a_plugin_error_naming_it(tiny_model: Path, tmp_
         def split(self, text: str) -> Any:
             return text  # not a pair
 
+        def reasoning_end(self, prompt_token_ids: Any) -> Any:
+            return (5, True)  # not a ReasoningEnd
+
     class Plugin:
         @hookimpl
         def register_reasoning_parsers(self, register: Any) -> None:
@@ -161,6 +164,10 @@ def test_a_misbehaving_parser_is_a_plugin_error_naming_it(tiny_model: Path, tmp_
                                  reasoning_parser="broken"), plugins)
     with pytest.raises(PluginError, match=r"reasoning parser Broken returned .*not \(reasoning or None, content\)"):
         engine.generate([ChatPrompt.of(ASK)], SamplingParams(max_tokens=3))
+    with pytest.raises(PluginError, match=r"reasoning parser 'broken': reasoning_end\(\) returned \(5, True\)"):
+        engine.generate([ChatPrompt.of(ASK)], SamplingParams(max_tokens=3, structured_output=StructuredOutput(
+            regex="[a-z]+")))
+    assert not engine.has_unfinished()
 
 
 def test_the_split_travels_over_grpc_and_generate_json(llm: LLM, tiny_model: Path, serve_engine: Any) -> None:
