@@ -131,22 +131,23 @@ def _dumps(value: Any, path: str) -> str:
 def integer_range(low: float, high: float) -> str:
     """A regex of the JSON integers in [low, high] (bounds integers or infinite), written as JSON writes them (no
     ``-0``, no leading zeros)."""
-    parts = []
-    if high >= 0:
-        parts.append(_magnitudes(max(low, 0), high))
-    if low < 0:  # -n for n in [max(1, -high), -low]
-        parts.append("-" + _magnitudes(max(1, -high), -low))
-    return _alternatives(parts)
+    return _signed(low, high, _magnitudes, least_negative=1)
 
 
 def bounded_number(low: float, high: float) -> str:
     """A regex of the JSON numbers in [low, high] (bounds integers or infinite) without an exponent: an integer
     part below the upper bound takes any fraction, one at it only zeros."""
+    return _signed(low, high, _with_fraction, least_negative=0)
+
+
+def _signed(low: float, high: float, magnitudes: Callable[[float, float], str], least_negative: int) -> str:
+    """The values in [low, high]: ``magnitudes(a, b)`` of those in [a, b] >= 0, and "-" before those of the
+    negative ones' magnitudes (from ``least_negative``: an integer has no -0)."""
     parts = []
     if high >= 0:
-        parts.append(_with_fraction(max(low, 0), high))
-    if low < 0:  # -x for x in [max(0, -high), -low]
-        parts.append("-" + _with_fraction(max(0, -high), -low))
+        parts.append(magnitudes(max(low, 0), high))
+    if low < 0:
+        parts.append("-" + magnitudes(max(least_negative, -high), -low))
     return _alternatives(parts)
 
 

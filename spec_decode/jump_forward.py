@@ -10,6 +10,7 @@ rejection is resampled from the rest), and a forced stretch of n tokens costs on
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Any
 
@@ -41,9 +42,8 @@ class JumpForwardProposer(Proposer):
         ``<|eos|>`` is not EOS), cut before any id past the model's vocabulary (a tokenizer may hold more)."""
         tokens = self.spelled.get(text)
         if tokens is None:
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
-            inside = [token < self.vocab_size for token in ids]
-            tokens = self.spelled[text] = ids[: inside.index(False)] if False in inside else ids
+            ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+            tokens = self.spelled[text] = list(itertools.takewhile(lambda token: token < self.vocab_size, ids))
             if len(self.spelled) > CACHED_TEXTS:
                 self.spelled.popitem(last=False)
         else:
