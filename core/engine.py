@@ -26,7 +26,7 @@ from .forks import PendingForks, start_forks
 from .interfaces import ReasoningEnd, ReasoningParser, SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
-from .outputs import RequestState, append_output, build_output
+from .outputs import RequestState, append_output, build_output, new_reasoning_stream
 from .plugins import Blame, PluginManager, checked_manager
 from .readers import Reader, Readers
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
@@ -172,11 +172,13 @@ class Engine:
         now = time.perf_counter()
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
+        splitter = self._reasoning_parser_of(prompt, params, reasoning_end)
+        streams = [new_reasoning_stream(splitter, ids) for _ in seqs]
         # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
-                               [0] * len(seqs), [0] * len(seqs), tool_parser=reader,
-                               reasoning_parser=self._reasoning_parser_of(prompt, params, reasoning_end),
-                               reasoned=self.structured.reasoned if reasoning_end is not None else None)
+                               [0] * len(seqs), [0] * len(seqs), tool_parser=reader, reasoning_parser=splitter,
+                               reasoned=self.structured.reasoned if reasoning_end is not None else None,
+                               reasoning_streams=None if any(s is None for s in streams) else streams)
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request

@@ -535,6 +535,29 @@ class ReasoningParser(ABC):
         holding from the first token, and is not split."""
         return None
 
+    def stream(self, prompt_token_ids: Seq[int]) -> ReasoningStream | None:
+        """A splitter of one reply to this prompt (a chat's, its template applied) as its text streams, so that
+        each output carries the reasoning and content of its text; it splits the whole reply too (``split`` is
+        then not called for it). None, the default: outputs are not split as they stream, only a reply's last
+        output is (by ``split``)."""
+        return None
+
+
+class ReasoningStream(ABC):
+    """Splits one reply into its reasoning and content as its text comes in (:meth:`ReasoningParser.stream`)."""
+
+    @abstractmethod
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """``(reasoning, content)`` of the reply's next ``text``: only markers (and the space before an opening one)
+        may be left out. Text that may begin a marker may be held back, to come out of a later call; with ``final``
+        (the reply's last text) nothing is held back. Joined, the answers are the reply's reasoning and content."""
+
+    @property
+    @abstractmethod
+    def reasoned(self) -> bool:
+        """Whether the reply, as far as it was fed, has a reasoning block (maybe empty): its reasoning is then a
+        string, else None."""
+
 
 @dataclass(frozen=True)
 class ReasoningEnd:

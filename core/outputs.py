@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .chat_tools import ParsedReply, ToolCall, json_like
 from .detokenizer import Detokenizer
 from .errors import InferError, InvalidRequestError, PluginError
+from .interfaces import ReasoningStream
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class RequestState:
     tool_parser: ToolParser | None = None  # a chat that offered tools, with --tool-parser: reads each whole reply
     reasoning_parser: ReasoningParser | None = None  # a chat, with --reasoning-parser: splits what the above left
     reasoned: Callable[[Sequence], bool] | None = None  # structured output after the reasoning: whether a reply had it
+    reasoning_streams: list[ReasoningStream] | None = None  # the above's splitters of each reply as it streams
 
     @property
     def reads_replies(self) -> bool:
@@ -64,6 +66,8 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
             text, req.emitted[i] = detok.text[req.emitted[i] :], len(detok.text)
         logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
         deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
+        if req.reasoning_streams is not None:
+            _split_delta(req, i, deltas[-1], done)
         if req.reads_replies and seq.is_finished:  # a stop string may have finished it just now
             read_reply(req, i, deltas[-1])
     finished = all(seq.status is SequenceStatus.FINISHED for seq in req.seqs)
@@ -86,6 +90,8 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
     text, req.emitted[0] = detok.text[req.emitted[0] :], len(detok.text)
     logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
     completion = CompletionOutput(0, new, text, seq.finish_reason, logprobs)
+    if req.reasoning_streams is not None:
+        _split_delta(req, 0, completion, done)
     if done and req.reads_replies:
         read_reply(req, 0, completion)
     return RequestOutput(req.request_id, req.prompt_token_ids, [completion], done)
@@ -99,20 +105,71 @@ def read_reply(req: RequestState, i: int, completion: CompletionOutput) -> None:
         return
     splits = req.reasoned is None or req.reasoned(seq)  # a grammar held from the first token: all content
     completion.reasoning_content, completion.content, completion.tool_calls = reply_parts(
-        req.detoks[i].text, seq.output_token_ids, req.tool_parser, req.reasoning_parser if splits else None)
+        req.detoks[i].text, seq.output_token_ids, req.tool_parser, req.reasoning_parser if splits else None,
+        req.prompt_token_ids)
+
+
+def new_reasoning_stream(parser: ReasoningParser | None, prompt_token_ids: list[int]) -> ReasoningStream | None:
+    """``parser``'s splitter of a reply to this prompt as it streams; None where it has none."""
+    if parser is None:
+        return None
+    try:
+        stream = parser.stream(prompt_token_ids)
+    except InferError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"the reasoning parser {type(parser).__name__} raised {type(exc).__name__} in stream(): "
+                          f"{exc}; fix the plugin, or choose another --reasoning-parser") from exc
+    if stream is not None and not isinstance(stream, ReasoningStream):
+        raise PluginError(f"the reasoning parser {type(parser).__name__}'s stream() returned {stream!r:.80}, not "
+                          "None or a ReasoningStream; fix the plugin")
+    return stream
+
+
+def _split_delta(req: RequestState, i: int, completion: CompletionOutput, final: bool) -> None:
+    """Sequence i's new text split by its reasoning stream into ``completion``."""
+    assert req.reasoning_streams is not None
+    try:
+        completion.reasoning_text, completion.content_text = _feed(req.reasoning_streams[i], completion.text, final)
+    except PluginError:
+        req.reasoning_streams = None  # the request fails: the output that aborts it is not split
+        raise
+
+
+def _feed(stream: ReasoningStream, text: str, final: bool) -> tuple[str, str]:
+    name = type(stream).__name__
+    try:
+        split = stream.feed(text, final)
+    except InferError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"the reasoning stream {name} raised {type(exc).__name__}: {exc}; fix the plugin, or "
+                          "choose another --reasoning-parser") from exc
+    if not (isinstance(split, tuple) and len(split) == 2 and all(isinstance(part, str) for part in split)):
+        raise PluginError(f"the reasoning stream {name} returned {split!r:.80}, not (reasoning, content); fix the "
+                          "plugin")
+    return split
 
 
 def reply_parts(text: str, token_ids: list[int], tool_parser: ToolParser | None,
-                reasoning_parser: ReasoningParser | None) -> tuple[str | None, str, list[ToolCall] | None]:
+                reasoning_parser: ReasoningParser | None, prompt_token_ids: list[int] | None = None
+                ) -> tuple[str | None, str, list[ToolCall] | None]:
     """(reasoning, content, calls) of a whole reply. The tool parser reads the reply as it came (text and tokens
     agree) and gives each call an id (its own, else a random one, as OpenAI's); the reasoning parser then splits
-    what it left as content (the whole text without one), so the reasoning never holds a call."""
+    what it left as content (the whole text without one), so the reasoning never holds a call: by its stream of a
+    reply to ``prompt_token_ids`` fed that text at once where it has one (as the reply's outputs were split),
+    else by ``split``."""
     calls = None
     if tool_parser is not None:
         text, calls = _read_tool_calls(tool_parser, text, token_ids)
     reasoning = None
     if reasoning_parser is not None:
-        reasoning, text = _split_reasoning(reasoning_parser, text)
+        stream = None if prompt_token_ids is None else new_reasoning_stream(reasoning_parser, prompt_token_ids)
+        if stream is not None:
+            reasoning, text = _feed(stream, text, True)
+            reasoning = reasoning if stream.reasoned else None
+        else:
+            reasoning, text = _split_reasoning(reasoning_parser, text)
     return reasoning, text, calls
 
 
@@ -199,7 +256,8 @@ def _append_completions(full: RequestOutput, deltas: tuple[RequestOutput, ...]) 
             if c is None:
                 by_index[d.index] = CompletionOutput(d.index, list(d.token_ids), d.text, d.finish_reason,
                                                      None if d.logprobs is None else list(d.logprobs), d.content,
-                                                     d.tool_calls, d.reasoning_content)
+                                                     d.tool_calls, d.reasoning_content, d.reasoning_text,
+                                                     d.content_text)
                 continue
             texts.setdefault(d.index, [c.text]).append(d.text)
             _append_completion(c, d, c.text)
@@ -212,6 +270,9 @@ def _append_completion(c: CompletionOutput, d: CompletionOutput, text: str) -> N
     """``c`` followed by ``d``: its tokens and logprobs appended, its text set to ``text``, d's finish reason."""
     c.token_ids += d.token_ids
     c.text, c.finish_reason = text, d.finish_reason
+    if d.reasoning_text is not None:
+        c.reasoning_text = (c.reasoning_text or "") + d.reasoning_text
+        c.content_text = (c.content_text or "") + (d.content_text or "")
     if d.content is not None:  # the reply read (its last output)
         c.content, c.tool_calls, c.reasoning_content = d.content, d.tool_calls, d.reasoning_content
     if d.logprobs is not None:

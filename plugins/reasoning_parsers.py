@@ -15,6 +15,14 @@ and DeepSeek-R1's do): the grammar holds from the token after the reply's first 
 token where the prompt ends in a closed block (``enable_thinking`` false); ``qwen3``'s reply may open the block
 with its first token (unless the prompt opened it), else the grammar holds from there. A structured reply whose
 grammar held from its first token is not split.
+
+Replies are split as they stream (``stream``), and the stream reads the prompt, which ``split`` cannot: the
+prompt's last marker decides where a reply starts. After a ``<think>`` (the template opened the block) the reply
+reasons until it closes the block, with either parser; after a closed block (thinking off) it is all content; else
+``deepseek-r1``'s reply reasons and ``qwen3``'s reasons only if it opens a block itself. So a ``qwen3`` reply
+that only closes a block counts as reasoning where the prompt opened it, not where it did not, and one that the
+prompt opened but that was cut while thinking is reasoning. Text that may begin a marker is held back until it
+cannot (a ``<th`` at the start, a ``</thi`` while reasoning).
 """
 from __future__ import annotations
 
@@ -23,10 +31,12 @@ from typing import Any
 
 from ..core.config import EngineConfig
 from ..core.hookspecs import hookimpl
-from ..core.interfaces import ReasoningEnd, ReasoningParser
+from ..core.interfaces import ReasoningEnd, ReasoningParser, ReasoningStream
 from ..core.registry import Register
 
 THINK_START, THINK_END = "<think>", "</think>"
+START, REASONING, CONTENT = "start", "reasoning", "content"  # where a ThinkStream is in its reply
+OPENED, CLOSED = "opened", "closed"  # where a prompt leaves the reasoning (ThinkReasoningParser.prompt_state)
 
 
 class ThinkReasoningParser(ReasoningParser):
@@ -41,14 +51,26 @@ class ThinkReasoningParser(ReasoningParser):
     def reasoning_end(self, prompt_token_ids: Sequence[int]) -> ReasoningEnd | None:
         if self.close_token is None or self.open_token is None:
             return None
-        closed, opened = False, self.opened_in_prompt
-        for index in range(len(prompt_token_ids) - 1, -1, -1):  # the prompt's last marker
-            if prompt_token_ids[index] in (self.open_token, self.close_token):
-                closed = prompt_token_ids[index] == self.close_token and \
-                    not self.tokenizer.decode(prompt_token_ids[index + 1:]).strip()  # a block of an earlier turn: no
-                opened = opened or prompt_token_ids[index] == self.open_token  # a template that opens it
-                break
-        return ReasoningEnd(self.close_token, closed, None if opened else self.open_token)
+        state = self.prompt_state(prompt_token_ids)
+        opened = self.opened_in_prompt or state == OPENED
+        return ReasoningEnd(self.close_token, state == CLOSED, None if opened else self.open_token)
+
+    def stream(self, prompt_token_ids: Sequence[int]) -> ReasoningStream:
+        state = self.prompt_state(prompt_token_ids)
+        if state == CLOSED:
+            return ThinkStream(CONTENT)
+        return ThinkStream(START, reasons_unopened=self.opened_in_prompt or state == OPENED)
+
+    def prompt_state(self, prompt_token_ids: Sequence[int]) -> str | None:
+        """OPENED where the prompt's last marker opens a block (the template's: the reply's to close), CLOSED where
+        it closes one with nothing but space after it (thinking off), else None (none, or an earlier turn's)."""
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(list(prompt_token_ids))
+        opened_at, closed_at = text.rfind(THINK_START), text.rfind(THINK_END)
+        if opened_at > closed_at:
+            return OPENED
+        return CLOSED if closed_at >= 0 and not text[closed_at + len(THINK_END):].strip() else None
 
     def split(self, text: str) -> tuple[str | None, str]:
         opened = text.lstrip().startswith(THINK_START)
@@ -60,6 +82,45 @@ class ThinkReasoningParser(ReasoningParser):
         if opened or self.opened_in_prompt:
             return text, ""
         return None, text
+
+
+class ThinkStream(ReasoningStream):
+    """One reply's split as it streams: at its START (a leading ``<think>`` may open the block; else it reasons if
+    ``reasons_unopened``), in its reasoning, or in its content (for good: later markers are content)."""
+
+    def __init__(self, mode: str, reasons_unopened: bool = False) -> None:
+        self.mode, self.reasons_unopened, self.held, self._reasoned = mode, reasons_unopened, "", False
+
+    @property
+    def reasoned(self) -> bool:
+        return self._reasoned
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        text, self.held = self.held + text, ""
+        if self.mode == START:
+            lead = text.lstrip()
+            if not final and THINK_START.startswith(lead):  # only space so far, or the start of a <think>
+                self.held = text
+                return "", ""
+            if lead.startswith(THINK_START):  # the space before the marker goes with it
+                self.mode, text = REASONING, lead[len(THINK_START):]
+            else:
+                self.mode = REASONING if self.reasons_unopened else CONTENT
+            self._reasoned = self.mode == REASONING
+        if self.mode == CONTENT:
+            return "", text
+        reasoning, closed, content = text.partition(THINK_END)
+        if closed:
+            self.mode = CONTENT
+            return reasoning, content
+        cut = len(reasoning) - (0 if final else marker_start(reasoning, THINK_END))
+        self.held = reasoning[cut:]
+        return reasoning[:cut], ""
+
+
+def marker_start(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (but is not all of it)."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
 
 
 def marker_token(tokenizer: Any, marker: str) -> int | None:

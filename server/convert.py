@@ -173,6 +173,8 @@ def completion_to_proto(out: CompletionOutput) -> pb.Completion:
         completion.content = out.content
     if out.reasoning_content is not None:
         completion.reasoning_content = out.reasoning_content
+    if out.reasoning_text is not None:
+        completion.reasoning_text, completion.content_text = out.reasoning_text, out.content_text or ""
     if out.tool_calls is not None:
         completion.tool_calls.extend(pb.ToolCall(id=call.id or "", name=call.name, arguments=json.dumps(
             call.arguments, ensure_ascii=False)) for call in out.tool_calls)

@@ -114,6 +114,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             full.tool_calls.extend(part.tool_calls)
                         if part.HasField("reasoning_content"):
                             full.reasoning_content = part.reasoning_content
+                        if part.HasField("reasoning_text"):
+                            full.reasoning_text += part.reasoning_text
+                            full.content_text += part.content_text
                     else:
                         completions[c.index] = part
                 if out.finished:
@@ -272,7 +275,8 @@ def merged_share(part: pb.Completion) -> int:
     framing (the completion's own fields and framing come once, outside this)."""
     ids = sum((token.bit_length() + 6) // 7 or 1 for token in part.token_ids)
     return ids + len(part.text.encode()) + sum(entry.ByteSize() + 3 for entry in (*part.logprobs, *part.tool_calls)) \
-        + len(part.content.encode()) + len(part.reasoning_content.encode())
+        + len(part.content.encode()) + len(part.reasoning_content.encode()) + len(part.reasoning_text.encode()) \
+        + len(part.content_text.encode())
 
 
 def _usage(out: RequestOutput, completion_tokens: int) -> pb.Usage:

@@ -347,3 +347,159 @@ def test_where_the_prompt_leaves_the_reasoning(thinking_model: Path, tiny_model:
     assert qwen3.reasoning_end(ids("<think>a</think>b\n<|user|>\nmore\n<|assistant|>\n")) == \
         ReasoningEnd(closes, False, opens)
     assert ThinkReasoningParser(False, load_tokenizer(tiny_model)).reasoning_end(ids("<think>\n")) is None
+
+
+# ---------------------------------------------------------------- splitting as the reply streams
+def reference_split(text: str, prompt: str | None, opened_in_prompt: bool) -> tuple[str | None, str]:
+    """The stream's rules (plugins/reasoning_parsers.py's docstring) by way of the tested ``split``: after an
+    opened block a reply reasons as DeepSeek-R1's does, after a closed one it is content; else as ``split``, but a
+    qwen3 reply that does not open a block itself is content even where it closes one."""
+    if prompt == "closed":
+        return None, text
+    if prompt == "opened" or opened_in_prompt:
+        return ThinkReasoningParser(opened_in_prompt=True).split(text)
+    return ThinkReasoningParser(False).split(text) if text.lstrip().startswith(THINK_START) else (None, text)
+
+
+def test_a_stream_splits_by_the_rules_whatever_the_chunks() -> None:
+    """Random replies cut into random chunks: joined, the stream's parts are the reference split; after each chunk
+    it holds back no more than a marker's start (or space before a first <think>)."""
+    from infer.plugins.reasoning_parsers import CLOSED, CONTENT, OPENED, START, ThinkStream
+
+    rng = random.Random(1)
+    pieces = ["<think>", "</think>", "<th", "ink>", "</", "a", " ", "\n", "<", "think", ">", "/", "é"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(14)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(6))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        for opened_in_prompt in (False, True):
+            for prompt in (None, OPENED, CLOSED):
+                stream = ThinkStream(CONTENT) if prompt == CLOSED else \
+                    ThinkStream(START, reasons_unopened=opened_in_prompt or prompt == OPENED)
+                reasoning, content, fed = "", "", ""
+                for index, chunk in enumerate(chunks):
+                    final = index == len(chunks) - 1
+                    r, c = stream.feed(chunk, final)
+                    reasoning, content, fed = reasoning + r, content + c, fed + chunk
+                    if not final:
+                        whole_r, whole_c = reference_split(fed, prompt, opened_in_prompt)
+                        held = len(whole_r or "") + len(whole_c) - len(reasoning) - len(content)
+                        assert whole_c.startswith(content) and (whole_r or "").startswith(reasoning), (fed, chunks)
+                        assert held < len(THINK_END) or THINK_START.startswith(fed.lstrip()), (fed, chunks)
+                want = reference_split(text, prompt, opened_in_prompt)
+                got = (reasoning if stream.reasoned else None, content)
+                assert got == want, (text, chunks, prompt, opened_in_prompt)
+
+
+@pytest.mark.parametrize("parser, generation", [
+    ("deepseek-r1", "<think>\n"), ("qwen3", "<think>\n"),  # the template opened the block: the reply reasons
+    ("qwen3", ""),  # it did not, and the reply does not open one: all content, the </think> it writes too
+])
+def test_outputs_are_split_as_they_stream(thinking_model: Path, tmp_path: Path, serve_engine: Any, parser: str,
+                                          generation: str) -> None:
+    """Each output of a chat's reply carries the reasoning and content of its text: joined, they are the reply's
+    split (the reference: the stream's rules over the whole text), and the last output's reasoning_content and
+    content; no more than a marker's start is held back at any output. So over gRPC, streamed and unary."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{%- endfor %}<|assistant|>\n"
+                        + generation)
+    engine = Engine(EngineConfig(model=str(thinking_model), device="cpu", num_kv_blocks=64,
+                                 chat_template=str(template), reasoning_parser=parser))
+    closes = engine.tokenizer.convert_tokens_to_ids(THINK_END)
+    for close_bias in (0.5 * c for c in range(60)):  # a reply that writes </think> between other tokens
+        params = SamplingParams(max_tokens=16, temperature=0.0, logit_bias=[(closes, close_bias)])
+        [out] = engine.generate([ChatPrompt.of(ASK)], params)[0].outputs
+        if closes in out.token_ids[1:10] and out.token_ids.count(closes) < 4:
+            break
+    else:
+        pytest.fail("no bias makes the reply write </think>")
+    want = reference_split(out.text, "opened" if generation else None, parser == "deepseek-r1")
+    assert (out.reasoning_content, out.content) == want and (want[0] is None) == (generation == "")
+    for n, stop in ((1, []), (2, ["never written"])):  # one sequence, and several with stop strings
+        deltas = list(engine.stream(ChatPrompt.of(ASK), dataclasses.replace(params, n=n, stop=stop)))
+        for index in range(n):
+            parts = [c for d in deltas for c in d.outputs if c.index == index]
+            assert ("".join(c.reasoning_text for c in parts), "".join(c.content_text for c in parts)) == \
+                (want[0] or "", want[1])
+            assert (parts[-1].reasoning_content, parts[-1].content) == want
+            for k in range(1, len(parts)):
+                text = "".join(c.text for c in parts[:k])
+                dropped = len(THINK_START) * text.lstrip().startswith(THINK_START) + len(THINK_END) * (
+                    want[0] is not None and THINK_END in text)
+                split = sum(len(c.reasoning_text) + len(c.content_text) for c in parts[:k])
+                assert len(text) - dropped - split < len(THINK_END), (k, text)
+
+    for held in (" ", "<"):  # a reply cut while its start is held back (space, a <think>'s start): its last output
+        [token] = engine.tokenizer.encode(held, add_special_tokens=False)
+        one = SamplingParams(max_tokens=1, temperature=0.0, logit_bias=[(token, 100.0)])
+        parts = [c for d in engine.stream(ChatPrompt.of(ASK), one) for c in d.outputs]
+        whole = reference_split(held, "opened" if generation else None, parser == "deepseek-r1")
+        assert ("".join(c.text for c in parts), "".join(c.reasoning_text for c in parts),
+                "".join(c.content_text for c in parts)) == (held, whole[0] or "", whole[1])
+
+    async def test(client: Any, port: int) -> None:
+        messages = [m async for m in client.generate(ChatPrompt.of(ASK), params)]
+        assert all(c.HasField("reasoning_text") and c.HasField("content_text") for m in messages for c in m.outputs)
+        streamed = ("".join(c.reasoning_text for m in messages for c in m.outputs),
+                    "".join(c.content_text for m in messages for c in m.outputs))
+        done = (await client.complete(ChatPrompt.of(ASK), params)).outputs[0]
+        assert streamed == (done.reasoning_text, done.content_text) == (want[0] or "", want[1])
+        assert (done.reasoning_content if done.HasField("reasoning_content") else None, done.content) == want
+
+    serve_engine(engine, test)
+
+
+def test_a_misbehaving_stream_is_a_plugin_error_naming_it(tiny_model: Path, tmp_path: Path) -> None:
+    """stream() that returns no ReasoningStream fails the request at admission, leaving nothing queued; a stream
+    whose feed() returns no pair, or raises, fails it while it runs."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.core.interfaces import ReasoningStream
+
+    class Stream(ReasoningStream):
+        def __init__(self, answer: Any) -> None:
+            self.answer = answer
+
+        @property
+        def reasoned(self) -> bool:
+            return False
+
+        def feed(self, text: str, final: bool) -> Any:
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    class Parser(ReasoningParser):
+        def __init__(self, stream: Any) -> None:
+            self.answer = stream
+
+        def split(self, text: str) -> tuple[str | None, str]:
+            return None, text
+
+        def stream(self, prompt_token_ids: Any) -> Any:
+            return self.answer
+
+    class Plugin:
+        @hookimpl
+        def register_reasoning_parsers(self, register: Any) -> None:
+            register("not-a-stream", lambda config, tokenizer: Parser("a string"))
+            register("not-a-pair", lambda config, tokenizer: Parser(Stream(("only reasoning",))))
+            register("raises", lambda config, tokenizer: Parser(Stream(ValueError("bad state"))))
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name="broken-streams")
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    for name, error in (("not-a-stream", r"Parser's stream\(\) returned 'a string', not None or a ReasoningStream"),
+                        ("not-a-pair", r"reasoning stream Stream returned \('only reasoning',\), not \(reasoning, "),
+                        ("raises", r"reasoning stream Stream raised ValueError: bad state")):
+        engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32,
+                                     chat_template=str(template), reasoning_parser=name), plugins)
+        with pytest.raises(PluginError, match=error):
+            engine.generate([ChatPrompt.of(ASK)], SamplingParams(max_tokens=3))
+        assert not engine.has_unfinished()
+        [plain] = engine.generate(["not a chat"], SamplingParams(max_tokens=3))  # not split: the engine serves on
+        assert plain.outputs[0].reasoning_text is None and len(plain.outputs[0].token_ids) == 3
