@@ -22,17 +22,17 @@ The texts are a subset of the valid ones, in one shape:
 - ``format`` date, time, date-time (RFC 3339: ``T``, ``Z``, offset required) and uuid check the shape, not the
   calendar (2023-02-31 passes);
 - integers are ``-?(0|[1-9][0-9]*)``, numbers add an optional fraction and exponent; ``oneOf`` is read as ``anyOf``;
-- an integer's ``minimum``, ``maximum``, ``exclusiveMinimum`` and ``exclusiveMaximum`` are enforced digit by digit
-  (no ``-0`` then); a number's ``minimum`` and ``maximum`` when their values are integers, the number then written
-  without an exponent (but a lone ``minimum`` 0, which keeps it).
+- ``minimum``, ``maximum``, ``exclusiveMinimum`` and ``exclusiveMaximum`` are enforced digit by digit
+  (plugins/number_regex.py): an integer's with no ``-0``; a number's, of any decimal value, with the number
+  written without an exponent (but under a lone ``minimum`` 0, which keeps it).
 
-Refused (InvalidRequestError naming the keyword and the JSON path): ``false``, and keywords without a ``type``; a
-number's exclusive bounds and bounds that are not integers, and ``multipleOf``; ``minProperties``,
+Refused (InvalidRequestError naming the keyword and the JSON path): ``false``, and keywords without a ``type``;
+``multipleOf``; ``minProperties``,
 ``maxProperties``, ``patternProperties``, ``propertyNames``, ``dependentRequired``; ``prefixItems``, ``contains``,
 ``uniqueItems: true``; ``allOf`` of several branches; keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``, and
 beside ``enum``/``const`` except ``type``; ``pattern`` or ``format`` with another string keyword; refs other than
 ``#/$defs/...`` and ``#/definitions/...``, and recursive ones; unknown keywords and formats; keyword values of the
-wrong JSON type; numeric bounds no value satisfies, or of more than 20 digits; counts over 1000; regexes over
+wrong JSON type; numeric bounds no value satisfies, or of more than 20 digits before or after the point; counts over 1000; regexes over
 200,000 characters. Annotations (``title``, ``description``, ...)
 are ignored.
 """
@@ -42,10 +42,12 @@ import functools
 import json
 import math
 import re
-from collections.abc import Callable, Iterable
+from decimal import Decimal
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ..core.errors import InvalidRequestError
+from .number_regex import alternatives, integer_range, number_range
 
 MAX_REGEX = 200_000
 MAX_COUNT = 1000
@@ -117,6 +119,15 @@ def _fail(path: str, message: str) -> NoReturn:
     raise InvalidRequestError(f"invalid JSON schema: at {path or 'the root'}: {message}") from None
 
 
+def _bound(value: float, key: str, path: str) -> Decimal:
+    """A numeric bound as the decimal the schema wrote (a float's shortest repr), if it has few enough digits."""
+    bound = Decimal(repr(value)) if type(value) is float else Decimal(value)
+    if abs(bound) >= 10 ** MAX_BOUND_DIGITS or -bound.normalize().as_tuple().exponent > MAX_BOUND_DIGITS:
+        _fail(path, f"{key!r} {value} has too many digits to enforce (at most {MAX_BOUND_DIGITS} before or after "
+                    "the point); use a shorter bound or drop it")
+    return bound
+
+
 def _escape(text: str) -> str:
     return "".join("\\" + c if c in _SPECIAL else c for c in text)
 
@@ -126,82 +137,6 @@ def _dumps(value: Any, path: str) -> str:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError):
         _fail(path, f"{value!r} is not a JSON value; use only JSON values")
-
-
-def integer_range(low: float, high: float) -> str:
-    """A regex of the JSON integers in [low, high] (bounds integers or infinite), written as JSON writes them (no
-    ``-0``, no leading zeros)."""
-    return _signed(low, high, _magnitudes, least_negative=1)
-
-
-def bounded_number(low: float, high: float) -> str:
-    """A regex of the JSON numbers in [low, high] (bounds integers or infinite) without an exponent: an integer
-    part below the upper bound takes any fraction, one at it only zeros."""
-    return _signed(low, high, _with_fraction, least_negative=0)
-
-
-def _signed(low: float, high: float, magnitudes: Callable[[float, float], str], least_negative: int) -> str:
-    """The values in [low, high]: ``magnitudes(a, b)`` of those in [a, b] >= 0, and "-" before those of the
-    negative ones' magnitudes (from ``least_negative``: an integer has no -0)."""
-    parts = []
-    if high >= 0:
-        parts.append(magnitudes(max(low, 0), high))
-    if low < 0:
-        parts.append("-" + magnitudes(max(least_negative, -high), -low))
-    return _alternatives(parts)
-
-
-def _with_fraction(low: float, high: float) -> str:
-    """Non-negative numbers in [low, high] (integer bounds, low >= 0)."""
-    fraction = r"(?:\.[0-9]+)?"
-    if high == math.inf:
-        return _magnitudes(low, high) + fraction
-    top = f"{int(high)}(?:\\.0+)?"
-    return top if low > high - 1 else _alternatives([_magnitudes(low, high - 1) + fraction, top])
-
-
-def _magnitudes(low: float, high: float) -> str:
-    """Non-negative integers in [low, high] without leading zeros (low finite, high possibly infinite)."""
-    low = int(low)
-    if high == math.inf:  # every length from low's up: low's own length from low, longer ones whole
-        longer = f"[1-9][0-9]{{{len(str(low))},}}"
-        return _alternatives([_magnitudes(low, 10 ** len(str(low)) - 1), longer])
-    high = int(high)
-    parts = []
-    for length in range(len(str(low)), len(str(high)) + 1):
-        first, last = max(low, 10 ** (length - 1) if length > 1 else 0), min(high, 10 ** length - 1)
-        if first <= last:
-            parts.append(_same_length(str(first), str(last)))
-    return _alternatives(parts)
-
-
-def _same_length(low: str, high: str) -> str:
-    """Digit strings of one length from ``low`` to ``high``, by their first digit."""
-    if not low:
-        return ""
-    rest = len(low) - 1
-    if low[0] == high[0]:
-        return low[0] + _same_length(low[1:], high[1:])
-    if low[1:] == "0" * rest and high[1:] == "9" * rest:
-        return _digit_class(low[0], high[0]) + _any_digits(rest)
-    parts = [low[0] + _same_length(low[1:], "9" * rest)]
-    if int(high[0]) - int(low[0]) > 1:
-        parts.append(_digit_class(str(int(low[0]) + 1), str(int(high[0]) - 1)) + _any_digits(rest))
-    parts.append(high[0] + _same_length("0" * rest, high[1:]))
-    return _alternatives(parts)
-
-
-def _digit_class(low: str, high: str) -> str:
-    return low if low == high else f"[{low}-{high}]"
-
-
-def _any_digits(count: int) -> str:
-    return "" if count == 0 else "[0-9]" if count == 1 else f"[0-9]{{{count}}}"
-
-
-def _alternatives(parts: Iterable[str]) -> str:
-    unique = list(dict.fromkeys(parts))
-    return unique[0] if len(unique) == 1 else "(?:" + "|".join(unique) + ")"
 
 
 def _repeat(atom: str, low: int, high: int | None) -> str:
@@ -345,7 +280,7 @@ class _Compiler:
             return self.build(schema["allOf"][0], f"{path}/allOf/0")
         for key in ("anyOf", "oneOf"):
             if key in schema:
-                return _alternatives(self.build(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key]))
+                return alternatives(self.build(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key]))
         if "enum" in schema or "const" in schema:
             return self._values(schema, path)
         if "type" not in schema:
@@ -357,7 +292,7 @@ class _Compiler:
             "string": self._string, "integer": lambda s, p: self._number(s, p, True), "number": self._number,
             "boolean": lambda s, p: "(?:true|false)", "null": lambda s, p: "null", "object": self._object,
             "array": self._array}
-        return _alternatives(builders[t](schema, path) for t in types)
+        return alternatives(builders[t](schema, path) for t in types)
 
     def _ref(self, ref: str, path: str) -> str:
         if not ref.startswith(("#/$defs/", "#/definitions/")):
@@ -387,7 +322,7 @@ class _Compiler:
             texts = [text for text in texts if any(_HAS_TYPE[t](json.loads(text)) for t in types)]
         if not texts:
             _fail(path, "no value of 'enum'/'const' satisfies the schema; list at least one that does")
-        return _alternatives(_escape(text) for text in texts)
+        return alternatives(_escape(text) for text in texts)
 
     def _number(self, schema: dict[str, Any], path: str, integer: bool = False) -> str:
         keys = [key for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if key in schema]
@@ -395,26 +330,28 @@ class _Compiler:
             return "-?" + _INT + ("" if integer else _FRACTION_EXPONENT)
         if not integer and keys == ["minimum"] and schema["minimum"] == 0:
             return _INT + _FRACTION_EXPONENT
-        if not integer and not all(k in ("minimum", "maximum") and float(schema[k]).is_integer() for k in keys):
-            _fail(path, f"{' and '.join(map(repr, keys))}: a number's bounds are enforced only as 'minimum' and "
-                        "'maximum' of integer value; round them inward to integers ('minimum' 1 for 0.5), make the "
-                        "value an 'integer', or drop them")
-        if big := [key for key in keys if abs(schema[key]) >= 10 ** MAX_BOUND_DIGITS]:
-            _fail(path, f"{big[0]!r} {schema[big[0]]} has too many digits to enforce (at most "
-                        f"{MAX_BOUND_DIGITS}); use a smaller bound or drop it")
-        low, high = -math.inf, math.inf
-        if "minimum" in schema:
-            low = math.ceil(schema["minimum"])
-        if "exclusiveMinimum" in schema:
-            low = max(low, math.floor(schema["exclusiveMinimum"]) + 1)
-        if "maximum" in schema:
-            high = math.floor(schema["maximum"])
-        if "exclusiveMaximum" in schema:
-            high = min(high, math.ceil(schema["exclusiveMaximum"]) - 1)
-        if low > high:
+        bounds = {key: _bound(schema[key], key, path) for key in keys}
+        if integer:
+            low, high = -math.inf, math.inf
+            if "minimum" in bounds:
+                low = math.ceil(bounds["minimum"])
+            if "exclusiveMinimum" in bounds:
+                low = max(low, math.floor(bounds["exclusiveMinimum"]) + 1)
+            if "maximum" in bounds:
+                high = math.floor(bounds["maximum"])
+            if "exclusiveMaximum" in bounds:
+                high = min(high, math.ceil(bounds["exclusiveMaximum"]) - 1)
+            regex = integer_range(low, high) if low <= high else None
+        else:  # the tighter bound of each side; of equal ones the exclusive
+            low = max(((bounds[k], k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") if k in bounds),
+                      default=(None, False))
+            high = min(((bounds[k], k != "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") if k in bounds),
+                       default=(None, True))
+            regex = number_range(low[0], low[1], high[0], not high[1])
+        if regex is None:
             _fail(path, f"no {'integer' if integer else 'number'} satisfies {' and '.join(map(repr, keys))} "
                         f"({', '.join(f'{k} {schema[k]}' for k in keys)}); widen the bounds")
-        return integer_range(low, high) if integer else bounded_number(low, high)
+        return regex
 
     def _string(self, schema: dict[str, Any], path: str) -> str:
         keys = [key for key in ("pattern", "format", "minLength", "maxLength") if key in schema]

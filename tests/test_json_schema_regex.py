@@ -275,6 +275,54 @@ def test_numeric_bounds_match_exactly_the_values_within(low: int | None, high: i
                                                                                                      text)
 
 
+@settings(max_examples=400, deadline=None)
+@given(low=st.one_of(st.none(), st.integers(-30_000, 30_000)), high=st.one_of(st.none(), st.integers(-30_000, 30_000)),
+       scale=st.sampled_from([1, 10, 1000]), strict=st.tuples(st.booleans(), st.booleans()),
+       texts=st.lists(st.tuples(st.sampled_from(["", "-"]), st.integers(0, 40), st.text("0123456789", max_size=5)),
+                      min_size=8, max_size=8))
+def test_decimal_bounds_of_numbers_match_exactly_the_values_within(
+        low: int | None, high: int | None, scale: int, strict: tuple[bool, bool],
+        texts: list[tuple[str, int, str]]) -> None:
+    """A number's decimal bounds, inclusive or exclusive, as the JSON floats a schema holds: a text written without
+    an exponent matches, by Python's re and by the project's automaton, exactly when its value (a Decimal) lies
+    within them; near the bounds (a step of 10^-k either side, trailing zeros) too. "-0" forms may be left out."""
+    from decimal import Decimal
+
+    from infer.plugins.regex_fsm import CharAutomaton
+
+    bounds: dict[str, float] = {}
+    for value, name, exclusive in ((low, "minimum", strict[0]), (high, "maximum", strict[1])):
+        if value is not None:
+            key = "exclusive" + name.capitalize() if exclusive else name
+            bounds[key] = value / scale if scale > 1 else value
+    reference = {key: Decimal(repr(value)) for key, value in bounds.items()}
+
+    def within(value: Decimal) -> bool:
+        return all({"minimum": value >= b, "maximum": value <= b, "exclusiveMinimum": value > b,
+                    "exclusiveMaximum": value < b}[key] for key, b in reference.items())
+
+    try:
+        pattern = schema_to_regex({"type": "number", **bounds})
+    except InvalidRequestError as exc:  # refused only where no number lies within
+        assert "no number satisfies" in str(exc)
+        assert low is not None and high is not None
+        [a, b] = [reference[k] for k in reference]
+        assert a > b or a == b and any(strict)
+        return
+    regex, automaton = re.compile(pattern), CharAutomaton.compile(pattern)
+    candidates = [f"{sign}{whole}" + (f".{fraction}" if fraction else "") for sign, whole, fraction in texts]
+    for bound in reference.values():
+        for step in (Decimal(1), Decimal("0.1"), Decimal("0.001"), Decimal("0.0001"), Decimal(0)):
+            for near in (bound - step, bound + step):
+                candidates += [format(near, "f"), format(near, "f") + ("0" if "." in format(near, "f") else ".0")]
+    for text in candidates:
+        value = Decimal(text)
+        if text.startswith("-") and value == 0:  # "-0" forms: never a value outside
+            assert not regex.fullmatch(text) or within(value), (bounds, text)
+            continue
+        assert bool(regex.fullmatch(text)) == within(value) == automaton.fullmatch(text), (bounds, text, pattern)
+
+
 def test_generation_restrictions() -> None:
     """Valid texts the module never generates, and a shape-only format check: the documented restrictions."""
     never = [(PERSON, '{"age":3,"name":"x"}'), (PERSON, '{ "name":"x"}'), (PERSON, '{"name" :"x"}'),
@@ -310,14 +358,13 @@ def nest(depth: int) -> dict[str, Any]:
 
 
 REFUSALS: list[tuple[Any, str, str]] = [  # schema, keyword or phrase, path
-    ({"type": "object", "properties": {"x": {"type": "number", "maximum": 0.5}}}, "'maximum'", "/properties/x"),
+    ({"type": "object", "properties": {"x": {"type": "number", "minimum": 0.5, "exclusiveMaximum": 0.5}}},
+     "no number satisfies 'minimum' and 'exclusiveMaximum'", "/properties/x"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer satisfies 'minimum' and 'maximum'", "the root"),
-    ({"type": "number", "minimum": 0, "exclusiveMaximum": 1}, "'exclusiveMaximum'", "the root"),
-    ({"type": "number", "minimum": 0.5}, "round them inward", "the root"),
+    ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number satisfies", "the root"),
     ({"type": "integer", "minimum": True}, "'minimum'", "the root"),
     ({"type": "integer", "maximum": 10 ** 400}, "too many digits", "the root"),
-    ({"type": "number", "exclusiveMinimum": 0}, "'exclusiveMinimum'", "the root"),
-    ({"type": "number", "exclusiveMaximum": 1}, "'exclusiveMaximum'", "the root"),
+    ({"type": "number", "minimum": 1e-25}, "too many digits", "the root"),
     ({"type": "integer", "multipleOf": 2}, "'multipleOf'", "the root"),
     ({"type": "object", "minProperties": 1}, "'minProperties'", "the root"),
     ({"type": "object", "maxProperties": 1}, "'maxProperties'", "the root"),
