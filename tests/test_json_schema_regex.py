@@ -323,6 +323,32 @@ def test_decimal_bounds_of_numbers_match_exactly_the_values_within(
         assert bool(regex.fullmatch(text)) == within(value) == automaton.fullmatch(text), (bounds, text, pattern)
 
 
+def test_a_pydantic_models_bounded_fields() -> None:
+    """Pydantic's own schema of a model with bounded fields (``gt=0``, ``le=99.5``, ``ge=1``): every text generated
+    from the regex is one Pydantic validates (the reference), and the texts just past each bound are refused."""
+    import pydantic
+
+    class Order(pydantic.BaseModel):
+        price: float = pydantic.Field(gt=0, le=99.5)
+        quantity: int = pydantic.Field(ge=1, lt=100)
+
+    regex = re.compile(schema_to_regex(Order.model_json_schema()))
+
+    @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.from_regex(regex, fullmatch=True))
+    def check(text: str) -> None:
+        Order.model_validate_json(text)
+
+    check()
+    for price, quantity, ok in (("0.001", "1", True), ("99.50", "99", True), ("0", "1", False), ("0.0", "1", False),
+                                ("99.51", "1", False), ("1", "0", False), ("1", "100", False), ("-0.5", "5", False)):
+        text = f'{{"price": {price}, "quantity": {quantity}}}'
+        assert bool(regex.fullmatch(text)) == ok, text
+        if not ok:
+            with pytest.raises(pydantic.ValidationError):
+                Order.model_validate_json(text)
+
+
 def test_generation_restrictions() -> None:
     """Valid texts the module never generates, and a shape-only format check: the documented restrictions."""
     never = [(PERSON, '{"age":3,"name":"x"}'), (PERSON, '{ "name":"x"}'), (PERSON, '{"name" :"x"}'),
