@@ -478,11 +478,25 @@ class Engine:
         return sampled, forks
 
     def _emit_progress(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests of ``seqs``. A reply parser's error fails the step, once every other
+        request's output has gone out (routed: else a request finished in this step would never say so)."""
         touched: dict[str, set[int]] = {}
         for seq in seqs:
             touched.setdefault(seq.request_id, set()).add(seq.seq_id)
-        outputs = [self._emit(self.requests[rid], ids) for rid, ids in touched.items() if rid in self.requests]
-        return [o for o in outputs if o.outputs or o.finished]
+        outputs, failure = [], None
+        for rid, ids in touched.items():
+            if rid in self.requests:
+                try:
+                    output = self._emit(self.requests[rid], ids)
+                except InferError as exc:
+                    failure = failure or exc
+                    continue
+                if output.outputs or output.finished:
+                    outputs.append(output)
+        if failure is not None:
+            self.readers.route(outputs)
+            raise failure
+        return outputs
 
     def _emit(self, req: RequestState, seq_ids: set[int]) -> RequestOutput:
         output = build_output(req, seq_ids, self._finish)

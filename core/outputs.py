@@ -67,7 +67,7 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
         logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
         deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
         if req.reasoning_streams is not None:
-            _split_delta(req, i, deltas[-1], done)
+            _split_delta(req, i, deltas[-1])
         if req.reads_replies and seq.is_finished:  # a stop string may have finished it just now
             read_reply(req, i, deltas[-1])
     finished = all(seq.status is SequenceStatus.FINISHED for seq in req.seqs)
@@ -91,7 +91,7 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
     logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
     completion = CompletionOutput(0, new, text, seq.finish_reason, logprobs)
     if req.reasoning_streams is not None:
-        _split_delta(req, 0, completion, done)
+        _split_delta(req, 0, completion)
     if done and req.reads_replies:
         read_reply(req, 0, completion)
     return RequestOutput(req.request_id, req.prompt_token_ids, [completion], done)
@@ -126,11 +126,17 @@ def new_reasoning_stream(parser: ReasoningParser | None, prompt_token_ids: list[
     return stream
 
 
-def _split_delta(req: RequestState, i: int, completion: CompletionOutput, final: bool) -> None:
-    """Sequence i's new text split by its reasoning stream into ``completion``."""
+def _split_delta(req: RequestState, i: int, completion: CompletionOutput) -> None:
+    """Sequence i's new text split by its reasoning stream into ``completion`` (its last text: the sequence is
+    finished, a stop string found in the text included)."""
     assert req.reasoning_streams is not None
+    seq = req.seqs[i]
+    if req.reasoned is not None and not req.reasoned(seq):  # a grammar held from the first token: all content
+        completion.reasoning_text, completion.content_text = "", completion.text
+        return
     try:
-        completion.reasoning_text, completion.content_text = _feed(req.reasoning_streams[i], completion.text, final)
+        completion.reasoning_text, completion.content_text = _feed(req.reasoning_streams[i], completion.text,
+                                                                   seq.is_finished)
     except PluginError:
         req.reasoning_streams = None  # the request fails: the output that aborts it is not split
         raise

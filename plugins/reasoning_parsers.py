@@ -37,6 +37,7 @@ from ..core.registry import Register
 THINK_START, THINK_END = "<think>", "</think>"
 START, REASONING, CONTENT = "start", "reasoning", "content"  # where a ThinkStream is in its reply
 OPENED, CLOSED = "opened", "closed"  # where a prompt leaves the reasoning (ThinkReasoningParser.prompt_state)
+MAX_SPACE_TOKENS = 8  # the tokens after a closing marker read as "nothing but space" (a template's "\n\n"): no more
 
 
 class ThinkReasoningParser(ReasoningParser):
@@ -62,15 +63,20 @@ class ThinkReasoningParser(ReasoningParser):
         return ThinkStream(START, reasons_unopened=self.opened_in_prompt or state == OPENED)
 
     def prompt_state(self, prompt_token_ids: Sequence[int]) -> str | None:
-        """OPENED where the prompt's last marker opens a block (the template's: the reply's to close), CLOSED where
-        it closes one with nothing but space after it (thinking off), else None (none, or an earlier turn's)."""
-        if self.tokenizer is None:
+        """By the prompt's last marker token: OPENED where it opens a block (the template's: the reply's to close),
+        CLOSED where it closes one with nothing but space after it (thinking off), else None (none, an earlier
+        turn's, or a tokenizer without the markers as tokens: a marker's text that a user typed and that was
+        encoded as text, with --sanitize-chat-control-tokens, is not one)."""
+        if self.open_token is None or self.close_token is None:
             return None
-        text = self.tokenizer.decode(list(prompt_token_ids))
-        opened_at, closed_at = text.rfind(THINK_START), text.rfind(THINK_END)
-        if opened_at > closed_at:
+        ids = list(prompt_token_ids)
+        ids.reverse()
+        opened, closed = (_index_or(ids, token) for token in (self.open_token, self.close_token))
+        if opened < closed:
             return OPENED
-        return CLOSED if closed_at >= 0 and not text[closed_at + len(THINK_END):].strip() else None
+        after = ids[:closed]
+        return CLOSED if closed < len(ids) and len(after) <= MAX_SPACE_TOKENS and \
+            not self.tokenizer.decode(after[::-1]).strip() else None
 
     def split(self, text: str) -> tuple[str | None, str]:
         opened = text.lstrip().startswith(THINK_START)
@@ -116,6 +122,14 @@ class ThinkStream(ReasoningStream):
         cut = len(reasoning) - (0 if final else marker_start(reasoning, THINK_END))
         self.held = reasoning[cut:]
         return reasoning[:cut], ""
+
+
+def _index_or(items: list[int], item: int) -> int:
+    """The first index of ``item`` in ``items``, else their length."""
+    try:
+        return items.index(item)
+    except ValueError:
+        return len(items)
 
 
 def marker_start(text: str, marker: str) -> int:

@@ -347,6 +347,11 @@ def test_where_the_prompt_leaves_the_reasoning(thinking_model: Path, tiny_model:
     assert qwen3.reasoning_end(ids("<think>a</think>b\n<|user|>\nmore\n<|assistant|>\n")) == \
         ReasoningEnd(closes, False, opens)
     assert ThinkReasoningParser(False, load_tokenizer(tiny_model)).reasoning_end(ids("<think>\n")) is None
+    typed = ids("<|user|>\nWhy ") + ids("<th") + ids("ink>") + ids("?\n<|assistant|>\n")  # text, not the token
+    assert THINK_START in tokenizer.decode(typed) and opens not in typed
+    assert qwen3.reasoning_end(typed) == ReasoningEnd(closes, False, opens)
+    assert qwen3.stream(typed).feed("an answer", True) == ("", "an answer")  # not opened: content
+    assert r1.stream(ids("<|assistant|>\n<think>\n\n</think>\n\n")).feed("an answer", True) == ("", "an answer")
 
 
 # ---------------------------------------------------------------- splitting as the reply streams
@@ -440,6 +445,22 @@ def test_outputs_are_split_as_they_stream(thinking_model: Path, tmp_path: Path, 
         assert ("".join(c.text for c in parts), "".join(c.reasoning_text for c in parts),
                 "".join(c.content_text for c in parts)) == (held, whole[0] or "", whole[1])
 
+    # a stop string that ends the reply while its start is held back: the held text is the reply's last
+    lt, xt = (engine.tokenizer.encode(t, add_special_tokens=False)[0] for t in ("<", "x"))
+    for x_bias in (40 + 0.25 * k for k in range(80)):
+        stopped = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=[(lt, 50.0), (xt, x_bias)])
+        if engine.generate([ChatPrompt.of(ASK)], stopped)[0].outputs[0].token_ids[:2] == [lt, xt]:
+            break
+    else:
+        pytest.fail("no bias makes the reply '<x'")
+    whole = reference_split("<", "opened" if generation else None, parser == "deepseek-r1")
+    for n in (1, 2):
+        deltas = list(engine.stream(ChatPrompt.of(ASK), dataclasses.replace(stopped, n=n, stop=["x"])))
+        for index in range(n):
+            parts = [c for d in deltas for c in d.outputs if c.index == index]
+            assert ("".join(c.reasoning_text for c in parts), "".join(c.content_text for c in parts)) == \
+                (whole[0] or "", whole[1]) and (parts[-1].reasoning_content, parts[-1].content) == whole
+
     async def test(client: Any, port: int) -> None:
         messages = [m async for m in client.generate(ChatPrompt.of(ASK), params)]
         assert all(c.HasField("reasoning_text") and c.HasField("content_text") for m in messages for c in m.outputs)
@@ -503,3 +524,76 @@ def test_a_misbehaving_stream_is_a_plugin_error_naming_it(tiny_model: Path, tmp_
         assert not engine.has_unfinished()
         [plain] = engine.generate(["not a chat"], SamplingParams(max_tokens=3))  # not split: the engine serves on
         assert plain.outputs[0].reasoning_text is None and len(plain.outputs[0].token_ids) == 3
+
+
+def test_a_structured_reply_whose_grammar_held_from_its_first_token_streams_as_content(thinking_model: Path,
+                                                                                       tmp_path: Path) -> None:
+    """qwen3 on a prompt that leaves the block to the reply, whose first token is not <think>: the grammar holds
+    from it, and the reply is all content, as it streams too, though its text begins with "<think>"."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{%- endfor %}<|assistant|>\n")
+    engine = Engine(EngineConfig(model=str(thinking_model), device="cpu", num_kv_blocks=64,
+                                 chat_template=str(template), reasoning_parser="qwen3"))
+    opens, closes = (engine.tokenizer.convert_tokens_to_ids(m) for m in (THINK_START, THINK_END))
+    params = SamplingParams(max_tokens=24, temperature=0.0, logit_bias=[(opens, -100.0), (closes, -100.0)],
+                            structured_output=StructuredOutput(regex=" <think>[a-z]{2,4}</think>[a-z]{2,4}"))
+    parts = [c for d in engine.stream(ChatPrompt.of(ASK), params) for c in d.outputs]
+    text = "".join(c.text for c in parts)
+    assert text.startswith(" <think>") and opens not in parts[-1].token_ids
+    assert (parts[-1].reasoning_content, parts[-1].content) == (None, text)
+    assert ("".join(c.reasoning_text for c in parts), "".join(c.content_text for c in parts)) == ("", text)
+
+
+def test_a_stream_failing_mid_reply_fails_the_step_and_the_other_requests_finish(tiny_model: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A feed() that raises in the middle of a reply: step() raises the PluginError, and a request that finished
+    in that step still gets its last output (the next step() returns it) and leaves the engine; aborting the
+    failed request ends it."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.core.interfaces import ReasoningStream
+
+    class Flaky(ReasoningStream):
+        feeds = 0
+
+        @property
+        def reasoned(self) -> bool:
+            return False
+
+        def feed(self, text: str, final: bool) -> tuple[str, str]:
+            Flaky.feeds += 1
+            if Flaky.feeds == 2:
+                raise ValueError("bad state")
+            return "", text
+
+    class Parser(ReasoningParser):
+        def split(self, text: str) -> tuple[str | None, str]:
+            return None, text
+
+        def stream(self, prompt_token_ids: Any) -> ReasoningStream:
+            return Flaky()
+
+    class Plugin:
+        @hookimpl
+        def register_reasoning_parsers(self, register: Any) -> None:
+            register("flaky", lambda config, tokenizer: Parser())
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name="flaky-stream")
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(template),
+                                 reasoning_parser="flaky"), plugins)
+    engine.add_request(ChatPrompt.of(ASK), SamplingParams(max_tokens=6, ignore_eos=True), "chat")
+    engine.add_request("plain", SamplingParams(max_tokens=2, ignore_eos=True), "plain")
+    outputs = engine.step()  # the prompts, and a first token each
+    with pytest.raises(PluginError, match="reasoning stream Flaky raised ValueError: bad state"):
+        engine.step()  # the second tokens: the plain request ends
+    outputs += engine.step()
+    plain = [o for o in outputs if o.request_id == "plain"]
+    assert plain[-1].finished and sum(len(o.outputs[0].token_ids) for o in plain) == 2
+    assert list(engine.requests) == ["chat"]
+    assert engine.abort("chat").finished and not engine.has_unfinished()
