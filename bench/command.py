@@ -13,8 +13,8 @@ import click
 
 from ..cli.options import EngineArgs, sampling_options
 from .arms import ArmError, ArmSpec, parse_arms
-from .workloads import (WORKLOADS, RequestSampling, WorkloadError, WorkloadSpec, check_vocabulary, lora_adapters_used,
-                        validate_spec)
+from .workloads import (WORKLOADS, FileEntry, RequestSampling, WorkloadError, WorkloadSpec, check_vocabulary,
+                        lora_adapters_used, validate_spec)
 
 OUTPUT_FILES = ("results.json", "table.txt", "latency_cdf.png", "throughput.png")
 AB_HINT = 'quote each arm as one argument: --ab "--kv-cache paged" "--kv-cache paged --no-prefix-caching"'
@@ -79,7 +79,8 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
               help="Poisson arrival rate in requests (conversations) per second; inf sends all at once.")
 @click.option("--file", "workload_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help='file workload: JSONL, one {"prompt": "text" or [token ids], "max_tokens": N} per line, or a chat: '
-                   '{"messages": [...], "tools": [...] (optional), "max_tokens": N}.')
+                   '{"messages": [...], "tools": [...] (optional), "max_tokens": N}; a line may add '
+                   '"structured_output": {"json_schema": {...}} (or "regex", "choice"): it ends at EOS once whole.')
 @click.option("--skip-bad-lines", is_flag=True, help="file workload: run the good lines, warn about the bad ones.")
 @click.option("--lora-adapter", "lora_adapters", multiple=True, metavar="NAME",
               help="Run the requests on LoRA adapters: session i (a request, or a whole conversation) on the "
@@ -129,6 +130,7 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     except WorkloadError as exc:
         raise click.UsageError(str(exc)) from None
     check_lora_adapters(lora_adapters_used(spec, entries), specs)
+    check_structured_lines(entries or [], specs, request_sampling)
     if spec.name == "file" and skip_bad_lines:
         _warn_bad_lines(spec, err)
 
@@ -247,6 +249,25 @@ def check_lora_adapters(used: list[str], specs: list[ArmSpec]) -> None:
             raise click.UsageError(f"arm {spec.label} cannot serve LoRA adapter(s) {', '.join(missing)}, which the "
                                    f"workload's requests run on ({have}); give every arm --lora NAME=DIR, before "
                                    "`bench` or in the arm")
+
+
+def check_structured_lines(entries: list[FileEntry], specs: list[ArmSpec], sampling: RequestSampling) -> None:
+    """Refuse (exit status 2, before any model loads) structured lines beside an HF arm, or beside sampling
+    options a structured request cannot take."""
+    from ..cli.main import CommandLineError
+    from ..core.errors import InvalidRequestError
+
+    structured = [entry for entry in entries if entry.structured_output is not None]
+    if not structured:
+        return
+    if hf := [spec.text for spec in specs if spec.is_hf]:
+        raise click.UsageError(f"HF transformers ({', '.join(hf)}) has no structured output, and {len(structured)} "
+                               f"of the file's lines give one (line {structured[0].line} first): drop the hf arms "
+                               "or those lines' structured_output")
+    try:
+        sampling.params(1, 0, 0, 0, structured_output=structured[0].structured_output).validate()
+    except InvalidRequestError as exc:
+        raise CommandLineError(f"line {structured[0].line}: {exc}") from None
 
 
 def dropped_by_hf_cb(sampling: dict[str, Any]) -> list[str]:

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from ..core.chat import ChatPrompt
+from ..core.request import SamplingParams
 from ..core.loader import checkpoint_dtype, read_config, resolve_dtype
 from .arms import ArmSpec
 from .runner import Replay
 from .stats import RequestRecord, RunResult
-from .workloads import RequestSampling, Session, Turn, Vocab, Workload
+from .workloads import RequestSampling, Session, Turn, Vocab, Workload, WorkloadError
 
 CB_PAGE_SIZE = 32
 
@@ -74,6 +75,10 @@ class HFArm:
         return {"transformers": transformers.__version__, "mode": self.mode, "model": str(self.model_path),
                 "device": str(self.device), "dtype": str(self.dtype),
                 "batch_size": self.batch_size if self.mode == "static" else None}
+
+    def check_structured_output(self, params: SamplingParams) -> None:
+        raise WorkloadError("HF transformers has no structured output; drop the hf arms or the lines' "
+                            "structured_output")
 
     def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
         """Text as the tokenizer encodes it; a chat as HF's apply_chat_template renders it."""

@@ -120,6 +120,10 @@ class EngineArm:
     def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
         return self.engine.tokenize(prompt)
 
+    def check_structured_output(self, params: SamplingParams) -> None:
+        """Compile the structured output of ``params`` (InvalidRequestError for one this arm cannot follow)."""
+        self.engine.check_structured_output(params)
+
     def warm_up(self, workloads: list[Workload]) -> None:
         """A short request, then each warm-up workload, unmeasured: first-call costs (kernels, allocator growth)
         are not timed. The prefix-cache counters they move are kept in ``warmup_counters``."""
@@ -150,8 +154,9 @@ class EngineArm:
         while replay.pending() or live:
             now = time.perf_counter() - start
             for arrival, s, t, prompt, max_tokens in replay.pop_due(now):
-                adapter = workload.sessions[s].lora_adapter
-                params = workload.sampling.params(max_tokens, workload.round, s, t, adapter)
+                session = workload.sessions[s]
+                params = workload.sampling.params(max_tokens, workload.round, s, t, session.lora_adapter,
+                                                  session.turns[t].structured_output)
                 rid = engine.add_request(prompt, params, request_id=f"bench-{workload.round}-{s}-{t}")
                 live[rid] = _Live(s, t, arrival, prompt)
             if not live:

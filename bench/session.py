@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..cli.options import EngineArgs
 from ..core.errors import ConfigError, InferError
+from ..core.request import SamplingParams
 from .arms import ArmError, ArmSpec
 from .stats import RunResult
 from .workloads import FileEntry, Vocab, Workload, WorkloadError, WorkloadSpec, build_workload
@@ -33,6 +34,8 @@ class Arm(Protocol):
     freeze_gc: bool  # run with the heap frozen (gc.freeze), as `infer serve` does
 
     def tokenize(self, text: str) -> list[int]: ...
+
+    def check_structured_output(self, params: SamplingParams) -> None: ...
 
     def warm_up(self, workloads: list[Workload]) -> None: ...
 
@@ -164,6 +167,7 @@ def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: 
         return []
     vocab = Vocab(min(a.vocab.size for a in arms), frozenset().union(*(a.vocab.special for a in arms)))
     workloads = [build_workload(spec, r, vocab, arms[0].tokenize, entries) for r in rounds]
+    check_structured_outputs(spec, arms, entries or [])
     limit = min(a.max_model_len for a in arms)
     longest = workloads[0].longest_request()
     if longest > limit:
@@ -177,6 +181,23 @@ def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: 
                 f"{arm.spec.key} ({arm.spec.text!r}) has KV blocks for {arm.kv_capacity_tokens} tokens; "
                 f"{LENGTH_OPTIONS[spec.name]} or give that arm more KV memory (--num-kv-blocks, --kv-cache-memory-gb)")
     return workloads
+
+
+def check_structured_outputs(spec: WorkloadSpec, arms: list[Arm], entries: list[FileEntry]) -> None:
+    """Every line's structured output compiled by every arm (each spec once): a WorkloadError names the line and
+    the arm that cannot follow it."""
+    seen: set[object] = set()
+    for entry in entries:
+        if entry.structured_output is None or entry.structured_output in seen:
+            continue
+        seen.add(entry.structured_output)
+        params = spec.sampling.params(entry.max_tokens, 0, 0, 0, structured_output=entry.structured_output)
+        for arm in arms:
+            try:
+                arm.check_structured_output(params)
+            except (InferError, WorkloadError) as exc:
+                raise WorkloadError(f"line {entry.line}: arm {arm.spec.key} ({arm.spec.text!r}) cannot follow its "
+                                    f"structured_output: {exc}") from None
 
 
 class RunError(Exception):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..core.chat import ChatPrompt, Prompt, chat_of_fields
 from ..core.errors import InvalidRequestError
-from ..core.request import SamplingParams
+from ..core.request import STRUCTURE_FIELDS, SamplingParams, StructuredOutput
 from ..core.tool_choice import forces_calls
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-prompt-arrival", "file")
@@ -46,14 +46,16 @@ class RequestSampling:
             value = value * 1_000_003 + part
         return value % 2**63
 
-    def params(self, max_tokens: int, round_index: int, session: int, turn: int,
-               lora_adapter: str | None = None) -> SamplingParams:
+    def params(self, max_tokens: int, round_index: int, session: int, turn: int, lora_adapter: str | None = None,
+               structured_output: StructuredOutput | None = None) -> SamplingParams:
         """A request's parameters: exactly ``max_tokens`` tokens, whatever the model samples (EOS is ignored);
-        min_tokens holds for a shorter request up to its end."""
+        min_tokens holds for a shorter request up to its end. A structured request ends at EOS once its output is
+        whole (``max_tokens`` at most)."""
         fields = {"temperature": 0.0, **self.fields}
         fields["min_tokens"] = min(int(fields.get("min_tokens", 0)), max_tokens)
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                              seed=self.request_seed(round_index, session, turn), lora_adapter=lora_adapter, **fields)
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=structured_output is None,
+                              seed=self.request_seed(round_index, session, turn), lora_adapter=lora_adapter,
+                              structured_output=structured_output, **fields)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class Turn:
 
     tokens: tuple[int, ...]
     max_tokens: int
+    structured_output: StructuredOutput | None = None  # the file workload's: the output ends at EOS once whole
 
 
 @dataclass(frozen=True)
@@ -140,13 +143,15 @@ class FileEntry:
     max_tokens: int
     line: int = 0
     lora_adapter: str | None = None
+    structured_output: StructuredOutput | None = None
 
 
 def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
     """Read a JSONL file of ``{"prompt": str | [int, ...], "max_tokens": int}`` or, for a chat, of
     ``{"messages": [...], "max_tokens": int}`` and optionally the other fields of gRPC's ``Chat`` (``tools``,
-    ``chat_template_kwargs``, ...); any line may name a LoRA adapter (``"lora_adapter": "NAME"``). Blank lines
-    are skipped, other fields are ignored.
+    ``chat_template_kwargs``, ...); any line may name a LoRA adapter (``"lora_adapter": "NAME"``) and give a
+    structured output (``"structured_output": {"json_schema": {...}}``, or ``"regex"`` or ``"choice"``, the
+    fields of :class:`StructuredOutput`). Blank lines are skipped, other fields are ignored.
 
     Returns the good entries and one message per bad line (``line N: why``); a bad line never hides the others.
     """
@@ -206,7 +211,23 @@ def _parse_line(line: str, number: int) -> FileEntry:
     adapter = item.get("lora_adapter")
     if adapter is not None and (not isinstance(adapter, str) or not adapter):
         raise WorkloadError(f"'lora_adapter' must be the name of a LoRA adapter (a non-empty string), got {adapter!r}")
-    return FileEntry(prompt, max_tokens, number, adapter)
+    return FileEntry(prompt, max_tokens, number, adapter, _structured_output(item))
+
+
+def _structured_output(item: dict[str, object]) -> StructuredOutput | None:
+    """A line's ``structured_output``: an object of one of StructuredOutput's fields."""
+    if "structured_output" not in item:
+        return None
+    fields = item["structured_output"]
+    if not isinstance(fields, dict) or not fields.keys() <= set(STRUCTURE_FIELDS):
+        raise WorkloadError(f"'structured_output' must be an object of one of {', '.join(STRUCTURE_FIELDS)} (e.g. "
+                            f"{{\"json_schema\": {{...}}}}), got {json.dumps(fields)[:80]}")
+    structured = StructuredOutput(**fields)
+    try:
+        structured.validate()
+    except InvalidRequestError as exc:
+        raise WorkloadError(str(exc)) from None
+    return structured
 
 
 def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
@@ -301,7 +322,7 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
         if entries is None:
             raise WorkloadError("the file workload needs its parsed entries (validate_spec)")
         prompts = _file_tokens(entries, vocab, tokenize)
-        turns = [(Turn(p, e.max_tokens),) for p, e in zip(prompts, entries)]
+        turns = [(Turn(p, e.max_tokens, e.structured_output),) for p, e in zip(prompts, entries)]
         sessions = [Session(a, t, e.lora_adapter) for a, t, e in zip(_arrivals(spec, len(turns)), turns, entries)]
         return Workload(spec.name, round_index, tuple(sessions), sampling=spec.sampling)
     else:
