@@ -148,7 +148,8 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         except OSError as exc:
             raise click.BadParameter(f"cannot create or write the output folder: {exc}", param_hint="'--out'") from None
     from .report import BenchResult
-    from .session import ProcessSettings, RunError, arm_info, build_arms, make_workloads, run_info, run_rounds, warm_up
+    from .session import (ProcessSettings, RunError, arm_info, build_arms, keep_structured_lines, make_workloads,
+                          run_info, run_rounds, warm_up)
 
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = ProcessSettings()  # before any arm's engine sets the thread count
@@ -167,7 +168,8 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     try:
         if entries is not None:  # token ids against the vocabulary, now that the models are loaded
             entries, skipped = check_vocabulary(spec, entries, vocab)
-            for line in skipped:
+            entries, unfollowed = keep_structured_lines(spec, built, entries)
+            for line in skipped + unfollowed:
                 err.print(f"[yellow]skipped {spec.file} {line}[/yellow]", highlight=False)
         workloads = make_workloads(spec, range(repeats), built, entries)
         warmups = make_workloads(spec, range(-1, -1 - warmup_rounds, -1), built, entries)
@@ -252,8 +254,8 @@ def check_lora_adapters(used: list[str], specs: list[ArmSpec]) -> None:
 
 
 def check_structured_lines(entries: list[FileEntry], specs: list[ArmSpec], sampling: RequestSampling) -> None:
-    """Refuse (exit status 2, before any model loads) structured lines beside an HF arm, or beside sampling
-    options a structured request cannot take."""
+    """Refuse (exit status 2, before any model loads) structured lines (forced tool calls too) beside an HF arm,
+    or beside sampling options they cannot take."""
     from ..cli.main import CommandLineError
     from ..core.errors import InvalidRequestError
 
@@ -262,8 +264,8 @@ def check_structured_lines(entries: list[FileEntry], specs: list[ArmSpec], sampl
         return
     if hf := [spec.text for spec in specs if spec.is_hf]:
         raise click.UsageError(f"HF transformers ({', '.join(hf)}) has no structured output, and {len(structured)} "
-                               f"of the file's lines give one (line {structured[0].line} first): drop the hf arms "
-                               "or those lines' structured_output")
+                               f"of the file's lines give one or force tool calls (line {structured[0].line} "
+                               "first): drop the hf arms or those lines' structured_output or tool_choice")
     try:
         sampling.params(1, 0, 0, 0, structured_output=structured[0].structured_output).validate()
     except InvalidRequestError as exc:

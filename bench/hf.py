@@ -76,7 +76,7 @@ class HFArm:
                 "device": str(self.device), "dtype": str(self.dtype),
                 "batch_size": self.batch_size if self.mode == "static" else None}
 
-    def check_structured_output(self, params: SamplingParams) -> None:
+    def keep_structured(self, params: SamplingParams) -> None:
         raise WorkloadError("HF transformers has no structured output; drop the hf arms or the lines' "
                             "structured_output")
 

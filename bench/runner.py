@@ -18,7 +18,7 @@ from ..core.engine import Engine
 from ..core.hookspecs import hookimpl
 from ..core.metrics import StepStats
 from ..core.plugins import PluginManager
-from ..core.request import SamplingParams
+from ..core.request import SamplingParams, StructuredOutput
 from .arms import ArmSpec
 from .stats import EngineCounters, RequestRecord, RunResult
 from .workloads import Session, Vocab, Workload
@@ -110,6 +110,7 @@ class EngineArm:
         config = self.engine.config
         self.cpu_threads = config.cpu_threads if self.engine.loaded.device.type == "cpu" else None
         self.freeze_gc = bool(config.freeze_gc)
+        self.kept: set[StructuredOutput] = set()  # the workload's grammars, compiled once (keep_structured)
 
     def describe(self) -> dict[str, object]:
         config = self.engine.config
@@ -120,9 +121,14 @@ class EngineArm:
     def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
         return self.engine.tokenize(prompt)
 
-    def check_structured_output(self, params: SamplingParams) -> None:
-        """Compile the structured output of ``params`` (InvalidRequestError for one this arm cannot follow)."""
+    def keep_structured(self, params: SamplingParams) -> None:
+        """Compile the structured output of ``params`` (InferError for one this arm cannot follow), and keep it
+        compiled while the arm lives: compiling is never inside a run."""
         self.engine.check_structured_output(params)
+        spec = params.structured_output
+        if spec is not None and spec not in self.kept:
+            self.kept.add(spec)
+            self.engine.structured.admit(spec)
 
     def warm_up(self, workloads: list[Workload]) -> None:
         """A short request, then each warm-up workload, unmeasured: first-call costs (kernels, allocator growth)

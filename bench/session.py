@@ -17,7 +17,7 @@ from ..core.errors import ConfigError, InferError
 from ..core.request import SamplingParams
 from .arms import ArmError, ArmSpec
 from .stats import RunResult
-from .workloads import FileEntry, Vocab, Workload, WorkloadError, WorkloadSpec, build_workload
+from .workloads import FileEntry, Vocab, Workload, WorkloadError, WorkloadSpec, build_workload, good_lines
 
 log = logging.getLogger("infer")
 T = TypeVar("T")
@@ -35,7 +35,7 @@ class Arm(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
-    def check_structured_output(self, params: SamplingParams) -> None: ...
+    def keep_structured(self, params: SamplingParams) -> None: ...
 
     def warm_up(self, workloads: list[Workload]) -> None: ...
 
@@ -167,7 +167,6 @@ def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: 
         return []
     vocab = Vocab(min(a.vocab.size for a in arms), frozenset().union(*(a.vocab.special for a in arms)))
     workloads = [build_workload(spec, r, vocab, arms[0].tokenize, entries) for r in rounds]
-    check_structured_outputs(spec, arms, entries or [])
     limit = min(a.max_model_len for a in arms)
     longest = workloads[0].longest_request()
     if longest > limit:
@@ -183,21 +182,25 @@ def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: 
     return workloads
 
 
-def check_structured_outputs(spec: WorkloadSpec, arms: list[Arm], entries: list[FileEntry]) -> None:
-    """Every line's structured output compiled by every arm (each spec once): a WorkloadError names the line and
-    the arm that cannot follow it."""
-    seen: set[object] = set()
+def keep_structured_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[FileEntry]
+                          ) -> tuple[list[FileEntry], list[str]]:
+    """Every line's structured output (its own, or its forced tool calls') compiled by every arm and kept
+    compiled there (compiling is never measured); like check_vocabulary: the good lines and an error per bad one,
+    WorkloadError listing them all without --skip-bad-lines."""
+    good, errors = [], []
     for entry in entries:
-        if entry.structured_output is None or entry.structured_output in seen:
-            continue
-        seen.add(entry.structured_output)
-        params = spec.sampling.params(entry.max_tokens, 0, 0, 0, structured_output=entry.structured_output)
-        for arm in arms:
+        if entry.structured_output is not None:
+            params = spec.sampling.params(entry.max_tokens, 0, 0, 0, entry.lora_adapter, entry.structured_output)
             try:
-                arm.check_structured_output(params)
+                for arm in arms:
+                    failing = arm
+                    arm.keep_structured(params)
             except (InferError, WorkloadError) as exc:
-                raise WorkloadError(f"line {entry.line}: arm {arm.spec.key} ({arm.spec.text!r}) cannot follow its "
-                                    f"structured_output: {exc}") from None
+                errors.append(f"line {entry.line}: arm {failing.spec.key} ({failing.spec.text!r}) cannot follow its "
+                              f"structured output: {exc}")
+                continue
+        good.append(entry)
+    return good_lines(spec, good, errors, "line(s) whose structured output an arm cannot follow"), errors
 
 
 class RunError(Exception):

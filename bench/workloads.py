@@ -20,7 +20,7 @@ from pathlib import Path
 from ..core.chat import ChatPrompt, Prompt, chat_of_fields
 from ..core.errors import InvalidRequestError
 from ..core.request import STRUCTURE_FIELDS, SamplingParams, StructuredOutput
-from ..core.tool_choice import forces_calls
+from ..core.tool_choice import forces_calls, reply_reading
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-prompt-arrival", "file")
 
@@ -143,7 +143,7 @@ class FileEntry:
     max_tokens: int
     line: int = 0
     lora_adapter: str | None = None
-    structured_output: StructuredOutput | None = None
+    structured_output: StructuredOutput | None = None  # the line's, or the reply schema of its forced tool calls
 
 
 def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
@@ -151,7 +151,7 @@ def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
     ``{"messages": [...], "max_tokens": int}`` and optionally the other fields of gRPC's ``Chat`` (``tools``,
     ``chat_template_kwargs``, ...); any line may name a LoRA adapter (``"lora_adapter": "NAME"``) and give a
     structured output (``"structured_output": {"json_schema": {...}}``, or ``"regex"`` or ``"choice"``, the
-    fields of :class:`StructuredOutput`). Blank lines are skipped, other fields are ignored.
+    fields of :class:`StructuredOutput`; null: none). Blank lines are skipped, other fields are ignored.
 
     Returns the good entries and one message per bad line (``line N: why``); a bad line never hides the others.
     """
@@ -192,9 +192,6 @@ def _parse_line(line: str, number: int) -> FileEntry:
             prompt = chat_of_fields(item)
         except InvalidRequestError as exc:
             raise WorkloadError(str(exc)) from None
-        if forces_calls(prompt):
-            raise WorkloadError("a forced 'tool_choice' ends the reply at EOS once its calls are whole, and the bench "
-                                "runs every request to max_tokens (EOS ignored); use 'auto' or 'none'")
     elif isinstance(prompt, str):
         if not prompt:
             raise WorkloadError("'prompt' is an empty string")
@@ -211,12 +208,21 @@ def _parse_line(line: str, number: int) -> FileEntry:
     adapter = item.get("lora_adapter")
     if adapter is not None and (not isinstance(adapter, str) or not adapter):
         raise WorkloadError(f"'lora_adapter' must be the name of a LoRA adapter (a non-empty string), got {adapter!r}")
-    return FileEntry(prompt, max_tokens, number, adapter, _structured_output(item))
+    return FileEntry(prompt, max_tokens, number, adapter, _structured_output(item, prompt))
 
 
-def _structured_output(item: dict[str, object]) -> StructuredOutput | None:
-    """A line's ``structured_output``: an object of one of StructuredOutput's fields."""
-    if "structured_output" not in item:
+def _structured_output(item: dict[str, object], prompt: object) -> StructuredOutput | None:
+    """A line's ``structured_output`` (an object of one of StructuredOutput's fields), or the reply schema of its
+    chat's forced tool calls: the bench sends token ids, so the structured output goes with them."""
+    if forces_calls(prompt):  # type: ignore[arg-type]
+        if item.get("structured_output") is not None:
+            raise WorkloadError("a forced 'tool_choice' makes the reply structured output of its own; drop it or "
+                                "'structured_output'")
+        try:
+            return reply_reading(prompt, SamplingParams(), None)[0].structured_output  # type: ignore[arg-type]
+        except InvalidRequestError as exc:
+            raise WorkloadError(str(exc)) from None
+    if item.get("structured_output") is None:
         return None
     fields = item["structured_output"]
     if not isinstance(fields, dict) or not fields.keys() <= set(STRUCTURE_FIELDS):
@@ -257,10 +263,10 @@ def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
     if spec.file is None:
         raise WorkloadError("--workload file needs --file PATH (JSONL of {\"prompt\": ..., \"max_tokens\": ...})")
     entries, errors = parse_workload_file(spec.file)
-    return _good_lines(spec, entries, errors, f"bad line(s) of {len(entries) + len(errors)}")
+    return good_lines(spec, entries, errors, f"bad line(s) of {len(entries) + len(errors)}")
 
 
-def _good_lines(spec: WorkloadSpec, good: list[FileEntry], errors: list[str], what: str) -> list[FileEntry]:
+def good_lines(spec: WorkloadSpec, good: list[FileEntry], errors: list[str], what: str) -> list[FileEntry]:
     """``good``, unless there are bad lines without --skip-bad-lines (every one listed) or no good line."""
     if errors and not spec.skip_bad_lines:
         listed = "\n  ".join(errors)
@@ -357,7 +363,7 @@ def check_vocabulary(spec: WorkloadSpec, entries: list[FileEntry], vocab_size: i
                           "(the smallest of the arms' models)")
         else:
             good.append(entry)
-    return _good_lines(spec, good, errors, "line(s) with token ids outside the vocabulary"), errors
+    return good_lines(spec, good, errors, "line(s) with token ids outside the vocabulary"), errors
 
 
 def _file_tokens(entries: list[FileEntry], vocab: Vocab,

@@ -119,10 +119,11 @@ def _fail(path: str, message: str) -> NoReturn:
     raise InvalidRequestError(f"invalid JSON schema: at {path or 'the root'}: {message}") from None
 
 
-def _bound(value: float, key: str, path: str) -> Decimal:
-    """A numeric bound as the decimal the schema wrote (a float's shortest repr), if it has few enough digits."""
+def _bound(value: float, key: str, path: str, fraction: bool) -> Decimal:
+    """A numeric bound as the decimal the schema wrote (a float's shortest repr), if it has few enough digits
+    (those of its ``fraction`` too: an integer's bound is rounded inward)."""
     bound = Decimal(repr(value)) if type(value) is float else Decimal(value)
-    if abs(bound) >= 10 ** MAX_BOUND_DIGITS or -bound.normalize().as_tuple().exponent > MAX_BOUND_DIGITS:
+    if abs(bound) >= 10 ** MAX_BOUND_DIGITS or fraction and -bound.normalize().as_tuple().exponent > MAX_BOUND_DIGITS:
         _fail(path, f"{key!r} {value} has too many digits to enforce (at most {MAX_BOUND_DIGITS} before or after "
                     "the point); use a shorter bound or drop it")
     return bound
@@ -330,7 +331,7 @@ class _Compiler:
             return "-?" + _INT + ("" if integer else _FRACTION_EXPONENT)
         if not integer and keys == ["minimum"] and schema["minimum"] == 0:
             return _INT + _FRACTION_EXPONENT
-        bounds = {key: _bound(schema[key], key, path) for key in keys}
+        bounds = {key: _bound(schema[key], key, path, fraction=not integer) for key in keys}
         if integer:
             low, high = -math.inf, math.inf
             if "minimum" in bounds:

@@ -59,6 +59,7 @@ CASES: dict[str, tuple[Any, list[str], list[str]]] = {
     "integer-minimum-0": ({"type": "integer", "minimum": 0}, ["0", "42"], ["-1", "1.5"]),
     "integer-minimum-1": ({"type": "integer", "minimum": 1}, ["1", "10"], ["0", "-3"]),
     "integer-exclusive-minimum": ({"type": "integer", "exclusiveMinimum": -1}, ["0", "5"], ["-1"]),
+    "integer-tiny-fraction-bound": ({"type": "integer", "exclusiveMinimum": 1e-21}, ["1", "7"], ["0", "-1"]),
     "number-minimum-0": ({"type": "number", "minimum": 0}, ["0.5", "0", "1e-3"], ["-0.5", "-1"]),
     "integer-range": ({"type": "integer", "minimum": -12, "maximum": 305}, ["-12", "-1", "0", "99", "305"],
                       ["-13", "-0", "306", "1000", "007"]),
