@@ -15,6 +15,7 @@ scheduled step. The beams' forward passes are their own, so a search returns the
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence as Seq
@@ -97,7 +98,7 @@ class BeamSearch:
         self.waits = 0  # steps it waited for KV blocks that others held
         self.restarts = 0  # times an older search took its blocks and it began again
         self.error: BaseException | None = None
-        self.outputs: list[BeamSearchOutput] | None = None
+        self.outputs: list[BeamSearchOutput] | None = [] if not prompt_ids else None  # no prompt: done, as generate
         self._begin()
 
     def _begin(self) -> None:
@@ -246,7 +247,8 @@ class BeamSearches:
             raise InvalidRequestError(f"beam search takes a BeamSearchParams, got {type(params).__name__}")
         params.validate()
         search = BeamSearch(self.engine, check_prompts(self.engine, prompts, params), params, new_seq_id)
-        self.active.append(search)
+        if not search.done:
+            self.active.append(search)
         return search
 
     def abort(self, search: BeamSearch) -> None:
@@ -389,7 +391,7 @@ def _choose(engine: Engine, state: _Prompt, logprobs: torch.Tensor, params: Beam
         if not kept:
             engine.kv.free(beam)
     state.live = live
-    best_live = max((total for _, total in live), default=-math.inf) / length ** params.length_penalty
+    best_live = length_score(max((total for _, total in live), default=-math.inf), length, params.length_penalty)
     kept = sorted((score for score, *_ in state.done), reverse=True)[:width]  # the hypotheses that would be returned
     state.finished = not live or (len(kept) == width and kept[-1] >= best_live)
     if state.finished:
@@ -401,7 +403,20 @@ def _choose(engine: Engine, state: _Prompt, logprobs: torch.Tensor, params: Beam
 def _finish(state: _Prompt, beam: Sequence, logprob: float, reason: FinishReason, params: BeamSearchParams,
             eos: int | None = None) -> None:
     tokens = beam.output_token_ids + ([] if eos is None else [eos])
-    state.done.append((logprob / max(1, len(tokens)) ** params.length_penalty, logprob, tokens, reason))
+    state.done.append((length_score(logprob, max(1, len(tokens)), params.length_penalty), logprob, tokens, reason))
+
+
+def length_score(logprob: float, length: int, penalty: float) -> float:
+    """``logprob / length ** penalty``, HF's and vLLM's score; where that overflows (a penalty in the hundreds), in
+    log space: a score past the floats' range is infinite (of the logprob's sign), one below it 0."""
+    try:
+        return logprob / length ** penalty
+    except (OverflowError, ZeroDivisionError):
+        pass
+    if logprob == 0 or math.isinf(logprob):
+        return logprob
+    exponent = math.log(abs(logprob)) - penalty * math.log(length)
+    return math.copysign(math.exp(exponent) if exponent < math.log(sys.float_info.max) else math.inf, logprob)
 
 
 def _output(engine: Engine, state: _Prompt, params: BeamSearchParams) -> BeamSearchOutput:

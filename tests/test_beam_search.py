@@ -208,6 +208,29 @@ def test_bad_input_is_refused_and_the_pool_stays_clean(tiny_model):
     with pytest.raises(InvalidRequestError, match="beam search takes a BeamSearchParams, got SamplingParams"):
         engine.beam_search(["x"], SamplingParams())
     assert not engine.searches and not engine.has_unfinished()
+    assert engine.beam_search([]) == [] and engine.start_beam_search([]).result() == []  # as generate([]) is
+    assert not engine.searches and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("penalty", [700, -700, 200.0, -200.0, 1e308, -1e308, 0.5])
+def test_any_length_penalty_scores_as_the_formula_says(tiny_model, penalty):
+    """The score logprob / length ** penalty, against Decimal arithmetic (the reference), rounded to a float: past
+    the floats' range infinite, below it 0; a beam search with such a penalty runs and orders its beams by it."""
+    from decimal import Context, Decimal
+
+    from infer.core.beam_search import length_score
+
+    exact = Context(prec=60, Emax=10**9, Emin=-10**9, traps=[])  # past its range: Infinity or 0, as floats
+    for logprob, length in ((-5.25, 64), (-0.001, 3), (-80.0, 1), (-1e-300, 2)):
+        want = exact.divide(Decimal(logprob), exact.power(Decimal(length), Decimal(penalty)))
+        want_float = float(want)  # past the floats' range: inf, below it: 0
+        got = length_score(logprob, length, penalty)
+        assert got == pytest.approx(want_float, rel=1e-12) or got == want_float == 0, (logprob, length, got, want)
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32))
+    [out] = engine.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=penalty))
+    assert len(out.beams) == 2 and out.beams[0].score >= out.beams[1].score
+    assert [b.score for b in out.beams] == [length_score(b.cumulative_logprob, len(b.token_ids), penalty)
+                                            for b in out.beams]
 
 
 def test_generate_beam_width_prints_the_beams(eos_model):
