@@ -172,10 +172,18 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
     out = out_dir.resolve()
     if out == model_dir.resolve():
         raise ConfigError("OUT must differ from MODEL: the quantized checkpoint is written to a new folder")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ConfigError(f"the parent of OUT, {str(out.parent)!r}, is a file, not a folder; choose another path")
     if not out.parent.is_dir():
         raise ConfigError(f"the parent folder of OUT, {str(out.parent)!r}, does not exist; create it first")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write into {str(out.parent)!r}, the parent folder of OUT; choose a writable path")
+    probe = temporary_sibling(out)  # where the checkpoint is written first: made and removed now, not after hours
+    try:
+        shutil.rmtree(probe, ignore_errors=True)
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        raise ConfigError(f"cannot write into {str(out.parent)!r}, the parent folder of OUT ({exc.strerror or exc}); "
+                          "choose a writable path") from None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"OUT {str(out_dir)!r} already exists and is not an empty folder; choose a new path")
     return raw, config
@@ -350,13 +358,18 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
     return reports
 
 
+def temporary_sibling(out_dir: Path) -> Path:
+    """The folder the checkpoint is written to before it is moved to ``out_dir``."""
+    return out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+
+
 def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], config: AwqCalibrationConfig,
                       tensors: dict[str, torch.Tensor], reports: list[GroupReport], save_file: Any,
                       calibration: dict[str, int]) -> None:
     """Write to a temporary sibling folder, then move it into place, so OUT is complete or absent."""
     from safetensors import SafetensorError
 
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    tmp = temporary_sibling(out_dir)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()

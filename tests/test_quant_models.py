@@ -426,6 +426,10 @@ def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Pat
     assert group.exit_code == 2 and "the options before `quantize` (--device, --quant)" in group.output
     assert "takes its own --device" in group.output
     fails([str(tiny_model), str(tmp_path / "missing" / "out")], "does not exist; create it first")
+    (tmp_path / "plain").write_text("a file")
+    fails([str(tiny_model), str(tmp_path / "plain" / "out")], "is a file, not a folder")
+    if Path("/proc").is_dir():  # a folder nobody can make folders in, even root (whom os.access lets through)
+        fails([str(tiny_model), "/proc/out"], "cannot write into '/proc', the parent folder of OUT")
     fails([str(tiny_model), str(tiny_model)], "OUT must differ from MODEL")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
