@@ -114,8 +114,10 @@ def _read_turn(interactive: bool) -> str | None:
         except KeyboardInterrupt:
             click.echo(err=True)
             return ""
+    from .main import stdin_text
+
     line = sys.stdin.readline()
-    return line.strip() if line else None
+    return stdin_text(line).strip() if line else None
 
 
 def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:

@@ -157,7 +157,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         click.echo("infer: reading prompts from the terminal, one per line; Ctrl-D ends them (or give PROMPTS as "
                    "arguments)", err=True)
     numbered = list(enumerate(prompts, 1)) if prompts else [
-        (number, line.rstrip("\r\n")) for number, line in enumerate(sys.stdin, 1) if line.strip()]
+        (number, line) for number, line in enumerate(map(stdin_text, sys.stdin), 1) if line.strip()]
     texts = [text for _, text in numbered]
     if not texts:
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
@@ -225,6 +225,11 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     if stats:
         summary = engine.stats.summary()
         click.echo(json.dumps(summary, indent=2), err=True)
+
+
+def stdin_text(line: str) -> str:
+    """A line of stdin without its line ending, nor a byte-order mark before it (editors put one before UTF-8)."""
+    return line.rstrip("\r\n").removeprefix("\ufeff")
 
 
 def _chats(numbered: list[tuple[int, str]], from_arguments: bool) -> list[Any]:

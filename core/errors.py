@@ -48,6 +48,6 @@ def require_utf8(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequestError(f"{what} is not valid UTF-8 text (character {exc.start} is {text[exc.start]!r}, "
+        raise InvalidRequestError(f"{what} is not valid UTF-8 text (character {exc.start + 1} is {text[exc.start]!r}, "
                                   "which stands for a byte that is not UTF-8); convert the input to UTF-8 first"
                                   ) from None

@@ -140,7 +140,7 @@ BAD_REQUESTS = [
     (["generate", "hi", "--beam-width", "-1"], "beam_width must be an integer >= 1, got -1", 2),
     (["generate", "hi", "--length-penalty", "2"], "--length-penalty scores beam search's hypotheses; add --beam-width",
      2),
-    (["generate", "a\udcffb"], r"the prompt is not valid UTF-8 text \(character 1 is '\\udcff'", 1),
+    (["generate", "a\udcffb"], r"the prompt is not valid UTF-8 text \(character 2 is '\\udcff'", 1),
     (["--kv-cache-memory-gb", "inf", "generate", "hi"], "kv-cache-memory-gb .* must be a finite number", 2),
     (["--swap-space-gb", "nan", "--preemption", "swap", "generate", "hi"], "swap-space-gb .* must be a finite", 2),
     (["--swap-space-gb", "1e7", "--preemption", "swap", "generate", "hi"], r"the swap space \(.* GiB\) exceeds? "
@@ -292,8 +292,10 @@ def test_ctrl_c_in_any_command_exits_130_and_says_so(tiny_model, tmp_path):
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
 
 
-def test_stdin_lines_may_end_in_crlf(tiny_model):
-    result = run("--model", str(tiny_model), "generate", "--json", "--max-tokens", "1", input="ok\r\nx\r\n")
+def test_stdin_lines_may_end_in_crlf_after_a_byte_order_mark(tiny_model):
+    """What a Windows editor saves: a BOM first, CRLF line ends; neither reaches the prompts."""
+    result = run("--model", str(tiny_model), "generate", "--json", "--max-tokens", "1",
+                 input="\ufeffok\r\nx\r\n")
     assert result.exit_code == 0 and [json.loads(line)["prompt"] for line in result.output.splitlines()] == ["ok", "x"]
 
 
