@@ -159,11 +159,15 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
         if given and not chat:
             raise click.UsageError(f"{name} is for a conversation; add --chat", ctx)
     from ..core.chat import ChatPrompt
+    from ..core.errors import InvalidRequestError
 
     opening = [{"role": "system", "content": system}] if system is not None else []
-    sent = ChatPrompt.of([*opening, {"role": "user", "content": prompt}],
-                         chat_template_kwargs=chat_template_kwargs, tools=tools,
-                         tool_choice=tool_choice_of(tool_choice, tools)) if chat else prompt
+    try:  # checked here, before the server sees it: a command-line error
+        sent = ChatPrompt.of([*opening, {"role": "user", "content": prompt}],
+                             chat_template_kwargs=chat_template_kwargs, tools=tools,
+                             tool_choice=tool_choice_of(tool_choice, tools)) if chat else prompt
+    except InvalidRequestError as exc:
+        raise CommandLineError(str(exc)) from None
     shown = "" if chat else prompt  # a reply is not a continuation of the user's text
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
         mid_line = False  # the prompt goes out with the first response, so that an early error stands alone

@@ -237,9 +237,9 @@ def test_tool_choice_travels_over_grpc_infer_client_and_generate_chat(llm: LLM, 
 
     serve_engine(llm.engine, test)
     for args, code, complaint in ((["--tool-choice", "required"], 2, "--tool-choice is for a conversation; add --chat"),
-                                  (["--chat", "--tool-choice", "required"], 1, "tool_choice 'required' needs tools"),
+                                  (["--chat", "--tool-choice", "required"], 2, "tool_choice 'required' needs tools"),
                                   (["--chat", "--tools", str(tools), "--tool-choice",
-                                    '{"type": "function", "function": {"name": "none"}}'], 1,
+                                    '{"type": "function", "function": {"name": "none"}}'], 2,
                                    "names the function 'none', which is not among")):
         result = CliRunner().invoke(main, ["client", "x", "--target", "127.0.0.1:1", *args])
         assert result.exit_code == code and complaint in result.stderr, result.output
