@@ -75,8 +75,16 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
         if line == "/reset":
             history = list(opening)
             continue
-        if line.startswith("/tool ") and tools:
-            call_id, _, result = line.removeprefix("/tool ").strip().partition(" ")
+        if (line == "/tool" or line.startswith("/tool ")) and tools:
+            call_id, _, result = line.removeprefix("/tool").strip().partition(" ")
+            if not call_id:
+                click.echo("infer: /tool ID RESULT answers a tool call by its id", err=True)
+                continue
+            calls = [call.id for message in history for call in message.get("tool_calls") or ()]
+            if call_id not in calls:  # sent all the same: a script may not know the ids the replies make
+                made = f"the calls made: {', '.join(calls)}" if calls else "no reply has made a call"
+                click.echo(f"infer: warning: no tool call {call_id} in this conversation ({made}); answered as "
+                           "given", err=True)
             message = {"role": "tool", "tool_call_id": call_id, "content": result.strip()}
         elif not line or (line.startswith("/") and " " not in line) or line.startswith("/tool "):
             if line:  # a mistyped command is not a turn

@@ -275,6 +275,9 @@ def test_infer_chat_forces_the_replies_to_your_turns_only(llm: LLM, tiny_model: 
     assert result.exit_code == 0 and result.stdout == f"{forced.text}\n{after}\n{next_call.text}\n", result.output
     [call] = forced.tool_calls
     assert "tool call call_" in result.stderr and f"{call.name}({json.dumps(call.arguments)})" in result.stderr
+    assert "warning: no tool call call_1 in this conversation (the calls made: call_" in result.stderr
+    bare = CliRunner().invoke(main, [*base, "--tools", str(tools)], input="/tool\n")
+    assert bare.exit_code == 0 and "/tool ID RESULT answers a tool call by its id" in bare.stderr and not bare.stdout
     for args, complaint in ((["--tool-choice", "required"], "tool_choice 'required' needs tools"),
                             (["--tools", str(tools), "--tool-choice", "radar"], "'radar'"),
                             (["--tools", str(tools), "--tool-choice", "forecast", "--min-tokens", "2"], "min_tokens")):

@@ -337,4 +337,4 @@ def test_infer_chat_keeps_parsed_calls_and_answers_one_with_slash_tool(tiny_mode
     assert result.exit_code == 0, result.output
     assert result.stdout == f"{first.text}\n{second.text}\n"
     assert f'infer: tool call c1: lookup({{"chars": {len(first.text)}}}) (answer with /tool c1 RESULT)' in result.stderr
-    assert "unknown command /tool (the commands: /reset, /exit, /tool ID RESULT)" in result.stderr
+    assert "/tool ID RESULT answers a tool call by its id" in result.stderr
