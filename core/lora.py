@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import DEFAULT_MAX_LORA_RANK, LORA_NAME, EngineConfig
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from ..models.lora import LoraAdapter, LoraStack
@@ -32,6 +32,9 @@ def start_lora_adapters(config: EngineConfig, loaded: LoadedModel) -> LoraStack 
     slots = config.max_lora_adapters or len(adapters)
     spare = slots > len(adapters)  # room for adapters loaded later: any rank up to the default, on every linear
     rank = config.max_lora_rank or max([a.rank for a in adapters] + [DEFAULT_MAX_LORA_RANK] * spare)
+    if above := [a for a in adapters if a.rank > rank]:  # the options conflict: a usage error, not the folder's
+        raise ConfigError(f"LoRA adapter {above[0].name!r} has rank {above[0].rank}, above --max-lora-rank {rank}; "
+                          f"raise --max-lora-rank to {max(a.rank for a in above)} or leave it unset")
     targets = None if spare else {module for a in adapters for module in a.weights}
     stack = LoraStack(loaded.model, slots, rank, targets, loaded.dtype, loaded.device)
     for adapter in adapters:

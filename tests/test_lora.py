@@ -635,3 +635,7 @@ def test_runtime_loads_that_cannot_be_served_are_refused(checkpoint, adapters) -
                      max_lora_adapters=1).validate()
     with pytest.raises(ConfigError, match="max-lora-rank sizes LoRA adapter slots"):
         EngineConfig(model=str(base), max_lora_rank=8).validate()
+    small = CliRunner().invoke(main, ["--model", str(base), "--device", "cpu", "--num-kv-blocks", "16",
+                                      "--max-lora-rank", "4", "--lora", f"qv={adapters['qv'].folder}", "generate", "x"])
+    assert small.exit_code == 2 and "LoRA adapter 'qv' has rank 8, above --max-lora-rank 4; raise --max-lora-rank " \
+        "to 8" in small.output, small.output
