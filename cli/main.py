@@ -423,6 +423,9 @@ def make_tiny_model_command(ctx: click.Context, directory: str, arch: str, hidde
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise click.UsageError(f"{directory} already exists and is not an empty folder; choose a new folder (or "
                                "remove it)")
+    if blocking := next((p for p in out.parents if p.exists() and not p.is_dir()), None):
+        raise click.UsageError(f"{blocking} is a file, so {directory} cannot be a folder inside it; choose another "
+                               "path")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)  # (folders it creates above DIRECTORY stay on a failure)
         partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
