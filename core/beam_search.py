@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BeamSearchParams:
     """``beam_width`` beams of up to ``max_tokens`` tokens each; ``length_penalty`` > 0 favours longer hypotheses
-    (0: the plain cumulative log-probability); ``ignore_eos`` runs every beam to ``max_tokens``; ``lora_adapter``
-    as in SamplingParams."""
+    (0: the plain cumulative log-probability; one so far from 0 that scores leave the floats' range, hundreds,
+    ties them, ordered as they finished); ``ignore_eos`` runs every beam to ``max_tokens``; ``lora_adapter`` as in
+    SamplingParams."""
     beam_width: int = 4
     max_tokens: int = 16
     length_penalty: float = 1.0
@@ -51,8 +52,9 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool) \
-                or not math.isfinite(self.length_penalty):
+        penalty = self.length_penalty  # NaN and the infinities fail the comparison; an int compares exactly
+        if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) \
+                or not -sys.float_info.max <= penalty <= sys.float_info.max:
             raise InvalidRequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
     def sampling(self) -> SamplingParams:
@@ -409,6 +411,7 @@ def _finish(state: _Prompt, beam: Sequence, logprob: float, reason: FinishReason
 def length_score(logprob: float, length: int, penalty: float) -> float:
     """``logprob / length ** penalty``, HF's and vLLM's score; where that overflows (a penalty in the hundreds), in
     log space: a score past the floats' range is infinite (of the logprob's sign), one below it 0."""
+    penalty = float(penalty)  # an int's power would be exact, and slow
     try:
         return logprob / length ** penalty
     except (OverflowError, ZeroDivisionError):

@@ -478,8 +478,9 @@ class Engine:
         return sampled, forks
 
     def _emit_progress(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """The outputs of the requests of ``seqs``. A reply parser's error fails the step, once every other
-        request's output has gone out (routed: else a request finished in this step would never say so)."""
+        """The outputs of the requests of ``seqs``. A reply parser's error fails the step once every other request
+        is emitted (none is left behind): their outputs go to the stream or generate calls that read them; those of
+        ``step()``'s caller are lost with the step (a late delivery could reach a new request of the same id)."""
         touched: dict[str, set[int]] = {}
         for seq in seqs:
             touched.setdefault(seq.request_id, set()).add(seq.seq_id)
@@ -494,7 +495,7 @@ class Engine:
                 if output.outputs or output.finished:
                     outputs.append(output)
         if failure is not None:
-            self.readers.route(outputs)
+            self.readers.route([output for output in outputs if output.request_id in self.readers.owned])
             raise failure
         return outputs
 

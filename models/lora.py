@@ -79,7 +79,8 @@ def _read_config(folder: Path, where: str) -> dict[str, Any]:
     path = folder / ADAPTER_CONFIG
     if not folder.is_dir():
         relative = "" if folder.is_absolute() else f" (a relative path, read from {Path.cwd()})"
-        raise CheckpointError(f"{where}: {str(folder)!r} is not a folder{relative}; give the folder that PEFT's "
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise CheckpointError(f"{where}: {str(folder)!r} {what}{relative}; give the folder that PEFT's "
                               "save_pretrained wrote")
     if not path.is_file():
         raise CheckpointError(f"{where}: no {ADAPTER_CONFIG}; give the folder that PEFT's save_pretrained wrote")

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -176,11 +177,8 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
         raise ConfigError(f"the parent of OUT, {str(out.parent)!r}, is a file, not a folder; choose another path")
     if not out.parent.is_dir():
         raise ConfigError(f"the parent folder of OUT, {str(out.parent)!r}, does not exist; create it first")
-    probe = temporary_sibling(out)  # where the checkpoint is written first: made and removed now, not after hours
-    try:
-        shutil.rmtree(probe, ignore_errors=True)
-        probe.mkdir()
-        probe.rmdir()
+    try:  # a folder like the one the checkpoint is written to first: made and removed now, not after hours
+        temporary_sibling(out).rmdir()
     except OSError as exc:
         raise ConfigError(f"cannot write into {str(out.parent)!r}, the parent folder of OUT ({exc.strerror or exc}); "
                           "choose a writable path") from None
@@ -359,8 +357,11 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
 
 
 def temporary_sibling(out_dir: Path) -> Path:
-    """The folder the checkpoint is written to before it is moved to ``out_dir``."""
-    return out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    """A new folder beside ``out_dir`` (``.OUT.tmp-XXXX``, the mode of a plain mkdir), where the checkpoint is
+    written before it is moved."""
+    folder = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    chmod_as_umask(folder)
+    return folder
 
 
 def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], config: AwqCalibrationConfig,
@@ -369,10 +370,9 @@ def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], confi
     """Write to a temporary sibling folder, then move it into place, so OUT is complete or absent."""
     from safetensors import SafetensorError
 
-    tmp = temporary_sibling(out_dir)
+    tmp: Path | None = None
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp = temporary_sibling(out_dir)  # check_request made one there
         _write_files(model_dir, tmp, raw, config, tensors, reports, save_file, calibration)
         existed = out_dir.exists()
         if existed:
@@ -384,13 +384,15 @@ def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], confi
                 out_dir.mkdir(exist_ok=True)  # as it was: empty
             raise
     except (OSError, SafetensorError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(exc)
         raise CheckpointError(f"writing the quantized checkpoint to {str(out_dir)!r} failed ({exc}); OUT was not "
                               f"created: {'free disk space or ' if full else ''}choose another path, then run "
                               "again") from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -209,6 +209,9 @@ def test_bad_input_is_refused_and_the_pool_stays_clean(tiny_model):
         engine.beam_search(["x"], SamplingParams())
     assert not engine.searches and not engine.has_unfinished()
     assert engine.beam_search([]) == [] and engine.start_beam_search([]).result() == []  # as generate([]) is
+    for penalty in (10**400, float("nan"), -float("inf")):
+        with pytest.raises(InvalidRequestError, match="length_penalty must be a finite number"):
+            engine.beam_search(["x"], BeamSearchParams(length_penalty=penalty))
     assert not engine.searches and not engine.has_unfinished()
 
 

@@ -614,9 +614,11 @@ def test_runtime_loads_that_cannot_be_served_are_refused(checkpoint, adapters) -
         engine.load_lora_adapter("../x", adapters["all"].folder)
     with pytest.raises(CheckpointError, match="no adapter_config.json"):
         engine.load_lora_adapter("x", base)
-    with pytest.raises(CheckpointError, match=r"'.*missing' is not a folder; give the folder"):
+    with pytest.raises(CheckpointError, match=r"'.*missing' does not exist; give the folder"):
         engine.load_lora_adapter("x", base.parent / "missing")
-    with pytest.raises(CheckpointError, match=r"'missing' is not a folder \(a relative path, read from /"):
+    with pytest.raises(CheckpointError, match=r"'.*config.json' is not a folder; give the folder"):
+        engine.load_lora_adapter("x", base / "config.json")
+    with pytest.raises(CheckpointError, match=r"'missing' does not exist \(a relative path, read from /"):
         engine.load_lora_adapter("x", Path("missing"))
     with pytest.raises(InvalidRequestError, match="'x' is not loaded; the loaded adapters: none"):
         engine.unload_lora_adapter("x")

@@ -549,9 +549,9 @@ def test_a_structured_reply_whose_grammar_held_from_its_first_token_streams_as_c
 
 def test_a_stream_failing_mid_reply_fails_the_step_and_the_other_requests_finish(tiny_model: Path,
                                                                                   tmp_path: Path) -> None:
-    """A feed() that raises in the middle of a reply: step() raises the PluginError, and a request that finished
-    in that step still gets its last output (the next step() returns it) and leaves the engine; aborting the
-    failed request ends it."""
+    """A feed() that raises in the middle of a reply: step() raises the PluginError; a request that finished in
+    that step leaves the engine (its last output is lost with the step: no later step() hands it out), and one
+    that a stream reads gets its outputs; aborting the failed request ends it."""
     from infer.core.config import EngineConfig
     from infer.core.engine import Engine
     from infer.core.interfaces import ReasoningStream
@@ -589,11 +589,13 @@ def test_a_stream_failing_mid_reply_fails_the_step_and_the_other_requests_finish
                                  reasoning_parser="flaky"), plugins)
     engine.add_request(ChatPrompt.of(ASK), SamplingParams(max_tokens=6, ignore_eos=True), "chat")
     engine.add_request("plain", SamplingParams(max_tokens=2, ignore_eos=True), "plain")
+    streamed = engine.stream("read", SamplingParams(max_tokens=2, ignore_eos=True), "read")
     outputs = engine.step()  # the prompts, and a first token each
     with pytest.raises(PluginError, match="reasoning stream Flaky raised ValueError: bad state"):
-        engine.step()  # the second tokens: the plain request ends
-    outputs += engine.step()
-    plain = [o for o in outputs if o.request_id == "plain"]
-    assert plain[-1].finished and sum(len(o.outputs[0].token_ids) for o in plain) == 2
+        engine.step()  # the second tokens: the plain and the streamed requests end
+    assert [o.request_id for o in outputs] == ["chat", "plain"]
+    assert {o.request_id for o in engine.step()} == {"chat"}  # it goes on, unsplit; nothing of the others comes late
     assert list(engine.requests) == ["chat"]
+    read = list(streamed)
+    assert read[-1].finished and sum(len(o.outputs[0].token_ids) for o in read) == 2
     assert engine.abort("chat").finished and not engine.has_unfinished()
