@@ -134,23 +134,51 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
     stderr)."""
     parts: list[str] = []
     deltas = engine.stream(prompt, params)
-    stopped, last = False, None
+    stopped, last, echo = False, None, ReplyEcho()
     try:
         for delta in deltas:
             if delta.outputs:
                 last = delta.outputs[0]
                 parts.append(last.text)
-                click.echo(parts[-1], nl=False)
+                echo(last.text, last.reasoning_text, last.content_text)
     except KeyboardInterrupt:
         deltas.close()
         stopped = True
-    click.echo()
+    echo.end()
     if stopped:
         click.echo("[reply stopped]", err=True)
     for call in (last.tool_calls or []) if last is not None else []:
         click.echo(f"infer: tool call {call.id}: {call.name}({json.dumps(call.arguments, ensure_ascii=False)}) "
                    f"(answer with /tool {call.id} RESULT)", err=True)
     return reply_message("".join(parts), last)
+
+
+class ReplyEcho:
+    """Prints a reply as it streams: its text to stdout; where the reasoning parser splits it as it streams, its
+    content to stdout and its reasoning to stderr (dimmed on a terminal), a line break after the reasoning."""
+
+    def __init__(self) -> None:
+        self.reasoning_open = False  # reasoning printed on stderr, its line not ended yet
+
+    def __call__(self, text: str, reasoning: str | None, content: str | None) -> None:
+        if reasoning is None:
+            click.echo(text, nl=False)
+            return
+        if reasoning:
+            click.echo(click.style(reasoning, dim=True), nl=False, err=True)
+            self.reasoning_open = True
+        if content:
+            self._end_reasoning()
+            click.echo(content, nl=False)
+
+    def end(self) -> None:
+        self._end_reasoning()
+        click.echo()
+
+    def _end_reasoning(self) -> None:
+        if self.reasoning_open:
+            click.echo(err=True)
+            self.reasoning_open = False
 
 
 def reply_message(text: str, last: Any) -> dict[str, Any]:

@@ -130,6 +130,7 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
     quiet_grpc_core()
     import grpc
 
+    from ..cli.chat import ReplyEcho
     from ..cli.main import CommandLineError
     from ..cli.options import refuse_engine_options
 
@@ -177,15 +178,16 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
                                 length_penalty=length_penalty, ignore_eos=ignore_eos,
                                 **({} if lora_adapter is None else {"lora_adapter": lora_adapter}))
             elif n == 1:
-                calls = []
+                calls, echo = [], ReplyEcho()
                 for response in conn.generate(sent, **sampling):
                     if not mid_line:
                         click.echo(shown, nl=False)
                         mid_line = True
                     for out in response.outputs:
-                        click.echo(out.text, nl=False)
+                        split = out.HasField("reasoning_text")  # the server's --reasoning-parser splits it
+                        echo(out.text, out.reasoning_text if split else None, out.content_text if split else None)
                         calls += out.tool_calls
-                click.echo()
+                echo.end()
                 mid_line = False
                 list_tool_calls(calls)
             else:

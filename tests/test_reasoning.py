@@ -3,6 +3,7 @@ plugins/reasoning_parsers.py's docstring written out by hand, the "only the mark
 hand-built token streams for the tool parsers' special tags."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import random
@@ -186,6 +187,9 @@ def test_the_split_travels_over_grpc_and_generate_json(llm: LLM, tiny_model: Pat
         structured = await client.complete(ChatPrompt.of(ASK), SamplingParams(
             max_tokens=8, structured_output=StructuredOutput(regex="[a-z]{1,6}")))
         assert not structured.outputs[0].HasField("reasoning_content")
+        cli = await asyncio.to_thread(CliRunner().invoke, main, [
+            "client", ASK[0]["content"], "--target", f"127.0.0.1:{port}", "--chat", "--max-tokens", "8"])
+        assert (cli.exit_code, cli.stdout, cli.stderr) == (0, "\n", want.text + "\n"), cli.output  # content, reasoning
 
     serve_engine(llm.engine, test)
     line = json.dumps({"messages": ASK})
@@ -196,6 +200,9 @@ def test_the_split_travels_over_grpc_and_generate_json(llm: LLM, tiny_model: Pat
     assert result.exit_code == 0, result.output
     [got] = [json.loads(row) for row in result.stdout.splitlines()]
     assert (got["reasoning_content"], got["content"]) == (want.text, "")
+    chat = CliRunner().invoke(main, [*base, "--reasoning-parser", "deepseek-r1", "chat", "--max-tokens", "8",
+                                     "--temperature", "0"], input=ASK[0]["content"] + "\n")
+    assert (chat.exit_code, chat.stdout, chat.stderr) == (0, "\n", want.text + "\n"), chat.output
     result = CliRunner().invoke(main, [*base, "--reasoning-parser", "qwen", "generate", "--chat", line])
     assert result.exit_code == 2 and "deepseek-r1" in result.stderr and "qwen3" in result.stderr, result.output
 
@@ -423,6 +430,12 @@ def test_outputs_are_split_as_they_stream(thinking_model: Path, tmp_path: Path, 
         pytest.fail("no bias makes the reply write </think>")
     want = reference_split(out.text, "opened" if generation else None, parser == "deepseek-r1")
     assert (out.reasoning_content, out.content) == want and (want[0] is None) == (generation == "")
+    chat = CliRunner().invoke(main, ["--model", str(thinking_model), "--num-kv-blocks", "64", "--chat-template",
+                                     str(template), "--reasoning-parser", parser, "chat", "--max-tokens", "16",
+                                     "--temperature", "0", "--logit-bias", f"{closes}={close_bias}"],
+                              input=ASK[0]["content"] + "\n")  # infer chat: the content out, the reasoning apart
+    assert (chat.exit_code, chat.stdout, chat.stderr) == (0, want[1] + "\n", want[0] + "\n" if want[0] else ""), \
+        chat.output
     for n, stop in ((1, []), (2, ["never written"])):  # one sequence, and several with stop strings
         deltas = list(engine.stream(ChatPrompt.of(ASK), dataclasses.replace(params, n=n, stop=stop)))
         for index in range(n):
