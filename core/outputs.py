@@ -127,8 +127,8 @@ def new_reasoning_stream(parser: ReasoningParser | None, prompt_token_ids: list[
 
 
 def _split_delta(req: RequestState, i: int, completion: CompletionOutput) -> None:
-    """Sequence i's new text split by its reasoning stream into ``completion`` (its last text: the sequence is
-    finished, a stop string found in the text included)."""
+    """Sequence i's new text split by its reasoning stream into ``completion``; the reply's last text once the
+    sequence has finished (a stop string found in this very text finishes it too)."""
     assert req.reasoning_streams is not None
     seq = req.seqs[i]
     if req.reasoned is not None and not req.reasoned(seq):  # a grammar held from the first token: all content
