@@ -452,7 +452,8 @@ class EngineArgs:
             plugins.registry("reasoning_parser").entry(config.reasoning_parser)
         if config.structured_output_backend != EngineConfig.structured_output_backend:  # the default: at first use
             plugins.registry("structured_output_backend").entry(config.structured_output_backend)
+        config = config.validate()  # a bad value is an error first, not a warning about its use
         if "swap_space_gb" in self.values and config.preemption_mode != "swap":
             log.warning("--swap-space-gb is unused: it sizes the host swap of --preemption swap, and preemption is %r",
                         config.preemption_mode)
-        return config.validate()
+        return config

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from infer.cli import main
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.errors import InvalidRequestError
+from infer.core.errors import ConfigError, InvalidRequestError
 from infer.core.request import SamplingParams
 
 
@@ -365,11 +365,14 @@ def test_swap_space_without_swap_preemption_is_warned(infer_plugins, caplog):
         caplog.clear()
         EngineArgs.from_kwargs({"swap_space_gb": 1.0, "preemption_mode": preemption}).build(infer_plugins)
         assert ("--swap-space-gb is unused" in caplog.text) is warned
+    caplog.clear()
+    with pytest.raises(ConfigError, match="swap-space-gb must be >= 0"):  # the error alone, not a warning first
+        EngineArgs.from_kwargs({"swap_space_gb": -2.0}).build(infer_plugins)
+    assert "unused" not in caplog.text
 
 
 def test_llm_checks_its_components_as_the_cli_does(tiny_model, caplog):
     from infer import LLM
-    from infer.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="an eviction policy picks the cached prefix blocks to drop"):
         LLM(model=str(tiny_model), device="cpu", eviction_policy="lfu", enable_prefix_caching=False)
