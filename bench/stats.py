@@ -103,6 +103,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("acceptance_rate", "acceptance rate", "%", True),
     Metric("preemptions", "preemptions", "count", False),
     Metric("evictions", "KV evictions", "count", False),
+    Metric("engine_steps", "engine steps", "count", False),
     Metric("outputs_match", "outputs = first arm", "%", True),
 )
 
@@ -169,7 +170,7 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
     eng = run.engine
     if eng is None:
         out.update(dict.fromkeys(("kv_peak_blocks", "kv_peak_usage", "prefix_hit_rate", "acceptance_rate",
-                                  "preemptions", "evictions")))
+                                  "preemptions", "evictions", "engine_steps")))
     else:
         out["kv_peak_blocks"] = float(eng.kv_peak_used_blocks)
         out["kv_peak_usage"] = eng.kv_peak_used_blocks / eng.kv_total_blocks if eng.kv_total_blocks else None
@@ -178,6 +179,8 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
             if eng.speculative else None
         out["preemptions"] = float(eng.preemptions)
         out["evictions"] = float(eng.evictions)
+        steps = run.notes.get("steps")  # what a step's fixed cost multiplies: fewer with speculation
+        out["engine_steps"] = float(steps) if steps is not None else None
     return out
 
 

@@ -153,6 +153,7 @@ def test_metrics_of_one_run():
     assert math.isclose(metrics["ttft_p50_ms"], 150) and math.isclose(metrics["tpot_p50_ms"], 150)
     assert math.isclose(metrics["itl_p50_ms"], 150) and math.isclose(metrics["e2e_p99_ms"], 398)
     assert metrics["prefix_hit_rate"] is None and metrics["preemptions"] is None  # no engine counters: n/a
+    assert metrics["engine_steps"] is None
     assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
 
 
@@ -918,6 +919,9 @@ def test_structured_lines_end_whole_and_compare_backends_and_proposers(tiny_mode
         assert all(r["output_ids"][-1] in tokenizer.all_special_ids for r in requests[1:])  # ended at EOS
     assert data["arms"][1]["summary"]["outputs_match"]["values"] == [1.0]
     assert data["arms"][1]["runs"][0]["engine"]["spec_proposed"] > 0
+    steps = [arm["runs"][0]["metrics"]["engine_steps"] for arm in data["arms"]]
+    assert steps == [arm["runs"][0]["notes"]["steps"] for arm in data["arms"]] and steps[1] < steps[0]
+    assert "engine steps" in result.output
 
     hf = run(*base, "--ab", "", "hf")
     assert hf.exit_code == 2 and "HF transformers (hf) has no structured output" in hf.output, hf.output
