@@ -189,18 +189,23 @@ def keep_structured_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[Fil
     WorkloadError listing them all without --skip-bad-lines."""
     good, errors = [], []
     for entry in entries:
-        if entry.structured_output is not None:
-            params = spec.sampling.params(entry.max_tokens, 0, 0, 0, entry.lora_adapter, entry.structured_output)
-            try:
-                for arm in arms:
-                    failing = arm
-                    arm.keep_structured(params)
-            except (InferError, WorkloadError) as exc:
-                errors.append(f"line {entry.line}: arm {failing.spec.key} ({failing.spec.text!r}) cannot follow its "
-                              f"structured output: {exc}")
-                continue
-        good.append(entry)
+        refusal = None if entry.structured_output is None else _refusal(arms, spec.sampling.params(
+            entry.max_tokens, 0, 0, 0, entry.lora_adapter, entry.structured_output))
+        if refusal is None:
+            good.append(entry)
+        else:
+            errors.append(f"line {entry.line}: {refusal}")
     return good_lines(spec, good, errors, "line(s) whose structured output an arm cannot follow"), errors
+
+
+def _refusal(arms: list[Arm], params: SamplingParams) -> str | None:
+    """Why an arm cannot follow the structured output of ``params``; None when each can (and keeps it)."""
+    for arm in arms:
+        try:
+            arm.keep_structured(params)
+        except (InferError, WorkloadError) as exc:
+            return f"arm {arm.spec.key} ({arm.spec.text!r}) cannot follow its structured output: {exc}"
+    return None
 
 
 class RunError(Exception):
