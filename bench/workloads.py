@@ -213,18 +213,20 @@ def _parse_line(line: str, number: int) -> FileEntry:
 
 def _structured_output(item: dict[str, object], prompt: object) -> StructuredOutput | None:
     """A line's ``structured_output`` (an object of one of StructuredOutput's fields), or the reply schema of its
-    chat's forced tool calls: the bench sends token ids, so the structured output goes with them."""
-    if forces_calls(prompt):  # type: ignore[arg-type]
-        if item.get("structured_output") is not None:
-            raise WorkloadError("a forced 'tool_choice' makes the reply structured output of its own; drop it or "
-                                "'structured_output'")
-        try:
-            return reply_reading(prompt, SamplingParams(), None)[0].structured_output  # type: ignore[arg-type]
-        except InvalidRequestError as exc:
-            raise WorkloadError(str(exc)) from None
-    if item.get("structured_output") is None:
+    chat's forced tool calls (as the engine derives it: the bench sends token ids, so the structured output goes
+    with them)."""
+    given = _given_structured_output(item.get("structured_output"))
+    if not (isinstance(prompt, ChatPrompt) and forces_calls(prompt)):
+        return given
+    try:  # refuses a given structured_output beside it, as the engine does
+        return reply_reading(prompt, SamplingParams(structured_output=given), None)[0].structured_output
+    except InvalidRequestError as exc:
+        raise WorkloadError(str(exc)) from None
+
+
+def _given_structured_output(fields: object) -> StructuredOutput | None:
+    if fields is None:
         return None
-    fields = item["structured_output"]
     if not isinstance(fields, dict) or not fields.keys() <= set(STRUCTURE_FIELDS):
         raise WorkloadError(f"'structured_output' must be an object of one of {', '.join(STRUCTURE_FIELDS)} (e.g. "
                             f"{{\"json_schema\": {{...}}}}), got {json.dumps(fields)[:80]}")

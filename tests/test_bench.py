@@ -925,6 +925,10 @@ def test_structured_lines_end_whole_and_compare_backends_and_proposers(tiny_mode
 
     hf = run(*base, "--ab", "", "hf")
     assert hf.exit_code == 2 and "HF transformers (hf) has no structured output" in hf.output, hf.output
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({**lines[4], "structured_output": {"regex": "a"}}) + "\n")
+    assert parse_workload_file(both)[1] == ["line 1: tool_choice 'run' makes the reply structured output of its own, "
+                                            "so it cannot take the request's structured_output; drop one of them"]
     floor = run(*base, "--min-tokens", "2", "--ab", "")
     assert floor.exit_code == 2 and "line 2:" in floor.output and "min_tokens" in floor.output, floor.output
     path.write_text("\n".join(json.dumps(line) for line in (

@@ -141,6 +141,25 @@ def test_infer_chat_keeps_what_the_parsers_read_and_no_empty_reasoning() -> None
     ChatPrompt.of([*ASK, reply_message("<think></think>Hi", empty), {"role": "user", "content": "And?"}])
 
 
+def engine_with_parser(tiny_model: Path, tmp_path: Path, name: str, parser: ReasoningParser) -> Any:
+    """An engine on the tiny model with TEMPLATE and ``parser``, registered by a plugin as reasoning parser
+    ``name``."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    class Plugin:
+        @hookimpl
+        def register_reasoning_parsers(self, register: Any) -> None:
+            register(name, lambda config, tokenizer: parser)
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name=f"{name}-reasoning")
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    return Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(template),
+                               reasoning_parser=name), plugins)
+
+
 def test_a_misbehaving_parser_is_a_plugin_error_naming_it(tiny_model: Path, tmp_path: Path) -> None:
     class Broken(ReasoningParser):
         def split(self, text: str) -> Any:
@@ -149,20 +168,7 @@ def test_a_misbehaving_parser_is_a_plugin_error_naming_it(tiny_model: Path, tmp_
         def reasoning_end(self, prompt_token_ids: Any) -> Any:
             return (5, True)  # not a ReasoningEnd
 
-    class Plugin:
-        @hookimpl
-        def register_reasoning_parsers(self, register: Any) -> None:
-            register("broken", lambda config, tokenizer: Broken())
-
-    plugins = PluginManager.from_entry_points()
-    plugins.register(Plugin(), name="broken-reasoning")
-    template = tmp_path / "chat.jinja"
-    template.write_text(TEMPLATE)
-    from infer.core.config import EngineConfig
-    from infer.core.engine import Engine
-
-    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(template),
-                                 reasoning_parser="broken"), plugins)
+    engine = engine_with_parser(tiny_model, tmp_path, "broken", Broken())
     with pytest.raises(PluginError, match=r"reasoning parser Broken returned .*not \(reasoning or None, content\)"):
         engine.generate([ChatPrompt.of(ASK)], SamplingParams(max_tokens=3))
     with pytest.raises(PluginError, match=r"reasoning parser 'broken': reasoning_end\(\) returned \(5, True\)"):
@@ -489,8 +495,6 @@ def test_outputs_are_split_as_they_stream(thinking_model: Path, tmp_path: Path, 
 def test_a_misbehaving_stream_is_a_plugin_error_naming_it(tiny_model: Path, tmp_path: Path) -> None:
     """stream() that returns no ReasoningStream fails the request at admission, leaving nothing queued; a stream
     whose feed() returns no pair, or raises, fails it while it runs."""
-    from infer.core.config import EngineConfig
-    from infer.core.engine import Engine
     from infer.core.interfaces import ReasoningStream
 
     class Stream(ReasoningStream):
@@ -516,22 +520,12 @@ def test_a_misbehaving_stream_is_a_plugin_error_naming_it(tiny_model: Path, tmp_
         def stream(self, prompt_token_ids: Any) -> Any:
             return self.answer
 
-    class Plugin:
-        @hookimpl
-        def register_reasoning_parsers(self, register: Any) -> None:
-            register("not-a-stream", lambda config, tokenizer: Parser("a string"))
-            register("not-a-pair", lambda config, tokenizer: Parser(Stream(("only reasoning",))))
-            register("raises", lambda config, tokenizer: Parser(Stream(ValueError("bad state"))))
-
-    plugins = PluginManager.from_entry_points()
-    plugins.register(Plugin(), name="broken-streams")
-    template = tmp_path / "chat.jinja"
-    template.write_text(TEMPLATE)
-    for name, error in (("not-a-stream", r"Parser's stream\(\) returned 'a string', not None or a ReasoningStream"),
-                        ("not-a-pair", r"reasoning stream Stream returned \('only reasoning',\), not \(reasoning, "),
-                        ("raises", r"reasoning stream Stream raised ValueError: bad state")):
-        engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32,
-                                     chat_template=str(template), reasoning_parser=name), plugins)
+    for name, answer, error in (
+            ("not-a-stream", "a string", r"Parser's stream\(\) returned 'a string', not None or a ReasoningStream"),
+            ("not-a-pair", Stream(("only reasoning",)),
+             r"reasoning stream Stream returned \('only reasoning',\), not \(reasoning, "),
+            ("raises", Stream(ValueError("bad state")), r"reasoning stream Stream raised ValueError: bad state")):
+        engine = engine_with_parser(tiny_model, tmp_path, name, Parser(answer))
         with pytest.raises(PluginError, match=error):
             engine.generate([ChatPrompt.of(ASK)], SamplingParams(max_tokens=3))
         assert not engine.has_unfinished()
@@ -565,8 +559,6 @@ def test_a_stream_failing_mid_reply_fails_the_step_and_the_other_requests_finish
     """A feed() that raises in the middle of a reply: step() raises the PluginError; a request that finished in
     that step leaves the engine (its last output is lost with the step: no later step() hands it out), and one
     that a stream reads gets its outputs; aborting the failed request ends it."""
-    from infer.core.config import EngineConfig
-    from infer.core.engine import Engine
     from infer.core.interfaces import ReasoningStream
 
     class Flaky(ReasoningStream):
@@ -589,17 +581,7 @@ def test_a_stream_failing_mid_reply_fails_the_step_and_the_other_requests_finish
         def stream(self, prompt_token_ids: Any) -> ReasoningStream:
             return Flaky()
 
-    class Plugin:
-        @hookimpl
-        def register_reasoning_parsers(self, register: Any) -> None:
-            register("flaky", lambda config, tokenizer: Parser())
-
-    plugins = PluginManager.from_entry_points()
-    plugins.register(Plugin(), name="flaky-stream")
-    template = tmp_path / "chat.jinja"
-    template.write_text(TEMPLATE)
-    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(template),
-                                 reasoning_parser="flaky"), plugins)
+    engine = engine_with_parser(tiny_model, tmp_path, "flaky", Parser())
     engine.add_request(ChatPrompt.of(ASK), SamplingParams(max_tokens=6, ignore_eos=True), "chat")
     engine.add_request("plain", SamplingParams(max_tokens=2, ignore_eos=True), "plain")
     streamed = engine.stream("read", SamplingParams(max_tokens=2, ignore_eos=True), "read")
