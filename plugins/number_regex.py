@@ -91,25 +91,30 @@ def _fraction_digits(low: DigitBound | None, high: DigitBound | None) -> tuple[s
         return "0*[1-9][0-9]*", False
     tails: dict[str, list[str]] = {}
     for digit in "0123456789":  # the first digit against each bound's: above it (free), at it, or past it
-        tail_low, tail_high = _after(digit, low, above=True), _after(digit, high, above=False)
-        if tail_low == "past" or tail_high == "past":
+        if _breaks(digit, low, above=True) or _breaks(digit, high, above=False):
             continue
-        rest, empty = _fraction_digits(tail_low, tail_high)  # type: ignore[arg-type]
+        rest, empty = _fraction_digits(_after(digit, low), _after(digit, high))
         if rest is not None or empty:
             tail = "" if rest is None else rest if not empty else f"(?:{rest})?"
             tails.setdefault(tail, []).append(digit)
     return alternatives(_digit_set(digits) + tail for tail, digits in tails.items()) if tails else None, bare
 
 
-def _after(digit: str, bound: DigitBound | None, above: bool) -> DigitBound | str | None:
-    """The bound on the digits after a first ``digit``: the bound's own rest where the digit is the bound's first
-    (0 past its end), None where the digit already clears it, "past" where it breaks it."""
-    if bound is None:
+def _breaks(digit: str, bound: DigitBound | None, above: bool) -> bool:
+    """Whether a first ``digit`` puts the fraction past ``bound`` (below it where the bound is a lower one)."""
+    return bound is not None and digit != _first(bound) and (digit > _first(bound)) != above
+
+
+def _after(digit: str, bound: DigitBound | None) -> DigitBound | None:
+    """The bound on the digits after a first ``digit`` that does not break it: the bound's own rest where the digit
+    is the bound's first (0 past its end), None where the digit already clears it."""
+    if bound is None or digit != _first(bound):
         return None
-    first = bound[0][:1] or "0"
-    if digit == first:
-        return bound[0][1:], bound[1]
-    return None if (digit > first) == above else "past"
+    return bound[0][1:], bound[1]
+
+
+def _first(bound: DigitBound) -> str:
+    return bound[0][:1] or "0"
 
 
 def _digit_set(digits: list[str]) -> str:
