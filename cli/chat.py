@@ -154,8 +154,9 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
 
 
 class ReplyEcho:
-    """Prints a reply as it streams: its text to stdout; where the reasoning parser splits it as it streams, its
-    content to stdout and its reasoning to stderr (dimmed on a terminal), a line break after the reasoning."""
+    """Prints a reply as it streams: its text to stdout; where the parsers split it as it streams (a reasoning
+    parser, a tool parser), its content to stdout (tool calls left out) and its reasoning to stderr (dimmed on a
+    terminal), a line break after the reasoning."""
 
     def __init__(self) -> None:
         self.reasoning_open = False  # reasoning printed on stderr, its line not ended yet

@@ -173,12 +173,15 @@ class Engine:
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
         splitter = self._reasoning_parser_of(prompt, params, reasoning_end)
-        streams = [new_reasoning_stream(splitter, ids) for _ in seqs]
+        streams = None if splitter is None else [new_reasoning_stream(splitter, ids) for _ in seqs]
+        if streams is not None and None in streams:  # the reasoning parser splits whole replies only
+            streams = None
+        splits = (reader is not None or splitter is not None) and (splitter is None or streams is not None)
         # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
                                [0] * len(seqs), [0] * len(seqs), tool_parser=reader, reasoning_parser=splitter,
                                reasoned=self.structured.reasoned if reasoning_end is not None else None,
-                               reasoning_streams=None if any(s is None for s in streams) else streams)
+                               reasoning_streams=streams, splits=splits, content_sent=[0] * len(seqs))
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request

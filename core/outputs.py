@@ -32,6 +32,8 @@ class RequestState:
     reasoning_parser: ReasoningParser | None = None  # a chat, with --reasoning-parser: splits what the above left
     reasoned: Callable[[Sequence], bool] | None = None  # structured output after the reasoning: whether a reply had it
     reasoning_streams: list[ReasoningStream] | None = None  # the above's splitters of each reply as it streams
+    splits: bool = False  # outputs carry reasoning_text and content_text: every parser above reads them as they come
+    content_sent: list[int] = field(default_factory=list)  # per sequence: its text's characters sent on as content
 
     @property
     def reads_replies(self) -> bool:
@@ -66,10 +68,8 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
             text, req.emitted[i] = detok.text[req.emitted[i] :], len(detok.text)
         logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
         deltas.append(CompletionOutput(i, new, text, seq.finish_reason, logprobs))
-        if req.reasoning_streams is not None:
-            _split_delta(req, i, deltas[-1])
-        if req.reads_replies and seq.is_finished:  # a stop string may have finished it just now
-            read_reply(req, i, deltas[-1])
+        if req.reads_replies:  # a stop string may have finished it just now
+            read_output(req, i, deltas[-1])
     finished = all(seq.status is SequenceStatus.FINISHED for seq in req.seqs)
     return RequestOutput(req.request_id, req.prompt_token_ids, deltas, finished)
 
@@ -90,23 +90,31 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
     text, req.emitted[0] = detok.text[req.emitted[0] :], len(detok.text)
     logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if want_logprobs else None
     completion = CompletionOutput(0, new, text, seq.finish_reason, logprobs)
-    if req.reasoning_streams is not None:
-        _split_delta(req, 0, completion)
-    if done and req.reads_replies:
-        read_reply(req, 0, completion)
+    if req.reads_replies:
+        read_output(req, 0, completion)
     return RequestOutput(req.request_id, req.prompt_token_ids, [completion], done)
 
 
-def read_reply(req: RequestState, i: int, completion: CompletionOutput) -> None:
-    """Sequence i's whole reply through the request's parsers into ``completion`` (its last output). An aborted
-    reply is not whole, and not read."""
+def read_output(req: RequestState, i: int, completion: CompletionOutput) -> None:
+    """Sequence i's new output (``completion``) through the request's parsers: split into reasoning_text and
+    content_text as it streams (``req.splits``), and the last output of a whole reply (not aborted) given the
+    reply's content, tool_calls and reasoning_content. The tool parser reads a whole reply once, for both."""
     seq = req.seqs[i]
-    if seq.finish_reason is FinishReason.ABORT:
-        return
-    splits = req.reasoned is None or req.reasoned(seq)  # a grammar held from the first token: all content
-    completion.reasoning_content, completion.content, completion.tool_calls = reply_parts(
-        req.detoks[i].text, seq.output_token_ids, req.tool_parser, req.reasoning_parser if splits else None,
-        req.prompt_token_ids)
+    whole = seq.is_finished and seq.finish_reason is not FinishReason.ABORT
+    try:
+        read = _read_tool_calls(req.tool_parser, req.detoks[i].text, seq.output_token_ids) \
+            if whole and req.tool_parser is not None else None
+        if req.splits:
+            _split_delta(req, i, completion, read)
+    except PluginError:
+        req.splits = False  # the request fails: the output that aborts it is not split
+        raise
+    if whole:
+        content, calls = read if read is not None else (req.detoks[i].text, None)
+        splits = req.reasoned is None or req.reasoned(seq)  # a grammar held from the first token: all content
+        completion.tool_calls = calls
+        completion.reasoning_content, completion.content = reasoning_parts(
+            content, req.reasoning_parser if splits else None, req.prompt_token_ids)
 
 
 def new_reasoning_stream(parser: ReasoningParser | None, prompt_token_ids: list[int]) -> ReasoningStream | None:
@@ -126,20 +134,47 @@ def new_reasoning_stream(parser: ReasoningParser | None, prompt_token_ids: list[
     return stream
 
 
-def _split_delta(req: RequestState, i: int, completion: CompletionOutput) -> None:
-    """Sequence i's new text split by its reasoning stream into ``completion``; the reply's last text once the
-    sequence has finished (a stop string found in this very text finishes it too)."""
-    assert req.reasoning_streams is not None
+def _split_delta(req: RequestState, i: int, completion: CompletionOutput,
+                 read: tuple[str, list[ToolCall]] | None) -> None:
+    """Sequence i's new text split into ``completion``'s reasoning_text and content_text: the text outside tool
+    calls (with a tool parser: see _content_delta; ``read``: the whole reply's content and calls, once it has
+    ended), split by the reasoning stream (all content without one)."""
     seq = req.seqs[i]
-    if req.reasoned is not None and not req.reasoned(seq):  # a grammar held from the first token: all content
-        completion.reasoning_text, completion.content_text = "", completion.text
-        return
+    text = completion.text if req.tool_parser is None else _content_delta(req, i, seq, read)
+    if req.reasoning_streams is None or req.reasoned is not None and not req.reasoned(seq):
+        completion.reasoning_text, completion.content_text = "", text  # all content, as a grammar held throughout
+    else:
+        completion.reasoning_text, completion.content_text = _feed(req.reasoning_streams[i], text, seq.is_finished)
+
+
+def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, list[ToolCall]] | None) -> str:
+    """Sequence i's new content outside tool calls: its text up to where the tool parser says a call may begin
+    (``streamed_content``); once the reply has ended, the rest of the content ``read`` gives (an aborted reply,
+    not read, is all content)."""
+    assert req.tool_parser is not None
+    text, sent, name = req.detoks[i].text, req.content_sent[i], type(req.tool_parser).__name__
+    reply = text if req.emitted[i] == len(text) else text[: req.emitted[i]]  # as far as it was output
+    if seq.is_finished:
+        content = reply if read is None else read[0]
+        if not content.startswith(reply[:sent]):
+            raise PluginError(f"the tool parser {name} streamed {reply[:sent]!r:.80} as the start of the reply's "
+                              f"content, but its parse() gave the content {content!r:.80}; fix its "
+                              "streamed_content()")
+        req.content_sent[i] = len(content)
+        return content[sent:]
     try:
-        completion.reasoning_text, completion.content_text = _feed(req.reasoning_streams[i], completion.text,
-                                                                   seq.is_finished)
-    except PluginError:
-        req.reasoning_streams = None  # the request fails: the output that aborts it is not split
+        end = req.tool_parser.streamed_content(reply)
+    except InferError:
         raise
+    except Exception as exc:
+        raise PluginError(f"the tool parser {name} raised {type(exc).__name__} in streamed_content(): {exc}; fix "
+                          "the plugin, or choose another --tool-parser") from exc
+    if type(end) is not int or not sent <= end <= len(reply):
+        raise PluginError(f"the tool parser {name}'s streamed_content() returned {end!r:.40} for a reply of "
+                          f"{len(reply)} characters of which {sent} were streamed as content already: not an int "
+                          "from there to the reply's length; fix the plugin")
+    req.content_sent[i] = end
+    return reply[sent:end]
 
 
 def _feed(stream: ReasoningStream, text: str, final: bool) -> tuple[str, str]:
@@ -162,21 +197,25 @@ def reply_parts(text: str, token_ids: list[int], tool_parser: ToolParser | None,
                 ) -> tuple[str | None, str, list[ToolCall] | None]:
     """(reasoning, content, calls) of a whole reply. The tool parser reads the reply as it came (text and tokens
     agree) and gives each call an id (its own, else a random one, as OpenAI's); the reasoning parser then splits
-    what it left as content (the whole text without one), so the reasoning never holds a call: by its stream of a
-    reply to ``prompt_token_ids`` fed that text at once where it has one (as the reply's outputs were split),
-    else by ``split``."""
+    what it left as content (see reasoning_parts), so the reasoning never holds a call."""
     calls = None
     if tool_parser is not None:
         text, calls = _read_tool_calls(tool_parser, text, token_ids)
-    reasoning = None
-    if reasoning_parser is not None:
-        stream = None if prompt_token_ids is None else new_reasoning_stream(reasoning_parser, prompt_token_ids)
-        if stream is not None:
-            reasoning, text = _feed(stream, text, True)
-            reasoning = reasoning if stream.reasoned else None
-        else:
-            reasoning, text = _split_reasoning(reasoning_parser, text)
-    return reasoning, text, calls
+    return *reasoning_parts(text, reasoning_parser, prompt_token_ids), calls
+
+
+def reasoning_parts(text: str, parser: ReasoningParser | None, prompt_token_ids: list[int] | None
+                    ) -> tuple[str | None, str]:
+    """(reasoning, content) of a whole reply's ``text`` (outside its tool calls): by the parser's stream of a reply
+    to ``prompt_token_ids`` fed that text at once where it has one (as the reply's outputs were split), else by
+    ``split``; (None, text) without a parser."""
+    if parser is None:
+        return None, text
+    stream = None if prompt_token_ids is None else new_reasoning_stream(parser, prompt_token_ids)
+    if stream is None:
+        return _split_reasoning(parser, text)
+    reasoning, content = _feed(stream, text, True)
+    return reasoning if stream.reasoned else None, content
 
 
 def _split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str]:

@@ -384,9 +384,9 @@ class CompletionOutput:
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
-    # where the reasoning parser splits a chat's replies as they stream: the parts of ``text`` (the delta in streams)
-    # that are reasoning and content, markers left out (text that may begin a marker comes in a later output);
-    # joined over the outputs, the reasoning and content of the reply as the model wrote it (tool calls included)
+    # where the parsers split a chat's replies as they stream (a reasoning parser's stream, a tool parser): the parts
+    # of ``text`` (the delta in streams) that are reasoning and content, markers and tool calls left out (text that
+    # may begin either comes in a later output); joined over the outputs, the last output's reasoning and content
     reasoning_text: str | None = None
     content_text: str | None = None
 

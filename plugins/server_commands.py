@@ -184,15 +184,17 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
                         click.echo(shown, nl=False)
                         mid_line = True
                     for out in response.outputs:
-                        split = out.HasField("reasoning_text")  # the server's --reasoning-parser splits it
-                        echo(out.text, out.reasoning_text if split else None, out.content_text if split else None)
+                        echo_parts(echo, out)
                         calls += out.tool_calls
                 echo.end()
                 mid_line = False
                 list_tool_calls(calls)
             else:
                 for out in conn.complete(sent, **sampling).outputs:
-                    click.echo(shown + out.text)
+                    click.echo(shown, nl=False)
+                    echo = ReplyEcho()
+                    echo_parts(echo, out)
+                    echo.end()
                     list_tool_calls(out.tool_calls)
             if stats:
                 click.echo(json.dumps(stats_dict(conn.stats()), indent=2), err=True)
@@ -233,6 +235,13 @@ def lora(ctx: click.Context, action: str, name: str, path: str | None, target: s
         except grpc.RpcError as exc:
             raise click.ClickException(rpc_error_message(exc, target, tls or tls_ca is not None, timeout)) from exc
     click.echo(f"{'loaded' if path is not None else 'unloaded'} {name}; serving: {', '.join(names) or 'no adapters'}")
+
+
+def echo_parts(echo: Any, out: Any) -> None:
+    """A Completion message through a ReplyEcho: split into reasoning and content where the server's parsers split
+    its replies as they stream, else its text."""
+    split = out.HasField("reasoning_text")
+    echo(out.text, out.reasoning_text if split else None, out.content_text if split else None)
 
 
 def list_tool_calls(calls: Any) -> None:

@@ -4,7 +4,12 @@ object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</too
 "parameters": {...}}``, several separated by ``;``), ``pythonic`` (Llama 3.2's and Llama 4's: the reply is a
 Python list of calls with keyword arguments, ``[get_weather(city="Oslo"), now()]``) and ``mistral`` (Mistral's
 ``[TOOL_CALLS]``, in both of mistral-common's encodings: a JSON list of calls, and since tokenizer v11 one
-``[TOOL_CALLS]name[ARGS]{...}`` per call)."""
+``[TOOL_CALLS]name[ARGS]{...}`` per call).
+
+Each says how much of a reply streams as content before the reply has ended (``streamed_content``): hermes and
+mistral the text before their first tag (none where the tokenizer marks the tags special: the text lacks them);
+llama3-json and pythonic, whose replies are all calls or all content, the whole text once its first characters
+are no call's, else nothing until the reply is read."""
 from __future__ import annotations
 
 import ast
@@ -19,6 +24,7 @@ from ..core.errors import InvalidRequestError
 from ..core.hookspecs import hookimpl
 from ..core.interfaces import ToolParser
 from ..core.registry import Register
+from .reasoning_parsers import marker_start
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 THINK_END = "</think>"  # Qwen3 reasons first: a tag mentioned there is not a call
@@ -45,6 +51,9 @@ class PythonicToolParser(ToolParser):
             return ParsedReply(text)
         return ParsedReply("", calls) if calls else ParsedReply(text)
 
+    def streamed_content(self, text: str) -> int:
+        return _all_unless_led_by(text, PYTHON_START, "[")
+
 
 def _python_call(node: ast.expr) -> ToolCall:
     """One ``name(key=literal, ...)``; ValueError for anything else."""
@@ -67,8 +76,10 @@ DECODER = json.JSONDecoder(parse_constant=_refuse)  # stateless; NaN and Infinit
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the reasoning (a ``<think>``
     block); the text outside them is the content (usually what comes before the first). A last block cut off by
-    max_tokens (no closing tag) is read too, if its JSON is whole. ``special_tags``: the tags' token ids, for a
-    tokenizer that marks them special (the engine's text then lacks them, and the reply is read from its tokens)."""
+    max_tokens (no closing tag) is read too, if its JSON is whole. Space after the content is dropped, and before
+    it where no text comes before the first call. ``special_tags``: the tags' token ids, for a tokenizer that marks
+    them special (the engine's text then lacks them, and the reply is read from its tokens). The content streams
+    up to the first tag (and the space before it), without special tags."""
 
     def __init__(self, decode: Any = None, special_tags: Mapping[int, str] | None = None) -> None:
         self.decode, self.special_tags = decode, dict(special_tags or {})
@@ -93,7 +104,11 @@ class HermesToolParser(ToolParser):
             start = reply.find(OPEN, after)
             outside.append(reply[after:] if start < 0 else reply[after:start])
             calls.append(call)
-        return ParsedReply("".join(part.strip() and part for part in outside).strip(), tuple(calls))
+        content = "".join(part.strip() and part for part in outside).rstrip()
+        return ParsedReply(content if outside[0].strip() else content.lstrip(), tuple(calls))
+
+    def streamed_content(self, text: str) -> int:
+        return 0 if self.special_tags else _content_before(text, OPEN)
 
 
 def with_tags(text: str, token_ids: Sequence[int], special_tags: Mapping[int, str], decode: Any) -> str:
@@ -128,7 +143,10 @@ class MistralToolParser(ToolParser):
         if not tag:
             return ParsedReply(text)
         calls = _mistral_list(rest) if rest.lstrip().startswith("[") else _mistral_tagged(rest)
-        return ParsedReply(content.strip(), calls) if calls else ParsedReply(text)
+        return ParsedReply(content.rstrip(), calls) if calls else ParsedReply(text)
+
+    def streamed_content(self, text: str) -> int:
+        return 0 if self.special_tags else _content_before(text, TOOL_CALLS)
 
 
 def _mistral_list(rest: str) -> tuple[ToolCall, ...]:
@@ -181,6 +199,29 @@ class Llama3JsonToolParser(ToolParser):
             calls.append(call)
             rest = rest[end:].lstrip().removeprefix(";").lstrip()
         return ParsedReply("", tuple(calls))
+
+    def streamed_content(self, text: str) -> int:
+        return _all_unless_led_by(text, PYTHON_TAG, "{")
+
+
+def _content_before(text: str, marker: str) -> int:
+    """The end of a reply's content that streams where ``marker`` begins its calls: before the first marker, or a
+    start of one at the end of ``text``, and before the space in front of it (dropped where calls follow)."""
+    end = text.find(marker)
+    end = len(text) - marker_start(text, marker) if end < 0 else end
+    while end and text[end - 1].isspace():
+        end -= 1
+    return end
+
+
+def _all_unless_led_by(text: str, tag: str, opening: str) -> int:
+    """For a reply that is all calls or all content, the calls led by ``opening`` (after space, and an optional
+    ``tag``): all of ``text`` once its start shows it cannot be calls, else none of it."""
+    lead = text.lstrip()
+    if tag.startswith(lead):  # nothing but space yet, or a start of the tag
+        return 0
+    after = lead.removeprefix(tag).lstrip()
+    return 0 if not after or after.startswith(opening) else len(text)
 
 
 def _skip_space(text: str, index: int) -> int:

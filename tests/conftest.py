@@ -77,6 +77,24 @@ def chat_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="session")
+def thinking_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with <think> and </think> as tokens of their own (as Qwen3's and DeepSeek-R1's tokenizers
+    have them), their embeddings added by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("thinking")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    torch.manual_seed(0)  # the new rows are drawn at random
+    model.resize_token_embeddings(len(tokenizer))
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
     """HF transformers' greedy continuation of one prompt (EOS ignored), float32 on CPU: the reference."""
     from transformers import AutoModelForCausalLM

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from infer import ChatPrompt, InvalidRequestError, ToolCall
 from infer.core.chat_tools import ParsedReply
-from infer.plugins.tool_parsers import (ARGS, CLOSE, OPEN, TOOL_CALLS, HermesToolParser, Llama3JsonToolParser,
-                                        MistralToolParser, PythonicToolParser)
+from infer.plugins.tool_parsers import (ARGS, CLOSE, OPEN, PYTHON_START, PYTHON_TAG, TOOL_CALLS, HermesToolParser,
+                                        Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 
 NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,11}", fullmatch=True)
 SCALARS = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False,
@@ -37,7 +37,7 @@ def roundtrip(call: ToolCall) -> ToolCall:
 def test_hermes_calls_come_back_with_the_text_before_them(calls: list[ToolCall], prose: str, gap: str) -> None:
     text = prose + gap + "\n".join(f"{OPEN}\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n{CLOSE}"
                                    for c in calls)
-    assert HermesToolParser().parse(text, []) == ParsedReply(prose.strip(), tuple(map(roundtrip, calls)))
+    assert HermesToolParser().parse(text, []) == ParsedReply(prose.rstrip(), tuple(map(roundtrip, calls)))
 
 
 @settings(max_examples=150, deadline=None)
@@ -61,7 +61,7 @@ def test_mistral_calls_come_back_after_the_content(calls: list[ToolCall], prose:
         text = prose + "".join(f"{TOOL_CALLS}{c.name}{ARGS}{json.dumps(c.arguments)}" for c in calls)
     else:
         text = prose + TOOL_CALLS + json.dumps([{"name": c.name, "arguments": c.arguments} for c in calls])
-    assert MistralToolParser().parse(text, []) == ParsedReply(prose.strip(), tuple(map(roundtrip, calls)))
+    assert MistralToolParser().parse(text, []) == ParsedReply(prose.rstrip(), tuple(map(roundtrip, calls)))
 
 
 @settings(max_examples=300, deadline=None)
@@ -73,6 +73,55 @@ def test_any_other_text_comes_back_whole(text: str) -> None:
         assert isinstance(reply, ParsedReply)
         if not reply.tool_calls:
             assert reply.content == text
+
+
+def written(calls: list[ToolCall], form: str) -> str:
+    """``calls`` as a reply in one of the shipped formats."""
+    if form == "hermes":
+        return "\n".join(f"{OPEN}\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n{CLOSE}" for c in calls)
+    if form == "mistral":
+        return TOOL_CALLS + json.dumps([{"name": c.name, "arguments": c.arguments} for c in calls])
+    if form == "llama3-json":
+        return PYTHON_TAG + "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
+    return "[" + ", ".join(f"{c.name}({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})" for c in calls) + "]"
+
+
+SPACE = st.sampled_from(["", " ", "\n", "\n\n "])
+REPLIES = st.one_of(  # calls after text, text after calls, calls alone, a tag named while reasoning, any text
+    st.builds(lambda a, gap, calls, form, b: a + gap + written(calls, form) + b, PROSE | SPACE, SPACE,
+              st.lists(PYTHON_CALLS, min_size=1, max_size=2), st.sampled_from(["hermes", "mistral", "llama3-json",
+                                                                                "pythonic"]), SPACE | PROSE),
+    st.builds(lambda a, calls: f"<think>{a} {OPEN}</think>\n" + written(calls, "hermes"), PROSE,
+              st.lists(CALLS, min_size=1, max_size=2)),
+    st.text(max_size=60),
+    st.builds(lambda a, tag, b: a + tag + b, st.text(max_size=20), st.sampled_from([OPEN, TOOL_CALLS, PYTHON_TAG,
+                                                                                      "[", "{", " ["]),
+              st.text(max_size=20)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(REPLIES, st.lists(st.integers(0, 400), max_size=12))
+def test_the_content_that_streams_begins_the_content_read_and_holds_back_no_more_than_calls(
+        text: str, cuts: list[int]) -> None:
+    """At any cut of a reply, the content that streams (``streamed_content``) grows, and is a start of the content
+    that ``parse`` reads out of the whole reply; what it holds back is where a call may begin: a tag's start (with
+    the space before it) or more after a tag (hermes, mistral), a reply whose start may still be a call
+    (llama3-json, pythonic)."""
+    for parser in PARSERS:
+        content, sent = parser.parse(text, []).content, 0
+        for cut in [*sorted({min(c, len(text)) for c in cuts}), len(text)]:
+            reply = text[:cut]
+            n = parser.streamed_content(reply)
+            assert sent <= n <= cut and content.startswith(reply[:n]), (parser, text, cut, n)
+            held, sent = reply[n:].lstrip(), n
+            if isinstance(parser, (HermesToolParser, MistralToolParser)):
+                marker = OPEN if isinstance(parser, HermesToolParser) else TOOL_CALLS
+                assert held.startswith(marker) or marker.startswith(held), (parser, reply, n)
+            else:
+                start = reply.lstrip().removeprefix(PYTHON_TAG if isinstance(parser, Llama3JsonToolParser) else
+                                                    PYTHON_START).lstrip()
+                assert n == cut or not start or start[0] in "[{" or PYTHON_START.startswith(held) or \
+                    PYTHON_TAG.startswith(held), (parser, reply, n)
 
 
 JSONISH = st.recursive(SCALARS | st.binary(max_size=3), lambda inner: st.lists(inner, max_size=3) | st.dictionaries(

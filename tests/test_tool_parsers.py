@@ -292,8 +292,8 @@ def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path, serve_e
             assert re.fullmatch(r"call_[0-9a-f]{24}", call.id)
         assert not any(r.outputs and r.outputs[0].tool_calls for r in streamed[:-1])
         assert not plain.outputs[0].HasField("content") and not plain.outputs[0].tool_calls
-        for result, count in zip(cli, (1, 2)):  # `infer client --chat --tools` lists the calls on stderr
-            assert result.exit_code == 0 and result.stdout == (want.text + "\n") * count, result.output
+        for result, count in zip(cli, (1, 2)):  # `infer client --chat --tools`: the content, the calls on stderr
+            assert result.exit_code == 0 and result.stdout == (want.content + "\n") * count, result.output
             listed = re.findall(r"infer: tool call (call_[0-9a-f]{24}): echo\((.*)\)\n", result.stderr)
             assert [json.loads(arguments) for _, arguments in listed] == [want.tool_calls[0].arguments] * count
 
@@ -335,6 +335,6 @@ def test_infer_chat_keeps_parsed_calls_and_answers_one_with_slash_tool(tiny_mode
     result = CliRunner().invoke(main, ["chat", "--tools", str(tools), "--max-tokens", "4", "--temperature", "0"],
                                 input=f"{CHAT[0]['content']}\n/tool c1 42\n/tool\n")
     assert result.exit_code == 0, result.output
-    assert result.stdout == f"{first.text}\n{second.text}\n"
+    assert result.stdout == f"{first.content}\n{second.content}\n" == "\n\n"  # the replies' content: all calls
     assert f'infer: tool call c1: lookup({{"chars": {len(first.text)}}}) (answer with /tool c1 RESULT)' in result.stderr
     assert "/tool ID RESULT answers a tool call by its id" in result.stderr

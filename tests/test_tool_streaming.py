@@ -1,0 +1,190 @@
+"""Tool calls left out of the content as a reply streams: each output's content_text is its text up to where the
+tool parser says a call may begin (``streamed_content``), the rest comes with the last output once ``parse`` has
+read the reply, and joined they are the last output's content. The reference: a test parser whose "call" is the
+text from the first "e", so every reply of the tiny model holds one at a place the test knows."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infer import ChatPrompt, FunctionChoice, PluginError, SamplingParams, ToolCall, hookimpl
+from infer.core.chat_tools import ParsedReply
+from infer.core.interfaces import ToolParser
+from infer.core.llm import LLM
+from infer.core.plugins import PluginManager
+
+TEMPLATE = ("{% if tools %}<|system|>\n{{ tools | tojson }}\n{% endif %}{% for m in messages %}<|{{ m.role }}|>\n"
+            "{{ m.content }}\n{% endfor %}<|assistant|>\n")
+NOTE = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 6}}, "required": ["note"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "rest", "parameters": NOTE}}]
+CHAT = [{"role": "user", "content": "def add(a, b):"}]
+
+
+class FromE(ToolParser):
+    """The reply's text from its first ``marker`` is a call of ``rest``; the content is what comes before."""
+
+    marker = "e"
+
+    def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
+        cut = text.find(self.marker)
+        return ParsedReply(text) if cut < 0 else ParsedReply(text[:cut], (ToolCall("rest", {"text": text[cut:]}),))
+
+    def streamed_content(self, text: str) -> int:
+        cut = text.find(self.marker)
+        return len(text) if cut < 0 else cut
+
+
+class Whole(FromE):
+    """As FromE, with the default streamed_content: the content comes whole with the last output."""
+
+    streamed_content = ToolParser.streamed_content
+
+
+class Shrinks(FromE):
+    def streamed_content(self, text: str) -> int:
+        return len(text) if len(text) < 8 else 0  # takes back what it streamed
+
+
+class Raises(FromE):
+    def streamed_content(self, text: str) -> int:
+        raise KeyError("no state")
+
+
+class Overshoots(FromE):
+    def streamed_content(self, text: str) -> Any:
+        return len(text) + 1
+
+
+class Disagrees(FromE):
+    def streamed_content(self, text: str) -> int:
+        return len(text)  # all of it, though parse cuts a call out of it
+
+
+PARSERS = {"from-e": FromE, "whole": Whole, "shrinks": Shrinks, "raises": Raises, "overshoots": Overshoots,
+           "disagrees": Disagrees}
+
+
+class Plugin:
+    @hookimpl
+    def register_tool_parsers(self, register: Any) -> None:
+        for name, parser in PARSERS.items():
+            register(name, lambda config, tokenizer, parser=parser: parser())
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tool-streaming") / "chat.jinja"
+    path.write_text(TEMPLATE)
+    return path
+
+
+def llm_with(model: Path, template: Path, parser: str, **options: Any) -> LLM:
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name="tool-streaming", source="tests")
+    return LLM(model=str(model), plugins=plugins, device="cpu", num_kv_blocks=64, chat_template=str(template),
+               tool_parser=parser, **options)
+
+
+def parts_of(deltas: list[Any], index: int = 0) -> list[Any]:
+    return [c for d in deltas for c in d.outputs if c.index == index]
+
+
+def test_content_streams_up_to_the_call_and_joins_into_the_content(tiny_model: Path, template: Path,
+                                                                  serve_engine: Any) -> None:
+    llm = llm_with(tiny_model, template, "from-e")
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    prompt = ChatPrompt.of(CHAT, tools=TOOLS)
+    [out] = llm.engine.generate([prompt], params)[0].outputs
+    cut = out.text.find("e")
+    assert 0 < cut < len(out.text) - 4, out.text  # the test's premise: a call that starts mid-reply
+    assert (out.content, out.tool_calls[0].arguments) == (out.text[:cut], {"text": out.text[cut:]})
+    for n, stop in ((1, []), (2, ["never written"])):  # one sequence, and several with stop strings
+        deltas = list(llm.engine.stream(prompt, dataclasses.replace(params, n=n, stop=stop)))
+        for index in range(n):
+            parts = parts_of(deltas, index)
+            assert len(parts) > 3 and all(c.reasoning_text == "" for c in parts)
+            for k in range(1, len(parts)):  # before the last output: the text so far, up to the call
+                text = "".join(c.text for c in parts[:k])
+                assert "".join(c.content_text for c in parts[:k]) == text[:cut], (k, text)
+            assert "".join(c.content_text for c in parts) == parts[-1].content == out.content
+            assert parts[-1].content_text == "" and parts[-1].tool_calls[0].arguments == {"text": out.text[cut:]}
+    rid = llm.engine.add_request(prompt, dataclasses.replace(params, ignore_eos=True))
+    taken: list[Any] = []
+    while sum(len(c.text) for c in taken) <= cut + 2:
+        taken += [c for d in llm.engine.step() for c in d.outputs]
+    taken += llm.engine.abort(rid).outputs  # not read: what was held back is content
+    assert "".join(c.content_text for c in taken) == "".join(c.text for c in taken) and taken[-1].content is None
+
+    async def test(client: Any, port: int) -> None:
+        messages = [m async for m in client.generate(prompt, max_tokens=24, temperature=0.0)]
+        assert all(c.HasField("content_text") for m in messages for c in m.outputs)
+        streamed = "".join(c.content_text for m in messages for c in m.outputs)
+        done = (await client.complete(prompt, max_tokens=24, temperature=0.0)).outputs[0]
+        assert streamed == done.content_text == done.content == out.content and done.reasoning_text == ""
+
+    serve_engine(llm.engine, test)
+
+
+def test_without_streamed_content_the_content_comes_with_the_last_output(tiny_model: Path, template: Path) -> None:
+    """The default streamed_content, and a forced tool_choice (its reply is JSON: all calls, or all content if
+    cut): content_text is empty until the last output, which carries the whole content."""
+    llm = llm_with(tiny_model, template, "whole")
+    for prompt, params in ((ChatPrompt.of(CHAT, tools=TOOLS), SamplingParams(max_tokens=12, temperature=0.0)),
+                           (ChatPrompt.of(CHAT, tools=TOOLS, tool_choice=FunctionChoice("rest")),
+                            SamplingParams(max_tokens=40, temperature=0.0))):
+        parts = parts_of(list(llm.engine.stream(prompt, params)))
+        assert len(parts) > 3 and all(c.content_text == "" for c in parts[:-1])
+        assert parts[-1].content_text == parts[-1].content and parts[-1].tool_calls
+    plain = parts_of(list(llm.engine.stream(ChatPrompt.of(CHAT), SamplingParams(max_tokens=4))))  # no tools
+    assert all(c.content_text is None and c.reasoning_text is None for c in plain)
+
+
+def test_calls_are_cut_out_before_the_reasoning_is_split(thinking_model: Path, tmp_path: Path) -> None:
+    """A tool parser and a reasoning parser: the tool parser's content is what the reasoning stream splits, so
+    joined the outputs' parts are the last output's reasoning_content and content."""
+    from infer.plugins.reasoning_parsers import ThinkReasoningParser
+
+    template = tmp_path / "thinking.jinja"
+    template.write_text(TEMPLATE + "<think>\n")
+    llm = llm_with(thinking_model, template, "from-e", reasoning_parser="deepseek-r1")
+    closes = llm.engine.tokenizer.convert_tokens_to_ids("</think>")
+    prompt = ChatPrompt.of(CHAT, tools=TOOLS)
+    for bias in (0.5 * k for k in range(60)):  # a reply that closes its reasoning early, and says more after
+        params = SamplingParams(max_tokens=24, temperature=0.0, logit_bias=[(closes, bias)])
+        [out] = llm.engine.generate([prompt], params)[0].outputs
+        reasoning, _, after = out.text.partition("</think>")
+        head = len(reasoning) + len("</think>") + 2  # the call's marker: a character first written after this
+        if 0 < len(reasoning) < len(after) - 4 and (marker := next((c for c in out.text[head:]
+                                                                    if c not in out.text[:head]), None)):
+            break
+    else:
+        pytest.fail("no bias closes the reasoning early")
+    llm.engine.tool_parser.marker = marker  # the call begins in the content, its text held back
+    content = out.text[: out.text.find(marker)]
+    want = ThinkReasoningParser(opened_in_prompt=True).split(content)
+    assert want[0] and want[1] and out.text.find(marker) < len(out.text) - 1
+    [out] = llm.engine.generate([prompt], params)[0].outputs
+    assert (out.reasoning_content, out.content) == want and out.tool_calls
+    parts = parts_of(list(llm.engine.stream(prompt, params)))
+    assert ("".join(c.reasoning_text for c in parts), "".join(c.content_text for c in parts)) == want
+
+
+@pytest.mark.parametrize("parser, complaint", [
+    ("shrinks", r"Shrinks's streamed_content\(\) returned 0 for a reply of \d+ characters of which \d+ were "
+                "streamed"),
+    ("raises", r"the tool parser Raises raised KeyError in streamed_content\(\): 'no state'"),
+    ("overshoots", r"Overshoots's streamed_content\(\) returned \d+ for a reply of \d+ characters"),
+    ("disagrees", r"the tool parser Disagrees streamed .* as the start of the reply's content, but its parse\(\) "
+                  r"gave the content .*; fix its streamed_content\(\)"),
+])
+def test_a_streamed_content_that_breaks_its_contract_fails_the_request_naming_it(
+        tiny_model: Path, template: Path, parser: str, complaint: str) -> None:
+    llm = llm_with(tiny_model, template, parser)
+    with pytest.raises(PluginError, match=complaint):
+        llm.chat(CHAT, SamplingParams(max_tokens=24, temperature=0.0), tools=TOOLS)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
