@@ -516,12 +516,13 @@ class ToolParser(ABC):
         out, cut at a stop string); ``token_ids`` its tokens, for formats marked by special tokens. A reply
         without a call, or with one that does not parse, is all content: nothing of the text may be lost."""
 
-    def streamed_content(self, text: str) -> int:
-        """How much of the start of ``text``, a reply so far as the engine output it, is content whatever follows:
-        that much streams as the outputs' ``content_text``, and the rest waits for the reply's last output, once
-        ``parse`` has read it whole. So ``text[:n]`` must begin the content that ``parse`` gives of every reply
-        that begins with ``text`` (the engine checks it), and n may not shrink as the reply grows. 0, the
-        default: the content comes whole with the last output."""
+    def streamed_content(self, text: str, token_ids: Seq[int]) -> int:
+        """How much of the start of ``text``, a reply so far as the engine output it (``token_ids``: its tokens so
+        far, which may run ahead of the text), is content whatever follows: that much streams as the outputs'
+        ``content_text``, and the rest waits for the reply's last output, once ``parse`` has read it whole. So
+        ``text[:n]`` must begin the content that ``parse`` gives of every reply that begins with these tokens (the
+        engine checks it); an n below an earlier answer streams nothing more (nothing streamed is taken back). 0,
+        the default: the content comes whole with the last output."""
         return 0
 
 

@@ -34,6 +34,7 @@ class RequestState:
     reasoning_streams: list[ReasoningStream] | None = None  # the above's splitters of each reply as it streams
     splits: bool = False  # outputs carry reasoning_text and content_text: every parser above reads them as they come
     content_sent: list[int] = field(default_factory=list)  # per sequence: its text's characters sent on as content
+    # by the tool parser (-1: all of its content, with its last output)
 
     @property
     def reads_replies(self) -> bool:
@@ -154,25 +155,27 @@ def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, li
     assert req.tool_parser is not None
     text, sent, name = req.detoks[i].text, req.content_sent[i], type(req.tool_parser).__name__
     reply = text if req.emitted[i] == len(text) else text[: req.emitted[i]]  # as far as it was output
+    if sent < 0:  # the last output was built: read whole
+        return ""
     if seq.is_finished:
         content = reply if read is None else read[0]
         if not content.startswith(reply[:sent]):
             raise PluginError(f"the tool parser {name} streamed {reply[:sent]!r:.80} as the start of the reply's "
                               f"content, but its parse() gave the content {content!r:.80}; fix its "
                               "streamed_content()")
-        req.content_sent[i] = len(content)
+        req.content_sent[i] = -1
         return content[sent:]
     try:
-        end = req.tool_parser.streamed_content(reply)
+        end = req.tool_parser.streamed_content(reply, seq.output_token_ids)
     except InferError:
         raise
     except Exception as exc:
         raise PluginError(f"the tool parser {name} raised {type(exc).__name__} in streamed_content(): {exc}; fix "
                           "the plugin, or choose another --tool-parser") from exc
-    if type(end) is not int or not sent <= end <= len(reply):
+    if type(end) is not int or not 0 <= end <= len(reply):
         raise PluginError(f"the tool parser {name}'s streamed_content() returned {end!r:.40} for a reply of "
-                          f"{len(reply)} characters of which {sent} were streamed as content already: not an int "
-                          "from there to the reply's length; fix the plugin")
+                          f"{len(reply)} characters: not an int from 0 to its length; fix the plugin")
+    end = max(end, sent)  # what streamed is never taken back (the last output checks it)
     req.content_sent[i] = end
     return reply[sent:end]
 

@@ -7,9 +7,10 @@ Python list of calls with keyword arguments, ``[get_weather(city="Oslo"), now()]
 ``[TOOL_CALLS]name[ARGS]{...}`` per call).
 
 Each says how much of a reply streams as content before the reply has ended (``streamed_content``): hermes and
-mistral the text before their first tag (none where the tokenizer marks the tags special: the text lacks them);
-llama3-json and pythonic, whose replies are all calls or all content, the whole text once its first characters
-are no call's, else nothing until the reply is read."""
+mistral the text before their first tag (hermes's after the reply's last ``</think>``: a tag named while reasoning
+does not stop the stream; where the tokenizer marks the tags special, up to the first tag token); llama3-json and
+pythonic, whose replies are all calls or all content, the whole text once its first characters are no call's,
+else nothing until the reply is read."""
 from __future__ import annotations
 
 import ast
@@ -51,7 +52,7 @@ class PythonicToolParser(ToolParser):
             return ParsedReply(text)
         return ParsedReply("", calls) if calls else ParsedReply(text)
 
-    def streamed_content(self, text: str) -> int:
+    def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
         return _all_unless_led_by(text, PYTHON_START, "[")
 
 
@@ -107,8 +108,11 @@ class HermesToolParser(ToolParser):
         content = "".join(part.strip() and part for part in outside).rstrip()
         return ParsedReply(content if outside[0].strip() else content.lstrip(), tuple(calls))
 
-    def streamed_content(self, text: str) -> int:
-        return 0 if self.special_tags else _content_before(text, OPEN)
+    def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
+        if tag_token_in(token_ids, self.special_tags):  # the text lacks it: nothing more is surely content
+            return 0
+        after_reasoning = text.rfind(THINK_END)  # a later </think> only moves the first call parse reads further on
+        return _content_before(text, OPEN, 0 if after_reasoning < 0 else after_reasoning + len(THINK_END))
 
 
 def with_tags(text: str, token_ids: Sequence[int], special_tags: Mapping[int, str], decode: Any) -> str:
@@ -145,8 +149,8 @@ class MistralToolParser(ToolParser):
         calls = _mistral_list(rest) if rest.lstrip().startswith("[") else _mistral_tagged(rest)
         return ParsedReply(content.rstrip(), calls) if calls else ParsedReply(text)
 
-    def streamed_content(self, text: str) -> int:
-        return 0 if self.special_tags else _content_before(text, TOOL_CALLS)
+    def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
+        return 0 if tag_token_in(token_ids, self.special_tags) else _content_before(text, TOOL_CALLS)
 
 
 def _mistral_list(rest: str) -> tuple[ToolCall, ...]:
@@ -200,14 +204,19 @@ class Llama3JsonToolParser(ToolParser):
             rest = rest[end:].lstrip().removeprefix(";").lstrip()
         return ParsedReply("", tuple(calls))
 
-    def streamed_content(self, text: str) -> int:
+    def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
         return _all_unless_led_by(text, PYTHON_TAG, "{")
 
 
-def _content_before(text: str, marker: str) -> int:
-    """The end of a reply's content that streams where ``marker`` begins its calls: before the first marker, or a
-    start of one at the end of ``text``, and before the space in front of it (dropped where calls follow)."""
-    end = text.find(marker)
+def tag_token_in(token_ids: Sequence[int], special_tags: Mapping[int, str]) -> bool:
+    return bool(special_tags) and not special_tags.keys().isdisjoint(token_ids)
+
+
+def _content_before(text: str, marker: str, start: int = 0) -> int:
+    """The end of a reply's content that streams where ``marker`` begins its calls: before the first marker from
+    ``start``, or a start of one at the end of ``text``, and before the space in front of it (dropped where calls
+    follow)."""
+    end = text.find(marker, start)
     end = len(text) - marker_start(text, marker) if end < 0 else end
     while end and text[end - 1].isspace():
         end -= 1

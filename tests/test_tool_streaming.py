@@ -1,7 +1,7 @@
 """Tool calls left out of the content as a reply streams: each output's content_text is its text up to where the
 tool parser says a call may begin (``streamed_content``), the rest comes with the last output once ``parse`` has
 read the reply, and joined they are the last output's content. The reference: a test parser whose "call" is the
-text from the first "e", so every reply of the tiny model holds one at a place the test knows."""
+first "e" of the reply, so every reply of the tiny model holds one at a place the test knows."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ import pytest
 
 from infer import ChatPrompt, FunctionChoice, PluginError, SamplingParams, ToolCall, hookimpl
 from infer.core.chat_tools import ParsedReply
-from infer.core.interfaces import ToolParser
+from infer.core.interfaces import ReasoningParser, ToolParser
 from infer.core.llm import LLM
 from infer.core.plugins import PluginManager
 
@@ -25,16 +25,22 @@ TOOLS = [{"type": "function", "function": {"name": "rest", "parameters": NOTE}}]
 CHAT = [{"role": "user", "content": "def add(a, b):"}]
 
 
+def from_e(text: str, marker: str = "e") -> ParsedReply:
+    """The reply's first ``marker`` is a call of ``rest``, which gets the text from there; the content is the rest."""
+    cut = text.find(marker)
+    return ParsedReply(text) if cut < 0 else ParsedReply(text[:cut] + text[cut + 1:],
+                                                         (ToolCall("rest", {"text": text[cut:]}),))
+
+
 class FromE(ToolParser):
-    """The reply's text from its first ``marker`` is a call of ``rest``; the content is what comes before."""
+    """from_e, streaming the text before the marker."""
 
     marker = "e"
 
     def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
-        cut = text.find(self.marker)
-        return ParsedReply(text) if cut < 0 else ParsedReply(text[:cut], (ToolCall("rest", {"text": text[cut:]}),))
+        return from_e(text, self.marker)
 
-    def streamed_content(self, text: str) -> int:
+    def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
         cut = text.find(self.marker)
         return len(text) if cut < 0 else cut
 
@@ -45,28 +51,30 @@ class Whole(FromE):
     streamed_content = ToolParser.streamed_content
 
 
-class Shrinks(FromE):
-    def streamed_content(self, text: str) -> int:
-        return len(text) if len(text) < 8 else 0  # takes back what it streamed
-
-
 class Raises(FromE):
-    def streamed_content(self, text: str) -> int:
+    def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
         raise KeyError("no state")
 
 
 class Overshoots(FromE):
-    def streamed_content(self, text: str) -> Any:
+    def streamed_content(self, text: str, token_ids: Sequence[int]) -> Any:
         return len(text) + 1
 
 
 class Disagrees(FromE):
-    def streamed_content(self, text: str) -> int:
+    def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
         return len(text)  # all of it, though parse cuts a call out of it
 
 
-PARSERS = {"from-e": FromE, "whole": Whole, "shrinks": Shrinks, "raises": Raises, "overshoots": Overshoots,
-           "disagrees": Disagrees}
+class SplitsWhole(ReasoningParser):
+    """A reasoning parser without a stream: the text up to the first "a" is the reasoning."""
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        reasoning, a, content = text.partition("a")
+        return (reasoning, content) if a else (None, text)
+
+
+PARSERS = {"from-e": FromE, "whole": Whole, "raises": Raises, "overshoots": Overshoots, "disagrees": Disagrees}
 
 
 class Plugin:
@@ -74,6 +82,10 @@ class Plugin:
     def register_tool_parsers(self, register: Any) -> None:
         for name, parser in PARSERS.items():
             register(name, lambda config, tokenizer, parser=parser: parser())
+
+    @hookimpl
+    def register_reasoning_parsers(self, register: Any) -> None:
+        register("splits-whole", lambda config, tokenizer: SplitsWhole())
 
 
 @pytest.fixture(scope="module")
@@ -101,18 +113,22 @@ def test_content_streams_up_to_the_call_and_joins_into_the_content(tiny_model: P
     prompt = ChatPrompt.of(CHAT, tools=TOOLS)
     [out] = llm.engine.generate([prompt], params)[0].outputs
     cut = out.text.find("e")
-    assert 0 < cut < len(out.text) - 4, out.text  # the test's premise: a call that starts mid-reply
-    assert (out.content, out.tool_calls[0].arguments) == (out.text[:cut], {"text": out.text[cut:]})
-    for n, stop in ((1, []), (2, ["never written"])):  # one sequence, and several with stop strings
-        deltas = list(llm.engine.stream(prompt, dataclasses.replace(params, n=n, stop=stop)))
-        for index in range(n):
+    assert 0 < cut < len(out.text) - 4, out.text  # the test's premise: a call mid-reply, content after it
+    assert (out.content, out.tool_calls[0].arguments) == (from_e(out.text).content, {"text": out.text[cut:]})
+    sampled = dataclasses.replace(params, temperature=1.0, seed=3)  # sequences that differ
+    for n, more in ((1, params), (2, dataclasses.replace(sampled, stop=["never written"])), (3, sampled)):
+        deltas = list(llm.engine.stream(prompt, dataclasses.replace(more, n=n)))
+        texts = ["".join(c.text for c in parts_of(deltas, index)) for index in range(n)]
+        assert len(set(texts)) == n
+        for index, whole in enumerate(texts):  # each sequence's own reply
             parts = parts_of(deltas, index)
+            cut = len(whole) if "e" not in whole else whole.index("e")
             assert len(parts) > 3 and all(c.reasoning_text == "" for c in parts)
             for k in range(1, len(parts)):  # before the last output: the text so far, up to the call
                 text = "".join(c.text for c in parts[:k])
                 assert "".join(c.content_text for c in parts[:k]) == text[:cut], (k, text)
-            assert "".join(c.content_text for c in parts) == parts[-1].content == out.content
-            assert parts[-1].content_text == "" and parts[-1].tool_calls[0].arguments == {"text": out.text[cut:]}
+            assert "".join(c.content_text for c in parts) == parts[-1].content == from_e(whole).content
+            assert parts[-1].content_text == whole[cut + 1:]  # the content after the call comes last
     rid = llm.engine.add_request(prompt, dataclasses.replace(params, ignore_eos=True))
     taken: list[Any] = []
     while sum(len(c.text) for c in taken) <= cut + 2:
@@ -165,18 +181,36 @@ def test_calls_are_cut_out_before_the_reasoning_is_split(thinking_model: Path, t
     else:
         pytest.fail("no bias closes the reasoning early")
     llm.engine.tool_parser.marker = marker  # the call begins in the content, its text held back
-    content = out.text[: out.text.find(marker)]
-    want = ThinkReasoningParser(opened_in_prompt=True).split(content)
+    want = ThinkReasoningParser(opened_in_prompt=True).split(from_e(out.text, marker).content)
     assert want[0] and want[1] and out.text.find(marker) < len(out.text) - 1
     [out] = llm.engine.generate([prompt], params)[0].outputs
     assert (out.reasoning_content, out.content) == want and out.tool_calls
     parts = parts_of(list(llm.engine.stream(prompt, params)))
     assert ("".join(c.reasoning_text for c in parts), "".join(c.content_text for c in parts)) == want
+    assert any(c.reasoning_text for c in parts[:-1]) and any(c.content_text for c in parts[:-1])  # as they came
+
+
+def test_outputs_are_not_split_beside_a_reasoning_parser_that_splits_whole_replies_only(
+        tiny_model: Path, template: Path) -> None:
+    llm = llm_with(tiny_model, template, "from-e", reasoning_parser="splits-whole")
+    parts = parts_of(list(llm.engine.stream(ChatPrompt.of(CHAT, tools=TOOLS), SamplingParams(max_tokens=24,
+                                                                                             temperature=0.0))))
+    text = "".join(c.text for c in parts)
+    assert all(c.content_text is None and c.reasoning_text is None for c in parts)
+    assert (parts[-1].reasoning_content, parts[-1].content) == SplitsWhole().split(from_e(text).content)
+
+
+def test_speculative_outputs_stream_the_same_content(tiny_model: Path, template: Path) -> None:
+    """Several tokens per step (the ngram proposer): the outputs' content joins into the same content as without."""
+    prompt, params = ChatPrompt.of(CHAT, tools=TOOLS), SamplingParams(max_tokens=48, temperature=0.0)
+    plain = llm_with(tiny_model, template, "from-e").engine.generate([prompt], params)[0].outputs[0]
+    llm = llm_with(tiny_model, template, "from-e", proposer="ngram", num_speculative_tokens=3)
+    parts = parts_of(list(llm.engine.stream(prompt, params)))
+    assert "".join(c.text for c in parts) == plain.text and llm.engine.stats.spec_accepted > 0
+    assert "".join(c.content_text for c in parts) == parts[-1].content == plain.content
 
 
 @pytest.mark.parametrize("parser, complaint", [
-    ("shrinks", r"Shrinks's streamed_content\(\) returned 0 for a reply of \d+ characters of which \d+ were "
-                "streamed"),
     ("raises", r"the tool parser Raises raised KeyError in streamed_content\(\): 'no state'"),
     ("overshoots", r"Overshoots's streamed_content\(\) returned \d+ for a reply of \d+ characters"),
     ("disagrees", r"the tool parser Disagrees streamed .* as the start of the reply's content, but its parse\(\) "
