@@ -8,9 +8,11 @@ Python list of calls with keyword arguments, ``[get_weather(city="Oslo"), now()]
 
 Each says how much of a reply streams as content before the reply has ended (``streamed_content``): hermes and
 mistral the text before their first tag (hermes's after the reply's last ``</think>``: a tag named while reasoning
-does not stop the stream; where the tokenizer marks the tags special, up to the first tag token); llama3-json and
-pythonic, whose replies are all calls or all content, the whole text once its first characters are no call's,
-else nothing until the reply is read."""
+does not stop the stream), but nothing where the tokenizer marks the tags special (``parse`` then decodes the text
+around the tag tokens itself, and a SentencePiece decode of a reply's first tokens drops the leading space that
+the engine's text of them has, so what streamed might not begin the content); llama3-json and pythonic, whose
+replies are all calls or all content, the whole text once its first characters are no call's, else nothing until
+the reply is read."""
 from __future__ import annotations
 
 import ast
@@ -109,7 +111,7 @@ class HermesToolParser(ToolParser):
         return ParsedReply(content if outside[0].strip() else content.lstrip(), tuple(calls))
 
     def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
-        if tag_token_in(token_ids, self.special_tags):  # the text lacks it: nothing more is surely content
+        if self.special_tags:  # see the module's docstring
             return 0
         after_reasoning = text.rfind(THINK_END)  # a later </think> only moves the first call parse reads further on
         return _content_before(text, OPEN, 0 if after_reasoning < 0 else after_reasoning + len(THINK_END))
@@ -150,7 +152,7 @@ class MistralToolParser(ToolParser):
         return ParsedReply(content.rstrip(), calls) if calls else ParsedReply(text)
 
     def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
-        return 0 if tag_token_in(token_ids, self.special_tags) else _content_before(text, TOOL_CALLS)
+        return 0 if self.special_tags else _content_before(text, TOOL_CALLS)
 
 
 def _mistral_list(rest: str) -> tuple[ToolCall, ...]:
@@ -206,10 +208,6 @@ class Llama3JsonToolParser(ToolParser):
 
     def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
         return _all_unless_led_by(text, PYTHON_TAG, "{")
-
-
-def tag_token_in(token_ids: Sequence[int], special_tags: Mapping[int, str]) -> bool:
-    return bool(special_tags) and not special_tags.keys().isdisjoint(token_ids)
 
 
 def _content_before(text: str, marker: str, start: int = 0) -> int:
