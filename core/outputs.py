@@ -154,9 +154,9 @@ def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, li
     not read, is all content)."""
     assert req.tool_parser is not None
     text, sent, name = req.detoks[i].text, req.content_sent[i], type(req.tool_parser).__name__
-    reply = text if req.emitted[i] == len(text) else text[: req.emitted[i]]  # as far as it was output
     if sent < 0:  # the last output was built: read whole
         return ""
+    reply = text if req.emitted[i] == len(text) else text[: req.emitted[i]]  # as far as it was output
     if seq.is_finished:
         content = reply if read is None else read[0]
         if not content.startswith(reply[:sent]):
