@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,10 +91,20 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
             log.info("CUDA graphs are off: attention backend %r does not support them", config.attention)
     tool_parser = None if config.tool_parser is None else \
         plugins.build("tool_parser", config.tool_parser, ToolParser, config, loaded.tokenizer)
+    if tool_parser is not None:
+        check_written_tags(config.tool_parser or "", tool_parser.written_tags, loaded.model.spec.vocab_size)
     reasoning_parser = None if config.reasoning_parser is None else \
         plugins.build("reasoning_parser", config.reasoning_parser, ReasoningParser, config, loaded.tokenizer)
     return Components(loaded, attention, kv_dtype, num_blocks, kv, scheduler, runner, proposer, eviction, tool_parser,
                       reasoning_parser)
+
+
+def check_written_tags(name: str, tags: object, vocab_size: int) -> None:
+    """A tool parser's written_tags: a mapping of token ids in the vocabulary to non-empty texts."""
+    if not (isinstance(tags, Mapping) and all(type(t) is int and 0 <= t < vocab_size and isinstance(text, str)
+                                              and text for t, text in tags.items())):
+        raise PluginError(f"tool parser {name!r}: written_tags is {tags!r:.80}, not a mapping of token ids in the "
+                          f"vocabulary (0 to {vocab_size - 1}) to the texts to write; fix the plugin")
 
 
 def make_attention(config: EngineConfig, plugins: PluginManager, loaded: LoadedModel

@@ -181,7 +181,8 @@ class Engine:
         request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
                                [0] * len(seqs), [0] * len(seqs), tool_parser=reader, reasoning_parser=splitter,
                                reasoned=self.structured.reasoned if reasoning_end is not None else None,
-                               reasoning_streams=streams, splits=splits, content_sent=[0] * len(seqs))
+                               reasoning_streams=streams, splits=splits, content_sent=[0] * len(seqs),
+                               tag_marks=[[] for _ in seqs])
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request

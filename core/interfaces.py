@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, MutableSequence, Sequence as Seq
+from collections.abc import Hashable, Mapping, MutableSequence, Sequence as Seq
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .chat_tools import ParsedReply
@@ -508,16 +509,20 @@ class Proposer(ABC):
 # ---------------------------------------------------------------- tool calls
 class ToolParser(ABC):
     """Reads the tool calls out of a model's reply to a chat that offered tools; the format is the model's own
-    (Qwen's ``<tool_call>`` JSON, Llama 3.1's bare JSON object, ...)."""
+    (Qwen's ``<tool_call>`` JSON, Llama 3.1's bare JSON object, ...). ``written_tags``: special tokens (id: text)
+    that mark the format's calls, which the engine writes out where they stand in the text it gives the parser
+    (the engine's output text, as the tokenizer's decode, leaves special tokens out)."""
+
+    written_tags: Mapping[int, str] = MappingProxyType({})
 
     @abstractmethod
     def parse(self, text: str, token_ids: Seq[int]) -> ParsedReply:
         """The reply's content and calls. ``text`` is the reply as the engine output it (special tokens left
-        out, cut at a stop string); ``token_ids`` its tokens, for formats marked by special tokens. A reply
-        without a call, or with one that does not parse, is all content: nothing of the text may be lost."""
+        out but ``written_tags``, cut at a stop string); ``token_ids`` its tokens. A reply without a call, or with
+        one that does not parse, is all content: nothing of the text may be lost."""
 
     def streamed_content(self, text: str, token_ids: Seq[int]) -> int:
-        """How much of the start of ``text``, a reply so far as the engine output it (``token_ids``: its tokens so
+        """How much of the start of ``text``, a reply so far as ``parse`` gets it (``token_ids``: its tokens so
         far, which may run ahead of the text), is content whatever follows: that much streams as the outputs'
         ``content_text``, and the rest waits for the reply's last output, once ``parse`` has read it whole. So
         ``text[:n]`` must begin the content that ``parse`` gives of every reply that begins with these tokens (the

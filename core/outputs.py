@@ -35,6 +35,8 @@ class RequestState:
     splits: bool = False  # outputs carry reasoning_text and content_text: every parser above reads them as they come
     content_sent: list[int] = field(default_factory=list)  # per sequence: its text's characters sent on as content
     # by the tool parser (-1: all of its content, with its last output)
+    tag_marks: list[list[tuple[int, str]]] = field(default_factory=list)  # per sequence: where the tool parser's
+    # written_tags stand in its text (the text's length before each), in order
 
     @property
     def reads_replies(self) -> bool:
@@ -59,7 +61,7 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
         if len(new) > 1 and stops and seq.finish_reason is not FinishReason.ABORT:
             new = _add_until_stop(req, i, seq, detok, new, silent)
         else:
-            detok.add(new[:-1] if silent else new)
+            _detokenize(req, i, detok, new[:-1] if silent else new)
         req.sent[i] += len(new)
         if done:
             detok.flush()
@@ -84,7 +86,7 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
         return RequestOutput(req.request_id, req.prompt_token_ids, [], done)
     detok = req.detoks[0]
     silent = done and not req.params.include_stop_str_in_output and seq.ends_on_stop_token()
-    detok.add(new[:-1] if silent else new)  # the text of the stop token that ended it is not output
+    _detokenize(req, 0, detok, new[:-1] if silent else new)  # the text of the stop token that ended it is not output
     req.sent[0] += len(new)
     if done:
         detok.flush()
@@ -96,6 +98,36 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
     return RequestOutput(req.request_id, req.prompt_token_ids, [completion], done)
 
 
+def _detokenize(req: RequestState, i: int, detok: Detokenizer, tokens: list[int]) -> None:
+    """Sequence i's new tokens into its text, marking where the tool parser's written tags stand."""
+    tags = req.tool_parser.written_tags if req.tool_parser is not None else None
+    if not tags or tags.keys().isdisjoint(tokens):
+        detok.add(tokens)
+        return
+    start = 0
+    for k, token in enumerate(tokens):
+        if token in tags:  # decoded with the tokens after it (its text is none): the context stays the engine's
+            if k > start:
+                detok.add(tokens[start:k])
+            req.tag_marks[i].append((len(detok.text), tags[token]))
+            start = k
+    detok.add(tokens[start:])
+
+
+def tagged_text(text: str, marks: list[tuple[int, str]]) -> str:
+    """``text`` with the tags of ``marks`` written out where they stand (those past its end left out: it was cut
+    at a stop string)."""
+    if not marks:
+        return text
+    parts, at = [], 0
+    for position, tag in marks:
+        if position > len(text):
+            break
+        parts += [text[at:position], tag]
+        at = position
+    return "".join(parts) + text[at:]
+
+
 def read_output(req: RequestState, i: int, completion: CompletionOutput) -> None:
     """Sequence i's new output (``completion``) through the request's parsers: split into reasoning_text and
     content_text as it streams (``req.splits``), and the last output of a whole reply (not aborted) given the
@@ -103,8 +135,8 @@ def read_output(req: RequestState, i: int, completion: CompletionOutput) -> None
     seq = req.seqs[i]
     whole = seq.is_finished and seq.finish_reason is not FinishReason.ABORT
     try:
-        read = _read_tool_calls(req.tool_parser, req.detoks[i].text, seq.output_token_ids) \
-            if whole and req.tool_parser is not None else None
+        read = _read_tool_calls(req.tool_parser, tagged_text(req.detoks[i].text, req.tag_marks[i]),
+                                seq.output_token_ids) if whole and req.tool_parser is not None else None
         if req.splits:
             _split_delta(req, i, completion, read)
     except PluginError:
@@ -157,6 +189,7 @@ def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, li
     if sent < 0:  # the last output was built: read whole
         return ""
     reply = text if req.emitted[i] == len(text) else text[: req.emitted[i]]  # as far as it was output
+    reply = tagged_text(reply, req.tag_marks[i])
     if seq.is_finished:
         content = reply if read is None else read[0]
         if not content.startswith(reply[:sent]):
@@ -337,7 +370,7 @@ def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer
     for count, token in enumerate(new, 1):
         if silent_last and count == len(new):
             break
-        detok.add([token])
+        _detokenize(req, i, detok, [token])
         if count < len(new) and _first_stop(req, i, detok) is not None:
             drop = len(new) - count
             _uncount_spec_round(seq, drop)

@@ -6,11 +6,10 @@ Python list of calls with keyword arguments, ``[get_weather(city="Oslo"), now()]
 ``[TOOL_CALLS]``, in both of mistral-common's encodings: a JSON list of calls, and since tokenizer v11 one
 ``[TOOL_CALLS]name[ARGS]{...}`` per call).
 
-Each says how much of a reply streams as content before the reply has ended (``streamed_content``): hermes and
-mistral the text before their first tag (hermes's after the reply's last ``</think>``: a tag named while reasoning
-does not stop the stream), but nothing where the tokenizer marks the tags special (``parse`` then decodes the text
-around the tag tokens itself, and a SentencePiece decode of a reply's first tokens drops the leading space that
-the engine's text of them has, so what streamed might not begin the content); llama3-json and pythonic, whose
+Where the tokenizer marks hermes's or mistral's tags special (Mistral's does), the parser asks the engine to write
+them out in the text it reads (``written_tags``). Each says how much of a reply streams as content before the
+reply has ended (``streamed_content``): hermes and mistral the text before their first tag (hermes's after the
+reply's last ``</think>``: a tag named while reasoning does not stop the stream); llama3-json and pythonic, whose
 replies are all calls or all content, the whole text once its first characters are no call's, else nothing until
 the reply is read."""
 from __future__ import annotations
@@ -80,15 +79,13 @@ class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the reasoning (a ``<think>``
     block); the text outside them is the content (usually what comes before the first). A last block cut off by
     max_tokens (no closing tag) is read too, if its JSON is whole. Space after the content is dropped, and before
-    it where no text comes before the first call. ``special_tags``: the tags' token ids, for a tokenizer that marks
-    them special (the engine's text then lacks them, and the reply is read from its tokens). The content streams
-    up to the first tag (and the space before it), without special tags."""
+    it where no text comes before the first call. The content streams up to the first tag (and the space before
+    it). ``written_tags``: the tags' token ids, for a tokenizer that marks them special."""
 
-    def __init__(self, decode: Any = None, special_tags: Mapping[int, str] | None = None) -> None:
-        self.decode, self.special_tags = decode, dict(special_tags or {})
+    def __init__(self, written_tags: Mapping[int, str] | None = None) -> None:
+        self.written_tags = dict(written_tags or {})
 
     def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
-        text = with_tags(text, token_ids, self.special_tags, self.decode)
         reasoning, end, reply = text.rpartition(THINK_END)
         start = reply.find(OPEN)
         if start < 0:
@@ -111,40 +108,21 @@ class HermesToolParser(ToolParser):
         return ParsedReply(content if outside[0].strip() else content.lstrip(), tuple(calls))
 
     def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
-        if self.special_tags:  # see the module's docstring
-            return 0
         after_reasoning = text.rfind(THINK_END)  # a later </think> only moves the first call parse reads further on
         return _content_before(text, OPEN, 0 if after_reasoning < 0 else after_reasoning + len(THINK_END))
-
-
-def with_tags(text: str, token_ids: Sequence[int], special_tags: Mapping[int, str], decode: Any) -> str:
-    """``text``, or where ``token_ids`` hold some of ``special_tags`` (tag tokens the tokenizer marks special, which
-    the engine's text leaves out) the reply decoded with those tags written out, its other special tokens left
-    out as in the engine's."""
-    if not special_tags or not any(t in special_tags for t in token_ids):
-        return text
-    parts, run = [], []
-    for token in token_ids:
-        if token in special_tags:
-            parts += [decode(run, skip_special_tokens=True), special_tags[token]]
-            run = []
-        else:
-            run.append(token)
-    return "".join(parts) + decode(run, skip_special_tokens=True)
 
 
 class MistralToolParser(ToolParser):
     """The content, then ``[TOOL_CALLS]`` and the calls: a JSON list of ``{"name": ..., "arguments": {...}}``
     (mistral-common's tokenizers up to v7; an ``id`` is ignored), or ``[TOOL_CALLS]name[ARGS]{...}`` per call
     (v11 on; a ``[CALL_ID]id`` before ``[ARGS]`` is ignored). Anything after the calls, or a call that does not
-    parse, leaves the whole reply as text. ``special_tags`` as for hermes: Mistral's tokenizers mark the three tags
+    parse, leaves the whole reply as text. ``written_tags`` as for hermes: Mistral's tokenizers mark the three tags
     special."""
 
-    def __init__(self, decode: Any = None, special_tags: Mapping[int, str] | None = None) -> None:
-        self.decode, self.special_tags = decode, dict(special_tags or {})
+    def __init__(self, written_tags: Mapping[int, str] | None = None) -> None:
+        self.written_tags = dict(written_tags or {})
 
     def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
-        text = with_tags(text, token_ids, self.special_tags, self.decode)
         content, tag, rest = text.partition(TOOL_CALLS)
         if not tag:
             return ParsedReply(text)
@@ -152,7 +130,7 @@ class MistralToolParser(ToolParser):
         return ParsedReply(content.rstrip(), calls) if calls else ParsedReply(text)
 
     def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
-        return 0 if self.special_tags else _content_before(text, TOOL_CALLS)
+        return _content_before(text, TOOL_CALLS)
 
 
 def _mistral_list(rest: str) -> tuple[ToolCall, ...]:
@@ -270,15 +248,12 @@ def special_tags(tokenizer: Any, tags: Sequence[str]) -> dict[int, str]:
 
 
 def hermes_parser(config: EngineConfig, tokenizer: Any) -> ToolParser:
-    """The hermes parser for ``tokenizer``: it reads the tags from the tokens where the tokenizer marks them
-    special."""
-    tags = special_tags(tokenizer, (OPEN, CLOSE))
-    return HermesToolParser(tokenizer.decode, tags) if tags else HermesToolParser()
+    """The hermes parser for ``tokenizer``: the engine writes out the tags it marks special."""
+    return HermesToolParser(special_tags(tokenizer, (OPEN, CLOSE)))
 
 
 def mistral_parser(config: EngineConfig, tokenizer: Any) -> ToolParser:
-    tags = special_tags(tokenizer, (TOOL_CALLS, ARGS, CALL_ID))
-    return MistralToolParser(tokenizer.decode, tags) if tags else MistralToolParser()
+    return MistralToolParser(special_tags(tokenizer, (TOOL_CALLS, ARGS, CALL_ID)))
 
 
 @hookimpl

@@ -98,24 +98,26 @@ def test_structured_output_plain_prompts_and_forced_calls_are_not_split(llm: LLM
 
 @pytest.mark.parametrize("parser", ["hermes", "mistral"])
 def test_tool_tags_that_are_special_tokens_leave_no_reasoning_in_the_content(parser: str) -> None:
-    """The tool parser reads the reply as it came (its tags written back from the tokens), then the reasoning is
-    split off what it left: the content holds neither the calls nor the reasoning."""
-    from infer.core.outputs import reply_parts
+    """The tool parser reads the reply with its tags written out where they stand (the engine's text lacks
+    them), then the reasoning is split off what it left: the content holds neither the calls nor the reasoning."""
+    from infer.core.outputs import reply_parts, tagged_text
     from infer.plugins.tool_parsers import HermesToolParser, MistralToolParser
 
     vocab = {1: "<think>", 2: "plan", 3: "</think>", 4: "\n", 5: '{"name": "clock", "arguments": {}}',
              6: '[{"name": "clock", "arguments": {}}]', 10: "<tool_call>", 11: "</tool_call>", 12: "[TOOL_CALLS]"}
-
-    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(vocab[t] for t in ids if not (skip_special_tokens and t >= 10))
-
     if parser == "hermes":
-        tool_parser: Any = HermesToolParser(decode, {10: "<tool_call>", 11: "</tool_call>"})
+        tool_parser: Any = HermesToolParser({10: "<tool_call>", 11: "</tool_call>"})
         ids = [1, 2, 3, 4, 10, 5, 11]
     else:
-        tool_parser = MistralToolParser(decode, {12: "[TOOL_CALLS]"})
+        tool_parser = MistralToolParser({12: "[TOOL_CALLS]"})
         ids = [1, 2, 3, 12, 6]
-    reasoning, content, calls = reply_parts(decode(ids), ids, tool_parser, ThinkReasoningParser(False))
+    text, marks = "", []
+    for token in ids:  # as the engine marks them
+        if token in tool_parser.written_tags:
+            marks.append((len(text), tool_parser.written_tags[token]))
+        else:
+            text += vocab[token]
+    reasoning, content, calls = reply_parts(tagged_text(text, marks), ids, tool_parser, ThinkReasoningParser(False))
     assert (reasoning, content) == ("plan", "")
     assert [(c.name, dict(c.arguments)) for c in calls] == [("clock", {})] and calls[0].id.startswith("call_")
 

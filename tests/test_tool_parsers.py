@@ -131,11 +131,12 @@ def test_mistral_reads_the_tags_from_the_tokens_where_the_tokenizer_marks_them_s
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
     tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]})
+    parser = mistral_parser(EngineConfig(), tokenizer)  # the engine writes the tags out in the text it reads
+    assert parser.written_tags == {tokenizer.convert_tokens_to_ids(tag): tag for tag in ("[TOOL_CALLS]", "[ARGS]",
+                                                                                         "[CALL_ID]")}
+    assert mistral_parser(EngineConfig(), AutoTokenizer.from_pretrained(str(tiny_model))).written_tags == {}
     reply = 'Checking.[TOOL_CALLS]weather[ARGS]{"city": "Oslo", "days": [1, 2]}[TOOL_CALLS]now[ARGS]{}'
-    ids = tokenizer.encode(reply, add_special_tokens=False)
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    assert "[TOOL_CALLS]" not in text and "[ARGS]" not in text  # what the engine's text holds
-    assert mistral_parser(EngineConfig(), tokenizer).parse(text, ids) == ParsedReply("Checking.", (WEATHER, NOW))
+    assert parser.parse(reply, []) == ParsedReply("Checking.", (WEATHER, NOW))
 
 
 class EchoParser(ToolParser):
@@ -209,7 +210,7 @@ def expected(out: Any) -> list[ToolCall]:
 
 def test_hermes_reads_tags_that_the_tokenizer_marks_special(tiny_model: Path) -> None:
     """A checkpoint whose tokenizer marks <tool_call> special: the engine's text lacks the tags, so the parser that
-    hermes builds for it reads them from the tokens."""
+    hermes builds for it asks the engine to write them out (tests/test_tool_streaming.py runs that)."""
     from transformers import AutoTokenizer
 
     from infer.core.config import EngineConfig
@@ -218,13 +219,11 @@ def test_hermes_reads_tags_that_the_tokenizer_marks_special(tiny_model: Path) ->
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
     reply = 'Checking.<tool_call>{"name": "weather", "arguments": {"city": "Oslo", "days": [1, 2]}}</tool_call>'
-    ids = tokenizer.encode(reply, add_special_tokens=False)
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    assert "<tool_call>" not in text  # the trap: what the engine's text holds
-    assert hermes_parser(EngineConfig(), tokenizer).parse(text, ids) == ParsedReply("Checking.", (WEATHER,))
-    plain = AutoTokenizer.from_pretrained(str(tiny_model))
-    assert hermes_parser(EngineConfig(), plain).parse(reply, plain.encode(reply)) == ParsedReply("Checking.",
-                                                                                                 (WEATHER,))
+    assert "<tool_call>" not in tokenizer.decode(tokenizer.encode(reply), skip_special_tokens=True)  # the trap
+    parser = hermes_parser(EngineConfig(), tokenizer)
+    assert parser.written_tags == {tokenizer.convert_tokens_to_ids(tag): tag for tag in ("<tool_call>", "</tool_call>")}
+    assert parser.parse(reply, []) == ParsedReply("Checking.", (WEATHER,))
+    assert hermes_parser(EngineConfig(), AutoTokenizer.from_pretrained(str(tiny_model))).written_tags == {}
 
 
 def test_the_engine_gives_each_whole_reply_of_a_chat_with_tools_to_the_parser(tiny_model: Path, template: Path

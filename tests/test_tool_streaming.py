@@ -74,7 +74,12 @@ class SplitsWhole(ReasoningParser):
         return (reasoning, content) if a else (None, text)
 
 
-PARSERS = {"from-e": FromE, "whole": Whole, "raises": Raises, "overshoots": Overshoots, "disagrees": Disagrees}
+class BadTags(FromE):
+    written_tags = {"<call>": 7}  # backwards: text to id
+
+
+PARSERS = {"from-e": FromE, "whole": Whole, "raises": Raises, "overshoots": Overshoots, "disagrees": Disagrees,
+           "bad-tags": BadTags}
 
 
 class Plugin:
@@ -222,3 +227,60 @@ def test_a_streamed_content_that_breaks_its_contract_fails_the_request_naming_it
     with pytest.raises(PluginError, match=complaint):
         llm.chat(CHAT, SamplingParams(max_tokens=24, temperature=0.0), tools=TOOLS)
     assert not llm.engine.has_unfinished() and not llm.engine.requests
+    with pytest.raises(PluginError, match=r"tool parser 'bad-tags': written_tags is \{'<call>': 7\}, not a mapping "
+                                          r"of token ids in the vocabulary \(0 to \d+\) to the texts to write"):
+        llm_with(tiny_model, template, "bad-tags")
+
+
+@pytest.fixture(scope="module")
+def tagged_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with <tool_call> and </tool_call> as special tokens (so decode, and the engine's text, leave
+    them out), their embeddings added by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tagged")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    torch.manual_seed(0)
+    model.resize_token_embeddings(len(tokenizer))
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+def test_tags_the_tokenizer_marks_special_are_written_out_where_they_stand(tagged_model: Path, template: Path
+                                                                         ) -> None:
+    """hermes on a tokenizer that marks its tags special: the engine's text lacks them, the parser reads the text
+    with them written out where their tokens stand (the reference: HF's decode of the runs between them), and the
+    content streams up to the first one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tagged_model)
+    opens = tokenizer.convert_tokens_to_ids("<tool_call>")
+    llm = LLM(model=str(tagged_model), device="cpu", num_kv_blocks=64, chat_template=str(template),
+              tool_parser="hermes")
+    assert llm.engine.tool_parser.written_tags[opens] == "<tool_call>"
+    prompt = ChatPrompt.of(CHAT, tools=TOOLS)
+    for bias in (0.05 * k for k in range(120)):  # a reply that writes the tag between other tokens
+        params = SamplingParams(max_tokens=16, temperature=0.0, logit_bias=[(opens, bias)])
+        [out] = llm.engine.generate([prompt], params)[0].outputs
+        if opens in out.token_ids[1:10] and out.token_ids[0] != opens and out.token_ids.count(opens) < 4:
+            break
+    else:
+        pytest.fail("no bias makes the reply write the tag")
+    runs, run = [], []
+    for token in out.token_ids:
+        if token == opens:
+            runs += [tokenizer.decode(run, skip_special_tokens=True), "<tool_call>"]
+            run = []
+        else:
+            run.append(token)
+    tagged = "".join(runs) + tokenizer.decode(run, skip_special_tokens=True)
+    assert "<tool_call>" not in out.text and out.text == tagged.replace("<tool_call>", "")
+    assert (out.content, out.tool_calls) == (tagged, [])  # no JSON after the tag: all content, the tag written out
+    parts = parts_of(list(llm.engine.stream(prompt, params)))
+    before = tagged[: tagged.index("<tool_call>")].rstrip()
+    assert "".join(c.content_text for c in parts[:-1]) == before and before
+    assert "".join(c.content_text for c in parts) == tagged
