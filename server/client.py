@@ -22,7 +22,7 @@ from . import infer_pb2_grpc as pb_grpc
 from .convert import sampling_params_to_proto
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = -1  # no limit of the client's own: the server's --max-message-bytes bounds its replies
 
 
 def build_request(prompt: Prompt, params: SamplingParams | None = None, *, request_id: str = "",

@@ -51,10 +51,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         def size_of(delta: RequestOutput) -> int:  # a slow reader's queued deltas merge up to half the limit
-            return sum(merged_share(completion_to_proto(c)) for c in delta.outputs)  # (framing and usage fit beside)
+            size = sum(merged_share(completion_to_proto(c)) for c in delta.outputs)  # (framing and usage fit beside)
+            if delta.prompt_logprobs is not None:  # they come once, with the first
+                size += sum(entry.ByteSize() + 3 for entry in positions_to_proto(delta.prompt_logprobs))
+            return size
 
-        stream = await self._open(request, context, size_of,
-                                  (self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES) // 2)
+        limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+        stream = await self._open(request, context, size_of, limit // 2)
         completion_tokens = 0
         try:
             async for out in stream:
@@ -64,14 +67,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                finished=out.finished)
                 if out.prompt_logprobs is not None:
                     response.prompt_logprobs.extend(positions_to_proto(out.prompt_logprobs))
-                    limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
-                    if (size := response.ByteSize()) > limit:
-                        raise CapacityError(
-                            f"the prompt logprobs of {len(out.prompt_logprobs)} positions make a response of {size} "
-                            f"bytes, past --max-message-bytes {limit}; ask for fewer top entries (prompt_logprobs), "
-                            "send a shorter prompt, or raise the server's --max-message-bytes")
                 if out.finished:
                     response.usage.CopyFrom(_usage(out, completion_tokens))
+                if (size := response.ByteSize()) > limit:  # gRPC would fail it as RESOURCE_EXHAUSTED: say why
+                    raise CapacityError(_too_large_message(out, size, limit))
                 yield response
         except Exception as exc:
             await _abort_with(context, exc)
@@ -84,8 +83,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         completion_tokens = size = 0
         overhead = 64 + len(stream.request_id.encode())  # the id, the usage and their framing
         too_large = (f"the response grew past --max-message-bytes {self.max_message_bytes}, so Complete cannot "
-                     "send it; use Generate (it streams small messages), ask for fewer tokens, choices or logprobs, "
-                     "or raise the server's --max-message-bytes")
+                     "send it; use Generate (it streams the reply a few tokens per message), ask for fewer tokens, "
+                     "choices or logprobs, or raise the server's --max-message-bytes")
         prompt_logprobs: list[pb.PositionLogprobs] = []
         try:
             async for out in stream:
@@ -268,6 +267,18 @@ def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:  # every response repeats it; logs name it
         raise InvalidRequestError(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} "
                                   "are accepted")
+
+
+def _too_large_message(out: RequestOutput, size: int, limit: int) -> str:
+    """Why one Generate response is past the limit, and what to change."""
+    if out.prompt_logprobs is not None:
+        return (f"the prompt logprobs of {len(out.prompt_logprobs)} positions make a response of {size} bytes, past "
+                f"--max-message-bytes {limit}; ask for fewer top entries (prompt_logprobs), send a shorter prompt, or "
+                "raise the server's --max-message-bytes")
+    count = len(out.outputs)
+    return (f"one message of the reply ({count} completion{'s' * (count != 1)} of a step or so) takes {size} bytes, "
+            f"past --max-message-bytes {limit}; ask for fewer completions (n) or top logprobs, or raise the server's "
+            "--max-message-bytes")
 
 
 def merged_share(part: pb.Completion) -> int:

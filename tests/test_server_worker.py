@@ -4,6 +4,7 @@ proto <-> SamplingParams defaults."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,7 +43,8 @@ class ScriptedSearch:
 
 class ScriptedEngine:
     """Emits token 7 once per step per request, and a token per step to each beam search. Prompts "crash-in-add" /
-    "crash-in-step" raise RuntimeError, "plugin-error-in-step" a PluginError."""
+    "crash-in-step" raise RuntimeError, "plugin-error-in-step" a PluginError; "wide" emits 3,000 characters a step,
+    "prompt-logprobs" gives 13 positions of 5 prompt logprobs each (about 700 bytes) with its first token."""
 
     def __init__(self) -> None:
         self.requests: dict[str, list] = {}  # request id -> [tokens emitted, params]
@@ -60,7 +62,7 @@ class ScriptedEngine:
             raise RuntimeError("boom while adding")
         assert request_id is not None
         self.events.append(("add", prompt))
-        self.requests[request_id] = [0, params]
+        self.requests[request_id] = [0, params, prompt]
         if prompt == "crash-in-step":
             self.faults[request_id] = RuntimeError("boom in the step")
         if prompt == "plugin-error-in-step":
@@ -85,8 +87,10 @@ class ScriptedEngine:
         for rid, state in list(self.requests.items()):
             state[0] += 1
             done = state[0] >= state[1].max_tokens
-            outputs.append(RequestOutput(rid, [1], [CompletionOutput(0, [7], "t", FinishReason.LENGTH if done
-                                                                     else None)], done))
+            outputs.append(RequestOutput(rid, [1], [CompletionOutput(0, [7], "w" * 3000 if state[2] == "wide" else "t",
+                                                                     FinishReason.LENGTH if done else None)], done))
+            if state[2] == "prompt-logprobs" and state[0] == 1:
+                outputs[-1].prompt_logprobs = [None] + [{t: -0.5 * t for t in range(1000, 1005)}] * 12
             if done:
                 del self.requests[rid]
         return outputs
@@ -207,6 +211,51 @@ def test_complete_refuses_a_response_over_the_limit_by_its_whole_size() -> None:
         assert code is grpc.StatusCode.INVALID_ARGUMENT and "request_id has 257 characters; at most 256" in details
 
     serve_scripted(test, max_message_bytes=1024)
+
+
+def test_a_generate_message_past_the_limit_is_refused_by_name() -> None:
+    """One step's output past --max-message-bytes: FAILED_PRECONDITION saying what to change (gRPC itself failed it
+    as RESOURCE_EXHAUSTED, which invites a retry that fails alike)."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        code, details = await rpc_code(collect(client.generate("wide", max_tokens=3)))
+        assert code is grpc.StatusCode.FAILED_PRECONDITION and details.startswith(
+            "one message of the reply (1 completion of a step or so) takes 30"), details
+        assert "past --max-message-bytes 1024; ask for fewer completions (n) or top logprobs" in details
+        assert not engine.requests
+
+    serve_scripted(test, max_message_bytes=1024)
+
+
+def test_prompt_logprobs_fit_whether_or_not_the_reader_kept_up() -> None:
+    """Deltas queued behind a busy event loop merged with the first one, past the limit with its prompt logprobs,
+    and the request failed; the merge counts them now."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        for busy in (0.0, 0.3):
+            added = len(engine.events)
+            call = client.generate("prompt-logprobs", max_tokens=200)
+            while len(engine.events) == added:  # until the server has submitted it
+                await asyncio.sleep(0)
+            time.sleep(busy)  # the loop blocked: the engine's deltas, the first one too, queue up meanwhile
+            responses = [r async for r in call]
+            assert sum(len(r.outputs[0].token_ids) for r in responses) == 200
+            assert [len(r.prompt_logprobs) for r in responses if r.prompt_logprobs] == [13]
+            assert max(r.ByteSize() for r in responses) <= 1024
+
+    serve_scripted(test, max_message_bytes=1024)
+
+
+def test_the_clients_take_what_the_server_may_send() -> None:
+    """A server with --max-message-bytes above gRPC's 4 MiB default: the clients set no limit of their own, so a
+    5 MB Complete response (infer client --n 2 uses Complete) arrives."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        out = await client.complete("wide", max_tokens=1700)
+        assert len(out.outputs[0].text) == 5_100_000 and out.ByteSize() > 4 * 2**20
+
+    serve_scripted(test, max_message_bytes=16 * 2**20)
+
+
+async def collect(call: Any) -> list[Any]:
+    return [response async for response in call]
 
 
 def test_complete_sends_a_response_that_fits() -> None:
