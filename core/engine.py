@@ -436,8 +436,16 @@ class Engine:
         return out
 
     def _check_schedule(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` has work to run. One without still gets its block ops done: its scheduler may have
+        swapped a sequence out (preempted for want of blocks that beam searches hold), and that copy is the
+        sequence's KV from now on."""
         settled = self.in_flight is None and not self.unemitted
-        return check_schedule(out, self.config, self.scheduler, settled, self._open_sequences, bool(self.searches))
+        if check_schedule(out, self.config, self.scheduler, settled, self._open_sequences, bool(self.searches)):
+            return True
+        if out.block_ops:
+            with torch.inference_mode():
+                self.runner.apply_block_ops(out.block_ops)
+        return False
 
     def _open_sequences(self) -> int:
         """The requests' sequences not finished (read only when a schedule comes back empty)."""

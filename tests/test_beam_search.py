@@ -382,13 +382,16 @@ def test_beside_requests_beams_and_requests_equal_their_runs_alone(eos_model, op
 @pytest.mark.parametrize(("prompts", "blocks", "held_back"), [([TEXTS[0] * 4, TEXTS[1] * 4, TEXTS[3] * 6], 24, False),
                                                              ([TEXTS[0] * 2], 12, True)],
                          ids=["three-requests", "one-request"])
-def test_beams_and_requests_competing_for_a_tiny_pool_both_finish(eos_model, prompts, blocks, held_back):
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_beams_and_requests_competing_for_a_tiny_pool_both_finish(eos_model, prompts, blocks, held_back, preemption):
     """A pool too small for the requests and the beams at once: the search waits for blocks the requests hold, the
     requests are preempted and wait for blocks the beams hold (the scheduler scheduling nothing meanwhile is no
-    error), and both finish with their outputs alone; nothing leaks."""
+    error), and both finish with their outputs alone; nothing leaks. Swapped out in a step that schedules nothing,
+    a request's KV reaches the host still (that step's swap was dropped: its output went wrong without an error)."""
     params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
     requests = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(prompts)
-    options = {"num_kv_blocks": blocks}
+    options = {"num_kv_blocks": blocks, "preemption_mode": preemption,
+               "num_swap_blocks": 64 if preemption == "swap" else None}
     want = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options)).beam_search(
         [TEXTS[2]], params)
     engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, **options))
