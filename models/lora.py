@@ -198,7 +198,8 @@ class LoraDelta(nn.Module):
             width, rank = a.shape[0] // weights.shape[1], self.rank
             weights, a = weights[:, slot : slot + 1], a[slot * width : (slot + 1) * width]
             bs = [b[:, slot * rank : (slot + 1) * rank] for b in bs]
-        h = (rows @ a.t()).view(rows.shape[0], weights.shape[1], len(bs), self.rank) * weights[:, :, None, None]
+        h = (rows @ a.t()).view(rows.shape[0], weights.shape[1], len(bs), self.rank)
+        h = torch.where(weights[:, :, None, None] != 0, h, 0.0)  # a select: an overflow times 0 would be NaN
         flat = out.reshape(-1, out.shape[-1])
         if len(bs) == 1:
             return torch.addmm(flat, h.flatten(1), bs[0].t()).view(out.shape)

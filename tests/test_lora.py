@@ -331,6 +331,27 @@ def test_an_adapter_beyond_the_dtypes_range_is_refused(checkpoint, adapters, tmp
     engine_for(checkpoint("llama"), {"huge": types.SimpleNamespace(folder=folder)})  # float32 holds it
 
 
+def test_an_adapter_that_overflows_leaves_the_other_tokens_alone(checkpoint, adapters, tmp_path) -> None:
+    """float16, an adapter whose weights fit the dtype but whose x @ A overflows: the tokens of other requests in
+    its batch, and every token once CUDA graphs run every loaded adapter, keep their outputs (a mask multiplied
+    inf by 0 into NaN there)."""
+    folder = rewrite(adapters["all"], tmp_path / "loud", None,
+                     lambda w: {n: t * 2e4 / t.abs().max() if "layers.0.self_attn.q_proj.lora_A" in n else t
+                                for n, t in w.items()})
+    base = checkpoint("llama")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    engine = engine_for(base, {"loud": types.SimpleNamespace(folder=folder), "all": adapters["all"]},
+                        dtype="float16", enable_prefix_caching=False)
+    alone = engine.generate([PROMPTS[0], PROMPTS[1]], [params, dataclasses.replace(params, lora_adapter="all")])
+    beside = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [
+        params, dataclasses.replace(params, lora_adapter="all"), dataclasses.replace(params, lora_adapter="loud")])
+    engine.runner.lora.tokens.prepare_capture(16)  # as before a capture: every loaded adapter runs in every step
+    graphed = engine.generate([PROMPTS[0], PROMPTS[1]], [params, dataclasses.replace(params, lora_adapter="all")])
+    for result in (beside[:2], graphed):
+        assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in result] == \
+            [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in alone]
+
+
 def test_a_pickled_adapter_is_refused_with_the_fix(checkpoint, adapters, tmp_path) -> None:
     folder = tmp_path / "pickled"
     folder.mkdir()
