@@ -441,6 +441,8 @@ class QuantMethod(ABC):
             hint = ("; the checkpoint looks quantized here, but config.json's quantization_config (with its "
                     "modules_to_not_convert, targets or ignore list) does not make this layer quantized"
                     if name in QUANTIZED_TENSOR_NAMES and self.name == "none" else "")
+            if hint and where.split(".")[-2] == "lm_head":
+                hint = "; the checkpoint's lm_head is quantized, which infer does not load: use one whose head is not"
             raise CheckpointError(f"unexpected tensor {where!r} for {kind} linear layer{hint}")
         if tuple(target.shape) != tuple(tensor.shape):
             raise CheckpointError(f"shape mismatch for {where!r}: checkpoint {tuple(tensor.shape)}, "

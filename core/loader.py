@@ -206,6 +206,11 @@ def architectures(raw: dict[str, Any]) -> list[str]:
     return archs
 
 
+def separate_quant_configs(path: Path) -> list[Path]:
+    """Files in which older AutoAWQ and GPTQ checkpoints keep their quantization settings beside config.json."""
+    return [path / name for name in ("quant_config.json", "quantize_config.json") if (path / name).is_file()]
+
+
 def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
     """config.json's ``quantization_config``: an object, or None when absent. Raises CheckpointError."""
     qc = raw.get("quantization_config")
@@ -232,6 +237,15 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
     methods = plugins.registry("quant_method")
     if isinstance(declared, str) and declared not in methods and declared.lower() in methods:
         declared = declared.lower()  # "AWQ" in some hub configs
+    if config.quant is None and quant_config is not None and declared is None:
+        raise CheckpointError(f"config.json's quantization_config {json.dumps(quant_config)[:120]} has no "
+                              "quant_method, so infer cannot tell how its weights are quantized; add one "
+                              '("quant_method": "awq" for AutoAWQ\'s w_bit/q_group_size spelling), or pass --quant '
+                              "with the method that made the checkpoint")
+    if config.quant is None and quant_config is None and (kept := [f.name for f in separate_quant_configs(path)]):
+        raise CheckpointError(f"the checkpoint keeps its quantization settings in {kept[0]}, which infer does not "
+                              'read: copy them into config.json as "quantization_config" (with a "quant_method"), '
+                              "then load it")
     if config.quant is None and declared is not None and declared not in methods:
         raise CheckpointError(f"config.json's quantization_config has quant_method {declared!r}, which no installed "
                               f"plugin loads (registered quant methods: {', '.join(methods.names())}); use a "

@@ -74,8 +74,10 @@ class AwqLinearMethod(QuantMethod):
 
     def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
         if layer.awq_on_load and name in PACKED and is_lm_head(layer_name(layer)) and not self.quantize_on_load:
-            raise CheckpointError(f"the checkpoint's lm_head is AWQ-packed already ({name}), and awq.lm_head=true "
-                                  "quantizes the head from a float weight on load; drop --plugin-option awq.lm_head")
+            raise CheckpointError(f"the checkpoint's lm_head is AWQ-packed ({name}), which infer does not load "
+                                  "(AutoAWQ, transformers and vLLM leave the head unpacked; awq.lm_head=true "
+                                  "quantizes it on load from a float lm_head.weight): use a checkpoint whose head is "
+                                  "not packed")
         if layer.awq_on_load and name in PACKED:
             raise CheckpointError(
                 f"layer {layer_name(layer)!r} holds a packed AWQ tensor {name!r}, but the checkpoint declares no "

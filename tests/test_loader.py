@@ -268,6 +268,20 @@ def test_integer_or_fp8_weights_without_a_quantization_config_are_refused(llama,
     assert "'model.layers.1.self_attn.k_proj.weight'" in message and "quantization_config" in message
 
 
+def test_quantization_settings_infer_cannot_read_are_named(llama, tmp_path):
+    """AutoAWQ's own spelling without quant_method, and settings kept in a file beside config.json: the error says
+    what to add (it blamed modules_to_not_convert once the packed tensors met unquantized layers)."""
+    qc = {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"}
+    message = load_error(copy_of(llama, tmp_path / "m", {"quantization_config": qc}))
+    assert "has no quant_method" in message and '"quant_method": "awq"' in message and "--quant" in message
+    for name in ("quant_config.json", "quantize_config.json"):
+        path = copy_of(llama, tmp_path / name)
+        (path / name).write_text(json.dumps(qc))
+        message = load_error(path)
+        assert f"keeps its quantization settings in {name}, which infer does not read: copy them into config.json" \
+            in message
+
+
 def test_hf_block_fp8_is_refused_without_blaming_an_option_not_given(llama, tmp_path):
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     message = load_error(copy_of(llama, tmp_path / "m", {"quantization_config": qc}))

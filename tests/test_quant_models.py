@@ -213,10 +213,13 @@ def test_awq_lm_head_option_refuses_a_checkpoint_whose_head_is_packed(calibrated
     packed = awq.quantize_rtn(state.pop("lm_head.weight").float(), 64)
     state.update(zip(("lm_head.qweight", "lm_head.qzeros", "lm_head.scales"), packed))
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"the checkpoint's lm_head is AWQ-packed already \(qweight\), and "
-                                              "awq.lm_head=true quantizes the head from a float weight on load"):
+    with pytest.raises(CheckpointError, match=r"the checkpoint's lm_head is AWQ-packed \(qweight\), which infer does "
+                                              "not load .*: use a checkpoint whose head is not packed"):
         load_model(EngineConfig(model=str(path), device="cpu", plugin_options={"awq": {"lm_head": True}}).validate(),
                    plugins, path)
+    with pytest.raises(CheckpointError, match="the checkpoint's lm_head is quantized, which infer does not load: use "
+                                              "one whose head is not"):  # without the option, the same answer
+        load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path)
 
 
 def test_a_tied_head_stays_the_embedding_unless_the_method_takes_it(tiny_model_factory: Callable[..., Path],
