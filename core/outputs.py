@@ -37,10 +37,10 @@ class RequestState:
     # by the tool parser (-1: all of its content, with its last output)
     tag_marks: list[list[tuple[int, str]]] = field(default_factory=list)  # per sequence: where the tool parser's
     # written_tags stand in its text (the text's length before each), in order
+    reads_replies: bool = field(init=False)  # a parser above reads them (a field: every output asks)
 
-    @property
-    def reads_replies(self) -> bool:
-        return self.tool_parser is not None or self.reasoning_parser is not None
+    def __post_init__(self) -> None:
+        self.reads_replies = self.tool_parser is not None or self.reasoning_parser is not None
 
 
 def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequence, FinishReason], None]
@@ -86,7 +86,11 @@ def _single_output(req: RequestState, seq_ids: set[int], want_logprobs: bool) ->
         return RequestOutput(req.request_id, req.prompt_token_ids, [], done)
     detok = req.detoks[0]
     silent = done and not req.params.include_stop_str_in_output and seq.ends_on_stop_token()
-    _detokenize(req, 0, detok, new[:-1] if silent else new)  # the text of the stop token that ended it is not output
+    added = new[:-1] if silent else new  # the text of the stop token that ended it is not output
+    if req.tool_parser is None:
+        detok.add(added)
+    else:
+        _detokenize(req, 0, detok, added)
     req.sent[0] += len(new)
     if done:
         detok.flush()
