@@ -21,7 +21,8 @@ The texts are a subset of the valid ones, in one shape:
   reads ``\\d`` and ``\\w`` as ASCII;
 - ``format`` date, time, date-time (RFC 3339: ``T``, ``Z``, offset required) and uuid check the shape, not the
   calendar (2023-02-31 passes);
-- integers are ``-?(0|[1-9][0-9]*)``, numbers add an optional fraction and exponent; ``oneOf`` is read as ``anyOf``;
+- integers are ``-?(0|[1-9][0-9]*)``, numbers add an optional fraction and exponent; ``oneOf`` is read as
+  ``anyOf`` where no value can match two branches (json_schema_unions.py), and refused elsewhere;
 - ``minimum``, ``maximum``, ``exclusiveMinimum`` and ``exclusiveMaximum`` are enforced digit by digit
   (plugins/number_regex.py): an integer's with no ``-0``; a number's, of any decimal value, with the number
   written without an exponent (but under a lone ``minimum`` 0, which keeps it).
@@ -47,13 +48,14 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ..core.errors import InvalidRequestError
+from .json_schema_unions import overlapping_branches
 from .number_regex import alternatives, integer_range, number_range
 
 MAX_REGEX = 200_000
 MAX_COUNT = 1000
 ANY_DEPTH = 4  # objects and arrays nest at most this deep in an open value (its regex grows 4x a level)
 _ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
-                          "readOnly", "writeOnly", "$defs", "definitions"})
+                          "readOnly", "writeOnly", "$defs", "definitions", "discriminator"})
 _TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 _HAS_TYPE: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str), "integer": lambda v: type(v) is int or type(v) is float and v.is_integer(),
@@ -135,9 +137,13 @@ def _escape(text: str) -> str:
 
 def _dumps(value: Any, path: str) -> str:
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError):
         _fail(path, f"{value!r} is not a JSON value; use only JSON values")
+    if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
+        _fail(path, f"{value!r:.60} holds a lone surrogate, which no UTF-8 text holds, so it cannot be generated; "
+                    "remove it")
+    return text
 
 
 def _repeat(atom: str, low: int, high: int | None) -> str:
@@ -281,6 +287,11 @@ class _Compiler:
             return self.build(schema["allOf"][0], f"{path}/allOf/0")
         for key in ("anyOf", "oneOf"):
             if key in schema:
+                if key == "oneOf" and (pair := overlapping_branches(schema[key], self._target)) is not None:
+                    _fail(path, f"'oneOf' branches {pair[0]} and {pair[1]} may match the same value, which a "
+                                "grammar cannot exclude; give the branches distinct types, or each a required "
+                                "property with a distinct 'const' (a discriminator), or write 'anyOf' if a value "
+                                "may match several")
                 return alternatives(self.build(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key]))
         if "enum" in schema or "const" in schema:
             return self._values(schema, path)
@@ -295,7 +306,18 @@ class _Compiler:
             "array": self._array}
         return alternatives(builders[t](schema, path) for t in types)
 
-    def _ref(self, ref: str, path: str) -> str:
+    def _target(self, schema: Any, path: str = "") -> Any:
+        """The schema a local ``$ref`` (or an ``allOf`` of one schema) stands for, followed to the end."""
+        for _ in range(64):  # a chain of refs that loops is refused where it is built
+            if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+                schema = self._lookup(schema["$ref"], path)
+            elif isinstance(schema, dict) and isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
+                schema = schema["allOf"][0]
+            else:
+                break
+        return schema
+
+    def _lookup(self, ref: str, path: str) -> Any:
         if not ref.startswith(("#/$defs/", "#/definitions/")):
             _fail(path, f"'$ref' {ref!r} is not supported: only #/$defs/NAME and #/definitions/NAME are; inline it")
         target = self.root
@@ -304,6 +326,10 @@ class _Compiler:
             if not isinstance(target, dict) or part not in target:
                 _fail(path, f"'$ref' {ref!r} points to nothing; add the definition or fix the reference")
             target = target[part]
+        return target
+
+    def _ref(self, ref: str, path: str) -> str:
+        target = self._lookup(ref, path)
         if id(target) in self.expanding:
             _fail(path, f"'$ref' {ref!r} is recursive: recursive schemas cannot be a regular expression; bound the "
                         "depth by writing the levels out")

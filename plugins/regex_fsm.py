@@ -79,6 +79,19 @@ class _Parser:
     def __init__(self, pattern: str) -> None:
         self.p, self.i, self.names = pattern, 0, set[str]()
 
+    def _past_surrogate(self, code: int, start: int) -> int:
+        """A \\u escape of a high surrogate joined with the low one escaped right after it (JSON's and JavaScript's
+        spelling of a character past U+FFFF); a lone surrogate, which no UTF-8 text holds, is refused."""
+        if not 0xD800 <= code <= 0xDFFF:
+            return code
+        low = self.p[self.i + 2:self.i + 6]
+        if code <= 0xDBFF and self.p.startswith("\\u", self.i) and len(low) == 4 and all(
+                d in "0123456789abcdefABCDEF" for d in low) and 0xDC00 <= int(low, 16) <= 0xDFFF:
+            self.i += 6
+            return 0x10000 + ((code - 0xD800) << 10) + (int(low, 16) - 0xDC00)
+        self.fail(f"the lone surrogate \\u{code:04X} is no character (no UTF-8 text holds one)",
+                  "write the character itself, or a high and a low surrogate escaped one after the other", start)
+
     def fail(self, what: str, fix: str, pos: int | None = None) -> NoReturn:
         raise InvalidRequestError(f"invalid regex: {what} at position {self.i if pos is None else pos}; {fix}")
 
@@ -86,6 +99,9 @@ class _Parser:
         return self.p[self.i + ahead] if self.i + ahead < len(self.p) else ""
 
     def parse(self) -> Node:
+        if (lone := next((i for i, ch in enumerate(self.p) if 0xD800 <= ord(ch) <= 0xDFFF), None)) is not None:
+            self.fail(f"the lone surrogate U+{ord(self.p[lone]):04X} is no character (no UTF-8 text holds one)",
+                      "write the character itself", lone)
         self.i = 1 if self.p.startswith("^") else 0
         node = self.alternation()
         if self.i < len(self.p):
@@ -194,13 +210,15 @@ class _Parser:
             if int(digits, 16) > MAX_CHAR:
                 self.fail(f"escape \\{c}{digits} is beyond U+10FFFF", "use a valid code point", start)
             self.i += len(digits)
-            return int(digits, 16)
+            return self._past_surrogate(int(digits, 16), start)
         if c == "0":
             while self.i - start < 4 and self.peek() in tuple("01234567"):
                 self.i += 1
             return int(self.p[start + 1:self.i], 8)
-        if c in "123456789" and in_class:
-            self.fail(f"octal escapes (\\{c}) are not supported", "write the character as \\xHH instead", start)
+        octal = self.p[self.i - 1:self.i + 2]  # \101 is Python's "A": three octal digits
+        if c in "123456789" and (in_class or len(octal) == 3 and all(d in "01234567" for d in octal)):
+            self.fail(f"octal escapes (\\{octal if len(octal) == 3 else c}) are not supported",
+                      "write the character as \\xHH instead", start)
         if c in "123456789":
             self.fail(f"backreferences (\\{c}) are not supported", "repeat the group's pattern instead", start)
         if c in "bBAZz" and not in_class:

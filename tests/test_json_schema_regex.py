@@ -350,6 +350,53 @@ def test_a_pydantic_models_bounded_fields() -> None:
                 Order.model_validate_json(text)
 
 
+def test_a_pydantic_tagged_union_is_one_of_its_models() -> None:
+    """Pydantic's discriminated union is a oneOf of $refs whose models each require a distinct Literal tag: the
+    branches cannot overlap, so it compiles, and every generated text validates in Pydantic as exactly the model
+    its tag names."""
+    from typing import Literal, Union
+
+    import pydantic
+
+    class Cat(pydantic.BaseModel):
+        kind: Literal["cat"]
+        lives: int = pydantic.Field(ge=0, le=9)
+
+    class Dog(pydantic.BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(pydantic.BaseModel):
+        pet: Union[Cat, Dog] = pydantic.Field(discriminator="kind")
+
+    schema = Pet.model_json_schema()
+    assert "oneOf" in json.dumps(schema) and "discriminator" in json.dumps(schema)
+    regex = re.compile(schema_to_regex(schema))
+
+    @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.from_regex(regex, fullmatch=True))
+    def check(text: str) -> None:
+        pet = Pet.model_validate_json(text).pet
+        assert type(pet).__name__.lower() == json.loads(text)["pet"]["kind"]
+
+    check()
+
+
+@pytest.mark.parametrize("branches", [
+    [{"type": "integer"}, {"type": "number"}],  # 7 is both
+    [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "object"}],  # {} is both
+    [{"const": 1}, {"enum": [2, 1.0]}],  # 1 and 1.0 are one JSON value
+    [{"type": "object", "properties": {"k": {"const": "a"}}}, {"type": "object", "properties": {"k": {"const": "b"}}}],
+])  # the last: the tags are not required, so {} matches both
+def test_one_of_branches_that_may_overlap_are_refused(branches: list[Any]) -> None:
+    """A grammar cannot exclude a value that matches two oneOf branches: such a oneOf is refused, saying what to do
+    (it was read as anyOf, and such values came out)."""
+    with pytest.raises(InvalidRequestError, match=r"'oneOf' branches 0 and 1 may match the same value, .* or write "
+                                                  "'anyOf' if a value may match several"):
+        schema_to_regex({"oneOf": branches})
+    schema_to_regex({"anyOf": branches})
+
+
 def test_generation_restrictions() -> None:
     """Valid texts the module never generates, and a shape-only format check: the documented restrictions."""
     never = [(PERSON, '{"age":3,"name":"x"}'), (PERSON, '{ "name":"x"}'), (PERSON, '{"name" :"x"}'),
@@ -453,3 +500,14 @@ def test_refusals_name_the_keyword_and_path(schema: Any, keyword: str, path: str
         schema_to_regex(schema)
     message = str(info.value)
     assert message.startswith("invalid JSON schema: ") and keyword in message and f"at {path}:" in message, message
+
+
+def test_surrogates_in_a_schema() -> None:
+    """A pattern's surrogate-pair escape is its one character; a lone surrogate in a value is refused by name (the
+    message blamed character classes and maxLength)."""
+    from infer.plugins.regex_fsm import CharAutomaton  # the fsm dialect joins the pair; Python's re does not
+
+    assert CharAutomaton.compile(schema_to_regex({"type": "string", "pattern": r"^\ud83d\ude00$"})).fullmatch(
+        '"\U0001F600"')
+    with pytest.raises(InvalidRequestError, match=r"at /enum/0: '\\ud800' holds a lone surrogate"):
+        schema_to_regex({"enum": ["\ud800"]})

@@ -289,3 +289,18 @@ def test_determinize_refuses_automata_past_its_bounds() -> None:
         CharAutomaton.compile("[ab]*a[ab]{8}").determinize(50, 10**6)  # 2**9 states
     with pytest.raises(InvalidRequestError, match="100 steps"):
         CharAutomaton.compile("[ab]*a[ab]{8}").determinize(10**6, 100)
+
+
+def test_surrogate_escapes_join_into_one_character_and_lone_ones_are_refused() -> None:
+    """JSON's and JavaScript's spelling of a character past U+FFFF, a high and a low surrogate escaped one after
+    the other, is that one character (in a class's range too); a lone surrogate, no UTF-8 text's character, is
+    refused by name, as is Python's three-digit octal escape (it was read as a backreference)."""
+    assert CharAutomaton.compile(r"\ud83d\ude00+").fullmatch("\U0001F600\U0001F600")
+    ranged = CharAutomaton.compile(r"[\ud83d\ude00-\ud83d\ude4f]")
+    assert ranged.fullmatch("\U0001F642") and not ranged.fullmatch("a")
+    for pattern, message in ((r"\ud800", r"the lone surrogate \\uD800 is no character"),
+                             ("a\udc00", "the lone surrogate U\\+DC00 is no character .* at position 1"),
+                             (r"\ude00\ud83d", r"the lone surrogate \\uDE00"),
+                             (r"\101", r"octal escapes \(\\101\) are not supported .* write the character as \\xHH")):
+        with pytest.raises(InvalidRequestError, match=message):
+            CharAutomaton.compile(pattern)
