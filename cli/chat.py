@@ -63,6 +63,9 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
         click.echo(f"infer: warning: the tokenizer's end-of-sequence token {engine.tokenizer.eos_token!r} (id {eos}) "
                    f"does not stop generation, which stops at {sorted(engine.eos_token_ids)} (generation_config.json's "
                    "eos_token_id); if it ends the model's turns, replies run to --max-tokens: add it there", err=True)
+    from .main import tolerant_stdin
+
+    tolerant_stdin()
     interactive = sys.stdin.isatty()
     if interactive:
         click.echo(f"infer chat with {engine.loaded.path}: Ctrl-D or /exit ends, /reset starts over"

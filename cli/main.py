@@ -1,6 +1,7 @@
 """`infer` group and built-in subcommands: generate, chat, plugins, make-tiny-model (plugins add more)."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import sys
@@ -156,6 +157,8 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     if not prompts and sys.stdin.isatty():  # else it would wait without a word
         click.echo("infer: reading prompts from the terminal, one per line; Ctrl-D ends them (or give PROMPTS as "
                    "arguments)", err=True)
+    if not prompts:
+        tolerant_stdin()
     numbered = list(enumerate(prompts, 1)) if prompts else [
         (number, line) for number, line in enumerate(map(stdin_text, sys.stdin), 1) if line.strip()]
     texts = [text for _, text in numbered]
@@ -225,6 +228,16 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     if stats:
         summary = engine.stats.summary()
         click.echo(json.dumps(summary, indent=2), err=True)
+
+
+def tolerant_stdin() -> None:
+    """Read stdin as UTF-8 whatever the locale, its invalid bytes kept as surrogate escapes, so that the prompt's
+    check names the line (a strict decoder, as a UTF-8 locale's, failed the read itself with a traceback). A stdin
+    that cannot be reconfigured (not a text stream, or read from already) is read as it is."""
+    try:
+        sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")  # type: ignore[union-attr]
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass
 
 
 def stdin_text(line: str) -> str:

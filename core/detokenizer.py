@@ -25,7 +25,9 @@ class Detokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
-    """Any tokenizer: decode a window before and after the new tokens, emit the difference."""
+    """Any tokenizer: decode a window before and after the new tokens, emit the difference. Text once emitted
+    stays: where a byte-fallback decoder would later read a run of byte tokens as invalid (U+FFFD for all of it), the
+    bytes emitted before keep their text, so the whole may differ from one decode of the tokens."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
         self.decode = text_decoder(tokenizer)
@@ -39,9 +41,11 @@ class IncrementalDetokenizer:
         decode = self.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
         full = decode(self.ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if full.endswith("\ufffd"):
             return ""
-        delta = full[len(prefix) :]
+        delta = full[_shared(prefix, full) :]
+        if not delta:
+            return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
@@ -49,10 +53,20 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         decode = self.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
-        tail = decode(self.ids[self.prefix_offset :])[len(prefix) :]
+        full = decode(self.ids[self.prefix_offset :])
+        tail = full[_shared(prefix, full) :]
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += tail
         return tail
+
+
+def _shared(prefix: str, full: str) -> int:
+    """Where the new text starts in ``full``: past ``prefix``, the window decoded before, but before a character the
+    window left open (its U+FFFD at the end of ``prefix``) that ``full`` completes: the prompt ended mid-character."""
+    if full.startswith(prefix):
+        return len(prefix)
+    n = len(prefix.rstrip("\ufffd"))
+    return n if full.startswith(prefix[:n]) else len(prefix)
 
 
 class ByteLevelDetokenizer:

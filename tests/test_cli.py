@@ -18,7 +18,7 @@ from infer.core.errors import ConfigError, InvalidRequestError
 from infer.core.request import SamplingParams
 
 
-def run(*args: str, input: str | None = None):
+def run(*args: str, input: str | bytes | None = None):
     return CliRunner().invoke(main, list(args), input=input)
 
 
@@ -297,6 +297,18 @@ def test_stdin_lines_may_end_in_crlf_after_a_byte_order_mark(tiny_model):
     result = run("--model", str(tiny_model), "generate", "--json", "--max-tokens", "1",
                  input="\ufeffok\r\nx\r\n")
     assert result.exit_code == 0 and [json.loads(line)["prompt"] for line in result.output.splitlines()] == ["ok", "x"]
+
+
+def test_stdin_bytes_that_are_not_utf8_name_their_line_whatever_the_locale(tiny_model, chat_model):
+    """A strict UTF-8 stdin (a UTF-8 locale's, CliRunner's) failed the read itself with a traceback: now the line is
+    named, and in a chat the turns before it get their replies."""
+    result = run("--model", str(tiny_model), "generate", "--max-tokens", "1", input=b"ok\ndef f\xff(\n")
+    assert result.exit_code == 1 and not isinstance(result.exception, UnicodeDecodeError), result.output
+    assert "character 6 is '\\udcff'" in result.output and "(stdin line 2)" in result.output
+    chat = run("--model", str(chat_model), "--num-kv-blocks", "64", "chat", "--max-tokens", "2", "--temperature", "0",
+               input=b"hi\nbad \xff\n")
+    assert chat.exit_code == 1 and chat.stdout.count("\n") == 1, chat.output  # the reply to "hi"
+    assert "turn refused: chat message" in chat.stderr and "not valid UTF-8 text" in chat.stderr
 
 
 def test_ctrl_c_while_streaming_exits_130_and_says_so(tiny_model):

@@ -149,3 +149,40 @@ def test_factory_picks_the_table_only_for_a_plain_byte_level_decoder(tokenizer, 
     other = AutoTokenizer.from_pretrained(str(tiny_model))
     other.backend_tokenizer.decoder = decoders.Metaspace()  # SentencePiece-style: not a byte table
     assert byte_level_table(other) is None
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_like():
+    """A Llama 2 / Mistral style tokenizer: "▁" for spaces, byte-fallback tokens <0xHH>, a decoder that strips the
+    leading space: the window detokenizer's path (no byte table)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    model = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    model.train_from_iterator(["the price of a quick brown fox jumps over the lazy dog"] * 20,
+                              trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    raw = json.loads(model.to_str())
+    for byte in range(256):
+        raw["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(raw["model"]["vocab"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(raw)), bos_token="<s>",
+                                  eos_token="</s>", unk_token="<unk>", clean_up_tokenization_spaces=False)
+    assert byte_level_table(tok) is None
+    return tok
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_a_prompt_that_ends_mid_character_is_completed_by_the_window_detokenizer(sentencepiece_like, step):
+    """The prompt's last bytes open "€" and the output's first byte completes it: the output's text is the
+    character and what follows, as the tokenizer decodes them (the character and the space after it were lost)."""
+    tok = sentencepiece_like
+    byte = {b: tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xE2, 0x82, 0xAC)}
+    prompt = tok.encode("the price", add_special_tokens=False) + [byte[0xE2], byte[0x82]]
+    output = [byte[0xAC]] + tok.encode("dog", add_special_tokens=False)
+    detok = detokenizer_factory(tok)(prompt)
+    text = "".join(detok.add(output[i:i + step]) for i in range(0, len(output), step)) + detok.flush()
+    assert text == detok.text == tok.decode(prompt + output)[len("the price"):] == "€ dog"
