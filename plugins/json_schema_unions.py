@@ -77,4 +77,6 @@ def disjoint(a: Shape, b: Shape) -> bool:
         return True
     if a.values is not None and b.values is not None and a.values.isdisjoint(b.values):
         return True
-    return any(a.tags[name].isdisjoint(b.tags[name]) for name in a.tags.keys() & b.tags.keys())
+    objects = frozenset({"object"})  # 'required' holds of objects alone: any other value may match both
+    return a.types == b.types == objects and any(a.tags[name].isdisjoint(b.tags[name])
+                                                 for name in a.tags.keys() & b.tags.keys())

@@ -387,7 +387,9 @@ def test_a_pydantic_tagged_union_is_one_of_its_models() -> None:
     [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "object"}],  # {} is both
     [{"const": 1}, {"enum": [2, 1.0]}],  # 1 and 1.0 are one JSON value
     [{"type": "object", "properties": {"k": {"const": "a"}}}, {"type": "object", "properties": {"k": {"const": "b"}}}],
-])  # the last: the tags are not required, so {} matches both
+    [{"type": ["object", "string"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
+     {"type": ["object", "string"], "properties": {"k": {"const": "b"}}, "required": ["k"]}],  # "x" matches both
+])  # the fourth: the tags are not required, so {} matches both
 def test_one_of_branches_that_may_overlap_are_refused(branches: list[Any]) -> None:
     """A grammar cannot exclude a value that matches two oneOf branches: such a oneOf is refused, saying what to do
     (it was read as anyOf, and such values came out)."""
