@@ -240,6 +240,20 @@ def tolerant_stdin() -> None:
         pass
 
 
+def _check_tiny_model_fits(hidden_size: int, num_layers: int, tied: bool) -> None:
+    """A usage error before any allocation for a model whose float32 weights, held twice while written, pass the
+    host memory available (it allocated until the machine ran out)."""
+    from ..core.assembly import host_memory_available
+
+    per_layer = 2 * hidden_size**2 + 2 * hidden_size * (hidden_size // 2) + 3 * hidden_size * 2 * hidden_size
+    params = num_layers * per_layer + (1 if tied else 2) * 1024 * hidden_size  # the vocabulary: 1,024
+    needed, available = 2 * 4 * params, host_memory_available()
+    if available is not None and needed > available:
+        raise click.UsageError(f"a model of hidden size {hidden_size} x {num_layers} layers has {params:,} parameters "
+                               f"and needs about {needed / 2**30:.1f} GiB to write, more than the "
+                               f"{available / 2**30:.1f} GiB available; lower --hidden-size or --num-layers")
+
+
 def stdin_text(line: str) -> str:
     """A line of stdin without its line ending, nor a byte-order mark before it (editors put one before UTF-8)."""
     return line.rstrip("\r\n").removeprefix("\ufeff")
@@ -439,6 +453,7 @@ def make_tiny_model_command(ctx: click.Context, directory: str, arch: str, hidde
     if blocking := next((p for p in out.parents if p.exists() and not p.is_dir()), None):
         raise click.UsageError(f"{blocking} is a file, so {directory} cannot be a folder inside it; choose another "
                                "path")
+    _check_tiny_model_fits(hidden_size, num_layers, tie_word_embeddings)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)  # (folders it creates above DIRECTORY stay on a failure)
         partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))

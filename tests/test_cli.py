@@ -231,6 +231,7 @@ def test_the_design_card_example_runs_on_the_embedded_default(caplog):
     (["--hidden-size", "0"], "hidden-size must be >= 1, got 0"),
     (["--num-layers", "0"], "num-layers must be >= 1, got 0"),
     (["--hidden-size", "30"], "hidden-size 30 must split into 4 heads of an even size"),
+    (["--num-layers", "100000000"], "has 3,686,400,131,072 parameters and needs about"),  # it allocated until killed
 ])
 def test_make_tiny_model_checks_sizes_before_writing(tmp_path, args, message):
     result = run("make-tiny-model", str(tmp_path / "m"), *args)
@@ -265,7 +266,7 @@ def test_make_tiny_model_refuses_unusable_paths_and_seeds_cleanly(tmp_path):
     result = run("make-tiny-model", str(tmp_path / "m"), "--seed", str(2**64))
     assert result.exit_code == 2 and "Invalid value for '--seed'" in result.output
     result = run("make-tiny-model", str(tmp_path / "m"), "--hidden-size", str(2**24))  # 64 GiB of embeddings
-    assert result.exit_code == 1 and "lower --hidden-size or --num-layers" in result.output, result.output
+    assert result.exit_code == 2 and "lower --hidden-size or --num-layers" in result.output, result.output
     assert "Traceback" not in result.output and {p.name for p in tmp_path.iterdir()} == {"a-file"}
     result = run("make-tiny-model", str(tmp_path / "m"))
     assert result.exit_code == 0 and {p.name for p in tmp_path.iterdir()} == {"a-file", "m"}
