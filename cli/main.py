@@ -244,9 +244,9 @@ def _check_tiny_model_fits(hidden_size: int, num_layers: int, tied: bool) -> Non
     """A usage error before any allocation for a model whose float32 weights, held twice while written, pass the
     host memory available (it allocated until the machine ran out)."""
     from ..core.assembly import host_memory_available
+    from ..models.tiny import parameter_count
 
-    per_layer = 2 * hidden_size**2 + 2 * hidden_size * (hidden_size // 2) + 3 * hidden_size * 2 * hidden_size
-    params = num_layers * per_layer + (1 if tied else 2) * 1024 * hidden_size  # the vocabulary: 1,024
+    params = parameter_count(hidden_size, num_layers, 2 * hidden_size, tied)
     needed, available = 2 * 4 * params, host_memory_available()
     if available is not None and needed > available:
         raise click.UsageError(f"a model of hidden size {hidden_size} x {num_layers} layers has {params:,} parameters "

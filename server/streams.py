@@ -48,10 +48,10 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        parts, size = [item], 0 if self.size_of is None else self.size_of(item)
+        parts, size = [item], None  # the merged size, measured only once a second delta waits
         while not parts[-1].finished and self._items and not isinstance(self._items[0], BaseException):
             if self.size_of is not None:
-                size += self.size_of(self._items[0])  # type: ignore[arg-type]
+                size = (self.size_of(item) if size is None else size) + self.size_of(self._items[0])  # type: ignore
                 if size > self.max_merged:
                     break
             parts.append(self._items.popleft())  # type: ignore[arg-type]
