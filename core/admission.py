@@ -1,5 +1,5 @@
-"""What the engine checks at its two doors: a user's request (RequestChecker) and a scheduler plugin's schedule
-(check_schedule). Each refusal says what to change."""
+"""What the engine checks at its doors: a user's request (RequestChecker), a scheduler plugin's schedule
+(check_schedule) and a reasoning parser's grammar start (check_reasoning_end). Each refusal says what to change."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as Seq
@@ -9,7 +9,7 @@ from typing import Any
 from .chat import ChatPrompt, Prompt
 from .config import EngineConfig
 from .errors import InferError, InvalidRequestError, PluginError, require_utf8
-from .interfaces import Scheduler, SchedulerOutput
+from .interfaces import ReasoningEnd, Scheduler, SchedulerOutput
 from .request import SamplingParams
 
 
@@ -125,6 +125,18 @@ def at_prompt(exc: InferError, index: int, total: int) -> InferError:
     if total > 1:
         exc.args = (f"prompt {index + 1} of {total}: {exc}",)
     return exc
+
+
+def check_reasoning_end(end: object, vocab_size: int, parser_name: str | None) -> ReasoningEnd | None:
+    """``end``, a reasoning parser's ``reasoning_end`` answer, if it is None or a ReasoningEnd of distinct token
+    ids in the vocabulary; else PluginError naming the parser."""
+    if end is not None and not (isinstance(end, ReasoningEnd) and isinstance(end.closed_in_prompt, bool) and all(
+            type(t) is int and 0 <= t < vocab_size
+            for t in (end.close_token, end.open_token if end.open_token is not None else 0))
+            and end.open_token != end.close_token):
+        raise PluginError(f"reasoning parser {parser_name!r}: reasoning_end() returned {end!r}, not None or a "
+                          "ReasoningEnd of token ids in the vocabulary; fix the plugin")
+    return end
 
 
 def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Scheduler, settled: bool,

@@ -42,6 +42,35 @@ class Components:
     def bytes_per_block(self) -> int:
         return ModelRunner.bytes_per_block(self.loaded.model, self.runner.block_size, self.kv_dtype)
 
+    def active(self, config: EngineConfig) -> dict[str, str]:
+        """Each kind's selected plugin name ("none" for a kind left out), as metrics and ``infer bench`` show."""
+        return {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
+                "eviction_policy": config.eviction_policy, "quant": self.loaded.quant_name or "none",
+                "proposer": config.proposer or "none", "tool_parser": config.tool_parser or "none",
+                "reasoning_parser": config.reasoning_parser or "none"}
+
+    def blamed(self, config: EngineConfig) -> dict[str, tuple[str | None, object]]:
+        """Each kind's (plugin name, component), for :class:`~infer.core.plugins.Blame` to name a failing one."""
+        return {"scheduler": (config.scheduler, self.scheduler), "kv_cache": (config.kv_cache, self.kv),
+                "eviction_policy": (config.eviction_policy, self.eviction),
+                "attention_backend": (config.attention, self.attention),
+                "proposer": (config.proposer, self.proposer), "tool_parser": (config.tool_parser, self.tool_parser),
+                "reasoning_parser": (config.reasoning_parser, self.reasoning_parser),
+                "quant_method": (self.loaded.quant_name, self.loaded.quant),
+                "model": (self.loaded.architecture, self.loaded.model)}
+
+    def summary(self, config: EngineConfig, async_output: bool, async_scheduling: bool) -> str:
+        """The engine-ready log line: the model, the KV pool, the plugins and the fast-path switches."""
+        spec, graphs, mixed = self.loaded.model.spec, self.runner.graphs, self.runner.mixed_graphs
+        plugins = ", ".join(f"{kind} {name}" for kind, name in self.active(config).items())
+        return (f"{config.model} on {self.loaded.device} in {str(self.loaded.dtype).removeprefix('torch.')} "
+                f"({spec.num_layers} layers, max_model_len {spec.max_model_len}); KV pool {self.num_blocks} blocks "
+                f"of {config.block_size} tokens, {str(self.kv_dtype).removeprefix('torch.')}, "
+                f"{self.num_blocks * self.bytes_per_block / 2**20:.0f} MiB; {plugins}; CUDA graphs "
+                + ("off" if graphs is None else "on" if mixed is None else f"on (mixed steps up to {mixed.sizes[-1]} "
+                   "tokens)") + f", async output {'on' if async_output else 'off'}, async scheduling "
+                f"{'on' if async_scheduling else 'off'}")
+
 
 def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     """Load ``config.model`` (the embedded default when None) and build every component, each factory checked."""

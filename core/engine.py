@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
+from .admission import RequestChecker, at_prompt, check_prompt_list, check_reasoning_end, check_schedule
 from .assembly import assemble
 from .beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams
 from .chat import ChatPrompt, Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
@@ -91,10 +91,7 @@ class Engine:
         self.structured = StructuredOutputs(self._structured_output_backend, config.structured_output_backend,
                                             spec.vocab_size)
         self.runner.structured = self.structured
-        self.active = {"scheduler": config.scheduler, "kv_cache": config.kv_cache, "attention": config.attention,
-                       "eviction_policy": config.eviction_policy, "quant": self.loaded.quant_name or "none",
-                       "proposer": config.proposer or "none", "tool_parser": config.tool_parser or "none",
-                       "reasoning_parser": config.reasoning_parser or "none"}
+        self.active = parts.active(config)
         self.requests: dict[str, RequestState] = {}
         self.async_scheduling = config.async_scheduling_on(self.loaded.device.type)
         self.async_output = config.async_output if config.async_output is not None else \
@@ -111,14 +108,7 @@ class Engine:
 
             self.spec = SpecDecoder(config, parts.proposer, self.kv, self.runner.sampler, self.stats, spec.vocab_size,
                                     self.structured)
-        self.blame = Blame(self.plugins, {
-            "scheduler": (config.scheduler, self.scheduler), "kv_cache": (config.kv_cache, self.kv),
-            "eviction_policy": (config.eviction_policy, parts.eviction),
-            "attention_backend": (config.attention, self.attention),
-            "proposer": (config.proposer, parts.proposer), "tool_parser": (config.tool_parser, parts.tool_parser),
-            "reasoning_parser": (config.reasoning_parser, parts.reasoning_parser),
-            "quant_method": (self.loaded.quant_name, self.loaded.quant),
-            "model": (self.loaded.architecture, self.loaded.model)})
+        self.blame = Blame(self.plugins, parts.blamed(config))
         self._seq_ids = itertools.count()
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
         self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
@@ -127,17 +117,8 @@ class Engine:
         if config.freeze_gc:
             gc.collect()
             freeze_heap()
-        log.info("engine ready in %.1f s: %s on %s in %s (%d layers, max_model_len %d); KV pool %d blocks of %d "
-                 "tokens, %s, %.0f MiB; %s; CUDA graphs %s, async output %s, async scheduling %s",
-                 time.perf_counter() - started,
-                 config.model, self.loaded.device, str(self.loaded.dtype).removeprefix("torch."), spec.num_layers,
-                 spec.max_model_len, self.num_blocks, config.block_size, str(self.kv_dtype).removeprefix("torch."),
-                 self.num_blocks * parts.bytes_per_block / 2**20,
-                 ", ".join(f"{k} {v}" for k, v in self.active.items()),
-                 "off" if self.runner.graphs is None else "on" if self.runner.mixed_graphs is None else
-                 f"on (mixed steps up to {self.runner.mixed_graphs.sizes[-1]} tokens)",
-                 "on" if self.async_output else "off",
-                 "on" if self.async_scheduling else "off")
+        log.info("engine ready in %.1f s: %s", time.perf_counter() - started,
+                 parts.summary(config, self.async_output, self.async_scheduling))
 
     def _structured_output_backend(self) -> StructuredOutputBackend:
         """Built at the first structured request: an engine that never gets one needs no backend installed."""
@@ -212,13 +193,7 @@ class Engine:
             return None
         with self._plugin_code():
             end = self.reasoning_parser.reasoning_end(ids)
-        if end is not None and not (isinstance(end, ReasoningEnd) and isinstance(end.closed_in_prompt, bool) and all(
-                type(t) is int and 0 <= t < self.loaded.model.spec.vocab_size
-                for t in (end.close_token, end.open_token if end.open_token is not None else 0))
-                and end.open_token != end.close_token):
-            raise PluginError(f"reasoning parser {self.config.reasoning_parser!r}: reasoning_end() returned {end!r}, "
-                              "not None or a ReasoningEnd of token ids in the vocabulary; fix the plugin")
-        return end
+        return check_reasoning_end(end, self.loaded.model.spec.vocab_size, self.config.reasoning_parser)
 
     def check_request(self, prompt: Prompt, params: SamplingParams | None = None) -> list[int]:
         """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's
@@ -406,26 +381,9 @@ class Engine:
         return batch, logits, outputs, StepTimes(scheduled, executed, settled, time.perf_counter())
 
     def _settle(self) -> list[Sequence]:
-        """Read the tokens in flight back into their sequences' PENDING places; stop the sequences whose token
-        stops them. Returns those sequences (their outputs are due)."""
+        """Read the tokens in flight back into their sequences (stopping those a token stops); returns them."""
         flight, self.in_flight = self.in_flight, None
-        if flight is None:
-            return []
-        result = flight.sample.result()
-        now = time.perf_counter()  # when the tokens exist on the host, for TTFT and TPOT
-        for seq, index, token, entry in zip(flight.seqs, flight.indices, result.token_ids, result.logprobs):
-            seq.token_ids[index] = token
-            seq.token_times[index - seq.num_prompt_tokens] = now
-            if index == seq.num_prompt_tokens:
-                seq.first_token_time = now
-            if entry is not None:
-                seq.logprobs.append(entry)
-            if seq.stop_reason(token, index + 1) is FinishReason.STOP:
-                if not seq.is_finished:
-                    self._finish(seq, FinishReason.STOP)
-                elif seq.finish_reason is FinishReason.LENGTH:  # its last allowed token is a stop token
-                    seq.finish_reason = FinishReason.STOP
-        return flight.seqs
+        return flight.read_back(self._finish) if flight is not None else []
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's step, with the copy-on-write copies its KV cache still holds added to its block ops."""

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import array
-from collections.abc import MutableSequence
+import time
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, 
 from .logit_controls import LogitControls
 from .model import Model
 from .prompt_logprobs import PromptRows, collect, prompt_rows
-from .request import SamplingParams, Sequence
+from .request import FinishReason, SamplingParams, Sequence
 from .sampling import PendingSample, Sampler, SampleResult, to_device
 from .staging import Uploader
 from .structured_output import StructuredOutputs
@@ -58,6 +59,25 @@ class InFlight:
     @property
     def inputs(self) -> PendingInputs:
         return PendingInputs(self.sample.device_tokens, {seq.seq_id: row for row, seq in enumerate(self.seqs)})
+
+    def read_back(self, finish: Callable[[Sequence, FinishReason], None]) -> list[Sequence]:
+        """Wait for the tokens and write them into their sequences' PENDING places (with their times and
+        logprobs); ``finish`` the sequences whose token stops them. Returns the sequences (their outputs are due)."""
+        result = self.sample.result()
+        now = time.perf_counter()  # when the tokens exist on the host, for TTFT and TPOT
+        for seq, index, token, entry in zip(self.seqs, self.indices, result.token_ids, result.logprobs):
+            seq.token_ids[index] = token
+            seq.token_times[index - seq.num_prompt_tokens] = now
+            if index == seq.num_prompt_tokens:
+                seq.first_token_time = now
+            if entry is not None:
+                seq.logprobs.append(entry)
+            if seq.stop_reason(token, index + 1) is FinishReason.STOP:
+                if not seq.is_finished:
+                    finish(seq, FinishReason.STOP)
+                elif seq.finish_reason is FinishReason.LENGTH:  # its last allowed token is a stop token
+                    seq.finish_reason = FinishReason.STOP
+        return self.seqs
 
 
 @dataclass

@@ -278,3 +278,16 @@ def test_the_public_component_classes_have_their_documented_constructors():
         built = [plugins.registry(kind).get(name)(*arguments[kind]) for name in re.findall(r"`([\w-]+)`", registered)
                  for kind in arguments if name in plugins.registry(kind)]
         assert {type(component) for component in built} == set(classes), (path, built)
+
+
+def test_the_interfaces_module_exports_every_plugin_abc():
+    """Plugins import every ABC from ``infer.core.interfaces``; the reply-reading ones live in reply_interfaces.py
+    (to keep each file on a screen or two) and must stay exported, as must anything public added to either."""
+    from infer.core import interfaces, reply_interfaces
+
+    def public(module: Any) -> set[str]:
+        return {name for name, value in vars(module).items() if not name.startswith("_")
+                and getattr(value, "__module__", None) == module.__name__ and (inspect.isclass(value) or callable(value))}
+
+    assert public(interfaces) | public(reply_interfaces) | {"QUANTIZED_TENSOR_NAMES", "Model"} == set(interfaces.__all__)
+    assert all(getattr(interfaces, name) is not None for name in interfaces.__all__)
