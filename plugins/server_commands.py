@@ -218,7 +218,8 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
 def lora(ctx: click.Context, action: str, name: str, path: str | None, target: str, token: str | None, tls: bool,
          tls_ca: Path | None, timeout: float | None) -> None:
     """`load NAME PATH`: have a running `infer serve --allow-lora-loading` serve the LoRA adapter in PATH (a folder
-    on the server's machine) as NAME; `unload NAME`: stop serving it. Prints the adapters served then."""
+    on the server's machine; a relative PATH is taken from this command's working directory) as NAME; `unload
+    NAME`: stop serving it. Prints the adapters served then."""
     quiet_grpc_core()
     import grpc
 
@@ -229,6 +230,8 @@ def lora(ctx: click.Context, action: str, name: str, path: str | None, target: s
     if (action == "load") != (path is not None):
         raise click.UsageError("load takes NAME and PATH (the adapter's folder on the server); unload takes NAME "
                                "alone", ctx)
+    if path is not None:
+        path = os.path.abspath(path)  # the server reads it: its own working directory would be a surprise
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
         try:
             names = conn.load_lora_adapter(name, path) if path is not None else conn.unload_lora_adapter(name)

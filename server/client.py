@@ -154,7 +154,7 @@ class Client(_Base):
 
     def load_lora_adapter(self, name: str, path: str | Path, timeout: float | None = None) -> list[str]:
         """Have a server started with ``--allow-lora-loading`` serve the adapter in ``path`` (a folder on the
-        server) as ``name``; returns the adapters it serves then."""
+        server, absolute) as ``name``; returns the adapters it serves then."""
         request = pb.LoadLoraAdapterRequest(name=name, path=str(path))
         return list(self.stub.LoadLoraAdapter(request, **self._kw(timeout)).names)
 

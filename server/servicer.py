@@ -223,6 +223,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             check_lora_name(name)
             if not request.path:
                 raise InvalidRequestError("path is required: the adapter's folder on the server")
+            if not Path(request.path).is_absolute():  # the server's working directory is no caller's business
+                raise InvalidRequestError(f"path {request.path!r} is relative; give the adapter folder's absolute "
+                                          "path on the server")
             from ..models.lora import read_adapter
 
             adapter = await asyncio.to_thread(read_adapter, name, Path(request.path))  # not on the engine thread

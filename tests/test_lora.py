@@ -474,7 +474,8 @@ def test_grpc_requests_pick_adapters_and_model_info_lists_them(checkpoint, adapt
     serve_engine(engine, check)
 
 
-def test_grpc_loads_and_unloads_adapters_only_where_the_server_allows_it(checkpoint, adapters, serve_engine) -> None:
+def test_grpc_loads_and_unloads_adapters_only_where_the_server_allows_it(checkpoint, adapters, serve_engine,
+                                                                        monkeypatch) -> None:
     """Also: GetStats, /metrics and `client --stats` count the requests under way per adapter."""
     import grpc
 
@@ -507,13 +508,16 @@ def test_grpc_loads_and_unloads_adapters_only_where_the_server_allows_it(checkpo
         await refused(client.load_lora_adapter("bad name", adapters["qv"].folder), grpc.StatusCode.INVALID_ARGUMENT,
                       "must be 1-64 letters")
         await refused(client.load_lora_adapter("y", ""), grpc.StatusCode.INVALID_ARGUMENT, "path is required")
+        await refused(client.load_lora_adapter("y", adapters["qv"].folder.name), grpc.StatusCode.INVALID_ARGUMENT,
+                      "is relative; give the adapter folder's absolute path")
         assert await client.unload_lora_adapter("all") == ["qv"]
         await refused(client.load_lora_adapter("y", adapters["qv"].folder.parent),
                       grpc.StatusCode.FAILED_PRECONDITION, "no adapter_config.json")
         await refused(client.unload_lora_adapter("all"), grpc.StatusCode.INVALID_ARGUMENT, "'all' is not loaded")
         assert list((await client.model_info()).lora_adapters) == ["qv"]
         target = ["--target", f"127.0.0.1:{port}"]
-        result = await asyncio.to_thread(invoke, "lora", "load", "all", str(adapters["all"].folder), *target)
+        monkeypatch.chdir(adapters["all"].folder.parent)  # a relative PATH is the command's, sent absolute
+        result = await asyncio.to_thread(invoke, "lora", "load", "all", adapters["all"].folder.name, *target)
         assert result.exit_code == 0 and result.output == "loaded all; serving: all, qv\n", result.output
         result = await asyncio.to_thread(invoke, "lora", "unload", "qv", *target)
         assert result.exit_code == 0 and result.output == "unloaded qv; serving: all\n", result.output
