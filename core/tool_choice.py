@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence as Seq
 from typing import Any
 
 from .chat import ChatPrompt, Prompt
-from .chat_tools import FunctionChoice, ParsedReply, ToolCall, ToolChoice, checked_tool_choice
+from .chat_tools import FunctionChoice, ParsedReply, ToolCall, ToolChoice, checked_tool_choice, json_like
 from .errors import InvalidRequestError
 from .interfaces import ToolParser
 from .request import SamplingParams, StructuredOutput
@@ -48,7 +48,7 @@ def reply_reading(prompt: Prompt, params: SamplingParams, tool_parser: ToolParse
 
 def forces_calls(prompt: Prompt) -> bool:
     """Whether ``prompt``'s tool_choice forces its reply to be calls ("required" or a named function)."""
-    return isinstance(prompt, ChatPrompt) and bool(prompt.tools) and prompt.tool_choice not in ("auto", "none")
+    return isinstance(prompt, ChatPrompt) and bool(prompt.tools) and prompt.tool_choice not in (None, "auto", "none")
 
 
 def forced_what(choice: ToolChoice) -> str:
@@ -73,12 +73,8 @@ def schema_errors(reader: ToolParser | None) -> Iterator[None]:
 def reply_schema(tools: Seq[Mapping[str, Any]], choice: ToolChoice) -> dict[str, Any]:
     """The JSON schema of a reply forced by ``choice`` ("required" or a FunctionChoice) among ``tools``;
     InvalidRequestError for a tool whose parameters are not an object schema (OpenAI's rule)."""
-    parameters = {tool["function"]["name"]: tool["function"].get("parameters") or NO_PARAMETERS for tool in tools}
-    for name, schema in parameters.items():
-        if schema.get("type", "object") != "object":
-            raise InvalidRequestError(f"{forced_what(choice)} forces calls, and the parameters of tool {name!r} are "
-                                      f"not an object schema (type {schema.get('type')!r}); give it "
-                                      "{\"type\": \"object\", \"properties\": {...}}")
+    parameters = {tool["function"]["name"]: _object_schema(tool["function"].get("parameters") or NO_PARAMETERS,
+                                                           tool["function"]["name"], choice) for tool in tools}
     if isinstance(choice, FunctionChoice):
         return parameters[choice.name]
     assert choice == "required", choice
@@ -93,6 +89,48 @@ def reply_schema(tools: Seq[Mapping[str, Any]], choice: ToolChoice) -> dict[str,
                       "required": ["name", "parameters"]})
     items = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {"type": "array", "items": items, "minItems": 1, **({"$defs": hoisted} if hoisted else {})}
+
+
+def _object_schema(schema: Mapping[str, Any], name: str, choice: ToolChoice) -> Mapping[str, Any]:
+    """A tool's parameters as a forced reply takes them: a schema of objects only, else InvalidRequestError (a
+    reply that is another JSON value would be no call). Without a ``type`` and an applicator, it gets
+    ``"type": "object"``: keywords such as ``properties`` or ``description`` alone do not rule out other values."""
+    for key in DEFINITIONS:
+        if key in schema and not isinstance(schema[key], Mapping):
+            raise InvalidRequestError(f"{forced_what(choice)}: the parameters of tool {name!r} have {key!r} "
+                                      f"{json.dumps(schema[key])[:60]}, not an object of named schemas; fix the "
+                                      "tool's parameters")
+    if "type" not in schema and not any(key in schema for key in APPLICATORS):
+        return {"type": "object", **schema}
+    if not _objects_only(schema, schema, set()):
+        raise InvalidRequestError(f"{forced_what(choice)} forces calls, and the parameters of tool {name!r} may be "
+                                  f"a value other than an object (type {schema.get('type')!r}); give them "
+                                  "{\"type\": \"object\", \"properties\": {...}} (each branch of an 'anyOf' "
+                                  "or 'oneOf' too)")
+    return schema
+
+
+APPLICATORS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
+
+
+def _objects_only(schema: Any, root: Mapping[str, Any], seen: set[str]) -> bool:
+    """Whether every value ``schema`` allows is a JSON object (its local refs looked up in ``root``)."""
+    if not isinstance(schema, Mapping):
+        return False
+    if schema.get("type") in ("object", ["object"]):
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        key, _, defined = ref.removeprefix("#/").partition("/")
+        target = root.get(key, {}).get(defined) if key in DEFINITIONS and isinstance(root.get(key), Mapping) else None
+        return ref not in seen and _objects_only(target, root, seen | {ref})
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            branches = [_objects_only(branch, root, seen) for branch in schema[key]]
+            return any(branches) if key == "allOf" else all(branches)
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema \
+        else None
+    return values is not None and all(isinstance(value, dict) for value in values)
 
 
 def _relinked(schema: Any, index: int) -> Any:
@@ -113,14 +151,14 @@ def _relinked(schema: Any, index: int) -> Any:
 @dataclasses.dataclass(frozen=True)
 class ForcedToolCalls(ToolParser):
     """Reads a reply forced by ``choice`` into calls. A reply that is not whole JSON (cut by max_tokens or a stop
-    string) is all content, as the ToolParser contract asks."""
+    string), or holds a number past float range, is all content, as the ToolParser contract asks."""
 
     choice: ToolChoice
 
     def parse(self, text: str, token_ids: Seq[int]) -> ParsedReply:
-        try:
-            value = json.loads(text)
-        except ValueError:
+        try:  # JSON-like: the grammar allows numbers past float range (1e999), which no call's arguments hold
+            value = json_like(json.loads(text), "a forced reply")
+        except (ValueError, RecursionError, InvalidRequestError):
             return ParsedReply(text)
         if isinstance(self.choice, FunctionChoice):
             return ParsedReply("", (ToolCall(self.choice.name, value),)) if isinstance(value, dict) else \

@@ -20,7 +20,7 @@ from infer.cli import main
 from infer.core.chat_tools import ToolCall
 from infer.core.llm import LLM
 from infer.core.request import FinishReason
-from infer.core.tool_choice import ForcedToolCalls, reply_schema
+from infer.core.tool_choice import ForcedToolCalls, forces_calls, reply_schema
 from infer.plugins.json_schema_regex import schema_to_regex
 
 TEMPLATE = ("{%- if tools %}<|system|>\n{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}{% endif %}"
@@ -176,7 +176,7 @@ def test_a_prompt_built_directly_and_refused_tools_name_what_to_change(llm: LLM)
         "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 9}}}}}
     for tools, choice, complaint in (
             ([CLOCK, CLOCK], "required", "tools must have distinct names"),
-            ([text], "required", "the parameters of tool 'say' are not an object schema"),
+            ([text], "required", "the parameters of tool 'say' may be a value other than an object (type 'string')"),
             ([CLOCK, bounded], "required", "tool_choice 'required' forces the reply under the tools' parameter "
                                            "schemas, which cannot be followed (under 'required', tool N's"),
             ([bounded], FunctionChoice("count"), "tool_choice 'count' forces the reply under the tools' parameter")):
@@ -187,11 +187,54 @@ def test_a_prompt_built_directly_and_refused_tools_name_what_to_change(llm: LLM)
                 llm.engine.check_request(ChatPrompt.of(ASK, tools=tools, tool_choice=choice))
 
 
+def test_a_forced_reply_is_an_object_whatever_the_parameters_leave_open(llm: LLM) -> None:
+    """Parameters without a "type" (a description alone) get "type": "object": a reply such as "" or 1 would be no
+    call. Parameters whose values may be other than objects are refused, as are definitions that are no mapping;
+    unions and refs of objects only are served."""
+    def tool(parameters: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    pattern = schema_to_regex(reply_schema([tool({"description": "anything"})], FunctionChoice("f")))
+    assert re.fullmatch(pattern, '{"a":1}') and not any(re.fullmatch(pattern, v) for v in ('""', "1", "[]", "null"))
+    replies = llm.chat(ASK, SamplingParams(max_tokens=60, temperature=1.0, n=16, seed=3),
+                       tools=[tool({"description": "anything"})], tool_choice=FunctionChoice("f"))[0].outputs
+    whole = [reply for reply in replies if reply.finish_reason is FinishReason.STOP]
+    past_float_range = [reply for reply in whole if "inf" in repr(json.loads(reply.text))]  # 1e999: no call holds it
+    assert len(whole) > len(past_float_range) and all(
+        (reply.content, reply.tool_calls) == (reply.text, []) if reply in past_float_range else
+        len(reply.tool_calls) == 1 and reply.tool_calls[0].arguments == json.loads(reply.text) for reply in whole)
+    objects = {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                         {"$ref": "#/$defs/b"}], "$defs": {"b": {"type": ["object"], "properties": {}}}}
+    for choice in (FunctionChoice("f"), "required"):
+        assert schema_to_regex(reply_schema([tool(objects)], choice))
+        for parameters, complaint in (
+                ({"anyOf": [{"type": "object"}, {"type": "string"}]}, "may be a value other than an object"),
+                ({"$ref": "#/$defs/s", "$defs": {"s": {"type": "string"}}}, "may be a value other than an object"),
+                ({"$ref": "#/$defs/s", "$defs": {"s": {"$ref": "#/$defs/s"}}}, "may be a value other than an object"),
+                ({"enum": [{"a": 1}, 2]}, "may be a value other than an object"),
+                ({"type": "object", "$defs": [{"type": "integer"}]},
+                 "have '$defs' [{\"type\": \"integer\"}], not an object of named schemas"),
+                ({"type": "object", "definitions": "x"}, "have 'definitions' \"x\", not an object of named schemas")):
+            with pytest.raises(InvalidRequestError, match=re.escape(complaint)):
+                reply_schema([tool(parameters)], choice)
+    with pytest.raises(InvalidRequestError, match="not an object of named schemas"):
+        llm.chat(ASK, SamplingParams(max_tokens=2), tools=[tool({"type": "object", "$defs": []})],
+                 tool_choice="required")
+
+
+def test_a_prompt_built_with_no_tool_choice_is_auto(llm: LLM) -> None:
+    """tool_choice None (a ChatPrompt built directly) reads as "auto" everywhere: beam search serves it."""
+    prompt = ChatPrompt(tuple(ChatPrompt.of(ASK).messages), tools=tuple(TOOLS), tool_choice=None)
+    assert not forces_calls(prompt)
+    assert llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=3))[0].beams
+
+
 def test_the_forced_reader_keeps_anything_but_whole_calls_as_content() -> None:
     named, required = ForcedToolCalls(FunctionChoice("clock")), ForcedToolCalls("required")
     assert named.parse('{"a": 1}', []).tool_calls == (ToolCall("clock", {"a": 1}),)
     for parser, text in ((named, '{"a": '), (named, "[1]"), (required, "[]"), (required, '[{"name": "x"}]'),
-                         (required, "{}")):
+                         (required, "{}"), (named, '{"a": 1e999}'), (required, '[{"name": "x", "parameters": '
+                                                                           '{"a": [-1E+400]}}]')):
         reply = parser.parse(text, [])
         assert (reply.content, reply.tool_calls) == (text, ()), text
 
