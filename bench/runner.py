@@ -41,7 +41,7 @@ class StepRecorder:
     @hookimpl
     def on_step(self, stats: StepStats) -> None:
         self.steps += 1
-        self.peak_used_blocks = max(self.peak_used_blocks, stats.kv.used_blocks)
+        self.peak_used_blocks = max(self.peak_used_blocks, stats.peak_used_blocks)
 
 
 @dataclass

@@ -375,10 +375,11 @@ class Engine:
                                             prompt_logprobs=self.config.kv_cache if self.prompt_logprob_requests
                                             else None)
         executed = time.perf_counter()
+        used_blocks = self.kv.stats().used_blocks  # before the sequences this step finishes free theirs
         self.unemitted += self._settle()  # waits for the previous step's tokens, not for this step
         settled = time.perf_counter()
         outputs = self._emit_unemitted()
-        return batch, logits, outputs, StepTimes(scheduled, executed, settled, time.perf_counter())
+        return batch, logits, outputs, StepTimes(scheduled, executed, settled, time.perf_counter(), used_blocks)
 
     def _settle(self) -> list[Sequence]:
         """Read the tokens in flight back into their sequences (stopping those a token stops); returns them."""

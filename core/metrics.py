@@ -16,12 +16,13 @@ LATENCY_SAMPLES = 10_000  # bounded, so that a long-running server does not grow
 @dataclass
 class StepTimes:
     """When a step's forward pass was launched (after scheduling) and returned, the tokens in flight were read back,
-    and the due outputs were built."""
+    and the due outputs were built; and the KV blocks in use as the forward pass ran."""
 
     scheduled: float
     executed: float
     settled: float
     emitted: float
+    used_blocks: int = 0
 
 
 @dataclass
@@ -36,7 +37,8 @@ class StepStats:
     num_waiting: int
     num_running: int
     num_preempted: int
-    kv: KVStats
+    kv: KVStats  # at the end of the step: the sequences that finished in it freed their blocks
+    peak_used_blocks: int = 0  # KV blocks in use as the step's forward pass ran (before those sequences freed theirs)
     spec_state: str = "off"  # speculative decoding this step: off (no proposer), on, or off-* (graceful degradation)
     num_draft_tokens: int = 0  # draft tokens verified this step
     num_accepted_tokens: int = 0  # of which the verification accepted (a stop may still cut some from the output)
@@ -102,7 +104,8 @@ class EngineStats:
         self.kv = kv_stats = kv.stats()
         self.preemptions = scheduler.num_preemptions
         self.num_waiting, self.num_running = scheduler.num_waiting(), scheduler.num_running()
-        self.kv_peak_used_blocks = max(self.kv_peak_used_blocks, kv_stats.used_blocks)
+        peak = max(times.used_blocks, kv_stats.used_blocks)
+        self.kv_peak_used_blocks = max(self.kv_peak_used_blocks, peak)
         ran = [item.seq for item in out.scheduled if item.seq.status is SequenceStatus.RUNNING]
         self.kv_waste_slots = kv_waste_slots(kv, ran)
         if ran:
@@ -110,7 +113,7 @@ class EngineStats:
         duration = time.perf_counter() - start
         step = StepStats(self.steps, duration, len(out.scheduled), out.num_tokens - decode_tokens, decode_tokens,
                          self.num_waiting, self.num_running, len(out.preempted), dataclasses.replace(kv_stats),
-                         schedule_s=schedule_s,
+                         peak_used_blocks=peak, schedule_s=schedule_s,
                          execute_s=execute_s, sample_s=sample_s,
                          postprocess_s=duration - schedule_s - execute_s - sample_s)
         for phase in ("schedule", "execute", "sample", "postprocess"):

@@ -699,6 +699,18 @@ def test_every_run_starts_with_a_cold_prefix_cache(tiny_model, tmp_path):
             assert run_["notes"]["cold_prefix_cache"] is True
 
 
+def test_the_peak_kv_blocks_count_requests_that_finish_in_the_step(tiny_model, tmp_path):
+    """4 requests of 16 prompt and 2 output tokens in blocks of 16: each holds a second block (token 17's KV) in
+    the step that ends it, so the peak is 8 blocks, not the 4 left after the first step."""
+    out = tmp_path / "out"
+    result = run("--model", str(tiny_model), "--device", "cpu", "--block-size", "16", "bench", "--num-requests", "4",
+                 "--input-len", "16", "--output-len", "2", "--len-sigma", "0", "--repeats", "1",
+                 "--warmup-rounds", "0", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    [arm] = json.loads((out / "results.json").read_text())["arms"]
+    assert arm["runs"][0]["metrics"]["kv_peak_blocks"] == 4 * -(-(16 + 2 - 1) // 16) == 8
+
+
 def test_evictions_and_the_long_prompts_ttft_are_reported(tiny_model, tmp_path):
     """A pool too small for the run's prompts evicts cached blocks; long-prompt-arrival times its long prompt."""
     out = tmp_path / "out"

@@ -368,9 +368,11 @@ class StepBudget:
         self.seqs: list[int] = []
 
         self.split: list[tuple[int, int]] = []  # per step: (prefill tokens, decode tokens)
+        self.peaks: list[int] = []  # per step: KV blocks in use as its forward pass ran
 
     @hookimpl
     def on_step(self, stats: StepStats) -> None:
+        self.peaks.append(stats.peak_used_blocks)
         self.tokens.append(stats.num_prefill_tokens + stats.num_decode_tokens)
         self.seqs.append(stats.num_seqs)
         self.split.append((stats.num_prefill_tokens, stats.num_decode_tokens))
@@ -390,6 +392,18 @@ def test_a_one_token_prefill_is_not_counted_as_a_decode(tiny_model):
     log.split.clear()
     assert e.generate([prompt], params)[0].num_cached_tokens == 8
     assert log.split == [(1, 0), (0, 1), (0, 1)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_kv_peak_counts_the_blocks_of_requests_that_finish_in_a_step(tiny_model, async_scheduling):
+    """4 requests of 16 prompt tokens and 2 output tokens, blocks of 16: the second step writes token 17's KV, a
+    second block each, and ends them. The peak is the blocks that held (read at the step's end, after the finished
+    requests freed theirs, it was the first step's 4)."""
+    e, log = observed_engine(tiny_model, block_size=16, num_kv_blocks=32, async_scheduling=async_scheduling)
+    e.generate([rand_prompt(16, seed) for seed in range(4)], SamplingParams(max_tokens=2, temperature=0.0,
+                                                                          ignore_eos=True))
+    assert max(log.peaks) == e.stats.kv_peak_used_blocks == 4 * -(-(16 + 2 - 1) // 16) == 8
+    assert e.stats.summary()["kv_peak_used_blocks"] == 8 and drained(e)
 
 
 def scheduled_log(e: Engine) -> list[list[tuple[int, int, int]]]:
