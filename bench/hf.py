@@ -76,6 +76,9 @@ class HFArm:
                 "device": str(self.device), "dtype": str(self.dtype),
                 "batch_size": self.batch_size if self.mode == "static" else None}
 
+    def reasons_before_grammar(self, chat: ChatPrompt) -> bool:
+        return False  # no reasoning parser (and no structured output: keep_structured refuses it)
+
     def keep_structured(self, params: SamplingParams) -> None:
         raise WorkloadError("HF transformers has no structured output; drop the hf arms or the lines' "
                             "structured_output")

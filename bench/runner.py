@@ -121,6 +121,12 @@ class EngineArm:
     def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
         return self.engine.tokenize(prompt)
 
+    def reasons_before_grammar(self, chat: ChatPrompt) -> bool:
+        """Whether this engine serves ``chat``'s own structured output after a reasoning block (its reasoning parser
+        says where that block ends in the rendered prompt)."""
+        parser = self.engine.reasoning_parser
+        return parser is not None and parser.reasoning_end(self.engine.tokenize(chat)) is not None
+
     def keep_structured(self, params: SamplingParams) -> None:
         """Compile the structured output of ``params`` (InferError for one this arm cannot follow), and keep it
         compiled while the arm lives: compiling is never inside a run."""

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from ..cli.options import EngineArgs
+from ..core.chat import ChatPrompt
 from ..core.errors import ConfigError, InferError
 from ..core.request import SamplingParams
+from ..core.tool_choice import forces_calls
 from .arms import ArmError, ArmSpec
 from .stats import RunResult
 from .workloads import FileEntry, Vocab, Workload, WorkloadError, WorkloadSpec, build_workload, good_lines
@@ -36,6 +38,8 @@ class Arm(Protocol):
     def tokenize(self, text: str) -> list[int]: ...
 
     def keep_structured(self, params: SamplingParams) -> None: ...
+
+    def reasons_before_grammar(self, chat: ChatPrompt) -> bool: ...
 
     def warm_up(self, workloads: list[Workload]) -> None: ...
 
@@ -189,13 +193,28 @@ def keep_structured_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[Fil
     WorkloadError listing them all without --skip-bad-lines."""
     good, errors = [], []
     for entry in entries:
-        refusal = None if entry.structured_output is None else _refusal(arms, spec.sampling.params(
-            entry.max_tokens, 0, 0, 0, entry.lora_adapter, entry.structured_output))
+        refusal = None if entry.structured_output is None else _reasoning_refusal(arms, entry) or _refusal(
+            arms, spec.sampling.params(entry.max_tokens, 0, 0, 0, entry.lora_adapter, entry.structured_output))
         if refusal is None:
             good.append(entry)
         else:
             errors.append(f"line {entry.line}: {refusal}")
     return good_lines(spec, good, errors, "line(s) whose structured output an arm cannot follow"), errors
+
+
+def _reasoning_refusal(arms: list[Arm], entry: FileEntry) -> str | None:
+    """Why a chat line's own structured output cannot be measured as served: an arm's reasoning parser would have
+    the grammar hold after the reply's reasoning, but the bench sends every chat as token ids (the first arm's
+    rendering, the same for every arm), where the grammar holds from the first token."""
+    if not isinstance(entry.prompt, ChatPrompt) or forces_calls(entry.prompt):  # forced calls never reason first
+        return None
+    for arm in arms:
+        if arm.reasons_before_grammar(entry.prompt):
+            return (f"arm {arm.spec.key} ({arm.spec.text!r}) has a reasoning parser that lets this chat's reply "
+                    "reason before its structured output, and the bench sends chats as token ids, whose structured "
+                    "output holds from the first token; drop the line's structured_output or the arm's "
+                    "--reasoning-parser")
+    return None
 
 
 def _refusal(arms: list[Arm], params: SamplingParams) -> str | None:

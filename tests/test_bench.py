@@ -574,6 +574,31 @@ def test_file_workload_chats_render_with_the_first_arms_template(tiny_model, tmp
     assert refused.exit_code == 2 and "line 1: this model's tokenizer has no chat template" in refused.output
 
 
+def test_a_structured_chat_line_an_arm_would_reason_before_is_a_bad_line(thinking_model, tmp_path):
+    """Served, a chat's structured output holds after the reasoning when the engine's reasoning parser says where
+    it ends; the bench sends chats as token ids, where it would hold from the first token: an arm with such a parser
+    makes the line a bad line, naming the arm, instead of measuring something serving never runs."""
+    template = tmp_path / "opened.jinja"
+    template.write_text("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}<|assistant|>\n<think>")
+    ask = {"messages": [{"role": "user", "content": "What time is it?"}], "max_tokens": 8}
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps({**ask, "structured_output": {"regex": "is [a-z]{2,5}"}}) + "\n" + json.dumps(ask)
+                    + "\n")
+    common = ["--model", str(thinking_model), "--device", "cpu", "--chat-template", str(template), "bench",
+              "--workload", "file", "--file", str(path), "--repeats", "1", "--warmup-rounds", "0"]
+    result = run(*common, "--ab", "", "--reasoning-parser deepseek-r1", "--out", str(tmp_path / "a"))
+    assert result.exit_code == 2, result.output
+    assert "line 1: arm B ('--reasoning-parser deepseek-r1') has a reasoning parser that lets this chat's reply " \
+           "reason before its structured output" in " ".join(result.output.split())
+    result = run(*common, "--ab", "", "--reasoning-parser deepseek-r1", "--skip-bad-lines", "--out",
+                 str(tmp_path / "b"))
+    assert result.exit_code == 0, result.output
+    assert [len(a["runs"][0]["requests"]) for a in json.loads((tmp_path / "b" / "results.json").read_text())[
+        "arms"]] == [1, 1]
+    result = run(*common, "--ab", "", "--no-prefix-caching", "--out", str(tmp_path / "c"))  # no parser: served alike
+    assert result.exit_code == 0, result.output
+
+
 def _bench_outputs(tiny_model, tmp_path, name: str, *args: str) -> dict[str, list[list[int]]]:
     """arm key -> each request's output ids, in (session, turn) order, of a one-round bench with ``args``."""
     out = tmp_path / name
