@@ -175,8 +175,8 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
         out["kv_peak_blocks"] = float(eng.kv_peak_used_blocks)
         out["kv_peak_usage"] = eng.kv_peak_used_blocks / eng.kv_total_blocks if eng.kv_total_blocks else None
         out["prefix_hit_rate"] = eng.prefix_hits / eng.prefix_queries if eng.prefix_queries else 0.0
-        out["acceptance_rate"] = (eng.spec_accepted / eng.spec_proposed if eng.spec_proposed else 0.0) \
-            if eng.speculative else None
+        out["acceptance_rate"] = eng.spec_accepted / eng.spec_proposed if eng.speculative and eng.spec_proposed \
+            else None  # no drafts: n/a, not "every draft rejected"
         out["preemptions"] = float(eng.preemptions)
         out["evictions"] = float(eng.evictions)
         steps = run.notes.get("steps")  # what a step's fixed cost multiplies: fewer with speculation

@@ -11,7 +11,7 @@ from click.testing import CliRunner, Result
 
 from infer.bench.command import expand_ab
 from infer.bench.runner import Replay
-from infer.bench.stats import RequestRecord, RunResult, percentile, run_metrics
+from infer.bench.stats import EngineCounters, RequestRecord, RunResult, percentile, run_metrics
 from infer.bench.workloads import Vocab, WorkloadError, WorkloadSpec, build_workload, parse_workload_file, validate_spec
 from infer.cli import main
 
@@ -155,6 +155,10 @@ def test_metrics_of_one_run():
     assert metrics["prefix_hit_rate"] is None and metrics["preemptions"] is None  # no engine counters: n/a
     assert metrics["engine_steps"] is None
     assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
+    rates = [run_metrics(RunResult("A", 0, 0.5, reqs, engine=EngineCounters(10, 1, 0, 0, 0, 0, proposed, accepted,
+                                                                            speculative)))["acceptance_rate"]
+             for proposed, accepted, speculative in ((8, 6, True), (0, 0, True), (0, 0, False))]
+    assert rates == [0.75, None, None]  # no drafts proposed: n/a, not "every draft rejected"
 
 
 def test_ratios_pair_the_rounds_and_star_a_ratio_within_noise():
@@ -180,7 +184,7 @@ def test_ratios_pair_the_rounds_and_star_a_ratio_within_noise():
 def test_a_first_arm_of_zero_is_compared_by_paired_differences():
     """A baseline's prefix hit rate (or preemptions) is 0 in every round, so no ratio exists: a consistent
     difference is still a difference, and an inconsistent one is within noise."""
-    from infer.bench.stats import EngineCounters, summarize
+    from infer.bench.stats import summarize
 
     def runs(arm: str, hits: list[int]) -> list[RunResult]:
         counters = [EngineCounters(10, 1, 100, h, 0, 0, 0, 0, False) for h in hits]
