@@ -166,7 +166,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         raise click.UsageError("give at least one PROMPT argument or lines on stdin")
     inputs: list[Any] = _chats(numbered, bool(prompts)) if chat else texts  # what the engine gets
     shown = [""] * len(texts) if chat else texts  # printed before each completion: a reply is not a continuation
-    if (logprobs is not None or prompt_logprobs is not None) and not as_json:
+    if (logprobs is not None or prompt_logprobs is not None) and not as_json and not beam_width:  # else: refused
         raise click.UsageError("--logprobs and --prompt-logprobs print with --json; add it")
     params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=ignore_eos, seed=seed,
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,

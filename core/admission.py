@@ -92,8 +92,8 @@ class RequestChecker:
         params.validate()
         if params.lora_adapter is not None and params.lora_adapter not in self.lora_adapters:
             loaded = ", ".join(sorted(self.lora_adapters)) or "none (start the engine with --lora NAME=DIR)"
-            raise InvalidRequestError(f"invalid sampling parameters: lora_adapter {params.lora_adapter!r} is not "
-                                      f"loaded; the loaded adapters: {loaded}")
+            raise InvalidRequestError(f"lora_adapter {params.lora_adapter!r} is not loaded; the loaded adapters: "
+                                      f"{loaded}")  # no "sampling parameters": beam search's are checked here too
         biased = [token for token, _ in params.logit_bias]
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias's token ids", biased)):
             if bad := [t for t in tokens if t >= self.vocab_size]:

@@ -65,7 +65,8 @@ class BeamSearchParams:
 
 @dataclass
 class Beam:
-    """One finished hypothesis: the generated tokens (an end-of-sequence token last when it stopped there)."""
+    """One finished hypothesis: the generated tokens (an end-of-sequence token last when it stopped there) and
+    their text (without that token's, as generate leaves it out)."""
     token_ids: list[int]
     text: str
     cumulative_logprob: float
@@ -76,7 +77,7 @@ class Beam:
 @dataclass
 class BeamSearchOutput:
     prompt_token_ids: list[int]
-    beams: list[Beam]  # best score first, beam_width of them (fewer only if the vocabulary is smaller)
+    beams: list[Beam]  # best first, beam_width of them (fewer if the vocabulary is; one empty if aborted at once)
 
 
 @dataclass
@@ -427,7 +428,7 @@ def _output(engine: Engine, state: _Prompt, params: BeamSearchParams) -> BeamSea
     beams = []
     for score, logprob, tokens, reason in best:
         detok = engine.new_detokenizer(state.ids)
-        detok.add(tokens)
+        detok.add(tokens[:-1] if reason is FinishReason.STOP else tokens)  # the EOS's text left out, as generate does
         detok.flush()
         beams.append(Beam(tokens, detok.text, logprob, score, reason))
     return BeamSearchOutput(state.ids, beams)

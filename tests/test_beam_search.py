@@ -79,11 +79,24 @@ def test_beams_equal_hf_beam_search(eos_model, width, length_penalty, ignore_eos
         beams, scores = hf_beam_search(eos_model, engine.tokenize(text), width, 20, length_penalty, ignore_eos)
         assert [b.token_ids for b in result.beams] == beams
         assert [b.score for b in result.beams] == pytest.approx(scores, rel=1e-6, abs=1e-5)
-        assert result.beams[0].text == engine.tokenizer.decode(result.beams[0].token_ids)
+        for beam in result.beams:  # an ordinary token ends them here: its text is left out, as generate does
+            assert beam.text == engine.tokenizer.decode(beam.token_ids[:-1] if beam.finish_reason is FinishReason.STOP
+                                                        else beam.token_ids)
         reasons |= {b.finish_reason for b in result.beams}
     assert reasons == ({FinishReason.LENGTH} if ignore_eos else {FinishReason.LENGTH, FinishReason.STOP})
     stats = engine.kv.stats()  # every beam freed: nothing leaks
     assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
+
+
+def test_one_beam_is_greedy_decoding_text_included(eos_model):
+    """Width 1 is greedy: the same tokens, and the same text, that of the EOS that ends it left out."""
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu"))
+    greedy = engine.generate(TEXTS, SamplingParams(max_tokens=20, temperature=0.0))
+    beams = engine.beam_search(TEXTS, BeamSearchParams(beam_width=1, max_tokens=20))
+    pairs = [(g.outputs[0], b.beams[0]) for g, b in zip(greedy, beams)]
+    assert [(c.token_ids, c.text, c.finish_reason) for c, _ in pairs] == \
+        [(b.token_ids, b.text, b.finish_reason) for _, b in pairs]
+    assert {c.finish_reason for c, _ in pairs} == {FinishReason.STOP, FinishReason.LENGTH}
 
 
 def test_many_eos_ids_leave_width_beams_like_hf(many_eos_model):
@@ -260,6 +273,9 @@ def test_generate_beam_width_prints_the_beams(eos_model):
     assert refused.exit_code == 2 and "--beam-width ranks whole beams by the model's own log-probabilities, with " \
         "no sampling, logit controls or per-token output: drop --temperature, --min-tokens, --seed" \
         in " ".join(refused.output.split())  # the sampling options first, as --help lists them
+    refused = CliRunner().invoke(main, ["--model", str(eos_model), "generate", "x", "--beam-width", "2",
+                                        "--logprobs", "2"])  # not "add --json", which would be refused next
+    assert refused.exit_code == 2 and "drop --logprobs" in refused.output and "--json" not in refused.output
 
 
 def test_generate_beam_width_runs_prompts_in_groups_and_names_a_bad_stdin_line(eos_model):
