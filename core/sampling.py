@@ -89,7 +89,8 @@ class Sampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_p = to_device([p.top_p for p in params], logits.device).unsqueeze(1)
+            # a row without top_p keeps every token: its cumsum may round past 1.0 in float32
+            top_p = to_device([p.top_p if p.top_p < 1.0 else float("inf") for p in params], logits.device).unsqueeze(1)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # the smallest set whose mass reaches top_p; the top token always stays (its preceding mass is 0)
             drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p

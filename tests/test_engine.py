@@ -101,6 +101,13 @@ def test_sampling_filters_follow_their_definitions():
     for tiny in (1e-30, 1e-300):  # the smallest set reaching top_p is the top token, also once float32 rounds to 0
         probs = Sampler.filtered_probs(shuffled, [SamplingParams(top_p=tiny)])
         assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    # a row without top_p keeps its whole distribution beside one with it: its float32 cumsum reaches 1.0 before its
+    # last tokens (31 of these 32,000), which a threshold of 1.0 would drop, varying a seeded request
+    # with its batch
+    flat = torch.randn(2, 32000, generator=torch.Generator().manual_seed(0)) * 2.0
+    alone = Sampler.filtered_probs(flat, [SamplingParams(), SamplingParams()])
+    beside = Sampler.filtered_probs(flat, [SamplingParams(), SamplingParams(top_p=0.9)])
+    assert torch.equal(alone[0], beside[0]) and bool((alone[0] > 0).all())
 
 
 def test_sampled_frequencies_match_the_distribution():
