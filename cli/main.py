@@ -78,9 +78,11 @@ def _plugins(ctx: click.Context) -> PluginManager:
         except InferError as exc:
             raise click.ClickException(str(exc)) from exc
         for entry in plugins.registry("command"):
-            if entry.name in main.commands:  # the built-in runs; the plugin's command is unreachable: say so
-                click.echo(f"infer: warning: {entry.source} registers a command {entry.name!r}, the name of a "
-                           "built-in infer command, so it cannot run; the plugin must rename it", err=True)
+            for name in (entry.name, *entry.aliases):  # the built-in runs; the plugin's name is unreachable: say so
+                if name in main.commands:
+                    what = "a command" if name == entry.name else f"the command {entry.name!r} with an alias"
+                    click.echo(f"infer: warning: {entry.source} registers {what} {name!r}, the name of a built-in "
+                               "infer command, so it cannot run by that name; the plugin must rename it", err=True)
         root.meta["infer.plugins"] = plugins
     return root.meta["infer.plugins"]
 

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Callable, Iterator, Sequence as Seq
 from typing import TYPE_CHECKING
 
 import torch
@@ -98,6 +98,7 @@ class Engine:
             self.loaded.device.type == "cuda" or self.async_scheduling  # async scheduling emits a step late
         self.unemitted: list[Sequence] = []  # async output: advanced in the last step, outputs not built yet
         self.in_flight: InFlight | None = None  # async scheduling: the last step's tokens, not read back yet
+        self.deferred: InferError | None = None  # a step's output error, raised once the step is done
         self.forks = PendingForks()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.tool_parser = parts.tool_parser  # reads the replies of chats that offer tools (None: text only)
@@ -332,11 +333,11 @@ class Engine:
         if self.async_output:
             self.unemitted = advanced
         else:
-            outputs += self._emit_progress(advanced)  # may finish sequences too (stop strings)
+            outputs += self._deferring(self._emit_progress, advanced)  # may finish sequences (stop strings)
         if self.spec is not None:
             self.spec.release_finished(advanced)
         self._record_step(out, start, times, now, decodes)
-        return outputs
+        return self._deferred_raised(outputs)
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Async scheduling: schedule and launch this step, with the tokens of the step still in flight as PENDING
@@ -363,7 +364,7 @@ class Engine:
         gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
         self.scheduler.update(live_part(out, gone), {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
         self._record_step(out, start, times, now, decodes)
-        return outputs
+        return self._deferred_raised(outputs)
 
     def _forward(self, out: SchedulerOutput) -> tuple[Batch, torch.Tensor, list[RequestOutput], StepTimes]:
         """Launch the forward pass of ``out`` (tokens still in flight fill their places on the device); then, while
@@ -378,7 +379,7 @@ class Engine:
         used_blocks = self.kv.stats().used_blocks  # before the sequences this step finishes free theirs
         self.unemitted += self._settle()  # waits for the previous step's tokens, not for this step
         settled = time.perf_counter()
-        outputs = self._emit_unemitted()
+        outputs = self._deferring(self._emit_unemitted)
         return batch, logits, outputs, StepTimes(scheduled, executed, settled, time.perf_counter(), used_blocks)
 
     def _settle(self) -> list[Sequence]:
@@ -420,9 +421,25 @@ class Engine:
 
     def _emit_unemitted(self) -> list[RequestOutput]:
         seqs, self.unemitted = self.unemitted, []
-        outputs = self._emit_progress(seqs)
-        if self.spec is not None:
-            self.spec.release_finished(seqs)  # some may have just finished by a stop string
+        try:
+            return self._emit_progress(seqs)
+        finally:
+            if self.spec is not None:
+                self.spec.release_finished(seqs)  # some may have just finished by a stop string
+
+    def _deferring(self, emit: Callable[..., list[RequestOutput]], *args: object) -> list[RequestOutput]:
+        """``emit(*args)``; a reply parser's or an observer's error (once every other output is out) waits for
+        the end of the step, which must still update the scheduler and be recorded: ``_deferred_raised``."""
+        try:
+            return emit(*args)
+        except InferError as exc:
+            self.deferred = self.deferred or exc
+            return []
+
+    def _deferred_raised(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        failure, self.deferred = self.deferred, None
+        if failure is not None:
+            raise failure
         return outputs
 
     def _sample(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor, gone: set[int]
@@ -501,7 +518,10 @@ class Engine:
         step = self.stats.record_step(out, self.kv, self.scheduler, start, times, sampled, decodes)
         if self.spec is not None:
             self.spec.annotate(step)
-        self.plugins.observe("on_step", stats=step)
+        try:
+            self.plugins.observe("on_step", stats=step)
+        except InferError as exc:  # every observer saw the step: raised with the step's other error, if any
+            self.deferred = self.deferred or exc
 
     # ------------------------------------------------------------ convenience
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,

@@ -42,8 +42,9 @@ CommandFactory = Callable[[], "click.Command"]
 def register_schedulers(register: Register[SchedulerFactory]) -> None:
     """Register scheduling policies.
 
-    Call ``register(name, factory, aliases=())`` once per scheduler. ``factory(config, kv_cache)`` returns a
-    :class:`~infer.core.interfaces.Scheduler` that allocates from ``kv_cache``. Selected by ``--scheduler NAME``.
+    Call ``register(name, factory, aliases=(), options=None)`` once per scheduler. ``factory(config, kv_cache)``
+    returns a :class:`~infer.core.interfaces.Scheduler` that allocates from ``kv_cache``. Selected by ``--scheduler
+    NAME``.
     """
 
 

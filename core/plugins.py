@@ -315,32 +315,52 @@ class PluginManager:
         return self.pm.hook
 
     def observe(self, hook: str, **kwargs: Any) -> None:
-        """Call event hook ``hook``'s observers; one that raises is a PluginError naming its plugin and package
-        (the original chained), as a component's error is."""
+        """Call every observer of event hook ``hook``, in pluggy's order, even after one raised (its error must not
+        hide the event from the others); then the first error is a PluginError naming its plugin and package (the
+        original chained), as a component's error is."""
         caller = getattr(self.pm.hook, hook)
-        try:
-            caller(**kwargs)
-        except Exception as exc:
-            frames, tb = [], exc.__traceback__
-            while tb is not None:
-                frames.append(tb.tb_frame)
-                tb = tb.tb_next
+        impls = caller.get_hookimpls()
+        if any(impl.hookwrapper or impl.wrapper for impl in impls):  # a wrapper wraps the rest: pluggy calls them
+            try:
+                caller(**kwargs)
+            except Exception as exc:
+                if (error := self._observer_error(hook, exc, impls)) is exc:
+                    raise
+                raise error from exc
+            return
+        first: Exception | None = None
+        for impl in reversed(impls):  # pluggy calls the last registered first
+            try:
+                impl.function(*(kwargs[name] for name in impl.argnames))
+            except Exception as exc:
+                first = first or self._observer_error(hook, exc, [impl])
+        if first is not None:
+            raise first
 
-            def ran(impl: Any, own: bool) -> bool:  # its code ran (own: on its own instance, when it has one)
-                owner = getattr(impl.function, "__self__", None)
-                code = getattr(impl.function, "__code__", None)
-                return any(f.f_code is code and (not own or owner is None or (
-                    f.f_code.co_argcount > 0 and f.f_locals.get(f.f_code.co_varnames[0]) is owner)) for f in frames)
+    def _observer_error(self, hook: str, exc: Exception, impls: list[Any]) -> Exception:
+        """The PluginError of observer ``exc`` came from among ``impls`` (``exc`` itself when none ran)."""
+        frames, tb = [], exc.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
 
-            impls = caller.get_hookimpls()  # one class may serve two plugins: prefer the instance that raised
-            impl = next((i for i in impls if ran(i, True)), None) or next((i for i in impls if ran(i, False)), None)
-            if impl is None:
-                raise
-            source = self._sources.get(impl.plugin_name, impl.plugin_name)
-            log.info("observer %r failed in %s", impl.plugin_name, hook, exc_info=exc)
-            way_out = self._way_outs.get(impl.plugin_name, "fix the plugin")
-            raise PluginError(f"the observer {impl.plugin_name!r} from {source!r} raised {type(exc).__name__} in "
-                              f"{hook}: {exc} (-v logs the traceback); {way_out}") from exc
+        def ran(impl: Any, own: bool) -> bool:  # its code ran (own: on its own instance, when it has one)
+            owner = getattr(impl.function, "__self__", None)
+            code = getattr(impl.function, "__code__", None)
+            return any(f.f_code is code and (not own or owner is None or (
+                f.f_code.co_argcount > 0 and f.f_locals.get(f.f_code.co_varnames[0]) is owner)) for f in frames)
+
+        impl = next((i for i in impls if ran(i, True)), None) or next((i for i in impls if ran(i, False)), None) \
+            or (impls[0] if len(impls) == 1 else None)  # called alone: its error, wherever it was raised
+        if impl is None:
+            return exc
+        source = self._sources.get(impl.plugin_name, impl.plugin_name)
+        log.info("observer %r failed in %s", impl.plugin_name, hook, exc_info=exc)
+        way_out = self._way_outs.get(impl.plugin_name, "fix the plugin")
+        error = PluginError(f"the observer {impl.plugin_name!r} from {source!r} raised {type(exc).__name__} in "
+                            f"{hook}: {exc} (-v logs the traceback); {way_out}")
+        error.__cause__ = exc
+        return error
 
     def _allow_list_hint(self, kinds: Iterable[str], name: str) -> str:
         """Why ``name`` may be missing when INFER_PLUGINS limited loading; ``""`` without an allow-list."""
@@ -383,12 +403,14 @@ def explicit_options(name: str, kinds: list[str]) -> str:
 
 
 class Blame:
-    """Names the component a run-time error came from: the innermost traceback frame in a component's module."""
+    """Names the component a run-time error came from: the innermost traceback frame that runs a component's method
+    (its own or one it inherits: ``self`` is the component) or code of a component's module."""
 
     def __init__(self, plugins: PluginManager, components: dict[str, tuple[str | None, object]]) -> None:
         """``components``: kind -> (registered name, instance); a None name or instance is skipped."""
         self.plugins = plugins
-        self.modules: dict[str, str] = {}
+        self.instances: dict[int, tuple[object, str]] = {}  # id -> (component, who)
+        self.modules: dict[str, list[str]] = {}  # module -> who, for each component defined there
         for kind, (name, component) in components.items():
             self.add(kind, name, component)
 
@@ -397,14 +419,22 @@ class Blame:
         if name is None or component is None:
             return
         source = self.plugins.registry(kind).entry(name).source
-        self.modules.setdefault(type(component).__module__, f"the {kind.replace('_', ' ')} {name!r} from {source!r}")
+        who = f"the {kind.replace('_', ' ')} {name!r} from {source!r}"
+        self.instances[id(component)] = (component, who)
+        self.modules.setdefault(type(component).__module__, []).append(who)
 
     def error(self, exc: BaseException) -> PluginError | None:
         """A PluginError naming the component ``exc`` came from, or None when no component's code raised it."""
-        who, frame = None, exc.__traceback__
-        while frame is not None:
-            who = self.modules.get(frame.tb_frame.f_globals.get("__name__", ""), who)
-            frame = frame.tb_next
+        who, tb = None, exc.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames[:1] else None
+            component, mine = self.instances.get(id(owner), (None, None))
+            if owner is not None and component is owner:
+                who = mine
+            elif names := self.modules.get(frame.f_globals.get("__name__", "")):
+                who = " or ".join(names)  # a helper function of a module that defines several components
+            tb = tb.tb_next
         if who is None:
             return None
         return PluginError(f"{who} raised {type(exc).__name__}: {exc}; fix the plugin or choose another (this engine "

@@ -111,6 +111,9 @@ class Registry(Generic[F]):
             raise PluginError(f"duplicate {self.kind} name {key!r}: infer ships a {self.kind} (or alias) of that "
                               f"name, and {plugin} registers another; a shipped name is never overridden, so rename "
                               "the plugin's component in its register(...) call (and select it by its new name)")
+        if (other.source, other.entry_point) == (source, entry_point):
+            raise PluginError(f"duplicate {self.kind} name {key!r}: {_who(source, entry_point)} registers it twice "
+                              "(as names or aliases); the plugin must rename one")
         hint = self._duplicate_hint(other.entry_point, entry_point) or (
             ", or load only one of the two plugins with INFER_PLUGINS, an allow-list of the entry point names to "
             "load (name every plugin to keep, infer's shipped ones too)")

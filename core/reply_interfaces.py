@@ -128,8 +128,9 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def allowed(self) -> torch.Tensor:
         """A bool mask [vocabulary.size] on vocabulary.device of the tokens that may come next: those that keep
-        the output a prefix of a whole one, and EOS when the output is whole. Never all False. The engine does
-        not change the tensor (a backend may hand out the same one for the same state)."""
+        the output a prefix of a whole one, and EOS when the output is whole. Never all False (unchecked: a check
+        would wait for the device every token; such a mask ends the output). The engine does not change the tensor
+        (a backend may hand out the same one for the same state)."""
 
     @abstractmethod
     def advance(self, token_id: int) -> None:

@@ -432,6 +432,14 @@ def test_a_plugin_command_cannot_shadow_a_builtin(tmp_path, monkeypatch):
     assert result.exit_code == 0 and "registers a command 'generate', the name of a built-in" in result.output
 
 
+def test_a_plugin_command_alias_cannot_shadow_a_builtin_either(tmp_path, monkeypatch):
+    install_command_plugin(tmp_path, monkeypatch, "alias_plugin", "aliasing",
+                           "register('hello', lambda: click.Command('hello'), aliases=('plugins',))")
+    result = run("plugins")  # the built-in runs: the alias never did, and nothing said so
+    assert result.exit_code == 0 and "registers the command 'hello' with an alias 'plugins', the name of a " \
+        "built-in infer command, so it cannot run by that name" in " ".join(result.output.split())
+
+
 def test_a_broken_plugin_command_breaks_only_itself(tmp_path, monkeypatch):
     install_command_plugin(tmp_path, monkeypatch, "broken_command_plugin", "shaky", "register('shaky', lambda: 1 / 0)")
     listing = run("--help")

@@ -600,6 +600,19 @@ def test_an_unsupported_architecture_under_an_allow_list_names_the_shipped_provi
 
 
 # ---------------------------------------------------------------- 5. duplicates: advice that works
+def test_a_name_one_package_registers_twice_asks_it_to_rename_one(tmp_path, monkeypatch):
+    twice = ("@hookimpl\ndef register_eviction_policies(register):\n    register('mine', lambda config: None)\n"
+             "    register('mine2', lambda config: None, aliases=('mine',))\n")
+    install_fake_plugin(tmp_path, "infer-plugin-twice", "twice", twice)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as error:  # not "registered by both X and X; uninstall one of them"
+        PluginManager.from_entry_points().collect()
+    assert flat(str(error.value)).startswith(
+        "duplicate eviction policy name 'mine': 'infer-plugin-twice' (entry point 'twice') registers it twice (as "
+        "names or aliases); the plugin must rename one; fix the plugin, or uninstall it: `pip uninstall "
+        "infer-plugin-twice`")
+
+
 def test_duplicate_names_name_both_entry_points_and_allow_lists_that_work(tmp_path, monkeypatch):
     twin = "@hookimpl\ndef register_eviction_policies(register):\n    register('twin', lambda config: None)\n"
     install_fake_plugin(tmp_path, "infer-plugin-twin-a", "twin-a", twin)

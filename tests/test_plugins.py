@@ -341,6 +341,84 @@ def test_a_failing_observer_is_reported_once(tiny_model, infer_plugins, caplog):
     assert "could not abort" not in caplog.text
 
 
+@pytest.mark.parametrize("async_output", [False, True])
+def test_every_observer_sees_the_event_and_the_step_is_recorded_when_one_raises(tiny_model, async_output):
+    """pluggy stops at the first observer that raises: the others missed the finished request, and the step in which
+    it finished was neither recorded nor seen by on_step (its stats read 2 steps of 3)."""
+
+    class Counter:
+        def __init__(self) -> None:
+            self.finished = self.steps = 0
+
+        @hookimpl
+        def on_request_finished(self, output):
+            self.finished += 1
+
+        @hookimpl
+        def on_step(self, stats):
+            self.steps += 1
+
+    class Flaky:
+        @hookimpl
+        def on_request_finished(self, output):
+            raise RuntimeError("observer bug")
+
+    counted, errors = [], []
+    for flaky in (False, True):
+        plugins, counter = PluginManager.from_entry_points(), Counter()
+        plugins.register(counter, name="counter", source="acme-count")
+        if flaky:
+            plugins.register(Flaky(), name="flaky", source="acme-flaky")  # registered last: pluggy calls it first
+        engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", async_output=async_output), plugins)
+        engine.add_request("a", SamplingParams(max_tokens=3, ignore_eos=True))
+        try:
+            while engine.has_unfinished():
+                engine.step()
+        except PluginError as exc:
+            errors.append((flaky, str(exc).split(" in ")[0]))
+        counted.append((counter.finished, counter.steps, engine.stats.steps, engine.has_unfinished()))
+        assert engine.deferred is None
+    assert errors == [(True, "the observer 'flaky' from 'acme-flaky' raised RuntimeError")]
+    assert counted[0] == counted[1] and counted[0][:2] == (1, engine.stats.steps)
+
+
+def test_an_error_in_inherited_code_or_beside_another_component_names_its_component(tiny_model, infer_plugins):
+    """Blame knew a component by its class's module alone: an error in a method it inherits from a shipped class
+    came out raw, and of two components defined in one module the first was named for both."""
+    from infer.plugins.eviction import LRUPolicy
+
+    class ShortestFirst(ContinuousScheduler):  # writing-a-plugin.md's suggestion, with a bug
+        def add(self, seq):
+            super().add(seq)
+            self.waiting = sorted(self.waiting, key=lambda s: s.num_prompt_tokens)  # a list: no popleft
+
+    class Fifo(ContinuousScheduler):
+        pass
+
+    class BrokenPop(LRUPolicy):  # in the same module as Fifo
+        def pop(self):
+            raise RuntimeError("pop is broken")
+
+    def register_schedulers(register):
+        register("shortest-first", lambda config, kv: ShortestFirst(config, kv))
+        register("fifo2", lambda config, kv: Fifo(config, kv))
+
+    def register_eviction_policies(register):
+        register("broken-pop", lambda config: BrokenPop())
+
+    infer_plugins.register(plugin_module("acme", register_schedulers=register_schedulers,
+                                         register_eviction_policies=register_eviction_policies), source="acme")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="shortest-first"), infer_plugins)
+    with pytest.raises(PluginError, match="the scheduler 'shortest-first' from 'acme' raised AttributeError"):
+        engine.generate(["a b c", "a"], SamplingParams(max_tokens=2))
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="fifo2", eviction_policy="broken-pop",
+                                 block_size=4, num_kv_blocks=6), infer_plugins)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate([list(range(10, 22))], params)  # its blocks stay cached: the next prompt needs them evicted
+    with pytest.raises(PluginError, match="the eviction policy 'broken-pop' from 'acme' raised RuntimeError: pop is"):
+        engine.generate([list(range(40, 52))], params)
+
+
 def test_an_observer_class_registered_twice_blames_the_instance_that_raised(tiny_model, infer_plugins):
     class Exporter:
         def __init__(self, fail: bool) -> None:
