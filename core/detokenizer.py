@@ -65,8 +65,10 @@ def _shared(prefix: str, full: str) -> int:
     window left open (its U+FFFD at the end of ``prefix``) that ``full`` completes: the prompt ended mid-character."""
     if full.startswith(prefix):
         return len(prefix)
-    n = len(prefix.rstrip("\ufffd"))
-    return n if full.startswith(prefix[:n]) else len(prefix)
+    for n in range(len(prefix) - 1, len(prefix.rstrip("\ufffd")) - 1, -1):  # the fewest U+FFFD: an invalid byte
+        if full.startswith(prefix[:n]):  # before the open character stays the prompt's
+            return n
+    return len(prefix)
 
 
 class ByteLevelDetokenizer:

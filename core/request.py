@@ -120,7 +120,9 @@ class SamplingParams:
         # accept lists from callers, keep the dataclass hashable; anything else is left for validate() to name
         for name in ("stop_token_ids", "stop"):
             value = getattr(self, name)
-            if isinstance(value, str):
+            if value is None:  # OpenAI's null: none
+                object.__setattr__(self, name, ())
+            elif isinstance(value, str):
                 object.__setattr__(self, name, (value,))
             elif isinstance(value, (list, tuple)):
                 object.__setattr__(self, name, tuple(value))
@@ -185,6 +187,11 @@ class SamplingParams:
             # each is searched for after every token, on the one thread that steps every request
             raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters each; got "
                       f"{len(self.stop)}, the longest {max(map(len, self.stop))} characters")
+        for index, text in enumerate(self.stop):  # a byte that is not UTF-8 (surrogateescape) never matches
+            try:
+                require_utf8(text, f"stop string {index + 1}")
+            except InvalidRequestError as exc:
+                raise bad(str(exc)) from None
         for name in ("speculative", "ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")

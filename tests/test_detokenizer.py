@@ -186,3 +186,17 @@ def test_a_prompt_that_ends_mid_character_is_completed_by_the_window_detokenizer
     detok = detokenizer_factory(tok)(prompt)
     text = "".join(detok.add(output[i:i + step]) for i in range(0, len(output), step)) + detok.flush()
     assert text == detok.text == tok.decode(prompt + output)[len("the price"):] == "€ dog"
+
+
+def test_an_invalid_prompt_byte_before_the_open_character_stays_the_prompts(tokenizer):
+    """The window detokenizer (a byte-level tokenizer can take that path too: clean_up_tokenization_spaces set): the
+    prompt ends in an invalid byte and then "€" begun, which the output completes. The output's text is the character
+    and what follows, as the byte table reads them (every trailing U+FFFD of the window was taken for the open
+    character, so the invalid byte's came out too)."""
+    table = byte_level_table(tokenizer)
+    ff, *euro = (table.index(bytes([b])) for b in (0xFF, *"€".encode()))
+    prompt = [*ascii_ids(tokenizer)[:3], ff, *euro[:2]]
+    output = [euro[2], *ascii_ids(tokenizer)[3:6]]
+    windowed, table_read = IncrementalDetokenizer(tokenizer, prompt), ByteLevelDetokenizer(table, prompt)
+    texts = [detok.add(output) + detok.flush() for detok in (windowed, table_read)]
+    assert texts[0] == texts[1] == "€" + b"".join(table[t] for t in output[1:]).decode()

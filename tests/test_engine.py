@@ -533,7 +533,8 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
     (lambda e: e.generate(["hi"], {"max_tokens": 3}), "sampling parameters must be an infer.SamplingParams, got dict"),
     (lambda e: e.generate(["a\udcff"]), "the prompt is not valid UTF-8 text"),
     (lambda e: e.generate(["hi"], SamplingParams(priority="high")), "priority must be an integer"),
-    (lambda e: e.generate(["hi"], SamplingParams(stop=None)), "stop must be a non-empty string or a list of them"),
+    (lambda e: e.generate(["hi"], SamplingParams(stop=[""])), "stop must be a non-empty string or a list of them"),
+    (lambda e: e.generate(["hi"], SamplingParams(stop=["ok", "\udcff"])), "stop string 2 is not valid UTF-8 text"),
     (lambda e: e.generate(["hi"], SamplingParams(stop_token_ids=5)), "stop_token_ids must be a list of non-negative"),
     (lambda e: e.generate(["hi"], SamplingParams(max_tokens=True)), "max_tokens must be a positive integer, got True"),
     (lambda e: e.generate(["hi"], SamplingParams(seed=2**63)), "seed must be an integer in [0, 2**63), got 922337"),
@@ -569,6 +570,14 @@ def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, mess
         call(engine)
     assert message in str(info.value)
     assert not engine.has_unfinished()  # nothing half-submitted
+
+
+def test_none_for_the_stop_lists_means_none(engine):
+    """OpenAI's null: None for stop or stop_token_ids is no stop (it was refused as not a string or a list)."""
+    assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert engine.generate(["hi"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, stop=None))[0] \
+        .outputs[0].token_ids == engine.generate(["hi"], params)[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize(("options", "message"), [
