@@ -155,7 +155,8 @@ class Engine:
         seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
                          max_model_len=self.max_model_len) for i in range(params.n)]
         splitter = self._reasoning_parser_of(prompt, params, reasoning_end)
-        streams = None if splitter is None else [new_reasoning_stream(splitter, ids) for _ in seqs]
+        names = (self.blame.name(reader), self.blame.name(splitter))
+        streams = None if splitter is None else [new_reasoning_stream(splitter, ids, names[1]) for _ in seqs]
         if streams is not None and None in streams:  # the reasoning parser splits whole replies only
             streams = None
         splits = (reader is not None or splitter is not None) and (splitter is None or streams is not None)
@@ -164,7 +165,7 @@ class Engine:
                                [0] * len(seqs), [0] * len(seqs), tool_parser=reader, reasoning_parser=splitter,
                                reasoned=self.structured.reasoned if reasoning_end is not None else None,
                                reasoning_streams=streams, splits=splits, content_sent=[0] * len(seqs),
-                               tag_marks=[[] for _ in seqs])
+                               tag_marks=[[] for _ in seqs], parser_names=names)
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request

@@ -37,6 +37,8 @@ class RequestState:
     # by the tool parser (-1: all of its content, with its last output)
     tag_marks: list[list[tuple[int, str]]] = field(default_factory=list)  # per sequence: where the tool parser's
     # written_tags stand in its text (the text's length before each), in order
+    parser_names: tuple[str | None, str | None] = (None, None)  # the tool and reasoning parsers' in errors
+    # ("'hermes' from 'infer-engine'"; None: the class name)
     reads_replies: bool = field(init=False)  # a parser above reads them (a field: every output asks)
 
     def __post_init__(self) -> None:
@@ -140,7 +142,8 @@ def read_output(req: RequestState, i: int, completion: CompletionOutput) -> None
     whole = seq.is_finished and seq.finish_reason is not FinishReason.ABORT
     try:
         read = _read_tool_calls(req.tool_parser, tagged_text(req.detoks[i].text, req.tag_marks[i]),
-                                seq.output_token_ids) if whole and req.tool_parser is not None else None
+                                seq.output_token_ids, req.parser_names[0]) \
+            if whole and req.tool_parser is not None else None
         if req.splits:
             _split_delta(req, i, completion, read)
     except PluginError:
@@ -151,22 +154,25 @@ def read_output(req: RequestState, i: int, completion: CompletionOutput) -> None
         splits = req.reasoned is None or req.reasoned(seq)  # a grammar held from the first token: all content
         completion.tool_calls = calls
         completion.reasoning_content, completion.content = reasoning_parts(
-            content, req.reasoning_parser if splits else None, req.prompt_token_ids)
+            content, req.reasoning_parser if splits else None, req.prompt_token_ids, req.parser_names[1])
 
 
-def new_reasoning_stream(parser: ReasoningParser | None, prompt_token_ids: list[int]) -> ReasoningStream | None:
-    """``parser``'s splitter of a reply to this prompt as it streams; None where it has none."""
+def new_reasoning_stream(parser: ReasoningParser | None, prompt_token_ids: list[int], name: str | None = None
+                         ) -> ReasoningStream | None:
+    """``parser``'s splitter of a reply to this prompt as it streams; None where it has none. ``name``: the
+    parser's, for errors (None: its class name)."""
     if parser is None:
         return None
+    name = name or type(parser).__name__
     try:
         stream = parser.stream(prompt_token_ids)
     except InferError:
         raise
     except Exception as exc:
-        raise PluginError(f"the reasoning parser {type(parser).__name__} raised {type(exc).__name__} in stream(): "
+        raise PluginError(f"the reasoning parser {name} raised {type(exc).__name__} in stream(): "
                           f"{exc}; fix the plugin, or choose another --reasoning-parser") from exc
     if stream is not None and not isinstance(stream, ReasoningStream):
-        raise PluginError(f"the reasoning parser {type(parser).__name__}'s stream() returned {stream!r:.80}, not "
+        raise PluginError(f"stream() of the reasoning parser {name} returned {stream!r:.80}, not "
                           "None or a ReasoningStream; fix the plugin")
     return stream
 
@@ -181,7 +187,8 @@ def _split_delta(req: RequestState, i: int, completion: CompletionOutput,
     if req.reasoning_streams is None or req.reasoned is not None and not req.reasoned(seq):
         completion.reasoning_text, completion.content_text = "", text  # all content, as a grammar held throughout
     else:
-        completion.reasoning_text, completion.content_text = _feed(req.reasoning_streams[i], text, seq.is_finished)
+        completion.reasoning_text, completion.content_text = _feed(req.reasoning_streams[i], text, seq.is_finished,
+                                                                   req.parser_names[1])
 
 
 def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, list[ToolCall]] | None) -> str:
@@ -189,7 +196,7 @@ def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, li
     (``streamed_content``); once the reply has ended, the rest of the content ``read`` gives (an aborted reply,
     not read, is all content)."""
     assert req.tool_parser is not None
-    text, sent, name = req.detoks[i].text, req.content_sent[i], type(req.tool_parser).__name__
+    text, sent, name = req.detoks[i].text, req.content_sent[i], req.parser_names[0] or type(req.tool_parser).__name__
     if sent < 0:  # the last output was built: read whole
         return ""
     reply = text if req.emitted[i] == len(text) else text[: req.emitted[i]]  # as far as it was output
@@ -210,15 +217,15 @@ def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, li
         raise PluginError(f"the tool parser {name} raised {type(exc).__name__} in streamed_content(): {exc}; fix "
                           "the plugin, or choose another --tool-parser") from exc
     if type(end) is not int or not 0 <= end <= len(reply):
-        raise PluginError(f"the tool parser {name}'s streamed_content() returned {end!r:.40} for a reply of "
+        raise PluginError(f"streamed_content() of the tool parser {name} returned {end!r:.40} for a reply of "
                           f"{len(reply)} characters: not an int from 0 to its length; fix the plugin")
     end = max(end, sent)  # what streamed is never taken back (the last output checks it)
     req.content_sent[i] = end
     return reply[sent:end]
 
 
-def _feed(stream: ReasoningStream, text: str, final: bool) -> tuple[str, str]:
-    name = type(stream).__name__
+def _feed(stream: ReasoningStream, text: str, final: bool, parser_name: str | None = None) -> tuple[str, str]:
+    name = f"of {parser_name}" if parser_name else type(stream).__name__
     try:
         split = stream.feed(text, final)
     except InferError:
@@ -233,33 +240,33 @@ def _feed(stream: ReasoningStream, text: str, final: bool) -> tuple[str, str]:
 
 
 def reply_parts(text: str, token_ids: list[int], tool_parser: ToolParser | None,
-                reasoning_parser: ReasoningParser | None, prompt_token_ids: list[int] | None = None
-                ) -> tuple[str | None, str, list[ToolCall] | None]:
+                reasoning_parser: ReasoningParser | None, prompt_token_ids: list[int] | None = None,
+                names: tuple[str | None, str | None] = (None, None)) -> tuple[str | None, str, list[ToolCall] | None]:
     """(reasoning, content, calls) of a whole reply. The tool parser reads the reply as it came (text and tokens
     agree) and gives each call an id (its own, else a random one, as OpenAI's); the reasoning parser then splits
     what it left as content (see reasoning_parts), so the reasoning never holds a call."""
     calls = None
     if tool_parser is not None:
-        text, calls = _read_tool_calls(tool_parser, text, token_ids)
-    return *reasoning_parts(text, reasoning_parser, prompt_token_ids), calls
+        text, calls = _read_tool_calls(tool_parser, text, token_ids, names[0])
+    return *reasoning_parts(text, reasoning_parser, prompt_token_ids, names[1]), calls
 
 
-def reasoning_parts(text: str, parser: ReasoningParser | None, prompt_token_ids: list[int] | None
-                    ) -> tuple[str | None, str]:
+def reasoning_parts(text: str, parser: ReasoningParser | None, prompt_token_ids: list[int] | None,
+                    name: str | None = None) -> tuple[str | None, str]:
     """(reasoning, content) of a whole reply's ``text`` (outside its tool calls): by the parser's stream of a reply
     to ``prompt_token_ids`` fed that text at once where it has one (as the reply's outputs were split), else by
     ``split``; (None, text) without a parser."""
     if parser is None:
         return None, text
-    stream = None if prompt_token_ids is None else new_reasoning_stream(parser, prompt_token_ids)
+    stream = None if prompt_token_ids is None else new_reasoning_stream(parser, prompt_token_ids, name)
     if stream is None:
-        return _split_reasoning(parser, text)
-    reasoning, content = _feed(stream, text, True)
+        return _split_reasoning(parser, text, name)
+    reasoning, content = _feed(stream, text, True, name)
     return reasoning if stream.reasoned else None, content
 
 
-def _split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str]:
-    name = type(parser).__name__
+def _split_reasoning(parser: ReasoningParser, text: str, name: str | None = None) -> tuple[str | None, str]:
+    name = name or type(parser).__name__
     try:
         split = parser.split(text)
     except InferError:
@@ -274,8 +281,9 @@ def _split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, st
     return split
 
 
-def _read_tool_calls(parser: ToolParser, text: str, token_ids: list[int]) -> tuple[str, list[ToolCall]]:
-    name = type(parser).__name__
+def _read_tool_calls(parser: ToolParser, text: str, token_ids: list[int], name: str | None = None
+                     ) -> tuple[str, list[ToolCall]]:
+    name = name or type(parser).__name__
     try:
         reply = parser.parse(text, token_ids)
     except InferError:

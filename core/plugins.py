@@ -411,6 +411,7 @@ class Blame:
         self.plugins = plugins
         self.instances: dict[int, tuple[object, str]] = {}  # id -> (component, who)
         self.modules: dict[str, list[str]] = {}  # module -> who, for each component defined there
+        self.names: dict[int, str] = {}  # id -> "'name' from 'package'"
         for kind, (name, component) in components.items():
             self.add(kind, name, component)
 
@@ -421,7 +422,13 @@ class Blame:
         source = self.plugins.registry(kind).entry(name).source
         who = f"the {kind.replace('_', ' ')} {name!r} from {source!r}"
         self.instances[id(component)] = (component, who)
+        self.names[id(component)] = f"{name!r} from {source!r}"
         self.modules.setdefault(type(component).__module__, []).append(who)
+
+    def name(self, component: object) -> str | None:
+        """``'name' from 'package'`` of a component built from a registry, for the errors that check its answers
+        (None for one that is not: an engine's own)."""
+        return self.names.get(id(component)) if self.instances.get(id(component), (None,))[0] is component else None
 
     def error(self, exc: BaseException) -> PluginError | None:
         """A PluginError naming the component ``exc`` came from, or None when no component's code raised it."""

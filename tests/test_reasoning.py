@@ -171,7 +171,8 @@ def test_a_misbehaving_parser_is_a_plugin_error_naming_it(tiny_model: Path, tmp_
             return (5, True)  # not a ReasoningEnd
 
     engine = engine_with_parser(tiny_model, tmp_path, "broken", Broken())
-    with pytest.raises(PluginError, match=r"reasoning parser Broken returned .*not \(reasoning or None, content\)"):
+    with pytest.raises(PluginError, match=r"reasoning parser 'broken' from 'broken-reasoning' returned .*not "
+                                          r"\(reasoning or None, content\)"):
         engine.generate([ChatPrompt.of(ASK)], SamplingParams(max_tokens=3))
     with pytest.raises(PluginError, match=r"reasoning parser 'broken': reasoning_end\(\) returned \(5, True\)"):
         engine.generate([ChatPrompt.of(ASK)], SamplingParams(max_tokens=3, structured_output=StructuredOutput(
@@ -505,10 +506,13 @@ def test_a_misbehaving_stream_is_a_plugin_error_naming_it(tiny_model: Path, tmp_
             return self.answer
 
     for name, answer, error in (
-            ("not-a-stream", "a string", r"Parser's stream\(\) returned 'a string', not None or a ReasoningStream"),
+            ("not-a-stream", "a string", r"stream\(\) of the reasoning parser 'not-a-stream' from "
+                                         r"'not-a-stream-reasoning' returned 'a string', "
+                            r"not None or a ReasoningStream"),
             ("not-a-pair", Stream(("only reasoning",)),
-             r"reasoning stream Stream returned \('only reasoning',\), not \(reasoning, "),
-            ("raises", Stream(ValueError("bad state")), r"reasoning stream Stream raised ValueError: bad state")):
+             r"reasoning stream of 'not-a-pair' from 'not-a-pair-reasoning' returned \('only reasoning',\), not "),
+            ("raises", Stream(ValueError("bad state")),
+             r"reasoning stream of 'raises' from 'raises-reasoning' raised ValueError: bad state")):
         engine = engine_with_parser(tiny_model, tmp_path, name, Parser(answer))
         with pytest.raises(PluginError, match=error):
             engine.generate([ChatPrompt.of(ASK)], SamplingParams(max_tokens=3))
@@ -570,7 +574,8 @@ def test_a_stream_failing_mid_reply_fails_the_step_and_the_other_requests_finish
     engine.add_request("plain", SamplingParams(max_tokens=2, ignore_eos=True), "plain")
     streamed = engine.stream("read", SamplingParams(max_tokens=2, ignore_eos=True), "read")
     outputs = engine.step()  # the prompts, and a first token each
-    with pytest.raises(PluginError, match="reasoning stream Flaky raised ValueError: bad state"):
+    with pytest.raises(PluginError, match="reasoning stream of 'flaky' from 'flaky-reasoning' raised ValueError: bad "
+                                          "state"):
         engine.step()  # the second tokens: the plain and the streamed requests end
     assert [o.request_id for o in outputs] == ["chat", "plain"]
     assert {o.request_id for o in engine.step()} == {"chat"}  # it goes on, unsplit; nothing of the others comes late

@@ -254,14 +254,15 @@ def test_the_engine_gives_each_whole_reply_of_a_chat_with_tools_to_the_parser(ti
 
 def test_a_parser_that_breaks_its_contract_is_named(tiny_model: Path, template: Path) -> None:
     llm = echo_llm(tiny_model, template, "broken")
-    with pytest.raises(PluginError, match="the tool parser BrokenParser returned str, not a ParsedReply"):
+    with pytest.raises(PluginError, match="the tool parser 'broken' from 'tests' returned str, not a ParsedReply"):
         llm.chat(CHAT, SamplingParams(max_tokens=2), tools=TOOLS)
     llm = echo_llm(tiny_model, template, "raising")
-    with pytest.raises(PluginError, match="the tool parser RaisingParser raised ValueError: no JSON here"):
+    with pytest.raises(PluginError, match="the tool parser 'raising' from 'tests' raised ValueError: no JSON here"):
         llm.chat(CHAT, SamplingParams(max_tokens=2), tools=TOOLS)
     assert not llm.engine.has_unfinished()
     llm = echo_llm(tiny_model, template, "opaque")
-    with pytest.raises(PluginError, match="the tool parser OpaqueParser returned a malformed call .* JSON-like"):
+    with pytest.raises(PluginError, match="the tool parser 'opaque' from 'tests' returned a malformed call .* "
+                                          "JSON-like"):
         llm.chat(CHAT, SamplingParams(max_tokens=2), tools=TOOLS)
     with pytest.raises(UnknownComponentError, match="unknown tool parser 'nope'; registered tool parsers: hermes, "
                                                     "llama3-json, mistral, pythonic"):

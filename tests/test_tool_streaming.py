@@ -216,9 +216,11 @@ def test_speculative_outputs_stream_the_same_content(tiny_model: Path, template:
 
 
 @pytest.mark.parametrize("parser, complaint", [
-    ("raises", r"the tool parser Raises raised KeyError in streamed_content\(\): 'no state'"),
-    ("overshoots", r"Overshoots's streamed_content\(\) returned \d+ for a reply of \d+ characters"),
-    ("disagrees", r"the tool parser Disagrees streamed .* as the start of the reply's content, but its parse\(\) "
+    ("raises", r"the tool parser 'raises' from 'tests' raised KeyError in streamed_content\(\): 'no state'"),
+    ("overshoots", r"streamed_content\(\) of the tool parser 'overshoots' from 'tests' returned \d+ for a reply of \d+ "
+                   r"characters"),
+    ("disagrees", r"the tool parser 'disagrees' from 'tests' streamed .* as the start of the reply's content, but "
+                  r"its parse\(\) "
                   r"gave the content .*; fix its streamed_content\(\)"),
 ])
 def test_a_streamed_content_that_breaks_its_contract_fails_the_request_naming_it(
