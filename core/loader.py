@@ -76,9 +76,13 @@ def read_config(path: Path) -> dict[str, Any]:
     if not config_file.exists():
         raise CheckpointError(f"{str(path)!r} has no config.json; is it an HF model folder?")
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON in UTF-8: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_file} holds {json.dumps(raw)[:40]}, not a JSON object of config fields; is "
+                              "it an HF config.json?")
+    return raw
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -170,8 +174,9 @@ def generation_eos(path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def check_finite(model: torch.nn.Module) -> None:
-    """Refuse NaN or infinite weights: they make every output garbage without any error."""
+def check_finite(model: torch.nn.Module, narrowed_to: str | None = None) -> None:
+    """Refuse NaN or infinite weights: they make every output garbage without any error. ``narrowed_to``: the
+    dtype the weights were cast down to (float16 from a wider checkpoint), which may overflow to infinity."""
     tensors = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()]
                if t.is_floating_point() and t.numel()]
     if not tensors:
@@ -179,9 +184,12 @@ def check_finite(model: torch.nn.Module) -> None:
     finite = torch.stack([_all_finite(t) for _, t in tensors]).tolist()  # one device sync
     bad = [name for (name, _), ok in zip(tensors, finite) if not ok]
     if bad:
+        why = "the checkpoint is corrupt or was saved from a diverged run: fetch or export it again" \
+            if narrowed_to is None else (f"cast to --dtype {narrowed_to}, whose largest value is 65504, its weights "
+                                         "overflow (or the checkpoint is corrupt): load it with --dtype bfloat16 or "
+                                         "float32")
         raise CheckpointError(f"{len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:5])}"
-                              f"{', ...' if len(bad) > 5 else ''}); the checkpoint is corrupt or was saved from a "
-                              "diverged run: fetch or export it again")
+                              f"{', ...' if len(bad) > 5 else ''}); {why}")
 
 
 # bit patterns of 8-bit floats that are NaN or infinite: (mask, value) with (byte & mask) == value
@@ -260,7 +268,7 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
         log.warning("the tokenizer has %d tokens but the model's vocabulary %d: prompts with the extra tokens are "
                     "refused", len(tokenizer), model.spec.vocab_size)
     model.load_weights(iter_weights(files))
-    check_finite(model)
+    check_finite(model, "float16" if dtype == torch.float16 and checkpoint_dtype(raw) != "float16" else None)
     model.eval()
     return LoadedModel(model, getattr(model, "cfg", raw), tokenizer, device, dtype, path, quant, eos, archs[0],
                        quant_name if quant is not None else None)

@@ -51,7 +51,7 @@ class ArchConfig:
         defaults = ARCH_DEFAULTS.get(arch, {})
         heads, hidden = field.positive("num_attention_heads"), field.positive("hidden_size")
         max_positions = field.positive("max_position_embeddings", defaults.get("max_position_embeddings", 2048))
-        kv_heads = field.positive("num_key_value_heads", heads)
+        kv_heads = field.positive("num_key_value_heads", defaults.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise CheckpointError(f"config.json of this {arch} has {heads} attention heads and {kv_heads} key/value "
                                   "heads; grouped-query attention needs the first a multiple of the second; fix "
@@ -71,8 +71,14 @@ class ArchConfig:
         eos = field.get("eos_token_id", (int, list))
         if arch == "MistralForCausalLM":  # HF's Mistral always slides: 4096 when absent, null for none
             window = field.get("sliding_window", int) if "sliding_window" in raw else defaults["sliding_window"]
-        else:  # Qwen2/3 slide only with use_sliding_window (default false); Llama never
-            window = field.get("sliding_window", int) if field.get("use_sliding_window", bool) else None
+        elif "max_window_layers" in defaults:  # Qwen2/3: layer i slides with use_sliding_window, i >= that
+            types = raw.get("layer_types")
+            first = field.get("max_window_layers", int)  # 0: every layer slides
+            slides = any(kind == "sliding_attention" for kind in types) if isinstance(types, list) else \
+                (defaults["max_window_layers"] if first is None else first) < field.positive("num_hidden_layers")
+            window = field.get("sliding_window", int) if field.get("use_sliding_window", bool) and slides else None
+        else:  # Llama never slides, whatever its config.json says
+            window = None
         biases = BIASES.get(arch, BIASES["LlamaForCausalLM"])
         qkv = biases["qkv"]
         attention_bias = qkv is True or (qkv == "flag" and bool(field.get("attention_bias", bool)))
@@ -103,9 +109,10 @@ class ArchConfig:
 # HF's defaults for fields a config.json may leave out, where they differ from Llama's
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048},
-    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096, "num_key_value_heads": 8},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "max_window_layers": 28},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32,
+                         "max_window_layers": 28},
 }
 # which biases each HF architecture has: qkv True always, "flag" as attention_bias says, False never; o_proj with
 # the q/k/v bias when "o"; the MLP's as mlp_bias says when "mlp"

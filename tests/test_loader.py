@@ -174,6 +174,29 @@ def test_fp8_weights_are_checked_for_every_bit_pattern(dtype):
                 check_finite(module)
 
 
+def test_a_weight_past_float16_range_names_the_cast_not_the_checkpoint(llama, tmp_path):
+    """A float32 checkpoint with a weight of 1e5 loads in float32; cast to float16 (largest 65504) it overflows,
+    which is the cast's doing: the error said the checkpoint was corrupt."""
+    def big(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        up = t["model.layers.0.mlp.up_proj.weight"].clone()
+        up[0, 0] = 1e5
+        return t | {"model.layers.0.mlp.up_proj.weight": up}
+
+    path = copy_of(llama, tmp_path / "m", {"torch_dtype": "float32", "dtype": None}, big)
+    assert LLM(model=str(path), device="cpu", num_kv_blocks=4)
+    assert "cast to --dtype float16, whose largest value is 65504, its weights overflow" in load_error(
+        path, dtype="float16")
+
+
+@pytest.mark.parametrize(("text", "complaint"), [
+    ("[1, 2]", "holds [1, 2], not a JSON object of config fields"), ("null", "holds null, not a JSON object"),
+    (b"\xff\xfe{}", "is not valid JSON in UTF-8")])
+def test_a_config_json_that_is_no_object_is_a_checkpoint_error(llama, tmp_path, text, complaint):
+    path = copy_of(llama, tmp_path / "m")
+    (path / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert complaint in load_error(path)
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
 def test_a_truncated_tokenizer_file_is_named(llama, tmp_path, name):
     path = copy_of(llama, tmp_path / "m")

@@ -217,6 +217,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
     ("qwen3", lambda c: c.pop("head_dim"), {"extra": {"head_dim": 128}}),  # Qwen3's default head_dim is 128
     # HF's Mistral has no biases whatever the flags say; its window applies whatever use_sliding_window says
     ("mistral", lambda c: c.update(attention_bias=True, mlp_bias=True, use_sliding_window=False), {}),
+    # a config without num_key_value_heads takes HF's default of its class: Mistral 8, Qwen 32 (Llama: the heads)
+    ("mistral", lambda c: c.pop("num_key_value_heads"), {"num_heads": 16, "num_kv_heads": 8, "hidden_size": 128}),
+    ("qwen2", lambda c: c.pop("num_key_value_heads"), {"num_heads": 32, "num_kv_heads": 32, "hidden_size": 128}),
+    ("llama", lambda c: c.pop("num_key_value_heads"), {"num_heads": 4, "num_kv_heads": 4}),
 ])
 def test_config_variants_run_what_hf_runs(tmp_path, hf_greedy, arch, edit, options):
     path = edited_model(tmp_path / "m", arch, edit, max_position_embeddings=64, **options)
@@ -235,6 +239,22 @@ def test_mistral_window_defaults_as_in_hf_and_other_activations_are_refused(tmp_
     window_off = edited_model(tmp_path / "b", "mistral", lambda c: c.update(sliding_window=48,
                                                                            use_sliding_window=False))
     assert Engine(EngineConfig(model=str(window_off), device="cpu", num_kv_blocks=4)).max_model_len == 48
+    # HF's Llama never slides; Qwen slides from layer max_window_layers (default 28) on: not below it
+    llamafied = edited_model(tmp_path / "d", "llama", lambda c: c.update(sliding_window=48, use_sliding_window=True))
+    assert Engine(EngineConfig(model=str(llamafied), device="cpu", num_kv_blocks=4)).max_model_len == 1024
+    for name, edit, expected in (
+            ("e", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=2,
+                                     layer_types=None), 1024),
+            ("f", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=1,
+                                     layer_types=None), 48),
+            ("g", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=0,
+                                     layer_types=None), 48),
+            ("h", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=0,
+                                     layer_types=["full_attention"] * 2), 1024),  # given layer types win, as in HF
+            ("i", lambda c: (c.update(sliding_window=48, use_sliding_window=True, layer_types=None),
+                             c.pop("max_window_layers", None)), 1024)):  # 2 layers, all below the default 28
+        qwen = edited_model(tmp_path / name, "qwen2", edit)
+        assert Engine(EngineConfig(model=str(qwen), device="cpu", num_kv_blocks=4)).max_model_len == expected, name
     gelu = edited_model(tmp_path / "c", "llama", lambda c: c.update(hidden_act="gelu"))
     with pytest.raises(CheckpointError, match="has hidden_act 'gelu'; infer's MLP computes silu"):
         Engine(EngineConfig(model=str(gelu), device="cpu", num_kv_blocks=4))
