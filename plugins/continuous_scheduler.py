@@ -155,8 +155,8 @@ class ContinuousScheduler(Scheduler):
         if not self.waiting:
             return
         occupied = sum(self._seats(s) for s in self.running)
-        future = sum(self._future_blocks(s, len(self.kv.block_table(s))) * self._seats(s)  # an unforked parent: n
-                     for s in self.running) if self.reserve.value else 0
+        future = sum(self._future_of(s, len(self.kv.block_table(s))) for s in self.running) \
+            if self.reserve.value else 0
         while self.waiting and occupied < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if occupied + self._seats(seq) > self.max_num_seqs:
@@ -176,14 +176,14 @@ class ContinuousScheduler(Scheduler):
                 budget -= n
                 occupied += seats
                 if self.reserve.value:
-                    future += self._future_blocks(seq, len(self.kv.block_table(seq))) * seats
+                    future += self._future_of(seq, len(self.kv.block_table(seq)))
                 continue
             seq.num_computed_tokens = self.kv.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget) if self.chunked else remaining
             alone = not out.scheduled  # an over-budget recompute may run alone rather than wait forever
             if self.reserve.value:
-                future += self._future_blocks(seq, self.kv.num_blocks_needed(seq.num_tokens)) * self._seats(seq)
+                future += self._future_of(seq, self.kv.num_blocks_needed(seq.num_tokens))
                 if self.running and not self._leaves_reserve(seq, future):
                     self.kv.free(seq)  # the match_prefix contract: free or allocate follows each lookup
                     seq.num_computed_tokens = 0
@@ -199,10 +199,25 @@ class ContinuousScheduler(Scheduler):
             occupied += self._seats(seq)
 
     def _leaves_reserve(self, seq: Sequence, future_blocks: int) -> bool:
-        """Whether the free blocks less those ``seq``'s uncached prompt takes cover ``reserve`` x ``future_blocks``
-        (--kv-admission-reserve), the blocks the running sequences and ``seq`` take if they run to max_tokens."""
-        prompt_blocks = self.kv.num_blocks_needed(seq.num_tokens) - seq.num_computed_tokens // self.kv.block_size
+        """Whether the free blocks less those ``seq``'s prompt takes cover ``reserve`` x ``future_blocks``
+        (--kv-admission-reserve), the blocks the running sequences and ``seq`` take if they run to max_tokens. Its
+        prefix-cache hits take no new block, but those no running sequence holds are counted free until it does."""
+        matched = self.kv.block_table(seq)[: seq.num_computed_tokens // self.kv.block_size]
+        if matched:
+            held = {block for running in self.running for block in self.kv.block_table(running)}
+            matched = [block for block in matched if block in held]
+        prompt_blocks = self.kv.num_blocks_needed(seq.num_tokens) - len(matched)
         return self.kv.num_free_blocks() - prompt_blocks >= math.ceil(self.reserve.value * future_blocks)
+
+    def _future_of(self, seq: Sequence, held: int) -> int:
+        """``_future_blocks`` of ``seq`` and, for a parent not forked yet, of its n - 1 children: each shares the
+        prompt's full blocks and writes its own copy of the partial last one."""
+        own, seats = self._future_blocks(seq, held), self._seats(seq)
+        if seats == 1:
+            return own
+        final = min(seq.num_prompt_tokens + seq.params.max_tokens - 1, seq.max_model_len)
+        shared = seq.num_prompt_tokens // self.kv.block_size
+        return own + (seats - 1) * max(0, self.kv.num_blocks_needed(final) - shared)
 
     def _future_blocks(self, seq: Sequence, held: int) -> int:
         """Blocks beyond ``held`` that ``seq`` needs for every position it may write: its prompt and max_tokens

@@ -125,19 +125,20 @@ def test_an_admission_reserve_counts_the_forks_of_an_n_request(checkpoint):
     assert preemptions[0.0] > 0 and preemptions[1.0] == 0
 
 
-@pytest.mark.parametrize("max_tokens, reserve, n", [((49, 49), 1.0, 1), ((49, 33), 0.5, 1), ((49, 49), 1.0, 2)])
-def test_the_admission_reserve_admits_exactly_at_its_formula(checkpoint, max_tokens, reserve, n):
-    """Two 16-token prompts (one block each) arrive together; A is admitted (nothing runs), then B only if the
-    free blocks less B's prompt cover ceil(R x the blocks both may still write), each up to prompt + max_tokens - 1
-    tokens, B's counted n times: admitted with that many blocks in the pool, not with one fewer."""
+@pytest.mark.parametrize("max_tokens, reserve, n, length", [((49, 49), 1.0, 1, 16), ((49, 33), 0.5, 1, 16),
+                                                            ((49, 49), 1.0, 2, 16), ((49, 49), 1.0, 3, 20)])
+def test_the_admission_reserve_admits_exactly_at_its_formula(checkpoint, max_tokens, reserve, n, length):
+    """Two prompts of ``length`` tokens arrive together; A is admitted (nothing runs), then B only if the free
+    blocks less B's prompt cover ceil(R x the blocks both may still write), each up to prompt + max_tokens - 1
+    tokens; B's n - 1 children share its prompt's full blocks and each writes its own copy of a partial last one
+    (they were counted as the parent's future n times): admitted with that many blocks in the pool, not one fewer."""
     path, block = checkpoint("llama"), 16
-
-    def later_blocks(max_new: int) -> int:  # blocks beyond the prompt's one
-        return math.ceil((block + max_new - 1) / block) - 1
-
-    future = later_blocks(max_tokens[0]) + n * later_blocks(max_tokens[1])
-    smallest = 2 + math.ceil(reserve * future)  # A's prompt block, B's, and the reserve
-    prompts = [list(range(10, 10 + block)), list(range(100, 100 + block))]
+    final = [length + tokens - 1 for tokens in max_tokens]
+    parent = [math.ceil(f / block) - math.ceil(length / block) for f in final]  # beyond the prompt's blocks
+    child = math.ceil(final[1] / block) - length // block  # beyond the prompt's full blocks
+    future = parent[0] + parent[1] + (n - 1) * child
+    smallest = 2 * math.ceil(length / block) + math.ceil(reserve * future)  # A's and B's prompts, and the reserve
+    prompts = [list(range(10, 10 + length)), list(range(100, 100 + length))]
     for blocks in (smallest - 1, smallest):
         engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=blocks, block_size=block,
                                      enable_prefix_caching=False, kv_admission_reserve=reserve))
@@ -146,6 +147,28 @@ def test_the_admission_reserve_admits_exactly_at_its_formula(checkpoint, max_tok
                                                       ignore_eos=True))
         engine.step()
         assert engine.scheduler.num_running() == (1 if blocks < smallest else 1 + n), blocks
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+def test_a_prefix_hit_on_cached_blocks_counts_them_as_taken(checkpoint, kv_cache):
+    """B's prompt hits two cached blocks that no sequence holds: admitting B takes them from the free blocks, which
+    the reserve counted as B's for nothing (B was admitted beside A and a sequence was preempted later); blocks a
+    running sequence holds take nothing."""
+    runs = {}
+    for warm in (False, True):
+        engine = Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", block_size=4, num_kv_blocks=6,
+                                     kv_admission_reserve=1.0, kv_cache=kv_cache))
+        shared = list(range(100, 108))
+        if warm:
+            engine.generate([shared + [300]], SamplingParams(max_tokens=1, temperature=0.0))
+        engine.add_request([21, 22, 23], SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
+        engine.add_request(shared + [400], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        engine.step()
+        waiting = engine.scheduler.num_waiting()
+        while engine.has_unfinished():
+            engine.step()
+        runs[warm] = (waiting, engine.scheduler.num_preemptions)
+    assert runs == {False: (1, 0), True: (1, 0)}
 
 
 def test_an_n_request_alone_runs_under_a_full_reserve(checkpoint):
