@@ -145,7 +145,8 @@ def check_shapes(in_features: int, out_features: int, group_size: int, prefix: s
         raise CheckpointError(f"AWQ group_size {group_size} does not divide in_features {in_features}{where}; {todo}")
     if out_features % PACK:
         todo = ("list the module in quantization_config.modules_to_not_convert if the checkpoint keeps it "
-                "unquantized") if checkpoint else "quantize this model with --quant fp8 instead"
+                "unquantized") if checkpoint else ("AWQ cannot quantize this model; load it unquantized with "
+                                                   "`infer --quant fp8 ...` instead")
         raise CheckpointError(f"AWQ packs {PACK} output columns per int32, so it needs out_features divisible by "
                               f"{PACK}, got {out_features}{where}; {todo}")
     return group

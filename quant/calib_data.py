@@ -29,8 +29,9 @@ def _jsonl_text(line: str, where: str) -> str:
     try:
         value = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"{where} is not valid JSON ({exc}); a JSONL calibration file holds one JSON "
-                                  "string or object with a 'text' field per line") from exc
+        raise InvalidRequestError(f"{where} is not a whole JSON value ({exc}); a .jsonl/.json calibration file is "
+                                  "JSON Lines: one JSON string, or object with a 'text' field, per line (not one JSON "
+                                  "document such as an array)") from exc
     if isinstance(value, dict) and isinstance(value.get("text"), str):
         return value["text"]
     if isinstance(value, str):
@@ -42,13 +43,15 @@ def read_texts(path: Path) -> list[str]:
     """Calibration texts from ``path``: JSONL when the suffix is .jsonl/.json or the first line is a JSON object,
     else one text per non-empty line (code that opens with a ``{`` line stays text)."""
     try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]  # BOM or not
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"cannot read calibration file {str(path)!r}: {exc}") from exc
     if not lines:
         raise InvalidRequestError(f"calibration file {str(path)!r} holds no text")
     if path.suffix in (".jsonl", ".json") or _is_json_object(lines[0]):
-        return [_jsonl_text(line, f"{path.name} line {i + 1}") for i, line in enumerate(lines)]
+        lines = [_jsonl_text(line, f"{path.name} line {i + 1}") for i, line in enumerate(lines)]
+        if not any(text.strip() for text in lines):
+            raise InvalidRequestError(f"calibration file {str(path)!r} holds only empty texts")
     return lines
 
 

@@ -71,11 +71,11 @@ class AwqCalibrationConfig:
         if self.group_size is not None and not awq.is_group_size(self.group_size):
             raise ConfigError(f"--group-size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
                               f"got {self.group_size}")
-        for name in ("num_samples", "seq_len", "grid", "max_rows", "batch_samples"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 2:
-            raise ConfigError(f"seq-len must be >= 2 (a sample needs a next token), got {self.seq_len}")
+            raise ConfigError(f"--seq-len must be >= 2 (a sample needs a next token), got {self.seq_len}")
+        for name in ("num_samples", "grid", "max_rows", "batch_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         from ..core.loader import resolve_device
 
         try:

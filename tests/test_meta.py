@@ -287,7 +287,9 @@ def test_the_interfaces_module_exports_every_plugin_abc():
 
     def public(module: Any) -> set[str]:
         return {name for name, value in vars(module).items() if not name.startswith("_")
-                and getattr(value, "__module__", None) == module.__name__ and (inspect.isclass(value) or callable(value))}
+                and getattr(value, "__module__", None) == module.__name__
+                and (inspect.isclass(value) or callable(value))}
 
-    assert public(interfaces) | public(reply_interfaces) | {"QUANTIZED_TENSOR_NAMES", "Model"} == set(interfaces.__all__)
+    constants = {"QUANTIZED_TENSOR_NAMES", "Model"}
+    assert public(interfaces) | public(reply_interfaces) | constants == set(interfaces.__all__)
     assert all(getattr(interfaces, name) is not None for name in interfaces.__all__)

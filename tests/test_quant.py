@@ -350,7 +350,8 @@ def test_awq_linear_errors() -> None:
             layer.load(name, torch.zeros(4, 2 if name == "qzeros" else 16, dtype=dtype))
     with pytest.raises(CheckpointError, match="out_features divisible by 8, got 12.*modules_to_not_convert"):
         make_linear(method, 128, 12)
-    with pytest.raises(CheckpointError, match="out_features divisible by 8, got 12.*--quant fp8 instead"):
+    with pytest.raises(CheckpointError, match="out_features divisible by 8, got 12.*load it unquantized with "
+                                              "`infer --quant fp8"):
         make_linear(AwqLinearMethod(quantize_on_load=True), 128, 12)
     with pytest.raises(CheckpointError, match="does not divide in_features 96.*does not fit its own config.json"):
         make_linear(AwqLinearMethod(group_size=64), 96, 16)
@@ -386,7 +387,8 @@ def test_awq_plugin_factory(caplog: pytest.LogCaptureFixture) -> None:
     small = awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"group_size": 32}}), None)
     assert isinstance(small, AwqLinearMethod) and small.group_size == 32
     for bad in (48, 64.0, True):  # 64.0 and True pass ``in (-1, 32, 64, 128)`` and failed later, in a reshape
-        with pytest.raises(ConfigError, match=f"--plugin-option awq.group_size must be one of -1, 32, 64, 128, got {bad}: "):
+        with pytest.raises(ConfigError, match=f"--plugin-option awq.group_size must be one of -1, 32, 64, 128, "
+                                              f"got {bad}: "):
             awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"group_size": bad}}), None)
         with pytest.raises(CheckpointError, match=f"AWQ group_size must be one of -1, 32, 64, 128, got {bad}$"):
             awq_plugin.build_awq(EngineConfig(), {**GOOD_AWQ, "group_size": bad})
@@ -671,9 +673,19 @@ def test_calibration_texts_and_samples(tmp_path: Path) -> None:
         read_texts(jsonl)
     assert not isinstance(info.value, ConfigError)
     jsonl.write_text("{oops\n")
-    with pytest.raises(InvalidRequestError, match="line 1 is not valid JSON") as info:
+    with pytest.raises(InvalidRequestError, match="line 1 is not a whole JSON value") as info:
         read_texts(jsonl)
     assert not isinstance(info.value, ConfigError)
+    document = tmp_path / "calib.json"  # one JSON document over several lines: said to be JSON Lines' job
+    document.write_text('[\n  "a b",\n  "c d"\n]\n')
+    with pytest.raises(InvalidRequestError, match="is JSON Lines: one JSON string, or object with a 'text' field, "
+                                                  "per line"):
+        read_texts(document)
+    lines.write_text('\ufeff{"text": "a b"}\n', encoding="utf-8")  # a byte-order mark: still JSONL, not text
+    assert read_texts(lines) == ["a b"]
+    jsonl.write_text('{"text": ""}\n" "\n')
+    with pytest.raises(InvalidRequestError, match="holds only empty texts"):
+        read_texts(jsonl)
 
     class Chars:  # one token per character
         def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

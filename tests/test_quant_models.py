@@ -401,7 +401,8 @@ def test_scale_folding_leaves_the_model_unchanged(name: str, checkpoint: Callabl
     (["--bits", "8"], "supports 4-bit weights only", 2),
     (["--group-size", "128"], "group_size 128 does not divide in_features 64", 1),  # the model's shape, found on load
     (["--num-samples", "0"], "num-samples must be >= 1", 2),
-    (["--seq-len", "1"], "seq-len must be >= 2", 2),
+    (["--seq-len", "1"], "--seq-len must be >= 2", 2),
+    (["--seq-len", "0"], "--seq-len must be >= 2", 2),
     (["--device", "bogus"], "--device must be auto, cpu, cuda or cuda:N, got 'bogus'", 2),
 ])
 def test_quantize_command_rejects_bad_options(args: list[str], message: str, status: int, tiny_model: Path,
