@@ -288,6 +288,7 @@ class Engine:
 
     def _advance(self) -> None:
         """One step; every delta goes where it is read: to the call that owns its request, else to step()."""
+        self.readers.drop_abandoned()
         with self._plugin_code():
             if self.searches:
                 self.searches.step()  # first: blocks freed by finished requests go to beams before admissions
@@ -439,7 +440,8 @@ class Engine:
 
     def _deferred_raised(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         failure, self.deferred = self.deferred, None
-        if failure is not None:
+        if failure is not None:  # the step's outputs still reach the stream and generate calls that read them
+            self.readers.route([output for output in outputs if output.request_id in self.readers.owned])
             raise failure
         return outputs
 

@@ -2,6 +2,7 @@
 requests' deltas whoever's call steps the engine; the deltas of every other request go to ``Engine.step()``."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -23,6 +24,7 @@ class Readers:
         self.owned: set[str] = set()
         self.waiting: dict[str, list[RequestOutput]] = {}  # owned request -> its deltas not read yet
         self.loose: list[RequestOutput] = []  # other requests' deltas made in readers' steps, for step()
+        self.abandoned: list[str] = []  # requests of readers dropped unread (appended at garbage collection)
 
     def route(self, outputs: list[RequestOutput]) -> None:
         if not self.owned:
@@ -33,6 +35,13 @@ class Readers:
                 self.waiting.setdefault(output.request_id, []).append(output)
             else:
                 self.loose.append(output)
+
+    def drop_abandoned(self) -> None:
+        """Abort the requests of readers dropped before their first ``next`` (a generator that never started runs
+        no clean-up): at the start of a step, not at garbage collection, which may come inside one."""
+        if self.abandoned:
+            ids, self.abandoned = self.abandoned, []
+            self.disown([rid for rid in ids if rid in self.owned], abort=True)
 
     def take_loose(self) -> list[RequestOutput]:
         outputs, self.loose = self.loose, []
@@ -86,6 +95,9 @@ class Readers:
                         if delta.finished:
                             yield index[rid], results.pop(rid)
                             break
+                if results and not engine.has_unfinished():  # ended without a final delta (a failed step's)
+                    for rid in [rid for rid in results if rid not in engine.requests and rid not in self.waiting]:
+                        yield index[rid], results.pop(rid)
                 if results:
                     engine._advance()
         except BaseException as exc:  # the caller stopped early (GeneratorExit), or an error: free what is left
@@ -101,11 +113,17 @@ class Reader(Iterator[T], Generic[T]):
 
     def __init__(self, readers: Readers, request_ids: list[str], body: Iterator[T]) -> None:
         self.readers, self.request_ids, self.body = readers, request_ids, body
+        self.dropped = weakref.finalize(self, readers.abandoned.extend, request_ids)  # dropped unread: aborted
 
     def __next__(self) -> T:
-        return next(self.body)
+        try:
+            return next(self.body)
+        except BaseException:  # done, failed or stopped: the body gave up its requests
+            self.dropped.detach()
+            raise
 
     def close(self) -> None:
+        self.dropped.detach()
         if hasattr(self.body, "close"):
             self.body.close()  # once started, closing it aborts what is left; before, nothing runs, so:
         self.readers.disown(self.request_ids, abort=True)

@@ -778,6 +778,64 @@ def test_a_batch_reader_closed_before_its_first_result_aborts_its_requests(engin
     assert not engine.has_unfinished() and not engine.readers.owned and drained(engine)
 
 
+def test_a_reader_dropped_unread_has_its_requests_aborted_at_the_next_step(engine):
+    """Dropped before its first next (an error between the call and the loop), a reader ran no clean-up: its request
+    decoded to max_tokens for nobody, and its id stayed owned, so step() never saw a later request of that id."""
+    import gc
+
+    stream = engine.stream("hi", greedy(200), request_id="r1")
+    batch = engine.generate_as_completed(["a", "b"], greedy(200))
+    del stream, batch
+    gc.collect()
+    engine.step()  # aborts them first
+    assert not engine.has_unfinished() and not engine.readers.owned and drained(engine)
+    engine.add_request("hi", greedy(3), request_id="r1")
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert sum(len(d.outputs[0].token_ids) for d in deltas) == 3 and deltas[-1].finished
+    finished = engine.stream("hi", greedy(2))
+    assert len(list(finished)) >= 1
+    del finished  # read to the end: nothing to abort, and a later request of any id is untouched
+    gc.collect()
+    assert not engine.readers.abandoned
+
+
+def test_a_failed_step_still_delivers_the_other_readers_outputs(tiny_model):
+    """An observer fails one step: the reader whose next() ran it gets the error; another stream still gets every
+    token, and a batch reader whose request finished in that step its result (it stepped an idle engine forever)."""
+    class FailsOnce:
+        def __init__(self, at: int) -> None:
+            self.steps, self.at = 0, at
+
+        @hookimpl
+        def on_step(self, stats):
+            self.steps += 1
+            if self.steps == self.at:
+                raise RuntimeError("transient")
+
+    from infer.core.errors import PluginError
+
+    for at in (3, 4):  # 4: B (4 tokens) finishes in the failing step
+        plugins, observer = PluginManager.from_entry_points(), FailsOnce(-1)
+        plugins.register(observer, name="fails-once", source="acme")
+        e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64), plugins)
+        want = e.generate([rand_prompt(14, 8)], greedy(12))[0].outputs[0].token_ids
+        observer.steps, observer.at = 0, at
+        a, b = e.stream(rand_prompt(12, 7), greedy(10)), e.stream(rand_prompt(14, 8), greedy(12))
+        with pytest.raises(PluginError, match="the observer 'fails-once' from 'acme' raised RuntimeError"):
+            for _ in a:
+                pass
+        assert [t for out in b for t in out.outputs[0].token_ids] == want
+        observer.steps = 0
+        batch = e.generate_as_completed([rand_prompt(14, 8)], greedy(4))
+        with pytest.raises(PluginError):
+            for _ in e.stream(rand_prompt(12, 7), greedy(10)):
+                pass
+        [(index, result)] = list(batch)
+        assert index == 0 and result.outputs[0].token_ids == want[:4] and drained(e)
+
+
 def test_append_output_copies_new_and_out_of_order_completions_in():
     """The in-place fast path serves one delta over completions 0..n-1 only; anything else is merged by index."""
     from infer.core.outputs import append_output
