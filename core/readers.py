@@ -113,17 +113,18 @@ class Reader(Iterator[T], Generic[T]):
 
     def __init__(self, readers: Readers, request_ids: list[str], body: Iterator[T]) -> None:
         self.readers, self.request_ids, self.body = readers, request_ids, body
-        self.dropped = weakref.finalize(self, readers.abandoned.extend, request_ids)  # dropped unread: aborted
+        # dropped unread: aborted at the next step (once started, the body's own clean-up runs when it is dropped)
+        self.dropped: weakref.finalize | None = weakref.finalize(self, readers.abandoned.extend, request_ids)
 
     def __next__(self) -> T:
-        try:
-            return next(self.body)
-        except BaseException:  # done, failed or stopped: the body gave up its requests
-            self.dropped.detach()
-            raise
+        if self.dropped is not None:
+            self.dropped, dropped = None, self.dropped
+            dropped.detach()
+        return next(self.body)
 
     def close(self) -> None:
-        self.dropped.detach()
+        if self.dropped is not None:
+            self.dropped.detach()
         if hasattr(self.body, "close"):
             self.body.close()  # once started, closing it aborts what is left; before, nothing runs, so:
         self.readers.disown(self.request_ids, abort=True)

@@ -794,11 +794,13 @@ def test_a_reader_dropped_unread_has_its_requests_aborted_at_the_next_step(engin
     while engine.has_unfinished():
         deltas += engine.step()
     assert sum(len(d.outputs[0].token_ids) for d in deltas) == 3 and deltas[-1].finished
-    finished = engine.stream("hi", greedy(2))
-    assert len(list(finished)) >= 1
-    del finished  # read to the end: nothing to abort, and a later request of any id is untouched
+    started = engine.stream("hi", greedy(50), request_id="r2")
+    next(started)
+    del started  # started: its own clean-up aborts it at once
     gc.collect()
-    assert not engine.readers.abandoned
+    assert not engine.has_unfinished() and not engine.readers.abandoned
+    again = list(engine.stream("hi", greedy(3), request_id="r2"))  # the id reused at once: the old reader leaves it
+    assert sum(len(d.outputs[0].token_ids) for d in again) == 3 and again[-1].outputs[0].finish_reason.value == "length"
 
 
 def test_a_failed_step_still_delivers_the_other_readers_outputs(tiny_model):
