@@ -235,6 +235,7 @@ class Engine:
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {request_id!r}")
         final = self._abort(request_id)
+        self.stats.refresh(self.kv, self.scheduler)  # its blocks are free now: the summary says so
         if request_id in self.readers.owned:  # the stream or generate call reading it gets the final delta too
             self.readers.route([final])
         return final

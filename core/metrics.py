@@ -101,9 +101,7 @@ class EngineStats:
         schedule_s, execute_s = times.scheduled - start, times.executed - times.scheduled
         sample_s = times.settled - times.executed + sampled - times.emitted
         self.steps += 1
-        self.kv = kv_stats = kv.stats()
-        self.preemptions = scheduler.num_preemptions
-        self.num_waiting, self.num_running = scheduler.num_waiting(), scheduler.num_running()
+        kv_stats = self.refresh(kv, scheduler)
         peak = max(times.used_blocks, kv_stats.used_blocks)
         self.kv_peak_used_blocks = max(self.kv_peak_used_blocks, peak)
         ran = [item.seq for item in out.scheduled if item.seq.status is SequenceStatus.RUNNING]
@@ -119,6 +117,13 @@ class EngineStats:
         for phase in ("schedule", "execute", "sample", "postprocess"):
             self.phase_s[phase] = self.phase_s.get(phase, 0.0) + getattr(step, f"{phase}_s")
         return step
+
+    def refresh(self, kv: KVCache, scheduler: Scheduler) -> KVStats:
+        """Read the KV pool and the scheduler's counts now (after a step, and after an abort outside one)."""
+        self.kv = kv_stats = kv.stats()
+        self.preemptions = scheduler.num_preemptions
+        self.num_waiting, self.num_running = scheduler.num_waiting(), scheduler.num_running()
+        return kv_stats
 
     def record_finished(self, seqs: list[Sequence], arrival: float) -> dict[str, float]:
         """One finished request: one TTFT (its first token), and each sequence's TPOT. Returns the request's own

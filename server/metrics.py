@@ -9,7 +9,8 @@ from . import infer_pb2 as pb
 
 # Stats field -> (metric name, help, kind)
 _METRICS: dict[str, tuple[str, str, str]] = {
-    "queue_depth": ("infer_queue_depth", "Sequences waiting to be admitted to a batch", "gauge"),
+    "queue_depth": ("infer_queue_depth", "Sequences waiting to be admitted to a batch (an n > 1 request's "
+                    "children join once its prompt is computed)", "gauge"),
     "num_running": ("infer_running_sequences", "Sequences in the running batch", "gauge"),
     "beam_searches": ("infer_beam_searches", "BeamSearch calls under way", "gauge"),
     "in_flight": ("infer_server_in_flight_requests", "Requests accepted by the server and not finished", "gauge"),

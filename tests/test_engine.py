@@ -803,6 +803,18 @@ def test_a_reader_dropped_unread_has_its_requests_aborted_at_the_next_step(engin
     assert sum(len(d.outputs[0].token_ids) for d in again) == 3 and again[-1].outputs[0].finish_reason.value == "length"
 
 
+def test_the_summary_after_an_abort_shows_the_pool_as_it_is(engine):
+    """The summary's KV figures were the last step's: after an abort they still counted the aborted request's
+    blocks as used while its finished count had moved on."""
+    rid = engine.add_request("hello there", greedy(50))
+    engine.step()
+    engine.step()
+    engine.abort(rid)
+    summary, kv = engine.stats.summary(), engine.kv.stats()
+    assert (summary["kv_blocks_used"], summary["kv_blocks_free"], summary["kv_blocks_cached"]) == \
+        (kv.used_blocks, kv.free_blocks, kv.cached_blocks) and kv.used_blocks == 0
+
+
 def test_a_failed_step_still_delivers_the_other_readers_outputs(tiny_model):
     """An observer fails one step: the reader whose next() ran it gets the error; another stream still gets every
     token, and a batch reader whose request finished in that step its result (it stepped an idle engine forever)."""
