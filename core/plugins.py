@@ -409,9 +409,8 @@ class Blame:
     def __init__(self, plugins: PluginManager, components: dict[str, tuple[str | None, object]]) -> None:
         """``components``: kind -> (registered name, instance); a None name or instance is skipped."""
         self.plugins = plugins
-        self.instances: dict[int, tuple[object, str]] = {}  # id -> (component, who)
+        self.instances: dict[int, tuple[object, str, str]] = {}  # id -> (component, its kind, "'name' from 'pkg'")
         self.modules: dict[str, list[str]] = {}  # module -> who, for each component defined there
-        self.names: dict[int, str] = {}  # id -> "'name' from 'package'"
         for kind, (name, component) in components.items():
             self.add(kind, name, component)
 
@@ -420,15 +419,18 @@ class Blame:
         if name is None or component is None:
             return
         source = self.plugins.registry(kind).entry(name).source
-        who = f"the {kind.replace('_', ' ')} {name!r} from {source!r}"
-        self.instances[id(component)] = (component, who)
-        self.names[id(component)] = f"{name!r} from {source!r}"
-        self.modules.setdefault(type(component).__module__, []).append(who)
+        self.instances[id(component)] = (component, kind.replace("_", " "), f"{name!r} from {source!r}")
+        self.modules.setdefault(type(component).__module__, []).append(self._who(component))
 
     def name(self, component: object) -> str | None:
         """``'name' from 'package'`` of a component built from a registry, for the errors that check its answers
         (None for one that is not: an engine's own)."""
-        return self.names.get(id(component)) if self.instances.get(id(component), (None,))[0] is component else None
+        found = self.instances.get(id(component))
+        return found[2] if found is not None and found[0] is component else None
+
+    def _who(self, component: object) -> str:
+        _, kind, name = self.instances[id(component)]
+        return f"the {kind} {name}"
 
     def error(self, exc: BaseException) -> PluginError | None:
         """A PluginError naming the component ``exc`` came from, or None when no component's code raised it."""
@@ -436,9 +438,8 @@ class Blame:
         while tb is not None:
             frame = tb.tb_frame
             owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames[:1] else None
-            component, mine = self.instances.get(id(owner), (None, None))
-            if owner is not None and component is owner:
-                who = mine
+            if owner is not None and self.name(owner) is not None:
+                who = self._who(owner)
             elif names := self.modules.get(frame.f_globals.get("__name__", "")):
                 who = " or ".join(names)  # a helper function of a module that defines several components
             tb = tb.tb_next

@@ -215,9 +215,7 @@ class ContinuousScheduler(Scheduler):
         own, seats = self._future_blocks(seq, held), self._seats(seq)
         if seats == 1:
             return own
-        final = min(seq.num_prompt_tokens + seq.params.max_tokens - 1, seq.max_model_len)
-        shared = seq.num_prompt_tokens // self.kv.block_size
-        return own + (seats - 1) * max(0, self.kv.num_blocks_needed(final) - shared)
+        return own + (seats - 1) * self._future_blocks(seq, seq.num_prompt_tokens // self.kv.block_size)
 
     def _future_blocks(self, seq: Sequence, held: int) -> int:
         """Blocks beyond ``held`` that ``seq`` needs for every position it may write: its prompt and max_tokens
