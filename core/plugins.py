@@ -173,8 +173,9 @@ class PluginManager:
                 who = f"plugin {impl.plugin_name!r}" + (
                     f" from package {source!r}" if source != impl.plugin_name else "")
                 way_out = self._way_outs.get(impl.plugin_name, "fix the plugin")
+                register = self.registries[kind].callback(source, entry_point, hook_name)
                 try:
-                    returned = impl.function(register=self.registries[kind].callback(source, entry_point))
+                    returned = impl.function(register=register)
                 except PluginError as exc:  # the registry's: a duplicate (its message has the way out) or a bad name
                     if ALLOW_LIST_ENV in str(exc):
                         raise
@@ -183,6 +184,8 @@ class PluginManager:
                     log.info("%s failed in its %s hook", who, hook_name, exc_info=exc)
                     raise PluginError(f"{who} failed in its {hook_name} hook: {type(exc).__name__}: {exc} (-v "
                                       f"logs the traceback); {way_out}") from exc
+                finally:
+                    register.close()
                 if returned is not None:
                     if inspect.iscoroutine(returned) or inspect.isgenerator(returned):
                         returned.close()

@@ -47,6 +47,28 @@ class Entry(Generic[F]):
     options: Mapping[str, PluginOption] = field(default_factory=dict)  # plugin_options[name], declared
 
 
+class RegisterCallback(Generic[F]):
+    """The ``register`` a registration hook receives. It works while the hook runs: ``close()`` (called when the
+    hook returns) makes a later call, from a reference the plugin kept, an error instead of a component that
+    appears after infer has read the registries."""
+
+    def __init__(self, registry: Registry[F], source: str, entry_point: str | None, hook: str) -> None:
+        self._registry, self._source, self._entry_point, self._hook = registry, source, entry_point, hook
+        self._open = True
+
+    def __call__(self, name: str, factory: F, aliases: Sequence[str] = (),
+                 options: Mapping[str, PluginOption] | None = None) -> None:
+        if not self._open:
+            raise PluginError(f"{_who(self._source, self._entry_point)} called register({name!r}, ...) after its "
+                              f"{self._hook} hook returned; infer reads registrations once, at "
+                              "start-up, so call register inside the hook")
+        self._registry.register(name, factory, aliases, options, source=self._source,
+                                entry_point=self._entry_point)
+
+    def close(self) -> None:
+        self._open = False
+
+
 def no_hint(*names: str | None) -> str:
     return ""
 
@@ -121,14 +143,11 @@ class Registry(Generic[F]):
             f"duplicate {self.kind} name {key!r}: registered by both {_who(other.source, other.entry_point)} and "
             f"{_who(source, entry_point)}; uninstall one of them{hint}")
 
-    def callback(self, source: str, entry_point: str | None = None) -> Register[F]:
-        """A ``register`` callback that records ``source`` (and ``entry_point``) as the provider."""
-
-        def register(name: str, factory: F, aliases: Sequence[str] = (),
-                     options: Mapping[str, PluginOption] | None = None) -> None:
-            self.register(name, factory, aliases, options, source=source, entry_point=entry_point)
-
-        return register
+    def callback(self, source: str, entry_point: str | None = None,
+                 hook: str = "registration") -> RegisterCallback[F]:
+        """A ``register`` callback that records ``source`` (and ``entry_point``) as the provider; ``hook`` names
+        the registration hook it is given to, for the error of a call after the hook returned."""
+        return RegisterCallback(self, source, entry_point, hook)
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries or name in self._aliases

@@ -183,6 +183,23 @@ def test_duplicate_alias_is_an_error_too(infer_plugins):
         infer_plugins.collect()
 
 
+def test_register_kept_past_its_hook_is_refused(infer_plugins):
+    """A component registered after start-up would appear after infer read the registries (and `infer plugins`
+    printed them): the callback works only while its hook runs."""
+    kept = []
+
+    def register_schedulers(register):
+        register("early", lambda config, kv: None)
+        kept.append(register)
+
+    infer_plugins.register(plugin_module("late", register_schedulers=register_schedulers), source="acme-late")
+    assert "early" in infer_plugins.registry("scheduler")
+    with pytest.raises(PluginError, match=r"'acme-late' called register\('later', ...\) after its "
+                                          "register_schedulers hook returned; .* call register inside the hook"):
+        kept[0]("later", lambda config, kv: None)
+    assert "later" not in infer_plugins.registry("scheduler")
+
+
 def test_unknown_names_list_the_choices(infer_plugins):
     with pytest.raises(PluginError, match="unknown kv cache 'nope'; registered kv caches: .*paged"):
         infer_plugins.registry("kv_cache").get("nope")
