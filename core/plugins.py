@@ -5,6 +5,7 @@ import difflib
 import inspect
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -438,8 +439,12 @@ class Blame:
     def error(self, exc: BaseException) -> PluginError | None:
         """A PluginError naming the component ``exc`` came from, or None when no component's code raised it."""
         who, tb = None, exc.__traceback__
+        handlers = {handler.__code__ for handler in map(signal.getsignal, signal.valid_signals())
+                    if hasattr(handler, "__code__")}
         while tb is not None:
             frame = tb.tb_frame
+            if frame.f_code in handlers:  # the caller's signal handler raised (a SIGALRM timeout) in the step
+                return None
             owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames[:1] else None
             if owner is not None and self.name(owner) is not None:
                 who = self._who(owner)

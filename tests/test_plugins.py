@@ -1,6 +1,7 @@
 """The plugin core: entry points, run-time registration, duplicate and unknown names, --plugin resolution."""
 from __future__ import annotations
 
+import signal
 import types
 
 import pytest
@@ -315,6 +316,39 @@ def test_plugin_options_are_checked_against_their_declaration() -> None:
                                           r"rate \(a number in \[0, 1\], default 0.5\); "
                                           r"mode \(one of a, b, default 'a'\)"):
         read(rat=0.3)
+
+
+def test_the_caller_s_signal_handler_timeout_is_not_blamed_on_a_plugin(tiny_model, infer_plugins):
+    """A caller's signal handler (a SIGALRM deadline) that raises TimeoutError can fire while a plugin's code runs:
+    the error is the caller's own, so it comes out as raised, not as a PluginError telling the user to fix the
+    plugin. (SIGUSR1 stands in for SIGALRM, which pytest-timeout uses.)"""
+
+    class Interrupted(ContinuousScheduler):
+        own_error = False
+
+        def schedule(self):
+            if self.own_error:
+                raise TimeoutError("the plugin's own")
+            signal.raise_signal(signal.SIGUSR1)  # as a real alarm would, mid-way through the plugin's code
+            return super().schedule()
+
+    def deadline(signum, frame):
+        raise TimeoutError("the caller's deadline")
+
+    infer_plugins.register(plugin_module("alarmed", register_schedulers=lambda register: register(
+        "alarmed", lambda config, kv: Interrupted(config, kv))), source="acme-alarm")
+    engine = Engine(infer_plugins.resolve_plugin_names(EngineConfig(model=str(tiny_model), device="cpu"),
+                                                       ["alarmed"]), infer_plugins)
+    previous = signal.signal(signal.SIGUSR1, deadline)
+    try:
+        with pytest.raises(TimeoutError, match="the caller's deadline"):
+            engine.generate(["hello"], SamplingParams(max_tokens=2))
+        Interrupted.own_error = True
+        with pytest.raises(PluginError, match="the scheduler 'alarmed' from 'acme-alarm' raised TimeoutError: the "
+                                              "plugin's own"):
+            engine.generate(["hello"], SamplingParams(max_tokens=2))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_an_observer_that_raises_is_named(tiny_model, infer_plugins):
