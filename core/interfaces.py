@@ -401,6 +401,18 @@ class AttentionBackend(ABC):
         of :func:`kv_cache_scales`; a backend that cannot must raise PluginError in its factory.
         """
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """What a model calls: :meth:`forward`, with its output checked against the contract (a tensor of q's
+        shape and dtype), so that a backend's wrong output is reported as the backend's, not the model's."""
+        import torch  # not at the top: loading the plugins must not import torch
+
+        out = self.forward(q, k, v, kv_cache, meta, scale)
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
+            got = f"shape {list(out.shape)}, {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(f"forward returned {got}; it must return q's shape {list(q.shape)} and dtype {q.dtype}")
+        return out
+
 
 # ---------------------------------------------------------------- quantization
 QUANTIZED_TENSOR_NAMES = ("qweight", "qzeros", "scales", "weight_scale", "input_scale", "g_idx", "weight_packed")

@@ -351,6 +351,27 @@ def test_the_caller_s_signal_handler_timeout_is_not_blamed_on_a_plugin(tiny_mode
         signal.signal(signal.SIGUSR1, previous)
 
 
+@pytest.mark.parametrize(("wrong", "got"), [(lambda out: out.flatten(1), r"shape \[\d+, \d+\], torch.float32"),
+                                           (lambda out: out.double(), r"shape \[\d+, \d+, \d+\], torch.float64"),
+                                           (lambda out: None, "NoneType")])
+def test_an_attention_backend_s_wrong_output_is_its_own_error(tiny_model, infer_plugins, wrong, got):
+    """The model's reshape or o_proj failed on it, and the error blamed the model (or passed a wrong dtype on)."""
+    from infer.plugins.torch_attention import TorchAttention
+
+    class Wrong(TorchAttention):
+        def forward(self, q, k, v, kv_cache, meta, scale):
+            return wrong(super().forward(q, k, v, kv_cache, meta, scale))
+
+    infer_plugins.register(plugin_module("wrong_attention", register_attention_backends=lambda register: register(
+        "wrong", lambda config: Wrong())), source="acme-attention")
+    config = EngineConfig(model=str(tiny_model), device="cpu", dtype="float32")
+    engine = Engine(infer_plugins.resolve_plugin_names(config, ["wrong"]), infer_plugins)
+    with pytest.raises(PluginError, match=f"the attention backend 'wrong' from 'acme-attention' raised TypeError: "
+                                          f"forward returned {got}; it must return q's shape "
+                                          r"\[\d+, \d+, \d+\] and dtype torch.float32"):
+        engine.generate(["hello"], SamplingParams(max_tokens=2))
+
+
 def test_an_observer_that_raises_is_named(tiny_model, infer_plugins):
     """An observer's exception is a PluginError naming the observer and its package, as a component's is (it came
     out raw: nothing said which installed plugin failed)."""
