@@ -211,13 +211,15 @@ class EvictionPolicy(ABC):
         """Number of evictable keys."""
 
 
-def not_evictable(policy: EvictionPolicy, key: object) -> PluginError:
+def not_evictable(policy: EvictionPolicy, key: object, name: str | None = None) -> PluginError:
     """The error a cache raises when ``policy.pop()`` returns a key it may not evict: trusting it would hand a
-    block that a sequence still holds to another one (wrong tokens, no error)."""
+    block that a sequence still holds to another one (wrong tokens, no error). ``name``: the policy's registered
+    name (``config.eviction_policy``), which the user selected it by."""
     kind = type(policy)
-    return PluginError(f"eviction policy {kind.__module__}.{kind.__qualname__}: pop() returned {key!r}, which is not "
-                       "evictable (only keys inserted and not removed or popped since are); fix the policy's "
-                       "bookkeeping")
+    who = f"{name!r} ({kind.__module__}.{kind.__qualname__})" if name else f"{kind.__module__}.{kind.__qualname__}"
+    return PluginError(f"eviction policy {who}: pop() returned {key!r}, which is not evictable (only keys inserted "
+                       "and not removed or popped since are); fix the policy's bookkeeping, or choose another with "
+                       "--eviction-policy")
 
 
 # ---------------------------------------------------------------- scheduler

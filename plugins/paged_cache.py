@@ -34,9 +34,10 @@ class PagedKVCache(KVCache):
 
     isolates_namespaces = True
 
-    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy, prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy, prefix_caching: bool,
+                 eviction_name: str | None = None) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.eviction, self.prefix_caching = eviction, prefix_caching
+        self.eviction, self.prefix_caching, self.eviction_name = eviction, prefix_caching, eviction_name
         self.ref = [0] * num_blocks
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.block_prefix_id = [ROOT] * num_blocks  # of registered blocks
@@ -105,7 +106,7 @@ class PagedKVCache(KVCache):
         block = self.eviction.pop()
         if not (isinstance(block, int) and 0 <= block < self.num_blocks and self.ref[block] == 0
                 and self.block_key[block] is not None):
-            raise not_evictable(self.eviction, block)
+            raise not_evictable(self.eviction, block, self.eviction_name)
         return block
 
     def _register(self, block: int, key: BlockKey, priority: int) -> int:
@@ -305,7 +306,8 @@ class PagedKVCache(KVCache):
 @hookimpl
 def register_kv_caches(register: Register[KVCacheFactory]) -> None:
     def factory(config: EngineConfig, num_blocks: int, eviction: EvictionPolicy) -> KVCache:
-        return PagedKVCache(num_blocks, config.block_size, eviction, config.enable_prefix_caching)
+        return PagedKVCache(num_blocks, config.block_size, eviction, config.enable_prefix_caching,
+                            config.eviction_policy)
 
     register("paged", factory)
 

@@ -48,8 +48,10 @@ class RadixKVCache(KVCache):
 
     isolates_namespaces = True
 
-    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy) -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy,
+                 eviction_name: str | None = None) -> None:
         self.num_blocks, self.block_size, self.eviction = num_blocks, block_size, eviction
+        self.eviction_name = eviction_name
         self.root = RadixNode((), [], None, 0)
         self.roots: dict[str | None, RadixNode] = {None: self.root}  # cache namespace -> its tree's root
         self.ref = [0] * num_blocks  # holders: sequence tables, plus one when the tree holds the block
@@ -186,7 +188,7 @@ class RadixKVCache(KVCache):
         prompt's cached prefix. A longer leaf stays, one block shorter, with its rank."""
         node = self.eviction.pop()
         if not (isinstance(node, RadixNode) and node.evictable and node.lock == 0 and not node.children):
-            raise not_evictable(self.eviction, node)
+            raise not_evictable(self.eviction, node, self.eviction_name)
         node.evictable = False
         self.cached -= 1
         self.counters.evictions += 1
@@ -397,6 +399,6 @@ def register_kv_caches(register: Register[KVCacheFactory]) -> None:
         if not config.enable_prefix_caching:
             raise ConfigError("the radix-cache KV cache is a prefix cache, so --no-prefix-caching contradicts it; "
                               "for a run without prefix reuse use --kv-cache paged --no-prefix-caching")
-        return RadixKVCache(num_blocks, config.block_size, eviction)
+        return RadixKVCache(num_blocks, config.block_size, eviction, config.eviction_policy)
 
     register("radix-cache", factory)

@@ -152,8 +152,9 @@ def test_a_policy_that_pops_a_held_key_is_refused_not_trusted(tiny_model, kv_cac
     # the first victim the policy offers is what the hit holds: the prompt's first block 0 (released before the
     # hit, removed again as a prefix of block 1: a forgetful policy still lists it), or the shared prompt's radix node
     held = "0" if kv_cache == "paged" else "RadixNode(tokens=(5, 6, 7, 8, 9, 10, 11, 12), blocks=[0, 1]"
-    with pytest.raises(PluginError, match=re.escape(f"ForgetfulLRU: pop() returned {held}") + r".*, which is not "
-                                          r"evictable .* fix the policy's bookkeeping"):
+    expected = re.escape(f"eviction policy 'forgetful' ({__name__}.") + ".*" + re.escape(
+        f"ForgetfulLRU): pop() returned {held}") + r".*, which is not evictable .* fix the policy's bookkeeping"
+    with pytest.raises(PluginError, match=expected):
         engine.generate([shared + [30] * 4, list(range(40, 56))], params)  # a hit holds them; the other evicts
 
 
