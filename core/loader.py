@@ -122,17 +122,36 @@ def safetensors_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{str(path)!r} has no *.safetensors weight files")
 
 
-def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
+class WeightStream:
+    """The (name, tensor) pairs of the weight files, in order; ``current`` is the file being read (None once all
+    are read), so that a tensor the model refuses can be traced to its file."""
 
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:  # memory-mapped; tensors materialise one at a time
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except SafetensorError as exc:
-            raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); a partial download or copy "
-                                  "leaves such a file: fetch it again") from exc
+    def __init__(self, files: list[Path]) -> None:
+        self.files, self.current = files, None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import SafetensorError, safe_open
+
+        for file in self.files:
+            self.current = file
+            try:
+                with safe_open(str(file), framework="pt") as f:  # memory-mapped; tensors materialise one at a time
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except SafetensorError as exc:
+                self.current = None  # the message names the file
+                raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); a partial download or "
+                                      "copy leaves such a file: fetch it again") from exc
+        self.current = None
+
+    def refused(self, exc: CheckpointError) -> CheckpointError:
+        """``exc`` (the model refused a tensor) naming the file it came from, when there are several."""
+        if self.current is None or len(self.files) == 1:
+            return exc
+        unindexed = "" if (self.current.parent / "model.safetensors.index.json").exists() else (
+            "; without model.safetensors.index.json infer reads every *.safetensors file in the folder, so move a "
+            "file that is not part of the checkpoint out of it")
+        return CheckpointError(f"{exc} (in {self.current.name}{unindexed})")
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -267,7 +286,11 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
     if len(tokenizer) > model.spec.vocab_size:
         log.warning("the tokenizer has %d tokens but the model's vocabulary %d: prompts with the extra tokens are "
                     "refused", len(tokenizer), model.spec.vocab_size)
-    model.load_weights(iter_weights(files))
+    weights = WeightStream(files)
+    try:
+        model.load_weights(iter(weights))
+    except CheckpointError as exc:
+        raise weights.refused(exc) from exc
     check_finite(model, "float16" if dtype == torch.float16 and checkpoint_dtype(raw) != "float16" else None)
     model.eval()
     return LoadedModel(model, getattr(model, "cfg", raw), tokenizer, device, dtype, path, quant, eos, archs[0],

@@ -67,7 +67,21 @@ def test_a_tensor_in_two_files_is_an_error(llama, tmp_path):
     (path / "model.safetensors").unlink()
     save_file(tensors, str(path / "a.safetensors"))
     save_file({"model.norm.weight": torch.zeros(64)}, str(path / "b.safetensors"))
-    assert "'model.norm.weight' appears twice" in load_error(path)
+    assert "'model.norm.weight' appears twice" in (message := load_error(path))
+    assert "(in b.safetensors; without model.safetensors.index.json infer reads every *.safetensors file" in message
+
+
+def test_a_tensor_the_model_refuses_names_its_file_among_several(llama, tmp_path):
+    """An adapter's file left beside unindexed shards: the error named the tensor, not the file to move out."""
+    path = copy_of(llama, tmp_path / "m")
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)}, str(path / "adapter.safetensors"))
+    message = load_error(path)
+    assert "unexpected tensor 'base_model.model.lm_head.lora_A.weight'" in message
+    assert "(in adapter.safetensors; without model.safetensors.index.json" in message
+    (path / "adapter.safetensors").unlink()
+    single = copy_of(llama, tmp_path / "single", tensors=lambda t: {**t, "stray.weight": torch.zeros(2)})
+    assert "unexpected tensor 'stray.weight'" in (message := load_error(single)) and "(in " not in message
 
 
 @pytest.mark.parametrize("index, expected", [("{not json", "is not a valid safetensors index"),
