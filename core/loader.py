@@ -230,6 +230,13 @@ def architectures(raw: dict[str, Any]) -> list[str]:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise CheckpointError(f"config.json has architectures = {archs!r}; it should be a list of class names, "
                               'e.g. ["LlamaForCausalLM"]')
+    if not archs and isinstance(model_type := raw.get("model_type"), str):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if (named := MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)) is not None:
+            log.info("config.json names no architectures; model_type %r means %s, as in transformers' "
+                     "AutoModelForCausalLM", model_type, named)
+            return [named]
     return archs
 
 
@@ -250,6 +257,7 @@ def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
 def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> LoadedModel:
     raw = read_config(path)
     archs = architectures(raw)
+    raw = {**raw, "architectures": archs}  # from model_type, where config.json names none
     models = plugins.registry("model")
     if not archs or archs[0] not in models:
         raise CheckpointError(

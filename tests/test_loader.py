@@ -269,6 +269,15 @@ def test_absent_optional_fields_take_transformers_defaults(tiny_model_factory, t
     assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_config_without_architectures_loads_by_model_type_as_in_hf(arch, tiny_model_factory, tmp_path, hf_greedy):
+    """AutoModelForCausalLM picks the class from model_type when config.json has no `architectures`."""
+    path = copy_of(tiny_model_factory(arch), tmp_path / "m", {"architectures": None})
+    assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens)
+    copy_of(path, tmp_path / "neither", {"model_type": None})
+    assert "unsupported architecture '(none in config.json)'" in load_error(tmp_path / "neither")
+
+
 @pytest.mark.parametrize("arch, extra", [("llama", {"attention_bias": True, "mlp_bias": True}),
                                          ("qwen3", {"attention_bias": True})])
 def test_projection_biases_load_as_transformers_runs_them(arch, extra, tiny_model_factory, tmp_path, hf_greedy):
