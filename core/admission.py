@@ -23,11 +23,13 @@ class RequestChecker:
     chat_defaults: dict[str, Any] | None = None  # the engine's default chat template variables
     sanitize_chat: bool = False  # control tokens typed in chat messages are encoded as text
     lora_adapters: frozenset[str] = frozenset()  # the names SamplingParams.lora_adapter may give
+    eos_token_ids: frozenset[int] = frozenset()  # what min_tokens bans beside the stop ids
 
     @classmethod
     def for_model(cls, tokenizer: Any, vocab_size: int, max_model_len: int,
                   chat_defaults: dict[str, Any] | None = None, sanitize_chat: bool = False,
-                  lora_adapters: frozenset[str] = frozenset()) -> RequestChecker:
+                  lora_adapters: frozenset[str] = frozenset(),
+                  eos_token_ids: frozenset[int] = frozenset()) -> RequestChecker:
         """A token spells at most as many characters as its vocabulary string has (byte-level BPE: one per byte),
         and Unicode normalization can merge a few characters into one (x4 covers it), so a text longer than
         ``max_model_len * 4 * longest token`` characters cannot fit: refusing it costs no tokenization, which
@@ -35,9 +37,10 @@ class RequestChecker:
         try:
             longest = max(map(len, tokenizer.get_vocab()))
         except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary listing: no bound
-            return cls(tokenizer, vocab_size, max_model_len, None, chat_defaults, sanitize_chat, lora_adapters)
+            return cls(tokenizer, vocab_size, max_model_len, None, chat_defaults, sanitize_chat, lora_adapters,
+                       eos_token_ids)
         return cls(tokenizer, vocab_size, max_model_len, max_model_len * 4 * max(longest, 1), chat_defaults,
-                   sanitize_chat, lora_adapters)
+                   sanitize_chat, lora_adapters, eos_token_ids)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt, or chat
@@ -99,6 +102,12 @@ class RequestChecker:
             if bad := [t for t in tokens if t >= self.vocab_size]:
                 raise InvalidRequestError(f"invalid sampling parameters: {name} must be below the model's "
                                           f"vocabulary size {self.vocab_size}; got {bad[:5]}")
+        if params.min_tokens and len(set(params.stop_token_ids).union(
+                () if params.ignore_eos else self.eos_token_ids)) >= self.vocab_size:
+            raise InvalidRequestError(f"invalid sampling parameters: min_tokens bans EOS and the stop_token_ids until "
+                                      f"that many tokens are out, and together they are the whole vocabulary "
+                                      f"({self.vocab_size} tokens), so no token could be sampled; drop min_tokens "
+                                      "or some stop_token_ids")
 
     def check(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Raises InvalidRequestError, else returns the prompt's ids."""

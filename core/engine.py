@@ -81,13 +81,14 @@ class Engine:
         self.new_detokenizer = detokenizer_factory(self.tokenizer, self.loaded.model.spec.vocab_size)
         spec = self.loaded.model.spec
         self.max_model_len = spec.max_model_len
-        self.checker = RequestChecker.for_model(self.tokenizer, spec.vocab_size, spec.max_model_len,
-                                                config.default_chat_template_kwargs,
-                                                config.sanitize_chat_control_tokens, frozenset(config.lora_adapters))
         # generation_config.json's eos ids when it names some (as HF's generate), else config.json's (HF would stop
         # at none if generation_config.json exists without them), else the tokenizer's
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.eos_token_ids = frozenset(self.loaded.generation_eos or spec.eos_token_ids or tokenizer_eos)
+        self.checker = RequestChecker.for_model(self.tokenizer, spec.vocab_size, spec.max_model_len,
+                                                config.default_chat_template_kwargs,
+                                                config.sanitize_chat_control_tokens, frozenset(config.lora_adapters),
+                                                self.eos_token_ids)
         self.structured = StructuredOutputs(self._structured_output_backend, config.structured_output_backend,
                                             spec.vocab_size)
         self.runner.structured = self.structured

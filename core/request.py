@@ -17,6 +17,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 1024
 MAX_TEMPERATURE = 1e6
 MAX_REPETITION_PENALTY = 1e3
+MAX_STOP_TOKEN_IDS = 1024  # min_tokens bans each one on every step until then
 MAX_LOGIT_BIAS = 1024  # entries; each costs a scatter element per step
 MAX_CHOICES = 1024
 MAX_STRUCTURE_CHARS = 100_000  # a regex, the choices together, or a JSON schema's text
@@ -179,6 +180,9 @@ class SamplingParams:
                 raise bad(f"{name} must be an integer in [0, 20], got {value!r}")
         if not _is_int(self.n) or not 1 <= self.n <= 64:
             raise bad(f"n must be an integer in [1, 64], got {self.n!r}")
+        if isinstance(self.stop_token_ids, tuple) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, got "
+                      f"{len(self.stop_token_ids)}")
         if not isinstance(self.stop_token_ids, tuple) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):

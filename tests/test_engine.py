@@ -558,6 +558,11 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
      "[-100, 100], got 101.0 for token 5"),
     (lambda e: e.generate(["hi"], SamplingParams(logit_bias={i: 1.0 for i in range(1025)})), "logit_bias may hold "
      "at most 1024 token ids, got 1025"),
+    (lambda e: e.generate(["hi"], SamplingParams(stop_token_ids=[5] * 1025)), "stop_token_ids may hold at most 1024 "
+     "token ids, got 1025"),  # min_tokens bans each on every step: 400k of them held every request's steps
+    (lambda e: e.generate(["hi"], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[
+        t for t in range(e.checker.vocab_size) if t not in e.eos_token_ids])), "min_tokens bans EOS and the "
+     "stop_token_ids until that many tokens are out, and together they are the whole vocabulary"),  # sampled token 0
     (lambda e: e.generate(["hi"], SamplingParams(logit_bias={"5": 1.0})), "logit_bias keys must be token ids "
      "(integers >= 0), got '5'"),
     (lambda e: e.generate(["hi"], SamplingParams(logit_bias={10**6: 1.0})), "logit_bias's token ids must be below "
