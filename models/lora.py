@@ -5,6 +5,7 @@ slots, while it runs (``Engine.load_lora_adapter``)."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,11 @@ def read_adapter(name: str, folder: Path) -> LoraAdapter:
     if type(rank) is not int or not 0 < rank <= MAX_RANK:
         raise CheckpointError(f"{where}: adapter_config.json has r = {rank!r}; it must be an integer in "
                               f"[1, {MAX_RANK}]")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise CheckpointError(f"{where}: adapter_config.json has lora_alpha = {alpha!r}; it must be a number")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        # json reads NaN and Infinity: a NaN scaling passed the range check and, masked by 0 in a step that runs
+        # every slot, turned every request of the batch to NaN
+        raise CheckpointError(f"{where}: adapter_config.json has lora_alpha = {alpha!r}; it must be a finite "
+                              "number")
     if config.get("bias", "none") != "none":
         raise CheckpointError(f"{where}: bias = {config['bias']!r}; infer serves adapters without biases "
                               "(bias 'none') only")
@@ -77,16 +81,20 @@ def read_adapter(name: str, folder: Path) -> LoraAdapter:
 
 def _read_config(folder: Path, where: str) -> dict[str, Any]:
     path = folder / ADAPTER_CONFIG
-    if not folder.is_dir():
+    try:
+        is_folder, has_config = folder.is_dir(), path.is_file()
+    except OSError as exc:  # a name too long, a folder it may not read
+        raise CheckpointError(f"{where}: cannot read {str(folder)[:200]!r}: {exc.strerror or exc}") from exc
+    if not is_folder:
         relative = "" if folder.is_absolute() else f" (a relative path, read from {Path.cwd()})"
         what = "is not a folder" if folder.exists() else "does not exist"
         raise CheckpointError(f"{where}: {str(folder)!r} {what}{relative}; give the folder that PEFT's "
                               "save_pretrained wrote")
-    if not path.is_file():
+    if not has_config:
         raise CheckpointError(f"{where}: no {ADAPTER_CONFIG}; give the folder that PEFT's save_pretrained wrote")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{where}: {ADAPTER_CONFIG} is not readable JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise CheckpointError(f"{where}: {ADAPTER_CONFIG} must hold a JSON object")
@@ -247,8 +255,8 @@ class LoraStack:
                 raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module} has lora_A {tuple(a.shape)} and "
                                       f"lora_B {tuple(b.shape)}, but the layer maps {linear.in_features} to {size} "
                                       "features; was the adapter trained on this base model?")
-            largest = max(float(a.abs().max()), float(b.abs().max()) * adapter.scaling)
-            if largest > torch.finfo(self.dtype).max:
+            largest = max(float(a.abs().max()), float(b.abs().max()) * abs(adapter.scaling))
+            if not largest <= torch.finfo(self.dtype).max:
                 raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module} holds values up to {largest:.3g} "
                                       f"(lora_B scaled by {adapter.scaling:g}), beyond {self.dtype}'s range; serve "
                                       "the model in a wider dtype (--dtype bfloat16 or float32)")

@@ -308,6 +308,8 @@ BAD_ADAPTERS = {
              "q_proj has lora_A but not its other half"),
     "shape": ({}, lambda w: {n: t[:, :-1].contiguous() if "q_proj.lora_A" in n else t for n, t in w.items()},
               "was the adapter trained on this base model"),
+    "nan-alpha": ({"lora_alpha": float("nan")}, None, "lora_alpha = nan; it must be a finite number"),  # json: NaN
+    "negative-alpha": ({"lora_alpha": -1e42}, None, r"holds values up to .*e\+\d+ \(lora_B scaled by -.*\), beyond"),
     "nan": ({}, lambda w: {n: t.index_fill(0, torch.tensor([0]), float("nan")) if "v_proj.lora_B" in n else t
                            for n, t in w.items()}, "v_proj.lora_B.weight holds NaN or infinite values"),
 }
@@ -645,6 +647,13 @@ def test_runtime_loads_that_cannot_be_served_are_refused(checkpoint, adapters) -
         engine.load_lora_adapter("x", base / "config.json")
     with pytest.raises(CheckpointError, match=r"'missing' does not exist \(a relative path, read from /"):
         engine.load_lora_adapter("x", Path("missing"))
+    with pytest.raises(CheckpointError, match="cannot read '/aaaa.*': File name too long"):  # was INTERNAL over gRPC
+        engine.load_lora_adapter("x", Path("/" + "a" * 5000))
+    deep = base.parent / "deep-config"
+    deep.mkdir(exist_ok=True)
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="adapter_config.json is not readable JSON: maximum recursion depth"):
+        engine.load_lora_adapter("x", deep)
     with pytest.raises(InvalidRequestError, match="'x' is not loaded; the loaded adapters: none"):
         engine.unload_lora_adapter("x")
     assert engine.lora_adapters == []  # a refused load takes no slot
