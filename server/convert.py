@@ -181,8 +181,27 @@ def completion_to_proto(out: CompletionOutput) -> pb.Completion:
     return completion
 
 
+MAX_DETAILS_BYTES = 2048  # grpc-message travels percent-encoded in trailers: 8 KiB of metadata drops a status
+
+
+def bounded_details(message: str) -> str:
+    """``message`` cut to at most MAX_DETAILS_BYTES of UTF-8, saying how much was cut. Messages quote the client's
+    input: past gRPC's metadata limit the status was lost and the client read RESOURCE_EXHAUSTED, a retry signal."""
+    encoded = message.encode("utf-8", "backslashreplace")  # a lone surrogate would fail the encoding in grpc
+    if len(encoded) <= MAX_DETAILS_BYTES:
+        return encoded.decode("utf-8")
+    kept = encoded[:MAX_DETAILS_BYTES].decode("utf-8", "ignore")
+    return f"{kept}... ({len(encoded) - len(kept.encode('utf-8'))} more bytes cut)"
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status of an error. The details are the message the CLI prints (without its ``Error: ``)."""
+    """The gRPC status of an error. The details are the message the CLI prints (without its ``Error: ``), cut to
+    MAX_DETAILS_BYTES."""
+    code, details = _status_of(exc)
+    return code, bounded_details(details)
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, InvalidRequestError):  # ConfigError too
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     # CapacityError: the request never fits this server, so a retry fails alike (RESOURCE_EXHAUSTED would invite one)

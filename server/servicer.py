@@ -195,6 +195,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort_with(context, InvalidRequestError(
                 "request_id is required: pass the id of the request to abort (the one in its responses)"))
         try:
+            check_request_id(request.request_id)  # no request has a longer one
             await asyncio.wrap_future(self.worker.abort(request.request_id))
         except Exception as exc:
             await _abort_with(context, exc)

@@ -330,6 +330,18 @@ def test_abort_by_id_ends_the_stream_and_unknown_ids_are_not_found(client: Clien
     assert_no_leak(wait_drained(client))
 
 
+def test_long_client_input_quoted_in_an_error_keeps_its_status(client: Client) -> None:
+    """Messages quote the client's input; past gRPC's 8-16 KiB metadata limit the status was dropped and the
+    client read RESOURCE_EXHAUSTED (documented as "retry later") for a request that can never succeed."""
+    err = rpc_error(lambda: client.complete("hi", max_tokens=2, lora_adapter="a" * 20_000))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("lora_adapter 'aaa")
+    assert err.details().endswith(" more bytes cut)") and len(err.details().encode()) < 2200
+    err = rpc_error(lambda: client.complete("hi", max_tokens=2, lora_adapter="\u00e9" * 20_000))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "\u00e9\u00e9" in err.details()  # cut between characters
+    err = rpc_error(lambda: client.abort("r" * 20_000))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "request_id has 20000 characters" in err.details()
+
+
 def test_a_full_queue_answers_resource_exhausted(client: Client, server: ServerProcess) -> None:
     async def run() -> tuple[grpc.StatusCode, str, int]:
         async with AsyncClient(server.target) as c:
