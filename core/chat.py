@@ -14,6 +14,19 @@ from .chat_tools import ToolCall, ToolChoice, checked_tool_choice, checked_tools
 from .errors import ConfigError, InvalidRequestError, require_utf8
 
 MAX_MESSAGES = 4096
+MAX_TOOL_CALLS = 4096  # in all of a chat's messages
+
+
+def check_message_count(count: int) -> None:
+    """InvalidRequestError for a chat of more than MAX_MESSAGES messages (the server checks before converting)."""
+    if count > MAX_MESSAGES:
+        raise InvalidRequestError(f"a chat prompt has at most {MAX_MESSAGES} messages, got {count}")
+
+
+def check_tool_call_count(count: int) -> None:
+    """InvalidRequestError for a chat whose messages hold more than MAX_TOOL_CALLS tool calls."""
+    if count > MAX_TOOL_CALLS:
+        raise InvalidRequestError(f"a chat prompt's messages hold at most {MAX_TOOL_CALLS} tool calls, got {count}")
 
 
 @dataclass(frozen=True)
@@ -81,8 +94,7 @@ class ChatPrompt:
                                       f"{type(messages).__name__}")
         if not messages:
             raise InvalidRequestError("a chat prompt needs at least one message")
-        if len(messages) > MAX_MESSAGES:
-            raise InvalidRequestError(f"a chat prompt has at most {MAX_MESSAGES} messages, got {len(messages)}")
+        check_message_count(len(messages))
         for name, flag in (("add_generation_prompt", add_generation_prompt),
                            ("continue_final_message", continue_final_message)):
             if not isinstance(flag, bool):
@@ -91,6 +103,7 @@ class ChatPrompt:
             raise InvalidRequestError("continue_final_message continues the last message, and add_generation_prompt "
                                       "opens a new assistant turn after it; set add_generation_prompt=False")
         checked = tuple(_message(i, m) for i, m in enumerate(messages))
+        check_tool_call_count(sum(len(m.tool_calls) for m in checked))
         if continue_final_message and checked[-1].content is None:
             raise InvalidRequestError(f"continue_final_message continues the last message's content, but message "
                                       f"{len(checked) - 1} has none (only tool calls); add content, or set "

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ..core.chat import ChatPrompt, Prompt, parse_template_kwargs
+from ..core.chat import ChatPrompt, Prompt, check_message_count, check_tool_call_count, parse_template_kwargs
 from ..core.chat_tools import parse_tool_choice, parse_tools
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
 from ..core.request import CompletionOutput, FinishReason, SamplingParams, StructuredOutput
@@ -37,6 +37,8 @@ def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest) -> Prompt:
         return list(request.token_ids.ids)
     if which == "chat":
         chat = request.chat
+        check_message_count(len(chat.messages))  # before any Python work per message, on the event loop
+        check_tool_call_count(sum(len(m.tool_calls) for m in chat.messages))
         tools = parse_tools(chat.tools, "chat.tools")
         return ChatPrompt.of([_message_of(m) for m in chat.messages],
                              chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,

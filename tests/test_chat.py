@@ -62,6 +62,9 @@ def test_chat_generates_what_hf_generates_from_the_rendered_prompt(
     ([{"role": "user", "content": "bad \udcff byte"}], "chat message 0: its content is not valid UTF-8 text"),
     ([{"role": "user", "content": "x"}, "oops"], "chat message 1 must be a {'role': ..., 'content': ...} mapping"),
     ([{"role": "user", "content": "x"}] * 4097, "a chat prompt has at most 4096 messages, got 4097"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}] * 4097}],
+     "a chat prompt's messages hold at most 4096 tool calls, got 4097"),
     ([{"role": "tool", "content": "x"}], "the model's chat template refused the messages: unknown role tool"),
 ])
 def test_a_malformed_conversation_is_refused_by_name(llm: LLM, messages: object, message: str) -> None:

@@ -245,6 +245,14 @@ def test_tools_and_calls_travel_over_grpc_and_infer_client(llm: LLM, tmp_path: P
     empty = ChatPrompt.of([*CONVERSATION[:2], {**CONVERSATION[2], "content": ""}, {"role": "user", "content": ""}])
     for sent in (prompt, empty):  # what the client sends comes back whole, "" and None content apart
         assert prompt_of(build_request(sent)) == sent
+    huge = build_request(prompt)
+    huge.chat.messages.extend([huge.chat.messages[0]] * 5000)
+    with pytest.raises(InvalidRequestError, match="a chat prompt has at most 4096 messages, got 5004"):
+        prompt_of(huge)  # counted before a message is converted (in Python, on the server's event loop)
+    calls = build_request(prompt)
+    calls.chat.messages[2].tool_calls.extend([calls.chat.messages[2].tool_calls[0]] * 5000)
+    with pytest.raises(InvalidRequestError, match="hold at most 4096 tool calls, got 5001"):
+        prompt_of(calls)
     reply = llm.chat([{"role": "user", "content": "Weather?"}], SamplingParams(max_tokens=6, temperature=0.0),
                      tools=TOOLS)[0].outputs[0].text
     tools = tmp_path / "tools.json"
