@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 
@@ -20,6 +20,9 @@ from .convert import (beam_params_of, beam_search_to_proto, completion_to_proto,
                       sampling_params_of, status_of)
 from .streams import RequestStream
 from .worker import EngineWorker
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
 
 log = logging.getLogger("infer.server")
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20  # gRPC's own default
@@ -38,6 +41,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.allow_lora_loading = allow_lora_loading  # LoadLoraAdapter/UnloadLoraAdapter (serve --allow-lora-loading)
         self.max_message_bytes = max_message_bytes  # what one response may hold (--max-message-bytes)
         self.model_info = model_info
+        # what GetModelInfo lists: replaced (one reference, on the engine thread) by each load and unload as it
+        # runs, so a call whose caller went away mid-way still updates it
+        self.served_adapters = tuple(model_info.lora_adapters)
         self.plugins = plugins
         self.max_queue = max_queue
         self.in_flight = 0
@@ -203,7 +209,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        return self.model_info
+        info = pb.ModelInfo()
+        info.CopyFrom(self.model_info)
+        info.lora_adapters[:] = self.served_adapters
+        return info
 
     async def ListPlugins(self, request: pb.ListPluginsRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListPluginsResponse:
@@ -230,21 +239,29 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             from ..models.lora import read_adapter
 
             adapter = await asyncio.to_thread(read_adapter, name, Path(request.path))  # not on the engine thread
-            names = await asyncio.wrap_future(self.worker.call(
-                lambda engine: (engine.load_lora_adapter(name, adapter), engine.lora_adapters)[1]))
+
+            def load(engine: Engine) -> list[str]:
+                engine.load_lora_adapter(name, adapter)
+                return self._served_now(engine)
+
+            names = await asyncio.wrap_future(self.worker.call(load))
         except Exception as exc:
             await _abort_with(context, exc)
-        return self._served_adapters(names)
+        return pb.LoraAdapters(names=names)
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> pb.LoraAdapters:
         await self._check_lora_loading(context)
+
+        def unload(engine: Engine) -> list[str]:
+            engine.unload_lora_adapter(request.name)
+            return self._served_now(engine)
+
         try:
-            names = await asyncio.wrap_future(self.worker.call(
-                lambda engine: (engine.unload_lora_adapter(request.name), engine.lora_adapters)[1]))
+            names = await asyncio.wrap_future(self.worker.call(unload))
         except Exception as exc:
             await _abort_with(context, exc)
-        return self._served_adapters(names)
+        return pb.LoraAdapters(names=names)
 
     async def _check_lora_loading(self, context: grpc.aio.ServicerContext) -> None:
         if not self.allow_lora_loading:
@@ -252,10 +269,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                 "(they are read from its own disk): start it with `infer ... serve "
                                 "--allow-lora-loading` (and --max-lora-adapters N for free slots)")
 
-    def _served_adapters(self, names: list[str]) -> pb.LoraAdapters:
-        del self.model_info.lora_adapters[:]  # GetModelInfo lists what is served now
-        self.model_info.lora_adapters.extend(names)
-        return pb.LoraAdapters(names=names)
+    def _served_now(self, engine: Engine) -> list[str]:
+        """On the engine thread, after a load or unload: the adapters served now, which GetModelInfo lists."""
+        names = engine.lora_adapters
+        self.served_adapters = tuple(names)
+        return names
 
     async def stats(self) -> pb.Stats:
         """Engine load (read on the engine thread) plus this server's admission state."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -538,6 +539,38 @@ def test_grpc_loads_and_unloads_adapters_only_where_the_server_allows_it(checkpo
         assert result.exit_code == 1 and "PERMISSION_DENIED: this server loads no LoRA adapters" in result.output
 
     serve_engine(engine, denied)
+
+
+def test_model_info_lists_an_adapter_whose_load_outlived_its_caller(checkpoint, adapters, serve_engine,
+                                                                     monkeypatch) -> None:
+    """A load runs to its end on the engine thread even when its caller cancels (or its deadline passes) mid-way:
+    GetModelInfo went on listing the adapters from before it (the cancelled handler never updated its list)."""
+    import grpc
+
+    engine = engine_for(checkpoint("llama"), {"all": adapters["all"]}, max_lora_adapters=2, max_lora_rank=8)
+    started, release = threading.Event(), threading.Event()
+    load = engine.load_lora_adapter
+
+    def slow_load(name, adapter) -> None:  # a large adapter on a busy machine: the window made wide
+        started.set()
+        release.wait(10)
+        load(name, adapter)
+
+    monkeypatch.setattr(engine, "load_lora_adapter", slow_load)
+
+    async def cancelled(client, port) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await client.load_lora_adapter("qv", adapters["qv"].folder, timeout=0.5)
+        assert error.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and started.is_set()
+        await asyncio.sleep(0.2)  # the server's handler is cancelled too
+        release.set()
+        for _ in range(200):
+            if "qv" in (await client.stats()).lora_requests:  # the engine serves it
+                break
+            await asyncio.sleep(0.05)
+        assert list((await client.model_info()).lora_adapters) == ["all", "qv"]
+
+    serve_engine(engine, cancelled, allow_lora_loading=True)
 
 
 def invoke(*args: str):
