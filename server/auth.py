@@ -17,14 +17,17 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, exempt: tuple[str, ...] = (HEALTH_PREFIX,)) -> None:
         if not token:
             raise ValueError("the bearer token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
         self._exempt = exempt
 
     def authorized(self, metadata: Any) -> bool:
+        """Whether an ``authorization`` entry is ``Bearer <token>``: the scheme in any case, then one or more
+        spaces (RFC 7235 section 2.1: auth-scheme is case-insensitive)."""
         for key, value in metadata or ():
             if key.lower() == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
-                if hmac.compare_digest(given, self._expected):
+                scheme, _, token = given.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), self._expected):
                     return True
         return False
 

@@ -542,6 +542,18 @@ def test_a_token_is_required(secure_server: ServerProcess) -> None:
         assert len(c.complete("hi", max_tokens=2, temperature=0.0).outputs[0].token_ids) == 2
 
 
+def test_the_bearer_scheme_is_read_in_any_case() -> None:
+    """RFC 7235: the auth-scheme is case-insensitive; `bearer TOKEN` (some clients send it) was refused."""
+    from infer.server.auth import BearerTokenInterceptor
+
+    authorized = BearerTokenInterceptor("s3cret").authorized
+    for header in ("Bearer s3cret", "bearer s3cret", "BEARER  s3cret", b"Bearer s3cret"):
+        assert authorized([("Authorization", header)]), header
+    for header in ("Bearer s3cre", "Bearer s3cret!", "Basic s3cret", "Bearers3cret", "s3cret", "Bearer", ""):
+        assert not authorized([("authorization", header)]), header
+    assert not authorized([("x-token", "Bearer s3cret")]) and not authorized(None)
+
+
 def test_client_errors_say_what_to_change(secure_server: ServerProcess) -> None:
     roots = secure_server.client_kwargs["root_certificates"]
     tls = ["--tls-ca", str(roots)] if roots else []
