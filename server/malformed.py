@@ -47,8 +47,11 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                     await refuse(request, context)
                 result = behaviour(request, context)
                 if hasattr(result, "__aiter__"):  # an async generator (Generate)
-                    async for response in result:
-                        yield response
+                    try:
+                        async for response in result:
+                            yield response
+                    finally:  # closed here, not when collected: its own finally aborts the request
+                        await result.aclose()
                 else:  # a coroutine that sends with context.write (grpc's own Health.Watch)
                     await result
 
