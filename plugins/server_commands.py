@@ -159,11 +159,17 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
                         ("--tools", bool(tools)), ("--tool-choice", tool_choice != "auto")):
         if given and not chat:
             raise click.UsageError(f"{name} is for a conversation; add --chat", ctx)
+    from ..core.beam_search import BeamSearchParams
     from ..core.chat import ChatPrompt
     from ..core.errors import InvalidRequestError
+    from ..core.request import SamplingParams
 
     opening = [{"role": "system", "content": system}] if system is not None else []
     try:  # checked here, before the server sees it: a command-line error
+        if beam_width:
+            BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos, lora_adapter).validate()
+        else:
+            SamplingParams(**dict(sampling, stop=tuple(stop))).validate()
         sent = ChatPrompt.of([*opening, {"role": "user", "content": prompt}],
                              chat_template_kwargs=chat_template_kwargs, tools=tools,
                              tool_choice=tool_choice_of(tool_choice, tools)) if chat else prompt
