@@ -150,6 +150,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     prompt followed by its text (with --chat, the reply alone); with several prompts or --n > 1, --json keeps them
     apart."""
     from ..core.beam_search import BeamSearchParams
+    from ..core.chat import check_has_chat_template
     from ..core.request import SamplingParams
 
     if stream and n > 1:
@@ -201,9 +202,11 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     streamed = 0
     try:
         engine = build_engine(ctx)
-        try:  # the options' values against this model (token ids), before any prompt runs
+        try:  # the options' values against this model (token ids, --chat's template), before any prompt runs
             engine.checker.check_params(params)
             engine.check_structured_output(params)
+            if chat:
+                check_has_chat_template(engine.tokenizer)
         except InvalidRequestError as exc:
             raise CommandLineError(str(exc)) from None
         if stream:

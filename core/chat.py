@@ -17,6 +17,15 @@ MAX_MESSAGES = 4096
 MAX_TOOL_CALLS = 4096  # in all of a chat's messages
 
 
+def check_has_chat_template(tokenizer: Any) -> None:
+    """InvalidRequestError for a tokenizer without a chat template: it renders no chat."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model's tokenizer has no chat template (a chat_template entry in "
+                                  "tokenizer_config.json, or a chat_template.jinja file), so it cannot render chat "
+                                  "messages; send a plain prompt, add the template to the model folder, or give one "
+                                  "with --chat-template FILE")
+
+
 def check_message_count(count: int) -> None:
     """InvalidRequestError for a chat of more than MAX_MESSAGES messages (the server checks before converting)."""
     if count > MAX_MESSAGES:
@@ -134,11 +143,7 @@ class ChatPrompt:
         ``sanitize``: control tokens' text in the messages and variables is encoded as plain text."""
         import jinja2
 
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model's tokenizer has no chat template (a chat_template entry in "
-                                      "tokenizer_config.json, or a chat_template.jinja file), so it cannot render "
-                                      "chat messages; send a plain prompt, add the template to the model folder, "
-                                      "or give one with --chat-template FILE")
+        check_has_chat_template(tokenizer)
         tools = [dict(tool) for tool in self.tools] or None
         try:  # HF's choice among named templates: "tool_use" with tools, else "default"
             template = tokenizer.get_chat_template(tools=tools)

@@ -155,6 +155,9 @@ def test_infer_chat_holds_the_conversation_as_llm_chat_does(llm: LLM, chat_model
     assert run(input=f"{question}\n").stdout == f"{answer}\n"
     result = CliRunner().invoke(main, ["--model", str(tiny_model), "chat"], input="hi\n")
     assert result.exit_code == 2 and "no chat template" in result.stderr and not result.stdout
+    result = CliRunner().invoke(main, ["--model", str(tiny_model), "generate", "--chat", '[{"role": "user", '
+                                       '"content": "hi"}]', "--max-tokens", "2"])
+    assert result.exit_code == 2 and "no chat template" in result.stderr and not result.stdout  # as chat's (was 1)
     result = run("--temperature", "-1", input="hi\n")
     assert result.exit_code == 2 and "temperature" in result.stderr
 
