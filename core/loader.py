@@ -154,6 +154,10 @@ class WeightStream:
         return CheckpointError(f"{exc} (in {self.current.name}{unindexed})")
 
 
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken",
+                    "tiktoken.model")
+
+
 def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -174,6 +178,10 @@ def load_tokenizer(path: Path) -> Any:
             except (ValueError, UnicodeDecodeError) as bad:  # JSONDecodeError is a ValueError
                 raise CheckpointError(f"could not load the tokenizer from {str(path)!r}: {name} is not valid JSON "
                                       f"({bad}); fetch or copy it again") from exc
+        if not any(any(path.glob(pattern)) for pattern in VOCABULARY_FILES):  # transformers blames missing packages
+            raise CheckpointError(f"could not load the tokenizer from {str(path)!r}: it has no vocabulary file (none "
+                                  f"of {', '.join(VOCABULARY_FILES)}); copy the tokenizer files of the model it came "
+                                  "from into the folder") from exc
         raise CheckpointError(f"could not load the tokenizer from {str(path)!r} (transformers reads config.json "
                               f"too, so a bad field there fails here): {exc}") from exc
 

@@ -219,6 +219,15 @@ def test_a_truncated_tokenizer_file_is_named(llama, tmp_path, name):
     assert f"{name} is not valid JSON (" in load_error(path)
 
 
+def test_a_tokenizer_config_without_a_vocabulary_file_says_so(llama, tmp_path):
+    """transformers' own message told the user to install sentencepiece or tiktoken."""
+    path = copy_of(llama, tmp_path / "m")
+    (path / "tokenizer.json").unlink()
+    message = load_error(path)
+    assert "it has no vocabulary file (none of tokenizer.json, tokenizer.model, vocab.json" in message
+    assert "copy the tokenizer files of the model it came from" in message and "sentencepiece" not in message
+
+
 def test_a_tokenizer_file_that_is_a_folder_is_a_checkpoint_error(llama, tmp_path):
     path = copy_of(llama, tmp_path / "m")
     (path / "tokenizer.json").unlink()
