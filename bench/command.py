@@ -117,7 +117,7 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         specs = parse_arms(arms, base, component_field_of(ctx))
     except ArmError as exc:
         raise click.BadParameter(f"{exc}\n({AB_HINT})", param_hint="'--ab'") from None
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # a message is one line: a log stays greppable
     repeats = balanced_repeats(repeats, len(specs), err)
     if workload_file is not None and workload != "file":
         raise click.UsageError(f"--file is read by --workload file only; this run's workload is {workload!r}")
@@ -148,8 +148,8 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         except OSError as exc:
             raise click.BadParameter(f"cannot create or write the output folder: {exc}", param_hint="'--out'") from None
     from .report import BenchResult
-    from .session import (ProcessSettings, RunError, arm_info, build_arms, keep_structured_lines, make_workloads,
-                          run_info, run_rounds, warm_up)
+    from .session import (ProcessSettings, RunError, arm_info, build_arms, keep_fitting_lines, keep_structured_lines,
+                          make_workloads, run_info, run_rounds, warm_up)
 
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = ProcessSettings()  # before any arm's engine sets the thread count
@@ -169,7 +169,8 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         if entries is not None:  # token ids against the vocabulary, now that the models are loaded
             entries, skipped = check_vocabulary(spec, entries, vocab)
             entries, unfollowed = keep_structured_lines(spec, built, entries)
-            for line in skipped + unfollowed:
+            entries, too_long = keep_fitting_lines(spec, built, entries)
+            for line in skipped + unfollowed + too_long:
                 err.print(f"[yellow]skipped {spec.file} {line}[/yellow]", highlight=False)
         workloads = make_workloads(spec, range(repeats), built, entries)
         warmups = make_workloads(spec, range(-1, -1 - warmup_rounds, -1), built, entries)

@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..cli.options import EngineArgs
 from ..core.chat import ChatPrompt
-from ..core.errors import ConfigError, InferError
+from ..core.errors import ConfigError, InferError, InvalidRequestError
 from ..core.request import SamplingParams
 from ..core.tool_choice import forces_calls
 from .arms import ArmError, ArmSpec
@@ -200,6 +200,31 @@ def keep_structured_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[Fil
         else:
             errors.append(f"line {entry.line}: {refusal}")
     return good_lines(spec, good, errors, "line(s) whose structured output an arm cannot follow"), errors
+
+
+def keep_fitting_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[FileEntry]
+                       ) -> tuple[list[FileEntry], list[str]]:
+    """The lines whose request (prompt tokens, as the first arm renders and tokenizes it, plus max_tokens) fits
+    every arm's context and KV pool; like check_vocabulary: an error per bad line, WorkloadError listing them all
+    without --skip-bad-lines (make_workloads then names no line)."""
+    good, errors = [], []
+    limit = min(arm.max_model_len for arm in arms)
+    for entry in entries:
+        try:
+            tokens = len(entry.prompt if isinstance(entry.prompt, tuple) else arms[0].tokenize(entry.prompt))
+        except InvalidRequestError as exc:  # a chat the first arm's template cannot render (or no template)
+            raise WorkloadError(f"line {entry.line}: {exc}") from None
+        total = tokens + entry.max_tokens
+        short = [arm for arm in arms if arm.kv_capacity_tokens is not None and total > arm.kv_capacity_tokens]
+        if total > limit:
+            errors.append(f"line {entry.line}: a request of {total} tokens (prompt and max_tokens), over the context "
+                          f"length of {limit}")
+        elif short:
+            errors.append(f"line {entry.line}: a request of {total} tokens (prompt and max_tokens), over the "
+                          f"{short[0].kv_capacity_tokens} tokens arm {short[0].spec.key}'s KV blocks hold")
+        else:
+            good.append(entry)
+    return good_lines(spec, good, errors, "line(s) too long for an arm"), errors
 
 
 def _reasoning_refusal(arms: list[Arm], entry: FileEntry) -> str | None:

@@ -516,7 +516,8 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
                     '{"prompt": [5, 6, 7, 8, 9], "max_tokens": 3}\n'
                     '{"prompt": "broken", "max_tokens": -1}\n'
                     '{"prompt": "import os", "max_tokens": 5}\n'
-                    '{"prompt": [5, 99999], "max_tokens": 2}\n')  # outside the vocabulary: found after loading
+                    '{"prompt": [5, 99999], "max_tokens": 2}\n'  # outside the vocabulary: found after loading
+                    '{"prompt": "x = 1", "max_tokens": 100000}\n')  # over the context: it stopped the bench
     out = tmp_path / "out"
     args = ["--model", str(tiny_model), "--device", "cpu", "bench", "--workload", "file", "--file", str(path),
             "--ab", "", "hf:cb", "--repeats", "1", "--warmup-rounds", "0"]
@@ -529,6 +530,7 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
     result = run(*args, "--skip-bad-lines", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert "skipped" in result.output and "line 1" in result.output and "line 5: token ids [99999]" in result.output
+    assert "line 6: a request of 100003 tokens (prompt and max_tokens), over the context length of" in result.output
     data = json.loads((out / "results.json").read_text())
     for arm in data["arms"]:
         [run_] = arm["runs"]
