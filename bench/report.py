@@ -84,12 +84,14 @@ def build_table(result: BenchResult) -> Table:
     workload = result.meta.get("workload", {}).get("name", "?")
     first = result.arms[0].key
     requests = {len(run.requests) for runs in result.runs.values() for run in runs}
-    notes = [f"median \\[min–max] over rounds; ×: ratio to arm {first}'s median; ↑ higher is better, ↓ lower is "
-             "better; n/a: the arm does not measure it",
-             "*: within noise: the 95% interval of the paired per-round ratios (a t interval on their logs) holds 1 "
-             f"(where arm {first}'s value is 0: that of the paired differences holds 0). Each cell is tested on its "
-             "own at 5%, so a table of many cells shows some differences by chance: trust the ones that repeat "
-             "across runs",
+    compared = len(result.arms) > 1  # one arm: no ratios, no comparison of outputs
+    ratio = f"×: ratio to arm {first}'s median; " if compared else ""
+    notes = [f"median \\[min–max] over rounds; {ratio}↑ higher is better, ↓ lower is better; n/a: the arm does not "
+             "measure it",
+             *(["*: within noise: the 95% interval of the paired per-round ratios (a t interval on their logs) holds "
+                f"1 (where arm {first}'s value is 0: that of the paired differences holds 0). Each cell is tested on "
+                "its own at 5%, so a table of many cells shows some differences by chance: trust the ones that repeat "
+                "across runs"] if compared else []),
              f"{'/'.join(map(str, sorted(requests)))} requests per run (a p99 of fewer than 100 is nearly their "
              "maximum)"]
     if note := sampling_note(result):
@@ -106,8 +108,9 @@ def build_table(result: BenchResult) -> Table:
     for arm in result.arms:
         table.add_column(arm.key, justify="right", no_wrap=True)
     for metric in METRICS:
-        if all(summary[arm.key][metric.key].median is None for arm in result.arms):
-            continue  # the workload does not have it (a long prompt, say) or no arm measures it
+        if all(summary[arm.key][metric.key].median is None for arm in result.arms) or (
+                metric.key == "outputs_match" and not compared):
+            continue  # the workload does not have it (a long prompt, say), no arm measures it, or one arm runs
         title = f"{metric.title} ({metric.unit})" if metric.unit == "ms" else metric.title
         title += " ↑" if metric.higher_is_better else " ↓"
         cells = [format_cell(metric, summary[arm.key][metric.key], i == 0, repeats)

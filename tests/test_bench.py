@@ -1,6 +1,7 @@
 """`infer bench`: seeded workloads, arm parsing, the interleaved A/B run and its reports, and clear errors."""
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
@@ -333,6 +334,25 @@ def test_a_long_prompt_that_delayed_nothing_is_flagged():
         result = BenchResult([ArmSpec("A", "")], {"A": [run_with_long_arrival(arrival)]}, {"workload": {}})
         assert ("the long prompt arrived after every steady decode had finished" in str(build_table(result).caption)) \
             is flagged
+
+
+
+def test_one_arm_s_table_has_no_ratios_or_comparison_of_outputs():
+    """With nothing to compare, the ratio notes and the "outputs = first arm" row (always 100%) were noise."""
+    from rich.console import Console
+
+    from infer.bench.arms import ArmSpec
+    from infer.bench.report import BenchResult, build_table
+
+    run_ = RunResult("A", 0, 1.0, [RequestRecord(0, 0, 0.0, 10, 3, [0.1, 0.2, 0.3], 0.3)])
+    for arms, compared in ((["A"], False), (["A", "B"], True)):
+        result = BenchResult([ArmSpec(key, "") for key in arms], {key: [run_] for key in arms}, {"workload": {}})
+        console = Console(record=True, width=300, file=io.StringIO())
+        console.print(build_table(result))
+        text = console.export_text()
+        assert ("ratio to arm A" in text) is compared and ("within noise" in text) is compared
+        assert ("outputs = first arm" in text) is compared
+        assert "output tok/s" in text or "tok/s" in text
 
 
 # ---------------------------------------------------------------- bad input through the CLI
