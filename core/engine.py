@@ -387,9 +387,13 @@ class Engine:
         return batch, logits, outputs, StepTimes(scheduled, executed, settled, time.perf_counter(), used_blocks)
 
     def _settle(self) -> list[Sequence]:
-        """Read the tokens in flight back into their sequences (stopping those a token stops); returns them."""
-        flight, self.in_flight = self.in_flight, None
-        return flight.read_back(self._finish) if flight is not None else []
+        """Read the tokens in flight back into their sequences (stopping those a token stops); returns them. Cleared
+        once read: one interrupted (Ctrl-C while waiting for the device) is read again by the next settle."""
+        if (flight := self.in_flight) is None:
+            return []
+        seqs = flight.read_back(self._finish)
+        self.in_flight = None
+        return seqs
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's step, with the copy-on-write copies its KV cache still holds added to its block ops."""

@@ -66,6 +66,8 @@ class InFlight:
         result = self.sample.result()
         now = time.perf_counter()  # when the tokens exist on the host, for TTFT and TPOT
         for seq, index, token, entry in zip(self.seqs, self.indices, result.token_ids, result.logprobs):
+            if index >= len(seq.token_ids) or seq.token_ids[index] != PENDING_TOKEN:
+                continue  # read by an earlier, interrupted call; or never placed (an interrupted update)
             seq.token_ids[index] = token
             seq.token_times[index - seq.num_prompt_tokens] = now
             if index == seq.num_prompt_tokens:

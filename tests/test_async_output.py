@@ -142,6 +142,45 @@ def test_async_scheduling_abort_with_a_step_in_flight():
     assert drained(e)
 
 
+def test_ctrl_c_while_waiting_for_the_tokens_in_flight_leaves_the_engine_going():
+    """The host waits for the device in the read-back, so a Ctrl-C likely lands there: the flight was cleared
+    before it was read, which left -1 placeholders in the sequences, and every later step failed blaming the
+    model. Now the next step reads it again, and every token comes out as on an uninterrupted engine."""
+
+    class InterruptedOnce:
+        def __init__(self, sample) -> None:
+            self.sample, self.interrupted = sample, False
+
+        def result(self):
+            if not self.interrupted:
+                self.interrupted = True
+                raise KeyboardInterrupt
+            return self.sample.result()
+
+        def __getattr__(self, name: str):
+            return getattr(self.sample, name)
+
+    e = engine(async_scheduling=True)
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ids = [e.add_request(p, sampling) for p in PROMPTS[:2]]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+
+    def take(outputs) -> None:
+        for out in outputs:
+            tokens[out.request_id] += out.outputs[0].token_ids
+
+    for _ in range(3):
+        take(e.step())
+    e.in_flight.sample = InterruptedOnce(e.in_flight.sample)
+    with pytest.raises(KeyboardInterrupt):
+        e.step()
+    while e.has_unfinished():
+        take(e.step())
+    reference = engine().generate(PROMPTS[:2], sampling)
+    assert [tokens[rid] for rid in ids] == [r.outputs[0].token_ids for r in reference]
+    assert drained(e)
+
+
 def test_async_scheduling_refuses_speculative_decoding_and_sync_outputs():
     from infer.core.errors import ConfigError
 
