@@ -100,6 +100,7 @@ class Engine:
         self.unemitted: list[Sequence] = []  # async output: advanced in the last step, outputs not built yet
         self.in_flight: InFlight | None = None  # async scheduling: the last step's tokens, not read back yet
         self.deferred: InferError | None = None  # a step's output error, raised once the step is done
+        self.interrupted = False  # a step raised: the next one emits requests it finished but left unemitted
         self.forks = PendingForks()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.tool_parser = parts.tool_parser  # reads the replies of chats that offer tools (None: text only)
@@ -291,10 +292,18 @@ class Engine:
     def _advance(self) -> None:
         """One step; every delta goes where it is read: to the call that owns its request, else to step()."""
         self.readers.drop_abandoned()
-        with self._plugin_code():
-            if self.searches:
-                self.searches.step()  # first: blocks freed by finished requests go to beams before admissions
-            self.readers.route(self._step())
+        if self.interrupted:  # e.g. Ctrl-C between a scheduler's finish and the output: nothing would visit them
+            self.interrupted = False
+            self.unemitted += [seq for req in self.requests.values() if all(s.is_finished for s in req.seqs)
+                               for seq in req.seqs]
+        try:
+            with self._plugin_code():
+                if self.searches:
+                    self.searches.step()  # first: blocks freed by finished requests go to beams before admissions
+                self.readers.route(self._step())
+        except BaseException:
+            self.interrupted = True
+            raise
 
     @contextlib.contextmanager
     def _plugin_code(self) -> Iterator[None]:

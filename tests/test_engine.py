@@ -577,6 +577,37 @@ def test_bad_python_api_input_is_an_invalid_request_naming_it(engine, call, mess
     assert not engine.has_unfinished()  # nothing half-submitted
 
 
+def test_ctrl_c_after_the_scheduler_finished_requests_leaves_no_request_behind(tiny_model, monkeypatch):
+    """A Ctrl-C between the scheduler's finish (in update) and the output left the requests registered for good:
+    has_unfinished() stayed True, step() returned [] forever, and their last delta never came."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = [e.add_request(p, sampling) for p in ([5, 6, 7], [8, 9, 10, 11])]
+    update, interrupted = e.scheduler.update, []
+
+    def update_then_ctrl_c(out, sampled, now):
+        update(out, sampled, now)
+        if not interrupted and all(item.seq.is_finished for item in out.scheduled):
+            interrupted.append(True)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(e.scheduler, "update", update_then_ctrl_c)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    finished = set()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):
+            for out in e.step():
+                tokens[out.request_id] += out.outputs[0].token_ids
+    for _ in range(3):
+        for out in e.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+            finished |= {out.request_id} if out.finished else set()
+    assert interrupted and not e.has_unfinished() and not e.requests and finished == set(ids)
+    reference = e.generate([[5, 6, 7], [8, 9, 10, 11]], sampling)
+    assert [tokens[rid] for rid in ids] == [r.outputs[0].token_ids for r in reference]
+    assert e.kv.stats().used_blocks == 0
+
+
 def test_none_for_the_stop_lists_means_none(engine):
     """OpenAI's null: None for stop or stop_token_ids is no stop (it was refused as not a string or a list)."""
     assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
