@@ -61,12 +61,15 @@ class Readers:
 
     def deltas(self, rid: str) -> Iterator[RequestOutput]:
         """One request's deltas, the last one finished."""
-        engine = self.engine
+        engine, finished = self.engine, False
         try:
             while True:
                 for output in self.waiting.pop(rid, ()):
+                    if output.finished:  # the id is free once its request ended: a new request may take it
+                        finished = True  # while this reader waits at the yield (a caller's break)
+                        self.disown([rid], abort=False)
                     yield output
-                    if output.finished:
+                    if finished:
                         return
                 if rid in self.waiting:  # deltas that others' steps made while this reader was not read
                     continue
@@ -74,10 +77,12 @@ class Readers:
                     return
                 engine._advance()
         except BaseException as exc:  # the caller stopped reading: free the request rather than decode it for nobody
-            engine._abort_after([rid], exc)
+            if not finished:
+                engine._abort_after([rid], exc)
             raise
         finally:
-            self.disown([rid], abort=False)
+            if not finished:
+                self.disown([rid], abort=False)
 
     def completions(self, index: dict[str, int], results: dict[str, RequestOutput]
                     ) -> Iterator[tuple[int, RequestOutput]]:
@@ -123,11 +128,13 @@ class Reader(Iterator[T], Generic[T]):
         return next(self.body)
 
     def close(self) -> None:
+        started = self.dropped is None
         if self.dropped is not None:
             self.dropped.detach()
         if hasattr(self.body, "close"):
-            self.body.close()  # once started, closing it aborts what is left; before, nothing runs, so:
-        self.readers.disown(self.request_ids, abort=True)
+            self.body.close()  # once started, closing it aborts what is left (and frees the ids it owns)
+        if not started:  # before, nothing runs, so:
+            self.readers.disown(self.request_ids, abort=True)
 
     def __enter__(self) -> Reader[T]:
         return self

@@ -608,6 +608,25 @@ def test_ctrl_c_after_the_scheduler_finished_requests_leaves_no_request_behind(t
     assert e.kv.stats().used_blocks == 0
 
 
+def test_a_stream_read_to_its_finished_delta_leaves_the_id_to_a_new_request(engine):
+    """A caller's `if out.finished: break` left the finished stream owning the id: a later request of that id had
+    its deltas swallowed, and closing the old iterator then aborted it."""
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    first = engine.stream([5, 6, 7], sampling, request_id="job-1")
+    for out in first:
+        if out.finished:
+            break
+    engine.add_request([5, 6, 7], sampling, request_id="job-1")
+    deltas = engine.step()
+    first.close()
+    assert engine.has_unfinished() and "job-1" in engine.requests  # not aborted by the old reader
+    while engine.has_unfinished():
+        deltas += engine.step()
+    want = engine.generate([[5, 6, 7]], sampling)[0].outputs[0].token_ids
+    assert [t for d in deltas if d.request_id == "job-1" for t in d.outputs[0].token_ids] == want
+    assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason is not FinishReason.ABORT
+
+
 def test_none_for_the_stop_lists_means_none(engine):
     """OpenAI's null: None for stop or stop_token_ids is no stop (it was refused as not a string or a list)."""
     assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
