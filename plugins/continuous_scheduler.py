@@ -281,15 +281,17 @@ class ContinuousScheduler(Scheduler):
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.is_finished:
             return
-        if seq in self.running:
-            self.running.remove(seq)
-            self.kv.free(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-            if self.swap is not None:
-                self.swap.drop(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        try:
+            if seq in self.running:
+                self.running.remove(seq)
+                self.kv.free(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+                if self.swap is not None:
+                    self.swap.drop(seq)
+        finally:  # an interrupted free (Ctrl-C) must not leave the sequence neither queued nor finished
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -283,8 +283,10 @@ class PagedKVCache(KVCache):
             self.chains.pop(seq.seq_id, None)
             return
         self.chains.pop(seq.seq_id, None)
-        for block in reversed(self.tables.pop(seq.seq_id, NO_BLOCKS)):  # tail first: evicted before its prefix
-            self._release(block, seq.params.priority)
+        table = self.tables.get(seq.seq_id, NO_BLOCKS)
+        while table:  # tail first: evicted before its prefix; an interrupted free leaves the rest in the table
+            self._release(table.pop(), seq.params.priority)
+        self.tables.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         assert child.seq_id not in self.tables, "fork into a sequence that holds blocks"

@@ -608,6 +608,31 @@ def test_ctrl_c_after_the_scheduler_finished_requests_leaves_no_request_behind(t
     assert e.kv.stats().used_blocks == 0
 
 
+def test_ctrl_c_while_a_finished_sequence_frees_its_blocks_leaves_the_engine_going(tiny_model, monkeypatch):
+    """The scheduler took the sequence out of its queue, the free was interrupted, and the sequence was left
+    neither queued nor finished: every later step failed, blaming the scheduler, and its request never ended."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64, block_size=4))
+    insert, interrupted = e.kv.eviction.insert, []
+
+    def insert_with_ctrl_c(*args, **kwargs):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return insert(*args, **kwargs)
+
+    monkeypatch.setattr(e.kv.eviction, "insert", insert_with_ctrl_c)
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    rid = e.add_request(list(range(5, 17)), sampling)  # three full blocks: cached as they are freed
+    with pytest.raises(KeyboardInterrupt):
+        while e.has_unfinished():
+            e.step()
+    outputs = [out for _ in range(3) for out in e.step()]
+    assert interrupted and not e.has_unfinished() and [o.request_id for o in outputs if o.finished] == [rid]
+    assert e.generate([[5, 6, 7]], sampling)[0].outputs[0].token_ids == \
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64)).generate(
+            [[5, 6, 7]], sampling)[0].outputs[0].token_ids
+
+
 def test_a_stream_read_to_its_finished_delta_leaves_the_id_to_a_new_request(engine):
     """A caller's `if out.finished: break` left the finished stream owning the id: a later request of that id had
     its deltas swallowed, and closing the old iterator then aborted it."""
