@@ -167,7 +167,7 @@ class ChatPrompt:
                                       f"{exc.message}); fix it, or give one with --chat-template FILE") from None
         except jinja2.TemplateError as exc:  # templates refuse what they cannot render: raise_exception('...')
             raise InvalidRequestError(f"the model's chat template refused the messages: {exc}") from None
-        except (ValueError, TypeError) as exc:  # several named templates and no default; a template's own bug
+        except Exception as exc:  # several named templates and no default; a template's own bug (1 // 0)
             raise InvalidRequestError(f"the model's chat template cannot render the messages ({type(exc).__name__}: "
                                       f"{str(exc).splitlines()[0]}); fix it, or give one with --chat-template "
                                       "FILE") from None

@@ -289,6 +289,7 @@ def test_the_limits_hold_at_their_boundaries(llm: LLM) -> None:
 @pytest.mark.parametrize(("template", "message"), [
     ("{% if false %}x{% endif %}", "the rendered chat encodes to no tokens"),
     ("{{ messages + 1 }}", "the model's chat template cannot render the messages (TypeError: "),
+    ("{{ 1 // 0 }}", "the model's chat template cannot render the messages (ZeroDivisionError: "),  # escaped raw
 ])
 def test_a_template_that_renders_nothing_or_fails_is_an_invalid_request(tiny_model: Path, tmp_path: Path,
                                                                          template: str, message: str) -> None:
