@@ -273,12 +273,19 @@ class BeamSearches:
                         pass
             except Exception as exc:  # that search fails; the others and the requests go on
                 search.fail(exc)
+            except BaseException as exc:  # Ctrl-C: a half-run step cannot resume, so the search ends with it
+                search.fail(exc)
+                self._leave(search)
+                raise
             if search.done:
-                self.active.remove(search)
-                if search.error is None:
-                    engine.stats.beam_searches_finished += 1
-                else:
-                    engine.stats.beam_searches_failed += 1
+                self._leave(search)
+
+    def _leave(self, search: BeamSearch) -> None:
+        self.active.remove(search)
+        if search.error is None:
+            self.engine.stats.beam_searches_finished += 1
+        else:
+            self.engine.stats.beam_searches_failed += 1
 
     def _wait_or_make_room(self, search: BeamSearch) -> bool:
         """For a search short of blocks: whether it waits this step (True), or may try again now that a younger

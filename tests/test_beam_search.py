@@ -506,6 +506,31 @@ def test_aborting_a_search_midway_frees_its_blocks_and_the_requests_finish(eos_m
     assert drained(engine)
 
 
+def test_ctrl_c_in_a_beam_step_ends_that_search_and_the_engine_goes_on(eos_model, monkeypatch):
+    """A KeyboardInterrupt in a search's forward left it half-stepped: its next step failed with an unrelated
+    ValueError from the runner. Now the search ends with the interrupt (its result() raises it) and frees its
+    blocks, and the engine's requests go on."""
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, max_num_batched_tokens=16))
+    search = engine.start_beam_search(TEXTS[:2], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    execute, calls = engine.runner.execute, []
+
+    def execute_with_ctrl_c(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", execute_with_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(5):
+            engine.step()
+    assert search.done and not engine.searches.active and engine.kv.stats().used_blocks == 0
+    with pytest.raises(KeyboardInterrupt):
+        search.result()
+    assert engine.stats.summary()["beam_searches_failed"] == 1
+    assert tokens_of(engine.generate([TEXTS[2]], [GREEDY])[0]) == alone(eos_model, {}, [TEXTS[2]], [GREEDY])[0]
+
+
 def run_beside_midflight(engine: Engine) -> None:
     """Requests mid-flight (two steps in) when a beam search starts: the beams and the requests' tokens equal
     their runs alone on the same engine, and the pool drains."""
