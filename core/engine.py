@@ -8,6 +8,7 @@ import gc
 import itertools
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence as Seq
@@ -101,6 +102,8 @@ class Engine:
         self.in_flight: InFlight | None = None  # async scheduling: the last step's tokens, not read back yet
         self.deferred: InferError | None = None  # a step's output error, raised once the step is done
         self.interrupted = False  # a step raised: the next one emits requests it finished but left unemitted
+        self.stepping = 0  # steps under way in this (the one) thread: nested ones count too
+        self.entered = threading.RLock()  # held by the thread in a step, add_request or abort
         self.forks = PendingForks()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.tool_parser = parts.tool_parser  # reads the replies of chats that offer tools (None: text only)
@@ -140,6 +143,10 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError."""
+        with self._one_thread():
+            return self._add_request(prompt, params, request_id)
+
+    def _add_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> str:
         params = params or SamplingParams()
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -236,7 +243,8 @@ class Engine:
         call reading the request gets too."""
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {request_id!r}")
-        final = self._abort(request_id)
+        with self._one_thread():
+            final = self._abort(request_id)
         self.stats.refresh(self.kv, self.scheduler)  # its blocks are free now: the summary says so
         if request_id in self.readers.owned:  # the stream or generate call reading it gets the final delta too
             self.readers.route([final])
@@ -291,19 +299,35 @@ class Engine:
 
     def _advance(self) -> None:
         """One step; every delta goes where it is read: to the call that owns its request, else to step()."""
-        self.readers.drop_abandoned()
-        if self.interrupted:  # e.g. Ctrl-C between a scheduler's finish and the output: nothing would visit them
-            self.interrupted = False
-            self.unemitted += [seq for req in self.requests.values() if all(s.is_finished for s in req.seqs)
-                               for seq in req.seqs]
+        with self._one_thread():
+            self.readers.drop_abandoned()
+            if self.interrupted:  # e.g. Ctrl-C between a scheduler's finish and the output: nothing would visit them
+                self.interrupted = False
+                self.unemitted += [seq for req in self.requests.values() if all(s.is_finished for s in req.seqs)
+                                   for seq in req.seqs]
+            self.stepping += 1
+            try:
+                with self._plugin_code():
+                    if self.searches:
+                        self.searches.step()  # first: blocks freed by finished requests go to beams, then admissions
+                    self.readers.route(self._step())
+            except BaseException:
+                self.interrupted = True
+                raise
+            finally:
+                self.stepping -= 1
+
+    @contextlib.contextmanager
+    def _one_thread(self) -> Iterator[None]:
+        """The engine is not thread-safe: a step, add_request or abort while another thread is in one is refused
+        (two threads' steps returned wrong tokens without an error). The same thread may nest them."""
+        if not self.entered.acquire(blocking=False):
+            raise RuntimeError("this Engine is in use by another thread, and it is not thread-safe: drive it from one "
+                               "thread (as `infer serve`'s engine worker does), or give each thread its own engine")
         try:
-            with self._plugin_code():
-                if self.searches:
-                    self.searches.step()  # first: blocks freed by finished requests go to beams before admissions
-                self.readers.route(self._step())
-        except BaseException:
-            self.interrupted = True
-            raise
+            yield
+        finally:
+            self.entered.release()
 
     @contextlib.contextmanager
     def _plugin_code(self) -> Iterator[None]:

@@ -61,12 +61,13 @@ class Readers:
 
     def deltas(self, rid: str) -> Iterator[RequestOutput]:
         """One request's deltas, the last one finished."""
-        engine, finished = self.engine, False
+        engine, released = self.engine, False  # released: the id is no longer this reader's to free
         try:
             while True:
                 for output in self.waiting.pop(rid, ()):
-                    if output.finished:  # the id is free once its request ended: a new request may take it
-                        finished = True  # while this reader waits at the yield (a caller's break)
+                    finished = output.finished
+                    if finished:  # the id is free once its request ended: a new request may take it while
+                        released = True  # this reader waits at the yield (a caller's break)
                         self.disown([rid], abort=False)
                     yield output
                     if finished:
@@ -77,11 +78,11 @@ class Readers:
                     return
                 engine._advance()
         except BaseException as exc:  # the caller stopped reading: free the request rather than decode it for nobody
-            if not finished:
-                engine._abort_after([rid], exc)
+            if not released:
+                released = self.abort_when_safe([rid], exc)
             raise
         finally:
-            if not finished:
+            if not released:
                 self.disown([rid], abort=False)
 
     def completions(self, index: dict[str, int], results: dict[str, RequestOutput]
@@ -106,10 +107,20 @@ class Readers:
                 if results:
                     engine._advance()
         except BaseException as exc:  # the caller stopped early (GeneratorExit), or an error: free what is left
-            engine._abort_after(list(results), exc)
+            if self.abort_when_safe(list(results), exc):
+                owned = [rid for rid in owned if rid not in results]
             raise
         finally:
             self.disown(owned, abort=False)
+
+    def abort_when_safe(self, request_ids: list[str], exc: BaseException) -> bool:
+        """Abort the requests of a reader that stopped; inside a step (the garbage collector closed it there: a
+        reference cycle) they are aborted at the next step's start instead, still owned (returns True)."""
+        if self.engine.stepping:
+            self.abandoned += request_ids
+            return True
+        self.engine._abort_after(request_ids, exc)
+        return False
 
 
 class Reader(Iterator[T], Generic[T]):

@@ -1,8 +1,10 @@
 """Engine behaviour against references: HF greedy, torch sampling semantics, and KV bookkeeping."""
 from __future__ import annotations
 
+import gc
 import logging
 import random
+import threading
 import time
 
 import pytest
@@ -631,6 +633,59 @@ def test_ctrl_c_while_a_finished_sequence_frees_its_blocks_leaves_the_engine_goi
     assert e.generate([[5, 6, 7]], sampling)[0].outputs[0].token_ids == \
         Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64)).generate(
             [[5, 6, 7]], sampling)[0].outputs[0].token_ids
+
+
+def test_a_second_thread_is_refused_while_one_steps(tiny_model, monkeypatch):
+    """Not thread-safe, as documented: two threads' generate calls returned wrong tokens without an error."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    inside, release, results = threading.Event(), threading.Event(), []
+    execute = e.runner.execute
+
+    def blocking_execute(*args, **kwargs):
+        inside.set()
+        release.wait(10)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(e.runner, "execute", blocking_execute)
+    worker = threading.Thread(target=lambda: results.append(e.generate([[5, 6, 7]], sampling)))
+    worker.start()
+    assert inside.wait(10)
+    for call in (lambda: e.add_request([5, 6], sampling), e.step, lambda: e.abort("x"),
+                 lambda: e.generate([[5, 6]], sampling)):
+        with pytest.raises(RuntimeError, match="this Engine is in use by another thread, and it is not thread-safe"):
+            call()
+    release.set()
+    worker.join(10)
+    assert results[0][0].outputs[0].token_ids == e.generate([[5, 6, 7]], sampling)[0].outputs[0].token_ids
+    assert not e.requests and e.kv.stats().used_blocks == 0
+
+
+def test_a_stream_collected_inside_a_step_is_aborted_after_it(tiny_model, monkeypatch):
+    """A started stream caught in a reference cycle, collected by the garbage collector in the middle of a step,
+    aborted its request right there (the step then failed, blaming a plugin); now at the next step's start."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kept = e.add_request([8, 9, 10], sampling)
+    stream = e.stream([5, 6, 7], sampling, request_id="cycled")
+    next(stream)
+    cycle: list = [stream]
+    cycle.append(cycle)
+    del stream, cycle
+    execute, collected = e.runner.execute, []
+
+    def collect_then_execute(*args, **kwargs):
+        if not collected:  # scheduled, not yet run: an abort here took the blocks the batch was built for
+            collected.append(gc.collect())
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(e.runner, "execute", collect_then_execute)
+    tokens: list[int] = []
+    while e.has_unfinished():
+        tokens += [t for out in e.step() if out.request_id == kept for t in out.outputs[0].token_ids]
+    assert collected and "cycled" not in e.requests and not e.readers.owned
+    assert tokens == e.generate([[8, 9, 10]], sampling)[0].outputs[0].token_ids
+    assert e.kv.stats().used_blocks == 0
 
 
 def test_a_stream_read_to_its_finished_delta_leaves_the_id_to_a_new_request(engine):
