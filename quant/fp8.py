@@ -130,6 +130,29 @@ def _parse_group(name: str, group: dict[str, Any], default_format: str | None) -
     return tuple(targets), scheme
 
 
+OFFLINE_TRANSFORMS = ("weight_input", "weight_output")  # fused into the stored weights: nothing left to apply
+
+
+def online_transforms(transform_config: object) -> list[str]:
+    """The run-time locations (input, output, k_cache, q_attn) of a compressed-tensors ``transform_config``'s
+    rotations, sorted; a transform_config that is not the library's shape counts as one ('unreadable')."""
+    if not transform_config:
+        return []
+    groups = transform_config.get("config_groups") if isinstance(transform_config, dict) else None
+    if not isinstance(groups, dict):
+        return ["(an unreadable transform_config)"]
+    locations = set()
+    for group in groups.values():
+        applied = group.get("apply") if isinstance(group, dict) else None
+        if not isinstance(applied, list):
+            return ["(an unreadable transform_config)"]
+        for entry in applied:
+            location = entry.get("location") if isinstance(entry, dict) else None
+            if location not in OFFLINE_TRANSFORMS:
+                locations.add(str(location))
+    return sorted(locations)
+
+
 def parse_compressed_tensors(qc: dict[str, Any]) -> Fp8CheckpointConfig:
     """Validate a compressed-tensors ``quantization_config`` holding FP8 ``float-quantized`` groups."""
     method = qc.get("quant_method")
@@ -143,6 +166,9 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> Fp8CheckpointConfig:
         raise _fail(f"quantization_status is {status!r}; save the model compressed (weights stored as fp8)")
     if qc.get("sparsity_config"):
         raise _fail("the checkpoint is sparse (sparsity_config is set)")
+    if online := online_transforms(qc.get("transform_config")):
+        raise _fail(f"its transform_config rotates {', '.join(online)} at run time (QuIP/SpinQuant-style), which "
+                    "infer does not apply: without the rotation the model computes garbage")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _fail("config_groups is missing or empty")

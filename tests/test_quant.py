@@ -466,6 +466,11 @@ def ct_config(weights: dict[str, object], acts: dict[str, object] | None, ignore
             "kv_cache_scheme": None, "sparsity_config": {}, **extra}
 
 
+# compressed-tensors' TransformScheme as ModelCompressor writes it: a Hadamard rotation of the inputs at run time,
+# its inverse fused into the weights; loaded without the rotation, the logits were garbage (relative error 1.4)
+ROTATED = {"config_groups": {"v": {"type": "hadamard", "apply": [
+    {"targets": ["Linear"], "location": "input", "inverse": False, "ignore": []},
+    {"targets": ["Linear"], "location": "weight_input", "inverse": True, "ignore": []}]}}}
 FP8_DYNAMIC_CFG = ct_config({"strategy": "channel"}, {"strategy": "token", "dynamic": True})
 FP8_STATIC_CFG = ct_config({"strategy": "tensor"}, {"strategy": "tensor", "dynamic": False,
                                                     "observer": "static_minmax"})
@@ -480,6 +485,10 @@ def test_parse_compressed_tensors_presets() -> None:
     regex = fp8.parse_compressed_tensors(ct_config({"strategy": "channel"}, None, ignore=["re:.*mlp.gate_proj$"]))
     assert regex.scheme_for("model.layers.3.mlp.gate_proj") is None
     assert regex.scheme_for("model.layers.3.mlp.up_proj") == fp8.Fp8Scheme("channel", None)
+    rotation = ROTATED["config_groups"]["v"]
+    fused = {"config_groups": {"v": {**rotation, "apply": rotation["apply"][1:]}}}
+    assert fp8.parse_compressed_tensors(ct_config({"strategy": "channel"}, None, transform_config=fused)) == \
+        fp8.parse_compressed_tensors(ct_config({"strategy": "channel"}, None))  # in the weights: nothing to apply
 
 
 @pytest.mark.parametrize("config, message", [
@@ -488,6 +497,8 @@ def test_parse_compressed_tensors_presets() -> None:
     (ct_config({"strategy": "channel"}, {"strategy": "token", "dynamic": False}), "dynamic 'token'"),
     (ct_config({"strategy": "channel"}, None, sparsity_config={"format": "sparse-24"}), "sparse"),
     (ct_config({"strategy": "channel"}, None, quantization_status="frozen"), "save the model compressed"),
+    (ct_config({"strategy": "channel"}, None, transform_config=ROTATED), r"rotates input at run time \(QuIP"),
+    (ct_config({"strategy": "channel"}, None, transform_config={"config_groups": [1]}), "unreadable transform"),
     ({**ct_config({"strategy": "channel"}, None), "config_groups": {}}, "config_groups is missing"),
     ({"quant_method": "awq", "bits": 4}, "quantized with 'awq'"),
 ])
