@@ -108,7 +108,15 @@ class AwqLinearMethod(QuantMethod):
         needed = ("weight",) if layer.awq_on_load else PACKED
         require_loaded(layer, needed + (("bias",) if layer.bias is not None else ()), self.name)
         if layer.awq_on_load:
-            qweight, qzeros, scales = awq.quantize_rtn(layer.weight.data, layer.awq_group_size)
+            name = layer_name(layer)
+            if not bool(torch.isfinite(layer.weight).all()):  # the loader's finite check comes after this
+                raise CheckpointError(f"{name!r} holds NaN or infinite values, which no AWQ scale can hold: a weight "
+                                      "past 65504 overflows when cast to --dtype float16 (load it with --dtype "
+                                      "bfloat16 or float32), or the checkpoint is corrupt")
+            try:
+                qweight, qzeros, scales = awq.quantize_rtn(layer.weight.data, layer.awq_group_size)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{name!r}: {exc}") from None
             del layer.weight
             layer.register_buffer("qweight", qweight)
             layer.register_buffer("qzeros", qzeros)

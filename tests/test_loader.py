@@ -200,6 +200,9 @@ def test_a_weight_past_float16_range_names_the_cast_not_the_checkpoint(llama, tm
     assert LLM(model=str(path), device="cpu", num_kv_blocks=4)
     assert "cast to --dtype float16, whose largest value is 65504, its weights overflow" in load_error(
         path, dtype="float16")
+    message = load_error(path, dtype="float16", quant="awq")  # it said the checkpoint cannot be AWQ: use fp8
+    assert "'model.layers.0.mlp.up_proj' holds NaN or infinite values" in message and "--dtype bfloat16" in message
+    assert LLM(model=str(path), device="cpu", num_kv_blocks=4, dtype="bfloat16", quant="awq")
 
 
 @pytest.mark.parametrize(("text", "complaint"), [
