@@ -360,20 +360,21 @@ class Engine:
         if self.spec is not None:
             self.spec.propose(out)  # draft tokens for decoding sequences, verified by this step's forward pass
         batch, logits, outputs, times = self._forward(out)
-        # sequences just finished by a read-back stop token or a stop string are in this batch: not sampled
-        gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
-        sampled, forks = self._sample(out, batch, logits, gone)
-        now = time.perf_counter()
-        start_forks(self.scheduler, self._finish, out, forks, sampled, now)
-        self.scheduler.update(live_part(out, gone), sampled, now)
-        advanced = [item.seq for item in out.scheduled if item.seq.seq_id not in gone] + [c for _, c in forks]
-        if self.async_output:
-            self.unemitted = advanced
-        else:
-            outputs += self._deferring(self._emit_progress, advanced)  # may finish sequences (stop strings)
-        if self.spec is not None:
-            self.spec.release_finished(advanced)
-        self._record_step(out, start, times, now, decodes)
+        with self._delivered_if_raised(outputs):
+            # sequences just finished by a read-back stop token or a stop string are in this batch: not sampled
+            gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
+            sampled, forks = self._sample(out, batch, logits, gone)
+            now = time.perf_counter()
+            start_forks(self.scheduler, self._finish, out, forks, sampled, now)
+            self.scheduler.update(live_part(out, gone), sampled, now)
+            advanced = [item.seq for item in out.scheduled if item.seq.seq_id not in gone] + [c for _, c in forks]
+            if self.async_output:
+                self.unemitted = advanced
+            else:
+                outputs += self._deferring(self._emit_progress, advanced)  # may finish sequences (stop strings)
+            if self.spec is not None:
+                self.spec.release_finished(advanced)
+            self._record_step(out, start, times, now, decodes)
         return self._deferred_raised(outputs)
 
     def _step_ahead(self) -> list[RequestOutput]:
@@ -390,17 +391,18 @@ class Engine:
             return self._run(out, start)
         decodes = count_decodes(out)
         batch, logits, outputs, times = self._forward(out)
-        items = {item.seq.seq_id: item.seq for item in out.scheduled}
-        rows = [i for i, sid in enumerate(batch.sample_seq_ids) if not items[sid].is_finished]
-        seqs = [items[batch.sample_seq_ids[i]] for i in rows]
-        if seqs:
-            kept = logits if len(rows) == len(logits) else logits[to_device(rows, logits.device)]  # no host wait
-            sample = self.runner.sample_pending(kept, seqs)
-            self.in_flight = InFlight(sample, seqs, [seq.num_tokens for seq in seqs])
-        now = time.perf_counter()
-        gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
-        self.scheduler.update(live_part(out, gone), {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
-        self._record_step(out, start, times, now, decodes)
+        with self._delivered_if_raised(outputs):
+            items = {item.seq.seq_id: item.seq for item in out.scheduled}
+            rows = [i for i, sid in enumerate(batch.sample_seq_ids) if not items[sid].is_finished]
+            seqs = [items[batch.sample_seq_ids[i]] for i in rows]
+            if seqs:
+                kept = logits if len(rows) == len(logits) else logits[to_device(rows, logits.device)]  # no host wait
+                sample = self.runner.sample_pending(kept, seqs)
+                self.in_flight = InFlight(sample, seqs, [seq.num_tokens for seq in seqs])
+            now = time.perf_counter()
+            gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
+            self.scheduler.update(live_part(out, gone), {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
+            self._record_step(out, start, times, now, decodes)
         return self._deferred_raised(outputs)
 
     def _forward(self, out: SchedulerOutput) -> tuple[Batch, torch.Tensor, list[RequestOutput], StepTimes]:
@@ -483,6 +485,17 @@ class Engine:
             self.readers.route([output for output in outputs if output.request_id in self.readers.owned])
             raise failure
         return outputs
+
+    @contextlib.contextmanager
+    def _delivered_if_raised(self, outputs: list[RequestOutput]) -> Iterator[None]:
+        """The rest of a step whose ``outputs`` are built: if it raises (a plugin's error, Ctrl-C), they still
+        reach the stream and generate calls that read them, as a deferred error's do (they were dropped)."""
+        try:
+            yield
+        except BaseException:
+            self.deferred = None
+            self.readers.route([output for output in outputs if output.request_id in self.readers.owned])
+            raise
 
     def _sample(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor, gone: set[int]
                 ) -> tuple[dict[int, list[int]], list[tuple[Sequence, Sequence]]]:

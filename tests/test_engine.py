@@ -635,6 +635,32 @@ def test_ctrl_c_while_a_finished_sequence_frees_its_blocks_leaves_the_engine_goi
             [[5, 6, 7]], sampling)[0].outputs[0].token_ids
 
 
+def test_ctrl_c_late_in_a_step_drops_no_delta_of_another_stream(tiny_model):
+    """A Ctrl-C in an on_step observer, while the caller read stream A, came after B's delta of that step was
+    built: it was dropped, and B's text silently lacked a token."""
+
+    class CtrlCOnce:
+        steps = 0
+
+        @hookimpl
+        def on_step(self, stats):
+            CtrlCOnce.steps += 1
+            if CtrlCOnce.steps == 3:
+                raise KeyboardInterrupt
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(CtrlCOnce(), name="ctrl-c-once", source="test")
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64), plugins)
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    a, b = e.stream([5, 6, 7], sampling), e.stream([8, 9, 10], sampling)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in a:
+            pass
+    got = [t for out in b for t in out.outputs[0].token_ids]
+    assert got == e.generate([[8, 9, 10]], sampling)[0].outputs[0].token_ids
+    assert not e.has_unfinished() and e.kv.stats().used_blocks == 0
+
+
 def test_a_second_thread_is_refused_while_one_steps(tiny_model, monkeypatch):
     """Not thread-safe, as documented: two threads' generate calls returned wrong tokens without an error."""
     e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
