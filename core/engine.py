@@ -60,7 +60,8 @@ def live_part(out: SchedulerOutput, gone: set[int]) -> SchedulerOutput:
 
 
 class Engine:
-    """The serving API. Not thread-safe: one thread drives ``step()`` (the gRPC server hands off to it)."""
+    """The serving API. Not thread-safe: one thread drives ``step()`` (the gRPC server hands off to it); a step,
+    add_request or abort from a second thread while the first is in one raises RuntimeError."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         plugins = checked_manager(plugins)

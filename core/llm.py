@@ -19,7 +19,8 @@ from .request import RequestOutput, SamplingParams
 
 
 class LLM:
-    """Offline API: ``LLM(model=DIR, **options).generate(prompts, SamplingParams(...))``."""
+    """Offline API: ``LLM(model=DIR, **options).generate(prompts, SamplingParams(...))``. Not thread-safe, as its
+    Engine: a call from a second thread while one runs raises RuntimeError."""
 
     def __init__(self, model: str | None = None, plugins: PluginManager | None = None, plugin: Seq[str] = (),
                  **options: Any) -> None:
