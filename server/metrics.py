@@ -67,8 +67,8 @@ class StatsCollector:
             for adapter, count in sorted(stats.lora_requests.items()):
                 adapters.add_metric([adapter], count)
             yield adapters
-        yield CounterMetricFamily("infer_server_rejected_requests", "Requests refused with RESOURCE_EXHAUSTED",
-                                  value=self.rejected())
+        yield CounterMetricFamily("infer_server_rejected_requests", "Requests refused because --max-queue requests "
+                                  "were in flight (RESOURCE_EXHAUSTED)", value=self.rejected())
         yield GaugeMetricFamily("infer_server_draining", "1 while shutting down", value=int(stats.draining))
 
 
