@@ -36,6 +36,7 @@ log = logging.getLogger("infer")
 MASK_CACHE_BYTES = 256 * 2**20  # all grammars' masks together; a mask is one byte per vocabulary entry
 MAX_DFA_STATES = 20_000  # a grammar's automaton is built whole at admission, within these bounds
 MAX_DFA_WORK = 4_000_000  # NFA states visited while building it (about 1.5 s of Python at most)
+MAX_DFA_CELLS = 4_000_000  # its table's states x character classes (about 1.5 s and 200 MB of Python at most)
 MAX_FORCED_CHARS = 64  # forced_text looks this far ahead (a proposer drafts at most 16 tokens a round)
 MAX_TOKEN_CHARS = 16  # longer tokens are stepped one by one (few vocabularies have many)
 State = tuple[int, bytes]  # (automaton state, the bytes of a character begun but not finished)
@@ -92,7 +93,7 @@ class FsmGrammar(Grammar):
 
         self.automaton, self.backend, self.index = automaton, backend, backend.token_index()
         self.key = next(backend.serials)  # names this grammar's masks in the backend's cache
-        bounds, table = automaton.determinize(MAX_DFA_STATES, MAX_DFA_WORK)
+        bounds, table = automaton.determinize(MAX_DFA_STATES, MAX_DFA_WORK, MAX_DFA_CELLS)
         self.dead = len(table)  # DEAD as a row of its own, which every class leads back to
         self.next = torch.tensor([[self.dead if t == DEAD else t for t in row] for row in table] +
                                  [[self.dead] * len(bounds)], dtype=torch.int32)

@@ -390,14 +390,21 @@ class CharAutomaton:
         points = {0} | {p for out in self._edges for ranges, _ in out for lo, hi in ranges for p in (lo, hi + 1)}
         return sorted(p for p in points if p <= MAX_CHAR)
 
-    def determinize(self, max_states: int, max_work: int) -> tuple[list[int], list[list[int]]]:
+    def determinize(self, max_states: int, max_work: int, max_cells: int) -> tuple[list[int], list[list[int]]]:
         """Every DFA state, built now: (the partition's bounds, ``table[state][k]``: the state after any code point
-        of class k, DEAD included). InvalidRequestError when it takes more than ``max_states`` states or
-        ``max_work`` NFA visits: such a pattern would stall the engine while it generates."""
+        of class k, DEAD included). InvalidRequestError when it takes more than ``max_states`` states, ``max_work``
+        NFA visits or ``max_cells`` table cells (states x classes, checked before each row: each distinct character
+        of the pattern adds classes, so a long literal of distinct characters is quadratic): such a pattern would
+        stall the engine while it generates."""
         bounds = self.classes()
         table: list[list[int]] = []
         while len(table) < len(self._sets):
             state = len(table)
+            if (state + 1) * len(bounds) > max_cells:
+                raise InvalidRequestError(
+                    f"invalid regex: its automaton's table grows past {max_cells} cells ({state + 1} states x "
+                    f"{len(bounds)} character classes so far); simplify it: every distinct character or range adds "
+                    "a class, and every state a row (a long literal or class of many distinct characters, repeated)")
             table.append([self.step(state, point) for point in bounds])
             if len(self._sets) > max_states or self.work > max_work:
                 raise InvalidRequestError(

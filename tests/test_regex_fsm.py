@@ -272,7 +272,7 @@ def test_determinize_builds_every_state_and_classes_step_alike(pattern: str) -> 
     import random
 
     automaton = CharAutomaton.compile(pattern)
-    bounds, table = automaton.determinize(1000, 10**6)
+    bounds, table = automaton.determinize(1000, 10**6, 10**7)
     assert len(table) == automaton.num_states() and bounds[0] == 0
     rng = random.Random(0)
     points = [rng.choice([rng.randrange(0, 0x250), rng.randrange(0, 0x110000)]) for _ in range(300)]
@@ -286,9 +286,22 @@ def test_determinize_builds_every_state_and_classes_step_alike(pattern: str) -> 
 
 def test_determinize_refuses_automata_past_its_bounds() -> None:
     with pytest.raises(InvalidRequestError, match="grows past 50 states"):
-        CharAutomaton.compile("[ab]*a[ab]{8}").determinize(50, 10**6)  # 2**9 states
+        CharAutomaton.compile("[ab]*a[ab]{8}").determinize(50, 10**6, 10**7)  # 2**9 states
     with pytest.raises(InvalidRequestError, match="100 steps"):
-        CharAutomaton.compile("[ab]*a[ab]{8}").determinize(10**6, 100)
+        CharAutomaton.compile("[ab]*a[ab]{8}").determinize(10**6, 100, 10**7)
+
+
+def test_a_literal_of_many_distinct_characters_is_refused_before_its_table_is_built() -> None:
+    """Each distinct character adds a class and each character a state: a 6,000-character literal of distinct
+    CJK characters, within the state and work bounds, took 30 s and 4 GB to build (states x classes cells)."""
+    from infer.plugins.fsm_output import MAX_DFA_CELLS
+
+    literal = "".join(map(chr, range(0x4E00, 0x4E00 + 6000)))
+    with pytest.raises(InvalidRequestError, match=r"table grows past 4000000 cells \(667 states x 6002 character "
+                                                  "classes so far\); simplify it"):  # refused at row 667 of 6001
+        CharAutomaton.compile(literal).determinize(20_000, 4_000_000, MAX_DFA_CELLS)
+    bounds, table = CharAutomaton.compile(literal[:500]).determinize(20_000, 4_000_000, MAX_DFA_CELLS)
+    assert len(table) == 501 and len(bounds) == 502  # a short one is still built whole
 
 
 def test_surrogate_escapes_join_into_one_character_and_lone_ones_are_refused() -> None:
