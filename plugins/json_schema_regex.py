@@ -48,7 +48,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ..core.errors import InvalidRequestError
-from .json_schema_unions import overlapping_branches
+from .json_schema_unions import json_equal, overlapping_branches
 from .number_regex import alternatives, integer_range, number_range
 
 MAX_REGEX = 200_000
@@ -342,8 +342,8 @@ class _Compiler:
     def _values(self, schema: dict[str, Any], path: str) -> str:
         values = [schema["const"]] if "const" in schema else schema["enum"]
         texts = [_dumps(value, path) for value in values]
-        if "const" in schema and "enum" in schema:
-            texts = [text for text in texts if text in {_dumps(value, path) for value in schema["enum"]}]
+        if "const" in schema and "enum" in schema:  # JSON equality: const 1 is in enum [1.0]
+            texts = [text for text in texts if any(json_equal(schema["const"], value) for value in schema["enum"])]
         if "type" in schema:
             types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
             texts = [text for text in texts if any(_HAS_TYPE[t](json.loads(text)) for t in types)]

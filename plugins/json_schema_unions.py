@@ -59,13 +59,22 @@ def value_set(schema: Any) -> frozenset[Any] | None:
 
 
 def _key(value: Any) -> tuple[str, Any]:
+    """(its JSON type, a key equal for values JSON Schema calls equal: 1 and 1.0 at any depth, keys in any order)."""
     if isinstance(value, bool) or value is None:
         return ("boolean" if value is not None else "null", value)
     if isinstance(value, (int, float)):  # 1 and 1.0 are one JSON value: one kind, equal Decimals
         number = Decimal(repr(value))
         return ("integer" if number == number.to_integral_value() else "number", number)
-    kind = {str: "string", list: "array", dict: "object"}.get(type(value), "unknown")
-    return (kind, json.dumps(value, sort_keys=True))
+    if isinstance(value, list):
+        return ("array", tuple(map(_key, value)))
+    if isinstance(value, dict):
+        return ("object", tuple(sorted((str(k), _key(v)) for k, v in value.items())))
+    return ("string" if isinstance(value, str) else "unknown", value if isinstance(value, str) else repr(value))
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """JSON Schema's equality of two instances (1 == 1.0, inside arrays and objects too)."""
+    return _key(a) == _key(b)
 
 
 def _types_overlap(a: frozenset[str], b: frozenset[str]) -> bool:

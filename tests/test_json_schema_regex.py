@@ -386,6 +386,8 @@ def test_a_pydantic_tagged_union_is_one_of_its_models() -> None:
     [{"type": "integer"}, {"type": "number"}],  # 7 is both
     [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "object"}],  # {} is both
     [{"const": 1}, {"enum": [2, 1.0]}],  # 1 and 1.0 are one JSON value
+    [{"const": [1]}, {"const": [1.0]}],  # inside an array too (compared as JSON text, they were read as anyOf)
+    [{"const": {"a": 1, "b": [2]}}, {"enum": [{"b": [2.0], "a": 1.0}]}],  # and an object, in any key order
     [{"type": "object", "properties": {"k": {"const": "a"}}}, {"type": "object", "properties": {"k": {"const": "b"}}}],
     [{"type": ["object", "string"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
      {"type": ["object", "string"], "properties": {"k": {"const": "b"}}, "required": ["k"]}],  # "x" matches both
@@ -397,6 +399,14 @@ def test_one_of_branches_that_may_overlap_are_refused(branches: list[Any]) -> No
                                                   "'anyOf' if a value may match several"):
         schema_to_regex({"oneOf": branches})
     schema_to_regex({"anyOf": branches})
+
+
+def test_const_and_enum_intersect_by_json_equality() -> None:
+    """const 1 is in enum [1.0]: the schema was refused as one no value satisfies."""
+    assert re.fullmatch(schema_to_regex({"const": 1, "enum": [1.0, 2]}), "1")
+    assert re.fullmatch(schema_to_regex({"const": [1, {"a": 2}], "enum": [[1.0, {"a": 2.0}]]}), '[1,{"a":2}]')
+    with pytest.raises(InvalidRequestError):
+        schema_to_regex({"const": [1], "enum": [[2]]})
 
 
 def test_generation_restrictions() -> None:
