@@ -5,7 +5,6 @@ whose ``const``/``enum`` values differ (a discriminator, as Pydantic's tagged un
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
