@@ -246,9 +246,9 @@ class Engine:
             raise InvalidRequestError(f"request_id must be a string, got {request_id!r}")
         with self._one_thread():
             final = self._abort(request_id)
-        self.stats.refresh(self.kv, self.scheduler)  # its blocks are free now: the summary says so
-        if request_id in self.readers.owned:  # the stream or generate call reading it gets the final delta too
-            self.readers.route([final])
+            self.stats.refresh(self.kv, self.scheduler)  # its blocks are free now: the summary says so
+            if request_id in self.readers.owned:  # the stream or generate call reading it gets the final delta too
+                self.readers.route([final])
         return final
 
     def _abort(self, request_id: str) -> RequestOutput:
@@ -376,7 +376,7 @@ class Engine:
             if self.spec is not None:
                 self.spec.release_finished(advanced)
             self._record_step(out, start, times, now, decodes)
-        return self._deferred_raised(outputs)
+        return outputs
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Async scheduling: schedule and launch this step, with the tokens of the step still in flight as PENDING
@@ -404,7 +404,7 @@ class Engine:
             gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
             self.scheduler.update(live_part(out, gone), {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
             self._record_step(out, start, times, now, decodes)
-        return self._deferred_raised(outputs)
+        return outputs
 
     def _forward(self, out: SchedulerOutput) -> tuple[Batch, torch.Tensor, list[RequestOutput], StepTimes]:
         """Launch the forward pass of ``out`` (tokens still in flight fill their places on the device); then, while
@@ -473,29 +473,26 @@ class Engine:
 
     def _deferring(self, emit: Callable[..., list[RequestOutput]], *args: object) -> list[RequestOutput]:
         """``emit(*args)``; a reply parser's or an observer's error (once every other output is out) waits for
-        the end of the step, which must still update the scheduler and be recorded: ``_deferred_raised``."""
+        the end of the step, which must still update the scheduler and be recorded: ``_delivered_if_raised``."""
         try:
             return emit(*args)
         except InferError as exc:
             self.deferred = self.deferred or exc
             return []
 
-    def _deferred_raised(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        failure, self.deferred = self.deferred, None
-        if failure is not None:  # the step's outputs still reach the stream and generate calls that read them
-            self.readers.route([output for output in outputs if output.request_id in self.readers.owned])
-            raise failure
-        return outputs
-
     @contextlib.contextmanager
     def _delivered_if_raised(self, outputs: list[RequestOutput]) -> Iterator[None]:
-        """The rest of a step whose ``outputs`` are built: if it raises (a plugin's error, Ctrl-C), they still
-        reach the stream and generate calls that read them, as a deferred error's do (they were dropped)."""
+        """The rest of a step whose ``outputs`` are built, then the error ``_deferring`` held back, raised: if the
+        step fails (that error, a plugin's, Ctrl-C), its outputs still reach the stream and generate calls that
+        read them."""
         try:
             yield
+            failure, self.deferred = self.deferred, None
+            if failure is not None:
+                raise failure
         except BaseException:
             self.deferred = None
-            self.readers.route([output for output in outputs if output.request_id in self.readers.owned])
+            self.readers.route_owned(outputs)
             raise
 
     def _sample(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor, gone: set[int]
@@ -539,7 +536,7 @@ class Engine:
                 if output.outputs or output.finished:
                     outputs.append(output)
         if failure is not None:
-            self.readers.route([output for output in outputs if output.request_id in self.readers.owned])
+            self.readers.route_owned(outputs)
             raise failure
         return outputs
 

@@ -407,11 +407,9 @@ class AttentionBackend(ABC):
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """What a model calls: :meth:`forward`, with its output checked against the contract (a tensor of q's
         shape and dtype), so that a backend's wrong output is reported as the backend's, not the model's."""
-        import torch  # not at the top: loading the plugins must not import torch
-
         out = self.forward(q, k, v, kv_cache, meta, scale)
-        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
-            got = f"shape {list(out.shape)}, {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        if getattr(out, "shape", None) != q.shape or getattr(out, "dtype", None) != q.dtype:
+            got = f"shape {list(out.shape)}, {out.dtype}" if hasattr(out, "dtype") else type(out).__name__
             raise TypeError(f"forward returned {got}; it must return q's shape {list(q.shape)} and dtype {q.dtype}")
         return out
 

@@ -36,6 +36,11 @@ class Readers:
             else:
                 self.loose.append(output)
 
+    def route_owned(self, outputs: list[RequestOutput]) -> None:
+        """Route the outputs of a failed step that a stream or generate call reads (step()'s are dropped with
+        it: a late delivery could reach a new request of the same id)."""
+        self.route([output for output in outputs if output.request_id in self.owned])
+
     def drop_abandoned(self) -> None:
         """Abort the requests of readers dropped before their first ``next`` (a generator that never started runs
         no clean-up): at the start of a step, not at garbage collection, which may come inside one."""
