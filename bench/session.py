@@ -1,6 +1,7 @@
 """Running an A/B comparison: build each arm once, make every round's workload, run the rounds interleaved."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import logging
@@ -205,16 +206,17 @@ def keep_structured_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[Fil
 def keep_fitting_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[FileEntry]
                        ) -> tuple[list[FileEntry], list[str]]:
     """The lines whose request (prompt tokens, as the first arm renders and tokenizes it, plus max_tokens) fits
-    every arm's context and KV pool; like check_vocabulary: an error per bad line, WorkloadError listing them all
-    without --skip-bad-lines (make_workloads then names no line)."""
+    every arm's context and KV pool, their prompts as those token ids (what every arm runs: tokenized once); like
+    check_vocabulary: an error per bad line, WorkloadError listing them all without --skip-bad-lines
+    (make_workloads then names no line)."""
     good, errors = [], []
     limit = min(arm.max_model_len for arm in arms)
     for entry in entries:
         try:
-            tokens = len(entry.prompt if isinstance(entry.prompt, tuple) else arms[0].tokenize(entry.prompt))
+            ids = entry.prompt if isinstance(entry.prompt, tuple) else tuple(arms[0].tokenize(entry.prompt))
         except InvalidRequestError as exc:  # a chat the first arm's template cannot render (or no template)
             raise WorkloadError(f"line {entry.line}: {exc}") from None
-        total = tokens + entry.max_tokens
+        total = len(ids) + entry.max_tokens
         short = [arm for arm in arms if arm.kv_capacity_tokens is not None and total > arm.kv_capacity_tokens]
         if total > limit:
             errors.append(f"line {entry.line}: a request of {total} tokens (prompt and max_tokens), over the context "
@@ -223,7 +225,7 @@ def keep_fitting_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[FileEn
             errors.append(f"line {entry.line}: a request of {total} tokens (prompt and max_tokens), over the "
                           f"{short[0].kv_capacity_tokens} tokens arm {short[0].spec.key}'s KV blocks hold")
         else:
-            good.append(entry)
+            good.append(dataclasses.replace(entry, prompt=ids))
     return good_lines(spec, good, errors, "line(s) too long for an arm"), errors
 
 
