@@ -55,8 +55,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def checkpoint_dtype(raw: dict[str, Any]) -> str | None:
-    """The dtype config.json states (``torch_dtype``; newer transformers write ``dtype``)."""
-    return raw.get("torch_dtype") or raw.get("dtype")
+    """The dtype config.json states: ``dtype`` (newer transformers), else ``torch_dtype``, as HF reads them."""
+    return raw.get("dtype") or raw.get("torch_dtype")
 
 
 def resolve_dtype(name: str, stated: str | None, device: torch.device) -> torch.dtype:
@@ -245,6 +245,15 @@ def architectures(raw: dict[str, Any]) -> list[str]:
             log.info("config.json names no architectures; model_type %r means %s, as in transformers' "
                      "AutoModelForCausalLM", model_type, named)
             return [named]
+    if archs and isinstance(model_type := raw.get("model_type"), str):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        named = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        if named is not None and named != archs[0]:  # HF's Auto class would build the other one
+            log.warning("config.json names the architecture %s but model_type %r, which transformers' "
+                        "AutoModelForCausalLM builds as %s; infer builds %s (as vLLM does), so what only %s does "
+                        "(a sliding window, say) does not apply: fix config.json if it should", archs[0],
+                        model_type, named, archs[0], named)
     return archs
 
 

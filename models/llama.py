@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): one decoder with per-architecture switches."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,33 +52,37 @@ class ArchConfig:
         defaults = ARCH_DEFAULTS.get(arch, {})
         heads, hidden = field.positive("num_attention_heads"), field.positive("hidden_size")
         max_positions = field.positive("max_position_embeddings", defaults.get("max_position_embeddings", 2048))
-        kv_heads = field.positive("num_key_value_heads", defaults.get("num_key_value_heads") or heads)
+        # HF: an explicit null means one KV head per attention head; an absent key, the class's default
+        kv_default = heads if "num_key_value_heads" in raw else defaults.get("num_key_value_heads") or heads
+        kv_heads = field.positive("num_key_value_heads", kv_default)
         if heads % kv_heads:
             raise CheckpointError(f"config.json of this {arch} has {heads} attention heads and {kv_heads} key/value "
                                   "heads; grouped-query attention needs the first a multiple of the second; fix "
                                   "num_attention_heads or num_key_value_heads")
-        act = field.get("hidden_act", str) or "silu"
+        act = field.get("hidden_act", str)
+        act = "silu" if act is None else act
         if act not in ("silu", "swish"):
             raise CheckpointError(f"config.json of this {arch} has hidden_act {act!r}; infer's MLP computes silu "
                                   "(swish) only")
         # HF: a rope_scaling dict wins over rope_parameters (transformers 5 writes a default rope_parameters)
         rope = dict(field.get("rope_scaling", dict) or field.get("rope_parameters", dict) or {})
-        rope.setdefault("rope_theta", field.get("rope_theta", (int, float)) or 10000.0)
+        theta = field.get("rope_theta", (int, float))
+        rope.setdefault("rope_theta", 10000.0 if theta is None else theta)
         if rope.get("rope_type", rope.get("type")) == "llama3":  # HF: a top-level value wins, else the context
             top = field.get("original_max_position_embeddings", int)
             rope["original_max_position_embeddings"] = top or rope.get("original_max_position_embeddings") \
                 or max_positions
         check_rope(rope, arch)
         eos = field.get("eos_token_id", (int, list))
-        if arch == "MistralForCausalLM":  # HF's Mistral always slides: 4096 when absent, null for none
-            window = field.get("sliding_window", int) if "sliding_window" in raw else defaults["sliding_window"]
-        elif "max_window_layers" in defaults:  # Qwen2/3: layer i slides with use_sliding_window, i >= that
+        # HF's default window (4096) applies where the key is absent; null means none
+        window = field.get("sliding_window", int) if "sliding_window" in raw else defaults.get("sliding_window")
+        if "max_window_layers" in defaults:  # Qwen2/3: layer i slides with use_sliding_window, i >= that
             types = raw.get("layer_types")
             first = field.get("max_window_layers", int)  # 0: every layer slides
             slides = any(kind == "sliding_attention" for kind in types) if isinstance(types, list) else \
                 (defaults["max_window_layers"] if first is None else first) < field.positive("num_hidden_layers")
-            window = field.get("sliding_window", int) if field.get("use_sliding_window", bool) and slides else None
-        else:  # Llama never slides, whatever its config.json says
+            window = window if field.get("use_sliding_window", bool) and slides else None
+        elif arch != "MistralForCausalLM":  # Mistral always slides; Llama never, whatever config.json says
             window = None
         biases = BIASES.get(arch, BIASES["LlamaForCausalLM"])
         qkv = biases["qkv"]
@@ -91,7 +96,7 @@ class ArchConfig:
             head_dim=field.positive("head_dim", defaults.get("head_dim") or hidden // heads),
             intermediate_size=field.positive("intermediate_size"),
             vocab_size=field.positive("vocab_size"),
-            rms_norm_eps=float(field.get("rms_norm_eps", (int, float)) or 1e-6),
+            rms_norm_eps=rms_norm_eps(field),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(field.get("tie_word_embeddings", bool)),
             attention_bias=attention_bias,
@@ -101,7 +106,7 @@ class ArchConfig:
             rope=rope,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             sliding_window=window or None,
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             quantization_config=raw.get("quantization_config"),
         )
 
@@ -110,9 +115,10 @@ class ArchConfig:
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048},
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096, "num_key_value_heads": 8},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "max_window_layers": 28},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "max_window_layers": 28,
+                         "sliding_window": 4096},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32,
-                         "max_window_layers": 28},
+                         "max_window_layers": 28, "sliding_window": 4096},
 }
 # which biases each HF architecture has: qkv True always, "flag" as attention_bias says, False never; o_proj with
 # the q/k/v bias when "o"; the MLP's as mlp_bias says when "mlp"
@@ -156,6 +162,15 @@ class _Fields:
             raise CheckpointError(f"config.json of this {self.arch} has {key} = {value}, which must be a positive "
                                   "integer; fix config.json")
         return value
+
+
+def rms_norm_eps(field: _Fields) -> float:
+    """config.json's rms_norm_eps (HF's 1e-6 when absent); 0 is taken as written, as HF does."""
+    eps = field.get("rms_norm_eps", (int, float))
+    if eps is not None and (eps < 0 or not math.isfinite(eps)):
+        raise CheckpointError(f"config.json of this {field.arch} has rms_norm_eps = {eps}; it must be a finite "
+                              "number >= 0; fix config.json")
+    return 1e-6 if eps is None else float(eps)
 
 
 ROPE_FIELDS = {"default": (), "linear": ("factor",),

@@ -244,6 +244,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
     ("mistral", lambda c: c.pop("num_key_value_heads"), {"num_heads": 16, "num_kv_heads": 8, "hidden_size": 128}),
     ("qwen2", lambda c: c.pop("num_key_value_heads"), {"num_heads": 32, "num_kv_heads": 32, "hidden_size": 128}),
     ("llama", lambda c: c.pop("num_key_value_heads"), {"num_heads": 4, "num_kv_heads": 4}),
+    # an explicit null is one KV head per attention head (HF's post-init), not the class's default
+    ("qwen2", lambda c: c.update(num_key_value_heads=None), {"num_heads": 4, "num_kv_heads": 4}),
 ])
 def test_config_variants_run_what_hf_runs(tmp_path, hf_greedy, arch, edit, options):
     path = edited_model(tmp_path / "m", arch, edit, max_position_embeddings=64, **options)
@@ -278,6 +280,11 @@ def test_mistral_window_defaults_as_in_hf_and_other_activations_are_refused(tmp_
                              c.pop("max_window_layers", None)), 1024)):  # 2 layers, all below the default 28
         qwen = edited_model(tmp_path / name, "qwen2", edit)
         assert Engine(EngineConfig(model=str(qwen), device="cpu", num_kv_blocks=4)).max_model_len == expected, name
+    # Qwen's window defaults to HF's 4096 where use_sliding_window is on and the key is absent
+    unsized = edited_model(tmp_path / "j", "qwen3", lambda c: (
+        c.update(use_sliding_window=True, max_window_layers=0, layer_types=None), c.pop("sliding_window", None)),
+        max_position_embeddings=8192)
+    assert Engine(EngineConfig(model=str(unsized), device="cpu", num_kv_blocks=4)).max_model_len == 4096
     gelu = edited_model(tmp_path / "c", "llama", lambda c: c.update(hidden_act="gelu"))
     with pytest.raises(CheckpointError, match="has hidden_act 'gelu'; infer's MLP computes silu"):
         Engine(EngineConfig(model=str(gelu), device="cpu", num_kv_blocks=4))
@@ -293,3 +300,48 @@ def test_the_tiny_checkpoints_tokenizer_fits_the_model(name, checkpoint):
 
     path = checkpoint(name)
     assert len(AutoTokenizer.from_pretrained(str(path))) == json.loads((path / "config.json").read_text())["vocab_size"]
+
+
+@pytest.mark.parametrize(("arch", "edit"), [
+    ("llama", lambda c: c.update(rms_norm_eps=0.0)),  # 0 is a value, not "absent"
+    ("llama", lambda c: c.pop("rms_norm_eps")),
+    ("qwen2", lambda c: c.update(num_key_value_heads=None)),
+    ("qwen2", lambda c: c.update(dtype="float16", torch_dtype="bfloat16")),  # dtype wins, torch_dtype fills in
+    ("qwen3", lambda c: (c.update(use_sliding_window=True, max_window_layers=0, layer_types=None),
+                         c.pop("sliding_window", None))),
+])
+def test_config_fields_read_as_transformers_reads_them(tmp_path, arch, edit):
+    from transformers import AutoConfig
+
+    from infer.core.loader import checkpoint_dtype, read_config
+    from infer.models.llama import ArchConfig
+
+    path = edited_model(tmp_path / "m", arch, edit, max_position_embeddings=8192)
+    hf = AutoConfig.from_pretrained(str(path))
+    ours = ArchConfig.from_hf(read_config(path))
+    assert ours.rms_norm_eps == hf.rms_norm_eps
+    assert ours.num_kv_heads == hf.num_key_value_heads
+    kinds = getattr(hf, "layer_types", None) or ["full_attention"]  # HF's Llama has none: it never slides
+    windows = {hf.sliding_window if kind == "sliding_attention" else None for kind in kinds}
+    assert {ours.sliding_window} == windows
+    assert str(hf.dtype).removeprefix("torch.") == checkpoint_dtype(read_config(path)) == ours.torch_dtype
+
+
+def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):
+    from infer.core.errors import CheckpointError
+
+    for name, edit, message in (("a", lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps = -1e-06"),
+                                ("b", lambda c: (c.pop("rope_parameters", None), c.update(rope_theta=0)),
+                                 "needs rope_theta as a positive number, got 0")):
+        path = edited_model(tmp_path / name, "llama", edit)
+        with pytest.raises(CheckpointError, match=message):
+            Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4))
+
+
+def test_an_architecture_that_model_type_contradicts_is_named(tmp_path, caplog):
+    """transformers' AutoModelForCausalLM builds model_type's class, infer (like vLLM) architectures': say so."""
+    path = edited_model(tmp_path / "m", "mistral", lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    with caplog.at_level("WARNING", logger="infer"):
+        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4))
+    assert "names the architecture LlamaForCausalLM but model_type 'mistral'" in caplog.text
+    assert "builds as MistralForCausalLM" in caplog.text
