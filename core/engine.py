@@ -24,6 +24,7 @@ from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
+from .interrupts import HeldInterrupts
 from .interfaces import ReasoningEnd, ReasoningParser, SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
@@ -105,6 +106,7 @@ class Engine:
         self.interrupted = False  # a step raised: the next one emits requests it finished but left unemitted
         self.stepping = 0  # steps under way in this (the one) thread: nested ones count too
         self.entered = threading.RLock()  # held by the thread in a step, add_request or abort
+        self.interrupts = HeldInterrupts()
         self.forks = PendingForks()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
         self.tool_parser = parts.tool_parser  # reads the replies of chats that offer tools (None: text only)
@@ -284,7 +286,12 @@ class Engine:
                 return
 
     def has_unfinished(self) -> bool:
-        """Whether requests or beam searches are under way (``step()`` advances both)."""
+        """Whether requests or beam searches are under way (``step()`` advances both), or ``step()`` still has
+        deltas to hand out (those of a step that a stream or generate call ran, or that ended in a Ctrl-C)."""
+        return self.working() or bool(self.readers.loose)
+
+    def working(self) -> bool:
+        """Whether requests or beam searches are under way: a step has work."""
         return bool(self.requests) or bool(self.searches)
 
     # ------------------------------------------------------------ the loop
@@ -326,7 +333,8 @@ class Engine:
             raise RuntimeError("this Engine is in use by another thread, and it is not thread-safe: drive it from one "
                                "thread (as `infer serve`'s engine worker does), or give each thread its own engine")
         try:
-            yield
+            with self.interrupts.held():  # Ctrl-C lands between steps, not in the middle of the KV bookkeeping
+                yield
         finally:
             self.entered.release()
 
@@ -629,7 +637,8 @@ class Engine:
     def abort_beam_search(self, search: BeamSearch) -> None:
         """Stop a search started by ``start_beam_search`` now and free its beams' blocks (a finished one: nothing);
         its ``result()`` is then each prompt's best hypotheses so far, the live ones with finish reason abort."""
-        self.searches.abort(search)
+        with self._one_thread():
+            self.searches.abort(search)
 
     def add_requests(self, prompts: Seq[Prompt],
                      params: SamplingParams | Seq[SamplingParams] | None = None) -> list[str]:

@@ -635,6 +635,52 @@ def test_ctrl_c_while_a_finished_sequence_frees_its_blocks_leaves_the_engine_goi
             [[5, 6, 7]], sampling)[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+@pytest.mark.parametrize("where", ["free", "fork", "allocate"])
+def test_a_real_ctrl_c_inside_the_kv_bookkeeping_lands_after_the_step(tiny_model, monkeypatch, kv_cache, where):
+    """SIGINT raised KeyboardInterrupt wherever Python was: halfway through freeing a finished sequence's blocks
+    (they leaked, and the cache counted blocks it could not free), through a fork (n > 1: the child was lost and
+    every later step failed) or through a prefix hit's allocation (its matched blocks leaked). Now it is held until
+    the step is done."""
+    import signal
+
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64, block_size=4, kv_cache=kv_cache))
+    target = {"free": e.kv.eviction, "fork": e.kv, "allocate": e.kv}[where]
+    method = {"free": "insert", "fork": "fork", "allocate": "allocate"}[where]
+    original, signalled = getattr(target, method), []
+
+    def signalling(*args, **kwargs):
+        if not signalled and (where != "allocate" or e.kv.stats().cached_blocks):  # a prefix hit's allocation
+            signalled.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, method, signalling)
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=2 if where == "fork" else 1)
+    prompt = list(range(5, 17))  # three full blocks: cached as they are freed
+    ids = [e.add_request(prompt, sampling)]
+    tokens: dict[str, list[list[int]]] = {}
+
+    def collect(deltas: list) -> None:
+        for out in deltas:
+            for o in out.outputs:
+                tokens.setdefault(out.request_id, [[], []])[o.index] += o.token_ids
+
+    with pytest.raises(KeyboardInterrupt):
+        while e.has_unfinished():
+            collect(e.step())
+            if where == "allocate" and len(ids) == 1 and not e.has_unfinished():
+                ids.append(e.add_request(prompt + [3], sampling))
+    while e.has_unfinished():
+        collect(e.step())
+    stats = e.kv.stats()
+    assert signalled and stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.total_blocks
+    fresh = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    prompts = [prompt, prompt + [3]][: len(ids)]
+    expected = [[o.token_ids for o in r.outputs] for r in fresh.generate(prompts, sampling)]
+    assert [tokens[rid][: sampling.n] for rid in ids] == expected
+
+
 def test_ctrl_c_late_in_a_step_drops_no_delta_of_another_stream(tiny_model):
     """A Ctrl-C in an on_step observer, while the caller read stream A, came after B's delta of that step was
     built: it was dropped, and B's text silently lacked a token."""
