@@ -40,9 +40,12 @@ class RequestState:
     parser_names: tuple[str | None, str | None] = (None, None)  # the tool and reasoning parsers' in errors
     # ("'hermes' from 'infer-engine'"; None: the class name)
     reads_replies: bool = field(init=False)  # a parser above reads them (a field: every output asks)
+    stops_from: list[int] = field(init=False)  # per sequence: a stop string counts where it ends past this many
+    # characters, the text of the first min_tokens output tokens (as in vLLM, none of those can end the output)
 
     def __post_init__(self) -> None:
         self.reads_replies = self.tool_parser is not None or self.reasoning_parser is not None
+        self.stops_from = [0] * len(self.seqs)
 
 
 def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequence, FinishReason], None]
@@ -64,6 +67,7 @@ def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequenc
             new = _add_until_stop(req, i, seq, detok, new, silent)
         else:
             _detokenize(req, i, detok, new[:-1] if silent else new)
+            _pass_min_tokens(req, i, detok, req.sent[i] + len(new))
         req.sent[i] += len(new)
         if done:
             detok.flush()
@@ -383,6 +387,7 @@ def _add_until_stop(req: RequestState, i: int, seq: Sequence, detok: Detokenizer
         if silent_last and count == len(new):
             break
         _detokenize(req, i, detok, [token])
+        _pass_min_tokens(req, i, detok, req.sent[i] + count)
         if count < len(new) and _first_stop(req, i, detok) is not None:
             drop = len(new) - count
             _uncount_spec_round(seq, drop)
@@ -424,9 +429,17 @@ def _text_delta(req: RequestState, i: int, seq: Sequence, detok: Detokenizer,
     return text
 
 
+def _pass_min_tokens(req: RequestState, i: int, detok: Detokenizer, num_output_tokens: int) -> None:
+    """While sequence i's text is that of at most min_tokens tokens, no stop string may end in it."""
+    if num_output_tokens <= req.params.min_tokens:
+        req.stops_from[i] = len(detok.text)
+
+
 def _first_stop(req: RequestState, i: int, detok: Detokenizer) -> tuple[int, int] | None:
     """Where the first stop string starts and ends in sequence i's text (of two starting there, the longer),
-    searching from the held-back tail of what was emitted (a stop string may begin there), or None."""
-    start = max(0, req.emitted[i] - (max(map(len, req.params.stop)) - 1))
-    hits = [(j, j + len(stop)) for stop in req.params.stop if (j := detok.text.find(stop, start)) != -1]
+    searching from the held-back tail of what was emitted (a stop string may begin there), among those that end
+    past ``stops_from``, or None."""
+    start, floor = max(0, req.emitted[i] - (max(map(len, req.params.stop)) - 1)), req.stops_from[i]
+    hits = [(j, j + len(stop)) for stop in req.params.stop
+            if (j := detok.text.find(stop, max(start, floor - len(stop) + 1))) != -1]
     return min(hits, key=lambda hit: (hit[0], -hit[1])) if hits else None

@@ -292,3 +292,23 @@ def test_integer_biases_equal_float_ones(engine: Engine) -> None:
     forced = tokens(engine)[0] + 1
     assert tokens(engine, logit_bias={forced: 100, 7: -100}) == tokens(engine, logit_bias={forced: 100.0, 7: -100.0})
     assert tokens(engine, logit_bias={forced: 100})[0] == forced
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2, 5])
+def test_a_stop_string_ends_the_output_only_after_min_tokens(engine: Engine, min_tokens: int) -> None:
+    """As in vLLM (its detokenizer checks stop strings once more than min_tokens tokens are out): a stop string
+    that ends in the text of the first min_tokens tokens does not stop the output. The reference: the greedy
+    tokens (stop strings never change them) decoded prefix by prefix with the tokenizer."""
+    free = tokens(engine)
+    texts = [engine.tokenizer.decode(free[:k]) for k in range(len(free) + 1)]
+    stop = texts[2][-2:] if len(texts[2]) >= 2 else texts[2]  # the end of the first two tokens' text
+    assert stop, "the first two greedy tokens have no text"
+    floor = len(texts[min_tokens])
+    ends = [k for k in range(1, len(free) + 1)
+            if (j := texts[k].find(stop, max(0, floor - len(stop) + 1))) != -1 and j + len(stop) <= len(texts[k])]
+    assert ends, f"the stop string {stop!r} does not come back after token {min_tokens}: choose another"
+    k = ends[0]
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, stop=[stop],
+                                                   min_tokens=min_tokens))[0].outputs[0]
+    assert out.token_ids == free[:k] and out.finish_reason is FinishReason.STOP
+    assert out.text == texts[k][: texts[k].find(stop, max(0, floor - len(stop) + 1))]
