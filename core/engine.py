@@ -288,9 +288,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         """Whether requests or beam searches are under way (``step()`` advances both), or ``step()`` still has
         deltas to hand out (those of a step that a stream or generate call ran, or that ended in a Ctrl-C)."""
-        return self.working() or bool(self.readers.loose)
+        return self._has_work() or bool(self.readers.loose)
 
-    def working(self) -> bool:
+    def _has_work(self) -> bool:
         """Whether requests or beam searches are under way: a step has work."""
         return bool(self.requests) or bool(self.searches)
 

@@ -106,7 +106,7 @@ class Readers:
                         if delta.finished:
                             yield index[rid], results.pop(rid)
                             break
-                if results and not engine.working():  # ended without a final delta (a failed step's)
+                if results and not engine._has_work():  # ended without a final delta (a failed step's)
                     for rid in [rid for rid in results if rid not in engine.requests and rid not in self.waiting]:
                         yield index[rid], results.pop(rid)
                 if results:
