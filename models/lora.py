@@ -33,7 +33,14 @@ UNSUPPORTED = {
     "trainable_token_indices": "adapters that train token embeddings (trainable_token_indices)",
     "target_parameters": "adapters on parameters (target_parameters)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora), whose factors are stored compressed",
+    "kasa_config": "KaSA adapters (kasa_config), which also change the base weights",
+    "monteclora_config": "MonteCLoRA adapters (monteclora_config)",
+    "arrow_config": "Arrow-routed adapters (arrow_config)",
+    "velora_config": "VeLoRA adapters (velora_config)",
 }
+HEAD_AND_EMBEDDINGS = ("lm_head", "embed_tokens")  # PEFT saves their base weights too; the head's rows are the
+# sampled positions, not the step's tokens, and an embedding's delta is a lookup, not a matmul
 # init_lora_weights values whose adapters only work on the base weights PEFT changed at initialization, unless they
 # were saved converted (save_pretrained's path_initial_model_for_weight_conversion), which leaves a plain LoRA
 BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
@@ -120,6 +127,11 @@ def _read_weights(folder: Path, where: str, rank: int) -> dict[str, tuple[torch.
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         module, dot, half = tensor_name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        owner = (module if dot else tensor_name.removeprefix(PEFT_PREFIX).removesuffix(".base_layer.weight"))
+        if owner.rpartition(".")[2] in HEAD_AND_EMBEDDINGS:
+            raise CheckpointError(f"{where}: infer does not serve LoRA on the LM head or the input embeddings "
+                                  f"({tensor_name!r}); train the adapter without {owner.rpartition('.')[2]} in "
+                                  "target_modules")
         if not tensor_name.startswith(PEFT_PREFIX) or not dot or half not in ("A.weight", "B.weight"):
             raise CheckpointError(f"{where}: unexpected tensor {tensor_name!r}; infer serves LoRA on linear layers, "
                                   f"named {PEFT_PREFIX}MODULE.lora_A.weight and .lora_B.weight")

@@ -302,13 +302,14 @@ BAD_ADAPTERS = {
     "rank-pattern": ({"rank_pattern": {"q_proj": 2}}, None, "per-module ranks"),
     "not-lora": ({"peft_type": "IA3"}, None, "LORA adapters only"),
     "pissa": ({"init_lora_weights": "pissa_niter_4"}, None, "path_initial_model_for_weight_conversion"),
-    "lm-head": ({}, renamed("model.layers.0.self_attn.q_proj", "lm_head"), "'lm_head', which is not a linear layer"),
+    "lm-head": ({}, renamed("model.layers.0.self_attn.q_proj", "lm_head"), "does not serve LoRA on the LM head"),
     "no-such-layer": ({}, renamed("layers.0.", "layers.9."), "'model.layers.9.mlp.down_proj', which is not"),
     "embedding": ({}, renamed("lora_A.weight", "lora_embedding_A"), "unexpected tensor"),
     "half": ({}, lambda w: {n: t for n, t in w.items() if "layers.0.self_attn.q_proj.lora_B" not in n},
              "q_proj has lora_A but not its other half"),
     "shape": ({}, lambda w: {n: t[:, :-1].contiguous() if "q_proj.lora_A" in n else t for n, t in w.items()},
               "was the adapter trained on this base model"),
+    "bdlora": ({"use_bdlora": {"target_modules_bd_a": ["o_proj"], "nblocks": 2}}, None, "block-diagonal LoRA"),
     "nan-alpha": ({"lora_alpha": float("nan")}, None, "lora_alpha = nan; it must be a finite number"),  # json: NaN
     "negative-alpha": ({"lora_alpha": -1e42}, None, r"holds values up to .*e\+\d+ \(lora_B scaled by -.*\), beyond"),
     "nan": ({}, lambda w: {n: t.index_fill(0, torch.tensor([0]), float("nan")) if "v_proj.lora_B" in n else t
@@ -323,6 +324,16 @@ def test_adapters_infer_cannot_serve_are_refused_with_the_reason(checkpoint, ada
     with pytest.raises(CheckpointError, match=message):
         Engine(EngineConfig(model=str(checkpoint("llama")), device="cpu", num_kv_blocks=16,
                             lora_adapters={"bad": str(folder)}))
+
+
+@pytest.mark.parametrize("module", ["lm_head", "embed_tokens"])
+def test_a_peft_adapter_on_the_head_or_the_embeddings_is_refused_with_the_reason(checkpoint, tmp_path, module) -> None:
+    """PEFT saves the head's or the embedding's base weight beside its LoRA factors: that tensor was refused as
+    one of an unreadable file, not for the reason."""
+    adapter = Adapter(checkpoint("llama"), tmp_path / module, ("q_proj", module))
+    with pytest.raises(CheckpointError, match=f"does not serve LoRA on the LM head or the input embeddings .*"
+                                              f"without {module} in target_modules"):
+        engine_for(checkpoint("llama"), {"bad": adapter})
 
 
 def test_an_adapter_beyond_the_dtypes_range_is_refused(checkpoint, adapters, tmp_path) -> None:
