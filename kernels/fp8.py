@@ -23,15 +23,20 @@ def _per_token_quant_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+    # NaN in, NaN out, as in torch: max.f32 (and tl.max's reduction) returns the operand that is not NaN, which
+    # would hide a NaN activation behind finite fp8 values
+    row_max = tl.max(amax, axis=0)
+    row_max = tl.where(tl.sum((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), row_max)
     # s = max(amax, MIN_AMAX) / 448, and x / s, both correctly rounded, as torch divides on the CPU (on CUDA torch
     # multiplies by the rounded reciprocal of a Python-float divisor, which can differ in the last bit)
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX_C), FP8_MAX_C)
+    scale = tl.div_rn(tl.maximum(row_max, MIN_AMAX_C, propagate_nan=tl.PropagateNan.ALL), FP8_MAX_C)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
+        y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_C, propagate_nan=tl.PropagateNan.ALL), FP8_MAX_C,
+                       propagate_nan=tl.PropagateNan.ALL)
         tl.store(out_ptr + row * stride_om + offs, y.to(out_ptr.dtype.element_ty), mask=offs < K)
 
 

@@ -437,6 +437,17 @@ def test_fp8_per_token_kernel_matches_torch_exactly() -> None:
         assert bool((err <= fp8_error_bound(xd.float(), ref_scale.unsqueeze(1))).all())
 
 
+def test_fp8_per_token_kernel_keeps_nan_and_inf_rows_as_torch_does() -> None:
+    """max (and tl.max) return the operand that is not NaN: a NaN activation came out as finite fp8 values with a
+    finite scale, and +inf as -448, where torch gives NaN; the engine's non-finite check could not see it then."""
+    x = torch.tensor([[1.0, -2.0, float("nan"), 3.0], [1.0, float("inf"), -2.0, 0.5], [1.0, -2.0, 0.25, 3.0]])
+    scaled, scale = per_token_quant(x.to(DEVICE), out_dtype=torch.float32, block_k=4)
+    ref_q, ref_scale = fp8.quantize_per_token(x.to(DEVICE))
+    torch.testing.assert_close(scale, ref_scale, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(scaled.to(fp8.FP8_DTYPE).float(), ref_q.float(), equal_nan=True, rtol=0, atol=0)
+    assert not bool(scale[:2].isfinite().any()) and bool(scale[2:].isfinite().all())
+
+
 @pytest.mark.parametrize("m, n, k", [(3, 48, 100), (20, 64, 64)])
 def test_w8a8_gemm_matches_reference(m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m)
