@@ -45,7 +45,7 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.reads_replies = self.tool_parser is not None or self.reasoning_parser is not None
-        self.stops_from = [0] * len(self.seqs)
+        self.stops_from = [0] * len(self.emitted)  # beside emitted, per sequence
 
 
 def build_output(req: RequestState, seq_ids: set[int], finish: Callable[[Sequence, FinishReason], None]
