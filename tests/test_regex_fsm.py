@@ -298,7 +298,7 @@ def test_a_literal_of_many_distinct_characters_is_refused_before_its_table_is_bu
 
     literal = "".join(map(chr, range(0x4E00, 0x4E00 + 6000)))
     with pytest.raises(InvalidRequestError, match=r"table grows past 4000000 cells \(667 states x 6002 character "
-                                                  "classes so far\); simplify it"):  # refused at row 667 of 6001
+                                                  r"classes so far\); simplify it"):  # refused at row 667 of 6001
         CharAutomaton.compile(literal).determinize(20_000, 4_000_000, MAX_DFA_CELLS)
     bounds, table = CharAutomaton.compile(literal[:500]).determinize(20_000, 4_000_000, MAX_DFA_CELLS)
     assert len(table) == 501 and len(bounds) == 502  # a short one is still built whole
