@@ -333,7 +333,7 @@ class Engine:
             raise RuntimeError("this Engine is in use by another thread, and it is not thread-safe: drive it from one "
                                "thread (as `infer serve`'s engine worker does), or give each thread its own engine")
         try:
-            with self.interrupts.held():  # Ctrl-C lands between steps, not in the middle of the KV bookkeeping
+            with self.interrupts:  # Ctrl-C lands between steps, not in the middle of the KV bookkeeping
                 yield
         finally:
             self.entered.release()

@@ -2,47 +2,48 @@
 bookkeeping (a sequence's blocks half freed, a fork half made) leaked blocks and left requests no step could end."""
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
-from collections.abc import Iterator
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any
 
 
 class HeldInterrupts:
-    """Holds SIGINT back while the engine changes its state, then hands it to the handler that was in place.
+    """A context manager that holds SIGINT back while the engine changes its state, then hands it to the handler
+    that was in place (Python's default raises KeyboardInterrupt).
 
-    Only the main thread receives signals, and only a Python-level handler (the default one raises
-    KeyboardInterrupt) is held back; a second Ctrl-C in the same step is handed on at once (a step that hangs can
-    still be stopped, though the engine may then be inconsistent). Nested calls hold nothing more.
+    Only the main thread receives signals, and only a Python-level handler is held back (SIGINT ignored, or left
+    to the OS, stays so). A second Ctrl-C in the same call is handed on at once, so a step that hangs can still be
+    stopped (the engine may then be inconsistent). Nested entries hold nothing more. Its cost is two
+    ``signal.signal`` calls per call into the engine (microseconds: the handler installed and put back).
     """
 
     def __init__(self) -> None:
         self.depth = 0
+        self.previous: Any = None  # the handler in place while one is held back; None: nothing held back
         self.received: FrameType | None | bool = False  # the frame of the held signal, or False: none held
-        self.previous: Any = None
+        self.handler = self._hold  # one bound method: installed and compared as the same object
 
     def _hold(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not False:  # pressed again: stop now
+        if self.received is not False and self.previous is not None:  # pressed again: stop now
             self.previous(signum, frame)
         self.received = frame
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Within it, SIGINT is recorded; on leaving it normally, the recorded one reaches the previous handler."""
-        previous = None if self.depth or threading.current_thread() is not threading.main_thread() \
-            else signal.getsignal(signal.SIGINT)
-        if not callable(previous):  # nested, off the main thread, or SIGINT ignored or the OS default's
-            yield
+    def __enter__(self) -> None:
+        self.depth += 1
+        if self.depth == 1 and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, self.handler)
+            if callable(previous):
+                self.previous, self.received = previous, False
+            else:  # ignored, or the OS default's: no Python exception can come of it
+                signal.signal(signal.SIGINT, previous)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.depth -= 1
+        if self.depth or self.previous is None:
             return
-        self.previous, self.received, self.depth = previous, False, 1
-        signal.signal(signal.SIGINT, self._hold)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-            self.depth, self.previous = 0, None
-        if (frame := self.received) is not False:
-            self.received = False
+        previous, frame, self.previous, self.received = self.previous, self.received, None, False
+        signal.signal(signal.SIGINT, previous)
+        if frame is not False and kind is None:  # the call ended normally: the Ctrl-C it held lands now
             previous(signal.SIGINT, frame)
