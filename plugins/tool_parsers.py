@@ -29,7 +29,7 @@ from ..core.registry import Register
 from .reasoning_parsers import marker_start
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-THINK_END = "</think>"  # Qwen3 reasons first: a tag mentioned there is not a call
+THINK_START, THINK_END = "<think>", "</think>"  # Qwen3 reasons first: a tag mentioned there is not a call
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker of a call; a special token, so usually not in the text
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, likewise
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
@@ -86,11 +86,13 @@ class HermesToolParser(ToolParser):
         self.written_tags = dict(written_tags or {})
 
     def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
-        reasoning, end, reply = text.rpartition(THINK_END)
+        if (first := _after_reasoning(text)) is None:  # cut while reasoning: any tag in it is not a call
+            return ParsedReply(text)
+        reasoning, reply = text[:first], text[first:]
         start = reply.find(OPEN)
         if start < 0:
             return ParsedReply(text)
-        calls, outside = [], [reasoning + end + reply[:start]]
+        calls, outside = [], [reasoning + reply[:start]]
         while start >= 0:  # the JSON is read whole, so a tag inside one of its strings is text
             try:
                 value, after = DECODER.raw_decode(reply, _skip_space(reply, start + len(OPEN)))
@@ -108,8 +110,28 @@ class HermesToolParser(ToolParser):
         return ParsedReply(content if outside[0].strip() else content.lstrip(), tuple(calls))
 
     def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
-        after_reasoning = text.rfind(THINK_END)  # a later </think> only moves the first call parse reads further on
-        return _content_before(text, OPEN, 0 if after_reasoning < 0 else after_reasoning + len(THINK_END))
+        if (first := _after_reasoning(text)) is None:  # reasoning so far, unless "<t" begins a call's tag
+            return 0 if OPEN.startswith(text.lstrip()) else len(text)
+        return _content_before(text, OPEN, first)
+
+
+def _after_reasoning(text: str) -> int | None:
+    """Where hermes looks for calls: after the first ``</think>`` outside a call's JSON (a reasoning block the
+    reply or its prompt opened ends there, as vLLM's reasoning parsers end it), else from the start; None while a
+    reply that opened with ``<think>`` has not closed it (all reasoning so far). A ``</think>`` after calls in a
+    reply without reasoning reads as the end of reasoning too: hermes cannot see whether the prompt opened one."""
+    if THINK_START.startswith(lead := text.lstrip()) and lead:  # "<t...": a call's tag or reasoning, not yet known
+        return None
+    position = 0
+    while (close := text.find(THINK_END, position)) >= 0:
+        call = text.find(OPEN, position, close)
+        if call < 0:
+            return close + len(THINK_END)
+        try:  # a </think> inside the JSON of a call is text
+            _, position = DECODER.raw_decode(text, _skip_space(text, call + len(OPEN)))
+        except (ValueError, RecursionError):
+            position = call + len(OPEN)
+    return None if lead.startswith(THINK_START) else 0
 
 
 class MistralToolParser(ToolParser):

@@ -125,16 +125,23 @@ def test_the_content_that_streams_begins_the_content_read_and_holds_back_no_more
 
 
 def test_hermes_streams_past_a_tag_named_while_reasoning() -> None:
-    """A tag inside the reasoning holds the stream back only until the reasoning closes (parse reads it as
-    text)."""
+    """A reply that opens with <think> streams whole while it reasons: a tag named there is text (parse reads it
+    so); a tag in a reply that did not open one holds the stream back until a </think> shows it was reasoning."""
     reply = ("<think>I must answer in a <tool_call> block. Oslo.</think>\n\nChecking the weather now.\n<tool_call>"
              '{"name": "now", "arguments": {}}</tool_call>')
     content = HermesToolParser().parse(reply, []).content
     assert content == reply[: reply.index("now.") + 4]
     cuts = [HermesToolParser().streamed_content(reply[:cut], []) for cut in range(len(reply) + 1)]
-    assert cuts[reply.index("</think>") + 7] == reply.index(" <tool_call>")  # held from the tag, while reasoning
-    assert cuts[reply.index("</think>") + 8] == reply.index("</think>") + 8  # the tag was text: all of it streams
+    # "<" and "<t" may begin "<tool_call>": held; from "<th" on, reasoning: all of it streams
+    assert cuts[: reply.index("</think>") + 8] == [0, 0, 0, *range(3, reply.index("</think>") + 8)]
     assert max(cuts) == len(content)
+    opened_by_the_prompt = reply.removeprefix("<think>")  # DeepSeek-R1's template opens the block in the prompt
+    cuts = [HermesToolParser().streamed_content(opened_by_the_prompt[:cut], [])
+            for cut in range(len(opened_by_the_prompt) + 1)]
+    assert cuts[opened_by_the_prompt.index("</think>") + 7] == opened_by_the_prompt.index(" <tool_call>")  # held
+    assert cuts[opened_by_the_prompt.index("</think>") + 8] == opened_by_the_prompt.index("</think>") + 8
+    assert HermesToolParser().parse(opened_by_the_prompt, []) == ParsedReply(content.removeprefix("<think>"), (
+        ToolCall("now", {}),))
 
 
 JSONISH = st.recursive(SCALARS | st.binary(max_size=3), lambda inner: st.lists(inner, max_size=3) | st.dictionaries(

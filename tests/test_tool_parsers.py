@@ -43,6 +43,19 @@ NOW = ToolCall("now", {})
      (ToolCall("say", {"text": "wrap it in <tool_call> and </tool_call>"}),)),  # tags inside a JSON string
     ("<think>I will emit a <tool_call> now.</think>\n\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n"
      "</tool_call>", "<think>I will emit a <tool_call> now.</think>", (NOW,)),  # a tag named while reasoning
+    # the reasoning ends at its first </think> outside a call's JSON, as vLLM's reasoning parsers end it: one in an
+    # argument or after the calls dropped every call (the last </think> was taken for the reasoning's end)
+    ('<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "say", "arguments": {"text": '
+     '"<p></think></p>"}}</tool_call>', "", (NOW, ToolCall("say", {"text": "<p></think></p>"}))),
+    ('<think>Hm.</think><tool_call>{"name": "say", "arguments": {"text": "</think>"}}</tool_call>', "<think>Hm.</think>",
+     (ToolCall("say", {"text": "</think>"}),)),
+    # cut while reasoning: a call named there is not one (it was taken out of the reasoning as a call)
+    ('<think>I could call <tool_call>{"name": "now", "arguments": {}}</tool_call> but', '<think>I could call '
+     '<tool_call>{"name": "now", "arguments": {}}</tool_call> but', ()),
+    # the prompt opened the reasoning (DeepSeek-R1): a call named before its </think> is not one
+    ('I could call <tool_call>{"name": "say", "arguments": {}}</tool_call>.</think>\n<tool_call>{"name": "now", '
+     '"arguments": {}}</tool_call>', 'I could call <tool_call>{"name": "say", "arguments": {}}</tool_call>.</think>',
+     (NOW,)),
     ('<tool_call>{"name": "now", "arguments": null}</tool_call>', "", (NOW,)),
     ('<tool_call>{"name": "now"}</tool_call>', "", (NOW,)),
     ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "f", "arguments": '
