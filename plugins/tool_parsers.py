@@ -17,7 +17,10 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
+import string
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..core.chat_tools import ParsedReply, ToolCall, json_like
@@ -34,6 +37,7 @@ PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker of a call; a special token, 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, likewise
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MISTRAL_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
 class PythonicToolParser(ToolParser):
@@ -136,10 +140,11 @@ def _after_reasoning(text: str) -> int | None:
 
 class MistralToolParser(ToolParser):
     """The content, then ``[TOOL_CALLS]`` and the calls: a JSON list of ``{"name": ..., "arguments": {...}}``
-    (mistral-common's tokenizers up to v7; an ``id`` is ignored), or ``[TOOL_CALLS]name[ARGS]{...}`` per call
-    (v11 on; a ``[CALL_ID]id`` before ``[ARGS]`` is ignored). Anything after the calls, or a call that does not
-    parse, leaves the whole reply as text. ``written_tags`` as for hermes: Mistral's tokenizers mark the three tags
-    special."""
+    (mistral-common's tokenizers up to v7), or ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11 on; a
+    ``[CALL_ID]id`` may come before ``[ARGS]``). Anything after the calls, or a call that does not parse, leaves
+    the whole reply as text. Each call's id is the model's own where it wrote one of 9 letters and digits, else a
+    new one of that form: Mistral's templates refuse any other in the next turn (as vLLM does, its issue 9019).
+    ``written_tags`` as for hermes: Mistral's tokenizers mark the three tags special."""
 
     def __init__(self, written_tags: Mapping[int, str] | None = None) -> None:
         self.written_tags = dict(written_tags or {})
@@ -163,8 +168,10 @@ def _mistral_list(rest: str) -> tuple[ToolCall, ...]:
         return ()
     if not isinstance(value, list) or not value or rest[end:].strip():
         return ()
-    calls = tuple(_call(item, needs_arguments=False) for item in value)
-    return () if any(call is None for call in calls) else calls  # type: ignore[return-value]
+    calls = [_call(item, needs_arguments=False) for item in value]
+    if any(call is None for call in calls):
+        return ()
+    return tuple(replace(call, id=_mistral_id(item.get("id"))) for call, item in zip(calls, value))  # type: ignore
 
 
 def _mistral_tagged(rest: str) -> tuple[ToolCall, ...]:
@@ -172,7 +179,7 @@ def _mistral_tagged(rest: str) -> tuple[ToolCall, ...]:
     calls = []
     for segment in rest.split(TOOL_CALLS):
         head, tag, arguments = segment.partition(ARGS)
-        name = head.partition(CALL_ID)[0].strip()
+        name, _, own_id = (part.strip() for part in head.partition(CALL_ID))
         if not tag or not FUNCTION_NAME.fullmatch(name):
             return ()
         try:
@@ -181,8 +188,16 @@ def _mistral_tagged(rest: str) -> tuple[ToolCall, ...]:
             return ()
         if not isinstance(value, Mapping) or arguments[end:].strip() or (call := _json_call(name, value)) is None:
             return ()
-        calls.append(call)
+        calls.append(replace(call, id=_mistral_id(own_id)))
     return tuple(calls)
+
+
+def _mistral_id(own: object) -> str:
+    """The model's call id where it is 9 letters and digits (what Mistral's templates and mistral-common accept),
+    else a new one."""
+    if isinstance(own, str) and MISTRAL_CALL_ID.fullmatch(own):
+        return own
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 class Llama3JsonToolParser(ToolParser):

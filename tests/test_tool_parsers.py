@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,33 @@ def test_pythonic_reads_llama_3_2_and_4_replies_without_running_them(text: str, 
 ])
 def test_mistral_reads_both_of_mistral_commons_encodings(text: str, content: str, calls: tuple[ToolCall, ...]
                                                          ) -> None:
-    assert MistralToolParser().parse(text, []) == ParsedReply(content, calls)
+    reply = MistralToolParser().parse(text, [])
+    assert ParsedReply(reply.content, tuple(replace(call, id=None) for call in reply.tool_calls)) == \
+        ParsedReply(content, calls)
+    # ids of 9 letters and digits, the model's own where it wrote one: Mistral's templates refuse any other
+    assert all(re.fullmatch("[A-Za-z0-9]{9}", call.id or "") for call in reply.tool_calls)
+    own = re.findall(r'"id": "(\w+)"|\[CALL_ID\](\w+)', text)
+    assert [a or b for a, b in own] == [call.id for call in reply.tool_calls][: len(own)]
+
+
+def test_mistral_call_ids_fit_the_next_turn_of_mistrals_template(tmp_path: Path) -> None:
+    """infer's own ids (call_ and 24 hex digits) made Mistral v0.3's template refuse the tool loop's next turn
+    ("Tool call IDs should be alphanumeric strings with length 9!"): the ids a reply gets must render."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def refuse(message: str) -> None:
+        raise ValueError(message)
+
+    template = ImmutableSandboxedEnvironment().from_string(  # the check of Mistral 7B v0.3's template
+        "{%- for message in messages %}{%- for call in message.tool_calls or [] %}"
+        "{%- if not call.id is defined or call.id|length != 9 %}"
+        "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+        "{{- call.id }}{%- endfor %}{%- endfor %}")
+    reply = MistralToolParser().parse('[TOOL_CALLS][{"name": "now", "arguments": {}}]', [])
+    rendered = template.render(messages=[{"role": "assistant", "tool_calls": [c.template_dict()
+                                                                             for c in reply.tool_calls]}],
+                               raise_exception=refuse)
+    assert rendered == reply.tool_calls[0].id
 
 
 def test_mistral_reads_the_tags_from_the_tokens_where_the_tokenizer_marks_them_special(tiny_model: Path) -> None:
@@ -149,7 +176,8 @@ def test_mistral_reads_the_tags_from_the_tokens_where_the_tokenizer_marks_them_s
                                                                                          "[CALL_ID]")}
     assert mistral_parser(EngineConfig(), AutoTokenizer.from_pretrained(str(tiny_model))).written_tags == {}
     reply = 'Checking.[TOOL_CALLS]weather[ARGS]{"city": "Oslo", "days": [1, 2]}[TOOL_CALLS]now[ARGS]{}'
-    assert parser.parse(reply, []) == ParsedReply("Checking.", (WEATHER, NOW))
+    read = parser.parse(reply, [])
+    assert (read.content, [replace(call, id=None) for call in read.tool_calls]) == ("Checking.", [WEATHER, NOW])
 
 
 class EchoParser(ToolParser):
