@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .chat_tools import ToolCall, ToolChoice, checked_tool_choice, checked_tools, json_like, tool_calls_of
+from .chat_tools import ToolCall, ToolChoice, brief, checked_tool_choice, checked_tools, json_like, tool_calls_of
 from .errors import ConfigError, InvalidRequestError, require_utf8
 
 MAX_MESSAGES = 4096
@@ -378,7 +378,7 @@ def _text_of(index: int, content: object) -> str:
         return "\n".join(part["text"] for part in content)
     raise InvalidRequestError(f"chat message {index}: content must be a string or a list of {{'type': 'text', "
                               f"'text': ...}} parts (images and other parts are not supported), got "
-                              f"{str(content)[:80]}")
+                              f"{brief(content)}")
 
 
 Prompt = str | list[int] | ChatPrompt  # what every prompt-taking call accepts

@@ -7,6 +7,7 @@ JSON object, ...)."""
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,14 @@ MAX_JSON_DEPTH = 64  # nesting of lists and mappings; HF's template sandbox copi
 TOOL_SHAPE = "{'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {...}}}"
 CALL_SHAPE = "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': {...} or a JSON object string}}"
 TOOL_CHOICES = ("auto", "none", "required")
+def brief(value: object) -> str:
+    """``value`` shown in an error, bounded (3 levels, 6 items, 80 characters a part): str() of a value nested deeper
+    than the recursion limit raised RecursionError, and of a huge one built all of it."""
+    shown = reprlib.Repr()  # its keyword arguments are Python 3.12's
+    shown.maxlevel, shown.maxstring, shown.maxother, shown.maxlist, shown.maxdict = 3, 80, 80, 6, 6
+    return shown.repr(value)
+
+
 NAMED_CHOICE_SHAPE = "{'type': 'function', 'function': {'name': ...}}"
 CHOICE_SHAPE = f"'auto', 'none', 'required' or {NAMED_CHOICE_SHAPE}"
 
@@ -68,7 +77,7 @@ def json_like(value: Any, what: str) -> Any:
         text.encode("utf-8")
     except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError: a lone surrogate
         raise InvalidRequestError(f"{what} must be JSON-like (strings, numbers, bools, None, lists and mappings of "
-                                  f"UTF-8 text), got {str(value)[:80]} ({exc})") from None
+                                  f"UTF-8 text), got {brief(value)} ({exc})") from None
     return json.loads(text)
 
 
@@ -114,7 +123,7 @@ def checked_tools(tools: Sequence[Mapping[str, Any]] | None) -> tuple[dict[str, 
     for index, tool in enumerate(copied):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise InvalidRequestError(f"tool {index} must be {TOOL_SHAPE}, got {str(tool)[:80]}")
+            raise InvalidRequestError(f"tool {index} must be {TOOL_SHAPE}, got {brief(tool)}")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidRequestError(f"tool {index}: function.name must be a non-empty string")
         if not isinstance(function.get("parameters", {}), dict):
@@ -135,7 +144,7 @@ def checked_tool_choice(choice: object, tools: Sequence[Mapping[str, Any]]) -> T
         function = choice.get("function")
         if set(choice) != {"type", "function"} or choice["type"] != "function" or not isinstance(function, Mapping) \
                 or set(function) != {"name"} or not isinstance(function["name"], str):
-            raise InvalidRequestError(f"tool_choice must be {CHOICE_SHAPE}, got {str(choice)[:80]}")
+            raise InvalidRequestError(f"tool_choice must be {CHOICE_SHAPE}, got {brief(choice)}")
         choice = FunctionChoice(function["name"])
     if isinstance(choice, FunctionChoice):
         names = [tool["function"]["name"] for tool in tools]
@@ -144,7 +153,7 @@ def checked_tool_choice(choice: object, tools: Sequence[Mapping[str, Any]]) -> T
                                       f"tools ({', '.join(map(repr, names)) or 'none'}); name one of them")
         return choice
     if choice not in TOOL_CHOICES:
-        raise InvalidRequestError(f"tool_choice must be {CHOICE_SHAPE}, got {str(choice)[:80]!r}")
+        raise InvalidRequestError(f"tool_choice must be {CHOICE_SHAPE}, got {brief(choice)}")
     if choice == "required" and not tools:
         raise InvalidRequestError("tool_choice 'required' needs tools to call; give the chat tools, or set tool_choice "
                                   "'auto'")
@@ -181,12 +190,12 @@ def _call(what: str, call: object) -> ToolCall:
     if isinstance(call, ToolCall):
         call = {"id": call.id, "function": {"name": call.name, "arguments": call.arguments}}
     if not isinstance(call, Mapping):
-        raise InvalidRequestError(f"{what} must be {CALL_SHAPE}, got {str(call)[:80]}")
+        raise InvalidRequestError(f"{what} must be {CALL_SHAPE}, got {brief(call)}")
     call = {key: value for key, value in call.items() if value is not None}
     function = call.get("function")
     if set(call) - {"id", "type", "function"} or call.get("type", "function") != "function" or \
             not isinstance(function, Mapping) or set(function) - {"name", "arguments"}:
-        raise InvalidRequestError(f"{what} must be {CALL_SHAPE}, got {str(call)[:80]}")
+        raise InvalidRequestError(f"{what} must be {CALL_SHAPE}, got {brief(call)}")
     name, arguments, call_id = function.get("name"), function.get("arguments"), call.get("id")
     if not isinstance(name, str) or not name:
         raise InvalidRequestError(f"{what}: function.name must be a non-empty string")
@@ -196,6 +205,6 @@ def _call(what: str, call: object) -> ToolCall:
         arguments = load_json(arguments, f"{what}: arguments", "a JSON object")
     if not isinstance(arguments, Mapping):
         raise InvalidRequestError(f"{what}: arguments must be a JSON object (a mapping, or its JSON text), got "
-                                  f"{str(arguments)[:80]}")
+                                  f"{brief(arguments)}")
     json_like([name, call_id], what)
     return ToolCall(name, json_like(dict(arguments), f"{what}: arguments"), call_id)

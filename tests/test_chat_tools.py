@@ -314,3 +314,15 @@ def test_generate_chat_runs_json_conversations_and_names_a_bad_one(llm: LLM, tin
                            ("[]", "--chat: stdin line 2: a chat prompt needs at least one message")):
         result = CliRunner().invoke(main, base, input=f"{lines[0]}\n{bad}\n")
         assert result.exit_code == 2 and complaint in result.stderr and not result.stdout, result.output
+
+
+def test_a_malformed_value_nested_past_the_recursion_limit_is_refused_not_a_recursion_error() -> None:
+    """The refusal's message showed str(content): a list nested 100,000 deep raised RecursionError building it."""
+    deep: list = []
+    inner = deep
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]
+    for content in (deep, [{"type": "image_url", "image_url": deep}]):
+        with pytest.raises(InvalidRequestError, match=r"content must be a string or a list of .* got \[.*\.\.\.\]"):
+            ChatPrompt.of([{"role": "user", "content": content}])
