@@ -122,6 +122,8 @@ def checked_tools(tools: Sequence[Mapping[str, Any]] | None) -> tuple[dict[str, 
     copied = json_like(list(tools), "tools")
     for index, tool in enumerate(copied):
         function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict):  # as in messages, a None is an absent key (pydantic's model_dump writes them)
+            tool["function"] = function = {key: value for key, value in function.items() if value is not None}
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise InvalidRequestError(f"tool {index} must be {TOOL_SHAPE}, got {brief(tool)}")
         if not isinstance(function.get("name"), str) or not function["name"]:

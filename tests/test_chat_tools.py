@@ -97,6 +97,18 @@ def test_tools_calls_and_answers_render_and_generate_as_hf(
         ChatPrompt.of(CONVERSATION[:2], tools=TOOLS))
 
 
+def test_a_tool_field_of_none_is_an_absent_one_as_in_messages(llm: LLM, tiny_model: Path) -> None:
+    """pydantic's model_dump (the OpenAI SDK's tool objects) writes "parameters": None; vLLM takes it, infer
+    refused it. The prompt equals HF's for the tool without those keys."""
+    dumped = [{**tool, "function": {**tool["function"], "parameters": None, "description": None}} for tool in TOOLS]
+    plain = [{**tool, "function": {key: value for key, value in tool["function"].items()
+                                   if key not in ("parameters", "description")}} for tool in TOOLS]
+    hf = AutoTokenizer.from_pretrained(str(tiny_model))
+    want = list(hf.apply_chat_template(CONVERSATION[:2], tools=plain, chat_template=TOOL_TEMPLATE,
+                                       add_generation_prompt=True)["input_ids"])
+    assert llm.engine.tokenize(ChatPrompt.of(CONVERSATION[:2], tools=dumped)) == want
+
+
 CALL = {"id": "c", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
 
 
