@@ -55,7 +55,9 @@ class BenchResult:
 def _number(value: float, unit: str) -> str:
     if unit == "%":
         percent = 100 * value
-        return f"{percent:.2f}%" if 0 < abs(percent) < 1 else f"{percent:.1f}%"
+        shown = f"{percent:.2f}%" if 0 < abs(percent) < 1 else f"{percent:.1f}%"
+        # 99.96% rounds to "100.0%", which reads as every one (an output that differs, in "outputs = first arm")
+        return f"{math.floor(percent * 100) / 100:.2f}%" if shown == "100.0%" and percent < 100 else shown
     if unit == "count" and float(value).is_integer():
         return str(int(value))
     if abs(value) >= 100:

@@ -1005,3 +1005,11 @@ def test_structured_lines_end_whole_and_compare_backends_and_proposers(tiny_mode
     assert skipped.exit_code == 0, skipped.output
     assert "skipped" in skipped.output and "line 1: arm A ('') cannot follow its structured output" in \
         skipped.output and "multipleOf" in skipped.output, skipped.output
+
+
+def test_a_share_below_one_never_shows_as_a_hundred_percent() -> None:
+    """"outputs = first arm" of 1999 of 2000 requests rounded to "100.0%" (unstarred: a difference nobody saw)."""
+    from infer.bench.report import _number
+
+    assert _number(1999 / 2000, "%") == "99.95%" and _number(0.99999, "%") == "99.99%"
+    assert _number(1.0, "%") == "100.0%" and _number(0.5, "%") == "50.0%" and _number(0.004, "%") == "0.40%"
