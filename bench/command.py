@@ -2,6 +2,7 @@
 report."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import tempfile
@@ -14,7 +15,7 @@ import click
 from ..cli.options import EngineArgs, sampling_options
 from .arms import ArmError, ArmSpec, parse_arms
 from .workloads import (WORKLOADS, FileEntry, RequestSampling, WorkloadError, WorkloadSpec, check_vocabulary,
-                        lora_adapters_used, validate_spec)
+                        good_lines, lora_adapters_used, validate_spec)
 
 OUTPUT_FILES = ("results.json", "table.txt", "latency_cdf.png", "throughput.png")
 AB_HINT = 'quote each arm as one argument: --ab "--kv-cache paged" "--kv-cache paged --no-prefix-caching"'
@@ -166,11 +167,14 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         raise CommandLineError(f"--logit-bias names token ids {outside[:5]} outside the vocabulary of "
                                f"{vocab} tokens{' (the smallest of the arms)' if len(built) > 1 else ''}")
     try:
-        if entries is not None:  # token ids against the vocabulary, now that the models are loaded
-            entries, skipped = check_vocabulary(spec, entries, vocab)
-            entries, unfollowed = keep_structured_lines(spec, built, entries)
-            entries, too_long = keep_fitting_lines(spec, built, entries)
-            for line in skipped + unfollowed + too_long:
+        if entries is not None:  # the checks that need the models, every bad line of all three listed at once
+            every = dataclasses.replace(spec, skip_bad_lines=True)
+            entries, skipped = check_vocabulary(every, entries, vocab)
+            entries, unfollowed = keep_structured_lines(every, built, entries)
+            entries, too_long = keep_fitting_lines(every, built, entries)
+            bad = sorted(skipped + unfollowed + too_long, key=lambda line: int(line.split()[1].rstrip(":")))
+            entries = good_lines(spec, entries, bad, "bad line(s) found once the models loaded")
+            for line in bad:
                 err.print(f"[yellow]skipped {spec.file} {line}[/yellow]", highlight=False)
         workloads = make_workloads(spec, range(repeats), built, entries)
         warmups = make_workloads(spec, range(-1, -1 - warmup_rounds, -1), built, entries)

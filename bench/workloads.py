@@ -273,7 +273,7 @@ def good_lines(spec: WorkloadSpec, good: list[FileEntry], errors: list[str], wha
     if errors and not spec.skip_bad_lines:
         listed = "\n  ".join(errors)
         raise WorkloadError(f"workload file {spec.file} has {len(errors)} {what}; fix them, or pass --skip-bad-lines "
-                            f"to run the {len(good)} good line(s):\n  {listed}")
+                            f"to skip them ({len(good)} line(s) left):\n  {listed}")
     if not good:
         raise WorkloadError(f"workload file {spec.file} has no good line")
     return good

@@ -546,6 +546,9 @@ def test_file_workload_with_skipped_lines_against_hf_continuous_batching(tiny_mo
     path.write_text(path.read_text().replace('{"prompt": "broken", "max_tokens": -1}\n', ""))
     refused = run(*args)
     assert refused.exit_code == 2 and "line 4: token ids [99999] are outside the vocabulary" in refused.output
+    # every check that needs the models lists its bad lines in one refusal (the long line came only after a fix)
+    assert "has 2 bad line(s) found once the models loaded" in refused.output and "(3 line(s) left)" in refused.output
+    assert "line 5: a request of 100003 tokens" in refused.output
     path.write_text('{"prompt": "broken", "max_tokens": -1}\n' + path.read_text())
     result = run(*args, "--skip-bad-lines", "--out", str(out))
     assert result.exit_code == 0, result.output
