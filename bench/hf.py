@@ -83,6 +83,9 @@ class HFArm:
         raise WorkloadError("HF transformers has no structured output; drop the hf arms or the lines' "
                             "structured_output")
 
+    def check_request(self, prompt: list[int], max_tokens: int) -> None:
+        """The baseline refuses nothing the context holds (make_workloads checked that)."""
+
     def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
         """Text as the tokenizer encodes it; a chat as HF's apply_chat_template renders it."""
         if isinstance(prompt, ChatPrompt):

@@ -121,6 +121,9 @@ class EngineArm:
     def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
         return self.engine.tokenize(prompt)
 
+    def check_request(self, prompt: list[int], max_tokens: int) -> None:
+        self.engine.check_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
     def reasons_before_grammar(self, chat: ChatPrompt) -> bool:
         """Whether this engine serves ``chat``'s own structured output after a reasoning block (its reasoning parser
         says where that block ends in the rendered prompt)."""

@@ -38,6 +38,9 @@ class Arm(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
+    def check_request(self, prompt: list[int], max_tokens: int) -> None:
+        """InferError where the arm would refuse this request (the HF baseline refuses none)."""
+
     def keep_structured(self, params: SamplingParams) -> None: ...
 
     def reasons_before_grammar(self, chat: ChatPrompt) -> bool: ...
@@ -184,6 +187,15 @@ def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: 
                 f"the {spec.name} workload has a request of {longest} tokens (prompt, history and output) but arm "
                 f"{arm.spec.key} ({arm.spec.text!r}) has KV blocks for {arm.kv_capacity_tokens} tokens; "
                 f"{LENGTH_OPTIONS[spec.name]} or give that arm more KV memory (--num-kv-blocks, --kv-cache-memory-gb)")
+    first_turns = [session.turns[0] for session in workloads[0].sessions if session.turns]
+    if first_turns:  # what else an arm refuses (a prompt over a non-chunking scheduler's step budget): before any run
+        turn = max(first_turns, key=lambda t: (len(t.tokens), t.max_tokens))
+        for arm in arms:
+            try:
+                arm.check_request(list(turn.tokens), turn.max_tokens)
+            except InferError as exc:
+                raise WorkloadError(f"the {spec.name} workload's longest prompt ({len(turn.tokens)} tokens) does "
+                                    f"not fit arm {arm.spec.key} ({arm.spec.text!r}): {exc}") from None
     return workloads
 
 

@@ -446,10 +446,12 @@ def test_an_arm_whose_options_the_engine_refuses_is_a_command_line_error(tiny_mo
 
 
 def test_an_arm_failing_at_run_time_is_named_and_fails_the_command(tiny_model, tmp_path):
-    result = run("--model", str(tiny_model), "bench", "--num-requests", "2", "--input-len", "40", "--repeats", "1",
-                 "--warmup-rounds", "0", "--ab", "", "--max-num-batched-tokens 16", "--out", str(tmp_path))
+    # the first turns fit arm B's step budget (checked before any run); the second, with the history, does not
+    result = run("--model", str(tiny_model), "bench", "--workload", "multi-turn", "--turns", "2", "--num-requests",
+                 "2", "--input-len", "40", "--output-len", "8", "--len-sigma", "0", "--repeats", "1",
+                 "--warmup-rounds", "0", "--ab", "", "--max-num-batched-tokens 64", "--out", str(tmp_path))
     assert result.exit_code == 1 and "Traceback" not in result.output
-    assert "arm B ('--max-num-batched-tokens 16') failed in round 1 of 1: prompt of" in result.output
+    assert "arm B ('--max-num-batched-tokens 64') failed in round 1 of 1: prompt of 88 tokens" in result.output
     data = json.loads((tmp_path / "results.json").read_text())  # no round to tabulate, but the failure is on record
     assert data["failure"].startswith("arm B") and [len(arm["runs"]) for arm in data["arms"]] == [0, 0]
     assert not (tmp_path / "table.txt").exists()
@@ -1016,3 +1018,13 @@ def test_a_share_below_one_never_shows_as_a_hundred_percent() -> None:
 
     assert _number(1999 / 2000, "%") == "99.95%" and _number(0.99999, "%") == "99.99%"
     assert _number(1.0, "%") == "100.0%" and _number(0.5, "%") == "50.0%" and _number(0.004, "%") == "0.40%"
+
+
+def test_a_prompt_over_an_arms_step_budget_is_refused_before_any_run(tiny_model):
+    """It failed the arm while warming up (exit 1), after the other arms had loaded and warmed up."""
+    result = run("--model", str(tiny_model), "--device", "cpu", "bench", "--workload", "long-prompt-arrival",
+                 "--long-len", "200", "--num-requests", "2", "--output-len", "2", "--repeats", "1",
+                 "--ab", "", "--max-num-batched-tokens 64")
+    assert result.exit_code == 2, result.output
+    assert "longest prompt (200 tokens) does not fit arm B ('--max-num-batched-tokens 64')" in result.output
+    assert "exceeds max-num-batched-tokens 64" in result.output and "warming up" not in result.output
