@@ -187,6 +187,7 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         runs, failure = {arm.spec.key: exc.runs.get(arm.spec.key, []) for arm in built}, exc
     meta = run_info(spec, repeats, warmup_rounds, specs, started)
     meta["failure"] = None if failure is None else str(failure)  # the rounds every arm completed are still reported
+    meta["rounds_completed"] = min((len(kept) for kept in runs.values()), default=0)
     result = BenchResult(specs, runs, meta, {arm.spec.key: arm_info(arm) for arm in built}, request_sampling)
     if any(runs.values()):
         _report(result, out_dir)

@@ -101,6 +101,12 @@ def build_table(result: BenchResult) -> Table:
     if any(_long_prompt_came_late(run) for runs in result.runs.values() for run in runs):
         notes.append("[yellow]the long prompt arrived after every steady decode had finished, so it delayed none: "
                      "raise --output-len or lower --long-delay[/yellow]")
+    planned = result.meta.get("round_orders") or []
+    if compared and 0 < repeats < len(planned):  # stopped early: the kept rounds' orders rotate unevenly
+        leads = [order[0] for order in planned[:repeats]]
+        counts = ", ".join(f"{arm.key} {leads.count(arm.key)}" for arm in result.arms)
+        notes.append(f"[yellow]the run stopped after {repeats} of {len(planned)} rounds, so the arms did not run "
+                     f"first equally often (rounds led: {counts})[/yellow]")
     if repeats < 3:
         notes.append(f"[yellow]{repeats} round(s): too few to tell a difference from noise; use --repeats 3 or "
                      "more[/yellow]")

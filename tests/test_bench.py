@@ -454,6 +454,7 @@ def test_an_arm_failing_at_run_time_is_named_and_fails_the_command(tiny_model, t
     assert "arm B ('--max-num-batched-tokens 64') failed in round 1 of 1: prompt of 88 tokens" in result.output
     data = json.loads((tmp_path / "results.json").read_text())  # no round to tabulate, but the failure is on record
     assert data["failure"].startswith("arm B") and [len(arm["runs"]) for arm in data["arms"]] == [0, 0]
+    assert data["rounds_completed"] == 0 and data["repeats"] == 1
     assert not (tmp_path / "table.txt").exists()
 
 
@@ -1028,3 +1029,18 @@ def test_a_prompt_over_an_arms_step_budget_is_refused_before_any_run(tiny_model)
     assert result.exit_code == 2, result.output
     assert "longest prompt (200 tokens) does not fit arm B ('--max-num-batched-tokens 64')" in result.output
     assert "exceeds max-num-batched-tokens 64" in result.output and "warming up" not in result.output
+
+
+def test_a_run_stopped_early_says_its_rounds_did_not_rotate_evenly():
+    """3 of 4 rounds kept (a failure, Ctrl-C): arm A led two of them, which the table did not say."""
+    from infer.bench.arms import ArmSpec
+    from infer.bench.report import BenchResult, build_table
+
+    record = RequestRecord(0, 0, 0.0, 10, 3, [0.1, 0.2, 0.3], 0.3)
+    runs = {key: [RunResult(key, r, 1.0, [record]) for r in range(3)] for key in "AB"}
+    orders = [["A", "B"], ["B", "A"], ["A", "B"], ["B", "A"]]
+    stopped = BenchResult([ArmSpec("A", ""), ArmSpec("B", "")], runs, {"workload": {}, "round_orders": orders})
+    assert "stopped after 3 of 4 rounds, so the arms did not run first equally often (rounds led: A 2, B 1)" in \
+        str(build_table(stopped).caption)
+    whole = BenchResult([ArmSpec("A", ""), ArmSpec("B", "")], runs, {"workload": {}, "round_orders": orders[:3]})
+    assert "stopped after" not in str(build_table(whole).caption)
