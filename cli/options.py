@@ -27,8 +27,8 @@ _SAMPLING: list[tuple[str, type, float, str]] = [
                                        "prompt or output by this, in (0, 1000]; 1 is off, > 1 discourages repeats."),
     ("frequency_penalty", float, 0.0, "Subtract this x a token's count in the output from its logit, in [-2, 2]."),
     ("presence_penalty", float, 0.0, "Subtract this from the logit of every token already in the output, in [-2, 2]."),
-    ("min_tokens", int, 0, "EOS and stop token ids cannot be sampled before this many tokens (stop strings still "
-                           "stop)."),
+    ("min_tokens", int, 0, "EOS and stop token ids cannot be sampled before this many tokens, nor can a stop string "
+                           "end in their text."),
 ]
 
 

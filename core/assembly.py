@@ -159,7 +159,7 @@ def make_proposer(config: EngineConfig, plugins: PluginManager, loaded: LoadedMo
     if config.proposer is None:
         if config.draft_model is not None or config.num_speculative_tokens:
             raise ConfigError("--draft-model and --num-speculative-tokens need a proposer: add --proposer draft-model "
-                              "or --proposer ngram (or --plugin NAME; in Python: proposer=...)")
+                              "or --proposer ngram or jump-forward (or --plugin NAME; in Python: proposer=...)")
         return None
     entry = plugins.registry("proposer").entry(config.proposer)
     if config.draft_model is not None and entry.name != "draft-model":
