@@ -18,16 +18,16 @@ MAX_JSON_DEPTH = 64  # nesting of lists and mappings; HF's template sandbox copi
 TOOL_SHAPE = "{'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {...}}}"
 CALL_SHAPE = "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': {...} or a JSON object string}}"
 TOOL_CHOICES = ("auto", "none", "required")
+NAMED_CHOICE_SHAPE = "{'type': 'function', 'function': {'name': ...}}"
+CHOICE_SHAPE = f"'auto', 'none', 'required' or {NAMED_CHOICE_SHAPE}"
+
+
 def brief(value: object) -> str:
     """``value`` shown in an error, bounded (3 levels, 6 items, 80 characters a part): str() of a value nested deeper
     than the recursion limit raised RecursionError, and of a huge one built all of it."""
     shown = reprlib.Repr()  # its keyword arguments are Python 3.12's
     shown.maxlevel, shown.maxstring, shown.maxother, shown.maxlist, shown.maxdict = 3, 80, 80, 6, 6
     return shown.repr(value)
-
-
-NAMED_CHOICE_SHAPE = "{'type': 'function', 'function': {'name': ...}}"
-CHOICE_SHAPE = f"'auto', 'none', 'required' or {NAMED_CHOICE_SHAPE}"
 
 
 @dataclass(frozen=True)
