@@ -426,3 +426,17 @@ def test_jump_forward_spells_special_token_text_as_text_within_the_vocabulary() 
     limit = sorted(tokens)[len(tokens) // 2]  # a vocabulary that stops inside the text's ids
     cut = JumpForwardProposer(tokenizer, limit).spell(text)
     assert cut == tokens[: next(i for i, t in enumerate(tokens) if t >= limit)]
+
+
+def test_steps_in_which_nothing_could_draft_count_in_no_speculation_state():
+    """A prefill-only step counted as "on" (and, while acceptance was low, could spend the rule's probe)."""
+    e = engine(proposer="ngram", num_speculative_tokens=2)
+    e.add_request("def fibonacci(n):\n", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    e.step()  # the prefill, which samples the first token: no sequence decodes yet
+    assert e.stats.summary()["spec_steps_on"] == 0
+    e.step()  # the first decode: it could draft
+    assert e.stats.summary()["spec_steps_on"] == 1
+    while e.has_unfinished():
+        e.step()
+    # and the prefill stays uncounted (as does a last step with room for no draft under max_tokens)
+    assert 1 <= e.stats.summary()["spec_steps_on"] <= e.stats.summary()["steps"] - 1
