@@ -32,7 +32,10 @@ class HeldInterrupts:
     def __enter__(self) -> None:
         self.depth += 1
         if self.depth == 1 and threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGINT, self.handler)
+            try:
+                previous = signal.signal(signal.SIGINT, self.handler)
+            except ValueError:  # a subinterpreter's main thread (mod_wsgi, say) may not set handlers: hold nothing
+                return
             if callable(previous):
                 self.previous, self.received = previous, False
             else:  # ignored, or the OS default's: no Python exception can come of it

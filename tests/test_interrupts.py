@@ -44,3 +44,16 @@ def test_nothing_is_held_off_the_main_thread_or_when_sigint_is_ignored():
     finally:
         signal.signal(signal.SIGINT, previous)
     assert seen == [False, False]
+
+
+def test_where_handlers_cannot_be_set_nothing_is_held_and_the_engine_call_goes_on(monkeypatch):
+    """signal.signal raises ValueError outside the main interpreter (mod_wsgi's subinterpreters): every engine call
+    would have failed."""
+    def refuse(signum, handler):
+        raise ValueError("signal only works in main thread of the main interpreter")
+
+    held, ran = HeldInterrupts(), []
+    monkeypatch.setattr(signal, "signal", refuse)
+    with held:
+        ran.append(True)
+    assert ran == [True] and held.previous is None and held.depth == 0
