@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..core.errors import CheckpointError
+from ..core.loader import checkpoint_dtype
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
 from ..core.model import Model
 from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, UnquantizedMethod, merge_linears
@@ -106,7 +107,7 @@ class ArchConfig:
             rope=rope,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             sliding_window=window or None,
-            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            torch_dtype=checkpoint_dtype(raw),
             quantization_config=raw.get("quantization_config"),
         )
 

@@ -66,9 +66,8 @@ class SpecDecoder:
         self.step_counts = (0, 0)
         for seq in out.preempted:
             self.proposer.release(seq)
-        rooms = [(item, self._room(item)) for item in out.scheduled]
-        if not any(k for _, k in rooms):  # nothing could draft (prefills, say): the step is in no state, and a
-            return  # probe of the low-acceptance rule is not spent on it
+        if not any(self._room(item) for item in out.scheduled):  # nothing could draft (prefills, say): the step
+            return  # is in no state, and no probe of the low-acceptance rule is spent on it (stops at the first)
         state = self.policy.decide(len(out.scheduled))
         self.stats.spec_state = state
         self.stats.spec_steps[state] = self.stats.spec_steps.get(state, 0) + 1
@@ -76,8 +75,8 @@ class SpecDecoder:
             return
         budget = self.token_budget - out.num_tokens
         room: dict[int, int] = {}
-        for item, wanted in rooms:
-            k = min(wanted, budget)
+        for item in out.scheduled:
+            k = min(self._room(item), budget)
             if k > 0 and self.kv.allocate(item.seq, 1 + k):  # slots for the drafts after the last real token
                 room[item.seq.seq_id] = k
                 budget -= k
