@@ -4,6 +4,7 @@ template from tokenizer_config.json or chat_template.jinja) renders into prompt 
 ``LLM.generate``, gRPC's ``chat`` prompt); the engine renders it when it checks the request."""
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence as Seq
 from dataclasses import dataclass, field
@@ -43,7 +44,9 @@ class ChatMessage:
     """One turn: ``role`` is what the template knows (usually "system", "user", "assistant" or "tool").
     ``tool_calls``: an assistant turn's calls (its content may then be None); ``tool_call_id``: in a "tool" turn,
     the call it answers; ``name``: the speaker's or tool's name, for templates that read it (core/chat_tools.py);
-    ``reasoning_content``: an assistant turn's reasoning, for templates that read it (Qwen3's, DeepSeek-R1's)."""
+    ``reasoning_content``: an assistant turn's reasoning, for templates that read it (Qwen3's, DeepSeek-R1's).
+    ``content_parts``: the texts of OpenAI's text parts, where the content came as that list (``content`` is then
+    their texts joined by newlines, what a template that reads content as a string gets)."""
 
     role: str
     content: str | None
@@ -51,15 +54,20 @@ class ChatMessage:
     tool_call_id: str | None = None
     name: str | None = None
     reasoning_content: str | None = None
+    content_parts: tuple[str, ...] | None = None
 
-    def __post_init__(self) -> None:  # a list from the caller, kept hashable
-        if isinstance(self.tool_calls, list):
-            object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
+    def __post_init__(self) -> None:  # lists from the caller, kept hashable
+        for name in ("tool_calls", "content_parts"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as apply_chat_template gets it: OpenAI's keys, those without a value left out."""
+    def template_dict(self, parts: bool = False) -> dict[str, Any]:
+        """The message as apply_chat_template gets it: OpenAI's keys, those without a value left out. ``parts``:
+        content that came as text parts goes as that list (for a template that loops over them)."""
         turn: dict[str, Any] = {"role": self.role}
-        if self.content is not None:
+        if parts and self.content_parts is not None:
+            turn["content"] = [{"type": "text", "text": text} for text in self.content_parts]
+        elif self.content is not None:
             turn["content"] = self.content
         if self.tool_calls:
             turn["tool_calls"] = [call.template_dict() for call in self.tool_calls]
@@ -153,7 +161,8 @@ class ChatPrompt:
         if self.chat_template_kwargs:
             check_template_reads(template, self.chat_template_kwargs)
         self._check_template_reads_tools(template)
-        turns = [m.template_dict() for m in self.messages]
+        parts = template_loops_over_content(template)
+        turns = [m.template_dict(parts) for m in self.messages]
         options = {"add_generation_prompt": self.add_generation_prompt, "chat_template": template,
                    "continue_final_message": self.continue_final_message, "tools": tools,
                    **{**(default_kwargs or {}), **self.chat_template_kwargs}}
@@ -254,6 +263,33 @@ def template_reads(template: str | Mapping[str, str], default: set[str]) -> set[
     return reads
 
 
+@functools.lru_cache(maxsize=16)
+def template_loops_over_content(template: str) -> bool:
+    """Whether the template loops over a message's content (``{% for part in message['content'] %}``, directly
+    or through a name set from it): such a template (Llama 4's, Gemma 3's) reads OpenAI's text parts itself, so a
+    content that came as parts goes to it as that list, as HF's apply_chat_template hands it on; any other gets
+    the parts joined by newlines. vLLM's content-format detection reads templates the same way. False for syntax
+    this parser lacks."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = _parsing_environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+
+    def is_content(expr: nodes.Node, names: set[str]) -> bool:  # X['content'], X.content, through filters
+        while isinstance(expr, nodes.Filter) and expr.node is not None:  # | selectattr('type', 'eq', 'text')
+            expr = expr.node
+        return (isinstance(expr, nodes.Getitem) and isinstance(expr.arg, nodes.Const) and expr.arg.value == "content"
+                or isinstance(expr, nodes.Getattr) and expr.attr == "content"
+                or isinstance(expr, nodes.Name) and expr.name in names)
+
+    names = {assign.target.name for assign in tree.find_all(nodes.Assign)
+             if isinstance(assign.target, nodes.Name) and is_content(assign.node, set())}
+    return any(is_content(loop.iter, names) for loop in tree.find_all(nodes.For))
+
+
 def _parsing_environment() -> Any:
     """A Jinja environment that parses what HF's template environment parses: loop controls and transformers'
     ``{% generation %}`` blocks (read here for the variables inside them)."""
@@ -337,7 +373,10 @@ def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessag
     """One message, as HF normalizes it (keys whose value is None dropped) and as vLLM reads OpenAI's text parts
     (a content list of ``{"type": "text", "text": ...}`` joined by newlines) and tool calls."""
     if isinstance(message, ChatMessage):
+        parts = message.content_parts
         message = {key: getattr(message, key) for key in MESSAGE_KEYS}
+        if parts is not None:
+            message["content"] = [{"type": "text", "text": text} for text in parts]
     if not isinstance(message, Mapping):
         raise InvalidRequestError(f"chat message {index} must be a {{'role': ..., 'content': ...}} mapping, got "
                                   f"{type(message).__name__}")
@@ -354,7 +393,7 @@ def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessag
     if "content" not in message and not calls:
         raise InvalidRequestError(f"chat message {index} has no content (only an assistant message with "
                                   "tool_calls may leave it out)")
-    content = _text_of(index, message["content"]) if "content" in message else None
+    content, parts = _text_of(index, message["content"]) if "content" in message else (None, None)
     texts = {"role": role, "content": content}
     for key in OPTIONAL_TEXT_KEYS:
         value = texts[key] = message.get(key)
@@ -366,16 +405,18 @@ def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessag
     for name, text in texts.items():
         if text is not None:
             require_utf8(text, f"chat message {index}: its {name}")
-    return ChatMessage(role, content, calls, texts["tool_call_id"], texts["name"], texts["reasoning_content"])
+    return ChatMessage(role, content, calls, texts["tool_call_id"], texts["name"], texts["reasoning_content"], parts)
 
 
-def _text_of(index: int, content: object) -> str:
-    """A message's content: a string, or OpenAI's list of text parts (joined by newlines, as vLLM joins them)."""
+def _text_of(index: int, content: object) -> tuple[str, tuple[str, ...] | None]:
+    """A message's content and, for OpenAI's list of text parts, their texts (the content is then those joined by
+    newlines, as vLLM joins them for a template that reads content as a string)."""
     if isinstance(content, str):
-        return content
+        return content, None
     if isinstance(content, (list, tuple)) and all(isinstance(part, Mapping) and part.get("type") == "text" and
                                                   isinstance(part.get("text"), str) for part in content):
-        return "\n".join(part["text"] for part in content)
+        texts = tuple(part["text"] for part in content)
+        return "\n".join(texts), texts
     raise InvalidRequestError(f"chat message {index}: content must be a string or a list of {{'type': 'text', "
                               f"'text': ...}} parts (images and other parts are not supported), got "
                               f"{brief(content)}")

@@ -76,7 +76,8 @@ def test_a_malformed_conversation_is_refused_by_name(llm: LLM, messages: object,
 
 def test_what_openai_clients_send_is_read_as_hf_and_vllm_read_it(llm: LLM) -> None:
     """Keys whose value is None are dropped (HF's normalization; an OpenAI SDK round trip leaves them), a content
-    list of text parts is joined by newlines (vLLM's reading), and a ChatPrompt built directly is checked too."""
+    list of text parts is joined by newlines for a template that reads content as a string (vLLM's reading), and a
+    ChatPrompt built directly is checked too."""
     plain = llm.engine.tokenize(ChatPrompt.of([*CHAT, {"role": "assistant", "content": "a\nb"}]))
     sdk = [{**m, "name": None, "tool_calls": None} for m in CHAT]
     parts = {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
@@ -88,6 +89,51 @@ def test_what_openai_clients_send_is_read_as_hf_and_vllm_read_it(llm: LLM) -> No
     assert llm.chat(messages, params)[0].outputs[0].token_ids == llm.chat(CHAT, params)[0].outputs[0].token_ids
     opened = llm.chat(CHAT, params, add_generation_prompt=False)[0]
     assert opened.prompt_token_ids == llm.engine.tokenize(ChatPrompt.of(CHAT, add_generation_prompt=False))
+
+
+# a template that reads text parts itself, as Llama 4's and Gemma 3's do (each part trimmed, none between them)
+PARTS = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+         "{% for part in m['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] | trim }}"
+         "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.mark.parametrize("continue_final_message", [False, True])
+def test_a_template_that_loops_over_text_parts_gets_them_as_hf_hands_them_on(
+        tiny_model: Path, tmp_path: Path, continue_final_message: bool) -> None:
+    """Content sent as text parts goes to such a template as the list (HF's apply_chat_template hands it on; the
+    newline-joined string would render "a\nb" where the template writes "ab"); a string content stays a string, and
+    a ChatMessage keeps its parts through a second check."""
+    (tmp_path / "parts.jinja").write_text(PARTS)
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(tmp_path / "parts.jinja"))
+    hf = AutoTokenizer.from_pretrained(str(tiny_model))
+    messages = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]}]
+    options = {"add_generation_prompt": not continue_final_message, "continue_final_message": continue_final_message}
+    expected = list(hf.apply_chat_template(messages, chat_template=PARTS, **options)["input_ids"])
+    prompt = ChatPrompt.of(messages, **options)
+    assert llm.engine.tokenize(prompt) == expected
+    assert llm.engine.tokenize(prompt.checked()) == expected
+    assert hf.decode(expected).count("<user>ab") == 1  # the parts, trimmed and concatenated by the template
+    joined = ChatPrompt.of([CHAT[0], {"role": "user", "content": " a \nb"}], **options)
+    assert llm.engine.tokenize(joined) == list(hf.apply_chat_template(
+        [CHAT[0], {"role": "user", "content": " a \nb"}], chat_template=PARTS, **options)["input_ids"]) != expected
+
+
+@pytest.mark.parametrize(("template", "loops"), [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for line in m['content'].split('\\n') %}{{ line }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{% set c = m.content %}{% for w in c.split() %}{{ w }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{% for k in m %}{{ k }}{% endfor %}{% endfor %}", False),
+    ("{% if %}", False),
+])
+def test_which_templates_read_text_parts_themselves(template: str, loops: bool) -> None:
+    """A loop over a message's content (through a filter or a name set from it) reads parts; a loop over what a
+    method makes of the content (its lines) reads a string, so the parts are joined for it."""
+    from infer.core.chat import template_loops_over_content
+
+    assert template_loops_over_content(template) is loops
 
 
 def test_ids_the_model_lacks_are_refused(chat_model: Path, tmp_path: Path) -> None:
