@@ -50,10 +50,15 @@ def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest) -> Prompt:
 
 def _message_of(message: pb.ChatMessage) -> dict[str, Any]:
     """A ChatMessage as OpenAI's mapping; empty strings stand for unset ones, and unset content for "" (none
-    beside tool calls)."""
+    beside tool calls); content_parts for a content list of text parts."""
     calls = [{"id": c.id or None, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
              for c in message.tool_calls]
-    content = message.content if message.HasField("content") else None if calls else ""
+    content: object = message.content if message.HasField("content") else None if calls else ""
+    if message.content_parts:
+        if message.HasField("content"):
+            raise InvalidRequestError("a chat message sets both content and content_parts; send its text in one "
+                                      "of them")
+        content = [{"type": "text", "text": text} for text in message.content_parts]
     return {"role": message.role, "content": content, "tool_calls": calls or None,
             "tool_call_id": message.tool_call_id or None, "name": message.name or None,
             "reasoning_content": message.reasoning_content or None}

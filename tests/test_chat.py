@@ -118,6 +118,33 @@ def test_a_template_that_loops_over_text_parts_gets_them_as_hf_hands_them_on(
         [CHAT[0], {"role": "user", "content": " a \nb"}], chat_template=PARTS, **options)["input_ids"]) != expected
 
 
+def test_text_parts_travel_over_grpc_as_parts(tiny_model: Path, tmp_path: Path, serve_engine: Any) -> None:
+    """The client sends a message's text parts as content_parts, so the server's template gets what LLM.chat's
+    gets; content and content_parts together are INVALID_ARGUMENT."""
+    import grpc
+
+    from infer.server import infer_pb2 as pb
+
+    (tmp_path / "parts.jinja").write_text(PARTS)
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(tmp_path / "parts.jinja"))
+    parts = [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]
+    prompt = ChatPrompt.of([{"role": "user", "content": parts}])
+    want = llm.engine.tokenize(prompt)
+    assert want != llm.engine.tokenize(ChatPrompt.of([{"role": "user", "content": "a \nb"}]))
+
+    async def test(client: Any, port: int) -> None:
+        done = await client.complete(prompt, max_tokens=1, prompt_logprobs=0)
+        assert [e.tokens[0].token_id for e in done.prompt_logprobs[1:]] == want[1:]
+        both = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="a",
+                                                                        content_parts=["b"])]))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.stub.Complete(both)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "sets both content and content_parts" in info.value.details()
+
+    serve_engine(llm.engine, test)
+
+
 @pytest.mark.parametrize(("template", "loops"), [
     ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
     ("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}", True),
