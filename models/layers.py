@@ -170,15 +170,17 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies for the HF rope types 'default', 'linear' and 'llama3' (computed in float32)."""
+def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the HF rope types 'default', 'linear', 'llama3' and 'yarn' (computed in float32),
+    and the factor cos and sin are multiplied by (1 but for YaRN)."""
     theta = float(rope.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / pos_freqs
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / float(rope["factor"])
+        return inv_freq / float(rope["factor"]), 1.0
     if kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
         factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
@@ -188,8 +190,43 @@ def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, out)
-    raise CheckpointError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
+        return torch.where(medium, smoothed, out), 1.0
+    if kind == "yarn":
+        return yarn_inv_freq(pos_freqs, head_dim, rope)
+    raise CheckpointError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3, yarn")
+
+
+def yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, arXiv 2309.00071, as HF computes it): a dimension that turns more than beta_fast
+    times over the original context keeps its frequency, one that turns fewer than beta_slow times is divided by
+    ``factor``, and a linear ramp over the dimensions between mixes the two; cos and sin are scaled by
+    ``attention_factor``, by default 0.1 ln(factor) + 1 (or DeepSeek's ratio of two such terms, mscale over
+    mscale_all_dim)."""
+    theta, factor = float(rope["rope_theta"]), float(rope["factor"])
+    old_len = float(rope["original_max_position_embeddings"])
+
+    def dimension_turning(rotations: float) -> float:  # the dimension pair that turns `rotations` times in old_len
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    fast, slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
+    low, high = dimension_turning(fast), dimension_turning(slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the weight of the unscaled frequency
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        weight, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(factor, weight) / mscale(factor, all_dims) if weight and all_dims else mscale(factor)
+    return inv_freq, float(attention)
 
 
 class RotaryEmbedding(nn.Module):
@@ -199,10 +236,10 @@ class RotaryEmbedding(nn.Module):
                  ) -> None:
         super().__init__()
         self.ops = ops
-        inv_freq = rope_inv_freq(head_dim, rope)
+        inv_freq, scale = rope_inv_freq(head_dim, rope)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim / 2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # [max_positions, head_dim / 2]
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,7 +69,7 @@ class ArchConfig:
         rope = dict(field.get("rope_scaling", dict) or field.get("rope_parameters", dict) or {})
         theta = field.get("rope_theta", (int, float))
         rope.setdefault("rope_theta", 10000.0 if theta is None else theta)
-        if rope.get("rope_type", rope.get("type")) == "llama3":  # HF: a top-level value wins, else the context
+        if rope.get("rope_type", rope.get("type")) in ("llama3", "yarn"):  # HF: a top-level one wins, else the context
             top = field.get("original_max_position_embeddings", int)
             rope["original_max_position_embeddings"] = top or rope.get("original_max_position_embeddings") \
                 or max_positions
@@ -175,20 +175,26 @@ def rms_norm_eps(field: _Fields) -> float:
 
 
 ROPE_FIELDS = {"default": (), "linear": ("factor",),
-               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+               "yarn": ("factor", "original_max_position_embeddings")}
+OPTIONAL_ROPE_FIELDS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
 
 
 def check_rope(rope: dict[str, Any], arch: str) -> None:
-    """The rope fields this rope type reads are present and numbers."""
+    """The rope fields this rope type reads are present and positive numbers (its optional ones, where set)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_FIELDS:
         raise CheckpointError(f"unsupported rope_type {kind!r} in config.json of this {arch}; supported: "
                               f"{', '.join(ROPE_FIELDS)}")
-    for key in ("rope_theta", *ROPE_FIELDS[kind]):
+    optional = [key for key in OPTIONAL_ROPE_FIELDS.get(kind, ()) if rope.get(key) is not None]
+    for key in ("rope_theta", *ROPE_FIELDS[kind], *optional):
         value = rope.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise CheckpointError(f"rope {kind!r} in config.json of this {arch} needs {key} as a positive number, "
                                   f"got {value!r}; fix rope_parameters (or rope_scaling) in config.json")
+    if kind == "yarn" and not isinstance(rope.get("truncate", True), bool):
+        raise CheckpointError(f"rope 'yarn' in config.json of this {arch} needs truncate as true or false, got "
+                              f"{rope['truncate']!r}; fix rope_parameters (or rope_scaling) in config.json")
 
 
 class Attention(nn.Module):

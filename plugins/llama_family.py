@@ -25,10 +25,15 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 
     arch = ArchConfig.from_hf(hf_config)
     max_len = config.max_model_len or arch.max_position_embeddings
-    # linear RoPE scaling stretches the trained positions by its factor (e.g. a 4k model run at 16k); llama3-type
+    # linear RoPE scaling stretches the trained positions by its factor (e.g. a 4k model run at 16k), YaRN the
+    # original context (vLLM's rule: Qwen2.5's 32k max_position_embeddings at factor 4 is 128k); llama3-type
     # configs already state the extended length
     scaling = arch.rope.get("rope_type", arch.rope.get("type", "default"))
-    limit = int(arch.max_position_embeddings * (float(arch.rope["factor"]) if scaling == "linear" else 1))
+    limit = arch.max_position_embeddings
+    if scaling == "linear":
+        limit = int(limit * float(arch.rope["factor"]))
+    elif scaling == "yarn":
+        limit = int(float(arch.rope["original_max_position_embeddings"]) * float(arch.rope["factor"]))
     if max_len > limit:
         raise ConfigError(f"max-model-len {max_len} exceeds the {limit} positions the model supports "
                           f"(max_position_embeddings {arch.max_position_embeddings}, rope {scaling}); use "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -253,6 +254,61 @@ def test_config_variants_run_what_hf_runs(tmp_path, hf_greedy, arch, edit, optio
     prompt = prompts(engine.loaded.model.spec.vocab_size, [40])[0]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, 12)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(("arch", "rope", "top"), [
+    ("qwen2", YARN, {}),  # Qwen2.5's long-context recipe, in the rope_scaling of old exports
+    # a ramp over dimensions not cut to whole ones; a ramp cut at the last dimension (DeepSeek's attention factor)
+    ("qwen3", {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False,
+               "original_max_position_embeddings": 4096}, {}),
+    ("llama", {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 2**20,
+               "original_max_position_embeddings": 2**28}, {}),
+    ("qwen2", {**YARN, "factor": 16.0, "original_max_position_embeddings": 4}, {}),  # a ramp of no width
+    ("llama", {**YARN, "attention_factor": 1.5, "original_max_position_embeddings": 8},  # the top-level one wins
+     {"original_max_position_embeddings": 16}),
+    ("mistral", {k: v for k, v in YARN.items() if k != "original_max_position_embeddings"}, {}),  # the context's
+])
+def test_yarn_rope_logits_and_tokens_are_hfs_past_the_original_context(tmp_path, hf_greedy, arch, rope, top):
+    """YaRN frequencies and its cos/sin scale against HF's (60 positions, past most cases' original context): the
+    last token's logits within 1e-4 relative (YaRN moves them by over 1e-2) and greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = edited_model(tmp_path / "m", arch, lambda c: c.update(rope_scaling=rope, **top), max_position_embeddings=64)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [60])[0]
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+        unscaled = AutoModelForCausalLM.from_pretrained(str(edited_model(  # the same weights without YaRN
+            tmp_path / "plain", arch, lambda c: None, max_position_embeddings=64)), dtype=torch.float32)
+        assert (unscaled.eval()(torch.tensor([prompt])).logits[0, -1] - ref).norm() / ref.norm() > 1e-2
+    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+    short = prompts(engine.loaded.model.spec.vocab_size, [20], seed=3)[0]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    assert engine.generate([short], params)[0].outputs[0].token_ids == hf_greedy(path, short, 30)
+
+
+def test_yarn_extends_the_context_to_the_original_times_its_factor(tmp_path):
+    """vLLM's rule: Qwen2.5's max_position_embeddings 32768 with YaRN factor 4 (original 32768) serves 131072."""
+    from infer.core.errors import CheckpointError, ConfigError
+
+    yarn = {**YARN, "original_max_position_embeddings": 32}
+    path = edited_model(tmp_path / "m", "qwen2", lambda c: c.update(rope_scaling=yarn), max_position_embeddings=32)
+    assert Engine(EngineConfig(model=str(path), device="cpu", max_model_len=128, num_kv_blocks=16)).max_model_len == 128
+    with pytest.raises(ConfigError, match=r"exceeds the 128 positions the model supports \(max_position_embeddings "
+                                          r"32, rope yarn\)"):
+        Engine(EngineConfig(model=str(path), device="cpu", max_model_len=129, num_kv_blocks=16))
+    for bad, complaint in (({"beta_fast": "32"}, "needs beta_fast as a positive number, got '32'"),
+                           ({"factor": None}, "needs factor as a positive number, got None"),
+                           ({"truncate": "no"}, "needs truncate as true or false, got 'no'")):
+        broken = edited_model(tmp_path / "bad", "qwen2", lambda c: c.update(rope_scaling={**YARN, **bad}))
+        with pytest.raises(CheckpointError, match=re.escape(complaint)):
+            Engine(EngineConfig(model=str(broken), device="cpu", num_kv_blocks=16))
 
 
 def test_mistral_window_defaults_as_in_hf_and_other_activations_are_refused(tmp_path):
