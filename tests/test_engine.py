@@ -138,6 +138,26 @@ def test_logprobs_equal_log_softmax_of_hf_logits(engine, tiny_model):
         assert entry[token] == pytest.approx(value, abs=1e-4)
 
 
+def test_sampled_logprobs_are_the_raw_distributions_at_every_position(engine, tiny_model):
+    """At temperature 0.7 with top_k 5, each position's entry holds the sampled token and the top 3 of HF's
+    log-softmax of the unscaled logits given the tokens so far: temperature and top-k shape the sampling, not the
+    logprobs (README: "top-n of the raw model distribution")."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = rand_prompt(12, 21)
+    params = SamplingParams(max_tokens=6, temperature=0.7, top_k=5, seed=4, logprobs=3, ignore_eos=True)
+    out = engine.generate([prompt], params)[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    for position, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        top = ref[position].topk(3).indices.tolist()
+        assert set(entry) == {token, *top}
+        for candidate, value in entry.items():
+            assert value == pytest.approx(ref[position, candidate].item(), abs=1e-4)
+    assert any(token != ref[i].argmax() for i, token in enumerate(out.token_ids))  # it sampled, not greedy
+
+
 def test_stream_deltas_concatenate_to_the_final_text(engine):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompt = "def add(a, b):"

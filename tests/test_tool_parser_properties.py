@@ -76,6 +76,9 @@ def test_any_other_text_comes_back_whole(text: str) -> None:
         assert isinstance(reply, ParsedReply)
         if not reply.tool_calls:
             assert reply.content == text
+        else:  # a call read out of random text must stand in it: its name written there, its text taken out
+            assert all(call.name in text for call in reply.tool_calls), (parser, text, reply)
+            assert len(reply.content or "") < len(text), (parser, text, reply)
 
 
 def written(calls: list[ToolCall], form: str) -> str:
