@@ -311,36 +311,58 @@ def test_yarn_extends_the_context_to_the_original_times_its_factor(tmp_path):
             Engine(EngineConfig(model=str(broken), device="cpu", num_kv_blocks=16))
 
 
-def test_mistral_window_defaults_as_in_hf_and_other_activations_are_refused(tmp_path):
+def hf_window(path) -> int | None:
+    """The window HF's model attends within, read off its behaviour: the config's sliding_window where the last
+    token's logits past it change when that window is made too wide to matter, None where they do not."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    window = getattr(AutoConfig.from_pretrained(str(path)), "sliding_window", None)
+    if window is None:
+        return None
+    config = json.loads((path / "config.json").read_text())
+    prompt = torch.tensor(prompts(config["vocab_size"], [window + 8], seed=5))
+    with torch.no_grad():
+        windowed = AutoModelForCausalLM.from_pretrained(str(path)).eval()(prompt).logits[0, -1]
+        (path / "config.json").write_text(json.dumps({**config, "sliding_window": 10**6}))
+        wide = AutoModelForCausalLM.from_pretrained(str(path)).eval()(prompt).logits[0, -1]
+    (path / "config.json").write_text(json.dumps(config))
+    return window if not torch.allclose(windowed, wide, rtol=0, atol=1e-6) else None
+
+
+@pytest.mark.parametrize(("arch", "edit", "options"), [
+    ("mistral", lambda c: c.pop("sliding_window", None), {"max_position_embeddings": 8192}),  # HF's default 4096
+    ("mistral", lambda c: c.update(sliding_window=48, use_sliding_window=False), {}),  # Mistral slides whatever
+    ("llama", lambda c: c.update(sliding_window=48, use_sliding_window=True), {}),  # Llama never slides
+    # Qwen slides from layer max_window_layers (default 28) on, with use_sliding_window; given layer types win
+    ("qwen2", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=2, layer_types=None),
+     {}),
+    ("qwen2", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=1, layer_types=None),
+     {}),
+    ("qwen2", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=0, layer_types=None),
+     {}),
+    ("qwen2", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=0,
+                                 layer_types=["full_attention"] * 2), {}),
+    ("qwen2", lambda c: (c.update(sliding_window=48, use_sliding_window=True, layer_types=None),
+                         c.pop("max_window_layers", None)), {}),  # 2 layers, all below the default 28
+    ("qwen2", lambda c: c.update(sliding_window=48, use_sliding_window=False, max_window_layers=0, layer_types=None),
+     {}),
+    ("qwen3", lambda c: (c.update(use_sliding_window=True, max_window_layers=0, layer_types=None),  # HF's 4096
+                         c.pop("sliding_window", None)), {"max_position_embeddings": 8192}),
+])
+def test_a_model_that_slides_in_hf_runs_within_its_window(tmp_path, arch, edit, options):
+    """Sliding-window attention is not implemented, so a model whose HF model slides runs with its context cut
+    to the window (and any other at its full context); whether and where HF slides is read off HF's logits."""
+    path = edited_model(tmp_path / "m", arch, edit, **options)
+    window = hf_window(path)
+    full = options.get("max_position_embeddings", 1024)
+    assert Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4)).max_model_len == (window or full)
+
+
+def test_other_activations_are_refused(tmp_path):
     from infer.core.errors import CheckpointError
 
-    no_window_field = edited_model(tmp_path / "a", "mistral", lambda c: c.pop("sliding_window", None),
-                                   max_position_embeddings=8192)
-    assert Engine(EngineConfig(model=str(no_window_field), device="cpu", num_kv_blocks=4)).max_model_len == 4096
-    window_off = edited_model(tmp_path / "b", "mistral", lambda c: c.update(sliding_window=48,
-                                                                           use_sliding_window=False))
-    assert Engine(EngineConfig(model=str(window_off), device="cpu", num_kv_blocks=4)).max_model_len == 48
-    # HF's Llama never slides; Qwen slides from layer max_window_layers (default 28) on: not below it
-    llamafied = edited_model(tmp_path / "d", "llama", lambda c: c.update(sliding_window=48, use_sliding_window=True))
-    assert Engine(EngineConfig(model=str(llamafied), device="cpu", num_kv_blocks=4)).max_model_len == 1024
-    for name, edit, expected in (
-            ("e", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=2,
-                                     layer_types=None), 1024),
-            ("f", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=1,
-                                     layer_types=None), 48),
-            ("g", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=0,
-                                     layer_types=None), 48),
-            ("h", lambda c: c.update(sliding_window=48, use_sliding_window=True, max_window_layers=0,
-                                     layer_types=["full_attention"] * 2), 1024),  # given layer types win, as in HF
-            ("i", lambda c: (c.update(sliding_window=48, use_sliding_window=True, layer_types=None),
-                             c.pop("max_window_layers", None)), 1024)):  # 2 layers, all below the default 28
-        qwen = edited_model(tmp_path / name, "qwen2", edit)
-        assert Engine(EngineConfig(model=str(qwen), device="cpu", num_kv_blocks=4)).max_model_len == expected, name
-    # Qwen's window defaults to HF's 4096 where use_sliding_window is on and the key is absent
-    unsized = edited_model(tmp_path / "j", "qwen3", lambda c: (
-        c.update(use_sliding_window=True, max_window_layers=0, layer_types=None), c.pop("sliding_window", None)),
-        max_position_embeddings=8192)
-    assert Engine(EngineConfig(model=str(unsized), device="cpu", num_kv_blocks=4)).max_model_len == 4096
     gelu = edited_model(tmp_path / "c", "llama", lambda c: c.update(hidden_act="gelu"))
     with pytest.raises(CheckpointError, match="has hidden_act 'gelu'; infer's MLP computes silu"):
         Engine(EngineConfig(model=str(gelu), device="cpu", num_kv_blocks=4))
