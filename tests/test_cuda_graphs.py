@@ -23,6 +23,6 @@ def test_graph_decode_equals_eager(name, checkpoint):
                                      attention="triton", cuda_graphs=graphs, max_num_seqs=16, num_kv_blocks=256))
         assert (engine.runner.graphs is not None) == graphs
         outputs[graphs] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
-        if graphs:  # the default: the prefill step (66 tokens) replays the mixed graph of 128
+        if graphs:  # the default: the prefill step (198 tokens) replays the mixed graph of 256
             assert engine.runner.mixed_graphs is not None and engine.runner.mixed_graphs.replays > 0
     assert outputs[True] == outputs[False]
