@@ -171,14 +171,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies for the HF rope types 'default', 'linear', 'llama3' and 'yarn' (computed in float32),
-    and the factor cos and sin are multiplied by (1 but for YaRN)."""
+    """Inverse frequencies for the HF rope types 'default', 'linear', 'llama3', 'yarn' and 'dynamic' (computed in
+    float32), and the factor cos and sin are multiplied by (1 but for YaRN)."""
     theta = float(rope.get("rope_theta", 10000.0))
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     inv_freq = 1.0 / pos_freqs
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return inv_freq, 1.0
+    if kind in ("default", "dynamic"):  # HF's dynamic NTK rescales the base only past max_position_embeddings,
+        return inv_freq, 1.0  # which the engine refuses for it
     if kind == "linear":
         return inv_freq / float(rope["factor"]), 1.0
     if kind == "llama3":
@@ -193,7 +193,7 @@ def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, fl
         return torch.where(medium, smoothed, out), 1.0
     if kind == "yarn":
         return yarn_inv_freq(pos_freqs, head_dim, rope)
-    raise CheckpointError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3, yarn")
+    raise CheckpointError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3, yarn, dynamic")
 
 
 def yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:

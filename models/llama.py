@@ -176,7 +176,7 @@ def rms_norm_eps(field: _Fields) -> float:
 
 ROPE_FIELDS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-               "yarn": ("factor", "original_max_position_embeddings")}
+               "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",)}
 OPTIONAL_ROPE_FIELDS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
 
 

@@ -27,7 +27,8 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
     max_len = config.max_model_len or arch.max_position_embeddings
     # linear RoPE scaling stretches the trained positions by its factor (e.g. a 4k model run at 16k), YaRN the
     # original context (vLLM's rule: Qwen2.5's 32k max_position_embeddings at factor 4 is 128k); llama3-type
-    # configs already state the extended length
+    # configs already state the extended length; dynamic NTK runs within max_position_embeddings, where HF keeps
+    # the default frequencies (vLLM instead scales them for max_position_embeddings x factor, at every length)
     scaling = arch.rope.get("rope_type", arch.rope.get("type", "default"))
     limit = arch.max_position_embeddings
     if scaling == "linear":
@@ -35,8 +36,10 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
     elif scaling == "yarn":
         limit = int(float(arch.rope["original_max_position_embeddings"]) * float(arch.rope["factor"]))
     if max_len > limit:
+        dynamic = "; past it, HF's dynamic NTK scaling changes the RoPE frequencies with each sequence's length, " \
+            "which infer does not follow" if scaling == "dynamic" else ""
         raise ConfigError(f"max-model-len {max_len} exceeds the {limit} positions the model supports "
-                          f"(max_position_embeddings {arch.max_position_embeddings}, rope {scaling}); use "
+                          f"(max_position_embeddings {arch.max_position_embeddings}, rope {scaling}{dynamic}); use "
                           f"--max-model-len <= {limit}")
     if arch.sliding_window is not None and max_len > arch.sliding_window:
         if config.max_model_len is not None:

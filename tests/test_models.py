@@ -293,6 +293,30 @@ def test_yarn_rope_logits_and_tokens_are_hfs_past_the_original_context(tmp_path,
     assert engine.generate([short], params)[0].outputs[0].token_ids == hf_greedy(path, short, 30)
 
 
+def test_dynamic_ntk_rope_runs_as_hf_within_max_position_embeddings_and_no_further(tmp_path, hf_greedy):
+    """HF's dynamic NTK scaling keeps the default frequencies up to max_position_embeddings and rescales them per
+    sequence length past it: infer serves it within, and refuses a longer context by name."""
+    from transformers import AutoModelForCausalLM
+
+    from infer.core.errors import ConfigError
+
+    dynamic = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    path = edited_model(tmp_path / "m", "llama", lambda c: c.update(rope_scaling=dynamic), max_position_embeddings=64)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [50])[0]
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0, -1]
+    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)  # to position 64, the last one
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, 14)
+    with pytest.raises(ConfigError, match="exceeds the 64 positions the model supports .*rope dynamic; past it, "
+                                          "HF's dynamic NTK scaling changes the RoPE frequencies"):
+        Engine(EngineConfig(model=str(path), device="cpu", max_model_len=65, num_kv_blocks=32))
+
+
 def test_yarn_extends_the_context_to_the_original_times_its_factor(tmp_path):
     """vLLM's rule: Qwen2.5's max_position_embeddings 32768 with YaRN factor 4 (original 32768) serves 131072."""
     from infer.core.errors import CheckpointError, ConfigError
