@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): one decoder with per-architecture switches."""
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3): one decoder with per-architecture switches."""
 from __future__ import annotations
 
 import math
@@ -41,6 +41,7 @@ class ArchConfig:
     mlp_bias: bool
     qk_norm: bool
     rope: dict[str, Any] = field(default_factory=dict)
+    fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3), not their parts
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
     torch_dtype: str | None = None
@@ -69,6 +70,12 @@ class ArchConfig:
         rope = dict(field.get("rope_scaling", dict) or field.get("rope_parameters", dict) or {})
         theta = field.get("rope_theta", (int, float))
         rope.setdefault("rope_theta", 10000.0 if theta is None else theta)
+        if arch == "Phi3ForCausalLM" and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
+            rope["rope_type"] = "longrope"  # HF's Phi3Config reads both so
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if partial != 1:
+            raise CheckpointError(f"config.json of this {arch} has partial_rotary_factor {partial!r}; infer's "
+                                  "rotary embedding turns whole heads (1.0) only")
         if rope.get("rope_type", rope.get("type")) in ("llama3", "yarn"):  # HF: a top-level one wins, else the context
             top = field.get("original_max_position_embeddings", int)
             rope["original_max_position_embeddings"] = top or rope.get("original_max_position_embeddings") \
@@ -83,7 +90,7 @@ class ArchConfig:
             slides = any(kind == "sliding_attention" for kind in types) if isinstance(types, list) else \
                 (defaults["max_window_layers"] if first is None else first) < field.positive("num_hidden_layers")
             window = window if field.get("use_sliding_window", bool) and slides else None
-        elif arch != "MistralForCausalLM":  # Mistral always slides; Llama never, whatever config.json says
+        elif arch not in ("MistralForCausalLM", "Phi3ForCausalLM"):  # these always slide; Llama never
             window = None
         biases = BIASES.get(arch, BIASES["LlamaForCausalLM"])
         qkv = biases["qkv"]
@@ -97,7 +104,7 @@ class ArchConfig:
             head_dim=field.positive("head_dim", defaults.get("head_dim") or hidden // heads),
             intermediate_size=field.positive("intermediate_size"),
             vocab_size=field.positive("vocab_size"),
-            rms_norm_eps=rms_norm_eps(field),
+            rms_norm_eps=rms_norm_eps(field, defaults.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(field.get("tie_word_embeddings", bool)),
             attention_bias=attention_bias,
@@ -105,6 +112,7 @@ class ArchConfig:
             mlp_bias=biases["mlp"] and bool(field.get("mlp_bias", bool)),
             qk_norm=arch == "Qwen3ForCausalLM",
             rope=rope,
+            fused_projections=arch == "Phi3ForCausalLM",
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             sliding_window=window or None,
             torch_dtype=checkpoint_dtype(raw),
@@ -120,6 +128,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                          "sliding_window": 4096},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32,
                          "max_window_layers": 28, "sliding_window": 4096},
+    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
 }
 # which biases each HF architecture has: qkv True always, "flag" as attention_bias says, False never; o_proj with
 # the q/k/v bias when "o"; the MLP's as mlp_bias says when "mlp"
@@ -128,6 +137,7 @@ BIASES: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"qkv": False, "o": False, "mlp": False},
     "Qwen2ForCausalLM": {"qkv": True, "o": False, "mlp": False},
     "Qwen3ForCausalLM": {"qkv": "flag", "o": True, "mlp": False},
+    "Phi3ForCausalLM": {"qkv": False, "o": False, "mlp": False},
 }
 
 
@@ -165,13 +175,13 @@ class _Fields:
         return value
 
 
-def rms_norm_eps(field: _Fields) -> float:
-    """config.json's rms_norm_eps (HF's 1e-6 when absent); 0 is taken as written, as HF does."""
+def rms_norm_eps(field: _Fields, default: float) -> float:
+    """config.json's rms_norm_eps (HF's ``default`` when absent); 0 is taken as written, as HF does."""
     eps = field.get("rms_norm_eps", (int, float))
     if eps is not None and (eps < 0 or not math.isfinite(eps)):
         raise CheckpointError(f"config.json of this {field.arch} has rms_norm_eps = {eps}; it must be a finite "
                               "number >= 0; fix config.json")
-    return 1e-6 if eps is None else float(eps)
+    return default if eps is None else float(eps)
 
 
 ROPE_FIELDS = {"default": (), "linear": ("factor",),
@@ -206,17 +216,20 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, q_size, bias, f"{prefix}.q_proj", quant, dtype)
-        self.k_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.k_proj", quant, dtype)
-        self.v_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.v_proj", quant, dtype)
+        self.qkv_proj: Linear | None = None  # set by merge_projections, which then drops q/k/v_proj
+        if cfg.fused_projections:
+            self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias, f"{prefix}.qkv_proj", quant, dtype)
+        else:
+            self.q_proj = Linear(cfg.hidden_size, q_size, bias, f"{prefix}.q_proj", quant, dtype)
+            self.k_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.k_proj", quant, dtype)
+            self.v_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.v_proj", quant, dtype)
         self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, f"{prefix}.o_proj", quant, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
-        self.qkv_proj: Linear | None = None  # set by merge_projections, which then drops q/k/v_proj
         self.sizes = [q_size, kv_size, kv_size]
 
     def merge_projections(self) -> bool:
-        return merge_linears(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        return self.qkv_proj is None and merge_linears(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
@@ -242,13 +255,16 @@ class MLP(nn.Module):
         super().__init__()
         self.ops, self.prefix = ops, prefix
         inner, bias = cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = Linear(cfg.hidden_size, inner, bias, f"{prefix}.gate_proj", quant, dtype)
-        self.up_proj = Linear(cfg.hidden_size, inner, bias, f"{prefix}.up_proj", quant, dtype)
-        self.down_proj = Linear(inner, cfg.hidden_size, bias, f"{prefix}.down_proj", quant, dtype)
         self.gate_up_proj: Linear | None = None  # set by merge_projections, which then drops gate/up_proj
+        if cfg.fused_projections:  # gate's outputs, then up's
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * inner, bias, f"{prefix}.gate_up_proj", quant, dtype)
+        else:
+            self.gate_proj = Linear(cfg.hidden_size, inner, bias, f"{prefix}.gate_proj", quant, dtype)
+            self.up_proj = Linear(cfg.hidden_size, inner, bias, f"{prefix}.up_proj", quant, dtype)
+        self.down_proj = Linear(inner, cfg.hidden_size, bias, f"{prefix}.down_proj", quant, dtype)
 
     def merge_projections(self) -> bool:
-        return merge_linears(self, ("gate_proj", "up_proj"), "gate_up_proj")
+        return self.gate_up_proj is None and merge_linears(self, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -374,5 +390,5 @@ class LlamaFamilyModel(Model):
 
     def merge_projections(self) -> int:
         """Merge each layer's q/k/v and gate/up linears into one each, where their quant method can (after loading:
-        the checkpoint's names are the unmerged ones). Returns how many merges were made."""
+        the checkpoint's names are the unmerged ones; Phi-3's come merged). Returns how many merges were made."""
         return sum(part.merge_projections() for layer in self.model.layers for part in (layer.self_attn, layer.mlp))

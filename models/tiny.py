@@ -13,6 +13,7 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": None},
 }
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"  # the shipped pair: target/ and draft/

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # torch loads with the model, not with the plugins (`infer --
     from ..models.layers import PointwiseOps
 
 log = logging.getLogger("infer")
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 
 
 def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,

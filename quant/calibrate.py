@@ -94,6 +94,7 @@ class LinearGroup:
     prev: str
 
 
+CALIBRATED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 GROUPS = (
     LinearGroup("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
     LinearGroup("o", ("self_attn.o_proj",), "self_attn.v_proj"),
@@ -142,8 +143,6 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
     Raises ConfigError/CheckpointError."""
     from ..core.loader import architectures, quantization_config, read_config, safetensors_files
     from ..models.llama import ArchConfig
-    from ..plugins.llama_family import ARCHITECTURES
-
     config.validate()
     if not model_dir.is_dir():
         raise CheckpointError(f"MODEL {str(model_dir)!r} does not exist or is not a folder; give the local HF "
@@ -154,8 +153,11 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
         raise CheckpointError(f"{str(model_dir)!r} is already quantized ({declared.get('quant_method', '?')}); "
                               "`infer quantize` needs the unquantized checkpoint it came from")
     arch = (architectures(raw) or ["(none)"])[0]
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(f"infer quantize supports {', '.join(ARCHITECTURES)}; {str(model_dir)!r} is {arch!r}")
+    if arch not in CALIBRATED_ARCHITECTURES:
+        fused = "; its q/k/v and gate/up projections come fused, whose scales are not folded yet: serve it with " \
+            "--quant awq (round-to-nearest on load) or an AutoAWQ checkpoint" if arch == "Phi3ForCausalLM" else ""
+        raise CheckpointError(f"infer quantize supports {', '.join(CALIBRATED_ARCHITECTURES)}; {str(model_dir)!r} is "
+                              f"{arch!r}{fused}")
     safetensors_files(model_dir)
     cfg = ArchConfig.from_hf(raw)
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

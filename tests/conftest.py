@@ -30,6 +30,7 @@ CHECKPOINTS = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"num_heads": 8, "num_kv_heads": 2}),
+    "phi3": ("phi3", {}),  # fused qkv_proj and gate_up_proj in the checkpoint
 }
 
 

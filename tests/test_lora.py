@@ -87,9 +87,10 @@ def engine_for(base: Path, adapters: dict[str, Adapter], **options) -> Engine:
                                   "lora_adapters": {name: str(a.folder) for name, a in adapters.items()}, **options}))
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2", "qwen3", "mistral", "phi3"])
 def test_an_adapter_on_each_architecture_equals_peft(checkpoint, tmp_path, name: str) -> None:
-    adapter = Adapter(checkpoint(name), tmp_path / "adapter", seed=3)
+    targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if name == "phi3" else ALL_TARGETS  # its modules
+    adapter = Adapter(checkpoint(name), tmp_path / "adapter", targets, seed=3)
     engine = engine_for(checkpoint(name), {"a": adapter})
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3,
                                                   prompt_logprobs=0, lora_adapter="a"))

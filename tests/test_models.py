@@ -30,7 +30,9 @@ def test_greedy_and_logits_match_transformers(name, merge, checkpoint, hf_greedy
 
     path = checkpoint(name)
     engine = Engine(EngineConfig(model=str(path), device="cpu", fuse_projections=merge))
-    assert all((layer.self_attn.qkv_proj is not None) == merge for layer in engine.loaded.model.model.layers)
+    fused = name == "phi3"  # the checkpoint's own: merged whatever fuse_projections says
+    assert all((layer.self_attn.qkv_proj is not None) == (merge or fused) and
+               (layer.mlp.gate_up_proj is not None) == (merge or fused) for layer in engine.loaded.model.model.layers)
     batch_prompts = prompts(engine.loaded.model.spec.vocab_size, [5, 33, 17])
     results = engine.generate(batch_prompts, GREEDY)
     for prompt, result in zip(batch_prompts, results):
@@ -374,6 +376,8 @@ def hf_window(path) -> int | None:
      {}),
     ("qwen3", lambda c: (c.update(use_sliding_window=True, max_window_layers=0, layer_types=None),  # HF's 4096
                          c.pop("sliding_window", None)), {"max_position_embeddings": 8192}),
+    ("phi3", lambda c: c.update(sliding_window=48), {}),  # Phi-3 slides where config.json gives a window
+    ("phi3", lambda c: c.pop("sliding_window", None), {}),  # and not by default
 ])
 def test_a_model_that_slides_in_hf_runs_within_its_window(tmp_path, arch, edit, options):
     """Sliding-window attention is not implemented, so a model whose HF model slides runs with its context cut
@@ -407,6 +411,7 @@ def test_the_tiny_checkpoints_tokenizer_fits_the_model(name, checkpoint):
 @pytest.mark.parametrize(("arch", "edit"), [
     ("llama", lambda c: c.update(rms_norm_eps=0.0)),  # 0 is a value, not "absent"
     ("llama", lambda c: c.pop("rms_norm_eps")),
+    ("phi3", lambda c: c.pop("rms_norm_eps")),  # Phi-3's default is 1e-5
     ("qwen2", lambda c: c.update(num_key_value_heads=None)),
     ("qwen2", lambda c: c.update(dtype="float16", torch_dtype="bfloat16")),  # dtype wins, torch_dtype fills in
     ("qwen3", lambda c: (c.update(use_sliding_window=True, max_window_layers=0, layer_types=None),
@@ -432,10 +437,17 @@ def test_config_fields_read_as_transformers_reads_them(tmp_path, arch, edit):
 def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):
     from infer.core.errors import CheckpointError
 
-    for name, edit, message in (("a", lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps = -1e-06"),
-                                ("b", lambda c: (c.pop("rope_parameters", None), c.update(rope_theta=0)),
-                                 "needs rope_theta as a positive number, got 0")):
-        path = edited_model(tmp_path / name, "llama", edit)
+    for name, arch, edit, message in (
+            ("a", "llama", lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps = -1e-06"),
+            ("b", "llama", lambda c: (c.pop("rope_parameters", None), c.update(rope_theta=0)),
+             "needs rope_theta as a positive number, got 0"),
+            # Phi-4-mini's partial rotation; Phi-3's config reads "su" and "yarn" as longrope
+            ("c", "phi3", lambda c: c["rope_parameters"].update(partial_rotary_factor=0.75),
+             "has partial_rotary_factor 0.75; infer's rotary embedding turns whole heads"),
+            ("d", "phi3", lambda c: c.update(rope_scaling={"type": "su", "short_factor": [1.0] * 8,
+                                                           "long_factor": [2.0] * 8}),
+             "unsupported rope_type 'longrope' in config.json of this Phi3ForCausalLM")):
+        path = edited_model(tmp_path / name, arch, edit)
         with pytest.raises(CheckpointError, match=message):
             Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4))
 

@@ -134,6 +134,18 @@ def test_awq_rtn_and_calibrated_logits_within_bound(model128: Path, calibrated12
 
 
 @pytest.mark.parametrize("method,options,eps", [("awq", {"group_size": 64}, INT4_G64_EPS), ("fp8", {}, FP8_EPS)])
+def test_on_load_quantization_of_fused_projections_is_within_the_bound(
+        method: str, options: dict[str, Any], eps: float, tiny_model_factory: Callable[..., Path],
+        plugins: PluginManager) -> None:
+    """Phi-3's qkv_proj and gate_up_proj are quantized whole (one linear each), within the noise model's bound."""
+    phi3 = tiny_model_factory("phi3", hidden_size=128, intermediate_size=256)
+    ref = prompt_logits(phi3, plugins)
+    predicted = rel(noisy_logits(phi3, plugins, eps), ref)
+    error = rel(prompt_logits(phi3, plugins, quant=method, plugin_options={method: options}), ref)
+    assert 0.8 * predicted < error < 1.2 * predicted, (error, predicted)
+
+
+@pytest.mark.parametrize("method,options,eps", [("awq", {"group_size": 64}, INT4_G64_EPS), ("fp8", {}, FP8_EPS)])
 def test_lm_head_option_quantizes_the_head_within_its_bound(method: str, options: dict[str, Any], eps: float,
                                                             model128: Path, plugins: PluginManager) -> None:
     """awq.lm_head / fp8.lm_head = true: the head's rounding noise joins the layers' in the same noise model, and
@@ -412,12 +424,15 @@ def test_quantize_command_rejects_bad_options(args: list[str], message: str, sta
     assert not (tmp_path / "out").exists()
 
 
-def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Path, tmp_path: Path) -> None:
+def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Path, tmp_path: Path,
+                                           tiny_model_factory: Callable[..., Path]) -> None:
     def fails(args: list[str], message: str) -> None:
         result = CliRunner().invoke(main, ["quantize", *args, "--group-size", "32"])
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
 
     fails([str(calibrated128), str(tmp_path / "a")], "is already quantized (awq)")
+    fails([str(tiny_model_factory("phi3")), str(tmp_path / "p")], "is 'Phi3ForCausalLM'; its q/k/v and gate/up "
+          "projections come fused, whose scales are not folded yet: serve it with --quant awq")
     odd = tmp_path / "odd"
     shutil.copytree(tiny_model, odd)
     config = json.loads((odd / "config.json").read_text())
@@ -468,14 +483,17 @@ def dequantized_copy(quantized: Path, original: Path, dense: Path, group: int) -
 
 
 @pytest.mark.autoawq
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # Phi-3's qkv_proj and gate_up_proj are quantized fused
 def test_autoawq_checkpoint_generates_like_hf_on_its_dequantized_weights(
-        model128: Path, tmp_path: Path, hf_greedy: Callable[[Path, list[int], int], list[int]],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        arch: str, model128: Path, tmp_path: Path, hf_greedy: Callable[[Path, list[int], int], list[int]],
+        tiny_model_factory: Callable[..., Path]) -> None:
     pytest.importorskip("awq", reason="AutoAWQ is not installed (pip install 'infer-engine[awq]')")
     from awq import AutoAWQForCausalLM
 
     from infer import LLM
 
+    if arch != "llama":
+        model128 = tiny_model_factory(arch, hidden_size=128, intermediate_size=256)
     quantized, dense = tmp_path / "autoawq", tmp_path / "dequantized"
     model = AutoAWQForCausalLM.from_pretrained(str(model128))
     calib = seeded_prompts(8, 32, seed=1)  # token ids, none longer than max_calib_seq_len
@@ -492,14 +510,21 @@ def test_autoawq_checkpoint_generates_like_hf_on_its_dequantized_weights(
 
 
 @pytest.mark.compressed_tensors
-@pytest.mark.parametrize(("preset", "kv_cache_scheme"), [("FP8", False), ("FP8_DYNAMIC", False), ("FP8", True)])
-def test_compressed_tensors_checkpoint_greedy_equals_the_library_emulation(preset: str, kv_cache_scheme: bool,
-                                                                           tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("preset", "kv_cache_scheme", "arch"), [
+    ("FP8", False, "llama"), ("FP8_DYNAMIC", False, "llama"), ("FP8", True, "llama"),
+    ("FP8", False, "phi3"), ("FP8_DYNAMIC", False, "phi3"),  # Phi-3's fused projections, one scale (or row) each
+])
+def test_compressed_tensors_checkpoint_greedy_equals_the_library_emulation(
+        preset: str, kv_cache_scheme: bool, arch: str, tiny_model: Path, tmp_path: Path,
+        tiny_model_factory: Callable[..., Path]) -> None:
     """With ``kv_cache_scheme`` the checkpoint also holds the per-layer ``self_attn.k_scale``/``v_scale`` that
     compressed-tensors writes for an fp8 KV cache; infer ignores them (it says so) and loads the rest."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
     from test_quant_compressed_tensors import compress_and_save
     from transformers import AutoModelForCausalLM
+
+    if arch != "llama":
+        tiny_model = tiny_model_factory(arch)
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     compress_and_save(hf, tmp_path, preset)  # hf now runs the library's fake-quantized (emulated) forward
