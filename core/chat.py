@@ -16,6 +16,7 @@ from .errors import ConfigError, InvalidRequestError, require_utf8
 
 MAX_MESSAGES = 4096
 MAX_TOOL_CALLS = 4096  # in all of a chat's messages
+MAX_CONTENT_PARTS = 4096  # text parts, in all of a chat's messages
 
 
 def check_has_chat_template(tokenizer: Any) -> None:
@@ -31,6 +32,13 @@ def check_message_count(count: int) -> None:
     """InvalidRequestError for a chat of more than MAX_MESSAGES messages (the server checks before converting)."""
     if count > MAX_MESSAGES:
         raise InvalidRequestError(f"a chat prompt has at most {MAX_MESSAGES} messages, got {count}")
+
+
+def check_content_part_count(count: int) -> None:
+    """InvalidRequestError for a chat whose messages hold more than MAX_CONTENT_PARTS text parts."""
+    if count > MAX_CONTENT_PARTS:
+        raise InvalidRequestError(f"a chat prompt's messages hold at most {MAX_CONTENT_PARTS} text parts in all, got "
+                                  f"{count}; join the texts into fewer parts")
 
 
 def check_tool_call_count(count: int) -> None:
@@ -119,8 +127,15 @@ class ChatPrompt:
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("continue_final_message continues the last message, and add_generation_prompt "
                                       "opens a new assistant turn after it; set add_generation_prompt=False")
+        check_content_part_count(sum(len(content) for m in messages if isinstance(m, Mapping) and
+                                     isinstance(content := m.get("content"), (list, tuple))))
         checked = tuple(_message(i, m) for i, m in enumerate(messages))
         check_tool_call_count(sum(len(m.tool_calls) for m in checked))
+        check_content_part_count(sum(len(m.content_parts or ()) for m in checked))
+        if continue_final_message and checked[-1].content_parts == ():
+            raise InvalidRequestError(f"continue_final_message continues the last message's text, but message "
+                                      f"{len(checked) - 1} has an empty list of parts; add a text part, or set "
+                                      "continue_final_message=False")
         if continue_final_message and checked[-1].content is None:
             raise InvalidRequestError(f"continue_final_message continues the last message's content, but message "
                                       f"{len(checked) - 1} has none (only tool calls); add content, or set "
@@ -265,11 +280,11 @@ def template_reads(template: str | Mapping[str, str], default: set[str]) -> set[
 
 @functools.lru_cache(maxsize=16)
 def template_loops_over_content(template: str) -> bool:
-    """Whether the template loops over a message's content (``{% for part in message['content'] %}``, directly
-    or through a name set from it): such a template (Llama 4's, Gemma 3's) reads OpenAI's text parts itself, so a
-    content that came as parts goes to it as that list, as HF's apply_chat_template hands it on; any other gets
-    the parts joined by newlines. vLLM's content-format detection reads templates the same way. False for syntax
-    this parser lacks."""
+    """Whether the template loops over a message's content (``{% for part in message['content'] %}``, directly,
+    through a slice or a filter, or through a name set from it or a macro parameter given it): such a template
+    (Llama 4's, Gemma 3's) reads OpenAI's text parts itself, so a content that came as parts goes to it as that
+    list, as HF's apply_chat_template hands it on; any other gets the parts joined by newlines. vLLM's
+    content-format detection reads templates alike. False for syntax this parser lacks."""
     import jinja2
     from jinja2 import nodes
 
@@ -278,15 +293,28 @@ def template_loops_over_content(template: str) -> bool:
     except jinja2.TemplateSyntaxError:
         return False
 
-    def is_content(expr: nodes.Node, names: set[str]) -> bool:  # X['content'], X.content, through filters
-        while isinstance(expr, nodes.Filter) and expr.node is not None:  # | selectattr('type', 'eq', 'text')
+    def is_content(expr: nodes.Node | None, names: set[str]) -> bool:  # X['content'], X.content, X.get('content')
+        while isinstance(expr, nodes.Filter) and expr.node is not None or \
+                isinstance(expr, nodes.Getitem) and isinstance(expr.arg, nodes.Slice):  # | selectattr(...), [1:]
             expr = expr.node
         return (isinstance(expr, nodes.Getitem) and isinstance(expr.arg, nodes.Const) and expr.arg.value == "content"
                 or isinstance(expr, nodes.Getattr) and expr.attr == "content"
+                or isinstance(expr, nodes.Call) and isinstance(expr.node, nodes.Getattr) and expr.node.attr == "get"
+                and bool(expr.args) and isinstance(expr.args[0], nodes.Const) and expr.args[0].value == "content"
                 or isinstance(expr, nodes.Name) and expr.name in names)
 
-    names = {assign.target.name for assign in tree.find_all(nodes.Assign)
-             if isinstance(assign.target, nodes.Name) and is_content(assign.node, set())}
+    macros = {macro.name: [arg.name for arg in macro.args] for macro in tree.find_all(nodes.Macro)}
+    names: set[str] = set()
+    while True:  # names holding a content: set from one, or a macro's parameter that a call gives one
+        found = {assign.target.name for assign in tree.find_all(nodes.Assign)
+                 if isinstance(assign.target, nodes.Name) and is_content(assign.node, names)}
+        for call in tree.find_all(nodes.Call):
+            params = macros.get(call.node.name, []) if isinstance(call.node, nodes.Name) else []
+            found |= {param for param, arg in zip(params, call.args) if is_content(arg, names)}
+            found |= {kw.key for kw in call.kwargs if kw.key in params and is_content(kw.value, names)}
+        if found <= names:
+            break
+        names |= found
     return any(is_content(loop.iter, names) for loop in tree.find_all(nodes.For))
 
 
@@ -373,9 +401,15 @@ def _message(index: int, message: Mapping[str, Any] | ChatMessage) -> ChatMessag
     """One message, as HF normalizes it (keys whose value is None dropped) and as vLLM reads OpenAI's text parts
     (a content list of ``{"type": "text", "text": ...}`` joined by newlines) and tool calls."""
     if isinstance(message, ChatMessage):
-        parts = message.content_parts
+        parts, content = message.content_parts, message.content
         message = {key: getattr(message, key) for key in MESSAGE_KEYS}
         if parts is not None:
+            if not isinstance(parts, tuple) or not all(isinstance(text, str) for text in parts):
+                raise InvalidRequestError(f"chat message {index}: content_parts must be a list of strings, got "
+                                          f"{brief(parts)}")
+            if content is not None and content != "\n".join(parts):
+                raise InvalidRequestError(f"chat message {index} has content and content_parts that differ; give "
+                                          "the parts alone (content is their texts joined by newlines)")
             message["content"] = [{"type": "text", "text": text} for text in parts]
     if not isinstance(message, Mapping):
         raise InvalidRequestError(f"chat message {index} must be a {{'role': ..., 'content': ...}} mapping, got "

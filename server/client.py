@@ -52,8 +52,9 @@ def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: Promp
                 pb.ToolCall(id=call.id or "", name=call.name, arguments=json.dumps(call.arguments))
                 for call in message.tool_calls], tool_call_id=message.tool_call_id or "", name=message.name or "",
                 reasoning_content=message.reasoning_content or "")
-            if message.content_parts:
-                sent.content_parts.extend(message.content_parts)
+            if message.content_parts is not None:
+                sent.content_parts.texts.extend(message.content_parts)
+                sent.content_parts.SetInParent()  # an empty list too
             elif message.content is not None:
                 sent.content = message.content
         request.chat.add_generation_prompt = prompt.add_generation_prompt

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ..core.chat import ChatPrompt, Prompt, check_message_count, check_tool_call_count, parse_template_kwargs
+from ..core.chat import (ChatPrompt, Prompt, check_content_part_count, check_message_count, check_tool_call_count,
+                         parse_template_kwargs)
 from ..core.chat_tools import parse_tool_choice, parse_tools
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
 from ..core.request import CompletionOutput, FinishReason, SamplingParams, StructuredOutput
@@ -39,6 +40,7 @@ def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest) -> Prompt:
         chat = request.chat
         check_message_count(len(chat.messages))  # before any Python work per message, on the event loop
         check_tool_call_count(sum(len(m.tool_calls) for m in chat.messages))
+        check_content_part_count(sum(len(m.content_parts.texts) for m in chat.messages))
         tools = parse_tools(chat.tools, "chat.tools")
         return ChatPrompt.of([_message_of(m) for m in chat.messages],
                              chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
@@ -54,11 +56,11 @@ def _message_of(message: pb.ChatMessage) -> dict[str, Any]:
     calls = [{"id": c.id or None, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
              for c in message.tool_calls]
     content: object = message.content if message.HasField("content") else None if calls else ""
-    if message.content_parts:
+    if message.HasField("content_parts"):
         if message.HasField("content"):
             raise InvalidRequestError("a chat message sets both content and content_parts; send its text in one "
                                       "of them")
-        content = [{"type": "text", "text": text} for text in message.content_parts]
+        content = [{"type": "text", "text": text} for text in message.content_parts.texts]
     return {"role": message.role, "content": content, "tool_calls": calls or None,
             "tool_call_id": message.tool_call_id or None, "name": message.name or None,
             "reasoning_content": message.reasoning_content or None}

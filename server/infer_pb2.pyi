@@ -108,8 +108,14 @@ class ChatMessage(_message.Message):
     tool_call_id: str
     name: str
     reasoning_content: str
-    content_parts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ..., content_parts: _Optional[_Iterable[str]] = ...) -> None: ...
+    content_parts: TextParts
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ..., content_parts: _Optional[_Union[TextParts, _Mapping]] = ...) -> None: ...
+
+class TextParts(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments")

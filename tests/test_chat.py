@@ -120,29 +120,54 @@ def test_a_template_that_loops_over_text_parts_gets_them_as_hf_hands_them_on(
 
 def test_text_parts_travel_over_grpc_as_parts(tiny_model: Path, tmp_path: Path, serve_engine: Any) -> None:
     """The client sends a message's text parts as content_parts, so the server's template gets what LLM.chat's
-    gets; content and content_parts together are INVALID_ARGUMENT."""
+    gets (an empty list too, which a template may print as "[]"); content and content_parts together, and more than
+    4,096 parts, are INVALID_ARGUMENT."""
     import grpc
 
     from infer.server import infer_pb2 as pb
 
     (tmp_path / "parts.jinja").write_text(PARTS)
-    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(tmp_path / "parts.jinja"))
-    parts = [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]
-    prompt = ChatPrompt.of([{"role": "user", "content": parts}])
-    want = llm.engine.tokenize(prompt)
-    assert want != llm.engine.tokenize(ChatPrompt.of([{"role": "user", "content": "a \nb"}]))
+    (tmp_path / "json.jinja").write_text("{% for m in messages %}{{ m['content'] | tojson }}{% for p in m['content'] "
+                                         "%}{% endfor %}{% endfor %}")
+    parts = ChatPrompt.of([{"role": "user", "content": [{"type": "text", "text": t} for t in ("a ", "b")]}])
+    empty = ChatPrompt.of([{"role": "user", "content": []}], add_generation_prompt=False)
+    for template, prompt, joined in (("parts", parts, "a \nb"), ("json", empty, "")):
+        llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32,
+                  chat_template=str(tmp_path / f"{template}.jinja"))
+        want = llm.engine.tokenize(prompt)
+        assert want != llm.engine.tokenize(ChatPrompt.of([{"role": "user", "content": joined}],
+                                                         add_generation_prompt=prompt.add_generation_prompt))
 
-    async def test(client: Any, port: int) -> None:
-        done = await client.complete(prompt, max_tokens=1, prompt_logprobs=0)
-        assert [e.tokens[0].token_id for e in done.prompt_logprobs[1:]] == want[1:]
-        both = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="a",
-                                                                        content_parts=["b"])]))
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await client.stub.Complete(both)
-        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "sets both content and content_parts" in info.value.details()
+        async def test(client: Any, port: int) -> None:
+            done = await client.complete(prompt, max_tokens=1, prompt_logprobs=0)  # noqa: B023 - awaited in the loop
+            assert [e.tokens[0].token_id for e in done.prompt_logprobs[1:]] == want[1:]  # noqa: B023
+            both = pb.ChatMessage(role="user", content="a", content_parts=pb.TextParts(texts=["b"]))
+            many = pb.ChatMessage(role="user", content_parts=pb.TextParts(texts=["x"] * 4097))
+            for message, complaint in ((both, "sets both content and content_parts"),
+                                       (many, "at most 4096 text parts in all, got 4097")):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await client.stub.Complete(pb.GenerateRequest(chat=pb.Chat(messages=[message])))
+                assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and complaint in info.value.details()
 
-    serve_engine(llm.engine, test)
+        serve_engine(llm.engine, test)
+
+
+def test_malformed_text_parts_are_refused_by_name() -> None:
+    """A ChatMessage whose content and parts differ, parts that are not a list of strings, and more than 4,096
+    parts in a chat."""
+    cases = (([ChatMessage("user", "a", content_parts=("b",))], "chat message 0 has content and content_parts that "
+              "differ"),
+             ([ChatMessage("user", None, content_parts="ab")], "content_parts must be a list of strings, got 'ab'"),
+             ([{"role": "user", "content": [{"type": "text", "text": "x"}] * 4097}],
+              "at most 4096 text parts in all, got 4097"),
+             ([{"role": "user", "content": [{"type": "text", "text": "x"}] * 2048}] * 3,
+              "at most 4096 text parts in all, got 6144"),
+             ([{"role": "assistant", "content": []}], "message 0 has an empty list of parts; add a text part"))
+    for messages, complaint in cases:
+        with pytest.raises(InvalidRequestError, match=re.escape(complaint)):
+            ChatPrompt.of(messages, add_generation_prompt=False, continue_final_message=True)
+    same = ChatMessage("user", "a\nb", content_parts=("a", "b"))  # content as the parts would make it: accepted
+    assert ChatPrompt.of([same]).messages[0] == ChatMessage("user", "a\nb", content_parts=("a", "b"))
 
 
 @pytest.mark.parametrize(("template", "loops"), [
@@ -153,6 +178,15 @@ def test_text_parts_travel_over_grpc_as_parts(tiny_model: Path, tmp_path: Path, 
     ("{% for m in messages %}{% for line in m['content'].split('\\n') %}{{ line }}{% endfor %}{% endfor %}", False),
     ("{% for m in messages %}{% set c = m.content %}{% for w in c.split() %}{{ w }}{% endfor %}{% endfor %}", False),
     ("{% for m in messages %}{% for k in m %}{{ k }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{% for p in m['content'][1:] %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% set c = m.get('content') %}{% for p in c %}{{ p.text }}{% endfor %}{% endfor %}",
+     True),  # Kimi-K2's shape
+    ("{% macro text(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}{% for m in messages %}"
+     "{{ text(m.content) }}{% endfor %}", True),  # GLM-4.5's shape: a macro given the content
+    ("{% macro text(x, c=none) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}{% for m in messages %}"
+     "{{ text(1, c=m.content) }}{% endfor %}", True),
+    ("{% macro text(c) %}{{ c }}{% endmacro %}{% for m in messages %}{% for i in range(2) %}{{ text(m.content) }}"
+     "{% endfor %}{% endfor %}", False),
     ("{% if %}", False),
 ])
 def test_which_templates_read_text_parts_themselves(template: str, loops: bool) -> None:
