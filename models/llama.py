@@ -80,6 +80,9 @@ class ArchConfig:
             top = field.get("original_max_position_embeddings", int)
             rope["original_max_position_embeddings"] = top or rope.get("original_max_position_embeddings") \
                 or max_positions
+            if rope.get("rope_type", rope.get("type")) == "yarn" and "factor" in rope and rope["factor"] is None:
+                old = rope["original_max_position_embeddings"]  # HF: DeepSeek-V3's null factor is this ratio
+                rope["factor"] = max_positions / old if isinstance(old, (int, float)) and old > 0 else None
         check_rope(rope, arch)
         eos = field.get("eos_token_id", (int, list))
         # HF's default window (4096) applies where the key is absent; null means none
@@ -188,6 +191,7 @@ ROPE_FIELDS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",)}
 OPTIONAL_ROPE_FIELDS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
+ZERO_IS_DEFAULT = frozenset({"beta_fast", "beta_slow", "mscale", "mscale_all_dim"})  # HF reads `value or default`
 
 
 def check_rope(rope: dict[str, Any], arch: str) -> None:
@@ -198,11 +202,13 @@ def check_rope(rope: dict[str, Any], arch: str) -> None:
                               f"{', '.join(ROPE_FIELDS)}")
     optional = [key for key in OPTIONAL_ROPE_FIELDS.get(kind, ()) if rope.get(key) is not None]
     for key in ("rope_theta", *ROPE_FIELDS[kind], *optional):
-        value = rope.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise CheckpointError(f"rope {kind!r} in config.json of this {arch} needs {key} as a positive number, "
-                                  f"got {value!r}; fix rope_parameters (or rope_scaling) in config.json")
-    if kind == "yarn" and not isinstance(rope.get("truncate", True), bool):
+        value, zero = rope.get(key), key in ZERO_IS_DEFAULT
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 < value < math.inf or zero and value == 0):
+            raise CheckpointError(f"rope {kind!r} in config.json of this {arch} needs {key} as "
+                                  f"{'a number >= 0' if zero else 'a positive number'}, got {value!r}; fix "
+                                  "rope_parameters (or rope_scaling) in config.json")
+    if kind == "yarn" and not isinstance(rope.get("truncate", True), (bool, type(None))):
         raise CheckpointError(f"rope 'yarn' in config.json of this {arch} needs truncate as true or false, got "
                               f"{rope['truncate']!r}; fix rope_parameters (or rope_scaling) in config.json")
 

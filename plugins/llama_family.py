@@ -24,7 +24,6 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
     from ..models.llama import ArchConfig, LlamaFamilyModel
 
     arch = ArchConfig.from_hf(hf_config)
-    max_len = config.max_model_len or arch.max_position_embeddings
     # linear RoPE scaling stretches the trained positions by its factor (e.g. a 4k model run at 16k), YaRN the
     # original context (vLLM's rule: Qwen2.5's 32k max_position_embeddings at factor 4 is 128k); llama3-type
     # configs already state the extended length; dynamic NTK runs within max_position_embeddings, where HF keeps
@@ -35,6 +34,7 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         limit = int(limit * float(arch.rope["factor"]))
     elif scaling == "yarn":
         limit = int(float(arch.rope["original_max_position_embeddings"]) * float(arch.rope["factor"]))
+    max_len = config.max_model_len or limit  # the scaled context by default, as vLLM derives it
     if max_len > limit:
         dynamic = "; past it, HF's dynamic NTK scaling changes the RoPE frequencies with each sequence's length, " \
             "which infer does not follow" if scaling == "dynamic" else ""

@@ -272,6 +272,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ("llama", {**YARN, "attention_factor": 1.5, "original_max_position_embeddings": 8},  # the top-level one wins
      {"original_max_position_embeddings": 16}),
     ("mistral", {k: v for k, v in YARN.items() if k != "original_max_position_embeddings"}, {}),  # the context's
+    ("qwen2", {**YARN, "factor": None}, {}),  # DeepSeek-V3's: max_position_embeddings / original
+    ("qwen3", {**YARN, "beta_fast": 0, "mscale": 0, "mscale_all_dim": 1.0, "truncate": None}, {}),  # HF: defaults
 ])
 def test_yarn_rope_logits_and_tokens_are_hfs_past_the_original_context(tmp_path, hf_greedy, arch, rope, top):
     """YaRN frequencies and its cos/sin scale against HF's (60 positions, past most cases' original context): the
@@ -279,7 +281,7 @@ def test_yarn_rope_logits_and_tokens_are_hfs_past_the_original_context(tmp_path,
     from transformers import AutoModelForCausalLM
 
     path = edited_model(tmp_path / "m", arch, lambda c: c.update(rope_scaling=rope, **top), max_position_embeddings=64)
-    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, max_model_len=64))
     prompt = prompts(engine.loaded.model.spec.vocab_size, [60])[0]
     engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
@@ -320,17 +322,23 @@ def test_dynamic_ntk_rope_runs_as_hf_within_max_position_embeddings_and_no_furth
 
 
 def test_yarn_extends_the_context_to_the_original_times_its_factor(tmp_path):
-    """vLLM's rule: Qwen2.5's max_position_embeddings 32768 with YaRN factor 4 (original 32768) serves 131072."""
+    """vLLM's rule: Qwen2.5's max_position_embeddings 32768 with YaRN factor 4 (original 32768) serves 131072, by
+    default too; a product below max_position_embeddings is the context as well."""
     from infer.core.errors import CheckpointError, ConfigError
 
     yarn = {**YARN, "original_max_position_embeddings": 32}
     path = edited_model(tmp_path / "m", "qwen2", lambda c: c.update(rope_scaling=yarn), max_position_embeddings=32)
-    assert Engine(EngineConfig(model=str(path), device="cpu", max_model_len=128, num_kv_blocks=16)).max_model_len == 128
+    assert Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16)).max_model_len == 128
+    short = edited_model(tmp_path / "s", "qwen2", lambda c: c.update(rope_scaling={**yarn, "factor": 1.0}),
+                         max_position_embeddings=40)
+    assert Engine(EngineConfig(model=str(short), device="cpu", num_kv_blocks=16)).max_model_len == 32
     with pytest.raises(ConfigError, match=r"exceeds the 128 positions the model supports \(max_position_embeddings "
                                           r"32, rope yarn\)"):
         Engine(EngineConfig(model=str(path), device="cpu", max_model_len=129, num_kv_blocks=16))
-    for bad, complaint in (({"beta_fast": "32"}, "needs beta_fast as a positive number, got '32'"),
-                           ({"factor": None}, "needs factor as a positive number, got None"),
+    for bad, complaint in (({"beta_fast": "32"}, "needs beta_fast as a number >= 0, got '32'"),
+                           ({"factor": 0}, "needs factor as a positive number, got 0"),
+                           ({"attention_factor": 0}, "needs attention_factor as a positive number, got 0"),
+                           ({"mscale": -1}, "needs mscale as a number >= 0, got -1"),
                            ({"truncate": "no"}, "needs truncate as true or false, got 'no'")):
         broken = edited_model(tmp_path / "bad", "qwen2", lambda c: c.update(rope_scaling={**YARN, **bad}))
         with pytest.raises(CheckpointError, match=re.escape(complaint)):
