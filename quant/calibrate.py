@@ -12,6 +12,9 @@ o          attention output                v_proj's output rows (and bias); with
 down       silu(gate) * up                 up_proj's output rows
 =========  ==============================  =================================================================
 
+Phi-3's checkpoints hold q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``: its groups are those linears
+whole, and ``1 / s`` of o and down goes into their last rows (v's and up's), as AutoAWQ folds them.
+
 The search: ``stat`` is the mean |x| per input channel over all calibration tokens; for alpha on the grid
 0, 1/grid, ..., 1, ``s = stat^alpha`` normalised by ``sqrt(max(s) * min(s))``, and the error is the mean squared
 difference between ``x @ W.T`` and ``x @ (RTN(W * s) / s).T`` on a subset of the calibration activations. alpha 0
@@ -94,13 +97,23 @@ class LinearGroup:
     prev: str
 
 
-CALIBRATED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 GROUPS = (
     LinearGroup("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
     LinearGroup("o", ("self_attn.o_proj",), "self_attn.v_proj"),
     LinearGroup("gate_up", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
     LinearGroup("down", ("mlp.down_proj",), "mlp.up_proj"),
 )
+FUSED_GROUPS = (  # Phi-3: o's and down's 1 / s goes into the last rows of qkv_proj (v) and gate_up_proj (up)
+    LinearGroup("qkv", ("self_attn.qkv_proj",), "input_layernorm"),
+    LinearGroup("o", ("self_attn.o_proj",), "self_attn.qkv_proj"),
+    LinearGroup("gate_up", ("mlp.gate_up_proj",), "post_attention_layernorm"),
+    LinearGroup("down", ("mlp.down_proj",), "mlp.gate_up_proj"),
+)
+
+
+def groups_of(layer: nn.Module) -> tuple[LinearGroup, ...]:
+    """The scale groups of a decoder layer: its checkpoint's own linears."""
+    return FUSED_GROUPS if layer.self_attn.qkv_proj is not None else GROUPS
 
 
 @dataclass
@@ -143,6 +156,8 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
     Raises ConfigError/CheckpointError."""
     from ..core.loader import architectures, quantization_config, read_config, safetensors_files
     from ..models.llama import ArchConfig
+    from ..plugins.llama_family import ARCHITECTURES
+
     config.validate()
     if not model_dir.is_dir():
         raise CheckpointError(f"MODEL {str(model_dir)!r} does not exist or is not a folder; give the local HF "
@@ -153,11 +168,8 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
         raise CheckpointError(f"{str(model_dir)!r} is already quantized ({declared.get('quant_method', '?')}); "
                               "`infer quantize` needs the unquantized checkpoint it came from")
     arch = (architectures(raw) or ["(none)"])[0]
-    if arch not in CALIBRATED_ARCHITECTURES:
-        fused = "; its q/k/v and gate/up projections come fused, whose scales are not folded yet: serve it with " \
-            "--quant awq (round-to-nearest on load) or an AutoAWQ checkpoint" if arch == "Phi3ForCausalLM" else ""
-        raise CheckpointError(f"infer quantize supports {', '.join(CALIBRATED_ARCHITECTURES)}; {str(model_dir)!r} is "
-                              f"{arch!r}{fused}")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"infer quantize supports {', '.join(ARCHITECTURES)}; {str(model_dir)!r} is {arch!r}")
     safetensors_files(model_dir)
     cfg = ArchConfig.from_hf(raw)
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -166,6 +178,9 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
               "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
               "up_proj": (cfg.hidden_size, cfg.intermediate_size),
               "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    if cfg.fused_projections:  # Phi-3's checkpoint linears
+        shapes = {"qkv_proj": (cfg.hidden_size, q_size + 2 * kv_size), "o_proj": shapes["o_proj"],
+                  "gate_up_proj": (cfg.hidden_size, 2 * cfg.intermediate_size), "down_proj": shapes["down_proj"]}
     if config.group_size is None:  # one group size per checkpoint: the smallest of the layers' own choices
         config = replace(config, group_size=min(auto_group_size(i) for i, _ in shapes.values()))
     for name, (in_features, out_features) in shapes.items():
@@ -222,7 +237,8 @@ def search_scale(x: torch.Tensor, stat: torch.Tensor, weights: list[torch.Tensor
 
 
 def _fold(layer: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
-    """Multiply the group's weight columns by ``s`` and divide the previous op's output by ``s`` (exact)."""
+    """Multiply the group's weight columns by ``s`` and divide the previous op's output by ``s`` (exact): a
+    linear's last rows, all of v_proj's or up_proj's, v's of qkv_proj or up's of gate_up_proj."""
     prev = layer.get_submodule(group.prev)
     with torch.no_grad():
         for path in group.linears:
@@ -232,12 +248,13 @@ def _fold(layer: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
             prev.weight.div_(s.to(prev.weight.dtype))
             return
         rows = s
-        if rows.numel() != prev.weight.shape[0]:  # o_proj under GQA: s repeats per q head; v has one row per KV head
+        if group.name == "o":  # under GQA, s repeats per q head; v has one row per KV head
             attn = layer.self_attn
             rows = s.view(attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim)[:, 0].reshape(-1)
-        prev.weight.div_(rows.to(prev.weight.dtype)[:, None])
+        n = rows.numel()
+        prev.weight[-n:].div_(rows.to(prev.weight.dtype)[:, None])
         if getattr(prev, "bias", None) is not None:
-            prev.bias.div_(rows.to(prev.bias.dtype))
+            prev.bias[-n:].div_(rows.to(prev.bias.dtype))
 
 
 # ---------------------------------------------------------------- the whole run
@@ -245,12 +262,12 @@ def _collect(model: Any, samples: list[list[int]], device: torch.device, config:
              progress: ProgressFn) -> list[dict[str, GroupStats]]:
     """Run the calibration samples through the model, recording each group's input statistics and row subset."""
     layers = model.model.layers
-    stats: list[dict[str, GroupStats]] = [{g.name: GroupStats() for g in GROUPS} for _ in layers]
+    stats: list[dict[str, GroupStats]] = [{g.name: GroupStats() for g in groups_of(layer)} for layer in layers]
     total_tokens = sum(len(s) for s in samples)
     stride = max(1, -(-total_tokens // config.max_rows))
     handles = []
     for i, layer in enumerate(layers):
-        for g in GROUPS:
+        for g in groups_of(layer):
             def hook(module: nn.Module, args: tuple[torch.Tensor, ...], record: GroupStats = stats[i][g.name]) -> None:
                 record.add(args[0], stride)
 
@@ -269,7 +286,7 @@ def _collect(model: Any, samples: list[list[int]], device: torch.device, config:
 
 def _quantized_layer_tensors(layer: nn.Module, prefix: str, group_size: int) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    for g in GROUPS:
+    for g in groups_of(layer):
         for path in g.linears:
             linear = layer.get_submodule(path)
             qweight, qzeros, scales = awq.quantize_rtn(linear.weight.data, group_size)
@@ -333,7 +350,7 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
         report_progress("scale search", i, len(layers))
         attn = layer.self_attn
         searches = {}
-        for g in GROUPS:
+        for g in groups_of(layer):
             record = stats[i][g.name]
             x = torch.cat(record.rows).to(loaded.device)
             stat = record.abs_sum / record.count
@@ -342,7 +359,7 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
             searches[g.name] = search_scale(x, stat, weights, config.group_size, config.grid, share)
             found = searches[g.name]
             reports.append(GroupReport(i, g.name, found.alpha, found.error, found.rtn_error))
-        for g in GROUPS:
+        for g in groups_of(layer):
             _fold(layer, g, searches[g.name].scales)
         tensors.update(_quantized_layer_tensors(layer, f"model.layers.{i}", config.group_size))
         stats[i] = {}  # free the rows

@@ -49,7 +49,7 @@ from infer.core.request import SamplingParams  # noqa: E402
 from infer.models.layers import Linear  # noqa: E402
 from infer.plugins.torch_attention import TorchAttention  # noqa: E402
 from infer.quant.calib_data import default_texts  # noqa: E402
-from infer.quant.calibrate import GROUPS, AwqCalibrationConfig, _fold, calibrate_awq  # noqa: E402
+from infer.quant.calibrate import AwqCalibrationConfig, _fold, calibrate_awq, groups_of  # noqa: E402
 from infer.quant.forward import dense_forward  # noqa: E402
 from infer.quant.kv_cache import FP8_KV_DTYPE, calibrate_kv_scales, calibration_ids  # noqa: E402
 
@@ -388,8 +388,28 @@ def test_calibrated_checkpoint_generates_like_hf_on_its_dequantized_weights(
         assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(dense, prompt, GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])  # GQA (o_proj scales shared per KV head); v_proj bias
-def test_scale_folding_leaves_the_model_unchanged(name: str, checkpoint: Callable[[str], Path],
+@pytest.mark.autoawq
+def test_phi3_calibrates_its_fused_projections_whole(tiny_model_factory: Callable[..., Path], tmp_path: Path,
+                                                     plugins: PluginManager,
+                                                     hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """Phi-3's qkv_proj and gate_up_proj are written whole (AutoAWQ's names); AutoAWQ's dequantization of them is the
+    model HF runs, infer's greedy tokens are HF's there, and the logits keep within the int4 noise model's bound."""
+    phi3 = tiny_model_factory("phi3", hidden_size=128, intermediate_size=256)
+    calibrate_awq(phi3, tmp_path / "awq", CALIB, plugins=plugins)
+    state = load_file(str(tmp_path / "awq" / "model.safetensors"))
+    assert state["model.layers.0.self_attn.qkv_proj.qweight"].shape == (128, 256 // 8)
+    assert state["model.layers.0.mlp.gate_up_proj.qweight"].shape == (128, 512 // 8)
+    dense = dequantized_copy(tmp_path / "awq", phi3, tmp_path / "dequantized", group=64)
+    engine = Engine(EngineConfig(model=str(tmp_path / "awq"), device="cpu", num_kv_blocks=32))
+    for prompt in seeded_prompts(2, 10, seed=6):
+        assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(dense, prompt, GREEDY.max_tokens)
+    ref = prompt_logits(phi3, plugins)
+    predicted = rel(noisy_logits(phi3, plugins, INT4_G64_EPS), ref)
+    assert 0 < rel(prompt_logits(tmp_path / "awq", plugins), ref) < 1.2 * predicted
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3"])  # GQA (o_proj scales shared per KV head); v_proj
+def test_scale_folding_leaves_the_model_unchanged(name: str, checkpoint: Callable[[str], Path],  # bias; fused
                                                   plugins: PluginManager) -> None:
     path = checkpoint(name)
     loaded = load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path)
@@ -397,7 +417,7 @@ def test_scale_folding_leaves_the_model_unchanged(name: str, checkpoint: Callabl
     before = model.compute_logits(dense_forward(model, PROMPTS[:2], loaded.device))
     for layer in model.model.layers:
         attn = layer.self_attn
-        for group in GROUPS:
+        for group in groups_of(layer):
             width = layer.get_submodule(group.linears[0]).in_features
             s = torch.rand(width, generator=g) * 3 + 0.2
             if group.name == "o":  # one scale per (KV head, channel), repeated over the q heads it serves
@@ -424,15 +444,18 @@ def test_quantize_command_rejects_bad_options(args: list[str], message: str, sta
     assert not (tmp_path / "out").exists()
 
 
-def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Path, tmp_path: Path,
-                                           tiny_model_factory: Callable[..., Path]) -> None:
+def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Path, tmp_path: Path) -> None:
     def fails(args: list[str], message: str) -> None:
         result = CliRunner().invoke(main, ["quantize", *args, "--group-size", "32"])
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
 
     fails([str(calibrated128), str(tmp_path / "a")], "is already quantized (awq)")
-    fails([str(tiny_model_factory("phi3")), str(tmp_path / "p")], "is 'Phi3ForCausalLM'; its q/k/v and gate/up "
-          "projections come fused, whose scales are not folded yet: serve it with --quant awq")
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()),
+                                                   "architectures": ["GPT2LMHeadModel"]}))
+    fails([str(other), str(tmp_path / "p")], "infer quantize supports LlamaForCausalLM, MistralForCausalLM, "
+          "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM; ")
     odd = tmp_path / "odd"
     shutil.copytree(tiny_model, odd)
     config = json.loads((odd / "config.json").read_text())
