@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 
+import numpy
 import pytest
 from click.testing import CliRunner, Result
 
@@ -156,6 +157,9 @@ def test_metrics_of_one_run():
     assert metrics["prefix_hit_rate"] is None and metrics["preemptions"] is None  # no engine counters: n/a
     assert metrics["engine_steps"] is None
     assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
+    values = [0.5, 9.0, 1.0, 4.0, 2.5, 7.0, 3.0]  # numpy's default (linear) method, which docs/cli.md names
+    assert [percentile(values, q) for q in (0, 50, 90, 99, 100)] == pytest.approx(
+        [float(numpy.percentile(values, q)) for q in (0, 50, 90, 99, 100)], abs=1e-12)
     rates = [run_metrics(RunResult("A", 0, 0.5, reqs, engine=EngineCounters(10, 1, 0, 0, 0, 0, proposed, accepted,
                                                                             speculative)))["acceptance_rate"]
              for proposed, accepted, speculative in ((8, 6, True), (0, 0, True), (0, 0, False))]
