@@ -13,8 +13,9 @@ class HeldInterrupts:
     that was in place (Python's default raises KeyboardInterrupt).
 
     Only the main thread receives signals, and only a Python-level handler is held back (SIGINT ignored, or left
-    to the OS, stays so). A second Ctrl-C in the same call is handed on at once, so a step that hangs can still be
-    stopped (the engine may then be inconsistent). Nested entries hold nothing more. Its cost is two
+    to the OS, stays so). A held Ctrl-C lands when the call ends, also when it raised (that error is then the
+    KeyboardInterrupt's ``__context__``). A second Ctrl-C in the same call is handed on at once, so a step that hangs
+    can still be stopped (the engine may then be inconsistent). Nested entries hold nothing more. Its cost is two
     ``signal.signal`` calls per call into the engine (microseconds: the handler installed and put back).
     """
 
@@ -48,5 +49,6 @@ class HeldInterrupts:
             return
         previous, frame, self.previous, self.received = self.previous, self.received, None, False
         signal.signal(signal.SIGINT, previous)
-        if frame is not False and kind is None:  # the call ended normally: the Ctrl-C it held lands now
-            previous(signal.SIGINT, frame)
+        if frame is not False and not (kind is not None and issubclass(kind, KeyboardInterrupt)):
+            previous(signal.SIGINT, frame)  # the Ctrl-C it held lands now; a call that raised has the error as the
+            # KeyboardInterrupt's __context__ (a caller that caught the error would have lost the Ctrl-C)

@@ -27,6 +27,20 @@ def test_a_held_sigint_reaches_the_previous_handler_at_the_end_and_a_second_one_
         signal.signal(signal.SIGINT, previous)
 
 
+def test_a_ctrl_c_held_through_a_call_that_raised_still_lands():
+    """The call's error becomes the KeyboardInterrupt's context: a caller that catches InvalidRequestError (a
+    server loop, say) would otherwise have swallowed the user's Ctrl-C with it."""
+    import pytest
+
+    held = HeldInterrupts()
+    with pytest.raises(KeyboardInterrupt) as info:
+        with held:
+            signal.raise_signal(signal.SIGINT)
+            raise ValueError("the call's own error")
+    assert isinstance(info.value.__context__, ValueError)
+    assert signal.getsignal(signal.SIGINT) != held.handler
+
+
 def test_nothing_is_held_off_the_main_thread_or_when_sigint_is_ignored():
     held, seen = HeldInterrupts(), []
 
