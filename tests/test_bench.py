@@ -504,7 +504,7 @@ def test_multi_turn_ab_with_the_hf_baseline(tiny_model, tmp_path):
 
     data = json.loads((out / "results.json").read_text(), parse_constant=refuse)  # strict JSON
     assert data["workload"]["rate"] == "inf"  # the default --rate
-    assert data["order"] == ["A", "B", "C"] and data["repeats"] == 2
+    assert data["order"] == ["A", "B", "C"] and data["repeats"] == 2 and data["rounds_completed"] == 2
     assert data["round_orders"] == [["A", "B", "C"], ["B", "C", "A"]]
     arms = {arm["key"]: arm for arm in data["arms"]}
     assert [len(arm["runs"]) for arm in arms.values()] == [2, 2, 2]

@@ -166,6 +166,10 @@ def test_malformed_text_parts_are_refused_by_name() -> None:
     for messages, complaint in cases:
         with pytest.raises(InvalidRequestError, match=re.escape(complaint)):
             ChatPrompt.of(messages, add_generation_prompt=False, continue_final_message=True)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": "x" * 100_000}]}]
+    with pytest.raises(InvalidRequestError, match="images and other parts are not supported") as info:
+        ChatPrompt.of(image)
+    assert len(str(info.value)) < 400  # the refusal shows 80 characters of each string, not the 100,000
     same = ChatMessage("user", "a\nb", content_parts=("a", "b"))  # content as the parts would make it: accepted
     assert ChatPrompt.of([same]).messages[0] == ChatMessage("user", "a\nb", content_parts=("a", "b"))
 

@@ -739,16 +739,20 @@ def test_a_second_thread_is_refused_while_one_steps(tiny_model, monkeypatch):
         release.wait(10)
         return execute(*args, **kwargs)
 
+    from infer.core.beam_search import BeamSearchParams
+
+    search = e.start_beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=20))
     monkeypatch.setattr(e.runner, "execute", blocking_execute)
     worker = threading.Thread(target=lambda: results.append(e.generate([[5, 6, 7]], sampling)))
     worker.start()
     assert inside.wait(10)
     for call in (lambda: e.add_request([5, 6], sampling), e.step, lambda: e.abort("x"),
-                 lambda: e.generate([[5, 6]], sampling)):
+                 lambda: e.generate([[5, 6]], sampling), lambda: e.abort_beam_search(search)):
         with pytest.raises(RuntimeError, match="this Engine is in use by another thread, and it is not thread-safe"):
             call()
     release.set()
     worker.join(10)
+    e.abort_beam_search(search)  # from this thread once the other is out
     assert results[0][0].outputs[0].token_ids == e.generate([[5, 6, 7]], sampling)[0].outputs[0].token_ids
     assert not e.requests and e.kv.stats().used_blocks == 0
 

@@ -294,6 +294,29 @@ def test_integer_biases_equal_float_ones(engine: Engine) -> None:
     assert tokens(engine, logit_bias={forced: 100})[0] == forced
 
 
+@pytest.mark.parametrize("min_tokens", [1, 3])
+def test_a_stop_string_that_starts_inside_the_min_tokens_text_and_ends_after_it_stops(engine: Engine,
+                                                                                      min_tokens: int) -> None:
+    """The stop string is the last character of the first min_tokens tokens' text and the first of the next
+    token's: it ends past them, so it counts. The reference reads every occurrence in each greedy prefix's text and
+    takes the first that ends past that text."""
+    free = tokens(engine)
+    texts = [engine.tokenizer.decode(free[:k]) for k in range(len(free) + 1)]
+    floor = len(texts[min_tokens])
+    assert floor and len(texts[min_tokens + 1]) > floor, "choose a prompt whose early tokens have text"
+    stop = texts[min_tokens + 1][floor - 1: floor + 1]
+
+    def first_counted(text: str) -> int | None:  # where the first occurrence ending past `floor` starts
+        starts = [j for j in range(len(text) - len(stop) + 1) if text.startswith(stop, j) and j + len(stop) > floor]
+        return starts[0] if starts else None
+
+    k = next(k for k in range(1, len(free) + 1) if first_counted(texts[k]) is not None)
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, stop=[stop],
+                                                   min_tokens=min_tokens))[0].outputs[0]
+    assert out.token_ids == free[:k] and out.finish_reason is FinishReason.STOP
+    assert out.text == texts[k][: first_counted(texts[k])]
+
+
 @pytest.mark.parametrize("min_tokens", [0, 2, 5])
 def test_a_stop_string_ends_the_output_only_after_min_tokens(engine: Engine, min_tokens: int) -> None:
     """As in vLLM (its detokenizer checks stop strings once more than min_tokens tokens are out): a stop string

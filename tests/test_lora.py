@@ -311,6 +311,10 @@ BAD_ADAPTERS = {
     "shape": ({}, lambda w: {n: t[:, :-1].contiguous() if "q_proj.lora_A" in n else t for n, t in w.items()},
               "was the adapter trained on this base model"),
     "bdlora": ({"use_bdlora": {"target_modules_bd_a": ["o_proj"], "nblocks": 2}}, None, "block-diagonal LoRA"),
+    "kasa": ({"kasa_config": {"rank": 4}}, None, r"KaSA adapters \(kasa_config\), which also change the base"),
+    "monteclora": ({"monteclora_config": {"n_experts": 2}}, None, r"MonteCLoRA adapters \(monteclora_config\)"),
+    "arrow": ({"arrow_config": {"top_k": 2}}, None, r"Arrow-routed adapters \(arrow_config\)"),
+    "velora": ({"velora_config": {"rank": 4}}, None, r"VeLoRA adapters \(velora_config\)"),
     "nan-alpha": ({"lora_alpha": float("nan")}, None, "lora_alpha = nan; it must be a finite number"),  # json: NaN
     "negative-alpha": ({"lora_alpha": -1e42}, None, r"holds values up to .*e\+\d+ \(lora_B scaled by -.*\), beyond"),
     "nan": ({}, lambda w: {n: t.index_fill(0, torch.tensor([0]), float("nan")) if "v_proj.lora_B" in n else t

@@ -384,6 +384,8 @@ def hf_window(path) -> int | None:
      {}),
     ("qwen3", lambda c: (c.update(use_sliding_window=True, max_window_layers=0, layer_types=None),  # HF's 4096
                          c.pop("sliding_window", None)), {"max_position_embeddings": 8192}),
+    ("qwen2", lambda c: (c.update(use_sliding_window=True, max_window_layers=0, layer_types=None),  # HF's 4096
+                         c.pop("sliding_window", None)), {"max_position_embeddings": 8192}),
     ("phi3", lambda c: c.update(sliding_window=48), {}),  # Phi-3 slides where config.json gives a window
     ("phi3", lambda c: c.pop("sliding_window", None), {}),  # and not by default
 ])
@@ -454,7 +456,10 @@ def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):
              "has partial_rotary_factor 0.75; infer's rotary embedding turns whole heads"),
             ("d", "phi3", lambda c: c.update(rope_scaling={"type": "su", "short_factor": [1.0] * 8,
                                                            "long_factor": [2.0] * 8}),
-             "unsupported rope_type 'longrope' in config.json of this Phi3ForCausalLM")):
+             "unsupported rope_type 'longrope' in config.json of this Phi3ForCausalLM"),
+            ("e", "llama", lambda c: c.update(rms_norm_eps=float("inf")), "rms_norm_eps = inf; it must be a finite"),
+            ("f", "llama", lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps = nan; it must be a finite"),
+            ("g", "llama", lambda c: c.update(hidden_act=""), "has hidden_act ''; infer's MLP computes silu")):
         path = edited_model(tmp_path / name, arch, edit)
         with pytest.raises(CheckpointError, match=message):
             Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4))
@@ -462,8 +467,11 @@ def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):
 
 def test_an_architecture_that_model_type_contradicts_is_named(tmp_path, caplog):
     """transformers' AutoModelForCausalLM builds model_type's class, infer (like vLLM) architectures': say so."""
-    path = edited_model(tmp_path / "m", "mistral", lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    path = edited_model(tmp_path / "m", "mistral", lambda c: c.update(architectures=["LlamaForCausalLM"],
+                                                                     sliding_window=48))
     with caplog.at_level("WARNING", logger="infer"):
-        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4))
+        engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4))
     assert "names the architecture LlamaForCausalLM but model_type 'mistral'" in caplog.text
+    cfg = engine.loaded.model.cfg  # the Llama it names is built: it never slides, where Mistral would
+    assert cfg.architecture == "LlamaForCausalLM" and cfg.sliding_window is None
     assert "builds as MistralForCausalLM" in caplog.text

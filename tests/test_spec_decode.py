@@ -14,7 +14,7 @@ from infer.core.errors import CheckpointError, ConfigError
 from infer.core.hookspecs import hookimpl
 from infer.core.metrics import StepStats
 from infer.core.plugins import PluginManager
-from infer.core.request import SamplingParams
+from infer.core.request import FinishReason, SamplingParams
 from infer.models.tiny import PRETRAINED_DIR
 
 TARGET, DRAFT = PRETRAINED_DIR / "target", PRETRAINED_DIR / "draft"
@@ -112,6 +112,26 @@ def test_logprobs_and_stop_tokens_under_speculation():
                                                               stop_token_ids=[stop], stop=strings))
         assert stopped[0].outputs[0].token_ids == plain.token_ids[: first + 1]
         assert stopped[0].outputs[0].text == shown
+
+
+def test_min_tokens_holds_stop_strings_back_under_speculation_as_without(min_tokens: int = 5) -> None:
+    """Several tokens accepted at once are detokenized one by one: a stop string ending in the first min_tokens
+    tokens' text does not stop the output there, one ending in the next token's does, with or without drafts (stop
+    strings from the early text, which the code-like output writes again later; drafts start at min_tokens)."""
+    plain_engine, drafted = engine(), engine(proposer="draft-model", num_speculative_tokens=4)  # drafts from token 2
+    free = plain_engine.generate([PROMPTS[1]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    early = plain_engine.tokenizer.decode(free[0].outputs[0].token_ids[:min_tokens + 2])  # and the 2 tokens after
+    stops = sorted({early[i:i + n] for n in (1, 2) for i in range(len(early) - n + 1)})
+    assert stops, "the first tokens have no text to choose stop strings from"
+    drafted_stops = 0
+    for stop in stops:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+        want = plain_engine.generate([PROMPTS[1]], params)[0].outputs[0]
+        got = drafted.generate([PROMPTS[1]], params)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), stop
+        drafted_stops += want.finish_reason is FinishReason.STOP and len(want.token_ids) > min_tokens
+    assert drafted_stops, "no stop string ended an output past min_tokens: choose other stop strings"
+    assert drafted.stats.spec_accepted > 0  # drafts were accepted: tokens came several per step
 
 
 def test_configuration_errors_are_clear(tmp_path):

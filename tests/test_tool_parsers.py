@@ -143,6 +143,18 @@ def test_mistral_reads_both_of_mistral_commons_encodings(text: str, content: str
     assert [a or b for a, b in own] == [call.id for call in reply.tool_calls][: len(own)]
 
 
+@pytest.mark.parametrize("own", ["a1b2c3d4e5", "abc_12345", "\u03b1\u03b2\u03b3\u03b4\u03b5\u03b6\u03b7\u03b8\u03b9"])
+def test_a_mistral_call_id_of_another_shape_is_replaced(own: str) -> None:
+    """Ten characters, an underscore, non-ASCII letters: not Mistral's 9 ASCII letters and digits, so the call gets a
+    new id (its template would refuse the model's own); an id with space around it is the model's own."""
+    parser = MistralToolParser()
+    for text in (f"[TOOL_CALLS]f[CALL_ID]{own}[ARGS]{{}}",
+                 f'[TOOL_CALLS][{{"name": "f", "arguments": {{}}, "id": "{own}"}}]'):
+        ids = [call.id for call in parser.parse(text, []).tool_calls]
+        assert len(ids) == 1 and ids[0] != own and re.fullmatch("[A-Za-z0-9]{9}", ids[0], re.ASCII), (text, ids)
+    assert parser.parse("[TOOL_CALLS]f[CALL_ID] a1b2c3d4e [ARGS]{}", []).tool_calls[0].id == "a1b2c3d4e"
+
+
 def test_mistral_call_ids_fit_the_next_turn_of_mistrals_template(tmp_path: Path) -> None:
     """infer's own ids (call_ and 24 hex digits) made Mistral v0.3's template refuse the tool loop's next turn
     ("Tool call IDs should be alphanumeric strings with length 9!"): the ids a reply gets must render."""
