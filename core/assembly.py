@@ -14,6 +14,7 @@ from .errors import ConfigError, PluginError
 from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Proposer, ReasoningParser, Scheduler,
                          ToolParser)
 from .loader import LoadedModel, load_model
+from .model import fit_sliding_window
 from .lora import start_lora_adapters
 from .plugins import PluginManager
 from .runner import ModelRunner
@@ -82,6 +83,7 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
     if config.cpu_threads is not None and loaded.device.type == "cpu":
         torch.set_num_threads(config.cpu_threads)  # process-wide: torch has one intra-op pool
     config.attention, attention = make_attention(config, plugins, loaded)  # resolved: a draft runs on it too
+    fit_sliding_window(loaded.model, attention, config.max_model_len)
     kv_dtype, kv_scales = kv_cache_format(config, loaded)
     proposer = make_proposer(config, plugins, loaded)  # before the KV pool is sized: a draft model takes memory too
     lora = start_lora_adapters(config, loaded)  # likewise

@@ -382,6 +382,10 @@ class AttentionBackend(ABC):
     # e.g. 0, since a layer may reduce over rows). Then prefill and mixed steps are captured too
     # (``--cuda-graph-max-tokens``).
     supports_mixed_cuda_graphs: bool = False
+    # True when forward takes ``window=W`` (an int, only where W < meta.max_context_len): each query token attends
+    # to the keys of the last W positions up to its own, itself included (HF's sliding window). A model that slides
+    # runs on a backend without it with its context cut to the window.
+    supports_sliding_window: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> Any:
         """Once per step, before any layer: precompute what every layer shares (indices, masks, splits)."""
@@ -404,10 +408,18 @@ class AttentionBackend(ABC):
         """
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """What a model calls: :meth:`forward`, with its output checked against the contract (a tensor of q's
-        shape and dtype), so that a backend's wrong output is reported as the backend's, not the model's."""
-        out = self.forward(q, k, v, kv_cache, meta, scale)
+        shape and dtype), so that a backend's wrong output is reported as the backend's, not the model's.
+        ``window``: the layer's sliding window, passed on where a context may be longer."""
+        if window is not None and window < meta.max_context_len:
+            if not self.supports_sliding_window:
+                raise PluginError(f"attention backend {type(self).__name__} has no sliding window (a context of "
+                                  f"{meta.max_context_len} tokens, a window of {window}); the engine cuts the "
+                                  "context to the window for such a backend, so this is a bug: report it")
+            out = self.forward(q, k, v, kv_cache, meta, scale, window=window)  # type: ignore[call-arg]
+        else:
+            out = self.forward(q, k, v, kv_cache, meta, scale)
         if getattr(out, "shape", None) != q.shape or getattr(out, "dtype", None) != q.dtype:
             got = f"shape {list(out.shape)}, {out.dtype}" if hasattr(out, "dtype") else type(out).__name__
             raise TypeError(f"forward returned {got}; it must return q's shape {list(q.shape)} and dtype {q.dtype}")
@@ -540,6 +552,7 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # the smallest window of the layers that slide (None: no layer slides)
 
 
 def __getattr__(name: str) -> Any:

@@ -2,12 +2,17 @@
 interfaces in :mod:`infer.core.interfaces`, which re-exports it)."""
 from __future__ import annotations
 
+import dataclasses
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 import torch
 
+from .errors import ConfigError
 from .interfaces import AttentionBackend, AttentionMetadata, ModelSpec
+
+log = logging.getLogger("infer")
 
 
 class Model(torch.nn.Module, ABC):
@@ -36,3 +41,21 @@ class Model(torch.nn.Module, ABC):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume (HF name, tensor) pairs; raise CheckpointError on unknown names or missing tensors."""
+
+
+def fit_sliding_window(model: Model, attention: AttentionBackend, max_model_len: int | None, what: str = "the model"
+                       ) -> None:
+    """A model whose layers slide runs on a backend without a sliding window with its context cut to the window
+    (where no position can see past it): a ConfigError for an explicit ``max_model_len`` beyond it, else a warning."""
+    spec = model.spec
+    window = spec.sliding_window
+    if window is None or attention.supports_sliding_window or spec.max_model_len <= window:
+        return
+    backend = type(attention).__name__
+    if max_model_len is not None:
+        raise ConfigError(f"max-model-len {spec.max_model_len} exceeds {what}'s sliding window {window}, and attention "
+                          f"backend {backend} has no sliding window; use --max-model-len <= {window}, or a backend "
+                          "that has one (torch, cpu, triton)")
+    log.warning("limiting %s's context to its sliding window (%d): attention backend %s has no sliding window",
+                what, window, backend)
+    model.spec = dataclasses.replace(spec, max_model_len=window)

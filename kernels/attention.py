@@ -89,7 +89,7 @@ def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 # ---------------------------------------------------------------- decode (flash-decoding)
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                         mid_o_ptr, mid_lse_ptr, qk_scale, k_scale_ptr, v_scale_ptr,
+                         mid_o_ptr, mid_lse_ptr, qk_scale, k_scale_ptr, v_scale_ptr, window,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_bt, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -105,9 +105,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     else:
         v_scale = 1.0
     ctx = tl.load(context_lens_ptr + b)
-    # per-sequence split length, a multiple of BLOCK_N: split s covers [lo, hi) (maybe empty)
-    split_len = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # a sliding window: the last `window` keys
+    # per-sequence split length, a multiple of BLOCK_N: split s covers [lo, hi) of [first, ctx) (maybe empty)
+    split_len = tl.cdiv(tl.cdiv(ctx - first, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, ctx)
 
     g = tl.arange(0, BLOCK_G)
@@ -172,11 +173,12 @@ def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, num_splits,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, num_splits: int, *, block_n: int = 64,
                      out: torch.Tensor | None = None, num_warps: int = 4, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] -> out [B, Hq, D], the KV length split ``num_splits`` ways.
 
     ``num_splits`` fixes the grid (CUDA-graph friendly); each sequence's split length is derived on device.
-    ``k_scale``/``v_scale`` (fp32 [Hkv]) dequantize an fp8 cache.
+    ``k_scale``/``v_scale`` (fp32 [Hkv]) dequantize an fp8 cache. ``window``: each query sees the last ``window``
+    keys of its context only (a sliding window).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -196,7 +198,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 (Triton 3.6 enforces it)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, scale * LOG2E, *_scales(k_scale, v_scale, q),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -214,7 +216,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ---------------------------------------------------------------- prefill / extend (ragged, mixed batches)
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-                    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_tokens,
+                    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_tokens, window,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr,
@@ -244,19 +246,22 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, qu
     tok = tok0 + r // GROUP
     heads = kvh * GROUP + r % GROUP
     row_mask = (r < TOKENS * GROUP) & (tok < q_len)
-    q_pos = ctx - q_len + tok  # rows past q_len still see key 0, so no row is all -inf
+    q_pos = ctx - q_len + tok  # a row may see no key in a block (padding, a window): m_use keeps it finite
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     q_off = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + (q_off * stride_qt + heads * stride_qh)[:, None] + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    # keys needed by this tile: positions < position of its last real token + 1 (none for an idle program)
+    # keys needed by this tile: positions < position of its last real token + 1 (none for an idle program); with
+    # a sliding window, from the first one its first token sees
     hi = tl.where(tok0 < q_len, ctx - q_len + tl.minimum(tok0 + TOKENS, q_len), 0)
+    lo = tl.where(window > 0, tl.maximum(ctx - q_len + tok0 - window + 1, 0), 0)
+    lo = tl.minimum(lo, hi) // BLOCK_N * BLOCK_N
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
@@ -266,10 +271,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, qu
         v = tl.load(v_cache_ptr + (page * stride_vb + (pos % PAGE) * stride_vs + kvh * stride_vh)[:, None]
                     + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # scale after: q stays exact in tf32
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        seen = seen & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet (its window is later)
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
@@ -288,8 +296,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       query_start: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                       block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
                       num_warps: int | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Ragged causal attention over the paged cache: q [T, Hq, D] -> out [T, Hq, D].
+                      v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Ragged causal attention over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; with ``window``, each query
+    sees the keys of the last ``window`` positions up to its own only (a sliding window).
 
     Sequence i's queries are rows ``query_start[i]:query_start[i+1]`` at positions ending at ``context_lens[i] - 1``;
     their own K/V must already be in the cache. Any mix of query lengths (decode = 1) is fine. The launch grid
@@ -312,7 +321,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_warps = num_warps or (4 if head_dim <= 64 else 8)  # fp32 q/acc tiles: keep registers per thread bounded
     _prefill_kernel[(num_tokens // tokens + batch, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * LOG2E, *_scales(k_scale, v_scale, q),
-        batch, num_tokens,
+        batch, num_tokens, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -324,7 +333,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 # ---------------------------------------------------------------- torch references
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        window: int | None = None) -> torch.Tensor:
     """Torch reference of :func:`prefill_attention` (fp32 math, one sequence at a time)."""
     ks = 1.0 if k_scale is None else k_scale.float()[:, None]  # per KV head; broadcasts over [ctx, Hkv, D]
     vs = 1.0 if v_scale is None else v_scale.float()[:, None]
@@ -341,17 +351,21 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = (v_cache[blocks, pos % page].float() * vs).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if window is not None:
+            hidden = hidden | (pos[None, None, :] <= q_pos[None, :, None] - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Torch reference of :func:`decode_attention`: one query per sequence, at the last context position."""
     query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, k_scale, v_scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, k_scale, v_scale,
+                               window)
 
 
 def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, q: torch.Tensor

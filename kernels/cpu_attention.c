@@ -3,7 +3,8 @@
  *
  * Layouts: q and out rows are [Hq, D] at rows[s] * stride; the caches are [num_blocks, block_size, Hkv, D]
  * contiguous; tables is [S, table_stride] int32; lens[s] >= 1 is the context length of sequence s.
- * Per sequence and head: p = softmax(q . K^T * scale) over the context, out = p . V.
+ * Per sequence and head: p = softmax(q . K^T * scale) over the context (its last `window` keys when window > 0:
+ * a sliding window), out = p . V.
  * Sequences are spread over an OpenMP team. Built with -fopenmp, the library needs libgomp.so.1, which the dynamic
  * loader resolves to the copy torch already loaded: the kernel shares torch's thread pool instead of fighting it.
  */
@@ -12,38 +13,33 @@
 #include <stdlib.h>
 
 static void attend(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int len,
-                   int q_heads, int kv_heads, int head_dim, int block_size, float scale, float *out, float *scores,
-                   int max_len) {
+                   int window, int q_heads, int kv_heads, int head_dim, int block_size, float scale, float *out,
+                   float *scores, int max_len) {
     const int group = q_heads / kv_heads, row = kv_heads * head_dim;
-    for (int t = 0, b = 0; t < len; b++) {
-        const float *block = k_cache + (int64_t)table[b] * block_size * row;
-        for (int o = 0; o < block_size && t < len; o++, t++) {
-            const float *k = block + o * row;
-            for (int h = 0; h < q_heads; h++) {
-                const float *qh = q + h * head_dim, *kh = k + (h / group) * head_dim;
-                float dot = 0.0f;
-                for (int i = 0; i < head_dim; i++) dot += qh[i] * kh[i];
-                scores[h * max_len + t] = dot * scale;
-            }
+    const int first = window > 0 && len > window ? len - window : 0, n = len - first;
+    for (int t = first; t < len; t++) {
+        const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
+        for (int h = 0; h < q_heads; h++) {
+            const float *qh = q + h * head_dim, *kh = k + (h / group) * head_dim;
+            float dot = 0.0f;
+            for (int i = 0; i < head_dim; i++) dot += qh[i] * kh[i];
+            scores[h * max_len + t - first] = dot * scale;
         }
     }
     for (int h = 0; h < q_heads; h++) {
         float *s = scores + h * max_len, top = s[0], sum = 0.0f;
-        for (int t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
-        for (int t = 0; t < len; t++) sum += (s[t] = expf(s[t] - top));
+        for (int t = 1; t < n; t++) top = s[t] > top ? s[t] : top;
+        for (int t = 0; t < n; t++) sum += (s[t] = expf(s[t] - top));
         const float inv = 1.0f / sum;
-        for (int t = 0; t < len; t++) s[t] *= inv;
+        for (int t = 0; t < n; t++) s[t] *= inv;
         for (int i = 0; i < head_dim; i++) out[h * head_dim + i] = 0.0f;
     }
-    for (int t = 0, b = 0; t < len; b++) {
-        const float *block = v_cache + (int64_t)table[b] * block_size * row;
-        for (int o = 0; o < block_size && t < len; o++, t++) {
-            const float *v = block + o * row;
-            for (int h = 0; h < q_heads; h++) {
-                const float p = scores[h * max_len + t], *vh = v + (h / group) * head_dim;
-                float *oh = out + h * head_dim;
-                for (int i = 0; i < head_dim; i++) oh[i] += p * vh[i];
-            }
+    for (int t = first; t < len; t++) {
+        const float *v = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
+        for (int h = 0; h < q_heads; h++) {
+            const float p = scores[h * max_len + t - first], *vh = v + (h / group) * head_dim;
+            float *oh = out + h * head_dim;
+            for (int i = 0; i < head_dim; i++) oh[i] += p * vh[i];
         }
     }
 }
@@ -52,7 +48,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
 int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *rows,
                                int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size, int max_len,
-                               float scale, float *out, int64_t out_stride, int num_threads) {
+                               float scale, float *out, int64_t out_stride, int num_threads, int window) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(|| : failed)
     {
@@ -61,8 +57,8 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
 #pragma omp for schedule(dynamic, 1)
         for (int s = 0; s < num_seqs; s++) /* every thread takes part in the loop, even one without scores */
             if (scores != NULL)
-                attend(q + rows[s] * q_stride, k_cache, v_cache, tables + (int64_t)s * table_stride, lens[s], q_heads,
-                       kv_heads, head_dim, block_size, scale, out + rows[s] * out_stride, scores, max_len);
+                attend(q + rows[s] * q_stride, k_cache, v_cache, tables + (int64_t)s * table_stride, lens[s], window,
+                       q_heads, kv_heads, head_dim, block_size, scale, out + rows[s] * out_stride, scores, max_len);
         free(scores);
     }
     return failed;

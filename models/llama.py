@@ -44,6 +44,7 @@ class ArchConfig:
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3), not their parts
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()  # per layer: whether it attends within sliding_window (else all keys)
     torch_dtype: str | None = None
     quantization_config: dict[str, Any] | None = None
 
@@ -87,13 +88,16 @@ class ArchConfig:
         eos = field.get("eos_token_id", (int, list))
         # HF's default window (4096) applies where the key is absent; null means none
         window = field.get("sliding_window", int) if "sliding_window" in raw else defaults.get("sliding_window")
+        num_layers = field.positive("num_hidden_layers")
+        sliding = (True,) * num_layers  # Mistral and Phi-3 slide in every layer where there is a window
         if "max_window_layers" in defaults:  # Qwen2/3: layer i slides with use_sliding_window, i >= that
             types = raw.get("layer_types")
             first = field.get("max_window_layers", int)  # 0: every layer slides
-            slides = any(kind == "sliding_attention" for kind in types) if isinstance(types, list) else \
-                (defaults["max_window_layers"] if first is None else first) < field.positive("num_hidden_layers")
-            window = window if field.get("use_sliding_window", bool) and slides else None
-        elif arch not in ("MistralForCausalLM", "Phi3ForCausalLM"):  # these always slide; Llama never
+            first = defaults["max_window_layers"] if first is None else first
+            sliding = tuple(kind == "sliding_attention" for kind in types) if isinstance(types, list) and \
+                len(types) == num_layers else tuple(i >= first for i in range(num_layers))
+            window = window if field.get("use_sliding_window", bool) and any(sliding) else None
+        elif arch not in ("MistralForCausalLM", "Phi3ForCausalLM"):  # Llama never slides
             window = None
         biases = BIASES.get(arch, BIASES["LlamaForCausalLM"])
         qkv = biases["qkv"]
@@ -101,7 +105,7 @@ class ArchConfig:
         return cls(
             architecture=arch,
             hidden_size=hidden,
-            num_layers=field.positive("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=field.positive("head_dim", defaults.get("head_dim") or hidden // heads),
@@ -118,6 +122,7 @@ class ArchConfig:
             fused_projections=arch == "Phi3ForCausalLM",
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             sliding_window=window or None,
+            sliding_layers=sliding if window else (),
             torch_dtype=checkpoint_dtype(raw),
             quantization_config=raw.get("quantization_config"),
         )
@@ -215,9 +220,10 @@ def check_rope(rope: dict[str, Any], arch: str) -> None:
 
 class Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
-                 ops: PointwiseOps) -> None:
+                 ops: PointwiseOps, window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = window  # attend to the last `window` positions only (HF's sliding window), None: all
         self.prefix = prefix
         self.scale = cfg.head_dim**-0.5
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -251,7 +257,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = attn.attend(q, k, v, kv_cache, meta, self.scale)
+        out = attn.attend(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -281,9 +287,9 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
-                 ops: PointwiseOps) -> None:
+                 ops: PointwiseOps, window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", quant, dtype, ops)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", quant, dtype, ops, window)
         self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
@@ -300,14 +306,15 @@ class LlamaFamilyModel(Model):
         self.merge_after_loading = merge_projections
         self.cfg = cfg
         self.spec = ModelSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, max_positions,
-                              cfg.eos_token_ids)
+                              cfg.eos_token_ids, cfg.sliding_window)
         self.model = nn.Module()
         # an empty weight: loading fills it (a random init would draw from torch's global generator for nothing)
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.model.embed_tokens.weight.requires_grad_(False)
+        windows = [cfg.sliding_window if slides else None for slides in cfg.sliding_layers] or [None] * cfg.num_layers
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, f"model.layers.{i}", quant, dtype, ops) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, f"model.layers.{i}", quant, dtype, ops, windows[i]) for i in range(cfg.num_layers)
         )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, ops)

@@ -41,14 +41,6 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         raise ConfigError(f"max-model-len {max_len} exceeds the {limit} positions the model supports "
                           f"(max_position_embeddings {arch.max_position_embeddings}, rope {scaling}{dynamic}); use "
                           f"--max-model-len <= {limit}")
-    if arch.sliding_window is not None and max_len > arch.sliding_window:
-        if config.max_model_len is not None:
-            raise ConfigError(
-                f"max-model-len {max_len} exceeds the model's sliding window {arch.sliding_window}; infer does not "
-                f"implement sliding-window attention yet, so use --max-model-len <= {arch.sliding_window}")
-        log.warning("limiting max_model_len to the sliding window (%d): sliding-window attention is not implemented",
-                    arch.sliding_window)
-        max_len = arch.sliding_window
     merge = config.fuse_projections
     if merge is None:
         from ..core.loader import resolve_device

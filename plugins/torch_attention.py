@@ -23,6 +23,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [G] flat rows of single-token queries
     blocks: torch.Tensor  # [G, ceil(Lmax / block_size)] blocks (padding points at block 0)
     mask: torch.Tensor  # [G, 1, 1, Lmax] True where the key is in the context
+    lens: torch.Tensor  # [G] the context lengths
 
 
 @dataclass
@@ -45,6 +46,7 @@ class TorchAttention(AttentionBackend):
     # planned by _plan_decodes: each token as a decode of the context up to itself, so that a verified position
     # computes exactly what a plain decode there would (bf16 and fp16 included: a prefill-shaped call need not)
     short_query = 16
+    supports_sliding_window = True
 
     def __init__(self) -> None:
         self._workspaces: dict[str, torch.Tensor] = {}
@@ -98,10 +100,10 @@ class TorchAttention(AttentionBackend):
         owners = torch.tensor([i for _, _, i in group], device=meta.block_tables.device)
         blocks = meta.block_tables[owners][:, :width].long()  # whole blocks gather far faster than single slots
         rows = torch.tensor([row for _, row, _ in group], device=device)
-        return DecodeGroup(rows, blocks, valid[:, None, None, :])
+        return DecodeGroup(rows, blocks, valid[:, None, None, :], lens)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         plan: TorchAttentionPlan = meta.backend_data
         k_cache, v_cache = kv_cache
         k_scale, v_scale = kv_cache_scales(kv_cache)
@@ -111,7 +113,7 @@ class TorchAttention(AttentionBackend):
         k_raw.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, _raw(_to_cache(k, cache_dtype, k_scale)))
         v_raw.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, _raw(_to_cache(v, cache_dtype, v_scale)))
         out = torch.empty_like(q)
-        self._attend_decodes(plan.decodes, q, kv_cache, scale, out)
+        self._attend_decodes(plan.decodes, q, kv_cache, scale, out, window)
         fresh = k_scale is None and cache_dtype == k.dtype  # a whole-context query can read k/v as computed
         for item in plan.prefills:
             qp = q[item.tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -120,15 +122,21 @@ class TorchAttention(AttentionBackend):
             else:
                 kp = _from_cache(self._gather("k", k_raw, item.blocks)[: item.length], cache_dtype, q.dtype, k_scale)
                 vp = _from_cache(self._gather("v", v_raw, item.blocks)[: item.length], cache_dtype, q.dtype, v_scale)
+            mask = item.mask
+            if window is not None and window < item.length:  # keys after q - window only, q's own included
+                query = torch.arange(item.length - qp.shape[2], item.length, device=q.device)[:, None]
+                key = torch.arange(item.length, device=q.device)[None, :]
+                mask = (key <= query) & (key > query - window)
             res = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-                                                 attn_mask=item.mask, is_causal=item.mask is None, scale=scale,
+                                                 attn_mask=mask, is_causal=mask is None, scale=scale,
                                                  enable_gqa=True)
             out[item.tokens] = res[0].transpose(0, 1)
         return out
 
     def _attend_decodes(self, decodes: Any, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                        scale: float, out: torch.Tensor) -> None:
-        """Write the decodes' attention rows into ``out``; the cache already holds this step's K/V."""
+                        scale: float, out: torch.Tensor, window: int | None = None) -> None:
+        """Write the decodes' attention rows into ``out``; the cache already holds this step's K/V. ``window``:
+        each decode sees the last ``window`` keys of its context only."""
         k_scale, v_scale = kv_cache_scales(kv_cache)
         cache_dtype = kv_cache[0].dtype
         k_raw, v_raw = _raw(kv_cache[0]), _raw(kv_cache[1])
@@ -136,7 +144,11 @@ class TorchAttention(AttentionBackend):
             qd = q.index_select(0, group.rows).unsqueeze(2)  # [G, Hq, 1, D]
             kd = _from_cache(self._gather("k", k_raw, group.blocks), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
             vd = _from_cache(self._gather("v", v_raw, group.blocks), cache_dtype, q.dtype, v_scale)
-            res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.mask,
+            mask = group.mask
+            if window is not None:
+                key = torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (key[None, :] >= group.lens[:, None] - window)[:, None, None, :]
+            res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask,
                                                  scale=scale, enable_gqa=True)
             out.index_copy_(0, group.rows, res.squeeze(2))
 

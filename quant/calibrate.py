@@ -13,7 +13,8 @@ down       silu(gate) * up                 up_proj's output rows
 =========  ==============================  =================================================================
 
 Phi-3's checkpoints hold q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``: its groups are those linears
-whole, and ``1 / s`` of o and down goes into their last rows (v's and up's), as AutoAWQ folds them.
+whole, and ``1 / s`` of o and down goes into their last rows, v's and up's alone (exact under GQA too, where
+AutoAWQ's Phi-3 quantizer divides as many rows as o has inputs: k's and part of q's as well).
 
 The search: ``stat`` is the mean |x| per input channel over all calibration tokens; for alpha on the grid
 0, 1/grid, ..., 1, ``s = stat^alpha`` normalised by ``sqrt(max(s) * min(s))``, and the error is the mean squared
@@ -103,7 +104,7 @@ GROUPS = (
     LinearGroup("gate_up", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
     LinearGroup("down", ("mlp.down_proj",), "mlp.up_proj"),
 )
-FUSED_GROUPS = (  # Phi-3: o's and down's 1 / s goes into the last rows of qkv_proj (v) and gate_up_proj (up)
+FUSED_GROUPS = (  # Phi-3: o's and down's 1 / s goes into the last rows of qkv_proj (v's) and gate_up_proj (up's)
     LinearGroup("qkv", ("self_attn.qkv_proj",), "input_layernorm"),
     LinearGroup("o", ("self_attn.o_proj",), "self_attn.qkv_proj"),
     LinearGroup("gate_up", ("mlp.gate_up_proj",), "post_attention_layernorm"),

@@ -24,6 +24,7 @@ from ..core.config import EngineConfig
 from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import GrammarMatcher, KVCache, Proposal, Proposer, ScheduledSequence, SchedulerOutput
 from ..core.loader import LoadedModel, load_model
+from ..core.model import fit_sliding_window
 from ..core.plugin_options import read_plugin_options
 from ..core.plugins import PluginManager
 from ..core.request import Sequence
@@ -72,14 +73,15 @@ class DraftModelProposer(Proposer):
         draft_config = config.replace(model=str(path), quant=None, max_model_len=None, num_kv_blocks=None)
         draft = load_model(draft_config, plugins, Path(path))
         check_same_vocab(target, draft)
-        draft_len, target_len = draft.model.spec.max_model_len, target.model.spec.max_model_len
-        if draft_len < min(target_len, config.max_model_len or target_len):
-            log.warning("the draft model's context (%d tokens) is shorter than the target's (%d): sequences longer "
-                        "than it decode without drafts", draft_len, target_len)
         attention_name = config.attention or (  # the engine passes its own, resolved
             "triton" if draft.device.type == "cuda" and "triton" in plugins.registry("attention_backend") else "torch")
         # the draft's KV is never fp8 (its runner stores the draft's dtype): a backend sized for fp8 would be slower
         attention = plugins.registry("attention_backend").get(attention_name)(config.replace(kv_cache_dtype="auto"))
+        fit_sliding_window(draft.model, attention, None, "the draft model")
+        draft_len, target_len = draft.model.spec.max_model_len, target.model.spec.max_model_len
+        if draft_len < min(target_len, config.max_model_len or target_len):
+            log.warning("the draft model's context (%d tokens) is shorter than the target's (%d): sequences longer "
+                        "than it decode without drafts", draft_len, target_len)
         blocks = draft_kv_blocks(config, draft)
         eviction = plugins.registry("eviction_policy").get(config.eviction_policy)(config)
         kv = plugins.registry("kv_cache").get("paged")(config.replace(enable_prefix_caching=False), blocks, eviction)

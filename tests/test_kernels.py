@@ -83,6 +83,24 @@ def test_decode_attention(device: torch.device, dtype: torch.dtype, group: int, 
     torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
 
 
+@pytest.mark.parametrize("window", [5, 16, 40])
+@pytest.mark.parametrize("num_splits,page", [(1, 16), (3, 8)])
+def test_decode_attention_in_a_sliding_window(device: torch.device, window: int, num_splits: int, page: int) -> None:
+    """Each query sees the last ``window`` keys of its context: shorter contexts all of theirs."""
+    torch.manual_seed(window + num_splits)
+    kv_heads, head_dim, group = 2, 32, 2
+    context = [1, 16, 17, 150]
+    k_cache, v_cache = paged_cache(48, page, kv_heads, head_dim, torch.float32, device)
+    tables = block_tables_for(context, page, 48, device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(len(context), kv_heads * group, head_dim, device=device)
+    out = attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.3, num_splits, block_n=16, window=window)
+    ref = attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3, window=window)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+    unwindowed = attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3)
+    assert not torch.allclose(ref[3], unwindowed[3])  # the 150-key context lost keys to the window
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])  # one split writes the output without the reduce kernel
 def test_decode_zero_context_gives_zeros(device: torch.device, num_splits: int) -> None:
     k_cache, v_cache = paged_cache(4, 16, 1, 16, torch.float32, device)
@@ -144,6 +162,28 @@ def test_prefill_attention(device: torch.device, dtype: torch.dtype, group: int,
     out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.2, block_m=block_m,
                                  block_n=32)
     ref = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [4, 20])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_prefill_attention_in_a_sliding_window(device: torch.device, dtype: torch.dtype, window: int,
+                                               block_m: int) -> None:
+    """Each query token sees the keys of the last ``window`` positions up to its own, in fresh prompts, extends
+    over cached prefixes and decode rows alike."""
+    torch.manual_seed(window + block_m)
+    kv_heads, head_dim, page, group = 2, 32, 16, 2
+    query = [1, 7, 40, 3, 1]
+    context = [9, 7, 75, 3, 33]
+    k_cache, v_cache = paged_cache(24, page, kv_heads, head_dim, dtype, device)
+    tables = block_tables_for(context, page, 24, device)
+    starts = torch.tensor([0] + query, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(sum(query), kv_heads * group, head_dim, dtype=dtype, device=device)
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.2, block_m=block_m, block_n=16,
+                                 window=window)
+    ref = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2, window=window)
     torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
 
 

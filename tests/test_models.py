@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import types
 
 import pytest
 import torch
@@ -389,13 +390,69 @@ def hf_window(path) -> int | None:
     ("phi3", lambda c: c.update(sliding_window=48), {}),  # Phi-3 slides where config.json gives a window
     ("phi3", lambda c: c.pop("sliding_window", None), {}),  # and not by default
 ])
-def test_a_model_that_slides_in_hf_runs_within_its_window(tmp_path, arch, edit, options):
-    """Sliding-window attention is not implemented, so a model whose HF model slides runs with its context cut
-    to the window (and any other at its full context); whether and where HF slides is read off HF's logits."""
+def test_a_model_slides_where_hf_slides(tmp_path, arch, edit, options):
+    """Its layers attend within HF's window (whether and where HF slides is read off HF's logits), over the
+    model's whole context."""
     path = edited_model(tmp_path / "m", arch, edit, **options)
     window = hf_window(path)
-    full = options.get("max_position_embeddings", 1024)
-    assert Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4)).max_model_len == (window or full)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4))
+    assert {layer.self_attn.window for layer in engine.loaded.model.model.layers} - {None} == \
+        ({window} if window else set())
+    assert engine.max_model_len == options.get("max_position_embeddings", 1024)
+
+
+SLIDING = {  # a window of 16 in every layer (Mistral, Phi-3), or in layers from max_window_layers on (Qwen)
+    "mistral": lambda c: c.update(sliding_window=16),
+    "qwen2": lambda c: c.update(sliding_window=16, use_sliding_window=True, max_window_layers=1, layer_types=None),
+    "phi3": lambda c: c.update(sliding_window=16),
+}
+
+
+@pytest.mark.parametrize("attention", ["torch", "cpu", "triton", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("arch", sorted(SLIDING))
+def test_sliding_window_attention_generates_what_hf_generates(tmp_path, hf_greedy, arch, attention):
+    """Prompts of 50 tokens (3 windows) whole and in chunks of 16, then 20 decodes past them, and a second prompt
+    served partly from the prefix cache: HF's greedy tokens, on every shipped backend (triton: the interpreter;
+    cuda: triton on the GPU, with its CUDA graphs, in float32)."""
+    if attention == "cuda" and not torch.cuda.is_available():
+        pytest.fail("pytest -m gpu needs a CUDA device")
+    device = {"cuda": dict(device="cuda", dtype="float32", attention="triton")}.get(
+        attention, dict(device="cpu", attention=attention))
+    path = edited_model(tmp_path / "m", arch, SLIDING[arch])
+    prompt, other = prompts(1024, [50, 50], seed=4)
+    other = prompt[:40] + other[:10]  # 40 cached tokens, then its own
+    for chunked in ({}, {"scheduler": "chunked-prefill", "max_num_batched_tokens": 16}):
+        engine = Engine(EngineConfig(model=str(path), num_kv_blocks=64, **device, **chunked))
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, 20)
+        assert engine.generate([other], params)[0].outputs[0].token_ids == hf_greedy(path, other, 20)
+
+
+def test_a_backend_without_a_sliding_window_runs_the_model_within_its_window(tmp_path, infer_plugins, caplog):
+    """A plugin's backend that lacks one: the context is cut to the window, with a warning (a longer
+    --max-model-len is refused); asked to slide past it anyway, attend refuses by name."""
+    from infer.core.errors import ConfigError, PluginError
+    from infer.core.hookspecs import hookimpl
+    from infer.plugins.torch_attention import TorchAttention
+
+    class Plain(TorchAttention):
+        supports_sliding_window = False
+
+    module = types.ModuleType("plain")
+    module.register_attention_backends = hookimpl(lambda register: register("plain", lambda config: Plain()))
+    infer_plugins.register(module, name="plain", source="tests")
+    path = edited_model(tmp_path / "m", "mistral", SLIDING["mistral"])
+    with caplog.at_level("WARNING", logger="infer"):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", attention="plain", num_kv_blocks=16),
+                        infer_plugins)
+    assert engine.max_model_len == 16 and "limiting the model's context to its sliding window (16)" in caplog.text
+    with pytest.raises(ConfigError, match="max-model-len 64 exceeds the model's sliding window 16, and attention "
+                                          "backend Plain has no sliding window"):
+        Engine(EngineConfig(model=str(path), device="cpu", attention="plain", num_kv_blocks=16, max_model_len=64),
+               infer_plugins)
+    meta = types.SimpleNamespace(max_context_len=17)
+    with pytest.raises(PluginError, match="attention backend Plain has no sliding window"):
+        Plain().attend(torch.zeros(1, 4, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), None, meta, 1.0, window=16)
 
 
 def test_other_activations_are_refused(tmp_path):
