@@ -88,6 +88,9 @@ class ArchConfig:
         eos = field.get("eos_token_id", (int, list))
         # HF's default window (4096) applies where the key is absent; null means none
         window = field.get("sliding_window", int) if "sliding_window" in raw else defaults.get("sliding_window")
+        if window is not None and window < 0:
+            raise CheckpointError(f"config.json of this {arch} has sliding_window = {window}; a window is a positive "
+                                  "number of positions (null, or 0, for none); fix config.json")
         num_layers = field.positive("num_hidden_layers")
         sliding = (True,) * num_layers  # Mistral and Phi-3 slide in every layer where there is a window
         if "max_window_layers" in defaults:  # Qwen2/3: layer i slides with use_sliding_window, i >= that

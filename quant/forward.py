@@ -24,6 +24,8 @@ class DenseCausalAttention(AttentionBackend):
     ``observe(layer, k, v)`` sees every layer's new K/V, layers in call order (the model's layer order).
     """
 
+    supports_sliding_window = True
+
     def __init__(self, observe: KVObserver | None = None) -> None:
         self.observe = observe
 
@@ -31,7 +33,7 @@ class DenseCausalAttention(AttentionBackend):
         return _LayerCounter()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         counter: _LayerCounter = meta.backend_data
         if self.observe is not None:
             self.observe(counter.next_layer, k, v)
@@ -40,7 +42,12 @@ class DenseCausalAttention(AttentionBackend):
         starts = meta.query_start.tolist()
         for start, end in zip(starts, starts[1:]):
             qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
-            res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            mask = None
+            if window is not None and window < end - start:  # keys after q - window only, q's own included
+                pos = torch.arange(end - start, device=q.device)
+                mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                 enable_gqa=True)
             out[start:end] = res[0].transpose(0, 1)
         return out
 

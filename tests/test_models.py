@@ -428,6 +428,25 @@ def test_sliding_window_attention_generates_what_hf_generates(tmp_path, hf_greed
         assert engine.generate([other], params)[0].outputs[0].token_ids == hf_greedy(path, other, 20)
 
 
+@pytest.mark.parametrize("arch", sorted(SLIDING))
+def test_the_calibration_forward_slides_as_hf(tmp_path, arch, infer_plugins):
+    """quant/forward.py's dense forward (AWQ calibration, fp8 KV scales) over prompts 3 windows long: every
+    position's logits are HF's (it refused such samples)."""
+    from transformers import AutoModelForCausalLM
+
+    from infer.core.loader import load_model
+    from infer.quant.forward import dense_forward
+
+    path = edited_model(tmp_path / "m", arch, SLIDING[arch])
+    loaded = load_model(EngineConfig(model=str(path), device="cpu").validate(), infer_plugins.collect(), path)
+    batch = prompts(1024, [50, 30], seed=6)
+    with torch.no_grad():
+        ours = loaded.model.compute_logits(dense_forward(loaded.model, batch, loaded.device))
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        ref = torch.cat([hf(torch.tensor([prompt])).logits[0] for prompt in batch])
+    assert (ours - ref).norm() / ref.norm() < 1e-4
+
+
 def test_a_backend_without_a_sliding_window_runs_the_model_within_its_window(tmp_path, infer_plugins, caplog):
     """A plugin's backend that lacks one: the context is cut to the window, with a warning (a longer
     --max-model-len is refused); asked to slide past it anyway, attend refuses by name."""
@@ -516,7 +535,8 @@ def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):
              "unsupported rope_type 'longrope' in config.json of this Phi3ForCausalLM"),
             ("e", "llama", lambda c: c.update(rms_norm_eps=float("inf")), "rms_norm_eps = inf; it must be a finite"),
             ("f", "llama", lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps = nan; it must be a finite"),
-            ("g", "llama", lambda c: c.update(hidden_act=""), "has hidden_act ''; infer's MLP computes silu")):
+            ("g", "llama", lambda c: c.update(hidden_act=""), "has hidden_act ''; infer's MLP computes silu"),
+            ("h", "mistral", lambda c: c.update(sliding_window=-1), "has sliding_window = -1; a window is a positive")):
         path = edited_model(tmp_path / name, arch, edit)
         with pytest.raises(CheckpointError, match=message):
             Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4))
