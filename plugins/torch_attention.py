@@ -1,7 +1,7 @@
 """The `torch` attention backend: the reference implementation, correct on CPU and GPU."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +16,18 @@ class PrefillItem:
     blocks: torch.Tensor  # [ceil(L / block_size)] the sequence's blocks
     length: int  # L, the context length
     mask: torch.Tensor | None  # [n, L] bool, None when the query is the whole context (plain causal)
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its [n, L] mask, made once a step
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer with sliding ``window`` (keys after q - window only, q's own included)."""
+        if window is None or window >= self.length:
+            return self.mask
+        if window not in self.windowed:
+            n, device = self.tokens.stop - self.tokens.start, self.blocks.device
+            query = torch.arange(self.length - n, self.length, device=device)[:, None]
+            key = torch.arange(self.length, device=device)[None, :]
+            self.windowed[window] = (key <= query) & (key > query - window)
+        return self.windowed[window]
 
 
 @dataclass
@@ -122,11 +134,7 @@ class TorchAttention(AttentionBackend):
             else:
                 kp = _from_cache(self._gather("k", k_raw, item.blocks)[: item.length], cache_dtype, q.dtype, k_scale)
                 vp = _from_cache(self._gather("v", v_raw, item.blocks)[: item.length], cache_dtype, q.dtype, v_scale)
-            mask = item.mask
-            if window is not None and window < item.length:  # keys after q - window only, q's own included
-                query = torch.arange(item.length - qp.shape[2], item.length, device=q.device)[:, None]
-                key = torch.arange(item.length, device=q.device)[None, :]
-                mask = (key <= query) & (key > query - window)
+            mask = item.mask_for(window)
             res = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                                                  attn_mask=mask, is_causal=mask is None, scale=scale,
                                                  enable_gqa=True)
