@@ -1,4 +1,4 @@
-"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3)."""
+"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3)."""
 from __future__ import annotations
 
 import logging
