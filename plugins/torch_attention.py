@@ -10,6 +10,14 @@ import torch.nn.functional as F
 from ..core.interfaces import AttentionBackend, AttentionMetadata, kv_cache_scales
 
 
+def sliding_mask(length: int, num_queries: int, window: int, device: torch.device) -> torch.Tensor:
+    """[num_queries, length] bool: the last ``num_queries`` positions of a ``length``-token context each see the
+    keys after their own position - ``window``, up to their own (HF's sliding window)."""
+    query = torch.arange(length - num_queries, length, device=device)[:, None]
+    key = torch.arange(length, device=device)[None, :]
+    return (key <= query) & (key > query - window)
+
+
 @dataclass
 class PrefillItem:
     tokens: slice  # rows of the flat batch
@@ -23,10 +31,8 @@ class PrefillItem:
         if window is None or window >= self.length:
             return self.mask
         if window not in self.windowed:
-            n, device = self.tokens.stop - self.tokens.start, self.blocks.device
-            query = torch.arange(self.length - n, self.length, device=device)[:, None]
-            key = torch.arange(self.length, device=device)[None, :]
-            self.windowed[window] = (key <= query) & (key > query - window)
+            n = self.tokens.stop - self.tokens.start
+            self.windowed[window] = sliding_mask(self.length, n, window, self.blocks.device)
         return self.windowed[window]
 
 
@@ -36,6 +42,16 @@ class DecodeGroup:
     blocks: torch.Tensor  # [G, ceil(Lmax / block_size)] blocks (padding points at block 0)
     mask: torch.Tensor  # [G, 1, 1, Lmax] True where the key is in the context
     lens: torch.Tensor  # [G] the context lengths
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its mask, made once a step
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer with sliding ``window``: also only the last ``window`` keys of each context."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            key = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = self.mask & (key[None, :] >= self.lens[:, None] - window)[:, None, None, :]
+        return self.windowed[window]
 
 
 @dataclass
@@ -152,12 +168,8 @@ class TorchAttention(AttentionBackend):
             qd = q.index_select(0, group.rows).unsqueeze(2)  # [G, Hq, 1, D]
             kd = _from_cache(self._gather("k", k_raw, group.blocks), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
             vd = _from_cache(self._gather("v", v_raw, group.blocks), cache_dtype, q.dtype, v_scale)
-            mask = group.mask
-            if window is not None:
-                key = torch.arange(mask.shape[-1], device=mask.device)
-                mask = mask & (key[None, :] >= group.lens[:, None] - window)[:, None, None, :]
-            res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask,
-                                                 scale=scale, enable_gqa=True)
+            res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                                                 attn_mask=group.mask_for(window), scale=scale, enable_gqa=True)
             out.index_copy_(0, group.rows, res.squeeze(2))
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ..core.interfaces import AttentionBackend, AttentionMetadata
 from ..core.model import Model
+from ..plugins.torch_attention import sliding_mask
 
 KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer index, k [T, Hkv, D], v [T, Hkv, D])
 
@@ -42,10 +43,8 @@ class DenseCausalAttention(AttentionBackend):
         starts = meta.query_start.tolist()
         for start, end in zip(starts, starts[1:]):
             qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
-            mask = None
-            if window is not None and window < end - start:  # keys after q - window only, q's own included
-                pos = torch.arange(end - start, device=q.device)
-                mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            n = end - start
+            mask = sliding_mask(n, n, window, q.device) if window is not None and window < n else None
             res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                  enable_gqa=True)
             out[start:end] = res[0].transpose(0, 1)
