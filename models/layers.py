@@ -170,9 +170,10 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies for the HF rope types 'default', 'linear', 'llama3', 'yarn' and 'dynamic' (computed in
-    float32), and the factor cos and sin are multiplied by (1 but for YaRN)."""
+def rope_inv_freq(head_dim: int, rope: dict[str, Any], context: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the HF rope types 'default', 'linear', 'llama3', 'yarn', 'dynamic' and 'longrope'
+    (computed in float32) for a model served ``context`` positions, and the factor cos and sin are multiplied by (1
+    but for YaRN and LongRoPE)."""
     theta = float(rope.get("rope_theta", 10000.0))
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     inv_freq = 1.0 / pos_freqs
@@ -193,7 +194,26 @@ def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, fl
         return torch.where(medium, smoothed, out), 1.0
     if kind == "yarn":
         return yarn_inv_freq(pos_freqs, head_dim, rope)
-    raise CheckpointError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3, yarn, dynamic")
+    if kind == "longrope":
+        return longrope_inv_freq(pos_freqs, rope, context)
+    raise CheckpointError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3, yarn, dynamic, "
+                          "longrope")
+
+
+def longrope_inv_freq(pos_freqs: torch.Tensor, rope: dict[str, Any], context: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Ding et al. 2024, arXiv 2402.13753; Phi-3's 128k models): each frequency is divided by its own
+    factor, from long_factor for a context past original_max_position_embeddings and short_factor within it; cos
+    and sin are scaled by ``attention_factor``, by default sqrt(1 + ln(factor) / ln(original)).
+
+    The table is chosen once, by the served context (vLLM's rule): HF picks it per forward pass by the sequence's
+    length, and re-prefills a Phi-3 sequence that grows past the original context. The two agree on every sequence
+    when the context is within the original, and otherwise on prompts longer than the original."""
+    old_len, factor = float(rope["original_max_position_embeddings"]), float(rope["factor"])
+    ext = torch.tensor(rope["long_factor"] if context > old_len else rope["short_factor"], dtype=torch.float32)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    return 1.0 / (ext * pos_freqs), float(attention)
 
 
 def yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
@@ -236,7 +256,7 @@ class RotaryEmbedding(nn.Module):
                  ) -> None:
         super().__init__()
         self.ops = ops
-        inv_freq, scale = rope_inv_freq(head_dim, rope)
+        inv_freq, scale = rope_inv_freq(head_dim, rope, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # [max_positions, head_dim / 2]
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)

@@ -77,14 +77,18 @@ class ArchConfig:
         if partial != 1:
             raise CheckpointError(f"config.json of this {arch} has partial_rotary_factor {partial!r}; infer's "
                                   "rotary embedding turns whole heads (1.0) only")
-        if rope.get("rope_type", rope.get("type")) in ("llama3", "yarn"):  # HF: a top-level one wins, else the context
-            top = field.get("original_max_position_embeddings", int)
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind in ("llama3", "yarn", "longrope"):  # HF: a top-level one wins (Phi-3's class has 4096), else the
+            top = field.get("original_max_position_embeddings", int) or defaults.get("original_max_position_embeddings")
             rope["original_max_position_embeddings"] = top or rope.get("original_max_position_embeddings") \
                 or max_positions
-            if rope.get("rope_type", rope.get("type")) == "yarn" and "factor" in rope and rope["factor"] is None:
-                old = rope["original_max_position_embeddings"]  # HF: DeepSeek-V3's null factor is this ratio
+            # HF: YaRN's explicit null factor (DeepSeek-V3's), LongRoPE's absent one is this ratio
+            if kind == "yarn" and "factor" in rope and rope["factor"] is None or kind == "longrope" and \
+                    rope.get("factor") is None:
+                old = rope["original_max_position_embeddings"]
                 rope["factor"] = max_positions / old if isinstance(old, (int, float)) and old > 0 else None
-        check_rope(rope, arch)
+        head_dim = field.positive("head_dim", defaults.get("head_dim") or hidden // heads)
+        check_rope(rope, arch, head_dim)
         eos = field.get("eos_token_id", (int, list))
         # HF's default window (4096) applies where the key is absent; null means none
         window = field.get("sliding_window", int) if "sliding_window" in raw else defaults.get("sliding_window")
@@ -111,7 +115,7 @@ class ArchConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=field.positive("head_dim", defaults.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             intermediate_size=field.positive("intermediate_size"),
             vocab_size=field.positive("vocab_size"),
             rms_norm_eps=rms_norm_eps(field, defaults.get("rms_norm_eps", 1e-6)),
@@ -139,7 +143,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                          "sliding_window": 4096},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32,
                          "max_window_layers": 28, "sliding_window": 4096},
-    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                        "original_max_position_embeddings": 4096},
 }
 # which biases each HF architecture has: qkv True always, "flag" as attention_bias says, False never; o_proj with
 # the q/k/v bias when "o"; the MLP's as mlp_bias says when "mlp"
@@ -197,13 +202,16 @@ def rms_norm_eps(field: _Fields, default: float) -> float:
 
 ROPE_FIELDS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-               "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",)}
-OPTIONAL_ROPE_FIELDS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
+               "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",),
+               "longrope": ("factor", "original_max_position_embeddings")}
+OPTIONAL_ROPE_FIELDS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+                        "longrope": ("attention_factor",)}
 ZERO_IS_DEFAULT = frozenset({"beta_fast", "beta_slow", "mscale", "mscale_all_dim"})  # HF reads `value or default`
 
 
-def check_rope(rope: dict[str, Any], arch: str) -> None:
-    """The rope fields this rope type reads are present and positive numbers (its optional ones, where set)."""
+def check_rope(rope: dict[str, Any], arch: str, head_dim: int) -> None:
+    """The rope fields this rope type reads are present and positive numbers (its optional ones, where set), and
+    LongRoPE's short_factor and long_factor lists of head_dim / 2 of them."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_FIELDS:
         raise CheckpointError(f"unsupported rope_type {kind!r} in config.json of this {arch}; supported: "
@@ -216,6 +224,15 @@ def check_rope(rope: dict[str, Any], arch: str) -> None:
             raise CheckpointError(f"rope {kind!r} in config.json of this {arch} needs {key} as "
                                   f"{'a number >= 0' if zero else 'a positive number'}, got {value!r}; fix "
                                   "rope_parameters (or rope_scaling) in config.json")
+    for key in ("short_factor", "long_factor") if kind == "longrope" else ():
+        factors = rope.get(key)
+        if not isinstance(factors, list) or len(factors) != head_dim // 2 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in factors):
+            shown = f"a list of {len(factors)}" if isinstance(factors, list) and len(factors) != head_dim // 2 \
+                else repr(factors)
+            raise CheckpointError(f"rope 'longrope' in config.json of this {arch} needs {key} as a list of "
+                                  f"{head_dim // 2} positive numbers (one per pair of the head's {head_dim} "
+                                  f"dimensions), got {shown}; fix rope_parameters (or rope_scaling) in config.json")
     if kind == "yarn" and not isinstance(rope.get("truncate", True), (bool, type(None))):
         raise CheckpointError(f"rope 'yarn' in config.json of this {arch} needs truncate as true or false, got "
                               f"{rope['truncate']!r}; fix rope_parameters (or rope_scaling) in config.json")

@@ -25,9 +25,9 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 
     arch = ArchConfig.from_hf(hf_config)
     # linear RoPE scaling stretches the trained positions by its factor (e.g. a 4k model run at 16k), YaRN the
-    # original context (vLLM's rule: Qwen2.5's 32k max_position_embeddings at factor 4 is 128k); llama3-type
-    # configs already state the extended length; dynamic NTK runs within max_position_embeddings, where HF keeps
-    # the default frequencies (vLLM instead scales them for max_position_embeddings x factor, at every length)
+    # original context (vLLM's rule: Qwen2.5's 32k max_position_embeddings at factor 4 is 128k); llama3 and
+    # LongRoPE configs already state the extended length; dynamic NTK runs within max_position_embeddings, where HF
+    # keeps the default frequencies (vLLM instead scales them for max_position_embeddings x factor, at every length)
     scaling = arch.rope.get("rope_type", arch.rope.get("type", "default"))
     limit = arch.max_position_embeddings
     if scaling == "linear":
@@ -41,6 +41,11 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         raise ConfigError(f"max-model-len {max_len} exceeds the {limit} positions the model supports "
                           f"(max_position_embeddings {arch.max_position_embeddings}, rope {scaling}{dynamic}); use "
                           f"--max-model-len <= {limit}")
+    if scaling == "longrope" and max_len > int(arch.rope["original_max_position_embeddings"]):
+        old = int(arch.rope["original_max_position_embeddings"])
+        log.info("LongRoPE: the %d-position context exceeds the original %d, so every position turns by long_factor "
+                 "(vLLM's rule); HF turns sequences within %d positions by short_factor: --max-model-len %d gives "
+                 "its results there", max_len, old, old, old)
     merge = config.fuse_projections
     if merge is None:
         from ..core.loader import resolve_device

@@ -268,7 +268,9 @@ def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 64}}, "needs low_freq_factor"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},
-     "unsupported rope_type 'longrope' in config.json of this LlamaForCausalLM; supported: default, linear, llama3"),
+     "rope 'longrope' in config.json of this LlamaForCausalLM needs short_factor as a list of 8 positive numbers"),
+    ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}},  # "su" is Phi-3's name for it only
+     "unsupported rope_type 'su' in config.json of this LlamaForCausalLM; supported: default, linear, llama3"),
 ])
 def test_bad_config_fields_are_named(llama, tmp_path, fields, expected):
     assert expected in load_error(copy_of(llama, tmp_path / "m", fields))

@@ -322,6 +322,60 @@ def test_dynamic_ntk_rope_runs_as_hf_within_max_position_embeddings_and_no_furth
         Engine(EngineConfig(model=str(path), device="cpu", max_model_len=65, num_kv_blocks=32))
 
 
+LONGROPE = {"type": "longrope", "short_factor": [1.0, 1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
+
+
+@pytest.mark.parametrize(("arch", "rope", "top"), [
+    ("phi3", LONGROPE, {"original_max_position_embeddings": 16}),  # Phi-3.5-mini's shape: factor from the ratio
+    # Phi-3's older name for it ("su"; HF 5 loads it only with the original context in the rope dict too)
+    ("phi3", {**LONGROPE, "type": "su", "factor": 2.0, "original_max_position_embeddings": 16},
+     {"original_max_position_embeddings": 16}),
+    ("llama", {**LONGROPE, "rope_type": "longrope", "attention_factor": 1.3, "original_max_position_embeddings": 16},
+     {}),
+])
+def test_longrope_turns_by_long_factor_past_the_original_context_and_by_short_within_it(
+        tmp_path, hf_greedy, arch, rope, top, caplog):
+    """A context past the original: every position turns by long_factor, as HF turns a prompt longer than the
+    original (logits within 1e-4, greedy tokens); --max-model-len within it: by short_factor, as HF turns sequences
+    that fit there."""
+    from transformers import AutoModelForCausalLM
+
+    path = edited_model(tmp_path / "m", arch, lambda c: c.update(rope_scaling=rope, **top), max_position_embeddings=64)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    unscaled = AutoModelForCausalLM.from_pretrained(str(edited_model(  # the same weights without LongRoPE
+        tmp_path / "plain", arch, lambda c: None, max_position_embeddings=64)), dtype=torch.float32).eval()
+    for context, length, generated in ((None, 40, 20), (16, 8, 8)):
+        with caplog.at_level("INFO", logger="infer"):
+            caplog.clear()
+            engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, max_model_len=context))
+        assert ("every position turns by long_factor" in caplog.text) == (context is None)
+        prompt = prompts(engine.loaded.model.spec.vocab_size, [length])[0]
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0, -1]
+            assert (unscaled(torch.tensor([prompt])).logits[0, -1] - ref).norm() / ref.norm() > 1e-2
+        assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+        params = SamplingParams(max_tokens=generated, temperature=0.0, ignore_eos=True)
+        assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, generated)
+
+
+def test_phi3s_original_context_is_its_classs_4096_where_the_top_level_has_none(tmp_path, hf_greedy, caplog):
+    """HF's Phi3Config has original_max_position_embeddings 4096, which wins over the rope dict's: a 64-position
+    context is then within the original, turned by short_factor."""
+    rope = {**LONGROPE, "original_max_position_embeddings": 16}
+    path = edited_model(tmp_path / "m", "phi3", lambda c: (c.update(rope_scaling=rope),
+                                                           c.pop("original_max_position_embeddings", None)),
+                        max_position_embeddings=64)
+    with caplog.at_level("INFO", logger="infer"):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
+    assert "long_factor" not in caplog.text
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [40])[0]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, 20)
+
+
 def test_yarn_extends_the_context_to_the_original_times_its_factor(tmp_path):
     """vLLM's rule: Qwen2.5's max_position_embeddings 32768 with YaRN factor 4 (original 32768) serves 131072, by
     default too; a product below max_position_embeddings is the context as well."""
@@ -531,8 +585,15 @@ def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):
             ("c", "phi3", lambda c: c["rope_parameters"].update(partial_rotary_factor=0.75),
              "has partial_rotary_factor 0.75; infer's rotary embedding turns whole heads"),
             ("d", "phi3", lambda c: c.update(rope_scaling={"type": "su", "short_factor": [1.0] * 8,
+                                                           "long_factor": [2.0] * 7}),
+             "rope 'longrope' in config.json of this Phi3ForCausalLM needs long_factor as a list of 8 positive "
+             "numbers .one per pair of the head's 16 dimensions., got a list of 7;"),
+            ("i", "phi3", lambda c: c.update(rope_scaling={"type": "longrope", "short_factor": [1.0] * 7 + [0],
                                                            "long_factor": [2.0] * 8}),
-             "unsupported rope_type 'longrope' in config.json of this Phi3ForCausalLM"),
+             "needs short_factor as a list of 8 positive numbers .*got \\[1.0, "),
+            ("j", "llama", lambda c: c.update(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                                                            "long_factor": [2.0] * 8, "attention_factor": -1}),
+             "rope 'longrope' in config.json of this LlamaForCausalLM needs attention_factor as a positive number"),
             ("e", "llama", lambda c: c.update(rms_norm_eps=float("inf")), "rms_norm_eps = inf; it must be a finite"),
             ("f", "llama", lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps = nan; it must be a finite"),
             ("g", "llama", lambda c: c.update(hidden_act=""), "has hidden_act ''; infer's MLP computes silu"),
