@@ -90,13 +90,19 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hk, D], cos/sin [max_pos, D/2] -> rotated (q, k); new tensors unless ``inplace``."""
+    """q [T, Hq, D], k [T, Hk, D], cos/sin [max_pos, R/2] -> (q, k) with the first R dimensions of each head
+    rotated (R <= D: a partial rotation passes the rest); new tensors unless ``inplace``."""
     if any(t.stride(-1) != 1 for t in (q, k, cos, sin, positions)):
         raise ValueError("rotary_embedding needs q, k, cos and sin with a contiguous last dimension, and contiguous "
                          "positions")
-    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    num_tokens, half = q.shape[0], q.shape[-1] // 2
+    half = cos.shape[-1]
+    if not 0 < 2 * half <= q.shape[-1]:
+        raise ValueError(f"rotary_embedding turns 2 x {half} dimensions (the cos table's width), more than the "
+                         f"{q.shape[-1]} of a head")
+    passed = 2 * half < q.shape[-1]  # the kernel writes the turned dimensions only
+    q_out = q if inplace else q.clone() if passed else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k if inplace else k.clone() if passed else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    num_tokens = q.shape[0]
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
             positions, q, k, q_out, k_out, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -117,15 +117,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox rotary: q [T, Hq, D], k [T, Hk, D], cos/sin tables [max_pos, D/2] -> rotated copies, computed in float32
-    (HF rotates in the model's dtype: the same in float32; in bf16/fp16 this rounds once, HF at every product)."""
+    """Neox rotary: q [T, Hq, D], k [T, Hk, D], cos/sin tables [max_pos, R/2] -> rotated copies, computed in float32
+    (HF rotates in the model's dtype: the same in float32; in bf16/fp16 this rounds once, HF at every product). The
+    first R dimensions of each head turn (R = D but for a partial rotation, Phi-4-mini's), the rest pass as they are."""
     c, s = cos[positions].float().unsqueeze(1), sin[positions].float().unsqueeze(1)
     return _rotate(q, c, s), _rotate(k, c, s)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    turned = 2 * cos.shape[-1]
+    x1, x2 = x[..., :turned].float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return out if turned == x.shape[-1] else torch.cat((out, x[..., turned:]), dim=-1)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -250,15 +253,16 @@ def yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, rope: dict[str, Any]) 
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), with a precomputed cos/sin table up to ``max_positions``."""
+    """Neox-style rotary embedding (rotate halves) of the first ``rotary_dim`` dimensions of each head, with a
+    precomputed cos/sin table up to ``max_positions``."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any], ops: PointwiseOps = TORCH_OPS
+    def __init__(self, rotary_dim: int, max_positions: int, rope: dict[str, Any], ops: PointwiseOps = TORCH_OPS
                  ) -> None:
         super().__init__()
         self.ops = ops
-        inv_freq, scale = rope_inv_freq(head_dim, rope, max_positions)
+        inv_freq, scale = rope_inv_freq(rotary_dim, rope, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # [max_positions, head_dim / 2]
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # [max_positions, rotary_dim / 2]
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

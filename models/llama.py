@@ -31,6 +31,7 @@ class ArchConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotary_dim: int  # the first rotary_dim dimensions of each head turn (head_dim but for a partial rotation)
     intermediate_size: int
     vocab_size: int
     rms_norm_eps: float
@@ -73,10 +74,6 @@ class ArchConfig:
         rope.setdefault("rope_theta", 10000.0 if theta is None else theta)
         if arch == "Phi3ForCausalLM" and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
             rope["rope_type"] = "longrope"  # HF's Phi3Config reads both so
-        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-        if partial != 1:
-            raise CheckpointError(f"config.json of this {arch} has partial_rotary_factor {partial!r}; infer's "
-                                  "rotary embedding turns whole heads (1.0) only")
         kind = rope.get("rope_type", rope.get("type"))
         if kind in ("llama3", "yarn", "longrope"):  # HF: a top-level one wins (Phi-3's class has 4096), else the
             top = field.get("original_max_position_embeddings", int) or defaults.get("original_max_position_embeddings")
@@ -88,7 +85,9 @@ class ArchConfig:
                 old = rope["original_max_position_embeddings"]
                 rope["factor"] = max_positions / old if isinstance(old, (int, float)) and old > 0 else None
         head_dim = field.positive("head_dim", defaults.get("head_dim") or hidden // heads)
-        check_rope(rope, arch, head_dim)
+        rotary_dim = rotary_dimensions(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)),
+                                       head_dim, arch)
+        check_rope(rope, arch, rotary_dim)
         eos = field.get("eos_token_id", (int, list))
         # HF's default window (4096) applies where the key is absent; null means none
         window = field.get("sliding_window", int) if "sliding_window" in raw else defaults.get("sliding_window")
@@ -116,6 +115,7 @@ class ArchConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
+            rotary_dim=rotary_dim,
             intermediate_size=field.positive("intermediate_size"),
             vocab_size=field.positive("vocab_size"),
             rms_norm_eps=rms_norm_eps(field, defaults.get("rms_norm_eps", 1e-6)),
@@ -209,9 +209,26 @@ OPTIONAL_ROPE_FIELDS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "
 ZERO_IS_DEFAULT = frozenset({"beta_fast", "beta_slow", "mscale", "mscale_all_dim"})  # HF reads `value or default`
 
 
-def check_rope(rope: dict[str, Any], arch: str, head_dim: int) -> None:
+def rotary_dimensions(partial: object, head_dim: int, arch: str) -> int:
+    """How many dimensions of each head turn: all, or (Phi-3's partial_rotary_factor, HF's int(head_dim x it)) the
+    first ones; HF's other classes turn whole heads."""
+    if partial == 1:
+        return head_dim
+    if arch != "Phi3ForCausalLM":
+        raise CheckpointError(f"config.json of this {arch} has partial_rotary_factor {partial!r}; transformers' "
+                              f"{arch} turns whole heads (1.0); only Phi3ForCausalLM turns part of them")
+    turned = int(head_dim * partial) if isinstance(partial, (int, float)) and not isinstance(partial, bool) and \
+        0 < partial < 1 else 0
+    if turned < 2 or turned % 2:
+        raise CheckpointError(f"config.json of this {arch} has partial_rotary_factor {partial!r}; it must be in "
+                              f"(0, 1] and turn an even number of the head's {head_dim} dimensions (rotary "
+                              "embeddings turn pairs); fix config.json")
+    return turned
+
+
+def check_rope(rope: dict[str, Any], arch: str, rotary_dim: int) -> None:
     """The rope fields this rope type reads are present and positive numbers (its optional ones, where set), and
-    LongRoPE's short_factor and long_factor lists of head_dim / 2 of them."""
+    LongRoPE's short_factor and long_factor lists of rotary_dim / 2 of them."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_FIELDS:
         raise CheckpointError(f"unsupported rope_type {kind!r} in config.json of this {arch}; supported: "
@@ -226,13 +243,14 @@ def check_rope(rope: dict[str, Any], arch: str, head_dim: int) -> None:
                                   "rope_parameters (or rope_scaling) in config.json")
     for key in ("short_factor", "long_factor") if kind == "longrope" else ():
         factors = rope.get(key)
-        if not isinstance(factors, list) or len(factors) != head_dim // 2 or not all(
+        if not isinstance(factors, list) or len(factors) != rotary_dim // 2 or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in factors):
-            shown = f"a list of {len(factors)}" if isinstance(factors, list) and len(factors) != head_dim // 2 \
+            shown = f"a list of {len(factors)}" if isinstance(factors, list) and len(factors) != rotary_dim // 2 \
                 else repr(factors)
             raise CheckpointError(f"rope 'longrope' in config.json of this {arch} needs {key} as a list of "
-                                  f"{head_dim // 2} positive numbers (one per pair of the head's {head_dim} "
-                                  f"dimensions), got {shown}; fix rope_parameters (or rope_scaling) in config.json")
+                                  f"{rotary_dim // 2} positive numbers (one per pair of the {rotary_dim} "
+                                  f"dimensions that turn), got {shown}; fix rope_parameters (or rope_scaling) in "
+                                  "config.json")
     if kind == "yarn" and not isinstance(rope.get("truncate", True), (bool, type(None))):
         raise CheckpointError(f"rope 'yarn' in config.json of this {arch} needs truncate as true or false, got "
                               f"{rope['truncate']!r}; fix rope_parameters (or rope_scaling) in config.json")
@@ -337,7 +355,7 @@ class LlamaFamilyModel(Model):
             DecoderLayer(cfg, f"model.layers.{i}", quant, dtype, ops, windows[i]) for i in range(cfg.num_layers)
         )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, ops)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope, ops)
         # a quant method that takes the head gets its own copy of a tied one (quantized from the embedding on load)
         own_head = quant is not None and quant.quantizes_tied_head and quant.applies_to("lm_head")
         self.lm_head = None if cfg.tie_word_embeddings and not own_head else Linear(

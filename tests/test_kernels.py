@@ -247,16 +247,20 @@ def test_rms_norm(device: torch.device, dtype: torch.dtype, with_residual: bool)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inplace", [False, True])
-def test_rotary_embedding(device: torch.device, dtype: torch.dtype, inplace: bool) -> None:
+@pytest.mark.parametrize("rotary_dim", [32, 24])  # whole heads; Phi-4-mini's partial rotation (3/4 of each head)
+def test_rotary_embedding(device: torch.device, dtype: torch.dtype, inplace: bool, rotary_dim: int) -> None:
     torch.manual_seed(2)
-    rope = layers.RotaryEmbedding(32, 64, {"rope_theta": 10000.0}).to(device)
+    rope = layers.RotaryEmbedding(rotary_dim, 64, {"rope_theta": 10000.0}).to(device)
     qkv = torch.randn(6, 4 + 2 + 2, 32, dtype=dtype, device=device)
     q, k = qkv[:, :4], qkv[:, 4:6]  # strided views of a fused projection
     positions = torch.tensor([0, 5, 63, 1, 7, 30], device=device)
     ref_q, ref_k = layers.apply_rotary(positions, q, k, rope.cos, rope.sin)
+    before = q.clone(), k.clone()
     got_q, got_k = ops.rotary_embedding(positions, q, k, rope.cos, rope.sin, inplace=inplace)
     torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
     torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
+    for got, original in zip((got_q, got_k), before):  # the dimensions past rotary_dim pass as they were
+        assert torch.equal(got[..., rotary_dim:], original[..., rotary_dim:])
     if inplace:
         assert got_q.data_ptr() == q.data_ptr()
 

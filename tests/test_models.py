@@ -361,6 +361,35 @@ def test_longrope_turns_by_long_factor_past_the_original_context_and_by_short_wi
         assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, generated)
 
 
+@pytest.mark.parametrize("fused_ops", [False, True])
+def test_phi4_minis_partial_rotation_runs_what_hf_runs(tmp_path, hf_greedy, fused_ops):
+    """Phi-4-mini turns 3/4 of each head (partial_rotary_factor 0.75: here 12 of 16 dimensions, the rest pass) by
+    LongRoPE tables of 6 factors, with tied embeddings: logits within 1e-4 of HF's and greedy tokens, with the torch
+    ops and with the Triton kernels."""
+    from transformers import AutoModelForCausalLM
+
+    rope = {"type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]}
+    whole = {**rope, "short_factor": rope["short_factor"] + [1.6, 1.7], "long_factor": rope["long_factor"] + [20, 24]}
+    path, turned = (edited_model(tmp_path / name, "phi3", lambda c: c.update(
+        rope_scaling=table, partial_rotary_factor=partial, original_max_position_embeddings=16),
+        max_position_embeddings=64, tie_word_embeddings=True) for name, table, partial in (
+            ("m", rope, 0.75), ("whole", whole, 1.0)))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, fused_ops=fused_ops))
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [40])[0]
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0, -1]
+        whole_ref = AutoModelForCausalLM.from_pretrained(str(turned), dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0, -1]
+    assert (whole_ref - ref).norm() / ref.norm() > 1e-2  # the same weights turning whole heads
+    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, 20)
+
+
 def test_phi3s_original_context_is_its_classs_4096_where_the_top_level_has_none(tmp_path, hf_greedy, caplog):
     """HF's Phi3Config has original_max_position_embeddings 4096, which wins over the rope dict's: a 64-position
     context is then within the original, turned by short_factor."""
@@ -581,13 +610,15 @@ def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):
             ("a", "llama", lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps = -1e-06"),
             ("b", "llama", lambda c: (c.pop("rope_parameters", None), c.update(rope_theta=0)),
              "needs rope_theta as a positive number, got 0"),
-            # Phi-4-mini's partial rotation; Phi-3's config reads "su" and "yarn" as longrope
-            ("c", "phi3", lambda c: c["rope_parameters"].update(partial_rotary_factor=0.75),
-             "has partial_rotary_factor 0.75; infer's rotary embedding turns whole heads"),
+            # a partial rotation: HF's Phi3 only; one of an odd number of dimensions (16 x 0.1 -> 1)
+            ("c", "llama", lambda c: c["rope_parameters"].update(partial_rotary_factor=0.75),
+             "has partial_rotary_factor 0.75; transformers' LlamaForCausalLM turns whole heads"),
+            ("k", "phi3", lambda c: c["rope_parameters"].update(partial_rotary_factor=0.1),
+             "has partial_rotary_factor 0.1; it must be in .0, 1. and turn an even number of the head's 16"),
             ("d", "phi3", lambda c: c.update(rope_scaling={"type": "su", "short_factor": [1.0] * 8,
                                                            "long_factor": [2.0] * 7}),
              "rope 'longrope' in config.json of this Phi3ForCausalLM needs long_factor as a list of 8 positive "
-             "numbers .one per pair of the head's 16 dimensions., got a list of 7;"),
+             "numbers .one per pair of the 16 dimensions that turn., got a list of 7;"),
             ("i", "phi3", lambda c: c.update(rope_scaling={"type": "longrope", "short_factor": [1.0] * 7 + [0],
                                                            "long_factor": [2.0] * 8}),
              "needs short_factor as a list of 8 positive numbers .*got \\[1.0, "),

@@ -741,7 +741,7 @@ def test_runner_keeps_fp8_scales_next_to_the_cache() -> None:
     from infer.models.llama import ArchConfig, LlamaFamilyModel
     from infer.plugins.torch_attention import TorchAttention
 
-    cfg = ArchConfig("LlamaForCausalLM", 32, 2, 4, 2, 8, 64, 100, 1e-6, 64, False, False, False, False, False)
+    cfg = ArchConfig("LlamaForCausalLM", 32, 2, 4, 2, 8, 8, 64, 100, 1e-6, 64, False, False, False, False, False)
     model = LlamaFamilyModel(cfg, None, torch.float32, 64)
     scales = [(torch.full((2,), 0.1), torch.full((2,), 0.2)) for _ in range(2)]
     runner = ModelRunner(model, TorchAttention(), 4, 16, torch.float32, torch.device("cpu"), 0,
