@@ -247,7 +247,9 @@ def check_rope(rope: dict[str, Any], arch: str, rotary_dim: int) -> None:
                 isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in factors):
             shown = f"a list of {len(factors)}" if isinstance(factors, list) and len(factors) != rotary_dim // 2 \
                 else repr(factors)
-            raise CheckpointError(f"rope 'longrope' in config.json of this {arch} needs {key} as a list of "
+            alias = " (Phi-3 reads rope types 'su' and 'yarn' as 'longrope', as HF does)" \
+                if arch == "Phi3ForCausalLM" else ""
+            raise CheckpointError(f"rope 'longrope' in config.json of this {arch}{alias} needs {key} as a list of "
                                   f"{rotary_dim // 2} positive numbers (one per pair of the {rotary_dim} "
                                   f"dimensions that turn), got {shown}; fix rope_parameters (or rope_scaling) in "
                                   "config.json")

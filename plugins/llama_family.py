@@ -34,18 +34,22 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         limit = int(limit * float(arch.rope["factor"]))
     elif scaling == "yarn":
         limit = int(float(arch.rope["original_max_position_embeddings"]) * float(arch.rope["factor"]))
-    max_len = config.max_model_len or limit  # the scaled context by default, as vLLM derives it
+    # the scaled context by default, as vLLM derives it; LongRoPE's original one (vLLM's default too): past it,
+    # every position turns by long_factor (see models/layers.py longrope_inv_freq)
+    original = int(arch.rope["original_max_position_embeddings"]) if scaling == "longrope" else limit
+    max_len = config.max_model_len or min(limit, original)
     if max_len > limit:
         dynamic = "; past it, HF's dynamic NTK scaling changes the RoPE frequencies with each sequence's length, " \
             "which infer does not follow" if scaling == "dynamic" else ""
         raise ConfigError(f"max-model-len {max_len} exceeds the {limit} positions the model supports "
                           f"(max_position_embeddings {arch.max_position_embeddings}, rope {scaling}{dynamic}); use "
                           f"--max-model-len <= {limit}")
-    if scaling == "longrope" and max_len > int(arch.rope["original_max_position_embeddings"]):
-        old = int(arch.rope["original_max_position_embeddings"])
+    if max_len > original:
         log.info("LongRoPE: the %d-position context exceeds the original %d, so every position turns by long_factor "
-                 "(vLLM's rule); HF turns sequences within %d positions by short_factor: --max-model-len %d gives "
-                 "its results there", max_len, old, old, old)
+                 "(vLLM's rule); HF turns sequences within %d positions by short_factor", max_len, original, original)
+    elif config.max_model_len is None and limit > original:
+        log.info("LongRoPE: serving the original %d positions, turned by short_factor (vLLM's default); "
+                 "--max-model-len up to %d serves more, every position then turned by long_factor", original, limit)
     merge = config.fuse_projections
     if merge is None:
         from ..core.loader import resolve_device

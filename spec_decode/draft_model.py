@@ -70,8 +70,7 @@ class DraftModelProposer(Proposer):
         if not Path(path).is_dir():
             raise CheckpointError(f"draft model folder {str(path)!r} does not exist; pass --draft-model DIR with a "
                                   "local HF folder of a small model that shares the target's tokenizer")
-        draft_config = config.replace(model=str(path), quant=None, max_model_len=None, num_kv_blocks=None)
-        draft = load_model(draft_config, plugins, Path(path))
+        draft = load_draft(config.replace(model=str(path), quant=None, num_kv_blocks=None), target, plugins)
         check_same_vocab(target, draft)
         attention_name = config.attention or (  # the engine passes its own, resolved
             "triton" if draft.device.type == "cuda" and "triton" in plugins.registry("attention_backend") else "torch")
@@ -312,6 +311,17 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
                               f"({len(t_vocab)} and {len(d_vocab)} tokens, {len(differing)} of them with different "
                               f"ids, e.g. {examples}); speculative decoding needs a draft trained with the "
                               "target's tokenizer")
+
+
+def load_draft(config: EngineConfig, target: LoadedModel, plugins: PluginManager) -> LoadedModel:
+    """The draft built for the target's context (its RoPE tables are those the target's sequences need: LongRoPE
+    picks one by the context), or for its own default where it cannot serve that long (a ConfigError says so before
+    any weight is read)."""
+    path = Path(config.model)
+    try:
+        return load_model(config.replace(max_model_len=target.model.spec.max_model_len), plugins, path)
+    except ConfigError:
+        return load_model(config.replace(max_model_len=None), plugins, path)
 
 
 def draft_kv_blocks(config: EngineConfig, draft: LoadedModel) -> int:

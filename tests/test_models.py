@@ -328,28 +328,30 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0, 1.0, 1.02, 1.05, 1.1, 1.2,
 
 @pytest.mark.parametrize(("arch", "rope", "top"), [
     ("phi3", LONGROPE, {"original_max_position_embeddings": 16}),  # Phi-3.5-mini's shape: factor from the ratio
-    # Phi-3's older name for it ("su"; HF 5 loads it only with the original context in the rope dict too)
+    # Phi-3's older names for it ("su": HF 5 loads it only with the original context in the rope dict too)
     ("phi3", {**LONGROPE, "type": "su", "factor": 2.0, "original_max_position_embeddings": 16},
      {"original_max_position_embeddings": 16}),
+    ("phi3", {**LONGROPE, "type": "yarn"}, {"original_max_position_embeddings": 16}),
     ("llama", {**LONGROPE, "rope_type": "longrope", "attention_factor": 1.3, "original_max_position_embeddings": 16},
      {}),
 ])
 def test_longrope_turns_by_long_factor_past_the_original_context_and_by_short_within_it(
         tmp_path, hf_greedy, arch, rope, top, caplog):
-    """A context past the original: every position turns by long_factor, as HF turns a prompt longer than the
-    original (logits within 1e-4, greedy tokens); --max-model-len within it: by short_factor, as HF turns sequences
-    that fit there."""
+    """A context past the original (--max-model-len 64): every position turns by long_factor, as HF turns a prompt
+    longer than the original (logits within 1e-4, greedy tokens); the default context, the original (vLLM's
+    default): by short_factor, as HF turns sequences that fit there."""
     from transformers import AutoModelForCausalLM
 
     path = edited_model(tmp_path / "m", arch, lambda c: c.update(rope_scaling=rope, **top), max_position_embeddings=64)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     unscaled = AutoModelForCausalLM.from_pretrained(str(edited_model(  # the same weights without LongRoPE
         tmp_path / "plain", arch, lambda c: None, max_position_embeddings=64)), dtype=torch.float32).eval()
-    for context, length, generated in ((None, 40, 20), (16, 8, 8)):
+    for context, length, generated in ((64, 40, 20), (None, 8, 8)):
         with caplog.at_level("INFO", logger="infer"):
             caplog.clear()
             engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, max_model_len=context))
-        assert ("every position turns by long_factor" in caplog.text) == (context is None)
+        assert engine.max_model_len == (context or 16)
+        assert ("exceeds the original 16, so every position turns by long_factor" in caplog.text) == bool(context)
         prompt = prompts(engine.loaded.model.spec.vocab_size, [length])[0]
         engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
         _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
@@ -375,7 +377,8 @@ def test_phi4_minis_partial_rotation_runs_what_hf_runs(tmp_path, hf_greedy, fuse
         rope_scaling=table, partial_rotary_factor=partial, original_max_position_embeddings=16),
         max_position_embeddings=64, tie_word_embeddings=True) for name, table, partial in (
             ("m", rope, 0.75), ("whole", whole, 1.0)))
-    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, fused_ops=fused_ops))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, fused_ops=fused_ops,
+                                 max_model_len=64))
     prompt = prompts(engine.loaded.model.spec.vocab_size, [40])[0]
     engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
@@ -617,8 +620,12 @@ def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):
              "has partial_rotary_factor 0.1; it must be in .0, 1. and turn an even number of the head's 16"),
             ("d", "phi3", lambda c: c.update(rope_scaling={"type": "su", "short_factor": [1.0] * 8,
                                                            "long_factor": [2.0] * 7}),
-             "rope 'longrope' in config.json of this Phi3ForCausalLM needs long_factor as a list of 8 positive "
+             "rope 'longrope' in config.json of this Phi3ForCausalLM .Phi-3 reads rope types 'su' and 'yarn' as "
+             "'longrope', as HF does. needs long_factor as a list of 8 positive "
              "numbers .one per pair of the 16 dimensions that turn., got a list of 7;"),
+            ("l", "phi3", lambda c: c.update(rope_scaling={"type": "yarn", "short_factor": [1.0] * 9,
+                                                           "long_factor": [2.0] * 8}),
+             "needs short_factor as a list of 8 positive numbers .*got a list of 9;"),
             ("i", "phi3", lambda c: c.update(rope_scaling={"type": "longrope", "short_factor": [1.0] * 7 + [0],
                                                            "long_factor": [2.0] * 8}),
              "needs short_factor as a list of 8 positive numbers .*got \\[1.0, "),

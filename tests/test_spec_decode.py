@@ -381,6 +381,29 @@ def test_a_draft_with_a_shorter_context_is_warned_about_at_load(tmp_path, caplog
                for r in caplog.records)
 
 
+def test_the_draft_is_built_for_the_targets_context(tmp_path):
+    """LongRoPE picks its table by the served context: a LongRoPE draft beside a target served within the original
+    context turns by short_factor as the target does, and by long_factor beside one served past it."""
+    import torch
+
+    from infer.models.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", "phi3", max_position_embeddings=64)
+    config = json.loads((path / "config.json").read_text())
+    config.update(original_max_position_embeddings=16, rope_scaling={
+        "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [float(2 + i) for i in range(8)]})
+    (path / "config.json").write_text(json.dumps(config))
+    tables = []
+    for context in (None, 64):
+        e = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, max_model_len=context,
+                                proposer="draft-model", draft_model=str(path), num_speculative_tokens=2))
+        target, draft = e.loaded.model, e.spec.proposer.draft.model
+        assert draft.spec.max_model_len == target.spec.max_model_len == (context or 16)
+        assert torch.equal(draft.rotary.cos, target.rotary.cos)
+        tables.append(target.rotary.cos)
+    assert not torch.equal(tables[0], tables[1][:16])  # short_factor, then long_factor
+
+
 def test_new_drafts_prefill_within_the_token_budget():
     """A draft shadow prefills its sequence's whole context, even where the target served most of it from the
     prefix cache: six requests on a cached prefix used to put all their contexts into one draft forward, whatever
