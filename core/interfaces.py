@@ -1,6 +1,7 @@
 """The small ABCs that plugins implement. Each method's docstring is its contract."""
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, MutableSequence
 from dataclasses import dataclass, field
@@ -406,6 +407,15 @@ class AttentionBackend(ABC):
         When the cache is fp8 (``--kv-cache-dtype fp8``), quantize on write and dequantize on read with the scales
         of :func:`kv_cache_scales`; a backend that cannot must raise PluginError in its factory.
         """
+
+    def takes_window(self) -> bool:
+        """``supports_sliding_window``, held to ``forward``'s signature: a subclass of a shipped backend that
+        overrides forward without a ``window`` parameter (as written before backends had one) inherits the flag but
+        cannot take it, so the engine runs it as one without."""
+        if not self.supports_sliding_window:
+            return False
+        parameters = inspect.signature(self.forward).parameters.values()
+        return any(p.name == "window" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:

@@ -49,7 +49,7 @@ def fit_sliding_window(model: Model, attention: AttentionBackend, max_model_len:
     (where no position can see past it): a ConfigError for an explicit ``max_model_len`` beyond it, else a warning."""
     spec = model.spec
     window = spec.sliding_window
-    if window is None or attention.supports_sliding_window or spec.max_model_len <= window:
+    if window is None or attention.takes_window() or spec.max_model_len <= window:
         return
     backend = type(attention).__name__
     if max_model_len is not None:

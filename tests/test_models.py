@@ -560,6 +560,29 @@ def test_a_backend_without_a_sliding_window_runs_the_model_within_its_window(tmp
         Plain().attend(torch.zeros(1, 4, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), None, meta, 1.0, window=16)
 
 
+def test_a_plugin_backend_whose_forward_takes_no_window_runs_within_the_window(tmp_path, infer_plugins, caplog):
+    """A TorchAttention subclass written before backends had windows overrides forward(q, k, v, kv_cache, meta,
+    scale): it inherits supports_sliding_window but cannot take one, so the context is cut to the window (it
+    generated until its first context past the window, then failed with a TypeError)."""
+    from infer.core.hookspecs import hookimpl
+    from infer.plugins.torch_attention import TorchAttention
+
+    class Old(TorchAttention):
+        def forward(self, q, k, v, kv_cache, meta, scale):
+            return super().forward(q, k, v, kv_cache, meta, scale)
+
+    module = types.ModuleType("old")
+    module.register_attention_backends = hookimpl(lambda register: register("old", lambda config: Old()))
+    infer_plugins.register(module, name="old", source="tests")
+    path = edited_model(tmp_path / "m", "mistral", SLIDING["mistral"])
+    with caplog.at_level("WARNING", logger="infer"):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", attention="old", num_kv_blocks=16),
+                        infer_plugins)
+    assert engine.max_model_len == 16 and "attention backend Old has no sliding window" in caplog.text
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 12
+
+
 def test_other_activations_are_refused(tmp_path):
     from infer.core.errors import CheckpointError
 
