@@ -14,6 +14,7 @@ from ..core.loader import checkpoint_dtype
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
 from ..core.model import Model
 from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, UnquantizedMethod, merge_linears
+from .moe import MoeConfig, SparseMoe
 
 
 # compressed-tensors' kv_cache_scheme tensors (and the older per-projection form)
@@ -48,6 +49,7 @@ class ArchConfig:
     sliding_layers: tuple[bool, ...] = ()  # per layer: whether it attends within sliding_window (else all keys)
     torch_dtype: str | None = None
     quantization_config: dict[str, Any] | None = None
+    moe: MoeConfig | None = None  # the sparse experts of Mixtral and Qwen3-MoE
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ArchConfig:
@@ -103,7 +105,9 @@ class ArchConfig:
             sliding = tuple(kind == "sliding_attention" for kind in types) if isinstance(types, list) and \
                 len(types) == num_layers else tuple(i >= first for i in range(num_layers))
             window = window if field.get("use_sliding_window", bool) and any(sliding) else None
-        elif arch not in ("MistralForCausalLM", "Phi3ForCausalLM"):  # Llama never slides
+        elif arch == "Qwen3MoeForCausalLM":  # every layer slides with use_sliding_window
+            window = window if field.get("use_sliding_window", bool) else None
+        elif arch not in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):  # Llama never slides
             window = None
         biases = BIASES.get(arch, BIASES["LlamaForCausalLM"])
         qkv = biases["qkv"]
@@ -124,7 +128,7 @@ class ArchConfig:
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and biases["o"],
             mlp_bias=biases["mlp"] and bool(field.get("mlp_bias", bool)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope=rope,
             fused_projections=arch == "Phi3ForCausalLM",
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
@@ -132,6 +136,7 @@ class ArchConfig:
             sliding_layers=sliding if window else (),
             torch_dtype=checkpoint_dtype(raw),
             quantization_config=raw.get("quantization_config"),
+            moe=moe_config(field, num_layers),
         )
 
 
@@ -145,6 +150,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                          "max_window_layers": 28, "sliding_window": 4096},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                         "original_max_position_embeddings": 4096},
+    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096},
 }
 # which biases each HF architecture has: qkv True always, "flag" as attention_bias says, False never; o_proj with
 # the q/k/v bias when "o"; the MLP's as mlp_bias says when "mlp"
@@ -154,7 +161,35 @@ BIASES: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"qkv": True, "o": False, "mlp": False},
     "Qwen3ForCausalLM": {"qkv": "flag", "o": True, "mlp": False},
     "Phi3ForCausalLM": {"qkv": False, "o": False, "mlp": False},
+    "MixtralForCausalLM": {"qkv": False, "o": False, "mlp": False},
+    "Qwen3MoeForCausalLM": {"qkv": "flag", "o": True, "mlp": False},
 }
+
+
+def moe_config(field: _Fields, num_layers: int) -> MoeConfig | None:
+    """The experts as HF's class reads them: Mixtral's num_local_experts (8) of intermediate_size in every layer;
+    Qwen3-MoE's num_experts (128) of moe_intermediate_size (768) in layer i unless i is in mlp_only_layers or
+    (i + 1) is no multiple of decoder_sparse_step."""
+    if field.arch == "MixtralForCausalLM":
+        experts = field.positive("num_local_experts", 8)
+        moe = MoeConfig(experts, field.positive("num_experts_per_tok", 2), field.positive("intermediate_size"), True,
+                        True, "block_sparse_moe", ("w1", "w3", "w2"), (True,) * num_layers)
+    elif field.arch == "Qwen3MoeForCausalLM":
+        experts = field.get("num_local_experts", int)  # transformers 5 writes this name; older exports the other
+        experts = field.get("num_experts", int) if experts is None else experts
+        experts = 128 if experts is None else experts
+        step = field.positive("decoder_sparse_step", 1)
+        dense = field.get("mlp_only_layers", list) or []
+        sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        moe = MoeConfig(experts, field.positive("num_experts_per_tok", 8), field.positive("moe_intermediate_size", 768),
+                        bool(field.get("norm_topk_prob", bool)), False, "mlp", ("gate_proj", "up_proj", "down_proj"),
+                        sparse)
+    else:
+        return None
+    if any(moe.sparse_layers) and moe.top_k > moe.num_experts:
+        raise CheckpointError(f"config.json of this {field.arch} routes each token to {moe.top_k} experts "
+                              f"(num_experts_per_tok) of {moe.num_experts}; fix config.json")
+    return moe
 
 
 @dataclass
@@ -327,12 +362,21 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
-                 ops: PointwiseOps, window: int | None = None) -> None:
+                 ops: PointwiseOps, window: int | None = None, sparse: bool = False) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", quant, dtype, ops, window)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops)
+        self.feed_forward = "mlp"  # the submodule's name, as the checkpoint has it
+        if sparse and cfg.moe is not None:
+            self.feed_forward = cfg.moe.block
+            self.add_module(cfg.moe.block, SparseMoe(cfg.moe, cfg.hidden_size, dtype, ops.silu_and_mul,
+                                                     fused=ops.name == "triton"))
+        else:
+            self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+
+    def ffn(self) -> MLP | SparseMoe:
+        return getattr(self, self.feed_forward)
 
 
 class LlamaFamilyModel(Model):
@@ -353,9 +397,10 @@ class LlamaFamilyModel(Model):
                                                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.model.embed_tokens.weight.requires_grad_(False)
         windows = [cfg.sliding_window if slides else None for slides in cfg.sliding_layers] or [None] * cfg.num_layers
+        sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, f"model.layers.{i}", quant, dtype, ops, windows[i]) for i in range(cfg.num_layers)
-        )
+            DecoderLayer(cfg, f"model.layers.{i}", quant, dtype, ops, windows[i], sparse[i])
+            for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope, ops)
         # a quant method that takes the head gets its own copy of a tied one (quantized from the embedding on load)
@@ -377,7 +422,7 @@ class LlamaFamilyModel(Model):
                 hidden, residual = layer.input_layernorm(hidden, residual)
             hidden = layer.self_attn(hidden, positions, self.rotary, kv_cache, attn, meta)
             hidden, residual = layer.post_attention_layernorm(hidden, residual)
-            hidden = layer.mlp(hidden)
+            hidden = layer.ffn()(hidden)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
@@ -390,6 +435,8 @@ class LlamaFamilyModel(Model):
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         expected = set(self.state_dict())  # every tensor the checkpoint must provide (quant layouts included)
+        experts = {name: module for name, module in modules.items() if isinstance(module, SparseMoe)}
+        expected.update(name for prefix, module in experts.items() for name in module.checkpoint_names(prefix))
         tied = self.cfg.tie_word_embeddings
         if tied:
             expected -= {"lm_head.weight"}  # a quantized copy of a tied head is loaded from the embedding below
@@ -408,7 +455,10 @@ class LlamaFamilyModel(Model):
                 continue
             owner, _, attr = name.rpartition(".")
             module = modules.get(owner)
-            if isinstance(module, Linear):
+            block, is_expert, expert_name = name.partition(".experts.")
+            if is_expert and block in experts:
+                experts[block].load_expert(expert_name, tensor)
+            elif isinstance(module, Linear):
                 module.load(attr, tensor)
             elif name in params:
                 param = params[name]
@@ -444,4 +494,5 @@ class LlamaFamilyModel(Model):
     def merge_projections(self) -> int:
         """Merge each layer's q/k/v and gate/up linears into one each, where their quant method can (after loading:
         the checkpoint's names are the unmerged ones; Phi-3's come merged). Returns how many merges were made."""
-        return sum(part.merge_projections() for layer in self.model.layers for part in (layer.self_attn, layer.mlp))
+        return sum(part.merge_projections() for layer in self.model.layers for part in (layer.self_attn, layer.ffn())
+                   if not isinstance(part, SparseMoe))

@@ -14,6 +14,10 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": None},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                "num_experts_per_tok": 2},
+    "qwen3moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "use_sliding_window": False,
+                 "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True},
 }
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"  # the shipped pair: target/ and draft/

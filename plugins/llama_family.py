@@ -1,4 +1,5 @@
-"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3)."""
+"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, and the MoE Mixtral and
+Qwen3-MoE)."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,9 @@ if TYPE_CHECKING:  # torch loads with the model, not with the plugins (`infer --
     from ..models.layers import PointwiseOps
 
 log = logging.getLogger("infer")
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                       "Phi3ForCausalLM")
+ARCHITECTURES = (*DENSE_ARCHITECTURES, "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
@@ -55,6 +58,9 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         from ..core.loader import resolve_device
 
         merge = resolve_device(config.device).type == "cuda"
+    ops = pointwise_ops(config)
+    if arch.moe is not None and any(arch.moe.sparse_layers):
+        check_experts(arch.architecture, quant, ops, config)
     if quant is None and config.skinny_gemm_rows:
         from ..core.loader import resolve_device, triton_runs_on
         from ..models.layers import UnquantizedMethod
@@ -63,8 +69,22 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
             raise ConfigError("--skinny-gemm-rows runs a Triton kernel, which needs a CUDA device (this model runs "
                               "on the CPU); drop --skinny-gemm-rows")
         quant = UnquantizedMethod(config.skinny_gemm_rows)  # every linear, and the tied head, share it
-    return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=pointwise_ops(config),
-                            merge_projections=merge)
+    return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
+
+
+def check_experts(architecture: str, quant: QuantMethod | None, ops: PointwiseOps, config: EngineConfig) -> None:
+    """What a MoE model cannot run with yet, refused by name: quantized experts (their checkpoint tensors and
+    kernels), and the torch experts loop, which reads each layer's expert counts back to the host, in CUDA
+    graphs (the fused Triton experts, the default on CUDA, are capturable)."""
+    from ..core.errors import ConfigError
+    from ..core.loader import resolve_device
+
+    if quant is not None:
+        raise ConfigError(f"{architecture} runs its experts unquantized only: infer has no quantized MoE kernels "
+                          f"yet; drop --quant (or use an unquantized checkpoint)")
+    if ops.name != "triton" and config.cuda_graphs and resolve_device(config.device).type == "cuda":
+        raise ConfigError(f"{architecture} with --no-fused-ops runs its experts by the torch loop, which CUDA graphs "
+                          "cannot capture; drop --no-fused-ops (the Triton experts), or add --no-cuda-graphs")
 
 
 def pointwise_ops(config: EngineConfig) -> PointwiseOps:

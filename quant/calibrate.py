@@ -157,7 +157,7 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
     Raises ConfigError/CheckpointError."""
     from ..core.loader import architectures, quantization_config, read_config, safetensors_files
     from ..models.llama import ArchConfig
-    from ..plugins.llama_family import ARCHITECTURES
+    from ..plugins.llama_family import DENSE_ARCHITECTURES
 
     config.validate()
     if not model_dir.is_dir():
@@ -169,8 +169,11 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
         raise CheckpointError(f"{str(model_dir)!r} is already quantized ({declared.get('quant_method', '?')}); "
                               "`infer quantize` needs the unquantized checkpoint it came from")
     arch = (architectures(raw) or ["(none)"])[0]
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(f"infer quantize supports {', '.join(ARCHITECTURES)}; {str(model_dir)!r} is {arch!r}")
+    if arch not in DENSE_ARCHITECTURES:
+        moe = " (infer serves mixtures of experts unquantized only)" if arch in ("MixtralForCausalLM",
+                                                                                 "Qwen3MoeForCausalLM") else ""
+        raise CheckpointError(f"infer quantize supports {', '.join(DENSE_ARCHITECTURES)}; {str(model_dir)!r} is "
+                              f"{arch!r}{moe}")
     safetensors_files(model_dir)
     cfg = ArchConfig.from_hf(raw)
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

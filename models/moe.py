@@ -1,0 +1,107 @@
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router sends each token to its top-k experts, gated SiLU
+MLPs whose outputs it sums, weighted by the router's probabilities."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.errors import CheckpointError
+from ..core.interfaces import check_float
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The experts of one architecture's sparse layers, and the checkpoint's names for them."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    normalize: bool  # the top-k probabilities are scaled to sum to 1 (Mixtral always, Qwen3-MoE by norm_topk_prob)
+    float_weights: bool  # the routing weights multiply in float32 (Mixtral), else in the model's dtype (Qwen3-MoE)
+    block: str  # the layer's submodule: "block_sparse_moe" (Mixtral) or "mlp" (Qwen3-MoE)
+    projections: tuple[str, str, str]  # an expert's gate, up and down: ("w1", "w3", "w2") or "{gate,up,down}_proj"
+    sparse_layers: tuple[bool, ...]  # per layer: experts (else a dense MLP)
+
+
+class Router(nn.Module):
+    """The checkpoint's ``gate``: a bias-free linear from the hidden state to one logit per expert."""
+
+    def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+
+
+class SparseMoe(nn.Module):
+    """The experts' weights are stacked (``w13`` [E, 2I, H]: gate's rows then up's; ``w2`` [E, H, I]) as the Triton
+    kernel reads them; the checkpoint's per-expert tensors load into their slices (``load_expert``)."""
+
+    def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype, silu_and_mul, fused: bool) -> None:
+        super().__init__()
+        self.moe, self.silu_and_mul, self.fused = moe, silu_and_mul, fused
+        size = moe.intermediate_size
+        self.gate = Router(hidden_size, moe.num_experts, dtype)
+        # buffers, not parameters: the checkpoint names the experts' tensors one by one (see checkpoint_names)
+        self.register_buffer("w13", torch.empty(moe.num_experts, 2 * size, hidden_size, dtype=dtype), persistent=False)
+        self.register_buffer("w2", torch.empty(moe.num_experts, hidden_size, size, dtype=dtype), persistent=False)
+
+    def checkpoint_names(self, prefix: str) -> list[str]:
+        """The tensors the checkpoint holds for these experts, under this block's ``prefix``."""
+        return [f"{prefix}.experts.{e}.{name}.weight" for e in range(self.moe.num_experts)
+                for name in self.moe.projections]
+
+    def load_expert(self, name: str, tensor: torch.Tensor) -> None:
+        """Load ``name`` (relative to ``experts.``: "3.w1.weight") into its expert's slice."""
+        index, projection, attr = name.split(".", 2) if name.count(".") == 2 else ("", "", "")
+        gate, up, down = self.moe.projections
+        if not index.isdigit() or int(index) >= self.moe.num_experts or projection not in (gate, up, down) or \
+                attr != "weight":
+            raise CheckpointError(f"unexpected expert tensor experts.{name}; this model has {self.moe.num_experts} "
+                                  f"experts of {gate}, {up} and {down} weights (is config.json's expert count right?)")
+        size = self.moe.intermediate_size
+        e = int(index)
+        target = self.w2[e] if projection == down else self.w13[e, :size] if projection == gate else self.w13[e, size:]
+        if target.shape != tensor.shape:
+            raise CheckpointError(f"shape mismatch for experts.{name}: checkpoint {tuple(tensor.shape)}, model "
+                                  f"{tuple(target.shape)}")
+        check_float(f"experts.{name}", tensor)
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k (weights, expert ids), as HF computes them: softmax in float32 over all experts."""
+        probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.moe.float_weights else weights.to(x.dtype)), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        if self.fused:
+            from ..kernels.fused_moe import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, weights, experts)
+        return self.experts_loop(x, weights, experts)
+
+    def experts_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The reference: expert by expert, in HF's order (bit-equal to it in float32). Reads the expert counts
+        back to the host, so it runs outside CUDA graphs only."""
+        out = torch.zeros_like(x)
+        size = self.moe.intermediate_size
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start:start + count]
+            start += count
+            tokens, slots = pairs // self.moe.top_k, pairs % self.moe.top_k
+            hidden = F.linear(x[tokens], self.w13[e])
+            y = F.linear(self.silu_and_mul(hidden[:, :size], hidden[:, size:]), self.w2[e])
+            out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
+        return out

@@ -1,0 +1,183 @@
+"""Sparse MoE (Mixtral, Qwen3-MoE) against HF transformers, and the Triton experts against the torch loop."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.errors import CheckpointError, ConfigError
+from infer.core.request import SamplingParams
+from infer.models.moe import MoeConfig, SparseMoe
+from infer.models.tiny import make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def moe_model(folder, arch: str, num_layers: int = 2, extra: dict | None = None, **edits):
+    """A tiny MoE checkpoint HF built with ``extra`` in its config, whose config.json then says ``edits``."""
+    path = make_tiny_model(folder, arch, num_layers=num_layers, max_position_embeddings=128, extra=extra)
+    if edits:
+        config = json.loads((path / "config.json").read_text())
+        config.update(edits)
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize(("arch", "edits"), [
+    ("mixtral", {}),
+    ("qwen3moe", {}),
+    # a dense first layer (mlp_only_layers) and experts every second layer; top-k probabilities left unscaled
+    ("qwen3moe", {"mlp_only_layers": [0], "decoder_sparse_step": 2, "norm_topk_prob": False}),
+])
+def test_moe_models_generate_what_hf_generates(tmp_path, hf_greedy, arch, edits, fused):
+    """A batch of prompts (prefills and decodes routed together): greedy tokens equal HF's, last-token logits
+    within 1e-4; the torch experts loop and the Triton grouped GEMMs (interpreted on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    if fused and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton experts run on the CPU under TRITON_INTERPRET=1 only")
+    path = moe_model(tmp_path / "m", arch, num_layers=3 if edits else 2, extra=edits)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, fused_ops=fused))
+    layers = engine.loaded.model.model.layers
+    sparse = [isinstance(layer.ffn(), SparseMoe) for layer in layers]
+    assert sparse == ([False, True, False] if edits else [True, True])
+    batch = prompts(engine.loaded.model.spec.vocab_size, [7, 40, 19])
+    for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
+        assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
+    engine.add_request(batch[1], SamplingParams(max_tokens=1, temperature=0.0))
+    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(
+            torch.tensor([batch[1]])).logits[0, -1]
+    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+
+
+def reference_experts(x, w13, w2, weights, experts):
+    """Token by token, straight from the definition: sum over k of w x down(silu(gate x) * up x)."""
+    size = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].double(), experts[t]):
+            h = w13[e].double() @ x[t].double()
+            out[t] += w * (w2[e].double() @ (torch.nn.functional.silu(h[:size]) * h[size:]))
+    return out
+
+
+@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton experts run on the CPU under TRITON_INTERPRET=1 only")
+    return torch.device(request.param)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 8, 2), (5, 4, 3), (37, 8, 2), (20, 3, 1)])
+def test_triton_experts_equal_the_definition(device, dtype, tokens, num_experts, top_k):
+    """Padding rows, experts no token chose, blocks of several tokens, k up to 3: the grouped GEMMs against a float64
+    reference (fp16: within its rounding), and the torch loop too (float32)."""
+    from infer.kernels.fused_moe import fused_experts, sort_by_expert
+
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, size = 32, 24
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * size, hidden, generator=gen) * 0.2
+    w2 = torch.randn(num_experts, hidden, size, generator=gen) * 0.2
+    probs = torch.softmax(torch.randn(tokens, num_experts, generator=gen), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    x, w13, w2 = (t.to(dtype) for t in (x, w13, w2))
+    ref = reference_experts(x, w13, w2, weights, experts)
+    got = fused_experts(x.to(device), w13.to(device), w2.to(device), weights.to(device, dtype), experts.to(device))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.cpu().double(), ref, atol=tol, rtol=tol)
+    if dtype != torch.float32:
+        return
+    moe = MoeConfig(num_experts, top_k, size, False, True, "mlp", ("gate_proj", "up_proj", "down_proj"), (True,))
+    block = SparseMoe(moe, hidden, torch.float32, lambda g, u: torch.nn.functional.silu(g) * u, fused=False)
+    block.w13.copy_(w13)
+    block.w2.copy_(w2)
+    torch.testing.assert_close(block.experts_loop(x, weights, experts).double(), ref, atol=1e-5, rtol=1e-5)
+    rows, block_expert = sort_by_expert(experts.to(device), num_experts, block_m=4)
+    rows, block_expert = rows.cpu(), block_expert.cpu()
+    flat = experts.flatten()
+    real = rows[rows < tokens * top_k]
+    assert sorted(real.tolist()) == list(range(tokens * top_k))  # every pair once
+    for b, e in enumerate(block_expert.tolist()):  # a block's pairs are all its expert's
+        chunk = rows[4 * b:4 * b + 4]
+        chunk = chunk[chunk < tokens * top_k]
+        assert (e == -1) == (len(chunk) == 0) and all(flat[chunk] == e)
+
+
+def test_moe_refusals_name_the_cause(tmp_path):
+    path = moe_model(tmp_path / "m", "mixtral")
+    with pytest.raises(ConfigError, match="MixtralForCausalLM runs its experts unquantized only.*drop --quant"):
+        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, quant="fp8"))
+    from infer.quant.calibrate import calibrate_awq
+
+    with pytest.raises(CheckpointError, match=r"is 'MixtralForCausalLM' \(infer serves mixtures of experts "
+                                              "unquantized only\\)"):
+        calibrate_awq(path, tmp_path / "awq")
+    bad = moe_model(tmp_path / "k", "mixtral", num_experts_per_tok=5)
+    with pytest.raises(CheckpointError, match="routes each token to 5 experts .num_experts_per_tok. of 4"):
+        Engine(EngineConfig(model=str(bad), device="cpu", num_kv_blocks=16))
+    fewer = moe_model(tmp_path / "e", "mixtral", num_local_experts=3)  # the checkpoint holds 4
+    with pytest.raises(CheckpointError, match=r"unexpected expert tensor experts\.3\.w1\.weight; this model has 3 "
+                                              "experts"):
+        Engine(EngineConfig(model=str(fewer), device="cpu", num_kv_blocks=16))
+
+
+@pytest.mark.gpu
+def test_moe_on_cuda_with_graphs_generates_what_hf_generates(tmp_path, hf_greedy):
+    """The Triton experts inside CUDA graphs (the CUDA default): float32 greedy tokens equal HF's on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    path = moe_model(tmp_path / "m", "qwen3moe")
+    engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_kv_blocks=64))
+    assert engine.runner.graphs is not None and all(
+        layer.ffn().fused for layer in engine.loaded.model.model.layers)
+    batch = prompts(engine.loaded.model.spec.vocab_size, [7, 40, 19], seed=1)
+    for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
+        assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
+
+
+def test_a_lora_adapter_on_a_moe_models_attention_equals_peft(tmp_path):
+    """Adapters on q/k/v/o of Qwen3-MoE: PEFT's greedy tokens."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    base = moe_model(tmp_path / "base", "qwen3moe")
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=16, init_lora_weights=False,
+                                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    engine = Engine(EngineConfig(model=str(base), device="cpu", num_kv_blocks=64,
+                                 lora_adapters={"a": str(tmp_path / "adapter")}))
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [25], seed=2)[0]
+    got = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                   lora_adapter="a"))[0].outputs[0].token_ids
+    ids, expected = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(10):
+            expected.append(int(model(ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[expected[-1]]])], 1)
+    assert got == expected
+    plain = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert plain[0].outputs[0].token_ids != expected  # the adapter changes them
