@@ -38,9 +38,11 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonPlan(all_decode=meta.max_query_len == 1 and sum(meta.query_lens_cpu) == batch,
                           batch=batch, max_context_len=meta.max_context_len)
 
-    def num_splits(self, plan: TritonPlan, num_kv_heads: int) -> int:
-        """Decode grid's split count: a pure function of the plan and the layer's KV heads (constant per model)."""
-        return self.kernels.default_num_splits(plan.batch, num_kv_heads, plan.max_context_len, self.num_sms)
+    def num_splits(self, plan: TritonPlan, num_kv_heads: int, window: int | None = None) -> int:
+        """Decode grid's split count: a pure function of the plan, the layer's KV heads and its window (constant
+        per layer), sized for the keys a query reads (a sliding layer's window, not the whole context)."""
+        keys = plan.max_context_len if window is None else min(plan.max_context_len, window)
+        return self.kernels.default_num_splits(plan.batch, num_kv_heads, keys, self.num_sms)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -53,7 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.kernels.store_kv_fp8(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if plan.all_decode and q.shape[0] == plan.batch:  # padded token rows would index past context_lens
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                                 self.num_splits(plan, k_cache.shape[2]), k_scale=k_scale,
+                                                 self.num_splits(plan, k_cache.shape[2], window), k_scale=k_scale,
                                                  v_scale=v_scale, window=window)
         return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
                                               meta.context_lens, scale, k_scale=k_scale, v_scale=v_scale,

@@ -383,3 +383,15 @@ def test_fused_ops_default_on_cuda_without_triton_warns_and_runs_torch_ops(monke
     assert "fused ops are off" in caplog.text
     with pytest.raises(ConfigError, match="--no-fused-ops"):
         pointwise_ops(EngineConfig(device="cuda", fused_ops=True))
+
+
+def test_a_sliding_layers_decode_splits_cover_its_window_not_the_context() -> None:
+    """One sequence, 8 KV heads, a 32k context on 132 SMs: 66 splits for a full layer (4 programs per SM); a layer
+    with a 256-key window reads 256 keys, so 2 splits of 128 (66 left 62 of them empty)."""
+    from infer.plugins.triton_attention import TritonAttentionBackend, TritonPlan
+
+    backend = TritonAttentionBackend(attn, num_sms=132)
+    plan = TritonPlan(all_decode=True, batch=1, max_context_len=32768)
+    assert backend.num_splits(plan, 8) == 66
+    assert backend.num_splits(plan, 8, window=256) == 2
+    assert backend.num_splits(plan, 8, window=65536) == 66
