@@ -101,4 +101,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     flat_weights = weights.reshape(-1).contiguous()
     y = grouped_gemm(act, w2, rows, block_expert, tokens * top_k, 1, flat_weights,
                      torch.float32 if weights.dtype == torch.float32 else x.dtype)
-    return y.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return y.view(tokens, top_k, y.shape[1]).sum(dim=1).to(x.dtype)

@@ -84,10 +84,10 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 8, 2), (5, 4, 3), (37, 8, 2), (20, 3, 1)])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 8, 2), (5, 4, 3), (37, 8, 2), (20, 3, 1), (0, 4, 2)])
 def test_triton_experts_equal_the_definition(device, dtype, tokens, num_experts, top_k):
-    """Padding rows, experts no token chose, blocks of several tokens, k up to 3: the grouped GEMMs against a float64
-    reference (fp16: within its rounding), and the torch loop too (float32)."""
+    """Padding rows, experts no token chose, blocks of several tokens, k up to 3, no token at all: the grouped GEMMs
+    against a float64 reference (fp16: within its rounding), and the torch loop too (float32)."""
     from infer.kernels.fused_moe import fused_experts, sort_by_expert
 
     gen = torch.Generator().manual_seed(tokens)
