@@ -14,7 +14,8 @@
 #   search against HF generate(num_beams) with the shipped demo model; controls, host time per output token with
 #   every request penalized, or asking for prompt logprobs; lora, LoRA adapters' cost on the anchor model;
 #   structured, structured output with speculation, grammar-guided drafts, unguided and jump-forward, with the
-#   shipped pair)
+#   shipped pair; moe, the MoE experts (Triton grouped GEMMs, eager and graphed; the torch loop) against HF's on
+#   Qwen3-30B-A3B and Mixtral-8x7B layer shapes)
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
 # step; Chrome traces in the logs). anchor measures infer (with and without merged projections, with the skinny
 # GEMM) on the anchor workload and single stream, then HF continuous batching; hfstatic adds HF generate (static
@@ -145,6 +146,10 @@ if want beam; then  # not a default stage: beam search (KV forks) against HF gen
   stage "beam_bench" beam_bench.log 60 $PY benchmarks/beam_bench.py --device cuda --repeats 2
 fi
 
+if want moe; then  # not a default stage: one MoE layer's experts, infer's Triton and torch paths against HF's
+  stage "moe_bench" moe_bench.log 90 $PY benchmarks/moe_bench.py --device cuda --tokens 1 16 128 1024
+fi
+
 if want lora; then  # not a default stage: LoRA adapters on the anchor model (loaded unused, 1 and 4 adapters)
   [[ -d $MODEL ]] || build_anchor
   stage "lora_bench" lora_bench.log 120 $PY benchmarks/lora_bench.py --model "$MODEL" --device cuda --requests 64 \
@@ -223,6 +228,7 @@ want prefix && [[ -s $WORK/long_prompt/table.txt ]] && { echo; echo "== long pro
 want spec && show "speculative decoding" spec_bench.log 10
 want beam && show "beam search against HF" beam_bench.log 5
 want lora && show "LoRA adapters" lora_bench.log 8
+want moe && show "MoE experts against HF (ms per layer call)" moe_bench.log 9
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
 want structured && show "structured output, guided drafts" structured_true.log 9
 want structured && show "structured output, unguided drafts" structured_false.log 9

@@ -1048,3 +1048,12 @@ def test_a_run_stopped_early_says_its_rounds_did_not_rotate_evenly():
         str(build_table(stopped).caption)
     whole = BenchResult([ArmSpec("A", ""), ArmSpec("B", "")], runs, {"workload": {}, "round_orders": orders[:3]})
     assert "stopped after" not in str(build_table(whole).caption)
+
+
+def test_moe_bench_agrees_with_hfs_experts_before_timing():
+    """benchmarks/moe_bench.py on the CPU (the Triton interpreter): the Triton experts and the torch loop give HF's
+    experts module's output (float32) on the case it times."""
+    rows = [json.loads(line) for line in bench_script("moe_bench.py", "--device", "cpu", "--tokens", "3", "--iters",
+                                                      "1").splitlines() if line.startswith("{")]
+    assert [(r["shape"], r["tokens"]) for r in rows] == [("cpu-smoke", 3)]
+    assert rows[0]["rel_err_vs_hf"]["triton"] < 1e-5 and rows[0]["rel_err_vs_hf"]["torch_loop"] < 1e-6

@@ -1,0 +1,115 @@
+"""MoE experts micro-benchmark: infer's Triton grouped GEMMs (kernels/fused_moe.py), its torch loop (models/moe.py)
+and HF transformers' experts module (the peer on the device image: no vLLM there) on one layer's shapes.
+
+Shapes: Qwen3-30B-A3B (128 experts of 768, 8 per token, hidden 2048) and Mixtral-8x7B (8 of 14336, 2 per token,
+hidden 4096), random bf16 weights and routing. Each case checks the three outputs agree, then times each with CUDA
+events (the Triton path also replayed from a CUDA graph: the engine's decode steps run so). Prints one JSON line per
+case and a table. ``--device cpu`` runs a small shape on the Triton interpreter (a smoke test, not a figure).
+Run: ``python benchmarks/moe_bench.py [--tokens 1 16 128 1024]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336), "cpu-smoke": (8, 2, 64, 96)}
+
+
+def time_ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Mean milliseconds per call after a warm-up (CUDA events on a GPU, the wall clock elsewhere)."""
+    for _ in range(2):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iters: int) -> dict[str, object]:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from infer.kernels.fused_moe import fused_experts
+    from infer.models.moe import MoeConfig, SparseMoe
+
+    experts, top_k, hidden, size = SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+    w13 = torch.randn(experts, 2 * size, hidden, device=device, dtype=dtype, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, size, device=device, dtype=dtype, generator=gen) * size**-0.5
+    probs = torch.softmax(torch.randn(tokens, experts, device=device, generator=gen), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    moe = MoeConfig(experts, top_k, size, True, False, "mlp", ("gate_proj", "up_proj", "down_proj"), (True,))
+    loop = SparseMoe(moe, hidden, dtype, lambda g, u: torch.nn.functional.silu(g) * u, fused=False).to(device)
+    loop.w13.copy_(w13)
+    loop.w2.copy_(w2)
+    hf = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=size, num_experts=experts,
+                                        num_experts_per_tok=top_k)).to(device, dtype)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(w13)
+        hf.down_proj.copy_(w2)
+    runs = {"triton": lambda: fused_experts(x, w13, w2, weights, ids), "torch_loop": lambda: loop.experts_loop(
+        x, weights, ids), "hf": lambda: hf(x, ids, weights)}
+    with torch.no_grad():
+        outs = {name: fn().float() for name, fn in runs.items()}
+        scale = outs["hf"].norm().clamp_min(1e-6)
+        errors = {name: float((out - outs["hf"]).norm() / scale) for name, out in outs.items() if name != "hf"}
+        row: dict[str, object] = {"shape": shape, "tokens": tokens, "dtype": str(dtype).removeprefix("torch."),
+                                  "device": device.type, "rel_err_vs_hf": errors}
+        for name, fn in runs.items():
+            row[f"{name}_ms"] = round(time_ms(fn, iters, device), 4)
+        if device.type == "cuda":
+            row["triton_graph_ms"] = round(time_ms(graphed(runs["triton"]), iters, device), 4)
+    row["hf_over_triton"] = round(float(row["hf_ms"]) / float(row.get("triton_graph_ms", row["triton_ms"])), 2)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024])
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cpu = device.type == "cpu"
+    shapes = args.shapes or (["cpu-smoke"] if cpu else ["qwen3-30b-a3b", "mixtral-8x7b"])
+    dtype = torch.float32 if cpu else torch.bfloat16
+    rows = [case(shape, tokens, device, dtype, args.iters) for shape in shapes for tokens in args.tokens]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    print(f"{'shape':<15}{'tokens':>7}{'triton ms':>11}{'graphed':>9}{'loop ms':>9}{'HF ms':>9}{'HF/triton':>10}")
+    for r in rows:
+        print(f"{r['shape']:<15}{r['tokens']:>7}{r['triton_ms']:>11}{r.get('triton_graph_ms', '-'):>9}"
+              f"{r['torch_loop_ms']:>9}{r['hf_ms']:>9}{r['hf_over_triton']:>10}")
+
+
+if __name__ == "__main__":
+    main()
