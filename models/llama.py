@@ -73,7 +73,7 @@ class ArchConfig:
         # HF: a rope_scaling dict wins over rope_parameters (transformers 5 writes a default rope_parameters)
         rope = dict(field.get("rope_scaling", dict) or field.get("rope_parameters", dict) or {})
         theta = field.get("rope_theta", (int, float))
-        rope.setdefault("rope_theta", 10000.0 if theta is None else theta)
+        rope.setdefault("rope_theta", defaults.get("rope_theta", 10000.0) if theta is None else theta)
         if arch == "Phi3ForCausalLM" and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
             rope["rope_type"] = "longrope"  # HF's Phi3Config reads both so
         kind = rope.get("rope_type", rope.get("type"))
@@ -150,7 +150,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                          "max_window_layers": 28, "sliding_window": 4096},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                         "original_max_position_embeddings": 4096},
-    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5},
+    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                           "rope_theta": 1e6},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096},
 }
 # which biases each HF architecture has: qkv True always, "flag" as attention_bias says, False never; o_proj with
@@ -170,13 +171,19 @@ def moe_config(field: _Fields, num_layers: int) -> MoeConfig | None:
     """The experts as HF's class reads them: Mixtral's num_local_experts (8) of intermediate_size in every layer;
     Qwen3-MoE's num_experts (128) of moe_intermediate_size (768) in layer i unless i is in mlp_only_layers or
     (i + 1) is no multiple of decoder_sparse_step."""
+    if field.arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    # transformers 5 writes num_local_experts (both classes read num_experts as its alias); older exports the other
+    experts = field.get("num_local_experts", int)
+    experts = field.get("num_experts", int) if experts is None else experts
     if field.arch == "MixtralForCausalLM":
-        experts = field.positive("num_local_experts", 8)
+        experts = 8 if experts is None else experts
+        if experts < 1:
+            raise CheckpointError(f"config.json of this {field.arch} has num_local_experts = {experts}, which must be "
+                                  "a positive integer; fix config.json")
         moe = MoeConfig(experts, field.positive("num_experts_per_tok", 2), field.positive("intermediate_size"), True,
                         True, "block_sparse_moe", ("w1", "w3", "w2"), (True,) * num_layers)
-    elif field.arch == "Qwen3MoeForCausalLM":
-        experts = field.get("num_local_experts", int)  # transformers 5 writes this name; older exports the other
-        experts = field.get("num_experts", int) if experts is None else experts
+    else:
         experts = 128 if experts is None else experts
         step = field.positive("decoder_sparse_step", 1)
         dense = field.get("mlp_only_layers", list) or []
@@ -184,8 +191,6 @@ def moe_config(field: _Fields, num_layers: int) -> MoeConfig | None:
         moe = MoeConfig(experts, field.positive("num_experts_per_tok", 8), field.positive("moe_intermediate_size", 768),
                         bool(field.get("norm_topk_prob", bool)), False, "mlp", ("gate_proj", "up_proj", "down_proj"),
                         sparse)
-    else:
-        return None
     if any(moe.sparse_layers) and moe.top_k > moe.num_experts:
         raise CheckpointError(f"config.json of this {field.arch} routes each token to {moe.top_k} experts "
                               f"(num_experts_per_tok) of {moe.num_experts}; fix config.json")
@@ -436,7 +441,8 @@ class LlamaFamilyModel(Model):
         params = dict(self.named_parameters())
         expected = set(self.state_dict())  # every tensor the checkpoint must provide (quant layouts included)
         experts = {name: module for name, module in modules.items() if isinstance(module, SparseMoe)}
-        expected.update(name for prefix, module in experts.items() for name in module.checkpoint_names(prefix))
+        # Mixtral's experts sit under block_sparse_moe, where transformers 5's own layout puts them under mlp
+        renamed = self.cfg.moe.block if self.cfg.moe is not None and self.cfg.moe.block != "mlp" else None
         tied = self.cfg.tie_word_embeddings
         if tied:
             expected -= {"lm_head.weight"}  # a quantized copy of a tied head is loaded from the embedding below
@@ -448,6 +454,8 @@ class LlamaFamilyModel(Model):
             if name in seen:
                 raise CheckpointError(f"tensor {name!r} appears twice among the checkpoint's safetensors files; "
                                       "remove the stray copy (or list the right files in model.safetensors.index.json)")
+            if renamed is not None and ".mlp." in name:
+                name = name.replace(".mlp.", f".{renamed}.", 1)
             if name.endswith("rotary_emb.inv_freq") or name.endswith(kv_scales):
                 continue  # a derived buffer; the KV scales of a kv_cache_scheme, which --kv-cache-dtype replaces
             if name == "lm_head.weight" and tied:
@@ -457,7 +465,7 @@ class LlamaFamilyModel(Model):
             module = modules.get(owner)
             block, is_expert, expert_name = name.partition(".experts.")
             if is_expert and block in experts:
-                experts[block].load_expert(expert_name, tensor)
+                experts[block].load_expert(block, expert_name, tensor)
             elif isinstance(module, Linear):
                 module.load(attr, tensor)
             elif name in params:
@@ -471,7 +479,8 @@ class LlamaFamilyModel(Model):
             else:
                 raise CheckpointError(f"unexpected tensor {name!r} in checkpoint for {self.cfg.architecture}")
             seen.add(name)
-        missing = sorted(expected - seen)
+        missing = sorted(expected - seen) + [name for prefix, module in experts.items()
+                                             for name in module.missing(prefix)]
         if missing:
             hint = "; config.json says tie_word_embeddings false: set it true if the head is the embedding" \
                 if "lm_head.weight" in missing else ""

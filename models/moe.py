@@ -36,39 +36,53 @@ class Router(nn.Module):
 
 class SparseMoe(nn.Module):
     """The experts' weights are stacked (``w13`` [E, 2I, H]: gate's rows then up's; ``w2`` [E, H, I]) as the Triton
-    kernel reads them; the checkpoint's per-expert tensors load into their slices (``load_expert``)."""
+    kernel and transformers 5 hold them; a checkpoint's per-expert tensors load into their slices
+    (``load_expert``)."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype, silu_and_mul, fused: bool) -> None:
         super().__init__()
         self.moe, self.silu_and_mul, self.fused = moe, silu_and_mul, fused
         size = moe.intermediate_size
         self.gate = Router(hidden_size, moe.num_experts, dtype)
-        # buffers, not parameters: the checkpoint names the experts' tensors one by one (see checkpoint_names)
+        # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
         self.register_buffer("w13", torch.empty(moe.num_experts, 2 * size, hidden_size, dtype=dtype), persistent=False)
         self.register_buffer("w2", torch.empty(moe.num_experts, hidden_size, size, dtype=dtype), persistent=False)
+        self.loaded: set[tuple[int, str]] = set()  # (expert, projection) loaded from the checkpoint
 
-    def checkpoint_names(self, prefix: str) -> list[str]:
-        """The tensors the checkpoint holds for these experts, under this block's ``prefix``."""
-        return [f"{prefix}.experts.{e}.{name}.weight" for e in range(self.moe.num_experts)
-                for name in self.moe.projections]
-
-    def load_expert(self, name: str, tensor: torch.Tensor) -> None:
-        """Load ``name`` (relative to ``experts.``: "3.w1.weight") into its expert's slice."""
-        index, projection, attr = name.split(".", 2) if name.count(".") == 2 else ("", "", "")
+    def load_expert(self, prefix: str, name: str, tensor: torch.Tensor) -> None:
+        """Load ``{prefix}.experts.{name}``: one expert's ("3.w1.weight"), or transformers 5's stacked layout
+        ("gate_up_proj" [E, 2I, H], "down_proj" [E, H, I]: ``w13`` and ``w2`` as they are)."""
         gate, up, down = self.moe.projections
-        if not index.isdigit() or int(index) >= self.moe.num_experts or projection not in (gate, up, down) or \
-                attr != "weight":
-            raise CheckpointError(f"unexpected expert tensor experts.{name}; this model has {self.moe.num_experts} "
-                                  f"experts of {gate}, {up} and {down} weights (is config.json's expert count right?)")
-        size = self.moe.intermediate_size
-        e = int(index)
-        target = self.w2[e] if projection == down else self.w13[e, :size] if projection == gate else self.w13[e, size:]
+        full, size, count = f"{prefix}.experts.{name}", self.moe.intermediate_size, self.moe.num_experts
+        if name in ("gate_up_proj", "down_proj"):
+            target = self.w13 if name == "gate_up_proj" else self.w2
+            parts = {(e, p) for e in range(count) for p in ((gate, up) if name == "gate_up_proj" else (down,))}
+        else:
+            index, projection, attr = name.split(".", 2) if name.count(".") == 2 else ("", "", "")
+            if not index.isdigit() or int(index) >= count or projection not in (gate, up, down) or attr != "weight":
+                hint = f" (config.json says {count} experts: is that right?)" if index.isdigit() else ""
+                raise CheckpointError(f"unexpected tensor {full!r}: experts hold {gate}, {up} and {down} weights, "
+                                      f"one set per expert 0..{count - 1}, or the stacked gate_up_proj and down_proj "
+                                      f"of transformers 5{hint}")
+            e = int(index)
+            target = self.w2[e] if projection == down else self.w13[e, :size] if projection == gate \
+                else self.w13[e, size:]
+            parts = {(e, projection)}
         if target.shape != tensor.shape:
-            raise CheckpointError(f"shape mismatch for experts.{name}: checkpoint {tuple(tensor.shape)}, model "
+            raise CheckpointError(f"shape mismatch for {full}: checkpoint {tuple(tensor.shape)}, model "
                                   f"{tuple(target.shape)}")
-        check_float(f"experts.{name}", tensor)
+        if parts & self.loaded:
+            raise CheckpointError(f"{full} holds expert weights that another tensor of the checkpoint held too; "
+                                  "keep one layout (per-expert tensors or the stacked ones)")
+        check_float(full, tensor)
         with torch.no_grad():
             target.copy_(tensor)
+        self.loaded |= parts
+
+    def missing(self, prefix: str) -> list[str]:
+        """The per-expert tensors not loaded (each expert's gate, up and down, under ``prefix``)."""
+        return [f"{prefix}.experts.{e}.{name}.weight" for e in range(self.moe.num_experts)
+                for name in self.moe.projections if (e, name) not in self.loaded]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k (weights, expert ids), as HF computes them: softmax in float32 over all experts."""

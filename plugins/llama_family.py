@@ -80,11 +80,14 @@ def check_experts(architecture: str, quant: QuantMethod | None, ops: PointwiseOp
     from ..core.loader import resolve_device
 
     if quant is not None:
+        fix = "drop --quant" if config.quant else "use the unquantized checkpoint (this one's config.json has a " \
+            "quantization_config)"
         raise ConfigError(f"{architecture} runs its experts unquantized only: infer has no quantized MoE kernels "
-                          f"yet; drop --quant (or use an unquantized checkpoint)")
+                          f"yet; {fix}")
     if ops.name != "triton" and config.cuda_graphs and resolve_device(config.device).type == "cuda":
-        raise ConfigError(f"{architecture} with --no-fused-ops runs its experts by the torch loop, which CUDA graphs "
-                          "cannot capture; drop --no-fused-ops (the Triton experts), or add --no-cuda-graphs")
+        why = "with --no-fused-ops" if config.fused_ops is False else "without triton (it cannot be imported)"
+        raise ConfigError(f"{architecture} {why} runs its experts by the torch loop, which CUDA graphs cannot "
+                          "capture; add --no-cuda-graphs, or run with the fused Triton ops (the CUDA default)")
 
 
 def pointwise_ops(config: EngineConfig) -> PointwiseOps:
