@@ -363,7 +363,7 @@ def test_longrope_turns_by_long_factor_past_the_original_context_and_by_short_wi
         assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, generated)
 
 
-@pytest.mark.parametrize("fused_ops", [False, True])
+@pytest.mark.parametrize("fused_ops", [False, pytest.param(True, marks=pytest.mark.slow)])  # interpreted: 15 s
 def test_phi4_minis_partial_rotation_runs_what_hf_runs(tmp_path, hf_greedy, fused_ops):
     """Phi-4-mini turns 3/4 of each head (partial_rotary_factor 0.75: here 12 of 16 dimensions, the rest pass) by
     LongRoPE tables of 6 factors, with tied embeddings: logits within 1e-4 of HF's and greedy tokens, with the torch

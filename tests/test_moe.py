@@ -33,12 +33,17 @@ def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["torch", "triton"])
-@pytest.mark.parametrize(("arch", "edits"), [
-    ("mixtral", {}),
-    ("qwen3moe", {}),
-    # a dense first layer (mlp_only_layers) and experts every second layer; top-k probabilities left unscaled
-    ("qwen3moe", {"mlp_only_layers": [0], "decoder_sparse_step": 2, "norm_topk_prob": False}),
+# a dense first layer (mlp_only_layers) and experts every second layer; top-k probabilities left unscaled
+MIXED = {"mlp_only_layers": [0], "decoder_sparse_step": 2, "norm_topk_prob": False}
+SLOW = pytest.mark.slow  # the interpreted Triton experts take about 25 s a model: one runs by default
+
+
+@pytest.mark.parametrize(("arch", "edits", "fused"), [
+    pytest.param("mixtral", {}, False, id="mixtral-torch"), pytest.param("mixtral", {}, True, id="mixtral-triton"),
+    pytest.param("qwen3moe", {}, False, id="qwen3moe-torch"),
+    pytest.param("qwen3moe", {}, True, id="qwen3moe-triton", marks=SLOW),
+    pytest.param("qwen3moe", MIXED, False, id="mixed-torch"),
+    pytest.param("qwen3moe", MIXED, True, id="mixed-triton", marks=SLOW),
 ])
 def test_moe_models_generate_what_hf_generates(tmp_path, hf_greedy, arch, edits, fused):
     """A batch of prompts (prefills and decodes routed together): greedy tokens equal HF's, last-token logits
