@@ -107,11 +107,18 @@ class ArchConfig:
             window = window if field.get("use_sliding_window", bool) and any(sliding) else None
         elif arch == "Qwen3MoeForCausalLM":  # every layer slides with use_sliding_window
             window = window if field.get("use_sliding_window", bool) else None
+        elif arch == "Qwen2MoeForCausalLM":  # with use_sliding_window: layer_types, else HF's rule (even i < 28)
+            types, first = raw.get("layer_types"), field.get("max_window_layers", int)
+            first = 28 if first is None else first
+            sliding = tuple(kind == "sliding_attention" for kind in types) if isinstance(types, list) and \
+                len(types) == num_layers else tuple(i % 2 == 0 and i < first for i in range(num_layers))
+            window = window if field.get("use_sliding_window", bool) and any(sliding) else None
         elif arch not in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):  # Llama never slides
             window = None
         biases = BIASES.get(arch, BIASES["LlamaForCausalLM"])
         qkv = biases["qkv"]
-        attention_bias = qkv is True or (qkv == "flag" and bool(field.get("attention_bias", bool)))
+        attention_bias = qkv is True or (qkv == "flag" and bool(field.get("attention_bias", bool))) or (
+            qkv == "qkv_bias" and field.get("qkv_bias", bool) is not False)  # Qwen2-MoE's flag, true by default
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -153,6 +160,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
                            "rope_theta": 1e6},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096},
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16, "sliding_window": 4096},
 }
 # which biases each HF architecture has: qkv True always, "flag" as attention_bias says, False never; o_proj with
 # the q/k/v bias when "o"; the MLP's as mlp_bias says when "mlp"
@@ -164,6 +172,7 @@ BIASES: dict[str, dict[str, Any]] = {
     "Phi3ForCausalLM": {"qkv": False, "o": False, "mlp": False},
     "MixtralForCausalLM": {"qkv": False, "o": False, "mlp": False},
     "Qwen3MoeForCausalLM": {"qkv": "flag", "o": True, "mlp": False},
+    "Qwen2MoeForCausalLM": {"qkv": "qkv_bias", "o": False, "mlp": False},
 }
 
 
@@ -171,7 +180,7 @@ def moe_config(field: _Fields, num_layers: int) -> MoeConfig | None:
     """The experts as HF's class reads them: Mixtral's num_local_experts (8) of intermediate_size in every layer;
     Qwen3-MoE's num_experts (128) of moe_intermediate_size (768) in layer i unless i is in mlp_only_layers or
     (i + 1) is no multiple of decoder_sparse_step."""
-    if field.arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+    if field.arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         return None
     # transformers 5 writes num_local_experts (both classes read num_experts as its alias); older exports the other
     experts = field.get("num_local_experts", int)
@@ -183,14 +192,16 @@ def moe_config(field: _Fields, num_layers: int) -> MoeConfig | None:
                                   "a positive integer; fix config.json")
         moe = MoeConfig(experts, field.positive("num_experts_per_tok", 2), field.positive("intermediate_size"), True,
                         True, "block_sparse_moe", ("w1", "w3", "w2"), (True,) * num_layers)
-    else:
-        experts = 128 if experts is None else experts
+    else:  # Qwen3-MoE, Qwen2-MoE (whose layers add a shared expert, gated by a sigmoid)
+        qwen2 = field.arch == "Qwen2MoeForCausalLM"
+        experts = (60 if qwen2 else 128) if experts is None else experts
         step = field.positive("decoder_sparse_step", 1)
         dense = field.get("mlp_only_layers", list) or []
         sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-        moe = MoeConfig(experts, field.positive("num_experts_per_tok", 8), field.positive("moe_intermediate_size", 768),
+        moe = MoeConfig(experts, field.positive("num_experts_per_tok", 4 if qwen2 else 8),
+                        field.positive("moe_intermediate_size", 1408 if qwen2 else 768),
                         bool(field.get("norm_topk_prob", bool)), False, "mlp", ("gate_proj", "up_proj", "down_proj"),
-                        sparse)
+                        sparse, field.positive("shared_expert_intermediate_size", 5632) if qwen2 else 0)
     if any(moe.sparse_layers) and moe.top_k > moe.num_experts:
         raise CheckpointError(f"config.json of this {field.arch} routes each token to {moe.top_k} experts "
                               f"(num_experts_per_tok) of {moe.num_experts}; fix config.json")
@@ -343,10 +354,10 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
-                 ops: PointwiseOps) -> None:
+                 ops: PointwiseOps, inner: int | None = None) -> None:
         super().__init__()
         self.ops, self.prefix = ops, prefix
-        inner, bias = cfg.intermediate_size, cfg.mlp_bias
+        inner, bias = inner or cfg.intermediate_size, cfg.mlp_bias
         self.gate_up_proj: Linear | None = None  # set by merge_projections, which then drops gate/up_proj
         if cfg.fused_projections:  # gate's outputs, then up's
             self.gate_up_proj = Linear(cfg.hidden_size, 2 * inner, bias, f"{prefix}.gate_up_proj", quant, dtype)
@@ -372,9 +383,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", quant, dtype, ops, window)
         self.feed_forward = "mlp"  # the submodule's name, as the checkpoint has it
         if sparse and cfg.moe is not None:
-            self.feed_forward = cfg.moe.block
-            self.add_module(cfg.moe.block, SparseMoe(cfg.moe, cfg.hidden_size, dtype, ops.silu_and_mul,
-                                                     fused=ops.name == "triton"))
+            self.feed_forward = block = cfg.moe.block
+            shared = MLP(cfg, f"{prefix}.{block}.shared_expert", quant, dtype, ops, cfg.moe.shared_intermediate_size) \
+                if cfg.moe.shared_intermediate_size else None
+            self.add_module(block, SparseMoe(cfg.moe, cfg.hidden_size, dtype, ops.silu_and_mul,
+                                             fused=ops.name == "triton", shared_expert=shared))
         else:
             self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)

@@ -1,5 +1,5 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router sends each token to its top-k experts, gated SiLU
-MLPs whose outputs it sums, weighted by the router's probabilities."""
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router sends each token to its top-k experts,
+gated SiLU MLPs whose outputs it sums, weighted by the router's probabilities (plus Qwen2-MoE's shared expert)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ class MoeConfig:
     block: str  # the layer's submodule: "block_sparse_moe" (Mixtral) or "mlp" (Qwen3-MoE)
     projections: tuple[str, str, str]  # an expert's gate, up and down: ("w1", "w3", "w2") or "{gate,up,down}_proj"
     sparse_layers: tuple[bool, ...]  # per layer: experts (else a dense MLP)
+    shared_intermediate_size: int = 0  # Qwen2-MoE: a shared expert every token goes through (0: none)
 
 
 class Router(nn.Module):
@@ -39,11 +40,14 @@ class SparseMoe(nn.Module):
     kernel and transformers 5 hold them; a checkpoint's per-expert tensors load into their slices
     (``load_expert``)."""
 
-    def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype, silu_and_mul, fused: bool) -> None:
+    def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype, silu_and_mul, fused: bool,
+                 shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.moe, self.silu_and_mul, self.fused = moe, silu_and_mul, fused
         size = moe.intermediate_size
         self.gate = Router(hidden_size, moe.num_experts, dtype)
+        self.shared_expert = shared_expert  # Qwen2-MoE's, scaled by sigmoid(shared_expert_gate x)
+        self.shared_expert_gate = Router(hidden_size, 1, dtype) if shared_expert is not None else None
         # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
         self.register_buffer("w13", torch.empty(moe.num_experts, 2 * size, hidden_size, dtype=dtype), persistent=False)
         self.register_buffer("w2", torch.empty(moe.num_experts, hidden_size, size, dtype=dtype), persistent=False)
@@ -97,8 +101,12 @@ class SparseMoe(nn.Module):
         if self.fused:
             from ..kernels.fused_moe import fused_experts
 
-            return fused_experts(x, self.w13, self.w2, weights, experts)
-        return self.experts_loop(x, weights, experts)
+            out = fused_experts(x, self.w13, self.w2, weights, experts)
+        else:
+            out = self.experts_loop(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return out
 
     def experts_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The reference: expert by expert, in HF's order (bit-equal to it in float32). Reads the expert counts

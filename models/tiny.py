@@ -18,6 +18,9 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                 "num_experts_per_tok": 2},
     "qwen3moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "use_sliding_window": False,
                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True},
+    "qwen2moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "use_sliding_window": False,
+                 "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                 "shared_expert_intermediate_size": 80},
 }
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"  # the shipped pair: target/ and draft/

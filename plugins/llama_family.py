@@ -1,5 +1,5 @@
-"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, and the MoE Mixtral and
-Qwen3-MoE)."""
+"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, and the MoE Mixtral, Qwen2-MoE
+and Qwen3-MoE)."""
 from __future__ import annotations
 
 import logging
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # torch loads with the model, not with the plugins (`infer --
 log = logging.getLogger("infer")
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                        "Phi3ForCausalLM")
-ARCHITECTURES = (*DENSE_ARCHITECTURES, "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = (*DENSE_ARCHITECTURES, "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,

@@ -1,4 +1,5 @@
-"""Sparse MoE (Mixtral, Qwen3-MoE) against HF transformers, and the Triton experts against the torch loop."""
+"""Sparse MoE (Mixtral, Qwen2-MoE, Qwen3-MoE) against HF transformers, and the Triton experts against the torch
+loop."""
 from __future__ import annotations
 
 import json
@@ -44,6 +45,10 @@ SLOW = pytest.mark.slow  # the interpreted Triton experts take about 25 s a mode
     pytest.param("qwen3moe", {}, True, id="qwen3moe-triton", marks=SLOW),
     pytest.param("qwen3moe", MIXED, False, id="mixed-torch"),
     pytest.param("qwen3moe", MIXED, True, id="mixed-triton", marks=SLOW),
+    # Qwen2-MoE: a shared expert beside the routed ones, gated by a sigmoid; q/k/v biases as qkv_bias says
+    pytest.param("qwen2moe", {}, False, id="qwen2moe-torch"),
+    pytest.param("qwen2moe", {**MIXED, "qkv_bias": False}, True, id="qwen2moe-mixed-triton", marks=SLOW),
+    pytest.param("qwen2moe", {**MIXED, "qkv_bias": False}, False, id="qwen2moe-mixed-torch"),
 ])
 def test_moe_models_generate_what_hf_generates(tmp_path, hf_greedy, arch, edits, fused):
     """A batch of prompts (prefills and decodes routed together): greedy tokens equal HF's, last-token logits
@@ -66,6 +71,20 @@ def test_moe_models_generate_what_hf_generates(tmp_path, hf_greedy, arch, edits,
         ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(
             torch.tensor([batch[1]])).logits[0, -1]
     assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+
+
+def test_qwen2_moes_sliding_layers_are_hfs(tmp_path, hf_greedy):
+    """With use_sliding_window and no layer_types, HF's Qwen2-MoE slides in the even layers below
+    max_window_layers (Qwen2's rule is the layers from it on)."""
+    path = moe_model(tmp_path / "m", "qwen2moe", num_layers=3, extra={
+        "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2})
+    config = json.loads((path / "config.json").read_text())
+    config.pop("layer_types", None)
+    (path / "config.json").write_text(json.dumps(config))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
+    assert [layer.self_attn.window for layer in engine.loaded.model.model.layers] == [8, None, None]
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [30], seed=5)[0]
+    assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
 
 
 def reference_experts(x, w13, w2, weights, experts):
