@@ -218,16 +218,20 @@ def test_moe_on_cuda_with_graphs_generates_what_hf_generates(tmp_path, hf_greedy
         assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
 
 
-def test_a_lora_adapter_on_a_moe_models_attention_equals_peft(tmp_path):
-    """Adapters on q/k/v/o of Qwen3-MoE: PEFT's greedy tokens."""
+@pytest.mark.parametrize(("arch", "targets"), [
+    ("qwen3moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ("qwen2moe", ["q_proj", "gate_proj", "up_proj", "down_proj"]),  # the MLP's: the shared expert's
+])
+def test_a_lora_adapter_on_a_moe_model_equals_peft(tmp_path, arch, targets):
+    """Adapters on the attention of Qwen3-MoE, on Qwen2-MoE's shared expert: PEFT's greedy tokens."""
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    base = moe_model(tmp_path / "base", "qwen3moe")
+    base = moe_model(tmp_path / "base", arch)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=16, init_lora_weights=False,
-                                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])).eval()
+                                                    target_modules=targets)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
