@@ -245,13 +245,15 @@ def tolerant_stdin() -> None:
         pass
 
 
-def _check_tiny_model_fits(hidden_size: int, num_layers: int, tied: bool) -> None:
+def _check_tiny_model_fits(hidden_size: int, num_layers: int, tied: bool, arch: str) -> None:
     """A usage error before any allocation for a model whose float32 weights, held twice while written, pass the
-    host memory available (it allocated until the machine ran out)."""
+    host memory available (it allocated until the machine ran out). Counted as a llama's, Mixtral's MLP four times
+    (its 4 experts; the Qwen MoE ones' experts are narrower than the llama's MLP)."""
     from ..core.assembly import host_memory_available
-    from ..models.tiny import parameter_count
+    from ..models.tiny import ARCH_CONFIGS, parameter_count
 
-    params = parameter_count(hidden_size, num_layers, 2 * hidden_size, tied)
+    experts = ARCH_CONFIGS[arch].get("num_local_experts", 0)
+    params = parameter_count(hidden_size, num_layers, 2 * hidden_size, tied, experts=experts)
     needed, available = 2 * 4 * params, host_memory_available()
     if available is not None and needed > available:
         raise click.UsageError(f"a model of hidden size {hidden_size} x {num_layers} layers has {params:,} parameters "
@@ -459,7 +461,7 @@ def make_tiny_model_command(ctx: click.Context, directory: str, arch: str, hidde
     if blocking := next((p for p in out.parents if p.exists() and not p.is_dir()), None):
         raise click.UsageError(f"{blocking} is a file, so {directory} cannot be a folder inside it; choose another "
                                "path")
-    _check_tiny_model_fits(hidden_size, num_layers, tie_word_embeddings)
+    _check_tiny_model_fits(hidden_size, num_layers, tie_word_embeddings, arch)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)  # (folders it creates above DIRECTORY stay on a failure)
         partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))

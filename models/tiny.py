@@ -106,11 +106,13 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: in
 
 
 def parameter_count(hidden_size: int, num_layers: int, intermediate_size: int, tie_word_embeddings: bool = False,
-                    num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 1024) -> int:
+                    num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 1024, experts: int = 0) -> int:
     """The parameters of make_tiny_model's llama of this shape (its defaults alike), counted before it is built:
-    q/o and k/v projections, the gated MLP, two norms a layer, the final norm, the embedding and the head."""
+    q/o and k/v projections, the gated MLP (or ``experts`` of them and their router: Mixtral's), two norms a layer,
+    the final norm, the embedding and the head."""
     kv_width = hidden_size // num_heads * num_kv_heads
-    per_layer = 2 * hidden_size**2 + 2 * hidden_size * kv_width + 3 * hidden_size * intermediate_size + 2 * hidden_size
+    mlp = 3 * hidden_size * intermediate_size * max(experts, 1) + experts * hidden_size
+    per_layer = 2 * hidden_size**2 + 2 * hidden_size * kv_width + mlp + 2 * hidden_size
     return num_layers * per_layer + hidden_size + (1 if tie_word_embeddings else 2) * vocab_size * hidden_size
 
 

@@ -235,13 +235,14 @@ def test_the_size_check_counts_the_parameters_a_built_model_has(tiny_model_facto
 
     from infer.models.tiny import parameter_count
 
-    for hidden, layers, tied in ((64, 2, False), (128, 3, True)):
-        path = tiny_model_factory("llama", hidden_size=hidden, num_layers=layers, intermediate_size=2 * hidden,
+    for arch, hidden, layers, tied in (("llama", 64, 2, False), ("llama", 128, 3, True), ("mixtral", 64, 2, False)):
+        path = tiny_model_factory(arch, hidden_size=hidden, num_layers=layers, intermediate_size=2 * hidden,
                                   tie_word_embeddings=tied)
         with safe_open(str(path / "model.safetensors"), "pt") as f:
             built = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-        assert parameter_count(hidden, layers, 2 * hidden, tied, vocab_size=vocab) == built
+        experts = 4 if arch == "mixtral" else 0
+        assert parameter_count(hidden, layers, 2 * hidden, tied, vocab_size=vocab, experts=experts) == built
 
 
 @pytest.mark.parametrize("args,message", [
