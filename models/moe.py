@@ -2,6 +2,7 @@
 gated SiLU MLPs whose outputs it sums, weighted by the router's probabilities (plus Qwen2-MoE's shared expert)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,8 @@ class SparseMoe(nn.Module):
     kernel and transformers 5 hold them; a checkpoint's per-expert tensors load into their slices
     (``load_expert``)."""
 
-    def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype, silu_and_mul, fused: bool,
+    def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype,
+                 silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], fused: bool,
                  shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.moe, self.silu_and_mul, self.fused = moe, silu_and_mul, fused
