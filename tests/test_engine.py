@@ -1124,3 +1124,158 @@ def test_of_two_stop_strings_found_together_the_earlier_then_the_longer_ends_the
     req = RequestState("r", [1], SamplingParams(stop=("ie", "i", "s")), 0.0, [], [], [0], [0])
     assert _first_stop(req, 0, SimpleNamespace(text="calies")) == (3, 5)  # "ie" and "i" at 3, before "s" at 5
     assert _first_stop(req, 0, SimpleNamespace(text="cal")) is None
+
+
+# ---------------------------------------------------------------- readers, outputs and forks (a mutation audit)
+class FailsOnFirstFinish:
+    """on_request_finished raises once: the step that ends a request fails, its final delta lost with it."""
+    failed = False
+
+    @hookimpl
+    def on_request_finished(self, output):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("transient")
+
+
+@pytest.mark.parametrize("reader", ["generate_as_completed", "stream"])
+def test_a_reader_whose_request_ended_in_another_callers_failed_step_ends_too(tiny_model, reader, monkeypatch):
+    """Its last delta lost in a failed step another reader ran, a reader still ends with what came before."""
+    from infer.core.errors import PluginError
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(FailsOnFirstFinish(), name="fails-on-finish", source="acme")
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64), plugins)
+    prompt = rand_prompt(14, 8)
+    victim = getattr(e, reader)([prompt] if reader == "generate_as_completed" else prompt, greedy(4))
+    with pytest.raises(PluginError, match="fails-on-finish"):
+        for _ in e.stream(rand_prompt(12, 7), greedy(10)):  # its 4th step ends the victim, and fails
+            pass
+    assert not e.requests
+    advance, calls = e._advance, []  # it looped over an idle engine forever: fail instead of hanging
+    monkeypatch.setattr(e, "_advance", lambda: (calls.append(1), len(calls) <= 40 or pytest.fail(
+        "stepped an idle engine"), advance()))
+    if reader == "generate_as_completed":
+        [(index, result)] = list(victim)
+        tokens = result.outputs[0].token_ids
+    else:
+        tokens = [t for out in victim for t in out.outputs[0].token_ids]
+    want = e.generate([prompt], greedy(4))[0].outputs[0].token_ids
+    assert 0 < len(tokens) < 4 and tokens == want[: len(tokens)]
+    assert not e.readers.owned and not e.readers.waiting and e.kv.stats().used_blocks == 0
+
+
+def test_a_stream_ends_at_its_finished_delta_even_when_its_id_is_taken_at_once(engine):
+    """The loop's next() after the finished delta ends the stream without stepping the id's new request."""
+    got = []
+    for out in engine.stream([5, 6, 7], greedy(3), request_id="job-2"):
+        got += out.outputs[0].token_ids
+        if out.finished:
+            engine.add_request([5, 6, 7], greedy(30), request_id="job-2")
+    assert engine.requests["job-2"].seqs[0].num_output_tokens == 0
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    want = engine.generate([[5, 6, 7]], greedy(30))[0].outputs[0].token_ids
+    assert got == want[:3] and [t for d in deltas for t in d.outputs[0].token_ids] == want
+
+
+def test_a_batch_request_that_ends_inside_a_nested_call_keeps_its_last_deltas(engine):
+    """"two" ends inside the nested call (its delta of the step that ends "one" read first): returned whole."""
+    lengths = {"one": 2, "two": 4, "inner": 8}
+    alone = {p: engine.generate([p], greedy(n))[0].outputs[0].token_ids for p, n in lengths.items()}
+    got = {}
+    for i, out in engine.generate_as_completed(["two", "one"], [greedy(4), greedy(2)]):
+        got[("two", "one")[i]] = (out.outputs[0].token_ids, out.finished, out.outputs[0].finish_reason)
+        if i == 1:  # "two" ends inside this call
+            got["inner"] = (engine.generate(["inner"], greedy(8))[0].outputs[0].token_ids, True, FinishReason.LENGTH)
+    assert got == {p: (alone[p], True, FinishReason.LENGTH) for p in lengths}
+    assert not engine.has_unfinished() and not engine.readers.owned and not engine.readers.waiting
+
+
+def test_a_batch_reader_collected_inside_a_step_has_its_requests_aborted_after_it(tiny_model, monkeypatch):
+    """As a stream's: GC'd inside a step, its unfinished request is aborted at the next step's start."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    kept = e.add_request([8, 9, 10], greedy(8))
+    batch = e.generate_as_completed([[5, 6, 7], [5, 6]], [greedy(1), greedy(30)])
+    assert next(batch)[0] == 0
+    cycle: list = [batch]
+    cycle.append(cycle)
+    del batch, cycle
+    execute, collected = e.runner.execute, []
+
+    def collect_then_execute(*args, **kwargs):
+        if not collected:
+            collected.append(gc.collect())
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(e.runner, "execute", collect_then_execute)
+    seen, steps = set(), 0
+    while e.has_unfinished():
+        seen |= {out.request_id for out in e.step()}
+        steps += 1
+    assert collected and seen == {kept} and not e.readers.owned and steps <= 8 and drained(e)
+
+
+@pytest.mark.parametrize("extra", [{}, {"stop": ["never appears"]}])
+def test_the_stop_token_that_ends_an_output_keeps_its_logprobs(engine, tiny_model, extra):
+    """Its text is left out, but it is an output token: one logprobs entry per token, HF's log-softmax."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = rand_prompt(10, 9)
+    free = engine.generate([prompt], greedy(8))[0].outputs[0].token_ids
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, stop_token_ids=[free[3]],
+                            **extra)
+    out = engine.generate([prompt], params)[0].outputs[0]
+    assert out.token_ids == free[: free.index(free[3]) + 1] and len(out.logprobs) == len(out.token_ids)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    for position, entry in enumerate(out.logprobs):
+        assert set(entry) == set(ref[position].topk(2).indices.tolist())  # greedy: the token is the top-1
+        for candidate, value in entry.items():
+            assert value == pytest.approx(ref[position, candidate].item(), abs=1e-4)
+
+
+def test_a_forked_child_whose_first_token_is_a_stop_token_stops_there(engine):
+    """Greedy n = 2: both sequences sample the same first token; as a stop token it ends the child too."""
+    prompt = rand_prompt(10, 9)
+    first = engine.generate([prompt], greedy(4))[0].outputs[0].token_ids[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=2, stop_token_ids=[first])
+    out = engine.generate([prompt], params)[0]
+    assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [([first], FinishReason.STOP)] * 2
+    assert not engine.has_unfinished() and drained(engine)
+
+
+def test_an_n_request_aborted_before_its_fork_leaves_nothing_to_a_later_request_of_its_id(engine):
+    """The unforked children of an aborted n = 3 request are not forked into a later request of the same id."""
+    prompt = rand_prompt(10, 9)
+    engine.add_request(prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, n=3), request_id="x")
+    assert engine.abort("x").finished
+    engine.add_request(prompt, greedy(4), request_id="x")
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+        assert engine.scheduler.num_running() <= 1
+    want = engine.generate([prompt], greedy(4))[0].outputs[0].token_ids
+    assert [(c.index, t) for d in deltas for c in d.outputs for t in c.token_ids] == [(0, t) for t in want]
+    assert drained(engine)
+
+
+def test_forked_children_start_from_the_parents_computed_prompt(tiny_model, hf_greedy):
+    """n = 3: the prompt is computed once; then one decode token per sequence a step; each is HF's greedy run."""
+    class Steps:
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int]] = []
+
+        @hookimpl
+        def on_step(self, stats):
+            self.seen.append((stats.num_prefill_tokens, stats.num_decode_tokens))
+
+    plugins, steps = PluginManager.from_entry_points(), Steps()
+    plugins.register(steps, name="steps", source="test")
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64), plugins)
+    prompt = rand_prompt(20, 3)
+    out = e.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=3))[0]
+    assert [c.token_ids for c in out.outputs] == [hf_greedy(tiny_model, prompt, 4)] * 3
+    assert steps.seen == [(20, 0)] + [(0, 3)] * 3
