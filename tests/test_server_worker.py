@@ -221,7 +221,7 @@ def test_a_generate_message_past_the_limit_is_refused_by_name() -> None:
         assert code is grpc.StatusCode.FAILED_PRECONDITION and details.startswith(
             "one message of the reply (1 completion of a step or so) takes 30"), details
         assert "past --max-message-bytes 1024; ask for fewer completions (n) or top logprobs" in details
-        assert not engine.requests
+        await until(lambda: not engine.requests, "the refused request to go")  # the server aborts it after replying
 
     serve_scripted(test, max_message_bytes=1024)
 
