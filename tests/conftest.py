@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +33,17 @@ CHECKPOINTS = {
     "qwen3": ("qwen3", {"num_heads": 8, "num_kv_heads": 2}),
     "phi3": ("phi3", {}),  # fused qkv_proj and gate_up_proj in the checkpoint
 }
+
+
+@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Where a Triton kernel's test runs: the CPU under TRITON_INTERPRET=1 (the default run), and CUDA under -m gpu
+    (a test that parametrizes ``device`` itself overrides this)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CUDA is present, so the Triton interpreter is off; run the Triton tests with -m gpu")
+    return torch.device(request.param)
 
 
 @pytest.fixture(autouse=True)

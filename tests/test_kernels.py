@@ -25,15 +25,6 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3,
 ATTN_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
 
 
-@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
-def device(request: pytest.FixtureRequest) -> torch.device:
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CUDA is present, so the Triton interpreter is off; run the kernels with -m gpu")
-    return torch.device(request.param)
-
-
 def paged_cache(num_blocks: int, page: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (num_blocks, page, kv_heads, head_dim)

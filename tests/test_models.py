@@ -533,23 +533,31 @@ def test_the_calibration_forward_slides_as_hf(tmp_path, arch, infer_plugins):
     assert (ours - ref).norm() / ref.norm() < 1e-4
 
 
+def sliding_model_on(backend: type, tmp_path, infer_plugins, caplog) -> tuple:
+    """A Mistral with a 16-position window on the plugin backend ``backend`` (registered under its lowercase name),
+    and the engine built on it with the default context."""
+    from infer.core.hookspecs import hookimpl
+
+    name = backend.__name__.lower()
+    module = types.ModuleType(name)
+    module.register_attention_backends = hookimpl(lambda register: register(name, lambda config: backend()))
+    infer_plugins.register(module, name=name, source="tests")
+    path = edited_model(tmp_path / "m", "mistral", SLIDING["mistral"])
+    with caplog.at_level("WARNING", logger="infer"):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", attention=name, num_kv_blocks=16), infer_plugins)
+    return path, engine
+
+
 def test_a_backend_without_a_sliding_window_runs_the_model_within_its_window(tmp_path, infer_plugins, caplog):
     """A plugin's backend that lacks one: the context is cut to the window, with a warning (a longer
     --max-model-len is refused); asked to slide past it anyway, attend refuses by name."""
     from infer.core.errors import ConfigError, PluginError
-    from infer.core.hookspecs import hookimpl
     from infer.plugins.torch_attention import TorchAttention
 
     class Plain(TorchAttention):
         supports_sliding_window = False
 
-    module = types.ModuleType("plain")
-    module.register_attention_backends = hookimpl(lambda register: register("plain", lambda config: Plain()))
-    infer_plugins.register(module, name="plain", source="tests")
-    path = edited_model(tmp_path / "m", "mistral", SLIDING["mistral"])
-    with caplog.at_level("WARNING", logger="infer"):
-        engine = Engine(EngineConfig(model=str(path), device="cpu", attention="plain", num_kv_blocks=16),
-                        infer_plugins)
+    path, engine = sliding_model_on(Plain, tmp_path, infer_plugins, caplog)
     assert engine.max_model_len == 16 and "limiting the model's context to its sliding window (16)" in caplog.text
     with pytest.raises(ConfigError, match="max-model-len 64 exceeds the model's sliding window 16, and attention "
                                           "backend Plain has no sliding window"):
@@ -564,23 +572,18 @@ def test_a_plugin_backend_whose_forward_takes_no_window_runs_within_the_window(t
     """A TorchAttention subclass written before backends had windows overrides forward(q, k, v, kv_cache, meta,
     scale): it inherits supports_sliding_window but cannot take one, so the context is cut to the window (it
     generated until its first context past the window, then failed with a TypeError)."""
-    from infer.core.hookspecs import hookimpl
     from infer.plugins.torch_attention import TorchAttention
 
     class Old(TorchAttention):
         def forward(self, q, k, v, kv_cache, meta, scale):
             return super().forward(q, k, v, kv_cache, meta, scale)
 
-    module = types.ModuleType("old")
-    module.register_attention_backends = hookimpl(lambda register: register("old", lambda config: Old()))
-    infer_plugins.register(module, name="old", source="tests")
-    path = edited_model(tmp_path / "m", "mistral", SLIDING["mistral"])
-    with caplog.at_level("WARNING", logger="infer"):
-        engine = Engine(EngineConfig(model=str(path), device="cpu", attention="old", num_kv_blocks=16),
-                        infer_plugins)
+    path, engine = sliding_model_on(Old, tmp_path, infer_plugins, caplog)
     assert engine.max_model_len == 16 and "attention backend Old has no sliding window" in caplog.text
-    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 12
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # to position 16: the window's last
+    out = engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
+    shipped = Engine(EngineConfig(model=str(path), device="cpu", attention="torch", num_kv_blocks=16))
+    assert len(out) == 12 and out == shipped.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
 
 
 def test_other_activations_are_refused(tmp_path):

@@ -98,15 +98,6 @@ def reference_experts(x, w13, w2, weights, experts):
     return out
 
 
-@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
-def device(request: pytest.FixtureRequest) -> torch.device:
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton experts run on the CPU under TRITON_INTERPRET=1 only")
-    return torch.device(request.param)
-
-
 # bf16 on CUDA only (-m gpu): the Triton interpreter's tl.dot multiplies bf16's raw bits (triton-lang/triton#11584)
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
                                    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu)])

@@ -21,15 +21,6 @@ from conftest import dense_attention, paged_batch  # noqa: E402
 PAGE, NUM_BLOCKS, HEAD_DIM, SCALE = 16, 32, 32, 0.17
 
 
-@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
-def device(request: pytest.FixtureRequest) -> torch.device:
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CUDA is present, so the Triton interpreter is off; run the backend with -m gpu")
-    return torch.device(request.param)
-
-
 def test_registers_through_pluggy() -> None:
     pm = pluggy.PluginManager("infer")
     pm.add_hookspecs(hookspecs)
