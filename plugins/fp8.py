@@ -1,4 +1,4 @@
-"""The `fp8` quant method: compressed-tensors FP8 checkpoints, or dynamic FP8 quantization on load."""
+"""The `fp8` quant method: compressed-tensors and block-wise FP8 checkpoints, or dynamic FP8 quantization on load."""
 from __future__ import annotations
 
 import logging
@@ -24,7 +24,8 @@ FP8_OPTIONS = {
 
 
 def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
-    """FP8 for a compressed-tensors checkpoint, or per-channel/per-token dynamic FP8 on load when there is none.
+    """FP8 for a compressed-tensors or block-wise (quant_method "fp8") checkpoint, or per-channel/per-token dynamic
+    FP8 on load when there is none.
 
     ``config.plugin_options["fp8"]``: the options of :data:`FP8_OPTIONS`.
     """
@@ -47,16 +48,19 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
         log.info("fp8: quantizing weights on load (e4m3, per-channel scales; activations per token, dynamic)")
         return Fp8LinearMethod(None, backend, quantize_lm_head=options["lm_head"])
     method = quantization_config.get("quant_method")
-    if method != "compressed-tensors":  # e.g. HF's own block-wise "fp8" (weight_block_size)
+    if method not in ("compressed-tensors", "fp8"):
         given = f"--quant {config.quant} was given, but " if config.quant else ""
-        todo = "drop --quant to use the checkpoint's own method" if config.quant and method != "fp8" else \
-            "export it as compressed-tensors FP8 (llm-compressor), or load the unquantized model with --quant fp8"
         raise CheckpointError(f"{given}the checkpoint is quantized with quant_method {method!r}, which infer's fp8 "
-                              "method does not load (it loads compressed-tensors FP8 checkpoints and quantizes "
-                              f"unquantized ones on load); {todo}")
+                              "method does not load (it loads compressed-tensors and block-wise FP8 checkpoints and "
+                              "quantizes unquantized ones on load); drop --quant to use the checkpoint's own method")
     if options["lm_head"]:
         raise ConfigError("--plugin-option fp8.lm_head=true quantizes the head when fp8 quantizes on load, but this "
                           "checkpoint is quantized already and its config says which layers are FP8; drop the option")
+    if method == "fp8":  # transformers' FineGrainedFP8: DeepSeek-V3, the Qwen3 FP8 releases
+        from ..quant.fp8_block import parse_block_fp8
+        from ..quant.fp8_block_method import BlockFp8LinearMethod
+
+        return BlockFp8LinearMethod(parse_block_fp8(quantization_config), backend)
     parsed = parse_compressed_tensors(quantization_config)
     if quantization_config.get("kv_cache_scheme"):
         log.warning("fp8: the checkpoint's kv_cache_scheme and its k/v scales are ignored; use --kv-cache-dtype to "

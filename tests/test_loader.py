@@ -341,9 +341,3 @@ def test_quantization_settings_infer_cannot_read_are_named(llama, tmp_path):
         message = load_error(path)
         assert f"keeps its quantization settings in {name}, which infer does not read: copy them into config.json" \
             in message
-
-
-def test_hf_block_fp8_is_refused_without_blaming_an_option_not_given(llama, tmp_path):
-    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    message = load_error(copy_of(llama, tmp_path / "m", {"quantization_config": qc}))
-    assert "quant_method 'fp8'" in message and "--quant fp8 was given" not in message

@@ -1,0 +1,98 @@
+"""Block-wise FP8: the ``quant_method: "fp8"`` checkpoints of DeepSeek-V3 and the Qwen3 FP8 releases (the format
+transformers calls FineGrainedFP8).
+
+A linear's weight [N, K] is stored as float8_e4m3fn with ``weight_scale_inv`` [ceil(N / bn), ceil(K / bk)] (fp32,
+bf16 or fp16): block (i, j), ``weight[i*bn:(i+1)*bn, j*bk:(j+1)*bk]``, reads back as its fp8 values times
+``weight_scale_inv[i, j]`` (edge blocks are partial). ``weight_block_size`` [bn, bk] is usually [128, 128]; without
+one a single scale covers the whole weight. Activations are quantized at run time per token and per group of bk
+input features (scale = amax / 448), so one K-block of the GEMM has one scale per row and one per output block.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.errors import CheckpointError
+from .fp8 import scale_from_amax, to_fp8
+
+Block = tuple[int, int]  # (bn, bk): output rows and input columns per weight scale
+
+
+@dataclass(frozen=True)
+class BlockFp8Config:
+    """A validated ``quant_method: "fp8"`` config. ``block`` None: one scale per weight (per-tensor)."""
+
+    block: Block | None
+    modules_to_not_convert: tuple[str, ...] | None = None
+
+    def applies_to(self, prefix: str) -> bool:
+        """transformers' rule: a name in ``modules_to_not_convert`` matches from the start up to a module boundary
+        (also as a regex) or as a suffix; without the list, only ``lm_head`` stays unquantized."""
+        if self.modules_to_not_convert is None:
+            return prefix.rsplit(".", 1)[-1] != "lm_head"
+        boundary = r"(?:(?<=\.)|(?=\.|$))"
+        return not any(re.match(rf"(?:{key}){boundary}", prefix) or prefix.endswith(key)
+                       for key in self.modules_to_not_convert)
+
+    def block_for(self, out_features: int, in_features: int) -> Block:
+        return self.block or (out_features, in_features)
+
+
+def _fail(message: str) -> CheckpointError:
+    return CheckpointError(f"unsupported block-wise FP8 checkpoint (quant_method 'fp8'): {message}; infer loads "
+                           "e4m3 weights with float block scales (weight_scale_inv) and dynamic activations, the "
+                           "format of DeepSeek-V3 and the Qwen3 FP8 releases")
+
+
+def parse_block_fp8(qc: dict[str, Any]) -> BlockFp8Config:
+    """Validate config.json's ``quantization_config`` of a block-wise FP8 checkpoint."""
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise _fail(f"activation_scheme is {qc.get('activation_scheme')!r} (static activation_scale tensors)")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise _fail(f"fmt is {qc.get('fmt')!r}, not e4m3")
+    if qc.get("scale_fmt", "float") != "float":
+        raise _fail(f"scale_fmt is {qc.get('scale_fmt')!r} (power-of-two ue8m0 scales, DeepSeek-V4 style)")
+    if qc.get("expert_dtype", "fp8") != "fp8":
+        raise _fail(f"expert_dtype is {qc.get('expert_dtype')!r} (FP4 experts)")
+    if qc.get("modules_to_convert"):
+        raise _fail(f"modules_to_convert {qc['modules_to_convert']!r} stores those layers (embeddings) in fp8 too")
+    size = qc.get("weight_block_size")
+    if size is not None and not (isinstance(size, list | tuple) and len(size) == 2 and
+                                 all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size)):
+        raise _fail(f"weight_block_size must be two positive integers such as [128, 128], got {size!r}")
+    skip = qc.get("modules_to_not_convert", qc.get("ignored_layers"))
+    if skip is not None and (isinstance(skip, str) or not all(isinstance(s, str) for s in skip)):
+        raise _fail(f"modules_to_not_convert must be a list of module names, got {skip!r}")
+    return BlockFp8Config(None if size is None else (size[0], size[1]), None if skip is None else tuple(skip))
+
+
+def expand_block_scales(scale: torch.Tensor, shape: tuple[int, int], block: Block) -> torch.Tensor:
+    """fp32 [rows, cols]: each block's scale repeated over its (possibly partial) block."""
+    rows, cols = shape
+    return scale.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> torch.Tensor:
+    """fp32 ``weight`` [N, K] times its block scales."""
+    return weight.to(torch.float32) * expand_block_scales(scale_inv, tuple(weight.shape), block)
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (fp8 [M, K], fp32 scales [M, ceil(K / group)]): one scale per token and group of ``group``
+    features (the last group may be shorter), ``amax / 448``."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * group - k)).reshape(m, groups, group)
+    scale = scale_from_amax(padded.abs().amax(dim=-1))
+    return to_fp8(x, scale.repeat_interleave(group, 1)[:, :k]), scale
+
+
+def block_gemm_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                         block: Block, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dequant(xq) @ dequant(weight).T`` in fp32, the CPU path and the reference of the Triton block GEMM."""
+    x = xq.to(torch.float32) * x_scale.repeat_interleave(block[1], 1)[:, :xq.shape[1]]
+    return (x @ dequantize_blocks(weight, scale_inv, block).t()).to(out_dtype)
+

@@ -1,0 +1,280 @@
+"""Block-wise FP8 checkpoints (quant_method "fp8": DeepSeek-V3, the Qwen3 FP8 releases). transformers is the
+producer (its FineGrainedFP8 quantizer writes the checkpoints) and the reference: its dequantization gives the
+weights, and its model on those weights, with each linear's input rounded to fp8 per token and group as the
+format's dynamic activations are (written here from the format, :func:`fake_quantized_input`), gives the tokens."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the first import of a module defining @triton.jit kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from infer import LLM  # noqa: E402
+from infer.core.config import EngineConfig  # noqa: E402
+from infer.core.errors import CheckpointError, ConfigError  # noqa: E402
+from infer.core.request import SamplingParams  # noqa: E402
+from infer.kernels.fp8_block import per_token_group_quant, w8a8_block_gemm  # noqa: E402
+from infer.models.layers import Linear  # noqa: E402
+from infer.plugins.fp8 import build_fp8  # noqa: E402
+from infer.quant.fp8 import FP8_DTYPE  # noqa: E402
+from infer.quant.fp8_block import (BlockFp8Config, block_gemm_reference, dequantize_blocks,  # noqa: E402
+                                   parse_block_fp8, quantize_per_token_group)
+from infer.quant.fp8_block_method import BlockFp8LinearMethod  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+BLOCK = (16, 32)  # the tiny models' sizes are multiples of it; real checkpoints use [128, 128]
+
+
+def hf_block_quantize(src: Path, dst: Path, block: tuple[int, int] | None, skip: list[str] | None = None,
+                      scale_dtype: torch.dtype = torch.float32) -> Path:
+    """``src`` quantized by transformers' FineGrainedFP8 quantizer (every projection but lm_head and ``skip``),
+    with transformers' own quantization_config; scales stored in ``scale_dtype`` (Qwen3's releases use bf16)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    qconfig = FineGrainedFP8Config(weight_block_size=block, modules_to_not_convert=skip)
+    quantize = Fp8Quantize(FineGrainedFP8HfQuantizer(qconfig))
+    shutil.copytree(src, dst)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        if name.endswith("_proj.weight") and should_convert_module(module, (skip or []) + ["lm_head"]):
+            state |= {k: v.to(scale_dtype) if k.endswith("_scale_inv") else v
+                      for k, v in quantize.convert({name: tensor}).items()}
+        else:
+            state[name] = tensor
+    save_file(state, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = json.loads(qconfig.to_json_string(use_diff=False))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def fake_quantized_input(module: torch.nn.Module, args: tuple[torch.Tensor, ...], group: int
+                         ) -> tuple[torch.Tensor, ...]:
+    """A forward pre-hook: the input rounded to e4m3 per token and per ``group`` features (scale amax / 448)."""
+    x = args[0]
+    shape, k = x.shape, x.shape[-1]
+    padded = torch.nn.functional.pad(x.reshape(-1, k).float(), (0, -k % group)).unflatten(-1, (-1, group))
+    scale = padded.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    rounded = (padded / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
+    return (rounded.flatten(-2)[:, :k].reshape(shape).to(x.dtype),)
+
+
+def hf_reference_greedy(path: Path, prompt: list[int], group: int) -> list[int]:
+    """transformers' model on the checkpoint at ``path`` (dequantized on load on a CPU), each FP8 linear's input
+    fake-quantized: greedy tokens (EOS ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    fp8_layers = {n.removesuffix(".weight") for n, t in load_file(str(path / "model.safetensors")).items()
+                  if t.dtype == FP8_DTYPE}
+    for name, module in model.named_modules():
+        if name in fp8_layers:
+            module.register_forward_pre_hook(lambda m, a: fake_quantized_input(m, a, group))
+    ids, out = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(GREEDY.max_tokens):
+            out.append(int(model(ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+    return out
+
+
+# ---------------------------------------------------------------- the format
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_weights_equal_transformers_dequantization(tiny_model: Path, tmp_path: Path,
+                                                   scale_dtype: torch.dtype) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = hf_block_quantize(tiny_model, tmp_path / "fp8", BLOCK, scale_dtype=scale_dtype)
+    hf = dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).named_modules())
+    method = build_fp8(EngineConfig(), json.loads((path / "config.json").read_text())["quantization_config"])
+    assert isinstance(method, BlockFp8LinearMethod)
+    tensors = load_file(str(path / "model.safetensors"))
+    checked = 0
+    for name, tensor in tensors.items():
+        if not name.endswith("weight_scale_inv"):
+            continue
+        prefix = name.removesuffix(".weight_scale_inv")
+        weight = tensors[f"{prefix}.weight"]
+        layer = Linear(weight.shape[1], weight.shape[0], False, prefix, method, torch.float32)
+        layer.load("weight", weight)
+        layer.load("weight_scale_inv", tensor)
+        method.process_after_loading(layer)
+        assert layer.fp8_block == BLOCK
+        assert torch.equal(dequantize_blocks(layer.weight, layer.weight_scale_inv, BLOCK), hf[prefix].weight), prefix
+        checked += 1
+    assert checked == 2 * 7  # q k v o gate up down in each of 2 layers
+
+
+def test_partial_edge_blocks_dequantize_as_transformers_does() -> None:
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    weight = (torch.randn(40, 72) * 50).to(FP8_DTYPE)
+    scale = torch.rand(3, 3) + 0.01  # ceil(40 / 16) x ceil(72 / 32): the last row and column blocks are partial
+    expected = _dequantize_fp8_weight(weight, scale, list(BLOCK), torch.float32)
+    assert torch.equal(dequantize_blocks(weight, scale, BLOCK), expected)
+
+
+def test_per_token_group_quantization_rounds_each_group_on_its_own_scale() -> None:
+    x = torch.randn(5, 72) * torch.tensor([1.0, 100.0, 0.01]).repeat_interleave(32)[:72]
+    xq, scale = quantize_per_token_group(x, 32)
+    assert scale.shape == (5, 3)
+    expected = fake_quantized_input(torch.nn.Identity(), (x,), 32)[0]
+    assert torch.equal(xq.float() * scale.repeat_interleave(32, 1)[:, :72], expected)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"activation_scheme": "static"}, "activation_scheme is 'static'"),
+    ({"fmt": "e5m2"}, "fmt is 'e5m2'"),
+    ({"scale_fmt": "ue8m0"}, "ue8m0"),
+    ({"expert_dtype": "fp4"}, "FP4 experts"),
+    ({"modules_to_convert": ["model.embed_tokens"]}, "embeddings"),
+    ({"weight_block_size": [128]}, "two positive integers"),
+    ({"weight_block_size": [0, 128]}, "two positive integers"),
+    ({"modules_to_not_convert": "lm_head"}, "a list of module names"),
+])
+def test_configs_it_cannot_run_are_refused_by_name(change: dict[str, Any], message: str) -> None:
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]} | change
+    with pytest.raises(CheckpointError, match=message):
+        parse_block_fp8(qc)
+
+
+@pytest.mark.parametrize("skip", [None, ["lm_head"], ["down_proj"], ["model.layers.1"], ["model.layers.1.mlp.gate"],
+                                  [r"model\.layers\.\d+\.self_attn\.(k|v)_proj"]])
+def test_modules_to_not_convert_match_as_transformers_matches_them(skip: list[str] | None) -> None:
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    config = parse_block_fp8({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": skip})
+    for name in ("lm_head", "model.layers.1.self_attn.k_proj", "model.layers.11.self_attn.k_proj",
+                 "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.down_proj", "model.layers.0.mlp.up_proj"):
+        # transformers leaves lm_head out by default, when the config lists nothing
+        assert config.applies_to(name) == should_convert_module(name, skip if skip is not None else ["lm_head"]), name
+
+
+def test_the_plugin_refuses_options_a_block_checkpoint_cannot_take() -> None:
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ConfigError, match="torch._scaled_mm's block scaling is not wired"):
+        build_fp8(EngineConfig(plugin_options={"fp8": {"backend": "scaled_mm"}}), qc)
+    with pytest.raises(ConfigError, match="checkpoint is quantized already"):
+        build_fp8(EngineConfig(plugin_options={"fp8": {"lm_head": True}}), qc)
+
+
+# ---------------------------------------------------------------- loading errors and merges
+def loaded_layer(method: BlockFp8LinearMethod, tensors: dict[str, torch.Tensor], out: int = 48, inp: int = 64
+                 ) -> Linear:
+    layer = Linear(inp, out, False, "model.layers.0.mlp.up_proj", method, torch.float32)
+    for name, tensor in tensors.items():
+        layer.load(name, tensor)
+    method.process_after_loading(layer)
+    return layer
+
+
+def test_a_layer_missing_its_scales_or_with_wrong_ones_is_named() -> None:
+    method = BlockFp8LinearMethod(BlockFp8Config(BLOCK))
+    weight = torch.randn(48, 64).to(FP8_DTYPE)
+    with pytest.raises(CheckpointError, match="missing weight_scale_inv for layer 'model.layers.0.mlp.up_proj'"):
+        loaded_layer(method, {"weight": weight})
+    with pytest.raises(CheckpointError, match=r"blocks of 16x32 over a \[48, 64\] weight need \[3, 2\] floats"):
+        loaded_layer(method, {"weight": weight, "weight_scale_inv": torch.ones(2, 2)})
+    with pytest.raises(CheckpointError, match="has a float weight but also weight_scale_inv"):
+        loaded_layer(method, {"weight": torch.randn(48, 64), "weight_scale_inv": torch.ones(3, 2)})
+    with pytest.raises(CheckpointError, match="weight is torch.int8"):
+        loaded_layer(method, {"weight": torch.zeros(48, 64, dtype=torch.int8)})
+
+
+@pytest.mark.parametrize(("sizes", "merges"), [((32, 16, 16), True), ((24, 24), False)])
+def test_parts_merge_only_along_whole_row_blocks(sizes: tuple[int, ...], merges: bool) -> None:
+    method = BlockFp8LinearMethod(BlockFp8Config(BLOCK), backend="emulate")
+    parts = [loaded_layer(method, {"weight": (torch.randn(n, 64) * 100).to(FP8_DTYPE),
+                                   "weight_scale_inv": torch.rand(-(-n // 16), 2) + 0.01}, out=n) for n in sizes]
+    merged = Linear.merged(parts, "model.layers.0.mlp.merged")
+    assert (merged is not None) == merges
+    if merged is not None:
+        x = torch.randn(3, 64)
+        assert torch.equal(merged(x), torch.cat([p(x) for p in parts], dim=1))
+
+
+# ---------------------------------------------------------------- the Triton kernels
+def test_per_token_group_quant_kernel_matches_the_reference(device: torch.device) -> None:
+    x = torch.randn(6, 72, device=device) * torch.tensor([1.0, 300.0, 1e-3], device=device).repeat_interleave(32)[:72]
+    x[2, 40:64] = 0.0  # an all-zero group still gets a positive scale
+    expected, expected_scale = quantize_per_token_group(x.cpu(), 32)
+    # the interpreter's fp32 -> fp8 cast rounds wrongly: the kernel writes the scaled fp32 values, torch casts them
+    out_dtype = torch.float32 if device.type == "cpu" else FP8_DTYPE
+    values, scale = per_token_group_quant(x, 32, out_dtype)
+    assert torch.equal(scale.cpu(), expected_scale)
+    assert torch.equal(values.cpu().to(FP8_DTYPE).view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 48, 64, (16, 32)), (5, 40, 72, (16, 32)),
+                                                    (33, 96, 128, (32, 64)), (3, 20, 48, (20, 48))])
+def test_block_gemm_kernel_matches_the_reference(device: torch.device, m: int, n: int, k: int,
+                                                 block: tuple[int, int]) -> None:
+    """Partial edge blocks on both sides; a block wider than the K-tile ((32, 64): two tiles share a scale); a
+    per-tensor-like block (20, 48) whose sides are not powers of two."""
+    g = torch.Generator().manual_seed(m)
+    xq, x_scale = quantize_per_token_group(torch.randn(m, k, generator=g), block[1])
+    weight = (torch.randn(n, k, generator=g) * 100).to(FP8_DTYPE)
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.01
+    expected = block_gemm_reference(xq, x_scale, weight, scale, block, torch.float32)
+    out = w8a8_block_gemm(xq.to(device), x_scale.to(device), weight.to(device), scale.to(device), block,
+                          torch.float32)
+    # fp32 sums in another order: each differs by at most k roundings of the sum of the terms' magnitudes
+    magnitudes = block_gemm_reference(xq.abs(), x_scale, weight.abs(), scale, block, torch.float32)
+    assert bool(((out.cpu() - expected).abs() <= k * 2.0**-24 * magnitudes).all())
+
+
+# ---------------------------------------------------------------- through the engine
+@pytest.mark.parametrize(("arch", "skip", "scale_dtype"), [
+    ("llama", None, torch.float32),
+    ("llama", ["down_proj", "model.layers.1.self_attn"], torch.bfloat16),
+    ("qwen2", None, torch.bfloat16),  # q/k/v biases beside fp8 weights
+])
+def test_engine_greedy_equals_transformers_on_the_same_fp8_arithmetic(
+        arch: str, skip: list[str] | None, scale_dtype: torch.dtype, tmp_path: Path,
+        checkpoint: Callable[[str], Path], caplog: pytest.LogCaptureFixture) -> None:
+    path = hf_block_quantize(checkpoint(arch), tmp_path / "fp8", BLOCK, skip, scale_dtype)
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        llm = LLM(model=str(path), device="cpu", num_kv_blocks=32)
+    assert llm.engine.loaded.quant is not None and isinstance(llm.engine.loaded.quant, BlockFp8LinearMethod)
+    for prompt in ([5, 9, 100, 7, 300, 41, 8, 2], [700, 3, 3, 90]):
+        assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_reference_greedy(path, prompt, BLOCK[1])
+    assert "block-wise FP8 matmuls are emulated" in caplog.text
+
+
+def test_float_weights_under_an_fp8_config_load_unquantized_as_transformers_loads_them(
+        tiny_model: Path, tmp_path: Path, hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """A layer the config quantizes whose checkpoint weight is a float tensor (here every one) runs unquantized."""
+    path = tmp_path / "declared"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(model=str(path), device="cpu", num_kv_blocks=32)
+    prompt = [5, 9, 100, 7]
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(tiny_model, prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.gpu
+def test_the_triton_path_on_cuda_generates_what_transformers_does(tiny_model: Path, tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    path = hf_block_quantize(tiny_model, tmp_path / "fp8", BLOCK)
+    llm = LLM(model=str(path), device="cuda", dtype="float32", num_kv_blocks=32)
+    for prompt in ([5, 9, 100, 7, 300, 41, 8, 2], [700, 3, 3, 90]):
+        assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_reference_greedy(path, prompt, BLOCK[1])
