@@ -17,12 +17,15 @@ BLOCK_M = 16
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, rows_ptr, block_expert_ptr, num_rows, N, K,
-                         stride_am, stride_be, stride_bn, stride_cm,
-                         A_ROW_DIV: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, rows_ptr, block_expert_ptr, a_scale_ptr, b_scale_ptr,
+                         num_rows, N, K, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse,
+                         stride_bsn, A_ROW_DIV: tl.constexpr, HAS_SCALE: tl.constexpr, ROUND_TO: tl.constexpr,
+                         PRECISION: tl.constexpr, FP8_BLOCKS: tl.constexpr, UPCAST: tl.constexpr,
+                         GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """c[row] = a[row // A_ROW_DIV] @ b[expert].T (x scale[row]) for the rows of this block, all of one expert;
-    padding rows hold num_rows and write nothing."""
+    padding rows hold num_rows and write nothing. FP8_BLOCKS: a and b are e4m3 and each K-tile's product is
+    scaled by a_scale[a row, k group] and b_scale[expert, n group, k group] (BLOCK_K divides GROUP_K)."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert >= 0:
@@ -39,9 +42,19 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, rows_ptr, block_expert_
                         other=0.0)
             b = tl.load(b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
                         mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] of b[expert].T
-            acc += tl.dot(a, b, input_precision=PRECISION)
+            if FP8_BLOCKS:
+                if UPCAST:  # every e4m3 value is exact in fp32, so the products are too
+                    partial = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+                else:
+                    partial = tl.dot(a, b)
+                a_scale = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
+                b_scale = tl.load(b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn + k0 // GROUP_K,
+                                  mask=mask_n, other=0.0)
+                acc += partial * a_scale[:, None] * b_scale[None, :]
+            else:
+                acc += tl.dot(a, b, input_precision=PRECISION)
         if HAS_SCALE:
-            acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # the expert's output, rounded as torch's GEMM does
+            acc = acc.to(ROUND_TO).to(tl.float32)  # the expert's output, rounded as torch's GEMM does
             acc *= tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
         tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=valid[:, None] & mask_n[None, :])
@@ -70,35 +83,62 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK
     return rows, block_expert
 
 
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_rows: int,
-                 a_row_div: int, scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-                 ) -> torch.Tensor:
-    """[num_rows, N]: row r = a[r // a_row_div] @ b[e].T (x scale[r]), e the expert of r's block."""
+                 a_row_div: int, scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 fp8: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
+                 round_to: torch.dtype | None = None) -> torch.Tensor:
+    """[num_rows, N]: row r = a[r // a_row_div] @ b[e].T (x scale[r], after rounding the product to ``round_to``,
+    default a's dtype, or c's when fp8), e the expert of r's block. ``fp8`` (a_scale [rows of a, K groups], b_scale [E, N groups,
+    K groups], (bn, bk)): a and b are e4m3 with block scales."""
     n, k = b.shape[1], b.shape[2]
     c = torch.empty(num_rows, n, dtype=out_dtype or a.dtype, device=a.device)
     block_n = min(64, triton.next_power_of_2(n))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
+    a_scale, b_scale, (group_n, group_k) = fp8 if fp8 is not None else (c, c, (1, 1))
+    if fp8 is not None:
+        from .fp8_block import k_tile
+
+        block_k = min(64, k_tile(group_k))
+    native = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, b, c, scale if scale is not None else c, rows, block_expert, num_rows, n, k,
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0), A_ROW_DIV=a_row_div, HAS_SCALE=scale is not None,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k)
+        a, b, c, scale if scale is not None else c, rows, block_expert, a_scale, b_scale, num_rows, n, k,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0), a_scale.stride(0), b_scale.stride(0),
+        b_scale.stride(1) if fp8 is not None else 0, A_ROW_DIV=a_row_div, HAS_SCALE=scale is not None,
+        ROUND_TO=TL_DTYPES[round_to or (c.dtype if fp8 is not None else a.dtype)], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        FP8_BLOCKS=fp8 is not None, UPCAST=not native, GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n, BLOCK_K=block_k)
     return c
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  experts: torch.Tensor) -> torch.Tensor:
+                  experts: torch.Tensor,
+                  fp8: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate's rows, then up's), w2 [E, H, I], the router's top-k ``weights`` and
-    ``experts`` [T, k] -> [T, H]: sum over k of weight x down(silu(gate(x)) * up(x)) of the token's k experts."""
+    ``experts`` [T, k] -> [T, H]: sum over k of weight x down(silu(gate(x)) * up(x)) of the token's k experts.
+    ``fp8`` (w13's block scales, w2's, (bn, bk)): e4m3 experts, whose inputs are quantized per token and group of
+    bk, as :class:`~infer.models.moe.SparseMoe` emulates them."""
     if any(t.stride(-1) != 1 for t in (x, w13, w2)):
         raise ValueError("fused_experts needs x, w13 and w2 with a contiguous last dimension")
     tokens, top_k = experts.shape
     size = w2.shape[2]
     rows, block_expert = sort_by_expert(experts, w13.shape[0])
-    hidden = grouped_gemm(x, w13, rows, block_expert, tokens * top_k, top_k)  # [T k, 2I]
+    a, scales_13, scales_2 = x, None, None
+    if fp8 is not None:
+        from .fp8_block import per_token_group_quant
+
+        w13_scale, w2_scale, block = fp8
+        a, a_scale = per_token_group_quant(x, block[1])
+        scales_13 = (a_scale, w13_scale, block)
+    hidden = grouped_gemm(a, w13, rows, block_expert, tokens * top_k, top_k, out_dtype=x.dtype, fp8=scales_13)
     act = silu_and_mul(hidden[:, :size], hidden[:, size:])
+    if fp8 is not None:
+        act, act_scale = per_token_group_quant(act, block[1])
+        scales_2 = (act_scale, w2_scale, block)
     flat_weights = weights.reshape(-1).contiguous()
     y = grouped_gemm(act, w2, rows, block_expert, tokens * top_k, 1, flat_weights,
-                     torch.float32 if weights.dtype == torch.float32 else x.dtype)
+                     torch.float32 if weights.dtype == torch.float32 else x.dtype, fp8=scales_2, round_to=x.dtype)
     return y.view(tokens, top_k, y.shape[1]).sum(dim=1).to(x.dtype)

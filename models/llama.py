@@ -376,6 +376,16 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def experts_fp8_block(quant: QuantMethod | None, prefix: str) -> tuple[int, int] | None:
+    """The FP8 block of the experts at ``prefix`` under a block-wise FP8 checkpoint, else None (unquantized; the
+    model plugin refuses other quant methods for experts)."""
+    from ..quant.fp8_block_method import BlockFp8LinearMethod
+
+    if not isinstance(quant, BlockFp8LinearMethod) or not quant.applies_to(prefix):
+        return None
+    return quant.config.block
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
                  ops: PointwiseOps, window: int | None = None, sparse: bool = False) -> None:
@@ -387,7 +397,8 @@ class DecoderLayer(nn.Module):
             shared = MLP(cfg, f"{prefix}.{block}.shared_expert", quant, dtype, ops, cfg.moe.shared_intermediate_size) \
                 if cfg.moe.shared_intermediate_size else None
             self.add_module(block, SparseMoe(cfg.moe, cfg.hidden_size, dtype, ops.silu_and_mul,
-                                             fused=ops.name == "triton", shared_expert=shared))
+                                             fused=ops.name == "triton", shared_expert=shared,
+                                             fp8_block=experts_fp8_block(quant, f"{prefix}.{block}.experts")))
         else:
             self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)

@@ -11,6 +11,8 @@ from torch import nn
 
 from ..core.errors import CheckpointError
 from ..core.interfaces import check_float
+from ..quant.fp8 import FP8_DTYPE
+from ..quant.fp8_block import Block, block_gemm_reference, quantize_per_token_group
 
 
 @dataclass(frozen=True)
@@ -39,56 +41,91 @@ class Router(nn.Module):
 class SparseMoe(nn.Module):
     """The experts' weights are stacked (``w13`` [E, 2I, H]: gate's rows then up's; ``w2`` [E, H, I]) as the Triton
     kernel and transformers 5 hold them; a checkpoint's per-expert tensors load into their slices
-    (``load_expert``)."""
+    (``load_expert``). With ``fp8_block`` (bn, bk) they are block-wise FP8 (:mod:`infer.quant.fp8_block`): e4m3,
+    with ``w13_scale`` [E, 2I / bn, ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)]."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype,
                  silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], fused: bool,
-                 shared_expert: nn.Module | None = None) -> None:
+                 shared_expert: nn.Module | None = None, fp8_block: Block | None = None) -> None:
         super().__init__()
-        self.moe, self.silu_and_mul, self.fused = moe, silu_and_mul, fused
-        size = moe.intermediate_size
-        self.gate = Router(hidden_size, moe.num_experts, dtype)
+        self.moe, self.silu_and_mul, self.fused, self.fp8_block = moe, silu_and_mul, fused, fp8_block
+        size, count = moe.intermediate_size, moe.num_experts
+        self.gate = Router(hidden_size, count, dtype)
         self.shared_expert = shared_expert  # Qwen2-MoE's, scaled by sigmoid(shared_expert_gate x)
         self.shared_expert_gate = Router(hidden_size, 1, dtype) if shared_expert is not None else None
         # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
-        self.register_buffer("w13", torch.empty(moe.num_experts, 2 * size, hidden_size, dtype=dtype), persistent=False)
-        self.register_buffer("w2", torch.empty(moe.num_experts, hidden_size, size, dtype=dtype), persistent=False)
-        self.loaded: set[tuple[int, str]] = set()  # (expert, projection) loaded from the checkpoint
+        stored = dtype if fp8_block is None else FP8_DTYPE
+        self.register_buffer("w13", torch.empty(count, 2 * size, hidden_size, dtype=stored), persistent=False)
+        self.register_buffer("w2", torch.empty(count, hidden_size, size, dtype=stored), persistent=False)
+        if fp8_block is not None:
+            bn, bk = fp8_block
+            if size % bn:
+                raise CheckpointError(f"the experts' intermediate size {size} is not a multiple of the FP8 block's "
+                                      f"{bn} rows, so gate's and up's block scales cannot stack; infer cannot load "
+                                      "this block-wise FP8 MoE checkpoint")
+            for name, rows, cols in (("w13_scale", 2 * size, hidden_size), ("w2_scale", hidden_size, size)):
+                self.register_buffer(name, torch.empty(count, -(-rows // bn), -(-cols // bk)), persistent=False)
+        self.loaded: set[tuple[int, str]] = set()  # (expert, projection or projection + "_scale") loaded
 
     def load_expert(self, prefix: str, name: str, tensor: torch.Tensor) -> None:
-        """Load ``{prefix}.experts.{name}``: one expert's ("3.w1.weight"), or transformers 5's stacked layout
-        ("gate_up_proj" [E, 2I, H], "down_proj" [E, H, I]: ``w13`` and ``w2`` as they are)."""
+        """Load ``{prefix}.experts.{name}``: one expert's ("3.w1.weight", FP8 "3.w1.weight_scale_inv"), or
+        transformers 5's stacked layout ("gate_up_proj" [E, 2I, H], "down_proj" [E, H, I]: ``w13`` and ``w2`` as
+        they are; FP8 "gate_up_proj_scale_inv", "down_proj_scale_inv")."""
         gate, up, down = self.moe.projections
-        full, size, count = f"{prefix}.experts.{name}", self.moe.intermediate_size, self.moe.num_experts
-        if name in ("gate_up_proj", "down_proj"):
-            target = self.w13 if name == "gate_up_proj" else self.w2
-            parts = {(e, p) for e in range(count) for p in ((gate, up) if name == "gate_up_proj" else (down,))}
+        full, count = f"{prefix}.experts.{name}", self.moe.num_experts
+        stacked, is_scale = name.removesuffix("_scale_inv"), name.endswith("_scale_inv")
+        if stacked in ("gate_up_proj", "down_proj"):
+            target = getattr(self, ("w13" if stacked == "gate_up_proj" else "w2") + ("_scale" if is_scale else ""),
+                             None)
+            projections = (gate, up) if stacked == "gate_up_proj" else (down,)
+            parts = {(e, p) for e in range(count) for p in projections}
         else:
             index, projection, attr = name.split(".", 2) if name.count(".") == 2 else ("", "", "")
-            if not index.isdigit() or int(index) >= count or projection not in (gate, up, down) or attr != "weight":
+            is_scale = attr == "weight_scale_inv"
+            if not index.isdigit() or int(index) >= count or projection not in (gate, up, down) or \
+                    attr not in ("weight", "weight_scale_inv"):
                 hint = f" (config.json says {count} experts: is that right?)" if index.isdigit() else ""
                 raise CheckpointError(f"unexpected tensor {full!r}: experts hold {gate}, {up} and {down} weights, "
                                       f"one set per expert 0..{count - 1}, or the stacked gate_up_proj and down_proj "
                                       f"of transformers 5{hint}")
             e = int(index)
-            target = self.w2[e] if projection == down else self.w13[e, :size] if projection == gate \
-                else self.w13[e, size:]
+            target = self._expert_slice(e, projection, is_scale)
             parts = {(e, projection)}
+        if is_scale:
+            if target is None:
+                raise CheckpointError(f"unexpected tensor {full!r}: a block-wise FP8 scale, but this model's "
+                                      "experts are not FP8 (config.json's quantization_config, with its "
+                                      "modules_to_not_convert, leaves them unquantized)")
+            parts = {(e, p + "_scale") for e, p in parts}
         if target.shape != tensor.shape:
             raise CheckpointError(f"shape mismatch for {full}: checkpoint {tuple(tensor.shape)}, model "
                                   f"{tuple(target.shape)}")
         if parts & self.loaded:
             raise CheckpointError(f"{full} holds expert weights that another tensor of the checkpoint held too; "
                                   "keep one layout (per-expert tensors or the stacked ones)")
-        check_float(full, tensor)
+        if self.fp8_block is not None and not is_scale and tensor.dtype != FP8_DTYPE:
+            raise CheckpointError(f"{full} is {tensor.dtype}, but the checkpoint's quantization_config makes the "
+                                  "experts block-wise FP8: float8_e4m3fn weights with weight_scale_inv")
+        if self.fp8_block is None or is_scale:
+            check_float(full, tensor)
         with torch.no_grad():
             target.copy_(tensor)
         self.loaded |= parts
 
+    def _expert_slice(self, e: int, projection: str, scale: bool) -> torch.Tensor | None:
+        """Expert ``e``'s part of w13/w2 (or of their scales) that ``projection`` fills."""
+        gate, _, down = self.moe.projections
+        stacked = getattr(self, ("w2" if projection == down else "w13") + ("_scale" if scale else ""), None)
+        if stacked is None or projection == down:
+            return None if stacked is None else stacked[e]
+        half = stacked.shape[1] // 2
+        return stacked[e, :half] if projection == gate else stacked[e, half:]
+
     def missing(self, prefix: str) -> list[str]:
         """The per-expert tensors not loaded (each expert's gate, up and down, under ``prefix``)."""
-        return [f"{prefix}.experts.{e}.{name}.weight" for e in range(self.moe.num_experts)
-                for name in self.moe.projections if (e, name) not in self.loaded]
+        kinds = (("", "weight"),) if self.fp8_block is None else (("", "weight"), ("_scale", "weight_scale_inv"))
+        return [f"{prefix}.experts.{e}.{name}.{attr}" for e in range(self.moe.num_experts)
+                for name in self.moe.projections for kind, attr in kinds if (e, name + kind) not in self.loaded]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k (weights, expert ids), as HF computes them: softmax in float32 over all experts."""
@@ -103,7 +140,8 @@ class SparseMoe(nn.Module):
         if self.fused:
             from ..kernels.fused_moe import fused_experts
 
-            out = fused_experts(x, self.w13, self.w2, weights, experts)
+            scales = None if self.fp8_block is None else (self.w13_scale, self.w2_scale, self.fp8_block)
+            out = fused_experts(x, self.w13, self.w2, weights, experts, scales)
         else:
             out = self.experts_loop(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -125,7 +163,15 @@ class SparseMoe(nn.Module):
             pairs = order[start:start + count]
             start += count
             tokens, slots = pairs // self.moe.top_k, pairs % self.moe.top_k
-            hidden = F.linear(x[tokens], self.w13[e])
-            y = F.linear(self.silu_and_mul(hidden[:, :size], hidden[:, size:]), self.w2[e])
+            hidden = self._expert_linear(x[tokens], e, "w13")
+            y = self._expert_linear(self.silu_and_mul(hidden[:, :size], hidden[:, size:]), e, "w2")
             out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
         return out
+
+    def _expert_linear(self, x: torch.Tensor, e: int, name: str) -> torch.Tensor:
+        """``x @ W.T`` for expert ``e``'s ``name`` (w13 or w2); FP8 as the block-wise linears emulate it."""
+        weight = getattr(self, name)[e]
+        if self.fp8_block is None:
+            return F.linear(x, weight)
+        xq, x_scale = quantize_per_token_group(x, self.fp8_block[1])
+        return block_gemm_reference(xq, x_scale, weight, getattr(self, f"{name}_scale")[e], self.fp8_block, x.dtype)

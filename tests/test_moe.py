@@ -171,7 +171,8 @@ def test_checkpoints_as_transformers_5_writes_them_load(tmp_path, hf_greedy, arc
 
 def test_moe_refusals_name_the_cause(tmp_path):
     path = moe_model(tmp_path / "m", "mixtral")
-    with pytest.raises(ConfigError, match="MixtralForCausalLM runs its experts unquantized only.*drop --quant"):
+    with pytest.raises(ConfigError, match="MixtralForCausalLM runs its experts unquantized, or block-wise FP8 from "
+                                          "such a checkpoint.*only.*drop --quant"):
         Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, quant="fp8"))
     from infer.quant.calibrate import calibrate_awq
 
