@@ -12,7 +12,9 @@ Figures, one JSON line each, then a table:
   kernel and dequantize+matmul vs a bf16 matmul, each timed from a CUDA graph over weight replicas larger than L2;
   the crossover is the smallest M from which bf16 is at least as fast as the faster AWQ path. The same rows time
   FP8 W8A8 as the ``fp8`` method runs it and its ``_scaled_mm`` alone (the first run's FP8 step was 0.80x bf16's),
-  ``bf16_linear`` (F.linear on the [N, K] weight: the engine's call) and, for M <= 16, kernels/skinny_gemm.py.
+  ``bf16_linear`` (F.linear on the [N, K] weight: the engine's call), ``fp8_block`` (a block-wise FP8 checkpoint's
+  linear: per-token-group quantization and kernels/fp8_block.py's GEMM, 128 x 128 blocks; untuned) and, for
+  M <= 16, kernels/skinny_gemm.py.
 - ``awq_sweep`` (with ``--awq-sweep``): the fused kernel at M = 1 and 16 on the same shapes for each block_n x
   block_k x split_k of AWQ_SWEEP (split "auto" is the kernel's own choice; ``splits`` is what launched), then one
   ``awq_sweep_best`` row per shape and M: the fastest configuration beside the defaults and bf16. Alone,
@@ -178,6 +180,7 @@ def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
     and the ``_scaled_mm`` alone on an already quantized input (the rest is the quantization's cost)."""
     from infer.kernels.awq_gemm import awq_gemm
     from infer.kernels.fp8 import per_token_quant
+    from infer.kernels.fp8_block import per_token_group_quant, w8a8_block_gemm
     from infer.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
     from infer.quant import awq
     from infer.quant.fp8_method import scaled_mm
@@ -185,6 +188,8 @@ def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
     w_bf16, w_awq, w_fp8 = weight_replicas(k, n)
     copies = len(w_bf16)
     w_linear = [w.t().contiguous() for w in w_bf16]  # [N, K], as nn.Linear stores it
+    # block-wise FP8 (DeepSeek-V3 / Qwen3 FP8 checkpoints): the per-channel codes with 128 x 128 block scales
+    w_block = [(w, torch.rand(n // 128, k // 128, device="cuda") * 1e-3) for w, _ in w_fp8]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     for m in rows:
@@ -198,6 +203,8 @@ def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
             "awq_dequant": lambda i: x @ awq.dequantize(*w_awq[i % copies], 128, dtype=torch.bfloat16),
             "fp8_w8a8": lambda i: scaled_mm(*per_token_quant(x), *w_fp8[i % copies], torch.bfloat16),
             "fp8_scaled_mm": lambda i: scaled_mm(xq, x_scale, *w_fp8[i % copies], torch.bfloat16),
+            "fp8_block": lambda i: w8a8_block_gemm(*per_token_group_quant(x, 128), *w_block[i % copies], (128, 128),
+                                                   torch.bfloat16),
         }
         row = {name: round(graph_ms_per_call(fn, copies, replays) * 1e3, 2) for name, fn in timers.items()}
         out.append({"M": m, **row})
@@ -350,6 +357,9 @@ def main() -> int:
                     if r["M"] in (128, 256):
                         summary.append((f"FP8 W8A8 GEMM, {name} M={r['M']} (us)", str(r["bf16"]), str(r["fp8_w8a8"]),
                                         f"{r['bf16'] / r['fp8_w8a8']:.2f}x (scaled_mm alone {r['fp8_scaled_mm']} us)"))
+                    if r["M"] in (1, 128):
+                        summary.append((f"block FP8 GEMM (Triton), {name} M={r['M']} (us)", str(r["bf16"]),
+                                        str(r["fp8_block"]), f"{r['bf16'] / r['fp8_block']:.2f}x"))
         if args.awq_sweep:
             for name, (k, n) in GEMM_SHAPES.items():
                 rows = awq_sweep(k, n, SWEEP_ROWS, args.replays)
