@@ -65,7 +65,7 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from infer.kernels.fused_moe import fused_experts
+    from infer.kernels.fused_moe import Fp8ExpertScales, fused_experts
     from infer.models.moe import MoeConfig, SparseMoe
 
     experts, top_k, hidden, size = SHAPES[shape]
@@ -101,7 +101,8 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
             (w13_fp8, w13_scale), (w2_fp8, w2_scale) = block_fp8(w13), block_fp8(w2)
 
             def run_fp8() -> torch.Tensor:
-                return fused_experts(x, w13_fp8, w2_fp8, weights, ids, (w13_scale, w2_scale, (128, 128)))
+                return fused_experts(x, w13_fp8, w2_fp8, weights, ids,
+                                     Fp8ExpertScales(w13_scale, w2_scale, (128, 128), (128, 128)))
             row["fp8_rel_err_vs_hf"] = float((run_fp8().float() - outs["hf"]).norm() / scale)
             row["triton_fp8_graph_ms"] = round(time_ms(graphed(run_fp8), iters, device), 4)
     row["hf_over_triton"] = round(float(row["hf_ms"]) / float(row.get("triton_graph_ms", row["triton_ms"])), 2)

@@ -7,6 +7,8 @@ are idle.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -14,6 +16,16 @@ import triton.language as tl
 from .fused_ops import silu_and_mul
 
 BLOCK_M = 16
+
+
+class Fp8ExpertScales(NamedTuple):
+    """The scales of e4m3 experts: w13's [E, 2I / bn, ceil(H / bk)] over blocks ``block13`` (bn, bk), w2's over
+    ``block2``; each GEMM's input is quantized per token and group of its block's bk."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block13: tuple[int, int]
+    block2: tuple[int, int]
 
 
 @triton.jit
@@ -91,8 +103,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, block_exp
                  fp8: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
                  round_to: torch.dtype | None = None) -> torch.Tensor:
     """[num_rows, N]: row r = a[r // a_row_div] @ b[e].T (x scale[r], after rounding the product to ``round_to``,
-    default a's dtype, or c's when fp8), e the expert of r's block. ``fp8`` (a_scale [rows of a, K groups], b_scale [E, N groups,
-    K groups], (bn, bk)): a and b are e4m3 with block scales."""
+    default a's dtype, or c's when fp8), e the expert of r's block. ``fp8`` (a_scale [rows of a, K groups],
+    b_scale [E, N groups, K groups], (bn, bk)): a and b are e4m3 with block scales."""
     n, k = b.shape[1], b.shape[2]
     c = torch.empty(num_rows, n, dtype=out_dtype or a.dtype, device=a.device)
     block_n = min(64, triton.next_power_of_2(n))
@@ -103,24 +115,23 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, block_exp
 
         block_k = min(64, k_tile(group_k))
     native = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
+    round_to = round_to or (c.dtype if fp8 is not None else a.dtype)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, b, c, scale if scale is not None else c, rows, block_expert, a_scale, b_scale, num_rows, n, k,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0), a_scale.stride(0), b_scale.stride(0),
         b_scale.stride(1) if fp8 is not None else 0, A_ROW_DIV=a_row_div, HAS_SCALE=scale is not None,
-        ROUND_TO=TL_DTYPES[round_to or (c.dtype if fp8 is not None else a.dtype)], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        ROUND_TO=TL_DTYPES[round_to], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         FP8_BLOCKS=fp8 is not None, UPCAST=not native, GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, BLOCK_K=block_k)
     return c
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  experts: torch.Tensor,
-                  fp8: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None) -> torch.Tensor:
+                  experts: torch.Tensor, fp8: Fp8ExpertScales | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate's rows, then up's), w2 [E, H, I], the router's top-k ``weights`` and
     ``experts`` [T, k] -> [T, H]: sum over k of weight x down(silu(gate(x)) * up(x)) of the token's k experts.
-    ``fp8`` (w13's block scales, w2's, (bn, bk)): e4m3 experts, whose inputs are quantized per token and group of
-    bk, as :class:`~infer.models.moe.SparseMoe` emulates them."""
+    ``fp8``: e4m3 experts, as :class:`~infer.models.moe.SparseMoe` emulates them."""
     if any(t.stride(-1) != 1 for t in (x, w13, w2)):
         raise ValueError("fused_experts needs x, w13 and w2 with a contiguous last dimension")
     tokens, top_k = experts.shape
@@ -130,14 +141,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if fp8 is not None:
         from .fp8_block import per_token_group_quant
 
-        w13_scale, w2_scale, block = fp8
-        a, a_scale = per_token_group_quant(x, block[1])
-        scales_13 = (a_scale, w13_scale, block)
+        a, a_scale = per_token_group_quant(x, fp8.block13[1])
+        scales_13 = (a_scale, fp8.w13, fp8.block13)
     hidden = grouped_gemm(a, w13, rows, block_expert, tokens * top_k, top_k, out_dtype=x.dtype, fp8=scales_13)
     act = silu_and_mul(hidden[:, :size], hidden[:, size:])
     if fp8 is not None:
-        act, act_scale = per_token_group_quant(act, block[1])
-        scales_2 = (act_scale, w2_scale, block)
+        act, act_scale = per_token_group_quant(act, fp8.block2[1])
+        scales_2 = (act_scale, fp8.w2, fp8.block2)
     flat_weights = weights.reshape(-1).contiguous()
     y = grouped_gemm(act, w2, rows, block_expert, tokens * top_k, 1, flat_weights,
                      torch.float32 if weights.dtype == torch.float32 else x.dtype, fp8=scales_2, round_to=x.dtype)

@@ -14,7 +14,7 @@ from ..core.loader import checkpoint_dtype
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
 from ..core.model import Model
 from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, UnquantizedMethod, merge_linears
-from .moe import MoeConfig, SparseMoe
+from .moe import MoeConfig, SparseMoe, experts_fp8
 
 
 # compressed-tensors' kv_cache_scheme tensors (and the older per-projection form)
@@ -376,16 +376,6 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-def experts_fp8_block(quant: QuantMethod | None, prefix: str) -> tuple[int, int] | None:
-    """The FP8 block of the experts at ``prefix`` under a block-wise FP8 checkpoint, else None (unquantized; the
-    model plugin refuses other quant methods for experts)."""
-    from ..quant.fp8_block_method import BlockFp8LinearMethod
-
-    if not isinstance(quant, BlockFp8LinearMethod) or not quant.applies_to(prefix):
-        return None
-    return quant.config.block
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
                  ops: PointwiseOps, window: int | None = None, sparse: bool = False) -> None:
@@ -398,7 +388,8 @@ class DecoderLayer(nn.Module):
                 if cfg.moe.shared_intermediate_size else None
             self.add_module(block, SparseMoe(cfg.moe, cfg.hidden_size, dtype, ops.silu_and_mul,
                                              fused=ops.name == "triton", shared_expert=shared,
-                                             fp8_block=experts_fp8_block(quant, f"{prefix}.{block}.experts")))
+                                             fp8=experts_fp8(quant, f"{prefix}.{block}.experts", cfg.moe,
+                                                             cfg.hidden_size)))
         else:
             self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
@@ -520,7 +511,9 @@ class LlamaFamilyModel(Model):
         del modules, params, tied_head, embedding  # no reference may outlive what the loops below replace
         for module in linears:  # on-load quantization frees each float weight as it goes
             module.method.process_after_loading(module)
-        del linears
+        for moe in experts.values():
+            moe.process_after_loading()
+        del linears, experts
         if self.merge_after_loading:  # each layer's parts are freed as it merges: peak memory is one layer's more
             self.merge_projections()
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..core.errors import CheckpointError
 from ..core.interfaces import check_float
-from ..quant.fp8 import FP8_DTYPE
+from ..quant.fp8 import FP8_DTYPE, scale_from_amax, to_fp8
 from ..quant.fp8_block import Block, block_gemm_reference, quantize_per_token_group
 
 
@@ -30,6 +30,49 @@ class MoeConfig:
     shared_intermediate_size: int = 0  # Qwen2-MoE: a shared expert every token goes through (0: none)
 
 
+@dataclass(frozen=True)
+class ExpertsFp8:
+    """How the experts are FP8: e4m3 codes with the scales of blocks ``block13`` of w13 and ``block2`` of w2 ((bn,
+    bk); (1, K) is one scale per output channel), inputs quantized per token and group of bk. ``scale_name``: the
+    checkpoint's name for a scale; ``on_load``: the checkpoint's experts are float, quantized after loading."""
+
+    block13: Block
+    block2: Block
+    scale_name: str = "weight_scale_inv"
+    on_load: bool = False
+
+
+def experts_fp8(quant: object, prefix: str, moe: MoeConfig, hidden_size: int) -> ExpertsFp8 | None:
+    """The FP8 format of the experts at ``prefix`` under ``quant``: a block-wise FP8 checkpoint's blocks, a
+    compressed-tensors FP8_DYNAMIC checkpoint's channels, or per-channel quantization on load (``--quant fp8``); None
+    for unquantized experts (the model plugin refuses other quant methods)."""
+    from ..core.errors import ConfigError
+    from ..quant import fp8
+    from ..quant.fp8_block_method import BlockFp8LinearMethod
+    from ..quant.fp8_method import Fp8LinearMethod
+
+    per_channel = ((1, hidden_size), (1, moe.intermediate_size))
+    if isinstance(quant, BlockFp8LinearMethod):
+        if not quant.applies_to(prefix):
+            return None
+        if quant.config.block is None:
+            raise ConfigError("this FP8 checkpoint has no weight_block_size (one scale per tensor), which infer's "
+                              "FP8 experts do not load; it loads block-wise FP8 experts")
+        return ExpertsFp8(quant.config.block, quant.config.block)
+    if not isinstance(quant, Fp8LinearMethod):
+        return None
+    if quant.checkpoint is None:
+        return ExpertsFp8(*per_channel, on_load=True)
+    scheme = quant.checkpoint.scheme_for(f"{prefix}.0.{moe.projections[0]}")
+    if scheme is None:
+        return None
+    if scheme != fp8.DYNAMIC:
+        raise CheckpointError(f"the experts at {prefix} use the FP8 scheme {scheme}; infer's FP8 experts load "
+                              "compressed-tensors FP8_DYNAMIC ones (per-channel weights, dynamic per-token "
+                              "activations)")
+    return ExpertsFp8(*per_channel, scale_name="weight_scale")
+
+
 class Router(nn.Module):
     """The checkpoint's ``gate``: a bias-free linear from the hidden state to one logit per expert."""
 
@@ -41,31 +84,49 @@ class Router(nn.Module):
 class SparseMoe(nn.Module):
     """The experts' weights are stacked (``w13`` [E, 2I, H]: gate's rows then up's; ``w2`` [E, H, I]) as the Triton
     kernel and transformers 5 hold them; a checkpoint's per-expert tensors load into their slices
-    (``load_expert``). With ``fp8_block`` (bn, bk) they are block-wise FP8 (:mod:`infer.quant.fp8_block`): e4m3,
-    with ``w13_scale`` [E, 2I / bn, ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)]."""
+    (``load_expert``). With ``fp8`` (:class:`ExpertsFp8`) they are e4m3 after loading, with ``w13_scale``
+    [E, 2I / bn, ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] (:mod:`infer.quant.fp8_block`)."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype,
                  silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], fused: bool,
-                 shared_expert: nn.Module | None = None, fp8_block: Block | None = None) -> None:
+                 shared_expert: nn.Module | None = None, fp8: ExpertsFp8 | None = None) -> None:
         super().__init__()
-        self.moe, self.silu_and_mul, self.fused, self.fp8_block = moe, silu_and_mul, fused, fp8_block
+        self.moe, self.silu_and_mul, self.fused, self.fp8 = moe, silu_and_mul, fused, fp8
         size, count = moe.intermediate_size, moe.num_experts
         self.gate = Router(hidden_size, count, dtype)
         self.shared_expert = shared_expert  # Qwen2-MoE's, scaled by sigmoid(shared_expert_gate x)
         self.shared_expert_gate = Router(hidden_size, 1, dtype) if shared_expert is not None else None
         # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
-        stored = dtype if fp8_block is None else FP8_DTYPE
+        self.scaled = fp8 is not None and not fp8.on_load  # the checkpoint holds fp8 codes and scales
+        stored = FP8_DTYPE if self.scaled else dtype
         self.register_buffer("w13", torch.empty(count, 2 * size, hidden_size, dtype=stored), persistent=False)
         self.register_buffer("w2", torch.empty(count, hidden_size, size, dtype=stored), persistent=False)
-        if fp8_block is not None:
-            bn, bk = fp8_block
-            if size % bn:
+        if fp8 is not None and self.scaled:
+            if size % fp8.block13[0]:
                 raise CheckpointError(f"the experts' intermediate size {size} is not a multiple of the FP8 block's "
-                                      f"{bn} rows, so gate's and up's block scales cannot stack; infer cannot load "
-                                      "this block-wise FP8 MoE checkpoint")
-            for name, rows, cols in (("w13_scale", 2 * size, hidden_size), ("w2_scale", hidden_size, size)):
-                self.register_buffer(name, torch.empty(count, -(-rows // bn), -(-cols // bk)), persistent=False)
+                                      f"{fp8.block13[0]} rows, so gate's and up's block scales cannot stack; infer "
+                                      "cannot load this FP8 MoE checkpoint")
+            self._register_scales()
         self.loaded: set[tuple[int, str]] = set()  # (expert, projection or projection + "_scale") loaded
+
+    def _register_scales(self) -> None:
+        assert self.fp8 is not None
+        for name, block in (("w13", self.fp8.block13), ("w2", self.fp8.block2)):
+            count, rows, cols = getattr(self, name).shape
+            self.register_buffer(f"{name}_scale", torch.empty(count, -(-rows // block[0]), -(-cols // block[1]),
+                                                              device=self.w13.device), persistent=False)
+
+    def process_after_loading(self) -> None:
+        """``--quant fp8`` on a float checkpoint: each expert's rows to e4m3, one scale (amax / 448) per row."""
+        if self.fp8 is None or self.scaled:
+            return
+        self._register_scales()
+        for name in ("w13", "w2"):
+            weight = getattr(self, name)
+            scale = getattr(self, f"{name}_scale")
+            scale.copy_(scale_from_amax(weight.abs().amax(dim=-1, keepdim=True)))
+            self.register_buffer(name, to_fp8(weight, scale), persistent=False)
+        self.scaled = True
 
     def load_expert(self, prefix: str, name: str, tensor: torch.Tensor) -> None:
         """Load ``{prefix}.experts.{name}``: one expert's ("3.w1.weight", FP8 "3.w1.weight_scale_inv"), or
@@ -81,9 +142,10 @@ class SparseMoe(nn.Module):
             parts = {(e, p) for e in range(count) for p in projections}
         else:
             index, projection, attr = name.split(".", 2) if name.count(".") == 2 else ("", "", "")
-            is_scale = attr == "weight_scale_inv"
+            scale_name = self.fp8.scale_name if self.fp8 is not None else "weight_scale_inv"
+            is_scale = attr == scale_name
             if not index.isdigit() or int(index) >= count or projection not in (gate, up, down) or \
-                    attr not in ("weight", "weight_scale_inv"):
+                    attr not in ("weight", scale_name):
                 hint = f" (config.json says {count} experts: is that right?)" if index.isdigit() else ""
                 raise CheckpointError(f"unexpected tensor {full!r}: experts hold {gate}, {up} and {down} weights, "
                                       f"one set per expert 0..{count - 1}, or the stacked gate_up_proj and down_proj "
@@ -92,10 +154,10 @@ class SparseMoe(nn.Module):
             target = self._expert_slice(e, projection, is_scale)
             parts = {(e, projection)}
         if is_scale:
-            if target is None:
-                raise CheckpointError(f"unexpected tensor {full!r}: a block-wise FP8 scale, but this model's "
-                                      "experts are not FP8 (config.json's quantization_config, with its "
-                                      "modules_to_not_convert, leaves them unquantized)")
+            if target is None or not self.scaled:
+                raise CheckpointError(f"unexpected tensor {full!r}: an FP8 scale, but this model's experts are not "
+                                      "FP8 in the checkpoint (config.json's quantization_config, with its "
+                                      "modules_to_not_convert or ignore list, leaves them unquantized)")
             parts = {(e, p + "_scale") for e, p in parts}
         if target.shape != tensor.shape:
             raise CheckpointError(f"shape mismatch for {full}: checkpoint {tuple(tensor.shape)}, model "
@@ -103,10 +165,10 @@ class SparseMoe(nn.Module):
         if parts & self.loaded:
             raise CheckpointError(f"{full} holds expert weights that another tensor of the checkpoint held too; "
                                   "keep one layout (per-expert tensors or the stacked ones)")
-        if self.fp8_block is not None and not is_scale and tensor.dtype != FP8_DTYPE:
+        if self.scaled and not is_scale and tensor.dtype != FP8_DTYPE:
             raise CheckpointError(f"{full} is {tensor.dtype}, but the checkpoint's quantization_config makes the "
-                                  "experts block-wise FP8: float8_e4m3fn weights with weight_scale_inv")
-        if self.fp8_block is None or is_scale:
+                                  "experts FP8: float8_e4m3fn weights with their scales")
+        if not self.scaled or is_scale:
             check_float(full, tensor)
         with torch.no_grad():
             target.copy_(tensor)
@@ -123,7 +185,8 @@ class SparseMoe(nn.Module):
 
     def missing(self, prefix: str) -> list[str]:
         """The per-expert tensors not loaded (each expert's gate, up and down, under ``prefix``)."""
-        kinds = (("", "weight"),) if self.fp8_block is None else (("", "weight"), ("_scale", "weight_scale_inv"))
+        kinds = (("", "weight"),) + ((("_scale", self.fp8.scale_name),) if self.fp8 is not None and self.scaled
+                                     else ())
         return [f"{prefix}.experts.{e}.{name}.{attr}" for e in range(self.moe.num_experts)
                 for name in self.moe.projections for kind, attr in kinds if (e, name + kind) not in self.loaded]
 
@@ -138,9 +201,10 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         if self.fused:
-            from ..kernels.fused_moe import fused_experts
+            from ..kernels.fused_moe import Fp8ExpertScales, fused_experts
 
-            scales = None if self.fp8_block is None else (self.w13_scale, self.w2_scale, self.fp8_block)
+            scales = None if self.fp8 is None else \
+                Fp8ExpertScales(self.w13_scale, self.w2_scale, self.fp8.block13, self.fp8.block2)
             out = fused_experts(x, self.w13, self.w2, weights, experts, scales)
         else:
             out = self.experts_loop(x, weights, experts)
@@ -171,7 +235,8 @@ class SparseMoe(nn.Module):
     def _expert_linear(self, x: torch.Tensor, e: int, name: str) -> torch.Tensor:
         """``x @ W.T`` for expert ``e``'s ``name`` (w13 or w2); FP8 as the block-wise linears emulate it."""
         weight = getattr(self, name)[e]
-        if self.fp8_block is None:
+        if self.fp8 is None:
             return F.linear(x, weight)
-        xq, x_scale = quantize_per_token_group(x, self.fp8_block[1])
-        return block_gemm_reference(xq, x_scale, weight, getattr(self, f"{name}_scale")[e], self.fp8_block, x.dtype)
+        block = self.fp8.block13 if name == "w13" else self.fp8.block2
+        xq, x_scale = quantize_per_token_group(x, block[1])
+        return block_gemm_reference(xq, x_scale, weight, getattr(self, f"{name}_scale")[e], block, x.dtype)

@@ -73,22 +73,20 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 
 
 def check_experts(architecture: str, quant: QuantMethod | None, ops: PointwiseOps, config: EngineConfig) -> None:
-    """What a MoE model cannot run with yet, refused by name: quantized experts other than a block-wise FP8
-    checkpoint's (their checkpoint tensors and kernels), and the torch experts loop, which reads each layer's expert
-    counts back to the host, in CUDA graphs (the fused Triton experts, the default on CUDA, are capturable)."""
+    """What a MoE model cannot run with yet, refused by name: quantized experts other than FP8 ones (block-wise or
+    compressed-tensors FP8_DYNAMIC checkpoints, ``--quant fp8`` on load), and the torch experts loop, which reads
+    each layer's expert counts back to the host, in CUDA graphs (the fused Triton experts, the default on CUDA, are
+    capturable)."""
     from ..core.errors import ConfigError
     from ..core.loader import resolve_device
     from ..quant.fp8_block_method import BlockFp8LinearMethod
+    from ..quant.fp8_method import Fp8LinearMethod
 
-    if isinstance(quant, BlockFp8LinearMethod) and quant.config.block is None:
-        raise ConfigError(f"{architecture}: this FP8 checkpoint has no weight_block_size (one scale per tensor), "
-                          "which infer's FP8 experts do not load; it loads block-wise FP8 experts")
-    if quant is not None and not isinstance(quant, BlockFp8LinearMethod):
-        fix = "drop --quant" if config.quant else "use the unquantized checkpoint (this one's config.json has a " \
-            "quantization_config)"
-        raise ConfigError(f"{architecture} runs its experts unquantized, or block-wise FP8 from such a checkpoint "
-                          f"(quant_method fp8, as Qwen3-30B-A3B-FP8), only: infer has no other quantized MoE "
-                          f"kernels yet; {fix}")
+    if quant is not None and not isinstance(quant, BlockFp8LinearMethod | Fp8LinearMethod):
+        fix = "drop --quant (or use --quant fp8)" if config.quant else "use the unquantized checkpoint (this one's " \
+            "config.json has a quantization_config)"
+        raise ConfigError(f"{architecture} runs its experts unquantized or in FP8 only: infer has no "
+                          f"{quant.name} MoE kernels yet; {fix}")
     if ops.name != "triton" and config.cuda_graphs and resolve_device(config.device).type == "cuda":
         why = "with --no-fused-ops" if config.fused_ops is False else "without triton (it cannot be imported)"
         raise ConfigError(f"{architecture} {why} runs its experts by the torch loop, which CUDA graphs cannot "

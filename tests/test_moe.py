@@ -171,9 +171,9 @@ def test_checkpoints_as_transformers_5_writes_them_load(tmp_path, hf_greedy, arc
 
 def test_moe_refusals_name_the_cause(tmp_path):
     path = moe_model(tmp_path / "m", "mixtral")
-    with pytest.raises(ConfigError, match="MixtralForCausalLM runs its experts unquantized, or block-wise FP8 from "
-                                          "such a checkpoint.*only.*drop --quant"):
-        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, quant="fp8"))
+    with pytest.raises(ConfigError, match=r"MixtralForCausalLM runs its experts unquantized or in FP8 only: infer "
+                                          r"has no awq MoE kernels yet; drop --quant \(or use --quant fp8\)"):
+        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, quant="awq"))
     from infer.quant.calibrate import calibrate_awq
 
     with pytest.raises(CheckpointError, match=r"is 'MixtralForCausalLM' \(infer serves mixtures of experts "

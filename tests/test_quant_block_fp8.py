@@ -63,11 +63,13 @@ def hf_block_quantize(src: Path, dst: Path, block: tuple[int, int] | None, skip:
     return dst
 
 
-def fake_quantized_input(module: torch.nn.Module, args: tuple[torch.Tensor, ...], group: int
+def fake_quantized_input(module: torch.nn.Module, args: tuple[torch.Tensor, ...], group: int | None
                          ) -> tuple[torch.Tensor, ...]:
-    """A forward pre-hook: the input rounded to e4m3 per token and per ``group`` features (scale amax / 448)."""
+    """A forward pre-hook: the input rounded to e4m3 per token and per ``group`` features (None: the whole token;
+    scale amax / 448)."""
     x = args[0]
     shape, k = x.shape, x.shape[-1]
+    group = group or k
     padded = torch.nn.functional.pad(x.reshape(-1, k).float(), (0, -k % group)).unflatten(-1, (-1, group))
     scale = padded.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
     rounded = (padded / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
@@ -282,81 +284,97 @@ def test_the_triton_path_on_cuda_generates_what_transformers_does(tiny_model: Pa
 
 # ---------------------------------------------------------------- block-wise FP8 experts
 def fp8_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                          experts: torch.Tensor, group: int) -> torch.Tensor:
-    """Token by token from the definition, on dequantized float weights: each expert's input fake-quantized."""
+                          experts: torch.Tensor, group13: int | None, group2: int | None) -> torch.Tensor:
+    """Token by token from the definition, on dequantized float weights: each expert's input fake-quantized per
+    token and group (of ``group13`` features for gate/up, ``group2`` for down)."""
     size, out = w2.shape[2], torch.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], experts[t]):
-            h = fake_quantized_input(torch.nn.Identity(), (x[t:t + 1],), group)[0] @ w13[e].t()
+            h = fake_quantized_input(torch.nn.Identity(), (x[t:t + 1],), group13)[0] @ w13[e].t()
             act = torch.nn.functional.silu(h[:, :size]) * h[:, size:]
-            out[t] += w * (fake_quantized_input(torch.nn.Identity(), (act,), group)[0] @ w2[e].t())[0]
+            out[t] += w * (fake_quantized_input(torch.nn.Identity(), (act,), group2)[0] @ w2[e].t())[0]
     return out
 
 
-def random_fp8_experts(num_experts: int, hidden: int, size: int, block: tuple[int, int], gen: torch.Generator
-                       ) -> tuple[torch.Tensor, ...]:
-    """e4m3 w13 [E, 2I, H] and w2 [E, H, I] with random block scales, and their dequantized float copies."""
-    tensors = []
-    for rows, cols in ((2 * size, hidden), (hidden, size)):
-        weight = (torch.randn(num_experts, rows, cols, generator=gen) * 100).to(FP8_DTYPE)
-        scale = torch.rand(num_experts, -(-rows // block[0]), -(-cols // block[1]), generator=gen) * 2e-3 + 1e-4
-        tensors += [weight, scale, torch.stack([dequantize_blocks(w, s, block) for w, s in zip(weight, scale)])]
-    return tuple(tensors)
+def random_fp8_weights(num_experts: int, rows: int, cols: int, block: tuple[int, int], gen: torch.Generator
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """e4m3 [E, rows, cols] with random block scales, and its dequantized float copy."""
+    weight = (torch.randn(num_experts, rows, cols, generator=gen) * 100).to(FP8_DTYPE)
+    scale = torch.rand(num_experts, -(-rows // block[0]), -(-cols // block[1]), generator=gen) * 2e-3 + 1e-4
+    return weight, scale, torch.stack([dequantize_blocks(w, s, block) for w, s in zip(weight, scale)])
 
 
+@pytest.mark.parametrize("blocks", [((16, 32), (16, 32)), ((1, 64), (1, 48))], ids=["blocks", "channels"])
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 8, 2), (5, 4, 3), (37, 8, 2), (0, 4, 2)])
-def test_fp8_experts_equal_the_definition(device: torch.device, tokens: int, num_experts: int, top_k: int) -> None:
-    """The torch loop (the CPU path) and the Triton grouped GEMMs against the definition. The interpreter's fp8
-    cast rounds wrongly (see kernels/fp8_block.py), so on the CPU the GEMMs get operands torch quantized; on CUDA
-    the whole fused path runs."""
-    from infer.kernels.fused_moe import fused_experts, grouped_gemm, sort_by_expert
-    from infer.models.moe import MoeConfig, SparseMoe
+def test_fp8_experts_equal_the_definition(device: torch.device, tokens: int, num_experts: int, top_k: int,
+                                          blocks: tuple[tuple[int, int], tuple[int, int]]) -> None:
+    """The torch loop (the CPU path) and the Triton grouped GEMMs against the definition, with block scales (a
+    partial K-group in the down projection, I = 48) and with per-channel ones (compressed-tensors, --quant fp8).
+    The interpreter's fp8 cast rounds wrongly (see kernels/fp8_block.py), so on the CPU the GEMMs get operands
+    torch quantized; on CUDA the whole fused path runs."""
+    from infer.kernels.fused_moe import Fp8ExpertScales, fused_experts, grouped_gemm, sort_by_expert
+    from infer.models.moe import ExpertsFp8, MoeConfig, SparseMoe
 
     gen = torch.Generator().manual_seed(tokens)
-    hidden, size, block = 64, 48, (16, 32)  # I = 48: a partial K-group in the down projection
-    w13, s13, w13_float, w2, s2, w2_float = random_fp8_experts(num_experts, hidden, size, block, gen)
+    (hidden, size), (block13, block2) = (64, 48), blocks
+    w13, s13, w13_float = random_fp8_weights(num_experts, 2 * size, hidden, block13, gen)
+    w2, s2, w2_float = random_fp8_weights(num_experts, hidden, size, block2, gen)
     x = torch.randn(tokens, hidden, generator=gen)
     weights, experts = torch.topk(torch.softmax(torch.randn(tokens, num_experts, generator=gen), -1), top_k, dim=-1)
-    ref = fp8_experts_reference(x, w13_float, w2_float, weights, experts, block[1])
+    ref = fp8_experts_reference(x, w13_float, w2_float, weights, experts, block13[1], block2[1])
     moe = MoeConfig(num_experts, top_k, size, False, True, "mlp", ("gate_proj", "up_proj", "down_proj"), (True,))
     layer = SparseMoe(moe, hidden, torch.float32, lambda g, u: torch.nn.functional.silu(g) * u, fused=False,
-                      fp8_block=block)
+                      fp8=ExpertsFp8(block13, block2))
     for name, tensor in (("w13", w13), ("w13_scale", s13), ("w2", w2), ("w2_scale", s2)):
         getattr(layer, name).copy_(tensor)
     torch.testing.assert_close(layer.experts_loop(x, weights, experts), ref, atol=1e-4, rtol=1e-4)
     on = {"device": device}
     if device.type == "cuda":
         got = fused_experts(x.to(**on), w13.to(**on), w2.to(**on), weights.to(**on), experts.to(**on),
-                            (s13.to(**on), s2.to(**on), block))
+                            Fp8ExpertScales(s13.to(**on), s2.to(**on), block13, block2))
         torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
         return
     rows, block_expert = sort_by_expert(experts, num_experts)
-    xq, x_scale = quantize_per_token_group(x, block[1])
+    xq, x_scale = quantize_per_token_group(x, block13[1])
     hidden_out = grouped_gemm(xq, w13, rows, block_expert, tokens * top_k, top_k, out_dtype=torch.float32,
-                              fp8=(x_scale, s13, block))
-    expected = torch.stack([block_gemm_reference(xq[t:t + 1], x_scale[t:t + 1], w13[e], s13[e], block,
-                                                 torch.float32)[0] for t, e in enumerate(experts.flatten().tolist())
-                            for t in [t // top_k]]) if tokens else hidden_out
-    torch.testing.assert_close(hidden_out, expected, atol=1e-4, rtol=1e-4)
+                              fp8=(x_scale, s13, block13))
+    for pair, e in enumerate(experts.flatten().tolist()):  # row r is pair r: token r // top_k, its expert e
+        token = [pair // top_k]
+        expected = block_gemm_reference(xq[token], x_scale[token], w13[e], s13[e], block13, torch.float32)
+        torch.testing.assert_close(hidden_out[pair:pair + 1], expected, atol=1e-4, rtol=1e-4)
     act = torch.nn.functional.silu(hidden_out[:, :size]) * hidden_out[:, size:]
-    aq, a_scale = quantize_per_token_group(act, block[1])
+    aq, a_scale = quantize_per_token_group(act, block2[1])
     y = grouped_gemm(aq, w2, rows, block_expert, tokens * top_k, 1, weights.reshape(-1).contiguous(), torch.float32,
-                     fp8=(a_scale, s2, block), round_to=torch.float32)
+                     fp8=(a_scale, s2, block2), round_to=torch.float32)
     torch.testing.assert_close(y.view(tokens, top_k, hidden).sum(1), ref, atol=1e-4, rtol=1e-4)
 
 
-def hf_moe_reference_greedy(path: Path, prompt: list[int], group: int) -> list[int]:
+def channel_rounded(weight: torch.Tensor) -> torch.Tensor:
+    """Each row (the last dimension) rounded to e4m3 on its own scale, amax / 448: per-channel FP8."""
+    scale = weight.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (weight / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
+
+
+def hf_moe_reference_greedy(path: Path, prompt: list[int], group: int | None, round_per_channel: bool = False
+                            ) -> list[int]:
     """:func:`hf_reference_greedy` for a MoE model: its experts module's output replaced (a forward hook) by
-    :func:`fp8_experts_reference` on transformers' own routing and dequantized expert weights."""
+    :func:`fp8_experts_reference` on transformers' own routing and dequantized expert weights. Every projection is
+    FP8 (the router stays float); ``round_per_channel``: a float checkpoint, whose projections' and experts' weights
+    are first rounded per channel, as ``--quant fp8`` quantizes them."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    if round_per_channel:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")):
+                    param.copy_(channel_rounded(param))
     for name, module in model.named_modules():
         if name.endswith("_proj") and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(lambda m, a: fake_quantized_input(m, a, group))
         if name.endswith("mlp.experts"):
             module.register_forward_hook(lambda m, a, out: fp8_experts_reference(
-                a[0], m.gate_up_proj, m.down_proj, a[2], a[1], group))
+                a[0], m.gate_up_proj, m.down_proj, a[2], a[1], group, group))
     ids, out = torch.tensor([prompt]), []
     with torch.no_grad():
         for _ in range(GREEDY.max_tokens):
@@ -413,7 +431,7 @@ def test_fp8_experts_missing_or_unexpected_scales_are_named(tiny_model_factory: 
                                               "float weights"):
         LLM(model=str(path), device="cpu", num_kv_blocks=32)
     save_file({k: v.float() if ".experts." in k else v for k, v in tensors.items()}, str(path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="a block-wise FP8 scale, but this model's experts are not FP8"):
+    with pytest.raises(CheckpointError, match="an FP8 scale, but this model's experts are not FP8 in the checkpoint"):
         LLM(model=str(path), device="cpu", num_kv_blocks=32)
 
 
@@ -426,3 +444,46 @@ def test_fp8_experts_on_cuda_with_graphs_generate_what_transformers_does(tiny_mo
     llm = LLM(model=str(path), device="cuda", dtype="float32", num_kv_blocks=32)
     for prompt in ([5, 9, 100, 7, 300, 41, 8, 2], [700, 3, 3, 90]):
         assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_moe_reference_greedy(path, prompt, 16)
+
+
+def compressed_tensors_moe(src: Path, dst: Path) -> Path:
+    """``src`` (a float MoE checkpoint with per-expert tensors) as llm-compressor's FP8_DYNAMIC preset writes it:
+    every projection's weight in e4m3 with one ``weight_scale`` per output channel [N, 1]; the routers and lm_head
+    ignored. The config is the compressed-tensors library's own."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    shutil.copytree(src, dst)
+    state = {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        if name.endswith("_proj.weight") or ".experts." in name:
+            scale = tensor.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+            state[name] = (tensor / scale).clamp(-448, 448).to(FP8_DTYPE)
+            state[name.removesuffix("weight") + "weight_scale"] = scale
+        else:
+            state[name] = tensor
+    save_file(state, str(dst / "model.safetensors"))
+    qconfig = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])},
+                                 ignore=["lm_head", r"re:.*\.gate$"], format="float-quantized",
+                                 quantization_status="compressed")
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {**qconfig.model_dump(mode="json"), "quant_method": "compressed-tensors"}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(("arch", "source"), [("qwen3moe", "--quant fp8"), ("mixtral", "--quant fp8"),
+                                              ("qwen3moe", "compressed-tensors")])
+def test_per_channel_fp8_experts_generate_what_transformers_does(arch: str, source: str, tmp_path: Path,
+                                                                 tiny_model_factory: Callable[..., Path]) -> None:
+    """``--quant fp8`` on a float MoE checkpoint quantizes its experts per channel after loading (as it does the
+    projections); a compressed-tensors FP8_DYNAMIC checkpoint holds the same codes and scales."""
+    float_path = tiny_model_factory(arch)
+    if source == "--quant fp8":
+        llm = LLM(model=str(float_path), device="cpu", num_kv_blocks=32, quant="fp8")
+    else:
+        llm = LLM(model=str(compressed_tensors_moe(float_path, tmp_path / "ct")), device="cpu", num_kv_blocks=32)
+    assert all(moe.fp8 is not None and moe.w13.dtype == FP8_DTYPE for moe in llm.engine.loaded.model.modules()
+               if type(moe).__name__ == "SparseMoe")
+    for prompt in ([5, 9, 100, 7, 300, 41, 8, 2], [700, 3, 3, 90]):
+        assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == \
+            hf_moe_reference_greedy(float_path, prompt, None, round_per_channel=True)
