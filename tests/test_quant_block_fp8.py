@@ -433,6 +433,10 @@ def test_fp8_experts_missing_or_unexpected_scales_are_named(tiny_model_factory: 
     save_file({k: v.float() if ".experts." in k else v for k, v in tensors.items()}, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="an FP8 scale, but this model's experts are not FP8 in the checkpoint"):
         LLM(model=str(path), device="cpu", num_kv_blocks=32)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}  # one scale per tensor
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="no weight_block_size .one scale per tensor., which infer's FP8 experts"):
+        LLM(model=str(path), device="cpu", num_kv_blocks=32)
 
 
 @pytest.mark.gpu
