@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ..core.errors import ConfigError
 from ..quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from ..quant.fp8_block import has_fp8_tensor_cores, k_tile
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _w8a8_block_gemm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # row offsets may pass 2**31
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # so are offs_n * stride_bn at N x K >= 2**31
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -76,7 +77,7 @@ def _w8a8_block_gemm_kernel(
         group_k = k0 // GROUP_K
         a_scale = tl.load(a_scale_ptr + offs_m * stride_asm + group_k, mask=mask_m, other=0.0)
         b_scale = tl.load(b_scale_ptr + (offs_n // GROUP_N) * stride_bsn + group_k, mask=mask_n, other=0.0)
-        if UPCAST:  # every e4m3 value is exact in fp32, so the products are too
+        if UPCAST:  # the interpreter: every e4m3 value is exact in fp32, so the products are too
             partial = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             partial = tl.dot(a, b)
@@ -85,21 +86,26 @@ def _w8a8_block_gemm_kernel(
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-def k_tile(group_k: int) -> int:
-    """The GEMM's K-tile: the largest power of two up to 128 that divides the scale group (tl.dot needs >= 16)."""
-    tile = min(group_k & -group_k, 128)
-    if tile < 16:
-        raise ConfigError(f"the block-wise FP8 Triton GEMM needs weight_block_size's input side to be a multiple "
-                          f"of 16, got {group_k}; use --plugin-option fp8.backend=emulate")
-    return tile
+def checked_k_tile(group_k: int, device: torch.device) -> tuple[int, bool]:
+    """(the K-tile for scale groups of ``group_k``, whether the dots are native fp8): ConfigError where the kernels
+    cannot run (a GPU below sm89, a group whose power-of-two factor is under the minimum)."""
+    native = device.type == "cuda"
+    if native and not has_fp8_tensor_cores(device):
+        raise ConfigError("the FP8 Triton kernels need a GPU with FP8 tensor cores (sm89+: L4, H100, ...); use "
+                          "--plugin-option fp8.backend=emulate")
+    tile = k_tile(group_k, native)
+    if tile is None:
+        raise ConfigError(f"the FP8 Triton GEMMs need each scale group's input side to be a multiple of "
+                          f"{32 if native else 16}, got {group_k}; use --plugin-option fp8.backend=emulate")
+    return tile, native
 
 
 def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     block: tuple[int, int], out_dtype: torch.dtype, *, block_m: int | None = None,
                     block_n: int = 64) -> torch.Tensor:
     """``a`` fp8 [M, K] with scales [M, ceil(K / bk)] times ``b`` fp8 [N, K] with scales [ceil(N / bn),
-    ceil(K / bk)], transposed: [M, N] in ``out_dtype``. Native fp8 dots on sm89+; elsewhere (and in the
-    interpreter) the operands are upcast to fp32 first."""
+    ceil(K / bk)], transposed: [M, N] in ``out_dtype``. Native fp8 dots on CUDA (sm89+); in the interpreter the
+    operands are upcast to fp32 first."""
     m, k = a.shape
     n = b.shape[0]
     bn, bk = block
@@ -110,7 +116,7 @@ def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
                          f"(scales {tuple(b_scale.shape)}) do not fit blocks of {bn}x{bk}")
     a, b = a.contiguous(), b.contiguous()
     a_scale, b_scale = a_scale.to(torch.float32).contiguous(), b_scale.to(torch.float32).contiguous()
-    native = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
+    tile, native = checked_k_tile(bk, a.device)
     if block_m is None:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -118,6 +124,6 @@ def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _w8a8_block_gemm_kernel[grid](
             a, a_scale, b, b_scale, out, m, n, k, a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0),
-            out.stride(0), GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_tile(bk),
+            out.stride(0), GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=tile,
             UPCAST=not native)
     return out

@@ -55,7 +55,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, rows_ptr, block_expert_
             b = tl.load(b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
                         mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] of b[expert].T
             if FP8_BLOCKS:
-                if UPCAST:  # every e4m3 value is exact in fp32, so the products are too
+                if UPCAST:  # the interpreter: every e4m3 value is exact in fp32, so the products are too
                     partial = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
                 else:
                     partial = tl.dot(a, b)
@@ -110,11 +110,12 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, block_exp
     block_n = min(64, triton.next_power_of_2(n))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     a_scale, b_scale, (group_n, group_k) = fp8 if fp8 is not None else (c, c, (1, 1))
+    native = False
     if fp8 is not None:
-        from .fp8_block import k_tile
+        from .fp8_block import checked_k_tile
 
-        block_k = min(64, k_tile(group_k))
-    native = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
+        tile, native = checked_k_tile(group_k, a.device)
+        block_k = min(64, tile)
     round_to = round_to or (c.dtype if fp8 is not None else a.dtype)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](

@@ -2,6 +2,7 @@
 gated SiLU MLPs whose outputs it sums, weighted by the router's probabilities (plus Qwen2-MoE's shared expert)."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,7 +13,10 @@ from torch import nn
 from ..core.errors import CheckpointError
 from ..core.interfaces import check_float
 from ..quant.fp8 import FP8_DTYPE, scale_from_amax, to_fp8
-from ..quant.fp8_block import Block, block_gemm_reference, quantize_per_token_group
+from ..quant.fp8_block import (Block, block_gemm_reference, dequantize_blocks, has_fp8_tensor_cores, k_tile,
+                               quantize_per_token_group)
+
+log = logging.getLogger("infer")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,15 @@ def experts_fp8(quant: object, prefix: str, moe: MoeConfig, hidden_size: int) ->
     return ExpertsFp8(*per_channel, scale_name="weight_scale")
 
 
+def fused_fp8_runs(device: torch.device, fp8: ExpertsFp8) -> bool:
+    """Whether the fused Triton experts run ``fp8``'s experts on ``device``: a GPU with FP8 tensor cores, or the
+    interpreter (CPU tensors), and K-tiles its scale groups allow."""
+    native = device.type == "cuda"
+    if native and not has_fp8_tensor_cores(device):
+        return False
+    return all(k_tile(block[1], native) is not None for block in (fp8.block13, fp8.block2))
+
+
 class Router(nn.Module):
     """The checkpoint's ``gate``: a bias-free linear from the hidden state to one logit per expert."""
 
@@ -114,11 +127,31 @@ class SparseMoe(nn.Module):
         for name, block in (("w13", self.fp8.block13), ("w2", self.fp8.block2)):
             count, rows, cols = getattr(self, name).shape
             self.register_buffer(f"{name}_scale", torch.empty(count, -(-rows // block[0]), -(-cols // block[1]),
-                                                              device=self.w13.device), persistent=False)
+                                                              dtype=torch.float32, device=self.w13.device),
+                                 persistent=False)
 
     def process_after_loading(self) -> None:
-        """``--quant fp8`` on a float checkpoint: each expert's rows to e4m3, one scale (amax / 448) per row."""
-        if self.fp8 is None or self.scaled:
+        """Finish FP8 experts: ``--quant fp8`` quantizes float ones, one scale (amax / 448) per row; where the fused
+        Triton experts cannot run FP8 (a GPU below sm89, a scale group whose K-tile is too small) the experts stay
+        or become float in the model dtype (the checkpoint's dequantized weights, activations unquantized), said
+        once in the log."""
+        if self.fp8 is None:
+            return
+        if self.fused and not fused_fp8_runs(self.w13.device, self.fp8):
+            log.warning("fp8: the fused Triton experts cannot run FP8 here (they need FP8 tensor cores, sm89+, and "
+                        "scale groups of a multiple of 32 inputs on a GPU), so the experts run in %s (the "
+                        "checkpoint's weights, dequantized if stored in FP8): correct, twice the memory of FP8",
+                        self.gate.weight.dtype)
+            if self.scaled:
+                for name, block in (("w13", self.fp8.block13), ("w2", self.fp8.block2)):
+                    weight, scale = getattr(self, name), getattr(self, f"{name}_scale")
+                    dense = torch.stack([dequantize_blocks(w, s, block).to(self.gate.weight.dtype)
+                                         for w, s in zip(weight, scale)])
+                    self.register_buffer(name, dense, persistent=False)
+                    delattr(self, f"{name}_scale")
+            self.fp8, self.scaled = None, False
+            return
+        if self.scaled:
             return
         self._register_scales()
         for name in ("w13", "w2"):

@@ -41,6 +41,10 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     if backend == "triton" and not triton_runs_on(resolve_device(config.device)):
         raise ConfigError("--plugin-option fp8.backend=triton runs Triton kernels, which need a CUDA device (this "
                           "model runs on the CPU); use fp8.backend=emulate or drop the option")
+    if backend == "triton" and on_cuda and torch.cuda.get_device_capability(resolve_device(config.device)) < (8, 9):
+        raise ConfigError("--plugin-option fp8.backend=triton runs FP8 Triton kernels, which need a GPU with FP8 "
+                          "tensor cores (sm89+, e.g. L4, H100); drop the option (auto emulates FP8 on this GPU) or "
+                          "use fp8.backend=emulate")
     if backend == "scaled_mm" and on_cuda and torch.cuda.get_device_capability(resolve_device(config.device)) < (8, 9):
         raise ConfigError("--plugin-option fp8.backend=scaled_mm needs a GPU with FP8 tensor cores (sm89+, e.g. L4, "
                           "H100); drop the option (auto emulates FP8 on this GPU) or use fp8.backend=emulate")
@@ -60,7 +64,7 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
         from ..quant.fp8_block import parse_block_fp8
         from ..quant.fp8_block_method import BlockFp8LinearMethod
 
-        return BlockFp8LinearMethod(parse_block_fp8(quantization_config), backend)
+        return BlockFp8LinearMethod(parse_block_fp8(quantization_config), backend, resolve_device(config.device))
     parsed = parse_compressed_tensors(quantization_config)
     if quantization_config.get("kv_cache_scheme"):
         log.warning("fp8: the checkpoint's kv_cache_scheme and its k/v scales are ignored; use --kv-cache-dtype to "

@@ -49,7 +49,7 @@ def _fail(message: str) -> CheckpointError:
 
 def parse_block_fp8(qc: dict[str, Any]) -> BlockFp8Config:
     """Validate config.json's ``quantization_config`` of a block-wise FP8 checkpoint."""
-    if qc.get("activation_scheme", "dynamic") != "dynamic":
+    if str(qc.get("activation_scheme", "dynamic")).lower() != "dynamic":  # transformers lowercases it
         raise _fail(f"activation_scheme is {qc.get('activation_scheme')!r} (static activation_scale tensors)")
     if qc.get("fmt", "e4m3") != "e4m3":
         raise _fail(f"fmt is {qc.get('fmt')!r}, not e4m3")
@@ -59,25 +59,41 @@ def parse_block_fp8(qc: dict[str, Any]) -> BlockFp8Config:
         raise _fail(f"expert_dtype is {qc.get('expert_dtype')!r} (FP4 experts)")
     if qc.get("modules_to_convert"):
         raise _fail(f"modules_to_convert {qc['modules_to_convert']!r} stores those layers (embeddings) in fp8 too")
-    size = qc.get("weight_block_size")
+    size = qc.get("weight_block_size", [128, 128])  # transformers' default; an explicit null: one per tensor
     if size is not None and not (isinstance(size, list | tuple) and len(size) == 2 and
                                  all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size)):
         raise _fail(f"weight_block_size must be two positive integers such as [128, 128], got {size!r}")
-    skip = qc.get("modules_to_not_convert", qc.get("ignored_layers"))
+    skip = qc.get("modules_to_not_convert")
+    skip = qc.get("ignored_layers") if skip is None else skip  # MiniMax's and AutoFP8's name for it
     if skip is not None and (isinstance(skip, str) or not all(isinstance(s, str) for s in skip)):
         raise _fail(f"modules_to_not_convert must be a list of module names, got {skip!r}")
     return BlockFp8Config(None if size is None else (size[0], size[1]), None if skip is None else tuple(skip))
 
 
-def expand_block_scales(scale: torch.Tensor, shape: tuple[int, int], block: Block) -> torch.Tensor:
-    """fp32 [rows, cols]: each block's scale repeated over its (possibly partial) block."""
-    rows, cols = shape
-    return scale.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+def k_tile(group_k: int, native: bool) -> int | None:
+    """The block GEMMs' K-tile for scale groups of ``group_k`` inputs: the largest power of two up to 128 that
+    divides it (a tile then never straddles two groups); None below tl.dot's minimum K for 8-bit operands, 32 on
+    CUDA (``native``; the interpreter, which upcasts to fp32, takes 16)."""
+    tile = min(group_k & -group_k, 128)
+    return tile if tile >= (32 if native else 16) else None
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU whose tensor cores multiply e4m3 (sm89+: L4, H100, ...), which the Triton FP8
+    kernels need (Triton refuses the type below)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> torch.Tensor:
-    """fp32 ``weight`` [N, K] times its block scales."""
-    return weight.to(torch.float32) * expand_block_scales(scale_inv, tuple(weight.shape), block)
+    """fp32 ``weight`` [N, K] times its block scales (expanded over rows only: no [N, K] scale tensor)."""
+    n, k = weight.shape
+    out = weight.to(torch.float32, copy=True)
+    row_scales = scale_inv.to(torch.float32).repeat_interleave(block[0], 0)[:n]  # [N, ceil(K / bk)]
+    whole = k // block[1] * block[1]
+    out[:, :whole].view(n, k // block[1], block[1]).mul_(row_scales[:, :k // block[1], None])
+    if whole < k:
+        out[:, whole:].mul_(row_scales[:, -1:])
+    return out
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

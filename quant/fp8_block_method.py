@@ -11,7 +11,7 @@ from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import QuantMethod, check_float
 from .common import check_tensor_shape, layer_name, mark_loaded, require_loaded
 from .fp8 import FP8_DTYPE
-from .fp8_block import BlockFp8Config, block_gemm_reference, quantize_per_token_group
+from .fp8_block import BlockFp8Config, block_gemm_reference, has_fp8_tensor_cores, k_tile, quantize_per_token_group
 
 log = logging.getLogger("infer")
 
@@ -21,23 +21,57 @@ BACKENDS = ("auto", "triton", "emulate")
 class BlockFp8LinearMethod(QuantMethod):
     """W8A8 linears with block scales.
 
-    A quantized layer holds ``weight`` fp8 [out, in], ``weight_scale_inv`` fp32 [ceil(out / bn), ceil(in / bk)]
-    and ``fp8_block`` (bn, bk). As in transformers, a layer the config quantizes but whose checkpoint ``weight`` is
-    a float tensor (a head or a router left in bf16) stays unquantized: ``fp8_block`` None, ``weight`` in the model
-    dtype. ``backend``: ``triton`` (per-token-group quantization and the block-scaled GEMM, CUDA), ``emulate``
-    (quantize activations to fp8 and back, dequantize the weight, fp32 matmul: correct anywhere, saves weight
-    memory, not faster), or ``auto``: ``triton`` on CUDA, else ``emulate``, announced once in the log.
+    A quantized layer holds ``weight`` fp8 [out, in], ``weight_scale_inv`` fp32 [ceil(out / bn), ceil(in / bk)],
+    ``fp8_block`` (bn, bk) and ``fp8_backend``. As in transformers, a layer the config quantizes but whose
+    checkpoint ``weight`` is a float tensor (a head or a router left in bf16) stays unquantized: ``fp8_block``
+    None, ``weight`` in the model dtype. ``backend``: ``triton`` (per-token-group quantization and the
+    block-scaled GEMM: a GPU with FP8 tensor cores, or the interpreter), ``emulate`` (quantize activations to fp8
+    and back, dequantize the weight, fp32 matmul: correct anywhere, saves weight memory, not faster), or ``auto``:
+    ``triton`` where it runs on ``device`` (sm89+, and a K-tile of at least 32 for the layer's bk), else
+    ``emulate``, announced once in the log.
     """
 
     name = "fp8"
 
-    def __init__(self, config: BlockFp8Config, backend: str = "auto") -> None:
+    def __init__(self, config: BlockFp8Config, backend: str = "auto", device: torch.device | None = None) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"block-wise FP8 checkpoints run with fp8.backend {', '.join(BACKENDS)}, not "
                               f"{backend!r} (torch._scaled_mm's block scaling is not wired); drop the option")
         self.config = config
         self.backend = backend
-        self._announced = False
+        self.device = device or torch.device("cpu")
+        self._announced: set[str] = set()
+
+    def _layer_backend(self, prefix: str, group_k: int) -> str:
+        """The GEMM of a layer whose scale groups span ``group_k`` inputs."""
+        native = self.device.type == "cuda"
+        tile = k_tile(group_k, native)
+        if self.backend == "triton":
+            if tile is None:
+                raise ConfigError(f"fp8.backend=triton cannot run layer {prefix!r}: its weight scales group "
+                                  f"{group_k} inputs, and the Triton GEMM needs a multiple of {32 if native else 16};"
+                                  " drop the option (auto emulates such layers)")
+            return "triton"
+        if self.backend == "emulate":
+            return "emulate"
+        if not native:
+            self._announce("no CUDA device, so block-wise FP8 matmuls are emulated (activations rounded to fp8 per "
+                           "token and group, weights dequantized, fp32 matmul): correct, saves weight memory, not "
+                           "faster")
+        elif not has_fp8_tensor_cores(self.device):
+            self._announce("this GPU has no FP8 tensor cores (sm89+: L4, H100, ...), so block-wise FP8 matmuls are "
+                           "emulated by dequantizing: correct and memory-saving, but slower than bf16")
+        elif tile is None:
+            self._announce(f"layers whose weight scales group {group_k} inputs (not a multiple of 32) cannot run "
+                           "the Triton FP8 GEMM, so they are emulated")
+        else:
+            return "triton"
+        return "emulate"
+
+    def _announce(self, reason: str) -> None:
+        if reason not in self._announced:
+            self._announced.add(reason)
+            log.warning("fp8: %s", reason)
 
     def applies_to(self, prefix: str) -> bool:
         return self.config.applies_to(prefix)
@@ -45,6 +79,7 @@ class BlockFp8LinearMethod(QuantMethod):
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
         layer.fp8_block = self.config.block_for(out_features, in_features)
+        layer.fp8_backend = self._layer_backend(getattr(layer, "prefix", ""), layer.fp8_block[1])
         layer.model_dtype = dtype
         # weight_scale_inv is registered when the checkpoint provides it: a float weight needs none
         layer.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE))
@@ -91,35 +126,21 @@ class BlockFp8LinearMethod(QuantMethod):
     def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
         """Quantized parts concatenate when each but the last fills whole row blocks; float ones always do."""
         block = parts[0].fp8_block
-        if any(p.fp8_block != block for p in parts):
+        if any(p.fp8_block != block for p in parts) or \
+                block is not None and any(p.weight.shape[0] % block[0] for p in parts[:-1]):
             return False
-        merged.model_dtype = parts[0].model_dtype
-        merged.fp8_block = block
+        merged.model_dtype, merged.fp8_block, merged.fp8_backend = parts[0].model_dtype, block, parts[0].fp8_backend
         merged.register_buffer("weight", torch.cat([p.weight for p in parts]))
         if block is not None:
-            if any(p.weight.shape[0] % block[0] for p in parts[:-1]):
-                return False
             merged.register_buffer("weight_scale_inv", torch.cat([p.weight_scale_inv for p in parts]))
         return True
-
-    def _backend(self, x: torch.Tensor) -> str:
-        if self.backend != "auto":
-            return self.backend
-        if x.is_cuda:
-            return "triton"
-        if not self._announced:
-            self._announced = True
-            log.warning("fp8: no CUDA device, so block-wise FP8 matmuls are emulated (activations rounded to fp8 "
-                        "per token and group, weights dequantized, fp32 matmul): correct, saves weight memory, not "
-                        "faster")
-        return "emulate"
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         block = layer.fp8_block
         if block is None:
             out = x2 @ layer.weight.t()
-        elif self._backend(x2) == "triton":
+        elif layer.fp8_backend == "triton":
             from ..kernels.fp8_block import per_token_group_quant, w8a8_block_gemm
 
             xq, x_scale = per_token_group_quant(x2, block[1])
