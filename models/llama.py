@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,13 +310,16 @@ def check_rope(rope: dict[str, Any], arch: str, rotary_dim: int) -> None:
 
 
 class Attention(nn.Module):
+    """``scale``: the softmax scale (default head_dim ** -0.5); ``norm``: the q/k norms' class (with qk_norm)."""
+
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
-                 ops: PointwiseOps, window: int | None = None) -> None:
+                 ops: PointwiseOps, window: int | None = None, scale: float | None = None,
+                 norm: Callable[..., nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = window  # attend to the last `window` positions only (HF's sliding window), None: all
         self.prefix = prefix
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.head_dim**-0.5 if scale is None else scale
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         bias = cfg.attention_bias
         self.qkv_proj: Linear | None = None  # set by merge_projections, which then drops q/k/v_proj
@@ -327,8 +330,8 @@ class Attention(nn.Module):
             self.k_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.k_proj", quant, dtype)
             self.v_proj = Linear(cfg.hidden_size, kv_size, bias, f"{prefix}.v_proj", quant, dtype)
         self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, f"{prefix}.o_proj", quant, dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.sizes = [q_size, kv_size, kv_size]
 
     def merge_projections(self) -> bool:
@@ -353,10 +356,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)); ``act_and_mul`` (default the ops' silu_and_mul) computes act(gate) * up."""
+
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
-                 ops: PointwiseOps, inner: int | None = None) -> None:
+                 ops: PointwiseOps, inner: int | None = None,
+                 act_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.ops, self.prefix = ops, prefix
+        self.prefix = prefix
+        self.act_and_mul = act_and_mul or ops.silu_and_mul
         inner, bias = inner or cfg.intermediate_size, cfg.mlp_bias
         self.gate_up_proj: Linear | None = None  # set by merge_projections, which then drops gate/up_proj
         if cfg.fused_projections:  # gate's outputs, then up's
@@ -372,8 +379,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(self.ops.silu_and_mul(gate, up))
-        return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(self.act_and_mul(gate, up))
+        return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -417,11 +424,8 @@ class LlamaFamilyModel(Model):
                                                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.model.embed_tokens.weight.requires_grad_(False)
         windows = [cfg.sliding_window if slides else None for slides in cfg.sliding_layers] or [None] * cfg.num_layers
-        sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers
-        self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, f"model.layers.{i}", quant, dtype, ops, windows[i], sparse[i])
-            for i in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.model.layers = nn.ModuleList(self.make_layer(i, quant, dtype, windows[i]) for i in range(cfg.num_layers))
+        self.model.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope, ops)
         # a quant method that takes the head gets its own copy of a tied one (quantized from the embedding on load)
         own_head = quant is not None and quant.quantizes_tied_head and quant.applies_to("lm_head")
@@ -429,6 +433,14 @@ class LlamaFamilyModel(Model):
             cfg.hidden_size, cfg.vocab_size, False, "lm_head", quant, dtype)
         # a tied head multiplies by the embedding: as an unquantized linear (the skinny kernel when enabled)
         self.tied_head = quant if isinstance(quant, UnquantizedMethod) else UnquantizedMethod()
+
+    norm_class: Callable[..., nn.Module] = RMSNorm  # the final norm's (a subclass's layers choose their own)
+
+    def make_layer(self, index: int, quant: QuantMethod | None, dtype: torch.dtype, window: int | None
+                   ) -> nn.Module:
+        """Decoder layer ``index`` (attending within ``window`` positions, None: all)."""
+        sparse = self.cfg.moe is not None and self.cfg.moe.sparse_layers[index]
+        return DecoderLayer(self.cfg, f"model.layers.{index}", quant, dtype, self.ops, window, sparse)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,

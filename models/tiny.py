@@ -18,6 +18,9 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                 "num_experts_per_tok": 2},
     "qwen3moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "use_sliding_window": False,
                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True},
+    # every second layer slides, within 8 positions; the softmax scale is not head_dim's
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "query_pre_attn_scalar": 24,
+               "sliding_window": 8, "sliding_window_pattern": 2},
     "qwen2moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "use_sliding_window": False,
                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                  "shared_expert_intermediate_size": 80},

@@ -1,5 +1,5 @@
-"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, and the MoE Mixtral, Qwen2-MoE
-and Qwen3-MoE)."""
+"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, and the MoE Mixtral,
+Qwen2-MoE and Qwen3-MoE)."""
 from __future__ import annotations
 
 import logging
@@ -18,22 +18,26 @@ if TYPE_CHECKING:  # torch loads with the model, not with the plugins (`infer --
 log = logging.getLogger("infer")
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                        "Phi3ForCausalLM")
-ARCHITECTURES = (*DENSE_ARCHITECTURES, "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = (*DENSE_ARCHITECTURES, "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                 "Qwen3MoeForCausalLM")
 
 
 def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
                        config: EngineConfig) -> Model:
     from ..core.errors import ConfigError
+    from ..models.gemma3 import ARCHITECTURE as GEMMA3
+    from ..models.gemma3 import Gemma3Config, Gemma3Model
     from ..models.llama import ArchConfig, LlamaFamilyModel
 
-    arch = ArchConfig.from_hf(hf_config)
+    gemma = hf_config["architectures"][0] == GEMMA3
+    arch = Gemma3Config.from_hf(hf_config) if gemma else ArchConfig.from_hf(hf_config)
     # linear RoPE scaling stretches the trained positions by its factor (e.g. a 4k model run at 16k), YaRN the
     # original context (vLLM's rule: Qwen2.5's 32k max_position_embeddings at factor 4 is 128k); llama3 and
     # LongRoPE configs already state the extended length; dynamic NTK runs within max_position_embeddings, where HF
     # keeps the default frequencies (vLLM instead scales them for max_position_embeddings x factor, at every length)
     scaling = arch.rope.get("rope_type", arch.rope.get("type", "default"))
     limit = arch.max_position_embeddings
-    if scaling == "linear":
+    if scaling == "linear" and not gemma:  # Gemma 3's 131072 counts its factor 8 already (trained at 32k)
         limit = int(limit * float(arch.rope["factor"]))
     elif scaling == "yarn":
         limit = int(float(arch.rope["original_max_position_embeddings"]) * float(arch.rope["factor"]))
@@ -69,7 +73,8 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
             raise ConfigError("--skinny-gemm-rows runs a Triton kernel, which needs a CUDA device (this model runs "
                               "on the CPU); drop --skinny-gemm-rows")
         quant = UnquantizedMethod(config.skinny_gemm_rows)  # every linear, and the tied head, share it
-    return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
+    model_class = Gemma3Model if gemma else LlamaFamilyModel
+    return model_class(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
 
 
 def check_experts(architecture: str, quant: QuantMethod | None, ops: PointwiseOps, config: EngineConfig) -> None:

@@ -32,6 +32,8 @@ CHECKPOINTS = {
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"num_heads": 8, "num_kv_heads": 2}),
     "phi3": ("phi3", {}),  # fused qkv_proj and gate_up_proj in the checkpoint
+    # (1 + w) norms around both sublayers, GELU, a scaled embedding; sliding layers (window 8) with their own rope
+    "gemma3": ("gemma3", {"tie_word_embeddings": True, "num_layers": 4}),
 }
 
 

@@ -1,0 +1,182 @@
+"""Gemma 3 text models (``Gemma3ForCausalLM``: gemma-3-1b, and the text stacks of the larger ones): the Llama layout
+with Gemma's differences, as transformers computes them:
+
+- norms scale by (1 + weight), in float32 before rounding to the model dtype, and wrap both sublayers:
+  ``h + post_norm(attention(input_norm(h)))``, then ``h + post_ff_norm(mlp(pre_ff_norm(h)))``; q and k are normed too;
+- the embedding is multiplied by sqrt(hidden_size) (rounded to the model dtype);
+- the MLP's gate goes through tanh-approximated GELU;
+- the softmax scale is query_pre_attn_scalar ** -0.5;
+- sliding layers (five in six by default) attend within ``sliding_window`` and turn by their own rope (theta 10,000);
+  the full-attention layers by the global one (theta 1,000,000, linear scaling by 8 in the 4B and larger).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.errors import CheckpointError
+from ..core.interfaces import AttentionBackend, AttentionMetadata, QuantMethod
+from ..core.loader import checkpoint_dtype
+from .layers import TORCH_OPS, PointwiseOps, RotaryEmbedding
+from .llama import MLP, ArchConfig, Attention, LlamaFamilyModel, _Fields, check_rope, rms_norm_eps
+
+ARCHITECTURE = "Gemma3ForCausalLM"
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) x (1 + w), in float32, rounded to x's dtype. ``weight`` holds 1 + w (float32), added on load."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: PointwiseOps = TORCH_OPS) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), the sum in x's dtype."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = (F.rms_norm(x.float(), x.shape[-1:], eps=self.eps) * self.weight).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+@dataclass(frozen=True)
+class Gemma3Config(ArchConfig):
+    """ArchConfig (whose ``rope`` is the full-attention layers') plus Gemma's own fields."""
+
+    local_rope: dict[str, Any] | None = None  # the sliding layers' rope
+    query_pre_attn_scalar: float = 256.0
+    local_rope_layers: tuple[bool, ...] = ()  # per layer: a sliding one, whose rope is local_rope
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> Gemma3Config:
+        field = _Fields(raw, ARCHITECTURE)
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if raw.get(key) is not None:  # Gemma 2's; Gemma 3 has none
+                raise CheckpointError(f"config.json of this {ARCHITECTURE} sets {key} = {raw[key]!r}, which infer "
+                                      "does not apply (Gemma 3 has none); it serves Gemma 3 without softcapping")
+        if raw.get("use_bidirectional_attention"):
+            raise CheckpointError(f"config.json of this {ARCHITECTURE} sets use_bidirectional_attention (an "
+                                  "embedding model's); infer generates with causal attention only")
+        act = field.get("hidden_activation", str) or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise CheckpointError(f"config.json of this {ARCHITECTURE} has hidden_activation {act!r}; infer's "
+                                  "Gemma 3 MLP computes gelu_pytorch_tanh")
+        heads, hidden = field.positive("num_attention_heads", 8), field.positive("hidden_size", 2304)
+        kv_heads = field.positive("num_key_value_heads", 4)
+        if heads % kv_heads:
+            raise CheckpointError(f"config.json of this {ARCHITECTURE} has {heads} attention heads and {kv_heads} "
+                                  "key/value heads; the first must be a multiple of the second")
+        head_dim, layers = field.positive("head_dim", 256), field.positive("num_hidden_layers", 26)
+        full, local = rope_tables(raw)
+        for rope in (full, local):
+            check_rope(rope, ARCHITECTURE, head_dim)
+        types = raw.get("layer_types")
+        if types is None:  # transformers' rule from sliding_window_pattern (6): every sixth layer is global
+            pattern = field.positive("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        if not isinstance(types, list) or len(types) != layers or \
+                not set(types) <= {"sliding_attention", "full_attention"}:
+            raise CheckpointError(f"config.json of this {ARCHITECTURE} has layer_types = {types!r}; it should list "
+                                  f"'sliding_attention' or 'full_attention' for each of the {layers} layers")
+        window = field.get("sliding_window", int) if "sliding_window" in raw else 4096
+        if not window or window < 0:
+            raise CheckpointError(f"config.json of this {ARCHITECTURE} has sliding_window = {window!r}; Gemma 3's "
+                                  "sliding layers need a positive window (transformers cannot run one without)")
+        scalar = field.get("query_pre_attn_scalar", (int, float))
+        scalar = 256.0 if scalar is None else float(scalar)
+        if not 0 < scalar < math.inf:
+            raise CheckpointError(f"config.json of this {ARCHITECTURE} has query_pre_attn_scalar = {scalar}; it "
+                                  "must be a positive number")
+        eos = field.get("eos_token_id", (int, list))
+        eos = 1 if "eos_token_id" not in raw else eos
+        bias = bool(field.get("attention_bias", bool))
+        tied = field.get("tie_word_embeddings", bool)
+        return cls(
+            architecture=ARCHITECTURE, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=head_dim, rotary_dim=head_dim, intermediate_size=field.positive("intermediate_size", 9216),
+            vocab_size=field.positive("vocab_size", 262208), rms_norm_eps=rms_norm_eps(field, 1e-6),
+            max_position_embeddings=field.positive("max_position_embeddings", 131072),
+            tie_word_embeddings=tied is not False, attention_bias=bias, o_proj_bias=bias, mlp_bias=False, qk_norm=True,
+            rope=full, eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            sliding_window=window, sliding_layers=tuple(t == "sliding_attention" for t in types),
+            torch_dtype=checkpoint_dtype(raw), quantization_config=raw.get("quantization_config"),
+            local_rope=local, query_pre_attn_scalar=scalar, local_rope_layers=tuple(t == "sliding_attention"
+                                                                                    for t in types))
+
+
+def rope_tables(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(full-attention rope, sliding rope): transformers 5's ``rope_parameters`` per layer type, or the older
+    rope_theta, rope_scaling (the global layers') and rope_local_base_freq."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(raw.get("rope_scaling") or {})
+        full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        local = {"rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", 1_000_000.0)
+    local.setdefault("rope_theta", 10_000.0)
+    return full, local
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma3Config, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
+                 ops: PointwiseOps, window: int | None) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", quant, dtype, ops, window,
+                                   scale=cfg.query_pre_attn_scalar**-0.5, norm=GemmaRMSNorm)
+        self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops, act_and_mul=gelu_tanh_and_mul)
+        self.feed_forward = "mlp"
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            self.add_module(name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype))
+
+    def ffn(self) -> MLP:
+        return self.mlp
+
+
+class Gemma3Model(LlamaFamilyModel):
+    """The Llama family's loading, merging and heads with Gemma 3's layers, norms, embedding scale and two ropes."""
+
+    cfg: Gemma3Config
+    norm_class = GemmaRMSNorm
+
+    def __init__(self, cfg: Gemma3Config, quant: QuantMethod | None, dtype: torch.dtype, max_positions: int,
+                 ops: PointwiseOps = TORCH_OPS, merge_projections: bool = False) -> None:
+        super().__init__(cfg, quant, dtype, max_positions, ops, merge_projections)
+        local = replace(cfg, rope=cfg.local_rope or {})
+        self.local_rotary = RotaryEmbedding(local.rotary_dim, max_positions, local.rope, ops)
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(dtype).item()  # HF rounds it to the model dtype
+
+    def make_layer(self, index: int, quant: QuantMethod | None, dtype: torch.dtype, window: int | None
+                   ) -> nn.Module:
+        return Gemma3DecoderLayer(self.cfg, f"model.layers.{index}", quant, dtype, self.ops, window)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids) * self.embed_scale
+        for layer, local, kv_cache in zip(self.model.layers, self.cfg.local_rope_layers, kv_caches):
+            rotary = self.local_rotary if local else self.rotary
+            out = layer.self_attn(layer.input_layernorm(hidden), positions, rotary, kv_cache, attn, meta)
+            normed, hidden = layer.pre_feedforward_layernorm(layer.post_attention_layernorm(out), hidden)
+            hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(normed))
+        return self.model.norm(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The checkpoint's norm weights w load as 1 + w (in float32, as transformers computes it)."""
+        super().load_weights((name, tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
+                             for name, tensor in weights)

@@ -1,0 +1,96 @@
+"""Gemma 3 beyond the shared checkpoint tests (tests/test_models.py runs the tiny one against transformers): the
+configs real checkpoints carry, refusals, and the fused ops."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the first import of a module defining @triton.jit kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from infer.core.config import EngineConfig  # noqa: E402
+from infer.core.engine import Engine  # noqa: E402
+from infer.core.errors import CheckpointError  # noqa: E402
+from infer.core.request import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPTS = ([5, 9, 100, 7, 300, 41, 8, 2, 11, 12, 13], [700, 3, 3, 90])
+
+
+def edited(src: Path, dst: Path, edit: Callable[[dict[str, Any]], object]) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def as_released(config: dict[str, Any]) -> None:
+    """The config.json google's releases carry (gemma-3-4b's text part): rope_theta, rope_local_base_freq and a
+    linear rope_scaling for the global layers, sliding_window_pattern instead of layer_types."""
+    config.pop("rope_parameters")
+    config.pop("layer_types")
+    config.update(rope_theta=500000.0, rope_local_base_freq=5000.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                  sliding_window_pattern=3)
+
+
+def test_a_config_as_the_releases_write_it_generates_what_transformers_does(
+        tmp_path: Path, checkpoint: Callable[[str], Path],
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    path = edited(checkpoint("gemma3"), tmp_path / "m", as_released)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
+    for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
+        assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"final_logit_softcapping": 30.0}, "sets final_logit_softcapping = 30.0, which infer does not apply"),
+    ({"attn_logit_softcapping": 50.0}, "sets attn_logit_softcapping = 50.0"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+    ({"layer_types": ["sliding_attention"]}, "it should list 'sliding_attention' or 'full_attention' for each"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar = 0.0; it must be a positive number"),
+    ({"sliding_window": None}, "sliding_window = None; Gemma 3's sliding layers need a positive window"),
+])
+def test_what_it_cannot_serve_is_refused_by_name(change: dict[str, Any], message: str, tmp_path: Path,
+                                                  checkpoint: Callable[[str], Path]) -> None:
+    path = edited(checkpoint("gemma3"), tmp_path / "m", lambda c: c.update(change))
+    with pytest.raises(CheckpointError, match=message):
+        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=8))
+
+
+def test_the_context_is_max_position_embeddings_even_with_linear_scaling(tmp_path: Path,
+                                                                       checkpoint: Callable[[str], Path]) -> None:
+    """Gemma 3's 131072 positions already count its factor-8 scaling (trained at 32k): not 8 x 131072."""
+    path = edited(checkpoint("gemma3"), tmp_path / "m", as_released)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=8))
+    assert engine.max_model_len == json.loads((path / "config.json").read_text())["max_position_embeddings"]
+
+
+def test_fused_ops_generate_what_the_torch_ops_do(checkpoint: Callable[[str], Path],
+                                                  hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """The Triton rotary (the only fused op Gemma's layers take: its norms and GELU run in torch), interpreted."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton ops run on the CPU under TRITON_INTERPRET=1 only")
+    path = checkpoint("gemma3")
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, fused_ops=True))
+    for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
+        assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_it_generates_what_transformers_does(
+        checkpoint: Callable[[str], Path], hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    path = checkpoint("gemma3")
+    engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_kv_blocks=32))
+    for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
+        assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
