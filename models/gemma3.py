@@ -155,8 +155,9 @@ class Gemma3Model(LlamaFamilyModel):
     norm_class = GemmaRMSNorm
 
     def __init__(self, cfg: Gemma3Config, quant: QuantMethod | None, dtype: torch.dtype, max_positions: int,
-                 ops: PointwiseOps = TORCH_OPS, merge_projections: bool = False) -> None:
+                 ops: PointwiseOps = TORCH_OPS, merge_projections: bool = False, multimodal: bool = False) -> None:
         super().__init__(cfg, quant, dtype, max_positions, ops, merge_projections)
+        self.multimodal = multimodal  # a Gemma3ForConditionalGeneration checkpoint: its text model's tensors
         local = replace(cfg, rope=cfg.local_rope or {})
         self.local_rotary = RotaryEmbedding(local.rotary_dim, max_positions, local.rope, ops)
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(dtype).item()  # HF rounds it to the model dtype
@@ -177,6 +178,41 @@ class Gemma3Model(LlamaFamilyModel):
         return self.model.norm(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The checkpoint's norm weights w load as 1 + w (in float32, as transformers computes it)."""
+        """The checkpoint's norm weights w load as 1 + w (in float32, as transformers computes it); a multimodal
+        checkpoint's text tensors load under the text model's names, its vision tower's are left out."""
+        if self.multimodal:
+            weights = text_weights(weights)
         super().load_weights((name, tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
                              for name, tensor in weights)
+
+
+# a Gemma3ForConditionalGeneration checkpoint's text tensors (the releases' names, then transformers 5's), and the
+# tensors of its vision tower and projector
+TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                 ("model.language_model.", "model."))
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.startswith(VISION_PREFIXES):
+            continue
+        for old, new in TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, tensor
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config.json's text model as a Gemma3ForCausalLM config (its dtype,
+    quantization and head tying from the top level where text_config leaves them out)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"config.json of this Gemma3ForConditionalGeneration has text_config = {text!r}; it "
+                              "should be an object with the text model's fields")
+    text = dict(text)
+    for key in ("dtype", "torch_dtype", "quantization_config", "tie_word_embeddings"):
+        if key in raw and key not in text:
+            text[key] = raw[key]
+    return {**text, "architectures": [ARCHITECTURE]}

@@ -22,8 +22,17 @@ ARCHITECTURES = (*DENSE_ARCHITECTURES, "Gemma3ForCausalLM", "MixtralForCausalLM"
                  "Qwen3MoeForCausalLM")
 
 
+def build_gemma3_text(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
+                      config: EngineConfig) -> Model:
+    """Gemma3ForConditionalGeneration (gemma-3-4b and larger): its text model; images are not supported."""
+    from ..models.gemma3 import text_config
+
+    log.info("Gemma3ForConditionalGeneration: serving its text model (the vision tower is not loaded: text only)")
+    return build_llama_family(text_config(hf_config), quant, dtype, config, multimodal=True)
+
+
 def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
-                       config: EngineConfig) -> Model:
+                       config: EngineConfig, multimodal: bool = False) -> Model:
     from ..core.errors import ConfigError
     from ..models.gemma3 import ARCHITECTURE as GEMMA3
     from ..models.gemma3 import Gemma3Config, Gemma3Model
@@ -73,8 +82,10 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
             raise ConfigError("--skinny-gemm-rows runs a Triton kernel, which needs a CUDA device (this model runs "
                               "on the CPU); drop --skinny-gemm-rows")
         quant = UnquantizedMethod(config.skinny_gemm_rows)  # every linear, and the tied head, share it
-    model_class = Gemma3Model if gemma else LlamaFamilyModel
-    return model_class(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
+    if gemma:
+        return Gemma3Model(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge,
+                           multimodal=multimodal)
+    return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
 
 
 def check_experts(architecture: str, quant: QuantMethod | None, ops: PointwiseOps, config: EngineConfig) -> None:
@@ -124,3 +135,4 @@ def pointwise_ops(config: EngineConfig) -> PointwiseOps:
 def register_models(register: Register[ModelFactory]) -> None:
     for name in ARCHITECTURES:
         register(name, build_llama_family)
+    register("Gemma3ForConditionalGeneration", build_gemma3_text)

@@ -94,3 +94,36 @@ def test_on_cuda_with_graphs_it_generates_what_transformers_does(
     engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_kv_blocks=32))
     for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
         assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
+
+
+def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path: Path, checkpoint: Callable[[str], Path],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Gemma3ForConditionalGeneration (gemma-3-4b and larger): text_config's model, the vision tower left out;
+    its tokens equal transformers' on the whole multimodal model given text."""
+    import logging
+
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, vocab_size=1024, query_pre_attn_scalar=24,
+                            sliding_window=8, sliding_window_pattern=2, max_position_embeddings=1024)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
+                                                         mm_tokens_per_image=4)).eval()
+    path = tmp_path / "multimodal"
+    hf.save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoint("gemma3") / name, path / name)
+    with caplog.at_level(logging.INFO, logger="infer"):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
+    assert "serving its text model" in caplog.text
+    for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
+        ids, expected = torch.tensor([prompt]), []
+        with torch.no_grad():
+            for _ in range(GREEDY.max_tokens):
+                expected.append(int(hf(input_ids=ids).logits[0, -1].argmax()))
+                ids = torch.cat([ids, torch.tensor([expected[-1:]])], dim=1)
+        assert result.outputs[0].token_ids == expected
