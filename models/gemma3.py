@@ -70,7 +70,7 @@ class Gemma3Config(ArchConfig):
             raise CheckpointError(f"config.json of this {ARCHITECTURE} sets use_bidirectional_attention (an "
                                   "embedding model's); infer generates with causal attention only")
         act = field.get("hidden_activation", str) or "gelu_pytorch_tanh"
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        if act != "gelu_pytorch_tanh":
             raise CheckpointError(f"config.json of this {ARCHITECTURE} has hidden_activation {act!r}; infer's "
                                   "Gemma 3 MLP computes gelu_pytorch_tanh")
         heads, hidden = field.positive("num_attention_heads", 8), field.positive("hidden_size", 2304)
@@ -110,7 +110,8 @@ class Gemma3Config(ArchConfig):
             max_position_embeddings=field.positive("max_position_embeddings", 131072),
             tie_word_embeddings=tied is not False, attention_bias=bias, o_proj_bias=bias, mlp_bias=False, qk_norm=True,
             rope=full, eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            sliding_window=window, sliding_layers=tuple(t == "sliding_attention" for t in types),
+            sliding_window=window if "sliding_attention" in types else None,
+            sliding_layers=tuple(t == "sliding_attention" for t in types),
             torch_dtype=checkpoint_dtype(raw), quantization_config=raw.get("quantization_config"),
             local_rope=local, query_pre_attn_scalar=scalar, local_rope_layers=tuple(t == "sliding_attention"
                                                                                     for t in types))
@@ -122,6 +123,7 @@ def rope_tables(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
         full = dict(params.get("full_attention") or {})
+        full.update(raw.get("rope_scaling") or {})  # transformers applies a rope_scaling to the global layers
         local = dict(params.get("sliding_attention") or {})
     else:
         full = dict(raw.get("rope_scaling") or {})
@@ -182,7 +184,8 @@ class Gemma3Model(LlamaFamilyModel):
         checkpoint's text tensors load under the text model's names, its vision tower's are left out."""
         if self.multimodal:
             weights = text_weights(weights)
-        super().load_weights((name, tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
+        dtype = self.model.embed_tokens.weight.dtype  # transformers holds w in the model dtype, then adds 1 in fp32
+        super().load_weights((name, tensor.to(dtype).float() + 1.0 if name.endswith("norm.weight") else tensor)
                              for name, tensor in weights)
 
 
@@ -206,13 +209,14 @@ def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[
 
 def text_config(raw: dict[str, Any]) -> dict[str, Any]:
     """A Gemma3ForConditionalGeneration config.json's text model as a Gemma3ForCausalLM config (its dtype,
-    quantization and head tying from the top level where text_config leaves them out)."""
+    quantization, head tying and special tokens from the top level where text_config leaves them out)."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"config.json of this Gemma3ForConditionalGeneration has text_config = {text!r}; it "
                               "should be an object with the text model's fields")
     text = dict(text)
-    for key in ("dtype", "torch_dtype", "quantization_config", "tie_word_embeddings"):
+    for key in ("dtype", "torch_dtype", "quantization_config", "tie_word_embeddings", "eos_token_id", "bos_token_id",
+                "pad_token_id"):  # the releases keep eos [1, 106] (<end_of_turn> too) at the top level
         if key in raw and key not in text:
             text[key] = raw[key]
     return {**text, "architectures": [ARCHITECTURE]}

@@ -40,6 +40,11 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 
     gemma = hf_config["architectures"][0] == GEMMA3
     arch = Gemma3Config.from_hf(hf_config) if gemma else ArchConfig.from_hf(hf_config)
+    import torch
+
+    if gemma and dtype == torch.float16:
+        raise ConfigError("Gemma 3 overflows float16 (its activations pass 65504, and vLLM refuses it too); use "
+                          "--dtype bfloat16 or float32")
     # linear RoPE scaling stretches the trained positions by its factor (e.g. a 4k model run at 16k), YaRN the
     # original context (vLLM's rule: Qwen2.5's 32k max_position_embeddings at factor 4 is 128k); llama3 and
     # LongRoPE configs already state the extended length; dynamic NTK runs within max_position_embeddings, where HF

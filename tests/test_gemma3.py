@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # before the first import of a module definin
 
 from infer.core.config import EngineConfig  # noqa: E402
 from infer.core.engine import Engine  # noqa: E402
-from infer.core.errors import CheckpointError  # noqa: E402
+from infer.core.errors import CheckpointError, ConfigError  # noqa: E402
 from infer.core.request import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -58,6 +58,7 @@ def test_a_config_as_the_releases_write_it_generates_what_transformers_does(
     ({"layer_types": ["sliding_attention"]}, "it should list 'sliding_attention' or 'full_attention' for each"),
     ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar = 0.0; it must be a positive number"),
     ({"sliding_window": None}, "sliding_window = None; Gemma 3's sliding layers need a positive window"),
+    ({"hidden_activation": "gelu_new"}, "hidden_activation 'gelu_new'"),
 ])
 def test_what_it_cannot_serve_is_refused_by_name(change: dict[str, Any], message: str, tmp_path: Path,
                                                   checkpoint: Callable[[str], Path]) -> None:
@@ -127,3 +128,40 @@ def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path: Path, checkpoin
                 expected.append(int(hf(input_ids=ids).logits[0, -1].argmax()))
                 ids = torch.cat([ids, torch.tensor([expected[-1:]])], dim=1)
         assert result.outputs[0].token_ids == expected
+
+
+def test_fields_a_real_config_leaves_out_or_doubles_read_as_transformers_reads_them() -> None:
+    """A multimodal config keeps eos [1, 106] (<end_of_turn>) at its top level; a rope_scaling beside transformers
+    5's per-layer-type rope_parameters scales the global layers; a config whose layers all attend fully has no
+    window."""
+    from transformers import Gemma3Config as HfGemma3Config
+    from transformers import Gemma3TextConfig
+
+    from infer.models.gemma3 import Gemma3Config, text_config
+
+    multimodal = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+                  "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2}}
+    hf = HfGemma3Config(**{k: v for k, v in multimodal.items() if k != "architectures"})
+    assert Gemma3Config.from_hf(text_config(multimodal)).eos_token_ids == tuple(hf.eos_token_id)
+    doubled = {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+               "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "num_hidden_layers": 2}
+    ours = Gemma3Config.from_hf({"architectures": ["Gemma3ForCausalLM"], **doubled})
+    reference = Gemma3TextConfig(**doubled).rope_parameters["full_attention"]
+    assert (ours.rope["rope_type"], ours.rope["factor"]) == (reference["rope_type"], reference["factor"])
+    full = Gemma3Config.from_hf({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2,
+                                 "layer_types": ["full_attention"] * 2})
+    assert full.sliding_window is None
+
+
+def test_norm_weights_round_to_the_model_dtype_before_the_one_is_added(checkpoint: Callable[[str], Path]) -> None:
+    """transformers holds a float32 checkpoint's norm weight w in the model dtype and adds 1 in float32."""
+    from safetensors.torch import load_file
+
+    path = checkpoint("gemma3")
+    engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", num_kv_blocks=8))
+    stored = load_file(str(path / "model.safetensors"))["model.layers.0.input_layernorm.weight"]
+    loaded = engine.loaded.model.model.layers[0].input_layernorm.weight
+    assert torch.equal(loaded, stored.to(torch.bfloat16).float() + 1.0)
+    with pytest.raises(ConfigError, match="Gemma 3 overflows float16"):
+        Engine(EngineConfig(model=str(path), device="cpu", dtype="float16", num_kv_blocks=8))
