@@ -141,7 +141,7 @@ def in_thread(fn: Callable[..., Result], *args: Any) -> Result:
 
 def start_server(model: str, port: int) -> subprocess.Popen[bytes]:
     exe = shutil.which("infer")
-    cmd = [exe] if exe else [sys.executable, "-c", "from infer.cli import main; main()"]
+    cmd = [exe] if exe else [sys.executable, "-P", "-c", "from infer.cli import main; main()"]
     return subprocess.Popen([*cmd, "--model", model, "serve", "--port", str(port), "--max-queue", "100000"],
                             stderr=subprocess.DEVNULL)
 

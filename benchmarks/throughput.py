@@ -91,7 +91,7 @@ def build_model(folder: Path, shape: dict[str, int], dtype: str, device: str) ->
 
 
 def run_bench(model: Path, out: Path, arms: list[str], bench_args: list[str], warmup: int) -> dict:
-    cmd = [sys.executable, "-m", "infer.cli", "--model", str(model), "bench", *bench_args, "--ab", *arms,
+    cmd = [sys.executable, "-P", "-m", "infer.cli", "--model", str(model), "bench", *bench_args, "--ab", *arms,
            "--repeats", "1", "--warmup-rounds", str(warmup), "--out", str(out)]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)

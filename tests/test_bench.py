@@ -737,8 +737,8 @@ def test_min_tokens_holds_each_request_to_its_own_length_and_a_bias_to_the_vocab
 def test_an_hf_only_bench_exits_without_leak_reports(tiny_model):
     """The HF arm runs with the heap frozen; unfrozen at exit, no extension module reports its objects as leaked
     (nanobind printed about 30 lines)."""
-    done = subprocess.run([sys.executable, "-m", "infer.cli", "--device", "cpu", "--model", str(tiny_model), "bench",
-                           "--ab", "hf", "--num-requests", "2", "--repeats", "1", "--warmup-rounds", "0",
+    done = subprocess.run([sys.executable, "-P", "-m", "infer.cli", "--device", "cpu", "--model", str(tiny_model),
+                           "bench", "--ab", "hf", "--num-requests", "2", "--repeats", "1", "--warmup-rounds", "0",
                            "--input-len", "8", "--output-len", "4"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "leak" not in done.stderr.lower(), done.stderr[-2000:]

@@ -302,7 +302,7 @@ def test_ctrl_c_in_any_command_exits_130_and_says_so(tiny_model, tmp_path):
     import sys
 
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "-v", "quantize", str(tiny_model), str(out),
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "infer.cli", "-v", "quantize", str(tiny_model), str(out),
                              "--num-samples", "99999999", "--seq-len", "16"], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None and "calibration text holds" in proc.stderr.readline()  # calibration begins
     proc.send_signal(signal.SIGINT)
@@ -335,8 +335,8 @@ def test_ctrl_c_while_streaming_exits_130_and_says_so(tiny_model):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "--model", str(tiny_model), "generate", "--stream",
-                             "--ignore-eos", "--max-tokens", "1000", "hello"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "infer.cli", "--model", str(tiny_model), "generate",
+                             "--stream", "--ignore-eos", "--max-tokens", "1000", "hello"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.read(5) == "hello"  # streaming has begun
     proc.send_signal(signal.SIGINT)
@@ -477,7 +477,7 @@ def test_generate_on_a_terminal_says_it_reads_prompts_from_it(tiny_model):
     import time
 
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "--model", str(tiny_model), "generate",
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "infer.cli", "--model", str(tiny_model), "generate",
                              "--max-tokens", "2"], stdin=follower, stdout=follower, stderr=follower)
     os.close(follower)
     seen, deadline = b"", time.monotonic() + 60

@@ -369,7 +369,7 @@ def test_freeze_gc_moves_the_startup_heap_out_of_the_collector(tiny_model):
     code = ("import triton, triton.language; from infer.core.config import EngineConfig; "
             "from infer.core.engine import Engine; "
             f"Engine(EngineConfig(model={str(tiny_model)!r}, device='cpu', num_kv_blocks=16, freeze_gc=True))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "leaked" not in done.stderr, done.stderr[-2000:]
 

@@ -133,7 +133,7 @@ def test_every_kernel_compiles_for_sm90_at_the_anchor_shapes() -> None:
     assert {launch["name"] for launch in launches} == set(found), "a kernel has no anchor launch here"
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(unique), capture_output=True, text=True,
-                          env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-P", "-c", COMPILE], input=json.dumps(unique), capture_output=True,
+                          text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == []

@@ -361,8 +361,8 @@ def test_a_crashing_command_factory_shows_its_traceback_with_v_only(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
 
     def run(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "infer.cli", *flags, "hello"], capture_output=True, text=True,
-                              env=env, timeout=120)
+        return subprocess.run([sys.executable, "-P", "-m", "infer.cli", *flags, "hello"], capture_output=True,
+                              text=True, env=env, timeout=120)
 
     quiet, verbose = run(), run("-v")
     for result in (quiet, verbose):

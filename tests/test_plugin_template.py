@@ -57,7 +57,7 @@ def _has(dist: str) -> bool:
 def infer_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """The `infer` console script of this environment, in a fresh process (it sees the new entry points)."""
     script = Path(sys.executable).with_name("infer")
-    command = [str(script)] if script.exists() else [sys.executable, "-c", "from infer.cli import main; main()"]
+    command = [str(script)] if script.exists() else [sys.executable, "-P", "-c", "from infer.cli import main; main()"]
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
 
 

@@ -285,7 +285,7 @@ def test_loading_the_shipped_plugins_does_not_import_torch():
     code = ("import sys; from infer.core.plugins import PluginManager; "
             "PluginManager.from_entry_points().collect(); print(sorted(m for m in ('torch', 'transformers', 'triton') "
             "if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 

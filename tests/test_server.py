@@ -50,7 +50,7 @@ def free_port() -> int:
 
 def infer_command() -> list[str]:
     exe = shutil.which("infer")
-    return [exe] if exe else [sys.executable, "-c", "from infer.cli import main; main()"]
+    return [exe] if exe else [sys.executable, "-P", "-c", "from infer.cli import main; main()"]
 
 
 @dataclass
