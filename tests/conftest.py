@@ -15,6 +15,13 @@ import torch.nn.functional as F
 
 from infer.core.interfaces import AttentionMetadata
 
+try:  # transformers >= 5.25 imports the `kernels` package (its hub kernels); take it now, while nothing can shadow it:
+    # once the first test runs, pytest puts a checkout whose folder name is no identifier on sys.path itself, and
+    # there infer's own kernels/ folder would pass for it
+    import kernels  # noqa: F401
+except ImportError:
+    pass
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # The tiny test models gain nothing from intra-op threads, and on a busy 2-core machine torch's OpenMP
