@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from infer.core.interfaces import AttentionMetadata
 try:  # transformers >= 5.25 imports the `kernels` package (its hub kernels); take it now, while nothing can shadow it:
     # once the first test runs, pytest puts a checkout whose folder name is no identifier on sys.path itself, and
     # there infer's own kernels/ folder would pass for it
-    import kernels  # noqa: F401
+    importlib.import_module("kernels")
 except ImportError:
     pass
 
