@@ -47,8 +47,13 @@ class _Shadow:
 
 class DraftModelProposer(Proposer):
     def __init__(self, draft: LoadedModel, runner: ModelRunner, kv: KVCache, seed: int,
-                 token_budget: int | None = None) -> None:
+                 token_budget: int | None = None, target_vocab: int | None = None) -> None:
         self.draft, self.runner, self.kv = draft, runner, kv
+        # a draft may have fewer ids than its target (gemma-3-1b's 262144 for the 4B's 262208, one tokenizer): its
+        # logits are widened to the target's, and a sequence holding an id past the draft's decodes without drafts
+        self.draft_vocab = draft.model.spec.vocab_size
+        self.target_vocab = target_vocab or self.draft_vocab
+        self.foreign: set[int] = set()  # seq ids holding a token the draft has no embedding for
         self.token_budget = token_budget  # most tokens in a round's first draft forward (new shadows' prefills)
         self.max_len = draft.model.spec.max_model_len
         self.shadows: dict[int, _Shadow] = {}
@@ -85,7 +90,7 @@ class DraftModelProposer(Proposer):
         eviction = plugins.registry("eviction_policy").get(config.eviction_policy)(config)
         kv = plugins.registry("kv_cache").get("paged")(config.replace(enable_prefix_caching=False), blocks, eviction)
         runner = ModelRunner(draft.model, attention, blocks, config.block_size, draft.dtype, draft.device, config.seed)
-        proposer = cls(draft, runner, kv, config.seed, config.max_num_batched_tokens)
+        proposer = cls(draft, runner, kv, config.seed, config.max_num_batched_tokens, target.model.spec.vocab_size)
         if config.cuda_graphs and draft.device.type == "cuda" and attention.supports_cuda_graphs:
             # the k - 1 one-token draft steps, and the two-token first step of each round after the first
             runner.enable_cuda_graphs(min(config.max_num_seqs, 256), {2: min(config.max_num_seqs, 64)})
@@ -137,11 +142,11 @@ class DraftModelProposer(Proposer):
         the grammar for the ``guided`` rows, whose tokens are read back each step to walk their guides)."""
         steps: list[torch.Tensor] = []  # each step's tokens, still on the device
         step_dists: list[torch.Tensor | None] = []
-        logits = self.runner.run(batch)
+        logits = self._widened(self.runner.run(batch))
         for step in range(k):
             if step:  # steps after the first advance the batch on the device: one new token per sequence
                 batch = self.runner.advance(batch, steps[-1])
-                logits = self.runner.run(batch)
+                logits = self._widened(self.runner.run(batch))
             if guided is not None:
                 logits = guided.mask(logits)
             tokens, dists = self._sample(logits, sampled, sampled_rows)
@@ -168,6 +173,7 @@ class DraftModelProposer(Proposer):
             self._truncate(shadow, shadow.synced + num_accepted)
 
     def release(self, seq: Sequence) -> None:
+        self.foreign.discard(seq.seq_id)
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
             self.kv.free(shadow.seq)
@@ -194,10 +200,17 @@ class DraftModelProposer(Proposer):
 
     def _sync(self, seq: Sequence, k: int) -> _Shadow | None:
         """The shadow of ``seq``, rolled back to the prefix it shares with the target's tokens."""
+        if seq.seq_id in self.foreign:  # released when it was marked
+            return None
         if seq.num_tokens + k > self.max_len:
             self.release(seq)
             return None
         shadow = self.shadows.get(seq.seq_id)
+        start = 0 if shadow is None else shadow.synced  # the tokens before it were checked in an earlier round
+        if self.target_vocab > self.draft_vocab and any(t >= self.draft_vocab for t in seq.token_ids[start:]):
+            self.release(seq)
+            self.foreign.add(seq.seq_id)
+            return None
         if shadow is None:
             copy = Sequence(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params, seq.arrival_time,
                             seq.index, max_model_len=self.max_len, token_ids=list(seq.token_ids))
@@ -231,6 +244,11 @@ class DraftModelProposer(Proposer):
             log.warning("the draft model's KV pool (%d blocks) is full: some sequences decode without drafts; "
                         "lower --max-num-seqs to keep every sequence speculating", self.kv.stats().total_blocks)
         return False
+
+    def _widened(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits over the target's vocabulary: the ids past the draft's at -inf (never drafted)."""
+        extra = self.target_vocab - logits.shape[-1]
+        return logits if extra <= 0 else torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence], sampled_rows: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -296,12 +314,13 @@ def round_graphs_option(config: EngineConfig) -> bool:
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a draft whose tokenizer or vocabulary differs: p and q must be over the same token ids."""
+    """Refuse a draft whose tokenizer differs, or whose vocabulary has more ids than the target's: p and q must be
+    over the same token ids (a draft with fewer, the same tokenizer, gets its logits widened)."""
     t_size, d_size = target.model.spec.vocab_size, draft.model.spec.vocab_size
-    if t_size != d_size:
+    if d_size > t_size:
         raise CheckpointError(f"draft model {str(draft.path)!r} has a vocabulary of {d_size} ids but the target "
                               f"{str(target.path)!r} has {t_size}; speculative decoding needs a draft with the "
-                              "target's tokenizer")
+                              "target's tokenizer and no more ids than the target")
     t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     if t_vocab != d_vocab:
         differing = sorted(t for t in t_vocab.keys() | d_vocab.keys() if t_vocab.get(t) != d_vocab.get(t))

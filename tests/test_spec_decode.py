@@ -483,3 +483,36 @@ def test_steps_in_which_nothing_could_draft_count_in_no_speculation_state():
         e.step()
     # and the prefill stays uncounted (as does a last step with room for no draft under max_tokens)
     assert 1 <= e.stats.summary()["spec_steps_on"] <= e.stats.summary()["steps"] - 1
+
+
+def test_a_draft_with_fewer_ids_than_its_target_drafts_exactly(tmp_path):
+    """gemma-3-1b (262144 ids) for the 4B and larger (262208, one tokenizer): the draft's logits widen to the
+    target's vocabulary (the extra ids never drafted, q zero there), and a sequence holding an id the draft has no
+    embedding for decodes without drafts. Here the target gains 64 random rows; one prompt holds such an id."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    wide = tmp_path / "wide_target"
+    shutil.copytree(TARGET, wide)
+    config = json.loads((wide / "config.json").read_text())
+    vocab = config["vocab_size"]
+    config["vocab_size"] = vocab + 64
+    (wide / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(wide / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            rows = tensors[name]
+            tensors[name] = torch.cat([rows, torch.randn(64, rows.shape[1], generator=gen).to(rows.dtype) * rows.std()])
+    save_file(tensors, str(wide / "model.safetensors"))
+    options = dict(model=str(wide), device="cpu", num_kv_blocks=128)
+    prompts = [[5, 9, 100, 7, 300, 41, 8, 2], [700, 3, vocab + 10, 90], [11, 12, 13, 14, 15]]
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, seed=3)
+    plain = Engine(EngineConfig(**options))
+    expected = [r.outputs[0].token_ids for r in plain.generate(prompts, [GREEDY, GREEDY, sampled])]
+    spec = Engine(EngineConfig(**options, proposer="draft-model", draft_model=str(DRAFT), num_speculative_tokens=3))
+    got = [r.outputs[0].token_ids for r in spec.generate(prompts, [GREEDY, GREEDY, sampled])]
+    assert got[:2] == expected[:2]  # greedy: exact; the sampled one draws from the target's distribution
+    assert len(got[2]) == 16 and spec.stats.spec_accepted > 0
