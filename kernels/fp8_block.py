@@ -14,6 +14,7 @@ import triton.language as tl
 from ..core.errors import ConfigError
 from ..quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from ..quant.fp8_block import has_fp8_tensor_cores, k_tile
+from .fp8 import per_token_quant
 
 
 @triton.jit
@@ -38,12 +39,16 @@ def _per_token_group_quant_kernel(
 def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = FP8_DTYPE
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (values [M, K] in ``out_dtype``, fp32 scales [M, ceil(K / group)]); its torch reference is
-    :func:`~infer.quant.fp8_block.quantize_per_token_group`."""
+    :func:`~infer.quant.fp8_block.quantize_per_token_group`. One group per row (per-channel experts, per-tensor
+    weights) is the per-token kernel's job: it walks K in blocks instead of holding the whole row."""
     if x.dim() != 2:
         raise ValueError(f"per_token_group_quant expects [M, K], got {tuple(x.shape)}")
     x = x.contiguous()
     m, k = x.shape
     groups = triton.cdiv(k, group)
+    if groups == 1 and m:
+        out, scale = per_token_quant(x, out_dtype)
+        return out, scale.unsqueeze(1)
     out = torch.empty((m, k), dtype=out_dtype, device=x.device)
     scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:

@@ -110,8 +110,7 @@ class SparseMoe(nn.Module):
         self.shared_expert = shared_expert  # Qwen2-MoE's, scaled by sigmoid(shared_expert_gate x)
         self.shared_expert_gate = Router(hidden_size, 1, dtype) if shared_expert is not None else None
         # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
-        self.scaled = fp8 is not None and not fp8.on_load  # the checkpoint holds fp8 codes and scales
-        stored = FP8_DTYPE if self.scaled else dtype
+        stored = FP8_DTYPE if fp8 is not None and not fp8.on_load else dtype  # the checkpoint's codes
         self.register_buffer("w13", torch.empty(count, 2 * size, hidden_size, dtype=stored), persistent=False)
         self.register_buffer("w2", torch.empty(count, hidden_size, size, dtype=stored), persistent=False)
         if fp8 is not None and self.scaled:
@@ -121,6 +120,11 @@ class SparseMoe(nn.Module):
                                       "cannot load this FP8 MoE checkpoint")
             self._register_scales()
         self.loaded: set[tuple[int, str]] = set()  # (expert, projection or projection + "_scale") loaded
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the experts hold e4m3 codes (with w13_scale/w2_scale): loaded so, or quantized after loading."""
+        return self.w13.dtype == FP8_DTYPE
 
     def _register_scales(self) -> None:
         assert self.fp8 is not None
@@ -149,7 +153,7 @@ class SparseMoe(nn.Module):
                                          for w, s in zip(weight, scale)])
                     self.register_buffer(name, dense, persistent=False)
                     delattr(self, f"{name}_scale")
-            self.fp8, self.scaled = None, False
+            self.fp8 = None
             return
         if self.scaled:
             return
@@ -159,7 +163,6 @@ class SparseMoe(nn.Module):
             scale = getattr(self, f"{name}_scale")
             scale.copy_(scale_from_amax(weight.abs().amax(dim=-1, keepdim=True)))
             self.register_buffer(name, to_fp8(weight, scale), persistent=False)
-        self.scaled = True
 
     def load_expert(self, prefix: str, name: str, tensor: torch.Tensor) -> None:
         """Load ``{prefix}.experts.{name}``: one expert's ("3.w1.weight", FP8 "3.w1.weight_scale_inv"), or

@@ -140,6 +140,17 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
     return run
 
 
+def recomputed_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    """A transformers model's greedy continuation of ``prompt``, the whole sequence run at every step, without a
+    cache (for a model whose forward a test hooks, or whose inputs are a multimodal model's text)."""
+    ids, out = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(steps):
+            out.append(int(model(input_ids=ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([out[-1:]])], dim=1)
+    return out
+
+
 @dataclass
 class PagedBatch:
     """A mixed attention batch over a paged cache (see :func:`paged_batch`)."""

@@ -15,6 +15,8 @@ import torch
 if not torch.cuda.is_available():  # before the first import of a module defining @triton.jit kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from conftest import recomputed_greedy  # noqa: E402
+
 from infer.core.config import EngineConfig  # noqa: E402
 from infer.core.engine import Engine  # noqa: E402
 from infer.core.errors import CheckpointError, ConfigError  # noqa: E402
@@ -122,12 +124,7 @@ def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path: Path, checkpoin
         engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
     assert "serving its text model" in caplog.text
     for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
-        ids, expected = torch.tensor([prompt]), []
-        with torch.no_grad():
-            for _ in range(GREEDY.max_tokens):
-                expected.append(int(hf(input_ids=ids).logits[0, -1].argmax()))
-                ids = torch.cat([ids, torch.tensor([expected[-1:]])], dim=1)
-        assert result.outputs[0].token_ids == expected
+        assert result.outputs[0].token_ids == recomputed_greedy(hf, prompt, GREEDY.max_tokens)
 
 
 def test_fields_a_real_config_leaves_out_or_doubles_read_as_transformers_reads_them() -> None:

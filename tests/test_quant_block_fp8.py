@@ -18,6 +18,7 @@ import torch
 if not torch.cuda.is_available():  # before the first import of a module defining @triton.jit kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from conftest import recomputed_greedy  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from infer import LLM  # noqa: E402
@@ -88,12 +89,7 @@ def hf_reference_greedy(path: Path, prompt: list[int], group: int) -> list[int]:
     for name, module in model.named_modules():
         if name in fp8_layers:
             module.register_forward_pre_hook(lambda m, a: fake_quantized_input(m, a, group))
-    ids, out = torch.tensor([prompt]), []
-    with torch.no_grad():
-        for _ in range(GREEDY.max_tokens):
-            out.append(int(model(ids).logits[0, -1].argmax()))
-            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
-    return out
+    return recomputed_greedy(model, prompt, GREEDY.max_tokens)
 
 
 # ---------------------------------------------------------------- the format
@@ -239,13 +235,15 @@ def test_each_layer_gets_a_gemm_that_can_run_it() -> None:
 
 
 # ---------------------------------------------------------------- the Triton kernels
-def test_per_token_group_quant_kernel_matches_the_reference(device: torch.device) -> None:
+@pytest.mark.parametrize("group", [32, 96])  # 96: one group per row, which the per-token kernel quantizes
+def test_per_token_group_quant_kernel_matches_the_reference(device: torch.device, group: int) -> None:
     x = torch.randn(6, 72, device=device) * torch.tensor([1.0, 300.0, 1e-3], device=device).repeat_interleave(32)[:72]
     x[2, 40:64] = 0.0  # an all-zero group still gets a positive scale
-    expected, expected_scale = quantize_per_token_group(x.cpu(), 32)
+    x[4] = 0.0
+    expected, expected_scale = quantize_per_token_group(x.cpu(), group)
     # the interpreter's fp32 -> fp8 cast rounds wrongly: the kernel writes the scaled fp32 values, torch casts them
     out_dtype = torch.float32 if device.type == "cpu" else FP8_DTYPE
-    values, scale = per_token_group_quant(x, 32, out_dtype)
+    values, scale = per_token_group_quant(x, group, out_dtype)
     assert torch.equal(scale.cpu(), expected_scale)
     assert torch.equal(values.cpu().to(FP8_DTYPE).view(torch.uint8), expected.view(torch.uint8))
 
@@ -417,12 +415,7 @@ def hf_moe_reference_greedy(path: Path, prompt: list[int], group: int | None, ro
         if name.endswith("mlp.experts"):
             module.register_forward_hook(lambda m, a, out: fp8_experts_reference(
                 a[0], m.gate_up_proj, m.down_proj, a[2], a[1], group, group))
-    ids, out = torch.tensor([prompt]), []
-    with torch.no_grad():
-        for _ in range(GREEDY.max_tokens):
-            out.append(int(model(ids).logits[0, -1].argmax()))
-            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
-    return out
+    return recomputed_greedy(model, prompt, GREEDY.max_tokens)
 
 
 def stacked_experts(src: Path, dst: Path, num_layers: int, num_experts: int) -> Path:
