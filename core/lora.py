@@ -26,9 +26,10 @@ def start_lora_adapters(config: EngineConfig, loaded: LoadedModel) -> LoraStack 
     adapter adapts get it."""
     if not config.lora_adapters and not config.max_lora_adapters:
         return None
-    from ..models.lora import LoraStack, read_adapter
+    from ..models.lora import LoraStack, for_model, read_adapter
 
-    adapters = [read_adapter(name, Path(folder)) for name, folder in config.lora_adapters.items()]
+    adapters = [for_model(read_adapter(name, Path(folder)), loaded.model)
+                for name, folder in config.lora_adapters.items()]
     slots = config.max_lora_adapters or len(adapters)
     spare = slots > len(adapters)  # room for adapters loaded later: any rank up to the default, on every linear
     rank = config.max_lora_rank or max([a.rank for a in adapters] + [DEFAULT_MAX_LORA_RANK] * spare)
@@ -53,7 +54,7 @@ def load_lora_adapter(engine: Engine, name: str, folder: str | os.PathLike[str] 
     check_lora_name(name)
     if name in stack.tokens.slot_of:
         raise InvalidRequestError(f"LoRA adapter {name!r} is loaded already; unload it first to replace it")
-    from ..models.lora import LoraAdapter, read_adapter
+    from ..models.lora import LoraAdapter, for_model, read_adapter
 
     if isinstance(folder, LoraAdapter):
         adapter, folder = folder, "memory"
@@ -61,6 +62,7 @@ def load_lora_adapter(engine: Engine, name: str, folder: str | os.PathLike[str] 
             raise InvalidRequestError(f"the adapter read as {adapter.name!r} cannot be loaded as {name!r}")
     else:
         adapter = read_adapter(name, Path(folder))  # CheckpointError: what is wrong with the folder
+    adapter = for_model(adapter, engine.runner.model)
     slot = stack.add(adapter)
     engine.checker = dataclasses.replace(engine.checker, lora_adapters=frozenset(stack.tokens.slot_of))
     log.info("loaded LoRA adapter %s (rank %d, %d modules) from %s into slot %d", name, adapter.rank,

@@ -42,6 +42,12 @@ class Model(torch.nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume (HF name, tensor) pairs; raise CheckpointError on unknown names or missing tensors."""
 
+    def module_name(self, checkpoint_name: str) -> str | None:
+        """The name this model gives the checkpoint's module ``checkpoint_name`` (as PEFT adapters spell it: the HF
+        name without ``base_model.model.``); None for a module of the checkpoint that the model does not serve (a
+        multimodal checkpoint's vision tower). The default: the same name."""
+        return checkpoint_name
+
 
 def fit_sliding_window(model: Model, attention: AttentionBackend, max_model_len: int | None, what: str = "the model"
                        ) -> None:

@@ -188,6 +188,9 @@ class Gemma3Model(LlamaFamilyModel):
         super().load_weights((name, tensor.to(dtype).float() + 1.0 if name.endswith("norm.weight") else tensor)
                              for name, tensor in weights)
 
+    def module_name(self, checkpoint_name: str) -> str | None:
+        return text_name(checkpoint_name) if self.multimodal else checkpoint_name
+
 
 # a Gemma3ForConditionalGeneration checkpoint's text tensors (the releases' names, then transformers 5's), and the
 # tensors of its vision tower and projector
@@ -196,15 +199,16 @@ TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head."
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
+def text_name(name: str) -> str | None:
+    """A multimodal checkpoint's name for a text tensor or module under the text model's; None for the vision
+    tower's and the projector's."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    return next((new + name[len(old):] for old, new in TEXT_PREFIXES if name.startswith(old)), name)
+
+
 def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        if name.startswith(VISION_PREFIXES):
-            continue
-        for old, new in TEXT_PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        yield name, tensor
+    return ((text, tensor) for name, tensor in weights if (text := text_name(name)) is not None)
 
 
 def text_config(raw: dict[str, Any]) -> dict[str, Any]:

@@ -5,10 +5,11 @@ slots, while it runs (``Engine.load_lora_adapter``)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +17,11 @@ from torch import nn
 from ..core.config import MAX_LORA_RANK as MAX_RANK
 from ..core.errors import CapacityError, CheckpointError
 from .layers import Linear
+
+if TYPE_CHECKING:
+    from ..core.model import Model
+
+log = logging.getLogger("infer")
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,6 +61,22 @@ class LoraAdapter:
     rank: int
     scaling: float  # lora_alpha / rank, or lora_alpha / sqrt(rank) with use_rslora
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def for_model(adapter: LoraAdapter, model: Model) -> LoraAdapter:
+    """``adapter`` with its modules under the model's names (Model.module_name). Modules of the checkpoint that the
+    model does not serve (a multimodal checkpoint's vision tower, which text never reaches) are left out, logged."""
+    served = {module: model.module_name(module) for module in adapter.weights}
+    if served == {module: module for module in adapter.weights}:
+        return adapter
+    if left_out := sorted(module for module, name in served.items() if name is None):
+        if len(left_out) == len(served):
+            raise CheckpointError(f"LoRA adapter {adapter.name!r} adapts only modules this model does not serve "
+                                  f"(like {left_out[0]!r}); infer serves the text model's decoder layers")
+        log.info("LoRA adapter %s: %d of its modules (like %s) are outside the served text model and are left out",
+                 adapter.name, len(left_out), left_out[0])
+    weights = {name: adapter.weights[module] for module, name in served.items() if name is not None}
+    return LoraAdapter(adapter.name, adapter.rank, adapter.scaling, weights)
 
 
 def read_adapter(name: str, folder: Path) -> LoraAdapter:

@@ -99,12 +99,9 @@ def test_on_cuda_with_graphs_it_generates_what_transformers_does(
         assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
 
 
-def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path: Path, checkpoint: Callable[[str], Path],
-                                                       caplog: pytest.LogCaptureFixture) -> None:
-    """Gemma3ForConditionalGeneration (gemma-3-4b and larger): text_config's model, the vision tower left out;
-    its tokens equal transformers' on the whole multimodal model given text."""
-    import logging
-
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory: pytest.TempPathFactory, checkpoint: Callable[[str], Path]) -> Path:
+    """A tiny Gemma3ForConditionalGeneration checkpoint (gemma-3-4b's shape of config and tensors)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
     text = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -116,15 +113,57 @@ def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path: Path, checkpoin
         torch.manual_seed(0)
         hf = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
                                                          mm_tokens_per_image=4)).eval()
-    path = tmp_path / "multimodal"
+    path = tmp_path_factory.mktemp("gemma3") / "multimodal"
     hf.save_pretrained(str(path))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(checkpoint("gemma3") / name, path / name)
+    return path
+
+
+def test_a_multimodal_checkpoint_serves_its_text_model(multimodal: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Gemma3ForConditionalGeneration (gemma-3-4b and larger): text_config's model, the vision tower left out;
+    its tokens equal transformers' on the whole multimodal model given text."""
+    import logging
+
+    from transformers import Gemma3ForConditionalGeneration
+
+    hf = Gemma3ForConditionalGeneration.from_pretrained(str(multimodal)).eval()
     with caplog.at_level(logging.INFO, logger="infer"):
-        engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
+        engine = Engine(EngineConfig(model=str(multimodal), device="cpu", num_kv_blocks=32))
     assert "serving its text model" in caplog.text
     for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
         assert result.outputs[0].token_ids == recomputed_greedy(hf, prompt, GREEDY.max_tokens)
+
+
+def test_a_lora_adapter_on_a_multimodal_checkpoint_equals_peft(multimodal: Path, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """PEFT names a multimodal checkpoint's modules model.language_model.layers...: they adapt the text model; the
+    vision tower's ("all-linear" reaches it) are left out, which changes nothing for text."""
+    import logging
+
+    import peft
+    from transformers import Gemma3ForConditionalGeneration
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        hf = Gemma3ForConditionalGeneration.from_pretrained(str(multimodal), dtype=torch.float32)
+        model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear",
+                                                        init_lora_weights=False)).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.2)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    with caplog.at_level(logging.INFO, logger="infer"):
+        engine = Engine(EngineConfig(model=str(multimodal), device="cpu", dtype="float32", num_kv_blocks=32,
+                                     lora_adapters={"a": str(tmp_path / "adapter")}))
+    assert "outside the served text model" in caplog.text
+    adapted = engine.generate(list(PROMPTS), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                            lora_adapter="a"))
+    base = engine.generate(list(PROMPTS), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for prompt, result, plain in zip(PROMPTS, adapted, base):
+        assert result.outputs[0].token_ids == recomputed_greedy(model, prompt, 8)
+        assert result.outputs[0].token_ids != plain.outputs[0].token_ids  # the adapter changes the tokens
 
 
 def test_fields_a_real_config_leaves_out_or_doubles_read_as_transformers_reads_them() -> None:
