@@ -14,7 +14,7 @@ from ..core.loader import checkpoint_dtype
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
 from ..core.model import Model
 from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, UnquantizedMethod, merge_linears
-from .moe import MoeConfig, SparseMoe, experts_fp8
+from .moe import MoeConfig, Router, SparseMoe, experts_fp8
 
 
 # compressed-tensors' kv_cache_scheme tensors (and the older per-projection form)
@@ -493,6 +493,13 @@ class LlamaFamilyModel(Model):
             block, is_expert, expert_name = name.partition(".experts.")
             if is_expert and block in experts:
                 experts[block].load_expert(block, expert_name, tensor)
+            elif isinstance(module, Router) and (attr != "weight" or not tensor.is_floating_point()
+                                                 or tensor.element_size() == 1):
+                raise CheckpointError(f"{name} ({str(tensor.dtype).removeprefix('torch.')}): this checkpoint "
+                                      f"quantized the router {owner}, which infer loads in float only, as "
+                                      "transformers does; quantize it again with the routers (mlp.gate, "
+                                      "shared_expert_gate) left out (llm-compressor's ignore list, "
+                                      "modules_to_not_convert)")
             elif isinstance(module, Linear):
                 module.load(attr, tensor)
             elif name in params:

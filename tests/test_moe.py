@@ -196,6 +196,16 @@ def test_moe_refusals_name_the_cause(tmp_path):
                                               r"w1\.weight': experts hold w1, w3 and w2 weights, one set per expert "
                                               r"0\.\.2, .*\(config\.json says 3 experts: is that right\?\)"):
         Engine(EngineConfig(model=str(fewer), device="cpu", num_kv_blocks=16))
+    gated = moe_model(tmp_path / "g", "qwen2moe", num_layers=1)  # a router quantized by tooling that ignored it
+    tensors = load_file(str(gated / "model.safetensors"))
+    name = "model.layers.0.mlp.shared_expert_gate.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name + "_scale"] = torch.ones(1)
+    save_file(tensors, str(gated / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"shared_expert_gate\.weight (\(float8_e4m3fn\)|_scale).*quantized "
+                                              r"the router model\.layers\.0\.mlp\.shared_expert_gate, which infer "
+                                              "loads in float only"):
+        Engine(EngineConfig(model=str(gated), device="cpu", num_kv_blocks=16))
 
 
 @pytest.mark.gpu
