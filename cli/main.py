@@ -433,8 +433,8 @@ def plugins_command(ctx: click.Context, as_json: bool, show_options: bool) -> No
 
 @main.command("make-tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--arch", type=click.Choice(["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral",
-                                           "qwen2moe", "qwen3moe"]),
+@click.option("--arch", type=click.Choice(["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+                                           "mixtral", "qwen2moe", "qwen3moe"]),
               default="llama", show_default=True, help="Architecture (the MoE ones: 4 experts, 2 per token).")
 @click.option("--hidden-size", type=int, default=64, show_default=True, help="Hidden size; the MLP is twice as wide.")
 @click.option("--num-layers", type=int, default=2, show_default=True, help="Decoder layers.")

@@ -14,7 +14,7 @@ from .errors import ConfigError, PluginError
 from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Proposer, ReasoningParser, Scheduler,
                          ToolParser)
 from .loader import LoadedModel, load_model
-from .model import fit_sliding_window
+from .model import check_softcap, fit_sliding_window
 from .lora import start_lora_adapters
 from .plugins import PluginManager
 from .runner import ModelRunner
@@ -84,6 +84,7 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
         torch.set_num_threads(config.cpu_threads)  # process-wide: torch has one intra-op pool
     config.attention, attention = make_attention(config, plugins, loaded)  # resolved: a draft runs on it too
     fit_sliding_window(loaded.model, attention, config.max_model_len)
+    check_softcap(loaded.model, attention)
     kv_dtype, kv_scales = kv_cache_format(config, loaded)
     proposer = make_proposer(config, plugins, loaded)  # before the KV pool is sized: a draft model takes memory too
     lora = start_lora_adapters(config, loaded)  # likewise

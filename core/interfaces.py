@@ -387,6 +387,9 @@ class AttentionBackend(ABC):
     # to the keys of the last W positions up to its own, itself included (HF's sliding window). A model that slides
     # runs on a backend without it with its context cut to the window.
     supports_sliding_window: bool = False
+    # True when forward takes ``softcap=C`` (a positive float): each score (q . k * scale) becomes C * tanh(score / C)
+    # before the mask and the softmax (Gemma 2's attn_logit_softcapping). A model that softcaps needs a backend with it.
+    supports_softcap: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> Any:
         """Once per step, before any layer: precompute what every layer shares (indices, masks, splits)."""
@@ -412,24 +415,36 @@ class AttentionBackend(ABC):
         """``supports_sliding_window``, held to ``forward``'s signature: a subclass of a shipped backend that
         overrides forward without a ``window`` parameter (as written before backends had one) inherits the flag but
         cannot take it, so the engine runs it as one without."""
-        if not self.supports_sliding_window:
-            return False
+        return self.supports_sliding_window and self._forward_takes("window")
+
+    def takes_softcap(self) -> bool:
+        """``supports_softcap``, held to ``forward``'s signature (as :meth:`takes_window`)."""
+        return self.supports_softcap and self._forward_takes("softcap")
+
+    def _forward_takes(self, name: str) -> bool:
         parameters = inspect.signature(self.forward).parameters.values()
-        return any(p.name == "window" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
-               meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, window: int | None = None, softcap: float | None = None
+               ) -> torch.Tensor:
         """What a model calls: :meth:`forward`, with its output checked against the contract (a tensor of q's
         shape and dtype), so that a backend's wrong output is reported as the backend's, not the model's.
-        ``window``: the layer's sliding window, passed on where a context may be longer."""
+        ``window``: the layer's sliding window, passed on where a context may be longer; ``softcap``: the layer's
+        score cap, passed on when set (the engine refuses a softcapping model on a backend without it)."""
+        options: dict[str, Any] = {}
         if window is not None and window < meta.max_context_len:
             if not self.supports_sliding_window:
                 raise PluginError(f"attention backend {type(self).__name__} has no sliding window (a context of "
                                   f"{meta.max_context_len} tokens, a window of {window}); the engine cuts the "
                                   "context to the window for such a backend, so this is a bug: report it")
-            out = self.forward(q, k, v, kv_cache, meta, scale, window=window)  # type: ignore[call-arg]
-        else:
-            out = self.forward(q, k, v, kv_cache, meta, scale)
+            options["window"] = window
+        if softcap is not None:
+            if not self.supports_softcap:
+                raise PluginError(f"attention backend {type(self).__name__} cannot softcap attention scores; the "
+                                  "engine refuses a softcapping model on such a backend, so this is a bug: report it")
+            options["softcap"] = softcap
+        out = self.forward(q, k, v, kv_cache, meta, scale, **options)
         if getattr(out, "shape", None) != q.shape or getattr(out, "dtype", None) != q.dtype:
             got = f"shape {list(out.shape)}, {out.dtype}" if hasattr(out, "dtype") else type(out).__name__
             raise TypeError(f"forward returned {got}; it must return q's shape {list(q.shape)} and dtype {q.dtype}")
@@ -563,6 +578,7 @@ class ModelSpec:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None  # the smallest window of the layers that slide (None: no layer slides)
+    attn_softcap: float | None = None  # attention scores pass through cap * tanh(score / cap) (Gemma 2; None: not)
 
 
 def __getattr__(name: str) -> Any:

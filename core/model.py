@@ -49,6 +49,15 @@ class Model(torch.nn.Module, ABC):
         return checkpoint_name
 
 
+def check_softcap(model: Model, attention: AttentionBackend, what: str = "the model") -> None:
+    """ConfigError for a model whose attention scores are softcapped (Gemma 2) on a backend that cannot cap them:
+    without the cap it would compute another model."""
+    if model.spec.attn_softcap is not None and not attention.takes_softcap():
+        raise ConfigError(f"{what} caps its attention scores (attn_logit_softcapping {model.spec.attn_softcap:g}), "
+                          f"which attention backend {type(attention).__name__} cannot do; use a backend that can "
+                          "(--attention torch, cpu or triton)")
+
+
 def fit_sliding_window(model: Model, attention: AttentionBackend, max_model_len: int | None, what: str = "the model"
                        ) -> None:
     """A model whose layers slide runs on a backend without a sliding window with its context cut to the window

@@ -89,12 +89,13 @@ def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 # ---------------------------------------------------------------- decode (flash-decoding)
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                         mid_o_ptr, mid_lse_ptr, qk_scale, k_scale_ptr, v_scale_ptr, window,
+                         mid_o_ptr, mid_lse_ptr, qk_scale, k_scale_ptr, v_scale_ptr, window, softcap,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_bt, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PRECISION: tl.constexpr, KV_SCALED: tl.constexpr, FINAL: tl.constexpr):
+                         PRECISION: tl.constexpr, KV_SCALED: tl.constexpr, FINAL: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     # FINAL (one split): mid_o is the output itself and no lse is written, so no reduce kernel runs
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -132,6 +133,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         v = tl.load(v_cache_ptr + (page * stride_vb + (pos % PAGE) * stride_vs + kvh * stride_vh)[:, None]
                     + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # scale after: q stays exact in tf32
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -173,12 +176,13 @@ def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, num_splits,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, num_splits: int, *, block_n: int = 64,
                      out: torch.Tensor | None = None, num_warps: int = 4, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] -> out [B, Hq, D], the KV length split ``num_splits`` ways.
 
     ``num_splits`` fixes the grid (CUDA-graph friendly); each sequence's split length is derived on device.
     ``k_scale``/``v_scale`` (fp32 [Hkv]) dequantize an fp8 cache. ``window``: each query sees the last ``window``
-    keys of its context only (a sliding window).
+    keys of its context only (a sliding window). ``softcap``: scores become softcap * tanh(score / softcap).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -198,12 +202,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 (Triton 3.6 enforces it)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, scale * LOG2E, *_scales(k_scale, v_scale, q),
-        window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        window or 0, _log2_cap(softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None,
-        FINAL=final, num_warps=num_warps)
+        FINAL=final, SOFTCAP=softcap is not None, num_warps=num_warps)
     if final:
         return out
     _decode_reduce_kernel[(batch, num_q_heads)](
@@ -216,12 +220,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ---------------------------------------------------------------- prefill / extend (ragged, mixed batches)
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-                    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_tokens, window,
+                    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_tokens, window, softcap,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
-                    PRECISION: tl.constexpr, KV_SCALED: tl.constexpr):
+                    PRECISION: tl.constexpr, KV_SCALED: tl.constexpr, SOFTCAP: tl.constexpr):
     # One program per (tile, KV head). Sequence b owns tiles [first(b), first(b + 1)) with first(b) =
     # query_start[b] // TOKENS + b: at least cdiv(its query length, TOKENS) of them, the surplus idle, so the grid
     # (num_tokens // TOKENS + num_seqs tiles) depends on shapes alone and a CUDA graph may hold it for any batch.
@@ -271,6 +275,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, qu
         v = tl.load(v_cache_ptr + (page * stride_vb + (pos % PAGE) * stride_vs + kvh * stride_vh)[:, None]
                     + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # scale after: q stays exact in tf32
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         seen = seen & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
         s = tl.where(seen, s, float("-inf"))
@@ -296,9 +302,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       query_start: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                       block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
                       num_warps: int | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Ragged causal attention over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; with ``window``, each query
-    sees the keys of the last ``window`` positions up to its own only (a sliding window).
+    sees the keys of the last ``window`` positions up to its own only (a sliding window); with ``softcap``, scores
+    become softcap * tanh(score / softcap) (Gemma 2).
 
     Sequence i's queries are rows ``query_start[i]:query_start[i+1]`` at positions ending at ``context_lens[i] - 1``;
     their own K/V must already be in the cache. Any mix of query lengths (decode = 1) is fine. The launch grid
@@ -321,20 +329,37 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_warps = num_warps or (4 if head_dim <= 64 else 8)  # fp32 q/acc tiles: keep registers per thread bounded
     _prefill_kernel[(num_tokens // tokens + batch, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * LOG2E, *_scales(k_scale, v_scale, q),
-        batch, num_tokens, window or 0,
+        batch, num_tokens, window or 0, _log2_cap(softcap),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_B=max(16, triton.next_power_of_2(batch)),
-        PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None, num_warps=num_warps)
+        PRECISION=_dot_precision(q.dtype), KV_SCALED=k_scale is not None, SOFTCAP=softcap is not None,
+        num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): exact at both ends (e^2x overflowing to inf gives 1, underflowing to 0 gives -1)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+def _log2_cap(softcap: float | None) -> float:
+    """The kernels' scores are in log2 units (score * log2 e), so cap * tanh(score / cap) is c * tanh(s / c) with
+    c = cap * log2 e; 0.0 for no cap (never read)."""
+    if softcap is None:
+        return 0.0
+    if not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a positive number, got {softcap}")
+    return softcap * LOG2E
 
 
 # ---------------------------------------------------------------- torch references
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start: torch.Tensor, context_lens: torch.Tensor, scale: float,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        window: int | None = None) -> torch.Tensor:
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Torch reference of :func:`prefill_attention` (fp32 math, one sequence at a time)."""
     ks = 1.0 if k_scale is None else k_scale.float()[:, None]  # per KV head; broadcasts over [ctx, Hkv, D]
     vs = 1.0 if v_scale is None else v_scale.float()[:, None]
@@ -350,6 +375,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = (k_cache[blocks, pos % page].float() * ks).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         v = (v_cache[blocks, pos % page].float() * vs).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)
         hidden = pos[None, None, :] > q_pos[None, :, None]
         if window is not None:
@@ -361,11 +388,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                         v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                         v_scale: torch.Tensor | None = None, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """Torch reference of :func:`decode_attention`: one query per sequence, at the last context position."""
     query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, k_scale, v_scale,
-                               window)
+                               window, softcap)
 
 
 def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, q: torch.Tensor

@@ -4,7 +4,7 @@
  * Layouts: q and out rows are [Hq, D] at rows[s] * stride; the caches are [num_blocks, block_size, Hkv, D]
  * contiguous; tables is [S, table_stride] int32; lens[s] >= 1 is the context length of sequence s.
  * Per sequence and head: p = softmax(q . K^T * scale) over the context (its last `window` keys when window > 0:
- * a sliding window), out = p . V.
+ * a sliding window), out = p . V. With softcap > 0 each score becomes softcap * tanh(score / softcap) (Gemma 2).
  * Sequences are spread over an OpenMP team. Built with -fopenmp, the library needs libgomp.so.1, which the dynamic
  * loader resolves to the copy torch already loaded: the kernel shares torch's thread pool instead of fighting it.
  */
@@ -13,8 +13,8 @@
 #include <stdlib.h>
 
 static void attend(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int len,
-                   int window, int q_heads, int kv_heads, int head_dim, int block_size, float scale, float *out,
-                   float *scores, int max_len) {
+                   int window, int q_heads, int kv_heads, int head_dim, int block_size, float scale, float softcap,
+                   float *out, float *scores, int max_len) {
     const int group = q_heads / kv_heads, row = kv_heads * head_dim;
     const int first = window > 0 && len > window ? len - window : 0, n = len - first;
     for (int t = first; t < len; t++) {
@@ -23,7 +23,8 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
             const float *qh = q + h * head_dim, *kh = k + (h / group) * head_dim;
             float dot = 0.0f;
             for (int i = 0; i < head_dim; i++) dot += qh[i] * kh[i];
-            scores[h * max_len + t - first] = dot * scale;
+            const float score = dot * scale;
+            scores[h * max_len + t - first] = softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
         }
     }
     for (int h = 0; h < q_heads; h++) {
@@ -48,7 +49,8 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
 int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *rows,
                                int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size, int max_len,
-                               float scale, float *out, int64_t out_stride, int num_threads, int window) {
+                               float scale, float *out, int64_t out_stride, int num_threads, int window,
+                               float softcap) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(|| : failed)
     {
@@ -58,7 +60,8 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
         for (int s = 0; s < num_seqs; s++) /* every thread takes part in the loop, even one without scores */
             if (scores != NULL)
                 attend(q + rows[s] * q_stride, k_cache, v_cache, tables + (int64_t)s * table_stride, lens[s], window,
-                       q_heads, kv_heads, head_dim, block_size, scale, out + rows[s] * out_stride, scores, max_len);
+                       q_heads, kv_heads, head_dim, block_size, scale, softcap, out + rows[s] * out_stride, scores,
+                       max_len);
         free(scores);
     }
     return failed;

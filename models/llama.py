@@ -310,14 +310,16 @@ def check_rope(rope: dict[str, Any], arch: str, rotary_dim: int) -> None:
 
 
 class Attention(nn.Module):
-    """``scale``: the softmax scale (default head_dim ** -0.5); ``norm``: the q/k norms' class (with qk_norm)."""
+    """``scale``: the softmax scale (default head_dim ** -0.5); ``norm``: the q/k norms' class (with qk_norm);
+    ``softcap``: the scores' cap (Gemma 2's attn_logit_softcapping)."""
 
     def __init__(self, cfg: ArchConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
                  ops: PointwiseOps, window: int | None = None, scale: float | None = None,
-                 norm: Callable[..., nn.Module] = RMSNorm) -> None:
+                 norm: Callable[..., nn.Module] = RMSNorm, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = window  # attend to the last `window` positions only (HF's sliding window), None: all
+        self.softcap = softcap
         self.prefix = prefix
         self.scale = cfg.head_dim**-0.5 if scale is None else scale
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -351,7 +353,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = attn.attend(q, k, v, kv_cache, meta, self.scale, self.window)
+        out = attn.attend(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

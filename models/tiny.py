@@ -21,6 +21,10 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     # every second layer slides, within 8 positions; the softmax scale is not head_dim's
     "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "query_pre_attn_scalar": 24,
                "sliding_window": 8, "sliding_window_pattern": 2},
+    # Gemma 2: every second layer slides, within 8 positions; caps far below the releases' (50, 30), so that the
+    # tiny model's scores and logits reach them
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "query_pre_attn_scalar": 24,
+               "sliding_window": 8, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0},
     "qwen2moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "use_sliding_window": False,
                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                  "shared_expert_intermediate_size": 80},

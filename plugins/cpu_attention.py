@@ -74,9 +74,10 @@ class CpuAttention(TorchAttention):
                           max(lens), int(tables.max()), max(rows))
 
     def _attend_decodes(self, decodes: Any, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                        scale: float, out: torch.Tensor, window: int | None = None) -> None:
+                        scale: float, out: torch.Tensor, window: int | None = None,
+                        softcap: float | None = None) -> None:
         if not self.use_kernel:
-            return super()._attend_decodes(decodes, q, kv_cache, scale, out, window)
+            return super()._attend_decodes(decodes, q, kv_cache, scale, out, window, softcap)
         if decodes is None:
             return None
         k_cache, v_cache = kv_cache
@@ -94,7 +95,7 @@ class CpuAttention(TorchAttention):
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), decodes.tables.data_ptr(),
             decodes.tables.stride(0), decodes.lens.data_ptr(), decodes.rows.data_ptr(), seqs, q.shape[1], kv_heads,
             head_dim, block_size, decodes.max_len, scale, out.data_ptr(), out.stride(0),
-            min(torch.get_num_threads(), seqs), window or 0)
+            min(torch.get_num_threads(), seqs), window or 0, softcap or 0.0)
         if failed:
             raise PluginError(f"the cpu attention kernel could not allocate its scores ({decodes.max_len} per head)")
         return None
@@ -150,7 +151,7 @@ def build_kernel(cache_dir: Path | None = None) -> Any:
                           f"writable folder {HINT}") from exc
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     function.argtypes = [pointer, i64, pointer, pointer, pointer, i64, pointer, pointer, i32, i32, i32, i32, i32, i32,
-                         ctypes.c_float, pointer, i64, i32, i32]
+                         ctypes.c_float, pointer, i64, i32, i32, ctypes.c_float]
     function.restype = i32
     return function
 

@@ -1,4 +1,4 @@
-"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, and the MoE Mixtral,
+"""Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and the MoE Mixtral,
 Qwen2-MoE and Qwen3-MoE)."""
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ if TYPE_CHECKING:  # torch loads with the model, not with the plugins (`infer --
 log = logging.getLogger("infer")
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                        "Phi3ForCausalLM")
-ARCHITECTURES = (*DENSE_ARCHITECTURES, "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                 "Qwen3MoeForCausalLM")
+ARCHITECTURES = (*DENSE_ARCHITECTURES, "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
+                 "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def build_gemma3_text(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
                       config: EngineConfig) -> Model:
     """Gemma3ForConditionalGeneration (gemma-3-4b and larger): its text model; images are not supported."""
-    from ..models.gemma3 import text_config
+    from ..models.gemma import text_config
 
     log.info("Gemma3ForConditionalGeneration: serving its text model (the vision tower is not loaded: text only)")
     return build_llama_family(text_config(hf_config), quant, dtype, config, multimodal=True)
@@ -34,17 +34,17 @@ def build_gemma3_text(hf_config: dict[str, Any], quant: QuantMethod | None, dtyp
 def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
                        config: EngineConfig, multimodal: bool = False) -> Model:
     from ..core.errors import ConfigError
-    from ..models.gemma3 import ARCHITECTURE as GEMMA3
-    from ..models.gemma3 import Gemma3Config, Gemma3Model
+    from ..models.gemma import ARCHITECTURES as GEMMAS
+    from ..models.gemma import GemmaConfig, GemmaModel
     from ..models.llama import ArchConfig, LlamaFamilyModel
 
-    gemma = hf_config["architectures"][0] == GEMMA3
-    arch = Gemma3Config.from_hf(hf_config) if gemma else ArchConfig.from_hf(hf_config)
+    gemma = hf_config["architectures"][0] in GEMMAS
+    arch = GemmaConfig.from_hf(hf_config) if gemma else ArchConfig.from_hf(hf_config)
     import torch
 
     if gemma and dtype == torch.float16:
-        raise ConfigError("Gemma 3 overflows float16 (its activations pass 65504, and vLLM refuses it too); use "
-                          "--dtype bfloat16 or float32")
+        raise ConfigError(f"{arch.architecture} overflows float16 (Gemma's activations pass 65504, and vLLM refuses "
+                          "Gemma 2 and 3 in float16 too); use --dtype bfloat16 or float32")
     # linear RoPE scaling stretches the trained positions by its factor (e.g. a 4k model run at 16k), YaRN the
     # original context (vLLM's rule: Qwen2.5's 32k max_position_embeddings at factor 4 is 128k); llama3 and
     # LongRoPE configs already state the extended length; dynamic NTK runs within max_position_embeddings, where HF
@@ -88,7 +88,7 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
                               "on the CPU); drop --skinny-gemm-rows")
         quant = UnquantizedMethod(config.skinny_gemm_rows)  # every linear, and the tied head, share it
     if gemma:
-        return Gemma3Model(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge,
+        return GemmaModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge,
                            multimodal=multimodal)
     return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
 

@@ -75,6 +75,7 @@ class TorchAttention(AttentionBackend):
     # computes exactly what a plain decode there would (bf16 and fp16 included: a prefill-shaped call need not)
     short_query = 16
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self) -> None:
         self._workspaces: dict[str, torch.Tensor] = {}
@@ -131,7 +132,8 @@ class TorchAttention(AttentionBackend):
         return DecodeGroup(rows, blocks, valid[:, None, None, :], lens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None, softcap: float | None = None
+                ) -> torch.Tensor:
         plan: TorchAttentionPlan = meta.backend_data
         k_cache, v_cache = kv_cache
         k_scale, v_scale = kv_cache_scales(kv_cache)
@@ -141,7 +143,7 @@ class TorchAttention(AttentionBackend):
         k_raw.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, _raw(_to_cache(k, cache_dtype, k_scale)))
         v_raw.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, _raw(_to_cache(v, cache_dtype, v_scale)))
         out = torch.empty_like(q)
-        self._attend_decodes(plan.decodes, q, kv_cache, scale, out, window)
+        self._attend_decodes(plan.decodes, q, kv_cache, scale, out, window, softcap)
         fresh = k_scale is None and cache_dtype == k.dtype  # a whole-context query can read k/v as computed
         for item in plan.prefills:
             qp = q[item.tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -151,16 +153,16 @@ class TorchAttention(AttentionBackend):
                 kp = _from_cache(self._gather("k", k_raw, item.blocks)[: item.length], cache_dtype, q.dtype, k_scale)
                 vp = _from_cache(self._gather("v", v_raw, item.blocks)[: item.length], cache_dtype, q.dtype, v_scale)
             mask = item.mask_for(window)
-            res = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-                                                 attn_mask=mask, is_causal=mask is None, scale=scale,
-                                                 enable_gqa=True)
+            res = attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0), mask, scale,
+                            softcap)
             out[item.tokens] = res[0].transpose(0, 1)
         return out
 
     def _attend_decodes(self, decodes: Any, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                        scale: float, out: torch.Tensor, window: int | None = None) -> None:
+                        scale: float, out: torch.Tensor, window: int | None = None,
+                        softcap: float | None = None) -> None:
         """Write the decodes' attention rows into ``out``; the cache already holds this step's K/V. ``window``:
-        each decode sees the last ``window`` keys of its context only."""
+        each decode sees the last ``window`` keys of its context only; ``softcap``: see :func:`attention`."""
         k_scale, v_scale = kv_cache_scales(kv_cache)
         cache_dtype = kv_cache[0].dtype
         k_raw, v_raw = _raw(kv_cache[0]), _raw(kv_cache[1])
@@ -168,8 +170,7 @@ class TorchAttention(AttentionBackend):
             qd = q.index_select(0, group.rows).unsqueeze(2)  # [G, Hq, 1, D]
             kd = _from_cache(self._gather("k", k_raw, group.blocks), cache_dtype, q.dtype, k_scale)  # [G, L, Hkv, D]
             vd = _from_cache(self._gather("v", v_raw, group.blocks), cache_dtype, q.dtype, v_scale)
-            res = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                                                 attn_mask=group.mask_for(window), scale=scale, enable_gqa=True)
+            res = attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), group.mask_for(window), scale, softcap)
             out.index_copy_(0, group.rows, res.squeeze(2))
 
 
@@ -182,6 +183,23 @@ class TorchAttention(AttentionBackend):
         rows = self._workspace(name, cache, index.numel())[: index.numel()]
         torch.index_select(cache, 0, index, out=rows)
         return rows.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              softcap: float | None) -> torch.Tensor:
+    """q [B, Hq, n, D], k/v [B, Hkv, L, D] -> [B, Hq, n, D]: SDPA with the boolean ``mask`` (None: causal, n == L).
+    With ``softcap`` (Gemma 2), which SDPA cannot apply, each score becomes softcap * tanh(score / softcap) before
+    the mask, and the softmax runs in float32 (as transformers' eager attention computes it)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+    return weights.to(q.dtype) @ v
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_mixed_cuda_graphs = True  # the prefill kernel's grid depends on T and B only
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, kernels: ModuleType, num_sms: int) -> None:
         self.kernels = kernels
@@ -45,7 +46,8 @@ class TritonAttentionBackend(AttentionBackend):
         return self.kernels.default_num_splits(plan.batch, num_kv_heads, keys, self.num_sms)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None, softcap: float | None = None
+                ) -> torch.Tensor:
         plan = meta.backend_data if isinstance(meta.backend_data, TritonPlan) else self.prepare(meta)
         k_cache, v_cache = kv_cache
         k_scale, v_scale = kv_cache_scales(kv_cache)
@@ -56,10 +58,10 @@ class TritonAttentionBackend(AttentionBackend):
         if plan.all_decode and q.shape[0] == plan.batch:  # padded token rows would index past context_lens
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                                  self.num_splits(plan, k_cache.shape[2], window), k_scale=k_scale,
-                                                 v_scale=v_scale, window=window)
+                                                 v_scale=v_scale, window=window, softcap=softcap)
         return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
                                               meta.context_lens, scale, k_scale=k_scale, v_scale=v_scale,
-                                              window=window)
+                                              window=window, softcap=softcap)
 
 
 def create_backend(config: EngineConfig) -> TritonAttentionBackend:

@@ -24,7 +24,7 @@ from ..core.config import EngineConfig
 from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import GrammarMatcher, KVCache, Proposal, Proposer, ScheduledSequence, SchedulerOutput
 from ..core.loader import LoadedModel, load_model
-from ..core.model import fit_sliding_window
+from ..core.model import check_softcap, fit_sliding_window
 from ..core.plugin_options import read_plugin_options
 from ..core.plugins import PluginManager
 from ..core.request import Sequence
@@ -82,6 +82,7 @@ class DraftModelProposer(Proposer):
         # the draft's KV is never fp8 (its runner stores the draft's dtype): a backend sized for fp8 would be slower
         attention = plugins.registry("attention_backend").get(attention_name)(config.replace(kv_cache_dtype="auto"))
         fit_sliding_window(draft.model, attention, None, "the draft model")
+        check_softcap(draft.model, attention, "the draft model")
         draft_len, target_len = draft.model.spec.max_model_len, target.model.spec.max_model_len
         if draft_len < min(target_len, config.max_model_len or target_len):
             log.warning("the draft model's context (%d tokens) is shorter than the target's (%d): sequences longer "

@@ -42,6 +42,8 @@ CHECKPOINTS = {
     "phi3": ("phi3", {}),  # fused qkv_proj and gate_up_proj in the checkpoint
     # (1 + w) norms around both sublayers, GELU, a scaled embedding; sliding layers (window 8) with their own rope
     "gemma3": ("gemma3", {"tie_word_embeddings": True, "num_layers": 4}),
+    # Gemma 2: no q/k norm, one rope, every second layer sliding, attention scores and logits softcapped
+    "gemma2": ("gemma2", {"tie_word_embeddings": True, "num_layers": 4}),
 }
 
 

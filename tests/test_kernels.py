@@ -92,6 +92,23 @@ def test_decode_attention_in_a_sliding_window(device: torch.device, window: int,
     assert not torch.allclose(ref[3], unwindowed[3])  # the 150-key context lost keys to the window
 
 
+@pytest.mark.parametrize(("num_splits", "window"), [(1, None), (3, 20)])
+def test_decode_attention_with_softcapped_scores(device: torch.device, num_splits: int, window: int | None) -> None:
+    """Gemma 2's scores, cap * tanh(score / cap), with a cap (2.0) that most scores reach."""
+    torch.manual_seed(num_splits)
+    context = [1, 16, 17, 150]
+    k_cache, v_cache = paged_cache(48, 8, 2, 32, torch.float32, device)
+    tables = block_tables_for(context, 8, 48, device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(len(context), 4, 32, device=device)
+    out = attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.3, num_splits, block_n=16, window=window,
+                                softcap=2.0)
+    ref = attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3, window=window, softcap=2.0)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+    uncapped = attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3, window=window)
+    assert not torch.allclose(ref[1:], uncapped[1:], atol=1e-3)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])  # one split writes the output without the reduce kernel
 def test_decode_zero_context_gives_zeros(device: torch.device, num_splits: int) -> None:
     k_cache, v_cache = paged_cache(4, 16, 1, 16, torch.float32, device)
@@ -176,6 +193,26 @@ def test_prefill_attention_in_a_sliding_window(device: torch.device, dtype: torc
                                  window=window)
     ref = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2, window=window)
     torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefill_attention_with_softcapped_scores(device: torch.device, dtype: torch.dtype, window: int | None
+                                                  ) -> None:
+    """cap * tanh(score / cap) before the causal mask and the softmax, in prompts, extends and decode rows."""
+    torch.manual_seed(7)
+    query, context = [1, 7, 40, 3], [9, 7, 75, 3]
+    k_cache, v_cache = paged_cache(24, 16, 2, 32, dtype, device)
+    tables = block_tables_for(context, 16, 24, device)
+    starts = torch.tensor([0] + query, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(sum(query), 4, 32, dtype=dtype, device=device)
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.3, block_n=16, window=window,
+                                 softcap=2.0)
+    ref = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.3, window=window, softcap=2.0)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
+    uncapped = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.3, window=window)
+    assert not torch.allclose(ref.float(), uncapped.float(), atol=1e-2)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

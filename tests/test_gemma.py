@@ -1,5 +1,5 @@
-"""Gemma 3 beyond the shared checkpoint tests (tests/test_models.py runs the tiny one against transformers): the
-configs real checkpoints carry, refusals, and the fused ops."""
+"""Gemma 3 and Gemma 2 beyond the shared checkpoint tests (tests/test_models.py runs the tiny ones against
+transformers): the configs real checkpoints carry, refusals, softcapping on each backend, and the fused ops."""
 from __future__ import annotations
 
 import json
@@ -59,7 +59,7 @@ def test_a_config_as_the_releases_write_it_generates_what_transformers_does(
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
     ({"layer_types": ["sliding_attention"]}, "it should list 'sliding_attention' or 'full_attention' for each"),
     ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar = 0.0; it must be a positive number"),
-    ({"sliding_window": None}, "sliding_window = None; Gemma 3's sliding layers need a positive window"),
+    ({"sliding_window": None}, "sliding_window = None; Gemma's sliding layers need a positive window"),
     ({"hidden_activation": "gelu_new"}, "hidden_activation 'gelu_new'"),
 ])
 def test_what_it_cannot_serve_is_refused_by_name(change: dict[str, Any], message: str, tmp_path: Path,
@@ -89,11 +89,12 @@ def test_fused_ops_generate_what_the_torch_ops_do(checkpoint: Callable[[str], Pa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
 def test_on_cuda_with_graphs_it_generates_what_transformers_does(
-        checkpoint: Callable[[str], Path], hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+        name: str, checkpoint: Callable[[str], Path], hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    path = checkpoint("gemma3")
+    path = checkpoint(name)
     engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_kv_blocks=32))
     for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
         assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
@@ -173,19 +174,19 @@ def test_fields_a_real_config_leaves_out_or_doubles_read_as_transformers_reads_t
     from transformers import Gemma3Config as HfGemma3Config
     from transformers import Gemma3TextConfig
 
-    from infer.models.gemma3 import Gemma3Config, text_config
+    from infer.models.gemma import GemmaConfig, text_config
 
     multimodal = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
                   "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2}}
     hf = HfGemma3Config(**{k: v for k, v in multimodal.items() if k != "architectures"})
-    assert Gemma3Config.from_hf(text_config(multimodal)).eos_token_ids == tuple(hf.eos_token_id)
+    assert GemmaConfig.from_hf(text_config(multimodal)).eos_token_ids == tuple(hf.eos_token_id)
     doubled = {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
                "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "num_hidden_layers": 2}
-    ours = Gemma3Config.from_hf({"architectures": ["Gemma3ForCausalLM"], **doubled})
+    ours = GemmaConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], **doubled})
     reference = Gemma3TextConfig(**doubled).rope_parameters["full_attention"]
     assert (ours.rope["rope_type"], ours.rope["factor"]) == (reference["rope_type"], reference["factor"])
-    full = Gemma3Config.from_hf({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2,
+    full = GemmaConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2,
                                  "layer_types": ["full_attention"] * 2})
     assert full.sliding_window is None
 
@@ -199,5 +200,90 @@ def test_norm_weights_round_to_the_model_dtype_before_the_one_is_added(checkpoin
     stored = load_file(str(path / "model.safetensors"))["model.layers.0.input_layernorm.weight"]
     loaded = engine.loaded.model.model.layers[0].input_layernorm.weight
     assert torch.equal(loaded, stored.to(torch.bfloat16).float() + 1.0)
-    with pytest.raises(ConfigError, match="Gemma 3 overflows float16"):
+    with pytest.raises(ConfigError, match="Gemma3ForCausalLM overflows float16"):
         Engine(EngineConfig(model=str(path), device="cpu", dtype="float16", num_kv_blocks=8))
+
+
+# ---------------------------------------------------------------- Gemma 2
+def as_released_gemma2(config: dict[str, Any]) -> None:
+    """The config.json of google's Gemma 2 releases: rope_theta, no layer_types (every second layer slides), the
+    older sliding_window_size beside sliding_window, a hybrid cache_implementation."""
+    config.pop("rope_parameters")
+    config.pop("layer_types")
+    config.update(rope_theta=10000.0, sliding_window_size=config["sliding_window"], cache_implementation="hybrid")
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_gemma2_as_released_generates_what_transformers_does(
+        attention: str, tmp_path: Path, checkpoint: Callable[[str], Path],
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """Both caps (the tiny model's scores and logits reach them) on the torch backend (the cpu one's C kernel runs in
+    tests/test_models.py) and on the Triton kernels, interpreted; contexts pass the 8-position window."""
+    if attention == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the triton backend runs on the CPU under TRITON_INTERPRET=1 only")
+    path = edited(checkpoint("gemma2"), tmp_path / "m", as_released_gemma2)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, attention=attention))
+    for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
+        assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
+
+
+def test_gemma2s_config_reads_as_transformers_reads_it(tmp_path: Path, checkpoint: Callable[[str], Path]) -> None:
+    from transformers import AutoConfig
+
+    from infer.core.loader import read_config
+    from infer.models.gemma import GemmaConfig
+
+    path = edited(checkpoint("gemma2"), tmp_path / "m", as_released_gemma2)
+    hf, ours = AutoConfig.from_pretrained(str(path)), GemmaConfig.from_hf(read_config(path))
+    assert ours.sliding_layers == tuple(kind == "sliding_attention" for kind in hf.layer_types)
+    assert (ours.sliding_window, ours.rope["rope_theta"]) == (hf.sliding_window, hf.rope_parameters["rope_theta"])
+    assert (ours.attn_softcap, ours.final_softcap) == (hf.attn_logit_softcapping, hf.final_logit_softcapping)
+    assert not ours.qk_norm and ours.query_pre_attn_scalar == hf.query_pre_attn_scalar
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"attn_logit_softcapping": 0}, "attn_logit_softcapping = 0; it must be a positive number"),
+    ({"final_logit_softcapping": "30"}, "final_logit_softcapping"),
+    ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+])
+def test_what_gemma2_cannot_serve_is_refused_by_name(change: dict[str, Any], message: str, tmp_path: Path,
+                                                      checkpoint: Callable[[str], Path]) -> None:
+    path = edited(checkpoint("gemma2"), tmp_path / "m", lambda c: c.update(change))
+    with pytest.raises(CheckpointError, match=message):
+        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=8))
+    with pytest.raises(ConfigError, match="Gemma2ForCausalLM overflows float16"):
+        Engine(EngineConfig(model=str(checkpoint("gemma2")), device="cpu", num_kv_blocks=8, dtype="float16"))
+
+
+def test_a_backend_that_cannot_softcap_is_refused(checkpoint: Callable[[str], Path], infer_plugins: Any) -> None:
+    """A plugin backend without softcapping, or one whose forward predates the softcap parameter, would compute
+    another model: refused by name at start (and by attend, were it reached)."""
+    import types
+
+    from infer.core.errors import PluginError
+    from infer.core.hookspecs import hookimpl
+    from infer.plugins.torch_attention import TorchAttention
+
+    class Uncapped(TorchAttention):
+        supports_softcap = False
+
+    class OldForward(TorchAttention):
+        def forward(self, q, k, v, kv_cache, meta, scale, window=None):  # type: ignore[no-untyped-def, override]
+            return super().forward(q, k, v, kv_cache, meta, scale, window)
+
+    for backend in (Uncapped, OldForward):
+        name = backend.__name__.lower()
+        module = types.ModuleType(name)
+        module.register_attention_backends = hookimpl(  # type: ignore[attr-defined]
+            lambda register, name=name, backend=backend: register(name, lambda config: backend()))
+        infer_plugins.register(module, name=name, source="tests")
+    for backend in (Uncapped, OldForward):
+        name = backend.__name__.lower()
+        with pytest.raises(ConfigError, match=f"the model caps its attention scores .attn_logit_softcapping 1.,"
+                                              f" which attention backend {backend.__name__} cannot do"):
+            Engine(EngineConfig(model=str(checkpoint("gemma2")), device="cpu", attention=name, num_kv_blocks=8),
+                   infer_plugins)
+    meta = types.SimpleNamespace(max_context_len=4)
+    with pytest.raises(PluginError, match="attention backend Uncapped cannot softcap attention scores"):
+        Uncapped().attend(torch.zeros(1, 4, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), None, meta, 1.0,
+                          softcap=50.0)

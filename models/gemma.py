@@ -1,13 +1,17 @@
-"""Gemma 3 text models (``Gemma3ForCausalLM``: gemma-3-1b, and the text stacks of the larger ones): the Llama layout
-with Gemma's differences, as transformers computes them:
+"""Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3 text models (``Gemma3ForCausalLM``: gemma-3-1b, and the text stacks of
+the larger ones): the Llama layout with Gemma's differences, as transformers computes them:
 
 - norms scale by (1 + weight), in float32 before rounding to the model dtype, and wrap both sublayers:
-  ``h + post_norm(attention(input_norm(h)))``, then ``h + post_ff_norm(mlp(pre_ff_norm(h)))``; q and k are normed too;
+  ``h + post_norm(attention(input_norm(h)))``, then ``h + post_ff_norm(mlp(pre_ff_norm(h)))``; in Gemma 3, q and k
+  are normed too;
 - the embedding is multiplied by sqrt(hidden_size) (rounded to the model dtype);
 - the MLP's gate goes through tanh-approximated GELU;
 - the softmax scale is query_pre_attn_scalar ** -0.5;
-- sliding layers (five in six by default) attend within ``sliding_window`` and turn by their own rope (theta 10,000);
-  the full-attention layers by the global one (theta 1,000,000, linear scaling by 8 in the 4B and larger).
+- Gemma 2 caps the attention scores and the final logits: x -> cap * tanh(x / cap) (attn_logit_softcapping 50,
+  final_logit_softcapping 30 in the releases);
+- sliding layers attend within ``sliding_window``: every second one in Gemma 2 (one rope for all layers); five in
+  six by default in Gemma 3, turned by their own rope (theta 10,000), the full-attention layers by the global one
+  (theta 1,000,000, linear scaling by 8 in the 4B and larger).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from ..core.loader import checkpoint_dtype
 from .layers import TORCH_OPS, PointwiseOps, RotaryEmbedding
 from .llama import MLP, ArchConfig, Attention, LlamaFamilyModel, _Fields, check_rope, rms_norm_eps
 
-ARCHITECTURE = "Gemma3ForCausalLM"
+GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
+ARCHITECTURES = (GEMMA2, GEMMA3)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -52,69 +57,95 @@ def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Gemma3Config(ArchConfig):
+class GemmaConfig(ArchConfig):
     """ArchConfig (whose ``rope`` is the full-attention layers') plus Gemma's own fields."""
 
-    local_rope: dict[str, Any] | None = None  # the sliding layers' rope
+    local_rope: dict[str, Any] | None = None  # the sliding layers' rope (Gemma 3)
     query_pre_attn_scalar: float = 256.0
     local_rope_layers: tuple[bool, ...] = ()  # per layer: a sliding one, whose rope is local_rope
+    attn_softcap: float | None = None  # Gemma 2's caps: scores and logits x -> cap * tanh(x / cap)
+    final_softcap: float | None = None
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> Gemma3Config:
-        field = _Fields(raw, ARCHITECTURE)
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if raw.get(key) is not None:  # Gemma 2's; Gemma 3 has none
-                raise CheckpointError(f"config.json of this {ARCHITECTURE} sets {key} = {raw[key]!r}, which infer "
-                                      "does not apply (Gemma 3 has none); it serves Gemma 3 without softcapping")
+    def from_hf(cls, raw: dict[str, Any]) -> GemmaConfig:
+        arch = GEMMA2 if raw.get("architectures", [None])[0] == GEMMA2 else GEMMA3
+        gemma2 = arch == GEMMA2
+        field = _Fields(raw, arch)
+        caps = {key: softcap(field, key, gemma2) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
         if raw.get("use_bidirectional_attention"):
-            raise CheckpointError(f"config.json of this {ARCHITECTURE} sets use_bidirectional_attention (an "
+            raise CheckpointError(f"config.json of this {arch} sets use_bidirectional_attention (an "
                                   "embedding model's); infer generates with causal attention only")
         act = field.get("hidden_activation", str) or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
-            raise CheckpointError(f"config.json of this {ARCHITECTURE} has hidden_activation {act!r}; infer's "
-                                  "Gemma 3 MLP computes gelu_pytorch_tanh")
+            raise CheckpointError(f"config.json of this {arch} has hidden_activation {act!r}; infer's Gemma MLP "
+                                  "computes gelu_pytorch_tanh")
         heads, hidden = field.positive("num_attention_heads", 8), field.positive("hidden_size", 2304)
         kv_heads = field.positive("num_key_value_heads", 4)
         if heads % kv_heads:
-            raise CheckpointError(f"config.json of this {ARCHITECTURE} has {heads} attention heads and {kv_heads} "
+            raise CheckpointError(f"config.json of this {arch} has {heads} attention heads and {kv_heads} "
                                   "key/value heads; the first must be a multiple of the second")
         head_dim, layers = field.positive("head_dim", 256), field.positive("num_hidden_layers", 26)
-        full, local = rope_tables(raw)
+        full, local = gemma2_rope(raw) if gemma2 else rope_tables(raw)
         for rope in (full, local):
-            check_rope(rope, ARCHITECTURE, head_dim)
+            check_rope(rope, arch, head_dim)
         types = raw.get("layer_types")
-        if types is None:  # transformers' rule from sliding_window_pattern (6): every sixth layer is global
-            pattern = field.positive("sliding_window_pattern", 6)
+        if types is None:  # transformers' rule: every second layer is global in Gemma 2, every sixth in Gemma 3
+            pattern = 2 if gemma2 else field.positive("sliding_window_pattern", 6)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         if not isinstance(types, list) or len(types) != layers or \
                 not set(types) <= {"sliding_attention", "full_attention"}:
-            raise CheckpointError(f"config.json of this {ARCHITECTURE} has layer_types = {types!r}; it should list "
+            raise CheckpointError(f"config.json of this {arch} has layer_types = {types!r}; it should list "
                                   f"'sliding_attention' or 'full_attention' for each of the {layers} layers")
         window = field.get("sliding_window", int) if "sliding_window" in raw else 4096
         if not window or window < 0:
-            raise CheckpointError(f"config.json of this {ARCHITECTURE} has sliding_window = {window!r}; Gemma 3's "
-                                  "sliding layers need a positive window (transformers cannot run one without)")
+            raise CheckpointError(f"config.json of this {arch} has sliding_window = {window!r}; Gemma's sliding "
+                                  "layers need a positive window (transformers cannot run one without)")
         scalar = field.get("query_pre_attn_scalar", (int, float))
         scalar = 256.0 if scalar is None else float(scalar)
         if not 0 < scalar < math.inf:
-            raise CheckpointError(f"config.json of this {ARCHITECTURE} has query_pre_attn_scalar = {scalar}; it "
-                                  "must be a positive number")
+            raise CheckpointError(f"config.json of this {arch} has query_pre_attn_scalar = {scalar}; it must be a "
+                                  "positive number")
         eos = field.get("eos_token_id", (int, list))
         eos = 1 if "eos_token_id" not in raw else eos
         bias = bool(field.get("attention_bias", bool))
         tied = field.get("tie_word_embeddings", bool)
+        sliding = tuple(t == "sliding_attention" for t in types)
         return cls(
-            architecture=ARCHITECTURE, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+            architecture=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
             head_dim=head_dim, rotary_dim=head_dim, intermediate_size=field.positive("intermediate_size", 9216),
-            vocab_size=field.positive("vocab_size", 262208), rms_norm_eps=rms_norm_eps(field, 1e-6),
-            max_position_embeddings=field.positive("max_position_embeddings", 131072),
-            tie_word_embeddings=tied is not False, attention_bias=bias, o_proj_bias=bias, mlp_bias=False, qk_norm=True,
-            rope=full, eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            sliding_window=window if "sliding_attention" in types else None,
-            sliding_layers=tuple(t == "sliding_attention" for t in types),
+            vocab_size=field.positive("vocab_size", 256000 if gemma2 else 262208),
+            rms_norm_eps=rms_norm_eps(field, 1e-6),
+            max_position_embeddings=field.positive("max_position_embeddings", 8192 if gemma2 else 131072),
+            tie_word_embeddings=tied is not False, attention_bias=bias, o_proj_bias=bias, mlp_bias=False,
+            qk_norm=not gemma2, rope=full,
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            sliding_window=window if any(sliding) else None, sliding_layers=sliding,
             torch_dtype=checkpoint_dtype(raw), quantization_config=raw.get("quantization_config"),
-            local_rope=local, query_pre_attn_scalar=scalar, local_rope_layers=tuple(t == "sliding_attention"
-                                                                                    for t in types))
+            local_rope=local, query_pre_attn_scalar=scalar, local_rope_layers=(False,) * layers if gemma2 else sliding,
+            attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"])
+
+
+def softcap(field: _Fields, key: str, gemma2: bool) -> float | None:
+    """Gemma 2's ``key`` (None or a positive number); Gemma 3 has none, so a value there is refused."""
+    value = field.get(key, (int, float))
+    if value is None:
+        return None
+    if not gemma2:
+        raise CheckpointError(f"config.json of this {GEMMA3} sets {key} = {value!r}, which infer does not apply "
+                              "(Gemma 3 has none); it serves Gemma 3 without softcapping")
+    if not 0 < value < math.inf:
+        raise CheckpointError(f"config.json of this {GEMMA2} has {key} = {value!r}; it must be a positive number "
+                              "(or null: no cap)")
+    return float(value)
+
+
+def gemma2_rope(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 2's one rope (transformers 5's rope_parameters, or rope_theta and rope_scaling), for both layer types."""
+    params = raw.get("rope_parameters")
+    rope = dict(params) if isinstance(params, dict) else {}
+    rope.update(raw.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
+    return rope, rope
 
 
 def rope_tables(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -134,12 +165,12 @@ def rope_tables(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return full, local
 
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Gemma3Config, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: GemmaConfig, prefix: str, quant: QuantMethod | None, dtype: torch.dtype,
                  ops: PointwiseOps, window: int | None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", quant, dtype, ops, window,
-                                   scale=cfg.query_pre_attn_scalar**-0.5, norm=GemmaRMSNorm)
+                                   scale=cfg.query_pre_attn_scalar**-0.5, norm=GemmaRMSNorm, softcap=cfg.attn_softcap)
         self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops, act_and_mul=gelu_tanh_and_mul)
         self.feed_forward = "mlp"
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -150,23 +181,25 @@ class Gemma3DecoderLayer(nn.Module):
         return self.mlp
 
 
-class Gemma3Model(LlamaFamilyModel):
-    """The Llama family's loading, merging and heads with Gemma 3's layers, norms, embedding scale and two ropes."""
+class GemmaModel(LlamaFamilyModel):
+    """The Llama family's loading, merging and heads with Gemma's layers, norms, embedding scale, ropes and caps."""
 
-    cfg: Gemma3Config
+    cfg: GemmaConfig
     norm_class = GemmaRMSNorm
 
-    def __init__(self, cfg: Gemma3Config, quant: QuantMethod | None, dtype: torch.dtype, max_positions: int,
+    def __init__(self, cfg: GemmaConfig, quant: QuantMethod | None, dtype: torch.dtype, max_positions: int,
                  ops: PointwiseOps = TORCH_OPS, merge_projections: bool = False, multimodal: bool = False) -> None:
         super().__init__(cfg, quant, dtype, max_positions, ops, merge_projections)
         self.multimodal = multimodal  # a Gemma3ForConditionalGeneration checkpoint: its text model's tensors
+        self.spec = replace(self.spec, attn_softcap=cfg.attn_softcap)
         local = replace(cfg, rope=cfg.local_rope or {})
-        self.local_rotary = RotaryEmbedding(local.rotary_dim, max_positions, local.rope, ops)
+        self.local_rotary = RotaryEmbedding(local.rotary_dim, max_positions, local.rope, ops) \
+            if any(cfg.local_rope_layers) else self.rotary
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(dtype).item()  # HF rounds it to the model dtype
 
     def make_layer(self, index: int, quant: QuantMethod | None, dtype: torch.dtype, window: int | None
                    ) -> nn.Module:
-        return Gemma3DecoderLayer(self.cfg, f"model.layers.{index}", quant, dtype, self.ops, window)
+        return GemmaDecoderLayer(self.cfg, f"model.layers.{index}", quant, dtype, self.ops, window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
@@ -178,6 +211,11 @@ class Gemma3Model(LlamaFamilyModel):
             normed, hidden = layer.pre_feedforward_layernorm(layer.post_attention_layernorm(out), hidden)
             hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(normed))
         return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's norm weights w load as 1 + w (in float32, as transformers computes it); a multimodal
@@ -223,4 +261,4 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
                 "pad_token_id"):  # the releases keep eos [1, 106] (<end_of_turn> too) at the top level
         if key in raw and key not in text:
             text[key] = raw[key]
-    return {**text, "architectures": [ARCHITECTURE]}
+    return {**text, "architectures": [GEMMA3]}
