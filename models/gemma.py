@@ -125,8 +125,14 @@ class GemmaConfig(ArchConfig):
             attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"])
 
 
+GEMMA2_CAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # transformers' defaults
+
+
 def softcap(field: _Fields, key: str, gemma2: bool) -> float | None:
-    """Gemma 2's ``key`` (None or a positive number); Gemma 3 has none, so a value there is refused."""
+    """Gemma 2's ``key`` (transformers' default where absent; null: no cap); Gemma 3 has none, so a value there is
+    refused."""
+    if gemma2 and key not in field.raw:
+        return GEMMA2_CAPS[key]
     value = field.get(key, (int, float))
     if value is None:
         return None

@@ -227,13 +227,23 @@ def test_gemma2_as_released_generates_what_transformers_does(
         assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
 
 
-def test_gemma2s_config_reads_as_transformers_reads_it(tmp_path: Path, checkpoint: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("caps", ["set", "absent", "null"])  # absent: transformers' defaults (50, 30); null: none
+def test_gemma2s_config_reads_as_transformers_reads_it(caps: str, tmp_path: Path,
+                                                       checkpoint: Callable[[str], Path]) -> None:
     from transformers import AutoConfig
 
     from infer.core.loader import read_config
     from infer.models.gemma import GemmaConfig
 
-    path = edited(checkpoint("gemma2"), tmp_path / "m", as_released_gemma2)
+    def edit(config: dict[str, Any]) -> None:
+        as_released_gemma2(config)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if caps == "absent":
+                config.pop(key)
+            elif caps == "null":
+                config[key] = None
+
+    path = edited(checkpoint("gemma2"), tmp_path / "m", edit)
     hf, ours = AutoConfig.from_pretrained(str(path)), GemmaConfig.from_hf(read_config(path))
     assert ours.sliding_layers == tuple(kind == "sliding_attention" for kind in hf.layer_types)
     assert (ours.sliding_window, ours.rope["rope_theta"]) == (hf.sliding_window, hf.rope_parameters["rope_theta"])
