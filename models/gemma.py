@@ -8,13 +8,15 @@ the larger ones): the Llama layout with Gemma's differences, as transformers com
 - the MLP's gate goes through tanh-approximated GELU;
 - the softmax scale is query_pre_attn_scalar ** -0.5;
 - Gemma 2 caps the attention scores and the final logits: x -> cap * tanh(x / cap) (attn_logit_softcapping 50,
-  final_logit_softcapping 30 in the releases);
+  final_logit_softcapping 30 in the releases; Gemma 3's are null, and transformers applies a final cap a config
+  sets, never an attention one);
 - sliding layers attend within ``sliding_window``: every second one in Gemma 2 (one rope for all layers); five in
   six by default in Gemma 3, turned by their own rope (theta 10,000), the full-attention layers by the global one
   (theta 1,000,000, linear scaling by 8 in the 4B and larger).
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -30,6 +32,7 @@ from ..core.loader import checkpoint_dtype
 from .layers import TORCH_OPS, PointwiseOps, RotaryEmbedding
 from .llama import MLP, ArchConfig, Attention, LlamaFamilyModel, _Fields, check_rope, rms_norm_eps
 
+log = logging.getLogger("infer")
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 ARCHITECTURES = (GEMMA2, GEMMA3)
 
@@ -72,6 +75,10 @@ class GemmaConfig(ArchConfig):
         gemma2 = arch == GEMMA2
         field = _Fields(raw, arch)
         caps = {key: softcap(field, key, gemma2) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+        if not gemma2 and caps["attn_logit_softcapping"] is not None:
+            log.warning("config.json of this %s sets attn_logit_softcapping, which transformers' Gemma 3 does not "
+                        "apply (it caps the final logits only): infer does as transformers does", arch)
+            caps["attn_logit_softcapping"] = None
         if raw.get("use_bidirectional_attention"):
             raise CheckpointError(f"config.json of this {arch} sets use_bidirectional_attention (an "
                                   "embedding model's); infer generates with causal attention only")
@@ -129,20 +136,15 @@ GEMMA2_CAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} 
 
 
 def softcap(field: _Fields, key: str, gemma2: bool) -> float | None:
-    """Gemma 2's ``key`` (transformers' default where absent; null: no cap); Gemma 3 has none, so a value there is
-    refused."""
-    if gemma2 and key not in field.raw:
-        return GEMMA2_CAPS[key]
+    """``key``'s cap: a positive number or null (no cap); where absent, transformers' default (Gemma 2's
+    GEMMA2_CAPS; Gemma 3 has none)."""
+    if key not in field.raw:
+        return GEMMA2_CAPS[key] if gemma2 else None
     value = field.get(key, (int, float))
-    if value is None:
-        return None
-    if not gemma2:
-        raise CheckpointError(f"config.json of this {GEMMA3} sets {key} = {value!r}, which infer does not apply "
-                              "(Gemma 3 has none); it serves Gemma 3 without softcapping")
-    if not 0 < value < math.inf:
-        raise CheckpointError(f"config.json of this {GEMMA2} has {key} = {value!r}; it must be a positive number "
+    if value is not None and not 0 < value < math.inf:
+        raise CheckpointError(f"config.json of this {field.arch} has {key} = {value!r}; it must be a positive number "
                               "(or null: no cap)")
-    return float(value)
+    return None if value is None else float(value)
 
 
 def gemma2_rope(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -219,9 +221,14 @@ class GemmaModel(LlamaFamilyModel):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits, capped in the model dtype as transformers caps them (in bfloat16 the cap ties top
+        logits, and greedy picks the first of a tie)."""
         logits = super().compute_logits(hidden)
         cap = self.cfg.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return logits
+        in_dtype = logits.to(self.model.embed_tokens.weight.dtype)  # exact: the head computed them in it
+        return (torch.tanh(in_dtype / cap) * cap).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's norm weights w load as 1 + w (in float32, as transformers computes it); a multimodal

@@ -51,7 +51,8 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
     # keeps the default frequencies (vLLM instead scales them for max_position_embeddings x factor, at every length)
     scaling = arch.rope.get("rope_type", arch.rope.get("type", "default"))
     limit = arch.max_position_embeddings
-    if scaling == "linear" and not gemma:  # Gemma 3's 131072 counts its factor 8 already (trained at 32k)
+    # Gemma 3's 131072 positions count its factor 8 already (trained at 32k)
+    if scaling == "linear" and arch.architecture != "Gemma3ForCausalLM":
         limit = int(limit * float(arch.rope["factor"]))
     elif scaling == "yarn":
         limit = int(float(arch.rope["original_max_position_embeddings"]) * float(arch.rope["factor"]))

@@ -185,21 +185,36 @@ class TorchAttention(AttentionBackend):
         return rows.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
+SOFTCAP_SCORES_BYTES = 64 << 20  # the explicit softcap path's float32 scores, per slice of query rows
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-              softcap: float | None) -> torch.Tensor:
+              softcap: float | None, max_score_bytes: int = SOFTCAP_SCORES_BYTES) -> torch.Tensor:
     """q [B, Hq, n, D], k/v [B, Hkv, L, D] -> [B, Hq, n, D]: SDPA with the boolean ``mask`` (None: causal, n == L).
     With ``softcap`` (Gemma 2), which SDPA cannot apply, each score becomes softcap * tanh(score / softcap) before
-    the mask, and the softmax runs in float32 (as transformers' eager attention computes it)."""
+    the mask, and the softmax runs in float32 (as transformers' eager attention computes it); the query rows go in
+    slices, so that the scores of a long prompt never take more than about ``max_score_bytes``."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    batch, heads, n, dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads
     if mask is None:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
-    return weights.to(q.dtype) @ v
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    mask = mask.expand(*mask.shape[:-2], n, length)
+    grouped = q.view(batch, kv_heads, group, n, dim)  # each K/V head's query heads: no repeated K/V
+    out = torch.empty_like(q)
+    rows = max(1, max_score_bytes // (4 * batch * heads * length))
+    for start in range(0, n, rows):
+        part = slice(start, start + rows)
+        scores = grouped[:, :, :, part] @ k.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, rows, L]
+        scores = scores.float().mul_(scale / softcap).tanh_().mul_(softcap)
+        hidden = ~mask[..., part, :]  # [rows, L], or per decode [B, 1, rows, L]: its heads' group dim added
+        scores.masked_fill_(hidden.unsqueeze(-3) if hidden.dim() == 4 else hidden, float("-inf"))
+        weights = scores.softmax(-1).to(q.dtype)
+        out.view(batch, kv_heads, group, n, dim)[:, :, :, part] = weights @ v.unsqueeze(2)
+    return out
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..core.interfaces import AttentionBackend, AttentionMetadata
 from ..core.model import Model
-from ..plugins.torch_attention import sliding_mask
+from ..plugins.torch_attention import attention, sliding_mask
 
 KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer index, k [T, Hkv, D], v [T, Hkv, D])
 
@@ -26,6 +25,7 @@ class DenseCausalAttention(AttentionBackend):
     """
 
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, observe: KVObserver | None = None) -> None:
         self.observe = observe
@@ -34,7 +34,8 @@ class DenseCausalAttention(AttentionBackend):
         return _LayerCounter()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None, softcap: float | None = None
+                ) -> torch.Tensor:
         counter: _LayerCounter = meta.backend_data
         if self.observe is not None:
             self.observe(counter.next_layer, k, v)
@@ -45,8 +46,7 @@ class DenseCausalAttention(AttentionBackend):
             qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
             n = end - start
             mask = sliding_mask(n, n, window, q.device) if window is not None and window < n else None
-            res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                                 enable_gqa=True)
+            res = attention(qs, ks, vs, mask, scale, softcap)
             out[start:end] = res[0].transpose(0, 1)
         return out
 

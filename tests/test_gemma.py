@@ -53,8 +53,7 @@ def test_a_config_as_the_releases_write_it_generates_what_transformers_does(
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"final_logit_softcapping": 30.0}, "sets final_logit_softcapping = 30.0, which infer does not apply"),
-    ({"attn_logit_softcapping": 50.0}, "sets attn_logit_softcapping = 50.0"),
+    ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping = -1.0; it must be a positive number"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
     ({"layer_types": ["sliding_attention"]}, "it should list 'sliding_attention' or 'full_attention' for each"),
@@ -213,6 +212,28 @@ def as_released_gemma2(config: dict[str, Any]) -> None:
     config.update(rope_theta=10000.0, sliding_window_size=config["sliding_window"], cache_implementation="hybrid")
 
 
+def test_gemma3_with_caps_set_caps_as_transformers_does(tmp_path: Path, checkpoint: Callable[[str], Path],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Gemma 3's releases set no caps; transformers applies a final_logit_softcapping a config sets, and ignores an
+    attn_logit_softcapping (its Gemma 3 attention never passes one on): infer computes the same model, and says so."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    caps = {"attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0}
+    path = edited(checkpoint("gemma3"), tmp_path / "m", lambda c: c.update(caps))
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
+    assert "transformers' Gemma 3 does not apply" in caplog.text
+    prompt = list(PROMPTS[0])
+    result = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
+    for token, logprob in result.outputs[0].logprobs[0].items():
+        assert logprob == pytest.approx(float(expected[token]), abs=1e-4)
+
+
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_gemma2_as_released_generates_what_transformers_does(
         attention: str, tmp_path: Path, checkpoint: Callable[[str], Path],
@@ -225,6 +246,35 @@ def test_gemma2_as_released_generates_what_transformers_does(
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, attention=attention))
     for prompt, result in zip(PROMPTS, engine.generate(list(PROMPTS), GREEDY)):
         assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("case", ["causal", "extend", "decodes"])
+def test_the_torch_backends_softcapped_attention_is_transformers_eager_attention(case: str) -> None:
+    """plugins/torch_attention.attention with a cap against transformers' Gemma 2 eager_attention_forward, with the
+    query rows in slices of 3 (a budget of 3 rows' scores): a prompt, an extend over a cached prefix, and padded
+    decodes (the shapes the backend passes)."""
+    import types
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from infer.plugins.torch_attention import attention
+
+    torch.manual_seed(3)
+    batch, heads, kv_heads, n, length = {"causal": (1, 4, 2, 10, 10), "extend": (1, 4, 2, 7, 12),
+                                         "decodes": (3, 4, 2, 1, 9)}[case]
+    q, k, v = (torch.randn(batch, h, rows, 16) for h, rows in ((heads, n), (kv_heads, length), (kv_heads, length)))
+    if case == "causal":
+        mask = None
+        visible = torch.ones(n, length, dtype=torch.bool).tril()
+    elif case == "extend":
+        mask = visible = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    else:  # per decode, its context's length: keys past it are padding
+        mask = visible = (torch.arange(length)[None, :] < torch.tensor([9, 4, 1])[:, None])[:, None, None, :]
+    ours = attention(q, k, v, mask, 0.4, 2.0, max_score_bytes=3 * 4 * batch * heads * length)
+    additive = torch.zeros(visible.shape).masked_fill(~visible, float("-inf")).expand(batch, 1, n, length)
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False)
+    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.4, softcap=2.0)
+    torch.testing.assert_close(ours, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("caps", ["set", "absent", "null"])  # absent: transformers' defaults (50, 30); null: none

@@ -650,6 +650,16 @@ def test_fp8_kv_greedy_equals_hf_with_fp8_rounded_kv(tiny_model: Path, plugins: 
     assert outputs == hf_fp8_kv_greedy(tiny_model, scales, prompts, GREEDY.max_tokens)
 
 
+def test_fp8_kv_on_a_softcapping_model_equals_hf_with_fp8_rounded_kv(checkpoint, plugins: PluginManager) -> None:
+    """Gemma 2: the scales' calibration pass caps the attention scores too (it refused the model before)."""
+    path = checkpoint("gemma2")
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, kv_cache_dtype="fp8"), plugins)
+    prompts = seeded_prompts(2, 20, seed=6)
+    outputs = [r.outputs[0].token_ids for r in engine.generate(prompts, GREEDY)]
+    scales = [(c.k_scale, c.v_scale) for c in engine.runner.kv_caches]
+    assert outputs == hf_fp8_kv_greedy(path, scales, prompts, GREEDY.max_tokens)
+
+
 def test_fp8_kv_scales_are_twice_hf_kv_amax_over_448(tiny_model: Path, plugins: PluginManager) -> None:
     """The format's static scales, from HF's own K (after RoPE) and V on the calibration prefill: per layer and KV
     head, s = 2 * max|x| / 448 (headroom 2, e4m3's largest value 448). K and V each get their own."""
