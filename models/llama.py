@@ -14,7 +14,7 @@ from ..core.loader import checkpoint_dtype
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
 from ..core.model import Model
 from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, UnquantizedMethod, merge_linears
-from .moe import MoeConfig, Router, SparseMoe, experts_fp8
+from .moe import MoeConfig, Router, SparseMoe, experts_fp8, experts_quant
 
 
 # compressed-tensors' kv_cache_scheme tensors (and the older per-projection form)
@@ -395,10 +395,12 @@ class DecoderLayer(nn.Module):
             self.feed_forward = block = cfg.moe.block
             shared = MLP(cfg, f"{prefix}.{block}.shared_expert", quant, dtype, ops, cfg.moe.shared_intermediate_size) \
                 if cfg.moe.shared_intermediate_size else None
+            experts = f"{prefix}.{block}.experts"
             self.add_module(block, SparseMoe(cfg.moe, cfg.hidden_size, dtype, ops.silu_and_mul,
                                              fused=ops.name == "triton", shared_expert=shared,
-                                             fp8=experts_fp8(quant, f"{prefix}.{block}.experts", cfg.moe,
-                                                             cfg.hidden_size)))
+                                             fp8=experts_fp8(quant, experts, cfg.moe, cfg.hidden_size),
+                                             linear_quant=experts_quant(quant, experts, cfg.moe),
+                                             prefix=f"{prefix}.{block}"))
         else:
             self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
@@ -470,6 +472,8 @@ class LlamaFamilyModel(Model):
         params = dict(self.named_parameters())
         expected = set(self.state_dict())  # every tensor the checkpoint must provide (quant layouts included)
         experts = {name: module for name, module in modules.items() if isinstance(module, SparseMoe)}
+        # the experts report their own missing tensors (a stacked checkpoint tensor fills many per-expert Linears)
+        expected = {key for key in expected if not any(key.startswith(f"{block}.experts.") for block in experts)}
         # Mixtral's experts sit under block_sparse_moe, where transformers 5's own layout puts them under mlp
         renamed = self.cfg.moe.block if self.cfg.moe is not None and self.cfg.moe.block != "mlp" else None
         tied = self.cfg.tie_word_embeddings

@@ -259,8 +259,10 @@ class LoraStack:
 
     def __init__(self, model: nn.Module, slots: int, rank: int, targets: set[str] | None, dtype: torch.dtype,
                  device: torch.device) -> None:
-        # the head's rows are the sampled positions, not the step's tokens: adapters on it are refused (not a layer)
-        linears = [m for m in model.modules() if isinstance(m, Linear) and m.prefix != "lm_head"]
+        # the head's rows are the sampled positions, not the step's tokens: adapters on it are refused (not a layer);
+        # an expert's Linears (AWQ experts) see its routed tokens only, so they take no adapters either
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m.prefix != "lm_head"
+                   and ".experts." not in m.prefix]
         self.owner = {part: (linear, index) for linear in linears for index, (part, _) in enumerate(linear.parts)}
         self.tokens = LoraTokens(slots, dtype, device)
         self.rank, self.dtype = rank, dtype

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import CheckpointError
-from ..core.interfaces import check_float
+from ..core.interfaces import QuantMethod, check_float
 from ..quant.fp8 import FP8_DTYPE, scale_from_amax, to_fp8
 from ..quant.fp8_block import (Block, block_gemm_reference, dequantize_blocks, has_fp8_tensor_cores, k_tile,
                                quantize_per_token_group)
+from .layers import Linear
 
 log = logging.getLogger("infer")
 
@@ -77,6 +78,18 @@ def experts_fp8(quant: object, prefix: str, moe: MoeConfig, hidden_size: int) ->
     return ExpertsFp8(*per_channel, scale_name="weight_scale")
 
 
+def experts_quant(quant: QuantMethod | None, prefix: str, moe: MoeConfig) -> QuantMethod | None:
+    """The quant method that runs the experts at ``prefix`` as per-expert Linears (:class:`SparseMoe`'s
+    ``experts``): one without stacked expert kernels (AWQ), where it converts the experts; None for unquantized
+    experts and for FP8 ones, which stay stacked (:func:`experts_fp8`)."""
+    from ..quant.fp8_block_method import BlockFp8LinearMethod
+    from ..quant.fp8_method import Fp8LinearMethod
+
+    if quant is None or isinstance(quant, BlockFp8LinearMethod | Fp8LinearMethod):
+        return None
+    return quant if quant.applies_to(f"{prefix}.0.{moe.projections[0]}") else None
+
+
 def fused_fp8_runs(device: torch.device, fp8: ExpertsFp8) -> bool:
     """Whether the fused Triton experts run ``fp8``'s experts on ``device``: a GPU with FP8 tensor cores, or the
     interpreter (CPU tensors), and K-tiles its scale groups allow."""
@@ -94,21 +107,44 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
 
 
+def expert_linears(moe: MoeConfig, hidden_size: int, prefix: str, quant: QuantMethod, dtype: torch.dtype
+                   ) -> nn.Module:
+    """One expert's gate, up and down Linears, named as the checkpoint names them (``w1``/``w3``/``w2`` or
+    ``gate_proj``/``up_proj``/``down_proj``)."""
+    expert, size = nn.Module(), moe.intermediate_size
+    for projection, (inputs, outputs) in zip(moe.projections, ((hidden_size, size), (hidden_size, size),
+                                                                (size, hidden_size))):
+        expert.add_module(projection, Linear(inputs, outputs, False, f"{prefix}.{projection}", quant, dtype))
+    return expert
+
+
 class SparseMoe(nn.Module):
     """The experts' weights are stacked (``w13`` [E, 2I, H]: gate's rows then up's; ``w2`` [E, H, I]) as the Triton
     kernel and transformers 5 hold them; a checkpoint's per-expert tensors load into their slices
     (``load_expert``). With ``fp8`` (:class:`ExpertsFp8`) they are e4m3 after loading, with ``w13_scale``
-    [E, 2I / bn, ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] (:mod:`infer.quant.fp8_block`)."""
+    [E, 2I / bn, ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] (:mod:`infer.quant.fp8_block`).
+    With ``linear_quant`` (AWQ: :func:`experts_quant`) each expert's projections are Linears of that method instead,
+    ``experts.{e}.{projection}`` as the checkpoint names them, run one expert at a time by the torch loop."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype,
                  silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], fused: bool,
-                 shared_expert: nn.Module | None = None, fp8: ExpertsFp8 | None = None) -> None:
+                 shared_expert: nn.Module | None = None, fp8: ExpertsFp8 | None = None,
+                 linear_quant: QuantMethod | None = None, prefix: str = "") -> None:
         super().__init__()
         self.moe, self.silu_and_mul, self.fused, self.fp8 = moe, silu_and_mul, fused, fp8
         size, count = moe.intermediate_size, moe.num_experts
         self.gate = Router(hidden_size, count, dtype)
         self.shared_expert = shared_expert  # Qwen2-MoE's, scaled by sigmoid(shared_expert_gate x)
         self.shared_expert_gate = Router(hidden_size, 1, dtype) if shared_expert is not None else None
+        self.experts: nn.ModuleList | None = None
+        self.loaded: set[tuple[int, str]] = set()  # (expert, projection or projection + "_scale") loaded
+        if linear_quant is not None:
+            self.fused = False
+            self.experts = nn.ModuleList(expert_linears(moe, hidden_size, f"{prefix}.experts.{e}", linear_quant, dtype)
+                                         for e in range(count))
+            self.register_buffer("w13", None)
+            self.register_buffer("w2", None)
+            return
         # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
         stored = FP8_DTYPE if fp8 is not None and not fp8.on_load else dtype  # the checkpoint's codes
         self.register_buffer("w13", torch.empty(count, 2 * size, hidden_size, dtype=stored), persistent=False)
@@ -119,12 +155,11 @@ class SparseMoe(nn.Module):
                                       f"{fp8.block13[0]} rows, so gate's and up's block scales cannot stack; infer "
                                       "cannot load this FP8 MoE checkpoint")
             self._register_scales()
-        self.loaded: set[tuple[int, str]] = set()  # (expert, projection or projection + "_scale") loaded
 
     @property
     def scaled(self) -> bool:
         """Whether the experts hold e4m3 codes (with w13_scale/w2_scale): loaded so, or quantized after loading."""
-        return self.w13.dtype == FP8_DTYPE
+        return self.w13 is not None and self.w13.dtype == FP8_DTYPE
 
     def _register_scales(self) -> None:
         assert self.fp8 is not None
@@ -168,6 +203,8 @@ class SparseMoe(nn.Module):
         """Load ``{prefix}.experts.{name}``: one expert's ("3.w1.weight", FP8 "3.w1.weight_scale_inv"), or
         transformers 5's stacked layout ("gate_up_proj" [E, 2I, H], "down_proj" [E, H, I]: ``w13`` and ``w2`` as
         they are; FP8 "gate_up_proj_scale_inv", "down_proj_scale_inv")."""
+        if self.experts is not None:
+            return self._load_linear(prefix, name, tensor)
         gate, up, down = self.moe.projections
         full, count = f"{prefix}.experts.{name}", self.moe.num_experts
         stacked, is_scale = name.removesuffix("_scale_inv"), name.endswith("_scale_inv")
@@ -210,6 +247,39 @@ class SparseMoe(nn.Module):
             target.copy_(tensor)
         self.loaded |= parts
 
+    def _load_linear(self, prefix: str, name: str, tensor: torch.Tensor) -> None:
+        """Per-expert Linears: one expert's tensor ("3.gate_proj.qweight", or a float "3.w1.weight" to quantize on
+        load) goes to its Linear; transformers 5's stacked float ones are split among the experts."""
+        assert self.experts is not None
+        gate, up, down = self.moe.projections
+        full, count = f"{prefix}.experts.{name}", self.moe.num_experts
+        if name in ("gate_up_proj", "down_proj"):
+            size = self.moe.intermediate_size
+            expected = (count, 2 * size) if name == "gate_up_proj" else (count, self.gate.weight.shape[1])
+            if tuple(tensor.shape[:2]) != expected:
+                raise CheckpointError(f"shape mismatch for {full}: checkpoint {tuple(tensor.shape)}, model "
+                                      f"{expected} by the experts' inputs")
+            parts = [(gate, slice(0, size)), (up, slice(size, None))] if name == "gate_up_proj" else \
+                [(down, slice(None))]
+            for e in range(count):
+                for projection, rows in parts:
+                    self._load_part(full, e, projection, "weight", tensor[e, rows])
+            return
+        index, projection, attr = name.split(".", 2) if name.count(".") == 2 else ("", "", "")
+        if not index.isdigit() or int(index) >= count or projection not in (gate, up, down):
+            hint = f" (config.json says {count} experts: is that right?)" if index.isdigit() else ""
+            raise CheckpointError(f"unexpected tensor {full!r}: experts hold {gate}, {up} and {down} linears, one "
+                                  f"set per expert 0..{count - 1}{hint}")
+        self._load_part(full, int(index), projection, attr, tensor)
+
+    def _load_part(self, full: str, e: int, projection: str, attr: str, tensor: torch.Tensor) -> None:
+        if (e, f"{projection}.{attr}") in self.loaded:
+            raise CheckpointError(f"{full} holds expert weights that another tensor of the checkpoint held too; "
+                                  "keep one layout (per-expert tensors or the stacked ones)")
+        assert self.experts is not None
+        getattr(self.experts[e], projection).load(attr, tensor)
+        self.loaded.add((e, f"{projection}.{attr}"))
+
     def _expert_slice(self, e: int, projection: str, scale: bool) -> torch.Tensor | None:
         """Expert ``e``'s part of w13/w2 (or of their scales) that ``projection`` fills."""
         gate, _, down = self.moe.projections
@@ -221,6 +291,10 @@ class SparseMoe(nn.Module):
 
     def missing(self, prefix: str) -> list[str]:
         """The per-expert tensors not loaded (each expert's gate, up and down, under ``prefix``)."""
+        if self.experts is not None:
+            return [f"{prefix}.experts.{e}.{projection}.{attr}" for e, expert in enumerate(self.experts)
+                    for projection in self.moe.projections for attr in getattr(expert, projection).state_dict()
+                    if (e, f"{projection}.{attr}") not in self.loaded]
         kinds = (("", "weight"),) + ((("_scale", self.fp8.scale_name),) if self.fp8 is not None and self.scaled
                                      else ())
         return [f"{prefix}.experts.{e}.{name}.{attr}" for e in range(self.moe.num_experts)
@@ -270,6 +344,9 @@ class SparseMoe(nn.Module):
 
     def _expert_linear(self, x: torch.Tensor, e: int, name: str) -> torch.Tensor:
         """``x @ W.T`` for expert ``e``'s ``name`` (w13 or w2); FP8 as the block-wise linears emulate it."""
+        if self.experts is not None:
+            gate, up, down = (getattr(self.experts[e], p) for p in self.moe.projections)
+            return torch.cat([gate(x), up(x)], dim=-1) if name == "w13" else down(x)
         weight = getattr(self, name)[e]
         if self.fp8 is None:
             return F.linear(x, weight)

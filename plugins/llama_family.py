@@ -79,7 +79,12 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         merge = resolve_device(config.device).type == "cuda"
     ops = pointwise_ops(config)
     if arch.moe is not None and any(arch.moe.sparse_layers):
-        check_experts(arch.architecture, quant, ops, config)
+        from ..models.moe import experts_quant
+
+        moe = arch.moe
+        linear_experts = any(experts_quant(quant, f"model.layers.{i}.{moe.block}.experts", moe) is not None
+                             for i, sparse in enumerate(moe.sparse_layers) if sparse)
+        check_experts(arch.architecture, quant, ops, config, linear_experts)
     if quant is None and config.skinny_gemm_rows:
         from ..core.loader import resolve_device, triton_runs_on
         from ..models.layers import UnquantizedMethod
@@ -94,22 +99,22 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
     return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
 
 
-def check_experts(architecture: str, quant: QuantMethod | None, ops: PointwiseOps, config: EngineConfig) -> None:
-    """What a MoE model cannot run with yet, refused by name: quantized experts other than FP8 ones (block-wise or
-    compressed-tensors FP8_DYNAMIC checkpoints, ``--quant fp8`` on load), and the torch experts loop, which reads
-    each layer's expert counts back to the host, in CUDA graphs (the fused Triton experts, the default on CUDA, are
-    capturable)."""
+def check_experts(architecture: str, quant: QuantMethod | None, ops: PointwiseOps, config: EngineConfig,
+                  linear_experts: bool) -> None:
+    """What a MoE model cannot run with, refused by name: the torch experts loop, which reads each layer's expert
+    counts back to the host, in CUDA graphs. The loop runs the experts without fused Triton ops, and always for
+    experts quantized by a method without stacked expert kernels (``linear_experts``: AWQ's, each expert's
+    Linears); the fused Triton experts (unquantized or FP8, the default on CUDA) are capturable."""
     from ..core.errors import ConfigError
     from ..core.loader import resolve_device
-    from ..quant.fp8_block_method import BlockFp8LinearMethod
-    from ..quant.fp8_method import Fp8LinearMethod
 
-    if quant is not None and not isinstance(quant, BlockFp8LinearMethod | Fp8LinearMethod):
-        fix = "drop --quant (or use --quant fp8)" if config.quant else "use the unquantized checkpoint (this one's " \
-            "config.json has a quantization_config)"
-        raise ConfigError(f"{architecture} runs its experts unquantized or in FP8 only: infer has no "
-                          f"{quant.name} MoE kernels yet; {fix}")
-    if ops.name != "triton" and config.cuda_graphs and resolve_device(config.device).type == "cuda":
+    if not config.cuda_graphs or resolve_device(config.device).type != "cuda":
+        return
+    if linear_experts:
+        raise ConfigError(f"{architecture} runs its {quant.name if quant else ''} experts by the torch loop (one "
+                          "expert's Linears at a time: infer has no stacked kernels for them), which CUDA graphs "
+                          "cannot capture; add --no-cuda-graphs")
+    if ops.name != "triton":
         why = "with --no-fused-ops" if config.fused_ops is False else "without triton (it cannot be imported)"
         raise ConfigError(f"{architecture} {why} runs its experts by the torch loop, which CUDA graphs cannot "
                           "capture; add --no-cuda-graphs, or run with the fused Triton ops (the CUDA default)")

@@ -170,8 +170,8 @@ def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
                               "`infer quantize` needs the unquantized checkpoint it came from")
     arch = (architectures(raw) or ["(none)"])[0]
     if arch not in DENSE_ARCHITECTURES:
-        moe = " (infer serves mixtures of experts unquantized only)" if arch.endswith("MoeForCausalLM") or \
-            arch == "MixtralForCausalLM" else ""
+        moe = " (a mixture of experts quantizes on load instead: --quant awq, round-to-nearest)" \
+            if arch.endswith("MoeForCausalLM") or arch == "MixtralForCausalLM" else ""
         raise CheckpointError(f"infer quantize supports {', '.join(DENSE_ARCHITECTURES)}; {str(model_dir)!r} is "
                               f"{arch!r}{moe}")
     safetensors_files(model_dir)

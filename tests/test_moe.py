@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -171,13 +172,10 @@ def test_checkpoints_as_transformers_5_writes_them_load(tmp_path, hf_greedy, arc
 
 def test_moe_refusals_name_the_cause(tmp_path):
     path = moe_model(tmp_path / "m", "mixtral")
-    with pytest.raises(ConfigError, match=r"MixtralForCausalLM runs its experts unquantized or in FP8 only: infer "
-                                          r"has no awq MoE kernels yet; drop --quant \(or use --quant fp8\)"):
-        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, quant="awq"))
     from infer.quant.calibrate import calibrate_awq
 
-    with pytest.raises(CheckpointError, match=r"is 'MixtralForCausalLM' \(infer serves mixtures of experts "
-                                              "unquantized only\\)"):
+    with pytest.raises(CheckpointError, match=r"is 'MixtralForCausalLM' \(a mixture of experts quantizes on load "
+                                              r"instead: --quant awq, round-to-nearest\)"):
         calibrate_awq(path, tmp_path / "awq")
     bad = moe_model(tmp_path / "k", "mixtral", num_experts_per_tok=5)
     with pytest.raises(CheckpointError, match="routes each token to 5 experts .num_experts_per_tok. of 4"):
@@ -206,6 +204,98 @@ def test_moe_refusals_name_the_cause(tmp_path):
                                               r"the router model\.layers\.0\.mlp\.shared_expert_gate, which infer "
                                               "loads in float only"):
         Engine(EngineConfig(model=str(gated), device="cpu", num_kv_blocks=16))
+
+
+# ---------------------------------------------------------------- AWQ experts (each expert's Linears)
+AWQ_MOE = {"mixtral": {}, "qwen2moe": {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}}
+
+
+def awq_linear_weights(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors --quant awq converts: every linear's weight (experts', shared expert's, attention's), not the
+    routers (mlp.gate, shared_expert_gate), the norms, the embedding or the head."""
+    return [name for name, t in tensors.items() if t.dim() == 2 and name.endswith("proj.weight")
+            or ".experts." in name]
+
+
+def rtn_copies(src, tmp_path, group: int = 64):
+    """(an AutoAWQ GEMM checkpoint of ``src``: each converted weight packed by round-to-nearest at ``group``, and
+    the float checkpoint of its dequantized weights: the model both compute)."""
+    from safetensors.torch import load_file, save_file
+
+    from infer.quant import awq
+
+    packed, dense = tmp_path / "packed", tmp_path / "dense"
+    for folder in (packed, dense):
+        shutil.copytree(src, folder)
+    tensors = load_file(str(src / "model.safetensors"))
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for name in awq_linear_weights(tensors):
+        owner = name.removesuffix(".weight")
+        qweight, qzeros, scales = awq.quantize_rtn(tensors[name], group)
+        del quantized[name]
+        quantized.update({f"{owner}.qweight": qweight, f"{owner}.qzeros": qzeros, f"{owner}.scales": scales})
+        dequantized[name] = awq.dequantize(qweight, qzeros, scales, group, dtype=torch.float32).t().contiguous()
+    save_file(quantized, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                     "version": "gemm", "modules_to_not_convert": None}
+    (packed / "config.json").write_text(json.dumps(config))
+    return packed, dense
+
+
+@pytest.mark.parametrize("arch", list(AWQ_MOE))
+def test_awq_experts_generate_what_hf_generates_on_their_dequantized_weights(tmp_path, hf_greedy, arch):
+    """An AWQ MoE checkpoint (experts, shared expert and attention packed) and --quant awq on the float one (per
+    expert, and as transformers 5 stacks the experts): each is HF's model on the dequantized weights, token for
+    token; the experts stay packed (int4) in memory."""
+    from transformers import AutoModelForCausalLM
+
+    path = moe_model(tmp_path / "m", arch, extra=AWQ_MOE[arch])
+    packed, dense = rtn_copies(path, tmp_path)
+    stacked = tmp_path / "stacked"
+    AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).save_pretrained(
+        str(stacked), save_original_format=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / name, stacked / name)
+    on_load = {"quant": "awq", "plugin_options": {"awq": {"group_size": 64}}}
+    batch = prompts(1024, [5, 19], seed=3)
+    for model, options in ((packed, {}), (path, on_load), (stacked, on_load)):
+        engine = Engine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=32, **options))
+        block = engine.loaded.model.model.layers[0].ffn()
+        assert block.w13 is None and block.experts[1].get_submodule(block.moe.projections[2]).qweight.dtype == \
+            torch.int32
+        for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
+            assert result.outputs[0].token_ids == hf_greedy(dense, prompt, GREEDY.max_tokens)
+
+
+def test_awq_experts_refuse_what_they_cannot_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    packed, _ = rtn_copies(moe_model(tmp_path / "m", "mixtral", num_layers=1), tmp_path)
+    tensors = load_file(str(packed / "model.safetensors"))
+    del tensors["model.layers.0.block_sparse_moe.experts.2.w3.qzeros"]
+    save_file(tensors, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing 1 tensors, e\.g\. \['model\.layers\.0\.block_sparse_moe\."
+                                              r"experts\.2\.w3\.qzeros'\]"):
+        Engine(EngineConfig(model=str(packed), device="cpu", num_kv_blocks=16))
+
+
+@pytest.mark.gpu
+def test_awq_experts_on_cuda_equal_hf_on_their_dequantized_weights(tmp_path, hf_greedy):
+    """On a GPU the experts' Linears run the Triton W4A16 GEMM (up to 64 rows); CUDA graphs, which cannot capture
+    the torch loop, are refused by name."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    path = moe_model(tmp_path / "m", "qwen2moe", extra=AWQ_MOE["qwen2moe"])
+    packed, dense = rtn_copies(path, tmp_path)
+    with pytest.raises(ConfigError, match="runs its awq experts by the torch loop .* add --no-cuda-graphs"):
+        Engine(EngineConfig(model=str(packed), device="cuda", num_kv_blocks=32))
+    engine = Engine(EngineConfig(model=str(packed), device="cuda", dtype="float32", num_kv_blocks=32,
+                                 cuda_graphs=False))
+    batch = prompts(1024, [5, 19], seed=3)
+    for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
+        assert result.outputs[0].token_ids == hf_greedy(dense, prompt, GREEDY.max_tokens)
 
 
 @pytest.mark.gpu
