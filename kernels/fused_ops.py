@@ -1,5 +1,6 @@
-"""Small fused ops (RMSNorm + residual, neox rotary, SiLU-and-mul) with the signatures of their torch references,
-``rms_norm``, ``apply_rotary`` and ``silu_and_mul`` in models/layers.py (``triton_ops()`` there bundles these).
+"""Small fused ops (RMSNorm + residual, Gemma's too, neox rotary, SiLU- and GELU(tanh)-and-mul) with the signatures
+of their torch references, ``rms_norm``, ``gemma_rms_norm``, ``apply_rotary``, ``silu_and_mul`` and
+``gelu_tanh_and_mul`` in models/layers.py (``triton_ops()`` there bundles these).
 
 The kernels round intermediates to the activation dtype exactly where the references do, so half-precision results
 match them to the last bit up to fp32 rounding order.
@@ -24,7 +25,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- RMSNorm (+ residual)
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                     n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ROUND_NORMED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -35,7 +36,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
         x = x.to(tl.float32)
     h = x * tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the normed value before the weight multiply
+    if ROUND_NORMED:  # Llama's norm rounds the normed value before the weight multiply; Gemma's multiplies in fp32
+        h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -43,16 +45,28 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Like models/layers.py ``rms_norm``: norm(x), or with ``residual`` (norm(x + residual), x + residual)."""
+    return _rms_norm(x, weight, eps, residual, torch.promote_types(weight.dtype, x.dtype), round_normed=True)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Like models/layers.py ``gemma_rms_norm``: the normed value times ``weight`` (1 + w, float32) in float32,
+    rounded once to x's dtype."""
+    return _rms_norm(x, weight, eps, residual, x.dtype, round_normed=False)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, dtype: torch.dtype,
+              round_normed: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     shape, n_cols = x.shape, x.shape[-1]
     x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
     r2 = _rows(residual) if residual is not None else x2
     res_out = torch.empty_like(x2) if residual is not None else out
     if x2.shape[0]:
         block = triton.next_power_of_2(n_cols)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n_cols, eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block))
+            HAS_RES=residual is not None, BLOCK=block, ROUND_NORMED=round_normed, num_warps=_warps(block))
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
@@ -112,27 +126,43 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return q_out, k_out
 
 
-# ---------------------------------------------------------------- SiLU-and-mul
+# ---------------------------------------------------------------- SiLU-and-mul, GELU(tanh)-and-mul
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(gate_ptr, up_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr,
+                        GELU_TANH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(gate_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds, then the mul
+    if GELU_TANH:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (e^2y + 1)
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(gate_ptr.dtype.element_ty).to(tl.float32)  # torch's activation rounds, then the mul
     tl.store(o_ptr + row * stride_o + cols, (act * up).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """gate, up [..., I] -> silu(gate) * up [..., I] in one pass."""
+    return _act_and_mul(gate, up, block, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """gate, up [..., I] -> gelu(gate, approximate="tanh") * up [..., I] in one pass (Gemma's MLP)."""
+    return _act_and_mul(gate, up, block, gelu_tanh=True)
+
+
+def _act_and_mul(gate: torch.Tensor, up: torch.Tensor, block: int, gelu_tanh: bool) -> torch.Tensor:
     if gate.shape != up.shape:
-        raise ValueError(f"silu_and_mul needs gate and up of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+        raise ValueError(f"act_and_mul needs gate and up of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     inter = gate.shape[-1]
     g2, u2 = _rows(gate), _rows(up)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if g2.shape[0] and inter:
         block = min(block, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(inter, block))](
-            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=_warps(block))
+        _act_and_mul_kernel[(g2.shape[0], triton.cdiv(inter, block))](
+            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), inter, BLOCK=block, GELU_TANH=gelu_tanh,
+            num_warps=_warps(block))
     return out.view(gate.shape)

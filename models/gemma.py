@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import CheckpointError
@@ -42,21 +41,13 @@ class GemmaRMSNorm(nn.Module):
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: PointwiseOps = TORCH_OPS) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), the sum in x's dtype."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = (F.rms_norm(x.float(), x.shape[-1:], eps=self.eps) * self.weight).to(x.dtype)
-        return out if residual is None else (out, residual)
-
-
-def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.gelu(gate, approximate="tanh") * up
+        return self.ops.gemma_rms_norm(x, self.weight, self.eps, residual)
 
 
 @dataclass(frozen=True)
@@ -179,11 +170,11 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", quant, dtype, ops, window,
                                    scale=cfg.query_pre_attn_scalar**-0.5, norm=GemmaRMSNorm, softcap=cfg.attn_softcap)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops, act_and_mul=gelu_tanh_and_mul)
+        self.mlp = MLP(cfg, f"{prefix}.mlp", quant, dtype, ops, act_and_mul=ops.gelu_tanh_and_mul)
         self.feed_forward = "mlp"
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
-            self.add_module(name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype))
+            self.add_module(name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops))
 
     def ffn(self) -> MLP:
         return self.mlp

@@ -115,6 +115,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, residual)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's: the normed value times ``weight`` (which holds 1 + w, float32) in float32, rounded once to x's dtype;
+    with ``residual``, (norm(x + residual), x + residual), the sum in x's dtype."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    out = (F.rms_norm(x.float(), x.shape[-1:], eps=eps) * weight).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary: q [T, Hq, D], k [T, Hk, D], cos/sin tables [max_pos, R/2] -> rotated copies, computed in float32
@@ -135,6 +146,10 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
 @dataclass(frozen=True)
 class PointwiseOps:
     """The elementwise ops of a decoder layer, with the signatures of the torch functions above (the reference).
@@ -147,6 +162,8 @@ class PointwiseOps:
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                      tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    gemma_rms_norm: Callable[..., Any] = gemma_rms_norm
+    gelu_tanh_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
 
 
 TORCH_OPS = PointwiseOps("torch", rms_norm, apply_rotary, silu_and_mul)
@@ -158,7 +175,7 @@ def triton_ops() -> PointwiseOps:
     from ..kernels import fused_ops
 
     return PointwiseOps("triton", fused_ops.rms_norm, partial(fused_ops.rotary_embedding, inplace=True),
-                        fused_ops.silu_and_mul)
+                        fused_ops.silu_and_mul, fused_ops.gemma_rms_norm, fused_ops.gelu_tanh_and_mul)
 
 
 class RMSNorm(nn.Module):

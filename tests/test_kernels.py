@@ -274,6 +274,32 @@ def test_rms_norm(device: torch.device, dtype: torch.dtype, with_residual: bool)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm(device: torch.device, dtype: torch.dtype, with_residual: bool) -> None:
+    """Gemma's (1 + w) norm, multiplied in float32 and rounded once: the kernel against the torch op, and the torch
+    op against transformers' Gemma3RMSNorm (whose weight holds w)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 96, dtype=dtype, device=device) * 4
+    residual = torch.randn_like(x) if with_residual else None
+    w = torch.randn(96, device=device) * 0.3
+    got = ops.gemma_rms_norm(x, 1.0 + w, 1e-6, residual)
+    ref = layers.gemma_rms_norm(x, 1.0 + w, 1e-6, residual)
+    for g, r in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref)), strict=True):
+        assert g.dtype == r.dtype == dtype and g.shape == r.shape
+        torch.testing.assert_close(g, r, **TOL[dtype])
+        if dtype == torch.float16:  # one rounding, where the torch op has it: the last bit, but for fp32 order
+            assert (g == r).float().mean() > 0.97  # (rounding the normed value first matches 71%)
+    hf = Gemma3RMSNorm(96, eps=1e-6).to(device)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+        summed = x if residual is None else x + residual
+        normed = ref[0] if isinstance(ref, tuple) else ref
+        assert torch.equal(normed, hf(summed))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("rotary_dim", [32, 24])  # whole heads; Phi-4-mini's partial rotation (3/4 of each head)
 def test_rotary_embedding(device: torch.device, dtype: torch.dtype, inplace: bool, rotary_dim: int) -> None:
@@ -303,6 +329,17 @@ def test_silu_and_mul(device: torch.device, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, layers.silu_and_mul(gate, up), **TOL[dtype])
     with pytest.raises(ValueError, match="one shape"):
         ops.silu_and_mul(gate, up[..., :39])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul(device: torch.device, dtype: torch.dtype) -> None:
+    """Gemma's MLP activation: gelu(gate, approximate="tanh") * up, the activation rounded before the mul."""
+    torch.manual_seed(5)
+    gate_up = torch.randn(3, 5, 2 * 40, dtype=dtype, device=device) * 3
+    gate_up[0, 0, :8] = torch.tensor([0.0, 1e-4, -1e-4, 12.0, -12.0, 30.0, -30.0, 0.5])  # tanh's flat ends, near 0
+    gate, up = gate_up[..., :40], gate_up[..., 40:]
+    got = ops.gelu_tanh_and_mul(gate, up, block=16)
+    torch.testing.assert_close(got, layers.gelu_tanh_and_mul(gate, up), **TOL[dtype])
 
 
 # ---------------------------------------------------------------- skinny GEMM (reference: torch matmul in fp32)
