@@ -80,14 +80,16 @@ def experts_fp8(quant: object, prefix: str, moe: MoeConfig, hidden_size: int) ->
 
 def experts_quant(quant: QuantMethod | None, prefix: str, moe: MoeConfig) -> QuantMethod | None:
     """The quant method that runs the experts at ``prefix`` as per-expert Linears (:class:`SparseMoe`'s
-    ``experts``): one without stacked expert kernels (AWQ), where it converts the experts; None for unquantized
-    experts and for FP8 ones, which stay stacked (:func:`experts_fp8`)."""
+    ``experts``): one without stacked expert kernels (AWQ), where it converts any of an expert's projections (an
+    AutoAWQ Qwen2-MoE checkpoint leaves gate_proj float: modules_to_not_convert ["gate"]); None for unquantized
+    experts (``--skinny-gemm-rows``' unquantized method too) and for FP8 ones, which stay stacked."""
     from ..quant.fp8_block_method import BlockFp8LinearMethod
     from ..quant.fp8_method import Fp8LinearMethod
+    from .layers import UnquantizedMethod
 
-    if quant is None or isinstance(quant, BlockFp8LinearMethod | Fp8LinearMethod):
+    if quant is None or isinstance(quant, BlockFp8LinearMethod | Fp8LinearMethod | UnquantizedMethod):
         return None
-    return quant if quant.applies_to(f"{prefix}.0.{moe.projections[0]}") else None
+    return quant if any(quant.applies_to(f"{prefix}.0.{projection}") for projection in moe.projections) else None
 
 
 def fused_fp8_runs(device: torch.device, fp8: ExpertsFp8) -> bool:

@@ -2,6 +2,7 @@
 loop."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -217,19 +218,22 @@ def awq_linear_weights(tensors: dict[str, torch.Tensor]) -> list[str]:
             or ".experts." in name]
 
 
-def rtn_copies(src, tmp_path, group: int = 64):
-    """(an AutoAWQ GEMM checkpoint of ``src``: each converted weight packed by round-to-nearest at ``group``, and
-    the float checkpoint of its dequantized weights: the model both compute)."""
+def rtn_copies(src, folder, group: int = 64, not_convert: list[str] | None = None):
+    """(an AutoAWQ GEMM checkpoint of ``src``: each converted weight packed by round-to-nearest at ``group``, but
+    those of modules with a ``not_convert`` name in theirs (AutoAWQ's rule), and the float checkpoint of its
+    dequantized weights: the model both compute)."""
     from safetensors.torch import load_file, save_file
 
     from infer.quant import awq
 
-    packed, dense = tmp_path / "packed", tmp_path / "dense"
-    for folder in (packed, dense):
-        shutil.copytree(src, folder)
+    packed, dense = folder / "packed", folder / "dense"
+    for copy in (packed, dense):
+        shutil.copytree(src, copy)
     tensors = load_file(str(src / "model.safetensors"))
     quantized, dequantized = dict(tensors), dict(tensors)
     for name in awq_linear_weights(tensors):
+        if any(skip in name.removesuffix(".weight") for skip in not_convert or ()):
+            continue
         owner = name.removesuffix(".weight")
         qweight, qzeros, scales = awq.quantize_rtn(tensors[name], group)
         del quantized[name]
@@ -239,20 +243,22 @@ def rtn_copies(src, tmp_path, group: int = 64):
     save_file(dequantized, str(dense / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((packed / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                                     "version": "gemm", "modules_to_not_convert": None}
+                                     "version": "gemm", "modules_to_not_convert": not_convert}
     (packed / "config.json").write_text(json.dumps(config))
     return packed, dense
 
 
 @pytest.mark.parametrize("arch", list(AWQ_MOE))
 def test_awq_experts_generate_what_hf_generates_on_their_dequantized_weights(tmp_path, hf_greedy, arch):
-    """An AWQ MoE checkpoint (experts, shared expert and attention packed) and --quant awq on the float one (per
-    expert, and as transformers 5 stacks the experts): each is HF's model on the dequantized weights, token for
-    token; the experts stay packed (int4) in memory."""
+    """An AWQ MoE checkpoint as AutoAWQ writes one (experts, shared expert and attention packed, but modules named
+    like "gate": Qwen2-MoE's gate_proj stays float) and --quant awq on the float one (per expert, and as
+    transformers 5 stacks the experts): each is HF's model on its dequantized weights, token for token; the experts
+    stay packed (int4) in memory, and spare LoRA slots (every other linear takes adapters) leave them alone."""
     from transformers import AutoModelForCausalLM
 
     path = moe_model(tmp_path / "m", arch, extra=AWQ_MOE[arch])
-    packed, dense = rtn_copies(path, tmp_path)
+    packed, dense_packed = rtn_copies(path, tmp_path / "autoawq", not_convert=["gate"])
+    _, dense = rtn_copies(path, tmp_path / "rtn")
     stacked = tmp_path / "stacked"
     AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).save_pretrained(
         str(stacked), save_original_format=False)
@@ -260,18 +266,37 @@ def test_awq_experts_generate_what_hf_generates_on_their_dequantized_weights(tmp
         shutil.copy(path / name, stacked / name)
     on_load = {"quant": "awq", "plugin_options": {"awq": {"group_size": 64}}}
     batch = prompts(1024, [5, 19], seed=3)
-    for model, options in ((packed, {}), (path, on_load), (stacked, on_load)):
+    for model, options, reference in ((packed, {"max_lora_adapters": 1}, dense_packed), (path, on_load, dense),
+                                      (stacked, on_load, dense)):
         engine = Engine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=32, **options))
         block = engine.loaded.model.model.layers[0].ffn()
         assert block.w13 is None and block.experts[1].get_submodule(block.moe.projections[2]).qweight.dtype == \
             torch.int32
         for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
-            assert result.outputs[0].token_ids == hf_greedy(dense, prompt, GREEDY.max_tokens)
+            assert result.outputs[0].token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens)
+        if "max_lora_adapters" in options:  # a batch with an adapter's request runs the deltas of every linear
+            from infer.models.lora import LoraAdapter
+
+            q_proj = "model.layers.0.self_attn.q_proj"
+            engine.load_lora_adapter("a", LoraAdapter("a", 2, 1.0, {q_proj: (torch.ones(2, 64), torch.ones(64, 2))}))
+            adapted = dataclasses.replace(GREEDY, lora_adapter="a")
+            outputs = engine.generate(batch, [adapted, GREEDY])
+            assert outputs[1].outputs[0].token_ids == hf_greedy(reference, batch[1], GREEDY.max_tokens)
+            expert = f"model.layers.0.{block.moe.block}.experts.0.{block.moe.projections[2]}"  # sees routed rows only
+            with pytest.raises(CheckpointError, match=f"has weights for '{expert}', which is not a linear layer"):
+                engine.load_lora_adapter("b", LoraAdapter("b", 2, 1.0, {expert: (torch.ones(2, 64),
+                                                                                   torch.ones(64, 2))}))
 
 
 def test_awq_experts_refuse_what_they_cannot_load(tmp_path):
     from safetensors.torch import load_file, save_file
 
+    from infer.models.layers import UnquantizedMethod
+    from infer.models.moe import experts_quant
+
+    # --skinny-gemm-rows' unquantized method keeps the stacked (fused) experts
+    assert experts_quant(UnquantizedMethod(8), "model.layers.0.mlp.experts", MoeConfig(
+        4, 2, 64, True, True, "mlp", ("gate_proj", "up_proj", "down_proj"), (True,))) is None
     packed, _ = rtn_copies(moe_model(tmp_path / "m", "mixtral", num_layers=1), tmp_path)
     tensors = load_file(str(packed / "model.safetensors"))
     del tensors["model.layers.0.block_sparse_moe.experts.2.w3.qzeros"]
@@ -288,7 +313,7 @@ def test_awq_experts_on_cuda_equal_hf_on_their_dequantized_weights(tmp_path, hf_
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     path = moe_model(tmp_path / "m", "qwen2moe", extra=AWQ_MOE["qwen2moe"])
-    packed, dense = rtn_copies(path, tmp_path)
+    packed, dense = rtn_copies(path, tmp_path, not_convert=["gate"])
     with pytest.raises(ConfigError, match="runs its awq experts by the torch loop .* add --no-cuda-graphs"):
         Engine(EngineConfig(model=str(packed), device="cuda", num_kv_blocks=32))
     engine = Engine(EngineConfig(model=str(packed), device="cuda", dtype="float32", num_kv_blocks=32,
