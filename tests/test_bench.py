@@ -828,6 +828,7 @@ def test_throughput_script_reports_infer_before_and_without_hf(tmp_path):
     assert not (tmp_path / "model.partial").exists() and list((tmp_path / "model").glob("*.safetensors"))
 
 
+@pytest.mark.slow  # about 50 s on CI's 2 cores: four smoke runs of the anchor script
 def test_throughput_script_adds_hf_baselines_to_an_earlier_runs_infer_figures(tmp_path):
     """gpu_check.sh's stages: infer and HF continuous batching first; later, with --reuse-infer, HF static and HF
     single stream beside the same infer figures, each HF arm in its own process."""

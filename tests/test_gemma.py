@@ -76,7 +76,7 @@ def test_the_context_is_max_position_embeddings_even_with_linear_scaling(tmp_pat
     assert engine.max_model_len == json.loads((path / "config.json").read_text())["max_position_embeddings"]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["gemma3", pytest.param("gemma2", marks=pytest.mark.slow)])  # the same kernels
 def test_fused_ops_generate_what_the_torch_ops_do(name: str, checkpoint: Callable[[str], Path],
                                                   hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
     """The Triton rotary, (1 + w) norms (q/k norms included) and GELU-and-mul, interpreted."""
@@ -236,7 +236,9 @@ def test_gemma3_with_caps_set_caps_as_transformers_does(tmp_path: Path, checkpoi
         assert logprob == pytest.approx(float(expected[token]), abs=1e-4)
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
+# the interpreted Triton model is slow: the kernels' softcap tests run by default, and -m gpu runs Gemma 2 on the
+# Triton backend natively (test_on_cuda_with_graphs_it_generates_what_transformers_does)
+@pytest.mark.parametrize("attention", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_gemma2_as_released_generates_what_transformers_does(
         attention: str, tmp_path: Path, checkpoint: Callable[[str], Path],
         hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
