@@ -112,6 +112,9 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
                           "with --lora")
     runner.lora = lora  # before graphs are captured: they include the adapters
     if config.cuda_graphs and loaded.device.type == "cuda":
+        if attention.supports_cuda_graphs and loaded.model.spec.graph_blocker is not None:
+            raise ConfigError(f"{loaded.model.spec.graph_blocker}, which CUDA graphs cannot capture; add "
+                              "--no-cuda-graphs")
         if attention.supports_cuda_graphs:
             mixed = config.mixed_graph_tokens() if attention.supports_mixed_cuda_graphs else 0
             if config.cuda_graph_max_tokens and not mixed:

@@ -579,6 +579,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None  # the smallest window of the layers that slide (None: no layer slides)
     attn_softcap: float | None = None  # attention scores pass through cap * tanh(score / cap) (Gemma 2; None: not)
+    graph_blocker: str | None = None  # what keeps CUDA graphs from capturing the forward (a host sync), or None
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,7 @@
 Qwen2-MoE and Qwen3-MoE)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:  # torch loads with the model, not with the plugins (`infer --
 
     from ..core.interfaces import Model, QuantMethod
     from ..models.layers import PointwiseOps
+    from ..models.llama import LlamaFamilyModel
 
 log = logging.getLogger("infer")
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -78,13 +80,6 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 
         merge = resolve_device(config.device).type == "cuda"
     ops = pointwise_ops(config)
-    if arch.moe is not None and any(arch.moe.sparse_layers):
-        from ..models.moe import experts_quant
-
-        moe = arch.moe
-        linear_experts = any(experts_quant(quant, f"model.layers.{i}.{moe.block}.experts", moe) is not None
-                             for i, sparse in enumerate(moe.sparse_layers) if sparse)
-        check_experts(arch.architecture, quant, ops, config, linear_experts)
     if quant is None and config.skinny_gemm_rows:
         from ..core.loader import resolve_device, triton_runs_on
         from ..models.layers import UnquantizedMethod
@@ -96,28 +91,27 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
     if gemma:
         return GemmaModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge,
                            multimodal=multimodal)
-    return LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
+    model = LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
+    model.spec = dataclasses.replace(model.spec, graph_blocker=experts_loop_blocker(model, config))
+    return model
 
 
-def check_experts(architecture: str, quant: QuantMethod | None, ops: PointwiseOps, config: EngineConfig,
-                  linear_experts: bool) -> None:
-    """What a MoE model cannot run with, refused by name: the torch experts loop, which reads each layer's expert
-    counts back to the host, in CUDA graphs. The loop runs the experts without fused Triton ops, and always for
-    experts quantized by a method without stacked expert kernels (``linear_experts``: AWQ's, each expert's
-    Linears); the fused Triton experts (unquantized or FP8, the default on CUDA) are capturable."""
-    from ..core.errors import ConfigError
-    from ..core.loader import resolve_device
+def experts_loop_blocker(model: LlamaFamilyModel, config: EngineConfig) -> str | None:
+    """Why CUDA graphs cannot capture the model (ModelSpec.graph_blocker): experts run by the torch loop, which
+    reads each layer's expert counts back to the host. The loop runs experts without the fused Triton ops, and
+    always experts quantized by a method without stacked expert kernels (AWQ's: each expert's Linears); the fused
+    Triton experts (unquantized or FP8, the default on CUDA) are capturable."""
+    from ..models.moe import SparseMoe
 
-    if not config.cuda_graphs or resolve_device(config.device).type != "cuda":
-        return
-    if linear_experts:
-        raise ConfigError(f"{architecture} runs its {quant.name if quant else ''} experts by the torch loop (one "
-                          "expert's Linears at a time: infer has no stacked kernels for them), which CUDA graphs "
-                          "cannot capture; add --no-cuda-graphs")
-    if ops.name != "triton":
-        why = "with --no-fused-ops" if config.fused_ops is False else "without triton (it cannot be imported)"
-        raise ConfigError(f"{architecture} {why} runs its experts by the torch loop, which CUDA graphs cannot "
-                          "capture; add --no-cuda-graphs, or run with the fused Triton ops (the CUDA default)")
+    blocks = [module for module in model.modules() if isinstance(module, SparseMoe)]
+    architecture = model.cfg.architecture
+    if any(block.experts is not None for block in blocks):
+        return (f"{architecture} runs its quantized experts by the torch loop (one expert's Linears at a time: "
+                "infer has no stacked kernels for them)")
+    if any(not block.fused for block in blocks):
+        why = "with --no-fused-ops" if config.fused_ops is False else "without the fused Triton ops"
+        return f"{architecture} {why} runs its experts by the torch loop (the fused Triton ops are the CUDA default)"
+    return None
 
 
 def pointwise_ops(config: EngineConfig) -> PointwiseOps:

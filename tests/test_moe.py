@@ -64,6 +64,8 @@ def test_moe_models_generate_what_hf_generates(tmp_path, hf_greedy, arch, edits,
     layers = engine.loaded.model.model.layers
     sparse = [isinstance(layer.ffn(), SparseMoe) for layer in layers]
     assert sparse == ([False, True, False] if edits else [True, True])
+    # the loop syncs with the host: on CUDA the engine refuses graphs for it by name (ModelSpec.graph_blocker)
+    assert (engine.loaded.model.spec.graph_blocker is None) == fused
     batch = prompts(engine.loaded.model.spec.vocab_size, [7, 40, 19])
     for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
         assert result.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
@@ -270,6 +272,7 @@ def test_awq_experts_generate_what_hf_generates_on_their_dequantized_weights(tmp
                                       (stacked, on_load, dense)):
         engine = Engine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=32, **options))
         block = engine.loaded.model.model.layers[0].ffn()
+        assert "runs its quantized experts by the torch loop" in str(engine.loaded.model.spec.graph_blocker)
         assert block.w13 is None and block.experts[1].get_submodule(block.moe.projections[2]).qweight.dtype == \
             torch.int32
         for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
@@ -314,7 +317,7 @@ def test_awq_experts_on_cuda_equal_hf_on_their_dequantized_weights(tmp_path, hf_
         pytest.skip("no CUDA device")
     path = moe_model(tmp_path / "m", "qwen2moe", extra=AWQ_MOE["qwen2moe"])
     packed, dense = rtn_copies(path, tmp_path, not_convert=["gate"])
-    with pytest.raises(ConfigError, match="runs its awq experts by the torch loop .* add --no-cuda-graphs"):
+    with pytest.raises(ConfigError, match="runs its quantized experts by the torch loop .* add --no-cuda-graphs"):
         Engine(EngineConfig(model=str(packed), device="cuda", num_kv_blocks=32))
     engine = Engine(EngineConfig(model=str(packed), device="cuda", dtype="float32", num_kv_blocks=32,
                                  cuda_graphs=False))
