@@ -5,8 +5,9 @@ Shapes: Qwen3-30B-A3B (128 experts of 768, 8 per token, hidden 2048) and Mixtral
 hidden 4096), random bf16 weights and routing. Each case checks the three outputs agree, then times each with CUDA
 events (the Triton path also replayed from a CUDA graph: the engine's decode steps run so; on CUDA also with the
 weights in block-wise FP8, 128 x 128, as Qwen3-30B-A3B-FP8 holds them, with its error against HF's bf16 output,
-about 0.04 from e4m3 rounding of weights and activations). Prints one JSON line per
-case and a table. ``--device cpu`` runs a small shape on the Triton interpreter (a smoke test, not a figure).
+about 0.04 from e4m3 rounding of weights and activations), and with the weights in AWQ int4 (round-to-nearest,
+group 128; 32 on the CPU smoke shape) as infer runs AWQ experts: each expert's Linears, one expert at a time (its
+error against HF's float output is int4's through three projections: 0.15 on the CPU smoke shape). Prints one JSON line per case and a table. ``--device cpu`` runs a small shape on the Triton interpreter (a smoke test, not a figure).
 Run: ``python benchmarks/moe_bench.py [--tokens 1 16 128 1024]``.
 """
 from __future__ import annotations
@@ -61,6 +62,23 @@ def block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).reshape(e, r, c), scale
 
 
+def awq_experts(moe: object, hidden: int, w13: torch.Tensor, w2: torch.Tensor, group: int) -> torch.nn.Module:
+    """A SparseMoe whose experts are AWQ Linears (int4, RTN at ``group``) quantized from w13/w2 on load."""
+    from infer.models.moe import SparseMoe
+    from infer.quant.awq_method import AwqLinearMethod
+
+    with torch.device(w13.device):
+        block = SparseMoe(moe, hidden, w13.dtype, lambda g, u: torch.nn.functional.silu(g) * u, fused=False,
+                          linear_quant=AwqLinearMethod(group, quantize_on_load=True), prefix="mlp")
+    size = w2.shape[2]
+    for e, expert in enumerate(block.experts):
+        for name, weight in (("gate_proj", w13[e, :size]), ("up_proj", w13[e, size:]), ("down_proj", w2[e])):
+            linear = expert.get_submodule(name)
+            linear.load("weight", weight)
+            linear.method.process_after_loading(linear)
+    return block
+
+
 def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iters: int) -> dict[str, object]:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -85,8 +103,9 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
     with torch.no_grad():
         hf.gate_up_proj.copy_(w13)
         hf.down_proj.copy_(w2)
+    awq = awq_experts(moe, hidden, w13, w2, 128 if hidden % 128 == 0 and size % 128 == 0 else 32)
     runs = {"triton": lambda: fused_experts(x, w13, w2, weights, ids), "torch_loop": lambda: loop.experts_loop(
-        x, weights, ids), "hf": lambda: hf(x, ids, weights)}
+        x, weights, ids), "awq_loop": lambda: awq.experts_loop(x, weights, ids), "hf": lambda: hf(x, ids, weights)}
     with torch.no_grad():
         outs = {name: fn().float() for name, fn in runs.items()}
         scale = outs["hf"].norm().clamp_min(1e-6)
@@ -123,11 +142,12 @@ def main() -> None:
     rows = [case(shape, tokens, device, dtype, args.iters) for shape in shapes for tokens in args.tokens]
     for row in rows:
         print(json.dumps(row), flush=True)
-    print(f"{'shape':<15}{'tokens':>7}{'triton ms':>11}{'graphed':>9}{'fp8 graphed':>12}{'loop ms':>9}{'HF ms':>9}"
-          f"{'HF/triton':>10}")
+    print(f"{'shape':<15}{'tokens':>7}{'triton ms':>11}{'graphed':>9}{'fp8 graphed':>12}{'loop ms':>9}"
+          f"{'awq loop':>9}{'HF ms':>9}{'HF/triton':>10}")
     for r in rows:
         print(f"{r['shape']:<15}{r['tokens']:>7}{r['triton_ms']:>11}{r.get('triton_graph_ms', '-'):>9}"
-              f"{r.get('triton_fp8_graph_ms', '-'):>12}{r['torch_loop_ms']:>9}{r['hf_ms']:>9}{r['hf_over_triton']:>10}")
+              f"{r.get('triton_fp8_graph_ms', '-'):>12}{r['torch_loop_ms']:>9}{r['awq_loop_ms']:>9}{r['hf_ms']:>9}"
+              f"{r['hf_over_triton']:>10}")
 
 
 if __name__ == "__main__":

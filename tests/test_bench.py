@@ -1058,3 +1058,5 @@ def test_moe_bench_agrees_with_hfs_experts_before_timing():
                                                       "1").splitlines() if line.startswith("{")]
     assert [(r["shape"], r["tokens"]) for r in rows] == [("cpu-smoke", 3)]
     assert rows[0]["rel_err_vs_hf"]["triton"] < 1e-5 and rows[0]["rel_err_vs_hf"]["torch_loop"] < 1e-6
+    # int4's error (RTN at group 32: ~9% a weight, three projections deep), not a broken layer's (~1)
+    assert 1e-3 < rows[0]["rel_err_vs_hf"]["awq_loop"] < 0.3
