@@ -7,7 +7,9 @@ events (the Triton path also replayed from a CUDA graph: the engine's decode ste
 weights in block-wise FP8, 128 x 128, as Qwen3-30B-A3B-FP8 holds them, with its error against HF's bf16 output,
 about 0.04 from e4m3 rounding of weights and activations), and with the weights in AWQ int4 (round-to-nearest,
 group 128; 32 on the CPU smoke shape) as infer runs AWQ experts: each expert's Linears, one expert at a time (its
-error against HF's float output is int4's through three projections: 0.15 on the CPU smoke shape). Prints one JSON line per case and a table. ``--device cpu`` runs a small shape on the Triton interpreter (a smoke test, not a figure).
+error against HF's float output is int4's through three projections: 0.15 on the CPU smoke shape). Prints one
+JSON line per case and a table. ``--device cpu`` runs a small shape on the Triton interpreter (a smoke test, not a
+figure).
 Run: ``python benchmarks/moe_bench.py [--tokens 1 16 128 1024]``.
 """
 from __future__ import annotations

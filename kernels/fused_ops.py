@@ -3,7 +3,7 @@ of their torch references, ``rms_norm``, ``gemma_rms_norm``, ``apply_rotary``, `
 ``gelu_tanh_and_mul`` in models/layers.py (``triton_ops()`` there bundles these).
 
 The kernels round intermediates to the activation dtype exactly where the references do, so half-precision results
-match them to the last bit up to fp32 rounding order.
+match them to the last bit up to fp32 rounding order (and, for GELU, its algebraic form: g / (1 + e^-2y)).
 """
 from __future__ import annotations
 
@@ -135,9 +135,9 @@ def _act_and_mul_kernel(gate_ptr, up_ptr, o_ptr, stride_g, stride_u, stride_o, n
     mask = cols < n_cols
     gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    if GELU_TANH:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (e^2y + 1)
+    if GELU_TANH:  # 0.5 g (1 + tanh(y)) with y = sqrt(2 / pi) (g + 0.044715 g^3) is g / (1 + e^-2y): no cancellation
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+        act = gate / (1.0 + tl.exp(-2.0 * inner))
     else:
         act = gate / (1.0 + tl.exp(-gate))
     act = act.to(gate_ptr.dtype.element_ty).to(tl.float32)  # torch's activation rounds, then the mul

@@ -89,9 +89,10 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
                               "on the CPU); drop --skinny-gemm-rows")
         quant = UnquantizedMethod(config.skinny_gemm_rows)  # every linear, and the tied head, share it
     if gemma:
-        return GemmaModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge,
-                          multimodal=multimodal)
-    model = LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
+        model = GemmaModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge,
+                           multimodal=multimodal)
+    else:
+        model = LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
     model.spec = dataclasses.replace(model.spec, graph_blocker=experts_loop_blocker(model, config))
     return model
 
