@@ -14,7 +14,7 @@ from .errors import ConfigError, PluginError
 from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Proposer, ReasoningParser, Scheduler,
                          ToolParser)
 from .loader import LoadedModel, load_model
-from .model import check_softcap, fit_sliding_window
+from .model import check_capturable, check_softcap, fit_sliding_window
 from .lora import start_lora_adapters
 from .plugins import PluginManager
 from .runner import ModelRunner
@@ -112,10 +112,8 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
                           "with --lora")
     runner.lora = lora  # before graphs are captured: they include the adapters
     if config.cuda_graphs and loaded.device.type == "cuda":
-        if attention.supports_cuda_graphs and loaded.model.spec.graph_blocker is not None:
-            raise ConfigError(f"{loaded.model.spec.graph_blocker}, which CUDA graphs cannot capture; add "
-                              "--no-cuda-graphs")
         if attention.supports_cuda_graphs:
+            check_capturable(loaded.model)
             mixed = config.mixed_graph_tokens() if attention.supports_mixed_cuda_graphs else 0
             if config.cuda_graph_max_tokens and not mixed:
                 log.warning("--cuda-graph-max-tokens is ignored: attention backend %r cannot capture mixed steps, "

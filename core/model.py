@@ -58,6 +58,13 @@ def check_softcap(model: Model, attention: AttentionBackend, what: str = "the mo
                           "(--attention torch, cpu or triton)")
 
 
+def check_capturable(model: Model, what: str = "the model") -> None:
+    """ConfigError for a model whose forward syncs with the host (``ModelSpec.graph_blocker``), called where CUDA
+    graphs would capture it."""
+    if model.spec.graph_blocker is not None:
+        raise ConfigError(f"{what}: {model.spec.graph_blocker}, which CUDA graphs cannot capture; add --no-cuda-graphs")
+
+
 def fit_sliding_window(model: Model, attention: AttentionBackend, max_model_len: int | None, what: str = "the model"
                        ) -> None:
     """A model whose layers slide runs on a backend without a sliding window with its context cut to the window

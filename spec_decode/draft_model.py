@@ -24,7 +24,7 @@ from ..core.config import EngineConfig
 from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import GrammarMatcher, KVCache, Proposal, Proposer, ScheduledSequence, SchedulerOutput
 from ..core.loader import LoadedModel, load_model
-from ..core.model import check_softcap, fit_sliding_window
+from ..core.model import check_capturable, check_softcap, fit_sliding_window
 from ..core.plugin_options import read_plugin_options
 from ..core.plugins import PluginManager
 from ..core.request import Sequence
@@ -93,9 +93,7 @@ class DraftModelProposer(Proposer):
         runner = ModelRunner(draft.model, attention, blocks, config.block_size, draft.dtype, draft.device, config.seed)
         proposer = cls(draft, runner, kv, config.seed, config.max_num_batched_tokens, target.model.spec.vocab_size)
         if config.cuda_graphs and draft.device.type == "cuda" and attention.supports_cuda_graphs:
-            if draft.model.spec.graph_blocker is not None:
-                raise ConfigError(f"the draft model: {draft.model.spec.graph_blocker}, which CUDA graphs cannot "
-                                  "capture; add --no-cuda-graphs")
+            check_capturable(draft.model, "the draft model")
             # the k - 1 one-token draft steps, and the two-token first step of each round after the first
             runner.enable_cuda_graphs(min(config.max_num_seqs, 256), {2: min(config.max_num_seqs, 64)})
             if round_graphs:  # and whole greedy rounds

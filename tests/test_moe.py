@@ -31,6 +31,15 @@ def moe_model(folder, arch: str, num_layers: int = 2, extra: dict | None = None,
     return path
 
 
+def edit_tensors(path, edit) -> None:
+    """Rewrite ``path``'s model.safetensors after ``edit`` (a function of the name -> tensor dict) changed it."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
@@ -183,12 +192,8 @@ def test_moe_refusals_name_the_cause(tmp_path):
     bad = moe_model(tmp_path / "k", "mixtral", num_experts_per_tok=5)
     with pytest.raises(CheckpointError, match="routes each token to 5 experts .num_experts_per_tok. of 4"):
         Engine(EngineConfig(model=str(bad), device="cpu", num_kv_blocks=16))
-    from safetensors.torch import load_file, save_file
-
     short = moe_model(tmp_path / "s", "qwen3moe")
-    tensors = load_file(str(short / "model.safetensors"))
-    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
-    save_file(tensors, str(short / "model.safetensors"), metadata={"format": "pt"})
+    edit_tensors(short, lambda tensors: tensors.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"checkpoint is missing 1 tensors, e\.g\. "
                                               r"\['model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight'\]"):
         Engine(EngineConfig(model=str(short), device="cpu", num_kv_blocks=16))
@@ -198,11 +203,9 @@ def test_moe_refusals_name_the_cause(tmp_path):
                                               r"0\.\.2, .*\(config\.json says 3 experts: is that right\?\)"):
         Engine(EngineConfig(model=str(fewer), device="cpu", num_kv_blocks=16))
     gated = moe_model(tmp_path / "g", "qwen2moe", num_layers=1)  # a router quantized by tooling that ignored it
-    tensors = load_file(str(gated / "model.safetensors"))
     name = "model.layers.0.mlp.shared_expert_gate.weight"
-    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
-    tensors[name + "_scale"] = torch.ones(1)
-    save_file(tensors, str(gated / "model.safetensors"), metadata={"format": "pt"})
+    edit_tensors(gated, lambda tensors: tensors.update({name: tensors[name].to(torch.float8_e4m3fn),
+                                                        name + "_scale": torch.ones(1)}))
     with pytest.raises(CheckpointError, match=r"shared_expert_gate\.weight (\(float8_e4m3fn\)|_scale).*quantized "
                                               r"the router model\.layers\.0\.mlp\.shared_expert_gate, which infer "
                                               "loads in float only"):
@@ -292,8 +295,6 @@ def test_awq_experts_generate_what_hf_generates_on_their_dequantized_weights(tmp
 
 
 def test_awq_experts_refuse_what_they_cannot_load(tmp_path):
-    from safetensors.torch import load_file, save_file
-
     from infer.models.layers import UnquantizedMethod
     from infer.models.moe import experts_quant
 
@@ -301,9 +302,7 @@ def test_awq_experts_refuse_what_they_cannot_load(tmp_path):
     assert experts_quant(UnquantizedMethod(8), "model.layers.0.mlp.experts", MoeConfig(
         4, 2, 64, True, True, "mlp", ("gate_proj", "up_proj", "down_proj"), (True,))) is None
     packed, _ = rtn_copies(moe_model(tmp_path / "m", "mixtral", num_layers=1), tmp_path)
-    tensors = load_file(str(packed / "model.safetensors"))
-    del tensors["model.layers.0.block_sparse_moe.experts.2.w3.qzeros"]
-    save_file(tensors, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    edit_tensors(packed, lambda tensors: tensors.pop("model.layers.0.block_sparse_moe.experts.2.w3.qzeros"))
     with pytest.raises(CheckpointError, match=r"missing 1 tensors, e\.g\. \['model\.layers\.0\.block_sparse_moe\."
                                               r"experts\.2\.w3\.qzeros'\]"):
         Engine(EngineConfig(model=str(packed), device="cpu", num_kv_blocks=16))
