@@ -6,8 +6,10 @@ hidden 4096), random bf16 weights and routing. Each case checks the three output
 events (the Triton path also replayed from a CUDA graph: the engine's decode steps run so; on CUDA also with the
 weights in block-wise FP8, 128 x 128, as Qwen3-30B-A3B-FP8 holds them, with its error against HF's bf16 output,
 about 0.04 from e4m3 rounding of weights and activations), and with the weights in AWQ int4 (round-to-nearest,
-group 128; 32 on the CPU smoke shape) as infer runs AWQ experts: each expert's Linears, one expert at a time (its
-error against HF's float output is int4's through three projections: 0.15 on the CPU smoke shape). Prints one
+group 128; 32 on the CPU smoke shape) as infer runs AWQ experts: stacked for the grouped W4A16 GEMMs
+(kernels/awq_moe.py, graphed on CUDA), and each expert's Linears one expert at a time, the loop infer keeps for
+experts not all int4 (their error against HF's float output is int4's through three projections: 0.15 on the CPU
+smoke shape). Prints one
 JSON line per case and a table. ``--device cpu`` runs a small shape on the Triton interpreter (a smoke test, not a
 figure).
 Run: ``python benchmarks/moe_bench.py [--tokens 1 16 128 1024]``.
@@ -15,6 +17,7 @@ Run: ``python benchmarks/moe_bench.py [--tokens 1 16 128 1024]``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from collections.abc import Callable
@@ -85,6 +88,7 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+    from infer.kernels.awq_moe import fused_awq_experts
     from infer.kernels.fused_moe import Fp8ExpertScales, fused_experts
     from infer.models.moe import MoeConfig, SparseMoe
 
@@ -106,8 +110,12 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
         hf.gate_up_proj.copy_(w13)
         hf.down_proj.copy_(w2)
     awq = awq_experts(moe, hidden, w13, w2, 128 if hidden % 128 == 0 and size % 128 == 0 else 32)
+    stacked = copy.deepcopy(awq)
+    stacked.stack_awq()
+    awq_stacked = stacked.awq_experts()
     runs = {"triton": lambda: fused_experts(x, w13, w2, weights, ids), "torch_loop": lambda: loop.experts_loop(
-        x, weights, ids), "awq_loop": lambda: awq.experts_loop(x, weights, ids), "hf": lambda: hf(x, ids, weights)}
+        x, weights, ids), "awq_loop": lambda: awq.experts_loop(x, weights, ids),
+        "awq_triton": lambda: fused_awq_experts(x, *awq_stacked, weights, ids), "hf": lambda: hf(x, ids, weights)}
     with torch.no_grad():
         outs = {name: fn().float() for name, fn in runs.items()}
         scale = outs["hf"].norm().clamp_min(1e-6)
@@ -126,6 +134,7 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
                                      Fp8ExpertScales(w13_scale, w2_scale, (128, 128), (128, 128)))
             row["fp8_rel_err_vs_hf"] = float((run_fp8().float() - outs["hf"]).norm() / scale)
             row["triton_fp8_graph_ms"] = round(time_ms(graphed(run_fp8), iters, device), 4)
+            row["awq_triton_graph_ms"] = round(time_ms(graphed(runs["awq_triton"]), iters, device), 4)
     row["hf_over_triton"] = round(float(row["hf_ms"]) / float(row.get("triton_graph_ms", row["triton_ms"])), 2)
     return row
 
@@ -145,10 +154,11 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row), flush=True)
     print(f"{'shape':<15}{'tokens':>7}{'triton ms':>11}{'graphed':>9}{'fp8 graphed':>12}{'loop ms':>9}"
-          f"{'awq loop':>9}{'HF ms':>9}{'HF/triton':>10}")
+          f"{'awq loop':>9}{'awq graphed':>12}{'HF ms':>9}{'HF/triton':>10}")
     for r in rows:
         print(f"{r['shape']:<15}{r['tokens']:>7}{r['triton_ms']:>11}{r.get('triton_graph_ms', '-'):>9}"
-              f"{r.get('triton_fp8_graph_ms', '-'):>12}{r['torch_loop_ms']:>9}{r['awq_loop_ms']:>9}{r['hf_ms']:>9}"
+              f"{r.get('triton_fp8_graph_ms', '-'):>12}{r['torch_loop_ms']:>9}{r['awq_loop_ms']:>9}"
+              f"{r.get('awq_triton_graph_ms', r['awq_triton_ms']):>12}{r['hf_ms']:>9}"
               f"{r['hf_over_triton']:>10}")
 
 

@@ -45,6 +45,35 @@ def _nibbles(q, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _dequant_dot(x, qw, qz_ptr, s_ptr, k0, offs_k, mask_k, offs_p, mask_p, offs_n, mask_n, group_size, stride_zg,
+                 stride_sg, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PER_GROUP: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ the dequantized K block of packed qw [BLOCK_K, BLOCK_N / 8] (rows offs_k, packed
+    columns offs_p; zeros and scales at qz_ptr and s_ptr, row stride per group) -> [BLOCK_M, BLOCK_N] in fp32."""
+    DTYPE: tl.constexpr = x.dtype
+    if PER_GROUP:  # one scale and zero row for the block, applied to the partial product
+        group = k0 // group_size
+        qz = tl.load(qz_ptr + group * stride_zg + offs_p, mask=mask_p, other=0)
+        s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        w = _nibbles(qw, BLOCK_K, BLOCK_N, DTYPE) - _nibbles(qz[None, :], 1, BLOCK_N, DTYPE)  # q - z, exact
+        if DTYPE == tl.float32:
+            partial = tl.dot(x, w, input_precision="ieee") * s[None, :]
+        else:
+            partial = tl.dot(x, w) * s[None, :]
+    else:
+        group = offs_k // group_size
+        qz = tl.load(qz_ptr + group[:, None] * stride_zg + offs_p[None, :],
+                     mask=mask_k[:, None] & mask_p[None, :], other=0)
+        s = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        w = (_nibbles(qw, BLOCK_K, BLOCK_N, tl.float32) - _nibbles(qz, BLOCK_K, BLOCK_N, tl.float32)) * s
+        if DTYPE == tl.float32:
+            partial = tl.dot(x, w, input_precision="ieee")
+        else:
+            partial = tl.dot(x, w.to(DTYPE))
+    return partial
+
+
+@triton.jit
 def _awq_gemm_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr,
     M, N, K, group_size, k_per_split,
@@ -56,7 +85,6 @@ def _awq_gemm_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     PACKED_N: tl.constexpr = BLOCK_N // 8
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_p = pid_n * PACKED_N + tl.arange(0, PACKED_N)  # packed columns
@@ -75,26 +103,8 @@ def _awq_gemm_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         qw = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_p[None, :], mask=mask_k[:, None] & mask_p[None, :],
                      other=0)
-        if PER_GROUP:  # one scale and zero row for the block, applied to the partial product
-            group = k0 // group_size
-            qz = tl.load(qz_ptr + group * stride_zg + offs_p, mask=mask_p, other=0)
-            s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            w = _nibbles(qw, BLOCK_K, BLOCK_N, DTYPE) - _nibbles(qz[None, :], 1, BLOCK_N, DTYPE)  # q - z, exact
-            if DTYPE == tl.float32:
-                acc += tl.dot(x, w, input_precision="ieee") * s[None, :]
-            else:
-                acc += tl.dot(x, w) * s[None, :]
-        else:
-            group = offs_k // group_size
-            qz = tl.load(qz_ptr + group[:, None] * stride_zg + offs_p[None, :],
-                         mask=mask_k[:, None] & mask_p[None, :], other=0)
-            s = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :],
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            w = (_nibbles(qw, BLOCK_K, BLOCK_N, tl.float32) - _nibbles(qz, BLOCK_K, BLOCK_N, tl.float32)) * s
-            if DTYPE == tl.float32:
-                acc += tl.dot(x, w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w.to(DTYPE))
+        acc += _dequant_dot(x, qw, qz_ptr, s_ptr, k0, offs_k, mask_k, offs_p, mask_p, offs_n, mask_n, group_size,
+                            stride_zg, stride_sg, BLOCK_K, BLOCK_N, PER_GROUP)
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask_out = mask_m[:, None] & mask_n[None, :]
@@ -108,6 +118,12 @@ def auto_split_k(m: int, tiles: int, k: int, block_k: int, sms: int) -> int:
     """K slices for ``tiles`` output tiles on ``sms`` SMs: about four programs per SM, at most one slice per K block
     and 32 in all, and fp32 partial sums (M * N * 4 bytes per slice) under a quarter of the weights' K * N / 2."""
     return max(1, min(triton.cdiv(4 * sms, tiles), triton.cdiv(k, block_k), k // (32 * m), 32))
+
+
+def group_k_block(group: int, k: int, largest: int) -> int:
+    """The largest K block (a power of two, 16 to ``largest``) that a group holds whole, so that the per-group path
+    runs (group 32 or 64 checkpoints too)."""
+    return next(b for b in (128, 64, 32, 16) if b <= largest and (group % b == 0 or group >= k))
 
 
 @functools.cache
@@ -136,9 +152,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
     block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     block_n = block_n or (128 if m <= 16 else 64)
-    # the largest K block a group holds whole, so that the per-group path runs (group 32 or 64 checkpoints too)
-    candidates = (128, 64, 32, 16) if m <= 16 else (64, 32, 16)
-    block_k = block_k or next(b for b in candidates if group % b == 0 or group >= k)
+    block_k = block_k or group_k_block(group, k, 128 if m <= 16 else 64)
     if split_k is None:  # on CUDA from the SM count, elsewhere 1
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         split_k = auto_split_k(m, tiles, k, block_k, _sm_count(x.device.index or 0)) if x.is_cuda else 1

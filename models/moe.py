@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,10 +13,14 @@ from torch import nn
 
 from ..core.errors import CheckpointError
 from ..core.interfaces import QuantMethod, check_float
+from ..quant.awq_method import AwqLinearMethod
 from ..quant.fp8 import FP8_DTYPE, scale_from_amax, to_fp8
 from ..quant.fp8_block import (Block, block_gemm_reference, dequantize_blocks, has_fp8_tensor_cores, k_tile,
                                quantize_per_token_group)
 from .layers import Linear
+
+if TYPE_CHECKING:
+    from ..kernels.awq_moe import AwqExperts
 
 log = logging.getLogger("infer")
 
@@ -126,7 +131,10 @@ class SparseMoe(nn.Module):
     (``load_expert``). With ``fp8`` (:class:`ExpertsFp8`) they are e4m3 after loading, with ``w13_scale``
     [E, 2I / bn, ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] (:mod:`infer.quant.fp8_block`).
     With ``linear_quant`` (AWQ: :func:`experts_quant`) each expert's projections are Linears of that method instead,
-    ``experts.{e}.{projection}`` as the checkpoint names them, run one expert at a time by the torch loop."""
+    ``experts.{e}.{projection}`` as the checkpoint names them, which load as any Linear does. ``fused`` AWQ experts
+    (every projection int4) are then stacked after loading, ``w13_qweight`` [E, H, 2I / 8] and its qzeros and scales
+    (gate's packed output columns, then up's) and ``w2_*``, the Linears freed, and run by the grouped W4A16 GEMMs
+    (:mod:`infer.kernels.awq_moe`); others run one expert at a time by the torch loop."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype,
                  silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], fused: bool,
@@ -139,13 +147,22 @@ class SparseMoe(nn.Module):
         self.shared_expert = shared_expert  # Qwen2-MoE's, scaled by sigmoid(shared_expert_gate x)
         self.shared_expert_gate = Router(hidden_size, 1, dtype) if shared_expert is not None else None
         self.experts: nn.ModuleList | None = None
+        self.awq_groups: tuple[int, int] | None = None  # the stacked AWQ experts' group sizes (w13's, w2's)
         self.loaded: set[tuple[int, str]] = set()  # (expert, projection or projection + "_scale") loaded
+        # why the experts run by the torch loop (ModelSpec.graph_blocker: it reads expert counts back to the host)
+        self.loop_reason = None if fused else \
+            "runs its experts by the torch loop without the fused Triton ops (the CUDA default)"
         if linear_quant is not None:
-            self.fused = False
             self.experts = nn.ModuleList(expert_linears(moe, hidden_size, f"{prefix}.experts.{e}", linear_quant, dtype)
                                          for e in range(count))
             self.register_buffer("w13", None)
             self.register_buffer("w2", None)
+            stackable = isinstance(linear_quant, AwqLinearMethod) and all(
+                linear_quant.applies_to(f"{prefix}.experts.0.{projection}") for projection in moe.projections)
+            if fused and not stackable:
+                self.fused, self.loop_reason = False, (
+                    "runs its quantized experts by the torch loop (one expert's Linears at a time): infer stacks "
+                    "AWQ experts whose gate, up and down projections are all int4 only")
             return
         # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
         stored = FP8_DTYPE if fp8 is not None and not fp8.on_load else dtype  # the checkpoint's codes
@@ -176,6 +193,8 @@ class SparseMoe(nn.Module):
         Triton experts cannot run FP8 (a GPU below sm89, a scale group whose K-tile is too small) the experts stay
         or become float in the model dtype (the checkpoint's dequantized weights, activations unquantized), said
         once in the log."""
+        if self.experts is not None and self.fused:
+            self.stack_awq()
         if self.fp8 is None:
             return
         if self.fused and not fused_fp8_runs(self.w13.device, self.fp8):
@@ -200,6 +219,39 @@ class SparseMoe(nn.Module):
             scale = getattr(self, f"{name}_scale")
             scale.copy_(scale_from_amax(weight.abs().amax(dim=-1, keepdim=True)))
             self.register_buffer(name, to_fp8(weight, scale), persistent=False)
+
+    def stack_awq(self) -> None:
+        """Stack the experts' loaded AWQ Linears into the grouped GEMMs' tensors (:meth:`awq_experts`), and free
+        them."""
+        from ..quant.awq_method import PACKED
+
+        assert self.experts is not None
+        gate, up, down = self.moe.projections
+        groups = []
+        for name, projections in (("w13", (gate, up)), ("w2", (down,))):
+            linears = [[expert.get_submodule(p) for p in projections] for expert in self.experts]
+            kinds = {(linear.awq_group_size, linear.scales.dtype) for row in linears for linear in row}
+            if len(kinds) > 1:
+                raise CheckpointError(f"the AWQ experts' {'/'.join(projections)} differ in group size or scale dtype "
+                                      f"({sorted(map(str, kinds))}), which the stacked expert kernels cannot run; "
+                                      "add --no-fused-ops to run them one expert at a time")
+            for attr in PACKED:  # packed columns hold 8 output columns each: concatenating them is exact
+                self.register_buffer(f"{name}_{attr}", torch.stack(
+                    [torch.cat([getattr(linear, attr) for linear in row], dim=1) for row in linears]),
+                    persistent=False)
+            groups.append(kinds.pop()[0])
+        self.awq_groups = (groups[0], groups[1])
+        self.experts = None
+
+    def awq_experts(self) -> tuple[AwqExperts, AwqExperts]:
+        """The stacked AWQ experts' (w13, w2) (after :meth:`stack_awq`)."""
+        from ..kernels.awq_moe import AwqExperts
+
+        assert self.awq_groups is not None
+        w13, w2 = (AwqExperts(getattr(self, f"{name}_qweight"), getattr(self, f"{name}_qzeros"),
+                              getattr(self, f"{name}_scales"), group)
+                   for name, group in zip(("w13", "w2"), self.awq_groups))
+        return w13, w2
 
     def load_expert(self, prefix: str, name: str, tensor: torch.Tensor) -> None:
         """Load ``{prefix}.experts.{name}``: one expert's ("3.w1.weight", FP8 "3.w1.weight_scale_inv"), or
@@ -312,7 +364,11 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        if self.fused:
+        if self.awq_groups is not None:
+            from ..kernels.awq_moe import fused_awq_experts
+
+            out = fused_awq_experts(x, *self.awq_experts(), weights, experts)
+        elif self.fused:
             from ..kernels.fused_moe import Fp8ExpertScales, fused_experts
 
             scales = None if self.fp8 is None else \

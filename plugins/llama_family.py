@@ -100,19 +100,17 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 def experts_loop_blocker(model: LlamaFamilyModel, config: EngineConfig) -> str | None:
     """Why CUDA graphs cannot capture the model (ModelSpec.graph_blocker): experts run by the torch loop, which
     reads each layer's expert counts back to the host. The loop runs experts without the fused Triton ops, and
-    always experts quantized by a method without stacked expert kernels (AWQ's: each expert's Linears); the fused
-    Triton experts (unquantized or FP8, the default on CUDA) are capturable."""
+    quantized experts the stacked kernels do not run (:class:`~infer.models.moe.SparseMoe`'s ``loop_reason``);
+    the fused Triton experts (unquantized, FP8 or AWQ, the default on CUDA) are capturable."""
     from ..models.moe import SparseMoe
 
-    blocks = [module for module in model.modules() if isinstance(module, SparseMoe)]
-    architecture = model.cfg.architecture
-    if any(block.experts is not None for block in blocks):
-        return (f"{architecture} runs its quantized experts by the torch loop (one expert's Linears at a time: "
-                "infer has no stacked kernels for them)")
-    if any(not block.fused for block in blocks):
-        why = "with --no-fused-ops" if config.fused_ops is False else "without the fused Triton ops"
-        return f"{architecture} {why} runs its experts by the torch loop (the fused Triton ops are the CUDA default)"
-    return None
+    reason = next((module.loop_reason for module in model.modules() if isinstance(module, SparseMoe)
+                   and module.loop_reason is not None), None)
+    if reason is None:
+        return None
+    if config.fused_ops is False:
+        reason = reason.replace("without the fused Triton ops", "with --no-fused-ops")
+    return f"{model.cfg.architecture} {reason}"
 
 
 def pointwise_ops(config: EngineConfig) -> PointwiseOps:

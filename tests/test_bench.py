@@ -1053,10 +1053,11 @@ def test_a_run_stopped_early_says_its_rounds_did_not_rotate_evenly():
 
 def test_moe_bench_agrees_with_hfs_experts_before_timing():
     """benchmarks/moe_bench.py on the CPU (the Triton interpreter): the Triton experts and the torch loop give HF's
-    experts module's output (float32) on the case it times."""
+    experts module's output (float32) on the case it times, and the AWQ ones int4's error, both alike."""
     rows = [json.loads(line) for line in bench_script("moe_bench.py", "--device", "cpu", "--tokens", "3", "--iters",
                                                       "1").splitlines() if line.startswith("{")]
     assert [(r["shape"], r["tokens"]) for r in rows] == [("cpu-smoke", 3)]
     assert rows[0]["rel_err_vs_hf"]["triton"] < 1e-5 and rows[0]["rel_err_vs_hf"]["torch_loop"] < 1e-6
     # int4's error (RTN at group 32: ~9% a weight, three projections deep), not a broken layer's (~1)
     assert 1e-3 < rows[0]["rel_err_vs_hf"]["awq_loop"] < 0.3
+    assert abs(rows[0]["rel_err_vs_hf"]["awq_triton"] - rows[0]["rel_err_vs_hf"]["awq_loop"]) < 1e-5

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, `py
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from infer.kernels import attention, awq_gemm, fp8, fused_ops, skinny_gemm  # noqa: E402
+from infer.kernels import (attention, awq_gemm, awq_moe, fp8, fp8_block, fused_moe, fused_ops,  # noqa: E402
+                           skinny_gemm)
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
@@ -37,8 +38,10 @@ from triton.compiler import ASTSource
 failures = []
 for rec in json.load(sys.stdin):
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
+    constexprs = {k: triton.language.dtype(v["dtype"]) if isinstance(v, dict) else v
+                  for k, v in rec["constexprs"].items()}
     try:
-        done = triton.compile(ASTSource(fn, rec["signature"], constexprs=rec["constexprs"]),
+        done = triton.compile(ASTSource(fn, rec["signature"], constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": rec["num_warps"]})
         if done.metadata.shared > 227 * 1024:  # the H100/H200 limit per block
             failures.append(f"{rec['name']}: {done.metadata.shared} bytes of shared memory")
@@ -50,7 +53,7 @@ print(json.dumps(failures))
 
 def kernels() -> dict[str, object]:
     found = {}
-    for module in (attention, awq_gemm, fp8, fused_ops, skinny_gemm):
+    for module in (attention, awq_gemm, awq_moe, fp8, fp8_block, fused_moe, fused_ops, skinny_gemm):
         for name, value in vars(module).items():
             if name.endswith("_kernel") and hasattr(value, "add_pre_run_hook"):
                 found[name] = value
@@ -69,6 +72,8 @@ def record(kernel: object, launches: list[dict]) -> None:
             value = bound[p.name]
             if "constexpr" in str(p.annotation) or value is None or (type(value) is int and value == 1):
                 signature[p.name], constexprs[p.name] = "constexpr", value  # Triton specializes an int 1 so
+                if hasattr(value, "primitive_bitwidth"):  # a triton dtype (ROUND_TO): by name through JSON
+                    constexprs[p.name] = {"dtype": str(value)}
             elif isinstance(value, torch.Tensor):
                 signature[p.name] = "*" + TYPES[value.dtype]
             elif isinstance(value, float):
@@ -94,11 +99,17 @@ def anchor_launches(dtype: torch.dtype) -> None:
                                     torch.tensor([0, 3, 6], dtype=torch.int32), lens, 0.125, **scales)
         attention.prefill_attention(torch.randn(6, HEADS, HEAD_DIM, dtype=dtype), cache, cache, tables[:1],
                                     torch.tensor([0, 6], dtype=torch.int32), lens[:1], 0.125, **scales)  # B = 1
+    # Gemma 2: softcapped scores (SOFTCAP), on a sliding window
+    attention.decode_attention(q, kc, kc, tables, lens, 0.125, 2, window=8, softcap=50.0)
+    attention.prefill_attention(torch.randn(6, HEADS, HEAD_DIM, dtype=dtype), kc, kc, tables,
+                                torch.tensor([0, 3, 6], dtype=torch.int32), lens, 0.125, window=8, softcap=50.0)
     kv = torch.randn(3, KV_HEADS, HEAD_DIM, dtype=dtype)
     attention.store_kv(kv, kv, kc, kc.clone(), torch.arange(3))
     x = torch.randn(2, HIDDEN, dtype=dtype)
     fused_ops.rms_norm(x, torch.ones(HIDDEN, dtype=dtype), 1e-5, residual=x.clone())
     fused_ops.silu_and_mul(torch.randn(2, INTER, dtype=dtype), torch.randn(2, INTER, dtype=dtype))
+    fused_ops.gemma_rms_norm(x, torch.ones(HIDDEN, dtype=dtype), 1e-6, residual=x.clone())
+    fused_ops.gelu_tanh_and_mul(torch.randn(2, INTER, dtype=dtype), torch.randn(2, INTER, dtype=dtype))
     cos = torch.randn(32, HEAD_DIM // 2)
     fused_ops.rotary_embedding(torch.arange(2), q.clone(), torch.randn(2, KV_HEADS, HEAD_DIM, dtype=dtype), cos, cos)
     fp8.per_token_quant(x)
@@ -111,9 +122,29 @@ def anchor_launches(dtype: torch.dtype) -> None:
                           split_k=split)
     awq_gemm.awq_gemm(torch.randn(1, 256, dtype=dtype), qweight, torch.zeros(8, 16, dtype=torch.int32),
                       torch.ones(8, 128, dtype=dtype), 32)  # group 32 < BLOCK_K: the per-row scales and zeros
+    moe_launches(dtype)
     for rows, block_n in ((1, 64), (16, 16)):
         skinny_gemm.skinny_gemm(torch.randn(rows, 512, dtype=dtype), torch.randn(128, 512, dtype=dtype),
                                 block_n=block_n)
+
+
+def moe_launches(dtype: torch.dtype) -> None:
+    """The experts' grouped GEMMs (float, block-wise FP8, AWQ) and the FP8 block GEMM, on a small layer: 4 experts,
+    2 per token, hidden 256, each expert's intermediate 128 (the block shapes of larger ones)."""
+    from infer.quant import awq
+
+    experts, hidden, inter = 4, 256, 128
+    x = torch.randn(3, hidden, dtype=dtype)
+    weights, chosen = torch.full((3, 2), 0.5), torch.tensor([[0, 1], [2, 0], [3, 1]])
+    w13, w2 = torch.randn(experts, 2 * inter, hidden) * 0.1, torch.randn(experts, hidden, inter) * 0.1
+    fused_moe.fused_experts(x, w13.to(dtype), w2.to(dtype), weights, chosen)
+    codes13, codes2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    scales = fused_moe.Fp8ExpertScales(torch.ones(experts, 2, 2), torch.ones(experts, 2, 1), (128, 128), (128, 128))
+    fused_moe.fused_experts(x, codes13, codes2, weights, chosen, scales)
+    fp8_block.w8a8_block_gemm(codes13[0], torch.ones(256, 2), codes13[1], torch.ones(2, 2), (128, 128), dtype)
+    packed = [[awq.quantize_rtn(w, 128) for w in stack] for stack in (w13, w2)]
+    stacked = [awq_moe.AwqExperts(*(torch.stack([p[i] for p in stack]) for i in range(3)), 128) for stack in packed]
+    awq_moe.fused_awq_experts(x, *stacked, weights.to(dtype), chosen)
 
 
 def test_every_kernel_compiles_for_sm90_at_the_anchor_shapes() -> None:
@@ -128,7 +159,7 @@ def test_every_kernel_compiles_for_sm90_at_the_anchor_shapes() -> None:
         for kernel in found.values():
             kernel.pre_run_hooks.clear()
     for launch in launches:
-        if launch["name"] == "_w8a8_gemm_kernel":
+        if launch["name"] in ("_w8a8_gemm_kernel", "_w8a8_block_gemm_kernel", "_grouped_gemm_kernel"):
             launch["constexprs"]["UPCAST"] = False  # what sm89+ runs (the interpreter takes the upcast path)
     assert {launch["name"] for launch in launches} == set(found), "a kernel has no anchor launch here"
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())

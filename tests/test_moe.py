@@ -153,6 +153,57 @@ def test_triton_experts_equal_the_definition(device, dtype, tokens, num_experts,
         assert (e == -1) == (len(chunk) == 0) and all(flat[chunk] == e)
 
 
+def awq_stack(weights: torch.Tensor, group: int):
+    """[E, out, in] float -> the experts' AwqExperts (RTN at ``group``) and their dequantized weights [E, out, in]."""
+    from infer.kernels.awq_moe import AwqExperts
+    from infer.quant import awq
+
+    packed = [awq.quantize_rtn(w, group) for w in weights]
+    stacked = AwqExperts(*(torch.stack([p[i] for p in packed]) for i in range(3)), group)
+    dense = torch.stack([awq.dequantize(*p, group, dtype=torch.float32).t() for p in packed])
+    return stacked, dense
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+                                   pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "group"),
+                         [(1, 8, 2, 32), (37, 4, 3, -1), (20, 3, 1, 64), (0, 4, 2, 32)])
+def test_triton_awq_experts_equal_the_definition(device, dtype, tokens, num_experts, top_k, group):
+    """The int4 grouped GEMMs (per-group K blocks at group 32 and 64, one group over K) against the float64
+    definition on the dequantized weights and, in float32, against the torch loop over each expert's AWQ Linears."""
+    from infer.kernels.awq_moe import AwqExperts, fused_awq_experts
+    from infer.quant.awq_method import AwqLinearMethod
+
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("the Triton interpreter has no bf16 dot (triton-lang/triton#11584): bf16 runs on CUDA only")
+    gen = torch.Generator().manual_seed(tokens + group)
+    hidden, size = 64, 64
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    gate, up, down = (awq_stack(torch.randn(num_experts, *shape, generator=gen) * 0.2, group)
+                      for shape in ((size, hidden), (size, hidden), (hidden, size)))
+    # gate's packed output columns, then up's: the stacking SparseMoe does after loading
+    w13 = AwqExperts(*(torch.cat([g, u], dim=2) for g, u in zip(gate[0][:3], up[0][:3])), group)
+    dense13, (w2, dense2) = torch.cat([gate[1], up[1]], dim=1), down
+    probs = torch.softmax(torch.randn(tokens, num_experts, generator=gen), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    ref = reference_experts(x, dense13.to(dtype), dense2.to(dtype), weights, experts)
+    on = [AwqExperts(*(t.to(device) for t in w[:3]), w.group_size) for w in (w13, w2)]
+    got = fused_awq_experts(x.to(device), *on, weights.to(device, dtype), experts.to(device))
+    tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.cpu().double(), ref, atol=tol, rtol=tol)
+    if dtype != torch.float32:
+        return
+    moe = MoeConfig(num_experts, top_k, size, False, True, "mlp", ("gate_proj", "up_proj", "down_proj"), (True,))
+    block = SparseMoe(moe, hidden, torch.float32, lambda g, u: torch.nn.functional.silu(g) * u, fused=False,
+                      linear_quant=AwqLinearMethod(group), prefix="mlp")
+    for e, expert in enumerate(block.experts):
+        for name, (packed, _) in zip(("gate_proj", "up_proj", "down_proj"), (gate, up, down)):
+            for attr, tensor in zip(("qweight", "qzeros", "scales"), packed):
+                expert.get_submodule(name).load(attr, tensor[e])
+    torch.testing.assert_close(got.cpu(), block.experts_loop(x, weights, experts), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
 def test_checkpoints_as_transformers_5_writes_them_load(tmp_path, hf_greedy, arch):
     """transformers 5's own layout (save_original_format=False: stacked experts.gate_up_proj and down_proj, Mixtral's
@@ -275,7 +326,7 @@ def test_awq_experts_generate_what_hf_generates_on_their_dequantized_weights(tmp
                                       (stacked, on_load, dense)):
         engine = Engine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=32, **options))
         block = engine.loaded.model.model.layers[0].ffn()
-        assert "runs its quantized experts by the torch loop" in str(engine.loaded.model.spec.graph_blocker)
+        assert "by the torch loop without the fused Triton ops" in str(engine.loaded.model.spec.graph_blocker)
         assert block.w13 is None and block.experts[1].get_submodule(block.moe.projections[2]).qweight.dtype == \
             torch.int32
         for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
@@ -294,6 +345,34 @@ def test_awq_experts_generate_what_hf_generates_on_their_dequantized_weights(tmp
                                                                                    torch.ones(64, 2))}))
 
 
+def test_stacked_awq_experts_equal_their_linears(tmp_path):
+    """With the fused Triton ops (the CUDA default; interpreted here) int4 AWQ experts, packed (Mixtral) or quantized
+    on load (Qwen2-MoE), are stacked after loading for the grouped W4A16 GEMMs, which CUDA graphs capture: a layer's
+    output equals the torch loop over the experts' Linears. AutoAWQ's Qwen2-MoE, whose gate_proj stays float, keeps
+    the loop, which graphs refuse by name."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton experts run on the CPU under TRITON_INTERPRET=1 only")
+    packed, _ = rtn_copies(moe_model(tmp_path / "mixtral", "mixtral", num_layers=1), tmp_path / "mixtral-awq")
+    qwen = moe_model(tmp_path / "qwen", "qwen2moe", num_layers=1, extra=AWQ_MOE["qwen2moe"])
+    on_load = {"quant": "awq", "plugin_options": {"awq": {"group_size": 64}}}
+    for model, options in ((packed, {}), (qwen, on_load)):
+        blocks = []
+        for fused in (False, True):
+            engine = Engine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=16, fused_ops=fused, **options))
+            blocks.append(engine.loaded.model.model.layers[0].ffn())
+            assert (engine.loaded.model.spec.graph_blocker is None) == fused
+        loop, stacked = blocks
+        count, hidden = stacked.gate.weight.shape
+        assert stacked.experts is None and stacked.w13_qweight.dtype == torch.int32
+        assert stacked.w13_qweight.shape == (count, hidden, 2 * stacked.moe.intermediate_size // 8)
+        x = torch.randn(11, hidden, generator=torch.Generator().manual_seed(count))
+        torch.testing.assert_close(stacked(x), loop(x), atol=1e-5, rtol=1e-5)
+    autoawq, _ = rtn_copies(qwen, tmp_path / "qwen-awq", not_convert=["gate"])
+    engine = Engine(EngineConfig(model=str(autoawq), device="cpu", num_kv_blocks=16, fused_ops=True))
+    assert "gate, up and down projections are all int4 only" in str(engine.loaded.model.spec.graph_blocker)
+    assert engine.loaded.model.model.layers[0].ffn().experts is not None
+
+
 def test_awq_experts_refuse_what_they_cannot_load(tmp_path):
     from infer.models.layers import UnquantizedMethod
     from infer.models.moe import experts_quant
@@ -310,19 +389,23 @@ def test_awq_experts_refuse_what_they_cannot_load(tmp_path):
 
 @pytest.mark.gpu
 def test_awq_experts_on_cuda_equal_hf_on_their_dequantized_weights(tmp_path, hf_greedy):
-    """On a GPU the experts' Linears run the Triton W4A16 GEMM (up to 64 rows); CUDA graphs, which cannot capture
-    the torch loop, are refused by name."""
+    """On a GPU int4 experts run the grouped W4A16 GEMMs inside CUDA graphs (the default); AutoAWQ's Qwen2-MoE,
+    whose gate_proj stays float, runs each expert's Linears (the Triton W4A16 GEMM up to 64 rows) without graphs,
+    which cannot capture the torch loop and are refused by name."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    path = moe_model(tmp_path / "m", "qwen2moe", extra=AWQ_MOE["qwen2moe"])
-    packed, dense = rtn_copies(path, tmp_path, not_convert=["gate"])
-    with pytest.raises(ConfigError, match="runs its quantized experts by the torch loop .* add --no-cuda-graphs"):
-        Engine(EngineConfig(model=str(packed), device="cuda", num_kv_blocks=32))
-    engine = Engine(EngineConfig(model=str(packed), device="cuda", dtype="float32", num_kv_blocks=32,
-                                 cuda_graphs=False))
     batch = prompts(1024, [5, 19], seed=3)
-    for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
-        assert result.outputs[0].token_ids == hf_greedy(dense, prompt, GREEDY.max_tokens)
+    mixtral, dense_mixtral = rtn_copies(moe_model(tmp_path / "mixtral", "mixtral"), tmp_path / "mixtral-awq")
+    qwen = moe_model(tmp_path / "m", "qwen2moe", extra=AWQ_MOE["qwen2moe"])
+    qwen, dense_qwen = rtn_copies(qwen, tmp_path / "qwen-awq", not_convert=["gate"])
+    with pytest.raises(ConfigError, match="runs its quantized experts by the torch loop .* add --no-cuda-graphs"):
+        Engine(EngineConfig(model=str(qwen), device="cuda", num_kv_blocks=32))
+    for model, dense, graphs in ((mixtral, dense_mixtral, True), (qwen, dense_qwen, False)):
+        engine = Engine(EngineConfig(model=str(model), device="cuda", dtype="float32", num_kv_blocks=32,
+                                     cuda_graphs=graphs))
+        assert (engine.runner.graphs is not None) == graphs
+        for prompt, result in zip(batch, engine.generate(batch, GREEDY)):
+            assert result.outputs[0].token_ids == hf_greedy(dense, prompt, GREEDY.max_tokens)
 
 
 @pytest.mark.gpu
