@@ -126,6 +126,7 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
             row[f"{name}_ms"] = round(time_ms(fn, iters, device), 4)
         if device.type == "cuda":
             row["triton_graph_ms"] = round(time_ms(graphed(runs["triton"]), iters, device), 4)
+            row["awq_triton_graph_ms"] = round(time_ms(graphed(runs["awq_triton"]), iters, device), 4)
             # block-wise FP8 experts (Qwen3-30B-A3B-FP8's format): the same weights in 128 x 128 e4m3 blocks
             (w13_fp8, w13_scale), (w2_fp8, w2_scale) = block_fp8(w13), block_fp8(w2)
 
@@ -134,7 +135,6 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
                                      Fp8ExpertScales(w13_scale, w2_scale, (128, 128), (128, 128)))
             row["fp8_rel_err_vs_hf"] = float((run_fp8().float() - outs["hf"]).norm() / scale)
             row["triton_fp8_graph_ms"] = round(time_ms(graphed(run_fp8), iters, device), 4)
-            row["awq_triton_graph_ms"] = round(time_ms(graphed(runs["awq_triton"]), iters, device), 4)
     row["hf_over_triton"] = round(float(row["hf_ms"]) / float(row.get("triton_graph_ms", row["triton_ms"])), 2)
     return row
 

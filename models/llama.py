@@ -536,9 +536,10 @@ class LlamaFamilyModel(Model):
         del modules, params, tied_head, embedding  # no reference may outlive what the loops below replace
         for module in linears:  # on-load quantization frees each float weight as it goes
             module.method.process_after_loading(module)
+        module = linears = None  # no reference may keep Linears that stacking AWQ experts frees as it goes
         for moe in experts.values():
             moe.process_after_loading()
-        del linears, experts
+        del experts
         if self.merge_after_loading:  # each layer's parts are freed as it merges: peak memory is one layer's more
             self.merge_projections()
 

@@ -84,10 +84,10 @@ def experts_fp8(quant: object, prefix: str, moe: MoeConfig, hidden_size: int) ->
 
 
 def experts_quant(quant: QuantMethod | None, prefix: str, moe: MoeConfig) -> QuantMethod | None:
-    """The quant method that runs the experts at ``prefix`` as per-expert Linears (:class:`SparseMoe`'s
-    ``experts``): one without stacked expert kernels (AWQ), where it converts any of an expert's projections (an
-    AutoAWQ Qwen2-MoE checkpoint leaves gate_proj float: modules_to_not_convert ["gate"]); None for unquantized
-    experts (``--skinny-gemm-rows``' unquantized method too) and for FP8 ones, which stay stacked."""
+    """The quant method whose experts at ``prefix`` load as per-expert Linears (:class:`SparseMoe`'s ``experts``):
+    one whose checkpoint tensors are not the stacked experts' (AWQ), where it converts any of an expert's
+    projections (an AutoAWQ Qwen2-MoE checkpoint leaves gate_proj float: modules_to_not_convert ["gate"]); None for
+    unquantized experts (``--skinny-gemm-rows``' unquantized method too) and for FP8 ones, which load stacked."""
     from ..quant.fp8_block_method import BlockFp8LinearMethod
     from ..quant.fp8_method import Fp8LinearMethod
     from .layers import UnquantizedMethod
@@ -149,20 +149,17 @@ class SparseMoe(nn.Module):
         self.experts: nn.ModuleList | None = None
         self.awq_groups: tuple[int, int] | None = None  # the stacked AWQ experts' group sizes (w13's, w2's)
         self.loaded: set[tuple[int, str]] = set()  # (expert, projection or projection + "_scale") loaded
-        # why the experts run by the torch loop (ModelSpec.graph_blocker: it reads expert counts back to the host)
-        self.loop_reason = None if fused else \
-            "runs its experts by the torch loop without the fused Triton ops (the CUDA default)"
+        # Linears the stacked kernels cannot run (not every projection of every expert AWQ): the torch loop runs
+        # them, which reads expert counts back to the host (ModelSpec.graph_blocker)
+        self.unstackable = False
         if linear_quant is not None:
             self.experts = nn.ModuleList(expert_linears(moe, hidden_size, f"{prefix}.experts.{e}", linear_quant, dtype)
                                          for e in range(count))
             self.register_buffer("w13", None)
             self.register_buffer("w2", None)
-            stackable = isinstance(linear_quant, AwqLinearMethod) and all(
-                linear_quant.applies_to(f"{prefix}.experts.0.{projection}") for projection in moe.projections)
-            if fused and not stackable:
-                self.fused, self.loop_reason = False, (
-                    "runs its quantized experts by the torch loop (one expert's Linears at a time): infer stacks "
-                    "AWQ experts whose gate, up and down projections are all int4 only")
+            self.unstackable = not all(isinstance(linear.method, AwqLinearMethod) for expert in self.experts
+                                       for linear in expert.children())
+            self.fused = fused and not self.unstackable
             return
         # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
         stored = FP8_DTYPE if fp8 is not None and not fp8.on_load else dtype  # the checkpoint's codes
@@ -189,10 +186,10 @@ class SparseMoe(nn.Module):
                                  persistent=False)
 
     def process_after_loading(self) -> None:
-        """Finish FP8 experts: ``--quant fp8`` quantizes float ones, one scale (amax / 448) per row; where the fused
-        Triton experts cannot run FP8 (a GPU below sm89, a scale group whose K-tile is too small) the experts stay
-        or become float in the model dtype (the checkpoint's dequantized weights, activations unquantized), said
-        once in the log."""
+        """Stack fused AWQ experts (:meth:`stack_awq`). Finish FP8 experts: ``--quant fp8`` quantizes float ones,
+        one scale (amax / 448) per row; where the fused Triton experts cannot run FP8 (a GPU below sm89, a scale
+        group whose K-tile is too small) the experts stay or become float in the model dtype (the checkpoint's
+        dequantized weights, activations unquantized), said once in the log."""
         if self.experts is not None and self.fused:
             self.stack_awq()
         if self.fp8 is None:
@@ -221,25 +218,35 @@ class SparseMoe(nn.Module):
             self.register_buffer(name, to_fp8(weight, scale), persistent=False)
 
     def stack_awq(self) -> None:
-        """Stack the experts' loaded AWQ Linears into the grouped GEMMs' tensors (:meth:`awq_experts`), and free
-        them."""
+        """Stack the experts' loaded AWQ Linears into the grouped GEMMs' tensors (:meth:`awq_experts`), freeing each
+        expert's Linears once copied (the peak is one expert's more)."""
         from ..quant.awq_method import PACKED
 
         assert self.experts is not None
         gate, up, down = self.moe.projections
+        parts = {"w13": (gate, up), "w2": (down,)}
+        first = self.experts[0]
         groups = []
-        for name, projections in (("w13", (gate, up)), ("w2", (down,))):
-            linears = [[expert.get_submodule(p) for p in projections] for expert in self.experts]
-            kinds = {(linear.awq_group_size, linear.scales.dtype) for row in linears for linear in row}
+        for name, projections in parts.items():
+            linears = [first.get_submodule(p) for p in projections]
+            kinds = {(expert.get_submodule(p).awq_group_size, expert.get_submodule(p).scales.dtype)
+                     for expert in self.experts for p in projections}
             if len(kinds) > 1:
                 raise CheckpointError(f"the AWQ experts' {'/'.join(projections)} differ in group size or scale dtype "
                                       f"({sorted(map(str, kinds))}), which the stacked expert kernels cannot run; "
                                       "add --no-fused-ops to run them one expert at a time")
-            for attr in PACKED:  # packed columns hold 8 output columns each: concatenating them is exact
-                self.register_buffer(f"{name}_{attr}", torch.stack(
-                    [torch.cat([getattr(linear, attr) for linear in row], dim=1) for row in linears]),
-                    persistent=False)
             groups.append(kinds.pop()[0])
+            for attr in PACKED:  # packed columns hold 8 output columns each: concatenating them is exact
+                like = getattr(linears[0], attr)
+                columns = sum(getattr(linear, attr).shape[1] for linear in linears)
+                self.register_buffer(f"{name}_{attr}", like.new_empty(len(self.experts), like.shape[0], columns),
+                                     persistent=False)
+        for e, expert in enumerate(self.experts):
+            for name, projections in parts.items():
+                for attr in PACKED:
+                    torch.cat([getattr(expert.get_submodule(p), attr) for p in projections], dim=1,
+                              out=getattr(self, f"{name}_{attr}")[e])
+            self.experts[e] = nn.Module()  # this expert's Linears go
         self.awq_groups = (groups[0], groups[1])
         self.experts = None
 

@@ -99,18 +99,21 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 
 def experts_loop_blocker(model: LlamaFamilyModel, config: EngineConfig) -> str | None:
     """Why CUDA graphs cannot capture the model (ModelSpec.graph_blocker): experts run by the torch loop, which
-    reads each layer's expert counts back to the host. The loop runs experts without the fused Triton ops, and
-    quantized experts the stacked kernels do not run (:class:`~infer.models.moe.SparseMoe`'s ``loop_reason``);
-    the fused Triton experts (unquantized, FP8 or AWQ, the default on CUDA) are capturable."""
+    reads each layer's expert counts back to the host. The loop runs quantized experts that the stacked kernels do
+    not run (not all int4 AWQ), and any experts without the fused Triton ops; the fused Triton experts
+    (unquantized, FP8 or AWQ, the default on CUDA) are capturable."""
     from ..models.moe import SparseMoe
 
-    reason = next((module.loop_reason for module in model.modules() if isinstance(module, SparseMoe)
-                   and module.loop_reason is not None), None)
-    if reason is None:
-        return None
-    if config.fused_ops is False:
-        reason = reason.replace("without the fused Triton ops", "with --no-fused-ops")
-    return f"{model.cfg.architecture} {reason}"
+    blocks = [module for module in model.modules() if isinstance(module, SparseMoe)]
+    architecture = model.cfg.architecture
+    if any(block.unstackable for block in blocks):
+        return (f"{architecture} runs its quantized experts by the torch loop (one expert's Linears at a time): "
+                "infer stacks AWQ experts whose gate, up and down projections are all int4 only")
+    if any(not block.fused for block in blocks):
+        why = "with --no-fused-ops" if config.fused_ops is False else \
+            "without the fused Triton ops (the CUDA default)"
+        return f"{architecture} {why} runs its experts by the torch loop"
+    return None
 
 
 def pointwise_ops(config: EngineConfig) -> PointwiseOps:

@@ -31,12 +31,13 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192  # Ll
 WARPS = {"_rms_norm_kernel": 8, "_decode_split_kernel": 4, "_prefill_kernel": 4}  # the launchers' choice here
 
 COMPILE = r"""
-import importlib, json, sys
+import importlib, json, multiprocessing, os, sys
+from concurrent.futures import ProcessPoolExecutor
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-failures = []
-for rec in json.load(sys.stdin):
+
+def build(rec):
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
     constexprs = {k: triton.language.dtype(v["dtype"]) if isinstance(v, dict) else v
                   for k, v in rec["constexprs"].items()}
@@ -44,9 +45,12 @@ for rec in json.load(sys.stdin):
         done = triton.compile(ASTSource(fn, rec["signature"], constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": rec["num_warps"]})
         if done.metadata.shared > 227 * 1024:  # the H100/H200 limit per block
-            failures.append(f"{rec['name']}: {done.metadata.shared} bytes of shared memory")
+            return f"{rec['name']}: {done.metadata.shared} bytes of shared memory"
     except Exception as exc:
-        failures.append(f"{rec['name']} {rec['constexprs']}: {exc!r}"[:2000])
+        return f"{rec['name']} {rec['constexprs']}: {exc!r}"[:2000]
+
+with ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context("fork")) as pool:
+    failures = [f for f in pool.map(build, json.load(sys.stdin)) if f is not None]
 print(json.dumps(failures))
 """
 
