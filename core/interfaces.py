@@ -511,7 +511,9 @@ class QuantMethod(ABC):
             target.copy_(tensor)
 
     def process_after_loading(self, layer: torch.nn.Module) -> None:
-        """Repack or quantize after all tensors are loaded (on-load quantization lives here)."""
+        """Repack or quantize after all of the layer's tensors are loaded. On-load quantization may live here, or in
+        load_weight as each weight arrives, which keeps the float model from being held whole (the shipped awq and
+        fp8 methods do that: quant/common.py ``deferred_weight``)."""
 
     def merge(self, parts: list[torch.nn.Module], merged: torch.nn.Module) -> bool:
         """Give ``merged`` (a linear layer with no tensors yet; its ``out_features`` the parts' sum) tensors whose

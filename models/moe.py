@@ -159,10 +159,16 @@ class SparseMoe(nn.Module):
             self.register_buffer("w2", None)
             self.unstackable = not all(isinstance(linear.method, AwqLinearMethod) for expert in self.experts
                                        for linear in expert.children())
+            # (expert, "projection.tensor") the checkpoint must fill, before loading changes the Linears' tensors
+            self.expected = {(e, f"{projection}.{attr}") for e, expert in enumerate(self.experts)
+                             for projection in moe.projections
+                             for attr in expert.get_submodule(projection).state_dict()}
             self.fused = fused and not self.unstackable
             return
         # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
-        stored = FP8_DTYPE if fp8 is not None and not fp8.on_load else dtype  # the checkpoint's codes
+        # e4m3 codes: the checkpoint's, or (--quant fp8) quantized as they load, where the fused experts run FP8
+        runs_fp8 = fp8 is not None and not (fused and not fused_fp8_runs(torch.empty(0).device, fp8))
+        stored = FP8_DTYPE if fp8 is not None and (not fp8.on_load or runs_fp8) else dtype
         self.register_buffer("w13", torch.empty(count, 2 * size, hidden_size, dtype=stored), persistent=False)
         self.register_buffer("w2", torch.empty(count, hidden_size, size, dtype=stored), persistent=False)
         if fp8 is not None and self.scaled:
@@ -174,7 +180,7 @@ class SparseMoe(nn.Module):
 
     @property
     def scaled(self) -> bool:
-        """Whether the experts hold e4m3 codes (with w13_scale/w2_scale): loaded so, or quantized after loading."""
+        """Whether the experts hold e4m3 codes (with w13_scale/w2_scale): loaded so, or quantized as they load."""
         return self.w13 is not None and self.w13.dtype == FP8_DTYPE
 
     def _register_scales(self) -> None:
@@ -186,10 +192,10 @@ class SparseMoe(nn.Module):
                                  persistent=False)
 
     def process_after_loading(self) -> None:
-        """Stack fused AWQ experts (:meth:`stack_awq`). Finish FP8 experts: ``--quant fp8`` quantizes float ones,
-        one scale (amax / 448) per row; where the fused Triton experts cannot run FP8 (a GPU below sm89, a scale
-        group whose K-tile is too small) the experts stay or become float in the model dtype (the checkpoint's
-        dequantized weights, activations unquantized), said once in the log."""
+        """Stack fused AWQ experts (:meth:`stack_awq`). Where the fused Triton experts cannot run FP8 (a GPU below
+        sm89, a scale group whose K-tile is too small), FP8 experts stay (``--quant fp8``: never quantized) or
+        become float in the model dtype (the checkpoint's dequantized weights, activations unquantized), said once
+        in the log."""
         if self.experts is not None and self.fused:
             self.stack_awq()
         if self.fp8 is None:
@@ -208,14 +214,6 @@ class SparseMoe(nn.Module):
                     delattr(self, f"{name}_scale")
             self.fp8 = None
             return
-        if self.scaled:
-            return
-        self._register_scales()
-        for name in ("w13", "w2"):
-            weight = getattr(self, name)
-            scale = getattr(self, f"{name}_scale")
-            scale.copy_(scale_from_amax(weight.abs().amax(dim=-1, keepdim=True)))
-            self.register_buffer(name, to_fp8(weight, scale), persistent=False)
 
     def stack_awq(self) -> None:
         """Stack the experts' loaded AWQ Linears into the grouped GEMMs' tensors (:meth:`awq_experts`), freeing each
@@ -270,8 +268,9 @@ class SparseMoe(nn.Module):
         full, count = f"{prefix}.experts.{name}", self.moe.num_experts
         stacked, is_scale = name.removesuffix("_scale_inv"), name.endswith("_scale_inv")
         if stacked in ("gate_up_proj", "down_proj"):
-            target = getattr(self, ("w13" if stacked == "gate_up_proj" else "w2") + ("_scale" if is_scale else ""),
-                             None)
+            base = "w13" if stacked == "gate_up_proj" else "w2"
+            target = getattr(self, base + ("_scale" if is_scale else ""), None)
+            scale_target = getattr(self, base + "_scale", None)
             projections = (gate, up) if stacked == "gate_up_proj" else (down,)
             parts = {(e, p) for e in range(count) for p in projections}
         else:
@@ -286,9 +285,11 @@ class SparseMoe(nn.Module):
                                       f"of transformers 5{hint}")
             e = int(index)
             target = self._expert_slice(e, projection, is_scale)
+            scale_target = self._expert_slice(e, projection, True)
             parts = {(e, projection)}
+        on_load = self.fp8 is not None and self.fp8.on_load and self.scaled  # quantized as it loads
         if is_scale:
-            if target is None or not self.scaled:
+            if target is None or not self.scaled or on_load:
                 raise CheckpointError(f"unexpected tensor {full!r}: an FP8 scale, but this model's experts are not "
                                       "FP8 in the checkpoint (config.json's quantization_config, with its "
                                       "modules_to_not_convert or ignore list, leaves them unquantized)")
@@ -299,13 +300,20 @@ class SparseMoe(nn.Module):
         if parts & self.loaded:
             raise CheckpointError(f"{full} holds expert weights that another tensor of the checkpoint held too; "
                                   "keep one layout (per-expert tensors or the stacked ones)")
-        if self.scaled and not is_scale and tensor.dtype != FP8_DTYPE:
+        if self.scaled and not is_scale and not on_load and tensor.dtype != FP8_DTYPE:
             raise CheckpointError(f"{full} is {tensor.dtype}, but the checkpoint's quantization_config makes the "
                                   "experts FP8: float8_e4m3fn weights with their scales")
-        if not self.scaled or is_scale:
+        if not self.scaled or is_scale or on_load:
             check_float(full, tensor)
         with torch.no_grad():
-            target.copy_(tensor)
+            if on_load:  # --quant fp8: one scale (amax / 448) per row, the float weight never held whole
+                weight = tensor.to(target.device, self.gate.weight.dtype)
+                scale = scale_from_amax(weight.abs().amax(dim=-1, keepdim=True))
+                target.copy_(to_fp8(weight, scale))
+                scale_target.copy_(scale)
+                parts |= {(e, p + "_scale") for e, p in parts}
+            else:
+                target.copy_(tensor)
         self.loaded |= parts
 
     def _load_linear(self, prefix: str, name: str, tensor: torch.Tensor) -> None:
@@ -353,9 +361,7 @@ class SparseMoe(nn.Module):
     def missing(self, prefix: str) -> list[str]:
         """The per-expert tensors not loaded (each expert's gate, up and down, under ``prefix``)."""
         if self.experts is not None:
-            return [f"{prefix}.experts.{e}.{projection}.{attr}" for e, expert in enumerate(self.experts)
-                    for projection in self.moe.projections for attr in getattr(expert, projection).state_dict()
-                    if (e, f"{projection}.{attr}") not in self.loaded]
+            return [f"{prefix}.experts.{e}.{part}" for e, part in sorted(self.expected - self.loaded)]
         kinds = (("", "weight"),) + ((("_scale", self.fp8.scale_name),) if self.fp8 is not None and self.scaled
                                      else ())
         return [f"{prefix}.experts.{e}.{name}.{attr}" for e in range(self.moe.num_experts)

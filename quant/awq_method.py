@@ -9,7 +9,8 @@ from torch import nn
 from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import QuantMethod
 from . import awq
-from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded
+from .common import (check_tensor_shape, deferred_weight, is_lm_head, layer_name, loaded_float_weight, mark_loaded,
+                     require_loaded)
 
 PACKED = ("qweight", "qzeros", "scales")
 
@@ -18,12 +19,12 @@ class AwqLinearMethod(QuantMethod):
     """int4 weights with per-group fp16 scales and zero points; activations stay in the model dtype.
 
     ``quantize_on_load=False`` loads ``qweight``/``qzeros``/``scales`` from an AutoAWQ GEMM checkpoint.
-    ``quantize_on_load=True`` loads a plain ``weight`` and replaces it with RTN-quantized packed buffers in
-    :meth:`process_after_loading`. ``quantize_lm_head`` quantizes the output head too (AutoAWQ keeps it in 16 bits),
-    always on load: from the checkpoint's ``lm_head.weight``, or from the embedding when the two are tied. On CUDA,
-    batches of at most ``fused_max_rows`` rows run the fused Triton W4A16 GEMM; larger ones (and every CPU call)
-    dequantize the weight for that call and use a dense matmul. The dequantized weight is never cached: that would
-    undo the memory saving.
+    ``quantize_on_load=True`` quantizes a plain ``weight`` (RTN) into packed buffers as it loads, layer by layer
+    (the float model is never held whole). ``quantize_lm_head`` quantizes the output head too (AutoAWQ keeps it in
+    16 bits), always on load: from the checkpoint's ``lm_head.weight``, or from the embedding when the two are tied.
+    On CUDA, batches of at most ``fused_max_rows`` rows run the fused Triton W4A16 GEMM; larger ones (and every CPU
+    call) dequantize the weight for that call and use a dense matmul. The dequantized weight is never cached: that
+    would undo the memory saving.
     """
 
     name = "awq"
@@ -64,7 +65,7 @@ class AwqLinearMethod(QuantMethod):
         group = awq.check_shapes(in_features, out_features, size, layer_name(layer), not layer.awq_on_load)
         layer.awq_group_size = group
         if layer.awq_on_load:
-            layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+            deferred_weight(layer, out_features, in_features, dtype)
         else:
             packed_out = out_features // awq.PACK
             layer.register_buffer("qweight", torch.empty(in_features, packed_out, dtype=torch.int32))
@@ -86,14 +87,16 @@ class AwqLinearMethod(QuantMethod):
             raise CheckpointError(
                 f"layer {layer_name(layer)!r} has an unquantized 'weight' in an AWQ checkpoint; list the module in "
                 "quantization_config.modules_to_not_convert, or re-export the checkpoint")
-        if name in ("qzeros", "scales"):
-            _check_group_rows(layer, name, tensor, self.group_size)
-        if name in ("qweight", "qzeros"):
+        if layer.awq_on_load and name == "weight":
+            self._quantize(layer, loaded_float_weight(layer, tensor))
+        elif name in ("qweight", "qzeros"):
             if tensor.dtype != torch.int32:
                 raise CheckpointError(f"AWQ {name} must be int32, got {tensor.dtype} for layer {layer_name(layer)!r}")
+            _check_group_rows(layer, name, tensor, self.group_size)
             check_tensor_shape(layer, name, tensor, tuple(getattr(layer, name).shape))
             getattr(layer, name).copy_(tensor)
         elif name == "scales":
+            _check_group_rows(layer, name, tensor, self.group_size)
             if not tensor.is_floating_point():
                 raise CheckpointError(f"AWQ scales must be floating point, got {tensor.dtype} "
                                       f"for layer {layer_name(layer)!r}")
@@ -104,23 +107,25 @@ class AwqLinearMethod(QuantMethod):
             super().load_weight(layer, name, tensor)
         mark_loaded(layer, name)
 
+    @staticmethod
+    def _quantize(layer: nn.Module, weight: torch.Tensor) -> None:
+        """RTN-quantize a float weight [out, in] into the layer's packed buffers."""
+        name = layer_name(layer)
+        if not bool(torch.isfinite(weight).all()):  # the loader's finite check would see only the scales
+            raise CheckpointError(f"{name!r} holds NaN or infinite values, which no AWQ scale can hold: a weight "
+                                  "past 65504 overflows when cast to --dtype float16 (load it with --dtype "
+                                  "bfloat16 or float32), or the checkpoint is corrupt")
+        try:
+            qweight, qzeros, scales = awq.quantize_rtn(weight, layer.awq_group_size)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{name!r}: {exc}") from None
+        layer.register_buffer("qweight", qweight)
+        layer.register_buffer("qzeros", qzeros)
+        layer.register_buffer("scales", scales)
+
     def process_after_loading(self, layer: nn.Module) -> None:
         needed = ("weight",) if layer.awq_on_load else PACKED
         require_loaded(layer, needed + (("bias",) if layer.bias is not None else ()), self.name)
-        if layer.awq_on_load:
-            name = layer_name(layer)
-            if not bool(torch.isfinite(layer.weight).all()):  # the loader's finite check comes after this
-                raise CheckpointError(f"{name!r} holds NaN or infinite values, which no AWQ scale can hold: a weight "
-                                      "past 65504 overflows when cast to --dtype float16 (load it with --dtype "
-                                      "bfloat16 or float32), or the checkpoint is corrupt")
-            try:
-                qweight, qzeros, scales = awq.quantize_rtn(layer.weight.data, layer.awq_group_size)
-            except CheckpointError as exc:
-                raise CheckpointError(f"{name!r}: {exc}") from None
-            del layer.weight
-            layer.register_buffer("qweight", qweight)
-            layer.register_buffer("qzeros", qzeros)
-            layer.register_buffer("scales", scales)
 
     def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
         # packed columns hold 8 output columns each, so concatenating along the output dimension is exact

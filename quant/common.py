@@ -32,6 +32,27 @@ def require_loaded(layer: torch.nn.Module, names: Iterable[str], method: str) ->
             "the files are incomplete or were written for a different model or quantization format")
 
 
+def deferred_weight(layer: torch.nn.Module, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    """The float ``weight`` [out, in] of a layer that quantizes on load, as it loads (:func:`loaded_float_weight`):
+    on the meta device, so that the float model is never held whole; the layer records the device its quantized
+    tensors go to (the model factory's device context) as ``load_device``."""
+    layer.load_device = torch.empty(0).device
+    layer.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device="meta"),
+                                      requires_grad=False)
+
+
+def loaded_float_weight(layer: torch.nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """Checkpoint ``tensor`` for a :func:`deferred_weight`: shape and float-ness checked, in the model dtype on the
+    layer's device; the meta weight is dropped (the caller registers the quantized tensors)."""
+    from ..core.interfaces import check_float
+
+    check_tensor_shape(layer, "weight", tensor, tuple(layer.weight.shape))
+    check_float(f"{layer_name(layer)}.weight", tensor)
+    weight = tensor.to(layer.load_device, layer.weight.dtype)
+    del layer.weight
+    return weight
+
+
 def is_lm_head(prefix: str) -> bool:
     """Whether a module path names the output projection (never quantized by AWQ or by on-load FP8)."""
     return prefix.rsplit(".", 1)[-1] == "lm_head"

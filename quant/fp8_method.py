@@ -10,7 +10,8 @@ from torch import nn
 from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import QuantMethod
 from . import FP8_BACKENDS, fp8
-from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded
+from .common import (check_tensor_shape, deferred_weight, is_lm_head, layer_name, loaded_float_weight, mark_loaded,
+                     require_loaded)
 
 log = logging.getLogger("infer")
 
@@ -21,7 +22,7 @@ IGNORED_ZERO_POINTS = ("weight_zero_point", "input_zero_point")  # symmetric: al
 class Fp8LinearMethod(QuantMethod):
     """W8A8 FP8 linears.
 
-    ``checkpoint=None`` quantizes a plain ``weight`` on load (per-channel weight scales, dynamic per-token
+    ``checkpoint=None`` quantizes a plain ``weight`` as it loads (per-channel weight scales, dynamic per-token
     activation scales; ``lm_head`` stays unquantized unless ``quantize_lm_head``). With a
     :class:`~infer.quant.fp8.Fp8CheckpointConfig` it loads compressed-tensors ``weight`` (float8_e4m3fn),
     ``weight_scale`` and, for static activations, ``input_scale``.
@@ -57,8 +58,8 @@ class Fp8LinearMethod(QuantMethod):
                        dtype: torch.dtype) -> None:
         scheme = self._scheme(getattr(layer, "prefix", "")) or fp8.DYNAMIC
         layer.fp8_scheme = scheme
-        if self.checkpoint is None:
-            layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        if self.checkpoint is None:  # quantized as it loads
+            deferred_weight(layer, out_features, in_features, dtype)
         else:
             layer.register_buffer("weight", torch.empty(out_features, in_features, dtype=fp8.FP8_DTYPE))
             scale_shape = (out_features,) if scheme.weight_strategy == "channel" else (1,)
@@ -81,7 +82,12 @@ class Fp8LinearMethod(QuantMethod):
                                       "declares no quantization_config (so --quant fp8 quantizes on load and expects "
                                       "unquantized weights); restore the quantization_config, or load an unquantized "
                                       "checkpoint")
-            super().load_weight(layer, name, tensor)
+            if name == "weight":
+                weight, scale = fp8.quantize_weight_per_channel(loaded_float_weight(layer, tensor))
+                layer.register_buffer("weight", weight)
+                layer.register_buffer("weight_scale", scale)
+            else:
+                super().load_weight(layer, name, tensor)
         elif name == "weight":
             if tensor.dtype != fp8.FP8_DTYPE:
                 raise CheckpointError(
@@ -107,11 +113,6 @@ class Fp8LinearMethod(QuantMethod):
 
     def process_after_loading(self, layer: nn.Module) -> None:
         require_loaded(layer, self._required(layer), self.name)
-        if self.checkpoint is None:
-            weight, scale = fp8.quantize_weight_per_channel(layer.weight.data)
-            del layer.weight
-            layer.register_buffer("weight", weight)
-            layer.register_buffer("weight_scale", scale)
 
     def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
         """Per-channel weight scales concatenate; per-tensor ones (and static input scales) merge only when equal."""

@@ -512,13 +512,23 @@ def compressed_tensors_moe(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize(("arch", "source"), [("qwen3moe", "--quant fp8"), ("mixtral", "--quant fp8"),
-                                              ("qwen3moe", "compressed-tensors")])
+                                              ("qwen3moe", "--quant fp8 stacked"), ("qwen3moe", "compressed-tensors")])
 def test_per_channel_fp8_experts_generate_what_transformers_does(arch: str, source: str, tmp_path: Path,
                                                                  tiny_model_factory: Callable[..., Path]) -> None:
-    """``--quant fp8`` on a float MoE checkpoint quantizes its experts per channel after loading (as it does the
-    projections); a compressed-tensors FP8_DYNAMIC checkpoint holds the same codes and scales."""
+    """``--quant fp8`` on a float MoE checkpoint quantizes its experts per channel as they load (as it does the
+    projections), per expert or as transformers 5 stacks them; a compressed-tensors FP8_DYNAMIC checkpoint holds the
+    same codes and scales."""
     float_path = tiny_model_factory(arch)
-    if source == "--quant fp8":
+    if source == "--quant fp8 stacked":
+        from transformers import AutoModelForCausalLM
+
+        stacked = tmp_path / "stacked"
+        AutoModelForCausalLM.from_pretrained(str(float_path), dtype=torch.float32).save_pretrained(
+            str(stacked), save_original_format=False)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(float_path / name, stacked / name)
+        llm = LLM(model=str(stacked), device="cpu", num_kv_blocks=32, quant="fp8")
+    elif source == "--quant fp8":
         llm = LLM(model=str(float_path), device="cpu", num_kv_blocks=32, quant="fp8")
     else:
         llm = LLM(model=str(compressed_tensors_moe(float_path, tmp_path / "ct")), device="cpu", num_kv_blocks=32)
@@ -548,3 +558,10 @@ def test_fp8_experts_the_fused_kernels_cannot_run_are_dequantized(caplog: pytest
     assert "the fused Triton experts cannot run FP8 here" in caplog.text
     assert layer.fp8 is None and not hasattr(layer, "w13_scale")
     assert torch.equal(layer.w13, w13_float) and torch.equal(layer.w2, w2_float)
+    # --quant fp8 there: the float experts load as they are, never rounded to e4m3
+    layer = SparseMoe(moe, 64, torch.float32, lambda g, u: torch.nn.functional.silu(g) * u, fused=True,
+                      fp8=ExpertsFp8(block, block, on_load=True))
+    layer.load_expert("mlp", "gate_up_proj", w13_float)
+    layer.load_expert("mlp", "down_proj", w2_float)
+    layer.process_after_loading()
+    assert layer.fp8 is None and torch.equal(layer.w13, w13_float) and torch.equal(layer.w2, w2_float)

@@ -259,6 +259,44 @@ def test_awq_lm_head_option_refuses_a_vocabulary_it_cannot_pack(tiny_model_facto
                                 plugin_options={"awq": {"lm_head": True}}).validate(), plugins, path)
 
 
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_on_load_quantization_never_holds_the_float_model(arch: str, method: str, model128: Path,
+                                                          tiny_model_factory: Callable[..., Path],
+                                                          plugins: PluginManager, monkeypatch) -> None:
+    """--quant awq / fp8 on a float checkpoint quantizes each linear, and each expert, as its weight arrives: the
+    model's allocated bytes, read before each checkpoint tensor is taken and at the end, never pass the quantized
+    model's (a linear's float weight is a meta placeholder until then), far below the float model's."""
+    import itertools
+
+    path = model128 if arch == "llama" else tiny_model_factory(arch, hidden_size=128)
+
+    from infer.models.llama import LlamaFamilyModel
+
+    def allocated(model: torch.nn.Module) -> int:
+        tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values() if t.device.type != "meta")
+
+    seen: list[int] = []
+    load = LlamaFamilyModel.load_weights
+
+    def measured(model: LlamaFamilyModel, weights: Any) -> None:
+        def stream() -> Any:
+            for item in weights:
+                seen.append(allocated(model))
+                yield item
+            seen.append(allocated(model))
+        load(model, stream())
+
+    monkeypatch.setattr(LlamaFamilyModel, "load_weights", measured)
+    quantized = allocated(load_model(EngineConfig(model=str(path), device="cpu", quant=method).validate(), plugins,
+                                     path).model)
+    assert len(seen) > 10 and max(seen) <= quantized
+    seen.clear()
+    dense = allocated(load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path).model)
+    assert max(seen) == dense > 1.5 * quantized  # the float model is allocated whole before loading
+
+
 def test_fp8_logits_within_bound(model128: Path, plugins: PluginManager) -> None:
     ref = prompt_logits(model128, plugins)
     predicted = rel(noisy_logits(model128, plugins, FP8_EPS), ref)
