@@ -98,11 +98,20 @@ def main(ctx: click.Context, verbose: bool, **kwargs: Any) -> None:
 
 
 def build_engine(ctx: click.Context, **defaults: Any) -> Any:
-    """The engine of the group options; ``defaults``: the command's own defaults (see EngineArgs.build)."""
+    """The engine of the group options; ``defaults``: the command's own defaults (see EngineArgs.build). On a
+    terminal, a progress bar on stderr while the weights load (gone once loaded)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     from ..core.engine import Engine
 
     plugins = _plugins(ctx)
-    return Engine(ctx.find_object(EngineArgs).build(plugins, **defaults), plugins)
+    config = ctx.find_object(EngineArgs).build(plugins, **defaults)
+    console = Console(stderr=True)
+    with Progress(TextColumn("loading weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("loading weights", total=None)
+        return Engine(config, plugins, lambda read, total: progress.update(task, completed=read, total=total))
 
 
 @main.command()

@@ -13,7 +13,7 @@ from .config import EngineConfig
 from .errors import ConfigError, PluginError
 from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Proposer, ReasoningParser, Scheduler,
                          ToolParser)
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel, LoadProgress, load_model
 from .model import check_capturable, check_softcap, fit_sliding_window
 from .lora import start_lora_adapters
 from .plugins import PluginManager
@@ -73,18 +73,22 @@ class Components:
                 f"{'on' if async_scheduling else 'off'}")
 
 
-def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
-    """Load ``config.model`` (the embedded default when None) and build every component, each factory checked."""
+def assemble(config: EngineConfig, plugins: PluginManager, load_progress: LoadProgress | None = None) -> Components:
+    """Load ``config.model`` (the embedded default when None) and build every component, each factory checked;
+    ``load_progress``: told the bytes of the weight files read (core/loader.py ``LoadProgress``)."""
     if config.model is None:
         from ..models.tiny import ensure_default_model
 
         config.model = str(ensure_default_model())
-    loaded = load_model(config, plugins, Path(config.model))
+    loaded = load_model(config, plugins, Path(config.model), load_progress)
     if config.cpu_threads is not None and loaded.device.type == "cpu":
         torch.set_num_threads(config.cpu_threads)  # process-wide: torch has one intra-op pool
     config.attention, attention = make_attention(config, plugins, loaded)  # resolved: a draft runs on it too
     fit_sliding_window(loaded.model, attention, config.max_model_len)
     check_softcap(loaded.model, attention)
+    graphs = config.cuda_graphs and loaded.device.type == "cuda" and attention.supports_cuda_graphs
+    if graphs:
+        check_capturable(loaded.model)  # before the draft model and the KV pool are built
     kv_dtype, kv_scales = kv_cache_format(config, loaded)
     proposer = make_proposer(config, plugins, loaded)  # before the KV pool is sized: a draft model takes memory too
     lora = start_lora_adapters(config, loaded)  # likewise
@@ -112,8 +116,7 @@ def assemble(config: EngineConfig, plugins: PluginManager) -> Components:
                           "with --lora")
     runner.lora = lora  # before graphs are captured: they include the adapters
     if config.cuda_graphs and loaded.device.type == "cuda":
-        if attention.supports_cuda_graphs:
-            check_capturable(loaded.model)
+        if graphs:
             mixed = config.mixed_graph_tokens() if attention.supports_mixed_cuda_graphs else 0
             if config.cuda_graph_max_tokens and not mixed:
                 log.warning("--cuda-graph-max-tokens is ignored: attention backend %r cannot capture mixed steps, "

@@ -25,6 +25,7 @@ from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
 from .interrupts import HeldInterrupts
+from .loader import LoadProgress
 from .interfaces import ReasoningEnd, ReasoningParser, SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
@@ -64,13 +65,15 @@ class Engine:
     """The serving API. Not thread-safe: one thread drives ``step()`` (the gRPC server hands off to it); a step,
     add_request or abort from a second thread while the first is in one raises RuntimeError."""
 
-    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
+    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None,
+                 load_progress: LoadProgress | None = None) -> None:
+        """``load_progress(read, total)``: told the bytes of the weight files read as they load (the CLI's bar)."""
         plugins = checked_manager(plugins)
         config = config.replace().validate()  # a private copy: the engine resolves defaults into it
         self.config = config
         started = time.perf_counter()
         self.plugins = (plugins or PluginManager.from_entry_points()).collect()
-        parts = assemble(config, self.plugins)
+        parts = assemble(config, self.plugins, load_progress)
         self.loaded, self.attention, self.kv_dtype, self.num_blocks = \
             parts.loaded, parts.attention, parts.kv_dtype, parts.num_blocks
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,26 +122,40 @@ def safetensors_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{str(path)!r} has no *.safetensors weight files")
 
 
+LoadProgress = Callable[[int, int], None]  # (bytes of the weight files read, their total), after each tensor
+
+
 class WeightStream:
     """The (name, tensor) pairs of the weight files, in order; ``current`` is the file being read (None once all
-    are read), so that a tensor the model refuses can be traced to its file."""
+    are read), so that a tensor the model refuses can be traced to its file. ``progress`` is told the bytes read
+    after each tensor (the files' total once each file ends)."""
 
-    def __init__(self, files: list[Path]) -> None:
-        self.files, self.current = files, None
+    def __init__(self, files: list[Path], progress: LoadProgress | None = None) -> None:
+        self.files, self.current, self.progress = files, None, progress
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import SafetensorError, safe_open
 
-        for file in self.files:
+        sizes = [file.stat().st_size for file in self.files]
+        total, done = sum(sizes), 0
+        for file, size in zip(self.files, sizes):
             self.current = file
+            read = 0
             try:
                 with safe_open(str(file), framework="pt") as f:  # memory-mapped; tensors materialise one at a time
                     for name in f.keys():
-                        yield name, f.get_tensor(name)
+                        tensor = f.get_tensor(name)
+                        yield name, tensor
+                        read = min(size, read + tensor.nbytes)
+                        if self.progress is not None:
+                            self.progress(done + read, total)
             except SafetensorError as exc:
                 self.current = None  # the message names the file
                 raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); a partial download or "
                                       "copy leaves such a file: fetch it again") from exc
+            done += size
+            if self.progress is not None:
+                self.progress(done, total)
         self.current = None
 
     def refused(self, exc: CheckpointError) -> CheckpointError:
@@ -271,7 +285,9 @@ def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
     return qc or None
 
 
-def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> LoadedModel:
+def load_model(config: EngineConfig, plugins: PluginManager, path: Path, progress: LoadProgress | None = None
+               ) -> LoadedModel:
+    """Build the model ``config`` names and load its weights; ``progress``: told the bytes read (WeightStream)."""
     raw = read_config(path)
     archs = architectures(raw)
     raw = {**raw, "architectures": archs}  # from model_type, where config.json names none
@@ -311,7 +327,7 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path) -> Load
     if len(tokenizer) > model.spec.vocab_size:
         log.warning("the tokenizer has %d tokens but the model's vocabulary %d: prompts with the extra tokens are "
                     "refused", len(tokenizer), model.spec.vocab_size)
-    weights = WeightStream(files)
+    weights = WeightStream(files, progress)
     try:
         model.load_weights(iter(weights))
     except CheckpointError as exc:

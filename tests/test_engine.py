@@ -374,6 +374,31 @@ def test_freeze_gc_moves_the_startup_heap_out_of_the_collector(tiny_model):
     assert "leaked" not in done.stderr, done.stderr[-2000:]
 
 
+def test_load_progress_counts_the_weight_files_bytes(tiny_model, tmp_path):
+    """Engine(load_progress=...) (the CLI's bar on a terminal) is told the bytes read after each tensor, across the
+    files of a sharded checkpoint: never backwards, each file whole at its end, the files' total last."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_model, sharded)
+    tensors = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    sizes = []
+    for shard, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        path = sharded / f"model-0000{shard + 1}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in part}, str(path), metadata={"format": "pt"})
+        sizes.append(path.stat().st_size)
+    calls: list[tuple[int, int]] = []
+    Engine(EngineConfig(model=str(sharded), device="cpu", num_kv_blocks=16), load_progress=lambda *c: calls.append(c))
+    total = sum(sizes)
+    assert len(calls) >= len(names) and {t for _, t in calls} == {total}
+    reads = [read for read, _ in calls]
+    assert reads == sorted(reads) and reads[-1] == total and sizes[0] in reads
+
+
 def test_serve_freezes_the_heap_by_default_and_the_option_wins(tiny_model):
     import gc
 
