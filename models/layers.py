@@ -84,6 +84,18 @@ class Linear(nn.Module):
     def load(self, name: str, tensor: torch.Tensor) -> None:
         self.method.load_weight(self, name, tensor)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Linear:
+        # a weight still on the meta device (quantized as it loads: quant/common.py deferred_weight) has no data to
+        # move or cast; its load_anchor buffer moves instead
+        weight = self._parameters.get("weight")
+        if weight is None or weight.device.type != "meta":
+            return super()._apply(fn, recurse)
+        del self._parameters["weight"]
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
         return out if self.lora is None else self.lora(x, out)

@@ -44,7 +44,8 @@ class MoeConfig:
 class ExpertsFp8:
     """How the experts are FP8: e4m3 codes with the scales of blocks ``block13`` of w13 and ``block2`` of w2 ((bn,
     bk); (1, K) is one scale per output channel), inputs quantized per token and group of bk. ``scale_name``: the
-    checkpoint's name for a scale; ``on_load``: the checkpoint's experts are float, quantized after loading."""
+    checkpoint's name for a scale; ``on_load``: the checkpoint's experts are float, quantized as they load (kept
+    float where the fused experts cannot run FP8)."""
 
     block13: Block
     block2: Block
@@ -167,7 +168,7 @@ class SparseMoe(nn.Module):
             return
         # buffers, not parameters: the checkpoint names the experts' tensors its own way (see load_expert)
         # e4m3 codes: the checkpoint's, or (--quant fp8) quantized as they load, where the fused experts run FP8
-        runs_fp8 = fp8 is not None and not (fused and not fused_fp8_runs(torch.empty(0).device, fp8))
+        runs_fp8 = fp8 is not None and not (fused and not fused_fp8_runs(torch.get_default_device(), fp8))
         stored = FP8_DTYPE if fp8 is not None and (not fp8.on_load or runs_fp8) else dtype
         self.register_buffer("w13", torch.empty(count, 2 * size, hidden_size, dtype=stored), persistent=False)
         self.register_buffer("w2", torch.empty(count, hidden_size, size, dtype=stored), persistent=False)
@@ -306,11 +307,13 @@ class SparseMoe(nn.Module):
         if not self.scaled or is_scale or on_load:
             check_float(full, tensor)
         with torch.no_grad():
-            if on_load:  # --quant fp8: one scale (amax / 448) per row, the float weight never held whole
-                weight = tensor.to(target.device, self.gate.weight.dtype)
-                scale = scale_from_amax(weight.abs().amax(dim=-1, keepdim=True))
-                target.copy_(to_fp8(weight, scale))
-                scale_target.copy_(scale)
+            if on_load:  # --quant fp8: one scale (amax / 448) per row, an expert at a time (a stacked tensor's too)
+                for codes, scales, part in zip(*((target, scale_target, tensor) if tensor.dim() == 3 else
+                                                 ([target], [scale_target], [tensor]))):
+                    weight = part.to(codes.device, self.gate.weight.dtype)
+                    scale = scale_from_amax(weight.abs().amax(dim=-1, keepdim=True))
+                    codes.copy_(to_fp8(weight, scale))
+                    scales.copy_(scale)
                 parts |= {(e, p + "_scale") for e, p in parts}
             else:
                 target.copy_(tensor)
@@ -362,8 +365,8 @@ class SparseMoe(nn.Module):
         """The per-expert tensors not loaded (each expert's gate, up and down, under ``prefix``)."""
         if self.experts is not None:
             return [f"{prefix}.experts.{e}.{part}" for e, part in sorted(self.expected - self.loaded)]
-        kinds = (("", "weight"),) + ((("_scale", self.fp8.scale_name),) if self.fp8 is not None and self.scaled
-                                     else ())
+        from_checkpoint = self.fp8 is not None and self.scaled and not self.fp8.on_load  # else no scale tensors
+        kinds = (("", "weight"),) + ((("_scale", self.fp8.scale_name),) if from_checkpoint else ())
         return [f"{prefix}.experts.{e}.{name}.{attr}" for e in range(self.moe.num_experts)
                 for name in self.moe.projections for kind, attr in kinds if (e, name + kind) not in self.loaded]
 

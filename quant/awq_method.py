@@ -92,7 +92,8 @@ class AwqLinearMethod(QuantMethod):
         elif name in ("qweight", "qzeros"):
             if tensor.dtype != torch.int32:
                 raise CheckpointError(f"AWQ {name} must be int32, got {tensor.dtype} for layer {layer_name(layer)!r}")
-            _check_group_rows(layer, name, tensor, self.group_size)
+            if name == "qzeros":
+                _check_group_rows(layer, name, tensor, self.group_size)
             check_tensor_shape(layer, name, tensor, tuple(getattr(layer, name).shape))
             getattr(layer, name).copy_(tensor)
         elif name == "scales":

@@ -34,22 +34,26 @@ def require_loaded(layer: torch.nn.Module, names: Iterable[str], method: str) ->
 
 def deferred_weight(layer: torch.nn.Module, out_features: int, in_features: int, dtype: torch.dtype) -> None:
     """The float ``weight`` [out, in] of a layer that quantizes on load, as it loads (:func:`loaded_float_weight`):
-    on the meta device, so that the float model is never held whole; the layer records the device its quantized
-    tensors go to (the model factory's device context) as ``load_device``."""
-    layer.load_device = torch.empty(0).device
+    on the meta device, so that the float model is never held whole. A zero-size ``load_anchor`` buffer (not in
+    the state dict) holds the device the quantized tensors go to: the model factory's device context, or wherever
+    the layer was moved since (``Linear._apply`` moves the anchor, not the placeholder)."""
+    layer.register_buffer("load_anchor", torch.empty(0), persistent=False)
     layer.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device="meta"),
                                       requires_grad=False)
 
 
 def loaded_float_weight(layer: torch.nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     """Checkpoint ``tensor`` for a :func:`deferred_weight`: shape and float-ness checked, in the model dtype on the
-    layer's device; the meta weight is dropped (the caller registers the quantized tensors)."""
+    layer's device; the placeholder and the anchor are dropped (the caller registers the quantized tensors)."""
     from ..core.interfaces import check_float
 
+    if getattr(layer, "load_anchor", None) is None:
+        raise CheckpointError(f"{layer_name(layer)}.weight arrived twice; the checkpoint (or the model plugin's "
+                              "loader) must give each weight once")
     check_tensor_shape(layer, "weight", tensor, tuple(layer.weight.shape))
     check_float(f"{layer_name(layer)}.weight", tensor)
-    weight = tensor.to(layer.load_device, layer.weight.dtype)
-    del layer.weight
+    weight = tensor.to(layer.load_anchor.device, layer.weight.dtype)
+    del layer.weight, layer.load_anchor
     return weight
 
 

@@ -27,7 +27,7 @@ class Fp8LinearMethod(QuantMethod):
     :class:`~infer.quant.fp8.Fp8CheckpointConfig` it loads compressed-tensors ``weight`` (float8_e4m3fn),
     ``weight_scale`` and, for static activations, ``input_scale``.
 
-    After :meth:`process_after_loading` a layer holds ``weight`` fp8 [out, in], ``weight_scale`` fp32 [out] or [1]
+    Once loaded a layer holds ``weight`` fp8 [out, in], ``weight_scale`` fp32 [out] or [1]
     and, when static, ``input_scale`` fp32 [1]. ``backend``: ``scaled_mm`` (``torch._scaled_mm``, CUDA sm89+),
     ``triton`` (the W8A8 Triton GEMM), ``emulate`` (quantize activations to fp8 and back, dequantize the weight,
     matmul in fp32: correct anywhere, saves weight memory, not faster), or ``auto``: ``scaled_mm`` where it can

@@ -335,6 +335,23 @@ def test_awq_linear_quantizes_on_load() -> None:
     assert 0.8 * predicted < float((out - exact).norm() / exact.norm()) < 1.2 * predicted
 
 
+@pytest.mark.parametrize("method", [AwqLinearMethod(64, quantize_on_load=True), Fp8LinearMethod(None)],
+                         ids=["awq", "fp8"])
+def test_on_load_linears_move_before_loading_and_refuse_a_second_weight(method: object) -> None:
+    """A linear that quantizes as it loads holds a meta placeholder until then, which a move leaves behind (its
+    load anchor moves); the weight is quantized on arrival, and a second one is refused."""
+    layer = make_linear(method, 128, 64).to("cpu", torch.float32)
+    assert layer.weight.device.type == "meta"
+    weight = torch.randn(64, 128)
+    layer.load("weight", weight)
+    method.process_after_loading(layer)
+    assert "weight" not in dict(layer.named_parameters()) and not hasattr(layer, "load_anchor")
+    out = layer(torch.eye(128))  # W.T, dequantized
+    assert float((out.t() - weight).norm() / weight.norm()) < 0.1
+    with pytest.raises(CheckpointError, match="up_proj.weight arrived twice"):
+        layer.load("weight", weight)
+
+
 def test_awq_linear_errors() -> None:
     method = AwqLinearMethod(group_size=128)
     with pytest.raises(CheckpointError, match="group_size 128 does not divide in_features 96.*'blk.proj'"):
@@ -342,6 +359,8 @@ def test_awq_linear_errors() -> None:
     layer = make_linear(method, 128, 16)
     with pytest.raises(CheckpointError, match=r"shape mismatch.*qweight.*\(128, 4\).*\(128, 2\)"):
         layer.load("qweight", torch.zeros(128, 4, dtype=torch.int32))
+    with pytest.raises(CheckpointError, match=r"shape mismatch.*qweight.*\(16, 16\).*\(128, 2\)"):  # GPTQ's packing
+        layer.load("qweight", torch.zeros(16, 16, dtype=torch.int32))
     with pytest.raises(CheckpointError, match="qzeros must be int32"):
         layer.load("qzeros", torch.zeros(1, 2, dtype=torch.int64))
     for name, dtype in (("qzeros", torch.int32), ("scales", torch.float16)):  # rows of group 32, config says 128

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -537,6 +538,20 @@ def test_per_channel_fp8_experts_generate_what_transformers_does(arch: str, sour
     for prompt in ([5, 9, 100, 7, 300, 41, 8, 2], [700, 3, 3, 90]):
         assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == \
             hf_moe_reference_greedy(float_path, prompt, None, round_per_channel=True)
+
+
+def test_a_missing_expert_weight_under_quant_fp8_is_named_alone(tmp_path: Path,
+                                                                tiny_model_factory: Callable[..., Path]) -> None:
+    """--quant fp8 quantizes the experts as they load, scales included: a float checkpoint missing one expert's
+    weight is told that one, not scale tensors it never holds."""
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model_factory("qwen3moe"), path)
+    name = "model.layers.0.mlp.experts.0.down_proj.weight"
+    state = load_file(str(path / "model.safetensors"))
+    del state[name]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"missing 1 tensors, e\.g\. \['{re.escape(name)}'\]"):
+        LLM(model=str(path), device="cpu", num_kv_blocks=32, quant="fp8")
 
 
 def test_fp8_experts_the_fused_kernels_cannot_run_are_dequantized(caplog: pytest.LogCaptureFixture) -> None:
