@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .awq_gemm import _dequant_dot, group_k_block
-from .fused_moe import BLOCK_M, TL_DTYPES, sort_by_expert
+from .fused_moe import BLOCK_M, TL_DTYPES, _store_rows, sort_by_expert
 from .fused_ops import silu_and_mul
 
 
@@ -58,11 +58,7 @@ def _grouped_awq_kernel(a_ptr, qw_ptr, qz_ptr, s_ptr, c_ptr, scale_ptr, rows_ptr
             acc += _dequant_dot(a, qw, qz_ptr + expert * stride_ze, s_ptr + expert * stride_se, k0, offs_k, mask_k,
                                 offs_p, mask_p, offs_n, mask_n, group_size, stride_zg, stride_sg, BLOCK_K, BLOCK_N,
                                 PER_GROUP)
-        if HAS_SCALE:
-            acc = acc.to(ROUND_TO).to(tl.float32)  # the expert's output, rounded as its Linear's is
-            acc *= tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
-        tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=valid[:, None] & mask_n[None, :])
+        _store_rows(acc, c_ptr, scale_ptr, rows, valid, offs_n, mask_n, stride_cm, HAS_SCALE, ROUND_TO)
 
 
 def grouped_awq_gemm(a: torch.Tensor, w: AwqExperts, rows: torch.Tensor, block_expert: torch.Tensor, num_rows: int,

@@ -65,11 +65,19 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, rows_ptr, block_expert_
                 acc += partial * a_scale[:, None] * b_scale[None, :]
             else:
                 acc += tl.dot(a, b, input_precision=PRECISION)
-        if HAS_SCALE:
-            acc = acc.to(ROUND_TO).to(tl.float32)  # the expert's output, rounded as torch's GEMM does
-            acc *= tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
-        tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=valid[:, None] & mask_n[None, :])
+        _store_rows(acc, c_ptr, scale_ptr, rows, valid, offs_n, mask_n, stride_cm, HAS_SCALE, ROUND_TO)
+
+
+@triton.jit
+def _store_rows(acc, c_ptr, scale_ptr, rows, valid, offs_n, mask_n, stride_cm, HAS_SCALE: tl.constexpr,
+                ROUND_TO: tl.constexpr):
+    """Store a block's valid rows of c; HAS_SCALE: the expert's output first rounded to ROUND_TO (as torch's GEMM
+    or the expert's Linear returns it), then times its row's routing weight."""
+    if HAS_SCALE:
+        acc = acc.to(ROUND_TO).to(tl.float32)
+        acc *= tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=valid[:, None] & mask_n[None, :])
 
 
 def sort_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
