@@ -14,7 +14,7 @@ from torch import nn
 from ..core.errors import CheckpointError
 from ..core.interfaces import QuantMethod, check_float
 from ..quant.awq_method import AwqLinearMethod
-from ..quant.fp8 import FP8_DTYPE, scale_from_amax, to_fp8
+from ..quant.fp8 import FP8_DTYPE, quantize_per_channel_into
 from ..quant.fp8_block import (Block, block_gemm_reference, dequantize_blocks, has_fp8_tensor_cores, k_tile,
                                quantize_per_token_group)
 from .layers import Linear
@@ -310,10 +310,7 @@ class SparseMoe(nn.Module):
             if on_load:  # --quant fp8: one scale (amax / 448) per row, an expert at a time (a stacked tensor's too)
                 for codes, scales, part in zip(*((target, scale_target, tensor) if tensor.dim() == 3 else
                                                  ([target], [scale_target], [tensor]))):
-                    weight = part.to(codes.device, self.gate.weight.dtype)
-                    scale = scale_from_amax(weight.abs().amax(dim=-1, keepdim=True))
-                    codes.copy_(to_fp8(weight, scale))
-                    scales.copy_(scale)
+                    quantize_per_channel_into(codes, scales.squeeze(-1), part.to(codes.device, self.gate.weight.dtype))
                 parts |= {(e, p + "_scale") for e, p in parts}
             else:
                 target.copy_(tensor)

@@ -19,6 +19,7 @@ import torch
 
 from ..core.errors import CheckpointError
 from . import AWQ_GROUP_SIZES
+from .common import CHUNK_ELEMENTS, row_chunks
 
 BITS = 4
 PACK = 32 // BITS  # int4 values per int32
@@ -73,19 +74,30 @@ def _round_up_to_fp16(x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def quantize_rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rtn(weight: torch.Tensor, group_size: int, chunk_elements: int = CHUNK_ELEMENTS,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest asymmetric int4 quantization of ``weight`` [out, in] -> (qweight, qzeros, scales).
 
     Per group of ``group_size`` input columns (-1: one group over all of them) of one output row, as AutoAWQ
     does: ``s = (max - min) / 15``, ``z = -round(min / s)``, ``q = clamp(round(w / s) + z, 0, 15)``. Two
     deliberate differences keep every weight within ``s / 2`` of its dequantized value: the range is widened to
     include 0 (as GPTQ and compressed-tensors do), and ``s`` is rounded *up* to fp16 before ``q`` and ``z`` are
-    computed from it. The arithmetic is in fp32 whatever the weight's dtype.
+    computed from it. The arithmetic is in fp32 whatever the weight's dtype, on about ``chunk_elements`` weights
+    (a multiple of 8 output rows) at a time, so the working copies stay small whatever the weight's size.
     """
     out_features, in_features = weight.shape
-    q, zeros, scales = _rtn(weight, group_size)
-    q = q.reshape(out_features, in_features).t().to(torch.int32)  # [in, out]
-    return pack_int4(q), pack_int4(zeros.t().to(torch.int32)), scales.t().contiguous()
+    group = check_shapes(in_features, out_features, group_size)
+    device = weight.device
+    qweight = torch.empty(in_features, out_features // PACK, dtype=torch.int32, device=device)
+    qzeros = torch.empty(in_features // group, out_features // PACK, dtype=torch.int32, device=device)
+    scales = torch.empty(in_features // group, out_features, dtype=torch.float16, device=device)
+    for rows in row_chunks(out_features, in_features, PACK, chunk_elements):
+        packed = slice(rows.start // PACK, rows.stop // PACK)
+        q, zeros, chunk_scales = _rtn(weight[rows], group_size)
+        qweight[:, packed] = pack_int4(q.reshape(-1, in_features).t().to(torch.int32))  # [in, rows]
+        qzeros[:, packed] = pack_int4(zeros.t().to(torch.int32))
+        scales[:, rows] = chunk_scales.t()
+    return qweight, qzeros, scales
 
 
 def fake_quantize_rtn(weight: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -2,13 +2,23 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from ..core.errors import CheckpointError
 
 LOADED_ATTR = "_quant_loaded"  # per-layer set of the tensor names load_weight has filled
+# the elements of a weight quantized at once: its fp32 (and int64, for packing) working copies stay a few MiB each
+CHUNK_ELEMENTS = 1 << 22
+
+
+def row_chunks(rows: int, columns: int, multiple: int = 1, elements: int = CHUNK_ELEMENTS) -> Iterator[slice]:
+    """Consecutive slices covering ``rows`` rows of ``columns`` elements, each about ``elements`` elements and a
+    multiple of ``multiple`` rows (at least ``multiple``), so that quantizing a large weight never holds working
+    copies of all of it."""
+    step = max(multiple, elements // max(columns, 1) // multiple * multiple)
+    return (slice(start, min(start + step, rows)) for start in range(0, rows, step))
 
 
 def layer_name(layer: torch.nn.Module) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..core.errors import CheckpointError
-from .common import matches_target
+from .common import CHUNK_ELEMENTS, matches_target, row_chunks
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -32,10 +32,24 @@ def to_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (t.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_per_channel(weight: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS,
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] -> (fp8 [out, in], fp32 scales [out]) with one scale per output channel."""
-    scale = scale_from_amax(weight.abs().amax(dim=1))
-    return to_fp8(weight, scale.unsqueeze(1)), scale
+    codes = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    quantize_per_channel_into(codes, scales, weight, chunk_elements)
+    return codes, scales
+
+
+def quantize_per_channel_into(codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
+                              chunk_elements: int = CHUNK_ELEMENTS) -> None:
+    """:func:`quantize_weight_per_channel` into existing fp8 ``codes`` [out, in] and fp32 ``scales`` [out], on
+    about ``chunk_elements`` weights at a time, so the fp32 working copies stay small whatever the weight's size."""
+    for rows in row_chunks(weight.shape[0], weight.shape[1], elements=chunk_elements):
+        part = weight[rows]
+        scale = scale_from_amax(part.abs().amax(dim=1))
+        codes[rows] = to_fp8(part, scale.unsqueeze(1))
+        scales[rows] = scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,7 +132,8 @@ def test_pack_rejects_out_of_range() -> None:
 # ---------------------------------------------------------------- AWQ RTN and dequantization
 @pytest.mark.parametrize("group", [32, 64, 128, -1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_rtn_error_is_at_most_half_a_step(group: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("chunk_elements", [1, 256 * 16 + 7, 1 << 22], ids=["8-rows", "16-rows", "one-chunk"])
+def test_rtn_error_is_at_most_half_a_step(group: int, dtype: torch.dtype, chunk_elements: int) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(24, 256, generator=g)
     w[0, :64] = w[0, :64].abs() + 3.0  # a group that is all positive
@@ -140,7 +141,7 @@ def test_rtn_error_is_at_most_half_a_step(group: int, dtype: torch.dtype) -> Non
     w[2, :] = 0.0  # all zero
     w[3, 5] = 40.0  # an outlier
     w = w.to(dtype)
-    qweight, qzeros, scales = awq.quantize_rtn(w, group)
+    qweight, qzeros, scales = awq.quantize_rtn(w, group, chunk_elements)  # 24 output rows, chunked as named
     eff = 256 if group == -1 else group
     assert qweight.shape == (256, 3) and qzeros.shape == (256 // eff, 3) and scales.shape == (256 // eff, 24)
     assert qweight.dtype == qzeros.dtype == torch.int32 and scales.dtype == torch.float16
@@ -430,13 +431,16 @@ def fp8_error_bound(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return t.abs() * 2.0**-4 + scale * 2.0**-10 + 1e-12
 
 
-def test_fp8_weight_per_channel_error_bound() -> None:
+@pytest.mark.parametrize("chunk_elements", [1, 64 * 5, 1 << 22], ids=["1-row", "5-rows", "one-chunk"])
+def test_fp8_weight_per_channel_error_bound(chunk_elements: int) -> None:
     g = torch.Generator().manual_seed(5)
     w = torch.randn(16, 64, generator=g) * torch.logspace(-3, 3, 16).unsqueeze(1)
     w[3] = 0.0
-    w_fp8, scale = fp8.quantize_weight_per_channel(w)
+    w_fp8, scale = fp8.quantize_weight_per_channel(w, chunk_elements)
     assert w_fp8.dtype == torch.float8_e4m3fn and scale.shape == (16,) and scale.dtype == torch.float32
     torch.testing.assert_close(scale, w.abs().amax(1).clamp(min=fp8.MIN_AMAX) / 448)
+    expected = (w / scale.unsqueeze(1)).clamp(-448, 448).to(torch.float8_e4m3fn)  # the definition, in one pass
+    assert torch.equal(w_fp8.view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(w_fp8.float().abs().amax(1)[w.abs().amax(1) > 0], torch.full((15,), 448.0))
     err = (fp8.dequantize(w_fp8, scale) - w).abs()
     assert bool((err <= fp8_error_bound(w, scale.unsqueeze(1))).all())
