@@ -17,7 +17,7 @@ from . import hookspecs
 from .config import COMPONENT_FIELDS, EngineConfig
 from .errors import ConfigError, InferError, PluginError, UnknownComponentError
 from .plugin_options import PluginOption, read_plugin_options
-from .registry import ARCHITECTURE_NAMES, COMPONENT_NAMES, Registry
+from .registry import ARCHITECTURE_NAMES, COMPONENT_NAMES, SHIPPED_SOURCE, Registry
 
 log = logging.getLogger("infer")
 T = TypeVar("T")
@@ -168,7 +168,11 @@ class PluginManager:
             return self
         self._collected = True
         for kind, hook_name in KINDS.items():
-            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            # infer's own first: a third-party name that clashes with a shipped one fails in the third party's hook,
+            # whose way out is then the one given (not the shipped plugin's, which would drop infer's component)
+            impls = sorted(getattr(self.pm.hook, hook_name).get_hookimpls(),
+                           key=lambda impl: self._sources.get(impl.plugin_name) != SHIPPED_SOURCE)
+            for impl in impls:
                 source = self._sources.get(impl.plugin_name, impl.plugin_name)
                 entry_point = impl.plugin_name if impl.plugin_name in self._entry_points else None
                 who = f"plugin {impl.plugin_name!r}" + (

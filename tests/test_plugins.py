@@ -175,6 +175,22 @@ def test_duplicate_names_name_both_packages(infer_plugins):
         infer_plugins.collect()
 
 
+def test_a_shipped_name_taken_first_by_a_plugin_blames_the_plugin():
+    """Registered before infer's own entry points (as one whose name sorts first is), a plugin's clash with a
+    shipped name still fails in the plugin's hook: the way out given is the plugin's, never one that drops infer's
+    component (which would let the plugin's replace it)."""
+    def register_eviction_policies(register):
+        register("lru", lambda: None)
+
+    plugins = PluginManager()
+    plugins.register(plugin_module("aaa", register_eviction_policies=register_eviction_policies), name="aaa",
+                     source="acme-evict")
+    plugins.load_entry_points(None)
+    with pytest.raises(PluginError, match="duplicate eviction policy name 'lru': infer ships") as caught:
+        plugins.collect()
+    assert str(caught.value).endswith("; fix the plugin") and "INFER_PLUGINS" not in str(caught.value)
+
+
 def test_duplicate_alias_is_an_error_too(infer_plugins):
     def register_schedulers(register):
         register("my-chunked", lambda config, kv: None, aliases=("chunked",))
