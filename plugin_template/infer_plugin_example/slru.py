@@ -26,6 +26,13 @@ class SegmentedLRUPolicy(EvictionPolicy):
         segment[key] = None
         segment.move_to_end(key)
 
+    def restore(self, key: Hashable, priority: int = 0) -> None:
+        # a prefix held back for its descendants was last used no later than they were, and the last of them was
+        # just evicted as the least recent: the prefix goes to the least recent end of its segment, not the newest
+        segment = self._protected if key in self._reused else self._probation
+        segment[key] = None
+        segment.move_to_end(key, last=False)
+
     def touch(self, key: Hashable) -> None:
         self._reused.add(key)
         if key in self._probation:

@@ -73,6 +73,17 @@ def test_the_head_of_a_split_node_keeps_the_reuse_of_the_whole():
     assert policy.pop() == "fresh"  # the head is protected, like the whole it came from
 
 
+def test_a_restored_prefix_goes_before_newer_keys():
+    """The cache held a prefix back while its child was cached; once the child is evicted, the prefix (used no
+    later than the child) must go before keys used since, not outlive them as a fresh insert would."""
+    policy = SegmentedLRUPolicy()
+    policy.insert("child")
+    policy.insert("newer")
+    assert policy.pop() == "child"
+    policy.restore("prefix")
+    assert [policy.pop(), policy.pop()] == ["prefix", "newer"]
+
+
 def test_remove_of_an_unknown_key_is_an_error():
     with pytest.raises(KeyError):
         SegmentedLRUPolicy().remove("nope")
