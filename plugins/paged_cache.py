@@ -181,9 +181,13 @@ class PagedKVCache(KVCache):
 
     def drop_namespace(self, namespace: str) -> bool:
         evictions = self.counters.evictions  # dropped on request: not evictions
-        root = self.roots.pop(namespace, None)
-        for block in list(self.children.get(root, ())) if root is not None else ():
-            assert self.ref[block] == 0, f"drop_namespace({namespace!r}) while a live sequence holds its blocks"
+        root = self.roots.get(namespace)
+        firsts = list(self.children.get(root, ())) if root is not None else []
+        if any(self.ref[block] for block in firsts):  # a live sequence holds its first block whatever else it holds
+            raise RuntimeError(f"drop_namespace({namespace!r}) while a live sequence holds its blocks; the caller "
+                               "must wait until that namespace's sequences are freed")
+        self.roots.pop(namespace, None)
+        for block in firsts:
             if self.held.pop(block, None) is None:
                 self.eviction.remove(block)
             self._unregister(block)  # its cached descendants go too

@@ -283,11 +283,14 @@ class RadixKVCache(KVCache):
         return True
 
     def drop_namespace(self, namespace: str) -> bool:
-        root = self.roots.pop(namespace, None)
+        root = self.roots.get(namespace)
         stack = list(root.children.values()) if root is not None else []
+        if any(node.lock for node in stack):  # a live sequence locks its whole path from the root
+            raise RuntimeError(f"drop_namespace({namespace!r}) while a live sequence uses its tree; the caller must "
+                               "wait until that namespace's sequences are freed")
+        self.roots.pop(namespace, None)
         while stack:
             node = stack.pop()
-            assert node.lock == 0, f"drop_namespace({namespace!r}) while a live sequence uses its tree"
             stack.extend(node.children.values())
             if node.evictable:
                 self.eviction.remove(node)

@@ -531,9 +531,9 @@ def test_evicting_a_prefix_block_unregisters_what_follows_it() -> None:
     assert all(cached_prefix(kv, block) for block in kv.key_to_block.values())
 
 
-def admitted(kv: PagedKVCache, seq_id: int, prompt: list[int]) -> Sequence:
+def admitted(kv: KVCache, seq_id: int, prompt: list[int], params: SamplingParams | None = None) -> Sequence:
     """A sequence matched against the cache and allocated for the rest of its prompt."""
-    seq = Sequence(seq_id, "r", prompt, SamplingParams(), 0.0)
+    seq = Sequence(seq_id, "r", prompt, params or SamplingParams(), 0.0)
     seq.num_computed_tokens = kv.match_prefix(seq)
     assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
     return seq
@@ -675,3 +675,21 @@ def test_reset_drops_every_cached_block_even_prefixes_of_held_ones() -> None:
     assert not kv.held and not len(kv.eviction) and not kv.key_to_block and kv.stats().cached_blocks == 0
     probe = Sequence(99, "r", x + [5], SamplingParams(), 0.0)
     assert kv.match_prefix(probe) == 0
+
+
+@pytest.mark.parametrize("make", [lambda: PagedKVCache(8, BLOCK, LRUPolicy(), True),
+                                  lambda: RadixKVCache(8, BLOCK, LRUPolicy())], ids=["paged", "radix"])
+def test_drop_namespace_of_a_live_sequence_is_refused_and_changes_nothing(make) -> None:
+    """The contract says no live sequence has the namespace; a caller that breaks it gets an error (under
+    ``python -O`` too), and the cache keeps that sequence's blocks and its namespace's cached prefixes."""
+    kv = make()
+    live = admitted(kv, 0, [1] * BLOCK + [2] * BLOCK + [9], SamplingParams(lora_adapter="a"))
+    live.num_computed_tokens = live.num_tokens
+    kv.commit(live)
+    before = (list(kv.ref), kv.stats(), list(kv.block_table(live)))
+    with pytest.raises(RuntimeError, match=r"drop_namespace\('a'\) while a live sequence"):
+        kv.drop_namespace("a")
+    assert (list(kv.ref), kv.stats(), list(kv.block_table(live))) == before
+    kv.free(live)
+    probe = Sequence(1, "r", [1] * BLOCK + [2] * BLOCK + [7], SamplingParams(lora_adapter="a"), 0.0)
+    assert kv.match_prefix(probe) == 2 * BLOCK  # its prefix is still cached under "a"
