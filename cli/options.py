@@ -347,8 +347,8 @@ def parse_plugin_options(items: tuple[str, ...]) -> dict[str, Any]:
     parsed: dict[str, Any] = {}
     for item in items:
         target, sep, text = item.partition("=")
-        namespace, dot, key = target.partition(".")
-        if not (sep and dot and namespace and key) or "." in key:
+        namespace, dot, key = target.rpartition(".")  # keys have no '.'; a component's name may
+        if not (sep and dot and namespace and key):
             raise click.BadParameter(f"{item!r} is not NAMESPACE.KEY=VALUE (e.g. awq.fused_max_rows=32)",
                                      param_hint="'--plugin-option'")
         try:
@@ -429,7 +429,7 @@ class EngineArgs:
         config = EngineConfig(**fields)
         for key, value in self.values.items():
             if key.startswith("plugin_options."):
-                _, namespace, name = key.split(".")
+                namespace, _, name = key.removeprefix("plugin_options.").rpartition(".")
                 config.plugin_options.setdefault(namespace, {})[name] = value
         if self.no_prefix_caching:
             config.enable_prefix_caching = False

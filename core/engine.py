@@ -29,7 +29,7 @@ from .loader import LoadProgress
 from .interfaces import ReasoningEnd, ReasoningParser, SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
-from .outputs import RequestState, append_output, build_output, new_reasoning_stream
+from .outputs import RequestState, append_output, build_output, new_reasoning_stream, with_every_sequence
 from .plugins import Blame, PluginManager, checked_manager
 from .readers import Reader, Readers
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
@@ -575,7 +575,7 @@ class Engine:
         output.num_cached_tokens = max(seq.num_cached_tokens for seq in req.seqs)
         if self.spec is not None:
             self.spec.finish(req.seqs, output)
-        self.plugins.observe("on_request_finished", output=output)
+        self.plugins.observe("on_request_finished", output=with_every_sequence(req, output))
 
     def _record_step(self, out: SchedulerOutput, start: float, times: StepTimes, sampled: float,
                      decodes: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from .chat_tools import ParsedReply, ToolCall, json_like
@@ -309,6 +309,17 @@ def _read_tool_calls(parser: ToolParser, text: str, token_ids: list[int], name: 
             raise PluginError(f"the tool parser {name} returned a call without a name ({call!r}); fix the plugin")
     return reply.content, [call if call.id else ToolCall(call.name, call.arguments, f"call_{uuid.uuid4().hex[:24]}")
                            for call in reply.tool_calls]
+
+
+def with_every_sequence(req: RequestState, final: RequestOutput) -> RequestOutput:
+    """A request's ``final`` output (a delta) with an entry for each of its sequences, in index order: one that
+    finished in an earlier step gets an empty delta with its finish reason (what ``on_request_finished`` sees)."""
+    present = {c.index for c in final.outputs}
+    earlier = [CompletionOutput(i, [], "", seq.finish_reason, [] if req.params.logprobs is not None else None)
+               for i, seq in enumerate(req.seqs) if i not in present]
+    if not earlier:
+        return final
+    return replace(final, outputs=sorted(final.outputs + earlier, key=lambda c: c.index))
 
 
 def append_output(full: RequestOutput, *deltas: RequestOutput) -> RequestOutput:

@@ -178,6 +178,10 @@ class PluginManager:
                 who = f"plugin {impl.plugin_name!r}" + (
                     f" from package {source!r}" if source != impl.plugin_name else "")
                 way_out = self._way_outs.get(impl.plugin_name, "fix the plugin")
+                if "register" not in (*impl.argnames, *impl.kwargnames):  # pluggy lets an implementation take fewer
+                    raise PluginError(f"{who} implements {hook_name}() without arguments, but infer calls "
+                                      f"{hook_name}(register) and the hook registers through it: add the parameter "
+                                      f"`register`; {way_out}")
                 register = self.registries[kind].callback(source, entry_point, hook_name)
                 try:
                     returned = impl.function(register=register)

@@ -83,10 +83,10 @@ class SpecDecoder:
         if not room:
             return
         items = [item for item in out.scheduled if item.seq.seq_id in room]
-        proposal = self._proposal([item.seq for item in items], max(room.values()))
         try:
+            proposal = self._proposal([item.seq for item in items], max(room.values()))
             self._check_proposal(proposal, items, max(room.values()))
-        except PluginError:
+        except BaseException:  # a proposer that raised, or broke the contract (Ctrl-C too)
             for item in items:  # give back every reserved draft slot: the step fails
                 self.kv.truncate(item.seq, item.seq.num_computed_tokens + 1)
             raise

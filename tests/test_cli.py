@@ -376,6 +376,11 @@ def test_plugin_options_reach_the_config_and_bench_arms_merge_them(infer_plugins
     assert b.args.build(infer_plugins).plugin_options == {"awq": {"fused_max_rows": 64, "group_size": 64}}
     result = run("--plugin-option", "awq-fused_max_rows=8", "generate", "hi")
     assert result.exit_code == 2 and "'awq-fused_max_rows=8' is not NAMESPACE.KEY=VALUE" in result.output
+    # a component name may hold '.', a key may not: the key is what follows the last '.'
+    dotted = parse_plugin_options(("my.policy.window=3",))
+    assert dotted == {"plugin_options.my.policy.window": 3}
+    assert EngineArgs.from_kwargs({"plugin_option": dotted}).build(infer_plugins).plugin_options == {
+        "my.policy": {"window": 3}}
 
 
 def test_a_plugin_option_namespace_no_component_claims_is_warned(infer_plugins, caplog):

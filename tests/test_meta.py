@@ -163,6 +163,18 @@ def test_every_hookspec_is_documented_with_its_exact_signature():
                          + "; ".join(signature_line(specs[name]) for name in missing))
 
 
+def test_every_factory_type_is_documented_as_hookspecs_defines_it():
+    """The factory aliases that the registration hooks' signatures name: plugin-hooks.md lists each as defined."""
+    import inspect
+
+    source = inspect.getsource(hookspecs)
+    lines = [line for line in source.splitlines() if line.split(" = ")[0].endswith("Factory")]
+    assert len(lines) >= 10
+    doc = (DOCS / "plugin-hooks.md").read_text(encoding="utf-8")
+    missing = [line for line in lines if line not in doc]
+    assert not missing, f"add these lines to docs/plugin-hooks.md's list of factory types: {missing}"
+
+
 def test_every_hookspec_is_called_in_a_real_run(recorded):
     recorder, _, _ = recorded
     specs = hookspec_functions(vars(hookspecs).values())

@@ -249,6 +249,8 @@ def test_a_misnamed_hook_argument_names_the_expected_one(tmp_path, monkeypatch):
     ("def register_schedulers(register):\n    return {'mine': object}\n",
      "its register_schedulers hook returned a value of type dict, which infer ignores: a registration hook is a "
      "plain function"),
+    ("def register_schedulers():\n    pass\n",
+     "implements register_schedulers() without arguments, but infer calls register_schedulers(register)"),
     ("def register_schedulers(register):\n    yield\n",
      "its register_schedulers hook returned a value of type generator"),
     ("async def register_schedulers(register):\n    pass\n",
@@ -537,6 +539,29 @@ def test_a_proposal_that_breaks_the_contract_is_refused_and_frees_its_slots(infe
     with pytest.raises(PluginError, match=re.escape(f"proposer 'breaking' {complaint}")):
         engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0))
     assert engine.kv.stats().used_blocks == 0  # generate aborted the request; no draft slot was left behind
+
+
+def test_a_proposer_that_raises_gives_back_the_draft_slots(infer_plugins, tiny_model):
+    """The KV slots reserved for a step's drafts go back when the proposer raises (a plugin bug, a draft model's
+    forward pass failing), as they do when its proposal breaks the contract: the request keeps only its own."""
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+    from infer.core.interfaces import Proposer
+
+    class Raising(Proposer):
+        def propose(self, seqs, k):
+            raise RuntimeError("draft model failed")
+
+    plugins = runtime_plugin(infer_plugins, "register_proposers", "raising",
+                             lambda config, target, plugins: Raising())
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", proposer="raising", block_size=4,
+                                 num_speculative_tokens=5), plugins)
+    engine.add_request([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=8, temperature=0.0), request_id="r")
+    engine.step()  # the prefill: nothing drafts
+    with pytest.raises(PluginError, match="draft model failed"):
+        engine.step()
+    [seq] = engine.requests["r"].seqs
+    assert len(engine.kv.block_table(seq)) == -(-(seq.num_computed_tokens + 1) // 4)  # no slot past the next token
 
 
 @pytest.mark.parametrize("attribute", ["block_size", "num_blocks"])

@@ -276,6 +276,25 @@ def test_event_hooks_observe_steps_and_finished_requests(tiny_model, infer_plugi
     assert total == pytest.approx(sum(durations), abs=4e-4)  # each total is rounded to 0.1 ms
 
 
+def test_on_request_finished_has_every_sequence_of_an_n_request(tiny_model, infer_plugins):
+    """Sequences of an n > 1 request that finish in different steps: the observer sees one entry for each, with the
+    finish reason the caller got, not only those of the request's last step."""
+    observed = []
+
+    def on_request_finished(output):
+        observed.append(output)
+
+    infer_plugins.register(plugin_module("n-observer", on_request_finished=on_request_finished))
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), infer_plugins)
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=16, stop_token_ids=tuple(range(0, 256, 2)))
+    [result] = engine.generate(["hello there"], params)
+    assert len({len(c.token_ids) for c in result.outputs}) > 1  # they did finish in different steps
+    [output] = observed
+    assert [c.index for c in output.outputs] == [0, 1, 2, 3]
+    assert [c.finish_reason for c in output.outputs] == [c.finish_reason for c in result.outputs]
+    assert any(not c.token_ids for c in output.outputs)  # those finished earlier: an empty last delta
+
+
 def test_two_packages_with_one_entry_point_name_are_named(tmp_path, monkeypatch):
     """Two plugin packages made from the template without renaming the entry point: a clear PluginError naming
     both packages (not pluggy's ValueError), also from the CLI."""
