@@ -33,22 +33,25 @@ class HeldInterrupts:
     def __enter__(self) -> None:
         self.depth += 1
         if self.depth == 1 and threading.current_thread() is threading.main_thread():
+            self.received = False  # before the handler goes in: a Ctrl-C that comes as it goes in is kept
             try:
                 previous = signal.signal(signal.SIGINT, self.handler)
             except ValueError:  # a subinterpreter's main thread (mod_wsgi, say) may not set handlers: hold nothing
                 return
             if callable(previous):
-                self.previous, self.received = previous, False
+                self.previous = previous
             else:  # ignored, or the OS default's: no Python exception can come of it
                 signal.signal(signal.SIGINT, previous)
+                if self.received is not False and previous == signal.SIG_DFL:  # one came as the handler went in
+                    signal.raise_signal(signal.SIGINT)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.depth -= 1
-        if self.depth or self.previous is None:
+        if self.depth or (previous := self.previous) is None:
             return
-        previous, frame, self.previous, self.received = self.previous, self.received, None, False
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous)  # first: from here a Ctrl-C goes to it, and none lands unseen below
+        frame, self.previous, self.received = self.received, None, False
         if frame is not False and not (kind is not None and issubclass(kind, KeyboardInterrupt)):
             previous(signal.SIGINT, frame)  # the Ctrl-C it held lands now; a call that raised has the error as the
             # KeyboardInterrupt's __context__ (a caller that caught the error would have lost the Ctrl-C)

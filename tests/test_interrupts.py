@@ -71,3 +71,31 @@ def test_where_handlers_cannot_be_set_nothing_is_held_and_the_engine_call_goes_o
     with held:
         ran.append(True)
     assert ran == [True] and held.previous is None and held.depth == 0
+
+
+def test_a_ctrl_c_as_the_handler_goes_in_or_out_is_not_lost(monkeypatch):
+    """A SIGINT whose Python handler runs right after ``signal.signal`` installs the holder, or right before it
+    puts the previous handler back, lands once the call ends: it was lost (a `generate --stream` run under load
+    ignored a Ctrl-C and ran to the end)."""
+    import pytest
+
+    real_signal = signal.signal
+    held = HeldInterrupts()
+
+    def arriving_with(moment):
+        def install(signum, handler):
+            if moment == "out" and handler is not held.handler:  # just before the previous handler goes back
+                held.handler(signal.SIGINT, None)
+            previous = real_signal(signum, handler)
+            if moment == "in" and handler is held.handler:  # just after the holder went in
+                held.handler(signal.SIGINT, None)
+            return previous
+        return install
+
+    for moment in ("in", "out"):
+        monkeypatch.setattr(signal, "signal", arriving_with(moment))
+        with pytest.raises(KeyboardInterrupt):
+            with held:
+                pass
+        monkeypatch.setattr(signal, "signal", real_signal)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
