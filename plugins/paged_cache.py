@@ -203,7 +203,8 @@ class PagedKVCache(KVCache):
         return self.roots[namespace]
 
     def match_prefix(self, seq: Sequence) -> int:
-        assert seq.seq_id not in self.tables, "match_prefix on a sequence that holds blocks"
+        if seq.seq_id in self.tables:  # the scheduler's bug: matching again would leak what it holds
+            raise RuntimeError(f"match_prefix on sequence {seq.seq_id}, which holds blocks: free it first")
         table = array("i")
         chain: list[int] = []
         if self.prefix_caching and not seq.needs_prompt_logits:
@@ -293,7 +294,8 @@ class PagedKVCache(KVCache):
         self.tables.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        assert child.seq_id not in self.tables, "fork into a sequence that holds blocks"
+        if child.seq_id in self.tables:  # its blocks would leak
+            raise RuntimeError(f"fork into sequence {child.seq_id}, which holds blocks: fork into a new one")
         table = self.tables[parent.seq_id]
         for block in table:
             self.ref[block] += 1

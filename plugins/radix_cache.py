@@ -307,7 +307,8 @@ class RadixKVCache(KVCache):
         return self.roots[namespace]
 
     def match_prefix(self, seq: Sequence) -> int:
-        assert seq.seq_id not in self.seqs, "match_prefix on a sequence that holds blocks"
+        if seq.seq_id in self.seqs:  # the scheduler's bug: matching again would leak what it holds
+            raise RuntimeError(f"match_prefix on sequence {seq.seq_id}, which holds blocks: free it first")
         usable = 0 if seq.needs_prompt_logits else max((seq.num_tokens - 1) // self.block_size, 0)  # leave one
         node = self._walk(self._root(seq), seq.token_ids, usable)
         self.seqs[seq.seq_id] = _SeqState(array("i", [block for n in self._path(node) for block in n.blocks]),
@@ -377,7 +378,8 @@ class RadixKVCache(KVCache):
             self._release(block)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        assert child.seq_id not in self.seqs, "fork into a sequence that holds blocks"
+        if child.seq_id in self.seqs:  # its blocks would leak
+            raise RuntimeError(f"fork into sequence {child.seq_id}, which holds blocks: fork into a new one")
         state = self.seqs[parent.seq_id]
         self._insert(state, parent)  # shared full blocks become tree blocks, so only the partial one is private
         twin = _SeqState(array("i", state.table), self._root(child))

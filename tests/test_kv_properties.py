@@ -693,3 +693,19 @@ def test_drop_namespace_of_a_live_sequence_is_refused_and_changes_nothing(make) 
     kv.free(live)
     probe = Sequence(1, "r", [1] * BLOCK + [2] * BLOCK + [7], SamplingParams(lora_adapter="a"), 0.0)
     assert kv.match_prefix(probe) == 2 * BLOCK  # its prefix is still cached under "a"
+
+
+@pytest.mark.parametrize("make", [lambda: PagedKVCache(8, BLOCK, LRUPolicy(), True),
+                                  lambda: RadixKVCache(8, BLOCK, LRUPolicy())], ids=["paged", "radix"])
+def test_matching_or_forking_into_a_sequence_that_holds_blocks_is_refused(make) -> None:
+    """A scheduler that matches a sequence twice, or forks into one that holds blocks, would leak them: an error
+    (under ``python -O`` too), and the cache is unchanged."""
+    kv = make()
+    parent = admitted(kv, 0, [1] * BLOCK + [9])
+    child = admitted(kv, 1, [2] * BLOCK + [9])
+    before = (list(kv.ref), kv.stats())
+    with pytest.raises(RuntimeError, match="match_prefix on sequence 0, which holds blocks"):
+        kv.match_prefix(parent)
+    with pytest.raises(RuntimeError, match="fork into sequence 1, which holds blocks"):
+        kv.fork(parent, child)
+    assert (list(kv.ref), kv.stats()) == before
