@@ -69,6 +69,14 @@ class InferGroup(click.Group):
             raise SystemExit(130) from None
 
 
+def _log_verbosely(on: bool) -> bool:
+    """-v, as soon as it is parsed: eager, so that `infer -v --help` (--help answers while parsing, before the
+    command runs) logs the traceback of a plugin command that fails to build, as its warning says."""
+    if on:
+        logging.basicConfig(level=logging.INFO, format="infer: %(message)s")
+    return on
+
+
 def _plugins(ctx: click.Context) -> PluginManager:
     root = ctx.find_root()
     root.meta.setdefault("infer.plugins", None)
@@ -89,7 +97,8 @@ def _plugins(ctx: click.Context) -> PluginManager:
 
 @click.group(cls=InferGroup)
 @engine_options
-@click.option("-v", "--verbose", is_flag=True, help="Log engine details to stderr.")
+@click.option("-v", "--verbose", is_flag=True, is_eager=True, callback=lambda ctx, param, on: _log_verbosely(on),
+              help="Log engine details to stderr.")
 @click.version_option(package_name="infer-engine")
 @click.pass_context
 def main(ctx: click.Context, verbose: bool, **kwargs: Any) -> None:

@@ -362,15 +362,18 @@ def test_a_crashing_command_factory_shows_its_traceback_with_v_only(tmp_path):
                         "@hookimpl\ndef register_commands(register):\n    register('hello', lambda: 1 / 0)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
 
-    def run(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-P", "-m", "infer.cli", *flags, "hello"], capture_output=True,
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-P", "-m", "infer.cli", *args], capture_output=True,
                               text=True, env=env, timeout=120)
 
-    quiet, verbose = run(), run("-v")
+    quiet, verbose = run("hello"), run("-v", "hello")
     for result in (quiet, verbose):
         assert result.returncode != 0 and "the command factory 'hello' from 'infer-plugin-crash'" in result.stderr
     assert "Traceback" not in quiet.stderr
     assert "Traceback" in verbose.stderr and "ZeroDivisionError" in verbose.stderr
+    listing = run("-v", "--help")  # --help answers while the options are parsed: -v is eager, so it logs too
+    assert listing.returncode == 0 and "(-v logs the traceback)" in listing.stderr
+    assert "Traceback" in listing.stderr and "ZeroDivisionError" in listing.stderr
 
 
 @pytest.mark.parametrize(("breach", "complaint"), [
