@@ -104,11 +104,11 @@ class HFArm:
         if not sampling.greedy:
             sample.update(do_sample=True, temperature=fields["temperature"], top_p=fields.get("top_p", 1.0),
                           top_k=fields.get("top_k", 0), min_p=fields.get("min_p") or None)
-        if cb:  # continuous batching takes eos -1 as "never stop early"
-            return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=-1, pad_token_id=self.pad_id,
-                                    **sample)
-        return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_id, **sample)
+        # an eos id no token has: EOS is generated like any token and stops nothing, as in the engine arms (a
+        # min_new_tokens masked it, and the static arm's outputs left the others' at every EOS argmax); continuous
+        # batching takes -1 as "never stop early", static generate warns about a negative id: the logits' width
+        never = -1 if cb else self.vocab.size
+        return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=never, pad_token_id=self.pad_id, **sample)
 
     def warm_up(self, workloads: list[Workload]) -> None:
         """A short request, then each warm-up workload, unmeasured: first-call costs are not timed."""

@@ -102,9 +102,9 @@ def build_table(result: BenchResult) -> Table:
         notes.append("[yellow]the long prompt arrived after every steady decode had finished, so it delayed none: "
                      "raise --output-len or lower --long-delay[/yellow]")
     planned = result.meta.get("round_orders") or []
-    if compared and 0 < repeats < len(planned):  # stopped early: the kept rounds' orders rotate unevenly
-        leads = [order[0] for order in planned[:repeats]]
-        counts = ", ".join(f"{arm.key} {leads.count(arm.key)}" for arm in result.arms)
+    leads = [order[0] for order in planned[:repeats]]
+    if compared and 0 < repeats < len(planned) and len({leads.count(arm.key) for arm in result.arms}) > 1:
+        counts = ", ".join(f"{arm.key} {leads.count(arm.key)}" for arm in result.arms)  # stopped early, unevenly
         notes.append(f"[yellow]the run stopped after {repeats} of {len(planned)} rounds, so the arms did not run "
                      f"first equally often (rounds led: {counts})[/yellow]")
     if repeats < 3:

@@ -684,6 +684,16 @@ def test_sampling_options_reach_every_arms_sampler(tiny_model, tmp_path):
     assert "arms whose speculation differs from the first arm's draw differently: outputs n/a" in spec["table"]
 
 
+def test_an_eos_argmax_stops_no_arm_and_every_arm_generates_it(tiny_model, tmp_path):
+    """Every arm generates exactly its tokens, EOS among them where it comes: with EOS made the argmax (a bias),
+    the engine and both HF baselines output EOS throughout (the static HF arm masked EOS, and diverged there)."""
+    import json as json_module
+
+    eos = json_module.loads((tiny_model / "config.json").read_text())["eos_token_id"]
+    outputs = _bench_outputs(tiny_model, tmp_path, "eos", "--logit-bias", f"{eos}=100", "--ab", "", "hf", "hf:cb")
+    assert outputs["A"] == outputs["B"] == outputs["C"] == [[eos] * 8] * 3
+
+
 def test_logit_controls_reach_both_samplers(tiny_model, tmp_path):
     """Greedy with a logit bias and a repetition penalty: the engine and HF generate the same changed tokens; an
     engine-only bench takes the penalties HF lacks."""
@@ -1049,6 +1059,9 @@ def test_a_run_stopped_early_says_its_rounds_did_not_rotate_evenly():
         str(build_table(stopped).caption)
     whole = BenchResult([ArmSpec("A", ""), ArmSpec("B", "")], runs, {"workload": {}, "round_orders": orders[:3]})
     assert "stopped after" not in str(build_table(whole).caption)
+    even = {key: results[:2] for key, results in runs.items()}  # 2 of 4 kept: each arm led one, as rotation wants
+    stopped_evenly = BenchResult([ArmSpec("A", ""), ArmSpec("B", "")], even, {"workload": {}, "round_orders": orders})
+    assert "did not run first equally often" not in str(build_table(stopped_evenly).caption)
 
 
 def test_moe_bench_agrees_with_hfs_experts_before_timing():
