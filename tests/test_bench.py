@@ -711,14 +711,16 @@ def test_hf_generation_config_carries_every_sampling_option():
     from infer.bench.hf import HFArm
     from infer.bench.workloads import RequestSampling
 
-    stub = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=2), pad_id=0)
+    stub = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=2), pad_id=0, vocab=SimpleNamespace(size=1024))
     fields = dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, repetition_penalty=1.2, logit_bias=((7, -3.0),))
     for cb in (False, True):
         config = HFArm._generation_config(stub, 8, cb, RequestSampling(fields))  # type: ignore[arg-type]
         assert (config.do_sample, config.temperature, config.top_p, config.top_k, config.min_p) == (
             True, 0.7, 0.9, 0, 0.05)
         assert config.repetition_penalty == 1.2 and config.sequence_bias == {(7,): -3.0}
-        assert config.max_new_tokens == 8 and config.eos_token_id == (-1 if cb else 2)
+        # an eos id no token has (EOS generated as any token, stopping nothing), and EOS never masked
+        assert config.max_new_tokens == 8 and config.eos_token_id == (-1 if cb else 1024)
+        assert not config.min_new_tokens
 
 
 def test_request_seeds_differ_per_round_session_and_turn():
