@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -64,22 +65,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
         limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
         stream = await self._open(request, context, size_of, limit // 2)
-        completion_tokens = 0
         try:
-            async for out in stream:
-                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-                response = pb.GenerateResponse(request_id=out.request_id,
-                                               outputs=[completion_to_proto(c) for c in out.outputs],
-                                               finished=out.finished)
-                if out.prompt_logprobs is not None:
-                    response.prompt_logprobs.extend(positions_to_proto(out.prompt_logprobs))
-                if out.finished:
-                    response.usage.CopyFrom(_usage(out, completion_tokens))
-                if (size := response.ByteSize()) > limit:  # gRPC would fail it as RESOURCE_EXHAUSTED: say why
-                    raise CapacityError(_too_large_message(out, size, limit))
-                yield response
-        except Exception as exc:
-            await _abort_with(context, exc)
+            # what a write raises (the client went away mid-send) is gRPC's to handle, which it does quietly for a
+            # closed call: only the making of the responses maps to a status (an INTERNAL error logged as a fault)
+            async with contextlib.aclosing(_stream_responses(stream, limit, context)) as responses:
+                async for response in responses:
+                    yield response
         finally:
             self._close(stream)
 
@@ -315,6 +306,28 @@ def merged_share(part: pb.Completion) -> int:
 def _usage(out: RequestOutput, completion_tokens: int) -> pb.Usage:
     return pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion_tokens,
                     cached_tokens=out.num_cached_tokens)
+
+
+async def _stream_responses(stream: RequestStream, limit: int,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    """Generate's messages, one per delta of ``stream``; an error (the engine's, or a message past ``limit``)
+    aborts the call with its status."""
+    completion_tokens = 0
+    try:
+        async for out in stream:
+            completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            response = pb.GenerateResponse(request_id=out.request_id,
+                                           outputs=[completion_to_proto(c) for c in out.outputs],
+                                           finished=out.finished)
+            if out.prompt_logprobs is not None:
+                response.prompt_logprobs.extend(positions_to_proto(out.prompt_logprobs))
+            if out.finished:
+                response.usage.CopyFrom(_usage(out, completion_tokens))
+            if (size := response.ByteSize()) > limit:  # gRPC would fail it as RESOURCE_EXHAUSTED: say why
+                raise CapacityError(_too_large_message(out, size, limit))
+            yield response
+    except Exception as exc:
+        await _abort_with(context, exc)
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:

@@ -306,6 +306,44 @@ def test_a_cancelled_stream_aborts_its_request() -> None:
     serve_scripted(test)
 
 
+def test_a_failed_write_is_grpcs_to_handle_not_an_internal_error(caplog) -> None:
+    """A write that fails (the client went away mid-send: gRPC raises at the handler's yield, and ignores that once
+    the call is closed) was caught as the request's own error: logged as an INTERNAL fault with its traceback and
+    answered with an abort on a call that had already ended. It passes through now, and the request still ends."""
+    import logging
+
+    class WriteFailed(Exception):
+        pass
+
+    class Context:
+        aborted: list[tuple[Any, str]] = []
+
+        async def abort(self, code: Any, details: str) -> None:
+            self.aborted.append((code, details))
+            raise grpc.aio.AbortError()
+
+    async def main() -> None:
+        engine = ScriptedEngine()
+        worker = EngineWorker(engine)
+        worker.start()
+        try:
+            servicer = InferenceServicer(worker, pb.ModelInfo(), pb.ListPluginsResponse(), max_queue=8)
+            context = Context()
+            call = servicer.Generate(build_request("long", request_id="cut", max_tokens=10**6), context)  # type: ignore
+            first = await call.__anext__()
+            assert first.request_id == "cut" and set(first.outputs[0].token_ids) == {7}
+            with pytest.raises(WriteFailed):
+                await call.athrow(WriteFailed("the transport refused the message"))
+            assert context.aborted == [] and servicer.in_flight == 0
+            await until(lambda: engine.aborted == ["cut"], "the request's abort")
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    with caplog.at_level(logging.DEBUG, logger="infer.server"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 async def until(condition: Callable[[], bool], what: str) -> None:
     for _ in range(500):
         if condition():
