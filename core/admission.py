@@ -9,7 +9,7 @@ from typing import Any
 from .chat import ChatPrompt, Prompt
 from .config import EngineConfig
 from .errors import InferError, InvalidRequestError, PluginError, require_utf8
-from .interfaces import ReasoningEnd, Scheduler, SchedulerOutput
+from .interfaces import BlockOps, ReasoningEnd, Scheduler, SchedulerOutput
 from .request import SamplingParams
 
 
@@ -160,6 +160,12 @@ def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Schedu
     if not isinstance(out, SchedulerOutput):
         raise PluginError(f"scheduler {name!r}: schedule() returned {type(out).__name__}, not a SchedulerOutput; "
                           "fix the plugin")
+    if clash := swapped_in_under_copies(out.block_ops):
+        raise PluginError(f"scheduler {name!r}: its swap-ins write device block(s) {clash[:8]} that this step's "
+                          "copy-on-write copies also read or write (block ops run swap-outs, then swap-ins, then "
+                          "copies, so a copy would move the swapped-in KV instead of the KV it was queued for: a "
+                          "block freed and taken again within one step); swap sequences in only in a step that "
+                          "preempts nothing, as the shipped schedulers do, or fix the plugin")
     if not out.scheduled:
         if settled and scheduler.has_unfinished():
             if searching:
@@ -189,3 +195,13 @@ def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Schedu
     if len({item.seq.seq_id for item in out.scheduled}) != len(out.scheduled):
         raise PluginError(f"scheduler {name!r} scheduled a sequence twice; fix the plugin")
     return True
+
+
+def swapped_in_under_copies(ops: BlockOps) -> list[int]:
+    """The device blocks that a swap-in writes and a copy of the same step reads or writes. Run in BlockOps' order
+    the copy sees the swapped-in KV; no schedule means that (a block a swap-in fills was free: no copy queued
+    before could name it, unless the block was freed and taken again within the step)."""
+    if not (ops.swap_in and ops.copies):
+        return []
+    filled = {device for _, device in ops.swap_in}
+    return sorted(filled & {block for pair in ops.copies for block in pair})

@@ -50,7 +50,9 @@ class KVStats:
 
 @dataclass
 class BlockOps:
-    """Data movement the runner must perform before the next forward pass, in this order."""
+    """Data movement the runner must perform before the next forward pass, in this order. A copy may not read or
+    write a block that a swap-in of the same step fills (the engine refuses such a schedule): the copy would see
+    the swapped-in KV, not the KV it was queued for."""
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)

@@ -381,9 +381,12 @@ def test_a_crashing_command_factory_shows_its_traceback_with_v_only(tmp_path):
     ("twice", "scheduled a sequence twice"),
     ("nothing new", "with 0 new token(s) where 4 are uncomputed (it must be 1 to that)"),
     ("too many", "with 5 new token(s) where 4 are uncomputed"),
+    ("swap-in under a copy", "its swap-ins write device block(s) [1] that this step's copy-on-write copies"),
 ])
 def test_a_schedule_that_breaks_the_contract_is_refused(infer_plugins, tiny_model, breach, complaint):
-    """Each breach would otherwise compute wrong tokens without an error, or fail deep in the runner."""
+    """Each breach would otherwise compute wrong tokens without an error, or fail deep in the runner (a swap-in
+    into a block that a copy of the same step reads: the block was freed and taken again, and the copy, run after
+    the swap-ins, would move the wrong KV)."""
     from infer import SamplingParams
     from infer.core.engine import Engine
     from infer.core.interfaces import ScheduledSequence
@@ -397,6 +400,9 @@ def test_a_schedule_that_breaks_the_contract_is_refused(infer_plugins, tiny_mode
                 return None
             if breach == "twice":
                 out.scheduled.append(ScheduledSequence(first.seq, 1))
+            elif breach == "swap-in under a copy":
+                out.block_ops.swap_in.append((0, 1))
+                out.block_ops.copies.append((1, 2))
             else:
                 first.num_new_tokens = 0 if breach == "nothing new" else first.num_new_tokens + 1
             return out
