@@ -17,6 +17,19 @@ from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, U
 from .moe import MoeConfig, Router, SparseMoe, experts_fp8, experts_quant
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def load_parameter(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copy a float checkpoint tensor into a parameter of the same shape."""
+    if param.shape != tensor.shape:
+        raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model "
+                              f"{tuple(param.shape)}")
+    check_float(name, tensor)
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
 # compressed-tensors' kv_cache_scheme tensors (and the older per-projection form)
 KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_zero_point", "self_attn.v_zero_point",
                   "k_proj.output_scale", "v_proj.output_scale")
@@ -509,16 +522,15 @@ class LlamaFamilyModel(Model):
             elif isinstance(module, Linear):
                 module.load(attr, tensor)
             elif name in params:
-                param = params[name]
-                if param.shape != tensor.shape:
-                    raise CheckpointError(
-                        f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
-                check_float(name, tensor)
-                with torch.no_grad():
-                    param.copy_(tensor)
+                load_parameter(name, params[name], tensor)
             else:
                 raise CheckpointError(f"unexpected tensor {name!r} in checkpoint for {self.cfg.architecture}")
             seen.add(name)
+        if tied_head is not None and EMBEDDING not in seen and EMBEDDING in params:
+            # the tied tensor saved under the head's name alone (safetensors' save_model keeps the first name)
+            load_parameter(EMBEDDING, params[EMBEDDING], tied_head)
+            seen.add(EMBEDDING)
+            tied_head = None
         missing = sorted(expected - seen) + [name for prefix, module in experts.items()
                                              for name in module.missing(prefix)]
         if missing:

@@ -161,6 +161,19 @@ def test_tied_embeddings_with_the_same_head_load(llama, tmp_path, hf_greedy):
     assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_tied_tensor_saved_under_the_heads_name_alone_loads_as_in_hf(arch, checkpoint, tmp_path, hf_greedy):
+    """safetensors' save_model keeps one name of tensors that share memory, the first in order: lm_head.weight.
+    transformers loads such a checkpoint; infer refused it for a missing model.embed_tokens.weight."""
+    def head_only(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        embedding = t.pop("model.embed_tokens.weight")
+        return {**{k: v for k, v in t.items() if k != "lm_head.weight"}, "lm_head.weight": embedding}
+
+    path = copy_of(checkpoint(arch), tmp_path / "m", {"tie_word_embeddings": True}, head_only)
+    assert "model.embed_tokens.weight" not in load_file(str(path / "model.safetensors"))
+    assert greedy(path) == hf_greedy(path, PROMPT, GREEDY.max_tokens)
+
+
 def test_non_finite_weights_are_refused_by_name(llama, tmp_path):
     def poison(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         up, norm = t["model.layers.0.mlp.up_proj.weight"].clone(), t["model.norm.weight"].clone()
