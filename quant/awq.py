@@ -19,7 +19,7 @@ import torch
 
 from ..core.errors import CheckpointError
 from . import AWQ_GROUP_SIZES
-from .common import CHUNK_ELEMENTS, row_chunks
+from .common import CHUNK_ELEMENTS, is_name_list, row_chunks
 
 BITS = 4
 PACK = 32 // BITS  # int4 values per int32
@@ -197,6 +197,6 @@ def parse_config(qc: dict[str, Any]) -> AwqConfig:
     if qc.get("zero_point", True) is not True:
         raise CheckpointError("AWQ zero_point must be true: symmetric (zero_point false) AWQ is not supported")
     skip = qc.get("modules_to_not_convert") or ()
-    if isinstance(skip, str) or not all(isinstance(m, str) for m in skip):
+    if not is_name_list(skip):
         raise CheckpointError(f"AWQ modules_to_not_convert must be a list of module names, got {skip!r}")
     return AwqConfig(group_size=group_size, modules_to_not_convert=tuple(skip))

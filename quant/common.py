@@ -80,6 +80,22 @@ def matches_target(prefix: str, target: str) -> bool:
     return target in ("Linear", prefix)
 
 
+def is_name_list(value: object) -> bool:
+    """Whether a quantization config's module list is a JSON list of strings."""
+    return isinstance(value, list | tuple) and all(isinstance(item, str) for item in value)
+
+
+def bad_pattern(patterns: Iterable[str], around: tuple[str, str] = ("", "")) -> str | None:
+    """Why the first pattern that is no valid regular expression (placed between ``around``'s two strings, as its
+    matcher uses it) fails to compile, quoting it; None if all compile."""
+    for pattern in patterns:
+        try:
+            re.compile(f"{around[0]}{pattern}{around[1]}")
+        except re.error as exc:
+            return f"{pattern!r} is not a valid regular expression ({exc})"
+    return None
+
+
 def check_tensor_shape(layer: torch.nn.Module, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
     """Raise CheckpointError when a checkpoint tensor's shape differs from the one the layer expects."""
     if tuple(tensor.shape) != tuple(shape):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..core.errors import CheckpointError
-from .common import CHUNK_ELEMENTS, matches_target, row_chunks
+from .common import CHUNK_ELEMENTS, bad_pattern, is_name_list, matches_target, row_chunks
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -139,8 +139,10 @@ def _parse_group(name: str, group: dict[str, Any], default_format: str | None) -
                         "supported: 'tensor' (static or dynamic) and dynamic 'token'")
         scheme = Fp8Scheme(w_strategy, a_strategy, dynamic)
     targets = group.get("targets") or []
-    if isinstance(targets, str) or not targets or not all(isinstance(t, str) for t in targets):
+    if not targets or not is_name_list(targets):
         raise _fail(f"group {name!r} needs a non-empty list of targets, got {targets!r}")
+    if why := bad_pattern(target[3:] for target in targets if target.startswith("re:")):
+        raise _fail(f"a target pattern of group {name!r}: {why}")
     return tuple(targets), scheme
 
 
@@ -187,8 +189,10 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> Fp8CheckpointConfig:
     if not isinstance(groups, dict) or not groups:
         raise _fail("config_groups is missing or empty")
     ignore = qc.get("ignore") or []
-    if isinstance(ignore, str) or not all(isinstance(i, str) for i in ignore):
+    if not is_name_list(ignore):
         raise _fail(f"ignore must be a list of module names or 're:' patterns, got {ignore!r}")
+    if why := bad_pattern(name[3:] for name in ignore if name.startswith("re:")):
+        raise _fail(f"an ignore pattern: {why}")
     parsed = tuple(_parse_group(name, g if isinstance(g, dict) else {}, qc.get("format"))
                    for name, g in groups.items())
     return Fp8CheckpointConfig(parsed, tuple(ignore))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..core.errors import CheckpointError
+from .common import bad_pattern, is_name_list
 from .fp8 import scale_from_amax, to_fp8
 
 Block = tuple[int, int]  # (bn, bk): output rows and input columns per weight scale
@@ -65,8 +66,10 @@ def parse_block_fp8(qc: dict[str, Any]) -> BlockFp8Config:
         raise _fail(f"weight_block_size must be two positive integers such as [128, 128], got {size!r}")
     skip = qc.get("modules_to_not_convert")
     skip = qc.get("ignored_layers") if skip is None else skip  # MiniMax's and AutoFP8's name for it
-    if skip is not None and (isinstance(skip, str) or not all(isinstance(s, str) for s in skip)):
+    if skip is not None and not is_name_list(skip):
         raise _fail(f"modules_to_not_convert must be a list of module names, got {skip!r}")
+    if skip is not None and (why := bad_pattern(skip, ("(?:", ")"))):  # transformers matches them as such
+        raise _fail(f"modules_to_not_convert entry {why}")
     return BlockFp8Config(None if size is None else (size[0], size[1]), None if skip is None else tuple(skip))
 
 

@@ -104,7 +104,9 @@ class BlockFp8LinearMethod(QuantMethod):
             bn, bk = self.config.block_for(*layer.weight.shape)
             n, k = layer.weight.shape
             shape = (-(-n // bn), -(-k // bk))
-            if not tensor.is_floating_point() or tensor.numel() != shape[0] * shape[1]:
+            # exact: a transposed grid, or one of other blocks with as many values, would scale the wrong weights
+            fits = tuple(tensor.shape) == shape or shape == (1, 1) and tensor.numel() == 1  # one per tensor: [] too
+            if not tensor.is_floating_point() or not fits:
                 raise CheckpointError(f"{where}: weight_scale_inv has shape {tuple(tensor.shape)} ({tensor.dtype}) "
                                       f"but blocks of {bn}x{bk} over a [{n}, {k}] weight need {list(shape)} floats; "
                                       "check weight_block_size in config.json")

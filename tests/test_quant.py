@@ -217,6 +217,7 @@ def test_parse_awq_config_accepts_both_spellings() -> None:
     ({"zero_point": False}, "zero_point must be true"),
     ({"quant_method": "gptq"}, "quantized with 'gptq'"),
     ({"modules_to_not_convert": "lm_head"}, "must be a list"),
+    ({"modules_to_not_convert": 5}, "must be a list of module names, got 5"),  # was a TypeError
 ])
 def test_parse_awq_config_errors(change: dict[str, object], message: str) -> None:
     with pytest.raises(CheckpointError, match=message):
@@ -535,6 +536,12 @@ def test_parse_compressed_tensors_presets() -> None:
     (ct_config({"strategy": "channel"}, None, transform_config={"config_groups": [1]}), "unreadable transform"),
     ({**ct_config({"strategy": "channel"}, None), "config_groups": {}}, "config_groups is missing"),
     ({"quant_method": "awq", "bits": 4}, "quantized with 'awq'"),
+    # were a TypeError and re.error, reported as bugs in infer
+    (ct_config({"strategy": "channel"}, None, ignore=5), "ignore must be a list of module names or 're:' patterns"),
+    (ct_config({"strategy": "channel"}, None, ignore=["re:[bad"]), "an ignore pattern: '\\[bad' is not a valid"),
+    ({**FP8_DYNAMIC_CFG, "config_groups": {"g": {**FP8_DYNAMIC_CFG["config_groups"]["group_0"],  # type: ignore
+                                                  "targets": ["re:(x"]}}},
+     "a target pattern of group 'g': '\\(x' is not a valid regular expression"),
 ])
 def test_parse_compressed_tensors_errors(config: dict[str, object], message: str) -> None:
     with pytest.raises(CheckpointError, match=message):

@@ -146,6 +146,8 @@ def test_per_token_group_quantization_rounds_each_group_on_its_own_scale() -> No
     ({"weight_block_size": [128]}, "two positive integers"),
     ({"weight_block_size": [0, 128]}, "two positive integers"),
     ({"modules_to_not_convert": "lm_head"}, "a list of module names"),
+    ({"modules_to_not_convert": 5}, "a list of module names, got 5"),  # was a TypeError, "a bug in infer"
+    ({"modules_to_not_convert": ["lm_head", "("]}, "entry '\\(' is not a valid regular expression"),
 ])
 def test_configs_it_cannot_run_are_refused_by_name(change: dict[str, Any], message: str) -> None:
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]} | change
@@ -205,6 +207,12 @@ def test_a_layer_missing_its_scales_or_with_wrong_ones_is_named() -> None:
         loaded_layer(method, {"weight": weight})
     with pytest.raises(CheckpointError, match=r"blocks of 16x32 over a \[48, 64\] weight need \[3, 2\] floats"):
         loaded_layer(method, {"weight": weight, "weight_scale_inv": torch.ones(2, 2)})
+    # as many values as the grid, in another shape (made with other blocks, or transposed): it scaled wrong weights
+    with pytest.raises(CheckpointError, match=r"weight_scale_inv has shape \(2, 3\).*need \[3, 2\] floats"):
+        loaded_layer(method, {"weight": weight, "weight_scale_inv": torch.ones(2, 3)})
+    for one in (torch.tensor(0.5), torch.tensor([0.5]), torch.tensor([[0.5]])):  # one scale per tensor, as stored
+        whole = loaded_layer(BlockFp8LinearMethod(BlockFp8Config(None)), {"weight": weight, "weight_scale_inv": one})
+        assert whole.weight_scale_inv.shape == (1, 1) and whole.weight_scale_inv.item() == 0.5
     with pytest.raises(CheckpointError, match="has a float weight but also weight_scale_inv"):
         loaded_layer(method, {"weight": torch.randn(48, 64), "weight_scale_inv": torch.ones(3, 2)})
     with pytest.raises(CheckpointError, match="weight is torch.int8"):
