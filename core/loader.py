@@ -79,6 +79,8 @@ def read_config(path: Path) -> dict[str, Any]:
         raw = json.loads(config_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_file} is not valid JSON in UTF-8: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {config_file} ({exc.strerror or exc}); it should be a file") from exc
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_file} holds {json.dumps(raw)[:40]}, not a JSON object of config fields; is "
                               "it an HF config.json?")
@@ -92,26 +94,28 @@ def safetensors_files(path: Path) -> list[Path]:
     if index.exists() and single.exists():
         log.warning("loading %s only, as transformers does: %s and the shards it names are ignored", single.name,
                     index.name)
-        return [single]
+        return readable([single])
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if not all(isinstance(name, str) for name in names):
+                raise TypeError(f"a file name is {next(n for n in names if not isinstance(n, str))!r}")
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
             raise CheckpointError(f"{index} is not a valid safetensors index (a JSON object whose weight_map maps "
                                   f"tensor names to files): {exc!r}; fetch it again or delete it") from exc
         files = [path / n for n in names]
-        missing = [f.name for f in files if not f.exists()]
+        missing = [f.name for f in files if not f.exists() and not f.is_symlink()]
         if missing:
             raise CheckpointError(f"{index.name} names files that are missing: {', '.join(missing)}")
-        return files
+        return readable(files)
     files = sorted(path.glob("*.safetensors"))
     if single in files and len(files) > 1:  # what transformers loads too
         log.warning("loading %s only: without model.safetensors.index.json the other safetensors files (%s) are "
                     "not part of the checkpoint", single.name, ", ".join(f.name for f in files if f != single))
-        return [single]
+        return readable([single])
     if files:
-        return files
+        return readable(files)
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise CheckpointError(
@@ -120,6 +124,20 @@ def safetensors_files(path: Path) -> list[Path]:
             "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)`."
         )
     raise CheckpointError(f"{str(path)!r} has no *.safetensors weight files")
+
+
+def readable(files: list[Path]) -> list[Path]:
+    """``files``, each a file; else a CheckpointError naming the first that is a folder or a broken link (a copied
+    HF cache snapshot whose links point at blobs left behind, say)."""
+    for file in files:
+        if file.is_file():
+            continue
+        if file.is_symlink() and not file.exists():
+            raise CheckpointError(f"{file} is a link to {str(file.readlink())!r}, which does not exist (a copied HF "
+                                  "cache snapshot leaves its blobs behind): copy the files the links point to, e.g. "
+                                  "with `cp -rL`, or fetch the checkpoint again")
+        raise CheckpointError(f"{file} is not a file; a checkpoint's weights are *.safetensors files")
+    return files
 
 
 LoadProgress = Callable[[int, int], None]  # (bytes of the weight files read, their total), after each tensor
@@ -209,6 +227,8 @@ def generation_eos(path: Path) -> tuple[int, ...]:
         eos = json.loads(file.read_text()).get("eos_token_id")
     except (ValueError, AttributeError) as exc:
         raise CheckpointError(f"{file} is not a valid JSON object: {exc}; fix or delete it") from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {file} ({exc.strerror or exc}); it should be a file") from exc
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise CheckpointError(f"{file} has eos_token_id = {eos!r}; it should be a token id or a list of them")

@@ -94,6 +94,36 @@ def test_a_broken_shard_index_names_the_file(llama, tmp_path, index, expected):
     assert expected in message and "model.safetensors.index.json" in message
 
 
+def test_weight_files_that_are_no_files_are_named(llama, tmp_path):
+    """A copied HF cache snapshot's dangling link failed with a raw FileNotFoundError after the model was built; a
+    folder where a weight file should be, or an index naming a file by a number, with an OSError or a TypeError."""
+    path = copy_of(llama, tmp_path / "link")
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors").symlink_to("../blobs/gone")
+    assert "model.safetensors is a link to '../blobs/gone', which does not exist" in load_error(path)
+    assert "cp -rL" in load_error(path)
+    folder = copy_of(llama, tmp_path / "folder")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors").mkdir()
+    assert "model.safetensors is not a file" in load_error(folder)
+    shard = copy_of(llama, tmp_path / "shard")
+    names = list(load_file(str(shard / "model.safetensors")))
+    (shard / "model.safetensors").rename(shard / "model-00001-of-00001.safetensors")
+    (shard / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: 1 for n in names}}))
+    assert "is not a valid safetensors index" in (message := load_error(shard)) and "a file name is 1" in message
+    (shard / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
+    assert greedy(shard) == greedy(llama)  # the same folder, indexed right, loads
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_a_config_file_that_is_a_folder_is_a_checkpoint_error(llama, tmp_path, name):
+    path = copy_of(llama, tmp_path / "m")
+    (path / name).unlink(missing_ok=True)
+    (path / name).mkdir()
+    assert f"cannot read {path / name} (" in (message := load_error(path)) and "it should be a file" in message
+
+
 def test_model_safetensors_wins_over_a_shard_index_as_in_hf(llama, tmp_path, hf_greedy, caplog):
     """A folder holding both (a leftover of a re-export): transformers loads model.safetensors, and so must infer,
     or the two run different weights."""
