@@ -237,13 +237,14 @@ def generation_eos(path: Path) -> tuple[int, ...]:
 
 def check_finite(model: torch.nn.Module, narrowed_to: str | None = None) -> None:
     """Refuse NaN or infinite weights: they make every output garbage without any error. ``narrowed_to``: the
-    dtype the weights were cast down to (float16 from a wider checkpoint), which may overflow to infinity."""
+    dtype the weights were cast down to (float16 from a wider checkpoint), which may overflow to infinity. Warn of
+    weight matrices that hold only zeros, the mark of a file cut short where its download preallocated it."""
     tensors = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()]
                if t.is_floating_point() and t.numel()]
     if not tensors:
         return
-    finite = torch.stack([_all_finite(t) for _, t in tensors]).tolist()  # one device sync
-    bad = [name for (name, _), ok in zip(tensors, finite) if not ok]
+    states = torch.stack([_finite_and_nonzero(t) for _, t in tensors]).tolist()  # one device sync
+    bad = [name for (name, _), (finite, _) in zip(tensors, states) if not finite]
     if bad:
         why = "the checkpoint is corrupt or was saved from a diverged run: fetch or export it again" \
             if narrowed_to is None else (f"cast to --dtype {narrowed_to}, whose largest value is 65504, its weights "
@@ -251,6 +252,11 @@ def check_finite(model: torch.nn.Module, narrowed_to: str | None = None) -> None
                                          "float32")
         raise CheckpointError(f"{len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:5])}"
                               f"{', ...' if len(bad) > 5 else ''}); {why}")
+    zeros = [name for (name, t), (_, nonzero) in zip(tensors, states) if t.dim() >= 2 and not nonzero]
+    if zeros:
+        log.warning("%d weight matrices hold only zeros (%s%s): a trained model has none, but a download cut short "
+                    "leaves zeros where its file was preallocated; compare the files' checksums with the source's",
+                    len(zeros), ", ".join(zeros[:5]), ", ..." if len(zeros) > 5 else "")
 
 
 # bit patterns of 8-bit floats that are NaN or infinite: (mask, value) with (byte & mask) == value
@@ -258,12 +264,15 @@ FP8_NON_FINITE = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0
                   torch.float8_e4m3fnuz: (0xFF, 0x80), torch.float8_e5m2fnuz: (0xFF, 0x80)}
 
 
-def _all_finite(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor on t's device, without a host sync."""
+def _finite_and_nonzero(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` is all finite, and whether it holds a value other than zero: two bools on t's device, without
+    a host sync."""
     if t.element_size() == 1:  # no aminmax for 8-bit floats: read the bits
         mask, value = FP8_NON_FINITE.get(t.dtype, (0, 1))  # an unknown 8-bit float: never flagged
-        return ~((t.view(torch.uint8) & mask) == value).any()
-    return torch.isfinite(torch.stack(torch.aminmax(t))).all()  # NaN spreads to both extremes; inf is one
+        bits = t.view(torch.uint8)
+        return torch.stack([~((bits & mask) == value).any(), (bits & 0x7F).any()])  # the low 7 bits: all but sign
+    extremes = torch.stack(torch.aminmax(t))
+    return torch.stack([torch.isfinite(extremes).all(), extremes.any()])  # NaN spreads to both extremes; inf is one
 
 
 def architectures(raw: dict[str, Any]) -> list[str]:

@@ -215,6 +215,29 @@ def test_non_finite_weights_are_refused_by_name(llama, tmp_path):
     assert "layers.0.mlp.up_proj.weight" in message and "norm.weight" in message
 
 
+def test_weight_matrices_of_zeros_are_warned_of(llama, tmp_path, caplog):
+    """A download cut short in a preallocated file leaves zeros: the model loaded silently and generated token 0
+    forever. A trained model has no all-zero weight matrix (vectors are not checked: zero biases are common)."""
+    def zero_tail(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        names = sorted(t)
+        return {k: torch.zeros_like(v) if i >= len(names) // 2 else v for i, (k, v) in
+                enumerate((k, t[k]) for k in names)}
+
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        LLM(model=str(llama), device="cpu")
+    assert "hold only zeros" not in caplog.text
+    path = copy_of(llama, tmp_path / "m", tensors=zero_tail)
+    zeroed = sorted(k for k, v in load_file(str(path / "model.safetensors")).items() if v.dim() >= 2 and not v.any())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        LLM(model=str(path), device="cpu")
+    [message] = [r.getMessage() for r in caplog.records if "hold only zeros" in r.getMessage()]
+    named = message.partition(" (")[2].partition(", ...)")[0].split(", ")
+    assert message.startswith(f"{len(zeroed)} weight matrices hold only zeros (") and len(named) == 5
+    assert set(named) <= set(zeroed)
+    assert "compare the files' checksums" in caplog.text
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
                                    torch.float8_e5m2fnuz])
 def test_fp8_weights_are_checked_for_every_bit_pattern(dtype):
