@@ -634,7 +634,7 @@ class Engine:
         """Check the prompts (InvalidRequestError, CapacityError, before any work) and start a beam search, which
         each ``step()`` then advances by one token until its ``done``; its ``result()`` is what ``beam_search``
         returns, or the error that failed it (that search only)."""
-        with self._plugin_code():
+        with self._one_thread(), self._plugin_code():
             return self.searches.start(prompts, params or BeamSearchParams(), lambda: next(self._seq_ids))
 
     def abort_beam_search(self, search: BeamSearch) -> None:

@@ -772,14 +772,15 @@ def test_a_second_thread_is_refused_while_one_steps(tiny_model, monkeypatch):
     worker.start()
     assert inside.wait(10)
     for call in (lambda: e.add_request([5, 6], sampling), e.step, lambda: e.abort("x"),
-                 lambda: e.generate([[5, 6]], sampling), lambda: e.abort_beam_search(search)):
+                 lambda: e.generate([[5, 6]], sampling), lambda: e.abort_beam_search(search),
+                 lambda: e.start_beam_search([[7, 8]]), lambda: e.beam_search([[7, 8]])):  # these two left searches
         with pytest.raises(RuntimeError, match="this Engine is in use by another thread, and it is not thread-safe"):
             call()
     release.set()
     worker.join(10)
     e.abort_beam_search(search)  # from this thread once the other is out
     assert results[0][0].outputs[0].token_ids == e.generate([[5, 6, 7]], sampling)[0].outputs[0].token_ids
-    assert not e.requests and e.kv.stats().used_blocks == 0
+    assert not e.requests and not e.has_unfinished() and e.kv.stats().used_blocks == 0
 
 
 def test_a_stream_collected_inside_a_step_is_aborted_after_it(tiny_model, monkeypatch):
