@@ -15,7 +15,7 @@ import pluggy
 
 from . import hookspecs
 from .config import COMPONENT_FIELDS, EngineConfig
-from .errors import ConfigError, InferError, PluginError, UnknownComponentError
+from .errors import CapacityError, ConfigError, InferError, PluginError, UnknownComponentError
 from .plugin_options import PluginOption, read_plugin_options
 from .registry import ARCHITECTURE_NAMES, COMPONENT_NAMES, SHIPPED_SOURCE, Registry
 
@@ -217,8 +217,8 @@ class PluginManager:
 
     def build(self, kind: str, name: str, expected: type[T], *args: Any) -> T:
         """Call the factory registered as ``name`` and check that it kept its contract (it returns an instance of
-        the kind's ABC). A factory that raises anything but an InferError (or running out of memory) becomes a
-        PluginError that names it; -v logs the traceback."""
+        the kind's ABC). A factory that raises anything but an InferError (or running out of memory: the device's
+        error, or a CapacityError for the host's) becomes a PluginError that names it; -v logs the traceback."""
         entry = self.registry(kind).entry(name)
         what = f"the {kind.replace('_', ' ')} factory {name!r} from {entry.source!r}"
         shipped = getattr(entry.factory, "__module__", "").partition(".")[0] == __name__.partition(".")[0]
@@ -234,6 +234,13 @@ class PluginManager:
             if "OutOfMemory" in type(exc).__name__:  # torch.OutOfMemoryError: the device, not the plugin
                 raise
             log.info("%s failed", what, exc_info=True)
+            if "can't allocate memory" in str(exc):  # torch's CPU allocator: a RuntimeError, not a MemoryError
+                asked = str(exc).partition("you tried to allocate ")[2].partition(" bytes")[0]
+                size = f" ({int(asked) / 2**30:,.1f} GiB at once)" if asked.isdigit() else ""
+                raise CapacityError(f"{what} ran out of host memory{size}: the sizes it was given (for a model, "
+                                    "config.json's vocab_size, hidden_size, intermediate_size, num_hidden_layers) "
+                                    "need more than this machine has; check them against the checkpoint, or use a "
+                                    "machine with more memory") from exc
             todo = ("a bug in infer, or an input it should have refused with a clear message: please report it with "
                     "the traceback that -v logs") if shipped else \
                 f"fix the plugin, or choose another {kind.replace('_', ' ')} (-v logs the traceback)"

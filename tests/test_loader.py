@@ -304,6 +304,16 @@ def test_a_tokenizer_file_that_is_a_folder_is_a_checkpoint_error(llama, tmp_path
     assert "could not load the tokenizer from" in load_error(path)
 
 
+def test_config_sizes_past_the_hosts_memory_are_a_capacity_error(llama, tmp_path):
+    """torch's CPU allocator raises a RuntimeError, which was reported as a bug in infer."""
+    from infer.core.errors import CapacityError
+
+    with pytest.raises(CapacityError) as info:
+        LLM(model=str(copy_of(llama, tmp_path / "m", {"vocab_size": 10**12})), device="cpu")
+    assert "the model factory 'LlamaForCausalLM' from 'infer-engine' ran out of host memory (" in str(info.value)
+    assert "GiB at once): the sizes it was given (for a model, config.json's vocab_size" in str(info.value)
+
+
 def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
     path = copy_of(llama, tmp_path / "m", tensors=lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
     assert "set it true if the head is the embedding" in load_error(path)
