@@ -227,8 +227,9 @@ class GemmaModel(LlamaFamilyModel):
         if self.multimodal:
             weights = text_weights(weights)
         dtype = self.model.embed_tokens.weight.dtype  # transformers holds w in the model dtype, then adds 1 in fp32
-        super().load_weights((name, tensor.to(dtype).float() + 1.0 if name.endswith("norm.weight") else tensor)
-                             for name, tensor in weights)
+        super().load_weights((name, tensor.to(dtype).float() + 1.0 if name.endswith("norm.weight") and
+                              tensor.is_floating_point() and tensor.element_size() > 1 else tensor)
+                             for name, tensor in weights)  # an integer or fp8 norm is refused as it is
 
     def module_name(self, checkpoint_name: str) -> str | None:
         return text_name(checkpoint_name) if self.multimodal else checkpoint_name

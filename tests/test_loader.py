@@ -314,6 +314,17 @@ def test_config_sizes_past_the_hosts_memory_are_a_capacity_error(llama, tmp_path
     assert "GiB at once): the sizes it was given (for a model, config.json's vocab_size" in str(info.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_a_gemma_norm_that_is_not_float_is_refused(checkpoint, tmp_path, dtype):
+    """Gemma's norms load as 1 + w, computed in float: an integer or fp8 norm went through as a float one."""
+    def cast_norm(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return t | {"model.norm.weight": t["model.norm.weight"].to(dtype)}
+
+    path = copy_of(checkpoint("gemma2"), tmp_path / "m", tensors=cast_norm)
+    assert f"tensor 'model.norm.weight' is {str(dtype).removeprefix('torch.')}, where infer expects float" in \
+        load_error(path)
+
+
 def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
     path = copy_of(llama, tmp_path / "m", tensors=lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
     assert "set it true if the head is the embedding" in load_error(path)
