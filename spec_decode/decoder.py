@@ -55,6 +55,7 @@ class SpecDecoder:
         self.token_budget = config.max_num_batched_tokens
         self.proposer, self.kv, self.sampler, self.stats = proposer, kv, sampler, stats
         self.policy = SpecPolicy.from_config(config)
+        self.stats.spec_state = ON  # in force until the policy decides otherwise ("off" would say no proposer)
         self.drafts: dict[int, _Draft] = {}  # this step's, by seq_id
         self.round_generators: dict[int, torch.Generator] = {}  # seeded requests' verification draws, by seq_id
         self.step_counts = (0, 0)  # this step's (proposed, accepted)

@@ -690,6 +690,8 @@ def test_stats_and_metrics_show_speculation_and_its_degradation(tiny_model: Any)
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32, proposer="ngram",
                                  num_speculative_tokens=2, plugin_options={"spec_decode": {"max_batch_size": 1}}))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    # before any step could draft, the state in force is the policy's first, on ("off" said: no proposer)
+    assert engine.stats.summary()["spec_enabled"] == 1
     engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]], params)  # alone: speculates
     engine.generate([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], params)  # two at once: over max_batch_size
     worker = EngineWorker(engine)
