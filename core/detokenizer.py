@@ -141,13 +141,28 @@ def _byte_of_char() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(moved)}}
 
 
+# every pattern that transformers' clean_up_tokenization rewrites (" ." to ".", " n't" to "n't", ...)
+SPACE_CLEANUP_PROBE = "a . b , c ! d ? e ' f n't g 'm h 's i 've j 're"
+
+
+def cleans_up_spaces(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.decode`` rewrites spaces that its Rust decoder keeps. The clean_up_tokenization_spaces
+    flag alone does not say: transformers 5 ignores it for BPE tokenizers (Llama 3's config sets it)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return False
+    ids = tokenizer.encode(SPACE_CLEANUP_PROBE, add_special_tokens=False)
+    return tokenizer.decode(ids, skip_special_tokens=True) != \
+        tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def byte_level_table(tokenizer: Any) -> list[bytes] | None:
     """The bytes of every token id (special tokens: none, as skip_special_tokens drops them), or None unless the
-    tokenizer is a fast one whose decoder is exactly ByteLevel, without space clean-up. A token holding a character
-    outside the byte alphabet decodes to its own UTF-8, as the Rust decoder does. Checked against the tokenizer's
-    own decode for every id, and for every added token between two others; any difference gives None."""
+    tokenizer is a fast one whose decoder is exactly ByteLevel, without space clean-up (:func:`cleans_up_spaces`).
+    A token holding a character outside the byte alphabet decodes to its own UTF-8, as the Rust decoder does.
+    Checked against the tokenizer's own decode for every id, and for every added token between two others; any
+    difference gives None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if backend is None or cleans_up_spaces(tokenizer):
         return None
     decoder = json.loads(backend.to_str()).get("decoder") or {}
     if decoder.get("type") != "ByteLevel":
