@@ -20,7 +20,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from ..core.config import EngineConfig
-from ..core.detokenizer import byte_level_table
+from ..core.detokenizer import byte_level_table, cleans_up_spaces
 from ..core.errors import InvalidRequestError
 from ..core.hookspecs import hookimpl
 from ..core.interfaces import Grammar, GrammarMatcher, StructuredOutputBackend, Vocabulary
@@ -255,12 +255,12 @@ class TokenIndex:
     def of(cls, vocabulary: Vocabulary) -> TokenIndex:
         """The index of a byte-level BPE tokenizer's vocabulary (GPT-2, Llama 3, Qwen, ...); InvalidRequestError
         for another kind, whose tokens are not fixed byte strings."""
-        if getattr(vocabulary.tokenizer, "clean_up_tokenization_spaces", False):
+        if cleans_up_spaces(vocabulary.tokenizer):  # the flag, where transformers honours it (not for BPE in 5)
             raise InvalidRequestError("structured output (the fsm backend) cannot follow this tokenizer: its "
                                       "clean_up_tokenization_spaces is true, so its text drops the spaces before "
                                       "punctuation that the tokens hold, and an output's text could differ from what "
                                       "was matched; set \"clean_up_tokenization_spaces\": false in the model's "
-                                      "tokenizer_config.json (Llama 3's ships true)")
+                                      "tokenizer_config.json")
         table = byte_level_table(vocabulary.tokenizer)
         if table is None:
             raise InvalidRequestError("structured output (the fsm backend) needs a byte-level BPE tokenizer (GPT-2, "
