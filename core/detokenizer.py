@@ -147,7 +147,10 @@ SPACE_CLEANUP_PROBE = "a . b , c ! d ? e ' f n't g 'm h 's i 've j 're"
 
 def cleans_up_spaces(tokenizer: Any) -> bool:
     """Whether ``tokenizer.decode`` rewrites spaces that its Rust decoder keeps. The clean_up_tokenization_spaces
-    flag alone does not say: transformers 5 ignores it for BPE tokenizers (Llama 3's config sets it)."""
+    flag alone does not say: transformers 5 ignores it for BPE tokenizers (Llama 3's config sets it). False for a
+    tokenizer without a Rust backend: there is no decoder to compare with, and it is not byte-level either."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return False
     if not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return False
     ids = tokenizer.encode(SPACE_CLEANUP_PROBE, add_special_tokens=False)
