@@ -267,7 +267,7 @@ def _check_tiny_model_fits(hidden_size: int, num_layers: int, tied: bool, arch: 
     """A usage error before any allocation for a model whose float32 weights, held twice while written, pass the
     host memory available (it allocated until the machine ran out). Counted as a llama's, Mixtral's MLP four times
     (its 4 experts; the Qwen MoE ones' experts are narrower than the llama's MLP)."""
-    from ..core.assembly import host_memory_available
+    from ..core.loader import host_memory_available
     from ..models.tiny import ARCH_CONFIGS, parameter_count
 
     experts = ARCH_CONFIGS[arch].get("num_local_experts", 0)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ from .config import EngineConfig
 from .errors import ConfigError, PluginError
 from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Proposer, ReasoningParser, Scheduler,
                          ToolParser)
-from .loader import LoadedModel, LoadProgress, load_model
+from .loader import LoadedModel, LoadProgress, host_memory_available, load_model
 from .model import check_capturable, check_softcap, fit_sliding_window
 from .lora import start_lora_adapters
 from .plugins import PluginManager
@@ -215,21 +214,6 @@ def check_kv_memory(config: EngineConfig, device: torch.device, num_blocks: int,
         raise ConfigError(f"the {parts} exceed{'s' if ' and ' not in parts else ''} the memory this machine has "
                           f"available ({available / 2**30:.1f} GiB, with the model loaded); lower --num-kv-blocks "
                           "or --kv-cache-memory-gb (the pool), or --swap-space-gb (swap; num_swap_blocks= in Python)")
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory that can be allocated without swapping (Linux's MemAvailable, else all physical
-    memory); None where neither is known."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None
 
 
 def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, per_block: int) -> int:

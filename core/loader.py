@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
-from .errors import CheckpointError, ConfigError
+from .errors import CapacityError, CheckpointError, ConfigError
 from .interfaces import QuantMethod
 from .model import Model
 from .plugins import PluginManager
@@ -138,6 +138,35 @@ def readable(files: list[Path]) -> list[Path]:
                                   "with `cp -rL`, or fetch the checkpoint again")
         raise CheckpointError(f"{file} is not a file; a checkpoint's weights are *.safetensors files")
     return files
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory that can be allocated without swapping (Linux's MemAvailable, else all physical
+    memory); None where neither is known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def check_host_memory(model: torch.nn.Module, device: torch.device, sizes: str) -> None:
+    """Refuse, before any weight is read, a model on the CPU whose tensors need more memory than the host has
+    available: torch.empty reserves pages that only loading touches, so it would be killed part-way through."""
+    if device.type != "cpu" or (available := host_memory_available()) is None:
+        return
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    needed = sum(t.nbytes for t in tensors.values())
+    if needed > available:
+        raise CapacityError(f"the model's weights need {needed / 2**30:.1f} GiB on the CPU ({sizes}), more than the "
+                            f"{available / 2**30:.1f} GiB of memory this machine has available; use a machine with "
+                            "more memory or a GPU (--device cuda), a smaller --dtype if it is float32, or a smaller "
+                            "model (if the checkpoint is small, config.json's sizes are wrong)")
 
 
 LoadProgress = Callable[[int, int], None]  # (bytes of the weight files read, their total), after each tensor
@@ -351,6 +380,8 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path, progres
     quant = plugins.build("quant_method", quant_name, QuantMethod, config, quant_config) if quant_name else None
     with torch.device(device):  # the factory parses config.json, naming a bad field
         model = plugins.build("model", archs[0], Model, raw, quant, dtype, config)
+    sizes = ", ".join(f"{key} {raw[key]}" for key in ("num_hidden_layers", "hidden_size", "vocab_size") if key in raw)
+    check_host_memory(model, device, str(dtype).removeprefix("torch.") + (f"; config.json: {sizes}" if sizes else ""))
     tokenizer = load_tokenizer(path)  # before the weights: a bad tokenizer fails fast
     eos = generation_eos(path)
     if len(tokenizer) > model.spec.vocab_size:
