@@ -5,6 +5,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,17 @@ def check_host_memory(model: torch.nn.Module, device: torch.device, sizes: str) 
                             f"{available / 2**30:.1f} GiB of memory this machine has available; use a machine with "
                             "more memory or a GPU (--device cuda), a smaller --dtype if it is float32, or a smaller "
                             "model (if the checkpoint is small, config.json's sizes are wrong)")
+
+
+@contextmanager
+def device_memory(device: torch.device, doing: str, advice: str) -> Iterator[None]:
+    """torch's out-of-memory error while ``doing``, as a CapacityError that gives the ``advice``."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        total = f" ({torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB in all)" \
+            if device.type == "cuda" else ""
+        raise CapacityError(f"out of {device} memory{total} while {doing}; {advice}") from exc
 
 
 LoadProgress = Callable[[int, int], None]  # (bytes of the weight files read, their total), after each tensor
@@ -378,8 +390,11 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path, progres
                               "checkpoint in one of those formats, or install a plugin for it")
     quant_name = config.quant or declared
     quant = plugins.build("quant_method", quant_name, QuantMethod, config, quant_config) if quant_name else None
-    with torch.device(device):  # the factory parses config.json, naming a bad field
-        model = plugins.build("model", archs[0], Model, raw, quant, dtype, config)
+    too_large = ("the model does not fit: use a quantized checkpoint or quantize it as it loads (--quant awq: about "
+                 "a quarter of its 16-bit size, --quant fp8: a half), a smaller model, or a device with more memory "
+                 "(other processes on the GPU, shown by nvidia-smi, take their share)")
+    with torch.device(device), device_memory(device, "building the model", too_large):
+        model = plugins.build("model", archs[0], Model, raw, quant, dtype, config)  # parses config.json
     sizes = ", ".join(f"{key} {raw[key]}" for key in ("num_hidden_layers", "hidden_size", "vocab_size") if key in raw)
     check_host_memory(model, device, str(dtype).removeprefix("torch.") + (f"; config.json: {sizes}" if sizes else ""))
     tokenizer = load_tokenizer(path)  # before the weights: a bad tokenizer fails fast
@@ -389,7 +404,8 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path, progres
                     "refused", len(tokenizer), model.spec.vocab_size)
     weights = WeightStream(files, progress)
     try:
-        model.load_weights(iter(weights))
+        with device_memory(device, "loading the model's weights", too_large):
+            model.load_weights(iter(weights))
     except CheckpointError as exc:
         raise weights.refused(exc) from exc
     check_finite(model, "float16" if dtype == torch.float16 and checkpoint_dtype(raw) != "float16" else None)

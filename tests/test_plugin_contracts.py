@@ -344,6 +344,32 @@ def test_quant_and_model_factories_are_checked(tmp_path, tiny_model, hook, field
         Engine(config, plugins)
 
 
+@pytest.mark.parametrize("stage", ["building the model", "loading the model's weights"])
+def test_running_out_of_device_memory_while_loading_says_how_to_fit_the_model(tiny_model, stage):
+    """torch's OutOfMemoryError (a GPU's; faked here by a model plugin) is the user's capacity, not a bug."""
+    import torch
+
+    from infer.core.engine import Engine
+    from infer.core.errors import CapacityError
+    from infer.plugins.llama_family import build_llama_family
+
+    def out_of_memory(*args: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def greedy(raw: dict[str, Any], quant: Any, dtype: torch.dtype, config: EngineConfig) -> Any:
+        if stage == "building the model":
+            out_of_memory()
+        model = build_llama_family(raw, quant, dtype, config)
+        model.load_weights = out_of_memory  # the first tensor does not fit
+        return model
+
+    plugins = PluginManager.from_entry_points(allow=entry_points_but("llama-family"))
+    runtime_plugin(plugins, "register_models", "LlamaForCausalLM", greedy)
+    with pytest.raises(CapacityError, match=re.escape(f"out of cpu memory while {stage}; the model does not fit: use a "
+                                                      "quantized checkpoint or quantize it as it loads (--quant awq")):
+        Engine(EngineConfig(model=str(tiny_model), device="cpu"), plugins)
+
+
 def test_a_command_factory_that_returns_no_click_command_is_named(tmp_path, monkeypatch):
     install_fake_plugin(tmp_path, "infer-plugin-cmd", "cmd",
                         "@hookimpl\ndef register_commands(register):\n    register('hello', lambda: print)\n")
