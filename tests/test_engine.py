@@ -939,6 +939,41 @@ def test_a_text_too_long_for_any_tokenization_is_refused_without_tokenizing(engi
         bounded.tokenize("x" * (checker.max_prompt_chars + 1))
 
 
+def test_each_request_limit_admits_its_bound_and_refuses_one_past_it():
+    """The checker's limits, each at its edge: token ids in [0, vocab), prompt + max_tokens up to the context,
+    at most max_prompt_chars characters, stop ids below the vocabulary, min_tokens' ban (EOS unless ignore_eos)
+    short of the whole vocabulary, and only loaded LoRA adapters."""
+    from infer.core.admission import RequestChecker
+    from infer.core.errors import InvalidRequestError
+
+    class CharTokenizer:  # one token per character
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) % 10 for c in text]
+
+    vocab, context, eos = 10, 8, 9
+    checker = RequestChecker(CharTokenizer(), vocab, context, max_prompt_chars=5, lora_adapters=frozenset({"a"}),
+                             eos_token_ids=frozenset({eos}))
+    assert checker.check([0, vocab - 1], SamplingParams(max_tokens=context - 2)) == [0, vocab - 1]
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context length"):
+        checker.check([0, vocab - 1], SamplingParams(max_tokens=context - 1))
+    for bad in ([vocab], [-1], [True]):
+        with pytest.raises(InvalidRequestError, match=r"prompt token ids must be integers in \[0, 10\)"):
+            checker.tokenize(bad)
+    assert len(checker.tokenize("x" * 5)) == 5
+    with pytest.raises(InvalidRequestError, match="the prompt has 6 characters"):
+        checker.tokenize("x" * 6)
+    checker.check_params(SamplingParams(stop_token_ids=[vocab - 1]))
+    with pytest.raises(InvalidRequestError, match="stop_token_ids must be below the model's vocabulary size 10"):
+        checker.check_params(SamplingParams(stop_token_ids=[vocab]))
+    others = [t for t in range(vocab) if t != eos]  # with EOS: the whole vocabulary
+    checker.check_params(SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=others, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match="min_tokens bans EOS and the stop_token_ids"):
+        checker.check_params(SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=others))
+    checker.check_params(SamplingParams(lora_adapter="a"))
+    with pytest.raises(InvalidRequestError, match="lora_adapter 'b' is not loaded; the loaded adapters: a"):
+        checker.check_params(SamplingParams(lora_adapter="b"))
+
+
 def test_swap_that_cannot_hold_a_sequence_is_warned_about_and_recomputes(tiny_model, hf_greedy, caplog):
     """A swap space of no block, and a full one, fall back to recompute: correct tokens, and said once each."""
     with caplog.at_level(logging.WARNING, logger="infer"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import pytest
@@ -555,7 +555,7 @@ def test_lfu_forgets_the_uses_of_a_block_dropped_while_held() -> None:
         seq.num_computed_tokens = seq.num_tokens
         kv.commit(seq)
 
-    x, y, z = [1] * BLOCK, [2] * BLOCK, [3] * BLOCK
+    x, z = [1] * BLOCK, [3] * BLOCK
     first, holder = admit(x + [9]), admit(x + z + [9])  # both prefill before either caches anything
     compute(first)  # caches x
     compute(holder)  # x is cached already: holder's z block is registered after first's x block
@@ -612,7 +612,7 @@ class RecordingLRU(LRUPolicy):
         super().__init__()
         self.calls: list[tuple[str, object]] = []
 
-    def insert(self, key, priority=0):  # type: ignore[no-untyped-def]
+    def insert(self, key: Hashable, priority: int = 0) -> None:
         self.calls.append(("insert", priority))
         super().insert(key, priority)
 
@@ -666,7 +666,8 @@ def test_reset_drops_every_cached_block_even_prefixes_of_held_ones() -> None:
 
     kv = PagedKVCache(8, BLOCK, LRUPolicy(), True)
     x, y, z = [1] * BLOCK, [2] * BLOCK, [3] * BLOCK
-    first, second = admitted(kv, 0, x + y + [9]), admitted(kv, 1, x + y + z + [9])  # both prefill before either caches anything
+    # both prefill before either caches anything
+    first, second = admitted(kv, 0, x + y + [9]), admitted(kv, 1, x + y + z + [9])
     for seq in (first, second):
         seq.num_computed_tokens = seq.num_tokens
         kv.commit(seq)  # second's z block registers under first's y block
@@ -709,3 +710,165 @@ def test_matching_or_forking_into_a_sequence_that_holds_blocks_is_refused(make) 
     with pytest.raises(RuntimeError, match="fork into sequence 1, which holds blocks"):
         kv.fork(parent, child)
     assert (list(kv.ref), kv.stats()) == before
+
+
+BOTH_CACHES = pytest.mark.parametrize("make", [lambda blocks: PagedKVCache(blocks, BLOCK, LRUPolicy(), True),
+                                               lambda blocks: RadixKVCache(blocks, BLOCK, LRUPolicy())],
+                                      ids=["paged", "radix"])
+
+
+def run_to_end(kv: KVCache, seq_id: int, prompt: list[int], priority: int = 0) -> None:
+    """Admit ``prompt``, compute it in one step, commit it and free it: its full blocks stay cached."""
+    seq = admitted(kv, seq_id, prompt, SamplingParams(priority=priority))
+    seq.num_computed_tokens = seq.num_tokens
+    kv.commit(seq)
+    kv.free(seq)
+
+
+def matched_tokens(kv: KVCache, seq_id: int, prompt: list[int]) -> int:
+    """Tokens of ``prompt`` a new request would find cached (a probe that holds nothing after)."""
+    probe = Sequence(seq_id, "r", prompt, SamplingParams(), 0.0)
+    found = kv.match_prefix(probe)
+    kv.free(probe)
+    return found
+
+
+@BOTH_CACHES
+def test_a_prompt_of_whole_cached_blocks_leaves_its_last_block_to_compute(make) -> None:
+    """A prompt whose every block is cached must still compute a position to sample from: the match stops at the
+    last full block before the final token, even where the cached node runs on past it."""
+    kv = make(8)
+    prompt = list(range(1, 1 + 3 * BLOCK))
+    run_to_end(kv, 0, prompt + [99])  # caches the three full blocks of ``prompt`` (one radix node)
+    assert matched_tokens(kv, 1, prompt) == (len(prompt) - 1) // BLOCK * BLOCK
+    assert matched_tokens(kv, 2, prompt + [7]) == len(prompt)
+
+
+@BOTH_CACHES
+def test_an_admission_that_needs_every_free_and_cached_block_is_accepted(make) -> None:
+    """The capacity check counts the matched cached blocks and the new ones against the free plus cached blocks:
+    a request that needs exactly all of them fits."""
+    kv = make(6)
+    shared = [1] * BLOCK + [2] * BLOCK
+    run_to_end(kv, 0, shared + [3])  # 2 cached blocks, 4 free
+    prompt = shared + list(range(10, 10 + 3 * BLOCK + 1))
+    assert kv.num_blocks_needed(len(prompt)) == kv.num_free_blocks() == 6
+    seq = Sequence(1, "r", prompt, SamplingParams(), 0.0)
+    seq.num_computed_tokens = kv.match_prefix(seq)
+    assert seq.num_computed_tokens == len(shared)
+    assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+    assert len(kv.block_table(seq)) == 6 and kv.num_free_blocks() == 0
+
+
+@BOTH_CACHES
+def test_a_copy_on_write_with_no_block_left_is_refused(make) -> None:
+    """A fork's first write into the partial block it shares needs a block for the copy: with none free or cached,
+    allocate refuses and changes nothing (it must not count only the new blocks and fail deep in eviction)."""
+    kv = make(4)
+    prompt = [1] * BLOCK + [2]
+    parent = admitted(kv, 0, prompt)
+    parent.num_computed_tokens = parent.num_tokens
+    kv.commit(parent)
+    child = Sequence(1, "r", prompt, SamplingParams(), 0.0, token_ids=prompt + [7],
+                     num_computed_tokens=len(prompt))
+    kv.fork(parent, child)  # shares the full block and the partial one
+    filler = admitted(kv, 2, list(range(10, 10 + BLOCK + 3)))  # holds the other two blocks
+    assert kv.num_free_blocks() == 0
+    before = (list(kv.ref), [list(kv.block_table(s)) for s in (parent, child, filler)], kv.stats())
+    assert not kv.allocate(child, 1)  # position 5 lies in the shared partial block: a copy is needed
+    assert (list(kv.ref), [list(kv.block_table(s)) for s in (parent, child, filler)], kv.stats()) == before
+    assert not kv.take_block_ops()
+    kv.free(filler)
+    assert kv.allocate(child, 1) and kv.block_table(child)[1] != kv.block_table(parent)[1]
+
+
+@BOTH_CACHES
+def test_a_prompt_cached_in_chunks_is_evicted_before_a_newer_prompt(make) -> None:
+    """A prompt committed chunk by chunk is cached as a chain (radix: one node per chunk). When eviction takes its
+    last block, the block before it becomes evictable with the rank of its own last use, older than the newer
+    prompt's: LRU takes the whole older prompt first."""
+    kv = make(8)
+    older, newer = [1] * BLOCK + [2] * BLOCK + [9], [3] * BLOCK + [4] * BLOCK + [9]
+    seq = admitted(kv, 0, older)
+    for computed in (BLOCK, len(older)):  # two prefill chunks, each committed
+        seq.num_computed_tokens = computed
+        kv.commit(seq)
+    kv.free(seq)
+    run_to_end(kv, 1, newer)
+    assert kv.stats().cached_blocks == 4
+    pressure = admitted(kv, 2, list(range(10, 10 + 6 * BLOCK)))  # 4 free blocks: evicts 2 cached ones
+    assert kv.stats().evictions == 2
+    assert (matched_tokens(kv, 3, older), matched_tokens(kv, 4, newer)) == (0, 2 * BLOCK)
+    kv.free(pressure)
+
+
+def test_priority_ranks_the_head_of_a_split_radix_node_by_the_priority_of_the_whole() -> None:
+    """A priority-0 prompt that diverges inside a priority-5 cached node cuts it in two. The head served the
+    priority-5 request too, so once it is a leaf it ranks with priority 5, as the unsplit node did (it must not
+    rank as if only the priority-0 request had used it)."""
+    from infer.plugins.eviction import PriorityPolicy
+
+    kv = RadixKVCache(8, BLOCK, PriorityPolicy())
+    a, b, c, f = ([t] * BLOCK for t in (1, 2, 3, 4))
+    run_to_end(kv, 0, a + b + [9], priority=5)  # one node a + b
+    run_to_end(kv, 1, f + [9], priority=5)  # used after a + b
+    run_to_end(kv, 2, a + c + [9], priority=0)  # cuts a + b: head a, tails b and c
+    assert kv.stats().cached_blocks == 4
+    pressure = admitted(kv, 3, list(range(10, 10 + 7 * BLOCK)))  # 4 free blocks: evicts 3 cached ones
+    # by (priority, last use): c (0), b (5, used first), then f (5) before a (5, used last)
+    assert kv.stats().evictions == 3
+    assert (matched_tokens(kv, 4, a + b + [9]), matched_tokens(kv, 5, f + [9])) == (BLOCK, 0)
+    kv.free(pressure)
+
+
+def test_radix_caches_the_full_blocks_a_fork_shares_when_they_are_committed() -> None:
+    """n > 1: the engine forks after the forward pass and before the commit, so the commit finds each prompt block
+    held by the sequence and its fork. The blocks enter the tree (the fork adopts them), and a new prompt with the
+    same prefix matches them while both still run."""
+    kv = RadixKVCache(8, BLOCK, LRUPolicy())
+    prompt = [1] * BLOCK + [2] * BLOCK + [9]
+    parent = admitted(kv, 0, prompt)
+    child = Sequence(1, "r", prompt, parent.params, 0.0, token_ids=list(prompt), num_computed_tokens=0)
+    kv.fork(parent, child)
+    parent.num_computed_tokens = child.num_computed_tokens = len(prompt)
+    kv.commit(parent)
+    assert matched_tokens(kv, 2, prompt[: 2 * BLOCK] + [7]) == 2 * BLOCK
+    assert list(kv.block_table(parent)) == list(kv.block_table(child))
+    kv.free(parent)
+    kv.free(child)
+    assert kv.stats().used_blocks == 0 and kv.stats().cached_blocks == 2
+
+
+class ForgetTrackingLRU(LRUPolicy):
+    """The shipped LRU, recording which keys the cache ranked and which it said are gone for good."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ranked: set[Hashable] = set()
+        self.forgotten: set[Hashable] = set()
+
+    def insert(self, key: Hashable, priority: int = 0) -> None:
+        self.ranked.add(key)
+        super().insert(key, priority)
+
+    def restore(self, key: Hashable, priority: int = 0) -> None:
+        self.ranked.add(key)
+        super().restore(key, priority)
+
+    def forget(self, key: Hashable) -> None:
+        self.forgotten.add(key)
+        super().forget(key)
+
+
+def test_radix_tells_the_policy_to_forget_every_node_it_evicts() -> None:
+    """An evicted radix node is gone for good (nodes are keys by identity): the policy must be told to forget it,
+    or it keeps its rank (LFU: its counts) and the node itself alive for the life of the server."""
+    policy = ForgetTrackingLRU()
+    kv = RadixKVCache(4, BLOCK, policy)
+    for i in range(6):  # each caches one block; with 4 blocks the later ones evict the earlier
+        run_to_end(kv, i, [10 + i] * BLOCK + [9])
+    assert kv.stats().evictions > 0
+    live = set(kv.nodes())
+    assert policy.ranked - live <= policy.forgotten
+    assert kv.reset_prefix_cache() and not list(kv.nodes())
+    assert policy.ranked <= policy.forgotten
