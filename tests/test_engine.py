@@ -17,6 +17,9 @@ from infer.core.hookspecs import hookimpl
 from infer.core.metrics import StepStats
 from infer.core.plugins import PluginManager
 from infer.core.request import FinishReason, SamplingParams, Sequence
+from infer.plugins.continuous_scheduler import ContinuousScheduler
+from infer.plugins.eviction import LRUPolicy
+from infer.plugins.paged_cache import PagedKVCache
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -1340,3 +1343,76 @@ def test_forked_children_start_from_the_parents_computed_prompt(tiny_model, hf_g
     out = e.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=3))[0]
     assert [c.token_ids for c in out.outputs] == [hf_greedy(tiny_model, prompt, 4)] * 3
     assert steps.seen == [(20, 0)] + [(0, 3)] * 3
+
+
+def bare_scheduler(num_blocks: int, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                   block_size: int = 4) -> ContinuousScheduler:
+    """The continuous scheduler over a paged cache without prefix caching, driven without a model."""
+    config = EngineConfig(block_size=block_size, enable_prefix_caching=False, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
+    return ContinuousScheduler(config, PagedKVCache(num_blocks, block_size, LRUPolicy(), False))
+
+
+@pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(3, 8192), (8, 3)])
+def test_n_up_to_the_running_seats_is_accepted_and_one_more_refused(max_num_seqs: int,
+                                                                   max_num_batched_tokens: int) -> None:
+    """n sequences run at once: n equal to the seats (the smaller of max_num_seqs and max_num_batched_tokens) is
+    accepted, n one over is refused."""
+    scheduler = bare_scheduler(64, max_num_seqs, max_num_batched_tokens)
+    seats = min(max_num_seqs, max_num_batched_tokens)
+    for n, accepted in ((seats, True), (seats + 1, False)):
+        seq = Sequence(n, "r", [1, 2], SamplingParams(max_tokens=2, n=n), 0.0)
+        if accepted:
+            scheduler.check(seq)
+        else:
+            with pytest.raises(CapacityError, match=f"n={n} asks for {n} sequences"):
+                scheduler.check(seq)
+
+
+def test_a_prompt_of_exactly_the_token_budget_is_accepted_unchunked() -> None:
+    scheduler = bare_scheduler(64, max_num_batched_tokens=8)
+    scheduler.check(Sequence(0, "r", list(range(8)), SamplingParams(max_tokens=1), 0.0))
+    with pytest.raises(CapacityError, match="prompt of 9 tokens exceeds max-num-batched-tokens 8"):
+        scheduler.check(Sequence(1, "r", list(range(9)), SamplingParams(max_tokens=1), 0.0))
+
+
+def test_a_preemption_takes_the_youngest_running_sequence_and_requeues_it_first() -> None:
+    """A and B decode into a new block each, C (admitted last, mid-block) needs none; the pool has no free block.
+    A's allocation preempts the youngest, C (not B, older), whose blocks let A and B run and leave one free; C goes
+    back to the front of the queue, before D, which arrived later."""
+    scheduler = bare_scheduler(5, max_num_seqs=8)
+    a, b, c = (Sequence(i, f"r{i}", prompt, SamplingParams(max_tokens=4), 0.0)
+               for i, prompt in enumerate([[1] * 4, [2] * 4, [3] * 10]))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [item.seq for item in first.scheduled] == [a, b, c] and scheduler.kv.num_free_blocks() == 0
+    scheduler.update(first, {seq.seq_id: [7] for seq in (a, b, c)}, 0.0)
+    d = Sequence(3, "r3", [4], SamplingParams(max_tokens=1), 0.0)
+    scheduler.add(d)
+    second = scheduler.schedule()
+    assert second.preempted == [c]
+    assert [item.seq for item in second.scheduled] == [a, b]
+    assert list(scheduler.waiting) == [c, d] and scheduler.kv.num_free_blocks() == 1
+
+
+def test_a_recompute_longer_than_the_token_budget_runs_alone() -> None:
+    """A is preempted with more tokens (prompt and outputs) than a step's budget: once nothing else runs, its
+    recompute is scheduled alone, over budget, rather than waiting forever."""
+    scheduler = bare_scheduler(3, max_num_seqs=8, max_num_batched_tokens=8)
+    b = Sequence(0, "r0", [2], SamplingParams(max_tokens=4), 0.0)
+    a = Sequence(1, "r1", [1] * 7, SamplingParams(max_tokens=4), 0.0)
+    scheduler.add(b)
+    scheduler.add(a)
+    recomputes: list[tuple[int, int]] = []  # (tokens scheduled, tokens of A) in A's steps after its preemption
+    for _ in range(10):
+        out = scheduler.schedule()
+        recomputes += [(item.num_new_tokens, a.num_tokens) for item in out.scheduled
+                       if item.seq is a and a.num_preemptions]
+        scheduler.update(out, {item.seq.seq_id: [7] for item in out.scheduled
+                               if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens}, 0.0)
+        if not scheduler.has_unfinished():
+            break
+    assert a.num_preemptions == 1 and b.finish_reason is not None and a.finish_reason is not None
+    scheduled, tokens = recomputes[0]
+    assert scheduled == tokens > scheduler.token_budget  # every token of A at once

@@ -498,6 +498,25 @@ def test_paged_copy_on_write_covers_every_shared_block_written() -> None:
     assert kv.take_block_ops().copies == [(parent_table[1], child_table[1])]  # only the partly kept block moves
 
 
+def test_paged_copy_on_write_copies_no_block_that_starts_at_the_write() -> None:
+    """A shared block whose first position is the first one written holds no computed KV of the writer's: it gets a
+    block of its own, and no copy (a copy would move KV that the write overwrites)."""
+    kv = PagedKVCache(8, BLOCK, LRUPolicy(), True)
+    parent = admitted(kv, 0, [1, 2, 3, 4])
+    parent.num_computed_tokens = BLOCK
+    kv.commit(parent)
+    parent.append_token(5, 0.0)
+    assert kv.allocate(parent, BLOCK)  # a decode slot and drafts: block 1, none of it computed
+    kv.take_block_ops()
+    child = Sequence(1, "r", parent.prompt_token_ids, parent.params, 0.0, token_ids=list(parent.token_ids),
+                     num_computed_tokens=BLOCK)
+    kv.fork(parent, child)
+    assert kv.allocate(child, BLOCK)
+    parent_table, child_table = kv.block_table(parent), kv.block_table(child)
+    assert parent_table[0] == child_table[0] and parent_table[1] != child_table[1]
+    assert kv.take_block_ops().copies == []
+
+
 def test_paged_refused_allocate_changes_nothing() -> None:
     kv = PagedKVCache(2, 4, LRUPolicy(), True)
     seq = Sequence(0, "r", list(range(12)), SamplingParams(), 0.0)
@@ -529,6 +548,79 @@ def test_evicting_a_prefix_block_unregisters_what_follows_it() -> None:
     probe = Sequence(next(seqs), "r", a + b + [12], SamplingParams(), 0.0)
     assert kv.match_prefix(probe) == BLOCK  # A; the block of A+B left the cache when A did
     assert all(cached_prefix(kv, block) for block in kv.key_to_block.values())
+
+
+def test_a_cached_block_that_another_sequence_extends_stops_being_evictable() -> None:
+    """A and B compute the same first block at once; A ends first, so its copy is the cached one (evictable, a
+    leaf), and B's commit caches its second block after A's first. The first block is a prefix now: under LRU it is
+    older, but the policy ranks leaves only, so one eviction takes B's second block and the first stays matchable
+    (taking the first would drop the second with it)."""
+    kv = PagedKVCache(6, BLOCK, LRUPolicy(), True)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    a, b = admitted(kv, 0, prefix[:BLOCK] + [9]), admitted(kv, 1, prefix + [9])
+    for seq in (a, b):
+        seq.num_computed_tokens = seq.num_tokens
+        kv.commit(seq)
+        kv.free(seq)
+    assert kv.stats().cached_blocks == 2
+    pressure = admitted(kv, 2, [0] * (4 * BLOCK + 1))  # every free block and one cached block
+    assert kv.counters.evictions == 1
+    assert matched_tokens(kv, 3, prefix + [7]) == BLOCK
+    kv.free(pressure)
+
+
+def test_a_block_after_an_evicted_prefix_is_not_cached() -> None:
+    """B's first block is cached as A's copy, which is evicted before B computes its second: nothing can reach the
+    second through the prefix any more, so it is not cached (every registered block is reachable from a root)."""
+    kv = PagedKVCache(7, BLOCK, LRUPolicy(), True)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    a, b = admitted(kv, 0, prefix[:BLOCK] + [9]), admitted(kv, 1, prefix + [9])
+    a.num_computed_tokens = a.num_tokens
+    kv.commit(a)
+    kv.free(a)
+    b.num_computed_tokens = BLOCK  # B's first chunk: its first block is the one A cached
+    kv.commit(b)
+    kv.free(admitted(kv, 2, [0] * (3 * BLOCK + 1)))  # takes every free block and evicts A's
+    assert kv.counters.evictions == 1 and kv.stats().cached_blocks == 0
+    b.num_computed_tokens = b.num_tokens
+    kv.commit(b)
+    live_prefixes = set(kv.roots.values()) | set(kv.prefix_id_to_block)
+    assert all(key[0] in live_prefixes for key in kv.key_to_block)
+    assert matched_tokens(kv, 3, prefix + [7]) == 0
+    kv.free(b)
+    assert kv.stats().cached_blocks == 0
+
+
+def test_a_rollback_into_a_cached_block_caches_the_new_context_not_the_old_one() -> None:
+    """A sequence rolls back into the middle of its second block, which is cached, and goes on with other tokens:
+    the block is copied on write, and what it caches from there follows the new tokens. A prompt of the old second
+    block and the new third must not match the third (its KV was computed after other tokens)."""
+    kv = PagedKVCache(8, BLOCK, LRUPolicy(), True)
+    old = [1] * BLOCK + [2] * BLOCK + [3]
+    seq = admitted(kv, 0, old)
+    seq.num_computed_tokens = len(old)
+    kv.commit(seq)
+    keep = BLOCK + 2
+    kv.truncate(seq, keep)
+    new = old[:keep] + [5, 5] + [6] * BLOCK + [7]
+    seq.token_ids[keep:] = new[keep:]
+    seq.num_computed_tokens = keep
+    assert kv.allocate(seq, len(new) - keep)
+    seq.num_computed_tokens = len(new)
+    kv.commit(seq)
+    computed = [old, new]  # the contexts whose KV some block holds
+
+    def longest_computed(prompt: list[int]) -> int:
+        """Whole blocks of ``prompt`` (less its last token) that one computed context begins with."""
+        blocks = (len(prompt) - 1) // BLOCK
+        return max(next((i for i in range(blocks, -1, -1) if context[: i * BLOCK] == prompt[: i * BLOCK]), 0)
+                   for context in computed) * BLOCK
+
+    for probe_id, probe in enumerate([old[: 2 * BLOCK] + [6] * BLOCK + [7], new, new[: 2 * BLOCK] + [9]], 1):
+        assert matched_tokens(kv, probe_id, probe) == longest_computed(probe), probe
+    assert all(list(cached_prefix(kv, block)) in [c[: len(cached_prefix(kv, block))] for c in computed]
+               for block in kv.key_to_block.values())
+    kv.free(seq)
 
 
 def admitted(kv: KVCache, seq_id: int, prompt: list[int], params: SamplingParams | None = None) -> Sequence:
@@ -616,11 +708,11 @@ class RecordingLRU(LRUPolicy):
         self.calls.append(("insert", priority))
         super().insert(key, priority)
 
-    def touch(self, key):  # type: ignore[no-untyped-def]
+    def touch(self, key: Hashable) -> None:
         self.calls.append(("touch", None))
         super().touch(key)
 
-    def remove(self, key):  # type: ignore[no-untyped-def]
+    def remove(self, key: Hashable) -> None:
         self.calls.append(("remove", None))
         super().remove(key)
 
@@ -839,6 +931,26 @@ def test_radix_caches_the_full_blocks_a_fork_shares_when_they_are_committed() ->
     assert kv.stats().used_blocks == 0 and kv.stats().cached_blocks == 2
 
 
+def test_radix_caches_every_committed_block_when_a_fork_shares_only_the_first() -> None:
+    """A fork that holds fewer of the blocks a commit covers (it rolled back to its first block) shares those, not
+    the ones after: the commit caches every full block the sequence computed, and a new prompt matches them all at
+    once, not only after the sequence's next commit or its end."""
+    kv = RadixKVCache(8, BLOCK, LRUPolicy())
+    prompt = [1] * BLOCK + [2] * BLOCK + [9]
+    parent = admitted(kv, 0, prompt)
+    child = Sequence(1, "r", prompt, parent.params, 0.0, token_ids=list(prompt), num_computed_tokens=0)
+    kv.fork(parent, child)
+    kv.truncate(child, BLOCK)
+    assert list(kv.block_table(child)) == list(kv.block_table(parent))[:1]
+    parent.num_computed_tokens = len(prompt)
+    kv.commit(parent)
+    full_blocks = len(prompt) // BLOCK
+    assert matched_tokens(kv, 2, prompt[: full_blocks * BLOCK] + [7]) == full_blocks * BLOCK
+    kv.free(child)
+    kv.free(parent)
+    assert kv.stats().used_blocks == 0 and kv.stats().cached_blocks == full_blocks
+
+
 class ForgetTrackingLRU(LRUPolicy):
     """The shipped LRU, recording which keys the cache ranked and which it said are gone for good."""
 
@@ -872,3 +984,41 @@ def test_radix_tells_the_policy_to_forget_every_node_it_evicts() -> None:
     assert policy.ranked - live <= policy.forgotten
     assert kv.reset_prefix_cache() and not list(kv.nodes())
     assert policy.ranked <= policy.forgotten
+
+
+def test_paged_tells_the_policy_to_forget_every_block_it_evicts_or_drops() -> None:
+    """An evicted or dropped block's content can never be matched again: the policy must forget its rank (LFU: its
+    counts), or the block id, reused for other tokens, inherits the uses of the old ones."""
+    policy = ForgetTrackingLRU()
+    kv = PagedKVCache(4, BLOCK, policy, True)
+    forgotten_by_eviction: set[Hashable] = set()
+    for i in range(6):  # each caches one block; with 4 blocks the later ones evict the earlier
+        cached = set(kv.key_to_block.values())
+        run_to_end(kv, i, [10 + i] * BLOCK + [9])
+        forgotten_by_eviction |= cached - set(kv.key_to_block.values())
+    assert kv.stats().evictions > 0 and forgotten_by_eviction
+    assert forgotten_by_eviction <= policy.forgotten
+    assert kv.reset_prefix_cache() and not kv.key_to_block
+    assert policy.ranked <= policy.forgotten
+
+
+def test_when_only_prefixes_of_held_blocks_are_cached_the_lowest_priority_one_goes() -> None:
+    """Two cached first blocks (priorities 0 and 5), each extended by a running sequence's second block: no cached
+    block is a leaf, so an eviction takes the held prefix of the lowest priority, the documented order."""
+    kv = PagedKVCache(10, BLOCK, LRUPolicy(), True)
+    prompts = {0: [1, 2, 3, 4, 5, 6, 7, 8], 5: [11, 12, 13, 14, 15, 16, 17, 18]}
+    pairs = [(admitted(kv, 2 * i, p[:BLOCK] + [9], SamplingParams(priority=prio)),
+              admitted(kv, 2 * i + 1, p + [9], SamplingParams(priority=prio)))
+             for i, (prio, p) in enumerate(prompts.items())]
+    for first, second in pairs:  # the first ends, its block cached; the second's next block extends it and runs on
+        for seq in (first, second):
+            seq.num_computed_tokens = seq.num_tokens
+            kv.commit(seq)
+        kv.free(first)
+    assert not len(kv.eviction) and kv.stats().cached_blocks == 2
+    pressure = admitted(kv, 4, [0] * (2 * BLOCK + 1))  # the two free blocks and one cached
+    assert kv.counters.evictions == 1
+    lowest = min(prompts)
+    assert {prio: matched_tokens(kv, 5 + prio, p + [7]) for prio, p in prompts.items()} == \
+        {prio: 0 if prio == lowest else 2 * BLOCK for prio in prompts}
+    kv.free(pressure)

@@ -9,13 +9,16 @@ from click.testing import CliRunner
 
 from infer import hookimpl
 from infer.cli import main
+from infer.core.admission import check_schedule
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.errors import ConfigError, PluginError
 from infer.core.plugins import PluginManager
 from infer.core.interfaces import ScheduledSequence, SchedulerOutput
-from infer.core.request import SamplingParams
+from infer.core.request import SamplingParams, Sequence
 from infer.plugins.continuous_scheduler import ContinuousScheduler
+from infer.plugins.eviction import LRUPolicy
+from infer.plugins.paged_cache import PagedKVCache
 
 
 def plugin_module(name: str, **hooks) -> types.ModuleType:
@@ -108,6 +111,23 @@ def test_a_scheduler_breaking_its_contract_is_named_not_hung(tiny_model, infer_p
         engine.add_request(prompt, SamplingParams(max_tokens=4))
     with pytest.raises(PluginError, match="scheduler 'broken' " * (scheduler is not SkipsAllocation) + message):
         engine.step()
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 5])
+def test_a_schedule_of_max_num_seqs_sequences_passes_and_one_more_is_refused(max_num_seqs: int) -> None:
+    """The bound itself: max_num_seqs distinct sequences are what CUDA graphs and buffers are sized for, so
+    exactly that many pass and max_num_seqs + 1 are refused (a check off by one would let one more through)."""
+    config = EngineConfig(max_num_seqs=max_num_seqs)
+    scheduler = ContinuousScheduler(config, PagedKVCache(8, 4, LRUPolicy(), False))
+    seqs = [Sequence(i, f"r{i}", [1, 2, 3], SamplingParams(), 0.0) for i in range(max_num_seqs + 1)]
+
+    def schedule_of(count: int) -> SchedulerOutput:
+        return SchedulerOutput(scheduled=[ScheduledSequence(seq, 1) for seq in seqs[:count]])
+
+    assert check_schedule(schedule_of(max_num_seqs), config, scheduler, True, lambda: 0)
+    with pytest.raises(PluginError, match=f"scheduled {max_num_seqs + 1} sequences, over "
+                                          f"max_num_seqs={max_num_seqs}"):
+        check_schedule(schedule_of(max_num_seqs + 1), config, scheduler, True, lambda: 0)
 
 
 class ForgetsStatus(ContinuousScheduler):

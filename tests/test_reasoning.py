@@ -16,9 +16,10 @@ from click.testing import CliRunner
 
 from infer import ChatPrompt, FunctionChoice, SamplingParams, StructuredOutput
 from infer.cli import main
+from infer.core.admission import check_reasoning_end
 from infer.core.errors import PluginError
 from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import ReasoningParser
+from infer.core.interfaces import ReasoningEnd, ReasoningParser
 from infer.core.llm import LLM
 from infer.core.plugins import PluginManager
 from infer.plugins.reasoning_parsers import THINK_END, THINK_START, ThinkReasoningParser
@@ -180,6 +181,30 @@ def test_a_misbehaving_parser_is_a_plugin_error_naming_it(tiny_model: Path, tmp_
         engine.generate([ChatPrompt.of(ASK)], SamplingParams(max_tokens=3, structured_output=StructuredOutput(
             regex="[a-z]+")))
     assert not engine.has_unfinished()
+
+
+VOCAB = 100  # check_reasoning_end's vocabulary size: token ids are valid in [0, VOCAB)
+
+
+@pytest.mark.parametrize("end, valid", [
+    (None, True),
+    (ReasoningEnd(VOCAB - 1), True),  # the last id of the vocabulary
+    (ReasoningEnd(VOCAB), False),  # one past it
+    (ReasoningEnd(-1), False),
+    (ReasoningEnd(7, True, VOCAB - 1), True),
+    (ReasoningEnd(7, False, VOCAB), False),
+    (ReasoningEnd(7, False, 8), True),
+    (ReasoningEnd(7, False, 7), False),  # opening and closing on one token: no reply could open and close a block
+])
+def test_a_reasoning_end_is_checked_against_the_vocabulary_and_its_markers_must_differ(end: ReasoningEnd | None,
+                                                                                        valid: bool) -> None:
+    """check_reasoning_end passes None or a ReasoningEnd whose marker ids lie in [0, vocab_size) and differ, and
+    refuses the rest naming the parser: a marker id equal to the vocabulary size is out of it."""
+    if valid:
+        assert check_reasoning_end(end, VOCAB, "think") is end
+    else:
+        with pytest.raises(PluginError, match=r"reasoning parser 'think': reasoning_end\(\) returned"):
+            check_reasoning_end(end, VOCAB, "think")
 
 
 def test_the_split_travels_over_grpc_and_generate_json(llm: LLM, tiny_model: Path, serve_engine: Any) -> None:
