@@ -22,7 +22,7 @@ from .beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchP
 from .chat import ChatPrompt, Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
-from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
+from .errors import CapacityError, InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
 from .interrupts import HeldInterrupts
 from .loader import LoadProgress
@@ -344,11 +344,16 @@ class Engine:
     @contextlib.contextmanager
     def _plugin_code(self) -> Iterator[None]:
         """Around calls into components: an exception raised in a component's code becomes a PluginError naming
-        it (the original chained, its traceback logged for -v)."""
+        it (the original chained, its traceback logged for -v); running out of device memory, a CapacityError."""
         try:
             yield
         except InferError:
             raise
+        except torch.OutOfMemoryError as exc:  # the memory settings', not a component's fault
+            raise CapacityError(f"out of device memory ({str(exc).partition('. ')[0] or exc}): the KV pool leaves "
+                                "too little room for the activations of a step; lower --kv-cache-memory-gb (the "
+                                "default takes 90% of the free memory, less 1 GiB), --max-num-batched-tokens or "
+                                "--max-num-seqs (this engine may be inconsistent now: start a new one)") from exc
         except Exception as exc:
             if (blamed := self.blame.error(exc)) is None:
                 raise

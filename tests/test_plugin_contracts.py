@@ -344,11 +344,13 @@ def test_quant_and_model_factories_are_checked(tmp_path, tiny_model, hook, field
         Engine(config, plugins)
 
 
-@pytest.mark.parametrize("stage", ["building the model", "loading the model's weights"])
+@pytest.mark.parametrize("stage", ["building the model", "loading the model's weights", "a step"])
 def test_running_out_of_device_memory_while_loading_says_how_to_fit_the_model(tiny_model, stage):
-    """torch's OutOfMemoryError (a GPU's; faked here by a model plugin) is the user's capacity, not a bug."""
+    """torch's OutOfMemoryError (a GPU's; faked here by a model plugin) is the user's capacity, not a plugin's bug,
+    whether the model is built, loaded or run."""
     import torch
 
+    from infer import SamplingParams
     from infer.core.engine import Engine
     from infer.core.errors import CapacityError
     from infer.plugins.llama_family import build_llama_family
@@ -360,14 +362,24 @@ def test_running_out_of_device_memory_while_loading_says_how_to_fit_the_model(ti
         if stage == "building the model":
             out_of_memory()
         model = build_llama_family(raw, quant, dtype, config)
-        model.load_weights = out_of_memory  # the first tensor does not fit
+        if stage == "a step":
+            model.forward = out_of_memory  # a step's activations do not fit beside the KV pool
+        else:
+            model.load_weights = out_of_memory  # the first tensor does not fit
         return model
 
     plugins = PluginManager.from_entry_points(allow=entry_points_but("llama-family"))
     runtime_plugin(plugins, "register_models", "LlamaForCausalLM", greedy)
-    with pytest.raises(CapacityError, match=re.escape(f"out of cpu memory while {stage}; the model does not fit: use a "
-                                                      "quantized checkpoint or quantize it as it loads (--quant awq")):
-        Engine(EngineConfig(model=str(tiny_model), device="cpu"), plugins)
+    if stage != "a step":
+        with pytest.raises(CapacityError, match=re.escape(f"out of cpu memory while {stage}; the model does not fit: "
+                                                          "use a quantized checkpoint or quantize it as it loads")):
+            Engine(EngineConfig(model=str(tiny_model), device="cpu"), plugins)
+        return
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), plugins)
+    with pytest.raises(CapacityError, match=re.escape("out of device memory (CUDA out of memory): the KV pool leaves "
+                                                      "too little room for the activations of a step; lower "
+                                                      "--kv-cache-memory-gb")):  # not blamed on the model plugin
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
 
 
 def test_a_command_factory_that_returns_no_click_command_is_named(tmp_path, monkeypatch):
