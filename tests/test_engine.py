@@ -1416,3 +1416,25 @@ def test_a_recompute_longer_than_the_token_budget_runs_alone() -> None:
     assert a.num_preemptions == 1 and b.finish_reason is not None and a.finish_reason is not None
     scheduled, tokens = recomputes[0]
     assert scheduled == tokens > scheduler.token_budget  # every token of A at once
+
+
+def test_a_victim_that_exactly_fills_the_swap_space_is_swapped_and_an_abort_while_swapped_frees_it() -> None:
+    """The swap space holds exactly the victim's computed blocks: it is swapped out, not recomputed. Aborted while
+    it waits swapped out, its host blocks return to the swap space (a step later, as every released host block)."""
+    config = EngineConfig(block_size=4, enable_prefix_caching=False, max_num_seqs=8, preemption_mode="swap",
+                          num_swap_blocks=3)
+    scheduler = ContinuousScheduler(config, PagedKVCache(5, 4, LRUPolicy(), False))
+    a, b, c = (Sequence(i, f"r{i}", prompt, SamplingParams(max_tokens=4), 0.0)
+               for i, prompt in enumerate([[1] * 4, [2] * 4, [3] * 10]))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    scheduler.update(first, {seq.seq_id: [7] for seq in (a, b, c)}, 0.0)
+    second = scheduler.schedule()
+    assert second.preempted == [c]
+    victim_blocks = -(-len(c.prompt_token_ids) // 4)  # its prompt, computed in the first step
+    assert victim_blocks == config.num_swap_blocks and len(second.block_ops.swap_out) == victim_blocks
+    scheduler.finish(c, FinishReason.ABORT)
+    scheduler.update(second, {seq.seq_id: [7] for seq in (a, b)}, 0.0)
+    scheduler.schedule()
+    assert scheduler.swap is not None and sorted(scheduler.swap.free) == list(range(config.num_swap_blocks))
