@@ -22,10 +22,10 @@ from .beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchP
 from .chat import ChatPrompt, Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
-from .errors import CapacityError, InferError, InvalidRequestError, NotFoundError, PluginError
+from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
 from .interrupts import HeldInterrupts
-from .loader import LoadProgress
+from .loader import LoadProgress, out_of_memory
 from .interfaces import ReasoningEnd, ReasoningParser, SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer")
 
+STEP_TOO_LARGE = ("the KV pool leaves too little room for its activations; lower --kv-cache-memory-gb (the "
+                  "default takes 90% of the free memory, less 1 GiB), --max-num-batched-tokens or --max-num-seqs "
+                  "(this engine may be inconsistent now: start a new one)")
 
 
 def freeze_heap() -> None:
@@ -349,11 +352,8 @@ class Engine:
             yield
         except InferError:
             raise
-        except torch.OutOfMemoryError as exc:  # the memory settings', not a component's fault
-            raise CapacityError(f"out of device memory ({str(exc).partition('. ')[0] or exc}): the KV pool leaves "
-                                "too little room for the activations of a step; lower --kv-cache-memory-gb (the "
-                                "default takes 90% of the free memory, less 1 GiB), --max-num-batched-tokens or "
-                                "--max-num-seqs (this engine may be inconsistent now: start a new one)") from exc
+        except torch.OutOfMemoryError as exc:
+            raise out_of_memory(self.runner.device, "running a step", STEP_TOO_LARGE) from exc
         except Exception as exc:
             if (blamed := self.blame.error(exc)) is None:
                 raise

@@ -170,15 +170,20 @@ def check_host_memory(model: torch.nn.Module, device: torch.device, sizes: str) 
                             "model (if the checkpoint is small, config.json's sizes are wrong)")
 
 
+def out_of_memory(device: torch.device, doing: str, advice: str) -> CapacityError:
+    """The error for torch's OutOfMemoryError on ``device`` while ``doing``: the user's settings, not a bug."""
+    total = f" ({torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB in all)" \
+        if device.type == "cuda" else ""
+    return CapacityError(f"out of {device} memory{total} while {doing}; {advice}")
+
+
 @contextmanager
 def device_memory(device: torch.device, doing: str, advice: str) -> Iterator[None]:
     """torch's out-of-memory error while ``doing``, as a CapacityError that gives the ``advice``."""
     try:
         yield
     except torch.OutOfMemoryError as exc:
-        total = f" ({torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB in all)" \
-            if device.type == "cuda" else ""
-        raise CapacityError(f"out of {device} memory{total} while {doing}; {advice}") from exc
+        raise out_of_memory(device, doing, advice) from exc
 
 
 LoadProgress = Callable[[int, int], None]  # (bytes of the weight files read, their total), after each tensor
