@@ -66,6 +66,16 @@ def unfrozen_heap() -> Iterator[None]:
     gc.unfreeze()
 
 
+@pytest.fixture
+def mem_available() -> int:
+    """Linux's MemAvailable in bytes, read here apart from the engine's own reading; skips where there is none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        pytest.skip("no MemAvailable in /proc/meminfo on this system")
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tiny_model_factory: Callable[..., Path]) -> Callable[[str], Path]:
     def get(name: str) -> Path:

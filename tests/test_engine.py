@@ -891,24 +891,19 @@ def test_a_top_k_beyond_the_vocabulary_filters_nothing(engine):
     assert sample(10**20) == sample(0)
 
 
-def test_a_kv_pool_beyond_the_available_host_memory_is_refused_before_allocation():
+def test_a_kv_pool_beyond_the_available_host_memory_is_refused_before_allocation(mem_available: int) -> None:
     """A CPU pool that fits the machine's physical memory but not what is free would be zero-filled into the
-    OOM killer; it is refused up front. The bound is Linux's MemAvailable, read independently here."""
+    OOM killer; it is refused up front. The bound is Linux's MemAvailable, read independently (conftest)."""
     from infer.core.assembly import check_kv_memory
     from infer.core.errors import ConfigError
 
-    try:
-        with open("/proc/meminfo") as meminfo:
-            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        pytest.skip("no MemAvailable in /proc/meminfo on this system")
     per_block = 2**20
     config = EngineConfig(model="unused", device="cpu")
-    fits = available // 2 // per_block
+    fits = mem_available // 2 // per_block
     check_kv_memory(config, torch.device("cpu"), fits, per_block)
     with pytest.raises(ConfigError, match=r"the KV pool \(\d+ blocks, .* GiB\) exceeds the memory this machine has "
                                           r"available \(.* GiB, with the model loaded\); lower --num-kv-blocks"):
-        check_kv_memory(config, torch.device("cpu"), available // per_block + 64, per_block)
+        check_kv_memory(config, torch.device("cpu"), mem_available // per_block + 64, per_block)
     config.preemption_mode, config.num_swap_blocks = "swap", fits
     with pytest.raises(ConfigError, match=r"the KV pool \(\d+ blocks, .* GiB\) and the swap space \(.* GiB\) exceed "
                                           "the memory"):

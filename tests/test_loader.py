@@ -314,18 +314,13 @@ def test_config_sizes_past_the_hosts_memory_are_a_capacity_error(llama, tmp_path
     assert "GiB at once): the sizes it was given (for a model, config.json's vocab_size" in str(info.value)
 
 
-def test_weights_past_the_hosts_available_memory_are_refused_before_loading(llama, tmp_path):
+def test_weights_past_the_hosts_available_memory_are_refused_before_loading(llama, tmp_path, mem_available):
     """Each MLP matrix fits (torch.empty only reserves its pages), but together they pass Linux's MemAvailable
-    (read independently here): loading would have been killed part-way. Refused before any weight is read."""
+    (read independently, conftest): loading would have been killed part-way. Refused before any weight is read."""
     from infer.core.errors import CapacityError
 
-    try:
-        with open("/proc/meminfo") as meminfo:
-            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        pytest.skip("no MemAvailable in /proc/meminfo on this system")
     layers, hidden = 4, json.loads((llama / "config.json").read_text())["hidden_size"]
-    intermediate = int(1.5 * available / (3 * layers * hidden * 4))  # gate, up, down of every layer, float32
+    intermediate = int(1.5 * mem_available / (3 * layers * hidden * 4))  # gate, up, down of every layer, float32
     path = copy_of(llama, tmp_path / "m", {"num_hidden_layers": layers, "intermediate_size": intermediate})
     with pytest.raises(CapacityError) as info:
         LLM(model=str(path), device="cpu", dtype="float32")
