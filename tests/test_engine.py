@@ -6,6 +6,7 @@ import logging
 import random
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -1341,11 +1342,25 @@ def test_forked_children_start_from_the_parents_computed_prompt(tiny_model, hf_g
 
 
 def bare_scheduler(num_blocks: int, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                   block_size: int = 4) -> ContinuousScheduler:
-    """The continuous scheduler over a paged cache without prefix caching, driven without a model."""
+                   block_size: int = 4, **options: Any) -> ContinuousScheduler:
+    """The continuous scheduler over a paged cache without prefix caching, driven without a model; ``options``:
+    more EngineConfig fields."""
     config = EngineConfig(block_size=block_size, enable_prefix_caching=False, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_batched_tokens=max_num_batched_tokens, **options)
     return ContinuousScheduler(config, PagedKVCache(num_blocks, block_size, LRUPolicy(), False))
+
+
+def three_decoding(scheduler: ContinuousScheduler) -> tuple[Sequence, Sequence, Sequence]:
+    """A and B (one block each, full) and C (10 tokens: 3 blocks, the last part-full) prefilled in one step, each
+    given its first token: in a pool of 5 blocks none is free, and A and B each need a new block to decode."""
+    a, b, c = (Sequence(i, f"r{i}", prompt, SamplingParams(max_tokens=4), 0.0)
+               for i, prompt in enumerate([[1] * 4, [2] * 4, [3] * 10]))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [item.seq for item in first.scheduled] == [a, b, c] and scheduler.kv.num_free_blocks() == 0
+    scheduler.update(first, {seq.seq_id: [7] for seq in (a, b, c)}, 0.0)
+    return a, b, c
 
 
 @pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(3, 8192), (8, 3)])
@@ -1376,13 +1391,7 @@ def test_a_preemption_takes_the_youngest_running_sequence_and_requeues_it_first(
     A's allocation preempts the youngest, C (not B, older), whose blocks let A and B run and leave one free; C goes
     back to the front of the queue, before D, which arrived later."""
     scheduler = bare_scheduler(5, max_num_seqs=8)
-    a, b, c = (Sequence(i, f"r{i}", prompt, SamplingParams(max_tokens=4), 0.0)
-               for i, prompt in enumerate([[1] * 4, [2] * 4, [3] * 10]))
-    for seq in (a, b, c):
-        scheduler.add(seq)
-    first = scheduler.schedule()
-    assert [item.seq for item in first.scheduled] == [a, b, c] and scheduler.kv.num_free_blocks() == 0
-    scheduler.update(first, {seq.seq_id: [7] for seq in (a, b, c)}, 0.0)
+    a, b, c = three_decoding(scheduler)
     d = Sequence(3, "r3", [4], SamplingParams(max_tokens=1), 0.0)
     scheduler.add(d)
     second = scheduler.schedule()
@@ -1416,20 +1425,14 @@ def test_a_recompute_longer_than_the_token_budget_runs_alone() -> None:
 def test_a_victim_that_exactly_fills_the_swap_space_is_swapped_and_an_abort_while_swapped_frees_it() -> None:
     """The swap space holds exactly the victim's computed blocks: it is swapped out, not recomputed. Aborted while
     it waits swapped out, its host blocks return to the swap space (a step later, as every released host block)."""
-    config = EngineConfig(block_size=4, enable_prefix_caching=False, max_num_seqs=8, preemption_mode="swap",
-                          num_swap_blocks=3)
-    scheduler = ContinuousScheduler(config, PagedKVCache(5, 4, LRUPolicy(), False))
-    a, b, c = (Sequence(i, f"r{i}", prompt, SamplingParams(max_tokens=4), 0.0)
-               for i, prompt in enumerate([[1] * 4, [2] * 4, [3] * 10]))
-    for seq in (a, b, c):
-        scheduler.add(seq)
-    first = scheduler.schedule()
-    scheduler.update(first, {seq.seq_id: [7] for seq in (a, b, c)}, 0.0)
+    swap_blocks = 3
+    scheduler = bare_scheduler(5, max_num_seqs=8, preemption_mode="swap", num_swap_blocks=swap_blocks)
+    a, b, c = three_decoding(scheduler)
     second = scheduler.schedule()
     assert second.preempted == [c]
     victim_blocks = -(-len(c.prompt_token_ids) // 4)  # its prompt, computed in the first step
-    assert victim_blocks == config.num_swap_blocks and len(second.block_ops.swap_out) == victim_blocks
+    assert victim_blocks == swap_blocks and len(second.block_ops.swap_out) == victim_blocks
     scheduler.finish(c, FinishReason.ABORT)
     scheduler.update(second, {seq.seq_id: [7] for seq in (a, b)}, 0.0)
     scheduler.schedule()
-    assert scheduler.swap is not None and sorted(scheduler.swap.free) == list(range(config.num_swap_blocks))
+    assert scheduler.swap is not None and sorted(scheduler.swap.free) == list(range(swap_blocks))
