@@ -1436,3 +1436,16 @@ def test_a_victim_that_exactly_fills_the_swap_space_is_swapped_and_an_abort_whil
     scheduler.update(second, {seq.seq_id: [7] for seq in (a, b)}, 0.0)
     scheduler.schedule()
     assert scheduler.swap is not None and sorted(scheduler.swap.free) == list(range(swap_blocks))
+
+
+def test_a_requeued_parent_that_has_forked_takes_one_seat() -> None:
+    """An n=2 parent preempted after its first token (its child forked then and runs on) takes one seat when it is
+    admitted again, not n: beside its running child it fits in max_num_seqs=2."""
+    scheduler = bare_scheduler(16, max_num_seqs=2)
+    params = SamplingParams(max_tokens=4, n=2)
+    child = Sequence(1, "r0", [1] * 4, params, 0.0, index=1, token_ids=[1] * 4 + [8])
+    parent = Sequence(0, "r0", [1] * 4, params, 0.0, token_ids=[1] * 4 + [7], num_preemptions=1)
+    scheduler.add(child)
+    assert [item.seq for item in scheduler.schedule().scheduled] == [child]
+    scheduler.add(parent)
+    assert [item.seq for item in scheduler.schedule().scheduled] == [child, parent]
