@@ -533,9 +533,10 @@ class QuantMethod(ABC):
 # ---------------------------------------------------------------- speculative decoding
 @dataclass
 class Proposal:
-    """Draft tokens per sequence id, and the draft's probabilities for each ([drafts, vocab]). A missing or None
-    entry is a deterministic draft (a point mass on each token, as the ngram proposer's): exact for sampled requests
-    too, since rejection sampling then accepts a draft token x with probability p(x)."""
+    """Draft tokens per sequence id, and the draft's probabilities for each ([drafts, vocab]: row j the
+    distribution draft j was sampled from; for a sampled request, a row that cannot be one is a PluginError). A
+    missing or None entry is a deterministic draft (a point mass on each token, as the ngram proposer's): exact for
+    sampled requests too, since rejection sampling then accepts a draft token x with probability p(x)."""
 
     token_ids: dict[int, list[int]]
     probs: dict[int, torch.Tensor | None] = field(default_factory=dict)

@@ -24,7 +24,7 @@ from ..core.runner import Batch
 from ..core.sampling import Sampler, stream_seed, to_device
 from ..core.structured_output import StructuredOutputs
 from .policy import ON, SPEC_DECODE_OPTIONS, SpecPolicy
-from .rejection import Verified, greedy_accept, rejection_sample
+from .rejection import Verified, describe_improper, greedy_accept, improper_drafts, rejection_sample
 
 
 VERIFY_SEED_SALT = 0x7E51_F1ED  # verification draws must not replay the sampler's or the draft's streams
@@ -195,8 +195,12 @@ class SpecDecoder:
         if sampled_rows:
             draft = torch.tensor([d.tokens + [0] * (k - len(d.tokens)) for d in drafts], device=logits.device)
             counts = torch.tensor([len(d.tokens) for d in drafts], device=logits.device)
-            exact = self._rejection_sample(target, draft, counts, [drafts[b] for b in sampled_rows], sampled_rows)
-            for b, m, token in zip(sampled_rows, exact.num_accepted.tolist(), exact.next_token.tolist()):
+            exact, improper = self._rejection_sample(target, draft, counts, [drafts[b] for b in sampled_rows],
+                                                     sampled_rows)
+            num_accepted, tokens, bad = torch.stack([exact.num_accepted, exact.next_token, improper.long()]).tolist()
+            if any(bad):
+                self._refuse_probs([drafts[b] for b, is_bad in zip(sampled_rows, bad) if is_bad][0])
+            for b, m, token in zip(sampled_rows, num_accepted, tokens):
                 accepted[b], next_tokens[b] = m, token
         return self._finish_round(drafts, raw, accepted, next_tokens)  # logprobs: the model's own, as a plain step's
 
@@ -214,7 +218,8 @@ class SpecDecoder:
         argmax[at] = logits[at].masked_fill(~allowed, float("-inf")).argmax(dim=-1)
 
     def _rejection_sample(self, target: torch.Tensor, draft: torch.Tensor, counts: torch.Tensor,
-                          drafts: list[_Draft], rows: list[int]) -> Verified:
+                          drafts: list[_Draft], rows: list[int]) -> tuple[Verified, torch.Tensor]:
+        """The verification of the sampled ``rows``, and which of them have improper draft probabilities."""
         b, k, vocab = len(rows), draft.shape[1], target.shape[-1]
         params = [d.seq.params for d in drafts for _ in range(k + 1)]
         p = Sampler.filtered_probs(target[rows].flatten(0, 1), params).view(b, k + 1, vocab)
@@ -226,7 +231,20 @@ class SpecDecoder:
             else:
                 q[i, :n] = d.probs.to(q.device, q.dtype)
         uniform, noise = self._randoms([d.seq for d in drafts], k, vocab, target.device)
-        return rejection_sample(p, q, draft[rows], counts[rows], uniform, noise)
+        return rejection_sample(p, q, draft[rows], counts[rows], uniform, noise), \
+            improper_drafts(q, draft[rows], counts[rows])
+
+    def _refuse_probs(self, bad: _Draft) -> None:
+        """PluginError for ``bad``'s draft probabilities (read back with the verification, so checking costs no
+        wait): every draft slot of the step goes back first, as when a proposal is refused before the forward."""
+        for d in self.drafts.values():
+            self.kv.truncate(d.seq, d.seq.num_computed_tokens + 1)
+        self.drafts.clear()
+        assert bad.probs is not None  # rows without probabilities are point masses: always proper
+        raise PluginError(f"proposer {self.proposer_name!r} gave sequence {bad.seq.seq_id} draft probabilities "
+                          f"its drafts cannot have been drawn from: {describe_improper(bad.probs, bad.tokens)}; each "
+                          "row must be the distribution (non-negative, summing to 1: softmax the logits) its draft "
+                          "was sampled from, or the output is biased; fix the plugin")
 
     def _randoms(self, seqs: list[Sequence], k: int, vocab: int, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -588,6 +588,58 @@ def test_a_proposal_that_breaks_the_contract_is_refused_and_frees_its_slots(infe
     assert engine.kv.stats().used_blocks == 0  # generate aborted the request; no draft slot was left behind
 
 
+@pytest.mark.parametrize(("probs", "complaint"), [
+    ("logits", "draft 0's probabilities hold negative values"),
+    ("unnormalized", "draft 0's probabilities sum to 1024, not 1"),
+    ("nan", "draft 0's probabilities hold 1 non-finite value(s)"),
+    ("zero at the draft", "draft 0 is token 5, to which its probabilities give 0"),
+    ("uniform", None),  # a proper distribution the drafts may come from: verified, no error
+])
+def test_draft_probabilities_that_are_no_distribution_of_the_drafts_are_refused(infer_plugins, tiny_model, probs,
+                                                                               complaint):
+    """Rejection sampling is exact only for the q the drafts were drawn from: probabilities that cannot be one
+    (logits, unnormalized weights, a NaN, zero where the draft is) biased a sampled request's output silently. They
+    are read back with the verification; the step's draft slots go back before the PluginError."""
+    import torch
+
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+    from infer.core.interfaces import Proposal, Proposer
+
+    def distribution(k: int, vocab: int) -> torch.Tensor:
+        q = torch.full((k, vocab), 1 / vocab)
+        if probs == "logits":
+            q = torch.randn(k, vocab, generator=torch.Generator().manual_seed(0))
+        elif probs == "unnormalized":
+            q = torch.ones(k, vocab)
+        elif probs == "nan":
+            q[0, 9] = float("nan")
+        elif probs == "zero at the draft":
+            q[:, 5], q[:, 6] = 0.0, 2 / vocab
+        return q
+
+    class Improper(Proposer):
+        def propose(self, seqs, k):
+            return Proposal({s.seq_id: [5] * k for s in seqs}, {s.seq_id: distribution(k, 1024) for s in seqs})
+
+    plugins = runtime_plugin(infer_plugins, "register_proposers", "improper",
+                             lambda config, target, plugins: Improper())
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", proposer="improper", block_size=4,
+                                 num_speculative_tokens=5), plugins)
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=3)
+    if complaint is None:
+        [out] = engine.generate([[5, 6, 7, 8, 9, 10]], params)
+        assert len(out.outputs[0].token_ids) == 6 and engine.stats.spec_proposed > 0
+        return
+    engine.add_request([5, 6, 7, 8, 9, 10], params, request_id="r")
+    engine.step()  # the prefill: nothing drafts
+    with pytest.raises(PluginError, match=re.escape(f"proposer 'improper' gave sequence 0 draft probabilities its "
+                                                    f"drafts cannot have been drawn from: {complaint}")):
+        engine.step()
+    [seq] = engine.requests["r"].seqs
+    assert len(engine.kv.block_table(seq)) == -(-(seq.num_computed_tokens + 1) // 4)  # no slot past the next token
+
+
 def test_a_proposer_that_raises_gives_back_the_draft_slots(infer_plugins, tiny_model):
     """The KV slots reserved for a step's drafts go back when the proposer raises (a plugin bug, a draft model's
     forward pass failing), as they do when its proposal breaks the contract: the request keeps only its own."""
