@@ -5,7 +5,6 @@ import atexit
 import contextlib
 import dataclasses
 import gc
-import itertools
 import logging
 import os
 import threading
@@ -16,27 +15,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .admission import RequestChecker, at_prompt, check_prompt_list, check_reasoning_end, check_schedule
+from .admission import RequestChecker, at_prompt, check_prompt_list, check_schedule
 from .assembly import assemble
 from .beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams
-from .chat import ChatPrompt, Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
+from .chat import Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
 from .forks import PendingForks, start_forks
+from .intake import Intake
 from .interrupts import HeldInterrupts
 from .loader import LoadProgress, out_of_memory
-from .interfaces import ReasoningEnd, ReasoningParser, SchedulerOutput, StructuredOutputBackend, Vocabulary
+from .interfaces import SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
-from .outputs import RequestState, append_output, build_output, new_reasoning_stream, with_every_sequence
+from .outputs import RequestState, append_output, build_output, with_every_sequence
 from .plugins import Blame, PluginManager, checked_manager
 from .readers import Reader, Readers
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, Sequence
 from .runner import PENDING_TOKEN, Batch, InFlight
 from .sampling import to_device
 from .structured_output import StructuredOutputs
-from .tool_choice import reply_reading, schema_errors
 
 if TYPE_CHECKING:
     from ..models.lora import LoraAdapter
@@ -94,10 +93,9 @@ class Engine:
         # at none if generation_config.json exists without them), else the tokenizer's
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.eos_token_ids = frozenset(self.loaded.generation_eos or spec.eos_token_ids or tokenizer_eos)
-        self.checker = RequestChecker.for_model(self.tokenizer, spec.vocab_size, spec.max_model_len,
-                                                config.default_chat_template_kwargs,
-                                                config.sanitize_chat_control_tokens, frozenset(config.lora_adapters),
-                                                self.eos_token_ids)
+        checker = RequestChecker.for_model(self.tokenizer, spec.vocab_size, spec.max_model_len,
+                                           config.default_chat_template_kwargs, config.sanitize_chat_control_tokens,
+                                           frozenset(config.lora_adapters), self.eos_token_ids)
         self.structured = StructuredOutputs(self._structured_output_backend, config.structured_output_backend,
                                             spec.vocab_size)
         self.runner.structured = self.structured
@@ -124,7 +122,9 @@ class Engine:
             self.spec = SpecDecoder(config, parts.proposer, self.kv, self.runner.sampler, self.stats, spec.vocab_size,
                                     self.structured)
         self.blame = Blame(self.plugins, parts.blamed(config))
-        self._seq_ids = itertools.count()
+        self.intake = Intake(checker, self.structured, self.eos_token_ids, self.max_model_len,
+                             self.new_detokenizer, self.tool_parser, self.reasoning_parser, config.reasoning_parser,
+                             self.blame, self._plugin_code)  # numbers the sequences of requests and beam searches
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
         self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
@@ -134,6 +134,11 @@ class Engine:
             freeze_heap()
         log.info("engine ready in %.1f s: %s", time.perf_counter() - started,
                  parts.summary(config, self.async_output, self.async_scheduling))
+
+    @property
+    def checker(self) -> RequestChecker:
+        """What requests are checked against (the intake's: loading a LoRA adapter replaces it)."""
+        return self.intake.checker
 
     def _structured_output_backend(self) -> StructuredOutputBackend:
         """Built at the first structured request: an engine that never gets one needs no backend installed."""
@@ -156,7 +161,6 @@ class Engine:
             return self._add_request(prompt, params, request_id)
 
     def _add_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> str:
-        params = params or SamplingParams()
         if request_id is None:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id:
@@ -164,26 +168,9 @@ class Engine:
                                       f"{request_id!r}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        ids = self.checker.check(prompt, params)
-        reasoning_end = self._reasoning_end(prompt, params, ids)
-        params, reader = reply_reading(prompt, params, self.tool_parser)
-        with schema_errors(reader):
-            self.check_structured_output(params)
-        now = time.perf_counter()
-        seqs = [Sequence(next(self._seq_ids), request_id, ids, params, now, index=i, eos_token_ids=self.eos_token_ids,
-                         max_model_len=self.max_model_len) for i in range(params.n)]
-        splitter = self._reasoning_parser_of(prompt, params, reasoning_end)
-        names = (self.blame.name(reader), self.blame.name(splitter))
-        streams = None if splitter is None else [new_reasoning_stream(splitter, ids, names[1]) for _ in seqs]
-        if streams is not None and None in streams:  # the reasoning parser splits whole replies only
-            streams = None
-        splits = (reader is not None or splitter is not None) and (splitter is None or streams is not None)
-        # outputs carry a copy of the prompt: a caller that extends theirs must not change the sequences' prompt
-        request = RequestState(request_id, list(ids), params, now, seqs, [self.new_detokenizer(ids) for _ in seqs],
-                               [0] * len(seqs), [0] * len(seqs), tool_parser=reader, reasoning_parser=splitter,
-                               reasoned=self.structured.reasoned if reasoning_end is not None else None,
-                               reasoning_streams=streams, splits=splits, content_sent=[0] * len(seqs),
-                               tag_marks=[[] for _ in seqs], parser_names=names)
+        request, reasoning_end = self.intake.request(prompt, params or SamplingParams(), request_id,
+                                                     time.perf_counter())
+        seqs, params = request.seqs, request.params
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
@@ -191,53 +178,24 @@ class Engine:
             self.structured.admit(params.structured_output)  # compiled above: kept until the request ends
             if reasoning_end is not None:
                 self.structured.follow_reasoning(seqs, reasoning_end)
-        self.stats.prompt_tokens += len(ids)
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.prompt_logprob_requests += params.prompt_logprobs is not None
         if params.n > 1:
             self.forks.add(request_id, seqs[1:])
         return request_id
 
-    def _reasoning_parser_of(self, prompt: Prompt, params: SamplingParams, reasoning_end: ReasoningEnd | None
-                             ) -> ReasoningParser | None:
-        """What splits ``prompt``'s replies into reasoning and content: the engine's parser for a chat, but not
-        for structured output whose grammar holds from the first token (a forced tool_choice's, or where the
-        parser cannot say where the reasoning ends): such a reply has no reasoning."""
-        if not isinstance(prompt, ChatPrompt) or params.structured_output is not None and reasoning_end is None:
-            return None
-        return self.reasoning_parser
-
-    def _reasoning_end(self, prompt: Prompt, params: SamplingParams, ids: list[int]) -> ReasoningEnd | None:
-        """Where the grammar of a chat's own structured output starts, its reasoning first (None: from the
-        first token)."""
-        if self.reasoning_parser is None or params.structured_output is None or not isinstance(prompt, ChatPrompt):
-            return None
-        with self._plugin_code():
-            end = self.reasoning_parser.reasoning_end(ids)
-        return check_reasoning_end(end, self.loaded.model.spec.vocab_size, self.config.reasoning_parser)
-
     def check_request(self, prompt: Prompt, params: SamplingParams | None = None) -> list[int]:
         """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's
         ``check``), else returns the prompt's ids."""
-        params = params or SamplingParams()
-        ids = self.checker.check(prompt, params)
-        params, reader = reply_reading(prompt, params, self.tool_parser)
-        with schema_errors(reader):
-            self.check_structured_output(params)
+        checked = self.intake.check(prompt, params or SamplingParams())
         with self._plugin_code():
-            self.scheduler.check(Sequence(-1, "", ids, params, 0.0, eos_token_ids=self.eos_token_ids,
-                                          max_model_len=self.max_model_len))
-        return ids
+            self.scheduler.check(self.intake.probe(checked))
+        return checked.ids
 
     def check_structured_output(self, params: SamplingParams) -> None:
         """Compile the structured output of ``params`` now (cached): InvalidRequestError for one the backend cannot
         follow, or for any on a model without EOS (add_request and check_request call it)."""
-        if params.structured_output is None:
-            return
-        if not self.eos_token_ids:
-            raise InvalidRequestError("structured_output needs an EOS token to end the output with, and this model "
-                                      "has none (generation_config.json, config.json and the tokenizer name none)")
-        with self._plugin_code():
-            self.structured.grammar(params.structured_output)
+        self.intake.check_structured_output(params)
 
     def check_requests(self, prompts: Seq[Prompt], params: SamplingParams | None = None) -> None:
         """:meth:`check_request` for each prompt; an error names the bad one's position, as generate's do."""
@@ -640,7 +598,7 @@ class Engine:
         each ``step()`` then advances by one token until its ``done``; its ``result()`` is what ``beam_search``
         returns, or the error that failed it (that search only)."""
         with self._one_thread(), self._plugin_code():
-            return self.searches.start(prompts, params or BeamSearchParams(), lambda: next(self._seq_ids))
+            return self.searches.start(prompts, params or BeamSearchParams(), lambda: next(self.intake.seq_ids))
 
     def abort_beam_search(self, search: BeamSearch) -> None:
         """Stop a search started by ``start_beam_search`` now and free its beams' blocks (a finished one: nothing);

@@ -64,7 +64,7 @@ def load_lora_adapter(engine: Engine, name: str, folder: str | os.PathLike[str] 
         adapter = read_adapter(name, Path(folder))  # CheckpointError: what is wrong with the folder
     adapter = for_model(adapter, engine.runner.model)
     slot = stack.add(adapter)
-    engine.checker = dataclasses.replace(engine.checker, lora_adapters=frozenset(stack.tokens.slot_of))
+    engine.intake.checker = dataclasses.replace(engine.checker, lora_adapters=frozenset(stack.tokens.slot_of))
     log.info("loaded LoRA adapter %s (rank %d, %d modules) from %s into slot %d", name, adapter.rank,
              len(adapter.weights), folder, slot)
 
@@ -108,6 +108,6 @@ def unload_lora_adapter(engine: Engine, name: str) -> None:
                                   f"KV computed under {name!r} could serve a later adapter of that name; unloading "
                                   "needs a KV cache that can (paged, radix-cache)")
     stack.remove(name)
-    engine.checker = dataclasses.replace(engine.checker, lora_adapters=frozenset(stack.tokens.slot_of))
+    engine.intake.checker = dataclasses.replace(engine.checker, lora_adapters=frozenset(stack.tokens.slot_of))
     log.info("unloaded LoRA adapter %s (%s)", name, "its cached prefixes dropped" if dropped else
              "the prefix cache emptied: the KV cache cannot drop one adapter's")

@@ -240,7 +240,7 @@ def test_malformed_specs_are_refused(params: SamplingParams, words: str) -> None
 
 
 def test_a_model_without_eos_is_refused(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine, "eos_token_ids", frozenset())
+    monkeypatch.setattr(engine.intake, "eos_token_ids", frozenset())
     with pytest.raises(InvalidRequestError, match="EOS"):
         engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(regex="a")))
 
