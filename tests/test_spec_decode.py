@@ -516,3 +516,215 @@ def test_a_draft_with_fewer_ids_than_its_target_drafts_exactly(tmp_path):
     got = [r.outputs[0].token_ids for r in spec.generate(prompts, [GREEDY, GREEDY, sampled])]
     assert got[:2] == expected[:2]  # greedy: exact; the sampled one draws from the target's distribution
     assert len(got[2]) == 16 and spec.stats.spec_accepted > 0
+
+
+def test_acceptance_average_weights_the_newest_step_by_the_smoothing():
+    from infer.spec_decode.policy import SpecPolicy
+
+    policy, expected = SpecPolicy(smoothing=0.2), None
+    for proposed, accepted in ((10, 10), (10, 0), (4, 3)):
+        rate = accepted / proposed
+        expected = rate if expected is None else 0.2 * rate + 0.8 * expected
+        policy.observe(proposed, accepted, rounds=1)
+        assert policy.acceptance == pytest.approx(expected)
+
+
+def test_a_new_stretch_of_low_acceptance_waits_a_full_probe_period():
+    """Steps at good acceptance restart the probe count: after a recovery, low acceptance turns speculation off
+    for probe_every - 1 steps before the next probe, as it did the first time."""
+    from infer.spec_decode.policy import OFF_ACCEPTANCE, ON, SpecPolicy
+
+    policy = SpecPolicy(min_acceptance=0.5, probe_every=3, warmup_rounds=1)
+    policy.observe(proposed=10, accepted=0, rounds=1)
+    assert policy.decide(1) == OFF_ACCEPTANCE  # one step into the first low stretch
+    for _ in range(10):
+        policy.observe(proposed=10, accepted=10, rounds=1)
+    assert policy.decide(1) == ON
+    for _ in range(20):
+        policy.observe(proposed=10, accepted=0, rounds=1)
+    assert [policy.decide(1) for _ in range(3)] == [OFF_ACCEPTANCE, OFF_ACCEPTANCE, ON]
+
+
+def test_jump_forward_drafts_at_most_k_tokens_of_a_long_forced_text():
+    """A grammar may force more text than k tokens (a long JSON key): the proposer drafts its first k tokens,
+    not a list the decoder refuses as a broken proposal."""
+    from infer.core.loader import load_tokenizer
+    from infer.core.request import Sequence
+    from infer.spec_decode.jump_forward import JumpForwardProposer
+
+    class Forcing:
+        def forced_text(self) -> str:
+            return '{"a_rather_long_property_name": '
+
+    tokenizer = load_tokenizer(TARGET)
+    spelled = tokenizer.encode(Forcing().forced_text(), add_special_tokens=False)
+    assert len(spelled) > 3
+    proposer = JumpForwardProposer(tokenizer, len(tokenizer))
+    seq = Sequence(0, "r", [5, 6], GREEDY, 0.0)
+    for k in (1, 3):
+        assert proposer.propose_guided([seq], k, {0: Forcing()}).token_ids == {0: spelled[:k]}
+
+
+def test_jump_forward_keeps_the_most_recently_spelled_texts(monkeypatch):
+    """The spelling cache is bounded (CACHED_TEXTS) and evicts the least recently used text."""
+    from infer.spec_decode import jump_forward
+
+    class CountingTokenizer:
+        def __init__(self) -> None:
+            self.encoded: list[str] = []
+
+        def encode(self, text: str, **_: object) -> list[int]:
+            self.encoded.append(text)
+            return [ord(c) for c in text]
+
+    monkeypatch.setattr(jump_forward, "CACHED_TEXTS", 2)
+    tokenizer = CountingTokenizer()
+    proposer = jump_forward.JumpForwardProposer(tokenizer, 1000)
+    for text in ("a", "b", "a", "c"):  # "a" used again before "c" arrives: "b" is the one evicted
+        assert proposer.spell(text) == [ord(text)]
+    assert list(proposer.spelled) == ["a", "c"]
+    proposer.spell("a")
+    proposer.spell("b")
+    assert tokenizer.encoded == ["a", "b", "c", "b"]
+
+
+def test_drafts_stay_within_the_step_token_budget():
+    """Drafts take what max_num_batched_tokens leaves after the step's scheduled tokens (prefill chunks, plain
+    decodes), shared among the decoding sequences: the verified positions never exceed the budget. The proposer
+    here always drafts all it may (the last token repeated)."""
+    from infer.core.interfaces import Proposal
+
+    budget = 8
+    e = engine(proposer="ngram", num_speculative_tokens=4, max_num_batched_tokens=budget, scheduler="chunked-prefill")
+    e.spec.proposer.propose = lambda seqs, k: Proposal({seq.seq_id: [seq.token_ids[-1]] * k for seq in seqs})
+    sizes, propose = [], e.spec.propose
+
+    def recording(out):
+        propose(out)
+        sizes.append((out.num_tokens, sum(len(item.draft_token_ids) for item in out.scheduled)))
+
+    e.spec.propose = recording
+    e.generate([PROMPTS[0], PROMPTS[2], PROMPTS[3]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert any(drafts for _, drafts in sizes)
+    assert all(tokens + drafts <= budget for tokens, drafts in sizes), sizes
+
+
+def test_seeded_verification_draws_differ_by_fork_and_round_and_from_the_drafts():
+    """A seeded request's verification draws are reproducible from its seed, fork and round position (whatever the
+    batch's K), and are a stream of their own: reused across forks or rounds they correlate the samples, reused
+    from the draft's draws (same seed, same round) they correlate the recovered token with the rejected draft."""
+    import torch
+
+    from infer.core.request import Sequence
+
+    e = engine(proposer="draft-model", num_speculative_tokens=3)
+    params, vocab, cpu = SamplingParams(max_tokens=20, temperature=0.8, seed=11), e.spec.vocab_size, torch.device("cpu")
+
+    def verification_noise(index, tokens, k=3):
+        return e.spec._randoms([Sequence(0, "r", tokens, params, 0.0, index)], k, vocab, cpu)[1][0]
+
+    noise = verification_noise(0, [5, 6, 7])
+    assert torch.equal(verification_noise(0, [5, 6, 7], k=5), noise)  # the batch's K does not shift the stream
+    assert not torch.equal(verification_noise(1, [5, 6, 7]), noise)
+    assert not torch.equal(verification_noise(0, [5, 6, 7, 8]), noise)
+    seq, proposer = Sequence(0, "r", [5, 6, 7], params, 0.0), e.spec.proposer
+    proposer._reseed([seq])
+    assert not torch.equal(torch.empty(vocab).exponential_(generator=proposer._generator(seq)), noise)
+
+
+def test_a_proposer_that_drafts_nothing_leaves_no_reserved_slot_behind():
+    """The slots reserved for a step's drafts go back when the proposer drafts none for a sequence: after each
+    step a running sequence holds just the blocks of its computed tokens."""
+    from infer.core.interfaces import Proposal
+    from infer.core.request import SequenceStatus
+
+    e = engine(proposer="ngram", num_speculative_tokens=4, block_size=4)
+    e.spec.proposer.propose = lambda seqs, k: Proposal({})
+    for prompt in PROMPTS[:2]:
+        e.add_request(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+        for req in e.requests.values():
+            for seq in req.seqs:
+                if seq.status is SequenceStatus.RUNNING:
+                    assert len(e.kv.block_table(seq)) == e.kv.num_blocks_needed(seq.num_computed_tokens)
+    assert drained(e)
+
+
+def test_no_draft_is_proposed_that_could_not_reach_the_output():
+    """A round emits its accepted drafts and one more token: a sequence with n tokens left before max_tokens is
+    given at most n - 1 drafts to verify."""
+    e = engine(proposer="ngram", num_speculative_tokens=4)
+    rounds, propose = [], e.spec.proposer.propose
+
+    def recording(seqs, k):
+        rounds.extend((seq.params.max_tokens - seq.num_output_tokens, k) for seq in seqs)
+        return propose(seqs, k)
+
+    e.spec.proposer.propose = recording
+    e.generate([PROMPTS[1]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert any(k < 4 for _, k in rounds)
+    assert all(k <= left - 1 for left, k in rounds), rounds
+
+
+def test_the_acceptance_rule_warms_up_over_sequence_rounds():
+    """``warmup_rounds`` counts verified sequence-rounds, as spec_rounds does, not steps."""
+    e = engine(proposer="draft-model", num_speculative_tokens=3,
+               plugin_options={"spec_decode": {"min_acceptance": 0.1}})
+    e.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert e.spec.policy.rounds == e.stats.spec_rounds > e.stats.steps
+
+
+def test_a_prompt_served_from_the_prefix_cache_samples_its_first_token_without_drafts():
+    """With all but the last prompt token cached, the prefill is a one-token step that looks like a decode: its
+    first token must still come from the sampler (a seeded request's first token is the same as without
+    speculation and without the cache), not from a verification round."""
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5, ignore_eos=True)
+    e = engine(proposer="ngram", num_speculative_tokens=3)
+    prompt = e.tokenize(PROMPTS[1] * 2)[: 2 * e.config.block_size + 1]
+    first = engine(enable_prefix_caching=False).generate([prompt], params)[0].outputs[0].token_ids[0]
+    for _ in range(2):  # the second time from the cache
+        assert e.generate([prompt], params)[0].outputs[0].token_ids[0] == first
+    assert e.stats.prefix_hit_rate > 0
+
+
+def test_a_sampled_request_with_fewer_drafts_verified_last_in_the_batch():
+    """The batch's rounds are as long as its longest: a sequence with fewer drafts, verified after one with more,
+    repeats its own last row (its rows end the logits), and samples as it does alone."""
+    from infer.core.interfaces import Proposal
+
+    e = engine(proposer="ngram", num_speculative_tokens=3)
+    e.spec.proposer.propose = lambda seqs, k: Proposal({seq.seq_id: [seq.token_ids[-1]] * k for seq in seqs})
+    short = SamplingParams(max_tokens=4, temperature=0.8, seed=9, ignore_eos=True)
+    alone = e.generate([PROMPTS[3]], short)[0].outputs[0].token_ids
+    beside = e.generate([PROMPTS[0], PROMPTS[3]], [SamplingParams(max_tokens=12, temperature=0.8, seed=1), short])
+    assert beside[1].outputs[0].token_ids == alone and e.stats.spec_proposed > 0
+
+
+def test_the_proposer_hears_how_many_of_its_drafts_were_accepted():
+    """``Proposer.on_verified(seq, m)``: m is the number of leading drafts equal to the target's own greedy tokens
+    (a proposer keeping state, a draft's KV say, rolls back the rest)."""
+    e = engine(proposer="draft-model", num_speculative_tokens=4)
+    proposer, rounds, pending = e.spec.proposer, [], {}
+    propose, on_verified = proposer.propose, proposer.on_verified
+
+    def recording_propose(seqs, k):
+        proposal = propose(seqs, k)
+        pending.update({seq.seq_id: (seq.num_tokens, proposal.token_ids.get(seq.seq_id, [])) for seq in seqs})
+        return proposal
+
+    def recording_on_verified(seq, m):
+        rounds.append((*pending[seq.seq_id], m))
+        on_verified(seq, m)
+
+    proposer.propose, proposer.on_verified = recording_propose, recording_on_verified
+    prompt = e.tokenize(PROMPTS[0])
+    out = e.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    full = prompt + engine().generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert out == full[len(prompt):]
+
+    def agreeing(start, drafts):
+        return next((j for j, t in enumerate(drafts) if t != full[start + j]), len(drafts))
+
+    assert any(0 < m < len(drafts) for _, drafts, m in rounds)
+    assert all(m == agreeing(start, drafts) for start, drafts, m in rounds), rounds

@@ -471,3 +471,24 @@ def test_train_pair_writes_a_pair_that_speculates_exactly(tmp_path):
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in plain]
     assert spec.engine.stats.spec_proposed > 0
+
+
+def test_draft_probabilities_with_a_negative_value_are_improper_even_when_they_sum_to_one():
+    from infer.spec_decode.rejection import describe_improper, improper_drafts
+
+    q = torch.tensor([[[0.5, 0.5, 0.0, 0.0], [1.2, -0.2, 0.0, 0.0]],
+                      [[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]])
+    draft = torch.tensor([[0, 0], [1, 3]])
+    assert improper_drafts(q, draft, torch.tensor([2, 2])).tolist() == [True, False]
+    assert improper_drafts(q, draft, torch.tensor([1, 2])).tolist() == [False, False]  # padding is not judged
+    assert describe_improper(q[0], [0, 0]) == "draft 1's probabilities hold negative values (down to -0.2)"
+
+
+def test_a_rejection_where_q_covers_p_up_to_rounding_resamples_from_p():
+    """q within the sum tolerance of 1 may exceed p everywhere: max(0, p - q) is then all zero, and the token after
+    a rejection is drawn from p itself (here the exponential race favours token 1), not read off a zero row."""
+    p = torch.tensor([[[0.5, 0.5], [0.5, 0.5]]])
+    q = torch.tensor([[[0.505, 0.505]]])
+    out = rejection_sample(p, q, torch.tensor([[0]]), torch.tensor([1]), torch.tensor([[0.999]]),
+                           torch.tensor([[1.0, 0.5]]))
+    assert out.num_accepted.tolist() == [0] and out.next_token.tolist() == [1]
