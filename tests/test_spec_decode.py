@@ -284,7 +284,8 @@ class StepLog:
 @pytest.mark.parametrize("cut_by", ["stop token", "stop string"])
 def test_acceptance_counts_only_drafts_that_reach_the_output(cut_by):
     """A stop on the first of several accepted drafts: the round's other drafts and its bonus token are not output,
-    so neither the request's spec_accepted nor the engine's spec_emitted counts them."""
+    so neither the request's spec_accepted nor the engine's spec_emitted counts them; the step's
+    num_accepted_tokens still says what the verification accepted."""
     def run(prompt: str, params: SamplingParams) -> tuple[Engine, list[int], dict, list[tuple[int, int]]]:
         log, plugins = StepLog(), PluginManager.from_entry_points()
         plugins.register(log, name="step-log")
@@ -313,8 +314,10 @@ def test_acceptance_counts_only_drafts_that_reach_the_output(cut_by):
     reference = run(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))[1]
     earlier = [(d, a) for d, a in rounds[:step] if d]
     stop = dict(stop_token_ids=[first_draft]) if cut_by == "stop token" else dict(stop=[text])
-    e, tokens, metrics, _ = run(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, **stop))
+    e, tokens, metrics, cut_rounds = run(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True,
+                                                               **stop))
     assert tokens == reference[: start + 1]
+    assert cut_rounds[step] == rounds[step]  # StepStats: what the verification accepted, the stop's cut aside
     assert metrics["spec_accepted"] == e.stats.spec_accepted == sum(a for _, a in earlier) + 1
     assert e.stats.spec_emitted == sum(a + 1 for _, a in earlier) + 1
 
