@@ -731,3 +731,24 @@ def test_the_proposer_hears_how_many_of_its_drafts_were_accepted():
 
     assert any(0 < m < len(drafts) for _, drafts, m in rounds)
     assert all(m == agreeing(start, drafts) for start, drafts, m in rounds), rounds
+
+
+def test_a_one_token_chunk_of_a_recompute_gets_no_drafts():
+    """A preempted sequence recomputed in chunks may get a one-token chunk mid-context (the step's budget left
+    one): like a decode it has outputs and one new token, but it samples nothing, so no draft may follow it."""
+    from infer.core.interfaces import ScheduledSequence, SchedulerOutput
+    from infer.core.request import Sequence
+
+    e = engine(proposer="ngram", num_speculative_tokens=3, scheduler="chunked-prefill")
+    prompt = e.tokenize(PROMPTS[1])
+    seq = Sequence(0, "r", prompt, GREEDY, 0.0, token_ids=prompt + prompt[:4])  # the ngram finds these 4 earlier
+
+    def drafts_at(computed: int) -> list[int]:
+        seq.num_computed_tokens = computed
+        out = SchedulerOutput([ScheduledSequence(seq, 1)])
+        e.spec.propose(out)
+        e.kv.free(seq)
+        return out.scheduled[0].draft_token_ids
+
+    assert drafts_at(seq.num_tokens - 1) == prompt[4:7]  # at its last token it drafts
+    assert drafts_at(len(prompt)) == []
