@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ log = logging.getLogger("infer")
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+DECODER_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # HF's name of a decoder layer's tensors
 
 
 @dataclass
@@ -215,8 +217,7 @@ class WeightStream:
                             self.progress(done + read, total)
             except SafetensorError as exc:
                 self.current = None  # the message names the file
-                raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); a partial download or "
-                                      "copy leaves such a file: fetch it again") from exc
+                raise unreadable(file, exc) from exc
             done += size
             if self.progress is not None:
                 self.progress(done, total)
@@ -230,6 +231,34 @@ class WeightStream:
             "; without model.safetensors.index.json infer reads every *.safetensors file in the folder, so move a "
             "file that is not part of the checkpoint out of it")
         return CheckpointError(f"{exc} (in {self.current.name}{unindexed})")
+
+
+def unreadable(file: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"{file} is not a readable safetensors file ({exc}); a partial download or copy leaves "
+                           "such a file: fetch it again")
+
+
+def check_layer_count(raw: dict[str, Any], files: list[Path]) -> None:
+    """config.json's num_hidden_layers against the decoder layers the weights hold (``model.layers.N.`` names, read
+    from the files' headers), before the model is built: a count past them built every missing layer first (minutes
+    for an absurd one, or a "does not fit" refusal for a model that would) before the load named missing tensors.
+    Weights named otherwise are not checked here."""
+    from safetensors import SafetensorError, safe_open
+
+    stated = raw.get("num_hidden_layers")
+    if not isinstance(stated, int) or isinstance(stated, bool):
+        return
+    last = -1
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                last = max([last] + [int(m.group(1)) for name in f.keys() if (m := DECODER_LAYER.match(name))])
+        except SafetensorError as exc:
+            raise unreadable(file, exc) from exc
+    if 0 <= last < stated - 1:
+        raise CheckpointError(f"config.json has num_hidden_layers {stated}, but the weights hold decoder layers 0 to "
+                              f"{last} only (model.layers.N.*); correct num_hidden_layers, or fetch the checkpoint "
+                              "again if some of its files are missing")
 
 
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken",
@@ -395,6 +424,7 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path, progres
                               "checkpoint in one of those formats, or install a plugin for it")
     quant_name = config.quant or declared
     quant = plugins.build("quant_method", quant_name, QuantMethod, config, quant_config) if quant_name else None
+    check_layer_count(raw, files)
     too_large = ("the model does not fit: use a quantized checkpoint or quantize it as it loads (--quant awq: about "
                  "a quarter of its 16-bit size, --quant fp8: a half), a smaller model, or a device with more memory "
                  "(other processes on the GPU, shown by nvidia-smi, take their share)")

@@ -319,15 +319,31 @@ def test_weights_past_the_hosts_available_memory_are_refused_before_loading(llam
     (read independently, conftest): loading would have been killed part-way. Refused before any weight is read."""
     from infer.core.errors import CapacityError
 
-    layers, hidden = 4, json.loads((llama / "config.json").read_text())["hidden_size"]
+    raw = json.loads((llama / "config.json").read_text())
+    layers, hidden = raw["num_hidden_layers"], raw["hidden_size"]
     intermediate = int(1.5 * mem_available / (3 * layers * hidden * 4))  # gate, up, down of every layer, float32
-    path = copy_of(llama, tmp_path / "m", {"num_hidden_layers": layers, "intermediate_size": intermediate})
+    path = copy_of(llama, tmp_path / "m", {"intermediate_size": intermediate})
     with pytest.raises(CapacityError) as info:
         LLM(model=str(path), device="cpu", dtype="float32")
     message = str(info.value)
     needed = float(message.partition("the model's weights need ")[2].partition(" GiB")[0])
     assert needed == pytest.approx(3 * layers * hidden * intermediate * 4 / 2**30, rel=0.01)
     assert f"num_hidden_layers {layers}, hidden_size {hidden}" in message and "GiB of memory this machine" in message
+
+
+@pytest.mark.parametrize("stated", [3, 2_000_000])
+def test_num_hidden_layers_past_the_checkpoints_layers_is_refused_before_the_model_is_built(llama, tmp_path, stated):
+    """The 2-layer checkpoint with a config.json that says more: refused from the weight files' names, before
+    building the layers (two million of them would take hours) or loading any weight, as HF's load would be told
+    by its missing tensors (it random-initializes them with a warning)."""
+    from safetensors import safe_open
+
+    with safe_open(str(llama / "model.safetensors"), "pt") as f:
+        last = max(int(name.split(".")[2]) for name in f.keys() if name.startswith("model.layers."))
+    path = copy_of(llama, tmp_path / "m", {"num_hidden_layers": stated})
+    assert load_error(path) == (f"config.json has num_hidden_layers {stated}, but the weights hold decoder layers "
+                                f"0 to {last} only (model.layers.N.*); correct num_hidden_layers, or fetch the "
+                                "checkpoint again if some of its files are missing")
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
