@@ -19,7 +19,8 @@ from infer.core.errors import InvalidRequestError
 from infer.core.interfaces import Vocabulary
 from infer.core.loader import load_tokenizer
 from infer.core.request import StructuredOutput
-from infer.plugins.fsm_output import MAX_FORCED_CHARS, FsmBackend, FsmMatcher, code_points, step
+from infer.plugins.fsm_output import MAX_FORCED_CHARS, FsmBackend, FsmMatcher, code_points, split_utf8, step
+from infer.plugins.regex_fsm import DEAD
 from test_structured_output import readable
 
 
@@ -203,3 +204,62 @@ def test_forced_text_stops_inside_a_character_at_a_class_and_after_the_end(backe
     assert matcher.forced_text() == ""
     long = backend.compile(StructuredOutput(regex="a" * 100)).matcher()
     assert long.forced_text() == "a" * MAX_FORCED_CHARS
+
+
+@pytest.mark.parametrize("pattern, prefix", [(".{0,3}", b""), (".{0,3}", b"\xc3"), ("(a|é)+", b"a\xc3"),
+                                             ("[0-9]+x?", b"12")])
+def test_advance_takes_exactly_the_tokens_the_mask_allows(backend: FsmBackend, pattern: str, prefix: bytes) -> None:
+    """From a state, and mid-character, a matcher's advance succeeds for every token its mask allows (EOS too) and
+    raises ValueError for every other id, a lone continuation byte or EOS inside a character included."""
+    grammar = backend.compile(StructuredOutput(regex=pattern))
+    table = backend.index.table
+    matcher = grammar.matcher()
+    for byte in prefix:
+        matcher.advance(table.index(bytes((byte,))))
+    mask = matcher.allowed()
+    assert set(torch.nonzero(mask).flatten().tolist()) == oracle(backend, pattern, prefix)
+    for token in range(backend.vocabulary.size):
+        walker = matcher.copy()
+        try:
+            walker.advance(token)
+        except ValueError:
+            assert not mask[token], (token, table[token])
+        else:
+            assert mask[token], (token, table[token])
+
+
+def test_a_vocabulary_wider_than_the_tokenizer_never_allows_the_ids_past_it(tokenizer: object) -> None:
+    """Logits may be wider than the tokenizer (a padded embedding): masks span the logits' width, the ids past the
+    tokenizer are never allowed, and advancing one is refused like any other disallowed token."""
+    size = len(tokenizer)
+    wide = FsmBackend(Vocabulary(tokenizer, size + 8, frozenset({tokenizer.eos_token_id}), torch.device("cpu")))
+    matcher = wide.compile(StructuredOutput(regex=".*")).matcher()
+    mask = matcher.allowed()
+    assert mask.shape == (size + 8,) and mask[:size].any() and not mask[size:].any()
+    for token in range(size, size + 8):
+        with pytest.raises(ValueError, match="not allowed"):
+            matcher.copy().advance(token)
+
+
+def test_choices_with_regex_metacharacters_match_only_themselves(backend: FsmBackend) -> None:
+    choices = ("a.b", "1+1", "(x)", "[y]", "c|d", "e*", "^$")
+    grammar = backend.compile(StructuredOutput(choice=choices))
+    automaton = grammar.automaton
+    for text in (*choices, "axb", "11", "111", "x", "y", "c", "d", "", "eee", "c|"):
+        state = automaton.start
+        for char in text:
+            state = automaton.step(state, ord(char)) if state != DEAD else DEAD
+        assert (state != DEAD and automaton.accepting(state)) == (text in choices), text
+
+
+def test_split_utf8_equals_decoding_each_cut_of_encoded_text() -> None:
+    """Every cut of text mixing 1- to 4-byte characters: the whole characters before it and the bytes of the one it
+    splits; None for bytes that start inside a character or are not UTF-8."""
+    text = "aé日😀bü語🎉"
+    encoded = text.encode("utf-8")
+    starts = [len(text[:i].encode("utf-8")) for i in range(len(text) + 1)]
+    for cut in range(len(encoded) + 1):
+        whole = max(s for s in starts if s <= cut)
+        assert split_utf8(encoded[:cut]) == ([ord(c) for c in encoded[:whole].decode("utf-8")], encoded[whole:cut])
+    for data in (b"\x80", b"\xa9a", b"\xc0\x80", b"a\xff", b"\xe6\x97\xa5\x80"):
+        assert split_utf8(data) is None, data

@@ -402,3 +402,143 @@ def test_an_empty_regex_allows_only_eos_and_a_schema_that_is_not_json_is_refused
     assert out.outputs[0].token_ids[-1] in engine.eos_token_ids
     with pytest.raises(InvalidRequestError, match="not JSON"):
         engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(json_schema={"enum": {1}})))
+
+
+def counting_engine(path: Path, compiled: list[StructuredOutput], **options: Any) -> Engine:
+    """An engine whose fsm backend records each spec it compiles in ``compiled``."""
+    from infer.core.hookspecs import hookimpl
+    from infer.core.plugins import PluginManager
+    from infer.plugins.fsm_output import FsmBackend
+
+    class Counting(FsmBackend):
+        def compile(self, spec: StructuredOutput):  # type: ignore[no-untyped-def]
+            compiled.append(spec)
+            return super().compile(spec)
+
+    class Plugin:
+        @hookimpl
+        def register_structured_output_backends(self, register: Any) -> None:
+            register("counting", lambda config, vocabulary: Counting(vocabulary))
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name="counting-backend")
+    return Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, structured_output_backend="counting",
+                               **options), plugins)
+
+
+def test_the_grammar_cache_keeps_the_most_recently_used_specs(path: Path) -> None:
+    """CACHED_GRAMMARS finished specs stay compiled; past that, the least recently used is dropped, not the oldest."""
+    from infer.core.structured_output import CACHED_GRAMMARS
+
+    compiled: list[StructuredOutput] = []
+    engine = counting_engine(path, compiled, max_num_seqs=4)
+    specs = [StructuredOutput(regex=f"x{i}y") for i in range(CACHED_GRAMMARS + 1)]
+
+    def run(*chosen: StructuredOutput) -> None:
+        engine.generate([PROMPT] * len(chosen), [SamplingParams(max_tokens=1, structured_output=s) for s in chosen])
+
+    run(*specs[:CACHED_GRAMMARS])
+    run(specs[0])
+    assert compiled == specs[:CACHED_GRAMMARS]
+    run(specs[CACHED_GRAMMARS])
+    run(specs[0])
+    assert compiled == specs
+    run(specs[1])
+    assert compiled == specs + [specs[1]]
+
+
+def test_finished_sequences_leave_no_structured_state(thinking_model: Path, tmp_path: Path) -> None:
+    """A chat under a reasoning parser (thinking off), with jump-forward drafts: once its sequences finish, no
+    per-sequence matcher, count, copy answer or reasoning gate is left behind."""
+    from infer import ChatPrompt
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{%- endfor %}<|assistant|>\n"
+                        "<think>\n\n</think>\n\n")
+    engine = Engine(EngineConfig(model=str(thinking_model), device="cpu", num_kv_blocks=64, chat_template=str(template),
+                                 reasoning_parser="qwen3", proposer="jump-forward", num_speculative_tokens=2))
+    spec = StructuredOutput(regex="[a-z] is a long answer")
+    [out] = engine.generate([ChatPrompt.of([{"role": "user", "content": "hi"}])],
+                            SamplingParams(max_tokens=12, temperature=0, n=2, structured_output=spec))
+    assert engine.stats.spec_proposed > 0 and out.finished
+    structured = engine.structured
+    assert (structured.matchers, structured.taken, structured.walkable, structured.gates) == ({}, {}, {}, {})
+
+
+def test_a_backend_whose_bool_mask_has_the_wrong_width_is_named(path: Path) -> None:
+    """A bool mask narrower than the vocabulary breaks the contract as a float one does: a PluginError naming the
+    backend, before any logits are masked."""
+    from infer.core.errors import PluginError
+    from infer.core.hookspecs import hookimpl
+    from infer.core.interfaces import Grammar, GrammarMatcher, StructuredOutputBackend
+    from infer.core.plugins import PluginManager
+
+    class Narrow(GrammarMatcher):
+        def allowed(self) -> torch.Tensor:
+            return torch.ones(3, dtype=torch.bool)
+
+        def advance(self, token_id: int) -> None:
+            pass
+
+    class Compiled(Grammar):
+        def matcher(self) -> GrammarMatcher:
+            return Narrow()
+
+    class Backend(StructuredOutputBackend):
+        def compile(self, spec: StructuredOutput) -> Grammar:
+            return Compiled()
+
+    class Plugin:
+        @hookimpl
+        def register_structured_output_backends(self, register: Any) -> None:
+            register("narrow", lambda config, vocabulary: Backend())
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name="narrow-backend")
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, structured_output_backend="narrow"),
+                    plugins)
+    with pytest.raises(PluginError, match=r"'narrow'.*shape \(3,\), not bool"):
+        engine.generate([PROMPT], SamplingParams(max_tokens=2, structured_output=StructuredOutput(regex="a")))
+
+
+def fsm_structured_outputs(engine: Engine) -> Any:
+    """The engine's StructuredOutputs over a fresh fsm backend of its vocabulary, apart from the engine."""
+    from infer.core.interfaces import Vocabulary
+    from infer.core.structured_output import StructuredOutputs
+    from infer.plugins.fsm_output import FsmBackend
+
+    size = engine.loaded.model.spec.vocab_size
+    vocabulary = Vocabulary(engine.tokenizer, size, engine.eos_token_ids, torch.device("cpu"))
+    return StructuredOutputs(lambda: FsmBackend(vocabulary), "fsm", size)
+
+
+def structured_sequence(engine: Engine, structured: Any, spec: StructuredOutput, max_tokens: int) -> Any:
+    from infer.core.request import Sequence
+
+    structured.admit(spec)
+    return Sequence(0, "r", list(PROMPT), SamplingParams(max_tokens=max_tokens, structured_output=spec), 0.0,
+                    eos_token_ids=engine.eos_token_ids)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_a_draft_walk_verifies_no_draft_past_the_length_limit(engine: Engine, max_tokens: int) -> None:
+    """walk_drafts stops at the draft that reaches max_tokens (its sequence stops there), so at most
+    max_tokens - num_output_tokens drafts are worth verifying; within the limit, every draft the grammar allows is."""
+    structured = fsm_structured_outputs(engine)
+    seq = structured_sequence(engine, structured, StructuredOutput(regex="abcd"), max_tokens)
+    drafts = [engine.tokenizer.convert_tokens_to_ids(c) for c in "abcd"]
+    walk = structured.walk_drafts(seq, drafts)
+    assert walk.verified == min(max_tokens, len(drafts)) and not walk.refused
+
+
+@pytest.mark.parametrize("max_tokens, stop", [(9, "eos"), (2, "b")])
+def test_a_draft_guide_forces_no_text_past_a_stop(engine: Engine, max_tokens: int, stop: str) -> None:
+    """A proposer drafting under draft_guide: the grammar forces "bcd" after "a", but once a draft stops the
+    sequence (EOS, or the token that reaches max_tokens) no text follows, so none is forced."""
+    structured = fsm_structured_outputs(engine)
+    seq = structured_sequence(engine, structured, StructuredOutput(regex="abcd"), max_tokens)
+    guide = structured.draft_guide(seq)
+    guide.advance(engine.tokenizer.convert_tokens_to_ids("a"))
+    assert guide.forced_text() == "bcd"
+    guide.advance(min(engine.eos_token_ids) if stop == "eos" else engine.tokenizer.convert_tokens_to_ids(stop))
+    assert guide.forced_text() == ""
