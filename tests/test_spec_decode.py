@@ -281,11 +281,12 @@ class StepLog:
         self.rounds.append((stats.num_draft_tokens, stats.num_accepted_tokens))
 
 
-@pytest.mark.parametrize("cut_by", ["stop token", "stop string"])
+@pytest.mark.parametrize("cut_by", ["stop token", "stop string", "both"])
 def test_acceptance_counts_only_drafts_that_reach_the_output(cut_by):
     """A stop on the first of several accepted drafts: the round's other drafts and its bonus token are not output,
     so neither the request's spec_accepted nor the engine's spec_emitted counts them; the step's
-    num_accepted_tokens still says what the verification accepted."""
+    num_accepted_tokens still says what the verification accepted. "both": a stop token on the second draft cuts
+    the round first, then a stop string on the first drops the second from the output."""
     def run(prompt: str, params: SamplingParams) -> tuple[Engine, list[int], dict, list[tuple[int, int]]]:
         log, plugins = StepLog(), PluginManager.from_entry_points()
         plugins.register(log, name="step-log")
@@ -295,25 +296,28 @@ def test_acceptance_counts_only_drafts_that_reach_the_output(cut_by):
         return e, out.outputs[0].token_ids, out.metrics, log.rounds
 
     def cut_round(prompt: str) -> tuple[int, int, int, str, list[tuple[int, int]]] | None:
-        """(step, output index, first draft, its text, steps) of a round whose two or more accepted drafts start
-        with a token, and a text, new to the output."""
+        """(step, output index, first draft, its text, steps) of a round whose two or more accepted drafts (three
+        for "both", the second new to the output too) start with a token, and a text, new to the output."""
         first, reference, _, rounds = run(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
         start = 0  # output index of each step's first token
         for step, (drafts, accepted) in enumerate(rounds):
-            if drafts and accepted >= 2 and start < len(reference):
+            if drafts and accepted >= 2 + (cut_by == "both") and start < len(reference):
                 token, before = reference[start], first.tokenizer.decode(reference[:start])
                 text = first.tokenizer.decode([token])
-                if token not in reference[:start] and text.strip() and (before + text).find(text) == len(before):
+                second_new = cut_by != "both" or reference[start + 1] not in reference[: start + 1]
+                if token not in reference[:start] and text.strip() and (before + text).find(text) == len(before) \
+                        and second_new:
                     return step, start, token, text, rounds
             start += accepted + 1 if drafts else 1
         return None
 
     found = next(((prompt, cut) for prompt in PROMPTS if (cut := cut_round(prompt)) is not None), None)
-    assert found is not None, "no round with two accepted drafts whose first token is new to the output"
+    assert found is not None, "no round with enough accepted drafts whose first token is new to the output"
     prompt, (step, start, first_draft, text, rounds) = found
     reference = run(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))[1]
     earlier = [(d, a) for d, a in rounds[:step] if d]
-    stop = dict(stop_token_ids=[first_draft]) if cut_by == "stop token" else dict(stop=[text])
+    stop = {"stop token": dict(stop_token_ids=[first_draft]), "stop string": dict(stop=[text]),
+            "both": dict(stop_token_ids=[reference[start + 1]], stop=[text])}[cut_by]
     e, tokens, metrics, cut_rounds = run(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True,
                                                                **stop))
     assert tokens == reference[: start + 1]
