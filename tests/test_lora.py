@@ -300,6 +300,10 @@ BAD_ADAPTERS = {
     "dora": ({"use_dora": True}, None, "does not serve DoRA"),
     "bias": ({"bias": "all"}, None, "without biases"),
     "rank": ({"r": 5}, None, "with r = 5 they must be"),
+    "rank-zero": ({"r": 0}, None, r"r = 0; it must be an integer in \[1, "),
+    "rank-above-the-largest": ({"r": 513}, None, r"r = 513; it must be an integer in \[1, 512\]"),
+    "rank-of-one-half": ({}, lambda w: {n: t[:-1].contiguous() if "layers.0.self_attn.q_proj.lora_A" in n else t
+                                        for n, t in w.items()}, r"q_proj has lora_A \(3, .* with r = 4 they must be"),
     "rank-pattern": ({"rank_pattern": {"q_proj": 2}}, None, "per-module ranks"),
     "not-lora": ({"peft_type": "IA3"}, None, "LORA adapters only"),
     "pissa": ({"init_lora_weights": "pissa_niter_4"}, None, "path_initial_model_for_weight_conversion"),
@@ -310,6 +314,8 @@ BAD_ADAPTERS = {
              "q_proj has lora_A but not its other half"),
     "shape": ({}, lambda w: {n: t[:, :-1].contiguous() if "q_proj.lora_A" in n else t for n, t in w.items()},
               "was the adapter trained on this base model"),
+    "shape-of-b": ({}, lambda w: {n: t[:-1].contiguous() if "q_proj.lora_B" in n else t for n, t in w.items()},
+                   r"q_proj has lora_A .* and lora_B \(63, 4\), but the layer maps"),
     "bdlora": ({"use_bdlora": {"target_modules_bd_a": ["o_proj"], "nblocks": 2}}, None, "block-diagonal LoRA"),
     "kasa": ({"kasa_config": {"rank": 4}}, None, r"KaSA adapters \(kasa_config\), which also change the base"),
     "monteclora": ({"monteclora_config": {"n_experts": 2}}, None, r"MonteCLoRA adapters \(monteclora_config\)"),
@@ -724,3 +730,67 @@ def test_runtime_loads_that_cannot_be_served_are_refused(checkpoint, adapters) -
                                       "--max-lora-rank", "4", "--lora", f"qv={adapters['qv'].folder}", "generate", "x"])
     assert small.exit_code == 2 and "LoRA adapter 'qv' has rank 8, above --max-lora-rank 4; raise --max-lora-rank " \
         "to 8" in small.output, small.output
+
+
+def test_an_adapter_config_without_lora_alpha_scales_as_peft_reads_it(checkpoint, adapters, tmp_path) -> None:
+    """A config without lora_alpha (hand-written, or an older PEFT's): PEFT reads it with LoraConfig's default."""
+    base, folder = checkpoint("llama"), rewrite(adapters["all"], tmp_path / "no-alpha")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    reference = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), str(folder)).eval()
+    engine = engine_for(base, {"no-alpha": types.SimpleNamespace(folder=folder)})
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3,
+                                                  lora_adapter="no-alpha"))
+    for prompt, result in zip(PROMPTS, out):
+        expected, first = peft_greedy(reference, prompt, 6)
+        assert result.outputs[0].token_ids == expected
+        for token, logprob in result.outputs[0].logprobs[0].items():
+            assert logprob == pytest.approx(float(first[token]), abs=1e-4)
+
+
+def test_an_adapter_loaded_into_a_freed_slot_keeps_nothing_of_the_one_before(checkpoint, adapters) -> None:
+    """qv (q and v only, rank 8) into the slot all (every projection, rank 4) left, then all into qv's: neither
+    gets the other's modules or rank rows."""
+    engine = engine_for(checkpoint("llama"), {"all": adapters["all"]}, max_lora_adapters=2)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for old, new in [("all", "qv"), ("qv", "all")]:
+        engine.unload_lora_adapter(old)
+        engine.load_lora_adapter(new, adapters[new].folder)
+        out = engine.generate(PROMPTS, dataclasses.replace(greedy, lora_adapter=new))
+        assert tokens(out) == [adapters[new].greedy(prompt, 6)[0] for prompt in PROMPTS], new
+
+
+def test_an_adapter_read_under_one_name_is_not_loaded_under_another(checkpoint, adapters) -> None:
+    from infer.models.lora import read_adapter
+
+    engine = engine_for(checkpoint("llama"), {}, max_lora_adapters=2)
+    with pytest.raises(InvalidRequestError, match="the adapter read as 'qv' cannot be loaded as 'other'"):
+        engine.load_lora_adapter("other", read_adapter("qv", adapters["qv"].folder))
+    assert engine.lora_adapters == []
+
+
+def test_an_adapter_on_some_parts_of_a_fused_projection_equals_peft(checkpoint, adapters) -> None:
+    """No spare slot, so only the adapted modules get room: qv adapts q and v of the merged q/k/v projection."""
+    engine = engine_for(checkpoint("llama"), {"qv": adapters["qv"]}, fuse_projections=True)
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_adapter="qv"))
+    assert tokens(out) == [adapters["qv"].greedy(prompt, 6)[0] for prompt in PROMPTS]
+
+
+def test_an_adapter_loaded_where_one_overflowed_leaves_no_trace_of_it(checkpoint, adapters, tmp_path) -> None:
+    """float16: an adapter loaded into the slot of one whose x @ A overflows, on modules the new one does not adapt,
+    equals it loaded into a fresh engine (stale A rows times the new zero B would be inf * 0, NaN)."""
+    loud = rewrite(adapters["all"], tmp_path / "loud", None,
+                   lambda w: {n: t * 2e4 / t.abs().max() if "layers.0.self_attn.q_proj.lora_A" in n else t
+                              for n, t in w.items()})
+    v_only = rewrite(adapters["qv"], tmp_path / "v-only", None, lambda w: {n: t for n, t in w.items() if "v_proj" in n})
+    base, options = checkpoint("llama"), dict(dtype="float16", enable_prefix_caching=False, max_lora_adapters=2)
+    fresh = engine_for(base, {"v": types.SimpleNamespace(folder=v_only)}, **options)
+    reused = engine_for(base, {"loud": types.SimpleNamespace(folder=loud)}, **options)
+    reused.unload_lora_adapter("loud")
+    reused.load_lora_adapter("v", v_only)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1, lora_adapter="v")
+    want, got = fresh.generate(PROMPTS, params), reused.generate(PROMPTS, params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got] == \
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in want]
