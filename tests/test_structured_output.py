@@ -297,25 +297,35 @@ def test_generate_regex_choice_and_json_schema_options(path: Path, tmp_path: Pat
 
 
 def test_a_backend_that_breaks_its_contract_is_named(path: Path) -> None:
+    """A compile result that is no Grammar, a float mask, and a bool mask narrower than the vocabulary: each a
+    PluginError naming the backend, before any logits are masked."""
     from infer.core.errors import PluginError
     from infer.core.hookspecs import hookimpl
     from infer.core.interfaces import Grammar, GrammarMatcher, StructuredOutputBackend
     from infer.core.plugins import PluginManager
 
+    masks = {"float": torch.ones(3), "narrow": torch.ones(3, dtype=torch.bool)}
+
     class WrongMask(GrammarMatcher):
+        def __init__(self, mask: torch.Tensor) -> None:
+            self.mask = mask
+
         def allowed(self) -> torch.Tensor:
-            return torch.ones(3)
+            return self.mask
 
         def advance(self, token_id: int) -> None:
             pass
 
     class Compiled(Grammar):
+        def __init__(self, mask: torch.Tensor) -> None:
+            self.mask = mask
+
         def matcher(self) -> GrammarMatcher:
-            return WrongMask()
+            return WrongMask(self.mask)
 
     class Broken(StructuredOutputBackend):
         def compile(self, spec: StructuredOutput) -> Grammar:
-            return Compiled() if spec.regex == "grammar" else "not a grammar"  # type: ignore[return-value]
+            return Compiled(masks[spec.regex]) if spec.regex in masks else "not a grammar"  # type: ignore[return-value]
 
     class Plugin:
         @hookimpl
@@ -329,7 +339,9 @@ def test_a_backend_that_breaks_its_contract_is_named(path: Path) -> None:
     with pytest.raises(PluginError, match="'broken'.*not a Grammar"):
         engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(regex="x")))
     with pytest.raises(PluginError, match="'broken'.*bool"):
-        engine.generate([PROMPT], SamplingParams(structured_output=StructuredOutput(regex="grammar")))
+        engine.generate([PROMPT], SamplingParams(structured_output=StructuredOutput(regex="float")))
+    with pytest.raises(PluginError, match=r"'broken'.*shape \(3,\), not bool"):
+        engine.generate([PROMPT], SamplingParams(structured_output=StructuredOutput(regex="narrow")))
 
 
 def test_an_allow_list_without_the_backend_still_runs_plain_requests(path: Path) -> None:
@@ -344,14 +356,11 @@ def test_an_allow_list_without_the_backend_still_runs_plain_requests(path: Path)
         engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(regex="a")))
 
 
-def test_a_live_request_keeps_its_grammar_past_the_cache(path: Path) -> None:
-    """More distinct specs queued than the grammar cache holds: each is compiled once, at admission."""
+def counting_engine(path: Path, compiled: list[StructuredOutput], **options: Any) -> Engine:
+    """An engine whose fsm backend records each spec it compiles in ``compiled``."""
     from infer.core.hookspecs import hookimpl
     from infer.core.plugins import PluginManager
-    from infer.core.structured_output import CACHED_GRAMMARS
     from infer.plugins.fsm_output import FsmBackend
-
-    compiled: list[StructuredOutput] = []
 
     class Counting(FsmBackend):
         def compile(self, spec: StructuredOutput):  # type: ignore[no-untyped-def]
@@ -365,8 +374,16 @@ def test_a_live_request_keeps_its_grammar_past_the_cache(path: Path) -> None:
 
     plugins = PluginManager.from_entry_points()
     plugins.register(Plugin(), name="counting-backend")
-    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, max_num_seqs=4,
-                                 structured_output_backend="counting"), plugins)
+    return Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, structured_output_backend="counting",
+                               **options), plugins)
+
+
+def test_a_live_request_keeps_its_grammar_past_the_cache(path: Path) -> None:
+    """More distinct specs queued than the grammar cache holds: each is compiled once, at admission."""
+    from infer.core.structured_output import CACHED_GRAMMARS
+
+    compiled: list[StructuredOutput] = []
+    engine = counting_engine(path, compiled, max_num_seqs=4)
     specs = [StructuredOutput(regex=f"x{i}y") for i in range(CACHED_GRAMMARS + 16)]
     outs = engine.generate([PROMPT] * len(specs), [SamplingParams(max_tokens=8, structured_output=s) for s in specs])
     assert len(compiled) == len(specs) and not engine.structured.pinned
@@ -402,28 +419,6 @@ def test_an_empty_regex_allows_only_eos_and_a_schema_that_is_not_json_is_refused
     assert out.outputs[0].token_ids[-1] in engine.eos_token_ids
     with pytest.raises(InvalidRequestError, match="not JSON"):
         engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(json_schema={"enum": {1}})))
-
-
-def counting_engine(path: Path, compiled: list[StructuredOutput], **options: Any) -> Engine:
-    """An engine whose fsm backend records each spec it compiles in ``compiled``."""
-    from infer.core.hookspecs import hookimpl
-    from infer.core.plugins import PluginManager
-    from infer.plugins.fsm_output import FsmBackend
-
-    class Counting(FsmBackend):
-        def compile(self, spec: StructuredOutput):  # type: ignore[no-untyped-def]
-            compiled.append(spec)
-            return super().compile(spec)
-
-    class Plugin:
-        @hookimpl
-        def register_structured_output_backends(self, register: Any) -> None:
-            register("counting", lambda config, vocabulary: Counting(vocabulary))
-
-    plugins = PluginManager.from_entry_points()
-    plugins.register(Plugin(), name="counting-backend")
-    return Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, structured_output_backend="counting",
-                               **options), plugins)
 
 
 def test_the_grammar_cache_keeps_the_most_recently_used_specs(path: Path) -> None:
@@ -463,42 +458,6 @@ def test_finished_sequences_leave_no_structured_state(thinking_model: Path, tmp_
     assert engine.stats.spec_proposed > 0 and out.finished
     structured = engine.structured
     assert (structured.matchers, structured.taken, structured.walkable, structured.gates) == ({}, {}, {}, {})
-
-
-def test_a_backend_whose_bool_mask_has_the_wrong_width_is_named(path: Path) -> None:
-    """A bool mask narrower than the vocabulary breaks the contract as a float one does: a PluginError naming the
-    backend, before any logits are masked."""
-    from infer.core.errors import PluginError
-    from infer.core.hookspecs import hookimpl
-    from infer.core.interfaces import Grammar, GrammarMatcher, StructuredOutputBackend
-    from infer.core.plugins import PluginManager
-
-    class Narrow(GrammarMatcher):
-        def allowed(self) -> torch.Tensor:
-            return torch.ones(3, dtype=torch.bool)
-
-        def advance(self, token_id: int) -> None:
-            pass
-
-    class Compiled(Grammar):
-        def matcher(self) -> GrammarMatcher:
-            return Narrow()
-
-    class Backend(StructuredOutputBackend):
-        def compile(self, spec: StructuredOutput) -> Grammar:
-            return Compiled()
-
-    class Plugin:
-        @hookimpl
-        def register_structured_output_backends(self, register: Any) -> None:
-            register("narrow", lambda config, vocabulary: Backend())
-
-    plugins = PluginManager.from_entry_points()
-    plugins.register(Plugin(), name="narrow-backend")
-    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, structured_output_backend="narrow"),
-                    plugins)
-    with pytest.raises(PluginError, match=r"'narrow'.*shape \(3,\), not bool"):
-        engine.generate([PROMPT], SamplingParams(max_tokens=2, structured_output=StructuredOutput(regex="a")))
 
 
 def fsm_structured_outputs(engine: Engine) -> Any:
