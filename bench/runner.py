@@ -127,7 +127,7 @@ class EngineArm:
     def reasons_before_grammar(self, chat: ChatPrompt) -> bool:
         """Whether this engine serves ``chat``'s own structured output after a reasoning block (its reasoning parser
         says where that block ends in the rendered prompt)."""
-        parser = self.engine.reasoning_parser
+        parser = self.engine.intake.reasoning_parser
         return parser is not None and parser.reasoning_end(self.engine.tokenize(chat)) is not None
 
     def keep_structured(self, params: SamplingParams) -> None:

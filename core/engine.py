@@ -113,8 +113,6 @@ class Engine:
         self.interrupts = HeldInterrupts()
         self.forks = PendingForks()  # n > 1 requests whose first sequence has not sampled yet
         self.stats = EngineStats()
-        self.tool_parser = parts.tool_parser  # reads the replies of chats that offer tools (None: text only)
-        self.reasoning_parser = parts.reasoning_parser  # splits chats' replies into reasoning and content (or None)
         self.spec: SpecDecoder | None = None
         if parts.proposer is not None:
             from ..spec_decode.decoder import SpecDecoder
@@ -122,9 +120,11 @@ class Engine:
             self.spec = SpecDecoder(config, parts.proposer, self.kv, self.runner.sampler, self.stats, spec.vocab_size,
                                     self.structured)
         self.blame = Blame(self.plugins, parts.blamed(config))
+        # checks requests and builds their state, numbering the sequences of requests and beam searches; its
+        # tool_parser reads the replies of chats that offer tools, its reasoning_parser splits chats' replies
         self.intake = Intake(checker, self.structured, self.eos_token_ids, self.max_model_len,
-                             self.new_detokenizer, self.tool_parser, self.reasoning_parser, config.reasoning_parser,
-                             self.blame, self._plugin_code)  # numbers the sequences of requests and beam searches
+                             self.new_detokenizer, parts.tool_parser, parts.reasoning_parser, config.reasoning_parser,
+                             self.blame, self._plugin_code)
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
         self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas

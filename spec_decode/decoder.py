@@ -231,8 +231,9 @@ class SpecDecoder:
             else:
                 q[i, :n] = d.probs.to(q.device, q.dtype)
         uniform, noise = self._randoms([d.seq for d in drafts], k, vocab, target.device)
-        return rejection_sample(p, q, draft[rows], counts[rows], uniform, noise), \
-            improper_drafts(q, draft[rows], counts[rows])
+        improper = improper_drafts(q, draft[rows], counts[rows]) if any(d.probs is not None for d in drafts) \
+            else torch.zeros(b, dtype=torch.bool, device=q.device)  # point masses only: nothing to check
+        return rejection_sample(p, q, draft[rows], counts[rows], uniform, noise), improper
 
     def _refuse_probs(self, bad: _Draft) -> None:
         """PluginError for ``bad``'s draft probabilities (read back with the verification, so checking costs no

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+SUM_TOLERANCE = 1e-2  # a draft distribution's sum may be off 1 by this much (low-precision softmax), no more
+
 
 @dataclass
 class Verified:
@@ -41,19 +43,18 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, num_
     return Verified(num_accepted, (residual / noise).argmax(dim=-1))  # exponential race: draws from residual
 
 
-def improper_drafts(q: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor,
-                    tolerance: float = 1e-2) -> torch.Tensor:
+def improper_drafts(q: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
     """[B] bool: the rows whose q_j (j < num_drafts) is no distribution draft x_j can have been drawn from: a
-    value negative or not finite, a sum off 1 by more than ``tolerance``, or q_j(x_j) = 0. Algorithm 1 is exact
+    value negative or not finite, a sum off 1 by more than SUM_TOLERANCE, or q_j(x_j) = 0. Algorithm 1 is exact
     only for the q the drafts came from; another (logits, an unnormalized mask) biases the output silently."""
     k = draft.shape[1]
     valid = torch.arange(k, device=draft.device)[None, :] < num_drafts[:, None]
     q_x = q.gather(2, draft[..., None]).squeeze(2)
-    proper = torch.isfinite(q).all(-1) & (q >= 0).all(-1) & ((q.sum(-1) - 1).abs() <= tolerance) & (q_x > 0)
+    proper = torch.isfinite(q).all(-1) & (q >= 0).all(-1) & ((q.sum(-1) - 1).abs() <= SUM_TOLERANCE) & (q_x > 0)
     return (valid & ~proper).any(dim=1)
 
 
-def describe_improper(q: torch.Tensor, draft: list[int], tolerance: float = 1e-2) -> str:
+def describe_improper(q: torch.Tensor, draft: list[int]) -> str:
     """What is wrong with the first improper row of ``q`` [n, V] (as ``improper_drafts`` judges) for ``draft``."""
     q = q.detach().float().cpu()
     for j, token in enumerate(draft):
@@ -62,7 +63,7 @@ def describe_improper(q: torch.Tensor, draft: list[int], tolerance: float = 1e-2
             return f"draft {j}'s probabilities hold {int((~torch.isfinite(row)).sum())} non-finite value(s)"
         if (row < 0).any():
             return f"draft {j}'s probabilities hold negative values (down to {row.min().item():.4g})"
-        if abs(row.sum().item() - 1) > tolerance:
+        if abs(row.sum().item() - 1) > SUM_TOLERANCE:
             return f"draft {j}'s probabilities sum to {row.sum().item():.4g}, not 1"
         if row[token] <= 0:
             return f"draft {j} is token {token}, to which its probabilities give 0"

@@ -185,7 +185,7 @@ def test_calls_are_cut_out_before_the_reasoning_is_split(thinking_model: Path, t
             break
     else:
         pytest.fail("no bias closes the reasoning early")
-    llm.engine.tool_parser.marker = marker  # the call begins in the content, its text held back
+    llm.engine.intake.tool_parser.marker = marker  # the call begins in the content, its text held back
     want = ThinkReasoningParser(opened_in_prompt=True).split(from_e(out.text, marker).content)
     assert want[0] and want[1] and out.text.find(marker) < len(out.text) - 1
     [out] = llm.engine.generate([prompt], params)[0].outputs
@@ -263,7 +263,7 @@ def test_tags_the_tokenizer_marks_special_are_written_out_where_they_stand(tagge
     opens = tokenizer.convert_tokens_to_ids("<tool_call>")
     llm = LLM(model=str(tagged_model), device="cpu", num_kv_blocks=64, chat_template=str(template),
               tool_parser="hermes")
-    assert llm.engine.tool_parser.written_tags[opens] == "<tool_call>"
+    assert llm.engine.intake.tool_parser.written_tags[opens] == "<tool_call>"
     prompt = ChatPrompt.of(CHAT, tools=TOOLS)
     for bias in (0.05 * k for k in range(120)):  # a reply that writes the tag between other tokens
         params = SamplingParams(max_tokens=16, temperature=0.0, logit_bias=[(opens, bias)])
