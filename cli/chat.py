@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from ..core.chat_tools import ToolCall
 from ..core.errors import InferError, InvalidRequestError
 from .options import (chat_template_kwargs_option, lora_adapter_option, sampling_options, tool_choice_of,
                       tool_choice_option, tools_option)
@@ -137,13 +138,16 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
     stderr)."""
     parts: list[str] = []
     deltas = engine.stream(prompt, params)
-    stopped, last, echo = False, None, ReplyEcho()
+    stopped, last, echo, listed = False, None, ReplyEcho(), set()
     try:
         for delta in deltas:
             if delta.outputs:
                 last = delta.outputs[0]
                 parts.append(last.text)
                 echo(last.text, last.reasoning_text, last.content_text)
+                for call in last.new_tool_calls or ():  # each as soon as the parser has read it
+                    echo.list_call(call)
+                    listed.add(call.id)
     except KeyboardInterrupt:
         deltas.close()
         stopped = True
@@ -151,33 +155,48 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
     if stopped:
         click.echo("[reply stopped]", err=True)
     for call in (last.tool_calls or []) if last is not None else []:
-        click.echo(f"infer: tool call {call.id}: {call.name}({json.dumps(call.arguments, ensure_ascii=False)}) "
-                   f"(answer with /tool {call.id} RESULT)", err=True)
+        if call.id not in listed:
+            echo.list_call(call)
     return reply_message("".join(parts), last)
 
 
 class ReplyEcho:
     """Prints a reply as it streams: its text to stdout; where the parsers split it as it streams (a reasoning
     parser, a tool parser), its content to stdout (tool calls left out) and its reasoning to stderr (dimmed on a
-    terminal), a line break after the reasoning."""
+    terminal), a line break after the reasoning; the tool calls on stderr, each on a line of its own."""
 
     def __init__(self) -> None:
         self.reasoning_open = False  # reasoning printed on stderr, its line not ended yet
+        self.text_open = False  # text printed on stdout, its line not ended yet
 
     def __call__(self, text: str, reasoning: str | None, content: str | None) -> None:
         if reasoning is None:
-            click.echo(text, nl=False)
+            self._print(text)
             return
         if reasoning:
             click.echo(click.style(reasoning, dim=True), nl=False, err=True)
             self.reasoning_open = True
         if content:
             self._end_reasoning()
-            click.echo(content, nl=False)
+            self._print(content)
+
+    def list_call(self, call: ToolCall) -> None:
+        self._end_reasoning()
+        if self.text_open:
+            click.echo()
+            self.text_open = False
+        click.echo(f"infer: tool call {call.id}: {call.name}({json.dumps(call.arguments, ensure_ascii=False)}) "
+                   f"(answer with /tool {call.id} RESULT)", err=True)
 
     def end(self) -> None:
         self._end_reasoning()
         click.echo()
+        self.text_open = False
+
+    def _print(self, text: str) -> None:
+        if text:
+            click.echo(text, nl=False)
+            self.text_open = not text.endswith("\n")
 
     def _end_reasoning(self) -> None:
         if self.reasoning_open:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .admission import RequestChecker, check_reasoning_end
 from .chat import ChatPrompt, Prompt
 from .detokenizer import Detokenizer
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, PluginError
 from .interfaces import ReasoningEnd, ReasoningParser, ToolParser
 from .outputs import RequestState, new_reasoning_stream
 from .plugins import Blame
@@ -83,6 +83,7 @@ class Intake:
                          max_model_len=self.max_model_len) for i in range(params.n)]
         splitter = self._reasoning_parser_of(prompt, params, reasoning_end)
         names = (self.blame.name(reader), self.blame.name(splitter))
+        reader = None if reader is None else self._reader_of(reader, ids, names[0])
         streams = None if splitter is None else [new_reasoning_stream(splitter, ids, names[1]) for _ in seqs]
         if streams is not None and None in streams:  # the reasoning parser splits whole replies only
             streams = None
@@ -92,8 +93,17 @@ class Intake:
                              [0] * len(seqs), [0] * len(seqs), tool_parser=reader, reasoning_parser=splitter,
                              reasoned=self.structured.reasoned if reasoning_end is not None else None,
                              reasoning_streams=streams, splits=splits, content_sent=[0] * len(seqs),
-                             tag_marks=[[] for _ in seqs], parser_names=names)
+                             calls_sent=[[] for _ in seqs], tag_marks=[[] for _ in seqs], parser_names=names)
         return state, reasoning_end
+
+    def _reader_of(self, parser: ToolParser, prompt_token_ids: list[int], name: str | None) -> ToolParser:
+        """The tool parser of the replies to this prompt (``for_prompt``)."""
+        with self.plugin_code():
+            reader = parser.for_prompt(prompt_token_ids)
+        if not isinstance(reader, ToolParser) or reader.written_tags != parser.written_tags:
+            raise PluginError(f"for_prompt() of the tool parser {name or type(parser).__name__} returned "
+                              f"{reader!r:.80}, not a ToolParser with the same written_tags; fix the plugin")
+        return reader
 
     def _reasoning_parser_of(self, prompt: Prompt, params: SamplingParams, reasoning_end: ReasoningEnd | None
                              ) -> ReasoningParser | None:

@@ -35,6 +35,7 @@ class RequestState:
     splits: bool = False  # outputs carry reasoning_text and content_text: every parser above reads them as they come
     content_sent: list[int] = field(default_factory=list)  # per sequence: its text's characters sent on as content
     # by the tool parser (-1: all of its content, with its last output)
+    calls_sent: list[list[ToolCall]] = field(default_factory=list)  # per sequence: the calls it streamed, with ids
     tag_marks: list[list[tuple[int, str]]] = field(default_factory=list)  # per sequence: where the tool parser's
     # written_tags stand in its text (the text's length before each), in order
     parser_names: tuple[str | None, str | None] = (None, None)  # the tool and reasoning parsers' in errors
@@ -148,6 +149,8 @@ def read_output(req: RequestState, i: int, completion: CompletionOutput) -> None
         read = _read_tool_calls(req.tool_parser, tagged_text(req.detoks[i].text, req.tag_marks[i]),
                                 seq.output_token_ids, req.parser_names[0]) \
             if whole and req.tool_parser is not None else None
+        if read is not None and req.calls_sent[i]:
+            read = read[0], _after_streamed(req, i, read[1])
         if req.splits:
             _split_delta(req, i, completion, read)
     except PluginError:
@@ -187,7 +190,11 @@ def _split_delta(req: RequestState, i: int, completion: CompletionOutput,
     calls (with a tool parser: see _content_delta; ``read``: the whole reply's content and calls, once it has
     ended), split by the reasoning stream (all content without one)."""
     seq = req.seqs[i]
-    text = completion.text if req.tool_parser is None else _content_delta(req, i, seq, read)
+    if req.tool_parser is None:
+        text = completion.text
+    else:
+        completion.new_tool_calls = _new_calls(req, i, seq, read)
+        text = _content_delta(req, i, seq, read)
     if req.reasoning_streams is None or req.reasoned is not None and not req.reasoned(seq):
         completion.reasoning_text, completion.content_text = "", text  # all content, as a grammar held throughout
     else:
@@ -200,11 +207,10 @@ def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, li
     (``streamed_content``); once the reply has ended, the rest of the content ``read`` gives (an aborted reply,
     not read, is all content)."""
     assert req.tool_parser is not None
-    text, sent, name = req.detoks[i].text, req.content_sent[i], req.parser_names[0] or type(req.tool_parser).__name__
+    sent, name = req.content_sent[i], _tool_parser_name(req)
     if sent < 0:  # the last output was built: read whole
         return ""
-    reply = text if req.emitted[i] == len(text) else text[: req.emitted[i]]  # as far as it was output
-    reply = tagged_text(reply, req.tag_marks[i])
+    reply = _reply_so_far(req, i)
     if seq.is_finished:
         content = reply if read is None else read[0]
         if not content.startswith(reply[:sent]):
@@ -226,6 +232,60 @@ def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, li
     end = max(end, sent)  # what streamed is never taken back (the last output checks it)
     req.content_sent[i] = end
     return reply[sent:end]
+
+
+def _new_calls(req: RequestState, i: int, seq: Sequence, read: tuple[str, list[ToolCall]] | None
+               ) -> list[ToolCall]:
+    """Sequence i's calls that no earlier output carried: those the tool parser says every reply that begins as this
+    one did holds (``streamed_calls``); once the reply has ended, the rest of the calls ``read`` gives (none for an
+    aborted reply, not read: the calls it streamed stand)."""
+    assert req.tool_parser is not None
+    if req.content_sent[i] < 0:  # the last output was built
+        return []
+    sent, name = req.calls_sent[i], _tool_parser_name(req)
+    if seq.is_finished:
+        return [] if read is None else read[1][len(sent):]
+    reply = _reply_so_far(req, i)
+    try:
+        n = req.tool_parser.streamed_calls(reply, seq.output_token_ids)
+    except InferError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"the tool parser {name} raised {type(exc).__name__} in streamed_calls(): {exc}; fix the "
+                          "plugin, or choose another --tool-parser") from exc
+    if type(n) is not int or n < 0:
+        raise PluginError(f"streamed_calls() of the tool parser {name} returned {n!r:.40}, not a count of calls; "
+                          "fix the plugin")
+    if n <= len(sent):
+        return []
+    calls = _after_streamed(req, i, _read_tool_calls(req.tool_parser, reply, seq.output_token_ids,
+                                                     req.parser_names[0])[1])
+    if n > len(calls):
+        raise PluginError(f"streamed_calls() of the tool parser {name} returned {n} for a reply so far whose parse() "
+                          f"reads {len(calls)} call{'s' * (len(calls) != 1)}; fix the plugin")
+    new = calls[len(sent):n]
+    sent += new
+    return new
+
+
+def _after_streamed(req: RequestState, i: int, calls: list[ToolCall]) -> list[ToolCall]:
+    """A whole reply's ``calls`` as ``parse`` read them, those sequence i streamed first with the ids they went out
+    with; PluginError where the parser streamed calls its parse of the whole reply does not begin with."""
+    sent = req.calls_sent[i]
+    if [(call.name, call.arguments) for call in calls[:len(sent)]] != [(call.name, call.arguments) for call in sent]:
+        raise PluginError(f"the tool parser {_tool_parser_name(req)} streamed the calls {sent!r:.120} as the reply's "
+                          f"first, but its parse() read the calls {calls!r:.120}; fix its streamed_calls()")
+    return sent + calls[len(sent):]
+
+
+def _reply_so_far(req: RequestState, i: int) -> str:
+    """Sequence i's text as far as it was output, its tool parser's tags written out."""
+    text = req.detoks[i].text
+    return tagged_text(text if req.emitted[i] == len(text) else text[: req.emitted[i]], req.tag_marks[i])
+
+
+def _tool_parser_name(req: RequestState) -> str:
+    return req.parser_names[0] or type(req.tool_parser).__name__
 
 
 def _feed(stream: ReasoningStream, text: str, final: bool, parser_name: str | None = None) -> tuple[str, str]:
@@ -365,7 +425,8 @@ def _append_completions(full: RequestOutput, deltas: tuple[RequestOutput, ...]) 
                 by_index[d.index] = CompletionOutput(d.index, list(d.token_ids), d.text, d.finish_reason,
                                                      None if d.logprobs is None else list(d.logprobs), d.content,
                                                      d.tool_calls, d.reasoning_content, d.reasoning_text,
-                                                     d.content_text)
+                                                     d.content_text,
+                                                     None if d.new_tool_calls is None else list(d.new_tool_calls))
                 continue
             texts.setdefault(d.index, [c.text]).append(d.text)
             _append_completion(c, d, c.text)
@@ -381,6 +442,8 @@ def _append_completion(c: CompletionOutput, d: CompletionOutput, text: str) -> N
     if d.reasoning_text is not None:
         c.reasoning_text = (c.reasoning_text or "") + d.reasoning_text
         c.content_text = (c.content_text or "") + (d.content_text or "")
+    if d.new_tool_calls is not None:
+        c.new_tool_calls = (c.new_tool_calls or []) + d.new_tool_calls
     if d.content is not None:  # the reply read (its last output)
         c.content, c.tool_calls, c.reasoning_content = d.content, d.tool_calls, d.reasoning_content
     if d.logprobs is not None:

@@ -27,8 +27,8 @@ class ToolParser(ABC):
     @abstractmethod
     def parse(self, text: str, token_ids: Seq[int]) -> ParsedReply:
         """The reply's content and calls. ``text`` is the reply as the engine output it (special tokens left
-        out but ``written_tags``, cut at a stop string); ``token_ids`` its tokens. A reply without a call, or with
-        one that does not parse, is all content: nothing of the text may be lost."""
+        out but ``written_tags``, cut at a stop string); ``token_ids`` its tokens. A reply without a call is all
+        content, and a call that does not parse stays text of it: nothing of the text may be lost."""
 
     def streamed_content(self, text: str, token_ids: Seq[int]) -> int:
         """How much of the start of ``text``, a reply so far as ``parse`` gets it (``token_ids``: its tokens so
@@ -38,6 +38,21 @@ class ToolParser(ABC):
         engine checks it); an n below an earlier answer streams nothing more (nothing streamed is taken back). 0,
         the default: the content comes whole with the last output."""
         return 0
+
+    def streamed_calls(self, text: str, token_ids: Seq[int]) -> int:
+        """How many of the calls that ``parse`` reads out of ``text``, a reply so far (as ``streamed_content`` gets
+        it), begin the calls of every reply that begins with these tokens: those stream, each in the first output
+        after it is read (the outputs' ``new_tool_calls``), and the rest come with the reply's last output. So the
+        first n calls of ``parse(text)`` must be the first calls of the whole reply, names and arguments (the engine
+        checks it); a call streamed keeps the id it was given then. 0, the default: the calls come together with
+        the last output."""
+        return 0
+
+    def for_prompt(self, prompt_token_ids: Seq[int]) -> ToolParser:
+        """The parser of the replies to this prompt (a chat's, its template applied), for a format whose reading
+        depends on it (whether the prompt opened a reasoning block, say); the engine asks once per request and
+        gives that parser the request's replies. ``self``, the default."""
+        return self
 
 
 # ---------------------------------------------------------------- reasoning

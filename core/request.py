@@ -400,6 +400,10 @@ class CompletionOutput:
     # may begin either comes in a later output); joined over the outputs, the last output's reasoning and content
     reasoning_text: str | None = None
     content_text: str | None = None
+    # where a tool parser reads a chat's replies as they stream: the calls read since the last output (ids set), each
+    # once; joined over the outputs, the last output's tool_calls (a reply aborted is not read: what it streamed
+    # stands, the rest of its text comes as content)
+    new_tool_calls: list[ToolCall] | None = None
 
 
 @dataclass

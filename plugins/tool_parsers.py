@@ -9,17 +9,19 @@ Python list of calls with keyword arguments, ``[get_weather(city="Oslo"), now()]
 Where the tokenizer marks hermes's or mistral's tags special (Mistral's does), the parser asks the engine to write
 them out in the text it reads (``written_tags``). Each says how much of a reply streams as content before the
 reply has ended (``streamed_content``): hermes and mistral the text before their first tag (hermes's after the
-reply's last ``</think>``: a tag named while reasoning does not stop the stream); llama3-json and pythonic, whose
-replies are all calls or all content, the whole text once its first characters are no call's, else nothing until
-the reply is read."""
+reasoning's end: a tag named while reasoning does not stop the stream); llama3-json and pythonic, whose replies
+are all calls or all content, the whole text once its first characters are no call's, else nothing until the reply
+is read. hermes streams each call once its closing tag is out (``streamed_calls``); the others' calls come with
+the reply's last output (a later call that does not parse would make their whole reply text)."""
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import re
 import secrets
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -81,51 +83,93 @@ DECODER = json.JSONDecoder(parse_constant=_refuse)  # stateless; NaN and Infinit
 
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the reasoning (a ``<think>``
-    block); the text outside them is the content (usually what comes before the first). A last block cut off by
-    max_tokens (no closing tag) is read too, if its JSON is whole. Space after the content is dropped, and before
-    it where no text comes before the first call. The content streams up to the first tag (and the space before
-    it). ``written_tags``: the tags' token ids, for a tokenizer that marks them special."""
+    block); the text outside them is the content (usually what comes before the first). A block that is no call
+    (its JSON does not parse, or is not a call's) is text of the content; a last block cut off by max_tokens (no
+    closing tag) is read too, if its JSON is whole. Space after the content is dropped, and before it where no
+    text comes before the first call. The content streams up to the first tag (and the space before it), and
+    the calls each once closed, where the reply's reasoning is known (``for_prompt``). ``written_tags``: the
+    tags' token ids, for a tokenizer that marks them special; ``prompt_tail``: the text of a prompt's last
+    tokens, where ``for_prompt`` looks for a reasoning block the prompt opened (None: not known, so a
+    ``</think>`` after calls ends a reasoning the prompt may have opened, and calls stream with the last output);
+    ``opened_in_prompt``: whether the prompt of the replies read opened one (None: not known)."""
 
-    def __init__(self, written_tags: Mapping[int, str] | None = None) -> None:
+    def __init__(self, written_tags: Mapping[int, str] | None = None,
+                 prompt_tail: Callable[[Sequence[int]], str] | None = None,
+                 opened_in_prompt: bool | None = None) -> None:
         self.written_tags = dict(written_tags or {})
+        self.prompt_tail, self.opened_in_prompt = prompt_tail, opened_in_prompt
+
+    def for_prompt(self, prompt_token_ids: Sequence[int]) -> ToolParser:
+        if self.prompt_tail is None:
+            return self
+        tail = self.prompt_tail(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+        return HermesToolParser(self.written_tags, opened_in_prompt=tail.rfind(THINK_START) > tail.rfind(THINK_END))
 
     def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
-        if (first := _after_reasoning(text)) is None:  # cut while reasoning: any tag in it is not a call
+        if (first := _after_reasoning(text, self.opened_in_prompt)) is None:  # cut while reasoning: all text
             return ParsedReply(text)
-        reasoning, reply = text[:first], text[first:]
-        start = reply.find(OPEN)
-        if start < 0:
+        reply, calls, outside, position = text[first:], [], [], 0
+        for start, call, end, _ in _blocks(reply):
+            if call is not None:
+                outside.append(reply[position:start])
+                calls.append(call)
+                position = end
+        if not calls:
             return ParsedReply(text)
-        calls, outside = [], [reasoning + reply[:start]]
-        while start >= 0:  # the JSON is read whole, so a tag inside one of its strings is text
-            try:
-                value, after = DECODER.raw_decode(reply, _skip_space(reply, start + len(OPEN)))
-            except (ValueError, RecursionError):
-                return ParsedReply(text)  # a call that does not parse: the reply stays text, whole
-            after = _skip_space(reply, after)
-            if (call := _call(value, needs_arguments=False)) is None or not (
-                    after == len(reply) or reply.startswith(CLOSE, after)):
-                return ParsedReply(text)
-            after += len(CLOSE) if after < len(reply) else 0
-            start = reply.find(OPEN, after)
-            outside.append(reply[after:] if start < 0 else reply[after:start])
-            calls.append(call)
-        content = "".join(part.strip() and part for part in outside).rstrip()
+        outside[0] = text[:first] + outside[0]
+        content = "".join(part.strip() and part for part in [*outside, reply[position:]]).rstrip()
         return ParsedReply(content if outside[0].strip() else content.lstrip(), tuple(calls))
 
     def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
-        if (first := _after_reasoning(text)) is None:  # reasoning so far, unless "<t" begins a call's tag
-            return 0 if OPEN.startswith(text.lstrip()) else len(text)
+        if (first := _after_reasoning(text, self.opened_in_prompt)) is None:  # reasoning so far, unless "<t"
+            return 0 if OPEN.startswith(text.lstrip()) else len(text)  # begins a call's tag
         return _content_before(text, OPEN, first)
 
+    def streamed_calls(self, text: str, token_ids: Sequence[int]) -> int:
+        if self.opened_in_prompt is None:  # a </think> to come may make the calls so far reasoning
+            return 0
+        if (first := _after_reasoning(text, self.opened_in_prompt)) is None:
+            return 0
+        closed = itertools.takewhile(lambda block: block[1] is not None and block[3], _blocks(text[first:]))
+        return sum(1 for _ in closed)
 
-def _after_reasoning(text: str) -> int | None:
-    """Where hermes looks for calls: after the first ``</think>`` outside a call's JSON (a reasoning block the
-    reply or its prompt opened ends there, as vLLM's reasoning parsers end it), else from the start; None while a
-    reply that opened with ``<think>`` has not closed it (all reasoning so far). A ``</think>`` after calls in a
-    reply without reasoning reads as the end of reasoning too: hermes cannot see whether the prompt opened one."""
-    if THINK_START.startswith(lead := text.lstrip()) and lead:  # "<t...": a call's tag or reasoning, not yet known
+
+PROMPT_TAIL_TOKENS = 32  # a template that opens the reasoning does so at the prompt's end
+
+
+def _blocks(reply: str) -> Iterator[tuple[int, ToolCall | None, int, bool]]:
+    """Each ``<tool_call>`` block of ``reply``, in order: where its tag starts, its call (None: the block is text),
+    where it ends, and whether it is closed (its closing tag came). The JSON is read whole, so a tag inside one of
+    its strings is text; the next block is looked for after a call, or after the tag of a block that is none."""
+    start = reply.find(OPEN)
+    while start >= 0:
+        call, end, closed = None, start + len(OPEN), False
+        try:
+            value, after = DECODER.raw_decode(reply, _skip_space(reply, end))
+        except (ValueError, RecursionError):
+            value, after = None, end
+        after = _skip_space(reply, after)
+        if (read := _call(value, needs_arguments=False)) is not None and (
+                after == len(reply) or reply.startswith(CLOSE, after)):
+            closed = after < len(reply)
+            call, end = read, after + len(CLOSE) * closed
+        yield start, call, end, closed
+        start = reply.find(OPEN, end)
+
+
+def _after_reasoning(text: str, opened_in_prompt: bool | None = None) -> int | None:
+    """Where hermes looks for calls: after the first ``</think>`` outside a call's JSON where the reply reasons (the
+    prompt or the reply opened a ``<think>`` block; it ends there, as vLLM's reasoning parsers end it), else from
+    the start; None while the reply reasons still. Where the prompt's part is not known (``opened_in_prompt``
+    None), a ``</think>`` after calls in a reply that did not open a block ends one too. More text never moves a
+    ``</think>`` found under calls that stream: only a call's JSON that does not parse yet may come to hold it (in
+    a string), and no whole call can stand within such JSON (its quotes would end the string)."""
+    lead = text.lstrip()
+    if not opened_in_prompt and THINK_START.startswith(lead) and lead:  # "<t...": a call's tag or reasoning
         return None
+    reasons = opened_in_prompt or lead.startswith(THINK_START)
+    if opened_in_prompt is False and not reasons:
+        return 0
     position = 0
     while (close := text.find(THINK_END, position)) >= 0:
         call = text.find(OPEN, position, close)
@@ -135,7 +179,7 @@ def _after_reasoning(text: str) -> int | None:
             _, position = DECODER.raw_decode(text, _skip_space(text, call + len(OPEN)))
         except (ValueError, RecursionError):
             position = call + len(OPEN)
-    return None if lead.startswith(THINK_START) else 0
+    return None if reasons else 0
 
 
 class MistralToolParser(ToolParser):
@@ -285,8 +329,12 @@ def special_tags(tokenizer: Any, tags: Sequence[str]) -> dict[int, str]:
 
 
 def hermes_parser(config: EngineConfig, tokenizer: Any) -> ToolParser:
-    """The hermes parser for ``tokenizer``: the engine writes out the tags it marks special."""
-    return HermesToolParser(special_tags(tokenizer, (OPEN, CLOSE)))
+    """The hermes parser for ``tokenizer``: the engine writes out the tags it marks special, and it reads whether
+    a prompt opened a reasoning block out of the prompt's decoded end."""
+    def prompt_tail(token_ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    return HermesToolParser(special_tags(tokenizer, (OPEN, CLOSE)), prompt_tail)
 
 
 def mistral_parser(config: EngineConfig, tokenizer: Any) -> ToolParser:

@@ -8,7 +8,7 @@ import grpc
 
 from ..core.chat import (ChatPrompt, Prompt, check_content_part_count, check_message_count, check_tool_call_count,
                          parse_template_kwargs)
-from ..core.chat_tools import parse_tool_choice, parse_tools
+from ..core.chat_tools import ToolCall, parse_tool_choice, parse_tools
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
 from ..core.request import CompletionOutput, FinishReason, SamplingParams, StructuredOutput
 from . import infer_pb2 as pb
@@ -185,9 +185,14 @@ def completion_to_proto(out: CompletionOutput) -> pb.Completion:
     if out.reasoning_text is not None:
         completion.reasoning_text, completion.content_text = out.reasoning_text, out.content_text or ""
     if out.tool_calls is not None:
-        completion.tool_calls.extend(pb.ToolCall(id=call.id or "", name=call.name, arguments=json.dumps(
-            call.arguments, ensure_ascii=False)) for call in out.tool_calls)
+        completion.tool_calls.extend(map(call_to_proto, out.tool_calls))
+    if out.new_tool_calls:
+        completion.new_tool_calls.extend(map(call_to_proto, out.new_tool_calls))
     return completion
+
+
+def call_to_proto(call: ToolCall) -> pb.ToolCall:
+    return pb.ToolCall(id=call.id or "", name=call.name, arguments=json.dumps(call.arguments, ensure_ascii=False))
 
 
 MAX_DETAILS_BYTES = 2048  # grpc-message travels percent-encoded in trailers: 8 KiB of metadata drops a status

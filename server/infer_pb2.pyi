@@ -174,7 +174,7 @@ class PositionLogprobs(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "content", "tool_calls", "reasoning_content", "reasoning_text", "content_text")
+    __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "content", "tool_calls", "reasoning_content", "reasoning_text", "content_text", "new_tool_calls")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class Completion(_message.Message):
     REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
     CONTENT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -195,7 +196,8 @@ class Completion(_message.Message):
     reasoning_content: str
     reasoning_text: str
     content_text: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., reasoning_content: _Optional[str] = ..., reasoning_text: _Optional[str] = ..., content_text: _Optional[str] = ...) -> None: ...
+    new_tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., reasoning_content: _Optional[str] = ..., reasoning_text: _Optional[str] = ..., content_text: _Optional[str] = ..., new_tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -113,6 +113,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         if part.HasField("reasoning_text"):
                             full.reasoning_text += part.reasoning_text
                             full.content_text += part.content_text
+                        full.new_tool_calls.extend(part.new_tool_calls)
                     else:
                         completions[c.index] = part
                 if out.finished:

@@ -25,7 +25,8 @@ CALLS = st.builds(ToolCall, NAMES, st.dictionaries(NAMES, VALUES, max_size=4))
 IDENTIFIERS = NAMES.filter(lambda name: not keyword.iskeyword(name))  # `in(...)`, `f(if=1)` are not Python
 PYTHON_CALLS = st.builds(ToolCall, IDENTIFIERS, st.dictionaries(IDENTIFIERS, VALUES, max_size=4))
 PROSE = st.text(st.characters(blacklist_characters="<[{"), max_size=40)  # text that starts no call
-PARSERS = (HermesToolParser(), Llama3JsonToolParser(), PythonicToolParser(), MistralToolParser())
+PARSERS = (HermesToolParser(), HermesToolParser(opened_in_prompt=True), HermesToolParser(opened_in_prompt=False),
+           Llama3JsonToolParser(), PythonicToolParser(), MistralToolParser())
 
 
 def roundtrip(call: ToolCall) -> ToolCall:
@@ -165,3 +166,37 @@ def test_chat_input_of_any_shape_is_taken_or_refused_with_invalid_request_error(
     except InvalidRequestError:
         return
     assert prompt.checked() == prompt and isinstance(prompt.text_length(), int)
+
+
+OPENED_REPLIES = st.builds(  # the prompt opened the reasoning: calls named in it, calls after it
+    lambda a, named, gap, calls, b: a + written(named, "hermes") + b + "</think>" + gap + written(calls, "hermes"),
+    PROSE, st.lists(CALLS, max_size=2), SPACE, st.lists(CALLS, min_size=1, max_size=2), PROSE)
+
+
+@settings(max_examples=400, deadline=None)
+@given(REPLIES | OPENED_REPLIES, st.lists(st.integers(0, 400), max_size=12), st.booleans())
+def test_the_calls_that_stream_begin_the_calls_read(text: str, cuts: list[int], opened: bool) -> None:
+    """At any cut of a reply, the calls hermes streams (``streamed_calls``) grow, and begin the calls that ``parse``
+    reads out of the whole reply; once the reply is whole, every call whose closing tag came streams (the text
+    after the last one is none of a call's)."""
+    parser = HermesToolParser(opened_in_prompt=opened)
+    calls, sent = parser.parse(text, []).tool_calls, 0
+    for cut in [*sorted({min(c, len(text)) for c in cuts}), len(text)]:
+        reply = text[:cut]
+        n = parser.streamed_calls(reply, [])
+        assert sent <= n <= len(calls) and parser.parse(reply, []).tool_calls[:n] == calls[:n], (text, cut, n)
+        sent = n
+    if text.rstrip().endswith(CLOSE) and calls:
+        assert sent == len(calls), (text, sent)
+
+
+def test_a_think_tag_inside_a_call_named_while_reasoning_never_streams_a_call() -> None:
+    """The prompt opened the reasoning, and a call named in it has a </think> in a string: until that JSON is whole,
+    the tag reads as the reasoning's end, yet at no cut does a call stream that the whole reply does not begin
+    with."""
+    text = ('Try <tool_call>{"name": "say", "arguments": {"a": "</think><tool_call>", "b": "x"}}</tool_call> then'
+            '</think>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    parser = HermesToolParser(opened_in_prompt=True)
+    assert parser.parse(text, []).tool_calls == (ToolCall("now", {}),)
+    streamed = [parser.streamed_calls(text[:cut], []) for cut in range(len(text) + 1)]
+    assert max(streamed[: text.index("then")]) == 0 and streamed[-1] == 1

@@ -35,8 +35,11 @@ NOW = ToolCall("now", {})
     ('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\nAnything else?', "Anything else?", (NOW,)),
     ('<tool_call>\n{"name": "now", "arguments": {}}', "", (NOW,)),  # cut by max_tokens after whole JSON
     ('<tool_call>\n{"name": "now", "argum', '<tool_call>\n{"name": "now", "argum', ()),  # cut inside it
+    # a block that is no call is text of the content, the calls around it calls (streamed calls stand)
     ('<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{oops}</tool_call>',
-     '<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{oops}</tool_call>', ()),
+     '<tool_call>{oops}</tool_call>', (NOW,)),
+    ('A.<tool_call>{"name": 7}</tool_call> B.\n<tool_call>{"name": "now"}</tool_call>',
+     'A.<tool_call>{"name": 7}</tool_call> B.', (NOW,)),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', ()),
     ('<tool_call>{"name": "now", "arguments": [1]}</tool_call>', '<tool_call>{"name": "now", "arguments": [1]}'
      '</tool_call>', ()),
@@ -277,6 +280,48 @@ def test_hermes_reads_tags_that_the_tokenizer_marks_special(tiny_model: Path) ->
     assert parser.written_tags == {tokenizer.convert_tokens_to_ids(tag): tag for tag in ("<tool_call>", "</tool_call>")}
     assert parser.parse(reply, []) == ParsedReply("Checking.", (WEATHER,))
     assert hermes_parser(EngineConfig(), AutoTokenizer.from_pretrained(str(tiny_model))).written_tags == {}
+
+
+SAY = ToolCall("say", {})
+MENTIONED = ('I could call <tool_call>{"name": "say", "arguments": {}}</tool_call>.</think>\n<tool_call>'
+             '{"name": "now", "arguments": {}}</tool_call>')
+
+
+@pytest.mark.parametrize(("opened", "text", "content", "calls"), [
+    (True, MENTIONED, MENTIONED[: MENTIONED.index("\n")], (NOW,)),  # a call named while reasoning is not one
+    (False, MENTIONED, "I could call .</think>", (SAY, NOW)),  # no reasoning: the </think> is text
+    (None, MENTIONED, MENTIONED[: MENTIONED.index("\n")], (NOW,)),  # not known: a </think> after calls ends one
+    (True, '<tool_call>{"name": "now", "arguments": {}}</tool_call>', '<tool_call>{"name": "now", "arguments": {}}'
+           '</tool_call>', ()),  # cut while reasoning
+    (False, '<think>Hm.</think><tool_call>{"name": "now"}</tool_call>', "<think>Hm.</think>", (NOW,)),  # the reply's
+    (False, '<tool_call>{"name": "now"}</tool_call> Done.</think>', "Done.</think>", (NOW,)),
+])
+def test_hermes_reads_the_reasoning_a_prompt_opened(opened: bool | None, text: str, content: str,
+                                                    calls: tuple[ToolCall, ...]) -> None:
+    assert HermesToolParser(opened_in_prompt=opened).parse(text, []) == ParsedReply(content, calls)
+
+
+def test_hermes_sees_whether_a_prompt_opened_a_reasoning_block(thinking_model: Path, tiny_model: Path) -> None:
+    """for_prompt reads the prompt's decoded end: a template that opens the block (Qwen3's thinking models,
+    DeepSeek-R1's) leaves a <think> there, one that turns thinking off closes it, and a prompt without one
+    opened none; only with that known do calls stream (the reference: the replies' parse)."""
+    from transformers import AutoTokenizer
+
+    from infer.core.config import EngineConfig
+    from infer.plugins.tool_parsers import hermes_parser
+
+    for model in (thinking_model, tiny_model):
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        parser = hermes_parser(EngineConfig(), tokenizer)
+        assert parser.streamed_calls(MENTIONED, []) == 0  # not known until a prompt is given
+        for prompt, opened in (("Hi<|assistant|>\n<think>\n", True), ("Hi<|assistant|>\n<think>\n\n</think>\n\n",
+                                                                         False),
+                               ("Hi<|assistant|>\n", False), ("<think>a</think> Hi " * 9 + "<think>", True)):
+            reader = parser.for_prompt(tokenizer.encode(prompt))
+            assert isinstance(reader, HermesToolParser) and reader.opened_in_prompt is opened, (model, prompt)
+            assert reader.parse(MENTIONED, []).tool_calls == ((NOW,) if opened else (SAY, NOW))
+            assert reader.streamed_calls(MENTIONED, []) == (1 if opened else 2)
+            assert reader.streamed_calls(MENTIONED[:-1], []) == (0 if opened else 1)  # the last block not closed
 
 
 def test_the_engine_gives_each_whole_reply_of_a_chat_with_tools_to_the_parser(tiny_model: Path, template: Path

@@ -5,13 +5,16 @@ first "e" of the reply, so every reply of the tiny model holds one at a place th
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from infer import ChatPrompt, FunctionChoice, PluginError, SamplingParams, ToolCall, hookimpl
+from infer import (ChatPrompt, FunctionChoice, PluginError, SamplingParams, StructuredOutput, ToolCall,
+                   hookimpl)
 from infer.core.chat_tools import ParsedReply
 from infer.core.interfaces import ReasoningParser, ToolParser
 from infer.core.llm import LLM
@@ -78,8 +81,53 @@ class BadTags(FromE):
     written_tags = {"<call>": 7}  # backwards: text to id
 
 
+class EachE(ToolParser):
+    """Every "e" of the reply is a call of ``rest`` at its place, and streams once written; the content is the text
+    without them, whole with the last output."""
+
+    def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
+        return ParsedReply(text.replace("e", ""), tuple(ToolCall("rest", {"at": at}) for at in e_places(text)))
+
+    def streamed_calls(self, text: str, token_ids: Sequence[int]) -> int:
+        return text.count("e")
+
+
+def e_places(text: str) -> list[int]:
+    return [at for at, char in enumerate(text) if char == "e"]
+
+
+class RaisesOnCalls(EachE):
+    def streamed_calls(self, text: str, token_ids: Sequence[int]) -> int:
+        raise KeyError("no calls")
+
+
+class Overcounts(EachE):
+    def streamed_calls(self, text: str, token_ids: Sequence[int]) -> int:
+        return text.count("e") + 1
+
+
+class NotACount(EachE):
+    def streamed_calls(self, text: str, token_ids: Sequence[int]) -> Any:
+        return str(text.count("e"))
+
+
+class Moves(EachE):
+    """Its calls name the length of the text they were read from: a call streamed is not the whole reply's."""
+
+    def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
+        read = super().parse(text, token_ids)
+        return ParsedReply(read.content, tuple(ToolCall("rest", {**c.arguments, "of": len(text)}) for c in
+                                               read.tool_calls))
+
+
+class NoPromptParser(EachE):
+    def for_prompt(self, prompt_token_ids: Sequence[int]) -> Any:
+        return None
+
+
 PARSERS = {"from-e": FromE, "whole": Whole, "raises": Raises, "overshoots": Overshoots, "disagrees": Disagrees,
-           "bad-tags": BadTags}
+           "bad-tags": BadTags, "each-e": EachE, "raises-on-calls": RaisesOnCalls, "overcounts": Overcounts,
+           "not-a-count": NotACount, "moves": Moves, "no-prompt-parser": NoPromptParser}
 
 
 class Plugin:
@@ -286,3 +334,116 @@ def test_tags_the_tokenizer_marks_special_are_written_out_where_they_stand(tagge
     before = tagged[: tagged.index("<tool_call>")].rstrip()
     assert "".join(c.content_text for c in parts[:-1]) == before and before
     assert "".join(c.content_text for c in parts) == tagged
+
+
+def called(calls: Sequence[ToolCall] | None) -> list[tuple[str, dict[str, Any]]]:
+    return [(call.name, call.arguments) for call in calls or ()]
+
+
+def test_calls_stream_once_read_and_join_into_the_last_outputs_calls(tiny_model: Path, template: Path,
+                                                                    serve_engine: Any) -> None:
+    """Each output carries the calls the parser read since the last one (``streamed_calls``): the reference is the
+    text output so far, every "e" of which is a call. Joined they are the last output's calls, ids and all."""
+    llm = llm_with(tiny_model, template, "each-e")
+    prompt, params = ChatPrompt.of(CHAT, tools=TOOLS), SamplingParams(max_tokens=24, temperature=0.0)
+    sampled = dataclasses.replace(params, temperature=1.0, seed=3, n=2)
+    for more in (params, sampled):
+        deltas = list(llm.engine.stream(prompt, more))
+        for index in range(more.n):
+            parts, text, streamed = parts_of(deltas, index), "", []
+            for c in parts[:-1]:
+                text += c.text
+                streamed += c.new_tool_calls
+                assert called(streamed) == [("rest", {"at": at}) for at in e_places(text)], text
+            whole = text + parts[-1].text
+            assert len(e_places(text)) > 1 and len(e_places(whole)) > len(e_places(text[: len(text) // 2])), whole
+            assert streamed + parts[-1].new_tool_calls == parts[-1].tool_calls  # ids too
+            assert called(parts[-1].tool_calls) == [("rest", {"at": at}) for at in e_places(whole)]
+            assert len({call.id for call in parts[-1].tool_calls}) == len(parts[-1].tool_calls)
+    rid = llm.engine.add_request(prompt, dataclasses.replace(params, ignore_eos=True))
+    taken: list[Any] = []
+    while not any(c.new_tool_calls for c in taken):
+        taken += [c for d in llm.engine.step() for c in d.outputs]
+    taken += llm.engine.abort(rid).outputs  # not read: the calls streamed stand, the text is content
+    text = "".join(c.text for c in taken)
+    assert called([call for c in taken for call in c.new_tool_calls]) == [("rest", {"at": at})
+                                                                          for at in e_places(text[: -len(
+                                                                              taken[-1].text) or None])]
+    assert taken[-1].new_tool_calls == [] and taken[-1].tool_calls is None
+
+    async def test(client: Any, port: int) -> None:
+        messages = [m async for m in client.generate(prompt, max_tokens=24, temperature=0.0)]
+        streamed = [call for m in messages for c in m.outputs for call in c.new_tool_calls]
+        assert any(c.new_tool_calls for m in messages[:-1] for c in m.outputs)
+        done = (await client.complete(prompt, max_tokens=24, temperature=0.0)).outputs[0]
+        assert [(c.id, c.name, c.arguments) for c in done.new_tool_calls] == \
+            [(c.id, c.name, c.arguments) for c in done.tool_calls]
+        assert [(c.name, json.loads(c.arguments)) for c in streamed] == [(c.name, json.loads(c.arguments))
+                                                                         for c in done.tool_calls]
+        assert [json.loads(c.arguments) for c in done.tool_calls] == [{"at": at} for at in e_places(done.text)]
+
+    serve_engine(llm.engine, test)
+
+
+@pytest.mark.parametrize("parser, complaint", [
+    ("raises-on-calls", r"the tool parser 'raises-on-calls' from 'tests' raised KeyError in streamed_calls\(\): "
+                        r"'no calls'"),
+    ("overcounts", r"streamed_calls\(\) of the tool parser 'overcounts' from 'tests' returned 1 for a reply so far "
+                   r"whose parse\(\) reads 0 calls"),
+    ("not-a-count", r"streamed_calls\(\) of the tool parser 'not-a-count' from 'tests' returned '\d+', not a count of "
+                    r"calls"),
+    ("moves", r"the tool parser 'moves' from 'tests' streamed the calls \[ToolCall\(name='rest', arguments="
+              r"\{'at': \d+, 'of': \d+\}.* as the reply's first, but its parse\(\) read the calls .*; fix its "
+              r"streamed_calls\(\)"),
+    ("no-prompt-parser", r"for_prompt\(\) of the tool parser 'no-prompt-parser' from 'tests' returned None, not a "
+                         r"ToolParser with the same written_tags"),
+])
+def test_a_streamed_calls_that_breaks_its_contract_fails_the_request_naming_it(
+        tiny_model: Path, template: Path, parser: str, complaint: str) -> None:
+    llm = llm_with(tiny_model, template, parser)
+    with pytest.raises(PluginError, match=complaint):
+        llm.chat(CHAT, SamplingParams(max_tokens=24, temperature=0.0), tools=TOOLS)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
+def test_hermes_streams_each_call_once_its_closing_tag_is_out(tiny_model: Path, template: Path) -> None:
+    """hermes end to end on a reply a regex forces into its format: each call comes in the first output whose text
+    closes its block (the reference: the text so far), before the reply ends."""
+    calls = [ToolCall("rest", {"note": "a"}), ToolCall("rest", {"note": "b c"})]
+    reply = "Hi.\n" + "".join(f'<tool_call>{json.dumps({"name": c.name, "arguments": c.arguments})}</tool_call>'
+                              for c in calls)
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=64, chat_template=str(template),
+              tool_parser="hermes")
+    params = SamplingParams(max_tokens=len(reply) + 8, temperature=0.0, structured_output=StructuredOutput(
+        regex=re.escape(reply)))
+    parts = parts_of(list(llm.engine.stream(ChatPrompt.of(CHAT, tools=TOOLS), params)))
+    text, streamed = "", []
+    for c in parts:
+        text += c.text
+        streamed += c.new_tool_calls
+        assert called(streamed) == called(calls[: text.count("</tool_call>")]), text
+    assert text == reply and parts[-1].content == "Hi." and streamed == parts[-1].tool_calls
+    assert any(c.new_tool_calls for c in parts[:-1])  # the first call before the last output
+
+
+def test_infer_chat_lists_each_call_once_as_it_streams(tiny_model: Path, template: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`infer chat --tools` lists every call of the reply once, in order (those that streamed are not listed again
+    with the last output), and prints the content."""
+    import sys
+
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    llm = llm_with(tiny_model, template, "each-e")
+    monkeypatch.setattr(sys.modules["infer.cli.main"], "build_engine", lambda ctx: llm.engine)
+    tools = template.parent / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    [out] = llm.chat(CHAT, SamplingParams(max_tokens=24, temperature=0.0), tools=TOOLS)[0].outputs
+    result = CliRunner().invoke(main, ["chat", "--tools", str(tools), "--max-tokens", "24", "--temperature", "0"],
+                                input=f"{CHAT[0]['content']}\n")
+    assert result.exit_code == 0, result.output
+    listed = re.findall(r"infer: tool call (\S+): rest\(\{\"at\": (\d+)\}\)", result.stderr)
+    assert [int(at) for _, at in listed] == e_places(out.text) and len({id_ for id_, _ in listed}) == len(listed) > 1
+    assert out.content in result.stdout
