@@ -146,7 +146,7 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
                 parts.append(last.text)
                 echo(last.text, last.reasoning_text, last.content_text)
                 for call in last.new_tool_calls or ():  # each as soon as the parser has read it
-                    echo.list_call(call)
+                    echo.note(call_line(call))
                     listed.add(call.id)
     except KeyboardInterrupt:
         deltas.close()
@@ -156,8 +156,13 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
         click.echo("[reply stopped]", err=True)
     for call in (last.tool_calls or []) if last is not None else []:
         if call.id not in listed:
-            echo.list_call(call)
+            echo.note(call_line(call))
     return reply_message("".join(parts), last)
+
+
+def call_line(call: ToolCall) -> str:
+    return (f"infer: tool call {call.id}: {call.name}({json.dumps(call.arguments, ensure_ascii=False)}) (answer with "
+            f"/tool {call.id} RESULT)")
 
 
 class ReplyEcho:
@@ -168,6 +173,7 @@ class ReplyEcho:
     def __init__(self) -> None:
         self.reasoning_open = False  # reasoning printed on stderr, its line not ended yet
         self.text_open = False  # text printed on stdout, its line not ended yet
+        self.ended = False  # a note ended the text's line, and no text came after it
 
     def __call__(self, text: str, reasoning: str | None, content: str | None) -> None:
         if reasoning is None:
@@ -180,23 +186,24 @@ class ReplyEcho:
             self._end_reasoning()
             self._print(content)
 
-    def list_call(self, call: ToolCall) -> None:
+    def note(self, line: str) -> None:
+        """``line`` on stderr, on a line of its own."""
         self._end_reasoning()
         if self.text_open:
             click.echo()
-            self.text_open = False
-        click.echo(f"infer: tool call {call.id}: {call.name}({json.dumps(call.arguments, ensure_ascii=False)}) "
-                   f"(answer with /tool {call.id} RESULT)", err=True)
+            self.text_open, self.ended = False, True
+        click.echo(line, err=True)
 
     def end(self) -> None:
         self._end_reasoning()
-        click.echo()
-        self.text_open = False
+        if not self.ended:
+            click.echo()
+        self.text_open = self.ended = False
 
     def _print(self, text: str) -> None:
         if text:
             click.echo(text, nl=False)
-            self.text_open = not text.endswith("\n")
+            self.text_open, self.ended = not text.endswith("\n"), False
 
     def _end_reasoning(self) -> None:
         if self.reasoning_open:

@@ -184,17 +184,20 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
                                 length_penalty=length_penalty, ignore_eos=ignore_eos,
                                 **({} if lora_adapter is None else {"lora_adapter": lora_adapter}))
             elif n == 1:
-                calls, echo = [], ReplyEcho()
+                calls, echo, listed = [], ReplyEcho(), set()
                 for response in conn.generate(sent, **sampling):
                     if not mid_line:
                         click.echo(shown, nl=False)
                         mid_line = True
                     for out in response.outputs:
                         echo_parts(echo, out)
+                        for call in out.new_tool_calls:  # each as soon as the server's parser has read it
+                            echo.note(call_line(call))
+                            listed.add(call.id)
                         calls += out.tool_calls
                 echo.end()
                 mid_line = False
-                list_tool_calls(calls)
+                list_tool_calls(call for call in calls if call.id not in listed)
             else:
                 for out in conn.complete(sent, **sampling).outputs:
                     click.echo(shown, nl=False)
@@ -257,7 +260,12 @@ def list_tool_calls(calls: Any) -> None:
     """The calls that the server's --tool-parser (or a forced --tool-choice) read in a reply, one per line on
     stderr."""
     for call in calls:
-        click.echo(f"infer: tool call {call.id}: {call.name}({call.arguments})", err=True)
+        click.echo(call_line(call), err=True)
+
+
+def call_line(call: Any) -> str:
+    """A gRPC ToolCall as `infer client` lists it."""
+    return f"infer: tool call {call.id}: {call.name}({call.arguments})"
 
 
 def print_best_beam(conn: Any, prompt: Any, shown: str, **params: Any) -> None:

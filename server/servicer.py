@@ -299,9 +299,9 @@ def merged_share(part: pb.Completion) -> int:
     """The bytes a delta adds to its completion once merged: token-id varints, text, logprob entries with their
     framing (the completion's own fields and framing come once, outside this)."""
     ids = sum((token.bit_length() + 6) // 7 or 1 for token in part.token_ids)
-    return ids + len(part.text.encode()) + sum(entry.ByteSize() + 3 for entry in (*part.logprobs, *part.tool_calls)) \
-        + len(part.content.encode()) + len(part.reasoning_content.encode()) + len(part.reasoning_text.encode()) \
-        + len(part.content_text.encode())
+    entries = sum(entry.ByteSize() + 3 for entry in (*part.logprobs, *part.tool_calls, *part.new_tool_calls))
+    texts = (part.text, part.content, part.reasoning_content, part.reasoning_text, part.content_text)
+    return ids + entries + sum(len(text.encode()) for text in texts)
 
 
 def _usage(out: RequestOutput, completion_tokens: int) -> pb.Usage:

@@ -858,3 +858,18 @@ def test_a_failing_search_abort_is_logged_and_a_dying_search_start_gets_the_erro
             worker.beam_search(["killer"], BeamSearchParams(max_tokens=2)).result(timeout=10)
     finally:
         worker.stop()
+
+
+def test_the_size_a_delta_adds_once_merged_counts_its_calls() -> None:
+    """merged_share, which the size checks add up, is at least what merging a delta into its completion adds to the
+    message (the reference: protobuf's own ByteSize), for a delta of calls (entries come with their framing; a
+    field's own framing comes once per completion, outside merged_share)."""
+    from infer.server.servicer import merged_share
+
+    call = pb.ToolCall(id="call_1", name="lookup", arguments='{"city": "Oslo"}')
+    for part in (pb.Completion(new_tool_calls=[call] * 3), pb.Completion(tool_calls=[call] * 3)):
+        full = pb.Completion(index=0, text="t")
+        before = full.ByteSize()
+        full.tool_calls.extend(part.tool_calls)
+        full.new_tool_calls.extend(part.new_tool_calls)
+        assert 0 < full.ByteSize() - before <= merged_share(part), part
