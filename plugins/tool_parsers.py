@@ -16,7 +16,6 @@ the reply's last output (a later call that does not parse would make their whole
 from __future__ import annotations
 
 import ast
-import itertools
 import json
 import re
 import secrets
@@ -98,6 +97,7 @@ class HermesToolParser(ToolParser):
                  opened_in_prompt: bool | None = None) -> None:
         self.written_tags = dict(written_tags or {})
         self.prompt_tail, self.opened_in_prompt = prompt_tail, opened_in_prompt
+        self.counted = ("", 0, 0)  # streamed_calls' last reply through its closed calls, their count, their start
 
     def for_prompt(self, prompt_token_ids: Sequence[int]) -> ToolParser:
         if self.prompt_tail is None:
@@ -130,18 +130,26 @@ class HermesToolParser(ToolParser):
             return 0
         if (first := _after_reasoning(text, self.opened_in_prompt)) is None:
             return 0
-        closed = itertools.takewhile(lambda block: block[1] is not None and block[3], _blocks(text[first:]))
-        return sum(1 for _ in closed)
+        known, count, start = self.counted  # a reply's closed calls stay as they are: read on after them
+        if start != first or not text.startswith(known):
+            known, count = text[:first], 0
+        for _, call, end, closed in _blocks(text[first:], len(known) - first):
+            if call is None or not closed:
+                break
+            count, known = count + 1, text[: first + end]
+        self.counted = known, count, first
+        return count
 
 
 PROMPT_TAIL_TOKENS = 32  # a template that opens the reasoning does so at the prompt's end
 
 
-def _blocks(reply: str) -> Iterator[tuple[int, ToolCall | None, int, bool]]:
-    """Each ``<tool_call>`` block of ``reply``, in order: where its tag starts, its call (None: the block is text),
-    where it ends, and whether it is closed (its closing tag came). The JSON is read whole, so a tag inside one of
-    its strings is text; the next block is looked for after a call, or after the tag of a block that is none."""
-    start = reply.find(OPEN)
+def _blocks(reply: str, position: int = 0) -> Iterator[tuple[int, ToolCall | None, int, bool]]:
+    """Each ``<tool_call>`` block of ``reply`` from ``position``, in order: where its tag starts, its call (None:
+    the block is text), where it ends, and whether it is closed (its closing tag came). The JSON is read whole, so a
+    tag inside one of its strings is text; the next block is looked for after a call, or after the tag of a block
+    that is none."""
+    start = reply.find(OPEN, position)
     while start >= 0:
         call, end, closed = None, start + len(OPEN), False
         try:

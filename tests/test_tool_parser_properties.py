@@ -181,13 +181,17 @@ def test_the_calls_that_stream_begin_the_calls_read(text: str, cuts: list[int], 
     after the last one is none of a call's)."""
     parser = HermesToolParser(opened_in_prompt=opened)
     calls, sent = parser.parse(text, []).tool_calls, 0
-    for cut in [*sorted({min(c, len(text)) for c in cuts}), len(text)]:
+    ordered = [*sorted({min(c, len(text)) for c in cuts}), len(text)]
+    for cut in ordered:
         reply = text[:cut]
         n = parser.streamed_calls(reply, [])
         assert sent <= n <= len(calls) and parser.parse(reply, []).tool_calls[:n] == calls[:n], (text, cut, n)
         sent = n
     if text.rstrip().endswith(CLOSE) and calls:
         assert sent == len(calls), (text, sent)
+    for cut in [*ordered[::-1], *cuts]:  # in any order (the n replies of a request share their parser): as anew
+        assert parser.streamed_calls(text[:cut], []) == HermesToolParser(opened_in_prompt=opened).streamed_calls(
+            text[:cut], []), (text, cut)
 
 
 def test_a_think_tag_inside_a_call_named_while_reasoning_never_streams_a_call() -> None:
