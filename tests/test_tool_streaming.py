@@ -350,8 +350,11 @@ def test_calls_stream_once_read_and_join_into_the_last_outputs_calls(tiny_model:
     llm = llm_with(tiny_model, template, "each-e")
     prompt, params = ChatPrompt.of(CHAT, tools=TOOLS), SamplingParams(max_tokens=24, temperature=0.0)
     sampled = dataclasses.replace(params, temperature=1.0, seed=3, n=2)
-    for more in (params, sampled):
-        deltas = list(llm.engine.stream(prompt, more))
+    held = dataclasses.replace(sampled, stop=["e never written"])  # an "e" that ends the text so far is held back
+    spec = llm_with(tiny_model, template, "each-e", proposer="ngram", num_speculative_tokens=3)
+    for engine, more in ((llm.engine, params), (llm.engine, sampled), (llm.engine, held),
+                         (spec.engine, dataclasses.replace(params, max_tokens=48))):
+        deltas = list(engine.stream(prompt, more))
         for index in range(more.n):
             parts, text, streamed = parts_of(deltas, index), "", []
             for c in parts[:-1]:
@@ -363,6 +366,7 @@ def test_calls_stream_once_read_and_join_into_the_last_outputs_calls(tiny_model:
             assert streamed + parts[-1].new_tool_calls == parts[-1].tool_calls  # ids too
             assert called(parts[-1].tool_calls) == [("rest", {"at": at}) for at in e_places(whole)]
             assert len({call.id for call in parts[-1].tool_calls}) == len(parts[-1].tool_calls)
+    assert spec.engine.stats.spec_accepted > 0
     rid = llm.engine.add_request(prompt, dataclasses.replace(params, ignore_eos=True))
     taken: list[Any] = []
     while not any(c.new_tool_calls for c in taken):
