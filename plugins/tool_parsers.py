@@ -11,11 +11,13 @@ them out in the text it reads (``written_tags``). Each says how much of a reply 
 reply has ended (``streamed_content``): hermes and mistral the text before their first tag (hermes's after the
 reasoning's end: a tag named while reasoning does not stop the stream); llama3-json and pythonic, whose replies
 are all calls or all content, the whole text once its first characters are no call's, else nothing until the reply
-is read. hermes streams each call once its closing tag is out (``streamed_calls``); the others' calls come with
-the reply's last output (a later call that does not parse would make their whole reply text)."""
+is read. hermes streams each call once its closing tag is out (``streamed_calls``), mistral each of its tagged
+calls once the next begins; the others' calls come with the reply's last output (a later call that does not parse
+would make their whole reply text)."""
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import re
 import secrets
@@ -193,10 +195,13 @@ def _after_reasoning(text: str, opened_in_prompt: bool | None = None) -> int | N
 class MistralToolParser(ToolParser):
     """The content, then ``[TOOL_CALLS]`` and the calls: a JSON list of ``{"name": ..., "arguments": {...}}``
     (mistral-common's tokenizers up to v7), or ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11 on; a
-    ``[CALL_ID]id`` may come before ``[ARGS]``). Anything after the calls, or a call that does not parse, leaves
-    the whole reply as text. Each call's id is the model's own where it wrote one of 9 letters and digits, else a
-    new one of that form: Mistral's templates refuse any other in the next turn (as vLLM does, its issue 9019).
-    ``written_tags`` as for hermes: Mistral's tokenizers mark the three tags special."""
+    ``[CALL_ID]id`` may come before ``[ARGS]``). In the list, anything after the calls, or a call that does not
+    parse, leaves the whole reply as text; of the segments, one that is no call is text of the content (after the
+    text before the calls), the others calls. Each call's id is the model's own where it wrote one of 9 letters
+    and digits, else a new one of that form: Mistral's templates refuse any other in the next turn (as vLLM does,
+    its issue 9019). The content streams up to the first tag; the segments' calls each once the next
+    ``[TOOL_CALLS]`` begins, up to the first segment that is no call yet. ``written_tags`` as for hermes:
+    Mistral's tokenizers mark the three tags special."""
 
     def __init__(self, written_tags: Mapping[int, str] | None = None) -> None:
         self.written_tags = dict(written_tags or {})
@@ -205,11 +210,23 @@ class MistralToolParser(ToolParser):
         content, tag, rest = text.partition(TOOL_CALLS)
         if not tag:
             return ParsedReply(text)
-        calls = _mistral_list(rest) if rest.lstrip().startswith("[") else _mistral_tagged(rest)
-        return ParsedReply(content.rstrip(), calls) if calls else ParsedReply(text)
+        if rest.lstrip().startswith("["):
+            calls, unread = _mistral_list(rest), ""
+        else:
+            segments = list(_mistral_segments(rest))
+            calls = tuple(call for _, call, _ in segments if call is not None)
+            unread = "".join(TOOL_CALLS + segment for segment, call, _ in segments if call is None)
+        return ParsedReply(content.rstrip() + unread, calls) if calls else ParsedReply(text)
 
     def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
         return _content_before(text, TOOL_CALLS)
+
+    def streamed_calls(self, text: str, token_ids: Sequence[int]) -> int:
+        _, tag, rest = text.partition(TOOL_CALLS)
+        if not tag or rest.lstrip().startswith("["):  # the list is read whole
+            return 0
+        closed = itertools.takewhile(lambda segment: segment[1] is not None and segment[2], _mistral_segments(rest))
+        return sum(1 for _ in closed)  # not past a segment that is no call yet: its JSON may come to hold the next
 
 
 def _mistral_list(rest: str) -> tuple[ToolCall, ...]:
@@ -226,22 +243,40 @@ def _mistral_list(rest: str) -> tuple[ToolCall, ...]:
     return tuple(replace(call, id=_mistral_id(item.get("id"))) for call, item in zip(calls, value))  # type: ignore
 
 
-def _mistral_tagged(rest: str) -> tuple[ToolCall, ...]:
-    """The calls of ``name[ARGS]{...}`` segments, each after a ``[TOOL_CALLS]``; () for anything else."""
-    calls = []
-    for segment in rest.split(TOOL_CALLS):
-        head, tag, arguments = segment.partition(ARGS)
-        name, _, own_id = (part.strip() for part in head.partition(CALL_ID))
-        if not tag or not FUNCTION_NAME.fullmatch(name):
-            return ()
-        try:
-            value, end = DECODER.raw_decode(arguments, _skip_space(arguments, 0))
-        except (ValueError, RecursionError):
-            return ()
-        if not isinstance(value, Mapping) or arguments[end:].strip() or (call := _json_call(name, value)) is None:
-            return ()
-        calls.append(replace(call, id=_mistral_id(own_id)))
-    return tuple(calls)
+def _mistral_segments(rest: str) -> Iterator[tuple[str, ToolCall | None, bool]]:
+    """The segments of ``rest`` (what follows a reply's first ``[TOOL_CALLS]``), each the text up to the next tag:
+    its text, its call (None: text), and whether a tag follows it. A call's JSON is read whole, so a tag in one of
+    its strings is text; a segment that is no call ends at the next tag."""
+    position = 0
+    while True:
+        call, end = _mistral_call(rest, position)
+        if call is None:
+            end = rest.find(TOOL_CALLS, position)
+            end = len(rest) if end < 0 else end
+        yield rest[position:end], call, end < len(rest)
+        if end == len(rest):
+            return
+        position = end + len(TOOL_CALLS)
+
+
+def _mistral_call(rest: str, start: int) -> tuple[ToolCall | None, int]:
+    """The call ``name[CALL_ID]id[ARGS]{...}`` at ``start``, followed by space and then the next ``[TOOL_CALLS]``
+    or the end, and where it ends; (None, start) for anything else."""
+    args, tag = rest.find(ARGS, start), rest.find(TOOL_CALLS, start)
+    if args < 0 or 0 <= tag < args:
+        return None, start
+    name, _, own_id = (part.strip() for part in rest[start:args].partition(CALL_ID))
+    if not FUNCTION_NAME.fullmatch(name):
+        return None, start
+    try:
+        value, end = DECODER.raw_decode(rest, _skip_space(rest, args + len(ARGS)))
+    except (ValueError, RecursionError):
+        return None, start
+    end = _skip_space(rest, end)
+    if not isinstance(value, Mapping) or not (end == len(rest) or rest.startswith(TOOL_CALLS, end)) or (
+            call := _json_call(name, value)) is None:
+        return None, start
+    return replace(call, id=_mistral_id(own_id)), end
 
 
 def _mistral_id(own: object) -> str:

@@ -204,3 +204,43 @@ def test_a_think_tag_inside_a_call_named_while_reasoning_never_streams_a_call() 
     assert parser.parse(text, []).tool_calls == (ToolCall("now", {}),)
     streamed = [parser.streamed_calls(text[:cut], []) for cut in range(len(text) + 1)]
     assert max(streamed[: text.index("then")]) == 0 and streamed[-1] == 1
+
+
+TAGGED = st.builds(lambda a, calls, b, c: (a + "".join(f"{TOOL_CALLS}{call.name}{ARGS}{json.dumps(call.arguments)}"
+                                                  for call in calls) + b + c, len(calls) - (not b and not c)),
+                   PROSE, st.lists(CALLS, min_size=1, max_size=3),
+                   st.sampled_from(["", f"{TOOL_CALLS}oops", f"{TOOL_CALLS}x{ARGS}["]),
+                   st.sampled_from(["", f"{TOOL_CALLS}now{ARGS}{{}}"]))  # (reply, the calls that stream before it ends)
+
+
+@settings(max_examples=300, deadline=None)
+@given(REPLIES | TAGGED.map(lambda built: built[0]), st.lists(st.integers(0, 400), max_size=12))
+def test_the_mistral_calls_that_stream_begin_the_calls_read(text: str, cuts: list[int]) -> None:
+    """mistral's streamed calls, at any cut, grow and begin the calls of the whole reply (names and arguments: ids
+    it makes up anew each time)."""
+    parser = MistralToolParser()
+    calls, sent = [(c.name, c.arguments) for c in parser.parse(text, []).tool_calls], 0
+    for cut in [*sorted({min(c, len(text)) for c in cuts}), len(text)]:
+        n = parser.streamed_calls(text[:cut], [])
+        read = [(c.name, c.arguments) for c in parser.parse(text[:cut], []).tool_calls]
+        assert sent <= n <= len(calls) and read[:n] == calls[:n], (text, cut, n)
+        sent = n
+
+
+@settings(max_examples=100, deadline=None)
+@given(TAGGED)
+def test_mistral_streams_each_tagged_call_once_the_next_tag_begins(built: tuple[str, int]) -> None:
+    """Before the reply ends, every call a tag follows has streamed, up to a segment that is no call."""
+    text, streams = built
+    assert MistralToolParser().streamed_calls(text, []) == streams
+
+
+def test_a_tag_inside_a_mistral_calls_string_never_streams_a_call() -> None:
+    """A tag in a call's JSON string is text; until that JSON is whole, what follows the tag reads as a segment of
+    its own (here a call, as mistral's need no quotes), yet no cut streams it."""
+    text = f'{TOOL_CALLS}say{ARGS}{{"text": "{TOOL_CALLS}now{ARGS}{{}}{TOOL_CALLS}x"}}{TOOL_CALLS}now{ARGS}{{}}'
+    parser = MistralToolParser()
+    assert [(c.name, c.arguments) for c in parser.parse(text, []).tool_calls] == [
+        ("say", {"text": f"{TOOL_CALLS}now{ARGS}{{}}{TOOL_CALLS}x"}), ("now", {})]
+    streamed = [parser.streamed_calls(text[:cut], []) for cut in range(len(text) + 1)]
+    assert max(streamed[: text.index('x"}') + 3]) == 0 and streamed[-1] == 1

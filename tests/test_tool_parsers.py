@@ -126,6 +126,10 @@ def test_pythonic_reads_llama_3_2_and_4_replies_without_running_them(text: str, 
      (WEATHER,)),
     ("It is sunny.", "It is sunny.", ()),
     ('[TOOL_CALLS]now[ARGS]{"a": 1} and more', '[TOOL_CALLS]now[ARGS]{"a": 1} and more', ()),
+    # a segment that is no call is text of the content, the calls around it calls (streamed calls stand)
+    ('[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]oops[TOOL_CALLS]weather[ARGS]{"city": "Oslo", "days": [1, 2]}',
+     "[TOOL_CALLS]oops", (NOW, WEATHER)),
+    ('Hi. [TOOL_CALLS]now[ARGS]{"a": 1} x[TOOL_CALLS]now[ARGS]{}', 'Hi.[TOOL_CALLS]now[ARGS]{"a": 1} x', (NOW,)),
     ('[TOOL_CALLS]now[ARGS]{"a": ', '[TOOL_CALLS]now[ARGS]{"a": ', ()),  # cut by max_tokens
     ('[TOOL_CALLS]now{"a": 1}', '[TOOL_CALLS]now{"a": 1}', ()),  # no [ARGS]
     ('[TOOL_CALLS]get weather[ARGS]{}', '[TOOL_CALLS]get weather[ARGS]{}', ()),  # not a function name

@@ -422,14 +422,24 @@ def test_a_streamed_calls_that_breaks_its_contract_fails_the_request_naming_it(
     assert not llm.engine.has_unfinished() and not llm.engine.requests
 
 
-def test_hermes_streams_each_call_once_its_closing_tag_is_out(tiny_model: Path, template: Path) -> None:
-    """hermes end to end on a reply a regex forces into its format: each call comes in the first output whose text
-    closes its block (the reference: the text so far), before the reply ends."""
-    calls = [ToolCall("rest", {"note": "a"}), ToolCall("rest", {"note": "b c"})]
-    reply = "Hi.\n" + "".join(f'<tool_call>{json.dumps({"name": c.name, "arguments": c.arguments})}</tool_call>'
-                              for c in calls)
+FORMATS = {  # a reply of the calls in a shipped parser's format, and how many of them a text so far has finished
+    "hermes": (lambda calls: "Hi.\n" + "".join(f'<tool_call>{json.dumps({"name": c.name, "arguments": c.arguments})}'
+                                              "</tool_call>" for c in calls), lambda text: text.count("</tool_call>")),
+    "mistral": (lambda calls: "Hi." + "".join(f"[TOOL_CALLS]{c.name}[ARGS]{json.dumps(c.arguments)}" for c in calls),
+                lambda text: max(text.count("[TOOL_CALLS]") - 1, 0)),  # one finishes where the next begins
+}
+
+
+@pytest.mark.parametrize("parser", FORMATS)
+def test_the_shipped_parsers_stream_each_call_once_it_is_finished(tiny_model: Path, template: Path, parser: str
+                                                                  ) -> None:
+    """hermes and mistral end to end on a reply a regex forces into their format: each call comes in the first
+    output whose text finishes it (the reference: the text so far), before the reply ends."""
+    calls = [ToolCall("rest", {"note": "a"}), ToolCall("rest", {"note": "b c"}), ToolCall("rest", {"note": "d"})]
+    written, finished = FORMATS[parser]
+    reply = written(calls)
     llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=64, chat_template=str(template),
-              tool_parser="hermes")
+              tool_parser=parser)
     params = SamplingParams(max_tokens=len(reply) + 8, temperature=0.0, structured_output=StructuredOutput(
         regex=re.escape(reply)))
     parts = parts_of(list(llm.engine.stream(ChatPrompt.of(CHAT, tools=TOOLS), params)))
@@ -437,7 +447,7 @@ def test_hermes_streams_each_call_once_its_closing_tag_is_out(tiny_model: Path, 
     for c in parts:
         text += c.text
         streamed += c.new_tool_calls
-        assert called(streamed) == called(calls[: text.count("</tool_call>")]), text
+        assert called(streamed) == called(calls[: finished(text) if c is not parts[-1] else 3]), text
     assert text == reply and parts[-1].content == "Hi." and streamed == parts[-1].tool_calls
     assert any(c.new_tool_calls for c in parts[:-1])  # the first call before the last output
 
