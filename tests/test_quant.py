@@ -125,6 +125,8 @@ def test_nibble_layout_matches_the_format() -> None:
 def test_pack_rejects_out_of_range() -> None:
     with pytest.raises(ValueError, match=r"\[0, 15\]"):
         awq.pack_int4(torch.full((1, 8), 16))
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):  # a negative value would carry into the next nibbles
+        awq.pack_int4(torch.full((1, 8), -1))
     with pytest.raises(ValueError, match="multiple of 8"):
         awq.pack_int4(torch.zeros(1, 7, dtype=torch.int32))
 
@@ -132,7 +134,8 @@ def test_pack_rejects_out_of_range() -> None:
 # ---------------------------------------------------------------- AWQ RTN and dequantization
 @pytest.mark.parametrize("group", [32, 64, 128, -1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("chunk_elements", [1, 256 * 16 + 7, 1 << 22], ids=["8-rows", "16-rows", "one-chunk"])
+@pytest.mark.parametrize("chunk_elements", [1, 256 * 12, 256 * 16 + 7, 1 << 22],
+                         ids=["8-rows", "12-rows-rounded-to-8", "16-rows", "one-chunk"])
 def test_rtn_error_is_at_most_half_a_step(group: int, dtype: torch.dtype, chunk_elements: int) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(24, 256, generator=g)
@@ -195,6 +198,34 @@ def test_rtn_rejects_bad_shapes() -> None:
         awq.quantize_rtn(torch.randn(8, 96), 128)
     with pytest.raises(CheckpointError, match="out_features divisible by 8"):
         awq.quantize_rtn(torch.randn(12, 64), 32)
+    for bad in (0, -2):  # -1 is the only group size below 1 (one group over the whole input)
+        with pytest.raises(CheckpointError, match=f"group_size {bad} does not divide in_features 64"):
+            awq.quantize_rtn(torch.randn(8, 64), bad)
+
+
+def test_rtn_refuses_a_group_whose_scale_overflows_fp16() -> None:
+    """The scale (max - min) / 15 is stored in fp16, whose largest value is 65504: a group spanning more than
+    15 * 65504 has no scale, and quantizing it would store inf."""
+    w = torch.randn(8, 64)
+    w[3, 7] = 2e6
+    with pytest.raises(CheckpointError, match="overflows the fp16 AWQ scales"):
+        awq.quantize_rtn(w, 32)
+    w[3, 7] = 0.99 * 15 * 65504  # just inside the range
+    _, _, scales = awq.quantize_rtn(w, 32)
+    assert bool(scales.isfinite().all())
+
+
+def test_dequantize_refuses_tensors_that_do_not_fit_the_group_size() -> None:
+    """qzeros and scales hold one row per group of group_size inputs; any other shape is a malformed checkpoint,
+    never broadcast over the groups."""
+    _, state = awq_state(16, 128, 64)
+    qweight, qzeros, scales = state["qweight"], state["qzeros"], state["scales"]
+    with pytest.raises(CheckpointError, match=r"inconsistent AWQ tensors for group_size 64.*qzeros \(1, 2\)"):
+        awq.dequantize(qweight, qzeros[:1], scales, 64)  # one row of zero points for two groups
+    with pytest.raises(CheckpointError, match=r"inconsistent AWQ tensors for group_size 64.*scales \(1, 16\)"):
+        awq.dequantize(qweight, qzeros, scales[:1], 64)
+    with pytest.raises(CheckpointError, match="inconsistent AWQ tensors for group_size 48"):
+        awq.dequantize(qweight, qzeros, scales, 48)  # 128 // 48 = 2 rows, but 48 does not divide 128
 
 
 # ---------------------------------------------------------------- AWQ config validation
@@ -215,6 +246,8 @@ def test_parse_awq_config_accepts_both_spellings() -> None:
     ({"bits": 8}, "bits must be 4, got 8"),
     ({"group_size": 100}, "group_size must be one of -1, 32, 64, 128, got 100"),
     ({"zero_point": False}, "zero_point must be true"),
+    ({"zero_point": 0}, "zero_point must be true"),  # only true means asymmetric
+    ({"zero_point": "false"}, "zero_point must be true"),
     ({"quant_method": "gptq"}, "quantized with 'gptq'"),
     ({"modules_to_not_convert": "lm_head"}, "must be a list"),
     ({"modules_to_not_convert": 5}, "must be a list of module names, got 5"),  # was a TypeError
@@ -354,6 +387,22 @@ def test_on_load_linears_move_before_loading_and_refuse_a_second_weight(method: 
         layer.load("weight", weight)
 
 
+@pytest.mark.parametrize("method", [AwqLinearMethod(64, quantize_on_load=True), Fp8LinearMethod(None)],
+                         ids=["awq", "fp8"])
+def test_on_load_linears_refuse_a_weight_of_another_shape_or_type(method: object) -> None:
+    """A float weight quantized on load is checked first: another shape would quantize into tensors of the wrong
+    size, integer or fp8 data is a quantized layout the config does not describe."""
+    layer = make_linear(method, 128, 64)
+    with pytest.raises(CheckpointError, match=r"shape mismatch for model.layers.0.mlp.up_proj.weight: "
+                                              r"checkpoint \(64, 64\), model \(64, 128\)"):
+        layer.load("weight", torch.randn(64, 64))
+    for dtype in (torch.int8, torch.int32, torch.float8_e4m3fn):
+        name = str(dtype).removeprefix("torch.")
+        with pytest.raises(CheckpointError, match=f"'model.layers.0.mlp.up_proj.weight' is {name}, where infer "
+                                                  "expects float weights"):
+            layer.load("weight", torch.zeros(64, 128).to(dtype))
+
+
 def test_awq_linear_errors() -> None:
     method = AwqLinearMethod(group_size=128)
     with pytest.raises(CheckpointError, match="group_size 128 does not divide in_features 96.*'blk.proj'"):
@@ -365,6 +414,14 @@ def test_awq_linear_errors() -> None:
         layer.load("qweight", torch.zeros(16, 16, dtype=torch.int32))
     with pytest.raises(CheckpointError, match="qzeros must be int32"):
         layer.load("qzeros", torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(CheckpointError, match="qweight must be int32, got torch.int64"):  # copy_ would truncate it
+        layer.load("qweight", torch.zeros(128, 2, dtype=torch.int64))
+    with pytest.raises(CheckpointError, match="scales must be floating point, got torch.int32"):
+        layer.load("scales", torch.ones(1, 16, dtype=torch.int32))
+    # 3 rows of zero points imply no group size over 128 inputs: a plain shape mismatch, not a wrong group_size
+    with pytest.raises(CheckpointError, match=r"^shape mismatch for model.layers.0.mlp.up_proj.qzeros: "
+                                              r"checkpoint \(3, 2\), model \(1, 2\)$"):
+        layer.load("qzeros", torch.zeros(3, 2, dtype=torch.int32))
     for name, dtype in (("qzeros", torch.int32), ("scales", torch.float16)):  # rows of group 32, config says 128
         with pytest.raises(CheckpointError, match=f"{name} has 4 group rows, i.e. group_size 32 over 128 inputs, "
                                                   "but quantization_config.group_size is 128; correct"):
@@ -384,6 +441,47 @@ def test_awq_linear_errors() -> None:
     on_load = AwqLinearMethod(quantize_on_load=True)
     with pytest.raises(CheckpointError, match="declares no AWQ quantization_config"):
         make_linear(on_load, 128, 16).load("qweight", torch.zeros(128, 2, dtype=torch.int32))
+    biased = make_linear(method, 128, 16, bias=True)
+    for name, tensor in awq_state(16, 128, 128)[1].items():
+        biased.load(name, tensor)
+    with pytest.raises(CheckpointError, match="missing bias for layer 'model.layers.0.mlp.up_proj'"):
+        method.process_after_loading(biased)  # else the bias would be torch.empty's leftovers
+
+
+def test_awq_linear_uses_the_checkpoint_scales_as_stored() -> None:
+    """Scales a checkpoint stores in fp32 are used as they are (the dequantized weight is (q - z) * s from the
+    format's nibble layout): rounding them to fp16 on load would move every weight."""
+    method = AwqLinearMethod(group_size=64)
+    layer = make_linear(method, 128, 32)
+    _, state = awq_state(32, 128, 64, seed=5)
+    scales = torch.rand(2, 32) * 0.1 + 0.01
+    assert not torch.equal(scales.half().float(), scales)
+    for name, tensor in {**state, "scales": scales}.items():
+        layer.load(name, tensor)
+    method.process_after_loading(layer)
+    assert layer.scales.dtype == torch.float32
+    q, z = naive_unpack(state["qweight"]), naive_unpack(state["qzeros"]).repeat_interleave(64, dim=0)
+    w = (q - z).double() * scales.double().repeat_interleave(64, dim=0)  # [in, out]
+    x = torch.randn(3, 128)
+    expected = x.double() @ w
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_awq_parts_merge_only_with_one_group_size() -> None:
+    """Parts merge by concatenating their packed columns, which keeps each part's rows of zero points and scales
+    only when their group sizes agree."""
+    parts = []
+    for i, group in enumerate((64, 64, 32)):
+        method = AwqLinearMethod(group_size=group)
+        part = make_linear(method, 128, 16, prefix=f"model.layers.0.self_attn.{'qkv'[i]}_proj")
+        for name, tensor in awq_state(16, 128, group, seed=i)[1].items():
+            part.load(name, tensor)
+        method.process_after_loading(part)
+        parts.append(part)
+    x = torch.randn(3, 128)
+    merged = Linear.merged(parts[:2], "qk")
+    assert merged is not None and torch.equal(merged(x), torch.cat([parts[0](x), parts[1](x)], dim=-1))
+    assert Linear.merged(parts, "qkv") is None
 
 
 def test_awq_skips_lm_head_and_modules_to_not_convert() -> None:
@@ -403,6 +501,8 @@ def test_awq_plugin_factory(caplog: pytest.LogCaptureFixture) -> None:
                                   {**GOOD_AWQ, "group_size": 64, "modules_to_not_convert": ["visual"]})
     assert isinstance(loaded, AwqLinearMethod) and not loaded.quantize_on_load
     assert (loaded.group_size, loaded.modules_to_not_convert, loaded.fused_max_rows) == (64, ("visual",), 8)
+    rows = awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"fused_max_rows": 0}}), None)  # on load too
+    assert isinstance(rows, AwqLinearMethod) and rows.quantize_on_load and rows.fused_max_rows == 0
     with pytest.raises(CheckpointError, match="gemv"):
         awq_plugin.build_awq(EngineConfig(), {**GOOD_AWQ, "version": "gemv"})
     small = awq_plugin.build_awq(EngineConfig(plugin_options={"awq": {"group_size": 32}}), None)
@@ -524,6 +624,16 @@ def test_parse_compressed_tensors_presets() -> None:
     fused = {"config_groups": {"v": {**rotation, "apply": rotation["apply"][1:]}}}
     assert fp8.parse_compressed_tensors(ct_config({"strategy": "channel"}, None, transform_config=fused)) == \
         fp8.parse_compressed_tensors(ct_config({"strategy": "channel"}, None))  # in the weights: nothing to apply
+    naive = {**FP8_DYNAMIC_CFG, "format": "naive-quantized",  # the library's other format for fp8 values
+             "config_groups": {"group_0": {**FP8_DYNAMIC_CFG["config_groups"]["group_0"],  # type: ignore[dict-item]
+                                           "format": None}}}
+    assert fp8.parse_compressed_tensors(naive) == dyn
+
+
+def with_group(config: dict[str, object], **changes: object) -> dict[str, object]:
+    """``config`` with its one config group changed."""
+    group = config["config_groups"]["group_0"]  # type: ignore[index]
+    return {**config, "config_groups": {"g": {**group, **changes}}}
 
 
 @pytest.mark.parametrize("config, message", [
@@ -534,6 +644,18 @@ def test_parse_compressed_tensors_presets() -> None:
     (ct_config({"strategy": "channel"}, None, quantization_status="frozen"), "save the model compressed"),
     (ct_config({"strategy": "channel"}, None, transform_config=ROTATED), r"rotates input at run time \(QuIP"),
     (ct_config({"strategy": "channel"}, None, transform_config={"config_groups": [1]}), "unreadable transform"),
+    (ct_config({"strategy": "channel"}, None, transform_config={"config_groups": {"v": {"type": "hadamard", "apply": [
+        {"targets": ["Linear"], "location": "output", "inverse": False}]}}}), r"rotates output at run time"),
+    (ct_config({"strategy": "channel", "num_bits": 4}, None), "'float' with 4 bits, not 8-bit float"),
+    (ct_config({"strategy": "channel", "symmetric": False}, None), "group 'group_0' weights are asymmetric"),
+    (ct_config({"strategy": "channel"}, {"strategy": "token", "dynamic": True, "symmetric": False}),
+     "group 'group_0' input_activations are asymmetric"),
+    (ct_config({"strategy": "channel", "dynamic": True}, None), r"weights use strategy 'channel' \(dynamic=True\)"),
+    (with_group(FP8_DYNAMIC_CFG, output_activations={"num_bits": 8, "type": "float", "strategy": "token"}),
+     "group 'g' quantizes output activations"),
+    (with_group(FP8_DYNAMIC_CFG, targets=[]), r"group 'g' needs a non-empty list of targets, got \[\]"),
+    (with_group(FP8_DYNAMIC_CFG, targets=[5]), r"group 'g' needs a non-empty list of targets, got \[5\]"),
+    (ct_config({"strategy": "channel"}, None, ignore=["lm_head", 5]), "ignore must be a list of module names"),
     ({**ct_config({"strategy": "channel"}, None), "config_groups": {}}, "config_groups is missing"),
     ({"quant_method": "awq", "bits": 4}, "quantized with 'awq'"),
     # were a TypeError and re.error, reported as bugs in infer
@@ -673,6 +795,13 @@ def test_fp8_linear_errors() -> None:
         layer.load("input_scale", torch.ones(1))
     with pytest.raises(CheckpointError, match="asymmetric FP8"):
         layer.load("weight_zero_point", torch.ones(32, 1))
+    with pytest.raises(CheckpointError, match="weight_zero_point is not zero; asymmetric FP8"):  # one is enough
+        layer.load("weight_zero_point", torch.eye(32)[0].reshape(32, 1))
+    with pytest.raises(CheckpointError, match=r"weight_scale has shape \(32,\) \(torch.int32\)"):
+        layer.load("weight_scale", torch.ones(32, dtype=torch.int32))
+    with pytest.raises(CheckpointError, match=r"shape mismatch for model.layers.0.mlp.up_proj.weight: "
+                                              r"checkpoint \(1, 64\), model \(32, 64\)"):  # not broadcast
+        layer.load("weight", torch.zeros(1, 64, dtype=torch.float8_e4m3fn))
     layer.load("weight", torch.zeros(32, 64, dtype=torch.float8_e4m3fn))
     with pytest.raises(CheckpointError, match="missing weight_scale"):
         method.process_after_loading(layer)
@@ -680,6 +809,40 @@ def test_fp8_linear_errors() -> None:
         make_linear(Fp8LinearMethod(), 64, 32).load("weight_scale", torch.ones(32))
     with pytest.raises(ConfigError, match="backend must be one of"):
         Fp8LinearMethod(backend="cutlass")
+    static = Fp8LinearMethod(fp8.parse_compressed_tensors(FP8_STATIC_CFG))
+    layer = make_linear(static, 64, 32)
+    layer.load("weight", torch.zeros(32, 64, dtype=torch.float8_e4m3fn))
+    layer.load("weight_scale", torch.ones(1))
+    with pytest.raises(CheckpointError, match="missing input_scale for layer"):  # static activations need their scale
+        static.process_after_loading(layer)
+
+
+@pytest.mark.parametrize("acts", [None, {"strategy": "tensor", "dynamic": True}],
+                         ids=["weight-only", "dynamic-per-tensor"])
+def test_fp8_weight_only_and_dynamic_per_tensor_schemes(acts: dict[str, object] | None) -> None:
+    """Weight-only: ``x @ (w_fp8 * s_w).T`` on x as it is. Dynamic per-tensor: x rounded to e4m3 on one scale,
+    max |x| over the whole batch / 448."""
+    method = Fp8LinearMethod(fp8.parse_compressed_tensors(ct_config({"strategy": "channel"}, acts)), "emulate")
+    layer = make_linear(method, 64, 32)
+    w_fp8 = (torch.randn(32, 64) * 100).to(fp8.FP8_DTYPE)
+    w_scale = torch.rand(32) * 0.01 + 1e-3
+    layer.load("weight", w_fp8)
+    layer.load("weight_scale", w_scale.reshape(32, 1))
+    method.process_after_loading(layer)
+    x = torch.randn(4, 64) * torch.tensor([0.01, 1.0, 30.0, 0.5])[:, None]  # token 0 far below the batch's max
+    used = x
+    if acts is not None:
+        s = x.abs().max() / 448
+        used = (x / s).clamp(-448, 448).to(fp8.FP8_DTYPE).float() * s
+    expected = used.double() @ (w_fp8.double() * w_scale.double()[:, None]).t()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_fp8_warns_that_the_checkpoint_kv_cache_scheme_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    kv_scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        fp8_plugin.build_fp8(EngineConfig(), {**FP8_STATIC_CFG, "kv_cache_scheme": kv_scheme})
+    assert any("kv_cache_scheme and its k/v scales are ignored" in r.message for r in caplog.records)
 
 
 # ---------------------------------------------------------------- AWQ calibration pieces
@@ -763,6 +926,49 @@ def test_kv_quantization_error_bound() -> None:
     assert bool(((back - x).abs() <= fp8_error_bound(x, scale[:, None])).all())
     clamped = kv_cache.quantize_kv(x * 4, scale)  # beyond the headroom: saturates, never inf or nan
     assert float(clamped.float().abs().max()) == 448
+
+
+def test_kv_scales_of_an_all_zero_head_stay_positive() -> None:
+    """A head whose calibration K (or V) is all zero still gets a positive scale, so that it stores zeros as zeros
+    (a zero scale would make them 0 / 0 = nan)."""
+    from infer.quant import kv_cache
+
+    scale = kv_cache.scales_from_amax(torch.tensor([0.0, 3.0]))
+    assert bool((scale > 0).all())
+    x = torch.zeros(5, 2, 8)
+    x[:, 1] = torch.randn(5, 8)
+    back = kv_cache.dequantize_kv(kv_cache.quantize_kv(x, scale), scale, torch.float32)
+    assert bool(back.isfinite().all()) and torch.equal(back[:, 0], x[:, 0])
+
+
+def test_dequantize_kv_rounds_the_exact_product_once() -> None:
+    """``stored * scale[h]`` is formed exactly (in fp32) and rounded once to the model dtype; scales with 20
+    significant bits keep the fp8 x scale products exact in fp32, and are no bf16 values."""
+    from infer.quant import kv_cache
+
+    stored = (torch.randn(64, 2, 16) * 50).to(torch.float8_e4m3fn)
+    raw = torch.tensor([0.0123, 1.7], dtype=torch.float64)
+    step = 2.0 ** (torch.floor(torch.log2(raw)) - 19)
+    scale = ((raw / step).round() * step).to(torch.float32)
+    assert not torch.equal(scale.to(torch.bfloat16).float(), scale)
+    expected = (stored.double() * scale.double()[:, None]).to(torch.bfloat16)
+    assert torch.equal(kv_cache.dequantize_kv(stored, scale, torch.bfloat16), expected)
+
+
+def test_kv_calibration_names_a_model_that_skips_the_observer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from infer.core.errors import PluginError
+    from infer.quant import kv_cache
+
+    def forward(model: object, samples: object, device: torch.device, observe: object) -> None:
+        for layer in (0, 2):  # layer 1 never reports its K and V
+            observe(layer, torch.ones(4, 2, 8), torch.ones(4, 2, 8))  # type: ignore[operator]
+
+    monkeypatch.setattr(kv_cache, "dense_forward", forward)
+    model = SimpleNamespace(spec=SimpleNamespace(num_layers=3))
+    with pytest.raises(PluginError, match="called the KV observer for 2 of its 3 attention layers"):
+        kv_cache.calibrate_kv_scales(model, [1, 2, 3], torch.device("cpu"))  # type: ignore[arg-type]
 
 
 def test_runner_keeps_fp8_scales_next_to_the_cache() -> None:

@@ -31,7 +31,7 @@ from infer.kernels.fp8_block import per_token_group_quant, w8a8_block_gemm  # no
 from infer.models.layers import Linear  # noqa: E402
 from infer.plugins.fp8 import build_fp8  # noqa: E402
 from infer.quant.fp8 import FP8_DTYPE  # noqa: E402
-from infer.quant.fp8_block import (BlockFp8Config, block_gemm_reference, dequantize_blocks,  # noqa: E402
+from infer.quant.fp8_block import (BlockFp8Config, block_gemm_reference, dequantize_blocks, k_tile,  # noqa: E402
                                    parse_block_fp8, quantize_per_token_group)
 from infer.quant.fp8_block_method import BlockFp8LinearMethod  # noqa: E402
 
@@ -145,6 +145,7 @@ def test_per_token_group_quantization_rounds_each_group_on_its_own_scale() -> No
     ({"modules_to_convert": ["model.embed_tokens"]}, "embeddings"),
     ({"weight_block_size": [128]}, "two positive integers"),
     ({"weight_block_size": [0, 128]}, "two positive integers"),
+    ({"weight_block_size": [True, 128]}, "two positive integers"),  # a JSON true is no size
     ({"modules_to_not_convert": "lm_head"}, "a list of module names"),
     ({"modules_to_not_convert": 5}, "a list of module names, got 5"),  # was a TypeError, "a bug in infer"
     ({"modules_to_not_convert": ["lm_head", "("]}, "entry '\\(' is not a valid regular expression"),
@@ -217,9 +218,14 @@ def test_a_layer_missing_its_scales_or_with_wrong_ones_is_named() -> None:
         loaded_layer(method, {"weight": torch.randn(48, 64), "weight_scale_inv": torch.ones(3, 2)})
     with pytest.raises(CheckpointError, match="weight is torch.int8"):
         loaded_layer(method, {"weight": torch.zeros(48, 64, dtype=torch.int8)})
+    for one_row in (weight[:1], torch.randn(1, 64)):  # fp8 or float: never broadcast over the layer's rows
+        with pytest.raises(CheckpointError, match=r"shape mismatch for model.layers.0.mlp.up_proj.weight: "
+                                                  r"checkpoint \(1, 64\), model \(48, 64\)"):
+            loaded_layer(method, {"weight": one_row, "weight_scale_inv": torch.ones(3, 2)})
 
 
-@pytest.mark.parametrize(("sizes", "merges"), [((32, 16, 16), True), ((24, 24), False)])
+@pytest.mark.parametrize(("sizes", "merges"), [((32, 16, 16), True), ((24, 24), False),
+                                                ((32, 20), True)])  # the last part may end in a partial block
 def test_parts_merge_only_along_whole_row_blocks(sizes: tuple[int, ...], merges: bool) -> None:
     method = BlockFp8LinearMethod(BlockFp8Config(BLOCK), backend="emulate")
     parts = [loaded_layer(method, {"weight": (torch.randn(n, 64) * 100).to(FP8_DTYPE),
@@ -241,6 +247,25 @@ def test_each_layer_gets_a_gemm_that_can_run_it() -> None:
     with pytest.raises(ConfigError, match="cannot run layer 'model.layers.0.mlp.up_proj': its weight scales group 8 "
                                           "inputs, and the Triton GEMM needs a multiple of 16"):
         Linear(64, 48, False, "model.layers.0.mlp.up_proj", triton, torch.float32)
+    at_minimum = BlockFp8LinearMethod(BlockFp8Config((16, 16)), backend="triton")  # 16: the interpreter's minimum
+    assert Linear(64, 48, False, "model.layers.0.mlp.up_proj", at_minimum, torch.float32).fp8_backend == "triton"
+
+
+def test_k_tile_is_the_largest_power_of_two_up_to_128_dividing_the_group() -> None:
+    for group in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384):
+        largest = max(t for t in (1, 2, 4, 8, 16, 32, 64, 128) if group % t == 0)
+        assert k_tile(group, native=True) == (largest if largest >= 32 else None), group
+        assert k_tile(group, native=False) == (largest if largest >= 16 else None), group
+
+
+def test_an_explicit_emulate_backend_is_kept_where_triton_could_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8.backend=emulate is obeyed on a GPU with FP8 tensor cores too, where auto picks the Triton GEMM."""
+    from infer.quant import fp8_block_method
+
+    monkeypatch.setattr(fp8_block_method, "has_fp8_tensor_cores", lambda device: True)
+    for backend, expected in (("emulate", "emulate"), ("auto", "triton")):
+        method = BlockFp8LinearMethod(BlockFp8Config((16, 32)), backend, torch.device("cuda"))
+        assert Linear(64, 48, False, "model.layers.0.mlp.up_proj", method, torch.float32).fp8_backend == expected
 
 
 # ---------------------------------------------------------------- the Triton kernels

@@ -109,6 +109,7 @@ WEIGHT_ONLY = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric
     [("FP8", ["re:.*down_proj$"]), ("FP8_DYNAMIC", ["Linear"])],
     [("FP8", ["re:.*mlp.*"]), ("FP8_DYNAMIC", ["re:.*_proj$"]), (WEIGHT_ONLY, ["model.layers.0.mlp.up_proj"])],
     [("FP8", ["Linear", "re:.*q_proj$"]), ("FP8_DYNAMIC", ["re:.*q_proj$"])],  # a target in two groups
+    [("FP8_DYNAMIC", ["Linear"]), ("FP8", [r"re:mlp\.down_proj$"])],  # re.match: a pattern matches from the start
 ])
 def test_overlapping_groups_resolve_as_the_library_resolves_them(groups: list[tuple[Any, list[str]]]) -> None:
     """When several groups target one linear, the library ranks the matches (exact path, patterns, class name);

@@ -344,6 +344,27 @@ def test_fp8_merges_per_tensor_scales_only_when_they_are_equal(plugins: PluginMa
     x = torch.randn(3, 16)
     merged = Linear.merged(parts[:2], "qk")
     assert torch.equal(merged(x), torch.cat([parts[0](x), parts[1](x)], dim=-1))
+    parts[1].input_scale.fill_(0.2)  # equal weight scales, but static input scales that differ: kept apart
+    assert Linear.merged(parts[:2], "qk") is None
+
+
+def test_fp8_parts_of_different_schemes_stay_apart() -> None:
+    """A merged linear runs one scheme: a part whose activations stay unquantized (weight-only) never merges
+    with one that rounds them to fp8 per token, although both hold per-channel weight scales."""
+    from infer.quant import fp8
+    from infer.quant.fp8_method import Fp8LinearMethod
+
+    weight_only = fp8.Fp8Scheme("channel", None)
+    method = Fp8LinearMethod(fp8.Fp8CheckpointConfig(((("re:.*q_proj$",), fp8.DYNAMIC), (("Linear",), weight_only))))
+    parts = []
+    for name in ("q_proj", "k_proj"):
+        part = Linear(16, 8, False, f"model.layers.0.self_attn.{name}", method, torch.float32)
+        part.load("weight", torch.randn(8, 16).to(fp8.FP8_DTYPE))
+        part.load("weight_scale", torch.rand(8) + 0.1)
+        method.process_after_loading(part)
+        parts.append(part)
+    assert [p.fp8_scheme for p in parts] == [fp8.DYNAMIC, weight_only]
+    assert Linear.merged(parts, "qk") is None
 
 
 def test_a_quant_method_without_merge_keeps_the_projections_apart(tiny_model: Path, infer_plugins: Any) -> None:
