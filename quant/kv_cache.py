@@ -36,7 +36,8 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 ``x`` [..., Hkv, D] -> ``x * scale[h]`` in ``dtype`` (the product is exact in fp32)."""
+    """fp8 ``x`` [..., Hkv, D] -> ``x * scale[h]`` in ``dtype``, through fp32 (a 4-bit significand times the
+    scale's 24 bits can need 28: rounded to fp32 first, where a scale has more than 20 significant bits)."""
     return (x.to(torch.float32) * scale[:, None]).to(dtype)
 
 
