@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import random
 import threading
 import time
@@ -89,6 +90,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
                             [SamplingParams(max_tokens=12, temperature=1.0), params, params])
     assert crowd[1].outputs[0].token_ids == alone
     assert crowd[2].outputs[0].token_ids != alone  # a different prompt with the same seed diverges
+    assert not engine.runner.sampler.seeded  # each finished sequence's generator was released
 
 
 def test_sampling_filters_follow_their_definitions():
@@ -116,6 +118,47 @@ def test_sampling_filters_follow_their_definitions():
     assert torch.equal(alone[0], beside[0]) and bool((alone[0] > 0).all())
 
 
+def hf_warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's distribution after HF transformers' warpers, in generate's order: temperature, top-k, top-p, min-p."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+    warpers += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
+    warpers += [MinPLogitsWarper(params.min_p)] if params.min_p else []
+    scores = logits[None].clone()
+    for warper in warpers:
+        scores = warper(None, scores)
+    return scores.softmax(dim=-1)[0]
+
+
+def test_each_rows_filters_equal_hf_warpers_whatever_the_other_rows_ask() -> None:
+    """One batch of rows with different filters (and rows with none): each row's distribution is HF's for its own
+    parameters, temperature first; a filter of one row touches no other."""
+    from infer.core.sampling import Sampler
+
+    rows = [SamplingParams(top_k=1), SamplingParams(), SamplingParams(temperature=0.5, top_k=5),
+            SamplingParams(temperature=2.0, top_p=0.5), SamplingParams(temperature=0.4, min_p=0.3),
+            SamplingParams(temperature=1.7), SamplingParams(top_k=20, top_p=0.9, min_p=0.05)]
+    logits = torch.randn(len(rows), 64, generator=torch.Generator().manual_seed(0)) * 2.0
+    probs = Sampler.filtered_probs(logits, rows)
+    for row, params in enumerate(rows):
+        expected = hf_warped(logits[row], params)
+        assert torch.equal(probs[row] > 0, expected > 0), params
+        assert torch.allclose(probs[row], expected, atol=1e-6), params
+
+
+def test_min_p_keeps_a_token_at_exactly_min_p_times_the_top_probability() -> None:
+    """HF's MinPLogitsWarper (and vLLM) drop only the tokens below min_p * the top probability."""
+    from infer.core.sampling import Sampler
+
+    logits = torch.tensor([[0.0, -math.log(2), -math.log(2), -3.0]])  # float32 softmax: p[1] == p[2] == p[0] / 2
+    probs = Sampler.filtered_probs(logits, [SamplingParams(min_p=0.5)])
+    assert torch.equal(probs[0] > 0, hf_warped(logits[0], SamplingParams(min_p=0.5)) > 0)
+    assert probs[0].tolist()[3] == 0.0 and probs[0, 1] == probs[0, 2] > 0
+
+
 def test_sampled_frequencies_match_the_distribution():
     from infer.core.sampling import Sampler
 
@@ -140,6 +183,25 @@ def test_logprobs_equal_log_softmax_of_hf_logits(engine, tiny_model):
     assert set(entry) == set(top.indices.tolist())  # greedy token is the top-1
     for token, value in zip(top.indices.tolist(), top.values.tolist()):
         assert entry[token] == pytest.approx(value, abs=1e-4)
+
+
+def test_each_row_of_a_batch_gets_the_number_of_logprobs_it_asked_for() -> None:
+    """Rows asking for 4, none, 0, 1 and 2 logprobs in one batch: each entry holds the row's own top-n of the raw
+    log-softmax and its sampled token, whatever the other rows ask."""
+    from infer.core.sampling import Sampler
+
+    widths = [4, None, 0, 1, 2]
+    params = [SamplingParams(temperature=2.0 if row % 2 else 0.0, logprobs=width) for row, width in enumerate(widths)]
+    logits = torch.randn(len(widths), 40, generator=torch.Generator().manual_seed(3)) * 2.0
+    out = Sampler(torch.device("cpu"), seed=0)(logits, params, [None] * len(widths))
+    logp = logits.log_softmax(dim=-1)
+    for row, (width, token, entry) in enumerate(zip(widths, out.token_ids, out.logprobs)):
+        if width is None:
+            assert entry is None
+            continue
+        assert entry is not None and set(entry) == {token, *logp[row].topk(width).indices.tolist()}, row
+        for candidate, value in entry.items():
+            assert value == pytest.approx(logp[row, candidate].item(), abs=1e-5)
 
 
 def test_sampled_logprobs_are_the_raw_distributions_at_every_position(engine, tiny_model):

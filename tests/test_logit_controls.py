@@ -110,6 +110,27 @@ def test_controls_under_async_scheduling_and_beside_speculation() -> None:
     assert speculated[0] == speculated[2] == 0 and speculated[1] > 0 and speculated[3] > 0
 
 
+def test_a_min_tokens_request_speculates_from_the_step_after_its_min_tokens_are_out() -> None:
+    """Before min_tokens tokens are out each step adds one token and verifies no drafts; the step that starts with
+    exactly min_tokens out is free of the control, so it verifies drafts (the shipped pair always proposes)."""
+    from infer.models.tiny import PRETRAINED_DIR
+
+    engine = Engine(EngineConfig(model=str(PRETRAINED_DIR / "target"), device="cpu", num_kv_blocks=64,
+                                 proposer="draft-model", num_speculative_tokens=3))
+    for min_tokens in (1, 3):
+        rid = engine.add_request("def fibonacci(n):\n", SamplingParams(max_tokens=TOKENS, temperature=0.0,
+                                                                         min_tokens=min_tokens))
+        seq = engine.requests[rid].seqs[0]
+        steps = []
+        while seq.num_output_tokens <= min_tokens:
+            engine.step()
+            steps.append((seq.num_output_tokens, seq.spec_proposed))
+        assert steps[:min_tokens] == [(k, 0) for k in range(1, min_tokens + 1)]
+        assert len(steps) == min_tokens + 1 and steps[-1][1] > 0, steps
+        while engine.has_unfinished():
+            engine.step()
+
+
 def test_many_controlled_requests_at_once_equal_each_alone(engine: Engine) -> None:
     """Eight penalized requests fill the controls' first table rows; four more arrive 4 steps later, so the table
     grows while the first rows hold counts; later requests reuse released rows. Each output equals the request's
@@ -269,6 +290,38 @@ def test_logprobs_stay_those_of_the_raw_distribution(engine: Engine) -> None:
                                                       stop_token_ids=[first]))[0].outputs[0]
     assert masked.token_ids[0] != first
     assert masked.logprobs[0] == pytest.approx(plain.logprobs[0])
+
+
+def test_a_min_tokens_row_beside_an_uncontrolled_row_is_masked_and_keeps_raw_logprobs(engine: Engine,
+                                                                                    hf: torch.nn.Module) -> None:
+    """A plain request, then one whose min_tokens masks the greedy token, in one batch: the second row (not the
+    batch's first) is masked, and its logprobs are HF's log-softmax of the raw logits (the controls work on a copy)."""
+    first = tokens(engine)[0]
+    masked_params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=3, min_tokens=2, stop_token_ids=[first])
+    outs = engine.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=2, temperature=0.0), masked_params])
+    masked = outs[1].outputs[0]
+    assert outs[0].outputs[0].token_ids[0] == first and masked.token_ids[0] != first
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0, -1].float().log_softmax(-1)
+    assert set(masked.logprobs[0]) == {*ref.topk(3).indices.tolist(), masked.token_ids[0]}
+    for token, value in masked.logprobs[0].items():
+        assert value == pytest.approx(ref[token].item(), abs=1e-4)
+
+
+def test_min_tokens_bans_what_the_logits_have_of_eos_ids_beyond_them() -> None:
+    """A checkpoint may name an EOS id past its vocabulary (the engine keeps generation_config's ids as they are):
+    before min_tokens the stop and EOS ids inside the logits are -inf, and nothing else changes."""
+    from infer.core.logit_controls import LogitControls
+    from infer.core.request import Sequence
+
+    vocab = 16
+    seq = Sequence(0, "a", [1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[5]), 0.0,
+                   eos_token_ids=frozenset({7, vocab + 100}))
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0))
+    out = LogitControls(torch.device("cpu")).apply(logits, [seq])
+    expected = logits.clone()
+    expected[0, [5, 7]] = float("-inf")
+    assert out is not None and torch.equal(out, expected)
 
 
 @pytest.mark.gpu
