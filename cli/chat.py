@@ -161,8 +161,13 @@ def _stream_reply(engine: Any, prompt: Any, params: Any) -> dict[str, Any]:
 
 
 def call_line(call: ToolCall) -> str:
-    return (f"infer: tool call {call.id}: {call.name}({json.dumps(call.arguments, ensure_ascii=False)}) (answer with "
-            f"/tool {call.id} RESULT)")
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return f"{listed_call(call.id, call.name, arguments)} (answer with /tool {call.id} RESULT)"
+
+
+def listed_call(call_id: str | None, name: str, arguments: str) -> str:
+    """A tool call as `infer chat` and `infer client` list it on stderr (``arguments``: its JSON text)."""
+    return f"infer: tool call {call_id}: {name}({arguments})"
 
 
 class ReplyEcho:

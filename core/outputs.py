@@ -192,9 +192,10 @@ def _split_delta(req: RequestState, i: int, completion: CompletionOutput,
     seq = req.seqs[i]
     if req.tool_parser is None:
         text = completion.text
-    else:
-        completion.new_tool_calls = _new_calls(req, i, seq, read)
-        text = _content_delta(req, i, seq, read)
+    else:  # the reply as far as it was output, its tags written out: what both parts read
+        reply = tagged_text(req.detoks[i].text[: req.emitted[i]], req.tag_marks[i])
+        completion.new_tool_calls = _new_calls(req, i, seq, reply, read)
+        text = _content_delta(req, i, seq, reply, read)
     if req.reasoning_streams is None or req.reasoned is not None and not req.reasoned(seq):
         completion.reasoning_text, completion.content_text = "", text  # all content, as a grammar held throughout
     else:
@@ -202,15 +203,15 @@ def _split_delta(req: RequestState, i: int, completion: CompletionOutput,
                                                                    req.parser_names[1])
 
 
-def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, list[ToolCall]] | None) -> str:
-    """Sequence i's new content outside tool calls: its text up to where the tool parser says a call may begin
-    (``streamed_content``); once the reply has ended, the rest of the content ``read`` gives (an aborted reply,
-    not read, is all content)."""
+def _content_delta(req: RequestState, i: int, seq: Sequence, reply: str,
+                   read: tuple[str, list[ToolCall]] | None) -> str:
+    """Sequence i's new content outside tool calls: its ``reply`` so far up to where the tool parser says a call
+    may begin (``streamed_content``); once the reply has ended, the rest of the content ``read`` gives (an aborted
+    reply, not read, is all content)."""
     assert req.tool_parser is not None
     sent, name = req.content_sent[i], _tool_parser_name(req)
     if sent < 0:  # the last output was built: read whole
         return ""
-    reply = _reply_so_far(req, i)
     if seq.is_finished:
         content = reply if read is None else read[0]
         if not content.startswith(reply[:sent]):
@@ -219,13 +220,7 @@ def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, li
                               "streamed_content()")
         req.content_sent[i] = -1
         return content[sent:]
-    try:
-        end = req.tool_parser.streamed_content(reply, seq.output_token_ids)
-    except InferError:
-        raise
-    except Exception as exc:
-        raise PluginError(f"the tool parser {name} raised {type(exc).__name__} in streamed_content(): {exc}; fix "
-                          "the plugin, or choose another --tool-parser") from exc
+    end = _asked(req, req.tool_parser.streamed_content, reply, seq.output_token_ids)
     if type(end) is not int or not 0 <= end <= len(reply):
         raise PluginError(f"streamed_content() of the tool parser {name} returned {end!r:.40} for a reply of "
                           f"{len(reply)} characters: not an int from 0 to its length; fix the plugin")
@@ -234,25 +229,18 @@ def _content_delta(req: RequestState, i: int, seq: Sequence, read: tuple[str, li
     return reply[sent:end]
 
 
-def _new_calls(req: RequestState, i: int, seq: Sequence, read: tuple[str, list[ToolCall]] | None
+def _new_calls(req: RequestState, i: int, seq: Sequence, reply: str, read: tuple[str, list[ToolCall]] | None
                ) -> list[ToolCall]:
-    """Sequence i's calls that no earlier output carried: those the tool parser says every reply that begins as this
-    one did holds (``streamed_calls``); once the reply has ended, the rest of the calls ``read`` gives (none for an
-    aborted reply, not read: the calls it streamed stand)."""
+    """Sequence i's calls that no earlier output carried: those the tool parser says every reply that begins as its
+    ``reply`` so far holds (``streamed_calls``); once the reply has ended, the rest of the calls ``read`` gives
+    (none for an aborted reply, not read: the calls it streamed stand)."""
     assert req.tool_parser is not None
     if req.content_sent[i] < 0:  # the last output was built
         return []
     sent, name = req.calls_sent[i], _tool_parser_name(req)
     if seq.is_finished:
         return [] if read is None else read[1][len(sent):]
-    reply = _reply_so_far(req, i)
-    try:
-        n = req.tool_parser.streamed_calls(reply, seq.output_token_ids)
-    except InferError:
-        raise
-    except Exception as exc:
-        raise PluginError(f"the tool parser {name} raised {type(exc).__name__} in streamed_calls(): {exc}; fix the "
-                          "plugin, or choose another --tool-parser") from exc
+    n = _asked(req, req.tool_parser.streamed_calls, reply, seq.output_token_ids)
     if type(n) is not int or n < 0:
         raise PluginError(f"streamed_calls() of the tool parser {name} returned {n!r:.40}, not a count of calls; "
                           "fix the plugin")
@@ -278,10 +266,16 @@ def _after_streamed(req: RequestState, i: int, calls: list[ToolCall]) -> list[To
     return sent + calls[len(sent):]
 
 
-def _reply_so_far(req: RequestState, i: int) -> str:
-    """Sequence i's text as far as it was output, its tool parser's tags written out."""
-    text = req.detoks[i].text
-    return tagged_text(text if req.emitted[i] == len(text) else text[: req.emitted[i]], req.tag_marks[i])
+def _asked(req: RequestState, method: Callable[[str, list[int]], object], reply: str, token_ids: list[int]
+           ) -> object:
+    """The tool parser's ``method`` of the reply so far; an exception from it a PluginError naming the parser."""
+    try:
+        return method(reply, token_ids)
+    except InferError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"the tool parser {_tool_parser_name(req)} raised {type(exc).__name__} in "
+                          f"{method.__name__}(): {exc}; fix the plugin, or choose another --tool-parser") from exc
 
 
 def _tool_parser_name(req: RequestState) -> str:

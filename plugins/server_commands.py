@@ -265,7 +265,9 @@ def list_tool_calls(calls: Any) -> None:
 
 def call_line(call: Any) -> str:
     """A gRPC ToolCall as `infer client` lists it."""
-    return f"infer: tool call {call.id}: {call.name}({call.arguments})"
+    from ..cli.chat import listed_call
+
+    return listed_call(call.id, call.name, call.arguments)
 
 
 def print_best_beam(conn: Any, prompt: Any, shown: str, **params: Any) -> None:

@@ -273,8 +273,19 @@ def test_speculative_outputs_stream_the_same_content(tiny_model: Path, template:
     ("disagrees", r"the tool parser 'disagrees' from 'tests' streamed .* as the start of the reply's content, but "
                   r"its parse\(\) "
                   r"gave the content .*; fix its streamed_content\(\)"),
+    ("raises-on-calls", r"the tool parser 'raises-on-calls' from 'tests' raised KeyError in streamed_calls\(\): "
+                        r"'no calls'"),
+    ("overcounts", r"streamed_calls\(\) of the tool parser 'overcounts' from 'tests' returned 1 for a reply so far "
+                   r"whose parse\(\) reads 0 calls"),
+    ("not-a-count", r"streamed_calls\(\) of the tool parser 'not-a-count' from 'tests' returned '\d+', not a count of "
+                    r"calls"),
+    ("moves", r"the tool parser 'moves' from 'tests' streamed the calls \[ToolCall\(name='rest', arguments="
+              r"\{'at': \d+, 'of': \d+\}.* as the reply's first, but its parse\(\) read the calls .*; fix its "
+              r"streamed_calls\(\)"),
+    ("no-prompt-parser", r"for_prompt\(\) of the tool parser 'no-prompt-parser' from 'tests' returned None, not a "
+                         r"ToolParser with the same written_tags"),
 ])
-def test_a_streamed_content_that_breaks_its_contract_fails_the_request_naming_it(
+def test_a_stream_method_that_breaks_its_contract_fails_the_request_naming_it(
         tiny_model: Path, template: Path, parser: str, complaint: str) -> None:
     llm = llm_with(tiny_model, template, parser)
     with pytest.raises(PluginError, match=complaint):
@@ -399,27 +410,6 @@ def test_calls_stream_once_read_and_join_into_the_last_outputs_calls(tiny_model:
         assert len({id_ for id_, _ in listed}) == len(listed)
 
     serve_engine(llm.engine, test)
-
-
-@pytest.mark.parametrize("parser, complaint", [
-    ("raises-on-calls", r"the tool parser 'raises-on-calls' from 'tests' raised KeyError in streamed_calls\(\): "
-                        r"'no calls'"),
-    ("overcounts", r"streamed_calls\(\) of the tool parser 'overcounts' from 'tests' returned 1 for a reply so far "
-                   r"whose parse\(\) reads 0 calls"),
-    ("not-a-count", r"streamed_calls\(\) of the tool parser 'not-a-count' from 'tests' returned '\d+', not a count of "
-                    r"calls"),
-    ("moves", r"the tool parser 'moves' from 'tests' streamed the calls \[ToolCall\(name='rest', arguments="
-              r"\{'at': \d+, 'of': \d+\}.* as the reply's first, but its parse\(\) read the calls .*; fix its "
-              r"streamed_calls\(\)"),
-    ("no-prompt-parser", r"for_prompt\(\) of the tool parser 'no-prompt-parser' from 'tests' returned None, not a "
-                         r"ToolParser with the same written_tags"),
-])
-def test_a_streamed_calls_that_breaks_its_contract_fails_the_request_naming_it(
-        tiny_model: Path, template: Path, parser: str, complaint: str) -> None:
-    llm = llm_with(tiny_model, template, parser)
-    with pytest.raises(PluginError, match=complaint):
-        llm.chat(CHAT, SamplingParams(max_tokens=24, temperature=0.0), tools=TOOLS)
-    assert not llm.engine.has_unfinished() and not llm.engine.requests
 
 
 FORMATS = {  # a reply of the calls in a shipped parser's format, and how many of them a text so far has finished
