@@ -306,6 +306,53 @@ def test_structured_sampling_with_speculation_draws_the_masked_target_distributi
         plain.generate([prompt], greedy)[0].outputs[0].token_ids
 
 
+def test_a_bad_mask_first_read_when_verifying_drafts_is_a_plugin_error(small_pair) -> None:
+    """The matcher state after a draft is first asked for its mask by the verification (ngram drafts unguided):
+    a mask that is not bool [V] there is the same PluginError naming the backend as on the plain path."""
+    from infer.core.errors import PluginError
+    from infer.core.interfaces import Grammar, GrammarMatcher, StructuredOutputBackend
+    from infer.core.plugins import PluginManager
+    from infer.core.request import StructuredOutput
+
+    class Matcher(GrammarMatcher):  # first token forced to 'b' (id 4), after it a mask one token short
+        def __init__(self, taken: int = 0) -> None:
+            self.taken = taken
+
+        def allowed(self) -> torch.Tensor:
+            if self.taken:
+                return torch.ones(len(SYMBOLS) - 1, dtype=torch.bool)
+            return torch.arange(len(SYMBOLS)) == 4
+
+        def advance(self, token_id: int) -> None:
+            self.taken += 1
+
+        def copy(self) -> GrammarMatcher:
+            return Matcher(self.taken)
+
+    class Backend(StructuredOutputBackend):
+        def compile(self, spec: Any) -> Grammar:
+            return type("Compiled", (Grammar,), {"matcher": lambda self: Matcher()})()
+
+    class Plugin:
+        @hookimpl
+        def register_structured_output_backends(self, register: Any) -> None:
+            register("short-after-one", lambda config, vocabulary: Backend())
+
+    target, _ = small_pair
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name="short-after-one")
+    engine = Engine(EngineConfig(model=str(target), device="cpu", proposer="ngram", num_speculative_tokens=2,
+                                 num_kv_blocks=64, enable_prefix_caching=False,
+                                 structured_output_backend="short-after-one",
+                                 plugin_options={"spec_decode": {"structured": True}}), plugins)
+    params = SamplingParams(max_tokens=4, structured_output=StructuredOutput(regex="any"))
+    engine.add_request([3, 4, 5, 3, 4, 5, 3], params)  # after the forced 'b', 'a b' recurs: ngram drafts 'c a'
+    engine.step()
+    with pytest.raises(PluginError, match=r"'short-after-one'.*shape \(7,\), not bool \[8\]") as raised:
+        engine.step()
+    assert any(entry.name == "masks" for entry in raised.traceback)  # raised verifying the drafts, as meant
+
+
 def test_jump_forward_drafts_keep_sampling_exact(tmp_path: Path) -> None:
     """The jump-forward proposer drafts the tokens of the text the grammar forces: under ``(dab|ce)+`` the token
     ``ab`` after ``d`` (which the target may refuse for ``a``, then ``b``) and ``e`` after ``c``. The first three
