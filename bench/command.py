@@ -81,7 +81,8 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
 @click.option("--file", "workload_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help='file workload: JSONL, one {"prompt": "text" or [token ids], "max_tokens": N} per line, or a chat: '
                    '{"messages": [...], "tools": [...] (optional), "max_tokens": N}; a line may add '
-                   '"structured_output": {"json_schema": {...}} (or "regex", "choice"): it ends at EOS once whole.')
+                   '"structured_output": {"json_schema": {...}} (or "regex", "choice", "grammar"): it ends at EOS once '
+                   'whole.')
 @click.option("--skip-bad-lines", is_flag=True, help="file workload: run the good lines, warn about the bad ones.")
 @click.option("--lora-adapter", "lora_adapters", multiple=True, metavar="NAME",
               help="Run the requests on LoRA adapters: session i (a request, or a whole conversation) on the "

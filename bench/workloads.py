@@ -150,8 +150,8 @@ def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
     """Read a JSONL file of ``{"prompt": str | [int, ...], "max_tokens": int}`` or, for a chat, of
     ``{"messages": [...], "max_tokens": int}`` and optionally the other fields of gRPC's ``Chat`` (``tools``,
     ``chat_template_kwargs``, ...); any line may name a LoRA adapter (``"lora_adapter": "NAME"``) and give a
-    structured output (``"structured_output": {"json_schema": {...}}``, or ``"regex"`` or ``"choice"``, the
-    fields of :class:`StructuredOutput`; null: none). Blank lines are skipped, other fields are ignored.
+    structured output (``"structured_output": {"json_schema": {...}}``, or ``"regex"``, ``"choice"`` or
+    ``"grammar"``, the fields of :class:`StructuredOutput`; null: none). Blank lines are skipped, other fields are ignored.
 
     Returns the good entries and one message per bad line (``line N: why``); a bad line never hides the others.
     """

@@ -1,21 +1,23 @@
 """Structured output: what its masks cost.
 
 Part 1, the engine (the shipped pair's target, greedy, all requests at once): the same prompts free, under a
-regex and under a JSON schema; each arm in its own engine, first ``cold`` (the grammar compiled and every state's
+regex, under a GBNF grammar of the same language (a pushdown automaton instead of a DFA: the same tokens, checked)
+and under a JSON schema; each arm in its own engine, first ``cold`` (the grammar compiled and every state's
 mask built on first use), then ``--rounds`` times ``warm`` (masks cached), the arms taking turns. Per arm: output
 tokens, how many outputs ended whole (at EOS), the engine steps of the last round (what speculation saves on a
 device where a step's cost hardly depends on its tokens), and wall time per output token, cold and the warm
-median, and its ratio to the free arm's. The arms end at different lengths (a structured output ends at EOS once whole), so
-compare per-token times. The ``+ PROPOSER`` arms add speculative decoding (``--proposer``, default the shipped draft
-model; K ``--num-speculative-tokens``; ``--spec-option KEY=JSON`` sets a ``spec_decode`` plugin option, e.g.
-``structured=true``, without which structured requests do not speculate, and ``guided=false``; ``jump-forward``
-drafts the text the grammar forces, for structured requests only, whatever the options): the draft model
-drafts under the grammar (unless ``guided=false``), and a structured request's drafts are verified under its
+median, and its ratio to the free arm's. The arms end at different lengths (a structured output ends at EOS once
+whole), so compare per-token times. The ``+ PROPOSER`` arms add speculative decoding (``--proposer``, default the
+shipped draft model; K ``--num-speculative-tokens``; ``--spec-option KEY=JSON`` sets a ``spec_decode`` plugin
+option, e.g. ``structured=true``, without which structured requests do not speculate, and ``guided=false``;
+``jump-forward`` drafts the text the grammar forces, for structured requests only, whatever the options): the draft
+model drafts under the grammar (unless ``guided=false``), and a structured request's drafts are verified under its
 grammar's masks, up to the first one the grammar refuses; their column "drafts accepted" counts the drafts verified
 and accepted. ``--device cuda`` runs the engines on the GPU.
 
 Part 2, the backend alone: the time to index a vocabulary and to build the first mask of a permissive state (inside
-a JSON string: nearly every token allowed) and of a narrow one (digits), for byte-level BPE vocabularies trained on
+a JSON string: nearly every token allowed) and of a narrow one (digits), by the regex's DFA and by the same language's
+GBNF grammar (whose masks walk the vocabulary), for byte-level BPE vocabularies trained on
 the Python standard library (the shipped 1,024 tokens, and ``--vocab`` sizes; the corpus caps a trained vocabulary
 at about 39k).
 Prints a table last.
@@ -37,6 +39,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                                     "maxItems": 2}},
           "required": ["name", "kind"]}
 REGEX = r"[a-z_]{1,16}\([a-z_, ]{0,24}\)( # [a-z ]{1,24})?"
+GRAMMAR = ('root ::= name "(" args ")" comment?\nname ::= [a-z_]{1,16}\nargs ::= [a-z_, ]{0,24}\n'
+           'comment ::= " # " [a-z ]{1,24}')  # REGEX's language
+STRING_OR_DIGITS = (r'"[^"\\]*"|[0-9]+', 'root ::= "\\"" [^"\\\\]* "\\"" | [0-9]+')  # part 2: a regex, a grammar
 
 
 def engine_rows(requests: int, max_tokens: int, rounds: int, k: int, proposer: str,
@@ -48,7 +53,8 @@ def engine_rows(requests: int, max_tokens: int, rounds: int, k: int, proposer: s
     from infer.core.request import SamplingParams, StructuredOutput
     from infer.models.tiny import PRETRAINED_DIR
 
-    specs = {"free": None, "regex": StructuredOutput(regex=REGEX), "json": StructuredOutput(json_schema=SCHEMA)}
+    specs = {"free": None, "regex": StructuredOutput(regex=REGEX), "gbnf": StructuredOutput(grammar=GRAMMAR),
+             "json": StructuredOutput(json_schema=SCHEMA)}
     arms = {**{name: (spec, False) for name, spec in specs.items()},
             **{f"{name} + {proposer}": (spec, True) for name, spec in specs.items()}}
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
@@ -57,18 +63,22 @@ def engine_rows(requests: int, max_tokens: int, rounds: int, k: int, proposer: s
                                          **(draft if speculative else {})))
                for name, (_, speculative) in arms.items()}
     times: dict[str, list[float]] = {name: [] for name in arms}
-    counts: dict[str, tuple[int, int, int, int]] = {}
+    counts: dict[str, tuple[int, int, int, int, int]] = {}
+    outputs: dict[str, list[list[int]]] = {}
     for index in range(rounds + 1):  # round 0 is cold: grammars compiled, masks built; arms take turns
         for name in (arms if index % 2 else reversed(arms)):
             params = SamplingParams(max_tokens=max_tokens, temperature=0, structured_output=arms[name][0])
             start, steps = time.perf_counter(), engines[name].steps_taken
             outs = engines[name].generate(prompts, params)
+            outputs[name] = [o.outputs[0].token_ids for o in outs]
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             times[name].append((time.perf_counter() - start) / tokens)
             counts[name] = (tokens, sum(o.outputs[0].finish_reason.value == "stop" for o in outs),
                             sum(o.metrics.get("spec_accepted", 0) for o in outs),
                             sum(o.metrics.get("spec_proposed", 0) for o in outs), engines[name].steps_taken - steps)
     free = statistics.median(times["free"][1:])
+    if outputs["gbnf"] != outputs["regex"]:
+        raise SystemExit("the GBNF grammar's outputs differ from the regex's, whose language it is: a bug")
     return [(name, str(counts[name][0]), f"{counts[name][1]}/{requests}", str(counts[name][4]),
              f"{counts[name][2]}/{counts[name][3]}" if arms[name][1] else "-", f"{times[name][0] * 1e3:.2f}",
              f"{statistics.median(times[name][1:]) * 1e3:.2f}", f"{statistics.median(times[name][1:]) / free:.2f}")
@@ -94,20 +104,20 @@ def mask_rows(sizes: list[int]) -> list[tuple[str, ...]]:
         tokenizer = load_tokenizer(folder)
         backend = FsmBackend(Vocabulary(tokenizer, len(tokenizer), frozenset({0}), torch.device("cpu")))
         start = time.perf_counter()
-        grammar = backend.compile(StructuredOutput(regex=r'"[^"\\]*"|[0-9]+'))
+        backend.compile(StructuredOutput(regex=STRING_OR_DIGITS[0]))
         indexed = time.perf_counter() - start
         quote = tokenizer.convert_tokens_to_ids('"')
-        times = []
-        for prefix in ([quote], []):  # inside a string: almost every token; at the start: '"', digits, tokens
-            matcher = grammar.matcher()
-            for token in prefix:
-                matcher.advance(token)
-            start = time.perf_counter()
-            allowed = int(matcher.allowed().sum())
-            times.append((time.perf_counter() - start, allowed))
-        (wide, wide_n), (narrow, narrow_n) = times
-        rows.append((f"{len(tokenizer):,}", f"{indexed * 1e3:.0f}", f"{wide * 1e3:.0f} ({wide_n:,} allowed)",
-                     f"{narrow * 1e3:.1f} ({narrow_n:,} allowed)"))
+        row = [f"{len(tokenizer):,}", f"{indexed * 1e3:.0f}"]
+        for spec in (StructuredOutput(regex=STRING_OR_DIGITS[0]), StructuredOutput(grammar=STRING_OR_DIGITS[1])):
+            grammar = backend.compile(spec)
+            for prefix in ([quote], []):  # inside a string: almost every token; at the start: '"', digits, tokens
+                matcher = grammar.matcher()
+                for token in prefix:
+                    matcher.advance(token)
+                start = time.perf_counter()
+                allowed = int(matcher.allowed().sum())
+                row.append(f"{(time.perf_counter() - start) * 1e3:.1f} ({allowed:,} allowed)")
+        rows.append(tuple(row))
     return rows
 
 
@@ -137,7 +147,8 @@ def main() -> None:
                  "warm ms / token (median)",
                  "warm / free"), engine))
     print()
-    print(table(("vocabulary", "index ms", "first mask, inside a string ms", "first mask, at the start ms"), masks))
+    print(table(("vocabulary", "index ms", "regex: first mask inside a string, ms", "regex: at the start, ms",
+                 "grammar: inside a string, ms", "grammar: at the start, ms"), masks))
 
 
 if __name__ == "__main__":

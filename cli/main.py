@@ -205,7 +205,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
         return click.ClickException(f"{exc}{where}")
 
     if beam_width:
-        others = {"--n": n != 1, "--stop": stop, "--regex/--choice/--json-schema": structured_output,
+        others = {"--n": n != 1, "--stop": stop, "--regex/--choice/--json-schema/--grammar": structured_output,
                   "--include-stop-str": include_stop_str, "--seed": seed is not None,
                   "--stream": stream,
                   "--logprobs": logprobs is not None, "--prompt-logprobs": prompt_logprobs is not None}

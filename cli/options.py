@@ -150,6 +150,15 @@ def _read_json_schema(ctx: click.Context, param: click.Parameter, path: str | No
     return text
 
 
+def _read_grammar(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path!r} ({exc}); give a UTF-8 GBNF file", ctx, param) from None
+
+
 STRUCTURE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--regex", default=None, metavar="PATTERN",
                  help="Each completion is a whole match of this regular expression (Python re syntax without "
@@ -159,11 +168,14 @@ STRUCTURE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--json-schema", default=None, metavar="FILE", callback=_read_json_schema,
                  help="Each completion is a JSON document valid under the JSON schema in FILE (the keywords "
                       "supported: docs/cli.md) [default: free text]."),
+    click.option("--grammar", default=None, metavar="FILE", callback=_read_grammar,
+                 help="Each completion is a sentence of the GBNF grammar in FILE (llama.cpp's format, from its rule "
+                      "root; recursion allowed, left recursion refused: docs/cli.md) [default: free text]."),
 ]
 
 
 def structured_output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--regex, --choice and --json-schema: the command receives one ``structured_output`` keyword, a
+    """--regex, --choice, --json-schema and --grammar: the command receives one ``structured_output`` keyword, a
     StructuredOutput or None (a usage error when more than one is given)."""
     @functools.wraps(fn)
     def collect(*args: Any, **kwargs: Any) -> Any:
@@ -172,7 +184,7 @@ def structured_output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         given = {name: value for name in STRUCTURE_FIELDS
                  if (value := kwargs.pop(name)) is not None and value != ()}
         if len(given) > 1:
-            raise click.UsageError(f"give one of --regex, --choice and --json-schema, not "
+            raise click.UsageError(f"give one of --regex, --choice, --json-schema and --grammar, not "
                                    f"{' and '.join('--' + name.replace('_', '-') for name in given)}")
         return fn(*args, structured_output=StructuredOutput(**given) if given else None, **kwargs)
 
@@ -291,7 +303,7 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                       "opens), deepseek-r1 (a block the template opens in the prompt), or a plugin's [default: none: "
                       "replies stay text]."),
     click.option("--structured-output-backend", default=None, metavar="NAME",
-                 help="Compiles each request's structured output (--regex, --choice, --json-schema; "
+                 help="Compiles each request's structured output (--regex, --choice, --json-schema, --grammar; "
                       "SamplingParams.structured_output) into token masks: fsm, or a plugin's [default: fsm]."),
     click.option("--chat-template", default=None, metavar="FILE",
                  help="A Jinja chat template file that renders conversations (infer chat, chat prompts) in place of "

@@ -123,7 +123,7 @@ def register_reasoning_parsers(register: Register[ReasoningParserFactory]) -> No
 
 @hookspec
 def register_structured_output_backends(register: Register[StructuredOutputBackendFactory]) -> None:
-    """Register compilers of structured outputs (regex, choice, JSON schema) into token masks.
+    """Register compilers of structured outputs (regex, choice, JSON schema, GBNF grammar) into token masks.
 
     ``factory(config, vocabulary)`` returns a :class:`~infer.core.interfaces.StructuredOutputBackend` for the
     model whose :class:`~infer.core.interfaces.Vocabulary` is given. The engine compiles each request's

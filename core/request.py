@@ -20,8 +20,8 @@ MAX_REPETITION_PENALTY = 1e3
 MAX_STOP_TOKEN_IDS = 1024  # min_tokens bans each one on every step until then
 MAX_LOGIT_BIAS = 1024  # entries; each costs a scatter element per step
 MAX_CHOICES = 1024
-MAX_STRUCTURE_CHARS = 100_000  # a regex, the choices together, or a JSON schema's text
-STRUCTURE_FIELDS = ("regex", "choice", "json_schema")  # StructuredOutput's, of which exactly one is set
+MAX_STRUCTURE_CHARS = 100_000  # a regex, the choices together, a JSON schema's text or a grammar
+STRUCTURE_FIELDS = ("regex", "choice", "json_schema", "grammar")  # StructuredOutput's, of which exactly one is set
 
 
 def _schema_text(schema: object) -> str:
@@ -31,13 +31,16 @@ def _schema_text(schema: object) -> str:
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must be, whole: a match of ``regex`` (Python ``re`` syntax, a subset: see
-    plugins/regex_fsm.py), one of the strings in ``choice``, or a JSON document valid under ``json_schema`` (a dict
-    or its JSON text). Exactly one is given. The engine's structured-output backend (``--structured-output-backend``)
-    masks every token that cannot continue such an output; EOS is allowed once the output is complete."""
+    plugins/regex_fsm.py), one of the strings in ``choice``, a JSON document valid under ``json_schema`` (a dict
+    or its JSON text), or a sentence of ``grammar`` (GBNF, llama.cpp's format, from its rule ``root``: see
+    plugins/grammar_pda.py). Exactly one is given. The engine's structured-output backend
+    (``--structured-output-backend``) masks every token that cannot continue such an output; EOS is allowed once the
+    output is complete."""
 
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     json_schema: str | None = None  # kept as JSON text, so that the spec is hashable (its compiled form is cached)
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
@@ -50,7 +53,7 @@ class StructuredOutput:
 
     @property
     def kind(self) -> str:
-        """"regex", "choice" or "json_schema": the field that is set (validated)."""
+        """"regex", "choice", "json_schema" or "grammar": the field that is set (validated)."""
         return next(name for name in STRUCTURE_FIELDS if getattr(self, name) is not None)
 
     def validate(self) -> None:
@@ -60,9 +63,10 @@ class StructuredOutput:
 
         given = [name for name in STRUCTURE_FIELDS if getattr(self, name) is not None]
         if len(given) != 1:
-            raise bad(f"takes exactly one of regex, choice and json_schema; got {', '.join(given) or 'none'}")
-        if self.regex is not None and not isinstance(self.regex, str):
-            raise bad(f"regex must be a string, got {type(self.regex).__name__}")
+            raise bad(f"takes exactly one of regex, choice, json_schema and grammar; got {', '.join(given) or 'none'}")
+        for name in ("regex", "grammar"):
+            if (value := getattr(self, name)) is not None and not isinstance(value, str):
+                raise bad(f"{name} must be a string, got {type(value).__name__}")
         if isinstance(self.json_schema, (dict, bool)):
             try:
                 _schema_text(self.json_schema)
@@ -79,7 +83,7 @@ class StructuredOutput:
         size = sum(map(len, self.choice)) if self.choice is not None else len(getattr(self, given[0]))
         if size > MAX_STRUCTURE_CHARS:
             raise bad(f"{given[0]} has {size} characters, over the {MAX_STRUCTURE_CHARS} allowed; simplify it")
-        for text in (self.regex, self.json_schema, *(self.choice or ())):
+        for text in (self.regex, self.json_schema, self.grammar, *(self.choice or ())):
             if text is not None:
                 require_utf8(text, f"structured_output's {given[0]}")
 

@@ -9,6 +9,9 @@ UTF-8 character is allowed when some character with those first bytes can contin
 character prefix cover one interval of code points). From inside a character, the vocabulary is walked in byte
 order: tokens that share a prefix share its steps, and a dead prefix skips every token that starts with it. Each
 state's mask is computed once, at its first use, and kept on the device (MASK_CACHE_BYTES for all grammars).
+
+A GBNF grammar becomes a pushdown automaton instead (plugins/grammar_pda.py), whose configurations are built as the
+outputs reach them: each new configuration's mask is a walk of the vocabulary, cached like the others.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from ..core.interfaces import Grammar, GrammarMatcher, StructuredOutputBackend, 
 from ..core.registry import Register
 from ..core.request import StructuredOutput
 from .json_schema_regex import schema_to_regex
+from .grammar_pda import PushdownAutomaton
 from .regex_fsm import DEAD, CharAutomaton
 
 if TYPE_CHECKING:
@@ -187,6 +191,31 @@ class FsmGrammar(Grammar):
         return allowed
 
 
+class PdaGrammar(FsmGrammar):
+    """A compiled GBNF grammar: a pushdown automaton whose configurations are built as outputs reach them (they
+    are unbounded, so there is no table); each configuration's mask comes from a walk of the vocabulary."""
+
+    def __init__(self, automaton: PushdownAutomaton, backend: FsmBackend) -> None:  # no super(): no table
+        self.automaton, self.backend, self.index = automaton, backend, backend.token_index()
+        self.key = next(backend.serials)
+        self.forced: dict[int, str] = {}
+
+    def allowed_ids(self, state: State) -> list[int]:
+        return self.walk(state)
+
+    def forced_text(self, state: int) -> str:
+        """The characters every match continues with from ``state`` (cached; at most MAX_FORCED_CHARS)."""
+        text = self.forced.get(state)
+        if text is None:
+            chars, char, automaton = [], state, self.automaton
+            while len(chars) < MAX_FORCED_CHARS and not automaton.accepting(char) and \
+                    (point := automaton.only_char(char)) is not None:
+                chars.append(chr(point))
+                char = automaton.step(char, point)
+            text = self.forced[state] = "".join(chars)
+        return text
+
+
 def _after(prefix: bytes) -> bytes:
     """A byte string greater than every string that starts with ``prefix`` and not greater than any other that
     sorts after them (for an all-0xFF prefix, merely greater: the walk then looks at a few tokens more)."""
@@ -319,6 +348,8 @@ class FsmBackend(StructuredOutputBackend):
         return self.index
 
     def compile(self, spec: StructuredOutput) -> FsmGrammar:
+        if spec.grammar is not None:
+            return PdaGrammar(PushdownAutomaton.compile(spec.grammar), self)
         if spec.choice is not None:
             pattern = "|".join(escape(choice) for choice in spec.choice)
         elif spec.json_schema is not None:

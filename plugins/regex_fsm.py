@@ -25,6 +25,7 @@ MAX_CHAR = 0x10FFFF
 MAX_REPEAT = 1000
 Ranges = list[tuple[int, int]]  # sorted, disjoint, non-adjacent inclusive code point ranges
 Node = tuple[Any, ...]  # ("set", Ranges) | ("cat", [Node]) | ("alt", [Node]) | ("rep", Node, min, max or None)
+#                         | ("ref", rule name): a grammar's rule call (plugins/grammar_pda.py)
 
 
 def _normalize(ranges: Ranges) -> Ranges:
@@ -257,8 +258,8 @@ class _Parser:
 
 
 def _size(node: Node) -> int:
-    """The number of NFA states ``CharAutomaton._emit`` makes for ``node``."""
-    if node[0] == "set":
+    """The number of NFA states ``CharAutomaton._emit`` makes for ``node`` (a grammar's rule call, one)."""
+    if node[0] in ("set", "ref"):
         return 1
     if node[0] in ("cat", "alt"):
         return sum(map(_size, node[1])) + (node[0] == "alt")

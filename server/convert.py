@@ -81,8 +81,8 @@ def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:
 def _structure_of(params: pb.SamplingParams) -> StructuredOutput:
     which = params.structured_output.WhichOneof("kind")
     if which is None:
-        raise InvalidRequestError("invalid sampling parameters: structured_output sets none of regex, choice and "
-                                  "json_schema; set one, or leave structured_output unset for free text")
+        raise InvalidRequestError("invalid sampling parameters: structured_output sets none of regex, choice, "
+                                  "json_schema and grammar; set one, or leave structured_output unset for free text")
     value = getattr(params.structured_output, which)
     return StructuredOutput(**{which: tuple(value.choices) if which == "choice" else value})
 

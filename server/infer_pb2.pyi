@@ -72,14 +72,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., speculative: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
-    __slots__ = ("regex", "choice", "json_schema")
+    __slots__ = ("regex", "choice", "json_schema", "grammar")
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     regex: str
     choice: Choices
     json_schema: str
-    def __init__(self, regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., json_schema: _Optional[str] = ...) -> None: ...
+    grammar: str
+    def __init__(self, regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., json_schema: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)

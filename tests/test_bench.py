@@ -1019,11 +1019,11 @@ def test_structured_lines_end_whole_and_compare_backends_and_proposers(tiny_mode
     assert floor.exit_code == 2 and "line 2:" in floor.output and "min_tokens" in floor.output, floor.output
     path.write_text("\n".join(json.dumps(line) for line in (
         {"prompt": "n = ", "max_tokens": 8, "structured_output": {"json_schema": {"type": "integer", "multipleOf": 2}}},
-        {"prompt": "m", "max_tokens": 8, "structured_output": {"grammar": "x"}},
+        {"prompt": "m", "max_tokens": 8, "structured_output": {"ebnf": "x"}},
         {"prompt": "k = ", "max_tokens": 8, "structured_output": {"regex": "[0-9]+"}})) + "\n")
     bad = run(*base, "--ab", "")
     assert bad.exit_code == 2 and "line 2: 'structured_output' must be an object of one of regex, choice, " \
-        "json_schema" in bad.output, bad.output
+        "json_schema, grammar" in bad.output, bad.output
     skipped = run(*base, "--skip-bad-lines", "--ab", "")
     assert skipped.exit_code == 0, skipped.output
     assert "skipped" in skipped.output and "line 1: arm A ('') cannot follow its structured output" in \

@@ -76,19 +76,26 @@ def reference_greedy(path: Path, pattern: str, table: list[bytes | None], eos: f
                      prompt: list[int] = PROMPT) -> list[int]:
     """Greedy decoding of ``prompt`` over the HF model, each step's argmax taken over the tokens whose bytes keep
     the output a prefix of a match (regex's partial fullmatch), and EOS when the output is a whole match."""
+    compiled = regex.compile(pattern)
+    return masked_greedy(path, lambda text: compiled.fullmatch(text, partial=True) is not None,
+                         lambda text: compiled.fullmatch(text) is not None, table, eos, max_tokens, prompt)
+
+
+def masked_greedy(path: Path, live: Callable[[str], bool], whole: Callable[[str], bool], table: list[bytes | None],
+                  eos: frozenset[int], max_tokens: int, prompt: list[int] = PROMPT) -> list[int]:
+    """Greedy decoding of ``prompt`` over the HF model, each step's argmax taken over the tokens whose bytes keep
+    the output ``live`` (a prefix of some whole output), and EOS when the output is ``whole``."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out: list[int] = []
     data = b""
-    compiled = regex.compile(pattern)
     for _ in range(max_tokens):
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + out])).logits[0, -1]
         allowed = [t for t, piece in enumerate(table) if piece and (text := readable(data + piece)) is not None
-                   and compiled.fullmatch(text, partial=True)]
-        if (whole := readable(data)) is not None and data.decode("utf-8", "ignore") == whole and \
-                compiled.fullmatch(whole):
+                   and live(text)]
+        if (text := readable(data)) is not None and data.decode("utf-8", "ignore") == text and whole(text):
             allowed += sorted(eos)
         token = max(allowed, key=lambda t: logits[t].item())
         out.append(token)
@@ -229,6 +236,10 @@ def test_a_spec_the_backend_cannot_follow_is_refused_at_admission(engine: Engine
     (SamplingParams(structured_output=StructuredOutput(choice=())), "non-empty"),
     (SamplingParams(structured_output=StructuredOutput(choice=("a", ""))), "non-empty"),
     (SamplingParams(structured_output=StructuredOutput(regex=5)), "string"),  # type: ignore[arg-type]
+    (SamplingParams(structured_output=StructuredOutput(grammar=b"root ::= x")),  # type: ignore[arg-type]
+     "grammar must be a string"),
+    (SamplingParams(structured_output=StructuredOutput(regex="a", grammar='root ::= "a"')), "exactly one"),
+    (SamplingParams(structured_output=StructuredOutput(grammar="root ::= " + "x" * 100_000)), "grammar has"),
     (SamplingParams(structured_output="[a-z]+"), "infer.StructuredOutput"),  # type: ignore[arg-type]
     (SamplingParams(ignore_eos=True, structured_output=StructuredOutput(regex="a")), "ignore_eos"),
     (SamplingParams(min_tokens=2, structured_output=StructuredOutput(regex="a+")), "min_tokens"),
@@ -253,7 +264,7 @@ def test_the_spec_travels_over_grpc(engine: Engine, serve_engine: Any) -> None:
     from infer.server.client import build_request
     from infer.server.convert import sampling_params_of
 
-    specs = [SPECS[0], SPECS[2], SPECS[3]]
+    specs = [SPECS[0], SPECS[2], SPECS[3], StructuredOutput(grammar='root ::= "[" ([0-9] | root)* "]"')]
     for spec in specs:
         params = SamplingParams(max_tokens=9, temperature=0, structured_output=spec)
         assert sampling_params_of(build_request(PROMPT, params)) == params
@@ -280,8 +291,10 @@ def test_generate_regex_choice_and_json_schema_options(path: Path, tmp_path: Pat
     schema.write_text(SPECS[3].json_schema)
     base = ["--model", str(path), "--num-kv-blocks", "32", "generate", "hello", "--json", "--max-tokens", "24"]
     choices = [part for choice in SPECS[2].choice for part in ("--choice", choice)]
+    grammar = tmp_path / "digits.gbnf"
+    grammar.write_text('root ::= digit{3} "-" letters  # SPECS[0] as a grammar\ndigit ::= [0-9]\nletters ::= [a-z]+')
     for more, spec in ((["--regex", SPECS[0].regex], SPECS[0]), (choices, SPECS[2]),
-                       (["--json-schema", str(schema)], SPECS[3])):
+                       (["--json-schema", str(schema)], SPECS[3]), (["--grammar", str(grammar)], SPECS[0])):
         result = CliRunner().invoke(main, base + more)
         assert result.exit_code == 0, result.output
         line = json.loads(result.stdout)
@@ -291,6 +304,8 @@ def test_generate_regex_choice_and_json_schema_options(path: Path, tmp_path: Pat
                         (["--regex", "(a"], "invalid regex"),
                         (["--regex", "a+", "--ignore-eos"], "ignore_eos"),
                         (["--json-schema", str(tmp_path / "none.json")], "cannot read"),
+                        (["--grammar", str(tmp_path / "none.gbnf")], "cannot read"),
+                        (["--regex", "a", "--grammar", str(grammar)], "not --regex and --grammar"),
                         (["--regex", "a", "--beam-width", "2"], "--regex/--choice/--json-schema")):
         result = CliRunner().invoke(main, base + more)
         assert result.exit_code == 2 and words in result.output, result.output
