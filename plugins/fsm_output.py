@@ -11,7 +11,8 @@ order: tokens that share a prefix share its steps, and a dead prefix skips every
 state's mask is computed once, at its first use, and kept on the device (MASK_CACHE_BYTES for all grammars).
 
 A GBNF grammar becomes a pushdown automaton instead (plugins/grammar_pda.py), whose configurations are built as the
-outputs reach them: each new configuration's mask is a walk of the vocabulary, cached like the others.
+outputs reach them: its table grows a row per configuration that a mask's pass over the matrix meets (each the
+configuration's step by every class), and masks are cached like the others.
 """
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ class FsmGrammar(Grammar):
     """A compiled spec: its automaton, built whole at compile time (bounded), with the vocabulary's characters in
     the automaton's classes; masks come from the backend's cache."""
 
+    offset = 0  # a state's row in ``next`` is state + offset
+
     def __init__(self, automaton: CharAutomaton, backend: FsmBackend) -> None:
         import torch  # not at the top: loading plugins imports no torch
 
@@ -119,14 +122,16 @@ class FsmGrammar(Grammar):
         import torch
 
         index = self.index
-        current = torch.full((len(index.rows),), state[0], dtype=torch.int32)
+        current = torch.full((len(index.rows),), state[0] + self.offset, dtype=torch.int32)
         for j in range(index.codes.shape[1]):
+            active = index.lengths > j
+            self._fill(current[active])
             moved = self.next[current.long(), self.classes[:, j].long()]
-            current = torch.where(index.lengths > j, moved, current)
+            current = torch.where(active, moved, current)
         alive = current != self.dead
         tailed = alive & (index.tails >= 0)
         if bool(tailed.any()):
-            states, tails = current[tailed].tolist(), index.tails[tailed].tolist()
+            states, tails = (current[tailed] - self.offset).tolist(), index.tails[tailed].tolist()
             alive[tailed] = torch.tensor([self._tail_fits(st, tail) for st, tail in zip(states, tails)])
         allowed = index.rows[alive].tolist()
         automaton = self.automaton
@@ -137,6 +142,9 @@ class FsmGrammar(Grammar):
             if char != DEAD and (span is None or automaton.can_step_within(char, *span)):
                 allowed.append(token)
         return allowed
+
+    def _fill(self, rows: torch.Tensor) -> None:
+        """Makes sure ``next`` holds these rows (a DFA's are all built at compile time)."""
 
     def forced_text(self, state: int) -> str:
         """The characters every match continues with from ``state``: while it is not a whole match and one class
@@ -193,15 +201,38 @@ class FsmGrammar(Grammar):
 
 class PdaGrammar(FsmGrammar):
     """A compiled GBNF grammar: a pushdown automaton whose configurations are built as outputs reach them (they
-    are unbounded, so there is no table); each configuration's mask comes from a walk of the vocabulary."""
+    are unbounded), so its table grows as masks meet them: row 0 is DEAD's, configuration c's row is c + 1."""
 
-    def __init__(self, automaton: PushdownAutomaton, backend: FsmBackend) -> None:  # no super(): no table
+    offset = 1
+
+    def __init__(self, automaton: PushdownAutomaton, backend: FsmBackend) -> None:  # no super(): no table yet
+        import torch
+
         self.automaton, self.backend, self.index = automaton, backend, backend.token_index()
         self.key = next(backend.serials)
+        self.bounds = automaton.classes()
+        kind = torch.int16 if len(self.bounds) < 2**15 else torch.int32
+        self.classes = (torch.searchsorted(torch.tensor(self.bounds), self.index.codes, right=True) - 1).to(kind)
+        self.dead = 0
+        self.next = torch.zeros((64, len(self.bounds)), dtype=torch.int32)  # rows not filled yet lead to DEAD
+        self.filled = bytearray(64)  # per row: whether it holds its configuration's steps
+        self.tail_ok: dict[tuple[int, int], bool] = {}
         self.forced: dict[int, str] = {}
 
-    def allowed_ids(self, state: State) -> list[int]:
-        return self.walk(state)
+    def _fill(self, rows: torch.Tensor) -> None:
+        import torch
+
+        missing = [row for row in torch.unique(rows).tolist() if row and not self.filled[row]]
+        if not missing:
+            return
+        steps = [[self.automaton.step(row - 1, point) + 1 for point in self.bounds] for row in missing]
+        if (needed := self.automaton.num_states() + 1) > len(self.filled):  # room for every configuration so far
+            grown = torch.zeros((2 * needed, len(self.bounds)), dtype=torch.int32)
+            grown[: len(self.next)] = self.next
+            self.next, self.filled = grown, self.filled + bytearray(2 * needed - len(self.filled))
+        self.next[torch.tensor(missing)] = torch.tensor(steps, dtype=torch.int32)
+        for row in missing:
+            self.filled[row] = 1
 
     def forced_text(self, state: int) -> str:
         """The characters every match continues with from ``state`` (cached; at most MAX_FORCED_CHARS)."""

@@ -27,7 +27,7 @@ from infer.core.errors import InvalidRequestError
 from infer.core.interfaces import Vocabulary
 from infer.core.loader import load_tokenizer
 from infer.core.request import FinishReason, SamplingParams, StructuredOutput
-from infer.plugins.fsm_output import FsmBackend
+from infer.plugins.fsm_output import FsmBackend, step
 from infer.plugins.grammar_pda import PushdownAutomaton
 from infer.plugins.regex_fsm import DEAD
 from test_structured_output import PROMPT, masked_greedy, token_table
@@ -238,6 +238,23 @@ def test_masks_equal_a_hand_written_recognizer_along_random_walks(backend: FsmBa
             token = rng.choice(sorted(allowed - eos))
             matcher.advance(token)
             text += table[token].decode("utf-8")
+
+
+@pytest.mark.parametrize("prefix", ["", '{"', '{"a": [1, {"b": [', '{"ab": -'])
+def test_the_growing_table_and_the_byte_walk_equal_a_walk_of_each_token(backend: FsmBackend, prefix: str) -> None:
+    """A grammar's masks come from a table grown as configurations are met (vectorized over the vocabulary), or,
+    inside a character, from the byte-order walk: both give the tokens that stepping each token alone gives."""
+    grammar = backend.compile(StructuredOutput(grammar=JSON_GRAMMAR))
+    start = (state_after(grammar.automaton, prefix), b"")
+    alone = []
+    for token, data in enumerate(backend.index.table):
+        state = start if data else None
+        for byte in data or b"":
+            state = step(grammar.automaton, state, byte) if state is not None else None
+        if state is not None:
+            alone.append(token)
+    assert sorted(grammar.allowed_ids(start)) == alone and alone
+    assert sorted(grammar.walk(start)) == alone
 
 
 def test_forced_text_is_what_every_sentence_continues_with(backend: FsmBackend) -> None:
