@@ -30,7 +30,7 @@ from ..core.hookspecs import hookimpl
 from ..core.interfaces import Grammar, GrammarMatcher, StructuredOutputBackend, Vocabulary
 from ..core.registry import Register
 from ..core.request import StructuredOutput
-from .json_schema_regex import schema_to_regex
+from .json_schema_regex import schema_to_rules
 from .grammar_pda import PushdownAutomaton
 from .regex_fsm import DEAD, CharAutomaton
 
@@ -384,19 +384,24 @@ class FsmBackend(StructuredOutputBackend):
         if spec.choice is not None:
             pattern = "|".join(escape(choice) for choice in spec.choice)
         elif spec.json_schema is not None:
-            pattern = schema_to_regex(spec.json_schema)
+            rules = schema_to_rules(spec.json_schema)  # more than root: refs that recur, as rules of a grammar
+            pattern = rules["root"]
         else:
             assert spec.regex is not None
             pattern = spec.regex
+        recursive = spec.json_schema is not None and len(rules) > 1
         try:
+            if recursive:
+                return PdaGrammar(PushdownAutomaton.of_regex_rules(rules), self)
             return FsmGrammar(CharAutomaton.compile(pattern), self)
         except InvalidRequestError as exc:
             if spec.regex is not None:
                 raise
             what = "the choices" if spec.choice is not None else "the JSON schema"
-            reason = str(exc).removeprefix("invalid regex: ")
-            raise InvalidRequestError(f"{what} cannot be followed: as a regex, {reason} (lower maxLength, maxItems, "
-                                      "numeric bounds or the number of choices)") from None
+            reason = str(exc).removeprefix("invalid regex: ").removeprefix("invalid grammar: ")
+            raise InvalidRequestError(f"{what} cannot be followed: as a {'grammar' if recursive else 'regex'}, "
+                                      f"{reason} (lower maxLength, maxItems, numeric bounds or the number of choices)"
+                                      ) from None
 
     def mask(self, grammar: FsmGrammar, state: State) -> torch.Tensor:
         """The bool mask [vocabulary.size] on the device of what may follow ``state`` of ``grammar``."""

@@ -141,6 +141,18 @@ class _GrammarParser(_Parser):
         return ("cat", chars)
 
 
+class _RuleRegexParser(_Parser):
+    """A regex of plugins/regex_fsm.py's dialect in which ``(?&name)`` calls the rule ``name`` (the `regex`
+    module's spelling of a recursive call): what plugins/json_schema_regex.py writes for a recursive schema."""
+
+    def group(self, start: int) -> Node:
+        if not self.p.startswith("?&", self.i):
+            return super().group(start)
+        end = self.p.find(")", self.i)
+        name, self.i = self.p[self.i + 2:end], end + 1
+        return ("ref", name)
+
+
 class PushdownAutomaton(CharAutomaton):
     """A grammar's automaton; a state is an interned configuration (a frozenset of stacks). Use ``compile``."""
 
@@ -182,6 +194,15 @@ class PushdownAutomaton(CharAutomaton):
             raise InvalidRequestError(f"invalid grammar: it is too large ({size} states); simplify it or lower its "
                                       "repetition counts")
         return cls(rules)
+
+    @classmethod
+    def of_regex_rules(cls, rules: dict[str, str], max_states: int = MAX_GRAMMAR_STATES) -> PushdownAutomaton:
+        """The automaton of rules written as regexes with ``(?&name)`` calls (every name defined, ``root`` the
+        start); refused as ``compile`` refuses a grammar."""
+        nodes = {name: _RuleRegexParser(text).parse() for name, text in rules.items()}
+        if (size := sum(1 + _size(body) for body in nodes.values())) > max_states:
+            raise InvalidRequestError(f"invalid grammar: it is too large ({size} states); simplify it")
+        return cls(nodes)
 
     def _new(self) -> int:
         self._calls.append([])

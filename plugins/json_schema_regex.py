@@ -32,7 +32,8 @@ Refused (InvalidRequestError naming the keyword and the JSON path): ``false``, a
 ``maxProperties``, ``patternProperties``, ``propertyNames``, ``dependentRequired``; ``prefixItems``, ``contains``,
 ``uniqueItems: true``; ``allOf`` of several branches; keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``, and
 beside ``enum``/``const`` except ``type``; ``pattern`` or ``format`` with another string keyword; refs other than
-``#/$defs/...`` and ``#/definitions/...``, and recursive ones; unknown keywords and formats; keyword values of the
+``#/$defs/...`` and ``#/definitions/...``, and recursive ones (``schema_to_rules`` follows those that recur inside an
+object or array, as grammar rules); unknown keywords and formats; keyword values of the
 wrong JSON type; numeric bounds no value satisfies, or of more than 20 digits before or after the point; counts over 1000; regexes over
 200,000 characters. Annotations (``title``, ``description``, ...)
 are ignored.
@@ -105,14 +106,24 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {key: (check, what) for k
 def schema_to_regex(schema: dict[str, Any] | bool | str) -> str:
     """A regex (the dialect above) whose whole matches are exactly the JSON texts this module generates for
     ``schema``: each one valid under it. A str is parsed as JSON first. InvalidRequestError for whatever cannot be
-    expressed, naming the keyword and its JSON path."""
+    expressed, naming the keyword and its JSON path (a recursive ``$ref`` among them: see ``schema_to_rules``)."""
+    return schema_to_rules(schema, recursion=False)["root"]
+
+
+def schema_to_rules(schema: dict[str, Any] | bool | str, recursion: bool = True) -> dict[str, str]:
+    """As ``schema_to_regex``, but a ``$ref`` that reaches itself again inside an object's properties or an array's
+    items becomes a rule of its own: ``{"root": regex, name: regex, ...}``, where ``(?&name)`` in a regex calls
+    rule ``name`` (the `regex` module's spelling), for plugins/grammar_pda.py. Without recursion, root alone. A ref
+    that reaches itself through ``$ref``/``allOf``/``anyOf``/``oneOf`` alone (before any ``{`` or ``[``) matches
+    no finite text and is refused."""
     try:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 _fail("", f"the text is not JSON ({exc}); send the schema as a JSON object")
-        return _Compiler(schema).build(schema, "")
+        compiler = _Compiler(schema, recursion)
+        return {"root": compiler.build(schema, ""), **compiler.rules}
     except RecursionError:
         _fail("", "the schema nests too deeply; flatten it")
 
@@ -246,9 +257,12 @@ def _open_array(item: str) -> str:
 
 
 class _Compiler:
-    def __init__(self, root: Any) -> None:
-        self.root = root
-        self.expanding: set[int] = set()
+    def __init__(self, root: Any, recursion: bool) -> None:
+        self.root, self.recursion = root, recursion
+        self.expanding: dict[int, int] = {}  # the refs being built -> how many containers were open at their start
+        self.containers = 0  # objects and arrays being built: a recursion inside one is no left recursion
+        self.rules: dict[str, str] = {}  # the recursive refs' rules, once built
+        self.rule_names: dict[int, str] = {}  # a recursive ref's target -> its rule's name
 
     def build(self, schema: Any, path: str) -> str:
         """The regex for ``schema``, found at ``path`` (a JSON pointer) in the root."""
@@ -330,14 +344,27 @@ class _Compiler:
 
     def _ref(self, ref: str, path: str) -> str:
         target = self._lookup(ref, path)
+        name = self.rule_names.get(id(target))
+        if name is not None and name in self.rules:
+            return f"(?&{name})"
         if id(target) in self.expanding:
-            _fail(path, f"'$ref' {ref!r} is recursive: recursive schemas cannot be a regular expression; bound the "
-                        "depth by writing the levels out")
-        self.expanding.add(id(target))
+            if not self.recursion:
+                _fail(path, f"'$ref' {ref!r} is recursive: recursive schemas cannot be a regular expression; bound "
+                            "the depth by writing the levels out")
+            if self.expanding[id(target)] == self.containers:
+                _fail(path, f"'$ref' {ref!r} reaches itself through $ref, allOf, anyOf or oneOf alone, so no finite "
+                            "value matches it; put the recursion inside an object's properties or an array's items")
+            name = self.rule_names.setdefault(id(target), f"ref{len(self.rule_names)}")
+            return f"(?&{name})"
+        self.expanding[id(target)] = self.containers
         try:
-            return self.build(target, ref[1:])
+            body = self.build(target, ref[1:])
         finally:
-            self.expanding.discard(id(target))
+            del self.expanding[id(target)]
+        if (name := self.rule_names.get(id(target))) is None:
+            return body
+        self.rules[name] = body
+        return f"(?&{name})"
 
     def _values(self, schema: dict[str, Any], path: str) -> str:
         values = [schema["const"]] if "const" in schema else schema["enum"]
@@ -394,6 +421,13 @@ class _Compiler:
         return '"' + _repeat(_UNIT, *_bounds(schema, path, "minLength", "maxLength")) + '"'
 
     def _object(self, schema: dict[str, Any], path: str) -> str:
+        self.containers += 1
+        try:
+            return self._members(schema, path)
+        finally:
+            self.containers -= 1
+
+    def _members(self, schema: dict[str, Any], path: str) -> str:
         properties, required = schema.get("properties", {}), schema.get("required", [])
         for name in required:
             if name not in properties:
@@ -421,6 +455,13 @@ class _Compiler:
         return r"\{(?:" + "|".join(reversed(alternatives)) + ")" + "?" * optional + r"\}"
 
     def _array(self, schema: dict[str, Any], path: str) -> str:
+        self.containers += 1
+        try:
+            return self._items(schema, path)
+        finally:
+            self.containers -= 1
+
+    def _items(self, schema: dict[str, Any], path: str) -> str:
         if schema.get("uniqueItems"):
             _fail(path, "'uniqueItems' true is not supported: the automaton cannot compare elements; drop it")
         items = schema.get("items", True)

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infer.core.errors import InvalidRequestError
-from infer.plugins.json_schema_regex import schema_to_regex
+from infer.plugins.grammar_pda import PushdownAutomaton
+from infer.plugins.json_schema_regex import schema_to_regex, schema_to_rules
 
 UUID = "123e4567-e89b-12d3-a456-426614174000"
 PERSON = {"type": "object", "title": "Person", "additionalProperties": False, "required": ["name"], "properties": {
@@ -512,6 +513,71 @@ def test_refusals_name_the_keyword_and_path(schema: Any, keyword: str, path: str
         schema_to_regex(schema)
     message = str(info.value)
     assert message.startswith("invalid JSON schema: ") and keyword in message and f"at {path}:" in message, message
+
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "v": {"type": "integer", "minimum": 0, "maximum": 9},
+    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["v"]}},
+    "$ref": "#/$defs/node"}
+LINKED = {"$defs": {"list": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+    "head": {"type": "string", "maxLength": 2}, "tail": {"$ref": "#/$defs/list"}}, "required": ["head", "tail"]}]}},
+    "type": "object", "properties": {"items": {"$ref": "#/definitions/wrap"}}, "required": ["items"],
+    "definitions": {"wrap": {"$ref": "#/$defs/list"}}}
+
+
+def reference_regex(rules: dict[str, str]) -> Any:
+    """The rules as one pattern of the `regex` module (an independent engine with recursion): each rule a named
+    group in a DEFINE block, which its (?&name) calls."""
+    import regex
+
+    return regex.compile("(?(DEFINE)" + "".join(f"(?P<{name}>{body})" for name, body in rules.items()
+                                               if name != "root") + ")" + rules["root"])
+
+
+@st.composite
+def trees(draw: st.DrawFn, depth: int = 0) -> Any:
+    node: dict[str, Any] = {"v": draw(st.integers(-1, 10))} if draw(st.integers(0, 9)) else {}
+    if depth < 5 and draw(st.booleans()):
+        node["kids"] = draw(st.lists(trees(depth + 1), max_size=3))
+    return node
+
+
+@st.composite
+def linked(draw: st.DrawFn, depth: int = 0) -> Any:
+    if depth > 6 or draw(st.integers(0, 3)) == 0:
+        return None
+    return {"head": draw(st.text("ab", max_size=3)), "tail": draw(linked(depth + 1))}
+
+
+@settings(max_examples=200, deadline=None)
+@given(tree=trees(), items=linked(), spaced=st.booleans())
+def test_recursive_refs_become_rules_that_accept_exactly_the_valid_texts(tree: Any, items: Any, spaced: bool) -> None:
+    """A $ref that recurs inside an object or array is a rule: the pushdown automaton of the rules accepts a value's
+    compact JSON exactly when the small validator says it is valid (trees of any depth; a linked list reached through
+    a second ref), as the `regex` module reading the same rules does; schema_to_regex still refuses it."""
+    separators = (", ", ": ") if spaced else (",", ":")
+    for schema, value in ((TREE, tree), (LINKED, {"items": items})):
+        rules = schema_to_rules(schema)
+        assert len(rules) == 2
+        text = json.dumps(value, separators=separators)
+        expected = valid(value, schema, schema)
+        assert PushdownAutomaton.of_regex_rules(rules).fullmatch(text) == expected, text
+        assert (reference_regex(rules).fullmatch(text) is not None) == expected, text
+    with pytest.raises(InvalidRequestError, match="recursive"):
+        schema_to_regex(TREE)
+
+
+@pytest.mark.parametrize("schema, path", [
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, "/$defs/a/anyOf/0"),
+    ({"$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "/$defs/b"),
+    ({"$defs": {"a": {"anyOf": [{"type": "array", "items": {"type": "null"}}, {"$ref": "#/$defs/a"}]}},
+      "$ref": "#/$defs/a"}, "/$defs/a/anyOf/1"),
+])
+def test_a_ref_that_reaches_itself_before_any_bracket_is_refused(schema: Any, path: str) -> None:
+    """No finite value matches such a ref (an array closed before the recursion does not count)."""
+    with pytest.raises(InvalidRequestError, match=f"at {re.escape(path)}: .*reaches itself through"):
+        schema_to_rules(schema)
 
 
 def test_surrogates_in_a_schema() -> None:

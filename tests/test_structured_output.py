@@ -114,16 +114,26 @@ SPECS = [
                                                                            "maximum": 120}},
                                   "required": ["name", "age"]}),
     StructuredOutput(json_schema={"type": "object"}),  # "JSON object mode": any object, nesting at most 4 deep
+    StructuredOutput(json_schema={"$defs": {"node": {  # recursive: a tree of any depth, as a grammar
+        "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "kids": {
+            "type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["v"]}},
+        "$ref": "#/$defs/node"}),
 ]
 
 
 def pattern_of(spec: StructuredOutput) -> str:
+    """The spec as a pattern of the `regex` module; a recursive schema's rules as named groups of a DEFINE block,
+    which their (?&name) calls reach."""
     from infer.plugins.fsm_output import escape
-    from infer.plugins.json_schema_regex import schema_to_regex
+    from infer.plugins.json_schema_regex import schema_to_rules
 
     if spec.choice is not None:
         return "|".join(escape(c) for c in spec.choice)
-    return schema_to_regex(spec.json_schema) if spec.json_schema is not None else spec.regex
+    if spec.json_schema is None:
+        return spec.regex
+    rules = schema_to_rules(spec.json_schema)
+    return "(?(DEFINE)" + "".join(f"(?P<{name}>{body})" for name, body in rules.items() if name != "root") + ")" + \
+        rules["root"] if len(rules) > 1 else rules["root"]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.kind)
@@ -133,7 +143,7 @@ def test_greedy_equals_a_masked_hf_loop(engine: Engine, path: Path, token_bytes:
     completion = out.outputs[0]
     assert completion.token_ids == reference_greedy(path, pattern_of(spec), token_bytes, engine.eos_token_ids, 24)
     if completion.finish_reason is FinishReason.STOP:
-        assert re.fullmatch(pattern_of(spec), completion.text)
+        assert regex.fullmatch(pattern_of(spec), completion.text)
     if spec.json_schema is not None and completion.finish_reason is FinishReason.STOP:
         value = json.loads(completion.text)
         if "properties" in json.loads(spec.json_schema):
@@ -154,6 +164,24 @@ def test_sampled_outputs_match_the_pattern(engine: Engine) -> None:
                 assert re.fullmatch(pattern, completion.text), completion.text
             else:
                 assert regex.fullmatch(pattern, completion.text, partial=True), completion.text
+
+
+def test_a_recursive_schema_samples_valid_trees(engine: Engine) -> None:
+    """Temperature 1.5, n = 8: every completion ended at EOS is a tree the small validator accepts, some of them
+    nested (the rules recur), and every one cut by max_tokens a prefix of one (the `regex` module's partial match
+    of the rules)."""
+    from test_json_schema_regex import valid
+
+    spec = SPECS[5]
+    schema = json.loads(spec.json_schema)
+    outs = engine.generate([PROMPT, PROMPT[:4]], SamplingParams(max_tokens=40, temperature=1.5, n=8, seed=3,
+                                                                structured_output=spec))
+    completions = [c for out in outs for c in out.outputs]
+    whole = [json.loads(c.text) for c in completions if c.finish_reason is FinishReason.STOP]
+    assert whole and all(valid(tree, schema, schema) for tree in whole)
+    assert any(kid for tree in whole for kid in tree.get("kids", [])), whole
+    for c in completions:
+        assert regex.fullmatch(pattern_of(spec), c.text, partial=True), c.text
 
 
 def test_json_object_mode_samples_json_objects(engine: Engine) -> None:
