@@ -354,7 +354,8 @@ class _Compiler:
             if self.expanding[id(target)] == self.containers:
                 _fail(path, f"'$ref' {ref!r} reaches itself through $ref, allOf, anyOf or oneOf alone, so no finite "
                             "value matches it; put the recursion inside an object's properties or an array's items")
-            name = self.rule_names.setdefault(id(target), f"ref{len(self.rule_names)}")
+            word = re.sub(r"\W", "_", ref.rsplit("/", 1)[-1], flags=re.ASCII)  # a name the `regex` module takes too
+            name = self.rule_names.setdefault(id(target), f"{word}_{len(self.rule_names)}")
             return f"(?&{name})"
         self.expanding[id(target)] = self.containers
         try:

@@ -250,6 +250,9 @@ def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
     (StructuredOutput(regex=".*a.{999}"), "automaton grows past"),  # 2**1000 states: refused, not built per step
     (StructuredOutput(json_schema={"type": "array", "items": {"type": "string", "maxLength": 1000},
                                    "maxItems": 1000}), "JSON schema cannot be followed.*too large"),
+    (StructuredOutput(json_schema={"$defs": {"node": {"type": "object", "properties": {"next": {
+        "$ref": "#/$defs/node"}}, "required": ["next"]}}, "$ref": "#/$defs/node"}),  # no finite value: next, next...
+     "JSON schema cannot be followed: as a grammar, rule 'node_0' can never be completed"),
 ])
 def test_a_spec_the_backend_cannot_follow_is_refused_at_admission(engine: Engine, spec: StructuredOutput,
                                                                   words: str) -> None:
