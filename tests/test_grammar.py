@@ -143,6 +143,58 @@ def nested_parser() -> Callable[[str], bool]:
     return parser_of(NESTED_LISTS[1])
 
 
+# JSON in the style of the grammars shipped with llama.cpp (written here from RFC 8259's grammar): an empty first
+# alternative, classes with \x escapes, counted repetitions, whitespace after each value
+LLAMA_STYLE_JSON = r'''
+root   ::= ws value
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [-+]? [0-9]+)? ws
+ws ::= | " " | "\n" [ \t]{0,20}
+'''
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
+                           allow_infinity=False) | st.text(max_size=5),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                          max_size=3), max_leaves=8)
+
+
+@functools.cache
+def llama_style_json() -> PushdownAutomaton:
+    return PushdownAutomaton.compile(LLAMA_STYLE_JSON)
+
+
+def json_loads(text: str) -> bool:
+    try:
+        json.loads(text, parse_constant=lambda name: 1 / 0)  # no NaN, Infinity
+    except (ValueError, ZeroDivisionError):
+        return False
+    return True
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=JSON_VALUES, indent=st.sampled_from([None, 1]), edit=st.tuples(st.integers(0, 80), st.sampled_from(
+    '{}[],:" 0e-.\\tn')))
+def test_a_llama_style_json_grammar_reads_what_python_s_json_reads(value: object, indent: int | None,
+                                                                   edit: tuple[int, str]) -> None:
+    """json.dumps's text (ASCII-escaped, compact or indented by one) is a sentence, and a one-character mutant is
+    one exactly when json.loads reads it and each run of whitespace is one the grammar's ws allows (a space, or a
+    newline and up to 20 spaces or tabs: narrower than RFC 8259's)."""
+    automaton = llama_style_json()
+    text = json.dumps(value, indent=indent)
+    assert automaton.fullmatch(text), text
+    at = edit[0] % (len(text) + 1)
+    mutant = text[:at] + edit[1] + text[at:]
+    between = re.sub(r'"(?:[^"\\]|\\.)*"', '""', mutant)  # exact where json.loads reads the mutant
+    spaced = all(re.fullmatch(r" |\n[ \t]{0,20}", run) for run in re.findall(r"[ \t\n\r]+", between))
+    assert automaton.fullmatch(mutant) == (json_loads(mutant) and spaced), mutant
+
+
 def test_the_dialect_reads_as_documented() -> None:
     """Comments, rules over several lines, escapes in literals, negated classes, '.', counts and an empty
     alternative mean what the module's docstring says: checked on chosen strings against Python's own reading."""
