@@ -379,6 +379,57 @@ def test_where_the_prompt_leaves_the_reasoning(thinking_model: Path, tiny_model:
     assert r1.stream(ids("<|assistant|>\n<think>\n\n</think>\n\n")).feed("an answer", True) == ("", "an answer")
 
 
+def test_thinking_is_off_where_at_most_8_space_tokens_follow_the_prompts_closed_block(thinking_model: Path) -> None:
+    """MAX_SPACE_TOKENS: a closing marker followed by up to 8 tokens of nothing but space (a template's "\n\n") is
+    thinking off; by 9 it is an earlier turn's. A prompt of space alone, without a marker, closed no block."""
+    from infer.core.loader import load_tokenizer
+    from infer.plugins.reasoning_parsers import CLOSED, OPENED
+
+    tokenizer = load_tokenizer(thinking_model)
+    opens, closes = tokenizer.convert_tokens_to_ids([THINK_START, THINK_END])
+    [space] = tokenizer.encode("\n", add_special_tokens=False)
+    [word] = tokenizer.encode("a", add_special_tokens=False)
+    qwen3 = ThinkReasoningParser(False, tokenizer)
+    for after, state in ((0, CLOSED), (1, CLOSED), (8, CLOSED), (9, None), (12, None)):
+        prompt = [word, opens, word, closes] + [space] * after
+        assert qwen3.prompt_state(prompt) == state, after
+        assert qwen3.reasoning_end(prompt) == ReasoningEnd(closes, state == CLOSED, opens), after
+        assert qwen3.stream(prompt).feed("<think>x</think>y", True) == (
+            ("", "<think>x</think>y") if state == CLOSED else ("x", "y")), after  # thinking off: all content
+    for prompt in ([], [space], [space] * 3):
+        assert qwen3.prompt_state(prompt) is None and qwen3.reasoning_end(prompt) == ReasoningEnd(closes, False, opens)
+    assert qwen3.prompt_state([word, opens] + [space] * 9) == OPENED
+
+
+def test_a_deepseek_r1_reply_needs_no_think_of_its_own_whatever_the_prompt_shows(thinking_model: Path) -> None:
+    """deepseek-r1's template opens the block, so its reply reasons from its first token: its structured output
+    waits for the reply's </think> with no open_token, where the prompt's end shows the <think> or not (a template
+    that leaves it out, an earlier turn's block); qwen3's reply opens the block itself there."""
+    from infer.core.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(thinking_model)
+    opens, closes = tokenizer.convert_tokens_to_ids([THINK_START, THINK_END])
+    for text in ("<|user|>\nHi\n<|assistant|>\n", "<think>a</think>b\n<|user|>\nmore\n<|assistant|>\n"):
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        assert ThinkReasoningParser(True, tokenizer).reasoning_end(prompt) == ReasoningEnd(closes, False, None)
+        assert ThinkReasoningParser(False, tokenizer).reasoning_end(prompt) == ReasoningEnd(closes, False, opens)
+
+
+def test_markers_the_tokenizer_marks_special_are_none_to_follow(tiny_model: Path) -> None:
+    """A tokenizer whose <think> and </think> are special tokens leaves them out of the text, so the shipped
+    parsers cannot follow them (docs/plugin-hooks.md: they answer where the markers stay in the text): no
+    reasoning_end, and the prompt's markers say nothing."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    tokenizer.add_special_tokens({"additional_special_tokens": [THINK_START, THINK_END]})
+    opens, closes = tokenizer.convert_tokens_to_ids([THINK_START, THINK_END])
+    for opened_in_prompt in (False, True):
+        parser = ThinkReasoningParser(opened_in_prompt, tokenizer)
+        for prompt in ([5, opens], [5, opens, 6, closes]):
+            assert parser.reasoning_end(prompt) is None and parser.prompt_state(prompt) is None, prompt
+
+
 # ---------------------------------------------------------------- splitting as the reply streams
 def reference_split(text: str, prompt: str | None, opened_in_prompt: bool) -> tuple[str | None, str]:
     """The stream's rules (plugins/reasoning_parsers.py's docstring) by way of the tested ``split``: after an

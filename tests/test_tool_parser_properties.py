@@ -8,6 +8,7 @@ import keyword
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -244,3 +245,45 @@ def test_a_tag_inside_a_mistral_calls_string_never_streams_a_call() -> None:
         ("say", {"text": f"{TOOL_CALLS}now{ARGS}{{}}{TOOL_CALLS}x"}), ("now", {})]
     streamed = [parser.streamed_calls(text[:cut], []) for cut in range(len(text) + 1)]
     assert max(streamed[: text.index('x"}') + 3]) == 0 and streamed[-1] == 1
+
+
+EVERY_CUT = [  # replies read at every cut: tags that begin at a reply's start, a tag in a call's string, JSON whole
+    # before text that makes it no call
+    '<|python_tag|>{"name": "now", "parameters": {}}',
+    ' <|python_start|>[now(), weather(city="Oslo")]<|python_end|>',
+    'Hi.\n<tool_call>{"name": "say", "arguments": {"text": "wrap it in <tool_call>"}}</tool_call>\n<tool_call>'
+    '{"name": "now", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "now", "arguments": {}} and then</tool_call> Done.',
+    'plan</think>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+    '[TOOL_CALLS]say[ARGS]{"text": "[TOOL_CALLS]"}[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{} [TOOL_CALLS]x',
+    'Hi [TOOL_CALLS][{"name": "now", "arguments": {}}]',
+]
+
+
+@pytest.mark.parametrize("text", EVERY_CUT)
+def test_every_cut_of_a_reply_streams_a_start_of_its_content_and_of_its_calls(text: str) -> None:
+    """The contract of streamed_content and streamed_calls checked at every cut (not a random few): what streams
+    grows, and begins the content and the calls (names and arguments) that parse reads out of the whole reply."""
+    for parser in PARSERS:
+        read = parser.parse(text, [])
+        calls, sent, streamed = [(c.name, c.arguments) for c in read.tool_calls], 0, 0
+        for cut in range(len(text) + 1):
+            reply = text[:cut]
+            n, count = parser.streamed_content(reply, []), parser.streamed_calls(reply, [])
+            assert sent <= n <= cut and read.content.startswith(reply[:n]), (parser, reply, n)
+            so_far = [(c.name, c.arguments) for c in parser.parse(reply, []).tool_calls]
+            assert streamed <= count <= len(so_far) and so_far[:count] == calls[:count], (parser, reply, count)
+            sent, streamed = n, count
+
+
+@pytest.mark.parametrize("reasoning, opened", [("", False), ("plan</think>\n", True)])
+def test_hermes_streams_each_call_once_closed_though_an_earlier_one_names_a_tag(reasoning: str, opened: bool
+                                                                                ) -> None:
+    """A call whose string names <tool_call>: at every cut, a parser new to the reply streams every call whose
+    closing tag is out (the reference: where the two calls' closing tags end)."""
+    text = (reasoning + 'Hi.\n<tool_call>{"name": "say", "arguments": {"text": "wrap it in <tool_call>"}}</tool_call>'
+            '\n<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    ends = [text.index("}}</tool_call>") + 2 + len(CLOSE), len(text)]
+    for cut in range(len(text) + 1):
+        assert HermesToolParser(opened_in_prompt=opened).streamed_calls(text[:cut], []) == sum(
+            cut >= end for end in ends), cut

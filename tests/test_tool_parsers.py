@@ -41,6 +41,9 @@ NOW = ToolCall("now", {})
     ('A.<tool_call>{"name": 7}</tool_call> B.\n<tool_call>{"name": "now"}</tool_call>',
      'A.<tool_call>{"name": 7}</tool_call> B.', (NOW,)),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', ()),
+    # an empty name is none: a call needs one (the engine refuses a parser's call without it)
+    ('<tool_call>{"name": "", "arguments": {}}</tool_call>', '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+     ()),
     ('<tool_call>{"name": "now", "arguments": [1]}</tool_call>', '<tool_call>{"name": "now", "arguments": [1]}'
      '</tool_call>', ()),
     ('<tool_call>{"name": "say", "arguments": {"text": "wrap it in <tool_call> and </tool_call>"}}</tool_call>', "",
@@ -84,6 +87,7 @@ def test_hermes_reads_qwen_and_hermes_replies(text: str, content: str, calls: tu
     ('{"name": "now", "parameters": {', '{"name": "now", "parameters": {', ()),
     ('{"name": "Bob", "age": 42}', '{"name": "Bob", "age": 42}', ()),  # a JSON answer, not a call
     ('{"name": "now", "parameters": null}', "", (NOW,)),
+    ('{"name": "", "parameters": {}}', '{"name": "", "parameters": {}}', ()),  # no name: no call
 ])
 def test_llama3_json_reads_llama_replies(text: str, content: str, calls: tuple[ToolCall, ...]) -> None:
     assert Llama3JsonToolParser().parse(text, []) == ParsedReply(content, calls)
@@ -107,6 +111,9 @@ def test_llama3_json_reads_llama_replies(text: str, content: str, calls: tuple[T
     ("[f(**k)]", "[f(**k)]", ()),
     ("[a.b(x=1)]", "[a.b(x=1)]", ()),
     ("[]", "[]", ()),
+    # a comment is text of the reply: it stays, and the reply is no list of calls alone (a parser never drops text)
+    ("[now()]  # done", "[now()]  # done", ()),
+    ("# plan\n[now()]", "# plan\n[now()]", ()),
 ])
 def test_pythonic_reads_llama_3_2_and_4_replies_without_running_them(text: str, content: str,
                                                                      calls: tuple[ToolCall, ...]) -> None:
@@ -136,8 +143,12 @@ def test_pythonic_reads_llama_3_2_and_4_replies_without_running_them(text: str, 
     ('[TOOL_CALLS]now[ARGS][1]', '[TOOL_CALLS]now[ARGS][1]', ()),
     ('[TOOL_CALLS][{"name": "now", "arguments": {}}] done', '[TOOL_CALLS][{"name": "now", "arguments": {}}] done', ()),
     ('[TOOL_CALLS][{"arguments": {}}]', '[TOOL_CALLS][{"arguments": {}}]', ()),
+    ('[TOOL_CALLS][{"name": "", "arguments": {}}]', '[TOOL_CALLS][{"name": "", "arguments": {}}]', ()),
     ('[TOOL_CALLS][]', "[TOOL_CALLS][]", ()),
     ('[TOOL_CALLS][{"name": "now", "arguments": "{}"}]', "", (NOW,)),  # arguments as their JSON text
+    # space after a segment's JSON, before the next tag or the end: the call's still (the model's "\n" at the end)
+    ('[TOOL_CALLS]now[ARGS]{} \n', "", (NOW,)),
+    ('[TOOL_CALLS]now[ARGS]{}\n[TOOL_CALLS]weather[ARGS]{"city": "Oslo", "days": [1, 2]}', "", (NOW, WEATHER)),
 ])
 def test_mistral_reads_both_of_mistral_commons_encodings(text: str, content: str, calls: tuple[ToolCall, ...]
                                                          ) -> None:
@@ -160,6 +171,20 @@ def test_a_mistral_call_id_of_another_shape_is_replaced(own: str) -> None:
         ids = [call.id for call in parser.parse(text, []).tool_calls]
         assert len(ids) == 1 and ids[0] != own and re.fullmatch("[A-Za-z0-9]{9}", ids[0], re.ASCII), (text, ids)
     assert parser.parse("[TOOL_CALLS]f[CALL_ID] a1b2c3d4e [ARGS]{}", []).tool_calls[0].id == "a1b2c3d4e"
+
+
+def test_a_mistral_segment_ends_at_the_next_tag_though_no_args_came() -> None:
+    """A segment is the text up to the next [TOOL_CALLS]: one whose [CALL_ID] runs into that tag before an [ARGS]
+    is no call (text of the content), and the [ARGS] after the tag are the next segment's, whose call has no id of
+    the model's (the one before the tag was another segment's)."""
+    text = '[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[TOOL_CALLS]weather[ARGS]{"city": "Oslo", "days": [1, 2]}'
+    parser = MistralToolParser()
+    reply = parser.parse(text, [])
+    assert (reply.content, [replace(call, id=None) for call in reply.tool_calls]) == (
+        "[TOOL_CALLS]now[CALL_ID]a1b2c3d4e", [WEATHER])
+    assert reply.tool_calls[0].id != "a1b2c3d4e"
+    # nothing streams past a segment that is no call, the first here, even once a tag follows the call after it
+    assert [parser.streamed_calls(text + more, []) for more in ("", "[TOOL_CALLS]")] == [0, 0]
 
 
 def test_mistral_call_ids_fit_the_next_turn_of_mistrals_template(tmp_path: Path) -> None:
@@ -328,6 +353,24 @@ def test_hermes_sees_whether_a_prompt_opened_a_reasoning_block(thinking_model: P
             assert reader.streamed_calls(MENTIONED[:-1], []) == (0 if opened else 1)  # the last block not closed
 
 
+def test_hermes_reads_the_last_32_tokens_of_a_prompt_for_an_opened_block(thinking_model: Path) -> None:
+    """for_prompt reads the prompt's last 32 tokens (docs/plugin-hooks.md): a <think> that is the 32nd token from
+    the end opened the reply's reasoning; one a token further back is outside what it reads (an earlier turn's)."""
+    from transformers import AutoTokenizer
+
+    from infer.core.config import EngineConfig
+    from infer.plugins.tool_parsers import hermes_parser
+
+    tokenizer = AutoTokenizer.from_pretrained(str(thinking_model))
+    parser = hermes_parser(EngineConfig(), tokenizer)
+    opens = tokenizer.convert_tokens_to_ids("<think>")
+    [a] = tokenizer.encode("a", add_special_tokens=False)
+    for after, opened in ((0, True), (30, True), (31, True), (32, False), (40, False)):  # tokens after the <think>
+        reader = parser.for_prompt([a] * 3 + [opens] + [a] * after)
+        assert isinstance(reader, HermesToolParser) and reader.opened_in_prompt is opened, after
+        assert reader.parse(MENTIONED, []).tool_calls == ((NOW,) if opened else (SAY, NOW)), after
+
+
 def test_the_engine_gives_each_whole_reply_of_a_chat_with_tools_to_the_parser(tiny_model: Path, template: Path
                                                                               ) -> None:
     llm = echo_llm(tiny_model, template)
@@ -369,6 +412,16 @@ def test_a_parser_that_breaks_its_contract_is_named(tiny_model: Path, template: 
     with pytest.raises(UnknownComponentError, match="unknown tool parser 'nope'; registered tool parsers: hermes, "
                                                     "llama3-json, mistral, pythonic"):
         LLM(model=str(tiny_model), device="cpu", num_kv_blocks=16, tool_parser="nope")
+
+
+def test_qwen_is_another_name_of_the_hermes_parser() -> None:
+    """docs/plugin-hooks.md: `hermes` (alias `qwen`: Qwen 2.5/3 and Hermes): --tool-parser qwen selects it."""
+    from infer.core.plugins import PluginManager
+    from infer.plugins.tool_parsers import hermes_parser
+
+    tool_parsers = PluginManager.from_entry_points().registry("tool_parser")
+    assert "qwen" in tool_parsers and tool_parsers.entry("qwen").name == "hermes"
+    assert tool_parsers.get("qwen") is tool_parsers.get("hermes") is hermes_parser
 
 
 def test_parsed_calls_travel_over_grpc(tiny_model: Path, template: Path, serve_engine: Any) -> None:

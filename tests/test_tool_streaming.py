@@ -80,6 +80,17 @@ class SplitsWhole(ReasoningParser):
         return (reasoning, content) if a else (None, text)
 
 
+class Shrinks(ToolParser):
+    """All content; streamed_content a few characters while the reply is short, then none: an answer below an
+    earlier one streams nothing more, and nothing streamed is taken back or sent twice."""
+
+    def parse(self, text: str, token_ids: Sequence[int]) -> ParsedReply:
+        return ParsedReply(text)
+
+    def streamed_content(self, text: str, token_ids: Sequence[int]) -> int:
+        return min(len(text), 3) if len(text) < 12 else 0
+
+
 class BadTags(FromE):
     written_tags = {"<call>": 7}  # backwards: text to id
 
@@ -97,6 +108,14 @@ class EachE(ToolParser):
 
 def e_places(text: str) -> list[int]:
     return [at for at, char in enumerate(text) if char == "e"]
+
+
+class AllButLast(EachE):
+    """As EachE, but the last "e" of the reply so far streams only once another follows it (or with the last
+    output): fewer calls stream than the reply so far's parse reads."""
+
+    def streamed_calls(self, text: str, token_ids: Sequence[int]) -> int:
+        return max(text.count("e") - 1, 0)
 
 
 class RaisesOnCalls(EachE):
@@ -128,8 +147,9 @@ class NoPromptParser(EachE):
         return None
 
 
-PARSERS = {"from-e": FromE, "whole": Whole, "raises": Raises, "overshoots": Overshoots, "disagrees": Disagrees,
-           "bad-tags": BadTags, "each-e": EachE, "raises-on-calls": RaisesOnCalls, "overcounts": Overcounts,
+PARSERS = {"from-e": FromE, "whole": Whole, "shrinks": Shrinks, "raises": Raises, "overshoots": Overshoots,
+           "disagrees": Disagrees, "bad-tags": BadTags, "each-e": EachE, "all-but-last": AllButLast,
+           "raises-on-calls": RaisesOnCalls, "overcounts": Overcounts,
            "not-a-count": NotACount, "moves": Moves, "no-prompt-parser": NoPromptParser}
 
 
@@ -214,6 +234,23 @@ def test_without_streamed_content_the_content_comes_with_the_last_output(tiny_mo
         assert parts[-1].content_text == parts[-1].content and parts[-1].tool_calls
     plain = parts_of(list(llm.engine.stream(ChatPrompt.of(CHAT), SamplingParams(max_tokens=4))))  # no tools
     assert all(c.content_text is None and c.reasoning_text is None for c in plain)
+
+
+def test_content_streamed_is_never_taken_back_by_a_smaller_answer(tiny_model: Path, template: Path) -> None:
+    """streamed_content answers less than before once the reply is 12 characters long: each output's content_text
+    joined so far is the text up to the largest answer yet (the reference: the contract, over the text so far),
+    and with the last output's they are the whole reply, each character once."""
+    llm = llm_with(tiny_model, template, "shrinks")
+    parts = parts_of(list(llm.engine.stream(ChatPrompt.of(CHAT, tools=TOOLS), SamplingParams(max_tokens=24,
+                                                                                             temperature=0.0))))
+    text, most = "", 0
+    for k, part in enumerate(parts[:-1], 1):
+        text += part.text
+        most = max(most, Shrinks().streamed_content(text, []))
+        assert "".join(c.content_text for c in parts[:k]) == text[:most], text
+    whole = text + parts[-1].text
+    assert len(text) >= 12 and most > 0, whole  # the premise: an answer, then a smaller one
+    assert "".join(c.content_text for c in parts) == parts[-1].content == whole
 
 
 def test_calls_are_cut_out_before_the_reasoning_is_split(thinking_model: Path, tmp_path: Path) -> None:
@@ -410,6 +447,22 @@ def test_calls_stream_once_read_and_join_into_the_last_outputs_calls(tiny_model:
         assert len({id_ for id_, _ in listed}) == len(listed)
 
     serve_engine(llm.engine, test)
+
+
+def test_no_more_calls_stream_than_streamed_calls_says(tiny_model: Path, template: Path) -> None:
+    """Where parse reads more calls out of the reply so far than streamed_calls counts, only those counted stream
+    (the reference: every "e" of the text so far but its last); the last output carries the rest, ids kept."""
+    llm = llm_with(tiny_model, template, "all-but-last")
+    parts = parts_of(list(llm.engine.stream(ChatPrompt.of(CHAT, tools=TOOLS), SamplingParams(max_tokens=24,
+                                                                                             temperature=0.0))))
+    text, streamed = "", []
+    for c in parts[:-1]:
+        text += c.text
+        streamed += c.new_tool_calls
+        assert called(streamed) == [("rest", {"at": at}) for at in e_places(text)[:-1]], text
+    assert len(e_places(text)) > 2 and streamed  # the premise: calls streamed, one held back
+    assert streamed + parts[-1].new_tool_calls == parts[-1].tool_calls
+    assert called(parts[-1].tool_calls) == [("rest", {"at": at}) for at in e_places(text + parts[-1].text)]
 
 
 FORMATS = {  # a reply of the calls in a shipped parser's format, and how many of them a text so far has finished
