@@ -123,6 +123,7 @@ def test_batches_keep_to_the_sequence_and_token_budgets(eos_model, infer_plugins
     class Recording(TorchAttention):
         def prepare(self, meta):
             steps.append((len(meta.query_lens_cpu), sum(meta.query_lens_cpu)))
+            assert min(meta.query_lens_cpu) >= 1  # a full batch leaves a beam for the next, not a 0-token item
             return super().prepare(meta)
 
     module = types.ModuleType("recording")
@@ -242,6 +243,7 @@ def test_any_length_penalty_scores_as_the_formula_says(tiny_model, penalty):
         want_float = float(want)  # past the floats' range: inf, below it: 0
         got = length_score(logprob, length, penalty)
         assert got == pytest.approx(want_float, rel=1e-12) or got == want_float == 0, (logprob, length, got, want)
+    assert length_score(0.0, 64, penalty) == 0  # every token certain: 0 over any finite power is 0, in range or not
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32))
     [out] = engine.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=penalty))
     assert len(out.beams) == 2 and out.beams[0].score >= out.beams[1].score
@@ -729,3 +731,272 @@ def test_a_search_that_fits_alone_is_not_refused_beside_younger_ones(eos_model):
     while engine.has_unfinished():
         engine.step()
     assert beams_of(searches[1].result()) == beams_of(want)
+
+
+# ---------------------------------------------------------------- from a mutation audit of beam search
+@pytest.mark.parametrize(("field", "value"), [("beam_width", True), ("beam_width", 2.0), ("max_tokens", False),
+                                              ("length_penalty", True)])
+def test_a_bool_or_float_count_and_a_bool_penalty_are_refused(tiny_model, field, value):
+    """A bool is an int to isinstance, and 2.0 compares as 2: neither is a count of beams or tokens, nor is a bool
+    a length penalty; each is refused before any work, as an integer or a finite number is asked for."""
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16))
+    with pytest.raises(InvalidRequestError, match=f"{field} must be"):
+        engine.beam_search(["x"], BeamSearchParams(**{field: value}))
+    assert not engine.searches and engine.kv.stats().used_blocks == 0
+
+
+def test_a_prompt_past_the_context_length_with_max_tokens_is_refused_as_generate_refuses_it(tiny_model):
+    """The context-length check counts max_tokens: a prompt that fits alone but not with its max_tokens is refused
+    with generate's message, and one that fits with them runs to max_tokens."""
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", max_model_len=32))
+    prompt = list(range(3, 23))  # 20 tokens: 12 more fit
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.generate([prompt], SamplingParams(max_tokens=13))
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context length 32") as beam_refused:
+        engine.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=13))
+    assert str(beam_refused.value) == str(refused.value)
+    [out] = engine.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True))
+    assert [len(b.token_ids) for b in out.beams] == [12, 12]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_a_prompt_whose_one_beam_fills_the_pool_exactly_runs(eos_model, block_size):
+    """One beam holds the prompt and every token but the last (the last is never run through the model): a pool of
+    exactly ceil((prompt + max_tokens - 1) / block_size) blocks is enough, and the search returns greedy decoding;
+    one block fewer is refused at the start."""
+    prompt, max_tokens = list(range(3, 3 + 3 * block_size - 4)), 5  # prompt + max_tokens - 1 = 3 blocks exactly
+    want = Engine(EngineConfig(model=str(eos_model), device="cpu")).generate(
+        [prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+    params = BeamSearchParams(beam_width=1, max_tokens=max_tokens, ignore_eos=True)
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=block_size, num_kv_blocks=3,
+                                 enable_prefix_caching=False))
+    assert engine.beam_search([prompt], params)[0].beams[0].token_ids == want
+    assert drained(engine)
+    with pytest.raises(CapacityError, match="needs up to 4 KV blocks for one beam, but the cache has 3"):
+        engine.beam_search([prompt + [3]], params)
+
+
+def test_blocks_short_counts_the_blocks_that_allocating_the_beams_takes(eos_model):
+    """At every step, the blocks that blocks_short says the beams need for their next token (a new block for each
+    beam whose token starts one, one copy per beam sharing a partial last block but the last) are exactly those
+    that allocating them takes from the pool (the reference: the pool's own count)."""
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, enable_prefix_caching=False))
+    search = engine.start_beam_search([TEXTS[0], TEXTS[2]], BeamSearchParams(beam_width=4, max_tokens=14,
+                                                                             ignore_eos=True))
+    engine.step()
+    counted = []
+    while not search.done:
+        beams = [beam for state in search.states for beam, _ in state.live]
+        search.short = beams  # as if none had its blocks yet (the step below allocates them again: no-ops)
+        need, free = search.blocks_short(), engine.kv.stats().free_blocks
+        assert not search.short_of_blocks(beams)
+        assert free - engine.kv.stats().free_blocks == need
+        counted.append(need)
+        search.short = []
+        engine.step()
+    assert max(counted) > min(counted)  # steps that start blocks and steps that only copy partial ones
+    assert drained(engine)
+
+
+@pytest.mark.parametrize("penalty", [1e308, -1e308])
+def test_tied_scores_keep_the_order_the_hypotheses_finished_in(eos_model, penalty):
+    """A penalty so far from 0 that every score leaves the floats' range ties them all (0 or -inf); they come out
+    in the order they finished: at max_tokens with ignore_eos, best cumulative log-probability first, which is
+    HF's order with length_penalty 0 (the beams themselves do not depend on the penalty when none stops early)."""
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4))
+    params = BeamSearchParams(beam_width=4, max_tokens=8, length_penalty=penalty, ignore_eos=True)
+    for text, result in zip(TEXTS[:3], engine.beam_search(TEXTS[:3], params)):
+        beams, cumulative = hf_beam_search(eos_model, engine.tokenize(text), 4, 8, 0.0, True)
+        assert len({b.score for b in result.beams}) == 1  # tied
+        assert [b.token_ids for b in result.beams] == beams
+        assert [b.cumulative_logprob for b in result.beams] == pytest.approx(cumulative, abs=1e-5)
+
+
+def test_a_beam_wider_than_the_vocabulary_keeps_every_token(eos_model):
+    """beam_width past the vocabulary's size: fewer beams, one per token, every token of the vocabulary ranked by
+    its log-probability under a fresh HF forward pass (an end-of-sequence token among them stopped there)."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu"))
+    prompt = engine.tokenize(TEXTS[0])
+    model = AutoModelForCausalLM.from_pretrained(str(eos_model), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    vocab = logprobs.shape[0]
+    [out] = engine.beam_search([prompt], BeamSearchParams(beam_width=vocab + 100, max_tokens=1))
+    assert sorted(b.token_ids[0] for b in out.beams) == list(range(vocab))
+    assert [b.score for b in out.beams] == sorted((b.score for b in out.beams), reverse=True)
+    assert [b.score for b in out.beams] == pytest.approx([logprobs[b.token_ids[0]].item() for b in out.beams],
+                                                         abs=1e-5)
+    assert {b.finish_reason for b in out.beams if b.token_ids[0] in engine.eos_token_ids} == {FinishReason.STOP}
+    for beam in out.beams:  # a token that leaves a character open reads as U+FFFD, as the tokenizer decodes it
+        tokens = beam.token_ids[:-1] if beam.finish_reason is FinishReason.STOP else beam.token_ids
+        assert beam.text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert drained(engine)
+
+
+def test_a_prompt_that_finishes_early_frees_its_beams_at_once(eos_model):
+    """A prompt whose hypotheses are done (early stopping) gives its beams' blocks back in that step, while the
+    search's other prompts go on: after every step the pool holds exactly the blocks of the unfinished prompts'
+    beams (the reference: the pool's own count of blocks in use)."""
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4, enable_prefix_caching=False))
+    search = engine.start_beam_search(TEXTS, BeamSearchParams(beam_width=3, max_tokens=30))
+    early = False
+    while not search.done:
+        engine.step()
+        unfinished = [state for state in search.states if not state.finished]
+        held = {block for state in unfinished for beam, _ in state.live for block in engine.kv.block_table(beam)}
+        assert engine.kv.stats().used_blocks == len(held)
+        early |= not search.done and len(unfinished) < len(TEXTS)
+    assert early  # some prompt finished while others went on
+    assert drained(engine)
+
+
+def test_an_error_mid_allocation_drops_the_copies_queued_for_the_failed_search(eos_model, monkeypatch):
+    """An error while a step allocates its beams' blocks, after a shared partial block's copy was queued, fails
+    that search and frees its beams; the queued copy goes with them: it must not run later (the next scheduler step
+    would run it, into blocks that others get, after a swap-in that filled one, say)."""
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", block_size=4))
+    search = engine.start_beam_search(TEXTS[:2], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    allocate = engine.kv.allocate
+
+    def allocate_then_fail(seq, num_tokens):
+        done = allocate(seq, num_tokens)
+        if engine.kv.ops.copies:  # a copy-on-write copy is queued: fail before a forward pass runs it
+            raise RuntimeError("allocation failed")
+        return done
+
+    monkeypatch.setattr(engine.kv, "allocate", allocate_then_fail)
+    schedule, late = engine._schedule, []
+
+    def schedule_recording():  # the copies a scheduler step runs: none of the search's may reach one
+        out = schedule()
+        late.extend(out.block_ops.copies)
+        return out
+
+    monkeypatch.setattr(engine, "_schedule", schedule_recording)
+    for _ in range(8):
+        if search.done:
+            break
+        engine.step()
+    with pytest.raises(RuntimeError, match="allocation failed"):
+        search.result()
+    assert search.length >= 1 and engine.stats.beam_searches_failed == 1
+    assert not late and not engine.kv.take_block_ops() and drained(engine)
+
+
+def test_without_a_search_async_scheduling_still_schedules_over_the_tokens_in_flight(eos_model, monkeypatch):
+    """A beam step settles the step in flight first (the beams' forward passes must not overlap it); without an
+    active search nothing settles early: async scheduling schedules each step while the previous one's tokens are
+    still PENDING placeholders, and only the steps beside a search see them read back."""
+    from infer.core.runner import PENDING_TOKEN
+
+    engine = Engine(EngineConfig(model=str(eos_model), device="cpu", async_scheduling=True, block_size=4))
+    schedule, pending = engine.scheduler.schedule, []
+
+    def recording():
+        pending.append((bool(engine.searches), any(seq.token_ids[-1] == PENDING_TOKEN
+                                                   for req in engine.requests.values() for seq in req.seqs)))
+        return schedule()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording)
+    long = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine.add_request(TEXTS[0], long)
+    for _ in range(4):
+        engine.step()
+    search = engine.start_beam_search(TEXTS[1:3], BeamSearchParams(beam_width=2, max_tokens=4))
+    engine.add_request(TEXTS[3], long)
+    while engine.has_unfinished():
+        engine.step()
+    assert search.done
+    assert any(p for searching, p in pending if not searching)  # overlapped
+    assert not any(p for searching, p in pending if searching)  # settled first
+
+
+def markov_model(tiny_model, folder, logits: dict, eos: list[int], floor: float = -20.0):
+    """A copy of the tiny model whose next-token logits depend on the last token only, as ``logits`` says:
+    ``logits[c]`` maps tokens to their logits after context token ``c`` (``logits[None]`` after any other
+    token), every token not named getting ``floor``. The attention and MLP outputs are zeroed, so the residual
+    stream is the last token's embedding, a one-hot row per named context; the head's columns are the tables."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
+    weights = load_file(str(folder / "model.safetensors"))
+    vocab, hidden = weights["model.embed_tokens.weight"].shape
+    contexts = [None, *(c for c in logits if c is not None)]
+    assert len(contexts) <= hidden
+    embed, head = torch.zeros(vocab, hidden), torch.full((vocab, hidden), floor)
+    embed[:, 0] = 1.0
+    for dim, context in enumerate(contexts):
+        if context is not None:
+            embed[context] = torch.nn.functional.one_hot(torch.tensor(dim), hidden).float()
+        for token, value in logits.get(context, {}).items():
+            head[token, dim] = value
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
+    weights["model.norm.weight"] = torch.full((hidden,), hidden ** -0.5)  # a one-hot row normalises to itself
+    save_file(weights, str(folder / "model.safetensors"))
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((folder / name).read_text())
+        config["eos_token_id"] = eos
+        (folder / name).write_text(json.dumps(config))
+    return folder
+
+
+def test_one_more_candidate_per_eos_id_keeps_a_beam_that_ranks_below_every_eos(tiny_model, tmp_path):
+    """HF keeps (1 + number of eos ids) x width candidates: with 30 eos ids and width 2, a step whose best
+    candidate is an ordinary token and whose next 60 are all eos tokens still keeps a second beam, the 62nd
+    candidate (30 x width would keep one). On a model whose next token depends on the last only, that beam goes on
+    at almost no cost and, scored by its length, ends best: the beams and scores equal HF's."""
+    eos = list(range(200, 230))
+    a, b, x, y, y2 = 20, 21, 22, 23, 24
+    spread = {token: -0.05 * i for i, token in enumerate(range(30, 130))}  # ~ -4.6 a token: a poor path
+    table = {
+        6: {a: 10.0, b: 9.9, **{e: 5.0 - 0.05 * i for i, e in enumerate(eos)}},
+        a: {x: 10.0, **{e: 9.5 - 0.02 * i for i, e in enumerate(eos)}},  # best: a x; then a's eos tokens
+        b: {y: 8.0, **{e: 9.49 - 0.02 * i for i, e in enumerate(eos)}},  # b's eos tokens; b y below them all
+        x: spread, None: spread, y: {y2: 30.0}, y2: {y2: 30.0},
+    }
+    model = markov_model(tiny_model, tmp_path / "markov", table, eos)
+    engine = Engine(EngineConfig(model=str(model), device="cpu", block_size=4))
+    [out] = engine.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=5))
+    beams, scores = hf_beam_search(model, [5, 6], 2, 5, 1.0, False)
+    assert [b.token_ids for b in out.beams] == beams
+    assert [b.score for b in out.beams] == pytest.approx(scores, rel=1e-6, abs=1e-5)
+    assert out.beams[0].token_ids == [b, y, y2, y2, y2]  # the beam that ranked 62nd
+
+
+def test_a_live_beam_that_only_ties_the_worst_kept_hypothesis_stops_the_search_as_hf_does(tiny_model, tmp_path):
+    """HF's early_stopping=False stops when no live beam scores better than the worst of the width best finished
+    hypotheses; a tie stops it. Here a beam's two best tokens, an eos and another, have the same logit: the eos
+    finishes a hypothesis that ties the live beam exactly (same log-probability, same length), and the search
+    stops with it, though the live beam would have gone on to a better one."""
+    e1, e2, a, b, c, d = 200, 201, 20, 21, 22, 23
+    table = {6: {e1: 10.0, a: 9.0, b: 8.0}, a: {e2: 5.0, c: 5.0}, b: {d: 30.0}, c: {e2: 30.0}, d: {d: 30.0}}
+    model = markov_model(tiny_model, tmp_path / "markov", table, [e1, e2])
+    engine = Engine(EngineConfig(model=str(model), device="cpu", block_size=4))
+    [out] = engine.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=5))
+    beams, scores = hf_beam_search(model, [5, 6], 2, 5, 1.0, False)
+    assert [b.token_ids for b in out.beams] == beams == [[e1], [a, e2]]  # not [a, c, e2], which scores better
+    assert [b.score for b in out.beams] == pytest.approx(scores, rel=1e-6, abs=1e-5)
+
+
+def test_an_eos_ranked_just_below_the_width_best_candidates_finishes_nothing(tiny_model, tmp_path):
+    """Only an eos token among the best ``width`` candidates finishes a hypothesis (HF's top_num_beam_mask): after
+    one that does (ranked 1 of width 2), the next eos, ranked 2, is passed over on the way to the second ordinary
+    token, though as a hypothesis it would have scored second best of all here."""
+    e0, e1, a, b = 200, 201, 20, 21
+    spread = {token: -0.05 * i for i, token in enumerate(range(30, 130))}  # ~ -3 a token: a poor path
+    table = {6: {a: 10.0, e0: 9.5, e1: 9.0, b: 8.5}, None: spread}
+    model = markov_model(tiny_model, tmp_path / "markov", table, [e0, e1])
+    engine = Engine(EngineConfig(model=str(model), device="cpu", block_size=4))
+    [out] = engine.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=3))
+    beams, scores = hf_beam_search(model, [5, 6], 2, 3, 1.0, False)
+    assert [b.token_ids for b in out.beams] == beams
+    assert [b.score for b in out.beams] == pytest.approx(scores, rel=1e-6, abs=1e-5)
+    assert beams[0] == [e0] and [e1] not in beams

@@ -794,3 +794,19 @@ def test_an_adapter_loaded_where_one_overflowed_leaves_no_trace_of_it(checkpoint
     want, got = fresh.generate(PROMPTS, params), reused.generate(PROMPTS, params)
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got] == \
         [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in want]
+
+
+def test_an_adapter_a_beam_search_uses_is_not_unloaded_until_it_ends(checkpoint, adapters) -> None:
+    """A beam search on an adapter is one of its users: unloading it mid-search is refused (its beams' next steps
+    would run without it), and allowed once the search is done; the search's one beam is the adapter's greedy."""
+    engine = engine_for(checkpoint("llama"), {"all": adapters["all"]})
+    search = engine.start_beam_search([PROMPTS[0]], BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True,
+                                                                     lora_adapter="all"))
+    engine.step()
+    with pytest.raises(InvalidRequestError, match=r"'all' is in use by 1 request\(s\) \(a beam search\)"):
+        engine.unload_lora_adapter("all")
+    while engine.has_unfinished():
+        engine.step()
+    assert search.result()[0].beams[0].token_ids == adapters["all"].greedy(PROMPTS[0], 6)[0]
+    engine.unload_lora_adapter("all")
+    assert engine.lora_adapters == []
