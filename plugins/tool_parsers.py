@@ -373,9 +373,10 @@ def special_tags(tokenizer: Any, tags: Sequence[str]) -> dict[int, str]:
 
 def hermes_parser(config: EngineConfig, tokenizer: Any) -> ToolParser:
     """The hermes parser for ``tokenizer``: the engine writes out the tags it marks special, and it reads whether
-    a prompt opened a reasoning block out of the prompt's decoded end."""
+    a prompt opened a reasoning block out of the prompt's decoded end, decoded as the reply's text is (special
+    tokens left out: where the tokenizer marks <think> special, no reply's text shows its </think> either)."""
     def prompt_tail(token_ids: Sequence[int]) -> str:
-        return tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        return tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     return HermesToolParser(special_tags(tokenizer, (OPEN, CLOSE)), prompt_tail)
 

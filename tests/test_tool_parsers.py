@@ -371,6 +371,23 @@ def test_hermes_reads_the_last_32_tokens_of_a_prompt_for_an_opened_block(thinkin
         assert reader.parse(MENTIONED, []).tool_calls == ((NOW,) if opened else (SAY, NOW)), after
 
 
+def test_hermes_reads_a_prompt_as_the_reply_is_read_where_the_think_tags_are_special(tiny_model: Path) -> None:
+    """A tokenizer that marks <think> and </think> special: the engine's text of a reply leaves its </think> out,
+    so the prompt's <think> must not count either, else every call of the reply would read as reasoning."""
+    from transformers import AutoTokenizer
+
+    from infer.core.config import EngineConfig
+    from infer.plugins.tool_parsers import hermes_parser
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    reader = hermes_parser(EngineConfig(), tokenizer).for_prompt(tokenizer.encode("<|user|>\nTime?\n<think>\n"))
+    reply = tokenizer.encode('plan</think>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    text = tokenizer.decode(reply, skip_special_tokens=True)  # what the engine gives the parser
+    assert "</think>" not in text and isinstance(reader, HermesToolParser) and reader.opened_in_prompt is False
+    assert reader.parse(text, reply) == ParsedReply("plan", (NOW,)) and reader.streamed_calls(text, reply) == 1
+
+
 def test_the_engine_gives_each_whole_reply_of_a_chat_with_tools_to_the_parser(tiny_model: Path, template: Path
                                                                               ) -> None:
     llm = echo_llm(tiny_model, template)
