@@ -86,8 +86,9 @@ class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the reasoning (a ``<think>``
     block); the text outside them is the content (usually what comes before the first). A block that is no call
     (its JSON does not parse, or is not a call's) is text of the content; a last block cut off by max_tokens (no
-    closing tag) is read too, if its JSON is whole. Space after the content is dropped, and before it where no
-    text comes before the first call. The content streams up to the first tag (and the space before it), and
+    closing tag) is read too, if its JSON is whole. The text between calls is kept as written, but a stretch of
+    only whitespace is dropped (the newlines a template writes between calls); so is space after the content, and
+    before it where no text comes before the first call. The content streams up to the first tag (and the space before it), and
     the calls each once closed, where the reply's reasoning is known (``for_prompt``). ``written_tags``: the
     tags' token ids, for a tokenizer that marks them special; ``prompt_tail``: the text of a prompt's last
     tokens, where ``for_prompt`` looks for a reasoning block the prompt opened (None: not known, so a

@@ -65,6 +65,11 @@ NOW = ToolCall("now", {})
      (NOW,)),
     ('<tool_call>{"name": "now", "arguments": null}</tool_call>', "", (NOW,)),
     ('<tool_call>{"name": "now"}</tool_call>', "", (NOW,)),
+    # the text between calls is kept as written, but a stretch of only whitespace is dropped (a template's newlines)
+    ('Hi.<tool_call>{"name": "now"}</tool_call>\n<tool_call>{"name": "now"}</tool_call> Bye.', "Hi. Bye.",
+     (NOW, NOW)),
+    ('Hi.<tool_call>{"name": "now"}</tool_call> and <tool_call>{"name": "now"}</tool_call>\n', "Hi. and",
+     (NOW, NOW)),
     ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "f", "arguments": '
      '{"x": NaN}}</tool_call>', ()),  # not JSON, though json.loads takes it
     ('<tool_call>{"name": "now", "arguments": {}} trailing</tool_call>', '<tool_call>{"name": "now", "arguments": '
