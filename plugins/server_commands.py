@@ -141,7 +141,8 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
 
     if beam_width:
         others = {"--n": n != 1, "--stop": stop, "--include-stop-str": include_stop_str, "--seed": seed is not None,
-                  "--no-speculative": no_speculative, "--regex/--choice/--json-schema": structured_output}
+                  "--no-speculative": no_speculative,
+                  "--regex/--choice/--json-schema/--grammar": structured_output}
         refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
     elif ctx.get_parameter_source("length_penalty") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--length-penalty scores beam search's hypotheses; add --beam-width W", ctx)
