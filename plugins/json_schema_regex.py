@@ -11,8 +11,9 @@ The texts are a subset of the valid ones, in one shape:
   without ``properties`` holds any members whose values satisfy ``additionalProperties`` (any JSON value when it
   is absent or true, none when false);
 - a value the schema leaves open (``true``, ``{}`` or annotations alone, the members of an object without
-  ``properties``, the items of an array without ``items``) is any JSON value whose objects and arrays nest at most
-  ``ANY_DEPTH`` (4) deep, counting an open object or array itself: "json object mode" is ``{"type": "object"}``;
+  ``properties``, the items of an array without ``items``) is any JSON value: with ``schema_to_rules``, nested to
+  any depth (a rule of its own); in a regex, whose objects and arrays nest at most ``ANY_DEPTH`` (4) deep, counting
+  an open object or array itself. "json object mode" is ``{"type": "object"}``;
 - ``enum`` and ``const`` values are their compact JSON, without even the optional spaces, non-ASCII left raw;
 - a string is raw characters and the escapes ``\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX``, never a surrogate pair
   (characters past U+FFFF come raw), so each unit is one character for ``minLength`` and ``maxLength``;
@@ -54,7 +55,9 @@ from .number_regex import alternatives, integer_range, number_range
 
 MAX_REGEX = 200_000
 MAX_COUNT = 1000
-ANY_DEPTH = 4  # objects and arrays nest at most this deep in an open value (its regex grows 4x a level)
+ANY_DEPTH = 4  # objects and arrays nest at most this deep in an open value of a regex (it grows 4x a level)
+ANY_RULE = "any_value"  # schema_to_rules' rule of an open value, nested to any depth (no ref's rule ends so)
+ANY_CALL = f"(?&{ANY_RULE})"
 _ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
                           "readOnly", "writeOnly", "$defs", "definitions", "discriminator"})
 _TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
@@ -269,7 +272,7 @@ class _Compiler:
         if schema is False:
             _fail(path, "schema false matches nothing; remove the value or give it a type")
         if schema is True:
-            return _any_value(ANY_DEPTH)
+            return self._open(ANY_DEPTH)
         if not isinstance(schema, dict):
             _fail(path, f"a schema must be an object or a boolean, not {_dumps(schema, path)[:60]}")
         keys = {key: value for key, value in schema.items() if key not in _ANNOTATIONS}
@@ -292,6 +295,15 @@ class _Compiler:
             _fail(path, _TOO_LARGE)
         return regex
 
+    def _open(self, depth: int) -> str:
+        """Any JSON value: with recursion, a call of a rule of its own, nested to any depth; else nested at most
+        ``depth`` deep."""
+        if not self.recursion:
+            return _any_value(depth)
+        if ANY_RULE not in self.rules:
+            self.rules[ANY_RULE] = f"(?:{_any_value(0)}|{_open_object(ANY_CALL)}|{_open_array(ANY_CALL)})"
+        return ANY_CALL
+
     def _dispatch(self, schema: dict[str, Any], path: str) -> str:
         if "$ref" in schema:
             return self._ref(schema["$ref"], path)
@@ -311,7 +323,7 @@ class _Compiler:
             return self._values(schema, path)
         if "type" not in schema:
             if not schema:  # annotations alone: any value
-                return _any_value(ANY_DEPTH)
+                return self._open(ANY_DEPTH)
             _fail(path, f"{next(iter(schema))!r} without a 'type': give the value a type")
         types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         builders: dict[str, Callable[[dict[str, Any], str], str]] = {
@@ -439,7 +451,7 @@ class _Compiler:
             additional = schema.get("additionalProperties", True)
             if additional is False:
                 return r"\{\}"
-            return _open_object(_any_value(ANY_DEPTH - 1) if _is_open(additional) else
+            return _open_object(self._open(ANY_DEPTH - 1) if _is_open(additional) else
                                 self.build(additional, f"{path}/additionalProperties"))
         # one alternative per property that can come first (those before it are all optional), then the rest in order
         last_first = next((i for i, (_, optional) in enumerate(parts) if not optional), len(parts) - 1)
@@ -466,7 +478,7 @@ class _Compiler:
         if schema.get("uniqueItems"):
             _fail(path, "'uniqueItems' true is not supported: the automaton cannot compare elements; drop it")
         items = schema.get("items", True)
-        item = _any_value(ANY_DEPTH - 1) if _is_open(items) else self.build(items, f"{path}/items")
+        item = self._open(ANY_DEPTH - 1) if _is_open(items) else self.build(items, f"{path}/items")
         low, high = _bounds(schema, path, "minItems", "maxItems")
         if high == 0:
             return r"\[\]"

@@ -414,7 +414,7 @@ def test_generation_restrictions() -> None:
     """Valid texts the module never generates, and a shape-only format check: the documented restrictions."""
     never = [(PERSON, '{"age":3,"name":"x"}'), (PERSON, '{ "name":"x"}'), (PERSON, '{"name" :"x"}'),
              (PERSON, '{"name":"x"} '), ({"const": {"k": "v"}}, '{"k": "v"}'),
-             ({"type": "object"}, '{"a":[[[[1]]]]}'), ({}, "[[[[[1]]]]]"),  # open values nest at most 4 deep
+             ({"type": "object"}, '{"a":[[[[1]]]]}'), ({}, "[[[[[1]]]]]"),  # in a regex, open values nest at most 4 deep
              ({"type": "string", "minLength": 1}, r'"\ud83d\ude00"'), ({"type": "string", "pattern": "ab"}, '"xab"'),
              ({"type": "string", "pattern": "^[^a]$"}, r'"\""'), ({"type": "integer"}, "1.0"),
              ({"type": "integer", "minimum": 0, "maximum": 3}, "-0"), ({"type": "number", "maximum": 5}, "1e0")]
@@ -565,6 +565,36 @@ def test_recursive_refs_become_rules_that_accept_exactly_the_valid_texts(tree: A
         assert (reference_regex(rules).fullmatch(text) is not None) == expected, text
     with pytest.raises(InvalidRequestError, match="recursive"):
         schema_to_regex(TREE)
+
+
+def depth(value: Any) -> int:
+    """How deep ``value``'s objects and arrays nest (a scalar: 0)."""
+    if isinstance(value, dict):
+        return 1 + max(map(depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(depth, value), default=0)
+    return 0
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**9, 10**9) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=4), lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                     max_size=2), max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=JSON_VALUES, key=st.text(max_size=3), spaced=st.booleans())
+def test_an_open_value_is_any_json_value_nested_to_any_depth_as_a_rule(value: Any, key: str, spaced: bool) -> None:
+    """JSON object mode through schema_to_rules: every object json.dumps writes (non-ASCII raw, as the module's
+    shape has it; compact or with one space) is accepted however deep it nests, where schema_to_regex's regex stops
+    at ANY_DEPTH; a value that is no object is not."""
+    separators = (", ", ": ") if spaced else (",", ":")
+    automaton = PushdownAutomaton.of_regex_rules(schema_to_rules({"type": "object"}))
+    bounded = re.compile(schema_to_regex({"type": "object"}))
+    for candidate in ({key: value}, {key: [[[[value]]]]}, value):
+        text = json.dumps(candidate, separators=separators, ensure_ascii=False)
+        assert automaton.fullmatch(text) == isinstance(candidate, dict), text
+        assert (bounded.fullmatch(text) is not None) == (isinstance(candidate, dict) and depth(candidate) <= 4), text
 
 
 @pytest.mark.parametrize("schema, path", [

@@ -113,7 +113,7 @@ SPECS = [
                                                                    "age": {"type": "integer", "minimum": -3,
                                                                            "maximum": 120}},
                                   "required": ["name", "age"]}),
-    StructuredOutput(json_schema={"type": "object"}),  # "JSON object mode": any object, nesting at most 4 deep
+    StructuredOutput(json_schema={"type": "object"}),  # "JSON object mode": any object, nested to any depth
     StructuredOutput(json_schema={"$defs": {"node": {  # recursive: a tree of any depth, as a grammar
         "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "kids": {
             "type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["v"]}},
@@ -185,8 +185,8 @@ def test_a_recursive_schema_samples_valid_trees(engine: Engine) -> None:
 
 
 def test_json_object_mode_samples_json_objects(engine: Engine) -> None:
-    """{"type": "object"} at temperature 1: a completion that ends at EOS is a JSON object (json.loads, nesting
-    at most 4 deep), one cut by max_tokens is a prefix of one."""
+    """{"type": "object"} at temperature 1: a completion that ends at EOS is a JSON object (json.loads), one cut
+    by max_tokens is a prefix of one."""
     spec = StructuredOutput(json_schema={"type": "object"})
     pattern = pattern_of(spec)
     params = SamplingParams(max_tokens=30, temperature=1.0, n=4, seed=3, structured_output=spec)
