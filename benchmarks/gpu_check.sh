@@ -13,7 +13,8 @@
 #   (not run by default, when device time allows: prefix3k, shared-prefix with a 3,000-token prefix; beam, beam
 #   search against HF generate(num_beams) with the shipped demo model; controls, host time per output token with
 #   every request penalized, or asking for prompt logprobs; lora, LoRA adapters' cost on the anchor model;
-#   structured, structured output with speculation, grammar-guided drafts, unguided and jump-forward, with the
+#   structured, structured output (regex, GBNF grammar, JSON schema) with speculation, grammar-guided drafts,
+#   unguided and jump-forward, with the
 #   shipped pair; moe, the MoE experts (Triton grouped GEMMs, eager and graphed; the torch loop) against HF's on
 #   Qwen3-30B-A3B and Mixtral-8x7B layer shapes)
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
@@ -230,9 +231,9 @@ want beam && show "beam search against HF" beam_bench.log 5
 want lora && show "LoRA adapters" lora_bench.log 8
 want moe && show "MoE experts against HF (ms per layer call)" moe_bench.log 9
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
-want structured && show "structured output, guided drafts" structured_true.log 9
-want structured && show "structured output, unguided drafts" structured_false.log 9
-want structured && show "structured output, jump-forward drafts" structured_jump.log 9
+want structured && show "structured output, guided drafts" structured_true.log 13
+want structured && show "structured output, unguided drafts" structured_false.log 13
+want structured && show "structured output, jump-forward drafts" structured_jump.log 13
 want quant && show "quantization" quant_bench.log 40
 want host && show "host overhead per output token" host_overhead.log 8
 want controls && show "host overhead, repetition_penalty=1.1" host_repetition_penalty.log 8
