@@ -14,8 +14,7 @@
 #   search against HF generate(num_beams) with the shipped demo model; controls, host time per output token with
 #   every request penalized, or asking for prompt logprobs; lora, LoRA adapters' cost on the anchor model;
 #   structured, structured output (regex, GBNF grammar, JSON schema) with speculation, grammar-guided drafts,
-#   unguided and jump-forward, with the
-#   shipped pair; moe, the MoE experts (Triton grouped GEMMs, eager and graphed; the torch loop) against HF's on
+#   unguided and jump-forward, with the shipped pair; moe, the MoE experts (Triton grouped GEMMs, eager and graphed; the torch loop) against HF's on
 #   Qwen3-30B-A3B and Mixtral-8x7B layer shapes)
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
 # step; Chrome traces in the logs). anchor measures infer (with and without merged projections, with the skinny
