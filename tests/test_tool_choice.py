@@ -152,6 +152,37 @@ def test_required_hoists_each_tools_definitions_under_names_of_its_own() -> None
     assert FORECAST["function"]["parameters"]["properties"]["day"] == {"$ref": "#/$defs/day"}  # the tool unchanged
 
 
+OUTLINE = {"type": "function", "function": {"name": "outline", "description": "A nested outline.", "parameters": {
+    "$ref": "#/$defs/section", "$defs": {"section": {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 4},
+        "parts": {"type": "array", "items": {"$ref": "#/$defs/section"}, "maxItems": 2}}, "required": ["title"]}}}}}
+
+
+def test_a_tool_whose_parameters_recur_is_forced_at_any_depth(llm: LLM) -> None:
+    """A recursive parameter schema (an outline of sections) is followed, not refused: its hoisted definition
+    becomes a grammar rule, so "required" accepts a reply nested deeper than a regex could hold and refuses a bad
+    one, as the validator does; sampled replies validate and are read into their calls."""
+    from infer.plugins.grammar_pda import PushdownAutomaton
+    from infer.plugins.json_schema_regex import schema_to_rules
+
+    schema = reply_schema([OUTLINE], "required")
+    automaton = PushdownAutomaton.of_regex_rules(schema_to_rules(schema))
+    deep: dict[str, Any] = {"title": "a"}
+    for _ in range(8):
+        deep = {"title": "b", "parts": [deep]}
+    for reply in ([{"name": "outline", "parameters": deep}],
+                  [{"name": "outline", "parameters": {"title": "a", "parts": [{"title": "toolong"}]}}],
+                  [{"name": "outline", "parameters": {"parts": []}}]):
+        assert automaton.fullmatch(json.dumps(reply)) == valid(reply, schema, schema), reply
+    params = SamplingParams(max_tokens=120, temperature=1.0, n=6, seed=4)
+    replies = llm.chat(ASK, params, tools=[OUTLINE], tool_choice="required")[0].outputs
+    whole = [c for c in replies if c.finish_reason is FinishReason.STOP]
+    assert whole, [c.text for c in replies]
+    for completion in whole:
+        assert valid(json.loads(completion.text), schema, schema), completion.text
+        assert [c.arguments for c in completion.tool_calls] == [c["parameters"] for c in json.loads(completion.text)]
+
+
 def test_same_names_under_defs_and_definitions_stay_apart() -> None:
     """A tool may define "x" under both $defs and definitions: "required" keeps both, as a named choice does."""
     tool = {"type": "function", "function": {"name": "pair", "parameters": {
