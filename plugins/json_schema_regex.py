@@ -1,7 +1,9 @@
 """JSON Schema to regular expression, for guided decoding: ``schema_to_regex(schema)`` returns a regex whose whole
 matches are JSON texts valid under the schema. It keeps to the automaton's dialect (literals, escaped punctuation,
 ``\\xHH``, ``\\uHHHH``, classes, ``(?:...)``, ``|``, quantifiers with counts up to 1000; no ``\\d``), which Python's
-``re`` reads the same way.
+``re`` reads the same way. ``schema_to_rules(schema)`` returns such regexes as the rules of a grammar instead, which
+call each other with ``(?&name)``: a recursive ``$ref`` and an open value are then rules of their own, followed at
+any depth by plugins/grammar_pda.py.
 
 The texts are a subset of the valid ones, in one shape:
 
