@@ -125,7 +125,7 @@ class FsmGrammar(Grammar):
         current = torch.full((len(index.rows),), state[0] + self.offset, dtype=torch.int32)
         for j in range(index.codes.shape[1]):
             active = index.lengths > j
-            self._fill(current[active])
+            self._fill(current, active)
             moved = self.next[current.long(), self.classes[:, j].long()]
             current = torch.where(active, moved, current)
         alive = current != self.dead
@@ -143,8 +143,8 @@ class FsmGrammar(Grammar):
                 allowed.append(token)
         return allowed
 
-    def _fill(self, rows: torch.Tensor) -> None:
-        """Makes sure ``next`` holds these rows (a DFA's are all built at compile time)."""
+    def _fill(self, rows: torch.Tensor, active: torch.Tensor) -> None:
+        """Makes sure ``next`` holds the ``active`` ones of ``rows`` (a DFA's are all built at compile time)."""
 
     def forced_text(self, state: int) -> str:
         """The characters every match continues with from ``state``: while it is not a whole match and one class
@@ -219,10 +219,10 @@ class PdaGrammar(FsmGrammar):
         self.tail_ok: dict[tuple[int, int], bool] = {}
         self.forced: dict[int, str] = {}
 
-    def _fill(self, rows: torch.Tensor) -> None:
+    def _fill(self, rows: torch.Tensor, active: torch.Tensor) -> None:
         import torch
 
-        missing = [row for row in torch.unique(rows).tolist() if row and not self.filled[row]]
+        missing = [row for row in torch.unique(rows[active]).tolist() if row and not self.filled[row]]
         if not missing:
             return
         steps = [[self.automaton.step(row - 1, point) + 1 for point in self.bounds] for row in missing]
