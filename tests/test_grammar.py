@@ -292,6 +292,28 @@ def test_masks_equal_a_hand_written_recognizer_along_random_walks(backend: FsmBa
             text += table[token].decode("utf-8")
 
 
+def test_masks_stay_right_as_the_table_grows_past_its_first_rows(backend: FsmBackend) -> None:
+    """Each nesting depth is a configuration of its own: 80 brackets deep the table has grown past its first 64
+    rows, and every mask on the way is the hand recognizer's; so is each again once the mask cache is emptied
+    (under MASK_CACHE_BYTES masks are evicted and computed anew), from rows built before the table grew."""
+    grammar = backend.compile(StructuredOutput(grammar=NESTED_LISTS[0]))
+    table, eos = backend.index.table, backend.vocabulary.eos_token_ids
+    bracket = next(t for t, piece in enumerate(table) if piece == b"[")
+    matcher, text, on_the_way = grammar.matcher(), "", []
+    for _ in range(80):
+        on_the_way.append((matcher.copy(), text))
+        matcher.advance(bracket)
+        text += "["
+    for emptied in (False, True):
+        if emptied:
+            assert len(grammar.filled) > 64 and grammar.automaton.num_states() > 80
+            backend.masks.clear()
+        for at, prefix in on_the_way:
+            allowed = set(torch.nonzero(at.allowed()).flatten().tolist())
+            assert allowed == {t for t, piece in enumerate(table) if piece and nested_list_reading(
+                prefix + piece.decode("utf-8", "replace")) is not None} - eos, (emptied, len(prefix))
+
+
 @pytest.mark.parametrize("prefix", ["", '{"', '{"a": [1, {"b": [', '{"ab": -'])
 def test_the_growing_table_and_the_byte_walk_equal_a_walk_of_each_token(backend: FsmBackend, prefix: str) -> None:
     """A grammar's masks come from a table grown as configurations are met (vectorized over the vocabulary), or,
