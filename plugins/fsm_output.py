@@ -222,7 +222,8 @@ class PdaGrammar(FsmGrammar):
     def _fill(self, rows: torch.Tensor, active: torch.Tensor) -> None:
         import torch
 
-        missing = [row for row in torch.unique(rows[active]).tolist() if row and not self.filled[row]]
+        missing = [row for row in torch.unique(rows[active]).tolist()  # configurations built elsewhere (a long
+                   if row and (row >= len(self.filled) or not self.filled[row])]  # token's steps) are new here
         if not missing:
             return
         steps = [[self.automaton.step(row - 1, point) + 1 for point in self.bounds] for row in missing]

@@ -13,8 +13,9 @@ recursion (a rule that can reach itself before reading a character: write ``list
 stacks at once cannot be followed that way: that continuation is cut (a warning says so), so outputs stay sentences
 of the grammar, or prefixes of one, without reaching every sentence.
 
-How it runs: each rule is a Thompson NFA whose edges read a character class or call a rule. A configuration is the
-set of the live stacks: each the return states of the calls in progress, then the state reached. After each
+How it runs: each rule is a Thompson NFA whose edges read a character class or call a rule, then a DFA over those
+(so alternatives that begin alike share their states). A configuration is the set of the live stacks: each the
+return states of the calls in progress, then the state reached. After each
 character every stack is closed under epsilon edges, calls (a push) and rule ends (a pop), and only stacks whose
 state reads a character next are kept (and the accepting one). Configurations are interned to ints, as a DFA's
 states are, with their steps cached. Without left recursion every closure is finite, and every state kept can
@@ -154,7 +155,8 @@ class _RuleRegexParser(_Parser):
 
 
 class PushdownAutomaton(CharAutomaton):
-    """A grammar's automaton; a state is an interned configuration (a frozenset of stacks). Use ``compile``."""
+    """A grammar's automaton; a state is an interned configuration (a frozenset of stacks of the rules' DFA
+    states). Use ``compile`` or ``of_regex_rules``."""
 
     def __init__(self, rules: dict[str, Node]) -> None:
         self._eps: list[list[int]] = []
@@ -170,6 +172,7 @@ class PushdownAutomaton(CharAutomaton):
             owner += [name] * (len(self._eps) - len(owner))
         self._ends = frozenset(end_of.values())
         self._check_and_trim(rules, owner, end_of)
+        root_start = self._determinize(end_of)
         self._sets: list[frozenset[Stack]] = []  # type: ignore[assignment]
         self._ids: dict[frozenset[Stack], int] = {}  # type: ignore[assignment]
         self._trans: list[dict[int, int]] = []
@@ -177,8 +180,7 @@ class PushdownAutomaton(CharAutomaton):
         self._unions: list[list[tuple[int, int]]] = []
         self.work = 0
         self.cut = False  # whether a continuation was cut for taking more than MAX_STACKS stacks
-        self._accepting_stack: Stack = (end_of["root"],)
-        self.start = self._intern_stacks([(self.start_of["root"],)])
+        self.start = self._intern_stacks([(root_start,)])
 
     @classmethod
     def compile(cls, text: str, max_states: int = MAX_GRAMMAR_STATES) -> PushdownAutomaton:  # type: ignore[override]
@@ -199,7 +201,10 @@ class PushdownAutomaton(CharAutomaton):
     def of_regex_rules(cls, rules: dict[str, str], max_states: int = MAX_GRAMMAR_STATES) -> PushdownAutomaton:
         """The automaton of rules written as regexes with ``(?&name)`` calls (every name defined, ``root`` the
         start); refused as ``compile`` refuses a grammar."""
-        nodes = {name: _RuleRegexParser(text).parse() for name, text in rules.items()}
+        try:
+            nodes = {name: _RuleRegexParser(text).parse() for name, text in rules.items()}
+        except RecursionError:
+            raise InvalidRequestError("invalid grammar: its groups nest too deeply; flatten them") from None
         if (size := sum(1 + _size(body) for body in nodes.values())) > max_states:
             raise InvalidRequestError(f"invalid grammar: it is too large ({size} states); simplify it")
         return cls(nodes)
@@ -284,6 +289,51 @@ class PushdownAutomaton(CharAutomaton):
         self._calls = [[(self.start_of[rule], t) for rule, t in out if live[t] and rule in productive]
                        for out in self._calls]
 
+    def _determinize(self, end_of: dict[str, int]) -> int:
+        """Replaces each rule's NFA by a DFA over characters and calls (subset construction), so that alternatives
+        that begin alike (``e ::= t "+" e | t``) share one state, and one stack, instead of one each: without it
+        such a grammar's stacks multiply at every level it nests. Returns root's start; ``_final[s]``: whether the
+        rule of DFA state ``s`` may end there."""
+        ids: dict[frozenset[int], int] = {}
+        sets: list[frozenset[int]] = []
+
+        def state_of(nfa_states: set[int]) -> int:
+            closed, todo = set(nfa_states), list(nfa_states)
+            while todo:
+                for t in self._eps[todo.pop()]:
+                    if t not in closed:
+                        closed.add(t)
+                        todo.append(t)
+            key = frozenset(closed)
+            if key not in ids:
+                if len(sets) >= MAX_GRAMMAR_STATES:
+                    raise InvalidRequestError(f"invalid grammar: its rules' automata grow past {MAX_GRAMMAR_STATES} "
+                                              "states; simplify it")
+                ids[key] = len(sets)
+                sets.append(key)
+            return ids[key]
+
+        starts = {nfa: state_of({nfa}) for nfa in self.start_of.values()}
+        edges: list[list[tuple[list[tuple[int, int]], int]]] = []
+        calls: list[list[tuple[int, int]]] = []
+        while len(edges) < len(sets):
+            nfa_states = sets[len(edges)]
+            out = [(ranges, t) for s in nfa_states for ranges, t in self._edges[s]]
+            points = sorted({p for ranges, _ in out for lo, hi in ranges for p in (lo, hi + 1)})
+            by_targets: dict[frozenset[int], list[tuple[int, int]]] = {}
+            for lo, nxt in zip(points, points[1:]):
+                if targets := frozenset(t for ranges, t in out if _hits(ranges, lo, lo)):
+                    by_targets.setdefault(targets, []).append((lo, nxt - 1))
+            edges.append([(_normalize(ranges), state_of(set(targets))) for targets, ranges in by_targets.items()])
+            returns: dict[int, set[int]] = {}
+            for s in nfa_states:
+                for start, back in self._calls[s]:
+                    returns.setdefault(start, set()).add(back)
+            calls.append([(starts[start], state_of(backs)) for start, backs in returns.items()])
+        self._eps, self._edges, self._calls = [[] for _ in sets], edges, calls
+        self._final = [bool(nfa_states & self._ends) for nfa_states in sets]
+        return starts[self.start_of["root"]]
+
     def _close(self, stacks: list[Stack]) -> frozenset[Stack]:
         """``stacks`` and every stack reached from them without reading: epsilon edges, calls and returns; then
         those that read a character next, or accept."""
@@ -293,7 +343,7 @@ class PushdownAutomaton(CharAutomaton):
             state, below = stack[-1], stack[:-1]
             moves = [below + (t,) for t in self._eps[state]]
             moves += [below + (back, start) for start, back in self._calls[state]]
-            if below and state in self._ends:
+            if below and self._final[state]:
                 moves.append(below)  # the rule called last is complete: go on from its return state
             for move in moves:
                 if move not in seen:
@@ -307,7 +357,7 @@ class PushdownAutomaton(CharAutomaton):
                 self.cut = True
                 return frozenset()
         self.work += len(seen)
-        return frozenset(s for s in seen if self._edges[s[-1]] or s == self._accepting_stack)
+        return frozenset(s for s in seen if self._edges[s[-1]] or len(s) == 1 and self._final[s[0]])
 
     def _intern_stacks(self, stacks: list[Stack]) -> int:
         key = self._close(stacks)
@@ -318,7 +368,7 @@ class PushdownAutomaton(CharAutomaton):
             sid = self._ids[key] = len(self._sets)
             self._sets.append(key)
             self._trans.append({})
-            self._accepts.append(self._accepting_stack in key)
+            self._accepts.append(any(len(stack) == 1 and self._final[stack[0]] for stack in key))
             self._unions.append(_normalize([r for s in key for ranges, _ in self._edges[s[-1]] for r in ranges]))
         return sid
 
