@@ -327,6 +327,25 @@ def test_masks_stay_right_as_the_table_grows_past_its_first_rows(backend: FsmBac
                 prefix + piece.decode("utf-8", "replace")) is not None} - eos, (emptied, len(prefix))
 
 
+def test_a_configuration_first_met_by_a_long_token_or_forced_text_gets_its_row() -> None:
+    """A token past MAX_TOKEN_CHARS, and the forced text of jump-forward, step the automaton outside the masks'
+    pass, so the configuration they reach may have no row yet: its mask builds it (counted: with 100 "a"s to
+    write, after 64 the 64-"a" token no longer fits and the 1-"a" token does, as after 64 more... until 100)."""
+    from infer.plugins.fsm_output import TokenIndex
+
+    backend = FsmBackend(Vocabulary(None, 3, frozenset({0}), torch.device("cpu")))
+    backend.index = TokenIndex([None, b"a", b"a" * 64])
+    grammar = backend.compile(StructuredOutput(grammar='root ::= "a"{100}'))
+    matcher = grammar.matcher()
+    assert torch.nonzero(matcher.allowed()).flatten().tolist() == [1, 2]
+    matcher.advance(2)
+    assert torch.nonzero(matcher.allowed()).flatten().tolist() == [1]  # 36 left
+    forced = backend.compile(StructuredOutput(grammar='root ::= "b" "a"{100}'))
+    text = forced.matcher().forced_text()
+    assert text == "b" + "a" * 63  # MAX_FORCED_CHARS of the 101
+    assert sorted(forced.allowed_ids((state_after(forced.automaton, text), b""))) == [1]  # 37 left
+
+
 @pytest.mark.parametrize("prefix", ["", '{"', '{"a": [1, {"b": [', '{"ab": -'])
 def test_the_growing_table_and_the_byte_walk_equal_a_walk_of_each_token(backend: FsmBackend, prefix: str) -> None:
     """A grammar's masks come from a table grown as configurations are met (vectorized over the vocabulary), or,

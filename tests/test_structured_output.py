@@ -253,6 +253,8 @@ def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
     (StructuredOutput(json_schema={"$defs": {"node": {"type": "object", "properties": {"next": {
         "$ref": "#/$defs/node"}}, "required": ["next"]}}, "$ref": "#/$defs/node"}),  # no finite value: next, next...
      "JSON schema cannot be followed: as a grammar, rule 'node_0' can never be completed"),
+    (StructuredOutput(json_schema={"$defs": {"n": {"type": "object", "properties": {"k": {"$ref": "#/$defs/n"}, "s": {
+        "type": "string", "pattern": "(" * 400 + "a" + ")" * 400}}}}, "$ref": "#/$defs/n"}), "nest too deeply"),
 ])
 def test_a_spec_the_backend_cannot_follow_is_refused_at_admission(engine: Engine, spec: StructuredOutput,
                                                                   words: str) -> None:
