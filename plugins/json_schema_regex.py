@@ -368,7 +368,8 @@ class _Compiler:
             if self.expanding[id(target)] == self.containers:
                 _fail(path, f"'$ref' {ref!r} reaches itself through $ref, allOf, anyOf or oneOf alone, so no finite "
                             "value matches it; put the recursion inside an object's properties or an array's items")
-            word = re.sub(r"\W", "_", ref.rsplit("/", 1)[-1], flags=re.ASCII)  # a name the `regex` module takes too
+            word = re.sub(r"\W", "_", ref.rsplit("/", 1)[-1], flags=re.ASCII)
+            word = word if word[:1].isalpha() or word[:1] == "_" else "_" + word  # an identifier, as `regex` wants
             name = self.rule_names.setdefault(id(target), f"{word}_{len(self.rule_names)}")
             return f"(?&{name})"
         self.expanding[id(target)] = self.containers

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from infer.core.errors import InvalidRequestError
 from infer.core.interfaces import Vocabulary
 from infer.core.loader import load_tokenizer
 from infer.core.request import FinishReason, SamplingParams, StructuredOutput
-from infer.plugins.fsm_output import FsmBackend, step
+from infer.plugins.fsm_output import MAX_FORCED_CHARS, FsmBackend, step
 from infer.plugins.grammar_pda import PushdownAutomaton
 from infer.plugins.regex_fsm import DEAD
 from test_structured_output import PROMPT, masked_greedy, token_table
@@ -53,8 +54,10 @@ DEAD_BRANCH = (r'root ::= "x" root? "y"? | "z" "x" [^\x00-\U0010FFFF]', 'start: 
 # the textbook's unfactored expressions: both alternatives of e (and of t) begin alike
 TEXTBOOK = ('root ::= e\ne ::= t "+" e | t\nt ::= f "*" t | f\nf ::= "(" e ")" | [0-9]',
             'start: e\ne: t "+" e | t\nt: f "*" t | f\nf: "(" e ")" | /[0-9]/', "1+*()")
+DEAD_CALL = (r'root ::= "q" (a [^\x00-\U0010FFFF] | "y") | "r" a?' + '\na ::= "x"+',  # q x: a call with no way on
+             'start: "q" "y" | "r" a?\na: "x"+', "qrxy")
 CASES = {"dead-branch": DEAD_BRANCH, "balanced": BALANCED, "arithmetic": ARITHMETIC, "nested-lists": NESTED_LISTS,
-         "optional-calls": OPTIONAL_CALLS, "textbook": TEXTBOOK}
+         "optional-calls": OPTIONAL_CALLS, "textbook": TEXTBOOK, "dead-call": DEAD_CALL}
 
 
 def parser_of(lark_grammar: str) -> Callable[[str], bool]:
@@ -220,6 +223,45 @@ def test_the_dialect_reads_as_documented() -> None:
     assert not automaton.fullmatch('hey ""\nxyé')
 
 
+def test_crlf_lines_tabs_hyphenated_names_and_spaced_quantifiers_read_as_in_llama_cpp() -> None:
+    """llama.cpp's GBNF reads CRLF line ends and tabs as space, names with '-' and digits, and a quantifier after
+    space: such a grammar accepts, of every short string, exactly lark's sentences of the same language."""
+    gbnf = ('root ::= item-list2\r\nitem-list2\t::= "[" ( digit + ( "," digit + ) * ) ? "]"  # a list\r\n'
+            'digit ::= [0-9]\r\n')
+    automaton, accepts = PushdownAutomaton.compile(gbnf), parser_of('start: "[" (D+ ("," D+)*)? "]"\nD: /[0-9]/')
+    strings = ["".join(chars) for n in range(7) for chars in itertools.product("[],1", repeat=n)]
+    sentences = [text for text in strings if accepts(text)]
+    assert [text for text in strings if automaton.fullmatch(text)] == sentences and len(sentences) > 5
+
+
+def test_a_left_recursion_off_the_first_rule_and_a_wide_first_call_graph() -> None:
+    """A left-recursive cycle that does not pass the first rule searched is found, naming the cycle; and a first-call
+    graph of 2**18 paths but few rules (each rule reaches the next through two) is checked without walking them (past
+    a "q": the configuration that reads on would take a stack per path, more than MAX_STACKS)."""
+    with pytest.raises(InvalidRequestError, match=re.escape("rule 'b' is left-recursive (b -> c -> b before")):
+        PushdownAutomaton.compile('root ::= a\na ::= b\nb ::= c "x" | "y"\nc ::= b "z"')
+    rules = [f'r{i} ::= a{i} | b{i}\na{i} ::= r{i + 1} "a"\nb{i} ::= r{i + 1} "b"' for i in range(18)]
+    began = time.perf_counter()
+    automaton = PushdownAutomaton.compile('root ::= "q" r0 | "p"\n' + "\n".join(rules) + '\nr18 ::= "z"')
+    assert time.perf_counter() - began < 2 and automaton.fullmatch("p") and not automaton.fullmatch("q")
+
+
+def test_the_size_limit_counts_the_states_built() -> None:
+    """The least max_states that compiles a grammar is the count of states the refusal one below it names: a grammar
+    of exactly max_states states is compiled, and one more than allowed is refused."""
+    text = 'root ::= ("ab" | c){2,3}\nc ::= [x-z]+ "."'
+
+    def compiles(limit: int) -> bool:
+        try:
+            return PushdownAutomaton.compile(text, max_states=limit).fullmatch("abx.")
+        except InvalidRequestError:
+            return False
+
+    least = next(limit for limit in range(1, 500) if compiles(limit))
+    with pytest.raises(InvalidRequestError, match=f"too large \\({least} states\\)"):
+        PushdownAutomaton.compile(text, max_states=least - 1)
+
+
 @pytest.mark.parametrize("grammar, words", [
     ('root ::= root "a" | "b"', "rule 'root' is left-recursive (root -> root"),
     ('root ::= a\na ::= b "x" | "w"\nb ::= "y"? a', "left-recursive (a -> b -> a"),
@@ -227,6 +269,12 @@ def test_the_dialect_reads_as_documented() -> None:
     ('root ::= a', "rule 'a' is used but not defined at line 1, column 10"),
     ('start ::= "a"', "no rule named root"),
     ('root ::= "a"\nroot ::= "b"', "rule 'root' is defined twice at line 2, column 1"),
+    ('root ::= "a"\nroot ::= "b"\nx ::= "c"', "rule 'root' is defined twice at line 2, column 1"),
+    ('root ::= "a"\n  "\\d"', "class escape (\\d, \\w, \\s, ...) inside a string literal at line 2, column 4"),
+    ('root ::= "\ud800"', "the lone surrogate U+D800 is no character at line 1, column 11"),
+    ('root ::= {2} "a"', "nothing to repeat at line 1, column 10"),
+    ('root ::= "a" * *', "multiple repeat at line 1, column 15"),
+    ("root ::= " + "(" * 5000 + '"a"' + ")" * 5000, "its groups nest too deeply"),
     ('root ::= ("a"', "missing ), unterminated group at line 1, column 10"),
     ('root ::= "a")', "unbalanced parenthesis"),
     ('root ::= "a', "unterminated string literal"),
@@ -234,6 +282,7 @@ def test_the_dialect_reads_as_documented() -> None:
     ('root ::= * "a"', "nothing to repeat"),
     ('root ::= @', "unexpected '@' at line 1, column 10"),
     ('root ::= "\\d"', "class escape"),
+    ('root ::= "a\\b"', "\\b is not supported at line 1, column 12"),  # no backspace: not in the dialect
     ('root ::= [b-a]', "bad character range"),
     ("root ::= \"a\"\n  x", "rule 'x' is used but not defined at line 2, column 3"),
     ('root ::= "a"{1001}', "exceeds the limit"),
@@ -248,6 +297,7 @@ def test_a_grammar_outside_the_dialect_is_refused_naming_why(grammar: str, words
 def test_an_unused_rule_is_not_judged() -> None:
     """Only the rules root reaches are checked: an unused left-recursive one does not refuse the grammar."""
     assert PushdownAutomaton.compile('root ::= "a"\nspare ::= spare "b"').fullmatch("a")
+    assert PushdownAutomaton.compile('root ::= "a"\nstuck ::= "b" stuck').fullmatch("a")  # never completed, unused
 
 
 def test_alternatives_that_begin_alike_share_one_stack_at_any_depth() -> None:
@@ -261,17 +311,18 @@ def test_alternatives_that_begin_alike_share_one_stack_at_any_depth() -> None:
 
 
 def test_a_too_ambiguous_continuation_is_cut_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    """Two rules of one language (b and c) double the stacks at each 'a'; past MAX_STACKS that continuation leads
-    nowhere (DEAD), once, with a warning: no text outside the grammar is ever allowed, and no step fails."""
-    automaton = PushdownAutomaton.compile('root ::= b | c\nb ::= "a" root?\nc ::= "a" root?')
+    """Two rules of one language (b and c) double the stacks at each character; past MAX_STACKS that continuation
+    leads nowhere (DEAD), with one warning (a second continuation cut, by 'b', warns no more): no text outside the
+    grammar is ever allowed, and no step fails."""
+    automaton = PushdownAutomaton.compile('root ::= b | c\nb ::= [ab] root?\nc ::= [ab] root?')
     states = [automaton.start]
     for _ in range(40):
         states.append(automaton.step(states[-1], ord("a")))
     cut = states.index(DEAD)
     assert 10 < cut and all(automaton.accepting(state) for state in states[1:cut])
-    assert automaton.cut and [r.message for r in caplog.records].count(caplog.records[0].message) == 1
-    assert "too ambiguous" in caplog.records[0].message
-    assert automaton.step(automaton.start, ord("b")) == DEAD and automaton.fullmatch("aaa")
+    assert automaton.step(states[cut - 1], ord("b")) == DEAD
+    assert automaton.cut and len(caplog.records) == 1 and "too ambiguous" in caplog.records[0].message
+    assert automaton.step(automaton.start, ord("c")) == DEAD and automaton.fullmatch("ab")
 
 
 # ---------------------------------------------------------------- masks and forced text (the fsm backend)
@@ -352,15 +403,54 @@ def test_the_growing_table_and_the_byte_walk_equal_a_walk_of_each_token(backend:
     inside a character, from the byte-order walk: both give the tokens that stepping each token alone gives."""
     grammar = backend.compile(StructuredOutput(grammar=JSON_GRAMMAR))
     start = (state_after(grammar.automaton, prefix), b"")
+    alone = tokens_alone(backend, grammar.automaton, start)
+    assert sorted(grammar.allowed_ids(start)) == alone and alone
+    assert sorted(grammar.walk(start)) == alone
+
+
+def tokens_alone(backend: FsmBackend, automaton: PushdownAutomaton, start: tuple[int, bytes]) -> list[int]:
+    """The tokens whose bytes, stepped one by one from ``start``, keep the output live."""
     alone = []
     for token, data in enumerate(backend.index.table):
         state = start if data else None
         for byte in data or b"":
-            state = step(grammar.automaton, state, byte) if state is not None else None
+            state = step(automaton, state, byte) if state is not None else None
         if state is not None:
             alone.append(token)
-    assert sorted(grammar.allowed_ids(start)) == alone and alone
-    assert sorted(grammar.walk(start)) == alone
+    return alone
+
+
+@pytest.mark.parametrize("prefix", ["", "é", "é日", "é日ü"])
+def test_masks_of_wide_characters_equal_a_walk_of_each_token(backend: FsmBackend, prefix: str) -> None:
+    """A grammar of characters of two and three bytes, which byte-level tokens split: the tokens that end inside a
+    character are allowed where a character that their bytes begin can come next, as stepping each token alone
+    says (from each configuration: each allows other characters)."""
+    grammar = backend.compile(StructuredOutput(grammar='root ::= ("é" "日" "ü")+'))
+    start = (state_after(grammar.automaton, prefix), b"")
+    alone = tokens_alone(backend, grammar.automaton, start)
+    assert sorted(grammar.allowed_ids(start)) == alone and any(len(backend.index.table[t]) == 1 for t in alone)
+
+
+def test_masks_down_a_deep_nesting_equal_a_count_of_the_brackets(backend: FsmBackend) -> None:
+    """Down 150 levels of brackets, each level a configuration of its own (so the table grows past its first rows
+    several times), each mask holds exactly the tokens of brackets and x that never close more than are open,
+    by a count of the depth, and EOS at depth 0; then back up, closing."""
+    grammar = backend.compile(StructuredOutput(grammar=BALANCED[0]))
+    table, eos = backend.index.table, backend.vocabulary.eos_token_ids
+
+    def live(depth: int, piece: bytes) -> bool:
+        for char in piece.decode("utf-8", "replace"):
+            depth += {"(": 1, ")": -1, "x": 0}.get(char, -10**6)
+            if depth < 0:
+                return False
+        return True
+
+    matcher, moves = grammar.matcher(), [(depth, b"(") for depth in range(150)] + [(d, b")") for d in range(150, 0, -1)]
+    for depth, move in [*moves, (0, b"x")]:
+        allowed = set(torch.nonzero(matcher.allowed()).flatten().tolist())
+        want = {t for t, piece in enumerate(table) if piece and live(depth, piece)} | (eos if depth == 0 else set())
+        assert allowed == want, depth
+        matcher.advance(table.index(move))
 
 
 def test_forced_text_is_what_every_sentence_continues_with(backend: FsmBackend) -> None:
@@ -371,6 +461,18 @@ def test_forced_text_is_what_every_sentence_continues_with(backend: FsmBackend) 
     for prefix in {sentence[:i] for sentence in sentences for i in range(len(sentence) + 1)}:
         rests = [sentence[len(prefix):] for sentence in sentences if sentence.startswith(prefix)]
         assert grammar.forced_text(state_after(grammar.automaton, prefix)) == os.path.commonprefix(rests), prefix
+
+
+def test_forced_text_is_the_common_prefix_of_the_rests_up_to_its_cap(backend: FsmBackend) -> None:
+    """After every prefix of a sentence of a finite grammar, forced_text is the longest common prefix of the rests
+    of the sentences that start with it, cut at MAX_FORCED_CHARS: alternatives of characters that are not
+    neighbours ("d" or "f") force nothing, and a literal longer than the cap is forced up to it."""
+    grammar = backend.compile(StructuredOutput(grammar='root ::= "ab" ("cd" | "cf") "x"{70} ("y" | [0-1])'))
+    sentences = [f"abc{c}{'x' * 70}{end}" for c in "df" for end in "y01"]
+    for prefix in {sentence[:i] for sentence in sentences for i in range(len(sentence) + 1)}:
+        rests = [sentence[len(prefix):] for sentence in sentences if sentence.startswith(prefix)]
+        want = os.path.commonprefix(rests)[:MAX_FORCED_CHARS]
+        assert grammar.forced_text(state_after(grammar.automaton, prefix)) == want, prefix
 
 
 # ---------------------------------------------------------------- in the engine

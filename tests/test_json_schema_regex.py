@@ -414,7 +414,7 @@ def test_generation_restrictions() -> None:
     """Valid texts the module never generates, and a shape-only format check: the documented restrictions."""
     never = [(PERSON, '{"age":3,"name":"x"}'), (PERSON, '{ "name":"x"}'), (PERSON, '{"name" :"x"}'),
              (PERSON, '{"name":"x"} '), ({"const": {"k": "v"}}, '{"k": "v"}'),
-             ({"type": "object"}, '{"a":[[[[1]]]]}'), ({}, "[[[[[1]]]]]"),  # in a regex, open values nest at most 4 deep
+             ({"type": "object"}, '{"a":[[[[1]]]]}'), ({}, "[[[[[1]]]]]"),  # a regex nests open values at most 4 deep
              ({"type": "string", "minLength": 1}, r'"\ud83d\ude00"'), ({"type": "string", "pattern": "ab"}, '"xab"'),
              ({"type": "string", "pattern": "^[^a]$"}, r'"\""'), ({"type": "integer"}, "1.0"),
              ({"type": "integer", "minimum": 0, "maximum": 3}, "-0"), ({"type": "number", "maximum": 5}, "1e0")]
@@ -597,15 +597,60 @@ def test_an_open_value_is_any_json_value_nested_to_any_depth_as_a_rule(value: An
         assert (bounded.fullmatch(text) is not None) == (isinstance(candidate, dict) and depth(candidate) <= 4), text
 
 
+# recursive schemas of other shapes, each with values the small validator judges (valid or not)
+BINARY = {"$defs": {"node": {"type": "object", "properties": {  # two recursive refs in one definition
+    "v": {"type": "integer", "minimum": 0, "maximum": 9}, "l": {"$ref": "#/$defs/node"}, "r": {"$ref": "#/$defs/node"}},
+    "required": ["v"]}}, "$ref": "#/$defs/node"}
+SAME_NAMES = {"$defs": {"node": {"type": "object", "properties": {"a": {"$ref": "#/$defs/node"}}}},  # two "node"s
+              "definitions": {"node": {"type": "array", "items": {"anyOf": [{"type": "integer"},
+                                                                             {"$ref": "#/definitions/node"}]}}},
+              "type": "object", "properties": {"o": {"$ref": "#/$defs/node"}, "l": {"$ref": "#/definitions/node"}},
+              "required": ["o", "l"]}
+ODD_NAMES = {"$defs": {"3d-node": {"type": "object", "properties": {"k": {"$ref": "#/$defs/3d-node"}}},
+                       "\u0663d point": {"type": "array", "items": {"$ref": "#/$defs/\u0663d point"}, "maxItems": 2}},
+             "type": "array", "items": {"anyOf": [{"$ref": "#/$defs/3d-node"}, {"$ref": "#/$defs/\u0663d point"}]}}
+ARRAYS_ONLY = {"$defs": {"list": {"type": "array", "items": {"anyOf": [{"type": "integer"},
+                                                                      {"$ref": "#/$defs/list"}]}}},
+               "$ref": "#/$defs/list"}
+RECURSIVE_VALUES: list[tuple[Any, list[Any]]] = [
+    (BINARY, [{"v": 1}, {"v": 1, "l": {"v": 2}, "r": {"v": 3, "r": {"v": 4}}}, {"v": 1, "r": {"v": 2, "l": {}}},
+              {"v": 1, "l": {"v": 10}}, {"v": 0, "l": {"v": 1, "l": {"v": 2, "r": {"v": 3}}}}, {}]),
+    (SAME_NAMES, [{"o": {}, "l": []}, {"o": {"a": {"a": {}}}, "l": [1, [2, [3]], []]}, {"o": {"a": []}, "l": []},
+                  {"o": {}, "l": [{}]}, {"o": {"a": {"a": {"a": {}}}}, "l": [[[]]]}, {"o": [], "l": []}]),
+    (ODD_NAMES, [[], [{}], [{"k": {"k": {}}}, []], [[[], [[]]]], [[[], [], []]], [{"k": []}], [[{}]]]),
+    (ARRAYS_ONLY, [[], [1, [2, [3, []]]], [[[[[0]]]]], [1, [2, {}]], [[], "x"], {}]),
+]
+
+
+@pytest.mark.parametrize("schema, values", RECURSIVE_VALUES, ids=["binary", "same-names", "odd-names", "arrays-only"])
+def test_recursive_schemas_of_other_shapes_accept_exactly_the_valid_texts(schema: Any, values: list[Any]) -> None:
+    """Two recursive refs in one definition, two definitions named alike (under $defs and definitions), names that
+    are not identifiers, and a recursion through arrays alone: the automaton of the rules, and the `regex` module
+    reading them, accept each value's compact JSON exactly when the small validator says it is valid."""
+    rules = schema_to_rules(schema)
+    automaton, reference = PushdownAutomaton.of_regex_rules(rules), reference_regex(rules)
+    assert len(rules) > 1
+    for value in values:
+        text, expected = json.dumps(value, separators=(",", ":"), ensure_ascii=False), valid(value, schema, schema)
+        assert automaton.fullmatch(text) == expected, text
+        assert (reference.fullmatch(text) is not None) == expected, text
+    assert any(valid(value, schema, schema) for value in values) and not all(valid(v, schema, schema) for v in values)
+
+
 @pytest.mark.parametrize("schema, path", [
     ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, "/$defs/a/anyOf/0"),
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "type": "object",  # inside an object
+      "properties": {"x": {"$ref": "#/$defs/a"}}}, "/$defs/a/anyOf/0"),
+    ({"$defs": {"a": {"anyOf": [{"type": "object", "properties": {"x": {"type": "null"}}}, {"$ref": "#/$defs/a"}]}},
+      "$ref": "#/$defs/a"}, "/$defs/a/anyOf/1"),  # an object closed before the recursion
     ({"$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
      "/$defs/b"),
     ({"$defs": {"a": {"anyOf": [{"type": "array", "items": {"type": "null"}}, {"$ref": "#/$defs/a"}]}},
       "$ref": "#/$defs/a"}, "/$defs/a/anyOf/1"),
 ])
 def test_a_ref_that_reaches_itself_before_any_bracket_is_refused(schema: Any, path: str) -> None:
-    """No finite value matches such a ref (an array closed before the recursion does not count)."""
+    """No finite value matches such a ref (an array or object closed before the recursion does not count, one
+    that holds the first ref does not make the inner recursion finite)."""
     with pytest.raises(InvalidRequestError, match=f"at {re.escape(path)}: .*reaches itself through"):
         schema_to_rules(schema)
 

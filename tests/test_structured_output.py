@@ -248,6 +248,8 @@ def test_async_scheduling_and_speculative_decoding_keep_the_outputs() -> None:
      "multipleOf"),
     (StructuredOutput(json_schema="{not json"), "JSON"),
     (StructuredOutput(regex=".*a.{999}"), "automaton grows past"),  # 2**1000 states: refused, not built per step
+    (StructuredOutput(json_schema={"type": "string", "pattern": "^[ab]*a[ab]{15}$"}),  # 2**16 states: not a grammar
+     "JSON schema cannot be followed: as a regex, its automaton grows past 20000 states"),
     (StructuredOutput(json_schema={"type": "array", "items": {"type": "string", "maxLength": 1000},
                                    "maxItems": 1000}), "JSON schema cannot be followed.*too large"),
     (StructuredOutput(json_schema={"$defs": {"node": {"type": "object", "properties": {"next": {
