@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -255,6 +256,7 @@ def test_stream_equals_offline_generate(client: Client, llm: Any, prompt: Any, p
     assert tokens_of(responses) == want.token_ids
     assert "".join(o.text for r in responses for o in r.outputs) == want.text
     assert [r.finished for r in responses] == [False] * (len(responses) - 1) + [True]
+    assert [r.HasField("usage") for r in responses] == [False] * (len(responses) - 1) + [True]  # the last has it
     last = responses[-1]
     assert last.outputs[-1].finish_reason == pb.FinishReason.Value(f"FINISH_REASON_{want.finish_reason.name}")
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(expected.prompt_token_ids),
@@ -265,6 +267,13 @@ def test_stream_equals_offline_generate(client: Client, llm: Any, prompt: Any, p
         assert all(math.isclose(g[t], w[t], abs_tol=1e-4) for g, w in zip(got, want.logprobs) for t in w)
     full = client.complete(prompt, params)
     assert (list(full.outputs[0].token_ids), full.outputs[0].text) == (want.token_ids, want.text)
+    assert full.outputs[0].finish_reason == last.outputs[-1].finish_reason
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (last.usage.prompt_tokens,
+                                                                        last.usage.completion_tokens)
+    if params.logprobs is not None:  # every position's, merged from the deltas
+        got = [{e.token_id: e.logprob for e in pos.tokens} for pos in full.outputs[0].logprobs]
+        assert [set(d) for d in got] == [set(d) for d in want.logprobs]
+        assert all(math.isclose(g[t], w[t], abs_tol=1e-4) for g, w in zip(got, want.logprobs) for t in w)
     if params.prompt_logprobs is not None:  # once in the stream, with the first tokens; and in Complete's answer
         [streamed] = [r.prompt_logprobs for r in responses if r.prompt_logprobs]
         assert responses[0].prompt_logprobs and responses[0].outputs
@@ -330,7 +339,7 @@ def test_abort_by_id_ends_the_stream_and_unknown_ids_are_not_found(client: Clien
     assert_no_leak(wait_drained(client))
 
 
-def test_long_client_input_quoted_in_an_error_keeps_its_status(client: Client) -> None:
+def test_long_client_input_quoted_in_an_error_keeps_its_status(client: Client, llm: Any) -> None:
     """Messages quote the client's input; past gRPC's 8-16 KiB metadata limit the status was dropped and the
     client read RESOURCE_EXHAUSTED (documented as "retry later") for a request that can never succeed."""
     err = rpc_error(lambda: client.complete("hi", max_tokens=2, lora_adapter="a" * 20_000))
@@ -338,11 +347,35 @@ def test_long_client_input_quoted_in_an_error_keeps_its_status(client: Client) -
     assert err.details().endswith(" more bytes cut)") and len(err.details().encode()) < 2200
     err = rpc_error(lambda: client.complete("hi", max_tokens=2, lora_adapter="\u00e9" * 20_000))
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "\u00e9\u00e9" in err.details()  # cut between characters
+    # what was cut is said in bytes, and no replacement character stands for a character cut in two (the "a" puts
+    # the 2 KiB mark inside one)
+    name = "a" + "\u00e9" * 20_000
+    full = _engine_message(llm, "hi", SamplingParams(max_tokens=2, lora_adapter=name))
+    err = rpc_error(lambda: client.complete("hi", max_tokens=2, lora_adapter=name))
+    kept, cut = re.fullmatch(r"(.*)\.\.\. \((\d+) more bytes cut\)", err.details(), re.DOTALL).groups()
+    assert full.startswith(kept) and "\ufffd" not in kept and len(kept.encode()) == 2047
+    assert len(kept.encode()) + int(cut) == len(full.encode())
+    # a message of exactly 2 KiB travels whole
+    base = len(_engine_message(llm, "hi", SamplingParams(max_tokens=2, lora_adapter="a")).encode())
+    name = "a" * (1 + 2048 - base)
+    full = _engine_message(llm, "hi", SamplingParams(max_tokens=2, lora_adapter=name))
+    err = rpc_error(lambda: client.complete("hi", max_tokens=2, lora_adapter=name))
+    assert len(full.encode()) == 2048 and (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, full)
     err = rpc_error(lambda: client.abort("r" * 20_000))
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "request_id has 20000 characters" in err.details()
 
 
+def metric(server: ServerProcess, name: str) -> float:
+    args = server.proc.args
+    port = args[args.index("--metrics-port") + 1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    [value] = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name} ")]
+    return value
+
+
 def test_a_full_queue_answers_resource_exhausted(client: Client, server: ServerProcess) -> None:
+    rejected = metric(server, "infer_server_rejected_requests_total")
+
     async def run() -> tuple[grpc.StatusCode, str, int]:
         async with AsyncClient(server.target) as c:
             calls = [c.generate(f"fill {i}", max_tokens=900, temperature=0.0, ignore_eos=True)
@@ -358,6 +391,7 @@ def test_a_full_queue_answers_resource_exhausted(client: Client, server: ServerP
     code, details, in_flight = asyncio.run(run())
     assert in_flight == MAX_QUEUE
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and f"--max-queue {MAX_QUEUE}" in details
+    assert metric(server, "infer_server_rejected_requests_total") == rejected + 1  # the one refused
     assert_no_leak(wait_drained(client))
     assert_serves(client)
 

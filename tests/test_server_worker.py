@@ -44,7 +44,8 @@ class ScriptedSearch:
 class ScriptedEngine:
     """Emits token 7 once per step per request, and a token per step to each beam search. Prompts "crash-in-add" /
     "crash-in-step" raise RuntimeError, "plugin-error-in-step" a PluginError; "wide" emits 3,000 characters a step,
-    "prompt-logprobs" gives 13 positions of 5 prompt logprobs each (about 700 bytes) with its first token."""
+    "prompt-logprobs" gives 13 positions of 5 prompt logprobs each (about 700 bytes) with its first token, "burst"
+    emits three tokens a step (as a step of accepted speculative tokens does)."""
 
     def __init__(self) -> None:
         self.requests: dict[str, list] = {}  # request id -> [tokens emitted, params]
@@ -87,7 +88,9 @@ class ScriptedEngine:
         for rid, state in list(self.requests.items()):
             state[0] += 1
             done = state[0] >= state[1].max_tokens
-            outputs.append(RequestOutput(rid, [1], [CompletionOutput(0, [7], "w" * 3000 if state[2] == "wide" else "t",
+            tokens = [7, 7, 7] if state[2] == "burst" else [7]
+            outputs.append(RequestOutput(rid, [1], [CompletionOutput(0, tokens, "w" * 3000 if state[2] == "wide" else
+                                                                     "t" * len(tokens),
                                                                      FinishReason.LENGTH if done else None)], done))
             if state[2] == "prompt-logprobs" and state[0] == 1:
                 outputs[-1].prompt_logprobs = [None] + [{t: -0.5 * t for t in range(1000, 1005)}] * 12
@@ -873,3 +876,343 @@ def test_the_size_a_delta_adds_once_merged_counts_its_calls() -> None:
         full.tool_calls.extend(part.tool_calls)
         full.new_tool_calls.extend(part.new_tool_calls)
         assert 0 < full.ByteSize() - before <= merged_share(part), part
+
+
+def test_usage_counts_the_tokens_of_steps_that_emit_several() -> None:
+    """Complete's usage counted one token per delta: a step of accepted speculative tokens (three here) was one."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        done = await client.complete("burst", max_tokens=4)
+        assert list(done.outputs[0].token_ids) == [7] * 12 and done.usage.completion_tokens == 12
+        streamed = await collect(client.generate("burst", max_tokens=4))
+        assert sum(len(r.outputs[0].token_ids) for r in streamed) == 12 == streamed[-1].usage.completion_tokens
+
+    serve_scripted(test)
+
+
+def test_a_request_id_is_taken_while_its_request_runs_and_free_once_it_ends() -> None:
+    """A beam search may not take the id of a running request (Abort would pick one of them); once the request is
+    cancelled or finished, the id is free again (the worker used to keep the stream of a cancelled one)."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        call = client.generate("long", request_id="g1", max_tokens=10**6)
+        await call.read()
+        code, details = await rpc_code(client.beam_search("x", request_id="g1", max_tokens=2))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "request id 'g1' is already in use" in details
+        call.cancel()
+        await until(lambda: "g1" in engine.aborted, "the cancelled request's abort")
+        await client.complete("x", request_id="done", max_tokens=2)
+        for rid in ("g1", "done"):
+            result = await client.beam_search("x", request_id=rid, max_tokens=2)
+            assert [list(b.token_ids) for b in result.beams] == [[7, 7]]
+
+    serve_scripted(test)
+
+
+def test_cancelling_a_refused_duplicate_leaves_the_request_of_that_id_running() -> None:
+    """A request refused because its id is in use, whose call ended before it read the refusal, sends a cancel for
+    that id: it must not abort the other request, the one that holds the id."""
+    from infer.server.streams import RequestStream
+
+    class UniqueIds(ScriptedEngine):  # as Engine.add_request
+        def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                        request_id: str | None = None) -> str:
+            if request_id in self.requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            return super().add_request(prompt, params, request_id)
+
+    async def main() -> None:
+        engine = UniqueIds()
+        worker = EngineWorker(engine)
+        worker.start()
+        try:
+            holder, duplicate = RequestStream("x"), RequestStream("x")
+            worker.submit("first", SamplingParams(max_tokens=10**6), holder)
+            await asyncio.wait_for(holder.__anext__(), 10)
+            worker.submit("second", SamplingParams(max_tokens=3), duplicate)
+            worker.cancel(duplicate)  # its call ended (deadline, cancel) before it read the refusal
+            with pytest.raises(InvalidRequestError, match="request id 'x' is already in use"):
+                await asyncio.wait_for(duplicate.__anext__(), 10)
+            await asyncio.wrap_future(worker.call(lambda e: None))  # the cancel has been handled
+            assert engine.aborted == [] and "x" in engine.requests
+            assert not (await asyncio.wait_for(holder.__anext__(), 10)).finished  # still streaming
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(main())
+
+
+def test_commands_queued_behind_the_stop_are_refused_and_cancelled_calls_never_run() -> None:
+    """What comes in while the worker stops is refused (UNAVAILABLE), not left hanging; a call whose caller gave up
+    while it waited is not run at all (a LoRA load whose caller timed out in the queue does not load)."""
+    import threading
+
+    from infer.server.streams import RequestStream
+    from infer.server.worker import ServerUnavailable
+
+    async def main() -> None:
+        engine, busy, release, ran = ScriptedEngine(), threading.Event(), threading.Event(), []
+        worker = EngineWorker(engine)
+        worker.start()
+        try:
+            worker.call(lambda e: busy.set() or release.wait(10))  # the worker is busy until released
+            await asyncio.to_thread(busy.wait, 10)
+            given_up = worker.call(lambda e: ran.append("given up"))
+            assert given_up.cancel()
+            stopping = asyncio.ensure_future(asyncio.to_thread(worker.stop))
+            await until(lambda: worker._inbox.qsize() == 2, "the stop to be queued")  # behind the given-up call
+            late_call, late_stream = worker.call(lambda e: ran.append("late")), RequestStream("late")
+            worker.submit("late", SamplingParams(max_tokens=2), late_stream)
+            release.set()
+            await asyncio.wait_for(stopping, 10)
+            with pytest.raises(ServerUnavailable):
+                late_call.result(timeout=5)
+            after = RequestStream("after")
+            worker.submit("after", SamplingParams(max_tokens=2), after)
+            for stream in (late_stream, after):
+                with pytest.raises(ServerUnavailable, match="shutting down"):
+                    await asyncio.wait_for(stream.__anext__(), 5)
+            assert ran == [] and engine.events == []
+        finally:
+            release.set()
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(main())
+
+
+def test_a_reader_gets_the_deltas_before_an_error_then_the_error() -> None:
+    """Deltas queued ahead of an error (a step that failed after some tokens) merge and come first; the error
+    comes next and ends the stream."""
+    from infer.server.streams import RequestStream
+
+    async def main() -> None:
+        stream = RequestStream("r")
+        for token in (5, 6):
+            stream.put(RequestOutput("r", [1], [CompletionOutput(0, [token], "x", None)], False))
+        stream.put(PluginError("scheduler 'scripted' scheduled nothing"))
+        first = await asyncio.wait_for(stream.__anext__(), 5)
+        assert first.outputs[0].token_ids == [5, 6] and not first.finished
+        with pytest.raises(PluginError, match="scheduled nothing"):
+            await asyncio.wait_for(stream.__anext__(), 5)
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(stream.__anext__(), 5)
+
+    asyncio.run(main())
+
+
+def test_usage_reports_the_prefix_cached_tokens_as_offline(tiny_model: Any) -> None:
+    """Usage.cached_tokens is the engine's num_cached_tokens: the same two requests on a fresh engine, offline."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    config = EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64, block_size=4)
+    prompt, params = list(range(5, 31)), SamplingParams(max_tokens=3, temperature=0.0)
+    offline = Engine(config)
+    want = [offline.generate([prompt], params)[0] for _ in range(3)]
+    assert want[0].num_cached_tokens == 0 < want[1].num_cached_tokens
+
+    async def test(client: AsyncClient, engine: Any) -> None:
+        for expected in want[:2]:
+            done = await client.complete(prompt, params)
+            assert (done.usage.prompt_tokens, done.usage.cached_tokens) == (len(prompt), expected.num_cached_tokens)
+        streamed = await collect(client.generate(prompt, params))
+        assert streamed[-1].usage.cached_tokens == want[2].num_cached_tokens
+
+    serve_scripted(test, engine=Engine(config))
+
+
+def test_stats_ratios_rates_and_uptime_are_the_engines(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GetStats' kv_usage is used / total blocks, output_tokens_per_s the engine's output tokens (every completion's)
+    over the 10 s window, uptime_s the seconds since the server started."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.server import worker as worker_module
+    from infer.server.snapshot import THROUGHPUT_WINDOW_S, Throughput
+
+    # a server up for a whole window already: the rate is the window's tokens over exactly THROUGHPUT_WINDOW_S
+    monkeypatch.setattr(worker_module, "Throughput",
+                        lambda: Throughput(started=time.monotonic() - THROUGHPUT_WINDOW_S))
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64, block_size=4))
+
+    async def test(client: AsyncClient, engine: Engine) -> None:
+        done = await client.complete("count me", n=2, max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert done.usage.completion_tokens == 16
+        stats = await client.stats()
+        assert stats.output_tokens == 16
+        assert stats.output_tokens_per_s == pytest.approx(16 / THROUGHPUT_WINDOW_S)
+        call = client.generate("hold blocks", max_tokens=200, temperature=0.0, ignore_eos=True)
+        await call.read()
+        stats = await client.stats()
+        assert 0 < stats.kv_used_blocks < stats.kv_total_blocks
+        assert stats.kv_usage == pytest.approx(stats.kv_used_blocks / stats.kv_total_blocks)
+        assert 0 < stats.uptime_s <= time.monotonic() - before
+        call.cancel()
+
+    before = time.monotonic()
+    serve_scripted(test, engine=engine)
+
+
+def test_a_draining_server_says_so_refuses_new_calls_and_ends_once_idle(tiny_model: Any) -> None:
+    """Drain: GetStats (and /metrics) say draining, new calls get UNAVAILABLE, the stream in flight runs to its end,
+    and the drain ends as soon as nothing is in flight, not at the end of the grace period."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+    from infer.server.app import InferenceServer, ServeOptions
+
+    config = EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = Engine(config).generate(["drain me"], params)[0].outputs[0].token_ids
+
+    async def main() -> None:
+        server = InferenceServer(Engine(config), ServeOptions(port=0, grace_period_s=60.0))
+        port = await server.start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}") as client:
+                assert not (await client.stats()).draining
+                call = client.generate("drain me", params)
+                first = await call.read()
+                draining = asyncio.ensure_future(server.drain())
+                await until(lambda: server.servicer.draining, "the drain to begin")
+                stats = await client.stats()
+                assert stats.draining and stats.in_flight == 1
+                code, details = await rpc_code(client.complete("too late", max_tokens=2))
+                assert code is grpc.StatusCode.UNAVAILABLE and "shutting down" in details
+                rest = []
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    rest.append(response)
+                assert [t for r in (first, *rest) for t in r.outputs[0].token_ids] == want
+                assert rest[-1].outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
+                await asyncio.wait_for(draining, 15)  # idle: done long before the 60 s grace period
+        finally:
+            await server.close(grace=0.0)
+
+    asyncio.run(main())
+
+
+def test_the_size_a_delta_adds_once_merged_counts_every_field() -> None:
+    """merged_share is at least what merging a delta adds to its completion (protobuf's ByteSize the reference):
+    token id 0 takes a byte as any other, and the reasoning and content text of a parsed reply count too."""
+    from infer.server.servicer import merged_share
+
+    for part in (pb.Completion(token_ids=[0] * 50), pb.Completion(token_ids=[0, 1, 300, 2**40]),
+                 pb.Completion(reasoning_text="thinking " * 10, content_text="answer " * 15),
+                 pb.Completion(content="c" * 100, reasoning_content="r" * 100)):
+        full = pb.Completion(index=0, token_ids=[1], text="t", content="", reasoning_content="", reasoning_text="",
+                             content_text="")  # each field's own framing is there already
+        before = full.ByteSize()
+        full.token_ids.extend(part.token_ids)
+        full.content += part.content
+        full.reasoning_content += part.reasoning_content
+        full.reasoning_text += part.reasoning_text
+        full.content_text += part.content_text
+        assert 0 < full.ByteSize() - before <= merged_share(part), part
+
+
+def test_an_internal_error_without_a_message_names_its_type_and_is_logged(caplog) -> None:
+    """An unexpected exception with no message answers INTERNAL with its type, not empty details, and the server logs
+    it with its traceback."""
+    import logging
+
+    class BareErrors(ScriptedEngine):
+        def abort(self, request_id: str) -> RequestOutput:
+            if request_id == "bare":
+                raise RuntimeError()
+            return super().abort(request_id)
+
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        code, details = await rpc_code(client.abort("bare"))
+        assert (code, details) == (grpc.StatusCode.INTERNAL, "internal error: RuntimeError")
+
+    with caplog.at_level(logging.ERROR, logger="infer.server"):
+        serve_scripted(test, engine=BareErrors())
+    assert [r.exc_info[0] for r in caplog.records if r.getMessage() == "internal error: internal error: RuntimeError"
+            and r.exc_info] == [RuntimeError], caplog.text
+
+
+def test_a_structured_output_of_no_kind_is_invalid_argument() -> None:
+    """A StructuredOutput message that sets none of its kinds is refused by name, not an internal error."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        request = pb.GenerateRequest(text="x", params=pb.SamplingParams(structured_output=pb.StructuredOutput()))
+        code, details = await rpc_code(client.stub.Complete(request))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith(
+            "invalid sampling parameters: structured_output sets none of regex, choice, json_schema and grammar")
+        assert engine.events == []
+
+    serve_scripted(test)
+
+
+def test_a_complete_response_past_the_limit_is_stopped_as_it_grows() -> None:
+    """A Complete response that will not fit is refused while it grows, the request aborted, rather than run to its
+    end first; the request id counts toward the size (~810 bytes of tokens and a 256-character id: past 1024)."""
+    class Paced(ScriptedEngine):  # a step takes a while, as a model's does: the reader keeps up
+        def step(self) -> list[RequestOutput]:
+            time.sleep(0.005)
+            return super().step()
+
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        code, details = await rpc_code(client.complete("x", max_tokens=400, request_id="r" * 256))
+        assert code is grpc.StatusCode.FAILED_PRECONDITION and "use Generate" in details, details
+        await until(lambda: not engine.requests, "the refused request to go")
+        assert engine.aborted == ["r" * 256]  # stopped before its 400th token
+
+    serve_scripted(test, max_message_bytes=1024, engine=Paced())
+
+
+def test_beam_search_fields_reach_the_engine_and_unset_ones_take_the_defaults() -> None:
+    """The engine starts each search with the BeamSearchParams the request gave (ignore_eos included); unset
+    fields are BeamSearchParams' defaults."""
+    from infer.core.beam_search import BeamSearchParams
+    from infer.server.client import build_beam_request
+    from infer.server.convert import beam_params_of
+
+    assert beam_params_of(pb.BeamSearchRequest(text="x")) == BeamSearchParams()
+    explicit = dict(beam_width=3, max_tokens=5, length_penalty=0.5, ignore_eos=True, lora_adapter="sql")
+    assert beam_params_of(build_beam_request("x", **explicit)) == BeamSearchParams(**explicit)
+
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        await client.beam_search("x", beam_width=2, max_tokens=3, ignore_eos=True)
+        await client.beam_search("x", max_tokens=2)
+        assert [s.params for s in done] == [
+            BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True), BeamSearchParams(max_tokens=2)]
+
+    done: list[ScriptedSearch] = []
+    engine = ScriptedEngine()
+    start = engine.start_beam_search
+    engine.start_beam_search = lambda prompts, params: done.append(start(prompts, params)) or done[-1]  # type: ignore
+    serve_scripted(test, engine=engine)
+
+
+def test_a_stop_token_ends_a_reply_with_stop_as_offline(tiny_model: Any) -> None:
+    """A completion that ends at a stop token has finish reason STOP over gRPC, as offline (both calls)."""
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    config = EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64)
+    offline = Engine(config)
+    free = offline.generate(["def main():"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(free.outputs[0].token_ids[3],))
+    want = offline.generate(["def main():"], params)[0].outputs[0]
+    assert want.finish_reason is FinishReason.STOP
+
+    async def test(client: AsyncClient, engine: Any) -> None:
+        done = await client.complete("def main():", params)
+        streamed = await collect(client.generate("def main():", params))
+        for completion in (done.outputs[0], streamed[-1].outputs[0]):
+            assert completion.finish_reason == pb.FINISH_REASON_STOP
+        assert list(done.outputs[0].token_ids) == want.token_ids
+
+    serve_scripted(test, engine=Engine(config))
+
+
+def test_tool_call_arguments_travel_as_the_json_text_the_cli_prints() -> None:
+    """A call's arguments are the JSON text `infer generate --json` prints for it, non-ASCII text kept as is."""
+    import json
+
+    from infer.cli.main import _completion_json
+    from infer.core.chat_tools import ToolCall
+    from infer.server.convert import completion_to_proto
+
+    out = CompletionOutput(0, [7], "t", FinishReason.STOP, content="",
+                           tool_calls=[ToolCall("weather", {"city": "Zürich", "note": "☀ 20°"}, "call_1")])
+    printed = _completion_json(0, "p", RequestOutput("r", [1], [out], True), out)["tool_calls"]
+    [call] = completion_to_proto(out).tool_calls
+    assert (call.id, call.name, call.arguments) == ("call_1", "weather", printed[0]["function"]["arguments"])
+    assert "Zürich" in call.arguments and json.loads(call.arguments) == {"city": "Zürich", "note": "☀ 20°"}
