@@ -335,14 +335,13 @@ class PushdownAutomaton(CharAutomaton):
         return starts[self.start_of["root"]]
 
     def _close(self, stacks: list[Stack]) -> frozenset[Stack]:
-        """``stacks`` and every stack reached from them without reading: epsilon edges, calls and returns; then
-        those that read a character next, or accept."""
+        """``stacks`` and every stack reached from them without reading (the rules' DFAs have no epsilon edges):
+        calls and returns; then those that read a character next, or accept."""
         seen, todo = set(stacks), list(stacks)
         while todo:
             stack = todo.pop()
             state, below = stack[-1], stack[:-1]
-            moves = [below + (t,) for t in self._eps[state]]
-            moves += [below + (back, start) for start, back in self._calls[state]]
+            moves = [below + (back, start) for start, back in self._calls[state]]
             if below and self._final[state]:
                 moves.append(below)  # the rule called last is complete: go on from its return state
             for move in moves:
@@ -353,7 +352,8 @@ class PushdownAutomaton(CharAutomaton):
                 if not self.cut:
                     log.warning("structured output: a grammar is too ambiguous to follow everywhere (a character "
                                 "would take more than %d parser stacks at once), so outputs cannot continue that "
-                                "way; make its alternatives start differently", MAX_STACKS)
+                                "way; merge rules that match the same text where they are called from one place",
+                                MAX_STACKS)
                 self.cut = True
                 return frozenset()
         self.work += len(seen)
