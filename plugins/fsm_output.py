@@ -89,6 +89,14 @@ def step(automaton: CharAutomaton, state: State, byte: int) -> State | None:
     return (char, data) if automaton.can_step_within(char, *span) else None
 
 
+def class_matrix(bounds: list[int], index: TokenIndex) -> torch.Tensor:
+    """[rows, MAX_TOKEN_CHARS]: the automaton's character class of each code point of the vocabulary's matrix."""
+    import torch
+
+    kind = torch.int16 if len(bounds) < 2**15 else torch.int32
+    return (torch.searchsorted(torch.tensor(bounds), index.codes, right=True) - 1).to(kind)
+
+
 class FsmGrammar(Grammar):
     """A compiled spec: its automaton, built whole at compile time (bounded), with the vocabulary's characters in
     the automaton's classes; masks come from the backend's cache."""
@@ -104,9 +112,7 @@ class FsmGrammar(Grammar):
         self.dead = len(table)  # DEAD as a row of its own, which every class leads back to
         self.next = torch.tensor([[self.dead if t == DEAD else t for t in row] for row in table] +
                                  [[self.dead] * len(bounds)], dtype=torch.int32)
-        index = self.index
-        kind = torch.int16 if len(bounds) < 2**15 else torch.int32
-        self.classes = (torch.searchsorted(torch.tensor(bounds), index.codes, right=True) - 1).to(kind)
+        self.classes = class_matrix(bounds, self.index)
         self.tail_ok: dict[tuple[int, int], bool] = {}  # (state, tail interval) -> whether some character fits
         self.bounds = bounds
         self.forced: dict[int, str] = {}  # automaton state -> its forced_text
@@ -211,8 +217,7 @@ class PdaGrammar(FsmGrammar):
         self.automaton, self.backend, self.index = automaton, backend, backend.token_index()
         self.key = next(backend.serials)
         self.bounds = automaton.classes()
-        kind = torch.int16 if len(self.bounds) < 2**15 else torch.int32
-        self.classes = (torch.searchsorted(torch.tensor(self.bounds), self.index.codes, right=True) - 1).to(kind)
+        self.classes = class_matrix(self.bounds, self.index)
         self.dead = 0
         self.next = torch.zeros((64, len(self.bounds)), dtype=torch.int32)  # rows not filled yet lead to DEAD
         self.filled = bytearray(64)  # per row: whether it holds its configuration's steps

@@ -372,19 +372,10 @@ class PushdownAutomaton(CharAutomaton):
             self._unions.append(_normalize([r for s in key for ranges, _ in self._edges[s[-1]] for r in ranges]))
         return sid
 
-    def step(self, state: int, char: int) -> int:
-        """The configuration after code point ``char``; DEAD when no match can follow."""
-        if state < 0:
-            return DEAD
-        row = self._trans[state]
-        nxt = row.get(char)
-        if nxt is None:
-            nxt = DEAD
-            if _hits(self._unions[state], char, char):
-                nxt = self._intern_stacks([stack[:-1] + (t,) for stack in self._sets[state]
-                                           for ranges, t in self._edges[stack[-1]] if _hits(ranges, char, char)])
-            row[char] = nxt
-        return nxt
+    def _after(self, state: int, char: int) -> int:
+        """The configuration after code point ``char`` (DEAD when the stacks that read it are cut)."""
+        return self._intern_stacks([stack[:-1] + (t,) for stack in self._sets[state]
+                                    for ranges, t in self._edges[stack[-1]] if _hits(ranges, char, char)])
 
     def only_char(self, state: int) -> int | None:
         """The code point that alone can come next from ``state``, if one alone can."""

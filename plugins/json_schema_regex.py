@@ -332,7 +332,16 @@ class _Compiler:
             "string": self._string, "integer": lambda s, p: self._number(s, p, True), "number": self._number,
             "boolean": lambda s, p: "(?:true|false)", "null": lambda s, p: "null", "object": self._object,
             "array": self._array}
-        return alternatives(builders[t](schema, path) for t in types)
+        return alternatives(self._inside(builders[t], schema, path) if t in ("object", "array")
+                            else builders[t](schema, path) for t in types)
+
+    def _inside(self, build: Callable[[dict[str, Any], str], str], schema: dict[str, Any], path: str) -> str:
+        """``build(schema, path)`` of an object or array, counted in ``containers`` while it runs."""
+        self.containers += 1
+        try:
+            return build(schema, path)
+        finally:
+            self.containers -= 1
 
     def _target(self, schema: Any, path: str = "") -> Any:
         """The schema a local ``$ref`` (or an ``allOf`` of one schema) stands for, followed to the end."""
@@ -437,13 +446,6 @@ class _Compiler:
         return '"' + _repeat(_UNIT, *_bounds(schema, path, "minLength", "maxLength")) + '"'
 
     def _object(self, schema: dict[str, Any], path: str) -> str:
-        self.containers += 1
-        try:
-            return self._members(schema, path)
-        finally:
-            self.containers -= 1
-
-    def _members(self, schema: dict[str, Any], path: str) -> str:
         properties, required = schema.get("properties", {}), schema.get("required", [])
         for name in required:
             if name not in properties:
@@ -471,13 +473,6 @@ class _Compiler:
         return r"\{(?:" + "|".join(reversed(alternatives)) + ")" + "?" * optional + r"\}"
 
     def _array(self, schema: dict[str, Any], path: str) -> str:
-        self.containers += 1
-        try:
-            return self._items(schema, path)
-        finally:
-            self.containers -= 1
-
-    def _items(self, schema: dict[str, Any], path: str) -> str:
         if schema.get("uniqueItems"):
             _fail(path, "'uniqueItems' true is not supported: the automaton cannot compare elements; drop it")
         items = schema.get("items", True)

@@ -377,13 +377,12 @@ class CharAutomaton:
         row = self._trans[state]
         nxt = row.get(char)
         if nxt is None:
-            if not _hits(self._unions[state], char, char):
-                nxt = DEAD
-            else:
-                targets = [t for s in self._sets[state] for r, t in self._edges[s] if _hits(r, char, char)]
-                nxt = self._intern(targets)
-            row[char] = nxt
+            nxt = row[char] = self._after(state, char) if _hits(self._unions[state], char, char) else DEAD
         return nxt
+
+    def _after(self, state: int, char: int) -> int:
+        """The state that ``state``'s edges for ``char`` reach (some edge of it holds ``char``)."""
+        return self._intern([t for s in self._sets[state] for r, t in self._edges[s] if _hits(r, char, char)])
 
     def classes(self) -> list[int]:
         """The alphabet's partition: code points ``c`` and ``d`` with the same ``bisect_right(bounds, c)`` step
