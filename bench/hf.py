@@ -159,7 +159,7 @@ class HFArm:
                 times = steps[:max_tokens]
                 output = generated[:max_tokens]
                 records.append(RequestRecord(session, turn, arrival, len(prompt), len(times), times, done,
-                                             output_ids=list(output)))
+                                             output_ids=list(output), priority=workload.priority(session, turn)))
                 replay.finished(session, turn, prompt, output, done)
                 on_request_done()
         duration = time.perf_counter() - start
@@ -221,7 +221,7 @@ class HFArm:
             finish = (result.lifespan[1] - start) if result.lifespan[1] > 0 else time.perf_counter() - start
             output = list(result.generated_tokens)
             records.append(RequestRecord(session, turn, arrival, len(prompt), len(output), times, finish,
-                                         output_ids=output))
+                                         output_ids=output, priority=workload.priority(session, turn)))
             replay.finished(session, turn, prompt, output, time.perf_counter() - start)
             on_request_done()
         duration = time.perf_counter() - start

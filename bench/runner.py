@@ -170,8 +170,9 @@ class EngineArm:
             now = time.perf_counter() - start
             for arrival, s, t, prompt, max_tokens in replay.pop_due(now):
                 session = workload.sessions[s]
+                turn = session.turns[t]
                 params = workload.sampling.params(max_tokens, workload.round, s, t, session.lora_adapter,
-                                                  session.turns[t].structured_output)
+                                                  turn.structured_output, turn.priority)
                 rid = engine.add_request(prompt, params, request_id=f"bench-{workload.round}-{s}-{t}")
                 live[rid] = _Live(s, t, arrival, prompt)
             if not live:
@@ -190,7 +191,7 @@ class EngineArm:
                     del live[out.request_id]
                     records.append(RequestRecord(item.session, item.turn, item.arrival_s, len(item.prompt),
                                                  len(item.output), item.times, now, out.num_cached_tokens,
-                                                 item.output))
+                                                 item.output, workload.priority(item.session, item.turn)))
                     replay.finished(item.session, item.turn, item.prompt, item.output, now)
                     on_request_done()
         duration = time.perf_counter() - start

@@ -24,6 +24,7 @@ class RequestRecord:
     finish_s: float
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (None: unknown)
     output_ids: list[int] = field(default_factory=list)  # compared across arms: faster must not mean different
+    priority: int = 0  # SamplingParams.priority (the file workload's lines may give it)
 
     @property
     def ttft_s(self) -> float | None:
@@ -91,6 +92,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("ttft_p50_ms", "TTFT p50", "ms", False),
     Metric("ttft_p99_ms", "TTFT p99", "ms", False),
     Metric("long_ttft_ms", "long prompt TTFT", "ms", False),
+    Metric("top_priority_ttft_p50_ms", "TTFT p50, top priority", "ms", False),
+    Metric("top_priority_ttft_p99_ms", "TTFT p99, top priority", "ms", False),
     Metric("tpot_p50_ms", "TPOT p50", "ms", False),
     Metric("tpot_p99_ms", "TPOT p99", "ms", False),
     Metric("itl_p50_ms", "ITL p50", "ms", False),
@@ -167,6 +170,11 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
         out[f"{name}_p99_ms"] = _ms(percentile(values, 99))
     long = [r.ttft_s for r in reqs if r.session == run.long_session and r.ttft_s is not None]
     out["long_ttft_ms"] = _ms(long[0]) if long else None
+    top = max((r.priority for r in reqs), default=0)  # n/a unless the requests' priorities differ
+    first = [r.ttft_s for r in reqs if r.priority == top and r.ttft_s is not None] \
+        if any(r.priority != top for r in reqs) else []
+    out["top_priority_ttft_p50_ms"] = _ms(percentile(first, 50))
+    out["top_priority_ttft_p99_ms"] = _ms(percentile(first, 99))
     eng = run.engine
     if eng is None:
         out.update(dict.fromkeys(("kv_peak_blocks", "kv_peak_usage", "prefix_hit_rate", "acceptance_rate",

@@ -47,7 +47,7 @@ class RequestSampling:
         return value % 2**63
 
     def params(self, max_tokens: int, round_index: int, session: int, turn: int, lora_adapter: str | None = None,
-               structured_output: StructuredOutput | None = None) -> SamplingParams:
+               structured_output: StructuredOutput | None = None, priority: int = 0) -> SamplingParams:
         """A request's parameters: exactly ``max_tokens`` tokens, whatever the model samples (EOS is ignored);
         min_tokens holds for a shorter request up to its end. A structured request ends at EOS once its output is
         whole (``max_tokens`` at most)."""
@@ -55,7 +55,7 @@ class RequestSampling:
         fields["min_tokens"] = min(int(fields.get("min_tokens", 0)), max_tokens)
         return SamplingParams(max_tokens=max_tokens, ignore_eos=structured_output is None,
                               seed=self.request_seed(round_index, session, turn), lora_adapter=lora_adapter,
-                              structured_output=structured_output, **fields)
+                              structured_output=structured_output, priority=priority, **fields)
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class Turn:
     tokens: tuple[int, ...]
     max_tokens: int
     structured_output: StructuredOutput | None = None  # the file workload's: the output ends at EOS once whole
+    priority: int = 0  # the file workload's: SamplingParams.priority (read by --scheduling-policy priority)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class Workload:
     @property
     def num_requests(self) -> int:
         return sum(len(s.turns) for s in self.sessions)
+
+    def priority(self, session: int, turn: int) -> int:
+        return self.sessions[session].turns[turn].priority
 
     def longest_request(self) -> int:
         """Most tokens one request holds: its prompt (the history for multi-turn) plus its output."""
@@ -144,6 +148,7 @@ class FileEntry:
     line: int = 0
     lora_adapter: str | None = None
     structured_output: StructuredOutput | None = None  # the line's, or the reply schema of its forced tool calls
+    priority: int = 0
 
 
 def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
@@ -151,7 +156,9 @@ def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
     ``{"messages": [...], "max_tokens": int}`` and optionally the other fields of gRPC's ``Chat`` (``tools``,
     ``chat_template_kwargs``, ...); any line may name a LoRA adapter (``"lora_adapter": "NAME"``) and give a
     structured output (``"structured_output": {"json_schema": {...}}``, or ``"regex"``, ``"choice"`` or
-    ``"grammar"``, the fields of :class:`StructuredOutput`; null: none). Blank lines are skipped, other fields are ignored.
+    ``"grammar"``, the fields of :class:`StructuredOutput`; null: none) and a priority (``"priority": 5``, an
+    integer; higher runs first under ``--scheduling-policy priority``; default 0). Blank lines are skipped, other
+    fields are ignored.
 
     Returns the good entries and one message per bad line (``line N: why``); a bad line never hides the others.
     """
@@ -208,7 +215,11 @@ def _parse_line(line: str, number: int) -> FileEntry:
     adapter = item.get("lora_adapter")
     if adapter is not None and (not isinstance(adapter, str) or not adapter):
         raise WorkloadError(f"'lora_adapter' must be the name of a LoRA adapter (a non-empty string), got {adapter!r}")
-    return FileEntry(prompt, max_tokens, number, adapter, _structured_output(item, prompt))
+    priority = item.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= 2**31:
+        raise WorkloadError(f"'priority' must be an integer in (-2**31, 2**31) (higher runs first under "
+                            f"--scheduling-policy priority), got {priority!r}")
+    return FileEntry(prompt, max_tokens, number, adapter, _structured_output(item, prompt), priority)
 
 
 def _structured_output(item: dict[str, object], prompt: object) -> StructuredOutput | None:
@@ -330,7 +341,7 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
         if entries is None:
             raise WorkloadError("the file workload needs its parsed entries (validate_spec)")
         prompts = _file_tokens(entries, vocab, tokenize)
-        turns = [(Turn(p, e.max_tokens, e.structured_output),) for p, e in zip(prompts, entries)]
+        turns = [(Turn(p, e.max_tokens, e.structured_output, e.priority),) for p, e in zip(prompts, entries)]
         sessions = [Session(a, t, e.lora_adapter) for a, t, e in zip(_arrivals(spec, len(turns)), turns, entries)]
         return Workload(spec.name, round_index, tuple(sessions), sampling=spec.sampling)
     else:

@@ -246,6 +246,9 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--preemption", "preemption_mode", type=click.Choice(["recompute", "swap"]), default=None,
                  help="What a preempted sequence does with its KV [default: recompute]."),
     click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
+    click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None,
+                 help="Order of requests: fcfs (arrival) or priority (higher request priority first, ties by "
+                      "arrival; a request that does not fit preempts lower-priority ones) [default: fcfs]."),
     click.option("--kv-admission-reserve", type=ReserveType(), default=None, metavar="R|auto",
                  help="Admit a waiting request only if the KV blocks left after its prompt cover R x the blocks that "
                       "the running sequences and it still need to reach their max_tokens, so fewer are preempted "
@@ -381,7 +384,7 @@ FIELD_OF_OPTION = {
     "fuse_projections": "fuse_projections", "async_output": "async_output",
     "async_scheduling": "async_scheduling",
     "freeze_gc": "freeze_gc",
-    "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb",
+    "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb", "scheduling_policy": "scheduling_policy",
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
     "lora": "lora_adapters", "max_lora_adapters": "max_lora_adapters", "max_lora_rank": "max_lora_rank",

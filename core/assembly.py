@@ -106,6 +106,10 @@ def assemble(config: EngineConfig, plugins: PluginManager, load_progress: LoadPr
                           f"num_blocks {getattr(kv, 'num_blocks', None)}, not the {config.block_size} and {num_blocks}"
                           " its factory was given; fix the plugin (the runner and schedulers read both attributes)")
     scheduler = plugins.build("scheduler", config.scheduler, Scheduler, config, kv)
+    if config.scheduling_policy not in scheduler.scheduling_policies:
+        raise ConfigError(f"the scheduler {config.scheduler!r} follows the scheduling policies "
+                          f"{', '.join(scheduler.scheduling_policies)}, not {config.scheduling_policy!r}; choose one "
+                          "of those (--scheduling-policy), or a scheduler that follows it (--scheduler continuous)")
     runner = ModelRunner(loaded.model, attention, num_blocks, config.block_size, loaded.dtype, loaded.device,
                          config.seed, config.num_swap_blocks if config.preemption_mode == "swap" else 0,
                          kv_dtype=kv_dtype, kv_scales=kv_scales)

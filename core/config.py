@@ -14,6 +14,7 @@ from .errors import ConfigError, InvalidRequestError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MIXED_GRAPH_TOKENS = 2048
 MAX_LORA_ADAPTERS = 16
 DEFAULT_MAX_LORA_RANK = 16
@@ -68,6 +69,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
+    # "fcfs": requests run in arrival order; "priority": by SamplingParams.priority (higher first, ties in arrival
+    # order), preempting lower-priority sequences to admit a higher-priority request (Scheduler.scheduling_policies)
+    scheduling_policy: str = "fcfs"
     swap_space_gb: float = 4.0  # host memory for --preemption swap
     num_swap_blocks: int | None = None  # explicit host swap pool in blocks; else derived from swap_space_gb
     # admit a request only while the free KV blocks cover this share of every running sequence's remaining max_tokens;
@@ -189,6 +193,9 @@ class EngineConfig:
                               f"{self.kv_cache_dtype!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                              f"{self.scheduling_policy!r}")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:

@@ -259,7 +259,13 @@ class Scheduler(ABC):
     admission only: a recompute finding its own blocks is no prompt cache hit) and ``num_preemptions`` (+1 per
     preemption; the KV caches' prefix-hit counters tell recomputes apart by it). Subclassing the shipped
     ``ContinuousScheduler`` keeps all of that.
+
+    ``scheduling_policies`` names the values of ``EngineConfig.scheduling_policy`` (``--scheduling-policy``) that
+    the scheduler follows; the engine refuses any other. ``fcfs``: requests in arrival order. ``priority``: by
+    ``SamplingParams.priority``, higher first, ties in arrival order.
     """
+
+    scheduling_policies: tuple[str, ...] = ("fcfs",)
 
     @abstractmethod
     def add(self, seq: Sequence) -> None:

@@ -1,6 +1,8 @@
-"""The `continuous` scheduler: iteration-level batching, decodes first, whole prefills, preemption by recompute."""
+"""The `continuous` scheduler: iteration-level batching, decodes first, whole prefills, preemption by recompute;
+in arrival order, or by request priority (``--scheduling-policy priority``)."""
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import deque
@@ -63,16 +65,29 @@ class AdmissionReserve:
                 max(self.FLOOR, self.value - (self.START - self.FLOOR) / self.DECAY_STEPS)
 
 
+def rank(seq: Sequence) -> tuple[int, float, int]:
+    """The priority policy's order: higher ``SamplingParams.priority`` first, then earlier arrival."""
+    return -seq.params.priority, seq.arrival_time, seq.seq_id
+
+
 class ContinuousScheduler(Scheduler):
     """Running sequences decode first (oldest first); then waiting ones are admitted FIFO while budgets allow.
 
     When blocks run out, the youngest running sequence is preempted: its blocks are freed and it is re-queued
     at the front to be recomputed. A single sequence always fits (checked in :meth:`add`), so this never
     deadlocks. ``chunked`` allows a prefill to be split over steps within the token budget.
+
+    With the ``priority`` policy the waiting queue is kept in :func:`rank` order, running sequences are served in
+    priority order (decodes first within each priority), the lowest-priority one is preempted first, and a waiting
+    request that does not fit preempts running sequences of lower priority until it does. Equal priorities never
+    preempt each other, so a sequence is only ever preempted for a strictly more important one: no livelock.
     """
+
+    scheduling_policies = ("fcfs", "priority")
 
     def __init__(self, config: EngineConfig, kv: KVCache, chunked: bool = False) -> None:
         self.kv, self.chunked = kv, chunked
+        self.by_priority = config.scheduling_policy == "priority"
         self.token_budget = config.max_num_batched_tokens
         # seats: never more running sequences than the budget has tokens, so that every decode runs in every step
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
@@ -89,7 +104,16 @@ class ContinuousScheduler(Scheduler):
     # ------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
         self.check(seq)
-        self.waiting.append(seq)
+        self._enqueue(seq, at_front=False)
+
+    def _enqueue(self, seq: Sequence, at_front: bool) -> None:
+        """Queue a new sequence at the back, or a preempted one at the front (fcfs); by rank (priority)."""
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=rank)
+        elif at_front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def check(self, seq: Sequence) -> None:
         # positions that ever get KV: the last sampled token is never fed back (speculative drafts stay within too)
@@ -118,6 +142,7 @@ class ContinuousScheduler(Scheduler):
             self.swap.begin_step()
         budget = self.token_budget
         kept: list[Sequence] = []
+        made_room = self._make_room(out) if self.by_priority else 0
         queue = self._decodes_first()
         while queue and budget > 0:
             seq = queue.popleft()
@@ -134,9 +159,9 @@ class ContinuousScheduler(Scheduler):
                 out.scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
         self.running = kept + list(queue)  # sequences left in `queue` got no budget this step but keep their blocks
-        if kept or out.preempted:
-            self.reserve.after_step(preempted=bool(out.preempted))
-        if not out.preempted:
+        if kept or out.preempted:  # a preemption that made room for a more important request is no shortage
+            self.reserve.after_step(preempted=len(out.preempted) > made_room)
+        if len(out.preempted) == made_room:  # no admission while running sequences lack room
             self._admit(out, budget)
         out.block_ops = self.kv.take_block_ops()
         out.block_ops.swap_out, out.block_ops.swap_in = self.ops.swap_out, self.ops.swap_in
@@ -147,9 +172,50 @@ class ContinuousScheduler(Scheduler):
         """The running sequences, decodes first (a fork's children join at the end, behind prefill chunks), then
         prefill chunks, each in running order; a preemption takes the last in this order."""
         later = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        if not later:
-            return deque(self.running)
-        return deque([s for s in self.running if s.num_tokens - s.num_computed_tokens <= 1] + later)
+        order = [s for s in self.running if s.num_tokens - s.num_computed_tokens <= 1] + later if later \
+            else self.running
+        if self.by_priority:  # stable: decodes first within a priority; the last is the one to preempt
+            order = sorted(order, key=lambda s: -s.params.priority)
+        return deque(order)
+
+    def _make_room(self, out: SchedulerOutput) -> int:
+        """Priority policy: preempt running sequences of lower priority than the head of the waiting queue, lowest
+        first (ties: latest arrival), until it fits (:meth:`_fits`); none where it would not fit beside the others
+        even so. Returns how many."""
+        if not self.waiting or not self.running:
+            return 0
+        head = self.waiting[0]
+        victims = sorted((s for s in self.running if s.params.priority < head.params.priority), key=rank)
+        others = [s for s in self.running if s.params.priority >= head.params.priority]
+        if not victims or not self._fits(head, others, sum(len(self.kv.block_table(s)) for s in victims)):
+            return 0
+        made = 0
+        while victims and not self._fits(head, self.running):
+            victim = victims.pop()
+            self.running.remove(victim)
+            self._preempt(victim, out)
+            made += 1
+        return made
+
+    def _fits(self, seq: Sequence, running: list[Sequence], more_blocks: int = 0) -> bool:
+        """Whether the waiting ``seq`` has, beside ``running``, its seats, step budget (its uncached prompt, or a
+        chunk of it) and the blocks of its whole prompt (counting ``more_blocks`` free; less its prefix-cache hits
+        on blocks the running sequences hold: those it shares)."""
+        if sum(self._seats(s) for s in running) + self._seats(seq) > self.max_num_seqs:
+            return False
+        hit = shared = 0
+        if self.swap is None or seq.seq_id not in self.swap.held:
+            hit = self.kv.match_prefix(seq)
+            seq.num_computed_tokens = hit
+            matched = self.kv.block_table(seq)[: hit // self.kv.block_size]
+            held = {block for s in running for block in self.kv.block_table(s)}
+            shared = sum(block in held for block in matched)
+            self.kv.free(seq)  # the match_prefix contract: free or allocate follows each lookup
+            seq.num_computed_tokens = 0
+        room = self.token_budget - sum(s.num_tokens - s.num_computed_tokens for s in running)
+        if room < (1 if self.chunked else min(seq.num_tokens - hit, self.token_budget)):
+            return False
+        return self.kv.num_free_blocks() + more_blocks >= self.kv.num_blocks_needed(seq.num_tokens) - shared
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting:
@@ -248,7 +314,7 @@ class ContinuousScheduler(Scheduler):
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self._preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, at_front=True)
         out.preempted.append(seq)
 
     def update(self, output: SchedulerOutput, sampled: dict[int, list[int]], now: float) -> list[Sequence]:

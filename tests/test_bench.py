@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -1076,3 +1077,35 @@ def test_moe_bench_agrees_with_hfs_experts_before_timing():
     # int4's error (RTN at group 32: ~9% a weight, three projections deep), not a broken layer's (~1)
     assert 1e-3 < rows[0]["rel_err_vs_hf"]["awq_loop"] < 0.3
     assert abs(rows[0]["rel_err_vs_hf"]["awq_triton"] - rows[0]["rel_err_vs_hf"]["awq_loop"]) < 1e-5
+
+
+def test_workload_lines_give_priorities_and_the_top_prioritys_ttft_is_reported(tiny_model, tmp_path):
+    """One seat: under --scheduling-policy priority the priority-2 lines run first, so they finish before every
+    other line (fcfs: in file order); the top-priority TTFT rows are those requests' TTFT percentiles."""
+    path = tmp_path / "w.jsonl"
+    priorities = [0, 0, 2, 1, 2, 0]
+    path.write_text("".join(json.dumps({"prompt": [10 + i, 11, 12], "max_tokens": 3, "priority": p}) + "\n"
+                            for i, p in enumerate(priorities)))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": [5], "max_tokens": 1, "priority": 1.5}\n{"prompt": [5], "max_tokens": 1, '
+                   '"priority": true}\n{"prompt": [5], "max_tokens": 1, "priority": 2147483648}\n'
+                   '{"prompt": [5], "max_tokens": 1, "priority": -7}\n')
+    entries, errors = parse_workload_file(bad)
+    assert [e.priority for e in entries] == [-7] and len(errors) == 3
+    assert all("'priority' must be an integer in (-2**31, 2**31)" in e for e in errors)
+    out = tmp_path / "out"
+    result = run("--model", str(tiny_model), "--device", "cpu", "--max-num-seqs", "1", "bench", "--workload",
+                 "file", "--file", str(path), "--ab", "--scheduling-policy fcfs", "--scheduling-policy priority",
+                 "--repeats", "1", "--warmup-rounds", "0", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "TTFT p50, top priority" in result.output and "TTFT p99, top priority" in result.output
+    fcfs, by_priority = (arm["runs"][0] for arm in json.loads((out / "results.json").read_text())["arms"])
+    for run_ in (fcfs, by_priority):
+        assert [r["priority"] for r in run_["requests"]] == priorities
+        top = [r["token_times_s"][0] - r["arrival_s"] for r in run_["requests"] if r["priority"] == 2]
+        assert run_["metrics"]["top_priority_ttft_p50_ms"] == pytest.approx(1000 * statistics.median(top))
+        assert run_["metrics"]["top_priority_ttft_p99_ms"] == pytest.approx(
+            1000 * statistics.quantiles(top, n=100, method="inclusive")[98])
+    finish_order = [r["priority"] for r in sorted(by_priority["requests"], key=lambda r: r["finish_s"])]
+    assert finish_order == [2, 2, 1, 0, 0, 0]
+    assert [r["session"] for r in sorted(fcfs["requests"], key=lambda r: r["finish_s"])] == list(range(6))

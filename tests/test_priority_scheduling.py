@@ -1,0 +1,260 @@
+"""--scheduling-policy priority: requests run by SamplingParams.priority (higher first, ties in arrival order), a
+request that does not fit preempts lower-priority ones, and no request's tokens change (HF greedy is the reference)."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.errors import ConfigError
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import SchedulerOutput
+from infer.core.plugins import PluginManager
+from infer.core.request import SamplingParams
+from infer.plugins.continuous_scheduler import AdmissionReserve, ContinuousScheduler
+
+
+def params(max_tokens: int, priority: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, priority=priority)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def engine(path: Path, **options: Any) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cpu", **options))
+
+
+def step(e: Engine, tokens: dict[str, list[int]]) -> list[str]:
+    """One step; its tokens added to ``tokens``; returns the requests it finished."""
+    finished = []
+    for out in e.step():
+        tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        if out.finished:
+            finished.append(out.request_id)
+    return finished
+
+
+def run(e: Engine, tokens: dict[str, list[int]] | None = None
+        ) -> tuple[list[str], dict[str, list[int]], dict[str, float]]:
+    """Step until idle: the order in which requests finished, their tokens (after ``tokens``), and their
+    preemption counts."""
+    order, tokens, preemptions = [], tokens if tokens is not None else {}, {}
+    while e.has_unfinished():
+        for out in e.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if out.finished:
+                order.append(out.request_id)
+                preemptions[out.request_id] = out.metrics["num_preemptions"]
+    return order, tokens, preemptions
+
+
+def watch(e: Engine) -> list[SchedulerOutput]:
+    """Every schedule the engine's scheduler returns (its schedule wrapped for the test's observation only)."""
+    outs: list[SchedulerOutput] = []
+    schedule = e.scheduler.schedule
+
+    def observed() -> SchedulerOutput:
+        outs.append(schedule())
+        return outs[-1]
+
+    e.scheduler.schedule = observed  # type: ignore[method-assign]
+    return outs
+
+
+@pytest.mark.parametrize("policy, expected", [("fcfs", ["r0", "r1", "r2", "r3", "r4"]),
+                                              ("priority", ["r1", "r3", "r2", "r0", "r4"])])
+def test_waiting_requests_run_by_priority_then_arrival(tiny_model: Path, hf_greedy: Callable[..., list[int]],
+                                                       policy: str, expected: list[str]) -> None:
+    e = engine(tiny_model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy=policy)
+    prompts = [prompt(6 + i, i) for i in range(5)]
+    for i, (p, priority) in enumerate(zip(prompts, [0, 2, 1, 2, 0])):
+        e.add_request(p, params(4, priority), request_id=f"r{i}")
+    order, tokens, preemptions = run(e)
+    assert order == expected
+    assert all(tokens[f"r{i}"] == hf_greedy(tiny_model, p, 4) for i, p in enumerate(prompts))
+    assert set(preemptions.values()) == {0}  # none is admitted before a more important one: nothing to preempt
+
+
+@pytest.mark.parametrize("policy, high", [("priority", 1), ("fcfs", 1), ("priority", 0)])
+def test_a_request_without_a_seat_preempts_only_a_lower_priority_one(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]], policy: str, high: int) -> None:
+    e = engine(tiny_model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy=policy)
+    low_prompt, high_prompt = prompt(9, 1), prompt(7, 2)
+    e.add_request(low_prompt, params(12, 0), request_id="low")
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):
+        step(e, tokens)
+    outs = watch(e)
+    e.add_request(high_prompt, params(5, high), request_id="high")
+    order, tokens, preemptions = run(e, tokens)
+    jumps = policy == "priority" and high > 0
+    assert order == (["high", "low"] if jumps else ["low", "high"])
+    assert [s.request_id for s in outs[0].preempted] == (["low"] if jumps else [])
+    assert [item.seq.request_id for item in outs[0].scheduled] == ["high" if jumps else "low"]
+    assert preemptions == {"low": float(jumps), "high": 0.0}
+    assert tokens == {"low": hf_greedy(tiny_model, low_prompt, 12), "high": hf_greedy(tiny_model, high_prompt, 5)}
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_request_without_blocks_preempts_a_lower_priority_one(tiny_model: Path, hf_greedy: Callable[..., list[int]],
+                                                                policy: str) -> None:
+    """Seats are free but blocks are not: 10 blocks of 4, the low request holds 7 when a 20-token prompt (5 blocks)
+    arrives."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=10, scheduling_policy=policy)
+    low_prompt, high_prompt = prompt(20, 3), prompt(20, 4)
+    e.add_request(low_prompt, params(16, 0), request_id="low")
+    tokens: dict[str, list[int]] = {}
+    while e.kv.stats().used_blocks < 7:
+        step(e, tokens)
+    outs = watch(e)
+    e.add_request(high_prompt, params(4, 3), request_id="high")
+    order, tokens, preemptions = run(e, tokens)
+    if policy == "priority":
+        assert [s.request_id for s in outs[0].preempted] == ["low"]
+        assert [item.seq.request_id for item in outs[0].scheduled] == ["high"]
+        assert order == ["high", "low"] and preemptions == {"low": 1.0, "high": 0.0}
+    else:  # the low request keeps running until it ends; the high one waits for its blocks
+        assert order == ["low", "high"] and preemptions == {"low": 0.0, "high": 0.0}
+    assert tokens == {"low": hf_greedy(tiny_model, low_prompt, 16), "high": hf_greedy(tiny_model, high_prompt, 4)}
+
+
+@pytest.mark.parametrize("policy, victim", [("priority", "old-low"), ("fcfs", "young-high")])
+def test_when_running_sequences_run_out_of_blocks_the_lowest_priority_one_goes(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]], policy: str, victim: str) -> None:
+    """Both fit when admitted (4 + 4 of 12 blocks) and both grow to 8: the policy picks which is preempted (fcfs:
+    the youngest)."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=12, scheduling_policy=policy)
+    prompts = {"old-low": prompt(16, 5), "young-high": prompt(16, 6)}
+    e.add_request(prompts["old-low"], params(16, 0), request_id="old-low")
+    tokens: dict[str, list[int]] = {}
+    step(e, tokens)
+    e.add_request(prompts["young-high"], params(16, 1), request_id="young-high")
+    outs = watch(e)
+    _, tokens, preemptions = run(e, tokens)
+    assert [s.request_id for out in outs for s in out.preempted][:1] == [victim]
+    assert preemptions[victim] >= 1 and preemptions[({"old-low", "young-high"} - {victim}).pop()] == 0
+    assert tokens == {name: hf_greedy(tiny_model, p, 16) for name, p in prompts.items()}
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_priorities_and_arrivals_keep_every_output_and_preempt_only_downwards(
+        tiny_model: Path, chunked: bool, seed: int) -> None:
+    """Random prompts, priorities and arrival steps on a small pool: every request ends with the tokens it has
+    alone (a run with room for all, fcfs), no step preempts a sequence more important than one it schedules, and
+    the pool drains."""
+    rng = random.Random(seed)
+    requests = [(f"r{i}", prompt(rng.randrange(3, 30), 100 * seed + i), params(rng.randrange(1, 12),
+                                                                                rng.randrange(3)), rng.randrange(8))
+                for i in range(10)]
+    reference = engine(tiny_model, num_kv_blocks=256)
+    for rid, p, sp, _ in requests:
+        reference.add_request(p, sp, request_id=rid)
+    _, expected, _ = run(reference)
+    scheduler = "chunked-prefill" if chunked else "continuous"
+    e = engine(tiny_model, block_size=4, num_kv_blocks=12, max_num_seqs=3, max_num_batched_tokens=32,
+               scheduler=scheduler, scheduling_policy="priority")
+    outs = watch(e)
+    tokens: dict[str, list[int]] = {}
+    for i in range(400):
+        for rid, p, sp, arrival in requests:
+            if arrival == i:
+                e.add_request(p, sp, request_id=rid)
+        step(e, tokens)
+        if i >= 8 and not e.has_unfinished():
+            break
+    assert not e.has_unfinished() and tokens == expected
+    assert sum(len(out.preempted) for out in outs) > 0  # the pool is small enough to preempt
+    for out in outs:
+        lowest = min((item.seq.params.priority for item in out.scheduled), default=3)
+        assert all(s.params.priority <= lowest for s in out.preempted)
+    stats = e.kv.stats()
+    assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.total_blocks
+
+
+def test_the_policy_must_be_known_and_followed_by_the_scheduler(tiny_model: Path) -> None:
+    with pytest.raises(ConfigError, match="scheduling-policy must be one of fcfs, priority, got 'lifo'"):
+        engine(tiny_model, scheduling_policy="lifo")
+
+    class ArrivalOrder(ContinuousScheduler):
+        scheduling_policies = ("fcfs",)
+
+    class Plugin:
+        @hookimpl
+        def register_schedulers(self, register: Any) -> None:
+            register("arrival-order", lambda config, kv: ArrivalOrder(config, kv))
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(Plugin(), name="arrival-order")
+    config = EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16, scheduler="arrival-order")
+    assert Engine(config, plugins).generate([[5, 6]], params(2, 0))[0].finished
+    with pytest.raises(ConfigError, match="'arrival-order' follows the scheduling policies fcfs, not 'priority'"):
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16, scheduler="arrival-order",
+                            scheduling_policy="priority"), plugins)
+
+
+def test_nothing_is_preempted_for_a_request_that_would_not_fit_anyway(tiny_model: Path) -> None:
+    """Two seats: a priority-5 request runs beside a priority-0 one when an n=2 request of priority 3 arrives. It
+    needs both seats, one of which a more important request holds: preempting the priority-0 one gains nothing."""
+    e = engine(tiny_model, max_num_seqs=2, num_kv_blocks=64, scheduling_policy="priority")
+    e.add_request(prompt(8, 7), params(10, 5), request_id="top")
+    e.add_request(prompt(8, 8), params(10, 0), request_id="low")
+    e.step()
+    e.add_request(prompt(8, 9), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=2, priority=3),
+                  request_id="pair")
+    order, _, preemptions = run(e)
+    assert preemptions["low"] == 0 and order.index("pair") > order.index("top")
+
+
+def test_a_request_over_the_step_budget_left_by_running_decodes_preempts_lower_ones(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]]) -> None:
+    """16 tokens a step without chunking: a running decode leaves 15, so a 16-token prompt of higher priority
+    preempts it to start at once (else it waits for the decode's request to end)."""
+    e = engine(tiny_model, max_num_batched_tokens=16, num_kv_blocks=64, scheduling_policy="priority")
+    low_prompt, high_prompt = prompt(8, 10), prompt(16, 11)
+    tokens: dict[str, list[int]] = {}
+    e.add_request(low_prompt, params(10, 0), request_id="low")
+    step(e, tokens)
+    outs = watch(e)
+    e.add_request(high_prompt, params(3, 1), request_id="high")
+    order, tokens, preemptions = run(e, tokens)
+    assert [item.seq.request_id for item in outs[0].scheduled] == ["high"] and preemptions["low"] == 1
+    assert tokens == {"low": hf_greedy(tiny_model, low_prompt, 10), "high": hf_greedy(tiny_model, high_prompt, 3)}
+
+
+def test_blocks_a_request_shares_with_running_ones_are_not_made_room_for(tiny_model: Path) -> None:
+    """The arriving prompt extends a running one's 16 tokens (4 cached blocks of 4) by 4: it needs one block of its
+    own, and 2 are free, so nothing is preempted although its whole prompt takes 5."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=8, scheduling_policy="priority")
+    shared = prompt(16, 12)
+    e.add_request(shared, params(8, 0), request_id="low")
+    while e.kv.stats().used_blocks < 6:
+        e.step()
+    outs = watch(e)
+    e.add_request(shared + prompt(4, 13), params(1, 1), request_id="high")
+    e.step()
+    assert not outs[0].preempted
+    assert {item.seq.request_id: item.num_new_tokens for item in outs[0].scheduled} == {"low": 1, "high": 4}
+    run(e)
+
+
+def test_making_room_for_a_more_important_request_is_no_kv_shortage_to_the_adaptive_reserve(tiny_model: Path) -> None:
+    """--kv-admission-reserve auto goes back to its start at a preemption for want of blocks; one that made room for
+    a higher-priority request says nothing about the pool, so the reserve keeps falling."""
+    e = engine(tiny_model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy="priority", kv_admission_reserve="auto")
+    e.add_request(prompt(8, 14), params(10, 0), request_id="low")
+    for _ in range(3):
+        e.step()
+    before = e.scheduler.reserve.value
+    outs = watch(e)
+    e.add_request(prompt(8, 15), params(2, 1), request_id="high")
+    e.step()
+    assert [s.request_id for s in outs[0].preempted] == ["low"]
+    assert e.scheduler.reserve.value < before < AdmissionReserve.START
