@@ -1109,3 +1109,16 @@ def test_workload_lines_give_priorities_and_the_top_prioritys_ttft_is_reported(t
     finish_order = [r["priority"] for r in sorted(by_priority["requests"], key=lambda r: r["finish_s"])]
     assert finish_order == [2, 2, 1, 0, 0, 0]
     assert [r["session"] for r in sorted(fcfs["requests"], key=lambda r: r["finish_s"])] == list(range(6))
+
+
+def test_priority_workload_script_writes_a_seeded_file_the_bench_reads(tmp_path):
+    first, again = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    out = bench_script("priority_workload.py", str(first), "--num-requests", "400", "--top-share", "0.25")
+    bench_script("priority_workload.py", str(again), "--num-requests", "400", "--top-share", "0.25")
+    entries, errors = parse_workload_file(first)
+    top = sum(e.priority for e in entries)
+    assert not errors and len(entries) == 400 and {e.priority for e in entries} == {0, 1}
+    assert f"400 requests, {top} of priority 1" in out and 70 <= top <= 130  # binomial(400, 0.25): mean 100, sd 8.7
+    assert first.read_text() == again.read_text()
+    assert statistics.mean(len(e.prompt) for e in entries) == pytest.approx(64, rel=0.1)
+    assert all(3 <= t < 259 for e in entries for t in e.prompt)
