@@ -246,9 +246,10 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--preemption", "preemption_mode", type=click.Choice(["recompute", "swap"]), default=None,
                  help="What a preempted sequence does with its KV [default: recompute]."),
     click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
-    click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None,
-                 help="Order of requests: fcfs (arrival) or priority (higher request priority first, ties by "
-                      "arrival; a request that does not fit preempts lower-priority ones) [default: fcfs]."),
+    click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority", "lpm"]), default=None,
+                 help="Order of requests: fcfs (arrival), priority (higher request priority first, ties by "
+                      "arrival; a request that does not fit preempts lower-priority ones) or lpm (the longest "
+                      "cached prefix first) [default: fcfs]."),
     click.option("--kv-admission-reserve", type=ReserveType(), default=None, metavar="R|auto",
                  help="Admit a waiting request only if the KV blocks left after its prompt cover R x the blocks that "
                       "the running sequences and it still need to reach their max_tokens, so fewer are preempted "

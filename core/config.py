@@ -14,7 +14,7 @@ from .errors import ConfigError, InvalidRequestError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 DEFAULT_MIXED_GRAPH_TOKENS = 2048
 MAX_LORA_ADAPTERS = 16
 DEFAULT_MAX_LORA_RANK = 16
@@ -70,7 +70,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     # "fcfs": requests run in arrival order; "priority": by SamplingParams.priority (higher first, ties in arrival
-    # order), preempting lower-priority sequences to admit a higher-priority request (Scheduler.scheduling_policies)
+    # order), preempting lower-priority sequences to admit a higher-priority request; "lpm": waiting requests with
+    # the longest cached prefix first (SGLang's longest prefix match) (Scheduler.scheduling_policies)
     scheduling_policy: str = "fcfs"
     swap_space_gb: float = 4.0  # host memory for --preemption swap
     num_swap_blocks: int | None = None  # explicit host swap pool in blocks; else derived from swap_space_gb

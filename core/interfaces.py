@@ -262,7 +262,7 @@ class Scheduler(ABC):
 
     ``scheduling_policies`` names the values of ``EngineConfig.scheduling_policy`` (``--scheduling-policy``) that
     the scheduler follows; the engine refuses any other. ``fcfs``: requests in arrival order. ``priority``: by
-    ``SamplingParams.priority``, higher first, ties in arrival order.
+    ``SamplingParams.priority``, higher first, ties in arrival order. ``lpm``: the longest cached prefix first.
     """
 
     scheduling_policies: tuple[str, ...] = ("fcfs",)

@@ -1,5 +1,5 @@
 """The `continuous` scheduler: iteration-level batching, decodes first, whole prefills, preemption by recompute;
-in arrival order, or by request priority (``--scheduling-policy priority``)."""
+in arrival order, by request priority (``--scheduling-policy priority``) or by cached prefix (``lpm``)."""
 from __future__ import annotations
 
 import bisect
@@ -15,6 +15,10 @@ from ..core.registry import Register
 from ..core.request import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger("infer")
+
+# lpm matches every waiting prompt against the prefix cache at each admission; past this many waiting sequences it
+# admits in arrival order instead (SGLang's cut-off for its longest-prefix-match policy is 128 too)
+LPM_MAX_WAITING = 128
 
 
 class SwapSpace:
@@ -81,13 +85,19 @@ class ContinuousScheduler(Scheduler):
     priority order (decodes first within each priority), the lowest-priority one is preempted first, and a waiting
     request that does not fit preempts running sequences of lower priority until it does. Equal priorities never
     preempt each other, so a sequence is only ever preempted for a strictly more important one: no livelock.
+
+    With ``lpm`` (longest prefix match) waiting sequences are admitted in order of the prompt tokens the KV cache
+    holds for them, most first (ties in queue order), while at most LPM_MAX_WAITING wait: requests that share a
+    cached prefix run before it is evicted. A request whose prefix nothing shares may wait while others keep coming.
     """
 
-    scheduling_policies = ("fcfs", "priority")
+    scheduling_policies = ("fcfs", "priority", "lpm")
 
     def __init__(self, config: EngineConfig, kv: KVCache, chunked: bool = False) -> None:
         self.kv, self.chunked = kv, chunked
         self.by_priority = config.scheduling_policy == "priority"
+        self.by_cached_prefix = config.scheduling_policy == "lpm"
+        self.lpm_max_waiting = LPM_MAX_WAITING
         self.token_budget = config.max_num_batched_tokens
         # seats: never more running sequences than the budget has tokens, so that every decode runs in every step
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
@@ -220,6 +230,8 @@ class ContinuousScheduler(Scheduler):
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting:
             return
+        if self.by_cached_prefix and 1 < len(self.waiting) <= self.lpm_max_waiting:
+            self.waiting = deque(sorted(self.waiting, key=lambda seq: -self._cached_tokens(seq)))
         occupied = sum(self._seats(s) for s in self.running)
         future = sum(self._future_of(s, len(self.kv.block_table(s))) for s in self.running) \
             if self.reserve.value else 0
@@ -263,6 +275,12 @@ class ContinuousScheduler(Scheduler):
             self._start(seq, n, out)
             budget -= n
             occupied += self._seats(seq)
+
+    def _cached_tokens(self, seq: Sequence) -> int:
+        """The tokens of the waiting ``seq`` that the KV cache's prefix cache holds."""
+        cached = self.kv.match_prefix(seq)
+        self.kv.free(seq)  # the match_prefix contract: free or allocate follows each lookup
+        return cached
 
     def _leaves_reserve(self, seq: Sequence, future_blocks: int) -> bool:
         """Whether the free blocks less those ``seq``'s prompt takes cover ``reserve`` x ``future_blocks``

@@ -1111,10 +1111,10 @@ def test_workload_lines_give_priorities_and_the_top_prioritys_ttft_is_reported(t
     assert [r["session"] for r in sorted(fcfs["requests"], key=lambda r: r["finish_s"])] == list(range(6))
 
 
-def test_priority_workload_script_writes_a_seeded_file_the_bench_reads(tmp_path):
-    first, again = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    out = bench_script("priority_workload.py", str(first), "--num-requests", "400", "--top-share", "0.25")
-    bench_script("priority_workload.py", str(again), "--num-requests", "400", "--top-share", "0.25")
+def test_policy_workload_script_writes_a_seeded_file_the_bench_reads(tmp_path):
+    first, again, grouped = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "g.jsonl"
+    out = bench_script("policy_workload.py", str(first), "--num-requests", "400", "--top-share", "0.25")
+    bench_script("policy_workload.py", str(again), "--num-requests", "400", "--top-share", "0.25")
     entries, errors = parse_workload_file(first)
     top = sum(e.priority for e in entries)
     assert not errors and len(entries) == 400 and {e.priority for e in entries} == {0, 1}
@@ -1122,3 +1122,7 @@ def test_priority_workload_script_writes_a_seeded_file_the_bench_reads(tmp_path)
     assert first.read_text() == again.read_text()
     assert statistics.mean(len(e.prompt) for e in entries) == pytest.approx(64, rel=0.1)
     assert all(3 <= t < 259 for e in entries for t in e.prompt)
+    bench_script("policy_workload.py", str(grouped), "--num-requests", "40", "--prefix-groups", "3",
+                 "--prefix-len", "20")
+    prompts = [e.prompt for e in parse_workload_file(grouped)[0]]
+    assert len({p[:20] for p in prompts}) == 3 and all(len(p) > 20 for p in prompts)

@@ -1,5 +1,6 @@
 """--scheduling-policy priority: requests run by SamplingParams.priority (higher first, ties in arrival order), a
-request that does not fit preempts lower-priority ones, and no request's tokens change (HF greedy is the reference)."""
+request that does not fit preempts lower-priority ones; lpm: the longest cached prefix first. No request's tokens
+change (HF greedy is the reference)."""
 from __future__ import annotations
 
 import random
@@ -180,7 +181,7 @@ def test_random_priorities_and_arrivals_keep_every_output_and_preempt_only_downw
 
 
 def test_the_policy_must_be_known_and_followed_by_the_scheduler(tiny_model: Path) -> None:
-    with pytest.raises(ConfigError, match="scheduling-policy must be one of fcfs, priority, got 'lifo'"):
+    with pytest.raises(ConfigError, match="scheduling-policy must be one of fcfs, priority, lpm, got 'lifo'"):
         engine(tiny_model, scheduling_policy="lifo")
 
     class ArrivalOrder(ContinuousScheduler):
@@ -258,3 +259,31 @@ def test_making_room_for_a_more_important_request_is_no_kv_shortage_to_the_adapt
     e.step()
     assert [s.request_id for s in outs[0].preempted] == ["low"]
     assert e.scheduler.reserve.value < before < AdmissionReserve.START
+
+
+@pytest.mark.parametrize("policy, cap, expected", [
+    ("lpm", 128, ["a2", "a3", "b1", "b2"]), ("fcfs", 128, ["b1", "a2", "b2", "a3"]),
+    ("lpm", 4, ["a2", "a3", "b1", "b2"]), ("lpm", 3, ["b1", "a2", "b2", "a3"])])  # over the cap: arrival order
+def test_lpm_admits_the_requests_whose_prefix_is_cached_first(tiny_model: Path, hf_greedy: Callable[..., list[int]],
+                                                              policy: str, cap: int, expected: list[str]) -> None:
+    """One seat. a1 ran, so its 32-token prefix is cached; then b1, a2, b2 and a3 arrive together, a* sharing a1's
+    prefix and b* another: lpm runs a2 and a3 first (their 32 tokens cached), then b1, whose blocks b2 then reuses."""
+    e = engine(tiny_model, max_num_seqs=1, block_size=4, num_kv_blocks=64, scheduling_policy=policy)
+    e.scheduler.lpm_max_waiting = cap
+    a, b = prompt(32, 20), prompt(32, 21)
+    prompts = {"a2": a + prompt(5, 22), "b1": b + prompt(6, 23), "b2": b + prompt(7, 24), "a3": a + prompt(3, 25)}
+    e.generate([a + prompt(4, 26)], params(2, 0))
+    for rid in ("b1", "a2", "b2", "a3"):
+        e.add_request(prompts[rid], params(3, 0), request_id=rid)
+    cached: dict[str, int] = {}
+    order: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    while e.has_unfinished():
+        for out in e.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if out.finished:
+                order.append(out.request_id)
+                cached[out.request_id] = out.num_cached_tokens
+    assert order == expected
+    assert cached == {"a2": 32, "a3": 32, "b1": 0, "b2": 32}
+    assert tokens == {rid: hf_greedy(tiny_model, p, 3) for rid, p in prompts.items()}
