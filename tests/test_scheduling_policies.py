@@ -144,10 +144,10 @@ def test_when_running_sequences_run_out_of_blocks_the_lowest_priority_one_goes(
     assert tokens == {name: hf_greedy(tiny_model, p, 16) for name, p in prompts.items()}
 
 
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("chunked, kv_cache", [(False, "paged"), (True, "paged"), (True, "radix-cache")])
 @pytest.mark.parametrize("seed", range(3))
 def test_random_priorities_and_arrivals_keep_every_output_and_preempt_only_downwards(
-        tiny_model: Path, chunked: bool, seed: int) -> None:
+        tiny_model: Path, chunked: bool, kv_cache: str, seed: int) -> None:
     """Random prompts, priorities and arrival steps on a small pool: every request ends with the tokens it has
     alone (a run with room for all, fcfs), no step preempts a sequence more important than one it schedules, and
     the pool drains."""
@@ -161,7 +161,7 @@ def test_random_priorities_and_arrivals_keep_every_output_and_preempt_only_downw
     _, expected, _ = run(reference)
     scheduler = "chunked-prefill" if chunked else "continuous"
     e = engine(tiny_model, block_size=4, num_kv_blocks=12, max_num_seqs=3, max_num_batched_tokens=32,
-               scheduler=scheduler, scheduling_policy="priority")
+               scheduler=scheduler, scheduling_policy="priority", kv_cache=kv_cache)
     outs = watch(e)
     tokens: dict[str, list[int]] = {}
     for i in range(400):
@@ -261,14 +261,17 @@ def test_making_room_for_a_more_important_request_is_no_kv_shortage_to_the_adapt
     assert e.scheduler.reserve.value < before < AdmissionReserve.START
 
 
-@pytest.mark.parametrize("policy, cap, expected", [
-    ("lpm", 128, ["a2", "a3", "b1", "b2"]), ("fcfs", 128, ["b1", "a2", "b2", "a3"]),
-    ("lpm", 4, ["a2", "a3", "b1", "b2"]), ("lpm", 3, ["b1", "a2", "b2", "a3"])])  # over the cap: arrival order
+@pytest.mark.parametrize("policy, cap, kv_cache, expected", [
+    ("lpm", 128, "paged", ["a2", "a3", "b1", "b2"]), ("lpm", 128, "radix-cache", ["a2", "a3", "b1", "b2"]),
+    ("fcfs", 128, "paged", ["b1", "a2", "b2", "a3"]), ("lpm", 4, "paged", ["a2", "a3", "b1", "b2"]),
+    ("lpm", 3, "paged", ["b1", "a2", "b2", "a3"])])  # over the cap: arrival order
 def test_lpm_admits_the_requests_whose_prefix_is_cached_first(tiny_model: Path, hf_greedy: Callable[..., list[int]],
-                                                              policy: str, cap: int, expected: list[str]) -> None:
+                                                              policy: str, cap: int, kv_cache: str,
+                                                              expected: list[str]) -> None:
     """One seat. a1 ran, so its 32-token prefix is cached; then b1, a2, b2 and a3 arrive together, a* sharing a1's
     prefix and b* another: lpm runs a2 and a3 first (their 32 tokens cached), then b1, whose blocks b2 then reuses."""
-    e = engine(tiny_model, max_num_seqs=1, block_size=4, num_kv_blocks=64, scheduling_policy=policy)
+    e = engine(tiny_model, max_num_seqs=1, block_size=4, num_kv_blocks=64, scheduling_policy=policy,
+               kv_cache=kv_cache)
     e.scheduler.lpm_max_waiting = cap
     a, b = prompt(32, 20), prompt(32, 21)
     prompts = {"a2": a + prompt(5, 22), "b1": b + prompt(6, 23), "b2": b + prompt(7, 24), "a3": a + prompt(3, 25)}
