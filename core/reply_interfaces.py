@@ -136,6 +136,13 @@ class Grammar(ABC):
     def matcher(self) -> GrammarMatcher:
         """A new matcher at the start of an output (one per sequence)."""
 
+    def reusable(self) -> bool:
+        """Whether the engine may give this grammar to more requests (the default: always). A grammar whose memory
+        grows with the outputs it follows (the fsm backend's pushdown automata keep each configuration an output
+        reached) says False once it holds too much: the requests that arrive after get a new compile, and this
+        one is dropped when the requests using it end."""
+        return True
+
 
 class GrammarMatcher(ABC):
     """The state of one sequence's output within its grammar."""

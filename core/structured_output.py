@@ -82,8 +82,11 @@ class StructuredOutputs:
 
     def admit(self, spec: StructuredOutput) -> None:
         """Compile ``spec`` (InvalidRequestError from the backend for one it cannot follow) and keep it while a
-        request that gives it lives (:meth:`discharge` at its end)."""
+        request that gives it lives (:meth:`discharge` at its end). A grammar that is no longer reusable
+        (Grammar.reusable) serves the requests that began with it, and a new compile the ones after."""
         grammar, count = self.pinned.get(spec) or (self.grammar(spec), 0)
+        if count and not self._reusable(grammar):
+            grammar = self._compile(spec)
         self.pinned[spec] = grammar, count + 1
 
     def discharge(self, spec: StructuredOutput) -> None:
@@ -92,6 +95,8 @@ class StructuredOutputs:
             self.pinned[spec] = grammar, count - 1
         else:
             del self.pinned[spec]
+            if not self._reusable(grammar):
+                self.grammars.pop(spec, None)
 
     def grammar(self, spec: StructuredOutput) -> Grammar:
         """The compiled ``spec``, from the cache when it is there (InvalidRequestError from the backend for one it
@@ -99,19 +104,31 @@ class StructuredOutputs:
         if (pinned := self.pinned.get(spec)) is not None:
             return pinned[0]
         grammar = self.grammars.get(spec)
-        if grammar is None:
-            if self.backend is None:
-                self.backend = self.build()
-            grammar = self.backend.compile(spec)
-            if not isinstance(grammar, Grammar):
-                raise PluginError(f"structured-output backend {self.name!r}: compile() returned "
-                                  f"{type(grammar).__name__}, not a Grammar; fix the plugin")
-            self.grammars[spec] = grammar
-            if len(self.grammars) > CACHED_GRAMMARS:
-                self.grammars.popitem(last=False)
-        else:
-            self.grammars.move_to_end(spec)
+        if grammar is None or not self._reusable(grammar):
+            return self._compile(spec)
+        self.grammars.move_to_end(spec)
         return grammar
+
+    def _compile(self, spec: StructuredOutput) -> Grammar:
+        """A new compile of ``spec``, cached (in place of an earlier one)."""
+        if self.backend is None:
+            self.backend = self.build()
+        grammar = self.backend.compile(spec)
+        if not isinstance(grammar, Grammar):
+            raise PluginError(f"structured-output backend {self.name!r}: compile() returned "
+                              f"{type(grammar).__name__}, not a Grammar; fix the plugin")
+        self.grammars[spec] = grammar
+        self.grammars.move_to_end(spec)
+        if len(self.grammars) > CACHED_GRAMMARS:
+            self.grammars.popitem(last=False)
+        return grammar
+
+    def _reusable(self, grammar: Grammar) -> bool:
+        reusable = grammar.reusable()
+        if type(reusable) is not bool:
+            raise PluginError(f"structured-output backend {self.name!r}: a grammar's reusable() returned "
+                              f"{reusable!r:.40}, not a bool; fix the plugin")
+        return reusable
 
     def follow_reasoning(self, seqs: list[Sequence], end: ReasoningEnd) -> None:
         """The grammar of ``seqs`` (a request's) holds after their reasoning, which ``end`` delimits."""

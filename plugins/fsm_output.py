@@ -44,6 +44,9 @@ MAX_DFA_WORK = 4_000_000  # NFA states visited while building it (about 1.5 s of
 MAX_DFA_CELLS = 4_000_000  # its table's states x character classes (about 1.5 s and 200 MB of Python at most)
 MAX_FORCED_CHARS = 64  # forced_text looks this far ahead (a proposer drafts at most 16 tokens a round)
 MAX_TOKEN_CHARS = 16  # longer tokens are stepped one by one (few vocabularies have many)
+# A grammar's pushdown automaton keeps every configuration its outputs reached, about 1 KiB each (JSON object mode
+# over randomly nested values: 26.6 MiB for 25,090); past this many, later requests get a fresh compile
+MAX_REUSED_CONFIGURATIONS = 20_000
 State = tuple[int, bytes]  # (automaton state, the bytes of a character begun but not finished)
 UTF8_LIMITS = {2: (0x80, 0x7FF), 3: (0x800, 0xFFFF), 4: (0x10000, 0x10FFFF)}  # code points of each length
 SURROGATES = (0xD800, 0xDFFF)
@@ -210,6 +213,7 @@ class PdaGrammar(FsmGrammar):
     are unbounded), so its table grows as masks meet them: row 0 is DEAD's, configuration c's row is c + 1."""
 
     offset = 1
+    max_reused_configurations = MAX_REUSED_CONFIGURATIONS
 
     def __init__(self, automaton: PushdownAutomaton, backend: FsmBackend) -> None:  # no super(): no table yet
         import torch
@@ -239,6 +243,9 @@ class PdaGrammar(FsmGrammar):
         self.next[torch.tensor(missing)] = torch.tensor(steps, dtype=torch.int32)
         for row in missing:
             self.filled[row] = 1
+
+    def reusable(self) -> bool:
+        return self.automaton.num_states() <= self.max_reused_configurations
 
     def forced_text(self, state: int) -> str:
         """The characters every match continues with from ``state`` (cached; at most MAX_FORCED_CHARS)."""

@@ -367,14 +367,19 @@ def test_a_backend_that_breaks_its_contract_is_named(path: Path) -> None:
             pass
 
     class Compiled(Grammar):
-        def __init__(self, mask: torch.Tensor) -> None:
-            self.mask = mask
+        def __init__(self, mask: torch.Tensor, reuse: object = True) -> None:
+            self.mask, self.reuse = mask, reuse
 
         def matcher(self) -> GrammarMatcher:
             return WrongMask(self.mask)
 
+        def reusable(self) -> bool:
+            return self.reuse  # type: ignore[return-value]
+
     class Broken(StructuredOutputBackend):
         def compile(self, spec: StructuredOutput) -> Grammar:
+            if spec.regex == "reused":
+                return Compiled(masks["float"], reuse="yes")
             return Compiled(masks[spec.regex]) if spec.regex in masks else "not a grammar"  # type: ignore[return-value]
 
     class Plugin:
@@ -392,6 +397,9 @@ def test_a_backend_that_breaks_its_contract_is_named(path: Path) -> None:
         engine.generate([PROMPT], SamplingParams(structured_output=StructuredOutput(regex="float")))
     with pytest.raises(PluginError, match=r"'broken'.*shape \(3,\), not bool"):
         engine.generate([PROMPT], SamplingParams(structured_output=StructuredOutput(regex="narrow")))
+    with pytest.raises(PluginError, match=r"'broken': a grammar's reusable\(\) returned 'yes', not a bool"):
+        for _ in range(2):  # the second finds the first's grammar in the cache, and asks whether it may reuse it
+            engine.add_request(PROMPT, SamplingParams(structured_output=StructuredOutput(regex="reused")))
 
 
 def test_an_allow_list_without_the_backend_still_runs_plain_requests(path: Path) -> None:
@@ -551,3 +559,59 @@ def test_a_draft_guide_forces_no_text_past_a_stop(engine: Engine, max_tokens: in
     assert guide.forced_text() == "bcd"
     guide.advance(min(engine.eos_token_ids) if stop == "eos" else engine.tokenizer.convert_tokens_to_ids(stop))
     assert guide.forced_text() == ""
+
+
+def nested_digit_lists(text: str) -> tuple[bool, bool]:
+    """(whether ``text`` is a prefix of a sentence of LISTS, whether it is one), read by hand."""
+    depth, previous = 0, ""
+    for i, char in enumerate(text):
+        if char == "[":
+            ok, depth = previous in ("", "[", ","), depth + 1
+        elif char == "]":
+            ok, depth = previous in ("[", "]") or previous.isdigit(), depth - 1
+        elif char == ",":
+            ok = depth > 0 and (previous == "]" or previous.isdigit())
+        else:
+            ok = char in "0123456789" and previous in ("[", ",")
+        if not ok or depth < 0 or (depth == 0 and i < len(text) - 1):
+            return False, False
+        previous = char
+    return True, bool(text) and depth == 0
+
+
+LISTS = 'root ::= list\nlist ::= "[" (item ("," item)*)? "]"\nitem ::= [0-9] | list\n'
+
+
+def test_a_grammar_grown_past_its_bound_serves_its_requests_and_later_ones_get_a_new_compile(path: Path) -> None:
+    """A pushdown automaton keeps the configurations its outputs reached; once it holds more than its bound
+    (lowered here on the live grammar), a new request gets a fresh compile while the requests under way keep the
+    grown one, and it leaves the cache when the last of them ends."""
+    compiled: list[StructuredOutput] = []
+    engine = counting_engine(path, compiled, max_num_seqs=4)
+    spec = StructuredOutput(grammar=LISTS)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, structured_output=spec)
+    texts = [out.outputs[0] for out in engine.generate([PROMPT] * 2, params)]
+    first = engine.structured.grammars[spec]
+    assert len(compiled) == 1 and first.reusable()  # both requests shared one compile
+    first.max_reused_configurations = 0
+    engine.add_request(PROMPT, params, request_id="a")
+    second = engine.structured.grammars[spec]
+    assert len(compiled) == 2 and second is not first
+    outs: dict[str, list[str]] = {}
+    for _ in range(2):
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out.outputs[0].text)
+    second.max_reused_configurations = 0  # grown while "a" runs: "b" gets a third compile, "a" keeps its own
+    engine.add_request(PROMPT, params, request_id="b")
+    third = engine.structured.grammars[spec]
+    assert len(compiled) == 3 and third is not second
+    assert engine.structured.matchers[engine.requests["a"].seqs[0].seq_id].grammar is second
+    third.max_reused_configurations = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out.outputs[0].text)
+    assert spec not in engine.structured.grammars and not engine.structured.pinned  # dropped with its last request
+    for completion in texts:
+        prefix, whole = nested_digit_lists(completion.text)
+        assert prefix and whole == (completion.finish_reason is FinishReason.STOP)
+    assert all(nested_digit_lists("".join(parts))[0] for parts in outs.values()) and set(outs) == {"a", "b"}
