@@ -103,6 +103,9 @@ def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
               "that ended the completion in its text.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after EOS.")
 @click.option("--no-speculative", is_flag=True, help="Opt this request out of the server's speculative decoding.")
+@click.option("--priority", type=int, default=0, show_default=True,
+              help="The request's priority: higher runs first on a server started with --scheduling-policy priority "
+                   "(the priority eviction policy reads it too).")
 @click.option("--lora-adapter", default=None, metavar="NAME", help="Apply the LoRA adapter the server loaded as NAME "
               "(`infer --lora NAME=DIR serve`) [default: none, the base model].")
 @click.option("--beam-width", type=int, default=0, help="Beam search with this many beams (the BeamSearch RPC, "
@@ -122,7 +125,7 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
            timeout: float | None, max_tokens: int, sampling: dict[str, Any],
            structured_output: StructuredOutput | None, n: int,
            seed: int | None, stop: tuple[str, ...], include_stop_str: bool, ignore_eos: bool, no_speculative: bool,
-           lora_adapter: str | None, beam_width: int, length_penalty: float, chat: bool, system: str | None,
+           priority: int, lora_adapter: str | None, beam_width: int, length_penalty: float, chat: bool, system: str | None,
            stats: bool, chat_template_kwargs: dict[str, Any], tools: tuple[dict[str, Any], ...], tool_choice: str
            ) -> None:
     """Send PROMPT to a running `infer serve` and print the prompt and its completion as it streams (with --chat,
@@ -141,7 +144,7 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
 
     if beam_width:
         others = {"--n": n != 1, "--stop": stop, "--include-stop-str": include_stop_str, "--seed": seed is not None,
-                  "--no-speculative": no_speculative,
+                  "--no-speculative": no_speculative, "--priority": priority,
                   "--regex/--choice/--json-schema/--grammar": structured_output}
         refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
     elif ctx.get_parameter_source("length_penalty") is not click.core.ParameterSource.DEFAULT:
@@ -152,6 +155,8 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
         sampling["structured_output"] = structured_output
     if no_speculative:
         sampling["speculative"] = False
+    if priority:
+        sampling["priority"] = priority
     if seed is not None:
         sampling["seed"] = seed
     if lora_adapter is not None:

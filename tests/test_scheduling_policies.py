@@ -17,6 +17,7 @@ from infer.core.interfaces import SchedulerOutput
 from infer.core.plugins import PluginManager
 from infer.core.request import SamplingParams
 from infer.plugins.continuous_scheduler import AdmissionReserve, ContinuousScheduler
+from infer.server import infer_pb2 as pb
 
 
 def params(max_tokens: int, priority: int) -> SamplingParams:
@@ -290,3 +291,37 @@ def test_lpm_admits_the_requests_whose_prefix_is_cached_first(tiny_model: Path, 
     assert order == expected
     assert cached == {"a2": 32, "a3": 32, "b1": 0, "b2": 32}
     assert tokens == {rid: hf_greedy(tiny_model, p, 3) for rid, p in prompts.items()}
+
+
+def test_infer_client_sends_its_priority_to_a_server_that_schedules_by_it(tiny_model: Path, serve_engine: Any
+                                                                          ) -> None:
+    """One seat, a long request of priority 0 running: `infer client --priority 1` preempts it (the server's
+    stats count the preemption), so the client's short request ends while the long one still runs."""
+    import asyncio
+
+    import grpc
+    from click.testing import CliRunner
+
+    from infer.cli.main import main
+
+    e = engine(tiny_model, max_num_seqs=1, num_kv_blocks=128, scheduling_policy="priority")
+
+    async def test(client: Any, port: int) -> None:
+        stream = client.generate("x", request_id="long", max_tokens=1000, temperature=0.0, ignore_eos=True)
+        await stream.read()  # the long request runs
+        cli = await asyncio.to_thread(CliRunner().invoke, main, [
+            "client", "hi", "--target", f"127.0.0.1:{port}", "--priority", "1", "--max-tokens", "3",
+            "--temperature", "0"])
+        assert cli.exit_code == 0, cli.output
+        assert (await client.stats()).preemptions == 1
+        await client.abort("long")
+        last = None
+        while (message := await stream.read()) is not grpc.aio.EOF:
+            last = message
+        assert last is not None and last.outputs[0].finish_reason == pb.FINISH_REASON_ABORT
+
+    serve_engine(e, test)
+    for args, words in ((["--priority", str(2**31)], "priority must be an integer in (-2**31, 2**31)"),
+                        (["--priority", "2", "--beam-width", "2"], "drop --priority")):
+        result = CliRunner().invoke(main, ["client", "hi", "--target", "127.0.0.1:1", *args])
+        assert result.exit_code == 2 and words in result.output, result.output
