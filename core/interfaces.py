@@ -81,6 +81,10 @@ class KVCache(ABC):
     # computed under one LoRA adapter is wrong under another); the engine refuses --lora with a cache that does not
     # say so. A cache without prefix reuse isolates trivially.
     isolates_namespaces: bool = False
+    # True when match_prefix may return blocks that other sequences computed (a prefix cache that is on): the shipped
+    # schedulers then hold a waiting request back for a step when the first block of its prompt past its cache hit
+    # is one that a sequence computes in this step, so that it reuses that block instead of computing it again
+    reuses_prefixes: bool = False
 
     @abstractmethod
     def match_prefix(self, seq: Sequence) -> int:

@@ -232,9 +232,19 @@ class ContinuousScheduler(Scheduler):
             return
         if self.by_cached_prefix and 1 < len(self.waiting) <= self.lpm_max_waiting:
             self.waiting = deque(sorted(self.waiting, key=lambda seq: -self._cached_tokens(seq)))
+        held_back: list[Sequence] = []
+        try:
+            self._admit_in_order(out, budget, held_back)
+        finally:
+            self.waiting.extendleft(reversed(held_back))  # first in the queue next step, in their order
+
+    def _admit_in_order(self, out: SchedulerOutput, budget: int, held_back: list[Sequence]) -> None:
+        """Admit waiting sequences from the front while budgets allow; those whose next prompt block another
+        sequence computes in this step go to ``held_back`` (:meth:`_computed_beside`)."""
         occupied = sum(self._seats(s) for s in self.running)
         future = sum(self._future_of(s, len(self.kv.block_table(s))) for s in self.running) \
             if self.reserve.value else 0
+        in_progress: set[int] | None = None  # keys of the prompt blocks this step computes, built at the first need
         while self.waiting and occupied < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if occupied + self._seats(seq) > self.max_num_seqs:
@@ -257,6 +267,14 @@ class ContinuousScheduler(Scheduler):
                     future += self._future_of(seq, len(self.kv.block_table(seq)))
                 continue
             seq.num_computed_tokens = self.kv.match_prefix(seq)
+            if self.kv.reuses_prefixes and not seq.needs_prompt_logits and out.scheduled:
+                if in_progress is None:
+                    in_progress = {key for item in out.scheduled for key in self._blocks_computed(item)}
+                if self._next_block_key(seq) in in_progress:
+                    self.kv.free(seq)
+                    seq.num_computed_tokens = 0
+                    held_back.append(self.waiting.popleft())
+                    continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget) if self.chunked else remaining
             alone = not out.scheduled  # an over-budget recompute may run alone rather than wait forever
@@ -275,6 +293,32 @@ class ContinuousScheduler(Scheduler):
             self._start(seq, n, out)
             budget -= n
             occupied += self._seats(seq)
+            if in_progress is not None:
+                in_progress.update(self._blocks_computed(out.scheduled[-1]))
+
+    def _blocks_computed(self, item: ScheduledSequence) -> list[int]:
+        """Keys (:meth:`_block_keys`) of the prompt blocks that ``item``, a prefill, fills in this step (none for
+        a decode: no hashing of every running sequence)."""
+        seq, size = item.seq, self.kv.block_size
+        start = seq.num_computed_tokens
+        end = min(start + item.num_new_tokens, seq.num_prompt_tokens)
+        if end <= start or end // size <= start // size:
+            return []
+        return self._block_keys(seq, end // size)[start // size:]
+
+    def _next_block_key(self, seq: Sequence) -> int:
+        """The key of the first block of the waiting ``seq`` past its cache hit (a partial one matches none)."""
+        index = seq.num_computed_tokens // self.kv.block_size
+        return self._block_keys(seq, index + 1)[index]
+
+    def _block_keys(self, seq: Sequence, count: int) -> list[int]:
+        """Keys of ``seq``'s first ``count`` blocks, each chained to those before it and to the sequence's cache
+        namespace, as a prefix cache matches blocks. A collision could only hold a request back a step."""
+        key, size, keys = hash(("namespace", seq.cache_namespace)), self.kv.block_size, []
+        for i in range(count):
+            key = hash((key, tuple(seq.token_ids[i * size : (i + 1) * size])))
+            keys.append(key)
+        return keys
 
     def _cached_tokens(self, seq: Sequence) -> int:
         """The tokens of the waiting ``seq`` that the KV cache's prefix cache holds."""

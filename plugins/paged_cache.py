@@ -38,6 +38,7 @@ class PagedKVCache(KVCache):
                  eviction_name: str | None = None) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.eviction, self.prefix_caching, self.eviction_name = eviction, prefix_caching, eviction_name
+        self.reuses_prefixes = prefix_caching
         self.ref = [0] * num_blocks
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.block_prefix_id = [ROOT] * num_blocks  # of registered blocks

@@ -47,6 +47,7 @@ class RadixKVCache(KVCache):
     Each cache namespace (a LoRA adapter) has a tree of its own; ``root`` is the base model's."""
 
     isolates_namespaces = True
+    reuses_prefixes = True
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy,
                  eviction_name: str | None = None) -> None:

@@ -810,3 +810,23 @@ def test_an_adapter_a_beam_search_uses_is_not_unloaded_until_it_ends(checkpoint,
     assert search.result()[0].beams[0].token_ids == adapters["all"].greedy(PROMPTS[0], 6)[0]
     engine.unload_lora_adapter("all")
     assert engine.lora_adapters == []
+
+
+def test_a_request_waits_only_for_a_prefix_computed_under_its_own_adapter(checkpoint, adapters) -> None:
+    """Three requests of one prompt arrive together: the base model's and the adapter's run at once (neither can
+    reuse the other's KV); the second under the adapter waits a step for the first's blocks."""
+    engine = engine_for(checkpoint("llama"), adapters)
+    prompt = list(range(300, 340))
+    first_step = []
+    schedule = engine.scheduler.schedule
+
+    def observed():  # the scheduler's schedule wrapped for the test's observation only
+        out = schedule()
+        first_step.append([item.seq.request_id for item in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = observed
+    for rid, name in (("base", None), ("all", "all"), ("all-again", "all")):
+        engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, lora_adapter=name), request_id=rid)
+    engine.step()
+    assert first_step == [["base", "all"]]

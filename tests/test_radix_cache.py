@@ -45,7 +45,7 @@ def test_shared_prefix_waves_match_hf_and_paged_and_hit_the_cache(tiny_model, hf
         hits.append(after.prefix_hits - before.prefix_hits)
         assert outputs == generate(paged, wave)
         assert outputs == [hf_greedy(tiny_model, prompt, MAX_TOKENS) for prompt in wave]
-    assert hits[0] == 0  # the first wave is admitted in one step, before anything is cached
+    assert hits[0] == 2 * 64  # the first wave's first request computes the prefix, and the others wait a step for it
     assert hits[1] >= 3 * 64, "the second wave must reuse the system prompt's full blocks"
     assert radix.stats.prefix_hit_rate > 0
     stats = radix.kv.stats()

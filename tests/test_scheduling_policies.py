@@ -325,3 +325,99 @@ def test_infer_client_sends_its_priority_to_a_server_that_schedules_by_it(tiny_m
                         (["--priority", "2", "--beam-width", "2"], "drop --priority")):
         result = CliRunner().invoke(main, ["client", "hi", "--target", "127.0.0.1:1", *args])
         assert result.exit_code == 2 and words in result.output, result.output
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_request_waits_a_step_for_the_prefix_another_computes_in_this_one(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]], prefix_caching: bool) -> None:
+    """Four prompts sharing 32 tokens (8 blocks of 4) arrive together: one computes the prefix, and the others,
+    held back a step, find it cached; without prefix caching there is nothing to wait for."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=128, enable_prefix_caching=prefix_caching)
+    shared = prompt(32, 30)
+    prompts = {f"r{i}": shared + prompt(3 + i, 31 + i) for i in range(4)}
+    outs = watch(e)
+    for rid, p in prompts.items():
+        e.add_request(p, params(3, 0), request_id=rid)
+    cached, tokens = {}, {}
+    while e.has_unfinished():
+        for out in e.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if out.finished:
+                cached[out.request_id] = out.num_cached_tokens
+    first = [item.seq.request_id for item in outs[0].scheduled]
+    if prefix_caching:
+        assert first == ["r0"] and [item.seq.request_id for item in outs[1].scheduled] == ["r0", "r1", "r2", "r3"]
+        assert cached == {"r0": 0, "r1": 32, "r2": 32, "r3": 32}
+    else:
+        assert first == ["r0", "r1", "r2", "r3"] and set(cached.values()) == {0}
+    assert tokens == {rid: hf_greedy(tiny_model, p, 3) for rid, p in prompts.items()}
+
+
+def test_a_request_waits_for_a_chunked_prefix_until_its_last_block_is_computed(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]]) -> None:
+    """16 tokens a step: the first request computes the shared 40 tokens over three steps; the second waits (a
+    request that shares nothing runs meanwhile), then finds all 40 cached."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=128, scheduler="chunked-prefill", max_num_batched_tokens=16)
+    shared = prompt(40, 40)
+    prompts = {"first": shared + prompt(3, 41), "second": shared + prompt(5, 42), "other": prompt(6, 43)}
+    outs = watch(e)
+    for rid, p in prompts.items():
+        e.add_request(p, params(2, 0), request_id=rid)
+    results: dict[str, Any] = {}
+    tokens: dict[str, list[int]] = {}
+    while e.has_unfinished():
+        for out in e.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if out.finished:
+                results[out.request_id] = out
+    admitted = {}
+    for i, out in enumerate(outs):
+        for item in out.scheduled:
+            admitted.setdefault(item.seq.request_id, i)
+    assert admitted["other"] < admitted["second"] and admitted["second"] >= 3  # after the prefix's third chunk
+    assert results["second"].num_cached_tokens == 40 and results["first"].num_cached_tokens == 0
+    assert tokens == {rid: hf_greedy(tiny_model, p, 2) for rid, p in prompts.items()}
+
+
+def first_schedules(e: Engine, requests: dict[str, tuple[list[int], SamplingParams]], steps: int = 2
+                    ) -> list[list[str]]:
+    """Add ``requests`` together and return the request ids each of the next ``steps`` schedules holds."""
+    outs = watch(e)
+    for rid, (p, sp) in requests.items():
+        e.add_request(p, sp, request_id=rid)
+    for _ in range(steps):
+        e.step()
+    return [[item.seq.request_id for item in out.scheduled] for out in outs[:steps]]
+
+
+def test_only_a_block_with_the_same_prefix_and_for_a_reusable_request_is_waited_for(tiny_model: Path) -> None:
+    """A prompt whose first block is another's second (the same tokens after another prefix), and one that asks
+    for prompt logprobs (a prefix cache never serves it), run at once; one sharing the prefix waits."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=128)
+    a, b, c = prompt(4, 50), prompt(4, 51), prompt(4, 52)
+    requests = {"ab": (a + b + c, params(2, 0)), "b": (b + c + a, params(2, 0)),
+                "logprobs": (a + b + c + a, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)),
+                "waits": (a + b + b, params(2, 0))}
+    assert first_schedules(e, requests)[0] == ["ab", "b", "logprobs"]
+
+
+def test_a_request_admitted_in_this_step_is_waited_for_beside_running_ones(tiny_model: Path) -> None:
+    """A decode runs when two prompts sharing 16 tokens arrive: the second waits for the blocks the first,
+    admitted in the same step, computes."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=128)
+    e.add_request(prompt(5, 60), params(6, 0), request_id="running")
+    e.step()
+    shared = prompt(16, 61)
+    schedules = first_schedules(e, {"first": (shared + [7], params(2, 0)), "second": (shared + [8], params(2, 0))})
+    assert schedules == [["running", "first"], ["running", "first", "second"]]
+
+
+def test_a_waiting_request_keeps_its_place_in_the_queue(tiny_model: Path) -> None:
+    """Three seats: the request that waited for another's prefix is admitted before a later one when a seat
+    frees."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=128, max_num_seqs=3)
+    shared = prompt(16, 70)
+    schedules = first_schedules(e, {"long": (prompt(6, 71), params(8, 0)), "first": (shared + [5], params(1, 0)),
+                                    "second": (shared + [6], params(2, 0)), "later": (prompt(7, 72), params(4, 0)),
+                                    "last": (prompt(7, 73), params(2, 0))})
+    assert schedules == [["long", "first", "later"], ["long", "later", "second"]]
