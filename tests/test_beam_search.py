@@ -493,8 +493,9 @@ def test_aborting_a_search_midway_frees_its_blocks_and_the_requests_finish(eos_m
     assert search.done and engine.kv.stats().used_blocks == 0 and not engine.has_unfinished()
     assert search.length == 5  # its best hypotheses so far: those of a search that ends after 5 tokens
     cut = engine.beam_search(TEXTS[:2], BeamSearchParams(beam_width=4, max_tokens=5, ignore_eos=True))
-    for got, want in zip(search.result(), cut, strict=True):
-        assert [(b.token_ids, b.score) for b in got.beams] == [(b.token_ids, b.score) for b in want.beams]
+    for got, want in zip(search.result(), cut, strict=True):  # the second search's prompt is a prefix-cache hit:
+        assert [b.token_ids for b in got.beams] == [b.token_ids for b in want.beams]  # float32 sums in another order
+        assert [b.score for b in got.beams] == pytest.approx([b.score for b in want.beams], rel=1e-6, abs=0)
         assert {b.finish_reason for b in got.beams} == {FinishReason.ABORT}
     rid = engine.add_request(TEXTS[2], GREEDY)
     search = engine.start_beam_search(TEXTS[:2], params)

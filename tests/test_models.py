@@ -36,10 +36,12 @@ def test_greedy_and_logits_match_transformers(name, merge, checkpoint, hf_greedy
                (layer.mlp.gate_up_proj is not None) == (merge or fused) for layer in engine.loaded.model.model.layers)
     batch_prompts = prompts(engine.loaded.model.spec.vocab_size, [5, 33, 17])
     results = engine.generate(batch_prompts, GREEDY)
-    for prompt, result in zip(batch_prompts, results):
-        assert result.outputs[0].token_ids == hf_greedy(path, prompt, 64)
-
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for prompt, result in zip(batch_prompts, results):
+        ours = result.outputs[0].token_ids
+        if ours != (want := hf_greedy(path, prompt, 64)):  # a near tie may flip (2.9e-6 apart seen, gemma3)
+            assert_greedy_up_to_near_ties(hf, prompt, ours, want)
+
     prompt = batch_prompts[1]
     engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     out = engine.scheduler.schedule()
@@ -48,6 +50,18 @@ def test_greedy_and_logits_match_transformers(name, merge, checkpoint, hf_greedy
         ref = hf(torch.tensor([prompt])).logits[0, -1]
     rel = (logits[0] - ref).norm() / ref.norm()
     assert rel < 1e-4, f"relative logits error {rel:.2e}"
+
+
+def assert_greedy_up_to_near_ties(hf, prompt: list[int], ours: list[int], want: list[int], tol: float = 1e-4) -> None:
+    """Each of ``ours`` is HF's greedy choice after the tokens before it, or within ``tol`` of HF's largest logit
+    there (a near tie the two implementations' rounding may break either way), and one such tie happened."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1:]
+    chosen = logits.gather(1, torch.tensor(ours)[:, None])[:, 0]
+    gaps = logits.max(dim=1).values - chosen
+    assert gaps.max() < tol, f"token {int(gaps.argmax())} is {float(gaps.max()):.2e} below HF's best"
+    first = next(i for i, (a, b) in enumerate(zip(ours, want)) if a != b)
+    assert ours[:first] == want[:first] and gaps[first] < tol  # where HF's own greedy run went the other way
 
 
 def test_preemption_under_a_small_cache_keeps_outputs_exact(checkpoint, hf_greedy):
