@@ -205,6 +205,58 @@ def test_norm_weights_round_to_the_model_dtype_before_the_one_is_added(checkpoin
         Engine(EngineConfig(model=str(path), device="cpu", dtype="float16", num_kv_blocks=8))
 
 
+def test_the_norms_round_once_in_bfloat16_as_transformers_does() -> None:
+    """Gemma's (1 + w) norm multiplies in float32 and rounds to the model dtype once (transformers' Gemma3RMSNorm);
+    rounding the normed value before the multiplication differs in about a third of bfloat16 outputs. With a
+    residual, the sum is taken in the model dtype first. Bit for bit, the torch ops and the module alike."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from infer.models.gemma import GemmaRMSNorm
+    from infer.models.layers import gemma_rms_norm
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(32, 64, generator=generator) * 3).to(torch.bfloat16)
+    residual = torch.randn(32, 64, generator=generator).to(torch.bfloat16)
+    reference = Gemma3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        reference.weight.copy_(torch.rand(64, generator=generator) - 0.5)
+    reference = reference.to(torch.bfloat16)
+    ours = GemmaRMSNorm(64, 1e-6, torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.copy_(reference.weight.float() + 1.0)  # what load_weights stores
+    assert torch.equal(ours(x), reference(x))
+    normed, summed = gemma_rms_norm(x, ours.weight, 1e-6, residual)
+    assert torch.equal(summed, x + residual) and torch.equal(normed, reference(x + residual))
+
+
+def test_fields_a_config_leaves_out_take_the_transformers_class_defaults() -> None:
+    """A minimal config.json of each Gemma class: every default infer fills in is the one transformers' config
+    class has (the tiny checkpoints spell each of these fields out, so only this test reads the defaults)."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from infer.models.gemma import GEMMA2, GEMMA3, GemmaConfig
+
+    for arch, hf_class in ((GEMMA2, Gemma2Config), (GEMMA3, Gemma3TextConfig)):
+        hf = hf_class(num_hidden_layers=2)
+        ours = GemmaConfig.from_hf({"architectures": [arch], "num_hidden_layers": 2})
+        assert (ours.hidden_size, ours.intermediate_size, ours.vocab_size) == \
+            (hf.hidden_size, hf.intermediate_size, hf.vocab_size)
+        assert (ours.num_heads, ours.num_kv_heads, ours.head_dim) == \
+            (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
+        assert (ours.query_pre_attn_scalar, ours.rms_norm_eps, ours.max_position_embeddings) == \
+            (hf.query_pre_attn_scalar, hf.rms_norm_eps, hf.max_position_embeddings)
+        assert ours.tie_word_embeddings == hf.tie_word_embeddings
+        assert ours.eos_token_ids == (hf.eos_token_id,)
+        assert (ours.attn_softcap, ours.final_softcap) == \
+            (getattr(hf, "attn_logit_softcapping", None), hf.final_logit_softcapping)
+        assert ours.sliding_window == hf.sliding_window
+        assert list(ours.sliding_layers) == [kind == "sliding_attention" for kind in hf.layer_types]
+        ropes = hf.rope_parameters
+        full, local = (ropes["full_attention"], ropes["sliding_attention"]) if "full_attention" in ropes else \
+            (ropes, ropes)
+        assert ours.rope["rope_theta"] == full["rope_theta"] and ours.local_rope["rope_theta"] == local["rope_theta"]
+
+
 # ---------------------------------------------------------------- Gemma 2
 def as_released_gemma2(config: dict[str, Any]) -> None:
     """The config.json of google's Gemma 2 releases: rope_theta, no layer_types (every second layer slides), the

@@ -264,6 +264,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
     ("llama", lambda c: c.pop("num_key_value_heads"), {"num_heads": 4, "num_kv_heads": 4}),
     # an explicit null is one KV head per attention head (HF's post-init), not the class's default
     ("qwen2", lambda c: c.update(num_key_value_heads=None), {"num_heads": 4, "num_kv_heads": 4}),
+    ("llama", lambda c: c.update(hidden_act="swish"), {}),  # HF's ACT2FN: swish is SiLU
 ])
 def test_config_variants_run_what_hf_runs(tmp_path, hf_greedy, arch, edit, options):
     path = edited_model(tmp_path / "m", arch, edit, max_position_embeddings=64, **options)
@@ -289,6 +290,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ("mistral", {k: v for k, v in YARN.items() if k != "original_max_position_embeddings"}, {}),  # the context's
     ("qwen2", {**YARN, "factor": None}, {}),  # DeepSeek-V3's: max_position_embeddings / original
     ("qwen3", {**YARN, "beta_fast": 0, "mscale": 0, "mscale_all_dim": 1.0, "truncate": None}, {}),  # HF: defaults
+    # the default betas (32, 1) where they place the ramp: an original context long enough to start it past dim 0
+    ("qwen2", {**YARN, "original_max_position_embeddings": 4096}, {}),
 ])
 def test_yarn_rope_logits_and_tokens_are_hfs_past_the_original_context(tmp_path, hf_greedy, arch, rope, top):
     """YaRN frequencies and its cos/sin scale against HF's (60 positions, past most cases' original context): the
@@ -644,6 +647,70 @@ def test_config_fields_read_as_transformers_reads_them(tmp_path, arch, edit):
     windows = {hf.sliding_window if kind == "sliding_attention" else None for kind in kinds}
     assert {ours.sliding_window} == windows
     assert str(hf.dtype).removeprefix("torch.") == checkpoint_dtype(read_config(path)) == ours.torch_dtype
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_a_large_rms_norm_eps_reaches_every_norm_as_in_hf(tiny_model_factory, arch):
+    """The tiny checkpoints' eps (1e-6) is far below their activations' mean square, so a norm that dropped it or
+    took a constant would pass the other tests: here eps is of their size (q/k norms, Gemma's (1 + w) norms
+    included), and the last token's logits must still be HF's within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory(arch, max_position_embeddings=64, extra={"rms_norm_eps": 0.05})
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16))
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [20], seed=7)[0]
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0, -1]
+    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+
+
+def test_a_checkpoints_rotary_inv_freq_buffers_are_skipped(checkpoint, tmp_path, hf_greedy):
+    """Older exports saved each layer's rotary_emb.inv_freq (a buffer HF derives from the config): the model
+    loads without them and generates the tokens HF generates on the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = checkpoint("llama")
+    path = tmp_path / "m"
+    shutil.copytree(source, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16))
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [12], seed=3)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(source, prompt, 8)
+
+
+def test_merged_projections_keep_their_parts_biases(checkpoint, tmp_path):
+    """HF initialises biases to zero, so the tiny Qwen2's q/k/v biases would hide a merge that dropped them: with
+    random biases, merged q/k/v (the CUDA default) give HF's last-token logits within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(checkpoint("qwen2"), path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.rand(param.shape, generator=generator) - 0.5)
+    model.save_pretrained(str(path))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, fuse_projections=True))
+    assert engine.loaded.model.model.layers[0].self_attn.qkv_proj is not None
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [20], seed=9)[0]
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
+    with torch.no_grad():
+        ref = model.eval()(torch.tensor([prompt])).logits[0, -1]
+    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
 
 
 def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):

@@ -100,6 +100,43 @@ def test_qwen2_moes_sliding_layers_are_hfs(tmp_path, hf_greedy):
     assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
+def test_the_routing_weights_multiply_in_the_dtype_transformers_uses(arch):
+    """In bfloat16 Mixtral's block multiplies the experts' outputs by float32 routing weights, Qwen3-MoE's by weights
+    rounded to bfloat16 first (the two differ in the last bit of many outputs): the torch experts loop equals
+    transformers' sparse block bit for bit, its config read by ArchConfig."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from infer.models.layers import silu_and_mul
+    from infer.models.llama import ArchConfig
+
+    sizes = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+             "num_experts_per_tok": 2}
+    if arch == "mixtral":
+        hf_config = MixtralConfig(**sizes, intermediate_size=48, num_local_experts=4)
+        block_class, architecture = MixtralSparseMoeBlock, "MixtralForCausalLM"
+    else:
+        hf_config = Qwen3MoeConfig(**sizes, moe_intermediate_size=48, num_experts=4, norm_topk_prob=True)
+        block_class, architecture = Qwen3MoeSparseMoeBlock, "Qwen3MoeForCausalLM"
+    moe = ArchConfig.from_hf({**hf_config.to_dict(), "architectures": [architecture]}).moe
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        hf = block_class(hf_config).eval()
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+        hf = hf.to(torch.bfloat16)
+    block = SparseMoe(moe, 32, torch.bfloat16, silu_and_mul, fused=False)
+    with torch.no_grad():
+        block.gate.weight.copy_(hf.gate.weight)
+    block.load_expert("mlp", "gate_up_proj", hf.experts.gate_up_proj.detach())
+    block.load_expert("mlp", "down_proj", hf.experts.down_proj.detach())
+    x = torch.randn(1, 24, 32, generator=generator).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(block(x[0]), hf(x)[0])
+
+
 def reference_experts(x, w13, w2, weights, experts):
     """Token by token, straight from the definition: sum over k of w x down(silu(gate x) * up x)."""
     size = w2.shape[2]
