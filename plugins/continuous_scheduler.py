@@ -89,6 +89,10 @@ class ContinuousScheduler(Scheduler):
     With ``lpm`` (longest prefix match) waiting sequences are admitted in order of the prompt tokens the KV cache
     holds for them, most first (ties in queue order), while at most LPM_MAX_WAITING wait: requests that share a
     cached prefix run before it is evicted. A request whose prefix nothing shares may wait while others keep coming.
+
+    Whatever the policy, a waiting sequence whose next prompt block (past its cache hit) another sequence computes
+    in the same step is held back a step, keeping its place, when the KV cache reuses prefixes: requests that arrive
+    together with a shared prompt prefix compute it once.
     """
 
     scheduling_policies = ("fcfs", "priority", "lpm")
@@ -239,8 +243,9 @@ class ContinuousScheduler(Scheduler):
             self.waiting.extendleft(reversed(held_back))  # first in the queue next step, in their order
 
     def _admit_in_order(self, out: SchedulerOutput, budget: int, held_back: list[Sequence]) -> None:
-        """Admit waiting sequences from the front while budgets allow; those whose next prompt block another
-        sequence computes in this step go to ``held_back`` (:meth:`_computed_beside`)."""
+        """Admit waiting sequences from the front while budgets allow. With a prefix cache, one whose first block
+        past its cache hit a sequence fills in this step goes to ``held_back``: a step later it finds that block
+        cached, where admitted now it would compute it a second time."""
         occupied = sum(self._seats(s) for s in self.running)
         future = sum(self._future_of(s, len(self.kv.block_table(s))) for s in self.running) \
             if self.reserve.value else 0
