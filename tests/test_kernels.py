@@ -356,6 +356,20 @@ def test_skinny_gemm(device: torch.device, dtype: torch.dtype, rows: int, block_
     torch.testing.assert_close(got, want, **({"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else TOL[dtype]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16])
+def test_a_linear_layer_on_the_skinny_path_adds_its_bias(device: torch.device, dtype: torch.dtype) -> None:
+    """UnquantizedMethod with skinny rows enabled: x @ W.T + b for few rows (the kernel), as F.linear for more."""
+    from infer.models.layers import UnquantizedMethod
+
+    torch.manual_seed(0)
+    method, weight = UnquantizedMethod(skinny_max_rows=4), torch.randn(40, 96, dtype=dtype, device=device) * 0.1
+    bias = torch.randn(40, dtype=dtype, device=device)
+    for rows in (2, 9):  # the kernel's, then torch's
+        x = torch.randn(1, rows, 96, dtype=dtype, device=device)
+        want = (x.float() @ weight.float().T + bias.float()).to(dtype)
+        torch.testing.assert_close(method.matmul(x, weight, bias), want, **TOL[dtype])
+
+
 def test_skinny_gemm_refuses_what_it_cannot_do(device: torch.device) -> None:
     w = torch.randn(32, 64, device=device)
     with pytest.raises(ValueError, match="M <= 16"):
