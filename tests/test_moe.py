@@ -512,3 +512,17 @@ def test_a_lora_adapter_on_a_moe_model_equals_peft(tmp_path, arch, targets):
     assert got == expected
     plain = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert plain[0].outputs[0].token_ids != expected  # the adapter changes them
+
+
+def test_qwen2_moe_projects_q_k_v_with_biases_unless_its_config_says_not() -> None:
+    """Qwen2-MoE's q/k/v have biases (transformers' Qwen2MoeConfig: qkv_bias=True by default), also in a
+    config.json written before the key existed; qkv_bias false drops them. o_proj never has one."""
+    from transformers import Qwen2MoeConfig
+
+    from infer.models.llama import ArchConfig
+
+    base = {"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300}
+    assert Qwen2MoeConfig().qkv_bias is True
+    specs = [ArchConfig.from_hf({**base, **flag}) for flag in ({}, {"qkv_bias": True}, {"qkv_bias": False})]
+    assert [(s.attention_bias, s.o_proj_bias) for s in specs] == [(True, False), (True, False), (False, False)]
