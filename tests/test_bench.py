@@ -290,6 +290,83 @@ def test_outputs_match_compares_each_turn_with_the_first_arms():
     assert summary["B"]["outputs_match"].median == 0.75 and summary["A"]["outputs_match"].median == 1.0
 
 
+def test_t95_is_the_published_table_up_to_30_degrees_of_freedom():
+    """Student's t, two-sided 95%, as any statistics table prints it (the approximation starts after 30)."""
+    from infer.bench.stats import t95
+
+    assert [t95(df) for df in (1, 2, 3, 10, 29, 30)] == [12.706, 4.303, 3.182, 2.228, 2.045, 2.042]
+
+
+def test_paired_intervals_are_t_intervals_and_need_finite_positive_ratios():
+    from infer.bench.stats import difference_ci95, ratio_ci95
+
+    differences = [1.0, 3.0]  # mean 2, sample standard deviation sqrt(2), 1 degree of freedom: t = 12.706
+    half = 12.706 * statistics.stdev(differences) / math.sqrt(2)
+    assert difference_ci95(differences) == pytest.approx((2 - half, 2 + half))
+    assert difference_ci95([5.0]) is None
+    logs = [math.log(2.0), math.log(8.0)]
+    half = 12.706 * statistics.stdev(logs) / math.sqrt(2)
+    assert ratio_ci95([2.0, 8.0]) == pytest.approx((4 * math.exp(-half), 4 * math.exp(half)))
+    for ratios in ([2.0, math.inf], [2.0, 0.0], [2.0, -1.0], [2.0, math.nan], [2.0]):
+        assert ratio_ci95(ratios) is None, ratios
+
+
+def test_the_long_prompts_ttft_is_its_own_sessions():
+    requests = [RequestRecord(0, 0, 0.0, 10, 2, [0.1, 0.2], 0.2), RequestRecord(1, 0, 0.5, 500, 2, [1.25, 1.3], 1.3),
+                RequestRecord(2, 0, 0.6, 10, 2, [0.7, 0.8], 0.8)]
+    assert run_metrics(RunResult("A", 0, 1.5, requests, long_session=1))["long_ttft_ms"] == pytest.approx(750)
+    assert run_metrics(RunResult("A", 0, 1.5, requests))["long_ttft_ms"] is None
+
+
+def test_engine_metrics_that_do_not_apply_are_none_and_a_cache_never_asked_hit_nothing():
+    requests = [RequestRecord(0, 0, 0.0, 10, 2, [0.1, 0.2], 0.2)]
+    counters = EngineCounters(kv_total_blocks=0, kv_peak_used_blocks=0, prefix_queries=0, prefix_hits=0,
+                              preemptions=2, evictions=3, spec_proposed=0, spec_accepted=0, speculative=False)
+    metrics = run_metrics(RunResult("A", 0, 1.0, requests, engine=counters, notes={"steps": 7}))
+    assert metrics["kv_peak_usage"] is None and metrics["acceptance_rate"] is None
+    assert metrics["prefix_hit_rate"] == 0.0  # (--no-prefix-caching) a 0 that the paired differences compare
+    assert (metrics["preemptions"], metrics["evictions"], metrics["engine_steps"]) == (2.0, 3.0, 7.0)
+    counters = EngineCounters(kv_total_blocks=40, kv_peak_used_blocks=10, prefix_queries=200, prefix_hits=50,
+                              preemptions=0, evictions=0, spec_proposed=8, spec_accepted=2, speculative=True)
+    metrics = run_metrics(RunResult("A", 0, 1.0, requests, engine=counters))
+    assert (metrics["kv_peak_usage"], metrics["prefix_hit_rate"], metrics["acceptance_rate"]) == (0.25, 0.25, 0.25)
+    assert metrics["kv_peak_blocks"] == 10.0 and metrics["engine_steps"] is None
+
+
+def test_outputs_match_is_the_share_of_the_runs_own_requests():
+    from infer.bench.stats import outputs_match
+
+    def run_(outputs: list[list[int]]) -> RunResult:
+        return RunResult("A", 0, 1.0, [RequestRecord(i, 0, 0.0, 3, len(o), [0.1] * len(o), 0.1, output_ids=o)
+                                       for i, o in enumerate(outputs)])
+
+    reference = run_([[1], [2], [3], [4]])
+    assert outputs_match(run_([[1], [2]]), reference) == 1.0  # the reference ran more: a stopped run, say
+    assert outputs_match(run_([[1], [9], [3]]), reference) == pytest.approx(2 / 3)
+    assert outputs_match(run_([]), reference) is None  # no requests: no share
+
+
+def test_ratios_of_exactly_one_and_of_zero_are_kept_and_judged_as_documented():
+    """Identical rounds give an interval of exactly (1, 1), which holds 1; a round whose value is 0 gives a ratio of
+    0, kept, and the paired differences judge the arm; so they do where the first arm's value is 0 in a round."""
+    from infer.bench.stats import Aggregate, summarize
+
+    assert Aggregate([], None, paired_ratios=[1.0, 1.0, 1.0], paired_differences=[0.0, 0.0, 0.0]).within_noise
+
+    def runs(arm: str, hits: list[int]) -> list[RunResult]:
+        return [RunResult(arm, i, 1.0, [RequestRecord(0, 0, 0.0, 5, 2, [0.1, 0.2], 0.2)],
+                          EngineCounters(10, 1, 100, h, 0, 0, 0, 0, False)) for i, h in enumerate(hits)]
+
+    summary = summarize({"A": runs("A", [10, 20, 40]), "B": runs("B", [0, 40, 80])})
+    b = summary["B"]["prefix_hit_rate"]
+    assert b.paired_ratios == pytest.approx([0.0, 2.0, 2.0])
+    assert b.paired_differences == pytest.approx([-0.1, 0.2, 0.4])
+    differences = [0.05, 0.01, 0.01]  # a first arm of 0 in round 0: its two ratios agree, its differences do not
+    half = 4.303 * statistics.stdev(differences) / math.sqrt(3)
+    assert statistics.fmean(differences) - half < 0  # the t interval of the differences holds 0
+    assert Aggregate([], None, paired_ratios=[2.0, 2.0], paired_differences=differences).within_noise
+
+
 def test_rounds_rotate_the_arm_order_and_apply_each_arms_process_settings():
     """Round i runs the arms rotated by i; each run sees its own arm's thread count and frozen heap, whichever arm
     was built last."""

@@ -687,3 +687,59 @@ def test_sanitizing_on_a_transformers_without_it_stops_the_engine_at_start(
     monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "apply_chat_template", apply_chat_template)
     with pytest.raises(ConfigError, match="--sanitize-chat-control-tokens needs a transformers release"):
         LLM(model=str(tiny_model), device="cpu", num_kv_blocks=16, sanitize_chat_control_tokens=True)
+
+
+def test_infer_chat_seeds_each_reply_and_strips_each_line_as_llm_chat_does(llm: LLM, chat_model: Path) -> None:
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    user = {"role": "user", "content": "def add(a, b):"}
+    seeded = [llm.chat([user], SamplingParams(max_tokens=8, temperature=1.0, seed=seed))[0].outputs[0].text
+              for seed in (3, 4)]
+    assert seeded[0] != seeded[1]  # the seed decides the reply, so the test sees whether it was passed on
+    result = CliRunner().invoke(main, ["--model", str(chat_model), "--num-kv-blocks", "128", "chat", "--max-tokens",
+                                       "8", "--temperature", "1", "--seed", "3"], input=f"{user['content']}\n")
+    assert result.exit_code == 0 and result.stdout == seeded[0] + "\n", result.output
+    greedy = llm.chat([user], SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].text
+    result = CliRunner().invoke(main, ["--model", str(chat_model), "--num-kv-blocks", "128", "chat", "--max-tokens",
+                                       "6", "--temperature", "0"], input=f"  {user['content']}  \n  /exit \nnot read\n")
+    assert result.exit_code == 0 and result.stdout == greedy + "\n", result.output
+    # without --tools, /tool is no command: said, and not sent as a turn
+    result = CliRunner().invoke(main, ["--model", str(chat_model), "--num-kv-blocks", "128", "chat", "--max-tokens",
+                                       "6", "--temperature", "0"], input=f"/tool call_1 42\n{user['content']}\n")
+    assert result.exit_code == 0 and result.stdout == greedy + "\n", result.output
+    assert "infer: unknown command /tool (the commands: /reset, /exit)" in result.stderr
+
+
+def test_reply_echo_puts_reasoning_and_notes_on_stderr_and_ends_each_line_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from infer.cli.chat import ReplyEcho
+
+    echo = ReplyEcho()
+    echo("<think>ab", "ab", "")  # (text, reasoning, content) as a reasoning parser splits the stream
+    echo("c</think>", "c", "")
+    echo("Hi", "", "Hi")
+    echo(" there", "", " there")
+    echo.end()
+    assert capsys.readouterr() == ("Hi there\n", "abc\n")
+    echo = ReplyEcho()
+    echo("Let me call", None, None)  # no parser splits it: the text as it comes
+    echo.note("infer: tool call c1: f({})")
+    echo.end()
+    assert capsys.readouterr() == ("Let me call\n", "infer: tool call c1: f({})\n")
+    echo = ReplyEcho()
+    echo("First line\n", None, None)  # ended already: the note needs no line break of its own
+    echo.note("infer: tool call c2: g({})")
+    echo("more", None, None)
+    echo.end()
+    assert capsys.readouterr() == ("First line\nmore\n", "infer: tool call c2: g({})\n")
+
+
+def test_a_listed_call_keeps_its_arguments_text_unescaped() -> None:
+    from infer.cli.chat import call_line
+    from infer.core.chat_tools import ToolCall
+
+    call = ToolCall("weather", {"city": "Zürich", "note": "☂"}, "c1")
+    assert call_line(call) == \
+        'infer: tool call c1: weather({"city": "Zürich", "note": "☂"}) (answer with /tool c1 RESULT)'

@@ -338,3 +338,23 @@ def test_a_malformed_value_nested_past_the_recursion_limit_is_refused_not_a_recu
     for content in (deep, [{"type": "image_url", "image_url": deep}]):
         with pytest.raises(InvalidRequestError, match=r"content must be a string or a list of .* got \[.*\.\.\.\]"):
             ChatPrompt.of([{"role": "user", "content": content}])
+
+
+def test_slash_tool_sends_the_answer_stripped_and_warns_about_an_unknown_call_id(llm: LLM, tiny_model: Path,
+                                                                                  template_file: Path,
+                                                                                  tmp_path: Path) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    user = {"role": "user", "content": "Weather in Oslo?"}
+    reply = llm.chat([user], params, tools=TOOLS)[0].outputs[0].text
+    answer = {"role": "tool", "tool_call_id": "call_9", "content": "rain, 4 C"}
+    follow_up = llm.chat([user, {"role": "assistant", "content": reply}, answer], params,
+                         tools=TOOLS)[0].outputs[0].text
+    result = CliRunner().invoke(main, ["--model", str(tiny_model), "--num-kv-blocks", "32", "--chat-template",
+                                       str(template_file), "chat", "--max-tokens", "6", "--temperature", "0",
+                                       "--tools", str(tools)],
+                                input=f"{user['content']}\n/tool call_9    rain, 4 C  \n")
+    assert result.exit_code == 0 and result.stdout == f"{reply}\n{follow_up}\n", result.output
+    assert "infer: warning: no tool call call_9 in this conversation (no reply has made a call); answered as " \
+        "given" in result.stderr

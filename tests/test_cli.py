@@ -5,9 +5,14 @@ import json
 import os
 import logging
 import math
+import re
 import shutil
 import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -524,3 +529,294 @@ def test_generate_seed_reproduces_a_prompt_whatever_the_batch(tiny_model):
     [one] = [json.loads(line) for line in alone.output.splitlines()]
     two = [json.loads(line) for line in batched.output.splitlines()]
     assert len(one["token_ids"]) == 12 and two[1]["token_ids"] == one["token_ids"] and two[1]["text"] == one["text"]
+
+
+# The option parsers, read through a command that only records what it receives (no engine, no model)
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _recording_command(*decorators: Callable[[Callable[..., Any]], Callable[..., Any]]
+                       ) -> tuple[click.Command, list[dict[str, Any]]]:
+    """A click command with ``decorators`` (sampling_options, structured_output_options, ...) and the keywords
+    each of its runs received."""
+    received: list[dict[str, Any]] = []
+
+    def record(**kwargs: Any) -> None:
+        received.append(kwargs)
+
+    for decorate in reversed(decorators):
+        record = decorate(record)
+    return click.command("record")(record), received
+
+
+def _cli_section(command: str) -> str:
+    """docs/cli.md's section of ``infer COMMAND``."""
+    text = (DOCS / "cli.md").read_text(encoding="utf-8")
+    return re.search(rf"^## `infer {command}`\n(.*?)(?=^## )", text, flags=re.M | re.S).group(1)
+
+
+def _documented_defaults(command: str) -> dict[str, str]:
+    """``--option`` -> the ``[default: X]`` of its row in docs/cli.md's section of ``infer COMMAND``."""
+    section = _cli_section(command)
+    return dict(re.findall(r"^\| `(--[\w-]+)[^`]*` \|[^\n]*?\[default: ([^\]]+)\]", section, flags=re.M))
+
+
+def test_sampling_and_max_tokens_defaults_are_the_documented_ones():
+    from infer.cli.options import sampling_options
+
+    command, received = _recording_command(sampling_options)
+    assert CliRunner().invoke(command, []).exit_code == 0
+    documented = _documented_defaults("generate")
+    sampling = received[0]["sampling"]
+    assert sampling.pop("logit_bias") == ()
+    assert sampling == {name: float(documented["--" + name.replace("_", "-")]) for name in sampling}
+    assert len(sampling) == 8  # temperature, top_p, top_k, min_p, the three penalties, min_tokens
+    for name in ("generate", "chat"):
+        max_tokens = next(p for p in main.commands[name].params if p.name == "max_tokens")
+        assert max_tokens.default == int(_documented_defaults(name)["--max-tokens"]), name
+
+
+def test_every_logit_bias_given_reaches_the_command():
+    from infer.cli.options import sampling_options
+
+    command, received = _recording_command(sampling_options)
+    result = CliRunner().invoke(command, ["--logit-bias", "6=-100", "--logit-bias", "5=100", "--logit-bias", "9=0.5"])
+    assert result.exit_code == 0, result.output
+    assert received[0]["sampling"]["logit_bias"] == ((6, -100.0), (5, 100.0), (9, 0.5))
+
+
+def test_structure_files_are_read_whole_as_utf8(tmp_path):
+    from infer.cli.options import structured_output_options
+
+    command, received = _recording_command(structured_output_options)
+    schema = '{"enum": ["café", "naïve", "😀"]}\n'
+    grammar = 'root ::= "é" | "😀"  # non-ASCII literals\n'
+    (tmp_path / "schema.json").write_bytes(schema.encode())
+    (tmp_path / "rules.gbnf").write_bytes(grammar.encode())
+    for option, name, text in (("--json-schema", "schema.json", schema), ("--grammar", "rules.gbnf", grammar)):
+        result = CliRunner().invoke(command, [option, str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        structured = received.pop()["structured_output"]
+        assert (structured.json_schema if option == "--json-schema" else structured.grammar) == text
+
+
+def test_structure_files_that_are_not_utf8_or_not_json_are_usage_errors(tmp_path):
+    from infer.cli.options import structured_output_options
+
+    command, received = _recording_command(structured_output_options)
+    (tmp_path / "latin1").write_bytes('{"enum": ["café"]}'.encode("latin-1"))
+    (tmp_path / "not.json").write_text('{"type": "object",', encoding="utf-8")
+    for args, message in ((["--grammar", str(tmp_path / "latin1")], "give a UTF-8 GBNF file"),
+                          (["--json-schema", str(tmp_path / "latin1")], "give a UTF-8 JSON file"),
+                          (["--json-schema", str(tmp_path / "not.json")], "is not JSON")):
+        result = CliRunner().invoke(command, args)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert received == []
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--kv-admission-reserve", "auto"], {"kv_admission_reserve": "auto"}),
+    (["--kv-admission-reserve", "0.25"], {"kv_admission_reserve": 0.25}),
+    (["--kv-cache-dtype", "fp8", "--seed", "7", "--max-num-seqs", "3"],
+     {"kv_cache_dtype": "fp8", "seed": 7, "max_num_seqs": 3}),
+    (["--freeze-gc", "--no-prefix-caching", "--no-cuda-graphs"],
+     {"freeze_gc": True, "enable_prefix_caching": False, "cuda_graphs": False}),
+    (["--chat-template", "t.jinja", "--sanitize-chat-control-tokens"],
+     {"chat_template": "t.jinja", "sanitize_chat_control_tokens": True}),
+    (["--proposer", "ngram", "--num-speculative-tokens", "2", "--spec-min-acceptance", "0.5",
+      "--spec-max-batch-size", "4"],
+     {"proposer": "ngram", "num_speculative_tokens": 2,
+      "plugin_options": {"spec_decode": {"min_acceptance": 0.5, "max_batch_size": 4}}}),
+])
+def test_group_options_reach_the_engine_config(infer_plugins, args, expected):
+    """Each group option as docs/cli.md names it ends in its EngineConfig field (the command line parsed by the
+    group's own options, not a dict handed to EngineArgs)."""
+    from infer.cli.options import EngineArgs, engine_options
+
+    command, received = _recording_command(engine_options)
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 0, result.output
+    config = EngineArgs.from_kwargs(received[0]).build(infer_plugins)
+    assert {field: getattr(config, field) for field in expected} == expected
+
+
+# what docs/cli.md's `--beam-width` row says is refused with it, each with a value that is not its default
+BESIDE_BEAM_SEARCH = {
+    "--temperature": ["0.5"], "--top-p": ["0.5"], "--top-k": ["3"], "--min-p": ["0.1"], "--n": ["2"],
+    "--stop": ["x"], "--include-stop-str": [], "--seed": ["1"], "--stream": [], "--repetition-penalty": ["1.2"],
+    "--frequency-penalty": ["0.5"], "--presence-penalty": ["0.5"], "--min-tokens": ["1"], "--logit-bias": ["5=1"],
+    "--regex": ["a"], "--choice": ["a"], "--json-schema": ["{schema}"], "--grammar": ["{grammar}"],
+    "--logprobs": ["1"], "--prompt-logprobs": ["1"], "--stats": []}
+
+
+def test_every_option_documented_as_refused_beside_beam_search_is(tmp_path):
+    row = next(line for line in _cli_section("generate").splitlines() if line.startswith("| `--beam-width W` |"))
+    refused = row[row.index(", so ") + 5: row.index("are refused with it")]
+    stats = row[row.index("are refused with it"): row.index("bypasses the scheduler")]
+    penalties = {"--repetition-penalty", "--frequency-penalty", "--presence-penalty"} if "the penalties" in refused \
+        else set()
+    assert set(re.findall(r"`(--[\w-]+)`", refused + stats)) | penalties == set(BESIDE_BEAM_SEARCH)
+    (tmp_path / "schema.json").write_text('{"type": "string"}')
+    (tmp_path / "rules.gbnf").write_text('root ::= "a"')
+    for option, values in BESIDE_BEAM_SEARCH.items():
+        given = [value.format(schema=tmp_path / "schema.json", grammar=tmp_path / "rules.gbnf") for value in values]
+        result = run("generate", "hi", "--beam-width", "2", option, *given)
+        assert result.exit_code == 2 and option in result.stderr.split("drop ")[-1], (option, result.output)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lora", "sql="], "'sql=' is not NAME=DIR"),
+    (["--lora", "=adapters/sql"], "'=adapters/sql' is not NAME=DIR"),
+    (["--lora", "sql"], "'sql' is not NAME=DIR"),
+    (["--plugin-option", "my.policy.=3"], "'my.policy.=3' is not NAMESPACE.KEY=VALUE"),  # the key: after the last .
+    (["--plugin-option", ".window=3"], "'.window=3' is not NAMESPACE.KEY=VALUE"),
+    (["--kv-admission-reserve", "most"], "'most' is neither a number in [0, 1] nor auto"),
+])
+def test_malformed_group_option_values_are_usage_errors(args, message):
+    from infer.cli.options import engine_options
+
+    command, received = _recording_command(engine_options)
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert received == []
+
+
+def test_generate_stats_go_to_stderr_and_completions_alone_to_stdout(tiny_model):
+    from infer import LLM, SamplingParams
+
+    result = run("--model", str(tiny_model), "--device", "cpu", "generate", "hello", "x =", "--max-tokens", "3",
+                 "--ignore-eos", "--stats")
+    assert result.exit_code == 0, result.output
+    expected = LLM(str(tiny_model), device="cpu").generate(["hello", "x ="], SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert result.stdout == "".join(p + r.outputs[0].text + "\n" for p, r in zip(["hello", "x ="], expected))
+    stats = json.loads(result.stderr[result.stderr.index("{"):])
+    assert stats["requests_finished"] == 2 and stats["output_tokens"] == 6
+
+
+def test_completions_that_finish_out_of_order_print_in_prompt_order(capsys):
+    """generate prints each prompt's completions once it and every earlier prompt are done, whatever order the
+    engine finishes them in."""
+    from infer.cli.main import _print_in_order
+    from infer.core.request import CompletionOutput, RequestOutput
+
+    def result(text: str) -> RequestOutput:
+        return RequestOutput("r", [1], [CompletionOutput(0, [5], text)], True)
+
+    finished = [(2, result("c")), (1, result("b")), (3, result("d")), (0, result("a"))]
+    _print_in_order(["p0", "p1", "p2", "p3"], ["0:", "1:", "2:", "3:"], iter(finished))
+    assert capsys.readouterr().out == "0:a\n1:b\n2:c\n3:d\n"
+
+
+@pytest.mark.parametrize("option,kind", [
+    ("--attention", "attention backend"), ("--quant", "quant method"), ("--proposer", "proposer"),
+    ("--tool-parser", "tool parser"), ("--reasoning-parser", "reasoning parser"),
+    ("--structured-output-backend", "structured output backend")])
+def test_an_unknown_component_name_is_refused_before_the_model_is_looked_for(tmp_path, option, kind):
+    result = run("--model", str(tmp_path / "no-such-model"), option, "nope", "generate", "x")
+    assert result.exit_code == 2 and f"unknown {kind} 'nope'; registered {kind}" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("args,input,message", [
+    (["--stream", "--n", "2", "x"], None, "--stream prints one completion at a time; use it with --n 1"),
+    (["--stream", "--json", "x"], None, "--stream prints text as it comes; --json prints whole completions"),
+    ([], "", "give at least one PROMPT argument or lines on stdin"),
+    ([], "\n   \n\n", "give at least one PROMPT argument or lines on stdin"),  # blank lines are no prompts
+    (["--logprobs", "1", "x"], None, "--logprobs and --prompt-logprobs print with --json; add it"),
+    (["--prompt-logprobs", "1", "x"], None, "--logprobs and --prompt-logprobs print with --json; add it"),
+])
+def test_generate_usage_errors_come_before_the_model_is_looked_for(tmp_path, args, input, message):
+    result = run("--model", str(tmp_path / "no-such-model"), "generate", *args, input=input)
+    assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+def test_generate_length_penalty_reaches_beam_search(tiny_model):
+    """docs/cli.md: a beam's score is its log-probability / length ** --length-penalty."""
+    result = run("--model", str(tiny_model), "--device", "cpu", "generate", "def f():", "--beam-width", "2",
+                 "--max-tokens", "4", "--ignore-eos", "--length-penalty", "2", "--json")
+    assert result.exit_code == 0, result.output
+    beams = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(beams) == 2
+    for beam in beams:
+        assert len(beam["token_ids"]) == 4
+        assert beam["score"] == pytest.approx(beam["cumulative_logprob"] / 4 ** 2, rel=1e-9)
+
+
+def test_stdin_lines_lose_their_line_end_and_byte_order_mark():
+    """CliRunner's stdin turns CRLF into LF itself; a real stdin (newline="\\n" on POSIX) keeps the CR for
+    stdin_text to drop."""
+    from infer.cli.main import stdin_text
+
+    assert [stdin_text(line) for line in ("\ufeffok\r\n", "x\r\n", "y\n", "z", "\ufeff\n")] == ["ok", "x", "y", "z", ""]
+
+
+def test_generate_json_reports_each_prompts_cached_tokens_as_the_engine_does(tiny_model):
+    from infer import LLM, SamplingParams
+
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    result = run("--model", str(tiny_model), "--device", "cpu", "--max-num-seqs", "1", "generate", prompt, prompt,
+                 "--max-tokens", "2", "--json")
+    assert result.exit_code == 0, result.output
+    expected = LLM(str(tiny_model), device="cpu", max_num_seqs=1).generate([prompt, prompt], SamplingParams(
+        max_tokens=2, temperature=0.0))
+    cached = [json.loads(line)["num_cached_tokens"] for line in result.stdout.splitlines()]
+    assert cached == [r.num_cached_tokens for r in expected] and cached[1] > 0  # the second hits the first's blocks
+
+
+def test_generate_beam_search_runs_the_prompts_in_groups_of_max_num_seqs_over_width(tiny_model, monkeypatch):
+    """docs/cli.md: the prompts run in groups of --max-num-seqs / W, each printed when it is done."""
+    calls: list[int] = []
+    beam_search = Engine.beam_search
+
+    def counted(self: Engine, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(prompts))
+        return beam_search(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "beam_search", counted)
+    result = run("--model", str(tiny_model), "--device", "cpu", "--max-num-seqs", "4", "generate", "a", "b", "c",
+                 "d", "e", "--beam-width", "2", "--max-tokens", "2")
+    assert result.exit_code == 0, result.output
+    assert calls == [2, 2, 1] and len(result.stdout.splitlines()) == 5
+
+
+def test_make_tiny_model_writes_what_make_tiny_model_writes(tmp_path):
+    """Its options reach the model: the same files as infer.models.tiny.make_tiny_model's with the documented MLP
+    (twice the hidden size)."""
+    from safetensors.torch import load_file
+
+    from infer.models.tiny import make_tiny_model
+
+    result = run("make-tiny-model", str(tmp_path / "cli"), "--arch", "qwen2", "--hidden-size", "32", "--num-layers",
+                 "1", "--tie-word-embeddings", "--seed", "5")
+    assert result.exit_code == 0, result.output
+    make_tiny_model(tmp_path / "api", "qwen2", hidden_size=32, num_layers=1, intermediate_size=64,
+                    tie_word_embeddings=True, seed=5)
+    configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("cli", "api")]
+    assert configs[0] == configs[1] and configs[0]["intermediate_size"] == 64 and configs[0]["tie_word_embeddings"]
+    written, expected = (load_file(tmp_path / name / "model.safetensors") for name in ("cli", "api"))
+    assert written.keys() == expected.keys() and all(written[k].equal(expected[k]) for k in expected)
+
+
+def test_plugins_json_lists_each_components_aliases():
+    from infer.core.plugins import PluginManager
+
+    rows = json.loads(run("plugins", "--json").stdout)
+    expected = PluginManager.from_entry_points().collect().components()
+    assert {(r["kind"], r["name"]): r["aliases"] for r in rows} == {(c.kind, c.name): list(c.aliases)
+                                                                      for c in expected}
+    assert any(r["aliases"] for r in rows)  # some shipped component has an alias, so the test sees them
+
+
+def test_make_tiny_model_needs_room_for_its_float32_weights_twice(tmp_path, monkeypatch):
+    """The check counts 4 bytes per parameter, held twice while written: refused below that, written above it."""
+    from infer.models.tiny import parameter_count
+
+    params = parameter_count(64, 2, 128, False)  # the default llama: hidden 64, 2 layers, an MLP twice as wide
+    for available, written in ((2 * 4 * params - 1, False), (2 * 4 * params + 2**20, True)):
+        monkeypatch.setattr("infer.core.loader.host_memory_available", lambda available=available: available)
+        result = run("make-tiny-model", str(tmp_path / str(available)))
+        assert (result.exit_code == 0) is written and (tmp_path / str(available)).exists() is written, result.output
+        if not written:
+            assert result.exit_code == 2 and "lower --hidden-size or --num-layers" in result.stderr

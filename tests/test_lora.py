@@ -459,6 +459,20 @@ def test_the_cli_serves_adapters_by_name(checkpoint, adapters) -> None:
     assert result.exit_code != 0 and "lora_adapter 'qv' is not loaded" in result.output
 
 
+def test_the_cli_runs_beam_search_on_the_adapter(checkpoint, adapters) -> None:
+    """--lora-adapter reaches beam search too: the beams are the engine's beam search with that adapter."""
+    base, adapter = checkpoint("llama"), adapters["qv"]
+    result = CliRunner().invoke(main, ["--model", str(base), "--device", "cpu", "--dtype", "float32", "--lora",
+                                       f"qv={adapter.folder}", "generate", "--lora-adapter", "qv", "--beam-width",
+                                       "2", "--max-tokens", "6", "--ignore-eos", "--json", "x"])
+    assert result.exit_code == 0, result.output
+    engine = engine_for(base, {"qv": adapter})
+    beams = {name: [b.token_ids for b in engine.beam_search(["x"], BeamSearchParams(2, 6, 1.0, True, name))[0].beams]
+             for name in ("qv", None)}
+    assert beams["qv"] != beams[None]  # the adapter changes the beams, so the test sees whether it was applied
+    assert [json.loads(line)["token_ids"] for line in result.stdout.splitlines()] == beams["qv"]
+
+
 def test_infer_chat_replies_with_the_adapter(chat_model, tmp_path) -> None:
     """The chat command's --lora-adapter reaches every turn: its replies are LLM.chat's with that adapter (whose
     outputs the tests above hold to PEFT's), not the base model's."""
