@@ -227,8 +227,8 @@ class Aggregate:
         ci = self.ci95 if len(self.paired_ratios) == pairs else None
         if ci is not None:
             return ci[0] <= 1 <= ci[1]
-        diff = difference_ci95(self.paired_differences)
-        return self.mixed_direction if diff is None else diff[0] <= 0 <= diff[1]
+        diff = difference_ci95(self.paired_differences)  # summarize pairs every round: never None here
+        return diff is None or diff[0] <= 0 <= diff[1]
 
     @property
     def low(self) -> float | None:
@@ -237,11 +237,6 @@ class Aggregate:
     @property
     def high(self) -> float | None:
         return max(self.values) if self.values else None
-
-    @property
-    def mixed_direction(self) -> bool:
-        """The rounds disagree on which arm is ahead: some paired ratios are above 1, some below."""
-        return any(r > 1 for r in self.paired_ratios) and any(r < 1 for r in self.paired_ratios)
 
 
 def aggregate(values: list[float | None]) -> Aggregate:
