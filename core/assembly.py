@@ -63,6 +63,7 @@ class Components:
         """The engine-ready log line: the model, the KV pool, the plugins and the fast-path switches."""
         spec, graphs, mixed = self.loaded.model.spec, self.runner.graphs, self.runner.mixed_graphs
         plugins = ", ".join(f"{kind} {name}" for kind, name in self.active(config).items())
+        plugins += f", scheduling policy {config.scheduling_policy}"
         return (f"{config.model} on {self.loaded.device} in {str(self.loaded.dtype).removeprefix('torch.')} "
                 f"({spec.num_layers} layers, max_model_len {spec.max_model_len}); KV pool {self.num_blocks} blocks "
                 f"of {config.block_size} tokens, {str(self.kv_dtype).removeprefix('torch.')}, "

@@ -342,9 +342,11 @@ def test_the_engine_logs_what_it_built(tiny_model, caplog):
     import logging
 
     with caplog.at_level(logging.INFO, logger="infer"):
-        built = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64, kv_cache="radix-cache"))
+        built = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64, kv_cache="radix-cache",
+                                    scheduling_policy="lpm"))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready"))
     assert "KV pool 64 blocks of 16 tokens" in line and "kv_cache radix-cache" in line and "on cpu" in line
+    assert "scheduling policy lpm" in line
     spec = built.loaded.model.spec  # K and V, every layer, 16 slots per block, float32
     assert f"{64 * 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 4 / 2**20:.0f} MiB" in line
 
