@@ -2,6 +2,7 @@
 transformers): the configs real checkpoints carry, refusals, softcapping on each backend, and the fused ops."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -137,6 +138,26 @@ def test_a_multimodal_checkpoint_serves_its_text_model(multimodal: Path, caplog:
         assert result.outputs[0].token_ids == recomputed_greedy(hf, prompt, GREEDY.max_tokens)
 
 
+def test_a_multimodal_checkpoint_in_the_releases_names_serves_its_text_model(multimodal: Path, tmp_path: Path) -> None:
+    """The names transformers 4.5x wrote (and gemma-3's releases carry): language_model.model.*, vision_tower.*,
+    multi_modal_projector.*, with the tied head saved as language_model.lm_head.weight: transformers' tokens."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3ForConditionalGeneration
+
+    released = tmp_path / "released"
+    shutil.copytree(multimodal, released)
+    renames = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+               ("model.multi_modal_projector.", "multi_modal_projector."))
+    tensors = {next((new + name[len(old):] for old, new in renames if name.startswith(old)), name): tensor
+               for name, tensor in load_file(str(multimodal / "model.safetensors")).items()}
+    assert not any(name.startswith("model.") for name in tensors)
+    tensors["language_model.lm_head.weight"] = tensors["language_model.model.embed_tokens.weight"].clone()
+    save_file(tensors, str(released / "model.safetensors"), metadata={"format": "pt"})
+    hf = Gemma3ForConditionalGeneration.from_pretrained(str(multimodal)).eval()
+    engine = Engine(EngineConfig(model=str(released), device="cpu", num_kv_blocks=32))
+    for prompt, result in zip(PROMPTS[:2], engine.generate(list(PROMPTS[:2]), GREEDY)):
+        assert result.outputs[0].token_ids == recomputed_greedy(hf, prompt, GREEDY.max_tokens)
+
 def test_a_lora_adapter_on_a_multimodal_checkpoint_equals_peft(multimodal: Path, tmp_path: Path,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """PEFT names a multimodal checkpoint's modules model.language_model.layers...: they adapt the text model; the
@@ -205,6 +226,22 @@ def test_norm_weights_round_to_the_model_dtype_before_the_one_is_added(checkpoin
         Engine(EngineConfig(model=str(path), device="cpu", dtype="float16", num_kv_blocks=8))
 
 
+def test_the_final_cap_is_computed_in_the_model_dtype_as_transformers_does(checkpoint: Callable[[str], Path]) -> None:
+    """Gemma 2's final_logit_softcapping: transformers divides, takes tanh and multiplies the bfloat16 head output in
+    bfloat16; capping the float32 copy instead differs in most logits."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint("gemma2")
+    engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", num_kv_blocks=8))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    cap = hf.config.final_logit_softcapping
+    generator = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(8, hf.config.hidden_size, generator=generator) * 4).to(torch.bfloat16)
+    with torch.no_grad():
+        reference = torch.tanh(hf.lm_head(hidden) / cap) * cap  # Gemma2ForCausalLM.forward's cap
+        ours = engine.loaded.model.compute_logits(hidden)
+    assert ours.dtype == torch.float32 and torch.equal(ours, reference.float())
+
 def test_the_norms_round_once_in_bfloat16_as_transformers_does() -> None:
     """Gemma's (1 + w) norm multiplies in float32 and rounds to the model dtype once (transformers' Gemma3RMSNorm);
     rounding the normed value before the multiplication differs in about a third of bfloat16 outputs. With a
@@ -255,6 +292,30 @@ def test_fields_a_config_leaves_out_take_the_transformers_class_defaults() -> No
         full, local = (ropes["full_attention"], ropes["sliding_attention"]) if "full_attention" in ropes else \
             (ropes, ropes)
         assert ours.rope["rope_theta"] == full["rope_theta"] and ours.local_rope["rope_theta"] == local["rope_theta"]
+
+
+@pytest.mark.parametrize(("arch", "fields"), [
+    ("Gemma3ForCausalLM",
+     {"rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}}),
+    ("Gemma3ForCausalLM", {"rope_theta": 500_000.0, "rope_local_base_freq": 20_000.0}),
+    ("Gemma2ForCausalLM", {"rope_theta": 50_000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+])
+def test_the_ropes_a_config_spells_or_leaves_out_are_transformers(arch: str, fields: dict[str, Any]) -> None:
+    """Gemma 3's per-layer-type rope_parameters without their rope_theta (transformers fills 1e6 and 1e4), an older
+    config's rope_theta beside rope_local_base_freq, Gemma 2's rope_scaling: each layer type's rope is the config
+    class's."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from infer.models.gemma import GemmaConfig
+
+    ours = GemmaConfig.from_hf({"architectures": [arch], "num_hidden_layers": 2, **copy.deepcopy(fields)})
+    hf_class = Gemma2Config if arch == "Gemma2ForCausalLM" else Gemma3TextConfig
+    ropes = hf_class.from_dict({"num_hidden_layers": 2, **copy.deepcopy(fields)}).rope_parameters  # it fills in
+    full, local = (ropes["full_attention"], ropes["sliding_attention"]) if "full_attention" in ropes else (ropes, ropes)
+    for mine, theirs in ((ours.rope, full), (ours.local_rope, local)):
+        keys = ("rope_type", "rope_theta", "factor")
+        assert {k: mine.get(k, "default" if k == "rope_type" else None) for k in keys} == \
+            {k: theirs.get(k) for k in keys}
 
 
 # ---------------------------------------------------------------- Gemma 2

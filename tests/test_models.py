@@ -611,6 +611,36 @@ def test_other_activations_are_refused(tmp_path):
         Engine(EngineConfig(model=str(gelu), device="cpu", num_kv_blocks=4))
 
 
+def test_make_tiny_model_writes_seeded_random_norms_and_the_head_it_is_asked_for(tmp_path) -> None:
+    """The tiny checkpoints every test runs on: weights fixed by ``seed`` alone (not by the caller's generator, which
+    is left as it was), norm weights drawn from [0.5, 1.5] rather than HF's constant init, a tied head when asked
+    for, and head sizes that rotary embeddings can rotate."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from infer.core.errors import ConfigError
+    from infer.models.tiny import make_tiny_model, stdlib_corpus
+
+    corpus = stdlib_corpus(max_files=5)
+    made = {}
+    for name, caller_seed, seed in (("a", 7, 0), ("b", 8, 0), ("c", 7, 1)):
+        torch.manual_seed(caller_seed)
+        state = torch.get_rng_state()
+        path = make_tiny_model(tmp_path / name, "gemma2", tie_word_embeddings=True, seed=seed, tokenizer_files=corpus)
+        assert torch.equal(torch.get_rng_state(), state)
+        made[name] = load_file(str(path / "model.safetensors"))
+    assert made["a"].keys() == made["b"].keys() == made["c"].keys()
+    assert all(torch.equal(made["a"][key], made["b"][key]) for key in made["a"])
+    assert not torch.equal(made["a"]["model.embed_tokens.weight"], made["c"]["model.embed_tokens.weight"])
+    norms = [tensor for key, tensor in made["a"].items() if "norm" in key]
+    assert len(norms) > 2 and all(0.5 <= float(t.min()) and float(t.max()) <= 1.5 and float(t.std()) > 0.1
+                                  for t in norms)
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in made["a"]
+    with pytest.raises(ConfigError, match="hidden-size 36 must split into 4 heads of an even size"):
+        make_tiny_model(tmp_path / "odd", "llama", hidden_size=36, num_heads=4, tokenizer_files=corpus)
+
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_the_tiny_checkpoints_tokenizer_fits_the_model(name, checkpoint):
     """transformers loads a qwen checkpoint's tokenizer as Qwen2Tokenizer, which adds <|endoftext|> when it is
@@ -648,6 +678,24 @@ def test_config_fields_read_as_transformers_reads_them(tmp_path, arch, edit):
     assert {ours.sliding_window} == windows
     assert str(hf.dtype).removeprefix("torch.") == checkpoint_dtype(read_config(path)) == ours.torch_dtype
 
+
+
+def test_phi3_longrope_without_an_original_context_takes_the_class_default() -> None:
+    """A Phi-3 config whose longrope and top level leave original_max_position_embeddings out: Phi3Config's 4096,
+    and the factor HF's longrope derives from it (max_position_embeddings / original)."""
+    import copy
+
+    from transformers import Phi3Config
+
+    from infer.models.llama import ArchConfig
+
+    raw = {"architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+           "vocab_size": 100, "pad_token_id": 0, "num_attention_heads": 4, "max_position_embeddings": 16384,
+           "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+    hf = Phi3Config.from_dict(copy.deepcopy(raw))
+    ours = ArchConfig.from_hf(copy.deepcopy(raw))
+    assert ours.rope["original_max_position_embeddings"] == hf.rope_parameters["original_max_position_embeddings"]
+    assert ours.rope["factor"] == hf.max_position_embeddings / hf.original_max_position_embeddings
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_a_large_rms_norm_eps_reaches_every_norm_as_in_hf(tiny_model_factory, arch):

@@ -100,6 +100,19 @@ def test_qwen2_moes_sliding_layers_are_hfs(tmp_path, hf_greedy):
     assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("use", [False, True])
+def test_qwen3_moe_slides_only_with_use_sliding_window(tmp_path, hf_greedy, use: bool) -> None:
+    """HF's Qwen3MoeConfig drops sliding_window unless use_sliding_window is set; with it every layer slides."""
+    path = moe_model(tmp_path / "m", "qwen3moe", use_sliding_window=use, sliding_window=8)  # as config.json says
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(str(path)).sliding_window == (8 if use else None)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
+    assert [layer.self_attn.window for layer in engine.loaded.model.model.layers] == [8 if use else None] * 2
+    prompt = prompts(engine.loaded.model.spec.vocab_size, [30], seed=5)[0]
+    assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
 def test_the_routing_weights_multiply_in_the_dtype_transformers_uses(arch):
     """In bfloat16 Mixtral's block multiplies the experts' outputs by float32 routing weights, Qwen3-MoE's by weights
@@ -302,6 +315,22 @@ def test_moe_refusals_name_the_cause(tmp_path):
                                               "loads in float only"):
         Engine(EngineConfig(model=str(gated), device="cpu", num_kv_blocks=16))
 
+
+
+def test_a_checkpoint_holding_an_expert_in_both_layouts_is_refused(tmp_path) -> None:
+    """Per-expert tensors beside transformers 5's stacked down_proj of the same experts: whichever comes second
+    would overwrite the first, so the checkpoint is refused (HF's loader takes one layout or the other)."""
+    path = moe_model(tmp_path / "m", "qwen3moe")
+
+    def add_stacked(tensors: dict[str, torch.Tensor]) -> None:
+        prefix = "model.layers.0.mlp.experts."
+        count = len({name for name in tensors if name.startswith(prefix) and name.endswith(".down_proj.weight")})
+        tensors[prefix + "down_proj"] = torch.stack([tensors[f"{prefix}{e}.down_proj.weight"] for e in range(count)])
+
+    edit_tensors(path, add_stacked)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.(\d+\.)?down_proj(\.weight)? holds "
+                                              "expert weights that another tensor of the checkpoint held too"):
+        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16))
 
 # ---------------------------------------------------------------- AWQ experts (each expert's Linears)
 AWQ_MOE = {"mixtral": {}, "qwen2moe": {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}}
