@@ -216,9 +216,10 @@ def _parse_line(line: str, number: int) -> FileEntry:
     if adapter is not None and (not isinstance(adapter, str) or not adapter):
         raise WorkloadError(f"'lora_adapter' must be the name of a LoRA adapter (a non-empty string), got {adapter!r}")
     priority = item.get("priority", 0)
-    if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= 2**31:
-        raise WorkloadError(f"'priority' must be an integer in (-2**31, 2**31) (higher runs first under "
-                            f"--scheduling-policy priority), got {priority!r}")
+    try:  # the engine's own check
+        SamplingParams(priority=priority).validate()
+    except InvalidRequestError as exc:
+        raise WorkloadError(str(exc).removeprefix("invalid sampling parameters: ")) from None
     return FileEntry(prompt, max_tokens, number, adapter, _structured_output(item, prompt), priority)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from ..core.config import COMPONENT_FIELDS, EngineConfig
+from ..core.config import COMPONENT_FIELDS, SCHEDULING_POLICIES, EngineConfig
 from ..core.plugins import PluginManager
 
 log = logging.getLogger("infer")
@@ -246,7 +246,7 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--preemption", "preemption_mode", type=click.Choice(["recompute", "swap"]), default=None,
                  help="What a preempted sequence does with its KV [default: recompute]."),
     click.option("--swap-space-gb", type=float, default=None, help="Host memory for --preemption swap [default: 4]."),
-    click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority", "lpm"]), default=None,
+    click.option("--scheduling-policy", type=click.Choice(SCHEDULING_POLICIES), default=None,
                  help="Order of requests: fcfs (arrival), priority (higher request priority first, ties by "
                       "arrival; a request that does not fit preempts lower-priority ones) or lpm (the longest "
                       "cached prefix first) [default: fcfs]."),

@@ -219,8 +219,8 @@ class SamplingParams:
             raise bad(f"lora_adapter must be the name of a loaded LoRA adapter (a non-empty string) or None, got "
                       f"{self.lora_adapter!r}")
         if not _is_int(self.priority) or abs(self.priority) >= 2**31:
-            raise bad(f"priority must be an integer in (-2**31, 2**31) (higher is kept longer by the priority "
-                      f"eviction policy), got {self.priority!r}")
+            raise bad(f"priority must be an integer in (-2**31, 2**31) (higher runs first under --scheduling-policy "
+                      f"priority, and is kept longer by the priority eviction policy), got {self.priority!r}")
 
     def _validate_structure(self, bad: Callable[[str], InvalidRequestError]) -> None:
         spec = self.structured_output

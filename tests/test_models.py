@@ -5,6 +5,7 @@ import math
 import random
 import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +51,22 @@ def test_greedy_and_logits_match_transformers(name, merge, checkpoint, hf_greedy
         ref = hf(torch.tensor([prompt])).logits[0, -1]
     rel = (logits[0] - ref).norm() / ref.norm()
     assert rel < 1e-4, f"relative logits error {rel:.2e}"
+
+
+def last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
+    """infer's logits of the token after ``prompt``: one prefill step of the engine, run by hand."""
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
+    return logits[0]
+
+
+def hf_last_logits(path: Path, prompt: list[int]) -> torch.Tensor:
+    """HF transformers' float32 logits of the token after ``prompt`` (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0, -1]
 
 
 def assert_greedy_up_to_near_ties(hf, prompt: list[int], ours: list[int], want: list[int], tol: float = 1e-4) -> None:
@@ -318,20 +335,14 @@ def test_yarn_rope_logits_and_tokens_are_hfs_past_the_original_context(tmp_path,
 def test_dynamic_ntk_rope_runs_as_hf_within_max_position_embeddings_and_no_further(tmp_path, hf_greedy):
     """HF's dynamic NTK scaling keeps the default frequencies up to max_position_embeddings and rescales them per
     sequence length past it: infer serves it within, and refuses a longer context by name."""
-    from transformers import AutoModelForCausalLM
-
     from infer.core.errors import ConfigError
 
     dynamic = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     path = edited_model(tmp_path / "m", "llama", lambda c: c.update(rope_scaling=dynamic), max_position_embeddings=64)
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32))
     prompt = prompts(engine.loaded.model.spec.vocab_size, [50])[0]
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
-    with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(
-            torch.tensor([prompt])).logits[0, -1]
-    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+    logits, ref = last_logits(engine, prompt), hf_last_logits(path, prompt)
+    assert (logits - ref).norm() / ref.norm() < 1e-4
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)  # to position 64, the last one
     assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, 14)
     with pytest.raises(ConfigError, match="exceeds the 64 positions the model supports .*rope dynamic; past it, "
@@ -385,8 +396,6 @@ def test_phi4_minis_partial_rotation_runs_what_hf_runs(tmp_path, hf_greedy, fuse
     """Phi-4-mini turns 3/4 of each head (partial_rotary_factor 0.75: here 12 of 16 dimensions, the rest pass) by
     LongRoPE tables of 6 factors, with tied embeddings: logits within 1e-4 of HF's and greedy tokens, with the torch
     ops and with the Triton kernels."""
-    from transformers import AutoModelForCausalLM
-
     rope = {"type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5],
             "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]}
     whole = {**rope, "short_factor": rope["short_factor"] + [1.6, 1.7], "long_factor": rope["long_factor"] + [20, 24]}
@@ -397,15 +406,9 @@ def test_phi4_minis_partial_rotation_runs_what_hf_runs(tmp_path, hf_greedy, fuse
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, fused_ops=fused_ops,
                                  max_model_len=64))
     prompt = prompts(engine.loaded.model.spec.vocab_size, [40])[0]
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
-    with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(
-            torch.tensor([prompt])).logits[0, -1]
-        whole_ref = AutoModelForCausalLM.from_pretrained(str(turned), dtype=torch.float32).eval()(
-            torch.tensor([prompt])).logits[0, -1]
+    logits, ref, whole_ref = last_logits(engine, prompt), hf_last_logits(path, prompt), hf_last_logits(turned, prompt)
     assert (whole_ref - ref).norm() / ref.norm() > 1e-2  # the same weights turning whole heads
-    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+    assert (logits - ref).norm() / ref.norm() < 1e-4
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(path, prompt, 20)
 
@@ -702,17 +705,11 @@ def test_a_large_rms_norm_eps_reaches_every_norm_as_in_hf(tiny_model_factory, ar
     """The tiny checkpoints' eps (1e-6) is far below their activations' mean square, so a norm that dropped it or
     took a constant would pass the other tests: here eps is of their size (q/k norms, Gemma's (1 + w) norms
     included), and the last token's logits must still be HF's within 1e-4."""
-    from transformers import AutoModelForCausalLM
-
     path = tiny_model_factory(arch, max_position_embeddings=64, extra={"rms_norm_eps": 0.05})
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16))
     prompt = prompts(engine.loaded.model.spec.vocab_size, [20], seed=7)[0]
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
-    with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(
-            torch.tensor([prompt])).logits[0, -1]
-    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+    logits, ref = last_logits(engine, prompt), hf_last_logits(path, prompt)
+    assert (logits - ref).norm() / ref.norm() < 1e-4
 
 
 def test_a_checkpoints_rotary_inv_freq_buffers_are_skipped(checkpoint, tmp_path, hf_greedy):
@@ -754,11 +751,10 @@ def test_merged_projections_keep_their_parts_biases(checkpoint, tmp_path):
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, fuse_projections=True))
     assert engine.loaded.model.model.layers[0].self_attn.qkv_proj is not None
     prompt = prompts(engine.loaded.model.spec.vocab_size, [20], seed=9)[0]
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    _, logits = engine.runner.execute(engine.scheduler.schedule(), engine.kv)
+    logits = last_logits(engine, prompt)
     with torch.no_grad():
         ref = model.eval()(torch.tensor([prompt])).logits[0, -1]
-    assert (logits[0] - ref).norm() / ref.norm() < 1e-4
+    assert (logits - ref).norm() / ref.norm() < 1e-4
 
 
 def test_a_bad_rms_norm_eps_or_rope_theta_is_refused(tmp_path):
