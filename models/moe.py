@@ -234,6 +234,11 @@ class SparseMoe(nn.Module):
                 raise CheckpointError(f"the AWQ experts' {'/'.join(projections)} differ in group size or scale dtype "
                                       f"({sorted(map(str, kinds))}), which the stacked expert kernels cannot run; "
                                       "add --no-fused-ops to run them one expert at a time")
+            if any(getattr(expert.get_submodule(p), "input_order", None) is not None for expert in self.experts
+                   for p in projections):
+                raise CheckpointError("the experts were GPTQ-quantized in activation order (desc_act: each expert "
+                                      "permutes its input its own way), which the stacked expert kernels cannot "
+                                      "run; add --no-fused-ops to run them one expert at a time")
             groups.append(kinds.pop()[0])
             for attr in PACKED:  # packed columns hold 8 output columns each: concatenating them is exact
                 like = getattr(linears[0], attr)

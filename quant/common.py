@@ -32,6 +32,11 @@ def mark_loaded(layer: torch.nn.Module, name: str) -> None:
     loaded.add(name)
 
 
+def was_loaded(layer: torch.nn.Module, name: str) -> bool:
+    """Whether tensor ``name`` of ``layer`` came from the checkpoint (:func:`mark_loaded`)."""
+    return name in layer.__dict__.get(LOADED_ATTR, set())
+
+
 def require_loaded(layer: torch.nn.Module, names: Iterable[str], method: str) -> None:
     """Raise CheckpointError naming the tensors of ``layer`` that the checkpoint never provided."""
     loaded: set[str] = layer.__dict__.get(LOADED_ATTR, set())

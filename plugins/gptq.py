@@ -1,0 +1,38 @@
+"""The `gptq` quant method: 4-bit GPTQ checkpoints (AutoGPTQ, GPTQModel), run by the AWQ W4A16 kernels."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.config import EngineConfig
+from ..core.errors import ConfigError
+from ..core.hookspecs import QuantMethodFactory, hookimpl
+from ..core.interfaces import QuantMethod
+from ..core.plugin_options import PluginOption, read_plugin_options
+from ..core.registry import Register
+
+GPTQ_OPTIONS = {
+    "fused_max_rows": PluginOption(64, "the largest batch that runs the fused Triton W4A16 kernel on CUDA; larger "
+                                   "ones dequantize and run a dense GEMM (0: never the fused kernel)", minimum=0),
+}
+
+
+def build_gptq(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
+    """A GPTQ method for the checkpoint's ``quantization_config``; a checkpoint without one is refused (GPTQ needs
+    calibration: quantize on load with ``--quant awq``, or calibrated with ``infer quantize``).
+
+    ``config.plugin_options["gptq"]``: the options of :data:`GPTQ_OPTIONS`.
+    """
+    from ..quant.gptq import parse_config
+    from ..quant.gptq_method import GptqLinearMethod
+
+    options = read_plugin_options(config, "gptq", GPTQ_OPTIONS)
+    if quantization_config is None:
+        raise ConfigError("--quant gptq loads GPTQ checkpoints, and this one is not quantized: GPTQ needs "
+                          "calibration; quantize on load with --quant awq (round-to-nearest int4) or --quant fp8, "
+                          "or run `infer quantize --method awq MODEL OUT` once and load OUT")
+    return GptqLinearMethod(parse_config(quantization_config), fused_max_rows=options["fused_max_rows"])
+
+
+@hookimpl
+def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
+    register("gptq", build_gptq, options=GPTQ_OPTIONS)

@@ -1,0 +1,122 @@
+"""The GPTQ checkpoint format (AutoGPTQ, GPTQModel, optimum): config checks, and its repacking into the AWQ layout.
+
+Layout of one linear layer with ``in`` inputs, ``out`` outputs and groups of ``g`` input rows (4 bits):
+
+- ``qweight`` int32 [in / 8, out]: packed along the *input*: nibble ``i`` (bits 4i..4i+3) of row ``r`` holds the
+  weight of input row ``8r + i``.
+- ``qzeros``  int32 [in / g, out / 8]: packed along the output: nibble ``i`` of column ``c`` holds output column
+  ``8c + i`` (no AWQ interleave).
+- ``scales``  fp16  [in / g, out].
+- ``g_idx``   int32 [in]: the group of each input row; ``k // g`` unless the checkpoint was quantized in
+  activation order (``desc_act``), where the rows of a group are scattered over the input.
+
+The weight of input row ``k``, output column ``n`` is ``(q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]``, where the
+``checkpoint_format`` ``gptq`` (v1, AutoGPTQ's, and what GPTQModel saves by default) stores ``z - 1`` in ``qzeros``
+and ``gptq_v2`` stores ``z``. infer runs such a layer as an AWQ one (the same W4A16 kernels): ``q`` and ``z`` are
+repacked into :mod:`.awq`'s layout, and in activation order the input rows are sorted by group, so that each group's
+rows become consecutive, with the layer's input permuted the same way at run time (``x[:, order] @ W[order]``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.errors import CheckpointError
+from . import awq
+from .common import CHUNK_ELEMENTS, is_name_list, row_chunks
+
+FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what qzeros' nibbles lack of the zero point
+
+
+@dataclass(frozen=True)
+class GptqConfig:
+    """A validated GPTQ ``quantization_config``. ``modules_in_block_to_quantize``: the linears of each decoder
+    layer that are quantized, by their path inside the layer (``self_attn.q_proj``); empty: all of them."""
+
+    group_size: int = 128
+    zero_offset: int = 1
+    modules_in_block_to_quantize: tuple[str, ...] = field(default_factory=tuple)
+
+
+def parse_config(qc: dict[str, Any]) -> GptqConfig:
+    """Validate a checkpoint's GPTQ ``quantization_config`` (config.json's, as transformers and GPTQModel write it)."""
+    method = str(qc.get("quant_method", "gptq")).lower()
+    if method != "gptq":
+        raise CheckpointError(f"--quant gptq was given, but the checkpoint is quantized with {method!r}; drop --quant "
+                              "to use the checkpoint's own method")
+    bits = qc.get("bits")
+    if bits != awq.BITS:
+        raise CheckpointError(f"GPTQ bits must be {awq.BITS}, got {bits!r}: infer runs 4-bit GPTQ checkpoints only "
+                              "(their W4A16 kernels are AWQ's)")
+    group_size = qc.get("group_size")
+    if not awq.is_group_size(group_size):
+        raise CheckpointError(f"GPTQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))} for infer's "
+                              f"W4A16 kernels, got {group_size!r}")
+    form = str(qc.get("checkpoint_format", "gptq")).lower()
+    if form not in FORMATS:
+        raise CheckpointError(f"GPTQ checkpoint_format {form!r} is not one infer loads ({', '.join(FORMATS)}): the "
+                              "others are kernel-specific repackings; save the model in the gptq format")
+    if qc.get("lm_head") is True:
+        raise CheckpointError("this GPTQ checkpoint quantizes lm_head, which infer does not load (transformers and "
+                              "AutoGPTQ keep the head in 16 bits): use a checkpoint whose head is not quantized")
+    if qc.get("dynamic"):
+        raise CheckpointError("GPTQ `dynamic` (GPTQModel's per-module overrides) is not supported: infer quantizes "
+                              "every layer alike; use a checkpoint without it")
+    blocks = qc.get("modules_in_block_to_quantize") or []
+    if not isinstance(blocks, list) or not all(is_name_list(names) for names in blocks):
+        raise CheckpointError("GPTQ modules_in_block_to_quantize must be a list of lists of module names "
+                              f"(e.g. [[\"self_attn.q_proj\"]]), got {blocks!r}")
+    return GptqConfig(group_size, FORMATS[form], tuple(name for names in blocks for name in names))
+
+
+def unpack_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ ``qweight`` int32 [in / 8, cols] -> int32 [in, cols], values 0..15 (row ``8r + i``: nibble ``i``)."""
+    shifts = torch.arange(0, 32, awq.BITS, device=qweight.device, dtype=torch.int32).view(1, awq.PACK, 1)
+    return ((qweight.unsqueeze(1) >> shifts) & awq.MAX_Q).reshape(-1, qweight.shape[1])
+
+
+def unpack_columns(qzeros: torch.Tensor) -> torch.Tensor:
+    """GPTQ ``qzeros`` int32 [rows, out / 8] -> int32 [rows, out], values 0..15 (column ``8c + i``: nibble ``i``)."""
+    shifts = torch.arange(0, 32, awq.BITS, device=qzeros.device, dtype=torch.int32)
+    return ((qzeros.unsqueeze(-1) >> shifts) & awq.MAX_Q).reshape(qzeros.shape[0], -1)
+
+
+def input_order(g_idx: torch.Tensor, group: int, prefix: str) -> torch.Tensor | None:
+    """None when ``g_idx`` is ``k // group`` (no activation order); else the permutation of the input rows that
+    sorts them by group (stable). Every group must hold exactly ``group`` rows, as GPTQ's activation order makes."""
+    in_features = g_idx.shape[0]
+    groups = in_features // group
+    g = g_idx.to(torch.int64)
+    if g.numel() and (int(g.min()) < 0 or int(g.max()) >= groups):
+        raise CheckpointError(f"{prefix}.g_idx names groups outside 0..{groups - 1}: the checkpoint does not fit its "
+                              "group_size, or is corrupt")
+    if torch.equal(g, torch.arange(in_features, device=g.device) // group):
+        return None
+    if not bool((torch.bincount(g, minlength=groups) == group).all()):
+        raise CheckpointError(f"{prefix}.g_idx gives its groups other sizes than group_size {group}, which infer's "
+                              "W4A16 kernels cannot run")
+    return torch.argsort(g, stable=True)
+
+
+def to_awq(qweight: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor | None, group_size: int,
+           zero_offset: int, prefix: str, chunk_elements: int = CHUNK_ELEMENTS
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A GPTQ layer's packed tensors -> AWQ's ``(qweight, qzeros)`` and the input order (None: none), the weight
+    repacked about ``chunk_elements`` values at a time. ``g_idx`` None: ``k // group``."""
+    in_features, out_features = qweight.shape[0] * awq.PACK, qweight.shape[1]
+    group = awq.check_shapes(in_features, out_features, group_size, prefix, checkpoint=True)
+    order = input_order(g_idx, group, prefix) if g_idx is not None else None
+    zeros = unpack_columns(qzeros) + zero_offset
+    if int(zeros.max()) > awq.MAX_Q:
+        raise CheckpointError(f"{prefix}.qzeros holds a zero point of {int(zeros.max())} (stored as 15 in the v1 "
+                              "gptq format: AutoGPTQ's packing of an asymmetric zero point of 0), which 4-bit zero "
+                              "points cannot hold; re-save the checkpoint in the gptq_v2 format, or use a symmetric "
+                              "one")
+    packed = torch.empty(in_features, out_features // awq.PACK, dtype=torch.int32, device=qweight.device)
+    for columns in row_chunks(out_features, in_features, awq.PACK, chunk_elements):
+        q = unpack_rows(qweight[:, columns])
+        packed[:, columns.start // awq.PACK: columns.stop // awq.PACK] = awq.pack_int4(q if order is None else
+                                                                                        q[order])
+    return packed, awq.pack_int4(zeros), order

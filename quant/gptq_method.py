@@ -1,0 +1,96 @@
+"""The ``gptq`` QuantMethod: 4-bit GPTQ checkpoints, repacked on load into the AWQ layout and run as AWQ layers."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..core.errors import CheckpointError
+from . import awq, gptq
+from .awq_method import AwqLinearMethod
+from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded, was_loaded
+
+PACKED = ("qweight", "qzeros", "scales")
+
+
+class GptqLinearMethod(AwqLinearMethod):
+    """int4 weights with per-group fp16 scales and zero points, from a GPTQ checkpoint (:mod:`.gptq`).
+
+    A layer loads GPTQ's ``qweight``/``qzeros``/``scales``/``g_idx`` and, once all are in, holds exactly what an
+    AWQ layer holds (so the AWQ kernels, merges and stacked experts run it), plus ``input_order``: None, or for a
+    checkpoint quantized in activation order the permutation applied to the layer's input first. ``g_idx`` may be
+    absent (older checkpoints): the groups are then consecutive. The output head is never quantized.
+    """
+
+    name = "gptq"
+
+    def __init__(self, config: gptq.GptqConfig, fused_max_rows: int = 64) -> None:
+        super().__init__(config.group_size, fused_max_rows=fused_max_rows)
+        self.zero_offset = config.zero_offset
+        self.modules_in_block = config.modules_in_block_to_quantize
+
+    def applies_to(self, prefix: str) -> bool:
+        if is_lm_head(prefix):
+            return False
+        return not self.modules_in_block or any(prefix.endswith(f".{name}") for name in self.modules_in_block)
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
+                       dtype: torch.dtype) -> None:
+        group = awq.check_shapes(in_features, out_features, self.group_size, layer_name(layer), checkpoint=True)
+        if in_features % awq.PACK:
+            raise CheckpointError(f"GPTQ packs {awq.PACK} input rows per int32, so it needs in_features divisible by "
+                                  f"{awq.PACK}, got {in_features} for layer {layer_name(layer)!r}")
+        layer.awq_group_size, layer.awq_on_load = group, False
+        layer.register_buffer("qweight", torch.empty(in_features // awq.PACK, out_features, dtype=torch.int32))
+        layer.register_buffer("qzeros", torch.empty(in_features // group, out_features // awq.PACK, dtype=torch.int32))
+        layer.register_buffer("scales", torch.empty(in_features // group, out_features, dtype=torch.float16))
+        layer.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32), persistent=False)  # optional
+        layer.register_buffer("input_order", None)
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        if name == "weight":
+            raise CheckpointError(f"layer {layer_name(layer)!r} has an unquantized 'weight' in a GPTQ checkpoint; "
+                                  "list the quantized modules in quantization_config.modules_in_block_to_quantize, "
+                                  "or re-export the checkpoint")
+        if name in ("qweight", "qzeros", "g_idx"):
+            if tensor.dtype != torch.int32:
+                raise CheckpointError(f"GPTQ {name} must be int32, got {tensor.dtype} for layer {layer_name(layer)!r}")
+            check_tensor_shape(layer, name, tensor, tuple(getattr(layer, name).shape))
+            getattr(layer, name).copy_(tensor)
+        elif name == "scales":
+            if not tensor.is_floating_point() or tensor.element_size() == 1:
+                raise CheckpointError(f"GPTQ scales must be float16 or wider, got {tensor.dtype} for layer "
+                                      f"{layer_name(layer)!r}")
+            check_tensor_shape(layer, name, tensor, tuple(layer.scales.shape))
+            layer.scales = tensor.to(layer.scales.device, copy=True)  # the checkpoint's dtype: no rounding
+        elif name == "bias" and layer.bias is None:  # AutoGPTQ's older packers saved a bias for every layer
+            if bool(tensor.any()):
+                raise CheckpointError(f"the GPTQ checkpoint gives layer {layer_name(layer)!r} a nonzero bias, which "
+                                      "this architecture's layer does not have: the checkpoint is of another model")
+            return  # all zeros: nothing to add
+        else:
+            super(AwqLinearMethod, self).load_weight(layer, name, tensor)
+        mark_loaded(layer, name)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        require_loaded(layer, PACKED + (("bias",) if layer.bias is not None else ()), self.name)
+        g_idx = layer.g_idx if was_loaded(layer, "g_idx") else None
+        qweight, qzeros, order = gptq.to_awq(layer.qweight, layer.qzeros, g_idx, layer.awq_group_size,
+                                             self.zero_offset, layer_name(layer))
+        layer.qweight, layer.qzeros, layer.input_order = qweight, qzeros, order
+        del layer.g_idx
+
+    def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
+        orders = [p.input_order for p in parts]
+        if any((o is None) != (orders[0] is None) or (o is not None and not torch.equal(o, orders[0]))
+               for o in orders):
+            return False  # each part permutes its input its own way
+        if not super().merge(parts, merged):
+            return False
+        merged.register_buffer("input_order", orders[0])
+        return True
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.input_order is not None:
+            x = x.index_select(-1, layer.input_order)
+        return super().apply(layer, x)

@@ -1,0 +1,279 @@
+"""GPTQ checkpoints (``quant_method: "gptq"``, 4 bits) load as what they hold.
+
+The checkpoints are written here from a tiny float model: each linear's weight is quantized per group (RTN), in
+activation order or not, and packed by this file's own bit loops as the format stores it (quant/gptq.py's docstring;
+AutoGPTQ's ``QuantLinear.pack``: ``qweight`` packed along the input, ``qzeros`` along the output, ``z - 1`` stored in
+the v1 ``gptq`` format). The reference is the same model with the dequantized weights ``(q - z[g_idx]) * s[g_idx]``
+as plain float tensors. The v1 offset and the packing directions are also checked against a third party's writer:
+AutoAWQ's ``unpack_reorder_pack`` (its AWQ-to-GPTQ conversion for the exllama kernels).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the first import of a module defining @triton.jit kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from infer.core.config import EngineConfig  # noqa: E402
+from infer.core.errors import CheckpointError, ConfigError  # noqa: E402
+from infer.core.loader import load_model  # noqa: E402
+from infer.core.plugins import PluginManager  # noqa: E402
+from infer.core.request import SamplingParams  # noqa: E402
+from infer.models.layers import Linear  # noqa: E402
+from infer.plugins.gptq import build_gptq  # noqa: E402
+from infer.quant import awq, gptq  # noqa: E402
+from infer.quant.forward import dense_forward  # noqa: E402
+
+PROMPTS = [[5, 17, 300, 42, 7, 99, 512, 3], [900, 12, 8, 8, 41]]
+GROUP = 32
+
+
+@pytest.fixture(scope="module")
+def plugins() -> PluginManager:
+    return PluginManager.from_entry_points().collect()
+
+
+def pack_words(nibbles: np.ndarray) -> np.ndarray:
+    """[..., 8] values 0..15 -> [...] int32 words, value ``i`` in bits 4i..4i+3."""
+    words = np.zeros(nibbles.shape[:-1], dtype=np.uint64)
+    for i in range(8):
+        words |= (nibbles[..., i].astype(np.uint64) & 0xF) << np.uint64(4 * i)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def gptq_layer(weight: torch.Tensor, group: int, order: torch.Tensor | None, sym: bool, v1: bool
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """GPTQ tensors of ``weight`` [out, in] (RTN per group; ``order``: the activation order, a permutation of the
+    inputs whose i-th member joins group ``i // group``) and the float weight [out, in] they stand for."""
+    out_features, in_features = weight.shape
+    perm = torch.arange(in_features) if order is None else order
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(in_features) // group).to(torch.int32)
+    w = weight.t().double()  # [in, out]
+    groups = in_features // group
+    scales, zeros = torch.empty(groups, out_features), torch.empty(groups, out_features, dtype=torch.int64)
+    for g in range(groups):
+        rows = w[g_idx == g]
+        lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-4) if not sym else (torch.maximum(-lo, hi) / 7.5).clamp(min=1e-4)
+        scales[g] = scale.half().float()
+        zeros[g] = torch.full_like(zeros[g], 8) if sym else (-lo / scales[g]).round().clamp(1, 15).long()
+    s, z = scales[g_idx.long()].double(), zeros[g_idx.long()]
+    q = ((w / s).round() + z).clamp(0, 15).long()
+    stored_zeros = zeros - 1 if v1 else zeros
+    tensors = {"qweight": torch.from_numpy(pack_words(q.numpy().reshape(in_features // 8, 8, -1).transpose(0, 2, 1))),
+               "qzeros": torch.from_numpy(pack_words(stored_zeros.numpy().reshape(groups, -1, 8))),
+               "scales": scales.half(), "g_idx": g_idx}
+    return tensors, ((q - z).double() * s).t().float()
+
+
+def write_gptq(src: Path, dst: Path, dense: Path, act_order: str = "none", sym: bool = True, v1: bool = True,
+               group: int = GROUP, g_idx: bool = True, extra: dict[str, Any] | None = None) -> None:
+    """``src``'s model as a GPTQ checkpoint in ``dst`` and its dequantized float twin in ``dense``. ``act_order``:
+    "none"; "shared" (one random order per layer input, as GPTQ gives linears that read the same input);
+    "each" (one per linear)."""
+    state = load_file(str(src / "model.safetensors"))
+    quantized: dict[str, torch.Tensor] = {}
+    plain = dict(state)
+    gen = torch.Generator().manual_seed(0)
+    orders: dict[tuple[str, int], torch.Tensor] = {}
+    for name, tensor in state.items():
+        owner = name.removesuffix(".weight")
+        if not (name.endswith("_proj.weight") and tensor.dim() == 2):
+            quantized[name] = tensor
+            continue
+        key = (owner.rsplit(".", 1)[0] if act_order == "shared" else owner, tensor.shape[1])
+        order = None if act_order == "none" else orders.setdefault(key, torch.randperm(tensor.shape[1], generator=gen))
+        tensors, dequantized = gptq_layer(tensor, group if group > 0 else tensor.shape[1], order, sym, v1)
+        quantized.update({f"{owner}.{attr}": t for attr, t in tensors.items() if g_idx or attr != "g_idx"})
+        plain[name] = dequantized
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
+                                     "desc_act": act_order != "none", "checkpoint_format": "gptq" if v1 else "gptq_v2",
+                                     **(extra or {})}
+    for folder, tensors in ((dst, quantized), (dense, plain)):
+        shutil.copytree(src, folder)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+def load(path: Path, plugins: PluginManager, **options: Any) -> Any:
+    return load_model(EngineConfig(model=str(path), device="cpu", **options).validate(), plugins, path)
+
+
+def logits(path: Path, plugins: PluginManager, **options: Any) -> torch.Tensor:
+    loaded = load(path, plugins, **options)
+    with torch.no_grad():
+        return loaded.model.compute_logits(dense_forward(loaded.model, PROMPTS, loaded.device))
+
+
+@pytest.mark.parametrize("act_order, sym, v1", [("none", True, True), ("none", False, False), ("each", True, True),
+                                                ("shared", False, True), ("shared", True, False)])
+def test_gptq_checkpoint_computes_its_dequantized_weights(act_order: str, sym: bool, v1: bool, tiny_model: Path,
+                                                          tmp_path: Path, plugins: PluginManager) -> None:
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", act_order, sym, v1)
+    ours, reference = logits(tmp_path / "gptq", plugins), logits(tmp_path / "dense", plugins)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(reference, logits(tiny_model, plugins), atol=1e-3)  # the int4 rounding is in both
+
+
+@pytest.mark.parametrize("act_order, merged", [("none", True), ("shared", True), ("each", False)])
+def test_projections_merge_only_when_their_input_orders_agree(act_order: str, merged: bool, tiny_model: Path,
+                                                              tmp_path: Path, plugins: PluginManager) -> None:
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", act_order)
+    loaded = load(tmp_path / "gptq", plugins, fuse_projections=True)
+    names = {m.prefix.rsplit(".", 1)[-1] for m in loaded.model.modules() if isinstance(m, Linear)}
+    assert ({"qkv_proj", "gate_up_proj"} <= names) is merged
+    assert ("q_proj" in names) is not merged
+    with torch.no_grad():
+        ours = loaded.model.compute_logits(dense_forward(loaded.model, PROMPTS, loaded.device))
+    torch.testing.assert_close(ours, logits(tmp_path / "dense", plugins), rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_without_g_idx_has_consecutive_groups(tiny_model: Path, tmp_path: Path,
+                                                           plugins: PluginManager) -> None:
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", g_idx=False)
+    torch.testing.assert_close(logits(tmp_path / "gptq", plugins), logits(tmp_path / "dense", plugins),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gptq_checkpoint_generates_like_hf_on_its_dequantized_weights(
+        tiny_model: Path, tmp_path: Path, hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    from infer import LLM
+
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", "shared", sym=True, v1=True)
+    llm = LLM(model=str(tmp_path / "gptq"), device="cpu", num_kv_blocks=32)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for prompt in PROMPTS:
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 10)
+
+
+@pytest.mark.parametrize("act_order, fused_ops", [("none", True), ("each", False)])
+def test_gptq_experts_compute_their_dequantized_weights(act_order: str, fused_ops: bool, tmp_path: Path,
+                                                        tiny_model_factory: Callable[..., Path],
+                                                        plugins: PluginManager) -> None:
+    moe = tiny_model_factory("qwen3moe", extra={"moe_intermediate_size": 64})
+    write_gptq(moe, tmp_path / "gptq", tmp_path / "dense", act_order)
+    torch.testing.assert_close(logits(tmp_path / "gptq", plugins, fused_ops=fused_ops),
+                               logits(tmp_path / "dense", plugins), rtol=1e-4, atol=1e-4)
+
+
+def test_act_order_experts_are_refused_by_the_stacked_kernels(tmp_path: Path, plugins: PluginManager,
+                                                              tiny_model_factory: Callable[..., Path]) -> None:
+    moe = tiny_model_factory("qwen3moe", extra={"moe_intermediate_size": 64})
+    write_gptq(moe, tmp_path / "gptq", tmp_path / "dense", "each")
+    with pytest.raises(CheckpointError, match="activation order .* --no-fused-ops"):
+        logits(tmp_path / "gptq", plugins, fused_ops=True)
+
+
+@pytest.mark.autoawq
+def test_v1_layout_matches_autoawq_conversion_of_an_awq_layer() -> None:
+    pytest.importorskip("awq", reason="AutoAWQ is not installed (pip install 'infer-engine[awq]')")
+    from awq.utils.packing_utils import unpack_reorder_pack
+
+    weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(3))
+    qweight, qzeros, scales = awq.quantize_rtn(weight, GROUP)
+    gptq_qweight, gptq_qzeros = unpack_reorder_pack(qweight, qzeros, 4)  # GPTQ v1 (exllama's: zeros - 1)
+    assert (gptq_qweight.shape, gptq_qzeros.shape) == ((128 // 8, 96), (128 // GROUP, 96 // 8))
+    ours = gptq.to_awq(gptq_qweight.to(torch.int32), gptq_qzeros.to(torch.int32), None, GROUP, 1, "layer")
+    assert torch.equal(ours[0], qweight) and torch.equal(ours[1], qzeros) and ours[2] is None
+
+
+@pytest.mark.parametrize("chunk_elements", [256 * 8, 1 << 22])  # 8 output columns at a time, or all at once
+def test_repacking_keeps_the_weights_whatever_the_chunk(chunk_elements: int) -> None:
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(5))
+    tensors, dequantized = gptq_layer(weight, GROUP, order, sym=False, v1=False)
+    qweight, qzeros, found = gptq.to_awq(tensors["qweight"], tensors["qzeros"], tensors["g_idx"], GROUP, 0, "layer",
+                                         chunk_elements)
+    assert found is not None
+    # the AWQ layer computes x[:, order] @ W[order]: its weight, rows put back, is the GPTQ layer's
+    restored = torch.empty(256, 64)
+    restored[found] = awq.dequantize(qweight, qzeros, tensors["scales"], GROUP, torch.float32)
+    assert torch.equal(restored, dequantized.t())
+
+
+def method_for(**changes: Any) -> Any:
+    return build_gptq(EngineConfig(), {"quant_method": "gptq", "bits": 4, "group_size": GROUP, **changes})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"bits": 8}, "bits must be 4"),
+    ({"group_size": 100}, "group_size must be one of"),
+    ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({"lm_head": True}, "quantizes lm_head"),
+    ({"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
+    ({"modules_in_block_to_quantize": ["self_attn.q_proj"]}, "list of lists"),
+    ({"quant_method": "awq"}, "quantized with 'awq'"),
+])
+def test_unsupported_configs_are_refused_by_name(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        method_for(**changes)
+
+
+def test_an_unquantized_checkpoint_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--quant awq"):
+        build_gptq(EngineConfig(), None)
+
+
+def test_modules_in_block_to_quantize_picks_the_quantized_linears() -> None:
+    method = method_for(modules_in_block_to_quantize=[["self_attn.q_proj", "self_attn.k_proj"], ["mlp.down_proj"]])
+    assert method.applies_to("model.layers.3.self_attn.k_proj")
+    assert method.applies_to("model.layers.0.mlp.down_proj")
+    assert not method.applies_to("model.layers.0.self_attn.o_proj")
+    assert not method.applies_to("lm_head") and not method_for().applies_to("lm_head")
+    assert method_for().applies_to("model.layers.0.self_attn.o_proj")
+
+
+def loaded_linear(tensors: dict[str, torch.Tensor], in_features: int = 64, out_features: int = 32, **changes: Any
+                  ) -> Linear:
+    method = method_for(**changes)
+    linear = Linear(in_features, out_features, False, "model.layers.0.mlp.down_proj", method, torch.float32)
+    for name, tensor in tensors.items():
+        linear.load(name, tensor)
+    method.process_after_loading(linear)
+    return linear
+
+
+def test_layer_errors_name_the_layer_and_the_fix() -> None:
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
+    tensors, _ = gptq_layer(weight, GROUP, None, sym=False, v1=True)
+    with pytest.raises(CheckpointError, match="unquantized 'weight' in a GPTQ checkpoint"):
+        loaded_linear({"weight": weight})
+    with pytest.raises(CheckpointError, match="qweight must be int32"):
+        loaded_linear({"qweight": tensors["qweight"].to(torch.int64)})
+    with pytest.raises(CheckpointError, match="missing qzeros"):
+        loaded_linear({"qweight": tensors["qweight"], "scales": tensors["scales"]})
+    with pytest.raises(CheckpointError, match="g_idx names groups outside 0..1"):
+        loaded_linear({**tensors, "g_idx": torch.full((64,), 2, dtype=torch.int32)})
+    uneven = torch.tensor([0] * 40 + [1] * 24, dtype=torch.int32)
+    with pytest.raises(CheckpointError, match="other sizes than group_size 32"):
+        loaded_linear({**tensors, "g_idx": uneven})
+    zero_sixteen = tensors["qzeros"].clone()
+    zero_sixteen[0, 0] |= 0xF  # stored 15: z = 16 in the v1 format
+    with pytest.raises(CheckpointError, match="zero point of 16 .* gptq_v2"):
+        loaded_linear({**tensors, "qzeros": zero_sixteen})
+    loaded_linear({**tensors, "qzeros": zero_sixteen}, checkpoint_format="gptq_v2")  # z = 15 there: fine
+
+
+def test_a_zero_bias_for_a_layer_without_one_is_skipped_and_another_refused() -> None:
+    """AutoGPTQ's older packers saved a bias buffer (zeros) for every layer, which vLLM skips too."""
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(7))
+    tensors, dequantized = gptq_layer(weight, GROUP, None, sym=True, v1=True)
+    linear = loaded_linear({**tensors, "bias": torch.zeros(32, dtype=torch.float16)})
+    assert linear.bias is None
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(linear(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(CheckpointError, match="nonzero bias"):
+        loaded_linear({**tensors, "bias": torch.full((32,), 0.5, dtype=torch.float16)})
