@@ -72,7 +72,23 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     return Fp8LinearMethod(parsed, backend)
 
 
+def build_compressed_tensors(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
+    """A compressed-tensors checkpoint's method: int4 W4A16 for ``pack-quantized`` groups (run by the AWQ kernels),
+    else fp8 (:func:`build_fp8`, whose options apply; without a checkpoint config, FP8 quantization on load)."""
+    from ..quant.fp8 import group_formats
+    from ..quant.pack_quantized import FORMAT
+
+    formats = group_formats(quantization_config) if quantization_config is not None else set()
+    if FORMAT not in formats:
+        return build_fp8(config, quantization_config)
+    from ..quant.gptq_method import PackQuantizedLinearMethod
+    from ..quant.pack_quantized import parse_pack_quantized
+
+    return PackQuantizedLinearMethod(parse_pack_quantized(quantization_config))
+
+
 @hookimpl
 def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
+    register("fp8", build_fp8, options=FP8_OPTIONS)
     # checkpoints name their method in quantization_config.quant_method: compressed-tensors ones resolve here
-    register("fp8", build_fp8, aliases=("compressed-tensors",), options=FP8_OPTIONS)
+    register("compressed-tensors", build_compressed_tensors)

@@ -3,7 +3,8 @@
 - :mod:`.awq`: the AutoAWQ GEMM format (int4 packing, RTN quantization, dequantization, config checks).
 - :mod:`.awq_method`: :class:`~.awq_method.AwqLinearMethod`, the W4A16 QuantMethod.
 - :mod:`.gptq`: the GPTQ format (4-bit) and its repacking into AWQ's; :mod:`.gptq_method`:
-  :class:`~.gptq_method.GptqLinearMethod`, which runs it as AWQ layers.
+  :class:`~.gptq_method.GptqLinearMethod`, which runs it as AWQ layers; :mod:`.pack_quantized`: compressed-tensors'
+  int4 format, which loads as GPTQ's (``PackQuantizedLinearMethod``).
 - :mod:`.fp8`: e4m3 scaling helpers and the compressed-tensors FP8 config.
 - :mod:`.fp8_method`: :class:`~.fp8_method.Fp8LinearMethod`, the W8A8 QuantMethod.
 - :mod:`.fp8_block`: the block-wise FP8 format (``quant_method: "fp8"``: DeepSeek-V3, Qwen3 FP8) and its torch

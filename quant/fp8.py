@@ -7,6 +7,7 @@ A tensor ``t`` is stored as ``t_fp8 = fp8(clamp(t / s, -448, 448))`` (the cast r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,6 +170,13 @@ def online_transforms(transform_config: object) -> list[str]:
     return sorted(locations)
 
 
+def group_formats(qc: dict[str, Any]) -> set[str]:
+    """The formats of a compressed-tensors config's groups (a group's own, else the config's ``format``)."""
+    groups = qc.get("config_groups")
+    return {str(g.get("format") or qc.get("format")) for g in groups.values() if isinstance(g, dict)} \
+        if isinstance(groups, dict) else set()
+
+
 def parse_compressed_tensors(qc: dict[str, Any]) -> Fp8CheckpointConfig:
     """Validate a compressed-tensors ``quantization_config`` holding FP8 ``float-quantized`` groups."""
     method = qc.get("quant_method")
@@ -177,22 +185,29 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> Fp8CheckpointConfig:
             f"--quant fp8 was given, but the checkpoint is quantized with {method!r}; infer's fp8 method loads "
             "compressed-tensors FP8 checkpoints or quantizes unquantized ones. Drop --quant to use the "
             "checkpoint's own method")
+    ignore = check_compressed_tensors(qc, _fail)
+    parsed = tuple(_parse_group(name, g if isinstance(g, dict) else {}, qc.get("format"))
+                   for name, g in qc["config_groups"].items())
+    return Fp8CheckpointConfig(parsed, ignore)
+
+
+def check_compressed_tensors(qc: dict[str, Any], fail: Callable[[str], CheckpointError]) -> tuple[str, ...]:
+    """The checks of every compressed-tensors config infer loads (compressed, dense, no run-time rotation, some
+    config_groups, a valid ignore list, raised as ``fail(reason)``); returns the ignore list."""
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
-        raise _fail(f"quantization_status is {status!r}; save the model compressed (weights stored as fp8)")
+        raise fail(f"quantization_status is {status!r}; save the model compressed (the quantized weights stored)")
     if qc.get("sparsity_config"):
-        raise _fail("the checkpoint is sparse (sparsity_config is set)")
+        raise fail("the checkpoint is sparse (sparsity_config is set)")
     if online := online_transforms(qc.get("transform_config")):
-        raise _fail(f"its transform_config rotates {', '.join(online)} at run time (QuIP/SpinQuant-style), which "
-                    "infer does not apply: without the rotation the model computes garbage")
+        raise fail(f"its transform_config rotates {', '.join(online)} at run time (QuIP/SpinQuant-style), which "
+                   "infer does not apply: without the rotation the model computes garbage")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
-        raise _fail("config_groups is missing or empty")
+        raise fail("config_groups is missing or empty")
     ignore = qc.get("ignore") or []
     if not is_name_list(ignore):
-        raise _fail(f"ignore must be a list of module names or 're:' patterns, got {ignore!r}")
+        raise fail(f"ignore must be a list of module names or 're:' patterns, got {ignore!r}")
     if why := bad_pattern(name[3:] for name in ignore if name.startswith("re:")):
-        raise _fail(f"an ignore pattern: {why}")
-    parsed = tuple(_parse_group(name, g if isinstance(g, dict) else {}, qc.get("format"))
-                   for name, g in groups.items())
-    return Fp8CheckpointConfig(parsed, tuple(ignore))
+        raise fail(f"an ignore pattern: {why}")
+    return tuple(ignore)

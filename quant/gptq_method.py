@@ -6,6 +6,7 @@ from torch import nn
 
 from ..core.errors import CheckpointError
 from . import awq, gptq
+from .pack_quantized import PackQuantizedConfig
 from .awq_method import AwqLinearMethod
 from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded, was_loaded
 
@@ -35,17 +36,22 @@ class GptqLinearMethod(AwqLinearMethod):
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
-        group = awq.check_shapes(in_features, out_features, self.group_size, layer_name(layer), checkpoint=True)
-        if in_features % awq.PACK:
-            raise CheckpointError(f"GPTQ packs {awq.PACK} input rows per int32, so it needs in_features divisible by "
-                                  f"{awq.PACK}, got {in_features} for layer {layer_name(layer)!r}")
-        layer.awq_group_size, layer.awq_on_load = group, False
+        group = self._int4_layer(layer, in_features, out_features)
         layer.register_buffer("qweight", torch.empty(in_features // awq.PACK, out_features, dtype=torch.int32))
         layer.register_buffer("qzeros", torch.empty(in_features // group, out_features // awq.PACK, dtype=torch.int32))
         layer.register_buffer("scales", torch.empty(in_features // group, out_features, dtype=torch.float16))
         layer.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32), persistent=False)  # optional
-        layer.register_buffer("input_order", None)
         layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def _int4_layer(self, layer: nn.Module, in_features: int, out_features: int) -> int:
+        """Check the layer's shape fits the packing; set what every int4 layer has; return its group size."""
+        group = awq.check_shapes(in_features, out_features, self.group_size, layer_name(layer), checkpoint=True)
+        if in_features % awq.PACK:
+            raise CheckpointError(f"{self.name} packs {awq.PACK} inputs per int32, so it needs in_features "
+                                  f"divisible by {awq.PACK}, got {in_features} for layer {layer_name(layer)!r}")
+        layer.awq_group_size, layer.awq_on_load = group, False
+        layer.register_buffer("input_order", None)
+        return group
 
     def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
         if name == "weight":
@@ -53,16 +59,9 @@ class GptqLinearMethod(AwqLinearMethod):
                                   "list the quantized modules in quantization_config.modules_in_block_to_quantize, "
                                   "or re-export the checkpoint")
         if name in ("qweight", "qzeros", "g_idx"):
-            if tensor.dtype != torch.int32:
-                raise CheckpointError(f"GPTQ {name} must be int32, got {tensor.dtype} for layer {layer_name(layer)!r}")
-            check_tensor_shape(layer, name, tensor, tuple(getattr(layer, name).shape))
-            getattr(layer, name).copy_(tensor)
+            self._copy_codes(layer, name, tensor)
         elif name == "scales":
-            if not tensor.is_floating_point() or tensor.element_size() == 1:
-                raise CheckpointError(f"GPTQ scales must be float16 or wider, got {tensor.dtype} for layer "
-                                      f"{layer_name(layer)!r}")
-            check_tensor_shape(layer, name, tensor, tuple(layer.scales.shape))
-            layer.scales = tensor.to(layer.scales.device, copy=True)  # the checkpoint's dtype: no rounding
+            self._take_scales(layer, name, tensor)
         elif name == "bias" and layer.bias is None:  # AutoGPTQ's older packers saved a bias for every layer
             if bool(tensor.any()):
                 raise CheckpointError(f"the GPTQ checkpoint gives layer {layer_name(layer)!r} a nonzero bias, which "
@@ -71,6 +70,20 @@ class GptqLinearMethod(AwqLinearMethod):
         else:
             super(AwqLinearMethod, self).load_weight(layer, name, tensor)
         mark_loaded(layer, name)
+
+    def _copy_codes(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype != torch.int32:
+            raise CheckpointError(f"{self.name} {name} must be int32, got {tensor.dtype} for layer "
+                                  f"{layer_name(layer)!r}")
+        check_tensor_shape(layer, name, tensor, tuple(getattr(layer, name).shape))
+        getattr(layer, name).copy_(tensor)
+
+    def _take_scales(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        if not tensor.is_floating_point() or tensor.element_size() == 1:
+            raise CheckpointError(f"{self.name} {name} must be float16 or wider, got {tensor.dtype} for layer "
+                                  f"{layer_name(layer)!r}")
+        check_tensor_shape(layer, name, tensor, tuple(getattr(layer, name).shape))
+        setattr(layer, name, tensor.to(getattr(layer, name).device, copy=True))  # the checkpoint's dtype: exact
 
     def process_after_loading(self, layer: nn.Module) -> None:
         require_loaded(layer, PACKED + (("bias",) if layer.bias is not None else ()), self.name)
@@ -94,3 +107,64 @@ class GptqLinearMethod(AwqLinearMethod):
         if layer.input_order is not None:
             x = x.index_select(-1, layer.input_order)
         return super().apply(layer, x)
+
+
+class PackQuantizedLinearMethod(GptqLinearMethod):
+    """compressed-tensors ``pack-quantized`` int4 layers (:mod:`.pack_quantized`): they load the checkpoint's
+    ``weight_packed``, ``weight_scale``, ``weight_zero_point`` (asymmetric schemes), ``weight_g_idx`` (optional) and
+    ``weight_shape`` (checked), then become AWQ layers as GPTQ ones do, from the transposed tensors (``gptq_v2``; a
+    symmetric scheme's zero point is 8). The output head is quantized only where the config targets it."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, config: PackQuantizedConfig, fused_max_rows: int = 64) -> None:
+        super().__init__(gptq.GptqConfig(config.group_size, zero_offset=0), fused_max_rows)
+        self.config = config
+
+    def applies_to(self, prefix: str) -> bool:
+        return self.config.applies_to(prefix)
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
+                       dtype: torch.dtype) -> None:
+        group = self._int4_layer(layer, in_features, out_features)
+        layer.register_buffer("weight_packed", torch.empty(out_features, in_features // awq.PACK, dtype=torch.int32))
+        layer.register_buffer("weight_scale", torch.empty(out_features, in_features // group, dtype=dtype))
+        if not self.config.symmetric:
+            layer.register_buffer("weight_zero_point", torch.empty(out_features // awq.PACK, in_features // group,
+                                                                   dtype=torch.int32))
+        layer.register_buffer("weight_g_idx", torch.empty(in_features, dtype=torch.int32), persistent=False)
+        layer.register_buffer("weight_shape", torch.tensor([out_features, in_features]))
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        if name in ("weight_packed", "weight_zero_point", "weight_g_idx") and hasattr(layer, name):
+            self._copy_codes(layer, name, tensor)
+        elif name == "weight_scale":
+            self._take_scales(layer, name, tensor)
+        elif name == "weight_shape":
+            if tensor.dim() != 1 or tensor.is_floating_point() or not torch.equal(tensor.cpu(), layer.weight_shape):
+                raise CheckpointError(f"{layer_name(layer)}.weight_shape is {tensor.tolist()}, but the layer is "
+                                      f"{layer.weight_shape.tolist()} (out, in): the checkpoint is of another model")
+        elif name == "weight_zero_point":
+            raise CheckpointError(f"{layer_name(layer)} has a weight_zero_point, but the config's scheme is "
+                                  "symmetric: config.json does not describe this checkpoint")
+        else:
+            super(AwqLinearMethod, self).load_weight(layer, name, tensor)
+        mark_loaded(layer, name)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        zero_point = () if self.config.symmetric else ("weight_zero_point",)
+        require_loaded(layer, ("weight_packed", "weight_scale", "weight_shape") + zero_point
+                       + (("bias",) if layer.bias is not None else ()), self.name)
+        groups, out_features = layer.weight_scale.shape[1], layer.weight_packed.shape[0]
+        qzeros = layer.weight_zero_point.t() if zero_point else torch.full(
+            (groups, out_features // awq.PACK), SYMMETRIC_ZEROS, dtype=torch.int32, device=layer.weight_packed.device)
+        g_idx = layer.weight_g_idx if was_loaded(layer, "weight_g_idx") else None
+        layer.qweight, layer.qzeros, layer.input_order = gptq.to_awq(
+            layer.weight_packed.t(), qzeros, g_idx, layer.awq_group_size, 0, layer_name(layer))
+        layer.scales = layer.weight_scale.t().contiguous()
+        for name in ("weight_packed", "weight_scale", "weight_g_idx", "weight_shape") + zero_point:
+            delattr(layer, name)
+
+
+SYMMETRIC_ZEROS = int.from_bytes(bytes([0x88] * 4), "little", signed=True)  # eight nibbles of 8: zero point 0

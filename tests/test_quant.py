@@ -522,8 +522,8 @@ def test_plugins_register_their_names() -> None:
     registry: Registry[object] = Registry("quant method")
     awq_plugin.register_quant_methods(register=registry.callback("awq"))
     fp8_plugin.register_quant_methods(register=registry.callback("fp8"))
-    assert registry.names() == ["awq", "fp8"]
-    assert registry.get("compressed-tensors") is fp8_plugin.build_fp8
+    assert registry.names() == ["awq", "compressed-tensors", "fp8"]
+    assert registry.get("compressed-tensors") is fp8_plugin.build_compressed_tensors
 
 
 # ---------------------------------------------------------------- FP8 formats and kernels

@@ -1,5 +1,5 @@
-"""A checkpoint compressed by the ``compressed-tensors`` library (FP8 and FP8_DYNAMIC presets) loads in infer with
-the same weights as the library's own decompression."""
+"""A checkpoint compressed by the ``compressed-tensors`` library (FP8 and FP8_DYNAMIC presets, pack-quantized int4)
+loads in infer with the same weights as the library's own decompression."""
 from __future__ import annotations
 
 import json
@@ -138,3 +138,67 @@ def test_overlapping_groups_resolve_as_the_library_resolves_them(groups: list[tu
         expected = fp8.Fp8Scheme(lib.weights.strategy, None if acts is None else acts.strategy,
                                  True if acts is None else bool(acts.dynamic))
         assert mine == expected, name
+
+
+# ---------------------------------------------------------------- pack-quantized int4 (W4A16)
+def compress_int4(model: torch.nn.Module, folder: Path, group_size: int | None, symmetric: bool) -> None:
+    """Quantize ``model``'s linears (lm_head ignored) to int4 weights with the library (``group_size`` None: per
+    channel; min/max calibration per group, what its memoryless observer computes) and save them pack-quantized.
+    ``model`` is left decompressed, running the library's own fake-quantized forward: the reference."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric,
+                               strategy="group" if group_size else "channel", group_size=group_size)
+    qconfig = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+                                 ignore=["lm_head"], format="pack-quantized")
+    apply_quantization_config(model, qconfig)
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is None:
+            continue
+        w = module.weight.data
+        grouped = w.reshape(w.shape[0], -1, group_size or w.shape[1])  # [out, groups, group]
+        scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), weights)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if not symmetric:
+            module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    model.config.save_pretrained(str(folder))
+    compressor.update_config(str(folder))
+    compressor.decompress_model(model)
+
+
+@pytest.mark.parametrize("group_size, symmetric", [(32, True), (32, False), (None, True), (64, False)],
+                         ids=["W4A16-g32", "W4A16_ASYM-g32", "W4A16-channel", "W4A16_ASYM-g64"])
+def test_pack_quantized_checkpoint_greedy_equals_the_library_emulation(
+        group_size: int | None, symmetric: bool, tiny_model: Path, tmp_path: Path) -> None:
+    """(The library no longer writes activation order "group", whose weight_g_idx tests/test_quant_gptq.py loads.)"""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from infer.core.engine import Engine
+    from infer.core.request import SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    compress_int4(hf, tmp_path, group_size, symmetric)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert tensors["model.layers.0.mlp.down_proj.weight_packed"].dtype == torch.int32
+    assert ("model.layers.0.mlp.down_proj.weight_zero_point" in tensors) is not symmetric
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, tmp_path / name)
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=32))
+    assert engine.loaded.quant is not None and engine.loaded.quant.name == "compressed-tensors"
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(3)
+    for prompt in (torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (12, 7)):
+        ids, reference = torch.tensor([prompt]), []
+        with torch.no_grad():
+            for _ in range(params.max_tokens):
+                reference.append(int(hf(ids).logits[0, -1].argmax()))
+                ids = torch.cat([ids, torch.tensor([reference[-1:]])], dim=1)
+        assert engine.generate([prompt], params)[0].outputs[0].token_ids == reference

@@ -277,3 +277,74 @@ def test_a_zero_bias_for_a_layer_without_one_is_skipped_and_another_refused() ->
     torch.testing.assert_close(linear(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
     with pytest.raises(CheckpointError, match="nonzero bias"):
         loaded_linear({**tensors, "bias": torch.full((32,), 0.5, dtype=torch.float16)})
+
+
+def test_pack_quantized_layers_load_gptq_tensors_transposed_with_their_g_idx() -> None:
+    """compressed-tensors' int4 tensors are GPTQ v2's transposed (quant/pack_quantized.py), ``weight_g_idx`` its
+    g_idx (llm-compressor's former activation order "group"); a symmetric scheme stores no zero point (0: 8)."""
+    from infer.plugins.fp8 import build_compressed_tensors
+
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(9))
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(10))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(11))
+    for symmetric in (False, True):
+        tensors, dequantized = gptq_layer(weight, GROUP, order, sym=symmetric, v1=False)
+        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": GROUP}}}}
+        method = build_compressed_tensors(EngineConfig(), qc)
+        linear = Linear(64, 32, False, "model.layers.0.mlp.down_proj", method, torch.float32)
+        checkpoint = {"weight_packed": tensors["qweight"].t(), "weight_scale": tensors["scales"].t().float(),
+                      "weight_g_idx": tensors["g_idx"], "weight_shape": torch.tensor([32, 64])}
+        if not symmetric:
+            checkpoint["weight_zero_point"] = tensors["qzeros"].t()
+        for name, tensor in checkpoint.items():
+            linear.load(name, tensor.contiguous())
+        method.process_after_loading(linear)
+        torch.testing.assert_close(linear(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(CheckpointError, match="weight_shape is \\[64, 32\\]"):
+        linear = Linear(64, 32, False, "model.layers.0.mlp.down_proj", method, torch.float32)
+        linear.load("weight_shape", torch.tensor([64, 32]))
+    with pytest.raises(CheckpointError, match="weight_zero_point, but the config's scheme is symmetric"):
+        linear.load("weight_zero_point", tensors["qzeros"].t().contiguous())
+    with pytest.raises(CheckpointError, match="missing weight_packed"):
+        method.process_after_loading(Linear(64, 32, False, "model.layers.0.mlp.down_proj", method, torch.float32))
+
+
+def pack_quantized_config(**weights: Any) -> dict[str, Any]:
+    args = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP, **weights}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": args}}}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8), "not static 4-bit int"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "strategy 'tensor'"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(group_size=16), "group_size 16"),
+    (lambda qc: qc["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "activations too"),
+    (lambda qc: qc["config_groups"].update(group_1={"targets": ["re:.*down_proj$"], "format": "float-quantized"}),
+     "'float-quantized' beside pack-quantized"),
+    (lambda qc: qc["config_groups"].update(group_1={"targets": ["re:.*down_proj$"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "channel"}}), "quantize weights differently"),
+    (lambda qc: qc.update(quantization_status="frozen"), "quantization_status is 'frozen'"),
+])
+def test_unsupported_pack_quantized_configs_are_refused_by_name(change: Callable[[dict[str, Any]], None],
+                                                                message: str) -> None:
+    from infer.plugins.fp8 import build_compressed_tensors
+
+    qc = pack_quantized_config()
+    change(qc)
+    with pytest.raises(CheckpointError, match=message):
+        build_compressed_tensors(EngineConfig(), qc)
+
+
+def test_pack_quantized_targets_and_ignore_pick_the_int4_linears() -> None:
+    from infer.plugins.fp8 import build_compressed_tensors
+
+    qc = pack_quantized_config()
+    qc["config_groups"]["group_0"]["targets"] = ["re:.*mlp.*"]
+    qc["ignore"] = ["lm_head", "model.layers.1.mlp.down_proj"]
+    method = build_compressed_tensors(EngineConfig(), qc)
+    assert method.applies_to("model.layers.0.mlp.down_proj") and method.applies_to("model.layers.1.mlp.up_proj")
+    assert not method.applies_to("model.layers.1.mlp.down_proj")
+    assert not method.applies_to("model.layers.0.self_attn.q_proj") and not method.applies_to("lm_head")

@@ -1,0 +1,87 @@
+"""compressed-tensors' ``pack-quantized`` int4 weights: llm-compressor's W4A16 and W4A16_ASYM (GPTQ or RTN).
+
+Layout of one linear layer with ``in`` inputs, ``out`` outputs and groups of ``g`` inputs (``channel``: one group):
+
+- ``weight_packed`` int32 [out, in / 8]: nibble ``i`` (bits 4i..4i+3) of word ``c`` of row ``n`` holds
+  ``q[n, 8c + i] + 8`` (the signed int4 code, offset to 0..15).
+- ``weight_scale`` [out, in / g] in the model dtype.
+- ``weight_zero_point`` int32 [out / 8, in / g], asymmetric schemes only: packed along the output the same way;
+  symmetric ones have a zero point of 0 (8 once offset).
+- ``weight_g_idx`` int32 [in]: the group of each input, with activation order ``group`` only.
+- ``weight_shape`` [2]: ``(out, in)``.
+
+The weight is ``(q - z) * s``, which the offsets leave unchanged. Transposed, ``weight_packed`` and
+``weight_zero_point`` are GPTQ's ``qweight`` and ``qzeros`` in the ``gptq_v2`` format (:mod:`.gptq`), which is how
+infer loads them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.errors import CheckpointError
+from . import awq
+from .common import bad_pattern, is_name_list, matches_target
+from .fp8 import check_compressed_tensors
+
+FORMAT = "pack-quantized"
+
+
+def _fail(message: str) -> CheckpointError:
+    return CheckpointError(f"unsupported compressed-tensors checkpoint: {message}; infer loads pack-quantized int4 "
+                           "weights (W4A16, W4A16_ASYM: groups of -1/32/64/128, or per channel) with unquantized "
+                           "activations")
+
+
+@dataclass(frozen=True)
+class PackQuantizedConfig:
+    """A validated compressed-tensors int4 config: the weights' group size (-1: per channel) and symmetry, which
+    every group shares, and the modules it quantizes."""
+
+    group_size: int
+    symmetric: bool
+    targets: tuple[str, ...]
+    ignore: tuple[str, ...] = ()
+
+    def applies_to(self, prefix: str) -> bool:
+        """Whether the linear at ``prefix`` is int4: a target matches it and no ignore entry does."""
+        return not any(matches_target(prefix, p) for p in self.ignore) and \
+            any(matches_target(prefix, t) for t in self.targets)
+
+
+def _weights(name: str, group: dict[str, Any]) -> tuple[int, bool]:
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise _fail(f"group {name!r} has no weights arguments")
+    if weights.get("type") != "int" or weights.get("num_bits") != awq.BITS or weights.get("dynamic", False):
+        raise _fail(f"group {name!r} weights are {weights.get('type')!r} with {weights.get('num_bits')!r} bits "
+                    f"(dynamic={weights.get('dynamic', False)}), not static 4-bit int")
+    strategy, size = weights.get("strategy"), weights.get("group_size")
+    if strategy == "channel":
+        size = -1
+    elif strategy != "group" or not awq.is_group_size(size) or size == -1:
+        raise _fail(f"group {name!r} weights use strategy {strategy!r} with group_size {size!r}")
+    if group.get("input_activations") or group.get("output_activations"):
+        raise _fail(f"group {name!r} quantizes activations too")
+    return size, bool(weights.get("symmetric", True))
+
+
+def parse_pack_quantized(qc: dict[str, Any]) -> PackQuantizedConfig:
+    """Validate a compressed-tensors ``quantization_config`` whose groups are all ``pack-quantized`` int4 weights."""
+    ignore = check_compressed_tensors(qc, _fail)
+    schemes, targets = set(), []
+    for name, group in qc["config_groups"].items():
+        group = group if isinstance(group, dict) else {}
+        if (group.get("format") or qc.get("format")) != FORMAT:
+            raise _fail(f"group {name!r} is {group.get('format') or qc.get('format')!r} beside pack-quantized ones")
+        schemes.add(_weights(name, group))
+        names = group.get("targets") or []
+        if not names or not is_name_list(names):
+            raise _fail(f"group {name!r} needs a non-empty list of targets, got {names!r}")
+        if why := bad_pattern(t[3:] for t in names if t.startswith("re:")):
+            raise _fail(f"a target pattern of group {name!r}: {why}")
+        targets += names
+    if len(schemes) > 1:
+        raise _fail(f"its groups quantize weights differently ({sorted(schemes)} as (group size, symmetric))")
+    size, symmetric = schemes.pop()
+    return PackQuantizedConfig(size, symmetric, tuple(targets), ignore)
