@@ -71,10 +71,19 @@ def parse_config(qc: dict[str, Any]) -> GptqConfig:
     return GptqConfig(group_size, FORMATS[form], tuple(name for names in blocks for name in names))
 
 
-def unpack_rows(qweight: torch.Tensor) -> torch.Tensor:
-    """GPTQ ``qweight`` int32 [in / 8, cols] -> int32 [in, cols], values 0..15 (row ``8r + i``: nibble ``i``)."""
-    shifts = torch.arange(0, 32, awq.BITS, device=qweight.device, dtype=torch.int32).view(1, awq.PACK, 1)
-    return ((qweight.unsqueeze(1) >> shifts) & awq.MAX_Q).reshape(-1, qweight.shape[1])
+def repack_rows(qweight: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """GPTQ ``qweight`` int32 [in / 8, cols] (cols a multiple of 8) -> AWQ's int32 [in, cols / 8], its input rows
+    taken in ``order`` (None: as they are). Works on the nibbles as bytes (little-endian words: byte ``j`` holds
+    nibbles ``2j`` and ``2j + 1``), a few passes over half a byte per weight."""
+    words, cols = qweight.shape
+    as_bytes = qweight.contiguous().view(torch.uint8).view(words, cols, 4)
+    nibbles = torch.stack((as_bytes & awq.MAX_Q, as_bytes >> awq.BITS), dim=-1).view(words, cols, awq.PACK)
+    q = nibbles.permute(0, 2, 1).reshape(words * awq.PACK, cols)  # [in, cols]: row 8r + i is nibble i of word r
+    if order is not None:
+        q = q[order]
+    q = q.view(-1, cols // awq.PACK, awq.PACK)[..., list(awq.AWQ_ORDER)]  # nibble j: column AWQ_ORDER[j]
+    packed = q[..., 0::2] | (q[..., 1::2] << awq.BITS)  # [in, cols / 8, 4] bytes
+    return packed.contiguous().view(torch.int32).view(-1, cols // awq.PACK)
 
 
 def unpack_columns(qzeros: torch.Tensor) -> torch.Tensor:
@@ -116,7 +125,5 @@ def to_awq(qweight: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor | No
                               "one")
     packed = torch.empty(in_features, out_features // awq.PACK, dtype=torch.int32, device=qweight.device)
     for columns in row_chunks(out_features, in_features, awq.PACK, chunk_elements):
-        q = unpack_rows(qweight[:, columns])
-        packed[:, columns.start // awq.PACK: columns.stop // awq.PACK] = awq.pack_int4(q if order is None else
-                                                                                        q[order])
+        packed[:, columns.start // awq.PACK: columns.stop // awq.PACK] = repack_rows(qweight[:, columns], order)
     return packed, awq.pack_int4(zeros), order
