@@ -148,12 +148,17 @@ def test_a_checkpoint_without_g_idx_has_consecutive_groups(tiny_model: Path, tmp
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_gptq_checkpoint_generates_like_hf_on_its_dequantized_weights(
-        tiny_model: Path, tmp_path: Path, hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+        device: str, tiny_model: Path, tmp_path: Path, hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """On a GPU also: projections merged (one input order per layer input), the fused W4A16 kernel up to 64 rows
+    on each layer's permuted input, CUDA graphs."""
     from infer import LLM
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", "shared", sym=True, v1=True)
-    llm = LLM(model=str(tmp_path / "gptq"), device="cpu", num_kv_blocks=32)
+    llm = LLM(model=str(tmp_path / "gptq"), device=device, num_kv_blocks=32)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS:
         assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 10)
