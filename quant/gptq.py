@@ -54,7 +54,9 @@ def parse_config(qc: dict[str, Any]) -> GptqConfig:
     if not awq.is_group_size(group_size):
         raise CheckpointError(f"GPTQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))} for infer's "
                               f"W4A16 kernels, got {group_size!r}")
-    form = str(qc.get("checkpoint_format", "gptq")).lower()
+    # config.json's field is checkpoint_format; GPTQModel also writes format, and older AutoGPTQ is_marlin_format
+    form = "marlin" if qc.get("is_marlin_format") else str(qc.get("checkpoint_format") or qc.get("format")
+                                                          or "gptq").lower()
     if form not in FORMATS:
         raise CheckpointError(f"GPTQ checkpoint_format {form!r} is not one infer loads ({', '.join(FORMATS)}): the "
                               "others are kernel-specific repackings; save the model in the gptq format")

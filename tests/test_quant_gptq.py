@@ -217,6 +217,8 @@ def method_for(**changes: Any) -> Any:
     ({"bits": 8}, "bits must be 4"),
     ({"group_size": 100}, "group_size must be one of"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({"format": "bitblas"}, "checkpoint_format 'bitblas'"),
+    ({"is_marlin_format": True}, "checkpoint_format 'marlin'"),
     ({"lm_head": True}, "quantizes lm_head"),
     ({"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
     ({"modules_in_block_to_quantize": ["self_attn.q_proj"]}, "list of lists"),
@@ -225,6 +227,10 @@ def method_for(**changes: Any) -> Any:
 def test_unsupported_configs_are_refused_by_name(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(CheckpointError, match=message):
         method_for(**changes)
+
+
+def test_the_format_field_gptqmodel_writes_is_read_too() -> None:
+    assert method_for(format="gptq_v2").zero_offset == 0 and method_for(checkpoint_format="GPTQ").zero_offset == 1
 
 
 def test_an_unquantized_checkpoint_is_refused() -> None:
