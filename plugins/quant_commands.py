@@ -1,4 +1,5 @@
-"""The `quantize` command: calibrated AWQ (quant/calibrate.py) written as an AutoAWQ GEMM checkpoint."""
+"""The `quantize` command: calibrated AWQ (quant/calibrate.py) written as an AutoAWQ GEMM checkpoint, or GPTQ
+(quant/gptq_calibrate.py) written as a GPTQ one."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,8 +14,10 @@ from ..core.registry import Register
 @click.command("quantize")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--method", type=click.Choice(["awq"]), default="awq", show_default=True,
-              help="Quantization method (AWQ: int4 weights, fp16 group scales and zero points).")
+@click.option("--method", type=click.Choice(["awq", "gptq"]), default="awq", show_default=True,
+              help="Quantization method: awq (activation-aware scales, then round-to-nearest; fp16 group scales and "
+                   "zero points; an AutoAWQ GEMM checkpoint) or gptq (each column's rounding error spread over the "
+                   "columns after it; symmetric fp16 group scales; a GPTQ checkpoint).")
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Calibration text: one text per line, or JSONL ({\"text\": ...} per line) [default: the Python "
                    "standard library's sources].")
@@ -25,30 +28,43 @@ from ..core.registry import Register
 @click.option("--num-samples", type=int, default=64, show_default=True, help="Calibration samples.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration sample.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--act-order/--no-act-order", default=None,
+              help="gptq: quantize each layer's columns by decreasing activation energy (desc_act), usually more "
+                   "accurate; the layer's input is then permuted at run time [default: off].")
+@click.option("--damp", type=float, default=None,
+              help="gptq: dampening added to the Hessian's diagonal, as a fraction of its mean [default: 0.01].")
 @click.pass_context
 def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Path | None, group_size: int | None,
-             bits: int, num_samples: int, seq_len: int, device: str) -> None:
-    """Quantize the unquantized checkpoint MODEL with calibrated AWQ and write it to OUT (a new folder).
+             bits: int, num_samples: int, seq_len: int, device: str, act_order: bool | None,
+             damp: float | None) -> None:
+    """Quantize the unquantized checkpoint MODEL with calibrated AWQ or GPTQ and write it to OUT (a new folder).
 
-    OUT is an AutoAWQ GEMM checkpoint (config.json quantization_config, tokenizer files copied) that infer and
-    other AWQ loaders read: `infer --model OUT generate ...`.
+    OUT is an AutoAWQ GEMM checkpoint (awq) or a GPTQ one (gptq: v1 format, symmetric), with its
+    config.json quantization_config and MODEL's tokenizer files, that infer and other loaders read:
+    `infer --model OUT generate ...`.
     """
     from ..cli.options import refuse_engine_options
-    from ..quant.calibrate import AwqCalibrationConfig, calibrate_awq, check_request
     from ..quant.calib_data import read_texts
+    from ..quant.calibrate import AwqCalibrationConfig, calibrate_awq, check_request
+    from ..quant.gptq_calibrate import GptqCalibrationConfig, calibrate_gptq
 
     refuse_engine_options(ctx, "quantize", " (it takes its own --device, after the command: infer quantize MODEL "
                           "OUT --device cuda)")
-
-    config = AwqCalibrationConfig(group_size=group_size, bits=bits, num_samples=num_samples, seq_len=seq_len,
-                                  device=device)
+    if method != "gptq" and (given := [name for name, value in (("--act-order", act_order), ("--damp", damp))
+                                       if value is not None]):
+        raise click.UsageError(f"{' and '.join(given)} apply to --method gptq only")
+    common = dict(group_size=group_size, bits=bits, num_samples=num_samples, seq_len=seq_len, device=device)
+    config: AwqCalibrationConfig | GptqCalibrationConfig = AwqCalibrationConfig(**common) if method == "awq" else \
+        GptqCalibrationConfig(**common, act_order=bool(act_order), damp=0.01 if damp is None else damp)
     _, config = check_request(model, out, config)  # every bad-input check before the model loads
     texts = read_texts(calib) if calib is not None else None
     with _ProgressBar() as progress:  # errors: the group prints them (a ConfigError as a usage error)
-        reports = calibrate_awq(model, out, config, texts, progress)
-    _print_summary(reports)
-    click.echo(f"wrote the AWQ checkpoint {out} (int4, group {config.group_size}); run it with `infer --model {out} "
-               "generate ...`")
+        if isinstance(config, GptqCalibrationConfig):
+            _print_gptq_summary(calibrate_gptq(model, out, config, texts, progress))
+        else:
+            _print_summary(calibrate_awq(model, out, config, texts, progress))
+    click.echo(f"wrote the {method.upper()} checkpoint {out} (int4, group {config.group_size}); run it with "
+               f"`infer --model {out} generate ...`")
 
 
 class _ProgressBar:
@@ -83,6 +99,20 @@ def _print_summary(reports: list[Any]) -> None:
         rows = [r for r in reports if r.group == name]
         ratio = sum(r.error for r in rows) / max(sum(r.rtn_error for r in rows), 1e-30)
         table.add_row(name, f"{sum(r.alpha for r in rows) / len(rows):.2f}", f"{ratio:.3f}")
+    Console(stderr=True).print(table)
+
+
+def _print_gptq_summary(reports: list[Any]) -> None:
+    """One row per linear kind: GPTQ's output error on the calibration inputs, relative to the output, and RTN's."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("linear", "GPTQ error", "RTN error", "GPTQ / RTN", title="GPTQ (relative output error on the "
+                  "calibration inputs, mean over layers)")
+    for name in dict.fromkeys(r.linear for r in reports):
+        rows = [r for r in reports if r.linear == name]
+        error, rtn = (sum(getattr(r, k) for r in rows) / len(rows) for k in ("error", "rtn_error"))
+        table.add_row(name, f"{error:.2e}", f"{rtn:.2e}", f"{error / max(rtn, 1e-30):.3f}")
     Console(stderr=True).print(table)
 
 

@@ -10,6 +10,7 @@
 - :mod:`.fp8_block`: the block-wise FP8 format (``quant_method: "fp8"``: DeepSeek-V3, Qwen3 FP8) and its torch
   references; :mod:`.fp8_block_method`: :class:`~.fp8_block_method.BlockFp8LinearMethod`, its QuantMethod.
 - :mod:`.calibrate`: the AWQ scale search behind ``infer quantize --method awq`` (data from :mod:`.calib_data`).
+- :mod:`.gptq_calibrate`: GPTQ behind ``infer quantize --method gptq``.
 - :mod:`.kv_cache`: ``--kv-cache-dtype fp8``: e4m3 KV with static per-(layer, KV head) scales.
 - :mod:`.forward`: cache-free forward passes over whole sequences, for calibration.
 """

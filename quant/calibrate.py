@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -69,24 +69,48 @@ class AwqCalibrationConfig:
     device: str = "auto"
 
     def validate(self) -> AwqCalibrationConfig:
-        if self.bits != awq.BITS:
-            raise ConfigError(f"AWQ supports {awq.BITS}-bit weights only (the AutoAWQ GEMM format), got --bits "
-                              f"{self.bits}")
-        if self.group_size is not None and not awq.is_group_size(self.group_size):
-            raise ConfigError(f"--group-size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
-                              f"got {self.group_size}")
-        if self.seq_len < 2:
-            raise ConfigError(f"--seq-len must be >= 2 (a sample needs a next token), got {self.seq_len}")
-        for name in ("num_samples", "grid", "max_rows", "batch_samples"):
+        check_calibration_options(self, "AWQ supports 4-bit weights only (the AutoAWQ GEMM format)")
+        for name in ("grid", "max_rows", "batch_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        from ..core.loader import resolve_device
-
-        try:
-            resolve_device(self.device)
-        except RuntimeError as exc:  # torch's message for a malformed device string
-            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from exc
         return self
+
+
+def check_calibration_options(config: Any, bits_message: str) -> None:
+    """The options every method shares: 4 bits (else ConfigError ``bits_message``), a group size of
+    :data:`.awq.GROUP_SIZES` or None, at least one sample of at least 2 tokens, a device torch can parse."""
+    from ..core.loader import resolve_device
+
+    if config.bits != awq.BITS:
+        raise ConfigError(f"{bits_message}, got --bits {config.bits}")
+    if config.group_size is not None and not awq.is_group_size(config.group_size):
+        raise ConfigError(f"--group-size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
+                          f"got {config.group_size}")
+    if config.seq_len < 2:
+        raise ConfigError(f"--seq-len must be >= 2 (a sample needs a next token), got {config.seq_len}")
+    if config.num_samples < 1:
+        raise ConfigError(f"--num-samples must be >= 1, got {config.num_samples}")
+    try:
+        resolve_device(config.device)
+    except RuntimeError as exc:  # torch's message for a malformed device string
+        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {config.device!r}") from exc
+
+
+class CalibrationOptions(Protocol):
+    """What the shared steps (:func:`check_request`, :func:`load_for_calibration`) read of a method's options."""
+
+    @property
+    def group_size(self) -> int | None: ...
+    @property
+    def num_samples(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    def validate(self) -> Any: ...
+
+
+Options = TypeVar("Options", bound=CalibrationOptions)
 
 
 @dataclass(frozen=True)
@@ -151,8 +175,7 @@ class ScaleSearch:
 
 
 # ---------------------------------------------------------------- checks (before any heavy work)
-def check_request(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig
-                  ) -> tuple[dict[str, Any], AwqCalibrationConfig]:
+def check_request(model_dir: Path, out_dir: Path, config: Options) -> tuple[dict[str, Any], Options]:
     """Validate the options, MODEL and OUT; return MODEL's config.json and the options with the group size chosen.
     Raises ConfigError/CheckpointError."""
     from ..core.loader import architectures, quantization_config, read_config, safetensors_files
@@ -311,6 +334,36 @@ def _to_fp16(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu().contiguous()
 
 
+def load_for_calibration(model_dir: Path, config: CalibrationOptions, texts: Iterable[str] | None,
+                         plugins: Any = None) -> tuple[Any, list[list[int]], int]:
+    """The unquantized model (float32 on the CPU, its checkpoint's own linears) and the calibration samples: up to
+    ``config.num_samples`` of ``config.seq_len`` tokens (at most the model's context) from ``texts``, by default
+    the standard library's sources; a warning when the text holds fewer), and that sample length."""
+    from ..core.config import EngineConfig
+    from ..core.loader import load_model, resolve_device
+    from ..core.plugins import PluginManager
+
+    device = resolve_device(config.device)
+    plugins = plugins or PluginManager.from_entry_points().collect()
+    engine_config = EngineConfig(model=str(model_dir), device=str(device),  # calibration reads each projection
+                                 dtype="float32" if device.type == "cpu" else "auto", fuse_projections=False).validate()
+    loaded = load_model(engine_config, plugins, model_dir)
+    seq_len = min(config.seq_len, loaded.model.spec.max_model_len)
+    if seq_len < config.seq_len:
+        log.warning("--seq-len %d is longer than the model's context (%d tokens): the samples use %d",
+                    config.seq_len, loaded.model.spec.max_model_len, seq_len)
+    samples = token_samples(loaded.tokenizer, default_texts() if texts is None else texts, config.num_samples, seq_len)
+    used = sum(map(len, samples))
+    if used < seq_len:  # a search on a handful of tokens can be worse than plain round-to-nearest
+        log.warning("the calibration text holds only %d tokens, under one sample of %d: the quantization may fit it "
+                    "and nothing else; give more text with --calib", used, seq_len)
+    elif len(samples) < config.num_samples:
+        log.warning("the calibration text holds %d samples of %d tokens, not the %d asked for (--num-samples): "
+                    "calibrating on those; give more text with --calib for more", len(samples), seq_len,
+                    config.num_samples)
+    return loaded, samples, seq_len
+
+
 def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig = AwqCalibrationConfig(),
                   texts: Iterable[str] | None = None, progress: ProgressFn | None = None,
                   plugins: Any = None) -> list[GroupReport]:
@@ -320,31 +373,10 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
     """
     from safetensors.torch import save_file
 
-    from ..core.config import EngineConfig
-    from ..core.loader import load_model, resolve_device
-    from ..core.plugins import PluginManager
-
     raw, config = check_request(model_dir, out_dir, config)
     report_progress: ProgressFn = progress or (lambda phase, done, total: None)
-    device = resolve_device(config.device)
-    plugins = plugins or PluginManager.from_entry_points().collect()
-    engine_config = EngineConfig(model=str(model_dir), device=str(device),  # the search reads each projection
-                                 dtype="float32" if device.type == "cpu" else "auto", fuse_projections=False).validate()
-    loaded = load_model(engine_config, plugins, model_dir)
-    model = loaded.model
-    seq_len = min(config.seq_len, model.spec.max_model_len)
-    if seq_len < config.seq_len:
-        log.warning("--seq-len %d is longer than the model's context (%d tokens): the samples use %d",
-                    config.seq_len, model.spec.max_model_len, seq_len)
-    samples = token_samples(loaded.tokenizer, default_texts() if texts is None else texts, config.num_samples, seq_len)
-    used = sum(map(len, samples))
-    if used < seq_len:  # a scale search on a handful of tokens can be worse than plain round-to-nearest
-        log.warning("the calibration text holds only %d tokens, under one sample of %d: the scales may fit it and "
-                    "nothing else; give more text with --calib", used, seq_len)
-    elif len(samples) < config.num_samples:
-        log.warning("the calibration text holds %d samples of %d tokens, not the %d asked for (--num-samples): "
-                    "calibrating on those; give more text with --calib for more", len(samples), seq_len,
-                    config.num_samples)
+    loaded, samples, seq_len = load_for_calibration(model_dir, config, texts, plugins)
+    model, used = loaded.model, sum(map(len, samples))
     stats = _collect(model, samples, loaded.device, config, report_progress)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -374,8 +406,12 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
         if name.rpartition(".")[0] not in quantized_owners:
             tensors[name] = tensor
     tensors = {name: _to_fp16(name, t) for name, t in tensors.items()}
-    _write_checkpoint(model_dir, out_dir, raw, config, tensors, reports, save_file,
-                      {"samples": len(samples), "tokens": used, "seq_len": seq_len})
+    qc = {"quant_method": "awq", "bits": config.bits, "group_size": config.group_size, "zero_point": True,
+          "version": awq.SUPPORTED_VERSION, "modules_to_not_convert": None}
+    record = {"method": "infer quantize --method awq", "options": asdict(config),
+              "calibration_data": {"samples": len(samples), "tokens": used, "seq_len": seq_len},
+              "groups": [asdict(r) for r in reports]}
+    _write_checkpoint(model_dir, out_dir, raw, tensors, save_file, qc, ("awq_calibration.json", record))
     return reports
 
 
@@ -387,16 +423,15 @@ def temporary_sibling(out_dir: Path) -> Path:
     return folder
 
 
-def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], config: AwqCalibrationConfig,
-                      tensors: dict[str, torch.Tensor], reports: list[GroupReport], save_file: Any,
-                      calibration: dict[str, int]) -> None:
+def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], tensors: dict[str, torch.Tensor],
+                      save_file: Any, quantization_config: dict[str, Any], record: tuple[str, dict[str, Any]]) -> None:
     """Write to a temporary sibling folder, then move it into place, so OUT is complete or absent."""
     from safetensors import SafetensorError
 
     tmp: Path | None = None
     try:
         tmp = temporary_sibling(out_dir)  # check_request made one there
-        _write_files(model_dir, tmp, raw, config, tensors, reports, save_file, calibration)
+        _write_files(model_dir, tmp, raw, tensors, save_file, quantization_config, record)
         existed = out_dir.exists()
         if existed:
             out_dir.rmdir()  # checked empty by check_request
@@ -419,24 +454,20 @@ def _write_checkpoint(model_dir: Path, out_dir: Path, raw: dict[str, Any], confi
         raise
 
 
-def _write_files(model_dir: Path, tmp: Path, raw: dict[str, Any], config: AwqCalibrationConfig,
-                 tensors: dict[str, torch.Tensor], reports: list[GroupReport], save_file: Any,
-                 calibration: dict[str, int]) -> None:
-    """The checkpoint's files, in ``tmp``: weights, config.json with the AutoAWQ GEMM quantization_config, the
-    calibration record, and MODEL's other files (tokenizer, generation config, chat template, ...)."""
+def _write_files(model_dir: Path, tmp: Path, raw: dict[str, Any], tensors: dict[str, torch.Tensor], save_file: Any,
+                 quantization_config: dict[str, Any], record: tuple[str, dict[str, Any]]) -> None:
+    """The checkpoint's files, in ``tmp``: weights (float16 beside the quantized tensors), config.json with the
+    ``quantization_config``, the calibration ``record`` (file name, contents), and MODEL's other files (tokenizer,
+    generation config, chat template, ...)."""
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     chmod_as_umask(tmp / "model.safetensors")
     quantized = dict(raw)
-    quantized["quantization_config"] = {
-        "quant_method": "awq", "bits": config.bits, "group_size": config.group_size, "zero_point": True,
-        "version": awq.SUPPORTED_VERSION, "modules_to_not_convert": None}
+    quantized["quantization_config"] = quantization_config
     quantized["torch_dtype"] = "float16"
     if "dtype" in quantized:
         quantized["dtype"] = "float16"
     (tmp / "config.json").write_text(json.dumps(quantized, indent=2) + "\n")
-    (tmp / "awq_calibration.json").write_text(json.dumps(
-        {"method": "infer quantize --method awq", "options": asdict(config), "calibration_data": calibration,
-         "groups": [asdict(r) for r in reports]}, indent=1) + "\n")
+    (tmp / record[0]).write_text(json.dumps(record[1], indent=1) + "\n")
     for item in model_dir.iterdir():
         if item.is_file() and item.suffix not in SKIPPED_SUFFIXES and item.name not in SKIPPED_NAMES:
             shutil.copy2(item, tmp / item.name)

@@ -818,14 +818,13 @@ def test_quantize_warns_when_the_calibration_text_is_tiny(tiny_model: Path, tmp_
 
 
 def test_a_failed_checkpoint_write_is_a_checkpoint_error_and_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
-    from infer.quant.calibrate import AwqCalibrationConfig, _write_checkpoint
+    from infer.quant.calibrate import _write_checkpoint
 
     def disk_full(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
     with pytest.raises(CheckpointError, match="No space left on device.*OUT was not created"):
-        _write_checkpoint(tiny_model, tmp_path / "out", {}, AwqCalibrationConfig(group_size=64), {}, [], disk_full,
-                          {})
+        _write_checkpoint(tiny_model, tmp_path / "out", {}, {}, disk_full, {"quant_method": "awq"}, ("r.json", {}))
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,0 +1,256 @@
+"""GPTQ calibration (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers") written as a GPTQ checkpoint (:mod:`.gptq`: v1 format, symmetric int4, fp16 group scales).
+
+For a linear with weight ``W`` [out, in] and calibration inputs ``X`` [n, in], ``H = 2 X^T X / n``, damped by
+``damp`` times the mean of its diagonal. The columns are quantized one at a time, in order (with ``act_order``, by
+decreasing ``diag(H)``); with ``U`` the upper Cholesky factor of ``H^-1``, quantizing column ``j`` to ``q_j`` moves
+every later column ``k`` by ``-(w_j - q_j) / U[j, j] * U[j, k]``, the update that minimises ``||(W - Q) X^T||^2``
+given the columns quantized so far (the paper's equations 2 and 3 in their Cholesky form, section 3 step 3), applied
+to the later columns a block of ``block_size`` at a time (step 2: lazy batch updates). A group's scale is chosen
+when its first column is reached, from its columns as they are then: ``2 max|w| / 15`` per output row, rounded up to
+fp16, zero point 8.
+
+Layers are quantized in order, each on the inputs that the already-quantized layers before it produce (the forward
+pass run up to that layer: L (L + 1) / 2 layer passes in all); within a layer every linear sees the unquantized
+layer's activations (AutoGPTQ's ``true_sequential=False``).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import ConfigError
+from . import awq
+from .calibrate import (ProgressFn, _to_fp16, _write_checkpoint, check_calibration_options, check_request, groups_of,
+                        load_for_calibration)
+from .forward import dense_forward
+
+SYMMETRIC_ZERO = 8
+V1_ZEROS = int.from_bytes(bytes([0x77] * 4), "little", signed=True)  # zero point 8 stored as 7 in every nibble
+
+
+@dataclass(frozen=True)
+class GptqCalibrationConfig:
+    """Options of ``infer quantize --method gptq``."""
+
+    group_size: int | None = None  # None: the largest of 128, 64, 32 that divides every layer's input size, else -1
+    bits: int = 4
+    num_samples: int = 64
+    seq_len: int = 512
+    act_order: bool = False  # quantize the columns by decreasing Hessian diagonal (desc_act), not in input order
+    damp: float = 0.01  # of the mean Hessian diagonal, added to it
+    block_size: int = 128  # columns per lazy batch update (rounded up to a multiple of the group size)
+    batch_samples: int = 8  # samples per calibration forward pass
+    device: str = "auto"
+
+    def validate(self) -> GptqCalibrationConfig:
+        check_calibration_options(self, "infer quantizes GPTQ to 4-bit weights only (its int4 kernels)")
+        if not (math.isfinite(self.damp) and 0 < self.damp <= 1):
+            raise ConfigError(f"--damp must be in (0, 1], a fraction of the mean Hessian diagonal, got {self.damp}")
+        for name in ("block_size", "batch_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        return self
+
+
+@dataclass(frozen=True)
+class GptqLayerReport:
+    layer: int
+    linear: str
+    error: float  # tr((W - Q) H (W - Q)^T) / tr(W H W^T): the relative output error on the calibration inputs
+    rtn_error: float  # the same for round-to-nearest with the same group size (its own scales)
+
+
+@dataclass(frozen=True)
+class GptqResult:
+    """One linear quantized: codes 0..15 [out, in] (zero point 8), fp16 scales [in / g, out], g_idx [in]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] the codes stand for, in float32."""
+        return (self.codes - SYMMETRIC_ZERO).to(torch.float32) * self.scales.to(torch.float32)[self.g_idx.long()].t()
+
+
+def symmetric_scales(columns: torch.Tensor) -> torch.Tensor:
+    """Per output row of ``columns`` [out, g]: ``2 max|w| / 15`` (2 / 15 for an all-zero row), rounded up to fp16."""
+    extent = columns.abs().amax(dim=1)
+    extent = torch.where(extent > 0, extent, torch.ones_like(extent))
+    return awq._round_up_to_fp16(2 * extent / awq.MAX_Q).to(torch.float32)
+
+
+def quantize_column(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 of ``w`` [out] under ``scale`` [out] and the zero point 8."""
+    return (torch.round(w / scale) + SYMMETRIC_ZERO).clamp(0, awq.MAX_Q)
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, act_order: bool = False,
+                  damp: float = 0.01, block_size: int = 128) -> GptqResult:
+    """GPTQ of ``weight`` [out, in] under the input Hessian ``hessian`` [in, in] (``2 X^T X / n``); group_size -1:
+    one group over the whole input. Inputs no calibration token used (a zero diagonal) get zero weights."""
+    out_features, in_features = weight.shape
+    group = in_features if group_size == -1 else group_size
+    w = weight.detach().to(torch.float32).clone()
+    h = hessian.detach().to(torch.float32).clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
+    if order is not None:
+        w, h = w[:, order], h[order][:, order]
+    h += damp * torch.diagonal(h).mean() * torch.eye(in_features, device=h.device)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    codes = torch.empty_like(w)
+    scales = torch.empty(in_features // group, out_features, device=w.device)
+    block = -(-max(block_size, 1) // group) * group if group < in_features else max(block_size, 1)
+    if group == in_features:  # one group: its scales come from the weight as it is, before any update
+        scales[0] = symmetric_scales(w)
+    for start in range(0, in_features, block):
+        end = min(start + block, in_features)
+        part, errors = w[:, start:end].clone(), torch.empty(out_features, end - start, device=w.device)
+        for i in range(end - start):
+            j = start + i
+            if j % group == 0 and group < in_features:  # the group lies in this block (a multiple of the group)
+                scales[j // group] = symmetric_scales(part[:, i: i + group])  # its columns, updated so far
+            scale = scales[j // group]
+            codes[:, j] = quantize_column(part[:, i], scale)
+            errors[:, i] = (part[:, i] - (codes[:, j] - SYMMETRIC_ZERO) * scale) / u[j, j]
+            part[:, i:] -= errors[:, i: i + 1] * u[j, j:end].unsqueeze(0)
+        w[:, end:] -= errors @ u[start:end, end:]
+    g_idx = torch.arange(in_features, device=w.device) // group
+    if order is not None:  # back to input order: input order[j] was quantized j-th, in group j // group
+        codes, g_idx = codes[:, torch.argsort(order)], g_idx[torch.argsort(order)]
+    return GptqResult(codes.to(torch.int32), scales.to(torch.float16), g_idx.to(torch.int32))
+
+
+def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``tr(D H D^T) / tr(W H W^T)`` with ``D = W - approx``: the output error relative to the output on the
+    calibration inputs whose Hessian is ``hessian``."""
+    delta = weight.to(torch.float32) - approx
+    w = weight.to(torch.float32)
+    return float(((delta @ hessian) * delta).sum() / ((w @ hessian) * w).sum().clamp(min=1e-30))
+
+
+def rtn_dequantized(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Round-to-nearest with this format's symmetric scales: the baseline of the report."""
+    out_features, in_features = weight.shape
+    group = in_features if group_size == -1 else group_size
+    w = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
+    scales = torch.stack([symmetric_scales(w[:, g]) for g in range(w.shape[1])], dim=1).unsqueeze(-1)
+    codes = (torch.round(w / scales) + SYMMETRIC_ZERO).clamp(0, awq.MAX_Q)
+    return ((codes - SYMMETRIC_ZERO) * scales).reshape(out_features, in_features)
+
+
+def pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [out, in] -> GPTQ ``qweight`` int32 [in / 8, out]: nibble ``i`` of row ``r`` holds input
+    ``8r + i``."""
+    q = codes.t().to(torch.int64).reshape(-1, awq.PACK, codes.shape[0])  # [in / 8, 8, out]
+    shifts = (awq.BITS * torch.arange(awq.PACK, device=codes.device, dtype=torch.int64)).view(1, -1, 1)
+    packed = (q << shifts).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+class _Reached(Exception):
+    """Raised by the hook at the end of the layer being calibrated: the rest of the forward pass is not needed."""
+
+
+def layer_hessians(model: Any, index: int, samples: list[list[int]], device: torch.device, batch: int
+                   ) -> dict[str, torch.Tensor]:
+    """``2 X^T X / n`` at the input of each linear group of decoder layer ``index``, over every sample (the forward
+    pass stops after that layer)."""
+    layer = model.model.layers[index]
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def record(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
+            sums[name] = sums[name] + x.t() @ x if name in sums else x.t() @ x
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return hook
+
+    def stop(module: nn.Module, args: Any, output: Any) -> None:
+        raise _Reached
+
+    handles = [layer.get_submodule(g.linears[0]).register_forward_pre_hook(record(g.name)) for g in groups_of(layer)]
+    handles.append(layer.register_forward_hook(stop))
+    try:
+        for first in range(0, len(samples), batch):
+            try:
+                dense_forward(model, samples[first: first + batch], device)
+            except _Reached:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: 2 * total / counts[name] for name, total in sums.items()}
+
+
+def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig = GptqCalibrationConfig(),
+                   texts: Iterable[str] | None = None, progress: ProgressFn | None = None,
+                   plugins: Any = None) -> list[GptqLayerReport]:
+    """Calibrate, quantize and write ``out_dir`` (a GPTQ checkpoint); return each linear's error report."""
+    from safetensors.torch import save_file
+
+    raw, config = check_request(model_dir, out_dir, config)
+    report_progress: ProgressFn = progress or (lambda phase, done, total: None)
+    loaded, samples, seq_len = load_for_calibration(model_dir, config, texts, plugins)
+    model, group_size = loaded.model, config.group_size
+    assert group_size is not None  # check_request chose it
+    for i, layer in enumerate(model.model.layers):
+        for g in groups_of(layer):
+            for path in g.linears:
+                check_gptq_format(layer.get_submodule(path).in_features, f"model.layers.{i}.{path}")
+    tensors: dict[str, torch.Tensor] = {}
+    reports: list[GptqLayerReport] = []
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        report_progress("GPTQ, layer by layer", i, len(layers))
+        hessians = layer_hessians(model, i, samples, loaded.device, config.batch_samples)
+        for g in groups_of(layer):
+            for path in g.linears:
+                linear, name = layer.get_submodule(path), f"model.layers.{i}.{path}"
+                weight = linear.weight.data
+                result = gptq_quantize(weight, hessians[g.name], group_size, config.act_order, config.damp,
+                                       config.block_size)
+                quantized = result.dequantized()
+                reports.append(GptqLayerReport(i, path, relative_error(weight, quantized, hessians[g.name]),
+                                               relative_error(weight, rtn_dequantized(weight, group_size),
+                                                              hessians[g.name])))
+                tensors.update({f"{name}.qweight": pack_rows(result.codes).cpu(),
+                                f"{name}.qzeros": torch.full((result.scales.shape[0], weight.shape[0] // awq.PACK),
+                                                             V1_ZEROS, dtype=torch.int32),
+                                f"{name}.scales": result.scales.cpu(), f"{name}.g_idx": result.g_idx.cpu()})
+                if linear.bias is not None:
+                    tensors[f"{name}.bias"] = linear.bias.data
+                linear.weight.data.copy_(quantized.to(weight.dtype))  # the next layers see this layer quantized
+    report_progress("GPTQ, layer by layer", len(layers), len(layers))
+    quantized_owners = {name.rpartition(".")[0] for name in tensors}
+    for name, tensor in model.state_dict().items():
+        if name.rpartition(".")[0] not in quantized_owners:
+            tensors[name] = tensor
+    tensors = {name: _to_fp16(name, t) for name, t in tensors.items()}
+    qc = {"quant_method": "gptq", "bits": config.bits, "group_size": group_size, "sym": True,
+          "desc_act": config.act_order, "static_groups": False, "true_sequential": False,
+          "damp_percent": config.damp, "checkpoint_format": "gptq", "lm_head": False}
+    record = {"method": "infer quantize --method gptq", "options": asdict(config),
+              "calibration_data": {"samples": len(samples), "tokens": sum(map(len, samples)), "seq_len": seq_len},
+              "linears": [asdict(r) for r in reports]}
+    _write_checkpoint(model_dir, out_dir, raw, tensors, save_file, qc, ("gptq_calibration.json", record))
+    return reports
+
+
+def check_gptq_format(in_features: int, prefix: str) -> None:
+    """GPTQ packs 8 inputs per int32 (AWQ's check covers the outputs and the group)."""
+    if in_features % awq.PACK:
+        raise ConfigError(f"GPTQ packs {awq.PACK} inputs per int32, and {prefix} has {in_features}: this model "
+                          "cannot be stored as GPTQ; use --method awq")
+

@@ -1,0 +1,197 @@
+"""`infer quantize --method gptq` (quant/gptq_calibrate.py): the algorithm against the paper's unblocked form, its
+error against round-to-nearest, and the checkpoint it writes read back by this file's own GPTQ reader."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the first import of a module defining @triton.jit kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from click.testing import CliRunner  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from infer.cli.main import main  # noqa: E402
+from infer.core.errors import ConfigError  # noqa: E402
+from infer.core.request import SamplingParams  # noqa: E402
+from infer.quant.gptq_calibrate import (GptqCalibrationConfig, calibrate_gptq, gptq_quantize,  # noqa: E402
+                                        relative_error, rtn_dequantized)
+
+CALIB = GptqCalibrationConfig(group_size=32, num_samples=8, seq_len=64, device="cpu")
+
+
+def correlated_inputs(n: int, features: int, seed: int) -> torch.Tensor:
+    """Inputs with unequal, correlated channels (as activations are): where GPTQ has something to exploit."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(features, features, generator=g) * torch.logspace(0, -1.5, features).unsqueeze(0)
+    return torch.randn(n, features, generator=g) @ mix
+
+
+def round_up_fp16(x: torch.Tensor) -> torch.Tensor:
+    h = x.to(torch.float16).to(torch.float64)
+    return torch.where(h < x, torch.nextafter(x.to(torch.float16), torch.tensor(np.inf, dtype=torch.float16))
+                       .to(torch.float64), h)
+
+
+def unblocked_reference(weight: torch.Tensor, hessian: torch.Tensor, group: int, act_order: bool,
+                        damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's column-by-column form in float64 (its equation 3, with ``H^-1`` updated by Gaussian elimination
+    instead of a Cholesky factor): codes and dequantized weight, in input order."""
+    w, h = weight.double().clone(), hessian.double().clone()
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(w.shape[1])
+    w, h = w[:, order], h[order][:, order]
+    h += damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=torch.float64)
+    hinv = torch.linalg.inv(h)
+    codes, deq = torch.empty_like(w), torch.empty_like(w)
+    for j in range(w.shape[1]):
+        if j % group == 0:
+            extent = w[:, j: j + group].abs().amax(dim=1)
+            scale = round_up_fp16(2 * torch.where(extent > 0, extent, torch.ones_like(extent)) / 15)
+        codes[:, j] = (torch.round(w[:, j] / scale) + 8).clamp(0, 15)
+        deq[:, j] = (codes[:, j] - 8) * scale
+        err = (w[:, j] - deq[:, j]) / hinv[j, j]
+        w[:, j:] -= err.unsqueeze(1) * hinv[j, j:].unsqueeze(0)
+        hinv -= torch.outer(hinv[:, j], hinv[j, :]) / hinv[j, j]
+    back = torch.argsort(order)
+    return codes[:, back], deq[:, back].float()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("group, block", [(32, 128), (64, 32), (-1, 48)])  # block rounds up to the group
+def test_blocked_cholesky_gptq_equals_the_papers_unblocked_form(act_order: bool, group: int, block: int) -> None:
+    weight = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
+    x = correlated_inputs(512, 128, seed=1)
+    hessian = 2 * x.t() @ x / x.shape[0]
+    ours = gptq_quantize(weight, hessian, group, act_order, damp=0.01, block_size=block)
+    codes, deq = unblocked_reference(weight, hessian, 128 if group == -1 else group, act_order, 0.01)
+    assert (ours.codes == codes.int()).float().mean() > 0.99  # float32 against float64: a rare tie may round apart
+    assert relative_error(weight, ours.dequantized(), hessian) == pytest.approx(
+        relative_error(weight, deq, hessian), rel=0.03)
+    groups = 1 if group == -1 else 128 // group
+    assert torch.equal(torch.bincount(ours.g_idx.long(), minlength=groups), torch.full((groups,), 128 // groups))
+    assert torch.equal(ours.g_idx.long() == torch.arange(128) // (128 // groups), torch.ones(128, dtype=torch.bool)) \
+        is not act_order or group == -1
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_beats_round_to_nearest_on_the_calibration_inputs(act_order: bool) -> None:
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    x = correlated_inputs(1024, 256, seed=3)
+    hessian = 2 * x.t() @ x / x.shape[0]
+    ours = relative_error(weight, gptq_quantize(weight, hessian, 64, act_order).dequantized(), hessian)
+    assert ours < 0.8 * relative_error(weight, rtn_dequantized(weight, 64), hessian)
+
+
+def test_an_input_no_token_uses_gets_zero_weights() -> None:
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
+    x = correlated_inputs(256, 64, seed=5)
+    x[:, 7] = 0
+    result = gptq_quantize(weight, 2 * x.t() @ x / 256, 32)
+    assert torch.equal(result.dequantized()[:, 7], torch.zeros(16))
+
+
+def read_gptq_weight(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This file's own reading of a GPTQ v1 layer (symmetric or not): ``(q - (z + 1)) * s`` per input's group."""
+    words = tensors["qweight"].numpy().view(np.uint32)  # [in / 8, out]
+    q = np.stack([(words >> np.uint32(4 * i)) & 0xF for i in range(8)], axis=1).reshape(-1, words.shape[1])
+    zwords = tensors["qzeros"].numpy().view(np.uint32)  # [groups, out / 8]
+    z = np.stack([(zwords >> np.uint32(4 * i)) & 0xF for i in range(8)], axis=2).reshape(zwords.shape[0], -1) + 1
+    g = tensors["g_idx"].numpy().astype(np.int64)
+    s = tensors["scales"].float().numpy()
+    return torch.from_numpy(np.ascontiguousarray(((q.astype(np.float64) - z[g]) * s[g]).T, dtype=np.float32))
+
+
+def dense_twin(quantized: Path, dense: Path) -> None:
+    """The GPTQ checkpoint ``quantized`` as a plain float32 one, by :func:`read_gptq_weight`."""
+    state = load_file(str(quantized / "model.safetensors"))
+    plain = {name: t.float() for name, t in state.items() if name.rpartition(".")[2] not in
+             ("qweight", "qzeros", "scales", "g_idx")}
+    for owner in {name.rpartition(".")[0] for name in state if name.endswith(".qweight")}:
+        plain[f"{owner}.weight"] = read_gptq_weight({k: state[f"{owner}.{k}"] for k in
+                                                     ("qweight", "qzeros", "scales", "g_idx")})
+    shutil.copytree(quantized, dense)
+    save_file(plain, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dense / "config.json").read_text())
+    del config["quantization_config"]
+    (dense / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("arch, act_order", [("llama", False), ("llama", True), ("phi3", True)])
+def test_the_written_checkpoint_generates_like_hf_on_its_weights(
+        arch: str, act_order: bool, tmp_path: Path, tiny_model_factory: Callable[..., Path],
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    from infer import LLM
+
+    model = tiny_model_factory(arch)
+    reports = calibrate_gptq(model, tmp_path / "gptq", GptqCalibrationConfig(**{**CALIB.__dict__,
+                                                                                "act_order": act_order}))
+    assert all(r.error < r.rtn_error for r in reports)  # on the calibration inputs
+    qc = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"], qc["checkpoint_format"]) \
+        == ("gptq", 4, 32, True, act_order, "gptq")
+    assert json.loads((tmp_path / "gptq" / "gptq_calibration.json").read_text())["calibration_data"]["samples"] == 8
+    dense_twin(tmp_path / "gptq", tmp_path / "dense")
+    llm = LLM(model=str(tmp_path / "gptq"), device="cpu", num_kv_blocks=32)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for prompt in ([5, 17, 300, 42, 7, 99], [900, 12, 8, 8, 41, 3, 3]):
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 8)
+
+
+def test_quantize_command_writes_gptq_and_refuses_gptq_options_elsewhere(tiny_model: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    common = ["--num-samples", "4", "--seq-len", "32", "--device", "cpu"]
+    result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "a"), "--method", "awq",
+                                  "--act-order", *common])
+    assert result.exit_code == 2 and "--act-order apply to --method gptq only" in result.output
+    result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "b"), "--method", "gptq",
+                                  "--damp", "0", *common])
+    assert result.exit_code != 0 and "--damp must be in (0, 1]" in result.output
+    result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "c"), "--method", "gptq",
+                                  "--act-order", "--group-size", "32", *common])
+    assert result.exit_code == 0, result.output
+    assert "wrote the GPTQ checkpoint" in result.output and "GPTQ / RTN" in result.output
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]["desc_act"] is True
+
+
+def test_bad_gptq_options_are_config_errors() -> None:
+    for options, message in (({"damp": float("nan")}, "--damp"), ({"block_size": 0}, "--block-size"),
+                             ({"bits": 8}, "4-bit weights only"), ({"group_size": 48}, "--group-size")):
+        with pytest.raises(ConfigError, match=message):
+            GptqCalibrationConfig(**options).validate()
+
+
+def test_each_layer_is_quantized_on_the_inputs_of_the_quantized_layers_before_it(tiny_model: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Layer 1's codes are GPTQ's under the Hessian of its inputs in the float model with layer 0's weights
+    quantized (read back from the checkpoint), not in the float model itself."""
+    from infer.core.config import EngineConfig
+    from infer.core.loader import load_model
+    from infer.core.plugins import PluginManager
+    from infer.quant.calib_data import default_texts, token_samples
+    from infer.quant.gptq_calibrate import layer_hessians
+
+    calibrate_gptq(tiny_model, tmp_path / "gptq", CALIB)
+    plugins = PluginManager.from_entry_points().collect()
+    state = load_file(str(tmp_path / "gptq" / "model.safetensors"))
+    read = {owner: read_gptq_weight({k: state[f"{owner}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")})
+            for owner in {name.rpartition(".")[0] for name in state if name.endswith(".qweight")}}
+    floats = load_file(str(tiny_model / "model.safetensors"))
+    shutil.copytree(tiny_model, tmp_path / "layer0")
+    save_file({**floats, **{f"{owner}.weight": w for owner, w in read.items() if ".layers.0." in owner}},
+              str(tmp_path / "layer0" / "model.safetensors"))
+    written, original = read["model.layers.1.mlp.up_proj"], floats["model.layers.1.mlp.up_proj.weight"]
+    agreement = {}
+    for name, path in (("quantized", tmp_path / "layer0"), ("float", tiny_model)):
+        loaded = load_model(EngineConfig(model=str(path), device="cpu", fuse_projections=False).validate(), plugins,
+                            path)
+        samples = token_samples(loaded.tokenizer, default_texts(), CALIB.num_samples, CALIB.seq_len)
+        hessian = layer_hessians(loaded.model, 1, samples, loaded.device, CALIB.batch_samples)["gate_up"]
+        agreement[name] = float((gptq_quantize(original, hessian, 32).dequantized() == written).float().mean())
+    assert agreement["quantized"] > 0.999 and agreement["float"] < agreement["quantized"]
