@@ -6,11 +6,9 @@ from torch import nn
 
 from ..core.errors import CheckpointError
 from . import awq, gptq
-from .pack_quantized import PackQuantizedConfig
-from .awq_method import AwqLinearMethod
+from .awq_method import PACKED, AwqLinearMethod
 from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded, was_loaded
-
-PACKED = ("qweight", "qzeros", "scales")
+from .pack_quantized import PackQuantizedConfig
 
 
 class GptqLinearMethod(AwqLinearMethod):
