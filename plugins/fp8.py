@@ -66,15 +66,21 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
 
         return BlockFp8LinearMethod(parse_block_fp8(quantization_config), backend, resolve_device(config.device))
     parsed = parse_compressed_tensors(quantization_config)
-    if quantization_config.get("kv_cache_scheme"):
-        log.warning("fp8: the checkpoint's kv_cache_scheme and its k/v scales are ignored; use --kv-cache-dtype to "
-                    "choose the KV format (fp8 calibrates its own scales at start)")
+    warn_kv_cache_scheme(quantization_config)
     return Fp8LinearMethod(parsed, backend)
 
 
+INT4_OPTIONS = {
+    "fused_max_rows": PluginOption(64, "pack-quantized int4 checkpoints: the largest batch that runs the fused "
+                                   "Triton W4A16 kernel on CUDA; larger ones dequantize and run a dense GEMM (0: "
+                                   "never the fused kernel)", minimum=0),
+}
+
+
 def build_compressed_tensors(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
-    """A compressed-tensors checkpoint's method: int4 W4A16 for ``pack-quantized`` groups (run by the AWQ kernels),
-    else fp8 (:func:`build_fp8`, whose options apply; without a checkpoint config, FP8 quantization on load)."""
+    """A compressed-tensors checkpoint's method: int4 W4A16 for ``pack-quantized`` groups (run by the AWQ kernels;
+    ``config.plugin_options["compressed-tensors"]``: :data:`INT4_OPTIONS`), else fp8 (:func:`build_fp8`, whose
+    options apply; without a checkpoint config, FP8 quantization on load)."""
     from ..quant.fp8 import group_formats
     from ..quant.pack_quantized import FORMAT
 
@@ -84,11 +90,20 @@ def build_compressed_tensors(config: EngineConfig, quantization_config: dict[str
     from ..quant.gptq_method import PackQuantizedLinearMethod
     from ..quant.pack_quantized import parse_pack_quantized
 
-    return PackQuantizedLinearMethod(parse_pack_quantized(quantization_config))
+    options = read_plugin_options(config, "compressed-tensors", INT4_OPTIONS)
+    method = PackQuantizedLinearMethod(parse_pack_quantized(quantization_config), options["fused_max_rows"])
+    warn_kv_cache_scheme(quantization_config)
+    return method
+
+
+def warn_kv_cache_scheme(quantization_config: dict[str, Any]) -> None:
+    if quantization_config.get("kv_cache_scheme"):
+        log.warning("the checkpoint's kv_cache_scheme and its k/v scales are ignored; use --kv-cache-dtype to "
+                    "choose the KV format (fp8 calibrates its own scales at start)")
 
 
 @hookimpl
 def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
     register("fp8", build_fp8, options=FP8_OPTIONS)
     # checkpoints name their method in quantization_config.quant_method: compressed-tensors ones resolve here
-    register("compressed-tensors", build_compressed_tensors)
+    register("compressed-tensors", build_compressed_tensors, options=INT4_OPTIONS)

@@ -11,13 +11,18 @@ Layout of one linear layer with ``in`` inputs, ``out`` outputs and groups of ``g
   activation order (``desc_act``), where the rows of a group are scattered over the input.
 
 The weight of input row ``k``, output column ``n`` is ``(q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]``, where the
-``checkpoint_format`` ``gptq`` (v1, AutoGPTQ's, and what GPTQModel saves by default) stores ``z - 1`` in ``qzeros``
-and ``gptq_v2`` stores ``z``. infer runs such a layer as an AWQ one (the same W4A16 kernels): ``q`` and ``z`` are
-repacked into :mod:`.awq`'s layout, and in activation order the input rows are sorted by group, so that each group's
-rows become consecutive, with the layer's input permuted the same way at run time (``x[:, order] @ W[order]``).
+``checkpoint_format`` ``gptq_v2`` stores ``z`` in ``qzeros`` and ``gptq`` (v1, AutoGPTQ's, and what GPTQModel saves by
+default) ``z - 1``: GPTQModel subtracts 0x11111111 from each whole word, so a zero point of 0 borrows from the next
+nibble, and transformers reads v1 back by adding it to the whole word, as infer does. (AutoGPTQ's own packing of a
+zero point of 0 also sets every higher nibble of its word to 15; read so, those become 0 and 1s.)
+
+infer runs such a layer as an AWQ one (the same W4A16 kernels): ``q`` and ``z`` are repacked into :mod:`.awq`'s
+layout, and in activation order the input rows are sorted by group, so that each group's rows become consecutive,
+with the layer's input permuted the same way at run time (``x[:, order] @ W[order]``).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,19 +30,24 @@ import torch
 
 from ..core.errors import CheckpointError
 from . import awq
-from .common import CHUNK_ELEMENTS, is_name_list, row_chunks
+from .common import CHUNK_ELEMENTS, bad_pattern, is_name_list, row_chunks
 
 FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what qzeros' nibbles lack of the zero point
+V1_WORD_OFFSET = 0x11111111  # added to each v1 qzeros word, in wrapping 32-bit arithmetic, gives v2's
 
 
 @dataclass(frozen=True)
 class GptqConfig:
     """A validated GPTQ ``quantization_config``. ``modules_in_block_to_quantize``: the linears of each decoder
-    layer that are quantized, by their path inside the layer (``self_attn.q_proj``); empty: all of them."""
+    layer that are quantized, by their path inside the layer (``self_attn.q_proj``); empty: all of them.
+    ``skipped``: GPTQModel's ``dynamic`` exclusions (``-:`` regular expressions, ``re.match``-ed on the module
+    path). ``act_order``: the config says ``desc_act``, so every layer must bring its ``g_idx``."""
 
     group_size: int = 128
     zero_offset: int = 1
     modules_in_block_to_quantize: tuple[str, ...] = field(default_factory=tuple)
+    skipped: tuple[str, ...] = ()
+    act_order: bool = False
 
 
 def parse_config(qc: dict[str, Any]) -> GptqConfig:
@@ -55,28 +65,54 @@ def parse_config(qc: dict[str, Any]) -> GptqConfig:
         raise CheckpointError(f"GPTQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))} for infer's "
                               f"W4A16 kernels, got {group_size!r}")
     # config.json's field is checkpoint_format; GPTQModel also writes format, and older AutoGPTQ is_marlin_format
-    form = "marlin" if qc.get("is_marlin_format") else str(qc.get("checkpoint_format") or qc.get("format")
-                                                          or "gptq").lower()
+    named = {str(qc[key]).lower() for key in ("checkpoint_format", "format") if qc.get(key)}
+    if len(named) > 1:
+        raise CheckpointError(f"the GPTQ config's checkpoint_format and format disagree ({' and '.join(sorted(named))})"
+                              ": transformers reads the first, GPTQModel the second; correct config.json")
+    form = "marlin" if qc.get("is_marlin_format") else named.pop() if named else "gptq"
     if form not in FORMATS:
         raise CheckpointError(f"GPTQ checkpoint_format {form!r} is not one infer loads ({', '.join(FORMATS)}): the "
                               "others are kernel-specific repackings; save the model in the gptq format")
     if qc.get("lm_head") is True:
         raise CheckpointError("this GPTQ checkpoint quantizes lm_head, which infer does not load (transformers and "
                               "AutoGPTQ keep the head in 16 bits): use a checkpoint whose head is not quantized")
-    if qc.get("dynamic"):
-        raise CheckpointError("GPTQ `dynamic` (GPTQModel's per-module overrides) is not supported: infer quantizes "
-                              "every layer alike; use a checkpoint without it")
+    if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise CheckpointError(f"GPTQ pack_dtype {qc['pack_dtype']!r} is not int32, the packing infer loads; save the "
+                              "model with pack_dtype int32")
+    skipped = dynamic_exclusions(qc.get("dynamic"), qc)
     blocks = qc.get("modules_in_block_to_quantize") or []
     if not isinstance(blocks, list) or not all(is_name_list(names) for names in blocks):
         raise CheckpointError("GPTQ modules_in_block_to_quantize must be a list of lists of module names "
                               f"(e.g. [[\"self_attn.q_proj\"]]), got {blocks!r}")
-    return GptqConfig(group_size, FORMATS[form], tuple(name for names in blocks for name in names))
+    return GptqConfig(group_size, FORMATS[form], tuple(name for names in blocks for name in names), skipped,
+                      qc.get("desc_act") is True and group_size != -1)
+
+
+def dynamic_exclusions(dynamic: object, qc: dict[str, Any]) -> tuple[str, ...]:
+    """GPTQModel's ``dynamic``: its ``-:PATTERN`` keys exclude modules, returned as patterns; a positive key is
+    accepted when it overrides nothing, or only with the config's own values, and refused otherwise."""
+    if not dynamic:
+        return ()
+    if not isinstance(dynamic, dict):
+        raise CheckpointError(f"GPTQ dynamic must be an object of module patterns, got {dynamic!r}")
+    skipped = []
+    for key, overrides in dynamic.items():
+        if str(key).startswith("-:"):
+            skipped.append(str(key)[2:])
+        elif isinstance(overrides, dict) and any(qc.get(name) != value for name, value in overrides.items()):
+            raise CheckpointError(f"GPTQ dynamic gives modules matching {key!r} their own settings ({overrides}); "
+                                  "infer quantizes every layer alike: use a checkpoint without such overrides")
+    if why := bad_pattern(skipped):
+        raise CheckpointError(f"a GPTQ dynamic exclusion: {why}")
+    return tuple(skipped)
 
 
 def repack_rows(qweight: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """GPTQ ``qweight`` int32 [in / 8, cols] (cols a multiple of 8) -> AWQ's int32 [in, cols / 8], its input rows
     taken in ``order`` (None: as they are). Works on the nibbles as bytes (little-endian words: byte ``j`` holds
     nibbles ``2j`` and ``2j + 1``), a few passes over half a byte per weight."""
+    if sys.byteorder != "little" and qweight.device.type == "cpu":  # GPUs are little-endian
+        raise CheckpointError("infer repacks GPTQ weights as little-endian bytes, and this CPU is big-endian")
     words, cols = qweight.shape
     as_bytes = qweight.contiguous().view(torch.uint8).view(words, cols, 4)
     nibbles = torch.stack((as_bytes & awq.MAX_Q, as_bytes >> awq.BITS), dim=-1).view(words, cols, awq.PACK)
@@ -119,12 +155,8 @@ def to_awq(qweight: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor | No
     in_features, out_features = qweight.shape[0] * awq.PACK, qweight.shape[1]
     group = awq.check_shapes(in_features, out_features, group_size, prefix, checkpoint=True)
     order = input_order(g_idx, group, prefix) if g_idx is not None else None
-    zeros = unpack_columns(qzeros) + zero_offset
-    if int(zeros.max()) > awq.MAX_Q:
-        raise CheckpointError(f"{prefix}.qzeros holds a zero point of {int(zeros.max())} (stored as 15 in the v1 "
-                              "gptq format: AutoGPTQ's packing of an asymmetric zero point of 0), which 4-bit zero "
-                              "points cannot hold; re-save the checkpoint in the gptq_v2 format, or use a symmetric "
-                              "one")
+    words = qzeros.to(torch.int64) + zero_offset * V1_WORD_OFFSET  # v1 -> v2, wrapping as 32-bit words do
+    zeros = unpack_columns(torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
     packed = torch.empty(in_features, out_features // awq.PACK, dtype=torch.int32, device=qweight.device)
     for columns in row_chunks(out_features, in_features, awq.PACK, chunk_elements):
         packed[:, columns.start // awq.PACK: columns.stop // awq.PACK] = repack_rows(qweight[:, columns], order)

@@ -1,6 +1,8 @@
 """The ``gptq`` QuantMethod: 4-bit GPTQ checkpoints, repacked on load into the AWQ layout and run as AWQ layers."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -24,13 +26,14 @@ class GptqLinearMethod(AwqLinearMethod):
 
     def __init__(self, config: gptq.GptqConfig, fused_max_rows: int = 64) -> None:
         super().__init__(config.group_size, fused_max_rows=fused_max_rows)
+        self.config = config
         self.zero_offset = config.zero_offset
-        self.modules_in_block = config.modules_in_block_to_quantize
 
     def applies_to(self, prefix: str) -> bool:
-        if is_lm_head(prefix):
+        if is_lm_head(prefix) or any(re.match(pattern, prefix) for pattern in self.config.skipped):
             return False
-        return not self.modules_in_block or any(prefix.endswith(f".{name}") for name in self.modules_in_block)
+        blocks = self.config.modules_in_block_to_quantize
+        return not blocks or any(prefix.endswith(f".{name}") for name in blocks)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
@@ -70,6 +73,8 @@ class GptqLinearMethod(AwqLinearMethod):
         mark_loaded(layer, name)
 
     def _copy_codes(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        if name.endswith("g_idx") and tensor.dtype == torch.int64:  # group numbers, not packed words: any int fits
+            tensor = tensor.clamp(-1, 2**31 - 1).to(torch.int32)  # out of range stays out of range (input_order)
         if tensor.dtype != torch.int32:
             raise CheckpointError(f"{self.name} {name} must be int32, got {tensor.dtype} for layer "
                                   f"{layer_name(layer)!r}")
@@ -86,6 +91,9 @@ class GptqLinearMethod(AwqLinearMethod):
     def process_after_loading(self, layer: nn.Module) -> None:
         require_loaded(layer, PACKED + (("bias",) if layer.bias is not None else ()), self.name)
         g_idx = layer.g_idx if was_loaded(layer, "g_idx") else None
+        if g_idx is None and self.config.act_order:
+            raise CheckpointError(f"the GPTQ config says desc_act (activation order), but layer {layer_name(layer)!r} "
+                                  "has no g_idx, without which its groups are unknown: the checkpoint is incomplete")
         qweight, qzeros, order = gptq.to_awq(layer.qweight, layer.qzeros, g_idx, layer.awq_group_size,
                                              self.zero_offset, layer_name(layer))
         layer.qweight, layer.qzeros, layer.input_order = qweight, qzeros, order
@@ -117,17 +125,17 @@ class PackQuantizedLinearMethod(GptqLinearMethod):
 
     def __init__(self, config: PackQuantizedConfig, fused_max_rows: int = 64) -> None:
         super().__init__(gptq.GptqConfig(config.group_size, zero_offset=0), fused_max_rows)
-        self.config = config
+        self.scheme = config
 
     def applies_to(self, prefix: str) -> bool:
-        return self.config.applies_to(prefix)
+        return self.scheme.applies_to(prefix)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
         group = self._int4_layer(layer, in_features, out_features)
         layer.register_buffer("weight_packed", torch.empty(out_features, in_features // awq.PACK, dtype=torch.int32))
         layer.register_buffer("weight_scale", torch.empty(out_features, in_features // group, dtype=dtype))
-        if not self.config.symmetric:
+        if not self.scheme.symmetric:
             layer.register_buffer("weight_zero_point", torch.empty(out_features // awq.PACK, in_features // group,
                                                                    dtype=torch.int32))
         layer.register_buffer("weight_g_idx", torch.empty(in_features, dtype=torch.int32), persistent=False)
@@ -151,13 +159,16 @@ class PackQuantizedLinearMethod(GptqLinearMethod):
         mark_loaded(layer, name)
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        zero_point = () if self.config.symmetric else ("weight_zero_point",)
+        zero_point = () if self.scheme.symmetric else ("weight_zero_point",)
         require_loaded(layer, ("weight_packed", "weight_scale", "weight_shape") + zero_point
                        + (("bias",) if layer.bias is not None else ()), self.name)
         groups, out_features = layer.weight_scale.shape[1], layer.weight_packed.shape[0]
         qzeros = layer.weight_zero_point.t() if zero_point else torch.full(
             (groups, out_features // awq.PACK), SYMMETRIC_ZEROS, dtype=torch.int32, device=layer.weight_packed.device)
         g_idx = layer.weight_g_idx if was_loaded(layer, "weight_g_idx") else None
+        if g_idx is None and self.scheme.act_order:
+            raise CheckpointError(f"the compressed-tensors config says actorder 'group', but layer "
+                                  f"{layer_name(layer)!r} has no weight_g_idx: the checkpoint is incomplete")
         layer.qweight, layer.qzeros, layer.input_order = gptq.to_awq(
             layer.weight_packed.t(), qzeros, g_idx, layer.awq_group_size, 0, layer_name(layer))
         layer.scales = layer.weight_scale.t().contiguous()

@@ -42,6 +42,7 @@ class PackQuantizedConfig:
     symmetric: bool
     targets: tuple[str, ...]
     ignore: tuple[str, ...] = ()
+    act_order: bool = False  # actorder "group": every layer brings its weight_g_idx
 
     def applies_to(self, prefix: str) -> bool:
         """Whether the linear at ``prefix`` is int4: a target matches it and no ignore entry does."""
@@ -49,7 +50,7 @@ class PackQuantizedConfig:
             any(matches_target(prefix, t) for t in self.targets)
 
 
-def _weights(name: str, group: dict[str, Any]) -> tuple[int, bool]:
+def _weights(name: str, group: dict[str, Any]) -> tuple[int, bool, bool]:
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise _fail(f"group {name!r} has no weights arguments")
@@ -63,7 +64,7 @@ def _weights(name: str, group: dict[str, Any]) -> tuple[int, bool]:
         raise _fail(f"group {name!r} weights use strategy {strategy!r} with group_size {size!r}")
     if group.get("input_activations") or group.get("output_activations"):
         raise _fail(f"group {name!r} quantizes activations too")
-    return size, bool(weights.get("symmetric", True))
+    return size, bool(weights.get("symmetric", True)), weights.get("actorder") == "group" and size != -1
 
 
 def parse_pack_quantized(qc: dict[str, Any]) -> PackQuantizedConfig:
@@ -82,6 +83,7 @@ def parse_pack_quantized(qc: dict[str, Any]) -> PackQuantizedConfig:
             raise _fail(f"a target pattern of group {name!r}: {why}")
         targets += names
     if len(schemes) > 1:
-        raise _fail(f"its groups quantize weights differently ({sorted(schemes)} as (group size, symmetric))")
-    size, symmetric = schemes.pop()
-    return PackQuantizedConfig(size, symmetric, tuple(targets), ignore)
+        raise _fail(f"its groups quantize weights differently ({sorted(schemes)} as (group size, symmetric, "
+                    "activation order))")
+    size, symmetric, act_order = schemes.pop()
+    return PackQuantizedConfig(size, symmetric, tuple(targets), ignore, act_order)

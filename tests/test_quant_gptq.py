@@ -68,13 +68,14 @@ def gptq_layer(weight: torch.Tensor, group: int, order: torch.Tensor | None, sym
         lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
         scale = ((hi - lo) / 15).clamp(min=1e-4) if not sym else (torch.maximum(-lo, hi) / 7.5).clamp(min=1e-4)
         scales[g] = scale.half().float()
-        zeros[g] = torch.full_like(zeros[g], 8) if sym else (-lo / scales[g]).round().clamp(1, 15).long()
+        zeros[g] = torch.full_like(zeros[g], 8) if sym else (-lo / scales[g]).round().clamp(0, 15).long()
     s, z = scales[g_idx.long()].double(), zeros[g_idx.long()]
     q = ((w / s).round() + z).clamp(0, 15).long()
-    stored_zeros = zeros - 1 if v1 else zeros
+    zero_words = pack_words(zeros.numpy().reshape(groups, -1, 8))
+    if v1:  # GPTQModel's v2 -> v1: 0x11111111 off each whole word (a zero point of 0 borrows from the next nibble)
+        zero_words = (zero_words.view(np.uint32) - np.uint32(0x11111111)).view(np.int32)
     tensors = {"qweight": torch.from_numpy(pack_words(q.numpy().reshape(in_features // 8, 8, -1).transpose(0, 2, 1))),
-               "qzeros": torch.from_numpy(pack_words(stored_zeros.numpy().reshape(groups, -1, 8))),
-               "scales": scales.half(), "g_idx": g_idx}
+               "qzeros": torch.from_numpy(zero_words), "scales": scales.half(), "g_idx": g_idx}
     return tensors, ((q - z).double() * s).t().float()
 
 
@@ -220,7 +221,10 @@ def method_for(**changes: Any) -> Any:
     ({"format": "bitblas"}, "checkpoint_format 'bitblas'"),
     ({"is_marlin_format": True}, "checkpoint_format 'marlin'"),
     ({"lm_head": True}, "quantizes lm_head"),
-    ({"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
+    ({"dynamic": {"+:.*down_proj": {"bits": 8}}}, "dynamic gives modules matching"),
+    ({"dynamic": {"-:.*down_proj[": {}}}, "not a valid regular expression"),
+    ({"format": "gptq_v2", "checkpoint_format": "gptq"}, "checkpoint_format and format disagree"),
+    ({"pack_dtype": "int16"}, "pack_dtype 'int16'"),
     ({"modules_in_block_to_quantize": ["self_attn.q_proj"]}, "list of lists"),
     ({"quant_method": "awq"}, "quantized with 'awq'"),
 ])
@@ -236,6 +240,12 @@ def test_the_format_field_gptqmodel_writes_is_read_too() -> None:
 def test_an_unquantized_checkpoint_is_refused() -> None:
     with pytest.raises(ConfigError, match="--quant awq"):
         build_gptq(EngineConfig(), None)
+
+
+def test_dynamic_exclusions_leave_their_modules_unquantized() -> None:
+    method = method_for(dynamic={"-:.*mlp\\.down_proj$": {}, "+:.*q_proj": {"bits": 4}})
+    assert not method.applies_to("model.layers.3.mlp.down_proj")
+    assert method.applies_to("model.layers.3.mlp.up_proj") and method.applies_to("model.layers.3.self_attn.q_proj")
 
 
 def test_modules_in_block_to_quantize_picks_the_quantized_linears() -> None:
@@ -271,11 +281,23 @@ def test_layer_errors_name_the_layer_and_the_fix() -> None:
     uneven = torch.tensor([0] * 40 + [1] * 24, dtype=torch.int32)
     with pytest.raises(CheckpointError, match="other sizes than group_size 32"):
         loaded_linear({**tensors, "g_idx": uneven})
-    zero_sixteen = tensors["qzeros"].clone()
-    zero_sixteen[0, 0] |= 0xF  # stored 15: z = 16 in the v1 format
-    with pytest.raises(CheckpointError, match="zero point of 16 .* gptq_v2"):
-        loaded_linear({**tensors, "qzeros": zero_sixteen})
-    loaded_linear({**tensors, "qzeros": zero_sixteen}, checkpoint_format="gptq_v2")  # z = 15 there: fine
+    with pytest.raises(CheckpointError, match="desc_act .* has no g_idx"):
+        loaded_linear({k: t for k, t in tensors.items() if k != "g_idx"}, desc_act=True)
+
+
+def test_v1_zero_points_of_0_read_back_as_transformers_reads_them() -> None:
+    """GPTQModel writes v1 by subtracting 0x11111111 from each qzeros word: a zero point of 0 borrows from the next
+    nibble (its nibble reads 15, the next one less 1). Adding it back to the whole word, as transformers does,
+    restores both."""
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(12))
+    weight[:16, :32] = weight[:16, :32].abs()  # all positive: a zero point of 0 in group 0 of those rows
+    tensors, dequantized = gptq_layer(weight, GROUP, None, sym=False, v1=True)
+    nibbles = gptq.unpack_columns(tensors["qzeros"])
+    assert nibbles[0, :16].tolist() == ([15] + [14] * 7) * 2  # as stored: -1, and the borrows from the next ones
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(13))
+    torch.testing.assert_close(loaded_linear(dict(tensors))(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
+    int64_g_idx = {**tensors, "g_idx": tensors["g_idx"].to(torch.int64)}  # some writers' dtype: group numbers
+    torch.testing.assert_close(loaded_linear(int64_g_idx)(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_zero_bias_for_a_layer_without_one_is_skipped_and_another_refused() -> None:
@@ -359,3 +381,19 @@ def test_pack_quantized_targets_and_ignore_pick_the_int4_linears() -> None:
     assert method.applies_to("model.layers.0.mlp.down_proj") and method.applies_to("model.layers.1.mlp.up_proj")
     assert not method.applies_to("model.layers.1.mlp.down_proj")
     assert not method.applies_to("model.layers.0.self_attn.q_proj") and not method.applies_to("lm_head")
+
+
+def test_pack_quantized_act_order_needs_g_idx_and_fused_rows_is_an_option() -> None:
+    from infer.plugins.fp8 import build_compressed_tensors
+
+    options = EngineConfig(plugin_options={"compressed-tensors": {"fused_max_rows": 8}})
+    method = build_compressed_tensors(options, pack_quantized_config(actorder="group"))
+    assert method.fused_max_rows == 8 and build_compressed_tensors(EngineConfig(), pack_quantized_config()) \
+        .fused_max_rows == 64
+    tensors, _ = gptq_layer(torch.randn(32, 64, generator=torch.Generator().manual_seed(14)), GROUP, None, True, False)
+    linear = Linear(64, 32, False, "model.layers.0.mlp.down_proj", method, torch.float32)
+    for name, tensor in (("weight_packed", tensors["qweight"].t()), ("weight_scale", tensors["scales"].t()),
+                         ("weight_shape", torch.tensor([32, 64]))):
+        linear.load(name, tensor.contiguous())
+    with pytest.raises(CheckpointError, match="actorder 'group', but layer .* has no weight_g_idx"):
+        method.process_after_loading(linear)
