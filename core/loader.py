@@ -71,6 +71,8 @@ def resolve_dtype(name: str, stated: str | None, device: torch.device) -> torch.
 
 
 def read_config(path: Path) -> dict[str, Any]:
+    """config.json as a dict; without a ``quantization_config`` there, the one that older AutoAWQ and AutoGPTQ
+    checkpoints keep beside it (:func:`separate_quant_config`)."""
     if not path.exists():
         raise CheckpointError(f"model folder {str(path)!r} does not exist; pass --model DIR with a local HF folder")
     if not path.is_dir():
@@ -87,7 +89,33 @@ def read_config(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_file} holds {json.dumps(raw)[:40]}, not a JSON object of config fields; is "
                               "it an HF config.json?")
+    if "quantization_config" not in raw and (separate := separate_quant_config(path)) is not None:
+        raw["quantization_config"] = separate
     return raw
+
+
+SEPARATE_QUANT_CONFIGS = {"quant_config.json": "awq", "quantize_config.json": "gptq"}  # AutoAWQ's, AutoGPTQ's
+
+
+def separate_quant_config(path: Path) -> dict[str, Any] | None:
+    """The quantization settings that older AutoAWQ (quant_config.json) and AutoGPTQ (quantize_config.json)
+    checkpoints keep beside config.json, their ``quant_method`` the writer's unless they name one; None when there
+    is neither file. Raises CheckpointError for both, or for one that is no JSON object."""
+    found = [path / name for name in SEPARATE_QUANT_CONFIGS if (path / name).is_file()]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise CheckpointError(f"{str(path)!r} holds both {found[0].name} and {found[1].name} and config.json has no "
+                              "quantization_config, so infer cannot tell which describes the weights; remove the "
+                              "other one, or copy the right one into config.json as \"quantization_config\"")
+    try:
+        qc = json.loads(found[0].read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise CheckpointError(f"cannot read the quantization settings in {found[0]} ({exc})") from exc
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{found[0]} holds {json.dumps(qc)[:40]}, not a JSON object of quantization settings")
+    log.info("read the quantization settings from %s (config.json has none)", found[0].name)
+    return {"quant_method": SEPARATE_QUANT_CONFIGS[found[0].name], **qc}
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -375,11 +403,6 @@ def architectures(raw: dict[str, Any]) -> list[str]:
     return archs
 
 
-def separate_quant_configs(path: Path) -> list[Path]:
-    """Files in which older AutoAWQ and GPTQ checkpoints keep their quantization settings beside config.json."""
-    return [path / name for name in ("quant_config.json", "quantize_config.json") if (path / name).is_file()]
-
-
 def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
     """config.json's ``quantization_config``: an object, or None when absent. Raises CheckpointError."""
     qc = raw.get("quantization_config")
@@ -414,10 +437,6 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path, progres
                               "quant_method, so infer cannot tell how its weights are quantized; add one "
                               '("quant_method": "awq" for AutoAWQ\'s w_bit/q_group_size spelling), or pass --quant '
                               "with the method that made the checkpoint")
-    if config.quant is None and quant_config is None and (kept := [f.name for f in separate_quant_configs(path)]):
-        raise CheckpointError(f"the checkpoint keeps its quantization settings in {kept[0]}, which infer does not "
-                              'read: copy them into config.json as "quantization_config" (with a "quant_method"), '
-                              "then load it")
     if config.quant is None and declared is not None and declared not in methods:
         raise CheckpointError(f"config.json's quantization_config has quant_method {declared!r}, which no installed "
                               f"plugin loads (registered quant methods: {', '.join(methods.names())}); use a "

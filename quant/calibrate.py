@@ -49,7 +49,7 @@ from .forward import dense_forward
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
 SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
-SKIPPED_NAMES = ("config.json", "model.safetensors.index.json", "quant_config.json")
+SKIPPED_NAMES = ("config.json", "model.safetensors.index.json", "quant_config.json", "quantize_config.json")
 FP16_MAX = float(torch.finfo(torch.float16).max)
 
 log = logging.getLogger("infer")

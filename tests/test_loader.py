@@ -449,14 +449,17 @@ def test_integer_or_fp8_weights_without_a_quantization_config_are_refused(llama,
 
 
 def test_quantization_settings_infer_cannot_read_are_named(llama, tmp_path):
-    """AutoAWQ's own spelling without quant_method, and settings kept in a file beside config.json: the error says
-    what to add (it blamed modules_to_not_convert once the packed tensors met unquantized layers)."""
+    """AutoAWQ's own spelling without quant_method in config.json: the error says what to add (it blamed
+    modules_to_not_convert once the packed tensors met unquantized layers). Settings kept beside config.json are
+    read (the writer's method unless they name one: tests/test_quant_gptq.py loads such checkpoints), but not two
+    such files, nor one that is no JSON object."""
     qc = {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"}
     message = load_error(copy_of(llama, tmp_path / "m", {"quantization_config": qc}))
     assert "has no quant_method" in message and '"quant_method": "awq"' in message and "--quant" in message
+    path = copy_of(llama, tmp_path / "both")
     for name in ("quant_config.json", "quantize_config.json"):
-        path = copy_of(llama, tmp_path / name)
         (path / name).write_text(json.dumps(qc))
-        message = load_error(path)
-        assert f"keeps its quantization settings in {name}, which infer does not read: copy them into config.json" \
-            in message
+    assert "holds both quant_config.json and quantize_config.json" in load_error(path)
+    (path / "quant_config.json").unlink()
+    (path / "quantize_config.json").write_text("[4]")
+    assert "not a JSON object of quantization settings" in load_error(path)

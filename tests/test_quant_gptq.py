@@ -142,6 +142,25 @@ def test_projections_merge_only_when_their_input_orders_agree(act_order: str, me
     torch.testing.assert_close(ours, logits(tmp_path / "dense", plugins), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["quantize_config.json", "config.json"])
+def test_autogptq_settings_beside_config_json_are_read(name: str, tiny_model: Path, tmp_path: Path,
+                                                       plugins: PluginManager) -> None:
+    """AutoGPTQ's save_quantized kept the settings in quantize_config.json, older ones without quant_method; one in
+    config.json wins over it."""
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", "each")
+    config = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    del settings["quant_method"]
+    (tmp_path / "gptq" / "quantize_config.json").write_text(json.dumps(settings))
+    if name == "config.json":  # the beside file would say v2, off by one: config.json's is the one read
+        beside = {**settings, "checkpoint_format": "gptq_v2"}
+        (tmp_path / "gptq" / "quantize_config.json").write_text(json.dumps(beside))
+        config["quantization_config"] = {**settings, "quant_method": "gptq"}
+    (tmp_path / "gptq" / "config.json").write_text(json.dumps(config))
+    torch.testing.assert_close(logits(tmp_path / "gptq", plugins), logits(tmp_path / "dense", plugins),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_checkpoint_without_g_idx_has_consecutive_groups(tiny_model: Path, tmp_path: Path,
                                                            plugins: PluginManager) -> None:
     write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", g_idx=False)
