@@ -19,22 +19,25 @@ from .fused_ops import silu_and_mul
 class AwqExperts(NamedTuple):
     """One GEMM's weights for every expert, in the AutoAWQ GEMM layout stacked over experts: qweight
     [E, K, N / 8] and qzeros [E, K / group, N / 8] (int32), scales [E, K / group, N]; ``group_size`` -1 is one group
-    over K."""
+    over K. ``input_order`` [E, K] (int64), for GPTQ experts in activation order: expert e's weight row k multiplies
+    input column ``input_order[e, k]``."""
 
     qweight: torch.Tensor
     qzeros: torch.Tensor
     scales: torch.Tensor
     group_size: int
+    input_order: torch.Tensor | None = None
 
 
 @triton.jit
-def _grouped_awq_kernel(a_ptr, qw_ptr, qz_ptr, s_ptr, c_ptr, scale_ptr, rows_ptr, block_expert_ptr, num_rows, N, K,
-                        group_size, stride_am, stride_qe, stride_qk, stride_ze, stride_zg, stride_se, stride_sg,
-                        stride_cm, A_ROW_DIV: tl.constexpr, HAS_SCALE: tl.constexpr, ROUND_TO: tl.constexpr,
-                        PER_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+def _grouped_awq_kernel(a_ptr, qw_ptr, qz_ptr, s_ptr, c_ptr, scale_ptr, rows_ptr, block_expert_ptr, order_ptr,
+                        num_rows, N, K, group_size, stride_am, stride_qe, stride_qk, stride_ze, stride_zg, stride_se,
+                        stride_sg, stride_cm, A_ROW_DIV: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        ROUND_TO: tl.constexpr, PER_GROUP: tl.constexpr, HAS_ORDER: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """c[row] = a[row // A_ROW_DIV] @ dequant(expert's weights) (x scale[row]) for the rows of this block, all of
-    one expert; padding rows hold num_rows and write nothing."""
+    one expert; padding rows hold num_rows and write nothing. HAS_ORDER: weight row k meets a's column
+    order[expert, k]."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert >= 0:
@@ -51,7 +54,10 @@ def _grouped_awq_kernel(a_ptr, qw_ptr, qz_ptr, s_ptr, c_ptr, scale_ptr, rows_ptr
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+            cols = offs_k
+            if HAS_ORDER:
+                cols = tl.load(order_ptr + expert * K + offs_k, mask=mask_k, other=0)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + cols[None, :], mask=valid[:, None] & mask_k[None, :],
                         other=0.0)
             qw = tl.load(qw_base + offs_k[:, None] * stride_qk + offs_p[None, :],
                          mask=mask_k[:, None] & mask_p[None, :], other=0)
@@ -71,11 +77,13 @@ def grouped_awq_gemm(a: torch.Tensor, w: AwqExperts, rows: torch.Tensor, block_e
     group = k if w.group_size == -1 else w.group_size
     block_k = group_k_block(group, k, 64)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    order = w.input_order
     _grouped_awq_kernel[grid](
-        a, w.qweight, w.qzeros, w.scales, c, scale if scale is not None else c, rows, block_expert, num_rows, n, k,
-        group, a.stride(0), w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
-        w.scales.stride(0), w.scales.stride(1), c.stride(0), A_ROW_DIV=a_row_div, HAS_SCALE=scale is not None,
-        ROUND_TO=TL_DTYPES[a.dtype], PER_GROUP=group % block_k == 0 or group >= k, BLOCK_M=BLOCK_M,
+        a, w.qweight, w.qzeros, w.scales, c, scale if scale is not None else c, rows, block_expert,
+        order if order is not None else rows, num_rows, n, k, group, a.stride(0), w.qweight.stride(0),
+        w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1), w.scales.stride(0), w.scales.stride(1),
+        c.stride(0), A_ROW_DIV=a_row_div, HAS_SCALE=scale is not None, ROUND_TO=TL_DTYPES[a.dtype],
+        PER_GROUP=group % block_k == 0 or group >= k, HAS_ORDER=order is not None, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, BLOCK_K=block_k)
     return c
 
@@ -84,7 +92,7 @@ def fused_awq_experts(x: torch.Tensor, w13: AwqExperts, w2: AwqExperts, weights:
                       experts: torch.Tensor) -> torch.Tensor:
     """x [T, H], w13 (gate's output columns, then up's: [E, H, 2I / 8] packed), w2 ([E, I, H / 8]), the router's
     top-k ``weights`` and ``experts`` [T, k] -> [T, H]: sum over k of weight x down(silu(gate(x)) * up(x))."""
-    if x.stride(-1) != 1 or any(not t.is_contiguous() for w in (w13, w2) for t in w[:3]):
+    if x.stride(-1) != 1 or any(t is not None and not t.is_contiguous() for w in (w13, w2) for t in w[:3] + w[4:]):
         raise ValueError("fused_awq_experts needs x with a contiguous last dimension and contiguous expert tensors")
     tokens, top_k = experts.shape
     size = w2.qweight.shape[1]

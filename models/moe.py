@@ -234,12 +234,19 @@ class SparseMoe(nn.Module):
                 raise CheckpointError(f"the AWQ experts' {'/'.join(projections)} differ in group size or scale dtype "
                                       f"({sorted(map(str, kinds))}), which the stacked expert kernels cannot run; "
                                       "add --no-fused-ops to run them one expert at a time")
-            if any(getattr(expert.get_submodule(p), "input_order", None) is not None for expert in self.experts
-                   for p in projections):
-                raise CheckpointError("the experts were GPTQ-quantized in activation order (desc_act: each expert "
-                                      "permutes its input its own way), which the stacked expert kernels cannot "
-                                      "run; add --no-fused-ops to run them one expert at a time")
             groups.append(kinds.pop()[0])
+            orders = [[getattr(expert.get_submodule(p), "input_order", None) for p in projections]
+                      for expert in self.experts]  # GPTQ in activation order: a permutation of each expert's input
+            if any(o is not None for pair in orders for o in pair):
+                weight = linears[0].qweight  # an expert whose groups happen to be in order has None: the identity
+                orders = [[torch.arange(weight.shape[0], device=weight.device) if o is None else o for o in pair]
+                          for pair in orders]
+                if any(not all(torch.equal(o, pair[0]) for o in pair) for pair in orders):
+                    raise CheckpointError(f"the GPTQ experts' {'/'.join(projections)} read their input in different "
+                                          "activation orders, which the stacked expert kernels cannot run; add "
+                                          "--no-fused-ops to run them one expert at a time")
+                self.register_buffer(f"{name}_input_order", torch.stack([pair[0] for pair in orders]),
+                                     persistent=False)
             for attr in PACKED:  # packed columns hold 8 output columns each: concatenating them is exact
                 like = getattr(linears[0], attr)
                 columns = sum(getattr(linear, attr).shape[1] for linear in linears)
@@ -260,7 +267,7 @@ class SparseMoe(nn.Module):
 
         assert self.awq_groups is not None
         w13, w2 = (AwqExperts(getattr(self, f"{name}_qweight"), getattr(self, f"{name}_qzeros"),
-                              getattr(self, f"{name}_scales"), group)
+                              getattr(self, f"{name}_scales"), group, getattr(self, f"{name}_input_order", None))
                    for name, group in zip(("w13", "w2"), self.awq_groups))
         return w13, w2
 

@@ -257,6 +257,42 @@ def test_triton_awq_experts_equal_the_definition(device, dtype, tokens, num_expe
     torch.testing.assert_close(got.cpu(), block.experts_loop(x, weights, experts), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+                                   pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("tokens", "group"), [(7, 32), (33, 128)])
+def test_triton_awq_experts_gather_each_experts_input_order(device, dtype, tokens, group):
+    """GPTQ experts in activation order: expert e's weight row k multiplies input column order[e, k] (w13's of the
+    hidden state, w2's of the activations), against the float64 definition with each row put back in its place."""
+    from infer.kernels.awq_moe import AwqExperts, fused_awq_experts
+
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("the Triton interpreter has no bf16 dot (triton-lang/triton#11584): bf16 runs on CUDA only")
+    num_experts, top_k, hidden, size = 4, 2, 256, 128
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    gate, up, down = (awq_stack(torch.randn(num_experts, *shape, generator=gen) * 0.2, group)
+                      for shape in ((size, hidden), (size, hidden), (hidden, size)))
+    order13, order2 = (torch.stack([torch.randperm(n, generator=gen) for _ in range(num_experts)])
+                       for n in (hidden, size))
+
+    def placed(dense: torch.Tensor, order: torch.Tensor) -> torch.Tensor:  # row k of expert e at input order[e, k]
+        out = torch.empty_like(dense)
+        for e in range(dense.shape[0]):
+            out[e][:, order[e]] = dense[e]
+        return out
+
+    w13 = AwqExperts(*(torch.cat([g, u], dim=2) for g, u in zip(gate[0][:3], up[0][:3])), group, order13)
+    w2 = AwqExperts(*down[0][:3], group, order2)
+    dense13, dense2 = placed(torch.cat([gate[1], up[1]], dim=1), order13), placed(down[1], order2)
+    probs = torch.softmax(torch.randn(tokens, num_experts, generator=gen), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    ref = reference_experts(x, dense13.to(dtype), dense2.to(dtype), weights, experts)
+    on = [AwqExperts(*(t.to(device) for t in w[:3]), w.group_size, w.input_order.to(device)) for w in (w13, w2)]
+    got = fused_awq_experts(x.to(device), *on, weights.to(device, dtype), experts.to(device))
+    tol = {torch.float32: 5e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(got.cpu().double(), ref, atol=tol * max([1.0, *ref.abs().flatten().tolist()]), rtol=tol)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
 def test_checkpoints_as_transformers_5_writes_them_load(tmp_path, hf_greedy, arch):
     """transformers 5's own layout (save_original_format=False: stacked experts.gate_up_proj and down_proj, Mixtral's
