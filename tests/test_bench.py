@@ -7,6 +7,7 @@ import math
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy
 import pytest
@@ -17,6 +18,7 @@ from infer.bench.runner import Replay
 from infer.bench.stats import EngineCounters, RequestRecord, RunResult, percentile, run_metrics
 from infer.bench.workloads import Vocab, WorkloadError, WorkloadSpec, build_workload, parse_workload_file, validate_spec
 from infer.cli import main
+from infer.core.request import SamplingParams
 
 VOCAB = Vocab(1000, frozenset({0, 1, 2}))
 
@@ -119,6 +121,60 @@ def test_workload_file_names_every_bad_line_and_keeps_the_good_ones(tmp_path):
         (tuple(map(ord, "hello")), 4, None), ((5, 6, 7), 2, None), ((8,), 1, "sql")]
 
 
+def test_workload_file_token_ids_lengths_and_priorities_are_read_as_documented(tmp_path):
+    """Token id 0 is an id ("non-negative"); an empty list, a boolean id or max_tokens are not numbers of tokens; a
+    line without "priority" has priority 0; a file that is not UTF-8 is a WorkloadError, not a crash."""
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": [0], "max_tokens": 1}\n{"prompt": [true], "max_tokens": 1}\n'
+                    '{"prompt": [], "max_tokens": 1}\n{"prompt": [3], "max_tokens": true}\n'
+                    '{"prompt": "x", "max_tokens": 2, "priority": 3}\n')
+    entries, errors = parse_workload_file(path)
+    assert [(e.line, e.prompt, e.max_tokens, e.priority) for e in entries] == [(1, (0,), 1, 0), (5, "x", 2, 3)]
+    assert [e.split(":")[0] for e in errors] == ["line 2", "line 3", "line 4"]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "caf\u00e9", "max_tokens": 1}\n'.encode("latin-1"))
+    with pytest.raises(WorkloadError, match="cannot read workload file"):
+        parse_workload_file(latin)
+
+
+def test_lognormal_lengths_keep_their_mean_and_are_never_zero():
+    """--input-len is the mean of the lognormal prompt lengths, whatever --len-sigma; no request has 0 tokens
+    (a mean output of 1 at sigma 1 draws below 0.5 for about 42% of requests); --len-sigma 0 and --long-delay 0
+    are valid (fixed lengths, a long prompt at the start)."""
+    sessions = build_workload(WorkloadSpec(num_requests=4000, input_len=100, output_len=1, len_sigma=1.0), 0,
+                              VOCAB).sessions
+    assert 0.93 < statistics.fmean(len(s.turns[0].tokens) for s in sessions) / 100 < 1.07
+    assert min(s.turns[0].max_tokens for s in sessions) == 1
+    assert validate_spec(WorkloadSpec(len_sigma=0.0)) is None
+    assert validate_spec(WorkloadSpec("long-prompt-arrival", long_delay_s=0.0)) is None
+
+
+def test_longest_request_counts_history_and_outputs_and_random_tokens_skip_special_ones():
+    from infer.bench.workloads import Session, Turn, Workload
+
+    chat = Session(0.0, (Turn((1, 2, 3), 2), Turn((4, 5, 6, 7), 5)))  # turn 2 holds 3 + 2 + 4 + 5 = 14 tokens
+    single = Session(0.0, (Turn(tuple(range(10)), 1),))  # 11 tokens
+    assert Workload("multi-turn", 0, (single, chat)).longest_request() == 14
+    assert Vocab(6, frozenset({0, 5})).allowed == (1, 2, 3, 4)
+    with pytest.raises(ValueError, match="no non-special token"):
+        Vocab(2, frozenset({0, 1}))
+
+
+def test_a_requests_parameters_carry_its_adapter_structure_priority_and_own_seed():
+    """Exactly max_tokens, EOS ignored, unless the request is structured (it ends at EOS once whole); each turn of
+    a conversation samples from its own seed."""
+    from infer.bench.workloads import RequestSampling
+    from infer.core.request import StructuredOutput
+
+    sampling = RequestSampling({"temperature": 1.0}, seed=9)
+    regex = StructuredOutput(regex="[ab]+")
+    structured = sampling.params(6, 0, 1, 2, "sql", regex, 3)
+    assert (structured.max_tokens, structured.ignore_eos, structured.lora_adapter, structured.priority) == (
+        6, False, "sql", 3)
+    assert structured.structured_output == regex and sampling.params(6, 0, 1, 2).ignore_eos
+    assert len({sampling.params(6, 0, 1, turn).seed for turn in range(3)}) == 3
+
+
 def test_ab_takes_every_argument_up_to_the_next_option():
     names = {"--ab", "--repeats", "--out", "--workload"}
     assert expand_ab(["--workload", "x", "--ab", "--kv-cache paged", "", "hf", "--repeats", "2"], names) == [
@@ -146,6 +202,22 @@ def test_an_arms_component_replaces_the_groups_of_that_kind(infer_plugins):
             built = b.args.build(infer_plugins)
             assert built.kv_cache == "paged"
             assert built.eviction_policy == ("lfu" if "plugins" in group else "lru")  # other kinds stay
+
+
+def test_arm_keys_hf_modes_and_the_group_options_every_arm_keeps():
+    """Arms are keyed A..Z, AA, AB, ...; "hf" is the static baseline; an arm's value replaces the group's, and a
+    group --no-prefix-caching holds for every arm (docs/cli.md); no --ab: one arm of the group options."""
+    from infer.bench.arms import parse_arms
+    from infer.cli.options import EngineArgs
+
+    base = EngineArgs.from_kwargs({"max_num_seqs": 8, "no_prefix_caching": True})
+    assert [arm.key for arm in parse_arms([""] * 28, base)][24:] == ["Y", "Z", "AA", "AB"]
+    [alone] = parse_arms([], base)
+    assert alone.args == base and alone.label == "A: (group options)"
+    plain, own, hf, static, cb = parse_arms(["", "--max-num-seqs 4", "hf", "hf:static", " hf:cb "], base)
+    assert (plain.args.values["max_num_seqs"], own.args.values["max_num_seqs"]) == (8, 4)
+    assert plain.args.no_prefix_caching and own.args.no_prefix_caching
+    assert [arm.hf_mode for arm in (hf, static, cb)] == ["static", "static", "cb"]
 
 
 def test_metrics_of_one_run():
@@ -389,6 +461,7 @@ def test_rounds_rotate_the_arm_order_and_apply_each_arms_process_settings():
             return RunResult(self.spec.key, workload.round, 1.0, [])
 
     default = torch.get_num_threads()
+    torch.set_num_threads(default + 1)  # a process default other than arm B's 1 (this suite runs torch on 1 thread)
     settings = ProcessSettings()
     torch.set_num_threads(1)  # as an arm with --cpu-threads 1 leaves it when it is built last
     workloads = [build_workload(WorkloadSpec(num_requests=1), r, VOCAB, None, None) for r in range(3)]
@@ -400,7 +473,132 @@ def test_rounds_rotate_the_arm_order_and_apply_each_arms_process_settings():
         torch.set_num_threads(default)
     assert [key for key, _, _ in seen] == list("ABC" "BCA" "CAB")
     assert {(key, threads, frozen) for key, threads, frozen in seen} == {
-        ("A", default, True), ("B", 1, False), ("C", default, False)}
+        ("A", default + 1, True), ("B", 1, False), ("C", default + 1, False)}
+
+
+class _FakeArm:
+    """What the workload checks read of an arm: vocabulary, context, KV pool, tokenizer, what it refuses."""
+
+    def __init__(self, key: str, vocab: Vocab = VOCAB, max_model_len: int = 1024,
+                 kv_capacity_tokens: int | None = None,
+                 tokenize: Callable[[str], list[int]] = lambda text: [ord(c) for c in text],
+                 reasons: bool = False) -> None:
+        from infer.bench.arms import ArmSpec
+
+        self.spec = ArmSpec(key, f"--fake {key}", None)
+        self.vocab, self.max_model_len, self.kv_capacity_tokens = vocab, max_model_len, kv_capacity_tokens
+        self.tokenize, self.reasons = tokenize, reasons
+        self.checked: list[tuple[int, int]] = []
+        self.kept: list[object] = []
+
+    def check_request(self, prompt: list[int], max_tokens: int) -> None:
+        self.checked.append((len(prompt), max_tokens))
+
+    def reasons_before_grammar(self, chat: object) -> bool:
+        return self.reasons
+
+    def keep_structured(self, params: SamplingParams) -> None:
+        self.kept.append(params.structured_output)
+
+
+def test_every_rounds_workload_fits_every_arm_and_the_first_arm_tokenizes():
+    """Tokens every arm's vocabulary has (no arm's special ones); a request of exactly the smallest context or KV
+    pool fits, one token more is refused naming the limit; the longest prompt goes to each arm's own check; text is
+    tokenized by the first arm."""
+    from infer.bench.session import make_workloads
+    from infer.bench.workloads import FileEntry
+
+    spec = WorkloadSpec(num_requests=20, input_len=10, output_len=5, len_sigma=0)  # every request: 15 tokens
+    large = _FakeArm("A", Vocab(1000, frozenset({0, 2})), max_model_len=4096)
+    small = _FakeArm("B", Vocab(40, frozenset({1})), max_model_len=15, kv_capacity_tokens=15)
+    [workload] = make_workloads(spec, range(1), [large, small], None)
+    tokens = {t for session in workload.sessions for t in session.turns[0].tokens}
+    assert max(tokens) < 40 and not tokens & {0, 1, 2}
+    for limits, message in (({"max_model_len": 14}, "context length is 14"),
+                            ({"kv_capacity_tokens": 14}, r"arm B \('--fake B'\) has KV blocks for 14 tokens")):
+        with pytest.raises(WorkloadError, match=message):
+            make_workloads(spec, range(1), [large, _FakeArm("B", **limits)], None)
+    entries = [FileEntry("ab", 4, line=1), FileEntry(tuple(range(3, 11)), 2, line=2)]
+    other = _FakeArm("B", tokenize=lambda text: [5] * len(text))
+    [workload] = make_workloads(WorkloadSpec("file"), range(1), [large, other], entries)
+    assert workload.sessions[0].turns[0].tokens == (97, 98) and other.checked == [(8, 2)]
+
+
+def test_file_lines_are_checked_against_the_vocabulary_context_kv_pool_and_structure(tmp_path):
+    from infer.bench.session import keep_fitting_lines, keep_structured_lines
+    from infer.bench.workloads import FileEntry, check_vocabulary
+
+    spec = WorkloadSpec("file", skip_bad_lines=True)
+    entries = [FileEntry((5, 9), 1, line=1), FileEntry((10,), 1, line=2), FileEntry("text", 1, line=3)]
+    good, errors = check_vocabulary(spec, entries, 10)
+    assert [e.line for e in good] == [1, 3] and [e.split(":")[0] for e in errors] == ["line 2"]
+    with pytest.raises(WorkloadError, match="has no good line"):  # --skip-bad-lines with every line bad: no run
+        check_vocabulary(spec, entries[1:2], 10)
+    # context: the smallest (10); a text prompt counts the first arm's tokens (6, where arm B's makes 1)
+    arms = [_FakeArm("A", max_model_len=10), _FakeArm("B", max_model_len=12, tokenize=lambda text: [7])]
+    good, errors = keep_fitting_lines(spec, arms, [FileEntry("abcdef", 4, line=1), FileEntry((1,) * 7, 4, line=2)])
+    assert [(e.line, e.prompt) for e in good] == [(1, (97, 98, 99, 100, 101, 102))]
+    assert errors == ["line 2: a request of 11 tokens (prompt and max_tokens), over the context length of 10"]
+    good, errors = keep_fitting_lines(spec, [_FakeArm("A", kv_capacity_tokens=8)],
+                                      [FileEntry((1,) * 5, 3, line=1), FileEntry((1,) * 5, 4, line=2)])
+    assert [e.line for e in good] == [1] and errors[0].startswith("line 2: a request of 9 tokens")
+    # forced tool calls never reason first, so an arm's reasoning parser refuses none; a line without a structured
+    # output is not compiled
+    tool = {"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}
+    lines = [{"messages": [{"role": "user", "content": "x"}], "tools": [tool], "max_tokens": 9,
+              "tool_choice": {"type": "function", "function": {"name": "run"}}},
+             {"prompt": "plain", "max_tokens": 2},
+             {"prompt": "x = ", "max_tokens": 4, "structured_output": {"regex": "a+"}}]
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    reasoning = _FakeArm("A", reasons=True)
+    good, errors = keep_structured_lines(spec, [reasoning], parse_workload_file(path)[0])
+    assert [e.line for e in good] == [1, 2, 3] and errors == []
+    assert len(reasoning.kept) == 2 and None not in reasoning.kept
+
+
+def test_engine_arms_without_a_kv_size_share_the_free_gpu_memory_equally(monkeypatch):
+    """On CUDA, each engine arm that sets no KV size gets an equal share of the free memory, every resident arm (HF
+    ones too) counted so that all fit; an arm with --num-kv-blocks, a CPU arm and a lone arm are left alone."""
+    import torch
+
+    from infer.bench.arms import ArmSpec
+    from infer.bench.session import share_gpu_memory
+    from infer.cli.options import EngineArgs
+
+    free = 12 * 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free, 2 * free))
+
+    def arm(key: str, **values: object) -> ArmSpec:
+        return ArmSpec(key, "", EngineArgs(dict(values)))
+
+    specs = [arm("A"), arm("B"), arm("C", num_kv_blocks=64), arm("D", device="cpu")]
+    share_gpu_memory(specs, hf_arms=2)
+    a, b = (spec.args.values["kv_cache_memory_gb"] for spec in specs[:2])
+    assert a == b and 6 * a * 2**30 <= free  # four engine arms and two HF arms resident at once
+    assert all("kv_cache_memory_gb" not in spec.args.values for spec in specs[2:])
+    alone = [arm("A")]
+    share_gpu_memory(alone, hf_arms=0)
+    assert "kv_cache_memory_gb" not in alone[0].args.values
+
+
+def test_the_hf_baseline_runs_the_group_model_or_else_the_first_engine_arms():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from infer.bench.runner import EngineArm
+    from infer.bench.session import hf_model_path
+    from infer.cli.options import EngineArgs
+
+    def engine_arm(model: str) -> EngineArm:
+        arm = object.__new__(EngineArm)
+        arm.engine = SimpleNamespace(config=SimpleNamespace(model=model))
+        return arm
+
+    built = {"A": engine_arm("/models/first"), "B": engine_arm("/models/second")}
+    assert hf_model_path(EngineArgs({"model": "/models/group"}), built) == Path("/models/group")
+    assert hf_model_path(EngineArgs(), built) == Path("/models/first")
 
 
 def test_a_long_prompt_that_delayed_nothing_is_flagged():
@@ -437,6 +635,231 @@ def test_one_arm_s_table_has_no_ratios_or_comparison_of_outputs():
         assert "output tok/s" in text or "tok/s" in text
 
 
+def test_sampled_outputs_are_compared_only_between_engine_arms_that_speculate_alike():
+    """Seeded sampling: the engine arms whose proposer and K equal the first arm's are compared, never an HF arm,
+    and nothing when an HF arm is first; the note lists only the options that differ from greedy's defaults."""
+    from infer.bench.arms import ArmSpec
+    from infer.bench.report import BenchResult, sampling_note
+    from infer.bench.workloads import RequestSampling
+    from infer.cli.options import SAMPLING_DEFAULTS
+
+    def speculating(proposer: str | None = None, k: int | None = None) -> dict[str, object]:
+        return {"config": {"config": {"proposer": proposer, "num_speculative_tokens": k}}}
+
+    seeded = RequestSampling({**SAMPLING_DEFAULTS, "temperature": 1.0}, seed=5)
+    arms = [ArmSpec(key, key) for key in "ABCD"] + [ArmSpec("E", "hf", hf_mode="static")]
+    info = {"A": speculating("ngram", 2), "B": speculating("ngram", 2), "C": speculating("ngram", 3),
+            "D": speculating()}
+    result = BenchResult(arms, {}, {}, info, seeded)
+    assert result.output_comparable() == {"A", "B"}
+    note = sampling_note(result) or ""
+    assert note.startswith("requests sampled with temperature=1, seeded from --sampling-seed 5 (")
+    assert "HF arms draw from their own stream" in note and note.endswith(": outputs n/a)")
+    assert BenchResult([arms[4], arms[3]], {}, {}, info, seeded).output_comparable() == set()
+    assert BenchResult([arms[3], arms[4]], {}, {}, info, seeded).output_comparable() == {"D"}  # no proposer, as HF
+    greedy = BenchResult(arms, {}, {}, info, RequestSampling({**SAMPLING_DEFAULTS, "repetition_penalty": 1.3}))
+    assert greedy.output_comparable() == set("ABCDE")
+    assert sampling_note(greedy) == "requests: greedy, repetition_penalty=1.3"
+
+
+def test_table_rows_name_their_unit_and_direction_and_an_arm_that_does_not_measure_shows_n_a():
+    from rich.console import Console
+
+    from infer.bench.arms import ArmSpec
+    from infer.bench.report import BenchResult, build_table
+
+    record = RequestRecord(0, 0, 0.0, 10, 3, [0.1, 0.2, 0.3], 0.3)
+    counters = EngineCounters(10, 4, 100, 50, 0, 0, 0, 0, False)
+
+    def table_of(rounds: int) -> str:
+        runs = {"A": [RunResult("A", r, 1.0, [record], counters) for r in range(rounds)],
+                "B": [RunResult("B", r, 1.0, [record]) for r in range(rounds)]}
+        result = BenchResult([ArmSpec("A", ""), ArmSpec("B", "hf", hf_mode="static")], runs, {"workload": {}})
+        console = Console(record=True, width=300, file=io.StringIO())
+        console.print(build_table(result))
+        return console.export_text()
+
+    rows = {line.split("│")[1].strip(): line for line in table_of(3).splitlines() if line.count("│") >= 3}
+    assert {"requests/s ↑", "TTFT p50 (ms) ↓", "peak KV blocks ↓", "prefix hit rate ↑"} <= set(rows)
+    assert "50.0%" in rows["prefix hit rate ↑"] and "n/a" in rows["prefix hit rate ↑"]
+    assert "too few to tell a difference" not in table_of(3) and "2 round(s): too few" in table_of(2)
+
+
+def test_results_json_keeps_the_paired_statistics_and_writes_non_finite_numbers_as_strings(tmp_path):
+    from infer.bench.arms import ArmSpec
+    from infer.bench.report import BenchResult, to_json, write_json
+
+    def runs(arm: str, durations: list[float]) -> list[RunResult]:  # one request per run: requests/s = 1 / d
+        return [RunResult(arm, i, d, [RequestRecord(0, 0, 0.0, 5, 2, [0.1, 0.2], 0.2)]) for i, d in
+                enumerate(durations)]
+
+    result = BenchResult([ArmSpec("A", ""), ArmSpec("B", "")], {"A": runs("A", [1.0, 2.0, 4.0]),
+                                                                 "B": runs("B", [0.5, 1.0, 2.0])},
+                         {"workload": {"rate": math.inf, "sigma": math.nan, "pair": (1.0, -math.inf)}})
+    b = to_json(result)["arms"][1]["summary"]["requests_per_s"]
+    assert b["paired_ratios"] == [2.0, 2.0, 2.0] and b["ratio_ci95"] == pytest.approx((2.0, 2.0))
+    assert b["paired_differences"] == pytest.approx([1.0, 0.5, 0.25])  # B's 2, 1, 0.5 less A's 1, 0.5, 0.25
+    write_json(result, tmp_path / "results.json")
+    text = (tmp_path / "results.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text  # strict JSON has neither
+    assert json.loads(text)["workload"] == {"rate": "inf", "sigma": "nan", "pair": [1.0, "-inf"]}
+
+
+def test_step_recorder_keeps_the_peak_since_its_reset():
+    from types import SimpleNamespace
+
+    from infer.bench.runner import StepRecorder
+
+    recorder = StepRecorder()
+    for peak in (3, 8, 5):
+        recorder.on_step(SimpleNamespace(peak_used_blocks=peak))  # type: ignore[arg-type]
+    assert (recorder.peak_used_blocks, recorder.steps) == (8, 3)
+    recorder.reset()
+    recorder.on_step(SimpleNamespace(peak_used_blocks=2))  # type: ignore[arg-type]
+    assert (recorder.peak_used_blocks, recorder.steps) == (2, 1)
+
+
+class _FakeEngine:
+    """What EngineArm.run reads of an engine: each step gives every live request two tokens (as a speculative step
+    delivers them), and each step adds 1 preemption, 2 evictions, 4 drafts proposed and 3 accepted to cumulative
+    counters that an earlier run left non-zero."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(enable_prefix_caching=True, proposer=None, kv_cache="paged")
+        self.kv = SimpleNamespace(reset_prefix_cache=lambda: True, stats=lambda: SimpleNamespace(
+            total_blocks=64, prefix_queries=10, prefix_hits=5, evictions=self.evictions))
+        self.scheduler = SimpleNamespace(num_preemptions=7)
+        self.stats = SimpleNamespace(spec_proposed=40, spec_accepted=30)
+        self.evictions, self.steps = 12, 0
+        self.live: dict[str, list] = {}
+        self.params: dict[str, SamplingParams] = {}
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str) -> str:
+        self.live[request_id] = [len(prompt), params.max_tokens, 0]
+        self.params[request_id] = params
+        return request_id
+
+    def step(self) -> list:
+        from types import SimpleNamespace
+
+        self.steps += 1
+        self.scheduler.num_preemptions += 1
+        self.evictions += 2
+        self.stats.spec_proposed += 4
+        self.stats.spec_accepted += 3
+        outputs = []
+        for rid, item in list(self.live.items()):
+            prompt_len, max_tokens, done = item
+            count = min(2, max_tokens - done)
+            item[2] += count
+            outputs.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=[prompt_len] * count)],
+                                           finished=item[2] == max_tokens, num_cached_tokens=1))
+            if item[2] == max_tokens:
+                del self.live[rid]
+        return outputs
+
+
+def test_a_run_records_every_token_its_history_and_the_engines_counters_over_the_run():
+    from infer.bench.arms import ArmSpec
+    from infer.bench.runner import EngineArm, StepRecorder
+    from infer.bench.workloads import Session, Turn, Workload
+
+    engine = _FakeEngine()
+    arm = object.__new__(EngineArm)  # the arm around the fake engine, as __init__ sets it up around a real one
+    arm.spec, arm.engine, arm.recorder, arm.warned_warm = ArmSpec("A", ""), engine, StepRecorder(), False
+    chat = Session(0.0, (Turn((1, 2, 3), 3), Turn((4,), 4), Turn((5, 6), 1)), lora_adapter="sql")
+    result = arm.run(Workload("multi-turn", 0, (chat, Session(0.0, (Turn((7,), 2),)))), lambda: None)
+    # a turn's prompt is the history (earlier prompts and outputs) and its own tokens; every token has a time
+    assert [(r.session, r.turn, r.prompt_tokens, r.output_tokens, len(r.token_times_s)) for r in result.requests] == [
+        (0, 0, 3, 3, 3), (0, 1, 3 + 3 + 1, 4, 4), (0, 2, 7 + 4 + 2, 1, 1), (1, 0, 1, 2, 2)]
+    first = result.requests[0].token_times_s
+    assert first[0] == first[1] < first[2]  # two tokens of one step arrive together
+    assert [engine.params[rid].lora_adapter for rid in sorted(engine.params)] == ["sql", "sql", "sql", None]
+    counters, n = result.engine, engine.steps
+    assert (counters.preemptions, counters.evictions, counters.spec_proposed, counters.spec_accepted) == (
+        n, 2 * n, 4 * n, 3 * n)
+    assert not counters.speculative  # no proposer: no acceptance rate
+
+
+def test_an_engine_arm_leaves_its_tokenizers_special_tokens_out_of_random_prompts(tiny_model):
+    from transformers import AutoTokenizer
+
+    from infer.bench.arms import parse_arms
+    from infer.bench.runner import EngineArm
+    from infer.cli.options import EngineArgs
+    from infer.core.plugins import PluginManager
+
+    [spec] = parse_arms([], EngineArgs.from_kwargs({"model": str(tiny_model), "device": "cpu", "num_kv_blocks": 8}))
+    arm = EngineArm(spec, PluginManager.from_entry_points())
+    special = set(AutoTokenizer.from_pretrained(str(tiny_model)).all_special_ids)
+    assert special and arm.vocab.special == special and not special & set(arm.vocab.allowed)
+    assert arm.kv_capacity_tokens == 8 * arm.engine.config.block_size
+
+
+def test_hf_static_batches_every_request_and_cuts_each_to_its_own_length():
+    """Requests beyond --hf-batch-size wait for the next batch; a batch generates its longest output, each request
+    keeps its own max_tokens of it (tokens and times), and each sampled batch is seeded."""
+    import time
+    from types import SimpleNamespace
+
+    from infer.bench.arms import ArmSpec
+    from infer.bench.hf import HFArm, _StepTimes
+    from infer.bench.workloads import RequestSampling, Session, Turn, Workload
+
+    calls: list[tuple[int, int, int | None]] = []
+
+    def generate(prompts: list[list[int]], max_new_tokens: int, sampling: RequestSampling, seed: int | None
+                 ) -> tuple[list[float], list[list[int]]]:
+        calls.append((len(prompts), max_new_tokens, seed))
+        now = time.perf_counter()
+        return [now + 0.01 * i for i in range(max_new_tokens)], [[len(p)] * max_new_tokens for p in prompts]
+
+    stub = SimpleNamespace(batch_size=2, spec=ArmSpec("A", "hf", hf_mode="static"), _generate_batch=generate)
+    sessions = tuple(Session(0.0, (Turn(tuple(range(n)), m),)) for n, m in ((3, 2), (4, 5), (5, 1)))
+    sampling = RequestSampling({"temperature": 1.0}, seed=7)
+    result = HFArm._run_static(stub, Workload("random", 0, sessions, sampling=sampling), lambda: None)  # type: ignore
+    assert [(r.prompt_tokens, r.output_tokens, len(r.token_times_s), r.output_ids) for r in result.requests] == [
+        (3, 2, 2, [3, 3]), (4, 5, 5, [4] * 5), (5, 1, 1, [5])]
+    assert [(size, tokens) for size, tokens, _ in calls] == [(2, 5), (1, 1)]
+    assert None not in {seed for _, _, seed in calls} and calls[0][2] != calls[1][2]
+    streamer = _StepTimes()
+    for value in ("prompt", "token 1", "token 2"):  # generate's first put is the prompt
+        streamer.put(value)
+    assert len(streamer.times) == 2
+
+
+def test_hf_continuous_batching_records_times_from_the_runs_start_and_each_turns_history():
+    import time
+    from types import SimpleNamespace
+
+    from infer.bench.arms import ArmSpec
+    from infer.bench.hf import HFArm
+    from infer.bench.workloads import Session, Turn, Workload
+
+    class Manager:
+        """transformers' manager as _drive_cb reads it: a request is done when added, its timestamps perf_counter's."""
+
+        def __init__(self) -> None:
+            self.done: list[SimpleNamespace] = []
+
+        def add_request(self, prompt: list[int], request_id: str, max_new_tokens: int, **_: object) -> None:
+            now = time.perf_counter()
+            self.done.append(SimpleNamespace(request_id=request_id, error=None, timestamps=[now] * max_new_tokens,
+                                             lifespan=(now, now), generated_tokens=[len(prompt)] * max_new_tokens))
+
+        def get_result(self, timeout: float) -> SimpleNamespace | None:
+            return self.done.pop(0) if self.done else None
+
+    workload = Workload("multi-turn", 0, (Session(0.0, (Turn((1, 2), 3), Turn((3,), 2))),))
+    stub = SimpleNamespace(spec=ArmSpec("A", "hf:cb", hf_mode="cb"))
+    result = HFArm._drive_cb(stub, Manager(), workload, lambda: None)  # type: ignore[arg-type]
+    assert [(r.prompt_tokens, r.output_tokens, r.output_ids) for r in result.requests] == [
+        (2, 3, [2, 2, 2]), (2 + 3 + 1, 2, [6, 6])]
+    assert all(0 <= t <= r.finish_s <= result.duration_s for r in result.requests for t in r.token_times_s)
+
+
 # ---------------------------------------------------------------- bad input through the CLI
 @pytest.mark.parametrize(("args", "message"), [
     (["--repeats", "0"], "Invalid value for '--repeats': 0 is not in the range x>=1"),
@@ -460,6 +883,13 @@ def test_one_arm_s_table_has_no_ratios_or_comparison_of_outputs():
     (["--ab", "", "hf:cb", "--repetition-penalty", "1.2"], "transformers' continuous batching drops "
      "--repetition-penalty"),
     (["--ab", "", "hf", "--presence-penalty", "0.5"], "HF transformers has no --presence-penalty: drop it or the hf"),
+    # static HF batches apply a repetition penalty (only hf:cb drops it): the bench goes on to the next check
+    (["--ab", "", "hf", "--repetition-penalty", "1.2", "--num-requests", "0"], "--num-requests must be a positive"),
+    (["--workload", "multi-turn", "--turns", "0"], "--turns must be a positive integer, got 0"),
+    (["--rate", "0"], "--rate must be > 0 requests/s"),
+    (["--workload", "long-prompt-arrival", "--long-delay", "-1"], "--len-sigma and --long-delay must be finite and"),
+    (["--lora-adapter", "sql"], "arm A: (group options) cannot serve LoRA adapter(s) sql"),
+    (["--lora-adapter", "sql", "--ab", "hf"], "the HF baseline (hf) serves no LoRA adapters"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     result = run("bench", *args)
@@ -819,8 +1249,8 @@ def test_min_tokens_holds_each_request_to_its_own_length_and_a_bias_to_the_vocab
     outputs = _bench_outputs(tiny_model, tmp_path, "min", "--min-tokens", "6", "--len-sigma", "0.5")
     assert all(len(ids) > 0 for ids in outputs["A"])
     refused = run("--model", str(tiny_model), "--device", "cpu", "bench", "--num-requests", "2", "--repeats", "1",
-                  "--warmup-rounds", "0", "--logit-bias", "5000=1")
-    assert refused.exit_code == 2 and "--logit-bias names token ids [5000] outside the vocabulary of 1024" \
+                  "--warmup-rounds", "0", "--logit-bias", "1024=1")  # the first id past the vocabulary's last, 1023
+    assert refused.exit_code == 2 and "--logit-bias names token ids [1024] outside the vocabulary of 1024" \
         in refused.output
 
 
