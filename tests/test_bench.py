@@ -1254,6 +1254,15 @@ def test_min_tokens_holds_each_request_to_its_own_length_and_a_bias_to_the_vocab
         in refused.output
 
 
+def test_a_logit_bias_must_fit_the_smallest_vocabulary_of_the_arms(tiny_model, tiny_model_factory):
+    """Arms may run models of different vocabularies: a --logit-bias id is checked against the smallest one."""
+    small = tiny_model_factory("llama", vocab_size=512)
+    refused = run("--model", str(tiny_model), "--device", "cpu", "bench", "--num-requests", "2", "--repeats", "1",
+                  "--warmup-rounds", "0", "--logit-bias", "600=1", "--ab", "", f"--model {small}")
+    assert refused.exit_code == 2 and "--logit-bias names token ids [600] outside the vocabulary of 512" \
+        in refused.output
+
+
 def test_an_hf_only_bench_exits_without_leak_reports(tiny_model):
     """The HF arm runs with the heap frozen; unfrozen at exit, no extension module reports its objects as leaked
     (nanobind printed about 30 lines)."""
