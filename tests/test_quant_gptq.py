@@ -10,6 +10,7 @@ AutoAWQ's ``unpack_reorder_pack`` (its AWQ-to-GPTQ conversion for the exllama ke
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -422,3 +423,11 @@ def test_pack_quantized_act_order_needs_g_idx_and_fused_rows_is_an_option() -> N
         linear.load(name, tensor.contiguous())
     with pytest.raises(CheckpointError, match="actorder 'group', but layer .* has no weight_g_idx"):
         method.process_after_loading(linear)
+
+
+def test_pack_quantized_checkpoints_say_their_kv_cache_scheme_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    from infer.plugins.fp8 import build_compressed_tensors
+
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        build_compressed_tensors(EngineConfig(), {**pack_quantized_config(), "kv_cache_scheme": {"num_bits": 8}})
+    assert any("kv_cache_scheme and its k/v scales are ignored" in r.message for r in caplog.records)
