@@ -224,6 +224,8 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
     (("hi",), {"foo": 1}, "no sampling parameter is called 'foo'; they are frequency_penalty, ignore_eos, "
                           "include_stop_str_in_output, logit_bias, logprobs"),
     (("hi",), {"priority": 2**40}, "priority must be an integer in (-2**31, 2**31)"),
+    (("hi",), {"priority": 1.5}, "priority must be an integer in (-2**31, 2**31) and request_id a string, got 1.5"),
+    (("hi",), {"request_id": 5}, "and request_id a string, got 0 and 5"),
     (("hi",), {"max_tokens": 2**40}, "max_tokens must be below 2**31 to travel over gRPC (int32)"),
     (([1, 2**70],), {}, "a prompt is a string, a list of token ids (integers below 2**63) or a ChatPrompt"),
     (("hi",), {"prompt_logprobs": 2.5}, "prompt_logprobs must be an integer, got 2.5"),
@@ -507,6 +509,36 @@ def test_health_watch_streams_serving(client: Client) -> None:
     watch.cancel()
 
 
+def test_health_answers_for_the_service_asked(client: Client) -> None:
+    """Check reports the service named: "" and infer.v1.Inference are SERVING, one the server lacks is NOT_FOUND
+    (the gRPC health checking protocol)."""
+    from infer.server.app import SERVICE_NAME
+
+    assert [client.health(service) for service in ("", SERVICE_NAME)] == ["SERVING"] * 2
+    assert rpc_error(lambda: client.health("no.such.Service")).code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_a_client_where_nothing_listens_waits_its_timeout_and_a_closed_one_refuses_calls() -> None:
+    """wait_until_serving polls for its whole timeout, then raises TimeoutError (not the refused connection's
+    RpcError); leaving the `with` block closes the channel, so a later call fails at once."""
+    with Client(f"127.0.0.1:{free_port()}") as c:  # nothing listens there
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="not SERVING within 0.3 s"):
+            c.wait_until_serving(timeout=0.3)
+        assert time.monotonic() - start >= 0.3
+    with pytest.raises(ValueError, match="closed channel"):
+        c.health()
+
+
+def test_a_default_client_goes_where_a_default_server_listens() -> None:
+    """docs/serving.md: `infer serve` listens on 127.0.0.1:50051 unless told otherwise, and so the clients go."""
+    from infer.server.app import ServeOptions
+
+    options = ServeOptions()
+    with Client() as c:
+        assert c.target == f"{options.host}:{options.port}" == "127.0.0.1:50051"
+
+
 def test_a_seed_beyond_64_bits_samples_and_leaves_other_streams_alone(client: Client, llm: Any) -> None:
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=2**62 + 12345)
     other = client.generate("another stream", max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -574,6 +606,17 @@ def test_a_token_is_required(secure_server: ServerProcess) -> None:
             assert c.health() == "SERVING"  # probes need no token
     with secure_server.client() as c:
         assert len(c.complete("hi", max_tokens=2, temperature=0.0).outputs[0].token_ids) == 2
+
+
+def test_the_ca_may_be_a_path_a_string_path_or_the_pem_bytes(secure_server: ServerProcess) -> None:
+    """Client(root_certificates=...) takes the CA file as a Path or a str (the signature's bytes | str | Path), or
+    its PEM bytes."""
+    roots = secure_server.client_kwargs["root_certificates"]
+    if roots is None:
+        pytest.skip("no openssl here: the secure server is plaintext")
+    for given in (roots, str(roots), roots.read_bytes()):
+        with secure_server.client(root_certificates=given) as c:
+            assert c.health() == "SERVING"
 
 
 def test_the_bearer_scheme_is_read_in_any_case() -> None:

@@ -18,7 +18,7 @@ from infer.core.errors import InvalidRequestError, NotFoundError, PluginError  #
 from infer.core.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams  # noqa: E402
 from infer.server import infer_pb2 as pb  # noqa: E402
 from infer.server import infer_pb2_grpc as pb_grpc  # noqa: E402
-from infer.server.client import AsyncClient, build_request  # noqa: E402
+from infer.server.client import AsyncClient, Client, build_request  # noqa: E402
 from infer.server.convert import sampling_params_of  # noqa: E402
 from infer.server.servicer import InferenceServicer  # noqa: E402
 from infer.server.worker import EngineWorker  # noqa: E402
@@ -45,7 +45,8 @@ class ScriptedEngine:
     """Emits token 7 once per step per request, and a token per step to each beam search. Prompts "crash-in-add" /
     "crash-in-step" raise RuntimeError, "plugin-error-in-step" a PluginError; "wide" emits 3,000 characters a step,
     "prompt-logprobs" gives 13 positions of 5 prompt logprobs each (about 700 bytes) with its first token, "burst"
-    emits three tokens a step (as a step of accepted speculative tokens does)."""
+    emits three tokens a step (as a step of accepted speculative tokens does); a beam search of "crash-in-start"
+    raises RuntimeError."""
 
     def __init__(self) -> None:
         self.requests: dict[str, list] = {}  # request id -> [tokens emitted, params]
@@ -113,6 +114,8 @@ class ScriptedEngine:
         params.validate()
         for prompt in prompts:
             self.check_request(prompt)
+        if prompts == ["crash-in-start"]:
+            raise RuntimeError("boom while starting a search")
         self.events.append(("beam", len(self.requests)))
         self.searches.append(ScriptedSearch(params))
         return self.searches[-1]
@@ -163,6 +166,8 @@ def test_internal_faults_are_internal_and_the_server_keeps_serving() -> None:
         assert code is grpc.StatusCode.INTERNAL and "boom in the step" in details
         code, details = await rpc_code(client.complete("crash-in-add", max_tokens=3))
         assert code is grpc.StatusCode.INTERNAL and "boom while adding" in details
+        code, details = await rpc_code(client.beam_search("crash-in-start", max_tokens=3))
+        assert (code, details) == (grpc.StatusCode.INTERNAL, "boom while starting a search")
         code, details = await rpc_code(client.complete("", max_tokens=3))
         assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith("prompt is empty")
         out = await client.complete("fine", max_tokens=3)
@@ -255,6 +260,22 @@ def test_the_clients_take_what_the_server_may_send() -> None:
         assert len(out.outputs[0].text) == 5_100_000 and out.ByteSize() > 4 * 2**20
 
     serve_scripted(test, max_message_bytes=16 * 2**20)
+
+
+def test_a_clients_own_message_limit_bounds_what_it_sends_and_receives() -> None:
+    """Client(max_message_bytes=N) sets a limit of the client's own (docs/serving.md): a request or a reply over N
+    bytes fails with RESOURCE_EXHAUSTED, the request never reaching the engine; smaller ones pass."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        async with AsyncClient(client.target, max_message_bytes=1024) as small:
+            code, _ = await rpc_code(small.complete("x" * 2000, max_tokens=2))
+            assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and engine.events == []
+            code, _ = await rpc_code(small.complete("wide", max_tokens=1))  # a 3,000-character reply
+            assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and engine.events == [("add", "wide")]
+            assert list((await small.complete("x", max_tokens=2)).outputs[0].token_ids) == [7, 7]
+        with pytest.raises(grpc.aio.UsageError):  # leaving `async with` closed its channel
+            await small.stats()
+
+    serve_scripted(test)
 
 
 async def collect(call: Any) -> list[Any]:
@@ -355,6 +376,15 @@ async def until(condition: Callable[[], bool], what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """``until`` for a test without an event loop."""
+    for _ in range(500):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def test_a_beam_search_runs_beside_requests() -> None:
     """A beam search starts at once beside a running request and ends before it; a request sent during a long
     search runs beside it and finishes first."""
@@ -389,11 +419,19 @@ def test_a_beam_search_past_its_deadline_stops_and_a_stopped_worker_fails_the_se
     from infer.core.beam_search import BeamSearchParams
     from infer.server.worker import ServerUnavailable
 
+    def started_past_its_deadline(target: str) -> grpc.StatusCode:
+        with Client(target) as blocking:  # Client.start_beam_search: the call's timeout holds too
+            return blocking.start_beam_search("long", max_tokens=10**6, timeout=0.3).exception(timeout=10).code()
+
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
         code, _ = await rpc_code(client.beam_search("long", max_tokens=10**6, timeout=0.3))
         assert code is grpc.StatusCode.DEADLINE_EXCEEDED
         await until(lambda: not engine.searches, "the search past its deadline to stop")
         assert len(engine.aborted_searches) == 1
+        code = await asyncio.to_thread(started_past_its_deadline, client.target)
+        assert code is grpc.StatusCode.DEADLINE_EXCEEDED
+        await until(lambda: not engine.searches, "the started search past its deadline to stop")
+        assert len(engine.aborted_searches) == 2
 
     serve_scripted(test)
     engine = ScriptedEngine()
@@ -404,8 +442,8 @@ def test_a_beam_search_past_its_deadline_stops_and_a_stopped_worker_fails_the_se
         if engine.searches:
             break
         time.sleep(0.01)
-    worker.stop()
-    assert isinstance(reply.exception(timeout=5), ServerUnavailable) and engine.aborted_searches
+    worker.stop()  # returns once the thread has ended: what was left is answered by then
+    assert reply.done() and isinstance(reply.exception(), ServerUnavailable) and engine.aborted_searches
 
 
 def test_a_real_engine_serves_a_beam_search_beside_a_stream_and_a_cancelled_one_frees_its_blocks(
@@ -513,6 +551,22 @@ def test_unset_fields_take_the_sampling_params_defaults() -> None:
         sampling_params_of(build_request("hi", max_tokens=0))
 
 
+def test_the_async_client_sends_the_priority_and_request_id_it_is_given() -> None:
+    """AsyncClient.complete and generate send their request_id and priority: the engine adds the request under that
+    id, with that SamplingParams.priority (docs/serving.md, GenerateRequest)."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        await client.complete("x", max_tokens=1, priority=5, request_id="c")
+        await collect(client.generate("x", max_tokens=1, priority=-3, request_id="g"))
+        assert added == [("c", 5), ("g", -3)]
+
+    added: list[tuple[str | None, int]] = []
+    engine = ScriptedEngine()
+    add = engine.add_request
+    engine.add_request = lambda prompt, params, request_id: (  # type: ignore[method-assign]
+        added.append((request_id, params.priority)) or add(prompt, params, request_id))
+    serve_scripted(test, engine=engine)
+
+
 def test_queued_deltas_merge_into_one() -> None:
     from infer.server.streams import merge_deltas
 
@@ -577,7 +631,9 @@ def test_calls_whose_callers_gave_up_do_not_kill_the_engine_thread() -> None:
         worker.stop()
 
 
-def test_a_failing_worker_thread_fails_its_streams_refuses_new_work_and_reports() -> None:
+@pytest.mark.parametrize("reporting_fails", [False, True])
+def test_a_failing_worker_thread_fails_its_streams_refuses_new_work_and_reports(reporting_fails: bool) -> None:
+    """Whether or not on_fatal itself raises: the streams get the fault and new work is refused."""
     from infer.server.streams import RequestStream
     from infer.server.worker import ServerUnavailable
 
@@ -589,7 +645,13 @@ def test_a_failing_worker_thread_fails_its_streams_refuses_new_work_and_reports(
 
     async def main() -> None:
         fatal: list[BaseException] = []
-        worker = EngineWorker(BrokenEngine(), on_fatal=fatal.append)
+
+        def report(exc: BaseException) -> None:
+            fatal.append(exc)
+            if reporting_fails:
+                raise RuntimeError("the health service is gone")
+
+        worker = EngineWorker(BrokenEngine(), on_fatal=report)
         worker.start()
         stream = RequestStream("r1")
         worker.submit("hello", SamplingParams(max_tokens=3), stream)
@@ -658,6 +720,8 @@ def test_a_failed_engine_thread_turns_health_not_serving(tiny_model: Any) -> Non
         try:
             async with AsyncClient(f"127.0.0.1:{port}") as client:
                 assert await client.health() == "SERVING"
+                code, _ = await rpc_code(client.health("no.such.Service"))  # the gRPC health protocol's answer
+                assert code is grpc.StatusCode.NOT_FOUND
                 assert server.worker.on_fatal is not None
                 await asyncio.to_thread(server.worker.on_fatal, RuntimeError("bug in the loop"))  # its thread
                 for _ in range(100):
@@ -798,6 +862,93 @@ def test_a_chat_prompt_over_grpc_is_rendered_by_the_servers_template(chat_model:
     serve_scripted(test, engine=llm.engine)
 
 
+def test_an_abort_without_an_id_leaves_a_search_sent_without_one_running() -> None:
+    """A beam search sent without a request_id is stopped only by cancelling its call: abort("") does not match
+    it, and answers as for any id the engine does not know (NotFoundError)."""
+    from infer.core.beam_search import BeamSearchParams
+
+    engine = ScriptedEngine()
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        reply = worker.beam_search(["x"], BeamSearchParams(max_tokens=10**6))
+        with pytest.raises(NotFoundError):
+            worker.abort("").result(timeout=10)  # handled after the search started: the inbox is in order
+        assert engine.searches and not engine.aborted_searches and not reply.done()
+    finally:
+        worker.stop()
+
+
+def test_an_abort_that_fails_for_a_cancelled_stream_is_logged_and_the_worker_serves_on(caplog) -> None:
+    """A cancelled call's abort that raises is the engine's fault, logged; it does not end the engine thread."""
+    import logging
+
+    from infer.server.streams import RequestStream
+
+    class FailingAbort(ScriptedEngine):
+        def abort(self, request_id: str) -> RequestOutput:
+            raise RuntimeError("abort failed")
+
+    async def main() -> None:
+        worker = EngineWorker(FailingAbort())
+        worker.start()
+        try:
+            stream = RequestStream("r1")
+            worker.submit("long", SamplingParams(max_tokens=10**6), stream)
+            await asyncio.wait_for(stream.__anext__(), 10)
+            worker.cancel(stream)
+            assert await asyncio.wait_for(asyncio.wrap_future(worker.call(lambda e: "alive")), 10) == "alive"
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    with caplog.at_level(logging.ERROR, logger="infer.server"):
+        asyncio.run(main())
+    assert "abort of request r1 failed" in caplog.text and "engine thread failed" not in caplog.text, caplog.text
+
+
+def closed_loop_stream(request_id: str) -> Any:
+    """A RequestStream whose event loop has closed: nobody will read it."""
+    from infer.server.streams import RequestStream
+
+    async def make() -> RequestStream:
+        return RequestStream(request_id)
+
+    return asyncio.run(make())
+
+
+def test_a_failed_step_that_had_ended_its_requests_logs_no_failed_abort(caplog) -> None:
+    """A step that fails after the engine let its requests go: the worker's abort of each finds none (NotFoundError),
+    which is no error of its own; the step's fault is the one logged."""
+    import logging
+
+    class EndsThenFails(ScriptedEngine):
+        def step(self) -> list[RequestOutput]:
+            self.requests.clear()
+            raise RuntimeError("boom after the requests ended")
+
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        code, details = await rpc_code(client.complete("x", max_tokens=3))
+        assert code is grpc.StatusCode.INTERNAL and "boom after the requests ended" in details
+
+    with caplog.at_level(logging.ERROR, logger="infer.server"):
+        serve_scripted(test, engine=EndsThenFails())
+    assert "engine step failed" in caplog.text and "abort of request" not in caplog.text, caplog.text
+
+
+def test_outputs_for_a_stream_whose_event_loop_has_closed_are_dropped() -> None:
+    """Nobody reads a stream whose event loop has closed: its outputs go nowhere, and the engine thread goes on."""
+    stream = closed_loop_stream("orphan")
+    engine = ScriptedEngine()
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        worker.submit("x", SamplingParams(max_tokens=3), stream)
+        wait_until(lambda: bool(engine.events) and not engine.requests, "the request to run its 3 steps")
+        assert worker.call(lambda e: "alive").result(timeout=10) == "alive"
+    finally:
+        worker.stop()
+
+
 def test_a_beam_search_whose_caller_gave_up_before_it_started_never_starts() -> None:
     """A BeamSearch cancelled while queued behind a busy worker is not started (no beams, no KV) and the
     worker goes on; one sent after the worker stopped is refused with ServerUnavailable."""
@@ -821,6 +972,62 @@ def test_a_beam_search_whose_caller_gave_up_before_it_started_never_starts() -> 
         worker.stop()
     with pytest.raises(ServerUnavailable):
         worker.beam_search(["x"], BeamSearchParams(max_tokens=2)).result(timeout=5)
+
+
+@pytest.mark.parametrize("error", [InvalidRequestError("bad prompt"), SystemExit("a bug past the worker's handling")])
+def test_a_search_whose_caller_gave_up_while_it_failed_to_start_is_answered_to_nobody(error: BaseException) -> None:
+    """The caller gives up while start_beam_search runs, which then fails: nothing is set on the cancelled future
+    (that raised on the engine thread). A refused search leaves the worker serving; a fault that ends the thread
+    leaves it refusing new work, not hanging."""
+    import threading
+
+    from infer.core.beam_search import BeamSearchParams
+    from infer.server.worker import ServerUnavailable
+
+    started, release = threading.Event(), threading.Event()
+
+    class SlowToFail(ScriptedEngine):
+        def start_beam_search(self, prompts: list[str | list[int]], params: Any) -> ScriptedSearch:
+            started.set()
+            release.wait(10)
+            raise error
+
+    worker = EngineWorker(SlowToFail())
+    worker.start()
+    try:
+        reply = worker.beam_search(["x"], BeamSearchParams(max_tokens=2))
+        assert started.wait(10) and reply.cancel()
+        release.set()
+        if isinstance(error, SystemExit):
+            with pytest.raises(ServerUnavailable, match="engine thread failed"):
+                worker.call(lambda e: "alive").result(timeout=10)
+        else:
+            assert worker.call(lambda e: "alive").result(timeout=10) == "alive"
+    finally:
+        release.set()
+        worker.stop()
+
+
+def test_a_stop_right_after_a_search_was_cancelled_is_a_clean_stop() -> None:
+    """A search whose caller gave up while the worker was busy, then a stop: the search is aborted and the stop is
+    not reported as the engine thread's failure (answering the cancelled future would raise on that thread)."""
+    import threading
+
+    from infer.core.beam_search import BeamSearchParams
+
+    engine, busy, release, fatal = ScriptedEngine(), threading.Event(), threading.Event(), []
+    worker = EngineWorker(engine, on_fatal=fatal.append)
+    worker.start()
+    reply = worker.beam_search(["x"], BeamSearchParams(max_tokens=10**6))
+    worker.call(lambda e: busy.set() or release.wait(10))  # the worker is busy until released
+    assert busy.wait(10) and engine.searches and reply.cancel()
+    stopping = threading.Thread(target=worker.stop)
+    stopping.start()
+    # the stop, queued behind the busy call, is handled before the loop looks for cancelled searches
+    wait_until(lambda: worker._inbox.qsize() == 1, "the stop to be queued")
+    release.set()
+    stopping.join(10)
+    assert fatal == [] and engine.aborted_searches and not engine.searches
 
 
 def test_a_failing_search_abort_is_logged_and_a_dying_search_start_gets_the_error(caplog) -> None:
@@ -891,7 +1098,7 @@ def test_usage_counts_the_tokens_of_steps_that_emit_several() -> None:
 
 def test_a_request_id_is_taken_while_its_request_runs_and_free_once_it_ends() -> None:
     """A beam search may not take the id of a running request (Abort would pick one of them); once the request is
-    cancelled or finished, the id is free again (the worker used to keep the stream of a cancelled one)."""
+    cancelled, finished or failed, the id is free again (the worker used to keep the stream of a cancelled one)."""
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
         call = client.generate("long", request_id="g1", max_tokens=10**6)
         await call.read()
@@ -900,7 +1107,9 @@ def test_a_request_id_is_taken_while_its_request_runs_and_free_once_it_ends() ->
         call.cancel()
         await until(lambda: "g1" in engine.aborted, "the cancelled request's abort")
         await client.complete("x", request_id="done", max_tokens=2)
-        for rid in ("g1", "done"):
+        code, _ = await rpc_code(client.complete("crash-in-step", request_id="failed", max_tokens=2))
+        assert code is grpc.StatusCode.INTERNAL
+        for rid in ("g1", "done", "failed"):
             result = await client.beam_search("x", request_id=rid, max_tokens=2)
             assert [list(b.token_ids) for b in result.beams] == [[7, 7]]
 
@@ -941,8 +1150,9 @@ def test_cancelling_a_refused_duplicate_leaves_the_request_of_that_id_running() 
 
 
 def test_commands_queued_behind_the_stop_are_refused_and_cancelled_calls_never_run() -> None:
-    """What comes in while the worker stops is refused (UNAVAILABLE), not left hanging; a call whose caller gave up
-    while it waited is not run at all (a LoRA load whose caller timed out in the queue does not load)."""
+    """What comes in while the worker stops is refused (UNAVAILABLE, shutting down), not left hanging, even behind
+    commands nobody waits for any more; a call whose caller gave up while it waited is not run at all (a LoRA load
+    whose caller timed out in the queue does not load)."""
     import threading
 
     from infer.server.streams import RequestStream
@@ -959,6 +1169,8 @@ def test_commands_queued_behind_the_stop_are_refused_and_cancelled_calls_never_r
             assert given_up.cancel()
             stopping = asyncio.ensure_future(asyncio.to_thread(worker.stop))
             await until(lambda: worker._inbox.qsize() == 2, "the stop to be queued")  # behind the given-up call
+            assert worker.call(lambda e: ran.append("late, given up")).cancel()  # refusing these two raises
+            worker.submit("orphan", SamplingParams(max_tokens=2), await asyncio.to_thread(closed_loop_stream, "orphan"))
             late_call, late_stream = worker.call(lambda e: ran.append("late")), RequestStream("late")
             worker.submit("late", SamplingParams(max_tokens=2), late_stream)
             release.set()
@@ -1166,6 +1378,9 @@ def test_beam_search_fields_reach_the_engine_and_unset_ones_take_the_defaults() 
     assert beam_params_of(pb.BeamSearchRequest(text="x")) == BeamSearchParams()
     explicit = dict(beam_width=3, max_tokens=5, length_penalty=0.5, ignore_eos=True, lora_adapter="sql")
     assert beam_params_of(build_beam_request("x", **explicit)) == BeamSearchParams(**explicit)
+    for bad in ({"beam_witdh": 2}, {"beam_width": "2"}, {"max_tokens": 2**40}):  # the proto refuses each
+        with pytest.raises(InvalidRequestError, match="they are beam_width, max_tokens, length_penalty, ignore_eos"):
+            build_beam_request("x", **bad)
 
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
         await client.beam_search("x", beam_width=2, max_tokens=3, ignore_eos=True)
