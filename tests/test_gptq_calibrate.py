@@ -123,7 +123,7 @@ def dense_twin(quantized: Path, dense: Path) -> None:
     (dense / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("arch, act_order", [("llama", False), ("llama", True), ("phi3", True)])
+@pytest.mark.parametrize("arch, act_order", [("llama", False), ("llama", True), ("phi3", True), ("qwen2", False)])
 def test_the_written_checkpoint_generates_like_hf_on_its_weights(
         arch: str, act_order: bool, tmp_path: Path, tiny_model_factory: Callable[..., Path],
         hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
