@@ -431,3 +431,38 @@ def test_pack_quantized_checkpoints_say_their_kv_cache_scheme_is_ignored(caplog:
     with caplog.at_level(logging.WARNING, logger="infer"):
         build_compressed_tensors(EngineConfig(), {**pack_quantized_config(), "kv_cache_scheme": {"num_bits": 8}})
     assert any("kv_cache_scheme and its k/v scales are ignored" in r.message for r in caplog.records)
+
+
+def as_pack_quantized(gptq_dir: Path, symmetric: bool) -> None:
+    """Rewrite a gptq_v2 checkpoint written by :func:`write_gptq` in compressed-tensors' pack-quantized names
+    (quant/pack_quantized.py: GPTQ's tensors transposed, g_idx as weight_g_idx, the symmetric zero point unstored)."""
+    state = load_file(str(gptq_dir / "model.safetensors"))
+    names = {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero_point",
+             "g_idx": "weight_g_idx"}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        owner, _, attr = name.rpartition(".")
+        if attr not in names:
+            out[name] = tensor
+        elif not (attr == "qzeros" and symmetric):
+            out[f"{owner}.{names[attr]}"] = tensor if attr == "g_idx" else tensor.t().contiguous()
+        if attr == "qweight":
+            out[f"{owner}.weight_shape"] = torch.tensor([tensor.shape[1], tensor.shape[0] * 8])
+    save_file(out, str(gptq_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((gptq_dir / "config.json").read_text())
+    config["quantization_config"] = {**pack_quantized_config(symmetric=symmetric), "ignore": ["lm_head"]}
+    (gptq_dir / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("symmetric, fused_ops", [(True, True), (False, False)])
+def test_pack_quantized_experts_in_activation_order_compute_their_weights(
+        symmetric: bool, fused_ops: bool, tmp_path: Path, tiny_model_factory: Callable[..., Path],
+        plugins: PluginManager) -> None:
+    """llm-compressor's W4A16 mixtures of experts: per-expert pack-quantized linears, stacked with the fused ops."""
+    moe = tiny_model_factory("qwen3moe", extra={"moe_intermediate_size": 64})
+    write_gptq(moe, tmp_path / "ct", tmp_path / "dense", "shared", sym=symmetric, v1=False)
+    as_pack_quantized(tmp_path / "ct", symmetric)
+    loaded = load(tmp_path / "ct", plugins, fused_ops=fused_ops)
+    assert loaded.quant.name == "compressed-tensors"
+    torch.testing.assert_close(logits(tmp_path / "ct", plugins, fused_ops=fused_ops),
+                               logits(tmp_path / "dense", plugins), rtol=1e-4, atol=1e-4)
