@@ -175,10 +175,11 @@ def weight_replicas(k: int, n: int) -> tuple[list[torch.Tensor], list[tuple[torc
 
 
 def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[str, Any]]:
-    """Per M, microseconds per call: bf16 matmul; fused W4A16 kernel and dequantize+matmul; FP8 W8A8 as the
+    """Per M, microseconds per call: bf16 matmul; fused W4A16 kernel and dequantize+matmul (the Triton dequantize
+    kernel the engine runs above fused_max_rows, and the torch ops it ran before); FP8 W8A8 as the
     ``fp8`` method runs it (per-token activation quantization, then ``torch._scaled_mm`` with row-wise scales),
     and the ``_scaled_mm`` alone on an already quantized input (the rest is the quantization's cost)."""
-    from infer.kernels.awq_gemm import awq_gemm
+    from infer.kernels.awq_gemm import awq_dequantize, awq_gemm
     from infer.kernels.fp8 import per_token_quant
     from infer.kernels.fp8_block import per_token_group_quant, w8a8_block_gemm
     from infer.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
@@ -200,7 +201,8 @@ def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
             "bf16_linear": lambda i: torch.nn.functional.linear(x, w_linear[i % copies]),  # the engine's call
             **({"skinny": lambda i: skinny_gemm(x, w_linear[i % copies], num_sms=sms)} if m <= MAX_ROWS else {}),
             "awq_fused": lambda i: awq_gemm(x, *w_awq[i % copies], 128),
-            "awq_dequant": lambda i: x @ awq.dequantize(*w_awq[i % copies], 128, dtype=torch.bfloat16),
+            "awq_dequant": lambda i: x @ awq_dequantize(*w_awq[i % copies], 128, torch.bfloat16),  # the engine's
+            "awq_dequant_torch": lambda i: x @ awq.dequantize(*w_awq[i % copies], 128, dtype=torch.bfloat16),
             "fp8_w8a8": lambda i: scaled_mm(*per_token_quant(x), *w_fp8[i % copies], torch.bfloat16),
             "fp8_scaled_mm": lambda i: scaled_mm(xq, x_scale, *w_fp8[i % copies], torch.bfloat16),
             "fp8_block": lambda i: w8a8_block_gemm(*per_token_group_quant(x, 128), *w_block[i % copies], (128, 128),

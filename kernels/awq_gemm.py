@@ -171,6 +171,41 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     return out.to(x.dtype) if split_k > 1 else out
 
 
+@triton.jit
+def _dequant_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, K, N, group_size, stride_qk, stride_zg, stride_sg, stride_ok,
+                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[k, n] = (q - z) * s for one [BLOCK_K, BLOCK_N] tile: exact in fp32 (a nibble difference times an fp16
+    scale), rounded once to out's dtype."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_p = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_k, mask_p, mask_n = offs_k < K, offs_p < N // 8, offs_n < N
+    group = offs_k // group_size
+    packed = mask_k[:, None] & mask_p[None, :]
+    qw = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_p[None, :], mask=packed, other=0)
+    qz = tl.load(qz_ptr + group[:, None] * stride_zg + offs_p[None, :], mask=packed, other=0)
+    s = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0).to(tl.float32)
+    w = (_nibbles(qw, BLOCK_K, BLOCK_N, tl.float32) - _nibbles(qz, BLOCK_K, BLOCK_N, tl.float32)) * s
+    tl.store(out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=mask_k[:, None] & mask_n[None, :])
+
+
+def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """:func:`~infer.quant.awq.dequantize` as one Triton kernel (the same values, bit for bit): the large-batch
+    path of a W4A16 linear on CUDA, which reads each packed weight once instead of running a chain of elementwise
+    ops over int32 and float32 copies of the whole weight."""
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    group = k if group_size == -1 else group_size
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    block_k, block_n = 32, 128
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    _dequant_kernel[grid](qweight, qzeros, scales, out, k, n, group, qweight.stride(0), qzeros.stride(0),
+                          scales.stride(0), out.stride(0), BLOCK_K=block_k, BLOCK_N=block_n)
+    return out
+
+
 def awq_gemm_reference(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                        group_size: int) -> torch.Tensor:
     """The torch reference: dequantize to x's dtype, then matmul (accumulating in fp32)."""

@@ -22,9 +22,9 @@ class AwqLinearMethod(QuantMethod):
     ``quantize_on_load=True`` quantizes a plain ``weight`` (RTN) into packed buffers as it loads, layer by layer
     (the float model is never held whole). ``quantize_lm_head`` quantizes the output head too (AutoAWQ keeps it in
     16 bits), always on load: from the checkpoint's ``lm_head.weight``, or from the embedding when the two are tied.
-    On CUDA, batches of at most ``fused_max_rows`` rows run the fused Triton W4A16 GEMM; larger ones (and every CPU
-    call) dequantize the weight for that call and use a dense matmul. The dequantized weight is never cached: that
-    would undo the memory saving.
+    On CUDA, batches of at most ``fused_max_rows`` rows run the fused Triton W4A16 GEMM; larger ones dequantize the
+    weight for that call in one Triton kernel and use a dense matmul (every CPU call too, dequantizing in torch).
+    The dequantized weight is never cached: that would undo the memory saving.
     """
 
     name = "awq"
@@ -144,6 +144,10 @@ class AwqLinearMethod(QuantMethod):
             from ..kernels.awq_gemm import awq_gemm
 
             out = awq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size)
+        elif x2.is_cuda:  # one kernel that reads each packed weight once, then cuBLAS
+            from ..kernels.awq_gemm import awq_dequantize
+
+            out = x2 @ awq_dequantize(layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size, x2.dtype)
         else:
             w = awq.dequantize(layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size, dtype=x2.dtype)
             out = x2 @ w

@@ -306,6 +306,22 @@ def test_awq_gemm_paths_match_reference(dtype: torch.dtype, m: int, k: int, n: i
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype, k, n, group", [
+    (torch.float32, 128, 96, 32), (torch.float16, 72, 64, -1), (torch.float16, 256, 200, 128),
+    # bf16 on a GPU only: the interpreter rounds float32 to bf16 by truncation, CUDA to nearest even as torch does
+    pytest.param(torch.bfloat16, 256, 256, 64, marks=pytest.mark.gpu)])
+def test_awq_dequantize_kernel_equals_the_torch_dequantization_bit_for_bit(dtype: torch.dtype, k: int, n: int,
+                                                                           group: int) -> None:
+    """The large-batch path of a W4A16 linear on CUDA (dequantize, then matmul) dequantizes in one kernel."""
+    from infer.kernels.awq_gemm import awq_dequantize
+
+    _, state = awq_state(n, k, group, seed=k + n)
+    state = {name: t.to(DEVICE) for name, t in state.items()}
+    ours = awq_dequantize(state["qweight"], state["qzeros"], state["scales"], group, dtype)
+    reference = awq.dequantize(state["qweight"], state["qzeros"], state["scales"], group, dtype=dtype)
+    assert ours.dtype == dtype and torch.equal(ours, reference)
+
+
 def test_awq_auto_split_k_fills_the_gpu_within_its_caps() -> None:
     from infer.kernels.awq_gemm import auto_split_k
 
