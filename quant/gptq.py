@@ -39,7 +39,9 @@ V1_WORD_OFFSET = 0x11111111  # added to each v1 qzeros word, in wrapping 32-bit 
 @dataclass(frozen=True)
 class GptqConfig:
     """A validated GPTQ ``quantization_config``. ``modules_in_block_to_quantize``: the linears of each decoder
-    layer that are quantized, by their path inside the layer (``self_attn.q_proj``); empty: all of them.
+    layer that are quantized, by their path inside the layer (``self_attn.q_proj``, matched as the end of the module
+    path after a dot: optimum matches any ending, so ``proj`` would name every projection there, none here); empty:
+    all of them.
     ``skipped``: GPTQModel's ``dynamic`` exclusions (``-:`` regular expressions, ``re.match``-ed on the module
     path). ``act_order``: the config says ``desc_act``, so every layer must bring its ``g_idx``."""
 
