@@ -680,7 +680,9 @@ def test_the_command_being_handled_when_the_engine_thread_dies_gets_the_error() 
         worker = EngineWorker(DyingEngine())
         worker.start()
         other, killer = RequestStream("other"), RequestStream("killer")
-        worker.submit("hello", SamplingParams(max_tokens=1000), other)
+        # long enough to be running when the killer arrives (1,000 tokens, a few ms of steps, finished first in a
+        # loaded CI run, and its stream then ended instead of failing)
+        worker.submit("hello", SamplingParams(max_tokens=10**7), other)
         await asyncio.wait_for(other.__anext__(), 10)  # running
         worker.submit("killer", SamplingParams(max_tokens=3), killer)
         for stream in (killer, other):
