@@ -126,6 +126,7 @@ def anchor_launches(dtype: torch.dtype) -> None:
                           split_k=split)
     awq_gemm.awq_gemm(torch.randn(1, 256, dtype=dtype), qweight, torch.zeros(8, 16, dtype=torch.int32),
                       torch.ones(8, 128, dtype=dtype), 32)  # group 32 < BLOCK_K: the per-row scales and zeros
+    awq_gemm.awq_dequantize(qweight, qzeros, torch.ones(2, 128, dtype=torch.float16), 128, dtype)  # prefill
     moe_launches(dtype)
     for rows, block_n in ((1, 64), (16, 16)):
         skinny_gemm.skinny_gemm(torch.randn(rows, 512, dtype=dtype), torch.randn(128, 512, dtype=dtype),
@@ -149,6 +150,9 @@ def moe_launches(dtype: torch.dtype) -> None:
     packed = [[awq.quantize_rtn(w, 128) for w in stack] for stack in (w13, w2)]
     stacked = [awq_moe.AwqExperts(*(torch.stack([p[i] for p in stack]) for i in range(3)), 128) for stack in packed]
     awq_moe.fused_awq_experts(x, *stacked, weights.to(dtype), chosen)
+    ordered = [w._replace(input_order=torch.stack([torch.randperm(w.qweight.shape[1]) for _ in range(experts)]))
+               for w in stacked]  # GPTQ experts in activation order
+    awq_moe.fused_awq_experts(x, *ordered, weights.to(dtype), chosen)
 
 
 def test_every_kernel_compiles_for_sm90_at_the_anchor_shapes() -> None:
