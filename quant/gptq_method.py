@@ -143,6 +143,10 @@ class PackQuantizedLinearMethod(GptqLinearMethod):
         layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        if name == "weight_zero_point" and tensor.dtype == torch.int8 and hasattr(layer, name):
+            raise CheckpointError(f"{layer_name(layer)}.weight_zero_point is unpacked int8, as older "
+                                  "compressed-tensors releases wrote it; infer loads packed int32 zero points: "
+                                  "re-save the checkpoint with a current compressed-tensors")
         if name in ("weight_packed", "weight_zero_point", "weight_g_idx") and hasattr(layer, name):
             self._copy_codes(layer, name, tensor)
         elif name == "weight_scale":

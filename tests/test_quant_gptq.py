@@ -364,6 +364,10 @@ def test_pack_quantized_layers_load_gptq_tensors_transposed_with_their_g_idx() -
     with pytest.raises(CheckpointError, match="weight_shape is \\[64, 32\\]"):
         linear = Linear(64, 32, False, "model.layers.0.mlp.down_proj", method, torch.float32)
         linear.load("weight_shape", torch.tensor([64, 32]))
+    asymmetric = Linear(64, 32, False, "model.layers.0.mlp.down_proj",
+                        build_compressed_tensors(EngineConfig(), pack_quantized_config(symmetric=False)), torch.float32)
+    with pytest.raises(CheckpointError, match="unpacked int8, as older compressed-tensors releases wrote it"):
+        asymmetric.load("weight_zero_point", torch.zeros(32, 2, dtype=torch.int8))
     with pytest.raises(CheckpointError, match="weight_zero_point, but the config's scheme is symmetric"):
         linear.load("weight_zero_point", tensors["qzeros"].t().contiguous())
     with pytest.raises(CheckpointError, match="missing weight_packed"):
