@@ -62,7 +62,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return columns.reshape(packed.shape[0], -1)
 
 
-def _round_up_to_fp16(x: torch.Tensor) -> torch.Tensor:
+def round_up_to_fp16(x: torch.Tensor) -> torch.Tensor:
     """Positive fp32 -> the nearest fp16 that is >= x, so a scale never shrinks the representable range."""
     h = x.to(torch.float16)
     below = h.to(torch.float32) < x
@@ -114,7 +114,7 @@ def _rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Ten
     w = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
     w_max = w.amax(dim=-1).clamp(min=0)
     w_min = w.amin(dim=-1).clamp(max=0)
-    scales = _round_up_to_fp16((w_max - w_min).clamp(min=1e-5) / MAX_Q)  # [out, in / g]
+    scales = round_up_to_fp16((w_max - w_min).clamp(min=1e-5) / MAX_Q)  # [out, in / g]
     s = scales.to(torch.float32)
     zeros = (-torch.round(w_min / s)).clamp(0, MAX_Q)
     q = (torch.round(w / s.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, MAX_Q)

@@ -371,8 +371,6 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
 
     ``texts`` default to the standard library's sources (:func:`.calib_data.default_texts`).
     """
-    from safetensors.torch import save_file
-
     raw, config = check_request(model_dir, out_dir, config)
     report_progress: ProgressFn = progress or (lambda phase, done, total: None)
     loaded, samples, seq_len = load_for_calibration(model_dir, config, texts, plugins)
@@ -401,18 +399,28 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
         stats[i] = {}  # free the rows
     report_progress("scale search", len(layers), len(layers))
 
-    quantized_owners = {name.rpartition(".")[0] for name in tensors}
-    for name, tensor in model.state_dict().items():
-        if name.rpartition(".")[0] not in quantized_owners:
-            tensors[name] = tensor
-    tensors = {name: _to_fp16(name, t) for name, t in tensors.items()}
     qc = {"quant_method": "awq", "bits": config.bits, "group_size": config.group_size, "zero_point": True,
           "version": awq.SUPPORTED_VERSION, "modules_to_not_convert": None}
     record = {"method": "infer quantize --method awq", "options": asdict(config),
               "calibration_data": {"samples": len(samples), "tokens": used, "seq_len": seq_len},
               "groups": [asdict(r) for r in reports]}
-    _write_checkpoint(model_dir, out_dir, raw, tensors, save_file, qc, ("awq_calibration.json", record))
+    write_quantized(model, tensors, model_dir, out_dir, raw, qc, ("awq_calibration.json", record))
     return reports
+
+
+def write_quantized(model: Any, tensors: dict[str, torch.Tensor], model_dir: Path, out_dir: Path, raw: dict[str, Any],
+                    quantization_config: dict[str, Any], record: tuple[str, dict[str, Any]]) -> None:
+    """Write the checkpoint (:func:`_write_checkpoint`): the quantized linears' ``tensors``, and the rest of
+    ``model``'s state (norms, embeddings, the head) beside them; every float tensor in float16."""
+    from safetensors.torch import save_file
+
+    quantized_owners = {name.rpartition(".")[0] for name in tensors}
+    everything = dict(tensors)
+    for name, tensor in model.state_dict().items():
+        if name.rpartition(".")[0] not in quantized_owners:
+            everything[name] = tensor
+    everything = {name: _to_fp16(name, t) for name, t in everything.items()}
+    _write_checkpoint(model_dir, out_dir, raw, everything, save_file, quantization_config, record)
 
 
 def temporary_sibling(out_dir: Path) -> Path:

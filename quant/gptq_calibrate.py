@@ -27,8 +27,8 @@ from torch import nn
 
 from ..core.errors import ConfigError
 from . import awq
-from .calibrate import (ProgressFn, _to_fp16, _write_checkpoint, check_calibration_options, check_request, groups_of,
-                        load_for_calibration)
+from .calibrate import (ProgressFn, check_calibration_options, check_request, groups_of, load_for_calibration,
+                        write_quantized)
 from .forward import dense_forward
 
 SYMMETRIC_ZERO = 8
@@ -84,7 +84,7 @@ def symmetric_scales(columns: torch.Tensor) -> torch.Tensor:
     """Per output row of ``columns`` [out, g]: ``2 max|w| / 15`` (2 / 15 for an all-zero row), rounded up to fp16."""
     extent = columns.abs().amax(dim=1)
     extent = torch.where(extent > 0, extent, torch.ones_like(extent))
-    return awq._round_up_to_fp16(2 * extent / awq.MAX_Q).to(torch.float32)
+    return awq.round_up_to_fp16(2 * extent / awq.MAX_Q).to(torch.float32)
 
 
 def quantize_column(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -198,8 +198,6 @@ def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig
                    texts: Iterable[str] | None = None, progress: ProgressFn | None = None,
                    plugins: Any = None) -> list[GptqLayerReport]:
     """Calibrate, quantize and write ``out_dir`` (a GPTQ checkpoint); return each linear's error report."""
-    from safetensors.torch import save_file
-
     raw, config = check_request(model_dir, out_dir, config)
     report_progress: ProgressFn = progress or (lambda phase, done, total: None)
     loaded, samples, seq_len = load_for_calibration(model_dir, config, texts, plugins)
@@ -233,18 +231,13 @@ def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig
                     tensors[f"{name}.bias"] = linear.bias.data
                 linear.weight.data.copy_(quantized.to(weight.dtype))  # the next layers see this layer quantized
     report_progress("GPTQ, layer by layer", len(layers), len(layers))
-    quantized_owners = {name.rpartition(".")[0] for name in tensors}
-    for name, tensor in model.state_dict().items():
-        if name.rpartition(".")[0] not in quantized_owners:
-            tensors[name] = tensor
-    tensors = {name: _to_fp16(name, t) for name, t in tensors.items()}
     qc = {"quant_method": "gptq", "bits": config.bits, "group_size": group_size, "sym": True,
           "desc_act": config.act_order, "static_groups": False, "true_sequential": False,
           "damp_percent": config.damp, "checkpoint_format": "gptq", "lm_head": False}
     record = {"method": "infer quantize --method gptq", "options": asdict(config),
               "calibration_data": {"samples": len(samples), "tokens": sum(map(len, samples)), "seq_len": seq_len},
               "linears": [asdict(r) for r in reports]}
-    _write_checkpoint(model_dir, out_dir, raw, tensors, save_file, qc, ("gptq_calibration.json", record))
+    write_quantized(model, tensors, model_dir, out_dir, raw, qc, ("gptq_calibration.json", record))
     return reports
 
 
