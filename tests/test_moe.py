@@ -329,6 +329,8 @@ def test_moe_refusals_name_the_cause(tmp_path):
     with pytest.raises(CheckpointError, match=r"is 'MixtralForCausalLM' \(a mixture of experts quantizes on load "
                                               r"instead: --quant awq, round-to-nearest\)"):
         calibrate_awq(path, tmp_path / "awq")
+    with pytest.raises(CheckpointError, match=r"is 'Qwen3MoeForCausalLM' \(a mixture of experts quantizes on load"):
+        calibrate_awq(moe_model(tmp_path / "q", "qwen3moe"), tmp_path / "awq")
     bad = moe_model(tmp_path / "k", "mixtral", num_experts_per_tok=5)
     with pytest.raises(CheckpointError, match="routes each token to 5 experts .num_experts_per_tok. of 4"):
         Engine(EngineConfig(model=str(bad), device="cpu", num_kv_blocks=16))

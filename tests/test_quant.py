@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -881,16 +882,96 @@ def test_scale_search_finds_activation_outliers() -> None:
     assert found.scales[[5, 40, 99]].min() > found.scales.median() * 3  # outlier columns are scaled up
     flat = search_scale(torch.randn(256, 128), torch.ones(128), weight, 32, grid=10)
     assert torch.allclose(flat.scales, torch.ones(128)) and flat.error == flat.rtn_error  # nothing to gain
+    assert flat.alpha == 0  # a tie keeps plain RTN: an alpha > 0 is chosen only for a strictly lower error
     shared = search_scale(x, x.abs().mean(dim=0), weight, 32, grid=10, share=(2, 2, 32))  # o_proj under GQA
     per_kv = shared.scales.view(2, 2, 32)
     assert torch.equal(per_kv[:, 0], per_kv[:, 1])
+
+
+def test_awq_calibration_defaults_and_bounds() -> None:
+    """The defaults docs/cli.md gives (grid 20: AutoAWQ's n_grid); grid, max_rows and batch_samples below 1 and any
+    bit width but 4 are ConfigErrors."""
+    from dataclasses import replace
+
+    from infer.quant.calibrate import AwqCalibrationConfig
+
+    config = AwqCalibrationConfig()
+    assert (config.group_size, config.bits, config.num_samples, config.seq_len, config.device) == (None, 4, 64, 512,
+                                                                                                   "auto")
+    assert config.grid == 20 and config.validate() is config
+    for name in ("grid", "max_rows", "batch_samples"):
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be >= 1, got 0"):
+            replace(config, **{name: 0}).validate()
+    for bits in (3, 8):
+        with pytest.raises(ConfigError, match=f"4-bit weights only .the AutoAWQ GEMM format., got --bits {bits}"):
+            replace(config, bits=bits).validate()
+
+
+def test_awq_checkpoint_tensors_are_fp16_up_to_its_largest_value() -> None:
+    """Float tensors are stored as fp16: its largest value, 65504, is kept; beyond it is a CheckpointError naming the
+    tensor; integer tensors (qweight, qzeros) keep their dtype."""
+    from infer.quant.calibrate import _to_fp16
+
+    edge = torch.tensor([65504.0, -65504.0, 1.5])
+    assert torch.equal(_to_fp16("w", edge), edge.half())
+    packed = torch.tensor([[1, -2]], dtype=torch.int32)
+    assert torch.equal(_to_fp16("q", packed), packed) and _to_fp16("q", packed).dtype == torch.int32
+    with pytest.raises(CheckpointError, match="model.norm.weight holds values beyond the fp16 range"):
+        _to_fp16("model.norm.weight", torch.tensor([1.0, -7e4]))
+
+
+def documented_scales(stat: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The module docstring's ``s = stat^alpha`` (floored at 1e-4, as AutoAWQ does), normalised by
+    ``sqrt(max(s) * min(s))``."""
+    s = stat.double().pow(alpha).clamp(min=1e-4)
+    return (s / (s.max() * s.min()).sqrt()).float()
+
+
+def output_mse(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor, group: int) -> float:
+    """Mean squared difference of all the linears' outputs, x @ W.T against x @ (RTN(W * s) / s).T."""
+    w = torch.cat(weights)
+    return float((x @ (awq.fake_quantize_rtn(w * s, group) / s).t() - x @ w.t()).pow(2).mean())
+
+
+@pytest.mark.parametrize("share, power", [(None, 1.0), ((2, 2, 32), 0.25)], ids=["plain", "gqa-best-at-alpha-1"])
+def test_scale_search_takes_the_best_alpha_of_the_documented_grid(share: tuple[int, int, int] | None,
+                                                                  power: float) -> None:
+    """Every alpha in {0, 1/grid, ..., 1} is tried with the documented normalised scales, the output MSE of all the
+    group's linears decides (the first of equal errors wins), alpha 0 is RTN's error; a channel the calibration
+    never excited (stat 0) is floored, not divided by. Under GQA the stat of a shared scale is the mean over the
+    q heads that share it."""
+    from infer.quant.calibrate import search_scale
+
+    x = torch.randn(256, 128)
+    x[:, [5, 40, 99]] *= 20
+    x[:, 7] = 0
+    x[:, 64:96] *= torch.linspace(0.5, 4, 32)  # the two q heads of KV head 1 see different magnitudes
+    stat, grid = x.abs().mean(dim=0).pow(power), 10  # a flattened stat moves the best alpha to the grid's end
+    weights = [torch.randn(64, 128), torch.randn(32, 128) * 3]  # the second linear dominates the error
+    found = search_scale(x, stat, weights, 32, grid, share)
+    base = stat if share is None else stat.view(share).mean(dim=1)
+    candidates = []
+    for i in range(grid + 1):
+        s = documented_scales(base, i / grid)
+        s = s if share is None else s[:, None].expand(share).reshape(-1)
+        candidates.append((output_mse(x, weights, s, 32), i / grid, s))
+    best = min(candidates, key=lambda c: c[0])  # min keeps the first of equal errors
+    assert found.alpha == best[1] > 0
+    torch.testing.assert_close(found.scales, best[2], rtol=1e-5, atol=0)
+    assert math.isclose(found.error, best[0], rel_tol=1e-4) and math.isclose(found.rtn_error, candidates[0][0],
+                                                                             rel_tol=1e-4)
+
+
+class Chars:  # a calibration tokenizer: one token per character
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
 
 
 def test_calibration_texts_and_samples(tmp_path: Path) -> None:
     from infer.quant.calib_data import read_texts, token_samples
 
     lines = tmp_path / "calib.txt"
-    lines.write_text("first text\n\n  second text\n")
+    lines.write_text("first text\n\n \t\n  second text\n")  # blank lines, spaces only or not, hold no text
     assert read_texts(lines) == ["first text", "  second text"]
     lines.write_text('{\n  "key": 1,\n}\n')  # code opening with a brace line: text, not broken JSONL
     assert read_texts(lines) == ["{", '  "key": 1,', "}"]
@@ -918,16 +999,52 @@ def test_calibration_texts_and_samples(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="holds only empty texts"):
         read_texts(jsonl)
 
-    class Chars:  # one token per character
-        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-            return [ord(c) for c in text]
-
     samples = token_samples(Chars(), ["abcdefgh", "ijklmnop"], num_samples=3, seq_len=5)
     assert samples == [[ord(c) for c in "abcde"], [ord(c) for c in "fgh\n\n"], [ord(c) for c in "ijklm"]]
     assert token_samples(Chars(), ["ab"], 4, 64) == [[97, 98, 10, 10]]  # short text: one shorter sample
     with pytest.raises(InvalidRequestError, match="holds 0 token") as info:
         token_samples(Chars(), [], 4, 64)
     assert not isinstance(info.value, ConfigError)
+
+
+def test_calibration_files_that_hold_no_text_or_no_json_lines(tmp_path: Path) -> None:
+    """A file that is empty or not UTF-8 is refused by name (InvalidRequestError); a first line that is a JSON
+    value other than an object (a quoted line, a number) leaves a .txt file plain text."""
+    from infer.quant.calib_data import read_texts
+
+    path = tmp_path / "calib.txt"
+    path.write_text("\n  \n")
+    with pytest.raises(InvalidRequestError, match="calib.txt' holds no text"):
+        read_texts(path)
+    path.write_bytes(b"caf\xe9 latin-1\n")
+    with pytest.raises(InvalidRequestError, match="cannot read calibration file .*calib.txt'"):
+        read_texts(path)
+    path.write_text('"a quoted line"\n42\nplain text\n')
+    assert read_texts(path) == ['"a quoted line"', "42", "plain text"]
+
+
+def test_token_samples_bounds_and_reads_no_more_text_than_needed() -> None:
+    """At least 1 sample of at least 2 tokens (ConfigError), a text of at least 2 tokens (InvalidRequestError); the
+    texts are read only until they hold num_samples * seq_len tokens (the default is thousands of files)."""
+    from infer.quant.calib_data import token_samples
+
+    for num_samples, seq_len in ((0, 8), (1, 1)):
+        with pytest.raises(ConfigError, match=f"need num_samples >= 1 and seq_len >= 2, got {num_samples} and "
+                                              f"{seq_len}"):
+            token_samples(Chars(), ["abcdef"], num_samples, seq_len)
+
+    class OneToken:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [7]
+
+    with pytest.raises(InvalidRequestError, match="holds 1 token"):
+        token_samples(OneToken(), ["x"], 1, 4)
+
+    def texts() -> Iterator[str]:
+        yield "abc"  # "abc\n\n": 5 tokens, exactly 1 sample of 5
+        raise AssertionError("read a text past the tokens needed")
+
+    assert token_samples(Chars(), texts(), 1, 5) == [[ord(c) for c in "abc\n\n"]]
 
 
 # ---------------------------------------------------------------- fp8 KV cache

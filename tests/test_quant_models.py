@@ -16,6 +16,7 @@ match; each bound is 1.2x it, and 0.8x is the floor (measured on three model see
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -473,6 +474,9 @@ def test_scale_folding_leaves_the_model_unchanged(name: str, checkpoint: Callabl
     path = checkpoint(name)
     loaded = load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path)
     model, g = loaded.model, torch.Generator().manual_seed(3)
+    for module in model.modules():  # the tiny checkpoints' biases are zero, which any folding leaves alone
+        if isinstance(getattr(module, "bias", None), torch.Tensor):
+            module.bias.data.copy_(torch.randn(module.bias.shape, generator=g))
     before = model.compute_logits(dense_forward(model, PROMPTS[:2], loaded.device))
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -484,6 +488,111 @@ def test_scale_folding_leaves_the_model_unchanged(name: str, checkpoint: Callabl
                 s = s.view(attn.num_kv_heads, heads, attn.head_dim)[:, :1].expand(-1, heads, -1).reshape(-1)
             _fold(layer, group, s)
     after = model.compute_logits(dense_forward(model, PROMPTS[:2], loaded.device))
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_calibration_forward_sees_every_token_and_keeps_at_most_max_rows(tiny_model: Path,
+                                                                          plugins: PluginManager) -> None:
+    """Whatever the batching, each group's statistics cover every token: the sum of |x| and the count of the inputs
+    its linears see in one forward pass of all the samples; at most ``max_rows`` of those inputs are kept, unchanged.
+    Progress runs from (0, batches) to (batches, batches), and no hook is left on the model."""
+    from infer.quant.calibrate import _collect
+
+    loaded = load_model(EngineConfig(model=str(tiny_model), device="cpu").validate(), plugins, tiny_model)
+    model, samples = loaded.model, seeded_prompts(5, 16, seed=2)
+    seen: dict[tuple[int, str], torch.Tensor] = {}
+
+    def observe(key: tuple[int, str]) -> Callable[..., None]:
+        return lambda module, args: seen.__setitem__(key, args[0].reshape(-1, args[0].shape[-1]).float().clone())
+
+    handles = [layer.get_submodule(g.linears[0]).register_forward_pre_hook(observe((i, g.name)))
+               for i, layer in enumerate(model.model.layers) for g in groups_of(layer)]
+    with torch.no_grad():
+        dense_forward(model, samples, loaded.device)
+    for handle in handles:
+        handle.remove()
+    calls: list[tuple[str, int, int]] = []
+    with torch.no_grad():
+        stats = _collect(model, samples, loaded.device, AwqCalibrationConfig(max_rows=30, batch_samples=2),
+                         lambda *call: calls.append(call))
+        dense_forward(model, samples, loaded.device)  # recorded nowhere
+    assert calls[0] == ("calibration forward", 0, 3) and calls[-1] == ("calibration forward", 3, 3)
+    assert len(seen) == 4 * len(stats)
+    for (i, name), x in seen.items():
+        record = stats[i][name]
+        assert record.count == x.shape[0] == 5 * 16
+        torch.testing.assert_close(record.abs_sum, x.abs().sum(dim=0), rtol=1e-5, atol=1e-5)
+        rows = torch.cat(record.rows)
+        assert 0 < rows.shape[0] <= 30
+        assert all(float((x - row).abs().amax(dim=1).min()) < 1e-4 for row in rows)  # inputs, as they were
+
+
+@pytest.mark.parametrize("arch, changes, group", [
+    ("llama", {"hidden_size": 128, "intermediate_size": 256, "head_dim": 24}, 32),  # o_proj's input, 4 x 24 = 96
+    ("llama", {"hidden_size": 128, "intermediate_size": 160}, 32),  # down_proj's input
+    ("phi3", {"intermediate_size": 160}, 32),  # down_proj's input, beside the fused gate_up_proj
+    ("phi3", {"num_attention_heads": 16, "num_key_value_heads": 1, "head_dim": 4}, 64),  # qkv_proj: 64 + 2 x 4 outputs
+])
+def test_quantize_request_checks_every_linear_before_the_model_loads(arch: str, changes: dict[str, int], group: int,
+                                                                     checkpoint: Callable[[str], Path],
+                                                                     tmp_path: Path) -> None:
+    """From config.json alone: the default group size is the largest of 128, 64, 32 that divides every checkpoint
+    linear's input size (docs/cli.md); a group size that does not divide one is refused."""
+    from infer.quant.calibrate import check_request
+
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint(arch), model)
+    (model / "config.json").write_text(json.dumps({**json.loads((model / "config.json").read_text()), **changes}))
+    assert check_request(model, tmp_path / "out", AwqCalibrationConfig())[1].group_size == group
+    with pytest.raises(CheckpointError, match="group_size 128 does not divide in_features"):
+        check_request(model, tmp_path / "out", AwqCalibrationConfig(group_size=128))
+
+
+def test_calibration_keeps_every_linears_bias(checkpoint: Callable[[str], Path], plugins: PluginManager,
+                                              tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases are written beside their packed weights: q's and k's as they were (s scales their
+    inputs, not their outputs), v's divided by o's scales as its weight rows are."""
+    path = tmp_path / "qwen2"
+    shutil.copytree(checkpoint("qwen2"), path)
+    original = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(4)
+    for name, tensor in original.items():
+        if name.endswith(".bias"):  # the tiny checkpoint's are zero
+            tensor.copy_(torch.randn(tensor.shape, generator=g))
+    save_file(original, str(path / "model.safetensors"), metadata={"format": "pt"})
+    calibrate_awq(path, tmp_path / "awq", CALIB, plugins=plugins)
+    state = load_file(str(tmp_path / "awq" / "model.safetensors"))
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.self_attn"
+        for name in ("q_proj", "k_proj"):
+            assert torch.equal(state[f"{prefix}.{name}.bias"], original[f"{prefix}.{name}.bias"].half())
+        v_bias = original[f"{prefix}.v_proj.bias"].half()
+        assert state[f"{prefix}.v_proj.bias"].shape == v_bias.shape and not torch.equal(state[f"{prefix}.v_proj.bias"],
+                                                                                        v_bias)
+        assert f"{prefix}.o_proj.bias" not in state
+
+
+def test_the_scales_calibration_folds_leave_the_unquantized_model_unchanged(
+        checkpoint: Callable[[str], Path], plugins: PluginManager, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer, as calibrate_awq folded it just before quantizing, computes what the original did (docs: the
+    folding is exact), GQA's o_proj included, where a scale must be one per (KV head, channel) to fold into v."""
+    from infer.quant import calibrate
+
+    path = checkpoint("llama")  # 4 q heads on 2 KV heads
+    folded: dict[str, torch.Tensor] = {}
+    quantize = calibrate._quantized_layer_tensors
+
+    def record(layer: torch.nn.Module, prefix: str, group_size: int) -> dict[str, torch.Tensor]:
+        folded.update({f"{prefix}.{name}": t.clone() for name, t in layer.state_dict().items()})
+        return quantize(layer, prefix, group_size)
+
+    monkeypatch.setattr(calibrate, "_quantized_layer_tensors", record)
+    calibrate_awq(path, tmp_path / "awq", CALIB, plugins=plugins)
+    loaded = load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path)
+    before = loaded.model.compute_logits(dense_forward(loaded.model, PROMPTS[:2], loaded.device))
+    loaded.model.load_state_dict({**loaded.model.state_dict(), **folded})
+    after = loaded.model.compute_logits(dense_forward(loaded.model, PROMPTS[:2], loaded.device))
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
@@ -504,6 +613,8 @@ def test_quantize_command_rejects_bad_options(args: list[str], message: str, sta
 
 
 def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Path, tmp_path: Path) -> None:
+    from infer.quant.calibrate import check_request
+
     def fails(args: list[str], message: str) -> None:
         result = CliRunner().invoke(main, ["quantize", *args, "--group-size", "32"])
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
@@ -529,6 +640,13 @@ def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Pat
     fails([str(tiny_model), str(tmp_path / "missing" / "out")], "does not exist; create it first")
     (tmp_path / "plain").write_text("a file")
     fails([str(tiny_model), str(tmp_path / "plain" / "out")], "is a file, not a folder")
+    fails([str(tiny_model), str(tmp_path / "plain")], "already exists and is not an empty folder")
+    fails([str(tmp_path / "plain"), str(tmp_path / "e")], "does not exist or is not a folder")
+    fails([str(tiny_model / ".." / tiny_model.name), str(tiny_model)], "OUT must differ from MODEL")  # spelt apart
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny_model, weightless, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(CheckpointError, match=r"has no \*\.safetensors weight files"):  # before the model loads
+        check_request(weightless, tmp_path / "w", AwqCalibrationConfig())
     if Path("/proc").is_dir():  # a folder nobody can make folders in, even root (whom os.access lets through)
         fails([str(tiny_model), "/proc/out"], "cannot write into '/proc', the parent folder of OUT")
     fails([str(tiny_model), str(tiny_model)], "OUT must differ from MODEL")
@@ -790,12 +908,23 @@ def test_quantize_default_group_size_divides_every_layer(tiny_model: Path, tmp_p
     assert "(int4, group 64)" in result.output
     record = json.loads((out / "awq_calibration.json").read_text())
     assert record["calibration_data"] == {"samples": 2, "tokens": 64, "seq_len": 32}  # what was used, not asked
+    assert {k: record["options"][k] for k in ("group_size", "bits", "num_samples", "seq_len", "device")} == {
+        "group_size": 64, "bits": 4, "num_samples": 2, "seq_len": 32, "device": "auto"}  # the group size chosen
+    assert [(g["layer"], g["group"]) for g in record["groups"]] == [
+        (layer, group) for layer in range(2) for group in ("qkv", "o", "gate_up", "down")]
     mask = os.umask(0)
     os.umask(mask)
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask  # readable as the umask allows
 
 
 def test_quantize_warns_when_the_calibration_text_is_tiny(tiny_model: Path, tmp_path: Path, caplog) -> None:
+    """Each shortfall is said, and awq_calibration.json records the samples, tokens and sample length used."""
+    from transformers import AutoTokenizer
+
+    def used(out: str) -> dict[str, int]:
+        return json.loads((tmp_path / out / "awq_calibration.json").read_text())["calibration_data"]
+
+    tokens = AutoTokenizer.from_pretrained(str(tiny_model)).encode
     (tmp_path / "one.txt").write_text("x")
     with caplog.at_level(logging.WARNING, logger="infer"):
         result = CliRunner().invoke(main, ["quantize", str(tiny_model), str(tmp_path / "q"), "--calib",
@@ -809,23 +938,106 @@ def test_quantize_warns_when_the_calibration_text_is_tiny(tiny_model: Path, tmp_
                                            str(tmp_path / "short.txt"), "--seq-len", "32", "--num-samples", "64"])
     assert result.exit_code == 0, result.output
     assert re.search(r"holds \d samples of 32 tokens, not the 64 asked for \(--num-samples\)", caplog.text)
+    count = sum(len(tokens(line + "\n\n", add_special_tokens=False)) for line in ["def f(x):", "    return x + 1"] * 12)
+    assert used("q1") == {"samples": count // 32, "tokens": count // 32 * 32, "seq_len": 32}
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="infer"):
         result = CliRunner().invoke(main, ["quantize", str(tiny_model), str(tmp_path / "q2"), "--calib",
                                            str(tmp_path / "one.txt"), "--seq-len", "5000", "--num-samples", "1"])
     assert result.exit_code == 0, result.output
     assert "--seq-len 5000 is longer than the model's context (1024 tokens): the samples use 1024" in caplog.text
+    assert used("q2") == {"samples": 1, "tokens": len(tokens("x\n\n", add_special_tokens=False)), "seq_len": 1024}
 
 
-def test_a_failed_checkpoint_write_is_a_checkpoint_error_and_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
+def test_calibration_text_of_exactly_the_samples_asked_for_warns_nothing(tiny_model: Path, plugins: PluginManager,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import AutoTokenizer
+
+    from infer.quant.calibrate import load_for_calibration
+
+    text = "def add(a, b):\n    return a + b"
+    ids = AutoTokenizer.from_pretrained(str(tiny_model)).encode(text + "\n\n", add_special_tokens=False)
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        _, samples, seq_len = load_for_calibration(
+            tiny_model, AwqCalibrationConfig(num_samples=1, seq_len=len(ids), device="cpu"), [text], plugins)
+    assert samples == [ids] and seq_len == len(ids)
+    assert [r.message for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize("code, message, full", [(errno.ENOSPC, "No space left on device", True),
+                                                 (errno.EDQUOT, "Disk quota exceeded", True),
+                                                 (errno.EACCES, "Permission denied", False),
+                                                 (None, "Error while serializing", False)])  # a SafetensorError
+def test_a_failed_checkpoint_write_is_a_checkpoint_error_and_leaves_nothing(code: int | None, message: str,
+                                                                            full: bool, tiny_model: Path,
+                                                                            tmp_path: Path) -> None:
+    """A failed write is a CheckpointError that leaves no folder behind; a full disk or quota says to free space."""
+    from safetensors import SafetensorError
+
     from infer.quant.calibrate import _write_checkpoint
 
-    def disk_full(*args: object, **kwargs: object) -> None:
-        raise OSError(28, "No space left on device")
+    def failing(*args: object, **kwargs: object) -> None:
+        raise SafetensorError(message) if code is None else OSError(code, message)
 
-    with pytest.raises(CheckpointError, match="No space left on device.*OUT was not created"):
-        _write_checkpoint(tiny_model, tmp_path / "out", {}, {}, disk_full, {"quant_method": "awq"}, ("r.json", {}))
+    with pytest.raises(CheckpointError, match=f"{message}.*OUT was not created") as info:
+        _write_checkpoint(tiny_model, tmp_path / "out", {}, {}, failing, {"quant_method": "awq"}, ("r.json", {}))
+    assert ("OUT was not created: free disk space or choose another path" in str(info.value)) == full
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_or_failed_move_leaves_out_as_it_was(tiny_model: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while writing leaves nothing and goes on; a move that fails into an existing empty OUT leaves it
+    there, empty."""
+    from infer.quant import calibrate
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        calibrate._write_checkpoint(tiny_model, tmp_path / "out", {}, {}, interrupted, {}, ("r.json", {}))
+    assert list(tmp_path.iterdir()) == []
+
+    def cross_device(src: object, dst: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(calibrate.os, "replace", cross_device)
+    with pytest.raises(CheckpointError, match="Invalid cross-device link.*OUT was not created"):
+        calibrate._write_checkpoint(tiny_model, tmp_path / "out", {}, {"w": torch.ones(2)}, save_file, {},
+                                    ("r.json", {}))
+    assert list(tmp_path.iterdir()) == [tmp_path / "out"] and list((tmp_path / "out").iterdir()) == []
+
+
+def test_the_checkpoint_copies_model_files_but_no_weights_or_quantization_configs(tmp_path: Path) -> None:
+    """OUT: the new weights, config.json with the quantization_config and float16 under both dtype keys, the record,
+    and MODEL's other files as they are; not MODEL's weights in any format, their index, older quantization configs
+    or folders. OUT has the mode of a plain mkdir, and no temporary folder is left beside it."""
+    from infer.quant.calibrate import _write_checkpoint
+
+    model = tmp_path / "model"
+    (model / "extra").mkdir(parents=True)
+    kept = {"tokenizer.json": "{}", "generation_config.json": '{"do_sample": false}', "chat_template.jinja": "{{ x }}",
+            "README.md": "# model"}
+    for name in ("config.json", "model.safetensors", "model-00001-of-00002.safetensors", "pytorch_model.bin",
+                 "model.safetensors.index.json", "training_args.pt", "quant_config.json", "quantize_config.json"):
+        (model / name).write_text("old")
+    for name, text in kept.items():
+        (model / name).write_text(text)
+    raw = {"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16", "dtype": "bfloat16"}
+    qc, out = {"quant_method": "awq", "bits": 4}, tmp_path / "out"
+    _write_checkpoint(model, out, raw, {"w": torch.ones(2)}, save_file, qc, ("record.json", {"groups": [1]}))
+    assert sorted(p.name for p in out.iterdir()) == sorted([*kept, "config.json", "model.safetensors", "record.json"])
+    assert all((out / name).read_text() == text for name, text in kept.items())
+    assert json.loads((out / "config.json").read_text()) == {"architectures": ["LlamaForCausalLM"],
+                                                             "torch_dtype": "float16", "dtype": "float16",
+                                                             "quantization_config": qc}
+    assert json.loads((out / "record.json").read_text()) == {"groups": [1]}
+    assert torch.equal(load_file(str(out / "model.safetensors"))["w"], torch.ones(2))
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
 
 
 def test_fp8_triton_backend_on_the_cpu_and_a_one_position_context_are_config_errors(tiny_model: Path,
