@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import torch
 from torch import nn
@@ -56,58 +56,57 @@ log = logging.getLogger("infer")
 
 
 @dataclass(frozen=True)
-class AwqCalibrationConfig:
-    """Options of ``infer quantize --method awq``."""
+class CalibrationOptions:
+    """The options every ``infer quantize`` method shares (what :func:`check_request` and
+    :func:`load_for_calibration` read); each method's options add their own."""
 
     group_size: int | None = None  # None: the largest of 128, 64, 32 that divides every layer's input size, else -1
     bits: int = 4
     num_samples: int = 64
     seq_len: int = 512
-    grid: int = 20  # alpha in {0, 1/grid, ..., 1}
-    max_rows: int = 1024  # calibration rows kept per linear group for the error measurement
     batch_samples: int = 8  # samples per calibration forward pass
     device: str = "auto"
+    bits_refusal: ClassVar[str] = "infer quantizes to 4-bit weights only"
 
-    def validate(self) -> AwqCalibrationConfig:
-        check_calibration_options(self, "AWQ supports 4-bit weights only (the AutoAWQ GEMM format)")
-        for name in ("grid", "max_rows", "batch_samples"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+    def validate(self) -> Self:
+        """4 bits, a group size of :data:`.awq.GROUP_SIZES` or None, at least one sample of at least 2 tokens, a
+        device torch can parse; ConfigError otherwise."""
+        from ..core.loader import resolve_device
+
+        if self.bits != awq.BITS:
+            raise ConfigError(f"{self.bits_refusal}, got --bits {self.bits}")
+        if self.group_size is not None and not awq.is_group_size(self.group_size):
+            raise ConfigError(f"--group-size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
+                              f"got {self.group_size}")
+        if self.seq_len < 2:
+            raise ConfigError(f"--seq-len must be >= 2 (a sample needs a next token), got {self.seq_len}")
+        check_at_least_one(self, ("num_samples", "batch_samples"))
+        try:
+            resolve_device(self.device)
+        except RuntimeError as exc:  # torch's message for a malformed device string
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from exc
         return self
 
 
-def check_calibration_options(config: Any, bits_message: str) -> None:
-    """The options every method shares: 4 bits (else ConfigError ``bits_message``), a group size of
-    :data:`.awq.GROUP_SIZES` or None, at least one sample of at least 2 tokens, a device torch can parse."""
-    from ..core.loader import resolve_device
-
-    if config.bits != awq.BITS:
-        raise ConfigError(f"{bits_message}, got --bits {config.bits}")
-    if config.group_size is not None and not awq.is_group_size(config.group_size):
-        raise ConfigError(f"--group-size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "
-                          f"got {config.group_size}")
-    if config.seq_len < 2:
-        raise ConfigError(f"--seq-len must be >= 2 (a sample needs a next token), got {config.seq_len}")
-    if config.num_samples < 1:
-        raise ConfigError(f"--num-samples must be >= 1, got {config.num_samples}")
-    try:
-        resolve_device(config.device)
-    except RuntimeError as exc:  # torch's message for a malformed device string
-        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {config.device!r}") from exc
+def check_at_least_one(options: object, names: Iterable[str]) -> None:
+    """ConfigError naming the first of the options ``names`` below 1, as its command-line flag."""
+    for name in names:
+        if getattr(options, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
 
 
-class CalibrationOptions(Protocol):
-    """What the shared steps (:func:`check_request`, :func:`load_for_calibration`) read of a method's options."""
+@dataclass(frozen=True)
+class AwqCalibrationConfig(CalibrationOptions):
+    """Options of ``infer quantize --method awq``."""
 
-    @property
-    def group_size(self) -> int | None: ...
-    @property
-    def num_samples(self) -> int: ...
-    @property
-    def seq_len(self) -> int: ...
-    @property
-    def device(self) -> str: ...
-    def validate(self) -> Any: ...
+    grid: int = 20  # alpha in {0, 1/grid, ..., 1}
+    max_rows: int = 1024  # calibration rows kept per linear group for the error measurement
+    bits_refusal: ClassVar[str] = "AWQ supports 4-bit weights only (the AutoAWQ GEMM format)"
+
+    def validate(self) -> Self:
+        super().validate()
+        check_at_least_one(self, ("grid", "max_rows"))
+        return self
 
 
 Options = TypeVar("Options", bound=CalibrationOptions)

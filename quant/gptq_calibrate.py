@@ -20,15 +20,15 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import nn
 
 from ..core.errors import ConfigError
 from . import awq
-from .calibrate import (ProgressFn, check_calibration_options, check_request, groups_of, load_for_calibration,
-                        write_quantized)
+from .calibrate import (CalibrationOptions, ProgressFn, check_at_least_one, check_request, groups_of,
+                        load_for_calibration, write_quantized)
 from .forward import dense_forward
 
 SYMMETRIC_ZERO = 8
@@ -36,26 +36,19 @@ V1_ZEROS = int.from_bytes(bytes([0x77] * 4), "little", signed=True)  # zero poin
 
 
 @dataclass(frozen=True)
-class GptqCalibrationConfig:
+class GptqCalibrationConfig(CalibrationOptions):
     """Options of ``infer quantize --method gptq``."""
 
-    group_size: int | None = None  # None: the largest of 128, 64, 32 that divides every layer's input size, else -1
-    bits: int = 4
-    num_samples: int = 64
-    seq_len: int = 512
     act_order: bool = False  # quantize the columns by decreasing Hessian diagonal (desc_act), not in input order
     damp: float = 0.01  # of the mean Hessian diagonal, added to it
     block_size: int = 128  # columns per lazy batch update (rounded up to a multiple of the group size)
-    batch_samples: int = 8  # samples per calibration forward pass
-    device: str = "auto"
+    bits_refusal: ClassVar[str] = "infer quantizes GPTQ to 4-bit weights only (its int4 kernels)"
 
-    def validate(self) -> GptqCalibrationConfig:
-        check_calibration_options(self, "infer quantizes GPTQ to 4-bit weights only (its int4 kernels)")
+    def validate(self) -> Self:
+        super().validate()
         if not (math.isfinite(self.damp) and 0 < self.damp <= 1):
             raise ConfigError(f"--damp must be in (0, 1], a fraction of the mean Hessian diagonal, got {self.damp}")
-        for name in ("block_size", "batch_samples"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        check_at_least_one(self, ("block_size",))
         return self
 
 
