@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -150,6 +151,19 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
         return out
 
     return run
+
+
+def loaded_linear(method: Any, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
+                  prefix: str = "model.layers.0.mlp.up_proj") -> Any:
+    """A Linear of quant ``method`` at ``prefix`` that loaded checkpoint ``tensors`` (by attribute name) and was
+    processed after loading, as the model loader does it."""
+    from infer.models.layers import Linear
+
+    linear = Linear(in_features, out_features, False, prefix, method, torch.float32)
+    for name, tensor in tensors.items():
+        linear.load(name, tensor)
+    method.process_after_loading(linear)
+    return linear
 
 
 def recomputed_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:

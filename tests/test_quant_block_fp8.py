@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():  # before the first import of a module defining @triton.jit kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import recomputed_greedy  # noqa: E402
+from conftest import loaded_linear, recomputed_greedy  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from infer import LLM  # noqa: E402
@@ -194,11 +194,7 @@ def test_the_plugin_refuses_options_a_block_checkpoint_cannot_take() -> None:
 # ---------------------------------------------------------------- loading errors and merges
 def loaded_layer(method: BlockFp8LinearMethod, tensors: dict[str, torch.Tensor], out: int = 48, inp: int = 64
                  ) -> Linear:
-    layer = Linear(inp, out, False, "model.layers.0.mlp.up_proj", method, torch.float32)
-    for name, tensor in tensors.items():
-        layer.load(name, tensor)
-    method.process_after_loading(layer)
-    return layer
+    return loaded_linear(method, tensors, inp, out)
 
 
 def test_a_layer_missing_its_scales_or_with_wrong_ones_is_named() -> None:

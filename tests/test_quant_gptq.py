@@ -24,6 +24,7 @@ import torch
 if not torch.cuda.is_available():  # before the first import of a module defining @triton.jit kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from conftest import loaded_linear  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from infer.core.config import EngineConfig  # noqa: E402
@@ -283,32 +284,27 @@ def test_modules_in_block_to_quantize_picks_the_quantized_linears() -> None:
     assert method_for().applies_to("model.layers.0.self_attn.o_proj")
 
 
-def loaded_linear(tensors: dict[str, torch.Tensor], in_features: int = 64, out_features: int = 32, **changes: Any
-                  ) -> Linear:
-    method = method_for(**changes)
-    linear = Linear(in_features, out_features, False, "model.layers.0.mlp.down_proj", method, torch.float32)
-    for name, tensor in tensors.items():
-        linear.load(name, tensor)
-    method.process_after_loading(linear)
-    return linear
+def gptq_linear(tensors: dict[str, torch.Tensor], **changes: Any) -> Linear:
+    """A 64 -> 32 GPTQ linear (config ``changes``) that loaded ``tensors``."""
+    return loaded_linear(method_for(**changes), tensors, 64, 32)
 
 
 def test_layer_errors_name_the_layer_and_the_fix() -> None:
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
     tensors, _ = gptq_layer(weight, GROUP, None, sym=False, v1=True)
     with pytest.raises(CheckpointError, match="unquantized 'weight' in a GPTQ checkpoint"):
-        loaded_linear({"weight": weight})
+        gptq_linear({"weight": weight})
     with pytest.raises(CheckpointError, match="qweight must be int32"):
-        loaded_linear({"qweight": tensors["qweight"].to(torch.int64)})
+        gptq_linear({"qweight": tensors["qweight"].to(torch.int64)})
     with pytest.raises(CheckpointError, match="missing qzeros"):
-        loaded_linear({"qweight": tensors["qweight"], "scales": tensors["scales"]})
+        gptq_linear({"qweight": tensors["qweight"], "scales": tensors["scales"]})
     with pytest.raises(CheckpointError, match="g_idx names groups outside 0..1"):
-        loaded_linear({**tensors, "g_idx": torch.full((64,), 2, dtype=torch.int32)})
+        gptq_linear({**tensors, "g_idx": torch.full((64,), 2, dtype=torch.int32)})
     uneven = torch.tensor([0] * 40 + [1] * 24, dtype=torch.int32)
     with pytest.raises(CheckpointError, match="other sizes than group_size 32"):
-        loaded_linear({**tensors, "g_idx": uneven})
+        gptq_linear({**tensors, "g_idx": uneven})
     with pytest.raises(CheckpointError, match="desc_act .* has no g_idx"):
-        loaded_linear({k: t for k, t in tensors.items() if k != "g_idx"}, desc_act=True)
+        gptq_linear({k: t for k, t in tensors.items() if k != "g_idx"}, desc_act=True)
 
 
 def test_v1_zero_points_of_0_read_back_as_transformers_reads_them() -> None:
@@ -321,21 +317,21 @@ def test_v1_zero_points_of_0_read_back_as_transformers_reads_them() -> None:
     nibbles = gptq.unpack_columns(tensors["qzeros"])
     assert nibbles[0, :16].tolist() == ([15] + [14] * 7) * 2  # as stored: -1, and the borrows from the next ones
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(13))
-    torch.testing.assert_close(loaded_linear(dict(tensors))(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gptq_linear(dict(tensors))(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
     int64_g_idx = {**tensors, "g_idx": tensors["g_idx"].to(torch.int64)}  # some writers' dtype: group numbers
-    torch.testing.assert_close(loaded_linear(int64_g_idx)(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gptq_linear(int64_g_idx)(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_zero_bias_for_a_layer_without_one_is_skipped_and_another_refused() -> None:
     """AutoGPTQ's older packers saved a bias buffer (zeros) for every layer, which vLLM skips too."""
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(7))
     tensors, dequantized = gptq_layer(weight, GROUP, None, sym=True, v1=True)
-    linear = loaded_linear({**tensors, "bias": torch.zeros(32, dtype=torch.float16)})
+    linear = gptq_linear({**tensors, "bias": torch.zeros(32, dtype=torch.float16)})
     assert linear.bias is None
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
     torch.testing.assert_close(linear(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
     with pytest.raises(CheckpointError, match="nonzero bias"):
-        loaded_linear({**tensors, "bias": torch.full((32,), 0.5, dtype=torch.float16)})
+        gptq_linear({**tensors, "bias": torch.full((32,), 0.5, dtype=torch.float16)})
 
 
 def test_pack_quantized_layers_load_gptq_tensors_transposed_with_their_g_idx() -> None:
