@@ -85,8 +85,14 @@ def test_gptq_beats_round_to_nearest_on_the_calibration_inputs(act_order: bool) 
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
     x = correlated_inputs(1024, 256, seed=3)
     hessian = 2 * x.t() @ x / x.shape[0]
-    ours = relative_error(weight, gptq_quantize(weight, hessian, 64, act_order).dequantized(), hessian)
-    assert ours < 0.8 * relative_error(weight, rtn_dequantized(weight, 64), hessian)
+    gptq, rtn = gptq_quantize(weight, hessian, 64, act_order).dequantized(), rtn_dequantized(weight, 64)
+
+    def output_error(approx: torch.Tensor) -> float:  # on the inputs themselves, not through the Hessian
+        return float(((x @ (weight - approx).t()).norm() / (x @ weight.t()).norm()) ** 2)
+
+    assert output_error(gptq) < 0.8 * output_error(rtn)
+    for approx in (gptq, rtn):  # the report's formula: the same ratio
+        assert relative_error(weight, approx, hessian) == pytest.approx(output_error(approx), rel=1e-4)
 
 
 def test_an_input_no_token_uses_gets_zero_weights() -> None:
