@@ -9,7 +9,7 @@ from ..core.hookspecs import QuantMethodFactory, hookimpl
 from ..core.interfaces import QuantMethod
 from ..core.plugin_options import PluginOption, read_plugin_options
 from ..core.registry import Register
-from ..quant import AWQ_GROUP_SIZES
+from ..quant import AWQ_GROUP_SIZES, FUSED_MAX_ROWS
 
 log = logging.getLogger("infer")
 
@@ -17,8 +17,7 @@ AWQ_OPTIONS = {
     "group_size": PluginOption(None, "the group of on-load quantization (-1: one group over each layer's whole "
                                "input); default per layer: the largest of 128, 64, 32 that divides its input, else "
                                "-1; ignored on an AWQ checkpoint", kind=int, choices=AWQ_GROUP_SIZES),
-    "fused_max_rows": PluginOption(64, "the largest batch that runs the fused Triton W4A16 kernel on CUDA; larger "
-                                   "ones dequantize and run a dense GEMM (0: never the fused kernel)", minimum=0),
+    "fused_max_rows": FUSED_MAX_ROWS,
     "lm_head": PluginOption(False, "also quantize the output head on load (RTN int4; from the embedding when "
                                    "tied): fewer bytes per decode step, a larger logits error; AutoAWQ keeps the "
                                    "head in 16 bits"),

@@ -10,7 +10,7 @@ from ..core.hookspecs import QuantMethodFactory, hookimpl
 from ..core.interfaces import QuantMethod
 from ..core.plugin_options import PluginOption, read_plugin_options
 from ..core.registry import Register
-from ..quant import FP8_BACKENDS
+from ..quant import FP8_BACKENDS, FUSED_MAX_ROWS
 
 log = logging.getLogger("infer")
 
@@ -71,9 +71,7 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
 
 
 INT4_OPTIONS = {
-    "fused_max_rows": PluginOption(64, "pack-quantized int4 checkpoints: the largest batch that runs the fused "
-                                   "Triton W4A16 kernel on CUDA; larger ones dequantize and run a dense GEMM (0: "
-                                   "never the fused kernel)", minimum=0),
+    "fused_max_rows": FUSED_MAX_ROWS,
 }
 
 

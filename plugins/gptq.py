@@ -7,12 +7,12 @@ from ..core.config import EngineConfig
 from ..core.errors import ConfigError
 from ..core.hookspecs import QuantMethodFactory, hookimpl
 from ..core.interfaces import QuantMethod
-from ..core.plugin_options import PluginOption, read_plugin_options
+from ..core.plugin_options import read_plugin_options
 from ..core.registry import Register
+from ..quant import FUSED_MAX_ROWS
 
 GPTQ_OPTIONS = {
-    "fused_max_rows": PluginOption(64, "the largest batch that runs the fused Triton W4A16 kernel on CUDA; larger "
-                                   "ones dequantize and run a dense GEMM (0: never the fused kernel)", minimum=0),
+    "fused_max_rows": FUSED_MAX_ROWS,
 }
 
 

@@ -15,5 +15,10 @@
 - :mod:`.forward`: cache-free forward passes over whole sequences, for calibration.
 """
 
+from ..core.plugin_options import PluginOption
+
 AWQ_GROUP_SIZES = (-1, 32, 64, 128)  # -1: one group over the whole input
 FP8_BACKENDS = ("auto", "scaled_mm", "triton", "emulate")  # here, torch-free, for the plugins' option declarations
+# the awq, gptq and compressed-tensors (int4) methods' option: which batches run the fused W4A16 kernel
+FUSED_MAX_ROWS = PluginOption(64, "the largest batch that runs the fused Triton W4A16 kernel on CUDA; larger ones "
+                              "dequantize and run a dense GEMM (0: never the fused kernel)", minimum=0)
