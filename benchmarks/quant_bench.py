@@ -178,8 +178,10 @@ def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
     """Per M, microseconds per call: bf16 matmul; fused W4A16 kernel and dequantize+matmul (the Triton dequantize
     kernel the engine runs above fused_max_rows, and the torch ops it ran before); FP8 W8A8 as the
     ``fp8`` method runs it (per-token activation quantization, then ``torch._scaled_mm`` with row-wise scales),
-    and the ``_scaled_mm`` alone on an already quantized input (the rest is the quantization's cost)."""
+    and the ``_scaled_mm`` alone on an already quantized input (the rest is the quantization's cost); W8A16 (8-bit
+    GPTQ and compressed-tensors checkpoints): the fused kernel and dequantize+matmul, group 128."""
     from infer.kernels.awq_gemm import awq_dequantize, awq_gemm
+    from infer.kernels.w8a16_gemm import w8a16_dequantize, w8a16_gemm
     from infer.kernels.fp8 import per_token_quant
     from infer.kernels.fp8_block import per_token_group_quant, w8a8_block_gemm
     from infer.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
@@ -191,6 +193,9 @@ def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
     w_linear = [w.t().contiguous() for w in w_bf16]  # [N, K], as nn.Linear stores it
     # block-wise FP8 (DeepSeek-V3 / Qwen3 FP8 checkpoints): the per-channel codes with 128 x 128 block scales
     w_block = [(w, torch.rand(n // 128, k // 128, device="cuda") * 1e-3) for w, _ in w_fp8]
+    w_int8 = [(torch.randint(0, 256, (k, n), dtype=torch.uint8, device="cuda"),
+               torch.randint(0, 256, (k // 128, n), dtype=torch.uint8, device="cuda"),
+               torch.rand(k // 128, n, device="cuda", dtype=torch.float16) * 1e-3) for _ in range(copies)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     for m in rows:
@@ -203,6 +208,8 @@ def gemm_rows(k: int, n: int, rows: tuple[int, ...], replays: int) -> list[dict[
             "awq_fused": lambda i: awq_gemm(x, *w_awq[i % copies], 128),
             "awq_dequant": lambda i: x @ awq_dequantize(*w_awq[i % copies], 128, torch.bfloat16),  # the engine's
             "awq_dequant_torch": lambda i: x @ awq.dequantize(*w_awq[i % copies], 128, dtype=torch.bfloat16),
+            "w8a16_fused": lambda i: w8a16_gemm(x, *w_int8[i % copies], 128),
+            "w8a16_dequant": lambda i: x @ w8a16_dequantize(*w_int8[i % copies], 128, torch.bfloat16),
             "fp8_w8a8": lambda i: scaled_mm(*per_token_quant(x), *w_fp8[i % copies], torch.bfloat16),
             "fp8_scaled_mm": lambda i: scaled_mm(xq, x_scale, *w_fp8[i % copies], torch.bfloat16),
             "fp8_block": lambda i: w8a8_block_gemm(*per_token_group_quant(x, 128), *w_block[i % copies], (128, 128),
@@ -362,6 +369,10 @@ def main() -> int:
                     if r["M"] in (1, 128):
                         summary.append((f"block FP8 GEMM (Triton), {name} M={r['M']} (us)", str(r["bf16"]),
                                         str(r["fp8_block"]), f"{r['bf16'] / r['fp8_block']:.2f}x"))
+                        w8 = min(r["w8a16_fused"], r["w8a16_dequant"])
+                        summary.append((f"W8A16 GEMM, {name} M={r['M']} (us)", str(r["bf16"]), str(w8),
+                                        f"{r['bf16'] / w8:.2f}x (fused {r['w8a16_fused']}, dequant "
+                                        f"{r['w8a16_dequant']})"))
         if args.awq_sweep:
             for name, (k, n) in GEMM_SHAPES.items():
                 rows = awq_sweep(k, n, SWEEP_ROWS, args.replays)

@@ -70,14 +70,15 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     return Fp8LinearMethod(parsed, backend)
 
 
-INT4_OPTIONS = {
+PACKED_OPTIONS = {
     "fused_max_rows": FUSED_MAX_ROWS,
 }
 
 
 def build_compressed_tensors(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
-    """A compressed-tensors checkpoint's method: int4 W4A16 for ``pack-quantized`` groups (run by the AWQ kernels;
-    ``config.plugin_options["compressed-tensors"]``: :data:`INT4_OPTIONS`), else fp8 (:func:`build_fp8`, whose
+    """A compressed-tensors checkpoint's method: int4 or int8 weights for ``pack-quantized`` groups (W4A16 run by
+    the AWQ kernels, W8A16 by the W8A16 ones;
+    ``config.plugin_options["compressed-tensors"]``: :data:`PACKED_OPTIONS`), else fp8 (:func:`build_fp8`, whose
     options apply; without a checkpoint config, FP8 quantization on load)."""
     from ..quant.fp8 import group_formats
     from ..quant.pack_quantized import FORMAT
@@ -85,11 +86,13 @@ def build_compressed_tensors(config: EngineConfig, quantization_config: dict[str
     formats = group_formats(quantization_config) if quantization_config is not None else set()
     if FORMAT not in formats:
         return build_fp8(config, quantization_config)
-    from ..quant.gptq_method import PackQuantizedLinearMethod
+    from ..quant.gptq_method import PackQuantizedInt8LinearMethod, PackQuantizedLinearMethod
     from ..quant.pack_quantized import parse_pack_quantized
 
-    options = read_plugin_options(config, "compressed-tensors", INT4_OPTIONS)
-    method = PackQuantizedLinearMethod(parse_pack_quantized(quantization_config), options["fused_max_rows"])
+    options = read_plugin_options(config, "compressed-tensors", PACKED_OPTIONS)
+    scheme = parse_pack_quantized(quantization_config)
+    kind = PackQuantizedLinearMethod if scheme.bits == 4 else PackQuantizedInt8LinearMethod
+    method = kind(scheme, options["fused_max_rows"])
     warn_kv_cache_scheme(quantization_config)
     return method
 
@@ -104,4 +107,4 @@ def warn_kv_cache_scheme(quantization_config: dict[str, Any]) -> None:
 def register_quant_methods(register: Register[QuantMethodFactory]) -> None:
     register("fp8", build_fp8, options=FP8_OPTIONS)
     # checkpoints name their method in quantization_config.quant_method: compressed-tensors ones resolve here
-    register("compressed-tensors", build_compressed_tensors, options=INT4_OPTIONS)
+    register("compressed-tensors", build_compressed_tensors, options=PACKED_OPTIONS)

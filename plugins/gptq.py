@@ -1,4 +1,5 @@
-"""The `gptq` quant method: 4-bit GPTQ checkpoints (AutoGPTQ, GPTQModel), run by the AWQ W4A16 kernels."""
+"""The `gptq` quant method: GPTQ checkpoints (AutoGPTQ, GPTQModel): 4 bits run by the AWQ W4A16 kernels, 8 bits by
+the W8A16 ones."""
 from __future__ import annotations
 
 from typing import Any
@@ -23,14 +24,16 @@ def build_gptq(config: EngineConfig, quantization_config: dict[str, Any] | None)
     ``config.plugin_options["gptq"]``: the options of :data:`GPTQ_OPTIONS`.
     """
     from ..quant.gptq import parse_config
-    from ..quant.gptq_method import GptqLinearMethod
+    from ..quant.gptq_method import GptqInt8LinearMethod, GptqLinearMethod
 
     options = read_plugin_options(config, "gptq", GPTQ_OPTIONS)
     if quantization_config is None:
         raise ConfigError("--quant gptq loads GPTQ checkpoints, and this one is not quantized: GPTQ needs "
                           "calibration; quantize on load with --quant awq (round-to-nearest int4) or --quant fp8, "
                           "or run `infer quantize --method awq MODEL OUT` once and load OUT")
-    return GptqLinearMethod(parse_config(quantization_config), fused_max_rows=options["fused_max_rows"])
+    gptq = parse_config(quantization_config)
+    method = GptqLinearMethod if gptq.bits == 4 else GptqInt8LinearMethod
+    return method(gptq, fused_max_rows=options["fused_max_rows"])
 
 
 @hookimpl

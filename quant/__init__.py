@@ -2,9 +2,10 @@
 
 - :mod:`.awq`: the AutoAWQ GEMM format (int4 packing, RTN quantization, dequantization, config checks).
 - :mod:`.awq_method`: :class:`~.awq_method.AwqLinearMethod`, the W4A16 QuantMethod.
-- :mod:`.gptq`: the GPTQ format (4-bit) and its repacking into AWQ's; :mod:`.gptq_method`:
-  :class:`~.gptq_method.GptqLinearMethod`, which runs it as AWQ layers; :mod:`.pack_quantized`: compressed-tensors'
-  int4 format, which loads as GPTQ's (``PackQuantizedLinearMethod``).
+- :mod:`.gptq`: the GPTQ format and its repacking into AWQ's (4 bits); :mod:`.gptq_method`:
+  :class:`~.gptq_method.GptqLinearMethod`, which runs it as AWQ layers, and ``GptqInt8LinearMethod`` (8 bits),
+  which runs it as :mod:`.w8a16` layers (:mod:`.w8a16_method`); :mod:`.pack_quantized`: compressed-tensors' int4
+  and int8 formats, which load as GPTQ's (``PackQuantizedLinearMethod``, ``PackQuantizedInt8LinearMethod``).
 - :mod:`.fp8`: e4m3 scaling helpers and the compressed-tensors FP8 config.
 - :mod:`.fp8_method`: :class:`~.fp8_method.Fp8LinearMethod`, the W8A8 QuantMethod.
 - :mod:`.fp8_block`: the block-wise FP8 format (``quant_method: "fp8"``: DeepSeek-V3, Qwen3 FP8) and its torch
@@ -19,6 +20,7 @@ from ..core.plugin_options import PluginOption
 
 AWQ_GROUP_SIZES = (-1, 32, 64, 128)  # -1: one group over the whole input
 FP8_BACKENDS = ("auto", "scaled_mm", "triton", "emulate")  # here, torch-free, for the plugins' option declarations
-# the awq, gptq and compressed-tensors (int4) methods' option: which batches run the fused W4A16 kernel
-FUSED_MAX_ROWS = PluginOption(64, "the largest batch that runs the fused Triton W4A16 kernel on CUDA; larger ones "
-                              "dequantize and run a dense GEMM (0: never the fused kernel)", minimum=0)
+# the awq, gptq and compressed-tensors (int4, int8) methods' option: which batches run the fused W4A16/W8A16 kernel
+FUSED_MAX_ROWS = PluginOption(64, "the largest batch that runs the fused Triton W4A16 kernel (W8A16 for 8-bit "
+                              "checkpoints) on CUDA; larger ones dequantize and run a dense GEMM (0: never the fused "
+                              "kernel)", minimum=0)

@@ -1,5 +1,8 @@
 """The GPTQ checkpoint format (AutoGPTQ, GPTQModel, optimum): config checks, and its repacking into the AWQ layout.
 
+8-bit checkpoints load as :mod:`.w8a16` layers instead (:func:`.w8a16.from_gptq`); the rest of this docstring is
+about 4 bits.
+
 Layout of one linear layer with ``in`` inputs, ``out`` outputs and groups of ``g`` input rows (4 bits):
 
 - ``qweight`` int32 [in / 8, out]: packed along the *input*: nibble ``i`` (bits 4i..4i+3) of row ``r`` holds the
@@ -32,6 +35,7 @@ from ..core.errors import CheckpointError
 from . import awq
 from .common import CHUNK_ELEMENTS, bad_pattern, is_name_list, row_chunks
 
+BITS = (4, 8)
 FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what qzeros' nibbles lack of the zero point
 V1_WORD_OFFSET = 0x11111111  # added to each v1 qzeros word, in wrapping 32-bit arithmetic, gives v2's
 
@@ -43,13 +47,16 @@ class GptqConfig:
     path after a dot: optimum matches any ending, so ``proj`` would name every projection there, none here); empty:
     all of them.
     ``skipped``: GPTQModel's ``dynamic`` exclusions (``-:`` regular expressions, ``re.match``-ed on the module
-    path). ``act_order``: the config says ``desc_act``, so every layer must bring its ``g_idx``."""
+    path). ``act_order``: the config says ``desc_act``, so every layer must bring its ``g_idx``. ``bits``: 4 or 8
+    (8: :mod:`.w8a16`, whose module docstring gives the byte layout; the rest of this one holds with 4 values per
+    int32 instead of 8, and v1 zero points offset by 0x01010101)."""
 
     group_size: int = 128
     zero_offset: int = 1
     modules_in_block_to_quantize: tuple[str, ...] = field(default_factory=tuple)
     skipped: tuple[str, ...] = ()
     act_order: bool = False
+    bits: int = 4
 
 
 def parse_config(qc: dict[str, Any]) -> GptqConfig:
@@ -59,13 +66,13 @@ def parse_config(qc: dict[str, Any]) -> GptqConfig:
         raise CheckpointError(f"--quant gptq was given, but the checkpoint is quantized with {method!r}; drop --quant "
                               "to use the checkpoint's own method")
     bits = qc.get("bits")
-    if bits != awq.BITS:
-        raise CheckpointError(f"GPTQ bits must be {awq.BITS}, got {bits!r}: infer runs 4-bit GPTQ checkpoints only "
-                              "(their W4A16 kernels are AWQ's)")
+    if bits not in BITS or type(bits) is not int:
+        raise CheckpointError(f"GPTQ bits must be 4 or 8, got {bits!r}: infer runs 4-bit GPTQ checkpoints on its "
+                              "W4A16 kernels and 8-bit ones on its W8A16 kernels")
     group_size = qc.get("group_size")
     if not awq.is_group_size(group_size):
         raise CheckpointError(f"GPTQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))} for infer's "
-                              f"W4A16 kernels, got {group_size!r}")
+                              f"kernels, got {group_size!r}")
     # config.json's field is checkpoint_format; GPTQModel also writes format, and older AutoGPTQ is_marlin_format
     named = {str(qc[key]).lower() for key in ("checkpoint_format", "format") if qc.get(key)}
     if len(named) > 1:
@@ -87,7 +94,7 @@ def parse_config(qc: dict[str, Any]) -> GptqConfig:
         raise CheckpointError("GPTQ modules_in_block_to_quantize must be a list of lists of module names "
                               f"(e.g. [[\"self_attn.q_proj\"]]), got {blocks!r}")
     return GptqConfig(group_size, FORMATS[form], tuple(name for names in blocks for name in names), skipped,
-                      qc.get("desc_act") is True and group_size != -1)
+                      qc.get("desc_act") is True and group_size != -1, bits)
 
 
 def dynamic_exclusions(dynamic: object, qc: dict[str, Any]) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""The ``gptq`` QuantMethod: 4-bit GPTQ checkpoints, repacked on load into the AWQ layout and run as AWQ layers."""
+"""The ``gptq`` QuantMethods, and compressed-tensors' int4/int8 ones that load the same way: 4-bit layers are
+repacked on load into the AWQ layout and run as AWQ layers; 8-bit ones run as W8A16 layers (:mod:`.w8a16`)."""
 from __future__ import annotations
 
 import re
@@ -7,27 +8,26 @@ import torch
 from torch import nn
 
 from ..core.errors import CheckpointError
-from . import awq, gptq
+from ..core.interfaces import QuantMethod
+from . import awq, gptq, w8a16
 from .awq_method import PACKED, AwqLinearMethod
 from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded, was_loaded
 from .pack_quantized import PackQuantizedConfig
+from .w8a16_method import W8A16LinearMethod
 
 
-class GptqLinearMethod(AwqLinearMethod):
-    """int4 weights with per-group fp16 scales and zero points, from a GPTQ checkpoint (:mod:`.gptq`).
-
-    A layer loads GPTQ's ``qweight``/``qzeros``/``scales``/``g_idx`` and, once all are in, holds exactly what an
-    AWQ layer holds (so the AWQ kernels, merges and stacked experts run it), plus ``input_order``: None, or for a
-    checkpoint quantized in activation order the permutation applied to the layer's input first. ``g_idx`` may be
-    absent (older checkpoints): the groups are then consecutive. The output head is never quantized.
-    """
+class GptqTensors:
+    """The loading GPTQ checkpoints share, whatever their layers run as (a mixin before the runtime method:
+    :class:`~.awq_method.AwqLinearMethod` for 4 bits, :class:`~.w8a16_method.W8A16LinearMethod` for 8). A layer
+    loads GPTQ's ``qweight``/``qzeros``/``scales``/``g_idx`` and, once all are in, holds what the runtime method's
+    layers hold, plus ``input_order``: None, or for a checkpoint quantized in activation order the permutation
+    applied to the layer's input first. ``g_idx`` may be absent (older checkpoints): the groups are then
+    consecutive. The output head is never quantized. The runtime method provides ``_quantized_layer`` (checks the
+    layer, sets its group size and returns it) and ``_convert`` (GPTQ-layout tensors -> its own)."""
 
     name = "gptq"
-
-    def __init__(self, config: gptq.GptqConfig, fused_max_rows: int = 64) -> None:
-        super().__init__(config.group_size, fused_max_rows=fused_max_rows)
-        self.config = config
-        self.zero_offset = config.zero_offset
+    config: gptq.GptqConfig
+    pack: int  # values per int32
 
     def applies_to(self, prefix: str) -> bool:
         if is_lm_head(prefix) or any(re.match(pattern, prefix) for pattern in self.config.skipped):
@@ -37,22 +37,13 @@ class GptqLinearMethod(AwqLinearMethod):
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
-        group = self._int4_layer(layer, in_features, out_features)
-        layer.register_buffer("qweight", torch.empty(in_features // awq.PACK, out_features, dtype=torch.int32))
-        layer.register_buffer("qzeros", torch.empty(in_features // group, out_features // awq.PACK, dtype=torch.int32))
+        group = self._quantized_layer(layer, in_features, out_features)
+        layer.register_buffer("qweight", torch.empty(in_features // self.pack, out_features, dtype=torch.int32))
+        layer.register_buffer("qzeros", torch.empty(in_features // group, out_features // self.pack,
+                                                    dtype=torch.int32))
         layer.register_buffer("scales", torch.empty(in_features // group, out_features, dtype=torch.float16))
         layer.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32), persistent=False)  # optional
         layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-
-    def _int4_layer(self, layer: nn.Module, in_features: int, out_features: int) -> int:
-        """Check the layer's shape fits the packing; set what every int4 layer has; return its group size."""
-        group = awq.check_shapes(in_features, out_features, self.group_size, layer_name(layer), checkpoint=True)
-        if in_features % awq.PACK:
-            raise CheckpointError(f"{self.name} packs {awq.PACK} inputs per int32, so it needs in_features "
-                                  f"divisible by {awq.PACK}, got {in_features} for layer {layer_name(layer)!r}")
-        layer.awq_group_size, layer.awq_on_load = group, False
-        layer.register_buffer("input_order", None)
-        return group
 
     def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
         if name == "weight":
@@ -69,7 +60,7 @@ class GptqLinearMethod(AwqLinearMethod):
                                       "this architecture's layer does not have: the checkpoint is of another model")
             return  # all zeros: nothing to add
         else:
-            super(AwqLinearMethod, self).load_weight(layer, name, tensor)
+            QuantMethod.load_weight(self, layer, name, tensor)  # type: ignore[arg-type]
         mark_loaded(layer, name)
 
     def _copy_codes(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -94,9 +85,7 @@ class GptqLinearMethod(AwqLinearMethod):
         if g_idx is None and self.config.act_order:
             raise CheckpointError(f"the GPTQ config says desc_act (activation order), but layer {layer_name(layer)!r} "
                                   "has no g_idx, without which its groups are unknown: the checkpoint is incomplete")
-        qweight, qzeros, order = gptq.to_awq(layer.qweight, layer.qzeros, g_idx, layer.awq_group_size,
-                                             self.zero_offset, layer_name(layer))
-        layer.qweight, layer.qzeros, layer.input_order = qweight, qzeros, order
+        self._convert(layer, layer.qweight, layer.qzeros, g_idx, self.config.zero_offset)
         del layer.g_idx
 
     def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
@@ -104,7 +93,7 @@ class GptqLinearMethod(AwqLinearMethod):
         if any((o is None) != (orders[0] is None) or (o is not None and not torch.equal(o, orders[0]))
                for o in orders):
             return False  # each part permutes its input its own way
-        if not super().merge(parts, merged):
+        if not super().merge(parts, merged):  # type: ignore[misc]
             return False
         merged.register_buffer("input_order", orders[0])
         return True
@@ -112,31 +101,67 @@ class GptqLinearMethod(AwqLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.input_order is not None:
             x = x.index_select(-1, layer.input_order)
-        return super().apply(layer, x)
+        return super().apply(layer, x)  # type: ignore[misc]
 
 
-class PackQuantizedLinearMethod(GptqLinearMethod):
-    """compressed-tensors ``pack-quantized`` int4 layers (:mod:`.pack_quantized`): they load the checkpoint's
-    ``weight_packed``, ``weight_scale``, ``weight_zero_point`` (asymmetric schemes), ``weight_g_idx`` (optional) and
-    ``weight_shape`` (checked), then become AWQ layers as GPTQ ones do, from the transposed tensors (``gptq_v2``; a
-    symmetric scheme's zero point is 8). The output head is quantized only where the config targets it."""
+class GptqLinearMethod(GptqTensors, AwqLinearMethod):
+    """4-bit GPTQ layers, repacked on load into the AWQ layout (:func:`.gptq.to_awq`) and run by its kernels,
+    merges and stacked experts."""
+
+    pack = awq.PACK
+
+    def __init__(self, config: gptq.GptqConfig, fused_max_rows: int = 64) -> None:
+        AwqLinearMethod.__init__(self, config.group_size, fused_max_rows=fused_max_rows)
+        self.config = config
+
+    def _quantized_layer(self, layer: nn.Module, in_features: int, out_features: int) -> int:
+        """Check the layer's shape fits the packing; set what every int4 layer has; return its group size."""
+        group = awq.check_shapes(in_features, out_features, self.group_size, layer_name(layer), checkpoint=True)
+        if in_features % awq.PACK:
+            raise CheckpointError(f"{self.name} packs {awq.PACK} inputs per int32, so it needs in_features "
+                                  f"divisible by {awq.PACK}, got {in_features} for layer {layer_name(layer)!r}")
+        layer.awq_group_size, layer.awq_on_load = group, False
+        layer.register_buffer("input_order", None)
+        return group
+
+    def _convert(self, layer: nn.Module, qweight: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor | None,
+                 zero_offset: int) -> None:
+        layer.qweight, layer.qzeros, layer.input_order = gptq.to_awq(
+            qweight, qzeros, g_idx, layer.awq_group_size, zero_offset, layer_name(layer))
+
+
+class GptqInt8LinearMethod(GptqTensors, W8A16LinearMethod):
+    """8-bit GPTQ layers, unpacked on load into :mod:`.w8a16`'s layout and run by the W8A16 kernels (merged
+    projections too; mixture-of-experts layers run one expert at a time)."""
+
+    pack = w8a16.PACK
+
+    def __init__(self, config: gptq.GptqConfig, fused_max_rows: int = 64) -> None:
+        W8A16LinearMethod.__init__(self, config.group_size, fused_max_rows)
+        self.config = config
+
+
+class PackQuantizedTensors(GptqTensors):
+    """The loading of compressed-tensors ``pack-quantized`` layers (:mod:`.pack_quantized`), a mixin before the
+    runtime method as :class:`GptqTensors` is: they load the checkpoint's ``weight_packed``, ``weight_scale``,
+    ``weight_zero_point`` (asymmetric schemes), ``weight_g_idx`` (optional) and ``weight_shape`` (checked), then
+    convert as GPTQ layers do, from the transposed tensors (``gptq_v2``; a symmetric scheme's zero point is half
+    the codes' range). The output head is quantized only where the config targets it."""
 
     name = "compressed-tensors"
-
-    def __init__(self, config: PackQuantizedConfig, fused_max_rows: int = 64) -> None:
-        super().__init__(gptq.GptqConfig(config.group_size, zero_offset=0), fused_max_rows)
-        self.scheme = config
+    scheme: PackQuantizedConfig
 
     def applies_to(self, prefix: str) -> bool:
         return self.scheme.applies_to(prefix)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
-        group = self._int4_layer(layer, in_features, out_features)
-        layer.register_buffer("weight_packed", torch.empty(out_features, in_features // awq.PACK, dtype=torch.int32))
+        group = self._quantized_layer(layer, in_features, out_features)
+        layer.register_buffer("weight_packed", torch.empty(out_features, in_features // self.pack,
+                                                           dtype=torch.int32))
         layer.register_buffer("weight_scale", torch.empty(out_features, in_features // group, dtype=dtype))
         if not self.scheme.symmetric:
-            layer.register_buffer("weight_zero_point", torch.empty(out_features // awq.PACK, in_features // group,
+            layer.register_buffer("weight_zero_point", torch.empty(out_features // self.pack, in_features // group,
                                                                    dtype=torch.int32))
         layer.register_buffer("weight_g_idx", torch.empty(in_features, dtype=torch.int32), persistent=False)
         layer.register_buffer("weight_shape", torch.tensor([out_features, in_features]))
@@ -159,7 +184,7 @@ class PackQuantizedLinearMethod(GptqLinearMethod):
             raise CheckpointError(f"{layer_name(layer)} has a weight_zero_point, but the config's scheme is "
                                   "symmetric: config.json does not describe this checkpoint")
         else:
-            super(AwqLinearMethod, self).load_weight(layer, name, tensor)
+            QuantMethod.load_weight(self, layer, name, tensor)  # type: ignore[arg-type]
         mark_loaded(layer, name)
 
     def process_after_loading(self, layer: nn.Module) -> None:
@@ -168,16 +193,36 @@ class PackQuantizedLinearMethod(GptqLinearMethod):
                        + (("bias",) if layer.bias is not None else ()), self.name)
         groups, out_features = layer.weight_scale.shape[1], layer.weight_packed.shape[0]
         qzeros = layer.weight_zero_point.t() if zero_point else torch.full(
-            (groups, out_features // awq.PACK), SYMMETRIC_ZEROS, dtype=torch.int32, device=layer.weight_packed.device)
+            (groups, out_features // self.pack), symmetric_zeros(32 // self.pack), dtype=torch.int32,
+            device=layer.weight_packed.device)
         g_idx = layer.weight_g_idx if was_loaded(layer, "weight_g_idx") else None
         if g_idx is None and self.scheme.act_order:
             raise CheckpointError(f"the compressed-tensors config says actorder 'group', but layer "
                                   f"{layer_name(layer)!r} has no weight_g_idx: the checkpoint is incomplete")
-        layer.qweight, layer.qzeros, layer.input_order = gptq.to_awq(
-            layer.weight_packed.t(), qzeros, g_idx, layer.awq_group_size, 0, layer_name(layer))
+        self._convert(layer, layer.weight_packed.t(), qzeros, g_idx, 0)
         layer.scales = layer.weight_scale.t().contiguous()
         for name in ("weight_packed", "weight_scale", "weight_g_idx", "weight_shape") + zero_point:
             delattr(layer, name)
 
 
-SYMMETRIC_ZEROS = int.from_bytes(bytes([0x88] * 4), "little", signed=True)  # eight nibbles of 8: zero point 0
+class PackQuantizedLinearMethod(PackQuantizedTensors, GptqLinearMethod):
+    """compressed-tensors int4 layers, run as AWQ layers."""
+
+    def __init__(self, config: PackQuantizedConfig, fused_max_rows: int = 64) -> None:
+        GptqLinearMethod.__init__(self, gptq.GptqConfig(config.group_size, zero_offset=0), fused_max_rows)
+        self.scheme = config
+
+
+class PackQuantizedInt8LinearMethod(PackQuantizedTensors, GptqInt8LinearMethod):
+    """compressed-tensors int8 weight-only layers (llm-compressor's W8A16), run as W8A16 layers."""
+
+    def __init__(self, config: PackQuantizedConfig, fused_max_rows: int = 64) -> None:
+        GptqInt8LinearMethod.__init__(self, gptq.GptqConfig(config.group_size, zero_offset=0), fused_max_rows)
+        self.scheme = config
+
+
+def symmetric_zeros(bits: int) -> int:
+    """The int32 word of packed zero points a symmetric scheme implies: each code's midpoint (8 for 4 bits, 128
+    for 8), the signed zero point 0 offset as compressed-tensors offsets codes."""
+    word = sum((1 << (bits - 1)) << shift for shift in range(0, 32, bits))
+    return word - 2**32 if word >= 2**31 else word

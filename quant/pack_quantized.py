@@ -1,4 +1,6 @@
-"""compressed-tensors' ``pack-quantized`` int4 weights: llm-compressor's W4A16 and W4A16_ASYM (GPTQ or RTN).
+"""compressed-tensors' ``pack-quantized`` int weights: llm-compressor's W4A16 and W4A16_ASYM (GPTQ or RTN), and
+W8A16. With 8 bits each int32 holds four 8-bit fields (bits 8i..8i+7), each code offset by 128 (the signed zero
+point 0 reads 128); the rest is as below, which gives 4 bits.
 
 Layout of one linear layer with ``in`` inputs, ``out`` outputs and groups of ``g`` inputs (``channel``: one group):
 
@@ -25,38 +27,41 @@ from .common import bad_pattern, is_name_list, matches_target
 from .fp8 import check_compressed_tensors
 
 FORMAT = "pack-quantized"
+BITS = (4, 8)
 
 
 def _fail(message: str) -> CheckpointError:
     return CheckpointError(f"unsupported compressed-tensors checkpoint: {message}; infer loads pack-quantized int4 "
-                           "weights (W4A16, W4A16_ASYM: groups of -1/32/64/128, or per channel) with unquantized "
-                           "activations")
+                           "and int8 weights (W4A16, W4A16_ASYM, W8A16: groups of 32/64/128, or per channel) with "
+                           "unquantized activations")
 
 
 @dataclass(frozen=True)
 class PackQuantizedConfig:
-    """A validated compressed-tensors int4 config: the weights' group size (-1: per channel) and symmetry, which
-    every group shares, and the modules it quantizes."""
+    """A validated compressed-tensors int4 or int8 config: the weights' group size (-1: per channel), symmetry
+    and bits, which every group shares, and the modules it quantizes."""
 
     group_size: int
     symmetric: bool
     targets: tuple[str, ...]
     ignore: tuple[str, ...] = ()
     act_order: bool = False  # actorder "group": every layer brings its weight_g_idx
+    bits: int = 4
 
     def applies_to(self, prefix: str) -> bool:
-        """Whether the linear at ``prefix`` is int4: a target matches it and no ignore entry does."""
+        """Whether the linear at ``prefix`` is quantized: a target matches it and no ignore entry does."""
         return not any(matches_target(prefix, p) for p in self.ignore) and \
             any(matches_target(prefix, t) for t in self.targets)
 
 
-def _weights(name: str, group: dict[str, Any]) -> tuple[int, bool, bool]:
+def _weights(name: str, group: dict[str, Any]) -> tuple[int, bool, bool, int]:
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise _fail(f"group {name!r} has no weights arguments")
-    if weights.get("type") != "int" or weights.get("num_bits") != awq.BITS or weights.get("dynamic", False):
-        raise _fail(f"group {name!r} weights are {weights.get('type')!r} with {weights.get('num_bits')!r} bits "
-                    f"(dynamic={weights.get('dynamic', False)}), not static 4-bit int")
+    bits = weights.get("num_bits")
+    if weights.get("type") != "int" or bits not in BITS or type(bits) is not int or weights.get("dynamic", False):
+        raise _fail(f"group {name!r} weights are {weights.get('type')!r} with {bits!r} bits "
+                    f"(dynamic={weights.get('dynamic', False)}), not static 4- or 8-bit int")
     strategy, size = weights.get("strategy"), weights.get("group_size")
     if strategy == "channel":
         size = -1
@@ -64,11 +69,11 @@ def _weights(name: str, group: dict[str, Any]) -> tuple[int, bool, bool]:
         raise _fail(f"group {name!r} weights use strategy {strategy!r} with group_size {size!r}")
     if group.get("input_activations") or group.get("output_activations"):
         raise _fail(f"group {name!r} quantizes activations too")
-    return size, bool(weights.get("symmetric", True)), weights.get("actorder") == "group" and size != -1
+    return size, bool(weights.get("symmetric", True)), weights.get("actorder") == "group" and size != -1, bits
 
 
 def parse_pack_quantized(qc: dict[str, Any]) -> PackQuantizedConfig:
-    """Validate a compressed-tensors ``quantization_config`` whose groups are all ``pack-quantized`` int4 weights."""
+    """Validate a compressed-tensors ``quantization_config`` whose groups are all ``pack-quantized`` int weights."""
     ignore = check_compressed_tensors(qc, _fail)
     schemes, targets = set(), []
     for name, group in qc["config_groups"].items():
@@ -84,6 +89,6 @@ def parse_pack_quantized(qc: dict[str, Any]) -> PackQuantizedConfig:
         targets += names
     if len(schemes) > 1:
         raise _fail(f"its groups quantize weights differently ({sorted(schemes)} as (group size, symmetric, "
-                    "activation order))")
-    size, symmetric, act_order = schemes.pop()
-    return PackQuantizedConfig(size, symmetric, tuple(targets), ignore, act_order)
+                    "activation order, bits))")
+    size, symmetric, act_order, bits = schemes.pop()
+    return PackQuantizedConfig(size, symmetric, tuple(targets), ignore, act_order, bits)

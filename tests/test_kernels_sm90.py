@@ -23,10 +23,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from infer.kernels import (attention, awq_gemm, awq_moe, fp8, fp8_block, fused_moe, fused_ops,  # noqa: E402
-                           skinny_gemm)
+                           skinny_gemm, w8a16_gemm)
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
-         torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+         torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}
 HEADS, KV_HEADS, HEAD_DIM, PAGE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192  # Llama-3.2-1B, block size 16
 WARPS = {"_rms_norm_kernel": 8, "_decode_split_kernel": 4, "_prefill_kernel": 4}  # the launchers' choice here
 
@@ -57,7 +57,7 @@ print(json.dumps(failures))
 
 def kernels() -> dict[str, object]:
     found = {}
-    for module in (attention, awq_gemm, awq_moe, fp8, fp8_block, fused_moe, fused_ops, skinny_gemm):
+    for module in (attention, awq_gemm, awq_moe, fp8, fp8_block, fused_moe, fused_ops, skinny_gemm, w8a16_gemm):
         for name, value in vars(module).items():
             if name.endswith("_kernel") and hasattr(value, "add_pre_run_hook"):
                 found[name] = value
@@ -127,6 +127,11 @@ def anchor_launches(dtype: torch.dtype) -> None:
     awq_gemm.awq_gemm(torch.randn(1, 256, dtype=dtype), qweight, torch.zeros(8, 16, dtype=torch.int32),
                       torch.ones(8, 128, dtype=dtype), 32)  # group 32 < BLOCK_K: the per-row scales and zeros
     awq_gemm.awq_dequantize(qweight, qzeros, torch.ones(2, 128, dtype=torch.float16), 128, dtype)  # prefill
+    codes, zeros = torch.zeros(256, 128, dtype=torch.uint8), torch.zeros(2, 128, dtype=torch.uint8)
+    for rows, split in ((1, 4), (32, 1)):  # 8-bit GPTQ / compressed-tensors W8A16
+        w8a16_gemm.w8a16_gemm(torch.randn(rows, 256, dtype=dtype), codes, zeros, torch.ones(2, 128, dtype=dtype),
+                              128, split_k=split)
+    w8a16_gemm.w8a16_dequantize(codes, zeros, torch.ones(2, 128, dtype=torch.float16), 128, dtype)
     moe_launches(dtype)
     for rows, block_n in ((1, 64), (16, 16)):
         skinny_gemm.skinny_gemm(torch.randn(rows, 512, dtype=dtype), torch.randn(128, 512, dtype=dtype),

@@ -1,4 +1,4 @@
-"""A checkpoint compressed by the ``compressed-tensors`` library (FP8 and FP8_DYNAMIC presets, pack-quantized int4)
+"""A checkpoint compressed by the ``compressed-tensors`` library (FP8 and FP8_DYNAMIC presets, pack-quantized int4/8)
 loads in infer with the same weights as the library's own decompression."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from infer.models.layers import Linear, UnquantizedMethod  # noqa: E402
 from infer.plugins.fp8 import build_fp8  # noqa: E402
 from infer.quant import fp8  # noqa: E402
 from infer.quant.fp8_method import Fp8LinearMethod  # noqa: E402
+from infer.quant.w8a16_method import W8A16LinearMethod  # noqa: E402
 
 pytestmark = pytest.mark.compressed_tensors
 
@@ -140,9 +141,10 @@ def test_overlapping_groups_resolve_as_the_library_resolves_them(groups: list[tu
         assert mine == expected, name
 
 
-# ---------------------------------------------------------------- pack-quantized int4 (W4A16)
-def compress_int4(model: torch.nn.Module, folder: Path, group_size: int | None, symmetric: bool) -> None:
-    """Quantize ``model``'s linears (lm_head ignored) to int4 weights with the library (``group_size`` None: per
+# ---------------------------------------------------------------- pack-quantized int4 and int8 (W4A16, W8A16)
+def compress_packed(model: torch.nn.Module, folder: Path, group_size: int | None, symmetric: bool,
+                    bits: int = 4) -> None:
+    """Quantize ``model``'s linears (lm_head ignored) to int weights with the library (``group_size`` None: per
     channel; min/max calibration per group, what its memoryless observer computes) and save them pack-quantized.
     ``model`` is left decompressed, running the library's own fake-quantized forward: the reference."""
     from compressed_tensors.compressors import ModelCompressor
@@ -150,7 +152,7 @@ def compress_int4(model: torch.nn.Module, folder: Path, group_size: int | None, 
                                                  apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    weights = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric,
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
                                strategy="group" if group_size else "channel", group_size=group_size)
     qconfig = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
                                  ignore=["lm_head"], format="pack-quantized")
@@ -172,10 +174,12 @@ def compress_int4(model: torch.nn.Module, folder: Path, group_size: int | None, 
     compressor.decompress_model(model)
 
 
-@pytest.mark.parametrize("group_size, symmetric", [(32, True), (32, False), (None, True), (64, False)],
-                         ids=["W4A16-g32", "W4A16_ASYM-g32", "W4A16-channel", "W4A16_ASYM-g64"])
+@pytest.mark.parametrize("group_size, symmetric, bits", [
+    (32, True, 4), (32, False, 4), (None, True, 4), (64, False, 4), (32, True, 8), (None, True, 8), (64, False, 8),
+], ids=["W4A16-g32", "W4A16_ASYM-g32", "W4A16-channel", "W4A16_ASYM-g64", "W8A16-g32", "W8A16-channel",
+        "W8A16_ASYM-g64"])
 def test_pack_quantized_checkpoint_greedy_equals_the_library_emulation(
-        group_size: int | None, symmetric: bool, tiny_model: Path, tmp_path: Path) -> None:
+        group_size: int | None, symmetric: bool, bits: int, tiny_model: Path, tmp_path: Path) -> None:
     """(The library no longer writes activation order "group", whose weight_g_idx tests/test_quant_gptq.py loads.)"""
     import shutil
 
@@ -185,7 +189,7 @@ def test_pack_quantized_checkpoint_greedy_equals_the_library_emulation(
     from infer.core.request import SamplingParams
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
-    compress_int4(hf, tmp_path, group_size, symmetric)
+    compress_packed(hf, tmp_path, group_size, symmetric, bits)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert tensors["model.layers.0.mlp.down_proj.weight_packed"].dtype == torch.int32
     assert ("model.layers.0.mlp.down_proj.weight_zero_point" in tensors) is not symmetric
@@ -193,6 +197,7 @@ def test_pack_quantized_checkpoint_greedy_equals_the_library_emulation(
         shutil.copy(tiny_model / name, tmp_path / name)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=32))
     assert engine.loaded.quant is not None and engine.loaded.quant.name == "compressed-tensors"
+    assert isinstance(engine.loaded.quant, W8A16LinearMethod) is (bits == 8)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(3)
     for prompt in (torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (12, 7)):

@@ -1,4 +1,4 @@
-"""GPTQ checkpoints (``quant_method: "gptq"``, 4 bits) load as what they hold.
+"""GPTQ checkpoints (``quant_method: "gptq"``, 4 and 8 bits) load as what they hold.
 
 The checkpoints are written here from a tiny float model: each linear's weight is quantized per group (RTN), in
 activation order or not, and packed by this file's own bit loops as the format stores it (quant/gptq.py's docstring;
@@ -36,6 +36,7 @@ from infer.models.layers import Linear  # noqa: E402
 from infer.plugins.gptq import build_gptq  # noqa: E402
 from infer.quant import awq, gptq  # noqa: E402
 from infer.quant.forward import dense_forward  # noqa: E402
+from infer.quant.w8a16_method import W8A16LinearMethod  # noqa: E402
 
 PROMPTS = [[5, 17, 300, 42, 7, 99, 512, 3], [900, 12, 8, 8, 41]]
 GROUP = 32
@@ -46,18 +47,20 @@ def plugins() -> PluginManager:
     return PluginManager.from_entry_points().collect()
 
 
-def pack_words(nibbles: np.ndarray) -> np.ndarray:
-    """[..., 8] values 0..15 -> [...] int32 words, value ``i`` in bits 4i..4i+3."""
-    words = np.zeros(nibbles.shape[:-1], dtype=np.uint64)
-    for i in range(8):
-        words |= (nibbles[..., i].astype(np.uint64) & 0xF) << np.uint64(4 * i)
+def pack_words(values: np.ndarray, bits: int = 4) -> np.ndarray:
+    """[..., 32 / bits] values 0..2**bits - 1 -> [...] int32 words, value ``i`` in bits ``bits * i`` and up."""
+    words = np.zeros(values.shape[:-1], dtype=np.uint64)
+    for i in range(32 // bits):
+        words |= (values[..., i].astype(np.uint64) & (2**bits - 1)) << np.uint64(bits * i)
     return words.astype(np.uint32).view(np.int32)
 
 
-def gptq_layer(weight: torch.Tensor, group: int, order: torch.Tensor | None, sym: bool, v1: bool
+def gptq_layer(weight: torch.Tensor, group: int, order: torch.Tensor | None, sym: bool, v1: bool, bits: int = 4
                ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """GPTQ tensors of ``weight`` [out, in] (RTN per group; ``order``: the activation order, a permutation of the
-    inputs whose i-th member joins group ``i // group``) and the float weight [out, in] they stand for."""
+    """GPTQ tensors of ``weight`` [out, in] (RTN per group to ``bits``; ``order``: the activation order, a
+    permutation of the inputs whose i-th member joins group ``i // group``) and the float weight [out, in] they stand
+    for."""
+    max_q, pack = 2**bits - 1, 32 // bits
     out_features, in_features = weight.shape
     perm = torch.arange(in_features) if order is None else order
     g_idx = torch.empty(in_features, dtype=torch.int32)
@@ -68,22 +71,24 @@ def gptq_layer(weight: torch.Tensor, group: int, order: torch.Tensor | None, sym
     for g in range(groups):
         rows = w[g_idx == g]
         lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
-        scale = ((hi - lo) / 15).clamp(min=1e-4) if not sym else (torch.maximum(-lo, hi) / 7.5).clamp(min=1e-4)
-        scales[g] = scale.half().float()
-        zeros[g] = torch.full_like(zeros[g], 8) if sym else (-lo / scales[g]).round().clamp(0, 15).long()
+        scale = ((hi - lo) / max_q) if not sym else (torch.maximum(-lo, hi) / (max_q / 2))
+        scales[g] = scale.clamp(min=1e-4).half().float()
+        zeros[g] = torch.full_like(zeros[g], 2**(bits - 1)) if sym else (-lo / scales[g]).round().clamp(0, max_q).long()
     s, z = scales[g_idx.long()].double(), zeros[g_idx.long()]
-    q = ((w / s).round() + z).clamp(0, 15).long()
-    zero_words = pack_words(zeros.numpy().reshape(groups, -1, 8))
-    if v1:  # GPTQModel's v2 -> v1: 0x11111111 off each whole word (a zero point of 0 borrows from the next nibble)
-        zero_words = (zero_words.view(np.uint32) - np.uint32(0x11111111)).view(np.int32)
-    tensors = {"qweight": torch.from_numpy(pack_words(q.numpy().reshape(in_features // 8, 8, -1).transpose(0, 2, 1))),
-               "qzeros": torch.from_numpy(zero_words), "scales": scales.half(), "g_idx": g_idx}
+    q = ((w / s).round() + z).clamp(0, max_q).long()
+    zero_words = pack_words(zeros.numpy().reshape(groups, -1, pack), bits)
+    if v1:  # GPTQModel's v2 -> v1: 1 off each field of each whole word (a zero point of 0 borrows from the next)
+        one_each = sum(1 << (bits * i) for i in range(pack))
+        zero_words = (zero_words.view(np.uint32) - np.uint32(one_each)).view(np.int32)
+    packed = pack_words(q.numpy().reshape(in_features // pack, pack, -1).transpose(0, 2, 1), bits)
+    tensors = {"qweight": torch.from_numpy(packed), "qzeros": torch.from_numpy(zero_words), "scales": scales.half(),
+               "g_idx": g_idx}
     return tensors, ((q - z).double() * s).t().float()
 
 
 def write_gptq(src: Path, dst: Path, dense: Path, act_order: str = "none", sym: bool = True, v1: bool = True,
                group: int = GROUP, g_idx: bool = True, extra: dict[str, Any] | None = None,
-               in_order: str = "") -> None:
+               in_order: str = "", bits: int = 4) -> None:
     """``src``'s model as a GPTQ checkpoint in ``dst`` and its dequantized float twin in ``dense``. ``act_order``:
     "none"; "shared" (one random order per layer input, as GPTQ gives linears that read the same input);
     "each" (one per linear); linears whose path holds ``in_order`` (if given) keep the input order all the same."""
@@ -100,11 +105,11 @@ def write_gptq(src: Path, dst: Path, dense: Path, act_order: str = "none", sym: 
         key = (owner.rsplit(".", 1)[0] if act_order == "shared" else owner, tensor.shape[1])
         order = None if act_order == "none" or (in_order and in_order in owner) else \
             orders.setdefault(key, torch.randperm(tensor.shape[1], generator=gen))
-        tensors, dequantized = gptq_layer(tensor, group if group > 0 else tensor.shape[1], order, sym, v1)
+        tensors, dequantized = gptq_layer(tensor, group if group > 0 else tensor.shape[1], order, sym, v1, bits)
         quantized.update({f"{owner}.{attr}": t for attr, t in tensors.items() if g_idx or attr != "g_idx"})
         plain[name] = dequantized
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
+    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
                                      "desc_act": act_order != "none", "checkpoint_format": "gptq" if v1 else "gptq_v2",
                                      **(extra or {})}
     for folder, tensors in ((dst, quantized), (dense, plain)):
@@ -123,20 +128,27 @@ def logits(path: Path, plugins: PluginManager, **options: Any) -> torch.Tensor:
         return loaded.model.compute_logits(dense_forward(loaded.model, PROMPTS, loaded.device))
 
 
-@pytest.mark.parametrize("act_order, sym, v1", [("none", True, True), ("none", False, False), ("each", True, True),
-                                                ("shared", False, True), ("shared", True, False)])
-def test_gptq_checkpoint_computes_its_dequantized_weights(act_order: str, sym: bool, v1: bool, tiny_model: Path,
-                                                          tmp_path: Path, plugins: PluginManager) -> None:
-    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", act_order, sym, v1)
+@pytest.mark.parametrize("act_order, sym, v1, bits", [
+    ("none", True, True, 4), ("none", False, False, 4), ("each", True, True, 4), ("shared", False, True, 4),
+    ("shared", True, False, 4), ("none", False, True, 8), ("each", True, True, 8), ("shared", False, False, 8),
+])
+def test_gptq_checkpoint_computes_its_dequantized_weights(act_order: str, sym: bool, v1: bool, bits: int,
+                                                          tiny_model: Path, tmp_path: Path,
+                                                          plugins: PluginManager) -> None:
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", act_order, sym, v1, bits=bits)
+    loaded = load(tmp_path / "gptq", plugins)
+    assert isinstance(loaded.quant, W8A16LinearMethod) is (bits == 8)
     ours, reference = logits(tmp_path / "gptq", plugins), logits(tmp_path / "dense", plugins)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(reference, logits(tiny_model, plugins), atol=1e-3)  # the int4 rounding is in both
+    assert not torch.allclose(reference, logits(tiny_model, plugins), atol=1e-4)  # the rounding is in both
 
 
-@pytest.mark.parametrize("act_order, merged", [("none", True), ("shared", True), ("each", False)])
-def test_projections_merge_only_when_their_input_orders_agree(act_order: str, merged: bool, tiny_model: Path,
-                                                              tmp_path: Path, plugins: PluginManager) -> None:
-    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", act_order)
+@pytest.mark.parametrize("act_order, merged, bits", [("none", True, 4), ("shared", True, 4), ("each", False, 4),
+                                                     ("shared", True, 8), ("each", False, 8)])
+def test_projections_merge_only_when_their_input_orders_agree(act_order: str, merged: bool, bits: int,
+                                                              tiny_model: Path, tmp_path: Path,
+                                                              plugins: PluginManager) -> None:
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", act_order, bits=bits)
     loaded = load(tmp_path / "gptq", plugins, fuse_projections=True)
     names = {m.prefix.rsplit(".", 1)[-1] for m in loaded.model.modules() if isinstance(m, Linear)}
     assert ({"qkv_proj", "gate_up_proj"} <= names) is merged
@@ -172,30 +184,33 @@ def test_a_checkpoint_without_g_idx_has_consecutive_groups(tiny_model: Path, tmp
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_gptq_checkpoint_generates_like_hf_on_its_dequantized_weights(
-        device: str, tiny_model: Path, tmp_path: Path, hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
-    """On a GPU also: projections merged (one input order per layer input), the fused W4A16 kernel up to 64 rows
-    on each layer's permuted input, CUDA graphs."""
+        device: str, bits: int, tiny_model: Path, tmp_path: Path,
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """On a GPU also: projections merged (one input order per layer input), the fused W4A16 (W8A16) kernel up to 64
+    rows on each layer's permuted input, the dequantizing kernel for the prompts above, CUDA graphs."""
     from infer import LLM
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", "shared", sym=True, v1=True)
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", "shared", sym=True, v1=True, bits=bits)
     llm = LLM(model=str(tmp_path / "gptq"), device=device, num_kv_blocks=32)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS:
         assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 10)
 
 
-@pytest.mark.parametrize("act_order, fused_ops", [("none", True), ("each", False), ("shared", True)])
-def test_gptq_experts_compute_their_dequantized_weights(act_order: str, fused_ops: bool, tmp_path: Path,
+@pytest.mark.parametrize("act_order, fused_ops, bits", [("none", True, 4), ("each", False, 4), ("shared", True, 4),
+                                                        ("each", True, 8)])
+def test_gptq_experts_compute_their_dequantized_weights(act_order: str, fused_ops: bool, bits: int, tmp_path: Path,
                                                         tiny_model_factory: Callable[..., Path],
                                                         plugins: PluginManager) -> None:
     """Stacked (fused ops), experts in activation order gather their inputs in their own order, an expert whose
-    groups happen to be in input order (here expert 1's) the identity."""
+    groups happen to be in input order (here expert 1's) the identity. 8-bit experts run one at a time."""
     moe = tiny_model_factory("qwen3moe", extra={"moe_intermediate_size": 64})
-    write_gptq(moe, tmp_path / "gptq", tmp_path / "dense", act_order, in_order=".experts.1.")
+    write_gptq(moe, tmp_path / "gptq", tmp_path / "dense", act_order, in_order=".experts.1.", bits=bits)
     torch.testing.assert_close(logits(tmp_path / "gptq", plugins, fused_ops=fused_ops),
                                logits(tmp_path / "dense", plugins), rtol=1e-4, atol=1e-4)
 
@@ -242,7 +257,8 @@ def method_for(**changes: Any) -> Any:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"bits": 8}, "bits must be 4"),
+    ({"bits": 3}, "bits must be 4 or 8"),
+    ({"bits": 8.0}, "bits must be 4 or 8"),
     ({"group_size": 100}, "group_size must be one of"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"format": "bitblas"}, "checkpoint_format 'bitblas'"),
@@ -261,7 +277,8 @@ def test_unsupported_configs_are_refused_by_name(changes: dict[str, Any], messag
 
 
 def test_the_format_field_gptqmodel_writes_is_read_too() -> None:
-    assert method_for(format="gptq_v2").zero_offset == 0 and method_for(checkpoint_format="GPTQ").zero_offset == 1
+    assert method_for(format="gptq_v2").config.zero_offset == 0
+    assert method_for(checkpoint_format="GPTQ").config.zero_offset == 1
 
 
 def test_an_unquantized_checkpoint_is_refused() -> None:
@@ -377,7 +394,7 @@ def pack_quantized_config(**weights: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8), "not static 4-bit int"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=3), "not static 4- or 8-bit int"),
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "strategy 'tensor'"),
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(group_size=16), "group_size 16"),
     (lambda qc: qc["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "activations too"),
