@@ -24,7 +24,8 @@ from ..core.registry import Register
 @click.option("--group-size", type=int, default=None,
               help="Input rows per scale: 32, 64, 128 or -1 (one group over the whole input) [default: the "
                    "largest of 128, 64, 32 that divides every layer's input size, else -1].")
-@click.option("--bits", type=int, default=4, show_default=True, help="Weight bits (AWQ GEMM supports 4).")
+@click.option("--bits", type=int, default=4, show_default=True,
+              help="Weight bits: 4 (awq, gptq) or 8 (gptq; run by the W8A16 kernels).")
 @click.option("--num-samples", type=int, default=64, show_default=True, help="Calibration samples.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration sample.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -39,7 +40,7 @@ def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Pat
              damp: float | None) -> None:
     """Quantize the unquantized checkpoint MODEL with calibrated AWQ or GPTQ and write it to OUT (a new folder).
 
-    OUT is an AutoAWQ GEMM checkpoint (awq) or a GPTQ one (gptq: v1 format, symmetric), with its
+    OUT is an AutoAWQ GEMM checkpoint (awq) or a GPTQ one (gptq: v1 format, symmetric, 4 or 8 bits), with its
     config.json quantization_config and MODEL's tokenizer files, that infer and other loaders read:
     `infer --model OUT generate ...`.
     """

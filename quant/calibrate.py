@@ -66,14 +66,15 @@ class CalibrationOptions:
     seq_len: int = 512
     batch_samples: int = 8  # samples per calibration forward pass
     device: str = "auto"
+    supported_bits: ClassVar[tuple[int, ...]] = (awq.BITS,)
     bits_refusal: ClassVar[str] = "infer quantizes to 4-bit weights only"
 
     def validate(self) -> Self:
-        """4 bits, a group size of :data:`.awq.GROUP_SIZES` or None, at least one sample of at least 2 tokens, a
-        device torch can parse; ConfigError otherwise."""
+        """Bits among ``supported_bits``, a group size of :data:`.awq.GROUP_SIZES` or None, at least one sample of
+        at least 2 tokens, a device torch can parse; ConfigError otherwise."""
         from ..core.loader import resolve_device
 
-        if self.bits != awq.BITS:
+        if self.bits not in self.supported_bits:
             raise ConfigError(f"{self.bits_refusal}, got --bits {self.bits}")
         if self.group_size is not None and not awq.is_group_size(self.group_size):
             raise ConfigError(f"--group-size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, "

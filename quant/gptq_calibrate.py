@@ -1,5 +1,5 @@
 """GPTQ calibration (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
-Transformers") written as a GPTQ checkpoint (:mod:`.gptq`: v1 format, symmetric int4, fp16 group scales).
+Transformers") written as a GPTQ checkpoint (:mod:`.gptq`: v1 format, symmetric int4 or int8, fp16 group scales).
 
 For a linear with weight ``W`` [out, in] and calibration inputs ``X`` [n, in], ``H = 2 X^T X / n``, damped by
 ``damp`` times the mean of its diagonal. The columns are quantized one at a time, in order (with ``act_order``, by
@@ -7,8 +7,8 @@ decreasing ``diag(H)``); with ``U`` the upper Cholesky factor of ``H^-1``, quant
 every later column ``k`` by ``-(w_j - q_j) / U[j, j] * U[j, k]``, the update that minimises ``||(W - Q) X^T||^2``
 given the columns quantized so far (the paper's equations 2 and 3 in their Cholesky form, section 3 step 3), applied
 to the later columns a block of ``block_size`` at a time (step 2: lazy batch updates). A group's scale is chosen
-when its first column is reached, from its columns as they are then: ``2 max|w| / 15`` per output row, rounded up to
-fp16, zero point 8.
+when its first column is reached, from its columns as they are then: ``2 max|w| / (2^b - 1)`` per output row for
+``b`` bits, rounded up to fp16, zero point ``2^(b - 1)``.
 
 Layers are quantized in order, each on the inputs that the already-quantized layers before it produce (the forward
 pass run up to that layer: L (L + 1) / 2 layer passes in all); within a layer every linear sees the unquantized
@@ -26,13 +26,11 @@ import torch
 from torch import nn
 
 from ..core.errors import ConfigError
-from . import awq
+from . import awq, w8a16
 from .calibrate import (CalibrationOptions, ProgressFn, check_at_least_one, check_request, groups_of,
                         load_for_calibration, write_quantized)
 from .forward import dense_forward
 
-SYMMETRIC_ZERO = 8
-V1_ZEROS = int.from_bytes(bytes([0x77] * 4), "little", signed=True)  # zero point 8 stored as 7 in every nibble
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,8 @@ class GptqCalibrationConfig(CalibrationOptions):
     act_order: bool = False  # quantize the columns by decreasing Hessian diagonal (desc_act), not in input order
     damp: float = 0.01  # of the mean Hessian diagonal, added to it
     block_size: int = 128  # columns per lazy batch update (rounded up to a multiple of the group size)
-    bits_refusal: ClassVar[str] = "infer quantizes GPTQ to 4-bit weights only (its int4 kernels)"
+    supported_bits: ClassVar[tuple[int, ...]] = (awq.BITS, w8a16.BITS)
+    bits_refusal: ClassVar[str] = "infer quantizes GPTQ to 4- or 8-bit weights (its W4A16 and W8A16 kernels)"
 
     def validate(self) -> Self:
         super().validate()
@@ -62,33 +61,42 @@ class GptqLayerReport:
 
 @dataclass(frozen=True)
 class GptqResult:
-    """One linear quantized: codes 0..15 [out, in] (zero point 8), fp16 scales [in / g, out], g_idx [in]."""
+    """One linear quantized: codes 0..2^bits - 1 [out, in] (zero point 2^(bits - 1)), fp16 scales [in / g, out],
+    g_idx [in]."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     g_idx: torch.Tensor
+    bits: int = awq.BITS
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] the codes stand for, in float32."""
-        return (self.codes - SYMMETRIC_ZERO).to(torch.float32) * self.scales.to(torch.float32)[self.g_idx.long()].t()
+        zero = symmetric_zero(self.bits)
+        return (self.codes - zero).to(torch.float32) * self.scales.to(torch.float32)[self.g_idx.long()].t()
 
 
-def symmetric_scales(columns: torch.Tensor) -> torch.Tensor:
-    """Per output row of ``columns`` [out, g]: ``2 max|w| / 15`` (2 / 15 for an all-zero row), rounded up to fp16."""
+def symmetric_zero(bits: int) -> int:
+    return 1 << (bits - 1)
+
+
+def symmetric_scales(columns: torch.Tensor, bits: int = awq.BITS) -> torch.Tensor:
+    """Per output row of ``columns`` [out, g]: ``2 max|w| / (2^bits - 1)`` (an all-zero row: as if max|w| were 1),
+    rounded up to fp16."""
     extent = columns.abs().amax(dim=1)
     extent = torch.where(extent > 0, extent, torch.ones_like(extent))
-    return awq.round_up_to_fp16(2 * extent / awq.MAX_Q).to(torch.float32)
+    return awq.round_up_to_fp16(2 * extent / (2**bits - 1)).to(torch.float32)
 
 
-def quantize_column(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 of ``w`` [out] under ``scale`` [out] and the zero point 8."""
-    return (torch.round(w / scale) + SYMMETRIC_ZERO).clamp(0, awq.MAX_Q)
+def quantize_column(w: torch.Tensor, scale: torch.Tensor, bits: int = awq.BITS) -> torch.Tensor:
+    """Codes 0..2^bits - 1 of ``w`` [out] under ``scale`` [out] and the zero point 2^(bits - 1)."""
+    return (torch.round(w / scale) + symmetric_zero(bits)).clamp(0, 2**bits - 1)
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, act_order: bool = False,
-                  damp: float = 0.01, block_size: int = 128) -> GptqResult:
-    """GPTQ of ``weight`` [out, in] under the input Hessian ``hessian`` [in, in] (``2 X^T X / n``); group_size -1:
-    one group over the whole input. Inputs no calibration token used (a zero diagonal) get zero weights."""
+                  damp: float = 0.01, block_size: int = 128, bits: int = awq.BITS) -> GptqResult:
+    """GPTQ of ``weight`` [out, in] to ``bits`` under the input Hessian ``hessian`` [in, in] (``2 X^T X / n``);
+    group_size -1: one group over the whole input. Inputs no calibration token used (a zero diagonal) get zero
+    weights."""
     out_features, in_features = weight.shape
     group = in_features if group_size == -1 else group_size
     w = weight.detach().to(torch.float32).clone()
@@ -105,23 +113,23 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     scales = torch.empty(in_features // group, out_features, device=w.device)
     block = -(-max(block_size, 1) // group) * group if group < in_features else max(block_size, 1)
     if group == in_features:  # one group: its scales come from the weight as it is, before any update
-        scales[0] = symmetric_scales(w)
+        scales[0] = symmetric_scales(w, bits)
     for start in range(0, in_features, block):
         end = min(start + block, in_features)
         part, errors = w[:, start:end].clone(), torch.empty(out_features, end - start, device=w.device)
         for i in range(end - start):
             j = start + i
             if j % group == 0 and group < in_features:  # the group lies in this block (a multiple of the group)
-                scales[j // group] = symmetric_scales(part[:, i: i + group])  # its columns, updated so far
+                scales[j // group] = symmetric_scales(part[:, i: i + group], bits)  # its columns, updated so far
             scale = scales[j // group]
-            codes[:, j] = quantize_column(part[:, i], scale)
-            errors[:, i] = (part[:, i] - (codes[:, j] - SYMMETRIC_ZERO) * scale) / u[j, j]
+            codes[:, j] = quantize_column(part[:, i], scale, bits)
+            errors[:, i] = (part[:, i] - (codes[:, j] - symmetric_zero(bits)) * scale) / u[j, j]
             part[:, i:] -= errors[:, i: i + 1] * u[j, j:end].unsqueeze(0)
         w[:, end:] -= errors @ u[start:end, end:]
     g_idx = torch.arange(in_features, device=w.device) // group
     if order is not None:  # back to input order: input order[j] was quantized j-th, in group j // group
         codes, g_idx = codes[:, torch.argsort(order)], g_idx[torch.argsort(order)]
-    return GptqResult(codes.to(torch.int32), scales.to(torch.float16), g_idx.to(torch.int32))
+    return GptqResult(codes.to(torch.int32), scales.to(torch.float16), g_idx.to(torch.int32), bits)
 
 
 def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -132,23 +140,31 @@ def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Te
     return float(((delta @ hessian) * delta).sum() / ((w @ hessian) * w).sum().clamp(min=1e-30))
 
 
-def rtn_dequantized(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+def rtn_dequantized(weight: torch.Tensor, group_size: int, bits: int = awq.BITS) -> torch.Tensor:
     """Round-to-nearest with this format's symmetric scales: the baseline of the report."""
     out_features, in_features = weight.shape
     group = in_features if group_size == -1 else group_size
     w = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
-    scales = torch.stack([symmetric_scales(w[:, g]) for g in range(w.shape[1])], dim=1).unsqueeze(-1)
-    codes = (torch.round(w / scales) + SYMMETRIC_ZERO).clamp(0, awq.MAX_Q)
-    return ((codes - SYMMETRIC_ZERO) * scales).reshape(out_features, in_features)
+    scales = torch.stack([symmetric_scales(w[:, g], bits) for g in range(w.shape[1])], dim=1).unsqueeze(-1)
+    codes = (torch.round(w / scales) + symmetric_zero(bits)).clamp(0, 2**bits - 1)
+    return ((codes - symmetric_zero(bits)) * scales).reshape(out_features, in_features)
 
 
-def pack_rows(codes: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 [out, in] -> GPTQ ``qweight`` int32 [in / 8, out]: nibble ``i`` of row ``r`` holds input
-    ``8r + i``."""
-    q = codes.t().to(torch.int64).reshape(-1, awq.PACK, codes.shape[0])  # [in / 8, 8, out]
-    shifts = (awq.BITS * torch.arange(awq.PACK, device=codes.device, dtype=torch.int64)).view(1, -1, 1)
-    packed = (q << shifts).sum(dim=1)
+def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Pack ``32 / bits`` consecutive values along ``dim`` (0 or 1) of a 2-D integer tensor into each int32, the
+    first in the lowest bits (GPTQ's qweight along the input, its qzeros along the output)."""
+    pack = 32 // bits
+    v = values.to(torch.int64)
+    v = v.reshape(-1, pack, v.shape[1]) if dim == 0 else v.reshape(v.shape[0], -1, pack).transpose(1, 2)
+    shifts = (bits * torch.arange(pack, device=values.device, dtype=torch.int64)).view(1, -1, 1)
+    packed = (v << shifts).sum(dim=1)  # [rows / pack, cols] or [rows, cols / pack]
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def v1_zeros(groups: int, out_features: int, bits: int) -> torch.Tensor:
+    """GPTQ v1 ``qzeros`` [groups, out / (32 / bits)] of the symmetric zero point, each stored less 1."""
+    stored = torch.full((groups, out_features), symmetric_zero(bits) - 1, dtype=torch.int64)
+    return pack_words(stored, bits, dim=1)
 
 
 class _Reached(Exception):
@@ -190,7 +206,8 @@ def layer_hessians(model: Any, index: int, samples: list[list[int]], device: tor
 def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig = GptqCalibrationConfig(),
                    texts: Iterable[str] | None = None, progress: ProgressFn | None = None,
                    plugins: Any = None) -> list[GptqLayerReport]:
-    """Calibrate, quantize and write ``out_dir`` (a GPTQ checkpoint); return each linear's error report."""
+    """Calibrate, quantize and write ``out_dir`` (a GPTQ checkpoint of ``config.bits``); return each linear's error
+    report."""
     raw, config = check_request(model_dir, out_dir, config)
     report_progress: ProgressFn = progress or (lambda phase, done, total: None)
     loaded, samples, seq_len = load_for_calibration(model_dir, config, texts, plugins)
@@ -199,7 +216,7 @@ def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig
     for i, layer in enumerate(model.model.layers):
         for g in groups_of(layer):
             for path in g.linears:
-                check_gptq_format(layer.get_submodule(path).in_features, f"model.layers.{i}.{path}")
+                check_gptq_format(layer.get_submodule(path).in_features, f"model.layers.{i}.{path}", config.bits)
     tensors: dict[str, torch.Tensor] = {}
     reports: list[GptqLayerReport] = []
     layers = model.model.layers
@@ -211,14 +228,13 @@ def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig
                 linear, name = layer.get_submodule(path), f"model.layers.{i}.{path}"
                 weight = linear.weight.data
                 result = gptq_quantize(weight, hessians[g.name], group_size, config.act_order, config.damp,
-                                       config.block_size)
+                                       config.block_size, config.bits)
                 quantized = result.dequantized()
                 reports.append(GptqLayerReport(i, path, relative_error(weight, quantized, hessians[g.name]),
-                                               relative_error(weight, rtn_dequantized(weight, group_size),
+                                               relative_error(weight, rtn_dequantized(weight, group_size, config.bits),
                                                               hessians[g.name])))
-                tensors.update({f"{name}.qweight": pack_rows(result.codes).cpu(),
-                                f"{name}.qzeros": torch.full((result.scales.shape[0], weight.shape[0] // awq.PACK),
-                                                             V1_ZEROS, dtype=torch.int32),
+                tensors.update({f"{name}.qweight": pack_words(result.codes.t(), config.bits, dim=0).cpu(),
+                                f"{name}.qzeros": v1_zeros(result.scales.shape[0], weight.shape[0], config.bits),
                                 f"{name}.scales": result.scales.cpu(), f"{name}.g_idx": result.g_idx.cpu()})
                 if linear.bias is not None:
                     tensors[f"{name}.bias"] = linear.bias.data
@@ -234,9 +250,9 @@ def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig
     return reports
 
 
-def check_gptq_format(in_features: int, prefix: str) -> None:
-    """GPTQ packs 8 inputs per int32 (AWQ's check covers the outputs and the group)."""
-    if in_features % awq.PACK:
-        raise ConfigError(f"GPTQ packs {awq.PACK} inputs per int32, and {prefix} has {in_features}: this model "
-                          "cannot be stored as GPTQ; use --method awq")
+def check_gptq_format(in_features: int, prefix: str, bits: int = awq.BITS) -> None:
+    """GPTQ packs 32 / bits inputs per int32 (AWQ's check covers the outputs and the group)."""
+    if in_features % (32 // bits):
+        raise ConfigError(f"GPTQ packs {32 // bits} inputs per int32 at {bits} bits, and {prefix} has {in_features}: "
+                          "this model cannot be stored as GPTQ; use --method awq")
 

@@ -41,9 +41,11 @@ def round_up_fp16(x: torch.Tensor) -> torch.Tensor:
 
 
 def unblocked_reference(weight: torch.Tensor, hessian: torch.Tensor, group: int, act_order: bool,
-                        damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        damp: float, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The paper's column-by-column form in float64 (its equation 3, with ``H^-1`` updated by Gaussian elimination
-    instead of a Cholesky factor): codes and dequantized weight, in input order."""
+    instead of a Cholesky factor): codes and dequantized weight, in input order. Symmetric: the scale
+    ``2 max|w| / (2^bits - 1)``, the zero point ``2^(bits - 1)``."""
+    max_q, zero = 2**bits - 1, 2 ** (bits - 1)
     w, h = weight.double().clone(), hessian.double().clone()
     order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(w.shape[1])
     w, h = w[:, order], h[order][:, order]
@@ -53,9 +55,9 @@ def unblocked_reference(weight: torch.Tensor, hessian: torch.Tensor, group: int,
     for j in range(w.shape[1]):
         if j % group == 0:
             extent = w[:, j: j + group].abs().amax(dim=1)
-            scale = round_up_fp16(2 * torch.where(extent > 0, extent, torch.ones_like(extent)) / 15)
-        codes[:, j] = (torch.round(w[:, j] / scale) + 8).clamp(0, 15)
-        deq[:, j] = (codes[:, j] - 8) * scale
+            scale = round_up_fp16(2 * torch.where(extent > 0, extent, torch.ones_like(extent)) / max_q)
+        codes[:, j] = (torch.round(w[:, j] / scale) + zero).clamp(0, max_q)
+        deq[:, j] = (codes[:, j] - zero) * scale
         err = (w[:, j] - deq[:, j]) / hinv[j, j]
         w[:, j:] -= err.unsqueeze(1) * hinv[j, j:].unsqueeze(0)
         hinv -= torch.outer(hinv[:, j], hinv[j, :]) / hinv[j, j]
@@ -64,13 +66,15 @@ def unblocked_reference(weight: torch.Tensor, hessian: torch.Tensor, group: int,
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("group, block", [(32, 128), (64, 32), (-1, 48)])  # block rounds up to the group
-def test_blocked_cholesky_gptq_equals_the_papers_unblocked_form(act_order: bool, group: int, block: int) -> None:
+# the block rounds up to a multiple of the group
+@pytest.mark.parametrize("group, block, bits", [(32, 128, 4), (64, 32, 4), (-1, 48, 4), (32, 64, 8)])
+def test_blocked_cholesky_gptq_equals_the_papers_unblocked_form(act_order: bool, group: int, block: int,
+                                                                bits: int) -> None:
     weight = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
     x = correlated_inputs(512, 128, seed=1)
     hessian = 2 * x.t() @ x / x.shape[0]
-    ours = gptq_quantize(weight, hessian, group, act_order, damp=0.01, block_size=block)
-    codes, deq = unblocked_reference(weight, hessian, 128 if group == -1 else group, act_order, 0.01)
+    ours = gptq_quantize(weight, hessian, group, act_order, damp=0.01, block_size=block, bits=bits)
+    codes, deq = unblocked_reference(weight, hessian, 128 if group == -1 else group, act_order, 0.01, bits)
     assert (ours.codes == codes.int()).float().mean() > 0.99  # float32 against float64: a rare tie may round apart
     assert relative_error(weight, ours.dequantized(), hessian) == pytest.approx(
         relative_error(weight, deq, hessian), rel=0.03)
@@ -103,12 +107,15 @@ def test_an_input_no_token_uses_gets_zero_weights() -> None:
     assert torch.equal(result.dequantized()[:, 7], torch.zeros(16))
 
 
-def read_gptq_weight(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """This file's own reading of a GPTQ v1 layer (symmetric or not): ``(q - (z + 1)) * s`` per input's group."""
-    words = tensors["qweight"].numpy().view(np.uint32)  # [in / 8, out]
-    q = np.stack([(words >> np.uint32(4 * i)) & 0xF for i in range(8)], axis=1).reshape(-1, words.shape[1])
-    zwords = tensors["qzeros"].numpy().view(np.uint32)  # [groups, out / 8]
-    z = np.stack([(zwords >> np.uint32(4 * i)) & 0xF for i in range(8)], axis=2).reshape(zwords.shape[0], -1) + 1
+def read_gptq_weight(tensors: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
+    """This file's own reading of a GPTQ v1 layer (symmetric or not, no zero point of 0):
+    ``(q - (z + 1)) * s`` per input's group, ``32 / bits`` fields per int32 word, the first in the lowest bits."""
+    pack, mask = 32 // bits, np.uint32(2**bits - 1)
+    words = tensors["qweight"].numpy().view(np.uint32)  # [in / pack, out]
+    q = np.stack([(words >> np.uint32(bits * i)) & mask for i in range(pack)], axis=1).reshape(-1, words.shape[1])
+    zwords = tensors["qzeros"].numpy().view(np.uint32)  # [groups, out / pack]
+    z = np.stack([(zwords >> np.uint32(bits * i)) & mask for i in range(pack)], axis=2).reshape(zwords.shape[0], -1)
+    z = z.astype(np.int64) + 1
     g = tensors["g_idx"].numpy().astype(np.int64)
     s = tensors["scales"].float().numpy()
     return torch.from_numpy(np.ascontiguousarray(((q.astype(np.float64) - z[g]) * s[g]).T, dtype=np.float32))
@@ -117,11 +124,12 @@ def read_gptq_weight(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 def dense_twin(quantized: Path, dense: Path) -> None:
     """The GPTQ checkpoint ``quantized`` as a plain float32 one, by :func:`read_gptq_weight`."""
     state = load_file(str(quantized / "model.safetensors"))
+    bits = json.loads((quantized / "config.json").read_text())["quantization_config"]["bits"]
     plain = {name: t.float() for name, t in state.items() if name.rpartition(".")[2] not in
              ("qweight", "qzeros", "scales", "g_idx")}
     for owner in {name.rpartition(".")[0] for name in state if name.endswith(".qweight")}:
         plain[f"{owner}.weight"] = read_gptq_weight({k: state[f"{owner}.{k}"] for k in
-                                                     ("qweight", "qzeros", "scales", "g_idx")})
+                                                     ("qweight", "qzeros", "scales", "g_idx")}, bits)
     shutil.copytree(quantized, dense)
     save_file(plain, str(dense / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dense / "config.json").read_text())
@@ -129,19 +137,20 @@ def dense_twin(quantized: Path, dense: Path) -> None:
     (dense / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("arch, act_order", [("llama", False), ("llama", True), ("phi3", True), ("qwen2", False)])
+@pytest.mark.parametrize("arch, act_order, bits", [("llama", False, 4), ("llama", True, 4), ("phi3", True, 4),
+                                                   ("qwen2", False, 4), ("llama", True, 8)])
 def test_the_written_checkpoint_generates_like_hf_on_its_weights(
-        arch: str, act_order: bool, tmp_path: Path, tiny_model_factory: Callable[..., Path],
+        arch: str, act_order: bool, bits: int, tmp_path: Path, tiny_model_factory: Callable[..., Path],
         hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
     from infer import LLM
 
     model = tiny_model_factory(arch)
     reports = calibrate_gptq(model, tmp_path / "gptq", GptqCalibrationConfig(**{**CALIB.__dict__,
-                                                                                "act_order": act_order}))
+                                                                                "act_order": act_order, "bits": bits}))
     assert all(r.error < r.rtn_error for r in reports)  # on the calibration inputs
     qc = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"], qc["checkpoint_format"]) \
-        == ("gptq", 4, 32, True, act_order, "gptq")
+        == ("gptq", bits, 32, True, act_order, "gptq")
     assert json.loads((tmp_path / "gptq" / "gptq_calibration.json").read_text())["calibration_data"]["samples"] == 8
     dense_twin(tmp_path / "gptq", tmp_path / "dense")
     llm = LLM(model=str(tmp_path / "gptq"), device="cpu", num_kv_blocks=32)
@@ -168,7 +177,7 @@ def test_quantize_command_writes_gptq_and_refuses_gptq_options_elsewhere(tiny_mo
 
 def test_bad_gptq_options_are_config_errors() -> None:
     for options, message in (({"damp": float("nan")}, "--damp"), ({"block_size": 0}, "--block-size"),
-                             ({"bits": 8}, "4-bit weights only"), ({"group_size": 48}, "--group-size")):
+                             ({"bits": 3}, "4- or 8-bit weights"), ({"group_size": 48}, "--group-size")):
         with pytest.raises(ConfigError, match=message):
             GptqCalibrationConfig(**options).validate()
 
@@ -186,7 +195,7 @@ def test_each_layer_is_quantized_on_the_inputs_of_the_quantized_layers_before_it
     calibrate_gptq(tiny_model, tmp_path / "gptq", CALIB)
     plugins = PluginManager.from_entry_points().collect()
     state = load_file(str(tmp_path / "gptq" / "model.safetensors"))
-    read = {owner: read_gptq_weight({k: state[f"{owner}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")})
+    read = {owner: read_gptq_weight({k: state[f"{owner}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}, 4)
             for owner in {name.rpartition(".")[0] for name in state if name.endswith(".qweight")}}
     floats = load_file(str(tiny_model / "model.safetensors"))
     shutil.copytree(tiny_model, tmp_path / "layer0")
