@@ -233,6 +233,15 @@ def test_every_cli_command_and_option_is_documented():
     assert not missing, f"document in docs/cli.md: {', '.join(missing)}"
 
 
+def test_every_shipped_quant_method_option_is_documented():
+    """docs/quantization.md's options table names every option the shipped quant methods declare, and no other."""
+    plugins = PluginManager.from_entry_points().collect()
+    declared = {f"{entry.name}.{key}" for entry in plugins.registry("quant_method") for key in entry.options}
+    table = (DOCS / "quantization.md").read_text(encoding="utf-8").split("## Options", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([\w-]+\.\w+)` \|", table, flags=re.M))
+    assert declared and documented == declared
+
+
 def test_the_shipped_entry_points_are_listed_in_the_hook_docs():
     """Users build INFER_PLUGINS allow-lists from this list; it must match pyproject.toml."""
     import tomllib
