@@ -225,7 +225,9 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--kv-cache", default=None, help="KV cache plugin name [default: paged]."),
     click.option("--attention", default=None, help="Attention backend: triton, cpu or torch [default: triton on CUDA, "
                  "else cpu (torch without a C compiler)]."),
-    click.option("--quant", default=None, help="Quantization method (e.g. awq, fp8) [default: from the checkpoint]."),
+    click.option("--quant", default=None, help="Quantization method: awq or fp8 quantize a float checkpoint on "
+                 "load; quantized checkpoints (awq, gptq, compressed-tensors, fp8) need none [default: from the "
+                 "checkpoint]."),
     click.option("--eviction-policy", default=None, help="Eviction policy for cached KV blocks [default: lru]."),
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
                  help="Weight and activation dtype [default: auto: float32 on CPU; on GPU float16 for a float16 "
