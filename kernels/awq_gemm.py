@@ -75,11 +75,11 @@ def _dequant_dot(x, qw, qz_ptr, s_ptr, k0, offs_k, mask_k, offs_p, mask_p, offs_
 
 @triton.jit
 def _awq_gemm_kernel(
-    x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr,
+    x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, order_ptr,
     M, N, K, group_size, k_per_split,
     stride_xm, stride_xk, stride_qk, stride_zg, stride_sg, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PER_GROUP: tl.constexpr, ATOMIC: tl.constexpr,
+    PER_GROUP: tl.constexpr, ATOMIC: tl.constexpr, HAS_ORDER: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -99,7 +99,11 @@ def _awq_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+        if HAS_ORDER:  # weight row k multiplies x's column order[k]
+            x_cols = tl.load(order_ptr + offs_k, mask=mask_k, other=0)
+        else:
+            x_cols = offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + x_cols[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         qw = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_p[None, :], mask=mask_k[:, None] & mask_p[None, :],
                      other=0)
@@ -126,15 +130,27 @@ def group_k_block(group: int, k: int, largest: int) -> int:
     return next(b for b in (128, 64, 32, 16) if b <= largest and (group % b == 0 or group >= k))
 
 
+def check_order(input_order: torch.Tensor | None, k: int, x: torch.Tensor) -> torch.Tensor:
+    """The ``input_order`` a GEMM kernel gathers x's columns by (None: x itself, a pointer the kernel never reads)."""
+    if input_order is None:
+        return x
+    if input_order.shape != (k,) or input_order.dtype not in (torch.int32, torch.int64) or \
+            input_order.device != x.device:
+        raise ValueError(f"input_order must be an int32/int64 [{k}] tensor on {x.device}, got {input_order.dtype} "
+                         f"{tuple(input_order.shape)} on {input_order.device}")
+    return input_order.contiguous()
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count  # asked once, not per layer call
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-             *, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-             split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """``x [M, K] @ dequant(qweight, qzeros, scales) -> [M, N]`` in x's dtype (fp32, fp16 or bf16).
+             *, input_order: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+             block_k: int | None = None, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """``x [M, K] @ dequant(qweight, qzeros, scales) -> [M, N]`` in x's dtype (fp32, fp16 or bf16); with
+    ``input_order`` [K] (GPTQ's activation order), ``x[:, input_order] @ dequant(...)``, gathered as x loads.
 
     ``group_size`` -1 means one group over all of K. Blocks are powers of two, ``block_n`` and ``block_k`` >= 16
     (None: 128 x 128 for M <= 16, else 64 x 64, block_k lowered to a smaller group size); ``split_k > 1`` splits
@@ -162,11 +178,11 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
         torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _awq_gemm_kernel[grid](
-        x, qweight, qzeros, scales, out,
+        x, qweight, qzeros, scales, out, check_order(input_order, k, x),
         m, n, k, group, k_per_split,
         x.stride(0), x.stride(1), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PER_GROUP=group % block_k == 0 or group >= k,
-        ATOMIC=split_k > 1, num_warps=num_warps,
+        ATOMIC=split_k > 1, HAS_ORDER=input_order is not None, num_warps=num_warps,
     )
     return out.to(x.dtype) if split_k > 1 else out
 
@@ -207,7 +223,9 @@ def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 
 
 def awq_gemm_reference(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                       group_size: int) -> torch.Tensor:
-    """The torch reference: dequantize to x's dtype, then matmul (accumulating in fp32)."""
+                       group_size: int, input_order: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference: gather x's columns (``input_order``), dequantize to x's dtype, then matmul (accumulating
+    in fp32)."""
+    x = x if input_order is None else x[:, input_order]
     w = dequantize(qweight, qzeros, scales, group_size, dtype=x.dtype).to(torch.float32)
     return (x.to(torch.float32) @ w).to(x.dtype)

@@ -14,15 +14,16 @@ import triton
 import triton.language as tl
 
 from ..quant.w8a16 import dequantize
-from .awq_gemm import _sm_count, auto_split_k, group_k_block
+from .awq_gemm import _sm_count, auto_split_k, check_order, group_k_block
 
 
 @triton.jit
 def _w8a16_gemm_kernel(
-    x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr,
+    x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, order_ptr,
     M, N, K, group_size, k_per_split,
     stride_xm, stride_xk, stride_qk, stride_zg, stride_sg, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -38,7 +39,11 @@ def _w8a16_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+        if HAS_ORDER:  # weight row k multiplies x's column order[k]
+            x_cols = tl.load(order_ptr + offs_k, mask=mask_k, other=0)
+        else:
+            x_cols = offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + x_cols[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         q = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :],
                     other=0)
@@ -60,9 +65,11 @@ def _w8a16_gemm_kernel(
 
 
 def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               group_size: int, *, block_m: int | None = None, block_n: int | None = None,
-               block_k: int | None = None, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """``x [M, K] @ dequant(qweight, qzeros, scales) -> [M, N]`` in x's dtype (fp32, fp16 or bf16).
+               group_size: int, *, input_order: torch.Tensor | None = None, block_m: int | None = None,
+               block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+               num_warps: int = 4) -> torch.Tensor:
+    """``x [M, K] @ dequant(qweight, qzeros, scales) -> [M, N]`` in x's dtype (fp32, fp16 or bf16); with
+    ``input_order`` [K] (GPTQ's activation order), ``x[:, input_order] @ dequant(...)``, gathered as x loads.
 
     ``group_size`` -1 means one group over all of K. Blocks are powers of two >= 16 (None: 16 x 128 x 128 for
     M <= 16, else up to 64 x 64 x 64, block_k lowered to a smaller group size; a given block_k must divide the group
@@ -92,9 +99,10 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _w8a16_gemm_kernel[grid](
-        x, qweight, qzeros, scales, out, m, n, k, group, k_per_split,
+        x, qweight, qzeros, scales, out, check_order(input_order, k, x), m, n, k, group, k_per_split,
         x.stride(0), x.stride(1), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1, HAS_ORDER=input_order is not None,
+        num_warps=num_warps,
     )
     return out.to(x.dtype) if split_k > 1 else out
 
@@ -129,7 +137,9 @@ def w8a16_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
 
 
 def w8a16_gemm_reference(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                         group_size: int) -> torch.Tensor:
-    """The torch reference: dequantize to x's dtype, then matmul (accumulating in fp32)."""
+                         group_size: int, input_order: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference: gather x's columns (``input_order``), dequantize to x's dtype, then matmul (accumulating
+    in fp32)."""
+    x = x if input_order is None else x[:, input_order]
     w = dequantize(qweight, qzeros, scales, group_size, dtype=x.dtype).to(torch.float32)
     return (x.to(torch.float32) @ w).to(x.dtype)

@@ -139,11 +139,20 @@ class AwqLinearMethod(QuantMethod):
         return True
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_ordered(layer, x, None)
+
+    def apply_ordered(self, layer: nn.Module, x: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
+        """``x[..., input_order] @ W (+ bias)``: the fused kernel gathers x's columns as it loads them, the other
+        paths first."""
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.is_cuda and x2.shape[0] <= self.fused_max_rows:
+        fused = x2.is_cuda and x2.shape[0] <= self.fused_max_rows
+        if input_order is not None and not fused:
+            x2 = x2.index_select(-1, input_order)
+        if fused:
             from ..kernels.awq_gemm import awq_gemm
 
-            out = awq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size)
+            out = awq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size,
+                           input_order=input_order)
         elif x2.is_cuda:  # one kernel that reads each packed weight once, then cuBLAS
             from ..kernels.awq_gemm import awq_dequantize
 

@@ -23,7 +23,8 @@ class GptqTensors:
     layers hold, plus ``input_order``: None, or for a checkpoint quantized in activation order the permutation
     applied to the layer's input first. ``g_idx`` may be absent (older checkpoints): the groups are then
     consecutive. The output head is never quantized. The runtime method provides ``_quantized_layer`` (checks the
-    layer, sets its group size and returns it) and ``_convert`` (GPTQ-layout tensors -> its own)."""
+    layer, sets its group size and returns it), ``_convert`` (GPTQ-layout tensors -> its own) and ``apply_ordered`` (its
+    ``apply`` with an input order)."""
 
     name = "gptq"
     config: gptq.GptqConfig
@@ -99,9 +100,7 @@ class GptqTensors:
         return True
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if layer.input_order is not None:
-            x = x.index_select(-1, layer.input_order)
-        return super().apply(layer, x)  # type: ignore[misc]
+        return self.apply_ordered(layer, x, layer.input_order)  # type: ignore[attr-defined]
 
 
 class GptqLinearMethod(GptqTensors, AwqLinearMethod):

@@ -127,11 +127,16 @@ def anchor_launches(dtype: torch.dtype) -> None:
     awq_gemm.awq_gemm(torch.randn(1, 256, dtype=dtype), qweight, torch.zeros(8, 16, dtype=torch.int32),
                       torch.ones(8, 128, dtype=dtype), 32)  # group 32 < BLOCK_K: the per-row scales and zeros
     awq_gemm.awq_dequantize(qweight, qzeros, torch.ones(2, 128, dtype=torch.float16), 128, dtype)  # prefill
+    order = torch.randperm(256)  # GPTQ's activation order, gathered as x loads
+    awq_gemm.awq_gemm(torch.randn(1, 256, dtype=dtype), qweight, qzeros, torch.ones(2, 128, dtype=dtype), 128,
+                      input_order=order, split_k=4)
     codes, zeros = torch.zeros(256, 128, dtype=torch.uint8), torch.zeros(2, 128, dtype=torch.uint8)
     for rows, split in ((1, 4), (32, 1)):  # 8-bit GPTQ / compressed-tensors W8A16
         w8a16_gemm.w8a16_gemm(torch.randn(rows, 256, dtype=dtype), codes, zeros, torch.ones(2, 128, dtype=dtype),
                               128, split_k=split)
     w8a16_gemm.w8a16_dequantize(codes, zeros, torch.ones(2, 128, dtype=torch.float16), 128, dtype)
+    w8a16_gemm.w8a16_gemm(torch.randn(1, 256, dtype=dtype), codes, zeros, torch.ones(2, 128, dtype=dtype), 128,
+                          input_order=order, split_k=4)
     moe_launches(dtype)
     for rows, block_n in ((1, 64), (16, 16)):
         skinny_gemm.skinny_gemm(torch.randn(rows, 512, dtype=dtype), torch.randn(128, 512, dtype=dtype),

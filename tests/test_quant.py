@@ -307,6 +307,23 @@ def test_awq_gemm_paths_match_reference(dtype: torch.dtype, m: int, k: int, n: i
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype, m, group, split_k", [(torch.float32, 3, 32, 1), (torch.float16, 17, 64, 2),
+                                                      (torch.float32, 5, -1, 1)])
+def test_awq_gemm_gathers_the_input_in_the_activation_order(dtype: torch.dtype, m: int, group: int,
+                                                            split_k: int) -> None:
+    """GPTQ's activation order: weight row k multiplies input column order[k]; the kernel gathers as it loads x."""
+    _, state = awq_state(64, 128, group, seed=m)
+    state = {name: t.to(DEVICE) for name, t in state.items()}
+    order = torch.randperm(128, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    x = torch.randn(m, 128, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+    out = awq_gemm(x, state["qweight"], state["qzeros"], state["scales"], group, input_order=order, split_k=split_k)
+    ref = awq_gemm_reference(x[:, order], state["qweight"], state["qzeros"], state["scales"], group)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+    assert not torch.allclose(out.float(), awq_gemm_reference(x, state["qweight"], state["qzeros"], state["scales"],
+                                                              group).float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype, k, n, group", [
     (torch.float32, 128, 96, 32), (torch.float16, 72, 64, -1), (torch.float16, 256, 200, 128),
     # bf16 on a GPU only: the interpreter rounds float32 to bf16 by truncation, CUDA to nearest even as torch does

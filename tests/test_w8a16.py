@@ -99,6 +99,20 @@ def test_w8a16_gemm_matches_the_reference(dtype: torch.dtype, m: int, k: int, n:
     torch.testing.assert_close(out.float(), reference.float(), rtol=tol, atol=tol * exact.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype, m, split_k", [(torch.float32, 3, 1), (torch.float16, 17, 2)])
+def test_w8a16_gemm_gathers_the_input_in_the_activation_order(dtype: torch.dtype, m: int, split_k: int) -> None:
+    """GPTQ's activation order: weight row k multiplies input column order[k]; the kernel gathers as it loads x."""
+    state = w8a16_state(128, 64, 32, seed=5)
+    order = torch.randperm(128, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    x = torch.randn(m, 128, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    out = w8a16_gemm(x, **state, group_size=32, input_order=order, split_k=split_k)
+    exact = (x.double().cpu()[:, order.cpu()] @ elementwise_dequantize(state, 32)).to(DEVICE)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+    with pytest.raises(ValueError, match="input_order must be an int32/int64 \\[128\\] tensor"):
+        w8a16_gemm(x, **state, group_size=32, input_order=order[:64])
+
+
 def test_w8a16_gemm_refuses_what_it_cannot_compute() -> None:
     state = w8a16_state(64, 32, 32, seed=2)
     with pytest.raises(ValueError, match="block_k 64 must divide the group size 32"):
