@@ -20,6 +20,7 @@ fp32 buffer). What keeps the work beside the weight stream small:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -130,6 +131,41 @@ def group_k_block(group: int, k: int, largest: int) -> int:
     return next(b for b in (128, 64, 32, 16) if b <= largest and (group % b == 0 or group >= k))
 
 
+@dataclass(frozen=True)
+class GemmPlan:
+    """The tiles and K slices of one weight-only GEMM launch (awq_gemm's, w8a16_gemm's)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int  # whole K blocks, so that a block lies in one group
+
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        return triton.cdiv(m, self.block_m), triton.cdiv(n, self.block_n), self.split_k
+
+    def output(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """Where the kernel writes: x's dtype, or with K slices an fp32 buffer they sum into atomically."""
+        if self.split_k > 1:
+            return torch.zeros((x.shape[0], n), dtype=torch.float32, device=x.device)
+        return torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+
+
+def plan_gemm(x: torch.Tensor, n: int, group: int, block_m: int | None, block_n: int | None, block_k: int | None,
+              split_k: int | None) -> GemmPlan:
+    """The given blocks and split, the rest by default: 16 x 128 x 128 for M <= 16, else up to 64 x 64 x 64,
+    block_k lowered to a smaller group size; split_k from :func:`auto_split_k` on CUDA, else 1."""
+    m, k = x.shape
+    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    block_n = block_n or (128 if m <= 16 else 64)
+    block_k = block_k or group_k_block(group, k, 128 if m <= 16 else 64)
+    if split_k is None:  # on CUDA from the SM count, elsewhere 1
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        split_k = auto_split_k(m, tiles, k, block_k, _sm_count(x.device.index or 0)) if x.is_cuda else 1
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return GemmPlan(block_m, block_n, block_k, triton.cdiv(k, k_per_split), k_per_split)
+
+
 def check_order(input_order: torch.Tensor | None, k: int, x: torch.Tensor) -> torch.Tensor:
     """The ``input_order`` a GEMM kernel gathers x's columns by (None: x itself, a pointer the kernel never reads)."""
     if input_order is None:
@@ -166,25 +202,17 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
         return x.new_empty((0, n))
     group = k if group_size == -1 else group_size
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
-    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
-    block_n = block_n or (128 if m <= 16 else 64)
-    block_k = block_k or group_k_block(group, k, 128 if m <= 16 else 64)
-    if split_k is None:  # on CUDA from the SM count, elsewhere 1
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        split_k = auto_split_k(m, tiles, k, block_k, _sm_count(x.device.index or 0)) if x.is_cuda else 1
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # whole K blocks: one group per block
-    split_k = triton.cdiv(k, k_per_split)
-    out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else \
-        torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _awq_gemm_kernel[grid](
+    plan = plan_gemm(x, n, group, block_m, block_n, block_k, split_k)
+    out = plan.output(x, n)
+    _awq_gemm_kernel[plan.grid(m, n)](
         x, qweight, qzeros, scales, out, check_order(input_order, k, x),
-        m, n, k, group, k_per_split,
+        m, n, k, group, plan.k_per_split,
         x.stride(0), x.stride(1), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PER_GROUP=group % block_k == 0 or group >= k,
-        ATOMIC=split_k > 1, HAS_ORDER=input_order is not None, num_warps=num_warps,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        PER_GROUP=group % plan.block_k == 0 or group >= k, ATOMIC=plan.split_k > 1,
+        HAS_ORDER=input_order is not None, num_warps=num_warps,
     )
-    return out.to(x.dtype) if split_k > 1 else out
+    return out.to(x.dtype)
 
 
 @triton.jit

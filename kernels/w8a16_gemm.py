@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..quant.w8a16 import dequantize
-from .awq_gemm import _sm_count, auto_split_k, check_order, group_k_block
+from .awq_gemm import check_order, plan_gemm
 
 
 @triton.jit
@@ -84,27 +84,18 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     if m == 0:
         return x.new_empty((0, n))
     group = k if group_size == -1 else group_size
-    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
-    block_n = block_n or (128 if m <= 16 else 64)
-    block_k = block_k or group_k_block(group, k, 128 if m <= 16 else 64)
-    if group % block_k and group < k:
-        raise ValueError(f"block_k {block_k} must divide the group size {group}")
-    if split_k is None:
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        split_k = auto_split_k(m, tiles, k, block_k, _sm_count(x.device.index or 0)) if x.is_cuda else 1
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # whole K blocks: one group per block
-    split_k = triton.cdiv(k, k_per_split)
-    out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else \
-        torch.empty((m, n), dtype=x.dtype, device=x.device)
+    plan = plan_gemm(x, n, group, block_m, block_n, block_k, split_k)
+    if group % plan.block_k and group < k:
+        raise ValueError(f"block_k {plan.block_k} must divide the group size {group}")
+    out = plan.output(x, n)
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _w8a16_gemm_kernel[grid](
-        x, qweight, qzeros, scales, out, check_order(input_order, k, x), m, n, k, group, k_per_split,
+    _w8a16_gemm_kernel[plan.grid(m, n)](
+        x, qweight, qzeros, scales, out, check_order(input_order, k, x), m, n, k, group, plan.k_per_split,
         x.stride(0), x.stride(1), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1, HAS_ORDER=input_order is not None,
-        num_warps=num_warps,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ATOMIC=plan.split_k > 1,
+        HAS_ORDER=input_order is not None, num_warps=num_warps,
     )
-    return out.to(x.dtype) if split_k > 1 else out
+    return out.to(x.dtype)
 
 
 @triton.jit
