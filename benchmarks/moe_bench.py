@@ -111,8 +111,8 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
         hf.down_proj.copy_(w2)
     awq = awq_experts(moe, hidden, w13, w2, 128 if hidden % 128 == 0 and size % 128 == 0 else 32)
     stacked = copy.deepcopy(awq)
-    stacked.stack_awq()
-    awq_stacked = stacked.awq_experts()
+    stacked.stack_quantized()
+    awq_stacked = stacked.stacked_experts()
     runs = {"triton": lambda: fused_experts(x, w13, w2, weights, ids), "torch_loop": lambda: loop.experts_loop(
         x, weights, ids), "awq_loop": lambda: awq.experts_loop(x, weights, ids),
         "awq_triton": lambda: fused_awq_experts(x, *awq_stacked, weights, ids), "hf": lambda: hf(x, ids, weights)}

@@ -5,7 +5,7 @@ models/moe.py ``experts_loop`` over each expert's AWQ Linears.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import triton
@@ -92,14 +92,27 @@ def fused_awq_experts(x: torch.Tensor, w13: AwqExperts, w2: AwqExperts, weights:
                       experts: torch.Tensor) -> torch.Tensor:
     """x [T, H], w13 (gate's output columns, then up's: [E, H, 2I / 8] packed), w2 ([E, I, H / 8]), the router's
     top-k ``weights`` and ``experts`` [T, k] -> [T, H]: sum over k of weight x down(silu(gate(x)) * up(x))."""
+    return fused_weight_only_experts(x, w13, w2, weights, experts, grouped_awq_gemm)
+
+
+class GroupedGemm(Protocol):
+    def __call__(self, a: torch.Tensor, w: Any, rows: torch.Tensor, block_expert: torch.Tensor, num_rows: int,
+                 a_row_div: int, scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+
+def fused_weight_only_experts(x: torch.Tensor, w13: Any, w2: Any, weights: torch.Tensor, experts: torch.Tensor,
+                              grouped_gemm: GroupedGemm) -> torch.Tensor:
+    """The two grouped GEMMs of weight-only quantized experts (AWQ's, or kernels/w8a16_moe.py's), w13 and w2 the
+    ``grouped_gemm``'s weights: sum over k of weight x down(silu(gate(x)) * up(x))."""
     if x.stride(-1) != 1 or any(t is not None and not t.is_contiguous() for w in (w13, w2) for t in w[:3] + w[4:]):
-        raise ValueError("fused_awq_experts needs x with a contiguous last dimension and contiguous expert tensors")
+        raise ValueError("the fused experts need x with a contiguous last dimension and contiguous expert tensors")
     tokens, top_k = experts.shape
     size = w2.qweight.shape[1]
     rows, block_expert = sort_by_expert(experts, w13.qweight.shape[0])
-    hidden = grouped_awq_gemm(x, w13, rows, block_expert, tokens * top_k, top_k)
+    hidden = grouped_gemm(x, w13, rows, block_expert, tokens * top_k, top_k)
     act = silu_and_mul(hidden[:, :size], hidden[:, size:])
     flat_weights = weights.reshape(-1).contiguous()
-    y = grouped_awq_gemm(act, w2, rows, block_expert, tokens * top_k, 1, flat_weights,
-                         torch.float32 if weights.dtype == torch.float32 else x.dtype)
+    y = grouped_gemm(act, w2, rows, block_expert, tokens * top_k, 1, flat_weights,
+                     torch.float32 if weights.dtype == torch.float32 else x.dtype)
     return y.view(tokens, top_k, y.shape[1]).sum(dim=1).to(x.dtype)

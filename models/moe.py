@@ -14,6 +14,7 @@ from torch import nn
 from ..core.errors import CheckpointError
 from ..core.interfaces import QuantMethod, check_float
 from ..quant.awq_method import AwqLinearMethod
+from ..quant.w8a16_method import W8A16LinearMethod
 from ..quant.fp8 import FP8_DTYPE, quantize_per_channel_into
 from ..quant.fp8_block import (Block, block_gemm_reference, dequantize_blocks, has_fp8_tensor_cores, k_tile,
                                quantize_per_token_group)
@@ -21,6 +22,9 @@ from .layers import Linear
 
 if TYPE_CHECKING:
     from ..kernels.awq_moe import AwqExperts
+    from ..kernels.w8a16_moe import W8A16Experts
+
+STACKABLE = {AwqLinearMethod: "awq_group_size", W8A16LinearMethod: "w8a16_group_size"}  # method -> its group attr
 
 log = logging.getLogger("infer")
 
@@ -131,11 +135,12 @@ class SparseMoe(nn.Module):
     kernel and transformers 5 hold them; a checkpoint's per-expert tensors load into their slices
     (``load_expert``). With ``fp8`` (:class:`ExpertsFp8`) they are e4m3 after loading, with ``w13_scale``
     [E, 2I / bn, ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] (:mod:`infer.quant.fp8_block`).
-    With ``linear_quant`` (AWQ: :func:`experts_quant`) each expert's projections are Linears of that method instead,
-    ``experts.{e}.{projection}`` as the checkpoint names them, which load as any Linear does. ``fused`` AWQ experts
-    (every projection int4) are then stacked after loading, ``w13_qweight`` [E, H, 2I / 8] and its qzeros and scales
-    (gate's packed output columns, then up's) and ``w2_*``, the Linears freed, and run by the grouped W4A16 GEMMs
-    (:mod:`infer.kernels.awq_moe`); others run one expert at a time by the torch loop."""
+    With ``linear_quant`` (AWQ, GPTQ: :func:`experts_quant`) each expert's projections are Linears of that method
+    instead, ``experts.{e}.{projection}`` as the checkpoint names them, which load as any Linear does. ``fused``
+    experts whose every projection is int4 in the AWQ layout, or every one W8A16, are then stacked after loading,
+    ``w13_qweight`` ([E, H, 2I / 8] packed, or [E, H, 2I] bytes) and its qzeros and scales (gate's output columns,
+    then up's) and ``w2_*``, the Linears freed, and run by the grouped W4A16 GEMMs (:mod:`infer.kernels.awq_moe`)
+    or W8A16 ones (:mod:`infer.kernels.w8a16_moe`); others run one expert at a time by the torch loop."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype,
                  silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], fused: bool,
@@ -148,18 +153,20 @@ class SparseMoe(nn.Module):
         self.shared_expert = shared_expert  # Qwen2-MoE's, scaled by sigmoid(shared_expert_gate x)
         self.shared_expert_gate = Router(hidden_size, 1, dtype) if shared_expert is not None else None
         self.experts: nn.ModuleList | None = None
-        self.awq_groups: tuple[int, int] | None = None  # the stacked AWQ experts' group sizes (w13's, w2's)
+        # the stacked experts' runtime method (AwqLinearMethod or W8A16LinearMethod) and group sizes (w13's, w2's)
+        self.stacked: tuple[type, int, int] | None = None
         self.loaded: set[tuple[int, str]] = set()  # (expert, projection or projection + "_scale") loaded
-        # Linears the stacked kernels cannot run (not every projection of every expert AWQ): the torch loop runs
-        # them, which reads expert counts back to the host (ModelSpec.graph_blocker)
+        # Linears the stacked kernels cannot run (not every projection of every expert int4 AWQ, or every one
+        # W8A16): the torch loop runs them, which reads expert counts back to the host (ModelSpec.graph_blocker)
         self.unstackable = False
         if linear_quant is not None:
             self.experts = nn.ModuleList(expert_linears(moe, hidden_size, f"{prefix}.experts.{e}", linear_quant, dtype)
                                          for e in range(count))
             self.register_buffer("w13", None)
             self.register_buffer("w2", None)
-            self.unstackable = not all(isinstance(linear.method, AwqLinearMethod) for expert in self.experts
-                                       for linear in expert.children())
+            kinds = {next((kind for kind in STACKABLE if isinstance(linear.method, kind)), None)
+                     for expert in self.experts for linear in expert.children()}
+            self.unstackable = len(kinds) != 1 or None in kinds
             # (expert, "projection.tensor") the checkpoint must fill, before loading changes the Linears' tensors
             self.expected = {(e, f"{projection}.{attr}") for e, expert in enumerate(self.experts)
                              for projection in moe.projections
@@ -193,12 +200,12 @@ class SparseMoe(nn.Module):
                                  persistent=False)
 
     def process_after_loading(self) -> None:
-        """Stack fused AWQ experts (:meth:`stack_awq`). Where the fused Triton experts cannot run FP8 (a GPU below
+        """Stack fused int experts (:meth:`stack_quantized`). Where the fused Triton experts cannot run FP8 (a GPU below
         sm89, a scale group whose K-tile is too small), FP8 experts stay (``--quant fp8``: never quantized) or
         become float in the model dtype (the checkpoint's dequantized weights, activations unquantized), said once
         in the log."""
         if self.experts is not None and self.fused:
-            self.stack_awq()
+            self.stack_quantized()
         if self.fp8 is None:
             return
         if self.fused and not fused_fp8_runs(self.w13.device, self.fp8):
@@ -216,24 +223,25 @@ class SparseMoe(nn.Module):
             self.fp8 = None
             return
 
-    def stack_awq(self) -> None:
-        """Stack the experts' loaded AWQ Linears into the grouped GEMMs' tensors (:meth:`awq_experts`), freeing each
-        expert's Linears once copied (the peak is one expert's more)."""
+    def stack_quantized(self) -> None:
+        """Stack the experts' loaded AWQ (or W8A16) Linears into the grouped GEMMs' tensors
+        (:meth:`stacked_experts`), freeing each expert's Linears once copied (the peak is one expert's more)."""
         from ..quant.awq_method import PACKED
 
         assert self.experts is not None
         gate, up, down = self.moe.projections
         parts = {"w13": (gate, up), "w2": (down,)}
         first = self.experts[0]
+        method = next(kind for kind in STACKABLE if isinstance(first.get_submodule(gate).method, kind))
         groups = []
         for name, projections in parts.items():
             linears = [first.get_submodule(p) for p in projections]
-            kinds = {(expert.get_submodule(p).awq_group_size, expert.get_submodule(p).scales.dtype)
+            kinds = {(getattr(expert.get_submodule(p), STACKABLE[method]), expert.get_submodule(p).scales.dtype)
                      for expert in self.experts for p in projections}
             if len(kinds) > 1:
-                raise CheckpointError(f"the AWQ experts' {'/'.join(projections)} differ in group size or scale dtype "
-                                      f"({sorted(map(str, kinds))}), which the stacked expert kernels cannot run; "
-                                      "add --no-fused-ops to run them one expert at a time")
+                raise CheckpointError(f"the quantized experts' {'/'.join(projections)} differ in group size or scale "
+                                      f"dtype ({sorted(map(str, kinds))}), which the stacked expert kernels cannot "
+                                      "run; add --no-fused-ops to run them one expert at a time")
             groups.append(kinds.pop()[0])
             orders = [[getattr(expert.get_submodule(p), "input_order", None) for p in projections]
                       for expert in self.experts]  # GPTQ in activation order: a permutation of each expert's input
@@ -247,7 +255,7 @@ class SparseMoe(nn.Module):
                                           "--no-fused-ops to run them one expert at a time")
                 self.register_buffer(f"{name}_input_order", torch.stack([pair[0] for pair in orders]),
                                      persistent=False)
-            for attr in PACKED:  # packed columns hold 8 output columns each: concatenating them is exact
+            for attr in PACKED:  # a column holds whole output columns (8 packed, or one): concatenating is exact
                 like = getattr(linears[0], attr)
                 columns = sum(getattr(linear, attr).shape[1] for linear in linears)
                 self.register_buffer(f"{name}_{attr}", like.new_empty(len(self.experts), like.shape[0], columns),
@@ -258,18 +266,21 @@ class SparseMoe(nn.Module):
                     torch.cat([getattr(expert.get_submodule(p), attr) for p in projections], dim=1,
                               out=getattr(self, f"{name}_{attr}")[e])
             self.experts[e] = nn.Module()  # this expert's Linears go
-        self.awq_groups = (groups[0], groups[1])
+        self.stacked = (method, groups[0], groups[1])
         self.experts = None
 
-    def awq_experts(self) -> tuple[AwqExperts, AwqExperts]:
-        """The stacked AWQ experts' (w13, w2) (after :meth:`stack_awq`)."""
+    def stacked_experts(self) -> tuple[AwqExperts, AwqExperts] | tuple[W8A16Experts, W8A16Experts]:
+        """The stacked experts' (w13, w2) (after :meth:`stack_quantized`): AWQ's or W8A16's."""
         from ..kernels.awq_moe import AwqExperts
+        from ..kernels.w8a16_moe import W8A16Experts
 
-        assert self.awq_groups is not None
-        w13, w2 = (AwqExperts(getattr(self, f"{name}_qweight"), getattr(self, f"{name}_qzeros"),
-                              getattr(self, f"{name}_scales"), group, getattr(self, f"{name}_input_order", None))
-                   for name, group in zip(("w13", "w2"), self.awq_groups))
-        return w13, w2
+        assert self.stacked is not None
+        method, *groups = self.stacked
+        kind = AwqExperts if method is AwqLinearMethod else W8A16Experts
+        w13, w2 = (kind(getattr(self, f"{name}_qweight"), getattr(self, f"{name}_qzeros"),
+                        getattr(self, f"{name}_scales"), group, getattr(self, f"{name}_input_order", None))
+                   for name, group in zip(("w13", "w2"), groups))
+        return w13, w2  # type: ignore[return-value]
 
     def load_expert(self, prefix: str, name: str, tensor: torch.Tensor) -> None:
         """Load ``{prefix}.experts.{name}``: one expert's ("3.w1.weight", FP8 "3.w1.weight_scale_inv"), or
@@ -389,10 +400,12 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        if self.awq_groups is not None:
+        if self.stacked is not None:
             from ..kernels.awq_moe import fused_awq_experts
+            from ..kernels.w8a16_moe import fused_w8a16_experts
 
-            out = fused_awq_experts(x, *self.awq_experts(), weights, experts)
+            run = fused_awq_experts if self.stacked[0] is AwqLinearMethod else fused_w8a16_experts
+            out = run(x, *self.stacked_experts(), weights, experts)  # type: ignore[arg-type]
         elif self.fused:
             from ..kernels.fused_moe import Fp8ExpertScales, fused_experts
 

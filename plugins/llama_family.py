@@ -100,15 +100,16 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
 def experts_loop_blocker(model: LlamaFamilyModel, config: EngineConfig) -> str | None:
     """Why CUDA graphs cannot capture the model (ModelSpec.graph_blocker): experts run by the torch loop, which
     reads each layer's expert counts back to the host. The loop runs quantized experts that the stacked kernels do
-    not run (not all int4 AWQ), and any experts without the fused Triton ops; the fused Triton experts
-    (unquantized, FP8 or AWQ, the default on CUDA) are capturable."""
+    not run (not all int4 in the AWQ layout, nor all W8A16), and any experts without the fused Triton ops; the fused
+    Triton experts (unquantized, FP8, int4 or int8, the default on CUDA) are capturable."""
     from ..models.moe import SparseMoe
 
     blocks = [module for module in model.modules() if isinstance(module, SparseMoe)]
     architecture = model.cfg.architecture
     if any(block.unstackable for block in blocks):
         return (f"{architecture} runs its quantized experts by the torch loop (one expert's Linears at a time): "
-                "infer stacks AWQ experts whose gate, up and down projections are all int4 only")
+                "infer stacks experts whose gate, up and down projections are all int4 (AWQ, GPTQ) or all 8-bit "
+                "(GPTQ, compressed-tensors) only")
     if any(not block.fused for block in blocks):
         why = "with --no-fused-ops" if config.fused_ops is False else \
             "without the fused Triton ops (the CUDA default)"

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from infer.kernels import (attention, awq_gemm, awq_moe, fp8, fp8_block, fused_moe, fused_ops,  # noqa: E402
-                           skinny_gemm, w8a16_gemm)
+                           skinny_gemm, w8a16_gemm, w8a16_moe)
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}
@@ -57,7 +57,8 @@ print(json.dumps(failures))
 
 def kernels() -> dict[str, object]:
     found = {}
-    for module in (attention, awq_gemm, awq_moe, fp8, fp8_block, fused_moe, fused_ops, skinny_gemm, w8a16_gemm):
+    for module in (attention, awq_gemm, awq_moe, fp8, fp8_block, fused_moe, fused_ops, skinny_gemm, w8a16_gemm,
+                   w8a16_moe):
         for name, value in vars(module).items():
             if name.endswith("_kernel") and hasattr(value, "add_pre_run_hook"):
                 found[name] = value
@@ -144,8 +145,8 @@ def anchor_launches(dtype: torch.dtype) -> None:
 
 
 def moe_launches(dtype: torch.dtype) -> None:
-    """The experts' grouped GEMMs (float, block-wise FP8, AWQ) and the FP8 block GEMM, on a small layer: 4 experts,
-    2 per token, hidden 256, each expert's intermediate 128 (the block shapes of larger ones)."""
+    """The experts' grouped GEMMs (float, block-wise FP8, AWQ, W8A16) and the FP8 block GEMM, on a small layer: 4
+    experts, 2 per token, hidden 256, each expert's intermediate 128 (the block shapes of larger ones)."""
     from infer.quant import awq
 
     experts, hidden, inter = 4, 256, 128
@@ -163,6 +164,13 @@ def moe_launches(dtype: torch.dtype) -> None:
     ordered = [w._replace(input_order=torch.stack([torch.randperm(w.qweight.shape[1]) for _ in range(experts)]))
                for w in stacked]  # GPTQ experts in activation order
     awq_moe.fused_awq_experts(x, *ordered, weights.to(dtype), chosen)
+    int8 = [w8a16_moe.W8A16Experts(torch.randint(0, 256, w.shape, dtype=torch.uint8).transpose(1, 2).contiguous(),
+                                   torch.full((experts, w.shape[2] // 128, w.shape[1]), 128, dtype=torch.uint8),
+                                   torch.ones(experts, w.shape[2] // 128, w.shape[1], dtype=torch.float16), 128)
+            for w in (w13, w2)]  # [E, K, N] codes: the transposes of w13's and w2's shapes
+    w8a16_moe.fused_w8a16_experts(x, *int8, weights.to(dtype), chosen)
+    ordered8 = [w._replace(input_order=o.input_order) for w, o in zip(int8, ordered)]
+    w8a16_moe.fused_w8a16_experts(x, *ordered8, weights.to(dtype), chosen)
 
 
 def test_every_kernel_compiles_for_sm90_at_the_anchor_shapes() -> None:

@@ -293,6 +293,53 @@ def test_triton_awq_experts_gather_each_experts_input_order(device, dtype, token
     torch.testing.assert_close(got.cpu().double(), ref, atol=tol * max([1.0, *ref.abs().flatten().tolist()]), rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+                                   pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("tokens", "group", "ordered"), [(7, 32, False), (33, 128, True), (0, 64, False),
+                                                          (12, -1, True)])
+def test_triton_w8a16_experts_equal_the_definition(device, dtype, tokens, group, ordered):
+    """8-bit experts (GPTQ, compressed-tensors W8A16): uint8 codes over the whole range, zero points and fp16 scales
+    per group, in activation order or not, against the float64 definition on the dequantized weights
+    ``(q - z) * s``, each expert's row k placed at its input column order[e, k]."""
+    from infer.kernels.w8a16_moe import W8A16Experts, fused_w8a16_experts
+
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("the Triton interpreter has no bf16 dot (triton-lang/triton#11584): bf16 runs on CUDA only")
+    num_experts, top_k, hidden, size = 4, 2, 256, 128
+    gen = torch.Generator().manual_seed(tokens + group)
+
+    def experts_of(k: int, n: int, order: torch.Tensor | None) -> tuple[W8A16Experts, torch.Tensor]:
+        """[E, K, N] codes (expert e's row k meets input order[e, k]) and the weight [E, N, K] they stand for."""
+        g = k if group == -1 else group
+        q = torch.randint(0, 256, (num_experts, k, n), generator=gen, dtype=torch.uint8)
+        z = torch.randint(96, 160, (num_experts, k // g, n), generator=gen, dtype=torch.uint8)
+        s = (torch.rand(num_experts, k // g, n, generator=gen) * 2e-3 + 1e-4).half()
+        dense = (q.double() - z.double().repeat_interleave(g, dim=1)) * s.double().repeat_interleave(g, dim=1)
+        placed = torch.empty_like(dense)
+        for e in range(num_experts):
+            placed[e][order[e] if ordered else slice(None)] = dense[e]
+        return W8A16Experts(q, z, s, group, order), placed.transpose(1, 2)
+
+    def orders(k: int) -> torch.Tensor | None:
+        return torch.stack([torch.randperm(k, generator=gen) for _ in range(num_experts)]) if ordered else None
+
+    order13 = orders(hidden)  # gate and up read the same input: one order per expert, as GPTQ gives them
+    (gate, dense_gate), (up, dense_up) = experts_of(hidden, size, order13), experts_of(hidden, size, order13)
+    w2, dense2 = experts_of(size, hidden, orders(size))
+    w13 = W8A16Experts(torch.cat([gate.qweight, up.qweight], dim=2), torch.cat([gate.qzeros, up.qzeros], dim=2),
+                       torch.cat([gate.scales, up.scales], dim=2), group, gate.input_order)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    probs = torch.softmax(torch.randn(tokens, num_experts, generator=gen), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    ref = reference_experts(x, torch.cat([dense_gate, dense_up], dim=1).to(dtype), dense2.to(dtype), weights, experts)
+    on = [W8A16Experts(*(t.to(device) for t in w[:3]), w.group_size,
+                       w.input_order.to(device) if w.input_order is not None else None) for w in (w13, w2)]
+    got = fused_w8a16_experts(x.to(device), *on, weights.to(device, dtype), experts.to(device))
+    tol = {torch.float32: 5e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.cpu().double(), ref, atol=tol * max([1.0, *ref.abs().flatten().tolist()]), rtol=tol)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
 def test_checkpoints_as_transformers_5_writes_them_load(tmp_path, hf_greedy, arch):
     """transformers 5's own layout (save_original_format=False: stacked experts.gate_up_proj and down_proj, Mixtral's
@@ -434,7 +481,7 @@ def test_awq_experts_generate_what_hf_generates_on_their_dequantized_weights(tmp
         engine = Engine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=32, **options))
         block = engine.loaded.model.model.layers[0].ffn()
         # the torch loop: AutoAWQ's Qwen2-MoE for its float gate_proj, the others for the fused ops off (the CPU)
-        why = "gate, up and down projections are all int4 only" if model == packed and arch == "qwen2moe" else \
+        why = "projections are all int4 (AWQ, GPTQ) or all 8-bit" if model == packed and arch == "qwen2moe" else \
             "without the fused Triton ops (the CUDA default) runs its experts by the torch loop"
         assert why in str(engine.loaded.model.spec.graph_blocker)
         assert block.w13 is None and block.experts[1].get_submodule(block.moe.projections[2]).qweight.dtype == \
@@ -469,14 +516,14 @@ def test_stacked_awq_experts_equal_their_linears(tmp_path, monkeypatch):
     qwen = moe_model(tmp_path / "qwen", "qwen2moe", num_layers=1, extra=AWQ_MOE["qwen2moe"])
     on_load = {"quant": "awq", "plugin_options": {"awq": {"group_size": 64}}}
     live_after_stacking = []
-    stack = SparseMoe.stack_awq
+    stack = SparseMoe.stack_quantized
 
     def counted(block):
         linears = [weakref.ref(linear) for expert in block.experts for linear in expert.children()]
         stack(block)
         live_after_stacking.append(sum(ref() is not None for ref in linears))
 
-    monkeypatch.setattr(SparseMoe, "stack_awq", counted)
+    monkeypatch.setattr(SparseMoe, "stack_quantized", counted)
     for model, options in ((packed, {}), (qwen, on_load)):
         blocks = []
         for fused in (False, True):
@@ -494,7 +541,7 @@ def test_stacked_awq_experts_equal_their_linears(tmp_path, monkeypatch):
     autoawq, _ = rtn_copies(qwen, tmp_path / "qwen-awq", not_convert=["gate"])
     for fused in (True, False):
         engine = Engine(EngineConfig(model=str(autoawq), device="cpu", num_kv_blocks=16, fused_ops=fused))
-        assert "gate, up and down projections are all int4 only" in str(engine.loaded.model.spec.graph_blocker)
+        assert "projections are all int4 (AWQ, GPTQ) or all 8-bit" in str(engine.loaded.model.spec.graph_blocker)
         assert engine.loaded.model.model.layers[0].ffn().experts is not None
 
 

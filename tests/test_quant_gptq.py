@@ -35,6 +35,7 @@ from infer.core.request import SamplingParams  # noqa: E402
 from infer.models.layers import Linear  # noqa: E402
 from infer.plugins.gptq import build_gptq  # noqa: E402
 from infer.quant import awq, gptq  # noqa: E402
+from infer.quant.awq_method import AwqLinearMethod  # noqa: E402
 from infer.quant.forward import dense_forward  # noqa: E402
 from infer.quant.w8a16_method import W8A16LinearMethod  # noqa: E402
 
@@ -203,14 +204,20 @@ def test_gptq_checkpoint_generates_like_hf_on_its_dequantized_weights(
 
 
 @pytest.mark.parametrize("act_order, fused_ops, bits", [("none", True, 4), ("each", False, 4), ("shared", True, 4),
-                                                        ("each", True, 8)])
+                                                        ("shared", True, 8), ("each", False, 8), ("none", True, 8)])
 def test_gptq_experts_compute_their_dequantized_weights(act_order: str, fused_ops: bool, bits: int, tmp_path: Path,
                                                         tiny_model_factory: Callable[..., Path],
                                                         plugins: PluginManager) -> None:
     """Stacked (fused ops), experts in activation order gather their inputs in their own order, an expert whose
-    groups happen to be in input order (here expert 1's) the identity. 8-bit experts run one at a time."""
+    groups happen to be in input order (here expert 1's) the identity; 8-bit experts stack as W8A16 ones."""
     moe = tiny_model_factory("qwen3moe", extra={"moe_intermediate_size": 64})
+    from infer.models.moe import SparseMoe
+
     write_gptq(moe, tmp_path / "gptq", tmp_path / "dense", act_order, in_order=".experts.1.", bits=bits)
+    blocks = [m for m in load(tmp_path / "gptq", plugins, fused_ops=fused_ops).model.modules()
+              if isinstance(m, SparseMoe)]
+    runtime = W8A16LinearMethod if bits == 8 else AwqLinearMethod
+    assert blocks and all((b.stacked[0] is runtime) if fused_ops else b.stacked is None for b in blocks)
     torch.testing.assert_close(logits(tmp_path / "gptq", plugins, fused_ops=fused_ops),
                                logits(tmp_path / "dense", plugins), rtol=1e-4, atol=1e-4)
 
