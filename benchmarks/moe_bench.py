@@ -84,6 +84,20 @@ def awq_experts(moe: object, hidden: int, w13: torch.Tensor, w2: torch.Tensor, g
     return block
 
 
+def w8a16_stack(w: torch.Tensor, group: int) -> object:
+    """[E, N, K] float -> W8A16Experts ([E, K, N] codes): symmetric RTN per group of ``group`` inputs, scale
+    max|w| / 127.5 in fp16, zero point 128 (what an 8-bit GPTQ checkpoint without calibration holds)."""
+    from infer.kernels.w8a16_moe import W8A16Experts
+
+    t = w.transpose(1, 2).float()  # [E, K, N]
+    e, k, n = t.shape
+    grouped = t.reshape(e, k // group, group, n)
+    scale = (grouped.abs().amax(dim=2) / 127.5).clamp_min(1e-8).half()  # [E, K / group, N]
+    codes = (grouped / scale.float().unsqueeze(2)).round().add(128).clamp(0, 255).to(torch.uint8).reshape(e, k, n)
+    zeros = torch.full_like(scale, 128, dtype=torch.uint8)
+    return W8A16Experts(codes.contiguous(), zeros, scale, group)
+
+
 def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iters: int) -> dict[str, object]:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -127,6 +141,16 @@ def case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype, iter
         if device.type == "cuda":
             row["triton_graph_ms"] = round(time_ms(graphed(runs["triton"]), iters, device), 4)
             row["awq_triton_graph_ms"] = round(time_ms(graphed(runs["awq_triton"]), iters, device), 4)
+            # 8-bit experts (GPTQ Int8, compressed-tensors W8A16): the grouped W8A16 GEMMs
+            from infer.kernels.w8a16_moe import fused_w8a16_experts
+
+            group = 128 if hidden % 128 == 0 and size % 128 == 0 else 32
+            int8 = (w8a16_stack(w13, group), w8a16_stack(w2, group))
+
+            def run_w8a16() -> torch.Tensor:
+                return fused_w8a16_experts(x, *int8, weights, ids)
+            row["w8a16_rel_err_vs_hf"] = float((run_w8a16().float() - outs["hf"]).norm() / scale)
+            row["w8a16_triton_graph_ms"] = round(time_ms(graphed(run_w8a16), iters, device), 4)
             # block-wise FP8 experts (Qwen3-30B-A3B-FP8's format): the same weights in 128 x 128 e4m3 blocks
             (w13_fp8, w13_scale), (w2_fp8, w2_scale) = block_fp8(w13), block_fp8(w2)
 
@@ -154,12 +178,12 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row), flush=True)
     print(f"{'shape':<15}{'tokens':>7}{'triton ms':>11}{'graphed':>9}{'fp8 graphed':>12}{'loop ms':>9}"
-          f"{'awq loop':>9}{'awq graphed':>12}{'HF ms':>9}{'HF/triton':>10}")
+          f"{'awq loop':>9}{'awq graphed':>12}{'w8a16 graphed':>14}{'HF ms':>9}{'HF/triton':>10}")
     for r in rows:
         print(f"{r['shape']:<15}{r['tokens']:>7}{r['triton_ms']:>11}{r.get('triton_graph_ms', '-'):>9}"
               f"{r.get('triton_fp8_graph_ms', '-'):>12}{r['torch_loop_ms']:>9}{r['awq_loop_ms']:>9}"
-              f"{r.get('awq_triton_graph_ms', r['awq_triton_ms']):>12}{r['hf_ms']:>9}"
-              f"{r['hf_over_triton']:>10}")
+              f"{r.get('awq_triton_graph_ms', r['awq_triton_ms']):>12}{r.get('w8a16_triton_graph_ms', '-'):>14}"
+              f"{r['hf_ms']:>9}{r['hf_over_triton']:>10}")
 
 
 if __name__ == "__main__":
