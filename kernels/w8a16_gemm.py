@@ -101,7 +101,8 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
 @triton.jit
 def _w8a16_dequant_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, K, N, group_size, stride_qk, stride_zg, stride_sg,
                           stride_ok, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[k, n] = (q - z) * s for one [BLOCK_K, BLOCK_N] tile, exact in fp32 and rounded once to out's dtype."""
+    """out[k, n] = (q - z) * s for one [BLOCK_K, BLOCK_N] tile in fp32 (exact for fp16/bf16 scales), then out's
+    dtype."""
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
@@ -117,6 +118,9 @@ def w8a16_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
                      dtype: torch.dtype) -> torch.Tensor:
     """:func:`~infer.quant.w8a16.dequantize` as one Triton kernel (the same values, bit for bit): the large-batch
     path of a W8A16 linear on CUDA, with no fp32 copy of the whole weight on the way."""
+    if qweight.dtype != torch.uint8 or qzeros.dtype != torch.uint8:
+        raise ValueError(f"w8a16_dequantize needs uint8 codes and zero points, got {qweight.dtype}, {qzeros.dtype}")
+    qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
     k, n = qweight.shape
     group = k if group_size == -1 else group_size
     out = torch.empty(k, n, dtype=dtype, device=qweight.device)

@@ -211,7 +211,12 @@ def check_request(model_dir: Path, out_dir: Path, config: Options) -> tuple[dict
     if config.group_size is None:  # one group size per checkpoint: the smallest of the layers' own choices
         config = replace(config, group_size=min(auto_group_size(i) for i, _ in shapes.values()))
     for name, (in_features, out_features) in shapes.items():
-        awq.check_shapes(in_features, out_features, config.group_size, name)
+        if config.bits == awq.BITS:
+            awq.check_shapes(in_features, out_features, config.group_size, name)
+        elif out_features % (32 // config.bits) or config.group_size != -1 and in_features % config.group_size:
+            raise ConfigError(f"{name} ({in_features} inputs, {out_features} outputs) cannot be stored at "
+                              f"{config.bits} bits: GPTQ packs {32 // config.bits} output columns per int32 and "
+                              f"needs groups of --group-size {config.group_size} to divide the inputs")
     if out_dir.is_symlink():
         raise ConfigError(f"OUT {str(out_dir)!r} is a symbolic link; give the real folder it points to, or a new path")
     out = out_dir.resolve()

@@ -152,7 +152,7 @@ def input_order(g_idx: torch.Tensor, group: int, prefix: str) -> torch.Tensor | 
         return None
     if not bool((torch.bincount(g, minlength=groups) == group).all()):
         raise CheckpointError(f"{prefix}.g_idx gives its groups other sizes than group_size {group}, which infer's "
-                              "W4A16 kernels cannot run")
+                              "kernels (W4A16, W8A16) cannot run")
     return torch.argsort(g, stable=True)
 
 

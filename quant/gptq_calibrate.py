@@ -254,5 +254,5 @@ def check_gptq_format(in_features: int, prefix: str, bits: int = awq.BITS) -> No
     """GPTQ packs 32 / bits inputs per int32 (AWQ's check covers the outputs and the group)."""
     if in_features % (32 // bits):
         raise ConfigError(f"GPTQ packs {32 // bits} inputs per int32 at {bits} bits, and {prefix} has {in_features}: "
-                          "this model cannot be stored as GPTQ; use --method awq")
+                          "this model cannot be stored as GPTQ; use --method awq (4 bits, packed along the outputs)")
 

@@ -1,14 +1,15 @@
 """W8A16: 8-bit integer weights with per-group scales and zero points; activations stay 16-bit (or 32-bit).
 
 The layout infer runs 8-bit GPTQ and compressed-tensors ``pack-quantized`` int8 checkpoints in (both store four
-8-bit codes per int32; they are unpacked on load, which costs no memory: one byte per weight either way):
+8-bit codes per int32; they are unpacked on load, one byte per weight either way once loaded; a layer's unpacking
+holds a few temporary copies of its codes):
 
 - ``qweight`` uint8 [in, out]: the codes, input-major like AWQ's (one byte each, so the kernel reads them as is).
 - ``qzeros``  uint8 [in / g, out]: the zero points.
 - ``scales``  [in / g, out], the checkpoint's float dtype.
 
 The weight of input row ``k``, output column ``n`` is ``(q[k, n] - z[k // g, n]) * s[k // g, n]``; ``q - z`` lies
-in -255..255, so in fp32 the product is exact and rounded once to the activations' dtype.
+in -255..255, so in fp32 the product is exact for fp16 or bf16 scales (one rounding, to the activations' dtype).
 """
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor |
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
                dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The layer's weight [in, out] (``nn.Linear``'s transposed): ``(q - z) * s`` in fp32, rounded once to
-    ``dtype`` (default: the scales')."""
+    """The layer's weight [in, out] (``nn.Linear``'s transposed): ``(q - z) * s`` in fp32, then ``dtype``
+    (default: the scales')."""
     in_features, out_features = qweight.shape
     group = in_features if group_size == -1 else group_size
     q = qweight.view(in_features // group, group, out_features).to(torch.float32)

@@ -47,12 +47,16 @@ class W8A16LinearMethod(QuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.apply_ordered(layer, x, None)
 
+    def runs_fused(self, x: torch.Tensor) -> bool:
+        """Whether the fused Triton GEMM computes ``x`` [M, K]: on CUDA, for at most ``fused_max_rows`` rows."""
+        return x.is_cuda and x.shape[0] <= self.fused_max_rows
+
     def apply_ordered(self, layer: nn.Module, x: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
         """``x[..., input_order] @ W (+ bias)``: the fused kernel gathers x's columns as it loads them, the other
         paths first."""
         x2 = x.reshape(-1, x.shape[-1])
         tensors = (layer.qweight, layer.qzeros, layer.scales, layer.w8a16_group_size)
-        fused = x2.is_cuda and x2.shape[0] <= self.fused_max_rows
+        fused = self.runs_fused(x2)
         if input_order is not None and not fused:
             x2 = x2.index_select(-1, input_order)
         if fused:

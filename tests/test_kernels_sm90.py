@@ -132,12 +132,14 @@ def anchor_launches(dtype: torch.dtype) -> None:
     awq_gemm.awq_gemm(torch.randn(1, 256, dtype=dtype), qweight, qzeros, torch.ones(2, 128, dtype=dtype), 128,
                       input_order=order, split_k=4)
     codes, zeros = torch.zeros(256, 128, dtype=torch.uint8), torch.zeros(2, 128, dtype=torch.uint8)
-    for rows, split in ((1, 4), (32, 1)):  # 8-bit GPTQ / compressed-tensors W8A16
+    for rows, split in ((1, 4), (32, 1), (64, 1)):  # 8-bit GPTQ / compressed-tensors W8A16: each tile size
         w8a16_gemm.w8a16_gemm(torch.randn(rows, 256, dtype=dtype), codes, zeros, torch.ones(2, 128, dtype=dtype),
                               128, split_k=split)
     w8a16_gemm.w8a16_dequantize(codes, zeros, torch.ones(2, 128, dtype=torch.float16), 128, dtype)
     w8a16_gemm.w8a16_gemm(torch.randn(1, 256, dtype=dtype), codes, zeros, torch.ones(2, 128, dtype=dtype), 128,
                           input_order=order, split_k=4)
+    w8a16_gemm.w8a16_gemm(torch.randn(1, 256, dtype=dtype), codes, zeros, torch.ones(2, 128, dtype=dtype), 128,
+                          input_order=order.to(torch.int32))
     moe_launches(dtype)
     for rows, block_n in ((1, 64), (16, 16)):
         skinny_gemm.skinny_gemm(torch.randn(rows, 512, dtype=dtype), torch.randn(128, 512, dtype=dtype),

@@ -331,6 +331,23 @@ def test_layer_errors_name_the_layer_and_the_fix() -> None:
         gptq_linear({k: t for k, t in tensors.items() if k != "g_idx"}, desc_act=True)
 
 
+@pytest.mark.parametrize("bits, rows", [(4, 3), (8, 3), (8, 70)])
+def test_the_fused_kernels_gather_an_act_order_layers_input(bits: int, rows: int) -> None:
+    """The fused W4A16/W8A16 GEMM (forced here: on a GPU, batches up to fused_max_rows run it) reads an act-order
+    layer's input in the layer's input order as it loads it; the other paths permute first (70 rows: past
+    fused_max_rows, dequantize and matmul)."""
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(15))
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(16))
+    tensors, dequantized = gptq_layer(weight, GROUP, order, sym=False, v1=True, bits=bits)
+    method = method_for(bits=bits, desc_act=True)
+    forced = type("FusedWhereAllowed", (type(method),),
+                  {"runs_fused": lambda self, x: x.shape[0] <= self.fused_max_rows})(method.config)
+    linear = loaded_linear(forced, tensors, 64, 32)
+    assert linear.input_order is not None
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(17))
+    torch.testing.assert_close(linear(x), x @ dequantized.t(), rtol=1e-4, atol=1e-4)
+
+
 def test_v1_zero_points_of_0_read_back_as_transformers_reads_them() -> None:
     """GPTQModel writes v1 by subtracting 0x11111111 from each qzeros word: a zero point of 0 borrows from the next
     nibble (its nibble reads 15, the next one less 1). Adding it back to the whole word, as transformers does,
@@ -358,19 +375,22 @@ def test_a_zero_bias_for_a_layer_without_one_is_skipped_and_another_refused() ->
         gptq_linear({**tensors, "bias": torch.full((32,), 0.5, dtype=torch.float16)})
 
 
-def test_pack_quantized_layers_load_gptq_tensors_transposed_with_their_g_idx() -> None:
-    """compressed-tensors' int4 tensors are GPTQ v2's transposed (quant/pack_quantized.py), ``weight_g_idx`` its
-    g_idx (llm-compressor's former activation order "group"); a symmetric scheme stores no zero point (0: 8)."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_quantized_layers_load_gptq_tensors_transposed_with_their_g_idx(bits: int) -> None:
+    """compressed-tensors' int4 and int8 tensors are GPTQ v2's transposed (quant/pack_quantized.py), ``weight_g_idx``
+    its g_idx (llm-compressor's former activation order "group"); a symmetric scheme stores no zero point (0: 8, or
+    128 at 8 bits)."""
     from infer.plugins.fp8 import build_compressed_tensors
 
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(9))
     order = torch.randperm(64, generator=torch.Generator().manual_seed(10))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(11))
     for symmetric in (False, True):
-        tensors, dequantized = gptq_layer(weight, GROUP, order, sym=symmetric, v1=False)
+        tensors, dequantized = gptq_layer(weight, GROUP, order, sym=symmetric, v1=False, bits=bits)
         qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                  "num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": GROUP}}}}
+                  "num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group",
+                  "group_size": GROUP}}}}
         method = build_compressed_tensors(EngineConfig(), qc)
         linear = Linear(64, 32, False, "model.layers.0.mlp.down_proj", method, torch.float32)
         checkpoint = {"weight_packed": tensors["qweight"].t(), "weight_scale": tensors["scales"].t().float(),
@@ -457,7 +477,7 @@ def test_pack_quantized_checkpoints_say_their_kv_cache_scheme_is_ignored(caplog:
     assert any("kv_cache_scheme and its k/v scales are ignored" in r.message for r in caplog.records)
 
 
-def as_pack_quantized(gptq_dir: Path, symmetric: bool) -> None:
+def as_pack_quantized(gptq_dir: Path, symmetric: bool, bits: int = 4) -> None:
     """Rewrite a gptq_v2 checkpoint written by :func:`write_gptq` in compressed-tensors' pack-quantized names
     (quant/pack_quantized.py: GPTQ's tensors transposed, g_idx as weight_g_idx, the symmetric zero point unstored)."""
     state = load_file(str(gptq_dir / "model.safetensors"))
@@ -471,21 +491,23 @@ def as_pack_quantized(gptq_dir: Path, symmetric: bool) -> None:
         elif not (attr == "qzeros" and symmetric):
             out[f"{owner}.{names[attr]}"] = tensor if attr == "g_idx" else tensor.t().contiguous()
         if attr == "qweight":
-            out[f"{owner}.weight_shape"] = torch.tensor([tensor.shape[1], tensor.shape[0] * 8])
+            out[f"{owner}.weight_shape"] = torch.tensor([tensor.shape[1], tensor.shape[0] * (32 // bits)])
     save_file(out, str(gptq_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((gptq_dir / "config.json").read_text())
-    config["quantization_config"] = {**pack_quantized_config(symmetric=symmetric), "ignore": ["lm_head"]}
+    config["quantization_config"] = {**pack_quantized_config(symmetric=symmetric, num_bits=bits),
+                                     "ignore": ["lm_head"]}
     (gptq_dir / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("symmetric, fused_ops", [(True, True), (False, False)])
+@pytest.mark.parametrize("symmetric, fused_ops, bits", [(True, True, 4), (False, False, 4), (False, True, 8)])
 def test_pack_quantized_experts_in_activation_order_compute_their_weights(
-        symmetric: bool, fused_ops: bool, tmp_path: Path, tiny_model_factory: Callable[..., Path],
+        symmetric: bool, fused_ops: bool, bits: int, tmp_path: Path, tiny_model_factory: Callable[..., Path],
         plugins: PluginManager) -> None:
-    """llm-compressor's W4A16 mixtures of experts: per-expert pack-quantized linears, stacked with the fused ops."""
+    """llm-compressor's W4A16 and W8A16 mixtures of experts: per-expert pack-quantized linears, stacked with the
+    fused ops."""
     moe = tiny_model_factory("qwen3moe", extra={"moe_intermediate_size": 64})
-    write_gptq(moe, tmp_path / "ct", tmp_path / "dense", "shared", sym=symmetric, v1=False)
-    as_pack_quantized(tmp_path / "ct", symmetric)
+    write_gptq(moe, tmp_path / "ct", tmp_path / "dense", "shared", sym=symmetric, v1=False, bits=bits)
+    as_pack_quantized(tmp_path / "ct", symmetric, bits)
     loaded = load(tmp_path / "ct", plugins, fused_ops=fused_ops)
     assert loaded.quant.name == "compressed-tensors"
     torch.testing.assert_close(logits(tmp_path / "ct", plugins, fused_ops=fused_ops),

@@ -120,6 +120,11 @@ def test_w8a16_gemm_refuses_what_it_cannot_compute() -> None:
     with pytest.raises(ValueError, match="qweight must be uint8"):
         w8a16_gemm(torch.randn(1, 64, device=DEVICE), state["qweight"].int(), state["qzeros"], state["scales"], 32)
     assert w8a16_gemm(torch.randn(0, 64, device=DEVICE), **state, group_size=32).shape == (0, 32)
+    with pytest.raises(ValueError, match="needs uint8 codes"):
+        w8a16_dequantize(state["qweight"].to(torch.int8), state["qzeros"], state["scales"], 32, torch.float32)
+    column_major = state["qweight"].t().contiguous().t()  # the same codes, another layout: the same weight
+    assert torch.equal(w8a16_dequantize(column_major, state["qzeros"], state["scales"], 32, torch.float32),
+                       w8a16.dequantize(**state, group_size=32, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("dtype, k, n, group", [
