@@ -20,8 +20,8 @@ if TYPE_CHECKING:  # torch loads with the model, not with the plugins (`infer --
 log = logging.getLogger("infer")
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                        "Phi3ForCausalLM")
-ARCHITECTURES = (*DENSE_ARCHITECTURES, "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
-                 "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = (*DENSE_ARCHITECTURES, "Gemma2ForCausalLM", "Gemma3ForCausalLM", *MOE_ARCHITECTURES)
 
 
 def build_gemma3_text(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,

@@ -67,6 +67,7 @@ class CalibrationOptions:
     batch_samples: int = 8  # samples per calibration forward pass
     device: str = "auto"
     supported_bits: ClassVar[tuple[int, ...]] = (awq.BITS,)
+    calibrates_experts: ClassVar[bool] = False  # whether the method quantizes a mixture of experts
     bits_refusal: ClassVar[str] = "infer quantizes to 4-bit weights only"
 
     def validate(self) -> Self:
@@ -180,7 +181,7 @@ def check_request(model_dir: Path, out_dir: Path, config: Options) -> tuple[dict
     Raises ConfigError/CheckpointError."""
     from ..core.loader import architectures, quantization_config, read_config, safetensors_files
     from ..models.llama import ArchConfig
-    from ..plugins.llama_family import DENSE_ARCHITECTURES
+    from ..plugins.llama_family import DENSE_ARCHITECTURES, MOE_ARCHITECTURES
 
     config.validate()
     if not model_dir.is_dir():
@@ -192,10 +193,11 @@ def check_request(model_dir: Path, out_dir: Path, config: Options) -> tuple[dict
         raise CheckpointError(f"{str(model_dir)!r} is already quantized ({declared.get('quant_method', '?')}); "
                               "`infer quantize` needs the unquantized checkpoint it came from")
     arch = (architectures(raw) or ["(none)"])[0]
-    if arch not in DENSE_ARCHITECTURES:
-        moe = " (a mixture of experts quantizes on load instead: --quant awq, round-to-nearest)" \
-            if arch.endswith("MoeForCausalLM") or arch == "MixtralForCausalLM" else ""
-        raise CheckpointError(f"infer quantize supports {', '.join(DENSE_ARCHITECTURES)}; {str(model_dir)!r} is "
+    supported = DENSE_ARCHITECTURES + (MOE_ARCHITECTURES if config.calibrates_experts else ())
+    if arch not in supported:
+        moe = " (--method gptq quantizes a mixture of experts; or quantize on load: --quant awq, round-to-nearest)" \
+            if arch in MOE_ARCHITECTURES else ""
+        raise CheckpointError(f"infer quantize supports {', '.join(supported)}; {str(model_dir)!r} is "
                               f"{arch!r}{moe}")
     safetensors_files(model_dir)
     cfg = ArchConfig.from_hf(raw)
@@ -208,6 +210,12 @@ def check_request(model_dir: Path, out_dir: Path, config: Options) -> tuple[dict
     if cfg.fused_projections:  # Phi-3's checkpoint linears
         shapes = {"qkv_proj": (cfg.hidden_size, q_size + 2 * kv_size), "o_proj": shapes["o_proj"],
                   "gate_up_proj": (cfg.hidden_size, 2 * cfg.intermediate_size), "down_proj": shapes["down_proj"]}
+    if cfg.moe is not None:  # each expert's gate, up and down, and a shared expert's
+        for what, size in (("an expert's", cfg.moe.intermediate_size),
+                           ("the shared expert's", cfg.moe.shared_intermediate_size)):
+            if size:
+                shapes |= {f"{what} gate_proj": (cfg.hidden_size, size), f"{what} up_proj": (cfg.hidden_size, size),
+                           f"{what} down_proj": (size, cfg.hidden_size)}
     if config.group_size is None:  # one group size per checkpoint: the smallest of the layers' own choices
         config = replace(config, group_size=min(auto_group_size(i) for i, _ in shapes.values()))
     for name, (in_features, out_features) in shapes.items():

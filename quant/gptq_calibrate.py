@@ -12,10 +12,14 @@ when its first column is reached, from its columns as they are then: ``2 max|w| 
 
 Layers are quantized in order, each on the inputs that the already-quantized layers before it produce (the forward
 pass run up to that layer: L (L + 1) / 2 layer passes in all); within a layer every linear sees the unquantized
-layer's activations (AutoGPTQ's ``true_sequential=False``).
+layer's activations (AutoGPTQ's ``true_sequential=False``). A mixture of experts' experts are quantized one by one,
+each on the tokens the router sends it (its gate and up on their hidden states, its down on its own activations);
+an expert no calibration token reached is rounded to nearest (its Hessian taken as the identity), said in the log.
+The router stays in 16 bits, as GPTQModel keeps it.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -27,9 +31,11 @@ from torch import nn
 
 from ..core.errors import ConfigError
 from . import awq, w8a16
-from .calibrate import (CalibrationOptions, ProgressFn, check_at_least_one, check_request, groups_of,
+from .calibrate import (CalibrationOptions, LinearGroup, ProgressFn, check_at_least_one, check_request, groups_of,
                         load_for_calibration, write_quantized)
 from .forward import dense_forward
+
+log = logging.getLogger("infer")
 
 
 
@@ -41,6 +47,7 @@ class GptqCalibrationConfig(CalibrationOptions):
     damp: float = 0.01  # of the mean Hessian diagonal, added to it
     block_size: int = 128  # columns per lazy batch update (rounded up to a multiple of the group size)
     supported_bits: ClassVar[tuple[int, ...]] = (awq.BITS, w8a16.BITS)
+    calibrates_experts: ClassVar[bool] = True
     bits_refusal: ClassVar[str] = "infer quantizes GPTQ to 4- or 8-bit weights (its W4A16 and W8A16 kernels)"
 
     def validate(self) -> Self:
@@ -171,25 +178,69 @@ class _Reached(Exception):
     """Raised by the hook at the end of the layer being calibrated: the rest of the forward pass is not needed."""
 
 
+def linear_groups(layer: nn.Module) -> tuple[LinearGroup, ...]:
+    """A decoder layer's linears, by shared input: attention's, and a dense MLP's or a sparse layer's shared expert's
+    (the experts themselves: :func:`expert_weights`)."""
+    from ..models.moe import SparseMoe
+
+    groups = groups_of(layer)
+    ffn = layer.ffn()
+    if not isinstance(ffn, SparseMoe):
+        return groups
+    shared = () if ffn.shared_expert is None else tuple(
+        LinearGroup(g.name, tuple(path.replace("mlp.", f"{layer.feed_forward}.shared_expert.", 1) for path in
+                                  g.linears), g.prev) for g in groups[2:])
+    return groups[:2] + shared
+
+
+def expert_weights(moe: Any, expert: int) -> list[tuple[str, str, torch.Tensor]]:
+    """One expert's (projection name, Hessian key, weight view [out, in]) of a float SparseMoe: its gate and up
+    (which read the hidden state) and its down (which reads the expert's activations)."""
+    gate, up, down = moe.moe.projections
+    size = moe.moe.intermediate_size
+    return [(gate, f"experts.{expert}.w13", moe.w13[expert, :size]),
+            (up, f"experts.{expert}.w13", moe.w13[expert, size:]),
+            (down, f"experts.{expert}.w2", moe.w2[expert])]
+
+
 def layer_hessians(model: Any, index: int, samples: list[list[int]], device: torch.device, batch: int
                    ) -> dict[str, torch.Tensor]:
     """``2 X^T X / n`` at the input of each linear group of decoder layer ``index``, over every sample (the forward
-    pass stops after that layer)."""
+    pass stops after that layer); for a sparse layer's experts, over the tokens routed to each (keys
+    ``experts.{e}.w13`` and ``experts.{e}.w2``; none for an expert no token reached)."""
+    from ..models.moe import SparseMoe
+
     layer = model.model.layers[index]
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
+    def add(name: str, x: torch.Tensor) -> None:
+        sums[name] = sums[name] + x.t() @ x if name in sums else x.t() @ x
+        counts[name] = counts.get(name, 0) + x.shape[0]
+
     def record(name: str) -> Any:
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
-            sums[name] = sums[name] + x.t() @ x if name in sums else x.t() @ x
-            counts[name] = counts.get(name, 0) + x.shape[0]
+            add(name, args[0].reshape(-1, args[0].shape[-1]).to(torch.float32))
         return hook
+
+    def record_experts(moe: SparseMoe, args: tuple[torch.Tensor, ...]) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1])
+        _, chosen = moe.route(x)
+        size = moe.moe.intermediate_size
+        for e in range(moe.moe.num_experts):
+            routed = x[(chosen == e).any(dim=-1)]
+            if routed.shape[0]:
+                hidden = routed @ moe.w13[e].t()
+                add(f"experts.{e}.w13", routed.to(torch.float32))
+                add(f"experts.{e}.w2", moe.silu_and_mul(hidden[:, :size], hidden[:, size:]).to(torch.float32))
 
     def stop(module: nn.Module, args: Any, output: Any) -> None:
         raise _Reached
 
-    handles = [layer.get_submodule(g.linears[0]).register_forward_pre_hook(record(g.name)) for g in groups_of(layer)]
+    handles = [layer.get_submodule(g.linears[0]).register_forward_pre_hook(record(g.name))
+               for g in linear_groups(layer)]
+    if isinstance(layer.ffn(), SparseMoe):
+        handles.append(layer.ffn().register_forward_pre_hook(record_experts))
     handles.append(layer.register_forward_hook(stop))
     try:
         for first in range(0, len(samples), batch):
@@ -208,38 +259,59 @@ def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig
                    plugins: Any = None) -> list[GptqLayerReport]:
     """Calibrate, quantize and write ``out_dir`` (a GPTQ checkpoint of ``config.bits``); return each linear's error
     report."""
+    from ..models.moe import SparseMoe
+
     raw, config = check_request(model_dir, out_dir, config)
     report_progress: ProgressFn = progress or (lambda phase, done, total: None)
     loaded, samples, seq_len = load_for_calibration(model_dir, config, texts, plugins)
     model, group_size = loaded.model, config.group_size
     assert group_size is not None  # check_request chose it
     for i, layer in enumerate(model.model.layers):
-        for g in groups_of(layer):
+        for g in linear_groups(layer):
             for path in g.linears:
                 check_gptq_format(layer.get_submodule(path).in_features, f"model.layers.{i}.{path}", config.bits)
     tensors: dict[str, torch.Tensor] = {}
     reports: list[GptqLayerReport] = []
+    unreached: list[str] = []
     layers = model.model.layers
     for i, layer in enumerate(layers):
         report_progress("GPTQ, layer by layer", i, len(layers))
         hessians = layer_hessians(model, i, samples, loaded.device, config.batch_samples)
-        for g in groups_of(layer):
+
+        def quantize(path: str, weight: torch.Tensor, hessian: torch.Tensor, bias: torch.Tensor | None) -> None:
+            """GPTQ of one linear at ``path`` in layer i: its tensors to write, its report; the layer's own weight
+            becomes the quantized one (the next layers see this layer quantized)."""
+            result = gptq_quantize(weight, hessian, group_size, config.act_order, config.damp, config.block_size,
+                                   config.bits)
+            quantized, name = result.dequantized(), f"model.layers.{i}.{path}"
+            reports.append(GptqLayerReport(i, path, relative_error(weight, quantized, hessian),
+                                           relative_error(weight, rtn_dequantized(weight, group_size, config.bits),
+                                                          hessian)))
+            tensors.update({f"{name}.qweight": pack_words(result.codes.t(), config.bits, dim=0).cpu(),
+                            f"{name}.qzeros": v1_zeros(result.scales.shape[0], weight.shape[0], config.bits),
+                            f"{name}.scales": result.scales.cpu(), f"{name}.g_idx": result.g_idx.cpu()})
+            if bias is not None:
+                tensors[f"{name}.bias"] = bias
+            weight.copy_(quantized.to(weight.dtype))
+
+        for g in linear_groups(layer):
             for path in g.linears:
-                linear, name = layer.get_submodule(path), f"model.layers.{i}.{path}"
-                weight = linear.weight.data
-                result = gptq_quantize(weight, hessians[g.name], group_size, config.act_order, config.damp,
-                                       config.block_size, config.bits)
-                quantized = result.dequantized()
-                reports.append(GptqLayerReport(i, path, relative_error(weight, quantized, hessians[g.name]),
-                                               relative_error(weight, rtn_dequantized(weight, group_size, config.bits),
-                                                              hessians[g.name])))
-                tensors.update({f"{name}.qweight": pack_words(result.codes.t(), config.bits, dim=0).cpu(),
-                                f"{name}.qzeros": v1_zeros(result.scales.shape[0], weight.shape[0], config.bits),
-                                f"{name}.scales": result.scales.cpu(), f"{name}.g_idx": result.g_idx.cpu()})
-                if linear.bias is not None:
-                    tensors[f"{name}.bias"] = linear.bias.data
-                linear.weight.data.copy_(quantized.to(weight.dtype))  # the next layers see this layer quantized
+                linear = layer.get_submodule(path)
+                quantize(path, linear.weight.data, hessians[g.name],
+                         linear.bias.data if linear.bias is not None else None)
+        moe = layer.ffn()
+        if isinstance(moe, SparseMoe):
+            for e in range(moe.moe.num_experts):
+                for projection, key, weight in expert_weights(moe, e):
+                    if key not in hessians:  # no token reached it: round to nearest
+                        unreached.append(f"model.layers.{i}.{layer.feed_forward}.experts.{e}")
+                        hessians[key] = torch.eye(weight.shape[1], device=weight.device)
+                    quantize(f"{layer.feed_forward}.experts.{e}.{projection}", weight, hessians[key], None)
     report_progress("GPTQ, layer by layer", len(layers), len(layers))
+    if unreached := sorted(set(unreached)):
+        log.warning("%d experts saw no calibration token and were rounded to nearest (%s%s); give more or more "
+                    "varied text with --calib, or more --num-samples", len(unreached), ", ".join(unreached[:4]),
+                    ", ..." if len(unreached) > 4 else "")
     qc = {"quant_method": "gptq", "bits": config.bits, "group_size": group_size, "sym": True,
           "desc_act": config.act_order, "static_groups": False, "true_sequential": False,
           "damp_percent": config.damp, "checkpoint_format": "gptq", "lm_head": False}

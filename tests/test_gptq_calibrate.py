@@ -137,14 +137,20 @@ def dense_twin(quantized: Path, dense: Path) -> None:
     (dense / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("arch, act_order, bits", [("llama", False, 4), ("llama", True, 4), ("phi3", True, 4),
-                                                   ("qwen2", False, 4), ("llama", True, 8)])
+EXPERTS = {"moe_intermediate_size": 64}  # a multiple of the group size, as real models' are
+
+
+@pytest.mark.parametrize("arch, act_order, bits, extra", [
+    ("llama", False, 4, None), ("llama", True, 4, None), ("phi3", True, 4, None), ("qwen2", False, 4, None),
+    ("llama", True, 8, None), ("qwen3moe", True, 4, EXPERTS), ("mixtral", False, 8, None),
+    ("qwen2moe", False, 4, {**EXPERTS, "shared_expert_intermediate_size": 64})])
 def test_the_written_checkpoint_generates_like_hf_on_its_weights(
-        arch: str, act_order: bool, bits: int, tmp_path: Path, tiny_model_factory: Callable[..., Path],
-        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+        arch: str, act_order: bool, bits: int, extra: dict[str, int] | None, tmp_path: Path,
+        tiny_model_factory: Callable[..., Path], hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """Mixtures of experts too: each expert quantized on the tokens routed to it, written as per-expert linears."""
     from infer import LLM
 
-    model = tiny_model_factory(arch)
+    model = tiny_model_factory(arch, extra=extra) if extra else tiny_model_factory(arch)
     reports = calibrate_gptq(model, tmp_path / "gptq", GptqCalibrationConfig(**{**CALIB.__dict__,
                                                                                 "act_order": act_order, "bits": bits}))
     assert all(r.error < r.rtn_error for r in reports)  # on the calibration inputs
@@ -157,6 +163,30 @@ def test_the_written_checkpoint_generates_like_hf_on_its_weights(
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for prompt in ([5, 17, 300, 42, 7, 99], [900, 12, 8, 8, 41, 3, 3]):
         assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 8)
+
+
+def test_experts_no_calibration_token_reached_are_rounded_to_nearest(
+        tmp_path: Path, tiny_model_factory: Callable[..., Path], caplog: pytest.LogCaptureFixture,
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """Two calibration tokens routed to 1 expert of 8 each reach at most 2 of a layer's experts: the others have no
+    Hessian, are rounded to nearest (their reported error is RTN's) and named in a warning."""
+    from infer import LLM
+
+    model = tiny_model_factory("qwen3moe", extra={**EXPERTS, "num_experts": 8, "num_experts_per_tok": 1})
+    options = GptqCalibrationConfig(**{**CALIB.__dict__, "num_samples": 1, "seq_len": 2})
+    with caplog.at_level("WARNING", logger="infer"):
+        reports = calibrate_gptq(model, tmp_path / "gptq", options, texts=["def f(x): return x"])
+    experts = [r for r in reports if ".experts." in r.linear]
+    assert len(experts) == 2 * 8 * 3
+    rounded = [r for r in experts if r.error == pytest.approx(r.rtn_error, rel=1e-6)]
+    assert len(rounded) >= 2 * 6 * 3
+    warned = [r.message for r in caplog.records if "saw no calibration token" in r.message]
+    assert len(warned) == 1 and warned[0].startswith(f"{len(rounded) // 3} experts saw no calibration token")
+    dense_twin(tmp_path / "gptq", tmp_path / "dense")
+    llm = LLM(model=str(tmp_path / "gptq"), device="cpu", num_kv_blocks=32)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 17, 300, 42, 7, 99]
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 6)
 
 
 def test_quantize_command_writes_gptq_and_refuses_gptq_options_elsewhere(tiny_model: Path, tmp_path: Path) -> None:
