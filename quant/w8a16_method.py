@@ -6,9 +6,8 @@ from torch import nn
 
 from ..core.interfaces import QuantMethod
 from . import w8a16
+from .awq_method import PACKED  # the same three tensor names, in another layout
 from .common import layer_name
-
-PACKED = ("qweight", "qzeros", "scales")
 
 
 class W8A16LinearMethod(QuantMethod):
