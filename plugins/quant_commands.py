@@ -17,7 +17,7 @@ from ..core.registry import Register
 @click.option("--method", type=click.Choice(["awq", "gptq"]), default="awq", show_default=True,
               help="Quantization method: awq (activation-aware scales, then round-to-nearest; fp16 group scales and "
                    "zero points; an AutoAWQ GEMM checkpoint) or gptq (each column's rounding error spread over the "
-                   "columns after it; symmetric fp16 group scales; a GPTQ checkpoint).")
+                   "columns after it; fp16 group scales, symmetric or not; a GPTQ checkpoint).")
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Calibration text: one text per line, or JSONL ({\"text\": ...} per line) [default: the Python "
                    "standard library's sources].")
@@ -34,13 +34,16 @@ from ..core.registry import Register
                    "accurate; the layer's input is then permuted at run time [default: off].")
 @click.option("--damp", type=float, default=None,
               help="gptq: dampening added to the Hessian's diagonal, as a fraction of its mean [default: 0.01].")
+@click.option("--sym/--asym", default=None,
+              help="gptq: symmetric groups (one fixed zero point) or each group's own zero point, usually a little "
+                   "more accurate [default: --sym].")
 @click.pass_context
 def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Path | None, group_size: int | None,
              bits: int, num_samples: int, seq_len: int, device: str, act_order: bool | None,
-             damp: float | None) -> None:
+             damp: float | None, sym: bool | None) -> None:
     """Quantize the unquantized checkpoint MODEL with calibrated AWQ or GPTQ and write it to OUT (a new folder).
 
-    OUT is an AutoAWQ GEMM checkpoint (awq) or a GPTQ one (gptq: v1 format, symmetric, 4 or 8 bits), with its
+    OUT is an AutoAWQ GEMM checkpoint (awq) or a GPTQ one (gptq: v1 format, 4 or 8 bits, symmetric or not), with its
     config.json quantization_config and MODEL's tokenizer files, that infer and other loaders read:
     `infer --model OUT generate ...`.
     """
@@ -51,12 +54,13 @@ def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Pat
 
     refuse_engine_options(ctx, "quantize", " (it takes its own --device, after the command: infer quantize MODEL "
                           "OUT --device cuda)")
-    if method != "gptq" and (given := [name for name, value in (("--act-order", act_order), ("--damp", damp))
-                                       if value is not None]):
+    gptq_only = (("--act-order", act_order), ("--damp", damp), ("--sym/--asym", sym))
+    if method != "gptq" and (given := [name for name, value in gptq_only if value is not None]):
         raise click.UsageError(f"{' and '.join(given)} apply to --method gptq only")
     common = dict(group_size=group_size, bits=bits, num_samples=num_samples, seq_len=seq_len, device=device)
     config: AwqCalibrationConfig | GptqCalibrationConfig = AwqCalibrationConfig(**common) if method == "awq" else \
-        GptqCalibrationConfig(**common, act_order=bool(act_order), damp=0.01 if damp is None else damp)
+        GptqCalibrationConfig(**common, act_order=bool(act_order), damp=0.01 if damp is None else damp,
+                              sym=sym is not False)
     _, config = check_request(model, out, config)  # every bad-input check before the model loads
     texts = read_texts(calib) if calib is not None else None
     with _ProgressBar() as progress:  # errors: the group prints them (a ConfigError as a usage error)

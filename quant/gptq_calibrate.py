@@ -1,5 +1,6 @@
 """GPTQ calibration (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
-Transformers") written as a GPTQ checkpoint (:mod:`.gptq`: v1 format, symmetric int4 or int8, fp16 group scales).
+Transformers") written as a GPTQ checkpoint (:mod:`.gptq`: v1 format, int4 or int8, symmetric or not, fp16 group
+scales).
 
 For a linear with weight ``W`` [out, in] and calibration inputs ``X`` [n, in], ``H = 2 X^T X / n``, damped by
 ``damp`` times the mean of its diagonal. The columns are quantized one at a time, in order (with ``act_order``, by
@@ -7,8 +8,9 @@ decreasing ``diag(H)``); with ``U`` the upper Cholesky factor of ``H^-1``, quant
 every later column ``k`` by ``-(w_j - q_j) / U[j, j] * U[j, k]``, the update that minimises ``||(W - Q) X^T||^2``
 given the columns quantized so far (the paper's equations 2 and 3 in their Cholesky form, section 3 step 3), applied
 to the later columns a block of ``block_size`` at a time (step 2: lazy batch updates). A group's scale is chosen
-when its first column is reached, from its columns as they are then: ``2 max|w| / (2^b - 1)`` per output row for
-``b`` bits, rounded up to fp16, zero point ``2^(b - 1)``.
+when its first column is reached, from its columns as they are then (:func:`group_params`): ``2 max|w| / (2^b - 1)``
+per output row for ``b`` bits, rounded up to fp16, zero point ``2^(b - 1)``; asymmetric, the row's range widened to
+hold 0, over ``2^b - 1``, and its own zero point.
 
 Layers are quantized in order, each on the inputs that the already-quantized layers before it produce (the forward
 pass run up to that layer: L (L + 1) / 2 layer passes in all); within a layer every linear sees the unquantized
@@ -46,6 +48,7 @@ class GptqCalibrationConfig(CalibrationOptions):
     act_order: bool = False  # quantize the columns by decreasing Hessian diagonal (desc_act), not in input order
     damp: float = 0.01  # of the mean Hessian diagonal, added to it
     block_size: int = 128  # columns per lazy batch update (rounded up to a multiple of the group size)
+    sym: bool = True  # symmetric: zero point 2^(bits - 1); else each group's own (its range widened to hold 0)
     supported_bits: ClassVar[tuple[int, ...]] = (awq.BITS, w8a16.BITS)
     calibrates_experts: ClassVar[bool] = True
     bits_refusal: ClassVar[str] = "infer quantizes GPTQ to 4- or 8-bit weights (its W4A16 and W8A16 kernels)"
@@ -68,42 +71,46 @@ class GptqLayerReport:
 
 @dataclass(frozen=True)
 class GptqResult:
-    """One linear quantized: codes 0..2^bits - 1 [out, in] (zero point 2^(bits - 1)), fp16 scales [in / g, out],
-    g_idx [in]."""
+    """One linear quantized: codes 0..2^bits - 1 [out, in], fp16 scales and zero points [in / g, out], g_idx [in]."""
 
     codes: torch.Tensor
     scales: torch.Tensor
+    zeros: torch.Tensor
     g_idx: torch.Tensor
-    bits: int = awq.BITS
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] the codes stand for, in float32."""
-        zero = symmetric_zero(self.bits)
-        return (self.codes - zero).to(torch.float32) * self.scales.to(torch.float32)[self.g_idx.long()].t()
+        g = self.g_idx.long()
+        return (self.codes - self.zeros[g].t()).to(torch.float32) * self.scales.to(torch.float32)[g].t()
 
 
-def symmetric_zero(bits: int) -> int:
-    return 1 << (bits - 1)
+def group_params(columns: torch.Tensor, bits: int = awq.BITS, sym: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output row of ``columns`` [out, g]: the scale, rounded up to fp16, and the zero point. Symmetric:
+    ``2 max|w| / (2^bits - 1)`` and ``2^(bits - 1)``; else ``(max - min) / (2^bits - 1)`` over the range widened to
+    hold 0, and ``round(-min / scale)``. An all-zero row gets the scale of a range of 1 (2 when symmetric)."""
+    max_q = 2**bits - 1
+    if sym:
+        extent = columns.abs().amax(dim=1)
+        extent = 2 * torch.where(extent > 0, extent, torch.ones_like(extent))
+        lo = None
+    else:
+        lo, hi = columns.amin(dim=1).clamp(max=0), columns.amax(dim=1).clamp(min=0)
+        extent = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    scale = awq.round_up_to_fp16(extent / max_q).to(torch.float32)
+    zero = torch.full_like(scale, 1 << (bits - 1)) if lo is None else torch.round(-lo / scale).clamp(0, max_q)
+    return scale, zero
 
 
-def symmetric_scales(columns: torch.Tensor, bits: int = awq.BITS) -> torch.Tensor:
-    """Per output row of ``columns`` [out, g]: ``2 max|w| / (2^bits - 1)`` (an all-zero row: as if max|w| were 1),
-    rounded up to fp16."""
-    extent = columns.abs().amax(dim=1)
-    extent = torch.where(extent > 0, extent, torch.ones_like(extent))
-    return awq.round_up_to_fp16(2 * extent / (2**bits - 1)).to(torch.float32)
-
-
-def quantize_column(w: torch.Tensor, scale: torch.Tensor, bits: int = awq.BITS) -> torch.Tensor:
-    """Codes 0..2^bits - 1 of ``w`` [out] under ``scale`` [out] and the zero point 2^(bits - 1)."""
-    return (torch.round(w / scale) + symmetric_zero(bits)).clamp(0, 2**bits - 1)
+def quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int = awq.BITS) -> torch.Tensor:
+    """Codes 0..2^bits - 1 of ``w`` [out] under ``scale`` and ``zero`` [out]."""
+    return (torch.round(w / scale) + zero).clamp(0, 2**bits - 1)
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, act_order: bool = False,
-                  damp: float = 0.01, block_size: int = 128, bits: int = awq.BITS) -> GptqResult:
-    """GPTQ of ``weight`` [out, in] to ``bits`` under the input Hessian ``hessian`` [in, in] (``2 X^T X / n``);
-    group_size -1: one group over the whole input. Inputs no calibration token used (a zero diagonal) get zero
-    weights."""
+                  damp: float = 0.01, block_size: int = 128, bits: int = awq.BITS, sym: bool = True) -> GptqResult:
+    """GPTQ of ``weight`` [out, in] to ``bits`` (symmetric or not) under the input Hessian ``hessian`` [in, in]
+    (``2 X^T X / n``); group_size -1: one group over the whole input. Inputs no calibration token used (a zero
+    diagonal) get zero weights."""
     out_features, in_features = weight.shape
     group = in_features if group_size == -1 else group_size
     w = weight.detach().to(torch.float32).clone()
@@ -118,25 +125,27 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     codes = torch.empty_like(w)
     scales = torch.empty(in_features // group, out_features, device=w.device)
+    zeros = torch.empty_like(scales)
     block = -(-max(block_size, 1) // group) * group if group < in_features else max(block_size, 1)
     if group == in_features:  # one group: its scales come from the weight as it is, before any update
-        scales[0] = symmetric_scales(w, bits)
+        scales[0], zeros[0] = group_params(w, bits, sym)
     for start in range(0, in_features, block):
         end = min(start + block, in_features)
         part, errors = w[:, start:end].clone(), torch.empty(out_features, end - start, device=w.device)
         for i in range(end - start):
             j = start + i
             if j % group == 0 and group < in_features:  # the group lies in this block (a multiple of the group)
-                scales[j // group] = symmetric_scales(part[:, i: i + group], bits)  # its columns, updated so far
-            scale = scales[j // group]
-            codes[:, j] = quantize_column(part[:, i], scale, bits)
-            errors[:, i] = (part[:, i] - (codes[:, j] - symmetric_zero(bits)) * scale) / u[j, j]
+                # its columns, updated so far
+                scales[j // group], zeros[j // group] = group_params(part[:, i: i + group], bits, sym)
+            scale, zero = scales[j // group], zeros[j // group]
+            codes[:, j] = quantize_column(part[:, i], scale, zero, bits)
+            errors[:, i] = (part[:, i] - (codes[:, j] - zero) * scale) / u[j, j]
             part[:, i:] -= errors[:, i: i + 1] * u[j, j:end].unsqueeze(0)
         w[:, end:] -= errors @ u[start:end, end:]
     g_idx = torch.arange(in_features, device=w.device) // group
     if order is not None:  # back to input order: input order[j] was quantized j-th, in group j // group
         codes, g_idx = codes[:, torch.argsort(order)], g_idx[torch.argsort(order)]
-    return GptqResult(codes.to(torch.int32), scales.to(torch.float16), g_idx.to(torch.int32), bits)
+    return GptqResult(codes.to(torch.int32), scales.to(torch.float16), zeros.to(torch.int32), g_idx.to(torch.int32))
 
 
 def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -147,14 +156,15 @@ def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Te
     return float(((delta @ hessian) * delta).sum() / ((w @ hessian) * w).sum().clamp(min=1e-30))
 
 
-def rtn_dequantized(weight: torch.Tensor, group_size: int, bits: int = awq.BITS) -> torch.Tensor:
-    """Round-to-nearest with this format's symmetric scales: the baseline of the report."""
+def rtn_dequantized(weight: torch.Tensor, group_size: int, bits: int = awq.BITS, sym: bool = True) -> torch.Tensor:
+    """Round-to-nearest with this format's scales and zero points: the baseline of the report."""
     out_features, in_features = weight.shape
     group = in_features if group_size == -1 else group_size
     w = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
-    scales = torch.stack([symmetric_scales(w[:, g], bits) for g in range(w.shape[1])], dim=1).unsqueeze(-1)
-    codes = (torch.round(w / scales) + symmetric_zero(bits)).clamp(0, 2**bits - 1)
-    return ((codes - symmetric_zero(bits)) * scales).reshape(out_features, in_features)
+    params = [group_params(w[:, g], bits, sym) for g in range(w.shape[1])]
+    scales, zeros = (torch.stack([p[i] for p in params], dim=1).unsqueeze(-1) for i in range(2))
+    codes = (torch.round(w / scales) + zeros).clamp(0, 2**bits - 1)
+    return ((codes - zeros) * scales).reshape(out_features, in_features)
 
 
 def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -168,10 +178,11 @@ def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-def v1_zeros(groups: int, out_features: int, bits: int) -> torch.Tensor:
-    """GPTQ v1 ``qzeros`` [groups, out / (32 / bits)] of the symmetric zero point, each stored less 1."""
-    stored = torch.full((groups, out_features), symmetric_zero(bits) - 1, dtype=torch.int64)
-    return pack_words(stored, bits, dim=1)
+def v1_zeros(zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """Zero points [groups, out] -> GPTQ v1 ``qzeros`` [groups, out / (32 / bits)]: packed, then 1 taken off each
+    field on the whole word, as GPTQModel writes v1 (a zero point of 0 borrows from the next field)."""
+    words = pack_words(zeros, bits, dim=1).to(torch.int64) - sum(1 << shift for shift in range(0, 32, bits))
+    return torch.where(words < -2**31, words + 2**32, words).to(torch.int32)
 
 
 class _Reached(Exception):
@@ -282,13 +293,13 @@ def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig
             """GPTQ of one linear at ``path`` in layer i: its tensors to write, its report; the layer's own weight
             becomes the quantized one (the next layers see this layer quantized)."""
             result = gptq_quantize(weight, hessian, group_size, config.act_order, config.damp, config.block_size,
-                                   config.bits)
+                                   config.bits, config.sym)
             quantized, name = result.dequantized(), f"model.layers.{i}.{path}"
+            rtn = rtn_dequantized(weight, group_size, config.bits, config.sym)
             reports.append(GptqLayerReport(i, path, relative_error(weight, quantized, hessian),
-                                           relative_error(weight, rtn_dequantized(weight, group_size, config.bits),
-                                                          hessian)))
+                                           relative_error(weight, rtn, hessian)))
             tensors.update({f"{name}.qweight": pack_words(result.codes.t(), config.bits, dim=0).cpu(),
-                            f"{name}.qzeros": v1_zeros(result.scales.shape[0], weight.shape[0], config.bits),
+                            f"{name}.qzeros": v1_zeros(result.zeros, config.bits).cpu(),
                             f"{name}.scales": result.scales.cpu(), f"{name}.g_idx": result.g_idx.cpu()})
             if bias is not None:
                 tensors[f"{name}.bias"] = bias
@@ -312,7 +323,7 @@ def calibrate_gptq(model_dir: Path, out_dir: Path, config: GptqCalibrationConfig
         log.warning("%d experts saw no calibration token and were rounded to nearest (%s%s); give more or more "
                     "varied text with --calib, or more --num-samples", len(unreached), ", ".join(unreached[:4]),
                     ", ..." if len(unreached) > 4 else "")
-    qc = {"quant_method": "gptq", "bits": config.bits, "group_size": group_size, "sym": True,
+    qc = {"quant_method": "gptq", "bits": config.bits, "group_size": group_size, "sym": config.sym,
           "desc_act": config.act_order, "static_groups": False, "true_sequential": False,
           "damp_percent": config.damp, "checkpoint_format": "gptq", "lm_head": False}
     record = {"method": "infer quantize --method gptq", "options": asdict(config),

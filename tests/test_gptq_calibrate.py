@@ -41,11 +41,12 @@ def round_up_fp16(x: torch.Tensor) -> torch.Tensor:
 
 
 def unblocked_reference(weight: torch.Tensor, hessian: torch.Tensor, group: int, act_order: bool,
-                        damp: float, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                        damp: float, bits: int = 4, sym: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The paper's column-by-column form in float64 (its equation 3, with ``H^-1`` updated by Gaussian elimination
     instead of a Cholesky factor): codes and dequantized weight, in input order. Symmetric: the scale
-    ``2 max|w| / (2^bits - 1)``, the zero point ``2^(bits - 1)``."""
-    max_q, zero = 2**bits - 1, 2 ** (bits - 1)
+    ``2 max|w| / (2^bits - 1)``, the zero point ``2^(bits - 1)``; asymmetric (AutoGPTQ's quantizer): the range
+    [min(w, 0), max(w, 0)] over ``2^bits - 1``, the zero point ``round(-min / scale)``."""
+    max_q = 2**bits - 1
     w, h = weight.double().clone(), hessian.double().clone()
     order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(w.shape[1])
     w, h = w[:, order], h[order][:, order]
@@ -53,9 +54,14 @@ def unblocked_reference(weight: torch.Tensor, hessian: torch.Tensor, group: int,
     hinv = torch.linalg.inv(h)
     codes, deq = torch.empty_like(w), torch.empty_like(w)
     for j in range(w.shape[1]):
-        if j % group == 0:
+        if j % group == 0 and sym:
             extent = w[:, j: j + group].abs().amax(dim=1)
             scale = round_up_fp16(2 * torch.where(extent > 0, extent, torch.ones_like(extent)) / max_q)
+            zero = torch.full_like(scale, 2 ** (bits - 1))
+        elif j % group == 0:
+            lo, hi = w[:, j: j + group].amin(dim=1).clamp(max=0), w[:, j: j + group].amax(dim=1).clamp(min=0)
+            scale = round_up_fp16(torch.where(hi > lo, hi - lo, torch.ones_like(hi)) / max_q)
+            zero = torch.round(-lo / scale).clamp(0, max_q)
         codes[:, j] = (torch.round(w[:, j] / scale) + zero).clamp(0, max_q)
         deq[:, j] = (codes[:, j] - zero) * scale
         err = (w[:, j] - deq[:, j]) / hinv[j, j]
@@ -67,14 +73,15 @@ def unblocked_reference(weight: torch.Tensor, hessian: torch.Tensor, group: int,
 
 @pytest.mark.parametrize("act_order", [False, True])
 # the block rounds up to a multiple of the group
-@pytest.mark.parametrize("group, block, bits", [(32, 128, 4), (64, 32, 4), (-1, 48, 4), (32, 64, 8)])
+@pytest.mark.parametrize("group, block, bits, sym", [(32, 128, 4, True), (64, 32, 4, True), (-1, 48, 4, True),
+                                                     (32, 64, 8, True), (32, 64, 4, False), (-1, 48, 8, False)])
 def test_blocked_cholesky_gptq_equals_the_papers_unblocked_form(act_order: bool, group: int, block: int,
-                                                                bits: int) -> None:
+                                                                bits: int, sym: bool) -> None:
     weight = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
     x = correlated_inputs(512, 128, seed=1)
     hessian = 2 * x.t() @ x / x.shape[0]
-    ours = gptq_quantize(weight, hessian, group, act_order, damp=0.01, block_size=block, bits=bits)
-    codes, deq = unblocked_reference(weight, hessian, 128 if group == -1 else group, act_order, 0.01, bits)
+    ours = gptq_quantize(weight, hessian, group, act_order, damp=0.01, block_size=block, bits=bits, sym=sym)
+    codes, deq = unblocked_reference(weight, hessian, 128 if group == -1 else group, act_order, 0.01, bits, sym)
     assert (ours.codes == codes.int()).float().mean() > 0.99  # float32 against float64: a rare tie may round apart
     assert relative_error(weight, ours.dequantized(), hessian) == pytest.approx(
         relative_error(weight, deq, hessian), rel=0.03)
@@ -99,6 +106,22 @@ def test_gptq_beats_round_to_nearest_on_the_calibration_inputs(act_order: bool) 
         assert relative_error(weight, approx, hessian) == pytest.approx(output_error(approx), rel=1e-4)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_v1_zero_points_are_written_as_gptqmodel_writes_them(bits: int) -> None:
+    """Each field less 1 on the whole word: a zero point of 0 borrows from the next field, and this file's reader
+    (the whole word plus 1 in every field) gets every zero point back, 0 and the largest included."""
+    from infer.quant.gptq_calibrate import v1_zeros
+
+    top = 2**bits - 1
+    zeros = torch.tensor([[0, top, 3, 0, 1, 0, top, 7], [5, 0, 0, 0, top, top, 0, 2]], dtype=torch.int32)
+    words = v1_zeros(zeros, bits)
+    assert words.shape == (2, 8 // (32 // bits)) and words.dtype == torch.int32
+    ones = np.uint32(sum(1 << (bits * i) for i in range(32 // bits)))
+    back = words.numpy().view(np.uint32) + ones
+    fields = np.stack([(back >> np.uint32(bits * i)) & np.uint32(top) for i in range(32 // bits)], axis=2)
+    assert fields.reshape(2, 8).tolist() == zeros.tolist()
+
+
 def test_an_input_no_token_uses_gets_zero_weights() -> None:
     weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
     x = correlated_inputs(256, 64, seed=5)
@@ -108,14 +131,16 @@ def test_an_input_no_token_uses_gets_zero_weights() -> None:
 
 
 def read_gptq_weight(tensors: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
-    """This file's own reading of a GPTQ v1 layer (symmetric or not, no zero point of 0):
-    ``(q - (z + 1)) * s`` per input's group, ``32 / bits`` fields per int32 word, the first in the lowest bits."""
+    """This file's own reading of a GPTQ v1 layer (symmetric or not): ``(q - z) * s`` per input's group, ``32 / bits``
+    fields per int32 word, the first in the lowest bits; v1's z is the qzeros word plus 1 in every field, added to
+    the whole word (GPTQModel's rule: a stored -1 borrowed from the next field)."""
     pack, mask = 32 // bits, np.uint32(2**bits - 1)
     words = tensors["qweight"].numpy().view(np.uint32)  # [in / pack, out]
     q = np.stack([(words >> np.uint32(bits * i)) & mask for i in range(pack)], axis=1).reshape(-1, words.shape[1])
-    zwords = tensors["qzeros"].numpy().view(np.uint32)  # [groups, out / pack]
+    one_each = sum(1 << (bits * i) for i in range(pack))
+    zwords = tensors["qzeros"].numpy().view(np.uint32) + np.uint32(one_each)  # wraps as a 32-bit word
     z = np.stack([(zwords >> np.uint32(bits * i)) & mask for i in range(pack)], axis=2).reshape(zwords.shape[0], -1)
-    z = z.astype(np.int64) + 1
+    z = z.astype(np.int64)
     g = tensors["g_idx"].numpy().astype(np.int64)
     s = tensors["scales"].float().numpy()
     return torch.from_numpy(np.ascontiguousarray(((q.astype(np.float64) - z[g]) * s[g]).T, dtype=np.float32))
@@ -140,23 +165,24 @@ def dense_twin(quantized: Path, dense: Path) -> None:
 EXPERTS = {"moe_intermediate_size": 64}  # a multiple of the group size, as real models' are
 
 
-@pytest.mark.parametrize("arch, act_order, bits, extra", [
-    ("llama", False, 4, None), ("llama", True, 4, None), ("phi3", True, 4, None), ("qwen2", False, 4, None),
-    ("llama", True, 8, None), ("qwen3moe", True, 4, EXPERTS), ("mixtral", False, 8, None),
-    ("qwen2moe", False, 4, {**EXPERTS, "shared_expert_intermediate_size": 64})])
+@pytest.mark.parametrize("arch, act_order, bits, extra, sym", [
+    ("llama", False, 4, None, True), ("llama", True, 4, None, True), ("phi3", True, 4, None, True),
+    ("qwen2", False, 4, None, True), ("llama", True, 8, None, True), ("qwen3moe", True, 4, EXPERTS, True),
+    ("mixtral", False, 8, None, True), ("qwen2moe", False, 4, {**EXPERTS, "shared_expert_intermediate_size": 64}, True),
+    ("llama", True, 4, None, False), ("qwen3moe", False, 8, EXPERTS, False)])
 def test_the_written_checkpoint_generates_like_hf_on_its_weights(
-        arch: str, act_order: bool, bits: int, extra: dict[str, int] | None, tmp_path: Path,
+        arch: str, act_order: bool, bits: int, extra: dict[str, int] | None, sym: bool, tmp_path: Path,
         tiny_model_factory: Callable[..., Path], hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
     """Mixtures of experts too: each expert quantized on the tokens routed to it, written as per-expert linears."""
     from infer import LLM
 
     model = tiny_model_factory(arch, extra=extra) if extra else tiny_model_factory(arch)
-    reports = calibrate_gptq(model, tmp_path / "gptq", GptqCalibrationConfig(**{**CALIB.__dict__,
-                                                                                "act_order": act_order, "bits": bits}))
+    options = {**CALIB.__dict__, "act_order": act_order, "bits": bits, "sym": sym}
+    reports = calibrate_gptq(model, tmp_path / "gptq", GptqCalibrationConfig(**options))
     assert all(r.error < r.rtn_error for r in reports)  # on the calibration inputs
     qc = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"], qc["checkpoint_format"]) \
-        == ("gptq", bits, 32, True, act_order, "gptq")
+        == ("gptq", bits, 32, sym, act_order, "gptq")
     assert json.loads((tmp_path / "gptq" / "gptq_calibration.json").read_text())["calibration_data"]["samples"] == 8
     dense_twin(tmp_path / "gptq", tmp_path / "dense")
     llm = LLM(model=str(tmp_path / "gptq"), device="cpu", num_kv_blocks=32)
@@ -195,14 +221,17 @@ def test_quantize_command_writes_gptq_and_refuses_gptq_options_elsewhere(tiny_mo
     result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "a"), "--method", "awq",
                                   "--act-order", *common])
     assert result.exit_code == 2 and "--act-order apply to --method gptq only" in result.output
+    result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "a"), "--asym", *common])
+    assert result.exit_code == 2 and "--sym/--asym apply to --method gptq only" in result.output
     result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "b"), "--method", "gptq",
                                   "--damp", "0", *common])
     assert result.exit_code != 0 and "--damp must be in (0, 1]" in result.output
     result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "c"), "--method", "gptq",
-                                  "--act-order", "--group-size", "32", *common])
+                                  "--act-order", "--asym", "--group-size", "32", *common])
     assert result.exit_code == 0, result.output
     assert "wrote the GPTQ checkpoint" in result.output and "GPTQ / RTN" in result.output
-    assert json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]["desc_act"] is True
+    written = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
+    assert written["desc_act"] is True and written["sym"] is False
 
 
 def test_bad_gptq_options_are_config_errors() -> None:
