@@ -2,6 +2,7 @@
 (quant/gptq_calibrate.py) written as a GPTQ one."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -107,17 +108,25 @@ def _print_summary(reports: list[Any]) -> None:
     Console(stderr=True).print(table)
 
 
+def gptq_summary(reports: list[Any]) -> list[tuple[str, float, float]]:
+    """Per linear kind (a mixture's experts' projections as one kind, ``experts.*``): the mean over layers (and
+    experts) of GPTQ's relative output error on the calibration inputs, and RTN's."""
+    kinds: dict[str, list[Any]] = {}
+    for r in reports:
+        kinds.setdefault(re.sub(r"\.experts\.\d+\.", ".experts.*.", r.linear), []).append(r)
+    return [(kind, sum(r.error for r in rows) / len(rows), sum(r.rtn_error for r in rows) / len(rows))
+            for kind, rows in kinds.items()]
+
+
 def _print_gptq_summary(reports: list[Any]) -> None:
     """One row per linear kind: GPTQ's output error on the calibration inputs, relative to the output, and RTN's."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table("linear", "GPTQ error", "RTN error", "GPTQ / RTN", title="GPTQ (relative output error on the "
-                  "calibration inputs, mean over layers)")
-    for name in dict.fromkeys(r.linear for r in reports):
-        rows = [r for r in reports if r.linear == name]
-        error, rtn = (sum(getattr(r, k) for r in rows) / len(rows) for k in ("error", "rtn_error"))
-        table.add_row(name, f"{error:.2e}", f"{rtn:.2e}", f"{error / max(rtn, 1e-30):.3f}")
+                  "calibration inputs, mean over layers and experts)")
+    for kind, error, rtn in gptq_summary(reports):
+        table.add_row(kind, f"{error:.2e}", f"{rtn:.2e}", f"{error / max(rtn, 1e-30):.3f}")
     Console(stderr=True).print(table)
 
 

@@ -234,6 +234,17 @@ def test_quantize_command_writes_gptq_and_refuses_gptq_options_elsewhere(tiny_mo
     assert written["desc_act"] is True and written["sym"] is False
 
 
+def test_the_summary_pools_a_mixtures_experts_by_projection() -> None:
+    from infer.plugins.quant_commands import gptq_summary
+    from infer.quant.gptq_calibrate import GptqLayerReport
+
+    reports = [GptqLayerReport(0, "self_attn.q_proj", 0.1, 0.2), GptqLayerReport(1, "self_attn.q_proj", 0.3, 0.4),
+               GptqLayerReport(0, "mlp.experts.0.w1", 1.0, 2.0), GptqLayerReport(0, "mlp.experts.11.w1", 3.0, 4.0),
+               GptqLayerReport(1, "mlp.experts.3.w2", 5.0, 6.0)]
+    assert gptq_summary(reports) == [("self_attn.q_proj", pytest.approx(0.2), pytest.approx(0.3)),
+                                     ("mlp.experts.*.w1", 2.0, 3.0), ("mlp.experts.*.w2", 5.0, 6.0)]
+
+
 def test_bad_gptq_options_are_config_errors() -> None:
     for options, message in (({"damp": float("nan")}, "--damp"), ({"block_size": 0}, "--block-size"),
                              ({"bits": 3}, "4- or 8-bit weights"), ({"group_size": 48}, "--group-size")):
