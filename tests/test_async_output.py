@@ -3,6 +3,8 @@ text, stop strings, finish reasons, logprobs, n > 1, streaming, aborts, speculat
 So does async scheduling (each step launched before the previous step's tokens are read back)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from infer.core.config import EngineConfig
@@ -301,3 +303,96 @@ def test_abort_after_a_stop_string_was_sampled_returns_the_stop():
 def test_async_scheduling_defaults_on_with_cuda_only_where_it_can_run(device, options, expected):
     """Measured on an H200 (docs/PERF.md), so on by default there; never chosen where it would be refused."""
     assert EngineConfig(model="m", **options).validate().async_scheduling_on(device) is expected
+
+
+@pytest.mark.parametrize("mode", ["async_output", "async_scheduling"])
+def test_the_scheduler_is_updated_with_live_sequences_only(stops, mode):
+    """Scheduler.update's contract (core/interfaces.py): its ``output`` is what schedule returned, less the
+    sequences the engine finished in between (a stop string found in the outputs built during the forward pass, a
+    stop token read back a step late), so every sequence in it is live. The shipped scheduler skips finished ones
+    itself, which hid a schedule passed on whole."""
+    e = engine(**{mode: True})
+    schedule, update = e.scheduler.schedule, e.scheduler.update
+    scheduled: list[set[int]] = []
+    left_out, finished_in_update = [], []
+
+    def recording_schedule():
+        out = schedule()
+        scheduled.append({item.seq.seq_id for item in out.scheduled})
+        return out
+
+    def checking_update(out, sampled, now):
+        given = {item.seq.seq_id for item in out.scheduled}
+        left_out.append(scheduled[-1] - given)
+        finished_in_update.extend(item.seq.seq_id for item in out.scheduled if item.seq.is_finished)
+        return update(out, sampled, now)
+
+    e.scheduler.schedule, e.scheduler.update = recording_schedule, checking_update
+    outputs = e.generate(PROMPTS, params(stops))
+    assert completions(outputs) == completions(engine(async_output=False).generate(PROMPTS, params(stops)))
+    assert any(left_out) and not finished_in_update  # some were finished in between, and none was passed on
+    assert drained(e)
+
+
+def test_an_n2_request_in_chunked_prefill_costs_async_scheduling_one_step():
+    """An n = 2 request whose prompt takes several chunks: only the step of its last chunk (its first sequence
+    samples there, and the children copy that token) runs synchronously, not every step while the fork is pending."""
+    options = {"scheduler": "chunked-prefill", "max_num_batched_tokens": 16}
+    e = engine(async_scheduling=True, **options)
+    for prompt in PROMPTS[:2]:
+        e.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    for _ in range(2):
+        e.step()
+    prompt = list(range(100, 160))  # 60 tokens: 4 chunks or more beside the two decodes
+    sampling = SamplingParams(max_tokens=8, temperature=0.8, seed=1, n=2, ignore_eos=True)
+    rid = e.add_request(prompt, sampling)
+    ahead, tokens = [], {0: [], 1: []}
+    while e.has_unfinished():
+        for out in e.step():
+            for c in out.outputs if out.request_id == rid else ():
+                tokens[c.index] += c.token_ids
+        ahead.append(e.in_flight is not None)
+    assert ahead.index(False) >= 3 and ahead[:-1].count(False) == 1, ahead  # the fork step; the last drains
+    reference = engine(**options).generate([prompt], sampling)[0]
+    assert [tokens[0], tokens[1]] == [c.token_ids for c in reference.outputs]
+    assert drained(e)
+
+
+def test_async_scheduling_times_a_token_when_it_is_read_back():
+    """A token exists on the host only when the step after its launch reads it back: its time (TTFT's first token,
+    TPOT's token times) is taken then, not at the launch."""
+    e = engine(async_scheduling=True)
+    rid = e.add_request(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    seq = e.requests[rid].seqs[0]
+    launched = []
+    while e.has_unfinished():
+        e.step()
+        launched.append(time.perf_counter())  # this step's token (if any) is still in flight now
+    assert len(seq.token_times) == 3 and seq.first_token_time == seq.token_times[0]
+    for i, at in enumerate(seq.token_times):  # token i was launched in step i, read back in step i + 1
+        assert launched[i] < at <= launched[i + 1]
+    assert drained(e)
+
+
+def test_async_scheduling_recovers_from_a_ctrl_c_before_the_update_placed_its_pending_tokens():
+    """A Ctrl-C as the scheduler's update starts: the step's tokens are in flight, but their PENDING places were
+    never appended. The next step's read-back skips them (their sequences run that step again): another stream
+    still gets every token of an uninterrupted run."""
+    e = engine(async_scheduling=True)
+    sampling = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    update, interrupted = e.scheduler.update, []
+
+    def ctrl_c_then_update(out, sampled, now):
+        if not interrupted and e.steps_taken == 4:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return update(out, sampled, now)
+
+    e.scheduler.update = ctrl_c_then_update
+    driver, watched = e.stream(PROMPTS[0], sampling), e.stream(PROMPTS[1], sampling)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in driver:
+            pass
+    tokens = [t for out in watched for t in out.outputs[0].token_ids]
+    assert interrupted and tokens == engine().generate(PROMPTS[1:2], sampling)[0].outputs[0].token_ids
+    assert drained(e)

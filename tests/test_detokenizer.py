@@ -213,3 +213,54 @@ def test_an_invalid_prompt_byte_before_the_open_character_stays_the_prompts(toke
     windowed, table_read = IncrementalDetokenizer(tokenizer, prompt), ByteLevelDetokenizer(table, prompt)
     texts = [detok.add(output) + detok.flush() for detok in (windowed, table_read)]
     assert texts[0] == texts[1] == "€" + b"".join(table[t] for t in output[1:]).decode()
+
+
+@pytest.mark.parametrize("name", ["bytes", "window"])
+def test_a_second_flush_adds_nothing(tokenizer, sentencepiece_like, name):
+    """A finished sequence emitted again (after an interrupted step) is flushed again: nothing more comes out, and
+    the text stays the tokenizer's decode."""
+    tok = tokenizer if name == "bytes" else sentencepiece_like
+    lead = byte_level_table(tok).index(b"\xe2") if name == "bytes" else tok.convert_tokens_to_ids("<0xE2>")
+    prompt = tok.encode("the quick", add_special_tokens=False)
+    output = tok.encode(" brown fox", add_special_tokens=False) + [lead]  # ends inside a character: held to the end
+    detok = detokenizer_factory(tok)(prompt)
+    assert isinstance(detok, ByteLevelDetokenizer if name == "bytes" else IncrementalDetokenizer)
+    text = detok.add(output) + detok.flush()
+    assert text.endswith("\ufffd") and detok.flush() == "" and detok.add([]) == "" and detok.text == text
+    context = tok.decode(prompt[-5:], skip_special_tokens=True)
+    assert text == tok.decode(prompt[-5:] + output, skip_special_tokens=True)[len(context):]
+
+
+@pytest.mark.parametrize("name", ["bytes", "window", "window-on-byte-level"])
+def test_a_character_split_over_output_tokens_comes_out_whole_once_complete(tokenizer, sentencepiece_like, name):
+    """Output tokens one at a time, "€" spelled by three byte tokens between words: nothing of it comes out until
+    its last byte (no U+FFFD in the stream), then the character; the text is the tokenizer's decode."""
+    tok = sentencepiece_like if name == "window" else tokenizer
+    if name == "window":
+        euro = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "€".encode()]
+    else:
+        euro = [byte_level_table(tok).index(bytes([b])) for b in "€".encode()]
+    prompt = tok.encode("the price", add_special_tokens=False)
+    words = [tok.encode(w, add_special_tokens=False) for w in (" of a fox", " dog", " the lazy")]
+    output = [*words[0], *euro, *words[1], *euro, *euro, *words[2]]
+    detok = ByteLevelDetokenizer(byte_level_table(tok), prompt) if name == "bytes" else \
+        IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.add([t]) for t in output] + [detok.flush()]
+    context = tok.decode(prompt[-5:], skip_special_tokens=True)
+    assert "".join(deltas) == detok.text == tok.decode(prompt[-5:] + output, skip_special_tokens=True)[len(context):]
+    assert "\ufffd" not in detok.text and detok.text.count("€") == 3
+    start = len(words[0])
+    assert deltas[start : start + 3] == ["", "", "€"]  # held until complete, then out at once
+
+
+def test_a_special_token_between_words_keeps_the_window_detokenizers_spaces(sentencepiece_like):
+    """A special token has no text: the window stays on the words before it, so the next word's leading space (which
+    this decoder strips at the start of a decode) comes out as in the tokenizer's decode."""
+    tok = sentencepiece_like
+    prompt = tok.encode("the price", add_special_tokens=False)
+    output = [*tok.encode(" of a fox", add_special_tokens=False), tok.eos_token_id,
+              *tok.encode(" dog", add_special_tokens=False)]
+    detok = IncrementalDetokenizer(tok, prompt)
+    text = "".join(detok.add([t]) for t in output) + detok.flush()
+    context = tok.decode(prompt[-5:], skip_special_tokens=True)
+    assert text == tok.decode(prompt[-5:] + output, skip_special_tokens=True)[len(context):]

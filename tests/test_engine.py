@@ -1513,3 +1513,213 @@ def test_a_requeued_parent_that_has_forked_takes_one_seat() -> None:
     assert [item.seq for item in scheduler.schedule().scheduled] == [child]
     scheduler.add(parent)
     assert [item.seq for item in scheduler.schedule().scheduled] == [child, parent]
+
+
+# ---------------------------------------------------------------- engine bookkeeping (a second mutation audit)
+def test_a_request_id_in_use_is_refused_and_its_request_runs_on(engine):
+    """A second add_request of a live id is an InvalidRequestError; the first request keeps its id and tokens."""
+    from infer.core.errors import InvalidRequestError
+
+    engine.add_request([5, 6, 7], greedy(4), request_id="taken")
+    with pytest.raises(InvalidRequestError, match="request id 'taken' is already in use"):
+        engine.add_request([8, 9, 10], greedy(9), request_id="taken")
+    assert engine.scheduler.num_waiting() + engine.scheduler.num_running() == 1  # nothing of the second queued
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == \
+        engine.generate([[5, 6, 7]], greedy(4))[0].outputs[0].token_ids
+    assert [d.finished for d in deltas].count(True) == 1 and drained(engine)
+
+
+def test_the_summary_counts_every_prompt_and_output_token(tiny_model):
+    """summary()'s prompt_tokens and output_tokens: the prompts' lengths and every completion's tokens (n = 2
+    counts both), one request run alone, then three together."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.9, seed=1, n=2, ignore_eos=True))
+    assert (e.stats.summary()["prompt_tokens"], e.stats.summary()["output_tokens"]) == (4, 6)
+    e.generate([[5] * 10, [6] * 3, [7]], [greedy(2), greedy(5), greedy(1)])
+    assert (e.stats.summary()["prompt_tokens"], e.stats.summary()["output_tokens"]) == (4 + 14, 6 + 8)
+
+
+def test_closing_a_batch_reader_after_two_of_its_requests_ended_together_aborts_the_third(engine):
+    """Two requests end in one step, the caller takes the first result and closes the reader: the other finished
+    one is not aborted (it no longer exists: aborting it raised NotFoundError out of close()), the third is."""
+    calls = engine.generate_as_completed([[5, 6, 7], [8, 9, 10], [11, 12]], [greedy(2), greedy(2), greedy(40)])
+    index, first = next(calls)
+    assert index == 0 and first.finished
+    calls.close()
+    assert not engine.has_unfinished() and not engine.readers.owned and drained(engine)
+
+
+def test_an_abort_that_fails_as_a_stream_is_closed_raises_from_close(tiny_model):
+    """Closing a stream aborts its request; an observer's error in that abort is news (no error came before), so
+    close() raises it, naming the plugin, and the request is gone."""
+    from infer.core.errors import PluginError
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(FailsOnFirstFinish(), name="fails-on-finish", source="acme")
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64), plugins)
+    stream = e.stream([5, 6, 7], greedy(30))
+    next(stream)
+    with pytest.raises(PluginError, match="fails-on-finish"):
+        stream.close()
+    assert not e.requests and e.kv.stats().used_blocks == 0
+
+
+def test_after_a_ctrl_c_a_completion_that_stopped_before_it_is_not_finished_again(tiny_model):
+    """A Ctrl-C (in an on_step observer) while an n = 3 request runs, one of its completions stopped steps before:
+    the next step re-emits only requests whose every sequence finished, so each completion finishes once, and the
+    request's tokens are those of an uninterrupted run."""
+    class CtrlCAt:
+        steps, at = 0, -1
+
+        @hookimpl
+        def on_step(self, stats):
+            self.steps += 1
+            if self.steps == self.at:
+                raise KeyboardInterrupt
+
+    plugins, observer = PluginManager.from_entry_points(), CtrlCAt()
+    plugins.register(observer, name="ctrl-c-at", source="test")
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64), plugins)
+    seeded = dict(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True, n=3)
+    free = e.generate(["hello"], SamplingParams(**seeded))[0].outputs
+    stop = next(t for t in free[2].token_ids[1:3] if t not in free[0].token_ids + free[1].token_ids
+                and t not in free[2].token_ids[:1])
+    want = e.generate(["hello"], SamplingParams(**seeded, stop_token_ids=[stop]))[0].outputs
+    assert want[2].finish_reason is FinishReason.STOP and len(want[2].token_ids) <= 3
+    observer.steps, observer.at = 0, 6  # completion 2 stopped by step 4
+    driver = e.stream([5, 6, 7], greedy(30))
+    watched = e.stream("hello", SamplingParams(**seeded, stop_token_ids=[stop]))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in driver:
+            pass
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finishes = []
+    for out in watched:
+        for c in out.outputs:
+            tokens[c.index] += c.token_ids
+            finishes += [(c.index, c.finish_reason)] if c.finish_reason is not None else []
+    assert sorted(finishes) == [(0, FinishReason.LENGTH), (1, FinishReason.LENGTH), (2, FinishReason.STOP)]
+    assert [tokens[i] for i in range(3)] == [c.token_ids for c in want]
+    assert not e.has_unfinished() and e.kv.stats().used_blocks == 0
+
+
+def test_copies_a_scheduler_leaves_in_the_kv_cache_run_before_the_step(tiny_model, hf_greedy):
+    """KVCache.take_block_ops: "the engine takes what is left after each Scheduler.schedule". A scheduler that
+    never takes the copy-on-write copies itself still gets them run: n = 3 forks share a part-full prompt block,
+    each child's first write copies it, and every completion is HF's greedy one."""
+    from infer.core.interfaces import BlockOps
+
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    schedule, take, inside, left = e.scheduler.schedule, e.kv.take_block_ops, [], []
+
+    def schedule_without_taking():
+        inside.append(True)
+        try:
+            return schedule()
+        finally:
+            inside.pop()
+
+    def take_outside_schedule() -> BlockOps:
+        if inside:
+            return BlockOps()
+        ops = take()
+        left.append(len(ops.copies))
+        return ops
+
+    e.scheduler.schedule, e.kv.take_block_ops = schedule_without_taking, take_outside_schedule
+    prompt = rand_prompt(20, 4)  # a part-full second block, shared by the forks
+    out = e.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=3))[0]
+    assert [c.token_ids for c in out.outputs] == [hf_greedy(tiny_model, prompt, 6)] * 3
+    assert sum(left) >= 2  # the copies came to the engine
+    assert drained(e)
+
+
+def test_a_scheduler_whose_finish_leaves_the_sequence_running_is_named(tiny_model):
+    """The engine ends a request by its sequences' status: a finish() that does not set it would leave the request
+    for ever, so the abort fails naming the scheduler and what its finish() must do."""
+    from infer.core.errors import PluginError
+
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    rid = e.add_request([5, 6, 7], greedy(10))
+    e.step()
+    e.scheduler.finish = lambda seq, reason: None
+    with pytest.raises(PluginError, match=r"scheduler 'continuous': finish\(\) left sequence \d+ RUNNING; it must "
+                                          "set seq.status = SequenceStatus.FINISHED"):
+        e.abort(rid)
+
+
+def test_an_error_held_for_a_step_that_then_fails_is_not_raised_by_the_next_step(tiny_model):
+    """An observer's error at a request's end is held until the step's end; a Ctrl-C later in that step raises
+    instead. The held error goes with that step: the next steps run clean, and the other request's tokens are whole."""
+    class FinishThenCtrlC:
+        failed = interrupted = False
+
+        @hookimpl
+        def on_request_finished(self, output):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("transient")
+
+        @hookimpl
+        def on_step(self, stats):
+            if self.failed and not self.interrupted:
+                self.interrupted = True
+                raise KeyboardInterrupt
+
+    plugins, observer = PluginManager.from_entry_points(), FinishThenCtrlC()
+    plugins.register(observer, name="finish-then-ctrl-c", source="test")
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64), plugins)
+    short, long = e.stream([5, 6, 7], greedy(2)), e.stream([8, 9, 10], greedy(8))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in short:
+            pass
+    assert observer.failed and observer.interrupted
+    tokens = [t for out in long for t in out.outputs[0].token_ids]  # steps on: no error left over
+    assert tokens == e.generate([[8, 9, 10]], greedy(8))[0].outputs[0].token_ids
+    assert not e.has_unfinished() and e.kv.stats().used_blocks == 0
+
+
+def test_of_two_requests_failing_at_their_end_in_one_step_the_first_ones_error_is_raised(tiny_model):
+    """Both requests end in one step and an observer fails on each: both are finished and gone, and the step
+    raises the first failure (the first request's), as it does for any error held until a step's end."""
+    from infer.core.errors import PluginError
+
+    class FailsOnEveryFinish:
+        @hookimpl
+        def on_request_finished(self, output):
+            raise RuntimeError(f"cannot record {output.request_id}")
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(FailsOnEveryFinish(), name="fails-on-every-finish", source="acme")
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64), plugins)
+    e.add_request([5, 6, 7], greedy(2), request_id="first")
+    e.add_request([8, 9, 10], greedy(2), request_id="second")
+    e.step()
+    with pytest.raises(PluginError) as info:
+        e.step()
+    assert "cannot record first" in str(info.value.__cause__) and not e.requests
+    assert e.kv.stats().used_blocks == 0
+
+
+def test_one_token_prefill_chunks_beside_decodes_equal_hf(tiny_model, hf_greedy):
+    """A budget of 4 tokens with three sequences decoding leaves one token a step to a long prompt: each of its
+    one-token chunks but the last is a prefill (no sample), and every output is HF's greedy one."""
+    e, log = observed_engine(tiny_model, scheduler="chunked-prefill", max_num_batched_tokens=4, max_num_seqs=4,
+                             num_kv_blocks=64, block_size=4)
+    prompts, lengths = [[11], [12], [13], rand_prompt(9, 60)], [12, 12, 12, 3]
+    outs = e.generate(prompts, [greedy(n) for n in lengths])
+    assert sum(split == (1, 3) for split in log.split) >= 4  # one prompt token beside three decodes, steps on end
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tiny_model, p, n) for p, n in zip(prompts, lengths)]
+    assert drained(e)
+
+
+def test_a_kv_memory_budget_holds_the_blocks_its_bytes_fit(tiny_model):
+    """--kv-cache-memory-gb: a block holds K and V of every layer for block_size tokens (float32 on the CPU), so the
+    pool is the budget over that, rounded down."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache_memory_gb=0.01, block_size=16))
+    spec = e.loaded.model.spec
+    per_block = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 4
+    assert e.kv.num_blocks == int(0.01 * 2**30) // per_block > 1

@@ -615,3 +615,18 @@ def test_a_grammar_grown_past_its_bound_serves_its_requests_and_later_ones_get_a
         prefix, whole = nested_digit_lists(completion.text)
         assert prefix and whole == (completion.finish_reason is FinishReason.STOP)
     assert all(nested_digit_lists("".join(parts))[0] for parts in outs.values()) and set(outs) == {"a", "b"}
+
+
+def test_logit_controls_still_apply_under_the_structured_mask(engine: Engine) -> None:
+    """logit_bias with a choice: the mask applies to the biased logits, so a +100 bias on the first token of the
+    choice the greedy output skips makes that choice the output (both stay allowed by the mask)."""
+    choices = ("red", "blue")
+    spec = StructuredOutput(choice=choices)
+    plain = engine.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, structured_output=spec))[0]
+    picked = plain.outputs[0].text
+    assert picked in choices
+    other = choices[1 - choices.index(picked)]
+    first = engine.tokenizer.encode(other, add_special_tokens=False)[0]
+    biased = engine.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, structured_output=spec,
+                                                      logit_bias={first: 100.0}))[0]
+    assert biased.outputs[0].text == other
