@@ -258,6 +258,157 @@ def test_attention_head_dim_not_a_power_of_two(device: torch.device) -> None:
     torch.testing.assert_close(out, attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.2))
 
 
+def test_store_kv_reads_and_writes_each_tensor_with_its_own_strides(device: torch.device) -> None:
+    """k and v need not share a layout (Qwen3's k leaves its norm contiguous while v stays a view of the fused
+    projection), nor need the two caches (last dim contiguous, other strides free): each is indexed by its own."""
+    torch.manual_seed(1)
+    tokens, kv_heads, head_dim, page = 5, 2, 16, 4
+    k = torch.randn(tokens, kv_heads, head_dim, device=device)
+    v = torch.randn(tokens, 3 * kv_heads, head_dim, device=device)[:, kv_heads:2 * kv_heads]
+    k_cache = torch.zeros(4, page, kv_heads, head_dim, device=device)
+    v_cache = torch.zeros(4, page, 2 * kv_heads, head_dim, device=device)[:, :, kv_heads:]
+    slots = [5, -1, 0, 15, 9]
+    attn.store_kv(k, v, k_cache, v_cache, torch.tensor(slots, device=device))
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            want_k[slot // page, slot % page], want_v[slot // page, slot % page] = k[t], v[t]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_reads_a_strided_q_and_caches_of_different_layouts(device: torch.device, num_splits: int) -> None:
+    """q as the engine passes it, a view of the fused qkv projection (its row stride is not the output's), and a V
+    cache whose strides are not the K cache's: the output rows land where a contiguous q's would."""
+    torch.manual_seed(11)
+    kv_heads, group, head_dim, page = 2, 2, 16, 8
+    context, query = [5, 30, 12], [1, 9, 1]
+    k_cache = torch.randn(12, page, kv_heads, head_dim, device=device)
+    v_cache = torch.randn(12, page, 3 * kv_heads, head_dim, device=device)[:, :, kv_heads:2 * kv_heads]
+    tables = block_tables_for(context, page, 12, device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    starts = torch.tensor([0] + query, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    heads = kv_heads * group
+    qkv = torch.randn(sum(query), heads + 2 * kv_heads, head_dim, device=device)
+    q = qkv[:, :heads]
+    want = attn.paged_attention_ref(q.contiguous(), k_cache, v_cache.contiguous(), tables, starts, lens, 0.3)
+    got = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.3, block_m=16, block_n=16)
+    torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+    q_dec = torch.randn(3, heads + 2 * kv_heads, head_dim, device=device)[:, :heads]
+    want = attn.decode_attention_ref(q_dec.contiguous(), k_cache, v_cache.contiguous(), tables, lens, 0.3)
+    got = attn.decode_attention(q_dec, k_cache, v_cache, tables, lens, 0.3, num_splits, block_n=16)
+    torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+
+
+def test_prefill_attention_finds_the_sequence_of_each_tile_past_16_sequences(device: torch.device) -> None:
+    """A mixed step of 20 sequences (decode rows and two prompts): each tile's sequence is looked up among all of
+    them, not among the first 16."""
+    torch.manual_seed(12)
+    page = 8
+    query = [1] * 17 + [5, 1, 9]
+    context = [3 + 2 * i for i in range(17)] + [5, 21, 14]
+    k_cache, v_cache = paged_cache(64, page, 1, 16, torch.float32, device)
+    tables = block_tables_for(context, page, 64, device)
+    starts = torch.tensor([0] + query, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(sum(query), 2, 16, device=device)
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.25, block_m=16, block_n=16)
+    ref = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.25)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("block_m", [2, 16])  # 2: fewer rows than the group asks (raised to 4, one token a tile)
+def test_attention_with_a_group_that_is_not_a_power_of_two(device: torch.device, block_m: int) -> None:
+    """Three query heads per KV head (as 12 over 4, or Qwen2.5-7B's 7): a tile of 16 rows holds 5 tokens and one
+    spare row, which must compute and write nothing."""
+    torch.manual_seed(13)
+    kv_heads, group, head_dim, page = 2, 3, 16, 8
+    query, context = [1, 12, 7], [10, 12, 20]
+    k_cache, v_cache = paged_cache(12, page, kv_heads, head_dim, torch.float32, device)
+    tables = block_tables_for(context, page, 12, device)
+    starts = torch.tensor([0] + query, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(sum(query), kv_heads * group, head_dim, device=device)
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.3, block_m=block_m, block_n=16)
+    torch.testing.assert_close(out, attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.3),
+                               **ATTN_TOL[torch.float32])
+    q_dec = q[[0, 12, 19]]
+    out = attn.decode_attention(q_dec, k_cache, v_cache, tables, lens, 0.3, 2, block_n=16)
+    torch.testing.assert_close(out, attn.decode_attention_ref(q_dec, k_cache, v_cache, tables, lens, 0.3),
+                               **ATTN_TOL[torch.float32])
+
+
+def test_prefill_attention_zeroes_padding_tokens_of_a_batch_without_padding_sequences(device: torch.device) -> None:
+    """Padding tokens after the last sequence's and no padding sequence: the last sequence's own tiles zero them,
+    the rows that share its last real tile included."""
+    torch.manual_seed(14)
+    query, context = [3, 18], [10, 18]
+    k_cache, v_cache = paged_cache(8, 8, 2, 16, torch.float32, device)
+    tables = block_tables_for(context, 8, 8, device)
+    starts = torch.tensor([0] + query, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)  # 0, 3, 21
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(30, 4, 16, device=device)  # 9 padding tokens
+    out = torch.full_like(q, float("nan"))
+    attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.3, block_m=16, block_n=16, out=out)
+    torch.testing.assert_close(out[:21], attn.paged_attention_ref(q[:21], k_cache, v_cache, tables, starts, lens,
+                                                                  0.3), **ATTN_TOL[torch.float32])
+    assert bool((out[21:] == 0).all())
+
+
+@pytest.mark.parametrize("window", [4, 9])
+def test_prefill_attention_window_starting_at_every_offset_in_a_key_block(device: torch.device, window: int) -> None:
+    """Decode rows whose windows start at each of the 16 offsets in a key block: the first key of each window is
+    read, also where it is the last key of the block before the one its query falls in."""
+    torch.manual_seed(window)
+    context = list(range(window + 8, window + 24))  # window starts ctx - window = 8 ... 23
+    k_cache, v_cache = paged_cache(64, 8, 1, 16, torch.float32, device)
+    tables = block_tables_for(context, 8, 64, device)
+    starts = torch.arange(len(context) + 1, dtype=torch.int32, device=device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.randn(len(context), 2, 16, device=device)
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.3, block_n=16, window=window)
+    ref = attn.paged_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.3, window=window)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+
+
+def test_attention_keeps_a_score_far_above_the_later_blocks(device: torch.device) -> None:
+    """One key in the first block scores 100 above every later key (an attention sink): the running max carries it,
+    so later blocks' rescaling factors stay at most 1 (exp2 of a 144 gap would overflow fp32)."""
+    torch.manual_seed(15)
+    head_dim, context = 16, [48]
+    k_cache, v_cache = paged_cache(6, 8, 1, head_dim, torch.float32, device)
+    tables = block_tables_for(context, 8, 6, device)
+    lens = torch.tensor(context, dtype=torch.int32, device=device)
+    q = torch.zeros(1, 1, head_dim, device=device)
+    q[0, 0, 0] = 10.0
+    k_cache.mul_(0.1)
+    k_cache[tables[0, 0], 0] = 0.0
+    k_cache[tables[0, 0], 0, 0, 0] = 10.0  # key 0: score 100, the others about 1 or less
+    out = attn.decode_attention(q, k_cache, v_cache, tables, lens, 1.0, 1, block_n=16)
+    torch.testing.assert_close(out, attn.decode_attention_ref(q, k_cache, v_cache, tables, lens, 1.0))
+    torch.testing.assert_close(out[0, 0], v_cache[tables[0, 0], 0, 0])  # all of the weight on key 0
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    out = attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 1.0, block_n=16)
+    torch.testing.assert_close(out[0, 0], v_cache[tables[0, 0], 0, 0])
+
+
+def test_attention_refuses_one_sided_kv_scales_and_uneven_groups(device: torch.device) -> None:
+    k_cache, v_cache = paged_cache(2, 8, 2, 16, torch.float32, device)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32, device=device), torch.ones(1, dtype=torch.int32, device=device)
+    starts, scale = torch.tensor([0, 1], dtype=torch.int32, device=device), torch.ones(2, device=device)
+    q = torch.randn(1, 4, 16, device=device)
+    for kwargs in ({"k_scale": scale}, {"v_scale": scale}):
+        with pytest.raises(ValueError, match="give both"):
+            attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 1, **kwargs)
+        with pytest.raises(ValueError, match="give both"):
+            attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.25, **kwargs)
+    q = torch.randn(1, 3, 16, device=device)  # 3 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="not a multiple"):
+        attn.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 1)
+    with pytest.raises(ValueError, match="not a multiple"):
+        attn.prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.25)
+
+
 # ---------------------------------------------------------------- fused small ops (references: models/layers.py)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -342,6 +493,71 @@ def test_gelu_tanh_and_mul(device: torch.device, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, layers.gelu_tanh_and_mul(gate, up), **TOL[dtype])
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_rounds_the_normed_value_where_the_torch_op_does(device: torch.device, weight_dtype: torch.dtype,
+                                                                  with_residual: bool) -> None:
+    """fp16 activations: the normed value is rounded to fp16 before the weight multiply (HF Llama), so the kernel
+    equals the torch op to the last bit but for fp32 summation order (rounding once instead matches 73%); an fp32
+    weight promotes the output to fp32, which still carries the fp16 rounding of the normed value."""
+    torch.manual_seed(6)
+    x = torch.randn(8, 96, dtype=torch.float16, device=device) * 3
+    residual = torch.randn_like(x) if with_residual else None
+    weight = (torch.randn(96, device=device) * 0.2 + 1.0).to(weight_dtype)
+    got = ops.rms_norm(x, weight, 1e-6, residual)
+    ref = layers.rms_norm(x, weight, 1e-6, residual)
+    for g, r in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref)), strict=True):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert (g == r).float().mean() > 0.97
+    assert (got[0] if with_residual else got).dtype == weight_dtype
+
+
+@pytest.mark.parametrize("norm", ["rms_norm", "gemma_rms_norm"])
+@pytest.mark.parametrize("layout", ["column-slice", "transposed"])
+def test_rms_norm_reads_and_writes_rows_with_their_own_strides(device: torch.device, norm: str, layout: str) -> None:
+    """x a column slice of a wider tensor (its row stride is not the output's, nor the residual's), or a transposed
+    one (its last dimension strided: copied to contiguous rows first)."""
+    torch.manual_seed(7)
+    wide, tall = torch.randn(5, 128, device=device), torch.randn(96, 5, device=device)
+    x = wide[:, :96] if layout == "column-slice" else tall.t()
+    residual = torch.randn(5, 96, device=device)
+    weight = torch.randn(96, device=device) * 0.2 + 1.0
+    for res in (None, residual):
+        got = getattr(ops, norm)(x, weight, 1e-6, res)
+        ref = getattr(layers, norm)(x, weight, 1e-6, res)
+        for g, r in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref)), strict=True):
+            torch.testing.assert_close(g, r, **TOL[torch.float32])
+
+
+def test_rotary_embedding_with_head_strides_that_are_not_the_head_size(device: torch.device) -> None:
+    """Heads spaced wider than their size (a slice of each head's row), and a sin table that is a view of a joint
+    cos/sin table: each tensor is indexed with its own strides."""
+    torch.manual_seed(8)
+    rope = layers.RotaryEmbedding(32, 64, {"rope_theta": 10000.0}).to(device)
+    q = torch.randn(6, 4, 64, device=device)[:, :, :32]
+    k = torch.randn(6, 2, 48, device=device)[:, :, :32]
+    sin = torch.cat([rope.cos, rope.sin], dim=1)[:, rope.cos.shape[1]:]  # row stride 32, cos's is 16
+    positions = torch.tensor([0, 5, 63, 1, 7, 30], device=device)
+    ref_q, ref_k = layers.apply_rotary(positions, q, k, rope.cos, sin)
+    got_q, got_k = ops.rotary_embedding(positions, q, k, rope.cos, sin)
+    torch.testing.assert_close(got_q, ref_q, **TOL[torch.float32])
+    torch.testing.assert_close(got_k, ref_k, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("act", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_act_and_mul_rounds_the_activation_before_the_mul(device: torch.device, act: str) -> None:
+    """fp16: the activation is rounded to fp16 before the product, as torch's separate ops round it, so the kernel
+    equals the torch ops to the last bit but for fp32 rounding (rounding the product once instead matches 72%). The
+    up half is read with its own row stride."""
+    torch.manual_seed(9)
+    gate = torch.randn(6, 64, dtype=torch.float16, device=device) * 3
+    up = torch.randn(6, 96, dtype=torch.float16, device=device)[:, 16:80]
+    got = getattr(ops, act)(gate, up, block=32)
+    ref = getattr(layers, act)(gate, up)
+    torch.testing.assert_close(got, ref, **TOL[torch.float16])
+    assert (got == ref).float().mean() > 0.97
+
+
 # ---------------------------------------------------------------- skinny GEMM (reference: torch matmul in fp32)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 16])
@@ -377,6 +593,15 @@ def test_skinny_gemm_refuses_what_it_cannot_do(device: torch.device) -> None:
     with pytest.raises(ValueError, match="contiguous along K"):
         skinny_gemm.skinny_gemm(torch.randn(64, 2, device=device).T, w)
     assert skinny_gemm.default_block_n(16384, 132) == 64 and skinny_gemm.default_block_n(3072, 132) == 16
+
+
+def test_skinny_gemm_reads_rows_with_their_own_strides(device: torch.device) -> None:
+    """x and the weight contiguous along K only: column slices of wider tensors (row strides 320 and 400, not K)."""
+    torch.manual_seed(6)
+    x = torch.randn(3, 320, device=device)[:, :300]
+    weight = (torch.randn(72, 400, device=device) * 0.1)[:, 100:]
+    got = skinny_gemm.skinny_gemm(x, weight, block_n=16, block_k=128)
+    torch.testing.assert_close(got, x @ weight.T, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- the fused ops inside a model

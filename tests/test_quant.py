@@ -340,6 +340,22 @@ def test_awq_dequantize_kernel_equals_the_torch_dequantization_bit_for_bit(dtype
     assert ours.dtype == dtype and torch.equal(ours, reference)
 
 
+@pytest.mark.parametrize("layout", ["column-slice", "transposed"])
+def test_awq_gemm_reads_x_with_its_own_strides(layout: str) -> None:
+    """x need not be contiguous: a column slice of a wider activation (row stride > K) or a transposed one (column
+    stride > 1) gives the product of its values."""
+    _, state = awq_state(64, 128, 64, seed=3)
+    state = {name: t.to(DEVICE) for name, t in state.items()}
+    g = torch.Generator().manual_seed(4)
+    if layout == "column-slice":
+        x = torch.randn(5, 192, generator=g).to(DEVICE)[:, :128]
+    else:
+        x = torch.randn(128, 5, generator=g).to(DEVICE).t()
+    out = awq_gemm(x, state["qweight"], state["qzeros"], state["scales"], 64, split_k=1)
+    ref = awq_gemm_reference(x.contiguous(), state["qweight"], state["qzeros"], state["scales"], 64)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
 def test_awq_auto_split_k_fills_the_gpu_within_its_caps() -> None:
     from infer.kernels.awq_gemm import auto_split_k
 
@@ -604,6 +620,18 @@ def test_fp8_per_token_kernel_keeps_nan_and_inf_rows_as_torch_does() -> None:
     torch.testing.assert_close(scale, ref_scale, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(scaled.to(fp8.FP8_DTYPE).float(), ref_q.float(), equal_nan=True, rtol=0, atol=0)
     assert not bool(scale[:2].isfinite().any()) and bool(scale[2:].isfinite().all())
+
+
+def test_fp8_per_token_kernel_divides_by_the_scale_with_one_rounding() -> None:
+    """x / s correctly rounded, as torch divides on the CPU, not x times the rounded 1 / s: the two differ in the
+    last fp32 bit now and then, and next to the midpoint of two e4m3 values that bit picks the fp8 value (here
+    0.293136 / 0.173710 lies just above 1.6875: 1.75, where the reciprocal's product gives 1.625)."""
+    x = torch.tensor([[77.82218170166016, 0.29313600063323975, -0.29313600063323975, 1.0]])
+    scaled, scale = per_token_quant(x.to(DEVICE), out_dtype=torch.float32)
+    ref_q, ref_scale = fp8.quantize_per_token(x.to(DEVICE))
+    assert torch.equal(scale, ref_scale)
+    assert ref_q.float()[0, 1:3].tolist() == [1.75, -1.75]
+    assert torch.equal(scaled.to(fp8.FP8_DTYPE).view(torch.uint8), ref_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("m, n, k", [(3, 48, 100), (20, 64, 64)])

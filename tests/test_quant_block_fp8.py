@@ -278,6 +278,41 @@ def test_per_token_group_quant_kernel_matches_the_reference(device: torch.device
     assert torch.equal(values.cpu().to(FP8_DTYPE).view(torch.uint8), expected.view(torch.uint8))
 
 
+def test_per_token_group_quant_kernel_with_groups_that_are_not_powers_of_two(device: torch.device) -> None:
+    """Groups of 48 (a block of 64 lanes each): a group's scale and values come from its own 48 columns, not from
+    the first 16 of the next group."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 144, generator=g) * torch.tensor([1.0, 50.0, 0.01]).repeat_interleave(48)
+    expected, expected_scale = quantize_per_token_group(x, 48)
+    out_dtype = torch.float32 if device.type == "cpu" else FP8_DTYPE
+    values, scale = per_token_group_quant(x.to(device), 48, out_dtype)
+    assert scale.shape == (4, 3) and torch.equal(scale.cpu(), expected_scale)
+    assert torch.equal(values.cpu().to(FP8_DTYPE).view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_per_token_group_quant_kernel_keeps_nan_and_inf_groups_as_torch_does(device: torch.device) -> None:
+    """NaN in, NaN out, per group: tl.max returns the operand that is not NaN, which would give a NaN group a finite
+    scale and finite fp8 values; an inf group's scale is inf; a finite group beside them is untouched."""
+    x = torch.tensor([[1.0, float("nan"), 2.0, 3.0, 1.0, float("inf"), -1.0, 0.5, 5.0, -5.0, 2.5, 1.0]])
+    expected, expected_scale = quantize_per_token_group(x, 4)
+    out_dtype = torch.float32 if device.type == "cpu" else FP8_DTYPE
+    values, scale = per_token_group_quant(x.to(device), 4, out_dtype)
+    torch.testing.assert_close(scale.cpu(), expected_scale, equal_nan=True, rtol=0, atol=0)
+    assert scale[0, 0].isnan() and scale[0, 1].isinf() and scale[0, 2].isfinite()
+    torch.testing.assert_close(values.cpu().to(FP8_DTYPE).float(), expected.float(), equal_nan=True, rtol=0, atol=0)
+
+
+def test_block_gemm_refuses_scales_that_do_not_fit_its_blocks(device: torch.device) -> None:
+    """Scales of another block shape would be read out of bounds, or with the wrong group for most tiles."""
+    a = torch.zeros(3, 64, device=device).to(FP8_DTYPE)
+    b = torch.zeros(40, 64, device=device).to(FP8_DTYPE)
+    a_scale, b_scale = torch.ones(3, 2, device=device), torch.ones(3, 2, device=device)  # blocks of (16, 32)
+    w8a8_block_gemm(a, a_scale, b, b_scale, (16, 32), torch.float32)
+    for bad_a, bad_b in ((a_scale[:, :1], b_scale), (a_scale, b_scale[:2]), (a_scale, b_scale[:, :1])):
+        with pytest.raises(ValueError, match="do not fit blocks"):
+            w8a8_block_gemm(a, bad_a, b, bad_b, (16, 32), torch.float32)
+
+
 @pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 48, 64, (16, 32)), (5, 40, 72, (16, 32)),
                                                     (33, 96, 128, (32, 64)), (3, 20, 96, (20, 96))])
 def test_block_gemm_kernel_matches_the_reference(device: torch.device, m: int, n: int, k: int,
