@@ -113,6 +113,7 @@ def fused_weight_only_experts(x: torch.Tensor, w13: Any, w2: Any, weights: torch
     hidden = grouped_gemm(x, w13, rows, block_expert, tokens * top_k, top_k)
     act = silu_and_mul(hidden[:, :size], hidden[:, size:])
     flat_weights = weights.reshape(-1).contiguous()
-    y = grouped_gemm(act, w2, rows, block_expert, tokens * top_k, 1, flat_weights,
-                     torch.float32 if weights.dtype == torch.float32 else x.dtype)
-    return y.view(tokens, top_k, y.shape[1]).sum(dim=1).to(x.dtype)
+    # each pair's weighted output rounded to x's dtype before the pairs add up, as HF's loop (and experts_loop)
+    # rounds it before its index_add_, whatever the routing weights' dtype (Mixtral's are float32)
+    y = grouped_gemm(act, w2, rows, block_expert, tokens * top_k, 1, flat_weights, x.dtype)
+    return y.view(tokens, top_k, y.shape[1]).sum(dim=1)

@@ -158,6 +158,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         act, act_scale = per_token_group_quant(act, fp8.block2[1])
         scales_2 = (act_scale, fp8.w2, fp8.block2)
     flat_weights = weights.reshape(-1).contiguous()
-    y = grouped_gemm(act, w2, rows, block_expert, tokens * top_k, 1, flat_weights,
-                     torch.float32 if weights.dtype == torch.float32 else x.dtype, fp8=scales_2, round_to=x.dtype)
-    return y.view(tokens, top_k, y.shape[1]).sum(dim=1).to(x.dtype)
+    # each pair's weighted output rounded to x's dtype before the pairs add up, as HF's loop (and experts_loop)
+    # rounds it before its index_add_, whatever the routing weights' dtype (Mixtral's are float32)
+    y = grouped_gemm(act, w2, rows, block_expert, tokens * top_k, 1, flat_weights, x.dtype, fp8=scales_2,
+                     round_to=x.dtype)
+    return y.view(tokens, top_k, y.shape[1]).sum(dim=1)
