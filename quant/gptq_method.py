@@ -130,8 +130,8 @@ class GptqLinearMethod(GptqTensors, AwqLinearMethod):
 
 
 class GptqInt8LinearMethod(GptqTensors, W8A16LinearMethod):
-    """8-bit GPTQ layers, unpacked on load into :mod:`.w8a16`'s layout and run by the W8A16 kernels (merged
-    projections too; mixture-of-experts layers run one expert at a time)."""
+    """8-bit GPTQ layers, unpacked on load into :mod:`.w8a16`'s layout and run by the W8A16 kernels, merges and
+    stacked experts."""
 
     pack = w8a16.PACK
 
