@@ -233,7 +233,7 @@ want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log
 want structured && show "structured output, guided drafts" structured_true.log 13
 want structured && show "structured output, unguided drafts" structured_false.log 13
 want structured && show "structured output, jump-forward drafts" structured_jump.log 13
-want quant && show "quantization" quant_bench.log 40
+want quant && show "quantization" quant_bench.log 52
 want host && show "host overhead per output token" host_overhead.log 8
 want controls && show "host overhead, repetition_penalty=1.1" host_repetition_penalty.log 8
 want controls && show "host overhead, prompt_logprobs=0" host_prompt_logprobs.log 8
