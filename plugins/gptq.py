@@ -30,7 +30,7 @@ def build_gptq(config: EngineConfig, quantization_config: dict[str, Any] | None)
     if quantization_config is None:
         raise ConfigError("--quant gptq loads GPTQ checkpoints, and this one is not quantized: GPTQ needs "
                           "calibration; quantize on load with --quant awq (round-to-nearest int4) or --quant fp8, "
-                          "or run `infer quantize --method awq MODEL OUT` once and load OUT")
+                          "or run `infer quantize --method gptq MODEL OUT` once and load OUT")
     gptq = parse_config(quantization_config)
     method = GptqLinearMethod if gptq.bits == 4 else GptqInt8LinearMethod
     return method(gptq, fused_max_rows=options["fused_max_rows"])
