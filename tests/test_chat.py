@@ -174,6 +174,29 @@ def test_malformed_text_parts_are_refused_by_name() -> None:
     assert ChatPrompt.of([same]).messages[0] == ChatMessage("user", "a\nb", content_parts=("a", "b"))
 
 
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "x"}, "text": "a cat"},
+                                  {"text": "untyped"}])
+def test_a_part_that_is_not_a_text_part_is_refused_even_with_a_text_field(part: dict[str, Any]) -> None:
+    """Only {"type": "text", ...} parts are text: an image part that carries a text field (a caption) is an image."""
+    with pytest.raises(InvalidRequestError, match="images and other parts are not supported"):
+        ChatPrompt.of([{"role": "user", "content": [{"type": "text", "text": "see"}, part]}])
+
+
+def test_chat_messages_parts_are_checked_and_counted_as_dicts_parts_are() -> None:
+    """ChatMessages (what LLM.chat's callers and the gRPC server build) hold strings as parts, 4,096 in all with
+    the parts of the dicts beside them."""
+    with pytest.raises(InvalidRequestError, match=re.escape("chat message 0: content_parts must be a list of "
+                                                            "strings, got (1,)")):
+        ChatPrompt.of([ChatMessage("user", None, content_parts=(1,))])  # type: ignore[arg-type]
+    assert len(ChatPrompt.of([ChatMessage("user", None, content_parts=("x",) * 4096)]).messages[0].content_parts
+               or ()) == 4096
+    for messages in ([ChatMessage("user", None, content_parts=("x",) * 4097)],
+                     [ChatMessage("user", None, content_parts=("x",) * 2048)] * 2 + [
+                         {"role": "user", "content": [{"type": "text", "text": "y"}]}]):
+        with pytest.raises(InvalidRequestError, match="at most 4096 text parts in all, got 4097"):
+            ChatPrompt.of(messages)
+
+
 @pytest.mark.parametrize(("template", "loops"), [
     ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
     ("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}", True),
@@ -384,6 +407,24 @@ def test_infer_chat_warns_when_the_tokenizers_eos_does_not_stop_generation(chat_
         "stop generation, which stops at [3]" in warned.stderr
 
 
+@pytest.mark.parametrize("options", [{"chat_template_kwargs": {"enable_thinking": False}},
+                                     {"tools": [{"type": "function", "function": {"name": "now"}}]}])
+def test_a_broken_template_is_named_as_broken_whatever_the_chat_sets(chat_model: Path, tmp_path: Path,
+                                                                     options: dict[str, Any]) -> None:
+    """Variables and tools are checked against what a template reads, which a template that does not parse does
+    not tell: its syntax error is the one to report, not a variable or tools it "does not read"."""
+    import json
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(chat_model, broken)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if %}"}))
+    llm = LLM(model=str(broken), device="cpu", num_kv_blocks=32)
+    with pytest.raises(InvalidRequestError, match="the model's chat template is not valid Jinja .*--chat-template"):
+        llm.chat(CHAT, **options)
+
+
 def test_the_limits_hold_at_their_boundaries(llm: LLM) -> None:
     from infer.core.admission import RequestChecker
 
@@ -395,6 +436,17 @@ def test_the_limits_hold_at_their_boundaries(llm: LLM) -> None:
         checker.tokenize("x" * 13)
     with pytest.raises(InvalidRequestError, match="the chat's messages and tools have 13 characters"):
         checker.tokenize(ChatPrompt.of([{"role": "user", "content": "x" * 6}, {"role": "user", "content": "y" * 7}]))
+
+
+def test_reasoning_and_names_count_towards_the_prompts_length_bound(llm: LLM) -> None:
+    """The bound on a chat's characters counts every text a template may print: reasoning_content and name too."""
+    from infer.core.admission import RequestChecker
+
+    checker = RequestChecker(llm.engine.tokenizer, llm.engine.checker.vocab_size, 1024, max_prompt_chars=12)
+    for key in ("reasoning_content", "name"):
+        checker.tokenize(ChatPrompt.of([{"role": "assistant", "content": "x" * 6, key: "y" * 6}]))
+        with pytest.raises(InvalidRequestError, match="the chat's messages and tools have 13 characters"):
+            checker.tokenize(ChatPrompt.of([{"role": "assistant", "content": "x" * 6, key: "y" * 7}]))
 
 
 @pytest.mark.parametrize(("template", "message"), [

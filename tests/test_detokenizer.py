@@ -101,6 +101,50 @@ def test_a_character_the_prompt_left_open_is_completed_by_the_output_or_dropped(
             assert text == detok.text == head + tail, (output, split)
 
 
+def test_a_prompt_character_completed_over_several_adds_or_before_an_invalid_byte_comes_out(tokenizer):
+    """The output completes the prompt's open character with its second token (a 3-byte "€" begun by the prompt):
+    no add may read the character as broken before then; and an invalid byte right after the completed character
+    is the output's own U+FFFD, the character before it kept. Expected: Python's UTF-8 decode of the joined bytes."""
+    table = byte_level_table(tokenizer)
+    ascii_prompt = ascii_ids(tokenizer)[:3]
+    euro = [table.index(bytes([b])) for b in "€".encode()]  # E2 82 AC: one byte-level token per byte
+    detok = ByteLevelDetokenizer(table, [*ascii_prompt, euro[0]])
+    assert detok.add([euro[1]]) == ""  # still open
+    assert detok.add([euro[2]]) + detok.flush() == detok.text == "€"
+    lead, continuation = (table.index(bytes([b])) for b in "é".encode())
+    for output in ([continuation, continuation], [continuation], [continuation, continuation, continuation]):
+        detok = ByteLevelDetokenizer(table, [*ascii_prompt, lead])
+        text = detok.add(output) + detok.flush()
+        assert text == detok.text == (b"\xc3" + b"\xa9" * len(output)).decode("utf-8", "replace"), output
+
+
+def test_a_token_outside_the_byte_alphabet_keeps_the_byte_table(tiny_model):
+    """An added token of characters the byte alphabet lacks ("日本") decodes to its UTF-8, as the Rust decoder
+    does: the table holds those bytes, and the tokenizer keeps the byte-level detokenizer."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    tok.add_tokens(["日本"])
+    table = byte_level_table(tok)
+    assert table is not None and table[tok.convert_tokens_to_ids("日本")] == "日本".encode()
+    ids = tok.encode("a日本b", add_special_tokens=False)
+    detok = detokenizer_factory(tok)([1, 2])
+    assert isinstance(detok, ByteLevelDetokenizer) and detok.add(ids) + detok.flush() == "a日本b"
+
+
+def test_a_decoder_that_rewrites_text_across_tokens_does_not_take_the_byte_table(tiny_model):
+    """A ByteLevel decoder followed by a rewrite (a Sequence decoder, as some tokenizers ship) may change text that
+    spans tokens, which no check of single tokens sees: only a plain ByteLevel decoder takes the table, and the
+    text is the tokenizer's own decode."""
+    from tokenizers import decoders
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    tok.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("qz", "!")])
+    ids = [tok.convert_tokens_to_ids("q"), tok.convert_tokens_to_ids("z")]
+    assert tok.decode(ids, skip_special_tokens=True) == "!"  # the rewrite spans the two tokens
+    assert byte_level_table(tok) is None
+    detok = detokenizer_factory(tok)([1, 2])
+    assert detok.add(ids) + detok.flush() == "!"
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_after_an_open_prompt_character_the_text_is_the_completed_character_or_the_output_alone(tokenizer, data):

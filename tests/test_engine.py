@@ -83,6 +83,17 @@ def test_prefix_cache_hits_and_keeps_outputs(tiny_model, hf_greedy):
         assert result.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 24)
 
 
+def test_an_n_request_reports_the_prompt_tokens_its_prefix_hit_saved(tiny_model):
+    """num_cached_tokens is the request's prompt tokens read from the prefix cache (64: the cached system prompt),
+    whatever n: its forked sequences, which compute no prompt of their own, do not lower it."""
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=256))
+    system = rand_prompt(64, 3)
+    engine.generate([system + rand_prompt(10, 10)], SamplingParams(max_tokens=2, temperature=0.0))
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=1, n=n) for n in (1, 3)]
+    one, three = engine.generate([system + rand_prompt(10, 11), system + rand_prompt(10, 12)], params)
+    assert len(three.outputs) == 3 and one.num_cached_tokens == three.num_cached_tokens == 64
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234)
     alone = engine.generate([rand_prompt(20, 5)], params)[0].outputs[0].token_ids
@@ -327,6 +338,18 @@ def test_generate_as_completed_yields_in_finishing_order_and_frees_the_rest(engi
     assert not engine.has_unfinished() and drained(engine)
     in_order = engine.generate(["a long one", "a short one"], [long, short])
     assert [len(r.outputs[0].token_ids) for r in in_order] == [12, 3]
+
+
+def test_prompts_and_a_list_of_params_of_another_length_are_refused(engine):
+    """One SamplingParams per prompt: a list of another length is refused, not cut to the shorter (which ran
+    prompts without their params, or dropped prompts)."""
+    from infer.core.errors import InvalidRequestError
+
+    for prompts, params in (([[5, 6], [7, 8]], [SamplingParams(max_tokens=1)]),
+                            ([[5, 6]], [SamplingParams(max_tokens=1)] * 2)):
+        with pytest.raises(InvalidRequestError, match=f"got {len(prompts)} prompts but {len(params)} SamplingParams"):
+            engine.generate(prompts, params)
+    assert not engine.has_unfinished()
 
 
 def test_a_bad_prompt_among_many_is_named_and_nothing_runs(engine):

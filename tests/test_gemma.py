@@ -158,6 +158,23 @@ def test_a_multimodal_checkpoint_in_the_releases_names_serves_its_text_model(mul
     for prompt, result in zip(PROMPTS[:2], engine.generate(list(PROMPTS[:2]), GREEDY)):
         assert result.outputs[0].token_ids == recomputed_greedy(hf, prompt, GREEDY.max_tokens)
 
+
+def test_a_layer_count_is_not_checked_against_weights_named_otherwise(multimodal: Path, tmp_path: Path) -> None:
+    """The loader checks num_hidden_layers against model.layers.N tensors only: a multimodal checkpoint (its layers
+    under model.language_model.layers.N) whose config also states the text model's count at the top level loads,
+    and generates what the one without it does."""
+    stated = tmp_path / "stated"
+    shutil.copytree(multimodal, stated)
+    raw = json.loads((stated / "config.json").read_text())
+    assert "num_hidden_layers" not in raw
+    layers = raw["text_config"]["num_hidden_layers"]
+    (stated / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": layers}))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ours, reference = (Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=16)).generate(
+        [PROMPTS[1]], params)[0].outputs[0].token_ids for path in (stated, multimodal))
+    assert ours == reference
+
+
 def test_a_lora_adapter_on_a_multimodal_checkpoint_equals_peft(multimodal: Path, tmp_path: Path,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """PEFT names a multimodal checkpoint's modules model.language_model.layers...: they adapt the text model; the

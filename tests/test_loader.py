@@ -378,6 +378,7 @@ def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
     ({"head_dim": None, "hidden_size": 2}, "leaves head_dim to its default, 0, which must be a positive integer"),
     ({"vocab_size": -1}, "vocab_size = -1, which must be a positive integer"),
     ({"architectures": "LlamaForCausalLM"}, "it should be a list of class names"),
+    ({"architectures": ["LlamaForCausalLM", 1]}, "it should be a list of class names"),
     ({"quantization_config": "awq"}, "quantization_config = 'awq'; it should be an object"),
     ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      "quantization_config has quant_method 'bitsandbytes', which no installed plugin loads"),
@@ -463,3 +464,172 @@ def test_quantization_settings_infer_cannot_read_are_named(llama, tmp_path):
     (path / "quant_config.json").unlink()
     (path / "quantize_config.json").write_text("[4]")
     assert "not a JSON object of quantization settings" in load_error(path)
+
+
+def test_auto_dtype_is_float32_on_the_cpu_and_follows_a_float16_checkpoint_on_a_gpu() -> None:
+    """docs/cli.md's --dtype auto: float32 on CPU; on GPU float16 for a float16 checkpoint, else bfloat16. An
+    explicit --dtype wins everywhere (no GPU needed: only the device's type is read)."""
+    from infer.core.loader import resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [resolve_dtype("auto", stated, cuda) for stated in ("float16", "bfloat16", "float32", None)] == [
+        torch.float16, torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    assert {resolve_dtype("auto", stated, cpu) for stated in ("float16", "bfloat16", None)} == {torch.float32}
+    assert resolve_dtype("float16", "bfloat16", cpu) is torch.float16
+    assert resolve_dtype("bfloat16", "float16", cuda) is torch.bfloat16
+
+
+def test_the_checkpoint_dtype_that_auto_follows_is_the_one_transformers_reads(llama, tmp_path, monkeypatch):
+    """config.json's dtype before torch_dtype (AutoConfig's reading) is what --dtype auto is resolved from."""
+    from transformers import AutoConfig
+
+    import infer.core.loader as loader
+
+    path = copy_of(llama, tmp_path / "m", {"dtype": "float16", "torch_dtype": "bfloat16"})
+    stated: list[str | None] = []
+    resolve = loader.resolve_dtype
+
+    def spy(name: str, given: str | None, device: torch.device) -> torch.dtype:
+        stated.append(given)
+        return resolve(name, given, device)
+
+    monkeypatch.setattr(loader, "resolve_dtype", spy)
+    LLM(model=str(path), device="cpu", num_kv_blocks=4)
+    assert stated == [str(AutoConfig.from_pretrained(str(path)).dtype).removeprefix("torch.")] == ["float16"]
+
+
+def test_a_shard_index_naming_a_missing_file_names_it(llama, tmp_path):
+    """A sharded download with a shard left out: the index's missing file is named, before the model is built."""
+    path = copy_of(llama, tmp_path / "m")
+    names = sorted(load_file(str(path / "model.safetensors")))
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        name: f"model-0000{1 + (i % 2)}-of-00002.safetensors" for i, name in enumerate(names)}}))
+    assert "model.safetensors.index.json names files that are missing: model-00002-of-00002.safetensors" in \
+        load_error(path)
+
+
+def test_a_quant_method_named_in_a_separate_settings_file_is_its_own(llama, tmp_path):
+    """quantize_config.json is AutoGPTQ's file, but a quant_method it names is the one read (the writer's only fills
+    in a missing one)."""
+    path = copy_of(llama, tmp_path / "m")
+    (path / "quantize_config.json").write_text(json.dumps({"quant_method": "bitsandbytes", "load_in_4bit": True}))
+    assert "quant_method 'bitsandbytes', which no installed plugin loads" in load_error(path)
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_single_generation_config_eos_id_stops_as_a_list_of_one_does(llama, tmp_path, hf_greedy, listed):
+    """generation_config.json's eos_token_id is an id or a list of ids (GenerationConfig takes both)."""
+    reference = hf_greedy(llama, PROMPT, 8)
+    stop_at = next(i for i, t in enumerate(reference) if t not in reference[:i] and i >= 1)
+    path = copy_of(llama, tmp_path / "m")
+    stop = reference[stop_at]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop] if listed else stop}))
+    out = LLM(model=str(path), device="cpu").generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))
+    assert out[0].outputs[0].token_ids == reference[: stop_at + 1]
+
+
+@pytest.mark.parametrize("eos", [True, -1, [2, -1], [False], "2", [2.0]])
+def test_generation_config_eos_ids_that_are_no_token_ids_are_refused(llama, tmp_path, eos):
+    path = copy_of(llama, tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    assert f"has eos_token_id = {eos!r}; it should be a token id or a list of them" in load_error(path)
+
+
+def test_an_empty_quantization_config_is_no_quantization(llama, tmp_path):
+    """``"quantization_config": {}`` (an export that cleared it) describes no quantization: the weights load as
+    the unquantized model's."""
+    assert greedy(copy_of(llama, tmp_path / "m", {"quantization_config": {}})) == greedy(llama)
+
+
+def test_a_shard_the_index_names_that_is_a_broken_link_is_named_as_one(llama, tmp_path):
+    """A copied HF cache snapshot, sharded: the index's shard is a link to a blob left behind, which the error
+    names as such (with the fix), not as a missing file."""
+    path = copy_of(llama, tmp_path / "m")
+    names = sorted(load_file(str(path / "model.safetensors")))
+    (path / "model.safetensors").unlink()
+    (path / "model-00001-of-00001.safetensors").symlink_to("../blobs/gone")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        name: "model-00001-of-00001.safetensors" for name in names}}))
+    message = load_error(path)
+    assert "model-00001-of-00001.safetensors is a link to '../blobs/gone', which does not exist" in message
+    assert "cp -rL" in message and "missing" not in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                                   torch.float8_e5m2fnuz])
+def test_fp8_matrices_of_zeros_are_told_by_their_values_not_their_bits(dtype, caplog):
+    """A matrix of negative zeros (bit pattern 0x80 where that is -0.0) holds only zeros, as torch upcasts it; every
+    other finite pattern is a value."""
+    for pattern in range(256):
+        weight = torch.tensor([[pattern, pattern]], dtype=torch.uint8).view(dtype)
+        if not torch.isfinite(weight.float()).all():
+            continue
+        module = torch.nn.Module()
+        module.register_buffer("weight", weight)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="infer"):
+            check_finite(module)
+        assert ("hold only zeros" in caplog.text) is (not weight.float().any()), pattern
+
+
+def test_num_hidden_layers_is_checked_against_the_layers_of_every_shard(llama, tmp_path):
+    """The decoder layers in an earlier shard than the last count: a sharded checkpoint whose last shard holds the
+    head alone is refused for a num_hidden_layers past its layers, as the single-file one is."""
+    path = copy_of(llama, tmp_path / "m", {"num_hidden_layers": 3})
+    tensors = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    layers = {name for name in tensors if name.startswith("model.layers.")}
+    last = max(int(name.split(".")[2]) for name in layers)
+    shards = {"model-00001-of-00002.safetensors": sorted(layers),
+              "model-00002-of-00002.safetensors": sorted(set(tensors) - layers)}
+    for file, names in shards.items():
+        save_file({name: tensors[name] for name in names}, str(path / file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        name: file for file, names in shards.items() for name in names}}))
+    assert last == 1 and f"num_hidden_layers 3, but the weights hold decoder layers 0 to {last} only" in \
+        load_error(path)
+
+
+def test_a_tokenizer_the_size_of_the_vocabulary_is_not_warned_of(llama, caplog):
+    """The warning is for a tokenizer with more tokens than the model's vocabulary, not as many."""
+    from transformers import AutoTokenizer
+
+    size = json.loads((llama / "config.json").read_text())["vocab_size"]
+    assert len(AutoTokenizer.from_pretrained(str(llama))) == size
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        LLM(model=str(llama), device="cpu", num_kv_blocks=4)
+    assert "tokens but the model's vocabulary" not in caplog.text
+
+
+def test_quant_names_the_method_over_the_checkpoints_own(llama, tmp_path):
+    """--quant is the method used (docs/cli.md: the checkpoint's quant_method is only its default): fp8 given for an
+    AWQ checkpoint is fp8's to refuse, by name, not AWQ loading as if --quant were not there."""
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
+    message = load_error(copy_of(llama, tmp_path / "m", {"quantization_config": qc}), quant="fp8")
+    assert "--quant fp8 was given, but the checkpoint is quantized with quant_method 'awq'" in message
+
+
+def test_a_matrix_with_a_zero_among_other_values_is_not_warned_of(caplog):
+    """Only a matrix of nothing but zeros is the mark of a cut download: one whose smallest or largest value is 0
+    (a non-negative or a non-positive matrix) holds values."""
+    for values, zeros in (([[0.0, 1.0]], False), ([[-2.0, 0.0]], False), ([[0.0, -0.0]], True)):
+        module = torch.nn.Linear(2, 1, bias=False)
+        module.weight.data = torch.tensor(values)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="infer"):
+            check_finite(module)
+        assert ("hold only zeros" in caplog.text) is zeros, values
+
+
+def test_a_missing_tensor_among_several_files_blames_no_file(llama, tmp_path):
+    """A tensor no file holds is reported once all are read: naming the last file read would send the user to
+    the wrong one."""
+    path = copy_of(llama, tmp_path / "m")
+    tensors = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    names = sorted(name for name in tensors if name != "lm_head.weight")
+    save_file({name: tensors[name] for name in names[: len(names) // 2]}, str(path / "a.safetensors"))
+    save_file({name: tensors[name] for name in names[len(names) // 2:]}, str(path / "b.safetensors"))
+    message = load_error(path)
+    assert "lm_head.weight" in message and "(in " not in message

@@ -178,6 +178,18 @@ def test_autogptq_settings_beside_config_json_are_read(name: str, tiny_model: Pa
                                rtol=1e-5, atol=1e-5)
 
 
+def test_an_upper_case_quant_method_is_the_registered_method(tiny_model: Path, tmp_path: Path,
+                                                             plugins: PluginManager) -> None:
+    """Some hub configs spell the method in capitals ("GPTQ", "AWQ"): it names the registered lower-case method, and
+    the checkpoint loads as that one does."""
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", "each")
+    config = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "GPTQ"
+    (tmp_path / "gptq" / "config.json").write_text(json.dumps(config))
+    torch.testing.assert_close(logits(tmp_path / "gptq", plugins), logits(tmp_path / "dense", plugins),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_checkpoint_without_g_idx_has_consecutive_groups(tiny_model: Path, tmp_path: Path,
                                                            plugins: PluginManager) -> None:
     write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", g_idx=False)
