@@ -75,6 +75,18 @@ def _dequant_dot(x, qw, qz_ptr, s_ptr, k0, offs_k, mask_k, offs_p, mask_p, offs_
 
 
 @triton.jit
+def _load_columns(ptr, rows, row_stride, col_stride, offs_k, mask_rows, mask_k, order_ptr, HAS_ORDER: tl.constexpr):
+    """ptr[rows, cols] for the K block ``offs_k``: cols = order[offs_k] (GPTQ's activation order: weight row k
+    multiplies input column order[k]), or offs_k itself; masked lanes read 0."""
+    if HAS_ORDER:
+        cols = tl.load(order_ptr + offs_k, mask=mask_k, other=0)
+    else:
+        cols = offs_k
+    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :] * col_stride,
+                   mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
+
+
+@triton.jit
 def _awq_gemm_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, order_ptr,
     M, N, K, group_size, k_per_split,
@@ -100,12 +112,7 @@ def _awq_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        if HAS_ORDER:  # weight row k multiplies x's column order[k]
-            x_cols = tl.load(order_ptr + offs_k, mask=mask_k, other=0)
-        else:
-            x_cols = offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + x_cols[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = _load_columns(x_ptr, offs_m, stride_xm, stride_xk, offs_k, mask_m, mask_k, order_ptr, HAS_ORDER)
         qw = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_p[None, :], mask=mask_k[:, None] & mask_p[None, :],
                      other=0)
         acc += _dequant_dot(x, qw, qz_ptr, s_ptr, k0, offs_k, mask_k, offs_p, mask_p, offs_n, mask_n, group_size,

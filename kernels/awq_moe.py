@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .awq_gemm import _dequant_dot, group_k_block
+from .awq_gemm import _dequant_dot, _load_columns, group_k_block
 from .fused_moe import BLOCK_M, TL_DTYPES, _store_rows, sort_by_expert
 from .fused_ops import silu_and_mul
 
@@ -54,11 +54,7 @@ def _grouped_awq_kernel(a_ptr, qw_ptr, qz_ptr, s_ptr, c_ptr, scale_ptr, rows_ptr
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
-            cols = offs_k
-            if HAS_ORDER:
-                cols = tl.load(order_ptr + expert * K + offs_k, mask=mask_k, other=0)
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + cols[None, :], mask=valid[:, None] & mask_k[None, :],
-                        other=0.0)
+            a = _load_columns(a_ptr, a_rows, stride_am, 1, offs_k, valid, mask_k, order_ptr + expert * K, HAS_ORDER)
             qw = tl.load(qw_base + offs_k[:, None] * stride_qk + offs_p[None, :],
                          mask=mask_k[:, None] & mask_p[None, :], other=0)
             acc += _dequant_dot(a, qw, qz_ptr + expert * stride_ze, s_ptr + expert * stride_se, k0, offs_k, mask_k,

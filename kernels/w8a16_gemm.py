@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..quant.w8a16 import dequantize
-from .awq_gemm import check_order, plan_gemm
+from .awq_gemm import _load_columns, check_order, plan_gemm
 
 
 @triton.jit
@@ -39,12 +39,7 @@ def _w8a16_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        if HAS_ORDER:  # weight row k multiplies x's column order[k]
-            x_cols = tl.load(order_ptr + offs_k, mask=mask_k, other=0)
-        else:
-            x_cols = offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + x_cols[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = _load_columns(x_ptr, offs_m, stride_xm, stride_xk, offs_k, mask_m, mask_k, order_ptr, HAS_ORDER)
         q = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :],
                     other=0)
         group = k0 // group_size
