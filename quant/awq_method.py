@@ -9,13 +9,13 @@ from torch import nn
 from ..core.errors import CheckpointError, ConfigError
 from ..core.interfaces import QuantMethod
 from . import awq
-from .common import (check_tensor_shape, deferred_weight, is_lm_head, layer_name, loaded_float_weight, mark_loaded,
-                     require_loaded)
+from .common import (WeightOnlyApply, check_tensor_shape, deferred_weight, is_lm_head, layer_name, loaded_float_weight,
+                     mark_loaded, require_loaded)
 
 PACKED = ("qweight", "qzeros", "scales")
 
 
-class AwqLinearMethod(QuantMethod):
+class AwqLinearMethod(WeightOnlyApply, QuantMethod):
     """int4 weights with per-group fp16 scales and zero points; activations stay in the model dtype.
 
     ``quantize_on_load=False`` loads ``qweight``/``qzeros``/``scales`` from an AutoAWQ GEMM checkpoint.
@@ -138,35 +138,17 @@ class AwqLinearMethod(QuantMethod):
             merged.register_buffer(name, torch.cat([getattr(p, name) for p in parts], dim=1))
         return True
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_ordered(layer, x, None)
+    def fused_gemm(self, layer: nn.Module, x: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
+        from ..kernels.awq_gemm import awq_gemm
 
-    def runs_fused(self, x: torch.Tensor) -> bool:
-        """Whether the fused Triton GEMM computes ``x`` [M, K]: on CUDA, for at most ``fused_max_rows`` rows."""
-        return x.is_cuda and x.shape[0] <= self.fused_max_rows
+        return awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size, input_order=input_order)
 
-    def apply_ordered(self, layer: nn.Module, x: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
-        """``x[..., input_order] @ W (+ bias)``: the fused kernel gathers x's columns as it loads them, the other
-        paths first."""
-        x2 = x.reshape(-1, x.shape[-1])
-        fused = self.runs_fused(x2)
-        if input_order is not None and not fused:
-            x2 = x2.index_select(-1, input_order)
-        if fused:
-            from ..kernels.awq_gemm import awq_gemm
-
-            out = awq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size,
-                           input_order=input_order)
-        elif x2.is_cuda:  # one kernel that reads each packed weight once, then cuBLAS
+    def dequantized(self, layer: nn.Module, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
+        if cuda:  # one kernel that reads each packed weight once (then cuBLAS)
             from ..kernels.awq_gemm import awq_dequantize
 
-            out = x2 @ awq_dequantize(layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size, x2.dtype)
-        else:
-            w = awq.dequantize(layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size, dtype=x2.dtype)
-            out = x2 @ w
-        if layer.bias is not None:
-            out = out + layer.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+            return awq_dequantize(layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size, dtype)
+        return awq.dequantize(layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size, dtype=dtype)
 
 
 def _check_group_rows(layer: nn.Module, name: str, tensor: torch.Tensor, declared: int | None) -> None:

@@ -106,3 +106,40 @@ def check_tensor_shape(layer: torch.nn.Module, name: str, tensor: torch.Tensor, 
     if tuple(tensor.shape) != tuple(shape):
         raise CheckpointError(f"shape mismatch for {layer_name(layer)}.{name}: checkpoint {tuple(tensor.shape)}, "
                               f"model {tuple(shape)}")
+
+
+class WeightOnlyApply:
+    """The forward pass the weight-only methods (W4A16's :class:`~.awq_method.AwqLinearMethod`, W8A16's
+    :class:`~.w8a16_method.W8A16LinearMethod`) share: on CUDA, batches of at most ``fused_max_rows`` rows run the
+    method's fused GEMM (:meth:`fused_gemm`, which gathers an input order as it loads x); others multiply by the
+    weight dequantized for that call (:meth:`dequantized`), never cached."""
+
+    fused_max_rows: int
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_ordered(layer, x, None)
+
+    def runs_fused(self, x: torch.Tensor) -> bool:
+        """Whether the fused Triton GEMM computes ``x`` [M, K]: on CUDA, for at most ``fused_max_rows`` rows."""
+        return x.is_cuda and x.shape[0] <= self.fused_max_rows
+
+    def apply_ordered(self, layer: torch.nn.Module, x: torch.Tensor, input_order: torch.Tensor | None
+                      ) -> torch.Tensor:
+        """``x[..., input_order] @ W (+ bias)``: the fused kernel gathers x's columns as it loads them, the other
+        paths first."""
+        x2 = x.reshape(-1, x.shape[-1])
+        fused = self.runs_fused(x2)
+        if input_order is not None and not fused:
+            x2 = x2.index_select(-1, input_order)
+        out = self.fused_gemm(layer, x2, input_order) if fused else x2 @ self.dequantized(layer, x2.dtype, x2.is_cuda)
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def fused_gemm(self, layer: torch.nn.Module, x: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
+        """``x[:, input_order] @ W`` for x [M, K] on CUDA, in one Triton kernel."""
+        raise NotImplementedError
+
+    def dequantized(self, layer: torch.nn.Module, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
+        """The layer's weight [K, N] in ``dtype``: on CUDA by one Triton kernel, else in torch."""
+        raise NotImplementedError

@@ -7,10 +7,10 @@ from torch import nn
 from ..core.interfaces import QuantMethod
 from . import w8a16
 from .awq_method import PACKED  # the same three tensor names, in another layout
-from .common import layer_name
+from .common import WeightOnlyApply, layer_name
 
 
-class W8A16LinearMethod(QuantMethod):
+class W8A16LinearMethod(WeightOnlyApply, QuantMethod):
     """uint8 weights with per-group zero points and scales; activations stay in the model dtype. The loading is
     a checkpoint format's (:mod:`.gptq_method`): it calls :meth:`_quantized_layer` from ``create_weights`` and
     :meth:`_convert` once the layer's tensors are in. On CUDA, batches of at most ``fused_max_rows`` rows run the
@@ -43,31 +43,16 @@ class W8A16LinearMethod(QuantMethod):
             merged.register_buffer(name, torch.cat([getattr(p, name) for p in parts], dim=1))
         return True
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_ordered(layer, x, None)
+    def fused_gemm(self, layer: nn.Module, x: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
+        from ..kernels.w8a16_gemm import w8a16_gemm
 
-    def runs_fused(self, x: torch.Tensor) -> bool:
-        """Whether the fused Triton GEMM computes ``x`` [M, K]: on CUDA, for at most ``fused_max_rows`` rows."""
-        return x.is_cuda and x.shape[0] <= self.fused_max_rows
+        return w8a16_gemm(x, layer.qweight, layer.qzeros, layer.scales, layer.w8a16_group_size,
+                          input_order=input_order)
 
-    def apply_ordered(self, layer: nn.Module, x: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
-        """``x[..., input_order] @ W (+ bias)``: the fused kernel gathers x's columns as it loads them, the other
-        paths first."""
-        x2 = x.reshape(-1, x.shape[-1])
+    def dequantized(self, layer: nn.Module, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
         tensors = (layer.qweight, layer.qzeros, layer.scales, layer.w8a16_group_size)
-        fused = self.runs_fused(x2)
-        if input_order is not None and not fused:
-            x2 = x2.index_select(-1, input_order)
-        if fused:
-            from ..kernels.w8a16_gemm import w8a16_gemm
-
-            out = w8a16_gemm(x2, *tensors, input_order=input_order)
-        elif x2.is_cuda:
+        if cuda:
             from ..kernels.w8a16_gemm import w8a16_dequantize
 
-            out = x2 @ w8a16_dequantize(*tensors, x2.dtype)
-        else:
-            out = x2 @ w8a16.dequantize(*tensors, dtype=x2.dtype)
-        if layer.bias is not None:
-            out = out + layer.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+            return w8a16_dequantize(*tensors, dtype)
+        return w8a16.dequantize(*tensors, dtype=dtype)
