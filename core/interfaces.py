@@ -492,6 +492,14 @@ class QuantMethod(ABC):
         method; False gives it an unquantized linear. Default: every linear, the untied lm_head included."""
         return True
 
+    def method_for(self, prefix: str) -> QuantMethod | None:
+        """The method of the linear at module path ``prefix``, None for an unquantized linear. Default: this one
+        where :meth:`applies_to`. A checkpoint that quantizes its linears by several schemes (GPTQModel's
+        ``dynamic`` overrides, compressed-tensors groups of other bits) answers with the method of the linear's
+        own scheme: linears of one method class then merge where that class's :meth:`merge` accepts their
+        tensors (the same group size, say)."""
+        return self if self.applies_to(prefix) else None
+
     @abstractmethod
     def create_weights(
         self, layer: torch.nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype

@@ -60,7 +60,8 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.prefix = in_features, out_features, prefix
         self.parts = [(prefix, out_features)]  # (HF module name, output size) of what it computes, side by side
         self.lora: nn.Module | None = None  # models/lora.py's LoraDelta, with --lora adapters that target it
-        self.method: QuantMethod = quant if quant is not None and quant.applies_to(prefix) else UnquantizedMethod()
+        method = quant.method_for(prefix) if quant is not None else None
+        self.method: QuantMethod = method if method is not None else UnquantizedMethod()
         if create:
             self.method.create_weights(self, in_features, out_features, bias, dtype)
 

@@ -102,6 +102,12 @@ def experts_quant(quant: QuantMethod | None, prefix: str, moe: MoeConfig) -> Qua
     return quant if any(quant.applies_to(f"{prefix}.0.{projection}") for projection in moe.projections) else None
 
 
+def stacked_layout(linear: nn.Module) -> tuple[type | None, int]:
+    """The stacked experts' method class of an expert's linear (None: none stacks it) and its group size."""
+    kind = next((kind for kind in STACKABLE if isinstance(linear.method, kind)), None)
+    return kind, getattr(linear, STACKABLE[kind]) if kind is not None else 0
+
+
 def fused_fp8_runs(device: torch.device, fp8: ExpertsFp8) -> bool:
     """Whether the fused Triton experts run ``fp8``'s experts on ``device``: a GPU with FP8 tensor cores, or the
     interpreter (CPU tensors), and K-tiles its scale groups allow."""
@@ -157,16 +163,18 @@ class SparseMoe(nn.Module):
         self.stacked: tuple[type, int, int] | None = None
         self.loaded: set[tuple[int, str]] = set()  # (expert, projection or projection + "_scale") loaded
         # Linears the stacked kernels cannot run (not every projection of every expert int4 AWQ, or every one
-        # W8A16): the torch loop runs them, which reads expert counts back to the host (ModelSpec.graph_blocker)
+        # W8A16, or the experts' gate/up, or downs, in groups of several sizes): the torch loop runs them, which
+        # reads expert counts back to the host (ModelSpec.graph_blocker)
         self.unstackable = False
         if linear_quant is not None:
             self.experts = nn.ModuleList(expert_linears(moe, hidden_size, f"{prefix}.experts.{e}", linear_quant, dtype)
                                          for e in range(count))
             self.register_buffer("w13", None)
             self.register_buffer("w2", None)
-            kinds = {next((kind for kind in STACKABLE if isinstance(linear.method, kind)), None)
-                     for expert in self.experts for linear in expert.children()}
-            self.unstackable = len(kinds) != 1 or None in kinds
+            layouts = [{stacked_layout(expert.get_submodule(p)) for expert in self.experts for p in projections}
+                       for projections in (moe.projections[:2], moe.projections[2:])]  # gate/up's and down's
+            kinds = {kind for layout in layouts for kind, _ in layout}
+            self.unstackable = len(kinds) != 1 or None in kinds or any(len(layout) > 1 for layout in layouts)
             # (expert, "projection.tensor") the checkpoint must fill, before loading changes the Linears' tensors
             self.expected = {(e, f"{projection}.{attr}") for e, expert in enumerate(self.experts)
                              for projection in moe.projections

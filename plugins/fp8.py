@@ -86,13 +86,11 @@ def build_compressed_tensors(config: EngineConfig, quantization_config: dict[str
     formats = group_formats(quantization_config) if quantization_config is not None else set()
     if FORMAT not in formats:
         return build_fp8(config, quantization_config)
-    from ..quant.gptq_method import PackQuantizedInt8LinearMethod, PackQuantizedLinearMethod
+    from ..quant.gptq_method import pack_quantized_method
     from ..quant.pack_quantized import parse_pack_quantized
 
     options = read_plugin_options(config, "compressed-tensors", PACKED_OPTIONS)
-    scheme = parse_pack_quantized(quantization_config)
-    kind = PackQuantizedLinearMethod if scheme.bits == 4 else PackQuantizedInt8LinearMethod
-    method = kind(scheme, options["fused_max_rows"])
+    method = pack_quantized_method(parse_pack_quantized(quantization_config), options["fused_max_rows"])
     warn_kv_cache_scheme(quantization_config)
     return method
 

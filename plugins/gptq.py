@@ -24,16 +24,14 @@ def build_gptq(config: EngineConfig, quantization_config: dict[str, Any] | None)
     ``config.plugin_options["gptq"]``: the options of :data:`GPTQ_OPTIONS`.
     """
     from ..quant.gptq import parse_config
-    from ..quant.gptq_method import GptqInt8LinearMethod, GptqLinearMethod
+    from ..quant.gptq_method import gptq_method
 
     options = read_plugin_options(config, "gptq", GPTQ_OPTIONS)
     if quantization_config is None:
         raise ConfigError("--quant gptq loads GPTQ checkpoints, and this one is not quantized: GPTQ needs "
                           "calibration; quantize on load with --quant awq (round-to-nearest int4) or --quant fp8, "
                           "or run `infer quantize --method gptq MODEL OUT` once and load OUT")
-    gptq = parse_config(quantization_config)
-    method = GptqLinearMethod if gptq.bits == 4 else GptqInt8LinearMethod
-    return method(gptq, fused_max_rows=options["fused_max_rows"])
+    return gptq_method(parse_config(quantization_config), options["fused_max_rows"])
 
 
 @hookimpl

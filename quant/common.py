@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from ..core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ..core.interfaces import QuantMethod
+
+Scheme = TypeVar("Scheme", bound=Hashable)
 
 LOADED_ATTR = "_quant_loaded"  # per-layer set of the tensor names load_weight has filled
 # the elements of a weight quantized at once: its fp32 (and int64, for packing) working copies stay a few MiB each
@@ -85,6 +91,20 @@ def matches_target(prefix: str, target: str) -> bool:
     return target in ("Linear", prefix)
 
 
+def targeted_scheme(prefix: str, groups: Iterable[tuple[Iterable[str], Scheme]], ignore: Iterable[str]
+                    ) -> Scheme | None:
+    """The scheme compressed-tensors gives the linear at ``prefix`` from its config's (targets, scheme) groups, or
+    None when an ``ignore`` entry or no target matches it. Where several targets match, the library's precedence
+    decides, whatever the groups' order: the exact module path, then ``re:`` patterns in sorted order, then the class
+    name; a target in two groups is the later group's."""
+    if any(matches_target(prefix, pattern) for pattern in ignore):
+        return None
+    by_target = {target: scheme for targets, scheme in groups for target in targets}
+    matched = sorted((t for t in by_target if matches_target(prefix, t)),
+                     key=lambda t: (0, t) if t == prefix else (1, t) if t.startswith("re:") else (2, t))
+    return by_target[matched[0]] if matched else None
+
+
 def is_name_list(value: object) -> bool:
     """Whether a quantization config's module list is a JSON list of strings."""
     return isinstance(value, list | tuple) and all(isinstance(item, str) for item in value)
@@ -143,3 +163,32 @@ class WeightOnlyApply:
     def dequantized(self, layer: torch.nn.Module, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
         """The layer's weight [K, N] in ``dtype``: on CUDA by one Triton kernel, else in torch."""
         raise NotImplementedError
+
+
+class SchemeVariants:
+    """A QuantMethod mixin for checkpoints that quantize their linears by more than one scheme (GPTQModel's
+    ``dynamic`` overrides, compressed-tensors groups of other bits or group sizes): :meth:`scheme_for` names each
+    linear's scheme and ``variants`` holds one method per scheme (:func:`with_variants`), so that ``method_for``
+    hands each linear its scheme's method, shared by the linears of that scheme."""
+
+    variants: dict[Any, QuantMethod]
+
+    def scheme_for(self, prefix: str) -> Hashable | None:
+        """The scheme of the linear at module path ``prefix``; None leaves it unquantized."""
+        raise NotImplementedError
+
+    def applies_to(self, prefix: str) -> bool:
+        return self.scheme_for(prefix) is not None
+
+    def method_for(self, prefix: str) -> QuantMethod | None:
+        scheme = self.scheme_for(prefix)
+        return None if scheme is None else self.variants[scheme]
+
+
+def with_variants(build: Callable[[Scheme], QuantMethod], schemes: Sequence[Scheme]) -> QuantMethod:
+    """The method of ``schemes[0]`` (the checkpoint's main scheme), each scheme's method built once by ``build`` (a
+    :class:`SchemeVariants`) and all of them sharing the ``variants`` that map every scheme to its method."""
+    variants = {scheme: build(scheme) for scheme in dict.fromkeys(schemes)}
+    for method in variants.values():
+        method.variants = variants  # type: ignore[attr-defined]
+    return variants[schemes[0]]

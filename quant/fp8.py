@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..core.errors import CheckpointError
-from .common import CHUNK_ELEMENTS, bad_pattern, is_name_list, matches_target, row_chunks
+from .common import CHUNK_ELEMENTS, bad_pattern, is_name_list, row_chunks, targeted_scheme
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -91,15 +91,9 @@ class Fp8CheckpointConfig:
     ignore: tuple[str, ...] = ()
 
     def scheme_for(self, prefix: str) -> Fp8Scheme | None:
-        """The scheme of the linear at ``prefix``, or None when it is ignored or targeted by no group. Where several
-        targets match, compressed-tensors' precedence decides, whatever the groups' order: the exact module path,
-        then ``re:`` patterns in sorted order, then the class name; a target in two groups is the later group's."""
-        if any(matches_target(prefix, pattern) for pattern in self.ignore):
-            return None
-        by_target = {target: scheme for targets, scheme in self.groups for target in targets}
-        matched = sorted((t for t in by_target if matches_target(prefix, t)),
-                         key=lambda t: (0, t) if t == prefix else (1, t) if t.startswith("re:") else (2, t))
-        return by_target[matched[0]] if matched else None
+        """The scheme of the linear at ``prefix`` (compressed-tensors' precedence: :func:`.common.targeted_scheme`),
+        or None when it is ignored or targeted by no group."""
+        return targeted_scheme(prefix, self.groups, self.ignore)
 
 
 def _fail(message: str) -> CheckpointError:

@@ -25,6 +25,7 @@ with the layer's input permuted the same way at run time (``x[:, order] @ W[orde
 """
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ import torch
 
 from ..core.errors import CheckpointError
 from . import awq
-from .common import CHUNK_ELEMENTS, bad_pattern, is_name_list, row_chunks
+from .common import CHUNK_ELEMENTS, bad_pattern, is_lm_head, is_name_list, row_chunks
 
 BITS = (4, 8)
 FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what qzeros' nibbles lack of the zero point
@@ -41,22 +42,44 @@ V1_WORD_OFFSET = 0x11111111  # added to each v1 qzeros word, in wrapping 32-bit 
 
 
 @dataclass(frozen=True)
-class GptqConfig:
-    """A validated GPTQ ``quantization_config``. ``modules_in_block_to_quantize``: the linears of each decoder
-    layer that are quantized, by their path inside the layer (``self_attn.q_proj``, matched as the end of the module
-    path after a dot: optimum matches any ending, so ``proj`` would name every projection there, none here); empty:
-    all of them.
-    ``skipped``: GPTQModel's ``dynamic`` exclusions (``-:`` regular expressions, ``re.match``-ed on the module
-    path). ``act_order``: the config says ``desc_act``, so every layer must bring its ``g_idx``. ``bits``: 4 or 8
-    (8: :mod:`.w8a16`, whose module docstring gives the byte layout; the rest of this one holds with 4 values per
-    int32 instead of 8, and v1 zero points offset by 0x01010101)."""
+class GptqScheme:
+    """How one linear is quantized: ``bits`` 4 or 8 (8: :mod:`.w8a16`, whose module docstring gives the byte layout;
+    the rest of this one holds with 4 values per int32 instead of 8, and v1 zero points offset by 0x01010101),
+    ``group_size`` (-1: one group) and ``act_order``: the config says ``desc_act``, so the layer must bring its
+    ``g_idx``."""
 
-    group_size: int = 128
-    zero_offset: int = 1
-    modules_in_block_to_quantize: tuple[str, ...] = field(default_factory=tuple)
-    skipped: tuple[str, ...] = ()
-    act_order: bool = False
     bits: int = 4
+    group_size: int = 128
+    act_order: bool = False
+
+
+@dataclass(frozen=True)
+class GptqConfig:
+    """A validated GPTQ ``quantization_config``: its ``scheme``, the format's ``zero_offset``, and which linears are
+    quantized how. ``modules_in_block_to_quantize``: the linears of each decoder layer that are quantized, by their
+    path inside the layer (``self_attn.q_proj``, matched as the end of the module path after a dot: optimum matches
+    any ending, so ``proj`` would name every projection there, none here); empty: all of them. ``dynamic``:
+    GPTQModel's per-module overrides, in the config's order, as (regular expression ``re.match``-ed on the module
+    path, its scheme; None for a ``-:`` exclusion)."""
+
+    scheme: GptqScheme = field(default_factory=GptqScheme)
+    zero_offset: int = 1
+    modules_in_block_to_quantize: tuple[str, ...] = ()
+    dynamic: tuple[tuple[str, GptqScheme | None], ...] = ()
+
+    def scheme_for(self, prefix: str) -> GptqScheme | None:
+        """The scheme of the linear at ``prefix``: None for the output head (never quantized), a linear outside
+        ``modules_in_block_to_quantize`` or one excluded by ``dynamic``; else the first matching override's, as
+        GPTQModel (and vLLM) resolve them, or the config's own."""
+        blocks = self.modules_in_block_to_quantize
+        if is_lm_head(prefix) or blocks and not any(prefix.endswith(f".{b}") for b in blocks):
+            return None
+        return next((scheme for pattern, scheme in self.dynamic if re.match(pattern, prefix)), self.scheme)
+
+    @property
+    def schemes(self) -> list[GptqScheme]:
+        """The config's own scheme, then its overrides' others."""
+        return list(dict.fromkeys([self.scheme, *(s for _, s in self.dynamic if s is not None)]))
 
 
 def parse_config(qc: dict[str, Any]) -> GptqConfig:
@@ -65,14 +88,6 @@ def parse_config(qc: dict[str, Any]) -> GptqConfig:
     if method != "gptq":
         raise CheckpointError(f"--quant gptq was given, but the checkpoint is quantized with {method!r}; drop --quant "
                               "to use the checkpoint's own method")
-    bits = qc.get("bits")
-    if bits not in BITS or type(bits) is not int:
-        raise CheckpointError(f"GPTQ bits must be 4 or 8, got {bits!r}: infer runs 4-bit GPTQ checkpoints on its "
-                              "W4A16 kernels and 8-bit ones on its W8A16 kernels")
-    group_size = qc.get("group_size")
-    if not awq.is_group_size(group_size):
-        raise CheckpointError(f"GPTQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))} for infer's "
-                              f"kernels, got {group_size!r}")
     # config.json's field is checkpoint_format; GPTQModel also writes format, and older AutoGPTQ is_marlin_format
     named = {str(qc[key]).lower() for key in ("checkpoint_format", "format") if qc.get(key)}
     if len(named) > 1:
@@ -88,32 +103,57 @@ def parse_config(qc: dict[str, Any]) -> GptqConfig:
     if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
         raise CheckpointError(f"GPTQ pack_dtype {qc['pack_dtype']!r} is not int32, the packing infer loads; save the "
                               "model with pack_dtype int32")
-    skipped = dynamic_exclusions(qc.get("dynamic"), qc)
     blocks = qc.get("modules_in_block_to_quantize") or []
     if not isinstance(blocks, list) or not all(is_name_list(names) for names in blocks):
         raise CheckpointError("GPTQ modules_in_block_to_quantize must be a list of lists of module names "
                               f"(e.g. [[\"self_attn.q_proj\"]]), got {blocks!r}")
-    return GptqConfig(group_size, FORMATS[form], tuple(name for names in blocks for name in names), skipped,
-                      qc.get("desc_act") is True and group_size != -1, bits)
+    return GptqConfig(parse_scheme(qc, "the GPTQ config"), FORMATS[form],
+                      tuple(name for names in blocks for name in names), parse_dynamic(qc.get("dynamic"), qc))
 
 
-def dynamic_exclusions(dynamic: object, qc: dict[str, Any]) -> tuple[str, ...]:
-    """GPTQModel's ``dynamic``: its ``-:PATTERN`` keys exclude modules, returned as patterns; a positive key is
-    accepted when it overrides nothing, or only with the config's own values, and refused otherwise."""
+def parse_scheme(qc: dict[str, Any], where: str) -> GptqScheme:
+    """The bits, group_size and desc_act of a GPTQ config (or of a ``dynamic`` override merged into it)."""
+    bits = qc.get("bits")
+    if bits not in BITS or type(bits) is not int:
+        raise CheckpointError(f"GPTQ bits must be 4 or 8, got {bits!r} in {where}: infer runs 4-bit GPTQ "
+                              "checkpoints on its W4A16 kernels and 8-bit ones on its W8A16 kernels")
+    group_size = qc.get("group_size")
+    if not awq.is_group_size(group_size):
+        raise CheckpointError(f"GPTQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))} for infer's "
+                              f"kernels, got {group_size!r} in {where}")
+    return GptqScheme(bits, group_size, qc.get("desc_act") is True and group_size != -1)
+
+
+# a dynamic override may not change these (read once for the checkpoint); besides bits, group_size, desc_act and
+# sym, its other keys steer calibration only (damp_percent, mse, ...) and change nothing infer reads
+LAYOUT_KEYS = ("quant_method", "checkpoint_format", "format", "pack_dtype", "lm_head")
+
+
+def parse_dynamic(dynamic: object, qc: dict[str, Any]) -> tuple[tuple[str, GptqScheme | None], ...]:
+    """GPTQModel's ``dynamic``: ``-:PATTERN`` keys exclude the modules they match, other keys (``+:PATTERN`` or
+    ``PATTERN``) give them the config with the key's overrides (bits, group_size, desc_act; sym, which the stored
+    zero points make moot). Each override keeps the checkpoint's format: one that changes it is refused."""
     if not dynamic:
         return ()
     if not isinstance(dynamic, dict):
         raise CheckpointError(f"GPTQ dynamic must be an object of module patterns, got {dynamic!r}")
-    skipped = []
+    rules: list[tuple[str, GptqScheme | None]] = []
     for key, overrides in dynamic.items():
-        if str(key).startswith("-:"):
-            skipped.append(str(key)[2:])
-        elif isinstance(overrides, dict) and any(qc.get(name) != value for name, value in overrides.items()):
-            raise CheckpointError(f"GPTQ dynamic gives modules matching {key!r} their own settings ({overrides}); "
-                                  "infer quantizes every layer alike: use a checkpoint without such overrides")
-    if why := bad_pattern(skipped):
-        raise CheckpointError(f"a GPTQ dynamic exclusion: {why}")
-    return tuple(skipped)
+        key = str(key)
+        if key.startswith("-:"):
+            rules.append((key[2:], None))
+            continue
+        if not isinstance(overrides, dict):
+            raise CheckpointError(f"GPTQ dynamic {key!r} must map to an object of overrides, got {overrides!r}")
+        if changed := [name for name in LAYOUT_KEYS if name in overrides and overrides[name] != qc.get(name)]:
+            raise CheckpointError(f"GPTQ dynamic {key!r} changes {', '.join(changed)}, which infer reads once for the "
+                                  "whole checkpoint: use one without such overrides")
+        if "sym" in overrides and type(overrides["sym"]) is not bool:
+            raise CheckpointError(f"GPTQ dynamic {key!r} gives sym {overrides['sym']!r}, not true or false")
+        rules.append((key.removeprefix("+:"), parse_scheme({**qc, **overrides}, f"dynamic {key!r}")))
+    if why := bad_pattern(pattern for pattern, _ in rules):
+        raise CheckpointError(f"a GPTQ dynamic pattern: {why}")
+    return tuple(rules)
 
 
 def repack_rows(qweight: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:

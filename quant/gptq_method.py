@@ -2,8 +2,6 @@
 repacked on load into the AWQ layout and run as AWQ layers; 8-bit ones run as W8A16 layers (:mod:`.w8a16`)."""
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -11,14 +9,17 @@ from ..core.errors import CheckpointError
 from ..core.interfaces import QuantMethod
 from . import awq, gptq, w8a16
 from .awq_method import PACKED, AwqLinearMethod
-from .common import check_tensor_shape, is_lm_head, layer_name, mark_loaded, require_loaded, was_loaded
-from .pack_quantized import PackQuantizedConfig
+from .common import (SchemeVariants, check_tensor_shape, layer_name, mark_loaded, require_loaded, was_loaded,
+                     with_variants)
+from .pack_quantized import PackQuantizedConfig, PackQuantizedScheme
 from .w8a16_method import W8A16LinearMethod
 
 
-class GptqTensors:
+class GptqTensors(SchemeVariants):
     """The loading GPTQ checkpoints share, whatever their layers run as (a mixin before the runtime method:
-    :class:`~.awq_method.AwqLinearMethod` for 4 bits, :class:`~.w8a16_method.W8A16LinearMethod` for 8). A layer
+    :class:`~.awq_method.AwqLinearMethod` for 4 bits, :class:`~.w8a16_method.W8A16LinearMethod` for 8). One method
+    serves the linears of one :class:`~.gptq.GptqScheme`; a checkpoint of several (GPTQModel's ``dynamic``
+    overrides) has one per scheme (:func:`gptq_method`), each linear given its own by ``method_for``. A layer
     loads GPTQ's ``qweight``/``qzeros``/``scales``/``g_idx`` and, once all are in, holds what the runtime method's
     layers hold, plus ``input_order``: None, or for a checkpoint quantized in activation order the permutation
     applied to the layer's input first. ``g_idx`` may be absent (older checkpoints): the groups are then
@@ -28,13 +29,11 @@ class GptqTensors:
 
     name = "gptq"
     config: gptq.GptqConfig
+    scheme: gptq.GptqScheme  # of the linears this method serves
     pack: int  # values per int32
 
-    def applies_to(self, prefix: str) -> bool:
-        if is_lm_head(prefix) or any(re.match(pattern, prefix) for pattern in self.config.skipped):
-            return False
-        blocks = self.config.modules_in_block_to_quantize
-        return not blocks or any(prefix.endswith(f".{name}") for name in blocks)
+    def scheme_for(self, prefix: str) -> gptq.GptqScheme | None:
+        return self.config.scheme_for(prefix)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
@@ -83,7 +82,7 @@ class GptqTensors:
     def process_after_loading(self, layer: nn.Module) -> None:
         require_loaded(layer, PACKED + (("bias",) if layer.bias is not None else ()), self.name)
         g_idx = layer.g_idx if was_loaded(layer, "g_idx") else None
-        if g_idx is None and self.config.act_order:
+        if g_idx is None and self.scheme.act_order:
             raise CheckpointError(f"the GPTQ config says desc_act (activation order), but layer {layer_name(layer)!r} "
                                   "has no g_idx, without which its groups are unknown: the checkpoint is incomplete")
         self._convert(layer, layer.qweight, layer.qzeros, g_idx, self.config.zero_offset)
@@ -109,9 +108,11 @@ class GptqLinearMethod(GptqTensors, AwqLinearMethod):
 
     pack = awq.PACK
 
-    def __init__(self, config: gptq.GptqConfig, fused_max_rows: int = 64) -> None:
-        AwqLinearMethod.__init__(self, config.group_size, fused_max_rows=fused_max_rows)
-        self.config = config
+    def __init__(self, config: gptq.GptqConfig, fused_max_rows: int = 64, scheme: gptq.GptqScheme | None = None
+                 ) -> None:
+        self.config, self.scheme = config, scheme or config.scheme
+        AwqLinearMethod.__init__(self, self.scheme.group_size, fused_max_rows=fused_max_rows)
+        self.variants = {self.scheme: self}
 
     def _quantized_layer(self, layer: nn.Module, in_features: int, out_features: int) -> int:
         """Check the layer's shape fits the packing; set what every int4 layer has; return its group size."""
@@ -135,9 +136,11 @@ class GptqInt8LinearMethod(GptqTensors, W8A16LinearMethod):
 
     pack = w8a16.PACK
 
-    def __init__(self, config: gptq.GptqConfig, fused_max_rows: int = 64) -> None:
-        W8A16LinearMethod.__init__(self, config.group_size, fused_max_rows)
-        self.config = config
+    def __init__(self, config: gptq.GptqConfig, fused_max_rows: int = 64, scheme: gptq.GptqScheme | None = None
+                 ) -> None:
+        self.config, self.scheme = config, scheme or config.scheme
+        W8A16LinearMethod.__init__(self, self.scheme.group_size, fused_max_rows)
+        self.variants = {self.scheme: self}
 
 
 class PackQuantizedTensors(GptqTensors):
@@ -145,13 +148,18 @@ class PackQuantizedTensors(GptqTensors):
     runtime method as :class:`GptqTensors` is: they load the checkpoint's ``weight_packed``, ``weight_scale``,
     ``weight_zero_point`` (asymmetric schemes), ``weight_g_idx`` (optional) and ``weight_shape`` (checked), then
     convert as GPTQ layers do, from the transposed tensors (``gptq_v2``; a symmetric scheme's zero point is half
-    the codes' range). The output head is quantized only where the config targets it."""
+    the codes' range). The output head is quantized only where the config targets it. One method serves the linears
+    of one :class:`~.pack_quantized.PackQuantizedScheme` (:func:`pack_quantized_method`)."""
 
     name = "compressed-tensors"
-    scheme: PackQuantizedConfig
+    checkpoint: PackQuantizedConfig
+    symmetric: bool
 
-    def applies_to(self, prefix: str) -> bool:
-        return self.scheme.applies_to(prefix)
+    def scheme_for(self, prefix: str) -> PackQuantizedScheme | None:  # type: ignore[override]
+        return self.checkpoint.scheme_for(prefix)
+
+    def _set_scheme(self, config: PackQuantizedConfig, scheme: PackQuantizedScheme) -> None:
+        self.checkpoint, self.symmetric, self.variants = config, scheme.symmetric, {scheme: self}
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
@@ -159,7 +167,7 @@ class PackQuantizedTensors(GptqTensors):
         layer.register_buffer("weight_packed", torch.empty(out_features, in_features // self.pack,
                                                            dtype=torch.int32))
         layer.register_buffer("weight_scale", torch.empty(out_features, in_features // group, dtype=dtype))
-        if not self.scheme.symmetric:
+        if not self.symmetric:
             layer.register_buffer("weight_zero_point", torch.empty(out_features // self.pack, in_features // group,
                                                                    dtype=torch.int32))
         layer.register_buffer("weight_g_idx", torch.empty(in_features, dtype=torch.int32), persistent=False)
@@ -187,7 +195,7 @@ class PackQuantizedTensors(GptqTensors):
         mark_loaded(layer, name)
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        zero_point = () if self.scheme.symmetric else ("weight_zero_point",)
+        zero_point = () if self.symmetric else ("weight_zero_point",)
         require_loaded(layer, ("weight_packed", "weight_scale", "weight_shape") + zero_point
                        + (("bias",) if layer.bias is not None else ()), self.name)
         groups, out_features = layer.weight_scale.shape[1], layer.weight_packed.shape[0]
@@ -207,17 +215,43 @@ class PackQuantizedTensors(GptqTensors):
 class PackQuantizedLinearMethod(PackQuantizedTensors, GptqLinearMethod):
     """compressed-tensors int4 layers, run as AWQ layers."""
 
-    def __init__(self, config: PackQuantizedConfig, fused_max_rows: int = 64) -> None:
-        GptqLinearMethod.__init__(self, gptq.GptqConfig(config.group_size, zero_offset=0), fused_max_rows)
-        self.scheme = config
+    def __init__(self, config: PackQuantizedConfig, fused_max_rows: int = 64,
+                 scheme: PackQuantizedScheme | None = None) -> None:
+        scheme = scheme or config.schemes[0]
+        GptqLinearMethod.__init__(self, gptq_config(scheme), fused_max_rows)
+        self._set_scheme(config, scheme)
 
 
 class PackQuantizedInt8LinearMethod(PackQuantizedTensors, GptqInt8LinearMethod):
     """compressed-tensors int8 weight-only layers (llm-compressor's W8A16), run as W8A16 layers."""
 
-    def __init__(self, config: PackQuantizedConfig, fused_max_rows: int = 64) -> None:
-        GptqInt8LinearMethod.__init__(self, gptq.GptqConfig(config.group_size, zero_offset=0), fused_max_rows)
-        self.scheme = config
+    def __init__(self, config: PackQuantizedConfig, fused_max_rows: int = 64,
+                 scheme: PackQuantizedScheme | None = None) -> None:
+        scheme = scheme or config.schemes[0]
+        GptqInt8LinearMethod.__init__(self, gptq_config(scheme), fused_max_rows)
+        self._set_scheme(config, scheme)
+
+
+def gptq_config(scheme: PackQuantizedScheme) -> gptq.GptqConfig:
+    """The GPTQ config a pack-quantized scheme's linears load by: gptq_v2 zero points (stored or implied)."""
+    return gptq.GptqConfig(gptq.GptqScheme(scheme.bits, scheme.group_size, scheme.act_order), zero_offset=0)
+
+
+def gptq_method(config: gptq.GptqConfig, fused_max_rows: int = 64) -> QuantMethod:
+    """The method of a GPTQ checkpoint: its own scheme's (4 bits: :class:`GptqLinearMethod`, 8:
+    :class:`GptqInt8LinearMethod`), holding one per ``dynamic`` override's scheme besides."""
+    def build(scheme: gptq.GptqScheme) -> QuantMethod:
+        return (GptqLinearMethod if scheme.bits == 4 else GptqInt8LinearMethod)(config, fused_max_rows, scheme)
+    return with_variants(build, config.schemes)
+
+
+def pack_quantized_method(config: PackQuantizedConfig, fused_max_rows: int = 64) -> QuantMethod:
+    """The method of a pack-quantized checkpoint: its first group's scheme's, holding one for each other scheme of
+    its groups (4 bits: :class:`PackQuantizedLinearMethod`, 8: :class:`PackQuantizedInt8LinearMethod`)."""
+    def build(scheme: PackQuantizedScheme) -> QuantMethod:
+        kind = PackQuantizedLinearMethod if scheme.bits == 4 else PackQuantizedInt8LinearMethod
+        return kind(config, fused_max_rows, scheme)
+    return with_variants(build, config.schemes)
 
 
 def symmetric_zeros(bits: int) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..core.errors import CheckpointError
 from . import awq
-from .common import bad_pattern, is_name_list, matches_target
+from .common import bad_pattern, is_name_list, targeted_scheme
 from .fp8 import check_compressed_tensors
 
 FORMAT = "pack-quantized"
@@ -37,24 +37,40 @@ def _fail(message: str) -> CheckpointError:
 
 
 @dataclass(frozen=True)
-class PackQuantizedConfig:
-    """A validated compressed-tensors int4 or int8 config: the weights' group size (-1: per channel), symmetry
-    and bits, which every group shares, and the modules it quantizes."""
+class PackQuantizedScheme:
+    """How the linears of one compressed-tensors group are quantized: the weights' group size (-1: per channel),
+    symmetry, activation order (``group``: each layer brings its weight_g_idx) and bits."""
 
     group_size: int
     symmetric: bool
-    targets: tuple[str, ...]
-    ignore: tuple[str, ...] = ()
-    act_order: bool = False  # actorder "group": every layer brings its weight_g_idx
+    act_order: bool = False
     bits: int = 4
+
+
+@dataclass(frozen=True)
+class PackQuantizedConfig:
+    """A validated compressed-tensors int4/int8 config: its (targets, scheme) groups, in the config's order, and
+    its ``ignore`` list."""
+
+    groups: tuple[tuple[tuple[str, ...], PackQuantizedScheme], ...]
+    ignore: tuple[str, ...] = ()
+
+    def scheme_for(self, prefix: str) -> PackQuantizedScheme | None:
+        """The scheme of the linear at ``prefix`` (compressed-tensors' precedence:
+        :func:`.common.targeted_scheme`), or None when it is not quantized."""
+        return targeted_scheme(prefix, self.groups, self.ignore)
 
     def applies_to(self, prefix: str) -> bool:
         """Whether the linear at ``prefix`` is quantized: a target matches it and no ignore entry does."""
-        return not any(matches_target(prefix, p) for p in self.ignore) and \
-            any(matches_target(prefix, t) for t in self.targets)
+        return self.scheme_for(prefix) is not None
+
+    @property
+    def schemes(self) -> list[PackQuantizedScheme]:
+        """The groups' schemes, each once, in the config's order."""
+        return list(dict.fromkeys(scheme for _, scheme in self.groups))
 
 
-def _weights(name: str, group: dict[str, Any]) -> tuple[int, bool, bool, int]:
+def _weights(name: str, group: dict[str, Any]) -> PackQuantizedScheme:
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise _fail(f"group {name!r} has no weights arguments")
@@ -69,26 +85,24 @@ def _weights(name: str, group: dict[str, Any]) -> tuple[int, bool, bool, int]:
         raise _fail(f"group {name!r} weights use strategy {strategy!r} with group_size {size!r}")
     if group.get("input_activations") or group.get("output_activations"):
         raise _fail(f"group {name!r} quantizes activations too")
-    return size, bool(weights.get("symmetric", True)), weights.get("actorder") == "group" and size != -1, bits
+    return PackQuantizedScheme(size, bool(weights.get("symmetric", True)),
+                               weights.get("actorder") == "group" and size != -1, bits)
 
 
 def parse_pack_quantized(qc: dict[str, Any]) -> PackQuantizedConfig:
-    """Validate a compressed-tensors ``quantization_config`` whose groups are all ``pack-quantized`` int weights."""
+    """Validate a compressed-tensors ``quantization_config`` whose groups are all ``pack-quantized`` int weights
+    (each group its own scheme: W4A16 and W8A16 groups may mix)."""
     ignore = check_compressed_tensors(qc, _fail)
-    schemes, targets = set(), []
+    groups = []
     for name, group in qc["config_groups"].items():
         group = group if isinstance(group, dict) else {}
         if (group.get("format") or qc.get("format")) != FORMAT:
             raise _fail(f"group {name!r} is {group.get('format') or qc.get('format')!r} beside pack-quantized ones")
-        schemes.add(_weights(name, group))
+        scheme = _weights(name, group)
         names = group.get("targets") or []
         if not names or not is_name_list(names):
             raise _fail(f"group {name!r} needs a non-empty list of targets, got {names!r}")
         if why := bad_pattern(t[3:] for t in names if t.startswith("re:")):
             raise _fail(f"a target pattern of group {name!r}: {why}")
-        targets += names
-    if len(schemes) > 1:
-        raise _fail(f"its groups quantize weights differently ({sorted(schemes)} as (group size, symmetric, "
-                    "activation order, bits))")
-    size, symmetric, act_order, bits = schemes.pop()
-    return PackQuantizedConfig(size, symmetric, tuple(targets), ignore, act_order, bits)
+        groups.append((tuple(names), scheme))
+    return PackQuantizedConfig(tuple(groups), ignore)

@@ -195,6 +195,41 @@ def test_an_error_raised_in_a_quant_methods_code_names_the_plugin(infer_plugins,
         engine.generate(["hi"], SamplingParams(max_tokens=2))
 
 
+def test_a_quant_methods_method_for_gives_each_linear_the_method_it_names(infer_plugins, tiny_model):
+    """``QuantMethod.method_for``: a plugin's method may hand linears other method objects (a checkpoint of several
+    schemes), or None for a float linear; the model builds each linear so, and computes what the methods compute."""
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+    from infer.models.layers import Linear, UnquantizedMethod
+
+    class Counting(UnquantizedMethod):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows = 0
+
+        def apply(self, layer, x):
+            self.rows += x.reshape(-1, x.shape[-1]).shape[0]
+            return super().apply(layer, x)
+
+    attention, mlp = Counting(), Counting()
+
+    class Split(Counting):
+        def method_for(self, prefix):
+            return None if prefix == "lm_head" else mlp if ".mlp." in prefix else attention
+
+    plugins = runtime_plugin(infer_plugins, "register_quant_methods", "split", lambda config, qc: Split())
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", quant="split"), plugins)
+    methods = {m.prefix: m.method for m in engine.loaded.model.modules() if isinstance(m, Linear)}
+    assert type(methods.pop("lm_head")) is UnquantizedMethod and len(methods) > 2
+    assert all(method is (mlp if ".mlp." in prefix else attention) for prefix, method in methods.items())
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    for prompt in ([5, 17, 300, 42], [900, 12, 8]):
+        assert engine.generate([prompt], params)[0].outputs[0].token_ids == \
+            plain.generate([prompt], params)[0].outputs[0].token_ids
+    assert attention.rows > 0 and mlp.rows > 0
+
+
 def test_an_error_raised_in_a_schedulers_admission_names_the_plugin(infer_plugins, tiny_model):
     from infer import SamplingParams
     from infer.core.engine import Engine

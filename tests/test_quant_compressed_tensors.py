@@ -142,29 +142,35 @@ def test_overlapping_groups_resolve_as_the_library_resolves_them(groups: list[tu
 
 
 # ---------------------------------------------------------------- pack-quantized int4 and int8 (W4A16, W8A16)
-def compress_packed(model: torch.nn.Module, folder: Path, group_size: int | None, symmetric: bool,
-                    bits: int = 4) -> None:
-    """Quantize ``model``'s linears (lm_head ignored) to int weights with the library (``group_size`` None: per
-    channel; min/max calibration per group, what its memoryless observer computes) and save them pack-quantized.
-    ``model`` is left decompressed, running the library's own fake-quantized forward: the reference."""
+def int_weights(group_size: int | None, symmetric: bool, bits: int = 4) -> dict[str, Any]:
+    """The library's int weight arguments (``group_size`` None: per channel)."""
+    return {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group" if group_size else "channel",
+            "group_size": group_size}
+
+
+def compress_packed(model: torch.nn.Module, folder: Path, groups: list[tuple[dict[str, Any], list[str]]]
+                    ) -> None:
+    """Quantize ``model``'s linears (lm_head ignored) to int weights with the library, each by the group of
+    (:func:`int_weights`, targets) whose target the library picks for it (min/max calibration per group, what its
+    memoryless observer computes), and save them pack-quantized. ``model`` is left decompressed, running the
+    library's own fake-quantized forward: the reference."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
-                               strategy="group" if group_size else "channel", group_size=group_size)
-    qconfig = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
-                                 ignore=["lm_head"], format="pack-quantized")
+    qconfig = QuantizationConfig(config_groups={
+        f"group_{i}": QuantizationScheme(targets=targets, weights=QuantizationArgs(**weights))
+        for i, (weights, targets) in enumerate(groups)}, ignore=["lm_head"], format="pack-quantized")
     apply_quantization_config(model, qconfig)
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue
-        w = module.weight.data
-        grouped = w.reshape(w.shape[0], -1, group_size or w.shape[1])  # [out, groups, group]
-        scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), weights)
+        w, args = module.weight.data, module.quantization_scheme.weights
+        grouped = w.reshape(w.shape[0], -1, args.group_size or w.shape[1])  # [out, groups, group]
+        scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-        if not symmetric:
+        if not args.symmetric:
             module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
     compressor.compress_model(model)
@@ -181,6 +187,34 @@ def compress_packed(model: torch.nn.Module, folder: Path, group_size: int | None
 def test_pack_quantized_checkpoint_greedy_equals_the_library_emulation(
         group_size: int | None, symmetric: bool, bits: int, tiny_model: Path, tmp_path: Path) -> None:
     """(The library no longer writes activation order "group", whose weight_g_idx tests/test_quant_gptq.py loads.)"""
+    engine = greedy_equals_the_library_emulation(tiny_model, tmp_path, [(int_weights(group_size, symmetric, bits),
+                                                                         ["Linear"])])
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert ("model.layers.0.mlp.down_proj.weight_zero_point" in tensors) is not symmetric
+    assert isinstance(engine.loaded.quant, W8A16LinearMethod) is (bits == 8)
+
+
+def test_a_checkpoint_mixing_int4_and_int8_groups_loads_each_linear_by_its_group(tiny_model: Path,
+                                                                                 tmp_path: Path) -> None:
+    """llm-compressor's mixed precision: down_proj at W8A16, layer 1's attention asymmetric int4 per channel (a
+    target of two groups is the later one's), the rest W4A16 in groups of 32 (the class-name target, which the
+    patterns outrank)."""
+    groups = [(int_weights(32, True), ["Linear", r"re:.*layers\.1\.self_attn\..*"]),
+              (int_weights(64, True, 8), ["re:.*down_proj$"]),
+              (int_weights(None, False), [r"re:.*layers\.1\.self_attn\..*"])]
+    engine = greedy_equals_the_library_emulation(tiny_model, tmp_path, groups)
+    methods = {m.prefix.removeprefix("model.layers."): m.method for m in engine.loaded.model.modules()
+               if isinstance(m, Linear)}
+    assert isinstance(methods["0.mlp.down_proj"], W8A16LinearMethod) and methods["0.mlp.down_proj"].group_size == 64
+    assert methods["1.mlp.down_proj"] is methods["0.mlp.down_proj"] is not methods["0.mlp.up_proj"]
+    assert not isinstance(methods["1.self_attn.o_proj"], W8A16LinearMethod)
+    assert methods["1.self_attn.o_proj"].group_size == -1 and methods["0.self_attn.o_proj"].group_size == 32
+
+
+def greedy_equals_the_library_emulation(tiny_model: Path, folder: Path, groups: list[tuple[dict[str, Any], list[str]]]
+                                        ) -> Any:
+    """Compress ``tiny_model`` by ``groups`` (:func:`compress_packed`) into ``folder``; assert infer's greedy tokens
+    equal those of the library's emulated forward on two prompts; return the engine."""
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -189,15 +223,13 @@ def test_pack_quantized_checkpoint_greedy_equals_the_library_emulation(
     from infer.core.request import SamplingParams
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
-    compress_packed(hf, tmp_path, group_size, symmetric, bits)
-    tensors = load_file(str(tmp_path / "model.safetensors"))
-    assert tensors["model.layers.0.mlp.down_proj.weight_packed"].dtype == torch.int32
-    assert ("model.layers.0.mlp.down_proj.weight_zero_point" in tensors) is not symmetric
+    compress_packed(hf, folder, groups)
+    assert load_file(str(folder / "model.safetensors"))["model.layers.0.mlp.down_proj.weight_packed"].dtype == \
+        torch.int32
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model / name, tmp_path / name)
-    engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=32))
+        shutil.copy(tiny_model / name, folder / name)
+    engine = Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=32))
     assert engine.loaded.quant is not None and engine.loaded.quant.name == "compressed-tensors"
-    assert isinstance(engine.loaded.quant, W8A16LinearMethod) is (bits == 8)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(3)
     for prompt in (torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (12, 7)):
@@ -207,3 +239,4 @@ def test_pack_quantized_checkpoint_greedy_equals_the_library_emulation(
                 reference.append(int(hf(ids).logits[0, -1].argmax()))
                 ids = torch.cat([ids, torch.tensor([reference[-1:]])], dim=1)
         assert engine.generate([prompt], params)[0].outputs[0].token_ids == reference
+    return engine

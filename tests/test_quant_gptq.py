@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -89,10 +90,13 @@ def gptq_layer(weight: torch.Tensor, group: int, order: torch.Tensor | None, sym
 
 def write_gptq(src: Path, dst: Path, dense: Path, act_order: str = "none", sym: bool = True, v1: bool = True,
                group: int = GROUP, g_idx: bool = True, extra: dict[str, Any] | None = None,
-               in_order: str = "", bits: int = 4) -> None:
+               in_order: str = "", bits: int = 4, dynamic: dict[str, dict[str, Any]] | None = None) -> None:
     """``src``'s model as a GPTQ checkpoint in ``dst`` and its dequantized float twin in ``dense``. ``act_order``:
     "none"; "shared" (one random order per layer input, as GPTQ gives linears that read the same input);
-    "each" (one per linear); linears whose path holds ``in_order`` (if given) keep the input order all the same."""
+    "each" (one per linear); linears whose path holds ``in_order`` (if given) keep the input order all the same.
+    ``dynamic``: GPTQModel's per-module overrides (``+:`` patterns with bits and group_size; ``-:`` patterns, mapped
+    to None, leave their modules float), applied as GPTQModel applies them (the first matching pattern) and written
+    to the config."""
     state = load_file(str(src / "model.safetensors"))
     quantized: dict[str, torch.Tensor] = {}
     plain = dict(state)
@@ -103,15 +107,22 @@ def write_gptq(src: Path, dst: Path, dense: Path, act_order: str = "none", sym: 
         if not (name.endswith("_proj.weight") and tensor.dim() == 2):
             quantized[name] = tensor
             continue
+        rule = next((rule for pattern, rule in (dynamic or {}).items() if re.match(pattern[2:], owner)), {})
+        if rule is None:  # a -: pattern
+            quantized[name] = tensor
+            continue
+        own_group, own_bits = rule.get("group_size", group), rule.get("bits", bits)
         key = (owner.rsplit(".", 1)[0] if act_order == "shared" else owner, tensor.shape[1])
         order = None if act_order == "none" or (in_order and in_order in owner) else \
             orders.setdefault(key, torch.randperm(tensor.shape[1], generator=gen))
-        tensors, dequantized = gptq_layer(tensor, group if group > 0 else tensor.shape[1], order, sym, v1, bits)
+        tensors, dequantized = gptq_layer(tensor, own_group if own_group > 0 else tensor.shape[1], order, sym, v1,
+                                          own_bits)
         quantized.update({f"{owner}.{attr}": t for attr, t in tensors.items() if g_idx or attr != "g_idx"})
         plain[name] = dequantized
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
                                      "desc_act": act_order != "none", "checkpoint_format": "gptq" if v1 else "gptq_v2",
+                                     **({"dynamic": {k: v or {} for k, v in dynamic.items()}} if dynamic else {}),
                                      **(extra or {})}
     for folder, tensors in ((dst, quantized), (dense, plain)):
         shutil.copytree(src, folder)
@@ -244,6 +255,45 @@ def test_experts_whose_gate_and_up_orders_differ_are_refused_by_the_stacked_kern
         logits(tmp_path / "gptq", plugins, fused_ops=True)
 
 
+def test_a_checkpoint_of_several_schemes_computes_its_dequantized_weights(tiny_model: Path, tmp_path: Path,
+                                                                           plugins: PluginManager) -> None:
+    """GPTQModel's dynamic overrides: each linear loads by its own scheme (layer 1 at 8 bits in groups of 64, layer
+    0's k_proj one group, its down_proj float); projections of one scheme still merge, others stay apart."""
+    from infer.models.layers import UnquantizedMethod
+
+    dynamic = {r"-:.*layers\.0\.mlp\.down_proj": None, r"+:.*layers\.1\.": {"bits": 8, "group_size": 64},
+               r"+:.*layers\.0\.self_attn\.k_proj": {"group_size": -1}}
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", "shared", sym=False, dynamic=dynamic)
+    loaded = load(tmp_path / "gptq", plugins, fuse_projections=True)
+    methods = {m.prefix.removeprefix("model.layers."): m.method for m in loaded.model.modules()
+               if isinstance(m, Linear)}
+    assert isinstance(methods["1.self_attn.qkv_proj"], W8A16LinearMethod) and methods["1.mlp.down_proj"].group_size \
+        == 64 and methods["1.mlp.gate_up_proj"] is methods["1.self_attn.o_proj"]
+    assert {"0.self_attn.q_proj", "0.self_attn.k_proj", "0.self_attn.v_proj"} <= methods.keys()  # k's scheme differs
+    assert methods["0.self_attn.k_proj"] is not methods["0.self_attn.q_proj"] is methods["0.mlp.gate_up_proj"]
+    assert type(methods["0.self_attn.q_proj"]) is not W8A16LinearMethod
+    assert type(methods["0.mlp.down_proj"]) is UnquantizedMethod
+    torch.testing.assert_close(logits(tmp_path / "gptq", plugins, fuse_projections=True),
+                               logits(tmp_path / "dense", plugins), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits(tmp_path / "dense", plugins), logits(tiny_model, plugins), atol=1e-4)
+
+
+def test_experts_of_several_schemes_stack_per_layer_where_they_agree(
+        tmp_path: Path, plugins: PluginManager, tiny_model_factory: Callable[..., Path]) -> None:
+    """Layer 0's experts at 8 bits stack as W8A16 experts, layer 1's as int4 but for one expert's down_proj in
+    groups of 64, which its stacked GEMM cannot share: that layer runs one expert at a time."""
+    from infer.models.moe import SparseMoe
+
+    moe = tiny_model_factory("qwen3moe", extra={"moe_intermediate_size": 64})
+    dynamic = {r"+:.*layers\.0\.mlp\.experts": {"bits": 8}, r"+:.*layers\.1\.mlp\.experts\.2\.down": {"group_size": 64}}
+    write_gptq(moe, tmp_path / "gptq", tmp_path / "dense", "none", dynamic=dynamic)
+    blocks = [m for m in load(tmp_path / "gptq", plugins, fused_ops=True).model.modules() if isinstance(m, SparseMoe)]
+    assert [b.stacked and b.stacked[0] for b in blocks] == [W8A16LinearMethod, None]
+    assert [b.unstackable for b in blocks] == [False, True]
+    torch.testing.assert_close(logits(tmp_path / "gptq", plugins, fused_ops=True),
+                               logits(tmp_path / "dense", plugins), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.autoawq
 def test_v1_layout_matches_autoawq_conversion_of_an_awq_layer() -> None:
     pytest.importorskip("awq", reason="AutoAWQ is not installed (pip install 'infer-engine[awq]')")
@@ -283,7 +333,11 @@ def method_for(**changes: Any) -> Any:
     ({"format": "bitblas"}, "checkpoint_format 'bitblas'"),
     ({"is_marlin_format": True}, "checkpoint_format 'marlin'"),
     ({"lm_head": True}, "quantizes lm_head"),
-    ({"dynamic": {"+:.*down_proj": {"bits": 8}}}, "dynamic gives modules matching"),
+    ({"dynamic": {"+:.*down_proj": {"bits": 3}}}, "bits must be 4 or 8, got 3 in dynamic '\\+:.\\*down_proj'"),
+    ({"dynamic": {".*down_proj": {"group_size": 48}}}, "group_size must be one of .* got 48 in dynamic"),
+    ({"dynamic": {".*down_proj": {"format": "gptq_v2"}}}, "dynamic '.\\*down_proj' changes format"),
+    ({"dynamic": {".*down_proj": {"sym": "yes"}}}, "gives sym 'yes', not true or false"),
+    ({"dynamic": {".*down_proj": 8}}, "must map to an object of overrides"),
     ({"dynamic": {"-:.*down_proj[": {}}}, "not a valid regular expression"),
     ({"format": "gptq_v2", "checkpoint_format": "gptq"}, "checkpoint_format and format disagree"),
     ({"pack_dtype": "int16"}, "pack_dtype 'int16'"),
@@ -305,10 +359,31 @@ def test_an_unquantized_checkpoint_is_refused() -> None:
         build_gptq(EngineConfig(), None)
 
 
-def test_dynamic_exclusions_leave_their_modules_unquantized() -> None:
-    method = method_for(dynamic={"-:.*mlp\\.down_proj$": {}, "+:.*q_proj": {"bits": 4}})
-    assert not method.applies_to("model.layers.3.mlp.down_proj")
-    assert method.applies_to("model.layers.3.mlp.up_proj") and method.applies_to("model.layers.3.self_attn.q_proj")
+def test_dynamic_overrides_give_each_module_the_first_matching_patterns_scheme() -> None:
+    """GPTQModel (and vLLM) take the first pattern that re.match-es the module path: ``-:`` leaves it float, others
+    override the config's bits, group_size and desc_act. Linears of one scheme share one method (so they merge)."""
+    from infer.quant.gptq import GptqScheme
+    from infer.quant.gptq_method import GptqInt8LinearMethod, GptqLinearMethod
+
+    method = method_for(desc_act=True, dynamic={
+        "-:.*mlp\\.down_proj$": {}, r"+:.*layers\.1\..*": {"bits": 8, "group_size": 64, "damp_percent": 0.1},
+        r".*layers\.[12]\.self_attn": {"bits": 4, "group_size": -1}, "+:.*q_proj": {"bits": 4, "desc_act": True}})
+    expected = {"model.layers.3.mlp.down_proj": None, "model.layers.1.mlp.down_proj": None,
+                "model.layers.1.mlp.up_proj": GptqScheme(8, 64, True), "model.layers.1.self_attn.k_proj":
+                GptqScheme(8, 64, True), "model.layers.2.self_attn.k_proj": GptqScheme(4, -1, False),
+                "model.layers.3.self_attn.q_proj": GptqScheme(4, GROUP, True),
+                "model.layers.3.mlp.up_proj": GptqScheme(4, GROUP, True), "lm_head": None}
+    for prefix, scheme in expected.items():
+        chosen = method.method_for(prefix)
+        assert (chosen is None if scheme is None else chosen.scheme == scheme), prefix
+        assert method.applies_to(prefix) is (scheme is not None)
+        if scheme is not None:
+            assert type(chosen) is (GptqInt8LinearMethod if scheme.bits == 8 else GptqLinearMethod)
+            assert chosen.group_size == scheme.group_size
+    assert method.method_for("model.layers.0.mlp.up_proj") is method  # the config's own scheme
+    assert method.method_for("model.layers.3.self_attn.q_proj") is method  # an override that changes nothing
+    assert method.method_for("model.layers.1.mlp.gate_proj") is method.method_for("model.layers.1.self_attn.o_proj")
+    assert method_for().method_for("model.layers.0.mlp.up_proj") is not None
 
 
 def test_modules_in_block_to_quantize_picks_the_quantized_linears() -> None:
@@ -439,8 +514,6 @@ def pack_quantized_config(**weights: Any) -> dict[str, Any]:
     (lambda qc: qc["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "activations too"),
     (lambda qc: qc["config_groups"].update(group_1={"targets": ["re:.*down_proj$"], "format": "float-quantized"}),
      "'float-quantized' beside pack-quantized"),
-    (lambda qc: qc["config_groups"].update(group_1={"targets": ["re:.*down_proj$"], "weights": {
-        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "channel"}}), "quantize weights differently"),
     (lambda qc: qc.update(quantization_status="frozen"), "quantization_status is 'frozen'"),
 ])
 def test_unsupported_pack_quantized_configs_are_refused_by_name(change: Callable[[dict[str, Any]], None],
