@@ -69,8 +69,8 @@ def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Pat
             _print_gptq_summary(calibrate_gptq(model, out, config, texts, progress))
         else:
             _print_summary(calibrate_awq(model, out, config, texts, progress))
-    click.echo(f"wrote the {method.upper()} checkpoint {out} (int4, group {config.group_size}); run it with "
-               f"`infer --model {out} generate ...`")
+    click.echo(f"wrote the {method.upper()} checkpoint {out} (int{config.bits}, group {config.group_size}); run it "
+               f"with `infer --model {out} generate ...`")
 
 
 class _ProgressBar:

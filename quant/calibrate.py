@@ -16,6 +16,9 @@ Phi-3's checkpoints hold q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_
 whole, and ``1 / s`` of o and down goes into their last rows, v's and up's alone (exact under GQA too, where
 AutoAWQ's Phi-3 quantizer divides as many rows as o has inputs: k's and part of q's as well).
 
+A sparse layer (Mixtral, Qwen2-MoE, Qwen3-MoE) has qkv, o and its shared expert's down here; its experts' gate/up
+and down scales, and the router's share in them, are :mod:`.calibrate_moe`'s.
+
 The search: ``stat`` is the mean |x| per input channel over all calibration tokens; for alpha on the grid
 0, 1/grid, ..., 1, ``s = stat^alpha`` normalised by ``sqrt(max(s) * min(s))``, and the error is the mean squared
 difference between ``x @ W.T`` and ``x @ (RTN(W * s) / s).T`` on a subset of the calibration activations. alpha 0
@@ -35,7 +38,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 import torch
 from torch import nn
@@ -46,6 +49,9 @@ from . import awq
 from .awq_method import auto_group_size
 from .calib_data import default_texts, token_samples
 from .forward import dense_forward
+
+if TYPE_CHECKING:
+    from .calibrate_moe import ExpertStats
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
 SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -67,7 +73,6 @@ class CalibrationOptions:
     batch_samples: int = 8  # samples per calibration forward pass
     device: str = "auto"
     supported_bits: ClassVar[tuple[int, ...]] = (awq.BITS,)
-    calibrates_experts: ClassVar[bool] = False  # whether the method quantizes a mixture of experts
     bits_refusal: ClassVar[str] = "infer quantizes to 4-bit weights only"
 
     def validate(self) -> Self:
@@ -138,8 +143,33 @@ FUSED_GROUPS = (  # Phi-3: o's and down's 1 / s goes into the last rows of qkv_p
 
 
 def groups_of(layer: nn.Module) -> tuple[LinearGroup, ...]:
-    """The scale groups of a decoder layer: its checkpoint's own linears."""
+    """The scale groups of a dense decoder layer: its checkpoint's own linears."""
     return FUSED_GROUPS if layer.self_attn.qkv_proj is not None else GROUPS
+
+
+def awq_groups(layer: nn.Module) -> tuple[LinearGroup, ...]:
+    """The scale groups of a decoder layer's Linears: :func:`linear_groups`, but in a sparse layer the shared
+    expert's gate and up share the experts' gate_up scale (:mod:`.calibrate_moe`), not a group of their own."""
+    from ..models.moe import SparseMoe
+
+    groups = linear_groups(layer)
+    return tuple(g for g in groups if g.name != "gate_up") if isinstance(layer.ffn(), SparseMoe) else groups
+
+
+def linear_groups(layer: nn.Module) -> tuple[LinearGroup, ...]:
+    """A decoder layer's linears, by shared input: attention's, and a dense MLP's or a sparse layer's shared expert's
+    (the experts themselves are stacked tensors, not Linears)."""
+    from ..models.moe import SparseMoe
+
+    groups = groups_of(layer)
+    ffn = layer.ffn()
+    if not isinstance(ffn, SparseMoe):
+        return groups
+
+    def shared(path: str) -> str:
+        return path.replace("mlp.", f"{layer.feed_forward}.shared_expert.", 1)
+    return groups[:2] + (() if ffn.shared_expert is None else tuple(
+        LinearGroup(g.name, tuple(map(shared, g.linears)), shared(g.prev)) for g in groups[2:]))
 
 
 @dataclass
@@ -193,12 +223,9 @@ def check_request(model_dir: Path, out_dir: Path, config: Options) -> tuple[dict
         raise CheckpointError(f"{str(model_dir)!r} is already quantized ({declared.get('quant_method', '?')}); "
                               "`infer quantize` needs the unquantized checkpoint it came from")
     arch = (architectures(raw) or ["(none)"])[0]
-    supported = DENSE_ARCHITECTURES + (MOE_ARCHITECTURES if config.calibrates_experts else ())
+    supported = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
     if arch not in supported:
-        moe = " (--method gptq quantizes a mixture of experts; or quantize on load: --quant awq, round-to-nearest)" \
-            if arch in MOE_ARCHITECTURES else ""
-        raise CheckpointError(f"infer quantize supports {', '.join(supported)}; {str(model_dir)!r} is "
-                              f"{arch!r}{moe}")
+        raise CheckpointError(f"infer quantize supports {', '.join(supported)}; {str(model_dir)!r} is {arch!r}")
     safetensors_files(model_dir)
     cfg = ArchConfig.from_hf(raw)
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -252,8 +279,16 @@ def search_scale(x: torch.Tensor, stat: torch.Tensor, weights: list[torch.Tensor
     ``share = (kv_heads, group, head_dim)``: the input is [kv_heads * group * head_dim] (o_proj under GQA) and one
     scale per (kv head, channel) is shared by the group's q heads, so that it folds into v_proj's output rows.
     """
-    w = torch.cat(weights).to(torch.float32)
-    ref = x @ w.t()
+    return search_scale_parts([(x, weights)], stat, group_size, grid, share)
+
+
+def search_scale_parts(parts: list[tuple[torch.Tensor, list[torch.Tensor]]], stat: torch.Tensor, group_size: int,
+                       grid: int, share: tuple[int, int, int] | None = None) -> ScaleSearch:
+    """:func:`search_scale` for linears that read one input space but not the same rows: ``parts`` pairs rows
+    [n_p, in] with the weights that see them (a mixture's experts, each on the tokens routed to it); the error is
+    the squared output difference summed over every part, divided by the number of outputs."""
+    refs = [(x, w, x @ w.t()) for x, weights in parts for w in [torch.cat(weights).to(torch.float32)]]
+    outputs = sum(ref.numel() for _, _, ref in refs)
     base = stat.to(torch.float32)
     if share is not None:
         kv_heads, group, head_dim = share
@@ -266,8 +301,8 @@ def search_scale(x: torch.Tensor, stat: torch.Tensor, weights: list[torch.Tensor
         s = s / (s.max() * s.min()).sqrt()
         if share is not None:
             s = s.unsqueeze(1).expand(kv_heads, group, head_dim).reshape(-1)
-        wq = awq.fake_quantize_rtn(w * s, group_size) / s
-        error = float((x @ wq.t() - ref).pow(2).mean())
+        error = sum(float((x @ (awq.fake_quantize_rtn(w * s, group_size) / s).t() - ref).pow(2).sum())
+                    for x, w, ref in refs) / max(outputs, 1)
         if i == 0:
             rtn_error = error
         if best is None or error < best.error:
@@ -299,19 +334,27 @@ def _fold(layer: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------- the whole run
 def _collect(model: Any, samples: list[list[int]], device: torch.device, config: AwqCalibrationConfig,
-             progress: ProgressFn) -> list[dict[str, GroupStats]]:
-    """Run the calibration samples through the model, recording each group's input statistics and row subset."""
+             progress: ProgressFn) -> tuple[list[dict[str, GroupStats]], list[ExpertStats | None]]:
+    """Run the calibration samples through the model, recording each group's input statistics and row subset, and
+    each sparse layer's experts' (:class:`.calibrate_moe.ExpertStats`; None for a dense layer)."""
+    from ..models.moe import SparseMoe
+    from .calibrate_moe import ExpertStats
+
     layers = model.model.layers
-    stats: list[dict[str, GroupStats]] = [{g.name: GroupStats() for g in groups_of(layer)} for layer in layers]
+    stats: list[dict[str, GroupStats]] = [{g.name: GroupStats() for g in awq_groups(layer)} for layer in layers]
+    experts = [ExpertStats() if isinstance(layer.ffn(), SparseMoe) else None for layer in layers]
     total_tokens = sum(len(s) for s in samples)
     stride = max(1, -(-total_tokens // config.max_rows))
     handles = []
     for i, layer in enumerate(layers):
-        for g in groups_of(layer):
+        for g in awq_groups(layer):
             def hook(module: nn.Module, args: tuple[torch.Tensor, ...], record: GroupStats = stats[i][g.name]) -> None:
                 record.add(args[0], stride)
 
             handles.append(layer.get_submodule(g.linears[0]).register_forward_pre_hook(hook))
+        if (record := experts[i]) is not None:
+            handles.append(layer.ffn().register_forward_pre_hook(
+                lambda moe, args, record=record: record.add(moe, args[0], stride)))
     try:
         batches = [samples[i: i + config.batch_samples] for i in range(0, len(samples), config.batch_samples)]
         for done, batch in enumerate(batches):
@@ -321,12 +364,12 @@ def _collect(model: Any, samples: list[list[int]], device: torch.device, config:
     finally:
         for handle in handles:
             handle.remove()
-    return stats
+    return stats, experts
 
 
 def _quantized_layer_tensors(layer: nn.Module, prefix: str, group_size: int) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    for g in groups_of(layer):
+    for g in linear_groups(layer):
         for path in g.linears:
             linear = layer.get_submodule(path)
             qweight, qzeros, scales = awq.quantize_rtn(linear.weight.data, group_size)
@@ -384,20 +427,24 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
 
     ``texts`` default to the standard library's sources (:func:`.calib_data.default_texts`).
     """
+    from .calibrate_moe import expert_tensors, fold_experts, routers, search_experts
+
     raw, config = check_request(model_dir, out_dir, config)
     report_progress: ProgressFn = progress or (lambda phase, done, total: None)
     loaded, samples, seq_len = load_for_calibration(model_dir, config, texts, plugins)
     model, used = loaded.model, sum(map(len, samples))
-    stats = _collect(model, samples, loaded.device, config, report_progress)
+    assert config.group_size is not None  # check_request chose it
+    stats, experts = _collect(model, samples, loaded.device, config, report_progress)
 
     tensors: dict[str, torch.Tensor] = {}
     reports: list[GroupReport] = []
+    unreached: list[str] = []
     layers = model.model.layers
     for i, layer in enumerate(layers):
         report_progress("scale search", i, len(layers))
         attn = layer.self_attn
         searches = {}
-        for g in groups_of(layer):
+        for g in awq_groups(layer):
             record = stats[i][g.name]
             x = torch.cat(record.rows).to(loaded.device)
             stat = record.abs_sum / record.count
@@ -406,14 +453,25 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
             searches[g.name] = search_scale(x, stat, weights, config.group_size, config.grid, share)
             found = searches[g.name]
             reports.append(GroupReport(i, g.name, found.alpha, found.error, found.rtn_error))
-        for g in groups_of(layer):
+        if (routed := experts[i]) is not None:
+            found, gate_up, downs = search_experts(layer, routed, i, config.group_size, config.grid, loaded.device)
+            reports += found
+            unreached += [f"model.layers.{i}.{layer.feed_forward}.experts.{e}"
+                          for e in range(layer.ffn().moe.num_experts) if e not in downs]
+            fold_experts(layer, gate_up, downs)
+            tensors.update(expert_tensors(layer, f"model.layers.{i}", config.group_size))
+        for g in awq_groups(layer):
             _fold(layer, g, searches[g.name].scales)
         tensors.update(_quantized_layer_tensors(layer, f"model.layers.{i}", config.group_size))
-        stats[i] = {}  # free the rows
+        stats[i], experts[i] = {}, None  # free the rows
     report_progress("scale search", len(layers), len(layers))
+    if unreached:
+        log.warning("%d experts saw no calibration token: their down projections are rounded to nearest, unscaled "
+                    "(%s%s); give more or more varied text with --calib, or more --num-samples", len(unreached),
+                    ", ".join(unreached[:4]), ", ..." if len(unreached) > 4 else "")
 
     qc = {"quant_method": "awq", "bits": config.bits, "group_size": config.group_size, "zero_point": True,
-          "version": awq.SUPPORTED_VERSION, "modules_to_not_convert": None}
+          "version": awq.SUPPORTED_VERSION, "modules_to_not_convert": routers(model) or None}
     record = {"method": "infer quantize --method awq", "options": asdict(config),
               "calibration_data": {"samples": len(samples), "tokens": used, "seq_len": seq_len},
               "groups": [asdict(r) for r in reports]}

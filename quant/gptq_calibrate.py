@@ -33,7 +33,7 @@ from torch import nn
 
 from ..core.errors import ConfigError
 from . import awq, w8a16
-from .calibrate import (CalibrationOptions, LinearGroup, ProgressFn, check_at_least_one, check_request, groups_of,
+from .calibrate import (CalibrationOptions, ProgressFn, check_at_least_one, check_request, linear_groups,
                         load_for_calibration, write_quantized)
 from .forward import dense_forward
 
@@ -50,7 +50,6 @@ class GptqCalibrationConfig(CalibrationOptions):
     block_size: int = 128  # columns per lazy batch update (rounded up to a multiple of the group size)
     sym: bool = True  # symmetric: zero point 2^(bits - 1); else each group's own (its range widened to hold 0)
     supported_bits: ClassVar[tuple[int, ...]] = (awq.BITS, w8a16.BITS)
-    calibrates_experts: ClassVar[bool] = True
     bits_refusal: ClassVar[str] = "infer quantizes GPTQ to 4- or 8-bit weights (its W4A16 and W8A16 kernels)"
 
     def validate(self) -> Self:
@@ -187,21 +186,6 @@ def v1_zeros(zeros: torch.Tensor, bits: int) -> torch.Tensor:
 
 class _Reached(Exception):
     """Raised by the hook at the end of the layer being calibrated: the rest of the forward pass is not needed."""
-
-
-def linear_groups(layer: nn.Module) -> tuple[LinearGroup, ...]:
-    """A decoder layer's linears, by shared input: attention's, and a dense MLP's or a sparse layer's shared expert's
-    (the experts themselves: :func:`expert_weights`)."""
-    from ..models.moe import SparseMoe
-
-    groups = groups_of(layer)
-    ffn = layer.ffn()
-    if not isinstance(ffn, SparseMoe):
-        return groups
-    shared = () if ffn.shared_expert is None else tuple(
-        LinearGroup(g.name, tuple(path.replace("mlp.", f"{layer.feed_forward}.shared_expert.", 1) for path in
-                                  g.linears), g.prev) for g in groups[2:])
-    return groups[:2] + shared
 
 
 def expert_weights(moe: Any, expert: int) -> list[tuple[str, str, torch.Tensor]]:

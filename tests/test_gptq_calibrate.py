@@ -227,11 +227,12 @@ def test_quantize_command_writes_gptq_and_refuses_gptq_options_elsewhere(tiny_mo
                                   "--damp", "0", *common])
     assert result.exit_code != 0 and "--damp must be in (0, 1]" in result.output
     result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "c"), "--method", "gptq",
-                                  "--act-order", "--asym", "--group-size", "32", *common])
+                                  "--act-order", "--asym", "--group-size", "32", "--bits", "8", *common])
     assert result.exit_code == 0, result.output
-    assert "wrote the GPTQ checkpoint" in result.output and "GPTQ / RTN" in result.output
+    assert "wrote the GPTQ checkpoint" in result.output and "(int8, group 32)" in result.output
+    assert "GPTQ / RTN" in result.output
     written = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
-    assert written["desc_act"] is True and written["sym"] is False
+    assert written["desc_act"] is True and written["sym"] is False and written["bits"] == 8
 
 
 def test_the_summary_pools_a_mixtures_experts_by_projection() -> None:

@@ -513,11 +513,11 @@ def test_calibration_forward_sees_every_token_and_keeps_at_most_max_rows(tiny_mo
         handle.remove()
     calls: list[tuple[str, int, int]] = []
     with torch.no_grad():
-        stats = _collect(model, samples, loaded.device, AwqCalibrationConfig(max_rows=30, batch_samples=2),
-                         lambda *call: calls.append(call))
+        stats, experts = _collect(model, samples, loaded.device, AwqCalibrationConfig(max_rows=30, batch_samples=2),
+                                  lambda *call: calls.append(call))
         dense_forward(model, samples, loaded.device)  # recorded nowhere
     assert calls[0] == ("calibration forward", 0, 3) and calls[-1] == ("calibration forward", 3, 3)
-    assert len(seen) == 4 * len(stats)
+    assert len(seen) == 4 * len(stats) and experts == [None] * len(stats)
     for (i, name), x in seen.items():
         record = stats[i][name]
         assert record.count == x.shape[0] == 5 * 16
@@ -625,7 +625,8 @@ def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Pat
     (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()),
                                                    "architectures": ["GPT2LMHeadModel"]}))
     fails([str(other), str(tmp_path / "p")], "infer quantize supports LlamaForCausalLM, MistralForCausalLM, "
-          "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM; ")
+          "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+          "Qwen3MoeForCausalLM; ")
     odd = tmp_path / "odd"
     shutil.copytree(tiny_model, odd)
     config = json.loads((odd / "config.json").read_text())

@@ -1,0 +1,194 @@
+"""``infer quantize --method awq`` on mixtures of experts (quant/calibrate_moe.py): the folding is exact (the router
+included), the written checkpoint computes its own weights as HF does, and experts no token reached are named.
+
+The reference reading of the written AutoAWQ GEMM tensors is this file's own (the format's definition: nibble ``i``
+of packed column ``c`` holds output column ``8c + ORDER[i]``; the weight is ``(q - z) * s`` per group of inputs)."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infer.core.config import EngineConfig
+from infer.core.loader import load_model
+from infer.core.plugins import PluginManager
+from infer.core.request import SamplingParams
+from infer.quant.calibrate import AwqCalibrationConfig, calibrate_awq
+from infer.quant.forward import dense_forward
+
+ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+CALIB = AwqCalibrationConfig(group_size=32, num_samples=8, seq_len=64, grid=10)
+EXPERTS = {"moe_intermediate_size": 64}
+ARCHES = {"mixtral": EXPERTS, "qwen3moe": EXPERTS, "qwen2moe": {**EXPERTS, "shared_expert_intermediate_size": 64}}
+
+
+@pytest.fixture(scope="module")
+def plugins() -> PluginManager:
+    return PluginManager.from_entry_points().collect()
+
+
+def read_awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """An AutoAWQ GEMM layer's weight [out, in], float32, by the format's definition."""
+    def unpack(packed: torch.Tensor) -> np.ndarray:
+        words = packed.numpy().view(np.uint32)
+        values = np.zeros((words.shape[0], words.shape[1] * 8), dtype=np.int64)
+        for c in range(words.shape[1]):
+            for i in range(8):
+                values[:, c * 8 + ORDER[i]] = (words[:, c] >> np.uint32(4 * i)) & np.uint32(0xF)
+        return values
+
+    q, z = unpack(qweight), np.repeat(unpack(qzeros), group, axis=0)
+    s = np.repeat(scales.float().numpy(), group, axis=0)
+    return torch.from_numpy(np.ascontiguousarray(((q - z) * s).T, dtype=np.float32))
+
+
+def dense_twin(quantized: Path, dense: Path) -> None:
+    """The AWQ checkpoint ``quantized`` as a plain float32 one, by :func:`read_awq_weight`."""
+    state = load_file(str(quantized / "model.safetensors"))
+    group = json.loads((quantized / "config.json").read_text())["quantization_config"]["group_size"]
+    plain = {name: t.float() for name, t in state.items() if name.rpartition(".")[2] not in
+             ("qweight", "qzeros", "scales")}
+    for owner in {name.rpartition(".")[0] for name in state if name.endswith(".qweight")}:
+        plain[f"{owner}.weight"] = read_awq_weight(*(state[f"{owner}.{k}"] for k in ("qweight", "qzeros", "scales")),
+                                                   group)
+    shutil.copytree(quantized, dense)
+    save_file(plain, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dense / "config.json").read_text())
+    del config["quantization_config"]
+    (dense / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("arch", list(ARCHES))
+def test_calibrated_experts_generate_like_hf_on_the_written_weights(
+        arch: str, tmp_path: Path, tiny_model_factory: Callable[..., Path],
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """Each expert's gate, up and down written as AutoAWQ names them, the routers float and listed in
+    modules_to_not_convert by paths no other module contains; no search does worse than RTN on its rows."""
+    from infer import LLM
+
+    model = tiny_model_factory(arch, extra=ARCHES[arch])
+    reports = calibrate_awq(model, tmp_path / "awq", CALIB)
+    assert {r.group for r in reports} >= {"qkv", "o", "experts.gate_up", "experts.down"}
+    assert all(r.error <= r.rtn_error for r in reports)
+    assert sum(r.group == "experts.down" for r in reports) == 2 * 4  # every expert reached, in both layers
+    state = load_file(str(tmp_path / "awq" / "model.safetensors"))
+    block = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    down = "w2" if arch == "mixtral" else "down_proj"
+    assert state[f"model.layers.1.{block}.experts.3.{down}.qweight"].dtype == torch.int32
+    assert state[f"model.layers.1.{block}.gate.weight"].dtype == torch.float16
+    skipped = json.loads((tmp_path / "awq" / "config.json").read_text())["quantization_config"][
+        "modules_to_not_convert"]
+    assert set(skipped) == {f"model.layers.{i}.{block}.{gate}" for i in range(2) for gate in
+                            (("gate", "shared_expert_gate") if arch == "qwen2moe" else ("gate",))}
+    quantized = {name.rpartition(".")[0] for name in state if name.endswith(".qweight")}
+    assert not any(entry in owner for entry in skipped for owner in quantized)
+    dense_twin(tmp_path / "awq", tmp_path / "dense")
+    llm = LLM(model=str(tmp_path / "awq"), device="cpu", num_kv_blocks=32)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for prompt in ([5, 17, 300, 42, 7, 99], [900, 12, 8, 8, 41, 3, 3]):
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 8)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe"])
+def test_folding_the_experts_scales_leaves_the_model_unchanged(arch: str, tiny_model_factory: Callable[..., Path],
+                                                               plugins: PluginManager) -> None:
+    """Random scales folded into every sparse layer (the norm, the router, every expert's gate/up and down, the
+    shared expert and its gate) leave the logits as they were: the routing sees what it saw."""
+    from infer.quant.calibrate_moe import fold_experts
+
+    path = tiny_model_factory(arch, extra=ARCHES[arch])
+    loaded = load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path)
+    model, g = loaded.model, torch.Generator().manual_seed(3)
+    prompts = [[5, 17, 300, 42, 7, 99, 12, 8], [900, 12, 8, 8, 41, 3]]
+    before = model.compute_logits(dense_forward(model, prompts, loaded.device))
+    for layer in model.model.layers:
+        moe = layer.ffn()
+        hidden, size = moe.w13.shape[2], moe.moe.intermediate_size
+        gate_up = torch.rand(hidden, generator=g) * 3 + 0.2
+        downs = {e: torch.rand(size, generator=g) * 3 + 0.2 for e in range(moe.moe.num_experts)}
+        fold_experts(layer, gate_up, downs)
+    after = model.compute_logits(dense_forward(model, prompts, loaded.device))
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_experts_no_calibration_token_reached_keep_plain_rounding(
+        tmp_path: Path, tiny_model_factory: Callable[..., Path], caplog: pytest.LogCaptureFixture,
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """Two calibration tokens routed to 1 expert of 8 reach at most 2 of a layer's experts: the others' downs are
+    rounded to nearest unscaled, named in one warning, and the checkpoint still computes its own weights."""
+    from infer import LLM
+
+    model = tiny_model_factory("qwen3moe", extra={**EXPERTS, "num_experts": 8, "num_experts_per_tok": 1})
+    options = AwqCalibrationConfig(group_size=32, num_samples=1, seq_len=2, grid=10)
+    with caplog.at_level("WARNING", logger="infer"):
+        reports = calibrate_awq(model, tmp_path / "awq", options, texts=["def f(x): return x"])
+    reached = sum(r.group == "experts.down" for r in reports)
+    assert 1 <= reached <= 2 * 2
+    warned = [r.message for r in caplog.records if "saw no calibration token" in r.message]
+    assert len(warned) == 1 and warned[0].startswith(f"{2 * 8 - reached} experts saw no calibration token")
+    dense_twin(tmp_path / "awq", tmp_path / "dense")
+    llm = LLM(model=str(tmp_path / "awq"), device="cpu", num_kv_blocks=32)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 17, 300, 42, 7, 99]
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 6)
+
+
+def test_the_routed_search_pools_each_experts_error_on_its_own_rows() -> None:
+    """search_scale_parts' error: each part's squared output difference on its own rows, summed, per output (RTN's
+    at alpha 0, where s is all ones, and the chosen scales')."""
+    from infer.quant import awq
+    from infer.quant.calibrate import search_scale_parts
+
+    g = torch.Generator().manual_seed(5)
+    stat = torch.rand(64, generator=g) * 4 + 0.1
+    rows = [torch.randn(n, 64, generator=g) * stat for n in (40, 24)]
+    weights = [torch.randn(32, 64, generator=g) for _ in rows]
+
+    def pooled(s: torch.Tensor) -> float:
+        total = sum(float((x @ (awq.fake_quantize_rtn(w * s, 32) / s).t() - x @ w.t()).pow(2).sum())
+                    for x, w in zip(rows, weights))
+        return total / sum(x.shape[0] * w.shape[0] for x, w in zip(rows, weights))
+
+    found = search_scale_parts([(x, [w]) for x, w in zip(rows, weights)], stat, 32, grid=8)
+    assert found.error == pytest.approx(pooled(found.scales), rel=1e-5)
+    assert found.rtn_error == pytest.approx(pooled(torch.ones(64)), rel=1e-5)
+    assert found.alpha > 0 and found.error < found.rtn_error
+
+
+def test_each_expert_is_searched_on_the_tokens_routed_to_it(tiny_model_factory: Callable[..., Path],
+                                                             plugins: PluginManager) -> None:
+    """The calibration forward keeps each sparse layer's hidden rows beside the experts the router chose for them;
+    the gate_up search measures each expert on those rows only, and each expert's down on its own activations."""
+    from infer.quant.calibrate import _collect, search_scale, search_scale_parts
+    from infer.quant.calibrate_moe import search_experts
+
+    path = tiny_model_factory("qwen3moe", extra=EXPERTS)
+    loaded = load_model(EngineConfig(model=str(path), device="cpu", fuse_projections=False).validate(), plugins, path)
+    samples = [[5, 17, 300, 42, 7, 99, 12, 8] * 3, [900, 12, 8, 8, 41, 3] * 4]
+    with torch.no_grad():
+        _, experts = _collect(loaded.model, samples, loaded.device, AwqCalibrationConfig(max_rows=1000),
+                              lambda *call: None)
+    layer, stats = loaded.model.model.layers[1], experts[1]
+    moe = layer.ffn()
+    x, routes = torch.cat(stats.hidden.rows), torch.cat(stats.routes)
+    assert x.shape[0] == stats.hidden.count == 48 and torch.equal(routes, moe.route(x)[1])
+    size = moe.moe.intermediate_size
+    for e in range(moe.moe.num_experts):
+        routed = x[(routes == e).any(dim=-1)]
+        hidden = routed @ moe.w13[e].t()
+        assert stats.down[e].count == routed.shape[0] > 0
+        torch.testing.assert_close(torch.cat(stats.down[e].rows), torch.nn.functional.silu(hidden[:, :size])
+                                   * hidden[:, size:])
+    reports, _, downs = search_experts(layer, stats, 1, 32, 10, loaded.device)
+    expected = search_scale_parts([(x[(routes == e).any(dim=-1)], [moe.w13[e]]) for e in range(4)],
+                                  stats.hidden.abs_sum / 48, 32, 10)
+    assert (reports[0].alpha, reports[0].error) == pytest.approx((expected.alpha, expected.error))
+    down = search_scale(torch.cat(stats.down[2].rows), stats.down[2].abs_sum / stats.down[2].count, [moe.w2[2]], 32,
+                        10)
+    torch.testing.assert_close(downs[2], down.scales)
