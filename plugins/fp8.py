@@ -78,8 +78,9 @@ PACKED_OPTIONS = {
 def build_compressed_tensors(config: EngineConfig, quantization_config: dict[str, Any] | None) -> QuantMethod:
     """A compressed-tensors checkpoint's method: int4 or int8 weights for ``pack-quantized`` groups (W4A16 run by
     the AWQ kernels, W8A16 by the W8A16 ones;
-    ``config.plugin_options["compressed-tensors"]``: :data:`PACKED_OPTIONS`), else fp8 (:func:`build_fp8`, whose
-    options apply; without a checkpoint config, FP8 quantization on load)."""
+    ``config.plugin_options["compressed-tensors"]``: :data:`PACKED_OPTIONS`), beside them a non-uniform checkpoint's
+    float-quantized groups by fp8; else fp8 (:func:`build_fp8`, whose options apply; without a checkpoint config,
+    FP8 quantization on load)."""
     from ..quant.fp8 import group_formats
     from ..quant.pack_quantized import FORMAT
 
@@ -90,7 +91,13 @@ def build_compressed_tensors(config: EngineConfig, quantization_config: dict[str
     from ..quant.pack_quantized import parse_pack_quantized
 
     options = read_plugin_options(config, "compressed-tensors", PACKED_OPTIONS)
-    method = pack_quantized_method(parse_pack_quantized(quantization_config), options["fused_max_rows"])
+    parsed = parse_pack_quantized(quantization_config)
+    others = {name: group for name, group in quantization_config["config_groups"].items()
+              if (group.get("format") or quantization_config.get("format")) != FORMAT}
+    # a non-uniform checkpoint's FP8 groups: run by the fp8 method of those groups (its options apply)
+    fp8 = build_fp8(config, {**quantization_config, "config_groups": others, "kv_cache_scheme": None}) \
+        if others else None
+    method = pack_quantized_method(parsed, options["fused_max_rows"], fp8)
     warn_kv_cache_scheme(quantization_config)
     return method
 

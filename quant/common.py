@@ -190,5 +190,6 @@ def with_variants(build: Callable[[Scheme], QuantMethod], schemes: Sequence[Sche
     :class:`SchemeVariants`) and all of them sharing the ``variants`` that map every scheme to its method."""
     variants = {scheme: build(scheme) for scheme in dict.fromkeys(schemes)}
     for method in variants.values():
-        method.variants = variants  # type: ignore[attr-defined]
+        if isinstance(method, SchemeVariants):  # build may hand out another kind of method for some schemes
+            method.variants = variants
     return variants[schemes[0]]

@@ -112,7 +112,8 @@ def _parse_args(args: Any, what: str) -> dict[str, Any]:
     return args
 
 
-def _parse_group(name: str, group: dict[str, Any], default_format: str | None) -> tuple[tuple[str, ...], Fp8Scheme]:
+def parse_group(name: str, group: dict[str, Any], default_format: str | None) -> tuple[tuple[str, ...], Fp8Scheme]:
+    """One float-quantized compressed-tensors group: its targets and scheme."""
     fmt = group.get("format") or default_format
     if fmt not in FORMATS:
         raise _fail(f"group {name!r} has format {fmt!r}, not 'float-quantized'")
@@ -180,7 +181,7 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> Fp8CheckpointConfig:
             "compressed-tensors FP8 checkpoints or quantizes unquantized ones. Drop --quant to use the "
             "checkpoint's own method")
     ignore = check_compressed_tensors(qc, _fail)
-    parsed = tuple(_parse_group(name, g if isinstance(g, dict) else {}, qc.get("format"))
+    parsed = tuple(parse_group(name, g if isinstance(g, dict) else {}, qc.get("format"))
                    for name, g in qc["config_groups"].items())
     return Fp8CheckpointConfig(parsed, ignore)
 

@@ -11,6 +11,7 @@ from . import awq, gptq, w8a16
 from .awq_method import PACKED, AwqLinearMethod
 from .common import (SchemeVariants, check_tensor_shape, layer_name, mark_loaded, require_loaded, was_loaded,
                      with_variants)
+from .fp8 import Fp8Scheme
 from .pack_quantized import PackQuantizedConfig, PackQuantizedScheme
 from .w8a16_method import W8A16LinearMethod
 
@@ -155,7 +156,7 @@ class PackQuantizedTensors(GptqTensors):
     checkpoint: PackQuantizedConfig
     symmetric: bool
 
-    def scheme_for(self, prefix: str) -> PackQuantizedScheme | None:  # type: ignore[override]
+    def scheme_for(self, prefix: str) -> PackQuantizedScheme | Fp8Scheme | None:  # type: ignore[override]
         return self.checkpoint.scheme_for(prefix)
 
     def _set_scheme(self, config: PackQuantizedConfig, scheme: PackQuantizedScheme) -> None:
@@ -245,10 +246,15 @@ def gptq_method(config: gptq.GptqConfig, fused_max_rows: int = 64) -> QuantMetho
     return with_variants(build, config.schemes)
 
 
-def pack_quantized_method(config: PackQuantizedConfig, fused_max_rows: int = 64) -> QuantMethod:
-    """The method of a pack-quantized checkpoint: its first group's scheme's, holding one for each other scheme of
-    its groups (4 bits: :class:`PackQuantizedLinearMethod`, 8: :class:`PackQuantizedInt8LinearMethod`)."""
-    def build(scheme: PackQuantizedScheme) -> QuantMethod:
+def pack_quantized_method(config: PackQuantizedConfig, fused_max_rows: int = 64, fp8: QuantMethod | None = None
+                          ) -> QuantMethod:
+    """The method of a pack-quantized checkpoint: its first int group's scheme's, holding one for each other scheme
+    of its groups (4 bits: :class:`PackQuantizedLinearMethod`, 8: :class:`PackQuantizedInt8LinearMethod`; a
+    non-uniform checkpoint's FP8 groups: ``fp8``, the method of those groups)."""
+    def build(scheme: PackQuantizedScheme | Fp8Scheme) -> QuantMethod:
+        if isinstance(scheme, Fp8Scheme):
+            assert fp8 is not None, "a config with FP8 groups needs their method"
+            return fp8
         kind = PackQuantizedLinearMethod if scheme.bits == 4 else PackQuantizedInt8LinearMethod
         return kind(config, fused_max_rows, scheme)
     return with_variants(build, config.schemes)

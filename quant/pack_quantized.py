@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import CheckpointError
-from . import awq
+from . import awq, fp8
 from .common import bad_pattern, is_name_list, targeted_scheme
-from .fp8 import check_compressed_tensors
+from .fp8 import Fp8Scheme, check_compressed_tensors
 
 FORMAT = "pack-quantized"
 BITS = (4, 8)
@@ -50,12 +50,13 @@ class PackQuantizedScheme:
 @dataclass(frozen=True)
 class PackQuantizedConfig:
     """A validated compressed-tensors int4/int8 config: its (targets, scheme) groups, in the config's order, and
-    its ``ignore`` list."""
+    its ``ignore`` list. A non-uniform checkpoint's float-quantized groups are here too, with their
+    :class:`~.fp8.Fp8Scheme`."""
 
-    groups: tuple[tuple[tuple[str, ...], PackQuantizedScheme], ...]
+    groups: tuple[tuple[tuple[str, ...], PackQuantizedScheme | Fp8Scheme], ...]
     ignore: tuple[str, ...] = ()
 
-    def scheme_for(self, prefix: str) -> PackQuantizedScheme | None:
+    def scheme_for(self, prefix: str) -> PackQuantizedScheme | Fp8Scheme | None:
         """The scheme of the linear at ``prefix`` (compressed-tensors' precedence:
         :func:`.common.targeted_scheme`), or None when it is not quantized."""
         return targeted_scheme(prefix, self.groups, self.ignore)
@@ -65,9 +66,10 @@ class PackQuantizedConfig:
         return self.scheme_for(prefix) is not None
 
     @property
-    def schemes(self) -> list[PackQuantizedScheme]:
-        """The groups' schemes, each once, in the config's order."""
-        return list(dict.fromkeys(scheme for _, scheme in self.groups))
+    def schemes(self) -> list[PackQuantizedScheme | Fp8Scheme]:
+        """The groups' schemes, each once: the int ones in the config's order, then the FP8 ones."""
+        unique = dict.fromkeys(scheme for _, scheme in self.groups)
+        return sorted(unique, key=lambda scheme: isinstance(scheme, Fp8Scheme))
 
 
 def _weights(name: str, group: dict[str, Any]) -> PackQuantizedScheme:
@@ -90,14 +92,19 @@ def _weights(name: str, group: dict[str, Any]) -> PackQuantizedScheme:
 
 
 def parse_pack_quantized(qc: dict[str, Any]) -> PackQuantizedConfig:
-    """Validate a compressed-tensors ``quantization_config`` whose groups are all ``pack-quantized`` int weights
-    (each group its own scheme: W4A16 and W8A16 groups may mix)."""
+    """Validate a compressed-tensors ``quantization_config`` with ``pack-quantized`` int weight groups (each group its
+    own scheme: W4A16 and W8A16 groups may mix), and in a non-uniform checkpoint float-quantized FP8 ones
+    (:func:`.fp8.parse_group`)."""
     ignore = check_compressed_tensors(qc, _fail)
     groups = []
     for name, group in qc["config_groups"].items():
         group = group if isinstance(group, dict) else {}
-        if (group.get("format") or qc.get("format")) != FORMAT:
-            raise _fail(f"group {name!r} is {group.get('format') or qc.get('format')!r} beside pack-quantized ones")
+        form = group.get("format") or qc.get("format")
+        if form in fp8.FORMATS:
+            groups.append(fp8.parse_group(name, group, qc.get("format")))
+            continue
+        if form != FORMAT:
+            raise _fail(f"group {name!r} is {form!r}, neither pack-quantized nor float-quantized")
         scheme = _weights(name, group)
         names = group.get("targets") or []
         if not names or not is_name_list(names):

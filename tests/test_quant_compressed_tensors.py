@@ -148,20 +148,22 @@ def int_weights(group_size: int | None, symmetric: bool, bits: int = 4) -> dict[
             "group_size": group_size}
 
 
-def compress_packed(model: torch.nn.Module, folder: Path, groups: list[tuple[dict[str, Any], list[str]]]
-                    ) -> None:
-    """Quantize ``model``'s linears (lm_head ignored) to int weights with the library, each by the group of
-    (:func:`int_weights`, targets) whose target the library picks for it (min/max calibration per group, what its
-    memoryless observer computes), and save them pack-quantized. ``model`` is left decompressed, running the
-    library's own fake-quantized forward: the reference."""
+def compress_packed(model: torch.nn.Module, folder: Path, groups: list[tuple[Any, list[str]]]) -> None:
+    """Quantize ``model``'s linears (lm_head ignored) with the library, each by the group of (:func:`int_weights`,
+    or a whole QuantizationScheme such as an FP8 preset's, and targets) whose target the library picks for it
+    (min/max calibration per group, what its memoryless observer computes), and save them compressed: int groups
+    pack-quantized, others as the library infers (mixed-precision beside int ones). ``model`` is left decompressed,
+    running the library's own fake-quantized forward: the reference."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
 
+    uniform = all(isinstance(spec, dict) for spec, _ in groups)
     qconfig = QuantizationConfig(config_groups={
-        f"group_{i}": QuantizationScheme(targets=targets, weights=QuantizationArgs(**weights))
-        for i, (weights, targets) in enumerate(groups)}, ignore=["lm_head"], format="pack-quantized")
+        f"group_{i}": QuantizationScheme(targets=targets, weights=QuantizationArgs(**spec))
+        if isinstance(spec, dict) else spec for i, (spec, targets) in enumerate(groups)},
+        ignore=["lm_head"], **({"format": "pack-quantized"} if uniform else {}))
     apply_quantization_config(model, qconfig)
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is None:
@@ -172,7 +174,7 @@ def compress_packed(model: torch.nn.Module, folder: Path, groups: list[tuple[dic
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         if not args.symmetric:
             module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized" if uniform else None)
     compressor.compress_model(model)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     model.config.save_pretrained(str(folder))
@@ -211,8 +213,7 @@ def test_a_checkpoint_mixing_int4_and_int8_groups_loads_each_linear_by_its_group
     assert methods["1.self_attn.o_proj"].group_size == -1 and methods["0.self_attn.o_proj"].group_size == 32
 
 
-def greedy_equals_the_library_emulation(tiny_model: Path, folder: Path, groups: list[tuple[dict[str, Any], list[str]]]
-                                        ) -> Any:
+def greedy_equals_the_library_emulation(tiny_model: Path, folder: Path, groups: list[tuple[Any, list[str]]]) -> Any:
     """Compress ``tiny_model`` by ``groups`` (:func:`compress_packed`) into ``folder``; assert infer's greedy tokens
     equal those of the library's emulated forward on two prompts; return the engine."""
     import shutil
@@ -240,3 +241,23 @@ def greedy_equals_the_library_emulation(tiny_model: Path, folder: Path, groups: 
                 ids = torch.cat([ids, torch.tensor([reference[-1:]])], dim=1)
         assert engine.generate([prompt], params)[0].outputs[0].token_ids == reference
     return engine
+
+
+def test_a_non_uniform_checkpoint_runs_its_fp8_groups_beside_its_int_ones(tiny_model: Path, tmp_path: Path) -> None:
+    """llm-compressor's non-uniform quantization: attention at FP8_DYNAMIC (float-quantized), the MLP at W4A16
+    (pack-quantized), down_proj at W8A16, saved as the library's mixed-precision format; each linear loads by its
+    group's format and scheme, and greedy decoding follows the library's emulated forward."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    fp8_attention = preset_name_to_scheme("FP8_DYNAMIC", [r"re:.*self_attn\..*"])
+    groups = [(int_weights(32, True), [r"re:.*mlp\..*"]), (int_weights(64, True, 8), ["re:.*down_proj$"]),
+              (fp8_attention, [r"re:.*self_attn\..*"])]
+    engine = greedy_equals_the_library_emulation(tiny_model, tmp_path, groups)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mixed-precision"
+    methods = {m.prefix.removeprefix("model.layers."): m.method for m in engine.loaded.model.modules()
+               if isinstance(m, Linear)}
+    assert isinstance(methods["0.self_attn.q_proj"], Fp8LinearMethod) and methods["0.self_attn.q_proj"] is \
+        methods["1.self_attn.o_proj"]
+    assert isinstance(methods["1.mlp.down_proj"], W8A16LinearMethod)
+    assert methods["0.mlp.up_proj"].group_size == 32 and engine.loaded.quant is methods["0.mlp.up_proj"]

@@ -513,7 +513,9 @@ def pack_quantized_config(**weights: Any) -> dict[str, Any]:
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(group_size=16), "group_size 16"),
     (lambda qc: qc["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "activations too"),
     (lambda qc: qc["config_groups"].update(group_1={"targets": ["re:.*down_proj$"], "format": "float-quantized"}),
-     "'float-quantized' beside pack-quantized"),
+     "group 'group_1' weights must be an object, got None; infer loads the FP8"),
+    (lambda qc: qc["config_groups"].update(group_1={"targets": ["re:.*down_proj$"], "format": "nvfp4-pack-quantized"}),
+     "group 'group_1' is 'nvfp4-pack-quantized', neither pack-quantized nor float-quantized"),
     (lambda qc: qc.update(quantization_status="frozen"), "quantization_status is 'frozen'"),
 ])
 def test_unsupported_pack_quantized_configs_are_refused_by_name(change: Callable[[dict[str, Any]], None],
