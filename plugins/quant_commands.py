@@ -50,7 +50,8 @@ def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Pat
     """
     from ..cli.options import refuse_engine_options
     from ..quant.calib_data import read_texts
-    from ..quant.calibrate import AwqCalibrationConfig, calibrate_awq, check_request
+    from ..quant.calib_job import check_request
+    from ..quant.calibrate import AwqCalibrationConfig, calibrate_awq
     from ..quant.gptq_calibrate import GptqCalibrationConfig, calibrate_gptq
 
     refuse_engine_options(ctx, "quantize", " (it takes its own --device, after the command: infer quantize MODEL "

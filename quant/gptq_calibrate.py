@@ -33,7 +33,7 @@ from torch import nn
 
 from ..core.errors import ConfigError
 from . import awq, w8a16
-from .calibrate import (CalibrationOptions, ProgressFn, check_at_least_one, check_request, linear_groups,
+from .calib_job import (CalibrationOptions, ProgressFn, check_at_least_one, check_request, linear_groups,
                         load_for_calibration, write_quantized)
 from .forward import dense_forward
 

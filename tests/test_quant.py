@@ -955,7 +955,7 @@ def test_awq_calibration_defaults_and_bounds() -> None:
 def test_awq_checkpoint_tensors_are_fp16_up_to_its_largest_value() -> None:
     """Float tensors are stored as fp16: its largest value, 65504, is kept; beyond it is a CheckpointError naming the
     tensor; integer tensors (qweight, qzeros) keep their dtype."""
-    from infer.quant.calibrate import _to_fp16
+    from infer.quant.calib_job import _to_fp16
 
     edge = torch.tensor([65504.0, -65504.0, 1.5])
     assert torch.equal(_to_fp16("w", edge), edge.half())

@@ -50,7 +50,8 @@ from infer.core.request import SamplingParams  # noqa: E402
 from infer.models.layers import Linear  # noqa: E402
 from infer.plugins.torch_attention import TorchAttention  # noqa: E402
 from infer.quant.calib_data import default_texts  # noqa: E402
-from infer.quant.calibrate import AwqCalibrationConfig, _fold, calibrate_awq, groups_of  # noqa: E402
+from infer.quant.calib_job import groups_of  # noqa: E402
+from infer.quant.calibrate import AwqCalibrationConfig, _fold, calibrate_awq  # noqa: E402
 from infer.quant.forward import dense_forward  # noqa: E402
 from infer.quant.kv_cache import FP8_KV_DTYPE, calibrate_kv_scales, calibration_ids  # noqa: E402
 
@@ -538,7 +539,7 @@ def test_quantize_request_checks_every_linear_before_the_model_loads(arch: str, 
                                                                      tmp_path: Path) -> None:
     """From config.json alone: the default group size is the largest of 128, 64, 32 that divides every checkpoint
     linear's input size (docs/cli.md); a group size that does not divide one is refused."""
-    from infer.quant.calibrate import check_request
+    from infer.quant.calib_job import check_request
 
     model = tmp_path / "model"
     shutil.copytree(checkpoint(arch), model)
@@ -613,7 +614,7 @@ def test_quantize_command_rejects_bad_options(args: list[str], message: str, sta
 
 
 def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Path, tmp_path: Path) -> None:
-    from infer.quant.calibrate import check_request
+    from infer.quant.calib_job import check_request
 
     def fails(args: list[str], message: str) -> None:
         result = CliRunner().invoke(main, ["quantize", *args, "--group-size", "32"])
@@ -954,7 +955,7 @@ def test_calibration_text_of_exactly_the_samples_asked_for_warns_nothing(tiny_mo
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     from transformers import AutoTokenizer
 
-    from infer.quant.calibrate import load_for_calibration
+    from infer.quant.calib_job import load_for_calibration
 
     text = "def add(a, b):\n    return a + b"
     ids = AutoTokenizer.from_pretrained(str(tiny_model)).encode(text + "\n\n", add_special_tokens=False)
@@ -975,7 +976,7 @@ def test_a_failed_checkpoint_write_is_a_checkpoint_error_and_leaves_nothing(code
     """A failed write is a CheckpointError that leaves no folder behind; a full disk or quota says to free space."""
     from safetensors import SafetensorError
 
-    from infer.quant.calibrate import _write_checkpoint
+    from infer.quant.calib_job import _write_checkpoint
 
     def failing(*args: object, **kwargs: object) -> None:
         raise SafetensorError(message) if code is None else OSError(code, message)
@@ -990,22 +991,22 @@ def test_an_interrupted_or_failed_move_leaves_out_as_it_was(tiny_model: Path, tm
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while writing leaves nothing and goes on; a move that fails into an existing empty OUT leaves it
     there, empty."""
-    from infer.quant import calibrate
+    from infer.quant import calib_job
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        calibrate._write_checkpoint(tiny_model, tmp_path / "out", {}, {}, interrupted, {}, ("r.json", {}))
+        calib_job._write_checkpoint(tiny_model, tmp_path / "out", {}, {}, interrupted, {}, ("r.json", {}))
     assert list(tmp_path.iterdir()) == []
 
     def cross_device(src: object, dst: object) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     (tmp_path / "out").mkdir()
-    monkeypatch.setattr(calibrate.os, "replace", cross_device)
+    monkeypatch.setattr(calib_job.os, "replace", cross_device)
     with pytest.raises(CheckpointError, match="Invalid cross-device link.*OUT was not created"):
-        calibrate._write_checkpoint(tiny_model, tmp_path / "out", {}, {"w": torch.ones(2)}, save_file, {},
+        calib_job._write_checkpoint(tiny_model, tmp_path / "out", {}, {"w": torch.ones(2)}, save_file, {},
                                     ("r.json", {}))
     assert list(tmp_path.iterdir()) == [tmp_path / "out"] and list((tmp_path / "out").iterdir()) == []
 
@@ -1014,7 +1015,7 @@ def test_the_checkpoint_copies_model_files_but_no_weights_or_quantization_config
     """OUT: the new weights, config.json with the quantization_config and float16 under both dtype keys, the record,
     and MODEL's other files as they are; not MODEL's weights in any format, their index, older quantization configs
     or folders. OUT has the mode of a plain mkdir, and no temporary folder is left beside it."""
-    from infer.quant.calibrate import _write_checkpoint
+    from infer.quant.calib_job import _write_checkpoint
 
     model = tmp_path / "model"
     (model / "extra").mkdir(parents=True)
