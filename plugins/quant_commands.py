@@ -35,13 +35,16 @@ from ..core.registry import Register
                    "accurate; the layer's input is then permuted at run time [default: off].")
 @click.option("--damp", type=float, default=None,
               help="gptq: dampening added to the Hessian's diagonal, as a fraction of its mean [default: 0.01].")
+@click.option("--clip/--no-clip", default=None,
+              help="awq: clamp each group of weights to the range that lowers its output error on the calibration "
+                   "rows, as AutoAWQ does (q_proj and k_proj excepted) [default: --clip].")
 @click.option("--sym/--asym", default=None,
               help="gptq: symmetric groups (one fixed zero point) or each group's own zero point, usually a little "
                    "more accurate [default: --sym].")
 @click.pass_context
 def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Path | None, group_size: int | None,
              bits: int, num_samples: int, seq_len: int, device: str, act_order: bool | None,
-             damp: float | None, sym: bool | None) -> None:
+             damp: float | None, clip: bool | None, sym: bool | None) -> None:
     """Quantize the unquantized checkpoint MODEL with calibrated AWQ or GPTQ and write it to OUT (a new folder).
 
     OUT is an AutoAWQ GEMM checkpoint (awq) or a GPTQ one (gptq: v1 format, 4 or 8 bits, symmetric or not), with its
@@ -59,8 +62,11 @@ def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Pat
     gptq_only = (("--act-order", act_order), ("--damp", damp), ("--sym/--asym", sym))
     if method != "gptq" and (given := [name for name, value in gptq_only if value is not None]):
         raise click.UsageError(f"{' and '.join(given)} apply to --method gptq only")
+    if method != "awq" and clip is not None:
+        raise click.UsageError("--clip/--no-clip apply to --method awq only")
     common = dict(group_size=group_size, bits=bits, num_samples=num_samples, seq_len=seq_len, device=device)
-    config: AwqCalibrationConfig | GptqCalibrationConfig = AwqCalibrationConfig(**common) if method == "awq" else \
+    config: AwqCalibrationConfig | GptqCalibrationConfig = \
+        AwqCalibrationConfig(**common, clip=clip is not False) if method == "awq" else \
         GptqCalibrationConfig(**common, act_order=bool(act_order), damp=0.01 if damp is None else damp,
                               sym=sym is not False)
     _, config = check_request(model, out, config)  # every bad-input check before the model loads
@@ -97,15 +103,20 @@ class _ProgressBar:
 
 
 def _print_summary(reports: list[Any]) -> None:
-    """One row per linear group: the mean alpha chosen and the output error relative to plain RTN."""
+    """One row per linear group: the mean alpha chosen and the output error relative to plain RTN, with the scales
+    alone and, where weights were clipped, as written."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("group", "mean alpha", "error / RTN error", title="AWQ scale search (calibration rows)")
+    clipped = all(r.clipped_error is not None for r in reports)
+    table = Table("group", "mean alpha", "error / RTN error", *(("clipped / RTN error",) if clipped else ()),
+                  title="AWQ scale search (calibration rows)")
     for name in dict.fromkeys(r.group for r in reports):
         rows = [r for r in reports if r.group == name]
-        ratio = sum(r.error for r in rows) / max(sum(r.rtn_error for r in rows), 1e-30)
-        table.add_row(name, f"{sum(r.alpha for r in rows) / len(rows):.2f}", f"{ratio:.3f}")
+        rtn = max(sum(r.rtn_error for r in rows), 1e-30)
+        written = (f"{sum(r.clipped_error for r in rows) / rtn:.3f}",) if clipped else ()
+        table.add_row(name, f"{sum(r.alpha for r in rows) / len(rows):.2f}", f"{sum(r.error for r in rows) / rtn:.3f}",
+                      *written)
     Console(stderr=True).print(table)
 
 

@@ -24,14 +24,14 @@ The search: ``stat`` is the mean |x| per input channel over all calibration toke
 difference between ``x @ W.T`` and ``x @ (RTN(W * s) / s).T`` on a subset of the calibration activations. alpha 0
 is plain RTN, so the chosen scales never do worse than RTN on that subset. Every group is searched on the original
 weights and activations (as AutoAWQ does), then the scales are folded and the layer is RTN-quantized (int4, the
-layout of :mod:`.awq`). No clipping search is done. Scales are never stored explicitly: every group above has a
-previous op to fold into.
+layout of :mod:`.awq`), its weights clipped first where that lowers the error (:mod:`.awq_clip`; ``clip``). Scales
+are never stored explicitly: every group above has a previous op to fold into.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from . import awq
+from .awq_clip import clip_, clips, quantized_error, search_clip
 from .calib_job import (CalibrationOptions, LinearGroup, ProgressFn, check_at_least_one, check_request,
                         linear_groups, load_for_calibration, write_quantized)
 from .forward import dense_forward
@@ -55,6 +56,7 @@ class AwqCalibrationConfig(CalibrationOptions):
 
     grid: int = 20  # alpha in {0, 1/grid, ..., 1}
     max_rows: int = 1024  # calibration rows kept per linear group for the error measurement
+    clip: bool = True  # clamp each group of weights where that lowers its output error (quant/awq_clip.py)
     bits_refusal: ClassVar[str] = "AWQ supports 4-bit weights only (the AutoAWQ GEMM format)"
 
     def validate(self) -> Self:
@@ -95,6 +97,7 @@ class GroupReport:
     alpha: float
     error: float  # output MSE with the chosen scales
     rtn_error: float  # output MSE of plain RTN (alpha 0)
+    clipped_error: float | None = None  # output MSE as written: the chosen scales, then clipping (None: no clipping)
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,24 @@ def _collect(model: Any, samples: list[list[int]], device: torch.device, config:
     return stats, experts
 
 
+def _clip_groups(layer: nn.Module, stats: dict[str, GroupStats], searches: dict[str, ScaleSearch], group_size: int,
+                 device: torch.device) -> dict[str, float]:
+    """Clip the folded linears of each group (:mod:`.awq_clip`) on its calibration rows divided by its scales; return
+    each group's output error as it will be written."""
+    errors = {}
+    for g in awq_groups(layer):
+        x = torch.cat(stats[g.name].rows).to(device) / searches[g.name].scales
+        parts = []
+        for path in g.linears:
+            weight = layer.get_submodule(path).weight.data
+            reference = weight.clone()
+            if clips(path):
+                clip_(weight, search_clip(x, weight, group_size), group_size)
+            parts.append((x, reference, weight))
+        errors[g.name] = quantized_error(parts, group_size)
+    return errors
+
+
 def _quantized_layer_tensors(layer: nn.Module, prefix: str, group_size: int) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for g in linear_groups(layer):
@@ -222,7 +243,7 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
 
     ``texts`` default to the standard library's sources (:func:`.calib_data.default_texts`).
     """
-    from .calibrate_moe import expert_tensors, fold_experts, routers, search_experts
+    from .calibrate_moe import clip_experts, expert_tensors, fold_experts, routers, search_experts
 
     raw, config = check_request(model_dir, out_dir, config)
     report_progress: ProgressFn = progress or (lambda phase, done, total: None)
@@ -246,17 +267,24 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
             weights = [layer.get_submodule(p).weight.data.to(torch.float32) for p in g.linears]
             share = (attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim) if g.name == "o" else None
             searches[g.name] = search_scale(x, stat, weights, config.group_size, config.grid, share)
-            found = searches[g.name]
-            reports.append(GroupReport(i, g.name, found.alpha, found.error, found.rtn_error))
-        if (routed := experts[i]) is not None:
+        layer_reports = [GroupReport(i, name, found.alpha, found.error, found.rtn_error)
+                         for name, found in searches.items()]
+        if (routed := experts[i]) is not None:  # searched on the original weights too, before any folding
             found, gate_up, downs = search_experts(layer, routed, i, config.group_size, config.grid, loaded.device)
-            reports += found
             unreached += [f"model.layers.{i}.{layer.feed_forward}.experts.{e}"
                           for e in range(layer.ffn().moe.num_experts) if e not in downs]
             fold_experts(layer, gate_up, downs)
-            tensors.update(expert_tensors(layer, f"model.layers.{i}", config.group_size))
         for g in awq_groups(layer):
             _fold(layer, g, searches[g.name].scales)
+        if config.clip:
+            clipped = _clip_groups(layer, stats[i], searches, config.group_size, loaded.device)
+            layer_reports = [replace(r, clipped_error=clipped[r.group]) for r in layer_reports]
+        if routed is not None:
+            if config.clip:
+                found = clip_experts(layer, routed, found, gate_up, downs, config.group_size, loaded.device)
+            layer_reports += found
+            tensors.update(expert_tensors(layer, f"model.layers.{i}", config.group_size))
+        reports += layer_reports
         tensors.update(_quantized_layer_tensors(layer, f"model.layers.{i}", config.group_size))
         stats[i], experts[i] = {}, None  # free the rows
     report_progress("scale search", len(layers), len(layers))

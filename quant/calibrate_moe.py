@@ -23,13 +23,14 @@ for its down (plain round to nearest) and is named in a warning.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import awq
+from .awq_clip import clip_, quantized_error, search_clip
 from .calibrate import GroupReport, GroupStats, ScaleSearch, search_scale, search_scale_parts
 
 GATE_UP, DOWN = "experts.gate_up", "experts.down"  # the groups' names in reports
@@ -98,6 +99,30 @@ def fold_experts(layer: nn.Module, gate_up: torch.Tensor, downs: dict[int, torch
         for e, s in downs.items():
             moe.w13[e, size:].div_(s.to(moe.w13.dtype)[:, None])
             moe.w2[e].mul_(s.to(moe.w2.dtype)[None, :])
+
+
+def clip_experts(layer: nn.Module, stats: ExpertStats, reports: list[GroupReport], gate_up: torch.Tensor,
+                 downs: dict[int, torch.Tensor], group_size: int, device: torch.device) -> list[GroupReport]:
+    """Clip sparse layer ``layer``'s folded experts (:mod:`.awq_clip`): each expert's gate and up on its routed rows,
+    the shared expert's on every row, each reached expert's down on its activations, all divided by their scales;
+    return :func:`search_experts`' ``reports`` with the errors as written."""
+    moe = layer.ffn()
+    x, routes = torch.cat(stats.hidden.rows).to(device) / gate_up, torch.cat(stats.routes).to(device)
+
+    def clipped(rows: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        reference = weight.clone()
+        if rows.shape[0]:
+            clip_(weight, search_clip(rows, weight, group_size), group_size)
+        return rows, reference, weight
+
+    parts = [clipped(x[(routes == e).any(dim=-1)], moe.w13[e]) for e in range(moe.moe.num_experts)]
+    if moe.shared_expert is not None:
+        parts += [clipped(x, moe.shared_expert.get_submodule(p).weight.data) for p in ("gate_proj", "up_proj")]
+    errors = [quantized_error(parts, group_size)]
+    for e, s in sorted(downs.items()):
+        errors.append(quantized_error([clipped(torch.cat(stats.down[e].rows).to(device) / s, moe.w2[e])],
+                                      group_size))
+    return [replace(report, clipped_error=error) for report, error in zip(reports, errors, strict=True)]
 
 
 def expert_tensors(layer: nn.Module, prefix: str, group_size: int) -> dict[str, torch.Tensor]:

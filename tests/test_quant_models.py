@@ -16,6 +16,7 @@ match; each bound is 1.2x it, and 0.8x is the floor (measured on three model see
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -577,7 +578,8 @@ def test_the_scales_calibration_folds_leave_the_unquantized_model_unchanged(
         checkpoint: Callable[[str], Path], plugins: PluginManager, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each layer, as calibrate_awq folded it just before quantizing, computes what the original did (docs: the
-    folding is exact), GQA's o_proj included, where a scale must be one per (KV head, channel) to fold into v."""
+    folding is exact), GQA's o_proj included, where a scale must be one per (KV head, channel) to fold into v.
+    (Without clipping, which changes weights on purpose.)"""
     from infer.quant import calibrate
 
     path = checkpoint("llama")  # 4 q heads on 2 KV heads
@@ -589,7 +591,7 @@ def test_the_scales_calibration_folds_leave_the_unquantized_model_unchanged(
         return quantize(layer, prefix, group_size)
 
     monkeypatch.setattr(calibrate, "_quantized_layer_tensors", record)
-    calibrate_awq(path, tmp_path / "awq", CALIB, plugins=plugins)
+    calibrate_awq(path, tmp_path / "awq", dataclasses.replace(CALIB, clip=False), plugins=plugins)
     loaded = load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path)
     before = loaded.model.compute_logits(dense_forward(loaded.model, PROMPTS[:2], loaded.device))
     loaded.model.load_state_dict({**loaded.model.state_dict(), **folded})

@@ -1,0 +1,95 @@
+"""AWQ's weight clipping (quant/awq_clip.py): per (output row, input group), the clamp of the grid that gives that
+group's partial output the least error on the calibration rows, checked against a direct loop over the grid, and
+what it does to a model (``infer quantize --method awq --clip/--no-clip``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from infer.cli.main import main
+from infer.quant import awq
+from infer.quant.awq_clip import clip_, clips, quantized_error, search_clip
+
+
+def partial_error(x: torch.Tensor, w: torch.Tensor, m: float, row: int, group: int, size: int) -> float:
+    """One (row, group)'s error by the docstring's formula, for clamp ``m``: the row quantized whole with that group
+    clamped (RTN works group by group, so the other groups do not matter)."""
+    cols = slice(group * size, (group + 1) * size)
+    clamped = w[row: row + 1].repeat(8, 1)  # RTN takes 8 rows at least (AWQ packs 8 outputs)
+    clamped[:, cols] = clamped[:, cols].clamp(-m, m)
+    quantized = awq.fake_quantize_rtn(clamped, size)
+    return float((x[:, cols] @ (quantized[0, cols] - w[row, cols])).pow(2).mean())
+
+
+def test_each_group_gets_the_grid_clamp_of_least_error() -> None:
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(96, 64, generator=g), torch.randn(24, 64, generator=g)
+    w[3, 5], x[:, 5] = 9.0, x[:, 5] * 0.01  # an outlier weight on a quiet input: its group's range is wasted on it
+    m = search_clip(x, w, 32, max_elements=96 * 64 * 8)  # output rows in chunks of 8
+    assert m.shape == (24, 2)
+    for row in range(24):
+        for group in range(2):
+            full = float(w[row, group * 32:(group + 1) * 32].abs().max())
+            grid = [full * (1 - i / 20) for i in range(10)]
+            errors = [partial_error(x, w, c, row, group, 32) for c in grid]
+            assert float(m[row, group]) == pytest.approx(grid[errors.index(min(errors))], rel=1e-6), (row, group)
+    assert float(m[3, 0]) < 9.0  # the outlier is clipped
+
+
+def test_clipping_never_raises_a_groups_error_and_clamps_in_place() -> None:
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(64, 128, generator=g), torch.randn(16, 128, generator=g) ** 3  # heavy tails
+    m = search_clip(x, w, 64)
+    clipped = w.clone()
+    clip_(clipped, m, 64)
+    bound = m.repeat_interleave(64, 1)
+    assert torch.equal(clipped, torch.maximum(torch.minimum(w, bound), -bound))
+    assert (clipped != w).any()
+    for row in range(16):
+        for group in range(2):
+            cols = slice(group * 64, (group + 1) * 64)
+            def error(weight: torch.Tensor) -> float:
+                q = awq.fake_quantize_rtn(weight, 64)[row, cols]
+                return float((x[:, cols] @ (q - w[row, cols])).pow(2).mean())
+            assert error(clipped) <= error(w) * (1 + 1e-6)
+    assert quantized_error([(x, w, clipped)], 64) < quantized_error([(x, w, w)], 64)
+
+
+def test_q_and_k_are_not_clipped() -> None:
+    assert not clips("self_attn.q_proj") and not clips("self_attn.k_proj") and not clips("self_attn.qkv_proj")
+    assert clips("self_attn.v_proj") and clips("mlp.down_proj") and clips("mlp.shared_expert.up_proj")
+
+
+def test_the_written_error_without_clipping_is_the_searchs_error() -> None:
+    """quantized_error on the folded weights and rows (W * s, x / s) is the search's error at its alpha: the same
+    output difference, so the report's clipped_error compares with error and rtn_error."""
+    from infer.quant.calibrate import search_scale
+
+    g = torch.Generator().manual_seed(9)
+    stat = torch.rand(64, generator=g) * 3 + 0.1
+    x, w = torch.randn(80, 64, generator=g) * stat, torch.randn(24, 64, generator=g)
+    found = search_scale(x, stat, [w], 32, grid=8)
+    s = found.scales
+    assert quantized_error([(x / s, w * s, w * s)], 32) == pytest.approx(found.error, rel=1e-4)
+
+
+def test_quantize_clips_by_default_and_reports_it(tiny_model: Path, tmp_path: Path) -> None:
+    common = [str(tiny_model), "--num-samples", "4", "--seq-len", "32", "--device", "cpu", "--group-size", "32"]
+    clipped = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / "a"), *common[1:]])
+    assert clipped.exit_code == 0, clipped.output
+    assert "clipped / RTN error" in clipped.output
+    groups = json.loads((tmp_path / "a" / "awq_calibration.json").read_text())["groups"]
+    assert all(r["clipped_error"] is not None for r in groups)
+    assert sum(r["clipped_error"] for r in groups) < sum(r["error"] for r in groups)
+    plain = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / "b"), "--no-clip", *common[1:]])
+    assert plain.exit_code == 0, plain.output
+    assert "clipped / RTN error" not in plain.output
+    report = json.loads((tmp_path / "b" / "awq_calibration.json").read_text())
+    assert report["options"]["clip"] is False and all(r["clipped_error"] is None for r in report["groups"])
+    refused = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / "c"), "--method", "gptq", "--clip",
+                                        *common[1:]])
+    assert refused.exit_code == 2 and "--clip/--no-clip apply to --method awq only" in refused.output
