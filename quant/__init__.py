@@ -10,8 +10,12 @@
 - :mod:`.fp8_method`: :class:`~.fp8_method.Fp8LinearMethod`, the W8A8 QuantMethod.
 - :mod:`.fp8_block`: the block-wise FP8 format (``quant_method: "fp8"``: DeepSeek-V3, Qwen3 FP8) and its torch
   references; :mod:`.fp8_block_method`: :class:`~.fp8_block_method.BlockFp8LinearMethod`, its QuantMethod.
-- :mod:`.calibrate`: the AWQ scale search behind ``infer quantize --method awq`` (data from :mod:`.calib_data`).
+- :mod:`.calibrate`: the AWQ scale search behind ``infer quantize --method awq`` (data from :mod:`.calib_data`);
+  :mod:`.calibrate_moe`: its mixtures of experts; :mod:`.awq_clip`: its weight clipping; :mod:`.calib_job`: what
+  both ``infer quantize`` methods share (options, request checks, loading, the checkpoint writer).
 - :mod:`.gptq_calibrate`: GPTQ behind ``infer quantize --method gptq``.
+- :mod:`.auto_round`: AutoRound checkpoints (``quant_method: "auto-round"``), read as the GPTQ or AWQ layout they
+  pack.
 - :mod:`.kv_cache`: ``--kv-cache-dtype fp8``: e4m3 KV with static per-(layer, KV head) scales.
 - :mod:`.forward`: cache-free forward passes over whole sequences, for calibration.
 """

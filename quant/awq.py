@@ -194,8 +194,8 @@ def parse_config(qc: dict[str, Any]) -> AwqConfig:
     if not is_group_size(group_size):
         raise CheckpointError(
             f"AWQ group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
-    if qc.get("zero_point", True) is not True:
-        raise CheckpointError("AWQ zero_point must be true: symmetric (zero_point false) AWQ is not supported")
+    if type(qc.get("zero_point", True)) is not bool:  # false: AutoRound's symmetric export, qzeros stored all the same
+        raise CheckpointError(f"AWQ zero_point must be true or false, got {qc['zero_point']!r}")
     skip = qc.get("modules_to_not_convert") or ()
     if not is_name_list(skip):
         raise CheckpointError(f"AWQ modules_to_not_convert must be a list of module names, got {skip!r}")

@@ -8,7 +8,8 @@ of the output error on the calibration rows (their inputs divided by the folded 
 over ``m = max|w_g| * (1 - i / 20)`` for ``i = 0 .. 9`` (AutoAWQ's grid: down to half the range; ``i = 0`` is no
 clipping, so no group's error grows). Rows are subsampled to at most 512, as AutoAWQ does. q_proj and k_proj (and
 Phi-3's fused qkv_proj, which holds them) are not clipped: their outputs meet in the attention scores, which a
-per-linear error does not see (AutoAWQ skips them for that reason).
+per-linear error does not see (AutoAWQ skips q_proj and k_proj for that reason; its name test misses Phi-3's
+qkv_proj, which it clips whole).
 """
 from __future__ import annotations
 

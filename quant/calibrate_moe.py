@@ -13,7 +13,7 @@ experts down    one expert's silu(gate) * up [I]        ``1 / s`` into that expe
 ==============  ======================================  ===========================================================
 
 The router reads the same normed hidden state, so its columns take ``s`` too and the routing is unchanged (AutoAWQ's
-Mixtral and Qwen2-MoE quantizers leave the router out of the folding, so theirs routes ``x / s``).
+Mixtral and Qwen3-MoE quantizers leave the router out of the folding, so theirs routes ``x / s``).
 
 The gate_up search (:func:`.calibrate.search_scale_parts`) measures each expert's output error on the calibration
 rows routed to it, and the shared expert's on every row; ``stat`` is the mean |x| over every token, as for a dense

@@ -192,3 +192,43 @@ def test_each_expert_is_searched_on_the_tokens_routed_to_it(tiny_model_factory: 
     down = search_scale(torch.cat(stats.down[2].rows), stats.down[2].abs_sum / stats.down[2].count, [moe.w2[2]], 32,
                         10)
     torch.testing.assert_close(downs[2], down.scales)
+
+
+def test_experts_are_clipped_on_their_rows_divided_by_the_folded_scales(tiny_model_factory: Callable[..., Path],
+                                                                       plugins: PluginManager) -> None:
+    """clip_experts clamps each folded expert's gate/up by the search on its routed rows divided by the gate_up
+    scale, the shared expert's on every row so divided, and each expert's down on its activations divided by its
+    down scale (the inputs the folded weights see)."""
+    from infer.quant.awq_clip import clip_, search_clip
+    from infer.quant.calibrate import _collect
+    from infer.quant.calibrate_moe import clip_experts, fold_experts, search_experts
+
+    path = tiny_model_factory("qwen2moe", extra=ARCHES["qwen2moe"])
+    loaded = load_model(EngineConfig(model=str(path), device="cpu", fuse_projections=False).validate(), plugins, path)
+    samples = [[5, 17, 300, 42, 7, 99, 12, 8] * 3, [900, 12, 8, 8, 41, 3] * 4]
+    with torch.no_grad():
+        _, experts = _collect(loaded.model, samples, loaded.device, AwqCalibrationConfig(max_rows=1000),
+                              lambda *call: None)
+    layer, stats = loaded.model.model.layers[1], experts[1]
+    moe = layer.ffn()
+    reports, gate_up, downs = search_experts(layer, stats, 1, 32, 10, loaded.device)
+    fold_experts(layer, gate_up, downs)
+    x, routes = torch.cat(stats.hidden.rows) / gate_up, torch.cat(stats.routes)
+
+    def expected(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        clipped = weight.clone()
+        clip_(clipped, search_clip(rows, clipped, 32), 32)
+        return clipped
+
+    w13 = [expected(x[(routes == e).any(dim=-1)], moe.w13[e]) for e in range(moe.moe.num_experts)]
+    w2 = {e: expected(torch.cat(stats.down[e].rows) / s, moe.w2[e]) for e, s in downs.items()}
+    shared = [expected(x, moe.shared_expert.get_submodule(p).weight) for p in ("gate_proj", "up_proj")]
+    folded = moe.w13.clone(), moe.w2.clone()
+    clip_experts(layer, stats, reports, gate_up, downs, 32, loaded.device)
+    assert not torch.equal(moe.w13, folded[0]) and not torch.equal(moe.w2, folded[1])  # some groups clamped
+    for e, w in enumerate(w13):
+        assert torch.equal(moe.w13[e], w), e
+    for e, w in w2.items():
+        assert torch.equal(moe.w2[e], w), e
+    for p, w in zip(("gate_proj", "up_proj"), shared):
+        assert torch.equal(moe.shared_expert.get_submodule(p).weight, w), p

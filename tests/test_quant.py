@@ -246,9 +246,8 @@ def test_parse_awq_config_accepts_both_spellings() -> None:
     ({"version": "marlin"}, "unsupported AWQ version 'marlin'"),
     ({"bits": 8}, "bits must be 4, got 8"),
     ({"group_size": 100}, "group_size must be one of -1, 32, 64, 128, got 100"),
-    ({"zero_point": False}, "zero_point must be true"),
-    ({"zero_point": 0}, "zero_point must be true"),  # only true means asymmetric
-    ({"zero_point": "false"}, "zero_point must be true"),
+    ({"zero_point": 0}, "zero_point must be true or false, got 0"),  # false: AutoRound's, tests/test_quant_auto_round
+    ({"zero_point": "false"}, "zero_point must be true or false, got 'false'"),
     ({"quant_method": "gptq"}, "quantized with 'gptq'"),
     ({"modules_to_not_convert": "lm_head"}, "must be a list"),
     ({"modules_to_not_convert": 5}, "must be a list of module names, got 5"),  # was a TypeError

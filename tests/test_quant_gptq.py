@@ -386,6 +386,16 @@ def test_dynamic_overrides_give_each_module_the_first_matching_patterns_scheme()
     assert method_for().method_for("model.layers.0.mlp.up_proj") is not None
 
 
+def test_a_dynamic_override_turns_activation_order_on_or_off() -> None:
+    """An override's desc_act replaces the config's, both ways (a layer in activation order must bring g_idx)."""
+    on = method_for(desc_act=False, dynamic={r".*q_proj": {"desc_act": True}})
+    assert on.method_for("model.layers.0.self_attn.q_proj").scheme.act_order is True
+    assert on.method_for("model.layers.0.self_attn.k_proj").scheme.act_order is False
+    off = method_for(desc_act=True, dynamic={r".*q_proj": {"desc_act": False}})
+    assert off.method_for("model.layers.0.self_attn.q_proj").scheme.act_order is False
+    assert off.method_for("model.layers.0.self_attn.k_proj").scheme.act_order is True
+
+
 def test_modules_in_block_to_quantize_picks_the_quantized_linears() -> None:
     method = method_for(modules_in_block_to_quantize=[["self_attn.q_proj", "self_attn.k_proj"], ["mlp.down_proj"]])
     assert method.applies_to("model.layers.3.self_attn.k_proj")
