@@ -99,7 +99,8 @@ def experts_quant(quant: QuantMethod | None, prefix: str, moe: MoeConfig) -> Qua
 
     if quant is None or isinstance(quant, BlockFp8LinearMethod | Fp8LinearMethod | UnquantizedMethod):
         return None
-    return quant if any(quant.applies_to(f"{prefix}.0.{projection}") for projection in moe.projections) else None
+    return quant if any(quant.applies_to(f"{prefix}.{e}.{projection}") for e in range(moe.num_experts)
+                        for projection in moe.projections) else None
 
 
 def stacked_layout(linear: nn.Module) -> tuple[type | None, int]:

@@ -28,14 +28,15 @@ def clips(path: str) -> bool:
 
 def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, max_elements: int = 1 << 24
                 ) -> torch.Tensor:
-    """The clamp ``m`` [out, groups] of ``weight`` [out, in] for inputs ``x`` [n, in] (the module docstring); a
-    few output rows at a time (a multiple of 8), so that the [rows, n, in] products stay near ``max_elements``."""
+    """The clamp ``m`` [out, groups] of ``weight`` [out, in] for inputs ``x`` [n, in] (the module docstring); some
+    output rows at a time (a multiple of 8, as RTN needs), so that the [rows, n, groups] partial outputs stay near
+    ``max_elements``."""
     out_features, in_features = weight.shape
     group = in_features if group_size == -1 else group_size
     x = x[:: max(1, x.shape[0] // MAX_TOKENS)].to(torch.float32)
     xg = x.reshape(x.shape[0], in_features // group, group)
     best = torch.empty(out_features, in_features // group, dtype=torch.float32, device=weight.device)
-    step = max(1, max_elements // max(1, x.shape[0] * in_features) // awq.PACK) * awq.PACK  # RTN's shape check
+    step = max(1, max_elements // max(1, x.shape[0] * (in_features // group)) // awq.PACK) * awq.PACK  # RTN's shape
     for first in range(0, out_features, step):
         w = weight[first: first + step].to(torch.float32)
         rows = w.shape[0]

@@ -29,7 +29,7 @@ def test_each_group_gets_the_grid_clamp_of_least_error() -> None:
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(96, 64, generator=g), torch.randn(24, 64, generator=g)
     w[3, 5], x[:, 5] = 9.0, x[:, 5] * 0.01  # an outlier weight on a quiet input: its group's range is wasted on it
-    m = search_clip(x, w, 32, max_elements=96 * 64 * 8)  # output rows in chunks of 8
+    m = search_clip(x, w, 32, max_elements=96 * 2 * 8)  # output rows in chunks of 8 (96 rows, 2 groups)
     assert m.shape == (24, 2)
     for row in range(24):
         for group in range(2):

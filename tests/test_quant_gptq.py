@@ -294,6 +294,23 @@ def test_experts_of_several_schemes_stack_per_layer_where_they_agree(
                                logits(tmp_path / "dense", plugins), rtol=1e-4, atol=1e-4)
 
 
+def test_experts_load_quantized_when_expert_0_is_left_float(tmp_path: Path, plugins: PluginManager,
+                                                            tiny_model_factory: Callable[..., Path]) -> None:
+    """A dynamic exclusion of expert 0 alone: the others are still quantized Linears (run one expert at a time),
+    not the float stacked experts that expert 0's float weights alone would suggest."""
+    from infer.models.layers import UnquantizedMethod
+    from infer.models.moe import SparseMoe
+
+    moe = tiny_model_factory("qwen3moe", extra={"moe_intermediate_size": 64})
+    write_gptq(moe, tmp_path / "gptq", tmp_path / "dense", "none", dynamic={r"-:.*\.experts\.0\.": None})
+    blocks = [m for m in load(tmp_path / "gptq", plugins).model.modules() if isinstance(m, SparseMoe)]
+    assert all(b.experts is not None and b.unstackable for b in blocks)
+    assert type(blocks[0].experts[0].up_proj.method) is UnquantizedMethod
+    assert isinstance(blocks[0].experts[1].up_proj.method, AwqLinearMethod)
+    torch.testing.assert_close(logits(tmp_path / "gptq", plugins), logits(tmp_path / "dense", plugins),
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.autoawq
 def test_v1_layout_matches_autoawq_conversion_of_an_awq_layer() -> None:
     pytest.importorskip("awq", reason="AutoAWQ is not installed (pip install 'infer-engine[awq]')")
