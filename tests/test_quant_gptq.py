@@ -278,6 +278,23 @@ def test_a_checkpoint_of_several_schemes_computes_its_dequantized_weights(tiny_m
     assert not torch.allclose(logits(tmp_path / "dense", plugins), logits(tiny_model, plugins), atol=1e-4)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_checkpoint_of_several_schemes_generates_like_hf_on_its_dequantized_weights(
+        device: str, tiny_model: Path, tmp_path: Path,
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """On a GPU also: the fused W4A16 and W8A16 kernels side by side in one model, merged where schemes agree."""
+    from infer import LLM
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dynamic = {r"+:.*layers\.1\.mlp\.": {"bits": 8, "group_size": 64}, r"+:.*\.k_proj": {"group_size": -1}}
+    write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "dense", "shared", dynamic=dynamic)
+    llm = LLM(model=str(tmp_path / "gptq"), device=device, num_kv_blocks=32)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for prompt in PROMPTS:
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 10)
+
+
 def test_experts_of_several_schemes_stack_per_layer_where_they_agree(
         tmp_path: Path, plugins: PluginManager, tiny_model_factory: Callable[..., Path]) -> None:
     """Layer 0's experts at 8 bits stack as W8A16 experts, layer 1's as int4 but for one expert's down_proj in
