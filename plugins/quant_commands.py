@@ -38,13 +38,16 @@ from ..core.registry import Register
 @click.option("--clip/--no-clip", default=None,
               help="awq: clamp each group of weights to the range that lowers its output error on the calibration "
                    "rows, as AutoAWQ does (q_proj and k_proj excepted) [default: --clip].")
+@click.option("--duo-scaling/--no-duo-scaling", default=None,
+              help="awq: search scales from the activations and the weights, x^a / w^(1 - a), as AutoAWQ and "
+                   "llm-compressor do, else from the activations alone, x^a [default: --duo-scaling].")
 @click.option("--sym/--asym", default=None,
               help="gptq: symmetric groups (one fixed zero point) or each group's own zero point, usually a little "
                    "more accurate [default: --sym].")
 @click.pass_context
 def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Path | None, group_size: int | None,
              bits: int, num_samples: int, seq_len: int, device: str, act_order: bool | None,
-             damp: float | None, clip: bool | None, sym: bool | None) -> None:
+             damp: float | None, clip: bool | None, duo_scaling: bool | None, sym: bool | None) -> None:
     """Quantize the unquantized checkpoint MODEL with calibrated AWQ or GPTQ and write it to OUT (a new folder).
 
     OUT is an AutoAWQ GEMM checkpoint (awq) or a GPTQ one (gptq: v1 format, 4 or 8 bits, symmetric or not), with its
@@ -62,11 +65,13 @@ def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Pat
     gptq_only = (("--act-order", act_order), ("--damp", damp), ("--sym/--asym", sym))
     if method != "gptq" and (given := [name for name, value in gptq_only if value is not None]):
         raise click.UsageError(f"{' and '.join(given)} apply to --method gptq only")
-    if method != "awq" and clip is not None:
-        raise click.UsageError("--clip/--no-clip apply to --method awq only")
+    awq_only = (("--clip/--no-clip", clip), ("--duo-scaling/--no-duo-scaling", duo_scaling))
+    if method != "awq" and (given := [name for name, value in awq_only if value is not None]):
+        raise click.UsageError(f"{' and '.join(given)} apply to --method awq only")
     common = dict(group_size=group_size, bits=bits, num_samples=num_samples, seq_len=seq_len, device=device)
     config: AwqCalibrationConfig | GptqCalibrationConfig = \
-        AwqCalibrationConfig(**common, clip=clip is not False) if method == "awq" else \
+        AwqCalibrationConfig(**common, clip=clip is not False, duo_scaling=duo_scaling is not False) \
+        if method == "awq" else \
         GptqCalibrationConfig(**common, act_order=bool(act_order), damp=0.01 if damp is None else damp,
                               sym=sym is not False)
     _, config = check_request(model, out, config)  # every bad-input check before the model loads
@@ -103,8 +108,8 @@ class _ProgressBar:
 
 
 def _print_summary(reports: list[Any]) -> None:
-    """One row per linear group: the mean alpha chosen and the output error relative to plain RTN, with the scales
-    alone and, where weights were clipped, as written."""
+    """One row per linear group: the mean alpha chosen (and how many kept plain RTN, no alpha beating it) and the
+    output error relative to plain RTN, with the scales alone and, where weights were clipped, as written."""
     from rich.console import Console
     from rich.table import Table
 
@@ -115,8 +120,10 @@ def _print_summary(reports: list[Any]) -> None:
         rows = [r for r in reports if r.group == name]
         rtn = max(sum(r.rtn_error for r in rows), 1e-30)
         written = (f"{sum(r.clipped_error for r in rows) / rtn:.3f}",) if clipped else ()
-        table.add_row(name, f"{sum(r.alpha for r in rows) / len(rows):.2f}", f"{sum(r.error for r in rows) / rtn:.3f}",
-                      *written)
+        alphas = [r.alpha for r in rows if r.alpha is not None]  # None: plain RTN kept
+        alpha = (f"{sum(alphas) / len(alphas):.2f}" if alphas else "-") + \
+            (f" ({len(rows) - len(alphas)} RTN)" if len(alphas) < len(rows) else "")
+        table.add_row(name, alpha, f"{sum(r.error for r in rows) / rtn:.3f}", *written)
     Console(stderr=True).print(table)
 
 

@@ -20,12 +20,15 @@ A sparse layer (Mixtral, Qwen2-MoE, Qwen3-MoE) has qkv, o and its shared expert'
 and down scales, and the router's share in them, are :mod:`.calibrate_moe`'s.
 
 The search: ``stat`` is the mean |x| per input channel over all calibration tokens; for alpha on the grid
-0, 1/grid, ..., 1, ``s = stat^alpha`` normalised by ``sqrt(max(s) * min(s))``, and the error is the mean squared
-difference between ``x @ W.T`` and ``x @ (RTN(W * s) / s).T`` on a subset of the calibration activations. alpha 0
-is plain RTN, so the chosen scales never do worse than RTN on that subset. Every group is searched on the original
-weights and activations (as AutoAWQ does), then the scales are folded and the layer is RTN-quantized (int4, the
-layout of :mod:`.awq`), its weights clipped first where that lowers the error (:mod:`.awq_clip`; ``clip``). Scales
-are never stored explicitly: every group above has a previous op to fold into.
+0, 1/grid, ..., 1, ``s = stat^alpha`` (with ``duo_scaling``, the default as in AutoAWQ and llm-compressor,
+``stat^alpha / (w^(1 - alpha) + 1e-4)``, ``w`` the group's :func:`weight_stat`) normalised by
+``sqrt(max(s) * min(s))``, and the error is the mean squared difference between ``x @ W.T`` and
+``x @ (RTN(W * s) / s).T`` on a subset of the calibration activations. Plain RTN (``s = 1``) is measured too and
+kept when no alpha beats it, so the chosen scales never do worse than RTN on that subset. Every group is searched
+on the original weights and activations (as AutoAWQ does), then the scales are folded and the layer is
+RTN-quantized (int4, the layout of :mod:`.awq`), its weights clipped first where that lowers the error
+(:mod:`.awq_clip`; ``clip``). Scales are never stored explicitly: every group above has a previous op to fold
+into.
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ class AwqCalibrationConfig(CalibrationOptions):
     grid: int = 20  # alpha in {0, 1/grid, ..., 1}
     max_rows: int = 1024  # calibration rows kept per linear group for the error measurement
     clip: bool = True  # clamp each group of weights where that lowers its output error (quant/awq_clip.py)
+    duo_scaling: bool = True  # scales from the activations and the weights (search_scale), else the activations
     bits_refusal: ClassVar[str] = "AWQ supports 4-bit weights only (the AutoAWQ GEMM format)"
 
     def validate(self) -> Self:
@@ -94,7 +98,7 @@ class GroupStats:
 class GroupReport:
     layer: int
     group: str
-    alpha: float
+    alpha: float | None  # None: plain RTN kept (no scaling)
     error: float  # output MSE with the chosen scales
     rtn_error: float  # output MSE of plain RTN (alpha 0)
     clipped_error: float | None = None  # output MSE as written: the chosen scales, then clipping (None: no clipping)
@@ -103,49 +107,67 @@ class GroupReport:
 @dataclass(frozen=True)
 class ScaleSearch:
     scales: torch.Tensor  # [in] fp32
-    alpha: float
+    alpha: float | None  # None: no alpha beat plain RTN (duo scaling), so s = 1
     error: float
     rtn_error: float
 
 
 # ---------------------------------------------------------------- the scale search
 def search_scale(x: torch.Tensor, stat: torch.Tensor, weights: list[torch.Tensor], group_size: int, grid: int,
-                 share: tuple[int, int, int] | None = None) -> ScaleSearch:
-    """Best ``s = stat^alpha`` (normalised) for linears ``weights`` ([out_j, in], fp32) sharing input ``x`` [n, in].
+                 share: tuple[int, int, int] | None = None, duo: bool = False) -> ScaleSearch:
+    """Best ``s = stat^alpha`` (normalised) for linears ``weights`` ([out_j, in], fp32) sharing input ``x`` [n, in];
+    with ``duo``, ``s = stat^alpha / (w^(1 - alpha) + 1e-4)``, ``w`` the weights' :func:`weight_stat` (AutoAWQ's
+    and llm-compressor's default "duo scaling"). Plain RTN (``s = 1``) is measured too and kept when no alpha beats
+    it: then the search's alpha is 0 without ``duo`` (``stat^0``), None with it.
 
     ``share = (kv_heads, group, head_dim)``: the input is [kv_heads * group * head_dim] (o_proj under GQA) and one
     scale per (kv head, channel) is shared by the group's q heads, so that it folds into v_proj's output rows.
     """
-    return search_scale_parts([(x, weights)], stat, group_size, grid, share)
+    return search_scale_parts([(x, weights)], stat, group_size, grid, share, duo)
+
+
+def weight_stat(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Duo scaling's weight statistic [in]: per input channel, the mean over every output row of ``|w|`` relative to
+    the largest ``|w|`` of its group of inputs in that row (AutoAWQ's ``w_mean``)."""
+    w = torch.cat(weights).to(torch.float32).abs()
+    rows, inputs = w.shape
+    group = inputs if group_size == -1 else group_size
+    grouped = w.view(rows, inputs // group, group)
+    return (grouped / (grouped.amax(dim=-1, keepdim=True) + 1e-6)).view(rows, inputs).mean(dim=0)
 
 
 def search_scale_parts(parts: list[tuple[torch.Tensor, list[torch.Tensor]]], stat: torch.Tensor, group_size: int,
-                       grid: int, share: tuple[int, int, int] | None = None) -> ScaleSearch:
+                       grid: int, share: tuple[int, int, int] | None = None, duo: bool = False) -> ScaleSearch:
     """:func:`search_scale` for linears that read one input space but not the same rows: ``parts`` pairs rows
     [n_p, in] with the weights that see them (a mixture's experts, each on the tokens routed to it); the error is
     the squared output difference summed over every part, divided by the number of outputs."""
     refs = [(x, w, x @ w.t()) for x, weights in parts for w in [torch.cat(weights).to(torch.float32)]]
     outputs = sum(ref.numel() for _, _, ref in refs)
-    base = stat.to(torch.float32)
-    if share is not None:
-        kv_heads, group, head_dim = share
-        base = base.view(kv_heads, group, head_dim).mean(dim=1)
-    best: ScaleSearch | None = None
-    rtn_error = float("nan")
+
+    def error(s: torch.Tensor) -> float:
+        return sum(float((x @ (awq.fake_quantize_rtn(w * s, group_size) / s).t() - ref).pow(2).sum())
+                   for x, w, ref in refs) / max(outputs, 1)
+
+    def per_head(v: torch.Tensor) -> torch.Tensor:  # under GQA, one value per (KV head, channel)
+        return v if share is None else v.view(*share).mean(dim=1)
+
+    base = per_head(stat.to(torch.float32))
+    w_base = per_head(weight_stat([w for _, w, _ in refs], group_size)) if duo else None
+    ones = torch.ones_like(stat, dtype=torch.float32)
+    rtn_error = error(ones)
+    best = ScaleSearch(ones, None, rtn_error, rtn_error)
     for i in range(grid + 1):
         alpha = i / grid
-        s = base.pow(alpha).clamp(min=1e-4)
+        s = base.pow(alpha) if w_base is None else base.pow(alpha) / (w_base.pow(1 - alpha) + 1e-4)
+        s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         if share is not None:
+            kv_heads, group, head_dim = share
             s = s.unsqueeze(1).expand(kv_heads, group, head_dim).reshape(-1)
-        error = sum(float((x @ (awq.fake_quantize_rtn(w * s, group_size) / s).t() - ref).pow(2).sum())
-                    for x, w, ref in refs) / max(outputs, 1)
-        if i == 0:
-            rtn_error = error
-        if best is None or error < best.error:
-            best = ScaleSearch(s, alpha, error, rtn_error)
-    assert best is not None
-    return ScaleSearch(best.scales, best.alpha, best.error, rtn_error)
+        found = error(s)
+        if found < best.error or (best.alpha is None and found <= best.error):  # a tie: the alpha, not RTN
+            best = ScaleSearch(s, alpha, found, rtn_error)
+    return best
 
 
 def _fold(layer: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
@@ -266,11 +288,12 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
             stat = record.abs_sum / record.count
             weights = [layer.get_submodule(p).weight.data.to(torch.float32) for p in g.linears]
             share = (attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim) if g.name == "o" else None
-            searches[g.name] = search_scale(x, stat, weights, config.group_size, config.grid, share)
+            searches[g.name] = search_scale(x, stat, weights, config.group_size, config.grid, share,
+                                            config.duo_scaling)
         layer_reports = [GroupReport(i, name, found.alpha, found.error, found.rtn_error)
                          for name, found in searches.items()]
         if (routed := experts[i]) is not None:  # searched on the original weights too, before any folding
-            found, gate_up, downs = search_experts(layer, routed, i, config.group_size, config.grid, loaded.device)
+            found, gate_up, downs = search_experts(layer, routed, i, config, loaded.device)
             unreached += [f"model.layers.{i}.{layer.feed_forward}.experts.{e}"
                           for e in range(layer.ffn().moe.num_experts) if e not in downs]
             fold_experts(layer, gate_up, downs)

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import awq
 from .awq_clip import clip_, quantized_error, search_clip
-from .calibrate import GroupReport, GroupStats, ScaleSearch, search_scale, search_scale_parts
+from .calibrate import AwqCalibrationConfig, GroupReport, GroupStats, ScaleSearch, search_scale, search_scale_parts
 
 GATE_UP, DOWN = "experts.gate_up", "experts.down"  # the groups' names in reports
 
@@ -62,7 +62,7 @@ class ExpertStats:
                                                          stride)
 
 
-def search_experts(layer: nn.Module, stats: ExpertStats, index: int, group_size: int, grid: int,
+def search_experts(layer: nn.Module, stats: ExpertStats, index: int, config: AwqCalibrationConfig,
                    device: torch.device) -> tuple[list[GroupReport], torch.Tensor, dict[int, torch.Tensor]]:
     """The scale searches of sparse layer ``layer`` (number ``index``) on the original weights: the reports, the
     gate_up scales [H] and each reached expert's down scales [I]."""
@@ -72,13 +72,15 @@ def search_experts(layer: nn.Module, stats: ExpertStats, index: int, group_size:
     if moe.shared_expert is not None:
         parts.append((x, [moe.shared_expert.get_submodule(p).weight.float() for p in ("gate_proj", "up_proj")]))
     assert stats.hidden.abs_sum is not None
-    found = search_scale_parts(parts, stats.hidden.abs_sum / stats.hidden.count, group_size, grid)
+    group_size, grid, duo = config.group_size, config.grid, config.duo_scaling
+    assert group_size is not None  # check_request chose it
+    found = search_scale_parts(parts, stats.hidden.abs_sum / stats.hidden.count, group_size, grid, duo=duo)
     reports = [GroupReport(index, GATE_UP, found.alpha, found.error, found.rtn_error)]
     downs: dict[int, torch.Tensor] = {}
     for e, record in sorted(stats.down.items()):
         assert record.abs_sum is not None
         down: ScaleSearch = search_scale(torch.cat(record.rows).to(device), record.abs_sum / record.count,
-                                         [moe.w2[e].float()], group_size, grid)
+                                         [moe.w2[e].float()], group_size, grid, duo=duo)
         downs[e] = down.scales
         reports.append(GroupReport(index, DOWN, down.alpha, down.error, down.rtn_error))
     return reports, found.scales, downs

@@ -185,12 +185,12 @@ def test_each_expert_is_searched_on_the_tokens_routed_to_it(tiny_model_factory: 
         assert stats.down[e].count == routed.shape[0] > 0
         torch.testing.assert_close(torch.cat(stats.down[e].rows), torch.nn.functional.silu(hidden[:, :size])
                                    * hidden[:, size:])
-    reports, _, downs = search_experts(layer, stats, 1, 32, 10, loaded.device)
+    reports, _, downs = search_experts(layer, stats, 1, AwqCalibrationConfig(group_size=32, grid=10), loaded.device)
     expected = search_scale_parts([(x[(routes == e).any(dim=-1)], [moe.w13[e]]) for e in range(4)],
-                                  stats.hidden.abs_sum / 48, 32, 10)
+                                  stats.hidden.abs_sum / 48, 32, 10, duo=True)
     assert (reports[0].alpha, reports[0].error) == pytest.approx((expected.alpha, expected.error))
     down = search_scale(torch.cat(stats.down[2].rows), stats.down[2].abs_sum / stats.down[2].count, [moe.w2[2]], 32,
-                        10)
+                        10, duo=True)
     torch.testing.assert_close(downs[2], down.scales)
 
 
@@ -211,7 +211,8 @@ def test_experts_are_clipped_on_their_rows_divided_by_the_folded_scales(tiny_mod
                               lambda *call: None)
     layer, stats = loaded.model.model.layers[1], experts[1]
     moe = layer.ffn()
-    reports, gate_up, downs = search_experts(layer, stats, 1, 32, 10, loaded.device)
+    reports, gate_up, downs = search_experts(layer, stats, 1, AwqCalibrationConfig(group_size=32, grid=10),
+                                             loaded.device)
     fold_experts(layer, gate_up, downs)
     x, routes = torch.cat(stats.hidden.rows) / gate_up, torch.cat(stats.routes)
 

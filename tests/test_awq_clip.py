@@ -93,3 +93,52 @@ def test_quantize_clips_by_default_and_reports_it(tiny_model: Path, tmp_path: Pa
     refused = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / "c"), "--method", "gptq", "--clip",
                                         *common[1:]])
     assert refused.exit_code == 2 and "--clip/--no-clip apply to --method awq only" in refused.output
+
+
+def test_duo_scaling_takes_the_best_of_the_documented_candidates_or_keeps_rtn() -> None:
+    """With duo scaling each alpha's scales are x^a / (w^(1 - a) + 1e-4), w per input the mean over the rows of |w|
+    over its group's largest |w| (AutoAWQ's w_mean, computed here from that definition), normalised as without;
+    plain RTN is the baseline, kept with alpha None when no candidate beats it."""
+    from infer.quant.calibrate import search_scale
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(200, 64, generator=g)
+    x[:, [3, 30]] *= 15
+    weights = [torch.randn(16, 64, generator=g), torch.randn(8, 64, generator=g)]
+    stat = x.abs().mean(dim=0)
+    found = search_scale(x, stat, weights, 32, grid=10, duo=True)
+    w = torch.cat(weights).abs()
+    w_mean = torch.stack([w[:, i] / w[:, (i // 32) * 32:(i // 32 + 1) * 32].amax(dim=1) for i in range(64)], 1).mean(0)
+
+    def candidate(alpha: float) -> torch.Tensor:
+        s = (stat.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+        return s / (s.max() * s.min()).sqrt()
+
+    def error(s: torch.Tensor) -> float:
+        full = torch.cat(weights)
+        return float((x @ (awq.fake_quantize_rtn(full * s, 32) / s).t() - x @ full.t()).pow(2).mean())
+
+    errors = {i / 10: error(candidate(i / 10)) for i in range(11)}
+    best = min(errors, key=errors.get)
+    assert found.alpha == best and torch.allclose(found.scales, candidate(best), rtol=1e-4)
+    assert found.error == pytest.approx(errors[best], rel=1e-4) and found.error < found.rtn_error
+    on_grid = torch.randint(0, 16, (16, 64), generator=g).float()
+    on_grid[:, ::32], on_grid[:, 1::32] = 0, 15  # every group spans 0..15: RTN at scale 1/8 is exact ...
+    kept = search_scale(torch.randn(200, 64, generator=g), stat, [on_grid / 8], 32, grid=10, duo=True)
+    # ... so every candidate, none of them s = 1 (the weights' w and the stat vary by channel), does worse
+    assert kept.alpha is None and torch.equal(kept.scales, torch.ones(64)) and kept.error == kept.rtn_error
+
+
+def test_duo_scaling_is_on_by_default_and_a_flag_of_awq(tiny_model: Path, tmp_path: Path) -> None:
+    common = [str(tiny_model), "--num-samples", "4", "--seq-len", "32", "--device", "cpu", "--group-size", "32"]
+    result = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / "a"), "--no-duo-scaling", "--no-clip",
+                                       *common[1:]])
+    assert result.exit_code == 0, result.output
+    options = json.loads((tmp_path / "a" / "awq_calibration.json").read_text())["options"]
+    assert options["duo_scaling"] is False and options["clip"] is False
+    from infer.quant.calibrate import AwqCalibrationConfig
+
+    assert AwqCalibrationConfig().duo_scaling is True
+    refused = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / "b"), "--method", "gptq",
+                                        "--no-duo-scaling", *common[1:]])
+    assert refused.exit_code == 2 and "--duo-scaling/--no-duo-scaling apply to --method awq only" in refused.output
