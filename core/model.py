@@ -42,6 +42,12 @@ class Model(torch.nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume (HF name, tensor) pairs; raise CheckpointError on unknown names or missing tensors."""
 
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """The model's tensors as its checkpoint names and stores them, what ``load_weights`` takes back (``infer
+        quantize`` writes them beside the quantized linears). The default: the state dict, for a model that keeps
+        its tensors as they load."""
+        return self.state_dict()
+
     def module_name(self, checkpoint_name: str) -> str | None:
         """The name this model gives the checkpoint's module ``checkpoint_name`` (as PEFT adapters spell it: the HF
         name without ``base_model.model.``); None for a module of the checkpoint that the model does not serve (a

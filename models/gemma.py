@@ -231,6 +231,12 @@ class GemmaModel(LlamaFamilyModel):
                               tensor.is_floating_point() and tensor.element_size() > 1 else tensor)
                              for name, tensor in weights)  # an integer or fp8 norm is refused as it is
 
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """The norms' w back from the 1 + w they hold (a text-only model's names)."""
+        if self.multimodal:
+            raise NotImplementedError("the text model of a multimodal Gemma 3 does not write its checkpoint")
+        return {name: t - 1.0 if name.endswith("norm.weight") else t for name, t in self.state_dict().items()}
+
     def module_name(self, checkpoint_name: str) -> str | None:
         return text_name(checkpoint_name) if self.multimodal else checkpoint_name
 

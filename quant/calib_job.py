@@ -98,8 +98,15 @@ FUSED_GROUPS = (  # Phi-3: o's and down's 1 / s goes into the last rows of qkv_p
 )
 
 
+GEMMA_GROUPS = GROUPS[:2] + (
+    LinearGroup("gate_up", ("mlp.gate_proj", "mlp.up_proj"), "pre_feedforward_layernorm"), GROUPS[3])
+
+
 def groups_of(layer: nn.Module) -> tuple[LinearGroup, ...]:
-    """The scale groups of a dense decoder layer: its checkpoint's own linears."""
+    """The scale groups of a dense decoder layer: its checkpoint's own linears (Gemma's MLP reads its
+    pre_feedforward_layernorm, the post-attention norm being the attention's output norm there)."""
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        return GEMMA_GROUPS
     return FUSED_GROUPS if layer.self_attn.qkv_proj is not None else GROUPS
 
 
@@ -125,6 +132,7 @@ def check_request(model_dir: Path, out_dir: Path, config: Options) -> tuple[dict
     Raises ConfigError/CheckpointError."""
     from ..core.loader import architectures, quantization_config, read_config, safetensors_files
     from ..models.llama import ArchConfig
+    from ..models.gemma import ARCHITECTURES as GEMMAS
     from ..plugins.llama_family import DENSE_ARCHITECTURES, MOE_ARCHITECTURES
 
     config.validate()
@@ -137,7 +145,7 @@ def check_request(model_dir: Path, out_dir: Path, config: Options) -> tuple[dict
         raise CheckpointError(f"{str(model_dir)!r} is already quantized ({declared.get('quant_method', '?')}); "
                               "`infer quantize` needs the unquantized checkpoint it came from")
     arch = (architectures(raw) or ["(none)"])[0]
-    supported = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+    supported = DENSE_ARCHITECTURES + GEMMAS + MOE_ARCHITECTURES
     if arch not in supported:
         raise CheckpointError(f"infer quantize supports {', '.join(supported)}; {str(model_dir)!r} is {arch!r}")
     safetensors_files(model_dir)
@@ -226,17 +234,28 @@ def load_for_calibration(model_dir: Path, config: CalibrationOptions, texts: Ite
 
 def write_quantized(model: Any, tensors: dict[str, torch.Tensor], model_dir: Path, out_dir: Path, raw: dict[str, Any],
                     quantization_config: dict[str, Any], record: tuple[str, dict[str, Any]]) -> None:
-    """Write the checkpoint (:func:`_write_checkpoint`): the quantized linears' ``tensors``, and the rest of
-    ``model``'s state (norms, embeddings, the head) beside them; every float tensor in float16."""
+    """Write the checkpoint (:func:`_write_checkpoint`): the quantized linears' ``tensors`` (float ones in float16,
+    as AutoAWQ and GPTQ store their scales), and the rest of ``model``'s tensors (norms, embeddings, the head)
+    beside them, as its checkpoint holds them (``Model.checkpoint_weights``), in float16; a model that overflows
+    float16 (Gemma) keeps those in bfloat16, and config.json says so."""
     from safetensors.torch import save_file
 
+    dtype = torch.bfloat16 if overflows_float16(raw) else torch.float16
     quantized_owners = {name.rpartition(".")[0] for name in tensors}
-    everything = dict(tensors)
-    for name, tensor in model.state_dict().items():
+    everything = {name: _to_fp16(name, t) for name, t in tensors.items()}
+    for name, tensor in model.checkpoint_weights().items():
         if name.rpartition(".")[0] not in quantized_owners:
-            everything[name] = tensor
-    everything = {name: _to_fp16(name, t) for name, t in everything.items()}
+            everything[name] = _to_fp16(name, tensor) if dtype == torch.float16 or not tensor.is_floating_point() \
+                else tensor.detach().to(dtype).cpu().contiguous()
     _write_checkpoint(model_dir, out_dir, raw, everything, save_file, quantization_config, record)
+
+
+def overflows_float16(raw: dict[str, Any]) -> bool:
+    """Whether the model of config.json ``raw`` runs in bfloat16, never float16 (Gemma 2 and 3)."""
+    from ..core.loader import architectures
+    from ..models.gemma import ARCHITECTURES as GEMMAS
+
+    return bool(set(architectures(raw)) & set(GEMMAS))
 
 
 def temporary_sibling(out_dir: Path) -> Path:
@@ -287,9 +306,10 @@ def _write_files(model_dir: Path, tmp: Path, raw: dict[str, Any], tensors: dict[
     chmod_as_umask(tmp / "model.safetensors")
     quantized = dict(raw)
     quantized["quantization_config"] = quantization_config
-    quantized["torch_dtype"] = "float16"
+    dtype = "bfloat16" if overflows_float16(raw) else "float16"
+    quantized["torch_dtype"] = dtype
     if "dtype" in quantized:
-        quantized["dtype"] = "float16"
+        quantized["dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(quantized, indent=2) + "\n")
     (tmp / record[0]).write_text(json.dumps(record[1], indent=1) + "\n")
     for item in model_dir.iterdir():

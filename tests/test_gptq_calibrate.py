@@ -169,11 +169,13 @@ EXPERTS = {"moe_intermediate_size": 64}  # a multiple of the group size, as real
     ("llama", False, 4, None, True), ("llama", True, 4, None, True), ("phi3", True, 4, None, True),
     ("qwen2", False, 4, None, True), ("llama", True, 8, None, True), ("qwen3moe", True, 4, EXPERTS, True),
     ("mixtral", False, 8, None, True), ("qwen2moe", False, 4, {**EXPERTS, "shared_expert_intermediate_size": 64}, True),
-    ("llama", True, 4, None, False), ("qwen3moe", False, 8, EXPERTS, False)])
+    ("llama", True, 4, None, False), ("qwen3moe", False, 8, EXPERTS, False), ("gemma3", True, 4, None, True),
+    ("gemma2", False, 8, None, False)])
 def test_the_written_checkpoint_generates_like_hf_on_its_weights(
         arch: str, act_order: bool, bits: int, extra: dict[str, int] | None, sym: bool, tmp_path: Path,
         tiny_model_factory: Callable[..., Path], hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
-    """Mixtures of experts too: each expert quantized on the tokens routed to it, written as per-expert linears."""
+    """Mixtures of experts too: each expert quantized on the tokens routed to it, written as per-expert linears;
+    Gemma's norms written back as the w of its (1 + w), the floats in bfloat16 (it overflows float16)."""
     from infer import LLM
 
     model = tiny_model_factory(arch, extra=extra) if extra else tiny_model_factory(arch)
@@ -184,6 +186,8 @@ def test_the_written_checkpoint_generates_like_hf_on_its_weights(
     assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"], qc["checkpoint_format"]) \
         == ("gptq", bits, 32, sym, act_order, "gptq")
     assert json.loads((tmp_path / "gptq" / "gptq_calibration.json").read_text())["calibration_data"]["samples"] == 8
+    written = json.loads((tmp_path / "gptq" / "config.json").read_text())["torch_dtype"]
+    assert written == ("bfloat16" if arch.startswith("gemma") else "float16")
     dense_twin(tmp_path / "gptq", tmp_path / "dense")
     llm = LLM(model=str(tmp_path / "gptq"), device="cpu", num_kv_blocks=32)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

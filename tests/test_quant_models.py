@@ -421,6 +421,32 @@ def test_calibrated_awq_beats_rtn_with_activation_outliers(model128: Path, plugi
                if g["group"] in ("qkv", "gate_up"))
 
 
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_calibrated_gemma_generates_like_hf_on_its_written_weights(
+        name: str, checkpoint: Callable[[str], Path], tmp_path: Path, plugins: PluginManager,
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """Gemma's MLP scale folds into its pre-feedforward norm, 1 / s into the (1 + w) it computes with; the norms are
+    written back as w, the floats in bfloat16 (Gemma overflows float16), config.json saying so."""
+    from test_awq_calibrate_moe import dense_twin
+
+    from infer import LLM
+
+    calibrate_awq(checkpoint(name), tmp_path / "awq", CALIB, plugins=plugins)
+    assert json.loads((tmp_path / "awq" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    state = load_file(str(tmp_path / "awq" / "model.safetensors"))
+    assert state["model.layers.0.pre_feedforward_layernorm.weight"].dtype == torch.bfloat16
+    assert state["model.layers.0.mlp.up_proj.scales"].dtype == torch.float16
+    original = load_file(str(checkpoint(name) / "model.safetensors"))
+    for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):  # output norms: no scale folds there
+        key = f"model.layers.1.{norm}.weight"
+        assert torch.equal(state[key], original[key].bfloat16()), key
+    dense_twin(tmp_path / "awq", tmp_path / "dense")
+    llm = LLM(model=str(tmp_path / "awq"), device="cpu", num_kv_blocks=32)
+    for prompt in PROMPTS[:2]:
+        assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == \
+            hf_greedy(tmp_path / "dense", prompt, GREEDY.max_tokens)
+
+
 def test_calibrated_checkpoint_is_in_the_autoawq_gemm_format(calibrated128: Path, model128: Path) -> None:
     config = json.loads((calibrated128 / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
@@ -470,8 +496,10 @@ def test_phi3_calibrates_its_fused_projections_whole(tiny_model_factory: Callabl
     assert 0 < rel(prompt_logits(tmp_path / "awq", plugins), ref) < 1.2 * predicted
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3"])  # GQA (o_proj scales shared per KV head); v_proj
-def test_scale_folding_leaves_the_model_unchanged(name: str, checkpoint: Callable[[str], Path],  # bias; fused
+# GQA (o_proj scales shared per KV head); v_proj bias; fused projections; Gemma's (1 + w) norms, its MLP reading the
+# pre-feedforward norm
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3", "gemma3", "gemma2"])
+def test_scale_folding_leaves_the_model_unchanged(name: str, checkpoint: Callable[[str], Path],
                                                   plugins: PluginManager) -> None:
     path = checkpoint(name)
     loaded = load_model(EngineConfig(model=str(path), device="cpu").validate(), plugins, path)
@@ -628,8 +656,8 @@ def test_quantize_command_rejects_bad_paths(tiny_model: Path, calibrated128: Pat
     (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()),
                                                    "architectures": ["GPT2LMHeadModel"]}))
     fails([str(other), str(tmp_path / "p")], "infer quantize supports LlamaForCausalLM, MistralForCausalLM, "
-          "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-          "Qwen3MoeForCausalLM; ")
+          "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+          "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM; ")
     odd = tmp_path / "odd"
     shutil.copytree(tiny_model, odd)
     config = json.loads((odd / "config.json").read_text())
