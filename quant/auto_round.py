@@ -3,8 +3,8 @@
 AutoRound tunes the rounding of int weights, then packs them as an existing format names (``packing_format``):
 ``auto_round:auto_gptq`` (its default for symmetric schemes) holds GPTQ's ``qweight``/``qzeros``/``scales`` with v1
 zero points (each stored less 1, clamped at 0, as AutoGPTQ packs them; :mod:`.gptq`), and ``auto_round:auto_awq``
-(asymmetric ones) AutoAWQ's GEMM tensors (:mod:`.awq`). Which linears are quantized how, as AutoRound's own loader
-and vLLM's read it:
+(4-bit asymmetric ones) AutoAWQ's GEMM tensors (:mod:`.awq`). Which linears are quantized how, as vLLM reads it
+(auto-round's own loader differs only for hand-written regex entries that reach layers outside the blocks):
 
 1. an ``extra_config`` entry named exactly after the linear gives its ``bits``, ``group_size`` and ``sym``;
 2. else the linear is quantized when its path starts with one of ``block_name_to_quantize`` (comma-separated, or a
@@ -65,11 +65,10 @@ def parse_auto_round(qc: dict[str, Any]) -> AutoRoundConfig:
     if packing not in PACKINGS:
         raise CheckpointError(f"AutoRound packing_format {packing!r} is not one infer loads ({', '.join(PACKINGS)}); "
                               "export the model with auto-round's format='auto_round' (or 'auto_gptq', 'auto_awq')")
-    if qc.get("data_type", "int") != "int":
-        raise CheckpointError(f"AutoRound data_type {qc.get('data_type')!r} is not int, which infer loads (its "
-                              "float and MX types are not)")
     base = _scheme(qc, "the AutoRound config")
-    assert base is not None
+    if base is None:
+        raise CheckpointError(f"this AutoRound checkpoint's bits are {qc.get('bits')!r}, which leave every layer in "
+                              "16 bits: load it unquantized (without --quant auto-round)")
     blocks = qc.get("block_name_to_quantize", qc.get("to_quant_block_names")) or ()
     blocks = tuple(blocks.split(",")) if isinstance(blocks, str) else blocks
     if not isinstance(blocks, tuple | list) or not all(isinstance(b, str) and b for b in blocks):
@@ -98,13 +97,19 @@ def parse_auto_round(qc: dict[str, Any]) -> AutoRoundConfig:
 
 
 def _scheme(settings: dict[str, Any], where: str) -> GptqScheme | None:
-    """The scheme of ``settings`` (bits, group_size): None for 16 bits or more."""
+    """The scheme of ``settings`` (bits, group_size; weight-only ``int``): None for 16 bits or more."""
     bits = settings.get("bits")
     if type(bits) is int and bits >= UNQUANTIZED_BITS:
         return None
     if bits not in BITS or type(bits) is not int:
         raise CheckpointError(f"AutoRound bits must be 4 or 8 (or 16: unquantized), got {bits!r} in {where}: "
                               "infer runs 4- and 8-bit weights")
+    if settings.get("data_type", "int") != "int":  # a layer's own, in a mixed-format checkpoint, too
+        raise CheckpointError(f"AutoRound data_type {settings.get('data_type')!r} in {where} is not int, which "
+                              "infer loads (its float and MX types are not)")
+    if type(act_bits := settings.get("act_bits")) is int and act_bits < UNQUANTIZED_BITS:
+        raise CheckpointError(f"AutoRound act_bits {act_bits} in {where}: infer loads weight-only AutoRound "
+                              "checkpoints (act_bits 16)")
     group_size = settings.get("group_size")
     if not awq.is_group_size(group_size):
         raise CheckpointError(f"AutoRound group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, got "

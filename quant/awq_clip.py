@@ -29,14 +29,16 @@ def clips(path: str) -> bool:
 def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, max_elements: int = 1 << 24
                 ) -> torch.Tensor:
     """The clamp ``m`` [out, groups] of ``weight`` [out, in] for inputs ``x`` [n, in] (the module docstring); some
-    output rows at a time (a multiple of 8, as RTN needs), so that the [rows, n, groups] partial outputs stay near
-    ``max_elements``."""
+    output rows at a time (a multiple of 8, as RTN needs), so that the [rows, n, groups] partial outputs and the rows'
+    weights stay near ``max_elements`` each."""
     out_features, in_features = weight.shape
     group = in_features if group_size == -1 else group_size
     x = x[:: max(1, x.shape[0] // MAX_TOKENS)].to(torch.float32)
     xg = x.reshape(x.shape[0], in_features // group, group)
     best = torch.empty(out_features, in_features // group, dtype=torch.float32, device=weight.device)
-    step = max(1, max_elements // max(1, x.shape[0] * (in_features // group)) // awq.PACK) * awq.PACK  # RTN's shape
+    # the [rows, n, groups] partial outputs, and the few float32 copies of the rows' weights, near max_elements
+    chunk = min(max_elements // max(1, x.shape[0] * (in_features // group)), max_elements // in_features)
+    step = max(1, chunk // awq.PACK) * awq.PACK  # a multiple of 8, as RTN needs
     for first in range(0, out_features, step):
         w = weight[first: first + step].to(torch.float32)
         rows = w.shape[0]

@@ -142,3 +142,15 @@ def test_duo_scaling_is_on_by_default_and_a_flag_of_awq(tiny_model: Path, tmp_pa
     refused = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / "b"), "--method", "gptq",
                                         "--no-duo-scaling", *common[1:]])
     assert refused.exit_code == 2 and "--duo-scaling/--no-duo-scaling apply to --method awq only" in refused.output
+
+
+def test_without_duo_scaling_a_kept_rtn_reports_alpha_0() -> None:
+    """Without duo scaling alpha 0 is s = 1, plain RTN itself: the tie goes to alpha 0 (None is duo's RTN)."""
+    from infer.quant.calibrate import search_scale
+
+    g = torch.Generator().manual_seed(5)
+    on_grid = torch.randint(0, 16, (16, 64), generator=g).float()
+    on_grid[:, ::32], on_grid[:, 1::32] = 0, 15  # RTN at scale 1/8 is exact: no alpha above 0 beats it
+    x = torch.randn(200, 64, generator=g)
+    kept = search_scale(x, x.abs().mean(dim=0), [on_grid / 8], 32, grid=10)
+    assert kept.alpha == 0 and torch.equal(kept.scales, torch.ones(64)) and kept.error == kept.rtn_error

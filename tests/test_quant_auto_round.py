@@ -160,7 +160,12 @@ def test_which_linears_are_quantized_how_follows_the_librarys_rules() -> None:
 
 @pytest.mark.parametrize("changes, message", [
     ({"packing_format": "auto_round:gptq"}, "packing_format 'auto_round:gptq' is not one infer loads"),
-    ({"data_type": "nv_fp"}, "data_type 'nv_fp' is not int"),
+    ({"data_type": "nv_fp"}, "data_type 'nv_fp' in the AutoRound config is not int"),
+    ({"extra_config": {"model.layers.0.mlp.down_proj": {"bits": 8, "data_type": "fp"}}},
+     "data_type 'fp' in extra_config 'model.layers.0.mlp.down_proj' is not int"),  # a mixed checkpoint's FP8 layer
+    ({"extra_config": {r".*down_proj": {"data_type": "mx_fp", "bits": 4}}}, "data_type 'mx_fp' in extra_config"),
+    ({"act_bits": 8}, "act_bits 8 in the AutoRound config"),
+    ({"bits": 16, "data_type": "float"}, "bits are 16, which leave every layer in 16 bits"),  # was an assert
     ({"bits": 2}, "bits must be 4 or 8 .or 16: unquantized., got 2 in the AutoRound config"),
     ({"extra_config": {"model.layers.0.mlp.up_proj": {"bits": 3}}}, "got 3 in extra_config"),
     ({"extra_config": {"lm_head": {"bits": 4}}}, "quantizes lm_head"),
