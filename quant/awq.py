@@ -170,6 +170,7 @@ class AwqConfig:
 
     group_size: int = 128
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
+    zero_point: bool = True  # False: symmetric, every stored zero point the midpoint 8 (AutoRound's auto_awq export)
 
 
 def parse_config(qc: dict[str, Any]) -> AwqConfig:
@@ -199,4 +200,4 @@ def parse_config(qc: dict[str, Any]) -> AwqConfig:
     skip = qc.get("modules_to_not_convert") or ()
     if not is_name_list(skip):
         raise CheckpointError(f"AWQ modules_to_not_convert must be a list of module names, got {skip!r}")
-    return AwqConfig(group_size=group_size, modules_to_not_convert=tuple(skip))
+    return AwqConfig(group_size=group_size, modules_to_not_convert=tuple(skip), zero_point=qc.get("zero_point", True))

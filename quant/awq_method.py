@@ -13,6 +13,7 @@ from .common import (WeightOnlyApply, check_tensor_shape, deferred_weight, is_lm
                      mark_loaded, require_loaded)
 
 PACKED = ("qweight", "qzeros", "scales")
+SYMMETRIC_ZEROS = -0x77777778  # the int32 word 0x88888888: eight zero points of 8
 
 
 class AwqLinearMethod(WeightOnlyApply, QuantMethod):
@@ -30,7 +31,8 @@ class AwqLinearMethod(WeightOnlyApply, QuantMethod):
     name = "awq"
 
     def __init__(self, group_size: int | None = 128, modules_to_not_convert: Sequence[str] = (),
-                 quantize_on_load: bool = False, fused_max_rows: int = 64, quantize_lm_head: bool = False) -> None:
+                 quantize_on_load: bool = False, fused_max_rows: int = 64, quantize_lm_head: bool = False,
+                 symmetric: bool = False) -> None:
         if group_size is None and not quantize_on_load:
             raise CheckpointError("an AWQ checkpoint must state its group_size")
         if group_size is not None and not awq.is_group_size(group_size):
@@ -42,11 +44,13 @@ class AwqLinearMethod(WeightOnlyApply, QuantMethod):
         self.fused_max_rows = fused_max_rows
         self.quantize_lm_head = quantize_lm_head
         self.quantizes_tied_head = quantize_lm_head
+        self.symmetric = symmetric  # the checkpoint says zero_point false: its qzeros must all be 8
 
     @classmethod
     def from_config(cls, config: awq.AwqConfig, fused_max_rows: int = 64,
                     quantize_lm_head: bool = False) -> AwqLinearMethod:
-        return cls(config.group_size, config.modules_to_not_convert, False, fused_max_rows, quantize_lm_head)
+        return cls(config.group_size, config.modules_to_not_convert, False, fused_max_rows, quantize_lm_head,
+                   symmetric=not config.zero_point)
 
     def applies_to(self, prefix: str) -> bool:
         if is_lm_head(prefix):
@@ -127,6 +131,10 @@ class AwqLinearMethod(WeightOnlyApply, QuantMethod):
     def process_after_loading(self, layer: nn.Module) -> None:
         needed = ("weight",) if layer.awq_on_load else PACKED
         require_loaded(layer, needed + (("bias",) if layer.bias is not None else ()), self.name)
+        if self.symmetric and not layer.awq_on_load and bool((layer.qzeros != SYMMETRIC_ZEROS).any()):
+            raise CheckpointError(f"the AWQ config says zero_point false (symmetric), but layer {layer_name(layer)!r} "
+                                  "stores zero points other than 8, which symmetric loaders ignore: the config does "
+                                  "not describe the checkpoint; correct zero_point")
 
     def merge(self, parts: list[nn.Module], merged: nn.Module) -> bool:
         # packed columns hold 8 output columns each, so concatenating along the output dimension is exact

@@ -127,6 +127,14 @@ def test_the_awq_packings_unpack_as_autoawq_does(sym: bool, tiny_model: Path, tm
         assert torch.equal(weight.half(), theirs.t()), name  # its fp16 product, ours exact in fp32 then rounded
     if sym:
         assert bool((state["model.layers.0.mlp.down_proj.qzeros"] == -0x77777778).all())  # 0x88888888: all 8
+    else:  # zero_point false over zero points of its own: the config misdescribes the tensors
+        shutil.copytree(folder, tmp_path / "wrong")
+        wrong = json.loads(json.dumps(config))
+        wrong["quantization_config"]["zero_point"] = False
+        (tmp_path / "wrong" / "config.json").write_text(json.dumps(wrong))
+        with pytest.raises(CheckpointError, match="says zero_point false .symmetric., but layer .* stores zero points "
+                                                  "other than 8"):
+            ours(tmp_path / "wrong", plugins)
     shutil.copytree(folder, tmp_path / "ar")
     config["quantization_config"] = {"quant_method": "auto-round", "bits": 4, "group_size": 32, "sym": sym,
                                      "data_type": "int", "packing_format": "auto_round:auto_awq",
