@@ -22,7 +22,6 @@ for its down (plain round to nearest) and is named in a warning.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,8 +33,6 @@ from .awq_clip import clip_, quantized_error, search_clip
 from .calibrate import AwqCalibrationConfig, GroupReport, GroupStats, ScaleSearch, search_scale, search_scale_parts
 
 GATE_UP, DOWN = "experts.gate_up", "experts.down"  # the groups' names in reports
-
-log = logging.getLogger("infer")
 
 
 @dataclass
