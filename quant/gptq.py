@@ -145,7 +145,7 @@ def parse_dynamic(dynamic: object, qc: dict[str, Any]) -> tuple[tuple[str, GptqS
             continue
         if not isinstance(overrides, dict):
             raise CheckpointError(f"GPTQ dynamic {key!r} must map to an object of overrides, got {overrides!r}")
-        if changed := [name for name in LAYOUT_KEYS if name in overrides and overrides[name] != qc.get(name)]:
+        if changed := [name for name in LAYOUT_KEYS if name in overrides and not _same_layout(name, overrides, qc)]:
             raise CheckpointError(f"GPTQ dynamic {key!r} changes {', '.join(changed)}, which infer reads once for the "
                                   "whole checkpoint: use one without such overrides")
         if "sym" in overrides and type(overrides["sym"]) is not bool:
@@ -154,6 +154,15 @@ def parse_dynamic(dynamic: object, qc: dict[str, Any]) -> tuple[tuple[str, GptqS
     if why := bad_pattern(pattern for pattern, _ in rules):
         raise CheckpointError(f"a GPTQ dynamic pattern: {why}")
     return tuple(rules)
+
+
+def _same_layout(name: str, overrides: dict[str, Any], qc: dict[str, Any]) -> bool:
+    """Whether a dynamic override's layout key ``name`` restates the config's: the format by either of its two
+    keys (GPTQModel writes ``format``, transformers ``checkpoint_format``), the rest as given."""
+    if name in ("format", "checkpoint_format"):
+        given = {str(qc[key]).lower() for key in ("checkpoint_format", "format") if qc.get(key)} or {"gptq"}
+        return str(overrides[name]).lower() in given
+    return bool(overrides[name] == qc.get(name))
 
 
 def repack_rows(qweight: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:

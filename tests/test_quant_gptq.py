@@ -370,6 +370,7 @@ def method_for(**changes: Any) -> Any:
     ({"dynamic": {"+:.*down_proj": {"bits": 3}}}, "bits must be 4 or 8, got 3 in dynamic '\\+:.\\*down_proj'"),
     ({"dynamic": {".*down_proj": {"group_size": 48}}}, "group_size must be one of .* got 48 in dynamic"),
     ({"dynamic": {".*down_proj": {"format": "gptq_v2"}}}, "dynamic '.\\*down_proj' changes format"),
+    ({"checkpoint_format": "gptq_v2", "dynamic": {".*up": {"format": "gptq"}}}, "dynamic '.\\*up' changes format"),
     ({"dynamic": {".*down_proj": {"sym": "yes"}}}, "gives sym 'yes', not true or false"),
     ({"dynamic": {".*down_proj": 8}}, "must map to an object of overrides"),
     ({"dynamic": {"-:.*down_proj[": {}}}, "not a valid regular expression"),
@@ -418,6 +419,14 @@ def test_dynamic_overrides_give_each_module_the_first_matching_patterns_scheme()
     assert method.method_for("model.layers.3.self_attn.q_proj") is method  # an override that changes nothing
     assert method.method_for("model.layers.1.mlp.gate_proj") is method.method_for("model.layers.1.self_attn.o_proj")
     assert method_for().method_for("model.layers.0.mlp.up_proj") is not None
+
+
+def test_a_dynamic_override_may_restate_the_format_under_either_key() -> None:
+    """GPTQModel writes format, transformers checkpoint_format: an override naming the config's format by the other
+    key changes nothing."""
+    method = method_for(checkpoint_format="gptq_v2", dynamic={r".*up_proj": {"format": "GPTQ_V2", "bits": 8}})
+    assert method.config.zero_offset == 0 and method.method_for("model.layers.0.mlp.up_proj").scheme.bits == 8
+    assert method_for(dynamic={r".*up_proj": {"checkpoint_format": "gptq"}}).config.zero_offset == 1
 
 
 def test_a_dynamic_override_turns_activation_order_on_or_off() -> None:
