@@ -13,6 +13,8 @@ qkv_proj, which it clips whole).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from . import awq
@@ -67,10 +69,18 @@ def clip_(weight: torch.Tensor, m: torch.Tensor, group_size: int) -> None:
     torch.maximum(torch.minimum(view, bound), -bound, out=view)
 
 
-def quantized_error(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], group_size: int) -> float:
+def quantized_error(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], group_size: int,
+                    head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
     """The output error of quantizing as written: over ``parts`` of (rows x [n, in], the folded weight before
     clipping [out, in], the weight to quantize [out, in]), the squared difference of ``x @ RTN(w).T`` and
-    ``x @ reference.T`` summed, divided by the number of outputs."""
+    ``x @ reference.T`` summed, divided by the number of outputs. With ``head`` (parts of one ``x``), of
+    ``head`` of the parts' outputs side by side instead (the MLP's output: :func:`.calibrate.mlp_head`)."""
+    if head is not None:
+        x = parts[0][0].to(torch.float32)
+        ours = torch.cat([x @ awq.fake_quantize_rtn(weight, group_size).t() for _, _, weight in parts], dim=-1)
+        theirs = torch.cat([x @ reference.to(torch.float32).t() for _, reference, _ in parts], dim=-1)
+        difference = head(ours) - head(theirs)
+        return float(difference.pow(2).sum()) / max(difference.numel(), 1)
     total, outputs = 0.0, 0
     for x, reference, weight in parts:
         x = x.to(torch.float32)

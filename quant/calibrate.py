@@ -23,17 +23,18 @@ The search: ``stat`` is the mean |x| per input channel over all calibration toke
 0, 1/grid, ..., 1, ``s = stat^alpha`` (with ``duo_scaling``, the default as in AutoAWQ and llm-compressor,
 ``stat^alpha / (w^(1 - alpha) + 1e-4)``, ``w`` the group's :func:`weight_stat`) normalised by
 ``sqrt(max(s) * min(s))``, and the error is the mean squared difference between ``x @ W.T`` and
-``x @ (RTN(W * s) / s).T`` on a subset of the calibration activations. Plain RTN (``s = 1``) is measured too and
-kept when no alpha beats it, so the chosen scales never do worse than RTN on that subset. Every group is searched
-on the original weights and activations (as AutoAWQ does), then the scales are folded and the layer is
-RTN-quantized (int4, the layout of :mod:`.awq`), its weights clipped first where that lowers the error
-(:mod:`.awq_clip`; ``clip``). Scales are never stored explicitly: every group above has a previous op to fold
-into.
+``x @ (RTN(W * s) / s).T`` on a subset of the calibration activations (for gate_up, of the MLP outputs those give,
+``down(act(gate) * up)`` with down unquantized, as AutoAWQ measures the MLP block: :func:`mlp_head`). Plain RTN
+(``s = 1``) is measured too and kept when no alpha beats it, so the chosen scales never do worse than RTN on that
+subset. Every group is searched on the original weights and activations (as AutoAWQ does), then the scales are
+folded and the layer is RTN-quantized (int4, the layout of :mod:`.awq`), its weights clipped first where that
+lowers the error (:mod:`.awq_clip`; ``clip``). Scales are never stored explicitly: every group above has a previous
+op to fold into.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from .calibrate_moe import ExpertStats
 
 log = logging.getLogger("infer")
+Head = Callable[[torch.Tensor], torch.Tensor]  # a group's linear outputs [n, sum of out] -> what its error measures
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ class ScaleSearch:
 
 # ---------------------------------------------------------------- the scale search
 def search_scale(x: torch.Tensor, stat: torch.Tensor, weights: list[torch.Tensor], group_size: int, grid: int,
-                 share: tuple[int, int, int] | None = None, duo: bool = False) -> ScaleSearch:
+                 share: tuple[int, int, int] | None = None, duo: bool = False, head: Head | None = None
+                 ) -> ScaleSearch:
     """Best ``s = stat^alpha`` (normalised) for linears ``weights`` ([out_j, in], fp32) sharing input ``x`` [n, in];
     with ``duo``, ``s = stat^alpha / (w^(1 - alpha) + 1e-4)``, ``w`` the weights' :func:`weight_stat` (AutoAWQ's
     and llm-compressor's default "duo scaling"). Plain RTN (``s = 1``) is measured too and kept when no alpha beats
@@ -123,7 +126,22 @@ def search_scale(x: torch.Tensor, stat: torch.Tensor, weights: list[torch.Tensor
     ``share = (kv_heads, group, head_dim)``: the input is [kv_heads * group * head_dim] (o_proj under GQA) and one
     scale per (kv head, channel) is shared by the group's q heads, so that it folds into v_proj's output rows.
     """
-    return search_scale_parts([(x, weights)], stat, group_size, grid, share, duo)
+    return search_scale_parts([(x, weights)], stat, group_size, grid, share, duo, head)
+
+
+def mlp_head(layer: nn.Module) -> Head:
+    """A dense layer's MLP output from its gate and up outputs side by side, ``down(act(gate) * up)`` with the
+    down projection unquantized (biases added): what the gate_up group's error is measured on, as AutoAWQ measures
+    the MLP block's output. It reads the layer's weights when called (folded ones, after folding)."""
+    mlp = layer.ffn()
+    linears = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+
+    def head(y: torch.Tensor) -> torch.Tensor:
+        if linears[0].bias is not None:
+            y = y + torch.cat([linear.bias for linear in linears]).to(torch.float32)
+        gate, up = y.chunk(2, dim=-1)
+        return mlp.act_and_mul(gate, up) @ mlp.down_proj.weight.to(torch.float32).t()
+    return head
 
 
 def weight_stat(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
@@ -137,15 +155,20 @@ def weight_stat(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
 
 
 def search_scale_parts(parts: list[tuple[torch.Tensor, list[torch.Tensor]]], stat: torch.Tensor, group_size: int,
-                       grid: int, share: tuple[int, int, int] | None = None, duo: bool = False) -> ScaleSearch:
+                       grid: int, share: tuple[int, int, int] | None = None, duo: bool = False,
+                       head: Head | None = None) -> ScaleSearch:
     """:func:`search_scale` for linears that read one input space but not the same rows: ``parts`` pairs rows
     [n_p, in] with the weights that see them (a mixture's experts, each on the tokens routed to it); the error is
-    the squared output difference summed over every part, divided by the number of outputs."""
-    refs = [(x, w, x @ w.t()) for x, weights in parts for w in [torch.cat(weights).to(torch.float32)]]
+    the squared output difference summed over every part, divided by the number of outputs. ``head`` maps the
+    linears' outputs, side by side, to what the error is measured on (an MLP's output: :func:`mlp_head`)."""
+    def out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.t() if head is None else head(x @ w.t())
+
+    refs = [(x, w, out(x, w)) for x, weights in parts for w in [torch.cat(weights).to(torch.float32)]]
     outputs = sum(ref.numel() for _, _, ref in refs)
 
     def error(s: torch.Tensor) -> float:
-        return sum(float((x @ (awq.fake_quantize_rtn(w * s, group_size) / s).t() - ref).pow(2).sum())
+        return sum(float((out(x, awq.fake_quantize_rtn(w * s, group_size) / s) - ref).pow(2).sum())
                    for x, w, ref in refs) / max(outputs, 1)
 
     def per_head(v: torch.Tensor) -> torch.Tensor:  # under GQA, one value per (KV head, channel)
@@ -240,7 +263,7 @@ def _clip_groups(layer: nn.Module, stats: dict[str, GroupStats], searches: dict[
             if clips(path):
                 clip_(weight, search_clip(x, weight, group_size), group_size)
             parts.append((x, reference, weight))
-        errors[g.name] = quantized_error(parts, group_size)
+        errors[g.name] = quantized_error(parts, group_size, mlp_head(layer) if g.name == "gate_up" else None)
     return errors
 
 
@@ -289,7 +312,7 @@ def calibrate_awq(model_dir: Path, out_dir: Path, config: AwqCalibrationConfig =
             weights = [layer.get_submodule(p).weight.data.to(torch.float32) for p in g.linears]
             share = (attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim) if g.name == "o" else None
             searches[g.name] = search_scale(x, stat, weights, config.group_size, config.grid, share,
-                                            config.duo_scaling)
+                                            config.duo_scaling, mlp_head(layer) if g.name == "gate_up" else None)
         layer_reports = [GroupReport(i, name, found.alpha, found.error, found.rtn_error)
                          for name, found in searches.items()]
         if (routed := experts[i]) is not None:  # searched on the original weights too, before any folding

@@ -1088,3 +1088,29 @@ def test_triton_only_options_on_the_cpu_are_config_errors(tiny_model: Path, monk
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match=message):
         Engine(EngineConfig(model=str(tiny_model), device="cpu", **options))
+
+
+def test_the_gate_up_search_measures_the_mlps_output(tiny_model: Path, plugins: PluginManager) -> None:
+    """As AutoAWQ measures the MLP block: the gate_up group's error is that of down(silu(gate) * up), gate and up
+    quantized with the candidate scales, down in float, here computed from the definition."""
+    from infer.quant import awq
+    from infer.quant.calibrate import mlp_head, search_scale
+
+    loaded = load_model(EngineConfig(model=str(tiny_model), device="cpu", fuse_projections=False).validate(),
+                        plugins, tiny_model)
+    mlp = loaded.model.model.layers[1].mlp
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(96, mlp.gate_proj.in_features, generator=g)
+    x[:, [3, 17]] *= 12
+    gate, up, down = (m.weight.detach().float() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    found = search_scale(x, x.abs().mean(dim=0), [gate, up], 32, 10, duo=True,
+                         head=mlp_head(loaded.model.model.layers[1]))
+
+    def mlp_error(s: torch.Tensor) -> float:
+        q = [awq.fake_quantize_rtn(w * s, 32) / s for w in (gate, up)]
+        ours = (torch.nn.functional.silu(x @ q[0].t()) * (x @ q[1].t())) @ down.t()
+        theirs = (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+        return float((ours - theirs).pow(2).mean())
+
+    assert found.rtn_error == pytest.approx(mlp_error(torch.ones(x.shape[1])), rel=1e-4)
+    assert found.error == pytest.approx(mlp_error(found.scales), rel=1e-4) and found.error <= found.rtn_error
