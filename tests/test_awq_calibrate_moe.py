@@ -233,3 +233,33 @@ def test_experts_are_clipped_on_their_rows_divided_by_the_folded_scales(tiny_mod
         assert torch.equal(moe.w2[e], w), e
     for p, w in zip(("gate_proj", "up_proj"), shared):
         assert torch.equal(moe.shared_expert.get_submodule(p).weight, w), p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch, method", [("qwen2moe", "awq"), ("qwen3moe", "gptq"), ("gemma3", "awq"),
+                                          ("gemma2", "gptq")])
+def test_calibration_on_cuda_writes_a_checkpoint_that_generates_like_hf(
+        arch: str, method: str, tmp_path: Path, tiny_model_factory: Callable[..., Path],
+        hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    """`infer quantize --device cuda`: the model in its checkpoint's dtype on the GPU (the fused ops, bf16 for
+    Gemma), the searches, folds, clipping and GPTQ there; the written checkpoint, read back on the CPU, generates
+    as HF does on its weights."""
+    from test_gptq_calibrate import dense_twin as gptq_twin
+
+    from infer import LLM
+    from infer.quant.gptq_calibrate import GptqCalibrationConfig, calibrate_gptq
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = tiny_model_factory(arch, extra=ARCHES[arch]) if arch in ARCHES else tiny_model_factory(arch)
+    options = {"group_size": 32, "num_samples": 8, "seq_len": 64, "device": "cuda"}
+    if method == "awq":
+        calibrate_awq(model, tmp_path / "q", AwqCalibrationConfig(**options, grid=10))
+        dense_twin(tmp_path / "q", tmp_path / "dense")
+    else:
+        calibrate_gptq(model, tmp_path / "q", GptqCalibrationConfig(**options))
+        gptq_twin(tmp_path / "q", tmp_path / "dense")
+    llm = LLM(model=str(tmp_path / "q"), device="cpu", dtype="float32", num_kv_blocks=32)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [5, 17, 300, 42, 7, 99]
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 8)
