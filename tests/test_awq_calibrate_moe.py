@@ -95,6 +95,30 @@ def test_calibrated_experts_generate_like_hf_on_the_written_weights(
         assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 8)
 
 
+def test_each_written_expert_projection_holds_its_own_weights(tmp_path: Path,
+                                                             tiny_model_factory: Callable[..., Path]) -> None:
+    """Each expert's gate_proj, up_proj and down_proj, read back by the AutoAWQ format's definition
+    (:func:`read_awq_weight`), are the original checkpoint's tensors of that name up to the folded scales and
+    rounding: far closer (cosine) to them than to the expert's other projections of that shape."""
+    model = tiny_model_factory("qwen3moe", extra=ARCHES["qwen3moe"])
+    calibrate_awq(model, tmp_path / "awq", CALIB)
+    original = load_file(str(model / "model.safetensors"))
+    state = load_file(str(tmp_path / "awq" / "model.safetensors"))
+    group = json.loads((tmp_path / "awq" / "config.json").read_text())["quantization_config"]["group_size"]
+
+    def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.nn.functional.cosine_similarity(a.flatten().float(), b.flatten().float(), dim=0))
+
+    for layer in range(2):
+        for e in range(4):
+            name = f"model.layers.{layer}.mlp.experts.{e}"
+            written = {p: read_awq_weight(*(state[f"{name}.{p}.{k}"] for k in ("qweight", "qzeros", "scales")), group)
+                       for p in ("gate_proj", "up_proj")}
+            for mine, other in (("gate_proj", "up_proj"), ("up_proj", "gate_proj")):
+                own, others = (cosine(written[mine], original[f"{name}.{p}.weight"]) for p in (mine, other))
+                assert own > 0.8 and own > others + 0.5, (name, mine, own, others)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2moe"])
 def test_folding_the_experts_scales_leaves_the_model_unchanged(arch: str, tiny_model_factory: Callable[..., Path],
                                                                plugins: PluginManager) -> None:

@@ -154,3 +154,39 @@ def test_without_duo_scaling_a_kept_rtn_reports_alpha_0() -> None:
     x = torch.randn(200, 64, generator=g)
     kept = search_scale(x, x.abs().mean(dim=0), [on_grid / 8], 32, grid=10)
     assert kept.alpha == 0 and torch.equal(kept.scales, torch.ones(64)) and kept.error == kept.rtn_error
+
+
+def test_the_error_through_a_head_is_measured_on_its_outputs() -> None:
+    """With ``head``, quantized_error is the mean squared difference of ``head`` of the RTN-quantized parts' outputs,
+    side by side, and ``head`` of the reference weights' outputs (the docstring's formula, computed here)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 64, generator=g)
+    references = [torch.randn(16, 64, generator=g) for _ in range(2)]
+    weights = [w.clamp(-1.5, 1.5) for w in references]  # clipped copies, as written
+
+    def head(y: torch.Tensor) -> torch.Tensor:
+        gate, up = y.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    ours = head(torch.cat([x @ awq.fake_quantize_rtn(w, 32).t() for w in weights], dim=-1))
+    theirs = head(torch.cat([x @ w.t() for w in references], dim=-1))
+    expected = float((ours - theirs).pow(2).mean())
+    parts = [(x, reference, weight) for reference, weight in zip(references, weights, strict=True)]
+    assert quantized_error(parts, 32, head) == pytest.approx(expected, rel=1e-5)
+
+
+def test_quantize_leaves_q_and_k_unclipped(tiny_model: Path, tmp_path: Path) -> None:
+    """As AutoAWQ's auto_clip (which skips q and k): the written q_proj and k_proj (or fused qkv_proj) tensors are
+    those of the same calibration without clipping, while some clipped linear's differ."""
+    from safetensors.torch import load_file
+
+    common = [str(tiny_model), "--num-samples", "4", "--seq-len", "32", "--device", "cpu", "--group-size", "32"]
+    written = {}
+    for folder, flags in (("a", []), ("b", ["--no-clip"])):
+        result = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / folder), *flags, *common[1:]])
+        assert result.exit_code == 0, result.output
+        files = sorted((tmp_path / folder).glob("*.safetensors"))
+        written[folder] = {k: v for f in files for k, v in load_file(f).items()}
+    unclipped = [k for k in written["a"] if any(f".{n}." in k for n in ("q_proj", "k_proj", "qkv_proj"))]
+    assert unclipped and all(torch.equal(written["a"][k], written["b"][k]) for k in unclipped)
+    assert any(not torch.equal(written["a"][k], written["b"][k]) for k in written["a"] if ".mlp." in k)

@@ -193,3 +193,28 @@ def test_an_unquantized_checkpoint_is_refused_with_the_way_out(tiny_model: Path)
 
     with pytest.raises(ConfigError, match="--quant auto-round loads AutoRound checkpoints"):
         Engine(EngineConfig(model=str(tiny_model), device="cpu", quant="auto-round", num_kv_blocks=16))
+
+
+def test_older_block_names_and_act_bits_follow_the_library() -> None:
+    """auto-round's own loader (``get_layer_config``) reads ``to_quant_block_names`` when a config has no
+    ``block_name_to_quantize`` (older files), and quantizes activations only when ``act_bits`` is 8 or less:
+    infer quantizes the same linears, and refuses a config exactly when the library would quantize activations."""
+    from types import SimpleNamespace
+
+    from auto_round.inference.convert_model import get_layer_config
+    from auto_round.schemes import QuantizationScheme
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    settings = {"bits": 4, "group_size": 32, "sym": True, "data_type": "int", "extra_config": {}}
+    library = get_layer_config(model, SimpleNamespace(to_quant_block_names="model.layers.0", **settings))
+    method = method_for(to_quant_block_names="model.layers.0")
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    assert {name for name in linears if method.applies_to(name)} == {n for n, s in library.items() if s.bits < 16}
+    for act_bits in (4, 8, 16):
+        if QuantizationScheme.from_dict({**settings, "act_bits": act_bits}).is_act_quantize():
+            with pytest.raises(CheckpointError, match=f"act_bits {act_bits}"):
+                method_for(act_bits=act_bits)
+        else:
+            assert method_for(act_bits=act_bits).applies_to("model.layers.0.mlp.up_proj")

@@ -261,3 +261,16 @@ def test_a_non_uniform_checkpoint_runs_its_fp8_groups_beside_its_int_ones(tiny_m
         methods["1.self_attn.o_proj"]
     assert isinstance(methods["1.mlp.down_proj"], W8A16LinearMethod)
     assert methods["0.mlp.up_proj"].group_size == 32 and engine.loaded.quant is methods["0.mlp.up_proj"]
+
+
+def test_weights_without_symmetric_take_the_librarys_default() -> None:
+    """A group whose weights omit ``symmetric`` is read as compressed-tensors reads it (QuantizationArgs' default)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from infer.quant.pack_quantized import parse_pack_quantized
+
+    weights = {key: value for key, value in int_weights(32, True).items() if key != "symmetric"}
+    config = parse_pack_quantized({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                   "quantization_status": "compressed", "ignore": ["lm_head"],
+                                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}})
+    assert config.scheme_for("model.layers.0.mlp.up_proj").symmetric is QuantizationArgs(**weights).symmetric

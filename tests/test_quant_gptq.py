@@ -373,6 +373,7 @@ def method_for(**changes: Any) -> Any:
     ({"checkpoint_format": "gptq_v2", "dynamic": {".*up": {"format": "gptq"}}}, "dynamic '.\\*up' changes format"),
     ({"dynamic": {".*down_proj": {"sym": "yes"}}}, "gives sym 'yes', not true or false"),
     ({"dynamic": {".*down_proj": 8}}, "must map to an object of overrides"),
+    ({"dynamic": {".*down_proj": {"lm_head": True}}}, "dynamic '.\\*down_proj' changes lm_head"),  # a quantized head
     ({"dynamic": {"-:.*down_proj[": {}}}, "not a valid regular expression"),
     ({"format": "gptq_v2", "checkpoint_format": "gptq"}, "checkpoint_format and format disagree"),
     ({"pack_dtype": "int16"}, "pack_dtype 'int16'"),
@@ -652,3 +653,16 @@ def test_pack_quantized_experts_in_activation_order_compute_their_weights(
     assert loaded.quant.name == "compressed-tensors"
     torch.testing.assert_close(logits(tmp_path / "ct", plugins, fused_ops=fused_ops),
                                logits(tmp_path / "dense", plugins), rtol=1e-4, atol=1e-4)
+
+
+def test_dynamic_patterns_are_matched_from_the_start_of_the_path() -> None:
+    """GPTQModel (and vLLM) apply a dynamic pattern when ``re.match`` finds it at the start of the module path, so a
+    pattern that names only the path's end (no leading ``.*``) overrides nothing."""
+    import re
+
+    method = method_for(dynamic={r"+:mlp\.down_proj": {"bits": 8}, r"-:self_attn\.o_proj": {},
+                                 r"model\.layers\.1\.mlp\.up_proj": {"bits": 8}})
+    for prefix in ("model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"):
+        assert re.match(r"mlp\.down_proj|self_attn\.o_proj", prefix) is None  # the rule's reference
+        assert method.method_for(prefix).scheme.bits == 4, prefix
+    assert method.method_for("model.layers.1.mlp.up_proj").scheme.bits == 8

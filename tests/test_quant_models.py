@@ -1114,3 +1114,31 @@ def test_the_gate_up_search_measures_the_mlps_output(tiny_model: Path, plugins: 
 
     assert found.rtn_error == pytest.approx(mlp_error(torch.ones(x.shape[1])), rel=1e-4)
     assert found.error == pytest.approx(mlp_error(found.scales), rel=1e-4) and found.error <= found.rtn_error
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_the_mlp_head_is_the_mlp_of_a_model_with_biases(tiny_model: Path, tmp_path: Path, plugins: PluginManager,
+                                                        fuse: bool) -> None:
+    """mlp_head maps the gate and up outputs (no bias, side by side) to HF LlamaMLP's output (mlp_bias true) less
+    the down projection's bias, which cancels in every error the search takes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infer.quant.calibrate import mlp_head
+
+    torch.manual_seed(14)
+    hf = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, mlp_bias=True,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    mlp = hf.model.layers[0].mlp
+    for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        torch.nn.init.normal_(linear.bias, std=0.5)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny_model / name).exists():
+            shutil.copy(tiny_model / name, tmp_path / name)
+    loaded = load_model(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
+                                     fuse_projections=fuse).validate(), plugins, tmp_path)
+    x = torch.randn(24, 64)
+    y = torch.cat([x @ mlp.gate_proj.weight.t(), x @ mlp.up_proj.weight.t()], dim=-1)
+    with torch.no_grad():
+        expected = mlp(x) - mlp.down_proj.bias
+    assert torch.allclose(mlp_head(loaded.model.model.layers[0])(y), expected, atol=1e-4, rtol=1e-4)
