@@ -1142,3 +1142,28 @@ def test_the_mlp_head_is_the_mlp_of_a_model_with_biases(tiny_model: Path, tmp_pa
     with torch.no_grad():
         expected = mlp(x) - mlp.down_proj.bias
     assert torch.allclose(mlp_head(loaded.model.model.layers[0])(y), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_calibration_searches_gate_up_on_the_mlps_output(tiny_model: Path, tmp_path: Path, plugins: PluginManager,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """calibrate_awq hands the gate_up search a head that turns gate and up outputs into the MLP's output, down(silu(
+    gate) * up) with the checkpoint's own down weight (computed here from its tensors), and no head to the others."""
+    from infer.quant import calibrate
+
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    seen: list[tuple[int, torch.Tensor | None]] = []  # per search: its linears, its head's output on x's outputs
+    search = calibrate.search_scale
+
+    def spy(rows: torch.Tensor, stat: torch.Tensor, weights: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        head = args[4] if len(args) > 4 else kwargs.get("head")
+        seen.append((len(weights), None if head is None else head(x @ torch.cat(weights).float().t()).clone()))
+        return search(rows, stat, weights, *args, **kwargs)
+
+    monkeypatch.setattr(calibrate, "search_scale", spy)
+    calibrate_awq(tiny_model, tmp_path / "awq", CALIB, plugins=plugins)
+    assert [n for n, out in seen if out is not None] == [2, 2]  # the gate_up group of each layer
+    original = load_file(str(tiny_model / "model.safetensors"))
+    for layer, out in enumerate(out for _, out in seen if out is not None):
+        gate, up, down = (original[f"model.layers.{layer}.mlp.{p}_proj.weight"].float() for p in ("gate", "up", "down"))
+        expected = (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
