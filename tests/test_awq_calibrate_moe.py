@@ -287,3 +287,27 @@ def test_calibration_on_cuda_writes_a_checkpoint_that_generates_like_hf(
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompt = [5, 17, 300, 42, 7, 99]
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 8)
+
+
+def test_the_shared_expert_joins_the_experts_gate_up_search(tiny_model_factory: Callable[..., Path],
+                                                            plugins: PluginManager) -> None:
+    """Qwen2-MoE's shared expert reads the same normed state as the routed experts, so its gate and up share their
+    scale: the search measures them on every row beside each expert on its routed rows (the module docstring)."""
+    from infer.quant.calibrate import _collect, search_scale_parts
+    from infer.quant.calibrate_moe import search_experts
+
+    path = tiny_model_factory("qwen2moe", extra=ARCHES["qwen2moe"])
+    loaded = load_model(EngineConfig(model=str(path), device="cpu", fuse_projections=False).validate(), plugins, path)
+    with torch.no_grad():
+        _, experts = _collect(loaded.model, [[5, 17, 300, 42, 7, 99, 12, 8] * 3], loaded.device,
+                              AwqCalibrationConfig(max_rows=1000), lambda *call: None)
+    layer, stats = loaded.model.model.layers[0], experts[0]
+    moe = layer.ffn()
+    x, routes = torch.cat(stats.hidden.rows), torch.cat(stats.routes)
+    shared = [moe.shared_expert.get_submodule(p).weight for p in ("gate_proj", "up_proj")]
+    parts = [(x[(routes == e).any(dim=-1)], [moe.w13[e]]) for e in range(4)]
+    stat = stats.hidden.abs_sum / stats.hidden.count
+    with_shared = search_scale_parts(parts + [(x, shared)], stat, 32, 10, duo=True)
+    without = search_scale_parts(parts, stat, 32, 10, duo=True)
+    reports, _, _ = search_experts(layer, stats, 0, AwqCalibrationConfig(group_size=32, grid=10), loaded.device)
+    assert reports[0].rtn_error == pytest.approx(with_shared.rtn_error) != pytest.approx(without.rtn_error)
