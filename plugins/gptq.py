@@ -51,10 +51,7 @@ def build_auto_round(config: EngineConfig, quantization_config: dict[str, Any] |
     parsed = parse_auto_round(quantization_config)
     if parsed.packing == "awq":
         return AutoRoundAwqMethod(parsed, options["fused_max_rows"])
-    method = gptq_method(parsed, options["fused_max_rows"])
-    for variant in getattr(method, "variants", {}).values():
-        variant.name = "auto-round"  # in load errors
-    return method
+    return gptq_method(parsed, options["fused_max_rows"], name="auto-round")
 
 
 @hookimpl

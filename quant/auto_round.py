@@ -23,7 +23,7 @@ from ..core.errors import CheckpointError
 from . import awq
 from .awq_method import AwqLinearMethod
 from .common import bad_pattern, is_lm_head
-from .gptq import BITS, GptqConfig, GptqScheme
+from .gptq import BITS, GptqConfig, GptqScheme, parse_scheme
 
 PACKINGS = {"auto_round:auto_gptq": "gptq", "auto_round:auto_awq": "awq"}
 REGEX_CHARACTERS = set("*+?^$()[]{}|\\")
@@ -110,11 +110,7 @@ def _scheme(settings: dict[str, Any], where: str) -> GptqScheme | None:
     if type(act_bits := settings.get("act_bits")) is int and act_bits < UNQUANTIZED_BITS:
         raise CheckpointError(f"AutoRound act_bits {act_bits} in {where}: infer loads weight-only AutoRound "
                               "checkpoints (act_bits 16)")
-    group_size = settings.get("group_size")
-    if not awq.is_group_size(group_size):
-        raise CheckpointError(f"AutoRound group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))}, got "
-                              f"{group_size!r} in {where}")
-    return GptqScheme(bits, group_size, False)
+    return parse_scheme({**settings, "desc_act": False}, where, "AutoRound")  # its group size, as GPTQ's
 
 
 class AutoRoundAwqMethod(AwqLinearMethod):

@@ -111,16 +111,17 @@ def parse_config(qc: dict[str, Any]) -> GptqConfig:
                       tuple(name for names in blocks for name in names), parse_dynamic(qc.get("dynamic"), qc))
 
 
-def parse_scheme(qc: dict[str, Any], where: str) -> GptqScheme:
-    """The bits, group_size and desc_act of a GPTQ config (or of a ``dynamic`` override merged into it)."""
+def parse_scheme(qc: dict[str, Any], where: str, method: str = "GPTQ") -> GptqScheme:
+    """The bits, group_size and desc_act of a GPTQ config (or of a ``dynamic`` override merged into it; or of another
+    ``method``'s config that packs GPTQ's layout)."""
     bits = qc.get("bits")
     if bits not in BITS or type(bits) is not int:
-        raise CheckpointError(f"GPTQ bits must be 4 or 8, got {bits!r} in {where}: infer runs 4-bit GPTQ "
+        raise CheckpointError(f"{method} bits must be 4 or 8, got {bits!r} in {where}: infer runs 4-bit GPTQ "
                               "checkpoints on its W4A16 kernels and 8-bit ones on its W8A16 kernels")
     group_size = qc.get("group_size")
     if not awq.is_group_size(group_size):
-        raise CheckpointError(f"GPTQ group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))} for infer's "
-                              f"kernels, got {group_size!r} in {where}")
+        raise CheckpointError(f"{method} group_size must be one of {', '.join(map(str, awq.GROUP_SIZES))} for "
+                              f"infer's kernels, got {group_size!r} in {where}")
     return GptqScheme(bits, group_size, qc.get("desc_act") is True and group_size != -1)
 
 

@@ -238,11 +238,14 @@ def gptq_config(scheme: PackQuantizedScheme) -> gptq.GptqConfig:
     return gptq.GptqConfig(gptq.GptqScheme(scheme.bits, scheme.group_size, scheme.act_order), zero_offset=0)
 
 
-def gptq_method(config: gptq.GptqConfig, fused_max_rows: int = 64) -> QuantMethod:
+def gptq_method(config: gptq.GptqConfig, fused_max_rows: int = 64, name: str = "gptq") -> QuantMethod:
     """The method of a GPTQ checkpoint: its own scheme's (4 bits: :class:`GptqLinearMethod`, 8:
-    :class:`GptqInt8LinearMethod`), holding one per ``dynamic`` override's scheme besides."""
+    :class:`GptqInt8LinearMethod`), holding one per ``dynamic`` override's scheme besides; ``name`` in load errors
+    (the registered method's: AutoRound's checkpoints load through these too)."""
     def build(scheme: gptq.GptqScheme) -> QuantMethod:
-        return (GptqLinearMethod if scheme.bits == 4 else GptqInt8LinearMethod)(config, fused_max_rows, scheme)
+        method = (GptqLinearMethod if scheme.bits == 4 else GptqInt8LinearMethod)(config, fused_max_rows, scheme)
+        method.name = name
+        return method
     return with_variants(build, config.schemes)
 
 

@@ -61,10 +61,6 @@ class PackQuantizedConfig:
         :func:`.common.targeted_scheme`), or None when it is not quantized."""
         return targeted_scheme(prefix, self.groups, self.ignore)
 
-    def applies_to(self, prefix: str) -> bool:
-        """Whether the linear at ``prefix`` is quantized: a target matches it and no ignore entry does."""
-        return self.scheme_for(prefix) is not None
-
     @property
     def schemes(self) -> list[PackQuantizedScheme | Fp8Scheme]:
         """The groups' schemes, each once: the int ones in the config's order, then the FP8 ones."""
