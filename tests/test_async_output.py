@@ -192,6 +192,19 @@ def test_async_scheduling_refuses_speculative_decoding_and_sync_outputs():
         engine(async_scheduling=True, async_output=False)
 
 
+def steps_ahead(e: Engine, rid: str) -> tuple[list[bool], dict[int, list[int]]]:
+    """Step ``e`` until it is done: per step, whether it left tokens in flight (ran ahead); and the tokens of the
+    n = 2 request ``rid``, per sequence."""
+    ahead: list[bool] = []
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    while e.has_unfinished():
+        for out in e.step():
+            for c in out.outputs if out.request_id == rid else ():
+                tokens[c.index] += c.token_ids
+        ahead.append(e.in_flight is not None)
+    return ahead, tokens
+
+
 def test_an_n2_request_costs_async_scheduling_one_step():
     """Only the step in which the n = 2 request's first sequence samples (its children copy that token) runs
     synchronously; every other step runs ahead, leaving its tokens in flight."""
@@ -201,12 +214,7 @@ def test_an_n2_request_costs_async_scheduling_one_step():
     for _ in range(3):
         e.step()
     rid = e.add_request(PROMPTS[3], SamplingParams(max_tokens=20, temperature=0.8, seed=1, n=2))
-    ahead, tokens = [], {0: [], 1: []}
-    while e.has_unfinished():
-        for out in e.step():
-            for c in out.outputs if out.request_id == rid else ():
-                tokens[c.index] += c.token_ids
-        ahead.append(e.in_flight is not None)
+    ahead, tokens = steps_ahead(e, rid)
     assert ahead[0] is False and all(ahead[1:-1]) and ahead[-1] is False  # the fork step; the last drains
     reference = engine().generate(PROMPTS[3:4], SamplingParams(max_tokens=20, temperature=0.8, seed=1, n=2))[0]
     assert [tokens[0], tokens[1]] == [c.token_ids for c in reference.outputs]
@@ -346,12 +354,7 @@ def test_an_n2_request_in_chunked_prefill_costs_async_scheduling_one_step():
     prompt = list(range(100, 160))  # 60 tokens: 4 chunks or more beside the two decodes
     sampling = SamplingParams(max_tokens=8, temperature=0.8, seed=1, n=2, ignore_eos=True)
     rid = e.add_request(prompt, sampling)
-    ahead, tokens = [], {0: [], 1: []}
-    while e.has_unfinished():
-        for out in e.step():
-            for c in out.outputs if out.request_id == rid else ():
-                tokens[c.index] += c.token_ids
-        ahead.append(e.in_flight is not None)
+    ahead, tokens = steps_ahead(e, rid)
     assert ahead.index(False) >= 3 and ahead[:-1].count(False) == 1, ahead  # the fork step; the last drains
     reference = engine(**options).generate([prompt], sampling)[0]
     assert [tokens[0], tokens[1]] == [c.token_ids for c in reference.outputs]

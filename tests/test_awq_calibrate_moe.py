@@ -9,6 +9,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,6 @@ from infer.core.request import SamplingParams
 from infer.quant.calibrate import AwqCalibrationConfig, calibrate_awq
 from infer.quant.forward import dense_forward
 
-ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 CALIB = AwqCalibrationConfig(group_size=32, num_samples=8, seq_len=64, grid=10)
 EXPERTS = {"moe_intermediate_size": 64}
 ARCHES = {"mixtral": EXPERTS, "qwen3moe": EXPERTS, "qwen2moe": {**EXPERTS, "shared_expert_intermediate_size": 64}}
@@ -34,16 +34,11 @@ def plugins() -> PluginManager:
 
 
 def read_awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """An AutoAWQ GEMM layer's weight [out, in], float32, by the format's definition."""
-    def unpack(packed: torch.Tensor) -> np.ndarray:
-        words = packed.numpy().view(np.uint32)
-        values = np.zeros((words.shape[0], words.shape[1] * 8), dtype=np.int64)
-        for c in range(words.shape[1]):
-            for i in range(8):
-                values[:, c * 8 + ORDER[i]] = (words[:, c] >> np.uint32(4 * i)) & np.uint32(0xF)
-        return values
+    """An AutoAWQ GEMM layer's weight [out, in], float32, by the format's definition (tests/test_quant.py's loop
+    over the nibbles)."""
+    from test_quant import naive_unpack
 
-    q, z = unpack(qweight), np.repeat(unpack(qzeros), group, axis=0)
+    q, z = naive_unpack(qweight).numpy(), np.repeat(naive_unpack(qzeros).numpy(), group, axis=0)
     s = np.repeat(scales.float().numpy(), group, axis=0)
     return torch.from_numpy(np.ascontiguousarray(((q - z) * s).T, dtype=np.float32))
 
@@ -64,14 +59,38 @@ def dense_twin(quantized: Path, dense: Path) -> None:
     (dense / "config.json").write_text(json.dumps(config))
 
 
+SAMPLES = [[5, 17, 300, 42, 7, 99, 12, 8] * 3, [900, 12, 8, 8, 41, 3] * 4]
+
+
+def generates_like_hf(quantized: Path, dense: Path, hf_greedy: Callable[[Path, list[int], int], list[int]],
+                      prompts: list[list[int]], tokens: int, **options: Any) -> None:
+    """infer's greedy tokens on the checkpoint ``quantized`` equal HF's on ``dense``, its weights as plain floats."""
+    from infer import LLM
+
+    llm = LLM(model=str(quantized), device="cpu", num_kv_blocks=32, **options)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(dense, prompt, tokens)
+
+
+def expert_stats(path: Path, plugins: PluginManager) -> tuple[Any, list[Any]]:
+    """The model at ``path`` (float32, its checkpoint's own linears) and what the AWQ calibration forward records of
+    :data:`SAMPLES` at each layer's experts (every row kept)."""
+    from infer.quant.calibrate import _collect
+
+    loaded = load_model(EngineConfig(model=str(path), device="cpu", fuse_projections=False).validate(), plugins, path)
+    with torch.no_grad():
+        _, experts = _collect(loaded.model, SAMPLES, loaded.device, AwqCalibrationConfig(max_rows=1000),
+                              lambda *call: None)
+    return loaded, experts
+
+
 @pytest.mark.parametrize("arch", list(ARCHES))
 def test_calibrated_experts_generate_like_hf_on_the_written_weights(
         arch: str, tmp_path: Path, tiny_model_factory: Callable[..., Path],
         hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
     """Each expert's gate, up and down written as AutoAWQ names them, the routers float and listed in
     modules_to_not_convert by paths no other module contains; no search does worse than RTN on its rows."""
-    from infer import LLM
-
     model = tiny_model_factory(arch, extra=ARCHES[arch])
     reports = calibrate_awq(model, tmp_path / "awq", CALIB)
     assert {r.group for r in reports} >= {"qkv", "o", "experts.gate_up", "experts.down"}
@@ -89,10 +108,8 @@ def test_calibrated_experts_generate_like_hf_on_the_written_weights(
     quantized = {name.rpartition(".")[0] for name in state if name.endswith(".qweight")}
     assert not any(entry in owner for entry in skipped for owner in quantized)
     dense_twin(tmp_path / "awq", tmp_path / "dense")
-    llm = LLM(model=str(tmp_path / "awq"), device="cpu", num_kv_blocks=32)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for prompt in ([5, 17, 300, 42, 7, 99], [900, 12, 8, 8, 41, 3, 3]):
-        assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 8)
+    generates_like_hf(tmp_path / "awq", tmp_path / "dense", hf_greedy, [[5, 17, 300, 42, 7, 99],
+                                                                        [900, 12, 8, 8, 41, 3, 3]], 8)
 
 
 def test_each_written_expert_projection_holds_its_own_weights(tmp_path: Path,
@@ -146,8 +163,6 @@ def test_experts_no_calibration_token_reached_keep_plain_rounding(
         hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
     """Two calibration tokens routed to 1 expert of 8 reach at most 2 of a layer's experts: the others' downs are
     rounded to nearest unscaled, named in one warning, and the checkpoint still computes its own weights."""
-    from infer import LLM
-
     model = tiny_model_factory("qwen3moe", extra={**EXPERTS, "num_experts": 8, "num_experts_per_tok": 1})
     options = AwqCalibrationConfig(group_size=32, num_samples=1, seq_len=2, grid=10)
     with caplog.at_level("WARNING", logger="infer"):
@@ -157,10 +172,7 @@ def test_experts_no_calibration_token_reached_keep_plain_rounding(
     warned = [r.message for r in caplog.records if "saw no calibration token" in r.message]
     assert len(warned) == 1 and warned[0].startswith(f"{2 * 8 - reached} experts saw no calibration token")
     dense_twin(tmp_path / "awq", tmp_path / "dense")
-    llm = LLM(model=str(tmp_path / "awq"), device="cpu", num_kv_blocks=32)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    prompt = [5, 17, 300, 42, 7, 99]
-    assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 6)
+    generates_like_hf(tmp_path / "awq", tmp_path / "dense", hf_greedy, [[5, 17, 300, 42, 7, 99]], 6)
 
 
 def test_the_routed_search_pools_each_experts_error_on_its_own_rows() -> None:
@@ -189,15 +201,11 @@ def test_each_expert_is_searched_on_the_tokens_routed_to_it(tiny_model_factory: 
                                                              plugins: PluginManager) -> None:
     """The calibration forward keeps each sparse layer's hidden rows beside the experts the router chose for them;
     the gate_up search measures each expert on those rows only, and each expert's down on its own activations."""
-    from infer.quant.calibrate import _collect, search_scale, search_scale_parts
+    from infer.quant.calibrate import search_scale, search_scale_parts
     from infer.quant.calibrate_moe import search_experts
 
     path = tiny_model_factory("qwen3moe", extra=EXPERTS)
-    loaded = load_model(EngineConfig(model=str(path), device="cpu", fuse_projections=False).validate(), plugins, path)
-    samples = [[5, 17, 300, 42, 7, 99, 12, 8] * 3, [900, 12, 8, 8, 41, 3] * 4]
-    with torch.no_grad():
-        _, experts = _collect(loaded.model, samples, loaded.device, AwqCalibrationConfig(max_rows=1000),
-                              lambda *call: None)
+    loaded, experts = expert_stats(path, plugins)
     layer, stats = loaded.model.model.layers[1], experts[1]
     moe = layer.ffn()
     x, routes = torch.cat(stats.hidden.rows), torch.cat(stats.routes)
@@ -224,15 +232,10 @@ def test_experts_are_clipped_on_their_rows_divided_by_the_folded_scales(tiny_mod
     scale, the shared expert's on every row so divided, and each expert's down on its activations divided by its
     down scale (the inputs the folded weights see)."""
     from infer.quant.awq_clip import clip_, search_clip
-    from infer.quant.calibrate import _collect
     from infer.quant.calibrate_moe import clip_experts, fold_experts, search_experts
 
     path = tiny_model_factory("qwen2moe", extra=ARCHES["qwen2moe"])
-    loaded = load_model(EngineConfig(model=str(path), device="cpu", fuse_projections=False).validate(), plugins, path)
-    samples = [[5, 17, 300, 42, 7, 99, 12, 8] * 3, [900, 12, 8, 8, 41, 3] * 4]
-    with torch.no_grad():
-        _, experts = _collect(loaded.model, samples, loaded.device, AwqCalibrationConfig(max_rows=1000),
-                              lambda *call: None)
+    loaded, experts = expert_stats(path, plugins)
     layer, stats = loaded.model.model.layers[1], experts[1]
     moe = layer.ffn()
     reports, gate_up, downs = search_experts(layer, stats, 1, AwqCalibrationConfig(group_size=32, grid=10),
@@ -270,7 +273,6 @@ def test_calibration_on_cuda_writes_a_checkpoint_that_generates_like_hf(
     as HF does on its weights."""
     from test_gptq_calibrate import dense_twin as gptq_twin
 
-    from infer import LLM
     from infer.quant.gptq_calibrate import GptqCalibrationConfig, calibrate_gptq
 
     if not torch.cuda.is_available():
@@ -283,24 +285,18 @@ def test_calibration_on_cuda_writes_a_checkpoint_that_generates_like_hf(
     else:
         calibrate_gptq(model, tmp_path / "q", GptqCalibrationConfig(**options))
         gptq_twin(tmp_path / "q", tmp_path / "dense")
-    llm = LLM(model=str(tmp_path / "q"), device="cpu", dtype="float32", num_kv_blocks=32)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompt = [5, 17, 300, 42, 7, 99]
-    assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 8)
+    generates_like_hf(tmp_path / "q", tmp_path / "dense", hf_greedy, [[5, 17, 300, 42, 7, 99]], 8, dtype="float32")
 
 
 def test_the_shared_expert_joins_the_experts_gate_up_search(tiny_model_factory: Callable[..., Path],
                                                             plugins: PluginManager) -> None:
     """Qwen2-MoE's shared expert reads the same normed state as the routed experts, so its gate and up share their
     scale: the search measures them on every row beside each expert on its routed rows (the module docstring)."""
-    from infer.quant.calibrate import _collect, search_scale_parts
+    from infer.quant.calibrate import search_scale_parts
     from infer.quant.calibrate_moe import search_experts
 
     path = tiny_model_factory("qwen2moe", extra=ARCHES["qwen2moe"])
-    loaded = load_model(EngineConfig(model=str(path), device="cpu", fuse_projections=False).validate(), plugins, path)
-    with torch.no_grad():
-        _, experts = _collect(loaded.model, [[5, 17, 300, 42, 7, 99, 12, 8] * 3], loaded.device,
-                              AwqCalibrationConfig(max_rows=1000), lambda *call: None)
+    loaded, experts = expert_stats(path, plugins)
     layer, stats = loaded.model.model.layers[0], experts[0]
     moe = layer.ffn()
     x, routes = torch.cat(stats.hidden.rows), torch.cat(stats.routes)

@@ -343,7 +343,8 @@ def test_a_bad_chat_template_file_stops_the_engine_at_start(tiny_model: Path, tm
         LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32, chat_template=str(path))
 
 
-def test_a_models_own_broken_template_is_named(chat_model: Path, tmp_path: Path) -> None:
+def broken_template_llm(chat_model: Path, tmp_path: Path) -> LLM:
+    """An LLM over a copy of ``chat_model`` whose tokenizer_config.json's chat template does not parse."""
     import json
     import shutil
 
@@ -351,7 +352,11 @@ def test_a_models_own_broken_template_is_named(chat_model: Path, tmp_path: Path)
     shutil.copytree(chat_model, broken)
     config = json.loads((broken / "tokenizer_config.json").read_text())
     (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if %}"}))
-    llm = LLM(model=str(broken), device="cpu", num_kv_blocks=32)
+    return LLM(model=str(broken), device="cpu", num_kv_blocks=32)
+
+
+def test_a_models_own_broken_template_is_named(chat_model: Path, tmp_path: Path) -> None:
+    llm = broken_template_llm(chat_model, tmp_path)
     with pytest.raises(InvalidRequestError, match="the model's chat template is not valid Jinja .*--chat-template"):
         llm.chat(CHAT)
 
@@ -413,14 +418,7 @@ def test_a_broken_template_is_named_as_broken_whatever_the_chat_sets(chat_model:
                                                                      options: dict[str, Any]) -> None:
     """Variables and tools are checked against what a template reads, which a template that does not parse does
     not tell: its syntax error is the one to report, not a variable or tools it "does not read"."""
-    import json
-    import shutil
-
-    broken = tmp_path / "broken"
-    shutil.copytree(chat_model, broken)
-    config = json.loads((broken / "tokenizer_config.json").read_text())
-    (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if %}"}))
-    llm = LLM(model=str(broken), device="cpu", num_kv_blocks=32)
+    llm = broken_template_llm(chat_model, tmp_path)
     with pytest.raises(InvalidRequestError, match="the model's chat template is not valid Jinja .*--chat-template"):
         llm.chat(CHAT, **options)
 
