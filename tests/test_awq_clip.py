@@ -40,6 +40,16 @@ def test_each_group_gets_the_grid_clamp_of_least_error() -> None:
     assert float(m[3, 0]) < 9.0  # the outlier is clipped
 
 
+def test_a_tie_keeps_the_least_clipping() -> None:
+    """Where clamps tie on error (here a group whose calibration inputs are all zero: every clamp errs 0), the first
+    of the grid wins, as in AutoAWQ's strict ``err < min_errs``: the weight stays as it is."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(64, 64, generator=g), torch.randn(8, 64, generator=g)
+    x[:, 32:] = 0
+    m = search_clip(x, w, 32)
+    assert torch.equal(m[:, 1], w[:, 32:].abs().amax(dim=-1))
+
+
 def test_clipping_never_raises_a_groups_error_and_clamps_in_place() -> None:
     g = torch.Generator().manual_seed(8)
     x, w = torch.randn(64, 128, generator=g), torch.randn(16, 128, generator=g) ** 3  # heavy tails

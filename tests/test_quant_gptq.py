@@ -666,3 +666,84 @@ def test_dynamic_patterns_are_matched_from_the_start_of_the_path() -> None:
         assert re.match(r"mlp\.down_proj|self_attn\.o_proj", prefix) is None  # the rule's reference
         assert method.method_for(prefix).scheme.bits == 4, prefix
     assert method.method_for("model.layers.1.mlp.up_proj").scheme.bits == 8
+
+
+@pytest.mark.parametrize("activations", [None, "token"], ids=["fp8-weights", "fp8-dynamic"])
+def test_a_non_uniform_checkpoint_runs_fp8_experts_beside_int4_attention(
+        activations: str | None, tmp_path: Path, tiny_model_factory: Callable[..., Path], plugins: PluginManager,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """llm-compressor's mixed-precision format on a mixture of experts: attention W4A16 (pack-quantized), the
+    experts FP8 per output channel (float-quantized), weight-only or with the input rounded to e4m3 per token
+    (FP8_DYNAMIC). The reference: the float model on the int4 attention's dequantized weights and the experts'
+    weights rounded as stored, each expert's input rounded per token as FP8_DYNAMIC does (a pre-hook on each expert
+    projection of infer's float model, which runs the experts one by one)."""
+    from infer.quant.fp8 import FP8_DTYPE
+
+    moe = tiny_model_factory("qwen3moe", extra={"moe_intermediate_size": 64})
+    write_gptq(moe, tmp_path / "ct", tmp_path / "dense", v1=False, dynamic={"-:.*experts.*": None})
+    as_pack_quantized(tmp_path / "ct", symmetric=True)
+    packed, dense = load_file(str(tmp_path / "ct" / "model.safetensors")), \
+        load_file(str(tmp_path / "dense" / "model.safetensors"))
+    for name in [name for name in packed if ".experts." in name]:
+        scale = packed[name].abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+        packed[name] = (packed[name] / scale).clamp(-448, 448).to(FP8_DTYPE)
+        packed[name.removesuffix("weight") + "weight_scale"] = scale
+        dense[name] = packed[name].float() * scale
+    save_file(packed, str(tmp_path / "ct" / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dense, str(tmp_path / "dense" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["config_groups"]["group_0"].update(targets=[r"re:.*self_attn\..*"], format="pack-quantized")
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+    qc["config_groups"]["group_1"] = {
+        "targets": [r"re:.*experts\..*"], "format": "float-quantized", "weights": fp8,
+        "input_activations": activations and {"num_bits": 8, "type": "float", "symmetric": True,
+                                              "strategy": activations, "dynamic": True}}
+    qc.update(format="mixed-precision", kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"})
+    (tmp_path / "ct" / "config.json").write_text(json.dumps(config))
+
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        loaded = load(tmp_path / "ct", plugins)
+    assert sum("kv_cache_scheme and its k/v scales are ignored" in r.message for r in caplog.records) == 1
+    experts = [m for m in loaded.model.modules() if isinstance(m, Linear) and ".experts." in m.prefix]
+    assert experts and {m.method.name for m in experts} == {"fp8"} and all(m.weight.dtype == FP8_DTYPE
+                                                                          for m in experts)
+    assert loaded.quant.name == "compressed-tensors" and loaded.quant.applies_to("model.layers.0.self_attn.q_proj")
+    with torch.no_grad():
+        got = loaded.model.compute_logits(dense_forward(loaded.model, PROMPTS, loaded.device))
+    torch.testing.assert_close(got, hf_moe_logits(tmp_path / "dense", activations is not None), rtol=1e-4, atol=1e-4)
+
+
+def hf_moe_logits(path: Path, round_inputs: bool) -> torch.Tensor:
+    """transformers' logits for :data:`PROMPTS` (concatenated) on the float checkpoint at ``path``; with
+    ``round_inputs``, its experts module computed by the definition with each expert projection's input rounded to
+    e4m3 per token (:func:`per_token_e4m3`), on transformers' own routing."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if round_inputs and name.endswith("mlp.experts"):
+            module.register_forward_hook(lambda m, args, out: fp8_dynamic_experts(args[0], m, args[1], args[2]))
+    with torch.no_grad():
+        return torch.cat([model(torch.tensor([prompt])).logits[0] for prompt in PROMPTS])
+
+
+def fp8_dynamic_experts(x: torch.Tensor, experts: torch.nn.Module, chosen: torch.Tensor, weights: torch.Tensor
+                        ) -> torch.Tensor:
+    """The experts on transformers' stacked weights (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]), expert by
+    expert over its tokens, each projection's input rounded per token."""
+    out, size = torch.zeros_like(x), experts.down_proj.shape[2]
+    for e in range(experts.gate_up_proj.shape[0]):
+        tokens, slots = torch.where(chosen == e)
+        h = per_token_e4m3(x[tokens]) @ experts.gate_up_proj[e].t()
+        y = per_token_e4m3(torch.nn.functional.silu(h[:, :size]) * h[:, size:]) @ experts.down_proj[e].t()
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
+    return out
+
+
+def per_token_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to e4m3 on one scale per token (row), amax / 448: FP8_DYNAMIC's input quantization."""
+    from infer.quant.fp8 import FP8_DTYPE
+
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (x / scale).clamp(-448, 448).to(FP8_DTYPE).to(x.dtype) * scale
