@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from ..cli.options import EngineArgs, sampling_options
+from ..cli.options import EngineArgs, sampling_option, sampling_options
 from .arms import ArmError, ArmSpec, parse_arms
 from .workloads import (WORKLOADS, FileEntry, RequestSampling, WorkloadError, WorkloadSpec, check_vocabulary,
                         good_lines, lora_adapters_used, validate_spec)
@@ -229,7 +229,7 @@ def check_sampling(sampling: dict[str, Any], seed: int | None, specs: list[ArmSp
         request_sampling.params(max(1, sampling["min_tokens"]), 0, 0, 0).validate()
     except InvalidRequestError as exc:
         raise CommandLineError(str(exc)) from None
-    unsupported = [f"--{name.replace('_', '-')}" for name in ("frequency_penalty", "presence_penalty")
+    unsupported = [sampling_option(name) for name in ("frequency_penalty", "presence_penalty", "logits_processors")
                    if sampling[name]]
     if unsupported and any(spec.is_hf for spec in specs):
         raise click.UsageError(f"HF transformers has no {' or '.join(unsupported)}: drop it or the hf arms")

@@ -56,14 +56,38 @@ def unique_tokens(pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, floa
     return pairs
 
 
-SAMPLING_DEFAULTS: dict[str, Any] = {name: default for name, _, default, _ in _SAMPLING} | {"logit_bias": ()}
+class ProcessorType(click.ParamType):
+    """``NAME`` or ``NAME=JSON`` (--logits-processor): a registered logits processor and its arguments."""
+    name = "name[=json]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, str]:
+        if isinstance(value, tuple):
+            return value
+        name, _, args = str(value).partition("=")
+        try:
+            parsed = json.loads(args) if args else {}
+        except ValueError as exc:
+            self.fail(f"{value!r}: the arguments after = are not JSON ({exc}); write NAME='{{\"size\": 3}}'", param,
+                      ctx)
+        if not name or not isinstance(parsed, dict):
+            self.fail(f"{value!r} is not NAME or NAME=JSON (a processor's name, then a JSON object of its arguments, "
+                      "e.g. no-repeat-ngram='{\"size\": 3}')", param, ctx)
+        return name, json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+
+
+SAMPLING_DEFAULTS: dict[str, Any] = {name: default for name, _, default, _ in _SAMPLING} | {
+    "logit_bias": (), "logits_processors": ()}
 SAMPLING_OPTIONS: list[Callable[[Any], Any]] = [
     click.option(f"--{name.replace('_', '-')}", type=kind, default=default, show_default=True, help=text)
     for name, kind, default, text in _SAMPLING] + [
     click.option("--logit-bias", type=LogitBiasType(), multiple=True,
                  callback=lambda ctx, param, pairs: unique_tokens(pairs),
                  help="TOKEN=BIAS: add BIAS, in [-100, 100], to the token's logit (repeatable; -100 all but bans "
-                      "it, 100 all but forces it).")]
+                      "it, 100 all but forces it)."),
+    click.option("--logits-processor", "logits_processors", type=ProcessorType(), multiple=True,
+                 help="NAME or NAME=JSON: a registered logits processor and its arguments, applied to each "
+                      "request's logits before sampling (repeatable, in order; `infer plugins` lists them), e.g. "
+                      "no-repeat-ngram='{\"size\": 3}'.")]
 
 
 def sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -200,9 +224,14 @@ def refuse_beside_beam_search(given: list[str]) -> None:
                                f"sampling, logit controls or per-token output: drop {', '.join(given)}")
 
 
+def sampling_option(name: str) -> str:
+    """The command-line name of the sampling option that sets SamplingParams field ``name``."""
+    return "--logits-processor" if name == "logits_processors" else f"--{name.replace('_', '-')}"
+
+
 def changed_sampling(sampling: dict[str, Any]) -> list[str]:
     """The options of ``sampling`` that differ from their defaults, by their command-line names."""
-    return [f"--{name.replace('_', '-')}" for name, value in sampling.items() if value != SAMPLING_DEFAULTS[name]]
+    return [sampling_option(name) for name, value in sampling.items() if value != SAMPLING_DEFAULTS[name]]
 
 
 class ReserveType(click.ParamType):

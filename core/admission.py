@@ -10,7 +10,7 @@ from .chat import ChatPrompt, Prompt
 from .config import EngineConfig
 from .errors import InferError, InvalidRequestError, PluginError, require_utf8
 from .interfaces import BlockOps, ReasoningEnd, Scheduler, SchedulerOutput
-from .request import SamplingParams
+from .request import SamplingParams, Sequence
 
 
 @dataclass(frozen=True)
@@ -150,12 +150,13 @@ def check_reasoning_end(end: object, vocab_size: int, parser_name: str | None) -
 
 
 def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Scheduler, settled: bool,
-                   count_open: Callable[[], int], searching: bool = False) -> bool:
+                   count_open: Callable[[], int], searching: bool = False,
+                   is_live: Callable[[Sequence], bool] | None = None) -> bool:
     """Whether ``out`` has work (``settled``: no step's tokens in flight or outputs unbuilt; ``count_open``: the
     engine's sequences not finished; ``searching``: beam searches hold KV blocks, so an empty schedule while
-    sequences wait is no fault of the scheduler's: the searches free their blocks when they end); PluginError for a
-    scheduler that broke its contract (each breach checked here would otherwise change tokens without an error,
-    hang, or fail deep inside the runner)."""
+    sequences wait is no fault of the scheduler's: the searches free their blocks when they end; ``is_live``:
+    whether a sequence is one of the engine's requests'); PluginError for a scheduler that broke its contract (each
+    breach checked here would otherwise change tokens without an error, hang, or fail deep inside the runner)."""
     name = config.scheduler
     if not isinstance(out, SchedulerOutput):
         raise PluginError(f"scheduler {name!r}: schedule() returned {type(out).__name__}, not a SchedulerOutput; "
@@ -186,7 +187,19 @@ def check_schedule(out: SchedulerOutput, config: EngineConfig, scheduler: Schedu
                           f"max_num_seqs={config.max_num_seqs} (forked children count: an n > 1 request's other "
                           "n - 1 sequences fork from its first when that samples its first token, so admit it only "
                           "with params.n seats free); fix the plugin")
+    if len(out.scheduled) > 1 and out.num_tokens > config.max_num_batched_tokens:  # what bounds a step's activations
+        raise PluginError(f"scheduler {name!r} scheduled {out.num_tokens} tokens in {len(out.scheduled)} sequences, "
+                          f"over max_num_batched_tokens={config.max_num_batched_tokens} (only a sequence alone may "
+                          "go over it, one that can never fit it); fix the plugin")
     for item in out.scheduled:
+        if item.seq.is_finished:  # finish() and update() end a sequence for good: it must leave the scheduler
+            raise PluginError(f"scheduler {name!r} scheduled sequence {item.seq.seq_id}, which is finished "
+                              f"({item.seq.finish_reason}); a sequence that finish() or update() ended must leave "
+                              "the scheduler (and its KV blocks be freed), else it runs in every step; fix the plugin")
+        if is_live is not None and not is_live(item.seq):
+            raise PluginError(f"scheduler {name!r} scheduled sequence {item.seq.seq_id} (request "
+                              f"{item.seq.request_id!r}), which is none of the engine's live requests' sequences (a "
+                              "scheduler schedules the sequences it was given by add() and fork()); fix the plugin")
         uncomputed = item.seq.num_tokens - item.seq.num_computed_tokens
         if not 1 <= item.num_new_tokens <= uncomputed:
             raise PluginError(f"scheduler {name!r} (with KV cache {config.kv_cache!r}, whose match_prefix sets the "

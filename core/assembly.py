@@ -16,7 +16,7 @@ from .loader import LoadedModel, LoadProgress, host_memory_available, load_model
 from .model import check_capturable, check_softcap, fit_sliding_window
 from .lora import start_lora_adapters
 from .plugins import PluginManager
-from .runner import ModelRunner
+from .runner import Culprits, ModelRunner
 
 log = logging.getLogger("infer")
 VERIFY_GRAPH_MAX_BATCH = 32
@@ -113,7 +113,9 @@ def assemble(config: EngineConfig, plugins: PluginManager, load_progress: LoadPr
                           "of those (--scheduling-policy), or a scheduler that follows it (--scheduler continuous)")
     runner = ModelRunner(loaded.model, attention, num_blocks, config.block_size, loaded.dtype, loaded.device,
                          config.seed, config.num_swap_blocks if config.preemption_mode == "swap" else 0,
-                         kv_dtype=kv_dtype, kv_scales=kv_scales)
+                         kv_dtype=kv_dtype, kv_scales=kv_scales, culprits=Culprits(
+                             f"scheduler {plugins.named('scheduler', config.scheduler)}",
+                             f"KV cache {plugins.named('kv_cache', config.kv_cache)}"))
     if lora is not None and not kv.isolates_namespaces:
         raise ConfigError(f"KV cache {config.kv_cache!r} does not declare isolates_namespaces, so its prefix reuse "
                           "could serve one LoRA adapter's KV to another's request; use --kv-cache paged or radix-cache "

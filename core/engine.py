@@ -26,7 +26,8 @@ from .forks import PendingForks, start_forks
 from .intake import Intake
 from .interrupts import HeldInterrupts
 from .loader import LoadProgress, out_of_memory
-from .interfaces import SchedulerOutput, StructuredOutputBackend, Vocabulary
+from .interfaces import LogitsProcessor, SchedulerOutput, StructuredOutputBackend, Vocabulary
+from .logits_processors import LogitsProcessors
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
 from .outputs import RequestState, append_output, build_output, with_every_sequence
@@ -99,6 +100,9 @@ class Engine:
         self.structured = StructuredOutputs(self._structured_output_backend, config.structured_output_backend,
                                             spec.vocab_size)
         self.runner.structured = self.structured
+        self.processors = self.runner.processors = LogitsProcessors(
+            lambda name: self._logits_processor(name), self.plugins.registry("logits_processor").names,
+            self._plugin_code)
         self.active = parts.active(config)
         self.requests: dict[str, RequestState] = {}
         self.async_scheduling = config.async_scheduling_on(self.loaded.device.type)
@@ -124,7 +128,7 @@ class Engine:
         # tool_parser reads the replies of chats that offer tools, its reasoning_parser splits chats' replies
         self.intake = Intake(checker, self.structured, self.eos_token_ids, self.max_model_len,
                              self.new_detokenizer, parts.tool_parser, parts.reasoning_parser, config.reasoning_parser,
-                             self.blame, self._plugin_code)
+                             self.blame, self._plugin_code, self.processors)
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
         self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
@@ -148,6 +152,12 @@ class Engine:
                                      vocabulary)
         self.blame.add("structured_output_backend", name, backend)
         return backend
+
+    def _logits_processor(self, name: str) -> LogitsProcessor:
+        """Built at the first request that names it, and blamed for its errors from then on."""
+        processor = self.plugins.build("logits_processor", name, LogitsProcessor, self.config)
+        self.blame.add("logits_processor", name, processor)
+        return processor
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -418,12 +428,18 @@ class Engine:
         swapped a sequence out (preempted for want of blocks that beam searches hold), and that copy is the
         sequence's KV from now on."""
         settled = self.in_flight is None and not self.unemitted
-        if check_schedule(out, self.config, self.scheduler, settled, self._open_sequences, bool(self.searches)):
+        if check_schedule(out, self.config, self.scheduler, settled, self._open_sequences, bool(self.searches),
+                          self._is_live):
             return True
         if out.block_ops:
             with torch.inference_mode():
                 self.runner.apply_block_ops(out.block_ops)
         return False
+
+    def _is_live(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is a sequence of one of the requests under way."""
+        req = self.requests.get(seq.request_id)
+        return req is not None and any(s is seq for s in req.seqs)
 
     def _open_sequences(self) -> int:
         """The requests' sequences not finished (read only when a schedule comes back empty)."""
@@ -532,6 +548,7 @@ class Engine:
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
             self.runner.controls.release(seq.seq_id)
+            self.processors.release(seq)
             self.structured.release(seq.seq_id)
             self.stats.output_tokens += seq.num_output_tokens
         output.metrics.update(self.stats.record_finished(req.seqs, req.arrival))

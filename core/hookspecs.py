@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     import torch
 
     from .config import EngineConfig
-    from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, Model, Proposer, QuantMethod,
-                             ReasoningParser, Scheduler, StructuredOutputBackend, ToolParser, Vocabulary)
+    from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, LogitsProcessor, Model, Proposer,
+                             QuantMethod, ReasoningParser, Scheduler, StructuredOutputBackend, ToolParser, Vocabulary)
     from .loader import LoadedModel
     from .plugins import PluginManager
     from .metrics import StepStats
@@ -35,6 +35,7 @@ ModelFactory = Callable[["dict[str, Any]", "QuantMethod | None", "torch.dtype", 
 ToolParserFactory = Callable[["EngineConfig", Any], "ToolParser"]
 ReasoningParserFactory = Callable[["EngineConfig", Any], "ReasoningParser"]
 StructuredOutputBackendFactory = Callable[["EngineConfig", "Vocabulary"], "StructuredOutputBackend"]
+LogitsProcessorFactory = Callable[["EngineConfig"], "LogitsProcessor"]
 CommandFactory = Callable[[], "click.Command"]
 
 
@@ -105,8 +106,10 @@ def register_tool_parsers(register: Register[ToolParserFactory]) -> None:
 
     ``factory(config, tokenizer)`` returns a :class:`~infer.core.interfaces.ToolParser` for replies of the model
     whose tokenizer is given (a parser of a format marked by special tokens decodes ``token_ids`` with it). The
-    engine gives it the reply of every chat that offered tools, once the reply is finished. Selected by
-    ``--tool-parser NAME``.
+    engine asks ``for_prompt`` once per request for the parser of its replies, gives ``parse`` the reply of every
+    chat that offered tools once the reply is finished, and, as the reply streams, asks ``streamed_content`` and
+    ``streamed_calls`` how much content and how many calls it may hand out already (docs/plugin-hooks.md has the
+    contracts). Selected by ``--tool-parser NAME``.
     """
 
 
@@ -115,9 +118,11 @@ def register_reasoning_parsers(register: Register[ReasoningParserFactory]) -> No
     """Register splitters of reasoning models' replies into reasoning and content.
 
     ``factory(config, tokenizer)`` returns a :class:`~infer.core.interfaces.ReasoningParser` for replies of the
-    model whose tokenizer is given. The engine gives it the reply of every chat that is not structured output (a
-    forced ``tool_choice``'s included), once the reply is finished and a tool parser, if any, has read its calls
-    out. Selected by ``--reasoning-parser NAME``.
+    model whose tokenizer is given. The engine gives ``split`` the reply of every chat but a beam search's and a
+    structured one whose grammar holds from the first token (a forced ``tool_choice``'s, or where ``reasoning_end``
+    says None), once the reply is finished and a tool parser, if any, has read its calls out; ``reasoning_end`` lets
+    a structured reply's grammar start after the reasoning, and ``stream`` splits a reply as it streams
+    (docs/plugin-hooks.md has the contracts). Selected by ``--reasoning-parser NAME``.
     """
 
 
@@ -129,6 +134,18 @@ def register_structured_output_backends(register: Register[StructuredOutputBacke
     model whose :class:`~infer.core.interfaces.Vocabulary` is given. The engine compiles each request's
     ``SamplingParams.structured_output`` at admission and masks each of its sampled rows with its matcher's
     ``allowed()``. Selected by ``--structured-output-backend NAME``.
+    """
+
+
+@hookspec
+def register_logits_processors(register: Register[LogitsProcessorFactory]) -> None:
+    """Register logits processors, which requests choose by name.
+
+    ``factory(config)`` returns a :class:`~infer.core.interfaces.LogitsProcessor`, built once per engine when a
+    request first names it. A request names processors with their arguments in
+    ``SamplingParams.logits_processors``; the engine checks the arguments at admission (``check``) and hands the
+    processor the logits rows of those requests' sequences before each sample (``apply``). Not selected by
+    ``--plugin``: each request picks its own (``infer generate --logits-processor NAME``).
     """
 
 

@@ -12,6 +12,7 @@ from .chat import ChatPrompt, Prompt
 from .detokenizer import Detokenizer
 from .errors import InvalidRequestError, PluginError
 from .interfaces import ReasoningEnd, ReasoningParser, ToolParser
+from .logits_processors import LogitsProcessors
 from .outputs import RequestState, new_reasoning_stream
 from .plugins import Blame
 from .request import SamplingParams, Sequence
@@ -36,9 +37,11 @@ class Intake:
                  max_model_len: int, new_detokenizer: Callable[[list[int]], Detokenizer],
                  tool_parser: ToolParser | None, reasoning_parser: ReasoningParser | None,
                  reasoning_parser_name: str | None, blame: Blame,
-                 plugin_code: Callable[[], AbstractContextManager[None]]) -> None:
-        """``plugin_code()``: the engine's guard around calls into components (their errors become PluginErrors)."""
+                 plugin_code: Callable[[], AbstractContextManager[None]], processors: LogitsProcessors) -> None:
+        """``plugin_code()``: the engine's guard around calls into components (their errors become PluginErrors);
+        ``processors``: the logits processors requests name (their arguments are checked here)."""
         self.checker, self.structured, self.eos_token_ids = checker, structured, eos_token_ids
+        self.processors = processors
         self.max_model_len, self.new_detokenizer = max_model_len, new_detokenizer
         self.tool_parser, self.reasoning_parser, self.reasoning_parser_name = \
             tool_parser, reasoning_parser, reasoning_parser_name
@@ -46,9 +49,10 @@ class Intake:
         self.seq_ids = itertools.count()
 
     def check(self, prompt: Prompt, params: SamplingParams) -> Checked:
-        """The checks of add_request before the scheduler's: InvalidRequestError for a bad prompt or parameters,
-        or for a structured output the backend cannot follow."""
+        """The checks of add_request before the scheduler's: InvalidRequestError for a bad prompt or parameters
+        (logits processors' arguments included), or for a structured output the backend cannot follow."""
         ids = self.checker.check(prompt, params)
+        self.processors.check(params)
         params, reader = reply_reading(prompt, params, self.tool_parser)
         with schema_errors(reader):
             self.check_structured_output(params)

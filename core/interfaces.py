@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, MutableSequence
+from collections.abc import Hashable, Mapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -12,13 +12,15 @@ from .reply_interfaces import (
     Grammar, GrammarMatcher, ReasoningEnd, ReasoningParser, ReasoningStream, StructuredOutputBackend, ToolParser,
     Vocabulary,
 )
-from .request import FinishReason, Sequence
+from .request import FinishReason, Sequence, SequenceStatus
 
 __all__ = [
     "KVStats", "BlockOps", "KVCache", "EvictionPolicy", "not_evictable", "ScheduledSequence", "SchedulerOutput",
     "Scheduler", "AttentionMetadata", "LayerKVCache", "kv_cache_scales", "AttentionBackend", "QUANTIZED_TENSOR_NAMES",
-    "check_float", "QuantMethod", "Proposal", "Proposer", "ToolParser", "ReasoningParser", "ReasoningStream",
-    "ReasoningEnd", "Vocabulary", "StructuredOutputBackend", "Grammar", "GrammarMatcher", "ModelSpec", "Model",
+    "check_float", "QuantMethod", "ProcessorRow", "LogitsProcessor", "Proposal", "Proposer", "ToolParser",
+    "ReasoningParser", "ReasoningStream", "ReasoningEnd", "Vocabulary", "StructuredOutputBackend", "Grammar",
+    "GrammarMatcher", "ModelSpec", "Model",
+    "Sequence", "SequenceStatus", "FinishReason",  # what a scheduler reads and sets (from core/request.py)
 ]
 
 if TYPE_CHECKING:
@@ -546,6 +548,36 @@ class QuantMethod(ABC):
     @abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Return ``x @ W.T (+ bias)`` for x [..., in_features]."""
+
+
+# ---------------------------------------------------------------- logits processors
+@dataclass(frozen=True)
+class ProcessorRow:
+    """One logits row handed to a :class:`LogitsProcessor`: the sequence it samples the next token of."""
+
+    seq_id: int  # stable while the sequence lives (forked sequences have their own): key per-sequence state by it
+    token_ids: list[int]  # the prompt's tokens, then the output's so far (read it, never change it)
+    num_prompt_tokens: int
+    args: Mapping[str, Any]  # the request's arguments for this processor (JSON values; shared: never change them)
+
+
+class LogitsProcessor(ABC):
+    """Changes the next-token logits of the sequences whose request names it (``SamplingParams.logits_processors``,
+    with its arguments), after the logit bias and penalties and before a structured output's mask and sampling.
+    Sequences with a processor do not speculate. The logprobs a request returns stay the model's raw ones."""
+
+    def check(self, args: Mapping[str, Any]) -> None:
+        """Refuse a request's ``args`` (a JSON object) before any work: raise InvalidRequestError saying what is
+        wrong and what is allowed. The default accepts any."""
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
+        """``logits`` [len(rows), V] float32 (row i: the next token of ``rows[i]``) changed by this processor:
+        ``logits`` itself, changed in place, or a new tensor of the same shape, dtype and device. A logit of -inf
+        bans a token; a row must keep some finite logit, and none may be NaN."""
+
+    def release(self, seq_id: int) -> None:
+        """The sequence ``seq_id`` finished: drop any state kept for it. The default keeps none."""
 
 
 # ---------------------------------------------------------------- speculative decoding

@@ -36,6 +36,7 @@ KINDS: dict[str, str] = {  # kind -> registration hook name
     "tool_parser": "register_tool_parsers",
     "reasoning_parser": "register_reasoning_parsers",
     "structured_output_backend": "register_structured_output_backends",
+    "logits_processor": "register_logits_processors",
     "model": "register_models",
     "command": "register_commands",
 }
@@ -215,6 +216,10 @@ class PluginManager:
         self.collect()
         return self.registries[kind]
 
+    def named(self, kind: str, name: str) -> str:
+        """``'name' from 'package'``: how errors name a registered component."""
+        return f"{name!r} from {self.registry(kind).entry(name).source!r}"
+
     def build(self, kind: str, name: str, expected: type[T], *args: Any) -> T:
         """Call the factory registered as ``name`` and check that it kept its contract (it returns an instance of
         the kind's ABC). A factory that raises anything but an InferError (or running out of memory: the device's
@@ -268,6 +273,10 @@ class PluginManager:
         changes: dict[str, str] = {}
         for name in names:
             kinds = self.kinds_of(name)
+            if not kinds and name in self.registries["logits_processor"]:
+                raise ConfigError(f"{name!r} is a logits processor, which each request chooses, not the engine: "
+                                  f"SamplingParams(logits_processors=[{name!r}]), or `infer generate "
+                                  f"--logits-processor {name}`")
             if not kinds:
                 every = sorted({c.name for c in self.components() if c.kind in COMPONENT_FIELDS})
                 close = difflib.get_close_matches(name, every, n=1)
@@ -437,8 +446,7 @@ class Blame:
         """Blame ``component`` (of ``kind``, registered as ``name``) too, from now on: one built after the others."""
         if name is None or component is None:
             return
-        source = self.plugins.registry(kind).entry(name).source
-        self.instances[id(component)] = (component, kind.replace("_", " "), f"{name!r} from {source!r}")
+        self.instances[id(component)] = (component, kind.replace("_", " "), self.plugins.named(kind, name))
         self.modules.setdefault(type(component).__module__, []).append(self._who(component))
 
     def name(self, component: object) -> str | None:

@@ -19,6 +19,8 @@ MAX_TEMPERATURE = 1e6
 MAX_REPETITION_PENALTY = 1e3
 MAX_STOP_TOKEN_IDS = 1024  # min_tokens bans each one on every step until then
 MAX_LOGIT_BIAS = 1024  # entries; each costs a scatter element per step
+MAX_LOGITS_PROCESSORS = 8
+MAX_PROCESSOR_ARGS_CHARS = 100_000  # a processor's arguments as JSON text
 MAX_CHOICES = 1024
 MAX_STRUCTURE_CHARS = 100_000  # a regex, the choices together, a JSON schema's text or a grammar
 STRUCTURE_FIELDS = ("regex", "choice", "json_schema", "grammar")  # StructuredOutput's, of which exactly one is set
@@ -120,6 +122,9 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     # the LoRA adapter (a name given to --lora NAME=DIR at start) applied to this request; None: the base model
     lora_adapter: str | None = None
+    # registered logits processors (register_logits_processors) applied in order, with their arguments: given as
+    # names, (name, args) pairs or a {name: args} dict; kept as (name, the args' JSON text) pairs
+    logits_processors: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         # accept lists from callers, keep the dataclass hashable; anything else is left for validate() to name
@@ -137,6 +142,7 @@ class SamplingParams:
             if all(isinstance(p, tuple) and p and isinstance(p[0], int) for p in pairs):
                 pairs.sort(key=lambda p: p[0])
             object.__setattr__(self, "logit_bias", tuple(pairs))
+        object.__setattr__(self, "logits_processors", _processor_calls(self.logits_processors))
 
     @property
     def greedy(self) -> bool:
@@ -214,6 +220,7 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         self._validate_logit_bias(bad)
+        self._validate_processors(bad)
         self._validate_structure(bad)
         if self.lora_adapter is not None and (not isinstance(self.lora_adapter, str) or not self.lora_adapter):
             raise bad(f"lora_adapter must be the name of a loaded LoRA adapter (a non-empty string) or None, got "
@@ -236,6 +243,29 @@ class SamplingParams:
                 raise bad(f"{name} cannot be combined with structured_output: a structured output ends at EOS as "
                           f"soon as it is complete; drop {name}")
 
+    def _validate_processors(self, bad: Callable[[str], InvalidRequestError]) -> None:
+        calls = self.logits_processors
+        form = "names, (name, args) pairs or a {name: args} dict, args a JSON object"
+        if not isinstance(calls, tuple) or not all(
+                isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str) and c[0] and isinstance(c[1], str)
+                for c in calls):
+            raise bad(f"logits_processors must be {form}; got {calls!r}")
+        if len(calls) > MAX_LOGITS_PROCESSORS:
+            raise bad(f"logits_processors may name at most {MAX_LOGITS_PROCESSORS} processors, got {len(calls)}")
+        names = [name for name, _ in calls]
+        if len(set(names)) != len(names):
+            raise bad(f"logits_processors names a processor twice: {names}")
+        for name, args in calls:
+            if len(args) > MAX_PROCESSOR_ARGS_CHARS:
+                raise bad(f"the arguments of logits processor {name!r} take {len(args)} characters as JSON, over "
+                          f"{MAX_PROCESSOR_ARGS_CHARS}")
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise bad(f"the arguments of logits processor {name!r} must be a JSON object, got {args[:80]!r}")
+
     def _validate_logit_bias(self, bad: Callable[[str], InvalidRequestError]) -> None:
         bias = self.logit_bias
         if not isinstance(bias, tuple):
@@ -254,6 +284,32 @@ class SamplingParams:
             if token in seen:
                 raise bad(f"logit_bias names token {token} twice")
             seen.add(token)
+
+
+def _processor_calls(value: object) -> object:
+    """``SamplingParams.logits_processors`` as (name, JSON text of its args) pairs; a value of another form, or
+    arguments that are no JSON, are left as they are for ``validate`` to name."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    items = list(value.items()) if isinstance(value, dict) else list(value) if isinstance(value, (list, tuple)) \
+        else None
+    if items is None:
+        return value
+    calls = []
+    for item in items:
+        name, args = (item, {}) if isinstance(item, str) else tuple(item) if isinstance(item, (list, tuple)) and \
+            len(item) == 2 else (None, None)
+        if isinstance(args, str):  # JSON text already (what validate checks, and what gRPC carries)
+            calls.append((name, args))
+            continue
+        try:
+            calls.append((name, json.dumps({} if args is None else args, sort_keys=True, separators=(",", ":"),
+                                            allow_nan=False)))
+        except (TypeError, ValueError):
+            return value
+    return tuple(calls)
 
 
 def _is_int(value: object) -> bool:

@@ -12,6 +12,7 @@ import torch
 from .errors import ConfigError, PluginError
 from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, LayerKVCache, SchedulerOutput
 from .logit_controls import LogitControls
+from .logits_processors import LogitsProcessors
 from .model import Model
 from .prompt_logprobs import PromptRows, collect, prompt_rows
 from .request import FinishReason, SamplingParams, Sequence
@@ -107,27 +108,48 @@ def add_slots(slots: list[int], table: MutableSequence[int], start: int, end: in
         slots.extend(range(base + max(start, b * size), base + min(end, b * size + size)))
 
 
-def unallocated(out: SchedulerOutput, kv: KVCache) -> PluginError:
-    """The error for a schedule whose sequence computes positions its KV blocks do not cover."""
-    for item in out.scheduled:
-        seq, end = item.seq, item.seq.num_computed_tokens + item.num_new_tokens + len(item.draft_token_ids)
-        held = len(kv.block_table(seq)) * kv.block_size
-        if held < end:
-            return PluginError(f"sequence {seq.seq_id} of request {seq.request_id} was scheduled to compute positions "
-                               f"up to {end} but holds KV blocks for {held}: a scheduler must KVCache.allocate "
-                               "before it schedules")
-    return PluginError("a block table lookup failed while building the batch (a KV cache returned a bad table)")
+@dataclass(frozen=True)
+class Culprits:
+    """Who a schedule the runner cannot build a batch from is blamed on: its scheduler and KV cache, each as
+    ``"scheduler 'name' from 'package'"`` (the engine's; a draft model's runner keeps the defaults)."""
+
+    scheduler: str = "the scheduler"
+    kv_cache: str = "the KV cache"
+
+    def unallocated(self, out: SchedulerOutput, kv: KVCache) -> PluginError:
+        """The error for a schedule whose sequence computes positions its KV blocks do not cover."""
+        for item in out.scheduled:
+            seq, end = item.seq, item.seq.num_computed_tokens + item.num_new_tokens + len(item.draft_token_ids)
+            held = len(kv.block_table(seq)) * kv.block_size
+            if held < end:
+                return PluginError(f"{self.scheduler} (with {self.kv_cache}) scheduled sequence {seq.seq_id} of "
+                                   f"request {seq.request_id} to compute positions up to {end}, but its block table "
+                                   f"covers {held}: a scheduler must KVCache.allocate before it schedules, and a KV "
+                                   "cache's block_table must cover what allocate accepted; fix the plugin")
+        return PluginError(f"a block table lookup failed while building the batch ({self.kv_cache} returned a bad "
+                           "table); fix the plugin")
+
+    def outside(self, out: SchedulerOutput, kv: KVCache, num_blocks: int) -> PluginError:
+        """The error for a block table holding an id outside the pool ``[0, num_blocks)``."""
+        for item in out.scheduled:
+            bad = [block for block in kv.block_table(item.seq) if not 0 <= block < num_blocks]
+            if bad:
+                return PluginError(f"{self.kv_cache}: the block table of sequence {item.seq.seq_id} holds block id "
+                                   f"{bad[0]}, outside the pool's [0, {num_blocks}) (the attention kernels would "
+                                   "read and write other memory); fix the plugin")
+        return PluginError(f"{self.kv_cache} returned a block id outside the pool's [0, {num_blocks}); fix the plugin")
 
 
 class ModelRunner:
     def __init__(self, model: Model, attention: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, seed: int, num_swap_blocks: int = 0,
-                 kv_dtype: torch.dtype | None = None, kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-                 ) -> None:
+                 kv_dtype: torch.dtype | None = None, kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 culprits: Culprits = Culprits()) -> None:
         """``kv_dtype`` is the cache element dtype (default: ``dtype``); an fp8 cache needs ``kv_scales``, one
-        (k_scale, v_scale) pair of fp32 [num_kv_heads] per layer, kept next to the cache tensors."""
+        (k_scale, v_scale) pair of fp32 [num_kv_heads] per layer, kept next to the cache tensors. ``culprits``:
+        whom a bad schedule or block table is blamed on."""
         self.model, self.attention = model, attention
-        self.block_size, self.device = block_size, device
+        self.block_size, self.device, self.num_blocks, self.culprits = block_size, device, num_blocks, culprits
         spec = model.spec
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         dtype = kv_dtype or dtype
@@ -155,6 +177,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.controls = LogitControls(device)
         self.structured: StructuredOutputs | None = None  # the engine's, when it has a structured-output backend
+        self.processors: LogitsProcessors | None = None  # the engine's: the logits processors requests name
         self.uploader = Uploader(device)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
@@ -209,13 +232,16 @@ class ModelRunner:
                     draft_rows.extend(range(query_start[-1] - len(drafts), query_start[-1]))
                     draft_counts.append(len(drafts))
         except IndexError:
-            raise unallocated(out, kv) from None
+            raise self.culprits.unallocated(out, kv) from None
         width = max(map(len, tables))
         flat = array.array("i", bytes(4 * width * len(tables)))  # the block tables, zero-padded to [B, width]
         for row, table in enumerate(tables):
             start = row * width
             flat[start : start + len(table)] = table if type(table) is array.array and table.typecode == "i" \
                 else array.array("i", table)
+        lowest, highest = torch.frombuffer(flat, dtype=torch.int32).aminmax()
+        if lowest < 0 or highest >= self.num_blocks:
+            raise self.culprits.outside(out, kv, self.num_blocks)
         query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
         lora_slots, lora_in_use = self._lora_slots(out, query_lens) if self.lora is not None else (None, frozenset())
         fill_at, fill_from = pending.locate(out, query_start, tokens) if pending is not None else ([], [])
@@ -366,12 +392,15 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences), whose
-        logit controls (penalties, min_tokens) and structured output apply to its row."""
+        logit controls (penalties, min_tokens), logits processors and structured output apply to its row."""
         return self.sample_pending(logits, seqs).result()
 
     def sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """``sample`` without waiting for the device (async scheduling reads the tokens a step later)."""
         controlled = self.controls.apply(logits, seqs)
+        if self.processors is not None and (processed := self.processors.apply(
+                logits if controlled is None else controlled, seqs)) is not None:
+            controlled = processed
         if self.structured is not None and (masked := self.structured.apply(
                 logits if controlled is None else controlled, seqs)) is not None:
             controlled = masked

@@ -106,7 +106,7 @@ class PagedKVCache(KVCache):
     def _pop_evictable(self) -> int:
         block = self.eviction.pop()
         if not (isinstance(block, int) and 0 <= block < self.num_blocks and self.ref[block] == 0
-                and self.block_key[block] is not None):
+                and self.block_key[block] is not None and block not in self.held):  # held: removed from the policy
             raise not_evictable(self.eviction, block, self.eviction_name)
         return block
 

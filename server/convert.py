@@ -73,7 +73,9 @@ def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:
     params = SamplingParams(stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop), ignore_eos=p.ignore_eos,
                             priority=request.priority, logit_bias=dict(p.logit_bias),
                             include_stop_str_in_output=p.include_stop_str_in_output,
-                            structured_output=_structure_of(p) if p.HasField("structured_output") else None, **kwargs)
+                            structured_output=_structure_of(p) if p.HasField("structured_output") else None,
+                            logits_processors=tuple((c.name, c.args_json or "{}") for c in p.logits_processors),
+                            **kwargs)
     params.validate()
     return params
 
@@ -98,7 +100,7 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
     if params is not None:
         fields = {name: getattr(params, name) for name in (*_OPTIONAL_SCALARS, "stop_token_ids", "stop", "ignore_eos",
                                                            "include_stop_str_in_output")} | {
-            "logit_bias": params.logit_bias} | fields
+            "logit_bias": params.logit_bias, "logits_processors": params.logits_processors} | fields
         if fields.get("seed") is None:
             fields.pop("seed")
         for name in ("logprobs", "prompt_logprobs", "lora_adapter"):
@@ -120,6 +122,12 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
         except (TypeError, ValueError):
             raise InvalidRequestError(f"invalid sampling parameters: logit_bias must map token ids to biases, got "
                                       f"{pairs!r}"[:300]) from None
+    if "logits_processors" in fields:  # names, pairs or a dict, as SamplingParams takes them
+        calls = SamplingParams(logits_processors=fields["logits_processors"]).logits_processors
+        if not isinstance(calls, tuple) or not all(isinstance(c, tuple) for c in calls):
+            raise InvalidRequestError(f"invalid sampling parameters: logits_processors must be names, (name, args) "
+                                      f"pairs or a {{name: args}} dict, args a JSON object; got {calls!r}"[:300])
+        fields["logits_processors"] = [pb.LogitsProcessorCall(name=name, args_json=args) for name, args in calls]
     try:
         return pb.SamplingParams(**fields)
     except (ValueError, TypeError) as exc:

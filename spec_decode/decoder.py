@@ -141,6 +141,7 @@ class SpecDecoder:
         seq = item.seq
         decoding = item.num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
         if not decoding or seq.num_output_tokens == 0 or not seq.params.speculative or controls_now(seq) or \
+                seq.params.logits_processors or \
                 self.forced_only and seq.params.structured_output is None or \
                 seq.params.structured_output is not None and not (self.structured_drafts and (
                     self.structured.in_content(seq) and self.structured.can_walk_drafts(seq))):

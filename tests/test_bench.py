@@ -883,6 +883,7 @@ def test_hf_continuous_batching_records_times_from_the_runs_start_and_each_turns
     (["--ab", "", "hf:cb", "--repetition-penalty", "1.2"], "transformers' continuous batching drops "
      "--repetition-penalty"),
     (["--ab", "", "hf", "--presence-penalty", "0.5"], "HF transformers has no --presence-penalty: drop it or the hf"),
+    (["--ab", "", "hf", "--logits-processor", "no-repeat-ngram"], "HF transformers has no --logits-processor: drop"),
     # static HF batches apply a repetition penalty (only hf:cb drops it): the bench goes on to the next check
     (["--ab", "", "hf", "--repetition-penalty", "1.2", "--num-requests", "0"], "--num-requests must be a positive"),
     (["--workload", "multi-turn", "--turns", "0"], "--turns must be a positive integer, got 0"),

@@ -569,7 +569,7 @@ def test_sampling_and_max_tokens_defaults_are_the_documented_ones():
     assert CliRunner().invoke(command, []).exit_code == 0
     documented = _documented_defaults("generate")
     sampling = received[0]["sampling"]
-    assert sampling.pop("logit_bias") == ()
+    assert sampling.pop("logit_bias") == () and sampling.pop("logits_processors") == ()
     assert sampling == {name: float(documented["--" + name.replace("_", "-")]) for name in sampling}
     assert len(sampling) == 8  # temperature, top_p, top_k, min_p, the three penalties, min_tokens
     for name in ("generate", "chat"):
@@ -584,6 +584,32 @@ def test_every_logit_bias_given_reaches_the_command():
     result = CliRunner().invoke(command, ["--logit-bias", "6=-100", "--logit-bias", "5=100", "--logit-bias", "9=0.5"])
     assert result.exit_code == 0, result.output
     assert received[0]["sampling"]["logit_bias"] == ((6, -100.0), (5, 100.0), (9, 0.5))
+
+
+def test_every_logits_processor_given_reaches_the_command_in_order():
+    from infer.cli.options import sampling_options
+
+    command, received = _recording_command(sampling_options)
+    result = CliRunner().invoke(command, ["--logits-processor", 'no-repeat-ngram={"size": 3}',
+                                          "--logits-processor", "mine"])
+    assert result.exit_code == 0, result.output
+    assert received[0]["sampling"]["logits_processors"] == (("no-repeat-ngram", '{"size":3}'), ("mine", "{}"))
+    for bad, message in (("x={size: 3}", "the arguments after = are not JSON"), ("x=[3]", "is not NAME or NAME=JSON"),
+                         ("=", "is not NAME or NAME=JSON")):
+        result = CliRunner().invoke(command, ["--logits-processor", bad])
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_generate_runs_a_logits_processor_and_names_an_unknown_one():
+    """The embedded model: with no token twice (size 1), as the processor promises; an unknown name is refused."""
+    result = run("generate", "def f(x):", "--max-tokens", "12", "--ignore-eos", "--json",
+                 "--logits-processor", 'no-repeat-ngram={"size": 1}')
+    assert result.exit_code == 0, result.output
+    ids = json.loads(result.stdout.splitlines()[0])["token_ids"]
+    assert len(ids) == 12 and len(set(ids)) == 12
+    result = run("generate", "hi", "--logits-processor", "no-repeat")
+    assert result.exit_code != 0 and "unknown logits processor 'no-repeat' (did you mean 'no-repeat-ngram'?)" in \
+        result.stderr
 
 
 def test_structure_files_are_read_whole_as_utf8(tmp_path):
@@ -647,6 +673,7 @@ BESIDE_BEAM_SEARCH = {
     "--temperature": ["0.5"], "--top-p": ["0.5"], "--top-k": ["3"], "--min-p": ["0.1"], "--n": ["2"],
     "--stop": ["x"], "--include-stop-str": [], "--seed": ["1"], "--stream": [], "--repetition-penalty": ["1.2"],
     "--frequency-penalty": ["0.5"], "--presence-penalty": ["0.5"], "--min-tokens": ["1"], "--logit-bias": ["5=1"],
+    "--logits-processor": ["no-repeat-ngram"],
     "--regex": ["a"], "--choice": ["a"], "--json-schema": ["{schema}"], "--grammar": ["{grammar}"],
     "--logprobs": ["1"], "--prompt-logprobs": ["1"], "--stats": []}
 

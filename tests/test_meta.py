@@ -124,6 +124,10 @@ class Recorder:
         self._register("register_structured_output_backends", register, lambda config, vocabulary: None)
 
     @hookimpl
+    def register_logits_processors(self, register: Any) -> None:
+        self._register("register_logits_processors", register, lambda config: None)
+
+    @hookimpl
     def register_models(self, register: Any) -> None:
         self._register("register_models", register, lambda hf_config, quant, dtype, config: None)
 
@@ -312,5 +316,6 @@ def test_the_interfaces_module_exports_every_plugin_abc():
                 and (inspect.isclass(value) or callable(value))}
 
     constants = {"QUANTIZED_TENSOR_NAMES", "Model"}
-    assert public(interfaces) | public(reply_interfaces) | constants == set(interfaces.__all__)
+    from_request = {"Sequence", "SequenceStatus", "FinishReason"}  # what schedulers read and set, re-exported
+    assert public(interfaces) | public(reply_interfaces) | constants | from_request == set(interfaces.__all__)
     assert all(getattr(interfaces, name) is not None for name in interfaces.__all__)

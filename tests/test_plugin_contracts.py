@@ -2,6 +2,7 @@
 plugin and say how to get infer running again, name rules, and a plugin template whose rename steps work."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -156,6 +157,57 @@ def test_a_policy_that_pops_a_held_key_is_refused_not_trusted(tiny_model, kv_cac
         f"ForgetfulLRU): pop() returned {held}") + r".*, which is not evictable .* fix the policy's bookkeeping"
     with pytest.raises(PluginError, match=expected):
         engine.generate([shared + [30] * 4, list(range(40, 56))], params)  # a hit holds them; the other evicts
+
+
+class LazyLRU(EvictionPolicy):
+    """LRU with lazy deletion whose pop() forgets to skip removed keys: it may return a cached prefix block that the
+    paged cache removed from the policy because blocks cached after it depend on it (not a leaf, not evictable)."""
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[Hashable, None] = OrderedDict()
+        self.removed: set[Hashable] = set()
+
+    def insert(self, key: Hashable, priority: int = 0) -> None:
+        self.removed.discard(key)
+        self.order[key] = None
+        self.order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        pass
+
+    def remove(self, key: Hashable) -> None:
+        if key not in self.order or key in self.removed:
+            raise KeyError(key)
+        self.removed.add(key)
+
+    def pop(self) -> Hashable:
+        key = self.order.popitem(last=False)[0]  # the bug: a removed key is not skipped
+        self.removed.discard(key)
+        return key
+
+    def __len__(self) -> int:
+        return len(self.order) - len(self.removed)
+
+
+def test_a_policy_that_pops_a_cached_prefix_block_it_was_told_to_remove_is_refused(tiny_model):
+    """A finished prompt of 3 full blocks leaves block 2 evictable and blocks 0 and 1 cached but held back (removed
+    from the policy) as prefixes of it. A policy whose pop() returns block 0 anyway was trusted: the cache then
+    evicted a block it still kept among its held-back prefixes, and a later step failed inside the shipped paged
+    cache (a TypeError blamed on 'paged' from 'infer-engine'), or gave a block to two sequences."""
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+
+    plugins = PluginManager.from_entry_points()
+    module = types.ModuleType("lazy")
+    module.register_eviction_policies = hookimpl(lambda register: register("lazy", lambda config: LazyLRU()))
+    plugins.register(module, name="lazy", source="acme")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", eviction_policy="lazy", block_size=4,
+                                 num_kv_blocks=8), plugins)
+    engine.generate([list(range(5, 17))], SamplingParams(max_tokens=1))  # 3 full blocks cached
+    expected = re.escape(f"eviction policy 'lazy' ({__name__}.LazyLRU): pop() returned 0") + ", which is not evictable"
+    with pytest.raises(PluginError, match=expected):
+        # 8 blocks: the 5 free ones, block 2 (a leaf), then block 1 is a leaf again, but the policy offers block 0
+        engine.generate([list(range(40, 69))], SamplingParams(max_tokens=1))
 
 
 def test_an_error_raised_in_a_plugins_code_during_a_step_names_the_plugin(infer_plugins, tiny_model, caplog):
@@ -455,6 +507,7 @@ def test_a_crashing_command_factory_shows_its_traceback_with_v_only(tmp_path):
     ("nothing new", "with 0 new token(s) where 4 are uncomputed (it must be 1 to that)"),
     ("too many", "with 5 new token(s) where 4 are uncomputed"),
     ("swap-in under a copy", "its swap-ins write device block(s) [1] that this step's copy-on-write copies"),
+    ("foreign", "which is none of the engine's live requests' sequences"),
 ])
 def test_a_schedule_that_breaks_the_contract_is_refused(infer_plugins, tiny_model, breach, complaint):
     """Each breach would otherwise compute wrong tokens without an error, or fail deep in the runner (a swap-in
@@ -473,6 +526,9 @@ def test_a_schedule_that_breaks_the_contract_is_refused(infer_plugins, tiny_mode
                 return None
             if breach == "twice":
                 out.scheduled.append(ScheduledSequence(first.seq, 1))
+            elif breach == "foreign":  # a copy sharing the request's tokens: it ran, and changed them
+                out.scheduled.append(ScheduledSequence(dataclasses.replace(first.seq, seq_id=first.seq.seq_id + 100),
+                                                       first.num_new_tokens))
             elif breach == "swap-in under a copy":
                 out.block_ops.swap_in.append((0, 1))
                 out.block_ops.copies.append((1, 2))
@@ -484,6 +540,26 @@ def test_a_schedule_that_breaks_the_contract_is_refused(infer_plugins, tiny_mode
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="breaking"), plugins)
     with pytest.raises(PluginError, match=re.escape(complaint)):
         engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
+
+
+def test_a_scheduler_that_keeps_scheduling_a_finished_sequence_is_refused(infer_plugins, tiny_model):
+    """A finish() that sets the status but leaves the sequence among the running ones: the engine ran it in every
+    later step (a seat and its KV blocks taken for good, compute wasted) without an error."""
+    from infer import SamplingParams
+    from infer.core.engine import Engine
+    from infer.core.request import SequenceStatus
+    from infer.plugins.continuous_scheduler import ContinuousScheduler
+
+    class Leaky(ContinuousScheduler):
+        def finish(self, seq, reason):
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    plugins = runtime_plugin(infer_plugins, "register_schedulers", "leaky", Leaky)
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", scheduler="leaky"), plugins)
+    [first] = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
+    assert first.finished
+    with pytest.raises(PluginError, match=r"scheduler 'leaky' scheduled sequence \d+, which is finished"):
+        engine.generate([[9, 10, 11]], SamplingParams(max_tokens=2))
 
 
 class MinimalScheduler:

@@ -99,7 +99,9 @@ class SkipsAllocation(ContinuousScheduler):
 @pytest.mark.parametrize(("scheduler", "message"), [
     (NeverSchedules, r"scheduled nothing while 1 sequence\(s\) wait and 0 run: the engine would never finish them"),
     (OverBudget, "scheduled 4 sequences, over max_num_seqs=2"),
-    (SkipsAllocation, "holds KV blocks for 0: a scheduler must KVCache.allocate before it schedules")])
+    (SkipsAllocation, r"from 'acme' \(with KV cache 'paged' from 'infer-engine'\) scheduled sequence \d+ of request "
+                      r"\w+ to compute positions up to 1, but its block table covers 0: a scheduler must "
+                      "KVCache.allocate before it schedules")])
 def test_a_scheduler_breaking_its_contract_is_named_not_hung(tiny_model, infer_plugins, scheduler, message):
     def register_schedulers(register):
         register("broken", lambda config, kv: scheduler(config, kv))
@@ -109,8 +111,52 @@ def test_a_scheduler_breaking_its_contract_is_named_not_hung(tiny_model, infer_p
                     infer_plugins)
     for prompt in ("a", "b")[: 2 if scheduler is OverBudget else 1]:
         engine.add_request(prompt, SamplingParams(max_tokens=4))
-    with pytest.raises(PluginError, match="scheduler 'broken' " * (scheduler is not SkipsAllocation) + message):
+    with pytest.raises(PluginError, match="scheduler 'broken' " + message):
         engine.step()
+
+
+@pytest.mark.parametrize("first_block", [-1, 63, 64])
+def test_a_block_id_outside_the_pool_is_blamed_on_the_kv_cache(tiny_model, infer_plugins, first_block):
+    """A KV cache whose table names a block outside [0, num_blocks) is refused before a kernel reads or writes
+    there (the CPU backends raised IndexError, blamed on the shipped attention backend; a GPU kernel would not). The
+    last block of the pool is inside: one request whose table starts there generates what the paged cache does."""
+    from infer.plugins.paged_cache import PagedKVCache
+
+    class Moved(PagedKVCache):
+        def block_table(self, seq):
+            table = list(super().block_table(seq))
+            return [first_block] + table[1:] if table else table
+
+    def register_kv_caches(register):
+        register("moved", lambda config, n, eviction: Moved(n, config.block_size, eviction, True))
+
+    infer_plugins.register(plugin_module("moved", register_kv_caches=register_kv_caches), source="acme")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engines = {name: Engine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache=name, num_kv_blocks=64),
+                            infer_plugins) for name in ("moved", "paged")}
+    if first_block == 63:
+        assert engines["moved"].generate(["def f(x):"], params)[0].outputs[0].token_ids == \
+            engines["paged"].generate(["def f(x):"], params)[0].outputs[0].token_ids
+        return
+    with pytest.raises(PluginError, match=rf"KV cache 'moved' from 'acme': the block table of sequence \d+ holds "
+                                          rf"block id {first_block}, outside the pool's \[0, 64\)"):
+        engines["moved"].generate(["def f(x):"], params)
+
+
+def test_a_schedule_over_the_token_budget_is_refused_unless_its_sequence_runs_alone() -> None:
+    """max_num_batched_tokens bounds a step's activations: several sequences may fill it exactly, not pass it; a
+    sequence alone may (an unchunked recompute that grew past the budget has no other way to run)."""
+    config = EngineConfig(max_num_batched_tokens=16)
+    scheduler = ContinuousScheduler(config, PagedKVCache(8, 4, LRUPolicy(), False))
+    seqs = [Sequence(i, f"r{i}", list(range(1, 21)), SamplingParams(), 0.0) for i in range(2)]
+
+    def schedule_of(*counts: int) -> SchedulerOutput:
+        return SchedulerOutput(scheduled=[ScheduledSequence(seq, n) for seq, n in zip(seqs, counts)])
+
+    assert check_schedule(schedule_of(10, 6), config, scheduler, True, lambda: 0)
+    assert check_schedule(schedule_of(20), config, scheduler, True, lambda: 0)
+    with pytest.raises(PluginError, match="scheduled 17 tokens in 2 sequences, over max_num_batched_tokens=16"):
+        check_schedule(schedule_of(10, 7), config, scheduler, True, lambda: 0)
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 2, 5])

@@ -214,7 +214,8 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
                             stop_token_ids=(7,), ignore_eos=True, logprobs=2, prompt_logprobs=3, n=2,
                             speculative=False, priority=3, logit_bias={9: -1.5, 4: 2.0},
                             repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=3,
-                            include_stop_str_in_output=True)
+                            include_stop_str_in_output=True,
+                            logits_processors={"no-repeat-ngram": {"size": 2}, "other": None})
     back = sampling_params_of(pb.GenerateRequest(params=sampling_params_to_proto(params), priority=3))
     assert back == params
     assert sampling_params_of(pb.GenerateRequest()).speculative is True  # unset: the engine's default
@@ -222,7 +223,7 @@ def test_sampling_params_round_trip_through_the_proto() -> None:
 
 @pytest.mark.parametrize(("args", "kwargs", "message"), [
     (("hi",), {"foo": 1}, "no sampling parameter is called 'foo'; they are frequency_penalty, ignore_eos, "
-                          "include_stop_str_in_output, logit_bias, logprobs"),
+                          "include_stop_str_in_output, logit_bias, logits_processors, logprobs"),
     (("hi",), {"priority": 2**40}, "priority must be an integer in (-2**31, 2**31)"),
     (("hi",), {"priority": 1.5}, "priority must be an integer in (-2**31, 2**31) and request_id a string, got 1.5"),
     (("hi",), {"request_id": 5}, "and request_id a string, got 0 and 5"),
@@ -447,6 +448,21 @@ def test_bad_prompts_get_the_engines_message(client: Client, llm: Any, name: str
     for call in (client.generate, client.complete):
         err = rpc_error(lambda: call(prompt, **fields))
         assert (err.code(), err.details()) == (code, expected)
+    assert_serves(client)
+
+
+def test_logits_processors_run_as_offline_and_unknown_ones_are_invalid_argument(client: Client, llm: Any) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                            logits_processors={"no-repeat-ngram": {"size": 1}})
+    [offline] = llm.generate(["hello"], params)
+    assert client.complete("hello", params).outputs[0].token_ids == offline.outputs[0].token_ids
+    assert len(set(offline.outputs[0].token_ids)) == 12
+    for bad in (["nope"], {"no-repeat-ngram": {"size": 0}}):
+        params = SamplingParams(max_tokens=4, logits_processors=bad)
+        for call in (client.generate, client.complete):
+            err = rpc_error(lambda: call("hello", params))
+            assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                   _engine_message(llm, "hello", params))
     assert_serves(client)
 
 

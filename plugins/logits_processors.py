@@ -1,0 +1,63 @@
+"""The shipped logits processors (``register_logits_processors``), which requests name in
+``SamplingParams.logits_processors``.
+
+- ``no-repeat-ngram`` (args ``{"size": n}``, 1 <= n <= 64): no n-gram occurs twice in a sequence, prompt included:
+  a token that would complete an n-gram already in the sequence's tokens is banned. HF transformers'
+  ``no_repeat_ngram_size`` (its NoRepeatNGramLogitsProcessor) does the same; vLLM has none built in.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..core.errors import InvalidRequestError
+from ..core.hookspecs import hookimpl
+from ..core.interfaces import LogitsProcessor, ProcessorRow
+from ..core.registry import Register
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_NGRAM = 64
+
+
+class NoRepeatNgram(LogitsProcessor):
+    """Per sequence, the n-grams of its tokens so far as (the first n - 1 tokens) -> the tokens that followed them,
+    extended by the tokens added since the last step (so a step costs the new tokens, not the whole sequence)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[int, int, dict[tuple[int, ...], set[int]]]] = {}  # seq_id -> (n, counted, grams)
+
+    def check(self, args: Mapping[str, Any]) -> None:
+        size = args.get("size")
+        if set(args) != {"size"} or type(size) is not int or not 1 <= size <= MAX_NGRAM:
+            raise InvalidRequestError(f"takes {{\"size\": n}}, n an integer in [1, {MAX_NGRAM}] (no n-gram repeats); "
+                                      f"got {dict(args)!r}")
+
+    def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
+        import torch
+
+        banned = [(i, token) for i, row in enumerate(rows) for token in self._banned(row) if token < logits.shape[1]]
+        if banned:
+            at = torch.tensor(banned, device=logits.device)
+            logits[at[:, 0], at[:, 1]] = float("-inf")
+        return logits
+
+    def _banned(self, row: ProcessorRow) -> set[int]:
+        """The tokens that would complete an n-gram the row's sequence already holds."""
+        n, tokens = row.args["size"], row.token_ids
+        size, counted, grams = self.seen.get(row.seq_id, (n, 0, {}))
+        if size != n or counted > len(tokens):  # not this sequence's state (a reused id): start again
+            counted, grams = 0, {}
+        for end in range(max(counted, n), len(tokens) + 1):  # the n-gram tokens[end - n:end]
+            grams.setdefault(tuple(tokens[end - n:end - 1]), set()).add(tokens[end - 1])
+        self.seen[row.seq_id] = (n, len(tokens), grams)
+        return grams.get(tuple(tokens[len(tokens) - n + 1:]), set()) if len(tokens) >= n - 1 else set()
+
+    def release(self, seq_id: int) -> None:
+        self.seen.pop(seq_id, None)
+
+
+@hookimpl
+def register_logits_processors(register: Register) -> None:
+    register("no-repeat-ngram", lambda config: NoRepeatNgram())

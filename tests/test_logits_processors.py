@@ -1,0 +1,189 @@
+"""Logits processors (``register_logits_processors``, ``SamplingParams.logits_processors``): the shipped
+``no-repeat-ngram`` against HF transformers' NoRepeatNGramLogitsProcessor, beside unprocessed requests, under async
+scheduling and speculative decoding; and the contract the engine holds a third party's processor to."""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.errors import ConfigError, InvalidRequestError, PluginError
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import LogitsProcessor, ProcessorRow
+from infer.core.plugins import PluginManager
+from infer.core.request import SamplingParams
+
+PROMPTS = [[5, 17, 300, 42, 7, 99, 512, 3], [900, 12, 8, 8, 41], [3, 3, 3]]
+
+
+def hf_no_repeat_greedy(path: Path, prompt: list[int], size: int, max_new_tokens: int) -> list[int]:
+    """Greedy decoding with transformers' own NoRepeatNGramLogitsProcessor on each step's scores (EOS ignored)."""
+    from transformers import AutoModelForCausalLM, NoRepeatNGramLogitsProcessor
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ban, ids = NoRepeatNGramLogitsProcessor(size), torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            scores = ban(ids, model(ids).logits[:, -1].float())
+            ids = torch.cat([ids, scores.argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def no_repeat(size: int, **params: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                          logits_processors={"no-repeat-ngram": {"size": size}}, **params)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_no_repeat_ngram_generates_what_transformers_does(size: int, tiny_model: Path) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    outputs = engine.generate(PROMPTS, no_repeat(size))
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.outputs[0].token_ids == hf_no_repeat_greedy(tiny_model, prompt, size, 24)
+
+
+@pytest.mark.parametrize("options", [{"async_scheduling": True}, {"proposer": "ngram", "num_speculative_tokens": 3}],
+                         ids=["async-scheduling", "speculative"])
+def test_processed_and_plain_requests_share_batches(options: dict[str, Any], tiny_model: Path,
+                                                    hf_greedy: Any) -> None:
+    """A processed request beside plain ones in every step: each gets its own reference (HF with the processor,
+    HF without), under async scheduling (the processor sees the token read back in the step before) and beside
+    speculating sequences (a processed one does not speculate: drafts would skip its processor)."""
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options))
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(PROMPTS, [no_repeat(2), plain, no_repeat(3)])
+    assert outputs[0].outputs[0].token_ids == hf_no_repeat_greedy(tiny_model, PROMPTS[0], 2, 24)
+    assert outputs[1].outputs[0].token_ids == hf_greedy(tiny_model, PROMPTS[1], 24)
+    assert outputs[2].outputs[0].token_ids == hf_no_repeat_greedy(tiny_model, PROMPTS[2], 3, 24)
+
+
+def test_sampled_forks_never_repeat_a_token_and_the_state_goes_with_them(tiny_model: Path) -> None:
+    """n = 4 seeded samples at temperature 0.7 (where the tiny model repeats itself) under size 1: no token twice in
+    any of them, nor one of the prompt's; each finished sequence's state is released."""
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    [output] = engine.generate([PROMPTS[1]], SamplingParams(
+        max_tokens=40, temperature=0.7, seed=5, n=4, ignore_eos=True,
+        logits_processors={"no-repeat-ngram": {"size": 1}}))
+    for completion in output.outputs:
+        assert len(set(completion.token_ids)) == 40 and not set(completion.token_ids) & set(PROMPTS[1])
+    assert engine.processors.built["no-repeat-ngram"].seen == {}
+
+
+@pytest.mark.parametrize(("given", "kept"), [
+    ("no-repeat-ngram", (("no-repeat-ngram", "{}"),)),
+    (["a", ("b", {"size": 2, "x": [1, None]})], (("a", "{}"), ("b", '{"size":2,"x":[1,null]}'))),
+    ({"b": {"y": 1, "x": 2}, "a": None}, (("b", '{"x":2,"y":1}'), ("a", "{}"))),
+    ([("a", '{"size": 2}')], (("a", '{"size": 2}'),)),
+    (None, ()),
+])
+def test_the_forms_a_request_names_processors_in(given: Any, kept: tuple[tuple[str, str], ...]) -> None:
+    params = SamplingParams(logits_processors=given)
+    params.validate()
+    assert params.logits_processors == kept and hash(params) == hash(SamplingParams(logits_processors=kept))
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ([("a", {"x": float("nan")})], "must be names, \\(name, args\\) pairs"),
+    ([("a", '[1, 2]')], "the arguments of logits processor 'a' must be a JSON object"),
+    ([("a", "{")], "the arguments of logits processor 'a' must be a JSON object"),
+    (["a", "a"], "names a processor twice"),
+    ([f"p{i}" for i in range(9)], "at most 8 processors"),
+    ([("", {})], "must be names"),
+    (42, "must be names"),
+])
+def test_malformed_processor_lists_are_refused(given: Any, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(logits_processors=given).validate()
+
+
+class Recording(LogitsProcessor):
+    """Bans token 0 (+ ``args["also"]``), and keeps what it was handed."""
+
+    def __init__(self, result: str = "ok") -> None:
+        self.result, self.rows, self.released = result, [], []
+
+    def check(self, args: Mapping[str, Any]) -> None:
+        if "bad" in args:
+            raise InvalidRequestError("no bad arguments")
+
+    def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
+        self.rows.append([(row.seq_id, list(row.token_ids), row.num_prompt_tokens, dict(row.args)) for row in rows])
+        if self.result == "raise":
+            raise RuntimeError("processor failed")
+        if self.result == "shape":
+            return logits[:, :-1]
+        logits[:, 0] = float("-inf")
+        for i, row in enumerate(rows):
+            logits[i, row.args.get("also", 0)] = float("-inf")
+        return logits
+
+    def release(self, seq_id: int) -> None:
+        self.released.append(seq_id)
+
+
+def engine_with(processor: LogitsProcessor, tiny_model: Path, **options: Any) -> Engine:
+    import types
+
+    plugins = PluginManager.from_entry_points()
+    module = types.ModuleType("acme_processors")
+    module.register_logits_processors = hookimpl(lambda register: register("recording", lambda config: processor))
+    plugins.register(module, name="acme", source="infer-plugin-acme")
+    return Engine(EngineConfig(model=str(tiny_model), device="cpu", **options), plugins)
+
+
+def test_a_processor_gets_each_rows_tokens_and_arguments_and_its_bans_hold(tiny_model: Path) -> None:
+    """Rows come in batch order with the sequence's tokens so far and its request's arguments; processors chain in
+    each request's order (the shipped one, then this one); the tokens they ban never come out."""
+    processor = Recording()
+    engine = engine_with(processor, tiny_model)
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = engine.generate([PROMPTS[0]], plain)[0].outputs[0].token_ids
+    calls = {"no-repeat-ngram": {"size": 1}, "recording": {"also": first[0]}}
+    outputs = engine.generate(PROMPTS[:2], [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                           logits_processors=calls), plain])
+    got = outputs[0].outputs[0].token_ids
+    assert first[0] not in got and 0 not in got and len(set(got)) == 4 and not set(got) & set(PROMPTS[0])
+    assert outputs[1].outputs[0].token_ids == engine.generate([PROMPTS[1]], plain)[0].outputs[0].token_ids
+    assert len(processor.rows) == 4 and all(len(step) == 1 for step in processor.rows)
+    for step, [(seq_id, tokens, prompt_len, args)] in enumerate(processor.rows):
+        assert tokens == PROMPTS[0] + got[:step] and prompt_len == len(PROMPTS[0]) and args == {"also": first[0]}
+    assert processor.released == [processor.rows[0][0][0]]
+
+
+def test_a_processors_errors_name_it(tiny_model: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="logits processor 'recording': no bad arguments"):
+        engine_with(Recording(), tiny_model).generate(["x"],
+                                                      SamplingParams(logits_processors={"recording": {"bad": 1}}))
+    with pytest.raises(PluginError, match="the logits processor 'recording' from 'infer-plugin-acme' raised "
+                                          "RuntimeError: processor failed"):
+        engine_with(Recording("raise"), tiny_model).generate(["x"], SamplingParams(logits_processors=["recording"]))
+    with pytest.raises(PluginError, match=r"logits processor 'recording': apply\(\) returned torch.float32 \(1, \d+\) "
+                                          r"on cpu, not the torch.float32 \(1, \d+\) on cpu it was given"):
+        engine_with(Recording("shape"), tiny_model).generate(["x"], SamplingParams(logits_processors=["recording"]))
+
+
+def test_unknown_processors_are_refused_with_the_choices(tiny_model: Path) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    with pytest.raises(InvalidRequestError, match="unknown logits processor 'no-repeat-ngrams' \\(did you mean "
+                                                  "'no-repeat-ngram'\\?\\); registered: no-repeat-ngram"):
+        engine.add_request("x", SamplingParams(logits_processors=["no-repeat-ngrams"]))
+    with pytest.raises(InvalidRequestError, match='no-repeat-ngram\': takes {"size": n}'):
+        engine.check_request("x", SamplingParams(logits_processors={"no-repeat-ngram": {"size": 65}}))
+    assert not engine.has_unfinished()
+
+
+def test_plugin_refuses_a_processor_name() -> None:
+    plugins = PluginManager.from_entry_points()
+    with pytest.raises(ConfigError, match="'no-repeat-ngram' is a logits processor, which each request chooses"):
+        plugins.resolve_plugin_names(EngineConfig(), ["no-repeat-ngram"])
+
+
+def test_the_arguments_reach_processors_as_json_values() -> None:
+    params = SamplingParams(logits_processors={"a": {"n": 1, "list": [1.5, "x"], "flag": True}})
+    assert json.loads(params.logits_processors[0][1]) == {"n": 1, "list": [1.5, "x"], "flag": True}
