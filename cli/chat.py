@@ -91,7 +91,10 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
                            "given", err=True)
             message = {"role": "tool", "tool_call_id": call_id, "content": result.strip()}
         elif not line or (line.startswith("/") and " " not in line) or line.startswith("/tool "):
-            if line:  # a mistyped command is not a turn
+            if line.startswith("/tool") and not tools:  # no call to answer
+                click.echo("infer: /tool answers a tool call, and this chat offers no tools: start it with --tools "
+                           "FILE", err=True)
+            elif line:  # a mistyped command is not a turn
                 commands = "/reset, /exit, /tool ID RESULT" if tools else "/reset, /exit"
                 click.echo(f"infer: unknown command {line.split()[0]} (the commands: {commands})", err=True)
             continue

@@ -433,7 +433,9 @@ def plugins_command(ctx: click.Context, as_json: bool, show_options: bool) -> No
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("kind", "name", "aliases", "package", "options")
+    table = Table()
+    for column in ("kind", "name", "aliases", "package", "options"):
+        table.add_column(column, overflow="fold")  # a long name wraps, never cut short with an ellipsis
     for r in rows:
         table.add_row(r.kind, r.name, ", ".join(r.aliases), r.source, ", ".join(r.options))
     console = Console(width=120)

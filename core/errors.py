@@ -51,3 +51,11 @@ def require_utf8(text: str, what: str) -> None:
         raise InvalidRequestError(f"{what} is not valid UTF-8 text (character {exc.start + 1} is {text[exc.start]!r}, "
                                   "which stands for a byte that is not UTF-8); convert the input to UTF-8 first"
                                   ) from None
+
+
+def shape_mismatch(name: str, checkpoint: tuple[int, ...], model: tuple[int, ...]) -> CheckpointError:
+    """A checkpoint tensor whose shape is not the one config.json's sizes give the model's parameter."""
+    return CheckpointError(f"shape mismatch for {name}: checkpoint {checkpoint}, model {model}: the sizes in "
+                           "config.json (hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
+                           "head_dim, vocab_size, the experts' sizes; a quantized tensor's quantization_config "
+                           "too) do not describe these weights; correct config.json, or fetch the checkpoint again")

@@ -7,7 +7,7 @@ from collections.abc import Hashable, Mapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .errors import CheckpointError, PluginError
+from .errors import CheckpointError, PluginError, shape_mismatch
 from .reply_interfaces import (
     Grammar, GrammarMatcher, ReasoningEnd, ReasoningParser, ReasoningStream, StructuredOutputBackend, ToolParser,
     Vocabulary,
@@ -525,8 +525,7 @@ class QuantMethod(ABC):
                 hint = "; the checkpoint's lm_head is quantized, which infer does not load: use one whose head is not"
             raise CheckpointError(f"unexpected tensor {where!r} for {kind} linear layer{hint}")
         if tuple(target.shape) != tuple(tensor.shape):
-            raise CheckpointError(f"shape mismatch for {where!r}: checkpoint {tuple(tensor.shape)}, "
-                                  f"model {tuple(target.shape)}")
+            raise shape_mismatch(repr(where), tuple(tensor.shape), tuple(target.shape))
         if target.is_floating_point() and target.element_size() > 1:  # copy_ would cast quantized codes silently
             check_float(where, tensor)
         with torch.no_grad():

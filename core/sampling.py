@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import PluginError
 from .request import SamplingParams
 
 
@@ -52,9 +53,12 @@ class Sampler:
         host memory in stream order, and ``PendingSample.result()`` reads them later. ``logits`` may be reused
         (a CUDA graph's output buffer) as soon as this returns. ``controlled``: the logits with the requests' logit
         controls applied, to sample from (the logprobs stay those of ``logits``)."""
-        tokens = self.sample_tokens(logits if controlled is None else controlled, params, generators)
+        source = logits if controlled is None else controlled
+        tokens = self.sample_tokens(source, params, generators)
         rows, top = _logprob_tensors(logits, params, tokens)
-        return PendingSample(tokens, *_to_host((tokens, *top)), rows=rows,
+        # the host's copy of a row that has no token to sample (a NaN logit, or every logit -inf) says so: -1
+        unsampleable = source.isnan().any(dim=-1) | ~(source > float("-inf")).any(dim=-1)
+        return PendingSample(tokens, *_to_host((torch.where(unsampleable, -1, tokens), *top)), rows=rows,
                              widths=[params[i].logprobs or 0 for i in rows], size=len(params))
 
     def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -156,9 +160,18 @@ class PendingSample:
     size: int
 
     def result(self) -> SampleResult:
+        """The tokens (and logprobs); PluginError where a row had no token to sample: a forward pass that computed
+        NaN logits, or logits that every control, processor and mask together set to -inf."""
         if self.copied is not None:
             self.copied.synchronize()
         token_list = self.host[0].tolist()
+        if token_list and min(token_list) < 0:
+            bad = sum(token < 0 for token in token_list)
+            raise PluginError(f"{bad} of the {len(token_list)} logits rows sampled in this step had no token to "
+                              "sample (a NaN logit, or every logit -inf): the forward pass overflowed or a "
+                              "component broke. A float16 model may overflow: try --dtype bfloat16 or float32; "
+                              "else the attention backend, quantization method, model or a logits processor in "
+                              "use computes NaN (or a processor bans every token): fix or replace it")
         return SampleResult(token_list, logprob_entries(self.rows, self.widths, self.size,
                                                          [t.tolist() for t in self.host[1:]], token_list))
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, shape_mismatch
 from ..core.loader import checkpoint_dtype
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
 from ..core.model import Model
@@ -23,8 +24,7 @@ EMBEDDING = "model.embed_tokens.weight"
 def load_parameter(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
     """Copy a float checkpoint tensor into a parameter of the same shape."""
     if param.shape != tensor.shape:
-        raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model "
-                              f"{tuple(param.shape)}")
+        raise shape_mismatch(name, tuple(tensor.shape), tuple(param.shape))
     check_float(name, tensor)
     with torch.no_grad():
         param.copy_(tensor)
@@ -524,6 +524,10 @@ class LlamaFamilyModel(Model):
             elif name in params:
                 load_parameter(name, params[name], tensor)
             else:
+                layer = re.match(r"model\.layers\.(\d+)\.", name)
+                if layer is not None and int(layer[1]) >= self.cfg.num_layers:
+                    raise CheckpointError(f"config.json has num_hidden_layers {self.cfg.num_layers}, but the weights "
+                                          f"hold decoder layer {layer[1]} too ({name}); correct num_hidden_layers")
                 raise CheckpointError(f"unexpected tensor {name!r} in checkpoint for {self.cfg.architecture}")
             seen.add(name)
         if tied_head is not None and EMBEDDING not in seen and EMBEDDING in params:

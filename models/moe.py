@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, shape_mismatch
 from ..core.interfaces import QuantMethod, check_float
 from ..quant.awq_method import AwqLinearMethod
 from ..quant.w8a16_method import W8A16LinearMethod
@@ -328,8 +328,7 @@ class SparseMoe(nn.Module):
                                       "modules_to_not_convert or ignore list, leaves them unquantized)")
             parts = {(e, p + "_scale") for e, p in parts}
         if target.shape != tensor.shape:
-            raise CheckpointError(f"shape mismatch for {full}: checkpoint {tuple(tensor.shape)}, model "
-                                  f"{tuple(target.shape)}")
+            raise shape_mismatch(full, tuple(tensor.shape), tuple(target.shape))
         if parts & self.loaded:
             raise CheckpointError(f"{full} holds expert weights that another tensor of the checkpoint held too; "
                                   "keep one layout (per-expert tensors or the stacked ones)")

@@ -64,10 +64,10 @@ def quantize(ctx: click.Context, model: Path, out: Path, method: str, calib: Pat
                           "OUT --device cuda)")
     gptq_only = (("--act-order", act_order), ("--damp", damp), ("--sym/--asym", sym))
     if method != "gptq" and (given := [name for name, value in gptq_only if value is not None]):
-        raise click.UsageError(f"{' and '.join(given)} apply to --method gptq only")
+        raise click.UsageError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --method gptq only")
     awq_only = (("--clip/--no-clip", clip), ("--duo-scaling/--no-duo-scaling", duo_scaling))
     if method != "awq" and (given := [name for name, value in awq_only if value is not None]):
-        raise click.UsageError(f"{' and '.join(given)} apply to --method awq only")
+        raise click.UsageError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --method awq only")
     common = dict(group_size=group_size, bits=bits, num_samples=num_samples, seq_len=seq_len, device=device)
     config: AwqCalibrationConfig | GptqCalibrationConfig = \
         AwqCalibrationConfig(**common, clip=clip is not False, duo_scaling=duo_scaling is not False) \

@@ -161,9 +161,12 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
         sampling["seed"] = seed
     if lora_adapter is not None:
         sampling["lora_adapter"] = lora_adapter
-    for name, given in (("--system", system is not None), ("--chat-template-kwargs", bool(chat_template_kwargs)),
-                        ("--tools", bool(tools)), ("--tool-choice", tool_choice != "auto")):
-        if given and not chat:
+    def given(param: str) -> bool:  # an option typed, even as '{}' or a file of no tools, is for a conversation
+        return ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT
+
+    for name, typed in (("--system", given("system")), ("--chat-template-kwargs", given("chat_template_kwargs")),
+                        ("--tools", given("tools")), ("--tool-choice", tool_choice != "auto")):
+        if typed and not chat:
             raise click.UsageError(f"{name} is for a conversation; add --chat", ctx)
     from ..core.beam_search import BeamSearchParams
     from ..core.chat import ChatPrompt
@@ -331,6 +334,12 @@ def rpc_error_message(exc: grpc.RpcError, target: str, tls: bool, timeout: float
     if "CERTIFICATE_VERIFY_FAILED" in details:
         return (f"UNAVAILABLE: the TLS certificate of {target} is not trusted; pass its certificate or CA with "
                 "--tls-ca (and check that it names the host of --target)")
+    # the certificate does not name --target's host: gRPC says UNAUTHENTICATED (no token helps) or, when the
+    # handshake checks it, UNAVAILABLE "failed to connect" (the server does listen)
+    if "does not match SSL server name" in details or "Hostname Verification Check failed" in details:
+        host = target.rpartition(":")[0] or target
+        return (f"{code}: the TLS certificate of {target} does not name the host {host}; connect by a name or "
+                "address that the certificate lists (its subjectAltName), or serve a certificate that names it")
     if not tls and code == "UNAVAILABLE" and "Socket closed" in details:
         return f"UNAVAILABLE: {target} closed the connection; if it serves TLS (--tls-cert), add --tls-ca or --tls"
     if code == "UNAVAILABLE" and ("Connection refused" in details or "failed to connect" in details):

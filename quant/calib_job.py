@@ -226,9 +226,9 @@ def load_for_calibration(model_dir: Path, config: CalibrationOptions, texts: Ite
         log.warning("the calibration text holds only %d tokens, under one sample of %d: the quantization may fit it "
                     "and nothing else; give more text with --calib", used, seq_len)
     elif len(samples) < config.num_samples:
-        log.warning("the calibration text holds %d samples of %d tokens, not the %d asked for (--num-samples): "
-                    "calibrating on those; give more text with --calib for more", len(samples), seq_len,
-                    config.num_samples)
+        log.warning("the calibration text holds %d sample%s of %d tokens, not the %d asked for (--num-samples): "
+                    "calibrating on those; give more text with --calib for more", len(samples),
+                    "" if len(samples) == 1 else "s", seq_len, config.num_samples)
     return loaded, samples, seq_len
 
 

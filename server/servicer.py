@@ -185,7 +185,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort_with(context, exc)
         finally:
             self._release()
-        return beam_search_to_proto(output)
+        response = beam_search_to_proto(output)
+        if self.max_message_bytes is not None and response.ByteSize() > self.max_message_bytes:
+            # else gRPC refuses to send it with RESOURCE_EXHAUSTED, which reads as "retry later": no retry helps
+            await _abort_with(context, CapacityError(
+                f"the beam search's response ({response.ByteSize()} bytes: {len(response.beams)} beams of up to "
+                f"{max((len(b.token_ids) for b in response.beams), default=0)} tokens) is past --max-message-bytes "
+                f"{self.max_message_bytes}, so BeamSearch cannot send it; ask for fewer beams (beam_width) or "
+                "tokens (max_tokens), or raise the server's --max-message-bytes"))
+        return response
 
     # ------------------------------------------------------------ control and introspection
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -102,7 +102,7 @@ def test_quantize_clips_by_default_and_reports_it(tiny_model: Path, tmp_path: Pa
     assert report["options"]["clip"] is False and all(r["clipped_error"] is None for r in report["groups"])
     refused = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / "c"), "--method", "gptq", "--clip",
                                         *common[1:]])
-    assert refused.exit_code == 2 and "--clip/--no-clip apply to --method awq only" in refused.output
+    assert refused.exit_code == 2 and "--clip/--no-clip applies to --method awq only" in refused.output
 
 
 def test_duo_scaling_takes_the_best_of_the_documented_candidates_or_keeps_rtn() -> None:
@@ -151,7 +151,7 @@ def test_duo_scaling_is_on_by_default_and_a_flag_of_awq(tiny_model: Path, tmp_pa
     assert AwqCalibrationConfig().duo_scaling is True
     refused = CliRunner().invoke(main, ["quantize", common[0], str(tmp_path / "b"), "--method", "gptq",
                                         "--no-duo-scaling", *common[1:]])
-    assert refused.exit_code == 2 and "--duo-scaling/--no-duo-scaling apply to --method awq only" in refused.output
+    assert refused.exit_code == 2 and "--duo-scaling/--no-duo-scaling applies to --method awq only" in refused.output
 
 
 def test_without_duo_scaling_a_kept_rtn_reports_alpha_0() -> None:

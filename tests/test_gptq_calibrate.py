@@ -224,9 +224,9 @@ def test_quantize_command_writes_gptq_and_refuses_gptq_options_elsewhere(tiny_mo
     common = ["--num-samples", "4", "--seq-len", "32", "--device", "cpu"]
     result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "a"), "--method", "awq",
                                   "--act-order", *common])
-    assert result.exit_code == 2 and "--act-order apply to --method gptq only" in result.output
+    assert result.exit_code == 2 and "--act-order applies to --method gptq only" in result.output
     result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "a"), "--asym", *common])
-    assert result.exit_code == 2 and "--sym/--asym apply to --method gptq only" in result.output
+    assert result.exit_code == 2 and "--sym/--asym applies to --method gptq only" in result.output
     result = runner.invoke(main, ["quantize", str(tiny_model), str(tmp_path / "b"), "--method", "gptq",
                                   "--damp", "0", *common])
     assert result.exit_code != 0 and "--damp must be in (0, 1]" in result.output

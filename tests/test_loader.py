@@ -346,6 +346,20 @@ def test_num_hidden_layers_past_the_checkpoints_layers_is_refused_before_the_mod
                                 "checkpoint again if some of its files are missing")
 
 
+def test_num_hidden_layers_below_the_checkpoints_layers_names_the_field(llama, tmp_path):
+    path = copy_of(llama, tmp_path / "m", {"num_hidden_layers": 1})
+    assert load_error(path).startswith("config.json has num_hidden_layers 1, but the weights hold decoder layer 1 "
+                                       "too (model.layers.1.")
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", 2048), ("num_attention_heads", 8)])
+def test_a_size_in_config_json_that_the_weights_contradict_names_the_fields_to_correct(llama, tmp_path, field, value):
+    path = copy_of(llama, tmp_path / "m", {field: value})
+    message = load_error(path)
+    assert message.startswith("shape mismatch for ") and "the sizes in config.json (" in message
+    assert field in message and message.endswith("correct config.json, or fetch the checkpoint again")
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
 def test_a_gemma_norm_that_is_not_float_is_refused(checkpoint, tmp_path, dtype):
     """Gemma's norms load as 1 + w, computed in float: an integer or fp8 norm went through as a float one."""

@@ -118,6 +118,8 @@ class Recording(LogitsProcessor):
             raise RuntimeError("processor failed")
         if self.result == "shape":
             return logits[:, :-1]
+        if self.result == "ban all":
+            return logits.fill_(float("-inf"))
         logits[:, 0] = float("-inf")
         for i, row in enumerate(rows):
             logits[i, row.args.get("also", 0)] = float("-inf")
@@ -166,6 +168,9 @@ def test_a_processors_errors_name_it(tiny_model: Path) -> None:
     with pytest.raises(PluginError, match=r"logits processor 'recording': apply\(\) returned torch.float32 \(1, \d+\) "
                                           r"on cpu, not the torch.float32 \(1, \d+\) on cpu it was given"):
         engine_with(Recording("shape"), tiny_model).generate(["x"], SamplingParams(logits_processors=["recording"]))
+    with pytest.raises(PluginError, match=r"1 of the 2 logits rows sampled in this step had no token to sample"):
+        engine_with(Recording("ban all"), tiny_model).generate(
+            ["x", "y"], [SamplingParams(logits_processors=["recording"]), SamplingParams()])
 
 
 def test_unknown_processors_are_refused_with_the_choices(tiny_model: Path) -> None:

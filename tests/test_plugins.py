@@ -5,6 +5,7 @@ import signal
 import types
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from infer import hookimpl
@@ -471,6 +472,25 @@ def test_an_attention_backend_s_wrong_output_is_its_own_error(tiny_model, infer_
                                           f"forward returned {got}; it must return q's shape "
                                           r"\[\d+, \d+, \d+\] and dtype torch.float32"):
         engine.generate(["hello"], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["sync", "async-scheduling"])
+def test_nan_logits_are_an_error_not_token_zero(tiny_model, infer_plugins, options):
+    """An attention backend whose output is NaN (right shape and dtype) made every logit NaN, and argmax sampled
+    token 0 each step without an error; a float16 model that overflows does the same. Such a row has no token."""
+    from infer.plugins.torch_attention import TorchAttention
+
+    class Nan(TorchAttention):
+        def forward(self, q, k, v, kv_cache, meta, scale):
+            return torch.full_like(super().forward(q, k, v, kv_cache, meta, scale), float("nan"))
+
+    infer_plugins.register(plugin_module("nan_attention", register_attention_backends=lambda register: register(
+        "nan", lambda config: Nan())), source="acme-attention")
+    config = EngineConfig(model=str(tiny_model), device="cpu", dtype="float32", **options)
+    engine = Engine(infer_plugins.resolve_plugin_names(config, ["nan"]), infer_plugins)
+    with pytest.raises(PluginError, match=r"1 of the 1 logits rows sampled in this step had no token to sample \(a "
+                                          r"NaN logit, or every logit -inf\).*try --dtype bfloat16 or float32"):
+        engine.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.5))
 
 
 def test_an_observer_that_raises_is_named(tiny_model, infer_plugins):

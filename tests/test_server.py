@@ -730,6 +730,30 @@ def test_beam_search_over_grpc_equals_offline(client: Client, llm: Any, server: 
     assert_serves(client)
 
 
+def test_a_beam_search_response_past_the_message_limit_says_what_to_change(tiny_model: Path, tmp_path: Path,
+                                                                          llm: Any) -> None:
+    """As Complete's: FAILED_PRECONDITION naming --max-message-bytes (no retry helps), not gRPC's own
+    RESOURCE_EXHAUSTED ("Sent message larger than max"), which reads as "retry later"; the server goes on."""
+    from infer.core.beam_search import BeamSearchParams
+    from infer.server.convert import beam_search_to_proto
+
+    limit = 1024  # the smallest --max-message-bytes
+    want = llm.beam_search(["a"], BeamSearchParams(beam_width=4, max_tokens=64, ignore_eos=True))[0]
+    assert beam_search_to_proto(want).ByteSize() > limit  # 4 beams of 64 token ids (and their text) do not fit
+    small = llm.beam_search(["a"], BeamSearchParams(beam_width=2, max_tokens=4))[0]
+    proc = launch(tiny_model, tmp_path / "serve.log", [], ["--max-message-bytes", str(limit)], {})
+    try:
+        proc.wait_serving()
+        with proc.client() as c:
+            err = rpc_error(lambda: c.beam_search("a", beam_width=4, max_tokens=64, ignore_eos=True))
+            assert err.code() is grpc.StatusCode.FAILED_PRECONDITION, (err.code(), err.details())
+            assert f"past --max-message-bytes {limit}" in err.details() and "fewer beams" in err.details()
+            got = c.beam_search("a", beam_width=2, max_tokens=4)
+            assert [list(b.token_ids) for b in got.beams] == [b.token_ids for b in small.beams]
+    finally:
+        proc.kill()
+
+
 def test_ctrl_c_on_a_client_beam_search_prints_the_best_beam_so_far(client: Client, llm: Any,
                                                                      server: ServerProcess) -> None:
     """`infer client --beam-width` aborts its search by request id on Ctrl-C and prints the best beam so far: that
@@ -812,11 +836,51 @@ def test_client_refuses_a_prompt_that_is_not_utf8_before_sending() -> None:
     assert (out.exit_code, out.stdout) == (1, "") and "the prompt is not valid UTF-8 text" in out.stderr
 
 
+@pytest.mark.parametrize("option, value", [("--chat-template-kwargs", "{}"), ("--tools", "[]"), ("--system", "")])
+def test_conversation_options_without_chat_are_refused_even_when_empty(option: str, value: str,
+                                                                       tmp_path: Path) -> None:
+    """An empty object, a file of no tools or an empty system message is still an option the user typed for a
+    conversation: exit 2 before anything is sent, as a non-empty one is, not a plain-text request."""
+    if option == "--tools":
+        (tmp_path / "tools.json").write_text(value)
+        value = str(tmp_path / "tools.json")
+    out = run_cli("client", "Hi", "--target", "127.0.0.1:1", option, value)  # nothing listens: sending is exit 1
+    assert out.exit_code == 2 and f"{option} is for a conversation; add --chat" in out.stderr, out.stderr
+
+
 def test_plaintext_client_of_a_tls_server(secure_server: ServerProcess) -> None:
     if secure_server.client_kwargs["root_certificates"] is None:
         pytest.skip("no openssl: the secure server is plaintext")
     out = run_cli("client", "hello", "--target", secure_server.target, "--token", TOKEN)
     assert out.exit_code == 1 and "if it serves TLS (--tls-cert), add --tls-ca or --tls" in out.stderr
+
+
+@pytest.mark.parametrize("subject", ["/CN=infer-test", "/CN=localhost"])
+def test_a_certificate_that_does_not_name_the_targets_host_is_explained(subject: str, tiny_model: Path,
+                                                                         tmp_path: Path) -> None:
+    """A trusted certificate for 127.0.0.1 reached as localhost: gRPC fails the handshake (UNAVAILABLE, "failed to
+    connect") or the call (UNAUTHENTICATED, seen from `infer client` with the host as the certificate's CN); the
+    client says that the certificate does not name the host, neither that nothing listens nor that a token is
+    missing."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", subject,
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    proc = launch(tiny_model, tmp_path / "serve.log", [], ["--tls-cert", str(cert), "--tls-key", str(key)],
+                  {"root_certificates": cert})
+    try:
+        proc.wait_serving()
+        ok = run_cli("client", "hello", "--target", proc.target, "--tls-ca", str(cert), "--max-tokens", "2")
+        assert ok.exit_code == 0, ok.output  # the certificate names 127.0.0.1
+        out = run_cli("client", "hello", "--target", f"localhost:{proc.port}", "--tls-ca", str(cert),
+                      "--max-tokens", "2")
+        assert out.exit_code == 1 and out.stdout == ""
+        assert f"the TLS certificate of localhost:{proc.port} does not name the host localhost" in out.stderr
+        assert "--token" not in out.stderr and "nothing accepts connections" not in out.stderr, out.stderr
+    finally:
+        proc.kill()
 
 
 def test_bad_tls_files_are_named_before_the_model_loads(tmp_path: Path, certs: tuple[Path, Path] | None) -> None:
