@@ -54,9 +54,10 @@ def build_fp8(config: EngineConfig, quantization_config: dict[str, Any] | None) 
     method = quantization_config.get("quant_method")
     if method not in ("compressed-tensors", "fp8"):
         given = f"--quant {config.quant} was given, but " if config.quant else ""
-        raise CheckpointError(f"{given}the checkpoint is quantized with quant_method {method!r}, which infer's fp8 "
-                              "method does not load (it loads compressed-tensors and block-wise FP8 checkpoints and "
-                              "quantizes unquantized ones on load); drop --quant to use the checkpoint's own method")
+        raise (ConfigError if config.quant else CheckpointError)(  # --quant given: change the command
+            f"{given}the checkpoint is quantized with quant_method {method!r}, which infer's fp8 method does not load "
+            "(it loads compressed-tensors and block-wise FP8 checkpoints and quantizes unquantized ones on load); "
+            "drop --quant to use the checkpoint's own method")
     if options["lm_head"]:
         raise ConfigError("--plugin-option fp8.lm_head=true quantizes the head when fp8 quantizes on load, but this "
                           "checkpoint is quantized already and its config says which layers are FP8; drop the option")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, ConfigError
 from . import AWQ_GROUP_SIZES
 from .common import CHUNK_ELEMENTS, is_name_list, row_chunks
 
@@ -177,7 +177,7 @@ def parse_config(qc: dict[str, Any]) -> AwqConfig:
     """Validate a checkpoint's ``quantization_config`` (config.json spelling, or AutoAWQ's quant_config.json one)."""
     method = str(qc.get("quant_method", "awq")).lower()
     if method != "awq":
-        raise CheckpointError(
+        raise ConfigError(
             f"--quant awq was given, but the checkpoint is quantized with {method!r}; drop --quant to use the "
             "checkpoint's own method, or start from an unquantized checkpoint")
     version = str(qc.get("version", SUPPORTED_VERSION)).lower()

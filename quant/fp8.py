@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, ConfigError
 from .common import CHUNK_ELEMENTS, bad_pattern, is_name_list, row_chunks, targeted_scheme
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -176,7 +176,7 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> Fp8CheckpointConfig:
     """Validate a compressed-tensors ``quantization_config`` holding FP8 ``float-quantized`` groups."""
     method = qc.get("quant_method")
     if method != "compressed-tensors":
-        raise CheckpointError(
+        raise ConfigError(
             f"--quant fp8 was given, but the checkpoint is quantized with {method!r}; infer's fp8 method loads "
             "compressed-tensors FP8 checkpoints or quantizes unquantized ones. Drop --quant to use the "
             "checkpoint's own method")

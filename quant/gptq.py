@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, ConfigError
 from . import awq
 from .common import CHUNK_ELEMENTS, bad_pattern, is_lm_head, is_name_list, row_chunks
 
@@ -86,7 +86,7 @@ def parse_config(qc: dict[str, Any]) -> GptqConfig:
     """Validate a checkpoint's GPTQ ``quantization_config`` (config.json's, as transformers and GPTQModel write it)."""
     method = str(qc.get("quant_method", "gptq")).lower()
     if method != "gptq":
-        raise CheckpointError(f"--quant gptq was given, but the checkpoint is quantized with {method!r}; drop --quant "
+        raise ConfigError(f"--quant gptq was given, but the checkpoint is quantized with {method!r}; drop --quant "
                               "to use the checkpoint's own method")
     # config.json's field is checkpoint_format; GPTQModel also writes format, and older AutoGPTQ is_marlin_format
     named = {str(qc[key]).lower() for key in ("checkpoint_format", "format") if qc.get(key)}

@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
-from infer.core.errors import CheckpointError, InvalidRequestError
+from infer.cli import main
+from infer.core.errors import CheckpointError, ConfigError, InvalidRequestError
 from infer.core.loader import check_finite
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -616,12 +618,18 @@ def test_a_tokenizer_the_size_of_the_vocabulary_is_not_warned_of(llama, caplog):
     assert "tokens but the model's vocabulary" not in caplog.text
 
 
-def test_quant_names_the_method_over_the_checkpoints_own(llama, tmp_path):
+@pytest.mark.parametrize(("quant", "own"), [("fp8", "awq"), ("awq", "gptq"), ("gptq", "awq")])
+def test_quant_names_the_method_over_the_checkpoints_own(llama, tmp_path, quant, own):
     """--quant is the method used (docs/cli.md: the checkpoint's quant_method is only its default): fp8 given for an
-    AWQ checkpoint is fp8's to refuse, by name, not AWQ loading as if --quant were not there."""
-    qc = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
-    message = load_error(copy_of(llama, tmp_path / "m", {"quantization_config": qc}), quant="fp8")
-    assert "--quant fp8 was given, but the checkpoint is quantized with quant_method 'awq'" in message
+    AWQ checkpoint is fp8's to refuse, by name, not AWQ loading as if --quant were not there. The command is what
+    to change (drop --quant): a ConfigError, exit status 2, as for --quant gptq on a float checkpoint."""
+    qc = {"quant_method": own, "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm", "sym": True}
+    path = copy_of(llama, tmp_path / "m", {"quantization_config": qc})
+    with pytest.raises(ConfigError, match=f"--quant {quant} was given, but the checkpoint is quantized with "
+                                          f"(quant_method )?'{own}'"):
+        LLM(model=str(path), device="cpu", quant=quant)
+    result = CliRunner().invoke(main, ["--model", str(path), "--quant", quant, "generate", "hi"])
+    assert result.exit_code == 2 and "drop --quant" in result.output, result.output
 
 
 def test_a_matrix_with_a_zero_among_other_values_is_not_warned_of(caplog):

@@ -378,11 +378,15 @@ def method_for(**changes: Any) -> Any:
     ({"format": "gptq_v2", "checkpoint_format": "gptq"}, "checkpoint_format and format disagree"),
     ({"pack_dtype": "int16"}, "pack_dtype 'int16'"),
     ({"modules_in_block_to_quantize": ["self_attn.q_proj"]}, "list of lists"),
-    ({"quant_method": "awq"}, "quantized with 'awq'"),
 ])
 def test_unsupported_configs_are_refused_by_name(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(CheckpointError, match=message):
         method_for(**changes)
+
+
+def test_another_methods_checkpoint_under_quant_gptq_is_the_commands_mistake() -> None:
+    with pytest.raises(ConfigError, match="--quant gptq was given, but the checkpoint is quantized with 'awq'; drop"):
+        method_for(quant_method="awq")
 
 
 def test_the_format_field_gptqmodel_writes_is_read_too() -> None:
