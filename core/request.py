@@ -366,6 +366,7 @@ class Sequence:
     spec_accepted: int = 0  # of which accepted and kept in the output (a stop cuts what follows it)
     spec_last_round: tuple[int, int] = (0, 0)  # (accepted drafts, tokens) the last verification appended
     spec_uncounted: tuple[int, int] = (0, 0)  # (accepted, tokens) a stop string cut after the engine counted them
+    unsampleable_steps: int = 0  # steps whose logits row had no token to sample (NaN, or every logit -inf)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import array
+import logging
 import time
 from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from .structured_output import StructuredOutputs
 if TYPE_CHECKING:
     from ..models.lora import LoraStack
     from .cuda_graphs import DecodeGraphs, MixedGraphs
+
+log = logging.getLogger("infer")
 
 
 PENDING_TOKEN = -1  # async scheduling: a sampled token not read back yet, in Sequence.token_ids
@@ -66,6 +69,7 @@ class InFlight:
         logprobs); ``finish`` the sequences whose token stops them. Returns the sequences (their outputs are due)."""
         result = self.sample.result()
         now = time.perf_counter()  # when the tokens exist on the host, for TTFT and TPOT
+        note_unsampleable(result, self.seqs)
         for seq, index, token, entry in zip(self.seqs, self.indices, result.token_ids, result.logprobs):
             if index >= len(seq.token_ids) or seq.token_ids[index] != PENDING_TOKEN:
                 continue  # read by an earlier, interrupted call; or never placed (an interrupted update)
@@ -106,6 +110,20 @@ def add_slots(slots: list[int], table: MutableSequence[int], start: int, end: in
     for b in range(start // size, -(-end // size)):
         base = table[b] * size - b * size  # position p of block b is slot base + p
         slots.extend(range(base + max(start, b * size), base + min(end, b * size + size)))
+
+
+def note_unsampleable(result: SampleResult, seqs: list[Sequence]) -> None:
+    """Count the steps in which a sequence's logits row had no token to sample, and warn at the first: its token
+    (argmax picks 0) and what follows are meaningless, and the other rows of the step are unaffected."""
+    for row in result.unsampleable:
+        seq = seqs[row]
+        seq.unsampleable_steps += 1
+        if seq.unsampleable_steps == 1:
+            log.warning("request %s (sequence %d): its logits hold NaN or are all -inf, so it has no token to "
+                        "sample and its output from here on is meaningless; the forward pass overflowed or a "
+                        "component broke. A float16 model may overflow: try --dtype bfloat16 or float32; else the "
+                        "attention backend, quantization method, model, LoRA adapter or a logits processor in use "
+                        "computes NaN (or a processor bans every token)", seq.request_id, seq.seq_id)
 
 
 @dataclass(frozen=True)
@@ -393,7 +411,9 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per logits row; row i belongs to ``seqs[i]`` (a row may repeat for forked sequences), whose
         logit controls (penalties, min_tokens), logits processors and structured output apply to its row."""
-        return self.sample_pending(logits, seqs).result()
+        result = self.sample_pending(logits, seqs).result()
+        note_unsampleable(result, seqs)
+        return result
 
     def sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """``sample`` without waiting for the device (async scheduling reads the tokens a step later)."""

@@ -1,11 +1,10 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p, per-sequence seeded generators, and top-n logprobs."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .errors import PluginError
 from .request import SamplingParams
 
 
@@ -13,6 +12,7 @@ from .request import SamplingParams
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]  # per row: sampled token and top-n, when asked
+    unsampleable: list[int] = field(default_factory=list)  # rows with no token to sample (a NaN, or all -inf)
 
 
 def stream_seed(seed: int, index: int, salt: int = 0, position: int = 0) -> int:
@@ -56,9 +56,8 @@ class Sampler:
         source = logits if controlled is None else controlled
         tokens = self.sample_tokens(source, params, generators)
         rows, top = _logprob_tensors(logits, params, tokens)
-        # the host's copy of a row that has no token to sample (a NaN logit, or every logit -inf) says so: -1
-        unsampleable = source.isnan().any(dim=-1) | ~(source > float("-inf")).any(dim=-1)
-        return PendingSample(tokens, *_to_host((torch.where(unsampleable, -1, tokens), *top)), rows=rows,
+        unsampleable = source.isnan().any(dim=-1) | ~(source > float("-inf")).any(dim=-1)  # argmax picks 0 there
+        return PendingSample(tokens, *_to_host((tokens, unsampleable, *top)), rows=rows,
                              widths=[params[i].logprobs or 0 for i in rows], size=len(params))
 
     def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -153,27 +152,21 @@ class PendingSample:
     the device was given after them."""
 
     device_tokens: torch.Tensor  # [rows] on the device: the next step reads its input ids from here
-    host: list[torch.Tensor]  # tokens, then (top values, top ids, chosen logprob) when rows asked for logprobs
+    host: list[torch.Tensor]  # tokens, rows unsampleable, then (top values, top ids, chosen logprob) when asked
     copied: torch.cuda.Event | None  # recorded after the copies (None: CPU tensors, ready now)
     rows: list[int]  # the rows that asked for logprobs, and how many top entries each
     widths: list[int]
     size: int
 
     def result(self) -> SampleResult:
-        """The tokens (and logprobs); PluginError where a row had no token to sample: a forward pass that computed
-        NaN logits, or logits that every control, processor and mask together set to -inf."""
+        """The tokens (and logprobs), and the rows that had no token to sample (their token is meaningless)."""
         if self.copied is not None:
             self.copied.synchronize()
         token_list = self.host[0].tolist()
-        if token_list and min(token_list) < 0:
-            bad = sum(token < 0 for token in token_list)
-            raise PluginError(f"{bad} of the {len(token_list)} logits rows sampled in this step had no token to "
-                              "sample (a NaN logit, or every logit -inf): the forward pass overflowed or a "
-                              "component broke. A float16 model may overflow: try --dtype bfloat16 or float32; "
-                              "else the attention backend, quantization method, model or a logits processor in "
-                              "use computes NaN (or a processor bans every token): fix or replace it")
+        unsampleable = [row for row, flag in enumerate(self.host[1].tolist()) if flag]
         return SampleResult(token_list, logprob_entries(self.rows, self.widths, self.size,
-                                                         [t.tolist() for t in self.host[1:]], token_list))
+                                                         [t.tolist() for t in self.host[2:]], token_list),
+                            unsampleable)
 
 
 def _to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:

@@ -3,6 +3,7 @@
 scheduling and speculative decoding; and the contract the engine holds a third party's processor to."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -168,9 +169,19 @@ def test_a_processors_errors_name_it(tiny_model: Path) -> None:
     with pytest.raises(PluginError, match=r"logits processor 'recording': apply\(\) returned torch.float32 \(1, \d+\) "
                                           r"on cpu, not the torch.float32 \(1, \d+\) on cpu it was given"):
         engine_with(Recording("shape"), tiny_model).generate(["x"], SamplingParams(logits_processors=["recording"]))
-    with pytest.raises(PluginError, match=r"1 of the 2 logits rows sampled in this step had no token to sample"):
-        engine_with(Recording("ban all"), tiny_model).generate(
-            ["x", "y"], [SamplingParams(logits_processors=["recording"]), SamplingParams()])
+
+
+
+def test_a_processor_that_bans_every_token_is_warned_of_and_the_others_go_on(tiny_model: Path, caplog: Any) -> None:
+    import logging
+
+    engine = engine_with(Recording("ban all"), tiny_model)
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    expected = engine.generate(["y"], plain)[0].outputs[0].token_ids
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        outputs = engine.generate(["x", "y"], [dataclasses.replace(plain, logits_processors=["recording"]), plain])
+    assert outputs[1].outputs[0].token_ids == expected
+    assert sum("hold NaN or are all -inf" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_unknown_processors_are_refused_with_the_choices(tiny_model: Path) -> None:

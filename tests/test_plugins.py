@@ -475,9 +475,12 @@ def test_an_attention_backend_s_wrong_output_is_its_own_error(tiny_model, infer_
 
 
 @pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["sync", "async-scheduling"])
-def test_nan_logits_are_an_error_not_token_zero(tiny_model, infer_plugins, options):
+def test_nan_logits_are_warned_of_once_per_sequence(tiny_model, infer_plugins, options, caplog):
     """An attention backend whose output is NaN (right shape and dtype) made every logit NaN, and argmax sampled
-    token 0 each step without an error; a float16 model that overflows does the same. Such a row has no token."""
+    token 0 each step with no word of it; a float16 model that overflows does the same. Each such sequence is warned
+    of once, and counted each step (one request's overflow must not fail the others': tests/test_lora.py)."""
+    import logging
+
     from infer.plugins.torch_attention import TorchAttention
 
     class Nan(TorchAttention):
@@ -488,9 +491,15 @@ def test_nan_logits_are_an_error_not_token_zero(tiny_model, infer_plugins, optio
         "nan", lambda config: Nan())), source="acme-attention")
     config = EngineConfig(model=str(tiny_model), device="cpu", dtype="float32", **options)
     engine = Engine(infer_plugins.resolve_plugin_names(config, ["nan"]), infer_plugins)
-    with pytest.raises(PluginError, match=r"1 of the 1 logits rows sampled in this step had no token to sample \(a "
-                                          r"NaN logit, or every logit -inf\).*try --dtype bfloat16 or float32"):
-        engine.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.5))
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        rid = engine.add_request("hello", SamplingParams(max_tokens=4, temperature=0.5, ignore_eos=True))
+        seq = engine.requests[rid].seqs[0]
+        while engine.has_unfinished():
+            engine.step()
+    warned = [r.getMessage() for r in caplog.records if "has no token to sample" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"request {rid} (sequence {seq.seq_id}): its logits hold NaN "
+                                                     "or are all -inf")
+    assert "try --dtype bfloat16 or float32" in warned[0] and seq.unsampleable_steps == 4
 
 
 def test_an_observer_that_raises_is_named(tiny_model, infer_plugins):
