@@ -573,7 +573,8 @@ class LogitsProcessor(ABC):
     def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
         """``logits`` [len(rows), V] float32 (row i: the next token of ``rows[i]``) changed by this processor:
         ``logits`` itself, changed in place, or a new tensor of the same shape, dtype and device. A logit of -inf
-        bans a token; a row must keep some finite logit, and none may be NaN."""
+        bans a token; none may be NaN. Where the processors leave a row no token its other constraints allow, they
+        yield for that token (the engine warns)."""
 
     def release(self, seq_id: int) -> None:
         """The sequence ``seq_id`` finished: drop any state kept for it. The default keeps none."""

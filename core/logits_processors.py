@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,8 +20,9 @@ from .request import SamplingParams, Sequence
 @functools.lru_cache(maxsize=4096)
 def parsed_args(text: str) -> Mapping[str, Any]:
     """A processor's arguments from their JSON text (validated as an object by ``SamplingParams.validate``), parsed
-    once per distinct text; the dict is shared, so processors must not change it."""
-    return json.loads(text)
+    once per distinct text and shared by the requests that give it: read-only at the top (nested values must be
+    left as they are too)."""
+    return types.MappingProxyType(json.loads(text))
 
 
 class LogitsProcessors:

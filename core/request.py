@@ -367,6 +367,7 @@ class Sequence:
     spec_last_round: tuple[int, int] = (0, 0)  # (accepted drafts, tokens) the last verification appended
     spec_uncounted: tuple[int, int] = (0, 0)  # (accepted, tokens) a stop string cut after the engine counted them
     unsampleable_steps: int = 0  # steps whose logits row had no token to sample (NaN, or every logit -inf)
+    processors_yielded_steps: int = 0  # steps sampled without its logits processors (they banned every token)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

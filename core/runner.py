@@ -114,7 +114,16 @@ def add_slots(slots: list[int], table: MutableSequence[int], start: int, end: in
 
 def note_unsampleable(result: SampleResult, seqs: list[Sequence]) -> None:
     """Count the steps in which a sequence's logits row had no token to sample, and warn at the first: its token
-    (argmax picks 0) and what follows are meaningless, and the other rows of the step are unaffected."""
+    (argmax picks 0) and what follows are meaningless, and the other rows of the step are unaffected. Warn too at
+    the first step in which its logits processors yielded (they banned every token its other constraints allow)."""
+    for row in result.yielded:
+        seq = seqs[row]
+        seq.processors_yielded_steps += 1
+        if seq.processors_yielded_steps == 1:
+            log.warning("request %s (sequence %d): its logits processors (%s) banned every token its other "
+                        "constraints (a structured output, min_tokens) allow, so this token, and any other where "
+                        "that happens, is sampled without them", seq.request_id, seq.seq_id,
+                        ", ".join(name for name, _ in seq.params.logits_processors))
     for row in result.unsampleable:
         seq = seqs[row]
         seq.unsampleable_steps += 1
@@ -418,13 +427,18 @@ class ModelRunner:
     def sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """``sample`` without waiting for the device (async scheduling reads the tokens a step later)."""
         controlled = self.controls.apply(logits, seqs)
-        if self.processors is not None and (processed := self.processors.apply(
-                logits if controlled is None else controlled, seqs)) is not None:
-            controlled = processed
-        if self.structured is not None and (masked := self.structured.apply(
-                logits if controlled is None else controlled, seqs)) is not None:
-            controlled = masked
-        pending = self.sampler.sample_pending(logits, *self._sampling_args(seqs), controlled)
+        base = logits if controlled is None else controlled
+        processed = self.processors.apply(base, seqs) if self.processors is not None else None
+        masked = self.structured.apply(base if processed is None else processed, seqs) \
+            if self.structured is not None else None
+        final = masked if masked is not None else processed if processed is not None else controlled
+        yielded = None
+        if processed is not None:  # processors yield where they leave a row no token (a grammar forcing a repeat)
+            plain = base if masked is None else self.structured.apply(base, seqs)
+            assert final is not None and plain is not None
+            yielded = ~(final > float("-inf")).any(dim=-1) & (plain > float("-inf")).any(dim=-1)
+            final = torch.where(yielded[:, None], plain, final)
+        pending = self.sampler.sample_pending(logits, *self._sampling_args(seqs), final, yielded)
         self.controls.record(pending.device_tokens, seqs)
         return pending
 

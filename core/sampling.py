@@ -13,6 +13,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]  # per row: sampled token and top-n, when asked
     unsampleable: list[int] = field(default_factory=list)  # rows with no token to sample (a NaN, or all -inf)
+    yielded: list[int] = field(default_factory=list)  # rows sampled without their logits processors
 
 
 def stream_seed(seed: int, index: int, salt: int = 0, position: int = 0) -> int:
@@ -47,17 +48,21 @@ class Sampler:
         return self.sample_pending(logits, params, generators).result()
 
     def sample_pending(self, logits: torch.Tensor, params: list[SamplingParams],
-                       generators: list[torch.Generator | None], controlled: torch.Tensor | None = None
-                       ) -> PendingSample:
+                       generators: list[torch.Generator | None], controlled: torch.Tensor | None = None,
+                       yielded: torch.Tensor | None = None) -> PendingSample:
         """Like ``__call__``, but nothing waits for the device: the tokens (and logprobs) are computed and copied to
         host memory in stream order, and ``PendingSample.result()`` reads them later. ``logits`` may be reused
         (a CUDA graph's output buffer) as soon as this returns. ``controlled``: the logits with the requests' logit
-        controls applied, to sample from (the logprobs stay those of ``logits``)."""
+        controls applied, to sample from (the logprobs stay those of ``logits``); ``yielded`` [rows] bool: the rows
+        sampled without their logits processors (reported in ``SampleResult.yielded``)."""
         source = logits if controlled is None else controlled
         tokens = self.sample_tokens(source, params, generators)
         rows, top = _logprob_tensors(logits, params, tokens)
-        unsampleable = source.isnan().any(dim=-1) | ~(source > float("-inf")).any(dim=-1)  # argmax picks 0 there
-        return PendingSample(tokens, *_to_host((tokens, unsampleable, *top)), rows=rows,
+        # per row: 1 no token to sample (a NaN, or every logit -inf: argmax picks 0), 2 processors yielded
+        flags = (source.isnan().any(dim=-1) | ~(source > float("-inf")).any(dim=-1)).to(torch.int8)
+        if yielded is not None:
+            flags = flags + 2 * yielded.to(torch.int8)
+        return PendingSample(tokens, *_to_host((tokens, flags, *top)), rows=rows,
                              widths=[params[i].logprobs or 0 for i in rows], size=len(params))
 
     def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -152,21 +157,23 @@ class PendingSample:
     the device was given after them."""
 
     device_tokens: torch.Tensor  # [rows] on the device: the next step reads its input ids from here
-    host: list[torch.Tensor]  # tokens, rows unsampleable, then (top values, top ids, chosen logprob) when asked
+    host: list[torch.Tensor]  # tokens, row flags, then (top values, top ids, chosen logprob) when asked
     copied: torch.cuda.Event | None  # recorded after the copies (None: CPU tensors, ready now)
     rows: list[int]  # the rows that asked for logprobs, and how many top entries each
     widths: list[int]
     size: int
 
     def result(self) -> SampleResult:
-        """The tokens (and logprobs), and the rows that had no token to sample (their token is meaningless)."""
+        """The tokens (and logprobs), the rows that had no token to sample (their token is meaningless), and those
+        sampled without their logits processors."""
         if self.copied is not None:
             self.copied.synchronize()
         token_list = self.host[0].tolist()
-        unsampleable = [row for row, flag in enumerate(self.host[1].tolist()) if flag]
+        flags = self.host[1].tolist()
         return SampleResult(token_list, logprob_entries(self.rows, self.widths, self.size,
                                                          [t.tolist() for t in self.host[2:]], token_list),
-                            unsampleable)
+                            [row for row, flag in enumerate(flags) if flag & 1],
+                            [row for row, flag in enumerate(flags) if flag & 2])
 
 
 def _to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
