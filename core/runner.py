@@ -125,14 +125,19 @@ def note_unsampleable(result: SampleResult, seqs: list[Sequence]) -> None:
                         "that happens, is sampled without them", seq.request_id, seq.seq_id,
                         ", ".join(name for name, _ in seq.params.logits_processors))
     for row in result.unsampleable:
-        seq = seqs[row]
-        seq.unsampleable_steps += 1
-        if seq.unsampleable_steps == 1:
-            log.warning("request %s (sequence %d): its logits hold NaN or are all -inf, so it has no token to "
-                        "sample and its output from here on is meaningless; the forward pass overflowed or a "
-                        "component broke. A float16 model may overflow: try --dtype bfloat16 or float32; else the "
-                        "attention backend, quantization method, model, LoRA adapter or a logits processor in use "
-                        "computes NaN (or a processor bans every token)", seq.request_id, seq.seq_id)
+        note_no_token(seqs[row])
+
+
+def note_no_token(seq: Sequence) -> None:
+    """Count a step in which ``seq``'s logits had no token to sample (a NaN, or every logit -inf), and warn at the
+    first."""
+    seq.unsampleable_steps += 1
+    if seq.unsampleable_steps == 1:
+        log.warning("request %s (sequence %d): its logits hold NaN or are all -inf, so it has no token to "
+                    "sample and its output from here on is meaningless; the forward pass overflowed or a "
+                    "component broke. A float16 model may overflow: try --dtype bfloat16 or float32; else the "
+                    "attention backend, quantization method, model, LoRA adapter or a logits processor in use "
+                    "computes NaN (or a processor bans every token)", seq.request_id, seq.seq_id)
 
 
 @dataclass(frozen=True)

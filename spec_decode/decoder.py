@@ -20,7 +20,7 @@ from ..core.logit_controls import controls_now
 from ..core.metrics import EngineStats, StepStats
 from ..core.plugin_options import read_plugin_options
 from ..core.request import RequestOutput, Sequence
-from ..core.runner import Batch
+from ..core.runner import Batch, note_no_token
 from ..core.sampling import Sampler, stream_seed, to_device
 from ..core.structured_output import StructuredOutputs
 from .policy import ON, SPEC_DECODE_OPTIONS, SpecPolicy
@@ -175,10 +175,13 @@ class SpecDecoder:
         argmax_rows = logits.argmax(dim=-1)
         if masks:
             self._masked_argmax(logits, argmax_rows, order, starts, masks)
-        argmax = argmax_rows.tolist()  # the greedy rule reads one argmax per row, all in one transfer
+        # the greedy rule reads one argmax per row, all in one transfer, with whether the row holds a NaN
+        argmax, nan = torch.stack([argmax_rows, logits.isnan().any(dim=-1).long()]).tolist()
         accepted, next_tokens = [], []
         for i, d in order:
             first = starts[d.seq.seq_id]
+            if nan[i] or any(nan[first : first + len(d.tokens)]):
+                note_no_token(d.seq)
             m, token = greedy_accept(d.tokens, [argmax[i], *argmax[first : first + len(d.tokens)]])
             accepted.append(m)
             next_tokens.append(token)

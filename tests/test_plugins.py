@@ -474,7 +474,8 @@ def test_an_attention_backend_s_wrong_output_is_its_own_error(tiny_model, infer_
         engine.generate(["hello"], SamplingParams(max_tokens=2))
 
 
-@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["sync", "async-scheduling"])
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}, {"proposer": "ngram", "num_speculative_tokens": 3}],
+                         ids=["sync", "async-scheduling", "speculative"])
 def test_nan_logits_are_warned_of_once_per_sequence(tiny_model, infer_plugins, options, caplog):
     """An attention backend whose output is NaN (right shape and dtype) made every logit NaN, and argmax sampled
     token 0 each step with no word of it; a float16 model that overflows does the same. Each such sequence is warned
@@ -492,14 +493,18 @@ def test_nan_logits_are_warned_of_once_per_sequence(tiny_model, infer_plugins, o
     config = EngineConfig(model=str(tiny_model), device="cpu", dtype="float32", **options)
     engine = Engine(infer_plugins.resolve_plugin_names(config, ["nan"]), infer_plugins)
     with caplog.at_level(logging.WARNING, logger="infer"):
-        rid = engine.add_request("hello", SamplingParams(max_tokens=4, temperature=0.5, ignore_eos=True))
+        rid = engine.add_request("hello", SamplingParams(max_tokens=12, temperature=0.5, ignore_eos=True))
         seq = engine.requests[rid].seqs[0]
         while engine.has_unfinished():
             engine.step()
     warned = [r.getMessage() for r in caplog.records if "has no token to sample" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith(f"request {rid} (sequence {seq.seq_id}): its logits hold NaN "
                                                      "or are all -inf")
-    assert "try --dtype bfloat16 or float32" in warned[0] and seq.unsampleable_steps == 4
+    assert "try --dtype bfloat16 or float32" in warned[0]
+    if "proposer" in options:  # every step counts, the verifications of drafts too
+        assert seq.spec_proposed > 0 and seq.unsampleable_steps == engine.steps_taken
+    else:
+        assert seq.unsampleable_steps == 12
 
 
 def test_an_observer_that_raises_is_named(tiny_model, infer_plugins):
