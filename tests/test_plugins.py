@@ -474,7 +474,8 @@ def test_an_attention_backend_s_wrong_output_is_its_own_error(tiny_model, infer_
         engine.generate(["hello"], SamplingParams(max_tokens=2))
 
 
-@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}, {"proposer": "ngram", "num_speculative_tokens": 3}],
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True},
+                                     {"proposer": "ngram", "num_speculative_tokens": 3}],
                          ids=["sync", "async-scheduling", "speculative"])
 def test_nan_logits_are_warned_of_once_per_sequence(tiny_model, infer_plugins, options, caplog):
     """An attention backend whose output is NaN (right shape and dtype) made every logit NaN, and argmax sampled
