@@ -4,6 +4,11 @@
 - ``no-repeat-ngram`` (args ``{"size": n}``, 1 <= n <= 64): no n-gram occurs twice in a sequence, prompt included:
   a token that would complete an n-gram already in the sequence's tokens is banned. HF transformers'
   ``no_repeat_ngram_size`` (its NoRepeatNGramLogitsProcessor) does the same; vLLM has none built in.
+- ``bad-words`` (args ``{"token_ids": [[...], ...]}``): no listed token sequence occurs in the output: a word's
+  last token is banned where the tokens before it end the sequence so far (prompt included; a one-token word is
+  always banned). HF's ``bad_words_ids`` (NoBadWordsLogitsProcessor); vLLM's ``bad_words``, given as token ids.
+- ``allowed-tokens`` (args ``{"token_ids": [...]}``): only these tokens can be sampled (vLLM's
+  ``allowed_token_ids``).
 """
 from __future__ import annotations
 
@@ -58,6 +63,58 @@ class NoRepeatNgram(LogitsProcessor):
         self.seen.pop(seq_id, None)
 
 
+MAX_WORDS, MAX_WORD_TOKENS, MAX_ALLOWED = 1024, 64, 131072
+
+
+def token_id_list(args: Mapping[str, Any], most: int, what: str) -> list[int]:
+    """``args["token_ids"]``, a list of 1 to ``most`` token ids (integers >= 0), the only argument."""
+    ids = args.get("token_ids")
+    if set(args) != {"token_ids"} or not isinstance(ids, list) or not 1 <= len(ids) <= most or \
+            not all(type(t) is int and t >= 0 for t in ids):
+        raise InvalidRequestError(f"takes {{\"token_ids\": [...]}}, {what}; got {str(dict(args))[:200]}")
+    return ids
+
+
+class BadWords(LogitsProcessor):
+    """Bans the last token of each listed word whose other tokens end the sequence so far."""
+
+    def check(self, args: Mapping[str, Any]) -> None:
+        words = args.get("token_ids")
+        what = (f"1 to {MAX_WORDS} words, each a list of 1 to {MAX_WORD_TOKENS} token ids (integers >= 0)")
+        if set(args) != {"token_ids"} or not isinstance(words, list) or not 1 <= len(words) <= MAX_WORDS:
+            raise InvalidRequestError(f"takes {{\"token_ids\": [[...], ...]}}, {what}; got {str(dict(args))[:200]}")
+        for word in words:
+            token_id_list({"token_ids": word}, MAX_WORD_TOKENS, what)
+
+    def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
+        import torch
+
+        banned = [(i, word[-1]) for i, row in enumerate(rows) for word in row.args["token_ids"]
+                  if word[-1] < logits.shape[1] and (len(word) == 1 or row.token_ids[-(len(word) - 1):] == word[:-1])]
+        if banned:
+            at = torch.tensor(banned, device=logits.device)
+            logits[at[:, 0], at[:, 1]] = float("-inf")
+        return logits
+
+
+class AllowedTokens(LogitsProcessor):
+    """Keeps the logits of the listed tokens, and bans every other."""
+
+    def check(self, args: Mapping[str, Any]) -> None:
+        token_id_list(args, MAX_ALLOWED, f"1 to {MAX_ALLOWED} token ids (integers >= 0)")
+
+    def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
+        import torch
+
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            allowed = [t for t in row.args["token_ids"] if t < logits.shape[1]]
+            keep[i, torch.tensor(allowed, dtype=torch.long, device=logits.device)] = True
+        return logits.masked_fill(~keep, float("-inf"))
+
+
 @hookimpl
 def register_logits_processors(register: Register) -> None:
     register("no-repeat-ngram", lambda config: NoRepeatNgram())
+    register("bad-words", lambda config: BadWords())
+    register("allowed-tokens", lambda config: AllowedTokens())

@@ -23,17 +23,24 @@ from infer.core.request import SamplingParams
 PROMPTS = [[5, 17, 300, 42, 7, 99, 512, 3], [900, 12, 8, 8, 41], [3, 3, 3]]
 
 
-def hf_no_repeat_greedy(path: Path, prompt: list[int], size: int, max_new_tokens: int) -> list[int]:
-    """Greedy decoding with transformers' own NoRepeatNGramLogitsProcessor on each step's scores (EOS ignored)."""
-    from transformers import AutoModelForCausalLM, NoRepeatNGramLogitsProcessor
+def hf_processed_greedy(path: Path, prompt: list[int], processor: Any, max_new_tokens: int) -> list[int]:
+    """Greedy decoding with a transformers logits processor on each step's scores (EOS ignored)."""
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ban, ids = NoRepeatNGramLogitsProcessor(size), torch.tensor([prompt])
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            scores = ban(ids, model(ids).logits[:, -1].float())
+            scores = processor(ids, model(ids).logits[:, -1].float())
             ids = torch.cat([ids, scores.argmax(-1, keepdim=True)], dim=1)
     return ids[0, len(prompt):].tolist()
+
+
+def hf_no_repeat_greedy(path: Path, prompt: list[int], size: int, max_new_tokens: int) -> list[int]:
+    """Greedy decoding with transformers' own NoRepeatNGramLogitsProcessor."""
+    from transformers import NoRepeatNGramLogitsProcessor
+
+    return hf_processed_greedy(path, prompt, NoRepeatNGramLogitsProcessor(size), max_new_tokens)
 
 
 def no_repeat(size: int, **params: Any) -> SamplingParams:
@@ -47,6 +54,57 @@ def test_no_repeat_ngram_generates_what_transformers_does(size: int, tiny_model:
     outputs = engine.generate(PROMPTS, no_repeat(size))
     for prompt, output in zip(PROMPTS, outputs):
         assert output.outputs[0].token_ids == hf_no_repeat_greedy(tiny_model, prompt, size, 24)
+
+
+def test_bad_words_generates_what_transformers_does(tiny_model: Path, hf_greedy: Any) -> None:
+    """Words of one, two and three tokens taken from the plain greedy output (so that they would occur), against
+    transformers' NoBadWordsLogitsProcessor (HF's bad_words_ids)."""
+    from transformers import NoBadWordsLogitsProcessor
+
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    for prompt in PROMPTS:
+        plain = hf_greedy(tiny_model, prompt, 16)
+        words = [plain[3:4], plain[6:8], [prompt[-1], *plain[:2]]]
+        [output] = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                            logits_processors={"bad-words": {"token_ids": words}}))
+        expected = hf_processed_greedy(tiny_model, prompt, NoBadWordsLogitsProcessor(words), 16)
+        assert output.outputs[0].token_ids == expected != plain
+
+
+def test_allowed_tokens_samples_only_those(tiny_model: Path) -> None:
+    """Greedy: the model's argmax over the allowed tokens alone (transformers' logits, the others set to -inf);
+    sampled at temperature 1: no other token ever."""
+    allowed = [7, 100, 250, 311, 512]
+
+    class OnlyThese:
+        def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            keep = torch.full_like(scores, float("-inf"))
+            keep[:, allowed] = 0.0
+            return scores + keep
+
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    calls = {"allowed-tokens": {"token_ids": allowed}}
+    [greedy] = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                            logits_processors=calls))
+    assert greedy.outputs[0].token_ids == hf_processed_greedy(tiny_model, PROMPTS[0], OnlyThese(), 12)
+    [sampled] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True,
+                                                             logits_processors=calls))
+    assert set(sampled.outputs[0].token_ids) <= set(allowed) and len(set(sampled.outputs[0].token_ids)) > 1
+
+
+@pytest.mark.parametrize(("name", "args", "message"), [
+    ("bad-words", {"token_ids": [5]}, "each a list of 1 to 64 token ids"),
+    ("bad-words", {"token_ids": [[]]}, "each a list of 1 to 64 token ids"),
+    ("bad-words", {"token_ids": [[1, -2]]}, "integers >= 0"),
+    ("bad-words", {"words": [[1]]}, 'takes {"token_ids": \\[\\[...\\], ...\\]}'),
+    ("allowed-tokens", {"token_ids": []}, "1 to 131072 token ids"),
+    ("allowed-tokens", {"token_ids": [1.5]}, "integers >= 0"),
+])
+def test_the_token_list_processors_refuse_bad_arguments(name: str, args: dict[str, Any], message: str,
+                                                        tiny_model: Path) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    with pytest.raises(InvalidRequestError, match=f"logits processor '{name}': .*{message}"):
+        engine.check_request("x", SamplingParams(logits_processors={name: args}))
 
 
 @pytest.mark.parametrize("options", [{"async_scheduling": True}, {"proposer": "ngram", "num_speculative_tokens": 3}],
@@ -191,7 +249,8 @@ def test_a_processor_that_bans_every_token_yields_with_a_warning(tiny_model: Pat
 def test_unknown_processors_are_refused_with_the_choices(tiny_model: Path) -> None:
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
     with pytest.raises(InvalidRequestError, match="unknown logits processor 'no-repeat-ngrams' \\(did you mean "
-                                                  "'no-repeat-ngram'\\?\\); registered: no-repeat-ngram"):
+                                                  "'no-repeat-ngram'\\?\\); registered: allowed-tokens, bad-words, "
+                                                  "no-repeat-ngram"):
         engine.add_request("x", SamplingParams(logits_processors=["no-repeat-ngrams"]))
     with pytest.raises(InvalidRequestError, match='no-repeat-ngram\': takes {"size": n}'):
         engine.check_request("x", SamplingParams(logits_processors={"no-repeat-ngram": {"size": 65}}))
