@@ -301,8 +301,11 @@ def _processor_calls(value: object) -> object:
     for item in items:
         name, args = (item, {}) if isinstance(item, str) else tuple(item) if isinstance(item, (list, tuple)) and \
             len(item) == 2 else (None, None)
-        if isinstance(args, str):  # JSON text already (what validate checks, and what gRPC carries)
-            calls.append((name, args))
+        try:
+            if isinstance(args, str):  # JSON text already (gRPC carries it): kept canonical, as a dict's
+                args = json.loads(args)
+        except ValueError:
+            calls.append((name, args))  # validate names it
             continue
         try:
             calls.append((name, json.dumps({} if args is None else args, sort_keys=True, separators=(",", ":"),

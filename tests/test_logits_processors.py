@@ -138,7 +138,7 @@ def test_sampled_forks_never_repeat_a_token_and_the_state_goes_with_them(tiny_mo
     ("no-repeat-ngram", (("no-repeat-ngram", "{}"),)),
     (["a", ("b", {"size": 2, "x": [1, None]})], (("a", "{}"), ("b", '{"size":2,"x":[1,null]}'))),
     ({"b": {"y": 1, "x": 2}, "a": None}, (("b", '{"x":2,"y":1}'), ("a", "{}"))),
-    ([("a", '{"size": 2}')], (("a", '{"size": 2}'),)),
+    ([("a", '{"size": 2, "b": [1]}')], (("a", '{"b":[1],"size":2}'),)),  # JSON text (gRPC's) kept as a dict's
     (None, ()),
 ])
 def test_the_forms_a_request_names_processors_in(given: Any, kept: tuple[tuple[str, str], ...]) -> None:
