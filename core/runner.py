@@ -137,7 +137,7 @@ def note_no_token(seq: Sequence) -> None:
                     "sample and its output from here on is meaningless; the forward pass overflowed or a "
                     "component broke. A float16 model may overflow: try --dtype bfloat16 or float32; else the "
                     "attention backend, quantization method, model, LoRA adapter or a logits processor in use "
-                    "computes NaN (or a processor bans every token)", seq.request_id, seq.seq_id)
+                    "computes NaN", seq.request_id, seq.seq_id)
 
 
 @dataclass(frozen=True)
