@@ -115,8 +115,8 @@ class RequestChecker:
         ids = self.tokenize(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"prompt ({len(ids)} token{'' if len(ids) == 1 else 's'}) + max_tokens ({params.max_tokens}) exceeds the model's context length "
-                f"{self.max_model_len}; shorten the prompt or lower max_tokens (or raise --max-model-len, where it "
+                f"prompt ({len(ids)} token{'' if len(ids) == 1 else 's'}) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context length {self.max_model_len}; shorten the prompt or lower max_tokens (or raise --max-model-len, where it "
                 "was set below the model's own)")
         return ids
 

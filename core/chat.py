@@ -188,8 +188,8 @@ class ChatPrompt:
             text = tokenizer.apply_chat_template(turns, tokenize=False, **options)
         except jinja2.TemplateSyntaxError as exc:
             raise InvalidRequestError(f"the model's chat template is not valid Jinja (line {exc.lineno}: "
-                                      f"{exc.message}); fix it, or give one with --chat-template FILE (LLM(chat_template=...) "
-                                      "in Python)") from None
+                                      f"{exc.message}); fix it, or give one with --chat-template FILE "
+                                      "(LLM(chat_template=...) in Python)") from None
         except jinja2.TemplateError as exc:  # templates refuse what they cannot render: raise_exception('...')
             raise InvalidRequestError(f"the model's chat template refused the messages: {exc}") from None
         except Exception as exc:  # several named templates and no default; a template's own bug (1 // 0)

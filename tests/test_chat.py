@@ -759,7 +759,8 @@ def test_infer_chat_seeds_each_reply_and_strips_each_line_as_llm_chat_does(llm: 
     result = CliRunner().invoke(main, ["--model", str(chat_model), "--num-kv-blocks", "128", "chat", "--max-tokens",
                                        "6", "--temperature", "0"], input=f"/tool call_1 42\n{user['content']}\n")
     assert result.exit_code == 0 and result.stdout == greedy + "\n", result.output
-    assert "infer: /tool answers a tool call, and this chat offers no tools: start it with --tools FILE" in result.stderr
+    assert "infer: /tool answers a tool call, and this chat offers no tools: start it with --tools FILE" in \
+        result.stderr
 
 
 def test_reply_echo_puts_reasoning_and_notes_on_stderr_and_ends_each_line_once(
