@@ -116,8 +116,8 @@ class RequestChecker:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} token{'' if len(ids) == 1 else 's'}) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context length {self.max_model_len}; shorten the prompt or lower max_tokens (or raise --max-model-len, where it "
-                "was set below the model's own)")
+                f"the model's context length {self.max_model_len}; shorten the prompt or lower max_tokens (or raise "
+                "--max-model-len, where it was set below the model's own)")
         return ids
 
 
