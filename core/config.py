@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError, InvalidRequestError
+from .errors import CheckpointError, ConfigError, InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -236,9 +236,12 @@ class EngineConfig:
                                   "starting with a letter or digit (--lora NAME=DIR)")
             if isinstance(folder, os.PathLike):
                 adapters[name] = folder = os.fspath(folder)
-            if not isinstance(folder, str) or not os.path.isdir(folder):
-                raise ConfigError(f"LoRA adapter {name!r}: {folder!r} is not a folder; give the folder that PEFT's "
-                                  "save_pretrained wrote (--lora NAME=DIR)")
+            if not isinstance(folder, str):
+                raise ConfigError(f"LoRA adapter {name!r}: {folder!r} is not a folder's path; give the folder that "
+                                  "PEFT's save_pretrained wrote (--lora NAME=DIR)")
+            if not os.path.isdir(folder):  # as a missing model folder, and load_lora_adapter's missing folder
+                raise CheckpointError(f"LoRA adapter {name!r}: {folder!r} is not a folder; give the folder that "
+                                      "PEFT's save_pretrained wrote (--lora NAME=DIR)")
 
     def mixed_graph_tokens(self) -> int:
         """The largest prefill or mixed step captured in a CUDA graph (0: none)."""

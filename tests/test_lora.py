@@ -272,9 +272,15 @@ def test_a_request_for_an_adapter_that_is_not_loaded_is_refused(checkpoint, adap
 
 
 def test_bad_adapter_options_are_config_errors(checkpoint, tmp_path) -> None:
+    """A malformed option is the command's mistake (exit status 2); a folder that is not there, as a missing model
+    folder, is the checkpoint's (exit status 1)."""
     base = str(checkpoint("llama"))
-    with pytest.raises(ConfigError, match="is not a folder"):
+    with pytest.raises(CheckpointError, match="is not a folder"):
         EngineConfig(model=base, lora_adapters={"a": str(tmp_path / "missing")}).validate()
+    result = CliRunner().invoke(main, ["--model", base, "--lora", f"a={tmp_path / 'missing'}", "generate", "hi"])
+    assert result.exit_code == 1 and "is not a folder" in result.output
+    with pytest.raises(ConfigError, match="is not a folder's path"):
+        EngineConfig(model=base, lora_adapters={"a": 5}).validate()
     with pytest.raises(ConfigError, match="must be 1-64 letters"):
         EngineConfig(model=base, lora_adapters={"a b": str(tmp_path)}).validate()
     with pytest.raises(ConfigError, match="at most 16 LoRA adapters"):
