@@ -39,13 +39,13 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
     from ..core.chat import ChatPrompt
     from ..core.request import SamplingParams
     from ..core.tool_choice import forces_calls
-    from .main import CommandLineError, build_engine
+    from .main import CommandLineError, build_engine, option_error
 
     params = SamplingParams(max_tokens=max_tokens, seed=seed, lora_adapter=lora_adapter, **sampling)
     try:
         params.validate()
     except InvalidRequestError as exc:
-        raise CommandLineError(str(exc)) from None
+        raise option_error(exc, ctx) from None
     opening = [{"role": "system", "content": system}] if system is not None else []
     try:
         choice = tool_choice_of(tool_choice, tools)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,22 @@ if TYPE_CHECKING:
 
 class CommandLineError(click.ClickException):
     """An option's value, or options together, that the engine refuses: ``Error: ...`` and exit status 2, as click's
-    own usage errors (without their usage banner, so the message is the same as the Python API's and gRPC's)."""
+    own usage errors (without their usage banner, so the message is the Python API's and gRPC's; ``option_error``
+    adds the option that sets a field it names)."""
     exit_code = 2
+
+
+def option_error(exc: InvalidRequestError, ctx: click.Context) -> CommandLineError:
+    """The engine's refusal of a parameter, naming the option of ``ctx``'s command that sets it after the field:
+    ``invalid sampling parameters: max_tokens (--max-tokens) must be ...``."""
+    message = str(exc)
+    match = re.match(r"(invalid sampling parameters: )?([a-z_]+) ", message)
+    options = {param.name: param.opts[0] for param in ctx.command.params if getattr(param, "opts", None)}
+    field = match[2] if match else ""
+    option = options.get(field) or options.get(field.removesuffix("_in_output"))  # --include-stop-str
+    if match is None or option is None:
+        return CommandLineError(message)
+    return CommandLineError(f"{message[:match.end(2)]} ({option}){message[match.end(2):]}")
 
 
 class InferGroup(click.Group):
@@ -196,7 +211,7 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
     try:
         params.validate()
     except InvalidRequestError as exc:  # the options' values
-        raise CommandLineError(str(exc)) from None
+        raise option_error(exc, ctx) from None
     if not beam_width and ctx.get_parameter_source("length_penalty") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--length-penalty scores beam search's hypotheses; add --beam-width W", ctx)
 
@@ -323,7 +338,7 @@ def _beam_search(ctx: click.Context, inputs: list[Any], texts: list[str], shown:
     try:
         params.validate()
     except InvalidRequestError as exc:
-        raise CommandLineError(str(exc)) from None
+        raise option_error(exc, ctx) from None
     printed = 0
     try:
         engine = build_engine(ctx)

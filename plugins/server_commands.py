@@ -134,7 +134,7 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
     import grpc
 
     from ..cli.chat import ReplyEcho
-    from ..cli.main import CommandLineError
+    from ..cli.main import CommandLineError, option_error
     from ..cli.options import refuse_engine_options
 
     refuse_engine_options(ctx, "client", " (the server's engine is set where `infer serve` starts)")
@@ -183,7 +183,7 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
                              chat_template_kwargs=chat_template_kwargs, tools=tools,
                              tool_choice=tool_choice_of(tool_choice, tools)) if chat else prompt
     except InvalidRequestError as exc:
-        raise CommandLineError(str(exc)) from None
+        raise option_error(exc, ctx) from None
     shown = "" if chat else prompt  # a reply is not a continuation of the user's text
     with Client(target, token=token, tls=tls, root_certificates=tls_ca, timeout=timeout) as conn:
         mid_line = False  # the prompt goes out with the first response, so that an early error stands alone

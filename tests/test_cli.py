@@ -136,13 +136,13 @@ def _bad_folders(tmp_path, tiny_model):
 BAD_REQUESTS = [
     (["generate", ""], "prompt is empty", 1),
     (["generate", "hi", "--max-tokens", "2000"], "exceeds the model's context length 1024", 1),
-    (["generate", "hi", "--max-tokens", "0"], "max_tokens must be a positive integer", 2),
-    (["generate", "hi", "--temperature", "-1"], "temperature must be a number >= 0", 2),
-    (["generate", "hi", "--temperature", "nan"], "temperature must be a number >= 0", 2),
-    (["generate", "hi", "--top-p", "0"], r"top_p must be a number in \(0, 1\]", 2),
-    (["generate", "hi", "--top-p", "1.5"], r"top_p must be a number in \(0, 1\]", 2),
-    (["generate", "hi", "--seed", str(2**63)], r"seed must be an integer in \[0, 2\*\*63\)", 2),
-    (["generate", "hi", "--beam-width", "-1"], "beam_width must be an integer >= 1, got -1", 2),
+    (["generate", "hi", "--max-tokens", "0"], r"max_tokens \(--max-tokens\) must be a positive integer", 2),
+    (["generate", "hi", "--temperature", "-1"], r"temperature \(--temperature\) must be a number >= 0", 2),
+    (["generate", "hi", "--temperature", "nan"], r"temperature \(--temperature\) must be a number >= 0", 2),
+    (["generate", "hi", "--top-p", "0"], r"top_p \(--top-p\) must be a number in \(0, 1\]", 2),
+    (["generate", "hi", "--top-p", "1.5"], r"top_p \(--top-p\) must be a number in \(0, 1\]", 2),
+    (["generate", "hi", "--seed", str(2**63)], r"seed \(--seed\) must be an integer in \[0, 2\*\*63\)", 2),
+    (["generate", "hi", "--beam-width", "-1"], r"beam_width \(--beam-width\) must be an integer >= 1, got -1", 2),
     (["generate", "hi", "--length-penalty", "2"], "--length-penalty scores beam search's hypotheses; add --beam-width",
      2),
     (["generate", "a\udcffb"], r"the prompt is not valid UTF-8 text \(character 2 is '\\udcff'", 1),
@@ -584,6 +584,28 @@ def test_every_logit_bias_given_reaches_the_command():
     result = CliRunner().invoke(command, ["--logit-bias", "6=-100", "--logit-bias", "5=100", "--logit-bias", "9=0.5"])
     assert result.exit_code == 0, result.output
     assert received[0]["sampling"]["logit_bias"] == ((6, -100.0), (5, 100.0), (9, 0.5))
+
+
+def test_a_refused_value_names_its_option_after_the_field():
+    """The engine's message names the parameter (as the Python API and gRPC see it); the command line adds the option
+    that sets it, for each command that has one: `--include-stop-str` for include_stop_str_in_output too."""
+    from infer.cli.main import option_error
+    from infer.core.errors import InvalidRequestError
+
+    command = main.commands["generate"]
+    ctx = click.Context(command)
+    for message, expected in (
+            ("invalid sampling parameters: min_tokens must be ...", "min_tokens (--min-tokens) must be ..."),
+            ("invalid sampling parameters: include_stop_str_in_output must be True or False",
+             "include_stop_str_in_output (--include-stop-str) must be"),
+            ("invalid sampling parameters: logits_processors may name at most 8", "logits_processors "
+             "(--logits-processor) may name"),
+            ("length_penalty must be a finite number", "length_penalty (--length-penalty) must"),
+            ("invalid sampling parameters: structured_output cannot", "invalid sampling parameters: structured_output "
+             "cannot"),  # no option of that name: as it was
+            ("prompt is empty", "prompt is empty")):
+        error = option_error(InvalidRequestError(message), ctx)
+        assert error.exit_code == 2 and expected in error.message, (message, error.message)
 
 
 def test_every_logits_processor_given_reaches_the_command_in_order():

@@ -566,10 +566,11 @@ def test_a_seed_beyond_64_bits_samples_and_leaves_other_streams_alone(client: Cl
 
 
 def test_messages_are_the_clis(client: Client) -> None:
+    """The same words, the command line naming the option that sets the field."""
     cli = subprocess.run([*infer_command(), "generate", "--top-p", "1.5", "hello"], capture_output=True, text=True)
     assert cli.returncode != 0
     err = rpc_error(lambda: client.complete("hello", top_p=1.5))
-    assert cli.stderr.strip() == f"Error: {err.details()}"
+    assert cli.stderr.strip() == f"Error: {err.details().replace('top_p ', 'top_p (--top-p) ', 1)}"
 
 
 # ---------------------------------------------------------------- introspection
@@ -662,12 +663,14 @@ def test_client_errors_say_what_to_change(secure_server: ServerProcess) -> None:
         assert out.exit_code == 2 and "is not HOST:PORT with a port in 1-65535" in out.stderr, target
     out = run_cli("client", "hi", "--target", f"unix:{secure_server.log.parent}/none.sock")  # gRPC's own scheme
     assert out.exit_code == 1 and out.stderr.startswith("Error: UNAVAILABLE")
-    for option, message in ((["--temperature", "-1"], "temperature must be a number >= 0"),
-                            (["--n", "0"], "n must be an integer in [1, 64], got 0"),
-                            (["--max-tokens", "0"], "max_tokens must be a positive integer"),
-                            (["--stop", ""], "stop must be a non-empty string"),
-                            (["--beam-width", "-1"], "beam_width must be an integer >= 1, got -1"),
-                            (["--beam-width", "2", "--length-penalty", "nan"], "length_penalty must be a finite")):
+    for option, message in ((["--temperature", "-1"], "temperature (--temperature) must be a number >= 0"),
+                            (["--n", "0"], "n (--n) must be an integer in [1, 64], got 0"),
+                            (["--max-tokens", "0"], "max_tokens (--max-tokens) must be a positive integer"),
+                            (["--stop", ""], "stop (--stop) must be a non-empty string"),
+                            (["--beam-width", "-1"],
+                             "beam_width (--beam-width) must be an integer >= 1, got -1"),
+                            (["--beam-width", "2", "--length-penalty", "nan"],
+                             "length_penalty (--length-penalty) must be a finite")):
         out = run_cli("client", "hi", "--target", idle, *option)  # named before any server is asked, as generate does
         assert out.exit_code == 2 and message in out.stderr, (option, out.stderr)
 
@@ -798,7 +801,7 @@ def test_client_chat_on_a_model_without_a_template_is_refused_by_the_server(serv
 def test_client_errors_stand_alone(server: ServerProcess) -> None:
     out = run_cli("client", "hello", "--target", server.target, "--top-p", "1.5")
     assert (out.exit_code, out.stdout) == (2, "")  # the option's value: refused before anything is sent
-    assert out.stderr == f"Error: {_validation_message(top_p=1.5)}\n"
+    assert out.stderr == f"Error: {_validation_message(top_p=1.5).replace('top_p ', 'top_p (--top-p) ', 1)}\n"
     out = run_cli("client", "hello", "--target", server.target, "--lora-adapter", "none-here")
     assert (out.exit_code, out.stdout) == (1, "")  # no prompt echo glued to the server's error
     assert out.stderr.startswith("Error: INVALID_ARGUMENT: lora_adapter 'none-here' is not loaded")
@@ -815,7 +818,7 @@ def test_client_errors_stand_alone(server: ServerProcess) -> None:
         f"Error: invalid sampling parameters: max_tokens must be below 2**31 to travel over gRPC (int32), got "
         f"{2**31}\n")
     out = run_cli("client", "hello", "--target", server.target, "--seed", str(2**63))
-    assert out.exit_code == 2 and "seed must be an integer in [0, 2**63)" in out.stderr
+    assert out.exit_code == 2 and "seed (--seed) must be an integer in [0, 2**63)" in out.stderr
     out = run_cli("client", "hello", "--target", server.target, "--timeout", "0")
     assert out.exit_code == 2 and "--timeout" in out.stderr
 
