@@ -52,7 +52,7 @@ def chat(ctx: click.Context, system: str | None, max_tokens: int, sampling: dict
         first = ChatPrompt.of([*opening, {"role": "user", "content": "hello"}],
                               chat_template_kwargs=chat_template_kwargs, tools=tools, tool_choice=choice)
     except InvalidRequestError as exc:
-        raise CommandLineError(str(exc)) from None
+        raise option_error(exc, ctx) from None
     engine = build_engine(ctx)
     try:  # the template, the tool choice and the options against this model, before the first turn
         engine.check_request(first, params)
