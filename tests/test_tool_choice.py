@@ -311,7 +311,8 @@ def test_tool_choice_travels_over_grpc_infer_client_and_generate_chat(llm: LLM, 
 
     serve_engine(llm.engine, test)
     for args, code, complaint in ((["--tool-choice", "required"], 2, "--tool-choice is for a conversation; add --chat"),
-                                  (["--chat", "--tool-choice", "required"], 2, "tool_choice 'required' needs tools"),
+                                  (["--chat", "--tool-choice", "required"], 2,
+                                   "tool_choice (--tool-choice) 'required' needs tools"),
                                   (["--chat", "--tools", str(tools), "--tool-choice",
                                     '{"type": "function", "function": {"name": "none"}}'], 2,
                                    "names the function 'none', which is not among")):
@@ -353,7 +354,7 @@ def test_infer_chat_forces_the_replies_to_your_turns_only(llm: LLM, tiny_model: 
     assert "warning: no tool call call_1 in this conversation (the calls made: call_" in result.stderr
     bare = CliRunner().invoke(main, [*base, "--tools", str(tools)], input="/tool\n")
     assert bare.exit_code == 0 and "/tool ID RESULT answers a tool call by its id" in bare.stderr and not bare.stdout
-    for args, complaint in ((["--tool-choice", "required"], "tool_choice 'required' needs tools"),
+    for args, complaint in ((["--tool-choice", "required"], "tool_choice (--tool-choice) 'required' needs tools"),
                             (["--tools", str(tools), "--tool-choice", "radar"], "'radar'"),
                             (["--tools", str(tools), "--tool-choice", "forecast", "--min-tokens", "2"], "min_tokens")):
         result = CliRunner().invoke(main, [*base, *args], input="hi\n")
