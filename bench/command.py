@@ -123,7 +123,7 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     repeats = balanced_repeats(repeats, len(specs), err)
     if workload_file is not None and workload != "file":
         raise click.UsageError(f"--file is read by --workload file only; this run's workload is {workload!r}")
-    request_sampling = check_sampling(sampling, sampling_seed, specs)
+    request_sampling = check_sampling(sampling, sampling_seed, specs, ctx)
     spec = WorkloadSpec(workload, num_requests, input_len, output_len, len_sigma, prefix_len, question_len, turns,
                         long_len, long_delay, rate, workload_seed, workload_file, skip_bad_lines, request_sampling,
                         lora_adapters)
@@ -218,17 +218,18 @@ def balanced_repeats(repeats: int | None, num_arms: int, err: Any) -> int:
     return repeats
 
 
-def check_sampling(sampling: dict[str, Any], seed: int | None, specs: list[ArmSpec]) -> RequestSampling:
+def check_sampling(sampling: dict[str, Any], seed: int | None, specs: list[ArmSpec], ctx: click.Context
+                   ) -> RequestSampling:
     """The workload's sampling, refused (exit status 2) where a value is out of range or an HF arm cannot sample
     that way."""
-    from ..cli.main import CommandLineError
+    from ..cli.main import option_error
     from ..core.errors import InvalidRequestError
 
     request_sampling = RequestSampling(sampling, seed)
     try:
         request_sampling.params(max(1, sampling["min_tokens"]), 0, 0, 0).validate()
     except InvalidRequestError as exc:
-        raise CommandLineError(str(exc)) from None
+        raise option_error(exc, ctx) from None
     unsupported = [sampling_option(name) for name in ("frequency_penalty", "presence_penalty", "logits_processors")
                    if sampling[name]]
     if unsupported and any(spec.is_hf for spec in specs):

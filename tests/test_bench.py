@@ -878,7 +878,7 @@ def test_hf_continuous_batching_records_times_from_the_runs_start_and_each_turns
     (["--ab", "--repeats", "1"], "--ab needs at least one arm after it"),
     (["--out", __file__ + "/sub"], "Invalid value for '--out': cannot create or write the output folder"),
     (["--out", "/proc"], "Invalid value for '--out': cannot create or write the output folder"),  # exists, not writable
-    (["--temperature", "-1"], "temperature must be a number >= 0"),
+    (["--temperature", "-1"], "temperature (--temperature) must be a number >= 0"),
     (["--sampling-seed", "-1"], "Invalid value for '--sampling-seed'"),
     (["--ab", "", "hf:cb", "--repetition-penalty", "1.2"], "transformers' continuous batching drops "
      "--repetition-penalty"),

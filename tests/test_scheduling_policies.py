@@ -321,7 +321,7 @@ def test_infer_client_sends_its_priority_to_a_server_that_schedules_by_it(tiny_m
         assert last is not None and last.outputs[0].finish_reason == pb.FINISH_REASON_ABORT
 
     serve_engine(e, test)
-    for args, words in ((["--priority", str(2**31)], "priority must be an integer in (-2**31, 2**31)"),
+    for args, words in ((["--priority", str(2**31)], "priority (--priority) must be an integer in (-2**31, 2**31)"),
                         (["--priority", "2", "--beam-width", "2"], "drop --priority")):
         result = CliRunner().invoke(main, ["client", "hi", "--target", "127.0.0.1:1", *args])
         assert result.exit_code == 2 and words in result.output, result.output
