@@ -266,3 +266,31 @@ def test_plugin_refuses_a_processor_name() -> None:
 def test_the_arguments_reach_processors_as_json_values() -> None:
     params = SamplingParams(logits_processors={"a": {"n": 1, "list": [1.5, "x"], "flag": True}})
     assert json.loads(params.logits_processors[0][1]) == {"n": 1, "list": [1.5, "x"], "flag": True}
+
+
+def test_the_tutorials_logits_processor_runs_as_written(tiny_model: Path, hf_greedy: Any) -> None:
+    """docs/writing-a-plugin.md's ban-token example, executed as a plugin module: the banned token never comes out,
+    and its greedy output is transformers' with that token's logit at -inf."""
+    import re
+    import types
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-plugin.md").read_text()
+    [code] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "class BanToken" in block]
+    module = types.ModuleType("ban_token_example")
+    exec(compile(code, "writing-a-plugin.md", "exec"), module.__dict__)
+    plugins = PluginManager.from_entry_points()
+    plugins.register(module, name="ban-token", source="tutorial")
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), plugins)
+    banned = hf_greedy(tiny_model, PROMPTS[0], 1)[0]
+
+    class Ban:
+        def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            return scores.index_fill(1, torch.tensor([banned]), float("-inf"))
+
+    [output] = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                            logits_processors={"ban-token": {"token_id": banned}}))
+    assert output.outputs[0].token_ids == hf_processed_greedy(tiny_model, PROMPTS[0], Ban(), 8)
+    assert banned not in output.outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="logits processor 'ban-token': takes"):
+        engine.check_request("x", SamplingParams(logits_processors={"ban-token": {"token_id": -1}}))
+
