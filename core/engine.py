@@ -155,7 +155,7 @@ class Engine:
 
     def _logits_processor(self, name: str) -> LogitsProcessor:
         """Built at the first request that names it, and blamed for its errors from then on."""
-        processor = self.plugins.build("logits_processor", name, LogitsProcessor, self.config)
+        processor = self.plugins.build("logits_processor", name, LogitsProcessor, self.config, self.tokenizer)
         self.blame.add("logits_processor", name, processor)
         return processor
 

@@ -35,7 +35,7 @@ ModelFactory = Callable[["dict[str, Any]", "QuantMethod | None", "torch.dtype", 
 ToolParserFactory = Callable[["EngineConfig", Any], "ToolParser"]
 ReasoningParserFactory = Callable[["EngineConfig", Any], "ReasoningParser"]
 StructuredOutputBackendFactory = Callable[["EngineConfig", "Vocabulary"], "StructuredOutputBackend"]
-LogitsProcessorFactory = Callable[["EngineConfig"], "LogitsProcessor"]
+LogitsProcessorFactory = Callable[["EngineConfig", Any], "LogitsProcessor"]
 CommandFactory = Callable[[], "click.Command"]
 
 
@@ -141,8 +141,9 @@ def register_structured_output_backends(register: Register[StructuredOutputBacke
 def register_logits_processors(register: Register[LogitsProcessorFactory]) -> None:
     """Register logits processors, which requests choose by name.
 
-    ``factory(config)`` returns a :class:`~infer.core.interfaces.LogitsProcessor`, built once per engine when a
-    request first names it. A request names processors with their arguments in
+    ``factory(config, tokenizer)`` returns a :class:`~infer.core.interfaces.LogitsProcessor` for the model whose
+    tokenizer is given (a processor that reads text tokenizes it with it), built once per engine when a request
+    first names it. A request names processors with their arguments in
     ``SamplingParams.logits_processors``; the engine checks the arguments at admission (``check``) and hands the
     processor the logits rows of those requests' sequences before each sample (``apply``). Not selected by
     ``--plugin``: each request picks its own (``infer generate --logits-processor NAME``).

@@ -4,9 +4,10 @@
 - ``no-repeat-ngram`` (args ``{"size": n}``, 1 <= n <= 64): no n-gram occurs twice in a sequence, prompt included:
   a token that would complete an n-gram already in the sequence's tokens is banned. HF transformers'
   ``no_repeat_ngram_size`` (its NoRepeatNGramLogitsProcessor) does the same; vLLM has none built in.
-- ``bad-words`` (args ``{"token_ids": [[...], ...]}``): no listed token sequence occurs in the output: a word's
-  last token is banned where the tokens before it end the sequence so far (prompt included; a one-token word is
-  always banned). HF's ``bad_words_ids`` (NoBadWordsLogitsProcessor); vLLM's ``bad_words``, given as token ids.
+- ``bad-words`` (args ``{"token_ids": [[...], ...], "words": [...]}``, either or both): no listed token sequence
+  occurs in the output: a word's last token is banned where the tokens before it end the sequence so far (prompt
+  included; a one-token word is always banned). HF's ``bad_words_ids`` (NoBadWordsLogitsProcessor); text words as
+  vLLM's ``bad_words``: tokenized as written and after a space.
 - ``allowed-tokens`` (args ``{"token_ids": [...]}``): only these tokens can be sampled (vLLM's
   ``allowed_token_ids``).
 """
@@ -76,20 +77,39 @@ def token_id_list(args: Mapping[str, Any], most: int, what: str) -> list[int]:
 
 
 class BadWords(LogitsProcessor):
-    """Bans the last token of each listed word whose other tokens end the sequence so far."""
+    """Bans the last token of each listed word whose other tokens end the sequence so far. Words given as text are
+    tokenized as vLLM's ``bad_words`` are: as written and after a space (a word mid-text), both banned."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.spelled: dict[tuple[str, ...], list[list[int]]] = {}  # words -> their token sequences
 
     def check(self, args: Mapping[str, Any]) -> None:
-        words = args.get("token_ids")
-        what = (f"1 to {MAX_WORDS} words, each a list of 1 to {MAX_WORD_TOKENS} token ids (integers >= 0)")
-        if set(args) != {"token_ids"} or not isinstance(words, list) or not 1 <= len(words) <= MAX_WORDS:
-            raise InvalidRequestError(f"takes {{\"token_ids\": [[...], ...]}}, {what}; got {str(dict(args))[:200]}")
-        for word in words:
+        ids, texts = args.get("token_ids", []), args.get("words", [])
+        what = (f"\"token_ids\": 1 to {MAX_WORDS} words, each a list of 1 to {MAX_WORD_TOKENS} token ids (integers "
+                f">= 0), and/or \"words\": 1 to {MAX_WORDS} non-empty strings")
+        if not args or set(args) - {"token_ids", "words"} or not isinstance(ids, list) or \
+                not isinstance(texts, list) or len(ids) > MAX_WORDS or len(texts) > MAX_WORDS or \
+                not all(isinstance(text, str) and text for text in texts):
+            raise InvalidRequestError(f"takes {what}; got {str(dict(args))[:200]}")
+        for word in ids:
             token_id_list({"token_ids": word}, MAX_WORD_TOKENS, what)
+
+    def words(self, args: Mapping[str, Any]) -> list[list[int]]:
+        """The token sequences ``args`` bans: its token_ids, then each of its words' two spellings."""
+        texts = tuple(args.get("words", ()))
+        if texts not in self.spelled:
+            if len(self.spelled) >= MAX_WORDS:  # a server's requests may each give their own: kept bounded
+                self.spelled.clear()
+            spellings = [self.tokenizer.encode(form, add_special_tokens=False) for text in texts
+                         for form in (text, " " + text)]
+            self.spelled[texts] = [ids for ids in spellings if ids]
+        return [*args.get("token_ids", ()), *self.spelled[texts]]
 
     def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
         import torch
 
-        banned = [(i, word[-1]) for i, row in enumerate(rows) for word in row.args["token_ids"]
+        banned = [(i, word[-1]) for i, row in enumerate(rows) for word in self.words(row.args)
                   if word[-1] < logits.shape[1] and (len(word) == 1 or row.token_ids[-(len(word) - 1):] == word[:-1])]
         if banned:
             at = torch.tensor(banned, device=logits.device)
@@ -115,6 +135,6 @@ class AllowedTokens(LogitsProcessor):
 
 @hookimpl
 def register_logits_processors(register: Register) -> None:
-    register("no-repeat-ngram", lambda config: NoRepeatNgram())
-    register("bad-words", lambda config: BadWords())
-    register("allowed-tokens", lambda config: AllowedTokens())
+    register("no-repeat-ngram", lambda config, tokenizer: NoRepeatNgram())
+    register("bad-words", lambda config, tokenizer: BadWords(tokenizer))
+    register("allowed-tokens", lambda config, tokenizer: AllowedTokens())

@@ -44,7 +44,7 @@ class Banning(LogitsProcessor):
         return logits
 
 
-def engine_with(factory: Callable[[Any], LogitsProcessor], tiny_model: Path, **options: Any) -> Engine:
+def engine_with(factory: Callable[[Any, Any], LogitsProcessor], tiny_model: Path, **options: Any) -> Engine:
     plugins = PluginManager.from_entry_points()
     module = types.ModuleType("acme_audit_processors")
     module.register_logits_processors = hookimpl(lambda register: register("banning", factory))
@@ -80,7 +80,8 @@ def test_a_processor_is_built_once_and_keeps_its_state_across_requests(tiny_mode
     ones, and release() would reach the new instance)."""
     built: list[Banning] = []
 
-    def factory(config: Any) -> Banning:
+    def factory(config: Any, tokenizer: Any) -> Banning:
+        assert tokenizer.decode([5]) is not None  # the engine's tokenizer
         built.append(Banning())
         return built[-1]
 
@@ -135,7 +136,7 @@ def test_a_structured_output_masks_the_processed_logits(tiny_model: Path) -> Non
 def test_a_row_with_one_nan_logit_has_no_token(tiny_model: Path) -> None:
     """A NaN anywhere in a row (not only a row all NaN) makes softmax and argmax meaningless: counted, and warned
     of (tests/test_plugins.py), at every step it happens."""
-    engine = engine_with(lambda config: Banning("one nan"), tiny_model)
+    engine = engine_with(lambda config, tokenizer: Banning("one nan"), tiny_model)
     rid = engine.add_request(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True, logits_processors=["banning"]))
     seq = engine.requests[rid].seqs[0]
     while engine.has_unfinished():
@@ -156,7 +157,7 @@ def test_token_zero_is_a_token_not_a_missing_one(tiny_model: Path) -> None:
 @pytest.mark.parametrize(("mode", "got"), [("float64", r"torch.float64 \(1, \d+\)"),
                                            ("extra row", r"torch.float32 \(2, \d+\)")])
 def test_a_processor_returning_another_dtype_or_row_count_is_refused(tiny_model: Path, mode: str, got: str) -> None:
-    engine = engine_with(lambda config: Banning(mode), tiny_model)
+    engine = engine_with(lambda config, tokenizer: Banning(mode), tiny_model)
     with pytest.raises(PluginError, match=rf"logits processor 'banning': apply\(\) returned {got} on cpu, not the "
                                           r"torch.float32 \(1, \d+\) on cpu it was given"):
         engine.generate([PROMPT], SamplingParams(max_tokens=2, logits_processors=["banning"]))

@@ -71,6 +71,23 @@ def test_bad_words_generates_what_transformers_does(tiny_model: Path, hf_greedy:
         assert output.outputs[0].token_ids == expected != plain
 
 
+def test_bad_words_given_as_text_ban_both_spellings(tiny_model: Path, hf_greedy: Any) -> None:
+    """Text words, as vLLM's bad_words: each tokenized as written and after a space, both banned (transformers'
+    NoBadWordsLogitsProcessor given those token sequences is the reference)."""
+    from transformers import AutoTokenizer, NoBadWordsLogitsProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"))
+    plain = hf_greedy(tiny_model, PROMPTS[0], 16)
+    words = [tokenizer.decode(plain[:1]).strip(), tokenizer.decode(plain[2:4]).strip()]  # as the output spells them
+    sequences = [ids for word in words for form in (word, " " + word)
+                 if (ids := tokenizer.encode(form, add_special_tokens=False))]
+    [output] = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                            logits_processors={"bad-words": {"words": words}}))
+    expected = hf_processed_greedy(tiny_model, PROMPTS[0], NoBadWordsLogitsProcessor(sequences), 16)
+    assert output.outputs[0].token_ids == expected != plain
+
+
 def test_allowed_tokens_samples_only_those(tiny_model: Path) -> None:
     """Greedy: the model's argmax over the allowed tokens alone (transformers' logits, the others set to -inf);
     sampled at temperature 1: no other token ever."""
@@ -96,7 +113,10 @@ def test_allowed_tokens_samples_only_those(tiny_model: Path) -> None:
     ("bad-words", {"token_ids": [5]}, "each a list of 1 to 64 token ids"),
     ("bad-words", {"token_ids": [[]]}, "each a list of 1 to 64 token ids"),
     ("bad-words", {"token_ids": [[1, -2]]}, "integers >= 0"),
-    ("bad-words", {"words": [[1]]}, 'takes {"token_ids": \\[\\[...\\], ...\\]}'),
+    ("bad-words", {"words": [[1]]}, 'takes "token_ids": 1 to 1024 words'),
+    ("bad-words", {"words": [""]}, "non-empty strings"),
+    ("bad-words", {}, 'takes "token_ids"'),
+    ("bad-words", {"token_ids": [[1]], "text": "x"}, 'takes "token_ids"'),
     ("allowed-tokens", {"token_ids": []}, "1 to 131072 token ids"),
     ("allowed-tokens", {"token_ids": [1.5]}, "integers >= 0"),
 ])
@@ -193,7 +213,7 @@ def engine_with(processor: LogitsProcessor, tiny_model: Path, **options: Any) ->
 
     plugins = PluginManager.from_entry_points()
     module = types.ModuleType("acme_processors")
-    module.register_logits_processors = hookimpl(lambda register: register("recording", lambda config: processor))
+    module.register_logits_processors = hookimpl(lambda register: register("recording", lambda config, tokenizer: processor))
     plugins.register(module, name="acme", source="infer-plugin-acme")
     return Engine(EngineConfig(model=str(tiny_model), device="cpu", **options), plugins)
 

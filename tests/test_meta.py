@@ -125,7 +125,7 @@ class Recorder:
 
     @hookimpl
     def register_logits_processors(self, register: Any) -> None:
-        self._register("register_logits_processors", register, lambda config: None)
+        self._register("register_logits_processors", register, lambda config, tokenizer: None)
 
     @hookimpl
     def register_models(self, register: Any) -> None:
