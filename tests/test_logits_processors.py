@@ -213,7 +213,8 @@ def engine_with(processor: LogitsProcessor, tiny_model: Path, **options: Any) ->
 
     plugins = PluginManager.from_entry_points()
     module = types.ModuleType("acme_processors")
-    module.register_logits_processors = hookimpl(lambda register: register("recording", lambda config, tokenizer: processor))
+    module.register_logits_processors = hookimpl(
+        lambda register: register("recording", lambda config, tokenizer: processor))
     plugins.register(module, name="acme", source="infer-plugin-acme")
     return Engine(EngineConfig(model=str(tiny_model), device="cpu", **options), plugins)
 
