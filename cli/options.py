@@ -13,6 +13,7 @@ import click
 
 from ..core.config import COMPONENT_FIELDS, SCHEDULING_POLICIES, EngineConfig
 from ..core.plugins import PluginManager
+from ..core.request import processor_args_text
 
 log = logging.getLogger("infer")
 
@@ -72,7 +73,7 @@ class ProcessorType(click.ParamType):
         if not name or not isinstance(parsed, dict):
             self.fail(f"{value!r} is not NAME or NAME=JSON (a processor's name, then a JSON object of its arguments, "
                       "e.g. no-repeat-ngram='{\"size\": 3}')", param, ctx)
-        return name, json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+        return name, processor_args_text(parsed)
 
 
 SAMPLING_DEFAULTS: dict[str, Any] = {name: default for name, _, default, _ in _SAMPLING} | {

@@ -286,6 +286,12 @@ class SamplingParams:
             seen.add(token)
 
 
+def processor_args_text(args: object) -> str:
+    """A logits processor's arguments as the canonical JSON text ``SamplingParams.logits_processors`` keeps (sorted
+    keys, no spaces: equal arguments, equal text); TypeError or ValueError for what JSON cannot hold."""
+    return json.dumps({} if args is None else args, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
 def _processor_calls(value: object) -> object:
     """``SamplingParams.logits_processors`` as (name, JSON text of its args) pairs; a value of another form, or
     arguments that are no JSON, are left as they are for ``validate`` to name."""
@@ -308,8 +314,7 @@ def _processor_calls(value: object) -> object:
             calls.append((name, args))  # validate names it
             continue
         try:
-            calls.append((name, json.dumps({} if args is None else args, sort_keys=True, separators=(",", ":"),
-                                            allow_nan=False)))
+            calls.append((name, processor_args_text(args)))
         except (TypeError, ValueError):
             return value
     return tuple(calls)

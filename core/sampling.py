@@ -59,7 +59,7 @@ class Sampler:
         tokens = self.sample_tokens(source, params, generators)
         rows, top = _logprob_tensors(logits, params, tokens)
         # per row: 1 no token to sample (a NaN, or every logit -inf: argmax picks 0), 2 processors yielded
-        flags = (source.isnan().any(dim=-1) | ~(source > float("-inf")).any(dim=-1)).to(torch.int8)
+        flags = (~(source.amax(dim=-1) > float("-inf"))).to(torch.int8)  # amax is NaN where any logit is
         if yielded is not None:
             flags = flags + 2 * yielded.to(torch.int8)
         return PendingSample(tokens, *_to_host((tokens, flags, *top)), rows=rows,
