@@ -94,6 +94,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("long_ttft_ms", "long prompt TTFT", "ms", False),
     Metric("top_priority_ttft_p50_ms", "TTFT p50, top priority", "ms", False),
     Metric("top_priority_ttft_p99_ms", "TTFT p99, top priority", "ms", False),
+    Metric("bottom_priority_ttft_max_ms", "TTFT max, lowest priority", "ms", False),
     Metric("tpot_p50_ms", "TPOT p50", "ms", False),
     Metric("tpot_p99_ms", "TPOT p99", "ms", False),
     Metric("itl_p50_ms", "ITL p50", "ms", False),
@@ -175,6 +176,9 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
         if any(r.priority != top for r in reqs) else []
     out["top_priority_ttft_p50_ms"] = _ms(percentile(first, 50))
     out["top_priority_ttft_p99_ms"] = _ms(percentile(first, 99))
+    bottom = min((r.priority for r in reqs), default=0)  # the longest wait of the least important: starvation
+    last = [r.ttft_s for r in reqs if r.priority == bottom and r.ttft_s is not None] if first else []
+    out["bottom_priority_ttft_max_ms"] = _ms(max(last)) if last else None
     eng = run.engine
     if eng is None:
         out.update(dict.fromkeys(("kv_peak_blocks", "kv_peak_usage", "prefix_hit_rate", "acceptance_rate",

@@ -282,6 +282,10 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="Order of requests: fcfs (arrival), priority (higher request priority first, ties by "
                       "arrival; a request that does not fit preempts lower-priority ones) or lpm (the longest "
                       "cached prefix first) [default: fcfs]."),
+    click.option("--priority-aging-s", type=float, default=None, metavar="SECONDS",
+                 help="With --scheduling-policy priority: a request gains one priority level per SECONDS since it "
+                      "arrived, so lower-priority requests wait at most about SECONDS per level behind newer "
+                      "more important ones [default: no aging]."),
     click.option("--kv-admission-reserve", type=ReserveType(), default=None, metavar="R|auto",
                  help="Admit a waiting request only if the KV blocks left after its prompt cover R x the blocks that "
                       "the running sequences and it still need to reach their max_tokens, so fewer are preempted "
@@ -418,6 +422,7 @@ FIELD_OF_OPTION = {
     "async_scheduling": "async_scheduling",
     "freeze_gc": "freeze_gc",
     "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb", "scheduling_policy": "scheduling_policy",
+    "priority_aging_s": "priority_aging_s",
     "kv_admission_reserve": "kv_admission_reserve",
     "proposer": "proposer", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
     "lora": "lora_adapters", "max_lora_adapters": "max_lora_adapters", "max_lora_rank": "max_lora_rank",

@@ -111,6 +111,10 @@ def assemble(config: EngineConfig, plugins: PluginManager, load_progress: LoadPr
         raise ConfigError(f"the scheduler {config.scheduler!r} follows the scheduling policies "
                           f"{', '.join(scheduler.scheduling_policies)}, not {config.scheduling_policy!r}; choose one "
                           "of those (--scheduling-policy), or a scheduler that follows it (--scheduler continuous)")
+    if config.priority_aging_s is not None and not scheduler.follows_priority_aging:
+        raise ConfigError(f"the scheduler {config.scheduler!r} does not follow --priority-aging-s (it does not set "
+                          "Scheduler.follows_priority_aging); drop the option or choose --scheduler continuous or "
+                          "chunked-prefill")
     runner = ModelRunner(loaded.model, attention, num_blocks, config.block_size, loaded.dtype, loaded.device,
                          config.seed, config.num_swap_blocks if config.preemption_mode == "swap" else 0,
                          kv_dtype=kv_dtype, kv_scales=kv_scales, culprits=Culprits(

@@ -73,6 +73,9 @@ class EngineConfig:
     # order), preempting lower-priority sequences to admit a higher-priority request; "lpm": waiting requests with
     # the longest cached prefix first (SGLang's longest prefix match) (Scheduler.scheduling_policies)
     scheduling_policy: str = "fcfs"
+    # with "priority": a request gains one priority level per this many seconds since it arrived, so that none waits
+    # for ever behind more important ones (None: no aging; Scheduler.follows_priority_aging)
+    priority_aging_s: float | None = None
     swap_space_gb: float = 4.0  # host memory for --preemption swap
     num_swap_blocks: int | None = None  # explicit host swap pool in blocks; else derived from swap_space_gb
     # admit a request only while the free KV blocks cover this share of every running sequence's remaining max_tokens;
@@ -197,6 +200,13 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
                               f"{self.scheduling_policy!r}")
+        if self.priority_aging_s is not None:
+            if not self.priority_aging_s > 0:
+                raise ConfigError(f"priority-aging-s must be a number of seconds > 0, got {self.priority_aging_s!r}")
+            if self.scheduling_policy != "priority":
+                raise ConfigError(f"--priority-aging-s ages request priorities, which only --scheduling-policy "
+                                  f"priority reads (this engine's is {self.scheduling_policy}); add "
+                                  "--scheduling-policy priority or drop --priority-aging-s")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_speculative_tokens < 0 or self.num_speculative_tokens > 16:

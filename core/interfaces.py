@@ -269,9 +269,13 @@ class Scheduler(ABC):
     ``scheduling_policies`` names the values of ``EngineConfig.scheduling_policy`` (``--scheduling-policy``) that
     the scheduler follows; the engine refuses any other. ``fcfs``: requests in arrival order. ``priority``: by
     ``SamplingParams.priority``, higher first, ties in arrival order. ``lpm``: the longest cached prefix first.
+    ``follows_priority_aging``: whether, under ``priority``, it follows ``EngineConfig.priority_aging_s``
+    (``--priority-aging-s``): the order of ``arrival_time - priority * priority_aging_s``, earliest first, so a
+    request gains a level per that many seconds; the engine refuses the option for a scheduler that does not.
     """
 
     scheduling_policies: tuple[str, ...] = ("fcfs",)
+    follows_priority_aging: bool = False
 
     @abstractmethod
     def add(self, seq: Sequence) -> None:

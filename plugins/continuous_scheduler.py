@@ -69,9 +69,13 @@ class AdmissionReserve:
                 max(self.FLOOR, self.value - (self.START - self.FLOOR) / self.DECAY_STEPS)
 
 
-def rank(seq: Sequence) -> tuple[int, float, int]:
-    """The priority policy's order: higher ``SamplingParams.priority`` first, then earlier arrival."""
-    return -seq.params.priority, seq.arrival_time, seq.seq_id
+def rank(seq: Sequence, aging_s: float | None = None) -> tuple[float, float, int]:
+    """The priority policy's order: higher ``SamplingParams.priority`` first, then earlier arrival. With aging, a
+    request gains one priority level per ``aging_s`` seconds since it arrived: as every request gains alike, the
+    order never changes, and is that of ``arrival_time - priority * aging_s``, earliest first."""
+    if aging_s is None:
+        return -seq.params.priority, seq.arrival_time, seq.seq_id
+    return seq.arrival_time - seq.params.priority * aging_s, seq.arrival_time, seq.seq_id
 
 
 class ContinuousScheduler(Scheduler):
@@ -84,7 +88,10 @@ class ContinuousScheduler(Scheduler):
     With the ``priority`` policy the waiting queue is kept in :func:`rank` order, running sequences are served in
     priority order (decodes first within each priority), the lowest-priority one is preempted first, and a waiting
     request that does not fit preempts running sequences of lower priority until it does. Equal priorities never
-    preempt each other, so a sequence is only ever preempted for a strictly more important one: no livelock.
+    preempt each other, so a sequence is only ever preempted for a strictly more important one: no livelock. With
+    ``priority_aging_s`` the order is :func:`rank`'s with aging, served, preempted and made room in by it alone: a
+    request that waited ``priority_aging_s`` seconds ranks as one level more important, so none waits for ever; it
+    is a fixed order, so a preempted sequence never preempts the one it made room for.
 
     With ``lpm`` (longest prefix match) waiting sequences are admitted in order of the prompt tokens the KV cache
     holds for them, most first (ties in queue order), while at most LPM_MAX_WAITING wait: requests that share a
@@ -96,11 +103,13 @@ class ContinuousScheduler(Scheduler):
     """
 
     scheduling_policies = ("fcfs", "priority", "lpm")
+    follows_priority_aging = True
 
     def __init__(self, config: EngineConfig, kv: KVCache, chunked: bool = False) -> None:
         self.kv, self.chunked = kv, chunked
         self.by_priority = config.scheduling_policy == "priority"
         self.by_cached_prefix = config.scheduling_policy == "lpm"
+        self.aging_s = config.priority_aging_s
         self.lpm_max_waiting = LPM_MAX_WAITING
         self.token_budget = config.max_num_batched_tokens
         # seats: never more running sequences than the budget has tokens, so that every decode runs in every step
@@ -123,7 +132,7 @@ class ContinuousScheduler(Scheduler):
     def _enqueue(self, seq: Sequence, at_front: bool) -> None:
         """Queue a new sequence at the back, or a preempted one at the front (fcfs); by rank (priority)."""
         if self.by_priority:
-            bisect.insort(self.waiting, seq, key=rank)
+            bisect.insort(self.waiting, seq, key=self._rank)
         elif at_front:
             self.waiting.appendleft(seq)
         else:
@@ -188,19 +197,31 @@ class ContinuousScheduler(Scheduler):
         later = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         order = [s for s in self.running if s.num_tokens - s.num_computed_tokens <= 1] + later if later \
             else self.running
-        if self.by_priority:  # stable: decodes first within a priority; the last is the one to preempt
+        if self.by_priority and self.aging_s is None:  # stable: decodes first within a priority; the last goes first
             order = sorted(order, key=lambda s: -s.params.priority)
+        elif self.by_priority:
+            order = sorted(order, key=self._rank)
         return deque(order)
 
+    def _rank(self, seq: Sequence) -> tuple[float, float, int]:
+        return rank(seq, self.aging_s)
+
+    def _outranks(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether ``seq`` may preempt ``other`` (priority policy): a strictly higher priority, or with aging an
+        earlier place in :func:`rank`'s order."""
+        if self.aging_s is None:
+            return seq.params.priority > other.params.priority
+        return self._rank(seq) < self._rank(other)
+
     def _make_room(self, out: SchedulerOutput) -> int:
-        """Priority policy: preempt running sequences of lower priority than the head of the waiting queue, lowest
-        first (ties: latest arrival), until it fits (:meth:`_fits`); none where it would not fit beside the others
+        """Priority policy: preempt running sequences that the head of the waiting queue outranks, lowest first
+        (:func:`rank`), until it fits (:meth:`_fits`); none where it would not fit beside the others
         even so. Returns how many."""
         if not self.waiting or not self.running:
             return 0
         head = self.waiting[0]
-        victims = sorted((s for s in self.running if s.params.priority < head.params.priority), key=rank)
-        others = [s for s in self.running if s.params.priority >= head.params.priority]
+        victims = sorted((s for s in self.running if self._outranks(head, s)), key=self._rank)
+        others = [s for s in self.running if not self._outranks(head, s)]
         if not victims or not self._fits(head, others, sum(len(self.kv.block_table(s)) for s in victims)):
             return 0
         made = 0

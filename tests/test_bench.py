@@ -1598,7 +1598,8 @@ def test_moe_bench_agrees_with_hfs_experts_before_timing():
 
 def test_workload_lines_give_priorities_and_the_top_prioritys_ttft_is_reported(tiny_model, tmp_path):
     """One seat: under --scheduling-policy priority the priority-2 lines run first, so they finish before every
-    other line (fcfs: in file order); the top-priority TTFT rows are those requests' TTFT percentiles."""
+    other line (fcfs: in file order); the top-priority TTFT rows are those requests' TTFT percentiles, and the
+    lowest priority's longest TTFT is reported."""
     path = tmp_path / "w.jsonl"
     priorities = [0, 0, 2, 1, 2, 0]
     path.write_text("".join(json.dumps({"prompt": [10 + i, 11, 12], "max_tokens": 3, "priority": p}) + "\n"
@@ -1616,6 +1617,7 @@ def test_workload_lines_give_priorities_and_the_top_prioritys_ttft_is_reported(t
                  "--repeats", "1", "--warmup-rounds", "0", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert "TTFT p50, top priority" in result.output and "TTFT p99, top priority" in result.output
+    assert "TTFT max, lowest priority" in result.output
     fcfs, by_priority = (arm["runs"][0] for arm in json.loads((out / "results.json").read_text())["arms"])
     for run_ in (fcfs, by_priority):
         assert [r["priority"] for r in run_["requests"]] == priorities
@@ -1623,6 +1625,8 @@ def test_workload_lines_give_priorities_and_the_top_prioritys_ttft_is_reported(t
         assert run_["metrics"]["top_priority_ttft_p50_ms"] == pytest.approx(1000 * statistics.median(top))
         assert run_["metrics"]["top_priority_ttft_p99_ms"] == pytest.approx(
             1000 * statistics.quantiles(top, n=100, method="inclusive")[98])
+        bottom = [r["token_times_s"][0] - r["arrival_s"] for r in run_["requests"] if r["priority"] == 0]
+        assert run_["metrics"]["bottom_priority_ttft_max_ms"] == pytest.approx(1000 * max(bottom))
     finish_order = [r["priority"] for r in sorted(by_priority["requests"], key=lambda r: r["finish_s"])]
     assert finish_order == [2, 2, 1, 0, 0, 0]
     assert [r["session"] for r in sorted(fcfs["requests"], key=lambda r: r["finish_s"])] == list(range(6))

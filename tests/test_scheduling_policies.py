@@ -3,7 +3,9 @@ request that does not fit preempts lower-priority ones; lpm: the longest cached 
 change (HF greedy is the reference)."""
 from __future__ import annotations
 
+import math
 import random
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -127,16 +129,20 @@ def test_a_request_without_blocks_preempts_a_lower_priority_one(tiny_model: Path
     assert tokens == {"low": hf_greedy(tiny_model, low_prompt, 16), "high": hf_greedy(tiny_model, high_prompt, 4)}
 
 
-@pytest.mark.parametrize("policy, victim", [("priority", "old-low"), ("fcfs", "young-high")])
+@pytest.mark.parametrize("policy, aging_s, victim", [("priority", None, "old-low"), ("fcfs", None, "young-high"),
+                                                     ("priority", 0.05, "young-high")])
 def test_when_running_sequences_run_out_of_blocks_the_lowest_priority_one_goes(
-        tiny_model: Path, hf_greedy: Callable[..., list[int]], policy: str, victim: str) -> None:
+        tiny_model: Path, hf_greedy: Callable[..., list[int]], policy: str, aging_s: float | None,
+        victim: str) -> None:
     """Both fit when admitted (4 + 4 of 12 blocks) and both grow to 8: the policy picks which is preempted (fcfs:
-    the youngest)."""
-    e = engine(tiny_model, block_size=4, num_kv_blocks=12, scheduling_policy=policy)
+    the youngest; with aging, the old one has gained 6 levels in the 0.3 s before the other arrives)."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=12, scheduling_policy=policy, priority_aging_s=aging_s)
     prompts = {"old-low": prompt(16, 5), "young-high": prompt(16, 6)}
     e.add_request(prompts["old-low"], params(16, 0), request_id="old-low")
     tokens: dict[str, list[int]] = {}
     step(e, tokens)
+    if aging_s:
+        time.sleep(0.3)
     e.add_request(prompts["young-high"], params(16, 1), request_id="young-high")
     outs = watch(e)
     _, tokens, preemptions = run(e, tokens)
@@ -145,12 +151,15 @@ def test_when_running_sequences_run_out_of_blocks_the_lowest_priority_one_goes(
     assert tokens == {name: hf_greedy(tiny_model, p, 16) for name, p in prompts.items()}
 
 
-@pytest.mark.parametrize("chunked, kv_cache", [(False, "paged"), (True, "paged"), (True, "radix-cache")])
+@pytest.mark.parametrize("chunked, kv_cache, aging_s", [(False, "paged", None), (True, "paged", None),
+                                                       (True, "radix-cache", None), (False, "paged", 0.004),
+                                                       (True, "radix-cache", 0.004)])
 @pytest.mark.parametrize("seed", range(3))
 def test_random_priorities_and_arrivals_keep_every_output_and_preempt_only_downwards(
-        tiny_model: Path, chunked: bool, kv_cache: str, seed: int) -> None:
+        tiny_model: Path, chunked: bool, kv_cache: str, aging_s: float | None, seed: int) -> None:
     """Random prompts, priorities and arrival steps on a small pool: every request ends with the tokens it has
-    alone (a run with room for all, fcfs), no step preempts a sequence more important than one it schedules, and
+    alone (a run with room for all, fcfs), no step preempts a sequence more important than one it schedules (with
+    aging: one later in the order of arrival time less priority x aging_s, a step of a few milliseconds here), and
     the pool drains."""
     rng = random.Random(seed)
     requests = [(f"r{i}", prompt(rng.randrange(3, 30), 100 * seed + i), params(rng.randrange(1, 12),
@@ -162,7 +171,7 @@ def test_random_priorities_and_arrivals_keep_every_output_and_preempt_only_downw
     _, expected, _ = run(reference)
     scheduler = "chunked-prefill" if chunked else "continuous"
     e = engine(tiny_model, block_size=4, num_kv_blocks=12, max_num_seqs=3, max_num_batched_tokens=32,
-               scheduler=scheduler, scheduling_policy="priority", kv_cache=kv_cache)
+               scheduler=scheduler, scheduling_policy="priority", kv_cache=kv_cache, priority_aging_s=aging_s)
     outs = watch(e)
     tokens: dict[str, list[int]] = {}
     for i in range(400):
@@ -175,10 +184,71 @@ def test_random_priorities_and_arrivals_keep_every_output_and_preempt_only_downw
     assert not e.has_unfinished() and tokens == expected
     assert sum(len(out.preempted) for out in outs) > 0  # the pool is small enough to preempt
     for out in outs:
-        lowest = min((item.seq.params.priority for item in out.scheduled), default=3)
-        assert all(s.params.priority <= lowest for s in out.preempted)
+        if aging_s is None:
+            lowest = min((item.seq.params.priority for item in out.scheduled), default=3)
+            assert all(s.params.priority <= lowest for s in out.preempted)
+        else:
+            last = max((aged(item.seq, aging_s) for item in out.scheduled), default=-math.inf)
+            assert all(aged(s, aging_s) > last for s in out.preempted)
     stats = e.kv.stats()
     assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.total_blocks
+
+
+def aged(seq: Any, aging_s: float) -> float:
+    """Where a sequence stands in the aged priority order (earliest first): a level per aging_s seconds waited."""
+    return seq.arrival_time - seq.params.priority * aging_s
+
+
+@pytest.mark.parametrize("aging_s, late_priority, expected", [
+    (None, 1, ["busy", "late-high", "early-low"]),  # no aging: the more important one goes first, however late
+    (0.05, 1, ["busy", "early-low", "late-high"]),  # 0.3 s waited is 6 levels: ahead of a request one level higher
+    (0.05, 16, ["busy", "late-high", "early-low"]),  # but not of one 16 levels (0.8 s) higher
+])
+def test_with_aging_a_request_gains_a_level_per_aging_interval_it_waited(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]], aging_s: float | None, late_priority: int,
+        expected: list[str]) -> None:
+    e = engine(tiny_model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy="priority", priority_aging_s=aging_s)
+    prompts = {"busy": prompt(6, 20), "early-low": prompt(7, 21), "late-high": prompt(5, 22)}
+    e.add_request(prompts["busy"], params(4, 40), request_id="busy")
+    e.add_request(prompts["early-low"], params(3, 0), request_id="early-low")
+    time.sleep(0.3)
+    e.add_request(prompts["late-high"], params(3, late_priority), request_id="late-high")
+    order, tokens, preemptions = run(e)
+    assert order == expected and set(preemptions.values()) == {0}
+    assert tokens == {name: hf_greedy(tiny_model, p, 4 if name == "busy" else 3) for name, p in prompts.items()}
+
+
+@pytest.mark.parametrize("aging_s, high, preempts", [(None, 1, True), (0.05, 1, False), (0.05, 100, True)])
+def test_with_aging_a_running_request_that_aged_past_a_newcomer_keeps_its_seat(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]], aging_s: float | None, high: int,
+        preempts: bool) -> None:
+    e = engine(tiny_model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy="priority", priority_aging_s=aging_s)
+    low_prompt, high_prompt = prompt(9, 23), prompt(7, 24)
+    e.add_request(low_prompt, params(10, 0), request_id="low")
+    tokens: dict[str, list[int]] = {}
+    step(e, tokens)
+    time.sleep(0.3)
+    outs = watch(e)
+    e.add_request(high_prompt, params(4, high), request_id="high")
+    order, tokens, preemptions = run(e, tokens)
+    assert [s.request_id for s in outs[0].preempted] == (["low"] if preempts else [])
+    assert order == (["high", "low"] if preempts else ["low", "high"])
+    assert preemptions == {"low": float(preempts), "high": 0.0}
+    assert tokens == {"low": hf_greedy(tiny_model, low_prompt, 10), "high": hf_greedy(tiny_model, high_prompt, 4)}
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"priority_aging_s": 1.0}, "only --scheduling-policy priority reads .this engine's is fcfs.; add"),
+    ({"priority_aging_s": 0.0, "scheduling_policy": "priority"}, "priority-aging-s must be a number of seconds > 0"),
+    ({"priority_aging_s": -2, "scheduling_policy": "priority"}, "must be a number of seconds > 0, got -2"),
+    ({"priority_aging_s": math.nan, "scheduling_policy": "priority"}, "must be a finite number or None, got nan"),
+    ({"priority_aging_s": math.inf, "scheduling_policy": "priority"}, "must be a finite number or None, got inf"),
+    ({"priority_aging_s": True, "scheduling_policy": "priority"}, "must be a finite number or None, got True"),
+])
+def test_priority_aging_needs_the_priority_policy_and_a_positive_interval(
+        tiny_model: Path, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(model=str(tiny_model), device="cpu", **options).validate()
 
 
 def test_the_policy_must_be_known_and_followed_by_the_scheduler(tiny_model: Path) -> None:
@@ -200,6 +270,22 @@ def test_the_policy_must_be_known_and_followed_by_the_scheduler(tiny_model: Path
     with pytest.raises(ConfigError, match="'arrival-order' follows the scheduling policies fcfs, not 'priority'"):
         Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16, scheduler="arrival-order",
                             scheduling_policy="priority"), plugins)
+
+    class PriorityOrder(ContinuousScheduler):
+        scheduling_policies = ("fcfs", "priority")
+        follows_priority_aging = False
+
+    class AgingPlugin:
+        @hookimpl
+        def register_schedulers(self, register: Any) -> None:
+            register("priority-order", lambda config, kv: PriorityOrder(config, kv))
+
+    plugins = PluginManager.from_entry_points()
+    plugins.register(AgingPlugin(), name="priority-order")
+    with pytest.raises(ConfigError, match="'priority-order' does not follow --priority-aging-s .it does not set "
+                                          "Scheduler.follows_priority_aging.; drop the option"):
+        Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16, scheduler="priority-order",
+                            scheduling_policy="priority", priority_aging_s=1.0), plugins)
 
 
 def test_nothing_is_preempted_for_a_request_that_would_not_fit_anyway(tiny_model: Path) -> None:
