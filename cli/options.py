@@ -284,8 +284,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                       "cached prefix first) [default: fcfs]."),
     click.option("--priority-aging-s", type=float, default=None, metavar="SECONDS",
                  help="With --scheduling-policy priority: a request gains one priority level per SECONDS since it "
-                      "arrived, so lower-priority requests wait at most about SECONDS per level behind newer "
-                      "more important ones [default: no aging]."),
+                      "arrived, so only more important requests that arrive within SECONDS per level after it go "
+                      "first, and none waits for ever [default: no aging]."),
     click.option("--kv-admission-reserve", type=ReserveType(), default=None, metavar="R|auto",
                  help="Admit a waiting request only if the KV blocks left after its prompt cover R x the blocks that "
                       "the running sequences and it still need to reach their max_tokens, so fewer are preempted "
