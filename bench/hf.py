@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..cli.terminal import transformers_bars_on_terminal_only
 from ..core.chat import ChatPrompt
 from ..core.request import SamplingParams
 from ..core.loader import checkpoint_dtype, read_config, resolve_dtype
@@ -60,7 +61,9 @@ class HFArm:
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(read_config(model_path)), self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype).to(self.device).eval()
+        with transformers_bars_on_terminal_only():  # its "Loading weights" bar
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype)
+        self.model = model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         config = self.model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", 1 << 30))

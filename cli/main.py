@@ -487,6 +487,7 @@ def make_tiny_model_command(ctx: click.Context, directory: str, arch: str, hidde
 
     from ..core.files import chmod_as_umask
     from ..models.tiny import make_tiny_model
+    from .terminal import transformers_bars_on_terminal_only
 
     refuse_engine_options(ctx, "make-tiny-model", " (its own options follow the command: --arch, --hidden-size, ...)")
     out = Path(directory)
@@ -503,8 +504,9 @@ def make_tiny_model_command(ctx: click.Context, directory: str, arch: str, hidde
     except OSError as exc:
         raise click.ClickException(f"cannot write {directory}: {exc.strerror or exc}") from None
     try:
-        make_tiny_model(partial, arch, hidden_size=hidden_size, num_layers=num_layers,
-                        intermediate_size=2 * hidden_size, tie_word_embeddings=tie_word_embeddings, seed=seed)
+        with transformers_bars_on_terminal_only():  # save_pretrained's "Writing model shards" bar
+            make_tiny_model(partial, arch, hidden_size=hidden_size, num_layers=num_layers,
+                            intermediate_size=2 * hidden_size, tie_word_embeddings=tie_word_embeddings, seed=seed)
         for path in (partial, *partial.iterdir()):
             chmod_as_umask(path)
         if out.exists():

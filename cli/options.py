@@ -251,14 +251,16 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--model", "-m", default=None, help="Local HF model folder (default: the embedded demo model)."),
     click.option("--plugin", "plugins", multiple=True, metavar="NAME",
                  help="Select a registered component by name, whatever its kind (repeatable)."),
-    click.option("--scheduler", default=None, help="Scheduler plugin name [default: continuous]."),
-    click.option("--kv-cache", default=None, help="KV cache plugin name [default: paged]."),
+    click.option("--scheduler", default=None,
+                 help="Scheduler: continuous or chunked-prefill, or a plugin's [default: continuous]."),
+    click.option("--kv-cache", default=None, help="KV cache: paged or radix-cache, or a plugin's [default: paged]."),
     click.option("--attention", default=None, help="Attention backend: triton, cpu or torch [default: triton on CUDA, "
                  "else cpu (torch without a C compiler)]."),
     click.option("--quant", default=None, help="Quantization method: awq or fp8 quantize a float checkpoint on "
-                 "load; quantized checkpoints (awq, gptq, compressed-tensors, fp8) need none [default: from the "
-                 "checkpoint]."),
-    click.option("--eviction-policy", default=None, help="Eviction policy for cached KV blocks [default: lru]."),
+                 "load; quantized checkpoints (awq, gptq, auto-round, compressed-tensors, fp8) need none [default: "
+                 "from the checkpoint]."),
+    click.option("--eviction-policy", default=None, help="Eviction policy for cached KV blocks: lru, lfu or "
+                 "priority, or a plugin's [default: lru]."),
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
                  help="Weight and activation dtype [default: auto: float32 on CPU; on GPU float16 for a float16 "
                       "checkpoint, else bfloat16]."),
@@ -267,7 +269,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget of one step [default: 8192]."),
     click.option("--max-model-len", type=int, default=None, help="Context length [default: the model's]."),
     click.option("--block-size", type=int, default=None, help="Tokens per KV block [default: 16]."),
-    click.option("--num-kv-blocks", type=int, default=None, help="Size of the KV pool in blocks."),
+    click.option("--num-kv-blocks", type=int, default=None,
+                 help="Size of the KV pool in blocks (overrides --kv-cache-memory-gb)."),
     click.option("--kv-cache-memory-gb", type=float, default=None,
                  help="KV pool as a memory budget [default: 90% of free GPU memory less 1 GiB, or up to 2 GiB "
                       "on CPU]."),
@@ -318,7 +321,8 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="After start-up, freeze the Python heap out of the garbage collector's scans, so that no full "
                       "collection stalls a step [default: on for serve and bench arms, off elsewhere]."),
     click.option("--proposer", default=None,
-                 help="Speculative-decoding proposer: draft-model, ngram, or jump-forward (structured output only)."),
+                 help="Speculative-decoding proposer: draft-model, ngram, or jump-forward (structured output only) "
+                      "[default: none, no speculation]."),
     click.option("--draft-model", default=None, metavar="DIR",
                  help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
                       "[default: the shipped draft, with the embedded default model]."),

@@ -39,6 +39,23 @@ LogitsProcessorFactory = Callable[["EngineConfig", Any], "LogitsProcessor"]
 CommandFactory = Callable[[], "click.Command"]
 
 
+def hookspec_namespace() -> dict[str, Any]:
+    """The names that the hookspecs' annotations and the factory types use, imported now: this module imports them
+    for type checkers only, so that loading the plugins (``infer --help``) does not load torch. Tooling that
+    resolves the annotations passes it: ``typing.get_type_hints(hookspecs.register_models,
+    localns=hookspec_namespace())``; a factory type's forward references resolve with it too."""
+    from importlib import import_module
+
+    from . import config, interfaces, loader, metrics, plugins, registry, request
+
+    abcs = ("AttentionBackend", "EvictionPolicy", "KVCache", "LogitsProcessor", "Model", "Proposer", "QuantMethod",
+            "ReasoningParser", "Scheduler", "StructuredOutputBackend", "ToolParser", "Vocabulary")
+    return {"click": import_module("click"), "torch": import_module("torch"), "EngineConfig": config.EngineConfig,
+            "LoadedModel": loader.LoadedModel, "PluginManager": plugins.PluginManager, "StepStats": metrics.StepStats,
+            "Register": registry.Register, "RequestOutput": request.RequestOutput,
+            **{name: getattr(interfaces, name) for name in abcs}}
+
+
 @hookspec
 def register_schedulers(register: Register[SchedulerFactory]) -> None:
     """Register scheduling policies.

@@ -93,7 +93,7 @@ def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.command("client")
 @click.argument("prompt")
 @connection_options
-@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens to generate per completion.")
 @sampling_options
 @structured_output_options
 @click.option("--n", type=int, default=1, show_default=True, help="Completions (more than 1 disables streaming).")

@@ -138,7 +138,7 @@ def describe_engine(engine: Any) -> pb.ModelInfo:
 
     loaded = engine.loaded
     return pb.ModelInfo(
-        model=str(loaded.path), architecture=loaded.architecture or type(loaded.model).__name__,
+        model=str(Path(loaded.path).resolve()), architecture=loaded.architecture or type(loaded.model).__name__,
         max_model_len=engine.max_model_len, vocab_size=loaded.model.spec.vocab_size,
         dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device), quant=engine.active["quant"],
         components=engine.active, block_size=engine.config.block_size, num_kv_blocks=engine.num_blocks,

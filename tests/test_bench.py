@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -1272,6 +1273,21 @@ def test_an_hf_only_bench_exits_without_leak_reports(tiny_model):
                            "--input-len", "8", "--output-len", "4"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "leak" not in done.stderr.lower(), done.stderr[-2000:]
+
+
+def test_the_hf_arm_draws_no_loading_bar_where_stderr_is_no_terminal(tiny_model):
+    """CliRunner's stderr is no terminal: from_pretrained's "Loading weights" tqdm bar stays off, and transformers'
+    process-wide switch is back on after the command."""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # else transformers would draw no bar anyway
+    result = run("--model", str(tiny_model), "--device", "cpu", "bench", "--ab", "hf", "--num-requests", "2",
+                 "--repeats", "1", "--warmup-rounds", "0", "--input-len", "8", "--output-len", "4")
+    assert result.exit_code == 0, result.output
+    assert "building arm A: hf (HF transformers) ..." in result.stderr  # the arm loaded its model in this command
+    assert "Loading weights" not in result.stderr and not re.search(r"\d+/\d+ \[\d\d:\d\d", result.stderr), \
+        result.stderr
+    assert hf_logging.is_progress_bar_enabled()
 
 
 def test_every_run_starts_with_a_cold_prefix_cache(tiny_model, tmp_path):

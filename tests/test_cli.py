@@ -848,6 +848,70 @@ def test_make_tiny_model_writes_what_make_tiny_model_writes(tmp_path):
     assert written.keys() == expected.keys() and all(written[k].equal(expected[k]) for k in expected)
 
 
+TQDM_BAR = re.compile(r"\d+/\d+ \[\d\d:\d\d")  # tqdm's counter and timer: "1/1 [00:00<00:00, 431.56it/s]"
+
+
+def test_make_tiny_model_draws_no_progress_bar_where_stderr_is_no_terminal(tmp_path):
+    """CliRunner's stderr is no terminal: transformers' "Writing model shards" bar (save_pretrained) stays off, and
+    transformers' process-wide switch is back on after the command."""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # else transformers would draw no bar anyway
+    result = run("make-tiny-model", str(tmp_path / "m"))
+    assert result.exit_code == 0, result.output
+    assert "Writing model shards" not in result.stderr and not TQDM_BAR.search(result.stderr), result.stderr
+    assert hf_logging.is_progress_bar_enabled()
+
+
+def test_the_progress_bar_switch_leaves_huggingface_hubs_own_as_it_was(monkeypatch):
+    """transformers' disable/enable_progress_bar turn huggingface_hub's global bars off and on too: one that was off
+    before the command stays off."""
+    import io
+    import sys
+
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    from infer.cli.terminal import transformers_bars_on_terminal_only
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    disable_progress_bars()
+    try:
+        with transformers_bars_on_terminal_only():
+            assert not hf_logging.is_progress_bar_enabled()
+        assert hf_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
+    finally:
+        enable_progress_bars()
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_make_tiny_model_keeps_its_progress_bar_on_a_terminal(tmp_path):
+    """With stderr on a (pseudo-)terminal the bar is transformers' own, as it draws it without infer."""
+    import fcntl
+    import struct
+    import sys
+    import termios
+
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # tqdm fits its bar in 0 columns
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "infer.cli", "make-tiny-model", str(tmp_path / "m")],
+                            stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the command closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, drawn.decode(errors="replace")
+    text = drawn.decode(errors="replace")
+    assert "Writing model shards" in text and TQDM_BAR.search(text), text
+
+
 def test_plugins_json_lists_each_components_aliases():
     from infer.core.plugins import PluginManager
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import typing
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -179,6 +180,41 @@ def test_every_factory_type_is_documented_as_hookspecs_defines_it():
     assert not missing, f"add these lines to docs/plugin-hooks.md's list of factory types: {missing}"
 
 
+def unresolved(hint: Any) -> list[Any]:
+    """The parts of a resolved type hint still written as text (a forward reference, a string), at any depth."""
+    if isinstance(hint, (str, typing.ForwardRef)):
+        return [hint]
+    return [part for arg in typing.get_args(hint) for part in unresolved(arg)]
+
+
+def test_every_hookspec_and_factory_type_resolves_with_the_hookspec_namespace():
+    """A plugin author's tooling calls typing.get_type_hints on the hookspecs, whose names hookspecs.py imports for
+    type checkers only: with hookspec_namespace() every annotation resolves, forward references inside the factory
+    types included, to the classes that the docs name."""
+    import types
+
+    import torch
+
+    from infer.core.interfaces import KVCache, EvictionPolicy, Model, QuantMethod
+
+    namespace = hookspecs.hookspec_namespace()
+    specs = hookspec_functions(vars(hookspecs).values())
+    assert len(specs) >= 10
+    for name, fn in specs.items():
+        hints = typing.get_type_hints(fn, localns=namespace)
+        assert set(hints) == {*inspect.signature(fn).parameters, "return"}, name
+        assert not unresolved(list(hints.values())), f"{name}: {unresolved(list(hints.values()))}"
+    factories = {name: alias for name, alias in vars(hookspecs).items() if name.endswith("Factory")}
+    assert len(factories) >= 10
+    resolved = typing.get_type_hints(types.SimpleNamespace(__annotations__=factories), vars(hookspecs), namespace)
+    assert not unresolved(list(resolved.values())), unresolved(list(resolved.values()))
+    assert resolved["KVCacheFactory"] == Callable[[EngineConfig, int, EvictionPolicy], KVCache]
+    assert resolved["ModelFactory"] == Callable[[dict[str, Any], QuantMethod | None, torch.dtype, EngineConfig], Model]
+    assert typing.get_type_hints(hookspecs.register_kv_caches, localns=namespace)["register"] == \
+        Register[Callable[[EngineConfig, int, EvictionPolicy], KVCache]]
+    assert typing.get_type_hints(hookspecs.on_step, localns=namespace) == {"stats": StepStats, "return": type(None)}
+
+
 def test_every_hookspec_is_called_in_a_real_run(recorded):
     recorder, _, _ = recorded
     specs = hookspec_functions(vars(hookspecs).values())
@@ -235,6 +271,42 @@ def test_every_cli_command_and_option_is_documented():
                 if opt.startswith("--") and f"`{opt}" not in sections[name]:
                     missing.append(f"infer {name} {opt}".replace("  ", " "))
     assert not missing, f"document in docs/cli.md: {', '.join(missing)}"
+
+
+def test_every_cli_option_has_help_text():
+    """`infer COMMAND --help` explains every option (`infer client --max-tokens` showed only its default)."""
+    from infer.cli import main
+
+    def commands(command: click.Command, path: str, ctx: click.Context) -> Iterable[tuple[str, click.Command]]:
+        yield path, command
+        if isinstance(command, click.Group):
+            for name in command.list_commands(ctx):
+                yield from commands(command.get_command(ctx, name), f"{path} {name}", ctx)
+
+    found = list(commands(main, "infer", click.Context(main)))
+    assert len(found) >= 10
+    bare = [f"{path} {param.opts[0]}" for path, command in found for param in command.params
+            if isinstance(param, click.Option) and not (param.help or "").strip()]
+    assert not bare, f"give these options a help text: {', '.join(bare)}"
+
+
+def test_each_component_options_help_names_every_shipped_component_of_its_kind():
+    """`infer --help` names the shipped choices of --scheduler, --quant, ...: a component shipped later than the
+    help text was missing from it (`--quant` did not name auto-round)."""
+    from infer.cli import main
+    from infer.core.config import COMPONENT_FIELDS
+    from infer.core.registry import SHIPPED_SOURCE
+
+    helps = {param.opts[0]: param.help or "" for param in main.params if isinstance(param, click.Option)}
+    plugins = PluginManager.from_entry_points().collect()
+    unnamed = []
+    for kind, field in COMPONENT_FIELDS.items():
+        option = f"--{field.replace('_', '-')}"
+        shipped = [c.name for c in plugins.components() if c.kind == kind and c.source == SHIPPED_SOURCE]
+        assert shipped, kind
+        unnamed += [f"{option} {name}" for name in shipped
+                    if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", helps[option])]
+    assert not unnamed, f"name these in the options' help texts: {', '.join(unnamed)}"
 
 
 def test_every_shipped_quant_method_option_is_documented():

@@ -92,11 +92,12 @@ class ServerProcess:
         self.proc.wait(10)
 
 
-def launch(model: Path, log: Path, group: list[str], serve: list[str], client_kwargs: dict[str, Any]) -> ServerProcess:
+def launch(model: Path, log: Path, group: list[str], serve: list[str], client_kwargs: dict[str, Any],
+           cwd: Path | None = None) -> ServerProcess:
     port = free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen([*infer_command(), "--model", str(model), *group, "serve", "--port", str(port),
-                                 *serve], stdout=out, stderr=subprocess.STDOUT)
+                                 *serve], stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
     return ServerProcess(proc, port, log, client_kwargs)
 
 
@@ -125,9 +126,10 @@ def processes(tiny_model: Path, certs: tuple[Path, Path] | None,
             ["--max-queue", str(MAX_QUEUE), "--max-message-bytes", str(MAX_MESSAGE),
              "--metrics-port", str(free_port())], {})
         tls = ["--tls-cert", str(certs[0]), "--tls-key", str(certs[1])] if certs else []
-        started["secure"] = launch(tiny_model, logs / "secure.log", [],
+        started["secure"] = launch(Path(tiny_model.name), logs / "secure.log", [],  # relative to its cwd
                                    [*tls, "--token", TOKEN, "--grace-period", "30"],
-                                   {"token": TOKEN, "root_certificates": certs[0] if certs else None})
+                                   {"token": TOKEN, "root_certificates": certs[0] if certs else None},
+                                   cwd=tiny_model.parent)
         yield started
     finally:
         for p in started.values():
@@ -576,7 +578,8 @@ def test_messages_are_the_clis(client: Client) -> None:
 # ---------------------------------------------------------------- introspection
 def test_model_info_plugins_and_stats(client: Client, llm: Any, tiny_model: Path) -> None:
     info = client.model_info()
-    assert (info.model, info.max_model_len, info.vocab_size) == (str(tiny_model), llm.engine.max_model_len,
+    assert (info.model, info.max_model_len, info.vocab_size) == (os.path.realpath(tiny_model),
+                                                                 llm.engine.max_model_len,
                                                                  llm.engine.loaded.model.spec.vocab_size)
     assert info.architecture == "LlamaForCausalLM" and info.quant == "none" and not info.chat_template
     assert dict(info.components) == llm.engine.active
@@ -584,6 +587,15 @@ def test_model_info_plugins_and_stats(client: Client, llm: Any, tiny_model: Path
     assert {("command", "serve"), ("command", "client"), ("scheduler", "continuous"), ("kv_cache", "paged")} <= names
     stats = client.stats()
     assert stats.max_queue == MAX_QUEUE and stats.kv_total_blocks == info.num_kv_blocks and not stats.draining
+
+
+def test_model_info_gives_the_absolute_folder_of_a_model_given_by_a_relative_path(secure_server: ServerProcess,
+                                                                                    tiny_model: Path) -> None:
+    """`secure_server` was started with `--model NAME` in the model's parent folder: a path that means nothing to a
+    client, so GetModelInfo answers the folder's absolute path."""
+    assert secure_server.proc.args[secure_server.proc.args.index("--model") + 1] == tiny_model.name
+    with secure_server.client() as c:
+        assert c.model_info().model == os.path.realpath(tiny_model)
 
 
 def test_metrics_endpoint(client: Client, server: ServerProcess) -> None:
