@@ -324,7 +324,7 @@ ENGINE_OPTIONS: list[Callable[[Any], Any]] = [
                  help="Speculative-decoding proposer: draft-model, ngram, or jump-forward (structured output only) "
                       "[default: none, no speculation]."),
     click.option("--draft-model", default=None, metavar="DIR",
-                 help="Draft checkpoint for --plugin draft-model; it must share the target's tokenizer "
+                 help="Draft checkpoint for --proposer draft-model; it must share the target's tokenizer "
                       "[default: the shipped draft, with the embedded default model]."),
     click.option("--lora", "lora", multiple=True, metavar="NAME=DIR",
                  callback=lambda ctx, param, value: parse_lora_adapters(value),
