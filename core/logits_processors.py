@@ -15,6 +15,7 @@ import torch
 from .errors import InvalidRequestError, PluginError, UnknownComponentError
 from .interfaces import LogitsProcessor, ProcessorRow
 from .request import SamplingParams, Sequence
+from .sampling import to_device
 
 
 @functools.lru_cache(maxsize=4096)
@@ -76,17 +77,26 @@ class LogitsProcessors:
             for name, at in groups.items():
                 rows = [ProcessorRow(seqs[i].seq_id, seqs[i].token_ids, seqs[i].num_prompt_tokens,
                                      parsed_args(seqs[i].params.logits_processors[position][1])) for i in at]
-                index = torch.tensor(at, device=logits.device)
+                every_row = len(at) == len(seqs)  # the whole batch: no rows to gather and scatter back
+                index = None if every_row else to_device(at, logits.device)
                 with self.plugin_code():
-                    changed = self.built[name].apply(out[index], rows)
-                if not (isinstance(changed, torch.Tensor) and changed.shape == (len(at), logits.shape[1])
-                        and changed.dtype == logits.dtype and changed.device == logits.device):
-                    got = f"{changed.dtype} {tuple(changed.shape)} on {changed.device}" \
-                        if isinstance(changed, torch.Tensor) else type(changed).__name__
-                    raise PluginError(f"logits processor {name!r}: apply() returned {got}, not the {logits.dtype} "
-                                      f"{(len(at), logits.shape[1])} on {logits.device} it was given; fix the plugin")
-                out[index] = changed
+                    changed = self.built[name].apply(out if index is None else out[index], rows)
+                self._check_returned(name, changed, (len(at), logits.shape[1]), logits)
+                if index is None:
+                    out = changed
+                else:
+                    out.index_copy_(0, index, changed)
         return out
+
+    @staticmethod
+    def _check_returned(name: str, changed: object, shape: tuple[int, int], logits: torch.Tensor) -> None:
+        """PluginError unless ``changed`` is a ``shape`` tensor of the logits' dtype on their device."""
+        if not (isinstance(changed, torch.Tensor) and changed.shape == shape and changed.dtype == logits.dtype
+                and changed.device == logits.device):
+            got = f"{changed.dtype} {tuple(changed.shape)} on {changed.device}" \
+                if isinstance(changed, torch.Tensor) else type(changed).__name__
+            raise PluginError(f"logits processor {name!r}: apply() returned {got}, not the {logits.dtype} "
+                              f"{shape} on {logits.device} it was given; fix the plugin")
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished: its processors drop what they kept for it."""

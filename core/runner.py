@@ -439,13 +439,25 @@ class ModelRunner:
         final = masked if masked is not None else processed if processed is not None else controlled
         yielded = None
         if processed is not None:  # processors yield where they leave a row no token (a grammar forcing a repeat)
-            plain = base if masked is None else self.structured.apply(base, seqs)
-            assert final is not None and plain is not None
-            yielded = ~(final > float("-inf")).any(dim=-1) & (plain > float("-inf")).any(dim=-1)
-            final = torch.where(yielded[:, None], plain, final)
+            assert final is not None
+            final, yielded = self._yield_where_no_token(final, base, masked is not None, seqs)
         pending = self.sampler.sample_pending(logits, *self._sampling_args(seqs), final, yielded)
         self.controls.record(pending.device_tokens, seqs)
         return pending
+
+    def _yield_where_no_token(self, final: torch.Tensor, base: torch.Tensor, structured: bool,
+                              seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``final`` with the rows where the processors left no token (every logit -inf or NaN) that the logits
+        without them have (``base``, masked by the structured outputs if ``structured``) taken from those, and
+        which rows those are [rows] bool."""
+        if final.device.type == "cpu":  # reading the rows' maxima back costs nothing here
+            top = final.amax(dim=-1)  # NaN where any logit is
+            if bool((top > float("-inf")).all()):  # every row has a token: none yields, no full-size pass
+                return final, torch.zeros(len(seqs), dtype=torch.bool)
+        plain = base if not structured else self.structured.apply(base, seqs)
+        assert plain is not None
+        yielded = ~(final > float("-inf")).any(dim=-1) & (plain > float("-inf")).any(dim=-1)
+        return torch.where(yielded[:, None], plain, final), yielded
 
     def _sampling_args(self, seqs: list[Sequence]) -> tuple[list[SamplingParams], list[torch.Generator | None]]:
         params = [s.params for s in seqs]

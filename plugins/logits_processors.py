@@ -13,8 +13,9 @@
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..core.errors import InvalidRequestError
 from ..core.hookspecs import hookimpl
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 MAX_NGRAM = 64
+T = TypeVar("T")
 
 
 class NoRepeatNgram(LogitsProcessor):
@@ -64,7 +66,7 @@ class NoRepeatNgram(LogitsProcessor):
         self.seen.pop(seq_id, None)
 
 
-MAX_WORDS, MAX_WORD_TOKENS, MAX_ALLOWED = 1024, 64, 131072
+MAX_WORDS, MAX_WORD_TOKENS, MAX_ALLOWED, MAX_MASKS = 1024, 64, 131072, 256
 
 
 def token_id_list(args: Mapping[str, Any], most: int, what: str) -> list[int]:
@@ -76,6 +78,52 @@ def token_id_list(args: Mapping[str, Any], most: int, what: str) -> list[int]:
     return ids
 
 
+class PerArgs(Generic[T]):
+    """Values derived from a processor's arguments once per arguments object (the rows of requests that give the
+    same JSON text share one: ``parsed_args``), at most ``most`` of them. Each is kept with its arguments, so that
+    no other object takes their id while it is kept."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.kept: dict[tuple[int, Hashable], tuple[Mapping[str, Any], T]] = {}
+
+    def get(self, args: Mapping[str, Any], extra: Hashable, make: Callable[[Mapping[str, Any]], T]) -> T:
+        """``make(args)``, from the first call with these ``args`` and ``extra`` on."""
+        if (kept := self.kept.get((id(args), extra))) is not None:
+            return kept[1]
+        if len(self.kept) >= self.most:
+            self.kept.clear()
+        value = make(args)
+        self.kept[(id(args), extra)] = (args, value)
+        return value
+
+
+def by_args(rows: list[ProcessorRow]) -> tuple[list[Mapping[str, Any]], list[int]]:
+    """The distinct arguments objects of ``rows`` (first seen first), and for each row the index of its own."""
+    index: dict[int, int] = {}
+    which = [index.setdefault(id(row.args), len(index)) for row in rows]
+    return list({id(row.args): row.args for row in rows}.values()), which
+
+
+def banned_mask(allowed: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] bool on ``device``: False at the ``allowed`` token ids, True everywhere else."""
+    import torch
+
+    ids = torch.tensor(allowed, dtype=torch.long)
+    mask = torch.ones(vocab, dtype=torch.bool)
+    mask[ids[ids < vocab]] = False
+    return mask.to(device)
+
+
+@dataclass
+class WordBans:
+    """What one bad-words arguments object bans: ``always`` its one-token words (token ids on the logits' device,
+    None if it has none), ``after`` its longer words by the token before their last."""
+
+    always: torch.Tensor | None
+    after: dict[int, list[list[int]]]
+
+
 class BadWords(LogitsProcessor):
     """Bans the last token of each listed word whose other tokens end the sequence so far. Words given as text are
     tokenized as vLLM's ``bad_words`` are: as written and after a space (a word mid-text), both banned."""
@@ -83,6 +131,7 @@ class BadWords(LogitsProcessor):
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.spelled: dict[tuple[str, ...], list[list[int]]] = {}  # words -> their token sequences
+        self.bans: PerArgs[WordBans] = PerArgs(MAX_MASKS)
 
     def check(self, args: Mapping[str, Any]) -> None:
         ids, texts = args.get("token_ids", []), args.get("words", [])
@@ -106,19 +155,46 @@ class BadWords(LogitsProcessor):
             self.spelled[texts] = [ids for ids in spellings if ids]
         return [*args.get("token_ids", ()), *self.spelled[texts]]
 
+    def word_bans(self, args: Mapping[str, Any], vocab: int, device: torch.device) -> WordBans:
+        import torch
+
+        words = [word for word in self.words(args) if word[-1] < vocab]
+        after: dict[int, list[list[int]]] = {}
+        for word in words:
+            if len(word) > 1:
+                after.setdefault(word[-2], []).append(word)
+        single = sorted({word[0] for word in words if len(word) == 1})
+        return WordBans(torch.tensor(single, device=device) if single else None, after)
+
     def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
         import torch
 
-        banned = [(i, word[-1]) for i, row in enumerate(rows) for word in self.words(row.args)
-                  if word[-1] < logits.shape[1] and (len(word) == 1 or row.token_ids[-(len(word) - 1):] == word[:-1])]
+        from ..core.sampling import to_device
+
+        vocab, device = logits.shape[1], logits.device
+        distinct, which = by_args(rows)
+        bans = [self.bans.get(args, (vocab, device), lambda args: self.word_bans(args, vocab, device))
+                for args in distinct]
+        for index, ban in enumerate(bans):  # one-token words: banned in every row whose arguments list them
+            if ban.always is not None and len(bans) == 1:
+                logits.index_fill_(1, ban.always, float("-inf"))
+            elif ban.always is not None:
+                at = to_device([i for i, own in enumerate(which) if own == index], device)
+                logits[at[:, None], ban.always] = float("-inf")
+        banned = [(i, word[-1]) for i, row in enumerate(rows) if row.token_ids
+                  for word in bans[which[i]].after.get(row.token_ids[-1], ())
+                  if row.token_ids[-(len(word) - 1):] == word[:-1]]
         if banned:
-            at = torch.tensor(banned, device=logits.device)
+            at = torch.tensor(banned, device=device)
             logits[at[:, 0], at[:, 1]] = float("-inf")
         return logits
 
 
 class AllowedTokens(LogitsProcessor):
-    """Keeps the logits of the listed tokens, and bans every other."""
+    """Keeps the logits of the listed tokens, and bans every other. Each distinct arguments' mask is built once."""
+
+    def __init__(self) -> None:
+        self.masks: PerArgs[torch.Tensor] = PerArgs(MAX_MASKS)
 
     def check(self, args: Mapping[str, Any]) -> None:
         token_id_list(args, MAX_ALLOWED, f"1 to {MAX_ALLOWED} token ids (integers >= 0)")
@@ -126,11 +202,15 @@ class AllowedTokens(LogitsProcessor):
     def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
         import torch
 
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        for i, row in enumerate(rows):
-            allowed = [t for t in row.args["token_ids"] if t < logits.shape[1]]
-            keep[i, torch.tensor(allowed, dtype=torch.long, device=logits.device)] = True
-        return logits.masked_fill(~keep, float("-inf"))
+        from ..core.sampling import to_device
+
+        vocab, device = logits.shape[1], logits.device
+        distinct, which = by_args(rows)
+        masks = [self.masks.get(args, (vocab, device), lambda args: banned_mask(args["token_ids"], vocab, device))
+                 for args in distinct]
+        if len(masks) == 1:  # one mask for every row: broadcast, nothing [rows, V] built
+            return logits.masked_fill_(masks[0], float("-inf"))
+        return logits.masked_fill_(torch.stack(masks)[to_device(which, device)], float("-inf"))
 
 
 @hookimpl
