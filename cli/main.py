@@ -224,12 +224,14 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
                   "--include-stop-str": include_stop_str, "--seed": seed is not None,
                   "--stream": stream,
                   "--logprobs": logprobs is not None, "--prompt-logprobs": prompt_logprobs is not None}
-        refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
+        refuse_beside_beam_search(changed_sampling(sampling, beam_search=True) +
+                                  [name for name, value in others.items() if value])
         if stats:
             raise click.UsageError("--stats reports the engine's scheduled requests, which beam search bypasses; "
                                    "drop --stats (--json shows each beam's log-probability and score)")
         _beam_search(ctx, inputs, texts, shown, BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos,
-                                                                 lora_adapter), as_json, refused)
+                                                                 lora_adapter, sampling["logits_processors"]),
+                     as_json, refused)
         return
 
     streamed = 0

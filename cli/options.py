@@ -87,8 +87,8 @@ SAMPLING_OPTIONS: list[Callable[[Any], Any]] = [
                       "it, 100 all but forces it)."),
     click.option("--logits-processor", "logits_processors", type=ProcessorType(), multiple=True,
                  help="NAME or NAME=JSON: a registered logits processor and its arguments, applied to each "
-                      "request's logits before sampling (repeatable, in order; `infer plugins` lists them), e.g. "
-                      "no-repeat-ngram='{\"size\": 3}'.")]
+                      "request's logits before sampling, or to each beam's log-probabilities with --beam-width "
+                      "(repeatable, in order; `infer plugins` lists them), e.g. no-repeat-ngram='{\"size\": 3}'.")]
 
 
 def sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -230,9 +230,11 @@ def sampling_option(name: str) -> str:
     return "--logits-processor" if name == "logits_processors" else f"--{name.replace('_', '-')}"
 
 
-def changed_sampling(sampling: dict[str, Any]) -> list[str]:
-    """The options of ``sampling`` that differ from their defaults, by their command-line names."""
-    return [sampling_option(name) for name, value in sampling.items() if value != SAMPLING_DEFAULTS[name]]
+def changed_sampling(sampling: dict[str, Any], beam_search: bool = False) -> list[str]:
+    """The options of ``sampling`` that differ from their defaults, by their command-line names; with
+    ``beam_search``, those that beam search does not take (it takes --logits-processor)."""
+    return [sampling_option(name) for name, value in sampling.items() if value != SAMPLING_DEFAULTS[name]
+            and not (beam_search and name == "logits_processors")]
 
 
 class ReserveType(click.ParamType):

@@ -8,12 +8,20 @@ hypothesis). A hypothesis scores
 ``cumulative_logprob / num_generated_tokens ** length_penalty``. A prompt is done at ``max_tokens``, or when
 ``beam_width`` hypotheses have finished and none of the live beams scores better now (HF's ``early_stopping=False``).
 
+Logits processors (``BeamSearchParams.logits_processors``) change each live beam's next-token log-probabilities, as
+HF's ``_beam_search`` applies its ``logits_processor`` after the log-softmax: a ban (-inf) drops a continuation, and
+the others keep the model's own log-probabilities, unrenormalised. Each beam is its own row (its Sequence's id, the
+prompt and its tokens), and a beam's processor state goes when the beam does. Where they leave a prompt no
+continuation in any beam, they yield for that step (its beams rank as without them), with a warning, as sampling
+does for a row.
+
 A search (:class:`BeamSearch`) runs beside the engine's requests: each engine step advances every active search by
 one token (:class:`BeamSearches`, which also shares the KV pool between beams and the scheduler), then runs the
 scheduled step. The beams' forward passes are their own, so a search returns the same beams beside requests as alone.
 """
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -28,24 +36,30 @@ from .admission import at_prompt, check_prompt_list
 from .chat import Prompt
 from .errors import CapacityError, InferError, InvalidRequestError
 from .interfaces import ScheduledSequence, SchedulerOutput
-from .request import FinishReason, SamplingParams, Sequence
+from .request import FinishReason, SamplingParams, Sequence, processor_calls, validate_processor_calls
 from .tool_choice import forces_calls
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class BeamSearchParams:
     """``beam_width`` beams of up to ``max_tokens`` tokens each; ``length_penalty`` > 0 favours longer hypotheses
     (0: the plain cumulative log-probability; one so far from 0 that scores leave the floats' range, hundreds,
-    ties them, ordered as they finished); ``ignore_eos`` runs every beam to ``max_tokens``; ``lora_adapter`` as in
-    SamplingParams."""
+    ties them, ordered as they finished); ``ignore_eos`` runs every beam to ``max_tokens``; ``lora_adapter`` and
+    ``logits_processors`` (applied to each beam's log-probabilities) as in SamplingParams."""
     beam_width: int = 4
     max_tokens: int = 16
     length_penalty: float = 1.0
     ignore_eos: bool = False
     lora_adapter: str | None = None
+    logits_processors: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "logits_processors", processor_calls(self.logits_processors))
 
     def validate(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -56,11 +70,12 @@ class BeamSearchParams:
         if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) \
                 or not -sys.float_info.max <= penalty <= sys.float_info.max:
             raise InvalidRequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        validate_processor_calls(self.logits_processors, InvalidRequestError)
 
     def sampling(self) -> SamplingParams:
         """The greedy SamplingParams each beam's sequence carries (for the prompt checks and the KV cache)."""
         return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos,
-                              lora_adapter=self.lora_adapter)
+                              lora_adapter=self.lora_adapter, logits_processors=self.logits_processors)
 
 
 @dataclass
@@ -98,7 +113,9 @@ class BeamSearch:
     def __init__(self, engine: Engine, prompt_ids: list[list[int]], params: BeamSearchParams,
                  new_seq_id: Callable[[], int]) -> None:
         self.engine, self.prompt_ids, self.params, self.new_seq_id = engine, prompt_ids, params, new_seq_id
+        self.sampling = params.sampling()  # what every beam's Sequence carries
         self.waits = 0  # steps it waited for KV blocks that others held
+        self.processors_yielded_steps = 0  # steps of a prompt whose logits processors banned every continuation
         self.restarts = 0  # times an older search took its blocks and it began again
         self.error: BaseException | None = None
         self.outputs: list[BeamSearchOutput] | None = [] if not prompt_ids else None  # no prompt: done, as generate
@@ -113,7 +130,7 @@ class BeamSearch:
 
     def _new_beam(self, prompt_ids: list[int], token_ids: list[int]) -> Sequence:
         engine = self.engine
-        self.created.append(Sequence(self.new_seq_id(), "beam-search", prompt_ids, self.params.sampling(),
+        self.created.append(Sequence(self.new_seq_id(), "beam-search", prompt_ids, self.sampling,
                                      time.perf_counter(), eos_token_ids=engine.eos_token_ids,
                                      max_model_len=engine.max_model_len, token_ids=list(token_ids)))
         return self.created[-1]
@@ -140,16 +157,34 @@ class BeamSearch:
         if self.short:
             return False
         logprobs = _forward(self.engine, beams)
+        processed = self.engine.processors.apply(logprobs, beams)
         self.ready.clear()
         self.length += 1
         row = 0
-        for state in running:
+        for index, state in enumerate(self.states):
+            if state.finished:
+                continue
             rows = logprobs[row : row + len(state.live)]
+            if processed is not None:
+                rows = self._processed(processed[row : row + len(state.live)], rows, index)
             row += len(state.live)
             _choose(self.engine, state, rows, self.params, self.length, self._new_beam)
         if self.length == self.params.max_tokens or all(s.finished for s in self.states):
             self.conclude(FinishReason.LENGTH)
         return True
+
+    def _processed(self, processed: torch.Tensor, plain: torch.Tensor, prompt_index: int) -> torch.Tensor:
+        """A prompt's rows as its processors left them, or as the model gave them where the processors left no
+        continuation in any of its beams (they yield, as for a sampled row; the first time, a warning)."""
+        if (processed > float("-inf")).any():
+            return processed
+        self.processors_yielded_steps += 1
+        if self.processors_yielded_steps == 1:
+            log.warning("beam search (prompt %d, token %d): its logits processors (%s) banned every continuation of "
+                        "every beam, so this step, and any other where that happens, ranks them without the "
+                        "processors", prompt_index, self.length,
+                        ", ".join(name for name, _ in self.params.logits_processors))
+        return plain
 
     def conclude(self, reason: FinishReason) -> None:
         """End now: the live beams become hypotheses with ``reason`` (LENGTH at max_tokens; ABORT when stopped
@@ -219,11 +254,13 @@ class BeamSearch:
         self.engine.kv.take_block_ops()
 
     def close(self) -> None:
-        """Free every beam it made (idempotent)."""
+        """Free every beam it made, and its logits processors' state (idempotent)."""
         for beam in self.created:
             self.engine.kv.free(beam)
         for state in self.states:
             state.live = []
+        for beam in self.created:  # after the blocks: a processor's error cannot keep them
+            self.engine.processors.release(beam)
 
 
 class BeamSearches:
@@ -313,6 +350,7 @@ def check_prompts(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams
     """Each prompt's token ids, or the InvalidRequestError or CapacityError beam search would raise for the first
     bad one (naming its position, ``prompt_index``), before any work."""
     sampling = params.sampling()
+    engine.processors.check(sampling)  # unknown names, arguments a processor refuses
     checked = []
     for index, prompt in enumerate(check_prompt_list(prompts)):
         try:
@@ -365,7 +403,8 @@ def _forward(engine: Engine, beams: list[Sequence]) -> torch.Tensor:
 
 def _choose(engine: Engine, state: _Prompt, logprobs: torch.Tensor, params: BeamSearchParams, length: int,
              new_beam: Callable[[list[int], list[int]], Sequence]) -> None:
-    """Choose the prompt's next beams from ``logprobs`` [beams, V] (each beam's next-token log-probabilities)."""
+    """Choose the prompt's next beams from ``logprobs`` [beams, V] (each beam's next-token log-probabilities, as
+    its logits processors left them: a -inf continuation is never chosen)."""
     width = params.beam_width
     totals = torch.tensor([logprob for _, logprob in state.live], dtype=torch.float64)[:, None] + logprobs
     num_eos = 0 if params.ignore_eos else len(state.live[0][0].eos_token_ids)
@@ -374,6 +413,8 @@ def _choose(engine: Engine, state: _Prompt, logprobs: torch.Tensor, params: Beam
     vocab = logprobs.shape[1]
     chosen: list[tuple[int, int, float]] = []  # (beam index, token, cumulative log-probability)
     for rank, (total, index) in enumerate(zip(values.tolist(), flat.tolist())):
+        if total == -math.inf:  # banned by a logits processor, as is every candidate after it
+            break
         beam, token = divmod(index, vocab)
         parent = state.live[beam][0]
         if token in parent.eos_token_ids and not params.ignore_eos:
@@ -399,15 +440,21 @@ def _choose(engine: Engine, state: _Prompt, logprobs: torch.Tensor, params: Beam
             parent.token_ids.append(token)
     for (beam, _), kept in zip(state.live, taken):
         if not kept:
-            engine.kv.free(beam)
+            _free(engine, beam)
     state.live = live
     best_live = length_score(max((total for _, total in live), default=-math.inf), length, params.length_penalty)
     kept = sorted((score for score, *_ in state.done), reverse=True)[:width]  # the hypotheses that would be returned
     state.finished = not live or (len(kept) == width and kept[-1] >= best_live)
     if state.finished:
         for beam, _ in live:
-            engine.kv.free(beam)
+            _free(engine, beam)
         state.live = []
+
+
+def _free(engine: Engine, beam: Sequence) -> None:
+    """A beam no longer live: its blocks and its logits processors' state go (its id is never used again)."""
+    engine.kv.free(beam)
+    engine.processors.release(beam)
 
 
 def _finish(state: _Prompt, beam: Sequence, logprob: float, reason: FinishReason, params: BeamSearchParams,

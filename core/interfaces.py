@@ -567,7 +567,9 @@ class ProcessorRow:
 class LogitsProcessor(ABC):
     """Changes the next-token logits of the sequences whose request names it (``SamplingParams.logits_processors``,
     with its arguments), after the logit bias and penalties and before a structured output's mask and sampling.
-    Sequences with a processor do not speculate. The logprobs a request returns stay the model's raw ones."""
+    Sequences with a processor do not speculate. The logprobs a request returns stay the model's raw ones. A beam
+    search that names it (``BeamSearchParams.logits_processors``) hands it a row per live beam holding that beam's
+    next-token log-probabilities, as HF's beam search does; its changed rows score the beams' continuations."""
 
     def check(self, args: Mapping[str, Any]) -> None:
         """Refuse a request's ``args`` (a JSON object) before any work: raise InvalidRequestError saying what is
@@ -581,7 +583,8 @@ class LogitsProcessor(ABC):
         yield for that token (the engine warns)."""
 
     def release(self, seq_id: int) -> None:
-        """The sequence ``seq_id`` finished: drop any state kept for it. The default keeps none."""
+        """The sequence ``seq_id`` finished (a beam: dropped, its prompt done, or its search over): drop any state
+        kept for it. The default keeps none."""
 
 
 # ---------------------------------------------------------------- speculative decoding

@@ -142,7 +142,7 @@ class SamplingParams:
             if all(isinstance(p, tuple) and p and isinstance(p[0], int) for p in pairs):
                 pairs.sort(key=lambda p: p[0])
             object.__setattr__(self, "logit_bias", tuple(pairs))
-        object.__setattr__(self, "logits_processors", _processor_calls(self.logits_processors))
+        object.__setattr__(self, "logits_processors", processor_calls(self.logits_processors))
 
     @property
     def greedy(self) -> bool:
@@ -220,7 +220,7 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         self._validate_logit_bias(bad)
-        self._validate_processors(bad)
+        validate_processor_calls(self.logits_processors, bad)
         self._validate_structure(bad)
         if self.lora_adapter is not None and (not isinstance(self.lora_adapter, str) or not self.lora_adapter):
             raise bad(f"lora_adapter must be the name of a loaded LoRA adapter (a non-empty string) or None, got "
@@ -243,29 +243,6 @@ class SamplingParams:
                 raise bad(f"{name} cannot be combined with structured_output: a structured output ends at EOS as "
                           f"soon as it is complete; drop {name}")
 
-    def _validate_processors(self, bad: Callable[[str], InvalidRequestError]) -> None:
-        calls = self.logits_processors
-        form = "names, (name, args) pairs or a {name: args} dict, args a JSON object"
-        if not isinstance(calls, tuple) or not all(
-                isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str) and c[0] and isinstance(c[1], str)
-                for c in calls):
-            raise bad(f"logits_processors must be {form}; got {calls!r}")
-        if len(calls) > MAX_LOGITS_PROCESSORS:
-            raise bad(f"logits_processors may name at most {MAX_LOGITS_PROCESSORS} processors, got {len(calls)}")
-        names = [name for name, _ in calls]
-        if len(set(names)) != len(names):
-            raise bad(f"logits_processors names a processor twice: {names}")
-        for name, args in calls:
-            if len(args) > MAX_PROCESSOR_ARGS_CHARS:
-                raise bad(f"the arguments of logits processor {name!r} take {len(args)} characters as JSON, over "
-                          f"{MAX_PROCESSOR_ARGS_CHARS}")
-            try:
-                parsed = json.loads(args)
-            except ValueError:
-                parsed = None
-            if not isinstance(parsed, dict):
-                raise bad(f"the arguments of logits processor {name!r} must be a JSON object, got {args[:80]!r}")
-
     def _validate_logit_bias(self, bad: Callable[[str], InvalidRequestError]) -> None:
         bias = self.logit_bias
         if not isinstance(bias, tuple):
@@ -286,13 +263,38 @@ class SamplingParams:
             seen.add(token)
 
 
+def validate_processor_calls(calls: object, bad: Callable[[str], InvalidRequestError]) -> None:
+    """Refuse a ``logits_processors`` value (as ``processor_calls`` kept it) that is not at most
+    MAX_LOGITS_PROCESSORS distinct names, each with a JSON object of arguments: ``bad(message)`` is raised."""
+    form = "names, (name, args) pairs or a {name: args} dict, args a JSON object"
+    if not isinstance(calls, tuple) or not all(
+            isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str) and c[0] and isinstance(c[1], str)
+            for c in calls):
+        raise bad(f"logits_processors must be {form}; got {calls!r}")
+    if len(calls) > MAX_LOGITS_PROCESSORS:
+        raise bad(f"logits_processors may name at most {MAX_LOGITS_PROCESSORS} processors, got {len(calls)}")
+    names = [name for name, _ in calls]
+    if len(set(names)) != len(names):
+        raise bad(f"logits_processors names a processor twice: {names}")
+    for name, args in calls:
+        if len(args) > MAX_PROCESSOR_ARGS_CHARS:
+            raise bad(f"the arguments of logits processor {name!r} take {len(args)} characters as JSON, over "
+                      f"{MAX_PROCESSOR_ARGS_CHARS}")
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise bad(f"the arguments of logits processor {name!r} must be a JSON object, got {args[:80]!r}")
+
+
 def processor_args_text(args: object) -> str:
     """A logits processor's arguments as the canonical JSON text ``SamplingParams.logits_processors`` keeps (sorted
     keys, no spaces: equal arguments, equal text); TypeError or ValueError for what JSON cannot hold."""
     return json.dumps({} if args is None else args, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def _processor_calls(value: object) -> object:
+def processor_calls(value: object) -> object:
     """``SamplingParams.logits_processors`` as (name, JSON text of its args) pairs; a value of another form, or
     arguments that are no JSON, are left as they are for ``validate`` to name."""
     if value is None:

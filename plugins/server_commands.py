@@ -146,7 +146,8 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
         others = {"--n": n != 1, "--stop": stop, "--include-stop-str": include_stop_str, "--seed": seed is not None,
                   "--no-speculative": no_speculative, "--priority": priority,
                   "--regex/--choice/--json-schema/--grammar": structured_output}
-        refuse_beside_beam_search(changed_sampling(sampling) + [name for name, value in others.items() if value])
+        refuse_beside_beam_search(changed_sampling(sampling, beam_search=True) +
+                                  [name for name, value in others.items() if value])
     elif ctx.get_parameter_source("length_penalty") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--length-penalty scores beam search's hypotheses; add --beam-width W", ctx)
     sampling = dict(sampling, max_tokens=max_tokens, n=n, stop=list(stop), ignore_eos=ignore_eos,
@@ -176,7 +177,8 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
     opening = [{"role": "system", "content": system}] if system is not None else []
     try:  # checked here, before the server sees it: a command-line error
         if beam_width:
-            BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos, lora_adapter).validate()
+            BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos, lora_adapter,
+                             sampling["logits_processors"]).validate()
         else:
             SamplingParams(**dict(sampling, stop=tuple(stop))).validate()
         sent = ChatPrompt.of([*opening, {"role": "user", "content": prompt}],
@@ -191,6 +193,7 @@ def client(ctx: click.Context, prompt: str, target: str, token: str | None, tls:
             if beam_width:
                 print_best_beam(conn, sent, shown, beam_width=beam_width, max_tokens=max_tokens,
                                 length_penalty=length_penalty, ignore_eos=ignore_eos,
+                                logits_processors=sampling["logits_processors"],
                                 **({} if lora_adapter is None else {"lora_adapter": lora_adapter}))
             elif n == 1:
                 calls, echo, listed = [], ReplyEcho(), set()

@@ -19,7 +19,7 @@ from ..core.errors import InvalidRequestError
 from ..core.request import SamplingParams
 from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
-from .convert import sampling_params_to_proto
+from .convert import processor_calls_to_proto, sampling_params_to_proto
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = -1  # no limit of the client's own: the server's --max-message-bytes bounds its replies
@@ -76,12 +76,17 @@ def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: Promp
 
 
 def build_beam_request(prompt: Prompt, **params: Any) -> pb.BeamSearchRequest:
-    """A BeamSearchRequest; ``params`` are sent as given (the server validates them)."""
+    """A BeamSearchRequest; ``params`` are sent as given (the server validates them), logits_processors in any
+    form SamplingParams takes."""
+    if "logits_processors" in params:
+        params = dict(params, logits_processors=processor_calls_to_proto(params["logits_processors"],
+                                                                          "beam search parameters"))
     try:
         request = pb.BeamSearchRequest(**params)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"invalid beam search parameters {params!r}: {exc}; they are beam_width, "
-                                  "max_tokens, length_penalty, ignore_eos, lora_adapter and request_id") from None
+                                  "max_tokens, length_penalty, ignore_eos, lora_adapter, logits_processors and "
+                                  "request_id") from None
     set_prompt(request, prompt)
     return request
 
@@ -137,8 +142,8 @@ class Client(_Base):
     def beam_search(self, prompt: Prompt, *, timeout: float | None = None,
                     **params: Any) -> pb.BeamSearchResponse:
         """Beam search for one prompt; ``params``: beam_width=, max_tokens=, length_penalty=, ignore_eos=,
-        lora_adapter= (unset: the server's BeamSearchParams defaults), and request_id= (then ``abort(request_id)``
-        stops it)."""
+        lora_adapter=, logits_processors= (unset: the server's BeamSearchParams defaults), and request_id= (then
+        ``abort(request_id)`` stops it)."""
         return self.stub.BeamSearch(build_beam_request(prompt, **params), **self._kw(timeout))
 
     def start_beam_search(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Any:

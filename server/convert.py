@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -10,7 +11,7 @@ from ..core.chat import (ChatPrompt, Prompt, check_content_part_count, check_mes
                          parse_template_kwargs)
 from ..core.chat_tools import ToolCall, parse_tool_choice, parse_tools
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
-from ..core.request import CompletionOutput, FinishReason, SamplingParams, StructuredOutput
+from ..core.request import CompletionOutput, FinishReason, SamplingParams, StructuredOutput, processor_calls
 from . import infer_pb2 as pb
 from .worker import ServerUnavailable
 
@@ -74,7 +75,7 @@ def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:
                             priority=request.priority, logit_bias=dict(p.logit_bias),
                             include_stop_str_in_output=p.include_stop_str_in_output,
                             structured_output=_structure_of(p) if p.HasField("structured_output") else None,
-                            logits_processors=tuple((c.name, c.args_json or "{}") for c in p.logits_processors),
+                            logits_processors=processor_calls_of(p.logits_processors),
                             **kwargs)
     params.validate()
     return params
@@ -122,16 +123,27 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
         except (TypeError, ValueError):
             raise InvalidRequestError(f"invalid sampling parameters: logit_bias must map token ids to biases, got "
                                       f"{pairs!r}"[:300]) from None
-    if "logits_processors" in fields:  # names, pairs or a dict, as SamplingParams takes them
-        calls = SamplingParams(logits_processors=fields["logits_processors"]).logits_processors
-        if not isinstance(calls, tuple) or not all(isinstance(c, tuple) for c in calls):
-            raise InvalidRequestError(f"invalid sampling parameters: logits_processors must be names, (name, args) "
-                                      f"pairs or a {{name: args}} dict, args a JSON object; got {calls!r}"[:300])
-        fields["logits_processors"] = [pb.LogitsProcessorCall(name=name, args_json=args) for name, args in calls]
+    if "logits_processors" in fields:
+        fields["logits_processors"] = processor_calls_to_proto(fields["logits_processors"], "sampling parameters")
     try:
         return pb.SamplingParams(**fields)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"invalid sampling parameters: {_unfit_field(fields) or exc}") from None
+
+
+def processor_calls_to_proto(value: Any, what: str) -> list[pb.LogitsProcessorCall]:
+    """Logits processors given as SamplingParams takes them (names, (name, args) pairs or a {name: args} dict) in
+    proto form; InvalidRequestError naming ``what`` for another form (no validation beyond that)."""
+    calls = processor_calls(value)
+    if not isinstance(calls, tuple) or not all(isinstance(c, tuple) for c in calls):
+        raise InvalidRequestError(f"invalid {what}: logits_processors must be names, (name, args) pairs or a "
+                                  f"{{name: args}} dict, args a JSON object; got {calls!r}"[:300])
+    return [pb.LogitsProcessorCall(name=name, args_json=args) for name, args in calls]
+
+
+def processor_calls_of(calls: Iterable[pb.LogitsProcessorCall]) -> tuple[tuple[str, str], ...]:
+    """A request's logits processors as (name, JSON text of its args) pairs (args_json "" is {})."""
+    return tuple((c.name, c.args_json or "{}") for c in calls)
 
 
 _INT_RANGES = {"int32": 2**31, "int64": 2**63}
@@ -165,7 +177,8 @@ def beam_params_of(request: pb.BeamSearchRequest) -> BeamSearchParams:
 
     fields = {name: getattr(request, name) for name in ("beam_width", "max_tokens", "length_penalty", "lora_adapter")
               if request.HasField(name)}
-    params = BeamSearchParams(ignore_eos=request.ignore_eos, **fields)
+    params = BeamSearchParams(ignore_eos=request.ignore_eos,
+                              logits_processors=processor_calls_of(request.logits_processors), **fields)
     params.validate()
     return params
 

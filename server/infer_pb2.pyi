@@ -248,7 +248,7 @@ class CompleteResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class BeamSearchRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "beam_width", "max_tokens", "length_penalty", "ignore_eos", "request_id", "lora_adapter")
+    __slots__ = ("text", "token_ids", "chat", "beam_width", "max_tokens", "length_penalty", "ignore_eos", "request_id", "lora_adapter", "logits_processors")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class BeamSearchRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_PROCESSORS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: Chat
@@ -267,7 +268,8 @@ class BeamSearchRequest(_message.Message):
     ignore_eos: bool
     request_id: str
     lora_adapter: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
+    logits_processors: _containers.RepeatedCompositeFieldContainer[LogitsProcessorCall]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., logits_processors: _Optional[_Iterable[_Union[LogitsProcessorCall, _Mapping]]] = ...) -> None: ...
 
 class Beam(_message.Message):
     __slots__ = ("token_ids", "text", "cumulative_logprob", "score", "finish_reason")

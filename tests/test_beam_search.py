@@ -44,9 +44,9 @@ def many_eos_model(tiny_model, tmp_path_factory):
 
 
 def hf_beam_search(path, prompt: list[int], width: int, max_new_tokens: int, length_penalty: float,
-                   ignore_eos: bool) -> tuple[list[list[int]], list[float]]:
-    """HF generate's beam search (early_stopping=False): the beams, best first, cut after their end-of-sequence
-    token (HF pads after it), and their scores."""
+                   ignore_eos: bool, **options) -> tuple[list[list[int]], list[float]]:
+    """HF generate's beam search (early_stopping=False; ``options`` go to generate too, as its logits processors'
+    settings): the beams, best first, cut after their end-of-sequence token (HF pads after it), and their scores."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -57,7 +57,7 @@ def hf_beam_search(path, prompt: list[int], width: int, max_new_tokens: int, len
         out = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
                              max_new_tokens=max_new_tokens, length_penalty=length_penalty, early_stopping=False,
                              pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             output_scores=True, return_dict_in_generate=True)
+                             output_scores=True, return_dict_in_generate=True, **options)
     beams = [row[len(prompt):].tolist() for row in out.sequences]
     if not ignore_eos:
         eos_ids = set(eos) if isinstance(eos, list) else {eos}

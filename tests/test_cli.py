@@ -695,7 +695,6 @@ BESIDE_BEAM_SEARCH = {
     "--temperature": ["0.5"], "--top-p": ["0.5"], "--top-k": ["3"], "--min-p": ["0.1"], "--n": ["2"],
     "--stop": ["x"], "--include-stop-str": [], "--seed": ["1"], "--stream": [], "--repetition-penalty": ["1.2"],
     "--frequency-penalty": ["0.5"], "--presence-penalty": ["0.5"], "--min-tokens": ["1"], "--logit-bias": ["5=1"],
-    "--logits-processor": ["no-repeat-ngram"],
     "--regex": ["a"], "--choice": ["a"], "--json-schema": ["{schema}"], "--grammar": ["{grammar}"],
     "--logprobs": ["1"], "--prompt-logprobs": ["1"], "--stats": []}
 

@@ -745,6 +745,31 @@ def test_beam_search_over_grpc_equals_offline(client: Client, llm: Any, server: 
     assert_serves(client)
 
 
+def test_beam_search_over_grpc_carries_logits_processors(client: Client, llm: Any, server: ServerProcess) -> None:
+    """BeamSearch's logits_processors reach the engine: LLM.beam_search's beams with them (not the plain ones), an
+    unknown one is INVALID_ARGUMENT with the engine's message; `infer client --beam-width --logits-processor`
+    prints the best."""
+    from infer.core.beam_search import BeamSearchParams
+
+    calls, prompts = {"no-repeat-ngram": {"size": 1}}, ["x = [", "def main():", "import os\n", "hello world"]
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True, logits_processors=calls)
+    plain = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
+    # a prompt whose best beam the processor changes, so that the CLI's line shows it was sent
+    prompt, want = next((p, w) for p, w, b in zip(prompts, llm.beam_search(prompts, params), plain)
+                        if w.beams[0].token_ids != b.beams[0].token_ids)
+    got = client.beam_search(prompt, beam_width=3, max_tokens=12, ignore_eos=True, logits_processors=calls)
+    assert [list(b.token_ids) for b in got.beams] == [b.token_ids for b in want.beams]
+    assert all(math.isclose(g.score, w.score, abs_tol=1e-5) for g, w in zip(got.beams, want.beams))
+    err = rpc_error(lambda: client.beam_search(prompt, beam_width=3, logits_processors=["nope"]))
+    with pytest.raises(InferError) as offline:
+        llm.beam_search([prompt], BeamSearchParams(beam_width=3, logits_processors=["nope"]))
+    assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, str(offline.value))
+    out = run_cli("client", prompt, "--target", server.target, "--beam-width", "3", "--max-tokens", "12",
+                  "--ignore-eos", "--logits-processor", 'no-repeat-ngram={"size": 1}')
+    assert (out.exit_code, out.stdout) == (0, prompt + want.beams[0].text + "\n")
+    assert_serves(client)
+
+
 def test_a_beam_search_response_past_the_message_limit_says_what_to_change(tiny_model: Path, tmp_path: Path,
                                                                           llm: Any) -> None:
     """As Complete's: FAILED_PRECONDITION naming --max-message-bytes (no retry helps), not gRPC's own
