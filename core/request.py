@@ -284,6 +284,8 @@ def validate_processor_calls(calls: object, bad: Callable[[str], InvalidRequestE
             parsed = json.loads(args)
         except ValueError:
             parsed = None
+        except RecursionError:
+            raise bad(f"the arguments of logits processor {name!r} nest too deeply as JSON; flatten them") from None
         if not isinstance(parsed, dict):
             raise bad(f"the arguments of logits processor {name!r} must be a JSON object, got {args[:80]!r}")
 
@@ -312,12 +314,12 @@ def processor_calls(value: object) -> object:
         try:
             if isinstance(args, str):  # JSON text already (gRPC carries it): kept canonical, as a dict's
                 args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply to parse
             calls.append((name, args))  # validate names it
             continue
         try:
             calls.append((name, processor_args_text(args)))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             return value
     return tuple(calls)
 

@@ -125,7 +125,7 @@ def schema_to_rules(schema: dict[str, Any] | bool | str, recursion: bool = True)
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
+            except ValueError as exc:  # a JSONDecodeError, or a number of more digits than Python converts
                 _fail("", f"the text is not JSON ({exc}); send the schema as a JSON object")
         compiler = _Compiler(schema, recursion)
         return {"root": compiler.build(schema, ""), **compiler.rules}

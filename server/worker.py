@@ -258,7 +258,10 @@ class EngineWorker:
         return request_id in self._streams or self._search_named(request_id) is not None
 
     def _search_named(self, request_id: str) -> _RunningSearch | None:
-        return next((s for s in self._searches if request_id and s.request_id == request_id), None)
+        """The search under way with that id; one that ended (an Abort earlier in this round) is answered as this
+        round ends, and no longer holds its id."""
+        return next((s for s in self._searches if request_id and s.request_id == request_id and not s.search.done),
+                    None)
 
     def _stop_abandoned_searches(self) -> None:
         """Abort the searches whose callers gave up (client cancel, deadline): their KV blocks go back now."""
