@@ -365,10 +365,28 @@ def check_prompts(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams
                                     f"{need} KV blocks for one beam, but the cache has {engine.kv.num_blocks}; "
                                     "shorten the prompt, lower max_tokens, or give the KV cache more blocks "
                                     "(--num-kv-blocks, --kv-cache-memory-gb)")
+            beams = live_beams(params.beam_width, engine.loaded.model.spec.vocab_size, params.max_tokens)
+            shared = len(ids) // engine.kv.block_size  # the prompt's full blocks, which every beam shares
+            if beams > engine.kv.num_blocks - shared:
+                raise CapacityError(f"beam_width {params.beam_width} keeps {beams} beams live, each writing its own "
+                                    f"last KV block beside the {shared} of the prompt they share, but the cache has "
+                                    f"{engine.kv.num_blocks} blocks; lower beam_width, or give the KV cache more "
+                                    "blocks (--num-kv-blocks, --kv-cache-memory-gb)")
         except InferError as exc:
             raise at_prompt(exc, index, len(prompts)) from None
         checked.append(ids)
     return checked
+
+
+def live_beams(beam_width: int, vocab_size: int, max_tokens: int) -> int:
+    """How many beams a search keeps live at its widest: ``beam_width``, or fewer where the vocabulary's
+    continuations of ``max_tokens`` tokens are fewer (vocab_size ** max_tokens)."""
+    continuations = 1
+    for _ in range(max_tokens):
+        continuations *= vocab_size
+        if continuations >= beam_width:
+            return beam_width
+    return continuations
 
 
 def _forward(engine: Engine, beams: list[Sequence]) -> torch.Tensor:

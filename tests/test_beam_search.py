@@ -1,10 +1,12 @@
 """Beam search on the KV fork primitive, against HF transformers' beam search and greedy decoding."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from infer.core.beam_search import BeamSearchParams
+from infer.core.beam_search import BeamSearchParams, live_beams
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.errors import CapacityError, InvalidRequestError
@@ -213,6 +215,14 @@ def test_bad_input_is_refused_and_the_pool_stays_clean(tiny_model):
         engine.beam_search(["x", ""], BeamSearchParams())
     with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
         engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=8, max_tokens=64, ignore_eos=True))
+    for width in (14, 2**31 - 1):  # each live beam writes its own last block beside the prompt's 3 full ones
+        with pytest.raises(CapacityError, match=re.escape(
+                f"beam_width {width} keeps {width} beams live, each writing its own last KV block beside the 3 of "
+                "the prompt they share, but the cache has 16 blocks; lower beam_width")):
+            engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=width, max_tokens=4))
+    vocab = engine.loaded.model.spec.vocab_size
+    assert live_beams(2**31 - 1, vocab, 1) == vocab and live_beams(2**31 - 1, vocab, 4) == 2**31 - 1
+    assert live_beams(vocab + 1, vocab, 2) == vocab + 1 and live_beams(5, 1, 64) == 1
     stats = engine.kv.stats()
     assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
     assert not engine.kv.take_block_ops()  # no copy queued for a beam that never ran waits for the next step
@@ -455,7 +465,7 @@ def test_an_older_search_restarts_a_younger_one_that_holds_the_blocks_it_needs(e
 
 def test_a_search_that_cannot_fit_fails_alone_and_the_requests_go_on(tiny_model):
     """A search whose beams outgrow the pool fails with CapacityError (its blocks freed), at its start when one
-    beam cannot fit, else when the beams outgrow the pool; the requests beside it finish as they would alone."""
+    beam, or its live beams' own blocks, cannot fit, else when the beams outgrow the pool; the requests beside it finish as they would alone."""
     options = {"num_kv_blocks": 16, "block_size": 16}
     requests = [SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)] * 2
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options))
@@ -464,15 +474,17 @@ def test_a_search_that_cannot_fit_fails_alone_and_the_requests_go_on(tiny_model)
     collect(engine.step(), outputs)
     with pytest.raises(CapacityError, match="needs up to 20 KV blocks for one beam, but the cache has 16"):
         engine.start_beam_search([list(range(3, 303))], BeamSearchParams(max_tokens=16))
-    search = engine.start_beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64,
-                                                                           ignore_eos=True))
+    with pytest.raises(CapacityError, match="beam_width 16 keeps 16 beams live"):
+        engine.start_beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64))
+    search = engine.start_beam_search([list(range(3, 60))], BeamSearchParams(beam_width=8, max_tokens=64,
+                                                                          ignore_eos=True))
     while not search.done:
         collect(engine.step(), outputs)  # the search's error is its own: step() does not raise it
     with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
         search.result()
     with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
-        engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64, ignore_eos=True))
-    assert not engine.searches and all(rid in engine.requests for rid in ids)  # they still run
+        engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=8, max_tokens=64, ignore_eos=True))
+    assert not engine.searches  # the search waited for the requests' blocks, then outgrew the pool alone
     assert (engine.stats.beam_searches_failed, engine.stats.beam_searches_finished) == (2, 0)  # refused: not counted
     while engine.has_unfinished():
         collect(engine.step(), outputs)
@@ -658,20 +670,22 @@ def test_a_request_waiting_without_blocks_does_not_make_the_oldest_search_wait(e
     assert drained(engine)
 
 
-def test_a_search_that_cannot_fit_fails_without_restarting_a_younger_one(tiny_model):
-    """A search whose beams outgrow the whole pool fails at once with CapacityError: restarting a younger search
-    would not give it room, so the younger one keeps its progress and returns its beams alone."""
+def test_a_search_that_cannot_fit_is_refused_at_its_start_and_a_younger_one_keeps_its_progress(tiny_model):
+    """A search whose live beams alone outnumber the pool's blocks (16 beams, each writing its own last block, beside
+    the prompt's 3 shared ones: 19 of 16) is refused when it starts, before any step: the search started after it
+    returns the beams it has alone, never restarted for it."""
     options = {"num_kv_blocks": 16, "block_size": 16}
     small = BeamSearchParams(beam_width=2, max_tokens=40, ignore_eos=True)
     want = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options)).beam_search([TEXTS[0]], small)
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options))
-    big = engine.start_beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64,
-                                                                           ignore_eos=True))
-    younger = engine.start_beam_search([TEXTS[0]], small)  # it holds its prompt's blocks when big outgrows the pool
+    younger = engine.start_beam_search([TEXTS[0]], small)
+    engine.step()
+    with pytest.raises(CapacityError, match="beam_width 16 keeps 16 beams live, each writing its own last KV block "
+                                            "beside the 3 of the prompt they share, but the cache has 16 blocks"):
+        engine.start_beam_search([list(range(3, 60))], BeamSearchParams(beam_width=16, max_tokens=64,
+                                                                        ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
-        big.result()
     assert beams_of(younger.result()) == beams_of(want) and younger.restarts == 0
     assert drained(engine)
 
