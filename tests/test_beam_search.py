@@ -465,7 +465,8 @@ def test_an_older_search_restarts_a_younger_one_that_holds_the_blocks_it_needs(e
 
 def test_a_search_that_cannot_fit_fails_alone_and_the_requests_go_on(tiny_model):
     """A search whose beams outgrow the pool fails with CapacityError (its blocks freed), at its start when one
-    beam, or its live beams' own blocks, cannot fit, else when the beams outgrow the pool; the requests beside it finish as they would alone."""
+    beam, or its live beams' own blocks, cannot fit, else when the beams outgrow the pool; the requests beside it
+    finish as they would alone."""
     options = {"num_kv_blocks": 16, "block_size": 16}
     requests = [SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)] * 2
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options))
