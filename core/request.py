@@ -21,6 +21,7 @@ MAX_STOP_TOKEN_IDS = 1024  # min_tokens bans each one on every step until then
 MAX_LOGIT_BIAS = 1024  # entries; each costs a scatter element per step
 MAX_LOGITS_PROCESSORS = 8
 MAX_PROCESSOR_ARGS_CHARS = 100_000  # a processor's arguments as JSON text
+MAX_PROCESSOR_ARGS_DEPTH = 32  # objects and arrays inside each other, the arguments' own object counted
 MAX_CHOICES = 1024
 MAX_STRUCTURE_CHARS = 100_000  # a regex, the choices together, a JSON schema's text or a grammar
 STRUCTURE_FIELDS = ("regex", "choice", "json_schema", "grammar")  # StructuredOutput's, of which exactly one is set
@@ -288,6 +289,21 @@ def validate_processor_calls(calls: object, bad: Callable[[str], InvalidRequestE
             raise bad(f"the arguments of logits processor {name!r} nest too deeply as JSON; flatten them") from None
         if not isinstance(parsed, dict):
             raise bad(f"the arguments of logits processor {name!r} must be a JSON object, got {args[:80]!r}")
+        if (depth := json_depth(parsed)) > MAX_PROCESSOR_ARGS_DEPTH:
+            raise bad(f"the arguments of logits processor {name!r} nest {depth} objects and arrays deep, over "
+                      f"{MAX_PROCESSOR_ARGS_DEPTH}; flatten them")
+
+
+def json_depth(value: object) -> int:
+    """How many objects and arrays a parsed JSON value holds inside each other (0 for a scalar)."""
+    depth, level = 0, [value]
+    while level:
+        containers = [v for v in level if isinstance(v, (dict, list))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [item for c in containers for item in (c.values() if isinstance(c, dict) else c)]
+    return depth
 
 
 def processor_args_text(args: object) -> str:

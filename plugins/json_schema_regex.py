@@ -47,6 +47,7 @@ import functools
 import json
 import math
 import re
+import sys
 from decimal import Decimal
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -125,8 +126,11 @@ def schema_to_rules(schema: dict[str, Any] | bool | str, recursion: bool = True)
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except ValueError as exc:  # a JSONDecodeError, or a number of more digits than Python converts
+            except json.JSONDecodeError as exc:
                 _fail("", f"the text is not JSON ({exc}); send the schema as a JSON object")
+            except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits())
+                _fail("", f"an integer in it has more than {sys.get_int_max_str_digits()} digits; write it "
+                          "shorter (no schema needs such a bound)")
         compiler = _Compiler(schema, recursion)
         return {"root": compiler.build(schema, ""), **compiler.rules}
     except RecursionError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -233,6 +234,15 @@ def test_logits_processor_arguments_nested_past_the_json_parsers_reach_are_inval
     with pytest.raises(InvalidRequestError) as offline:
         SamplingParams(max_tokens=2, logits_processors=[("no-repeat-ngram", deep)]).validate()
     assert "nest too deeply" in str(offline.value)
+    for depth, refused in ((32, False), (33, True)):  # within the parser's reach, a processor's own limit
+        nested = '{"a":' + "[" * (depth - 1) + "1" + "]" * (depth - 1) + "}"
+        params = SamplingParams(max_tokens=2, logits_processors=[("no-repeat-ngram", nested)])
+        if refused:
+            with pytest.raises(InvalidRequestError, match="'no-repeat-ngram' nest 33 objects and arrays deep, over "
+                                                          "32; flatten them"):
+                params.validate()
+        else:
+            params.validate()
 
     async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
         request = pb.GenerateRequest(text="hi", params=pb.SamplingParams(
@@ -254,7 +264,9 @@ def test_a_json_schema_whose_numbers_python_will_not_read_is_invalid_argument(ti
     schema = '{"type": "integer", "minimum": ' + "9" * 5000 + "}"
     with pytest.raises(InvalidRequestError) as direct:
         schema_to_regex(schema)
-    assert str(direct.value).startswith("invalid JSON schema: at the root: the text is not JSON")
+    assert str(direct.value) == ("invalid JSON schema: at the root: an integer in it has more than "
+                                 f"{sys.get_int_max_str_digits()} digits; write it shorter (no schema needs such a "
+                                 "bound)")
 
     async def test(client: AsyncClient, server: InferenceServer) -> None:
         code, details = await rpc_code(client.complete("hi", max_tokens=4, structured_output=StructuredOutput(
