@@ -5,7 +5,9 @@ end-of-sequence), W in ``--widths``; the arms take turns on every prompt over ``
 W: the median wall time per prompt of each, their ratio, whether the best beams agree token for token, and, for the
 last prompt (the first ``--long-prompt`` tokens of the standard library's textwrap.py), infer's peak KV blocks in use
 against the blocks the same beams would hold unshared (W x the blocks of prompt + output).
-Run: ``python benchmarks/beam_bench.py`` (the shipped demo model on CPU); ``--device cuda`` on a GPU.
+``--no-repeat-ngram N`` bans repeated N-grams in both arms (infer's ``no-repeat-ngram`` logits processor, HF's
+``no_repeat_ngram_size``). Run: ``python benchmarks/beam_bench.py`` (the shipped demo model on CPU); ``--device
+cuda`` on a GPU.
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (both arms)")
     parser.add_argument("--long-prompt", type=int, default=400, help="tokens of the last prompt")
+    parser.add_argument("--no-repeat-ngram", type=int, default=0, metavar="N",
+                        help="both arms ban repeated N-grams: infer's no-repeat-ngram logits processor, HF's "
+                             "no_repeat_ngram_size [default: 0, none]")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -74,7 +79,9 @@ def main() -> None:
     block = engine.config.block_size
     rows = []
     for width in args.widths:
-        params = BeamSearchParams(beam_width=width, max_tokens=args.max_tokens, ignore_eos=True)
+        processors = {"no-repeat-ngram": {"size": args.no_repeat_ngram}} if args.no_repeat_ngram else {}
+        params = BeamSearchParams(beam_width=width, max_tokens=args.max_tokens, ignore_eos=True,
+                                  logits_processors=processors)
         times: dict[str, list[float]] = {"infer": [], "hf": []}
         agree, peaks, unshared = 0, [], []
         for _ in range(args.repeats):
@@ -91,6 +98,7 @@ def main() -> None:
                     out = hf.generate(torch.tensor([ids], device=args.device), num_beams=width, do_sample=False,
                                       max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
                                       early_stopping=False, pad_token_id=0,
+                                      no_repeat_ngram_size=args.no_repeat_ngram or None,
                                       attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=args.device))
                 if args.device != "cpu":
                     torch.cuda.synchronize()
@@ -102,7 +110,7 @@ def main() -> None:
                      "peak_blocks": statistics.median(peaks), "unshared_blocks": statistics.median(unshared)})
     print(json.dumps({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                       "device": args.device, "model": args.model, "max_tokens": args.max_tokens,
-                      "prompts": len(prompts), "repeats": args.repeats}))
+                      "prompts": len(prompts), "repeats": args.repeats, "no_repeat_ngram": args.no_repeat_ngram}))
     print(f"{'W':>3} {'infer s/prompt':>15} {'HF s/prompt':>12} {'HF/infer':>9} {'best beam =':>12} "
           f"{'long: peak blocks':>18} {'unshared':>9}")
     for r in rows:
