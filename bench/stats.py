@@ -177,7 +177,7 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
     out["top_priority_ttft_p50_ms"] = _ms(percentile(first, 50))
     out["top_priority_ttft_p99_ms"] = _ms(percentile(first, 99))
     bottom = min((r.priority for r in reqs), default=0)  # the longest wait of the least important: starvation
-    last = [r.ttft_s for r in reqs if r.priority == bottom and r.ttft_s is not None] if first else []
+    last = [r.ttft_s for r in reqs if r.priority == bottom and r.ttft_s is not None] if bottom != top else []
     out["bottom_priority_ttft_max_ms"] = _ms(max(last)) if last else None
     eng = run.engine
     if eng is None:

@@ -254,12 +254,14 @@ class BeamSearch:
         self.engine.kv.take_block_ops()
 
     def close(self) -> None:
-        """Free every beam it made, and its logits processors' state (idempotent)."""
+        """Free every beam it made, and the live beams' logits processor state (idempotent; ``_free`` released
+        the others as they went)."""
+        live = [beam for state in self.states for beam, _ in state.live]
         for beam in self.created:
             self.engine.kv.free(beam)
         for state in self.states:
             state.live = []
-        for beam in self.created:  # after the blocks: a processor's error cannot keep them
+        for beam in live:  # after the blocks: a processor's error cannot keep them
             self.engine.processors.release(beam)
 
 
@@ -365,9 +367,10 @@ def check_prompts(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams
                                     f"{need} KV blocks for one beam, but the cache has {engine.kv.num_blocks}; "
                                     "shorten the prompt, lower max_tokens, or give the KV cache more blocks "
                                     "(--num-kv-blocks, --kv-cache-memory-gb)")
-            beams = live_beams(params.beam_width, engine.loaded.model.spec.vocab_size, params.max_tokens)
+            # the last forward pass feeds each beam live after max_tokens - 1 choices its own token (none at 1)
+            beams = live_beams(params.beam_width, engine.loaded.model.spec.vocab_size, params.max_tokens - 1)
             shared = len(ids) // engine.kv.block_size  # the prompt's full blocks, which every beam shares
-            if beams > engine.kv.num_blocks - shared:
+            if params.max_tokens > 1 and beams > engine.kv.num_blocks - shared:
                 raise CapacityError(f"beam_width {params.beam_width} keeps {beams} beams live, each writing its own "
                                     f"last KV block beside the {shared} of the prompt they share, but the cache has "
                                     f"{engine.kv.num_blocks} blocks; lower beam_width, or give the KV cache more "
@@ -378,11 +381,11 @@ def check_prompts(engine: Engine, prompts: Seq[Prompt], params: BeamSearchParams
     return checked
 
 
-def live_beams(beam_width: int, vocab_size: int, max_tokens: int) -> int:
-    """How many beams a search keeps live at its widest: ``beam_width``, or fewer where the vocabulary's
-    continuations of ``max_tokens`` tokens are fewer (vocab_size ** max_tokens)."""
+def live_beams(beam_width: int, vocab_size: int, tokens: int) -> int:
+    """How many beams a search keeps live once it has chosen ``tokens`` tokens, at most: ``beam_width``, or fewer
+    where the vocabulary's continuations of ``tokens`` tokens are fewer (vocab_size ** tokens)."""
     continuations = 1
-    for _ in range(max_tokens):
+    for _ in range(tokens):
         continuations *= vocab_size
         if continuations >= beam_width:
             return beam_width

@@ -89,9 +89,10 @@ class ContinuousScheduler(Scheduler):
     priority order (decodes first within each priority), the lowest-priority one is preempted first, and a waiting
     request that does not fit preempts running sequences of lower priority until it does. Equal priorities never
     preempt each other, so a sequence is only ever preempted for a strictly more important one: no livelock. With
-    ``priority_aging_s`` the order is :func:`rank`'s with aging, served, preempted and made room in by it alone: a
-    request that waited ``priority_aging_s`` seconds ranks as one level more important, so none waits for ever; it
-    is a fixed order, so a preempted sequence never preempts the one it made room for.
+    ``priority_aging_s`` the order is :func:`rank`'s with aging, served, preempted and admitted by it alone: a
+    request that waited ``priority_aging_s`` seconds ranks as one level more important, so none waits for ever; a
+    waiting request makes room only in running sequences both of lower priority and later in that fixed order, so a
+    preempted sequence never preempts the one it made room for.
 
     With ``lpm`` (longest prefix match) waiting sequences are admitted in order of the prompt tokens the KV cache
     holds for them, most first (ties in queue order), while at most LPM_MAX_WAITING wait: requests that share a
@@ -207,11 +208,11 @@ class ContinuousScheduler(Scheduler):
         return rank(seq, self.aging_s)
 
     def _outranks(self, seq: Sequence, other: Sequence) -> bool:
-        """Whether ``seq`` may preempt ``other`` (priority policy): a strictly higher priority, or with aging an
-        earlier place in :func:`rank`'s order."""
-        if self.aging_s is None:
-            return seq.params.priority > other.params.priority
-        return self._rank(seq) < self._rank(other)
+        """Whether ``seq`` may preempt ``other`` (priority policy): a strictly higher priority and, with aging, an
+        earlier place in :func:`rank`'s order too: a sequence that runs while one of its priority earlier in that
+        order waits got its seat while that one was held back a step for a shared prefix, and keeps it."""
+        higher = seq.params.priority > other.params.priority
+        return higher if self.aging_s is None else higher and self._rank(seq) < self._rank(other)
 
     def _make_room(self, out: SchedulerOutput) -> int:
         """Priority policy: preempt running sequences that the head of the waiting queue outranks, lowest first

@@ -215,12 +215,13 @@ def test_bad_input_is_refused_and_the_pool_stays_clean(tiny_model):
         engine.beam_search(["x", ""], BeamSearchParams())
     with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\)"):
         engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=8, max_tokens=64, ignore_eos=True))
-    for width in (14, 2**31 - 1):  # each live beam writes its own last block beside the prompt's 3 full ones
+    vocab = engine.loaded.model.spec.vocab_size
+    # each beam live after 3 tokens writes its own last block beside the prompt's 3 full ones at the 4th
+    for width, live in ((14, 14), (2**31 - 1, min(2**31 - 1, vocab**3))):
         with pytest.raises(CapacityError, match=re.escape(
-                f"beam_width {width} keeps {width} beams live, each writing its own last KV block beside the 3 of "
+                f"beam_width {width} keeps {live} beams live, each writing its own last KV block beside the 3 of "
                 "the prompt they share, but the cache has 16 blocks; lower beam_width")):
             engine.beam_search([list(range(3, 60))], BeamSearchParams(beam_width=width, max_tokens=4))
-    vocab = engine.loaded.model.spec.vocab_size
     assert live_beams(2**31 - 1, vocab, 1) == vocab and live_beams(2**31 - 1, vocab, 4) == 2**31 - 1
     assert live_beams(vocab + 1, vocab, 2) == vocab + 1 and live_beams(5, 1, 64) == 1
     stats = engine.kv.stats()
@@ -461,6 +462,26 @@ def test_an_older_search_restarts_a_younger_one_that_holds_the_blocks_it_needs(e
     assert younger.restarts > 0 and older.restarts == 0
     assert engine.stats.beam_search_restarts == younger.restarts and engine.stats.beam_searches_finished == 2
     assert drained(engine)
+
+
+def test_one_token_beams_wider_than_the_pool_are_not_refused(tiny_model):
+    """max_tokens 1: no beam ever feeds a token of its own (the search ends at its first choice), so 14 beams of a
+    57-token prompt run on 16 blocks of 16 (3 shared full blocks + 14 would be 17), as HF's beam search gives them;
+    with max_tokens 2 each of the 14 beams writes its own block, and the width is refused."""
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16, block_size=16))
+    prompt = list(range(3, 60))
+    params = BeamSearchParams(beam_width=14, max_tokens=1, ignore_eos=True)
+    [result] = engine.beam_search([prompt], params)
+    beams, scores = hf_beam_search(tiny_model, prompt, 14, 1, 1.0, True)
+    assert [b.token_ids for b in result.beams] == beams
+    assert [b.score for b in result.beams] == pytest.approx(scores, rel=1e-6, abs=1e-5)
+    with pytest.raises(CapacityError, match="beam_width 14 keeps 14 beams live"):
+        engine.beam_search([prompt], BeamSearchParams(beam_width=14, max_tokens=2, ignore_eos=True))
+    whole = list(range(3, 3 + 16 * 16))  # a prompt that fills the pool, for one token: its beams fit
+    [alone] = engine.beam_search([whole], BeamSearchParams(beam_width=2, max_tokens=1, ignore_eos=True))
+    assert [b.token_ids for b in alone.beams] == hf_beam_search(tiny_model, whole, 2, 1, 1.0, True)[0]
+    stats = engine.kv.stats()
+    assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
 
 
 def test_a_search_that_cannot_fit_fails_alone_and_the_requests_go_on(tiny_model):

@@ -229,6 +229,41 @@ def test_processor_state_goes_with_each_beam_and_with_the_search(eos_model: Path
     assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
 
 
+class CountingReleases(LogitsProcessor):
+    """Records the ids of the rows it sees and every ``release`` call."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.released: list[int] = []
+
+    def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
+        self.seen |= {row.seq_id for row in rows}
+        return logits
+
+    def release(self, seq_id: int) -> None:
+        self.released.append(seq_id)
+
+
+@pytest.mark.parametrize("abort_after", [None, 3])
+def test_each_beam_is_released_once(eos_model: Path, abort_after: int | None) -> None:
+    """As a request's sequence is: a beam dropped mid-search is not released a second time when the search ends
+    (a processor that deletes its state at release would raise and fail the search), whether it runs to its end or
+    is aborted; every beam that ran is released."""
+    counting = CountingReleases()
+    engine = engine_with(eos_model, counting=counting)
+    params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=False, logits_processors=["counting"])
+    search = engine.start_beam_search(TEXTS, params)
+    steps = 0
+    while not search.done:
+        engine.step()
+        steps += 1
+        if steps == abort_after:
+            engine.abort_beam_search(search)
+    assert search.result()
+    assert len(counting.seen) > 4 * len(TEXTS)  # beams were dropped and forked
+    assert sorted(counting.released) == sorted(set(counting.released)) and counting.seen <= set(counting.released)
+
+
 @pytest.mark.parametrize("given", [
     "no-repeat-ngram", ["bad-words", NO_REPEAT], [(NO_REPEAT, {"size": 3})], {NO_REPEAT: {"size": 3}, "x": None},
     [(NO_REPEAT, '{"size": 3}')]])

@@ -221,6 +221,18 @@ def test_arm_keys_hf_modes_and_the_group_options_every_arm_keeps():
     assert [arm.hf_mode for arm in (hf, static, cb)] == ["static", "static", "cb"]
 
 
+def test_the_lowest_prioritys_longest_ttft_stands_without_any_top_priority_token():
+    """The lowest priority's longest TTFT is the longest of its requests' TTFTs (token time less arrival) also where
+    no request of the top priority produced a token; with a single priority it is n/a."""
+    reqs = [RequestRecord(0, 0, 0.0, 10, 0, [], 0.9, priority=2),  # ended without a token (its TTFT is n/a)
+            RequestRecord(1, 0, 0.1, 10, 1, [0.6], 0.6, priority=0),
+            RequestRecord(2, 0, 0.2, 10, 1, [0.4], 0.4, priority=0)]
+    metrics = run_metrics(RunResult("A", 0, 1.0, reqs))
+    assert math.isclose(metrics["bottom_priority_ttft_max_ms"], 1000 * max(0.6 - 0.1, 0.4 - 0.2))
+    assert metrics["top_priority_ttft_p50_ms"] is None
+    assert run_metrics(RunResult("A", 0, 1.0, reqs[1:]))["bottom_priority_ttft_max_ms"] is None
+
+
 def test_metrics_of_one_run():
     reqs = [RequestRecord(0, 0, 0.0, 10, 3, [0.1, 0.2, 0.4], 0.4, 5),
             RequestRecord(1, 0, 0.1, 10, 1, [0.3], 0.3, 0)]

@@ -237,6 +237,29 @@ def test_with_aging_a_running_request_that_aged_past_a_newcomer_keeps_its_seat(
     assert tokens == {"low": hf_greedy(tiny_model, low_prompt, 10), "high": hf_greedy(tiny_model, high_prompt, 4)}
 
 
+@pytest.mark.parametrize("policy, aging_s", [("fcfs", None), ("priority", None), ("priority", 1.0)])
+def test_a_request_held_back_for_a_shared_prefix_preempts_none_of_its_own_priority(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]], policy: str, aging_s: float | None) -> None:
+    """B shares A's prompt prefix, so it waits a step for A to compute it, and C, behind it, takes the last seat
+    meanwhile. With one priority, aging or not, B then waits for a seat as under fcfs: it preempts no request of
+    its own priority, whose prefill would be thrown away."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=64, max_num_seqs=3, scheduling_policy=policy,
+               priority_aging_s=aging_s)
+    outs = watch(e)
+    tokens: dict[str, list[int]] = {}
+    shared = prompt(12, 31)
+    prompts = {"R": prompt(5, 30), "A": shared + prompt(3, 32), "B": shared + prompt(3, 33), "C": prompt(9, 34)}
+    e.add_request(prompts["R"], params(12, 0), request_id="R")
+    step(e, tokens)
+    for name in "ABC":
+        e.add_request(prompts[name], params(6, 0), request_id=name)
+    step(e, tokens)
+    assert {item.seq.request_id for item in outs[-1].scheduled} == {"R", "A", "C"}  # B held back a step
+    _, tokens, preemptions = run(e, tokens)
+    assert not any(out.preempted for out in outs) and set(preemptions.values()) == {0}
+    assert tokens == {name: hf_greedy(tiny_model, p, 12 if name == "R" else 6) for name, p in prompts.items()}
+
+
 @pytest.mark.parametrize("options, message", [
     ({"priority_aging_s": 1.0}, "only --scheduling-policy priority reads .this engine's is fcfs.; add"),
     ({"priority_aging_s": 0.0, "scheduling_policy": "priority"}, "priority-aging-s must be a number of seconds > 0"),
