@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import os
 import threading
 import time
@@ -165,12 +166,20 @@ class Engine:
         return self.checker.tokenize(prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError."""
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError.
+        ``arrival_time``: when the request came in, on ``time.perf_counter()``'s clock and not after now (a server
+        that queued it passes when it arrived: TTFT and priority aging count from there); None: now."""
         with self._one_thread():
-            return self._add_request(prompt, params, request_id)
+            return self._add_request(prompt, params, request_id, arrival_time)
 
-    def _add_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> str:
+    def _add_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                     arrival_time: float | None = None) -> str:
+        now = time.perf_counter()
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
+                                         or not -math.inf < arrival_time <= now):
+            raise InvalidRequestError(f"arrival_time must be a time.perf_counter() value not after now ({now:.3f}), "
+                                      f"or None for now; got {arrival_time!r}")
         if request_id is None:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id:
@@ -179,7 +188,7 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request, reasoning_end = self.intake.request(prompt, params or SamplingParams(), request_id,
-                                                     time.perf_counter())
+                                                     now if arrival_time is None else arrival_time)
         seqs, params = request.seqs, request.params
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed

@@ -50,7 +50,7 @@ class EngineLike(Protocol):
     """What the worker needs from :class:`~infer.core.engine.Engine`."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str: ...
+                    request_id: str | None = None, arrival_time: float | None = None) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -68,6 +68,7 @@ class _Add:
     prompt: Prompt
     params: SamplingParams
     stream: RequestStream
+    arrival: float  # time.perf_counter() when the call came in: the engine counts TTFT and aging from there
 
 
 @dataclass
@@ -135,7 +136,7 @@ class EngineWorker:
 
     def submit(self, prompt: Prompt, params: SamplingParams, stream: RequestStream) -> None:
         """Queue a request; its outputs (or its error) arrive on ``stream``."""
-        self._put(_Add(prompt, params, stream))
+        self._put(_Add(prompt, params, stream, time.perf_counter()))
 
     def cancel(self, stream: RequestStream) -> None:
         """The reader went away (client cancel, deadline): abort the request if it still runs."""
@@ -293,7 +294,7 @@ class EngineWorker:
         try:
             if self._search_named(rid) is not None:
                 raise InvalidRequestError(f"request id {rid!r} is already in use (by a beam search)")
-            self.engine.add_request(cmd.prompt, cmd.params, rid)
+            self.engine.add_request(cmd.prompt, cmd.params, rid, arrival_time=cmd.arrival)
         except InferError as exc:
             self._outbox.append((cmd.stream, exc))
         except Exception as exc:

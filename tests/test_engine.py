@@ -14,7 +14,7 @@ import torch
 
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.errors import CapacityError
+from infer.core.errors import CapacityError, InvalidRequestError
 from infer.core.hookspecs import hookimpl
 from infer.core.metrics import StepStats
 from infer.core.plugins import PluginManager
@@ -657,6 +657,27 @@ def test_request_metrics_count_requests_and_prompt_hits_only(tiny_model):
     for o in outs:
         m = o.metrics
         assert 0 < m["ttft_s"] < m["e2e_s"] <= wall and 0 < m["tpot_s"] * 59 <= m["e2e_s"] - m["ttft_s"] + 1e-9
+
+
+def test_a_requests_arrival_time_is_when_it_came_in_and_never_after_now(tiny_model):
+    """A server that queued a request passes when it came in: the request's TTFT and end-to-end time count from
+    there (0.5 s before it was added here), and a time after now, or no time at all, is refused by name."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for bad in (time.perf_counter() + 60, float("nan"), True, "now"):
+        with pytest.raises(InvalidRequestError, match="arrival_time must be a time.perf_counter.. value not after now"):
+            e.add_request([5, 6, 7], params, arrival_time=bad)
+    assert not e.has_unfinished()
+    added = time.perf_counter()
+    rid = e.add_request([5, 6, 7], params, arrival_time=added - 0.5)
+    late = e.add_request([5, 6, 7], params)
+    outs = {}
+    while e.has_unfinished():
+        outs.update((o.request_id, o) for o in e.step() if o.finished)
+    wall = time.perf_counter() - added
+    assert 0.5 < outs[rid].metrics["ttft_s"] < outs[rid].metrics["e2e_s"] <= wall + 0.5
+    assert 0 < outs[late].metrics["ttft_s"] < outs[late].metrics["e2e_s"] <= wall
+    assert outs[rid].outputs[0].token_ids == outs[late].outputs[0].token_ids
 
 
 # ---------------------------------------------------------------- the Python API refuses bad input by name

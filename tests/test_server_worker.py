@@ -55,15 +55,17 @@ class ScriptedEngine:
         self.events: list[tuple[str, Any]] = []  # ("add", prompt) and ("beam", requests unfinished then)
         self.searches: list[ScriptedSearch] = []  # under way
         self.aborted_searches: list[ScriptedSearch] = []
+        self.arrivals: dict[str, float | None] = {}  # what the worker said each request's arrival_time was
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
         params = params or SamplingParams()
         self.check_request(prompt, params)
         if prompt == "crash-in-add":
             raise RuntimeError("boom while adding")
         assert request_id is not None
         self.events.append(("add", prompt))
+        self.arrivals[request_id] = arrival_time
         self.requests[request_id] = [0, params, prompt]
         if prompt == "crash-in-step":
             self.faults[request_id] = RuntimeError("boom in the step")
@@ -177,6 +179,18 @@ def test_internal_faults_are_internal_and_the_server_keeps_serving() -> None:
 
     engine = serve_scripted(test)
     assert len(engine.aborted) == 1  # the step fault aborted the request that was in flight
+
+
+def test_the_worker_gives_the_engine_each_calls_arrival_time() -> None:
+    """The engine counts TTFT (and priority aging) from when the call came in, not from when the engine thread got
+    to it: the worker stamps each call on arrival."""
+    async def test(client: AsyncClient, engine: ScriptedEngine) -> None:
+        before = time.perf_counter()
+        await client.complete("fine", max_tokens=2, request_id="timed")
+        arrival = engine.arrivals["timed"]
+        assert arrival is not None and before <= arrival <= time.perf_counter()
+
+    serve_scripted(test)
 
 
 def test_a_plugin_error_in_a_step_keeps_its_status_and_message() -> None:
@@ -671,7 +685,7 @@ def test_the_command_being_handled_when_the_engine_thread_dies_gets_the_error() 
 
     class DyingEngine(ScriptedEngine):
         def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                        request_id: str | None = None) -> str:
+                        request_id: str | None = None, arrival_time: float | None = None) -> str:
             if prompt == "killer":
                 raise SystemExit("a bug that escapes the worker's own error handling")
             return super().add_request(prompt, params, request_id)
@@ -1125,7 +1139,7 @@ def test_cancelling_a_refused_duplicate_leaves_the_request_of_that_id_running() 
 
     class UniqueIds(ScriptedEngine):  # as Engine.add_request
         def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                        request_id: str | None = None) -> str:
+                        request_id: str | None = None, arrival_time: float | None = None) -> str:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             return super().add_request(prompt, params, request_id)
