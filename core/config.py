@@ -15,6 +15,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+# a level per 31 years is no aging; past it, priority x interval leaves the floats' range for the largest priorities
+MAX_PRIORITY_AGING_S = 1e9
 DEFAULT_MIXED_GRAPH_TOKENS = 2048
 MAX_LORA_ADAPTERS = 16
 DEFAULT_MAX_LORA_RANK = 16
@@ -201,8 +203,9 @@ class EngineConfig:
             raise ConfigError(f"scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
                               f"{self.scheduling_policy!r}")
         if self.priority_aging_s is not None:
-            if not self.priority_aging_s > 0:
-                raise ConfigError(f"priority-aging-s must be a number of seconds > 0, got {self.priority_aging_s!r}")
+            if not 0 < self.priority_aging_s <= MAX_PRIORITY_AGING_S:
+                raise ConfigError(f"priority-aging-s must be a number of seconds in (0, {MAX_PRIORITY_AGING_S:g}], "
+                                  f"got {self.priority_aging_s!r}")
             if self.scheduling_policy != "priority":
                 raise ConfigError(f"--priority-aging-s ages request priorities, which only --scheduling-policy "
                                   f"priority reads (this engine's is {self.scheduling_policy}); add "

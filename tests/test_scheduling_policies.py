@@ -262,8 +262,10 @@ def test_a_request_held_back_for_a_shared_prefix_preempts_none_of_its_own_priori
 
 @pytest.mark.parametrize("options, message", [
     ({"priority_aging_s": 1.0}, "only --scheduling-policy priority reads .this engine's is fcfs.; add"),
-    ({"priority_aging_s": 0.0, "scheduling_policy": "priority"}, "priority-aging-s must be a number of seconds > 0"),
-    ({"priority_aging_s": -2, "scheduling_policy": "priority"}, "must be a number of seconds > 0, got -2"),
+    ({"priority_aging_s": 0.0, "scheduling_policy": "priority"}, "priority-aging-s must be a number of seconds in "
+                                                                 r"\(0, 1e\+09\], got 0.0"),
+    ({"priority_aging_s": -2, "scheduling_policy": "priority"}, "must be a number of seconds in .* got -2"),
+    ({"priority_aging_s": 1e300, "scheduling_policy": "priority"}, "must be a number of seconds in .* got 1e\\+300"),
     ({"priority_aging_s": math.nan, "scheduling_policy": "priority"}, "must be a finite number or None, got nan"),
     ({"priority_aging_s": math.inf, "scheduling_policy": "priority"}, "must be a finite number or None, got inf"),
     ({"priority_aging_s": True, "scheduling_policy": "priority"}, "must be a finite number or None, got True"),
