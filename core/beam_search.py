@@ -116,6 +116,7 @@ class BeamSearch:
         self.sampling = params.sampling()  # what every beam's Sequence carries
         self.waits = 0  # steps it waited for KV blocks that others held
         self.processors_yielded_steps = 0  # steps of a prompt whose logits processors banned every continuation
+        self.unscorable_steps = 0  # steps of a prompt with a NaN log-probability (never chosen)
         self.restarts = 0  # times an older search took its blocks and it began again
         self.error: BaseException | None = None
         self.outputs: list[BeamSearchOutput] | None = [] if not prompt_ids else None  # no prompt: done, as generate
@@ -167,6 +168,7 @@ class BeamSearch:
             rows = logprobs[row : row + len(state.live)]
             if processed is not None:
                 rows = self._processed(processed[row : row + len(state.live)], rows, index)
+            rows = self._scoreable(rows, index)
             row += len(state.live)
             _choose(self.engine, state, rows, self.params, self.length, self._new_beam)
         if self.length == self.params.max_tokens or all(s.finished for s in self.states):
@@ -185,6 +187,19 @@ class BeamSearch:
                         "processors", prompt_index, self.length,
                         ", ".join(name for name, _ in self.params.logits_processors))
         return plain
+
+    def _scoreable(self, rows: torch.Tensor, prompt_index: int) -> torch.Tensor:
+        """A prompt's rows with every NaN log-probability (an overflowing model or adapter, a processor's bug) made
+        -inf: such a continuation is never chosen, and the others rank as they would; the first time, a warning."""
+        nan = rows.isnan()
+        if not bool(nan.any()):
+            return rows
+        self.unscorable_steps += 1
+        if self.unscorable_steps == 1:
+            log.warning("beam search (prompt %d, token %d): %d of its beams' next-token log-probabilities are NaN "
+                        "(the model's or its logits processors'); those continuations are never chosen, here and "
+                        "at any later step where that happens", prompt_index, self.length, int(nan.sum()))
+        return rows.masked_fill(nan, float("-inf"))
 
     def conclude(self, reason: FinishReason) -> None:
         """End now: the live beams become hypotheses with ``reason`` (LENGTH at max_tokens; ABORT when stopped

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -182,6 +183,39 @@ def test_banned_continuations_never_fill_the_beams(eos_model: Path) -> None:
     assert [b.cumulative_logprob for b in result.beams] == pytest.approx([totals[t] for t in best], abs=1e-4)
     [short] = engine.beam_search([prompt], dataclasses.replace(params, max_tokens=1))
     assert sorted(b.token_ids for b in short.beams) == [[7], [300]]
+
+
+class Poison(LogitsProcessor):
+    """Sets token ``token`` of every row to ``value``: NaN (a bug) or -inf (a ban)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
+        logits[:, rows[0].args["token"]] = self.value
+        return logits
+
+
+def test_a_nan_log_probability_is_never_chosen_as_a_banned_one_is_not(eos_model: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A processor (or a model) that leaves NaN at a token: a NaN total would rank first in topk; it is read as
+    -inf instead, so the beams equal those of a processor that bans the token, and a warning says so, once."""
+    engine = engine_with(eos_model, poison=Poison(float("nan")), ban=Poison(float("-inf")))
+    plain = engine.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    token = plain[0].beams[0].token_ids[0]  # the best beam's first token: a NaN there matters
+    banned = engine.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True,
+                                                              logits_processors={"ban": {"token": token}}))
+    with caplog.at_level(logging.WARNING, logger="infer.core.beam_search"):
+        search = engine.start_beam_search([[5, 6, 7]], BeamSearchParams(
+            beam_width=3, max_tokens=8, ignore_eos=True, logits_processors={"poison": {"token": token}}))
+        while not search.done:
+            engine.step()
+    poisoned = search.result()
+    assert [(b.token_ids, b.cumulative_logprob) for b in poisoned[0].beams] == \
+        [(b.token_ids, b.cumulative_logprob) for b in banned[0].beams]
+    assert all(token not in b.token_ids and math.isfinite(b.score) for b in poisoned[0].beams)
+    assert search.unscorable_steps == 8
+    assert [r.message.count("log-probabilities are NaN") for r in caplog.records] == [1]
 
 
 def test_processors_that_leave_a_prompt_no_continuation_yield_with_a_warning(
