@@ -87,9 +87,9 @@ class ContinuousScheduler(Scheduler):
 
     With the ``priority`` policy the waiting queue is kept in :func:`rank` order, running sequences are served in
     priority order (decodes first within each priority), the lowest-priority one is preempted first, and a waiting
-    request that does not fit preempts running sequences of lower priority until it does. Equal priorities never
-    preempt each other, so a sequence is only ever preempted for a strictly more important one: no livelock. With
-    ``priority_aging_s`` the order is :func:`rank`'s with aging, served, preempted and admitted by it alone: a
+    request that does not fit preempts running sequences of lower priority until it does (each waiting one in turn,
+    a burst of important arrivals in one step). Equal priorities never preempt each other, so a sequence is only
+    ever preempted for a strictly more important one: no livelock. With ``priority_aging_s`` the order is :func:`rank`'s with aging, served, preempted and admitted by it alone: a
     request that waited ``priority_aging_s`` seconds ranks as one level more important, so none waits for ever; a
     waiting request makes room only in running sequences both of lower priority and later in that fixed order, so a
     preempted sequence never preempts the one it made room for.
@@ -215,22 +215,24 @@ class ContinuousScheduler(Scheduler):
         return higher if self.aging_s is None else higher and self._rank(seq) < self._rank(other)
 
     def _make_room(self, out: SchedulerOutput) -> int:
-        """Priority policy: preempt running sequences that the head of the waiting queue outranks, lowest first
-        (:func:`rank`), until it fits (:meth:`_fits`); none where it would not fit beside the others
-        even so. Returns how many."""
-        if not self.waiting or not self.running:
-            return 0
-        head = self.waiting[0]
-        victims = sorted((s for s in self.running if self._outranks(head, s)), key=self._rank)
-        others = [s for s in self.running if not self._outranks(head, s)]
-        if not victims or not self._fits(head, others, sum(len(self.kv.block_table(s)) for s in victims)):
-            return 0
-        made = 0
-        while victims and not self._fits(head, self.running):
-            victim = victims.pop()
-            self.running.remove(victim)
-            self._preempt(victim, out)
-            made += 1
+        """Priority policy: for each waiting sequence in queue order, preempt running sequences it outranks, lowest
+        first (:func:`rank`), until it fits (:meth:`_fits`) beside the running ones and the waiting ones before it,
+        so that a burst of important arrivals gets its seats in one step; stop at the first that outranks none, or
+        would not fit even so. Returns how many were preempted."""
+        made, coming, pending = 0, [], 0  # the waiting sequences room was made for, and the blocks they will take
+        for head in list(self.waiting):
+            victims = sorted((s for s in self.running if self._outranks(head, s)), key=self._rank)
+            others = [s for s in self.running if not self._outranks(head, s)] + coming
+            freed = sum(len(self.kv.block_table(s)) for s in victims)
+            if not victims or not self._fits(head, others, freed - pending):
+                break
+            while victims and not self._fits(head, self.running + coming, -pending):
+                victim = victims.pop()
+                self.running.remove(victim)
+                self._preempt(victim, out)
+                made += 1
+            pending += self._blocks_to_start(head, self._cache_hit(head)[1], self.running + coming)
+            coming.append(head)
         return made
 
     def _fits(self, seq: Sequence, running: list[Sequence], more_blocks: int = 0) -> bool:
@@ -239,19 +241,29 @@ class ContinuousScheduler(Scheduler):
         on blocks the running sequences hold: those it shares)."""
         if sum(self._seats(s) for s in running) + self._seats(seq) > self.max_num_seqs:
             return False
-        hit = shared = 0
-        if self.swap is None or seq.seq_id not in self.swap.held:
-            hit = self.kv.match_prefix(seq)
-            seq.num_computed_tokens = hit
-            matched = self.kv.block_table(seq)[: hit // self.kv.block_size]
-            held = {block for s in running for block in self.kv.block_table(s)}
-            shared = sum(block in held for block in matched)
-            self.kv.free(seq)  # the match_prefix contract: free or allocate follows each lookup
-            seq.num_computed_tokens = 0
+        hit, matched = self._cache_hit(seq)
         room = self.token_budget - sum(s.num_tokens - s.num_computed_tokens for s in running)
         if room < (1 if self.chunked else min(seq.num_tokens - hit, self.token_budget)):
             return False
-        return self.kv.num_free_blocks() + more_blocks >= self.kv.num_blocks_needed(seq.num_tokens) - shared
+        return self.kv.num_free_blocks() + more_blocks >= self._blocks_to_start(seq, matched, running)
+
+    def _blocks_to_start(self, seq: Sequence, matched: list[int], running: list[Sequence]) -> int:
+        """The free blocks the waiting ``seq`` takes to start: its whole prompt's, less those of its prefix-cache
+        hit (``matched``) that ``running`` hold (it shares them)."""
+        held = {block for s in running for block in self.kv.block_table(s)}
+        return self.kv.num_blocks_needed(seq.num_tokens) - sum(block in held for block in matched)
+
+    def _cache_hit(self, seq: Sequence) -> tuple[int, list[int]]:
+        """The tokens of the waiting ``seq`` that the prefix cache holds, and its blocks (none for a swapped-out
+        sequence, whose blocks come back from host memory)."""
+        if self.swap is not None and seq.seq_id in self.swap.held:
+            return 0, []
+        hit = self.kv.match_prefix(seq)
+        seq.num_computed_tokens = hit
+        matched = list(self.kv.block_table(seq)[: hit // self.kv.block_size])
+        self.kv.free(seq)  # the match_prefix contract: free or allocate follows each lookup
+        seq.num_computed_tokens = 0
+        return hit, matched
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting:

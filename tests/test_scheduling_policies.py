@@ -129,6 +129,47 @@ def test_a_request_without_blocks_preempts_a_lower_priority_one(tiny_model: Path
     assert tokens == {"low": hf_greedy(tiny_model, low_prompt, 16), "high": hf_greedy(tiny_model, high_prompt, 4)}
 
 
+@pytest.mark.parametrize("aging_s", [None, 0.05])
+def test_a_burst_of_important_requests_gets_its_seats_in_one_step(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]], aging_s: float | None) -> None:
+    """Three seats held by priority-0 requests when three of priority 1 arrive at once: the next step preempts all
+    three and starts all three (not one a step), lowest-ranked victims first; every output is HF's."""
+    e = engine(tiny_model, max_num_seqs=3, num_kv_blocks=64, scheduling_policy="priority", priority_aging_s=aging_s)
+    prompts = {f"low{i}": prompt(8, 30 + i) for i in range(3)} | {f"high{i}": prompt(6, 40 + i) for i in range(3)}
+    tokens: dict[str, list[int]] = {}
+    for i in range(3):
+        e.add_request(prompts[f"low{i}"], params(12, 0), request_id=f"low{i}")
+    step(e, tokens)
+    outs = watch(e)
+    for i in range(3):
+        e.add_request(prompts[f"high{i}"], params(4, 1), request_id=f"high{i}")
+    _, tokens, preemptions = run(e, tokens)
+    assert [s.request_id for s in outs[0].preempted] == ["low2", "low1", "low0"]
+    assert [item.seq.request_id for item in outs[0].scheduled] == ["high0", "high1", "high2"]
+    assert preemptions == {**{f"low{i}": 1.0 for i in range(3)}, **{f"high{i}": 0.0 for i in range(3)}}
+    assert tokens == {name: hf_greedy(tiny_model, p, 12 if name.startswith("low") else 4)
+                      for name, p in prompts.items()}
+
+
+def test_room_is_made_for_the_waiting_requests_that_fit_and_no_more(tiny_model: Path) -> None:
+    """Blocks for two: 12 blocks of 4, two priority-0 requests of 16 tokens hold 10 with their outputs; of three
+    priority-1 prompts of 20 tokens (5 blocks each) the first two get room (each preempting one), the third, which
+    would not fit beside them, waits without preempting anything more."""
+    e = engine(tiny_model, block_size=4, num_kv_blocks=12, max_num_seqs=4, scheduling_policy="priority")
+    tokens: dict[str, list[int]] = {}
+    for i in range(2):
+        e.add_request(prompt(16, 50 + i), params(8, 0), request_id=f"low{i}")
+    while e.kv.stats().used_blocks < 10:
+        step(e, tokens)
+    outs = watch(e)
+    for i in range(3):
+        e.add_request(prompt(20, 60 + i), params(2, 1), request_id=f"high{i}")
+    _, tokens, preemptions = run(e, tokens)
+    assert [s.request_id for s in outs[0].preempted] == ["low1", "low0"]
+    assert [item.seq.request_id for item in outs[0].scheduled] == ["high0", "high1"]
+    assert preemptions["high2"] == 0 and e.kv.stats().used_blocks == 0
+
+
 @pytest.mark.parametrize("policy, aging_s, victim", [("priority", None, "old-low"), ("fcfs", None, "young-high"),
                                                      ("priority", 0.05, "young-high")])
 def test_when_running_sequences_run_out_of_blocks_the_lowest_priority_one_goes(
