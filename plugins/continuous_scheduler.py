@@ -89,10 +89,11 @@ class ContinuousScheduler(Scheduler):
     priority order (decodes first within each priority), the lowest-priority one is preempted first, and a waiting
     request that does not fit preempts running sequences of lower priority until it does (each waiting one in turn,
     a burst of important arrivals in one step). Equal priorities never preempt each other, so a sequence is only
-    ever preempted for a strictly more important one: no livelock. With ``priority_aging_s`` the order is :func:`rank`'s with aging, served, preempted and admitted by it alone: a
-    request that waited ``priority_aging_s`` seconds ranks as one level more important, so none waits for ever; a
-    waiting request makes room only in running sequences both of lower priority and later in that fixed order, so a
-    preempted sequence never preempts the one it made room for.
+    ever preempted for a strictly more important one: no livelock. With ``priority_aging_s`` the order is
+    :func:`rank`'s with aging, served, preempted and admitted by it alone: a request that waited
+    ``priority_aging_s`` seconds ranks as one level more important, so none waits for ever; a waiting request makes
+    room only in running sequences both of lower priority and later in that fixed order, so a preempted sequence
+    never preempts the one it made room for.
 
     With ``lpm`` (longest prefix match) waiting sequences are admitted in order of the prompt tokens the KV cache
     holds for them, most first (ties in queue order), while at most LPM_MAX_WAITING wait: requests that share a
