@@ -712,6 +712,29 @@ def test_a_search_that_cannot_fit_is_refused_at_its_start_and_a_younger_one_keep
     assert drained(engine)
 
 
+def test_a_search_that_outgrows_the_whole_pool_mid_run_fails_without_restarting_a_younger_one(tiny_model):
+    """12 beams of a 48-token prompt (3 shared blocks) fit the 16-block pool at the start; once their tokens cross a
+    block boundary they need more blocks than the pool has: the step that finds that fails the search at once,
+    restarting no younger search (that would not give it room), and the younger one returns its beams alone."""
+    options = {"num_kv_blocks": 16, "block_size": 16}
+    small = BeamSearchParams(beam_width=1, max_tokens=40, ignore_eos=True)
+    want = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options)).beam_search([TEXTS[0]], small)
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", **options))
+    big = engine.start_beam_search([list(range(3, 51))], BeamSearchParams(beam_width=12, max_tokens=64,
+                                                                          ignore_eos=True))
+    younger = engine.start_beam_search([TEXTS[0]], small)
+    while not big.done:
+        restarts = younger.restarts
+        engine.step()
+    assert younger.restarts == restarts and 16 <= big.length < 64  # none at the failing step; past a block edge
+    with pytest.raises(CapacityError, match="beam search ran out of KV blocks \\(16 in the pool\\) with 12 beams"):
+        big.result()
+    while engine.has_unfinished():
+        engine.step()
+    assert beams_of(younger.result()) == beams_of(want)
+    assert drained(engine)
+
+
 def test_a_beam_search_call_interrupted_mid_way_leaves_no_search_behind(eos_model, monkeypatch):
     """Ctrl-C (or any error) in one of the steps that Engine.beam_search drives stops its search and frees its
     beams: the engine is left idle with its pool drained, and the same search run again returns its beams."""
