@@ -11,8 +11,9 @@
 #   COPY_GBPS=N DEADLINE_S=T bash benchmarks/gpu_check.sh STAGE...   the stages left; COPY_GBPS: the first call's
 #                                       measured copy bandwidth
 #   (not run by default, when device time allows: prefix3k, shared-prefix with a 3,000-token prefix; beam, beam
-#   search against HF generate(num_beams) with the shipped demo model; controls, host time per output token with
-#   every request penalized, or asking for prompt logprobs; lora, LoRA adapters' cost on the anchor model;
+#   search against HF generate(num_beams) with the shipped demo model, also with no-repeat-ngram; controls, host time
+#   per output token with every request penalized, asking for prompt logprobs, or with a logits processor (128k
+#   vocabulary); lora, LoRA adapters' cost on the anchor model;
 #   structured, structured output (regex, GBNF grammar, JSON schema) with speculation, grammar-guided drafts,
 #   unguided and jump-forward, with the shipped pair; moe, the MoE experts (Triton grouped GEMMs, eager and graphed; the torch loop) against HF's on
 #   Qwen3-30B-A3B and Mixtral-8x7B layer shapes)
@@ -144,6 +145,8 @@ fi
 
 if want beam; then  # not a default stage: beam search (KV forks) against HF generate(num_beams) on the demo model
   stage "beam_bench" beam_bench.log 60 $PY benchmarks/beam_bench.py --device cuda --repeats 2
+  stage "beam_bench no-repeat-ngram 3" beam_ngram.log 60 $PY benchmarks/beam_bench.py --device cuda --repeats 2 \
+    --widths 4 --no-repeat-ngram 3
 fi
 
 if want moe; then  # not a default stage: one MoE layer's experts, infer's Triton and torch paths against HF's
@@ -175,6 +178,10 @@ if want controls; then  # what logit controls and prompt logprobs cost per outpu
   for field in repetition_penalty=1.1 prompt_logprobs=0; do
     stage "host_overhead $field" "host_${field%%=*}.log" 60 $PY benchmarks/host_overhead.py --device cuda \
       --sampling "$field"
+  done
+  for processor in 'no-repeat-ngram={"size":3}' 'allowed-tokens={"token_ids":[5,6,7,8,9,10,11,12]}'; do
+    stage "host_overhead ${processor%%=*}" "host_${processor%%=*}.log" 60 $PY benchmarks/host_overhead.py \
+      --device cuda --vocab 128256 --logits-processor "$processor"
   done
 fi
 
@@ -227,6 +234,7 @@ want prefix && [[ -s $WORK/long_prompt/table.txt ]] && { echo; echo "== long pro
                  grep -E "TPOT|ITL p99|TTFT p99|^A:|^B:" "$WORK/long_prompt/table.txt"; }
 want spec && show "speculative decoding" spec_bench.log 10
 want beam && show "beam search against HF" beam_bench.log 5
+want beam && show "beam search with no-repeat-ngram 3 against HF" beam_ngram.log 3
 want lora && show "LoRA adapters" lora_bench.log 8
 want moe && show "MoE experts against HF (ms per layer call)" moe_bench.log 9
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
@@ -237,6 +245,8 @@ want quant && show "quantization" quant_bench.log 52
 want host && show "host overhead per output token" host_overhead.log 8
 want controls && show "host overhead, repetition_penalty=1.1" host_repetition_penalty.log 8
 want controls && show "host overhead, prompt_logprobs=0" host_prompt_logprobs.log 8
+want controls && show "host overhead, no-repeat-ngram, vocab 128,256" host_no-repeat-ngram.log 8
+want controls && show "host overhead, allowed-tokens, vocab 128,256" host_allowed-tokens.log 8
 note "stages left:$(echo $skipped | tr " " "\n" | awk '!seen[$0]++' | tr "\n" " " | sed "s/^/ /;s/ $//")"
 echo; echo "== summary =="; cat "$summary"
 pack
