@@ -576,8 +576,8 @@ def test_the_async_client_sends_the_priority_and_request_id_it_is_given() -> Non
     added: list[tuple[str | None, int]] = []
     engine = ScriptedEngine()
     add = engine.add_request
-    engine.add_request = lambda prompt, params, request_id: (  # type: ignore[method-assign]
-        added.append((request_id, params.priority)) or add(prompt, params, request_id))
+    engine.add_request = lambda prompt, params, request_id, arrival_time: (  # type: ignore[method-assign]
+        added.append((request_id, params.priority)) or add(prompt, params, request_id, arrival_time))
     serve_scripted(test, engine=engine)
 
 
