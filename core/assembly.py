@@ -76,6 +76,7 @@ class Components:
 def assemble(config: EngineConfig, plugins: PluginManager, load_progress: LoadProgress | None = None) -> Components:
     """Load ``config.model`` (the embedded default when None) and build every component, each factory checked;
     ``load_progress``: told the bytes of the weight files read (core/loader.py ``LoadProgress``)."""
+    plugins.check_plugin_options(config, warn_unknown=False)  # lazily built components' too, before any load
     if config.model is None:
         from ..models.tiny import ensure_default_model
 

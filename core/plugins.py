@@ -308,12 +308,13 @@ class PluginManager:
             raise ConfigError("an eviction policy picks the cached prefix blocks to drop; with --no-prefix-caching "
                               "(enable_prefix_caching=False) nothing is cached, so drop the eviction policy or "
                               "--no-prefix-caching")
-        self._check_plugin_options(chosen)
+        self.check_plugin_options(chosen)
         return chosen
 
-    def _check_plugin_options(self, config: EngineConfig) -> None:
-        """The options of components that declare theirs are checked now, before anything is built; a namespace
-        that no registered component is named after is most likely a typo (a warning)."""
+    def check_plugin_options(self, config: EngineConfig, warn_unknown: bool = True) -> None:
+        """The options of components that declare theirs are checked now, before anything is built (an engine's
+        assembly checks them again, for a config that did not come through select_components); a namespace that no
+        registered component is named after is most likely a typo (a warning, unless ``warn_unknown`` is False)."""
         if not isinstance(config.plugin_options, dict) or not all(
                 isinstance(options, dict) for options in config.plugin_options.values()):
             return  # EngineConfig.validate names the malformed value
@@ -332,7 +333,7 @@ class PluginManager:
             read_plugin_options(config, "spec_decode", SPEC_DECODE_OPTIONS)
         names = {c.name for c in components} | ENGINE_OPTION_NAMESPACES
         declared = sorted({c.name for c in components if c.options} | ENGINE_OPTION_NAMESPACES)
-        for namespace in sorted(set(config.plugin_options) - names):
+        for namespace in sorted(set(config.plugin_options) - names) if warn_unknown else ():
             log.warning("--plugin-option %s.* (plugin_options[%r]): no registered component is named %r, so no "
                         "plugin may read it (namespaces with declared options: %s)", namespace, namespace, namespace,
                         ", ".join(declared))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,38 @@ def test_the_tutorials_logits_processor_runs_as_written(tiny_model: Path, hf_gre
     with pytest.raises(InvalidRequestError, match="logits processor 'ban-token': takes"):
         engine.check_request("x", SamplingParams(logits_processors={"ban-token": {"token_id": -1}}))
 
+
+
+class Scaled(LogitsProcessor):
+    """Multiplies the logits by the engine-wide ``factor`` its factory read from ``plugin_options``."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def apply(self, logits: torch.Tensor, rows: list[ProcessorRow]) -> torch.Tensor:
+        return logits * self.factor
+
+
+def test_a_processor_declares_engine_wide_options_as_any_component_does(tiny_model: Path) -> None:
+    """register(..., options=...) serves logits processors too: `--plugin-option scaled.factor=V` reaches the
+    factory (read_plugin_options), a bad value or key is a ConfigError when the engine is built, before any
+    request, and the option's value acts on the requests that name the processor (a negative factor turns greedy
+    decoding into picking the least likely token)."""
+    from infer.core.plugin_options import PluginOption, read_plugin_options
+
+    declared = {"factor": PluginOption(1.0, "what the logits are multiplied by", kind=float)}
+    plugins = PluginManager.from_entry_points()
+    module = types.ModuleType("acme_scaled")
+    module.register_logits_processors = hookimpl(lambda register: register(
+        "scaled", lambda config, tokenizer: Scaled(read_plugin_options(config, "scaled", declared)["factor"]),
+        options=declared))
+    plugins.register(module, name="acme", source="infer-plugin-acme")
+    for bad, message in (({"factor": "x"}, "scaled.factor"), ({"factr": 2.0}, "did you mean scaled.factor")):
+        with pytest.raises(ConfigError, match=message):
+            Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32,
+                                plugin_options={"scaled": bad}), plugins)
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32,
+                                 plugin_options={"scaled": {"factor": -1.0}}), plugins)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logits_processors=["scaled"])
+    assert engine.generate([PROMPTS[0]], params)[0].outputs[0].token_ids == \
+        hf_processed_greedy(tiny_model, PROMPTS[0], lambda ids, scores: scores * -1.0, 3)
