@@ -86,7 +86,8 @@ class ContinuousScheduler(Scheduler):
     deadlocks. ``chunked`` allows a prefill to be split over steps within the token budget.
 
     With the ``priority`` policy the waiting queue is kept in :func:`rank` order, running sequences are served in
-    priority order (decodes first within each priority), the lowest-priority one is preempted first, and a waiting
+    priority order (decodes first within each priority; a prefill chunk leaves a token to each decode after it, so
+    every decode runs in every step), the lowest-priority one is preempted first, and a waiting
     request that does not fit preempts running sequences of lower priority until it does (each waiting one in turn,
     a burst of important arrivals in one step). Equal priorities never preempt each other, so a sequence is only
     ever preempted for a strictly more important one: no livelock. With ``priority_aging_s`` the order is
@@ -168,14 +169,22 @@ class ContinuousScheduler(Scheduler):
         budget = self.token_budget
         kept: list[Sequence] = []
         made_room = self._make_room(out) if self.by_priority else 0
-        queue = self._decodes_first()
+        order = self._decodes_first()
+        queue = deque(order)
+        decodes_left = sum(self._is_decode(s) for s in order)
         while queue and budget > 0:
             seq = queue.popleft()
             n = seq.num_tokens - seq.num_computed_tokens
-            if self.chunked:
-                n = min(n, budget)
+            if self._is_decode(seq):
+                decodes_left -= 1
+            elif self.chunked:  # a chunk leaves a token to each decode after it (a lower priority's): none stalls
+                n = min(n, budget - decodes_left)
+                if n < 1:
+                    continue
             while not self.kv.allocate(seq, n):
                 victim = queue.pop() if queue else seq
+                if victim is not seq and self._is_decode(victim):
+                    decodes_left -= 1
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -183,7 +192,8 @@ class ContinuousScheduler(Scheduler):
                 kept.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
-        self.running = kept + list(queue)  # sequences left in `queue` got no budget this step but keep their blocks
+        gone = {s.seq_id for s in out.preempted}  # the others keep their blocks, scheduled this step or not
+        self.running = [s for s in order if s.seq_id not in gone]
         if kept or out.preempted:  # a preemption that made room for a more important request is no shortage
             self.reserve.after_step(preempted=len(out.preempted) > made_room)
         if len(out.preempted) == made_room:  # no admission while running sequences lack room
@@ -193,7 +203,11 @@ class ContinuousScheduler(Scheduler):
         self.ops = BlockOps()
         return out
 
-    def _decodes_first(self) -> deque[Sequence]:
+    @staticmethod
+    def _is_decode(seq: Sequence) -> bool:
+        return seq.num_tokens - seq.num_computed_tokens <= 1
+
+    def _decodes_first(self) -> list[Sequence]:
         """The running sequences, decodes first (a fork's children join at the end, behind prefill chunks), then
         prefill chunks, each in running order; a preemption takes the last in this order."""
         later = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
@@ -203,7 +217,7 @@ class ContinuousScheduler(Scheduler):
             order = sorted(order, key=lambda s: -s.params.priority)
         elif self.by_priority:
             order = sorted(order, key=self._rank)
-        return deque(order)
+        return list(order)
 
     def _rank(self, seq: Sequence) -> tuple[float, float, int]:
         return rank(seq, self.aging_s)

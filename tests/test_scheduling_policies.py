@@ -130,6 +130,27 @@ def test_a_request_without_blocks_preempts_a_lower_priority_one(tiny_model: Path
 
 
 @pytest.mark.parametrize("aging_s", [None, 0.05])
+def test_a_more_important_prompt_in_chunks_leaves_every_decode_its_token(
+        tiny_model: Path, hf_greedy: Callable[..., list[int]], aging_s: float | None) -> None:
+    """Chunked prefill, 16 tokens a step: a priority-1 prompt of 60 tokens arrives while two priority-0 requests
+    decode. It goes first, but each of its chunks leaves a token for each decode (14-token chunks), so the decodes
+    run in every step, as they do beside a prompt of their own priority; all outputs are HF's."""
+    e = engine(tiny_model, scheduler="chunked-prefill", max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=64,
+               scheduling_policy="priority", priority_aging_s=aging_s)
+    prompts = {"low0": prompt(6, 70), "low1": prompt(7, 71), "high": prompt(60, 72)}
+    tokens: dict[str, list[int]] = {}
+    e.add_request(prompts["low0"], params(12, 0), request_id="low0")
+    e.add_request(prompts["low1"], params(12, 0), request_id="low1")
+    step(e, tokens)
+    outs = watch(e)
+    e.add_request(prompts["high"], params(3, 1), request_id="high")
+    _, tokens, _ = run(e, tokens)
+    chunks = [sorted((item.seq.request_id, item.num_new_tokens) for item in out.scheduled) for out in outs[:5]]
+    assert chunks == [[("high", 14), ("low0", 1), ("low1", 1)]] * 4 + [[("high", 4), ("low0", 1), ("low1", 1)]]
+    assert tokens == {name: hf_greedy(tiny_model, p, 3 if name == "high" else 12) for name, p in prompts.items()}
+
+
+@pytest.mark.parametrize("aging_s", [None, 0.05])
 def test_a_burst_of_important_requests_gets_its_seats_in_one_step(
         tiny_model: Path, hf_greedy: Callable[..., list[int]], aging_s: float | None) -> None:
     """Three seats held by priority-0 requests when three of priority 1 arrive at once: the next step preempts all
