@@ -116,7 +116,7 @@ class BeamSearch:
         self.sampling = params.sampling()  # what every beam's Sequence carries
         self.waits = 0  # steps it waited for KV blocks that others held
         self.processors_yielded_steps = 0  # steps of a prompt whose logits processors banned every continuation
-        self.unscorable_steps = 0  # steps of a prompt with a NaN log-probability (never chosen)
+        self.unscorable_steps = 0  # steps whose log-probabilities held a NaN (never chosen)
         self.restarts = 0  # times an older search took its blocks and it began again
         self.error: BaseException | None = None
         self.outputs: list[BeamSearchOutput] | None = [] if not prompt_ids else None  # no prompt: done, as generate
@@ -157,8 +157,11 @@ class BeamSearch:
         self.short = self.short_of_blocks(beams)
         if self.short:
             return False
-        logprobs = _forward(self.engine, beams)
+        logprobs, model_nan = scoreable(_forward(self.engine, beams))
         processed = self.engine.processors.apply(logprobs, beams)
+        processed, processor_nan = (None, False) if processed is None else scoreable(processed)
+        if model_nan or processor_nan:
+            self._note_unscorable(model_nan)
         self.ready.clear()
         self.length += 1
         row = 0
@@ -168,7 +171,6 @@ class BeamSearch:
             rows = logprobs[row : row + len(state.live)]
             if processed is not None:
                 rows = self._processed(processed[row : row + len(state.live)], rows, index)
-            rows = self._scoreable(rows, index)
             row += len(state.live)
             _choose(self.engine, state, rows, self.params, self.length, self._new_beam)
         if self.length == self.params.max_tokens or all(s.finished for s in self.states):
@@ -188,18 +190,13 @@ class BeamSearch:
                         ", ".join(name for name, _ in self.params.logits_processors))
         return plain
 
-    def _scoreable(self, rows: torch.Tensor, prompt_index: int) -> torch.Tensor:
-        """A prompt's rows with every NaN log-probability (an overflowing model or adapter, a processor's bug) made
-        -inf: such a continuation is never chosen, and the others rank as they would; the first time, a warning."""
-        nan = rows.isnan()
-        if not bool(nan.any()):
-            return rows
+    def _note_unscorable(self, by_model: bool) -> None:
+        """A step whose log-probabilities held a NaN (``scoreable`` made it -inf): counted; the first, a warning."""
         self.unscorable_steps += 1
         if self.unscorable_steps == 1:
-            log.warning("beam search (prompt %d, token %d): %d of its beams' next-token log-probabilities are NaN "
-                        "(the model's or its logits processors'); those continuations are never chosen, here and "
-                        "at any later step where that happens", prompt_index, self.length, int(nan.sum()))
-        return rows.masked_fill(nan, float("-inf"))
+            log.warning("beam search (token %d): some of its beams' next-token log-probabilities are NaN (%s); those "
+                        "continuations are never chosen, here and at any later step where that happens",
+                        self.length + 1, "the model's" if by_model else "after its logits processors")
 
     def conclude(self, reason: FinishReason) -> None:
         """End now: the live beams become hypotheses with ``reason`` (LENGTH at max_tokens; ABORT when stopped
@@ -405,6 +402,16 @@ def live_beams(beam_width: int, vocab_size: int, tokens: int) -> int:
         if continuations >= beam_width:
             return beam_width
     return continuations
+
+
+def scoreable(logprobs: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``logprobs`` with every NaN (an overflowing model or adapter, a processor's bug) made -inf, so that such a
+    continuation is never chosen and the others rank as they would; and whether there was one (one pass, one
+    read-back)."""
+    nan = logprobs.isnan()
+    if not bool(nan.any()):
+        return logprobs, False
+    return logprobs.masked_fill(nan, float("-inf")), True
 
 
 def _forward(engine: Engine, beams: list[Sequence]) -> torch.Tensor:

@@ -3,6 +3,7 @@ in arrival order, by request priority (``--scheduling-policy priority``) or by c
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 from collections import deque
@@ -169,9 +170,8 @@ class ContinuousScheduler(Scheduler):
         budget = self.token_budget
         kept: list[Sequence] = []
         made_room = self._make_room(out) if self.by_priority else 0
-        order = self._decodes_first()
+        order, decodes_left = self._decodes_first()
         queue = deque(order)
-        decodes_left = sum(self._is_decode(s) for s in order)
         while queue and budget > 0:
             seq = queue.popleft()
             n = seq.num_tokens - seq.num_computed_tokens
@@ -207,17 +207,16 @@ class ContinuousScheduler(Scheduler):
     def _is_decode(seq: Sequence) -> bool:
         return seq.num_tokens - seq.num_computed_tokens <= 1
 
-    def _decodes_first(self) -> list[Sequence]:
+    def _decodes_first(self) -> tuple[list[Sequence], int]:
         """The running sequences, decodes first (a fork's children join at the end, behind prefill chunks), then
-        prefill chunks, each in running order; a preemption takes the last in this order."""
-        later = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        order = [s for s in self.running if s.num_tokens - s.num_computed_tokens <= 1] + later if later \
-            else self.running
+        prefill chunks, each in running order (a preemption takes the last in this order); and how many decode."""
+        later = [s for s in self.running if not self._is_decode(s)]
+        order = [s for s in self.running if self._is_decode(s)] + later if later else self.running
         if self.by_priority and self.aging_s is None:  # stable: decodes first within a priority; the last goes first
             order = sorted(order, key=lambda s: -s.params.priority)
         elif self.by_priority:
             order = sorted(order, key=self._rank)
-        return list(order)
+        return list(order), len(self.running) - len(later)
 
     def _rank(self, seq: Sequence) -> tuple[float, float, int]:
         return rank(seq, self.aging_s)
@@ -235,7 +234,7 @@ class ContinuousScheduler(Scheduler):
         so that a burst of important arrivals gets its seats in one step; stop at the first that outranks none, or
         would not fit even so. Returns how many were preempted."""
         made, coming, pending = 0, [], 0  # the waiting sequences room was made for, and the blocks they will take
-        for head in list(self.waiting):
+        for head in list(itertools.islice(self.waiting, self.max_num_seqs)):  # each takes a seat: no more fit
             victims = sorted((s for s in self.running if self._outranks(head, s)), key=self._rank)
             others = [s for s in self.running if not self._outranks(head, s)] + coming
             freed = sum(len(self.kv.block_table(s)) for s in victims)

@@ -345,30 +345,23 @@ def test_the_policy_must_be_known_and_followed_by_the_scheduler(tiny_model: Path
     class ArrivalOrder(ContinuousScheduler):
         scheduling_policies = ("fcfs",)
 
+    class PriorityOrder(ContinuousScheduler):
+        scheduling_policies = ("fcfs", "priority")
+        follows_priority_aging = False
+
     class Plugin:
         @hookimpl
         def register_schedulers(self, register: Any) -> None:
             register("arrival-order", lambda config, kv: ArrivalOrder(config, kv))
+            register("priority-order", lambda config, kv: PriorityOrder(config, kv))
 
     plugins = PluginManager.from_entry_points()
-    plugins.register(Plugin(), name="arrival-order")
+    plugins.register(Plugin(), name="acme-schedulers")
     config = EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16, scheduler="arrival-order")
     assert Engine(config, plugins).generate([[5, 6]], params(2, 0))[0].finished
     with pytest.raises(ConfigError, match="'arrival-order' follows the scheduling policies fcfs, not 'priority'"):
         Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16, scheduler="arrival-order",
                             scheduling_policy="priority"), plugins)
-
-    class PriorityOrder(ContinuousScheduler):
-        scheduling_policies = ("fcfs", "priority")
-        follows_priority_aging = False
-
-    class AgingPlugin:
-        @hookimpl
-        def register_schedulers(self, register: Any) -> None:
-            register("priority-order", lambda config, kv: PriorityOrder(config, kv))
-
-    plugins = PluginManager.from_entry_points()
-    plugins.register(AgingPlugin(), name="priority-order")
     with pytest.raises(ConfigError, match="'priority-order' does not follow --priority-aging-s .it does not set "
                                           "Scheduler.follows_priority_aging.; drop the option"):
         Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16, scheduler="priority-order",
