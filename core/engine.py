@@ -31,6 +31,7 @@ from .interfaces import LogitsProcessor, SchedulerOutput, StructuredOutputBacken
 from .logits_processors import LogitsProcessors
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
+from .pooling import Pooling, PoolingParams, embedding_sampling_params, read_pooling_defaults
 from .outputs import RequestState, append_output, build_output, with_every_sequence
 from .plugins import Blame, PluginManager, checked_manager
 from .readers import Reader, Readers
@@ -48,6 +49,9 @@ log = logging.getLogger("infer")
 STEP_TOO_LARGE = ("the KV pool leaves too little room for its activations; lower --kv-cache-memory-gb (the "
                   "default takes 90% of the free memory, less 1 GiB), --max-num-batched-tokens or --max-num-seqs "
                   "(this engine may be inconsistent now: start a new one)")
+
+
+Params = SamplingParams | PoolingParams  # a generation request's, or an embedding request's
 
 
 def freeze_heap() -> None:
@@ -132,6 +136,8 @@ class Engine:
                              self.blame, self._plugin_code, self.processors)
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
         self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
+        self.embedding_requests = 0  # live requests that ask for an embedding (PoolingParams)
+        self.pooling_defaults = read_pooling_defaults(self.loaded.path)
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
         self.searches = BeamSearches(self)  # beam searches under way, a token per step beside the requests
         if config.freeze_gc:
@@ -165,15 +171,16 @@ class Engine:
         """A prompt's token ids; InvalidRequestError for an empty, non-UTF-8 or out-of-vocabulary prompt."""
         return self.checker.tokenize(prompt)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError.
+        """Validate and queue a request; return its id. Raises InvalidRequestError or CapacityError. With
+        PoolingParams it is an embedding request: its one output carries ``embedding`` (core/pooling.py).
         ``arrival_time``: when the request came in, on ``time.perf_counter()``'s clock and not after now (a server
         that queued it passes when it arrived: TTFT and priority aging count from there); None: now."""
         with self._one_thread():
             return self._add_request(prompt, params, request_id, arrival_time)
 
-    def _add_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+    def _add_request(self, prompt: Prompt, params: SamplingParams | PoolingParams | None, request_id: str | None,
                      arrival_time: float | None = None) -> str:
         now = time.perf_counter()
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
@@ -187,9 +194,13 @@ class Engine:
                                       f"{request_id!r}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        pooling = self._pooling(params) if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            prompt, params = self._embedding_prompt(prompt), embedding_sampling_params(params)  # type: ignore[arg-type]
         request, reasoning_end = self.intake.request(prompt, params or SamplingParams(), request_id,
                                                      now if arrival_time is None else arrival_time)
         seqs, params = request.seqs, request.params
+        seqs[0].pooling = pooling
         with self._plugin_code():
             self.scheduler.add(seqs[0])  # the others are forked from it once its prompt is computed
         self.requests[request_id] = request
@@ -199,13 +210,31 @@ class Engine:
                 self.structured.follow_reasoning(seqs, reasoning_end)
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.prompt_logprob_requests += params.prompt_logprobs is not None
+        self.embedding_requests += pooling is not None
         if params.n > 1:
             self.forks.add(request_id, seqs[1:])
         return request_id
 
-    def check_request(self, prompt: Prompt, params: SamplingParams | None = None) -> list[int]:
+    def _pooling(self, params: PoolingParams) -> Pooling:
+        """What an embedding request computes on this model."""
+        return self.pooling_defaults.resolve(params, getattr(self.loaded.arch, "hidden_size", None))
+
+    def _embedding_prompt(self, prompt: Prompt) -> list[int]:
+        """An embedding request's prompt as token ids, at most the context length less one (the token its
+        scheduling reserves and never samples)."""
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) is too long to embed: at most "
+                                      f"{self.max_model_len - 1} tokens (the model's context length less one); "
+                                      "shorten it (or raise --max-model-len, where it was set below the model's own)")
+        return ids
+
+    def check_request(self, prompt: Prompt, params: SamplingParams | PoolingParams | None = None) -> list[int]:
         """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's
         ``check``), else returns the prompt's ids."""
+        if isinstance(params, PoolingParams):
+            self._pooling(params)
+            prompt, params = self._embedding_prompt(prompt), embedding_sampling_params(params)
         checked = self.intake.check(prompt, params or SamplingParams())
         with self._plugin_code():
             self.scheduler.check(self.intake.probe(checked))
@@ -357,10 +386,12 @@ class Engine:
         with self._delivered_if_raised(outputs):
             # sequences just finished by a read-back stop token or a stop string are in this batch: not sampled
             gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
-            sampled, forks = self._sample(out, batch, logits, gone)
+            embedded = self._embedded(out)
+            sampled, forks = self._sample(out, batch, logits, gone | embedded)
             now = time.perf_counter()
             start_forks(self.scheduler, self._finish, out, forks, sampled, now)
             self.scheduler.update(live_part(out, gone), sampled, now)
+            self._finish_embedded(out, embedded)
             advanced = [item.seq for item in out.scheduled if item.seq.seq_id not in gone] + [c for _, c in forks]
             if self.async_output:
                 self.unemitted = advanced
@@ -387,7 +418,9 @@ class Engine:
         batch, logits, outputs, times = self._forward(out)
         with self._delivered_if_raised(outputs):
             items = {item.seq.seq_id: item.seq for item in out.scheduled}
-            rows = [i for i, sid in enumerate(batch.sample_seq_ids) if not items[sid].is_finished]
+            embedded = self._embedded(out)
+            rows = [i for i, sid in enumerate(batch.sample_seq_ids) if not items[sid].is_finished
+                    and sid not in embedded]
             seqs = [items[batch.sample_seq_ids[i]] for i in rows]
             if seqs:
                 kept = logits if len(rows) == len(logits) else logits[to_device(rows, logits.device)]  # no host wait
@@ -396,6 +429,9 @@ class Engine:
             now = time.perf_counter()
             gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
             self.scheduler.update(live_part(out, gone), {seq.seq_id: [PENDING_TOKEN] for seq in seqs}, now)
+            if embedded:
+                self._finish_embedded(out, embedded)
+                self.unemitted += [items[sid] for sid in embedded]
             self._record_step(out, start, times, now, decodes)
         return outputs
 
@@ -405,15 +441,29 @@ class Engine:
         sequences of this batch (stop tokens, stop strings)."""
         scheduled = time.perf_counter()
         flight = self.in_flight
+        cache = self.config.kv_cache
         batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None,
-                                            prompt_logprobs=self.config.kv_cache if self.prompt_logprob_requests
-                                            else None)
+                                            prompt_logprobs=cache if self.prompt_logprob_requests else None,
+                                            pooling=cache if self.embedding_requests else None)
         executed = time.perf_counter()
         used_blocks = self.kv.stats().used_blocks  # before the sequences this step finishes free theirs
         self.unemitted += self._settle()  # waits for the previous step's tokens, not for this step
         settled = time.perf_counter()
         outputs = self._deferring(self._emit_unemitted)
         return batch, logits, outputs, StepTimes(scheduled, executed, settled, time.perf_counter(), used_blocks)
+
+    def _embedded(self, out: SchedulerOutput) -> set[int]:
+        """The sequences of embedding requests whose embedding this step completed: they sample nothing, and
+        finish once the scheduler's update has counted (and the KV cache committed) their last prompt tokens."""
+        if not self.embedding_requests:
+            return set()
+        return {item.seq.seq_id for item in out.scheduled if item.seq.embedding is not None and
+                not item.seq.is_finished}
+
+    def _finish_embedded(self, out: SchedulerOutput, embedded: set[int]) -> None:
+        for item in out.scheduled:
+            if item.seq.seq_id in embedded and not item.seq.is_finished:
+                self._finish(item.seq, FinishReason.STOP)
 
     def _settle(self) -> list[Sequence]:
         """Read the tokens in flight back into their sequences (stopping those a token stops); returns them. Cleared
@@ -540,9 +590,14 @@ class Engine:
         return outputs
 
     def _emit(self, req: RequestState, seq_ids: set[int]) -> RequestOutput:
-        output = build_output(req, seq_ids, self._finish)
+        if (seq := req.seqs[0]).pooling is not None:  # its one output: the embedding, or an abort
+            done = [CompletionOutput(0, [], "", seq.finish_reason)] if seq.is_finished else []
+            output = RequestOutput(req.request_id, req.prompt_token_ids, done, seq.is_finished,
+                                   embedding=seq.embedding)
+        else:
+            output = build_output(req, seq_ids, self._finish)
         if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and \
-                (output.outputs or output.finished) and not req.seqs[0].needs_prompt_logits:
+                (output.outputs or output.finished) and not req.seqs[0].collects_prompt_logprobs:
             output.prompt_logprobs, req.prompt_logprobs_sent = req.seqs[0].prompt_logprobs, True
         if output.finished:
             self._finish_request(req, output)
@@ -554,6 +609,7 @@ class Engine:
             self.structured.discharge(req.params.structured_output)
         self.forks.drop(req.request_id)
         self.prompt_logprob_requests -= req.params.prompt_logprobs is not None
+        self.embedding_requests -= req.seqs[0].pooling is not None
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
             self.runner.controls.release(seq.seq_id)
@@ -577,7 +633,7 @@ class Engine:
             self.deferred = self.deferred or exc
 
     # ------------------------------------------------------------ convenience
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+    def stream(self, prompt: Prompt, params: Params | None = None,
                request_id: str | None = None) -> Reader[RequestOutput]:
         """Add one request now (a bad one raises here) and return an iterator of its deltas, the last one finished;
         other requests advance too, and their deltas go to their own readers. Closing the iterator early aborts
@@ -585,14 +641,21 @@ class Engine:
         rid = self.add_request(prompt, params, request_id)
         return self.readers.own([rid], lambda: self.readers.deltas(rid))
 
-    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: Seq[Prompt], params: Params | Seq[Params] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; return one full RequestOutput per prompt, in order."""
         results = dict(self.generate_as_completed(prompts, params))
         return [results[i] for i in range(len(prompts))]
 
-    def generate_as_completed(self, prompts: Seq[Prompt],
-                              params: SamplingParams | Seq[SamplingParams] | None = None
+    def embed(self, prompts: Seq[Prompt], params: PoolingParams | Seq[PoolingParams] | None = None
+              ) -> list[RequestOutput]:
+        """Embed prompts (core/pooling.py); one RequestOutput per prompt, in order, its ``embedding`` set (and
+        its one completion's finish reason stop; abort, with no embedding, if it was aborted)."""
+        for one in params if isinstance(params, Seq) else [params]:
+            if one is not None and not isinstance(one, PoolingParams):
+                raise InvalidRequestError(f"embed takes PoolingParams, got {type(one).__name__}")
+        return self.generate(prompts, params or PoolingParams())
+
+    def generate_as_completed(self, prompts: Seq[Prompt], params: Params | Seq[Params] | None = None
                               ) -> Reader[tuple[int, RequestOutput]]:
         """Submit every prompt now (all or none: a bad one raises here, naming its position in ``prompt_index``),
         then yield (prompt index, full RequestOutput) as each request finishes (one aborted by ``abort`` with finish
@@ -632,8 +695,7 @@ class Engine:
         with self._one_thread():
             self.searches.abort(search)
 
-    def add_requests(self, prompts: Seq[Prompt],
-                     params: SamplingParams | Seq[SamplingParams] | None = None) -> list[str]:
+    def add_requests(self, prompts: Seq[Prompt], params: Params | Seq[Params] | None = None) -> list[str]:
         """Queue every prompt, or none: a bad one raises (its position in ``prompt_index``) and aborts the rest.
         Returns the request ids, in order."""
         check_prompt_list(prompts)

@@ -99,7 +99,8 @@ class KVCache(ABC):
         policy) only when ``allocate`` succeeds, so that a request that waits at the head of the queue, matched and
         refused every step, changes nothing. Caches without prefix reuse return 0, and so must every cache for a
         sequence whose ``needs_prompt_logits`` is true (it asks for prompt logprobs, which need every prompt
-        position's logits; the engine raises a PluginError naming the cache otherwise).
+        position's logits, or for an embedding that averages every position's hidden state; the engine raises a
+        PluginError naming the cache otherwise).
         """
 
     @abstractmethod

@@ -388,9 +388,11 @@ def append_output(full: RequestOutput, *deltas: RequestOutput) -> RequestOutput:
             _append_completion(c, d, c.text + d.text)
     else:
         _append_completions(full, deltas)
-    for delta in deltas:  # the first prompt logprobs given
+    for delta in deltas:  # the first prompt logprobs given; an embedding request's one embedding
         if full.prompt_logprobs is None:
             full.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            full.embedding = delta.embedding
     if deltas:
         last = deltas[-1]
         full.finished, full.num_cached_tokens, full.metrics = last.finished, last.num_cached_tokens, last.metrics

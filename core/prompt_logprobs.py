@@ -40,7 +40,7 @@ def prompt_rows(out: SchedulerOutput, query_lens: list[int], kv_cache: str) -> P
     offset = 0
     for item, length in zip(out.scheduled, query_lens):
         seq = item.seq
-        if seq.needs_prompt_logits:
+        if seq.collects_prompt_logprobs:
             start, need = seq.num_computed_tokens, len(seq.prompt_logprobs) - 1  # the next position to read
             if start > need:
                 raise PluginError(f"KV cache {kv_cache!r} served positions {need}-{start - 1} of sequence "

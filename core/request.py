@@ -7,10 +7,13 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .chat_tools import ToolCall
 from .errors import InvalidRequestError, require_utf8
 
+if TYPE_CHECKING:
+    from .pooling import Pooling
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 MAX_STOP_STRINGS = 64
@@ -396,6 +399,10 @@ class Sequence:
     spec_uncounted: tuple[int, int] = (0, 0)  # (accepted, tokens) a stop string cut after the engine counted them
     unsampleable_steps: int = 0  # steps whose logits row had no token to sample (NaN, or every logit -inf)
     processors_yielded_steps: int = 0  # steps sampled without its logits processors (they banned every token)
+    pooling: Pooling | None = None  # an embedding request's: it ends when its prompt is computed, sampling nothing
+    pool_sum: Any = None  # the float32 sum of the hidden states pooled so far (a device tensor), until the end
+    pooled_until: int = 0  # prompt positions summed into pool_sum (mean pooling)
+    embedding: list[float] | None = None  # the finished embedding
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -405,8 +412,16 @@ class Sequence:
 
     @property
     def needs_prompt_logits(self) -> bool:
-        """It asks for prompt logprobs it does not have yet: its prompt positions must be computed, not served from
-        a prefix cache (KVCache.match_prefix matches nothing for it)."""
+        """It asks for prompt logprobs it does not have yet, or for an embedding that averages every prompt
+        position: its prompt positions must be computed, not served from a prefix cache (KVCache.match_prefix
+        matches nothing for it)."""
+        if self.pooling is not None:
+            return self.pooling.method == "mean" and self.embedding is None
+        return self.collects_prompt_logprobs
+
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs it does not have yet."""
         return self.params.prompt_logprobs is not None and self.index == 0 and \
             len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
@@ -508,6 +523,8 @@ class RequestOutput:
     # with params.prompt_logprobs: {token id: logprob} of each prompt token (None for the first) and the top-n at
     # its position, in the first output after the prompt is computed (the model's raw distribution)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # an embedding request's (PoolingParams), on its one output: the pooled vector (outputs is empty)
+    embedding: list[float] | None = None
     # on the final output: e2e_s, ttft_s and tpot_s (seconds; time per output token after the first, mean over the
     # request's sequences), num_preemptions, num_output_tokens (all its sequences'); with speculative decoding
     # spec_proposed, spec_accepted and the rate

@@ -15,6 +15,7 @@ from .interfaces import AttentionBackend, AttentionMetadata, BlockOps, KVCache, 
 from .logit_controls import LogitControls
 from .logits_processors import LogitsProcessors
 from .model import Model
+from .pooling import PoolRows, collect_pooled, pool_rows
 from .prompt_logprobs import PromptRows, collect, prompt_rows
 from .request import FinishReason, SamplingParams, Sequence
 from .sampling import PendingSample, Sampler, SampleResult, to_device
@@ -340,25 +341,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCache, pending: PendingInputs | None = None,
-                prompt_logprobs: str | None = None) -> tuple[Batch, torch.Tensor]:
+                prompt_logprobs: str | None = None, pooling: str | None = None) -> tuple[Batch, torch.Tensor]:
         """Run the forward pass; return the batch and the float32 logits of its sampling rows. ``pending`` fills
         PENDING_TOKEN ids (async scheduling). With ``prompt_logprobs`` (the KV cache's name, some request may
-        ask for them), the sequences that collect prompt logprobs get this step's entries."""
+        ask for them), the sequences that collect prompt logprobs get this step's entries; with ``pooling`` (the
+        same, some request may be an embedding's), embedding requests pool this step's hidden states."""
         self.apply_block_ops(out.block_ops)
         batch = self.prepare(out, kv, pending)
         found = prompt_rows(out, batch.meta.query_lens_cpu, prompt_logprobs) if prompt_logprobs else None
-        return batch, self.run(batch, found)
+        pooled = pool_rows(out, batch.meta.query_lens_cpu, pooling) if pooling else None
+        return batch, self.run(batch, found, pooled)
 
     @torch.inference_mode()
-    def run(self, batch: Batch, prompt: PromptRows | None = None) -> torch.Tensor:
+    def run(self, batch: Batch, prompt: PromptRows | None = None, pooled: PoolRows | None = None) -> torch.Tensor:
         """The forward pass of a prepared batch: float32 logits of its sampling rows (from a CUDA graph, maybe its
         output buffer itself, which the next replay overwrites: sample from it before the next ``run``); the
-        ``prompt`` rows' logprobs go to their sequences."""
+        ``prompt`` rows' logprobs go to their sequences, the ``pooled`` rows' hidden states to theirs."""
         num_tokens, rows = batch.input_ids.shape[0], None if batch.every_row_samples else batch.sample_rows
         if self.lora is not None:
             assert batch.lora_slots is not None, "a batch built without LoRA slots, on a runner with adapters"
             self.lora.tokens.set(batch.lora_slots, batch.lora_in_use)
-        if self.graphs is not None and self.graphs.fits(batch.meta, num_tokens):
+        if self.graphs is not None and pooled is None and self.graphs.fits(batch.meta, num_tokens):  # logits only
             logits = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # every row's
             if prompt is not None:
                 collect(prompt, lambda part: logits[part.to(logits.device)])
@@ -369,6 +372,8 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attention, batch.meta)
         if prompt is not None:
             collect(prompt, lambda part: self.model.compute_logits(hidden[part.to(hidden.device)]))
+        if pooled is not None:
+            collect_pooled(pooled, hidden)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def advance(self, batch: Batch, next_ids: torch.Tensor) -> Batch:

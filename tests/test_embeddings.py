@@ -1,0 +1,193 @@
+"""Embedding requests (PoolingParams) against HF transformers' final hidden states: last and mean pooling, whole
+prefills, chunked ones, async scheduling, CUDA graphs' paths (replayed eagerly on the CPU), a prefix cache (last
+pooling is served from it, mean pooling is not), a recomputed prompt, beside generation requests, and the defaults
+a sentence-transformers checkpoint declares."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the graph paths run the triton backend, interpreted on the CPU
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from infer.core.config import EngineConfig  # noqa: E402
+from infer.core.engine import Engine  # noqa: E402
+from infer.core.errors import InvalidRequestError  # noqa: E402
+from infer.core.pooling import PoolingParams  # noqa: E402
+from infer.core.request import FinishReason, RequestOutput, SamplingParams  # noqa: E402
+
+PROMPTS = [[5 + i, 9, 11 * i % 900 + 3] * (i + 3) for i in range(4)]  # 9 to 18 tokens
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def hidden(path: Path) -> Callable[[list[int]], torch.Tensor]:
+    """The HF model's final hidden states (after its last norm) at every prompt position."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def states(prompt: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf.model(torch.tensor([prompt])).last_hidden_state[0].float()
+    return states
+
+
+def expected(states: torch.Tensor, method: str, normalize: bool = True, dimensions: int | None = None) -> list[float]:
+    vector = states[-1] if method == "last" else states.mean(0)
+    vector = vector[:dimensions] if dimensions is not None else vector
+    return (torch.nn.functional.normalize(vector, dim=0) if normalize else vector).tolist()
+
+
+def check(out: RequestOutput, prompt: list[int], hidden: Callable[[list[int]], torch.Tensor],
+          params: PoolingParams) -> None:
+    assert out.finished and out.embedding is not None
+    assert [c.finish_reason for c in out.outputs] == [FinishReason.STOP] and out.outputs[0].token_ids == []
+    want = expected(hidden(prompt), params.pooling or "last", params.normalize is not False, params.dimensions)
+    assert out.embedding == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["whole", "chunked", "async-scheduling", "graphs", "radix-cache"])
+def test_embeddings_equal_hf(path: Path, hidden, variant: str) -> None:
+    options: dict = dict(model=str(path), device="cpu", num_kv_blocks=64)
+    if variant == "chunked":  # 5-token chunks: a mean sums rows of several steps
+        options.update(scheduler="chunked-prefill", max_num_batched_tokens=5)
+    if variant == "graphs":  # 3-token chunks: steps that a 3-query-token decode graph would replay (logits only)
+        options.update(scheduler="chunked-prefill", max_num_batched_tokens=3, attention="triton", dtype="float32")
+    if variant == "async-scheduling":
+        options.update(async_scheduling=True)
+    if variant == "radix-cache":
+        options.update(kv_cache="radix-cache")
+    engine = Engine(EngineConfig(**options))
+    if variant == "graphs":
+        engine.runner.enable_cuda_graphs(4, {3: 4}, eager=True, mixed_tokens=24, mixed_rows=8)
+    params = [PoolingParams(), PoolingParams(pooling="mean"), PoolingParams(pooling="last", normalize=False),
+              PoolingParams(pooling="mean", dimensions=16)]
+    outs = engine.embed(PROMPTS, params)
+    for out, prompt, one in zip(outs, PROMPTS, params):
+        check(out, prompt, hidden, one)
+    assert engine.embedding_requests == 0 and engine.kv.stats().used_blocks == 0
+    if variant == "graphs":
+        assert engine.runner.mixed_graphs is not None and engine.runner.mixed_graphs.replays > 0
+
+
+def test_embeddings_beside_generation_leave_it_unchanged(path: Path, hidden) -> None:
+    """Embedding and generation requests in the same steps: the generated tokens equal those of a run alone, and
+    an embedding request samples nothing (its steps count no output token)."""
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64)).generate(PROMPTS, sampling)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
+    params = [sampling, PoolingParams(pooling="mean"), sampling, PoolingParams()]
+    outs = engine.generate(PROMPTS, params)
+    for i in (0, 2):
+        assert outs[i].outputs[0].token_ids == alone[i].outputs[0].token_ids and outs[i].embedding is None
+    for i in (1, 3):
+        check(outs[i], PROMPTS[i], hidden, params[i])  # type: ignore[arg-type]
+        assert outs[i].metrics["num_output_tokens"] == 0
+    assert engine.stats.output_tokens == 12
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "radix-cache"])
+def test_last_pooling_is_served_from_the_prefix_cache_and_mean_pooling_is_not(path: Path, hidden,
+                                                                               kv_cache: str) -> None:
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, kv_cache=kv_cache))
+    prompt = PROMPTS[3]
+    first = engine.embed([prompt])[0]
+    assert first.num_cached_tokens == 0
+    again = engine.embed([prompt])[0]
+    assert again.num_cached_tokens > 0
+    check(again, prompt, hidden, PoolingParams())
+    mean = engine.embed([prompt], PoolingParams(pooling="mean"))[0]
+    assert mean.num_cached_tokens == 0
+    check(mean, prompt, hidden, PoolingParams(pooling="mean"))
+    assert engine.embed([prompt])[0].num_cached_tokens > 0  # and caching goes on
+
+
+def test_a_preempted_embedding_sums_each_position_once(path: Path, hidden) -> None:
+    """A pool too small for every sequence preempts some, by recompute: a mean computed again from position 0
+    adds only the positions it had not summed."""
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=6, max_num_seqs=4,
+                                 scheduler="chunked-prefill", max_num_batched_tokens=8))
+    prompts = [list(range(10, 22)), list(range(50, 62)), list(range(100, 140))]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 2 + [PoolingParams(pooling="mean")]
+    outs = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    check(outs[2], prompts[2], hidden, PoolingParams(pooling="mean"))
+
+
+def test_a_sentence_transformers_checkpoint_sets_the_defaults(path: Path, hidden, tmp_path: Path) -> None:
+    folder = tmp_path / "st"
+    shutil.copytree(path, folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+               "pooling_mode_lasttoken": False}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    engine = Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64))
+    out = engine.embed([PROMPTS[0]])[0]  # mean, and not normalized: no Normalize module
+    assert out.embedding == pytest.approx(expected(hidden(PROMPTS[0]), "mean", normalize=False), abs=1e-5)
+
+    pooling.update(pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    with pytest.raises(InvalidRequestError, match="'pooling_mode_cls_token', which infer does not compute"):
+        Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64)).embed([PROMPTS[0]])
+
+
+def test_bad_embedding_requests_are_refused(path: Path) -> None:
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=32))
+    with pytest.raises(InvalidRequestError, match="pooling must be one of last, mean"):
+        PoolingParams(pooling="max")
+    with pytest.raises(InvalidRequestError, match="dimensions must be a positive integer"):
+        PoolingParams(dimensions=0)
+    with pytest.raises(InvalidRequestError, match="dimensions 65 exceeds the model's hidden size 64"):
+        engine.embed([PROMPTS[0]], PoolingParams(dimensions=65))
+    with pytest.raises(InvalidRequestError, match="embed takes PoolingParams, got SamplingParams"):
+        engine.embed([PROMPTS[0]], SamplingParams())  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=r"prompt \(32 tokens\) is too long to embed: at most 31 tokens"):
+        engine.embed([list(range(3, 35))])
+    assert engine.embed([list(range(3, 34))])[0].embedding is not None  # 31: the context less one
+    with pytest.raises(InvalidRequestError, match="lora_adapter .nope. is not loaded"):
+        engine.embed([PROMPTS[0]], PoolingParams(lora_adapter="nope"))
+    assert engine.requests == {} and engine.embedding_requests == 0
+
+
+def test_an_aborted_embedding_request_ends_without_one(path: Path) -> None:
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, scheduler="chunked-prefill",
+                                 max_num_batched_tokens=4))
+    rid = engine.add_request(PROMPTS[3], PoolingParams(pooling="mean"))
+    engine.step()  # 4 of its 18 prompt tokens
+    final = engine.abort(rid)
+    assert final.finished and final.embedding is None
+    assert [c.finish_reason for c in final.outputs] == [FinishReason.ABORT]
+    assert engine.embedding_requests == 0 and engine.kv.stats().used_blocks == 0
+
+
+def test_a_stream_of_an_embedding_request_yields_it_once(path: Path, hidden) -> None:
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, scheduler="chunked-prefill",
+                                 max_num_batched_tokens=4))
+    deltas = list(engine.stream(PROMPTS[2], PoolingParams()))
+    assert len(deltas) == 1
+    check(deltas[0], PROMPTS[2], hidden, PoolingParams())
+
+
+def test_embeddings_with_a_speculative_engine(path: Path, hidden) -> None:
+    """An ngram proposer drafts for the generation requests only; the embedding is the plain one."""
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, proposer="ngram",
+                                 num_speculative_tokens=3))
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(PROMPTS[:2], [sampling, PoolingParams(pooling="mean")])
+    assert len(outs[0].outputs[0].token_ids) == 8
+    check(outs[1], PROMPTS[1], hidden, PoolingParams(pooling="mean"))
