@@ -9,10 +9,11 @@ from infer.core.chat_tools import FunctionChoice, ToolCall
 from infer.core.errors import (CapacityError, CheckpointError, ConfigError, InferError, InvalidRequestError,
                                NotFoundError, PluginError)
 from infer.core.hookspecs import hookimpl
+from infer.core.pooling import PoolingParams
 from infer.core.request import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutput", "BeamSearchParams", "ChatPrompt", "ChatMessage", "ToolCall",
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "StructuredOutput", "BeamSearchParams", "ChatPrompt", "ChatMessage", "ToolCall",
            "FunctionChoice",
            "hookimpl", "__version__",
            "InferError", "InvalidRequestError", "ConfigError", "CapacityError", "PluginError", "CheckpointError",

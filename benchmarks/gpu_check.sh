@@ -15,7 +15,8 @@
 #   per output token with every request penalized, asking for prompt logprobs, or with a logits processor (128k
 #   vocabulary); lora, LoRA adapters' cost on the anchor model;
 #   structured, structured output (regex, GBNF grammar, JSON schema) with speculation, grammar-guided drafts,
-#   unguided and jump-forward, with the shipped pair; moe, the MoE experts (Triton grouped GEMMs, eager and graphed; the torch loop) against HF's on
+#   unguided and jump-forward, with the shipped pair; embed, embedding requests against HF AutoModel's padded
+#   batches on the anchor model; moe, the MoE experts (Triton grouped GEMMs, eager and graphed; the torch loop) against HF's on
 #   Qwen3-30B-A3B and Mixtral-8x7B layer shapes)
 # profile runs torch.profiler over the anchor model's prefill, extend and decode steps (kernels and host ops per
 # step; Chrome traces in the logs). anchor measures infer (with and without merged projections, with the skinny
@@ -149,6 +150,14 @@ if want beam; then  # not a default stage: beam search (KV forks) against HF gen
     --widths 4 --no-repeat-ngram 3
 fi
 
+if want embed; then  # not a default stage: embedding requests against HF AutoModel's padded batches, anchor model
+  [[ -d $MODEL ]] || build_anchor
+  stage "embed_bench" embed_bench.log 90 $PY benchmarks/embed_bench.py --model "$MODEL" --device cuda \
+    --num-prompts 256 --repeats 2 --hf-batch 32
+  stage "embed_bench shared instruction" embed_shared.log 90 $PY benchmarks/embed_bench.py --model "$MODEL" \
+    --device cuda --num-prompts 256 --repeats 2 --hf-batch 32 --instruction-len 64
+fi
+
 if want moe; then  # not a default stage: one MoE layer's experts, infer's Triton and torch paths against HF's
   stage "moe_bench" moe_bench.log 90 $PY benchmarks/moe_bench.py --device cuda --tokens 1 16 128 1024
 fi
@@ -237,6 +246,8 @@ want beam && show "beam search against HF" beam_bench.log 5
 want beam && show "beam search with no-repeat-ngram 3 against HF" beam_ngram.log 3
 want lora && show "LoRA adapters" lora_bench.log 8
 want moe && show "MoE experts against HF (ms per layer call)" moe_bench.log 9
+want embed && show "embeddings against HF AutoModel" embed_bench.log 3
+want embed && show "embeddings against HF AutoModel, 64-token shared instruction" embed_shared.log 3
 want hfstatic && show "anchor and single stream, infer against HF" anchor_hf.log 9
 want structured && show "structured output, guided drafts" structured_true.log 13
 want structured && show "structured output, unguided drafts" structured_false.log 13

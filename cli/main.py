@@ -14,6 +14,7 @@ import click
 from ..core.errors import ConfigError, InferError, InvalidRequestError
 from ..core.plugins import PluginManager
 from .chat import chat
+from .embed import embed
 from .options import (EngineArgs, changed_sampling, engine_options, lora_adapter_option, refuse_beside_beam_search,
                       refuse_engine_options, sampling_options, structured_output_options)
 
@@ -526,3 +527,4 @@ def make_tiny_model_command(ctx: click.Context, directory: str, arch: str, hidde
 
 
 main.add_command(chat)
+main.add_command(embed)

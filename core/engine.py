@@ -245,7 +245,7 @@ class Engine:
         follow, or for any on a model without EOS (add_request and check_request call it)."""
         self.intake.check_structured_output(params)
 
-    def check_requests(self, prompts: Seq[Prompt], params: SamplingParams | None = None) -> None:
+    def check_requests(self, prompts: Seq[Prompt], params: Params | None = None) -> None:
         """:meth:`check_request` for each prompt; an error names the bad one's position, as generate's do."""
         for index, prompt in enumerate(prompts):
             try:

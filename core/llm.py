@@ -15,6 +15,7 @@ from .config import COMPONENT_FIELDS, EngineConfig
 from .engine import Engine
 from .errors import ConfigError, InferError
 from .plugins import PluginManager, checked_manager
+from .pooling import PoolingParams
 from .request import RequestOutput, SamplingParams
 
 
@@ -73,6 +74,12 @@ class LLM:
             except InferError as exc:
                 raise at_prompt(exc, index, len(conversations)) from None
         return self.engine.generate(prompts, params)
+
+    def embed(self, prompts: Prompt | Seq[Prompt], params: PoolingParams | Seq[PoolingParams] | None = None
+              ) -> list[RequestOutput]:
+        """Embed one prompt or several: one RequestOutput per prompt, in order, its ``embedding`` the pooled final
+        hidden states (core/pooling.py: last or mean pooling, normalized by default)."""
+        return self.engine.embed(_as_list(prompts), params)
 
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams | None = None
                     ) -> list[BeamSearchOutput]:

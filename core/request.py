@@ -523,9 +523,9 @@ class RequestOutput:
     # with params.prompt_logprobs: {token id: logprob} of each prompt token (None for the first) and the top-n at
     # its position, in the first output after the prompt is computed (the model's raw distribution)
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    # an embedding request's (PoolingParams), on its one output: the pooled vector (outputs is empty)
-    embedding: list[float] | None = None
     # on the final output: e2e_s, ttft_s and tpot_s (seconds; time per output token after the first, mean over the
     # request's sequences), num_preemptions, num_output_tokens (all its sequences'); with speculative decoding
     # spec_proposed, spec_accepted and the rate
     metrics: dict[str, float] = field(default_factory=dict)
+    # an embedding request's (PoolingParams), on its one output: the pooled vector (its one completion is empty)
+    embedding: list[float] | None = None

@@ -191,3 +191,27 @@ def test_embeddings_with_a_speculative_engine(path: Path, hidden) -> None:
     outs = engine.generate(PROMPTS[:2], [sampling, PoolingParams(pooling="mean")])
     assert len(outs[0].outputs[0].token_ids) == 8
     check(outs[1], PROMPTS[1], hidden, PoolingParams(pooling="mean"))
+
+
+def test_the_llm_api_and_the_cli_print_the_engines_embeddings(path: Path, hidden) -> None:
+    from click.testing import CliRunner
+
+    from infer import LLM
+    from infer.cli.main import main
+
+    texts = ["def add(a, b):", "import os"]
+    llm = LLM(model=str(path), device="cpu", num_kv_blocks=64)
+    offline = llm.embed(texts, PoolingParams(pooling="mean", dimensions=8))
+    ids = [out.prompt_token_ids for out in offline]
+    for out in offline:
+        assert out.embedding == pytest.approx(expected(hidden(out.prompt_token_ids), "mean", dimensions=8), abs=1e-5)
+    result = CliRunner().invoke(main, ["--model", str(path), "--device", "cpu", "--num-kv-blocks", "64", "embed",
+                                       "--pooling", "mean", "--dimensions", "8", *texts])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == texts
+    assert [line["prompt_tokens"] for line in lines] == [len(i) for i in ids]
+    for line, out in zip(lines, offline):
+        assert line["embedding"] == pytest.approx(out.embedding, abs=1e-6)
+    refused = CliRunner().invoke(main, ["--model", str(path), "--device", "cpu", "embed", "--dimensions", "0", "x"])
+    assert refused.exit_code != 0 and "dimensions (--dimensions) must be a positive integer" in refused.output
