@@ -51,11 +51,11 @@ def expected(states: torch.Tensor, method: str, normalize: bool = True, dimensio
 
 
 def check(out: RequestOutput, prompt: list[int], hidden: Callable[[list[int]], torch.Tensor],
-          params: PoolingParams) -> None:
+          params: PoolingParams, tolerance: float = 1e-5) -> None:
     assert out.finished and out.embedding is not None
     assert [c.finish_reason for c in out.outputs] == [FinishReason.STOP] and out.outputs[0].token_ids == []
     want = expected(hidden(prompt), params.pooling or "last", params.normalize is not False, params.dimensions)
-    assert out.embedding == pytest.approx(want, abs=1e-5)
+    assert out.embedding == pytest.approx(want, abs=tolerance)
 
 
 @pytest.mark.parametrize("variant", ["whole", "chunked", "async-scheduling", "graphs", "radix-cache"])
@@ -80,6 +80,20 @@ def test_embeddings_equal_hf(path: Path, hidden, variant: str) -> None:
     assert engine.embedding_requests == 0 and engine.kv.stats().used_blocks == 0
     if variant == "graphs":
         assert engine.runner.mixed_graphs is not None and engine.runner.mixed_graphs.replays > 0
+
+
+@pytest.mark.gpu
+def test_embeddings_on_cuda_equal_hf(path: Path, hidden) -> None:
+    """The CUDA defaults (triton attention, CUDA graphs, async scheduling), in float32, beside generation."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_kv_blocks=64))
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    params = [PoolingParams(), PoolingParams(pooling="mean"), sampling, PoolingParams(dimensions=8)]
+    outs = engine.generate(PROMPTS, params)
+    for i in (0, 1, 3):
+        check(outs[i], PROMPTS[i], hidden, params[i], 1e-4)  # type: ignore[arg-type]
+    assert len(outs[2].outputs[0].token_ids) == 4
 
 
 def test_embeddings_beside_generation_leave_it_unchanged(path: Path, hidden) -> None:
