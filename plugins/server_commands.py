@@ -1,4 +1,5 @@
-"""The `serve` and `client` commands: gRPC serving of the engine, and a command-line client for it."""
+"""The `serve` and `client` commands: gRPC serving of the engine, and a command-line client for it (whose `embed`
+subcommand is in client_embed.py)."""
 from __future__ import annotations
 
 import json
@@ -355,8 +356,15 @@ def rpc_error_message(exc: grpc.RpcError, target: str, tls: bool, timeout: float
     return f"{code}: {details}"
 
 
+def client_group() -> click.Command:
+    """`infer client`: the generation command above by default, `embed` beside it (plugins/client_embed.py)."""
+    from .client_embed import ClientGroup
+
+    return ClientGroup(client)
+
+
 @hookimpl
 def register_commands(register: Register[CommandFactory]) -> None:
     register("serve", lambda: serve)
-    register("client", lambda: client)
+    register("client", client_group)
     register("lora", lambda: lora)

@@ -1,8 +1,9 @@
 """Python clients of ``infer serve``: :class:`Client` (blocking) and :class:`AsyncClient` (asyncio).
 
-Both return the generated protobuf messages (``infer.server.infer_pb2``). ``generate`` returns the gRPC call
-itself: iterate it for the GenerateResponse deltas, ``cancel()`` it to abort the request on the server. Errors are
-``grpc.RpcError`` (``grpc.aio.AioRpcError``) with the server's status code and message.
+Both return the generated protobuf messages (``infer.server.infer_pb2``; ``embed`` the vector, a list of floats).
+``generate`` returns the gRPC call itself: iterate it for the GenerateResponse deltas, ``cancel()`` it to abort the
+request on the server. Errors are ``grpc.RpcError`` (``grpc.aio.AioRpcError``) with the server's status code and
+message.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def build_request(prompt: Prompt, params: SamplingParams | None = None, *, reque
     return request
 
 
-def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest, prompt: Prompt) -> None:
+def set_prompt(request: pb.GenerateRequest | pb.BeamSearchRequest | pb.EmbedRequest, prompt: Prompt) -> None:
     if isinstance(prompt, str):
         request.text = prompt
         return
@@ -91,6 +92,24 @@ def build_beam_request(prompt: Prompt, **params: Any) -> pb.BeamSearchRequest:
     return request
 
 
+def build_embed_request(prompt: Prompt, *, pooling: str | None = None, normalize: bool | None = None,
+                        dimensions: int | None = None, priority: int = 0, lora_adapter: str | None = None,
+                        request_id: str | None = None) -> pb.EmbedRequest:
+    """An EmbedRequest; the values are sent as given (the server validates them), None ones unset (the server's
+    PoolingParams defaults)."""
+    fields = {name: value for name, value in (("pooling", pooling), ("normalize", normalize),
+                                              ("dimensions", dimensions), ("lora_adapter", lora_adapter))
+              if value is not None}
+    try:
+        request = pb.EmbedRequest(request_id=request_id or "", priority=priority, **fields)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"invalid embedding parameters {fields | {'priority': priority}!r}: {exc}; "
+                                  "dimensions is an integer in [1, 2**32), priority one in (-2**31, 2**31), pooling "
+                                  "and lora_adapter strings, normalize a bool") from None
+    set_prompt(request, prompt)
+    return request
+
+
 def _channel_config(tls: bool, root_certificates: bytes | str | Path | None,
                     max_message_bytes: int) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
     options = [("grpc.max_receive_message_length", max_message_bytes),
@@ -135,6 +154,15 @@ class Client(_Base):
                  priority: int | None = None, timeout: float | None = None, **sampling: Any) -> pb.CompleteResponse:
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
         return self.stub.Complete(request, **self._kw(timeout))
+
+    def embed(self, prompt: Prompt, pooling: str | None = None, normalize: bool | None = None,
+              dimensions: int | None = None, priority: int = 0, lora_adapter: str | None = None,
+              request_id: str | None = None, timeout: float | None = None) -> list[float]:
+        """The embedding of ``prompt`` (the Embed RPC): ``pooling`` "last" or "mean", ``normalize``, ``dimensions``
+        (the first N values); None takes the server checkpoint's defaults. Empty if the request was aborted."""
+        request = build_embed_request(prompt, pooling=pooling, normalize=normalize, dimensions=dimensions,
+                                      priority=priority, lora_adapter=lora_adapter, request_id=request_id)
+        return list(self.stub.Embed(request, **self._kw(timeout)).embedding)
 
     def abort(self, request_id: str, timeout: float | None = None) -> None:
         self.stub.Abort(pb.AbortRequest(request_id=request_id), **self._kw(timeout))
@@ -218,6 +246,14 @@ class AsyncClient(_Base):
                        **sampling: Any) -> pb.CompleteResponse:
         request = build_request(prompt, params, request_id=request_id, priority=priority, **sampling)
         return await self.stub.Complete(request, **self._kw(timeout))
+
+    async def embed(self, prompt: Prompt, pooling: str | None = None, normalize: bool | None = None,
+                    dimensions: int | None = None, priority: int = 0, lora_adapter: str | None = None,
+                    request_id: str | None = None, timeout: float | None = None) -> list[float]:
+        """As :meth:`Client.embed`."""
+        request = build_embed_request(prompt, pooling=pooling, normalize=normalize, dimensions=dimensions,
+                                      priority=priority, lora_adapter=lora_adapter, request_id=request_id)
+        return list((await self.stub.Embed(request, **self._kw(timeout))).embedding)
 
     async def abort(self, request_id: str, timeout: float | None = None) -> None:
         await self.stub.Abort(pb.AbortRequest(request_id=request_id), **self._kw(timeout))

@@ -11,6 +11,7 @@ from ..core.chat import (ChatPrompt, Prompt, check_content_part_count, check_mes
                          parse_template_kwargs)
 from ..core.chat_tools import ToolCall, parse_tool_choice, parse_tools
 from ..core.errors import CapacityError, CheckpointError, InvalidRequestError, NotFoundError, PluginError
+from ..core.pooling import PoolingParams
 from ..core.request import CompletionOutput, FinishReason, SamplingParams, StructuredOutput, processor_calls
 from . import infer_pb2 as pb
 from .worker import ServerUnavailable
@@ -31,7 +32,7 @@ FINISH_REASONS = {
 }
 
 
-def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest) -> Prompt:
+def prompt_of(request: pb.GenerateRequest | pb.BeamSearchRequest | pb.EmbedRequest) -> Prompt:
     """The prompt as text, token ids or a ChatPrompt (InvalidRequestError for a malformed conversation); a request
     with none is an empty prompt (the engine rejects it)."""
     which = request.WhichOneof("prompt")
@@ -79,6 +80,13 @@ def sampling_params_of(request: pb.GenerateRequest) -> SamplingParams:
                             **kwargs)
     params.validate()
     return params
+
+
+def pooling_params_of(request: pb.EmbedRequest) -> PoolingParams:
+    """The validated PoolingParams of an embedding request (unset fields: the checkpoint's defaults)."""
+    fields = {name: getattr(request, name) for name in ("pooling", "normalize", "dimensions", "lora_adapter")
+              if request.HasField(name)}
+    return PoolingParams(priority=request.priority, **fields)
 
 
 def _structure_of(params: pb.SamplingParams) -> StructuredOutput:

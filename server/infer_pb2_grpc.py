@@ -81,6 +81,11 @@ class InferenceStub:
                 request_serializer=infer_dot_server_dot_infer__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=infer_dot_server_dot_infer__pb2.LoraAdapters.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/infer.v1.Inference/Embed',
+                request_serializer=infer_dot_server_dot_infer__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=infer_dot_server_dot_infer__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -158,6 +163,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """The embedding of one prompt: its final hidden states pooled into one vector (infer.PoolingParams). Admitted
+        and scheduled as a prompt beside the other requests; no token is sampled. Cancelling the call (or its deadline
+        passing) aborts the request and frees its KV blocks; Abort(request_id) answers OK with no embedding and finish reason ABORT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -205,6 +219,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=infer_dot_server_dot_infer__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=infer_dot_server_dot_infer__pb2.LoraAdapters.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=infer_dot_server_dot_infer__pb2.EmbedRequest.FromString,
+                    response_serializer=infer_dot_server_dot_infer__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -452,6 +471,33 @@ class Inference:
             '/infer.v1.Inference/UnloadLoraAdapter',
             infer_dot_server_dot_infer__pb2.UnloadLoraAdapterRequest.SerializeToString,
             infer_dot_server_dot_infer__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infer.v1.Inference/Embed',
+            infer_dot_server_dot_infer__pb2.EmbedRequest.SerializeToString,
+            infer_dot_server_dot_infer__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

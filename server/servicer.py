@@ -14,11 +14,12 @@ import grpc
 
 from ..core.errors import CapacityError, InvalidRequestError
 from ..core.lora import check_lora_name
+from ..core.pooling import PoolingParams
 from ..core.request import RequestOutput, SamplingParams
 from . import infer_pb2 as pb
 from . import infer_pb2_grpc as pb_grpc
-from .convert import (beam_params_of, beam_search_to_proto, completion_to_proto, positions_to_proto, prompt_of,
-                      sampling_params_of, status_of)
+from .convert import (FINISH_REASONS, beam_params_of, beam_search_to_proto, completion_to_proto, pooling_params_of,
+                      positions_to_proto, prompt_of, sampling_params_of, status_of)
 from .streams import RequestStream
 from .worker import EngineWorker
 
@@ -130,11 +131,34 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:
             self._close(stream)
 
-    async def _open(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                    size_of: Callable[[RequestOutput], int] | None = None, max_merged: int = 0) -> RequestStream:
-        """Validate and admit a request, or abort the call (INVALID_ARGUMENT, UNAVAILABLE, RESOURCE_EXHAUSTED)."""
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """One prompt's embedding, admitted and run as Complete runs a request (an Abort answers with none)."""
+        stream = await self._open(request, context)
         try:
-            params: SamplingParams = sampling_params_of(request)
+            async for out in stream:
+                if out.finished:
+                    response = pb.EmbedResponse(request_id=out.request_id, embedding=out.embedding or [],
+                                                usage=_usage(out, 0),
+                                                finish_reason=FINISH_REASONS[out.outputs[0].finish_reason])
+                    if self.max_message_bytes is not None and response.ByteSize() > self.max_message_bytes:
+                        raise CapacityError(
+                            f"the embedding ({len(response.embedding)} values, {response.ByteSize()} bytes) is past "
+                            f"--max-message-bytes {self.max_message_bytes}, so Embed cannot send it; ask for fewer "
+                            "dimensions, or raise the server's --max-message-bytes")
+                    return response
+            raise RuntimeError("the embedding request's stream ended without a finished output")
+        except Exception as exc:
+            await _abort_with(context, exc)
+        finally:
+            self._close(stream)
+
+    async def _open(self, request: pb.GenerateRequest | pb.EmbedRequest, context: grpc.aio.ServicerContext,
+                    size_of: Callable[[RequestOutput], int] | None = None, max_merged: int = 0) -> RequestStream:
+        """Validate and admit a request (an embedding request for an EmbedRequest), or abort the call
+        (INVALID_ARGUMENT, UNAVAILABLE, RESOURCE_EXHAUSTED)."""
+        try:
+            params: SamplingParams | PoolingParams = (pooling_params_of(request) if isinstance(request, pb.EmbedRequest)
+                                                      else sampling_params_of(request))
             prompt = prompt_of(request)
             check_request_id(request.request_id)
         except Exception as exc:

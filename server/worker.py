@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.chat import Prompt
 from ..core.errors import InferError, InvalidRequestError, NotFoundError
+from ..core.pooling import PoolingParams
 from ..core.request import RequestOutput, SamplingParams
 from .snapshot import EngineSnapshot, Throughput, read_snapshot
 from .streams import RequestStream
@@ -49,7 +50,7 @@ class SearchLike(Protocol):
 class EngineLike(Protocol):
     """What the worker needs from :class:`~infer.core.engine.Engine`."""
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -66,7 +67,7 @@ class EngineLike(Protocol):
 @dataclass
 class _Add:
     prompt: Prompt
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # a generation request's, or an embedding request's
     stream: RequestStream
     arrival: float  # time.perf_counter() when the call came in: the engine counts TTFT and aging from there
 
@@ -134,8 +135,9 @@ class EngineWorker:
             self._put(_STOP)
             self._thread.join(timeout)
 
-    def submit(self, prompt: Prompt, params: SamplingParams, stream: RequestStream) -> None:
-        """Queue a request; its outputs (or its error) arrive on ``stream``."""
+    def submit(self, prompt: Prompt, params: SamplingParams | PoolingParams, stream: RequestStream) -> None:
+        """Queue a request (an embedding request with PoolingParams); its outputs (or its error) arrive on
+        ``stream``."""
         self._put(_Add(prompt, params, stream, time.perf_counter()))
 
     def cancel(self, stream: RequestStream) -> None:
