@@ -31,6 +31,7 @@ from .interfaces import LogitsProcessor, SchedulerOutput, StructuredOutputBacken
 from .logits_processors import LogitsProcessors
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
+from .model import NO_LM_HEAD
 from .pooling import Pooling, PoolingParams, embedding_sampling_params, read_pooling_defaults
 from .outputs import RequestState, append_output, build_output, with_every_sequence
 from .plugins import Blame, PluginManager, checked_manager
@@ -197,6 +198,8 @@ class Engine:
         pooling = self._pooling(params) if isinstance(params, PoolingParams) else None
         if pooling is not None:
             prompt, params = self._embedding_prompt(prompt), embedding_sampling_params(params)  # type: ignore[arg-type]
+        else:
+            self._check_generates()
         request, reasoning_end = self.intake.request(prompt, params or SamplingParams(), request_id,
                                                      now if arrival_time is None else arrival_time)
         seqs, params = request.seqs, request.params
@@ -214,6 +217,11 @@ class Engine:
         if params.n > 1:
             self.forks.add(request_id, seqs[1:])
         return request_id
+
+    def _check_generates(self) -> None:
+        """InvalidRequestError for generation (and beam search) on a model without an LM head."""
+        if not self.loaded.model.spec.has_lm_head:
+            raise InvalidRequestError(NO_LM_HEAD)
 
     def _pooling(self, params: PoolingParams) -> Pooling:
         """What an embedding request computes on this model."""
@@ -235,6 +243,8 @@ class Engine:
         if isinstance(params, PoolingParams):
             self._pooling(params)
             prompt, params = self._embedding_prompt(prompt), embedding_sampling_params(params)
+        else:
+            self._check_generates()
         checked = self.intake.check(prompt, params or SamplingParams())
         with self._plugin_code():
             self.scheduler.check(self.intake.probe(checked))
@@ -686,6 +696,7 @@ class Engine:
         """Check the prompts (InvalidRequestError, CapacityError, before any work) and start a beam search, which
         each ``step()`` then advances by one token until its ``done``; its ``result()`` is what ``beam_search``
         returns, or the error that failed it (that search only)."""
+        self._check_generates()
         with self._one_thread(), self._plugin_code():
             return self.searches.start(prompts, params or BeamSearchParams(), lambda: next(self.intake.seq_ids))
 

@@ -643,6 +643,9 @@ class ModelSpec:
     sliding_window: int | None = None  # the smallest window of the layers that slide (None: no layer slides)
     attn_softcap: float | None = None  # attention scores pass through cap * tanh(score / cap) (Gemma 2; None: not)
     graph_blocker: str | None = None  # what keeps CUDA graphs from capturing the forward (a host sync), or None
+    # False for a checkpoint without an output head (an embedding model: a bare backbone, or no lm_head.weight and
+    # untied embeddings): compute_logits raises, and the engine serves embedding requests only
+    has_lm_head: bool = True
 
 
 def __getattr__(name: str) -> Any:

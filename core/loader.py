@@ -24,6 +24,7 @@ log = logging.getLogger("infer")
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DECODER_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # HF's name of a decoder layer's tensors
+BARE_BACKBONE = re.compile(r"(embed_tokens|layers|norm)\.")  # a bare backbone's names of them (Qwen3Model's)
 
 
 @dataclass
@@ -220,12 +221,14 @@ LoadProgress = Callable[[int, int], None]  # (bytes of the weight files read, th
 
 
 class WeightStream:
-    """The (name, tensor) pairs of the weight files, in order; ``current`` is the file being read (None once all
-    are read), so that a tensor the model refuses can be traced to its file. ``progress`` is told the bytes read
-    after each tensor (the files' total once each file ends)."""
+    """The (name, tensor) pairs of the weight files, in order, each name as ``layout`` maps it; ``current`` is the
+    file being read (None once all are read), so that a tensor the model refuses can be traced to its file.
+    ``progress`` is told the bytes read after each tensor (the files' total once each file ends)."""
 
-    def __init__(self, files: list[Path], progress: LoadProgress | None = None) -> None:
+    def __init__(self, files: list[Path], progress: LoadProgress | None = None,
+                 layout: KeyLayout | None = None) -> None:
         self.files, self.current, self.progress = files, None, progress
+        self.layout = layout or KeyLayout()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import SafetensorError, safe_open
@@ -239,7 +242,7 @@ class WeightStream:
                 with safe_open(str(file), framework="pt") as f:  # memory-mapped; tensors materialise one at a time
                     for name in f.keys():
                         tensor = f.get_tensor(name)
-                        yield name, tensor
+                        yield self.layout.model_name(name), tensor
                         read = min(size, read + tensor.nbytes)
                         if self.progress is not None:
                             self.progress(done + read, total)
@@ -266,23 +269,69 @@ def unreadable(file: Path, exc: Exception) -> CheckpointError:
                            "such a file: fetch it again")
 
 
-def check_layer_count(raw: dict[str, Any], files: list[Path]) -> None:
-    """config.json's num_hidden_layers against the decoder layers the weights hold (``model.layers.N.`` names, read
-    from the files' headers), before the model is built: a count past them built every missing layer first (minutes
-    for an absurd one, or a "does not fit" refusal for a model that would) before the load named missing tensors.
-    Weights named otherwise are not checked here."""
+def checkpoint_names(files: list[Path]) -> list[str]:
+    """The tensor names of the weight files, read from their headers."""
     from safetensors import SafetensorError, safe_open
 
-    stated = raw.get("num_hidden_layers")
-    if not isinstance(stated, int) or isinstance(stated, bool):
-        return
-    last = -1
+    names: list[str] = []
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
-                last = max([last] + [int(m.group(1)) for name in f.keys() if (m := DECODER_LAYER.match(name))])
+                names.extend(f.keys())
         except SafetensorError as exc:
             raise unreadable(file, exc) from exc
+    return names
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """How a checkpoint names the backbone's tensors: under ``model.`` as a *ForCausalLM saves them, or ``bare`` as
+    a bare backbone does (Qwen3Model, e5-mistral's MistralModel, Qwen3-Embedding: ``embed_tokens.weight``,
+    ``layers.N.*``, ``norm.weight``), which load under ``model.``; ``lm_head.*`` keeps its name in both."""
+
+    bare: bool = False
+
+    def model_name(self, name: str) -> str:
+        """The name the model gives the checkpoint's tensor ``name``."""
+        return f"model.{name}" if self.bare and not name.startswith("lm_head.") else name
+
+    def for_model(self, model: torch.nn.Module) -> KeyLayout:
+        """This layout, logged; none for a model that names tensors bare itself (a plugin's), which takes the
+        checkpoint's names as they are."""
+        if self.bare and any(BARE_BACKBONE.match(name) for name in model.state_dict()):
+            return KeyLayout()
+        if self.bare:
+            log.info("the checkpoint names its tensors as a bare backbone does (embed_tokens, layers.N, norm "
+                     "without 'model.'): loading them as model.*")
+        else:
+            log.info("the checkpoint names its tensors under 'model.' (a *ForCausalLM's layout) or its own way")
+        return self
+
+
+def key_layout(names: list[str]) -> KeyLayout:
+    """The layout of the checkpoint tensor ``names``; CheckpointError for one that mixes both."""
+    bare = [name for name in names if BARE_BACKBONE.match(name)]
+    if not bare:
+        return KeyLayout()
+    prefixed = [name for name in names if name.startswith("model.")]
+    if prefixed:
+        raise CheckpointError(f"the checkpoint mixes two layouts of the backbone's tensor names: {len(prefixed)} "
+                              f"under 'model.' (e.g. {prefixed[0]!r}) and {len(bare)} without it (e.g. {bare[0]!r}, "
+                              "as a bare backbone such as Qwen3Model saves them); a checkpoint holds one of them: "
+                              "remove the files of the other export (or list the right ones in "
+                              "model.safetensors.index.json)")
+    return KeyLayout(bare=True)
+
+
+def check_layer_count(raw: dict[str, Any], names: list[str]) -> None:
+    """config.json's num_hidden_layers against the decoder layers the weights hold (``model.layers.N.`` names, as
+    the model names them), before the model is built: a count past them built every missing layer first (minutes
+    for an absurd one, or a "does not fit" refusal for a model that would) before the load named missing tensors.
+    Weights named otherwise are not checked here."""
+    stated = raw.get("num_hidden_layers")
+    if not isinstance(stated, int) or isinstance(stated, bool):
+        return
+    last = max([-1] + [int(m.group(1)) for name in names if (m := DECODER_LAYER.match(name))])
     if 0 <= last < stated - 1:
         raise CheckpointError(f"config.json has num_hidden_layers {stated}, but the weights hold decoder layers 0 to "
                               f"{last} only (model.layers.N.*); correct num_hidden_layers, or fetch the checkpoint "
@@ -392,15 +441,29 @@ def architectures(raw: dict[str, Any]) -> list[str]:
                      "AutoModelForCausalLM", model_type, named)
             return [named]
     if archs and isinstance(model_type := raw.get("model_type"), str):
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
         named = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-        if named is not None and named != archs[0]:  # HF's Auto class would build the other one
+        backbone = MODEL_MAPPING_NAMES.get(model_type)  # a bare backbone of the same model (an embedding model's)
+        if named is not None and archs[0] not in (named, backbone):  # HF's Auto class would build the other one
             log.warning("config.json names the architecture %s but model_type %r, which transformers' "
                         "AutoModelForCausalLM builds as %s; infer builds %s (as vLLM does), so what only %s does "
                         "(a sliding window, say) does not apply: fix config.json if it should", archs[0],
                         model_type, named, archs[0], named)
     return archs
+
+
+def log_no_lm_head(architecture: str) -> None:
+    """Say that a model loaded without an LM head serves embeddings only; a *ForCausalLM may have lost its head."""
+    if not architecture.endswith("ForCausalLM"):
+        log.info("no LM head: this engine serves embeddings only (%s is a bare backbone); generation requests and "
+                 "beam searches will be refused", architecture)
+        return
+    log.warning("no LM head: this engine serves embeddings only: config.json names %s with tie_word_embeddings "
+                "false, but the checkpoint holds no lm_head.weight, so generation requests and beam searches will "
+                "be refused. Embedding checkpoints (Qwen3-Embedding) ship so; a generation model's head is missing: "
+                "fetch the checkpoint again, or set tie_word_embeddings true if the head is the embedding",
+                architecture)
 
 
 def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
@@ -443,7 +506,9 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path, progres
                               "checkpoint in one of those formats, or install a plugin for it")
     quant_name = config.quant or declared
     quant = plugins.build("quant_method", quant_name, QuantMethod, config, quant_config) if quant_name else None
-    check_layer_count(raw, files)
+    names = checkpoint_names(files)
+    layout = key_layout(names)
+    check_layer_count(raw, [layout.model_name(name) for name in names])
     too_large = ("the model does not fit: use a quantized checkpoint or quantize it as it loads (--quant awq: about "
                  "a quarter of its 16-bit size, --quant fp8: a half), a smaller model, or a device with more memory "
                  "(other processes on the GPU, shown by nvidia-smi, take their share)")
@@ -456,13 +521,15 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path, progres
     if len(tokenizer) > model.spec.vocab_size:
         log.warning("the tokenizer has %d tokens but the model's vocabulary %d: prompts with the extra tokens are "
                     "refused", len(tokenizer), model.spec.vocab_size)
-    weights = WeightStream(files, progress)
+    weights = WeightStream(files, progress, layout.for_model(model))
     try:
         with device_memory(device, "loading the model's weights", too_large):
             model.load_weights(iter(weights))
     except CheckpointError as exc:
         raise weights.refused(exc) from exc
     check_finite(model, "float16" if dtype == torch.float16 and checkpoint_dtype(raw) != "float16" else None)
+    if not model.spec.has_lm_head:
+        log_no_lm_head(archs[0])
     model.eval()
     return LoadedModel(model, getattr(model, "cfg", raw), tokenizer, device, dtype, path, quant, eos, archs[0],
                        quant_name if quant is not None else None)

@@ -14,6 +14,10 @@ from .interfaces import AttentionBackend, AttentionMetadata, ModelSpec
 
 log = logging.getLogger("infer")
 
+# why a model without an LM head (ModelSpec.has_lm_head false) refuses generation and logits
+NO_LM_HEAD = ("this checkpoint has no LM head (an embedding model): send embedding requests (PoolingParams, "
+              "`infer embed`)")
+
 
 class Model(torch.nn.Module, ABC):
     """A causal LM over a flat token batch. The attention layers call the backend given in ``forward``.
@@ -36,7 +40,8 @@ class Model(torch.nn.Module, ABC):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        """hidden [N, hidden] -> logits [N, vocab] in float32; a model without an LM head (``spec.has_lm_head``
+        false) raises InvalidRequestError (NO_LM_HEAD)."""
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -374,6 +374,8 @@ class ModelRunner:
             collect(prompt, lambda part: self.model.compute_logits(hidden[part.to(hidden.device)]))
         if pooled is not None:
             collect_pooled(pooled, hidden)
+        if not self.model.spec.has_lm_head:  # an embedding model's engine samples no row: no logits to compute
+            return hidden.new_empty((num_tokens if rows is None else rows.shape[0], 0), dtype=torch.float32)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def advance(self, batch: Batch, next_ids: torch.Tensor) -> Batch:
@@ -403,7 +405,8 @@ class ModelRunner:
         """Capture graphs for decode steps of up to ``max_batch`` sequences and, in ``query_lens`` (query length ->
         largest batch), for steps whose sequences all run that many query tokens (speculative verification); with
         ``mixed_tokens``, for any other step of up to that many tokens and ``mixed_rows`` sequences (the backend
-        must support mixed graphs). ``eager`` runs the padded forward pass without capturing (tests on any device)."""
+        must support mixed graphs). ``eager`` runs the padded forward pass without capturing (tests on any device).
+        A model without an LM head gets no decode graphs (they compute logits), only the mixed ones."""
         from .cuda_graphs import DecodeGraphs, MixedGraphs
 
         pool, self.mixed_graphs = None, None
@@ -417,6 +420,11 @@ class ModelRunner:
                 self.mixed_graphs = MixedGraphs(self.model, self.attention, self.kv_caches, self.block_size,
                                                 mixed_tokens, mixed_rows or max_batch, self.device, eager=eager)
                 pool = self.mixed_graphs.capture()  # first: the largest activations, which the decode graphs reuse
+            if not self.model.spec.has_lm_head:
+                self.graphs = None
+                log.info("CUDA graphs: none for decode steps, which compute logits, and this model has no LM head "
+                         "(it serves embeddings)%s", "; mixed steps replay theirs" if mixed_tokens else "")
+                return
             self.graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, self.block_size, max_batch,
                                        self.device, {1: max_batch, **(query_lens or {})}, eager=eager)
             self.graphs.capture(pool)

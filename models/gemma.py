@@ -187,8 +187,9 @@ class GemmaModel(LlamaFamilyModel):
     norm_class = GemmaRMSNorm
 
     def __init__(self, cfg: GemmaConfig, quant: QuantMethod | None, dtype: torch.dtype, max_positions: int,
-                 ops: PointwiseOps = TORCH_OPS, merge_projections: bool = False, multimodal: bool = False) -> None:
-        super().__init__(cfg, quant, dtype, max_positions, ops, merge_projections)
+                 ops: PointwiseOps = TORCH_OPS, merge_projections: bool = False, multimodal: bool = False,
+                 backbone: bool = False) -> None:
+        super().__init__(cfg, quant, dtype, max_positions, ops, merge_projections, backbone)
         self.multimodal = multimodal  # a Gemma3ForConditionalGeneration checkpoint: its text model's tensors
         self.spec = replace(self.spec, attn_softcap=cfg.attn_softcap)
         local = replace(cfg, rope=cfg.local_rope or {})

@@ -4,16 +4,16 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..core.errors import CheckpointError, shape_mismatch
+from ..core.errors import CheckpointError, InvalidRequestError, shape_mismatch
 from ..core.loader import checkpoint_dtype
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
-from ..core.model import Model
+from ..core.model import NO_LM_HEAD, Model
 from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, UnquantizedMethod, merge_linears
 from .moe import MoeConfig, Router, SparseMoe, experts_fp8, experts_quant
 
@@ -425,12 +425,16 @@ class DecoderLayer(nn.Module):
 
 class LlamaFamilyModel(Model):
     """Parameter names follow the HF checkpoints exactly, so loading is a name lookup. ``ops`` are the elementwise
-    ops (norms, rotary, SiLU-and-mul): the torch reference, or fused Triton kernels on a GPU."""
+    ops (norms, rotary, SiLU-and-mul): the torch reference, or fused Triton kernels on a GPU. ``backbone``: the
+    checkpoint names a bare backbone (Qwen3Model, MistralModel), which has an LM head only if it ships
+    ``lm_head.*``; any checkpoint without those and with untied embeddings loads without a head too
+    (``spec.has_lm_head`` false: an embedding model)."""
 
     def __init__(self, cfg: ArchConfig, quant: QuantMethod | None, dtype: torch.dtype, max_positions: int,
-                 ops: PointwiseOps = TORCH_OPS, merge_projections: bool = False) -> None:
+                 ops: PointwiseOps = TORCH_OPS, merge_projections: bool = False, backbone: bool = False) -> None:
         super().__init__()
         self.ops = ops
+        self.backbone = backbone
         self.merge_after_loading = merge_projections
         self.cfg = cfg
         self.spec = ModelSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, max_positions,
@@ -476,6 +480,8 @@ class LlamaFamilyModel(Model):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.spec.has_lm_head:
+            raise InvalidRequestError(NO_LM_HEAD)
         if self.lm_head is None:
             return self.tied_head.matmul(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
@@ -494,6 +500,7 @@ class LlamaFamilyModel(Model):
             expected -= {"lm_head.weight"}  # a quantized copy of a tied head is loaded from the embedding below
         seen: set[str] = set()
         tied_head: torch.Tensor | None = None
+        ships_head = False  # any lm_head.* tensor (a quantized head has several)
         qc = self.cfg.quantization_config
         kv_scales = KV_SCALE_NAMES if isinstance(qc, dict) and qc.get("kv_cache_scheme") else ()
         for name, tensor in weights:
@@ -504,6 +511,7 @@ class LlamaFamilyModel(Model):
                 name = name.replace(".mlp.", f".{renamed}.", 1)
             if name.endswith("rotary_emb.inv_freq") or name.endswith(kv_scales):
                 continue  # a derived buffer; the KV scales of a kv_cache_scheme, which --kv-cache-dtype replaces
+            ships_head = ships_head or name.startswith("lm_head.")
             if name == "lm_head.weight" and tied:
                 tied_head = tensor  # must be the embedding: checked below
                 continue
@@ -535,12 +543,14 @@ class LlamaFamilyModel(Model):
             load_parameter(EMBEDDING, params[EMBEDDING], tied_head)
             seen.add(EMBEDDING)
             tied_head = None
+        if not ships_head and (self.backbone or not tied):  # an embedding model: no head to load or compute
+            self.lm_head = None
+            self.spec = replace(self.spec, has_lm_head=False)
+            expected = {key for key in expected if not key.startswith("lm_head.")}
         missing = sorted(expected - seen) + [name for prefix, module in experts.items()
                                              for name in module.missing(prefix)]
         if missing:
-            hint = "; config.json says tie_word_embeddings false: set it true if the head is the embedding" \
-                if "lm_head.weight" in missing else ""
-            raise CheckpointError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}{hint}")
+            raise CheckpointError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
         embedding = self.model.embed_tokens.weight
         if tied_head is not None and not torch.equal(tied_head.to(embedding.device, embedding.dtype), embedding):
             raise CheckpointError("config.json says tie_word_embeddings true, but the checkpoint's lm_head.weight "
@@ -548,7 +558,7 @@ class LlamaFamilyModel(Model):
                                   "config.json to use the separate head")
         if tied and self.lm_head is not None:
             self.lm_head.load("weight", embedding)
-        linears = [module for module in modules.values() if isinstance(module, Linear)]
+        linears = [module for module in self.modules() if isinstance(module, Linear)]  # a dropped head's gone
         del modules, params, tied_head, embedding  # no reference may outlive what the loops below replace
         for module in linears:  # on-load quantization frees each float weight as it goes
             module.method.process_after_loading(module)

@@ -1,5 +1,5 @@
 """Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and the MoE Mixtral,
-Qwen2-MoE and Qwen3-MoE)."""
+Qwen2-MoE and Qwen3-MoE), and their bare backbones (LlamaModel, Qwen3Model...) as the same models."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +22,10 @@ DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
                        "Phi3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 ARCHITECTURES = (*DENSE_ARCHITECTURES, "Gemma2ForCausalLM", "Gemma3ForCausalLM", *MOE_ARCHITECTURES)
+# each architecture's bare backbone (transformers' AutoModel class of its model_type): embedding checkpoints name it
+# (e5-mistral's MistralModel); Gemma3ForCausalLM's is Gemma3TextModel (Gemma3Model is the multimodal one)
+BACKBONES = {name.removesuffix("ForCausalLM") + "Model": name for name in ARCHITECTURES
+             if name != "Gemma3ForCausalLM"} | {"Gemma3TextModel": "Gemma3ForCausalLM"}
 
 
 def build_gemma3_text(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
@@ -33,8 +37,17 @@ def build_gemma3_text(hf_config: dict[str, Any], quant: QuantMethod | None, dtyp
     return build_llama_family(text_config(hf_config), quant, dtype, config, multimodal=True)
 
 
+def build_backbone(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
+                   config: EngineConfig) -> Model:
+    """A bare backbone (Qwen3Model, MistralModel...): its *ForCausalLM twin's model, with an LM head only if the
+    checkpoint ships one (else an embedding model)."""
+    archs = hf_config["architectures"]
+    twin = {**hf_config, "architectures": [BACKBONES[archs[0]], *archs[1:]]}
+    return build_llama_family(twin, quant, dtype, config, backbone=True)
+
+
 def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
-                       config: EngineConfig, multimodal: bool = False) -> Model:
+                       config: EngineConfig, multimodal: bool = False, backbone: bool = False) -> Model:
     from ..core.errors import ConfigError
     from ..models.gemma import ARCHITECTURES as GEMMAS
     from ..models.gemma import GemmaConfig, GemmaModel
@@ -90,9 +103,10 @@ def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dty
         quant = UnquantizedMethod(config.skinny_gemm_rows)  # every linear, and the tied head, share it
     if gemma:
         model = GemmaModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge,
-                           multimodal=multimodal)
+                           multimodal=multimodal, backbone=backbone)
     else:
-        model = LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge)
+        model = LlamaFamilyModel(arch, quant, dtype, max_positions=max_len, ops=ops, merge_projections=merge,
+                                 backbone=backbone)
     model.spec = dataclasses.replace(model.spec, graph_blocker=experts_loop_blocker(model, config))
     return model
 
@@ -143,4 +157,6 @@ def pointwise_ops(config: EngineConfig) -> PointwiseOps:
 def register_models(register: Register[ModelFactory]) -> None:
     for name in ARCHITECTURES:
         register(name, build_llama_family)
+    for name in BACKBONES:
+        register(name, build_backbone)
     register("Gemma3ForConditionalGeneration", build_gemma3_text)

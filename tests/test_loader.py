@@ -373,9 +373,15 @@ def test_a_gemma_norm_that_is_not_float_is_refused(checkpoint, tmp_path, dtype):
         load_error(path)
 
 
-def test_a_missing_head_suggests_tied_embeddings(llama, tmp_path):
+def test_a_missing_head_loads_an_embedding_model_and_suggests_tied_embeddings(llama, tmp_path, caplog):
+    """An untied checkpoint without lm_head.weight is an embedding model (Qwen3-Embedding-8B ships so): it loads,
+    refuses generation, and the warning says how to fix a generation model that lost its head."""
     path = copy_of(llama, tmp_path / "m", tensors=lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
-    assert "set it true if the head is the embedding" in load_error(path)
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        llm = LLM(model=str(path), device="cpu")
+    assert "set tie_word_embeddings true if the head is the embedding" in caplog.text
+    with pytest.raises(InvalidRequestError, match="this checkpoint has no LM head"):
+        llm.generate([PROMPT], GREEDY)
 
 
 @pytest.mark.parametrize("fields, expected", [
@@ -650,8 +656,8 @@ def test_a_missing_tensor_among_several_files_blames_no_file(llama, tmp_path):
     path = copy_of(llama, tmp_path / "m")
     tensors = load_file(str(path / "model.safetensors"))
     (path / "model.safetensors").unlink()
-    names = sorted(name for name in tensors if name != "lm_head.weight")
+    names = sorted(name for name in tensors if name != "model.norm.weight")
     save_file({name: tensors[name] for name in names[: len(names) // 2]}, str(path / "a.safetensors"))
     save_file({name: tensors[name] for name in names[len(names) // 2:]}, str(path / "b.safetensors"))
     message = load_error(path)
-    assert "lm_head.weight" in message and "(in " not in message
+    assert "model.norm.weight" in message and "(in " not in message
