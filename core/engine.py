@@ -663,6 +663,8 @@ class Engine:
         for one in params if isinstance(params, Seq) else [params]:
             if one is not None and not isinstance(one, PoolingParams):
                 raise InvalidRequestError(f"embed takes PoolingParams, got {type(one).__name__}")
+        if isinstance(params, Seq):  # a None among them is the default, as a None for all is
+            return self.generate(prompts, [one or PoolingParams() for one in params])
         return self.generate(prompts, params or PoolingParams())
 
     def generate_as_completed(self, prompts: Seq[Prompt], params: Params | Seq[Params] | None = None

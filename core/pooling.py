@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .request import Sequence
 
 POOLING_METHODS = ("last", "mean")
+COMPUTED_MODULES = (".Transformer", ".Pooling", ".Normalize")  # sentence-transformers modules infer computes
 ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
 
 
@@ -77,15 +78,23 @@ class PoolingDefaults:
 
     method: str | None = None
     normalize: bool | None = None
+    unapplied: tuple[str, ...] = ()  # its modules that change the vector and infer does not run (Dense, say)
 
     def resolve(self, params: PoolingParams, hidden_size: int | None) -> Pooling:
         """The pooling ``params`` ask for on a model of ``hidden_size`` (None: unknown, not checked)."""
         if params.dimensions is not None and hidden_size is not None and params.dimensions > hidden_size:
             raise InvalidRequestError(f"dimensions {params.dimensions} exceeds the model's hidden size "
                                       f"{hidden_size}; ask for at most {hidden_size} (or None for all)")
+        if params.pooling is None and self.unapplied:
+            raise InvalidRequestError(f"the checkpoint's sentence-transformers modules include "
+                                      f"{', '.join(self.unapplied)}, which infer does not run, so its embedding is "
+                                      f"not what infer computes; pass pooling= one of {', '.join(POOLING_METHODS)} "
+                                      "for the pooled final hidden states without them")
         method = params.pooling or self.method or "last"
         if method not in POOLING_METHODS:
-            raise InvalidRequestError(f"the checkpoint's sentence-transformers pooling is {method!r}, which infer "
+            modes = method.split("+")  # several: sentence-transformers concatenates their vectors
+            named = " and ".join(map(repr, modes)) + (" together (concatenated)" if len(modes) > 1 else "")
+            raise InvalidRequestError(f"the checkpoint's sentence-transformers pooling is {named}, which infer "
                                       f"does not compute; pass pooling= one of {', '.join(POOLING_METHODS)}")
         normalize = params.normalize if params.normalize is not None else self.normalize is not False
         return Pooling(method, normalize, params.dimensions)
@@ -93,8 +102,10 @@ class PoolingDefaults:
 
 def read_pooling_defaults(folder: Path) -> PoolingDefaults:
     """The pooling and normalization that ``folder``'s sentence-transformers files (``modules.json``,
-    ``1_Pooling/config.json``) declare; none for a folder without them. A pooling mode infer does not compute is
-    an error only when it is the one asked for (``Pooling.method`` left None)."""
+    ``1_Pooling/config.json``) declare; none for a folder without them. A pooling mode infer does not compute (or
+    several, joined by "+": their vectors concatenated) is an error only when it is the one asked for
+    (``PoolingParams.pooling`` left None), and so is a module that changes the vector after the pooling (only
+    Transformer, Pooling and Normalize are what infer computes)."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return PoolingDefaults()
@@ -106,6 +117,7 @@ def read_pooling_defaults(folder: Path) -> PoolingDefaults:
         raise CheckpointError(f"{modules_file} is not a sentence-transformers module list: {exc}; fix or remove "
                               "it") from exc
     normalize = any(t.endswith(".Normalize") for t in types)
+    unapplied = tuple(t.rsplit(".", 1)[-1] or "an untyped module" for t in types if not t.endswith(COMPUTED_MODULES))
     method = None
     if pooling_dirs and (config_file := folder / pooling_dirs[0] / "config.json").is_file():
         try:
@@ -113,8 +125,8 @@ def read_pooling_defaults(folder: Path) -> PoolingDefaults:
             modes = [name for name, on in config.items() if name.startswith("pooling_mode_") and on is True]
         except (ValueError, AttributeError) as exc:
             raise CheckpointError(f"{config_file} is not a sentence-transformers pooling config: {exc}") from exc
-        method = ST_POOLING_MODES.get(modes[0], modes[0]) if len(modes) == 1 else None
-    return PoolingDefaults(method, normalize)
+        method = ST_POOLING_MODES.get(modes[0], modes[0]) if len(modes) == 1 else "+".join(modes) or None
+    return PoolingDefaults(method, normalize, unapplied)
 
 
 @dataclass
