@@ -13,9 +13,11 @@ from .options import lora_adapter_option
 
 @click.command("embed")
 @click.argument("prompts", nargs=-1)
-@click.option("--pooling", type=click.Choice(["last", "mean"]), default=None,
-              help="last: the last prompt position's hidden state; mean: the average of every position's [default: "
-                   "the checkpoint's sentence-transformers pooling (1_Pooling/config.json), else last].")
+@click.option("--pooling", default=None, metavar="NAME",
+              help="A pooler (`infer plugins` lists them): last, the last prompt position's hidden state; mean, the "
+                   "average of every position's; first (cls), max, weighted-mean, mean-sqrt-len, as "
+                   "sentence-transformers defines them [default: the checkpoint's sentence-transformers pooling "
+                   "(1_Pooling/config.json), else last].")
 @click.option("--normalize/--no-normalize", default=None,
               help="Divide each embedding by its L2 norm [default: as the checkpoint's modules.json says (a Normalize "
                    "module), else --normalize].")

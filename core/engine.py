@@ -27,12 +27,12 @@ from .forks import PendingForks, start_forks
 from .intake import Intake
 from .interrupts import HeldInterrupts
 from .loader import LoadProgress, out_of_memory
-from .interfaces import LogitsProcessor, SchedulerOutput, StructuredOutputBackend, Vocabulary
+from .interfaces import LogitsProcessor, Pooler, SchedulerOutput, StructuredOutputBackend, Vocabulary
 from .logits_processors import LogitsProcessors
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
 from .model import NO_LM_HEAD
-from .pooling import Pooling, PoolingParams, embedding_sampling_params, read_pooling_defaults
+from .pooling import Pooling, PoolingParams, Poolers, embedding_sampling_params, read_pooling_defaults
 from .outputs import RequestState, append_output, build_output, with_every_sequence
 from .plugins import Blame, PluginManager, checked_manager
 from .readers import Reader, Readers
@@ -139,6 +139,7 @@ class Engine:
         self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
         self.embedding_requests = 0  # live requests that ask for an embedding (PoolingParams)
         self.pooling_defaults = read_pooling_defaults(self.loaded.path)
+        self.poolers = Poolers(self._pooler, self.plugins.registry("pooler").names)
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
         self.searches = BeamSearches(self)  # beam searches under way, a token per step beside the requests
         if config.freeze_gc:
@@ -225,7 +226,14 @@ class Engine:
 
     def _pooling(self, params: PoolingParams) -> Pooling:
         """What an embedding request computes on this model."""
-        return self.pooling_defaults.resolve(params, getattr(self.loaded.arch, "hidden_size", None))
+        with self._plugin_code():
+            return self.pooling_defaults.resolve(params, getattr(self.loaded.arch, "hidden_size", None), self.poolers)
+
+    def _pooler(self, name: str) -> Pooler:
+        """Built at the first request that names it, and blamed for its errors from then on."""
+        pooler = self.plugins.build("pooler", name, Pooler, self.config)
+        self.blame.add("pooler", name, pooler)
+        return pooler
 
     def _embedding_prompt(self, prompt: Prompt) -> list[int]:
         """An embedding request's prompt as token ids, at most the context length less one (the token its

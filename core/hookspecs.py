@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from .config import EngineConfig
-    from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, LogitsProcessor, Model, Proposer,
+    from .interfaces import (AttentionBackend, EvictionPolicy, KVCache, LogitsProcessor, Model, Pooler, Proposer,
                              QuantMethod, ReasoningParser, Scheduler, StructuredOutputBackend, ToolParser, Vocabulary)
     from .loader import LoadedModel
     from .plugins import PluginManager
@@ -36,6 +36,7 @@ ToolParserFactory = Callable[["EngineConfig", Any], "ToolParser"]
 ReasoningParserFactory = Callable[["EngineConfig", Any], "ReasoningParser"]
 StructuredOutputBackendFactory = Callable[["EngineConfig", "Vocabulary"], "StructuredOutputBackend"]
 LogitsProcessorFactory = Callable[["EngineConfig", Any], "LogitsProcessor"]
+PoolerFactory = Callable[["EngineConfig"], "Pooler"]
 CommandFactory = Callable[[], "click.Command"]
 
 
@@ -48,8 +49,8 @@ def hookspec_namespace() -> dict[str, Any]:
 
     from . import config, interfaces, loader, metrics, plugins, registry, request
 
-    abcs = ("AttentionBackend", "EvictionPolicy", "KVCache", "LogitsProcessor", "Model", "Proposer", "QuantMethod",
-            "ReasoningParser", "Scheduler", "StructuredOutputBackend", "ToolParser", "Vocabulary")
+    abcs = ("AttentionBackend", "EvictionPolicy", "KVCache", "LogitsProcessor", "Model", "Pooler", "Proposer",
+            "QuantMethod", "ReasoningParser", "Scheduler", "StructuredOutputBackend", "ToolParser", "Vocabulary")
     return {"click": import_module("click"), "torch": import_module("torch"), "EngineConfig": config.EngineConfig,
             "LoadedModel": loader.LoadedModel, "PluginManager": plugins.PluginManager, "StepStats": metrics.StepStats,
             "Register": registry.Register, "RequestOutput": request.RequestOutput,
@@ -164,6 +165,19 @@ def register_logits_processors(register: Register[LogitsProcessorFactory]) -> No
     ``SamplingParams.logits_processors``; the engine checks the arguments at admission (``check``) and hands the
     processor the logits rows of those requests' sequences before each sample (``apply``). Not selected by
     ``--plugin``: each request picks its own (``infer generate --logits-processor NAME``).
+    """
+
+
+@hookspec
+def register_poolers(register: Register[PoolerFactory]) -> None:
+    """Register poolers, which embedding requests choose by name (``PoolingParams.pooling``; core/pooling.py).
+
+    ``factory(config)`` returns a :class:`~infer.core.interfaces.Pooler`, built once per engine when a request
+    first names it. The engine hands it the final hidden states of each embedding request's prompt positions as the
+    prompt is computed, a chunk at a time (``add``), then asks for the vector (``finish``), which it cuts to the
+    request's ``dimensions`` and normalizes. Not selected by ``--plugin``: each request picks its own
+    (``infer embed --pooling NAME``). A sentence-transformers checkpoint's pooling mode names the default: see
+    core/pooling.py for the names it maps to.
     """
 
 

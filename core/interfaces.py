@@ -17,7 +17,7 @@ from .request import FinishReason, Sequence, SequenceStatus
 __all__ = [
     "KVStats", "BlockOps", "KVCache", "EvictionPolicy", "not_evictable", "ScheduledSequence", "SchedulerOutput",
     "Scheduler", "AttentionMetadata", "LayerKVCache", "kv_cache_scales", "AttentionBackend", "QUANTIZED_TENSOR_NAMES",
-    "check_float", "QuantMethod", "ProcessorRow", "LogitsProcessor", "Proposal", "Proposer", "ToolParser",
+    "check_float", "QuantMethod", "ProcessorRow", "LogitsProcessor", "Pooler", "Proposal", "Proposer", "ToolParser",
     "ReasoningParser", "ReasoningStream", "ReasoningEnd", "Vocabulary", "StructuredOutputBackend", "Grammar",
     "GrammarMatcher", "ModelSpec", "Model",
     "Sequence", "SequenceStatus", "FinishReason",  # what a scheduler reads and sets (from core/request.py)
@@ -586,6 +586,30 @@ class LogitsProcessor(ABC):
     def release(self, seq_id: int) -> None:
         """The sequence ``seq_id`` finished (a beam: dropped, its prompt done, or its search over): drop any state
         kept for it. The default keeps none."""
+
+
+# ---------------------------------------------------------------- embeddings
+class Pooler(ABC):
+    """Pools an embedding request's final hidden states (after the model's last norm) into one vector. A prompt may
+    be computed over several steps (chunked prefill; a recompute after preemption), so the pooler folds the rows of
+    each step into a running state of its own making, then finishes it. Stateless itself: one instance serves every
+    request that names it."""
+
+    reads_every_position: ClassVar[bool] = True  # False: it reads only the prompt's last position (the prefix
+    # cache may then serve the others; True computes the whole prompt, as prompt logprobs do)
+
+    @abstractmethod
+    def add(self, state: torch.Tensor | None, rows: torch.Tensor, first_position: int) -> torch.Tensor:
+        """Fold ``rows`` [n, H] float32, the hidden states of prompt positions ``first_position`` to
+        ``first_position + n - 1``, into ``state`` (None before the first rows) and return the new state, a tensor
+        on the rows' device (``rows`` are the pooler's to keep). Every position comes once, in order, from 0; with
+        ``reads_every_position`` False only the last one comes."""
+
+    @abstractmethod
+    def finish(self, state: torch.Tensor, num_positions: int) -> torch.Tensor:
+        """The pooled vector, [H'] float32 (H' >= the request's ``dimensions``), from the state after the prompt's
+        ``num_positions`` rows (1 for a pooler that reads only the last position); the engine then cuts it to
+        ``dimensions`` and L2-normalizes it as the request asks."""
 
 
 # ---------------------------------------------------------------- speculative decoding

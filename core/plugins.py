@@ -37,6 +37,7 @@ KINDS: dict[str, str] = {  # kind -> registration hook name
     "reasoning_parser": "register_reasoning_parsers",
     "structured_output_backend": "register_structured_output_backends",
     "logits_processor": "register_logits_processors",
+    "pooler": "register_poolers",
     "model": "register_models",
     "command": "register_commands",
 }
@@ -277,6 +278,9 @@ class PluginManager:
                 raise ConfigError(f"{name!r} is a logits processor, which each request chooses, not the engine: "
                                   f"SamplingParams(logits_processors=[{name!r}]), or `infer generate "
                                   f"--logits-processor {name}`")
+            if not kinds and name in self.registries["pooler"]:
+                raise ConfigError(f"{name!r} is a pooler, which each embedding request chooses, not the engine: "
+                                  f"PoolingParams(pooling={name!r}), or `infer embed --pooling {name}`")
             if not kinds:
                 every = sorted({c.name for c in self.components() if c.kind in COMPONENT_FIELDS})
                 close = difflib.get_close_matches(name, every, n=1)

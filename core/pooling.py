@@ -1,49 +1,54 @@
 """Embeddings: a prompt's final hidden states (after the model's last norm) pooled into one vector.
 
 An embedding request (``Engine.add_request(prompt, PoolingParams(...))``) is scheduled as a prompt and ends when
-its prompt is computed: no token is sampled. ``last`` pools the last prompt position (a causal model's only
-position that has seen the whole prompt: Qwen3-Embedding, e5-mistral, gte-Qwen2); ``mean`` averages every
-position (so none may come from a prefix cache: such a request's prompt is computed whole, as for prompt logprobs).
-``dimensions`` keeps the first N values before the normalization (Matryoshka embeddings), and ``normalize`` divides
-by the L2 norm. A checkpoint written by sentence-transformers says its pooling (``1_Pooling/config.json``) and
-whether it normalizes (a ``Normalize`` module in ``modules.json``); those are the defaults.
+its prompt is computed: no token is sampled. A pooler, a plugin (``register_poolers``; plugins/poolers.py ships
+sentence-transformers' modes), folds the hidden states into the vector as each chunk of the prompt is computed.
+``last`` pools the last prompt position (a causal model's only position that has seen the whole prompt:
+Qwen3-Embedding, e5-mistral, gte-Qwen2), and the prefix cache may serve the others; ``mean`` and the other poolers
+that read every position compute the whole prompt, as prompt logprobs do. ``dimensions`` keeps the first N values
+before the normalization (Matryoshka embeddings), and ``normalize`` divides by the L2 norm. A checkpoint written by
+sentence-transformers says its pooling (``1_Pooling/config.json``) and whether it normalizes (a ``Normalize``
+module in ``modules.json``); those are the defaults.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence as Seq
+import difflib
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointError, InvalidRequestError, PluginError
+from .errors import CheckpointError, InvalidRequestError, PluginError, UnknownComponentError
 from .request import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from .interfaces import SchedulerOutput
+    from .interfaces import Pooler, SchedulerOutput
     from .request import Sequence
 
-POOLING_METHODS = ("last", "mean")
 COMPUTED_MODULES = (".Transformer", ".Pooling", ".Normalize")  # sentence-transformers modules infer computes
-ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",  # -> shipped poolers
+                    "pooling_mode_cls_token": "first", "pooling_mode_max_tokens": "max",
+                    "pooling_mode_weightedmean_tokens": "weighted-mean",
+                    "pooling_mode_mean_sqrt_len_tokens": "mean-sqrt-len"}
 
 
 @dataclass(frozen=True)
 class PoolingParams:
     """An embedding request: how its prompt's hidden states become one vector."""
 
-    pooling: str | None = None  # "last" or "mean"; None: the checkpoint's sentence-transformers pooling, else last
+    pooling: str | None = None  # a pooler's name ("last", "mean", ...); None: the checkpoint's, else "last"
     normalize: bool | None = None  # L2-normalize; None: as the checkpoint's modules.json says, else True
     dimensions: int | None = None  # keep the first N values (Matryoshka), before normalizing; None: all
     priority: int = 0  # as SamplingParams.priority: the priority scheduling policy and eviction policy read it
     lora_adapter: str | None = None  # pool the adapter's hidden states (a name the engine serves)
 
     def __post_init__(self) -> None:
-        if self.pooling is not None and self.pooling not in POOLING_METHODS:
-            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_METHODS)} (or None for the "
-                                      f"checkpoint's), got {self.pooling!r}")
+        if self.pooling is not None and (not isinstance(self.pooling, str) or not self.pooling):
+            raise InvalidRequestError(f"pooling must be a pooler's name (\"last\", \"mean\", ...; `infer plugins` "
+                                      f"lists them) or None for the checkpoint's, got {self.pooling!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise InvalidRequestError(f"normalize must be true, false or None, got {self.normalize!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
@@ -67,9 +72,37 @@ def embedding_sampling_params(params: PoolingParams) -> SamplingParams:
 class Pooling:
     """PoolingParams resolved against the model: what the engine computes for one request."""
 
-    method: str
+    method: str  # the pooler's name, as the request or the checkpoint gave it
+    pooler: Pooler
     normalize: bool
     dimensions: int | None
+
+    @property
+    def reads_every_position(self) -> bool:
+        return bool(self.pooler.reads_every_position)
+
+
+class Poolers:
+    """The engine's poolers, each built at its first request (``build``: the plugin manager's, blamed from then on)."""
+
+    def __init__(self, build: Callable[[str], Pooler], names: Callable[[], list[str]]) -> None:
+        self.build, self.names = build, names
+        self.built: dict[str, Pooler] = {}
+
+    def get(self, name: str, where: str = "") -> Pooler:
+        """The pooler registered as ``name``; InvalidRequestError naming the choices for one nothing registered
+        (``where`` says where the name came from)."""
+        if (found := self.built.get(name)) is not None:
+            return found
+        try:
+            found = self.built[name] = self.build(name)
+        except UnknownComponentError:
+            choices = self.names()
+            close = difflib.get_close_matches(name, choices, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InvalidRequestError(f"unknown pooler {name!r}{where}{hint}; registered: "
+                                      f"{', '.join(choices) or 'none'}") from None
+        return found
 
 
 @dataclass(frozen=True)
@@ -80,7 +113,7 @@ class PoolingDefaults:
     normalize: bool | None = None
     unapplied: tuple[str, ...] = ()  # its modules that change the vector and infer does not run (Dense, say)
 
-    def resolve(self, params: PoolingParams, hidden_size: int | None) -> Pooling:
+    def resolve(self, params: PoolingParams, hidden_size: int | None, poolers: Poolers) -> Pooling:
         """The pooling ``params`` ask for on a model of ``hidden_size`` (None: unknown, not checked)."""
         if params.dimensions is not None and hidden_size is not None and params.dimensions > hidden_size:
             raise InvalidRequestError(f"dimensions {params.dimensions} exceeds the model's hidden size "
@@ -88,16 +121,20 @@ class PoolingDefaults:
         if params.pooling is None and self.unapplied:
             raise InvalidRequestError(f"the checkpoint's sentence-transformers modules include "
                                       f"{', '.join(self.unapplied)}, which infer does not run, so its embedding is "
-                                      f"not what infer computes; pass pooling= one of {', '.join(POOLING_METHODS)} "
+                                      f"not what infer computes; pass pooling= a pooler's name (last, mean, ...) "
                                       "for the pooled final hidden states without them")
-        method = params.pooling or self.method or "last"
-        if method not in POOLING_METHODS:
-            modes = method.split("+")  # several: sentence-transformers concatenates their vectors
+        if params.pooling is not None:
+            method, pooler = params.pooling, poolers.get(params.pooling)
+        elif self.method is not None and ("+" in self.method or self.method.startswith("pooling_mode_")):
+            modes = self.method.split("+")  # several: sentence-transformers concatenates their vectors
             named = " and ".join(map(repr, modes)) + (" together (concatenated)" if len(modes) > 1 else "")
-            raise InvalidRequestError(f"the checkpoint's sentence-transformers pooling is {named}, which infer "
-                                      f"does not compute; pass pooling= one of {', '.join(POOLING_METHODS)}")
+            raise InvalidRequestError(f"the checkpoint's sentence-transformers pooling is {named}, which no "
+                                      f"registered pooler computes; pass pooling= one of {', '.join(poolers.names())}")
+        else:
+            method = self.method or "last"
+            pooler = poolers.get(method, " (the checkpoint's sentence-transformers pooling)")
         normalize = params.normalize if params.normalize is not None else self.normalize is not False
-        return Pooling(method, normalize, params.dimensions)
+        return Pooling(method, pooler, normalize, params.dimensions)
 
 
 def read_pooling_defaults(folder: Path) -> PoolingDefaults:
@@ -139,8 +176,9 @@ class PoolRows:
 
 def pool_rows(out: SchedulerOutput, query_lens: Seq[int], kv_cache: str) -> PoolRows | None:
     """The rows of ``out``'s batch (items of ``query_lens`` tokens, in order) that embedding requests pool; None if
-    there are none. ``last`` needs the prompt's last row; ``mean`` every row it has not summed yet (a recompute
-    after preemption sums only what is new), so a prefix cache must not have served any (``kv_cache`` names it)."""
+    there are none. A pooler that reads only the last position gets the prompt's last row; the others every row they
+    have not been given yet (a recompute after preemption gives only what is new), so a prefix cache must not have
+    served any (``kv_cache`` names it)."""
     rows: list[int] = []
     owners: list[tuple[Sequence, int, bool]] = []
     offset = 0
@@ -150,12 +188,12 @@ def pool_rows(out: SchedulerOutput, query_lens: Seq[int], kv_cache: str) -> Pool
             start, end, total = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens, \
                 seq.num_prompt_tokens
             done = end >= total
-            if seq.pooling.method == "last":
+            if not seq.pooling.reads_every_position:
                 picked = [offset + total - 1 - start] if done else []
             else:
                 if start > seq.pooled_until:
                     raise PluginError(f"KV cache {kv_cache!r} served positions {seq.pooled_until}-{start - 1} of "
-                                      f"sequence {seq.seq_id} from its prefix cache, but its embedding averages "
+                                      f"sequence {seq.seq_id} from its prefix cache, but its embedding pools "
                                       "every position: match_prefix must match nothing for a sequence whose "
                                       "needs_prompt_logits is true; fix the plugin")
                 first = max(start, seq.pooled_until)
@@ -167,26 +205,37 @@ def pool_rows(out: SchedulerOutput, query_lens: Seq[int], kv_cache: str) -> Pool
 
 
 def collect_pooled(found: PoolRows, hidden: torch.Tensor) -> None:
-    """Sum each owner's rows of ``hidden`` (float32), and give each whose prompt is done its ``embedding``."""
+    """Hand each owner's rows of ``hidden`` (float32) to its pooler, and give each whose prompt is done its
+    ``embedding``."""
     import torch
 
     picked = hidden[torch.tensor(found.rows, dtype=torch.long, device=hidden.device)].float() if found.rows else None
     at = 0
     for seq, count, done in found.owners:
+        pooling: Pooling = seq.pooling  # type: ignore[assignment]
         if count:
-            part = picked[at : at + count].sum(0)  # type: ignore[index]
-            seq.pool_sum = part if seq.pool_sum is None else seq.pool_sum + part
-            seq.pooled_until += count
-            at += count
+            first = seq.pooled_until if pooling.reads_every_position else seq.num_prompt_tokens - 1
+            state = pooling.pooler.add(seq.pool_sum, picked[at : at + count], first)  # type: ignore[index]
+            if not isinstance(state, torch.Tensor):
+                raise PluginError(f"pooler {pooling.method!r}: add() returned {type(state).__name__}, not a tensor; "
+                                  "fix the plugin")
+            seq.pool_sum, seq.pooled_until, at = state, seq.pooled_until + count, at + count
         if done:
-            seq.embedding = finish_embedding(seq.pool_sum, seq.pooled_until if seq.pooling.method == "mean" else 1,
-                                             seq.pooling)  # type: ignore[union-attr,arg-type]
-            seq.pool_sum = None
+            vector = pooling.pooler.finish(seq.pool_sum, seq.pooled_until)
+            seq.embedding, seq.pool_sum = finish_embedding(vector, pooling), None
 
 
-def finish_embedding(total: torch.Tensor, count: int, pooling: Pooling) -> list[float]:
-    """The mean of ``count`` summed rows, cut to ``pooling.dimensions`` and L2-normalized if asked."""
-    vector = total / count
+def finish_embedding(vector: torch.Tensor, pooling: Pooling) -> list[float]:
+    """A pooler's vector, checked, cut to ``pooling.dimensions`` and L2-normalized if asked."""
+    import torch
+
+    wanted = pooling.dimensions or 1
+    if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or not vector.is_floating_point() or \
+            vector.shape[0] < wanted:
+        shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
+        raise PluginError(f"pooler {pooling.method!r}: finish() returned {shape}, not a float vector of at least "
+                          f"{wanted} values; fix the plugin")
+    vector = vector.float()
     if pooling.dimensions is not None:
         vector = vector[: pooling.dimensions]
     if pooling.normalize:

@@ -412,11 +412,11 @@ class Sequence:
 
     @property
     def needs_prompt_logits(self) -> bool:
-        """It asks for prompt logprobs it does not have yet, or for an embedding that averages every prompt
+        """It asks for prompt logprobs it does not have yet, or for an embedding whose pooler reads every prompt
         position: its prompt positions must be computed, not served from a prefix cache (KVCache.match_prefix
         matches nothing for it)."""
         if self.pooling is not None:
-            return self.pooling.method == "mean" and self.embedding is None
+            return self.pooling.reads_every_position and self.embedding is None
         return self.collects_prompt_logprobs
 
     @property

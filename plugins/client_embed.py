@@ -32,9 +32,10 @@ class ClientGroup(click.Group):
 @click.command("embed")
 @click.argument("text")
 @connection_options
-@click.option("--pooling", type=click.Choice(["last", "mean"]), default=None,
-              help="last: the last position's hidden state; mean: the average over every position [default: the "
-                   "server checkpoint's sentence-transformers pooling, else last].")
+@click.option("--pooling", default=None, metavar="NAME",
+              help="The server's pooler: last (the last position's hidden state), mean (the average over every "
+                   "position), first, max, weighted-mean, mean-sqrt-len or a plugin's [default: the server "
+                   "checkpoint's sentence-transformers pooling, else last].")
 @click.option("--normalize/--no-normalize", default=None,
               help="L2-normalize the vector [default: as the server's checkpoint says, else normalized].")
 @click.option("--dimensions", type=int, default=None,

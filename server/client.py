@@ -158,7 +158,7 @@ class Client(_Base):
     def embed(self, prompt: Prompt, pooling: str | None = None, normalize: bool | None = None,
               dimensions: int | None = None, priority: int = 0, lora_adapter: str | None = None,
               request_id: str | None = None, timeout: float | None = None) -> list[float]:
-        """The embedding of ``prompt`` (the Embed RPC): ``pooling`` "last" or "mean", ``normalize``, ``dimensions``
+        """The embedding of ``prompt`` (the Embed RPC): ``pooling`` a pooler's name ("last", "mean", ...), ``normalize``, ``dimensions``
         (the first N values); None takes the server checkpoint's defaults. Empty if the request was aborted."""
         request = build_embed_request(prompt, pooling=pooling, normalize=normalize, dimensions=dimensions,
                                       priority=priority, lora_adapter=lora_adapter, request_id=request_id)

@@ -154,16 +154,19 @@ def test_a_sentence_transformers_checkpoint_sets_the_defaults(path: Path, hidden
     out = engine.embed([PROMPTS[0]])[0]  # mean, and not normalized: no Normalize module
     assert out.embedding == pytest.approx(expected(hidden(PROMPTS[0]), "mean", normalize=False), abs=1e-5)
 
-    pooling.update(pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)
+    pooling.update(pooling_mode_mean_tokens=False, pooling_mode_median_tokens=True)  # a mode no pooler computes
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    with pytest.raises(InvalidRequestError, match="'pooling_mode_cls_token', which infer does not compute"):
+    with pytest.raises(InvalidRequestError, match="'pooling_mode_median_tokens', which no registered pooler computes"):
         Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64)).embed([PROMPTS[0]])
 
 
 def test_bad_embedding_requests_are_refused(path: Path) -> None:
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=32))
-    with pytest.raises(InvalidRequestError, match="pooling must be one of last, mean"):
-        PoolingParams(pooling="max")
+    with pytest.raises(InvalidRequestError, match="pooling must be a pooler's name"):
+        PoolingParams(pooling="")
+    with pytest.raises(InvalidRequestError, match="unknown pooler 'maxx' \\(did you mean 'max'\\?\\); registered: "
+                       "first, last, max, mean, mean-sqrt-len, weighted-mean"):
+        engine.embed([PROMPTS[0]], PoolingParams(pooling="maxx"))
     with pytest.raises(InvalidRequestError, match="dimensions must be a positive integer"):
         PoolingParams(dimensions=0)
     with pytest.raises(InvalidRequestError, match="dimensions 65 exceeds the model's hidden size 64"):

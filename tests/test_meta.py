@@ -129,6 +129,10 @@ class Recorder:
         self._register("register_logits_processors", register, lambda config, tokenizer: None)
 
     @hookimpl
+    def register_poolers(self, register: Any) -> None:
+        self._register("register_poolers", register, lambda config: None)
+
+    @hookimpl
     def register_models(self, register: Any) -> None:
         self._register("register_models", register, lambda hf_config, quant, dtype, config: None)
 

@@ -191,9 +191,12 @@ def test_embed_beside_a_streaming_generate_call(client: Client, reference: Engin
 
 # ---------------------------------------------------------------- errors
 def test_a_bad_pooling_name_is_invalid_argument_with_the_engines_message(client: Client) -> None:
-    err = rpc_error(lambda: client.embed("hi", pooling="max"))
+    err = rpc_error(lambda: client.embed("hi", pooling="maxx"))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("unknown pooler 'maxx' (did you mean 'max'?); registered: first, last, max")
+    err = rpc_error(lambda: client.embed("hi", pooling=""))
     assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
-                                           refusal(lambda: PoolingParams(pooling="max")))
+                                           refusal(lambda: PoolingParams(pooling="")))
     err = rpc_error(lambda: client.embed("hi", dimensions=0))
     assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
                                            refusal(lambda: PoolingParams(dimensions=0)))
