@@ -32,7 +32,7 @@ from .logits_processors import LogitsProcessors
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
 from .model import NO_LM_HEAD
-from .pooling import Pooling, PoolingParams, Poolers, embedding_sampling_params, read_pooling_defaults
+from .pooling import Embeddings, PoolingParams, Poolers, read_pooling_defaults
 from .outputs import RequestState, append_output, build_output, with_every_sequence
 from .plugins import Blame, PluginManager, checked_manager
 from .readers import Reader, Readers
@@ -137,9 +137,9 @@ class Engine:
                              self.blame, self._plugin_code, self.processors)
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
         self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
-        self.embedding_requests = 0  # live requests that ask for an embedding (PoolingParams)
-        self.pooling_defaults = read_pooling_defaults(self.loaded.path)
-        self.poolers = Poolers(self._pooler, self.plugins.registry("pooler").names)
+        self.embeddings = Embeddings(read_pooling_defaults(self.loaded.path),
+                                     Poolers(self._pooler, self.plugins.registry("pooler").names),
+                                     getattr(self.loaded.arch, "hidden_size", None), self.max_model_len, self.tokenize)
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
         self.searches = BeamSearches(self)  # beam searches under way, a token per step beside the requests
         if config.freeze_gc:
@@ -196,9 +196,10 @@ class Engine:
                                       f"{request_id!r}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        pooling = self._pooling(params) if isinstance(params, PoolingParams) else None
-        if pooling is not None:
-            prompt, params = self._embedding_prompt(prompt), embedding_sampling_params(params)  # type: ignore[arg-type]
+        pooling = None
+        if isinstance(params, PoolingParams):
+            with self._plugin_code():
+                prompt, params, pooling = self.embeddings.admit(prompt, params)
         else:
             self._check_generates()
         request, reasoning_end = self.intake.request(prompt, params or SamplingParams(), request_id,
@@ -214,7 +215,7 @@ class Engine:
                 self.structured.follow_reasoning(seqs, reasoning_end)
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.prompt_logprob_requests += params.prompt_logprobs is not None
-        self.embedding_requests += pooling is not None
+        self.embeddings.live += pooling is not None
         if params.n > 1:
             self.forks.add(request_id, seqs[1:])
         return request_id
@@ -224,33 +225,18 @@ class Engine:
         if not self.loaded.model.spec.has_lm_head:
             raise InvalidRequestError(NO_LM_HEAD)
 
-    def _pooling(self, params: PoolingParams) -> Pooling:
-        """What an embedding request computes on this model."""
-        with self._plugin_code():
-            return self.pooling_defaults.resolve(params, getattr(self.loaded.arch, "hidden_size", None), self.poolers)
-
     def _pooler(self, name: str) -> Pooler:
         """Built at the first request that names it, and blamed for its errors from then on."""
         pooler = self.plugins.build("pooler", name, Pooler, self.config)
         self.blame.add("pooler", name, pooler)
         return pooler
 
-    def _embedding_prompt(self, prompt: Prompt) -> list[int]:
-        """An embedding request's prompt as token ids, at most the context length less one (the token its
-        scheduling reserves and never samples)."""
-        ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt ({len(ids)} tokens) is too long to embed: at most "
-                                      f"{self.max_model_len - 1} tokens (the model's context length less one); "
-                                      "shorten it (or raise --max-model-len, where it was set below the model's own)")
-        return ids
-
     def check_request(self, prompt: Prompt, params: SamplingParams | PoolingParams | None = None) -> list[int]:
         """What add_request checks, without queueing: raises InvalidRequestError or CapacityError (the scheduler's
         ``check``), else returns the prompt's ids."""
         if isinstance(params, PoolingParams):
-            self._pooling(params)
-            prompt, params = self._embedding_prompt(prompt), embedding_sampling_params(params)
+            with self._plugin_code():
+                prompt, params, _ = self.embeddings.admit(prompt, params)
         else:
             self._check_generates()
         checked = self.intake.check(prompt, params or SamplingParams())
@@ -404,7 +390,7 @@ class Engine:
         with self._delivered_if_raised(outputs):
             # sequences just finished by a read-back stop token or a stop string are in this batch: not sampled
             gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}
-            embedded = self._embedded(out)
+            embedded = self.embeddings.finished_in(out)
             sampled, forks = self._sample(out, batch, logits, gone | embedded)
             now = time.perf_counter()
             start_forks(self.scheduler, self._finish, out, forks, sampled, now)
@@ -436,7 +422,7 @@ class Engine:
         batch, logits, outputs, times = self._forward(out)
         with self._delivered_if_raised(outputs):
             items = {item.seq.seq_id: item.seq for item in out.scheduled}
-            embedded = self._embedded(out)
+            embedded = self.embeddings.finished_in(out)
             rows = [i for i, sid in enumerate(batch.sample_seq_ids) if not items[sid].is_finished
                     and sid not in embedded]
             seqs = [items[batch.sample_seq_ids[i]] for i in rows]
@@ -462,21 +448,13 @@ class Engine:
         cache = self.config.kv_cache
         batch, logits = self.runner.execute(out, self.kv, pending=flight.inputs if flight is not None else None,
                                             prompt_logprobs=cache if self.prompt_logprob_requests else None,
-                                            pooling=cache if self.embedding_requests else None)
+                                            pooling=cache if self.embeddings.live else None)
         executed = time.perf_counter()
         used_blocks = self.kv.stats().used_blocks  # before the sequences this step finishes free theirs
         self.unemitted += self._settle()  # waits for the previous step's tokens, not for this step
         settled = time.perf_counter()
         outputs = self._deferring(self._emit_unemitted)
         return batch, logits, outputs, StepTimes(scheduled, executed, settled, time.perf_counter(), used_blocks)
-
-    def _embedded(self, out: SchedulerOutput) -> set[int]:
-        """The sequences of embedding requests whose embedding this step completed: they sample nothing, and
-        finish once the scheduler's update has counted (and the KV cache committed) their last prompt tokens."""
-        if not self.embedding_requests:
-            return set()
-        return {item.seq.seq_id for item in out.scheduled if item.seq.embedding is not None and
-                not item.seq.is_finished}
 
     def _finish_embedded(self, out: SchedulerOutput, embedded: set[int]) -> None:
         for item in out.scheduled:
@@ -608,10 +586,8 @@ class Engine:
         return outputs
 
     def _emit(self, req: RequestState, seq_ids: set[int]) -> RequestOutput:
-        if (seq := req.seqs[0]).pooling is not None:  # its one output: the embedding, or an abort
-            done = [CompletionOutput(0, [], "", seq.finish_reason)] if seq.is_finished else []
-            output = RequestOutput(req.request_id, req.prompt_token_ids, done, seq.is_finished,
-                                   embedding=seq.embedding)
+        if req.seqs[0].pooling is not None:
+            output = self.embeddings.output(req)
         else:
             output = build_output(req, seq_ids, self._finish)
         if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and \
@@ -627,7 +603,7 @@ class Engine:
             self.structured.discharge(req.params.structured_output)
         self.forks.drop(req.request_id)
         self.prompt_logprob_requests -= req.params.prompt_logprobs is not None
-        self.embedding_requests -= req.seqs[0].pooling is not None
+        self.embeddings.live -= req.seqs[0].pooling is not None
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
             self.runner.controls.release(seq.seq_id)

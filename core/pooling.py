@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import CheckpointError, InvalidRequestError, PluginError, UnknownComponentError
-from .request import SamplingParams
+from .request import CompletionOutput, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
+    from .chat import Prompt
     from .interfaces import Pooler, SchedulerOutput
+    from .outputs import RequestState
     from .request import Sequence
 
 COMPUTED_MODULES = (".Transformer", ".Pooling", ".Normalize")  # sentence-transformers modules infer computes
@@ -164,6 +166,43 @@ def read_pooling_defaults(folder: Path) -> PoolingDefaults:
             raise CheckpointError(f"{config_file} is not a sentence-transformers pooling config: {exc}") from exc
         method = ST_POOLING_MODES.get(modes[0], modes[0]) if len(modes) == 1 else "+".join(modes) or None
     return PoolingDefaults(method, normalize, unapplied)
+
+
+class Embeddings:
+    """The engine's side of embedding requests: each one's pooling resolved against the model (the poolers built
+    at their first request) and its prompt checked; how many are live; which finish in a step; their output."""
+
+    def __init__(self, defaults: PoolingDefaults, poolers: Poolers, hidden_size: int | None, max_model_len: int,
+                 tokenize: Callable[[Prompt], list[int]]) -> None:
+        self.defaults, self.poolers, self.hidden_size = defaults, poolers, hidden_size
+        self.max_model_len, self.tokenize = max_model_len, tokenize
+        self.live = 0  # embedding requests under way
+
+    def admit(self, prompt: Prompt, params: PoolingParams) -> tuple[list[int], SamplingParams, Pooling]:
+        """The request's prompt as token ids, at most the context length less one (the token its scheduling
+        reserves and never samples), what the scheduler sees of it, and its pooling; InvalidRequestError else."""
+        pooling = self.defaults.resolve(params, self.hidden_size, self.poolers)
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) is too long to embed: at most "
+                                      f"{self.max_model_len - 1} tokens (the model's context length less one); "
+                                      "shorten it (or raise --max-model-len, where it was set below the model's own)")
+        return ids, embedding_sampling_params(params), pooling
+
+    def finished_in(self, out: SchedulerOutput) -> set[int]:
+        """The sequences of ``out`` whose embedding this step completed: they sample nothing, and finish once the
+        scheduler's update has counted (and the KV cache committed) their last prompt tokens."""
+        if not self.live:
+            return set()
+        return {item.seq.seq_id for item in out.scheduled if item.seq.embedding is not None and
+                not item.seq.is_finished}
+
+    @staticmethod
+    def output(req: RequestState) -> RequestOutput:
+        """An embedding request's output: none until it finishes, then its embedding (or an abort)."""
+        seq = req.seqs[0]
+        done = [CompletionOutput(0, [], "", seq.finish_reason)] if seq.is_finished else []
+        return RequestOutput(req.request_id, req.prompt_token_ids, done, seq.is_finished, embedding=seq.embedding)
 
 
 @dataclass

@@ -77,7 +77,7 @@ def test_embeddings_equal_hf(path: Path, hidden, variant: str) -> None:
     outs = engine.embed(PROMPTS, params)
     for out, prompt, one in zip(outs, PROMPTS, params):
         check(out, prompt, hidden, one)
-    assert engine.embedding_requests == 0 and engine.kv.stats().used_blocks == 0
+    assert engine.embeddings.live == 0 and engine.kv.stats().used_blocks == 0
     if variant == "graphs":
         assert engine.runner.mixed_graphs is not None and engine.runner.mixed_graphs.replays > 0
 
@@ -178,7 +178,7 @@ def test_bad_embedding_requests_are_refused(path: Path) -> None:
     assert engine.embed([list(range(3, 34))])[0].embedding is not None  # 31: the context less one
     with pytest.raises(InvalidRequestError, match="lora_adapter .nope. is not loaded"):
         engine.embed([PROMPTS[0]], PoolingParams(lora_adapter="nope"))
-    assert engine.requests == {} and engine.embedding_requests == 0
+    assert engine.requests == {} and engine.embeddings.live == 0
 
 
 def test_an_aborted_embedding_request_ends_without_one(path: Path) -> None:
@@ -189,7 +189,7 @@ def test_an_aborted_embedding_request_ends_without_one(path: Path) -> None:
     final = engine.abort(rid)
     assert final.finished and final.embedding is None
     assert [c.finish_reason for c in final.outputs] == [FinishReason.ABORT]
-    assert engine.embedding_requests == 0 and engine.kv.stats().used_blocks == 0
+    assert engine.embeddings.live == 0 and engine.kv.stats().used_blocks == 0
 
 
 def test_a_stream_of_an_embedding_request_yields_it_once(path: Path, hidden) -> None:

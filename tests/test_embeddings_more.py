@@ -60,7 +60,7 @@ def check(out: RequestOutput, ids: list[int], states: States, params: PoolingPar
 
 
 def drained(engine: Engine) -> bool:
-    return engine.kv.stats().used_blocks == 0 and engine.embedding_requests == 0 and not engine.requests
+    return engine.kv.stats().used_blocks == 0 and engine.embeddings.live == 0 and not engine.requests
 
 
 def steps(engine: Engine, limit: int = 200) -> Iterator[list[RequestOutput]]:

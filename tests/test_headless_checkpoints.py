@@ -87,7 +87,7 @@ def test_a_headless_bare_checkpoint_embeds_as_transformers_backbone(checkpoint: 
     for out, prompt, one in zip(engine.embed(PROMPTS, params), PROMPTS, params):
         assert out.embedding == pytest.approx(pooled(hf_hidden(original, prompt), one.pooling, one.normalize is not
                                                      False), abs=1e-5)
-    assert engine.embedding_requests == 0 and engine.kv.stats().used_blocks == 0
+    assert engine.embeddings.live == 0 and engine.kv.stats().used_blocks == 0
 
 
 def test_a_headless_model_refuses_generation_and_beam_search(checkpoint: Callable[[str], Path],
