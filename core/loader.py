@@ -296,15 +296,13 @@ class KeyLayout:
         return f"model.{name}" if self.bare and not name.startswith("lm_head.") else name
 
     def for_model(self, model: torch.nn.Module) -> KeyLayout:
-        """This layout, logged; none for a model that names tensors bare itself (a plugin's), which takes the
-        checkpoint's names as they are."""
+        """This layout (the bare one logged); none for a model that names tensors bare itself (a plugin's), which
+        takes the checkpoint's names as they are."""
         if self.bare and any(BARE_BACKBONE.match(name) for name in model.state_dict()):
             return KeyLayout()
         if self.bare:
             log.info("the checkpoint names its tensors as a bare backbone does (embed_tokens, layers.N, norm "
                      "without 'model.'): loading them as model.*")
-        else:
-            log.info("the checkpoint names its tensors under 'model.' (a *ForCausalLM's layout) or its own way")
         return self
 
 
