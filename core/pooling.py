@@ -12,8 +12,8 @@ module in ``modules.json``); those are the defaults.
 """
 from __future__ import annotations
 
-import json
 import difflib
+import json
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path

@@ -149,8 +149,9 @@ class ContinuousScheduler(Scheduler):
         if need > self.kv.num_blocks:
             shorten = "shorten the prompt" if self.kv.num_blocks_needed(seq.num_prompt_tokens) > self.kv.num_blocks \
                 else "lower max_tokens (--max-tokens)"
+            more = f" with max_tokens {seq.params.max_tokens}" if seq.params.max_tokens > 1 else ""  # 1: embeddings'
             raise CapacityError(
-                f"a prompt of {seq.num_prompt_tokens} tokens with max_tokens {seq.params.max_tokens} needs up to "
+                f"a prompt of {seq.num_prompt_tokens} tokens{more} needs up to "
                 f"{need} KV blocks ({longest} tokens) but the cache has only {self.kv.num_blocks}; {shorten} or "
                 "give the KV cache more blocks (--num-kv-blocks, --kv-cache-memory-gb)")
         if seq.params.n > self.max_num_seqs:

@@ -232,3 +232,12 @@ def test_the_llm_api_and_the_cli_print_the_engines_embeddings(path: Path, hidden
         assert line["embedding"] == pytest.approx(out.embedding, abs=1e-6)
     refused = CliRunner().invoke(main, ["--model", str(path), "--device", "cpu", "embed", "--dimensions", "0", "x"])
     assert refused.exit_code != 0 and "dimensions (--dimensions) must be a positive integer" in refused.output
+
+
+def test_an_embedding_that_can_never_fit_the_kv_pool_says_so_in_its_own_terms(path: Path) -> None:
+    from infer.core.errors import CapacityError
+
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=2))
+    with pytest.raises(CapacityError, match=r"^a prompt of 40 tokens needs up to 3 KV blocks \(40 tokens\) but the "
+                       "cache has only 2; shorten the prompt or give the KV cache more blocks"):
+        engine.embed([list(range(3, 43))])
