@@ -14,8 +14,9 @@ import click
 
 from ..cli.options import EngineArgs, sampling_option, sampling_options
 from .arms import ArmError, ArmSpec, parse_arms
-from .workloads import (WORKLOADS, FileEntry, RequestSampling, WorkloadError, WorkloadSpec, check_vocabulary,
-                        good_lines, lora_adapters_used, validate_spec)
+from .tasks import check_embedding_lines, task_pooling
+from .workloads import (TASKS, WORKLOADS, FileEntry, RequestSampling, WorkloadError, WorkloadSpec, check_task,
+                        check_vocabulary, good_lines, lora_adapters_used, validate_spec)
 
 OUTPUT_FILES = ("results.json", "table.txt", "latency_cdf.png", "throughput.png")
 AB_HINT = 'quote each arm as one argument: --ab "--kv-cache paged" "--kv-cache paged --no-prefix-caching"'
@@ -53,6 +54,16 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
 @click.command("bench", cls=BenchCommand)
 @click.option("--workload", type=click.Choice(WORKLOADS), default="random", show_default=True,
               help="Which requests to send (see docs/cli.md).")
+@click.option("--task", type=click.Choice(TASKS), default="generate", show_default=True,
+              help="generate: every request generates its output; embed: every request is an embedding request "
+                   "(random, shared-prefix and file workloads; a file line may also say \"embed\": true).")
+@click.option("--pooling", default=None, metavar="NAME",
+              help="--task embed: the pooler (last, mean, ...; the hf arms pool last or mean) [default: the "
+                   "checkpoint's sentence-transformers pooling, else last].")
+@click.option("--dimensions", type=int, default=None,
+              help="--task embed: keep the first N values of each embedding, before normalizing [default: all].")
+@click.option("--normalize/--no-normalize", default=None,
+              help="--task embed: L2-normalize each embedding [default: as the checkpoint says, else --normalize].")
 @click.option("--ab", "arms", multiple=True, metavar="ARM...",
               help="Arms to compare: each a quoted string of group options (e.g. \"--kv-cache paged\"), or hf, "
                    "hf:static, hf:cb for the HF transformers baseline. Default: one arm of the group options.")
@@ -98,11 +109,13 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
                    "the workload, so that every arm samples it from the same stream [default: each engine's random "
                    "stream: outputs are then not compared].")
 @click.option("--hf-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
-              help="hf:static: most requests per padded batch.")
+              help="hf:static: most requests per padded batch (embedding requests: per AutoModel batch, longest "
+                   "first).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write results.json, table.txt, latency_cdf.png and throughput.png here.")
 @click.pass_context
-def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int | None, num_requests: int,
+def bench(ctx: click.Context, workload: str, task: str, pooling: str | None, dimensions: int | None,
+          normalize: bool | None, arms: tuple[str, ...], repeats: int | None, num_requests: int,
           input_len: int, output_len: int, len_sigma: float, prefix_len: int, question_len: int, turns: int,
           long_len: int, long_delay: float, rate: float, workload_file: Path | None, skip_bad_lines: bool,
           lora_adapters: tuple[str, ...], workload_seed: int, warmup_rounds: int, sampling: dict[str, Any],
@@ -111,6 +124,8 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
 
     Example: infer --model DIR bench --workload multi-turn --ab "--kv-cache paged" "--no-prefix-caching" hf
     --repeats 3 --out results/
+
+    Embeddings: infer --model DIR bench --task embed --workload shared-prefix --ab "--kv-cache paged" hf
     """
     from rich.console import Console
 
@@ -126,11 +141,14 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
     request_sampling = check_sampling(sampling, sampling_seed, specs, ctx)
     spec = WorkloadSpec(workload, num_requests, input_len, output_len, len_sigma, prefix_len, question_len, turns,
                         long_len, long_delay, rate, workload_seed, workload_file, skip_bad_lines, request_sampling,
-                        lora_adapters)
+                        lora_adapters, task)
     try:
+        check_task(spec)  # before the task's options: the workload it refuses is the first thing to fix
+        spec = dataclasses.replace(spec, pooling=task_pooling(ctx, task, pooling, dimensions, normalize, specs))
         entries = validate_spec(spec)
     except WorkloadError as exc:
         raise click.UsageError(str(exc)) from None
+    check_embedding_lines(entries or [], specs)
     check_lora_adapters(lora_adapters_used(spec, entries), specs)
     check_structured_lines(entries or [], specs, request_sampling)
     if spec.name == "file" and skip_bad_lines:
@@ -150,13 +168,13 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         except OSError as exc:
             raise click.BadParameter(f"cannot create or write the output folder: {exc}", param_hint="'--out'") from None
     from .report import BenchResult
-    from .session import (ProcessSettings, RunError, arm_info, build_arms, keep_fitting_lines, keep_structured_lines,
-                          make_workloads, run_info, run_rounds, warm_up)
+    from .session import (ProcessSettings, RunError, arm_info, build_arms, keep_fitting_lines, keep_poolable_lines,
+                          keep_structured_lines, make_workloads, run_info, run_rounds, warm_up)
 
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = ProcessSettings()  # before any arm's engine sets the thread count
     try:  # the engine refuses an arm's options (status 2, as `generate` would exit) or its model (status 1)
-        built = build_arms(specs, base, hf_batch_size, err)
+        built = build_arms(specs, base, hf_batch_size, err, task)
     except ArmError as exc:
         from ..cli.main import CommandLineError
 
@@ -168,12 +186,13 @@ def bench(ctx: click.Context, workload: str, arms: tuple[str, ...], repeats: int
         raise CommandLineError(f"--logit-bias names token ids {outside[:5]} outside the vocabulary of "
                                f"{vocab} tokens{' (the smallest of the arms)' if len(built) > 1 else ''}")
     try:
-        if entries is not None:  # the checks that need the models, every bad line of all three listed at once
+        if entries is not None:  # the checks that need the models, every bad line of all four listed at once
             every = dataclasses.replace(spec, skip_bad_lines=True)
             entries, skipped = check_vocabulary(every, entries, vocab)
             entries, unfollowed = keep_structured_lines(every, built, entries)
             entries, too_long = keep_fitting_lines(every, built, entries)
-            bad = skipped + unfollowed + too_long  # by check, each in line order
+            entries, unpooled = keep_poolable_lines(every, built, entries)
+            bad = skipped + unfollowed + too_long + unpooled  # by check, each in line order
             entries = good_lines(spec, entries, bad, "bad line(s) found once the models loaded")
             for line in bad:
                 err.print(f"[yellow]skipped {spec.file} {line}[/yellow]", highlight=False)
@@ -305,7 +324,7 @@ def _warn_bad_lines(spec: WorkloadSpec, err: Any) -> None:
     from .workloads import parse_workload_file
 
     assert spec.file is not None
-    _, errors = parse_workload_file(spec.file)
+    _, errors = parse_workload_file(spec.file, spec.task_pooling)
     for line in errors:
         err.print(f"[yellow]skipped {spec.file} {line}[/yellow]", highlight=False)
 

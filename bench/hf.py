@@ -4,7 +4,9 @@
 ``generate`` for the longest output; a token's time is the time of the decoding step that produced it, and every
 request of a batch finishes when the batch does. ``cb`` runs transformers' continuous batching manager with an
 explicit cache size (on CPU its default sizing reads the machine's whole memory) and per-token timestamps.
-Neither reports KV usage, prefix hits, acceptance or preemptions: those metrics are "n/a" for this arm.
+Neither reports KV usage, prefix hits, acceptance or preemptions: those metrics are "n/a" for this arm. Embedding
+requests run as padded ``AutoModel`` batches (bench/hf_embed.py), in ``static`` mode only: transformers' continuous
+batching generates.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from ..cli.terminal import transformers_bars_on_terminal_only
 from ..core.chat import ChatPrompt
 from ..core.request import SamplingParams
 from ..core.loader import checkpoint_dtype, read_config, resolve_dtype
+from ..core.pooling import PoolingParams, read_pooling_defaults
 from .arms import ArmSpec
+from .hf_embed import HFPooling, embed_padded, longest_first, resolve_hf_pooling
 from .runner import Replay
 from .stats import RequestRecord, RunResult
 from .workloads import RequestSampling, Session, Turn, Vocab, Workload, WorkloadError
@@ -45,16 +49,18 @@ class _StepTimes:
 
 class HFArm:
     """HF transformers on the model of the engine arms, in the group's --dtype (``auto`` resolved as the engine
-    resolves it). It runs with the group's --cpu-threads and a frozen heap, like the engine arms."""
+    resolves it). It runs with the group's --cpu-threads and a frozen heap, like the engine arms. With ``task``
+    "embed" it loads ``AutoModel`` (an embedding checkpoint may have no LM head); otherwise the causal LM, whose
+    backbone embeds a file workload's embedding lines."""
 
     freeze_gc = True
 
     def __init__(self, spec: ArmSpec, model_path: Path, batch_size: int, device: str = "auto", dtype: str = "auto",
-                 cpu_threads: int | None = None) -> None:
+                 cpu_threads: int | None = None, task: str = "generate") -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-        self.spec = spec
+        self.spec, self.task = spec, task
         self.mode = spec.hf_mode or "static"
         self.cpu_threads = cpu_threads
         self.batch_size = batch_size
@@ -62,8 +68,11 @@ class HFArm:
                                    ("cpu" if device == "auto" else device))
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(read_config(model_path)), self.device)
         with transformers_bars_on_terminal_only():  # its "Loading weights" bar
-            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype)
+            model = (AutoModel if task == "embed" else AutoModelForCausalLM).from_pretrained(str(model_path),
+                                                                                              dtype=self.dtype)
         self.model = model.to(self.device).eval()
+        self.backbone = self.model.base_model  # the model itself for an AutoModel
+        self.pooling_defaults = read_pooling_defaults(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         config = self.model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", 1 << 30))
@@ -75,7 +84,8 @@ class HFArm:
     def describe(self) -> dict[str, object]:
         import transformers
 
-        return {"transformers": transformers.__version__, "mode": self.mode, "model": str(self.model_path),
+        return {"transformers": transformers.__version__, "mode": self.mode, "task": self.task,
+                "model": str(self.model_path),
                 "device": str(self.device), "dtype": str(self.dtype),
                 "batch_size": self.batch_size if self.mode == "static" else None}
 
@@ -88,6 +98,13 @@ class HFArm:
 
     def check_request(self, prompt: list[int], max_tokens: int) -> None:
         """The baseline refuses nothing the context holds (make_workloads checked that)."""
+
+    def check_embedding(self, prompt: list[int], pooling: PoolingParams) -> None:
+        """InvalidRequestError for a pooling the baseline does not compute (it pools last or mean)."""
+        self.hf_pooling(pooling)
+
+    def hf_pooling(self, pooling: PoolingParams) -> HFPooling:
+        return resolve_hf_pooling(pooling, self.pooling_defaults, int(self.model.config.hidden_size))
 
     def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
         """Text as the tokenizer encodes it; a chat as HF's apply_chat_template renders it."""
@@ -115,7 +132,9 @@ class HFArm:
 
     def warm_up(self, workloads: list[Workload]) -> None:
         """A short request, then each warm-up workload, unmeasured: first-call costs are not timed."""
-        short = Workload("warm-up", -1, (Session(0.0, (Turn(self.vocab.allowed[:8], 4),)),))
+        turn = Turn(self.vocab.allowed[:8], 0, pooling=PoolingParams(pooling="last")) if self.task == "embed" \
+            else Turn(self.vocab.allowed[:8], 4)
+        short = Workload("warm-up", -1, (Session(0.0, (turn,)),))
         for workload in [short, *workloads]:
             self.run(workload, lambda: None)
 
@@ -152,6 +171,18 @@ class HFArm:
             if not waiting:
                 time.sleep(max(0.0, (replay.next_arrival() or now) - now))
                 continue
+            if embeds := [w for w in waiting if workload.sessions[w[1]].turns[w[2]].pooling is not None]:
+                batch = [embeds[i] for i in longest_first([w[3] for w in embeds])][: self.batch_size]
+                waiting = [w for w in waiting if w not in batch]
+                vectors = self._embed_batch(workload, batch)
+                done = time.perf_counter() - start
+                for (arrival, session, turn, prompt, _), vector in zip(batch, vectors):
+                    records.append(RequestRecord(session, turn, arrival, len(prompt), 0, [], done,
+                                                 priority=workload.priority(session, turn), embed=True,
+                                                 embedding=vector))
+                    replay.finished(session, turn, prompt, [], done)
+                    on_request_done()
+                continue
             batch, waiting = waiting[: self.batch_size], waiting[self.batch_size:]
             first_seed = workload.sampling.request_seed(workload.round, batch[0][1], batch[0][2])
             step_times, outputs = self._generate_batch([b[3] for b in batch], max(b[4] for b in batch),
@@ -168,6 +199,11 @@ class HFArm:
         duration = time.perf_counter() - start
         records.sort(key=lambda r: (r.session, r.turn))
         return RunResult(self.spec.key, workload.round, duration, records, None, {"batch_size": self.batch_size})
+
+    def _embed_batch(self, workload: Workload, batch: list[tuple[float, int, int, list[int], int]]
+                     ) -> list[list[float]]:
+        poolings = [self.hf_pooling(workload.sessions[s].turns[t].pooling) for _, s, t, _, _ in batch]  # type: ignore
+        return embed_padded(self.backbone, [b[3] for b in batch], poolings, self.pad_id, self.device)  # on the host
 
     # ------------------------------------------------------------ continuous batching
     def _cb_config(self, longest: int, concurrent: int) -> Any:

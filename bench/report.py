@@ -58,6 +58,8 @@ def _number(value: float, unit: str) -> str:
         shown = f"{percent:.2f}%" if 0 < abs(percent) < 1 else f"{percent:.1f}%"
         # 99.96% rounds to "100.0%", which reads as every one (an output that differs, in "outputs = first arm")
         return f"{math.floor(percent * 100) / 100:.2f}%" if shown == "100.0%" and percent < 100 else shown
+    if unit == "abs":
+        return f"{value:.1e}"
     if unit == "count" and float(value).is_integer():
         return str(int(value))
     if abs(value) >= 100:
@@ -73,7 +75,7 @@ def format_cell(metric: Metric, agg: Aggregate, first: bool, repeats: int) -> st
     text = _number(agg.median, metric.unit)
     if repeats > 1 and agg.low is not None and agg.high is not None and agg.low != agg.high:
         text += f" [{_number(agg.low, metric.unit)}–{_number(agg.high, metric.unit)}]"
-    if not first:
+    if not first and metric.has_ratio:
         text += f" ×{agg.ratio:.2f}" if agg.ratio is not None else " ×—"
         if agg.within_noise:
             text += "*"
@@ -117,7 +119,7 @@ def build_table(result: BenchResult) -> Table:
         table.add_column(arm.key, justify="right", no_wrap=True)
     for metric in METRICS:
         if all(summary[arm.key][metric.key].median is None for arm in result.arms) or (
-                metric.key == "outputs_match" and not compared):
+                metric.key in ("outputs_match", "embeddings_max_diff") and not compared):
             continue  # the workload does not have it (a long prompt, say), no arm measures it, or one arm runs
         title = f"{metric.title} ({metric.unit})" if metric.unit == "ms" else metric.title
         title += " ↑" if metric.higher_is_better else " ↓"
@@ -201,17 +203,24 @@ def _finite(value: Any) -> Any:
 
 
 def write_plots(result: BenchResult, out: Path) -> list[Path]:
-    """latency_cdf.png (TTFT, TPOT, ITL, end-to-end per arm, pooled over rounds) and throughput.png."""
+    """latency_cdf.png (TTFT, TPOT, ITL, end-to-end per arm, pooled over rounds, of generation requests; the latency
+    of embedding requests) and throughput.png (of generation requests, else of embedding requests); a panel no
+    request has samples for is left out."""
     from matplotlib.figure import Figure
 
-    latency = Figure(figsize=(11, 8), layout="constrained")
-    axes = latency.subplots(2, 2)
     samples = {
         "TTFT": lambda r: [r.ttft_s] if r.ttft_s is not None else [],
         "TPOT": lambda r: [r.tpot_s] if r.tpot_s is not None else [],
         "ITL": lambda r: r.itl_s,
-        "end-to-end": lambda r: [r.e2e_s],
+        "end-to-end": lambda r: [] if r.embed else [r.e2e_s],
+        "embedding latency": lambda r: [r.e2e_s] if r.embed else [],
     }
+    requests = [req for runs in result.runs.values() for run in runs for req in run.requests]
+    samples = {name: pick for name, pick in samples.items() if any(pick(req) for req in requests)} or samples
+    latency = Figure(figsize=(5.5 * min(len(samples), 3), 4 * math.ceil(len(samples) / 3)), layout="constrained")
+    axes = latency.subplots(math.ceil(len(samples) / 3), min(len(samples), 3), squeeze=False)
+    for ax in axes.flat[len(samples):]:
+        ax.set_visible(False)
     for ax, (name, pick) in zip(axes.flat, samples.items()):
         for arm in result.arms:
             values = sorted(1000 * v for run in result.runs[arm.key] for req in run.requests for v in pick(req))
@@ -227,8 +236,10 @@ def write_plots(result: BenchResult, out: Path) -> list[Path]:
     summary = result.summary()
     bars = Figure(figsize=(4 + 1.5 * len(result.arms), 4.5), layout="constrained")
     keys = [arm.key for arm in result.arms]
-    for ax, (metric, title) in zip(bars.subplots(1, 2), (("requests_per_s", "requests/s"),
-                                                           ("output_tokens_per_s", "output tokens/s"))):
+    rates = (("requests_per_s", "requests/s"), ("output_tokens_per_s", "output tokens/s"))
+    if all(summary[k]["requests_per_s"].median is None for k in keys):  # embedding requests only
+        rates = (("embeddings_per_s", "embeddings/s"), ("embed_prompt_tokens_per_s", "prompt tokens/s"))
+    for ax, (metric, title) in zip(bars.subplots(1, 2), rates):
         aggs = [summary[k][metric] for k in keys]
         heights = [a.median or 0.0 for a in aggs]
         errors = [[(a.median or 0) - min(a.values, default=0) for a in aggs],

@@ -18,6 +18,7 @@ from ..core.engine import Engine
 from ..core.hookspecs import hookimpl
 from ..core.metrics import StepStats
 from ..core.plugins import PluginManager
+from ..core.pooling import PoolingParams
 from ..core.request import SamplingParams, StructuredOutput
 from .arms import ArmSpec
 from .stats import EngineCounters, RequestRecord, RunResult
@@ -54,6 +55,7 @@ class _Live:
     prompt: list[int]
     output: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    embed: bool = False  # an embedding request: its one output carries the embedding
 
 
 class Replay:
@@ -91,11 +93,12 @@ class Replay:
 
 
 class EngineArm:
-    """An infer engine built from an arm's options, with its step recorder."""
+    """An infer engine built from an arm's options, with its step recorder. ``task`` is the kind of its warm-up's
+    first request ("embed": an embedding, which a checkpoint without an LM head can serve)."""
 
-    def __init__(self, spec: ArmSpec, plugins: PluginManager) -> None:
+    def __init__(self, spec: ArmSpec, plugins: PluginManager, task: str = "generate") -> None:
         assert spec.args is not None
-        self.spec = spec
+        self.spec, self.task = spec, task
         self.recorder = StepRecorder()
         plugins.register(self.recorder, name="infer-bench-recorder", source="infer bench")
         # measured as `infer serve` runs (a frozen heap); the engines live until the bench ends
@@ -124,6 +127,10 @@ class EngineArm:
     def check_request(self, prompt: list[int], max_tokens: int) -> None:
         self.engine.check_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
+    def check_embedding(self, prompt: list[int], pooling: PoolingParams) -> None:
+        """InferError where the engine would refuse this embedding request (an unknown pooler, say)."""
+        self.engine.check_request(prompt, pooling)
+
     def reasons_before_grammar(self, chat: ChatPrompt) -> bool:
         """Whether this engine serves ``chat``'s own structured output after a reasoning block (its reasoning parser
         says where that block ends in the rendered prompt)."""
@@ -143,8 +150,11 @@ class EngineArm:
         """A short request, then each warm-up workload, unmeasured: first-call costs (kernels, allocator growth)
         are not timed. The prefix-cache counters they move are kept in ``warmup_counters``."""
         before = self.engine.kv.stats()
-        self.engine.generate([list(self.vocab.allowed[:WARMUP_PROMPT_TOKENS])],
-                             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        short = [list(self.vocab.allowed[:WARMUP_PROMPT_TOKENS])]
+        if self.task == "embed":
+            self.engine.embed(short, PoolingParams(pooling="last"))  # whatever the checkpoint's default
+        else:
+            self.engine.generate(short, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         for workload in workloads:
             self.run(workload, lambda: None)
         after = self.engine.kv.stats()
@@ -171,10 +181,15 @@ class EngineArm:
             for arrival, s, t, prompt, max_tokens in replay.pop_due(now):
                 session = workload.sessions[s]
                 turn = session.turns[t]
-                params = workload.sampling.params(max_tokens, workload.round, s, t, session.lora_adapter,
-                                                  turn.structured_output, turn.priority)
+                params: SamplingParams | PoolingParams
+                if turn.pooling is not None:
+                    params = dataclasses.replace(turn.pooling, priority=turn.priority,
+                                                 lora_adapter=session.lora_adapter)
+                else:
+                    params = workload.sampling.params(max_tokens, workload.round, s, t, session.lora_adapter,
+                                                      turn.structured_output, turn.priority)
                 rid = engine.add_request(prompt, params, request_id=f"bench-{workload.round}-{s}-{t}")
-                live[rid] = _Live(s, t, arrival, prompt)
+                live[rid] = _Live(s, t, arrival, prompt, embed=turn.pooling is not None)
             if not live:
                 next_at = replay.next_arrival()
                 if next_at is not None:
@@ -191,7 +206,8 @@ class EngineArm:
                     del live[out.request_id]
                     records.append(RequestRecord(item.session, item.turn, item.arrival_s, len(item.prompt),
                                                  len(item.output), item.times, now, out.num_cached_tokens,
-                                                 item.output, workload.priority(item.session, item.turn)))
+                                                 item.output, workload.priority(item.session, item.turn),
+                                                 item.embed, out.embedding if item.embed else None))
                     replay.finished(item.session, item.turn, item.prompt, item.output, now)
                     on_request_done()
         duration = time.perf_counter() - start

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 from ..cli.options import EngineArgs
 from ..core.chat import ChatPrompt
 from ..core.errors import ConfigError, InferError, InvalidRequestError
+from ..core.pooling import PoolingParams
 from ..core.request import SamplingParams
 from ..core.tool_choice import forces_calls
 from .arms import ArmError, ArmSpec
@@ -41,6 +42,9 @@ class Arm(Protocol):
     def check_request(self, prompt: list[int], max_tokens: int) -> None:
         """InferError where the arm would refuse this request (the HF baseline refuses none)."""
 
+    def check_embedding(self, prompt: list[int], pooling: PoolingParams) -> None:
+        """InferError where the arm would refuse this embedding request (a pooler it does not compute, say)."""
+
     def keep_structured(self, params: SamplingParams) -> None: ...
 
     def reasons_before_grammar(self, chat: ChatPrompt) -> bool: ...
@@ -52,8 +56,10 @@ class Arm(Protocol):
     def describe(self) -> dict[str, object]: ...
 
 
-def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: Any) -> list[Arm]:
-    """Build every arm once (engines first: the HF baseline runs the first engine arm's model). Raises ArmError."""
+def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: Any, task: str = "generate"
+               ) -> list[Arm]:
+    """Build every arm once (engines first: the HF baseline runs the first engine arm's model) for ``task``'s
+    requests. Raises ArmError."""
     from ..core.plugins import PluginManager
     from .runner import EngineArm
 
@@ -74,7 +80,7 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
     for spec in engine_specs:
         err.print(f"building arm {spec.label} ...", highlight=False)
         try:
-            built[spec.key] = EngineArm(spec, PluginManager.from_entry_points())
+            built[spec.key] = EngineArm(spec, PluginManager.from_entry_points(), task)
         except InferError as exc:
             raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}", isinstance(exc, ConfigError)) from None
     for spec in specs:
@@ -83,7 +89,7 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
 
             err.print(f"building arm {spec.label} (HF transformers) ...", highlight=False)
             built[spec.key] = HFArm(spec, hf_model_path(base, built), hf_batch_size, base.values.get("device", "auto"),
-                                    base.values.get("dtype", "auto"), base.values.get("cpu_threads"))
+                                    base.values.get("dtype", "auto"), base.values.get("cpu_threads"), task)
     return [built[s.key] for s in specs]
 
 
@@ -167,6 +173,12 @@ LENGTH_OPTIONS = {  # what sets a workload's longest request
 }
 
 
+def length_options(spec: WorkloadSpec) -> str:
+    """What shortens the spec's longest request (under --task embed, no output length)."""
+    text = LENGTH_OPTIONS[spec.name]
+    return text.replace("/--output-len", "").replace(" or max_tokens", "") if spec.task == "embed" else text
+
+
 def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: list[FileEntry] | None
                     ) -> list[Workload]:
     """One workload per round, valid for every arm: tokens every vocabulary has, lengths every context fits.
@@ -180,22 +192,31 @@ def make_workloads(spec: WorkloadSpec, rounds: range, arms: list[Arm], entries: 
     if longest > limit:
         raise WorkloadError(
             f"the {spec.name} workload has a request of {longest} tokens (prompt, history and output) but the "
-            f"context length is {limit}; {LENGTH_OPTIONS[spec.name]} or use a model with a longer context")
+            f"context length is {limit}; {length_options(spec)} or use a model with a longer context")
     for arm in arms:
         if arm.kv_capacity_tokens is not None and longest > arm.kv_capacity_tokens:
             raise WorkloadError(
                 f"the {spec.name} workload has a request of {longest} tokens (prompt, history and output) but arm "
                 f"{arm.spec.key} ({arm.spec.text!r}) has KV blocks for {arm.kv_capacity_tokens} tokens; "
-                f"{LENGTH_OPTIONS[spec.name]} or give that arm more KV memory (--num-kv-blocks, --kv-cache-memory-gb)")
+                f"{length_options(spec)} or give that arm more KV memory (--num-kv-blocks, --kv-cache-memory-gb)")
     first_turns = [session.turns[0] for session in workloads[0].sessions if session.turns]
-    if first_turns:  # what else an arm refuses (a prompt over a non-chunking scheduler's step budget): before any run
-        turn = max(first_turns, key=lambda t: (len(t.tokens), t.max_tokens))
+    generated = [turn for turn in first_turns if turn.pooling is None]
+    if generated:  # what else an arm refuses (a prompt over a non-chunking scheduler's step budget): before any run
+        turn = max(generated, key=lambda t: (len(t.tokens), t.max_tokens))
         for arm in arms:
             try:
                 arm.check_request(list(turn.tokens), turn.max_tokens)
             except InferError as exc:
                 raise WorkloadError(f"the {spec.name} workload's longest prompt ({len(turn.tokens)} tokens) does "
                                     f"not fit arm {arm.spec.key} ({arm.spec.text!r}): {exc}") from None
+    if embedded := [turn for turn in first_turns if turn.pooling is not None]:  # its pooling too (a file's lines:
+        turn = max(embedded, key=lambda t: len(t.tokens))  # keep_poolable_lines checked each one)
+        for arm in arms:
+            try:
+                arm.check_embedding(list(turn.tokens), turn.pooling)  # type: ignore[arg-type]
+            except InferError as exc:
+                raise WorkloadError(f"arm {arm.spec.key} ({arm.spec.text!r}) refuses the {spec.name} workload's "
+                                    f"embedding requests (the longest: {len(turn.tokens)} tokens): {exc}") from None
     return workloads
 
 
@@ -228,17 +249,42 @@ def keep_fitting_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[FileEn
             ids = entry.prompt if isinstance(entry.prompt, tuple) else tuple(arms[0].tokenize(entry.prompt))
         except InvalidRequestError as exc:  # a chat the first arm's template cannot render (or no template)
             raise WorkloadError(f"line {entry.line}: {exc}") from None
-        total = len(ids) + entry.max_tokens
+        embeds = entry.pooling is not None
+        total = len(ids) + (1 if embeds else entry.max_tokens)
+        what = "prompt and the token an embedding reserves" if embeds else "prompt and max_tokens"
         short = [arm for arm in arms if arm.kv_capacity_tokens is not None and total > arm.kv_capacity_tokens]
         if total > limit:
-            errors.append(f"line {entry.line}: a request of {total} tokens (prompt and max_tokens), over the context "
-                          f"length of {limit}")
+            errors.append(f"line {entry.line}: a request of {total} tokens ({what}), over the context length of "
+                          f"{limit}")
         elif short:
-            errors.append(f"line {entry.line}: a request of {total} tokens (prompt and max_tokens), over the "
+            errors.append(f"line {entry.line}: a request of {total} tokens ({what}), over the "
                           f"{short[0].kv_capacity_tokens} tokens arm {short[0].spec.key}'s KV blocks hold")
         else:
             good.append(dataclasses.replace(entry, prompt=ids))
     return good_lines(spec, good, errors, "line(s) too long for an arm"), errors
+
+
+def keep_poolable_lines(spec: WorkloadSpec, arms: list[Arm], entries: list[FileEntry]
+                        ) -> tuple[list[FileEntry], list[str]]:
+    """The lines whose embedding request (if any) every arm computes (a pooler it has, dimensions within the
+    hidden size, as the arm's check_embedding says); like check_vocabulary: the good lines and an error per bad one,
+    WorkloadError listing them all without --skip-bad-lines."""
+    good, errors = [], []
+    for entry in entries:
+        refusal = None
+        prompt = entry.prompt
+        for arm in arms if entry.pooling is not None else ():
+            try:
+                ids = list(prompt) if isinstance(prompt, tuple) else arms[0].tokenize(prompt)  # type: ignore[arg-type]
+                arm.check_embedding(ids, entry.pooling)  # type: ignore[arg-type]
+            except InferError as exc:
+                refusal = f"arm {arm.spec.key} ({arm.spec.text!r}) refuses its embedding request: {exc}"
+                break
+        if refusal is None:
+            good.append(entry)
+        else:
+            errors.append(f"line {entry.line}: {refusal}")
+    return good_lines(spec, good, errors, "line(s) whose embedding request an arm refuses"), errors
 
 
 def _reasoning_refusal(arms: list[Arm], entry: FileEntry) -> str | None:

@@ -1,7 +1,9 @@
 """What one run records, the metrics derived from it, and their aggregation over repeats.
 
 Times are seconds from the start of the run. A metric that does not apply to an arm (the HF baseline has no
-prefix cache; an engine without a proposer has no acceptance rate) is None, shown as "n/a".
+prefix cache; an engine without a proposer has no acceptance rate) is None, shown as "n/a". Generation and
+embedding requests each have their own rows, over their own requests: TTFT, TPOT and ITL are generation's, and an
+embedding request's latency is its arrival to its embedding.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ class RequestRecord:
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (None: unknown)
     output_ids: list[int] = field(default_factory=list)  # compared across arms: faster must not mean different
     priority: int = 0  # SamplingParams.priority (the file workload's lines may give it)
+    embed: bool = False  # an embedding request: no output token, its ``embedding`` instead
+    embedding: list[float] | None = None  # compared across arms (not written to the JSON)
 
     @property
     def ttft_s(self) -> float | None:
@@ -74,6 +78,8 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        for request in data["requests"]:
+            del request["embedding"]  # a vector per request would swamp the file: the summary compares them
         data["metrics"] = run_metrics(self)  # outputs_match compares arms: only the summary holds it
         return data
 
@@ -82,13 +88,16 @@ class RunResult:
 class Metric:
     key: str
     title: str
-    unit: str  # "" (a rate), "ms", "%" (a fraction, shown in percent) or "count"
+    unit: str  # "" (a rate), "ms", "%" (a fraction, shown in percent), "count" or "abs" (a small difference)
     higher_is_better: bool
+    has_ratio: bool = True  # False: a comparison with the first arm already, not divided by its value
 
 
 METRICS: tuple[Metric, ...] = (
     Metric("requests_per_s", "requests/s", "", True),
     Metric("output_tokens_per_s", "output tok/s", "", True),
+    Metric("embeddings_per_s", "embeddings/s", "", True),
+    Metric("embed_prompt_tokens_per_s", "embedding prompt tok/s", "", True),
     Metric("ttft_p50_ms", "TTFT p50", "ms", False),
     Metric("ttft_p99_ms", "TTFT p99", "ms", False),
     Metric("long_ttft_ms", "long prompt TTFT", "ms", False),
@@ -101,6 +110,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("itl_p99_ms", "ITL p99", "ms", False),
     Metric("e2e_p50_ms", "end-to-end p50", "ms", False),
     Metric("e2e_p99_ms", "end-to-end p99", "ms", False),
+    Metric("embed_latency_p50_ms", "embedding latency p50", "ms", False),
+    Metric("embed_latency_p99_ms", "embedding latency p99", "ms", False),
     Metric("kv_peak_blocks", "peak KV blocks", "count", False),
     Metric("kv_peak_usage", "peak KV usage", "%", False),
     Metric("prefix_hit_rate", "prefix hit rate", "%", True),
@@ -109,6 +120,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("evictions", "KV evictions", "count", False),
     Metric("engine_steps", "engine steps", "count", False),
     Metric("outputs_match", "outputs = first arm", "%", True),
+    Metric("embeddings_max_diff", "embedding max |diff| from first arm", "abs", False, has_ratio=False),
 )
 
 # Student's t: the two-sided 95% critical value for 1..30 degrees of freedom (any statistics table); beyond 30,
@@ -156,17 +168,26 @@ def _ms(value: float | None) -> float | None:
 
 
 def run_metrics(run: RunResult) -> dict[str, float | None]:
-    """Every metric of :data:`METRICS` for one run, but outputs_match (it compares arms: :func:`summarize`)."""
-    reqs = run.requests
+    """Every metric of :data:`METRICS` for one run, but those that compare arms (:func:`summarize`): the rates over
+    the run's wall time, generation's over its generation requests and embedding's over its embedding requests (a
+    kind the run has none of is None)."""
+    reqs = [r for r in run.requests if not r.embed]
+    embeds = [r for r in run.requests if r.embed]
     ttft = [r.ttft_s for r in reqs if r.ttft_s is not None]
     tpot = [r.tpot_s for r in reqs if r.tpot_s is not None]
     itl = [gap for r in reqs for gap in r.itl_s]
     e2e = [r.e2e_s for r in reqs]
+    timed = run.duration_s > 0
+    generates = timed and (bool(reqs) or not embeds)  # a run of no request at all still shows 0 requests/s
     out: dict[str, float | None] = {
-        "requests_per_s": len(reqs) / run.duration_s if run.duration_s > 0 else None,
-        "output_tokens_per_s": sum(r.output_tokens for r in reqs) / run.duration_s if run.duration_s > 0 else None,
+        "requests_per_s": len(reqs) / run.duration_s if generates else None,
+        "output_tokens_per_s": sum(r.output_tokens for r in reqs) / run.duration_s if generates else None,
+        "embeddings_per_s": len(embeds) / run.duration_s if timed and embeds else None,
+        "embed_prompt_tokens_per_s": sum(r.prompt_tokens for r in embeds) / run.duration_s if timed and embeds
+        else None,
     }
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e),
+                         ("embed_latency", [r.e2e_s for r in embeds])):
         out[f"{name}_p50_ms"] = _ms(percentile(values, 50))
         out[f"{name}_p99_ms"] = _ms(percentile(values, 99))
     long = [r.ttft_s for r in reqs if r.session == run.long_session and r.ttft_s is not None]
@@ -197,11 +218,25 @@ def run_metrics(run: RunResult) -> dict[str, float | None]:
 
 
 def outputs_match(run: RunResult, reference: RunResult) -> float | None:
-    """The fraction of ``run``'s requests whose output tokens equal the reference run's for the same turn."""
+    """The fraction of ``run``'s generation requests whose output tokens equal the reference run's for the same
+    turn."""
     expected = {(r.session, r.turn): r.output_ids for r in reference.requests}
-    if not run.requests:
+    generated = [r for r in run.requests if not r.embed]
+    if not generated:
         return None
-    return sum(expected.get((r.session, r.turn)) == r.output_ids for r in run.requests) / len(run.requests)
+    return sum(expected.get((r.session, r.turn)) == r.output_ids for r in generated) / len(generated)
+
+
+def embeddings_max_diff(run: RunResult, reference: RunResult) -> float | None:
+    """The largest absolute difference between a value of one of ``run``'s embeddings and the same value of the
+    reference run's embedding of the same request (inf where their lengths differ); None without any pair."""
+    expected = {(r.session, r.turn): r.embedding for r in reference.requests if r.embedding is not None}
+    pairs = [(r.embedding, expected[(r.session, r.turn)]) for r in run.requests
+             if r.embedding is not None and (r.session, r.turn) in expected]
+    if not pairs:
+        return None
+    return max(max((abs(a - b) for a, b in zip(mine, theirs)), default=0.0) if len(mine) == len(theirs) else math.inf
+               for mine, theirs in pairs)
 
 
 @dataclass
@@ -253,14 +288,15 @@ def aggregate(values: list[float | None]) -> Aggregate:
 def summarize(runs_by_arm: dict[str, list[RunResult]], output_comparable: set[str] | None = None
               ) -> dict[str, dict[str, Aggregate]]:
     """arm -> metric -> Aggregate, with ratios against the first arm (in the given order). Outputs are compared
-    with the first arm's for the arms in ``output_comparable`` (default: every arm)."""
+    with the first arm's for the arms in ``output_comparable`` (default: every arm); embeddings, which sample
+    nothing, for every arm."""
     per_run = {arm: [run_metrics(r) for r in runs] for arm, runs in runs_by_arm.items()}
     first_runs = next(iter(runs_by_arm.values()), [])
     for arm, runs in runs_by_arm.items():
-        if output_comparable is not None and arm not in output_comparable:
-            continue
         for metrics, run, reference in zip(per_run[arm], runs, first_runs):
-            metrics["outputs_match"] = outputs_match(run, reference)
+            metrics["embeddings_max_diff"] = embeddings_max_diff(run, reference)
+            if output_comparable is None or arm in output_comparable:
+                metrics["outputs_match"] = outputs_match(run, reference)
     table = {arm: {m.key: aggregate([values.get(m.key) for values in runs]) for m in METRICS}
              for arm, runs in per_run.items()}
     first_key = next(iter(table), None)

@@ -6,6 +6,8 @@ next turn starts as soon as its previous one finishes, while sessions run interl
 
 Lengths and arrival times come from ``seed`` alone, so every round has the same shape; token contents come from
 ``(seed, round)`` (the runner also empties an engine's prefix cache before each run: the file workload repeats).
+With ``--task embed`` every request of ``random``, ``shared-prefix`` and ``file`` is an embedding request (a Turn
+with ``pooling``); a ``file`` line may also make itself one (``"embed": true`` or ``{"pooling": ..., ...}``).
 """
 from __future__ import annotations
 
@@ -19,10 +21,18 @@ from pathlib import Path
 
 from ..core.chat import ChatPrompt, Prompt, chat_of_fields
 from ..core.errors import InvalidRequestError
+from ..core.pooling import PoolingParams
 from ..core.request import STRUCTURE_FIELDS, SamplingParams, StructuredOutput
 from ..core.tool_choice import forces_calls, reply_reading
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-prompt-arrival", "file")
+TASKS = ("generate", "embed")
+EMBED_FIELDS = ("pooling", "dimensions", "normalize")  # a file line's "embed" object: PoolingParams fields
+NO_EMBED_WORKLOADS = {  # why --task embed refuses them
+    "multi-turn": "its next turn's prompt holds the previous turn's output, and an embedding request generates none",
+    "long-prompt-arrival": "it measures how a long prompt stalls steady decodes, and embedding requests decode "
+                           "nothing",
+}
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,13 @@ class WorkloadSpec:
     skip_bad_lines: bool = False
     sampling: RequestSampling = field(default_factory=RequestSampling)
     lora_adapters: tuple[str, ...] = ()  # session i runs on the (i mod count)-th; none: the base model
+    task: str = "generate"  # "embed": every request is an embedding request with ``pooling``
+    pooling: PoolingParams = field(default_factory=PoolingParams)  # the embed task's (its --pooling, ...)
+
+    @property
+    def task_pooling(self) -> PoolingParams | None:
+        """Every request's PoolingParams under --task embed; None under --task generate."""
+        return self.pooling if self.task == "embed" else None
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,12 @@ class Turn:
     max_tokens: int
     structured_output: StructuredOutput | None = None  # the file workload's: the output ends at EOS once whole
     priority: int = 0  # the file workload's: SamplingParams.priority (read by --scheduling-policy priority)
+    pooling: PoolingParams | None = None  # an embedding request's (max_tokens is then 0): it ends with its prompt
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens the request holds beyond its prompt: its output, or the one an embedding request reserves."""
+        return 1 if self.pooling is not None else self.max_tokens
 
 
 @dataclass(frozen=True)
@@ -118,7 +141,7 @@ class Workload:
         for session in self.sessions:
             history = 0
             for turn in session.turns:
-                longest = max(longest, history + len(turn.tokens) + turn.max_tokens)
+                longest = max(longest, history + len(turn.tokens) + turn.reserved_tokens)
                 history += len(turn.tokens) + turn.max_tokens
         return longest
 
@@ -149,16 +172,21 @@ class FileEntry:
     lora_adapter: str | None = None
     structured_output: StructuredOutput | None = None  # the line's, or the reply schema of its forced tool calls
     priority: int = 0
+    pooling: PoolingParams | None = None  # an embedding request's (max_tokens is then 0)
 
 
-def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
+def parse_workload_file(path: Path, task_pooling: PoolingParams | None = None
+                        ) -> tuple[list[FileEntry], list[str]]:
     """Read a JSONL file of ``{"prompt": str | [int, ...], "max_tokens": int}`` or, for a chat, of
     ``{"messages": [...], "max_tokens": int}`` and optionally the other fields of gRPC's ``Chat`` (``tools``,
     ``chat_template_kwargs``, ...); any line may name a LoRA adapter (``"lora_adapter": "NAME"``) and give a
     structured output (``"structured_output": {"json_schema": {...}}``, or ``"regex"``, ``"choice"`` or
     ``"grammar"``, the fields of :class:`StructuredOutput`; null: none) and a priority (``"priority": 5``, an
-    integer; higher runs first under ``--scheduling-policy priority``; default 0). Blank lines are skipped, other
-    fields are ignored.
+    integer; higher runs first under ``--scheduling-policy priority``; default 0). A line holding ``"embed": true``
+    or ``"embed": {"pooling": ..., "dimensions": ..., "normalize": ...}`` is an embedding request (its
+    ``max_tokens`` optional and ignored, no structured output); with ``task_pooling`` (``--task embed``) every line
+    is one, with those parameters, which a line's ``"embed"`` object overrides field by field. Blank lines are
+    skipped, other fields are ignored.
 
     Returns the good entries and one message per bad line (``line N: why``); a bad line never hides the others.
     """
@@ -172,7 +200,7 @@ def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
         if not line.strip():
             continue
         try:
-            entries.append(_parse_line(line, number))
+            entries.append(_parse_line(line, number, task_pooling))
         except WorkloadError as exc:
             errors.append(f"line {number}: {exc}")
     if not entries and not errors:
@@ -180,7 +208,7 @@ def parse_workload_file(path: Path) -> tuple[list[FileEntry], list[str]]:
     return entries, errors
 
 
-def _parse_line(line: str, number: int) -> FileEntry:
+def _parse_line(line: str, number: int, task_pooling: PoolingParams | None) -> FileEntry:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -208,9 +236,15 @@ def _parse_line(line: str, number: int) -> FileEntry:
         prompt = tuple(prompt)
     else:
         raise WorkloadError("'prompt' must be a string or a list of token ids")
-    if "max_tokens" not in item:
+    pooling = _line_pooling(item.get("embed"), task_pooling)
+    if pooling is not None:
+        if _structured_output(item, prompt) is not None:
+            raise WorkloadError("an embedding request generates nothing, so it takes no structured output (nor a "
+                                "forced tool_choice); drop one of them")
+        max_tokens = 0
+    elif "max_tokens" not in item:
         raise WorkloadError("'max_tokens' is missing")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+    elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
         raise WorkloadError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
     adapter = item.get("lora_adapter")
     if adapter is not None and (not isinstance(adapter, str) or not adapter):
@@ -220,7 +254,28 @@ def _parse_line(line: str, number: int) -> FileEntry:
         SamplingParams(priority=priority).validate()
     except InvalidRequestError as exc:
         raise WorkloadError(str(exc).removeprefix("invalid sampling parameters: ")) from None
-    return FileEntry(prompt, max_tokens, number, adapter, _structured_output(item, prompt), priority)
+    structured = None if pooling is not None else _structured_output(item, prompt)
+    return FileEntry(prompt, max_tokens, number, adapter, structured, priority, pooling)
+
+
+def _line_pooling(given: object, task_pooling: PoolingParams | None) -> PoolingParams | None:
+    """A line's embedding request: its ``"embed"`` (true, false or an object of PoolingParams fields) over the
+    task's parameters (--task embed: every line embeds); None for a generation request."""
+    if given is None or given is False:
+        if given is False and task_pooling is not None:
+            raise WorkloadError("\"embed\": false, but --task embed makes every line an embedding request; drop "
+                                "the field, or run the line with --task generate")
+        return task_pooling
+    base = task_pooling or PoolingParams()
+    if given is True:
+        return base
+    if not isinstance(given, dict) or not given.keys() <= set(EMBED_FIELDS):
+        raise WorkloadError(f"'embed' must be true, false or an object of {', '.join(EMBED_FIELDS)} (e.g. "
+                            f"{{\"pooling\": \"mean\", \"dimensions\": 256}}), got {json.dumps(given)[:80]}")
+    try:
+        return dataclasses.replace(base, **given)
+    except InvalidRequestError as exc:
+        raise WorkloadError(str(exc)) from None
 
 
 def _structured_output(item: dict[str, object], prompt: object) -> StructuredOutput | None:
@@ -250,10 +305,20 @@ def _given_structured_output(fields: object) -> StructuredOutput | None:
     return structured
 
 
-def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
-    """Check the options before any engine is built; for ``file``, parse the file. Raises WorkloadError."""
+def check_task(spec: WorkloadSpec) -> None:
+    """The workload and task exist and go together. Raises WorkloadError."""
     if spec.name not in WORKLOADS:
         raise WorkloadError(f"unknown workload {spec.name!r}; choose one of {', '.join(WORKLOADS)}")
+    if spec.task not in TASKS:
+        raise WorkloadError(f"unknown task {spec.task!r}; choose one of {', '.join(TASKS)}")
+    if spec.task == "embed" and spec.name in NO_EMBED_WORKLOADS:
+        raise WorkloadError(f"--task embed does not run the {spec.name} workload: {NO_EMBED_WORKLOADS[spec.name]}; "
+                            "use random, shared-prefix (its system prompt is then the shared instruction) or file")
+
+
+def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
+    """Check the options before any engine is built; for ``file``, parse the file. Raises WorkloadError."""
+    check_task(spec)
     positive = {"num-requests": spec.num_requests, "input-len": spec.input_len, "output-len": spec.output_len,
                 "prefix-len": spec.prefix_len, "question-len": spec.question_len, "turns": spec.turns,
                 "long-len": spec.long_len}
@@ -276,7 +341,7 @@ def validate_spec(spec: WorkloadSpec) -> list[FileEntry] | None:
                             "each line's own (\"lora_adapter\": \"NAME\")")
     if spec.file is None:
         raise WorkloadError("--workload file needs --file PATH (JSONL of {\"prompt\": ..., \"max_tokens\": ...})")
-    entries, errors = parse_workload_file(spec.file)
+    entries, errors = parse_workload_file(spec.file, spec.task_pooling)
     return good_lines(spec, entries, errors, f"bad line(s) of {len(entries) + len(errors)}")
 
 
@@ -324,10 +389,11 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
 
     turns: list[tuple[Turn, ...]]
     if spec.name == "random":
-        turns = [(Turn(tokens(length(spec.input_len)), length(spec.output_len)),) for _ in range(spec.num_requests)]
+        turns = [(_turn(spec, tokens(length(spec.input_len)), length(spec.output_len)),)
+                 for _ in range(spec.num_requests)]
     elif spec.name == "shared-prefix":
         system = tokens(spec.prefix_len)
-        turns = [(Turn(system + tokens(length(spec.question_len)), length(spec.output_len)),)
+        turns = [(_turn(spec, system + tokens(length(spec.question_len)), length(spec.output_len)),)
                  for _ in range(spec.num_requests)]
     elif spec.name == "multi-turn":
         turns = [tuple(Turn(tokens(length(spec.input_len)), length(spec.output_len)) for _ in range(spec.turns))
@@ -342,7 +408,8 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
         if entries is None:
             raise WorkloadError("the file workload needs its parsed entries (validate_spec)")
         prompts = _file_tokens(entries, vocab, tokenize)
-        turns = [(Turn(p, e.max_tokens, e.structured_output, e.priority),) for p, e in zip(prompts, entries)]
+        turns = [(Turn(p, e.max_tokens, e.structured_output, e.priority, e.pooling),)
+                 for p, e in zip(prompts, entries)]
         sessions = [Session(a, t, e.lora_adapter) for a, t, e in zip(_arrivals(spec, len(turns)), turns, entries)]
         return Workload(spec.name, round_index, tuple(sessions), sampling=spec.sampling)
     else:
@@ -350,6 +417,14 @@ def build_workload(spec: WorkloadSpec, round_index: int, vocab: Vocab,
     arrivals = _arrivals(spec, len(turns))
     sessions = tuple(Session(a, t) for a, t in zip(arrivals, turns))
     return Workload(spec.name, round_index, _on_adapters(spec, sessions), sampling=spec.sampling)
+
+
+def _turn(spec: WorkloadSpec, prompt: tuple[int, ...], max_tokens: int) -> Turn:
+    """A generated request of the spec's task: the same prompt either way (the output length is drawn for both, so
+    a seed gives --task embed the prompts of --task generate)."""
+    if spec.task_pooling is not None:
+        return Turn(prompt, 0, pooling=spec.task_pooling)
+    return Turn(prompt, max_tokens)
 
 
 def _on_adapters(spec: WorkloadSpec, sessions: tuple[Session, ...]) -> tuple[Session, ...]:

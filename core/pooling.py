@@ -117,6 +117,14 @@ class PoolingDefaults:
 
     def resolve(self, params: PoolingParams, hidden_size: int | None, poolers: Poolers) -> Pooling:
         """The pooling ``params`` ask for on a model of ``hidden_size`` (None: unknown, not checked)."""
+        method, normalize = self.choose(params, hidden_size, poolers.names)
+        where = "" if params.pooling is not None else " (the checkpoint's sentence-transformers pooling)"
+        return Pooling(method, poolers.get(method, where), normalize, params.dimensions)
+
+    def choose(self, params: PoolingParams, hidden_size: int | None, names: Callable[[], list[str]]
+               ) -> tuple[str, bool]:
+        """The pooler's name and whether to normalize, for ``params`` on this checkpoint; InvalidRequestError for
+        what infer cannot compute (``names``: the registered poolers, for the message)."""
         if params.dimensions is not None and hidden_size is not None and params.dimensions > hidden_size:
             raise InvalidRequestError(f"dimensions {params.dimensions} exceeds the model's hidden size "
                                       f"{hidden_size}; ask for at most {hidden_size} (or None for all)")
@@ -125,18 +133,14 @@ class PoolingDefaults:
                                       f"{', '.join(self.unapplied)}, which infer does not run, so its embedding is "
                                       f"not what infer computes; pass pooling= a pooler's name (last, mean, ...) "
                                       "for the pooled final hidden states without them")
-        if params.pooling is not None:
-            method, pooler = params.pooling, poolers.get(params.pooling)
-        elif self.method is not None and ("+" in self.method or self.method.startswith("pooling_mode_")):
+        if params.pooling is None and self.method is not None and \
+                ("+" in self.method or self.method.startswith("pooling_mode_")):
             modes = self.method.split("+")  # several: sentence-transformers concatenates their vectors
             named = " and ".join(map(repr, modes)) + (" together (concatenated)" if len(modes) > 1 else "")
             raise InvalidRequestError(f"the checkpoint's sentence-transformers pooling is {named}, which no "
-                                      f"registered pooler computes; pass pooling= one of {', '.join(poolers.names())}")
-        else:
-            method = self.method or "last"
-            pooler = poolers.get(method, " (the checkpoint's sentence-transformers pooling)")
+                                      f"registered pooler computes; pass pooling= one of {', '.join(names())}")
         normalize = params.normalize if params.normalize is not None else self.normalize is not False
-        return Pooling(method, pooler, normalize, params.dimensions)
+        return params.pooling or self.method or "last", normalize
 
 
 def read_pooling_defaults(folder: Path) -> PoolingDefaults:
