@@ -205,6 +205,8 @@ class Embeddings:
     def output(req: RequestState) -> RequestOutput:
         """An embedding request's output: none until it finishes, then its embedding (or an abort)."""
         seq = req.seqs[0]
+        if seq.embedding is not None and not isinstance(seq.embedding, list):
+            seq.embedding = seq.embedding.tolist()  # read back now: with async output, while the next step runs
         done = [CompletionOutput(0, [], "", seq.finish_reason)] if seq.is_finished else []
         return RequestOutput(req.request_id, req.prompt_token_ids, done, seq.is_finished, embedding=seq.embedding)
 
@@ -252,7 +254,9 @@ def collect_pooled(found: PoolRows, hidden: torch.Tensor) -> None:
     ``embedding``."""
     import torch
 
-    picked = hidden[torch.tensor(found.rows, dtype=torch.long, device=hidden.device)].float() if found.rows else None
+    from .sampling import to_device
+
+    picked = hidden[to_device(found.rows, hidden.device)].float() if found.rows else None
     at = 0
     for seq, count, done in found.owners:
         pooling: Pooling = seq.pooling  # type: ignore[assignment]
@@ -268,8 +272,9 @@ def collect_pooled(found: PoolRows, hidden: torch.Tensor) -> None:
             seq.embedding, seq.pool_sum = finish_embedding(vector, pooling), None
 
 
-def finish_embedding(vector: torch.Tensor, pooling: Pooling) -> list[float]:
-    """A pooler's vector, checked, cut to ``pooling.dimensions`` and L2-normalized if asked."""
+def finish_embedding(vector: torch.Tensor, pooling: Pooling) -> torch.Tensor:
+    """A pooler's vector, checked, cut to ``pooling.dimensions`` and L2-normalized if asked (on its device: the
+    output reads it back)."""
     import torch
 
     wanted = pooling.dimensions or 1
@@ -283,4 +288,4 @@ def finish_embedding(vector: torch.Tensor, pooling: Pooling) -> list[float]:
         vector = vector[: pooling.dimensions]
     if pooling.normalize:
         vector = vector / vector.norm().clamp_min(1e-12)  # as torch.nn.functional.normalize's eps
-    return vector.tolist()
+    return vector

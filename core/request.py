@@ -402,7 +402,7 @@ class Sequence:
     pooling: Pooling | None = None  # an embedding request's: it ends when its prompt is computed, sampling nothing
     pool_sum: Any = None  # the float32 sum of the hidden states pooled so far (a device tensor), until the end
     pooled_until: int = 0  # prompt positions summed into pool_sum (mean pooling)
-    embedding: list[float] | None = None  # the finished embedding
+    embedding: Any = None  # the finished embedding: a device tensor until its output reads it back, then a list
 
     def __post_init__(self) -> None:
         if not self.token_ids:
