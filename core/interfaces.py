@@ -307,7 +307,10 @@ class Scheduler(ABC):
         ``num_computed_tokens``; append the sampled tokens in order (``Sequence.append_token``), where with
         speculative decoding all but the last are accepted drafts whose KV this step computed, so each of those
         also adds one computed token; stop at the first stop token (``Sequence.check_stop_token``); then call
-        ``KVCache.commit(seq)`` before finishing it, else its full blocks never enter the prefix cache.
+        ``KVCache.commit(seq)`` before finishing it, else its full blocks never enter the prefix cache. A sequence
+        with no entry in ``sampled`` appends nothing: a prompt chunk that does not end its prompt, or the last chunk
+        of an embedding request's (``seq.pooling`` set), which samples nothing; the engine finishes that one right
+        after this update, through ``finish``.
 
         With async scheduling a sampled token may be ``PENDING_TOKEN`` (-1, core/runner.py): append it like any
         other; the engine writes the real id in place before the next update and applies its stop check itself.

@@ -665,6 +665,18 @@ def test_a_scheduler_written_from_the_docstrings_gives_the_shipped_ones_tokens(i
     expected = run("continuous", params)
     assert any(len(c) < 12 for r in expected for c in r)
     assert run("minimal", params) == expected
+    from infer.core.pooling import PoolingParams  # embedding requests: no token sampled at their last prompt chunk
+
+    def embed(scheduler: str) -> list[list[float] | None]:
+        engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=64, scheduler=scheduler,
+                                     **mode), plugins)
+        outs = engine.generate(prompts, [PoolingParams(pooling="mean"), params, PoolingParams()])
+        assert engine.kv.stats().used_blocks == 0
+        return [out.embedding for out in outs]
+
+    shipped_embeddings = embed("continuous")
+    assert shipped_embeddings[0] is not None and shipped_embeddings[2] is not None
+    assert embed("minimal") == shipped_embeddings
 
 
 @pytest.mark.parametrize(("breach", "complaint"), [
