@@ -31,7 +31,10 @@ from .options import lora_adapter_option
 def embed(ctx: click.Context, prompts: tuple[str, ...], pooling: str | None, normalize: bool | None,
           dimensions: int | None, lora_adapter: str | None, chat: bool) -> None:
     """Embed PROMPTS (or each line of stdin when none are given): the model's final hidden states, pooled. Prints
-    one JSON line per prompt, in order: {"prompt_index", "prompt", "embedding", "prompt_tokens", "cached_tokens"}."""
+    one JSON line per prompt, in order: {"prompt_index", "prompt", "embedding", "prompt_tokens", "cached_tokens"}.
+    A sequence classifier (a *ForSequenceClassification checkpoint, a reward model) prints its label logits as the
+    embedding, and "labels": config.json's id2label, as transformers reads it (LABEL_0... where it names none)."""
+    from ..core.classification import read_id2label
     from ..core.pooling import PoolingParams
     from .main import CommandLineError, _chats, build_engine, option_error, stdin_text, tolerant_stdin
 
@@ -56,12 +59,15 @@ def embed(ctx: click.Context, prompts: tuple[str, ...], pooling: str | None, nor
     except InferError as exc:
         where = "" if prompts or exc.prompt_index is None else f" (stdin line {numbered[exc.prompt_index][0]})"
         raise CommandLineError(f"{exc}{where}") from None
-    _print_in_order(texts, engine.generate_as_completed(inputs, params))
+    classifier = engine.loaded.model.spec.num_labels is not None
+    labels = read_id2label(engine.loaded.path) if classifier else None
+    _print_in_order(texts, engine.generate_as_completed(inputs, params), labels)
 
 
-def _print_in_order(texts: list[str], completed: Any) -> None:
-    """Each prompt's line once it and every earlier one are embedded (so Ctrl-C keeps what is done); a progress bar
-    on stderr when it is a terminal and there are several prompts."""
+def _print_in_order(texts: list[str], completed: Any, labels: dict[str, str] | None = None) -> None:
+    """Each prompt's line once it and every earlier one are embedded (so Ctrl-C keeps what is done), with a
+    classifier's ``labels``; a progress bar on stderr when it is a terminal and there are several prompts."""
+    named = {"labels": labels} if labels is not None else {}
     from rich.console import Console
     from rich.progress import Progress
 
@@ -79,7 +85,7 @@ def _print_in_order(texts: list[str], completed: Any) -> None:
                     click.echo(json.dumps({"prompt_index": printed, "prompt": texts[printed],
                                            "embedding": result.embedding,
                                            "prompt_tokens": len(result.prompt_token_ids),
-                                           "cached_tokens": result.num_cached_tokens}))
+                                           "cached_tokens": result.num_cached_tokens, **named}))
                     printed += 1
                 sys.stdout.flush()
         except KeyboardInterrupt:

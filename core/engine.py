@@ -31,7 +31,7 @@ from .interfaces import LogitsProcessor, Pooler, SchedulerOutput, StructuredOutp
 from .logits_processors import LogitsProcessors
 from .lora import load_lora_adapter, unload_lora_adapter
 from .metrics import EngineStats, StepTimes, count_decodes
-from .model import NO_LM_HEAD
+from .model import no_lm_head
 from .pooling import Embeddings, PoolingParams, Poolers, read_pooling_defaults
 from .outputs import RequestState, append_output, build_output, with_every_sequence
 from .plugins import Blame, PluginManager, checked_manager
@@ -137,9 +137,11 @@ class Engine:
                              self.blame, self._plugin_code, self.processors)
         self.steps_taken = 0  # steps run, empty ones included (stats.steps counts those that recorded stats)
         self.prompt_logprob_requests = 0  # live requests that ask for prompt logprobs
+        model = self.loaded.model  # a sequence classifier's embeddings are its score head's label logits
         self.embeddings = Embeddings(read_pooling_defaults(self.loaded.path),
                                      Poolers(self._pooler, self.plugins.registry("pooler").names),
-                                     getattr(self.loaded.arch, "hidden_size", None), self.max_model_len, self.tokenize)
+                                     getattr(self.loaded.arch, "hidden_size", None), self.max_model_len, self.tokenize,
+                                     model.label_logits if model.spec.num_labels is not None else None)
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
         self.searches = BeamSearches(self)  # beam searches under way, a token per step beside the requests
         if config.freeze_gc:
@@ -223,7 +225,7 @@ class Engine:
     def _check_generates(self) -> None:
         """InvalidRequestError for generation (and beam search) on a model without an LM head."""
         if not self.loaded.model.spec.has_lm_head:
-            raise InvalidRequestError(NO_LM_HEAD)
+            raise InvalidRequestError(no_lm_head(self.loaded.model.spec))
 
     def _pooler(self, name: str) -> Pooler:
         """Built at the first request that names it, and blamed for its errors from then on."""

@@ -673,6 +673,9 @@ class ModelSpec:
     # False for a checkpoint without an output head (an embedding model: a bare backbone, or no lm_head.weight and
     # untied embeddings): compute_logits raises, and the engine serves embedding requests only
     has_lm_head: bool = True
+    # a sequence classifier's (HF's *ForSequenceClassification, reward models) number of labels: its score head maps
+    # a pooled hidden state to that many logits (Model.label_logits), which embedding requests return; None: no head
+    num_labels: int | None = None
 
 
 def __getattr__(name: str) -> Any:

@@ -78,7 +78,8 @@ class LLM:
     def embed(self, prompts: Prompt | Seq[Prompt], params: PoolingParams | Seq[PoolingParams] | None = None
               ) -> list[RequestOutput]:
         """Embed one prompt or several: one RequestOutput per prompt, in order, its ``embedding`` the pooled final
-        hidden states (core/pooling.py: a pooler, last or mean or a plugin's; normalized by default)."""
+        hidden states (core/pooling.py: a pooler, last or mean or a plugin's; normalized by default), or a sequence
+        classifier's label logits."""
         return self.engine.embed(_as_list(prompts), params)
 
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams | None = None

@@ -439,11 +439,13 @@ def architectures(raw: dict[str, Any]) -> list[str]:
                      "AutoModelForCausalLM", model_type, named)
             return [named]
     if archs and isinstance(model_type := raw.get("model_type"), str):
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES,
+                                                            MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
         named = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
         backbone = MODEL_MAPPING_NAMES.get(model_type)  # a bare backbone of the same model (an embedding model's)
-        if named is not None and archs[0] not in (named, backbone):  # HF's Auto class would build the other one
+        classifier = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)  # its reward model's
+        if named is not None and archs[0] not in (named, backbone, classifier):  # HF's Auto class builds another
             log.warning("config.json names the architecture %s but model_type %r, which transformers' "
                         "AutoModelForCausalLM builds as %s; infer builds %s (as vLLM does), so what only %s does "
                         "(a sliding window, say) does not apply: fix config.json if it should", archs[0],
@@ -451,8 +453,14 @@ def architectures(raw: dict[str, Any]) -> list[str]:
     return archs
 
 
-def log_no_lm_head(architecture: str) -> None:
-    """Say that a model loaded without an LM head serves embeddings only; a *ForCausalLM may have lost its head."""
+def log_no_lm_head(architecture: str, num_labels: int | None = None) -> None:
+    """Say that a model loaded without an LM head serves embeddings only (a classifier's: its ``num_labels`` label
+    logits); a *ForCausalLM may have lost its head."""
+    if num_labels is not None:
+        log.info("%s is a sequence classifier with %d labels: this engine serves embedding requests only, each one's "
+                 "embedding the label logits; generation requests and beam searches will be refused", architecture,
+                 num_labels)
+        return
     if not architecture.endswith("ForCausalLM"):
         log.info("no LM head: this engine serves embeddings only (%s is a bare backbone); generation requests and "
                  "beam searches will be refused", architecture)
@@ -527,7 +535,7 @@ def load_model(config: EngineConfig, plugins: PluginManager, path: Path, progres
         raise weights.refused(exc) from exc
     check_finite(model, "float16" if dtype == torch.float16 and checkpoint_dtype(raw) != "float16" else None)
     if not model.spec.has_lm_head:
-        log_no_lm_head(archs[0])
+        log_no_lm_head(archs[0], model.spec.num_labels)
     model.eval()
     return LoadedModel(model, getattr(model, "cfg", raw), tokenizer, device, dtype, path, quant, eos, archs[0],
                        quant_name if quant is not None else None)

@@ -19,6 +19,14 @@ NO_LM_HEAD = ("this checkpoint has no LM head (an embedding model): send embeddi
               "`infer embed`)")
 
 
+def no_lm_head(spec: ModelSpec) -> str:
+    """Why a model without an LM head refuses generation: NO_LM_HEAD, or a sequence classifier's reason."""
+    if spec.num_labels is None:
+        return NO_LM_HEAD
+    return (f"this checkpoint is a sequence classifier ({spec.num_labels} labels, no LM head): send embedding "
+            "requests (PoolingParams, `infer embed`), whose embedding is the label logits")
+
+
 class Model(torch.nn.Module, ABC):
     """A causal LM over a flat token batch. The attention layers call the backend given in ``forward``.
 
@@ -41,11 +49,17 @@ class Model(torch.nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32; a model without an LM head (``spec.has_lm_head``
-        false) raises InvalidRequestError (NO_LM_HEAD)."""
+        false) raises InvalidRequestError (no_lm_head)."""
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume (HF name, tensor) pairs; raise CheckpointError on unknown names or missing tensors."""
+
+    def label_logits(self, pooled: torch.Tensor) -> torch.Tensor | None:
+        """Optional: a sequence classifier's score head (``spec.num_labels`` set): pooled final hidden states [N,
+        hidden] -> label logits [N, num_labels] in float32, which embedding requests return. The default: None, for
+        a model without such a head."""
+        return None
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """The model's tensors as its checkpoint names and stores them, what ``load_weights`` takes back (``infer

@@ -8,7 +8,9 @@ Qwen3-Embedding, e5-mistral, gte-Qwen2), and the prefix cache may serve the othe
 that read every position compute the whole prompt, as prompt logprobs do. ``dimensions`` keeps the first N values
 before the normalization (Matryoshka embeddings), and ``normalize`` divides by the L2 norm. A checkpoint written by
 sentence-transformers says its pooling (``1_Pooling/config.json``) and whether it normalizes (a ``Normalize``
-module in ``modules.json``); those are the defaults.
+module in ``modules.json``); those are the defaults. A sequence classifier (a model with a score head, a reward model:
+core/classification.py) returns the head's label logits of the pooled vector instead: pooled ``last`` by default,
+as transformers pools it, never normalized or cut.
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ class Pooling:
     pooler: Pooler
     normalize: bool
     dimensions: int | None
+    label_head: Callable[[torch.Tensor], torch.Tensor | None] | None = None  # a classifier's Model.label_logits
 
     @property
     def reads_every_position(self) -> bool:
@@ -177,15 +180,28 @@ class Embeddings:
     at their first request) and its prompt checked; how many are live; which finish in a step; their output."""
 
     def __init__(self, defaults: PoolingDefaults, poolers: Poolers, hidden_size: int | None, max_model_len: int,
-                 tokenize: Callable[[Prompt], list[int]]) -> None:
+                 tokenize: Callable[[Prompt], list[int]],
+                 label_head: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
         self.defaults, self.poolers, self.hidden_size = defaults, poolers, hidden_size
         self.max_model_len, self.tokenize = max_model_len, tokenize
+        self.label_head = label_head  # a sequence classifier's: each embedding is its label logits
         self.live = 0  # embedding requests under way
+
+    def resolve(self, params: PoolingParams) -> Pooling:
+        """The pooling ``params`` ask for: the checkpoint's defaults, or a classifier's (last, no normalization;
+        InvalidRequestError for normalize or dimensions, which label logits have no use for)."""
+        if self.label_head is None:
+            return self.defaults.resolve(params, self.hidden_size, self.poolers)
+        if params.normalize or params.dimensions is not None:
+            raise InvalidRequestError("this model is a sequence classifier: its embedding is the label logits, which "
+                                      "are neither normalized nor cut; leave normalize and dimensions unset")
+        method = params.pooling or "last"
+        return Pooling(method, self.poolers.get(method), False, None, self.label_head)
 
     def admit(self, prompt: Prompt, params: PoolingParams) -> tuple[list[int], SamplingParams, Pooling]:
         """The request's prompt as token ids, at most the context length less one (the token its scheduling
         reserves and never samples), what the scheduler sees of it, and its pooling; InvalidRequestError else."""
-        pooling = self.defaults.resolve(params, self.hidden_size, self.poolers)
+        pooling = self.resolve(params)
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) is too long to embed: at most "
@@ -273,8 +289,8 @@ def collect_pooled(found: PoolRows, hidden: torch.Tensor) -> None:
 
 
 def finish_embedding(vector: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """A pooler's vector, checked, cut to ``pooling.dimensions`` and L2-normalized if asked (on its device: the
-    output reads it back)."""
+    """A pooler's vector, checked, cut to ``pooling.dimensions`` and L2-normalized if asked, or a classifier's label
+    logits of it (on its device: the output reads it back)."""
     import torch
 
     wanted = pooling.dimensions or 1
@@ -284,6 +300,8 @@ def finish_embedding(vector: torch.Tensor, pooling: Pooling) -> torch.Tensor:
         raise PluginError(f"pooler {pooling.method!r}: finish() returned {shape}, not a float vector of at least "
                           f"{wanted} values; fix the plugin")
     vector = vector.float()
+    if pooling.label_head is not None:
+        return pooling.label_head(vector[None])[0].float()  # type: ignore[index]
     if pooling.dimensions is not None:
         vector = vector[: pooling.dimensions]
     if pooling.normalize:

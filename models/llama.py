@@ -13,7 +13,7 @@ from torch import nn
 from ..core.errors import CheckpointError, InvalidRequestError, shape_mismatch
 from ..core.loader import checkpoint_dtype
 from ..core.interfaces import AttentionBackend, AttentionMetadata, ModelSpec, QuantMethod, check_float
-from ..core.model import NO_LM_HEAD, Model
+from ..core.model import Model, no_lm_head
 from .layers import TORCH_OPS, Linear, PointwiseOps, RMSNorm, RotaryEmbedding, UnquantizedMethod, merge_linears
 from .moe import MoeConfig, Router, SparseMoe, experts_fp8, experts_quant
 
@@ -454,6 +454,22 @@ class LlamaFamilyModel(Model):
             cfg.hidden_size, cfg.vocab_size, False, "lm_head", quant, dtype)
         # a tied head multiplies by the embedding: as an unquantized linear (the skinny kernel when enabled)
         self.tied_head = quant if isinstance(quant, UnquantizedMethod) else UnquantizedMethod()
+        self.score: nn.Module | None = None  # a sequence classifier's head (add_score_head)
+
+    def add_score_head(self, num_labels: int) -> None:
+        """Make this a sequence classifier (HF's *ForSequenceClassification): ``score.weight`` [num_labels, hidden]
+        loads from the checkpoint, kept in float32 (vLLM's choice: HF computes it in the model dtype), and the model
+        serves no LM head (one the checkpoint ships is ignored, as transformers ignores it)."""
+        self.score = nn.Module()
+        self.score.weight = nn.Parameter(torch.empty(num_labels, self.cfg.hidden_size, dtype=torch.float32),
+                                         requires_grad=False)
+        self.lm_head = None
+        self.spec = replace(self.spec, has_lm_head=False, num_labels=num_labels)
+
+    def label_logits(self, pooled: torch.Tensor) -> torch.Tensor | None:
+        if self.score is None:
+            return None
+        return pooled.float() @ self.score.weight.t()
 
     norm_class: Callable[..., nn.Module] = RMSNorm  # the final norm's (a subclass's layers choose their own)
 
@@ -481,12 +497,14 @@ class LlamaFamilyModel(Model):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.spec.has_lm_head:
-            raise InvalidRequestError(NO_LM_HEAD)
+            raise InvalidRequestError(no_lm_head(self.spec))
         if self.lm_head is None:
             return self.tied_head.matmul(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.score is not None:  # a classifier: no LM head to load
+            weights = ((name, tensor) for name, tensor in weights if not name.startswith("lm_head."))
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         expected = set(self.state_dict())  # every tensor the checkpoint must provide (quant layouts included)

@@ -1,5 +1,6 @@
 """Registers the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and the MoE Mixtral,
-Qwen2-MoE and Qwen3-MoE), and their bare backbones (LlamaModel, Qwen3Model...) as the same models."""
+Qwen2-MoE and Qwen3-MoE), their bare backbones (LlamaModel, Qwen3Model...) as the same models, and their sequence
+classifiers (LlamaForSequenceClassification...: reward models) as the backbone with a score head."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,11 @@ ARCHITECTURES = (*DENSE_ARCHITECTURES, "Gemma2ForCausalLM", "Gemma3ForCausalLM",
 # (e5-mistral's MistralModel); Gemma3ForCausalLM's is Gemma3TextModel (Gemma3Model is the multimodal one)
 BACKBONES = {name.removesuffix("ForCausalLM") + "Model": name for name in ARCHITECTURES
              if name != "Gemma3ForCausalLM"} | {"Gemma3TextModel": "Gemma3ForCausalLM"}
+# each architecture's *ForSequenceClassification (transformers' GenericForSequenceClassification: the backbone and a
+# `score` linear, hidden -> num_labels, at the last token); Gemma3ForSequenceClassification is the multimodal one's
+CLASSIFIERS = {name.removesuffix("ForCausalLM") + "ForSequenceClassification": name for name in ARCHITECTURES
+               if name != "Gemma3ForCausalLM"} | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
+                                                  "Gemma3ForSequenceClassification": "Gemma3ForConditionalGeneration"}
 
 
 def build_gemma3_text(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
@@ -46,8 +52,26 @@ def build_backbone(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: 
     return build_llama_family(twin, quant, dtype, config, backbone=True)
 
 
+def build_classifier(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
+                     config: EngineConfig) -> Model:
+    """A *ForSequenceClassification (a reward model, a classifier): its twin's backbone, no LM head, and a score head
+    of config.json's number of labels (transformers' rule, core/classification.py)."""
+    from ..core.classification import num_labels
+
+    archs = hf_config["architectures"]
+    twin = {**hf_config, "architectures": [CLASSIFIERS[archs[0]], *archs[1:]]}
+    if CLASSIFIERS[archs[0]] == "Gemma3ForConditionalGeneration":
+        from ..models.gemma import text_config
+
+        model = build_llama_family(text_config(twin), quant, dtype, config, multimodal=True, backbone=True)
+    else:
+        model = build_llama_family(twin, quant, dtype, config, backbone=True)
+    model.add_score_head(num_labels(hf_config))
+    return model
+
+
 def build_llama_family(hf_config: dict[str, Any], quant: QuantMethod | None, dtype: torch.dtype,
-                       config: EngineConfig, multimodal: bool = False, backbone: bool = False) -> Model:
+                       config: EngineConfig, multimodal: bool = False, backbone: bool = False) -> LlamaFamilyModel:
     from ..core.errors import ConfigError
     from ..models.gemma import ARCHITECTURES as GEMMAS
     from ..models.gemma import GemmaConfig, GemmaModel
@@ -159,4 +183,6 @@ def register_models(register: Register[ModelFactory]) -> None:
         register(name, build_llama_family)
     for name in BACKBONES:
         register(name, build_backbone)
+    for name in CLASSIFIERS:
+        register(name, build_classifier)
     register("Gemma3ForConditionalGeneration", build_gemma3_text)
