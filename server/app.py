@@ -146,7 +146,17 @@ def describe_engine(engine: Any) -> pb.ModelInfo:
         default_chat_template_kwargs=json.dumps(engine.config.default_chat_template_kwargs)
         if engine.config.default_chat_template_kwargs else "",
         sanitize_chat_control_tokens=engine.config.sanitize_chat_control_tokens,
-        lora_adapters=engine.lora_adapters)
+        lora_adapters=engine.lora_adapters, generates=loaded.model.spec.has_lm_head, labels=labels_of(engine))
+
+
+def labels_of(engine: Any) -> list[str]:
+    """A sequence classifier's label names, by index (config.json's id2label, as transformers reads it); else []."""
+    from ..core.classification import read_id2label
+
+    if engine.loaded.model.spec.num_labels is None:
+        return []
+    named = read_id2label(Path(engine.loaded.path)) or {}
+    return [named.get(str(i), f"LABEL_{i}") for i in range(engine.loaded.model.spec.num_labels)]
 
 
 def list_plugins(engine: Any) -> pb.ListPluginsResponse:

@@ -310,7 +310,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "dtype", "device", "quant", "components", "block_size", "num_kv_blocks", "version", "chat_template", "default_chat_template_kwargs", "sanitize_chat_control_tokens", "lora_adapters")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "dtype", "device", "quant", "components", "block_size", "num_kv_blocks", "version", "chat_template", "default_chat_template_kwargs", "sanitize_chat_control_tokens", "lora_adapters", "generates", "labels")
     class ComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +333,8 @@ class ModelInfo(_message.Message):
     DEFAULT_CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     SANITIZE_CHAT_CONTROL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -348,7 +350,9 @@ class ModelInfo(_message.Message):
     default_chat_template_kwargs: str
     sanitize_chat_control_tokens: bool
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quant: _Optional[str] = ..., components: _Optional[_Mapping[str, str]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., version: _Optional[str] = ..., chat_template: _Optional[bool] = ..., default_chat_template_kwargs: _Optional[str] = ..., sanitize_chat_control_tokens: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    generates: bool
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quant: _Optional[str] = ..., components: _Optional[_Mapping[str, str]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., version: _Optional[str] = ..., chat_template: _Optional[bool] = ..., default_chat_template_kwargs: _Optional[str] = ..., sanitize_chat_control_tokens: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., generates: _Optional[bool] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListPluginsRequest(_message.Message):
     __slots__ = ()

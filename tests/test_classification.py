@@ -280,3 +280,18 @@ def test_a_classifier_that_ships_an_lm_head_stays_a_classifier(classifier, check
     assert not [r for r in caplog.records if r.name == "infer" and r.levelno >= logging.WARNING]
     assert not engine.loaded.model.spec.has_lm_head
     assert engine.embed([PROMPTS[1]])[0].embedding == pytest.approx(hf_logits(path, PROMPTS[1]), abs=1e-5)
+
+
+def test_the_servers_model_info_says_a_classifier_serves_embed_alone_and_names_its_labels(classifier,
+                                                                                          tiny_model) -> None:
+    """GetModelInfo's answer (read once before the server's worker starts): `generates` and `labels`."""
+    from infer.server.app import describe_engine
+
+    engine = Engine(EngineConfig(model=str(classifier(*CASES["llama-3"])), device="cpu", num_kv_blocks=16))
+    info = describe_engine(engine)
+    assert (info.generates, list(info.labels)) == (False, ["negative", "neutral", "positive"])
+    reward = describe_engine(Engine(EngineConfig(model=str(classifier(*CASES["llama-reward"])), device="cpu",
+                                                 num_kv_blocks=16)))
+    assert (reward.generates, list(reward.labels)) == (False, ["LABEL_0"])
+    plain = describe_engine(Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16)))
+    assert (plain.generates, list(plain.labels)) == (True, [])
