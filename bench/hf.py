@@ -23,7 +23,7 @@ from ..core.request import SamplingParams
 from ..core.loader import checkpoint_dtype, read_config, resolve_dtype
 from ..core.pooling import PoolingParams, read_pooling_defaults
 from .arms import ArmSpec
-from .hf_embed import HFPooling, embed_padded, longest_first, resolve_hf_pooling
+from .hf_embed import HFPooling, classifier_pooling, embed_padded, longest_first, resolve_hf_pooling
 from .runner import Replay
 from .stats import RequestRecord, RunResult
 from .workloads import RequestSampling, Session, Turn, Vocab, Workload, WorkloadError
@@ -51,14 +51,15 @@ class HFArm:
     """HF transformers on the model of the engine arms, in the group's --dtype (``auto`` resolved as the engine
     resolves it). It runs with the group's --cpu-threads and a frozen heap, like the engine arms. With ``task``
     "embed" it loads ``AutoModel`` (an embedding checkpoint may have no LM head); otherwise the causal LM, whose
-    backbone embeds a file workload's embedding lines."""
+    backbone embeds a file workload's embedding lines. A sequence classifier (``*ForSequenceClassification``) loads
+    as one, its embeddings the score head's label logits of the pooled backbone state, as the engine's are."""
 
     freeze_gc = True
 
     def __init__(self, spec: ArmSpec, model_path: Path, batch_size: int, device: str = "auto", dtype: str = "auto",
                  cpu_threads: int | None = None, task: str = "generate") -> None:
         import torch
-        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
         self.spec, self.task = spec, task
         self.mode = spec.hf_mode or "static"
@@ -66,12 +67,17 @@ class HFArm:
         self.batch_size = batch_size
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
-        self.dtype = resolve_dtype(dtype, checkpoint_dtype(read_config(model_path)), self.device)
+        config = read_config(model_path)
+        self.dtype = resolve_dtype(dtype, checkpoint_dtype(config), self.device)
+        architecture = str((config.get("architectures") or [""])[0])
+        self.classifier = architecture.endswith("ForSequenceClassification")
+        builder = AutoModelForSequenceClassification if self.classifier else \
+            AutoModel if task == "embed" else AutoModelForCausalLM
         with transformers_bars_on_terminal_only():  # its "Loading weights" bar
-            model = (AutoModel if task == "embed" else AutoModelForCausalLM).from_pretrained(str(model_path),
-                                                                                              dtype=self.dtype)
+            model = builder.from_pretrained(str(model_path), dtype=self.dtype)
         self.model = model.to(self.device).eval()
         self.backbone = self.model.base_model  # the model itself for an AutoModel
+        self.label_head = self.model.score if self.classifier else None
         self.pooling_defaults = read_pooling_defaults(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         config = self.model.config
@@ -104,6 +110,8 @@ class HFArm:
         self.hf_pooling(pooling)
 
     def hf_pooling(self, pooling: PoolingParams) -> HFPooling:
+        if self.classifier:
+            return classifier_pooling(pooling)
         return resolve_hf_pooling(pooling, self.pooling_defaults, int(self.model.config.hidden_size))
 
     def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
@@ -203,7 +211,8 @@ class HFArm:
     def _embed_batch(self, workload: Workload, batch: list[tuple[float, int, int, list[int], int]]
                      ) -> list[list[float]]:
         poolings = [self.hf_pooling(workload.sessions[s].turns[t].pooling) for _, s, t, _, _ in batch]  # type: ignore
-        return embed_padded(self.backbone, [b[3] for b in batch], poolings, self.pad_id, self.device)  # on the host
+        return embed_padded(self.backbone, [b[3] for b in batch], poolings, self.pad_id, self.device,  # on the host
+                            self.label_head)
 
     # ------------------------------------------------------------ continuous batching
     def _cb_config(self, longest: int, concurrent: int) -> Any:

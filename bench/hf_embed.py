@@ -36,15 +36,29 @@ def resolve_hf_pooling(params: PoolingParams, defaults: PoolingDefaults, hidden_
     return HFPooling(method, normalize, params.dimensions)
 
 
+def classifier_pooling(params: PoolingParams) -> HFPooling:
+    """A sequence classifier's pooling, as the engine's: last by default, never normalized or cut (InvalidRequestError
+    for normalize or dimensions, and for a pooler the baseline lacks)."""
+    if params.normalize or params.dimensions is not None:
+        raise InvalidRequestError("this model is a sequence classifier: its embedding is the label logits, which are "
+                                  "neither normalized nor cut; leave normalize and dimensions unset")
+    method = params.pooling or "last"
+    if method not in HF_POOLERS:
+        raise InvalidRequestError(f"the HF baseline pools {' or '.join(HF_POOLERS)} only, not {method!r}; drop the "
+                                  "hf arms or pass --pooling last or mean")
+    return HFPooling(method, False, None)
+
+
 def longest_first(prompts: list[list[int]]) -> list[int]:
     """The order in which the baseline batches ``prompts``: by length, longest first (stable)."""
     return sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
 
 
 def embed_padded(backbone: Any, prompts: list[list[int]], poolings: list[HFPooling], pad_id: int,
-                 device: torch.device) -> list[list[float]]:
+                 device: torch.device, label_head: Any = None) -> list[list[float]]:
     """One forward of ``backbone`` (an ``AutoModel``) over ``prompts`` right-padded to the longest, with an attention
-    mask; each row's final hidden states over its own positions, pooled by its ``poolings``."""
+    mask; each row's final hidden states over its own positions, pooled by its ``poolings`` (then, for a sequence
+    classifier, its score head ``label_head`` in float32: the label logits)."""
     import torch
 
     width = max(map(len, prompts))
@@ -56,6 +70,8 @@ def embed_padded(backbone: Any, prompts: list[list[int]], poolings: list[HFPooli
     for row, (prompt, pooling) in enumerate(zip(prompts, poolings)):
         real = states[row, : len(prompt)]
         vector = real[-1] if pooling.method == "last" else real.mean(0)
+        if label_head is not None:
+            vector = vector @ label_head.weight.float().T
         if pooling.dimensions is not None:
             vector = vector[: pooling.dimensions]
         if pooling.normalize:

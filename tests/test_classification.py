@@ -295,3 +295,29 @@ def test_the_servers_model_info_says_a_classifier_serves_embed_alone_and_names_i
     assert (reward.generates, list(reward.labels)) == (False, ["LABEL_0"])
     plain = describe_engine(Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=16)))
     assert (plain.generates, list(plain.labels)) == (True, [])
+
+
+@pytest.mark.parametrize("pooling", [PoolingParams(), PoolingParams(pooling="mean")])
+def test_the_bench_hf_arm_scores_a_classifier_as_the_engine_does(classifier, pooling: PoolingParams) -> None:
+    """`infer bench --task embed` on a classifier: the HF arm (padded batches of 2, right padding and the mask)
+    gives the engine's label logits, not its backbone's hidden states."""
+    from infer.bench.arms import ArmSpec, parse_arms
+    from infer.bench.hf import HFArm
+    from infer.bench.runner import EngineArm
+    from infer.bench.session import make_workloads
+    from infer.bench.workloads import WorkloadSpec
+    from infer.cli.options import EngineArgs
+    from infer.core.plugins import PluginManager
+
+    path = classifier(*CASES["llama-3"])
+    [spec] = parse_arms([], EngineArgs.from_kwargs({"model": str(path), "device": "cpu", "num_kv_blocks": 64}))
+    infer_arm = EngineArm(spec, PluginManager.from_entry_points(), "embed")
+    hf_arm = HFArm(ArmSpec("B", "hf", hf_mode="static"), path, 2, "cpu", "float32", task="embed")
+    work = WorkloadSpec("random", num_requests=5, input_len=14, len_sigma=0.6, task="embed", pooling=pooling)
+    [round_] = make_workloads(work, range(1), [infer_arm, hf_arm], None)
+    mine, theirs = infer_arm.run(round_, lambda: None), hf_arm.run(round_, lambda: None)
+    for a, b in zip(mine.requests, theirs.requests):
+        assert len(a.embedding) == len(b.embedding) == 3
+        assert b.embedding == pytest.approx(a.embedding, abs=1e-4)
+    with pytest.raises(InvalidRequestError, match="neither normalized nor cut"):
+        hf_arm.check_embedding([5, 6], PoolingParams(dimensions=2))
