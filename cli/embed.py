@@ -24,14 +24,19 @@ from .options import lora_adapter_option
 @click.option("--dimensions", type=int, default=None,
               help="Keep the first N values (Matryoshka embeddings), before normalizing [default: all].")
 @lora_adapter_option("to every prompt")
+@click.option("--truncate", is_flag=True,
+              help="Embed a prompt past the longest the model embeds (its context less one token, or the "
+                   "checkpoint's sentence-transformers max_seq_length) by its first tokens, as sentence-transformers "
+                   "does, instead of refusing it.")
 @click.option("--chat", is_flag=True, help="Each PROMPT (or stdin line) is a conversation in JSON, rendered by the "
               "model's chat template, as generate --chat's (set \"add_generation_prompt\": false in it to leave the "
               "assistant's opening out).")
 @click.pass_context
 def embed(ctx: click.Context, prompts: tuple[str, ...], pooling: str | None, normalize: bool | None,
-          dimensions: int | None, lora_adapter: str | None, chat: bool) -> None:
+          dimensions: int | None, lora_adapter: str | None, truncate: bool, chat: bool) -> None:
     """Embed PROMPTS (or each line of stdin when none are given): the model's final hidden states, pooled. Prints
-    one JSON line per prompt, in order: {"prompt_index", "prompt", "embedding", "prompt_tokens", "cached_tokens"}.
+    one JSON line per prompt, in order: {"prompt_index", "prompt", "embedding", "prompt_tokens" (those embedded:
+    with --truncate, fewer than the prompt's), "cached_tokens"}.
     A sequence classifier (a *ForSequenceClassification checkpoint, a reward model) prints its label logits as the
     embedding, and "labels": config.json's id2label, as transformers reads it (LABEL_0... where it names none)."""
     from ..core.classification import read_id2label
@@ -39,7 +44,7 @@ def embed(ctx: click.Context, prompts: tuple[str, ...], pooling: str | None, nor
     from .main import CommandLineError, _chats, build_engine, option_error, stdin_text, tolerant_stdin
 
     try:
-        params = PoolingParams(pooling, normalize, dimensions, lora_adapter=lora_adapter)
+        params = PoolingParams(pooling, normalize, dimensions, lora_adapter=lora_adapter, truncate=truncate)
     except InvalidRequestError as exc:
         raise option_error(exc, ctx) from None
     if not prompts and sys.stdin.isatty():

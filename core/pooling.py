@@ -48,6 +48,7 @@ class PoolingParams:
     dimensions: int | None = None  # keep the first N values (Matryoshka), before normalizing; None: all
     priority: int = 0  # as SamplingParams.priority: the priority scheduling policy and eviction policy read it
     lora_adapter: str | None = None  # pool the adapter's hidden states (a name the engine serves)
+    truncate: bool = False  # embed a too-long prompt's first tokens (as sentence-transformers does), not refuse it
 
     def __post_init__(self) -> None:
         if self.pooling is not None and (not isinstance(self.pooling, str) or not self.pooling):
@@ -63,6 +64,8 @@ class PoolingParams:
             raise InvalidRequestError(f"priority must be a 32-bit integer, got {self.priority!r}")
         if self.lora_adapter is not None and (not isinstance(self.lora_adapter, str) or not self.lora_adapter):
             raise InvalidRequestError(f"lora_adapter must be a non-empty name or None, got {self.lora_adapter!r}")
+        if not isinstance(self.truncate, bool):
+            raise InvalidRequestError(f"truncate must be true or false, got {self.truncate!r}")
 
 
 def embedding_sampling_params(params: PoolingParams) -> SamplingParams:
@@ -117,6 +120,7 @@ class PoolingDefaults:
     method: str | None = None
     normalize: bool | None = None
     unapplied: tuple[str, ...] = ()  # its modules that change the vector and infer does not run (Dense, say)
+    max_seq_length: int | None = None  # sentence_bert_config.json's: the longest input it was trained to embed
 
     def resolve(self, params: PoolingParams, hidden_size: int | None, poolers: Poolers) -> Pooling:
         """The pooling ``params`` ask for on a model of ``hidden_size`` (None: unknown, not checked)."""
@@ -155,6 +159,7 @@ def read_pooling_defaults(folder: Path) -> PoolingDefaults:
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return PoolingDefaults()
+    max_seq_length = read_max_seq_length(folder)
     try:
         modules = json.loads(modules_file.read_text(encoding="utf-8"))
         types = [str(m.get("type", "")) for m in modules]
@@ -172,7 +177,23 @@ def read_pooling_defaults(folder: Path) -> PoolingDefaults:
         except (ValueError, AttributeError) as exc:
             raise CheckpointError(f"{config_file} is not a sentence-transformers pooling config: {exc}") from exc
         method = ST_POOLING_MODES.get(modes[0], modes[0]) if len(modes) == 1 else "+".join(modes) or None
-    return PoolingDefaults(method, normalize, unapplied)
+    return PoolingDefaults(method, normalize, unapplied, max_seq_length)
+
+
+def read_max_seq_length(folder: Path) -> int | None:
+    """``sentence_bert_config.json``'s ``max_seq_length`` (None: no such file or field); CheckpointError for one
+    that is not a positive integer."""
+    path = folder / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("max_seq_length")
+    except (ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path} is not a sentence-transformers config: {exc}; fix or remove it") from exc
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise CheckpointError(f"{path} has max_seq_length = {value!r}; it should be a positive integer (the "
+                              "longest input the model embeds), or leave it out")
+    return value
 
 
 class Embeddings:
@@ -199,14 +220,20 @@ class Embeddings:
         return Pooling(method, self.poolers.get(method), False, None, self.label_head)
 
     def admit(self, prompt: Prompt, params: PoolingParams) -> tuple[list[int], SamplingParams, Pooling]:
-        """The request's prompt as token ids, at most the context length less one (the token its scheduling
-        reserves and never samples), what the scheduler sees of it, and its pooling; InvalidRequestError else."""
+        """The request's prompt as token ids, what the scheduler sees of it, and its pooling; InvalidRequestError
+        for a prompt past the longest the engine embeds (unless ``truncate``: its first tokens, then) or a
+        pooling it cannot compute."""
         pooling = self.resolve(params)
         ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt ({len(ids)} tokens) is too long to embed: at most "
-                                      f"{self.max_model_len - 1} tokens (the model's context length less one); "
-                                      "shorten it (or raise --max-model-len, where it was set below the model's own)")
+        longest, why = self.max_model_len - 1, "the model's context length less one, the token its scheduling reserves"
+        if self.defaults.max_seq_length is not None and self.defaults.max_seq_length < longest:
+            longest, why = self.defaults.max_seq_length, "the checkpoint's sentence-transformers max_seq_length"
+        if len(ids) > longest and params.truncate:
+            ids = ids[:longest]
+        elif len(ids) > longest:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) is too long to embed: at most {longest} tokens "
+                                      f"({why}); shorten it, or pass truncate=True (--truncate) to embed its first "
+                                      f"{longest} tokens")
         return ids, embedding_sampling_params(params), pooling
 
     def finished_in(self, out: SchedulerOutput) -> set[int]:

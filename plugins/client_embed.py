@@ -44,11 +44,13 @@ class ClientGroup(click.Group):
               help="The request's priority, as `infer client --priority`.")
 @click.option("--lora-adapter", default=None, metavar="NAME",
               help="Pool the hidden states of the LoRA adapter the server loaded as NAME [default: the base model].")
+@click.option("--truncate", is_flag=True,
+              help="Embed a prompt past the longest the server embeds by its first tokens, instead of an error.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole vector as a JSON array.")
 @click.pass_context
 def embed(ctx: click.Context, text: str, target: str, token: str | None, tls: bool, tls_ca: Path | None,
           timeout: float | None, pooling: str | None, normalize: bool | None, dimensions: int | None, priority: int,
-          lora_adapter: str | None, as_json: bool) -> None:
+          lora_adapter: str | None, truncate: bool, as_json: bool) -> None:
     """Print the embedding of TEXT from a running `infer serve`: its dimensions and first values, or with --json
     the whole vector."""
     quiet_grpc_core()
@@ -62,7 +64,7 @@ def embed(ctx: click.Context, text: str, target: str, token: str | None, tls: bo
 
     refuse_engine_options(ctx, "client embed", " (the server's engine is set where `infer serve` starts)")
     fields = dict(pooling=pooling, normalize=normalize, dimensions=dimensions, priority=priority,
-                  lora_adapter=lora_adapter)
+                  lora_adapter=lora_adapter, truncate=truncate)
     try:  # checked here, before the server sees it: a command-line error
         PoolingParams(**fields)  # type: ignore[arg-type]
     except InvalidRequestError as exc:

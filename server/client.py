@@ -94,14 +94,14 @@ def build_beam_request(prompt: Prompt, **params: Any) -> pb.BeamSearchRequest:
 
 def build_embed_request(prompt: Prompt, *, pooling: str | None = None, normalize: bool | None = None,
                         dimensions: int | None = None, priority: int = 0, lora_adapter: str | None = None,
-                        request_id: str | None = None) -> pb.EmbedRequest:
+                        request_id: str | None = None, truncate: bool = False) -> pb.EmbedRequest:
     """An EmbedRequest; the values are sent as given (the server validates them), None ones unset (the server's
     PoolingParams defaults)."""
     fields = {name: value for name, value in (("pooling", pooling), ("normalize", normalize),
                                               ("dimensions", dimensions), ("lora_adapter", lora_adapter))
               if value is not None}
     try:
-        request = pb.EmbedRequest(request_id=request_id or "", priority=priority, **fields)
+        request = pb.EmbedRequest(request_id=request_id or "", priority=priority, truncate=truncate, **fields)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"invalid embedding parameters {fields | {'priority': priority}!r}: {exc}; "
                                   "dimensions is an integer in [1, 2**32), priority one in (-2**31, 2**31), pooling "
@@ -157,11 +157,14 @@ class Client(_Base):
 
     def embed(self, prompt: Prompt, pooling: str | None = None, normalize: bool | None = None,
               dimensions: int | None = None, priority: int = 0, lora_adapter: str | None = None,
-              request_id: str | None = None, timeout: float | None = None) -> list[float]:
-        """The embedding of ``prompt`` (the Embed RPC): ``pooling`` a pooler's name ("last", "mean", ...), ``normalize``, ``dimensions``
-        (the first N values); None takes the server checkpoint's defaults. Empty if the request was aborted."""
+              request_id: str | None = None, timeout: float | None = None, truncate: bool = False) -> list[float]:
+        """The embedding of ``prompt`` (the Embed RPC): ``pooling`` a pooler's name ("last", "mean", ...),
+        ``normalize``, ``dimensions`` (the first N values), ``truncate`` (embed a too-long prompt's first tokens
+        instead of INVALID_ARGUMENT); None takes the server checkpoint's defaults. Empty if the request was
+        aborted."""
         request = build_embed_request(prompt, pooling=pooling, normalize=normalize, dimensions=dimensions,
-                                      priority=priority, lora_adapter=lora_adapter, request_id=request_id)
+                                      priority=priority, lora_adapter=lora_adapter, request_id=request_id,
+                                      truncate=truncate)
         return list(self.stub.Embed(request, **self._kw(timeout)).embedding)
 
     def abort(self, request_id: str, timeout: float | None = None) -> None:
@@ -249,10 +252,12 @@ class AsyncClient(_Base):
 
     async def embed(self, prompt: Prompt, pooling: str | None = None, normalize: bool | None = None,
                     dimensions: int | None = None, priority: int = 0, lora_adapter: str | None = None,
-                    request_id: str | None = None, timeout: float | None = None) -> list[float]:
+                    request_id: str | None = None, timeout: float | None = None, truncate: bool = False
+                    ) -> list[float]:
         """As :meth:`Client.embed`."""
         request = build_embed_request(prompt, pooling=pooling, normalize=normalize, dimensions=dimensions,
-                                      priority=priority, lora_adapter=lora_adapter, request_id=request_id)
+                                      priority=priority, lora_adapter=lora_adapter, request_id=request_id,
+                                      truncate=truncate)
         return list((await self.stub.Embed(request, **self._kw(timeout))).embedding)
 
     async def abort(self, request_id: str, timeout: float | None = None) -> None:

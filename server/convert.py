@@ -86,7 +86,7 @@ def pooling_params_of(request: pb.EmbedRequest) -> PoolingParams:
     """The validated PoolingParams of an embedding request (unset fields: the checkpoint's defaults)."""
     fields = {name: getattr(request, name) for name in ("pooling", "normalize", "dimensions", "lora_adapter")
               if request.HasField(name)}
-    return PoolingParams(priority=request.priority, **fields)
+    return PoolingParams(priority=request.priority, truncate=request.truncate, **fields)
 
 
 def _structure_of(params: pb.SamplingParams) -> StructuredOutput:

@@ -476,7 +476,7 @@ class LoraAdapters(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "pooling", "normalize", "dimensions", "priority", "lora_adapter")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "pooling", "normalize", "dimensions", "priority", "lora_adapter", "truncate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -486,6 +486,7 @@ class EmbedRequest(_message.Message):
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -495,7 +496,8 @@ class EmbedRequest(_message.Message):
     dimensions: int
     priority: int
     lora_adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., priority: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
+    truncate: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., priority: _Optional[int] = ..., lora_adapter: _Optional[str] = ..., truncate: _Optional[bool] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
     __slots__ = ("request_id", "embedding", "usage", "finish_reason")

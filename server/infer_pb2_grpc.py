@@ -166,7 +166,8 @@ class InferenceServicer:
     def Embed(self, request, context):
         """The embedding of one prompt: its final hidden states pooled into one vector (infer.PoolingParams). Admitted
         and scheduled as a prompt beside the other requests; no token is sampled. Cancelling the call (or its deadline
-        passing) aborts the request and frees its KV blocks; Abort(request_id) answers OK with no embedding and finish reason ABORT.
+        passing) aborts the request and frees its KV blocks; Abort(request_id) answers OK with no embedding and finish
+        reason ABORT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -173,7 +173,8 @@ def test_bad_embedding_requests_are_refused(path: Path) -> None:
         engine.embed([PROMPTS[0]], PoolingParams(dimensions=65))
     with pytest.raises(InvalidRequestError, match="embed takes PoolingParams, got SamplingParams"):
         engine.embed([PROMPTS[0]], SamplingParams())  # type: ignore[arg-type]
-    with pytest.raises(InvalidRequestError, match=r"prompt \(32 tokens\) is too long to embed: at most 31 tokens"):
+    with pytest.raises(InvalidRequestError, match=r"prompt \(32 tokens\) is too long to embed: at most 31 tokens "
+                       r"\(the model's context length less one.*or pass truncate=True \(--truncate\)"):
         engine.embed([list(range(3, 35))])
     assert engine.embed([list(range(3, 34))])[0].embedding is not None  # 31: the context less one
     with pytest.raises(InvalidRequestError, match="lora_adapter .nope. is not loaded"):
@@ -241,3 +242,30 @@ def test_an_embedding_that_can_never_fit_the_kv_pool_says_so_in_its_own_terms(pa
     with pytest.raises(CapacityError, match=r"^a prompt of 40 tokens needs up to 3 KV blocks \(40 tokens\) but the "
                        "cache has only 2; shorten the prompt or give the KV cache more blocks"):
         engine.embed([list(range(3, 43))])
+
+
+def test_truncate_embeds_a_too_long_prompts_first_tokens(path: Path, hidden, tmp_path: Path) -> None:
+    """The context less one token, or a sentence-transformers checkpoint's max_seq_length, whichever is shorter: a
+    longer prompt is refused, or with truncate embeds its first tokens (as sentence-transformers truncates)."""
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=32))
+    prompt = list(range(3, 43))  # 40 tokens
+    out = engine.embed([prompt], PoolingParams(pooling="mean", truncate=True))[0]
+    assert out.prompt_token_ids == prompt[:31]
+    assert out.embedding == pytest.approx(expected(hidden(prompt[:31]), "mean"), abs=1e-5)
+    folder = tmp_path / "st"
+    shutil.copytree(path, folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 8, "do_lower_case": False}))
+    engine = Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64))
+    with pytest.raises(InvalidRequestError, match=r"prompt \(12 tokens\) is too long to embed: at most 8 tokens "
+                       r"\(the checkpoint's sentence-transformers max_seq_length\)"):
+        engine.embed([prompt[:12]])
+    out = engine.embed([prompt[:12]], PoolingParams(truncate=True))[0]
+    assert out.embedding == pytest.approx(expected(hidden(prompt[:8]), "last", normalize=False), abs=1e-5)
+    assert engine.embed([prompt[:8]])[0].embedding == pytest.approx(out.embedding, abs=1e-6)
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 0}))
+    from infer.core.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="max_seq_length = 0; it should be a positive integer"):
+        Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64))

@@ -221,6 +221,8 @@ def test_a_prompt_too_long_is_invalid_argument(client: Client, reference: Engine
     assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
                                            refusal(lambda: reference.embed([prompt])))
     assert "too long to embed" in err.details()
+    truncated = client.embed(prompt, truncate=True)  # its first 511 tokens
+    assert truncated == pytest.approx(reference.embed([prompt[:511]])[0].embedding, abs=1e-6)
 
 
 def test_values_the_protocol_cannot_carry_are_refused_before_sending() -> None:
