@@ -121,6 +121,7 @@ class PoolingDefaults:
     normalize: bool | None = None
     unapplied: tuple[str, ...] = ()  # its modules that change the vector and infer does not run (Dense, say)
     max_seq_length: int | None = None  # sentence_bert_config.json's: the longest input it was trained to embed
+    lower_case: bool = False  # sentence_bert_config.json's do_lower_case: text prompts are lowercased first
 
     def resolve(self, params: PoolingParams, hidden_size: int | None, poolers: Poolers) -> Pooling:
         """The pooling ``params`` ask for on a model of ``hidden_size`` (None: unknown, not checked)."""
@@ -159,7 +160,7 @@ def read_pooling_defaults(folder: Path) -> PoolingDefaults:
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return PoolingDefaults()
-    max_seq_length = read_max_seq_length(folder)
+    max_seq_length, lower_case = read_sentence_bert_config(folder)
     try:
         modules = json.loads(modules_file.read_text(encoding="utf-8"))
         types = [str(m.get("type", "")) for m in modules]
@@ -177,23 +178,26 @@ def read_pooling_defaults(folder: Path) -> PoolingDefaults:
         except (ValueError, AttributeError) as exc:
             raise CheckpointError(f"{config_file} is not a sentence-transformers pooling config: {exc}") from exc
         method = ST_POOLING_MODES.get(modes[0], modes[0]) if len(modes) == 1 else "+".join(modes) or None
-    return PoolingDefaults(method, normalize, unapplied, max_seq_length)
+    return PoolingDefaults(method, normalize, unapplied, max_seq_length, lower_case)
 
 
-def read_max_seq_length(folder: Path) -> int | None:
-    """``sentence_bert_config.json``'s ``max_seq_length`` (None: no such file or field); CheckpointError for one
-    that is not a positive integer."""
+def read_sentence_bert_config(folder: Path) -> tuple[int | None, bool]:
+    """``sentence_bert_config.json``'s ``max_seq_length`` (None: no such file or field) and ``do_lower_case``;
+    CheckpointError for values of the wrong kind."""
     path = folder / "sentence_bert_config.json"
     if not path.is_file():
-        return None
+        return None, False
     try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("max_seq_length")
+        config = json.loads(path.read_text(encoding="utf-8"))
+        value, lower = config.get("max_seq_length"), config.get("do_lower_case", False)
     except (ValueError, AttributeError) as exc:
         raise CheckpointError(f"{path} is not a sentence-transformers config: {exc}; fix or remove it") from exc
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise CheckpointError(f"{path} has max_seq_length = {value!r}; it should be a positive integer (the "
                               "longest input the model embeds), or leave it out")
-    return value
+    if not isinstance(lower, bool):
+        raise CheckpointError(f"{path} has do_lower_case = {lower!r}; it should be true or false")
+    return value, lower
 
 
 class Embeddings:
@@ -224,6 +228,8 @@ class Embeddings:
         for a prompt past the longest the engine embeds (unless ``truncate``: its first tokens, then) or a
         pooling it cannot compute."""
         pooling = self.resolve(params)
+        if self.defaults.lower_case and isinstance(prompt, str):  # as sentence-transformers reads such a checkpoint
+            prompt = prompt.lower()
         ids = self.tokenize(prompt)
         longest, why = self.max_model_len - 1, "the model's context length less one, the token its scheduling reserves"
         if self.defaults.max_seq_length is not None and self.defaults.max_seq_length < longest:

@@ -246,7 +246,8 @@ def test_an_embedding_that_can_never_fit_the_kv_pool_says_so_in_its_own_terms(pa
 
 def test_truncate_embeds_a_too_long_prompts_first_tokens(path: Path, hidden, tmp_path: Path) -> None:
     """The context less one token, or a sentence-transformers checkpoint's max_seq_length, whichever is shorter: a
-    longer prompt is refused, or with truncate embeds its first tokens (as sentence-transformers truncates)."""
+    longer prompt is refused, or with truncate embeds its first tokens (as sentence-transformers truncates); its
+    do_lower_case lowercases text prompts."""
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=32))
     prompt = list(range(3, 43))  # 40 tokens
     out = engine.embed([prompt], PoolingParams(pooling="mean", truncate=True))[0]
@@ -264,6 +265,11 @@ def test_truncate_embeds_a_too_long_prompts_first_tokens(path: Path, hidden, tmp
     out = engine.embed([prompt[:12]], PoolingParams(truncate=True))[0]
     assert out.embedding == pytest.approx(expected(hidden(prompt[:8]), "last", normalize=False), abs=1e-5)
     assert engine.embed([prompt[:8]])[0].embedding == pytest.approx(out.embedding, abs=1e-6)
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": True}))
+    lowered = Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64))
+    assert lowered.embed(["Def Main():"])[0].prompt_token_ids == lowered.tokenize("def main():") != \
+        lowered.tokenize("Def Main():")  # text is lowercased first; token ids are taken as they are
+    assert lowered.embed([prompt[:8]])[0].prompt_token_ids == prompt[:8]
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 0}))
     from infer.core.errors import CheckpointError
 
