@@ -606,6 +606,7 @@ class Engine:
         self.forks.drop(req.request_id)
         self.prompt_logprob_requests -= req.params.prompt_logprobs is not None
         self.embeddings.live -= req.seqs[0].pooling is not None
+        self.stats.embedding_requests_finished += req.seqs[0].pooling is not None
         for seq in req.seqs:
             self.runner.sampler.release(seq.seq_id)
             self.runner.controls.release(seq.seq_id)

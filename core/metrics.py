@@ -57,6 +57,7 @@ class EngineStats:
 
     steps: int = 0
     requests_finished: int = 0
+    embedding_requests_finished: int = 0  # of requests_finished, the embedding requests (PoolingParams)
     prompt_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
@@ -148,6 +149,7 @@ class EngineStats:
         kv = self.kv
         return {
             "requests_finished": self.requests_finished,
+            "embedding_requests_finished": self.embedding_requests_finished,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "steps": self.steps,

@@ -381,7 +381,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("queue_depth", "num_running", "in_flight", "max_queue", "kv_total_blocks", "kv_free_blocks", "kv_used_blocks", "kv_cached_blocks", "kv_usage", "prefix_hit_rate", "spec_acceptance_rate", "requests_finished", "prompt_tokens", "output_tokens", "steps", "preemptions", "mean_ttft_ms", "mean_tpot_ms", "output_tokens_per_s", "uptime_s", "draining", "spec_enabled", "spec_steps_on", "spec_steps_off_large_batch", "spec_steps_off_low_acceptance", "beam_searches", "beam_searches_finished", "beam_searches_aborted", "beam_searches_failed", "beam_search_restarts", "beam_search_waits", "lora_requests")
+    __slots__ = ("queue_depth", "num_running", "in_flight", "max_queue", "kv_total_blocks", "kv_free_blocks", "kv_used_blocks", "kv_cached_blocks", "kv_usage", "prefix_hit_rate", "spec_acceptance_rate", "requests_finished", "prompt_tokens", "output_tokens", "steps", "preemptions", "mean_ttft_ms", "mean_tpot_ms", "output_tokens_per_s", "uptime_s", "draining", "spec_enabled", "spec_steps_on", "spec_steps_off_large_batch", "spec_steps_off_low_acceptance", "beam_searches", "beam_searches_finished", "beam_searches_aborted", "beam_searches_failed", "beam_search_restarts", "beam_search_waits", "lora_requests", "embedding_requests_finished")
     class LoraRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +421,7 @@ class Stats(_message.Message):
     BEAM_SEARCH_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     BEAM_SEARCH_WAITS_FIELD_NUMBER: _ClassVar[int]
     LORA_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     queue_depth: int
     num_running: int
     in_flight: int
@@ -453,7 +454,8 @@ class Stats(_message.Message):
     beam_search_restarts: int
     beam_search_waits: int
     lora_requests: _containers.ScalarMap[str, int]
-    def __init__(self, queue_depth: _Optional[int] = ..., num_running: _Optional[int] = ..., in_flight: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., spec_acceptance_rate: _Optional[float] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., mean_tpot_ms: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., spec_enabled: _Optional[bool] = ..., spec_steps_on: _Optional[int] = ..., spec_steps_off_large_batch: _Optional[int] = ..., spec_steps_off_low_acceptance: _Optional[int] = ..., beam_searches: _Optional[int] = ..., beam_searches_finished: _Optional[int] = ..., beam_searches_aborted: _Optional[int] = ..., beam_searches_failed: _Optional[int] = ..., beam_search_restarts: _Optional[int] = ..., beam_search_waits: _Optional[int] = ..., lora_requests: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    embedding_requests_finished: int
+    def __init__(self, queue_depth: _Optional[int] = ..., num_running: _Optional[int] = ..., in_flight: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., spec_acceptance_rate: _Optional[float] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., mean_tpot_ms: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., spec_enabled: _Optional[bool] = ..., spec_steps_on: _Optional[int] = ..., spec_steps_off_large_batch: _Optional[int] = ..., spec_steps_off_low_acceptance: _Optional[int] = ..., beam_searches: _Optional[int] = ..., beam_searches_finished: _Optional[int] = ..., beam_searches_aborted: _Optional[int] = ..., beam_searches_failed: _Optional[int] = ..., beam_search_restarts: _Optional[int] = ..., beam_search_waits: _Optional[int] = ..., lora_requests: _Optional[_Mapping[str, int]] = ..., embedding_requests_finished: _Optional[int] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("name", "path")

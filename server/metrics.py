@@ -20,6 +20,8 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "prefix_hit_rate": ("infer_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache", "gauge"),
     "spec_acceptance_rate": ("infer_spec_acceptance_ratio", "Accepted / proposed speculative tokens", "gauge"),
     "requests_finished": ("infer_requests_finished", "Requests finished (or aborted)", "counter"),
+    "embedding_requests_finished": ("infer_embedding_requests_finished",
+                                    "Embedding requests finished (or aborted), of infer_requests_finished", "counter"),
     "prompt_tokens": ("infer_prompt_tokens", "Prompt tokens received", "counter"),
     "output_tokens": ("infer_output_tokens", "Tokens generated", "counter"),
     "steps": ("infer_engine_steps", "Engine iterations", "counter"),

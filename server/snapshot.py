@@ -25,6 +25,7 @@ class EngineSnapshot:
     prefix_hit_rate: float
     spec_acceptance_rate: float
     requests_finished: int
+    embedding_requests_finished: int
     prompt_tokens: int
     output_tokens: int
     steps: int
@@ -84,6 +85,7 @@ def read_snapshot(engine: Any, output_tokens_per_s: float, beam_searches: int) -
         prefix_hit_rate=kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
         spec_acceptance_rate=float(summary["spec_acceptance_rate"]),
         requests_finished=int(summary["requests_finished"]),
+        embedding_requests_finished=int(summary["embedding_requests_finished"]),
         prompt_tokens=int(summary["prompt_tokens"]),
         output_tokens=int(summary["output_tokens"]),
         steps=int(summary["steps"]),

@@ -155,6 +155,7 @@ def test_an_embedding_over_grpc_equals_engine_embed(client: Client, reference: E
 def test_the_response_carries_the_id_and_the_usage(client: Client, reference: Engine) -> None:
     prompt = "import os\nimport sys\n" * 4
     [want] = reference.embed([prompt], PoolingParams(pooling="mean"))
+    before = client.stats()
     first = client.stub.Embed(build_embed_request(prompt, pooling="mean", request_id="usage-1"))
     assert first.request_id == "usage-1" and first.finish_reason == pb.FINISH_REASON_STOP
     assert (first.usage.prompt_tokens, first.usage.completion_tokens, first.usage.cached_tokens) == (
@@ -165,6 +166,9 @@ def test_the_response_carries_the_id_and_the_usage(client: Client, reference: En
     [offline_again] = reference.embed([prompt], PoolingParams(pooling="last"))
     assert again.usage.cached_tokens == offline_again.num_cached_tokens
     assert list(again.embedding) == pytest.approx(offline_again.embedding, abs=1e-6)
+    after = client.stats()  # the two Embed calls, counted apart from the other requests
+    assert after.embedding_requests_finished - before.embedding_requests_finished == 2
+    assert after.requests_finished - before.requests_finished == 2 and after.output_tokens == before.output_tokens
 
 
 def test_the_async_client_embeds_too(served: Served, reference: Engine) -> None:
