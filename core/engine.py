@@ -141,7 +141,8 @@ class Engine:
         self.embeddings = Embeddings(read_pooling_defaults(self.loaded.path),
                                      Poolers(self._pooler, self.plugins.registry("pooler").names),
                                      getattr(self.loaded.arch, "hidden_size", None), self.max_model_len, self.tokenize,
-                                     model.label_logits if model.spec.num_labels is not None else None)
+                                     model.label_logits if model.spec.num_labels is not None else None,
+                                     self._truncated_text)
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
         self.searches = BeamSearches(self)  # beam searches under way, a token per step beside the requests
         if config.freeze_gc:
@@ -226,6 +227,11 @@ class Engine:
         """InvalidRequestError for generation (and beam search) on a model without an LM head."""
         if not self.loaded.model.spec.has_lm_head:
             raise InvalidRequestError(no_lm_head(self.loaded.model.spec))
+
+    def _truncated_text(self, text: str, length: int) -> list[int]:
+        """``text``'s tokens cut to ``length`` by the tokenizer's own truncation, which keeps the special tokens it
+        adds (a closing EOS, which last pooling reads), as sentence-transformers truncates."""
+        return list(self.tokenizer(text, truncation=True, max_length=length)["input_ids"])
 
     def _pooler(self, name: str) -> Pooler:
         """Built at the first request that names it, and blamed for its errors from then on."""

@@ -48,7 +48,9 @@ class PoolingParams:
     dimensions: int | None = None  # keep the first N values (Matryoshka), before normalizing; None: all
     priority: int = 0  # as SamplingParams.priority: the priority scheduling policy and eviction policy read it
     lora_adapter: str | None = None  # pool the adapter's hidden states (a name the engine serves)
-    truncate: bool = False  # embed a too-long prompt's first tokens (as sentence-transformers does), not refuse it
+    # embed a too-long prompt's first tokens, not refuse it (text: cut by the tokenizer, which keeps the special
+    # tokens it adds, such as a closing EOS, as sentence-transformers truncates)
+    truncate: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling is not None and (not isinstance(self.pooling, str) or not self.pooling):
@@ -156,7 +158,8 @@ def read_pooling_defaults(folder: Path) -> PoolingDefaults:
     ``1_Pooling/config.json``) declare; none for a folder without them. A pooling mode infer does not compute (or
     several, joined by "+": their vectors concatenated) is an error only when it is the one asked for
     (``PoolingParams.pooling`` left None), and so is a module that changes the vector after the pooling (only
-    Transformer, Pooling and Normalize are what infer computes)."""
+    Transformer, Pooling and Normalize are what infer computes), a Normalize before the Pooling (which pools unit
+    vectors, where infer normalizes the pooled one) and a Pooling module without its config.json."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return PoolingDefaults()
@@ -170,8 +173,13 @@ def read_pooling_defaults(folder: Path) -> PoolingDefaults:
                               "it") from exc
     normalize = any(t.endswith(".Normalize") for t in types)
     unapplied = tuple(t.rsplit(".", 1)[-1] or "an untyped module" for t in types if not t.endswith(COMPUTED_MODULES))
+    first_pooling = next((i for i, t in enumerate(types) if t.endswith(".Pooling")), len(types))
+    if any(t.endswith(".Normalize") for t in types[:first_pooling]) and pooling_dirs:  # it pools unit vectors
+        unapplied += ("Normalize before its Pooling",)
     method = None
-    if pooling_dirs and (config_file := folder / pooling_dirs[0] / "config.json").is_file():
+    if pooling_dirs and not (config_file := folder / pooling_dirs[0] / "config.json").is_file():
+        unapplied += (f"Pooling (its {Path(pooling_dirs[0]) / 'config.json'} is missing: fetch it)",)
+    elif pooling_dirs:
         try:
             config = json.loads(config_file.read_text(encoding="utf-8"))
             modes = [name for name, on in config.items() if name.startswith("pooling_mode_") and on is True]
@@ -206,9 +214,12 @@ class Embeddings:
 
     def __init__(self, defaults: PoolingDefaults, poolers: Poolers, hidden_size: int | None, max_model_len: int,
                  tokenize: Callable[[Prompt], list[int]],
-                 label_head: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
+                 label_head: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 truncate_text: Callable[[str, int], list[int]] | None = None) -> None:
         self.defaults, self.poolers, self.hidden_size = defaults, poolers, hidden_size
         self.max_model_len, self.tokenize = max_model_len, tokenize
+        # a text's tokens cut to a length by the tokenizer, which keeps the special tokens it adds (an EOS last)
+        self.truncate_text = truncate_text
         self.label_head = label_head  # a sequence classifier's: each embedding is its label logits
         self.live = 0  # embedding requests under way
 
@@ -225,8 +236,8 @@ class Embeddings:
 
     def admit(self, prompt: Prompt, params: PoolingParams) -> tuple[list[int], SamplingParams, Pooling]:
         """The request's prompt as token ids, what the scheduler sees of it, and its pooling; InvalidRequestError
-        for a prompt past the longest the engine embeds (unless ``truncate``: its first tokens, then) or a
-        pooling it cannot compute."""
+        for a prompt past the longest the engine embeds (unless ``truncate``: its first tokens, then; a text's
+        cut by the tokenizer, its special tokens kept) or a pooling it cannot compute."""
         pooling = self.resolve(params)
         if self.defaults.lower_case and isinstance(prompt, str):  # as sentence-transformers reads such a checkpoint
             prompt = prompt.lower()
@@ -234,7 +245,9 @@ class Embeddings:
         longest, why = self.max_model_len - 1, "the model's context length less one, the token its scheduling reserves"
         if self.defaults.max_seq_length is not None and self.defaults.max_seq_length < longest:
             longest, why = self.defaults.max_seq_length, "the checkpoint's sentence-transformers max_seq_length"
-        if len(ids) > longest and params.truncate:
+        if len(ids) > longest and params.truncate and isinstance(prompt, str) and self.truncate_text is not None:
+            ids = self.truncate_text(prompt, longest)  # as sentence-transformers truncates: the closing EOS stays
+        elif len(ids) > longest and params.truncate:
             ids = ids[:longest]
         elif len(ids) > longest:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) is too long to embed: at most {longest} tokens "
