@@ -308,7 +308,7 @@ def pool_rows(out: SchedulerOutput, query_lens: Seq[int], kv_cache: str) -> Pool
             rows += picked
             owners.append((seq, len(picked), done))
         offset += length
-    return PoolRows(rows, owners) if owners else None
+    return PoolRows(rows, owners) if rows or any(done for _, _, done in owners) else None  # else nothing to pool
 
 
 def collect_pooled(found: PoolRows, hidden: torch.Tensor) -> None:

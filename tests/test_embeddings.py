@@ -275,3 +275,25 @@ def test_truncate_embeds_a_too_long_prompts_first_tokens(path: Path, hidden, tmp
 
     with pytest.raises(CheckpointError, match="max_seq_length = 0; it should be a positive integer"):
         Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64))
+
+
+def test_a_step_holding_no_row_to_pool_asks_for_no_pooling() -> None:
+    """pool_rows: a last-position pooler's chunk before the prompt's end pools nothing (None: the step may replay a
+    decode graph, which computes logits only); its last chunk pools the last row; an every-position pooler's rows
+    start where it has summed to."""
+    from infer.core.interfaces import ScheduledSequence, SchedulerOutput
+    from infer.core.pooling import Pooling, pool_rows
+    from infer.core.request import Sequence
+    from infer.plugins.poolers import LastPooler, SumPooler
+
+    last = Sequence(0, "a", list(range(10, 20)), SamplingParams(max_tokens=1), 0.0)
+    last.pooling = Pooling("last", LastPooler(), True, None)
+    assert pool_rows(SchedulerOutput([ScheduledSequence(last, 4)]), [4], "paged") is None
+    last.num_computed_tokens = 8
+    found = pool_rows(SchedulerOutput([ScheduledSequence(last, 2)]), [2], "paged")
+    assert found is not None and found.rows == [1] and [(count, done) for _, count, done in found.owners] == [(1, True)]
+    mean = Sequence(1, "b", list(range(10, 20)), SamplingParams(max_tokens=1), 0.0)
+    mean.pooling = Pooling("mean", SumPooler(), True, None)
+    mean.pooled_until = 3  # a recompute after preemption: positions 0-2 were summed before
+    found = pool_rows(SchedulerOutput([ScheduledSequence(last, 2), ScheduledSequence(mean, 5)]), [2, 5], "paged")
+    assert found is not None and found.rows == [1, 2 + 3, 2 + 4]  # last's row 1, then mean's positions 3 and 4
