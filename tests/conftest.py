@@ -153,6 +153,23 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
     return run
 
 
+@pytest.fixture(scope="session")
+def hf_hidden_states() -> Callable[[Path, list[int]], torch.Tensor]:
+    """HF transformers' final hidden states of one prompt (``AutoModel``'s ``last_hidden_state``: the backbone's,
+    after its last norm), float32 on CPU: the reference of embeddings. Each checkpoint loads once."""
+    from transformers import AutoModel
+
+    models: dict[Path, torch.nn.Module] = {}
+
+    def run(path: Path, prompt: list[int]) -> torch.Tensor:
+        if path not in models:
+            models[path] = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+        with torch.no_grad():
+            return models[path](torch.tensor([prompt])).last_hidden_state[0].float()
+
+    return run
+
+
 def loaded_linear(method: Any, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
                   prefix: str = "model.layers.0.mlp.up_proj") -> Any:
     """A Linear of quant ``method`` at ``prefix`` that loaded checkpoint ``tensors`` (by attribute name) and was

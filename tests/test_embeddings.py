@@ -32,16 +32,9 @@ def path(checkpoint: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hidden(path: Path) -> Callable[[list[int]], torch.Tensor]:
+def hidden(path: Path, hf_hidden_states) -> Callable[[list[int]], torch.Tensor]:
     """The HF model's final hidden states (after its last norm) at every prompt position."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-    def states(prompt: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return hf.model(torch.tensor([prompt])).last_hidden_state[0].float()
-    return states
+    return lambda prompt: hf_hidden_states(path, prompt)
 
 
 def expected(states: torch.Tensor, method: str, normalize: bool = True, dimensions: int | None = None) -> list[float]:

@@ -23,15 +23,6 @@ NORMALIZE = {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_tra
 TEXT = "def main(argv):\n    return sorted(argv, key=len)[0] if argv else None"
 
 
-def hf_states(path: Path, ids: list[int]) -> torch.Tensor:
-    """transformers' final hidden states (after the last norm) of ``ids``: the reference."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model.model(torch.tensor([ids])).last_hidden_state[0].float()
-
-
 def sentence_transformers_folder(source: Path, folder: Path, modules: list[dict[str, str]],
                                  pooling_mode: str | None = "pooling_mode_lasttoken",
                                  max_seq_length: int | None = None) -> Path:
@@ -66,7 +57,8 @@ def llama(checkpoint: Callable[[str], Path]) -> Path:
     return checkpoint("llama")
 
 
-def test_a_truncated_text_prompt_keeps_the_eos_its_tokenizer_closes_it_with(llama: Path, tmp_path: Path) -> None:
+def test_a_truncated_text_prompt_keeps_the_eos_its_tokenizer_closes_it_with(llama: Path, tmp_path: Path,
+                                                                            hf_hidden_states) -> None:
     """sentence-transformers truncates with the tokenizer (truncation=True, max_length=max_seq_length), which cuts
     the text and then adds the special tokens: the EOS stays last, and last pooling reads it. Token ids are cut as
     they are (no tokenizer is involved)."""
@@ -82,21 +74,22 @@ def test_a_truncated_text_prompt_keeps_the_eos_its_tokenizer_closes_it_with(llam
     engine = Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64))
     out = engine.embed([TEXT], PoolingParams(truncate=True))[0]
     assert out.prompt_token_ids == cut
-    assert out.embedding == pytest.approx(hf_states(llama, cut)[-1].tolist(), abs=1e-5)  # no Normalize module
+    assert out.embedding == pytest.approx(hf_hidden_states(llama, cut)[-1].tolist(), abs=1e-5)  # no Normalize module
     assert engine.check_request(TEXT, PoolingParams(truncate=True)) == cut
     ids = engine.embed([whole], PoolingParams(truncate=True))[0]
     assert ids.prompt_token_ids == whole[:8]
     assert engine.kv.stats().used_blocks == 0 and engine.embeddings.live == 0
 
 
-def test_a_normalize_module_before_the_pooling_is_not_applied_after_it(llama: Path, tmp_path: Path) -> None:
+def test_a_normalize_module_before_the_pooling_is_not_applied_after_it(llama: Path, tmp_path: Path,
+                                                                       hf_hidden_states) -> None:
     """[Transformer, Normalize, Pooling(mean)]: sentence-transformers averages unit vectors (not a unit vector
     itself); infer pools then normalizes, so a request relying on the checkpoint's defaults is refused, naming the
     order, and an explicit pooling is the pooled final hidden states as documented."""
     folder = sentence_transformers_folder(llama, tmp_path / "st", [TRANSFORMER, NORMALIZE, POOLING],
                                           "pooling_mode_mean_tokens")
     prompt = [5, 9, 14, 7, 22, 30, 11, 12, 13, 40]
-    states = hf_states(llama, prompt)
+    states = hf_hidden_states(llama, prompt)
     sentence_transformers = torch.nn.functional.normalize(states, dim=1).mean(0)
     pooled_then_normalized = torch.nn.functional.normalize(states.mean(0), dim=0)
     assert not torch.allclose(sentence_transformers, pooled_then_normalized, atol=1e-3)
@@ -108,7 +101,8 @@ def test_a_normalize_module_before_the_pooling_is_not_applied_after_it(llama: Pa
     assert engine.embeddings.live == 0 and engine.kv.stats().used_blocks == 0
 
 
-def test_a_pooling_module_without_its_config_is_not_embedded_as_last(llama: Path, tmp_path: Path) -> None:
+def test_a_pooling_module_without_its_config_is_not_embedded_as_last(llama: Path, tmp_path: Path,
+                                                                     hf_hidden_states) -> None:
     """modules.json names a Pooling module whose config.json is missing (sentence-transformers cannot load it; a
     partial download): its mode is unknown, so a default request is refused naming the file, not pooled last."""
     folder = sentence_transformers_folder(llama, tmp_path / "st", [TRANSFORMER, POOLING], pooling_mode=None)
@@ -117,4 +111,4 @@ def test_a_pooling_module_without_its_config_is_not_embedded_as_last(llama: Path
     with pytest.raises(InvalidRequestError, match=r"1_Pooling[/\\]config\.json.*missing.*pass pooling="):
         engine.embed([prompt])
     out = engine.embed([prompt], PoolingParams(pooling="last", normalize=False))[0]
-    assert out.embedding == pytest.approx(hf_states(llama, prompt)[-1].tolist(), abs=1e-5)
+    assert out.embedding == pytest.approx(hf_hidden_states(llama, prompt)[-1].tolist(), abs=1e-5)

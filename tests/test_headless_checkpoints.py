@@ -46,15 +46,6 @@ def rewrite(src: Path, dst: Path, bare: bool = True, head: bool = True, **config
     return dst
 
 
-def hf_hidden(path: Path, prompt: list[int]) -> torch.Tensor:
-    """transformers' AutoModel (the bare backbone) on the original checkpoint: its final hidden states."""
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).last_hidden_state[0]
-
-
 def pooled(states: torch.Tensor, method: str, normalize: bool) -> list[float]:
     vector = states[-1] if method == "last" else states.mean(0)
     return (torch.nn.functional.normalize(vector, dim=0) if normalize else vector).tolist()
@@ -70,7 +61,8 @@ HEADLESS = {  # name: (fixture checkpoint, config.json changes): no lm_head.weig
 
 @pytest.mark.parametrize("case", HEADLESS)
 def test_a_headless_bare_checkpoint_embeds_as_transformers_backbone(checkpoint: Callable[[str], Path],
-                                                                    tmp_path: Path, case: str, caplog) -> None:
+                                                                    tmp_path: Path, case: str, caplog,
+                                                                    hf_hidden_states) -> None:
     source, config = HEADLESS[case]
     original = checkpoint(source)
     assert json.loads((original / "config.json").read_text())["architectures"][0].endswith("ForCausalLM")
@@ -85,8 +77,8 @@ def test_a_headless_bare_checkpoint_embeds_as_transformers_backbone(checkpoint: 
     params = [PoolingParams(pooling="last"), PoolingParams(pooling="mean"), PoolingParams(pooling="mean",
                                                                                           normalize=False)]
     for out, prompt, one in zip(engine.embed(PROMPTS, params), PROMPTS, params):
-        assert out.embedding == pytest.approx(pooled(hf_hidden(original, prompt), one.pooling, one.normalize is not
-                                                     False), abs=1e-5)
+        want = pooled(hf_hidden_states(original, prompt), one.pooling, one.normalize is not False)
+        assert out.embedding == pytest.approx(want, abs=1e-5)
     assert engine.embeddings.live == 0 and engine.kv.stats().used_blocks == 0
 
 
@@ -162,7 +154,8 @@ def test_a_bare_checkpoint_with_too_few_layers_is_refused_before_building(checkp
         LLM(model=str(path), device="cpu")
 
 
-def test_a_headless_model_captures_no_decode_graphs(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+def test_a_headless_model_captures_no_decode_graphs(checkpoint: Callable[[str], Path], tmp_path: Path,
+                                                    hf_hidden_states) -> None:
     """Decode graphs compute logits: none for a headless model; mixed-step graphs (hidden states) replay, and the
     embeddings still equal transformers'. Replayed eagerly on the CPU."""
     original = checkpoint("qwen3")
@@ -174,7 +167,7 @@ def test_a_headless_model_captures_no_decode_graphs(checkpoint: Callable[[str], 
     params = PoolingParams(pooling="mean")
     out = engine.embed(PROMPTS[:2], params)
     for one, prompt in zip(out, PROMPTS):
-        assert one.embedding == pytest.approx(pooled(hf_hidden(original, prompt), "mean", True), abs=1e-5)
+        assert one.embedding == pytest.approx(pooled(hf_hidden_states(original, prompt), "mean", True), abs=1e-5)
     assert engine.runner.mixed_graphs.replays > 0
 
 
