@@ -41,7 +41,8 @@ def embed(ctx: click.Context, prompts: tuple[str, ...], pooling: str | None, nor
     embedding, and "labels": config.json's id2label, as transformers reads it (LABEL_0... where it names none)."""
     from ..core.classification import read_id2label
     from ..core.pooling import PoolingParams
-    from .main import CommandLineError, _chats, build_engine, option_error, stdin_text, tolerant_stdin
+    from .main import (CommandLineError, _chats, build_engine, option_error, print_in_order, stdin_text,
+                       tolerant_stdin)
 
     try:
         params = PoolingParams(pooling, normalize, dimensions, lora_adapter=lora_adapter, truncate=truncate)
@@ -66,33 +67,8 @@ def embed(ctx: click.Context, prompts: tuple[str, ...], pooling: str | None, nor
         raise CommandLineError(f"{exc}{where}") from None
     classifier = engine.loaded.model.spec.num_labels is not None
     labels = read_id2label(engine.loaded.path) if classifier else None
-    _print_in_order(texts, engine.generate_as_completed(inputs, params), labels)
-
-
-def _print_in_order(texts: list[str], completed: Any, labels: dict[str, str] | None = None) -> None:
-    """Each prompt's line once it and every earlier one are embedded (so Ctrl-C keeps what is done), with a
-    classifier's ``labels``; a progress bar on stderr when it is a terminal and there are several prompts."""
     named = {"labels": labels} if labels is not None else {}
-    from rich.console import Console
-    from rich.progress import Progress
-
-    ready: dict[int, Any] = {}
-    printed = 0
-    console = Console(stderr=True)
-    with Progress(console=console, transient=True, disable=len(texts) < 2 or not console.is_terminal) as progress:
-        task = progress.add_task("embedding", total=len(texts))
-        try:
-            for index, result in completed:
-                ready[index] = result
-                progress.advance(task)
-                while printed in ready:
-                    result = ready.pop(printed)
-                    click.echo(json.dumps({"prompt_index": printed, "prompt": texts[printed],
-                                           "embedding": result.embedding,
-                                           "prompt_tokens": len(result.prompt_token_ids),
-                                           "cached_tokens": result.num_cached_tokens, **named}))
-                    printed += 1
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            click.echo(f"interrupted: printed {printed} of {len(texts)} prompts' embeddings", err=True)
-            raise SystemExit(130) from None
+    print_in_order(len(texts), engine.generate_as_completed(inputs, params), lambda i, result: [json.dumps({
+        "prompt_index": i, "prompt": texts[i], "embedding": result.embedding,
+        "prompt_tokens": len(result.prompt_token_ids), "cached_tokens": result.num_cached_tokens, **named})],
+        "embedding", "embeddings")

@@ -262,8 +262,10 @@ def generate(ctx: click.Context, prompts: tuple[str, ...], max_tokens: int, samp
                 completed = engine.generate_as_completed(inputs, params)
             except InferError as exc:
                 raise refused(exc, exc.prompt_index) from exc
-            _print_in_order(texts, shown, completed, as_json)
-    except KeyboardInterrupt:  # while loading or streaming (_print_in_order reports its own)
+            print_in_order(len(texts), completed, lambda i, result: [
+                json.dumps(_completion_json(i, texts[i], result, out)) if as_json else shown[i] + out.text
+                for out in result.outputs], "generating", "completions")
+    except KeyboardInterrupt:  # while loading or streaming (print_in_order reports its own)
         click.echo(f"\ninterrupted: printed {streamed} of {len(texts)} prompts' completions in full", err=True)
         raise SystemExit(130) from None
     if stats:
@@ -370,32 +372,30 @@ def _beam_search(ctx: click.Context, inputs: list[Any], texts: list[str], shown:
         raise SystemExit(130) from None
 
 
-def _print_in_order(texts: list[str], shown: list[str], completed: Iterator[tuple[int, Any]], as_json: bool = False
-                    ) -> None:
-    """Print each prompt's completions once it and every earlier prompt finished (so Ctrl-C keeps what is done):
-    ``shown`` and the text, or --json's line with the prompt's ``texts``; a progress bar on stderr when it is a
-    terminal and there are several prompts."""
+def print_in_order(total: int, completed: Iterator[tuple[int, Any]], lines: Callable[[int, Any], list[str]],
+                   doing: str, what: str) -> None:
+    """Print each of ``total`` prompts' ``lines(index, result)`` once it and every earlier prompt finished (so
+    Ctrl-C keeps what is done; then exit 130, saying how many prompts' ``what`` were printed); a progress bar
+    (``doing``) on stderr when it is a terminal and there are several prompts."""
     from rich.console import Console
     from rich.progress import Progress
 
     ready: dict[int, Any] = {}
     printed = 0
     console = Console(stderr=True)
-    with Progress(console=console, transient=True, disable=len(texts) < 2 or not console.is_terminal) as progress:
-        task = progress.add_task("generating", total=len(texts))
+    with Progress(console=console, transient=True, disable=total < 2 or not console.is_terminal) as progress:
+        task = progress.add_task(doing, total=total)
         try:
             for index, result in completed:
                 ready[index] = result
                 progress.advance(task)
                 while printed in ready:
-                    result = ready.pop(printed)
-                    for out in result.outputs:
-                        click.echo(json.dumps(_completion_json(printed, texts[printed], result, out))
-                                   if as_json else shown[printed] + out.text)
+                    for line in lines(printed, ready.pop(printed)):
+                        click.echo(line)
                     printed += 1
                 sys.stdout.flush()
         except KeyboardInterrupt:
-            click.echo(f"interrupted: printed {printed} of {len(texts)} prompts' completions", err=True)
+            click.echo(f"interrupted: printed {printed} of {total} prompts' {what}", err=True)
             raise SystemExit(130) from None
 
 

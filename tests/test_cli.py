@@ -747,14 +747,15 @@ def test_generate_stats_go_to_stderr_and_completions_alone_to_stdout(tiny_model)
 def test_completions_that_finish_out_of_order_print_in_prompt_order(capsys):
     """generate prints each prompt's completions once it and every earlier prompt are done, whatever order the
     engine finishes them in."""
-    from infer.cli.main import _print_in_order
+    from infer.cli.main import print_in_order
     from infer.core.request import CompletionOutput, RequestOutput
 
     def result(text: str) -> RequestOutput:
         return RequestOutput("r", [1], [CompletionOutput(0, [5], text)], True)
 
     finished = [(2, result("c")), (1, result("b")), (3, result("d")), (0, result("a"))]
-    _print_in_order(["p0", "p1", "p2", "p3"], ["0:", "1:", "2:", "3:"], iter(finished))
+    print_in_order(4, iter(finished), lambda i, r: [f"{i}:{out.text}" for out in r.outputs], "generating",
+                   "completions")
     assert capsys.readouterr().out == "0:a\n1:b\n2:c\n3:d\n"
 
 
