@@ -170,6 +170,23 @@ def hf_hidden_states() -> Callable[[Path, list[int]], torch.Tensor]:
     return run
 
 
+def tutorial_plugins(marker: str, name: str) -> Any:
+    """A PluginManager with the shipped plugins and docs/writing-a-plugin.md's python example that holds
+    ``marker``, executed as a plugin module registered as ``name``: the tutorial runs as written."""
+    import re
+    import types
+
+    from infer.core.plugins import PluginManager
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-plugin.md").read_text()
+    [code] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if marker in block]
+    module = types.ModuleType(f"{name}_example")
+    exec(compile(code, "writing-a-plugin.md", "exec"), module.__dict__)
+    plugins = PluginManager.from_entry_points()
+    plugins.register(module, name=name, source="tutorial")
+    return plugins
+
+
 def loaded_linear(method: Any, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
                   prefix: str = "model.layers.0.mlp.up_proj") -> Any:
     """A Linear of quant ``method`` at ``prefix`` that loaded checkpoint ``tensors`` (by attribute name) and was

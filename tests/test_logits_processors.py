@@ -293,15 +293,9 @@ def test_the_arguments_reach_processors_as_json_values() -> None:
 def test_the_tutorials_logits_processor_runs_as_written(tiny_model: Path, hf_greedy: Any) -> None:
     """docs/writing-a-plugin.md's ban-token example, executed as a plugin module: the banned token never comes out,
     and its greedy output is transformers' with that token's logit at -inf."""
-    import re
-    import types
+    from conftest import tutorial_plugins
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-plugin.md").read_text()
-    [code] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "class BanToken" in block]
-    module = types.ModuleType("ban_token_example")
-    exec(compile(code, "writing-a-plugin.md", "exec"), module.__dict__)
-    plugins = PluginManager.from_entry_points()
-    plugins.register(module, name="ban-token", source="tutorial")
+    plugins = tutorial_plugins("class BanToken", "ban-token")
     engine = Engine(EngineConfig(model=str(tiny_model), device="cpu"), plugins)
     banned = hf_greedy(tiny_model, PROMPTS[0], 1)[0]
 

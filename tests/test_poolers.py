@@ -136,15 +136,9 @@ def test_a_sentence_transformers_max_pooling_checkpoint_pools_by_max(path: Path,
 def test_the_tutorials_pooler_runs_as_written(path: Path, hidden) -> None:
     """docs/writing-a-plugin.md's last4 example, executed as a plugin module, in 5-token chunks: the mean of each
     prompt's last four hidden states, as transformers computes them."""
-    import re
-    import types
+    from conftest import tutorial_plugins
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-plugin.md").read_text()
-    [code] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "class LastFourMean" in block]
-    module = types.ModuleType("last4_example")
-    exec(compile(code, "writing-a-plugin.md", "exec"), module.__dict__)
-    plugins = PluginManager.from_entry_points()
-    plugins.register(module, name="last4", source="tutorial")
+    plugins = tutorial_plugins("class LastFourMean", "last4")
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, scheduler="chunked-prefill",
                                  max_num_batched_tokens=5), plugins)
     outs = engine.embed(PROMPTS + [[7, 8, 9]], PoolingParams(pooling="last4", normalize=False))
