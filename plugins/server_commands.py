@@ -50,26 +50,35 @@ def quiet_grpc_core() -> None:
               help="Let clients load LoRA adapters from this machine's disk and unload them (the LoadLoraAdapter "
                    "and UnloadLoraAdapter RPCs, `infer lora load/unload`) into the group's --max-lora-adapters "
                    "slots [default: off: PERMISSION_DENIED].")
+@click.option("--http-port", type=int, default=None,
+              help="Also serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models) "
+                   "on this port (0 picks a free one; same host, token and TLS) [default: off].")
+@click.option("--served-model-name", default=None,
+              help="The name the HTTP API's `model` field gives the model [default: the model folder's name].")
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_bytes: int, grace_period: float,
           token: str | None, tls_cert: Path | None, tls_key: Path | None, metrics_port: int | None,
-          allow_lora_loading: bool) -> None:
-    """Serve the model over gRPC (infer.v1.Inference, health, reflection) until SIGTERM, then drain."""
+          allow_lora_loading: bool, http_port: int | None, served_model_name: str | None) -> None:
+    """Serve the model over gRPC (infer.v1.Inference, health, reflection) until SIGTERM, then drain; with
+    --http-port, OpenAI's HTTP API too."""
     from ..cli.main import build_engine
     quiet_grpc_core()
-    from ..server.app import ServeOptions, host_port, serve as run_server
+    from ..server.app import InferenceServer, ServeOptions, host_port, serve as run_server
 
     options = ServeOptions(host, port, max_queue, max_message_bytes, grace_period, token, tls_cert, tls_key,
-                           metrics_port, allow_lora_loading).validate()
+                           metrics_port, allow_lora_loading, http_port, served_model_name).validate()
     options.check_ports()  # before the model load, which can take minutes
     engine = build_engine(ctx, freeze_gc=True)  # a long-running process: no full collection should stall a step
 
-    def ready(bound: int, metrics: int | None) -> None:
+    def ready(server: InferenceServer) -> None:
         scheme = "TLS" if tls_cert else "plaintext"
-        click.echo(f"infer: serving {engine.loaded.path} on {host_port(host, bound)} (gRPC, {scheme}"
+        click.echo(f"infer: serving {engine.loaded.path} on {host_port(host, server.port)} (gRPC, {scheme}"
                    f"{', token required' if token else ''})", err=True)
-        if metrics is not None:
-            click.echo(f"infer: metrics on http://{host_port(host, metrics)}/metrics", err=True)
+        if server.http_port is not None:
+            click.echo(f"infer: OpenAI API on http{'s' * bool(tls_cert)}://{host_port(host, server.http_port)}/v1 "
+                       f"(model {server.served_name!r})", err=True)
+        if server.metrics_port is not None:
+            click.echo(f"infer: metrics on http://{host_port(host, server.metrics_port)}/metrics", err=True)
 
     run_server(engine, options, ready)
     click.echo("infer: server stopped", err=True)

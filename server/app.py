@@ -12,7 +12,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +24,9 @@ from .auth import BearerTokenInterceptor
 from .malformed import MalformedRequestInterceptor
 from .servicer import InferenceServicer
 from .worker import EngineWorker
+
+if TYPE_CHECKING:
+    from .http import HttpServer
 
 log = logging.getLogger("infer.server")
 
@@ -44,6 +47,8 @@ class ServeOptions:
     tls_key: Path | None = None
     metrics_port: int | None = None
     allow_lora_loading: bool = False  # the LoadLoraAdapter and UnloadLoraAdapter RPCs
+    http_port: int | None = None  # OpenAI's HTTP API (server/openai_front.py) on this port too; 0 picks a free one
+    served_model_name: str | None = None  # what the HTTP API's `model` field names; None: the model folder's name
 
     def validate(self) -> ServeOptions:
         from ..core.errors import ConfigError
@@ -66,6 +71,12 @@ class ServeOptions:
             raise ConfigError(f"metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.metrics_port and self.metrics_port == self.port:
             raise ConfigError(f"--metrics-port must differ from --port (both are {self.port})")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ConfigError(f"http-port must be in [0, 65535], got {self.http_port}")
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ConfigError(f"--http-port must differ from --port and --metrics-port (it is {self.http_port})")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("--served-model-name must not be empty")
         return self
 
     def check_ports(self) -> None:
@@ -73,6 +84,8 @@ class ServeOptions:
         check_port_free(self.host, self.port, "--port")
         if self.metrics_port is not None:
             check_port_free(self.host, self.metrics_port, "--metrics-port")
+        if self.http_port is not None:
+            check_port_free(self.host, self.http_port, "--http-port")
 
 
 def check_tls_files(cert: Path, key: Path) -> None:
@@ -178,6 +191,9 @@ class InferenceServer:
         self._stop_metrics: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None  # where the OpenAI HTTP API listens (ServeOptions.http_port)
+        self._http: HttpServer | None = None
+        self.served_name = options.served_model_name or Path(engine.loaded.path).name
 
     async def start(self) -> int:
         """Start the engine thread and the server; health turns SERVING. Returns the bound port."""
@@ -207,6 +223,8 @@ class InferenceServer:
             raise ConfigError(f"could not listen on {address}: {exc}{hint}") from exc
         if o.metrics_port is not None:
             self._start_metrics(asyncio.get_running_loop())
+        if o.http_port is not None:
+            await self._start_http(o.http_port)
         self._server = server
         self._loop = asyncio.get_running_loop()
         self.worker.start()
@@ -214,6 +232,22 @@ class InferenceServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         return self.port
+
+    async def _start_http(self, port: int) -> None:
+        from ..core.errors import ConfigError
+        from .http import start_http_server
+        from .openai_front import OpenAIFront
+
+        o, context = self.options, None
+        if o.tls_cert is not None and o.tls_key is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(o.tls_cert, o.tls_key)
+        front = OpenAIFront(self.servicer, self.served_name, o.token)
+        try:
+            self._http = await start_http_server(front, o.host, port, ssl=context, max_body_bytes=o.max_message_bytes)
+        except OSError as exc:
+            raise ConfigError(f"could not listen on {host_port(o.host, port)} for --http-port: {exc}") from exc
+        self.http_port = self._http.port
 
     def _on_worker_failed(self, exc: BaseException) -> None:
         """On the worker thread, after it failed: health turns NOT_SERVING, so that a balancer routes elsewhere."""
@@ -254,13 +288,17 @@ class InferenceServer:
     async def close(self, grace: float | None = None) -> None:
         """Stop the engine thread (its requests still running end with UNAVAILABLE and a message that says why),
         then the server (calls still open are cancelled after ``grace`` seconds) and the metrics endpoint."""
+        if self._http is not None:
+            self._http.stop_listening()  # the requests in flight end with the engine's UNAVAILABLE (a 503)
         await asyncio.to_thread(self.worker.stop)
+        if self._http is not None:
+            await self._http.close()
         if self._server is not None:
             await self._server.stop(grace)
         if self._stop_metrics is not None:
             await asyncio.to_thread(self._stop_metrics)
 
-    async def run(self, on_ready: Callable[[int, int | None], None] | None = None) -> None:
+    async def run(self, on_ready: Callable[[InferenceServer], None] | None = None) -> None:
         """Start, serve until SIGTERM or SIGINT, then drain. A second signal skips the rest of the grace period."""
         loop = asyncio.get_running_loop()
         stop, force = asyncio.Event(), asyncio.Event()
@@ -271,17 +309,17 @@ class InferenceServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         try:
-            port = await self.start()
+            await self.start()
         except BaseException:
             await self.close()
             raise
         if on_ready is not None:
-            on_ready(port, self.metrics_port)
+            on_ready(self)
         await stop.wait()
         log.warning("shutting down: draining requests in flight (grace period %g s)", self.options.grace_period_s)
         await self.drain(force)
 
 
-def serve(engine: Any, options: ServeOptions, on_ready: Callable[[int, int | None], None] | None = None) -> None:
+def serve(engine: Any, options: ServeOptions, on_ready: Callable[[InferenceServer], None] | None = None) -> None:
     """Serve ``engine`` until SIGTERM/SIGINT, then drain and return."""
     asyncio.run(InferenceServer(engine, options).run(on_ready))

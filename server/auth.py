@@ -1,4 +1,4 @@
-"""Bearer-token authentication: a grpc.aio interceptor that checks ``authorization: Bearer <token>`` metadata."""
+"""Bearer-token authentication: a grpc.aio interceptor that checks ``authorization: Bearer <token>`` metadata (and\nthe check itself, which the HTTP front makes of its ``Authorization`` header)."""
 from __future__ import annotations
 
 import hmac
@@ -23,13 +23,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def authorized(self, metadata: Any) -> bool:
         """Whether an ``authorization`` entry is ``Bearer <token>``: the scheme in any case, then one or more
         spaces (RFC 7235 section 2.1: auth-scheme is case-insensitive)."""
-        for key, value in metadata or ():
-            if key.lower() == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                scheme, _, token = given.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), self._expected):
-                    return True
-        return False
+        return any(key.lower() == "authorization" and bearer_token_matches(value, self._expected)
+                   for key, value in metadata or ())
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -41,6 +36,13 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if self.authorized(handler_call_details.invocation_metadata):
             return handler
         return _refusing(handler)
+
+
+def bearer_token_matches(value: str | bytes, expected: bytes) -> bool:
+    """Whether an ``authorization`` value (gRPC metadata, an HTTP header) is ``Bearer <expected>``."""
+    given = value.encode() if isinstance(value, str) else bytes(value)
+    scheme, _, token = given.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), expected)
 
 
 async def _refuse(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:

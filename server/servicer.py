@@ -21,7 +21,7 @@ from . import infer_pb2_grpc as pb_grpc
 from .convert import (FINISH_REASONS, beam_params_of, beam_search_to_proto, completion_to_proto, pooling_params_of,
                       positions_to_proto, prompt_of, sampling_params_of, status_of)
 from .streams import RequestStream
-from .worker import EngineWorker
+from .worker import EngineWorker, ServerFull, ServerUnavailable
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -73,7 +73,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 async for response in responses:
                     yield response
         finally:
-            self._close(stream)
+            self.close(stream)
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         stream = await self._open(request, context)
@@ -129,7 +129,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except Exception as exc:
             await _abort_with(context, exc)
         finally:
-            self._close(stream)
+            self.close(stream)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         """One prompt's embedding, admitted and run as Complete runs a request (an Abort answers with none)."""
@@ -150,7 +150,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except Exception as exc:
             await _abort_with(context, exc)
         finally:
-            self._close(stream)
+            self.close(stream)
 
     async def _open(self, request: pb.GenerateRequest | pb.EmbedRequest, context: grpc.aio.ServicerContext,
                     size_of: Callable[[RequestOutput], int] | None = None, max_merged: int = 0) -> RequestStream:
@@ -169,28 +169,37 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return stream
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
-        """Count a request in flight, or abort the call: UNAVAILABLE while draining, RESOURCE_EXHAUSTED when full."""
+        """:meth:`admit`, or abort the call: UNAVAILABLE while draining, RESOURCE_EXHAUSTED when full."""
+        try:
+            self.admit()
+        except ServerFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ServerUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    def admit(self) -> None:
+        """Count a request in flight (the gRPC calls' and the HTTP front's alike), or raise ServerUnavailable while
+        draining and ServerFull past --max-queue. Each admitted request ends with :meth:`close`."""
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the server is shutting down and accepts no new requests; retry on another replica")
+            raise ServerUnavailable("the server is shutting down and accepts no new requests; retry on another replica")
         if self.in_flight >= self.max_queue:
             self.rejected += 1
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the server is full: {self.in_flight} requests in flight (--max-queue "
-                                f"{self.max_queue}); retry later")
+            raise ServerFull(f"the server is full: {self.in_flight} requests in flight (--max-queue {self.max_queue}); "
+                             "retry later")
         self.in_flight += 1
         self.idle.clear()
+
+    def close(self, stream: RequestStream) -> None:
+        """An admitted request's call ended: if the request still runs (cancel, deadline, error), abort it and free
+        its KV."""
+        if not stream.finished:
+            self.worker.cancel(stream)
+        self._release()
 
     def _release(self) -> None:
         self.in_flight -= 1
         if self.in_flight == 0:
             self.idle.set()
-
-    def _close(self, stream: RequestStream) -> None:
-        """The call ended: if the request still runs (cancel, deadline, error), abort it and free its KV."""
-        if not stream.finished:
-            self.worker.cancel(stream)
-        self._release()
 
     async def BeamSearch(self, request: pb.BeamSearchRequest,
                          context: grpc.aio.ServicerContext) -> pb.BeamSearchResponse:

@@ -38,6 +38,10 @@ class ServerUnavailable(Exception):
     """The server is shutting down or not ready; gRPC: UNAVAILABLE."""
 
 
+class ServerFull(Exception):
+    """More requests are in flight than --max-queue allows; gRPC: RESOURCE_EXHAUSTED, HTTP: 429 (retry later)."""
+
+
 class SearchLike(Protocol):
     """What the worker needs from :class:`~infer.core.beam_search.BeamSearch`."""
 

@@ -60,6 +60,7 @@ class ServerProcess:
     port: int
     log: Path
     client_kwargs: dict[str, Any]
+    http_port: int | None = None  # serve --http-port: OpenAI's HTTP API
 
     @property
     def target(self) -> str:
@@ -126,10 +127,13 @@ def processes(tiny_model: Path, certs: tuple[Path, Path] | None,
             ["--max-queue", str(MAX_QUEUE), "--max-message-bytes", str(MAX_MESSAGE),
              "--metrics-port", str(free_port())], {})
         tls = ["--tls-cert", str(certs[0]), "--tls-key", str(certs[1])] if certs else []
+        http = free_port()
         started["secure"] = launch(Path(tiny_model.name), logs / "secure.log", [],  # relative to its cwd
-                                   [*tls, "--token", TOKEN, "--grace-period", "30"],
+                                   [*tls, "--token", TOKEN, "--grace-period", "30", "--http-port", str(http),
+                                    "--served-model-name", "tiny-secure"],
                                    {"token": TOKEN, "root_certificates": certs[0] if certs else None},
                                    cwd=tiny_model.parent)
+        started["secure"].http_port = http
         yield started
     finally:
         for p in started.values():
@@ -637,6 +641,29 @@ def test_a_token_is_required(secure_server: ServerProcess) -> None:
         assert len(c.complete("hi", max_tokens=2, temperature=0.0).outputs[0].token_ids) == 2
 
 
+def test_the_openai_api_serves_beside_grpc_with_its_token_and_tls(secure_server: ServerProcess,
+                                                                  certs: tuple[Path, Path] | None) -> None:
+    """`serve --http-port --served-model-name`: OpenAI's API on the same engine, token and TLS (the openai client
+    is the reference consumer; its answer is the gRPC Complete's)."""
+    openai = pytest.importorskip("openai", reason="the HTTP front's tests drive it with the openai client")
+    import ssl
+
+    scheme = "https" if certs else "http"
+    verify = ssl.create_default_context(cafile=str(certs[0])) if certs else True
+    url = f"{scheme}://127.0.0.1:{secure_server.http_port}/v1"
+    assert f"OpenAI API on {url} (model 'tiny-secure')" in secure_server.log_tail()
+    with openai.OpenAI(base_url=url, api_key=TOKEN, max_retries=0,
+                       http_client=openai.DefaultHttpxClient(verify=verify)) as api:
+        assert [m.id for m in api.models.list().data] == ["tiny-secure"]
+        got = api.completions.create(model="tiny-secure", prompt="hi", max_tokens=6, temperature=0)
+        with secure_server.client() as c:
+            assert got.choices[0].text == c.complete("hi", max_tokens=6, temperature=0.0).outputs[0].text
+    with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0,
+                       http_client=openai.DefaultHttpxClient(verify=verify)) as api:
+        with pytest.raises(openai.AuthenticationError, match="Bearer"):
+            api.models.list()
+
+
 def test_the_ca_may_be_a_path_a_string_path_or_the_pem_bytes(secure_server: ServerProcess) -> None:
     """Client(root_certificates=...) takes the CA file as a Path or a str (the signature's bytes | str | Path), or
     its PEM bytes."""
@@ -950,8 +977,13 @@ def test_taken_ports_fail_before_the_model_loads(tmp_path: Path) -> None:
             out = run_cli(*serve, *args)
             assert out.stderr.startswith(f"Error: could not listen on 127.0.0.1:{port}: "), out.stderr
             assert f"(is the port in use? pick another {option}, or 0 for a free one)" in out.stderr
+        out = run_cli(*serve, "--port", "0", "--http-port", port)
+        assert out.stderr.startswith(f"Error: could not listen on 127.0.0.1:{port}: "), out.stderr
+        assert "pick another --http-port" in out.stderr
     out = run_cli(*serve, "--port", port, "--metrics-port", port)
     assert out.stderr == f"Error: --metrics-port must differ from --port (both are {port})\n"
+    out = run_cli(*serve, "--port", port, "--http-port", port)
+    assert out.stderr == f"Error: --http-port must differ from --port and --metrics-port (it is {port})\n"
     for port in ("0", "50999"):  # a host that is not this machine's: refused before the model loads, port 0 too
         out = run_cli(*serve, "--host", "192.0.2.1", "--port", port)  # TEST-NET-1: never a local address
         assert out.stderr.startswith(f"Error: could not listen on 192.0.2.1:{port}: "), out.stderr

@@ -310,7 +310,7 @@ def test_sigint_drains_like_sigterm_and_a_second_one_ends_what_is_left_at_once(t
 
     async def main() -> None:
         ready = asyncio.Event()
-        running = asyncio.ensure_future(server.run(lambda port, metrics_port: ready.set()))
+        running = asyncio.ensure_future(server.run(lambda started: ready.set()))
         await asyncio.wait_for(ready.wait(), 30)
         async with AsyncClient(f"127.0.0.1:{server.port}") as client:
             calls = [client.generate(f"drain {i}", max_tokens=900, ignore_eos=True) for i in range(3)]

@@ -1,0 +1,215 @@
+"""OpenAIFront: OpenAI's HTTP API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``,
+``/v1/models``) in front of the gRPC server's engine worker, on the same event loop. Requests are admitted by the
+servicer (one --max-queue for both fronts, the same draining), read by server/openai_params.py, and answered by
+server/openai_replies.py; a client that goes away cancels its requests (their KV is freed)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..core.errors import CapacityError, InferError, InvalidRequestError, NotFoundError
+from ..core.request import RequestOutput, SamplingParams
+from .auth import bearer_token_matches
+from .http import HttpError, HttpRequest, Responder
+from .openai_params import OpenAIRequest, Served, chat_request, completion_request, embedding_request
+from .openai_replies import Reply, TokenText, embeddings_reply
+from .streams import RequestStream, merge_deltas
+from .worker import EngineFault, ServerFull, ServerUnavailable
+
+if TYPE_CHECKING:
+    from .servicer import InferenceServicer
+
+log = logging.getLogger("infer.server")
+
+
+class OpenAIFront:
+    """The HTTP handler (server/http.py's ``Handler``) of OpenAI's API, for one served model."""
+
+    def __init__(self, servicer: InferenceServicer, served_name: str, token: str | None = None) -> None:
+        self.servicer, self.worker = servicer, servicer.worker
+        self.served = Served(served_name, lambda: servicer.served_adapters)
+        self.token = token.encode() if token else None
+        self.created = int(time.time())
+        self.routes: dict[tuple[str, str], Callable[[HttpRequest, Responder], Awaitable[None]]] = {
+            ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
+            ("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/v1/embeddings"): self.embeddings}
+
+    async def __call__(self, request: HttpRequest, respond: Responder) -> None:
+        route = self.routes.get((request.method, request.path))
+        if route is None:
+            methods = [method for method, path in self.routes if path == request.path]
+            if methods:
+                raise HttpError(405, f"{request.path} answers {', '.join(methods)}, not {request.method}")
+            raise HttpError(404, f"no route {request.path}; this server answers "
+                            f"{', '.join(sorted({path for _, path in self.routes}))}")
+        if self.token is not None and request.path != "/health" and not bearer_token_matches(
+                request.headers.get("authorization", ""), self.token):
+            raise HttpError(401, "missing or invalid bearer token: send the header 'Authorization: Bearer <token>' "
+                            "(the server's INFER_SERVER_TOKEN)")
+        try:
+            await route(request, respond)
+        except HttpError:
+            raise
+        except Exception as exc:
+            raise http_error_of(exc) from exc
+
+    async def health(self, request: HttpRequest, respond: Responder) -> None:
+        if self.servicer.draining:
+            raise HttpError(503, "the server is shutting down")
+        await respond.json(200, {"status": "ok"})
+
+    async def models(self, request: HttpRequest, respond: Responder) -> None:
+        info = self.servicer.model_info
+        card = {"object": "model", "created": self.created, "owned_by": "infer", "root": info.model,
+                "max_model_len": info.max_model_len}
+        data = [{"id": self.served.name, **card, "parent": None}]
+        data += [{"id": name, **card, "parent": self.served.name} for name in self.servicer.served_adapters]
+        await respond.json(200, {"object": "list", "data": data})
+
+    async def completions(self, request: HttpRequest, respond: Responder) -> None:
+        await self._generate(completion_request(_json_of(request), self.served), "text_completion", respond)
+
+    async def chat(self, request: HttpRequest, respond: Responder) -> None:
+        await self._generate(chat_request(_json_of(request), self.served), "chat.completion", respond)
+
+    async def embeddings(self, request: HttpRequest, respond: Responder) -> None:
+        body = embedding_request(_json_of(request), self.served)
+        async with self._submitted(body) as streams:
+            outputs = await asyncio.gather(*(_collect(stream) for stream in streams))
+        for out in outputs:
+            if out.embedding is None:
+                raise ServerUnavailable(f"request {out.request_id} was aborted before its embedding was computed")
+        await respond.json(200, embeddings_reply(outputs, body.encoding_format, self.served.name))
+
+    async def _generate(self, body: OpenAIRequest, kind: str, respond: Responder) -> None:
+        if body.fill_context:
+            body.params = await self._context_rest(body)
+        tokens = TokenText(self._decode)
+        reply = Reply(kind, f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+                      self.served.name, body, tokens)
+        async with self._submitted(body) as streams:
+            if body.echo:
+                reply.echoed = [prompt if isinstance(prompt, str) else await self._decode_text(prompt)
+                                for prompt in body.prompts]  # type: ignore[misc]
+            if not body.stream:
+                outputs = await asyncio.gather(*(_collect(stream) for stream in streams))
+                await respond.json(200, await reply.whole(outputs))
+                return
+            await respond.start_events()
+            for chunk in reply.opening():
+                await respond.event(chunk)
+            async for index, delta in _interleaved(streams):
+                for chunk in await reply.chunks(index, delta):
+                    await respond.event(chunk)
+            if (usage := reply.usage_chunk()) is not None:
+                await respond.event(usage)
+            await respond.event("[DONE]")
+
+    async def _context_rest(self, body: OpenAIRequest) -> SamplingParams:
+        """Chat without max_tokens: as many tokens as the context holds after the prompt (OpenAI's default)."""
+        prompt = body.prompts[0]
+        ids = await asyncio.wrap_future(self.worker.call(lambda engine: engine.tokenize(prompt)))
+        assert isinstance(body.params, SamplingParams)
+        return replace(body.params, max_tokens=max(1, self.servicer.model_info.max_model_len - len(ids)))
+
+    async def _decode(self, ids: list[int]) -> list[str]:
+        """Each token's text (by the engine's tokenizer, on its thread): logprobs name their tokens by it."""
+        return await asyncio.wrap_future(self.worker.call(lambda engine: [engine.tokenizer.decode([i]) for i in ids]))
+
+    async def _decode_text(self, ids: list[int]) -> str:
+        return await asyncio.wrap_future(self.worker.call(lambda engine: engine.tokenizer.decode(ids)))
+
+    def _submitted(self, body: OpenAIRequest) -> _Submitted:
+        return _Submitted(self.servicer, body)
+
+
+class _Submitted:
+    """``async with``: each prompt of a body admitted and submitted as its own request; on exit (an answer, an
+    error, the client gone) every request still running is aborted and the admission released."""
+
+    def __init__(self, servicer: InferenceServicer, body: OpenAIRequest) -> None:
+        self.servicer, self.body, self.streams = servicer, body, []  # type: ignore[var-annotated]
+
+    async def __aenter__(self) -> list[RequestStream]:
+        stem = uuid.uuid4().hex
+        try:
+            for index, prompt in enumerate(self.body.prompts):
+                self.servicer.admit()
+                stream = RequestStream(f"{stem}-{index}")
+                self.streams.append(stream)
+                self.servicer.worker.submit(prompt, self.body.params, stream)
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self.streams
+
+    async def __aexit__(self, *exc: object) -> None:
+        for stream in self.streams:
+            self.servicer.close(stream)
+
+
+async def _collect(stream: RequestStream) -> RequestOutput:
+    """The whole output of a request, its deltas joined."""
+    deltas = [delta async for delta in stream]
+    if not deltas or not deltas[-1].finished:
+        raise EngineFault(f"request {stream.request_id}'s stream ended without a finished output")
+    return merge_deltas(*deltas)
+
+
+async def _interleaved(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The deltas of several requests as they come, each with its prompt's index."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+            await queue.put((index, None))
+        except Exception as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                open_streams -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _json_of(request: HttpRequest) -> Any:
+    try:
+        return json.loads(request.body)
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise InvalidRequestError(f"the body is not JSON ({exc}); send a JSON object with Content-Type: "
+                                  "application/json") from None
+
+
+def http_error_of(exc: BaseException) -> HttpError:
+    """The HTTP status of an error: 400 for a bad request (or one that never fits), 404 for an unknown model or
+    adapter, 429 when the server is full, 503 while it shuts down, 500 for the rest (logged)."""
+    if isinstance(exc, NotFoundError):
+        return HttpError(404, str(exc))
+    if isinstance(exc, (InvalidRequestError, CapacityError)):
+        return HttpError(400, str(exc))
+    if isinstance(exc, ServerFull):
+        return HttpError(429, str(exc))
+    if isinstance(exc, ServerUnavailable):
+        return HttpError(503, str(exc))
+    if not isinstance(exc, InferError):
+        log.error("internal error in the HTTP front: %s", exc, exc_info=exc)
+    return HttpError(500, str(exc) or f"internal error: {type(exc).__name__}")

@@ -1,0 +1,329 @@
+"""OpenAI's HTTP API (`infer serve --http-port`) driven by the official `openai` client, against an in-process
+server on 127.0.0.1 (one for the module). The reference is the same engine run offline (``Engine.generate``,
+``LLM.chat``, ``Engine.embed``): the front must answer what the engine computes, in OpenAI's shapes."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("grpc_health", reason="the server needs grpcio-health-checking (a dependency of infer-engine; "
+                    "the GPU image lacks it)")
+openai = pytest.importorskip("openai", reason="the HTTP front's tests drive it with the openai client (dev extra)")
+
+from infer.core.llm import LLM  # noqa: E402
+from infer.core.pooling import PoolingParams  # noqa: E402
+from infer.core.request import SamplingParams, StructuredOutput  # noqa: E402
+from infer.server.app import InferenceServer, ServeOptions  # noqa: E402
+
+TEMPLATE = ("{%- if tools %}<|system|>\n{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}{% endif %}"
+            "{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}"
+            "{%- for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}{%- endfor %}"
+            "\n{%- endfor %}<|assistant|>\n")
+FORECAST = {"type": "function", "function": {"name": "forecast", "description": "The forecast.", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "hourly": {"type": "boolean"}},
+    "required": ["unit", "hourly"]}}}
+ASK = [{"role": "user", "content": "Weather in Oslo tomorrow?"}]
+NAME = "tiny"
+CONTEXT = 256  # the served engine's max_model_len
+TOKEN = "sesame"
+ADAPTER = "sql"  # a LoRA adapter the server serves: a body's model may name it
+
+
+@dataclass
+class Served:
+    server: InferenceServer
+    llm: LLM
+    loop: asyncio.AbstractEventLoop
+
+    def client(self, **options: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key=TOKEN, max_retries=0,
+                             **options)  # type: ignore[arg-type]
+
+    def unfinished(self) -> bool:
+        future = self.server.worker.call(lambda engine: engine.has_unfinished())
+        return bool(future.result(30))
+
+
+def random_adapter(model: Path, out: Path) -> Path:
+    """A PEFT LoRA adapter of ``model`` with random weights (its B matrices too, so that it changes the output)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=16, init_lora_weights=False, target_modules=["q_proj", "v_proj"])
+    adapted = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), config)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    adapted.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One server for the module (token required, max_queue 2), its event loop on a thread of its own."""
+    folder = tmp_path_factory.mktemp("openai")
+    template = folder / "tools.jinja"
+    template.write_text(TEMPLATE)
+    llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=128, chat_template=str(template),
+              tool_parser="hermes", reasoning_parser="deepseek-r1", max_model_len=CONTEXT,
+              lora_adapters={ADAPTER: str(random_adapter(tiny_model, folder / ADAPTER))})
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-openai-loop", daemon=True)
+    thread.start()
+    server = InferenceServer(llm.engine, ServeOptions(port=0, grace_period_s=0.0, http_port=0, token=TOKEN,
+                                                      served_model_name=NAME, max_queue=2))
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
+        yield Served(server, llm, loop)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(grace=0.0), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def offline(served: Served, fn):  # type: ignore[no-untyped-def]
+    """``fn(engine)`` on the server's engine thread (the engine is the worker's while it serves)."""
+    return served.server.worker.call(fn).result(120)
+
+
+def test_completions_answer_what_the_engine_generates(served: Served) -> None:
+    """Greedy and seeded sampling with n=2 over two prompts: each choice's text, finish reason and the usage are
+    the engine's own; choice i*n+j is completion j of prompt i."""
+    prompts = ["def add(a, b):", "import os\n"]
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=7, n=2)
+    want = offline(served, lambda engine: engine.generate(prompts, params))
+    got = served.client().completions.create(model=NAME, prompt=prompts, max_tokens=10, temperature=0.9, seed=7, n=2)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [c.text for out in want for c in out.outputs]
+    assert [c.finish_reason for c in got.choices] == [c.finish_reason.value for out in want for c in out.outputs]
+    assert got.usage.prompt_tokens == sum(len(out.prompt_token_ids) for out in want)
+    assert got.usage.completion_tokens == sum(len(c.token_ids) for out in want for c in out.outputs)
+    assert got.model == NAME and got.object == "text_completion" and got.id.startswith("cmpl-")
+
+
+def test_a_completion_streams_the_same_text_with_usage_last(served: Served) -> None:
+    want = offline(served, lambda engine: engine.generate(["x = "], SamplingParams(max_tokens=12, temperature=0)))[0]
+    chunks = list(served.client().completions.create(model=NAME, prompt="x = ", max_tokens=12, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == want.outputs[0].text
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_token_prompts_echo_and_logprobs(served: Served) -> None:
+    """Token ids go in as the prompt; echo puts the prompt's text before the completion's; logprobs carry the
+    engine's logprob of each sampled token, the top 3 by name and offsets into the text."""
+    ids = offline(served, lambda engine: engine.tokenize("def add(a, b):"))
+    want = offline(served, lambda engine: engine.generate([ids], SamplingParams(max_tokens=6, temperature=0,
+                                                                               logprobs=3)))[0].outputs[0]
+    text = offline(served, lambda engine: engine.tokenizer.decode(ids))
+    client = served.client()
+    echoed = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == text + want.text
+    got = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, logprobs=3).choices[0]
+    names = offline(served, lambda engine: [engine.tokenizer.decode([t]) for t in want.token_ids])
+    assert got.logprobs.tokens == names and "".join(names) == got.text
+    assert got.logprobs.token_logprobs == pytest.approx([e[t] for t, e in zip(want.token_ids, want.logprobs)])
+    assert [len(top) for top in got.logprobs.top_logprobs] == [len(e) for e in want.logprobs]
+    assert got.logprobs.text_offset == [sum(map(len, names[:i])) for i in range(len(names))]
+
+
+def test_chat_answers_and_streams_what_llm_chat_answers(served: Served) -> None:
+    """deepseek-r1 reads the tiny model's replies as all reasoning (the template opened the block; test_reasoning.py
+    has the rules): the message's reasoning_content and content are LLM.chat's, whole and streamed."""
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    want = offline(served, lambda engine: served.llm.chat(ASK, params))[0].outputs[0]
+    assert want.reasoning_content == want.text and want.content == ""
+    client = served.client()
+    got = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=10, temperature=0, logprobs=True,
+                                         top_logprobs=2).choices[0]
+    assert (got.message.role, got.message.content, got.finish_reason) == ("assistant", "", "length")
+    assert got.message.reasoning_content == want.reasoning_content
+    assert [e.logprob for e in got.logprobs.content] == pytest.approx([e[t] for t, e in zip(want.token_ids,
+                                                                                              want.logprobs)])
+    assert all(len(e.top_logprobs) == 2 for e in got.logprobs.content)
+    chunks = list(client.chat.completions.create(model=NAME, messages=ASK, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == want.reasoning_content
+    assert not "".join(d.content or "" for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].object == "chat.completion.chunk"
+
+
+def test_without_max_tokens_a_chat_may_fill_the_context(served: Served) -> None:
+    """OpenAI's default: no max_tokens is the room the context has after the prompt (not SamplingParams' 16)."""
+    got = served.client().chat.completions.create(model=NAME, messages=ASK, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == CONTEXT - got.usage.prompt_tokens
+
+
+def test_a_forced_tool_call_comes_back_as_tool_calls_whole_and_streamed(served: Served) -> None:
+    choice = {"type": "function", "function": {"name": "forecast"}}
+    want = offline(served, lambda engine: served.llm.chat(ASK, SamplingParams(max_tokens=40, temperature=0),
+                                                          tools=[FORECAST], tool_choice=choice))[0].outputs[0]
+    want_calls = [(c.name, dict(c.arguments)) for c in want.tool_calls]
+    assert want_calls
+    client = served.client()
+    got = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=40, temperature=0, tools=[FORECAST],
+                                         tool_choice=choice).choices[0]
+    assert got.finish_reason == "tool_calls" and not got.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == want_calls
+    assert all(c.id and c.type == "function" for c in got.message.tool_calls)
+    chunks = list(client.chat.completions.create(model=NAME, messages=ASK, max_tokens=40, temperature=0,
+                                                 tools=[FORECAST], tool_choice=choice, stream=True))
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want_calls
+    assert [c.index for c in calls] == list(range(len(calls))) and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_response_format_and_structured_outputs_shape_the_reply_as_the_engine_does(served: Served) -> None:
+    """OpenAI's json_schema response format and vLLM's structured_outputs choice: the engine's StructuredOutput."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    shaped = SamplingParams(max_tokens=30, temperature=0, structured_output=StructuredOutput(json_schema=json.dumps(
+        schema)))
+    want = offline(served, lambda engine: served.llm.chat(ASK, shaped))[0].outputs[0].text
+    client = served.client()
+    got = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=30, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).choices[0].message.content
+    assert got == want and set(json.loads(got)) == {"a"}
+    choices = ("yes", "no", "maybe")
+    picked = SamplingParams(max_tokens=5, temperature=0, structured_output=StructuredOutput(choice=choices))
+    want = offline(served, lambda engine: engine.generate(["Is it? "], picked))[0].outputs[0].text
+    got = client.completions.create(model=NAME, prompt="Is it? ", max_tokens=5, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": list(choices)}}).choices[0].text
+    assert got == want and got in choices
+
+
+def test_embeddings_as_floats_and_base64(served: Served) -> None:
+    """Floats, and base64 of little-endian float32 (which the client asks for and decodes unless told a format):
+    each is the engine's vector."""
+    texts = ["What is gravity?", "def add(a, b):"]
+    want = offline(served, lambda engine: engine.embed(texts, PoolingParams(dimensions=16)))
+    client = served.client()
+    for encoding in ("float", "base64"):
+        got = client.embeddings.create(model=NAME, input=texts, dimensions=16, encoding_format=encoding)
+        assert [d.index for d in got.data] == [0, 1]
+        for data, out in zip(got.data, want):
+            vector = data.embedding if encoding == "float" else np.frombuffer(base64.b64decode(data.embedding), "<f4")
+            assert list(vector) == pytest.approx(out.embedding, abs=1e-6)
+        assert got.usage.prompt_tokens == sum(len(out.prompt_token_ids) for out in want)
+    default = client.embeddings.create(model=NAME, input=texts[0], dimensions=16)  # base64 on the wire
+    assert list(default.data[0].embedding) == pytest.approx(want[0].embedding, abs=1e-6)
+
+
+def test_models_lists_the_model_and_its_adapters_and_a_body_may_name_either(served: Served) -> None:
+    client = served.client()
+    assert [(m.id, m.parent) for m in client.models.list().data] == [(NAME, None), (ADAPTER, NAME)]
+    base, adapted = offline(served, lambda engine: engine.generate(["def f("] * 2, [
+        SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=8, temperature=0,
+                                                                    lora_adapter=ADAPTER)]))
+    assert base.outputs[0].text != adapted.outputs[0].text  # the adapter changes the answer
+    for model, want in ((NAME, base), (ADAPTER, adapted)):
+        got = client.completions.create(model=model, prompt="def f(", max_tokens=8, temperature=0)
+        assert got.choices[0].text == want.outputs[0].text
+    status, answer = post(served, "/v1/completions", json.dumps({"prompt": "def f(", "max_tokens": 8,
+                                                                 "temperature": 0}).encode())
+    assert status == 200 and answer["choices"][0]["text"] == base.outputs[0].text  # no model: the served one
+
+
+def test_errors_come_as_openai_errors_with_their_status(served: Served) -> None:
+    """A bad field is 400 naming it; an unknown field is 400, never dropped; an unknown model is 404; no token is
+    401; an engine refusal (a prompt past the context) is 400 with the engine's message."""
+    client = served.client()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=NAME, prompt="x", temperature="hot")  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="bogus"):
+        client.completions.create(model=NAME, prompt="x", extra_body={"bogus": 1})
+    with pytest.raises(openai.NotFoundError, match="'gpt-4'"):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key="wrong",
+                      max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=NAME, messages=ASK, response_format={"type": "yaml"})  # type: ignore
+
+
+def test_a_full_server_answers_429_and_a_client_gone_frees_its_request(served: Served) -> None:
+    """max_queue 2: two streams in flight hold the server, a third request is 429; closing a stream's connection
+    aborts its request."""
+    client = served.client()
+    streams = [client.completions.create(model=NAME, prompt="a", max_tokens=200, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True}) for _ in range(2)]
+    for stream in streams:
+        next(iter(stream))
+    with pytest.raises(openai.RateLimitError, match="--max-queue 2"):
+        client.completions.create(model=NAME, prompt="b", max_tokens=1)
+    for stream in streams:
+        stream.close()
+    deadline = time.monotonic() + 30
+    while served.unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not served.unfinished()
+    assert served.server.servicer.in_flight == 0
+
+
+def post(served: Served, path: str, body: bytes) -> tuple[int, dict]:
+    """A POST by http.client (the openai client always sends a model, and only JSON): (status, JSON answer)."""
+    connection = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=60)
+    try:
+        connection.request("POST", path, body, {"Authorization": f"Bearer {TOKEN}",
+                                                "Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_malformed_json_is_400(served: Served) -> None:
+    status, answer = post(served, "/v1/completions", b"{not json")
+    assert status == 400 and "not JSON" in answer["error"]["message"]
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_every_field_the_readers_take_is_documented(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/serving.md's OpenAI section names every body field the three readers take (each reader takes all of
+    its fields, given or not, so a minimal body shows them all)."""
+    from infer.server import openai_params
+    from infer.server.openai_params import Fields
+
+    taken: set[str] = set()
+    take, drop = Fields.take, Fields.drop
+
+    def spy_take(self: Fields, name: str, *args: object, **kwargs: object) -> object:
+        taken.add(name)
+        return take(self, name, *args, **kwargs)  # type: ignore[arg-type]
+
+    def spy_drop(self: Fields, *names: str) -> None:
+        taken.update(names)
+        drop(self, *names)
+
+    monkeypatch.setattr(Fields, "take", spy_take)
+    monkeypatch.setattr(Fields, "drop", spy_drop)
+    served = openai_params.Served(NAME, lambda: ())
+    openai_params.completion_request({"prompt": "x"}, served)
+    openai_params.chat_request({"messages": ASK}, served)
+    openai_params.embedding_request({"input": "x"}, served)
+    assert len(taken) > 40
+    docs = (Path(__file__).parents[1] / "docs" / "serving.md").read_text(encoding="utf-8")
+    section = docs[docs.index("## OpenAI's HTTP API"):docs.index("## Security")]
+    assert sorted(name for name in taken if f"`{name}`" not in section) == []
