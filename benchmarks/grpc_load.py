@@ -1,15 +1,19 @@
-"""gRPC serving overhead: a grpc.aio load generator against `infer serve` on loopback, against the same workload
-run offline on an Engine in this process (driven from a second thread, as the server drives its engine).
+"""Serving overhead: load generators against `infer serve` on loopback, over gRPC (grpc.aio) and over OpenAI's HTTP
+API (streaming /v1/completions, `serve --http-port`), against the same workload run offline on an Engine in this
+process (driven from a second thread, as the server drives its engine). The HTTP side can drive any server of
+OpenAI's API that takes token-id prompts and vLLM's ``ignore_eos`` (``--http-url``: vLLM, SGLang, another infer),
+so that a peer runs side by side with the same load.
 
 At each concurrency level a closed loop keeps C requests in flight until N requests have been sent or the time limit
 passes (then the requests in flight finish). Each level runs ``--repeat`` times per side, the sides alternating, and
 the runs of a side are pooled (a shared machine's busy spells then hit both sides alike). Both sides get the same
 prompts (random token ids, fresh per run so the prefix cache serves nothing), greedy, ``ignore_eos``, the same
-max_tokens. Reported per side: requests/s, output tokens/s, TTFT and TPOT p50/p99; and the ratio gRPC/offline of the
-throughputs.
+max_tokens. Reported per side: requests/s, output tokens/s, TTFT and TPOT p50/p99; and each side's throughput over
+the offline one's. On the HTTP side a token's time is that of the event that carried it (the tokens counted by the
+last event's usage).
 
 Run: ``python benchmarks/grpc_load.py --model DIR`` (no --model: a tiny random Llama is written to a temp folder).
-The server is started as ``infer --model DIR serve`` on a free 127.0.0.1 port and stopped at the end.
+The server is started as ``infer --model DIR serve --http-port P`` on free 127.0.0.1 ports and stopped at the end.
 """
 from __future__ import annotations
 
@@ -19,15 +23,19 @@ import json
 import random
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+SERVED_NAME = "model"  # the started server's --served-model-name
 
 
 @dataclass
@@ -132,6 +140,75 @@ async def run_grpc(target: str, prompts: list[list[int]], concurrency: int, max_
     return Result.of("grpc", concurrency, done, time.perf_counter() - start)
 
 
+# ---------------------------------------------------------------- OpenAI's HTTP API
+async def run_http(url: str, model: str, api_key: str | None, prompts: list[list[int]], concurrency: int,
+                   max_tokens: int, time_limit: float) -> Result:
+    """The same closed loop over streaming ``POST {url}/completions``, one connection per request (stdlib only:
+    an HTTP/1.1 client that reads server-sent events, chunked or not)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+    context = ssl.create_default_context() if parts.scheme == "https" else None
+    queue = list(reversed(prompts))
+    done: list[Record] = []
+    start = time.perf_counter()
+
+    async def one(prompt: list[int]) -> Record:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        head = (f"POST {parts.path.rstrip('/')}/completions HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        rec = Record(time.perf_counter())
+        reader, writer = await asyncio.open_connection(host, port, ssl=context)
+        try:
+            writer.write(head.encode() + body)
+            status = await reader.readline()
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if b" 200 " not in status:
+                raise SystemExit(f"{url}/completions answered {status.decode(errors='replace').strip()}: "
+                                 f"{(await reader.read(2000)).decode(errors='replace')}")
+            async for event in _events(reader, headers.get("transfer-encoding", "").lower() == "chunked"):
+                if event == "[DONE]":
+                    break
+                chunk = json.loads(event)
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    rec.observe(time.perf_counter(), 1)
+                if chunk.get("usage"):
+                    rec.tokens = chunk["usage"]["completion_tokens"]
+        finally:
+            writer.close()
+        return rec
+
+    async def worker() -> None:
+        while queue and time.perf_counter() - start < time_limit:
+            done.append(await one(queue.pop()))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Result.of("http", concurrency, done, time.perf_counter() - start)
+
+
+async def _events(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent event stream (one data line per event, as OpenAI's servers send)."""
+    buffer = b""
+    while True:
+        if chunked:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2) if size else b""
+            data = data[:-2]
+        else:
+            data = await reader.read(65536)
+        if not data:
+            return
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
+
+
 def in_thread(fn: Callable[..., Result], *args: Any) -> Result:
     """Run the offline loop on a second thread, as the server drives its engine: same threading conditions
     (on a busy 2-core machine torch's intra-op threads made main-thread steps many times slower)."""
@@ -139,10 +216,11 @@ def in_thread(fn: Callable[..., Result], *args: Any) -> Result:
         return pool.submit(fn, *args).result()
 
 
-def start_server(model: str, port: int) -> subprocess.Popen[bytes]:
+def start_server(model: str, port: int, http_port: int) -> subprocess.Popen[bytes]:
     exe = shutil.which("infer")
     cmd = [exe] if exe else [sys.executable, "-P", "-c", "from infer.cli import main; main()"]
-    return subprocess.Popen([*cmd, "--model", model, "serve", "--port", str(port), "--max-queue", "100000"],
+    return subprocess.Popen([*cmd, "--model", model, "serve", "--port", str(port), "--max-queue", "100000",
+                             "--http-port", str(http_port), "--served-model-name", SERVED_NAME],
                             stderr=subprocess.DEVNULL)
 
 
@@ -170,23 +248,29 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------- report
-def report(pairs: list[tuple[Result, Result]], emit: Callable[[str], None] = print) -> None:
+def report(rows: list[tuple[Result, list[Result]]], emit: Callable[[str], None] = print) -> None:
     emit("| concurrency | side | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-         "TPOT p99 ms | gRPC/offline tok/s |")
+         "TPOT p99 ms | side/offline tok/s |")
     emit("|---|---|---|---|---|---|---|---|---|---|")
-    for offline, online in pairs:
-        ratio = online.summary()["out_tok_per_s"] / offline.summary()["out_tok_per_s"]
-        for r in (offline, online):
+    for offline, online in rows:
+        base = offline.summary()["out_tok_per_s"]
+        for r in (offline, *online):
             s = r.summary()
+            ratio = f"{s['out_tok_per_s'] / base:.2f}" if r is not offline else ""
             emit(f"| {r.concurrency} | {r.side} | {r.requests} | {s['req_per_s']:.1f} | {s['out_tok_per_s']:.0f} | "
                  f"{s['ttft_p50_ms']:.1f} | {s['ttft_p99_ms']:.1f} | {s['tpot_p50_ms']:.2f} | {s['tpot_p99_ms']:.2f} | "
-                 f"{f'{ratio:.2f}' if r is online else ''} |")
+                 f"{ratio} |")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="HF model folder (default: a tiny random Llama in a temp folder)")
+    ap.add_argument("--sides", default="grpc,http", help="serving sides beside offline: grpc, http or both")
     ap.add_argument("--target", help="host:port of a running `infer serve` (default: start one on loopback)")
+    ap.add_argument("--http-url", help="base URL of a running server of OpenAI's API, e.g. http://HOST:8000/v1 "
+                                       "(default: the started server's --http-port)")
+    ap.add_argument("--served-model-name", default=SERVED_NAME, help="the body's model, for --http-url")
+    ap.add_argument("--api-key", help="bearer token for --http-url")
     ap.add_argument("--concurrency", default="1,8,32,64", help="comma-separated levels")
     ap.add_argument("--requests", type=int, default=0, help="requests per level and side (default: max(32, 4*C))")
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per run before no new sends")
@@ -196,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
+    sides = [side.strip() for side in args.sides.split(",") if side.strip()]
+    if not sides or set(sides) - {"grpc", "http"}:
+        ap.error(f"--sides takes grpc, http or both, got {args.sides!r}")
 
     from infer.core.config import EngineConfig
     from infer.core.engine import Engine
@@ -209,39 +296,53 @@ def main(argv: list[str] | None = None) -> None:
         tmp = tempfile.TemporaryDirectory()
         model = str(make_tiny_model(Path(tmp.name) / "tiny", "llama"))
     levels = [int(c) for c in args.concurrency.split(",")]
-    port = free_port()
+    port, http_port = free_port(), free_port()
     target = args.target or f"127.0.0.1:{port}"
-    proc = None if args.target else start_server(model, port)
+    url = args.http_url or f"http://127.0.0.1:{http_port}/v1"
+    external = args.target or args.http_url
+    proc = None if external else start_server(model, port, http_port)
     try:
         engine = Engine(EngineConfig(model=model))  # loads while the server starts
-        wait_serving(target, proc)
+        if "grpc" in sides or proc is not None:
+            wait_serving(target, proc)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         vocab = engine.loaded.model.spec.vocab_size
+
+        def run_side(side: str, prompts: list[list[int]], c: int, time_limit: float) -> Result:
+            if side == "grpc":
+                return asyncio.run(run_grpc(target, prompts, c, args.max_tokens, time_limit))
+            return asyncio.run(run_http(url, args.served_model_name, args.api_key, prompts, c, args.max_tokens,
+                                        time_limit))
+
         warm = workload(-1, 8, args.prompt_len, vocab, args.seed)
         in_thread(run_offline, engine, warm, 8, params, 60)
-        asyncio.run(run_grpc(target, warm, 8, args.max_tokens, 60))
-        pairs = []
+        for side in sides:
+            run_side(side, warm, 8, 60)
+        rows = []
         for c in levels:
-            offline_runs, online_runs = [], []
-            for rep in range(args.repeat):  # alternate the sides, so that a busy spell hits both
+            offline_runs: list[Result] = []
+            online_runs: dict[str, list[Result]] = {side: [] for side in sides}
+            for rep in range(args.repeat):  # alternate the sides, so that a busy spell hits each
                 prompts = workload(c * 100 + rep, args.requests or max(32, 4 * c), args.prompt_len, vocab, args.seed)
                 offline_runs.append(in_thread(run_offline, engine, prompts, c, params, args.time_limit))
-                online_runs.append(asyncio.run(run_grpc(target, prompts, c, args.max_tokens, args.time_limit)))
-            offline, online = Result.pooled(offline_runs), Result.pooled(online_runs)
-            pairs.append((offline, online))
-            print(f"concurrency {c}: offline {offline.summary()['out_tok_per_s']:.0f} tok/s, "
-                  f"gRPC {online.summary()['out_tok_per_s']:.0f} tok/s", file=sys.stderr)
+                for side in sides:
+                    online_runs[side].append(run_side(side, prompts, c, args.time_limit))
+            offline = Result.pooled(offline_runs)
+            online = [Result.pooled(runs) for runs in online_runs.values()]
+            rows.append((offline, online))
+            print(f"concurrency {c}: offline {offline.summary()['out_tok_per_s']:.0f} tok/s, " + ", ".join(
+                f"{r.side} {r.summary()['out_tok_per_s']:.0f} tok/s" for r in online), file=sys.stderr)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
         if tmp is not None:
             tmp.cleanup()
-    report(pairs)
+    report(rows)
     if args.json:
         args.json.write_text(json.dumps([{"side": r.side, "concurrency": r.concurrency, "requests": r.requests,
                                           "seconds": r.seconds, "output_tokens": r.output_tokens, **r.summary()}
-                                         for pair in pairs for r in pair], indent=2))
+                                         for offline, online in rows for r in (offline, *online)], indent=2))
 
 
 if __name__ == "__main__":
