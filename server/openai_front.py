@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import CapacityError, InferError, InvalidRequestError, NotFoundError
 from ..core.request import RequestOutput, SamplingParams
 from .auth import bearer_token_matches
-from .http import HttpError, HttpRequest, Responder
+from .http import ClientGone, HttpError, HttpRequest, Responder
 from .openai_params import OpenAIRequest, Served, chat_request, completion_request, embedding_request
 from .openai_replies import Reply, TokenText, embeddings_reply
 from .streams import RequestStream, merge_deltas
@@ -55,7 +55,7 @@ class OpenAIFront:
                             "(the server's INFER_SERVER_TOKEN)")
         try:
             await route(request, respond)
-        except HttpError:
+        except (HttpError, ClientGone):  # the layer answers the first and ends quietly on the second
             raise
         except Exception as exc:
             raise http_error_of(exc) from exc

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import http.client
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -263,9 +264,10 @@ def test_errors_come_as_openai_errors_with_their_status(served: Served) -> None:
         client.chat.completions.create(model=NAME, messages=ASK, response_format={"type": "yaml"})  # type: ignore
 
 
-def test_a_full_server_answers_429_and_a_client_gone_frees_its_request(served: Served) -> None:
+def test_a_full_server_answers_429_and_a_client_gone_frees_its_request(served: Served,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """max_queue 2: two streams in flight hold the server, a third request is 429; closing a stream's connection
-    aborts its request."""
+    aborts its request, quietly (a client gone is no server error)."""
     client = served.client()
     streams = [client.completions.create(model=NAME, prompt="a", max_tokens=200, temperature=0, stream=True,
                                          extra_body={"ignore_eos": True}) for _ in range(2)]
@@ -280,6 +282,7 @@ def test_a_full_server_answers_429_and_a_client_gone_frees_its_request(served: S
         time.sleep(0.05)
     assert not served.unfinished()
     assert served.server.servicer.in_flight == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def post(served: Served, path: str, body: bytes) -> tuple[int, dict]:
@@ -327,3 +330,24 @@ def test_every_field_the_readers_take_is_documented(monkeypatch: pytest.MonkeyPa
     docs = (Path(__file__).parents[1] / "docs" / "serving.md").read_text(encoding="utf-8")
     section = docs[docs.index("## OpenAI's HTTP API"):docs.index("## Security")]
     assert sorted(name for name in taken if f"`{name}`" not in section) == []
+
+
+def test_a_client_gone_mid_answer_passes_through_the_front_unlogged(caplog: pytest.LogCaptureFixture) -> None:
+    """A write to a closed connection (ClientGone) is the HTTP layer's to end quietly, not an internal error (500,
+    logged); any other failure of a route is one."""
+    from types import SimpleNamespace
+
+    from infer.server.http import ClientGone, HttpError, HttpRequest
+    from infer.server.openai_front import OpenAIFront
+
+    front = OpenAIFront(SimpleNamespace(worker=None, served_adapters=()), NAME)  # type: ignore[arg-type]
+    request = HttpRequest("GET", "/v1/models", {}, {}, b"")
+    for failure, raised in ((ClientGone("gone"), ClientGone), (RuntimeError("bug"), HttpError)):
+        async def route(request: HttpRequest, respond: object, failure: Exception = failure) -> None:
+            raise failure
+
+        front.routes[("GET", "/v1/models")] = route
+        caplog.clear()
+        with pytest.raises(raised):
+            asyncio.run(front(request, None))  # type: ignore[arg-type]
+        assert bool(caplog.records) is (raised is HttpError)
