@@ -1,5 +1,5 @@
 """OpenAIFront: OpenAI's HTTP API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``,
-``/v1/models``) in front of the gRPC server's engine worker, on the same event loop. Requests are admitted by the
+``/v1/models``; vLLM's ``/tokenize`` and ``/detokenize``) in front of the gRPC server's engine worker, on the same event loop. Requests are admitted by the
 servicer (one --max-queue for both fronts, the same draining), read by server/openai_params.py, and answered by
 server/openai_replies.py; a client that goes away cancels its requests (their KV is freed)."""
 from __future__ import annotations
@@ -17,7 +17,8 @@ from ..core.errors import CapacityError, InferError, InvalidRequestError, NotFou
 from ..core.request import RequestOutput, SamplingParams
 from .auth import bearer_token_matches
 from .http import ClientGone, HttpError, HttpRequest, Responder
-from .openai_params import OpenAIRequest, Served, chat_request, completion_request, embedding_request
+from .openai_params import (OpenAIRequest, Served, chat_request, completion_request, detokenize_request,
+                            embedding_request, tokenize_request)
 from .openai_replies import Reply, TokenText, embeddings_reply
 from .streams import RequestStream, merge_deltas
 from .worker import EngineFault, ServerFull, ServerUnavailable
@@ -39,7 +40,8 @@ class OpenAIFront:
         self.routes: dict[tuple[str, str], Callable[[HttpRequest, Responder], Awaitable[None]]] = {
             ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
             ("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat,
-            ("POST", "/v1/embeddings"): self.embeddings}
+            ("POST", "/v1/embeddings"): self.embeddings, ("POST", "/tokenize"): self.tokenize,
+            ("POST", "/detokenize"): self.detokenize}
 
     async def __call__(self, request: HttpRequest, respond: Responder) -> None:
         route = self.routes.get((request.method, request.path))
@@ -87,6 +89,18 @@ class OpenAIFront:
             if out.embedding is None:
                 raise ServerUnavailable(f"request {out.request_id} was aborted before its embedding was computed")
         await respond.json(200, embeddings_reply(outputs, body.encoding_format, self.served.name))
+
+    async def tokenize(self, request: HttpRequest, respond: Responder) -> None:
+        """vLLM's: the token ids the engine would compute for a prompt or conversation, and the context length."""
+        prompt = tokenize_request(_json_of(request), self.served)
+        ids = await asyncio.wrap_future(self.worker.call(lambda engine: engine.tokenize(prompt)))
+        await respond.json(200, {"count": len(ids), "max_model_len": self.servicer.model_info.max_model_len,
+                                 "tokens": ids})
+
+    async def detokenize(self, request: HttpRequest, respond: Responder) -> None:
+        """vLLM's: the text of token ids."""
+        ids = detokenize_request(_json_of(request), self.served, self.servicer.model_info.vocab_size)
+        await respond.json(200, {"prompt": await self._decode_text(ids)})
 
     async def _generate(self, body: OpenAIRequest, kind: str, respond: Responder) -> None:
         if body.fill_context:

@@ -1,5 +1,5 @@
-"""OpenAI's request bodies (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``) read into the
-engine's prompts and parameters. Every field is checked by name: an unknown field, or one the engine cannot honour,
+"""OpenAI's request bodies (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, and vLLM's
+``/tokenize`` and ``/detokenize``) read into the engine's prompts and parameters. Every field is checked by name: an unknown field, or one the engine cannot honour,
 is an InvalidRequestError that names it (a typo is never dropped quietly). The names vLLM adds beside OpenAI's
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, priority,
 structured_outputs, chat_template_kwargs, add_generation_prompt, continue_final_message) are read as vLLM reads
@@ -148,6 +148,36 @@ def embedding_request(body: object, served: Served) -> OpenAIRequest:
     fields.drop("model", "user")
     fields.done()
     return OpenAIRequest(prompts, params, encoding_format=encoding)
+
+
+def tokenize_request(body: object, served: Served) -> Prompt:
+    """vLLM's ``/tokenize`` body: a ``prompt`` string, or a conversation (``messages``, and ``tools``,
+    ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` as in a chat body)."""
+    fields = Fields(body, "/tokenize")
+    served.adapter_of(fields.left)
+    text, messages = fields.take("prompt", str), fields.take("messages", list)
+    if (text is None) == (messages is None):
+        raise InvalidRequestError("/tokenize takes a prompt (a string) or messages (a conversation): give one")
+    prompt: Prompt = text if messages is None else ChatPrompt.of(
+        messages, fields.take("add_generation_prompt", bool, True), fields.take("continue_final_message", bool, False),
+        fields.take("chat_template_kwargs", dict, {}), fields.take("tools", list, ()))
+    fields.drop("model")
+    fields.done()
+    return prompt
+
+
+def detokenize_request(body: object, served: Served, vocab_size: int) -> list[int]:
+    """vLLM's ``/detokenize`` body: ``tokens``, ids of the model's vocabulary."""
+    fields = Fields(body, "/detokenize")
+    served.adapter_of(fields.left)
+    tokens = fields.take("tokens", list, what="an array of token ids")
+    if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                                 for t in tokens):
+        raise InvalidRequestError(f"tokens must be an array of token ids in [0, {vocab_size}), got "
+                                  f"{json.dumps(tokens)[:200]}")
+    fields.drop("model")
+    fields.done()
+    return tokens
 
 
 def _prompts(fields: Fields, name: str) -> list[Prompt]:

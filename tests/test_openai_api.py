@@ -21,6 +21,7 @@ pytest.importorskip("grpc_health", reason="the server needs grpcio-health-checki
                     "the GPU image lacks it)")
 openai = pytest.importorskip("openai", reason="the HTTP front's tests drive it with the openai client (dev extra)")
 
+from infer.core.chat import ChatPrompt  # noqa: E402
 from infer.core.llm import LLM  # noqa: E402
 from infer.core.pooling import PoolingParams  # noqa: E402
 from infer.core.request import SamplingParams, StructuredOutput  # noqa: E402
@@ -297,6 +298,22 @@ def post(served: Served, path: str, body: bytes) -> tuple[int, dict]:
         connection.close()
 
 
+def test_tokenize_and_detokenize_are_the_engines(served: Served) -> None:
+    """vLLM's /tokenize (a prompt, or a conversation by the chat template) and /detokenize."""
+    text = "def add(a, b):"
+    ids = offline(served, lambda engine: engine.tokenize(text))
+    chat_ids = offline(served, lambda engine: engine.tokenize(ChatPrompt.of(ASK)))
+    assert post(served, "/tokenize", json.dumps({"model": NAME, "prompt": text}).encode()) == (
+        200, {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids})
+    assert post(served, "/tokenize", json.dumps({"messages": ASK}).encode())[1]["tokens"] == chat_ids
+    want = offline(served, lambda engine: engine.tokenizer.decode(chat_ids))
+    assert post(served, "/detokenize", json.dumps({"tokens": chat_ids}).encode()) == (200, {"prompt": want})
+    status, answer = post(served, "/detokenize", json.dumps({"tokens": [10**6]}).encode())
+    assert status == 400 and "token ids in [0, " in answer["error"]["message"]
+    status, answer = post(served, "/tokenize", json.dumps({"prompt": text, "messages": ASK}).encode())
+    assert status == 400 and "give one" in answer["error"]["message"]
+
+
 def test_malformed_json_is_400(served: Served) -> None:
     status, answer = post(served, "/v1/completions", b"{not json")
     assert status == 400 and "not JSON" in answer["error"]["message"]
@@ -326,6 +343,8 @@ def test_every_field_the_readers_take_is_documented(monkeypatch: pytest.MonkeyPa
     openai_params.completion_request({"prompt": "x"}, served)
     openai_params.chat_request({"messages": ASK}, served)
     openai_params.embedding_request({"input": "x"}, served)
+    openai_params.tokenize_request({"messages": ASK}, served)
+    openai_params.detokenize_request({"tokens": [1]}, served, 8)
     assert len(taken) > 40
     docs = (Path(__file__).parents[1] / "docs" / "serving.md").read_text(encoding="utf-8")
     section = docs[docs.index("## OpenAI's HTTP API"):docs.index("## Security")]
