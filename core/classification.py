@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,28 @@ def id2label(raw: dict[str, Any]) -> dict[int, str]:
 def num_labels(raw: dict[str, Any]) -> int:
     """The number of outputs of the score head of config.json ``raw`` (``id2label``'s rule)."""
     return len(id2label(raw))
+
+
+def read_pad_token_id(folder: str | os.PathLike[str]) -> int | None:
+    """``folder``'s config.json ``pad_token_id`` (its text config's, for a multimodal one), which a classifier's
+    pooling skips at the prompt's end as transformers does; None when it has none (or no readable config)."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else None
+    pad = text.get("pad_token_id") if isinstance(text, dict) else None
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) else None
+
+
+def without_trailing_pads(ids: list[int], pad_token_id: int | None) -> list[int]:
+    """The prompt a classifier pools at its last token: transformers pools the rightmost token that is not
+    ``pad_token_id`` (the first, if all are), and with causal attention that token's hidden state does not depend
+    on the pads after it, so they are left out."""
+    end = len(ids)
+    while pad_token_id is not None and end > 1 and ids[end - 1] == pad_token_id:
+        end -= 1
+    return ids[:end]
 
 
 def read_id2label(folder: Path) -> dict[str, str] | None:

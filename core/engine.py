@@ -20,6 +20,7 @@ from .admission import RequestChecker, at_prompt, check_prompt_list, check_sched
 from .assembly import assemble
 from .beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams
 from .chat import Prompt, check_can_sanitize, check_default_template_kwargs, read_chat_template
+from .classification import read_pad_token_id
 from .config import EngineConfig
 from .detokenizer import detokenizer_factory
 from .errors import InferError, InvalidRequestError, NotFoundError, PluginError
@@ -142,7 +143,7 @@ class Engine:
                                      Poolers(self._pooler, self.plugins.registry("pooler").names),
                                      getattr(self.loaded.arch, "hidden_size", None), self.max_model_len, self.tokenize,
                                      model.label_logits if model.spec.num_labels is not None else None,
-                                     self._truncated_text)
+                                     self._truncated_text, read_pad_token_id(self.loaded.path))
         self.readers = Readers(self)  # stream and generate calls read their own requests' deltas
         self.searches = BeamSearches(self)  # beam searches under way, a token per step beside the requests
         if config.freeze_gc:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .classification import without_trailing_pads
 from .errors import CheckpointError, InvalidRequestError, PluginError, UnknownComponentError
 from .request import CompletionOutput, RequestOutput, SamplingParams
 
@@ -215,12 +216,14 @@ class Embeddings:
     def __init__(self, defaults: PoolingDefaults, poolers: Poolers, hidden_size: int | None, max_model_len: int,
                  tokenize: Callable[[Prompt], list[int]],
                  label_head: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 truncate_text: Callable[[str, int], list[int]] | None = None) -> None:
+                 truncate_text: Callable[[str, int], list[int]] | None = None, pad_token_id: int | None = None
+                 ) -> None:
         self.defaults, self.poolers, self.hidden_size = defaults, poolers, hidden_size
         self.max_model_len, self.tokenize = max_model_len, tokenize
         # a text's tokens cut to a length by the tokenizer, which keeps the special tokens it adds (an EOS last)
         self.truncate_text = truncate_text
         self.label_head = label_head  # a sequence classifier's: each embedding is its label logits
+        self.pad_token_id = pad_token_id  # a classifier's: pads that end a prompt are not pooled (transformers' rule)
         self.live = 0  # embedding requests under way
 
     def resolve(self, params: PoolingParams) -> Pooling:
@@ -253,6 +256,8 @@ class Embeddings:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) is too long to embed: at most {longest} tokens "
                                       f"({why}); shorten it, or pass truncate=True (--truncate) to embed its first "
                                       f"{longest} tokens")
+        if self.label_head is not None and pooling.method == "last":
+            ids = without_trailing_pads(ids, self.pad_token_id)
         return ids, embedding_sampling_params(params), pooling
 
     def finished_in(self, out: SchedulerOutput) -> set[int]:

@@ -102,6 +102,25 @@ def test_each_prompts_logits_equal_transformers(classifier, case: str) -> None:
     assert engine.embeddings.live == 0 and engine.kv.stats().used_blocks == 0
 
 
+def test_pads_that_end_a_prompt_are_not_pooled_as_transformers_pools(classifier, tmp_path: Path) -> None:
+    """transformers pools the rightmost token that is not config.json's pad_token_id: prompts that end in pads (a
+    reward model whose template closes with its pad token), with a pad inside too, and of pads alone score as there
+    (another pooler reads the pads as tokens)."""
+    folder = tmp_path / "padded"
+    shutil.copytree(classifier(*CASES["llama-3"]), folder)
+    config = json.loads((folder / "config.json").read_text())
+    pad = config["pad_token_id"] = 7  # an ordinary token of the prompts below
+    (folder / "config.json").write_text(json.dumps(config))
+    prompts = [PROMPTS[0] + [pad] * 3, PROMPTS[1][:4] + [pad] + PROMPTS[1][4:] + [pad], [pad] * 4, PROMPTS[2]]
+    engine = Engine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64))
+    outs = engine.embed(prompts)
+    for prompt, out in zip(prompts, outs):
+        assert out.embedding == pytest.approx(hf_logits(folder, prompt), abs=1e-5)
+    assert [len(out.prompt_token_ids) for out in outs] == [len(PROMPTS[0]), len(PROMPTS[1]) + 1, 1, len(PROMPTS[2])]
+    mean = engine.embed([prompts[0]], PoolingParams(pooling="mean"))[0]
+    assert len(mean.prompt_token_ids) == len(prompts[0])
+
+
 @pytest.mark.parametrize("case", OTHERS)
 def test_every_registered_twin_computes_transformers_logits(classifier, case: str) -> None:
     path = classifier(*OTHERS[case])
