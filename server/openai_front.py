@@ -1,13 +1,15 @@
 """OpenAIFront: OpenAI's HTTP API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``,
-``/v1/models``; vLLM's ``/tokenize`` and ``/detokenize``) in front of the gRPC server's engine worker, on the same event loop. Requests are admitted by the
-servicer (one --max-queue for both fronts, the same draining), read by server/openai_params.py, and answered by
-server/openai_replies.py; a client that goes away cancels its requests (their KV is freed)."""
+``/v1/models`` and ``/v1/models/{model}``; vLLM's ``/tokenize`` and ``/detokenize``) in front of the gRPC server's
+engine worker, on the same event loop. Requests are admitted by the servicer (one --max-queue for both fronts, the
+same draining), read by server/openai_params.py, and answered by server/openai_replies.py; a client that goes away
+cancels its requests (their KV is freed)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from .servicer import InferenceServicer
 
 log = logging.getLogger("infer.server")
+MODEL_PATH = "/v1/models/{model}"  # OpenAI's retrieve route: any path under /v1/models/
 
 
 class OpenAIFront:
@@ -38,15 +41,16 @@ class OpenAIFront:
         self.token = token.encode() if token else None
         self.created = int(time.time())
         self.routes: dict[tuple[str, str], Callable[[HttpRequest, Responder], Awaitable[None]]] = {
-            ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
+            ("GET", "/v1/models"): self.models, ("GET", MODEL_PATH): self.model, ("GET", "/health"): self.health,
             ("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/embeddings"): self.embeddings, ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize}
 
     async def __call__(self, request: HttpRequest, respond: Responder) -> None:
-        route = self.routes.get((request.method, request.path))
+        wanted = MODEL_PATH if request.path.startswith(MODEL_PATH[:-len("{model}")]) else request.path
+        route = self.routes.get((request.method, wanted))
         if route is None:
-            methods = [method for method, path in self.routes if path == request.path]
+            methods = [method for method, path in self.routes if path == wanted]
             if methods:
                 raise HttpError(405, f"{request.path} answers {', '.join(methods)}, not {request.method}")
             raise HttpError(404, f"no route {request.path}; this server answers "
@@ -68,12 +72,21 @@ class OpenAIFront:
         await respond.json(200, {"status": "ok"})
 
     async def models(self, request: HttpRequest, respond: Responder) -> None:
+        await respond.json(200, {"object": "list", "data": self._cards()})
+
+    async def model(self, request: HttpRequest, respond: Responder) -> None:
+        """OpenAI's retrieve: the card of the model or adapter named in the path (percent-encoded)."""
+        name = urllib.parse.unquote(request.path[len(MODEL_PATH) - len("{model}"):])
+        self.served.adapter_of({"model": name})  # NotFoundError for a name not served
+        await respond.json(200, next(card for card in self._cards() if card["id"] == name))
+
+    def _cards(self) -> list[dict[str, Any]]:
+        """The served model's card, then each LoRA adapter's (its parent: the model)."""
         info = self.servicer.model_info
         card = {"object": "model", "created": self.created, "owned_by": "infer", "root": info.model,
                 "max_model_len": info.max_model_len}
-        data = [{"id": self.served.name, **card, "parent": None}]
-        data += [{"id": name, **card, "parent": self.served.name} for name in self.servicer.served_adapters]
-        await respond.json(200, {"object": "list", "data": data})
+        return [{"id": self.served.name, **card, "parent": None}] + [
+            {"id": name, **card, "parent": self.served.name} for name in self.servicer.served_adapters]
 
     async def completions(self, request: HttpRequest, respond: Responder) -> None:
         await self._generate(completion_request(_json_of(request), self.served), "text_completion", respond)

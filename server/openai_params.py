@@ -1,6 +1,7 @@
 """OpenAI's request bodies (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, and vLLM's
-``/tokenize`` and ``/detokenize``) read into the engine's prompts and parameters. Every field is checked by name: an unknown field, or one the engine cannot honour,
-is an InvalidRequestError that names it (a typo is never dropped quietly). The names vLLM adds beside OpenAI's
+``/tokenize`` and ``/detokenize``) read into the engine's prompts and parameters. Every field is checked by name: an
+unknown field, or one the engine cannot honour, is an InvalidRequestError that names it (a typo is never dropped
+quietly). The names vLLM adds beside OpenAI's
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, priority,
 structured_outputs, chat_template_kwargs, add_generation_prompt, continue_final_message) are read as vLLM reads
 them."""
@@ -51,6 +52,7 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt's text before each choice's
     logprobs: bool = False  # the answer carries logprobs (the top-n count is params.logprobs)
     fill_context: bool = False  # chat without max_tokens: as many tokens as the context has room for
+    one_call: bool = False  # chat's parallel_tool_calls false: each choice carries its reply's first call alone
     encoding_format: str = "float"  # embeddings: "float" or "base64" (little-endian float32)
 
 
@@ -116,22 +118,28 @@ def chat_request(body: object, served: Served) -> OpenAIRequest:
     check_message_count(len(messages))
     tools = fields.take("tools", list, ())
     tool_choice = fields.take("tool_choice", (str, dict))
-    if fields.take("parallel_tool_calls", bool, True) is False:
-        raise InvalidRequestError("parallel_tool_calls false is not supported (a reply's calls are all read); leave "
-                                  "it out")
+    one_call = not fields.take("parallel_tool_calls", bool, True)
     prompt = ChatPrompt.of(messages, fields.take("add_generation_prompt", bool, True),
                            fields.take("continue_final_message", bool, False),
                            fields.take("chat_template_kwargs", dict, {}), tools, tool_choice)
     wants_logprobs, top = fields.take("logprobs", bool, False), fields.take("top_logprobs", int)
     if top is not None and not wants_logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs true; set logprobs, or leave top_logprobs out")
-    most = fields.take("max_completion_tokens", int)
-    most = fields.take("max_tokens", int, most)
+    most = _most_tokens(fields)
     request = _generation(fields, served, fields.take("n", int, 1), (top or 0) if wants_logprobs else None,
                           max_tokens=16 if most is None else most)
-    request.prompts, request.fill_context = [prompt], most is None
+    request.prompts, request.fill_context, request.one_call = [prompt], most is None, one_call
     fields.done()
     return request
+
+
+def _most_tokens(fields: Fields) -> int | None:
+    """A chat's ``max_completion_tokens``, or ``max_tokens`` (its deprecated name); None when neither is given."""
+    newer, older = fields.take("max_completion_tokens", int), fields.take("max_tokens", int)
+    if newer is not None and older is not None and newer != older:
+        raise InvalidRequestError(f"max_completion_tokens ({newer}) and max_tokens ({older}) disagree; give one of "
+                                  "them (max_tokens is the deprecated name of max_completion_tokens)")
+    return older if newer is None else newer
 
 
 def embedding_request(body: object, served: Served) -> OpenAIRequest:
@@ -243,12 +251,11 @@ def _structure(fields: Fields) -> StructuredOutput | None:
             return None
         if kind == "json_object" and set(form) == {"type"}:
             return StructuredOutput(json_schema=json.dumps({"type": "object"}))
-        schema = form.get("json_schema")
-        if kind == "json_schema" and isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
-            return StructuredOutput(json_schema=json.dumps(schema["schema"]))
+        if kind == "json_schema" and set(form) == {"type", "json_schema"} and _is_json_schema(form["json_schema"]):
+            return StructuredOutput(json_schema=json.dumps(form["json_schema"]["schema"]))
         raise InvalidRequestError('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
-                                  f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}}, got '
-                                  f"{json.dumps(form)[:200]}")
+                                  '"json_schema", "json_schema": {"name": ..., "schema": {...}}} (and optionally '
+                                  f'"description" and "strict", a boolean), got {json.dumps(form)[:200]}')
     if spec is None:
         return None
     kinds = {"regex": "regex", "choice": "choice", "json": "json_schema", "grammar": "grammar"}
@@ -263,3 +270,10 @@ def _structure(fields: Fields) -> StructuredOutput | None:
     output = StructuredOutput(**{kinds[name]: value})
     output.validate()
     return output
+
+
+def _is_json_schema(spec: object) -> bool:
+    """OpenAI's ``json_schema`` object: a ``schema``, and ``name``, ``description``, ``strict`` that change nothing
+    here (the schema is enforced token by token, strict or not)."""
+    return isinstance(spec, dict) and isinstance(spec.get("schema"), dict) and set(spec) <= {
+        "name", "description", "schema", "strict"} and isinstance(spec.get("strict", False), (bool, type(None)))

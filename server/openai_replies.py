@@ -53,7 +53,7 @@ class Reply:
             for c in out.outputs:
                 index = prompt_index * self.n + c.index
                 if self.chat:
-                    calls = c.tool_calls or []
+                    calls = (c.tool_calls or [])[:1 if self.body.one_call else None]
                     content = c.content if c.content is not None else c.text
                     message: dict[str, Any] = {"role": "assistant", "content": None if calls and not content
                                                else content}
@@ -113,8 +113,10 @@ class Reply:
         calls = c.new_tool_calls or []
         if not calls and c.finish_reason is not None and c.tool_calls and not self.calls.get(index):
             calls = c.tool_calls  # a parser that reads the whole reply: its calls come with the last delta
+        first = self.calls.get(index, 0)
+        if self.body.one_call:  # parallel_tool_calls false: the reply's first call alone
+            calls = calls[:max(0, 1 - first)]
         if calls:
-            first = self.calls.get(index, 0)
             news["tool_calls"] = [{"index": first + k, **_call(call)} for k, call in enumerate(calls)]
             self.calls[index] = first + len(calls)
         return news

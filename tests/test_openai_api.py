@@ -233,7 +233,11 @@ def test_embeddings_as_floats_and_base64(served: Served) -> None:
 
 def test_models_lists_the_model_and_its_adapters_and_a_body_may_name_either(served: Served) -> None:
     client = served.client()
-    assert [(m.id, m.parent) for m in client.models.list().data] == [(NAME, None), (ADAPTER, NAME)]
+    listed = client.models.list().data
+    assert [(m.id, m.parent) for m in listed] == [(NAME, None), (ADAPTER, NAME)]
+    assert [client.models.retrieve(m.id) for m in listed] == listed  # OpenAI's retrieve: GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' does not exist here"):
+        client.models.retrieve("gpt-4")
     base, adapted = offline(served, lambda engine: engine.generate(["def f("] * 2, [
         SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=8, temperature=0,
                                                                     lora_adapter=ADAPTER)]))
@@ -370,3 +374,69 @@ def test_a_client_gone_mid_answer_passes_through_the_front_unlogged(caplog: pyte
         with pytest.raises(raised):
             asyncio.run(front(request, None))  # type: ignore[arg-type]
         assert bool(caplog.records) is (raised is HttpError)
+
+
+
+PICK = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}}}}  # strict: the client's .stream() parses it
+HI = [{"role": "user", "content": "Hi"}]
+TWO_CALLS = ('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+             '<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+
+
+def test_parsed_calls_reach_the_clients_stream_helper_and_parallel_tool_calls_false_keeps_the_first(
+        served: Served) -> None:
+    """A reply of two hermes calls (forced by a choice): whole and through the openai client's .stream() helper
+    (ChatCompletionStreamState) the calls are LLM.chat's, each delta's first carrying id, type and name; with
+    parallel_tool_calls false each carries the first call alone, as vLLM does."""
+    forced = SamplingParams(max_tokens=100, temperature=0, structured_output=StructuredOutput(choice=(TWO_CALLS,)))
+    want = offline(served, lambda engine: served.llm.chat(HI, forced, tools=[PICK]))[0].outputs[0]
+    want_calls = [(c.name, dict(c.arguments)) for c in want.tool_calls]
+    assert len(want_calls) == 2
+    client = served.client()
+    ask = {"model": NAME, "messages": HI, "max_tokens": 100, "temperature": 0, "tools": [PICK],
+           "extra_body": {"structured_outputs": {"choice": [TWO_CALLS]}}}
+    for parallel, wanted in ((True, want_calls), (False, want_calls[:1])):
+        whole = client.chat.completions.create(**ask, parallel_tool_calls=parallel).choices[0]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == wanted
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+        with client.chat.completions.stream(**ask, parallel_tool_calls=parallel) as stream:
+            done = [(e.name, e.parsed_arguments) for e in stream if e.type == "tool_calls.function.arguments.done"]
+            streamed = stream.get_final_completion().choices[0]
+        assert done == wanted and streamed.finish_reason == "tool_calls"
+        assert [(c.function.name, c.function.parsed_arguments) for c in streamed.message.tool_calls] == wanted
+        assert all(c.id.startswith("call_") and c.type == "function" for c in streamed.message.tool_calls)
+
+
+def test_max_completion_tokens_and_its_deprecated_name_max_tokens(served: Served) -> None:
+    """Either bounds a chat's reply; both must agree (a value never loses to the other silently)."""
+    client = served.client()
+    ask = {"model": NAME, "messages": ASK, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    assert client.chat.completions.create(**ask, max_completion_tokens=5).usage.completion_tokens == 5
+    assert client.chat.completions.create(**ask, max_tokens=7).usage.completion_tokens == 7
+    assert client.chat.completions.create(**ask, max_tokens=6, max_completion_tokens=6).usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError, match=r"max_completion_tokens \(5\) and max_tokens \(7\) disagree"):
+        client.chat.completions.create(**ask, max_completion_tokens=5, max_tokens=7)
+
+
+def test_the_clients_parse_helper_gets_the_engines_json_under_its_strict_schema(served: Served) -> None:
+    """client.chat.completions.parse sends a pydantic model as a strict json_schema response format: the reply is
+    the engine's under that schema, parsed into the model; a json_schema key OpenAI does not define is refused."""
+    import pydantic
+    from openai.lib._pydantic import to_strict_json_schema
+
+    class Answer(pydantic.BaseModel):
+        a: int
+
+    shaped = SamplingParams(max_tokens=30, temperature=0, structured_output=StructuredOutput(
+        json_schema=json.dumps(to_strict_json_schema(Answer))))
+    want = offline(served, lambda engine: served.llm.chat(ASK, shaped))[0].outputs[0].text
+    client = served.client()
+    got = client.chat.completions.parse(model=NAME, messages=ASK, max_tokens=30, temperature=0, response_format=Answer)
+    assert got.choices[0].message.content == want
+    assert got.choices[0].message.parsed == Answer.model_validate_json(want)
+    for form in ({"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strcit": True}},
+                 {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}, "strict": True},
+                 {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": "yes"}}):
+        with pytest.raises(openai.BadRequestError, match="response_format must be"):
+            client.chat.completions.create(model=NAME, messages=ASK, max_tokens=1, response_format=form)
