@@ -3,8 +3,8 @@
 unknown field, or one the engine cannot honour, is an InvalidRequestError that names it (a typo is never dropped
 quietly). The names vLLM adds beside OpenAI's
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, priority,
-structured_outputs, chat_template_kwargs, add_generation_prompt, continue_final_message) are read as vLLM reads
-them."""
+structured_outputs, return_token_ids, chat_template_kwargs, add_generation_prompt, continue_final_message) are read as
+vLLM reads them."""
 from __future__ import annotations
 
 import json
@@ -53,6 +53,7 @@ class OpenAIRequest:
     logprobs: bool = False  # the answer carries logprobs (the top-n count is params.logprobs)
     fill_context: bool = False  # chat without max_tokens: as many tokens as the context has room for
     one_call: bool = False  # chat's parallel_tool_calls false: each choice carries its reply's first call alone
+    token_ids: bool = False  # vLLM's return_token_ids: each choice also carries its prompt's and its own token ids
     encoding_format: str = "float"  # embeddings: "float" or "base64" (little-endian float32)
 
 
@@ -230,7 +231,8 @@ def _generation(fields: Fields, served: Served, n: int, top: int | None, max_tok
         **{name: value for name, value in kwargs.items() if value is not None})
     fields.drop("model", "user")
     params.validate()
-    return OpenAIRequest([], params, stream, options.get("include_usage", False), logprobs=top is not None)
+    return OpenAIRequest([], params, stream, options.get("include_usage", False), logprobs=top is not None,
+                         token_ids=fields.take("return_token_ids", bool, False))
 
 
 _SCALARS: dict[str, type | tuple[type, ...]] = {

@@ -45,6 +45,7 @@ class Reply:
         self.calls: dict[int, int] = {}  # a chat choice's tool calls streamed so far
         self.offsets: dict[int, int] = {}  # a completion choice's text so far (logprobs' text_offset)
         self.opened: set[int] = set()  # completion choices streamed from (their echo went first)
+        self.ids_sent: set[int] = set()  # choices whose prompt token ids went (return_token_ids)
 
     async def whole(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
@@ -66,7 +67,7 @@ class Reply:
                 else:
                     choice = {"index": index, "text": self._echo(prompt_index) + c.text,
                               "logprobs": await self._logprobs(index, c), "finish_reason": _finish(c, False)}
-                choices.append(choice)
+                choices.append(choice | self._ids(index, out, c))
         return {**self.head, "choices": sorted(choices, key=lambda choice: choice["index"]), "usage": self._usage()}
 
     def opening(self) -> list[dict[str, Any]]:
@@ -83,20 +84,30 @@ class Reply:
         for c in delta.outputs:
             index = prompt_index * self.n + c.index
             logprobs = await self._logprobs(index, c) if c.token_ids else None
+            quiet = c.finish_reason is None and logprobs is None and not (self.body.token_ids and c.token_ids)
             if self.chat:
                 news = self._chat_delta(index, c, delta.finished)
-                if not news and c.finish_reason is None and logprobs is None:
+                if not news and quiet:
                     continue
                 choice = {"index": index, "delta": news, "logprobs": logprobs,
                           "finish_reason": _finish(c, self.calls.get(index, 0) > 0)}
             else:
                 text = c.text if index in self.opened else self._echo(prompt_index) + c.text
                 self.opened.add(index)
-                if not text and c.finish_reason is None and logprobs is None:
+                if not text and quiet:
                     continue
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish(c, False)}
-            chunks.append(self._chunk(choice))
+            chunks.append(self._chunk(choice | self._ids(index, delta, c)))
         return chunks
+
+    def _ids(self, index: int, out: RequestOutput, c: CompletionOutput) -> dict[str, list[int]]:
+        """With return_token_ids: the choice's token ids (a stream's: the chunk's), and its prompt's ids with the
+        choice's first."""
+        if not self.body.token_ids:
+            return {}
+        first = index not in self.ids_sent
+        self.ids_sent.add(index)
+        return ({"prompt_token_ids": list(out.prompt_token_ids)} if first else {}) | {"token_ids": list(c.token_ids)}
 
     def usage_chunk(self) -> dict[str, Any] | None:
         """With stream_options.include_usage: the last chunk, no choices and the usage."""

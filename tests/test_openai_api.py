@@ -127,6 +127,36 @@ def test_a_completion_streams_the_same_text_with_usage_last(served: Served) -> N
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_return_token_ids_gives_each_choices_ids_whole_and_streamed(served: Served) -> None:
+    """vLLM's return_token_ids: a choice's prompt_token_ids (with its first chunk) and token_ids (each chunk's)."""
+    prompts = ["def add(a, b):", "x = "]
+    params = SamplingParams(max_tokens=9, temperature=0.8, seed=5, n=2)
+    want = offline(served, lambda engine: engine.generate(prompts, params))
+    body = {"model": NAME, "prompt": prompts, "max_tokens": 9, "temperature": 0.8, "seed": 5, "n": 2,
+            "return_token_ids": True}
+    status, whole = post(served, "/v1/completions", json.dumps(body).encode())
+    assert status == 200
+    expected = [(out.prompt_token_ids, c.token_ids) for out in want for c in out.outputs]
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in whole["choices"]] == expected
+    fields = {key: value for key, value in body.items() if key != "return_token_ids"}
+    chunks = served.client().completions.create(**fields, stream=True,  # type: ignore[call-overload]
+                                                extra_body={"return_token_ids": True})
+    prompt_ids: dict[int, list[int]] = {}
+    ids: dict[int, list[int]] = {i: [] for i in range(4)}
+    for chunk in chunks:
+        choice = chunk.choices[0].model_extra
+        if "prompt_token_ids" in choice:
+            assert chunk.choices[0].index not in prompt_ids
+            prompt_ids[chunk.choices[0].index] = choice["prompt_token_ids"]
+        ids[chunk.choices[0].index] += choice["token_ids"]
+    assert [(prompt_ids[i], ids[i]) for i in range(4)] == expected
+    chat = served.client().chat.completions.create(model=NAME, messages=ASK, max_tokens=6, temperature=0,
+                                                   stream=True, extra_body={"return_token_ids": True})
+    want_chat = offline(served, lambda engine: served.llm.chat(ASK, SamplingParams(max_tokens=6, temperature=0)))
+    assert [t for c in chat for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == \
+        want_chat[0].outputs[0].token_ids
+
+
 def test_token_prompts_echo_and_logprobs(served: Served) -> None:
     """Token ids go in as the prompt; echo puts the prompt's text before the completion's; logprobs carry the
     engine's logprob of each sampled token, the top 3 by name and offsets into the text."""
