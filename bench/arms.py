@@ -1,4 +1,5 @@
-"""``--ab`` arms: each string is a full set of ``infer`` group options, or ``hf`` / ``hf:static`` / ``hf:cb``.
+"""``--ab`` arms: each string is a full set of ``infer`` group options, or ``hf`` / ``hf:static`` / ``hf:cb``, or
+``openai:URL`` (a running server of OpenAI's HTTP API, URL its API base: ``openai:http://127.0.0.1:8000/v1``).
 
 An engine arm's options are parsed with the group's own click options (shlex splitting, click conversion and
 errors) and laid over the group options given before ``bench``: ``infer --model M bench --ab "--kv-cache paged"
@@ -12,6 +13,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 from click.core import ParameterSource
@@ -20,6 +22,7 @@ from ..cli.options import EngineArgs, engine_options
 from ..core.config import COMPONENT_FIELDS
 
 HF_MODES = {"hf": "static", "hf:static": "static", "hf:cb": "cb"}
+OPENAI_PREFIX = "openai:"
 
 
 class ArmError(ValueError):
@@ -33,12 +36,14 @@ class ArmError(ValueError):
 
 @dataclass(frozen=True)
 class ArmSpec:
-    """One side of the comparison. ``hf_mode`` is set for the HF baseline, ``args`` for an infer engine."""
+    """One side of the comparison. ``hf_mode`` is set for the HF baseline, ``args`` for an infer engine,
+    ``openai_url`` (the API base) for a server of OpenAI's HTTP API."""
 
     key: str  # A, B, C, ...
     text: str  # the arm string as given
     args: EngineArgs | None = None
     hf_mode: str | None = None
+    openai_url: str | None = None
 
     @property
     def label(self) -> str:
@@ -47,6 +52,15 @@ class ArmSpec:
     @property
     def is_hf(self) -> bool:
         return self.hf_mode is not None
+
+    @property
+    def is_openai(self) -> bool:
+        return self.openai_url is not None
+
+    @property
+    def is_engine(self) -> bool:
+        """An infer engine run in this process: neither the HF baseline nor a server."""
+        return not self.is_hf and not self.is_openai
 
 
 def _arm_key(index: int) -> str:
@@ -120,8 +134,30 @@ def parse_arms(texts: tuple[str, ...] | list[str], base: EngineArgs,
                                "engine arm)")
             arms.append(ArmSpec(key, stripped, hf_mode=HF_MODES[stripped]))
             continue
+        if stripped.startswith(OPENAI_PREFIX):
+            try:
+                arms.append(ArmSpec(key, stripped, openai_url=parse_openai_url(stripped[len(OPENAI_PREFIX):])))
+            except ArmError as exc:
+                raise ArmError(f"arm {key} ({text!r}): {exc}") from None
+            continue
         try:
             arms.append(ArmSpec(key, stripped, merge(base, parse_engine_options(text), kind_of)))
         except ArmError as exc:
             raise ArmError(f"arm {key} ({text!r}): {exc}") from None
     return arms
+
+
+def parse_openai_url(url: str) -> str:
+    """The API base of an ``openai:URL`` arm, checked (http or https, a host, a valid port), without a trailing
+    slash. Raises ArmError."""
+    example = "e.g. openai:http://127.0.0.1:8000/v1"
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError as exc:
+        raise ArmError(f"{url!r} is not a URL ({exc}); give the server's API base, {example}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ArmError(f"{url!r} is not an http or https URL with a host; give the server's API base, {example}")
+    if parts.query or parts.fragment:
+        raise ArmError(f"{url!r} has a query or fragment; give the server's API base alone, {example}")
+    return parts.geturl().rstrip("/")

@@ -45,7 +45,8 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
             i += 1
         if not arms:
             raise click.UsageError("--ab needs at least one arm after it: a quoted string of group options (\"\" "
-                                   "for the defaults) or hf, hf:static, hf:cb, e.g. --ab \"\" \"--no-prefix-caching\"")
+                                   "for the defaults), hf, hf:static, hf:cb or openai:URL, e.g. --ab \"\" "
+                                   "\"--no-prefix-caching\"")
         for arm in arms:
             out += ["--ab", arm]
     return out
@@ -66,7 +67,9 @@ def expand_ab(args: list[str], option_names: set[str]) -> list[str]:
               help="--task embed: L2-normalize each embedding [default: as the checkpoint says, else --normalize].")
 @click.option("--ab", "arms", multiple=True, metavar="ARM...",
               help="Arms to compare: each a quoted string of group options (e.g. \"--kv-cache paged\"), or hf, "
-                   "hf:static, hf:cb for the HF transformers baseline. Default: one arm of the group options.")
+                   "hf:static, hf:cb for the HF transformers baseline, or openai:URL for a running server of OpenAI's "
+                   "HTTP API (URL its API base, e.g. http://127.0.0.1:8000/v1; the bearer token from "
+                   "OPENAI_API_KEY). Default: one arm of the group options.")
 @click.option("--repeats", type=click.IntRange(min=1), default=None,
               help="Rounds; each round runs every arm once, the order rotating by one arm per round (A B, B A, ...). "
                    "Default: 3, rounded up to a multiple of the number of arms (each arm then runs first equally "
@@ -126,6 +129,8 @@ def bench(ctx: click.Context, workload: str, task: str, pooling: str | None, dim
     --repeats 3 --out results/
 
     Embeddings: infer --model DIR bench --task embed --workload shared-prefix --ab "--kv-cache paged" hf
+
+    A running server (vLLM, another infer): infer --model DIR bench --ab "" "openai:http://127.0.0.1:8000/v1"
     """
     from rich.console import Console
 
@@ -253,6 +258,9 @@ def check_sampling(sampling: dict[str, Any], seed: int | None, specs: list[ArmSp
                    if sampling[name]]
     if unsupported and any(spec.is_hf for spec in specs):
         raise click.UsageError(f"HF transformers has no {' or '.join(unsupported)}: drop it or the hf arms")
+    if sampling["logits_processors"] and any(spec.is_openai for spec in specs):
+        raise click.UsageError("OpenAI's API takes no --logits-processor (a server runs its own): drop it or the "
+                               "openai arms")
     if any(spec.hf_mode == "cb" for spec in specs) and (dropped := dropped_by_hf_cb(sampling)):
         raise click.UsageError(f"transformers' continuous batching drops {', '.join(dropped)} (its processor does "
                                "not support it), so hf:cb would not sample as the other arms: drop it or the hf:cb "
@@ -271,7 +279,8 @@ def check_lora_adapters(used: list[str], specs: list[ArmSpec]) -> None:
         raise click.UsageError(f"the HF baseline ({', '.join(hf)}) serves no LoRA adapters, and this workload's "
                                f"requests run on {', '.join(used)}: drop the hf arms or the adapters")
     for spec in specs:
-        assert spec.args is not None
+        if spec.args is None:  # a server: its adapters are checked against GET /models once it is reached
+            continue
         loaded = spec.args.values.get("lora_adapters") or {}
         if missing := [name for name in used if name not in loaded]:
             have = f"it loads {', '.join(loaded)}" if loaded else "it loads none"
@@ -281,8 +290,8 @@ def check_lora_adapters(used: list[str], specs: list[ArmSpec]) -> None:
 
 
 def check_structured_lines(entries: list[FileEntry], specs: list[ArmSpec], sampling: RequestSampling) -> None:
-    """Refuse (exit status 2, before any model loads) structured lines (forced tool calls too) beside an HF arm,
-    or beside sampling options they cannot take."""
+    """Refuse (exit status 2, before any model loads) structured lines (forced tool calls too) beside an HF arm or
+    a server (an openai arm), or beside sampling options they cannot take."""
     from ..cli.main import CommandLineError
     from ..core.errors import InvalidRequestError
 
@@ -293,6 +302,11 @@ def check_structured_lines(entries: list[FileEntry], specs: list[ArmSpec], sampl
         raise click.UsageError(f"HF transformers ({', '.join(hf)}) has no structured output, and {len(structured)} "
                                f"of the file's lines give one or force tool calls (line {structured[0].line} "
                                "first): drop the hf arms or those lines' structured_output or tool_choice")
+    if servers := [spec.text for spec in specs if spec.is_openai]:
+        raise click.UsageError(f"openai arms ({', '.join(servers)}) do not send structured output (servers read "
+                               f"grammars in dialects of their own), and {len(structured)} of the file's lines give "
+                               f"one or force tool calls (line {structured[0].line} first): drop the openai arms or "
+                               "those lines' structured_output or tool_choice")
     try:
         sampling.params(1, 0, 0, 0, structured_output=structured[0].structured_output).validate()
     except InvalidRequestError as exc:

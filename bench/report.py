@@ -35,13 +35,14 @@ class BenchResult:
     def output_comparable(self) -> set[str]:
         """The arms whose outputs can be compared with the first arm's: all when greedy; when sampled, the engine
         arms that speculate as the first does (the same seeded streams, drawn the same way: rejection sampling
-        draws differently from plain sampling) if requests are seeded, else none."""
+        draws differently from plain sampling) if requests are seeded, else none (HF arms and servers draw from
+        their own streams)."""
         if self.sampling.greedy:
             return {arm.key for arm in self.arms}
-        if self.sampling.seed is None or not self.arms or self.arms[0].is_hf:
+        if self.sampling.seed is None or not self.arms or not self.arms[0].is_engine:
             return set()
         first = self.speculation(self.arms[0].key)
-        return {arm.key for arm in self.arms if not arm.is_hf and self.speculation(arm.key) == first}
+        return {arm.key for arm in self.arms if arm.is_engine and self.speculation(arm.key) == first}
 
     def speculation(self, key: str) -> tuple[Any, ...]:
         """How an engine arm speculates (its proposer, K, draft and policy options): what changes its draws."""
@@ -144,8 +145,9 @@ def sampling_note(result: BenchResult) -> str | None:
                "(--sampling-seed seeds them)"
     compared = result.output_comparable()
     apart = [("HF arms draw from their own stream", any(arm.is_hf for arm in result.arms)),
+             ("openai arms draw from their server's", any(arm.is_openai for arm in result.arms)),
              ("arms whose speculation differs from the first arm's draw differently",
-              any(not arm.is_hf and arm.key not in compared for arm in result.arms))]
+              any(arm.is_engine and arm.key not in compared for arm in result.arms))]
     reasons = "; ".join(reason for reason, holds in apart if holds)
     return f"requests sampled with {given}, seeded from --sampling-seed {sampling.seed}" + \
         (f" ({reasons}: outputs n/a)" if reasons else "")
@@ -175,7 +177,7 @@ def to_json(result: BenchResult) -> dict[str, Any]:
     arms = []
     for arm in result.arms:
         arms.append({
-            "key": arm.key, "text": arm.text, "label": arm.label, "kind": "hf" if arm.is_hf else "engine",
+            "key": arm.key, "text": arm.text, "label": arm.label, "kind": arm_kind(arm),
             **result.arm_info.get(arm.key, {}),
             "summary": {key: {"median": agg.median, "ratio": agg.ratio, "values": agg.values,
                               "paired_ratios": agg.paired_ratios, "ratio_ci95": agg.ci95,
@@ -185,6 +187,10 @@ def to_json(result: BenchResult) -> dict[str, Any]:
             "runs": [run.to_json() for run in result.runs[arm.key]],
         })
     return {**result.meta, "metrics": [m.__dict__ for m in METRICS], "arms": arms}
+
+
+def arm_kind(arm: ArmSpec) -> str:
+    return "hf" if arm.is_hf else "openai" if arm.is_openai else "engine"
 
 
 def write_json(result: BenchResult, path: Path) -> None:

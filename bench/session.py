@@ -28,7 +28,7 @@ T = TypeVar("T")
 
 
 class Arm(Protocol):
-    """What the runner needs from an engine arm or the HF baseline."""
+    """What the runner needs from an engine arm, the HF baseline or a server (an ``openai:URL`` arm)."""
 
     spec: ArmSpec
     vocab: Vocab
@@ -58,12 +58,12 @@ class Arm(Protocol):
 
 def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: Any, task: str = "generate"
                ) -> list[Arm]:
-    """Build every arm once (engines first: the HF baseline runs the first engine arm's model) for ``task``'s
-    requests. Raises ArmError."""
+    """Build every arm once (engines first: the HF baseline runs the first engine arm's model, and a server's
+    requests are tokenized by its tokenizer) for ``task``'s requests. Raises ArmError."""
     from ..core.plugins import PluginManager
     from .runner import EngineArm
 
-    engine_specs = [s for s in specs if not s.is_hf]
+    engine_specs = [s for s in specs if s.is_engine]
     if engine_specs:  # every arm's component names, before the first engine loads a model
         plugins = PluginManager.from_entry_points()
         for spec in engine_specs:
@@ -75,7 +75,7 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
                         "--no-async-scheduling for a switch the group turned on)") \
                     if _group_options_matter(spec, plugins) else ""
                 raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}{hint}", isinstance(exc, ConfigError)) from None
-    share_gpu_memory(engine_specs, len(specs) - len(engine_specs))
+    share_gpu_memory(engine_specs, sum(s.is_hf for s in specs))  # a server's memory is its own
     built: dict[str, Arm] = {}
     for spec in engine_specs:
         err.print(f"building arm {spec.label} ...", highlight=False)
@@ -90,6 +90,14 @@ def build_arms(specs: list[ArmSpec], base: EngineArgs, hf_batch_size: int, err: 
             err.print(f"building arm {spec.label} (HF transformers) ...", highlight=False)
             built[spec.key] = HFArm(spec, hf_model_path(base, built), hf_batch_size, base.values.get("device", "auto"),
                                     base.values.get("dtype", "auto"), base.values.get("cpu_threads"), task)
+        elif spec.is_openai:
+            from .openai_arm import OpenAIArm
+
+            err.print(f"building arm {spec.label} (a server of OpenAI's API) ...", highlight=False)
+            try:
+                built[spec.key] = OpenAIArm(spec, hf_model_path(base, built), task, os.environ.get("OPENAI_API_KEY"))
+            except InferError as exc:
+                raise ArmError(f"arm {spec.key} ({spec.text!r}): {exc}") from None
     return [built[s.key] for s in specs]
 
 

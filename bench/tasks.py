@@ -40,6 +40,9 @@ def task_pooling(ctx: click.Context, task: str, pooling: str | None, dimensions:
     if params.pooling is not None and params.pooling not in HF_POOLERS and any(spec.is_hf for spec in specs):
         raise click.UsageError(f"the HF baseline pools {' or '.join(HF_POOLERS)} only, not {params.pooling!r}: drop "
                                "the hf arms or pass --pooling last or mean")
+    if params.pooling is not None and any(spec.is_openai for spec in specs):
+        raise click.UsageError(f"OpenAI's /embeddings cannot choose a pooler ({params.pooling!r}): a server pools as "
+                               "its model says; drop --pooling or the openai arms")
     return params
 
 

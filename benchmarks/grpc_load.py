@@ -23,17 +23,15 @@ import json
 import random
 import shutil
 import socket
-import ssl
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 SERVED_NAME = "model"  # the started server's --served-model-name
 
@@ -143,43 +141,25 @@ async def run_grpc(target: str, prompts: list[list[int]], concurrency: int, max_
 # ---------------------------------------------------------------- OpenAI's HTTP API
 async def run_http(url: str, model: str, api_key: str | None, prompts: list[list[int]], concurrency: int,
                    max_tokens: int, time_limit: float) -> Result:
-    """The same closed loop over streaming ``POST {url}/completions``, one connection per request (stdlib only:
-    an HTTP/1.1 client that reads server-sent events, chunked or not)."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
-    context = ssl.create_default_context() if parts.scheme == "https" else None
+    """The same closed loop over streaming ``POST {url}/completions``, one connection per request
+    (infer.bench.openai_client: stdlib only)."""
+    from infer.bench.openai_client import Endpoint, post_events
+
+    endpoint = Endpoint(url, api_key)
     queue = list(reversed(prompts))
     done: list[Record] = []
     start = time.perf_counter()
 
     async def one(prompt: list[int]) -> Record:
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-        head = (f"POST {parts.path.rstrip('/')}/completions HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
         rec = Record(time.perf_counter())
-        reader, writer = await asyncio.open_connection(host, port, ssl=context)
-        try:
-            writer.write(head.encode() + body)
-            status = await reader.readline()
-            headers = {}
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            if b" 200 " not in status:
-                raise SystemExit(f"{url}/completions answered {status.decode(errors='replace').strip()}: "
-                                 f"{(await reader.read(2000)).decode(errors='replace')}")
-            async for event in _events(reader, headers.get("transfer-encoding", "").lower() == "chunked"):
-                if event == "[DONE]":
-                    break
-                chunk = json.loads(event)
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    rec.observe(time.perf_counter(), 1)
-                if chunk.get("usage"):
-                    rec.tokens = chunk["usage"]["completion_tokens"]
-        finally:
-            writer.close()
+        async for event in post_events(endpoint, endpoint.path("/completions"), body):
+            chunk = json.loads(event)
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                rec.observe(time.perf_counter(), 1)
+            if chunk.get("usage"):
+                rec.tokens = chunk["usage"]["completion_tokens"]
         return rec
 
     async def worker() -> None:
@@ -188,25 +168,6 @@ async def run_http(url: str, model: str, api_key: str | None, prompts: list[list
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return Result.of("http", concurrency, done, time.perf_counter() - start)
-
-
-async def _events(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a server-sent event stream (one data line per event, as OpenAI's servers send)."""
-    buffer = b""
-    while True:
-        if chunked:
-            size = int((await reader.readline()).split(b";")[0], 16)
-            data = await reader.readexactly(size + 2) if size else b""
-            data = data[:-2]
-        else:
-            data = await reader.read(65536)
-        if not data:
-            return
-        buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip().decode()
 
 
 def in_thread(fn: Callable[..., Result], *args: Any) -> Result:
@@ -284,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     if not sides or set(sides) - {"grpc", "http"}:
         ap.error(f"--sides takes grpc, http or both, got {args.sides!r}")
 
+    from infer.bench.openai_client import OpenAIServerError
     from infer.core.config import EngineConfig
     from infer.core.engine import Engine
     from infer.core.request import SamplingParams
@@ -311,8 +273,11 @@ def main(argv: list[str] | None = None) -> None:
         def run_side(side: str, prompts: list[list[int]], c: int, time_limit: float) -> Result:
             if side == "grpc":
                 return asyncio.run(run_grpc(target, prompts, c, args.max_tokens, time_limit))
-            return asyncio.run(run_http(url, args.served_model_name, args.api_key, prompts, c, args.max_tokens,
-                                        time_limit))
+            try:
+                return asyncio.run(run_http(url, args.served_model_name, args.api_key, prompts, c, args.max_tokens,
+                                            time_limit))
+            except OpenAIServerError as exc:
+                raise SystemExit(str(exc)) from None
 
         warm = workload(-1, 8, args.prompt_len, vocab, args.seed)
         in_thread(run_offline, engine, warm, 8, params, 60)
