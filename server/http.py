@@ -132,8 +132,8 @@ class Responder:
                for name, value in fields.items()):
             raise ValueError(f"cannot send the headers {headers}: the layer sets Content-Length and Connection, "
                              "and a header is one line")
+        body = json.dumps(payload).encode()  # before _begin: a payload that is not JSON can still be answered 500
         self._begin("json")
-        body = json.dumps(payload).encode()
         head = _head(status, {**fields, "Content-Length": str(len(body))}, self._keep_alive)
         await self._connection.write(head if self._head_only else head + body)
 
@@ -177,8 +177,11 @@ def _head(status: int, fields: Mapping[str, str], keep_alive: bool) -> bytes:
 
 
 async def _read_head(connection: _Connection) -> bytes | None:
-    """The next request line and headers; None when the peer closed or idled between requests."""
-    pending = connection.pending
+    """The next request line and headers; None when the peer closed or idled between requests. Once its first byte
+    is in, the whole head must arrive within the idle timeout, so that a client cannot hold the connection by
+    sending a byte now and then."""
+    pending, loop, timeout_s = connection.pending, asyncio.get_running_loop(), connection.idle_timeout_s
+    deadline = loop.time() + timeout_s if pending else None
     try:
         while True:
             while pending.startswith(b"\r\n"):  # empty lines before a request line are ignored (RFC 9112)
@@ -187,8 +190,9 @@ async def _read_head(connection: _Connection) -> bytes | None:
                 break
             if len(pending) >= MAX_HEADER_BYTES + 4:
                 raise HttpError(431, f"the request line and headers exceed {MAX_HEADER_BYTES} bytes; send less")
-            if not await connection.receive(connection.idle_timeout_s):
+            if not await connection.receive(timeout_s if deadline is None else deadline - loop.time()):
                 return None
+            deadline = loop.time() + timeout_s if deadline is None else deadline
     except TimeoutError:
         if pending:
             raise HttpError(408, "the request was not sent in time; send it again") from None
@@ -227,9 +231,11 @@ async def _read_request(connection: _Connection, max_body_bytes: int) -> tuple[H
                              "with a Content-Length header")
     length_text = headers.get("content-length", "0")
     if not length_text.isascii() or not length_text.isdigit():
-        raise HttpError(400, f"Content-Length must be one number of bytes, got {length_text!r}")
-    if (length := int(length_text)) > max_body_bytes:
-        raise HttpError(413, f"the request body has {length} bytes, over this server's limit of {max_body_bytes}; "
+        raise HttpError(400, f"Content-Length must be one number of bytes, got {length_text[:200]!r}")
+    digits = length_text.lstrip("0") or "0"  # int() refuses over 4,300 digits: compare lengths first
+    if len(digits) > len(str(max_body_bytes)) or (length := int(digits)) > max_body_bytes:
+        shown = digits if len(digits) <= 20 else f"a {len(digits)}-digit number of"
+        raise HttpError(413, f"the request body has {shown} bytes, over this server's limit of {max_body_bytes}; "
                              "send a smaller request")
     if length > len(connection.pending) and http11 and headers.get("expect", "").lower() == "100-continue":
         await connection.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -332,7 +338,7 @@ async def start_http_server(handle: Handler, host: str, port: int, *, ssl: ssl.S
                             max_body_bytes: int = 4 * 2**20, idle_timeout_s: float = 60.0) -> HttpServer:
     """Serve ``handle`` on host:port (0 picks a free port: read the server's ``port``), over TLS with ``ssl``.
     Bodies over ``max_body_bytes`` are refused (413); a connection that sends nothing for ``idle_timeout_s`` is
-    closed."""
+    closed, and a request whose line and headers take longer than that from their first byte is refused (408)."""
     if max_body_bytes < 0:
         raise ConfigError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
     if not 0 < idle_timeout_s < float("inf"):
