@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.chat import ChatPrompt, Prompt, check_message_count
@@ -101,11 +101,10 @@ def completion_request(body: object, served: Served) -> OpenAIRequest:
     if fields.take("best_of", int, n) != n:
         raise InvalidRequestError("best_of other than n is not supported (the engine does not rank completions); "
                                   "leave best_of out, or set it to n")
-    if echo and top is not None:
-        raise InvalidRequestError("echo with logprobs is not supported (the prompt's logprobs would be owed); drop "
-                                  "one of them")
     request = _generation(fields, served, n, top, max_tokens=fields.take("max_tokens", int, 16))
     request.prompts, request.echo = prompts, echo
+    if echo and top is not None:  # the prompt's tokens come with their logprobs too (lm-evaluation-harness reads them)
+        request.params = replace(request.params, prompt_logprobs=top)  # type: ignore[type-var]
     fields.done()
     return request
 

@@ -46,6 +46,8 @@ class Reply:
         self.offsets: dict[int, int] = {}  # a completion choice's text so far (logprobs' text_offset)
         self.opened: set[int] = set()  # completion choices streamed from (their echo went first)
         self.ids_sent: set[int] = set()  # choices whose prompt token ids went (return_token_ids)
+        self.prompt_logprobs: dict[int, tuple[list[int], list[dict[int, float] | None]]] = {}  # echo with logprobs
+        self.prompt_sent: set[int] = set()  # completion choices whose prompt logprobs went
 
     async def whole(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
@@ -133,24 +135,34 @@ class Reply:
         return news
 
     async def _logprobs(self, index: int, c: CompletionOutput) -> dict[str, Any] | None:
+        """The choice's logprobs in OpenAI's shape (a chat's ``content`` entries; a completion's parallel lists),
+        a completion's with echo preceded by its prompt's (the first token's logprob null, as OpenAI's)."""
         if self.top is None or c.logprobs is None:
             return None
-        names = await self.tokens.of(c.logprobs)
-        chosen = [(names[token], entry[token]) for token, entry in zip(c.token_ids, c.logprobs)]
-        tops = [list(entry.items())[:self.top] for entry in c.logprobs]
+        pairs: list[tuple[int, dict[int, float] | None]] = list(zip(c.token_ids, c.logprobs))
+        if self.body.echo and index not in self.prompt_sent:
+            self.prompt_sent.add(index)
+            ids, entries = self.prompt_logprobs.get(index // self.n, ([], []))
+            pairs = list(zip(ids, entries)) + pairs
+        names = await self.tokens.of([{token: 0.0 for token, _ in pairs}, *(e for _, e in pairs if e)])
+        chosen = [(names[token], None if entry is None else entry[token]) for token, entry in pairs]
+        tops = [None if entry is None else list(entry.items())[:self.top] for _, entry in pairs]
         if self.chat:
             return {"content": [{**_token(name, logprob), "top_logprobs": [_token(names[t], lp) for t, lp in top]}
-                                for (name, logprob), top in zip(chosen, tops)]}
+                                for (name, logprob), top in zip(chosen, tops)]}  # type: ignore[arg-type,union-attr]
         offsets, start = [], self.offsets.get(index, 0)
         for name, _ in chosen:
             offsets.append(start)
             start += len(name)
         self.offsets[index] = start
         return {"tokens": [name for name, _ in chosen], "token_logprobs": [logprob for _, logprob in chosen],
-                "top_logprobs": [{names[t]: lp for t, lp in top} for top in tops], "text_offset": offsets}
+                "top_logprobs": [None if top is None else {names[t]: lp for t, lp in top} for top in tops],
+                "text_offset": offsets}
 
     def _count(self, prompt_index: int, out: RequestOutput) -> None:
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:  # with the first output after the prompt (echo with logprobs)
+            self.prompt_logprobs[prompt_index] = (list(out.prompt_token_ids), list(out.prompt_logprobs))
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         if out.finished:
             self.cached_tokens[prompt_index] = out.num_cached_tokens

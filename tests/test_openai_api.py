@@ -127,6 +127,31 @@ def test_a_completion_streams_the_same_text_with_usage_last(served: Served) -> N
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_echo_with_logprobs_gives_the_prompts_logprobs_first_as_lm_eval_reads_them(served: Served) -> None:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1, temperature 0): the tokens are
+    the prompt's then the completion's, each prompt token's logprob is the engine's prompt logprob (the first null),
+    and a stream gives the same lists."""
+    ids = offline(served, lambda engine: engine.tokenize("def add(a, b): return a + b"))
+    want = offline(served, lambda engine: engine.generate([ids], SamplingParams(
+        max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)))[0]
+    names = offline(served, lambda engine: [engine.tokenizer.decode([t]) for t in ids + want.outputs[0].token_ids])
+    client = served.client()
+    got = client.completions.create(model=NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    logprobs = got.choices[0].logprobs
+    assert logprobs.tokens == names
+    chosen = [None] + [entry[t] for t, entry in zip(ids[1:], want.prompt_logprobs[1:])]
+    chosen += [want.outputs[0].logprobs[0][want.outputs[0].token_ids[0]]]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(chosen[1:])
+    top = [max(e, key=e.get) for e in [*want.prompt_logprobs[1:], *want.outputs[0].logprobs]]  # the top 1
+    top_names = offline(served, lambda engine: [engine.tokenizer.decode([t]) for t in top])
+    assert [list(entry) for entry in logprobs.top_logprobs[1:]] == [[name] for name in top_names]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True) if c.choices[0].logprobs]
+    assert [t for part in streamed for t in part.tokens] == names
+    assert [lp for part in streamed for lp in part.token_logprobs] == logprobs.token_logprobs
+
+
 def test_return_token_ids_gives_each_choices_ids_whole_and_streamed(served: Served) -> None:
     """vLLM's return_token_ids: a choice's prompt_token_ids (with its first chunk) and token_ids (each chunk's)."""
     prompts = ["def add(a, b):", "x = "]
