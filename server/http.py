@@ -132,7 +132,7 @@ class Responder:
                for name, value in fields.items()):
             raise ValueError(f"cannot send the headers {headers}: the layer sets Content-Length and Connection, "
                              "and a header is one line")
-        body = json.dumps(payload).encode()  # before _begin: a payload that is not JSON can still be answered 500
+        body = json.dumps(payload, allow_nan=False).encode()  # before _begin: not JSON (NaN too) is a 500
         self._begin("json")
         head = _head(status, {**fields, "Content-Length": str(len(body))}, self._keep_alive)
         await self._connection.write(head if self._head_only else head + body)
@@ -148,7 +148,7 @@ class Responder:
         """Send one event, ``data: <json.dumps(payload)>``; a str payload is sent as is (e.g. "[DONE]")."""
         if self._kind != "events":
             raise RuntimeError("call start_events() before event()")
-        text = payload if isinstance(payload, str) else json.dumps(payload)
+        text = payload if isinstance(payload, str) else json.dumps(payload, allow_nan=False)  # NaN is not JSON
         if not self._head_only:  # a line break in the text continues the data on a second "data:" line
             await self._connection.write("".join(f"data: {line}\n" for line in text.split("\n")).encode() + b"\n")
 

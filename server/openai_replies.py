@@ -14,6 +14,8 @@ from ..core.chat_tools import ToolCall
 from ..core.request import CompletionOutput, RequestOutput
 from .openai_params import OpenAIRequest
 
+LOWEST_LOGPROB = -9999.0
+
 
 class TokenText:
     """Token texts for logprobs (each token decoded alone, as vLLM names them), asked of the engine's thread once
@@ -145,8 +147,9 @@ class Reply:
             ids, entries = self.prompt_logprobs.get(index // self.n, ([], []))
             pairs = list(zip(ids, entries)) + pairs
         names = await self.tokens.of([{token: 0.0 for token, _ in pairs}, *(e for _, e in pairs if e)])
-        chosen = [(names[token], None if entry is None else entry[token]) for token, entry in pairs]
-        tops = [None if entry is None else list(entry.items())[:self.top] for _, entry in pairs]
+        chosen = [(names[token], None if entry is None else _finite(entry[token])) for token, entry in pairs]
+        tops = [None if entry is None else [(t, _finite(lp)) for t, lp in list(entry.items())[:self.top]]
+                for _, entry in pairs]
         if self.chat:
             return {"content": [{**_token(name, logprob), "top_logprobs": [_token(names[t], lp) for t, lp in top]}
                                 for (name, logprob), top in zip(chosen, tops)]}  # type: ignore[arg-type,union-attr]
@@ -205,6 +208,11 @@ def _finish(c: CompletionOutput, called: bool) -> str | None:
 def _call(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": call.name, "arguments": json.dumps(dict(call.arguments), ensure_ascii=False)}}
+
+
+def _finite(logprob: float) -> float:
+    """A logprob JSON can carry: -inf (a token the model rules out) as -9999.0, as vLLM sends it."""
+    return max(logprob, LOWEST_LOGPROB)
 
 
 def _token(name: str, logprob: float) -> dict[str, Any]:

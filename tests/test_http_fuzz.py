@@ -457,15 +457,17 @@ def test_a_request_head_sent_a_byte_at_a_time_is_cut_off_after_the_idle_timeout(
     serve(test, caplog, idle_timeout_s=IDLE_TIMEOUT_S)
 
 
+@pytest.mark.parametrize("value, error", [(object(), TypeError), (float("nan"), ValueError)])
 def test_a_payload_that_is_not_json_is_answered_500_and_the_connection_goes_on(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """A handler's payload that json.dumps refuses is the handler's bug (500, logged with its traceback), not a
-    response begun: the client is answered instead of waiting forever."""
+        caplog: pytest.LogCaptureFixture, value: object, error: type) -> None:
+    """A handler's payload that is not JSON (an object json.dumps refuses, or a NaN, which it would write as the
+    invalid token NaN) is the handler's bug (500, logged with its traceback), not a response begun: the client is
+    answered instead of waiting forever."""
     recorder = Recorder()
 
     async def handle(request: HttpRequest, responder: Responder) -> None:
         if request.path == "/not-json":
-            await responder.json(200, {"value": object()})
+            await responder.json(200, {"value": value})
         else:
             await recorder(request, responder)
 
@@ -484,4 +486,4 @@ def test_a_payload_that_is_not_json_is_answered_500_and_the_connection_goes_on(
         failed, answered = asyncio.run(main())
     assert (failed.status, failed.json()["error"]["message"], answered.json()["path"]) == (
         500, "the server failed on this request; its log has the details", "/next")
-    assert [record.exc_info[0] for record in caplog.records if record.exc_info] == [TypeError]  # type: ignore[index]
+    assert [record.exc_info[0] for record in caplog.records if record.exc_info] == [error]  # type: ignore[index]

@@ -495,3 +495,21 @@ def test_the_clients_parse_helper_gets_the_engines_json_under_its_strict_schema(
                  {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": "yes"}}):
         with pytest.raises(openai.BadRequestError, match="response_format must be"):
             client.chat.completions.create(model=NAME, messages=ASK, max_tokens=1, response_format=form)
+
+
+def test_a_logprob_of_minus_infinity_is_sent_as_json_can_carry_it() -> None:
+    """-inf (a token the model rules out) is not JSON: it goes as -9999.0, vLLM's value, whole and in top lists."""
+    from infer.core.request import CompletionOutput
+    from infer.server.openai_params import OpenAIRequest
+    from infer.server.openai_replies import Reply, TokenText
+
+    async def names(ids: list[int]) -> list[str]:
+        return [f"<{i}>" for i in ids]
+
+    body = OpenAIRequest(["x"], SamplingParams(logprobs=2), logprobs=True)
+    reply = Reply("text_completion", "cmpl-1", NAME, body, TokenText(names))
+    entry = {5: -0.1, 6: float("-inf"), 7: float("-inf")}
+    got = asyncio.run(reply._logprobs(0, CompletionOutput(0, [7], "<7>", logprobs=[entry])))
+    assert got == {"tokens": ["<7>"], "token_logprobs": [-9999.0], "top_logprobs": [{"<5>": -0.1, "<6>": -9999.0}],
+                   "text_offset": [0]}
+    json.dumps(got, allow_nan=False)
