@@ -127,22 +127,18 @@ class Responder:
     async def json(self, status: int, payload: object, headers: Mapping[str, str] | None = None) -> None:
         """Answer ``status`` with ``payload`` as JSON; ``headers`` are added (Content-Type may be among them;
         Content-Length and Connection are the layer's)."""
-        fields = {"Content-Type": "application/json", **(headers or {})}
-        if any(name.lower() in ("content-length", "connection") or _CONTROL.search(f"{name}{value}".encode())
-               for name, value in fields.items()):
-            raise ValueError(f"cannot send the headers {headers}: the layer sets Content-Length and Connection, "
-                             "and a header is one line")
+        fields = _fields({"Content-Type": "application/json"}, headers)
         body = json.dumps(payload, allow_nan=False).encode()  # before _begin: not JSON (NaN too) is a 500
         self._begin("json")
         head = _head(status, {**fields, "Content-Length": str(len(body))}, self._keep_alive)
         await self._connection.write(head if self._head_only else head + body)
 
-    async def start_events(self) -> None:
-        """Answer 200 with an event stream (text/event-stream); the connection closes after it."""
+    async def start_events(self, headers: Mapping[str, str] | None = None) -> None:
+        """Answer 200 with an event stream (text/event-stream), ``headers`` added; the connection closes after it."""
+        fields = _fields({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}, headers)
         self._begin("events")
         self._keep_alive = False
-        await self._connection.write(_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
-                                           keep_alive=False))
+        await self._connection.write(_head(200, fields, keep_alive=False))
 
     async def event(self, payload: object) -> None:
         """Send one event, ``data: <json.dumps(payload)>``; a str payload is sent as is (e.g. "[DONE]")."""
@@ -168,6 +164,17 @@ class Responder:
 
 
 Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
+
+
+def _fields(base: Mapping[str, str], headers: Mapping[str, str] | None) -> dict[str, str]:
+    """``base`` with a handler's ``headers`` over it; ValueError for Content-Length, Connection (the layer's) or a
+    header that is not one line."""
+    fields = {**base, **(headers or {})}
+    if any(name.lower() in ("content-length", "connection") or _CONTROL.search(f"{name}{value}".encode())
+           for name, value in fields.items()):
+        raise ValueError(f"cannot send the headers {headers}: the layer sets Content-Length and Connection, "
+                         "and a header is one line")
+    return fields
 
 
 def _head(status: int, fields: Mapping[str, str], keep_alive: bool) -> bytes:

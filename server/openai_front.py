@@ -13,7 +13,7 @@ import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.errors import CapacityError, InferError, InvalidRequestError, NotFoundError
 from ..core.request import RequestOutput, SamplingParams
@@ -22,11 +22,9 @@ from .http import ClientGone, HttpError, HttpRequest, Responder
 from .openai_params import (OpenAIRequest, Served, chat_request, completion_request, detokenize_request,
                             embedding_request, tokenize_request)
 from .openai_replies import Reply, TokenText, embeddings_reply
+from .servicer import MAX_REQUEST_ID_CHARS, InferenceServicer
 from .streams import RequestStream, merge_deltas
 from .worker import EngineFault, ServerFull, ServerUnavailable
-
-if TYPE_CHECKING:
-    from .servicer import InferenceServicer
 
 log = logging.getLogger("infer.server")
 MODEL_PATH = "/v1/models/{model}"  # OpenAI's retrieve route: any path under /v1/models/
@@ -89,19 +87,22 @@ class OpenAIFront:
             {"id": name, **card, "parent": self.served.name} for name in self.servicer.served_adapters]
 
     async def completions(self, request: HttpRequest, respond: Responder) -> None:
-        await self._generate(completion_request(_json_of(request), self.served), "text_completion", respond)
+        body = completion_request(_json_of(request), self.served)
+        await self._generate(body, "text_completion", respond, request_id_of(request))
 
     async def chat(self, request: HttpRequest, respond: Responder) -> None:
-        await self._generate(chat_request(_json_of(request), self.served), "chat.completion", respond)
+        await self._generate(chat_request(_json_of(request), self.served), "chat.completion", respond,
+                             request_id_of(request))
 
     async def embeddings(self, request: HttpRequest, respond: Responder) -> None:
         body = embedding_request(_json_of(request), self.served)
-        async with self._submitted(body) as streams:
+        given = request_id_of(request)
+        async with _Submitted(self.servicer, body, given) as streams:
             outputs = await asyncio.gather(*(_collect(stream) for stream in streams))
         for out in outputs:
             if out.embedding is None:
                 raise ServerUnavailable(f"request {out.request_id} was aborted before its embedding was computed")
-        await respond.json(200, embeddings_reply(outputs, body.encoding_format, self.served.name))
+        await respond.json(200, embeddings_reply(outputs, body.encoding_format, self.served.name), _echoed(given))
 
     async def tokenize(self, request: HttpRequest, respond: Responder) -> None:
         """vLLM's: the token ids the engine would compute for a prompt or conversation, and the context length."""
@@ -115,21 +116,24 @@ class OpenAIFront:
         ids = detokenize_request(_json_of(request), self.served, self.servicer.model_info.vocab_size)
         await respond.json(200, {"prompt": await self._decode_text(ids)})
 
-    async def _generate(self, body: OpenAIRequest, kind: str, respond: Responder) -> None:
+    async def _generate(self, body: OpenAIRequest, kind: str, respond: Responder, given: str | None) -> None:
+        """Answer a completions or chat body; ``given``: the client's X-Request-Id (the engine's request id, and
+        the answer's id after its prefix), else a fresh one."""
         if body.fill_context:
             body.params = await self._context_rest(body)
         tokens = TokenText(self._decode)
-        reply = Reply(kind, f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+        submitted = _Submitted(self.servicer, body, given)
+        reply = Reply(kind, f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{submitted.stem}",
                       self.served.name, body, tokens)
-        async with self._submitted(body) as streams:
+        async with submitted as streams:
             if body.echo:
                 reply.echoed = [prompt if isinstance(prompt, str) else await self._decode_text(prompt)
                                 for prompt in body.prompts]  # type: ignore[misc]
             if not body.stream:
                 outputs = await asyncio.gather(*(_collect(stream) for stream in streams))
-                await respond.json(200, await reply.whole(outputs))
+                await respond.json(200, await reply.whole(outputs), _echoed(given))
                 return
-            await respond.start_events()
+            await respond.start_events(_echoed(given))
             for chunk in reply.opening():
                 await respond.event(chunk)
             async for index, delta in _interleaved(streams):
@@ -153,23 +157,24 @@ class OpenAIFront:
     async def _decode_text(self, ids: list[int]) -> str:
         return await asyncio.wrap_future(self.worker.call(lambda engine: engine.tokenizer.decode(ids)))
 
-    def _submitted(self, body: OpenAIRequest) -> _Submitted:
-        return _Submitted(self.servicer, body)
-
 
 class _Submitted:
     """``async with``: each prompt of a body admitted and submitted as its own request; on exit (an answer, an
     error, the client gone) every request still running is aborted and the admission released."""
 
-    def __init__(self, servicer: InferenceServicer, body: OpenAIRequest) -> None:
+    def __init__(self, servicer: InferenceServicer, body: OpenAIRequest, given: str | None = None) -> None:
         self.servicer, self.body, self.streams = servicer, body, []  # type: ignore[var-annotated]
+        self.stem, self.given = given or uuid.uuid4().hex, given is not None
+
+    def request_id(self, index: int) -> str:
+        """A given X-Request-Id is the request's id as it is (one prompt) or before ``-INDEX``."""
+        return self.stem if self.given and len(self.body.prompts) == 1 else f"{self.stem}-{index}"
 
     async def __aenter__(self) -> list[RequestStream]:
-        stem = uuid.uuid4().hex
         try:
             for index, prompt in enumerate(self.body.prompts):
                 self.servicer.admit()
-                stream = RequestStream(f"{stem}-{index}")
+                stream = RequestStream(self.request_id(index))
                 self.streams.append(stream)
                 self.servicer.worker.submit(prompt, self.body.params, stream)
         except BaseException:
@@ -216,6 +221,19 @@ async def _interleaved(streams: list[RequestStream]) -> AsyncIterator[tuple[int,
     finally:
         for task in tasks:
             task.cancel()
+
+
+def request_id_of(request: HttpRequest) -> str | None:
+    """The client's X-Request-Id (vLLM's header), as long as gRPC's request_id may be; None without one."""
+    given = request.headers.get("x-request-id")
+    if given is not None and not (0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable()):
+        raise InvalidRequestError(f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters, got "
+                                  f"{len(given)}: {given[:80]!r}")
+    return given
+
+
+def _echoed(given: str | None) -> dict[str, str]:
+    return {} if given is None else {"X-Request-Id": given}
 
 
 def _json_of(request: HttpRequest) -> Any:

@@ -373,6 +373,36 @@ def test_tokenize_and_detokenize_are_the_engines(served: Served) -> None:
     assert status == 400 and "give one" in answer["error"]["message"]
 
 
+def test_x_request_id_names_the_engine_request_and_the_answer(served: Served) -> None:
+    """vLLM's X-Request-Id: the engine's request id while it runs (what gRPC's Abort takes, what logs name), the
+    answer's id after its prefix, and echoed in the answer's headers; a bad one is 400."""
+    body = json.dumps({"model": NAME, "prompt": "a", "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {TOKEN}",
+                                                             "X-Request-Id": "trace-42"})
+        response = connection.getresponse()
+        first = json.loads(response.fp.readline().decode().removeprefix("data: "))
+        assert (response.status, response.getheader("X-Request-Id"), first["id"]) == (200, "trace-42", "cmpl-trace-42")
+        assert offline(served, lambda engine: "trace-42" in engine.requests)
+        response.read()
+    finally:
+        connection.close()
+    for bad in ("x" * 300, "caf\u00e9"):
+        connection = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=60)
+        try:
+            connection.putrequest("POST", "/v1/completions")
+            for name, value in (("Authorization", f"Bearer {TOKEN}"), ("X-Request-Id", bad),
+                                ("Content-Length", str(len(body)))):
+                connection.putheader(name, value.encode("utf-8"))
+            connection.endheaders(body)
+            response = connection.getresponse()
+            assert response.status == 400 and "X-Request-Id must be" in json.loads(response.read())["error"]["message"]
+        finally:
+            connection.close()
+
+
 def test_malformed_json_is_400(served: Served) -> None:
     status, answer = post(served, "/v1/completions", b"{not json")
     assert status == 400 and "not JSON" in answer["error"]["message"]
