@@ -543,3 +543,59 @@ def test_a_logprob_of_minus_infinity_is_sent_as_json_can_carry_it() -> None:
     assert got == {"tokens": ["<7>"], "token_logprobs": [-9999.0], "top_logprobs": [{"<5>": -0.1, "<6>": -9999.0}],
                    "text_offset": [0]}
     json.dumps(got, allow_nan=False)
+
+
+def test_many_streams_some_cut_off_leave_nothing_behind(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """16 streams at once on their own server, half of them cut off by their clients after 0-20 events: the others
+    get every token, and the server ends with no request running, no KV block used, nothing in flight and nothing
+    logged as an error."""
+    import random
+
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=128, max_model_len=CONTEXT))
+    rng = random.Random(0)
+    cuts = [rng.choice([0, 1, 5, 20]) if i % 2 else None for i in range(16)]
+
+    async def one(port: int, index: int) -> dict | None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({"prompt": [3 + index, 5, 7], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                           "stream": True, "stream_options": {"include_usage": True}}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        usage, events = None, 0
+        try:
+            while (await reader.readline()) not in (b"\r\n", b""):
+                pass
+            while line := await reader.readline():
+                if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
+                    continue
+                events += 1
+                usage = json.loads(line[6:]).get("usage") or usage
+                if cuts[index] is not None and events > cuts[index]:
+                    return None
+            return usage
+        finally:
+            writer.close()
+
+    async def main() -> tuple[list[dict | None], bool]:
+        server = InferenceServer(engine, ServeOptions(port=0, http_port=0, grace_period_s=0.0))
+        await server.start()
+        try:
+            results = await asyncio.gather(*(one(server.http_port, i) for i in range(16)))  # type: ignore[arg-type]
+            for _ in range(600):
+                settled = await asyncio.wrap_future(server.worker.call(
+                    lambda e: not e.has_unfinished() and e.kv.stats().used_blocks == 0))
+                if settled and server.servicer.in_flight == 0:
+                    return results, True
+                await asyncio.sleep(0.05)
+            return results, False
+        finally:
+            await server.close(grace=0.0)
+
+    with caplog.at_level(logging.ERROR):
+        results, settled = asyncio.run(main())
+    assert settled
+    assert [r is None for r in results] == [cut is not None for cut in cuts]
+    assert all(r is not None and r["completion_tokens"] == 60 for r, cut in zip(results, cuts) if cut is None)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
