@@ -197,6 +197,10 @@ async def _collect(stream: RequestStream) -> RequestOutput:
 
 async def _interleaved(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The deltas of several requests as they come, each with its prompt's index."""
+    if len(streams) == 1:  # the common body, read without a task and a queue hop per delta
+        async for delta in streams[0]:
+            yield 0, delta
+        return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
