@@ -55,10 +55,14 @@ def quiet_grpc_core() -> None:
                    "on this port (0 picks a free one; same host, token and TLS) [default: off].")
 @click.option("--served-model-name", default=None,
               help="The name the HTTP API's `model` field gives the model [default: the model folder's name].")
+@click.option("--allowed-origins", "allowed_origins", multiple=True, metavar="ORIGIN",
+              help="Let web pages of this origin (e.g. https://app.example.com; * for any) call the HTTP API from a "
+                   "browser (CORS); repeat for several [default: none].")
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_bytes: int, grace_period: float,
           token: str | None, tls_cert: Path | None, tls_key: Path | None, metrics_port: int | None,
-          allow_lora_loading: bool, http_port: int | None, served_model_name: str | None) -> None:
+          allow_lora_loading: bool, http_port: int | None, served_model_name: str | None,
+          allowed_origins: tuple[str, ...]) -> None:
     """Serve the model over gRPC (infer.v1.Inference, health, reflection) until SIGTERM, then drain; with
     --http-port, OpenAI's HTTP API too."""
     from ..cli.main import build_engine
@@ -66,7 +70,8 @@ def serve(ctx: click.Context, host: str, port: int, max_queue: int, max_message_
     from ..server.app import InferenceServer, ServeOptions, host_port, serve as run_server
 
     options = ServeOptions(host, port, max_queue, max_message_bytes, grace_period, token, tls_cert, tls_key,
-                           metrics_port, allow_lora_loading, http_port, served_model_name).validate()
+                           metrics_port, allow_lora_loading, http_port, served_model_name,
+                           allowed_origins).validate()
     options.check_ports()  # before the model load, which can take minutes
     engine = build_engine(ctx, freeze_gc=True)  # a long-running process: no full collection should stall a step
 

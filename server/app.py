@@ -49,6 +49,7 @@ class ServeOptions:
     allow_lora_loading: bool = False  # the LoadLoraAdapter and UnloadLoraAdapter RPCs
     http_port: int | None = None  # OpenAI's HTTP API (server/openai_front.py) on this port too; 0 picks a free one
     served_model_name: str | None = None  # what the HTTP API's `model` field names; None: the model folder's name
+    allowed_origins: tuple[str, ...] = ()  # CORS: the web origins whose pages may call the HTTP API ("*": any)
 
     def validate(self) -> ServeOptions:
         from ..core.errors import ConfigError
@@ -77,6 +78,11 @@ class ServeOptions:
             raise ConfigError(f"--http-port must differ from --port and --metrics-port (it is {self.http_port})")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("--served-model-name must not be empty")
+        if self.allowed_origins and self.http_port is None:
+            raise ConfigError("--allowed-origins is for the HTTP API: add --http-port")
+        if bad := [o for o in self.allowed_origins if o != "*" and not o.startswith(("http://", "https://"))]:
+            raise ConfigError(f"--allowed-origins takes origins such as https://app.example.com (scheme, host and "
+                              f"port, no path) or *, got {bad[0]!r}")
         return self
 
     def check_ports(self) -> None:
@@ -242,7 +248,7 @@ class InferenceServer:
         if o.tls_cert is not None and o.tls_key is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(o.tls_cert, o.tls_key)
-        front = OpenAIFront(self.servicer, self.served_name, o.token)
+        front = OpenAIFront(self.servicer, self.served_name, o.token, o.allowed_origins)
         try:
             self._http = await start_http_server(front, o.host, port, ssl=context, max_body_bytes=o.max_message_bytes)
         except OSError as exc:

@@ -113,11 +113,13 @@ class _Connection:
 
 
 class Responder:
-    """How a handler answers one request. Exactly one of json() or start_events() per request."""
+    """How a handler answers one request. Exactly one of json() or start_events() per request. ``headers``: what
+    every answer to this request carries, the layer's error answers too (a handler sets them first: CORS's)."""
 
     def __init__(self, connection: _Connection, keep_alive: bool, head_only: bool = False) -> None:
         self._connection, self._keep_alive, self._head_only = connection, keep_alive, head_only
         self._kind: str | None = None  # "json" or "events" once the response has begun
+        self.headers: dict[str, str] = {}
 
     @property
     def started(self) -> bool:
@@ -127,7 +129,7 @@ class Responder:
     async def json(self, status: int, payload: object, headers: Mapping[str, str] | None = None) -> None:
         """Answer ``status`` with ``payload`` as JSON; ``headers`` are added (Content-Type may be among them;
         Content-Length and Connection are the layer's)."""
-        fields = _fields({"Content-Type": "application/json"}, headers)
+        fields = _fields({"Content-Type": "application/json", **self.headers}, headers)
         body = json.dumps(payload, allow_nan=False).encode()  # before _begin: not JSON (NaN too) is a 500
         self._begin("json")
         head = _head(status, {**fields, "Content-Length": str(len(body))}, self._keep_alive)
@@ -135,7 +137,7 @@ class Responder:
 
     async def start_events(self, headers: Mapping[str, str] | None = None) -> None:
         """Answer 200 with an event stream (text/event-stream), ``headers`` added; the connection closes after it."""
-        fields = _fields({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}, headers)
+        fields = _fields({"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self.headers}, headers)
         self._begin("events")
         self._keep_alive = False
         await self._connection.write(_head(200, fields, keep_alive=False))

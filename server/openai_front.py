@@ -11,7 +11,7 @@ import logging
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence as Seq
 from dataclasses import replace
 from typing import Any
 
@@ -28,15 +28,18 @@ from .worker import EngineFault, ServerFull, ServerUnavailable
 
 log = logging.getLogger("infer.server")
 MODEL_PATH = "/v1/models/{model}"  # OpenAI's retrieve route: any path under /v1/models/
+CORS_HEADERS = "Authorization, Content-Type, X-Request-Id"  # what a page's requests may send
 
 
 class OpenAIFront:
     """The HTTP handler (server/http.py's ``Handler``) of OpenAI's API, for one served model."""
 
-    def __init__(self, servicer: InferenceServicer, served_name: str, token: str | None = None) -> None:
+    def __init__(self, servicer: InferenceServicer, served_name: str, token: str | None = None,
+                 allowed_origins: Seq[str] = ()) -> None:
         self.servicer, self.worker = servicer, servicer.worker
         self.served = Served(served_name, lambda: servicer.served_adapters)
         self.token = token.encode() if token else None
+        self.allowed_origins = frozenset(allowed_origins)  # CORS: web pages of these origins may call ("*": any)
         self.created = int(time.time())
         self.routes: dict[tuple[str, str], Callable[[HttpRequest, Responder], Awaitable[None]]] = {
             ("GET", "/v1/models"): self.models, ("GET", MODEL_PATH): self.model, ("GET", "/health"): self.health,
@@ -46,6 +49,11 @@ class OpenAIFront:
 
     async def __call__(self, request: HttpRequest, respond: Responder) -> None:
         wanted = MODEL_PATH if request.path.startswith(MODEL_PATH[:-len("{model}")]) else request.path
+        if self._cors(request, respond) and request.method == "OPTIONS":  # a browser's preflight: no token
+            methods = sorted({method for method, path in self.routes if path == wanted})
+            await respond.json(200, {}, {"Access-Control-Allow-Methods": ", ".join(methods) or "GET, POST",
+                                         "Access-Control-Allow-Headers": CORS_HEADERS, "Access-Control-Max-Age": "600"})
+            return
         route = self.routes.get((request.method, wanted))
         if route is None:
             methods = [method for method, path in self.routes if path == wanted]
@@ -63,6 +71,16 @@ class OpenAIFront:
             raise
         except Exception as exc:
             raise http_error_of(exc) from exc
+
+    def _cors(self, request: HttpRequest, respond: Responder) -> bool:
+        """Whether the request comes from a web page of an allowed origin (--allowed-origins); if so, every answer
+        to it says so (Access-Control-Allow-Origin), errors too, so that the page can read them."""
+        origin = request.headers.get("origin")
+        if origin is None or not ("*" in self.allowed_origins or origin in self.allowed_origins):
+            return False
+        respond.headers.update({"Access-Control-Allow-Origin": "*" if "*" in self.allowed_origins else origin,
+                                "Access-Control-Expose-Headers": "X-Request-Id", "Vary": "Origin"})
+        return True
 
     async def health(self, request: HttpRequest, respond: Responder) -> None:
         if self.servicer.draining:

@@ -39,6 +39,7 @@ NAME = "tiny"
 CONTEXT = 256  # the served engine's max_model_len
 TOKEN = "sesame"
 ADAPTER = "sql"  # a LoRA adapter the server serves: a body's model may name it
+PAGE = "https://app.example"  # the web origin the server lets call it (--allowed-origins)
 
 
 @dataclass
@@ -86,7 +87,7 @@ def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     thread = threading.Thread(target=loop.run_forever, name="test-openai-loop", daemon=True)
     thread.start()
     server = InferenceServer(llm.engine, ServeOptions(port=0, grace_period_s=0.0, http_port=0, token=TOKEN,
-                                                      served_model_name=NAME, max_queue=2))
+                                                      served_model_name=NAME, max_queue=2, allowed_origins=(PAGE,)))
     try:
         asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
         yield Served(server, llm, loop)
@@ -401,6 +402,47 @@ def test_x_request_id_names_the_engine_request_and_the_answer(served: Served) ->
             assert response.status == 400 and "X-Request-Id must be" in json.loads(response.read())["error"]["message"]
         finally:
             connection.close()
+
+
+def request(served: Served, method: str, path: str, headers: dict[str, str], body: bytes = b""
+            ) -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=60)
+    try:
+        connection.request(method, path, body, headers)
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def test_pages_of_an_allowed_origin_may_call_from_a_browser(served: Served) -> None:
+    """--allowed-origins (CORS): a preflight is answered without the token, with the route's methods; every answer
+    to a page of the origin says it may read it, an error too; another origin's page gets no such header."""
+    status, headers, _ = request(served, "OPTIONS", "/v1/chat/completions", {
+        "Origin": PAGE, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+    assert status == 200 and headers["access-control-allow-origin"] == PAGE
+    assert headers["access-control-allow-methods"] == "POST" and "Authorization" in headers[
+        "access-control-allow-headers"]
+    body = json.dumps({"model": NAME, "prompt": "x", "max_tokens": 2}).encode()
+    status, headers, answer = request(served, "POST", "/v1/completions", {"Origin": PAGE,
+                                                                          "Authorization": f"Bearer {TOKEN}"}, body)
+    assert status == 200 and headers["access-control-allow-origin"] == PAGE and json.loads(answer)["choices"]
+    status, headers, _ = request(served, "POST", "/v1/completions", {"Origin": PAGE}, body)  # no token
+    assert status == 401 and headers["access-control-allow-origin"] == PAGE
+    for method in ("OPTIONS", "POST"):
+        status, headers, _ = request(served, method, "/v1/completions", {"Origin": "https://evil.example",
+                                                                         "Authorization": f"Bearer {TOKEN}"}, body)
+        assert "access-control-allow-origin" not in headers and status == (405 if method == "OPTIONS" else 200)
+
+
+def test_allowed_origins_need_the_http_api_and_an_origin_shape() -> None:
+    from infer.core.errors import ConfigError
+
+    for options, complaint in (({"allowed_origins": ("*",)}, "add --http-port"),
+                               ({"allowed_origins": ("app.example",), "http_port": 0}, "got 'app.example'")):
+        with pytest.raises(ConfigError, match=complaint):
+            ServeOptions(**options).validate()  # type: ignore[arg-type]
+    ServeOptions(http_port=0, allowed_origins=("*", "http://localhost:3000")).validate()
 
 
 def test_malformed_json_is_400(served: Served) -> None:
