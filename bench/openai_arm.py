@@ -225,7 +225,7 @@ class OpenAIArm:
         if pooling.normalize is not None:
             body["normalize"] = pooling.normalize
         if priority:
-            body["priority"] = priority
+            body["priority"] = -priority  # vLLM's API (infer's front too): lower first
         answer = await post_json(self.endpoint, self.endpoint.path("/embeddings"), body)
         try:
             return [float(value) for value in answer["data"][0]["embedding"]]
@@ -243,6 +243,6 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
     optional = {"top_k": params.top_k, "min_p": params.min_p,
                 "repetition_penalty": None if params.repetition_penalty == 1.0 else params.repetition_penalty,
                 "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty,
-                "min_tokens": params.min_tokens, "priority": params.priority,
+                "min_tokens": params.min_tokens, "priority": -params.priority,
                 "logit_bias": {str(token): bias for token, bias in params.logit_bias}}
     return fields | {name: value for name, value in optional.items() if value not in (None, 0, {})}

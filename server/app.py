@@ -80,7 +80,7 @@ class ServeOptions:
             raise ConfigError("--served-model-name must not be empty")
         if self.allowed_origins and self.http_port is None:
             raise ConfigError("--allowed-origins is for the HTTP API: add --http-port")
-        if bad := [o for o in self.allowed_origins if o != "*" and not o.startswith(("http://", "https://"))]:
+        if bad := [o for o in self.allowed_origins if o != "*" and not _is_origin(o)]:
             raise ConfigError(f"--allowed-origins takes origins such as https://app.example.com (scheme, host and "
                               f"port, no path) or *, got {bad[0]!r}")
         return self
@@ -92,6 +92,15 @@ class ServeOptions:
             check_port_free(self.host, self.metrics_port, "--metrics-port")
         if self.http_port is not None:
             check_port_free(self.host, self.http_port, "--http-port")
+
+
+def _is_origin(text: str) -> bool:
+    """Whether ``text`` is a web origin as browsers send it: http(s), a host, maybe a port, nothing after."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    return parts.scheme in ("http", "https") and bool(parts.netloc) and not (parts.path or parts.query
+                                                                            or parts.fragment) and "@" not in text
 
 
 def check_tls_files(cert: Path, key: Path) -> None:

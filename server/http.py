@@ -159,8 +159,9 @@ class Responder:
         """Answer ``error``: as the JSON response, or as the event stream's last event."""
         if self._kind is None:
             await self.json(error.status, error.payload())
-        elif self._kind == "events":
+        elif self._kind == "events":  # the error, then the end of the stream as OpenAI's servers mark it
             await self.event(error.payload())
+            await self.event("[DONE]")
         else:
             log.error("an HTTP handler failed after its response was sent: %s", error.message)
 

@@ -28,7 +28,7 @@ from .worker import EngineFault, ServerFull, ServerUnavailable
 
 log = logging.getLogger("infer.server")
 MODEL_PATH = "/v1/models/{model}"  # OpenAI's retrieve route: any path under /v1/models/
-CORS_HEADERS = "Authorization, Content-Type, X-Request-Id"  # what a page's requests may send
+CORS_HEADERS = "Authorization, Content-Type, X-Request-Id"  # what a page may send, when its preflight names none
 
 
 class OpenAIFront:
@@ -51,8 +51,10 @@ class OpenAIFront:
         wanted = MODEL_PATH if request.path.startswith(MODEL_PATH[:-len("{model}")]) else request.path
         if self._cors(request, respond) and request.method == "OPTIONS":  # a browser's preflight: no token
             methods = sorted({method for method, path in self.routes if path == wanted})
+            asked = request.headers.get("access-control-request-headers")  # an SDK's own headers too (x-stainless-*)
             await respond.json(200, {}, {"Access-Control-Allow-Methods": ", ".join(methods) or "GET, POST",
-                                         "Access-Control-Allow-Headers": CORS_HEADERS, "Access-Control-Max-Age": "600"})
+                                         "Access-Control-Allow-Headers": asked or CORS_HEADERS,
+                                         "Access-Control-Max-Age": "600"})
             return
         route = self.routes.get((request.method, wanted))
         if route is None:
@@ -62,7 +64,7 @@ class OpenAIFront:
             raise HttpError(404, f"no route {request.path}; this server answers "
                             f"{', '.join(sorted({path for _, path in self.routes}))}")
         if self.token is not None and request.path != "/health" and not bearer_token_matches(
-                request.headers.get("authorization", ""), self.token):
+                request.headers.get("authorization", "").encode("latin-1"), self.token):  # the bytes sent
             raise HttpError(401, "missing or invalid bearer token: send the header 'Authorization: Bearer <token>' "
                             "(the server's INFER_SERVER_TOKEN)")
         try:
@@ -116,7 +118,7 @@ class OpenAIFront:
         body = embedding_request(_json_of(request), self.served)
         given = request_id_of(request)
         async with _Submitted(self.servicer, body, given) as streams:
-            outputs = await asyncio.gather(*(_collect(stream) for stream in streams))
+            outputs = await _collect_all(streams)
         for out in outputs:
             if out.embedding is None:
                 raise ServerUnavailable(f"request {out.request_id} was aborted before its embedding was computed")
@@ -148,9 +150,10 @@ class OpenAIFront:
                 reply.echoed = [prompt if isinstance(prompt, str) else await self._decode_text(prompt)
                                 for prompt in body.prompts]  # type: ignore[misc]
             if not body.stream:
-                outputs = await asyncio.gather(*(_collect(stream) for stream in streams))
-                await respond.json(200, await reply.whole(outputs), _echoed(given))
+                await respond.json(200, await reply.whole(await _collect_all(streams)), _echoed(given))
                 return
+            for stream in streams:  # an engine's refusal is still an answer of its own status, not a 200
+                await stream.wait_accepted()
             await respond.start_events(_echoed(given))
             for chunk in reply.opening():
                 await respond.event(chunk)
@@ -166,7 +169,9 @@ class OpenAIFront:
         prompt = body.prompts[0]
         ids = await asyncio.wrap_future(self.worker.call(lambda engine: engine.tokenize(prompt)))
         assert isinstance(body.params, SamplingParams)
-        return replace(body.params, max_tokens=max(1, self.servicer.model_info.max_model_len - len(ids)))
+        params = replace(body.params, max_tokens=max(1, self.servicer.model_info.max_model_len - len(ids)))
+        params.validate()  # min_tokens within that room
+        return params
 
     async def _decode(self, ids: list[int]) -> list[str]:
         """Each token's text (by the engine's tokenizer, on its thread): logprobs name their tokens by it."""
@@ -203,6 +208,19 @@ class _Submitted:
     async def __aexit__(self, *exc: object) -> None:
         for stream in self.streams:
             self.servicer.close(stream)
+
+
+async def _collect_all(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Each request's whole output; the first error raised once the others' readers are cancelled (none is left
+    waiting on a stream that the cleanup aborts without a word)."""
+    tasks = [asyncio.ensure_future(_collect(stream)) for stream in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _collect(stream: RequestStream) -> RequestOutput:
@@ -261,6 +279,8 @@ def _echoed(given: str | None) -> dict[str, str]:
 def _json_of(request: HttpRequest) -> Any:
     try:
         return json.loads(request.body)
+    except RecursionError:
+        raise InvalidRequestError("the body nests too deeply to read; send a flatter JSON object") from None
     except ValueError as exc:  # UnicodeDecodeError too
         raise InvalidRequestError(f"the body is not JSON ({exc}); send a JSON object with Content-Type: "
                                   "application/json") from None

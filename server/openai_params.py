@@ -4,7 +4,7 @@ unknown field, or one the engine cannot honour, is an InvalidRequestError that n
 quietly). The names vLLM adds beside OpenAI's
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, priority,
 structured_outputs, return_token_ids, chat_template_kwargs, add_generation_prompt, continue_final_message) are read as
-vLLM reads them."""
+vLLM reads them: ``priority`` too, lower first, so the engine's (higher first) is its negation."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,10 @@ class Served:
         model = body.get("model")
         if model is None or model == self.name:
             return None
-        if isinstance(model, str) and model in self.adapters():
+        if not isinstance(model, str):
+            raise InvalidRequestError(f"model must be a string, the served model's name or an adapter's, got "
+                                      f"{json.dumps(model)[:200]}")
+        if model in self.adapters():
             return model
         served = ", ".join(repr(name) for name in (self.name, *self.adapters()))
         raise NotFoundError(f"the model {str(model)[:200]!r} does not exist here; this server serves {served} "
@@ -127,7 +130,7 @@ def chat_request(body: object, served: Served) -> OpenAIRequest:
         raise InvalidRequestError("top_logprobs needs logprobs true; set logprobs, or leave top_logprobs out")
     most = _most_tokens(fields)
     request = _generation(fields, served, fields.take("n", int, 1), (top or 0) if wants_logprobs else None,
-                          max_tokens=16 if most is None else most)
+                          max_tokens=most)
     request.prompts, request.fill_context, request.one_call = [prompt], most is None, one_call
     fields.done()
     return request
@@ -150,7 +153,7 @@ def embedding_request(body: object, served: Served) -> OpenAIRequest:
     if encoding not in ("float", "base64"):
         raise InvalidRequestError(f"encoding_format must be \"float\" or \"base64\", got {encoding[:50]!r}")
     params = PoolingParams(pooling=fields.take("pooling", str), normalize=fields.take("normalize", bool),
-                           dimensions=fields.take("dimensions", int), priority=fields.take("priority", int, 0),
+                           dimensions=fields.take("dimensions", int), priority=-fields.take("priority", int, 0),
                            lora_adapter=served.adapter_of(body),  # type: ignore[arg-type]
                            truncate=fields.take("truncate", bool, False))
     fields.drop("model", "user")
@@ -205,8 +208,9 @@ def _prompts(fields: Fields, name: str) -> list[Prompt]:
     return list(value)
 
 
-def _generation(fields: Fields, served: Served, n: int, top: int | None, max_tokens: int) -> OpenAIRequest:
-    """The sampling fields that completions and chat share, as SamplingParams (validated)."""
+def _generation(fields: Fields, served: Served, n: int, top: int | None, max_tokens: int | None) -> OpenAIRequest:
+    """The sampling fields that completions and chat share, as SamplingParams (validated). ``max_tokens`` None: the
+    context's room, which the front sets once the prompt is tokenized (a stand-in of at least min_tokens till then)."""
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"logprobs asks for the top {top} tokens; give 0 to {MAX_TOP_LOGPROBS}")
     stream = fields.take("stream", bool, False)
@@ -223,8 +227,11 @@ def _generation(fields: Fields, served: Served, n: int, top: int | None, max_tok
         raise InvalidRequestError(f"logit_bias must map token ids (as strings) to biases, got "
                                   f"{json.dumps(bias)[:200]}") from None
     kwargs = {name: fields.take(name, kinds) for name, kinds in _SCALARS.items()}
+    if (priority := fields.take("priority", int)) is not None:
+        kwargs["priority"] = -priority  # vLLM's: lower first
     params = SamplingParams(
-        max_tokens=max_tokens, n=n, logprobs=top, logit_bias=bias,
+        max_tokens=max(16, kwargs["min_tokens"] or 0) if max_tokens is None else max_tokens, n=n, logprobs=top,
+        logit_bias=bias,
         stop=fields.take("stop", (str, list), ()), stop_token_ids=tuple(fields.take("stop_token_ids", list, ())),
         structured_output=_structure(fields), lora_adapter=served.adapter_of(fields.left),
         **{name: value for name, value in kwargs.items() if value is not None})
@@ -237,7 +244,7 @@ def _generation(fields: Fields, served: Served, n: int, top: int | None, max_tok
 _SCALARS: dict[str, type | tuple[type, ...]] = {
     "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int, "presence_penalty": float,
     "frequency_penalty": float, "repetition_penalty": float, "min_tokens": int, "ignore_eos": bool,
-    "include_stop_str_in_output": bool, "priority": int}
+    "include_stop_str_in_output": bool}
 
 
 def _structure(fields: Fields) -> StructuredOutput | None:

@@ -10,6 +10,9 @@ from ..core.outputs import append_output
 from ..core.request import RequestOutput
 
 
+ACCEPTED = object()  # put on a stream once the engine took its request (add_request passed)
+
+
 class RequestStream:
     """The event-loop end of one request: an async iterator over its RequestOutput deltas.
 
@@ -26,12 +29,27 @@ class RequestStream:
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
         self.finished = False
+        self.accepted = False  # the engine took the request: what it says now comes as outputs
         self.size_of, self.max_merged = size_of, max_merged
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Called on the event loop (the worker hands items over with ``call_soon_threadsafe``)."""
-        self._items.append(item)
+    def put(self, item: RequestOutput | BaseException | object) -> None:
+        """Called on the event loop (the worker hands items over with ``call_soon_threadsafe``); ACCEPTED marks the
+        request taken."""
+        if item is ACCEPTED:
+            self.accepted = True
+        else:
+            self._items.append(item)  # type: ignore[arg-type]
         self._ready.set()
+
+    async def wait_accepted(self) -> None:
+        """Until the engine has taken the request, or raise the error it refused it with (so that an answer can
+        begin only once the request runs: an HTTP stream's 200)."""
+        while not self.accepted:
+            if self._items and isinstance(self._items[0], BaseException):
+                self.finished = True
+                raise self._items.popleft()
+            self._ready.clear()
+            await self._ready.wait()
 
     def __aiter__(self) -> RequestStream:
         return self

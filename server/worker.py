@@ -23,7 +23,7 @@ from ..core.errors import InferError, InvalidRequestError, NotFoundError
 from ..core.pooling import PoolingParams
 from ..core.request import RequestOutput, SamplingParams
 from .snapshot import EngineSnapshot, Throughput, read_snapshot
-from .streams import RequestStream
+from .streams import ACCEPTED, RequestStream
 
 if TYPE_CHECKING:  # core.beam_search imports torch, which the server's clients do not need
     from ..core.beam_search import BeamSearchOutput, BeamSearchParams
@@ -308,6 +308,7 @@ class EngineWorker:
             self._outbox.append((cmd.stream, EngineFault(f"internal error while adding the request: {exc!r}")))
         else:
             self._streams[rid] = cmd.stream
+            self._outbox.append((cmd.stream, ACCEPTED))
 
     def _step(self) -> None:
         try:

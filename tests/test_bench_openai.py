@@ -201,11 +201,12 @@ def test_an_arm_url_must_be_an_api_base():
 
 
 def test_sampling_goes_by_openais_and_vllms_field_names():
+    """vLLM's names and senses: priority lower first, so infer's (higher first) goes negated."""
     params = SamplingParams(max_tokens=3, temperature=0.5, top_k=4, min_p=0.1, seed=0, repetition_penalty=1.2,
                             presence_penalty=0.3, min_tokens=2, logit_bias=((7, -5.0),), priority=2)
     assert sampling_fields(params) == {"temperature": 0.5, "top_p": 1.0, "top_k": 4, "min_p": 0.1, "seed": 0,
                                        "repetition_penalty": 1.2, "presence_penalty": 0.3, "min_tokens": 2,
-                                       "logit_bias": {"7": -5.0}, "priority": 2}
+                                       "logit_bias": {"7": -5.0}, "priority": -2}
     assert sampling_fields(SamplingParams(temperature=0.0)) == {"temperature": 0.0, "top_p": 1.0}
 
 

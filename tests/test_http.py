@@ -349,7 +349,8 @@ def test_a_client_that_does_not_read_holds_the_event_stream_back() -> None:
 
 
 @pytest.mark.parametrize("failure", [HttpError(429, "slow down"), ValueError("a bug")])
-def test_an_error_during_an_event_stream_is_its_last_event(failure: Exception) -> None:
+def test_an_error_during_an_event_stream_is_its_last_event_before_done(failure: Exception) -> None:
+    """The error's object as an event, then ``[DONE]``, the end OpenAI's servers (vLLM's) mark a stream with."""
     async def handle(request: HttpRequest, responder: Responder) -> None:
         await responder.start_events()
         await responder.event({"n": 1})
@@ -359,8 +360,8 @@ def test_an_error_during_an_event_stream_is_its_last_event(failure: Exception) -
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\n\r\n")
         response = await read_response(reader)
-        first, last, end = response.body.split(b"\n\n")
-        assert (response.status, first, end) == (200, b'data: {"n": 1}', b"")
+        first, last, done, end = response.body.split(b"\n\n")
+        assert (response.status, first, done, end) == (200, b'data: {"n": 1}', b"data: [DONE]", b"")
         expected = (error_body(429, "rate_limit_error", "slow down") if isinstance(failure, HttpError) else
                     error_body(500, "server_error", "the server failed on this request; its log has the details"))
         assert last.startswith(b"data: ") and json.loads(last[6:]) == expected

@@ -24,6 +24,7 @@ openai = pytest.importorskip("openai", reason="the HTTP front's tests drive it w
 from infer.core.chat import ChatPrompt  # noqa: E402
 from infer.core.llm import LLM  # noqa: E402
 from infer.core.pooling import PoolingParams  # noqa: E402
+from infer.core.errors import InvalidRequestError  # noqa: E402
 from infer.core.request import SamplingParams, StructuredOutput  # noqa: E402
 from infer.server.app import InferenceServer, ServeOptions  # noqa: E402
 
@@ -419,10 +420,11 @@ def test_pages_of_an_allowed_origin_may_call_from_a_browser(served: Served) -> N
     """--allowed-origins (CORS): a preflight is answered without the token, with the route's methods; every answer
     to a page of the origin says it may read it, an error too; another origin's page gets no such header."""
     status, headers, _ = request(served, "OPTIONS", "/v1/chat/completions", {
-        "Origin": PAGE, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+        "Origin": PAGE, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, x-stainless-os"})  # openai-node's own headers too
     assert status == 200 and headers["access-control-allow-origin"] == PAGE
-    assert headers["access-control-allow-methods"] == "POST" and "Authorization" in headers[
-        "access-control-allow-headers"]
+    assert (headers["access-control-allow-methods"], headers["access-control-allow-headers"]) == (
+        "POST", "authorization, x-stainless-os")
     body = json.dumps({"model": NAME, "prompt": "x", "max_tokens": 2}).encode()
     status, headers, answer = request(served, "POST", "/v1/completions", {"Origin": PAGE,
                                                                           "Authorization": f"Bearer {TOKEN}"}, body)
@@ -439,10 +441,70 @@ def test_allowed_origins_need_the_http_api_and_an_origin_shape() -> None:
     from infer.core.errors import ConfigError
 
     for options, complaint in (({"allowed_origins": ("*",)}, "add --http-port"),
-                               ({"allowed_origins": ("app.example",), "http_port": 0}, "got 'app.example'")):
+                               ({"allowed_origins": ("app.example",), "http_port": 0}, "got 'app.example'"),
+                               ({"allowed_origins": ("https://app.example/",), "http_port": 0}, "no path")):
         with pytest.raises(ConfigError, match=complaint):
             ServeOptions(**options).validate()  # type: ignore[arg-type]
     ServeOptions(http_port=0, allowed_origins=("*", "http://localhost:3000")).validate()
+
+
+def test_refusals_are_their_own_status_streamed_or_not_and_leave_no_reader_behind(served: Served) -> None:
+    """A stream the engine refuses (a prompt past the context) is a 400 before any event, as without stream; a body
+    of several prompts one of which is refused leaves no reader task waiting on the event loop; a body nested past
+    the JSON reader's depth is a 400."""
+    client = served.client()
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="context length"):
+            client.completions.create(model=NAME, prompt="x " * 400, max_tokens=4, stream=stream)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=NAME, prompt=["def f():", "x " * 400], max_tokens=30)
+
+    async def readers() -> list[str]:
+        return [repr(t.get_coro()) for t in asyncio.all_tasks() if "_collect" in repr(t.get_coro())]
+
+    assert asyncio.run_coroutine_threadsafe(readers(), served.loop).result(30) == []
+    status, answer = post(served, "/v1/completions", b"[" * 100_000)
+    assert status == 400 and "nests too deeply" in answer["error"]["message"]
+
+
+def test_a_chat_without_max_tokens_may_ask_for_more_than_16_min_tokens(served: Served) -> None:
+    got = served.client().chat.completions.create(model=NAME, messages=ASK, temperature=0,
+                                                  extra_body={"min_tokens": 40})
+    assert got.usage.completion_tokens >= 40
+
+
+def test_priority_reads_as_vllm_reads_it_and_model_must_be_a_string() -> None:
+    """vLLM's priority: lower runs first, so the engine's (higher first) is its negation, for generation and
+    embeddings; a model that is not a string is a bad request, not an unknown model."""
+    from infer.server import openai_params
+
+    served = openai_params.Served(NAME, lambda: ())
+    assert openai_params.completion_request({"prompt": "x", "priority": -3}, served).params.priority == 3
+    assert openai_params.embedding_request({"input": "x", "priority": 2}, served).params.priority == -2
+    with pytest.raises(InvalidRequestError, match="model must be a string"):
+        openai_params.completion_request({"prompt": "x", "model": 7}, served)
+
+
+def test_a_token_outside_ascii_authenticates_as_over_grpc() -> None:
+    """The Authorization header's bytes are compared with the token's UTF-8, as gRPC metadata is."""
+    from types import SimpleNamespace
+
+    from infer.server.http import HttpError, HttpRequest
+    from infer.server.openai_front import OpenAIFront
+
+    front = OpenAIFront(SimpleNamespace(worker=None, served_adapters=()), NAME, "s\u00e9same")  # type: ignore[arg-type]
+    answered: list[str] = []
+
+    async def route(request: HttpRequest, respond: object) -> None:
+        answered.append(request.path)
+
+    front.routes[("GET", "/v1/models")] = route
+    sent = "Bearer s\u00e9same".encode().decode("latin-1")  # as the HTTP layer reads the header's bytes
+    asyncio.run(front(HttpRequest("GET", "/v1/models", {}, {"authorization": sent}, b""), None))  # type: ignore
+    assert answered == ["/v1/models"]
+    with pytest.raises(HttpError, match="bearer token"):
+        asyncio.run(front(HttpRequest("GET", "/v1/models", {}, {"authorization": "Bearer sesame"}, b""),
+                          None))  # type: ignore[arg-type]
 
 
 def test_malformed_json_is_400(served: Served) -> None:
