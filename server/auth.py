@@ -1,4 +1,5 @@
-"""Bearer-token authentication: a grpc.aio interceptor that checks ``authorization: Bearer <token>`` metadata (and\nthe check itself, which the HTTP front makes of its ``Authorization`` header)."""
+"""Bearer-token authentication: a grpc.aio interceptor that checks ``authorization: Bearer <token>`` metadata (and
+the check itself, which the HTTP front makes of its ``Authorization`` header)."""
 from __future__ import annotations
 
 import hmac

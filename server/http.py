@@ -113,7 +113,7 @@ class _Connection:
 
 
 class Responder:
-    """How a handler answers one request. Exactly one of json() or start_events() per request. ``headers``: what
+    """How a handler answers one request. Exactly one of json(), text() or start_events() per request. ``headers``: what
     every answer to this request carries, the layer's error answers too (a handler sets them first: CORS's)."""
 
     def __init__(self, connection: _Connection, keep_alive: bool, head_only: bool = False) -> None:
@@ -133,6 +133,13 @@ class Responder:
         body = json.dumps(payload, allow_nan=False).encode()  # before _begin: not JSON (NaN too) is a 500
         self._begin("json")
         head = _head(status, {**fields, "Content-Length": str(len(body))}, self._keep_alive)
+        await self._connection.write(head if self._head_only else head + body)
+
+    async def text(self, status: int, text: str, content_type: str) -> None:
+        """Answer ``status`` with ``text`` (UTF-8) of ``content_type`` (Prometheus' exposition format, say)."""
+        fields = _fields({"Content-Type": content_type, **self.headers}, None)
+        self._begin("json")  # a whole answer of known length, as json()'s
+        head = _head(status, {**fields, "Content-Length": str(len(body := text.encode()))}, self._keep_alive)
         await self._connection.write(head if self._head_only else head + body)
 
     async def start_events(self, headers: Mapping[str, str] | None = None) -> None:

@@ -1,8 +1,8 @@
 """OpenAIFront: OpenAI's HTTP API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``,
-``/v1/models`` and ``/v1/models/{model}``; vLLM's ``/tokenize`` and ``/detokenize``) in front of the gRPC server's
-engine worker, on the same event loop. Requests are admitted by the servicer (one --max-queue for both fronts, the
-same draining), read by server/openai_params.py, and answered by server/openai_replies.py; a client that goes away
-cancels its requests (their KV is freed)."""
+``/v1/models`` and ``/v1/models/{model}``; vLLM's ``/tokenize`` and ``/detokenize``; ``/health``, ``/metrics``) in
+front of the gRPC server's engine worker, on the same event loop. Requests are admitted by the servicer (one
+--max-queue for both fronts, the same draining), read by server/openai_params.py, and answered by
+server/openai_replies.py; a client that goes away cancels its requests (their KV is freed)."""
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +28,7 @@ from .worker import EngineFault, ServerFull, ServerUnavailable
 
 log = logging.getLogger("infer.server")
 MODEL_PATH = "/v1/models/{model}"  # OpenAI's retrieve route: any path under /v1/models/
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers send no token; these serve no request content
 CORS_HEADERS = "Authorization, Content-Type, X-Request-Id"  # what a page may send, when its preflight names none
 
 
@@ -45,7 +46,7 @@ class OpenAIFront:
             ("GET", "/v1/models"): self.models, ("GET", MODEL_PATH): self.model, ("GET", "/health"): self.health,
             ("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/embeddings"): self.embeddings, ("POST", "/tokenize"): self.tokenize,
-            ("POST", "/detokenize"): self.detokenize}
+            ("POST", "/detokenize"): self.detokenize, ("GET", "/metrics"): self.metrics}
 
     async def __call__(self, request: HttpRequest, respond: Responder) -> None:
         wanted = MODEL_PATH if request.path.startswith(MODEL_PATH[:-len("{model}")]) else request.path
@@ -63,7 +64,7 @@ class OpenAIFront:
                 raise HttpError(405, f"{request.path} answers {', '.join(methods)}, not {request.method}")
             raise HttpError(404, f"no route {request.path}; this server answers "
                             f"{', '.join(sorted({path for _, path in self.routes}))}")
-        if self.token is not None and request.path != "/health" and not bearer_token_matches(
+        if self.token is not None and request.path not in OPEN_PATHS and not bearer_token_matches(
                 request.headers.get("authorization", "").encode("latin-1"), self.token):  # the bytes sent
             raise HttpError(401, "missing or invalid bearer token: send the header 'Authorization: Bearer <token>' "
                             "(the server's INFER_SERVER_TOKEN)")
@@ -88,6 +89,17 @@ class OpenAIFront:
         if self.servicer.draining:
             raise HttpError(503, "the server is shutting down")
         await respond.json(200, {"status": "ok"})
+
+    async def metrics(self, request: HttpRequest, respond: Responder) -> None:
+        """Prometheus' text, as --metrics-port serves it (vLLM serves its own on the API's port)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+        from .metrics import StatsCollector
+
+        stats = await self.servicer.stats()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StatsCollector(lambda: stats, lambda: self.servicer.rejected))  # type: ignore[arg-type]
+        await respond.text(200, generate_latest(registry).decode(), CONTENT_TYPE_LATEST)
 
     async def models(self, request: HttpRequest, respond: Responder) -> None:
         await respond.json(200, {"object": "list", "data": self._cards()})

@@ -148,8 +148,9 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_first_as_lm_eval_reads_th
     top = [max(e, key=e.get) for e in [*want.prompt_logprobs[1:], *want.outputs[0].logprobs]]  # the top 1
     top_names = offline(served, lambda engine: [engine.tokenizer.decode([t]) for t in top])
     assert [list(entry) for entry in logprobs.top_logprobs[1:]] == [[name] for name in top_names]
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model=NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True) if c.choices[0].logprobs]
+    chunks = client.completions.create(model=NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                       stream=True)
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
     assert [t for part in streamed for t in part.tokens] == names
     assert [lp for part in streamed for lp in part.token_logprobs] == logprobs.token_logprobs
 
@@ -505,6 +506,17 @@ def test_a_token_outside_ascii_authenticates_as_over_grpc() -> None:
     with pytest.raises(HttpError, match="bearer token"):
         asyncio.run(front(HttpRequest("GET", "/v1/models", {}, {"authorization": "Bearer sesame"}, b""),
                           None))  # type: ignore[arg-type]
+
+
+def test_metrics_are_served_on_the_api_port_without_the_token(served: Served) -> None:
+    """Prometheus' text of the same Stats as --metrics-port (GetStats' fields), no token needed (counts only)."""
+    served.client().completions.create(model=NAME, prompt="x", max_tokens=2)
+    status, headers, text = request(served, "GET", "/metrics", {})
+    stats = asyncio.run_coroutine_threadsafe(served.server.servicer.stats(), served.loop).result(30)
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    lines = dict(line.rsplit(" ", 1) for line in text.decode().splitlines() if line and not line.startswith("#"))
+    assert float(lines["infer_requests_finished_total"]) == stats.requests_finished > 0
+    assert float(lines["infer_server_max_queue"]) == 2
 
 
 def test_malformed_json_is_400(served: Served) -> None:
