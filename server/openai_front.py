@@ -69,6 +69,7 @@ class OpenAIFront:
             raise HttpError(401, "missing or invalid bearer token: send the header 'Authorization: Bearer <token>' "
                             "(the server's INFER_SERVER_TOKEN)")
         try:
+            respond.headers.update(_echoed(request_id_of(request)))  # on every answer to it, errors too
             await route(request, respond)
         except (HttpError, ClientGone):  # the layer answers the first and ends quietly on the second
             raise
@@ -88,6 +89,8 @@ class OpenAIFront:
     async def health(self, request: HttpRequest, respond: Responder) -> None:
         if self.servicer.draining:
             raise HttpError(503, "the server is shutting down")
+        if not self.worker.serving:  # as gRPC health turns NOT_SERVING: a balancer routes elsewhere
+            raise HttpError(503, "the server's engine thread is not running (it failed or stopped); restart the server")
         await respond.json(200, {"status": "ok"})
 
     async def metrics(self, request: HttpRequest, respond: Responder) -> None:
@@ -134,7 +137,7 @@ class OpenAIFront:
         for out in outputs:
             if out.embedding is None:
                 raise ServerUnavailable(f"request {out.request_id} was aborted before its embedding was computed")
-        await respond.json(200, embeddings_reply(outputs, body.encoding_format, self.served.name), _echoed(given))
+        await respond.json(200, embeddings_reply(outputs, body.encoding_format, self.served.name))
 
     async def tokenize(self, request: HttpRequest, respond: Responder) -> None:
         """vLLM's: the token ids the engine would compute for a prompt or conversation, and the context length."""
@@ -162,11 +165,11 @@ class OpenAIFront:
                 reply.echoed = [prompt if isinstance(prompt, str) else await self._decode_text(prompt)
                                 for prompt in body.prompts]  # type: ignore[misc]
             if not body.stream:
-                await respond.json(200, await reply.whole(await _collect_all(streams)), _echoed(given))
+                await respond.json(200, await reply.whole(await _collect_all(streams)))
                 return
             for stream in streams:  # an engine's refusal is still an answer of its own status, not a 200
                 await stream.wait_accepted()
-            await respond.start_events(_echoed(given))
+            await respond.start_events()
             for chunk in reply.opening():
                 await respond.event(chunk)
             async for index, delta in _interleaved(streams):

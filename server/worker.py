@@ -130,6 +130,11 @@ class EngineWorker:
         self._searches: list[_RunningSearch] = []  # started, not yet answered
 
     # ------------------------------------------------------------ any thread
+    @property
+    def serving(self) -> bool:
+        """Whether the engine thread runs and takes requests: False before start, after a stop and after it failed."""
+        return self._thread.is_alive() and not self._stopped
+
     def start(self) -> None:
         self._thread.start()
 

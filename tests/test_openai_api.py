@@ -392,6 +392,9 @@ def test_x_request_id_names_the_engine_request_and_the_answer(served: Served) ->
         response.read()
     finally:
         connection.close()
+    status, headers, _ = request(served, "POST", "/v1/completions", {"Authorization": f"Bearer {TOKEN}",
+                                                                     "X-Request-Id": "trace-43"}, b"{}")
+    assert status == 400 and headers["x-request-id"] == "trace-43"  # an error answer carries it too
     for bad in ("x" * 300, "caf\u00e9"):
         connection = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=60)
         try:
@@ -486,6 +489,33 @@ def test_priority_reads_as_vllm_reads_it_and_model_must_be_a_string() -> None:
         openai_params.completion_request({"prompt": "x", "model": 7}, served)
 
 
+def test_health_is_503_once_the_engine_thread_is_not_running() -> None:
+    """As gRPC health turns NOT_SERVING when the engine thread fails, so that a balancer routes elsewhere."""
+    from types import SimpleNamespace
+
+    from infer.server.http import HttpError, HttpRequest
+    from infer.server.openai_front import OpenAIFront
+
+    worker = SimpleNamespace(serving=True)
+    servicer = SimpleNamespace(worker=worker, served_adapters=(), draining=False)
+    front = OpenAIFront(servicer, NAME)  # type: ignore[arg-type]
+    answers: list[tuple[int, object]] = []
+
+    class Respond:
+        headers: dict[str, str] = {}
+
+        async def json(self, status: int, payload: object) -> None:
+            answers.append((status, payload))
+
+    health = HttpRequest("GET", "/health", {}, {}, b"")
+    asyncio.run(front(health, Respond()))  # type: ignore[arg-type]
+    assert answers == [(200, {"status": "ok"})]
+    worker.serving = False
+    with pytest.raises(HttpError, match="engine thread is not running") as failed:
+        asyncio.run(front(health, Respond()))  # type: ignore[arg-type]
+    assert failed.value.status == 503
+
+
 def test_a_token_outside_ascii_authenticates_as_over_grpc() -> None:
     """The Authorization header's bytes are compared with the token's UTF-8, as gRPC metadata is."""
     from types import SimpleNamespace
@@ -501,11 +531,12 @@ def test_a_token_outside_ascii_authenticates_as_over_grpc() -> None:
 
     front.routes[("GET", "/v1/models")] = route
     sent = "Bearer s\u00e9same".encode().decode("latin-1")  # as the HTTP layer reads the header's bytes
-    asyncio.run(front(HttpRequest("GET", "/v1/models", {}, {"authorization": sent}, b""), None))  # type: ignore
+    asyncio.run(front(HttpRequest("GET", "/v1/models", {}, {"authorization": sent}, b""),
+                      SimpleNamespace(headers={})))  # type: ignore[arg-type]
     assert answered == ["/v1/models"]
     with pytest.raises(HttpError, match="bearer token"):
         asyncio.run(front(HttpRequest("GET", "/v1/models", {}, {"authorization": "Bearer sesame"}, b""),
-                          None))  # type: ignore[arg-type]
+                          SimpleNamespace(headers={})))  # type: ignore[arg-type]
 
 
 def test_metrics_are_served_on_the_api_port_without_the_token(served: Served) -> None:
@@ -573,7 +604,7 @@ def test_a_client_gone_mid_answer_passes_through_the_front_unlogged(caplog: pyte
         front.routes[("GET", "/v1/models")] = route
         caplog.clear()
         with pytest.raises(raised):
-            asyncio.run(front(request, None))  # type: ignore[arg-type]
+            asyncio.run(front(request, SimpleNamespace(headers={})))  # type: ignore[arg-type]
         assert bool(caplog.records) is (raised is HttpError)
 
 
