@@ -1,12 +1,15 @@
 """Shared fixtures: tiny checkpoints come from infer.testing (the pytest11 plugin); HF reference helpers here."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,3 +298,53 @@ def serve_engine() -> Callable[..., None]:
         asyncio.run(main())
 
     return run
+
+
+class LoopThread:
+    """An event loop on a thread of its own, for in-process servers that a test's blocking clients (the openai
+    client, a CLI run, gRPC's sync client) call from the main thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        """Run ``coro`` on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@contextmanager
+def serving(engine: Any, loops: LoopThread, **options: Any) -> Iterator[Any]:
+    """``engine`` behind an in-process `infer serve` (an InferenceServer on free ports, no grace period, ``options``
+    over those ServeOptions) running on ``loops``; closed at the end."""
+    from infer.server.app import InferenceServer, ServeOptions
+
+    server = InferenceServer(engine, ServeOptions(**{"port": 0, "grace_period_s": 0.0, **options}))
+    try:
+        loops.call(server.start())
+        yield server
+    finally:
+        loops.call(server.close(grace=0.0))
+
+
+def random_adapter(model: Path, out: Path) -> Path:
+    """A PEFT LoRA adapter of ``model`` (q and v projections) with random weights, its B matrices too, so that it
+    changes the output; saved to ``out``."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=16, init_lora_weights=False, target_modules=["q_proj", "v_proj"])
+    adapted = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), config)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    adapted.save_pretrained(str(out))
+    return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,7 @@ from infer.bench.openai_arm import sampling_fields  # noqa: E402
 from infer.cli import main  # noqa: E402
 from infer.core.llm import LLM  # noqa: E402
 from infer.core.request import SamplingParams  # noqa: E402
-from infer.server.app import InferenceServer, ServeOptions  # noqa: E402
-from test_openai_api import random_adapter  # noqa: E402
+from conftest import LoopThread, random_adapter, serving  # noqa: E402
 
 NAME = "tiny-served"
 TOKEN = "sesame"
@@ -33,23 +31,6 @@ ADAPTER = "sql"
 
 def run(*args: str) -> Result:
     return CliRunner().invoke(main, list(args))
-
-
-class LoopThread:
-    """An event loop on a thread of its own, for servers the bench (on the main thread) talks to."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-bench-openai", daemon=True)
-        self.thread.start()
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +43,10 @@ def served(tiny_model: Path, adapter: Path) -> Iterator[str]:
     """The API base of `infer serve` on the tiny model, with a LoRA adapter (bearer token required)."""
     llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=256, lora_adapters={ADAPTER: str(adapter)})
     loops = LoopThread()
-    server = InferenceServer(llm.engine, ServeOptions(port=0, grace_period_s=0.0, http_port=0, token=TOKEN,
-                                                      served_model_name=NAME, max_queue=256))
     try:
-        loops.call(server.start())
-        yield f"http://127.0.0.1:{server.http_port}/v1"
+        with serving(llm.engine, loops, http_port=0, token=TOKEN, served_model_name=NAME, max_queue=256) as server:
+            yield f"http://127.0.0.1:{server.http_port}/v1"
     finally:
-        loops.call(server.close(grace=0.0))
         loops.stop()
 
 

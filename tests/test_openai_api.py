@@ -8,7 +8,6 @@ import base64
 import http.client
 import json
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from infer.core.llm import LLM  # noqa: E402
 from infer.core.pooling import PoolingParams  # noqa: E402
 from infer.core.errors import InvalidRequestError  # noqa: E402
 from infer.core.request import SamplingParams, StructuredOutput  # noqa: E402
+from conftest import LoopThread, random_adapter, serving  # noqa: E402
 from infer.server.app import InferenceServer, ServeOptions  # noqa: E402
 
 TEMPLATE = ("{%- if tools %}<|system|>\n{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}{% endif %}"
@@ -58,23 +58,6 @@ class Served:
         return bool(future.result(30))
 
 
-def random_adapter(model: Path, out: Path) -> Path:
-    """A PEFT LoRA adapter of ``model`` with random weights (its B matrices too, so that it changes the output)."""
-    import peft
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = peft.LoraConfig(r=4, lora_alpha=16, init_lora_weights=False, target_modules=["q_proj", "v_proj"])
-    adapted = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), config)
-    with torch.no_grad():
-        for name, param in adapted.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    adapted.save_pretrained(str(out))
-    return out
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """One server for the module (token required, max_queue 2), its event loop on a thread of its own."""
@@ -84,19 +67,13 @@ def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     llm = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=128, chat_template=str(template),
               tool_parser="hermes", reasoning_parser="deepseek-r1", max_model_len=CONTEXT,
               lora_adapters={ADAPTER: str(random_adapter(tiny_model, folder / ADAPTER))})
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="test-openai-loop", daemon=True)
-    thread.start()
-    server = InferenceServer(llm.engine, ServeOptions(port=0, grace_period_s=0.0, http_port=0, token=TOKEN,
-                                                      served_model_name=NAME, max_queue=2, allowed_origins=(PAGE,)))
+    loops = LoopThread()
     try:
-        asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
-        yield Served(server, llm, loop)
+        with serving(llm.engine, loops, http_port=0, token=TOKEN, served_model_name=NAME, max_queue=2,
+                     allowed_origins=(PAGE,)) as server:
+            yield Served(server, llm, loops.loop)
     finally:
-        asyncio.run_coroutine_threadsafe(server.close(grace=0.0), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+        loops.stop()
 
 
 def offline(served: Served, fn):  # type: ignore[no-untyped-def]

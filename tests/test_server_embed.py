@@ -28,7 +28,8 @@ from infer.core.engine import Engine  # noqa: E402
 from infer.core.errors import InvalidRequestError  # noqa: E402
 from infer.core.pooling import PoolingParams  # noqa: E402
 from infer.core.request import SamplingParams  # noqa: E402
-from infer.server.app import InferenceServer, ServeOptions  # noqa: E402
+from conftest import LoopThread, serving  # noqa: E402
+from infer.server.app import InferenceServer  # noqa: E402
 from infer.server import infer_pb2 as pb  # noqa: E402
 from infer.server.client import AsyncClient, Client, build_embed_request  # noqa: E402
 
@@ -55,18 +56,12 @@ class Served:
 def served(tiny_model: Path) -> Iterator[Served]:
     """One server for the module, its event loop on a thread of its own (the tests' clients block)."""
     engine = Engine(EngineConfig(model=str(tiny_model), **ENGINE))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
-    thread.start()
-    server = InferenceServer(engine, ServeOptions(port=0, grace_period_s=0.0))
+    loops = LoopThread()
     try:
-        asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
-        yield Served(server, engine, loop)
+        with serving(engine, loops) as server:
+            yield Served(server, engine, loops.loop)
     finally:
-        asyncio.run_coroutine_threadsafe(server.close(grace=0.0), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+        loops.stop()
 
 
 @pytest.fixture(scope="module")
