@@ -118,13 +118,8 @@ def chat_request(body: object, served: Served) -> OpenAIRequest:
     messages = fields.take("messages", list, what="an array of messages")
     if not messages:
         raise InvalidRequestError("messages is required: a non-empty array of {\"role\": ..., \"content\": ...}")
-    check_message_count(len(messages))
-    tools = fields.take("tools", list, ())
-    tool_choice = fields.take("tool_choice", (str, dict))
     one_call = not fields.take("parallel_tool_calls", bool, True)
-    prompt = ChatPrompt.of(messages, fields.take("add_generation_prompt", bool, True),
-                           fields.take("continue_final_message", bool, False),
-                           fields.take("chat_template_kwargs", dict, {}), tools, tool_choice)
+    prompt = _conversation(fields, messages, fields.take("tool_choice", (str, dict)))
     wants_logprobs, top = fields.take("logprobs", bool, False), fields.take("top_logprobs", int)
     if top is not None and not wants_logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs true; set logprobs, or leave top_logprobs out")
@@ -134,6 +129,15 @@ def chat_request(body: object, served: Served) -> OpenAIRequest:
     request.prompts, request.fill_context, request.one_call = [prompt], most is None, one_call
     fields.done()
     return request
+
+
+def _conversation(fields: Fields, messages: list[Any], tool_choice: object = None) -> ChatPrompt:
+    """``messages`` as a ChatPrompt with the body's ``tools``, ``add_generation_prompt``, ``continue_final_message``
+    and ``chat_template_kwargs`` (a chat's and /tokenize's)."""
+    check_message_count(len(messages))
+    return ChatPrompt.of(messages, fields.take("add_generation_prompt", bool, True),
+                         fields.take("continue_final_message", bool, False),
+                         fields.take("chat_template_kwargs", dict, {}), fields.take("tools", list, ()), tool_choice)
 
 
 def _most_tokens(fields: Fields) -> int | None:
@@ -169,9 +173,7 @@ def tokenize_request(body: object, served: Served) -> Prompt:
     text, messages = fields.take("prompt", str), fields.take("messages", list)
     if (text is None) == (messages is None):
         raise InvalidRequestError("/tokenize takes a prompt (a string) or messages (a conversation): give one")
-    prompt: Prompt = text if messages is None else ChatPrompt.of(
-        messages, fields.take("add_generation_prompt", bool, True), fields.take("continue_final_message", bool, False),
-        fields.take("chat_template_kwargs", dict, {}), fields.take("tools", list, ()))
+    prompt: Prompt = text if messages is None else _conversation(fields, messages)
     fields.drop("model")
     fields.done()
     return prompt
