@@ -53,7 +53,6 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     echo: bool = False  # completions: the prompt's text before each choice's
-    logprobs: bool = False  # the answer carries logprobs (the top-n count is params.logprobs)
     fill_context: bool = False  # chat without max_tokens: as many tokens as the context has room for
     one_call: bool = False  # chat's parallel_tool_calls false: each choice carries its reply's first call alone
     token_ids: bool = False  # vLLM's return_token_ids: each choice also carries its prompt's and its own token ids
@@ -239,7 +238,7 @@ def _generation(fields: Fields, served: Served, n: int, top: int | None, max_tok
         **{name: value for name, value in kwargs.items() if value is not None})
     fields.drop("model", "user")
     params.validate()
-    return OpenAIRequest([], params, stream, options.get("include_usage", False), logprobs=top is not None,
+    return OpenAIRequest([], params, stream, options.get("include_usage", False),
                          token_ids=fields.take("return_token_ids", bool, False))
 
 

@@ -39,7 +39,7 @@ class Reply:
         self.kind, self.chat, self.body, self.tokens = kind, kind == "chat.completion", body, tokens
         self.head = {"id": reply_id, "object": kind, "created": int(time.time()), "model": model}
         self.n = body.params.n  # type: ignore[union-attr]
-        self.top = body.params.logprobs if body.logprobs else None  # type: ignore[union-attr]
+        self.top = body.params.logprobs  # type: ignore[union-attr]  # the top-n logprobs asked for; None: none
         self.echoed: list[str] | None = None  # completions with echo: each prompt's text
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}

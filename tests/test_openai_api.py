@@ -660,7 +660,7 @@ def test_a_logprob_of_minus_infinity_is_sent_as_json_can_carry_it() -> None:
     async def names(ids: list[int]) -> list[str]:
         return [f"<{i}>" for i in ids]
 
-    body = OpenAIRequest(["x"], SamplingParams(logprobs=2), logprobs=True)
+    body = OpenAIRequest(["x"], SamplingParams(logprobs=2))
     reply = Reply("text_completion", "cmpl-1", NAME, body, TokenText(names))
     entry = {5: -0.1, 6: float("-inf"), 7: float("-inf")}
     got = asyncio.run(reply._logprobs(0, CompletionOutput(0, [7], "<7>", logprobs=[entry])))
