@@ -74,14 +74,21 @@ class StatsCollector:
         yield GaugeMetricFamily("infer_server_draining", "1 while shutting down", value=int(stats.draining))
 
 
-def start_metrics_server(host: str, port: int, collector: StatsCollector) -> tuple[int, Callable[[], None]]:
-    """Serve ``/metrics`` on host:port from a registry of its own; return the bound port and a stop function."""
-    from prometheus_client import CollectorRegistry, start_http_server
+def registry_of(collector: StatsCollector) -> Any:
+    """A prometheus_client registry of its own holding ``collector`` alone (no process or platform metrics)."""
+    from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)  # type: ignore[arg-type]
+    return registry
+
+
+def start_metrics_server(host: str, port: int, collector: StatsCollector) -> tuple[int, Callable[[], None]]:
+    """Serve ``/metrics`` on host:port from a registry of its own; return the bound port and a stop function."""
+    from prometheus_client import start_http_server
+
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server, thread = start_http_server(port, addr=host, registry=registry_of(collector))
     except OSError as exc:
         from ..core.errors import ConfigError
 

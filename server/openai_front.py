@@ -95,13 +95,12 @@ class OpenAIFront:
 
     async def metrics(self, request: HttpRequest, respond: Responder) -> None:
         """Prometheus' text, as --metrics-port serves it (vLLM serves its own on the API's port)."""
-        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        from .metrics import StatsCollector
+        from .metrics import StatsCollector, registry_of
 
         stats = await self.servicer.stats()
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(StatsCollector(lambda: stats, lambda: self.servicer.rejected))  # type: ignore[arg-type]
+        registry = registry_of(StatsCollector(lambda: stats, lambda: self.servicer.rejected))
         await respond.text(200, generate_latest(registry).decode(), CONTENT_TYPE_LATEST)
 
     async def models(self, request: HttpRequest, respond: Responder) -> None:

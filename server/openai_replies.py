@@ -36,7 +36,7 @@ class Reply:
     :meth:`usage_chunk`). Choice ``i * n + j`` is completion j of prompt i."""
 
     def __init__(self, kind: str, reply_id: str, model: str, body: OpenAIRequest, tokens: TokenText) -> None:
-        self.kind, self.chat, self.body, self.tokens = kind, kind == "chat.completion", body, tokens
+        self.chat, self.body, self.tokens = kind == "chat.completion", body, tokens
         self.head = {"id": reply_id, "object": kind, "created": int(time.time()), "model": model}
         self.n = body.params.n  # type: ignore[union-attr]
         self.top = body.params.logprobs  # type: ignore[union-attr]  # the top-n logprobs asked for; None: none
