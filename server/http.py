@@ -118,7 +118,7 @@ class Responder:
 
     def __init__(self, connection: _Connection, keep_alive: bool, head_only: bool = False) -> None:
         self._connection, self._keep_alive, self._head_only = connection, keep_alive, head_only
-        self._kind: str | None = None  # "json" or "events" once the response has begun
+        self._kind: str | None = None  # "whole" (json, text) or "events" once the response has begun
         self.headers: dict[str, str] = {}
 
     @property
@@ -131,14 +131,14 @@ class Responder:
         Content-Length and Connection are the layer's)."""
         fields = _fields({"Content-Type": "application/json", **self.headers}, headers)
         body = json.dumps(payload, allow_nan=False).encode()  # before _begin: not JSON (NaN too) is a 500
-        self._begin("json")
+        self._begin("whole")
         head = _head(status, {**fields, "Content-Length": str(len(body))}, self._keep_alive)
         await self._connection.write(head if self._head_only else head + body)
 
     async def text(self, status: int, text: str, content_type: str) -> None:
         """Answer ``status`` with ``text`` (UTF-8) of ``content_type`` (Prometheus' exposition format, say)."""
         fields = _fields({"Content-Type": content_type, **self.headers}, None)
-        self._begin("json")  # a whole answer of known length, as json()'s
+        self._begin("whole")
         head = _head(status, {**fields, "Content-Length": str(len(body := text.encode()))}, self._keep_alive)
         await self._connection.write(head if self._head_only else head + body)
 
